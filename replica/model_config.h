@@ -1,0 +1,91 @@
+#pragma once
+// HF config.json → the facts the mapper and sharding need. Unknown keys are ignored; missing required keys are errors.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "base/dtype.h"
+
+namespace wsync::replica {
+
+enum class Family {
+  kLlama,         // LlamaForCausalLM
+  kQwen2,         // Qwen2ForCausalLM
+  kQwen3,         // Qwen3ForCausalLM (q/k norms)
+  kQwen3Moe,      // Qwen3MoeForCausalLM
+  kGlm4,          // Glm4ForCausalLM (dense)
+  kGlm4Moe,       // Glm4MoeForCausalLM
+  kDeepseekV2V3,  // DeepseekV2ForCausalLM / DeepseekV3ForCausalLM (Moonlight, DeepSeek-V3, Kimi-K2)
+  kGlm4MoeLite,   // Glm4MoeLiteForCausalLM (GLM-4.7-Flash, MLA)
+};
+
+struct ModelConfig {
+  std::string architecture;  // architectures[0]
+  Family family = Family::kLlama;
+  DType dtype = DType::kBF16;  // torch_dtype / dtype
+  int64_t hidden_size = 0;
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t intermediate_size = 0;
+  int64_t vocab_size = 0;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;  // qkv bias (Qwen2, GLM4)
+  // MoE (0 when dense)
+  int64_t num_experts = 0;         // routed experts
+  int64_t num_shared_experts = 0;
+  int64_t moe_intermediate_size = 0;
+  int64_t first_k_dense = 0;       // first_k_dense_replace; layers [0, first_k_dense) are dense
+  int64_t moe_layer_freq = 1;
+  // MLA (0 when not MLA)
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  int64_t num_nextn_predict_layers = 0;  // MTP layers stored after num_layers (skipped)
+  // Checkpoint FP8 block quantization as published (quantization_config), empty when none.
+  std::vector<int64_t> weight_block_size;
+
+  static absl::StatusOr<ModelConfig> FromJson(absl::string_view json_text);
+  static absl::StatusOr<ModelConfig> FromFile(const std::string& path);
+};
+
+// One engine rank's parallelism, field names as SGLang's RankParallelismConfig.
+struct RankParallelism {
+  int tp_size = 1, tp_rank = 0;
+  int pp_size = 1, pp_rank = 0;
+  int ep_size = 1, ep_rank = 0;
+  int moe_tp_size = 1, moe_tp_rank = 0;     // tp / ep (moe_dp = 1)
+  int attn_tp_size = 1, attn_tp_rank = 0;   // == tp unless DP-attention
+  int attn_dp_size = 1, attn_dp_rank = 0;
+  bool operator==(const RankParallelism& o) const;
+  // Fills moe_tp_* and attn_tp_* from tp/ep (no DP-attention) when they are left at their defaults.
+  static RankParallelism ForTp(int tp_size, int tp_rank, int ep_size = 1);
+};
+
+// Quantization applied at the source when loading into the replica.
+struct QuantSpec {
+  enum class Mode { kNone, kFp8Block };
+  Mode mode = Mode::kNone;
+  int block_n = 128;
+  int block_k = 128;
+};
+
+// One tensor of the HF checkpoint (what trainers push).
+struct TensorSpec {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<int64_t> shape;
+  uint64_t bytes() const;
+};
+
+// Every tensor a trainer pushes for this model in the given weight dtype (bf16 unless fp8 pass-through), in
+// checkpoint order; excludes names skipped by rule (MTP layers, rotary inv_freq).
+absl::StatusOr<std::vector<TensorSpec>> CheckpointTensors(const ModelConfig& config);
+
+}  // namespace wsync::replica

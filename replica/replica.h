@@ -1,0 +1,70 @@
+#pragma once
+// The source-side CPU engine replica: HF-named tensors in, engine-layout parameters (SGLang's layout, bit-exact) out.
+//
+// Contract used by the daemon (the pieces behind it live in model_config.h, mapper.h, param_table.h, ...):
+//   * A Replica holds one buffer per distinct target layout (RankParallelism). Identical target ranks of different
+//     engine instances share one layout, so one load serves them all.
+//   * Arriving HF tensors are sliced / fused / quantized straight into every layout buffer that needs them: the
+//     layout buffer is the staging area, so no extra copy. A parameter is *ready* only when every shard (and every
+//     local expert) of it has arrived for this update; only ready parameters may be sent.
+//   * Validate() checks a tensor (known name, shape and dtype agreeing with the config, not a duplicate in this update)
+//     without writing anything; the daemon validates a whole bucket before ingesting any of it.
+// Threading: one thread calls Ingest/BeginUpdate/FinishUpdate at a time; buffers may be read (sent) concurrently for
+// parameters already reported ready.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "base/dtype.h"
+#include "replica/model_config.h"
+#include "replica/param_table.h"
+
+namespace wsync::replica {
+
+// One HF tensor as the trainer hands it over. `data` is borrowed for the duration of the call.
+struct HfTensor {
+  absl::string_view name;
+  DType dtype = DType::kInvalid;
+  absl::Span<const int64_t> shape;
+  const uint8_t* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+// A parameter that became complete in one layout's buffer: send table(layout).params()[param] bytes.
+struct ReadyParam {
+  int layout = 0;
+  int param = 0;
+};
+
+class Replica {
+ public:
+  // Builds every layout's parameter table and allocates its buffer (page-aligned, zeroed).
+  static absl::StatusOr<std::unique_ptr<Replica>> Create(const ModelConfig& config,
+                                                         std::vector<RankParallelism> layouts,
+                                                         const QuantSpec& quant);
+  virtual ~Replica() = default;
+
+  virtual int num_layouts() const = 0;
+  virtual const RankParallelism& layout(int l) const = 0;
+  virtual const ParamTable& table(int l) const = 0;
+  virtual uint8_t* data(int l) = 0;  // table(l).total_bytes() bytes
+
+  // Starts a new update: forgets which parameters arrived.
+  virtual void BeginUpdate() = 0;
+  // Checks one tensor without writing anything.
+  virtual absl::Status Validate(const HfTensor& t) const = 0;
+  // Loads a tensor into every layout that needs it (tensors no layout needs are accepted and ignored) and returns
+  // the parameters that became ready. Validates first; on error nothing was written.
+  virtual absl::StatusOr<std::vector<ReadyParam>> Ingest(const HfTensor& t) = 0;
+  // FailedPrecondition naming the parameters that are still incomplete (first few) if any layout is incomplete.
+  virtual absl::Status FinishUpdate() const = 0;
+  // Whether any layout of this replica needs the tensor (the push filter; also true for skipped-by-rule names).
+  virtual bool Needs(absl::string_view hf_name) const = 0;
+};
+
+}  // namespace wsync::replica

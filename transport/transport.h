@@ -1,0 +1,108 @@
+#pragma once
+// The transport interface: one-sided writes of a local registered region into a remote registered region.
+//
+// Model (shared by tcp, verbs and later shm backends):
+//   * Both sides register memory once (`RegisterMemory`). The receiving side exports each region as an opaque
+//     descriptor (`LocalRegion::Descriptor()`), which travels through the control plane; the sending side turns it
+//     into a `RemoteRegion` with `ImportRegion` once and reuses it for every update.
+//   * Connections are set up through the control plane too: each side creates an `Endpoint`, the two exchange
+//     `Endpoint::LocalInfo()` blobs (opaque bytes), and each side calls `Connect(peer_info)`. A backend never opens a
+//     side channel of its own for this handshake.
+//   * The sender posts batches of `WriteRequest`s (`Post`) and waits for their completion (`Wait`). The receiver's
+//     CPU is not involved for RDMA backends; for tcp the receiving transport's own threads apply the writes.
+//     Completion means the bytes are in the remote region (for tcp: written and acknowledged by the receiver).
+//   * Out-of-bounds requests are rejected by `Post` before anything is sent.
+//
+// Threading: a Transport and its regions may be used from any thread. One Endpoint is used by one thread at a time
+// (callers that want parallelism open several endpoints). Post never blocks on the network for longer than it takes
+// to hand the work to the backend (bounded outstanding work may make it wait for earlier completions).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace wsync::transport {
+
+// Memory registered with a transport. Owns the registration (not the memory); deregisters on destruction.
+// The memory must outlive the region.
+class LocalRegion {
+ public:
+  virtual ~LocalRegion() = default;
+  virtual void* addr() const = 0;
+  virtual uint64_t length() const = 0;
+  // Opaque bytes a peer passes to ImportRegion to write into this region.
+  virtual std::string Descriptor() const = 0;
+};
+
+// A peer's registered region, imported from its descriptor. Immutable; shareable across endpoints.
+class RemoteRegion {
+ public:
+  virtual ~RemoteRegion() = default;
+  virtual uint64_t length() const = 0;
+};
+
+// One write: `length` bytes from `src` at `src_offset` into `dst` at `dst_offset`.
+struct WriteRequest {
+  const LocalRegion* src = nullptr;
+  uint64_t src_offset = 0;
+  const RemoteRegion* dst = nullptr;
+  uint64_t dst_offset = 0;
+  uint64_t length = 0;
+};
+
+using BatchId = uint64_t;
+
+// Checks a request against both regions' bounds. Every backend calls this in Post before anything is sent.
+absl::Status ValidateWrite(const WriteRequest& w);
+
+class Endpoint {
+ public:
+  virtual ~Endpoint() = default;
+  // Opaque connection info to hand to the peer's Endpoint::Connect (through the control plane).
+  virtual std::string LocalInfo() const = 0;
+  // Completes the connection with the peer's LocalInfo(). Blocks until connected or `timeout`.
+  virtual absl::Status Connect(const std::string& peer_info, absl::Duration timeout) = 0;
+  // Queues a batch of writes. On error nothing of the batch is posted (validation happens first).
+  virtual absl::StatusOr<BatchId> Post(absl::Span<const WriteRequest> writes) = 0;
+  // Waits for a posted batch. DeadlineExceeded on timeout (the batch stays outstanding); any transport error
+  // fails the batch with a status naming the peer. After an error the endpoint must be re-created.
+  virtual absl::Status Wait(BatchId batch, absl::Duration timeout) = 0;
+  // Convenience: Post + Wait.
+  absl::Status Write(absl::Span<const WriteRequest> writes, absl::Duration timeout);
+  // Human-readable peer name for errors and logs.
+  virtual std::string PeerName() const = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual std::string name() const = 0;
+  // False (with a reason) when the backend cannot run here, e.g. no RDMA device. Never a crash.
+  virtual bool viable() const = 0;
+  virtual std::string reason() const = 0;
+  // Registers [addr, addr+len). Costly: do it once at start-up. Registration time is logged by the backend.
+  virtual absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) = 0;
+  // Parses a peer's region descriptor.
+  virtual absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) = 0;
+  // Creates an unconnected endpoint (both sides of a connection create one).
+  virtual absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() = 0;
+};
+
+struct TransportOptions {
+  std::string bind_host = "127.0.0.1";  // tcp: address the receiving side listens on
+  int tcp_port = 0;                      // tcp: 0 = ephemeral
+  std::vector<std::string> devices;      // verbs: RDMA devices to use; empty = all, chosen automatically
+  int gid_index = -1;                    // verbs: -1 = pick a RoCE v2 IPv4 GID automatically
+};
+
+// Creates a backend by name ("tcp", "verbs"). A backend compiled out or not viable is still returned when it
+// exists (check viable()); an unknown name is InvalidArgument.
+absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const std::string& name, const TransportOptions& opts);
+
+}  // namespace wsync::transport
