@@ -50,6 +50,18 @@ struct ModelConfig {
   int64_t num_nextn_predict_layers = 0;  // MTP layers stored after num_layers (skipped)
   // Checkpoint FP8 block quantization as published (quantization_config), empty when none.
   std::vector<int64_t> weight_block_size;
+  // Added for the mapper and table builder.
+  std::string model_type;
+  bool qk_norm = false;                  // per-head q_norm/k_norm (Qwen3; GLM4-MoE with use_qk_norm)
+  bool router_bias = false;              // mlp.gate.e_score_correction_bias (noaux_tc routing), float32
+  std::vector<int64_t> mlp_only_layers;  // Qwen3-MoE: layers that stay dense
+  // Engine option, not an HF fact: SGLang's shared-expert fusion (DeepSeek-V3 with 256 routed + 1 shared experts and
+  // no EP) stores the shared expert as expert n_routed in experts.w13/w2. The daemon sets this from the engine's
+  // server args; 0 keeps shared_experts a separate MLP.
+  int64_t num_fused_shared_experts = 0;
+
+  bool is_mla() const { return kv_lora_rank > 0; }
+  bool IsMoeLayer(int64_t layer) const;
 
   static absl::StatusOr<ModelConfig> FromJson(absl::string_view json_text);
   static absl::StatusOr<ModelConfig> FromFile(const std::string& path);
@@ -85,7 +97,16 @@ struct TensorSpec {
 };
 
 // Every tensor a trainer pushes for this model in the given weight dtype (bf16 unless fp8 pass-through), in
-// checkpoint order; excludes names skipped by rule (MTP layers, rotary inv_freq).
+// checkpoint order; excludes names skipped by rule (MTP layers, rotary inv_freq, lm_head when tied).
+// This one-argument form is the trainer format: every weight in config.dtype (bf16), no `weight_scale_inv`;
+// router `e_score_correction_bias` is float32 as in the released checkpoints.
 absl::StatusOr<std::vector<TensorSpec>> CheckpointTensors(const ModelConfig& config);
+
+// FP8 pass-through format (what a published FP8 checkpoint such as DeepSeek-V3 holds): the linear weights SGLang
+// block-quantizes are float8_e4m3fn and each is followed by its float32 `<name>_scale_inv`
+// [ceil(N/block_n), ceil(K/block_k)]; everything else as in the trainer format.
+enum class CheckpointFormat { kTrainer, kFp8PassThrough };
+absl::StatusOr<std::vector<TensorSpec>> CheckpointTensors(const ModelConfig& config, CheckpointFormat format,
+                                                          int block_n = 128, int block_k = 128);
 
 }  // namespace wsync::replica

@@ -48,6 +48,8 @@ class RemoteRegion {
 };
 
 // One write: `length` bytes from `src` at `src_offset` into `dst` at `dst_offset`.
+// The writes of a batch may be applied in any order and concurrently (tcp splits a large batch over several
+// connections), so destinations that overlap within one batch end up undefined.
 struct WriteRequest {
   const LocalRegion* src = nullptr;
   uint64_t src_offset = 0;
@@ -99,6 +101,9 @@ struct TransportOptions {
   int tcp_port = 0;                      // tcp: 0 = ephemeral
   std::vector<std::string> devices;      // verbs: RDMA devices to use; empty = all, chosen automatically
   int gid_index = -1;                    // verbs: -1 = pick a RoCE v2 IPv4 GID automatically
+  int tcp_streams = 4;                   // tcp: max parallel connections an endpoint uses for one large batch
+  // tcp: a connection that makes no progress for this long fails its batch (a stalled or vanished peer).
+  absl::Duration io_timeout = absl::Seconds(30);
 };
 
 // Creates a backend by name ("tcp", "verbs"). A backend compiled out or not viable is still returned when it

@@ -1,0 +1,8 @@
+# bench_transport_verbs, included by bench/transport/CMakeLists.txt. Run it with run_verbs_bench.sh, which measures
+# the ib_write_bw baseline on the same device in the same run (inside the soft-RoCE VM when the host has no RDMA).
+if(NOT TARGET wsync_transport OR NOT WSYNC_WITH_VERBS)
+  return()
+endif()
+add_executable(bench_transport_verbs
+  ${CMAKE_CURRENT_LIST_DIR}/verbs_bench_main.cc ${CMAKE_CURRENT_LIST_DIR}/verbs_bench.cc)
+target_link_libraries(bench_transport_verbs PRIVATE wsync_transport wsync_base absl::strings absl::str_format)

@@ -1,0 +1,64 @@
+#include "client/coordinator_client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include "proto/status_convert.h"
+
+namespace wsync::client {
+namespace {
+
+void SetDeadline(grpc::ClientContext* ctx, absl::Duration d) {
+  ctx->set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d));
+}
+
+}  // namespace
+
+CoordinatorClient::CoordinatorClient(const std::string& endpoint, absl::Duration dial_timeout)
+    : stub_(v1::Coordinator::NewStub(grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()))),
+      dial_timeout_(dial_timeout) {}
+
+absl::StatusOr<v1::BeginUpdateReply> CoordinatorClient::BeginUpdate(int64_t version, const std::string& pause_mode) {
+  v1::BeginUpdateRequest req;
+  req.set_version(version);
+  req.set_pause_mode(pause_mode);
+  v1::BeginUpdateReply rep;
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, dial_timeout_ + absl::Seconds(600));  // includes a first-time replica build
+  grpc::Status s = stub_->BeginUpdate(&ctx, req, &rep);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return rep;
+}
+
+absl::StatusOr<v1::UpdateRecord> CoordinatorClient::CommitUpdate(int64_t version, double timeout_seconds) {
+  v1::CommitUpdateRequest req;
+  req.set_version(version);
+  req.set_timeout_seconds(timeout_seconds);
+  v1::CommitUpdateReply rep;
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, dial_timeout_ + absl::Seconds(timeout_seconds + 120));
+  grpc::Status s = stub_->CommitUpdate(&ctx, req, &rep);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return rep.record();
+}
+
+absl::StatusOr<v1::ClusterStatus> CoordinatorClient::Status() {
+  v1::ClusterStatus rep;
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, dial_timeout_);
+  grpc::Status s = stub_->GetClusterStatus(&ctx, v1::ClusterStatusRequest(), &rep);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return rep;
+}
+
+absl::StatusOr<v1::HistoryReply> CoordinatorClient::History(int limit) {
+  v1::HistoryRequest req;
+  req.set_limit(limit);
+  v1::HistoryReply rep;
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, dial_timeout_);
+  grpc::Status s = stub_->GetHistory(&ctx, req, &rep);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return rep;
+}
+
+}  // namespace wsync::client

@@ -1,0 +1,134 @@
+#include "client/trainer_client.h"
+
+#include <unistd.h>
+
+#include <cstring>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "proto/status_convert.h"
+
+namespace wsync::client {
+namespace {
+
+std::chrono::system_clock::time_point Deadline(absl::Duration d) {
+  return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const TrainerOptions& opts) {
+  std::unique_ptr<TrainerClient> c(new TrainerClient());
+  c->opts_ = opts;
+  c->stub_ = v1::NodeDaemon::NewStub(grpc::CreateChannel(opts.daemon, grpc::InsecureChannelCredentials()));
+  v1::OpenSessionRequest req;
+  req.set_local_rank(opts.local_rank);
+  req.set_global_rank(opts.global_rank);
+  req.set_pid(getpid());
+  v1::OpenSessionReply rep;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(absl::Seconds(30)));
+  ctx.set_wait_for_ready(true);
+  WSYNC_RETURN_IF_ERROR_CTX(FromGrpcStatus(c->stub_->OpenSession(&ctx, req, &rep)), "opening a session with wsyncd at ",
+                            opts.daemon);
+  c->session_id_ = rep.session_id();
+  WSYNC_ASSIGN_OR_RETURN(RingProducer ring, RingProducer::AttachPath(rep.ring_path()));
+  c->ring_ = std::make_unique<RingProducer>(std::move(ring));
+  c->bucket_limit_ = opts.bucket_bytes > 0 ? std::min(opts.bucket_bytes, c->ring_->capacity() / 2)
+                                           : c->ring_->capacity() / 2;
+  return c;
+}
+
+TrainerClient::~TrainerClient() {
+  if (in_flight_.valid()) in_flight_.wait();
+  if (!stub_ || session_id_.empty()) return;
+  ring_.reset();
+  v1::CloseSessionRequest req;
+  req.set_session_id(session_id_);
+  v1::CloseSessionReply rep;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(absl::Seconds(5)));
+  stub_->CloseSession(&ctx, req, &rep);  // best effort: the daemon also drops sessions whose rank reconnects
+}
+
+absl::StatusOr<std::vector<std::string>> TrainerClient::BeginPush(int64_t version) {
+  v1::BeginPushRequest req;
+  req.set_session_id(session_id_);
+  req.set_version(version);
+  v1::BeginPushReply rep;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(opts_.timeout + absl::Seconds(10)));
+  WSYNC_RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->BeginPush(&ctx, req, &rep)), "begin push of update ", version);
+  stats_ = PushStats();
+  return std::vector<std::string>(rep.tensor_names().begin(), rep.tensor_names().end());
+}
+
+absl::Status TrainerClient::WaitInFlight() {
+  if (!in_flight_.valid()) return absl::OkStatus();
+  return in_flight_.get();
+}
+
+absl::Status TrainerClient::CommitAsync() {
+  if (ring_->bucket_tensors() == 0) return absl::OkStatus();
+  // One bucket in flight at a time: the ring then always has room for the next one.
+  WSYNC_RETURN_IF_ERROR(WaitInFlight());
+  WSYNC_ASSIGN_OR_RETURN(uint64_t seq, ring_->CommitBucket());
+  ++stats_.buckets;
+  in_flight_ = std::async(std::launch::async, [this, seq]() -> absl::Status {
+    v1::CommitBucketRequest req;
+    req.set_session_id(session_id_);
+    req.set_bucket_seq(seq);
+    v1::CommitBucketReply rep;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(opts_.timeout));
+    return FromGrpcStatus(stub_->CommitBucket(&ctx, req, &rep));
+  });
+  return absl::OkStatus();
+}
+
+absl::Status TrainerClient::PushWith(absl::string_view name, DType dtype, absl::Span<const int64_t> shape,
+                                     uint64_t bytes, const std::function<void(uint8_t*)>& fill) {
+  if (bytes > ring_->MaxTensorBytes(name.size()))
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " has ", bytes, " bytes, more than this ",
+                                                   ring_->capacity() >> 20,
+                                                   " MiB ring can hold: start wsyncd with a larger --ring-mib"));
+  // A tensor larger than a bucket travels alone, after the ring has drained.
+  const bool alone = bytes > bucket_limit_;
+  if (alone) {
+    WSYNC_RETURN_IF_ERROR(Flush());
+  } else if (!ring_->FitsInBucket(name.size(), bytes) || ring_->bucket_payload_bytes() + bytes > bucket_limit_) {
+    WSYNC_RETURN_IF_ERROR(CommitAsync());
+  }
+  WSYNC_ASSIGN_OR_RETURN(uint8_t * dst, ring_->BeginTensor(name, dtype, shape, bytes, opts_.timeout));
+  fill(dst);
+  WSYNC_RETURN_IF_ERROR(ring_->FinishTensor());
+  ++stats_.tensors;
+  stats_.bytes += bytes;
+  if (alone) WSYNC_RETURN_IF_ERROR(CommitAsync());
+  return absl::OkStatus();
+}
+
+absl::Status TrainerClient::Push(absl::string_view name, DType dtype, absl::Span<const int64_t> shape,
+                                 const void* data, uint64_t bytes) {
+  return PushWith(name, dtype, shape, bytes, [&](uint8_t* dst) { std::memcpy(dst, data, bytes); });
+}
+
+absl::Status TrainerClient::Flush() {
+  WSYNC_RETURN_IF_ERROR(CommitAsync());
+  return WaitInFlight();
+}
+
+absl::Status TrainerClient::EndPush(int64_t version) {
+  WSYNC_RETURN_IF_ERROR(Flush());
+  v1::EndPushRequest req;
+  req.set_session_id(session_id_);
+  req.set_version(version);
+  v1::EndPushReply rep;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(absl::Seconds(30)));
+  return Annotate(FromGrpcStatus(stub_->EndPush(&ctx, req, &rep)), absl::StrCat("end push of update ", version));
+}
+
+}  // namespace wsync::client

@@ -1,0 +1,82 @@
+#pragma once
+// C++ client library for trainer ranks: one session with the local wsyncd, tensors written straight into the
+// session's shared-memory ring, buckets committed as they fill.
+//
+//   auto c = TrainerClient::Connect({.daemon = "127.0.0.1:7601", .local_rank = 0});
+//   auto names = (*c)->BeginPush(version);          // the push filter: what this rank must hand over
+//   for (name : names) (*c)->Push(name, dtype, shape, ptr, bytes);
+//   (*c)->EndPush(version);
+//
+// Pipelining: committing a bucket publishes it in the ring and hands the daemon a doorbell on a background
+// thread; the next bucket is written while the daemon loads the previous one (at most one bucket in flight, so a
+// bucket is at most half the ring). An error the daemon reports for a bucket is returned by the next call.
+// Threading: one thread uses a TrainerClient at a time.
+
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "base/dtype.h"
+#include "base/ring.h"
+#include "wsync/v1/daemon.grpc.pb.h"
+
+namespace wsync::client {
+
+struct TrainerOptions {
+  std::string daemon = "127.0.0.1:7601";  // local wsyncd
+  int local_rank = 0;                     // index of this rank on its node
+  int global_rank = 0;
+  uint64_t bucket_bytes = 0;              // 0: half the ring
+  absl::Duration timeout = absl::Seconds(120);
+};
+
+struct PushStats {
+  uint64_t tensors = 0;
+  uint64_t bytes = 0;
+  uint64_t buckets = 0;
+};
+
+class TrainerClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<TrainerClient>> Connect(const TrainerOptions& opts);
+  ~TrainerClient();  // closes the session
+
+  // Opens this rank's part of update `version` (waits until the coordinator started it) and returns the names of
+  // the HF tensors this rank must push.
+  absl::StatusOr<std::vector<std::string>> BeginPush(int64_t version);
+  // Copies one tensor into the ring (the only copy on this side).
+  absl::Status Push(absl::string_view name, DType dtype, absl::Span<const int64_t> shape, const void* data,
+                    uint64_t bytes);
+  // Like Push, but `fill` writes the `bytes` bytes in place (e.g. a device-to-host copy straight into the ring).
+  absl::Status PushWith(absl::string_view name, DType dtype, absl::Span<const int64_t> shape, uint64_t bytes,
+                        const std::function<void(uint8_t*)>& fill);
+  // Commits the current bucket and waits until the daemon has taken every committed bucket.
+  absl::Status Flush();
+  // Flush, then tells the daemon this rank is done with `version`.
+  absl::Status EndPush(int64_t version);
+
+  const PushStats& stats() const { return stats_; }
+  const std::string& session_id() const { return session_id_; }
+
+ private:
+  TrainerClient() = default;
+  absl::Status CommitAsync();
+  absl::Status WaitInFlight();
+
+  TrainerOptions opts_;
+  std::unique_ptr<v1::NodeDaemon::Stub> stub_;
+  std::string session_id_;
+  std::unique_ptr<RingProducer> ring_;
+  uint64_t bucket_limit_ = 0;
+  std::future<absl::Status> in_flight_;
+  PushStats stats_;
+};
+
+}  // namespace wsync::client

@@ -1,0 +1,355 @@
+#include "daemon/coordinator.h"
+
+#include <algorithm>
+#include <future>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "base/status.h"
+#include "spdlog/spdlog.h"
+
+namespace wsync::daemon {
+namespace {
+
+// Runs fn(item) for every item concurrently; returns the first error, annotated with the item.
+template <typename T, typename Fn>
+absl::Status ForAll(const std::vector<T>& items, Fn fn) {
+  std::vector<std::future<absl::Status>> fs;
+  fs.reserve(items.size());
+  for (const T& it : items) fs.push_back(std::async(std::launch::async, [&fn, &it] { return fn(it); }));
+  absl::Status first;
+  for (auto& f : fs) {
+    absl::Status s = f.get();
+    if (!s.ok() && first.ok()) first = s;
+  }
+  return first;
+}
+
+void AddPhase(v1::UpdateRecord* rec, const std::string& phase, absl::Time since) {
+  auto* p = rec->add_phases();
+  p->set_phase(phase);
+  p->set_seconds(absl::ToDoubleSeconds(absl::Now() - since));
+}
+
+}  // namespace
+
+Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
+    : opts_(std::move(opts)), peers_(std::move(peers)) {}
+
+absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::RegisterNodeRequest& req) {
+  if (req.node_id().empty()) return absl::InvalidArgumentError("node_id is empty");
+  if (req.role() != "source" && req.role() != "target")
+    return absl::InvalidArgumentError(absl::StrCat("role must be source or target, not '", req.role(), "'"));
+  if (req.address().empty()) return absl::InvalidArgumentError("address is empty");
+  if (req.role() == "source" && req.pp_stage() != 0)
+    return absl::UnimplementedError("trainer pipeline stages other than 0 are not supported yet");
+  std::lock_guard<std::mutex> l(mu_);
+  if (state_ == "updating" || state_ == "beginning")
+    return absl::UnavailableError("an update is in progress; register again when it has ended");
+  for (const auto& e : req.engines())
+    for (const auto& [id, n] : nodes_)
+      for (const auto& other : n.engines())
+        if (id != req.node_id() && other.engine_id() == e.engine_id())
+          return absl::AlreadyExistsError(absl::StrCat("engine ", e.engine_id(), " is already served by node ", id));
+  nodes_[req.node_id()] = req;
+  ++membership_epoch_;
+  spdlog::info("node {} registered as {} at {} ({} engines); membership epoch {}", req.node_id(), req.role(),
+               req.address(), req.engines_size(), membership_epoch_);
+  v1::RegisterNodeReply out;
+  out.set_membership_epoch(membership_epoch_);
+  return out;
+}
+
+absl::Status Coordinator::Replan() {
+  std::vector<const v1::RegisterNodeRequest*> sources;
+  struct T {
+    std::string node_addr;
+    const v1::EngineRegistration* engine;
+    const v1::RankLayout* rank;
+  };
+  std::vector<T> targets;
+  for (const auto& [id, n] : nodes_) {
+    if (n.role() == "source") sources.push_back(&n);
+    for (const auto& e : n.engines())
+      for (const auto& r : e.ranks()) targets.push_back({n.address(), &e, &r});
+  }
+  if (sources.empty()) return absl::FailedPreconditionError("no source daemon has registered");
+  if (targets.empty()) return absl::FailedPreconditionError("no target daemon with an engine has registered");
+  std::sort(targets.begin(), targets.end(), [](const T& a, const T& b) {
+    return std::make_pair(a.engine->engine_id(), a.rank->rank()) < std::make_pair(b.engine->engine_id(), b.rank->rank());
+  });
+  // Seed strategy: targets 1:1 onto sources, then each remaining target to the least-loaded source already
+  // serving the same engine rank (its replica layout is loaded there already), else round-robin.
+  const size_t S = sources.size();
+  std::vector<std::map<int, int>> count(S);
+  std::vector<int> load(S, 0);
+  std::vector<Planned> plan;
+  size_t rr = 0;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const T& t = targets[i];
+    size_t s = 0;
+    if (i < S) {
+      s = i;
+    } else {
+      int best = -1;
+      for (size_t k = 0; k < S; ++k) {
+        auto it = count[k].find(t.rank->rank());
+        if (it == count[k].end()) continue;
+        if (best < 0 || it->second < count[best][t.rank->rank()]) best = static_cast<int>(k);
+      }
+      s = best >= 0 ? static_cast<size_t>(best) : (rr++ % S);
+    }
+    count[s][t.rank->rank()]++;
+    load[s]++;
+    Planned p;
+    p.source = sources[s]->node_id();
+    p.assignment.set_engine_id(t.engine->engine_id());
+    p.assignment.set_rank(t.rank->rank());
+    p.assignment.set_target_daemon(t.node_addr);
+    *p.assignment.mutable_layout() = *t.rank;
+    for (const auto& prm : t.rank->params()) p.bytes += prm.bytes();
+    plan.push_back(std::move(p));
+  }
+  plan_ = std::move(plan);
+  return absl::OkStatus();
+}
+
+std::vector<std::string> Coordinator::EngineAddresses() const {
+  std::vector<std::string> out;
+  for (const auto& [id, n] : nodes_)
+    for (const auto& e : n.engines()) out.push_back(e.control_address());
+  return out;
+}
+
+void Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why) {
+  rec.set_success(false);
+  rec.set_error(why.ToString());
+  rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
+  std::lock_guard<std::mutex> l(mu_);
+  state_ = "failed";
+  open_version_ = -1;
+  history_.push_back(std::move(rec));
+  while (history_.size() > opts_.history_limit) history_.pop_front();
+}
+
+absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpdateRequest& req) {
+  const absl::Time start = absl::Now();
+  v1::UpdateRecord rec;
+  rec.set_version(req.version());
+  rec.set_started_unix_ms(absl::ToUnixMillis(start));
+  std::vector<std::string> engines;
+  bool need_plan;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (state_ == "updating" || state_ == "beginning")
+      return absl::FailedPreconditionError(absl::StrCat("update ", open_version_, " is still open"));
+    if (!current_version_.empty() && req.version() <= std::stoll(current_version_))
+      return absl::FailedPreconditionError(
+          absl::StrCat("version ", req.version(), " is not newer than the current version ", current_version_));
+    engines = EngineAddresses();
+    if (engines.empty()) return absl::FailedPreconditionError("no engine has registered");
+    state_ = "beginning";
+    open_version_ = req.version();
+    need_plan = plan_epoch_ != membership_epoch_;
+  }
+  v1::BeginUpdateReply out;
+  out.set_version(req.version());
+
+  const std::string mode = req.pause_mode().empty() ? "retract" : req.pause_mode();
+  absl::Time t = absl::Now();
+  absl::Status st = ForAll(engines, [&](const std::string& a) { return Annotate(peers_->Pause(a, mode), "pause " + a); });
+  AddPhase(&rec, "pause", t);
+  out.set_pause_seconds(rec.phases(0).seconds());
+  if (!st.ok()) {
+    Fail(rec, st);
+    return st;
+  }
+
+  t = absl::Now();
+  std::vector<std::pair<std::string, v1::ConfigureSourceRequest>> configure;
+  std::vector<std::string> source_addrs;
+  int64_t plan_epoch;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (need_plan) {
+      // The engines are the authority on the model they serve.
+      auto info = peers_->EngineInfo(engines.front());
+      if (!info.ok()) st = Annotate(info.status(), "engine info");
+      else model_config_json_ = info->model_config_json();
+      if (st.ok()) st = Replan();
+      if (st.ok()) {
+        std::map<std::string, v1::ConfigureSourceRequest> by_source;
+        for (const auto& [id, n] : nodes_)
+          if (n.role() == "source") by_source[id].set_model_config_json(model_config_json_);
+        for (const auto& p : plan_) *by_source[p.source].add_targets() = p.assignment;
+        for (auto& [id, r] : by_source) {
+          r.set_plan_epoch(membership_epoch_);
+          configure.emplace_back(nodes_[id].address(), r);
+        }
+      }
+    }
+    for (const auto& [id, n] : nodes_)
+      if (n.role() == "source") source_addrs.push_back(n.address());
+    plan_epoch = need_plan ? membership_epoch_ : plan_epoch_;
+  }
+  if (!st.ok()) {
+    Fail(rec, st);
+    return st;
+  }
+  if (need_plan) {
+    st = ForAll(configure, [&](const std::pair<std::string, v1::ConfigureSourceRequest>& c) {
+      auto r = peers_->ConfigureSource(c.first, c.second);
+      return Annotate(r.status(), "configure source " + c.first);
+    });
+    AddPhase(&rec, "configure", t);
+    out.set_configure_seconds(rec.phases(1).seconds());
+    if (!st.ok()) {
+      Fail(rec, st);
+      return st;
+    }
+    std::lock_guard<std::mutex> l(mu_);
+    plan_epoch_ = plan_epoch;
+  }
+  v1::StartUpdateRequest sreq;
+  sreq.set_version(req.version());
+  sreq.set_plan_epoch(plan_epoch);
+  st = ForAll(source_addrs, [&](const std::string& a) { return Annotate(peers_->StartUpdate(a, sreq), "start " + a); });
+  if (!st.ok()) {
+    Fail(rec, st);
+    return st;
+  }
+  out.set_plan_epoch(plan_epoch);
+  std::lock_guard<std::mutex> l(mu_);
+  state_ = "updating";
+  open_record_ = rec;
+  open_record_.set_started_unix_ms(absl::ToUnixMillis(start));
+  // The push phase starts now; its start is kept in total_seconds until commit.
+  open_record_.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  spdlog::info("update {} open (plan {}): engines paused in {:.3f}s", req.version(), plan_epoch, out.pause_seconds());
+  return out;
+}
+
+absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::CommitUpdateRequest& req) {
+  v1::UpdateRecord rec;
+  std::vector<std::string> sources, engines;
+  int engine_ranks = 0;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (state_ != "updating" || open_version_ != req.version())
+      return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " is not open (state ", state_,
+                                                        open_version_ >= 0 ? absl::StrCat(", open ", open_version_) : "",
+                                                        ")"));
+    rec = open_record_;
+    for (const auto& [id, n] : nodes_) {
+      if (n.role() == "source") sources.push_back(n.address());
+      for (const auto& e : n.engines()) {
+        engines.push_back(e.control_address());
+        engine_ranks += e.ranks_size();
+      }
+    }
+  }
+  const absl::Time start = absl::FromUnixMillis(rec.started_unix_ms());
+  const absl::Time push_start = start + absl::Seconds(rec.total_seconds());
+  rec.set_engines(static_cast<int>(engines.size()));
+  rec.set_engine_ranks(engine_ranks);
+
+  v1::FinishUpdateRequest freq;
+  freq.set_version(req.version());
+  freq.set_timeout_seconds(req.timeout_seconds() > 0 ? req.timeout_seconds() : 120);
+  std::mutex agg_mu;
+  uint64_t bytes = 0, params = 0;
+  absl::Status st = ForAll(sources, [&](const std::string& a) {
+    auto r = peers_->FinishUpdate(a, freq);
+    if (!r.ok()) return Annotate(r.status(), "source " + a);
+    std::lock_guard<std::mutex> l(agg_mu);
+    bytes += r->bytes_written();
+    params += r->params_written();
+    return absl::OkStatus();
+  });
+  {
+    auto* p = rec.add_phases();
+    p->set_phase("push");
+    p->set_seconds(absl::ToDoubleSeconds(absl::Now() - push_start));
+  }
+  rec.set_bytes(bytes);
+  rec.set_params(params);
+  if (!st.ok()) {
+    // Weights may be partly written: the engines stay paused at their old version rather than resume silently.
+    absl::Status err = absl::AbortedError(absl::StrCat("update ", req.version(),
+                                                       " failed; engines stay paused until a successful update: ",
+                                                       st.ToString()));
+    Fail(rec, err);
+    spdlog::error("{}", err.ToString());
+    return err;
+  }
+  absl::Time t = absl::Now();
+  st = ForAll(engines, [&](const std::string& a) { return Annotate(peers_->PostProcess(a), "post_process " + a); });
+  AddPhase(&rec, "post_process", t);
+  if (st.ok()) {
+    t = absl::Now();
+    st = ForAll(engines, [&](const std::string& a) {
+      return Annotate(peers_->SetWeightVersion(a, std::to_string(req.version())), "set_version " + a);
+    });
+    AddPhase(&rec, "set_version", t);
+  }
+  if (st.ok()) {
+    t = absl::Now();
+    st = ForAll(engines, [&](const std::string& a) { return Annotate(peers_->Continue(a), "continue " + a); });
+    AddPhase(&rec, "continue", t);
+  }
+  if (!st.ok()) {
+    Fail(rec, st);
+    return st;
+  }
+  rec.set_success(true);
+  rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  v1::CommitUpdateReply out;
+  *out.mutable_record() = rec;
+  std::lock_guard<std::mutex> l(mu_);
+  state_ = "idle";
+  open_version_ = -1;
+  current_version_ = std::to_string(req.version());
+  history_.push_back(rec);
+  while (history_.size() > opts_.history_limit) history_.pop_front();
+  spdlog::info("update {} committed: {:.1f} MiB to {} engine ranks in {:.3f}s", req.version(), bytes / 1048576.0,
+               engine_ranks, rec.total_seconds());
+  return out;
+}
+
+v1::ClusterStatus Coordinator::Status() const {
+  std::lock_guard<std::mutex> l(mu_);
+  v1::ClusterStatus s;
+  for (const auto& [id, n] : nodes_) {
+    auto* ni = s.add_nodes();
+    ni->set_node_id(id);
+    ni->set_role(n.role());
+    ni->set_address(n.address());
+    ni->set_transport(n.transport());
+    for (const auto& e : n.engines()) ni->add_engines(e.engine_id());
+    ni->set_reachable(true);
+  }
+  s.set_membership_epoch(membership_epoch_);
+  s.set_plan_epoch(plan_epoch_);
+  s.set_current_version(current_version_);
+  s.set_state(state_);
+  for (const auto& p : plan_) {
+    auto* t = s.add_plan();
+    t->set_source_node(p.source);
+    t->set_engine_id(p.assignment.engine_id());
+    t->set_rank(p.assignment.rank());
+    t->set_bytes(p.bytes);
+  }
+  return s;
+}
+
+v1::HistoryReply Coordinator::History(const v1::HistoryRequest& req) const {
+  std::lock_guard<std::mutex> l(mu_);
+  v1::HistoryReply out;
+  size_t n = req.limit() > 0 ? std::min<size_t>(req.limit(), history_.size()) : history_.size();
+  for (size_t i = history_.size() - n; i < history_.size(); ++i) *out.add_records() = history_[i];
+  return out;
+}
+
+}  // namespace wsync::daemon

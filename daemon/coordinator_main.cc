@@ -1,0 +1,46 @@
+// wsync-coordinator: membership, transfer plans and the update lifecycle. Deployable on its own (one per cluster).
+
+#include <pthread.h>
+
+#include <csignal>
+
+#include "CLI/CLI.hpp"
+#include "base/logging.h"
+#include "daemon/coordinator.h"
+#include "daemon/serve.h"
+#include "daemon/services.h"
+#include "spdlog/spdlog.h"
+
+using namespace wsync;
+
+int main(int argc, char** argv) {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+
+  CLI::App app{"wsync-coordinator: membership, transfer plans and the weight-update lifecycle"};
+  std::string listen = "127.0.0.1:7600", port_file, log_level;
+  daemon::CoordinatorOptions opts;
+  app.add_option("--listen", listen, "host:port to serve on (port 0 = any free port)");
+  app.add_option("--port-file", port_file, "write the bound port here once serving");
+  app.add_option("--strategy", opts.strategy, "transfer-plan strategy")->check(CLI::IsMember({"seed", "balanced"}));
+  app.add_option("--history", opts.history_limit, "updates kept in the history");
+  app.add_option("--log-level", log_level, "trace|debug|info|warn|error");
+  CLI11_PARSE(app, argc, argv);
+  InitLogging("coordinator", log_level);
+
+  daemon::Coordinator coordinator(opts, daemon::MakeGrpcPeers());
+  daemon::CoordinatorService service(&coordinator);
+  auto served = daemon::Serve(listen, {&service}, port_file);
+  if (!served.ok()) {
+    spdlog::error("{}", served.status().ToString());
+    return 1;
+  }
+  spdlog::info("coordinator serving on port {} (strategy {})", served->port, opts.strategy);
+  daemon::WaitForTermination();
+  spdlog::info("coordinator shutting down");
+  served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  return 0;
+}

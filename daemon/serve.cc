@@ -1,0 +1,39 @@
+#include "daemon/serve.h"
+
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace wsync::daemon {
+
+absl::StatusOr<Served> Serve(const std::string& listen, const std::vector<grpc::Service*>& services,
+                             const std::string& port_file) {
+  Served s;
+  grpc::ServerBuilder b;
+  b.AddListeningPort(listen, grpc::InsecureServerCredentials(), &s.port);
+  for (auto* svc : services) b.RegisterService(svc);
+  b.SetMaxReceiveMessageSize(512 << 20);
+  b.SetMaxSendMessageSize(512 << 20);
+  s.server = b.BuildAndStart();
+  if (!s.server || s.port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", listen));
+  if (!port_file.empty()) {
+    const std::string tmp = port_file + ".tmp";
+    std::ofstream(tmp) << s.port << "\n";
+    if (std::rename(tmp.c_str(), port_file.c_str()) != 0)
+      return absl::InternalError(absl::StrCat("cannot write port file ", port_file));
+  }
+  return s;
+}
+
+void WaitForTermination() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  int sig = 0;
+  sigwait(&set, &sig);
+}
+
+}  // namespace wsync::daemon

@@ -1,0 +1,206 @@
+#include "daemon/services.h"
+
+#include <chrono>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "proto/status_convert.h"
+#include "wsync/v1/engine.grpc.pb.h"
+
+namespace wsync::daemon {
+namespace {
+
+// Copies a StatusOr's value into the reply or converts its error.
+template <typename T>
+grpc::Status Reply(absl::StatusOr<T> r, T* out) {
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  *out = *std::move(r);
+  return grpc::Status::OK;
+}
+
+std::chrono::system_clock::time_point Deadline(double seconds) {
+  return std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+}  // namespace
+
+grpc::Status NodeDaemonService::NeedSource() const {
+  return source_ ? grpc::Status::OK
+                 : grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this wsyncd runs the target role");
+}
+grpc::Status NodeDaemonService::NeedTarget() const {
+  return target_ ? grpc::Status::OK
+                 : grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this wsyncd runs the source role");
+}
+
+#define WSYNC_NEED(role)                    \
+  do {                                      \
+    grpc::Status s_ = Need##role();         \
+    if (!s_.ok()) return s_;                \
+  } while (0)
+
+grpc::Status NodeDaemonService::OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest* req,
+                                            v1::OpenSessionReply* out) {
+  WSYNC_NEED(Source);
+  return Reply(source_->OpenSession(*req), out);
+}
+grpc::Status NodeDaemonService::BeginPush(grpc::ServerContext*, const v1::BeginPushRequest* req,
+                                          v1::BeginPushReply* out) {
+  WSYNC_NEED(Source);
+  return Reply(source_->BeginPush(*req), out);
+}
+grpc::Status NodeDaemonService::CommitBucket(grpc::ServerContext*, const v1::CommitBucketRequest* req,
+                                             v1::CommitBucketReply* out) {
+  WSYNC_NEED(Source);
+  return Reply(source_->CommitBucket(*req), out);
+}
+grpc::Status NodeDaemonService::EndPush(grpc::ServerContext*, const v1::EndPushRequest* req, v1::EndPushReply*) {
+  WSYNC_NEED(Source);
+  return ToGrpcStatus(source_->EndPush(*req));
+}
+grpc::Status NodeDaemonService::CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest* req,
+                                             v1::CloseSessionReply*) {
+  WSYNC_NEED(Source);
+  return ToGrpcStatus(source_->CloseSession(req->session_id()));
+}
+grpc::Status NodeDaemonService::ConfigureSource(grpc::ServerContext*, const v1::ConfigureSourceRequest* req,
+                                                v1::ConfigureSourceReply* out) {
+  WSYNC_NEED(Source);
+  return Reply(source_->Configure(*req), out);
+}
+grpc::Status NodeDaemonService::StartUpdate(grpc::ServerContext*, const v1::StartUpdateRequest* req,
+                                            v1::StartUpdateReply*) {
+  WSYNC_NEED(Source);
+  return ToGrpcStatus(source_->StartUpdate(*req));
+}
+grpc::Status NodeDaemonService::FinishUpdate(grpc::ServerContext*, const v1::FinishUpdateRequest* req,
+                                             v1::FinishUpdateReply* out) {
+  WSYNC_NEED(Source);
+  return Reply(source_->FinishUpdate(*req), out);
+}
+grpc::Status NodeDaemonService::ConnectTarget(grpc::ServerContext*, const v1::ConnectTargetRequest* req,
+                                              v1::ConnectTargetReply* out) {
+  WSYNC_NEED(Target);
+  return Reply(target_->ConnectTarget(*req), out);
+}
+grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext*, const v1::NodeStatusRequest*, v1::NodeStatus* out) {
+  *out = source_ ? source_->Status() : target_->Status();
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::RegisterNode(grpc::ServerContext*, const v1::RegisterNodeRequest* req,
+                                              v1::RegisterNodeReply* out) {
+  return Reply(c_->RegisterNode(*req), out);
+}
+grpc::Status CoordinatorService::GetClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
+                                                  v1::ClusterStatus* out) {
+  *out = c_->Status();
+  return grpc::Status::OK;
+}
+grpc::Status CoordinatorService::BeginUpdate(grpc::ServerContext*, const v1::BeginUpdateRequest* req,
+                                             v1::BeginUpdateReply* out) {
+  return Reply(c_->BeginUpdate(*req), out);
+}
+grpc::Status CoordinatorService::CommitUpdate(grpc::ServerContext*, const v1::CommitUpdateRequest* req,
+                                              v1::CommitUpdateReply* out) {
+  return Reply(c_->CommitUpdate(*req), out);
+}
+grpc::Status CoordinatorService::GetHistory(grpc::ServerContext*, const v1::HistoryRequest* req,
+                                            v1::HistoryReply* out) {
+  *out = c_->History(*req);
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::string> DialConnectTarget(const std::string& target_daemon, const v1::ConnectTargetRequest& req) {
+  auto stub = v1::NodeDaemon::NewStub(grpc::CreateChannel(target_daemon, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(60));
+  v1::ConnectTargetReply out;
+  grpc::Status s = stub->ConnectTarget(&ctx, req, &out);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return out.target_endpoint_info();
+}
+
+namespace {
+
+class GrpcPeers final : public Peers {
+ public:
+  absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
+                                                          const v1::ConfigureSourceRequest& req) override {
+    return Call<v1::ConfigureSourceReply>(Daemon(addr), &v1::NodeDaemon::Stub::ConfigureSource, req, 600);
+  }
+  absl::Status StartUpdate(const std::string& addr, const v1::StartUpdateRequest& req) override {
+    return Call<v1::StartUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::StartUpdate, req, 30).status();
+  }
+  absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string& addr,
+                                                     const v1::FinishUpdateRequest& req) override {
+    return Call<v1::FinishUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::FinishUpdate, req,
+                                       req.timeout_seconds() + 30);
+  }
+  absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) override {
+    return Call<v1::EngineInfo>(Engine(addr), &v1::EngineControl::Stub::GetInfo, v1::GetEngineInfoRequest(), 30);
+  }
+  absl::Status Pause(const std::string& addr, const std::string& mode) override {
+    v1::PauseRequest r;
+    r.set_mode(mode);
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Pause, r, 120));
+  }
+  absl::Status PostProcess(const std::string& addr) override {
+    v1::PostProcessRequest r;
+    r.set_post_process_quantization(true);
+    r.set_post_load_weights(true);
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::PostProcess, r, 300));
+  }
+  absl::Status SetWeightVersion(const std::string& addr, const std::string& version) override {
+    v1::SetWeightVersionRequest r;
+    r.set_version(version);
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::SetWeightVersion, r, 30));
+  }
+  absl::Status Continue(const std::string& addr) override {
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Continue, v1::ContinueRequest(), 30));
+  }
+
+ private:
+  template <typename Rep, typename Stub, typename Req, typename Method>
+  static absl::StatusOr<Rep> Call(Stub* stub, Method m, const Req& req, double timeout_s) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(timeout_s));
+    Rep out;
+    grpc::Status s = (stub->*m)(&ctx, req, &out);
+    if (!s.ok()) return FromGrpcStatus(s);
+    return out;
+  }
+  static absl::Status Check(absl::StatusOr<v1::EngineReply> r) {
+    if (!r.ok()) return r.status();
+    if (!r->success()) return absl::InternalError(absl::StrCat("engine refused: ", r->message()));
+    return absl::OkStatus();
+  }
+  v1::NodeDaemon::Stub* Daemon(const std::string& addr) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto& s = daemons_[addr];
+    if (!s) s = v1::NodeDaemon::NewStub(Channel(addr));
+    return s.get();
+  }
+  v1::EngineControl::Stub* Engine(const std::string& addr) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto& s = engines_[addr];
+    if (!s) s = v1::EngineControl::NewStub(Channel(addr));
+    return s.get();
+  }
+  static std::shared_ptr<grpc::Channel> Channel(const std::string& addr) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(512 << 20);
+    args.SetMaxSendMessageSize(512 << 20);
+    return grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args);
+  }
+  std::mutex mu_;
+  std::map<std::string, std::unique_ptr<v1::NodeDaemon::Stub>> daemons_;
+  std::map<std::string, std::unique_ptr<v1::EngineControl::Stub>> engines_;
+};
+
+}  // namespace
+
+std::unique_ptr<Peers> MakeGrpcPeers() { return std::make_unique<GrpcPeers>(); }
+
+}  // namespace wsync::daemon

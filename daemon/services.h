@@ -1,0 +1,55 @@
+#pragma once
+// The gRPC faces of the daemon roles and the coordinator: thin classes that delegate to the plain C++ modules
+// (SourceNode, TargetNode, Coordinator) and convert statuses in one place (proto/status_convert.h).
+
+#include <memory>
+
+#include "daemon/coordinator.h"
+#include "daemon/source_node.h"
+#include "daemon/target_node.h"
+#include "wsync/v1/coordinator.grpc.pb.h"
+#include "wsync/v1/daemon.grpc.pb.h"
+
+namespace wsync::daemon {
+
+class NodeDaemonService final : public v1::NodeDaemon::Service {
+ public:
+  // Exactly one of source/target is non-null.
+  NodeDaemonService(SourceNode* source, TargetNode* target) : source_(source), target_(target) {}
+
+  grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*, v1::OpenSessionReply*) override;
+  grpc::Status BeginPush(grpc::ServerContext*, const v1::BeginPushRequest*, v1::BeginPushReply*) override;
+  grpc::Status CommitBucket(grpc::ServerContext*, const v1::CommitBucketRequest*, v1::CommitBucketReply*) override;
+  grpc::Status EndPush(grpc::ServerContext*, const v1::EndPushRequest*, v1::EndPushReply*) override;
+  grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*, v1::CloseSessionReply*) override;
+  grpc::Status ConfigureSource(grpc::ServerContext*, const v1::ConfigureSourceRequest*,
+                               v1::ConfigureSourceReply*) override;
+  grpc::Status StartUpdate(grpc::ServerContext*, const v1::StartUpdateRequest*, v1::StartUpdateReply*) override;
+  grpc::Status FinishUpdate(grpc::ServerContext*, const v1::FinishUpdateRequest*, v1::FinishUpdateReply*) override;
+  grpc::Status ConnectTarget(grpc::ServerContext*, const v1::ConnectTargetRequest*, v1::ConnectTargetReply*) override;
+  grpc::Status GetNodeStatus(grpc::ServerContext*, const v1::NodeStatusRequest*, v1::NodeStatus*) override;
+
+ private:
+  grpc::Status NeedSource() const;
+  grpc::Status NeedTarget() const;
+  SourceNode* source_;
+  TargetNode* target_;
+};
+
+class CoordinatorService final : public v1::Coordinator::Service {
+ public:
+  explicit CoordinatorService(Coordinator* c) : c_(c) {}
+  grpc::Status RegisterNode(grpc::ServerContext*, const v1::RegisterNodeRequest*, v1::RegisterNodeReply*) override;
+  grpc::Status GetClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*, v1::ClusterStatus*) override;
+  grpc::Status BeginUpdate(grpc::ServerContext*, const v1::BeginUpdateRequest*, v1::BeginUpdateReply*) override;
+  grpc::Status CommitUpdate(grpc::ServerContext*, const v1::CommitUpdateRequest*, v1::CommitUpdateReply*) override;
+  grpc::Status GetHistory(grpc::ServerContext*, const v1::HistoryRequest*, v1::HistoryReply*) override;
+
+ private:
+  Coordinator* c_;
+};
+
+// Dials a target daemon's ConnectTarget over gRPC (used by SourceNode).
+absl::StatusOr<std::string> DialConnectTarget(const std::string& target_daemon, const v1::ConnectTargetRequest& req);
+
+}  // namespace wsync::daemon

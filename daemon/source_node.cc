@@ -1,0 +1,456 @@
+#include "daemon/source_node.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "daemon/convert.h"
+#include "spdlog/spdlog.h"
+
+namespace wsync::daemon {
+namespace {
+
+double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
+
+std::string ShapeStr(absl::Span<const int64_t> s) { return absl::StrCat("[", absl::StrJoin(s, ","), "]"); }
+
+}  // namespace
+
+SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetFn connect)
+    : opts_(std::move(opts)), transport_(transport), connect_(std::move(connect)) {}
+
+SourceNode::~SourceNode() {
+  // Endpoints and regions go before the replica memory they point into.
+  targets_.clear();
+  replica_regions_.clear();
+  replica_.reset();
+}
+
+SourceNode::Session* SourceNode::FindSession(const std::string& id) {
+  auto it = sessions_.find(id);
+  return it == sessions_.end() ? nullptr : it->second.get();
+}
+
+absl::StatusOr<v1::OpenSessionReply> SourceNode::OpenSession(const v1::OpenSessionRequest& req) {
+  if (req.local_rank() < 0 || req.local_rank() >= opts_.trainer_ranks)
+    return absl::InvalidArgumentError(absl::StrCat("local_rank ", req.local_rank(), " out of range: this node expects ",
+                                                   opts_.trainer_ranks, " trainer ranks"));
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  std::lock_guard<std::mutex> l(mu_);
+  // A rank that reconnects (e.g. after its process died mid-bucket) replaces its old session and ring, so nothing
+  // it left uncommitted can ever be consumed.
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    if (it->second->local_rank == req.local_rank()) {
+      spdlog::warn("trainer rank {} reconnected (pid {}); dropping its previous session {}", req.local_rank(),
+                   req.pid(), it->first);
+      it = sessions_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  auto s = std::make_unique<Session>();
+  s->id = absl::StrCat(opts_.node_id, "-s", next_session_++);
+  s->local_rank = req.local_rank();
+  s->pid = req.pid();
+  WSYNC_ASSIGN_OR_RETURN(RingConsumer ring, RingConsumer::Create(s->id, opts_.ring_bytes));
+  s->ring = std::make_unique<RingConsumer>(std::move(ring));
+  v1::OpenSessionReply out;
+  out.set_session_id(s->id);
+  out.set_ring_path(s->ring->ProcPath());
+  out.set_ring_bytes(s->ring->capacity());
+  out.set_num_local_ranks(opts_.trainer_ranks);
+  spdlog::info("session {} opened: trainer rank {} (global {}, pid {}), ring {} MiB", s->id, req.local_rank(),
+               req.global_rank(), req.pid(), s->ring->capacity() >> 20);
+  sessions_[s->id] = std::move(s);
+  return out;
+}
+
+absl::Status SourceNode::CloseSession(const std::string& session_id) {
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  std::lock_guard<std::mutex> l(mu_);
+  if (sessions_.erase(session_id) == 0) return absl::NotFoundError(absl::StrCat("no session ", session_id));
+  spdlog::info("session {} closed", session_id);
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::Status SourceNode::CheckLayout(const replica::ParamTable& table, const v1::RankLayout& target,
+                                     const std::string& who) {
+  std::map<std::string, const v1::ParamDesc*> theirs;
+  for (const auto& p : target.params()) theirs[p.name()] = &p;
+  for (const auto& p : table.params()) {
+    auto it = theirs.find(p.name);
+    if (it == theirs.end())
+      return absl::FailedPreconditionError(
+          absl::StrCat(who, ": the engine has no parameter ", p.name, " that the replica layout has"));
+    const v1::ParamDesc& t = *it->second;
+    std::vector<int64_t> tshape(t.shape().begin(), t.shape().end());
+    if (t.bytes() != p.bytes || tshape != p.shape || t.dtype() != DTypeName(p.dtype))
+      return absl::FailedPreconditionError(absl::StrCat(
+          who, ": parameter ", p.name, ": replica has ", ShapeStr(p.shape), " ", DTypeName(p.dtype), " (", p.bytes,
+          " bytes), engine has ", ShapeStr(tshape), " ", t.dtype(), " (", t.bytes(), " bytes)"));
+    if (t.offset() + t.bytes() > target.region_bytes())
+      return absl::FailedPreconditionError(
+          absl::StrCat(who, ": parameter ", p.name, " lies outside the engine's weight region"));
+  }
+  if (static_cast<size_t>(target.params_size()) != table.params().size()) {
+    for (const auto& t : target.params())
+      if (table.Find(t.name()) == nullptr)
+        return absl::FailedPreconditionError(
+            absl::StrCat(who, ": the engine has parameter ", t.name(), " that the replica layout lacks"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::ConfigureSourceRequest& req) {
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (version_ != -1)
+      return absl::FailedPreconditionError(absl::StrCat("cannot reconfigure while update ", version_, " is open"));
+  }
+  WSYNC_ASSIGN_OR_RETURN(replica::ModelConfig cfg, replica::ModelConfig::FromJson(req.model_config_json()));
+  replica::QuantSpec quant;
+  if (req.quantization() == "fp8_block") {
+    quant.mode = replica::QuantSpec::Mode::kFp8Block;
+    if (req.weight_block_size_size() == 2) {
+      quant.block_n = req.weight_block_size(0);
+      quant.block_k = req.weight_block_size(1);
+    }
+  } else if (!req.quantization().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown quantization '", req.quantization(), "'"));
+  }
+
+  // Identical engine ranks (same parallelism) share one layout: one load serves all of them.
+  std::vector<replica::RankParallelism> layouts;
+  std::vector<int> layout_of;
+  for (const auto& t : req.targets()) {
+    replica::RankParallelism rp = FromProto(t.layout().parallelism());
+    auto it = std::find(layouts.begin(), layouts.end(), rp);
+    layout_of.push_back(static_cast<int>(it - layouts.begin()));
+    if (it == layouts.end()) layouts.push_back(rp);
+  }
+
+  // Tear down the previous plan's state first (endpoints before the memory they reference).
+  targets_.clear();
+  targets_by_layout_.clear();
+  replica_regions_.clear();
+  replica_.reset();
+
+  v1::ConfigureSourceReply out;
+  absl::Time t0 = absl::Now();
+  WSYNC_ASSIGN_OR_RETURN(auto replica, replica::Replica::Create(cfg, layouts, quant));
+  for (int i = 0; i < req.targets_size(); ++i) {
+    const auto& t = req.targets(i);
+    WSYNC_RETURN_IF_ERROR(CheckLayout(replica->table(layout_of[i]), t.layout(),
+                                      absl::StrCat("engine ", t.engine_id(), " rank ", t.rank())));
+  }
+  std::vector<std::unique_ptr<transport::LocalRegion>> regions;
+  uint64_t total = 0;
+  for (int l = 0; l < replica->num_layouts(); ++l) {
+    const uint64_t n = std::max<uint64_t>(replica->table(l).total_bytes(), 1);
+    WSYNC_ASSIGN_OR_RETURN(auto region, transport_->RegisterMemory(replica->data(l), n));
+    regions.push_back(std::move(region));
+    total += replica->table(l).total_bytes();
+  }
+  out.set_register_seconds(Seconds(t0));
+  out.set_replica_bytes(total);
+  out.set_layouts(replica->num_layouts());
+
+  absl::Time t1 = absl::Now();
+  std::vector<std::unique_ptr<Target>> targets;
+  std::vector<std::vector<Target*>> by_layout(replica->num_layouts());
+  for (int i = 0; i < req.targets_size(); ++i) {
+    const auto& a = req.targets(i);
+    const std::string who = absl::StrCat("engine ", a.engine_id(), " rank ", a.rank(), " at ", a.target_daemon());
+    auto t = std::make_unique<Target>();
+    t->assignment = a;
+    t->layout = layout_of[i];
+    WSYNC_ASSIGN_OR_RETURN(t->region, transport_->ImportRegion(a.layout().region_descriptor()));
+    WSYNC_ASSIGN_OR_RETURN(t->endpoint, transport_->CreateEndpoint());
+    v1::ConnectTargetRequest creq;
+    creq.set_engine_id(a.engine_id());
+    creq.set_rank(a.rank());
+    creq.set_source_endpoint_info(t->endpoint->LocalInfo());
+    auto info = connect_(a.target_daemon(), creq);
+    if (!info.ok()) return Annotate(info.status(), absl::StrCat("connecting to ", who));
+    WSYNC_RETURN_IF_ERROR_CTX(t->endpoint->Connect(*info, absl::Seconds(30)), "connecting to ", who);
+    const replica::ParamTable& table = replica->table(t->layout);
+    std::map<std::string, uint64_t> offsets;
+    for (const auto& p : a.layout().params()) offsets[p.name()] = p.offset();
+    for (const auto& p : table.params()) t->dst_offset.push_back(offsets.at(p.name));
+    by_layout[t->layout].push_back(t.get());
+    targets.push_back(std::move(t));
+  }
+  out.set_connect_seconds(Seconds(t1));
+
+  // Push filter: every checkpoint tensor some layout needs; non-expert tensors first, then experts.
+  WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
+  std::vector<std::string> names, experts;
+  for (const auto& s : specs) {
+    if (!replica->Needs(s.name)) continue;
+    (absl::StrContains(s.name, ".experts.") ? experts : names).push_back(s.name);
+  }
+  names.insert(names.end(), experts.begin(), experts.end());
+
+  std::lock_guard<std::mutex> l(mu_);
+  replica_ = std::move(replica);
+  replica_regions_ = std::move(regions);
+  targets_ = std::move(targets);
+  targets_by_layout_ = std::move(by_layout);
+  push_names_ = std::move(names);
+  plan_epoch_ = req.plan_epoch();
+  spdlog::info("configured plan {}: {} targets, {} layouts, replica {:.1f} MiB registered in {:.3f}s, connected in "
+               "{:.3f}s, {} tensors to push",
+               plan_epoch_, targets_.size(), replica_->num_layouts(), total / 1048576.0, out.register_seconds(),
+               out.connect_seconds(), push_names_.size());
+  return out;
+}
+
+absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  std::lock_guard<std::mutex> l(mu_);
+  if (!replica_) return absl::FailedPreconditionError("source is not configured (no transfer plan yet)");
+  if (req.plan_epoch() != plan_epoch_)
+    return absl::FailedPreconditionError(
+        absl::StrCat("update for plan ", req.plan_epoch(), " but this source is configured for plan ", plan_epoch_));
+  if (version_ != -1)
+    return absl::FailedPreconditionError(absl::StrCat("update ", version_, " is still open"));
+  if (req.version() <= last_version_)
+    return absl::FailedPreconditionError(
+        absl::StrCat("version ", req.version(), " is not newer than the last update ", last_version_));
+  replica_->BeginUpdate();
+  version_ = req.version();
+  update_error_ = absl::OkStatus();
+  ended_ranks_.clear();
+  bytes_written_ = params_written_ = tensors_received_ = 0;
+  ingest_seconds_ = write_seconds_ = 0;
+  for (auto& t : targets_) t->outstanding.clear();
+  spdlog::info("update {} started", version_);
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequest& req) {
+  std::unique_lock<std::mutex> l(mu_);
+  Session* s = FindSession(req.session_id());
+  if (s == nullptr) return absl::NotFoundError(absl::StrCat("no session ", req.session_id()));
+  const int rank = s->local_rank;
+  // The coordinator opens the update; ranks that arrive first wait for it.
+  bool ready = cv_.wait_for(l, absl::ToChronoSeconds(opts_.push_timeout), [&] {
+    return version_ == req.version() || last_version_ >= req.version();
+  });
+  if (!ready)
+    return absl::DeadlineExceededError(absl::StrCat("update ", req.version(), " was not started by the coordinator within ",
+                                                    absl::FormatDuration(opts_.push_timeout)));
+  if (version_ != req.version())
+    return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " already ended"));
+  v1::BeginPushReply out;
+  for (size_t i = 0; i < push_names_.size(); ++i)
+    if (static_cast<int>(i % opts_.trainer_ranks) == rank) out.add_tensor_names(push_names_[i]);
+  return out;
+}
+
+absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitBucketRequest& req) {
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  RingConsumer* ring = nullptr;
+  int64_t version;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    Session* s = FindSession(req.session_id());
+    if (s == nullptr) return absl::NotFoundError(absl::StrCat("no session ", req.session_id()));
+    ring = s->ring.get();
+    version = version_;
+  }
+  // The trainer commits in the ring before it calls us, so the bucket is there already.
+  WSYNC_ASSIGN_OR_RETURN(BucketView bucket, ring->NextBucket(absl::Seconds(5)));
+  struct ReleaseGuard {
+    RingConsumer* ring;
+    const BucketView& b;
+    ~ReleaseGuard() {
+      if (auto st = ring->Release(b); !st.ok()) spdlog::error("ring release: {}", st.ToString());
+    }
+  } guard{ring, bucket};
+  if (bucket.seq != req.bucket_seq())
+    return absl::FailedPreconditionError(
+        absl::StrCat("bucket seq mismatch: ring holds ", bucket.seq, ", commit names ", req.bucket_seq()));
+  if (version == -1)
+    return absl::FailedPreconditionError(absl::StrCat("bucket ", bucket.seq,
+                                                      " committed while no update is open (after update ",
+                                                      last_version_, " ended); nothing was written"));
+
+  // Validate the whole bucket before anything of it reaches the replica or an engine.
+  std::vector<replica::HfTensor> tensors;
+  tensors.reserve(bucket.tensors.size());
+  std::set<absl::string_view> seen;
+  absl::Status bad;
+  for (const TensorView& v : bucket.tensors) {
+    replica::HfTensor t{v.name, v.dtype, v.shape, v.data, v.bytes};
+    absl::Status st = seen.insert(v.name).second
+                          ? replica_->Validate(t)
+                          : absl::InvalidArgumentError(absl::StrCat("tensor ", v.name, " appears twice in one bucket"));
+    if (!st.ok()) {
+      bad = st;
+      break;
+    }
+    tensors.push_back(t);
+  }
+  if (!bad.ok()) {
+    std::lock_guard<std::mutex> l(mu_);
+    absl::Status err = Annotate(bad, absl::StrCat("bucket ", bucket.seq, " of update ", version,
+                                                  " rejected, nothing from it was written"));
+    if (update_error_.ok()) update_error_ = err;
+    spdlog::error("{}", err.ToString());
+    return err;
+  }
+
+  absl::Time t0 = absl::Now();
+  std::vector<replica::ReadyParam> ready;
+  for (const auto& t : tensors) {
+    auto r = replica_->Ingest(t);
+    if (!r.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      if (update_error_.ok()) update_error_ = r.status();
+      return r.status();
+    }
+    ready.insert(ready.end(), r->begin(), r->end());
+  }
+  const double ingest_s = Seconds(t0);
+  absl::Time t1 = absl::Now();
+  absl::Status ws = WriteReady(ready);
+  std::lock_guard<std::mutex> l(mu_);
+  ingest_seconds_ += ingest_s;
+  write_seconds_ += Seconds(t1);
+  tensors_received_ += tensors.size();
+  if (!ws.ok()) {
+    if (update_error_.ok()) update_error_ = ws;
+    return ws;
+  }
+  v1::CommitBucketReply out;
+  out.set_tensors(static_cast<uint32_t>(tensors.size()));
+  out.set_bytes(bucket.payload_bytes);
+  out.set_params_ready(static_cast<uint32_t>(ready.size()));
+  return out;
+}
+
+absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& ready) {
+  if (ready.empty()) return absl::OkStatus();
+  std::map<Target*, std::vector<transport::WriteRequest>> batches;
+  uint64_t bytes = 0;
+  for (const auto& r : ready) {
+    const replica::EngineParam& p = replica_->table(r.layout).params()[r.param];
+    for (Target* t : targets_by_layout_[r.layout]) {
+      transport::WriteRequest w;
+      w.src = replica_regions_[r.layout].get();
+      w.src_offset = p.offset;
+      w.dst = t->region.get();
+      w.dst_offset = t->dst_offset[r.param];
+      w.length = p.bytes;
+      if (w.length == 0) continue;
+      batches[t].push_back(w);
+      bytes += p.bytes;
+    }
+  }
+  for (auto& [t, writes] : batches) {
+    auto id = t->endpoint->Post(writes);
+    if (!id.ok())
+      return Annotate(id.status(), absl::StrCat("writing to engine ", t->assignment.engine_id(), " rank ",
+                                                t->assignment.rank()));
+    t->outstanding.push_back(*id);
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  bytes_written_ += bytes;
+  params_written_ += ready.size();
+  return absl::OkStatus();
+}
+
+absl::Status SourceNode::EndPush(const v1::EndPushRequest& req) {
+  std::lock_guard<std::mutex> l(mu_);
+  Session* s = FindSession(req.session_id());
+  if (s == nullptr) return absl::NotFoundError(absl::StrCat("no session ", req.session_id()));
+  if (req.version() != version_)
+    return absl::FailedPreconditionError(absl::StrCat("EndPush for update ", req.version(), " but update ", version_,
+                                                      " is open"));
+  s->ended_version = req.version();
+  ended_ranks_.insert(s->local_rank);
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishUpdateRequest& req) {
+  const absl::Duration timeout =
+      req.timeout_seconds() > 0 ? absl::Seconds(req.timeout_seconds()) : opts_.push_timeout;
+  {
+    std::unique_lock<std::mutex> l(mu_);
+    if (version_ != req.version())
+      return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " is not open here"));
+    // Counted by rank, not by live session: a rank may close its session right after its last EndPush.
+    auto all_ended = [&] {
+      return static_cast<int>(ended_ranks_.size()) >= opts_.trainer_ranks || !update_error_.ok();
+    };
+    if (!cv_.wait_for(l, absl::ToChronoSeconds(timeout), all_ended)) {
+      std::vector<int> missing;
+      for (int r = 0; r < opts_.trainer_ranks; ++r)
+        if (!ended_ranks_.count(r)) missing.push_back(r);
+      absl::Status err = absl::DeadlineExceededError(absl::StrCat(
+          "update ", version_, ": trainer ranks [", absl::StrJoin(missing, ","), "] did not finish pushing within ",
+          absl::FormatDuration(timeout)));
+      version_ = -1;
+      return err;
+    }
+  }
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  absl::Status result;
+  absl::Time t0 = absl::Now();
+  for (auto& t : targets_) {
+    for (transport::BatchId id : t->outstanding) {
+      absl::Status st = t->endpoint->Wait(id, timeout);
+      if (!st.ok() && result.ok())
+        result = Annotate(st, absl::StrCat("engine ", t->assignment.engine_id(), " rank ", t->assignment.rank()));
+    }
+    t->outstanding.clear();
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  write_seconds_ += Seconds(t0);
+  if (result.ok()) result = update_error_;
+  if (result.ok()) result = replica_->FinishUpdate();
+  const int64_t v = version_;
+  version_ = -1;
+  if (!result.ok()) {
+    spdlog::error("update {} failed: {}", v, result.ToString());
+    return result;
+  }
+  last_version_ = v;
+  v1::FinishUpdateReply out;
+  out.set_bytes_written(bytes_written_);
+  out.set_params_written(params_written_);
+  out.set_tensors_received(tensors_received_);
+  out.set_ingest_seconds(ingest_seconds_);
+  out.set_write_seconds(write_seconds_);
+  spdlog::info("update {} done: {} tensors in, {} params / {:.1f} MiB written (ingest {:.3f}s, write {:.3f}s)", v,
+               tensors_received_, params_written_, bytes_written_ / 1048576.0, ingest_seconds_, write_seconds_);
+  return out;
+}
+
+v1::NodeStatus SourceNode::Status() const {
+  std::lock_guard<std::mutex> l(mu_);
+  v1::NodeStatus s;
+  s.set_node_id(opts_.node_id);
+  s.set_role("source");
+  s.set_transport(transport_->name());
+  s.set_sessions(static_cast<int>(sessions_.size()));
+  uint64_t total = 0;
+  if (replica_)
+    for (int i = 0; i < replica_->num_layouts(); ++i) total += replica_->table(i).total_bytes();
+  s.set_replica_bytes(total);
+  s.set_last_version(last_version_);
+  s.set_state(version_ != -1 ? "updating" : (replica_ ? "ready" : "unconfigured"));
+  return s;
+}
+
+}  // namespace wsync::daemon

@@ -1,0 +1,105 @@
+#pragma once
+// The source role of wsyncd: trainer sessions (one shared-memory ring each), the CPU engine replica, and the
+// writes from the replica into the targets' registered weight memory.
+//
+// Lifecycle (driven by the coordinator): Configure (once per plan: build replica, check every target's layout
+// against it, register replica memory, connect to targets) → per update v: StartUpdate(v) → trainer ranks
+// BeginPush/CommitBucket*/EndPush → FinishUpdate(v) (waits for every local rank and every write).
+// Plain C++ (no gRPC types beyond the generated messages) so it can be tested without a server.
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "base/ring.h"
+#include "replica/replica.h"
+#include "transport/transport.h"
+#include "wsync/v1/daemon.grpc.pb.h"
+
+namespace wsync::daemon {
+
+struct SourceOptions {
+  std::string node_id;
+  int trainer_ranks = 1;             // sessions expected per update
+  uint64_t ring_bytes = 256ull << 20;
+  absl::Duration push_timeout = absl::Seconds(120);
+};
+
+// Dials a peer daemon's ConnectTarget (injected so tests can run without gRPC).
+using ConnectTargetFn = std::function<absl::StatusOr<std::string>(const std::string& target_daemon,
+                                                                  const v1::ConnectTargetRequest& req)>;
+
+class SourceNode {
+ public:
+  SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetFn connect);
+  ~SourceNode();
+
+  absl::StatusOr<v1::OpenSessionReply> OpenSession(const v1::OpenSessionRequest& req);
+  absl::Status CloseSession(const std::string& session_id);
+  absl::StatusOr<v1::BeginPushReply> BeginPush(const v1::BeginPushRequest& req);
+  absl::StatusOr<v1::CommitBucketReply> CommitBucket(const v1::CommitBucketRequest& req);
+  absl::Status EndPush(const v1::EndPushRequest& req);
+
+  absl::StatusOr<v1::ConfigureSourceReply> Configure(const v1::ConfigureSourceRequest& req);
+  absl::Status StartUpdate(const v1::StartUpdateRequest& req);
+  absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const v1::FinishUpdateRequest& req);
+
+  v1::NodeStatus Status() const;
+
+ private:
+  struct Session {
+    std::string id;
+    int local_rank = 0;
+    int64_t pid = 0;
+    std::unique_ptr<RingConsumer> ring;
+    int64_t ended_version = -1;
+  };
+  // One (engine, rank) this source writes.
+  struct Target {
+    v1::TargetAssignment assignment;
+    int layout = 0;
+    std::unique_ptr<transport::RemoteRegion> region;
+    std::unique_ptr<transport::Endpoint> endpoint;
+    std::vector<uint64_t> dst_offset;  // per replica param of its layout
+    std::vector<transport::BatchId> outstanding;
+  };
+
+  absl::Status CheckLayout(const replica::ParamTable& table, const v1::RankLayout& target, const std::string& who);
+  absl::Status WriteReady(const std::vector<replica::ReadyParam>& ready);
+  Session* FindSession(const std::string& id);
+
+  SourceOptions opts_;
+  transport::Transport* transport_;
+  ConnectTargetFn connect_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::unique_ptr<Session>> sessions_;
+  int next_session_ = 0;
+
+  // Configured state (replaced by Configure).
+  int64_t plan_epoch_ = -1;
+  std::unique_ptr<replica::Replica> replica_;
+  std::vector<std::unique_ptr<transport::LocalRegion>> replica_regions_;
+  std::vector<std::unique_ptr<Target>> targets_;
+  std::vector<std::vector<Target*>> targets_by_layout_;
+  std::vector<std::string> push_names_;  // checkpoint tensors this node needs, in push order
+
+  // Current update.
+  int64_t version_ = -1;     // version being pushed; -1 when none is open
+  int64_t last_version_ = -1;
+  absl::Status update_error_;
+  std::set<int> ended_ranks_;  // local ranks that finished pushing the open update
+  uint64_t bytes_written_ = 0, params_written_ = 0, tensors_received_ = 0;
+  double ingest_seconds_ = 0, write_seconds_ = 0;
+  std::mutex ingest_mu_;     // one bucket at a time through the replica and the endpoints
+};
+
+}  // namespace wsync::daemon

@@ -1,0 +1,151 @@
+// wsyncd: the per-node daemon. role=source on trainer nodes (trainer sessions, CPU replica, writes to engines);
+// role=target on inference nodes (maps and registers engine weight memory, accepts source connections).
+
+#include <pthread.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
+#include "base/logging.h"
+#include "daemon/serve.h"
+#include "daemon/services.h"
+#include "proto/status_convert.h"
+#include "spdlog/spdlog.h"
+#include "wsync/v1/coordinator.grpc.pb.h"
+
+using namespace wsync;
+
+namespace {
+
+// Registers with the coordinator, retrying while it is not up yet.
+absl::Status Register(const std::string& coordinator, const v1::RegisterNodeRequest& req, int attempts) {
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
+  absl::Status last;
+  for (int i = 0; i < attempts; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.set_wait_for_ready(true);
+    v1::RegisterNodeReply out;
+    last = FromGrpcStatus(stub->RegisterNode(&ctx, req, &out));
+    if (last.ok()) {
+      spdlog::info("registered with coordinator {} (membership epoch {})", coordinator, out.membership_epoch());
+      return last;
+    }
+    if (last.code() != absl::StatusCode::kUnavailable && last.code() != absl::StatusCode::kDeadlineExceeded)
+      return last;
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  return last;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Signals are taken synchronously by WaitForTermination; block them before any thread starts.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+
+  CLI::App app{"wsyncd: wsync node daemon (role source on trainer nodes, target on inference nodes)"};
+  std::string role, node_id, listen = "127.0.0.1:0", coordinator, port_file, transport_name = "tcp", log_level;
+  std::string data_host = "127.0.0.1";
+  std::vector<std::string> engines;
+  int trainer_ranks = 1;
+  uint64_t ring_mib = 512;
+  app.add_option("--role", role, "source | target")->required()->check(CLI::IsMember({"source", "target"}));
+  app.add_option("--node-id", node_id, "unique node name (default: hostname:port)");
+  app.add_option("--listen", listen, "host:port of the daemon API (port 0 = any free port)");
+  app.add_option("--coordinator", coordinator, "host:port of the coordinator")->required();
+  app.add_option("--port-file", port_file, "write the bound port here once serving");
+  app.add_option("--transport", transport_name, "tcp | verbs")->check(CLI::IsMember({"tcp", "verbs"}));
+  app.add_option("--data-host", data_host, "address the data-path listener binds (tcp transport)");
+  app.add_option("--engine", engines, "target: control address of an engine on this node (repeatable)");
+  app.add_option("--trainer-ranks", trainer_ranks, "source: trainer ranks on this node")->check(CLI::Range(1, 1024));
+  app.add_option("--ring-mib", ring_mib, "source: shared-memory ring size per trainer rank, MiB")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--log-level", log_level, "trace|debug|info|warn|error");
+  CLI11_PARSE(app, argc, argv);
+  InitLogging(role == "source" ? "wsyncd-src" : "wsyncd-tgt", log_level);
+  if (role == "target" && engines.empty()) {
+    spdlog::error("--role target needs at least one --engine");
+    return 2;
+  }
+
+  transport::TransportOptions topts;
+  topts.bind_host = data_host;
+  auto tr = transport::CreateTransport(transport_name, topts);
+  if (!tr.ok()) {
+    spdlog::error("transport {}: {}", transport_name, tr.status().ToString());
+    return 1;
+  }
+  std::unique_ptr<transport::Transport> transport = *std::move(tr);
+  if (!transport->viable()) {
+    spdlog::warn("transport {} is not viable here ({}); falling back to tcp", transport_name, transport->reason());
+    auto tcp = transport::CreateTransport("tcp", topts);
+    if (!tcp.ok()) {
+      spdlog::error("tcp transport: {}", tcp.status().ToString());
+      return 1;
+    }
+    transport = *std::move(tcp);
+  }
+
+  if (node_id.empty()) {
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    node_id = absl::StrCat(host, "-", role, "-", getpid());
+  }
+  std::unique_ptr<daemon::SourceNode> source;
+  std::unique_ptr<daemon::TargetNode> target;
+  v1::RegisterNodeRequest reg;
+  reg.set_node_id(node_id);
+  reg.set_role(role);
+  reg.set_transport(transport->name());
+  if (role == "source") {
+    daemon::SourceOptions o;
+    o.node_id = node_id;
+    o.trainer_ranks = trainer_ranks;
+    o.ring_bytes = ring_mib << 20;
+    source = std::make_unique<daemon::SourceNode>(o, transport.get(), daemon::DialConnectTarget);
+    reg.set_trainer_ranks(trainer_ranks);
+  } else {
+    target = std::make_unique<daemon::TargetNode>(node_id, transport.get());
+    for (const auto& e : engines) {
+      if (auto st = target->AddEngine(e); !st.ok()) {
+        spdlog::error("engine {}: {}", e, st.ToString());
+        return 1;
+      }
+    }
+    for (auto& r : target->Registrations()) *reg.add_engines() = std::move(r);
+  }
+  daemon::NodeDaemonService service(source.get(), target.get());
+  auto served = daemon::Serve(listen, {&service}, "");
+  if (!served.ok()) {
+    spdlog::error("{}", served.status().ToString());
+    return 1;
+  }
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  reg.set_address(absl::StrCat(host, ":", served->port));
+  spdlog::info("wsyncd {} ({}) serving on {} with transport {}", node_id, role, reg.address(), transport->name());
+  if (auto st = Register(coordinator, reg, 60); !st.ok()) {
+    spdlog::error("cannot register with coordinator {}: {}", coordinator, st.ToString());
+    served->server->Shutdown();
+    return 1;
+  }
+  // Publish the port only once registered, so whoever waits for it can rely on the node being known.
+  if (!port_file.empty()) {
+    const std::string tmp = port_file + ".tmp";
+    std::ofstream(tmp) << served->port << "\n";
+    std::rename(tmp.c_str(), port_file.c_str());
+  }
+  daemon::WaitForTermination();
+  spdlog::info("wsyncd {} shutting down", node_id);
+  served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  return 0;
+}

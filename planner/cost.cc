@@ -1,0 +1,122 @@
+#include "planner/cost.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+namespace wsync::planner {
+namespace {
+
+constexpr double kGB = 1e9;
+
+// Ranks of a contiguous group of `size` ranks with stride `stride`: how many peers share the node.
+int PeersOnNode(int size, int stride, int gpus_per_node) {
+  const int per_node = std::max(1, gpus_per_node / std::max(1, stride));
+  return std::min(size, per_node) - 1;
+}
+
+}  // namespace
+
+double PredictGather(const PlanInput& in, const CostParams& cp) {
+  if (!cp.include_gather) return 0;
+  const TrainerSpec& t = in.cluster.trainer;
+  const double nic_per_gpu =
+      in.cluster.nic.bytes_per_second() * in.cluster.nic.per_node / t.gpus_per_node * cp.gather_efficiency;
+  std::vector<double> dense(t.pp, 0), expert(t.pp, 0);
+  for (const HfTensorInfo& h : in.hf_tensors) {
+    const double b = static_cast<double>(h.train_bytes);
+    (h.expert ? expert : dense)[h.stage] += b;
+  }
+  double worst = 0;
+  for (int p = 0; p < t.pp; ++p) {
+    // Dense tensors are gathered over TP (contiguous ranks), experts over EP (stride etp). A rank receives
+    // (g-1)/g of the group's bytes; the share coming from peers on the same node travels over NVLink.
+    double intra = 0, inter = 0;
+    auto add = [&](double bytes, int g, int stride) {
+      if (g <= 1) return;
+      const int on = PeersOnNode(g, stride, t.gpus_per_node);
+      intra += bytes * on / g;
+      inter += bytes * (g - 1 - on) / g;
+    };
+    add(dense[p], t.tp, 1);
+    add(expert[p], t.ep, t.etp);
+    worst = std::max(worst, intra / (cp.nvlink_gbps * kGB) + inter / nic_per_gpu);
+  }
+  return worst;
+}
+
+Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& cp) {
+  Prediction pr;
+  const double bw = in.cluster.nic.bytes_per_second();
+  std::map<std::pair<int, int>, uint64_t> nic_bytes;
+  std::map<std::pair<int, int>, int> nic_sources;
+  for (const NicLoad& n : plan.source_nics) nic_bytes[{n.node, n.nic}] = n.bytes;
+  for (const SourcePlan& s : plan.sources)
+    if (s.active()) nic_sources[{s.node, s.nic}]++;
+  uint64_t max_src_nic = 0, max_tgt_nic = 0, total = 0;
+  for (const NicLoad& n : plan.source_nics) max_src_nic = std::max(max_src_nic, n.bytes), total += n.bytes;
+  for (const NicLoad& n : plan.target_nics) max_tgt_nic = std::max(max_tgt_nic, n.bytes);
+  pr.bound_s = std::max(max_src_nic, max_tgt_nic) / bw;
+  const double trainer_nics = static_cast<double>(in.cluster.trainer.nodes) * in.cluster.nic.per_node;
+  pr.ideal_bound_s = std::max(static_cast<double>(max_tgt_nic), total / trainer_nics) / bw;
+  pr.max_target_nic_s = max_tgt_nic / bw;
+
+  double worst = pr.max_target_nic_s;
+  for (size_t k = 0; k < plan.sources.size(); ++k) {
+    const SourcePlan& s = plan.sources[k];
+    if (!s.active()) continue;
+    SourceTime st;
+    st.source = static_cast<int>(k);
+    const std::pair<int, int> key{s.node, s.nic};
+    const double share = bw / std::max(1, nic_sources[key]);  // sources on one NIC split it
+    st.d2h_s = s.push_bytes / (cp.d2h_gbps * kGB);
+    st.load_s = s.load_bytes / (cp.replica_load_gbps * kGB);
+    st.nic_s = nic_bytes[key] / bw;
+    // Writes of every layout but the last are waited for before the shared replica buffer is reloaded.
+    uint64_t blocking = 0;
+    if (!s.tasks.empty()) {
+      const int last_rank = s.tasks.back().target.rank;
+      for (const Task& t : s.tasks)
+        if (t.target.rank != last_rank) blocking += t.bytes;
+    }
+    st.blocking_send_s = blocking / share;
+    if (cp.executor == Executor::kSerial) {
+      // The seed's replica loads slice straight from the gathered GPU tensors, so the hand-over is part of the
+      // measured load rate and not counted again.
+      st.total_s = std::max(st.load_s + st.blocking_send_s, st.nic_s);
+    } else {
+      st.total_s = std::max({st.d2h_s, st.load_s, st.nic_s});
+    }
+    if (st.total_s > worst) {
+      worst = st.total_s;
+      pr.critical_source = st.source;
+    }
+    pr.sources.push_back(st);
+  }
+  pr.gather_s = PredictGather(in, cp);
+  pr.transfer_s = worst;
+  pr.total_s = (cp.fixed_ms + cp.post_process_ms) / 1e3 + pr.gather_s + pr.transfer_s;
+  return pr;
+}
+
+BroadcastPrediction PredictBroadcast(const PlanInput& in, const CostParams& cp) {
+  BroadcastPrediction b;
+  const TrainerSpec& t = in.cluster.trainer;
+  std::vector<uint64_t> stage(t.pp, 0);
+  for (const HfTensorInfo& h : in.hf_tensors) {
+    stage[h.stage] += h.bytes;
+    b.bytes_per_receiver += h.bytes;
+  }
+  b.max_stage_bytes = *std::max_element(stage.begin(), stage.end());
+  const int receivers = in.cluster.engine.instances * in.cluster.engine.tp;
+  b.network_bytes = b.bytes_per_receiver * static_cast<uint64_t>(receivers);
+  // The head rank streams its stage once into a pipelined ring (its GPU's NIC share is the ceiling); every
+  // receiver takes in all stages and loads them into its GPU weights bucket by bucket.
+  const double head_bw = in.cluster.nic.bytes_per_second() * in.cluster.nic.per_node / t.gpus_per_node;
+  b.transfer_s = std::max(b.max_stage_bytes / head_bw, b.bytes_per_receiver / (cp.bcast_rx_gbps * kGB));
+  b.gather_s = PredictGather(in, cp);
+  b.total_s = (cp.fixed_ms + cp.post_process_ms) / 1e3 + b.gather_s + b.transfer_s;
+  return b;
+}
+
+}  // namespace wsync::planner

@@ -1,0 +1,596 @@
+#include "planner/plan.h"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace wsync::planner {
+namespace {
+
+// Per stage and engine rank: the layout's parameter indices of that stage, in layout order.
+struct StageIndex {
+  std::vector<std::vector<std::vector<int>>> params;  // [stage][rank] -> param ids
+  std::vector<std::vector<uint64_t>> bytes;           // [stage][rank] -> bytes of one copy
+};
+
+StageIndex IndexStages(const PlanInput& in) {
+  const int pp = in.cluster.trainer.pp;
+  const int ranks = static_cast<int>(in.layouts.size());
+  StageIndex ix;
+  ix.params.assign(pp, std::vector<std::vector<int>>(ranks));
+  ix.bytes.assign(pp, std::vector<uint64_t>(ranks, 0));
+  for (int r = 0; r < ranks; ++r) {
+    const auto& ps = in.layouts[r].params;
+    for (int k = 0; k < static_cast<int>(ps.size()); ++k) {
+      ix.params[ps[k].stage][r].push_back(k);
+      ix.bytes[ps[k].stage][r] += ps[k].bytes;
+    }
+  }
+  return ix;
+}
+
+void PlaceSource(const ClusterSpec& c, SourcePlan* s) {
+  const TrainerSpec& t = c.trainer;
+  s->trainer_rank = s->stage * t.sources_per_stage() + s->index;
+  s->node = s->trainer_rank / t.gpus_per_node;
+  s->nic = (s->trainer_rank % t.gpus_per_node) * c.nic.per_node / t.gpus_per_node;
+}
+
+std::pair<int, int> PlaceTarget(const ClusterSpec& c, const Target& tg) {
+  const int gpn = c.engine.gpus_per_node();
+  const int gpu = tg.instance * c.engine.tp + tg.rank;
+  return {gpu / gpn, (gpu % gpn) * c.nic.per_node / gpn};
+}
+
+std::vector<ParamSlice> WholeParams(const LayoutInfo& layout, const std::vector<int>& ids) {
+  std::vector<ParamSlice> out;
+  out.reserve(ids.size());
+  for (int k : ids) out.push_back({k, 0, layout.params[k].bytes});
+  return out;
+}
+
+void FinishAssignment(const LayoutInfo& layout, LayoutAssignment* a) {
+  a->bytes = 0;
+  a->load_bytes = 0;
+  int last = -1;
+  for (const auto& sl : a->slices) {
+    a->bytes += sl.length;
+    if (sl.param != last) a->load_bytes += layout.params[sl.param].bytes;
+    last = sl.param;
+  }
+}
+
+// The seed's heuristic (miles' plan_p2p), one stage: targets (instance outer, rank inner); round 1 maps them 1:1
+// onto sources; each leftover target goes to the source already serving its engine rank with the fewest targets of
+// that rank (ties: lower source), else round-robin. A source serving rank r for several instances loads it once.
+void PlanStageSeed(const PlanInput& in, const StageIndex& ix, int stage, const std::vector<int>& instances,
+                   std::vector<SourcePlan*>& srcs) {
+  const int S = static_cast<int>(srcs.size());
+  const int R = static_cast<int>(in.layouts.size());
+  std::vector<Target> targets;
+  for (int i : instances)
+    for (int r = 0; r < R; ++r) targets.push_back({i, r});
+  const int T = static_cast<int>(targets.size());
+  // assigned[s] = map rank -> instances, in assignment order of ranks
+  std::vector<std::vector<std::pair<int, std::vector<int>>>> assigned(S);
+  std::vector<std::map<int, int>> count(S);  // source -> rank -> targets
+  auto give = [&](int s, const Target& tg) {
+    auto& lst = assigned[s];
+    auto it = std::find_if(lst.begin(), lst.end(), [&](const auto& p) { return p.first == tg.rank; });
+    if (it == lst.end()) {
+      lst.push_back({tg.rank, {}});
+      it = std::prev(lst.end());
+    }
+    it->second.push_back(tg.instance);
+    count[s][tg.rank]++;
+  };
+  const int first = std::min(S, T);
+  for (int k = 0; k < first; ++k) give(k, targets[k]);
+  int rr = 0;
+  for (int k = first; k < T; ++k) {
+    const Target& tg = targets[k];
+    int best = -1, best_count = 0;
+    for (int s = 0; s < S; ++s) {
+      auto it = count[s].find(tg.rank);
+      if (it == count[s].end()) continue;
+      if (best < 0 || it->second < best_count) {
+        best = s;
+        best_count = it->second;
+      }
+    }
+    if (best < 0) {
+      best = rr;
+      rr = (rr + 1) % S;
+    }
+    give(best, tg);
+  }
+  for (int s = 0; s < S; ++s) {
+    for (auto& [rank, insts] : assigned[s]) {
+      LayoutAssignment a;
+      a.rank = rank;
+      a.slices = WholeParams(in.layouts[rank], ix.params[stage][rank]);
+      a.instances = insts;
+      FinishAssignment(in.layouts[rank], &a);
+      srcs[s]->assignments.push_back(std::move(a));
+    }
+  }
+}
+
+uint64_t AlignDown(uint64_t v, uint64_t a) { return a > 1 ? v / a * a : v; }
+
+// balanced, one stage: lay the stage's parameters of every engine rank (rank-major, layout order) on a line of
+// one-copy bytes and cut it into consecutive segments proportional to each used source's weight. Every segment
+// is sent to every active instance, so a source's load is (#instances x its segment) and the cut never depends on
+// how many instances are active.
+void PlanStageBalanced(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, int stage,
+                       const std::vector<SourcePlan*>& used, const std::vector<double>& weights) {
+  const int R = static_cast<int>(in.layouts.size());
+  struct Item {
+    int rank, param;
+    uint64_t start, bytes;
+  };
+  std::vector<Item> line;
+  uint64_t total = 0;
+  for (int r = 0; r < R; ++r) {
+    for (int k : ix.params[stage][r]) {
+      const uint64_t b = in.layouts[r].params[k].bytes;
+      line.push_back({r, k, total, b});
+      total += b;
+    }
+  }
+  const int U = static_cast<int>(used.size());
+  if (U == 0 || line.empty()) return;
+  const double wsum = std::accumulate(weights.begin(), weights.end(), 0.0);
+  std::vector<uint64_t> cuts(U + 1, 0);
+  cuts[U] = total;
+  double acc = 0;
+  size_t item = 0;
+  for (int k = 1; k < U; ++k) {
+    acc += weights[k - 1];
+    uint64_t c = static_cast<uint64_t>(static_cast<long double>(total) * acc / wsum);
+    c = std::max(c, cuts[k - 1]);
+    while (item + 1 < line.size() && line[item].start + line[item].bytes <= c) ++item;
+    const Item& it = line[item];
+    const uint64_t lo = it.start, hi = it.start + it.bytes;
+    if (c > lo && c < hi) {
+      if (!opt.split_params) {
+        c = (c - lo <= hi - c) ? lo : hi;
+      } else if (c - lo <= opt.snap_bytes) {
+        c = lo;
+      } else if (hi - c <= opt.snap_bytes) {
+        c = hi;
+      } else {
+        c = lo + AlignDown(c - lo, opt.align_bytes);
+      }
+    }
+    cuts[k] = std::max(c, cuts[k - 1]);
+  }
+  // Walk the line once, emitting each segment's slices grouped by rank.
+  size_t pos = 0;
+  for (int u = 0; u < U; ++u) {
+    const uint64_t a = cuts[u], b = cuts[u + 1];
+    while (pos < line.size() && line[pos].start + line[pos].bytes <= a && line[pos].bytes > 0) ++pos;
+    LayoutAssignment* cur = nullptr;
+    for (size_t q = pos; q < line.size() && line[q].start < b; ++q) {
+      const Item& it = line[q];
+      const uint64_t s0 = std::max(a, it.start), s1 = std::min(b, it.start + it.bytes);
+      if (s1 <= s0) continue;
+      if (cur == nullptr || cur->rank != it.rank) {
+        used[u]->assignments.push_back({});
+        cur = &used[u]->assignments.back();
+        cur->rank = it.rank;
+      }
+      cur->slices.push_back({it.param, s0 - it.start, s1 - s0});
+    }
+    // Zero-byte parameters have no extent on the line; give them to the source whose segment starts at them.
+    for (auto& as : used[u]->assignments) FinishAssignment(in.layouts[as.rank], &as);
+  }
+  // Zero-byte parameters: attach to the first used source (they still need to be "written" as empty).
+  for (const Item& it : line) {
+    if (it.bytes != 0) continue;
+    SourcePlan* s = used[0];
+    auto f = std::find_if(s->assignments.begin(), s->assignments.end(),
+                          [&](const LayoutAssignment& as) { return as.rank == it.rank; });
+    if (f == s->assignments.end()) {
+      s->assignments.push_back({});
+      f = std::prev(s->assignments.end());
+      f->rank = it.rank;
+    }
+    f->slices.push_back({it.param, 0, 0});
+    std::sort(f->slices.begin(), f->slices.end(),
+              [](const ParamSlice& x, const ParamSlice& y) { return x.param < y.param || (x.param == y.param && x.offset < y.offset); });
+    std::sort(s->assignments.begin(), s->assignments.end(),
+              [](const LayoutAssignment& x, const LayoutAssignment& y) { return x.rank < y.rank; });
+  }
+}
+
+// Order in which a source visits instances: rotated by the source's index so that sources serving the same rank
+// start on different instances. Depends only on instance ids, so adding/removing one keeps the others' order.
+std::vector<int> RotatedInstances(const std::vector<int>& active, int source_index, int max_instances) {
+  std::vector<int> out = active;
+  const int m = std::max(1, max_instances);
+  const int shift = source_index % m;
+  std::stable_sort(out.begin(), out.end(), [&](int a, int b) {
+    return ((a - shift) % m + m) % m < ((b - shift) % m + m) % m;
+  });
+  return out;
+}
+
+// Rebuilds tasks, push filter and per-source figures from the assignments and the active instances.
+void Materialize(const PlanInput& in, const std::vector<int>& active, SourcePlan* s) {
+  s->tasks.clear();
+  s->bytes_out = 0;
+  s->load_bytes = 0;
+  std::set<int> push;
+  std::set<Target> sessions;
+  const std::set<int> active_set(active.begin(), active.end());
+  const std::vector<int> rotated = RotatedInstances(active, s->index, in.cluster.engine.instances);
+  for (const LayoutAssignment& a : s->assignments) {
+    std::vector<int> insts;
+    if (a.instances.empty()) {
+      insts = rotated;
+    } else {
+      for (int i : a.instances)
+        if (active_set.count(i)) insts.push_back(i);
+    }
+    if (insts.empty()) continue;
+    s->load_bytes += a.load_bytes;
+    int last = -1;
+    for (const auto& sl : a.slices) {
+      if (sl.param == last) continue;
+      last = sl.param;
+      for (int h : in.layouts[a.rank].params[sl.param].inputs) push.insert(h);
+    }
+    for (int i : insts) {
+      Task t;
+      t.target = {i, a.rank};
+      t.slices = a.slices;
+      t.bytes = a.bytes;
+      s->bytes_out += t.bytes;
+      sessions.insert(t.target);
+      s->tasks.push_back(std::move(t));
+    }
+  }
+  s->push_filter.assign(push.begin(), push.end());
+  s->push_bytes = 0;
+  for (int h : s->push_filter) s->push_bytes += in.hf_tensors[h].bytes;
+  s->sessions = static_cast<int>(sessions.size());
+}
+
+void Account(const PlanInput& in, const std::vector<int>& active, Plan* plan) {
+  const int tp = in.cluster.engine.tp;
+  std::map<int, int> slot;
+  for (size_t k = 0; k < active.size(); ++k) slot[active[k]] = static_cast<int>(k);
+  plan->target_bytes.assign(active.size() * tp, 0);
+  std::map<std::pair<int, int>, uint64_t> snic, tnic;
+  for (const SourcePlan& s : plan->sources) {
+    if (!s.active()) continue;
+    snic[{s.node, s.nic}] += s.bytes_out;
+    for (const Task& t : s.tasks) plan->target_bytes[slot[t.target.instance] * tp + t.target.rank] += t.bytes;
+  }
+  for (int i : active) {
+    for (int r = 0; r < tp; ++r) {
+      tnic[PlaceTarget(in.cluster, {i, r})] += plan->target_bytes[slot[i] * tp + r];
+    }
+  }
+  plan->source_nics.clear();
+  plan->target_nics.clear();
+  for (auto& [k, v] : snic) plan->source_nics.push_back({k.first, k.second, v});
+  for (auto& [k, v] : tnic) plan->target_nics.push_back({k.first, k.second, v});
+}
+
+}  // namespace
+
+absl::StatusOr<Strategy> ParseStrategy(absl::string_view name) {
+  if (name == "seed") return Strategy::kSeed;
+  if (name == "balanced") return Strategy::kBalanced;
+  return absl::InvalidArgumentError(absl::StrCat("unknown strategy '", name, "' (seed|balanced)"));
+}
+
+absl::string_view StrategyName(Strategy s) { return s == Strategy::kSeed ? "seed" : "balanced"; }
+
+std::vector<int> PlanInput::ActiveInstances() const {
+  if (!instances.empty()) return instances;
+  std::vector<int> all(cluster.engine.instances);
+  std::iota(all.begin(), all.end(), 0);
+  return all;
+}
+
+absl::Status PlanInput::Validate() const {
+  WSYNC_RETURN_IF_ERROR(cluster.Validate());
+  if (static_cast<int>(layouts.size()) != cluster.engine.tp) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("need one layout per engine rank: ", layouts.size(), " layouts for engine tp=", cluster.engine.tp));
+  }
+  const int pp = cluster.trainer.pp;
+  for (size_t h = 0; h < hf_tensors.size(); ++h) {
+    if (hf_tensors[h].stage < 0 || hf_tensors[h].stage >= pp) {
+      return absl::InvalidArgumentError(absl::StrCat("HF tensor ", hf_tensors[h].name, " has stage ",
+                                                     hf_tensors[h].stage, " outside [0, ", pp, ")"));
+    }
+  }
+  for (size_t r = 0; r < layouts.size(); ++r) {
+    for (const ParamInfo& p : layouts[r].params) {
+      if (p.stage < 0 || p.stage >= pp) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("rank ", r, " parameter ", p.name, " has stage ", p.stage, " outside [0, ", pp, ")"));
+      }
+      for (int h : p.inputs) {
+        if (h < 0 || h >= static_cast<int>(hf_tensors.size())) {
+          return absl::InvalidArgumentError(absl::StrCat("rank ", r, " parameter ", p.name, ": bad input id ", h));
+        }
+        if (hf_tensors[h].stage != p.stage) {
+          return absl::InvalidArgumentError(absl::StrCat("rank ", r, " parameter ", p.name, " (stage ", p.stage,
+                                                         ") loads from ", hf_tensors[h].name, " of stage ",
+                                                         hf_tensors[h].stage));
+        }
+      }
+    }
+  }
+  int prev = -1;
+  for (int i : instances) {
+    if (i <= prev || i >= cluster.engine.instances) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("active instances must be sorted, unique and < ", cluster.engine.instances));
+    }
+    prev = i;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& options) {
+  WSYNC_RETURN_IF_ERROR_CTX(input.Validate(), "plan input");
+  const ClusterSpec& c = input.cluster;
+  const int pp = c.trainer.pp;
+  const int S = c.trainer.sources_per_stage();
+  const StageIndex ix = IndexStages(input);
+  const std::vector<int> active = input.ActiveInstances();
+
+  Plan plan;
+  plan.strategy = options.strategy;
+  plan.sources.resize(static_cast<size_t>(pp) * S);
+  for (int p = 0; p < pp; ++p) {
+    for (int j = 0; j < S; ++j) {
+      SourcePlan& s = plan.sources[p * S + j];
+      s.stage = p;
+      s.index = j;
+      PlaceSource(c, &s);
+    }
+  }
+
+  if (options.strategy == Strategy::kSeed) {
+    for (int p = 0; p < pp; ++p) {
+      std::vector<SourcePlan*> srcs;
+      for (int j = 0; j < S; ++j) srcs.push_back(&plan.sources[p * S + j]);
+      PlanStageSeed(input, ix, p, active, srcs);
+    }
+  } else {
+    // Which sources each stage uses: all of them unless the stage is too small to give each min_source_bytes.
+    std::vector<std::vector<int>> used(pp);
+    std::map<std::pair<int, int>, int> per_nic;
+    for (int p = 0; p < pp; ++p) {
+      uint64_t stage_bytes = 0;
+      for (uint64_t b : ix.bytes[p]) stage_bytes += b;
+      int u = S;
+      if (options.min_source_bytes > 0) {
+        u = static_cast<int>(std::min<uint64_t>(
+            S, std::max<uint64_t>(1, (stage_bytes + options.min_source_bytes - 1) / options.min_source_bytes)));
+      }
+      for (int k = 0; k < u; ++k) {
+        const int j = static_cast<int>(static_cast<int64_t>(k) * S / u);  // spread over nodes and NICs
+        used[p].push_back(j);
+        const SourcePlan& s = plan.sources[p * S + j];
+        per_nic[{s.node, s.nic}]++;
+      }
+    }
+    for (int p = 0; p < pp; ++p) {
+      std::vector<SourcePlan*> srcs;
+      std::vector<double> weights;
+      for (int j : used[p]) {
+        SourcePlan* s = &plan.sources[p * S + j];
+        srcs.push_back(s);
+        weights.push_back(1.0 / per_nic[{s->node, s->nic}]);  // equal bytes per NIC, split among its sources
+      }
+      PlanStageBalanced(input, options, ix, p, srcs, weights);
+    }
+  }
+  for (SourcePlan& s : plan.sources) Materialize(input, active, &s);
+  Account(input, active, &plan);
+  return plan;
+}
+
+absl::Status VerifyPlan(const PlanInput& in, const Plan& plan) {
+  const int pp = in.cluster.trainer.pp;
+  const int S = in.cluster.trainer.sources_per_stage();
+  if (static_cast<int>(plan.sources.size()) != pp * S) {
+    return absl::InternalError(absl::StrCat("plan has ", plan.sources.size(), " sources, expected ", pp * S));
+  }
+  const std::vector<int> active = in.ActiveInstances();
+  const std::set<int> active_set(active.begin(), active.end());
+  // received[stage][(instance, rank)] = slices
+  std::vector<std::map<Target, std::vector<ParamSlice>>> received(pp);
+  for (const SourcePlan& s : plan.sources) {
+    std::set<int> push(s.push_filter.begin(), s.push_filter.end());
+    std::map<int, std::set<std::pair<int, uint64_t>>> loaded;  // rank -> (param, offset)
+    for (const LayoutAssignment& a : s.assignments) {
+      for (const auto& sl : a.slices) loaded[a.rank].insert({sl.param, sl.offset});
+    }
+    for (const Task& t : s.tasks) {
+      if (!active_set.count(t.target.instance)) {
+        return absl::InternalError(absl::StrCat("source ", s.trainer_rank, " writes to inactive instance ", t.target.instance));
+      }
+      const LayoutInfo& layout = in.layouts[t.target.rank];
+      for (const ParamSlice& sl : t.slices) {
+        const ParamInfo& p = layout.params[sl.param];
+        if (p.stage != s.stage) {
+          return absl::InternalError(absl::StrCat("source ", s.trainer_rank, " (stage ", s.stage, ") sends ", p.name,
+                                                  " of stage ", p.stage));
+        }
+        if (!loaded[t.target.rank].count({sl.param, sl.offset})) {
+          return absl::InternalError(absl::StrCat("source ", s.trainer_rank, " sends ", p.name, " it did not load"));
+        }
+        for (int h : p.inputs) {
+          if (in.hf_tensors[h].stage != s.stage || !push.count(h)) {
+            return absl::InternalError(absl::StrCat("source ", s.trainer_rank, " sends ", p.name, " but does not get ",
+                                                    in.hf_tensors[h].name));
+          }
+        }
+        received[s.stage][t.target].push_back(sl);
+      }
+    }
+  }
+  for (int p = 0; p < pp; ++p) {
+    for (int i : active) {
+      for (int r = 0; r < static_cast<int>(in.layouts.size()); ++r) {
+        std::vector<ParamSlice> got = received[p][{i, r}];
+        std::sort(got.begin(), got.end(), [](const ParamSlice& a, const ParamSlice& b) {
+          return a.param != b.param ? a.param < b.param : a.offset < b.offset;
+        });
+        size_t g = 0;
+        const auto& params = in.layouts[r].params;
+        for (int k = 0; k < static_cast<int>(params.size()); ++k) {
+          if (params[k].stage != p) continue;
+          uint64_t covered = 0;
+          bool any = false;
+          while (g < got.size() && got[g].param == k) {
+            if (got[g].offset != covered) {
+              return absl::InternalError(absl::StrCat("target (", i, ",", r, ") parameter ", params[k].name,
+                                                      ": bytes at ", covered, " missing or duplicated"));
+            }
+            covered += got[g].length;
+            any = true;
+            ++g;
+          }
+          if (!any || covered != params[k].bytes) {
+            return absl::InternalError(absl::StrCat("target (", i, ",", r, ") parameter ", params[k].name, " received ",
+                                                    covered, " of ", params[k].bytes, " bytes"));
+          }
+        }
+        if (g != got.size()) {
+          return absl::InternalError(absl::StrCat("target (", i, ",", r, ") stage ", p, " receives parameter ",
+                                                  got[g].param, " not of this stage"));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Planner> Planner::Create(PlanInput input, PlanOptions options) {
+  Planner p;
+  p.input_ = std::move(input);
+  p.input_.instances = p.input_.ActiveInstances();
+  p.options_ = options;
+  WSYNC_ASSIGN_OR_RETURN(p.plan_, BuildPlan(p.input_, options));
+  return p;
+}
+
+namespace {
+
+std::vector<int> ChangedSources(const Plan& before, const Plan& after) {
+  std::vector<int> out;
+  for (size_t k = 0; k < after.sources.size(); ++k) {
+    if (!(before.sources[k].tasks == after.sources[k].tasks)) out.push_back(static_cast<int>(k));
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<int>> Planner::AddInstance(int id) {
+  if (id < 0 || id >= input_.cluster.engine.instances) {
+    return absl::InvalidArgumentError(absl::StrCat("instance ", id, " outside [0, ", input_.cluster.engine.instances, ")"));
+  }
+  auto& v = input_.instances;
+  if (std::binary_search(v.begin(), v.end(), id)) {
+    return absl::AlreadyExistsError(absl::StrCat("instance ", id, " is already active"));
+  }
+  v.insert(std::lower_bound(v.begin(), v.end(), id), id);
+  const Plan before = plan_;
+  if (options_.strategy == Strategy::kSeed) {
+    // The seed heuristic's assignment depends on the target order; it is recomputed in full.
+    WSYNC_ASSIGN_OR_RETURN(plan_, BuildPlan(input_, options_));
+  } else {
+    for (SourcePlan& s : plan_.sources) {
+      if (!s.assignments.empty()) Materialize(input_, v, &s);
+    }
+    Account(input_, v, &plan_);
+  }
+  return ChangedSources(before, plan_);
+}
+
+absl::StatusOr<std::vector<int>> Planner::RemoveInstance(int id) {
+  auto& v = input_.instances;
+  auto it = std::lower_bound(v.begin(), v.end(), id);
+  if (it == v.end() || *it != id) return absl::NotFoundError(absl::StrCat("instance ", id, " is not active"));
+  if (v.size() == 1) return absl::FailedPreconditionError("cannot remove the last active instance");
+  v.erase(it);
+  const Plan before = plan_;
+  if (options_.strategy == Strategy::kSeed) {
+    WSYNC_ASSIGN_OR_RETURN(plan_, BuildPlan(input_, options_));
+  } else {
+    for (SourcePlan& s : plan_.sources) {
+      if (!s.assignments.empty()) Materialize(input_, v, &s);
+    }
+    Account(input_, v, &plan_);
+  }
+  return ChangedSources(before, plan_);
+}
+
+PlanStats ComputeStats(const PlanInput& in, const Plan& plan) {
+  PlanStats st;
+  st.sources_total = static_cast<int>(plan.sources.size());
+  const int pp = in.cluster.trainer.pp;
+  std::vector<uint64_t> stage_total(pp, 0), stage_max(pp, 0);
+  std::vector<int> stage_n(pp, 0);
+  bool first = true;
+  uint64_t sum = 0;
+  int64_t sess_sum = 0;
+  for (const SourcePlan& s : plan.sources) {
+    stage_n[s.stage]++;
+    if (!s.active()) continue;
+    stage_total[s.stage] += s.bytes_out;
+    stage_max[s.stage] = std::max(stage_max[s.stage], s.bytes_out);
+    st.sources_used++;
+    sum += s.bytes_out;
+    sess_sum += s.sessions;
+    if (first) {
+      st.max_source_bytes = st.min_source_bytes = s.bytes_out;
+      st.max_sessions = st.min_sessions = s.sessions;
+      first = false;
+    }
+    st.max_source_bytes = std::max(st.max_source_bytes, s.bytes_out);
+    st.min_source_bytes = std::min(st.min_source_bytes, s.bytes_out);
+    st.max_sessions = std::max(st.max_sessions, s.sessions);
+    st.min_sessions = std::min(st.min_sessions, s.sessions);
+    st.max_layouts_per_source = std::max(st.max_layouts_per_source, static_cast<int>(s.assignments.size()));
+    st.max_load_bytes = std::max(st.max_load_bytes, s.load_bytes);
+  }
+  st.total_bytes = sum;
+  if (st.sources_used > 0) {
+    st.mean_source_bytes = static_cast<double>(sum) / st.sources_used;
+    st.mean_sessions = static_cast<double>(sess_sum) / st.sources_used;
+  }
+  for (int p = 0; p < pp; ++p) {
+    if (stage_total[p] == 0 || stage_n[p] == 0) continue;
+    const double ideal = static_cast<double>(stage_total[p]) / stage_n[p];
+    st.imbalance = std::max(st.imbalance, stage_max[p] / ideal);
+  }
+  if (!plan.target_bytes.empty()) {
+    st.max_target_bytes = *std::max_element(plan.target_bytes.begin(), plan.target_bytes.end());
+    st.min_target_bytes = *std::min_element(plan.target_bytes.begin(), plan.target_bytes.end());
+    uint64_t t = 0;
+    for (uint64_t b : plan.target_bytes) t += b;
+    st.mean_target_bytes = static_cast<double>(t) / plan.target_bytes.size();
+  }
+  for (const auto& n : plan.source_nics) st.max_source_nic_bytes = std::max(st.max_source_nic_bytes, n.bytes);
+  for (const auto& n : plan.target_nics) st.max_target_nic_bytes = std::max(st.max_target_nic_bytes, n.bytes);
+  return st;
+}
+
+}  // namespace wsync::planner

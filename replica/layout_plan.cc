@@ -1,0 +1,402 @@
+#include "replica/layout_plan.h"
+
+#include <algorithm>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace wsync::replica {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A slice of one HF linear weight ([out, in]) and where it lands in the engine parameter.
+struct Piece {
+  std::string hf_prefix;  // "model.layers.0.self_attn.q_proj." (+ "weight" / "weight_scale_inv" / "bias")
+  int64_t hf_rows = 0, hf_cols = 0;
+  int64_t src_row0 = 0, src_col0 = 0, rows = 0, cols = 0;
+  int64_t dst_row0 = 0, dst_col0 = 0;
+  int64_t expert = 0;
+  int64_t scale_dst_row0 = -1;  // -1: dst_row0 / block_n (must then be whole blocks)
+};
+
+class Walker {
+ public:
+  Walker(const ModelConfig& c, const RankParallelism& r, const QuantSpec& q, const PlanOptions& o)
+      : c_(c), r_(r), q_(q), o_(o), fp8_(q.mode == QuantSpec::Mode::kFp8Block), bn_(q.block_n), bk_(q.block_k) {}
+
+  absl::Status Run();
+  LayoutPlan TakePlan() { return std::move(plan_); }
+
+ private:
+  int AddParam(std::string name, DType dtype, std::vector<int64_t> shape) {
+    EngineParam p;
+    p.name = std::move(name);
+    p.dtype = dtype;
+    p.shape = std::move(shape);
+    uint64_t n = DTypeSize(dtype);
+    for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
+    p.bytes = n;
+    plan_.table.Add(std::move(p));
+    plan_.expected.push_back(0);
+    return static_cast<int>(plan_.table.params().size()) - 1;
+  }
+
+  void AddSource(SliceSource s) {
+    plan_.expected[s.param]++;
+    if (s.kind == SliceSource::Kind::kFp8Weight) plan_.expected[s.scale_param]++;
+    plan_.sources.push_back(std::move(s));
+  }
+
+  // A parameter filled by one whole HF tensor of the same shape (norms, router, replicated vectors).
+  void Replicated(const std::string& name, std::vector<int64_t> shape, DType dtype) {
+    const int p = AddParam(name, dtype, shape);
+    SliceSource s;
+    s.hf_name = name;
+    s.hf_shape = shape;
+    s.hf_dtype = dtype;
+    s.param = p;
+    s.rows = shape[0];
+    s.cols = shape.size() > 1 ? shape[1] : 1;
+    AddSource(std::move(s));
+  }
+
+  absl::Status Linear(const std::string& prefix, int64_t experts, int64_t out, int64_t in, bool quantizable,
+                      const std::vector<Piece>& pieces, int64_t scale_rows = -1);
+  void Bias(const std::string& name, int64_t out, const std::vector<Piece>& pieces);
+  absl::Status Embedding(const std::string& name, int tp, int rank);
+  absl::Status Mha(const std::string& p);
+  absl::Status Mla(const std::string& p);
+  absl::Status DenseMlp(const std::string& p, int64_t inter, bool fused_checkpoint);
+  absl::Status Moe(const std::string& p);
+
+  absl::Status Divisible(int64_t a, int64_t b, absl::string_view what) const {
+    if (b <= 0 || a % b != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " (", a, ") is not divisible by ", b, " for rank tp=",
+                                                     r_.tp_size, "/", r_.tp_rank, " ep=", r_.ep_size, "/", r_.ep_rank,
+                                                     " attn_tp=", r_.attn_tp_size));
+    }
+    return absl::OkStatus();
+  }
+
+  const ModelConfig& c_;
+  const RankParallelism r_;
+  const QuantSpec q_;
+  const PlanOptions o_;
+  const bool fp8_;
+  const int64_t bn_, bk_;
+  LayoutPlan plan_;
+};
+
+absl::Status Walker::Linear(const std::string& prefix, int64_t experts, int64_t out, int64_t in, bool quantizable,
+                            const std::vector<Piece>& pieces, int64_t scale_rows) {
+  const bool quant = fp8_ && quantizable;
+  std::vector<int64_t> shape = {out, in};
+  if (experts > 0) shape.insert(shape.begin(), experts);
+  const int w = AddParam(prefix + "weight", quant ? DType::kF8E4M3 : c_.dtype, shape);
+  int sp = -1;
+  if (quant) {
+    std::vector<int64_t> sshape = {scale_rows >= 0 ? scale_rows : CeilDiv(out, bn_), CeilDiv(in, bk_)};
+    if (experts > 0) sshape.insert(sshape.begin(), experts);
+    sp = AddParam(prefix + "weight_scale_inv", DType::kF32, sshape);
+  }
+  for (const Piece& pc : pieces) {
+    SliceSource s;
+    s.hf_name = pc.hf_prefix + "weight";
+    s.hf_shape = {pc.hf_rows, pc.hf_cols};
+    s.hf_dtype = c_.dtype;
+    s.param = w;
+    s.src_row0 = pc.src_row0;
+    s.src_col0 = pc.src_col0;
+    s.rows = pc.rows;
+    s.cols = pc.cols;
+    s.expert = pc.expert;
+    s.dst_row0 = pc.dst_row0;
+    s.dst_col0 = pc.dst_col0;
+    if (!quant) {
+      AddSource(std::move(s));
+      continue;
+    }
+    // Whole blocks only, in the source and in the destination: then quantizing the slice equals quantizing the
+    // full tensor and slicing, and fp8 pass-through can slice the published scales (SGLang raises otherwise).
+    const bool rows_ok = pc.src_row0 % bn_ == 0 && (pc.rows % bn_ == 0 || pc.src_row0 + pc.rows == pc.hf_rows) &&
+                         (pc.scale_dst_row0 >= 0 || pc.dst_row0 % bn_ == 0);
+    const bool cols_ok = pc.src_col0 % bk_ == 0 && (pc.cols % bk_ == 0 || pc.src_col0 + pc.cols == pc.hf_cols) &&
+                         pc.dst_col0 % bk_ == 0;
+    if (o_.check_blocks && (!rows_ok || !cols_ok)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "FP8 block ", bn_, "x", bk_, ": the shard of '", s.hf_name, "' for '", prefix, "weight' (rows [", pc.src_row0,
+          ", ", pc.src_row0 + pc.rows, ") cols [", pc.src_col0, ", ", pc.src_col0 + pc.cols, ") of [", pc.hf_rows, ", ",
+          pc.hf_cols, "], at row ", pc.dst_row0, ") is not made of whole blocks at tp=", r_.tp_size,
+          " ep=", r_.ep_size, "; use a smaller weight block size"));
+    }
+    s.kind = SliceSource::Kind::kFp8Weight;
+    s.scale_param = sp;
+    s.scale_dst_row0 = pc.scale_dst_row0 >= 0 ? pc.scale_dst_row0 : pc.dst_row0 / bn_;
+    s.scale_dst_col0 = pc.dst_col0 / bk_;
+    s.scale_src_row0 = pc.src_row0 / bn_;
+    s.scale_src_col0 = pc.src_col0 / bk_;
+
+    SliceSource sc;
+    sc.kind = SliceSource::Kind::kFp8Scale;
+    sc.hf_name = pc.hf_prefix + "weight_scale_inv";
+    sc.hf_shape = {CeilDiv(pc.hf_rows, bn_), CeilDiv(pc.hf_cols, bk_)};
+    sc.hf_dtype = DType::kF32;
+    sc.param = sp;
+    sc.src_row0 = s.scale_src_row0;
+    sc.src_col0 = s.scale_src_col0;
+    sc.rows = CeilDiv(pc.src_row0 + pc.rows, bn_) - sc.src_row0;
+    sc.cols = CeilDiv(pc.src_col0 + pc.cols, bk_) - sc.src_col0;
+    sc.expert = pc.expert;
+    sc.dst_row0 = s.scale_dst_row0;
+    sc.dst_col0 = s.scale_dst_col0;
+    // The scale slot is counted once per weight slice (see AddSource), so the scale source adds nothing.
+    plan_.sources.push_back(std::move(s));
+    plan_.expected[w]++;
+    plan_.expected[sp]++;
+    plan_.sources.push_back(std::move(sc));
+  }
+  return absl::OkStatus();
+}
+
+void Walker::Bias(const std::string& name, int64_t out, const std::vector<Piece>& pieces) {
+  const int b = AddParam(name, c_.dtype, {out});
+  for (const Piece& pc : pieces) {
+    SliceSource s;
+    s.hf_name = pc.hf_prefix + "bias";
+    s.hf_shape = {pc.hf_rows};
+    s.hf_dtype = c_.dtype;
+    s.param = b;
+    s.src_row0 = pc.src_row0;
+    s.rows = pc.rows;
+    s.cols = 1;
+    s.dst_row0 = pc.dst_row0;
+    AddSource(std::move(s));
+  }
+}
+
+// VocabParallelEmbedding / ParallelLMHead: vocab padded to a multiple of 64, split evenly; padding rows stay zero.
+absl::Status Walker::Embedding(const std::string& name, int tp, int rank) {
+  const int64_t v = c_.vocab_size, h = c_.hidden_size;
+  const int64_t vp = CeilDiv(v, 64) * 64;
+  WSYNC_RETURN_IF_ERROR(Divisible(vp, tp, absl::StrCat(name, ": padded vocab")));
+  const int64_t per = vp / tp, start = rank * per;
+  const int64_t n = std::max<int64_t>(0, std::min(per, v - start));
+  const int p = AddParam(name, c_.dtype, {per, h});
+  if (n > 0) {
+    SliceSource s;
+    s.hf_name = name;
+    s.hf_shape = {v, h};
+    s.hf_dtype = c_.dtype;
+    s.param = p;
+    s.src_row0 = start;
+    s.rows = n;
+    s.cols = h;
+    AddSource(std::move(s));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Walker::Mha(const std::string& p) {
+  const int64_t atp = r_.attn_tp_size, ar = r_.attn_tp_rank, d = c_.head_dim, h = c_.hidden_size;
+  const int64_t heads = c_.num_heads, kv = c_.num_kv_heads;
+  WSYNC_RETURN_IF_ERROR(Divisible(heads, atp, "num_attention_heads"));
+  const int64_t hl = heads / atp;
+  int64_t kvl, kv0;
+  if (atp >= kv) {
+    // More ranks than KV heads: each KV head is replicated on atp/kv consecutive ranks.
+    WSYNC_RETURN_IF_ERROR(Divisible(atp, kv, "attention tp size vs num_key_value_heads"));
+    kvl = 1;
+    kv0 = ar / (atp / kv);
+  } else {
+    WSYNC_RETURN_IF_ERROR(Divisible(kv, atp, "num_key_value_heads"));
+    kvl = kv / atp;
+    kv0 = ar * kvl;
+  }
+  const std::string a = p + "self_attn.";
+  std::vector<Piece> qkv = {
+      {a + "q_proj.", heads * d, h, ar * hl * d, 0, hl * d, h, 0, 0},
+      {a + "k_proj.", kv * d, h, kv0 * d, 0, kvl * d, h, hl * d, 0},
+      {a + "v_proj.", kv * d, h, kv0 * d, 0, kvl * d, h, (hl + kvl) * d, 0},
+  };
+  WSYNC_RETURN_IF_ERROR(Linear(a + "qkv_proj.", 0, (hl + 2 * kvl) * d, h, true, qkv));
+  if (c_.attention_bias) Bias(a + "qkv_proj.bias", (hl + 2 * kvl) * d, qkv);
+  WSYNC_RETURN_IF_ERROR(
+      Linear(a + "o_proj.", 0, h, hl * d, true, {{a + "o_proj.", h, heads * d, 0, ar * hl * d, h, hl * d, 0, 0}}));
+  // Llama's attention_bias also covers o_proj (row-parallel: the bias is replicated).
+  if (c_.attention_bias && c_.family == Family::kLlama) Replicated(a + "o_proj.bias", {h}, c_.dtype);
+  if (c_.qk_norm) {
+    Replicated(a + "q_norm.weight", {d}, c_.dtype);
+    Replicated(a + "k_norm.weight", {d}, c_.dtype);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Walker::Mla(const std::string& p) {
+  const int64_t atp = r_.attn_tp_size, ar = r_.attn_tp_rank, h = c_.hidden_size, heads = c_.num_heads;
+  const int64_t qk = c_.qk_nope_head_dim + c_.qk_rope_head_dim, kvr = c_.kv_lora_rank, rope = c_.qk_rope_head_dim;
+  const int64_t nv = c_.qk_nope_head_dim + c_.v_head_dim, v = c_.v_head_dim;
+  WSYNC_RETURN_IF_ERROR(Divisible(heads, atp, "num_attention_heads"));
+  const int64_t hl = heads / atp;
+  const std::string a = p + "self_attn.";
+  if (c_.q_lora_rank > 0) {
+    const int64_t ql = c_.q_lora_rank;
+    // ReplicatedLinear holding q_a_proj and kv_a_proj_with_mqa concatenated along dim 0.
+    WSYNC_RETURN_IF_ERROR(Linear(a + "fused_qkv_a_proj_with_mqa.", 0, ql + kvr + rope, h, true,
+                                 {{a + "q_a_proj.", ql, h, 0, 0, ql, h, 0, 0},
+                                  {a + "kv_a_proj_with_mqa.", kvr + rope, h, 0, 0, kvr + rope, h, ql, 0}}));
+    Replicated(a + "q_a_layernorm.weight", {ql}, c_.dtype);
+    WSYNC_RETURN_IF_ERROR(Linear(a + "q_b_proj.", 0, hl * qk, ql,
+                                 true, {{a + "q_b_proj.", heads * qk, ql, ar * hl * qk, 0, hl * qk, ql, 0, 0}}));
+  } else {
+    WSYNC_RETURN_IF_ERROR(
+        Linear(a + "q_proj.", 0, hl * qk, h, true, {{a + "q_proj.", heads * qk, h, ar * hl * qk, 0, hl * qk, h, 0, 0}}));
+    WSYNC_RETURN_IF_ERROR(Linear(a + "kv_a_proj_with_mqa.", 0, kvr + rope, h, true,
+                                 {{a + "kv_a_proj_with_mqa.", kvr + rope, h, 0, 0, kvr + rope, h, 0, 0}}));
+  }
+  Replicated(a + "kv_a_layernorm.weight", {kvr}, c_.dtype);
+  WSYNC_RETURN_IF_ERROR(Linear(a + "kv_b_proj.", 0, hl * nv, kvr, true,
+                               {{a + "kv_b_proj.", heads * nv, kvr, ar * hl * nv, 0, hl * nv, kvr, 0, 0}}));
+  WSYNC_RETURN_IF_ERROR(
+      Linear(a + "o_proj.", 0, h, hl * v, true, {{a + "o_proj.", h, heads * v, 0, ar * hl * v, h, hl * v, 0, 0}}));
+  return absl::OkStatus();
+}
+
+absl::Status Walker::DenseMlp(const std::string& m, int64_t inter, bool fused_checkpoint) {
+  const int64_t tp = r_.tp_size, tr = r_.tp_rank, h = c_.hidden_size;
+  WSYNC_RETURN_IF_ERROR(Divisible(inter, tp, absl::StrCat(m, " intermediate size")));
+  const int64_t il = inter / tp;
+  std::vector<Piece> gu;
+  if (fused_checkpoint) {
+    // GLM4 stores gate_up_proj already fused ([gate; up]); SGLang splits it by output_sizes and shards each half.
+    gu = {{m + "gate_up_proj.", 2 * inter, h, tr * il, 0, il, h, 0, 0},
+          {m + "gate_up_proj.", 2 * inter, h, inter + tr * il, 0, il, h, il, 0}};
+  } else {
+    gu = {{m + "gate_proj.", inter, h, tr * il, 0, il, h, 0, 0}, {m + "up_proj.", inter, h, tr * il, 0, il, h, il, 0}};
+  }
+  WSYNC_RETURN_IF_ERROR(Linear(m + "gate_up_proj.", 0, 2 * il, h, true, gu));
+  WSYNC_RETURN_IF_ERROR(
+      Linear(m + "down_proj.", 0, h, il, true, {{m + "down_proj.", h, inter, 0, tr * il, h, il, 0, 0}}));
+  return absl::OkStatus();
+}
+
+absl::Status Walker::Moe(const std::string& p) {
+  const int64_t e = c_.num_experts, h = c_.hidden_size, mi = c_.moe_intermediate_size;
+  const std::string m = p + "mlp.";
+  Replicated(m + "gate.weight", {e, h}, c_.dtype);
+  if (c_.router_bias) Replicated(m + "gate.e_score_correction_bias", {e}, DType::kF32);
+
+  WSYNC_RETURN_IF_ERROR(Divisible(e, r_.ep_size, "n_routed_experts"));
+  const int64_t n = e / r_.ep_size, fused = c_.num_fused_shared_experts, el = n + fused;
+  WSYNC_RETURN_IF_ERROR(Divisible(mi, r_.moe_tp_size, "moe_intermediate_size"));
+  const int64_t is = mi / r_.moe_tp_size, i0 = r_.moe_tp_rank * is;
+  const int64_t up_scale_row = CeilDiv(is, bn_);
+  std::vector<Piece> w13, w2;
+  for (int64_t le = 0; le < el; ++le) {
+    const std::string hf = le < n ? absl::StrCat(m, "experts.", r_.ep_rank * n + le, ".") : m + "shared_experts.";
+    w13.push_back({hf + "gate_proj.", mi, h, i0, 0, is, h, 0, 0, le, 0});
+    w13.push_back({hf + "up_proj.", mi, h, i0, 0, is, h, is, 0, le, up_scale_row});
+    w2.push_back({hf + "down_proj.", h, mi, 0, i0, h, is, 0, 0, le});
+  }
+  WSYNC_RETURN_IF_ERROR(Linear(m + "experts.w13_", el, 2 * is, h, true, w13, 2 * up_scale_row));
+  WSYNC_RETURN_IF_ERROR(Linear(m + "experts.w2_", el, h, is, true, w2));
+  if (c_.num_shared_experts > 0 && fused == 0) {
+    WSYNC_RETURN_IF_ERROR(DenseMlp(m + "shared_experts.", mi * c_.num_shared_experts, false));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Walker::Run() {
+  const RankParallelism& r = r_;
+  if (r.pp_size != 1) return absl::UnimplementedError("pipeline-parallel engines (pp_size > 1) are not supported");
+  if (r.tp_size <= 0 || r.tp_rank < 0 || r.tp_rank >= r.tp_size || r.ep_size <= 0 || r.tp_size % r.ep_size != 0 ||
+      r.moe_tp_size * r.ep_size != r.tp_size || r.ep_rank < 0 || r.ep_rank >= r.ep_size || r.moe_tp_rank < 0 ||
+      r.moe_tp_rank >= r.moe_tp_size || r.attn_tp_size <= 0 || r.attn_tp_rank < 0 ||
+      r.attn_tp_rank >= r.attn_tp_size || r.attn_tp_size * r.attn_dp_size != r.tp_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inconsistent rank parallelism: tp=", r.tp_size, "/", r.tp_rank, " ep=", r.ep_size, "/", r.ep_rank, " moe_tp=",
+        r.moe_tp_size, "/", r.moe_tp_rank, " attn_tp=", r.attn_tp_size, "/", r.attn_tp_rank, " attn_dp=",
+        r.attn_dp_size, " (need tp = ep * moe_tp = attn_tp * attn_dp and ranks in range)"));
+  }
+  if (fp8_ && (bn_ <= 0 || bk_ <= 0)) return absl::InvalidArgumentError("FP8 block size must be positive");
+  if (c_.num_fused_shared_experts > 0 && c_.num_fused_shared_experts != c_.num_shared_experts) {
+    return absl::InvalidArgumentError("shared-expert fusion needs num_fused_shared_experts == n_shared_experts");
+  }
+
+  // With DP-attention the embedding is replicated in every attention-DP group (SGLang: enable_tp=False).
+  const bool dp_attn = r.attn_dp_size > 1;
+  WSYNC_RETURN_IF_ERROR(Embedding("model.embed_tokens.weight", dp_attn ? 1 : r.tp_size, dp_attn ? 0 : r.tp_rank));
+  const int64_t h = c_.hidden_size;
+  for (int64_t i = 0; i < c_.num_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    WSYNC_RETURN_IF_ERROR(c_.is_mla() ? Mla(p) : Mha(p));
+    if (c_.IsMoeLayer(i)) {
+      WSYNC_RETURN_IF_ERROR(Moe(p));
+    } else {
+      WSYNC_RETURN_IF_ERROR(DenseMlp(p + "mlp.", c_.intermediate_size, c_.family == Family::kGlm4));
+    }
+    Replicated(p + "input_layernorm.weight", {h}, c_.dtype);
+    Replicated(p + "post_attention_layernorm.weight", {h}, c_.dtype);
+    if (c_.family == Family::kGlm4) {
+      Replicated(p + "post_self_attn_layernorm.weight", {h}, c_.dtype);
+      Replicated(p + "post_mlp_layernorm.weight", {h}, c_.dtype);
+    }
+  }
+  Replicated("model.norm.weight", {h}, c_.dtype);
+  if (!c_.tie_word_embeddings) WSYNC_RETURN_IF_ERROR(Embedding("lm_head.weight", r.tp_size, r.tp_rank));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<LayoutPlan> PlanLayout(const ModelConfig& config, const RankParallelism& rank, const QuantSpec& quant,
+                                      const PlanOptions& options) {
+  Walker w(config, rank, quant, options);
+  WSYNC_RETURN_IF_ERROR(w.Run());
+  return w.TakePlan();
+}
+
+int64_t LayerIndexOf(absl::string_view hf_name) {
+  constexpr absl::string_view kPrefix = "model.layers.";
+  if (!absl::StartsWith(hf_name, kPrefix)) return -1;
+  hf_name.remove_prefix(kPrefix.size());
+  const size_t dot = hf_name.find('.');
+  int64_t i = -1;
+  if (dot == absl::string_view::npos || !absl::SimpleAtoi(hf_name.substr(0, dot), &i)) return -1;
+  return i;
+}
+
+absl::StatusOr<std::vector<TensorSpec>> CheckpointTensors(const ModelConfig& config) {
+  return CheckpointTensors(config, CheckpointFormat::kTrainer);
+}
+
+absl::StatusOr<std::vector<TensorSpec>> CheckpointTensors(const ModelConfig& config, CheckpointFormat format,
+                                                          int block_n, int block_k) {
+  QuantSpec q;
+  if (format == CheckpointFormat::kFp8PassThrough) {
+    q.mode = QuantSpec::Mode::kFp8Block;
+    q.block_n = block_n;
+    q.block_k = block_k;
+  }
+  PlanOptions o;
+  o.check_blocks = false;
+  // Unsharded walk (tp=1, ep=1): every source is a whole HF tensor, in checkpoint order.
+  WSYNC_ASSIGN_OR_RETURN(LayoutPlan plan, PlanLayout(config, RankParallelism::ForTp(1, 0, 1), q, o));
+  std::vector<TensorSpec> out;
+  out.reserve(plan.sources.size());
+  absl::flat_hash_set<absl::string_view> seen;
+  for (const SliceSource& s : plan.sources) {
+    if (!seen.insert(s.hf_name).second) continue;  // GLM4's fused gate_up_proj feeds two slices
+    TensorSpec t;
+    t.name = s.hf_name;
+    t.dtype = s.kind == SliceSource::Kind::kFp8Weight ? DType::kF8E4M3 : s.hf_dtype;
+    t.shape = s.hf_shape;
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+}  // namespace wsync::replica

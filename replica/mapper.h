@@ -1,0 +1,47 @@
+#pragma once
+// HF tensor name → SGLang parameter (what SGLang's ParameterMapper / load_weights would pick), or a documented skip.
+//
+// Skip rules (the tensor is accepted and dropped, never an error):
+//   kMtpLayer   "model.layers.<i>.*" with i >= num_hidden_layers: MTP / next-n draft layers (DeepSeek-V3, GLM-4.5,
+//               GLM-4.7-Flash) that the target model does not load.
+//   kRotary     "*.rotary_emb.*" (inv_freq, cos/sin caches): buffers the engine recomputes (Kimi-K2 stores them).
+//   kTiedHead   "lm_head.weight" when tie_word_embeddings: SGLang reuses embed_tokens (Qwen3-0.6B stores it anyway).
+// Anything else that does not resolve to a parameter of the model is an error naming the tensor.
+
+#include <cstdint>
+#include <string>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "replica/model_config.h"
+
+namespace wsync::replica {
+
+enum class SkipRule { kNone, kMtpLayer, kRotary, kTiedHead };
+absl::string_view SkipRuleName(SkipRule r);
+
+struct HfMapping {
+  SkipRule skip = SkipRule::kNone;
+  std::string engine_name;     // e.g. "model.layers.3.mlp.experts.w13_weight"
+  std::string shard_id;        // "" (whole), "q"/"k"/"v", "0"/"1" (gate_up, fused_qkv_a), "w1"/"w2"/"w3" (experts)
+  int num_shards = 1;          // qkv 3, gate_up 2, fused_qkv_a 2, w13 2, w2 1
+  int64_t expert_id = -1;      // global expert id, -1 when not an expert
+  int64_t num_local_experts = 0;  // experts per EP rank (+ fused shared), 0 when not an expert
+};
+
+class ParamMapper {
+ public:
+  // `ep_size` only affects num_local_experts.
+  static absl::StatusOr<ParamMapper> Create(const ModelConfig& config, int ep_size = 1);
+
+  // InvalidArgument naming the tensor for unknown names, OutOfRange for an expert id >= n_routed_experts.
+  absl::StatusOr<HfMapping> Map(absl::string_view hf_name) const;
+
+ private:
+  ModelConfig config_;
+  int ep_size_ = 1;
+  absl::flat_hash_set<std::string> engine_names_;  // every parameter name at tp=1, bf16 and fp8
+};
+
+}  // namespace wsync::replica

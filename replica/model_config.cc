@@ -1,0 +1,268 @@
+#include "replica/model_config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+
+namespace wsync::replica {
+namespace {
+
+using Json = nlohmann::json;
+
+struct ArchEntry {
+  const char* name;
+  Family family;
+};
+constexpr ArchEntry kArchitectures[] = {
+    {"LlamaForCausalLM", Family::kLlama},
+    {"Qwen2ForCausalLM", Family::kQwen2},
+    {"Qwen3ForCausalLM", Family::kQwen3},
+    {"Qwen3MoeForCausalLM", Family::kQwen3Moe},
+    {"Glm4ForCausalLM", Family::kGlm4},
+    {"Glm4MoeForCausalLM", Family::kGlm4Moe},
+    {"DeepseekV2ForCausalLM", Family::kDeepseekV2V3},
+    {"DeepseekV3ForCausalLM", Family::kDeepseekV2V3},
+    {"Glm4MoeLiteForCausalLM", Family::kGlm4MoeLite},
+};
+
+// Reads config keys with context in every error; absent-or-null optional keys take the default.
+class Reader {
+ public:
+  Reader(const Json& j, std::string arch) : j_(j), arch_(std::move(arch)) {}
+
+  bool Has(const char* key) const { return j_.contains(key) && !j_.at(key).is_null(); }
+
+  absl::StatusOr<int64_t> Int(const char* key) const {
+    if (!Has(key)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json (", arch_, "): missing required key '", key, "'"));
+    }
+    const Json& v = j_.at(key);
+    if (!v.is_number_integer() && !v.is_number_unsigned()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json (", arch_, "): key '", key, "' must be an integer, got ", v.dump()));
+    }
+    return v.get<int64_t>();
+  }
+  absl::StatusOr<int64_t> Int(const char* key, int64_t def) const {
+    if (!Has(key)) return def;
+    return Int(key);
+  }
+  absl::StatusOr<int64_t> PositiveInt(const char* key) const {
+    WSYNC_ASSIGN_OR_RETURN(int64_t v, Int(key));
+    if (v <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json (", arch_, "): key '", key, "' must be positive, got ", v));
+    }
+    return v;
+  }
+  absl::StatusOr<bool> Bool(const char* key, bool def) const {
+    if (!Has(key)) return def;
+    const Json& v = j_.at(key);
+    if (!v.is_boolean()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json (", arch_, "): key '", key, "' must be a boolean, got ", v.dump()));
+    }
+    return v.get<bool>();
+  }
+  std::string Str(const char* key) const {
+    if (!Has(key) || !j_.at(key).is_string()) return "";
+    return j_.at(key).get<std::string>();
+  }
+
+ private:
+  const Json& j_;
+  std::string arch_;
+};
+
+}  // namespace
+
+bool ModelConfig::IsMoeLayer(int64_t layer) const {
+  if (num_experts <= 0) return false;
+  if (family == Family::kQwen3Moe) {
+    for (int64_t l : mlp_only_layers) {
+      if (l == layer) return false;
+    }
+    return (layer + 1) % moe_layer_freq == 0;
+  }
+  return layer >= first_k_dense && layer % moe_layer_freq == 0;
+}
+
+absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view json_text) {
+  Json j = Json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError("config.json: not a JSON object");
+  }
+  ModelConfig c;
+  if (!j.contains("architectures") || !j["architectures"].is_array() || j["architectures"].empty() ||
+      !j["architectures"][0].is_string()) {
+    return absl::InvalidArgumentError("config.json: missing required key 'architectures' (a non-empty list)");
+  }
+  c.architecture = j["architectures"][0].get<std::string>();
+  bool known = false;
+  std::vector<std::string> names;
+  for (const ArchEntry& a : kArchitectures) {
+    names.push_back(a.name);
+    if (c.architecture == a.name) {
+      c.family = a.family;
+      known = true;
+    }
+  }
+  if (!known) {
+    return absl::UnimplementedError(absl::StrCat("config.json: unsupported architecture '", c.architecture,
+                                                 "' (supported: ", absl::StrJoin(names, ", "), ")"));
+  }
+  Reader r(j, c.architecture);
+  c.model_type = r.Str("model_type");
+
+  // transformers 5 renamed torch_dtype to dtype; both appear in published configs.
+  std::string dt = r.Str("torch_dtype");
+  if (dt.empty()) dt = r.Str("dtype");
+  if (!dt.empty()) {
+    WSYNC_ASSIGN_OR_RETURN(c.dtype, ParseDType(dt));
+    if (c.dtype != DType::kBF16 && c.dtype != DType::kF16 && c.dtype != DType::kF32) {
+      return absl::InvalidArgumentError(absl::StrCat("config.json (", c.architecture, "): unsupported dtype '", dt, "'"));
+    }
+  }
+
+  WSYNC_ASSIGN_OR_RETURN(c.hidden_size, r.PositiveInt("hidden_size"));
+  WSYNC_ASSIGN_OR_RETURN(c.num_layers, r.PositiveInt("num_hidden_layers"));
+  WSYNC_ASSIGN_OR_RETURN(c.num_heads, r.PositiveInt("num_attention_heads"));
+  WSYNC_ASSIGN_OR_RETURN(c.vocab_size, r.PositiveInt("vocab_size"));
+  WSYNC_ASSIGN_OR_RETURN(c.intermediate_size, r.PositiveInt("intermediate_size"));
+  WSYNC_ASSIGN_OR_RETURN(c.num_kv_heads, r.Int("num_key_value_heads", c.num_heads));
+  const bool mla_family = c.family == Family::kDeepseekV2V3 || c.family == Family::kGlm4MoeLite;
+  if (r.Has("head_dim")) {
+    WSYNC_ASSIGN_OR_RETURN(c.head_dim, r.PositiveInt("head_dim"));
+  } else if (!mla_family) {  // MLA head dims come from qk_nope/qk_rope below
+    if (c.hidden_size % c.num_heads != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("config.json (", c.architecture, "): no 'head_dim' and hidden_size ",
+                                                     c.hidden_size, " is not divisible by num_attention_heads ",
+                                                     c.num_heads));
+    }
+    c.head_dim = c.hidden_size / c.num_heads;
+  }
+  WSYNC_ASSIGN_OR_RETURN(c.tie_word_embeddings, r.Bool("tie_word_embeddings", false));
+  // Qwen2 always has a qkv bias (its config has no key for it); the others say so in attention_bias.
+  WSYNC_ASSIGN_OR_RETURN(c.attention_bias, r.Bool("attention_bias", c.family == Family::kQwen2 ||
+                                                                        c.family == Family::kGlm4));
+  if (c.family == Family::kQwen2) c.attention_bias = true;
+  WSYNC_ASSIGN_OR_RETURN(c.num_nextn_predict_layers, r.Int("num_nextn_predict_layers", 0));
+
+  switch (c.family) {
+    case Family::kLlama:
+    case Family::kQwen2:
+    case Family::kGlm4:
+      break;
+    case Family::kQwen3:
+      c.qk_norm = true;
+      break;
+    case Family::kQwen3Moe: {
+      c.qk_norm = true;
+      WSYNC_ASSIGN_OR_RETURN(c.num_experts, r.PositiveInt("num_experts"));
+      WSYNC_ASSIGN_OR_RETURN(c.moe_intermediate_size, r.PositiveInt("moe_intermediate_size"));
+      WSYNC_ASSIGN_OR_RETURN(c.moe_layer_freq, r.Int("decoder_sparse_step", 1));
+      if (r.Has("mlp_only_layers")) {
+        const Json& v = j["mlp_only_layers"];
+        if (!v.is_array()) return absl::InvalidArgumentError("config.json: 'mlp_only_layers' must be a list");
+        for (const Json& e : v) {
+          if (!e.is_number_integer()) return absl::InvalidArgumentError("config.json: 'mlp_only_layers' must hold integers");
+          c.mlp_only_layers.push_back(e.get<int64_t>());
+        }
+      }
+      break;
+    }
+    case Family::kGlm4Moe:
+    case Family::kDeepseekV2V3:
+    case Family::kGlm4MoeLite: {
+      WSYNC_ASSIGN_OR_RETURN(c.num_experts, r.Int("n_routed_experts", 0));
+      if (c.num_experts > 0) {
+        WSYNC_ASSIGN_OR_RETURN(c.moe_intermediate_size, r.PositiveInt("moe_intermediate_size"));
+        WSYNC_ASSIGN_OR_RETURN(c.num_shared_experts, r.Int("n_shared_experts", 0));
+        WSYNC_ASSIGN_OR_RETURN(c.first_k_dense, r.Int("first_k_dense_replace", 0));
+        WSYNC_ASSIGN_OR_RETURN(c.moe_layer_freq, r.Int("moe_layer_freq", 1));
+      }
+      // Glm4MoeGate always has the correction bias; DeepSeek's MoEGate only for noaux_tc routing.
+      c.router_bias = c.family != Family::kDeepseekV2V3 || r.Str("topk_method") == "noaux_tc";
+      if (c.family == Family::kGlm4Moe) {
+        WSYNC_ASSIGN_OR_RETURN(c.qk_norm, r.Bool("use_qk_norm", false));
+      } else {
+        WSYNC_ASSIGN_OR_RETURN(c.q_lora_rank, r.Int("q_lora_rank", 0));
+        WSYNC_ASSIGN_OR_RETURN(c.kv_lora_rank, r.PositiveInt("kv_lora_rank"));
+        WSYNC_ASSIGN_OR_RETURN(c.qk_nope_head_dim, r.PositiveInt("qk_nope_head_dim"));
+        WSYNC_ASSIGN_OR_RETURN(c.qk_rope_head_dim, r.PositiveInt("qk_rope_head_dim"));
+        WSYNC_ASSIGN_OR_RETURN(c.v_head_dim, r.PositiveInt("v_head_dim"));
+        c.head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim;
+      }
+      break;
+    }
+  }
+  if (c.moe_layer_freq <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json (", c.architecture, "): moe layer frequency must be positive"));
+  }
+  if (c.num_kv_heads <= 0 || c.num_heads % c.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json (", c.architecture, "): num_attention_heads ", c.num_heads,
+                                                   " is not a multiple of num_key_value_heads ", c.num_kv_heads));
+  }
+
+  if (r.Has("quantization_config")) {
+    const Json& q = j["quantization_config"];
+    if (q.is_object() && q.contains("quant_method") && q["quant_method"] == "fp8" && q.contains("weight_block_size") &&
+        q["weight_block_size"].is_array()) {
+      for (const Json& e : q["weight_block_size"]) {
+        if (!e.is_number_integer() || e.get<int64_t>() <= 0) {
+          return absl::InvalidArgumentError("config.json: quantization_config.weight_block_size must hold positive integers");
+        }
+        c.weight_block_size.push_back(e.get<int64_t>());
+      }
+      if (c.weight_block_size.size() != 2) {
+        return absl::InvalidArgumentError("config.json: quantization_config.weight_block_size must have 2 entries");
+      }
+    }
+  }
+  return c;
+}
+
+absl::StatusOr<ModelConfig> ModelConfig::FromFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open model config '", path, "'"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto c = FromJson(ss.str());
+  if (!c.ok()) return Annotate(c.status(), path);
+  return c;
+}
+
+bool RankParallelism::operator==(const RankParallelism& o) const {
+  return tp_size == o.tp_size && tp_rank == o.tp_rank && pp_size == o.pp_size && pp_rank == o.pp_rank &&
+         ep_size == o.ep_size && ep_rank == o.ep_rank && moe_tp_size == o.moe_tp_size &&
+         moe_tp_rank == o.moe_tp_rank && attn_tp_size == o.attn_tp_size && attn_tp_rank == o.attn_tp_rank &&
+         attn_dp_size == o.attn_dp_size && attn_dp_rank == o.attn_dp_rank;
+}
+
+RankParallelism RankParallelism::ForTp(int tp_size, int tp_rank, int ep_size) {
+  RankParallelism r;
+  r.tp_size = tp_size;
+  r.tp_rank = tp_rank;
+  r.ep_size = ep_size;
+  // SGLang: moe_tp = tp / ep; ep_rank = tp_rank / moe_tp, moe_tp_rank = tp_rank % moe_tp.
+  r.moe_tp_size = ep_size > 0 && tp_size % ep_size == 0 ? tp_size / ep_size : 1;
+  r.ep_rank = tp_rank / r.moe_tp_size;
+  r.moe_tp_rank = tp_rank % r.moe_tp_size;
+  r.attn_tp_size = tp_size;
+  r.attn_tp_rank = tp_rank;
+  return r;
+}
+
+uint64_t TensorSpec::bytes() const {
+  uint64_t n = DTypeSize(dtype);
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+}  // namespace wsync::replica

@@ -1,0 +1,314 @@
+#include "replica/replica.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "replica/convert.h"
+#include "replica/fp8.h"
+#include "replica/layout_plan.h"
+#include "replica/mapper.h"
+
+namespace wsync::replica {
+namespace {
+
+constexpr size_t kPageSize = 4096;
+
+std::string ShapeStr(absl::Span<const int64_t> s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
+
+bool IsFloat(DType t) { return t == DType::kBF16 || t == DType::kF16 || t == DType::kF32; }
+
+// [E, R, C] view of a parameter (1-D: [1, n, 1]; 2-D: [1, R, C]).
+struct View {
+  int64_t e = 1, r = 1, c = 1;
+};
+View ViewOf(const std::vector<int64_t>& s) {
+  View v;
+  if (s.size() == 1) v.r = s[0];
+  if (s.size() == 2) v.r = s[0], v.c = s[1];
+  if (s.size() == 3) v.e = s[0], v.r = s[1], v.c = s[2];
+  return v;
+}
+
+// Page-aligned, zeroed memory (anonymous mapping, populated up front so the first update pays no page faults),
+// released on destruction.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& o) noexcept : ptr_(o.ptr_), size_(o.size_) { o.ptr_ = nullptr; }
+  Buffer& operator=(Buffer&&) = delete;
+  ~Buffer() {
+    if (ptr_ != nullptr) munmap(ptr_, size_);
+  }
+  absl::Status Allocate(uint64_t bytes) {
+    size_ = std::max<uint64_t>(kPageSize, (bytes + kPageSize - 1) / kPageSize * kPageSize);
+    void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (p == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate a replica buffer of ", bytes, " bytes: ",
+                                                       std::strerror(errno)));
+    }
+    ptr_ = static_cast<uint8_t*>(p);
+    return absl::OkStatus();
+  }
+  uint8_t* data() const { return ptr_; }
+
+ private:
+  uint8_t* ptr_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+class ReplicaImpl final : public Replica {
+ public:
+  static absl::StatusOr<std::unique_ptr<Replica>> Make(const ModelConfig& config, std::vector<RankParallelism> ranks,
+                                                       const QuantSpec& quant);
+
+  int num_layouts() const override { return static_cast<int>(layouts_.size()); }
+  const RankParallelism& layout(int l) const override { return layouts_[l].rank; }
+  const ParamTable& table(int l) const override { return layouts_[l].plan.table; }
+  uint8_t* data(int l) override { return layouts_[l].buffer.data(); }
+
+  void BeginUpdate() override {
+    for (Layout& l : layouts_) std::fill(l.arrived.begin(), l.arrived.end(), 0);
+    std::fill(seen_.begin(), seen_.end(), kNotSeen);
+  }
+
+  absl::Status Validate(const HfTensor& t) const override { return Check(t).status(); }
+  absl::StatusOr<std::vector<ReadyParam>> Ingest(const HfTensor& t) override;
+  absl::Status FinishUpdate() const override;
+  bool Needs(absl::string_view hf_name) const override;
+
+ private:
+  enum class Role : uint8_t { kPlain, kFp8Weight, kFp8Scale };
+  enum Seen : uint8_t { kNotSeen = 0, kSeenConverted, kSeenFp8 };
+  struct Placement {
+    int layout;
+    int source;
+  };
+  struct HfEntry {
+    std::vector<int64_t> shape;
+    Role role = Role::kPlain;
+    int partner = -1;  // weight <-> its weight_scale_inv
+    std::vector<Placement> placements;
+  };
+  struct Layout {
+    RankParallelism rank;
+    LayoutPlan plan;
+    Buffer buffer;
+    std::vector<int> arrived;
+  };
+
+  ReplicaImpl(const ModelConfig& c, const QuantSpec& q, ParamMapper m) : config_(c), quant_(q), mapper_(std::move(m)) {}
+
+  // Index of the entry for a valid tensor, -1 for a tensor skipped by rule; errors name the tensor.
+  absl::StatusOr<int> Check(const HfTensor& t) const;
+  absl::Status Place(const HfTensor& t, const Layout& l, const SliceSource& s);
+
+  ModelConfig config_;
+  QuantSpec quant_;
+  ParamMapper mapper_;
+  std::vector<Layout> layouts_;
+  absl::flat_hash_map<std::string, int> index_;
+  std::vector<HfEntry> entries_;
+  std::vector<uint8_t> seen_;
+};
+
+absl::StatusOr<std::unique_ptr<Replica>> ReplicaImpl::Make(const ModelConfig& config,
+                                                           std::vector<RankParallelism> ranks,
+                                                           const QuantSpec& quant) {
+  if (ranks.empty()) return absl::InvalidArgumentError("a replica needs at least one layout");
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (ranks[i] == ranks[j]) {
+        return absl::InvalidArgumentError(absl::StrCat("layouts ", j, " and ", i, " are identical; share one layout"));
+      }
+    }
+  }
+  WSYNC_ASSIGN_OR_RETURN(ParamMapper mapper, ParamMapper::Create(config, ranks[0].ep_size));
+  std::unique_ptr<ReplicaImpl> r(new ReplicaImpl(config, quant, std::move(mapper)));
+  const bool fp8 = quant.mode == QuantSpec::Mode::kFp8Block;
+
+  // Every checkpoint name is known (also experts no layout needs), so Validate can check any tensor's shape.
+  std::vector<std::vector<TensorSpec>> lists;
+  WSYNC_ASSIGN_OR_RETURN(std::vector<TensorSpec> trainer, CheckpointTensors(config, CheckpointFormat::kTrainer));
+  lists.push_back(std::move(trainer));
+  if (fp8) {
+    WSYNC_ASSIGN_OR_RETURN(std::vector<TensorSpec> pass,
+                           CheckpointTensors(config, CheckpointFormat::kFp8PassThrough, quant.block_n, quant.block_k));
+    lists.push_back(std::move(pass));
+  }
+  for (const auto& list : lists) {
+    for (const TensorSpec& t : list) {
+      auto [it, fresh] = r->index_.emplace(t.name, static_cast<int>(r->entries_.size()));
+      if (!fresh) {
+        if (t.dtype == DType::kF8E4M3) r->entries_[it->second].role = Role::kFp8Weight;
+        continue;
+      }
+      HfEntry e;
+      e.shape = t.shape;
+      const bool is_scale = t.name.size() > 10 && t.name.compare(t.name.size() - 10, 10, "_scale_inv") == 0;
+      e.role = is_scale ? Role::kFp8Scale : t.dtype == DType::kF8E4M3 ? Role::kFp8Weight : Role::kPlain;
+      r->entries_.push_back(std::move(e));
+    }
+  }
+  for (auto& [name, idx] : r->index_) {
+    if (r->entries_[idx].role != Role::kFp8Scale) continue;
+    auto w = r->index_.find(name.substr(0, name.size() - 10));
+    if (w != r->index_.end()) {
+      r->entries_[idx].partner = w->second;
+      r->entries_[w->second].partner = idx;
+    }
+  }
+
+  r->layouts_.resize(ranks.size());
+  for (size_t l = 0; l < ranks.size(); ++l) {
+    Layout& lay = r->layouts_[l];
+    lay.rank = ranks[l];
+    auto plan = PlanLayout(config, ranks[l], quant);
+    if (!plan.ok()) {
+      return Annotate(plan.status(), absl::StrCat("layout ", l, " (tp ", ranks[l].tp_rank, "/", ranks[l].tp_size,
+                                                  ", ep ", ranks[l].ep_rank, "/", ranks[l].ep_size, ")"));
+    }
+    lay.plan = std::move(plan).value();
+    lay.arrived.assign(lay.plan.table.params().size(), 0);
+    WSYNC_RETURN_IF_ERROR(lay.buffer.Allocate(lay.plan.table.total_bytes()));
+    for (size_t s = 0; s < lay.plan.sources.size(); ++s) {
+      const SliceSource& src = lay.plan.sources[s];
+      auto it = r->index_.find(src.hf_name);
+      if (it == r->index_.end()) {
+        return absl::InternalError(absl::StrCat("layout source '", src.hf_name, "' is not in the checkpoint list"));
+      }
+      r->entries_[it->second].placements.push_back({static_cast<int>(l), static_cast<int>(s)});
+    }
+  }
+  r->seen_.assign(r->entries_.size(), kNotSeen);
+  return std::unique_ptr<Replica>(std::move(r));
+}
+
+absl::StatusOr<int> ReplicaImpl::Check(const HfTensor& t) const {
+  auto it = index_.find(t.name);
+  if (it == index_.end()) {
+    auto m = mapper_.Map(t.name);
+    if (!m.ok()) return m.status();
+    if (m->skip != SkipRule::kNone) return -1;
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' (engine parameter '", m->engine_name,
+                                                   "') is not accepted by this replica (quantization ",
+                                                   quant_.mode == QuantSpec::Mode::kFp8Block ? "fp8" : "none", ")"));
+  }
+  const int idx = it->second;
+  const HfEntry& e = entries_[idx];
+  bool dtype_ok = false;
+  switch (e.role) {
+    case Role::kPlain: dtype_ok = IsFloat(t.dtype); break;
+    case Role::kFp8Weight: dtype_ok = IsFloat(t.dtype) || t.dtype == DType::kF8E4M3; break;
+    case Role::kFp8Scale: dtype_ok = t.dtype == DType::kF32; break;
+  }
+  if (!dtype_ok) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': dtype ", DTypeName(t.dtype),
+                                                   " is not allowed here"));
+  }
+  if (!std::equal(t.shape.begin(), t.shape.end(), e.shape.begin(), e.shape.end())) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': shape ", ShapeStr(t.shape), ", expected ",
+                                                   ShapeStr(e.shape)));
+  }
+  uint64_t want = DTypeSize(t.dtype);
+  for (int64_t d : e.shape) want *= static_cast<uint64_t>(d);
+  if (t.bytes != want || (want > 0 && t.data == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': ", t.bytes, " bytes of data, expected ",
+                                                   want, " for ", DTypeName(t.dtype), " ", ShapeStr(e.shape)));
+  }
+  if (seen_[idx] != kNotSeen) {
+    return absl::AlreadyExistsError(absl::StrCat("tensor '", t.name, "' arrived twice in this update"));
+  }
+  // A weight quantized here produces its own scales, so its published scale must not come too (and vice versa).
+  if (e.partner >= 0) {
+    if (e.role == Role::kFp8Scale && seen_[e.partner] == kSeenConverted) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor '", t.name, "': its weight arrived unquantized and was quantized here; do not send its scales"));
+    }
+    if (e.role == Role::kFp8Weight && t.dtype != DType::kF8E4M3 && seen_[e.partner] != kNotSeen) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor '", t.name, "': its weight_scale_inv already arrived, so the weight must be float8_e4m3fn"));
+    }
+  }
+  return idx;
+}
+
+absl::Status ReplicaImpl::Place(const HfTensor& t, const Layout& l, const SliceSource& s) {
+  const EngineParam& p = l.plan.table.params()[s.param];
+  const View v = ViewOf(p.shape);
+  const int64_t src_cols = s.hf_shape.size() > 1 ? s.hf_shape[1] : 1;
+  const uint8_t* src = t.data + (s.src_row0 * src_cols + s.src_col0) * static_cast<int64_t>(DTypeSize(t.dtype));
+  uint8_t* base = const_cast<uint8_t*>(l.buffer.data());
+  uint8_t* dst = base + p.offset +
+                 ((s.expert * v.r + s.dst_row0) * v.c + s.dst_col0) * static_cast<int64_t>(DTypeSize(p.dtype));
+  if (s.kind == SliceSource::Kind::kFp8Weight && t.dtype != DType::kF8E4M3) {
+    const EngineParam& sp = l.plan.table.params()[s.scale_param];
+    const View sv = ViewOf(sp.shape);
+    float* scale = reinterpret_cast<float*>(base + sp.offset) + (s.expert * sv.r + s.scale_dst_row0) * sv.c +
+                   s.scale_dst_col0;
+    return QuantizeFp8Block(t.dtype, src, s.rows, s.cols, src_cols, quant_.block_n, quant_.block_k, dst, v.c, scale,
+                            sv.c);
+  }
+  return CopyRect(t.dtype, src, src_cols, p.dtype, dst, v.c, s.rows, s.cols);
+}
+
+absl::StatusOr<std::vector<ReadyParam>> ReplicaImpl::Ingest(const HfTensor& t) {
+  WSYNC_ASSIGN_OR_RETURN(int idx, Check(t));
+  std::vector<ReadyParam> ready;
+  if (idx < 0) return ready;
+  seen_[idx] = t.dtype == DType::kF8E4M3 ? kSeenFp8 : kSeenConverted;
+  for (const Placement& pl : entries_[idx].placements) {
+    Layout& l = layouts_[pl.layout];
+    const SliceSource& s = l.plan.sources[pl.source];
+    WSYNC_RETURN_IF_ERROR_CTX(Place(t, l, s), "loading '", t.name, "' into '", l.plan.table.params()[s.param].name,
+                              "'");
+    auto bump = [&](int param) {
+      if (++l.arrived[param] == l.plan.expected[param]) ready.push_back({pl.layout, param});
+    };
+    bump(s.param);
+    if (s.kind == SliceSource::Kind::kFp8Weight && t.dtype != DType::kF8E4M3) bump(s.scale_param);
+  }
+  return ready;
+}
+
+absl::Status ReplicaImpl::FinishUpdate() const {
+  std::vector<std::string> missing;
+  size_t count = 0;
+  for (size_t li = 0; li < layouts_.size(); ++li) {
+    const Layout& l = layouts_[li];
+    for (size_t p = 0; p < l.arrived.size(); ++p) {
+      if (l.arrived[p] >= l.plan.expected[p]) continue;
+      if (++count <= 5) {
+        missing.push_back(absl::StrCat(l.plan.table.params()[p].name, " (layout ", li, ", ", l.arrived[p], "/",
+                                       l.plan.expected[p], " slices)"));
+      }
+    }
+  }
+  if (count == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(count, " parameter(s) incomplete: ", absl::StrJoin(missing, ", "),
+                                                    count > missing.size() ? ", ..." : ""));
+}
+
+bool ReplicaImpl::Needs(absl::string_view hf_name) const {
+  auto it = index_.find(hf_name);
+  if (it != index_.end()) return !entries_[it->second].placements.empty();
+  auto m = mapper_.Map(hf_name);
+  return m.ok() && m->skip != SkipRule::kNone;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Replica>> Replica::Create(const ModelConfig& config,
+                                                         std::vector<RankParallelism> layouts,
+                                                         const QuantSpec& quant) {
+  return ReplicaImpl::Make(config, std::move(layouts), quant);
+}
+
+}  // namespace wsync::replica

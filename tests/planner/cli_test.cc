@@ -1,0 +1,103 @@
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tools/plan_command.h"
+
+namespace wsync::tools {
+namespace {
+
+int Run(std::vector<std::string> args) {
+  args.insert(args.begin(), "plan");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  return RunPlanCommand(static_cast<int>(argv.size()), argv.data());
+}
+
+std::string WriteConfig(const std::string& body) {
+  char name[] = "/tmp/wsync_plan_cfg_XXXXXX";
+  const int fd = mkstemp(name);
+  REQUIRE(fd >= 0);
+  close(fd);
+  std::ofstream(name) << body;
+  return name;
+}
+
+const char* kLlama = R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 512, "num_hidden_layers": 4,
+  "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 1024, "vocab_size": 1024,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16"})";
+
+const char* kMoe = R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 256, "num_hidden_layers": 4,
+  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "intermediate_size": 512,
+  "moe_intermediate_size": 128, "num_experts": 16, "vocab_size": 1024, "torch_dtype": "bfloat16"})";
+
+TEST_CASE("plan command: bad flags exit 2", "[planner][cli]") {
+  const std::string cfg = WriteConfig(kLlama);
+  const std::vector<std::string> ok = {"--model", cfg, "--train", "tp=2,pp=2,nodes=1", "--infer", "instances=2,tp=4"};
+  CHECK(Run(ok) == 0);
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = ok;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return Run(a);
+  };
+  CHECK(with({"--bogus"}) == 2);
+  CHECK(with({"--strategy", "random"}) == 2);
+  CHECK(with({"-w", "yaml"}) == 2);
+  CHECK(with({"--nic", "fast"}) == 2);
+  CHECK(with({"--weights", "int3"}) == 2);
+  CHECK(with({"--executor", "magic"}) == 2);
+  CHECK(with({"--replica-load-gbps", "0"}) == 2);
+  CHECK(with({"--replica-load-gbps", "abc"}) == 2);
+  CHECK(Run({"--model", cfg, "--train", "tp=2,pp=3", "--infer", "instances=1,tp=4"}) == 2);  // 8 ranks, pp=3
+  CHECK(Run({"--model", cfg, "--train", "tq=2", "--infer", "instances=1,tp=4"}) == 2);
+  CHECK(Run({"--model", cfg, "--train", "tp=2", "--infer", "instances=1,tp=4,ep=3"}) == 2);
+  CHECK(Run({"--train", "tp=2", "--infer", "instances=1,tp=4"}) == 2);  // no --model
+  CHECK(Run({"--seed-table"}) == 2);                                     // no --models-dir
+  CHECK(Run({"--help"}) == 0);
+  std::remove(cfg.c_str());
+}
+
+TEST_CASE("plan command: model errors exit 1", "[planner][cli]") {
+  CHECK(Run({"--model", "/nonexistent/config.json", "--train", "tp=1", "--infer", "instances=1,tp=1"}) == 1);
+  const std::string bad = WriteConfig("{not json");
+  CHECK(Run({"--model", bad, "--train", "tp=1", "--infer", "instances=1,tp=1"}) == 1);
+  std::remove(bad.c_str());
+  const std::string moe = WriteConfig(kMoe);
+  CHECK(Run({"--model", moe, "--train", "tp=1", "--infer", "instances=1,tp=6,ep=3"}) == 1);  // 16 experts, ep 3
+  CHECK(Run({"--model", moe, "--train", "ep=8", "--infer", "instances=2,tp=4,ep=4", "-w", "json", "--tasks"}) == 0);
+  std::remove(moe.c_str());
+}
+
+TEST_CASE("model adapter: TP=1 engine layout holds exactly the checkpoint's bytes", "[planner][cli]") {
+  const std::string cfg = WriteConfig(kLlama);
+  planner::ClusterSpec c;
+  c.trainer.pp = 2;
+  c.engine.tp = 1;
+  auto in = PlanInputFromModel(cfg, c, {});
+  REQUIRE(in.ok());
+  uint64_t hf = 0, engine = 0;
+  for (const auto& h : in->hf_tensors) hf += h.bytes;
+  for (const auto& p : in->layouts[0].params) engine += p.bytes;
+  CHECK(hf == engine);
+  CHECK(hf == 2ull * (2 * 1024 * 512 + 512 + 4 * (2 * 512 + 512 * (512 + 2 * 128) + 512 * 512 + 3 * 512 * 1024)));
+  // Embeddings on the first stage, lm_head on the last, layers split evenly.
+  for (const auto& p : in->layouts[0].params) {
+    if (p.name == "model.embed_tokens.weight") CHECK(p.stage == 0);
+    if (p.name == "lm_head.weight") CHECK(p.stage == 1);
+    if (p.name.rfind("model.layers.1.", 0) == 0) CHECK(p.stage == 0);
+    if (p.name.rfind("model.layers.2.", 0) == 0) CHECK(p.stage == 1);
+  }
+  // FP8: weights shrink to 1 byte per element plus float32 block scales.
+  auto fp8 = PlanInputFromModel(cfg, c, {128});
+  REQUIRE(fp8.ok());
+  uint64_t q = 0;
+  for (const auto& h : fp8->hf_tensors) q += h.bytes;
+  CHECK(q < hf * 6 / 10);
+  std::remove(cfg.c_str());
+}
+
+}  // namespace
+}  // namespace wsync::tools

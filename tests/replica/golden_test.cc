@@ -1,0 +1,474 @@
+// Golden tests: the replica's engine-layout bytes against an independent numpy model (golden_oracle.py).
+//
+// For each small synthetic config (a real config.json with tiny dimensions) and set of engine ranks, the oracle writes
+// the HF tensor list and the expected bytes of every engine parameter of every rank. This test generates the same HF
+// tensors (the deterministic rule is implemented again here), loads them through Replica (Create → BeginUpdate →
+// Ingest each → FinishUpdate) and compares parameter names, dtypes, shapes and every byte.
+// Needs python3 with numpy (Debian: python3-numpy); exits 77 (skipped) without it.
+#define CATCH_CONFIG_RUNNER
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+#include "replica/model_config.h"
+#include "replica/replica.h"
+
+namespace wsync::replica {
+namespace {
+
+using nlohmann::json;
+
+std::string g_python;  // interpreter with numpy, found in main()
+
+bool HasNumpy(const std::string& python) {
+  const std::string cmd = "'" + python + "' -c 'import numpy' >/dev/null 2>&1";
+  return std::system(cmd.c_str()) == 0;
+}
+
+std::string FindPython() {
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("WSYNC_PYTHON")) candidates.push_back(env);
+#ifdef WSYNC_GOLDEN_PYTHON
+  candidates.push_back(WSYNC_GOLDEN_PYTHON);
+#endif
+  candidates.push_back("python3");
+  candidates.push_back("/usr/bin/python3");
+  for (const std::string& c : candidates) {
+    if (!c.empty() && HasNumpy(c)) return c;
+  }
+  return "";
+}
+
+// ---- the deterministic HF tensor rule (see golden_oracle.py) ----
+uint64_t Fnv1a64(const std::string& s) {
+  uint64_t h = 0xCBF29CE484222325ull;
+  for (unsigned char b : s) {
+    h ^= b;
+    h *= 0x100000001B3ull;
+  }
+  return h;
+}
+
+uint64_t Mix(uint64_t seed, uint64_t i) {
+  uint64_t z = seed ^ (i * 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+uint64_t Exponent(uint64_t h) {
+  uint64_t m = 24;
+  for (int j = 1; j <= 4; ++j) m = std::min<uint64_t>(m, ((h >> (8 * j)) & 0xFF) % 24);
+  return 110 + m;
+}
+
+std::vector<uint8_t> MakeTensor(const std::string& name, DType dtype, uint64_t n) {
+  const uint64_t seed = Fnv1a64(name);
+  std::vector<uint8_t> out(n * DTypeSize(dtype));
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint64_t h = Mix(seed, i);
+    const uint64_t sign = h >> 63;
+    if (dtype == DType::kBF16) {
+      const uint16_t bits = static_cast<uint16_t>((sign << 15) | (Exponent(h) << 7) | (h & 0x7F));
+      std::memcpy(out.data() + 2 * i, &bits, 2);
+    } else if (dtype == DType::kF32) {
+      const uint32_t bits = static_cast<uint32_t>((sign << 31) | (Exponent(h) << 23) | ((h >> 40) & 0x7FFFFF));
+      std::memcpy(out.data() + 4 * i, &bits, 4);
+    } else {
+      FAIL("no generation rule for dtype " << DTypeName(dtype) << " of " << name);
+    }
+  }
+  return out;
+}
+
+// ---- scaffolding ----
+struct TempDir {
+  std::string path;
+  TempDir() {
+    const char* base = std::getenv("TMPDIR");
+    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/wsync_golden_XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    if (mkdtemp(buf.data()) != nullptr) path = buf.data();
+  }
+  ~TempDir() {
+    if (!path.empty() && std::getenv("WSYNC_GOLDEN_KEEP") == nullptr) {
+      (void)std::system(("rm -rf '" + path + "'").c_str());
+    }
+  }
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+void WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary);
+  f << text;
+}
+
+json BaseConfig(const std::string& model_dir) {
+  const std::string text = ReadFile(std::string(WSYNC_MODELS_DIR) + "/" + model_dir + "/config.json");
+  REQUIRE(!text.empty());
+  json j = json::parse(text);
+  j.erase("_reconstructed");
+  j.erase("_sources");
+  return j;
+}
+
+json LayoutJson(const RankParallelism& r) {
+  return json{{"tp_size", r.tp_size},           {"tp_rank", r.tp_rank},          {"ep_size", r.ep_size},
+              {"ep_rank", r.ep_rank},           {"moe_tp_size", r.moe_tp_size},  {"moe_tp_rank", r.moe_tp_rank},
+              {"attn_tp_size", r.attn_tp_size}, {"attn_tp_rank", r.attn_tp_rank}};
+}
+
+std::vector<RankParallelism> AllRanks(int tp, int ep = 1) {
+  std::vector<RankParallelism> v;
+  for (int r = 0; r < tp; ++r) v.push_back(RankParallelism::ForTp(tp, r, ep));
+  return v;
+}
+
+// DP attention: attention sharded over attn_tp = tp / dp; MoE over moe_tp = tp / ep.
+std::vector<RankParallelism> DpAttentionRanks(int tp, int dp, int ep) {
+  std::vector<RankParallelism> v;
+  for (int r = 0; r < tp; ++r) {
+    RankParallelism p = RankParallelism::ForTp(tp, r, ep);
+    p.attn_tp_size = tp / dp;
+    p.attn_tp_rank = r % (tp / dp);
+    p.attn_dp_size = dp;
+    p.attn_dp_rank = r / (tp / dp);
+    v.push_back(p);
+  }
+  return v;
+}
+
+std::string LayoutName(const RankParallelism& r) {
+  return absl::StrCat("tp", r.tp_size, "/", r.tp_rank, " ep", r.ep_size, "/", r.ep_rank, " moe_tp", r.moe_tp_size, "/",
+                      r.moe_tp_rank, " attn_tp", r.attn_tp_size, "/", r.attn_tp_rank);
+}
+
+std::string ShapeStr(const std::vector<int64_t>& s) { return "[" + absl::StrJoin(s, ", ") + "]"; }
+
+// Runs one golden case: config overrides applied to a real config, the given layouts, the given quantization.
+void RunGolden(const std::string& model_dir, const json& overrides, const std::vector<RankParallelism>& layouts,
+               const QuantSpec& quant) {
+  TempDir tmp;
+  REQUIRE(!tmp.path.empty());
+  json cfg = BaseConfig(model_dir);
+  cfg.merge_patch(overrides);
+  const std::string cfg_path = tmp.path + "/config.json";
+  WriteFile(cfg_path, cfg.dump(2));
+
+  json job;
+  job["config"] = cfg_path;
+  job["layouts"] = json::array();
+  for (const RankParallelism& r : layouts) job["layouts"].push_back(LayoutJson(r));
+  job["quant"] = quant.mode == QuantSpec::Mode::kFp8Block
+                     ? json{{"mode", "fp8_block"}, {"block_n", quant.block_n}, {"block_k", quant.block_k}}
+                     : json{{"mode", "none"}};
+  WriteFile(tmp.path + "/job.json", job.dump(2));
+  const std::string out_dir = tmp.path + "/out";
+  const std::string cmd = "'" + g_python + "' '" + std::string(WSYNC_GOLDEN_ORACLE) + "' '" + tmp.path +
+                          "/job.json' '" + out_dir + "' 2>&1";
+  INFO("oracle: " << cmd);
+  REQUIRE(std::system(("mkdir -p '" + out_dir + "'").c_str()) == 0);
+  FILE* pipe = popen(cmd.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string oracle_out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) oracle_out.append(buf, n);
+  const int rc = pclose(pipe);
+  INFO("oracle output: " << oracle_out);
+  REQUIRE(rc == 0);
+  const json manifest = json::parse(ReadFile(out_dir + "/manifest.json"));
+
+  absl::StatusOr<ModelConfig> config = ModelConfig::FromJson(cfg.dump());
+  INFO("config: " << config.status().ToString());
+  REQUIRE(config.ok());
+
+  // The HF tensor set the oracle assumed must be what the replica expects trainers to push.
+  absl::StatusOr<std::vector<TensorSpec>> ckpt = CheckpointTensors(*config);
+  REQUIRE(ckpt.ok());
+  std::map<std::string, std::string> ours, theirs;
+  for (const TensorSpec& t : *ckpt) ours[t.name] = absl::StrCat(DTypeName(t.dtype), ShapeStr(t.shape));
+  for (const json& t : manifest["hf"]) {
+    theirs[t["name"].get<std::string>()] =
+        absl::StrCat(t["dtype"].get<std::string>(), ShapeStr(t["shape"].get<std::vector<int64_t>>()));
+  }
+  for (const auto& [name, desc] : theirs) {
+    INFO("HF tensor " << name << " (oracle " << desc << ")");
+    CHECK(ours.count(name) == 1);
+    if (ours.count(name)) CHECK(ours[name] == desc);
+  }
+  for (const auto& [name, desc] : ours) {
+    INFO("HF tensor " << name << " (CheckpointTensors " << desc << ")");
+    CHECK(theirs.count(name) == 1);
+  }
+
+  absl::StatusOr<std::unique_ptr<Replica>> replica = Replica::Create(*config, layouts, quant);
+  INFO("Replica::Create: " << replica.status().ToString());
+  REQUIRE(replica.ok());
+  Replica& rep = **replica;
+  REQUIRE(rep.num_layouts() == static_cast<int>(layouts.size()));
+
+  rep.BeginUpdate();
+  std::map<std::pair<int, int>, int> ready_count;
+  for (const json& t : manifest["hf"]) {
+    const std::string name = t["name"].get<std::string>();
+    absl::StatusOr<DType> dtype = ParseDType(t["dtype"].get<std::string>());
+    REQUIRE(dtype.ok());
+    const std::vector<int64_t> shape = t["shape"].get<std::vector<int64_t>>();
+    uint64_t numel = 1;
+    for (int64_t d : shape) numel *= static_cast<uint64_t>(d);
+    const std::vector<uint8_t> data = MakeTensor(name, *dtype, numel);
+    HfTensor h;
+    h.name = name;
+    h.dtype = *dtype;
+    h.shape = shape;
+    h.data = data.data();
+    h.bytes = data.size();
+    absl::StatusOr<std::vector<ReadyParam>> ready = rep.Ingest(h);
+    INFO("Ingest " << name << ": " << ready.status().ToString());
+    REQUIRE(ready.ok());
+    for (const ReadyParam& p : *ready) ready_count[{p.layout, p.param}]++;
+  }
+  const absl::Status finish = rep.FinishUpdate();
+  INFO("FinishUpdate: " << finish.ToString());
+  CHECK(finish.ok());
+
+  for (int l = 0; l < rep.num_layouts(); ++l) {
+    INFO("layout " << l << ": " << LayoutName(layouts[l]));
+    const ParamTable& table = rep.table(l);
+    const json& expected = manifest["layouts"][l];
+    std::set<std::string> want_names, have_names;
+    for (const json& p : expected) want_names.insert(p["name"].get<std::string>());
+    for (const EngineParam& p : table.params()) have_names.insert(p.name);
+    for (const std::string& name : want_names) {
+      INFO("engine parameter missing from the replica: " << name);
+      CHECK(have_names.count(name) == 1);
+    }
+    for (const std::string& name : have_names) {
+      INFO("engine parameter the oracle does not have: " << name);
+      CHECK(want_names.count(name) == 1);
+    }
+    for (int i = 0; i < static_cast<int>(table.params().size()); ++i) {
+      INFO("parameter " << table.params()[i].name << " reported ready this many times");
+      CHECK(ready_count[{l, i}] == 1);
+    }
+    int byte_mismatches = 0;
+    for (const json& p : expected) {
+      const std::string name = p["name"].get<std::string>();
+      const EngineParam* have = table.Find(name);
+      if (have == nullptr) continue;
+      const std::vector<int64_t> shape = p["shape"].get<std::vector<int64_t>>();
+      INFO("parameter " << name << " oracle " << p["dtype"].get<std::string>() << ShapeStr(shape) << " replica "
+                        << DTypeName(have->dtype) << ShapeStr(have->shape));
+      CHECK(std::string(DTypeName(have->dtype)) == p["dtype"].get<std::string>());
+      CHECK(have->shape == shape);
+      const std::string want = ReadFile(out_dir + "/" + p["file"].get<std::string>());
+      CHECK(have->bytes == want.size());
+      if (have->bytes != want.size()) continue;
+      const uint8_t* got = rep.data(l) + have->offset;
+      if (std::memcmp(got, want.data(), want.size()) != 0) {
+        uint64_t first = 0, count = 0;
+        for (uint64_t b = 0; b < want.size(); ++b) {
+          if (got[b] != static_cast<uint8_t>(want[b])) {
+            if (count++ == 0) first = b;
+          }
+        }
+        ++byte_mismatches;
+        FAIL_CHECK("bytes differ: " << count << " of " << want.size() << ", first at byte " << first << " (replica 0x"
+                                    << std::hex << int(got[first]) << ", oracle 0x"
+                                    << int(static_cast<uint8_t>(want[first])) << std::dec << ")");
+      }
+    }
+    CHECK(byte_mismatches == 0);
+  }
+}
+
+QuantSpec NoQuant() { return QuantSpec{}; }
+QuantSpec Fp8(int bn, int bk) {
+  QuantSpec q;
+  q.mode = QuantSpec::Mode::kFp8Block;
+  q.block_n = bn;
+  q.block_k = bk;
+  return q;
+}
+
+// Tiny but real structure: 2-3 layers, 4 heads, 2 KV heads (so tp 4 replicates KV), vocab not a multiple of 64.
+const json kDenseDims = {
+    {"hidden_size", 64}, {"num_hidden_layers", 2},  {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+    {"head_dim", 16},    {"intermediate_size", 96}, {"vocab_size", 1000},       {"tie_word_embeddings", false}};
+
+json With(json base, const json& more) {
+  base.merge_patch(more);
+  return base;
+}
+
+TEST_CASE("golden: Qwen3 dense, tp 1/2/4 (tp 4 replicates KV heads)", "[golden]") {
+  for (int tp : {1, 2, 4}) {
+    INFO("tp " << tp);
+    RunGolden("Qwen__Qwen3-8B", kDenseDims, AllRanks(tp), NoQuant());
+  }
+}
+
+TEST_CASE("golden: Qwen3 dense with tied embeddings", "[golden]") {
+  RunGolden("Qwen__Qwen3-0.6B", With(kDenseDims, {{"tie_word_embeddings", true}}), AllRanks(2), NoQuant());
+}
+
+TEST_CASE("golden: Llama (head_dim from hidden/heads), tp 1/2", "[golden]") {
+  json dims = kDenseDims;
+  dims.erase("head_dim");
+  for (int tp : {1, 2}) RunGolden("meta-llama__Llama-3.1-8B", dims, AllRanks(tp), NoQuant());
+}
+
+TEST_CASE("golden: Qwen2 (q/k/v bias), tp 2/4", "[golden]") {
+  const json dims = With(kDenseDims, {{"architectures", json::array({"Qwen2ForCausalLM"})}, {"model_type", "qwen2"}});
+  for (int tp : {2, 4}) RunGolden("Qwen__Qwen3-8B", dims, AllRanks(tp), NoQuant());
+}
+
+TEST_CASE("golden: GLM4 dense (fused gate_up in the checkpoint, post norms, qkv bias), tp 2/4", "[golden]") {
+  for (int tp : {2, 4}) RunGolden("THUDM__GLM-Z1-9B-0414", kDenseDims, AllRanks(tp), NoQuant());
+}
+
+const json kQwenMoeDims =
+    With(kDenseDims, {{"num_experts", 8}, {"moe_intermediate_size", 32}, {"mlp_only_layers", json::array()}});
+
+TEST_CASE("golden: Qwen3-MoE, tp 4 ep 2 (moe_tp 2), tp 4 ep 4, tp 2 ep 1", "[golden]") {
+  RunGolden("Qwen__Qwen3-30B-A3B", kQwenMoeDims, AllRanks(4, 2), NoQuant());
+  RunGolden("Qwen__Qwen3-30B-A3B", kQwenMoeDims, AllRanks(4, 4), NoQuant());
+  RunGolden("Qwen__Qwen3-30B-A3B", kQwenMoeDims, AllRanks(2, 1), NoQuant());
+}
+
+TEST_CASE("golden: Qwen3-MoE with a dense layer (mlp_only_layers)", "[golden]") {
+  RunGolden("Qwen__Qwen3-30B-A3B", With(kQwenMoeDims, {{"mlp_only_layers", json::array({1})}}), AllRanks(2, 2),
+            NoQuant());
+}
+
+TEST_CASE("golden: Qwen3-MoE with DP attention (tp 4, attn_tp 2, ep 2)", "[golden]") {
+  RunGolden("Qwen__Qwen3-30B-A3B", kQwenMoeDims, DpAttentionRanks(4, 2, 2), NoQuant());
+}
+
+const json kGlmMoeDims = With(kDenseDims, {{"num_hidden_layers", 3},
+                                           {"first_k_dense_replace", 1},
+                                           {"n_routed_experts", 4},
+                                           {"n_shared_experts", 1},
+                                           {"moe_intermediate_size", 32},
+                                           {"num_nextn_predict_layers", 1}});
+
+TEST_CASE("golden: GLM4-MoE (first dense layer, shared experts, router bias), tp 2, tp 4 ep 2", "[golden]") {
+  RunGolden("zai-org__GLM-4.5-Air", kGlmMoeDims, AllRanks(2, 1), NoQuant());
+  RunGolden("zai-org__GLM-4.5-Air", kGlmMoeDims, AllRanks(4, 2), NoQuant());
+}
+
+// MLA: 4 heads, q_lora 48, kv_lora 32, nope 16, rope 8, v 16.
+const json kMlaDims = {{"hidden_size", 64},
+                       {"num_hidden_layers", 3},
+                       {"first_k_dense_replace", 1},
+                       {"num_attention_heads", 4},
+                       {"num_key_value_heads", 4},
+                       {"q_lora_rank", 48},
+                       {"kv_lora_rank", 32},
+                       {"qk_nope_head_dim", 16},
+                       {"qk_rope_head_dim", 8},
+                       {"v_head_dim", 16},
+                       {"intermediate_size", 96},
+                       {"moe_intermediate_size", 32},
+                       {"n_routed_experts", 8},
+                       {"n_shared_experts", 1},
+                       {"vocab_size", 1000},
+                       {"tie_word_embeddings", false},
+                       {"quantization_config", nullptr},
+                       {"num_nextn_predict_layers", 1}};
+
+TEST_CASE("golden: DeepSeek-V3-style MLA with q_lora, shared experts, first_k_dense; tp 2, tp 4 ep 2, ep 4",
+          "[golden]") {
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, AllRanks(2, 1), NoQuant());
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, AllRanks(4, 2), NoQuant());
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, AllRanks(4, 4), NoQuant());
+}
+
+TEST_CASE("golden: Moonlight-style MLA without q_lora (2 shared experts), tp 2 ep 2", "[golden]") {
+  RunGolden("moonshotai__Moonlight-16B-A3B", With(kMlaDims, {{"q_lora_rank", nullptr}, {"n_shared_experts", 2}}),
+            AllRanks(2, 2), NoQuant());
+}
+
+TEST_CASE("golden: GLM-4.7-Flash-style (Glm4MoeLiteForCausalLM), tp 2, tp 4 ep 4", "[golden]") {
+  RunGolden("zai-org__GLM-4.7-Flash", kMlaDims, AllRanks(2, 1), NoQuant());
+  RunGolden("zai-org__GLM-4.7-Flash", kMlaDims, AllRanks(4, 4), NoQuant());
+}
+
+TEST_CASE("golden: FP8 128x128, Qwen3 dense tp 2", "[golden][fp8]") {
+  const json dims = {
+      {"hidden_size", 256}, {"num_hidden_layers", 2},   {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+      {"head_dim", 128},    {"intermediate_size", 512}, {"vocab_size", 1000},       {"tie_word_embeddings", false}};
+  RunGolden("Qwen__Qwen3-8B", dims, AllRanks(2), Fp8(128, 128));
+}
+
+TEST_CASE("golden: FP8 64x64, Qwen3-MoE tp 4 ep 2 (KV replicated in whole blocks)", "[golden][fp8]") {
+  const json dims = {{"hidden_size", 128},
+                     {"num_hidden_layers", 2},
+                     {"num_attention_heads", 4},
+                     {"num_key_value_heads", 2},
+                     {"head_dim", 64},
+                     {"intermediate_size", 256},
+                     {"vocab_size", 1000},
+                     {"num_experts", 4},
+                     {"moe_intermediate_size", 128},
+                     {"mlp_only_layers", json::array()},
+                     {"tie_word_embeddings", false}};
+  RunGolden("Qwen__Qwen3-30B-A3B", dims, AllRanks(4, 2), Fp8(64, 64));
+}
+
+TEST_CASE("golden: FP8 64x64, DeepSeek-V3-style MLA tp 2 ep 2", "[golden][fp8]") {
+  const json dims = {{"hidden_size", 128},
+                     {"num_hidden_layers", 2},
+                     {"first_k_dense_replace", 1},
+                     {"num_attention_heads", 4},
+                     {"num_key_value_heads", 4},
+                     {"q_lora_rank", 64},
+                     {"kv_lora_rank", 64},
+                     {"qk_nope_head_dim", 32},
+                     {"qk_rope_head_dim", 32},
+                     {"v_head_dim", 32},
+                     {"intermediate_size", 128},
+                     {"moe_intermediate_size", 128},
+                     {"n_routed_experts", 4},
+                     {"n_shared_experts", 1},
+                     {"vocab_size", 1000},
+                     {"tie_word_embeddings", false},
+                     {"quantization_config", nullptr}};
+  RunGolden("deepseek-ai__DeepSeek-V3", dims, AllRanks(2, 2), Fp8(64, 64));
+}
+
+}  // namespace
+}  // namespace wsync::replica
+
+int main(int argc, char* argv[]) {
+  wsync::replica::g_python = wsync::replica::FindPython();
+  if (wsync::replica::g_python.empty()) {
+    std::cerr << "golden tests skipped: no python3 with numpy found (install python3-numpy, or point WSYNC_PYTHON at "
+                 "an interpreter that has numpy)\n";
+    return 77;
+  }
+  return Catch::Session().run(argc, argv);
+}

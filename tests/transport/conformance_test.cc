@@ -1,0 +1,441 @@
+// Behaviour every transport must have. Linked once per backend with its factory (see conformance.h).
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "tests/transport/conformance.h"
+
+namespace {
+
+using wsync::transport::BatchId;
+using wsync::transport::Endpoint;
+using wsync::transport::LocalRegion;
+using wsync::transport::RemoteRegion;
+using wsync::transport::Transport;
+using wsync::transport::WriteRequest;
+
+constexpr uint8_t kUntouched = 0xEE;
+const absl::Duration kTimeout = absl::Seconds(20);
+
+// The byte at `offset` of the test pattern `seed`: a function of (seed, offset) alone, so expected contents are
+// computed independently of whatever memory the transport read from.
+uint8_t PatternByte(uint64_t seed, uint64_t offset) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + (offset >> 3) + 1;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<uint8_t>(z >> ((offset & 7) * 8));
+}
+
+void FillPattern(uint8_t* p, uint64_t n, uint64_t seed, uint64_t base = 0) {
+  for (uint64_t i = 0; i < n; ++i) p[i] = PatternByte(seed, base + i);
+}
+
+// Index of the first byte of p[0..n) that differs from pattern(seed) at base.., or -1.
+int64_t FirstPatternMismatch(const uint8_t* p, uint64_t n, uint64_t seed, uint64_t base) {
+  for (uint64_t i = 0; i < n; ++i) {
+    if (p[i] != PatternByte(seed, base + i)) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+int64_t FirstMismatch(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
+  if (got.size() != want.size()) return 0;
+  if (std::memcmp(got.data(), want.data(), got.size()) == 0) return -1;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i]) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+// Memory plus its registration on one transport, and (for targets) the peer's imported view of it.
+struct Buffer {
+  std::vector<uint8_t> bytes;
+  std::unique_ptr<LocalRegion> region;
+};
+
+Buffer Register(Transport& t, uint64_t len, uint8_t fill) {
+  Buffer b;
+  b.bytes.assign(len, fill);
+  auto r = t.RegisterMemory(b.bytes.data(), len);
+  REQUIRE(r.ok());
+  b.region = std::move(*r);
+  return b;
+}
+
+Buffer RegisterPattern(Transport& t, uint64_t len, uint64_t seed) {
+  Buffer b = Register(t, len, 0);
+  FillPattern(b.bytes.data(), len, seed);
+  return b;
+}
+
+std::unique_ptr<RemoteRegion> Import(Transport& t, const LocalRegion& r) {
+  auto rr = t.ImportRegion(r.Descriptor());
+  REQUIRE(rr.ok());
+  return std::move(*rr);
+}
+
+std::unique_ptr<Transport> MakeViable() {
+  std::unique_ptr<Transport> t = MakeTransportUnderTest();
+  REQUIRE(t != nullptr);
+  INFO(t->reason());
+  REQUIRE(t->viable());
+  return t;
+}
+
+// Both sides create an endpoint, swap LocalInfo (as the control plane would) and connect concurrently.
+struct Link {
+  std::unique_ptr<Endpoint> src;  // on the sending transport
+  std::unique_ptr<Endpoint> dst;  // on the receiving transport
+};
+
+Link Connect(Transport& sender, Transport& receiver) {
+  Link l;
+  auto a = sender.CreateEndpoint();
+  auto b = receiver.CreateEndpoint();
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  l.src = std::move(*a);
+  l.dst = std::move(*b);
+  const std::string src_info = l.src->LocalInfo();
+  const std::string dst_info = l.dst->LocalInfo();
+  absl::Status dst_status;
+  std::thread t([&] { dst_status = l.dst->Connect(src_info, kTimeout); });
+  absl::Status src_status = l.src->Connect(dst_info, kTimeout);
+  t.join();
+  INFO(src_status.ToString() << " / " << dst_status.ToString());
+  REQUIRE(src_status.ok());
+  REQUIRE(dst_status.ok());
+  return l;
+}
+
+void RequireOk(const absl::Status& s) {
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+}
+
+// Applies a write to an expected image using the pattern, not the source memory.
+void Expect(std::vector<uint8_t>& image, uint64_t dst_offset, uint64_t src_seed, uint64_t src_offset,
+            uint64_t len) {
+  FillPattern(image.data() + dst_offset, len, src_seed, src_offset);
+}
+
+}  // namespace
+
+TEST_CASE("a single write lands byte for byte and touches nothing else", "[transport]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  Buffer src = RegisterPattern(*sender, 1 << 20, 1);
+  Buffer dst = Register(*receiver, 1 << 20, kUntouched);
+  auto remote = Import(*sender, *dst.region);
+  REQUIRE(remote->length() == dst.bytes.size());
+  Link link = Connect(*sender, *receiver);
+
+  WriteRequest w{src.region.get(), 4096, remote.get(), 777, 100000};
+  RequireOk(link.src->Write({&w, 1}, kTimeout));
+
+  std::vector<uint8_t> want(dst.bytes.size(), kUntouched);
+  Expect(want, 777, 1, 4096, 100000);
+  CHECK(FirstMismatch(dst.bytes, want) == -1);
+}
+
+TEST_CASE("batched writes to several regions, several batches outstanding", "[transport]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  constexpr uint64_t kSrcLen = 4 << 20;
+  constexpr uint64_t kDstLen = 1 << 20;
+  constexpr uint64_t kSlot = 16 << 10;
+  Buffer src = RegisterPattern(*sender, kSrcLen, 2);
+  std::vector<Buffer> dst;
+  std::vector<std::unique_ptr<RemoteRegion>> remote;
+  std::vector<std::vector<uint8_t>> want;
+  for (int i = 0; i < 3; ++i) {
+    dst.push_back(Register(*receiver, kDstLen, kUntouched));
+    remote.push_back(Import(*sender, *dst.back().region));
+    want.emplace_back(kDstLen, kUntouched);
+  }
+  Link link = Connect(*sender, *receiver);
+
+  std::mt19937_64 rng(42);
+  std::vector<std::vector<WriteRequest>> batches(3);
+  for (int r = 0; r < 3; ++r) {
+    for (uint64_t slot = 0; slot < kDstLen / kSlot; ++slot) {
+      const uint64_t len = 1 + rng() % kSlot;
+      const uint64_t dst_off = slot * kSlot + rng() % (kSlot - len + 1);
+      const uint64_t src_off = rng() % (kSrcLen - len + 1);
+      batches[slot % 3].push_back(WriteRequest{src.region.get(), src_off, remote[r].get(), dst_off, len});
+      Expect(want[r], dst_off, 2, src_off, len);
+    }
+  }
+  std::vector<BatchId> ids;
+  for (const auto& b : batches) {
+    auto id = link.src->Post(b);
+    RequireOk(id.status());
+    ids.push_back(*id);
+  }
+  for (auto it = ids.rbegin(); it != ids.rend(); ++it) RequireOk(link.src->Wait(*it, kTimeout));
+  for (int r = 0; r < 3; ++r) CHECK(FirstMismatch(dst[r].bytes, want[r]) == -1);
+
+  // An empty batch completes too.
+  RequireOk(link.src->Write({}, kTimeout));
+}
+
+TEST_CASE("a region larger than one chunk, whole and unaligned", "[transport]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  constexpr uint64_t kLen = (64 << 20) + (8 << 20) + 12345;
+  Buffer src = RegisterPattern(*sender, kLen, 3);
+  Buffer dst = Register(*receiver, kLen, kUntouched);
+  auto remote = Import(*sender, *dst.region);
+  Link link = Connect(*sender, *receiver);
+
+  WriteRequest whole{src.region.get(), 0, remote.get(), 0, kLen};
+  RequireOk(link.src->Write({&whole, 1}, kTimeout));
+  CHECK(FirstPatternMismatch(dst.bytes.data(), kLen, 3, 0) == -1);
+
+  // Shifted by an odd amount: source offset 3 lands at destination offset 0.
+  std::fill(dst.bytes.begin(), dst.bytes.end(), kUntouched);
+  WriteRequest shifted{src.region.get(), 3, remote.get(), 0, kLen - 7};
+  RequireOk(link.src->Write({&shifted, 1}, kTimeout));
+  CHECK(FirstPatternMismatch(dst.bytes.data(), kLen - 7, 3, 3) == -1);
+  for (uint64_t i = kLen - 7; i < kLen; ++i) CHECK(dst.bytes[i] == kUntouched);
+}
+
+TEST_CASE("thousands of small parameters in one batch", "[transport]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  std::mt19937_64 rng(7);
+  constexpr int kParams = 5000;
+  std::vector<uint64_t> sizes(kParams);
+  for (auto& s : sizes) s = 4ull << (rng() % 11);  // 4 B .. 4 KiB
+  // Source: packed in order. Destination: shuffled order, 64-byte gaps between parameters.
+  std::vector<uint64_t> src_off(kParams), dst_off(kParams), order(kParams);
+  uint64_t src_len = 0;
+  for (int i = 0; i < kParams; ++i) {
+    src_off[i] = src_len;
+    src_len += sizes[i];
+  }
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  uint64_t dst_len = 0;
+  for (uint64_t i : order) {
+    dst_off[i] = dst_len;
+    dst_len += sizes[i] + 64;
+  }
+  Buffer src = RegisterPattern(*sender, src_len, 4);
+  Buffer dst = Register(*receiver, dst_len, kUntouched);
+  auto remote = Import(*sender, *dst.region);
+  Link link = Connect(*sender, *receiver);
+
+  std::vector<WriteRequest> writes;
+  std::vector<uint8_t> want(dst_len, kUntouched);
+  for (int i = 0; i < kParams; ++i) {
+    writes.push_back(WriteRequest{src.region.get(), src_off[i], remote.get(), dst_off[i], sizes[i]});
+    Expect(want, dst_off[i], 4, src_off[i], sizes[i]);
+  }
+  RequireOk(link.src->Write(writes, kTimeout));
+  CHECK(FirstMismatch(dst.bytes, want) == -1);
+}
+
+TEST_CASE("concurrent writes from one source to several targets", "[transport]") {
+  constexpr int kTargets = 4;
+  constexpr uint64_t kLen = 16 << 20;
+  auto sender = MakeViable();
+  Buffer src = RegisterPattern(*sender, kLen, 5);
+  std::vector<std::unique_ptr<Transport>> receivers;
+  std::vector<Buffer> dst;
+  std::vector<std::unique_ptr<RemoteRegion>> remote;
+  std::vector<Link> links;
+  for (int i = 0; i < kTargets; ++i) {
+    receivers.push_back(MakeViable());
+    dst.push_back(Register(*receivers.back(), kLen, kUntouched));
+    remote.push_back(Import(*sender, *dst.back().region));
+    links.push_back(Connect(*sender, *receivers.back()));
+  }
+  std::vector<absl::Status> results(kTargets);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kTargets; ++i) {
+    threads.emplace_back([&, i] {
+      // Each target gets the source rotated by a different amount, in two writes per round.
+      const uint64_t cut = (i + 1) * (kLen / 8) + i;
+      for (int round = 0; round < 3 && results[i].ok(); ++round) {
+        WriteRequest w[2] = {{src.region.get(), cut, remote[i].get(), 0, kLen - cut},
+                             {src.region.get(), 0, remote[i].get(), kLen - cut, cut}};
+        results[i] = links[i].src->Write(w, kTimeout);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kTargets; ++i) {
+    INFO("target " << i << ": " << results[i].ToString());
+    REQUIRE(results[i].ok());
+    const uint64_t cut = (i + 1) * (kLen / 8) + i;
+    CHECK(FirstPatternMismatch(dst[i].bytes.data(), kLen - cut, 5, cut) == -1);
+    CHECK(FirstPatternMismatch(dst[i].bytes.data() + kLen - cut, cut, 5, 0) == -1);
+  }
+}
+
+TEST_CASE("out-of-bounds requests are rejected before anything is sent", "[transport][errors]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  Buffer src = RegisterPattern(*sender, 64 << 10, 6);
+  Buffer dst = Register(*receiver, 32 << 10, kUntouched);
+  auto remote = Import(*sender, *dst.region);
+  Link link = Connect(*sender, *receiver);
+  const LocalRegion* s = src.region.get();
+  const RemoteRegion* d = remote.get();
+
+  struct Case {
+    const char* what;
+    WriteRequest w;
+    absl::StatusCode code;
+  };
+  const Case cases[] = {
+      {"dst end past the region", {s, 0, d, 30 << 10, 4 << 10}, absl::StatusCode::kOutOfRange},
+      {"dst offset past the region", {s, 0, d, (32 << 10) + 1, 0}, absl::StatusCode::kOutOfRange},
+      {"dst offset + length overflows", {s, 0, d, UINT64_MAX - 8, 16}, absl::StatusCode::kOutOfRange},
+      {"src end past the region", {s, 63 << 10, d, 0, 4 << 10}, absl::StatusCode::kOutOfRange},
+      {"src offset + length overflows", {s, UINT64_MAX - 8, d, 0, 16}, absl::StatusCode::kOutOfRange},
+      {"no source", {nullptr, 0, d, 0, 1}, absl::StatusCode::kInvalidArgument},
+      {"no destination", {s, 0, nullptr, 0, 1}, absl::StatusCode::kInvalidArgument},
+  };
+  for (const Case& c : cases) {
+    INFO(c.what);
+    CHECK(wsync::transport::ValidateWrite(c.w).code() == c.code);
+    // A valid write ahead of the bad one in the same batch must not be sent either.
+    WriteRequest batch[2] = {{s, 0, d, 0, 1024}, c.w};
+    auto id = link.src->Post(batch);
+    CHECK(id.status().code() == c.code);
+  }
+  // The endpoint still works, and nothing from the rejected batches arrived.
+  WriteRequest ok{s, 0, d, 8192, 1024};
+  RequireOk(link.src->Write({&ok, 1}, kTimeout));
+  std::vector<uint8_t> want(dst.bytes.size(), kUntouched);
+  Expect(want, 8192, 6, 0, 1024);
+  CHECK(FirstMismatch(dst.bytes, want) == -1);
+}
+
+TEST_CASE("garbage and foreign descriptors are rejected", "[transport][errors]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  auto other = MakeViable();
+  Buffer src = RegisterPattern(*sender, 64 << 10, 7);
+  Buffer dst = Register(*receiver, 64 << 10, kUntouched);
+  Buffer foreign = Register(*other, 64 << 10, kUntouched);
+  const std::string desc = dst.region->Descriptor();
+
+  CHECK_FALSE(sender->ImportRegion("").ok());
+  CHECK_FALSE(sender->ImportRegion("garbage").ok());
+  CHECK_FALSE(sender->ImportRegion(desc.substr(0, desc.size() - 1)).ok());
+  CHECK_FALSE(sender->ImportRegion(std::string(desc.size(), '\0')).ok());
+
+  // A valid descriptor of a third transport, written through an endpoint connected to `receiver`: either Post
+  // or Wait fails (no hang), and neither region changes.
+  auto remote = Import(*sender, *foreign.region);
+  Link link = Connect(*sender, *receiver);
+  WriteRequest w{src.region.get(), 0, remote.get(), 0, 4096};
+  auto id = link.src->Post({&w, 1});
+  if (id.ok()) CHECK_FALSE(link.src->Wait(*id, kTimeout).ok());
+  CHECK(std::all_of(dst.bytes.begin(), dst.bytes.end(), [](uint8_t b) { return b == kUntouched; }));
+  CHECK(std::all_of(foreign.bytes.begin(), foreign.bytes.end(), [](uint8_t b) { return b == kUntouched; }));
+}
+
+TEST_CASE("a destroyed peer fails the batch with a status naming it, no hang", "[transport][errors]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  constexpr uint64_t kLen = 8 << 20;
+  Buffer src = RegisterPattern(*sender, kLen, 8);
+  Buffer dst = Register(*receiver, kLen, kUntouched);
+  auto remote = Import(*sender, *dst.region);
+  Link link = Connect(*sender, *receiver);
+  WriteRequest w{src.region.get(), 0, remote.get(), 0, kLen};
+  RequireOk(link.src->Write({&w, 1}, kTimeout));
+  const std::string peer = link.src->PeerName();
+
+  // The whole peer goes away: endpoint, region, transport.
+  link.dst.reset();
+  dst.region.reset();
+  receiver.reset();
+
+  const absl::Time start = absl::Now();
+  absl::Status s;
+  for (int i = 0; i < 3 && s.ok(); ++i) {  // the first post may still be buffered by the kernel
+    auto id = link.src->Post({&w, 1});
+    s = id.ok() ? link.src->Wait(*id, kTimeout) : id.status();
+  }
+  INFO(s.ToString());
+  CHECK_FALSE(s.ok());
+  CHECK(s.code() != absl::StatusCode::kDeadlineExceeded);
+  CHECK(absl::StrContains(s.message(), peer));
+  CHECK(absl::Now() - start < kTimeout);
+}
+
+TEST_CASE("a peer destroyed in the middle of a large batch: error or success, never a hang", "[transport][errors]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  constexpr uint64_t kLen = 64 << 20;
+  constexpr int kCopies = 3;
+  Buffer src = RegisterPattern(*sender, kLen, 9);
+  auto dst = std::make_unique<Buffer>(Register(*receiver, kCopies * kLen, kUntouched));
+  auto remote = Import(*sender, *dst->region);
+  Link link = Connect(*sender, *receiver);
+  std::vector<WriteRequest> writes;
+  for (uint64_t i = 0; i < kCopies; ++i) {
+    writes.push_back(WriteRequest{src.region.get(), 0, remote.get(), i * kLen, kLen});
+  }
+
+  auto id = link.src->Post(writes);
+  RequireOk(id.status());
+  std::thread killer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    link.dst.reset();
+    dst->region.reset();  // deregisters first: the memory stays valid until no write targets it
+    dst.reset();
+    receiver.reset();
+  });
+  const absl::Time start = absl::Now();
+  absl::Status s = link.src->Wait(*id, kTimeout);
+  killer.join();
+  INFO(s.ToString());
+  CHECK(absl::Now() - start < kTimeout);
+  CHECK(s.code() != absl::StatusCode::kDeadlineExceeded);
+  if (!s.ok()) CHECK(absl::StrContains(s.message(), link.src->PeerName()));
+}
+
+TEST_CASE("Wait times out and leaves the batch outstanding", "[transport][errors]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  constexpr uint64_t kLen = 64 << 20;
+  constexpr uint64_t kPiece = 1 << 20;
+  Buffer src = RegisterPattern(*sender, kLen, 10);
+  Buffer dst = Register(*receiver, kLen, kUntouched);
+  auto remote = Import(*sender, *dst.region);
+  Link link = Connect(*sender, *receiver);
+  std::vector<WriteRequest> writes;  // reversed piece order: a different layout than the source, same bytes
+  for (uint64_t off = kLen; off > 0; off -= kPiece) {
+    writes.push_back(WriteRequest{src.region.get(), off - kPiece, remote.get(), off - kPiece, kPiece});
+  }
+
+  auto id = link.src->Post(writes);
+  RequireOk(id.status());
+  absl::Status early = link.src->Wait(*id, absl::ZeroDuration());
+  INFO(early.ToString());
+  CHECK(early.code() == absl::StatusCode::kDeadlineExceeded);
+  RequireOk(link.src->Wait(*id, kTimeout));
+  CHECK(FirstPatternMismatch(dst.bytes.data(), kLen, 10, 0) == -1);
+  // A batch is waited for once.
+  CHECK_FALSE(link.src->Wait(*id, absl::ZeroDuration()).ok());
+}

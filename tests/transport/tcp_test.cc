@@ -1,0 +1,307 @@
+// tcp-only behaviour: the factory, the handshake, the receiver's own checks, stalled peers.
+
+#include <sys/socket.h>
+
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "transport/tcp/tcp_socket.h"
+#include "transport/tcp/tcp_transport.h"
+#include "transport/tcp/tcp_wire.h"
+#include "transport/transport.h"
+
+namespace {
+
+using namespace wsync::transport;  // NOLINT: test brevity
+using tcp::Fd;
+
+const absl::Duration kTimeout = absl::Seconds(10);
+
+std::unique_ptr<Transport> MakeTcp(absl::Duration io_timeout = absl::Seconds(5)) {
+  TransportOptions opts;
+  opts.io_timeout = io_timeout;
+  auto t = CreateTransport("tcp", opts);
+  REQUIRE(t.ok());
+  return std::move(*t);
+}
+
+struct Info {
+  std::string host;
+  int port = 0;
+  uint64_t token = 0;
+};
+
+Info ParseInfo(const std::string& s) {
+  std::vector<std::string> p = absl::StrSplit(s, ' ');
+  REQUIRE(p.size() == 4);
+  Info i;
+  i.host = p[1];
+  REQUIRE(absl::SimpleAtoi(p[2], &i.port));
+  i.token = std::stoull(p[3], nullptr, 16);
+  return i;
+}
+
+std::string Descriptor(uint64_t token, uint64_t region, uint64_t length) {
+  tcp::RegionDescriptor d{tcp::kDescMagic, tcp::kProtocolVersion, 0, token, region, length};
+  return std::string(reinterpret_cast<const char*>(&d), sizeof(d));
+}
+
+void SendRaw(int fd, const void* p, size_t n) {
+  iovec iov{const_cast<void*>(p), n};
+  REQUIRE(tcp::SendAll(fd, &iov, 1).ok());
+}
+
+tcp::Ack RecvAck(int fd, std::string* msg) {
+  tcp::Ack ack;
+  REQUIRE(tcp::RecvAll(fd, &ack, sizeof(ack)).ok());
+  msg->assign(ack.message_len, '\0');
+  REQUIRE(tcp::RecvAll(fd, msg->data(), msg->size()).ok());
+  return ack;
+}
+
+// A raw client that completed the hello with a real transport's listener.
+Fd RawClient(const Info& info) {
+  auto fd = tcp::ConnectTo(info.host, info.port, kTimeout);
+  REQUIRE(fd.ok());
+  tcp::TuneSocket(fd->get(), kTimeout);
+  tcp::Hello hello{tcp::kFrameMagic, tcp::kHello, tcp::kProtocolVersion, info.token, 0, 0};
+  SendRaw(fd->get(), &hello, sizeof(hello));
+  std::string msg;
+  tcp::Ack ack = RecvAck(fd->get(), &msg);
+  REQUIRE(ack.type == tcp::kHelloAck);
+  REQUIRE(ack.code == 0);
+  return std::move(*fd);
+}
+
+}  // namespace
+
+TEST_CASE("factory: tcp, verbs and unknown names", "[transport][tcp]") {
+  auto t = CreateTransport("tcp", TransportOptions{});
+  REQUIRE(t.ok());
+  CHECK((*t)->name() == "tcp");
+  CHECK((*t)->viable());
+
+  auto v = CreateTransport("verbs", TransportOptions{});
+  REQUIRE(v.ok());
+  CHECK((*v)->name() == "verbs");
+  if (!(*v)->viable()) {
+    CHECK_FALSE((*v)->reason().empty());
+    CHECK_FALSE((*v)->CreateEndpoint().ok());
+  }
+
+  CHECK(CreateTransport("carrier-pigeon", TransportOptions{}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+
+  TransportOptions bad;
+  bad.bind_host = "203.0.113.1";  // TEST-NET-3: not an address of this host
+  CHECK_FALSE(CreateTransport("tcp", bad).ok());
+}
+
+TEST_CASE("connect: bad info, nobody listening, stale token", "[transport][tcp]") {
+  auto a = MakeTcp();
+  auto ep = a->CreateEndpoint();
+  REQUIRE(ep.ok());
+  CHECK((*ep)->Connect("not an endpoint", kTimeout).code() == absl::StatusCode::kInvalidArgument);
+  CHECK((*ep)->Post({}).status().code() == absl::StatusCode::kFailedPrecondition);
+
+  // A port nobody listens on: the transport that owned it is gone.
+  std::string gone_info;
+  {
+    auto b = MakeTcp();
+    auto e = b->CreateEndpoint();
+    REQUIRE(e.ok());
+    gone_info = (*e)->LocalInfo();
+  }
+  const Info gone = ParseInfo(gone_info);
+  absl::Status s = (*ep)->Connect(gone_info, kTimeout);
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kUnavailable);
+  CHECK(absl::StrContains(s.message(), absl::StrCat("127.0.0.1:", gone.port)));
+
+  // The right address but another transport's token (e.g. the peer restarted on the same port).
+  auto b = MakeTcp();
+  auto eb = b->CreateEndpoint();
+  REQUIRE(eb.ok());
+  Info live = ParseInfo((*eb)->LocalInfo());
+  const std::string stale = absl::StrCat("wsync-tcp/1 ", live.host, " ", live.port, " 00000000deadbeef");
+  s = (*ep)->Connect(stale, kTimeout);
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("receiver: a region deregistered after import fails the batch, endpoint then unusable",
+          "[transport][tcp]") {
+  auto sender = MakeTcp();
+  auto receiver = MakeTcp();
+  std::vector<uint8_t> src(1 << 20, 1), dst(1 << 20, 0);
+  auto sr = sender->RegisterMemory(src.data(), src.size());
+  auto dr = receiver->RegisterMemory(dst.data(), dst.size());
+  REQUIRE(sr.ok());
+  REQUIRE(dr.ok());
+  auto remote = sender->ImportRegion((*dr)->Descriptor());
+  REQUIRE(remote.ok());
+  auto es = sender->CreateEndpoint();
+  auto er = receiver->CreateEndpoint();
+  REQUIRE(es.ok());
+  REQUIRE(er.ok());
+  REQUIRE((*es)->Connect((*er)->LocalInfo(), kTimeout).ok());
+  dr->reset();
+
+  WriteRequest w{sr->get(), 0, remote->get(), 0, 4096};
+  absl::Status s = (*es)->Write({&w, 1}, kTimeout);
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kNotFound);
+  CHECK(absl::StrContains(s.message(), "not registered"));
+  CHECK(absl::StrContains(s.message(), (*es)->PeerName()));
+  CHECK(std::all_of(dst.begin(), dst.end(), [](uint8_t b) { return b == 0; }));
+  CHECK_FALSE((*es)->Post({&w, 1}).ok());
+}
+
+TEST_CASE("receiver: bounds check and malformed frames get an error ack", "[transport][tcp]") {
+  auto receiver = MakeTcp();
+  std::vector<uint8_t> dst(4096, 0);
+  auto dr = receiver->RegisterMemory(dst.data(), dst.size());
+  REQUIRE(dr.ok());
+  auto ep = receiver->CreateEndpoint();
+  REQUIRE(ep.ok());
+  const Info info = ParseInfo((*ep)->LocalInfo());
+  tcp::RegionDescriptor desc;
+  std::memcpy(&desc, (*dr)->Descriptor().data(), sizeof(desc));
+  std::string msg;
+
+  SECTION("out of bounds") {
+    Fd fd = RawClient(info);
+    std::vector<char> payload(128, 'x');
+    tcp::FrameHeader f{tcp::kFrameMagic, tcp::kWrite, 0, 1, desc.region, 4000, payload.size()};
+    SendRaw(fd.get(), &f, sizeof(f));
+    SendRaw(fd.get(), payload.data(), payload.size());
+    tcp::FrameHeader c{tcp::kFrameMagic, tcp::kCommit, 0, 1, 1, 0, payload.size()};
+    SendRaw(fd.get(), &c, sizeof(c));
+    tcp::Ack ack = RecvAck(fd.get(), &msg);
+    INFO(msg);
+    CHECK(ack.type == tcp::kBatchAck);
+    CHECK(ack.code == static_cast<uint16_t>(absl::StatusCode::kOutOfRange));
+    CHECK(absl::StrContains(msg, "outside region"));
+    CHECK(std::all_of(dst.begin(), dst.end(), [](uint8_t b) { return b == 0; }));
+  }
+  SECTION("bad magic") {
+    Fd fd = RawClient(info);
+    tcp::FrameHeader f{0x12345678, tcp::kWrite, 0, 1, desc.region, 0, 16};
+    SendRaw(fd.get(), &f, sizeof(f));
+    tcp::Ack ack = RecvAck(fd.get(), &msg);
+    CHECK(ack.code == static_cast<uint16_t>(absl::StatusCode::kInvalidArgument));
+    CHECK(absl::StrContains(msg, "magic"));
+    char byte;
+    CHECK(::recv(fd.get(), &byte, 1, 0) == 0);  // and the receiver closed the connection
+  }
+  SECTION("oversized frame") {
+    Fd fd = RawClient(info);
+    tcp::FrameHeader f{tcp::kFrameMagic, tcp::kWrite, 0, 1, desc.region, 0, uint64_t{1} << 40};
+    SendRaw(fd.get(), &f, sizeof(f));
+    tcp::Ack ack = RecvAck(fd.get(), &msg);
+    CHECK(ack.code == static_cast<uint16_t>(absl::StatusCode::kInvalidArgument));
+  }
+  SECTION("a valid frame lands") {
+    Fd fd = RawClient(info);
+    std::vector<char> payload(100, 'y');
+    tcp::FrameHeader f{tcp::kFrameMagic, tcp::kWrite, 0, 9, desc.region, 10, payload.size()};
+    SendRaw(fd.get(), &f, sizeof(f));
+    SendRaw(fd.get(), payload.data(), payload.size());
+    tcp::FrameHeader c{tcp::kFrameMagic, tcp::kCommit, 0, 9, 1, 0, payload.size()};
+    SendRaw(fd.get(), &c, sizeof(c));
+    tcp::Ack ack = RecvAck(fd.get(), &msg);
+    CHECK(ack.code == 0);
+    CHECK(ack.batch == 9);
+    CHECK(ack.bytes == 100);
+    CHECK(dst[9] == 0);
+    CHECK(dst[10] == 'y');
+    CHECK(dst[109] == 'y');
+    CHECK(dst[110] == 0);
+  }
+}
+
+TEST_CASE("a peer that stops reading: Wait times out, then the stall fails the batch", "[transport][tcp]") {
+  // A fake peer: answers the hello, then never reads again.
+  int port = 0;
+  auto listen_fd = tcp::Listen("127.0.0.1", 0, &port);
+  REQUIRE(listen_fd.ok());
+  const uint64_t token = 0x1234;
+  Fd accepted;
+  std::thread peer([&] {
+    Fd fd(::accept(listen_fd->get(), nullptr, nullptr));
+    tcp::Hello hello;
+    if (!tcp::RecvAll(fd.get(), &hello, sizeof(hello)).ok()) return;
+    tcp::Ack ack{tcp::kFrameMagic, tcp::kHelloAck, 0, 0, 0, 0, 0};
+    iovec iov{&ack, sizeof(ack)};
+    tcp::SendAll(fd.get(), &iov, 1).IgnoreError();
+    accepted = std::move(fd);  // kept open, never read
+  });
+
+  TransportOptions opts;
+  opts.io_timeout = absl::Seconds(1);
+  opts.tcp_streams = 1;
+  auto sender = CreateTransport("tcp", opts);
+  REQUIRE(sender.ok());
+  constexpr uint64_t kLen = 64 << 20;  // far more than the socket buffers hold
+  std::vector<uint8_t> src(kLen, 3);
+  auto sr = (*sender)->RegisterMemory(src.data(), src.size());
+  REQUIRE(sr.ok());
+  auto remote = (*sender)->ImportRegion(Descriptor(token, 1, kLen));
+  REQUIRE(remote.ok());
+  auto ep = (*sender)->CreateEndpoint();
+  REQUIRE(ep.ok());
+  REQUIRE((*ep)->Connect(absl::StrCat("wsync-tcp/1 127.0.0.1 ", port, " ", absl::Hex(token)), kTimeout).ok());
+  peer.join();
+
+  WriteRequest w{sr->get(), 0, remote->get(), 0, kLen};
+  auto id = (*ep)->Post({&w, 1});
+  REQUIRE(id.ok());
+  CHECK((*ep)->Wait(*id, absl::Milliseconds(200)).code() == absl::StatusCode::kDeadlineExceeded);
+  const absl::Time start = absl::Now();
+  absl::Status s = (*ep)->Wait(*id, kTimeout);
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(absl::StrContains(s.message(), absl::StrCat("127.0.0.1:", port)));
+  CHECK(absl::Now() - start < absl::Seconds(5));
+}
+
+TEST_CASE("a large batch is spread over several connections and arrives intact", "[transport][tcp]") {
+  for (int streams : {1, 3, 8}) {
+    TransportOptions opts;
+    opts.tcp_streams = streams;
+    auto sender = CreateTransport("tcp", opts);
+    auto receiver = CreateTransport("tcp", opts);
+    REQUIRE(sender.ok());
+    REQUIRE(receiver.ok());
+    constexpr uint64_t kLen = (24 << 20) + 5;
+    std::vector<uint8_t> src(kLen), dst(kLen, 0);
+    for (uint64_t i = 0; i < kLen; ++i) src[i] = static_cast<uint8_t>(i * 2654435761u >> 13);
+    auto sr = (*sender)->RegisterMemory(src.data(), kLen);
+    auto dr = (*receiver)->RegisterMemory(dst.data(), kLen);
+    REQUIRE(sr.ok());
+    REQUIRE(dr.ok());
+    auto remote = (*sender)->ImportRegion((*dr)->Descriptor());
+    REQUIRE(remote.ok());
+    auto es = (*sender)->CreateEndpoint();
+    auto er = (*receiver)->CreateEndpoint();
+    REQUIRE((*es)->Connect((*er)->LocalInfo(), kTimeout).ok());
+    REQUIRE((*er)->Connect((*es)->LocalInfo(), kTimeout).ok());
+    // Three writes of uneven sizes: the split cuts through them.
+    WriteRequest w[3] = {{sr->get(), 0, remote->get(), 0, 1000},
+                         {sr->get(), 1000, remote->get(), 1000, kLen - 2000},
+                         {sr->get(), kLen - 1000, remote->get(), kLen - 1000, 1000}};
+    absl::Status s = (*es)->Write(w, kTimeout);
+    INFO(streams << " streams: " << s.ToString());
+    REQUIRE(s.ok());
+    CHECK(std::memcmp(src.data(), dst.data(), kLen) == 0);
+  }
+}

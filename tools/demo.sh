@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# End-to-end demo on 127.0.0.1 with free ports: a coordinator, 2 source daemons (2 trainer ranks each, separate
+# processes using the client library), 2 target daemons and 2 reference engine instances at TP=2. Runs N
+# consecutive updates; after each one every engine rank verifies every parameter bit-exactly against its own
+# independent loader. Exit status is non-zero on any mismatch or failure.
+#
+#   tools/demo.sh [--bin DIR] [--model CONFIG.json] [--updates N] [--transport tcp|verbs]
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+bin="$here/build"
+model="$here/tests/data/models/Qwen__Qwen3-0.6B/config.json"
+updates=3
+transport=tcp
+tp=2
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bin) bin=$2; shift 2 ;;
+    --model) model=$2; shift 2 ;;
+    --updates) updates=$2; shift 2 ;;
+    --transport) transport=$2; shift 2 ;;
+    --tp) tp=$2; shift 2 ;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    *) echo "demo: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+for b in wsync-coordinator wsyncd wsync-engine-ref wsync-trainer-demo; do
+  [ -x "$bin/$b" ] || { echo "demo: $bin/$b is missing; build first (cmake --build build)" >&2; exit 2; }
+done
+[ -f "$model" ] || { echo "demo: model config $model not found" >&2; exit 2; }
+
+work=$(mktemp -d /tmp/wsync-demo.XXXXXX)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  if [ "${WSYNC_DEMO_KEEP:-0}" = 1 ]; then echo "demo: logs kept in $work" >&2; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+
+# Waits for a port file written by a process once it serves; fails early if the process died.
+wait_port() {
+  local file=$1 pid=$2 name=$3
+  for _ in $(seq 1 600); do
+    if [ -s "$file" ]; then cat "$file"; return 0; fi
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "demo: $name exited before serving; its log:" >&2; tail -n 30 "$work/$name.log" >&2; return 1
+    fi
+    sleep 0.1
+  done
+  echo "demo: $name did not start within 60 s" >&2; return 1
+}
+start() {  # start NAME CMD... ; runs in the background with its log in $work/NAME.log
+  local name=$1; shift
+  "$@" >"$work/$name.log" 2>&1 &
+  pids+=($!)
+  last_pid=$!
+}
+
+start coordinator "$bin/wsync-coordinator" --listen 127.0.0.1:0 --port-file "$work/coordinator.port"
+coord="127.0.0.1:$(wait_port "$work/coordinator.port" "$last_pid" coordinator)"
+echo "coordinator on $coord"
+
+for e in 0 1; do
+  start "engine$e" "$bin/wsync-engine-ref" --id "engine$e" --model "$model" --tp "$tp" \
+    --listen 127.0.0.1:0 --port-file "$work/engine$e.port"
+  eng[$e]="127.0.0.1:$(wait_port "$work/engine$e.port" "$last_pid" "engine$e")"
+done
+for e in 0 1; do
+  start "target$e" "$bin/wsyncd" --role target --node-id "infer-node$e" --coordinator "$coord" \
+    --engine "${eng[$e]}" --transport "$transport" --port-file "$work/target$e.port"
+  wait_port "$work/target$e.port" "$last_pid" "target$e" >/dev/null
+done
+for s in 0 1; do
+  start "source$s" "$bin/wsyncd" --role source --node-id "train-node$s" --coordinator "$coord" \
+    --trainer-ranks 2 --ring-mib 384 --transport "$transport" --port-file "$work/source$s.port"
+  src[$s]="127.0.0.1:$(wait_port "$work/source$s.port" "$last_pid" "source$s")"
+done
+echo "engines ${eng[*]}; source daemons ${src[*]}; running $updates updates of $(basename "$(dirname "$model")")"
+
+trainers=()
+for s in 0 1; do
+  for r in 0 1; do
+    g=$((s * 2 + r))
+    extra=()
+    if [ $g -eq 0 ]; then extra=(--drive --coordinator "$coord" --verify-engine "${eng[0]}" --verify-engine "${eng[1]}"); fi
+    "$bin/wsync-trainer-demo" --daemon "${src[$s]}" --model "$model" --local-rank $r --global-rank $g \
+      --updates "$updates" "${extra[@]}" >"$work/trainer$g.out" 2>"$work/trainer$g.log" &
+    trainers+=($!)
+  done
+done
+rc=0
+# The first trainer to fail ends the demo: the others would only wait for an update that cannot complete.
+remaining=("${trainers[@]}")
+while [ ${#remaining[@]} -gt 0 ] && [ $rc -eq 0 ]; do
+  next=()
+  for p in "${remaining[@]}"; do
+    if kill -0 "$p" 2>/dev/null; then next+=("$p"); else wait "$p" || rc=1; fi
+  done
+  remaining=("${next[@]}")
+  sleep 0.2
+done
+if [ $rc -ne 0 ]; then
+  for p in "${trainers[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for i in "${!trainers[@]}"; do
+    if grep -q ' E \[' "$work/trainer$i.log"; then echo "demo: trainer $i failed:" >&2; grep ' E \[' "$work/trainer$i.log" | tail -n 5 >&2; fi
+  done
+fi
+cat "$work/trainer0.out"
+if [ $rc -ne 0 ]; then
+  for f in coordinator source0 source1 target0 target1; do echo "--- $f" >&2; tail -n 10 "$work/$f.log" >&2; done
+  grep -q '^wsync demo:' "$work/trainer0.out" || echo "wsync demo: FAILED (see the logs above)"
+fi
+exit $rc

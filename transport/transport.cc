@@ -1,0 +1,74 @@
+#include "transport/transport.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "transport/tcp/tcp_transport.h"
+
+#ifdef WSYNC_WITH_VERBS
+#include "transport/verbs/verbs_transport.h"
+#endif
+
+namespace wsync::transport {
+namespace {
+
+// `offset + length` must stay inside a region of `region_len` bytes; written so it cannot overflow.
+absl::Status CheckRange(const char* side, uint64_t offset, uint64_t length, uint64_t region_len) {
+  if (offset > region_len || length > region_len - offset) {
+    return absl::OutOfRangeError(absl::StrCat(side, " range [", offset, ", +", length,
+                                              ") is outside the region of ", region_len, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+// Stand-in for a backend that exists but cannot run here (compiled out, no device): says why, does nothing.
+class NonViableTransport final : public Transport {
+ public:
+  NonViableTransport(std::string name, std::string reason)
+      : name_(std::move(name)), reason_(std::move(reason)) {}
+  std::string name() const override { return name_; }
+  bool viable() const override { return false; }
+  std::string reason() const override { return reason_; }
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void*, uint64_t) override { return Error(); }
+  absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string&) override { return Error(); }
+  absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override { return Error(); }
+
+ private:
+  absl::Status Error() const {
+    return absl::FailedPreconditionError(absl::StrCat(name_, " transport is not viable: ", reason_));
+  }
+  std::string name_;
+  std::string reason_;
+};
+
+}  // namespace
+
+absl::Status ValidateWrite(const WriteRequest& w) {
+  if (w.src == nullptr) return absl::InvalidArgumentError("write request has no source region");
+  if (w.dst == nullptr) return absl::InvalidArgumentError("write request has no destination region");
+  absl::Status s = CheckRange("source", w.src_offset, w.length, w.src->length());
+  if (!s.ok()) return s;
+  return CheckRange("destination", w.dst_offset, w.length, w.dst->length());
+}
+
+absl::Status Endpoint::Write(absl::Span<const WriteRequest> writes, absl::Duration timeout) {
+  absl::StatusOr<BatchId> batch = Post(writes);
+  if (!batch.ok()) return batch.status();
+  return Wait(*batch, timeout);
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const std::string& name,
+                                                           const TransportOptions& opts) {
+  if (name == "tcp") return tcp::CreateTcpTransport(opts);
+  if (name == "verbs") {
+#ifdef WSYNC_WITH_VERBS
+    return verbs::CreateVerbsTransport(opts);
+#else
+    return std::unique_ptr<Transport>(
+        std::make_unique<NonViableTransport>("verbs", "built without verbs support"));
+#endif
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown transport \"", name, "\" (known: tcp, verbs)"));
+}
+
+}  // namespace wsync::transport

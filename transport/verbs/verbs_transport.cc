@@ -1,0 +1,213 @@
+#include "transport/verbs/verbs_transport.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "base/status.h"
+#include "spdlog/spdlog.h"
+#include "transport/verbs/verbs_internal.h"
+
+namespace wsync::transport::verbs {
+
+std::string VerbsLocalRegion::Descriptor() const {
+  RegionDesc d;
+  d.transport_id = id_.transport_id;
+  d.owner = id_.owner;
+  d.base = reinterpret_cast<uintptr_t>(addr_);
+  d.length = len_;
+  d.chunk_size = chunk_;
+  d.num_devices = static_cast<uint32_t>(devices_->devices.size());
+  d.num_chunks = num_chunks();
+  d.rkeys.reserve(mrs_.size());
+  for (const MrPtr& mr : mrs_) d.rkeys.push_back(mr->rkey);
+  return EncodeRegionDesc(d);
+}
+
+namespace {
+
+// Reads an unsigned WSYNC_VERBS_* variable into *out when `current` is unset (0); InvalidArgument if unparsable.
+template <typename T>
+absl::Status FromEnv(const char* name, T current, T* out) {
+  if (current > 0) {
+    *out = current;
+    return absl::OkStatus();
+  }
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return absl::OkStatus();
+  uint64_t parsed = 0;
+  if (!absl::SimpleAtoi(v, &parsed) || parsed == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, "='", v, "' is not a positive integer"));
+  }
+  *out = static_cast<T>(parsed);
+  return absl::OkStatus();
+}
+
+// Like FromEnv for small fields where 0 is meaningful: `current` < 0 means unset.
+absl::Status SmallFromEnv(const char* name, int current, int max, uint8_t* out) {
+  int value = current;
+  if (value < 0) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') return absl::OkStatus();
+    if (!absl::SimpleAtoi(v, &value)) {
+      return absl::InvalidArgumentError(absl::StrCat(name, "='", v, "' is not an integer"));
+    }
+  }
+  if (value < 0 || value > max) {
+    return absl::InvalidArgumentError(absl::StrCat("verbs: ", name, " must be in [0, ", max, "], got ", value));
+  }
+  *out = static_cast<uint8_t>(value);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Config> ResolveConfig(const TransportOptions& opts, const VerbsOptions& v) {
+  Config c;
+  c.io_timeout = opts.io_timeout;
+  WSYNC_RETURN_IF_ERROR(FromEnv<uint64_t>("WSYNC_VERBS_MAX_MR_SIZE", v.max_mr_chunk, &c.max_mr_chunk));
+  WSYNC_RETURN_IF_ERROR(FromEnv<int>("WSYNC_VERBS_QPS_PER_DEVICE", v.qps_per_device, &c.qps_per_device));
+  WSYNC_RETURN_IF_ERROR(FromEnv<uint64_t>("WSYNC_VERBS_STRIPE_BYTES", v.stripe_bytes, &c.stripe_bytes));
+  WSYNC_RETURN_IF_ERROR(FromEnv<uint32_t>("WSYNC_VERBS_MAX_SEND_WR", v.max_send_wr, &c.max_send_wr));
+  WSYNC_RETURN_IF_ERROR(FromEnv<uint32_t>("WSYNC_VERBS_SIGNAL_EVERY", v.signal_every, &c.signal_every));
+  WSYNC_RETURN_IF_ERROR(SmallFromEnv("WSYNC_VERBS_QP_TIMEOUT", v.qp_timeout, 31, &c.qp_timeout));
+  WSYNC_RETURN_IF_ERROR(SmallFromEnv("WSYNC_VERBS_RETRY_CNT", v.retry_cnt, 7, &c.retry_cnt));
+  if (c.qps_per_device > 64) return absl::InvalidArgumentError("verbs: qps_per_device must be at most 64");
+  c.signal_every = std::min<uint32_t>(c.signal_every, 4096);
+  if (c.stripe_bytes > (1u << 31)) c.stripe_bytes = 1u << 31;
+  return c;
+}
+
+std::string HostName() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
+  return buf;
+}
+
+class VerbsTransport final : public Transport {
+ public:
+  VerbsTransport(absl::StatusOr<std::shared_ptr<DeviceSet>> devices, Config cfg) : cfg_(cfg) {
+    std::random_device rd;
+    id_.transport_id = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    std::vector<std::string> names;
+    if (devices.ok()) {
+      devices_ = std::move(*devices);
+      for (const auto& d : devices_->devices) names.push_back(d->name);
+    } else {
+      reason_ = std::string(devices.status().message());
+    }
+    id_.owner = absl::StrFormat("%s/pid %d/t%04x [%s]", HostName(), getpid(), id_.transport_id & 0xffff,
+                                absl::StrJoin(names, ","));
+  }
+
+  std::string name() const override { return "verbs"; }
+  bool viable() const override { return devices_ != nullptr; }
+  std::string reason() const override { return reason_; }
+
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    if (addr == nullptr && len > 0) return absl::InvalidArgumentError("verbs: RegisterMemory of a null address");
+    uint64_t chunk = UINT64_MAX;
+    for (const auto& d : devices_->devices) chunk = std::min(chunk, d->max_mr_size);
+    if (cfg_.max_mr_chunk > 0) chunk = std::min(chunk, cfg_.max_mr_chunk);
+    chunk = std::max<uint64_t>(1, std::min(chunk, len));  // one MR covers a region within the limit
+    uint64_t nchunks = len == 0 ? 0 : (len - 1) / chunk + 1;
+    if (nchunks > (uint64_t{1} << 24)) {
+      return absl::InvalidArgumentError(absl::StrCat("verbs: registering ", len, " bytes in ", chunk,
+                                                     "-byte chunks needs too many MRs (", nchunks, ")"));
+    }
+    absl::Time start = absl::Now();
+    std::vector<MrPtr> mrs;
+    mrs.reserve(nchunks * devices_->devices.size());
+    constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+    for (const auto& d : devices_->devices) {
+      for (uint64_t c = 0; c < nchunks; ++c) {
+        uint64_t off = c * chunk;
+        uint64_t n = std::min(chunk, len - off);
+        MrPtr mr(ibv_reg_mr(d->pd.get(), static_cast<char*>(addr) + off, n, kAccess));
+        if (!mr) {
+          int err = errno;
+          // Already registered chunks are released by `mrs`.
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "verbs: ibv_reg_mr on ", d->name, " of chunk ", c, " (", n, " bytes at offset ", off, " of ", len,
+              ") failed: ", std::strerror(err), err == ENOMEM ? " (check the locked-memory limit, ulimit -l)" : ""));
+        }
+        mrs.push_back(std::move(mr));
+      }
+    }
+    std::vector<int> preferred = PreferredDevices(*devices_, addr);
+    double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+    std::vector<std::string> pref_names;
+    for (int i : preferred) pref_names.push_back(devices_->devices[i]->name);
+    spdlog::info(
+        "verbs: registered {} bytes at {} as {} MR(s) of up to {} bytes on {} device(s) in {:.3f} ms "
+        "({:.2f} GB/s); writes from it use [{}]",
+        len, addr, mrs.size(), chunk, devices_->devices.size(), ms, ms > 0 ? len / ms / 1e6 : 0.0,
+        absl::StrJoin(pref_names, ","));
+    return std::unique_ptr<LocalRegion>(
+        std::make_unique<VerbsLocalRegion>(devices_, id_, addr, len, chunk, std::move(mrs), std::move(preferred)));
+  }
+
+  absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    WSYNC_ASSIGN_OR_RETURN(RegionDesc d, DecodeRegionDesc(descriptor));
+    return std::unique_ptr<RemoteRegion>(std::make_unique<VerbsRemoteRegion>(std::move(d)));
+  }
+
+  absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    return NewVerbsEndpoint(devices_, cfg_, id_);
+  }
+
+ private:
+  absl::Status CheckViable() const {
+    if (viable()) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat("verbs transport not viable: ", reason_));
+  }
+
+  std::shared_ptr<DeviceSet> devices_;
+  std::string reason_;
+  Config cfg_;
+  Identity id_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateVerbsTransport(const TransportOptions& opts,
+                                                                const VerbsOptions& verbs_opts) {
+  WSYNC_ASSIGN_OR_RETURN(Config cfg, ResolveConfig(opts, verbs_opts));
+  auto devices = OpenDevices(opts.devices, opts.gid_index);
+  if (!devices.ok() && devices.status().code() == absl::StatusCode::kInvalidArgument) return devices.status();
+  if (!devices.ok()) spdlog::info("verbs: transport not viable: {}", std::string(devices.status().message()));
+  return std::unique_ptr<Transport>(std::make_unique<VerbsTransport>(std::move(devices), cfg));
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateVerbsTransport(const TransportOptions& opts) {
+  return CreateVerbsTransport(opts, VerbsOptions{});
+}
+
+std::optional<VerbsRegionInfo> GetVerbsRegionInfo(const LocalRegion& region) {
+  const auto* r = dynamic_cast<const VerbsLocalRegion*>(&region);
+  if (r == nullptr) return std::nullopt;
+  VerbsRegionInfo info;
+  info.chunk_size = r->chunk_size();
+  info.num_chunks = r->num_chunks();
+  for (const auto& d : r->devices().devices) info.devices.push_back(d->name);
+  for (int i : r->preferred_devices()) info.preferred_devices.push_back(r->devices().devices[i]->name);
+  return info;
+}
+
+std::optional<VerbsEndpointStats> GetVerbsEndpointStats(const Endpoint& endpoint) {
+  return GetVerbsEndpointStatsImpl(endpoint);
+}
+
+}  // namespace wsync::transport::verbs

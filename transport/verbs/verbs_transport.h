@@ -1,0 +1,72 @@
+#pragma once
+// The rdma-core verbs backend: RC queue pairs and one-sided RDMA WRITE.
+//
+// What it does beyond the Transport contract:
+//   * Devices: TransportOptions::devices ("mlx5_0" or "mlx5_0:1"), or every device with an active port. A region is
+//     written through the devices on its memory's NUMA node (sysfs), else the first device; with an explicit device
+//     list, through all of them.
+//   * Memory: RegisterMemory registers the range on every device, split into chunks no larger than the device's
+//     max_mr_size (or VerbsOptions::max_mr_chunk). The descriptor carries base address, length, chunk size and all
+//     rkeys. Writes crossing a chunk boundary (source or destination) are split.
+//   * Endpoints: qps_per_device RC QPs per device, connected 1:1 to the peer's QPs through the opaque LocalInfo
+//     blob (QPN, PSN, GID, LID, port, MTU). Writes longer than stripe_bytes are cut into stripe_bytes pieces spread
+//     round-robin over the QPs. Posting uses linked work-request lists with only the last WR of each list
+//     signaled, never more than max_send_wr WRs outstanding per QP (Post polls the CQ when a send queue is full).
+//   * Errors: a failed completion fails its batch with a status naming the peer, the queue pair and the write
+//     (index, destination offset); every later call fails too, and the endpoint must be re-created. A vanished
+//     peer surfaces as Unavailable (transport retries exceeded), a stale or out-of-bounds remote region as
+//     FailedPrecondition.
+//   * No device (host kernel without RDMA, empty device list, device not found): the transport is returned with
+//     viable() == false and reason() saying why; every other call then fails with FailedPrecondition.
+//
+// Thread safety: as in transport.h. Regions and endpoints keep the device contexts alive, so they may outlive the
+// transport that made them.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "transport/transport.h"
+
+namespace wsync::transport::verbs {
+
+// Tuning knobs. Zero / negative = take the environment variable named beside it, else the default.
+struct VerbsOptions {
+  uint64_t max_mr_chunk = 0;  // WSYNC_VERBS_MAX_MR_SIZE: cap on one MR's size (bytes); default device max_mr_size
+  int qps_per_device = 0;     // WSYNC_VERBS_QPS_PER_DEVICE: RC QPs per device per endpoint; default 2
+  uint64_t stripe_bytes = 0;  // WSYNC_VERBS_STRIPE_BYTES: largest piece of one write on one QP; default 1 MiB
+  uint32_t max_send_wr = 0;   // WSYNC_VERBS_MAX_SEND_WR: outstanding WRs per QP (capped by the device); default 256
+  uint32_t signal_every = 0;  // WSYNC_VERBS_SIGNAL_EVERY: WRs per linked list, last one signaled; default 32
+  int qp_timeout = -1;        // WSYNC_VERBS_QP_TIMEOUT: ack timeout exponent (4.096 us * 2^n); default 14
+  int retry_cnt = -1;         // WSYNC_VERBS_RETRY_CNT: retries before failing (0..7; rxe: 7 = forever); default 6
+};
+
+// Creates the verbs backend. Hardware absence is not an error: the transport is returned with viable() == false.
+// Errors only for malformed options (e.g. an unparsable WSYNC_VERBS_* variable).
+absl::StatusOr<std::unique_ptr<Transport>> CreateVerbsTransport(const TransportOptions& opts);
+absl::StatusOr<std::unique_ptr<Transport>> CreateVerbsTransport(const TransportOptions& opts,
+                                                                const VerbsOptions& verbs_opts);
+
+// Introspection for tests and benchmarks; nullopt when the object is not from the verbs backend.
+struct VerbsRegionInfo {
+  uint64_t chunk_size = 0;
+  uint32_t num_chunks = 0;
+  std::vector<std::string> devices;            // devices the region is registered on
+  std::vector<std::string> preferred_devices;  // devices its writes go through when it is a source
+};
+std::optional<VerbsRegionInfo> GetVerbsRegionInfo(const LocalRegion& region);
+
+struct VerbsEndpointStats {
+  std::vector<std::string> qp_devices;  // per connected QP: its local device
+  std::vector<uint64_t> wrs_per_qp;     // work requests posted per QP
+  std::vector<uint64_t> bytes_per_qp;
+  uint64_t post_calls = 0;  // ibv_post_send calls (one per linked list)
+  uint64_t signaled_wrs = 0;
+  uint64_t send_queue_full_waits = 0;  // times Post had to poll for completions before posting more
+};
+std::optional<VerbsEndpointStats> GetVerbsEndpointStats(const Endpoint& endpoint);
+
+}  // namespace wsync::transport::verbs

@@ -1,0 +1,144 @@
+#include "transport/verbs/verbs_wire.h"
+
+#include <cstring>
+#include <type_traits>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace wsync::transport::verbs {
+namespace {
+
+constexpr uint32_t kConnMagic = 0x45565357;    // "WSVE"
+constexpr uint32_t kRegionMagic = 0x52565357;  // "WSVR"
+constexpr uint16_t kVersion = 1;
+constexpr size_t kMaxOwner = 1024;
+constexpr uint32_t kMaxQps = 4096;
+constexpr uint32_t kMaxDevices = 64;
+
+class Writer {
+ public:
+  template <typename T>
+  void Put(const T& v) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    out_.append(reinterpret_cast<const char*>(&v), sizeof(T));
+  }
+  void PutString(const std::string& s) {
+    Put(static_cast<uint32_t>(s.size()));
+    out_.append(s);
+  }
+  std::string Take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+class Reader {
+ public:
+  explicit Reader(const std::string& in) : in_(in) {}
+  template <typename T>
+  bool Get(T* v) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    if (in_.size() - pos_ < sizeof(T)) return false;
+    std::memcpy(v, in_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return true;
+  }
+  bool GetString(std::string* s, size_t max) {
+    uint32_t n = 0;
+    if (!Get(&n) || n > max || in_.size() - pos_ < n) return false;
+    s->assign(in_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  bool AtEnd() const { return pos_ == in_.size(); }
+
+ private:
+  const std::string& in_;
+  size_t pos_ = 0;
+};
+
+absl::Status Malformed(const char* what, const char* detail) {
+  return absl::InvalidArgumentError(absl::StrCat("malformed verbs ", what, ": ", detail));
+}
+
+}  // namespace
+
+std::string EncodeConnInfo(const ConnInfo& info) {
+  Writer w;
+  w.Put(kConnMagic);
+  w.Put(kVersion);
+  w.Put(static_cast<uint16_t>(0));
+  w.Put(info.transport_id);
+  w.PutString(info.owner);
+  w.Put(static_cast<uint32_t>(info.qps.size()));
+  for (const WireQp& qp : info.qps) w.Put(qp);
+  return w.Take();
+}
+
+absl::StatusOr<ConnInfo> DecodeConnInfo(const std::string& blob) {
+  Reader r(blob);
+  uint32_t magic = 0, nqps = 0;
+  uint16_t version = 0, pad = 0;
+  ConnInfo info;
+  if (!r.Get(&magic) || magic != kConnMagic) return Malformed("connection info", "bad magic (not a verbs endpoint?)");
+  if (!r.Get(&version) || version != kVersion || !r.Get(&pad)) return Malformed("connection info", "unknown version");
+  if (!r.Get(&info.transport_id) || !r.GetString(&info.owner, kMaxOwner) || !r.Get(&nqps) || nqps == 0 ||
+      nqps > kMaxQps) {
+    return Malformed("connection info", "truncated header");
+  }
+  info.qps.resize(nqps);
+  for (WireQp& qp : info.qps) {
+    if (!r.Get(&qp)) return Malformed("connection info", "truncated queue pair list");
+  }
+  if (!r.AtEnd()) return Malformed("connection info", "trailing bytes");
+  return info;
+}
+
+std::string EncodeRegionDesc(const RegionDesc& desc) {
+  Writer w;
+  w.Put(kRegionMagic);
+  w.Put(kVersion);
+  w.Put(static_cast<uint16_t>(0));
+  w.Put(desc.transport_id);
+  w.PutString(desc.owner);
+  w.Put(desc.base);
+  w.Put(desc.length);
+  w.Put(desc.chunk_size);
+  w.Put(desc.num_devices);
+  w.Put(desc.num_chunks);
+  for (uint32_t k : desc.rkeys) w.Put(k);
+  return w.Take();
+}
+
+absl::StatusOr<RegionDesc> DecodeRegionDesc(const std::string& blob) {
+  Reader r(blob);
+  uint32_t magic = 0;
+  uint16_t version = 0, pad = 0;
+  RegionDesc d;
+  if (!r.Get(&magic) || magic != kRegionMagic) return Malformed("region descriptor", "bad magic (not a verbs region?)");
+  if (!r.Get(&version) || version != kVersion || !r.Get(&pad)) return Malformed("region descriptor", "unknown version");
+  if (!r.Get(&d.transport_id) || !r.GetString(&d.owner, kMaxOwner) || !r.Get(&d.base) || !r.Get(&d.length) ||
+      !r.Get(&d.chunk_size) || !r.Get(&d.num_devices) || !r.Get(&d.num_chunks)) {
+    return Malformed("region descriptor", "truncated header");
+  }
+  if (d.num_devices == 0 || d.num_devices > kMaxDevices) return Malformed("region descriptor", "bad device count");
+  uint64_t expect_chunks = 0;
+  if (d.length > 0) {
+    if (d.chunk_size == 0) return Malformed("region descriptor", "zero chunk size");
+    expect_chunks = (d.length - 1) / d.chunk_size + 1;  // no overflow for huge chunk sizes
+  }
+  if (d.num_chunks != expect_chunks) return Malformed("region descriptor", "chunk count does not match length");
+  if (d.base + d.length < d.base) return Malformed("region descriptor", "address range wraps");
+  uint64_t nkeys = static_cast<uint64_t>(d.num_devices) * d.num_chunks;
+  // Bound the allocation by what the blob can hold before reserving.
+  if (nkeys > blob.size() / sizeof(uint32_t)) return Malformed("region descriptor", "truncated rkey list");
+  d.rkeys.resize(nkeys);
+  for (uint32_t& k : d.rkeys) {
+    if (!r.Get(&k)) return Malformed("region descriptor", "truncated rkey list");
+  }
+  if (!r.AtEnd()) return Malformed("region descriptor", "trailing bytes");
+  return d;
+}
+
+}  // namespace wsync::transport::verbs
