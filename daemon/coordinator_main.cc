@@ -25,7 +25,9 @@ int main(int argc, char** argv) {
   daemon::CoordinatorOptions opts;
   app.add_option("--listen", listen, "host:port to serve on (port 0 = any free port)");
   app.add_option("--port-file", port_file, "write the bound port here once serving");
-  app.add_option("--strategy", opts.strategy, "transfer-plan strategy")->check(CLI::IsMember({"seed", "balanced"}));
+  // The daemon writes whole parameters per target, which is what the seed strategy plans; the balanced planner
+  // (wsyncctl plan) also splits parameters across sources and needs byte-range writes in the daemon first.
+  app.add_option("--strategy", opts.strategy, "transfer-plan strategy (seed)")->check(CLI::IsMember({"seed"}));
   app.add_option("--history", opts.history_limit, "updates kept in the history");
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error");
   CLI11_PARSE(app, argc, argv);

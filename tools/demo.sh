@@ -8,7 +8,7 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
-bin="$here/build"
+bin="$here/build/bin"
 model="$here/tests/data/models/Qwen__Qwen3-0.6B/config.json"
 updates=3
 transport=tcp

@@ -3,6 +3,8 @@
 // expectation from. The rank started with --drive also opens and commits each update on the coordinator, asks
 // every engine to verify what it holds, and prints the summary.
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -47,6 +49,7 @@ int main(int argc, char** argv) {
   int64_t first_version = 1;
   bool drive = false;
   uint64_t bucket_mib = 0;
+  int64_t crash_after = -1;
   app.add_option("--daemon", daemon_addr, "local wsyncd (source) host:port")->required();
   app.add_option("--model", model, "HF config.json")->required()->check(CLI::ExistingFile);
   app.add_option("--local-rank", local_rank, "rank index on this node");
@@ -57,6 +60,8 @@ int main(int argc, char** argv) {
   app.add_flag("--drive", drive, "open and commit every update on the coordinator");
   app.add_option("--coordinator", coordinator, "coordinator host:port (with --drive)");
   app.add_option("--verify-engine", verify_engines, "engine control address to verify after each update (--drive)");
+  app.add_option("--crash-after-bytes", crash_after,
+                 "testing: die (exit 3) half-way through writing the tensor that crosses this many pushed bytes");
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error");
   CLI11_PARSE(app, argc, argv);
   InitLogging(absl::StrCat("trainer", global_rank), log_level);
@@ -117,8 +122,15 @@ int main(int argc, char** argv) {
       }
       const replica::TensorSpec& s = *it->second;
       uint64_t elems = s.bytes() / DTypeSize(s.dtype);
-      auto st = (*c)->PushWith(s.name, s.dtype, s.shape, s.bytes(),
-                               [&](uint8_t* dst) { tools::GenerateTensor(s.name, v, s.dtype, elems, dst); });
+      auto st = (*c)->PushWith(s.name, s.dtype, s.shape, s.bytes(), [&](uint8_t* dst) {
+        if (crash_after >= 0 && (*c)->stats().bytes + s.bytes() > static_cast<uint64_t>(crash_after)) {
+          // Simulates a trainer dying mid-tensor: half the bytes written, nothing committed.
+          tools::GenerateTensor(s.name, v, s.dtype, elems / 2, dst);
+          std::fflush(nullptr);
+          _exit(3);
+        }
+        tools::GenerateTensor(s.name, v, s.dtype, elems, dst);
+      });
       if (!st.ok()) {
         spdlog::error("push {}: {}", s.name, st.ToString());
         return 1;

@@ -1,0 +1,241 @@
+#include "client/c_api.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include <google/protobuf/util/json_util.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "base/dtype.h"
+#include "client/coordinator_client.h"
+#include "client/trainer_client.h"
+
+struct wsync_trainer {
+  std::unique_ptr<wsync::client::TrainerClient> client;
+  std::string last_error;
+};
+
+struct wsync_coordinator {
+  std::unique_ptr<wsync::client::CoordinatorClient> client;
+  std::string last_error;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+// Records `s` for wsync_last_error() (and the handle's own message) and returns its code as the C status.
+int Report(const absl::Status& s, std::string* handle_error = nullptr) {
+  if (handle_error != nullptr) handle_error->clear();
+  if (s.ok()) return WSYNC_OK;
+  g_last_error = std::string(s.message());  // the code travels as the return value
+  if (handle_error != nullptr) *handle_error = g_last_error;
+  return static_cast<int>(s.code());
+}
+
+// A malloc'ed NUL-terminated copy the caller releases with wsync_free.
+char* CopyOut(const std::string& s) {
+  char* p = static_cast<char*>(std::malloc(s.size() + 1));
+  if (p == nullptr) return nullptr;
+  std::memcpy(p, s.data(), s.size());
+  p[s.size()] = '\0';
+  return p;
+}
+
+// Serializes `msg` as JSON into *out (when out is not null).
+absl::Status JsonOut(const google::protobuf::Message& msg, char** out) {
+  if (out == nullptr) return absl::OkStatus();
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.always_print_primitive_fields = true;  // "success": false must not vanish
+  opts.preserve_proto_field_names = true;
+  std::string json;
+  auto st = google::protobuf::util::MessageToJsonString(msg, &json, opts);
+  if (!st.ok()) return absl::InternalError(absl::StrCat("encoding a reply as JSON: ", st.ToString()));
+  *out = CopyOut(json);
+  if (*out == nullptr) return absl::ResourceExhaustedError("out of memory copying a JSON reply");
+  return absl::OkStatus();
+}
+
+absl::Duration SecondsOr(double s, double fallback) { return absl::Seconds(s > 0 ? s : fallback); }
+
+absl::Status NullArg(absl::string_view what) { return absl::InvalidArgumentError(absl::StrCat(what, " is NULL")); }
+
+// Converts C++ exceptions (bad_alloc, anything thrown below) into a status: nothing may unwind into C.
+template <typename F>
+int Guard(std::string* handle_error, F&& f) {
+  try {
+    return Report(f(), handle_error);
+  } catch (const std::bad_alloc&) {
+    return Report(absl::ResourceExhaustedError("out of memory"), handle_error);
+  } catch (const std::exception& e) {
+    return Report(absl::InternalError(absl::StrCat("unexpected exception: ", e.what())), handle_error);
+  } catch (...) {
+    return Report(absl::InternalError("unexpected exception"), handle_error);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* wsync_version(void) { return "0.1.0"; }
+
+const char* wsync_last_error(void) { return g_last_error.c_str(); }
+
+void wsync_free(void* p) { std::free(p); }
+
+int wsync_trainer_connect(const char* daemon, int local_rank, int global_rank, uint64_t bucket_bytes,
+                          double timeout_s, wsync_trainer** out) {
+  return Guard(nullptr, [&]() -> absl::Status {
+    if (out == nullptr) return NullArg("out");
+    *out = nullptr;
+    if (daemon == nullptr) return NullArg("daemon");
+    wsync::client::TrainerOptions o;
+    o.daemon = daemon;
+    o.local_rank = local_rank;
+    o.global_rank = global_rank;
+    o.bucket_bytes = bucket_bytes;
+    o.timeout = SecondsOr(timeout_s, 120);
+    auto c = wsync::client::TrainerClient::Connect(o);
+    if (!c.ok()) return c.status();
+    auto t = std::make_unique<wsync_trainer>();
+    t->client = *std::move(c);
+    *out = t.release();
+    return absl::OkStatus();
+  });
+}
+
+int wsync_trainer_begin_push(wsync_trainer* t, int64_t version, char** names_out, size_t* count_out) {
+  if (names_out != nullptr) *names_out = nullptr;
+  if (count_out != nullptr) *count_out = 0;
+  if (t == nullptr) return Report(NullArg("trainer handle"));
+  return Guard(&t->last_error, [&]() -> absl::Status {
+    auto names = t->client->BeginPush(version);
+    if (!names.ok()) return names.status();
+    if (names_out != nullptr) {
+      *names_out = CopyOut(absl::StrJoin(*names, "\n"));
+      if (*names_out == nullptr) return absl::ResourceExhaustedError("out of memory copying tensor names");
+    }
+    if (count_out != nullptr) *count_out = names->size();
+    return absl::OkStatus();
+  });
+}
+
+int wsync_trainer_push(wsync_trainer* t, const char* name, const char* dtype, const int64_t* shape, int ndim,
+                       const void* data, uint64_t bytes) {
+  if (t == nullptr) return Report(NullArg("trainer handle"));
+  return Guard(&t->last_error, [&]() -> absl::Status {
+    if (name == nullptr) return NullArg("tensor name");
+    if (dtype == nullptr) return NullArg(absl::StrCat("dtype of tensor ", name));
+    if (ndim < 0 || (ndim > 0 && shape == nullptr))
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": bad shape (ndim ", ndim, ")"));
+    if (data == nullptr && bytes > 0) return NullArg(absl::StrCat("data of tensor ", name));
+    auto dt = wsync::ParseDType(dtype);
+    if (!dt.ok())
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": ", dt.status().message()));
+    // Catch a wrong byte count here, where the caller can still tell which tensor it was.
+    uint64_t elems = 1;
+    for (int i = 0; i < ndim; ++i) {
+      if (shape[i] < 0)
+        return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": negative dimension ", shape[i]));
+      elems *= static_cast<uint64_t>(shape[i]);
+    }
+    const uint64_t want = elems * wsync::DTypeSize(*dt);
+    if (want != bytes)
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": ", bytes, " bytes given, its shape and ",
+                                                     wsync::DTypeName(*dt), " need ", want));
+    return t->client->Push(name, *dt, absl::Span<const int64_t>(shape, static_cast<size_t>(ndim)), data, bytes);
+  });
+}
+
+int wsync_trainer_flush(wsync_trainer* t) {
+  if (t == nullptr) return Report(NullArg("trainer handle"));
+  return Guard(&t->last_error, [&]() { return t->client->Flush(); });
+}
+
+int wsync_trainer_end_push(wsync_trainer* t, int64_t version) {
+  if (t == nullptr) return Report(NullArg("trainer handle"));
+  return Guard(&t->last_error, [&]() { return t->client->EndPush(version); });
+}
+
+int wsync_trainer_stats(const wsync_trainer* t, uint64_t* tensors, uint64_t* bytes, uint64_t* buckets) {
+  if (t == nullptr) return Report(NullArg("trainer handle"));
+  const wsync::client::PushStats& s = t->client->stats();
+  if (tensors != nullptr) *tensors = s.tensors;
+  if (bytes != nullptr) *bytes = s.bytes;
+  if (buckets != nullptr) *buckets = s.buckets;
+  return WSYNC_OK;
+}
+
+const char* wsync_trainer_last_error(const wsync_trainer* t) { return t == nullptr ? "" : t->last_error.c_str(); }
+
+// ~TrainerClient waits for a bucket in flight and closes the session (best effort).
+void wsync_trainer_close(wsync_trainer* t) { delete t; }
+
+int wsync_coordinator_open(const char* endpoint, double dial_timeout_s, wsync_coordinator** out) {
+  return Guard(nullptr, [&]() -> absl::Status {
+    if (out == nullptr) return NullArg("out");
+    *out = nullptr;
+    if (endpoint == nullptr) return NullArg("endpoint");
+    auto c = std::make_unique<wsync_coordinator>();
+    c->client = std::make_unique<wsync::client::CoordinatorClient>(endpoint, SecondsOr(dial_timeout_s, 5));
+    *out = c.release();
+    return absl::OkStatus();
+  });
+}
+
+int wsync_coordinator_begin_update(wsync_coordinator* c, int64_t version, const char* pause_mode,
+                                   char** json_out) {
+  if (json_out != nullptr) *json_out = nullptr;
+  if (c == nullptr) return Report(NullArg("coordinator handle"));
+  return Guard(&c->last_error, [&]() -> absl::Status {
+    auto r = c->client->BeginUpdate(version, pause_mode == nullptr ? "" : pause_mode);
+    if (!r.ok()) return r.status();
+    return JsonOut(*r, json_out);
+  });
+}
+
+int wsync_coordinator_commit_update(wsync_coordinator* c, int64_t version, double timeout_s, char** json_out) {
+  if (json_out != nullptr) *json_out = nullptr;
+  if (c == nullptr) return Report(NullArg("coordinator handle"));
+  return Guard(&c->last_error, [&]() -> absl::Status {
+    auto r = c->client->CommitUpdate(version, timeout_s > 0 ? timeout_s : 120);
+    if (!r.ok()) return r.status();
+    return JsonOut(*r, json_out);
+  });
+}
+
+int wsync_coordinator_status(wsync_coordinator* c, char** json_out) {
+  if (json_out != nullptr) *json_out = nullptr;
+  if (c == nullptr) return Report(NullArg("coordinator handle"));
+  return Guard(&c->last_error, [&]() -> absl::Status {
+    auto r = c->client->Status();
+    if (!r.ok()) return r.status();
+    return JsonOut(*r, json_out);
+  });
+}
+
+int wsync_coordinator_history(wsync_coordinator* c, int limit, char** json_out) {
+  if (json_out != nullptr) *json_out = nullptr;
+  if (c == nullptr) return Report(NullArg("coordinator handle"));
+  return Guard(&c->last_error, [&]() -> absl::Status {
+    auto r = c->client->History(limit);
+    if (!r.ok()) return r.status();
+    return JsonOut(*r, json_out);
+  });
+}
+
+const char* wsync_coordinator_last_error(const wsync_coordinator* c) {
+  return c == nullptr ? "" : c->last_error.c_str();
+}
+
+void wsync_coordinator_close(wsync_coordinator* c) { delete c; }
+
+}  // extern "C"

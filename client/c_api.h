@@ -1,0 +1,121 @@
+#ifndef WSYNC_CLIENT_C_API_H_
+#define WSYNC_CLIENT_C_API_H_
+/* C API of the wsync client library (libwsync_client_c.so), for trainers written in languages other than C++ and
+ * for the Python package (ctypes). A thin shell over wsync::client::TrainerClient and CoordinatorClient.
+ *
+ * Conventions:
+ *  - Every call that can fail returns an int status code with absl::StatusCode numbering (WSYNC_OK = 0, ...).
+ *    On failure the message is available from wsync_last_error() on the same thread, and from the handle's own
+ *    *_last_error() until the next call on that handle.
+ *  - Handles are opaque. A handle is used by one thread at a time; different handles are independent.
+ *  - Strings returned through `char**` out-parameters are NUL-terminated, owned by the caller, released with
+ *    wsync_free(). Strings returned as `const char*` are owned by the library.
+ *  - Calls block until the daemon/coordinator answers or their timeout expires.
+ *
+ *   wsync_trainer* t;
+ *   if (wsync_trainer_connect("127.0.0.1:7601", 0, 0, 0, 120, &t) != WSYNC_OK) puts(wsync_last_error());
+ *   char* names; size_t n;
+ *   wsync_trainer_begin_push(t, v, &names, &n);       // '\n'-joined tensor names this rank must push
+ *   ... wsync_trainer_push(t, name, "bfloat16", shape, ndim, data, bytes) for each name ...
+ *   wsync_free(names);
+ *   wsync_trainer_end_push(t, v);
+ *   wsync_trainer_close(t);
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define WSYNC_C_EXPORT __attribute__((visibility("default")))
+#else
+#define WSYNC_C_EXPORT
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Status codes: the numbering of absl::StatusCode (and of gRPC). */
+enum {
+  WSYNC_OK = 0,
+  WSYNC_CANCELLED = 1,
+  WSYNC_UNKNOWN = 2,
+  WSYNC_INVALID_ARGUMENT = 3,
+  WSYNC_DEADLINE_EXCEEDED = 4,
+  WSYNC_NOT_FOUND = 5,
+  WSYNC_ALREADY_EXISTS = 6,
+  WSYNC_PERMISSION_DENIED = 7,
+  WSYNC_RESOURCE_EXHAUSTED = 8,
+  WSYNC_FAILED_PRECONDITION = 9,
+  WSYNC_ABORTED = 10,
+  WSYNC_OUT_OF_RANGE = 11,
+  WSYNC_UNIMPLEMENTED = 12,
+  WSYNC_INTERNAL = 13,
+  WSYNC_UNAVAILABLE = 14,
+  WSYNC_DATA_LOSS = 15,
+  WSYNC_UNAUTHENTICATED = 16,
+};
+
+typedef struct wsync_trainer wsync_trainer;
+typedef struct wsync_coordinator wsync_coordinator;
+
+/* Library version, e.g. "0.1.0". */
+WSYNC_C_EXPORT const char* wsync_version(void);
+/* Message (without the code) of the last failed call on this thread ("" if none). Valid until the next failing
+ * call on this thread. */
+WSYNC_C_EXPORT const char* wsync_last_error(void);
+/* Releases a buffer the library returned through a char** out-parameter. NULL is fine. */
+WSYNC_C_EXPORT void wsync_free(void* p);
+
+/* ---- trainer rank ---- */
+
+/* Opens a session with the local source wsyncd at `daemon` (host:port). bucket_bytes 0: half the ring.
+ * timeout_s bounds each bucket hand-over and ring wait (<= 0: 120 s). */
+WSYNC_C_EXPORT int wsync_trainer_connect(const char* daemon, int local_rank, int global_rank, uint64_t bucket_bytes,
+                                         double timeout_s, wsync_trainer** out);
+/* Opens this rank's part of update `version` (waits until the coordinator began it). *names_out receives the
+ * tensor names this rank must push, '\n'-joined without a trailing newline ("" when none); *count_out their number.
+ * Either out-parameter may be NULL. */
+WSYNC_C_EXPORT int wsync_trainer_begin_push(wsync_trainer* t, int64_t version, char** names_out, size_t* count_out);
+/* Copies one tensor into the shared-memory ring. `dtype` is a torch/numpy/safetensors name ("bfloat16", "BF16",
+ * "float32", ...). `bytes` must equal the product of `shape` times the element size; `data` must be contiguous. */
+WSYNC_C_EXPORT int wsync_trainer_push(wsync_trainer* t, const char* name, const char* dtype, const int64_t* shape,
+                                      int ndim, const void* data, uint64_t bytes);
+/* Commits the current bucket and waits until the daemon took every committed bucket. A daemon-side error for an
+ * earlier bucket (e.g. a tensor of the wrong shape) is returned here at the latest. */
+WSYNC_C_EXPORT int wsync_trainer_flush(wsync_trainer* t);
+/* Flush, then tells the daemon this rank is done with `version`. */
+WSYNC_C_EXPORT int wsync_trainer_end_push(wsync_trainer* t, int64_t version);
+/* Counters of the current update (since the last begin_push). Any out-parameter may be NULL. */
+WSYNC_C_EXPORT int wsync_trainer_stats(const wsync_trainer* t, uint64_t* tensors, uint64_t* bytes,
+                                       uint64_t* buckets);
+/* Message of the last failed call on this handle ("" if the last call succeeded). Owned by the handle. */
+WSYNC_C_EXPORT const char* wsync_trainer_last_error(const wsync_trainer* t);
+/* Closes the session (waits for a bucket in flight) and frees the handle. NULL is fine. */
+WSYNC_C_EXPORT void wsync_trainer_close(wsync_trainer* t);
+
+/* ---- coordinator ---- */
+
+/* Creates a client of the coordinator at `endpoint` (host:port); connects lazily. dial_timeout_s <= 0: 5 s. */
+WSYNC_C_EXPORT int wsync_coordinator_open(const char* endpoint, double dial_timeout_s, wsync_coordinator** out);
+/* Pauses every engine and opens update `version`. pause_mode NULL or "": the coordinator's default.
+ * *json_out (may be NULL) receives the BeginUpdateReply as JSON. */
+WSYNC_C_EXPORT int wsync_coordinator_begin_update(wsync_coordinator* c, int64_t version, const char* pause_mode,
+                                                  char** json_out);
+/* Waits for every source (at most timeout_s; <= 0: 120 s), post-processes, sets the version and resumes the
+ * engines. *json_out receives the UpdateRecord as JSON. A failed update returns WSYNC_ABORTED (the engines stay
+ * paused at their old version; its record, "success": false, is in the history). */
+WSYNC_C_EXPORT int wsync_coordinator_commit_update(wsync_coordinator* c, int64_t version, double timeout_s,
+                                                   char** json_out);
+/* ClusterStatus as JSON. */
+WSYNC_C_EXPORT int wsync_coordinator_status(wsync_coordinator* c, char** json_out);
+/* HistoryReply (the last `limit` updates; <= 0: all kept) as JSON. */
+WSYNC_C_EXPORT int wsync_coordinator_history(wsync_coordinator* c, int limit, char** json_out);
+WSYNC_C_EXPORT const char* wsync_coordinator_last_error(const wsync_coordinator* c);
+WSYNC_C_EXPORT void wsync_coordinator_close(wsync_coordinator* c);
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif
+
+#endif  /* WSYNC_CLIENT_C_API_H_ */

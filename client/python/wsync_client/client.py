@@ -1,0 +1,225 @@
+"""Trainer and Coordinator: Python faces of the wsync C API."""
+
+import ctypes
+import json
+
+from . import _lib
+from .errors import FAILED_PRECONDITION, INVALID_ARGUMENT, WsyncError
+
+# Element sizes of the dtype names the daemon accepts (base/dtype.h); used to check arrays before they are sent.
+DTYPE_SIZES = {
+    "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1,
+    "int32": 4, "int64": 8, "uint8": 1,
+}
+_ALIASES = {"bf16": "bfloat16", "half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
+            "double": "float64", "fp8": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn"}
+
+# proto3 JSON writes 64-bit integers as strings; these fields come back as Python ints.
+_INT64_FIELDS = {"version", "plan_epoch", "membership_epoch", "bytes", "params", "started_unix_ms"}
+
+
+def _canonical_dtype(name):
+    n = str(name)
+    if n.startswith("torch."):
+        n = n[len("torch."):]
+    n = _ALIASES.get(n, n)
+    if n not in DTYPE_SIZES:
+        raise WsyncError(INVALID_ARGUMENT, "unsupported dtype %r (one of %s)" % (name, ", ".join(sorted(DTYPE_SIZES))))
+    return n
+
+
+def _ints(obj):
+    if isinstance(obj, dict):
+        return {k: (int(v) if k in _INT64_FIELDS and isinstance(v, str) and v.lstrip("-").isdigit() else _ints(v))
+                for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_ints(v) for v in obj]
+    return obj
+
+
+def _check(rc):
+    if rc != 0:
+        raise WsyncError(rc, _lib.lib().wsync_last_error().decode("utf-8", "replace"))
+
+
+def _is_torch_tensor(x):
+    mod = type(x).__module__
+    return mod.startswith("torch") and hasattr(x, "data_ptr") and hasattr(x, "element_size")
+
+
+def _describe(name, array, dtype):
+    """(dtype name, shape tuple, data pointer, byte count, keep-alive object) of a numpy array or torch tensor.
+
+    No copy for a contiguous CPU array/tensor: the C library copies the bytes once, into the ring.
+    """
+    if _is_torch_tensor(array):
+        t = array
+        if t.device.type != "cpu":
+            raise WsyncError(INVALID_ARGUMENT, "tensor %s is on %s; push CPU tensors (copy with .cpu(), or pinned "
+                             "memory with non_blocking=True and a synchronize)" % (name, t.device))
+        if not t.is_contiguous():
+            t = t.contiguous()  # the ring takes dense row-major bytes
+        # data_ptr() does not care about the element type, so bfloat16 needs no numpy round trip.
+        dt = _canonical_dtype(dtype if dtype is not None else t.dtype)
+        if DTYPE_SIZES[dt] != t.element_size():
+            raise WsyncError(INVALID_ARGUMENT, "tensor %s: dtype %s has %d-byte elements, the tensor (%s) %d"
+                             % (name, dt, DTYPE_SIZES[dt], t.dtype, t.element_size()))
+        return dt, tuple(t.shape), t.data_ptr(), t.numel() * t.element_size(), t
+
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - only without numpy
+        raise WsyncError(INVALID_ARGUMENT, "tensor %s: push needs a numpy array or a torch tensor, got %s"
+                         % (name, type(array).__name__))
+    if not isinstance(array, np.ndarray):
+        raise WsyncError(INVALID_ARGUMENT, "tensor %s: push needs a numpy array or a torch tensor, got %s"
+                         % (name, type(array).__name__))
+    a = np.ascontiguousarray(array)  # no copy when already C-contiguous
+    if dtype is not None:
+        dt = _canonical_dtype(dtype)
+    elif a.dtype.name in DTYPE_SIZES or a.dtype.name in _ALIASES:  # includes ml_dtypes' bfloat16
+        dt = _canonical_dtype(a.dtype.name)
+    elif a.dtype == np.uint16:
+        raise WsyncError(INVALID_ARGUMENT, "tensor %s is uint16: pass dtype='bfloat16' (or 'float16') to say what "
+                         "its bits are" % name)
+    else:
+        raise WsyncError(INVALID_ARGUMENT, "tensor %s: numpy dtype %s has no wsync equivalent" % (name, a.dtype))
+    if DTYPE_SIZES[dt] != a.itemsize:
+        raise WsyncError(INVALID_ARGUMENT, "tensor %s: dtype %s has %d-byte elements, the array (%s) %d"
+                         % (name, dt, DTYPE_SIZES[dt], a.dtype, a.itemsize))
+    return dt, a.shape, a.ctypes.data, a.nbytes, a
+
+
+class Trainer:
+    """One trainer rank's session with its node's source wsyncd.
+
+        with Trainer("127.0.0.1:7601", local_rank=0, global_rank=0) as t:
+            for name in t.begin_push(version):
+                t.push(name, weights[name])            # numpy array or CPU torch tensor
+            t.end_push(version)
+
+    A Trainer is used by one thread at a time. Calls block (with the GIL released) until the daemon answers.
+    """
+
+    def __init__(self, daemon, local_rank=0, global_rank=0, bucket_bytes=0, timeout=120.0):
+        self._h = None
+        lib = _lib.lib()
+        h = ctypes.c_void_p()
+        _check(lib.wsync_trainer_connect(daemon.encode(), int(local_rank), int(global_rank), int(bucket_bytes),
+                                         float(timeout), ctypes.byref(h)))
+        self._h = h
+        self.daemon = daemon
+
+    def _handle(self):
+        if self._h is None:
+            raise WsyncError(FAILED_PRECONDITION, "trainer session is closed")
+        return self._h
+
+    def begin_push(self, version):
+        """Opens this rank's part of update `version`; returns the names of the tensors this rank must push."""
+        buf = ctypes.c_void_p()
+        count = ctypes.c_size_t()
+        _check(_lib.lib().wsync_trainer_begin_push(self._handle(), int(version), ctypes.byref(buf),
+                                                    ctypes.byref(count)))
+        text = _lib.take_string(buf.value)
+        return text.split("\n") if count.value else []
+
+    def push(self, name, array, dtype=None):
+        """Copies one tensor into the ring. `dtype` overrides the array's own (needed for bfloat16 bits held in a
+        numpy uint16 array: push(name, bits, dtype="bfloat16"))."""
+        # `_keep` holds a contiguous copy (if one was needed) alive until the bytes are in the ring.
+        dt, shape, ptr, nbytes, _keep = _describe(name, array, dtype)
+        c_shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        _check(_lib.lib().wsync_trainer_push(self._handle(), name.encode(), dt.encode(), c_shape, len(shape),
+                                             ctypes.c_void_p(ptr), int(nbytes)))
+
+    def flush(self):
+        """Commits the current bucket and waits until the daemon took everything committed so far."""
+        _check(_lib.lib().wsync_trainer_flush(self._handle()))
+
+    def end_push(self, version):
+        """Flushes, then tells the daemon this rank is done with `version`."""
+        _check(_lib.lib().wsync_trainer_end_push(self._handle(), int(version)))
+
+    def stats(self):
+        """{'tensors', 'bytes', 'buckets'} pushed since the last begin_push."""
+        v = [ctypes.c_uint64() for _ in range(3)]
+        _check(_lib.lib().wsync_trainer_stats(self._handle(), *[ctypes.byref(x) for x in v]))
+        return {"tensors": v[0].value, "bytes": v[1].value, "buckets": v[2].value}
+
+    def close(self):
+        """Closes the session. Idempotent."""
+        if self._h is not None:
+            h, self._h = self._h, None
+            _lib.lib().wsync_trainer_close(h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Coordinator:
+    """Client of the coordinator API: drives updates and reads cluster status and history."""
+
+    def __init__(self, endpoint, dial_timeout=5.0):
+        self._h = None
+        h = ctypes.c_void_p()
+        _check(_lib.lib().wsync_coordinator_open(endpoint.encode(), float(dial_timeout), ctypes.byref(h)))
+        self._h = h
+        self.endpoint = endpoint
+
+    def _handle(self):
+        if self._h is None:
+            raise WsyncError(FAILED_PRECONDITION, "coordinator client is closed")
+        return self._h
+
+    def _json_call(self, fn, *args):
+        buf = ctypes.c_void_p()
+        _check(fn(self._handle(), *args, ctypes.byref(buf)))
+        return _ints(json.loads(_lib.take_string(buf.value) or "{}"))
+
+    def begin_update(self, version, pause_mode=""):
+        """Pauses every engine and opens update `version`; returns the reply (plan_epoch, pause_seconds, ...)."""
+        return self._json_call(_lib.lib().wsync_coordinator_begin_update, int(version),
+                               (pause_mode or "").encode())
+
+    def commit_update(self, version, timeout=120.0):
+        """Waits for every source, post-processes and resumes the engines; returns the update record as a dict.
+        A failed update raises WsyncError with code ABORTED (10): the engines stay paused at their old version
+        until an update succeeds; history() then shows its record with success False."""
+        return self._json_call(_lib.lib().wsync_coordinator_commit_update, int(version), float(timeout))
+
+    def status(self):
+        """Cluster status: nodes, epochs, current version, state, plan."""
+        return self._json_call(_lib.lib().wsync_coordinator_status)
+
+    def history(self, limit=0):
+        """The most recent `limit` update records (0: all the coordinator keeps), oldest first."""
+        return self._json_call(_lib.lib().wsync_coordinator_history, int(limit)).get("records", [])
+
+    def close(self):
+        if self._h is not None:
+            h, self._h = self._h, None
+            _lib.lib().wsync_coordinator_close(h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,155 @@
+#pragma once
+// Test harness: a real local cluster of separate processes on 127.0.0.1 (coordinator, reference engines, target
+// and source daemons), started from the built binaries with ephemeral ports, torn down (SIGTERM, then SIGKILL)
+// when the object goes away. Logs go to a temporary directory that is printed when a test fails.
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace wsync::testing {
+
+class Process {
+ public:
+  Process(const std::vector<std::string>& argv, const std::string& log) {
+    pid_ = fork();
+    if (pid_ < 0) throw std::runtime_error("fork failed");
+    if (pid_ == 0) {
+      setpgid(0, 0);
+      FILE* f = std::fopen(log.c_str(), "w");
+      if (f) {
+        dup2(fileno(f), 1);
+        dup2(fileno(f), 2);
+      }
+      std::vector<char*> args;
+      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+      args.push_back(nullptr);
+      execv(args[0], args.data());
+      _exit(127);
+    }
+  }
+  Process(const Process&) = delete;
+  ~Process() { Stop(); }
+  pid_t pid() const { return pid_; }
+  bool Running() {
+    if (pid_ <= 0) return false;
+    int st;
+    pid_t r = waitpid(pid_, &st, WNOHANG);
+    if (r == pid_) {
+      exit_status_ = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      pid_ = -1;
+      return false;
+    }
+    return true;
+  }
+  // Waits for exit (up to `timeout`); returns the exit status, or -1 on timeout.
+  int Wait(std::chrono::seconds timeout) {
+    auto end = std::chrono::steady_clock::now() + timeout;
+    while (Running()) {
+      if (std::chrono::steady_clock::now() > end) return -1;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return exit_status_;
+  }
+  void Stop() {
+    if (!Running()) return;
+    kill(pid_, SIGTERM);
+    if (Wait(std::chrono::seconds(5)) == -1) {
+      kill(pid_, SIGKILL);
+      Wait(std::chrono::seconds(5));
+    }
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int exit_status_ = -1;
+};
+
+inline std::string ReadFile(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+struct ClusterOptions {
+  std::string bin_dir;
+  std::string model;
+  int engines = 1;
+  int tp = 2;
+  int sources = 1;
+  int trainer_ranks = 1;
+  int ring_mib = 16;
+  std::string transport = "tcp";
+};
+
+class Cluster {
+ public:
+  explicit Cluster(ClusterOptions o) : o_(std::move(o)) {
+    char tmpl[] = "/tmp/wsync-cluster-test.XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    coordinator = "127.0.0.1:" + Start("coordinator", {o_.bin_dir + "/wsync-coordinator", "--listen", "127.0.0.1:0"});
+    for (int e = 0; e < o_.engines; ++e) {
+      const std::string id = "engine" + std::to_string(e);
+      engines.push_back("127.0.0.1:" + Start(id, {o_.bin_dir + "/wsync-engine-ref", "--id", id, "--model", o_.model,
+                                                  "--tp", std::to_string(o_.tp), "--listen", "127.0.0.1:0"}));
+      Start("target" + std::to_string(e),
+            {o_.bin_dir + "/wsyncd", "--role", "target", "--node-id", "infer" + std::to_string(e), "--coordinator",
+             coordinator, "--engine", engines.back(), "--transport", o_.transport});
+    }
+    for (int s = 0; s < o_.sources; ++s)
+      sources.push_back("127.0.0.1:" +
+                        Start("source" + std::to_string(s),
+                              {o_.bin_dir + "/wsyncd", "--role", "source", "--node-id", "train" + std::to_string(s),
+                               "--coordinator", coordinator, "--trainer-ranks", std::to_string(o_.trainer_ranks),
+                               "--ring-mib", std::to_string(o_.ring_mib), "--transport", o_.transport}));
+  }
+  ~Cluster() {
+    for (auto it = procs_.rbegin(); it != procs_.rend(); ++it) (*it)->Stop();
+    if (std::getenv("WSYNC_TEST_KEEP") == nullptr) std::system(("rm -rf " + dir_).c_str());
+  }
+  const std::string& dir() const { return dir_; }
+  std::string Log(const std::string& name) const { return ReadFile(dir_ + "/" + name + ".log"); }
+  // Runs a program to completion (e.g. a trainer process); returns its exit status.
+  int Run(const std::string& name, const std::vector<std::string>& argv, std::chrono::seconds timeout) {
+    Process p(argv, dir_ + "/" + name + ".log");
+    int rc = p.Wait(timeout);
+    if (rc == -1) p.Stop();
+    return rc;
+  }
+
+  std::string coordinator;
+  std::vector<std::string> engines, sources;
+
+ private:
+  // Starts a server and returns the port it published.
+  std::string Start(const std::string& name, std::vector<std::string> argv) {
+    const std::string port_file = dir_ + "/" + name + ".port";
+    argv.push_back("--port-file");
+    argv.push_back(port_file);
+    procs_.push_back(std::make_unique<Process>(argv, dir_ + "/" + name + ".log"));
+    for (int i = 0; i < 600; ++i) {
+      std::string p = ReadFile(port_file);
+      if (!p.empty() && p.back() == '\n') return p.substr(0, p.size() - 1);
+      if (!procs_.back()->Running())
+        throw std::runtime_error(name + " exited before serving:\n" + ReadFile(dir_ + "/" + name + ".log"));
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    throw std::runtime_error(name + " did not start within 30 s");
+  }
+
+  ClusterOptions o_;
+  std::string dir_;
+  std::vector<std::unique_ptr<Process>> procs_;
+};
+
+}  // namespace wsync::testing

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One entry point for a fresh Debian 12 machine: installs what is missing, builds, then runs the demo or the tests.
+#
+#   tools/quickstart.sh demo    # install + build + end-to-end demo (exit status = demo result)
+#   tools/quickstart.sh test    # install + build + the whole test suite (ctest)
+#   tools/quickstart.sh build   # install + build only
+#
+# Environment: BUILD_DIR (default ./build), JOBS (default: nproc), WSYNC_SKIP_INSTALL=1 to skip apt-get.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+mode=${1:-demo}
+build=${BUILD_DIR:-build}
+jobs=${JOBS:-$(nproc)}
+
+packages=(
+  build-essential cmake ninja-build pkg-config git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libspdlog-dev libfmt-dev catch2 nlohmann-json3-dev libcli11-dev libxxhash-dev
+  libibverbs-dev librdmacm-dev ibverbs-utils perftest iperf3
+  python3 python3-numpy python3-yaml
+)
+
+install_missing() {
+  [ "${WSYNC_SKIP_INSTALL:-0}" = 1 ] && return 0
+  local missing=()
+  for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "quickstart: installing ${missing[*]}"
+  local sudo=()
+  [ "$(id -u)" -ne 0 ] && sudo=(sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo[@]}" apt-get update -qq
+  "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+build_all() {
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build "$build" -j "$jobs"
+}
+
+case "$mode" in
+  demo)
+    install_missing
+    build_all
+    exec tools/demo.sh --bin "$build/bin"
+    ;;
+  test)
+    install_missing
+    build_all
+    cd "$build"
+    exec ctest --output-on-failure -j "$jobs" --timeout 600
+    ;;
+  build)
+    install_missing
+    build_all
+    ;;
+  *)
+    echo "usage: tools/quickstart.sh demo|test|build" >&2
+    exit 2
+    ;;
+esac
