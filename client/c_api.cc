@@ -1,13 +1,13 @@
 #include "client/c_api.h"
 
+#include <google/protobuf/util/json_util.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
 #include <string>
 #include <vector>
-
-#include <google/protobuf/util/json_util.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -91,8 +91,8 @@ const char* wsync_last_error(void) { return g_last_error.c_str(); }
 
 void wsync_free(void* p) { std::free(p); }
 
-int wsync_trainer_connect(const char* daemon, int local_rank, int global_rank, uint64_t bucket_bytes,
-                          double timeout_s, wsync_trainer** out) {
+int wsync_trainer_connect(const char* daemon, int local_rank, int global_rank, uint64_t bucket_bytes, double timeout_s,
+                          wsync_trainer** out) {
   return Guard(nullptr, [&]() -> absl::Status {
     if (out == nullptr) return NullArg("out");
     *out = nullptr;
@@ -138,8 +138,7 @@ int wsync_trainer_push(wsync_trainer* t, const char* name, const char* dtype, co
       return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": bad shape (ndim ", ndim, ")"));
     if (data == nullptr && bytes > 0) return NullArg(absl::StrCat("data of tensor ", name));
     auto dt = wsync::ParseDType(dtype);
-    if (!dt.ok())
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": ", dt.status().message()));
+    if (!dt.ok()) return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": ", dt.status().message()));
     // Catch a wrong byte count here, where the caller can still tell which tensor it was.
     uint64_t elems = 1;
     for (int i = 0; i < ndim; ++i) {
@@ -191,8 +190,7 @@ int wsync_coordinator_open(const char* endpoint, double dial_timeout_s, wsync_co
   });
 }
 
-int wsync_coordinator_begin_update(wsync_coordinator* c, int64_t version, const char* pause_mode,
-                                   char** json_out) {
+int wsync_coordinator_begin_update(wsync_coordinator* c, int64_t version, const char* pause_mode, char** json_out) {
   if (json_out != nullptr) *json_out = nullptr;
   if (c == nullptr) return Report(NullArg("coordinator handle"));
   return Guard(&c->last_error, [&]() -> absl::Status {

@@ -87,8 +87,7 @@ WSYNC_C_EXPORT int wsync_trainer_flush(wsync_trainer* t);
 /* Flush, then tells the daemon this rank is done with `version`. */
 WSYNC_C_EXPORT int wsync_trainer_end_push(wsync_trainer* t, int64_t version);
 /* Counters of the current update (since the last begin_push). Any out-parameter may be NULL. */
-WSYNC_C_EXPORT int wsync_trainer_stats(const wsync_trainer* t, uint64_t* tensors, uint64_t* bytes,
-                                       uint64_t* buckets);
+WSYNC_C_EXPORT int wsync_trainer_stats(const wsync_trainer* t, uint64_t* tensors, uint64_t* bytes, uint64_t* buckets);
 /* Message of the last failed call on this handle ("" if the last call succeeded). Owned by the handle. */
 WSYNC_C_EXPORT const char* wsync_trainer_last_error(const wsync_trainer* t);
 /* Closes the session (waits for a bucket in flight) and frees the handle. NULL is fine. */
@@ -115,7 +114,7 @@ WSYNC_C_EXPORT const char* wsync_coordinator_last_error(const wsync_coordinator*
 WSYNC_C_EXPORT void wsync_coordinator_close(wsync_coordinator* c);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* WSYNC_CLIENT_C_API_H_ */
+#endif /* WSYNC_CLIENT_C_API_H_ */

@@ -14,11 +14,7 @@
 using namespace wsync;
 
 int main(int argc, char** argv) {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  daemon::BlockTerminationSignals();
 
   CLI::App app{"wsync-coordinator: membership, transfer plans and the weight-update lifecycle"};
   std::string listen = "127.0.0.1:7600", port_file, log_level;

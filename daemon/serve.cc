@@ -1,5 +1,7 @@
 #include "daemon/serve.h"
 
+#include <pthread.h>
+
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -25,6 +27,14 @@ absl::StatusOr<Served> Serve(const std::string& listen, const std::vector<grpc::
       return absl::InternalError(absl::StrCat("cannot write port file ", port_file));
   }
   return s;
+}
+
+void BlockTerminationSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
 void WaitForTermination() {

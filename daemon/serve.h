@@ -21,6 +21,10 @@ struct Served {
 absl::StatusOr<Served> Serve(const std::string& listen, const std::vector<grpc::Service*>& services,
                              const std::string& port_file);
 
+// Blocks SIGTERM and SIGINT in the calling thread; call first in main, before any thread starts, so that every
+// thread inherits the mask and WaitForTermination receives them synchronously.
+void BlockTerminationSignals();
+
 // Blocks until SIGTERM or SIGINT.
 void WaitForTermination();
 

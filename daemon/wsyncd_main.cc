@@ -47,11 +47,7 @@ absl::Status Register(const std::string& coordinator, const v1::RegisterNodeRequ
 
 int main(int argc, char** argv) {
   // Signals are taken synchronously by WaitForTermination; block them before any thread starts.
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  daemon::BlockTerminationSignals();
 
   CLI::App app{"wsyncd: wsync node daemon (role source on trainer nodes, target on inference nodes)"};
   std::string role, node_id, listen = "127.0.0.1:0", coordinator, port_file, transport_name = "tcp", log_level;
