@@ -29,7 +29,7 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const Trai
   req.set_pid(getpid());
   v1::OpenSessionReply rep;
   grpc::ClientContext ctx;
-  ctx.set_deadline(Deadline(absl::Seconds(30)));
+  ctx.set_deadline(Deadline(opts.connect_timeout));
   ctx.set_wait_for_ready(true);
   WSYNC_RETURN_IF_ERROR_CTX(FromGrpcStatus(c->stub_->OpenSession(&ctx, req, &rep)), "opening a session with wsyncd at ",
                             opts.daemon);

@@ -34,7 +34,8 @@ struct TrainerOptions {
   int local_rank = 0;                     // index of this rank on its node
   int global_rank = 0;
   uint64_t bucket_bytes = 0;              // 0: half the ring
-  absl::Duration timeout = absl::Seconds(120);
+  absl::Duration timeout = absl::Seconds(120);          // per bucket / per begin-push wait
+  absl::Duration connect_timeout = absl::Seconds(30);   // opening the session (waits for the daemon to come up)
 };
 
 struct PushStats {

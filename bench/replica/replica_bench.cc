@@ -36,7 +36,7 @@ namespace wsync::replica {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using nlohmann::json;
+using json = nlohmann::ordered_json;  // keeps "bench","value","baseline","ratio" first
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 

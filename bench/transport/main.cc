@@ -23,7 +23,7 @@ std::string HumanSize(uint64_t b) {
 int RunTcp(const wsync::bench::TcpBenchOptions& opts, double iperf_seconds) {
   // The baseline first, while nothing else of ours runs.
   wsync::bench::Baseline base;
-  auto iperf = wsync::bench::RunIperf3Loopback(absl::Seconds(iperf_seconds));
+  auto iperf = wsync::bench::RunIperf3Loopback(absl::Seconds(iperf_seconds), opts.streams);
   if (iperf.ok()) {
     base = *iperf;
   } else {
@@ -47,7 +47,7 @@ int RunTcp(const wsync::bench::TcpBenchOptions& opts, double iperf_seconds) {
   std::printf("\ntcp transport on 127.0.0.1 (%d stream(s) per endpoint, %d batch(es) in flight)\n", opts.streams,
               opts.in_flight);
   std::printf("%10s %14s %10s %12s\n", "message", "writes/batch", "GB/s", "vs baseline");
-  nlohmann::json sizes = nlohmann::json::object();
+  nlohmann::ordered_json sizes = nlohmann::ordered_json::object();
   double at_max = 0;
   uint64_t max_size = 0;
   for (const auto& p : *points) {
@@ -61,9 +61,9 @@ int RunTcp(const wsync::bench::TcpBenchOptions& opts, double iperf_seconds) {
     }
   }
   std::printf("%10s %14s %10.2f %11s   (%s, same run)\n", base.tool.c_str(), "-", base.gbps, "1.00x",
-              base.tool == "iperf3" ? "iperf3 -c 127.0.0.1 -J" : "plain socket loop");
+              base.tool == "iperf3" ? "iperf3 -c 127.0.0.1 -J -P <streams>" : "plain socket loop");
 
-  nlohmann::json out = {
+  nlohmann::ordered_json out = {
       {"bench", "transport_tcp"},
       {"value", at_max},
       {"baseline", base.gbps},

@@ -112,7 +112,7 @@ absl::StatusOr<std::vector<SizePoint>> RunTcpTransportSweep(const TcpBenchOption
   return points;
 }
 
-absl::StatusOr<Baseline> RunIperf3Loopback(absl::Duration duration) {
+absl::StatusOr<Baseline> RunIperf3Loopback(absl::Duration duration, int streams) {
   if (!OnPath("iperf3")) return absl::NotFoundError("iperf3 is not installed");
   const int seconds = std::max<int>(1, static_cast<int>(absl::ToInt64Seconds(duration)));
   std::string last_error;
@@ -129,7 +129,7 @@ absl::StatusOr<Baseline> RunIperf3Loopback(absl::Duration duration) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(300));  // let the server bind
     const std::string out = RunAndCapture(absl::StrCat("timeout ", seconds + 10, " iperf3 -c 127.0.0.1 -p ",
-                                                       port, " -J -t ", seconds, " 2>&1"));
+                                                       port, " -J -t ", seconds, " -P ", std::max(1, streams), " 2>&1"));
     // The one-shot server exits after its client; make sure it is gone either way.
     int status = 0;
     for (int i = 0; i < 20 && ::waitpid(server, &status, WNOHANG) == 0; ++i) {

@@ -37,7 +37,7 @@ struct Baseline {
 
 // `iperf3 -c 127.0.0.1 -J -t <seconds>` against a one-shot `iperf3 -s -1` started here. NotFound when iperf3 is
 // not installed; other errors when it fails to run.
-absl::StatusOr<Baseline> RunIperf3Loopback(absl::Duration duration);
+absl::StatusOr<Baseline> RunIperf3Loopback(absl::Duration duration, int streams);
 
 // One TCP connection over 127.0.0.1, one thread sending 4 MiB buffers, one receiving them.
 absl::StatusOr<Baseline> RunSocketLoopback(absl::Duration duration);

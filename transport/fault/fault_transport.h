@@ -1,0 +1,43 @@
+#pragma once
+// A decorator that injects transport faults for tests: it delegates every call to an inner Transport and makes
+// chosen batches fail, so error paths above the transport (daemon recovery, coordinator abort) can be exercised
+// against a real backend without any test-only code in the backends themselves.
+//
+// Faults are failures, never silent corruption: a failed Post sends nothing; a failed Wait reports an error for a
+// batch the inner transport may have delivered (as a real completion error can). After an injected error the
+// endpoint behaves like a broken one: every later Post/Wait on it fails until it is re-created, as the transport
+// contract requires of callers anyway.
+//
+// Batches are numbered 1, 2, ... in the order they are posted across all endpoints of one wrapped transport
+// (a per-transport atomic counter), so a spec picks the same batch on every run of a deterministic workload.
+// Regions are the inner transport's own (no wrapping), so requests built from them reach the inner endpoint as is.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "transport/transport.h"
+
+namespace wsync::transport {
+
+struct FaultSpec {
+  uint64_t fail_post = 0;   // 1-based number of the batch whose Post fails (Unavailable, nothing sent); 0 = never
+  uint64_t fail_wait = 0;   // 1-based number of the batch whose Wait fails (Unavailable); 0 = never
+  absl::Duration delay = absl::ZeroDuration();  // added before every Post is handed to the inner transport
+
+  bool empty() const { return fail_post == 0 && fail_wait == 0 && delay == absl::ZeroDuration(); }
+  // Canonical text form, parseable by ParseFaultSpec ("" for an empty spec).
+  std::string ToString() const;
+};
+
+// Parses "key=value[,key=value...]" with keys fail_post, fail_wait (positive batch numbers) and delay_ms
+// (non-negative milliseconds). Whitespace around items is ignored; "" is the empty spec. Unknown keys, repeated
+// keys, missing or malformed values are InvalidArgument naming the offending item.
+absl::StatusOr<FaultSpec> ParseFaultSpec(const std::string& text);
+
+// Wraps `inner`. An empty spec gives a transparent wrapper. name(), viable() and reason() are the inner's.
+std::unique_ptr<Transport> WrapWithFaults(std::unique_ptr<Transport> inner, FaultSpec spec);
+
+}  // namespace wsync::transport
