@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <thread>
@@ -16,6 +17,7 @@
 #include "daemon/services.h"
 #include "proto/status_convert.h"
 #include "spdlog/spdlog.h"
+#include "transport/fault/fault_transport.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 
 using namespace wsync;
@@ -67,6 +69,12 @@ int main(int argc, char** argv) {
   app.add_option("--ring-mib", ring_mib, "source: shared-memory ring size per trainer rank, MiB")
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error");
+  app.footer(
+      "Environment:\n"
+      "  WSYNC_FAULTS   testing aid, never for production: inject data-path faults, e.g.\n"
+      "                 WSYNC_FAULTS=fail_post=3,fail_wait=5,delay_ms=10 fails the Post of this daemon's 3rd\n"
+      "                 batch, the Wait of its 5th, and delays every Post by 10 ms. Batches are counted from 1\n"
+      "                 across all endpoints. A malformed spec exits 2.\n");
   CLI11_PARSE(app, argc, argv);
   InitLogging(role == "source" ? "wsyncd-src" : "wsyncd-tgt", log_level);
   if (role == "target" && engines.empty()) {
@@ -90,6 +98,18 @@ int main(int argc, char** argv) {
       return 1;
     }
     transport = *std::move(tcp);
+  }
+  // Testing aid: WSYNC_FAULTS wraps the data path in the fault-injecting decorator (see --help), so tests can make
+  // writes fail in a real daemon. Loud on purpose: a production node must never run with it.
+  if (const char* faults = std::getenv("WSYNC_FAULTS"); faults != nullptr) {
+    auto spec = transport::ParseFaultSpec(faults);
+    if (!spec.ok()) {
+      spdlog::error("WSYNC_FAULTS: {}", spec.status().ToString());
+      return 2;
+    }
+    spdlog::warn("!!! WSYNC_FAULTS is set: injecting transport faults ({}); for tests only, writes WILL fail !!!",
+                 spec->empty() ? "empty spec, pass-through" : spec->ToString());
+    transport = transport::WrapWithFaults(std::move(transport), *spec);
   }
 
   if (node_id.empty()) {
