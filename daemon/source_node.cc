@@ -167,19 +167,13 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   std::vector<std::vector<Target*>> by_layout(replica->num_layouts());
   for (int i = 0; i < req.targets_size(); ++i) {
     const auto& a = req.targets(i);
-    const std::string who = absl::StrCat("engine ", a.engine_id(), " rank ", a.rank(), " at ", a.target_daemon());
     auto t = std::make_unique<Target>();
     t->assignment = a;
     t->layout = layout_of[i];
-    WSYNC_ASSIGN_OR_RETURN(t->region, transport_->ImportRegion(a.layout().region_descriptor()));
-    WSYNC_ASSIGN_OR_RETURN(t->endpoint, transport_->CreateEndpoint());
-    v1::ConnectTargetRequest creq;
-    creq.set_engine_id(a.engine_id());
-    creq.set_rank(a.rank());
-    creq.set_source_endpoint_info(t->endpoint->LocalInfo());
-    auto info = connect_(a.target_daemon(), creq);
-    if (!info.ok()) return Annotate(info.status(), absl::StrCat("connecting to ", who));
-    WSYNC_RETURN_IF_ERROR_CTX(t->endpoint->Connect(*info, absl::Seconds(30)), "connecting to ", who);
+    auto region = transport_->ImportRegion(a.layout().region_descriptor());
+    if (!region.ok()) return Annotate(region.status(), absl::StrCat("importing the region of ", Who(*t)));
+    t->region = *std::move(region);
+    WSYNC_RETURN_IF_ERROR(ConnectEndpoint(t.get()));
     const replica::ParamTable& table = replica->table(t->layout);
     std::map<std::string, uint64_t> offsets;
     for (const auto& p : a.layout().params()) offsets[p.name()] = p.offset();
@@ -212,25 +206,88 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   return out;
 }
 
+std::string SourceNode::Who(const Target& t) {
+  return absl::StrCat("engine ", t.assignment.engine_id(), " rank ", t.assignment.rank(), " at ",
+                      t.assignment.target_daemon());
+}
+
+absl::Status SourceNode::ConnectEndpoint(Target* t) {
+  const std::string who = Who(*t);
+  t->endpoint.reset();  // a broken endpoint goes first, so the peer sees it close before the new one connects
+  t->outstanding.clear();
+  auto ep = transport_->CreateEndpoint();
+  if (!ep.ok()) return Annotate(ep.status(), absl::StrCat("creating an endpoint for ", who));
+  v1::ConnectTargetRequest creq;
+  creq.set_engine_id(t->assignment.engine_id());
+  creq.set_rank(t->assignment.rank());
+  creq.set_source_endpoint_info((*ep)->LocalInfo());
+  auto info = connect_(t->assignment.target_daemon(), creq);
+  if (!info.ok()) return Annotate(info.status(), absl::StrCat("connecting to ", who));
+  WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(*info, absl::Seconds(30)), "connecting to ", who);
+  t->endpoint = *std::move(ep);
+  t->broken = absl::OkStatus();
+  return absl::OkStatus();
+}
+
+absl::Status SourceNode::DrainOutstanding(absl::Duration timeout) {
+  absl::Status first;
+  for (auto& t : targets_) {
+    for (transport::BatchId id : t->outstanding) {
+      if (!t->broken.ok()) break;  // the endpoint is gone for good; its remaining batches are abandoned with it
+      absl::Status st = t->endpoint->Wait(id, timeout);
+      if (st.ok()) continue;
+      // Also on DeadlineExceeded: a batch we stop waiting for must not stay pending on an endpoint we reuse.
+      t->broken = Annotate(st, Who(*t));
+      spdlog::error("{}; its endpoint will be re-created at the next update", t->broken.ToString());
+      if (first.ok()) first = t->broken;
+    }
+    t->outstanding.clear();
+  }
+  return first;
+}
+
 absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   std::lock_guard<std::mutex> ingest(ingest_mu_);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!replica_) return absl::FailedPreconditionError("source is not configured (no transfer plan yet)");
+    if (req.plan_epoch() != plan_epoch_)
+      return absl::FailedPreconditionError(absl::StrCat("update for plan ", req.plan_epoch(),
+                                                        " but this source is configured for plan ", plan_epoch_));
+    if (version_ != -1)
+      return absl::FailedPreconditionError(absl::StrCat("update ", version_, " is still open"));
+    if (req.version() <= last_version_)
+      return absl::FailedPreconditionError(
+          absl::StrCat("version ", req.version(), " is not newer than the last update ", last_version_));
+  }
+  // Every update ends by draining its batches; anything left is of unknown fate, so its endpoint is not reused.
+  for (auto& t : targets_) {
+    if (!t->outstanding.empty() && t->broken.ok())
+      t->broken = absl::InternalError(absl::StrCat(t->outstanding.size(), " batches of an earlier update were "
+                                                   "never waited for"));
+    t->outstanding.clear();
+  }
+  // Re-establish what the last update broke before any push is accepted (ingest_mu_ keeps pushes out; mu_ is not
+  // held across the dial, so status and BeginPush callers are not blocked behind it).
+  for (auto& t : targets_) {
+    if (t->broken.ok()) continue;
+    spdlog::warn("update {}: reconnecting to {} (its endpoint failed: {})", req.version(), Who(*t),
+                 t->broken.ToString());
+    absl::Status st = ConnectEndpoint(t.get());
+    if (!st.ok()) {
+      absl::Status err = Annotate(st, absl::StrCat("update ", req.version(), ": cannot re-establish the endpoint"));
+      spdlog::error("{}", err.ToString());
+      return err;  // t stays broken: the next StartUpdate tries again
+    }
+    spdlog::info("update {}: reconnected to {}", req.version(), Who(*t));
+  }
   std::lock_guard<std::mutex> l(mu_);
-  if (!replica_) return absl::FailedPreconditionError("source is not configured (no transfer plan yet)");
-  if (req.plan_epoch() != plan_epoch_)
-    return absl::FailedPreconditionError(
-        absl::StrCat("update for plan ", req.plan_epoch(), " but this source is configured for plan ", plan_epoch_));
-  if (version_ != -1)
-    return absl::FailedPreconditionError(absl::StrCat("update ", version_, " is still open"));
-  if (req.version() <= last_version_)
-    return absl::FailedPreconditionError(
-        absl::StrCat("version ", req.version(), " is not newer than the last update ", last_version_));
   replica_->BeginUpdate();
   version_ = req.version();
   update_error_ = absl::OkStatus();
   ended_ranks_.clear();
   bytes_written_ = params_written_ = tensors_received_ = 0;
   ingest_seconds_ = write_seconds_ = 0;
-  for (auto& t : targets_) t->outstanding.clear();
   spdlog::info("update {} started", version_);
   cv_.notify_all();
   return absl::OkStatus();
@@ -357,10 +414,16 @@ absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& read
     }
   }
   for (auto& [t, writes] : batches) {
+    if (!t->broken.ok())
+      return absl::UnavailableError(absl::StrCat("writing to ", Who(*t),
+                                                 ": its endpoint failed and is not re-established (",
+                                                 t->broken.message(), ")"));
     auto id = t->endpoint->Post(writes);
-    if (!id.ok())
-      return Annotate(id.status(), absl::StrCat("writing to engine ", t->assignment.engine_id(), " rank ",
-                                                t->assignment.rank()));
+    if (!id.ok()) {
+      t->broken = Annotate(id.status(), absl::StrCat("writing to ", Who(*t)));
+      spdlog::error("{}; its endpoint will be re-created at the next update", t->broken.ToString());
+      return t->broken;
+    }
     t->outstanding.push_back(*id);
   }
   std::lock_guard<std::mutex> l(mu_);
@@ -385,6 +448,7 @@ absl::Status SourceNode::EndPush(const v1::EndPushRequest& req) {
 absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishUpdateRequest& req) {
   const absl::Duration timeout =
       req.timeout_seconds() > 0 ? absl::Seconds(req.timeout_seconds()) : opts_.push_timeout;
+  absl::Status result;
   {
     std::unique_lock<std::mutex> l(mu_);
     if (version_ != req.version())
@@ -397,24 +461,16 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
       std::vector<int> missing;
       for (int r = 0; r < opts_.trainer_ranks; ++r)
         if (!ended_ranks_.count(r)) missing.push_back(r);
-      absl::Status err = absl::DeadlineExceededError(absl::StrCat(
+      result = absl::DeadlineExceededError(absl::StrCat(
           "update ", version_, ": trainer ranks [", absl::StrJoin(missing, ","), "] did not finish pushing within ",
           absl::FormatDuration(timeout)));
-      version_ = -1;
-      return err;
     }
   }
+  // Even a failed update drains its batches, so no batch id outlives the update it belongs to.
   std::lock_guard<std::mutex> ingest(ingest_mu_);
-  absl::Status result;
   absl::Time t0 = absl::Now();
-  for (auto& t : targets_) {
-    for (transport::BatchId id : t->outstanding) {
-      absl::Status st = t->endpoint->Wait(id, timeout);
-      if (!st.ok() && result.ok())
-        result = Annotate(st, absl::StrCat("engine ", t->assignment.engine_id(), " rank ", t->assignment.rank()));
-    }
-    t->outstanding.clear();
-  }
+  absl::Status drained = DrainOutstanding(timeout);
+  if (result.ok()) result = drained;
   std::lock_guard<std::mutex> l(mu_);
   write_seconds_ += Seconds(t0);
   if (result.ok()) result = update_error_;

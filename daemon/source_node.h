@@ -69,10 +69,20 @@ class SourceNode {
     std::unique_ptr<transport::Endpoint> endpoint;
     std::vector<uint64_t> dst_offset;  // per replica param of its layout
     std::vector<transport::BatchId> outstanding;
+    // Not OK once a Post or Wait on `endpoint` failed: the transport contract says such an endpoint must be
+    // re-created, which the next StartUpdate does before accepting pushes.
+    absl::Status broken;
   };
 
   absl::Status CheckLayout(const replica::ParamTable& table, const v1::RankLayout& target, const std::string& who);
   absl::Status WriteReady(const std::vector<replica::ReadyParam>& ready);
+  // "engine E rank R at D": how every error about a target names it.
+  static std::string Who(const Target& t);
+  // Creates `t`'s endpoint and connects it through the target daemon (connect_). Caller holds ingest_mu_.
+  absl::Status ConnectEndpoint(Target* t);
+  // Waits for every outstanding batch and forgets them; a failed Wait marks its target broken. Returns the first
+  // error, naming the target. Caller holds ingest_mu_.
+  absl::Status DrainOutstanding(absl::Duration timeout);
   Session* FindSession(const std::string& id);
 
   SourceOptions opts_;
@@ -99,7 +109,9 @@ class SourceNode {
   std::set<int> ended_ranks_;  // local ranks that finished pushing the open update
   uint64_t bytes_written_ = 0, params_written_ = 0, tensors_received_ = 0;
   double ingest_seconds_ = 0, write_seconds_ = 0;
-  std::mutex ingest_mu_;     // one bucket at a time through the replica and the endpoints
+  // One bucket at a time through the replica and the endpoints. Targets' endpoints, outstanding batches and
+  // broken state are touched only with it held.
+  std::mutex ingest_mu_;
 };
 
 }  // namespace wsync::daemon

@@ -111,7 +111,7 @@ absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::Conne
   WSYNC_RETURN_IF_ERROR_CTX(ep->Connect(req.source_endpoint_info(), absl::Seconds(30)), "accepting source for engine ",
                             req.engine_id(), " rank ", req.rank());
   std::lock_guard<std::mutex> l(mu_);
-  endpoints_.push_back(std::move(ep));
+  endpoints_[{req.engine_id(), req.rank()}] = std::move(ep);
   return out;
 }
 

@@ -57,7 +57,9 @@ class TargetNode {
   transport::Transport* transport_;
   mutable std::mutex mu_;
   std::vector<Engine> engines_;
-  std::vector<std::unique_ptr<transport::Endpoint>> endpoints_;
+  // One source connection per (engine, rank): the plan gives each target rank one source, and a source that
+  // reconnects after a transport error replaces its broken endpoint.
+  std::map<std::pair<std::string, int>, std::unique_ptr<transport::Endpoint>> endpoints_;
 };
 
 }  // namespace wsync::daemon

@@ -20,7 +20,8 @@ namespace wsync::testing {
 
 class Process {
  public:
-  Process(const std::vector<std::string>& argv, const std::string& log) {
+  // `env`: extra "NAME=value" entries for the child, on top of this process's environment.
+  Process(const std::vector<std::string>& argv, const std::string& log, const std::vector<std::string>& env = {}) {
     pid_ = fork();
     if (pid_ < 0) throw std::runtime_error("fork failed");
     if (pid_ == 0) {
@@ -29,6 +30,10 @@ class Process {
       if (f) {
         dup2(fileno(f), 1);
         dup2(fileno(f), 2);
+      }
+      for (const auto& e : env) {
+        const size_t eq = e.find('=');
+        if (eq != std::string::npos) setenv(e.substr(0, eq).c_str(), e.substr(eq + 1).c_str(), 1);
       }
       std::vector<char*> args;
       for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
@@ -90,6 +95,7 @@ struct ClusterOptions {
   int trainer_ranks = 1;
   int ring_mib = 16;
   std::string transport = "tcp";
+  std::vector<std::string> source_env;  // extra "NAME=value" environment for the source daemons (e.g. WSYNC_FAULTS)
 };
 
 class Cluster {
@@ -111,7 +117,8 @@ class Cluster {
                         Start("source" + std::to_string(s),
                               {o_.bin_dir + "/wsyncd", "--role", "source", "--node-id", "train" + std::to_string(s),
                                "--coordinator", coordinator, "--trainer-ranks", std::to_string(o_.trainer_ranks),
-                               "--ring-mib", std::to_string(o_.ring_mib), "--transport", o_.transport}));
+                               "--ring-mib", std::to_string(o_.ring_mib), "--transport", o_.transport},
+                              o_.source_env));
   }
   ~Cluster() {
     for (auto it = procs_.rbegin(); it != procs_.rend(); ++it) (*it)->Stop();
@@ -132,11 +139,11 @@ class Cluster {
 
  private:
   // Starts a server and returns the port it published.
-  std::string Start(const std::string& name, std::vector<std::string> argv) {
+  std::string Start(const std::string& name, std::vector<std::string> argv, const std::vector<std::string>& env = {}) {
     const std::string port_file = dir_ + "/" + name + ".port";
     argv.push_back("--port-file");
     argv.push_back(port_file);
-    procs_.push_back(std::make_unique<Process>(argv, dir_ + "/" + name + ".log"));
+    procs_.push_back(std::make_unique<Process>(argv, dir_ + "/" + name + ".log", env));
     for (int i = 0; i < 600; ++i) {
       std::string p = ReadFile(port_file);
       if (!p.empty() && p.back() == '\n') return p.substr(0, p.size() - 1);

@@ -2,13 +2,12 @@
 // Post sends nothing, that the endpoint stays broken until re-created, and that counting is per transport.
 
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
@@ -188,8 +187,7 @@ TEST_CASE("fail_wait: the Nth batch's Wait reports a completion error naming the
   CHECK(p.Untouched(1024, kLen - 1024));
 }
 
-TEST_CASE("batch numbers are counted per wrapped transport, across its endpoints and threads",
-          "[transport][fault]") {
+TEST_CASE("batch numbers are counted per wrapped transport, across its endpoints and threads", "[transport][fault]") {
   Pair p(Spec("fail_post=7"));
   Pair other(Spec("fail_post=7"));
   constexpr int kThreads = 4, kPerThread = 5;

@@ -7,12 +7,12 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "absl/strings/ascii.h"
 #include "spdlog/spdlog.h"
 
 namespace wsync::transport {
@@ -41,12 +41,13 @@ class FaultEndpoint : public Endpoint {
     // Invalid requests keep their own error and do not consume a batch number, so specs stay predictable.
     for (const WriteRequest& w : writes)
       if (absl::Status st = ValidateWrite(w); !st.ok()) return st;
-    if (state_->spec.delay > absl::ZeroDuration()) std::this_thread::sleep_for(absl::ToChronoNanoseconds(state_->spec.delay));
+    if (state_->spec.delay > absl::ZeroDuration())
+      std::this_thread::sleep_for(absl::ToChronoNanoseconds(state_->spec.delay));
     const uint64_t n = state_->posted.fetch_add(1) + 1;
     if (n == state_->spec.fail_post) {
       broken_ = absl::UnavailableError(
           absl::StrCat("injected fault: posting batch ", n, " to ", PeerName(), " failed (nothing was sent)"));
-      spdlog::warn("{}", broken_.message());
+      spdlog::warn("{}", std::string(broken_.message()));
       return broken_;
     }
     absl::StatusOr<BatchId> id = inner_->Post(writes);
@@ -61,17 +62,17 @@ class FaultEndpoint : public Endpoint {
     if (it == doomed_.end() || absl::IsDeadlineExceeded(st)) return st;
     const uint64_t n = it->second;
     doomed_.erase(it);
-    broken_ = absl::UnavailableError(
-        absl::StrCat("injected fault: completion error for batch ", n, " to ", PeerName()));
-    spdlog::warn("{}", broken_.message());
+    broken_ =
+        absl::UnavailableError(absl::StrCat("injected fault: completion error for batch ", n, " to ", PeerName()));
+    spdlog::warn("{}", std::string(broken_.message()));
     return broken_;
   }
 
  private:
   // Like a real backend after an error: the endpoint stays unusable until the caller re-creates it.
   absl::Status Broken() const {
-    return absl::FailedPreconditionError(absl::StrCat("endpoint to ", PeerName(), " failed earlier (",
-                                                      broken_.message(), "); it must be re-created"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("endpoint to ", PeerName(), " failed earlier (", broken_.message(), "); it must be re-created"));
   }
 
   std::unique_ptr<Endpoint> inner_;

@@ -23,8 +23,8 @@
 namespace wsync::transport {
 
 struct FaultSpec {
-  uint64_t fail_post = 0;   // 1-based number of the batch whose Post fails (Unavailable, nothing sent); 0 = never
-  uint64_t fail_wait = 0;   // 1-based number of the batch whose Wait fails (Unavailable); 0 = never
+  uint64_t fail_post = 0;  // 1-based number of the batch whose Post fails (Unavailable, nothing sent); 0 = never
+  uint64_t fail_wait = 0;  // 1-based number of the batch whose Wait fails (Unavailable); 0 = never
   absl::Duration delay = absl::ZeroDuration();  // added before every Post is handed to the inner transport
 
   bool empty() const { return fail_post == 0 && fail_wait == 0 && delay == absl::ZeroDuration(); }
