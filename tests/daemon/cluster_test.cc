@@ -13,6 +13,7 @@
 #include "proto/status_convert.h"
 #include "replica/model_config.h"
 #include "tests/daemon/cluster.h"
+#include "tests/daemon/helpers.h"
 #include "tools/weight_gen.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
@@ -21,6 +22,10 @@ namespace {
 
 using testing::Cluster;
 using testing::ClusterOptions;
+using testing::Checksums;
+using testing::Info;
+using testing::PushGenerated;
+using testing::Verify;
 
 const char* kBin = WSYNC_BIN_DIR;
 const char* kModel = WSYNC_TINY_MODEL;
@@ -32,62 +37,9 @@ std::string TransportUnderTest() {
   return t ? t : "tcp";
 }
 
-std::unique_ptr<v1::EngineControl::Stub> EngineStub(const std::string& addr) {
-  return v1::EngineControl::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
-}
-
-v1::VerifyReply Verify(const std::string& engine, int64_t step) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  v1::VerifyRequest req;
-  req.set_step(step);
-  v1::VerifyReply rep;
-  REQUIRE(engine.size() > 0);
-  auto s = EngineStub(engine)->Verify(&ctx, req, &rep);
-  REQUIRE(s.ok());
-  return rep;
-}
-
-// name → checksum for every rank of an engine.
-std::map<std::string, std::string> Checksums(const std::string& engine, int tp) {
-  std::map<std::string, std::string> out;
-  for (int r = 0; r < tp; ++r) {
-    grpc::ClientContext ctx;
-    v1::RankRequest req;
-    req.set_rank(r);
-    v1::ChecksumReply rep;
-    REQUIRE(EngineStub(engine)->GetChecksums(&ctx, req, &rep).ok());
-    for (const auto& p : rep.params()) out[std::to_string(r) + "/" + p.name()] = p.xxh128();
-  }
-  return out;
-}
-
-v1::EngineInfo Info(const std::string& engine) {
-  grpc::ClientContext ctx;
-  v1::EngineInfo info;
-  REQUIRE(EngineStub(engine)->GetInfo(&ctx, v1::GetEngineInfoRequest(), &info).ok());
-  return info;
-}
-
-std::map<std::string, replica::TensorSpec> Specs() {
-  auto cfg = replica::ModelConfig::FromFile(kModel);
-  REQUIRE(cfg.ok());
-  auto specs = replica::CheckpointTensors(*cfg);
-  REQUIRE(specs.ok());
-  std::map<std::string, replica::TensorSpec> out;
-  for (auto& s : *specs) out[s.name] = s;
-  return out;
-}
-
-absl::Status PushGenerated(client::TrainerClient& c, const replica::TensorSpec& s, int64_t step) {
-  const uint64_t elems = s.bytes() / DTypeSize(s.dtype);
-  return c.PushWith(s.name, s.dtype, s.shape, s.bytes(),
-                    [&](uint8_t* dst) { tools::GenerateTensor(s.name, step, s.dtype, elems, dst); });
-}
-
 // One full update from an in-process trainer rank.
 void GoodUpdate(Cluster& cl, client::TrainerClient& trainer, int64_t v) {
-  static const auto specs = Specs();
+  static const auto specs = testing::Specs(kModel);
   client::CoordinatorClient coord(cl.coordinator);
   auto b = coord.BeginUpdate(v);
   REQUIRE(b.ok());
@@ -109,7 +61,7 @@ TEST_CASE("cluster: updates land bit-exactly; bad buckets are rejected whole and
   o.transport = TransportUnderTest();
   Cluster cl(o);
   INFO("cluster logs in " << cl.dir());
-  const auto specs = Specs();
+  const auto specs = testing::Specs(kModel);
   client::TrainerOptions to;
   to.daemon = cl.sources[0];
   to.timeout = absl::Seconds(20);

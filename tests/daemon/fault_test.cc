@@ -13,6 +13,7 @@
 #include "client/trainer_client.h"
 #include "replica/model_config.h"
 #include "tests/daemon/cluster.h"
+#include "tests/daemon/helpers.h"
 #include "tools/weight_gen.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
@@ -21,6 +22,9 @@ namespace {
 
 using testing::Cluster;
 using testing::ClusterOptions;
+using testing::Info;
+using testing::PushGenerated;
+using testing::Verify;
 
 const char* kBin = WSYNC_BIN_DIR;
 const char* kModel = WSYNC_TINY_MODEL;
@@ -30,41 +34,9 @@ const char* kModel = WSYNC_TINY_MODEL;
 constexpr int kTp = 2;
 constexpr int kBatchesPerUpdate = kTp;
 
-std::unique_ptr<v1::EngineControl::Stub> EngineStub(const std::string& addr) {
-  return v1::EngineControl::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
-}
-
-v1::VerifyReply Verify(const std::string& engine, int64_t step) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  v1::VerifyRequest req;
-  req.set_step(step);
-  v1::VerifyReply rep;
-  REQUIRE(EngineStub(engine)->Verify(&ctx, req, &rep).ok());
-  for (const auto& m : rep.mismatches()) UNSCOPED_INFO(m);
-  return rep;
-}
-
-v1::EngineInfo Info(const std::string& engine) {
-  grpc::ClientContext ctx;
-  v1::EngineInfo info;
-  REQUIRE(EngineStub(engine)->GetInfo(&ctx, v1::GetEngineInfoRequest(), &info).ok());
-  return info;
-}
-
-std::map<std::string, replica::TensorSpec> Specs() {
-  auto cfg = replica::ModelConfig::FromFile(kModel);
-  REQUIRE(cfg.ok());
-  auto specs = replica::CheckpointTensors(*cfg);
-  REQUIRE(specs.ok());
-  std::map<std::string, replica::TensorSpec> out;
-  for (auto& s : *specs) out[s.name] = s;
-  return out;
-}
-
 // Opens update `v`, pushes step v's weights from the in-process trainer rank and commits.
 absl::StatusOr<v1::UpdateRecord> RunUpdate(Cluster& cl, client::TrainerClient& trainer, int64_t v) {
-  static const auto specs = Specs();
+  static const auto specs = testing::Specs(kModel);
   client::CoordinatorClient coord(cl.coordinator);
   auto b = coord.BeginUpdate(v);
   INFO(b.status().ToString());
@@ -74,10 +46,7 @@ absl::StatusOr<v1::UpdateRecord> RunUpdate(Cluster& cl, client::TrainerClient& t
   REQUIRE(!names->empty());
   absl::Status pushed;
   for (const auto& n : *names) {
-    const replica::TensorSpec& s = specs.at(n);
-    const uint64_t elems = s.bytes() / DTypeSize(s.dtype);
-    pushed = trainer.PushWith(s.name, s.dtype, s.shape, s.bytes(),
-                              [&](uint8_t* dst) { tools::GenerateTensor(s.name, v, s.dtype, elems, dst); });
+    pushed = PushGenerated(trainer, specs.at(n), v);
     if (!pushed.ok()) break;
   }
   // A write the source failed is reported to the trainer too; the verdict is the coordinator's.
