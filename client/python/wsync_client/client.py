@@ -90,7 +90,40 @@ def _describe(name, array, dtype):
     return dt, a.shape, a.ctypes.data, a.nbytes, a
 
 
-class Trainer:
+class _Handle:
+    """Owns one C handle: closed by close(), on leaving a `with` block, or when collected."""
+
+    _close_fn = ""   # name of the C function that releases the handle
+    _what = ""       # for the error raised after close
+
+    _h = None
+
+    def _handle(self):
+        if self._h is None:
+            raise WsyncError(FAILED_PRECONDITION, self._what + " is closed")
+        return self._h
+
+    def close(self):
+        """Releases the handle. Idempotent."""
+        if self._h is not None:
+            h, self._h = self._h, None
+            getattr(_lib.lib(), self._close_fn)(h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Trainer(_Handle):
     """One trainer rank's session with its node's source wsyncd.
 
         with Trainer("127.0.0.1:7601", local_rank=0, global_rank=0) as t:
@@ -101,6 +134,9 @@ class Trainer:
     A Trainer is used by one thread at a time. Calls block (with the GIL released) until the daemon answers.
     """
 
+    _close_fn = "wsync_trainer_close"
+    _what = "trainer session"
+
     def __init__(self, daemon, local_rank=0, global_rank=0, bucket_bytes=0, timeout=120.0):
         self._h = None
         lib = _lib.lib()
@@ -110,10 +146,6 @@ class Trainer:
         self._h = h
         self.daemon = daemon
 
-    def _handle(self):
-        if self._h is None:
-            raise WsyncError(FAILED_PRECONDITION, "trainer session is closed")
-        return self._h
 
     def begin_push(self, version):
         """Opens this rank's part of update `version`; returns the names of the tensors this rank must push."""
@@ -147,28 +179,13 @@ class Trainer:
         _check(_lib.lib().wsync_trainer_stats(self._handle(), *[ctypes.byref(x) for x in v]))
         return {"tensors": v[0].value, "bytes": v[1].value, "buckets": v[2].value}
 
-    def close(self):
-        """Closes the session. Idempotent."""
-        if self._h is not None:
-            h, self._h = self._h, None
-            _lib.lib().wsync_trainer_close(h)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
-class Coordinator:
+class Coordinator(_Handle):
     """Client of the coordinator API: drives updates and reads cluster status and history."""
+
+    _close_fn = "wsync_coordinator_close"
+    _what = "coordinator client"
 
     def __init__(self, endpoint, dial_timeout=5.0):
         self._h = None
@@ -177,10 +194,6 @@ class Coordinator:
         self._h = h
         self.endpoint = endpoint
 
-    def _handle(self):
-        if self._h is None:
-            raise WsyncError(FAILED_PRECONDITION, "coordinator client is closed")
-        return self._h
 
     def _json_call(self, fn, *args):
         buf = ctypes.c_void_p()
@@ -206,20 +219,3 @@ class Coordinator:
         """The most recent `limit` update records (0: all the coordinator keeps), oldest first."""
         return self._json_call(_lib.lib().wsync_coordinator_history, int(limit)).get("records", [])
 
-    def close(self):
-        if self._h is not None:
-            h, self._h = self._h, None
-            _lib.lib().wsync_coordinator_close(h)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
