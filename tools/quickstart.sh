@@ -4,6 +4,7 @@
 #   tools/quickstart.sh demo    # install + build + end-to-end demo (exit status = demo result)
 #   tools/quickstart.sh test    # install + build + the whole test suite (ctest)
 #   tools/quickstart.sh build   # install + build only
+#   tools/quickstart.sh packages  # print the Debian packages it installs
 #
 # Environment: BUILD_DIR (default ./build), JOBS (default: nproc), WSYNC_SKIP_INSTALL=1 to skip apt-get.
 set -euo pipefail
@@ -42,6 +43,9 @@ build_all() {
 }
 
 case "$mode" in
+  packages)
+    printf '%s\n' "${packages[@]}"
+    ;;
   demo)
     install_missing
     build_all
@@ -58,7 +62,7 @@ case "$mode" in
     build_all
     ;;
   *)
-    echo "usage: tools/quickstart.sh demo|test|build" >&2
+    echo "usage: tools/quickstart.sh demo|test|build|packages" >&2
     exit 2
     ;;
 esac
