@@ -73,6 +73,22 @@ class Walker {
   absl::Status DenseMlp(const std::string& p, int64_t inter, bool fused_checkpoint);
   absl::Status Moe(const std::string& p);
 
+  // The vLLM dialect covers what has been compared with vLLM's own named_parameters() (tests/data/vllm,
+  // tests/engines): dense Llama/Qwen2/Qwen3 and Qwen3-MoE, unquantized. Anything else fails before any write.
+  absl::Status CheckVllmSupport() const {
+    const bool family_ok = c_.family == Family::kLlama || c_.family == Family::kQwen2 ||
+                           c_.family == Family::kQwen3 || c_.family == Family::kQwen3Moe;
+    if (!family_ok)
+      return absl::UnimplementedError(absl::StrCat("the vLLM layout of ", c_.architecture,
+                                                   " has not been checked against vLLM's named_parameters(); "
+                                                   "supported for vLLM: Llama, Qwen2, Qwen3, Qwen3-MoE"));
+    if (fp8_ || !c_.weight_block_size.empty())
+      return absl::UnimplementedError(
+          "FP8 block-quantized layouts are not supported for vLLM engines yet (vLLM's FP8 parameter names and "
+          "scales differ from SGLang's and have not been checked)");
+    return absl::OkStatus();
+  }
+
   absl::Status Divisible(int64_t a, int64_t b, absl::string_view what) const {
     if (b <= 0 || a % b != 0) {
       return absl::InvalidArgumentError(absl::StrCat(what, " (", a, ") is not divisible by ", b, " for rank tp=",
@@ -301,8 +317,10 @@ absl::Status Walker::Moe(const std::string& p) {
     w13.push_back({hf + "up_proj.", mi, h, i0, 0, is, h, is, 0, le, up_scale_row});
     w2.push_back({hf + "down_proj.", h, mi, 0, i0, h, is, 0, 0, le});
   }
-  WSYNC_RETURN_IF_ERROR(Linear(m + "experts.w13_", el, 2 * is, h, true, w13, 2 * up_scale_row));
-  WSYNC_RETURN_IF_ERROR(Linear(m + "experts.w2_", el, h, is, true, w2));
+  // vLLM keeps the stacked routed-expert weights in a RoutedExperts submodule of FusedMoE.
+  const std::string ex = r_.dialect == EngineDialect::kVllm ? m + "experts.routed_experts." : m + "experts.";
+  WSYNC_RETURN_IF_ERROR(Linear(ex + "w13_", el, 2 * is, h, true, w13, 2 * up_scale_row));
+  WSYNC_RETURN_IF_ERROR(Linear(ex + "w2_", el, h, is, true, w2));
   if (c_.num_shared_experts > 0 && fused == 0) {
     WSYNC_RETURN_IF_ERROR(DenseMlp(m + "shared_experts.", mi * c_.num_shared_experts, false));
   }
@@ -322,6 +340,7 @@ absl::Status Walker::Run() {
         r.attn_dp_size, " (need tp = ep * moe_tp = attn_tp * attn_dp and ranks in range)"));
   }
   if (fp8_ && (bn_ <= 0 || bk_ <= 0)) return absl::InvalidArgumentError("FP8 block size must be positive");
+  if (r.dialect == EngineDialect::kVllm) WSYNC_RETURN_IF_ERROR(CheckVllmSupport());
   if (c_.num_fused_shared_experts > 0 && c_.num_fused_shared_experts != c_.num_shared_experts) {
     return absl::InvalidArgumentError("shared-expert fusion needs num_fused_shared_experts == n_shared_experts");
   }

@@ -242,8 +242,17 @@ bool RankParallelism::operator==(const RankParallelism& o) const {
   return tp_size == o.tp_size && tp_rank == o.tp_rank && pp_size == o.pp_size && pp_rank == o.pp_rank &&
          ep_size == o.ep_size && ep_rank == o.ep_rank && moe_tp_size == o.moe_tp_size &&
          moe_tp_rank == o.moe_tp_rank && attn_tp_size == o.attn_tp_size && attn_tp_rank == o.attn_tp_rank &&
-         attn_dp_size == o.attn_dp_size && attn_dp_rank == o.attn_dp_rank;
+         attn_dp_size == o.attn_dp_size && attn_dp_rank == o.attn_dp_rank && dialect == o.dialect;
 }
+
+absl::StatusOr<EngineDialect> DialectForEngineKind(absl::string_view kind) {
+  if (kind.empty() || kind == "reference" || kind == "sglang") return EngineDialect::kSglang;
+  if (kind == "vllm") return EngineDialect::kVllm;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown engine kind '", kind, "' (known: reference, sglang, vllm)"));
+}
+
+absl::string_view DialectName(EngineDialect d) { return d == EngineDialect::kVllm ? "vllm" : "sglang"; }
 
 RankParallelism RankParallelism::ForTp(int tp_size, int tp_rank, int ep_size) {
   RankParallelism r;

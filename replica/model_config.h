@@ -67,7 +67,16 @@ struct ModelConfig {
   static absl::StatusOr<ModelConfig> FromFile(const std::string& path);
 };
 
-// One engine rank's parallelism, field names as SGLang's RankParallelismConfig.
+// Whose parameter table a layout reproduces. The engines agree on fusion and sharding but differ in names (vLLM's
+// routed experts sit under `experts.routed_experts.`) and in what they support; the engine kind a target reports
+// picks the dialect, and every family/option a dialect has not been checked against its engine is a configure error.
+enum class EngineDialect { kSglang, kVllm };
+// "" | "reference" | "sglang" → kSglang (the reference engine mirrors SGLang's layout); "vllm" → kVllm.
+absl::StatusOr<EngineDialect> DialectForEngineKind(absl::string_view kind);
+absl::string_view DialectName(EngineDialect d);
+
+// One engine rank's parallelism, field names as SGLang's RankParallelismConfig, plus the engine dialect (two ranks
+// with equal parallelism but different dialects need different layouts).
 struct RankParallelism {
   int tp_size = 1, tp_rank = 0;
   int pp_size = 1, pp_rank = 0;
@@ -75,6 +84,7 @@ struct RankParallelism {
   int moe_tp_size = 1, moe_tp_rank = 0;     // tp / ep (moe_dp = 1)
   int attn_tp_size = 1, attn_tp_rank = 0;   // == tp unless DP-attention
   int attn_dp_size = 1, attn_dp_rank = 0;
+  EngineDialect dialect = EngineDialect::kSglang;
   bool operator==(const RankParallelism& o) const;
   // Fills moe_tp_* and attn_tp_* from tp/ep (no DP-attention) when they are left at their defaults.
   static RankParallelism ForTp(int tp_size, int tp_rank, int ep_size = 1);
