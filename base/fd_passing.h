@@ -1,8 +1,12 @@
 #pragma once
 // File-descriptor ownership and passing over unix-domain sockets (SCM_RIGHTS). The daemon uses this to hand
-// a trainer rank the memfd of its shared-memory ring.
+// a trainer rank the memfd of its shared-memory ring; engine ranks use it to hand the target daemon their weight
+// memory segments (docs/engines.md, "The attach protocol").
 
 #include <string>
+#include <vector>
+
+#include "absl/types/span.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -56,5 +60,26 @@ struct ReceivedFd {
 // Receives one SendFd() frame from `sock`. Blocks until it arrives; Unavailable if the peer closed the socket,
 // DataLoss if the frame is malformed or carries no descriptor. The returned fd is close-on-exec.
 absl::StatusOr<ReceivedFd> ReceiveFd(int sock);
+
+// Frames with any number of descriptors, 0 to kMaxFdsPerFrame. Same framing as SendFd (4-byte little-endian length,
+// then the bytes); the descriptors ride on the sendmsg that carries the frame's first byte.
+inline constexpr size_t kMaxFdsPerFrame = 200;
+// Largest message SendFds accepts (a receiver chooses its own limit, at most this).
+inline constexpr size_t kMaxFramedMessageBytes = 64ull << 20;
+
+// Sends `fds` (0..kMaxFdsPerFrame) plus `msg` (at most kMaxFramedMessageBytes) on the unix socket `sock`. Blocks
+// until the kernel accepted every byte (or the socket's SO_SNDTIMEO passed). The caller keeps ownership of `fds`.
+absl::Status SendFds(int sock, absl::Span<const int> fds, const std::string& msg);
+
+struct ReceivedFds {
+  std::vector<ScopedFd> fds;  // in the sender's order, close-on-exec
+  std::string message;
+};
+
+// Receives one frame sent by SendFds or SendFd from `sock`. Blocks until it arrives (or the socket's SO_RCVTIMEO
+// passed: Unavailable/DeadlineExceeded per errno). Unavailable if the peer closed the socket before the frame,
+// DataLoss if the frame is malformed, its message exceeds `max_message_bytes` or its descriptors were truncated
+// (more than kMaxFdsPerFrame); descriptors received with a bad frame are closed.
+absl::StatusOr<ReceivedFds> ReceiveFds(int sock, size_t max_message_bytes = kMaxFdMessageBytes);
 
 }  // namespace wsync

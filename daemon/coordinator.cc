@@ -54,6 +54,7 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
         if (id != req.node_id() && other.engine_id() == e.engine_id())
           return absl::AlreadyExistsError(absl::StrCat("engine ", e.engine_id(), " is already served by node ", id));
   nodes_[req.node_id()] = req;
+  for (const auto& e : req.engines()) engine_state_[e.control_address()] = "registered";
   ++membership_epoch_;
   spdlog::info("node {} registered as {} at {} ({} engines); membership epoch {}", req.node_id(), req.role(),
                req.address(), req.engines_size(), membership_epoch_);
@@ -108,6 +109,7 @@ absl::Status Coordinator::Replan() {
     p.assignment.set_engine_id(t.engine->engine_id());
     p.assignment.set_rank(t.rank->rank());
     p.assignment.set_target_daemon(t.node_addr);
+    p.assignment.set_engine_kind(t.engine->kind());
     *p.assignment.mutable_layout() = *t.rank;
     for (const auto& prm : t.rank->params()) p.bytes += prm.bytes();
     plan.push_back(std::move(p));
@@ -121,6 +123,17 @@ std::vector<std::string> Coordinator::EngineAddresses() const {
   for (const auto& [id, n] : nodes_)
     for (const auto& e : n.engines()) out.push_back(e.control_address());
   return out;
+}
+
+absl::Status Coordinator::Track(const std::string& addr, const std::string& on_success, const std::string& phase,
+                                absl::Status st) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (!st.ok()) {
+    engine_state_[addr] = "failed: " + phase;
+  } else if (!on_success.empty()) {
+    engine_state_[addr] = on_success;
+  }
+  return st;
 }
 
 void Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why) {
@@ -159,7 +172,9 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
 
   const std::string mode = req.pause_mode().empty() ? "retract" : req.pause_mode();
   absl::Time t = absl::Now();
-  absl::Status st = ForAll(engines, [&](const std::string& a) { return Annotate(peers_->Pause(a, mode), "pause " + a); });
+  absl::Status st = ForAll(engines, [&](const std::string& a) {
+    return Track(a, "paused", "pause", Annotate(peers_->Pause(a, mode), "pause " + a));
+  });
   AddPhase(&rec, "pause", t);
   out.set_pause_seconds(rec.phases(0).seconds());
   if (!st.ok()) {
@@ -285,18 +300,23 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     return err;
   }
   absl::Time t = absl::Now();
-  st = ForAll(engines, [&](const std::string& a) { return Annotate(peers_->PostProcess(a), "post_process " + a); });
+  const std::string version = std::to_string(req.version());
+  st = ForAll(engines, [&](const std::string& a) {
+    return Track(a, "", "post_process", Annotate(peers_->PostProcess(a, version), "post_process " + a));
+  });
   AddPhase(&rec, "post_process", t);
   if (st.ok()) {
     t = absl::Now();
     st = ForAll(engines, [&](const std::string& a) {
-      return Annotate(peers_->SetWeightVersion(a, std::to_string(req.version())), "set_version " + a);
+      return Track(a, "", "set_version", Annotate(peers_->SetWeightVersion(a, version), "set_version " + a));
     });
     AddPhase(&rec, "set_version", t);
   }
   if (st.ok()) {
     t = absl::Now();
-    st = ForAll(engines, [&](const std::string& a) { return Annotate(peers_->Continue(a), "continue " + a); });
+    st = ForAll(engines, [&](const std::string& a) {
+      return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + a));
+    });
     AddPhase(&rec, "continue", t);
   }
   if (!st.ok()) {
@@ -327,7 +347,16 @@ v1::ClusterStatus Coordinator::Status() const {
     ni->set_role(n.role());
     ni->set_address(n.address());
     ni->set_transport(n.transport());
-    for (const auto& e : n.engines()) ni->add_engines(e.engine_id());
+    for (const auto& e : n.engines()) {
+      ni->add_engines(e.engine_id());
+      auto* d = ni->add_engine_details();
+      d->set_engine_id(e.engine_id());
+      d->set_kind(e.kind());
+      d->set_address(e.control_address());
+      d->set_ranks(e.ranks_size());
+      auto it = engine_state_.find(e.control_address());
+      d->set_state(it == engine_state_.end() ? "registered" : it->second);
+    }
     ni->set_reachable(true);
   }
   s.set_membership_epoch(membership_epoch_);

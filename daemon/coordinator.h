@@ -30,7 +30,8 @@ class Peers {
                                                               const v1::FinishUpdateRequest& req) = 0;
   virtual absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) = 0;
   virtual absl::Status Pause(const std::string& addr, const std::string& mode) = 0;
-  virtual absl::Status PostProcess(const std::string& addr) = 0;
+  // `version`: the update whose writes have all completed (a target daemon's facade sends it to the engine's ranks).
+  virtual absl::Status PostProcess(const std::string& addr, const std::string& version) = 0;
   virtual absl::Status SetWeightVersion(const std::string& addr, const std::string& version) = 0;
   virtual absl::Status Continue(const std::string& addr) = 0;
 };
@@ -62,6 +63,9 @@ class Coordinator {
   absl::Status Replan();  // requires mu_
   std::vector<std::string> EngineAddresses() const;
   void Fail(v1::UpdateRecord rec, const absl::Status& why);
+  // Records the coordinator's view of engine `addr` after a call of `phase` (on_success "" = unchanged); returns st.
+  absl::Status Track(const std::string& addr, const std::string& on_success, const std::string& phase,
+                     absl::Status st);
 
   CoordinatorOptions opts_;
   std::unique_ptr<Peers> peers_;
@@ -71,6 +75,7 @@ class Coordinator {
   int64_t plan_epoch_ = -1;  // membership epoch the current plan was built for
   std::vector<Planned> plan_;
   std::string model_config_json_;
+  std::map<std::string, std::string> engine_state_;  // control address → registered | paused | serving | failed: …
 
   std::string state_ = "idle";
   int64_t open_version_ = -1;

@@ -38,6 +38,9 @@ class EngineAdapter {
   virtual const std::string& kind() const = 0;
   // The address as given on the command line, e.g. "vllm+http://127.0.0.1:8000".
   virtual const std::string& address() const = 0;
+  // The engine's own EngineControl gRPC endpoint when it has one (reference engine): the coordinator then calls it
+  // directly. "" (the default) = the target daemon serves an EngineControl facade over this adapter.
+  virtual std::string control_address() const { return ""; }
 
   virtual absl::StatusOr<EngineDescription> Describe() = 0;
   // Asks every rank to attach to the target daemon's engine socket. Returns once the engine accepted the request

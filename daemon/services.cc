@@ -30,8 +30,9 @@ grpc::Status NodeDaemonService::NeedSource() const {
                  : grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this wsyncd runs the target role");
 }
 grpc::Status NodeDaemonService::NeedTarget() const {
-  return target_ ? grpc::Status::OK
-                 : grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this wsyncd runs the source role");
+  if (target_ != nullptr) return grpc::Status::OK;
+  return source_ ? grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this wsyncd runs the source role")
+                 : grpc::Status(grpc::StatusCode::UNAVAILABLE, "this target wsyncd is still attaching its engines");
 }
 
 #define WSYNC_NEED(role)                    \
@@ -82,10 +83,15 @@ grpc::Status NodeDaemonService::FinishUpdate(grpc::ServerContext*, const v1::Fin
 grpc::Status NodeDaemonService::ConnectTarget(grpc::ServerContext*, const v1::ConnectTargetRequest* req,
                                               v1::ConnectTargetReply* out) {
   WSYNC_NEED(Target);
-  return Reply(target_->ConnectTarget(*req), out);
+  return Reply(target_.load()->ConnectTarget(*req), out);
 }
 grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext*, const v1::NodeStatusRequest*, v1::NodeStatus* out) {
-  *out = source_ ? source_->Status() : target_->Status();
+  if (source_ != nullptr) {
+    *out = source_->Status();
+    return grpc::Status::OK;
+  }
+  WSYNC_NEED(Target);
+  *out = target_.load()->Status();
   return grpc::Status::OK;
 }
 
@@ -110,6 +116,69 @@ grpc::Status CoordinatorService::GetHistory(grpc::ServerContext*, const v1::Hist
                                             v1::HistoryReply* out) {
   *out = c_->History(*req);
   return grpc::Status::OK;
+}
+
+namespace {
+
+class EngineFacade final : public v1::EngineControl::Service {
+ public:
+  EngineFacade(TargetNode* target, std::string engine_id) : t_(target), id_(std::move(engine_id)) {}
+
+  grpc::Status GetInfo(grpc::ServerContext*, const v1::GetEngineInfoRequest*, v1::EngineInfo* out) override {
+    return Reply(t_->EngineInfo(id_), out);
+  }
+  grpc::Status GetParallelism(grpc::ServerContext*, const v1::RankRequest* req, v1::RankParallelism* out) override {
+    auto l = t_->Layout(id_, req->rank());
+    if (!l.ok()) return ToGrpcStatus(l.status());
+    *out = l->parallelism();
+    return grpc::Status::OK;
+  }
+  grpc::Status GetWeightLayout(grpc::ServerContext*, const v1::RankRequest* req, v1::RankLayout* out) override {
+    return Reply(t_->Layout(id_, req->rank()), out);
+  }
+  grpc::Status Pause(grpc::ServerContext*, const v1::PauseRequest* req, v1::EngineReply* out) override {
+    return Done(t_->Pause(id_, req->mode()), out);
+  }
+  grpc::Status PostProcess(grpc::ServerContext*, const v1::PostProcessRequest* req, v1::EngineReply* out) override {
+    return Done(t_->PostProcess(id_, req->version()), out);
+  }
+  grpc::Status SetWeightVersion(grpc::ServerContext*, const v1::SetWeightVersionRequest* req,
+                                v1::EngineReply* out) override {
+    return Done(t_->SetWeightVersion(id_, req->version()), out);
+  }
+  grpc::Status Continue(grpc::ServerContext*, const v1::ContinueRequest*, v1::EngineReply* out) override {
+    return Done(t_->Continue(id_), out);
+  }
+  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::EngineReply*) override {
+    return ToGrpcStatus(absl::FailedPreconditionError(
+        absl::StrCat("engine ", id_, " is attached through its target daemon; its ranks attach themselves")));
+  }
+  grpc::Status GetChecksums(grpc::ServerContext*, const v1::RankRequest*, v1::ChecksumReply*) override {
+    return Unimplemented("GetChecksums");
+  }
+  grpc::Status Verify(grpc::ServerContext*, const v1::VerifyRequest*, v1::VerifyReply*) override {
+    return Unimplemented("Verify");
+  }
+
+ private:
+  static grpc::Status Done(const absl::Status& st, v1::EngineReply* out) {
+    if (!st.ok()) return ToGrpcStatus(st);
+    out->set_success(true);
+    return grpc::Status::OK;
+  }
+  grpc::Status Unimplemented(const char* what) const {
+    return ToGrpcStatus(absl::UnimplementedError(
+        absl::StrCat(what, " is a reference-engine diagnostic; engine ", id_,
+                     " is served through the target daemon's facade, which has no independent loader to check with")));
+  }
+  TargetNode* t_;
+  std::string id_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::Service> MakeEngineFacade(TargetNode* target, std::string engine_id) {
+  return std::make_unique<EngineFacade>(target, std::move(engine_id));
 }
 
 absl::StatusOr<std::string> DialConnectTarget(const std::string& target_daemon, const v1::ConnectTargetRequest& req) {
@@ -146,8 +215,9 @@ class GrpcPeers final : public Peers {
     r.set_mode(mode);
     return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Pause, r, 120));
   }
-  absl::Status PostProcess(const std::string& addr) override {
+  absl::Status PostProcess(const std::string& addr, const std::string& version) override {
     v1::PostProcessRequest r;
+    r.set_version(version);
     r.set_post_process_quantization(true);
     r.set_post_load_weights(true);
     return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::PostProcess, r, 300));

@@ -2,6 +2,7 @@
 // The gRPC faces of the daemon roles and the coordinator: thin classes that delegate to the plain C++ modules
 // (SourceNode, TargetNode, Coordinator) and convert statuses in one place (proto/status_convert.h).
 
+#include <atomic>
 #include <memory>
 
 #include "daemon/coordinator.h"
@@ -16,6 +17,8 @@ class NodeDaemonService final : public v1::NodeDaemon::Service {
  public:
   // Exactly one of source/target is non-null.
   NodeDaemonService(SourceNode* source, TargetNode* target) : source_(source), target_(target) {}
+  // A target daemon serves before its engines attached; it sets its TargetNode once they have (before it registers).
+  void set_target(TargetNode* target) { target_ = target; }
 
   grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*, v1::OpenSessionReply*) override;
   grpc::Status BeginPush(grpc::ServerContext*, const v1::BeginPushRequest*, v1::BeginPushReply*) override;
@@ -33,7 +36,7 @@ class NodeDaemonService final : public v1::NodeDaemon::Service {
   grpc::Status NeedSource() const;
   grpc::Status NeedTarget() const;
   SourceNode* source_;
-  TargetNode* target_;
+  std::atomic<TargetNode*> target_;
 };
 
 class CoordinatorService final : public v1::Coordinator::Service {
@@ -48,6 +51,11 @@ class CoordinatorService final : public v1::Coordinator::Service {
  private:
   Coordinator* c_;
 };
+
+// The EngineControl facade the target daemon serves for one engine whose kind has no EngineControl endpoint of its
+// own (e.g. vllm): every call goes through TargetNode (and so the engine's adapter). Verify and GetChecksums are
+// reference-engine diagnostics and answer Unimplemented.
+std::unique_ptr<grpc::Service> MakeEngineFacade(TargetNode* target, std::string engine_id);
 
 // Dials a target daemon's ConnectTarget over gRPC (used by SourceNode).
 absl::StatusOr<std::string> DialConnectTarget(const std::string& target_daemon, const v1::ConnectTargetRequest& req);

@@ -83,6 +83,10 @@ absl::Status SourceNode::CheckLayout(const replica::ParamTable& table, const v1:
                                      const std::string& who) {
   std::map<std::string, const v1::ParamDesc*> theirs;
   for (const auto& p : target.params()) theirs[p.name()] = &p;
+  std::map<int, uint64_t> segments;
+  for (const auto& s : target.segments())
+    if (!segments.emplace(s.id(), s.bytes()).second)
+      return absl::FailedPreconditionError(absl::StrCat(who, ": segment ", s.id(), " appears twice in the layout"));
   for (const auto& p : table.params()) {
     auto it = theirs.find(p.name);
     if (it == theirs.end())
@@ -94,9 +98,14 @@ absl::Status SourceNode::CheckLayout(const replica::ParamTable& table, const v1:
       return absl::FailedPreconditionError(absl::StrCat(
           who, ": parameter ", p.name, ": replica has ", ShapeStr(p.shape), " ", DTypeName(p.dtype), " (", p.bytes,
           " bytes), engine has ", ShapeStr(tshape), " ", t.dtype(), " (", t.bytes(), " bytes)"));
-    if (t.offset() + t.bytes() > target.region_bytes())
+    auto seg = segments.find(t.segment());
+    if (seg == segments.end())
       return absl::FailedPreconditionError(
-          absl::StrCat(who, ": parameter ", p.name, " lies outside the engine's weight region"));
+          absl::StrCat(who, ": parameter ", p.name, " is in segment ", t.segment(), ", which the layout lacks"));
+    if (t.offset() > seg->second || t.bytes() > seg->second - t.offset())
+      return absl::FailedPreconditionError(absl::StrCat(who, ": parameter ", p.name, " [", t.offset(), ", +",
+                                                        t.bytes(), ") lies outside segment ", t.segment(), " (",
+                                                        seg->second, " bytes)"));
   }
   if (static_cast<size_t>(target.params_size()) != table.params().size()) {
     for (const auto& t : target.params())
@@ -170,14 +179,23 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     auto t = std::make_unique<Target>();
     t->assignment = a;
     t->layout = layout_of[i];
-    auto region = transport_->ImportRegion(a.layout().region_descriptor());
-    if (!region.ok()) return Annotate(region.status(), absl::StrCat("importing the region of ", Who(*t)));
-    t->region = *std::move(region);
+    std::map<int, const transport::RemoteRegion*> by_segment;
+    for (const auto& seg : a.layout().segments()) {
+      auto region = transport_->ImportRegion(seg.region_descriptor());
+      if (!region.ok())
+        return Annotate(region.status(), absl::StrCat("importing segment ", seg.id(), " of ", Who(*t)));
+      by_segment[seg.id()] = region->get();
+      t->regions.push_back(*std::move(region));
+    }
     WSYNC_RETURN_IF_ERROR(ConnectEndpoint(t.get()));
     const replica::ParamTable& table = replica->table(t->layout);
-    std::map<std::string, uint64_t> offsets;
-    for (const auto& p : a.layout().params()) offsets[p.name()] = p.offset();
-    for (const auto& p : table.params()) t->dst_offset.push_back(offsets.at(p.name));
+    std::map<std::string, const v1::ParamDesc*> theirs;
+    for (const auto& p : a.layout().params()) theirs[p.name()] = &p;
+    for (const auto& p : table.params()) {  // CheckLayout made sure every one is there, inside its segment
+      const v1::ParamDesc* d = theirs.at(p.name);
+      t->dst_region.push_back(by_segment.at(d->segment()));
+      t->dst_offset.push_back(d->offset());
+    }
     by_layout[t->layout].push_back(t.get());
     targets.push_back(std::move(t));
   }
@@ -405,7 +423,7 @@ absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& read
       transport::WriteRequest w;
       w.src = replica_regions_[r.layout].get();
       w.src_offset = p.offset;
-      w.dst = t->region.get();
+      w.dst = t->dst_region[r.param];
       w.dst_offset = t->dst_offset[r.param];
       w.length = p.bytes;
       if (w.length == 0) continue;

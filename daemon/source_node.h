@@ -65,9 +65,11 @@ class SourceNode {
   struct Target {
     v1::TargetAssignment assignment;
     int layout = 0;
-    std::unique_ptr<transport::RemoteRegion> region;
+    std::vector<std::unique_ptr<transport::RemoteRegion>> regions;  // one per segment of its layout
     std::unique_ptr<transport::Endpoint> endpoint;
-    std::vector<uint64_t> dst_offset;  // per replica param of its layout
+    // Per replica param of its layout: the segment's region and the offset inside it.
+    std::vector<const transport::RemoteRegion*> dst_region;
+    std::vector<uint64_t> dst_offset;
     std::vector<transport::BatchId> outstanding;
     // Not OK once a Post or Wait on `endpoint` failed: the transport contract says such an endpoint must be
     // re-created, which the next StartUpdate does before accepting pushes.

@@ -11,8 +11,11 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
+#include "base/status.h"
+#include "daemon/engine_adapter.h"
 #include "daemon/serve.h"
 #include "daemon/services.h"
 #include "proto/status_convert.h"
@@ -45,6 +48,11 @@ absl::Status Register(const std::string& coordinator, const v1::RegisterNodeRequ
   return last;
 }
 
+// A malformed --engine address is a usage error (exit 2), like any bad flag.
+bool adapter_usage_error(const absl::Status& st) {
+  return st.code() == absl::StatusCode::kInvalidArgument && absl::StrContains(st.message(), "engine address");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -55,6 +63,9 @@ int main(int argc, char** argv) {
   std::string role, node_id, listen = "127.0.0.1:0", coordinator, port_file, transport_name = "tcp", log_level;
   std::string data_host = "127.0.0.1";
   std::vector<std::string> engines;
+  std::string engine_socket;
+  std::vector<uint32_t> engine_uids;
+  double attach_timeout_s = 120, engine_timeout_s = 300;
   int trainer_ranks = 1;
   uint64_t ring_mib = 512;
   app.add_option("--role", role, "source | target")->required()->check(CLI::IsMember({"source", "target"}));
@@ -64,7 +75,18 @@ int main(int argc, char** argv) {
   app.add_option("--port-file", port_file, "write the bound port here once serving");
   app.add_option("--transport", transport_name, "tcp | verbs")->check(CLI::IsMember({"tcp", "verbs"}));
   app.add_option("--data-host", data_host, "address the data-path listener binds (tcp transport)");
-  app.add_option("--engine", engines, "target: control address of an engine on this node (repeatable)");
+  app.add_option("--engine", engines,
+                 "target: an engine on this node, KIND+SCHEME://HOST:PORT (reference+grpc://H:P, a bare H:P means "
+                 "the same; vllm+http://H:P[?mode=staged|direct]); repeatable");
+  app.add_option("--engine-socket", engine_socket,
+                 "target: Unix socket engine ranks attach their memory to (default /run/wsync/target-<port>.sock, "
+                 "else under $XDG_RUNTIME_DIR/wsync or /tmp/wsync-<uid>)");
+  app.add_option("--engine-uid", engine_uids, "target: a further uid allowed to attach (repeatable; the daemon's own "
+                 "uid always is)");
+  app.add_option("--attach-timeout", attach_timeout_s, "target: seconds to wait for every rank of an engine to attach")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--engine-timeout", engine_timeout_s, "target: seconds one engine control call may take")
+      ->check(CLI::PositiveNumber);
   app.add_option("--trainer-ranks", trainer_ranks, "source: trainer ranks on this node")->check(CLI::Range(1, 1024));
   app.add_option("--ring-mib", ring_mib, "source: shared-memory ring size per trainer rank, MiB")
       ->check(CLI::Range(1, 1 << 20));
@@ -130,17 +152,10 @@ int main(int argc, char** argv) {
     o.ring_bytes = ring_mib << 20;
     source = std::make_unique<daemon::SourceNode>(o, transport.get(), daemon::DialConnectTarget);
     reg.set_trainer_ranks(trainer_ranks);
-  } else {
-    target = std::make_unique<daemon::TargetNode>(node_id, transport.get());
-    for (const auto& e : engines) {
-      if (auto st = target->AddEngine(e); !st.ok()) {
-        spdlog::error("engine {}: {}", e, st.ToString());
-        return 1;
-      }
-    }
-    for (auto& r : target->Registrations()) *reg.add_engines() = std::move(r);
   }
-  daemon::NodeDaemonService service(source.get(), target.get());
+  // The target's engines attach through its socket, whose default name carries the API port: serve first (ConnectTarget
+  // answers NotFound until the engines are there; nobody dials before the node registered).
+  daemon::NodeDaemonService service(source.get(), nullptr);
   auto served = daemon::Serve(listen, {&service}, "");
   if (!served.ok()) {
     spdlog::error("{}", served.status().ToString());
@@ -148,6 +163,28 @@ int main(int argc, char** argv) {
   }
   const std::string host = listen.substr(0, listen.rfind(':'));
   reg.set_address(absl::StrCat(host, ":", served->port));
+  if (role == "target") {
+    daemon::TargetOptions o;
+    o.node_id = node_id;
+    o.engine_socket = engine_socket.empty() ? daemon::DefaultEngineSocket(served->port) : engine_socket;
+    o.engine_uids.assign(engine_uids.begin(), engine_uids.end());
+    o.attach_timeout = absl::Seconds(attach_timeout_s);
+    o.facade_host = host;
+    target = std::make_unique<daemon::TargetNode>(o, transport.get());
+    absl::Status st = target->Start();
+    for (size_t i = 0; st.ok() && i < engines.size(); ++i) {
+      auto adapter = daemon::MakeEngineAdapter(engines[i], absl::Seconds(engine_timeout_s));
+      st = adapter.ok() ? target->AddEngine(*std::move(adapter)) : adapter.status();
+      if (!st.ok()) st = Annotate(st, absl::StrCat("--engine ", engines[i]));
+    }
+    if (!st.ok()) {
+      spdlog::error("{}", st.ToString());
+      served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      return adapter_usage_error(st) ? 2 : 1;
+    }
+    service.set_target(target.get());
+    for (auto& r : target->Registrations()) *reg.add_engines() = std::move(r);
+  }
   spdlog::info("wsyncd {} ({}) serving on {} with transport {}", node_id, role, reg.address(), transport->name());
   if (auto st = Register(coordinator, reg, 60); !st.ok()) {
     spdlog::error("cannot register with coordinator {}: {}", coordinator, st.ToString());
@@ -163,5 +200,6 @@ int main(int argc, char** argv) {
   daemon::WaitForTermination();
   spdlog::info("wsyncd {} shutting down", node_id);
   served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  target.reset();  // stops the engine socket loop, removes the socket, shuts the facades down
   return 0;
 }

@@ -153,19 +153,16 @@ def run(args, cluster, deadline):
     work = cluster.work
     with open(args.model) as f:
         specs = qwen3_checkpoint(json.load(f))
-    shm = os.path.join(work, "shm")
-    os.makedirs(shm)
-
     p = cluster.start("coordinator", [args.coordinator, "--listen", "127.0.0.1:0",
                                       "--port-file", os.path.join(work, "coordinator.port")])
     coord_addr = cluster.wait_port("coordinator", p, deadline)
     p = cluster.start("engine", [args.engine_ref, "--id", "pyengine%d" % os.getpid(), "--model", args.model,
-                                 "--tp", "2", "--listen", "127.0.0.1:0", "--shm-dir", shm,
+                                 "--tp", "2", "--listen", "127.0.0.1:0",
                                  "--port-file", os.path.join(work, "engine.port")])
     engine_addr = cluster.wait_port("engine", p, deadline)
     p = cluster.start("target", [args.wsyncd, "--role", "target", "--node-id", "py-infer0",
                                  "--coordinator", coord_addr, "--engine", engine_addr, "--transport", "tcp",
-                                 "--listen", "127.0.0.1:0", "--port-file", os.path.join(work, "target.port")])
+                                 "--engine-socket", os.path.join(work, "target.sock"), "--listen", "127.0.0.1:0", "--port-file", os.path.join(work, "target.port")])
     cluster.wait_port("target", p, deadline)
     p = cluster.start("source", [args.wsyncd, "--role", "source", "--node-id", "py-train0",
                                  "--coordinator", coord_addr, "--trainer-ranks", "1", "--ring-mib", "16",

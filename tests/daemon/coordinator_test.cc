@@ -38,7 +38,9 @@ class FakePeers : public Peers {
     return i;
   }
   absl::Status Pause(const std::string& addr, const std::string& mode) override { return Log("pause " + addr); }
-  absl::Status PostProcess(const std::string& addr) override { return Log("post_process " + addr); }
+  absl::Status PostProcess(const std::string& addr, const std::string& v) override {
+    return Log("post_process " + addr + " " + v);
+  }
   absl::Status SetWeightVersion(const std::string& addr, const std::string& v) override {
     return Log("set_version " + addr + " " + v);
   }

@@ -1,9 +1,13 @@
-// wsync-engine-ref: a reference inference engine instance. It owns each TP rank's weights in shared memory, in
-// SGLang's layout, implements the engine control API, and verifies what landed in its memory against its own naive
-// loader. The target wsyncd maps that memory and writes into it directly, as it would into GPU weight memory.
+// wsync-engine-ref: a reference inference engine instance. It owns each TP rank's weights in shared memory (memfd
+// segments), in SGLang's layout, implements the engine control API, and verifies what landed in its memory against
+// its own naive loader. On the Attach RPC its ranks hand their segments to the target wsyncd over its engine socket
+// (docs/engines.md); the daemon maps them and writes into them directly, as it would into GPU weight memory.
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -23,7 +27,9 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/fd_passing.h"
 #include "base/logging.h"
+#include "nlohmann/json.hpp"
 #include "tools/engine_ref/ref_model.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
@@ -32,35 +38,57 @@ namespace {
 
 namespace pb = ::wsync::v1;
 
-// One rank's weight memory: a shared-memory file this process owns (removed on exit).
+// One rank's weight memory: several memfd segments (the parameter list split in kSegmentsPerRank parts, so the
+// general segment model is exercised), each mapped here; the target daemon gets the fds through the attach socket.
+constexpr int kSegmentsPerRank = 3;
+
+struct Placement {
+  int segment = 0;
+  uint64_t offset = 0;  // inside the segment
+};
+
 class RankMemory {
  public:
+  struct Segment {
+    wsync::ScopedFd fd;
+    uint8_t* base = nullptr;
+    uint64_t bytes = 0;
+  };
   ~RankMemory() {
-    if (base_ != nullptr) munmap(base_, size_);
-    if (!path_.empty()) unlink(path_.c_str());
+    for (auto& s : segments_)
+      if (s.base != nullptr) munmap(s.base, s.bytes);
   }
-  absl::Status Create(const std::string& path, uint64_t size) {
-    path_ = path;
-    size_ = size;
-    int fd = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
-    if (fd < 0) return absl::InternalError(absl::StrCat("open ", path, ": ", strerror(errno)));
-    if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
-      close(fd);
-      return absl::InternalError(absl::StrCat("ftruncate ", path, ": ", strerror(errno)));
+  // Splits `layout`'s parameters into contiguous runs of about equal bytes, one memfd each, 256-byte aligned inside.
+  absl::Status Create(const std::string& name, const RefLayout& layout) {
+    const uint64_t per = layout.total_bytes / kSegmentsPerRank + 1;
+    std::vector<uint64_t> sizes(1, 0);
+    for (const auto& p : layout.params) {
+      if (sizes.back() >= per && static_cast<int>(sizes.size()) < kSegmentsPerRank) sizes.push_back(0);
+      const uint64_t off = (sizes.back() + 255) / 256 * 256;
+      placement_.push_back({static_cast<int>(sizes.size()) - 1, off});
+      sizes.back() = off + p.bytes;
     }
-    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) return absl::InternalError(absl::StrCat("mmap ", path, ": ", strerror(errno)));
-    base_ = static_cast<uint8_t*>(p);
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      Segment s;
+      s.bytes = std::max<uint64_t>(sizes[i], 1);
+      s.fd.reset(memfd_create(absl::StrCat(name, "-s", i).c_str(), MFD_CLOEXEC));
+      if (!s.fd.valid()) return absl::InternalError(absl::StrCat("memfd_create: ", strerror(errno)));
+      if (ftruncate(s.fd.get(), static_cast<off_t>(s.bytes)) != 0)
+        return absl::InternalError(absl::StrCat("ftruncate memfd: ", strerror(errno)));
+      void* p = mmap(nullptr, s.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s.fd.get(), 0);
+      if (p == MAP_FAILED) return absl::InternalError(absl::StrCat("mmap memfd: ", strerror(errno)));
+      s.base = static_cast<uint8_t*>(p);
+      segments_.push_back(std::move(s));
+    }
     return absl::OkStatus();
   }
-  uint8_t* data() const { return base_; }
-  const std::string& path() const { return path_; }
+  const std::vector<Segment>& segments() const { return segments_; }
+  const Placement& placement(size_t param) const { return placement_[param]; }
+  uint8_t* at(size_t param) const { return segments_[placement_[param].segment].base + placement_[param].offset; }
 
  private:
-  std::string path_;
-  uint8_t* base_ = nullptr;
-  uint64_t size_ = 0;
+  std::vector<Segment> segments_;
+  std::vector<Placement> placement_;  // per param of the layout
 };
 
 class EngineService final : public pb::EngineControl::Service {
@@ -68,20 +96,75 @@ class EngineService final : public pb::EngineControl::Service {
   EngineService(std::string id, std::string config_json, RefConfig cfg, int tp)
       : id_(std::move(id)), config_json_(std::move(config_json)), cfg_(cfg), tp_(tp) {}
 
-  absl::Status Init(const std::string& shm_dir) {
+  ~EngineService() { CloseAttachments(); }
+
+  absl::Status Init() {
     for (int r = 0; r < tp_; ++r) {
       auto layout = BuildRefLayout(cfg_, tp_, r);
       if (!layout.ok()) return layout.status();
       layouts_.push_back(*std::move(layout));
       auto mem = std::make_unique<RankMemory>();
-      auto st = mem->Create(absl::StrCat(shm_dir, "/wsync-engine-", id_, "-", getpid(), "-r", r),
-                            layouts_.back().total_bytes);
+      auto st = mem->Create(absl::StrCat("wsync-engine-", id_, "-r", r), layouts_.back());
       if (!st.ok()) return st;
       memory_.push_back(std::move(mem));
-      spdlog::info("engine {} rank {}: {} params, {:.1f} MiB at {}", id_, r, layouts_.back().params.size(),
-                   layouts_.back().total_bytes / 1048576.0, memory_.back()->path());
+      spdlog::info("engine {} rank {}: {} params, {:.1f} MiB in {} memfd segments", id_, r,
+                   layouts_.back().params.size(), layouts_.back().total_bytes / 1048576.0,
+                   memory_.back()->segments().size());
     }
     return absl::OkStatus();
+  }
+
+  // Connects one socket per rank to the target daemon, sends each rank's attach frame with its segment fds, and
+  // waits for every reply. A later Attach (the target restarted) replaces the previous connections.
+  grpc::Status Attach(grpc::ServerContext*, const pb::AttachRequest* req, pb::EngineReply* out) override {
+    std::lock_guard<std::mutex> al(attach_mu_);
+    CloseAttachments();
+    if (req->engine_id() != id_)
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("this is engine ", id_, ", not ", req->engine_id()));
+    std::vector<wsync::ScopedFd> socks;
+    for (int r = 0; r < tp_; ++r) {
+      wsync::ScopedFd sock(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      sockaddr_un addr{};
+      addr.sun_family = AF_UNIX;
+      if (req->socket_path().size() >= sizeof(addr.sun_path))
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "socket path too long");
+      std::memcpy(addr.sun_path, req->socket_path().data(), req->socket_path().size());
+      if (!sock.valid() || connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0)
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            absl::StrCat("rank ", r, ": connect ", req->socket_path(), ": ", strerror(errno)));
+      timeval tv{60, 0};
+      setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+      std::vector<int> fds;
+      for (const auto& seg : memory_[r]->segments()) fds.push_back(seg.fd.get());
+      auto st = wsync::SendFds(sock.get(), fds, AttachMessage(*req, r));
+      if (!st.ok()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat("rank ", r, ": ", st.ToString()));
+      socks.push_back(std::move(sock));
+    }
+    for (int r = 0; r < tp_; ++r) {
+      auto reply = wsync::ReceiveFds(socks[r].get());
+      if (!reply.ok())
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            absl::StrCat("rank ", r, ": no attach reply: ", reply.status().ToString()));
+      nlohmann::json j = nlohmann::json::parse(reply->message, nullptr, false);
+      if (j.is_discarded() || !j.is_object() || j.value("type", "") != "attached")
+        return grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat("rank ", r, ": unexpected reply ", reply->message));
+      if (!j.value("ok", false))
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                            absl::StrCat("rank ", r, ": the target refused the attach: ", j.value("error", "")));
+    }
+    spdlog::info("engine {}: {} ranks attached to {}", id_, tp_, req->socket_path());
+    // Commits are read (and logged) so the socket never fills; the reference engine needs nothing from them.
+    attached_ = std::move(socks);
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) == 0) {
+      stop_rd_.reset(p[0]);
+      stop_wr_.reset(p[1]);
+    }
+    reader_ = std::thread([this] { ReadCommits(); });
+    out->set_success(true);
+    out->set_message(absl::StrCat(tp_, " ranks attached"));
+    return grpc::Status::OK;
   }
 
   grpc::Status GetInfo(grpc::ServerContext*, const pb::GetEngineInfoRequest*, pb::EngineInfo* out) override {
@@ -106,16 +189,23 @@ class EngineService final : public pb::EngineControl::Service {
     const RefLayout& l = layouts_[req->rank()];
     out->set_rank(req->rank());
     FillParallelism(req->rank(), out->mutable_parallelism());
-    for (const auto& p : l.params) {
+    for (size_t i = 0; i < l.params.size(); ++i) {
+      const auto& p = l.params[i];
       auto* d = out->add_params();
       d->set_name(p.name);
       d->set_dtype(std::string(DTypeName(p.dtype)));
       for (int64_t s : p.shape) d->add_shape(s);
       d->set_bytes(p.bytes);
-      d->set_offset(p.offset);
+      d->set_segment(memory_[req->rank()]->placement(i).segment);
+      d->set_offset(memory_[req->rank()]->placement(i).offset);
     }
     out->set_region_bytes(l.total_bytes);
-    out->set_memory_handle(memory_[req->rank()]->path());
+    for (size_t i = 0; i < memory_[req->rank()]->segments().size(); ++i) {
+      auto* s = out->add_segments();
+      s->set_id(static_cast<int>(i));
+      s->set_kind("host");
+      s->set_bytes(memory_[req->rank()]->segments()[i].bytes);
+    }
     return grpc::Status::OK;
   }
 
@@ -128,9 +218,10 @@ class EngineService final : public pb::EngineControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status PostProcess(grpc::ServerContext*, const pb::PostProcessRequest*, pb::EngineReply* out) override {
+  grpc::Status PostProcess(grpc::ServerContext*, const pb::PostProcessRequest* req, pb::EngineReply* out) override {
     std::lock_guard<std::mutex> l(mu_);
     if (!paused_) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "post_process requires a paused engine");
+    spdlog::debug("engine {}: post_process of version {}", id_, req->version());
     out->set_success(true);
     out->set_message("nothing to post-process for bf16 dense weights");
     return grpc::Status::OK;
@@ -157,9 +248,11 @@ class EngineService final : public pb::EngineControl::Service {
   grpc::Status GetChecksums(grpc::ServerContext*, const pb::RankRequest* req, pb::ChecksumReply* out) override {
     if (req->rank() < 0 || req->rank() >= tp_) return BadRank(req->rank());
     out->set_rank(req->rank());
-    const uint8_t* base = memory_[req->rank()]->data();
-    for (const auto& p : layouts_[req->rank()].params) {
-      XXH128_hash_t h = XXH3_128bits(base + p.offset, p.bytes);
+    const RankMemory& mem = *memory_[req->rank()];
+    const auto& params = layouts_[req->rank()].params;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& p = params[i];
+      XXH128_hash_t h = XXH3_128bits(mem.at(i), p.bytes);
       auto* c = out->add_params();
       c->set_name(p.name);
       c->set_bytes(p.bytes);
@@ -176,13 +269,14 @@ class EngineService final : public pb::EngineControl::Service {
       std::vector<uint8_t> expected(l.total_bytes);
       auto st = ComputeExpected(cfg_, tp_, r, l, req->step(), expected.data());
       if (!st.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, std::string(st.message()));
-      const uint8_t* have = memory_[r]->data();
-      for (const auto& p : l.params) {
+      for (size_t k = 0; k < l.params.size(); ++k) {
+        const auto& p = l.params[k];
+        const uint8_t* have = memory_[r]->at(k);  // in its segment; `expected` is packed by the naive loader
         ++checked;
         bytes += static_cast<int64_t>(p.bytes);
-        if (std::memcmp(have + p.offset, expected.data() + p.offset, p.bytes) == 0) continue;
+        if (std::memcmp(have, expected.data() + p.offset, p.bytes) == 0) continue;
         uint64_t i = 0;
-        while (i < p.bytes && have[p.offset + i] == expected[p.offset + i]) ++i;
+        while (i < p.bytes && have[i] == expected[p.offset + i]) ++i;
         if (out->mismatches_size() < 20)
           out->add_mismatches(absl::StrCat("rank ", r, ": ", p.name, " (first differing byte at ", i, " of ",
                                            p.bytes, ")"));
@@ -213,12 +307,66 @@ class EngineService final : public pb::EngineControl::Service {
     p->set_attn_dp_size(1);
   }
 
+  std::string AttachMessage(const pb::AttachRequest& req, int r) const {
+    nlohmann::json par = {{"tp_size", tp_},      {"tp_rank", r},      {"pp_size", 1},       {"pp_rank", 0},
+                          {"ep_size", 1},        {"ep_rank", 0},      {"moe_tp_size", tp_}, {"moe_tp_rank", r},
+                          {"attn_tp_size", tp_}, {"attn_tp_rank", r}, {"attn_dp_size", 1},  {"attn_dp_rank", 0}};
+    nlohmann::json segs = nlohmann::json::array(), params = nlohmann::json::array();
+    const RankMemory& mem = *memory_[r];
+    for (size_t i = 0; i < mem.segments().size(); ++i)
+      segs.push_back({{"id", i}, {"kind", "host"}, {"bytes", mem.segments()[i].bytes}});
+    const auto& ps = layouts_[r].params;
+    for (size_t i = 0; i < ps.size(); ++i)
+      params.push_back({{"name", ps[i].name}, {"dtype", std::string(DTypeName(ps[i].dtype))}, {"shape", ps[i].shape},
+                        {"segment", mem.placement(i).segment}, {"offset", mem.placement(i).offset},
+                        {"bytes", ps[i].bytes}});
+    nlohmann::json j = {{"type", "attach"}, {"protocol", 1}, {"token", req.token()}, {"engine_id", id_},
+                        {"kind", "reference"}, {"mode", req.mode().empty() ? "direct" : req.mode()}, {"rank", r},
+                        {"world_size", tp_}, {"parallelism", par}, {"model_config_json", config_json_},
+                        {"segments", segs}, {"params", params}};
+    return j.dump();
+  }
+
+  void ReadCommits() {
+    while (true) {
+      std::vector<pollfd> pfds{{stop_rd_.get(), POLLIN, 0}};
+      for (const auto& s : attached_) pfds.push_back({s.get(), POLLIN, 0});
+      if (poll(pfds.data(), pfds.size(), -1) < 0) {
+        if (errno == EINTR) continue;
+        return;
+      }
+      if (pfds[0].revents != 0) return;
+      for (size_t i = 1; i < pfds.size(); ++i) {
+        if (pfds[i].revents == 0) continue;
+        auto f = wsync::ReceiveFds(pfds[i].fd);
+        if (!f.ok()) {
+          spdlog::warn("engine {} rank {}: the target closed the attach socket ({})", id_, i - 1,
+                       f.status().ToString());
+          return;  // the target went away; its successor calls Attach again
+        }
+        spdlog::debug("engine {} rank {}: {}", id_, i - 1, f->message);
+      }
+    }
+  }
+
+  void CloseAttachments() {
+    if (reader_.joinable()) {
+      char b = 1;
+      if (write(stop_wr_.get(), &b, 1) < 0) spdlog::warn("stopping the commit reader: {}", strerror(errno));
+      reader_.join();
+    }
+    attached_.clear();  // closing the sockets detaches the ranks
+  }
+
   std::string id_, config_json_;
   RefConfig cfg_;
   int tp_;
   std::vector<RefLayout> layouts_;
   std::vector<std::unique_ptr<RankMemory>> memory_;
-  std::mutex mu_, verify_mu_;
+  std::mutex mu_, verify_mu_, attach_mu_;
+  std::vector<wsync::ScopedFd> attached_;  // one attach socket per rank
+  wsync::ScopedFd stop_rd_, stop_wr_;
+  std::thread reader_;
   bool paused_ = false;
   std::string version_ = "0";
 };
@@ -230,15 +378,14 @@ std::atomic<bool> g_stop{false};
 
 int main(int argc, char** argv) {
   using namespace wsync::engine_ref;
-  CLI::App app{"wsync reference engine: holds one engine instance's TP-rank weights in shared memory"};
-  std::string id = "engine0", model, listen = "127.0.0.1:0", port_file, shm_dir = "/dev/shm", log_level;
+  CLI::App app{"wsync reference engine: holds one engine instance's TP-rank weights in shared memory (memfd)"};
+  std::string id = "engine0", model, listen = "127.0.0.1:0", port_file, log_level;
   int tp = 1;
   app.add_option("--id", id, "engine instance id");
   app.add_option("--model", model, "HF config.json of the model")->required()->check(CLI::ExistingFile);
   app.add_option("--tp", tp, "tensor-parallel size (number of ranks)")->check(CLI::Range(1, 1024));
   app.add_option("--listen", listen, "host:port of the control API (port 0 = any free port)");
   app.add_option("--port-file", port_file, "write the bound port here once serving");
-  app.add_option("--shm-dir", shm_dir, "directory for the ranks' weight memory");
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error");
   CLI11_PARSE(app, argc, argv);
   wsync::InitLogging("engine-ref", log_level);
@@ -252,7 +399,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   EngineService service(id, ss.str(), *cfg, tp);
-  if (auto st = service.Init(shm_dir); !st.ok()) {
+  if (auto st = service.Init(); !st.ok()) {
     spdlog::error("{}", st.ToString());
     return 1;
   }
