@@ -1,0 +1,418 @@
+// The attach protocol (docs/engines.md) against an in-process TargetNode with the real tcp transport: a good attach
+// of several segments per rank, every validation the target does (token, uid, fd count, segment bounds, overlap,
+// dtype × shape, duplicate rank, file size), detach making the engine unusable, and the commit messages that
+// PostProcess sends to every rank before it calls the adapter. The engine side is this test, speaking the wire
+// protocol over the socket, driven from a fake EngineAdapter's RequestAttach.
+
+#include <catch2/catch.hpp>
+
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+#include "base/fd_passing.h"
+#include "daemon/target_node.h"
+#include "transport/transport.h"
+#include "wsync/v1/engine.grpc.pb.h"
+
+namespace wsync::daemon {
+namespace {
+
+using Json = nlohmann::json;
+
+class FakeAdapter final : public EngineAdapter {
+ public:
+  using AttachFn = std::function<absl::Status(const AttachInfo&)>;
+  FakeAdapter(int ranks, AttachFn attach, std::vector<std::string>* calls)
+      : ranks_(ranks), attach_(std::move(attach)), calls_(calls) {}
+  const std::string& kind() const override { return kind_; }
+  const std::string& address() const override { return address_; }
+  absl::StatusOr<EngineDescription> Describe() override {
+    return EngineDescription{"fake0", "fake", ranks_, "0", false};
+  }
+  absl::Status RequestAttach(const AttachInfo& info) override { return attach_(info); }
+  absl::Status Pause(const std::string& mode) override { return Log("pause " + mode); }
+  absl::Status PostProcess(const std::string& v) override { return Log("post_process " + v); }
+  absl::Status SetWeightVersion(const std::string& v) override { return Log("set_version " + v); }
+  absl::Status Continue() override { return Log("continue"); }
+
+ private:
+  absl::Status Log(const std::string& s) {
+    calls_->push_back(s);
+    return absl::OkStatus();
+  }
+  std::string kind_ = "fake", address_ = "fake+test://nowhere:1";
+  int ranks_;
+  AttachFn attach_;
+  std::vector<std::string>* calls_;
+};
+
+struct Segment {
+  ScopedFd fd;
+  uint64_t bytes;
+};
+
+Segment MakeSegment(uint64_t bytes, uint64_t file_bytes = 0) {
+  Segment s{ScopedFd(memfd_create("target-node-test", MFD_CLOEXEC)), bytes};
+  REQUIRE(s.fd.valid());
+  REQUIRE(ftruncate(s.fd.get(), static_cast<off_t>(file_bytes ? file_bytes : bytes)) == 0);
+  return s;
+}
+
+// A rank of 2 segments: two bf16 params in segment 0, one in segment 1 (id 7: ids need not be 0..n-1).
+Json AttachMessage(const AttachInfo& info, int rank, int world) {
+  Json params = Json::array({
+      {{"name", "a.weight"}, {"dtype", "bfloat16"}, {"shape", {4, 8}}, {"segment", 0}, {"offset", 0}, {"bytes", 64}},
+      {{"name", "b.weight"}, {"dtype", "bfloat16"}, {"shape", {8}}, {"segment", 0}, {"offset", 256}, {"bytes", 16}},
+      {{"name", "c.weight"}, {"dtype", "float32"}, {"shape", {2, 2}}, {"segment", 7}, {"offset", 0}, {"bytes", 16}},
+  });
+  return {{"type", "attach"},
+          {"protocol", 1},
+          {"token", info.token},
+          {"engine_id", info.engine_id},
+          {"kind", "fake"},
+          {"mode", "direct"},
+          {"rank", rank},
+          {"world_size", world},
+          {"parallelism", {{"tp_size", world}, {"tp_rank", rank}}},
+          {"model_config_json", "{\"architectures\":[\"X\"]}"},
+          {"segments", Json::array({{{"id", 0}, {"kind", "host"}, {"bytes", 4096}},
+                                    {{"id", 7}, {"kind", "host"}, {"bytes", 1024}}})},
+          {"params", params}};
+}
+
+// One engine rank's connection to the target's socket.
+struct RankConn {
+  ScopedFd sock;
+  std::vector<Segment> segments;
+
+  static RankConn Connect(const std::string& path) {
+    RankConn c;
+    c.sock.reset(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+    REQUIRE(connect(c.sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+    timeval tv{10, 0};
+    setsockopt(c.sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    return c;
+  }
+  // Sends `msg` with the fds of `segments`; returns the target's reply.
+  Json Attach(const Json& msg) {
+    std::vector<int> fds;
+    for (const auto& s : segments) fds.push_back(s.fd.get());
+    REQUIRE(SendFds(sock.get(), fds, msg.dump()).ok());
+    return Next();
+  }
+  Json Next() {
+    auto r = ReceiveFds(sock.get());
+    if (!r.ok()) return Json{{"closed", r.status().ToString()}};
+    return Json::parse(r->message);
+  }
+};
+
+std::vector<Segment> TwoSegments() {
+  std::vector<Segment> s;
+  s.push_back(MakeSegment(4096));
+  s.push_back(MakeSegment(1024));
+  return s;
+}
+
+struct Fixture {
+  Fixture() {
+    char tmpl[] = "/tmp/wsync-target-test.XXXXXX";
+    dir = mkdtemp(tmpl);
+    auto tr = transport::CreateTransport("tcp", {});
+    REQUIRE(tr.ok());
+    transport = *std::move(tr);
+  }
+  ~Fixture() {
+    node.reset();
+    std::system(("rm -rf " + dir).c_str());
+  }
+  void Start(TargetOptions o = {}) {
+    o.node_id = "test-target";
+    o.engine_socket = dir + "/engines.sock";
+    if (o.attach_timeout == absl::Seconds(120)) o.attach_timeout = absl::Seconds(2);
+    o.facade_host = facade_host;
+    node = std::make_unique<TargetNode>(o, transport.get());
+    REQUIRE(node->Start().ok());
+  }
+  // Adds an engine of `ranks` ranks whose RequestAttach runs `fn`.
+  absl::Status Add(int ranks, FakeAdapter::AttachFn fn) {
+    return node->AddEngine(std::make_unique<FakeAdapter>(ranks, std::move(fn), &calls));
+  }
+
+  std::string dir, facade_host;
+  std::unique_ptr<transport::Transport> transport;
+  std::unique_ptr<TargetNode> node;
+  std::vector<std::string> calls;
+  std::vector<RankConn> conns;  // attached ranks stay connected
+};
+
+// Runs one attach of rank 0 of a 1-rank engine with `edit` applied to the message (and `segs` as its fds);
+// returns the reply. AddEngine fails (the fake returns the refusal), so the test does not wait for a timeout.
+Json AttachOnce(Fixture& f, std::function<void(Json&)> edit, std::vector<Segment> segs = TwoSegments()) {
+  Json reply;
+  absl::Status st = f.Add(1, [&](const AttachInfo& info) {
+    RankConn c = RankConn::Connect(info.socket_path);
+    c.segments = std::move(segs);
+    Json msg = AttachMessage(info, 0, 1);
+    edit(msg);
+    reply = c.Attach(msg);
+    if (reply.value("ok", false)) {
+      f.conns.push_back(std::move(c));
+      return absl::OkStatus();
+    }
+    return absl::FailedPreconditionError(reply.value("error", "refused"));
+  });
+  if (reply.value("ok", false)) CHECK(st.ok());
+  return reply;
+}
+
+void RequireRefused(const Json& reply, const std::string& needle) {
+  INFO(reply.dump());
+  CHECK(reply.value("type", "") == "attached");
+  CHECK_FALSE(reply.value("ok", true));
+  CHECK(absl::StrContains(reply.value("error", ""), needle));
+}
+
+TEST_CASE("target: two ranks attach two segments each; registration has one descriptor per segment") {
+  Fixture f;
+  f.Start();
+  REQUIRE(f.Add(2, [&](const AttachInfo& info) {
+            CHECK(info.engine_id == "fake0");
+            CHECK(info.token.size() == 64);
+            for (int r = 0; r < 2; ++r) {
+              RankConn c = RankConn::Connect(info.socket_path);
+              c.segments = TwoSegments();
+              Json reply = c.Attach(AttachMessage(info, r, 2));
+              INFO(reply.dump());
+              CHECK(reply == Json({{"type", "attached"}, {"ok", true}}));
+              f.conns.push_back(std::move(c));
+            }
+            return absl::OkStatus();
+          }).ok());
+  auto regs = f.node->Registrations();
+  REQUIRE(regs.size() == 1);
+  CHECK(regs[0].kind() == "fake");
+  CHECK(regs[0].control_address().empty());  // no facade host in this fixture
+  REQUIRE(regs[0].ranks_size() == 2);
+  for (int r = 0; r < 2; ++r) {
+    const auto& l = regs[0].ranks(r);
+    CHECK(l.rank() == r);
+    CHECK(l.parallelism().tp_rank() == r);
+    CHECK(l.region_bytes() == 4096 + 1024);
+    REQUIRE(l.segments_size() == 2);
+    CHECK(l.segments(1).id() == 7);
+    for (const auto& s : l.segments()) CHECK_FALSE(s.region_descriptor().empty());
+    REQUIRE(l.params_size() == 3);
+    CHECK(l.params(2).segment() == 7);
+  }
+  CHECK(f.node->EngineInfo("fake0")->model_config_json() == "{\"architectures\":[\"X\"]}");
+}
+
+TEST_CASE("target: attach validation refuses bad messages with a reason") {
+  Fixture f;
+  f.Start();
+  SECTION("wrong token") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["token"] = std::string(64, '0'); }), "token is not valid");
+  }
+  SECTION("unknown engine id") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["engine_id"] = "other"; }), "token is not valid");
+  }
+  SECTION("fewer fds than segments") {
+    std::vector<Segment> one;
+    one.push_back(MakeSegment(4096));
+    RequireRefused(AttachOnce(f, [](Json&) {}, std::move(one)), "2 segments but 1 file descriptors");
+  }
+  SECTION("parameter outside its segment") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["params"][2]["offset"] = 1016; }),
+                   "parameter c.weight [1016, +16) lies outside segment 7");
+  }
+  SECTION("parameter in a segment that does not exist") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["params"][1]["segment"] = 3; }), "b.weight: no segment 3");
+  }
+  SECTION("overlapping parameters") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["params"][1]["offset"] = 32; }),
+                   "a.weight and b.weight overlap in segment 0");
+  }
+  SECTION("dtype x shape disagrees with bytes") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["params"][0]["shape"] = {4, 4}; }), "a.weight: bfloat16");
+  }
+  SECTION("unknown dtype") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["params"][0]["dtype"] = "bfloat17"; }), "unknown dtype");
+  }
+  SECTION("rank outside the world") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["rank"] = 1; }), "rank 1 is outside [0, 1)");
+  }
+  SECTION("world size differs from the engine's") {
+    RequireRefused(AttachOnce(f, [](Json& m) {
+                     m["world_size"] = 2;
+                     m["rank"] = 1;
+                   }),
+                   "world_size 2 but the engine has 1 ranks");
+  }
+  SECTION("segment file smaller than declared") {
+    std::vector<Segment> segs;
+    segs.push_back(MakeSegment(4096, 100));
+    segs.push_back(MakeSegment(1024));
+    RequireRefused(AttachOnce(f, [](Json&) {}, std::move(segs)), "is 100 bytes, smaller than the 4096");
+  }
+  SECTION("cuda segments are not supported yet") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["segments"][1]["kind"] = "cuda"; }), "kind cuda");
+  }
+  SECTION("wrong protocol version") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["protocol"] = 2; }), "attach protocol 2");
+  }
+  SECTION("not JSON") {
+    Json reply;
+    (void)f.Add(1, [&](const AttachInfo& info) {
+      RankConn c = RankConn::Connect(info.socket_path);
+      REQUIRE(SendFds(c.sock.get(), {}, "{not json").ok());
+      reply = c.Next();
+      return absl::FailedPreconditionError("refused");
+    });
+    RequireRefused(reply, "attach");
+  }
+  // A refused engine is forgotten: nothing registered.
+  CHECK(f.node->Registrations().empty());
+}
+
+TEST_CASE("target: a rank that attaches twice is refused; missing ranks are named after the timeout") {
+  Fixture f;
+  f.Start();
+  Json second;
+  absl::Status st = f.Add(2, [&](const AttachInfo& info) {
+    RankConn c = RankConn::Connect(info.socket_path);
+    c.segments = TwoSegments();
+    CHECK(c.Attach(AttachMessage(info, 0, 2)).value("ok", false));
+    f.conns.push_back(std::move(c));
+    RankConn d = RankConn::Connect(info.socket_path);
+    d.segments = TwoSegments();
+    second = d.Attach(AttachMessage(info, 0, 2));
+    return absl::OkStatus();  // rank 1 never comes
+  });
+  RequireRefused(second, "engine fake0 rank 0 is already attached");
+  INFO(st.ToString());
+  CHECK(absl::IsDeadlineExceeded(st));
+  CHECK(absl::StrContains(st.message(), "engine fake0"));
+  CHECK(absl::StrContains(st.message(), "ranks [1] did not attach"));
+}
+
+TEST_CASE("target: PostProcess sends commit to every rank, then calls the adapter; a detached rank fails it") {
+  Fixture f;
+  f.facade_host = "127.0.0.1";
+  f.Start();
+  REQUIRE(f.Add(2, [&](const AttachInfo& info) {
+            for (int r = 0; r < 2; ++r) {
+              RankConn c = RankConn::Connect(info.socket_path);
+              c.segments = TwoSegments();
+              REQUIRE(c.Attach(AttachMessage(info, r, 2)).value("ok", false));
+              f.conns.push_back(std::move(c));
+            }
+            return absl::OkStatus();
+          }).ok());
+  const std::string facade = f.node->Registrations()[0].control_address();
+  REQUIRE_FALSE(facade.empty());
+
+  // Through the facade, as the coordinator calls it.
+  auto stub = v1::EngineControl::NewStub(grpc::CreateChannel(facade, grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext ctx;
+    v1::EngineInfo info;
+    REQUIRE(stub->GetInfo(&ctx, v1::GetEngineInfoRequest(), &info).ok());
+    CHECK(info.engine_id() == "fake0");
+    CHECK(info.kind() == "fake");
+    CHECK(info.num_ranks() == 2);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::PostProcessRequest req;
+    req.set_version("7");
+    v1::EngineReply rep;
+    REQUIRE(stub->PostProcess(&ctx, req, &rep).ok());
+    CHECK(rep.success());
+  }
+  for (auto& c : f.conns) CHECK(c.Next() == Json({{"type", "commit"}, {"version", "7"}}));
+  CHECK(f.calls == std::vector<std::string>{"post_process 7"});
+  {
+    grpc::ClientContext ctx;
+    v1::VerifyReply rep;
+    CHECK(stub->Verify(&ctx, v1::VerifyRequest(), &rep).error_code() == grpc::StatusCode::UNIMPLEMENTED);
+  }
+
+  // Rank 1 detaches (its socket closes): every control call names the engine and the rank; nothing is called.
+  f.conns[1].sock.reset();
+  absl::Status st;
+  for (int i = 0; i < 100; ++i) {  // the loop thread notices the close asynchronously
+    st = f.node->PostProcess("fake0", "8");
+    if (!st.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  INFO(st.ToString());
+  CHECK(absl::IsFailedPrecondition(st));
+  CHECK(absl::StrContains(st.message(), "engine fake0 rank 1 is detached"));
+  CHECK(absl::StrContains(f.node->Pause("fake0", "retract").message(), "engine fake0 rank 1"));
+  {
+    grpc::ClientContext ctx;
+    v1::EngineReply rep;
+    grpc::Status gs = stub->Continue(&ctx, v1::ContinueRequest(), &rep);
+    CHECK(gs.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    CHECK(absl::StrContains(gs.error_message(), "rank 1"));
+  }
+  // PostProcess "8" may have succeeded before the close was seen; afterwards nothing reaches the adapter.
+  const size_t before = f.calls.size();
+  CHECK_FALSE(f.node->SetWeightVersion("fake0", "8").ok());
+  CHECK(f.calls.size() == before);
+}
+
+TEST_CASE("target: a peer of another uid is refused (SO_PEERCRED)") {
+  if (getuid() != 0) {
+    WARN("skipped: needs root to run a peer under another uid");
+    return;
+  }
+  Fixture f;
+  chmod(f.dir.c_str(), 0711);  // the other uid must reach the socket; the daemon's check is what refuses it
+  TargetOptions o;
+  o.engine_uids = {12345};  // makes the socket connectable (0666) for uids other than the daemon's
+  f.Start(o);
+  absl::Status st = f.Add(1, [&](const AttachInfo& info) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      if (setgid(65534) != 0 || setuid(65534) != 0) _exit(3);
+      int s = socket(AF_UNIX, SOCK_STREAM, 0);
+      sockaddr_un addr{};
+      addr.sun_family = AF_UNIX;
+      std::strncpy(addr.sun_path, info.socket_path.c_str(), sizeof(addr.sun_path) - 1);
+      if (connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) _exit(4);
+      auto r = ReceiveFds(s);  // refused before it sends anything
+      if (!r.ok()) _exit(5);
+      Json j = Json::parse(r->message);
+      _exit(!j.value("ok", true) && absl::StrContains(j.value("error", ""), "uid 65534 may not attach") ? 0 : 6);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 0);
+    return absl::FailedPreconditionError("refused");
+  });
+  CHECK_FALSE(st.ok());
+}
+
+}  // namespace
+}  // namespace wsync::daemon
