@@ -68,7 +68,8 @@ for e in 0 1; do
 done
 for e in 0 1; do
   start "target$e" "$bin/wsyncd" --role target --node-id "infer-node$e" --coordinator "$coord" \
-    --engine "${eng[$e]}" --transport "$transport" --port-file "$work/target$e.port"
+    --engine "reference+grpc://${eng[$e]}" --engine-socket "$work/target$e.sock" --transport "$transport" \
+    --port-file "$work/target$e.port"
   wait_port "$work/target$e.port" "$last_pid" "target$e" >/dev/null
 done
 for s in 0 1; do

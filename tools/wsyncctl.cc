@@ -107,6 +107,16 @@ int main(int argc, char** argv) {
         std::printf("%-28s %-7s %-22s %-6s %s\n", n.node_id().c_str(), n.role().c_str(), n.address().c_str(),
                     n.transport().c_str(), engines.empty() ? "-" : engines.c_str());
       }
+      bool any_engine = false;
+      for (const auto& n : s->nodes()) any_engine |= n.engine_details_size() > 0;
+      if (any_engine) {
+        std::printf("\n%-16s %-10s %-6s %-22s %-28s %s\n", "ENGINE", "KIND", "RANKS", "ADDRESS", "NODE", "STATE");
+        for (const auto& n : s->nodes())
+          for (const auto& e : n.engine_details())
+            std::printf("%-16s %-10s %-6d %-22s %-28s %s\n", e.engine_id().c_str(),
+                        e.kind().empty() ? "-" : e.kind().c_str(), e.ranks(), e.address().c_str(),
+                        n.node_id().c_str(), e.state().c_str());
+      }
       if (s->plan_size() > 0) {
         std::printf("\n%-28s %-12s %-5s %s\n", "SOURCE", "ENGINE", "RANK", "MiB");
         for (const auto& t : s->plan())

@@ -110,7 +110,8 @@ class Cluster {
                                                   "--tp", std::to_string(o_.tp), "--listen", "127.0.0.1:0"}));
       Start("target" + std::to_string(e),
             {o_.bin_dir + "/wsyncd", "--role", "target", "--node-id", "infer" + std::to_string(e), "--coordinator",
-             coordinator, "--engine", engines.back(), "--transport", o_.transport});
+             coordinator, "--engine", engines.back(), "--transport", o_.transport, "--engine-socket",
+             dir_ + "/target" + std::to_string(e) + ".sock"});
     }
     for (int s = 0; s < o_.sources; ++s)
       sources.push_back("127.0.0.1:" +

@@ -4,10 +4,13 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/match.h"
+
 #include <grpcpp/grpcpp.h>
 
 #include <map>
 
+#include "absl/strings/match.h"
 #include "client/coordinator_client.h"
 #include "client/trainer_client.h"
 #include "proto/status_convert.h"
@@ -73,6 +76,25 @@ TEST_CASE("cluster: updates land bit-exactly; bad buckets are rejected whole and
   auto ok1 = Verify(cl.engines[0], 1);
   CHECK(ok1.ok());
   CHECK(ok1.params_checked() > 0);
+  {
+    // The engine's ranks attached several memfd segments each; status shows the engine as the coordinator sees it.
+    auto st = coord.Status();
+    REQUIRE(st.ok());
+    int engines = 0;
+    for (const auto& n : st->nodes())
+      for (const auto& e : n.engine_details()) {
+        ++engines;
+        CHECK(e.engine_id() == "engine0");
+        CHECK(e.kind() == "reference");
+        CHECK(e.address() == cl.engines[0]);
+        CHECK(e.state() == "serving");
+        CHECK(e.ranks() == 2);
+      }
+    CHECK(engines == 1);
+    const std::string log = cl.Log("target0");
+    CHECK(absl::StrContains(log, "engine engine0 rank 1 attached (kind reference, mode direct)"));
+    CHECK(absl::StrContains(log, "in 3 segments"));
+  }
   CHECK(Verify(cl.engines[0], 2).ok() == false);  // the check can fail: step 2's weights differ
   CHECK(Info(cl.engines[0]).weight_version() == "1");
   CHECK_FALSE(Info(cl.engines[0]).paused());
