@@ -50,6 +50,15 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    """True unless the process is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def process_tree(pid: int) -> list[int]:
     tree, todo = [], [pid]
     while todo:
@@ -147,6 +156,11 @@ class VllmServer:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             pass
+        # Let the rest exit on its own first: multiprocessing's resource tracker unlinks the semaphores and shared
+        # memory (/dev/shm/sem.mp-*, psm_*) it tracked only if it is not killed.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and _alive(p) for p in tree):
+            time.sleep(0.2)
         for pid in tree:  # anything of ours still alive (possibly in its own session)
             try:
                 os.kill(pid, signal.SIGKILL)
