@@ -15,6 +15,10 @@ Steps (each prints one line; exit status 0 only if all pass):
   6. A write that ends 1 byte past a registered buffer must fail (the peer's TCP server rejects the address).
   --exit-peer: POST /wsync_test/exit at the end.
 
+--writer raw replaces the second TransferEngine in steps 3, 5 and 6 by a plain-socket client written only from
+docs/mooncake-protocol.md (Metadata handshake with a minimal "{}" request, then one v2 tcp request per transfer):
+proof that the documented facts suffice to write into the real engine, and a Python sketch of wsync's transport.
+
   PY=$(tools/engines/install_mooncake.sh | tail -n1)
   $PY tests/engines/mooncake_writer_check.py --bootstrap 127.0.0.1:PORT --rank 0 --exit-peer
 """
@@ -24,6 +28,8 @@ import hashlib
 import json
 import mmap
 import os
+import socket
+import struct
 import sys
 import time
 import urllib.error
@@ -42,6 +48,56 @@ def http_json(url, method="GET", timeout=10):
         return e.code, e.read().decode(errors="replace")
 
 
+class RawWriter:
+    """The documented protocol, nothing else: P2P Metadata handshake + Mooncake tcp transport v2 requests."""
+
+    MAGIC = 0x4D435456
+
+    def __init__(self, session_id):
+        host, port = session_id.rsplit(":", 1)
+        self.host = host.strip("[]")
+        with socket.create_connection((self.host, int(port)), timeout=10) as s:
+            body = b"\x01" + b"{}"  # type 1 = Metadata; the server ignores the requester's descriptor
+            s.sendall(struct.pack("<Q", len(body)) + body)
+            length = struct.unpack("<Q", self._read(s, 8))[0]
+            frame = self._read(s, length)
+        if frame[0] != 1:
+            raise RuntimeError(f"handshake reply type {frame[0]}, want 1 (Metadata)")
+        self.desc = json.loads(frame[1:])
+        if self.desc.get("protocol") != "tcp" or int(self.desc.get("tcp_proto_version", 1)) < 2:
+            raise RuntimeError(f"peer segment is not tcp v2: {self.desc}")
+        self.data_port = int(self.desc["tcp_data_port"])
+
+    @staticmethod
+    def _read(s, n):
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = s.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError(f"peer closed after {len(buf)} of {n} bytes")
+            buf += chunk
+        return bytes(buf)
+
+    def _request(self, opcode, addr, payload=b"", size=None):
+        size = len(payload) if size is None else size
+        with socket.create_connection((self.host, self.data_port), timeout=30) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.sendall(struct.pack("<QQB7x", size, addr, 0x80 | opcode) + payload)  # 24-byte header, v2 flag
+            try:
+                frame = struct.unpack("<Q", self._read(s, 8))[0]
+            except ConnectionError:
+                return -1, b""
+            if frame >> 32 != self.MAGIC or frame & 0xFFFFFFFF:
+                return -(frame & 0xFFFFFFFF or 1), b""
+            return 0, (self._read(s, size) if opcode == 0 else b"")
+
+    def write(self, addr, data):
+        return self._request(1, addr, data)[0]
+
+    def read(self, addr, size):
+        return self._request(0, addr, size=size)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bootstrap", required=True, help="HOST:PORT of the peer's bootstrap server")
@@ -52,6 +108,8 @@ def main():
     ap.add_argument("--step", default="1", help="seed of the new bytes (new/<step>/<name>)")
     ap.add_argument("--skip", action="append", default=[], help="parameter to leave unwritten (repeatable)")
     ap.add_argument("--exit-peer", action="store_true")
+    ap.add_argument("--writer", choices=["mooncake", "raw"], default="mooncake",
+                    help="mooncake: a second real TransferEngine; raw: plain sockets, from the documented protocol")
     args = ap.parse_args()
     base = f"http://{args.bootstrap}"
     failures = []
@@ -78,13 +136,16 @@ def main():
     want0 = {n: hashlib.sha256(initial_bytes(args.rank, n, nb)).hexdigest() for n, _, nb in params}
     check(cs["checksums"] == want0, "peer holds its initial bytes before any write")
 
+    new = {n: pattern_bytes(f"new/{args.step}/{n}", nb) for n, _, nb in params}
+    if args.writer == "raw":
+        return raw_steps(args, base, session_id, params, new, check, failures)
+
     # 3. Write.
     from mooncake.engine import TransferEngine
     engine = TransferEngine()
     rc = engine.initialize(args.local_ip, "P2PHANDSHAKE", args.protocol, args.device)
     if rc != 0:
         raise SystemExit(f"TransferEngine.initialize = {rc}")
-    new = {n: pattern_bytes(f"new/{args.step}/{n}", nb) for n, _, nb in params}
     total = sum(nb for _, _, nb in params)
     src = mmap.mmap(-1, total + 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     src_base = ctypes.addressof(ctypes.c_char.from_buffer(src))
@@ -110,11 +171,7 @@ def main():
     print(f"     wrote {sum(p[2] for p in written)} bytes in {len(written)} transfers, {dt * 1e3:.1f} ms", flush=True)
 
     # 4. Checksums.
-    _, cs = http_json(f"{base}/wsync_test/checksums")
-    got = cs["checksums"]
-    for n, _, nb in params:
-        want = hashlib.sha256(new[n] if n not in args.skip else initial_bytes(args.rank, n, nb)).hexdigest()
-        check(got.get(n) == want, f"checksum {n} = {'new' if n not in args.skip else 'initial'} bytes")
+    verify_checksums(args, base, params, new, check)
 
     # 5. Read back the first parameter (at most 4 KiB of it).
     n, ptr, nb = params[0]
@@ -135,6 +192,44 @@ def main():
         http_json(f"{base}/wsync_test/exit", method="POST")
     print(f"mooncake writer check: {'PASS' if not failures else 'FAIL (' + str(len(failures)) + ')'}", flush=True)
     sys.stdout.flush()
+    os._exit(0 if not failures else 1)
+
+
+def verify_checksums(args, base, params, new, check):
+    _, cs = http_json(f"{base}/wsync_test/checksums")
+    got = cs["checksums"]
+    for n, _, nb in params:
+        want = hashlib.sha256(new[n] if n not in args.skip else initial_bytes(args.rank, n, nb)).hexdigest()
+        check(got.get(n) == want, f"checksum {n} = {'new' if n not in args.skip else 'initial'} bytes")
+
+
+def raw_steps(args, base, session_id, params, new, check, failures):
+    w = RawWriter(session_id)
+    check(True, f"raw handshake: tcp_data_port {w.data_port}, {len(w.desc['buffers'])} buffers")
+    for n, ptr, nb in params:
+        inside = any(b["addr"] <= ptr and ptr + nb <= b["addr"] + b["length"] for b in w.desc["buffers"])
+        check(inside, f"{n} lies inside one advertised buffer")
+    t0 = time.monotonic()
+    written = [p for p in params if p[0] not in args.skip]
+    for n, ptr, nb in written:
+        rc = w.write(ptr, new[n])
+        check(rc == 0, f"raw write {n} ({nb} B -> 0x{ptr:x}) = {rc}")
+    print(f"     wrote {sum(p[2] for p in written)} bytes in {len(written)} requests,"
+          f" {(time.monotonic() - t0) * 1e3:.1f} ms", flush=True)
+    verify_checksums(args, base, params, new, check)
+    n, ptr, nb = params[0]
+    k = min(nb, 4096)
+    rc, data = w.read(ptr, k)
+    want = (new[n] if n not in args.skip else initial_bytes(args.rank, n, nb))[:k]
+    check(rc == 0 and data == want, f"raw read {n} ({k} B) = {rc}, bytes match")
+    b = max(w.desc["buffers"], key=lambda b: b["addr"])
+    end = b["addr"] + b["length"]
+    rc = w.write(end - 16, b"x" * 17)
+    check(rc == -1, f"raw write of 17 B at 0x{end - 16:x} (1 B past the last buffer) rejected with code 1: rc = {rc}")
+    if args.exit_peer:
+        http_json(f"{base}/wsync_test/exit", method="POST")
+    print(f"mooncake writer check (raw): {'PASS' if not failures else 'FAIL (' + str(len(failures)) + ')'}",
+          flush=True)
     os._exit(0 if not failures else 1)
 
 
