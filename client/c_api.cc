@@ -204,7 +204,8 @@ int wsync_coordinator_commit_update(wsync_coordinator* c, int64_t version, doubl
   if (json_out != nullptr) *json_out = nullptr;
   if (c == nullptr) return Report(NullArg("coordinator handle"));
   return Guard(&c->last_error, [&]() -> absl::Status {
-    auto r = c->client->CommitUpdate(version, timeout_s > 0 ? timeout_s : 120);
+    // The client derives the call's deadline from timeout_s and the server's worst case (coordinator_client.h).
+    auto r = c->client->CommitUpdate(version, timeout_s > 0 ? timeout_s : wsync::client::kDefaultCommitTimeoutSeconds);
     if (!r.ok()) return r.status();
     return JsonOut(*r, json_out);
   });

@@ -23,7 +23,7 @@ absl::StatusOr<v1::BeginUpdateReply> CoordinatorClient::BeginUpdate(int64_t vers
   req.set_pause_mode(pause_mode);
   v1::BeginUpdateReply rep;
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, dial_timeout_ + absl::Seconds(600));  // includes a first-time replica build
+  SetDeadline(&ctx, BeginUpdateDeadline(dial_timeout_));
   grpc::Status s = stub_->BeginUpdate(&ctx, req, &rep);
   if (!s.ok()) return FromGrpcStatus(s);
   return rep;
@@ -35,7 +35,7 @@ absl::StatusOr<v1::UpdateRecord> CoordinatorClient::CommitUpdate(int64_t version
   req.set_timeout_seconds(timeout_seconds);
   v1::CommitUpdateReply rep;
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, dial_timeout_ + absl::Seconds(timeout_seconds + 120));
+  SetDeadline(&ctx, CommitUpdateDeadline(timeout_seconds, dial_timeout_));
   grpc::Status s = stub_->CommitUpdate(&ctx, req, &rep);
   if (!s.ok()) return FromGrpcStatus(s);
   return rep.record();

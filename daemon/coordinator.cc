@@ -46,8 +46,9 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
   if (req.role() == "source" && req.pp_stage() != 0)
     return absl::UnimplementedError("trainer pipeline stages other than 0 are not supported yet");
   std::lock_guard<std::mutex> l(mu_);
-  if (state_ == "updating" || state_ == "beginning")
-    return absl::UnavailableError("an update is in progress; register again when it has ended");
+  if (UpdateInProgress())
+    return absl::UnavailableError(
+        absl::StrCat("update ", open_version_, " is in progress (", state_, "); register again when it has ended"));
   for (const auto& e : req.engines())
     for (const auto& [id, n] : nodes_)
       for (const auto& other : n.engines())
@@ -136,39 +137,75 @@ absl::Status Coordinator::Track(const std::string& addr, const std::string& on_s
   return st;
 }
 
-void Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why) {
-  rec.set_success(false);
-  rec.set_error(why.ToString());
-  rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
-  std::lock_guard<std::mutex> l(mu_);
-  state_ = "failed";
+const Coordinator::Outcome* Coordinator::FindOutcome(int64_t v) const {
+  auto it = outcomes_.find(v);
+  return it == outcomes_.end() ? nullptr : &it->second;
+}
+
+void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
+  state_ = o.status.ok() ? "idle" : "failed";
   open_version_ = -1;
+  // BeginUpdate admits only versions newer than every one begun, so this never moves backwards; the check keeps it so.
+  if (o.status.ok() && v > current_version_) current_version_ = v;
+  outcomes_[v] = o;
+  while (outcomes_.size() > std::max<size_t>(opts_.history_limit, 1)) outcomes_.erase(outcomes_.begin());
   history_.push_back(std::move(rec));
   while (history_.size() > opts_.history_limit) history_.pop_front();
+  ended_cv_.notify_all();
+}
+
+absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why) {
+  const int64_t v = rec.version();
+  std::lock_guard<std::mutex> l(mu_);
+  // Aborted: this update is over whatever is retried; a new update (a newer version) is the way forward.
+  absl::Status err = absl::AbortedError(absl::StrCat(
+      "update ", v, " failed; engines stay paused",
+      current_version_ >= 0 ? absl::StrCat(" at version ", current_version_) : std::string(),
+      " until a successful update: ", why.ToString()));
+  rec.set_success(false);
+  rec.set_error(err.ToString());
+  rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
+  Finish(v, Outcome{err, v1::CommitUpdateReply()}, std::move(rec));
+  spdlog::error("{}", err.ToString());
+  return err;
 }
 
 absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpdateRequest& req) {
   const absl::Time start = absl::Now();
+  const int64_t v = req.version();
+  if (v < 0) return absl::InvalidArgumentError(absl::StrCat("version ", v, " is negative"));
   v1::UpdateRecord rec;
-  rec.set_version(req.version());
+  rec.set_version(v);
   rec.set_started_unix_ms(absl::ToUnixMillis(start));
   std::vector<std::string> engines;
   bool need_plan;
   {
-    std::lock_guard<std::mutex> l(mu_);
-    if (state_ == "updating" || state_ == "beginning")
-      return absl::FailedPreconditionError(absl::StrCat("update ", open_version_, " is still open"));
-    if (!current_version_.empty() && req.version() <= std::stoll(current_version_))
+    std::unique_lock<std::mutex> l(mu_);
+    // A retried BeginUpdate(v) while the first one is still running waits for it and shares its result.
+    ended_cv_.wait(l, [&] { return !(state_ == "beginning" && open_version_ == v); });
+    if (open_version_ == v && (state_ == "updating" || state_ == "committing")) return begin_reply_;
+    if (const Outcome* o = FindOutcome(v)) {
+      if (!o->status.ok()) return o->status;
+      return absl::FailedPreconditionError(absl::StrCat("update ", v, " has already been committed"));
+    }
+    if (UpdateInProgress())
       return absl::FailedPreconditionError(
-          absl::StrCat("version ", req.version(), " is not newer than the current version ", current_version_));
+          absl::StrCat("cannot begin update ", v, ": update ", open_version_, " is still open (", state_, ")"));
+    if (v <= last_begun_)
+      return absl::FailedPreconditionError(absl::StrCat("version ", v, " is not newer than the last update begun (",
+                                                        last_begun_, "; current version ",
+                                                        current_version_ >= 0 ? std::to_string(current_version_)
+                                                                              : std::string("none"),
+                                                        ")"));
     engines = EngineAddresses();
     if (engines.empty()) return absl::FailedPreconditionError("no engine has registered");
     state_ = "beginning";
-    open_version_ = req.version();
+    open_version_ = v;
+    last_begun_ = v;
     need_plan = plan_epoch_ != membership_epoch_;
   }
   v1::BeginUpdateReply out;
-  out.set_version(req.version());
+  out.set_version(v);
 
   const std::string mode = req.pause_mode().empty() ? "retract" : req.pause_mode();
   absl::Time t = absl::Now();
@@ -177,10 +214,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   });
   AddPhase(&rec, "pause", t);
   out.set_pause_seconds(rec.phases(0).seconds());
-  if (!st.ok()) {
-    Fail(rec, st);
-    return st;
-  }
+  if (!st.ok()) return Fail(rec, st);
 
   t = absl::Now();
   std::vector<std::pair<std::string, v1::ConfigureSourceRequest>> configure;
@@ -209,10 +243,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       if (n.role() == "source") source_addrs.push_back(n.address());
     plan_epoch = need_plan ? membership_epoch_ : plan_epoch_;
   }
-  if (!st.ok()) {
-    Fail(rec, st);
-    return st;
-  }
+  if (!st.ok()) return Fail(rec, st);
   if (need_plan) {
     st = ForAll(configure, [&](const std::pair<std::string, v1::ConfigureSourceRequest>& c) {
       auto r = peers_->ConfigureSource(c.first, c.second);
@@ -220,43 +251,56 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     });
     AddPhase(&rec, "configure", t);
     out.set_configure_seconds(rec.phases(1).seconds());
-    if (!st.ok()) {
-      Fail(rec, st);
-      return st;
-    }
+    if (!st.ok()) return Fail(rec, st);
     std::lock_guard<std::mutex> l(mu_);
     plan_epoch_ = plan_epoch;
   }
   v1::StartUpdateRequest sreq;
-  sreq.set_version(req.version());
+  sreq.set_version(v);
   sreq.set_plan_epoch(plan_epoch);
   st = ForAll(source_addrs, [&](const std::string& a) { return Annotate(peers_->StartUpdate(a, sreq), "start " + a); });
-  if (!st.ok()) {
-    Fail(rec, st);
-    return st;
-  }
+  if (!st.ok()) return Fail(rec, st);
   out.set_plan_epoch(plan_epoch);
   std::lock_guard<std::mutex> l(mu_);
   state_ = "updating";
+  open_plan_epoch_ = plan_epoch;
+  begin_reply_ = out;
   open_record_ = rec;
   open_record_.set_started_unix_ms(absl::ToUnixMillis(start));
   // The push phase starts now; its start is kept in total_seconds until commit.
   open_record_.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
-  spdlog::info("update {} open (plan {}): engines paused in {:.3f}s", req.version(), plan_epoch, out.pause_seconds());
+  ended_cv_.notify_all();
+  spdlog::info("update {} open (plan {}): engines paused in {:.3f}s", v, plan_epoch, out.pause_seconds());
   return out;
 }
 
 absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::CommitUpdateRequest& req) {
+  const int64_t v = req.version();
   v1::UpdateRecord rec;
   std::vector<std::string> sources, engines;
   int engine_ranks = 0;
+  int64_t plan_epoch;
   {
-    std::lock_guard<std::mutex> l(mu_);
-    if (state_ != "updating" || open_version_ != req.version())
-      return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " is not open (state ", state_,
-                                                        open_version_ >= 0 ? absl::StrCat(", open ", open_version_) : "",
-                                                        ")"));
+    std::unique_lock<std::mutex> l(mu_);
+    // A second CommitUpdate(v) while v commits (a client retry, a second driver) starts nothing: it waits for the
+    // running commit and returns its recorded result. The wait is bounded by that commit's own peer deadlines.
+    ended_cv_.wait(l, [&] { return !(state_ == "committing" && open_version_ == v); });
+    if (const Outcome* o = FindOutcome(v)) {
+      if (!o->status.ok()) return o->status;
+      spdlog::info("CommitUpdate({}) repeated after it committed: answering with the recorded result", v);
+      return o->reply;
+    }
+    if (state_ != "updating" || open_version_ != v) {
+      std::string open = open_version_ >= 0 ? absl::StrCat("update ", open_version_, " is ", state_)
+                                            : absl::StrCat("no update is open (state ", state_, ")");
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot commit update ", v, ": ", open, "; current version ",
+                       current_version_ >= 0 ? std::to_string(current_version_) : std::string("none"),
+                       v <= current_version_ ? " (the asked version is not newer than it)" : ""));
+    }
+    state_ = "committing";
     rec = open_record_;
+    plan_epoch = open_plan_epoch_;
     for (const auto& [id, n] : nodes_) {
       if (n.role() == "source") sources.push_back(n.address());
       for (const auto& e : n.engines()) {
@@ -271,8 +315,9 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   rec.set_engine_ranks(engine_ranks);
 
   v1::FinishUpdateRequest freq;
-  freq.set_version(req.version());
-  freq.set_timeout_seconds(req.timeout_seconds() > 0 ? req.timeout_seconds() : 120);
+  freq.set_version(v);
+  freq.set_plan_epoch(plan_epoch);
+  freq.set_timeout_seconds(req.timeout_seconds() > 0 ? req.timeout_seconds() : kDefaultCommitTimeoutSeconds);
   std::mutex agg_mu;
   uint64_t bytes = 0, params = 0;
   absl::Status st = ForAll(sources, [&](const std::string& a) {
@@ -290,17 +335,10 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   }
   rec.set_bytes(bytes);
   rec.set_params(params);
-  if (!st.ok()) {
-    // Weights may be partly written: the engines stay paused at their old version rather than resume silently.
-    absl::Status err = absl::AbortedError(absl::StrCat("update ", req.version(),
-                                                       " failed; engines stay paused until a successful update: ",
-                                                       st.ToString()));
-    Fail(rec, err);
-    spdlog::error("{}", err.ToString());
-    return err;
-  }
+  // Weights may be partly written: the engines stay paused at their old version rather than resume silently.
+  if (!st.ok()) return Fail(rec, st);
   absl::Time t = absl::Now();
-  const std::string version = std::to_string(req.version());
+  const std::string version = std::to_string(v);
   st = ForAll(engines, [&](const std::string& a) {
     return Track(a, "", "post_process", Annotate(peers_->PostProcess(a, version), "post_process " + a));
   });
@@ -319,22 +357,15 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     });
     AddPhase(&rec, "continue", t);
   }
-  if (!st.ok()) {
-    Fail(rec, st);
-    return st;
-  }
+  if (!st.ok()) return Fail(rec, st);
   rec.set_success(true);
   rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   v1::CommitUpdateReply out;
   *out.mutable_record() = rec;
   std::lock_guard<std::mutex> l(mu_);
-  state_ = "idle";
-  open_version_ = -1;
-  current_version_ = std::to_string(req.version());
-  history_.push_back(rec);
-  while (history_.size() > opts_.history_limit) history_.pop_front();
-  spdlog::info("update {} committed: {:.1f} MiB to {} engine ranks in {:.3f}s", req.version(), bytes / 1048576.0,
-               engine_ranks, rec.total_seconds());
+  Finish(v, Outcome{absl::OkStatus(), out}, rec);
+  spdlog::info("update {} committed: {:.1f} MiB to {} engine ranks in {:.3f}s", v, bytes / 1048576.0, engine_ranks,
+               rec.total_seconds());
   return out;
 }
 
@@ -361,7 +392,7 @@ v1::ClusterStatus Coordinator::Status() const {
   }
   s.set_membership_epoch(membership_epoch_);
   s.set_plan_epoch(plan_epoch_);
-  s.set_current_version(current_version_);
+  s.set_current_version(current_version_ >= 0 ? std::to_string(current_version_) : std::string());
   s.set_state(state_);
   for (const auto& p : plan_) {
     auto* t = s.add_plan();

@@ -4,7 +4,20 @@
 // continue), with per-phase timings kept in a bounded history.
 //
 // Peers are reached through the injected `Peers` interface so the logic can be tested without servers.
+//
+// Update lifecycle (exactly once per version):
+//   idle|failed --BeginUpdate(v)--> beginning --(engines paused, sources started)--> updating
+//   updating --CommitUpdate(v)--> committing --> idle (v is the current version) | failed
+// A version is used by one attempt only: BeginUpdate(v) needs v newer than every version begun before, failed ones
+// included (retry a failed update under a new version). Every outcome is recorded per version, so retries are
+// answered from the record instead of being run again:
+//   BeginUpdate(v)  while v is beginning: waits for that call and returns its result; while v is open: its reply.
+//   CommitUpdate(v) while v is committing: waits for that commit and returns its result (no second commit);
+//                   after v committed: the recorded reply; after v failed: the recorded Aborted("update v failed: …");
+//                   any other version, or v not yet open: FailedPrecondition naming the open and the asked version.
+// The current version, the history and the engines' version labels therefore only move forward.
 
+#include <condition_variable>
 #include <deque>
 #include <map>
 #include <memory>
@@ -41,8 +54,37 @@ std::unique_ptr<Peers> MakeGrpcPeers();
 
 struct CoordinatorOptions {
   std::string strategy = "seed";  // transfer-plan strategy
-  size_t history_limit = 1000;
+  size_t history_limit = 1000;    // also bounds the per-version outcomes kept to answer retries
 };
+
+// The gRPC deadlines GrpcPeers puts on each call (seconds). One fact, one place: CommitWorstCase below and the
+// clients' deadlines derive from them.
+struct PeerDeadlines {
+  static constexpr double kPause = 120;
+  static constexpr double kEngineInfo = 30;
+  static constexpr double kConfigure = 600;
+  static constexpr double kStart = 30;
+  static constexpr double kFinishSlack = 30;  // FinishUpdate: the commit's timeout_seconds plus this
+  static constexpr double kPostProcess = 300;
+  static constexpr double kSetVersion = 30;
+  static constexpr double kContinue = 30;
+};
+
+// Default CommitUpdateRequest.timeout_seconds (how long sources wait for their trainer ranks).
+inline constexpr double kDefaultCommitTimeoutSeconds = 120;
+
+// The longest a CommitUpdate can run on the server: the sources' FinishUpdate (its wait for the ranks, then the
+// drain of outstanding writes, both bounded by `commit_timeout_s`, under the peer deadline timeout + slack), then
+// post-process, set-version and continue, each phase bounded by its peer deadline.
+inline double CommitWorstCaseSeconds(double commit_timeout_s) {
+  if (commit_timeout_s <= 0) commit_timeout_s = kDefaultCommitTimeoutSeconds;
+  return commit_timeout_s + PeerDeadlines::kFinishSlack + PeerDeadlines::kPostProcess + PeerDeadlines::kSetVersion +
+         PeerDeadlines::kContinue;
+}
+// The longest a BeginUpdate can run on the server (pause, engine info, configure, start).
+inline double BeginWorstCaseSeconds() {
+  return PeerDeadlines::kPause + PeerDeadlines::kEngineInfo + PeerDeadlines::kConfigure + PeerDeadlines::kStart;
+}
 
 class Coordinator {
  public:
@@ -60,9 +102,21 @@ class Coordinator {
     v1::TargetAssignment assignment;
     uint64_t bytes = 0;
   };
+  // The terminal result of one version: its reply when it committed, else the error it failed with.
+  struct Outcome {
+    absl::Status status;
+    v1::CommitUpdateReply reply;
+  };
   absl::Status Replan();  // requires mu_
   std::vector<std::string> EngineAddresses() const;
-  void Fail(v1::UpdateRecord rec, const absl::Status& why);
+  bool UpdateInProgress() const { return state_ == "beginning" || state_ == "updating" || state_ == "committing"; }
+  // Records `v`'s outcome and history entry, leaves the update (state idle on success, failed otherwise) and wakes
+  // the calls waiting for it. Requires mu_.
+  void Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec);
+  // Ends the open update `rec.version()` as failed with Aborted("update v failed: why"); returns that status.
+  absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why);
+  // The recorded answer for a version that has ended, or nullptr. Requires mu_.
+  const Outcome* FindOutcome(int64_t v) const;
   // Records the coordinator's view of engine `addr` after a call of `phase` (on_success "" = unchanged); returns st.
   absl::Status Track(const std::string& addr, const std::string& on_success, const std::string& phase,
                      absl::Status st);
@@ -77,10 +131,15 @@ class Coordinator {
   std::string model_config_json_;
   std::map<std::string, std::string> engine_state_;  // control address → registered | paused | serving | failed: …
 
-  std::string state_ = "idle";
-  int64_t open_version_ = -1;
-  std::string current_version_;
+  std::string state_ = "idle";         // idle | beginning | updating | committing | failed
+  std::condition_variable ended_cv_;   // a begin or a commit ended (state_ left beginning or committing)
+  int64_t open_version_ = -1;          // the version beginning, open or committing; -1 when none
+  int64_t last_begun_ = -1;            // highest version ever begun; BeginUpdate needs a newer one
+  int64_t current_version_ = -1;       // last committed version; -1 when none
+  int64_t open_plan_epoch_ = -1;       // plan the open update was started under (sent with FinishUpdate)
+  v1::BeginUpdateReply begin_reply_;   // the open version's BeginUpdate reply (answers a retried BeginUpdate)
   v1::UpdateRecord open_record_;
+  std::map<int64_t, Outcome> outcomes_;  // per ended version, the oldest dropped beyond history_limit
   std::deque<v1::UpdateRecord> history_;
 };
 

@@ -197,38 +197,44 @@ class GrpcPeers final : public Peers {
  public:
   absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
                                                           const v1::ConfigureSourceRequest& req) override {
-    return Call<v1::ConfigureSourceReply>(Daemon(addr), &v1::NodeDaemon::Stub::ConfigureSource, req, 600);
+    return Call<v1::ConfigureSourceReply>(Daemon(addr), &v1::NodeDaemon::Stub::ConfigureSource, req,
+                                            PeerDeadlines::kConfigure);
   }
   absl::Status StartUpdate(const std::string& addr, const v1::StartUpdateRequest& req) override {
-    return Call<v1::StartUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::StartUpdate, req, 30).status();
+    return Call<v1::StartUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::StartUpdate, req,
+                                      PeerDeadlines::kStart).status();
   }
   absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string& addr,
                                                      const v1::FinishUpdateRequest& req) override {
     return Call<v1::FinishUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::FinishUpdate, req,
-                                       req.timeout_seconds() + 30);
+                                       req.timeout_seconds() + PeerDeadlines::kFinishSlack);
   }
   absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) override {
-    return Call<v1::EngineInfo>(Engine(addr), &v1::EngineControl::Stub::GetInfo, v1::GetEngineInfoRequest(), 30);
+    return Call<v1::EngineInfo>(Engine(addr), &v1::EngineControl::Stub::GetInfo, v1::GetEngineInfoRequest(),
+                                PeerDeadlines::kEngineInfo);
   }
   absl::Status Pause(const std::string& addr, const std::string& mode) override {
     v1::PauseRequest r;
     r.set_mode(mode);
-    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Pause, r, 120));
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Pause, r, PeerDeadlines::kPause));
   }
   absl::Status PostProcess(const std::string& addr, const std::string& version) override {
     v1::PostProcessRequest r;
     r.set_version(version);
     r.set_post_process_quantization(true);
     r.set_post_load_weights(true);
-    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::PostProcess, r, 300));
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::PostProcess, r,
+                                      PeerDeadlines::kPostProcess));
   }
   absl::Status SetWeightVersion(const std::string& addr, const std::string& version) override {
     v1::SetWeightVersionRequest r;
     r.set_version(version);
-    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::SetWeightVersion, r, 30));
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::SetWeightVersion, r,
+                                      PeerDeadlines::kSetVersion));
   }
   absl::Status Continue(const std::string& addr) override {
-    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Continue, v1::ContinueRequest(), 30));
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Continue, v1::ContinueRequest(),
+                                      PeerDeadlines::kContinue));
   }
 
  private:

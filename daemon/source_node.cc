@@ -274,13 +274,25 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
     std::lock_guard<std::mutex> l(mu_);
     if (!replica_) return absl::FailedPreconditionError("source is not configured (no transfer plan yet)");
     if (req.plan_epoch() != plan_epoch_)
-      return absl::FailedPreconditionError(absl::StrCat("update for plan ", req.plan_epoch(),
+      return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " is for plan ", req.plan_epoch(),
                                                         " but this source is configured for plan ", plan_epoch_));
-    if (version_ != -1)
-      return absl::FailedPreconditionError(absl::StrCat("update ", version_, " is still open"));
-    if (req.version() <= last_version_)
+    if (version_ != -1 && req.version() == version_ && !finishing_) return absl::OkStatus();  // a repeat
+    if (version_ != -1 && (finishing_ || req.version() < version_))
+      return absl::FailedPreconditionError(absl::StrCat("cannot start update ", req.version(), ": update ", version_,
+                                                        finishing_ ? " is finishing" : " is open"));
+    const int64_t newest = std::max(last_version_, ended_version_);
+    if (req.version() <= newest)
       return absl::FailedPreconditionError(
-          absl::StrCat("version ", req.version(), " is not newer than the last update ", last_version_));
+          absl::StrCat("version ", req.version(), " is not newer than the last update ", newest));
+    if (version_ != -1) {
+      // The coordinator only starts a newer update once it has given up on the open one (its begin failed at
+      // another source): end it here as failed; its batches are dealt with below.
+      spdlog::warn("update {} abandoned: update {} starts", version_, req.version());
+      ended_version_ = version_;
+      ended_result_ = absl::AbortedError(
+          absl::StrCat("update ", version_, " was abandoned: the coordinator started update ", req.version()));
+      version_ = -1;
+    }
   }
   // Every update ends by draining its batches; anything left is of unknown fate, so its endpoint is not reused.
   for (auto& t : targets_) {
@@ -322,7 +334,7 @@ absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequ
   const int rank = s->local_rank;
   // The coordinator opens the update; ranks that arrive first wait for it.
   bool ready = cv_.wait_for(l, absl::ToChronoSeconds(opts_.push_timeout), [&] {
-    return version_ == req.version() || last_version_ >= req.version();
+    return version_ == req.version() || last_version_ >= req.version() || ended_version_ >= req.version();
   });
   if (!ready)
     return absl::DeadlineExceededError(absl::StrCat("update ", req.version(), " was not started by the coordinator within ",
@@ -470,11 +482,25 @@ absl::Status SourceNode::EndPush(const v1::EndPushRequest& req) {
 absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishUpdateRequest& req) {
   const absl::Duration timeout =
       req.timeout_seconds() > 0 ? absl::Seconds(req.timeout_seconds()) : opts_.push_timeout;
+  const int64_t v = req.version();
   absl::Status result;
   {
     std::unique_lock<std::mutex> l(mu_);
-    if (version_ != req.version())
-      return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " is not open here"));
+    if (req.plan_epoch() != plan_epoch_)
+      return absl::FailedPreconditionError(absl::StrCat("finish of update ", v, " is for plan ", req.plan_epoch(),
+                                                        " but this source is configured for plan ", plan_epoch_));
+    // A repeat while the first call runs waits for it (bounded by the first call's own timeouts).
+    cv_.wait(l, [&] { return !(finishing_ && version_ == v); });
+    if (ended_version_ == v) return ended_result_;
+    if (version_ != v) {
+      const int64_t newest = std::max({last_version_, ended_version_, version_});
+      if (v < newest)
+        return absl::FailedPreconditionError(
+            absl::StrCat("cannot finish update ", v, ": it is older than update ", newest));
+      return absl::FailedPreconditionError(absl::StrCat("update ", v, " is not open here"));
+    }
+    // Claimed under the lock that checked it: from here on no other call can finish, restart or reconfigure v.
+    finishing_ = true;
     // Counted by rank, not by live session: a rank may close its session right after its last EndPush.
     auto all_ended = [&] {
       return static_cast<int>(ended_ranks_.size()) >= opts_.trainer_ranks || !update_error_.ok();
@@ -484,7 +510,7 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
       for (int r = 0; r < opts_.trainer_ranks; ++r)
         if (!ended_ranks_.count(r)) missing.push_back(r);
       result = absl::DeadlineExceededError(absl::StrCat(
-          "update ", version_, ": trainer ranks [", absl::StrJoin(missing, ","), "] did not finish pushing within ",
+          "update ", v, ": trainer ranks [", absl::StrJoin(missing, ","), "] did not finish pushing within ",
           absl::FormatDuration(timeout)));
     }
   }
@@ -497,10 +523,13 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   write_seconds_ += Seconds(t0);
   if (result.ok()) result = update_error_;
   if (result.ok()) result = replica_->FinishUpdate();
-  const int64_t v = version_;
   version_ = -1;
+  finishing_ = false;
+  ended_version_ = v;
+  cv_.notify_all();
   if (!result.ok()) {
     spdlog::error("update {} failed: {}", v, result.ToString());
+    ended_result_ = result;
     return result;
   }
   last_version_ = v;
@@ -510,6 +539,7 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   out.set_tensors_received(tensors_received_);
   out.set_ingest_seconds(ingest_seconds_);
   out.set_write_seconds(write_seconds_);
+  ended_result_ = out;
   spdlog::info("update {} done: {} tensors in, {} params / {:.1f} MiB written (ingest {:.3f}s, write {:.3f}s)", v,
                tensors_received_, params_written_, bytes_written_ / 1048576.0, ingest_seconds_, write_seconds_);
   return out;
@@ -527,7 +557,7 @@ v1::NodeStatus SourceNode::Status() const {
     for (int i = 0; i < replica_->num_layouts(); ++i) total += replica_->table(i).total_bytes();
   s.set_replica_bytes(total);
   s.set_last_version(last_version_);
-  s.set_state(version_ != -1 ? "updating" : (replica_ ? "ready" : "unconfigured"));
+  s.set_state(version_ != -1 ? (finishing_ ? "finishing" : "updating") : (replica_ ? "ready" : "unconfigured"));
   return s;
 }
 

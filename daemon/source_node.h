@@ -5,6 +5,11 @@
 // Lifecycle (driven by the coordinator): Configure (once per plan: build replica, check every target's layout
 // against it, register replica memory, connect to targets) → per update v: StartUpdate(v) → trainer ranks
 // BeginPush/CommitBucket*/EndPush → FinishUpdate(v) (waits for every local rank and every write).
+// Exactly once per version: StartUpdate and FinishUpdate carry the plan epoch and refuse another plan's; versions
+// only increase (a StartUpdate newer than a still-open update abandons it: the coordinator gave up on it); a repeated
+// StartUpdate(v) of the open v succeeds without restarting it; FinishUpdate(v) claims v under the lock that checked it,
+// so a concurrent or repeated FinishUpdate(v) runs nothing again and returns the first call's result; FinishUpdate
+// for an older version is refused.
 // Plain C++ (no gRPC types beyond the generated messages) so it can be tested without a server.
 
 #include <condition_variable>
@@ -106,7 +111,11 @@ class SourceNode {
 
   // Current update.
   int64_t version_ = -1;     // version being pushed; -1 when none is open
-  int64_t last_version_ = -1;
+  int64_t last_version_ = -1;  // last version finished successfully
+  bool finishing_ = false;     // a FinishUpdate(version_) is running; others for it wait on cv_ for its result
+  // The newest ended version (finished, failed or abandoned) and its FinishUpdate result, to answer repeats.
+  int64_t ended_version_ = -1;
+  absl::StatusOr<v1::FinishUpdateReply> ended_result_ = absl::UnknownError("no update has ended");
   absl::Status update_error_;
   std::set<int> ended_ranks_;  // local ranks that finished pushing the open update
   uint64_t bytes_written_ = 0, params_written_ = 0, tensors_received_ = 0;

@@ -1,13 +1,19 @@
 // The coordinator's plan and lifecycle against fake peers (no servers): which engine calls happen in which order,
-// what a failure leaves behind, and how the seed plan places targets.
+// what a failure leaves behind, how the seed plan places targets, and the exactly-once update lifecycle under
+// retries and concurrent drivers.
 
 #include <catch2/catch.hpp>
 
+#include <atomic>
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <set>
+#include <thread>
 
+#include "client/coordinator_client.h"
 #include "daemon/coordinator.h"
+#include "absl/strings/str_cat.h"
 
 namespace wsync::daemon {
 namespace {
@@ -27,6 +33,17 @@ class FakePeers : public Peers {
   absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string& addr,
                                                      const v1::FinishUpdateRequest& req) override {
     Log("finish " + addr);
+    {
+      // Holds every FinishUpdate while `hold_finish` is set, so a test can act while a commit is running.
+      std::unique_lock<std::mutex> l(mu);
+      ++finishing;
+      cv.notify_all();
+      cv.wait(l, [&] { return !hold_finish; });
+      --finishing;
+      if (fail_versions.count(req.version()))
+        return absl::DataLossError(absl::StrCat("write to engine e1 rank 0 failed in update ", req.version()));
+      finish_plan_epochs.insert(req.plan_epoch());
+    }
     if (fail_finish) return absl::DataLossError("write to engine e1 rank 0 failed");
     v1::FinishUpdateReply r;
     r.set_bytes_written(100);
@@ -42,6 +59,10 @@ class FakePeers : public Peers {
     return Log("post_process " + addr + " " + v);
   }
   absl::Status SetWeightVersion(const std::string& addr, const std::string& v) override {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      labels[addr].push_back(std::stoll(v));
+    }
     return Log("set_version " + addr + " " + v);
   }
   absl::Status Continue(const std::string& addr) override { return Log("continue " + addr); }
@@ -58,10 +79,27 @@ class FakePeers : public Peers {
     return n;
   }
 
+  // Blocks until `n` FinishUpdate calls are being held.
+  void AwaitFinishing(int n) {
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait(l, [&] { return finishing >= n; });
+  }
+  void Release() {
+    std::lock_guard<std::mutex> l(mu);
+    hold_finish = false;
+    cv.notify_all();
+  }
+
   std::mutex mu;
+  std::condition_variable cv;
   std::vector<std::string> calls;
   std::map<std::string, v1::ConfigureSourceRequest> configured;
-  bool fail_finish = false;
+  std::atomic<bool> fail_finish{false};
+  bool hold_finish = false;             // guarded by mu
+  int finishing = 0;                    // guarded by mu
+  std::set<int64_t> fail_versions;      // guarded by mu
+  std::set<int64_t> finish_plan_epochs; // guarded by mu
+  std::map<std::string, std::vector<int64_t>> labels;  // engine → every version label set on it, in order
 };
 
 v1::RegisterNodeRequest Source(const std::string& id) {
@@ -195,6 +233,222 @@ TEST_CASE("coordinator: registration is validated and membership changes trigger
   int targets = 0;
   for (const auto& [a, req] : f.peers->configured) targets += req.targets_size();
   CHECK(targets == 2);  // reconfigured with the new engine
+}
+
+bool Contains(const absl::Status& st, const std::string& what) {
+  return std::string(st.message()).find(what) != std::string::npos;
+}
+
+TEST_CASE("lifecycle: a commit for any version but the open one is refused, naming both") {
+  Fixture f(1, 2, 1);
+  REQUIRE(f.Begin(1).ok());
+  for (int64_t asked : {0, 2, 7}) {
+    auto r = f.Commit(asked);
+    INFO(r.status().ToString());
+    CHECK(r.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(Contains(r.status(), absl::StrCat("cannot commit update ", asked)));
+    CHECK(Contains(r.status(), "update 1 is updating"));
+  }
+  CHECK(f.peers->Count("finish ") == 0);
+  CHECK(f.c->Status().state() == "updating");
+  REQUIRE(f.Commit(1).ok());
+  CHECK(f.c->Status().state() == "idle");
+  auto late = f.Commit(2);  // never begun, nothing open
+  CHECK(late.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(Contains(late.status(), "no update is open"));
+}
+
+TEST_CASE("lifecycle: a CommitUpdate repeated after success returns the recorded result, not a second commit") {
+  Fixture f(1, 2, 1);
+  REQUIRE(f.Begin(1).ok());
+  auto first = f.Commit(1);
+  REQUIRE(first.ok());
+  for (int i = 0; i < 3; ++i) {
+    auto again = f.Commit(1);
+    REQUIRE(again.ok());
+    CHECK(again->record().SerializeAsString() == first->record().SerializeAsString());
+  }
+  CHECK(f.peers->Count("finish ") == 1);
+  CHECK(f.peers->Count("post_process ") == 2);
+  CHECK(f.peers->Count("set_version ") == 2);
+  CHECK(f.peers->Count("continue ") == 2);
+  CHECK(f.c->History(v1::HistoryRequest()).records_size() == 1);
+  // Also after the next update has committed.
+  REQUIRE(f.Begin(2).ok());
+  REQUIRE(f.Commit(2).ok());
+  auto late = f.Commit(1);
+  REQUIRE(late.ok());
+  CHECK(late->record().version() == 1);
+  CHECK(f.c->Status().current_version() == "2");
+  CHECK(f.c->History(v1::HistoryRequest()).records_size() == 2);
+}
+
+TEST_CASE("lifecycle: the reported bug: 2 fails, 3 commits, a late CommitUpdate(2) neither succeeds nor moves back") {
+  Fixture f(1, 2, 1);
+  REQUIRE(f.Begin(1).ok());
+  REQUIRE(f.Commit(1).ok());
+  {
+    std::lock_guard<std::mutex> l(f.peers->mu);
+    f.peers->fail_versions.insert(2);
+  }
+  REQUIRE(f.Begin(2).ok());
+  auto r2 = f.Commit(2);
+  CHECK(r2.status().code() == absl::StatusCode::kAborted);
+  CHECK(Contains(r2.status(), "update 2 failed"));
+  REQUIRE(f.Begin(3).ok());
+  REQUIRE(f.Commit(3).ok());
+  auto late = f.Commit(2);
+  INFO(late.status().ToString());
+  CHECK(late.status().code() == absl::StatusCode::kAborted);
+  CHECK(Contains(late.status(), "update 2 failed"));
+  CHECK(late.status() == r2.status());  // the first result, recorded
+  auto again = f.Begin(2);              // a failed version is not reused either
+  CHECK(again.code() == absl::StatusCode::kAborted);
+  auto st = f.c->Status();
+  CHECK(st.current_version() == "3");
+  CHECK(st.state() == "idle");
+  auto h = f.c->History(v1::HistoryRequest());
+  REQUIRE(h.records_size() == 3);
+  CHECK(h.records(0).version() == 1);
+  CHECK(h.records(1).version() == 2);
+  CHECK_FALSE(h.records(1).success());
+  CHECK(h.records(2).version() == 3);
+  CHECK(h.records(2).success());
+  for (const auto& [engine, labels] : f.peers->labels) CHECK(labels == std::vector<int64_t>{1, 3});
+}
+
+TEST_CASE("lifecycle: a second CommitUpdate(v) while v commits waits for the first and returns its result") {
+  Fixture f(2, 2, 1);
+  REQUIRE(f.Begin(1).ok());
+  {
+    std::lock_guard<std::mutex> l(f.peers->mu);
+    f.peers->hold_finish = true;
+  }
+  absl::StatusOr<v1::CommitUpdateReply> a, b;
+  std::thread ta([&] { a = f.Commit(1); });
+  f.peers->AwaitFinishing(2);  // both sources of the first commit are in FinishUpdate
+  CHECK(f.c->Status().state() == "committing");
+  std::atomic<bool> b_done{false};
+  std::thread tb([&] {
+    b = f.Commit(1);
+    b_done = true;
+  });
+  // Other calls meanwhile: no registration, no begin, no other commit.
+  CHECK(f.c->RegisterNode(Source("late")).status().code() == absl::StatusCode::kUnavailable);
+  CHECK(f.Begin(2).code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(f.Commit(2).status().code() == absl::StatusCode::kFailedPrecondition);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  CHECK_FALSE(b_done.load());                 // waiting for the first, not refused, not committing again
+  CHECK(f.peers->Count("finish ") == 2);      // one FinishUpdate per source: one commit
+  f.peers->Release();
+  ta.join();
+  tb.join();
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  CHECK(a->record().SerializeAsString() == b->record().SerializeAsString());
+  CHECK(f.peers->Count("finish ") == 2);
+  CHECK(f.peers->Count("set_version ") == 2);
+  CHECK(f.peers->Count("continue ") == 2);
+}
+
+TEST_CASE("lifecycle: a retried BeginUpdate(v) returns the open update's reply; versions are single-use") {
+  Fixture f(1, 1, 1);
+  v1::BeginUpdateRequest r;
+  r.set_version(5);
+  auto first = f.c->BeginUpdate(r);
+  REQUIRE(first.ok());
+  auto again = f.c->BeginUpdate(r);
+  REQUIRE(again.ok());
+  CHECK(again->SerializeAsString() == first->SerializeAsString());
+  CHECK(f.peers->Count("pause ") == 1);
+  CHECK(f.peers->Count("start ") == 1);
+  REQUIRE(f.Commit(5).ok());
+  CHECK(f.Begin(5).code() == absl::StatusCode::kFailedPrecondition);  // committed
+  CHECK(f.Begin(4).code() == absl::StatusCode::kFailedPrecondition);  // older
+  CHECK(f.Begin(-1).code() == absl::StatusCode::kInvalidArgument);
+  REQUIRE(f.Begin(6).ok());
+  {
+    std::lock_guard<std::mutex> l(f.peers->mu);
+    CHECK(f.peers->finish_plan_epochs.size() == 1);  // FinishUpdate carried the plan epoch StartUpdate had
+    CHECK(*f.peers->finish_plan_epochs.begin() == f.c->Status().plan_epoch());
+  }
+}
+
+TEST_CASE("lifecycle: several drivers hammer BeginUpdate/CommitUpdate/retries: one commit per version, no regress") {
+  constexpr int kEngines = 3, kThreads = 8, kVersions = 40;
+  Fixture f(2, kEngines, 1);
+  {
+    std::lock_guard<std::mutex> l(f.peers->mu);
+    for (int v = 4; v <= kVersions; v += 5) f.peers->fail_versions.insert(v);
+  }
+  std::atomic<bool> stop{false}, regressed{false};
+  std::thread watcher([&] {
+    int64_t seen = -1;
+    while (!stop) {
+      auto cv = f.c->Status().current_version();
+      const int64_t now = cv.empty() ? -1 : std::stoll(cv);
+      if (now < seen) regressed = true;
+      seen = now;
+      std::this_thread::yield();
+    }
+  });
+  std::mutex res_mu;
+  std::map<int64_t, std::set<std::string>> ok_records;  // version → distinct successful commit records returned
+  std::vector<std::thread> ts;
+  for (int t = 0; t < kThreads; ++t) {
+    ts.emplace_back([&, t] {
+      for (int64_t v = 1; v <= kVersions; ++v) {
+        (void)f.Begin(v);
+        for (int64_t asked : {v, v, v - 1 - (t % 3)}) {  // a commit, a retry, a stale one
+          auto r = f.Commit(asked);
+          if (!r.ok()) continue;
+          CHECK(r->record().version() == asked);
+          std::lock_guard<std::mutex> l(res_mu);
+          ok_records[asked].insert(r->record().SerializeAsString());
+        }
+      }
+    });
+  }
+  for (auto& th : ts) th.join();
+  stop = true;
+  watcher.join();
+  CHECK_FALSE(regressed.load());
+
+  auto h = f.c->History(v1::HistoryRequest());
+  std::map<int64_t, bool> success;
+  int64_t prev = -1;
+  for (const auto& rec : h.records()) {
+    CHECK(rec.version() > prev);  // one record per version, in increasing order
+    prev = rec.version();
+    success[rec.version()] = rec.success();
+  }
+  std::map<int64_t, int> labelled;  // version → engines that were given it as their label
+  for (const auto& [engine, labels] : f.peers->labels) {
+    for (size_t i = 0; i < labels.size(); ++i) {
+      ++labelled[labels[i]];
+      if (i > 0) CHECK(labels[i] > labels[i - 1]);  // an engine's label only moves forward
+    }
+  }
+  int64_t newest_ok = -1;
+  for (int64_t v = 0; v <= kVersions; ++v) {
+    INFO("version " << v);
+    const bool ok = success.count(v) && success[v];
+    CHECK(labelled[v] == (ok ? kEngines : 0));      // exactly one commit reached the engines
+    CHECK(ok_records[v].size() == (ok ? 1u : 0u));  // every OK answer for v is the one recorded result
+    if (ok) newest_ok = v;
+  }
+  CHECK(newest_ok > 0);
+  CHECK(f.c->Status().current_version() == std::to_string(newest_ok));
+}
+
+TEST_CASE("lifecycle: the client's deadlines exceed the coordinator's worst case") {
+  for (double timeout : {0.0, 1.0, 30.0, 120.0, 600.0}) {
+    INFO("timeout " << timeout);
+    CHECK(absl::ToDoubleSeconds(client::CommitUpdateDeadline(timeout, absl::ZeroDuration())) >
+          CommitWorstCaseSeconds(timeout));
+  }
+  CHECK(absl::ToDoubleSeconds(client::BeginUpdateDeadline(absl::ZeroDuration())) > BeginWorstCaseSeconds());
+  CHECK(client::kDefaultCommitTimeoutSeconds == kDefaultCommitTimeoutSeconds);
 }
 
 }  // namespace

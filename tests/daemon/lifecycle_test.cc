@@ -1,0 +1,289 @@
+// The source daemon's half of the exactly-once update lifecycle, driven in-process (no gRPC, no network): a real
+// SourceNode with the tiny model's replica, a trainer rank pushing through the real shared-memory ring, and a
+// transport that accepts every write without sending it (the writes' contents are covered by the cluster tests).
+// FinishUpdate(v) runs once: a repeat, concurrent or late, returns the first result; older versions and other plans'
+// calls are refused.
+
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "base/ring.h"
+#include "daemon/convert.h"
+#include "daemon/source_node.h"
+#include "replica/model_config.h"
+#include "replica/param_table.h"
+#include "transport/transport.h"
+
+namespace wsync::daemon {
+namespace {
+
+class NullLocal : public transport::LocalRegion {
+ public:
+  NullLocal(void* a, uint64_t n) : a_(a), n_(n) {}
+  void* addr() const override { return a_; }
+  uint64_t length() const override { return n_; }
+  std::string Descriptor() const override { return std::to_string(n_); }
+
+ private:
+  void* a_;
+  uint64_t n_;
+};
+
+class NullRemote : public transport::RemoteRegion {
+ public:
+  explicit NullRemote(uint64_t n) : n_(n) {}
+  uint64_t length() const override { return n_; }
+
+ private:
+  uint64_t n_;
+};
+
+// Posts are validated and completed at once; nothing is sent.
+class NullEndpoint : public transport::Endpoint {
+ public:
+  std::string LocalInfo() const override { return "null"; }
+  absl::Status Connect(const std::string&, absl::Duration) override { return absl::OkStatus(); }
+  absl::StatusOr<transport::BatchId> Post(absl::Span<const transport::WriteRequest> writes) override {
+    for (const auto& w : writes)
+      if (auto st = transport::ValidateWrite(w); !st.ok()) return st;
+    return ++next_;
+  }
+  absl::Status Wait(transport::BatchId, absl::Duration) override { return absl::OkStatus(); }
+  std::string PeerName() const override { return "null peer"; }
+
+ private:
+  transport::BatchId next_ = 0;
+};
+
+class NullTransport : public transport::Transport {
+ public:
+  std::string name() const override { return "null"; }
+  bool viable() const override { return true; }
+  std::string reason() const override { return ""; }
+  absl::StatusOr<std::unique_ptr<transport::LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
+    return std::make_unique<NullLocal>(addr, len);
+  }
+  absl::StatusOr<std::unique_ptr<transport::RemoteRegion>> ImportRegion(const std::string& d) override {
+    return std::make_unique<NullRemote>(std::stoull(d));
+  }
+  absl::StatusOr<std::unique_ptr<transport::Endpoint>> CreateEndpoint() override {
+    return std::make_unique<NullEndpoint>();
+  }
+};
+
+constexpr int64_t kPlan = 7;
+
+// A plan with one reference-engine target at TP=1 whose layout is the tiny model's SGLang table.
+v1::ConfigureSourceRequest Plan() {
+  std::ifstream f(WSYNC_TINY_MODEL);
+  REQUIRE(f.good());
+  std::stringstream json;
+  json << f.rdbuf();
+  auto cfg = replica::ModelConfig::FromJson(json.str());
+  REQUIRE(cfg.ok());
+  v1::ConfigureSourceRequest req;
+  req.set_model_config_json(json.str());
+  req.set_plan_epoch(kPlan);
+  auto* t = req.add_targets();
+  t->set_engine_id("e0");
+  t->set_rank(0);
+  t->set_target_daemon("nowhere:1");
+  t->set_engine_kind("reference");
+  auto* l = t->mutable_layout();
+  const replica::RankParallelism rp;
+  *l->mutable_parallelism() = ToProto(rp);
+  auto table = replica::BuildParamTable(*cfg, rp, replica::QuantSpec());
+  REQUIRE(table.ok());
+  for (const auto& p : table->params()) {
+    auto* d = l->add_params();
+    d->set_name(p.name);
+    d->set_dtype(std::string(DTypeName(p.dtype)));
+    for (int64_t s : p.shape) d->add_shape(s);
+    d->set_bytes(p.bytes);
+    d->set_offset(p.offset);
+    d->set_segment(0);
+  }
+  auto* seg = l->add_segments();
+  seg->set_id(0);
+  seg->set_kind("host");
+  seg->set_bytes(std::max<uint64_t>(table->total_bytes(), 1));
+  seg->set_region_descriptor(std::to_string(seg->bytes()));
+  l->set_region_bytes(seg->bytes());
+  return req;
+}
+
+struct Node {
+  NullTransport transport;
+  std::unique_ptr<SourceNode> node;
+  std::string session;
+  std::map<std::string, replica::TensorSpec> specs;
+
+  Node() {
+    SourceOptions o;
+    o.node_id = "src";
+    o.trainer_ranks = 1;
+    o.ring_bytes = 8 << 20;
+    o.push_timeout = absl::Seconds(5);
+    node = std::make_unique<SourceNode>(o, &transport,
+                                        [](const std::string&, const v1::ConnectTargetRequest&) -> absl::StatusOr<std::string> {
+                                          return std::string("null");
+                                        });
+    auto c = node->Configure(Plan());
+    INFO(c.status().ToString());
+    REQUIRE(c.ok());
+    v1::OpenSessionRequest os;
+    os.set_local_rank(0);
+    auto s = node->OpenSession(os);
+    REQUIRE(s.ok());
+    session = s->session_id();
+    auto cfg = replica::ModelConfig::FromFile(WSYNC_TINY_MODEL);
+    REQUIRE(cfg.ok());
+    auto all = replica::CheckpointTensors(*cfg);
+    REQUIRE(all.ok());
+    for (auto& t : *all) specs[t.name] = t;
+    ring_path = s->ring_path();
+  }
+
+  absl::Status Start(int64_t v, int64_t plan = kPlan) {
+    v1::StartUpdateRequest r;
+    r.set_version(v);
+    r.set_plan_epoch(plan);
+    return node->StartUpdate(r);
+  }
+  absl::StatusOr<v1::FinishUpdateReply> Finish(int64_t v, double timeout_s = 5, int64_t plan = kPlan) {
+    v1::FinishUpdateRequest r;
+    r.set_version(v);
+    r.set_timeout_seconds(timeout_s);
+    r.set_plan_epoch(plan);
+    return node->FinishUpdate(r);
+  }
+  // The trainer rank's whole push of update v: every tensor of its filter in one bucket, then EndPush.
+  void Push(int64_t v) {
+    v1::BeginPushRequest bp;
+    bp.set_session_id(session);
+    bp.set_version(v);
+    auto names = node->BeginPush(bp);
+    REQUIRE(names.ok());
+    REQUIRE(names->tensor_names_size() > 0);
+    auto prod = RingProducer::AttachPath(ring_path);
+    REQUIRE(prod.ok());
+    for (const auto& n : names->tensor_names()) {
+      const replica::TensorSpec& s = specs.at(n);
+      auto dst = prod->BeginTensor(s.name, s.dtype, s.shape, s.bytes(), absl::Seconds(5));
+      REQUIRE(dst.ok());
+      std::memset(*dst, 0, s.bytes());
+      REQUIRE(prod->FinishTensor().ok());
+    }
+    auto seq = prod->CommitBucket();
+    REQUIRE(seq.ok());
+    v1::CommitBucketRequest cb;
+    cb.set_session_id(session);
+    cb.set_bucket_seq(*seq);
+    auto c = node->CommitBucket(cb);
+    INFO(c.status().ToString());
+    REQUIRE(c.ok());
+    v1::EndPushRequest ep;
+    ep.set_session_id(session);
+    ep.set_version(v);
+    REQUIRE(node->EndPush(ep).ok());
+  }
+
+  std::string ring_path;
+};
+
+TEST_CASE("source lifecycle: a repeated FinishUpdate(v) returns the first result; older versions are refused") {
+  Node n;
+  REQUIRE(n.Start(1).ok());
+  n.Push(1);
+  auto first = n.Finish(1);
+  INFO(first.status().ToString());
+  REQUIRE(first.ok());
+  CHECK(first->params_written() > 0);
+  auto again = n.Finish(1);
+  REQUIRE(again.ok());
+  CHECK(again->SerializeAsString() == first->SerializeAsString());
+  CHECK(n.node->Status().last_version() == 1);
+
+  REQUIRE(n.Start(2).ok());
+  auto repeat = n.Finish(1);  // still the newest ended update: its record answers, 2 stays open
+  REQUIRE(repeat.ok());
+  CHECK(repeat->SerializeAsString() == first->SerializeAsString());
+  CHECK(n.node->Status().state() == "updating");
+  CHECK(n.Start(1).code() == absl::StatusCode::kFailedPrecondition);  // versions never move back
+  CHECK(n.Start(2).ok());                                             // a repeated StartUpdate of the open one
+  n.Push(2);
+  REQUIRE(n.Finish(2).ok());
+  auto old = n.Finish(1);  // older than the newest ended update: refused
+  CHECK(old.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(std::string(old.status().message()).find("older than update 2") != std::string::npos);
+  CHECK(n.node->Status().last_version() == 2);
+}
+
+TEST_CASE("source lifecycle: a failed FinishUpdate(v) is answered again with the same failure, without a new wait") {
+  Node n;
+  REQUIRE(n.Start(1).ok());  // the trainer rank never pushes
+  auto first = n.Finish(1, 0.2);
+  CHECK(first.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(std::string(first.status().message()).find("trainer ranks [0]") != std::string::npos);
+  const absl::Time t0 = absl::Now();
+  auto again = n.Finish(1, 30);
+  CHECK(absl::Now() - t0 < absl::Seconds(5));  // answered from the record, not waited for again
+  CHECK(again.status() == first.status());
+  // The failed version is not reused; a newer one runs normally.
+  CHECK(n.Start(1).code() == absl::StatusCode::kFailedPrecondition);
+  REQUIRE(n.Start(2).ok());
+  n.Push(2);
+  CHECK(n.Finish(2).ok());
+}
+
+TEST_CASE("source lifecycle: concurrent FinishUpdate(v) calls finish v once and share its result") {
+  Node n;
+  REQUIRE(n.Start(1).ok());
+  constexpr int kCallers = 6;
+  std::vector<absl::StatusOr<v1::FinishUpdateReply>> results(kCallers, absl::UnknownError("not run"));
+  std::vector<std::thread> ts;
+  for (int i = 0; i < kCallers; ++i) ts.emplace_back([&, i] { results[i] = n.Finish(1, 10); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // all of them are waiting for the rank
+  n.Push(1);
+  for (auto& t : ts) t.join();
+  for (const auto& r : results) {
+    INFO(r.status().ToString());
+    REQUIRE(r.ok());
+    CHECK(r->SerializeAsString() == results[0]->SerializeAsString());
+  }
+  CHECK(n.node->Status().last_version() == 1);
+  CHECK(n.node->Status().state() == "ready");
+}
+
+TEST_CASE("source lifecycle: StartUpdate and FinishUpdate refuse another plan's epoch") {
+  Node n;
+  auto st = n.Start(1, kPlan - 1);
+  CHECK(st.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(std::string(st.message()).find("plan 6") != std::string::npos);
+  REQUIRE(n.Start(1).ok());
+  n.Push(1);
+  auto stale = n.Finish(1, 5, kPlan + 1);
+  CHECK(stale.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(n.node->Status().state() == "updating");  // the stale call changed nothing
+  REQUIRE(n.Finish(1).ok());
+}
+
+TEST_CASE("source lifecycle: a newer StartUpdate abandons an update the coordinator gave up on") {
+  Node n;
+  REQUIRE(n.Start(1).ok());  // e.g. the coordinator's begin of 1 failed at another source
+  REQUIRE(n.Start(2).ok());
+  auto late = n.Finish(1);
+  CHECK(late.status().code() == absl::StatusCode::kAborted);
+  CHECK(std::string(late.status().message()).find("abandoned") != std::string::npos);
+  n.Push(2);
+  CHECK(n.Finish(2).ok());
+}
+
+}  // namespace
+}  // namespace wsync::daemon
