@@ -671,7 +671,9 @@ absl::StatusOr<v1::RankLayout> TargetNode::Layout(const std::string& engine_id, 
   return e->ranks[rank].layout;
 }
 
-absl::Status TargetNode::Pause(const std::string& engine_id, const std::string& mode) {
+absl::Status TargetNode::CallEngine(const std::string& engine_id, const char* what,
+                                  const std::function<absl::Status(EngineAdapter*)>& call,
+                                  const std::function<void(Engine*)>& record) {
   EngineAdapter* a;
   Engine* e;
   {
@@ -679,11 +681,16 @@ absl::Status TargetNode::Pause(const std::string& engine_id, const std::string& 
     WSYNC_ASSIGN_OR_RETURN(e, Usable(engine_id));
     a = e->adapter.get();
   }
-  std::lock_guard<std::mutex> call(e->call_mu);
-  WSYNC_RETURN_IF_ERROR_CTX(a->Pause(mode), "engine ", engine_id, " pause");
+  std::lock_guard<std::mutex> call_lock(e->call_mu);
+  WSYNC_RETURN_IF_ERROR_CTX(call(a), "engine ", engine_id, " ", what);
   std::lock_guard<std::mutex> l(mu_);
-  e->paused = true;
+  record(e);
   return absl::OkStatus();
+}
+
+absl::Status TargetNode::Pause(const std::string& engine_id, const std::string& mode) {
+  return CallEngine(
+      engine_id, "pause", [&](EngineAdapter* a) { return a->Pause(mode); }, [](Engine* e) { e->paused = true; });
 }
 
 absl::Status TargetNode::PostProcess(const std::string& engine_id, const std::string& version) {
@@ -712,33 +719,14 @@ absl::Status TargetNode::PostProcess(const std::string& engine_id, const std::st
 }
 
 absl::Status TargetNode::SetWeightVersion(const std::string& engine_id, const std::string& version) {
-  EngineAdapter* a;
-  Engine* e;
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    WSYNC_ASSIGN_OR_RETURN(e, Usable(engine_id));
-    a = e->adapter.get();
-  }
-  std::lock_guard<std::mutex> call(e->call_mu);
-  WSYNC_RETURN_IF_ERROR_CTX(a->SetWeightVersion(version), "engine ", engine_id, " set_weight_version");
-  std::lock_guard<std::mutex> l(mu_);
-  e->version = version;
-  return absl::OkStatus();
+  return CallEngine(
+      engine_id, "set_weight_version", [&](EngineAdapter* a) { return a->SetWeightVersion(version); },
+      [&](Engine* e) { e->version = version; });
 }
 
 absl::Status TargetNode::Continue(const std::string& engine_id) {
-  EngineAdapter* a;
-  Engine* e;
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    WSYNC_ASSIGN_OR_RETURN(e, Usable(engine_id));
-    a = e->adapter.get();
-  }
-  std::lock_guard<std::mutex> call(e->call_mu);
-  WSYNC_RETURN_IF_ERROR_CTX(a->Continue(), "engine ", engine_id, " continue");
-  std::lock_guard<std::mutex> l(mu_);
-  e->paused = false;
-  return absl::OkStatus();
+  return CallEngine(
+      engine_id, "continue", [](EngineAdapter* a) { return a->Continue(); }, [](Engine* e) { e->paused = false; });
 }
 
 }  // namespace wsync::daemon

