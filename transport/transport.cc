@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "transport/mooncake/mooncake_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
 #ifdef WSYNC_WITH_VERBS
@@ -60,6 +61,7 @@ absl::Status Endpoint::Write(absl::Span<const WriteRequest> writes, absl::Durati
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const std::string& name,
                                                            const TransportOptions& opts) {
   if (name == "tcp") return tcp::CreateTcpTransport(opts);
+  if (name == "mooncake") return mooncake::CreateMooncakeTransport(opts);
   if (name == "verbs") {
 #ifdef WSYNC_WITH_VERBS
     return verbs::CreateVerbsTransport(opts);
@@ -68,7 +70,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const std::string& na
         std::make_unique<NonViableTransport>("verbs", "built without verbs support"));
 #endif
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown transport \"", name, "\" (known: tcp, verbs)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown transport \"", name, "\" (known: tcp, verbs, mooncake)"));
 }
 
 }  // namespace wsync::transport

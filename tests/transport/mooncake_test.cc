@@ -1,0 +1,508 @@
+// The mooncake transport against the real Mooncake Transfer Engine: tests/engines/mooncake_peer.py (one
+// SGLang-shaped TP rank whose memory the engine registered) is the receiver and the oracle: the test builds region
+// descriptors from what the peer's bootstrap publishes, writes independently generated patterns, and compares the
+// sha256 the peer computes over its own memory with the sha256 of the same patterns computed here.
+//
+// Run through tests/engines/run_mooncake_test.sh, which installs the pinned engine into the cache and sets
+// WSYNC_MOONCAKE_PYTHON / WSYNC_MOONCAKE_PEER. Without them the test fails (it never skips: nothing here needs
+// hardware this machine could lack).
+
+#include <netinet/in.h>
+#include <openssl/sha.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "nlohmann/json.hpp"
+#include "transport/mooncake/mooncake_transport.h"
+#include "transport/tcp/tcp_socket.h"
+#include "transport/transport.h"
+
+namespace {
+
+using namespace wsync::transport;  // NOLINT: test brevity
+using nlohmann::json;
+
+const absl::Duration kTimeout = absl::Seconds(60);
+
+// The byte at `offset` of pattern `seed` (splitmix64): a function of (seed, offset) only, so the expected
+// checksum never depends on memory the transport read from.
+uint8_t PatternByte(uint64_t seed, uint64_t offset) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + (offset >> 3) + 1;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<uint8_t>(z >> ((offset & 7) * 8));
+}
+
+uint64_t SeedOf(const std::string& step, const std::string& name) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (char c : absl::StrCat(step, "/", name)) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  return h;
+}
+
+std::string PatternSha256(uint64_t seed, uint64_t n) {
+  std::vector<uint8_t> bytes(n);
+  for (uint64_t i = 0; i < n; ++i) bytes[i] = PatternByte(seed, i);
+  uint8_t md[SHA256_DIGEST_LENGTH];
+  SHA256(bytes.data(), bytes.size(), md);
+  std::string hex;
+  for (uint8_t b : md) absl::StrAppendFormat(&hex, "%02x", b);
+  return hex;
+}
+
+void RequireOk(const absl::Status& s) {
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+}
+
+// GET/POST on the peer's bootstrap server (plain HTTP/1.0: the peer answers and closes).
+std::pair<int, std::string> Http(const std::string& host, int port, const std::string& method,
+                                 const std::string& path) {
+  auto fd = tcp::ConnectTo(host, port, absl::Seconds(10));
+  REQUIRE(fd.ok());
+  tcp::TuneSocket(fd->get(), absl::Seconds(30));
+  std::string req = absl::StrCat(method, " ", path, " HTTP/1.0\r\nHost: ", host, "\r\nContent-Length: 0\r\n\r\n");
+  iovec iov{req.data(), req.size()};
+  REQUIRE(tcp::SendAll(fd->get(), &iov, 1).ok());
+  std::string resp;
+  char buf[65536];
+  for (;;) {
+    ssize_t n = ::recv(fd->get(), buf, sizeof(buf), 0);
+    REQUIRE(n >= 0);
+    if (n == 0) break;
+    resp.append(buf, static_cast<size_t>(n));
+  }
+  const size_t eoh = resp.find("\r\n\r\n");
+  REQUIRE(eoh != std::string::npos);
+  int code = 0;
+  REQUIRE(absl::SimpleAtoi(resp.substr(9, 3), &code));
+  return {code, resp.substr(eoh + 4)};
+}
+
+struct Param {
+  std::string name;
+  uint64_t ptr = 0;
+  uint64_t bytes = 0;
+};
+
+// One real Mooncake peer process (tests/engines/mooncake_peer.py), killed on destruction.
+class Peer {
+ public:
+  explicit Peer(const json& layout) {
+    const char* py = std::getenv("WSYNC_MOONCAKE_PYTHON");
+    const char* script = std::getenv("WSYNC_MOONCAKE_PEER");
+    INFO("run this test through tests/engines/run_mooncake_test.sh (it installs the real Mooncake engine and "
+         "sets WSYNC_MOONCAKE_PYTHON and WSYNC_MOONCAKE_PEER)");
+    REQUIRE(py != nullptr);
+    REQUIRE(script != nullptr);
+    layout_path_ = absl::StrCat(TmpDir(), "/wsync-mooncake-layout-", ::getpid(), "-", ++counter_, ".json");
+    std::ofstream(layout_path_) << layout.dump();
+    int out[2];
+    REQUIRE(::pipe(out) == 0);
+    pid_ = ::fork();
+    REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test killed on the spot (timeout, SIGPIPE) takes its peer along
+      ::dup2(out[1], 1);
+      ::close(out[0]);
+      ::close(out[1]);
+      ::execl(py, py, script, "--rank", "0", "--layout", layout_path_.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ::close(out[1]);
+    try {
+      Init(out[0]);
+    } catch (...) {  // a failed REQUIRE in a constructor skips the destructor
+      Kill();
+      ::unlink(layout_path_.c_str());
+      throw;
+    }
+  }
+
+  ~Peer() {
+    Kill();
+    ::unlink(layout_path_.c_str());
+  }
+
+  void Kill() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  // Reads the peer's ready line from `out` (and closes it), then what a writer learns from the bootstrap.
+  void Init(int out) {
+    std::string line;
+    pollfd p{out, POLLIN, 0};
+    const absl::Time deadline = absl::Now() + absl::Seconds(120);  // first start imports the engine: slow on CI
+    while (line.find('\n') == std::string::npos && absl::Now() < deadline) {
+      if (::poll(&p, 1, 1000) <= 0) continue;
+      char c[4096];
+      ssize_t n = ::read(out, c, sizeof(c));
+      if (n <= 0) break;
+      line.append(c, static_cast<size_t>(n));
+    }
+    ::close(out);
+    INFO("peer's first line: " << line);
+    REQUIRE(line.find('\n') != std::string::npos);
+    json ready = json::parse(line.substr(0, line.find('\n')));
+    REQUIRE(ready.value("ready", false));
+    const std::string bootstrap = ready["bootstrap"];
+    host_ = bootstrap.substr(0, bootstrap.rfind(':'));
+    REQUIRE(absl::SimpleAtoi(bootstrap.substr(bootstrap.rfind(':') + 1), &port_));
+    for (const json& r : ready["regions"]) {
+      uint64_t base = 0;
+      REQUIRE(absl::SimpleHexAtoi(r[0].get<std::string>().substr(2), &base));
+      regions_.emplace_back(base, r[1].get<uint64_t>());
+    }
+
+    // What a writer learns from the bootstrap, as SGLang publishes it.
+    auto [code, body] = Http(host_, port_, "GET", "/get_transfer_engine_info?rank=0");
+    REQUIRE(code == 200);
+    json info = json::parse(body)["remote_instance_transfer_engine_info"];
+    session_id_ = info[0];
+    for (auto& [name, v] : info[1].items()) {
+      params_[name] = Param{name, v[0].get<uint64_t>(), v[1].get<uint64_t>() * v[2].get<uint64_t>()};
+    }
+  }
+
+ public:
+  std::map<std::string, std::string> Checksums(const std::string& which = "checksums") {
+    auto [code, body] = Http(host_, port_, "GET", absl::StrCat("/wsync_test/", which));
+    REQUIRE(code == 200);
+    return json::parse(body)["checksums"].get<std::map<std::string, std::string>>();
+  }
+
+  const std::string& session_id() const { return session_id_; }
+  const Param& param(const std::string& name) const {
+    INFO(name);
+    REQUIRE(params_.count(name) == 1);
+    return params_.at(name);
+  }
+  // (base, length) of each registered buffer, as the peer printed them.
+  const std::vector<std::pair<uint64_t, uint64_t>>& regions() const { return regions_; }
+
+ private:
+  static const char* TmpDir() {
+    const char* t = std::getenv("TMPDIR");
+    return t != nullptr ? t : "/tmp";
+  }
+  static inline int counter_ = 0;
+  std::string layout_path_;
+  pid_t pid_ = -1;
+  std::string host_;
+  int port_ = 0;
+  std::string session_id_;
+  std::map<std::string, Param> params_;
+  std::vector<std::pair<uint64_t, uint64_t>> regions_;
+};
+
+json Layout(std::vector<std::vector<std::tuple<std::string, uint64_t, int>>> regions) {
+  json out = {{"regions", json::array()}};
+  for (const auto& r : regions) {
+    json list = json::array();
+    for (const auto& [name, numel, esz] : r) list.push_back({{"name", name}, {"numel", numel}, {"element_size", esz}});
+    out["regions"].push_back(list);
+  }
+  return out;
+}
+
+std::unique_ptr<Transport> MakeMooncake(uint64_t chunk_bytes = 1 << 20, bool check_peer_buffers = true) {
+  TransportOptions opts;
+  opts.io_timeout = absl::Seconds(20);
+  mooncake::MooncakeOptions m;
+  m.chunk_bytes = chunk_bytes;
+  m.check_peer_buffers = check_peer_buffers;
+  auto t = mooncake::CreateMooncakeTransport(opts, m);
+  REQUIRE(t.ok());
+  REQUIRE((*t)->viable());
+  return std::move(*t);
+}
+
+std::unique_ptr<RemoteRegion> ImportRange(Transport& t, const std::string& session, uint64_t base, uint64_t len) {
+  auto d = mooncake::MakeRegionDescriptor(session, base, len);
+  RequireOk(d.status());
+  auto r = t.ImportRegion(*d);
+  RequireOk(r.status());
+  return std::move(*r);
+}
+
+std::unique_ptr<Endpoint> ConnectTo(Transport& t, const std::string& session) {
+  auto ep = t.CreateEndpoint();
+  RequireOk(ep.status());
+  RequireOk((*ep)->Connect(session, absl::Seconds(20)));
+  return std::move(*ep);
+}
+
+// Source memory holding each named parameter's pattern for one step, registered with the transport.
+struct Source {
+  std::vector<uint8_t> bytes;
+  std::map<std::string, uint64_t> offset;
+  std::unique_ptr<LocalRegion> region;
+};
+
+Source MakeSource(Transport& t, const Peer& peer, const std::vector<std::string>& names, const std::string& step) {
+  Source s;
+  uint64_t total = 0;
+  for (const auto& n : names) {
+    s.offset[n] = total;
+    total += peer.param(n).bytes + 7;  // odd spacing: source offsets are unaligned too
+  }
+  s.bytes.assign(total, 0);
+  for (const auto& n : names) {
+    const uint64_t seed = SeedOf(step, n);
+    const uint64_t len = peer.param(n).bytes;
+    uint8_t* out = s.bytes.data() + s.offset[n];
+    for (uint64_t i = 0; i < len; ++i) out[i] = PatternByte(seed, i);
+  }
+  auto r = t.RegisterMemory(s.bytes.data(), s.bytes.size());
+  RequireOk(r.status());
+  s.region = std::move(*r);
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("writes land in the real Mooncake peer: per-parameter and whole-buffer regions, chunked, twice",
+          "[mooncake]") {
+  // Region 0: one parameter of ~6.7 MB (7 chunks of 1 MiB, unaligned tail), a 6-byte one, a mid-sized one, and
+  // one never written. Region 1: written through one descriptor covering the whole registered buffer (offsets
+  // inside a buffer), plus one never written between them.
+  Peer peer(Layout({{{"big", 3'500'001, 2}, {"tiny", 3, 2}, {"mid", 64 * 192, 2}, {"untouched.a", 1000, 4}},
+                    {{"o_proj", 64 * 64, 2}, {"untouched.b", 77, 2}, {"gate_up", 2 * 256 * 64, 2},
+                     {"norm", 64, 4}}}));
+  auto t = MakeMooncake();
+  auto ep = ConnectTo(*t, peer.session_id());
+  CHECK(ep->PeerName() == absl::StrCat("mooncake peer ", peer.session_id()));
+  CHECK(ep->LocalInfo().empty());
+
+  const std::vector<std::string> per_param = {"big", "tiny", "mid"};
+  const std::vector<std::string> in_buffer = {"o_proj", "gate_up", "norm"};
+  std::map<std::string, std::unique_ptr<RemoteRegion>> dst;
+  for (const auto& n : per_param) dst[n] = ImportRange(*t, peer.session_id(), peer.param(n).ptr, peer.param(n).bytes);
+  REQUIRE(peer.regions().size() == 2);
+  const auto [buf1, buf1_len] = peer.regions()[1];
+  auto whole1 = ImportRange(*t, peer.session_id(), buf1, buf1_len);
+
+  const auto initial = peer.Checksums("initial");
+  REQUIRE(peer.Checksums() == initial);
+  std::vector<std::string> all = per_param;
+  all.insert(all.end(), in_buffer.begin(), in_buffer.end());
+
+  for (const std::string step : {"step1", "step2"}) {  // the second update reuses the endpoint's connections
+    Source src = MakeSource(*t, peer, all, step);
+    std::vector<WriteRequest> b1, b2;
+    for (const auto& n : per_param) {
+      b1.push_back({src.region.get(), src.offset[n], dst[n].get(), 0, peer.param(n).bytes});
+    }
+    for (const auto& n : in_buffer) {
+      const Param& p = peer.param(n);
+      REQUIRE(p.ptr >= buf1);
+      b2.push_back({src.region.get(), src.offset[n], whole1.get(), p.ptr - buf1, p.bytes});
+    }
+    b2.push_back({src.region.get(), 0, whole1.get(), 0, 0});  // zero-length: completes locally, nothing sent
+    auto id1 = ep->Post(b1);
+    auto id2 = ep->Post(b2);  // two batches outstanding at once
+    RequireOk(id1.status());
+    RequireOk(id2.status());
+    RequireOk(ep->Wait(*id2, kTimeout));
+    RequireOk(ep->Wait(*id1, kTimeout));
+
+    const auto got = peer.Checksums();
+    for (const auto& n : all) {
+      INFO(step << " " << n << " (" << peer.param(n).bytes << " B)");
+      const std::string want = PatternSha256(SeedOf(step, n), peer.param(n).bytes);
+      CHECK(want != initial.at(n));
+      CHECK(got.at(n) == want);
+    }
+    CHECK(got.at("untouched.a") == initial.at("untouched.a"));
+    CHECK(got.at("untouched.b") == initial.at("untouched.b"));
+  }
+}
+
+TEST_CASE("a write outside every registered buffer is refused before sending; the peer's own rejection",
+          "[mooncake][errors]") {
+  Peer peer(Layout({{{"w", 4096, 2}}, {{"x", 100, 1}}}));
+  const auto [base, len] = peer.regions()[1];
+  const std::string addr_hex = absl::StrFormat("0x%x", base + len - 16);
+  const auto initial = peer.Checksums("initial");
+
+  std::vector<uint8_t> bytes(64, 0x5A);
+  {
+    auto t = MakeMooncake();
+    auto ep = ConnectTo(*t, peer.session_id());
+    auto src = t->RegisterMemory(bytes.data(), bytes.size());
+    RequireOk(src.status());
+    auto past_end = ImportRange(*t, peer.session_id(), base + len - 16, 17);  // 1 byte past the buffer
+    WriteRequest w{src->get(), 0, past_end.get(), 0, 17};
+    auto id = ep->Post({&w, 1});
+    INFO(id.status().ToString());
+    REQUIRE(id.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(absl::StrContains(id.status().message(), peer.session_id()));
+    CHECK(absl::StrContains(id.status().message(), addr_hex));
+    CHECK(absl::StrContains(id.status().message(), "+17 B"));
+
+    // Refused before anything was sent: the endpoint is still good.
+    auto x = ImportRange(*t, peer.session_id(), peer.param("x").ptr, 100);
+    WriteRequest ok{src->get(), 0, x.get(), 0, 64};
+    RequireOk(ep->Write({&ok, 1}, kTimeout));
+
+    // A region on another session is not this endpoint's.
+    auto other = ImportRange(*t, "127.0.0.1:1", peer.param("x").ptr, 100);
+    WriteRequest wrong{src->get(), 0, other.get(), 0, 8};
+    CHECK(ep->Post({&wrong, 1}).status().code() == absl::StatusCode::kInvalidArgument);
+  }
+  {
+    // With the check off, the request reaches the peer, which answers status 1 and closes.
+    auto t = MakeMooncake(1 << 20, /*check_peer_buffers=*/false);
+    auto ep = ConnectTo(*t, peer.session_id());
+    auto src = t->RegisterMemory(bytes.data(), bytes.size());
+    RequireOk(src.status());
+    auto past_end = ImportRange(*t, peer.session_id(), base + len - 16, 17);
+    WriteRequest w{src->get(), 0, past_end.get(), 0, 17};
+    absl::Status s = ep->Write({&w, 1}, kTimeout);
+    INFO(s.ToString());
+    CHECK(s.code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(absl::StrContains(s.message(), "address rejected"));
+    CHECK(absl::StrContains(s.message(), peer.session_id()));
+    CHECK(absl::StrContains(s.message(), addr_hex));
+    CHECK(absl::StrContains(s.message(), "+17 B"));
+    CHECK(!ep->Post({&w, 1}).ok());  // the endpoint is done after an error
+  }
+  const auto got = peer.Checksums();
+  CHECK(got.at("w") == initial.at("w"));
+}
+
+TEST_CASE("descriptors and session ids: malformed ones are rejected", "[mooncake][errors]") {
+  auto t = MakeMooncake();
+  CHECK(!t->ImportRegion("").ok());
+  CHECK(!t->ImportRegion("garbage").ok());
+  CHECK(!t->ImportRegion("mooncake/1 127.0.0.1:15000 0x1000").ok());
+  CHECK(!t->ImportRegion("mooncake/1 127.0.0.1:15000 4096 10").ok());
+  CHECK(!mooncake::MakeRegionDescriptor("127.0.0.1", 0x1000, 10).ok());
+  CHECK(!mooncake::MakeRegionDescriptor("127.0.0.1:15000", 0x1000, 0).ok());
+  CHECK(!mooncake::MakeRegionDescriptor("127.0.0.1:15000", ~0ull - 4, 10).ok());
+  auto d = mooncake::MakeRegionDescriptor("127.0.0.1:15000", 0x7fc324ccf000, 353280);
+  RequireOk(d.status());
+  CHECK(*d == "mooncake/1 127.0.0.1:15000 0x7fc324ccf000 353280");
+  auto r = t->ImportRegion(*d);
+  RequireOk(r.status());
+  CHECK((*r)->length() == 353280);
+  auto v6 = mooncake::ParseSessionId("[::1]:15001");
+  RequireOk(v6.status());
+  CHECK(v6->host == "::1");
+  CHECK(v6->port == 15001);
+  // The backend only writes: its own regions have no descriptor.
+  uint8_t b[8];
+  auto local = t->RegisterMemory(b, sizeof(b));
+  RequireOk(local.status());
+  CHECK((*local)->Descriptor().empty());
+  CHECK(!t->ImportRegion((*local)->Descriptor()).ok());
+}
+
+TEST_CASE("a wrong session port is a clear Unavailable", "[mooncake][errors]") {
+  int port = 0;
+  {
+    auto l = tcp::Listen("127.0.0.1", 0, &port);  // a port nobody listens on once this closes
+    REQUIRE(l.ok());
+  }
+  auto t = MakeMooncake();
+  auto ep = t->CreateEndpoint();
+  RequireOk(ep.status());
+  const std::string session = absl::StrCat("127.0.0.1:", port);
+  absl::Status s = (*ep)->Connect(session, absl::Seconds(5));
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kUnavailable);
+  CHECK(absl::StrContains(s.message(), session));
+  CHECK(absl::StrContains(s.message(), "handshake"));
+}
+
+TEST_CASE("the peer killed mid-run: Unavailable naming the peer, never a hang", "[mooncake][errors]") {
+  Peer peer(Layout({{{"huge", 16 << 20, 2}}}));  // 32 MiB
+  const Param& p = peer.param("huge");
+  auto t = MakeMooncake(4 << 20);
+  auto ep = ConnectTo(*t, peer.session_id());
+  std::vector<uint8_t> bytes(p.bytes, 0x11);
+  auto src = t->RegisterMemory(bytes.data(), bytes.size());
+  RequireOk(src.status());
+  auto dst = ImportRange(*t, peer.session_id(), p.ptr, p.bytes);
+  WriteRequest w{src->get(), 0, dst.get(), 0, p.bytes};
+  RequireOk(ep->Write({&w, 1}, kTimeout));  // connections are open and pooled now
+
+  std::vector<WriteRequest> many(40, w);  // ~1.3 GB: still running when the peer dies
+  auto id = ep->Post(many);
+  RequireOk(id.status());
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  peer.Kill();
+  absl::Status s = ep->Wait(*id, kTimeout);
+  INFO("batch in flight when the peer died: " << s.ToString());
+  CHECK(s.code() != absl::StatusCode::kDeadlineExceeded);
+  if (!s.ok()) {
+    CHECK(s.code() == absl::StatusCode::kUnavailable);
+    CHECK(absl::StrContains(s.message(), peer.session_id()));
+  }
+  // Whatever the race above did, the next write fails Unavailable, naming the peer.
+  absl::StatusOr<BatchId> next = ep->Post({&w, 1});
+  absl::Status s2 = next.ok() ? ep->Wait(*next, kTimeout) : next.status();
+  INFO("after the peer died: " << s2.ToString());
+  CHECK(s2.code() == absl::StatusCode::kUnavailable);
+  CHECK(absl::StrContains(s2.message(), peer.session_id()));
+}
+
+// The pinned engine always answers version 2, so the refusal of an older one is shown with a one-shot stand-in
+// for the handshake port that replays the captured reply with the version field changed.
+TEST_CASE("a peer whose tcp data protocol is not version 2 is refused at Connect", "[mooncake][errors]") {
+  for (const std::string version_field : {"", ",\"tcp_proto_version\":1", ",\"tcp_proto_version\":3"}) {
+    int port = 0;
+    auto l = tcp::Listen("127.0.0.1", 0, &port);
+    REQUIRE(l.ok());
+    const std::string session = absl::StrCat("127.0.0.1:", port);
+    std::thread server([&] {
+      tcp::Fd c(::accept(l->get(), nullptr, nullptr));
+      uint64_t len = 0;
+      if (!tcp::RecvAll(c.get(), &len, 8).ok() || len > 4096) return;
+      std::string req(len, '\0');
+      if (!tcp::RecvAll(c.get(), req.data(), len).ok()) return;
+      const std::string json_text =
+          absl::StrCat("{\"buffers\":[{\"addr\":140476112760832,\"length\":353280,\"name\":\"", session,
+                       "\"}],\"name\":\"", session, "\",\"protocol\":\"tcp\",\"tcp_data_port\":15334",
+                       version_field, "}\n");
+      std::string frame = std::string(1, '\x01') + json_text;
+      uint64_t n = frame.size();
+      iovec iov[2] = {{&n, 8}, {frame.data(), frame.size()}};
+      tcp::SendAll(c.get(), iov, 2).IgnoreError();
+    });
+    auto t = MakeMooncake();
+    auto ep = t->CreateEndpoint();
+    RequireOk(ep.status());
+    absl::Status s = (*ep)->Connect(session, absl::Seconds(5));
+    server.join();
+    INFO(version_field << ": " << s.ToString());
+    CHECK(s.code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(absl::StrContains(s.message(), "version"));
+    CHECK(absl::StrContains(s.message(), session));
+  }
+}

@@ -1,0 +1,496 @@
+#include "transport/mooncake/mooncake_transport.h"
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "base/status.h"
+#include "nlohmann/json.hpp"
+#include "spdlog/spdlog.h"
+#include "transport/mooncake/mooncake_wire.h"
+#include "transport/tcp/tcp_socket.h"
+
+namespace wsync::transport::mooncake {
+namespace {
+
+using tcp::Fd;
+
+constexpr char kDescPrefix[] = "mooncake/1";
+constexpr char kSourceOnly[] =
+    "source only: writes into Mooncake Transfer Engine peers (tcp protocol v2); never receives writes";
+
+std::string Range(uint64_t addr, uint64_t length) { return absl::StrFormat("[0x%x, +%d B)", addr, length); }
+
+template <typename Pred>
+bool WaitFor(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, absl::Duration d, Pred pred) {
+  if (d >= absl::Hours(24 * 365)) {
+    cv.wait(lock, pred);
+    return true;
+  }
+  return cv.wait_for(lock, absl::ToChronoNanoseconds(std::max(d, absl::ZeroDuration())), pred);
+}
+
+class MooncakeLocalRegion final : public LocalRegion {
+ public:
+  MooncakeLocalRegion(void* addr, uint64_t length) : addr_(addr), length_(length) {}
+  void* addr() const override { return addr_; }
+  uint64_t length() const override { return length_; }
+  // Source memory only: nothing can write into it through this backend.
+  std::string Descriptor() const override { return ""; }
+
+ private:
+  void* addr_;
+  uint64_t length_;
+};
+
+class MooncakeRemoteRegion final : public RemoteRegion {
+ public:
+  MooncakeRemoteRegion(std::string session_id, uint64_t base, uint64_t length)
+      : session_id_(std::move(session_id)), base_(base), length_(length) {}
+  uint64_t length() const override { return length_; }
+  const std::string& session_id() const { return session_id_; }
+  uint64_t base() const { return base_; }
+
+ private:
+  std::string session_id_;
+  uint64_t base_;
+  uint64_t length_;
+};
+
+// What the peer's Metadata reply tells a writer.
+struct PeerSegment {
+  std::string session_id;
+  SessionAddress address;
+  int data_port = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> buffers;  // (addr, length), sorted by addr
+
+  // True when [addr, addr + length) lies inside one registered buffer (the peer's own acceptance rule).
+  bool Contains(uint64_t addr, uint64_t length) const {
+    auto it = std::upper_bound(buffers.begin(), buffers.end(), std::make_pair(addr, UINT64_MAX));
+    if (it == buffers.begin()) return false;
+    --it;
+    return addr - it->first <= it->second && length <= it->second - (addr - it->first);
+  }
+};
+
+// For error messages: never throws, even on strings that are not UTF-8.
+std::string Dump(const nlohmann::json& j) {
+  std::string s = j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  return s.size() > 200 ? s.substr(0, 200) + "..." : s;
+}
+
+absl::StatusOr<PeerSegment> ParseSegment(const std::string& session_id, const std::string& json_text) {
+  nlohmann::json d = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (d.is_discarded() || !d.is_object()) {
+    return absl::FailedPreconditionError("Metadata reply is not a JSON object (not a Mooncake segment descriptor)");
+  }
+  const std::string protocol =
+      d.contains("protocol") && d["protocol"].is_string() ? d["protocol"].get<std::string>() : std::string();
+  if (protocol != "tcp") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the peer's transfer engine runs protocol \"", protocol,
+        "\"; wsync's mooncake transport speaks tcp only (start the engine with protocol \"tcp\")"));
+  }
+  // An absent version means 1 (engines before the acknowledged framing).
+  const nlohmann::json& ver = d.contains("tcp_proto_version") ? d["tcp_proto_version"] : nlohmann::json(1);
+  if (!ver.is_number_integer() || ver.get<int64_t>() != kTcpProtoVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the peer's tcp data protocol is version ", Dump(ver), "; wsync needs version ", kTcpProtoVersion,
+        " (acknowledged writes; without it a writer cannot know its bytes landed)"));
+  }
+  PeerSegment seg;
+  seg.session_id = session_id;
+  WSYNC_ASSIGN_OR_RETURN(seg.address, ParseSessionId(session_id));
+  const nlohmann::json& port = d.contains("tcp_data_port") ? d["tcp_data_port"] : nlohmann::json();
+  if (!port.is_number_integer() || port.get<int64_t>() <= 0 || port.get<int64_t>() > 65535) {
+    return absl::FailedPreconditionError(absl::StrCat("bad or missing tcp_data_port ", Dump(port)));
+  }
+  seg.data_port = port.get<int>();
+  const nlohmann::json& bufs = d.contains("buffers") ? d["buffers"] : nlohmann::json::array();
+  if (!bufs.is_array()) return absl::FailedPreconditionError("\"buffers\" is not an array");
+  for (const nlohmann::json& b : bufs) {
+    if (!b.is_object() || !b.contains("addr") || !b.contains("length") || !b["addr"].is_number_unsigned() ||
+        !b["length"].is_number_unsigned()) {
+      return absl::FailedPreconditionError(absl::StrCat("malformed buffer entry ", Dump(b)));
+    }
+    seg.buffers.emplace_back(b["addr"].get<uint64_t>(), b["length"].get<uint64_t>());
+  }
+  std::sort(seg.buffers.begin(), seg.buffers.end());
+  return seg;
+}
+
+// One Metadata exchange on the handshake port (docs/mooncake-protocol.md §2).
+absl::StatusOr<PeerSegment> FetchSegment(const std::string& session_id, absl::Duration timeout) {
+  WSYNC_ASSIGN_OR_RETURN(SessionAddress a, ParseSessionId(session_id));
+  absl::StatusOr<Fd> fd = tcp::ConnectTo(a.host, a.port, timeout);
+  if (!fd.ok()) {
+    return Annotate(fd.status(), "handshake (is the session id right and its transfer engine running?)");
+  }
+  tcp::TuneSocket(fd->get(), timeout);
+  // The peer ignores the requester's own descriptor; an empty object is a valid one.
+  const std::string body = "{}";
+  uint64_t length = 1 + body.size();
+  uint8_t type = kMetadata;
+  iovec out[3] = {{&length, sizeof(length)}, {&type, 1}, {const_cast<char*>(body.data()), body.size()}};
+  WSYNC_RETURN_IF_ERROR_CTX(tcp::SendAll(fd->get(), out, 3), "handshake: sending the Metadata request");
+  uint64_t reply_len = 0;
+  WSYNC_RETURN_IF_ERROR_CTX(tcp::RecvAll(fd->get(), &reply_len, sizeof(reply_len)),
+                            "handshake: waiting for the Metadata reply");
+  if (reply_len < 1 || reply_len > kMaxHandshakeFrame) {
+    std::string raw(reinterpret_cast<const char*>(&reply_len), sizeof(reply_len));
+    return absl::FailedPreconditionError(
+        absl::StrCat("handshake: reply frame length ", reply_len, " (bytes \"", absl::CHexEscape(raw),
+                     "\") is not a Mooncake handshake frame: is ", a.host, ":", a.port,
+                     " a transfer engine's handshake (rpc) port?"));
+  }
+  std::string frame(reply_len, '\0');
+  WSYNC_RETURN_IF_ERROR_CTX(tcp::RecvAll(fd->get(), frame.data(), frame.size()),
+                            "handshake: reading the Metadata reply");
+  if (static_cast<uint8_t>(frame[0]) != kMetadata) {
+    return absl::FailedPreconditionError(absl::StrCat("handshake: reply of type ",
+                                                      static_cast<int>(static_cast<uint8_t>(frame[0])),
+                                                      ", want 1 (Metadata)"));
+  }
+  absl::StatusOr<PeerSegment> seg = ParseSegment(session_id, frame.substr(1));
+  if (!seg.ok()) return Annotate(seg.status(), "handshake");
+  return seg;
+}
+
+// One request on the wire: `length` bytes from `src` to the peer's absolute address `addr`.
+struct Chunk {
+  BatchId batch = 0;
+  size_t write = 0;  // index of the write in its batch, for errors
+  const char* src = nullptr;
+  uint64_t addr = 0;
+  uint64_t length = 0;
+};
+
+class MooncakeEndpoint final : public Endpoint {
+ public:
+  MooncakeEndpoint(const TransportOptions& opts, const MooncakeOptions& mopts)
+      : mopts_(mopts),
+        workers_n_(std::max(1, opts.tcp_streams)),
+        io_timeout_(opts.io_timeout > absl::ZeroDuration() ? opts.io_timeout : absl::Seconds(30)) {}
+
+  ~MooncakeEndpoint() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      for (Worker& w : workers_) w.fd.ShutdownBoth();
+    }
+    work_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+
+  std::string LocalInfo() const override { return ""; }
+
+  std::string PeerName() const override {
+    return connected_ ? absl::StrCat("mooncake peer ", seg_.session_id) : "(unconnected mooncake endpoint)";
+  }
+
+  absl::Status Connect(const std::string& peer_info, absl::Duration timeout) override {
+    if (connected_) return absl::FailedPreconditionError("mooncake endpoint is already connected");
+    absl::StatusOr<PeerSegment> seg = FetchSegment(peer_info, std::min(timeout, mopts_.handshake_timeout));
+    if (!seg.ok()) return Annotate(seg.status(), absl::StrCat("mooncake peer ", peer_info));
+    seg_ = std::move(*seg);
+    uint64_t total = 0;
+    for (const auto& b : seg_.buffers) total += b.second;
+    spdlog::debug("mooncake endpoint connected to {}: data port {}, {} registered buffers ({} bytes)",
+                  seg_.session_id, seg_.data_port, seg_.buffers.size(), total);
+    connected_ = true;
+    workers_.resize(static_cast<size_t>(workers_n_));
+    for (int i = 0; i < workers_n_; ++i) threads_.emplace_back([this, i] { WorkerLoop(workers_[i], i); });
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<BatchId> Post(absl::Span<const WriteRequest> writes) override {
+    if (!connected_) return absl::FailedPreconditionError("mooncake endpoint is not connected");
+    uint64_t chunks = 0;
+    for (size_t i = 0; i < writes.size(); ++i) {
+      const WriteRequest& w = writes[i];
+      WSYNC_RETURN_IF_ERROR_CTX(ValidateWrite(w), "write ", i, " to ", PeerName());
+      auto* dst = dynamic_cast<const MooncakeRemoteRegion*>(w.dst);
+      if (dst == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("write ", i, ": destination was not imported by mooncake"));
+      }
+      if (dst->session_id() != seg_.session_id) {
+        return absl::InvalidArgumentError(absl::StrCat("write ", i, ": destination region is on mooncake peer ",
+                                                       dst->session_id(), ", this endpoint is connected to ",
+                                                       seg_.session_id));
+      }
+      if (mopts_.check_peer_buffers && !seg_.Contains(dst->base(), dst->length())) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "write ", i, " (", Range(dst->base() + w.dst_offset, w.length), ") to ", PeerName(),
+            ": destination region ", Range(dst->base(), dst->length()), " lies outside every one of the ",
+            seg_.buffers.size(),
+            " buffers the peer registered (stale descriptor? if the peer registered memory since Connect, "
+            "re-create the endpoint)"));
+      }
+      chunks += (w.length + mopts_.chunk_bytes - 1) / mopts_.chunk_bytes;
+    }
+
+    std::unique_lock<std::mutex> lock(mu_);
+    // Bounded outstanding work: wait for earlier requests (a batch bigger than the bound goes alone).
+    room_.wait(lock, [&] {
+      return !broken_.ok() || outstanding_ == 0 || outstanding_ + chunks <= mopts_.max_outstanding_chunks;
+    });
+    if (!broken_.ok()) {
+      return Annotate(broken_, "mooncake endpoint is unusable after an earlier error (re-create it)");
+    }
+    const BatchId id = next_batch_++;
+    batches_[id] = Batch{chunks, absl::OkStatus()};
+    outstanding_ += chunks;
+    for (size_t i = 0; i < writes.size(); ++i) {
+      const WriteRequest& w = writes[i];
+      const char* src = static_cast<const char*>(w.src->addr()) + w.src_offset;
+      const uint64_t addr = static_cast<const MooncakeRemoteRegion*>(w.dst)->base() + w.dst_offset;
+      // Zero-length writes complete here, as in the engine's own initiator: the peer refuses size 0.
+      for (uint64_t off = 0; off < w.length; off += mopts_.chunk_bytes) {
+        queue_.push_back(Chunk{id, i, src + off, addr + off, std::min(mopts_.chunk_bytes, w.length - off)});
+      }
+    }
+    lock.unlock();
+    work_.notify_all();
+    return id;
+  }
+
+  absl::Status Wait(BatchId batch, absl::Duration timeout) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto it = batches_.find(batch);
+    if (it == batches_.end()) {
+      return absl::NotFoundError(absl::StrCat("unknown batch ", batch, " (never posted, or already waited for)"));
+    }
+    if (!WaitFor(done_, lock, timeout, [&] { return it->second.pending == 0; })) {
+      return absl::DeadlineExceededError(absl::StrCat("batch ", batch, " to ", PeerName(), " not complete after ",
+                                                      absl::FormatDuration(timeout)));
+    }
+    absl::Status s = it->second.status;
+    batches_.erase(it);
+    return s;
+  }
+
+ private:
+  struct Batch {
+    uint64_t pending = 0;
+    absl::Status status;
+  };
+
+  // One data connection, used by one worker thread; the fd is replaced only under mu_ (so the destructor can
+  // shut it down to interrupt a blocked call).
+  struct Worker {
+    Fd fd;
+  };
+
+  void WorkerLoop(Worker& w, int index) {
+    for (;;) {
+      Chunk c;
+      absl::Status broken;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        work_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (stop_) {
+          for (const Chunk& q : queue_) CompleteLocked(q, absl::CancelledError("mooncake endpoint destroyed"));
+          queue_.clear();
+          return;
+        }
+        c = queue_.front();
+        queue_.pop_front();
+        broken = broken_;
+      }
+      // After the first error the endpoint is dead: drain the queue without touching the network.
+      absl::Status s = broken.ok() ? Send(w, c, index) : absl::AbortedError("an earlier write failed");
+      std::lock_guard<std::mutex> lock(mu_);
+      CompleteLocked(c, s);
+    }
+  }
+
+  absl::Status Send(Worker& w, const Chunk& c, int index) {
+    const bool reused = w.fd.valid();
+    bool answered = false;
+    absl::Status s = reused ? Request(w.fd.get(), c, &answered) : absl::UnavailableError("not connected");
+    // A kept-alive connection the peer has since closed fails before any answer: the request was not applied
+    // (or, if it was, re-sending the same bytes to the same address is harmless). Retry once on a fresh one.
+    if (!s.ok() && !answered && s.code() == absl::StatusCode::kUnavailable) {
+      ResetFd(w, Fd());
+      absl::StatusOr<Fd> fd =
+          tcp::ConnectTo(seg_.address.host, seg_.data_port, std::min(io_timeout_, absl::Seconds(10)));
+      if (fd.ok()) {
+        tcp::TuneSocket(fd->get(), io_timeout_);
+        if (!ResetFd(w, std::move(*fd))) return absl::CancelledError("mooncake endpoint destroyed");
+        s = Request(w.fd.get(), c, &answered);
+      } else {
+        s = Annotate(fd.status(), absl::StrCat("data port ", seg_.data_port));
+      }
+    }
+    if (s.ok()) return s;
+    ResetFd(w, Fd());  // the peer closes the connection after a rejection; any other error leaves it unusable
+    return Annotate(s, absl::StrCat(PeerName(), " (connection ", index, "): batch ", c.batch, " write ", c.write,
+                                    ", request ", Range(c.addr, c.length)));
+  }
+
+  // Installs `fd` as the worker's connection; false (and `fd` closed) when the endpoint is being destroyed.
+  bool ResetFd(Worker& w, Fd fd) {
+    std::lock_guard<std::mutex> lock(mu_);
+    w.fd = stop_ ? Fd() : std::move(fd);
+    return !stop_;
+  }
+
+  // One v2 WRITE: header + payload, then the status frame. *answered: the peer sent a status frame.
+  static absl::Status Request(int fd, const Chunk& c, bool* answered) {
+    RequestHeader h{};
+    h.size = c.length;
+    h.addr = c.addr;
+    h.opcode = kOpWrite | kOpV2Flag;
+    iovec iov[2] = {{&h, sizeof(h)}, {const_cast<char*>(c.src), static_cast<size_t>(c.length)}};
+    absl::Status sent = tcp::SendAll(fd, iov, 2);
+    // A rejected request is answered before the peer reads the payload, and the peer then closes: a failed send
+    // may still have a status frame waiting. Read it either way.
+    uint64_t frame = 0;
+    absl::Status got = tcp::RecvAll(fd, &frame, sizeof(frame));
+    if (!got.ok()) {
+      return sent.ok() ? Annotate(got, "waiting for the status") : Annotate(sent, "sending the request");
+    }
+    *answered = true;
+    if ((frame >> 32) != kStatusMagic) {
+      return absl::DataLossError(absl::StrFormat("status frame 0x%016x has no \"MCTV\" magic", frame));
+    }
+    const uint32_t code = static_cast<uint32_t>(frame);
+    if (code == kStatusAddressRejected) {
+      return absl::FailedPreconditionError(
+          "address rejected by the peer (status 1: not inside one of its registered buffers; unregistered since "
+          "Connect?)");
+    }
+    if (code != kStatusOk) return absl::UnknownError(absl::StrCat("unknown status code ", code, " from the peer"));
+    return sent;
+  }
+
+  void CompleteLocked(const Chunk& c, const absl::Status& s) {
+    if (!s.ok() && broken_.ok()) broken_ = s;
+    auto it = batches_.find(c.batch);
+    if (it != batches_.end()) {
+      if (!s.ok() && it->second.status.ok()) it->second.status = s;
+      --it->second.pending;
+    }
+    --outstanding_;
+    done_.notify_all();
+    room_.notify_all();
+  }
+
+  const MooncakeOptions mopts_;
+  const int workers_n_;
+  const absl::Duration io_timeout_;
+  // Set by Connect, read-only afterwards (workers start at the end of Connect).
+  bool connected_ = false;
+  PeerSegment seg_;
+  std::vector<Worker> workers_;
+  std::vector<std::thread> threads_;
+
+  std::mutex mu_;
+  std::condition_variable work_;  // queue_ non-empty or stop_
+  std::condition_variable done_;  // a batch's pending count dropped
+  std::condition_variable room_;  // outstanding_ dropped or broken_
+  std::deque<Chunk> queue_;
+  uint64_t outstanding_ = 0;  // chunks queued or in flight
+  BatchId next_batch_ = 1;
+  std::unordered_map<BatchId, Batch> batches_;
+  absl::Status broken_;  // first error; the endpoint accepts no batches after it
+  bool stop_ = false;
+};
+
+class MooncakeTransport final : public Transport {
+ public:
+  MooncakeTransport(const TransportOptions& opts, const MooncakeOptions& mopts) : opts_(opts), mopts_(mopts) {}
+
+  std::string name() const override { return "mooncake"; }
+  bool viable() const override { return true; }
+  std::string reason() const override { return kSourceOnly; }
+
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
+    if (addr == nullptr && len > 0) return absl::InvalidArgumentError("cannot register a null address");
+    spdlog::debug("mooncake: registered source region ({} bytes at {}); nothing to pin for tcp", len, addr);
+    return std::unique_ptr<LocalRegion>(std::make_unique<MooncakeLocalRegion>(addr, len));
+  }
+
+  absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) override {
+    std::vector<std::string> p = absl::StrSplit(descriptor, ' ');
+    uint64_t base = 0;
+    uint64_t length = 0;
+    if (p.size() != 4 || p[0] != kDescPrefix || !absl::StartsWith(p[2], "0x") ||
+        !absl::SimpleHexAtoi(p[2].substr(2), &base) || !absl::SimpleAtoi(p[3], &length)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "not a mooncake region descriptor (want \"", kDescPrefix, " <session_id> 0x<addr> <length>\"): \"",
+          absl::CHexEscape(descriptor.substr(0, 80)), "\""));
+    }
+    WSYNC_ASSIGN_OR_RETURN(std::string canonical, MakeRegionDescriptor(p[1], base, length));
+    (void)canonical;  // the same checks as for a descriptor built here
+    return std::unique_ptr<RemoteRegion>(std::make_unique<MooncakeRemoteRegion>(p[1], base, length));
+  }
+
+  absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
+    return std::unique_ptr<Endpoint>(std::make_unique<MooncakeEndpoint>(opts_, mopts_));
+  }
+
+ private:
+  const TransportOptions opts_;
+  const MooncakeOptions mopts_;
+};
+
+}  // namespace
+
+absl::StatusOr<SessionAddress> ParseSessionId(const std::string& session_id) {
+  SessionAddress a;
+  std::string port;
+  if (!session_id.empty() && session_id[0] == '[') {
+    const size_t close = session_id.find(']');
+    if (close != std::string::npos && close + 1 < session_id.size() && session_id[close + 1] == ':') {
+      a.host = session_id.substr(1, close - 1);
+      port = session_id.substr(close + 2);
+    }
+  } else if (const size_t colon = session_id.rfind(':'); colon != std::string::npos &&
+                                                          session_id.find(':') == colon) {
+    a.host = session_id.substr(0, colon);
+    port = session_id.substr(colon + 1);
+  }
+  if (a.host.empty() || !absl::SimpleAtoi(port, &a.port) || a.port <= 0 || a.port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("not a Mooncake session id (want \"host:port\" or \"[v6]:port\"): \"",
+                     absl::CHexEscape(session_id.substr(0, 80)), "\""));
+  }
+  return a;
+}
+
+absl::StatusOr<std::string> MakeRegionDescriptor(const std::string& session_id, uint64_t base_addr,
+                                                 uint64_t length) {
+  WSYNC_RETURN_IF_ERROR(ParseSessionId(session_id).status());
+  if (length == 0) return absl::InvalidArgumentError("a mooncake region cannot be empty (the peer refuses size 0)");
+  if (base_addr + length < base_addr) {
+    return absl::InvalidArgumentError(absl::StrCat("mooncake region ", Range(base_addr, length), " wraps around"));
+  }
+  return absl::StrFormat("%s %s 0x%x %d", kDescPrefix, session_id, base_addr, length);
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateMooncakeTransport(const TransportOptions& opts,
+                                                                   const MooncakeOptions& mopts) {
+  MooncakeOptions m = mopts;
+  m.chunk_bytes = std::max<uint64_t>(1, m.chunk_bytes);
+  m.max_outstanding_chunks = std::max<uint64_t>(1, m.max_outstanding_chunks);
+  return std::unique_ptr<Transport>(std::make_unique<MooncakeTransport>(opts, m));
+}
+
+}  // namespace wsync::transport::mooncake
