@@ -14,6 +14,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "tests/transport/pattern.h"
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "tests/transport/conformance.h"
@@ -30,15 +31,7 @@ using wsync::transport::WriteRequest;
 constexpr uint8_t kUntouched = 0xEE;
 const absl::Duration kTimeout = absl::Seconds(20);
 
-// The byte at `offset` of the test pattern `seed`: a function of (seed, offset) alone, so expected contents are
-// computed independently of whatever memory the transport read from.
-uint8_t PatternByte(uint64_t seed, uint64_t offset) {
-  uint64_t z = seed * 0x9E3779B97F4A7C15ull + (offset >> 3) + 1;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return static_cast<uint8_t>(z >> ((offset & 7) * 8));
-}
+using wsync::transport::testing::PatternByte;
 
 void FillPattern(uint8_t* p, uint64_t n, uint64_t seed, uint64_t base = 0) {
   for (uint64_t i = 0; i < n; ++i) p[i] = PatternByte(seed, base + i);

@@ -28,6 +28,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "tests/transport/pattern.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -45,15 +46,7 @@ using nlohmann::json;
 
 const absl::Duration kTimeout = absl::Seconds(60);
 
-// The byte at `offset` of pattern `seed` (splitmix64): a function of (seed, offset) only, so the expected
-// checksum never depends on memory the transport read from.
-uint8_t PatternByte(uint64_t seed, uint64_t offset) {
-  uint64_t z = seed * 0x9E3779B97F4A7C15ull + (offset >> 3) + 1;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return static_cast<uint8_t>(z >> ((offset & 7) * 8));
-}
+using wsync::transport::testing::PatternByte;
 
 uint64_t SeedOf(const std::string& step, const std::string& name) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
