@@ -291,6 +291,8 @@ class RingConsumer {
   std::string ProcPath() const;
   const std::string& name() const { return map_.name(); }
   uint64_t capacity() const { return map_.capacity(); }
+  // The data area in this process: every view NextBucket returns lies inside [data_area(), + capacity()).
+  const uint8_t* data_area() const { return map_.data(); }
 
   // Returns the next committed bucket, waiting up to `timeout` (zero: poll). Views point into shared memory
   // and stay valid until Release. Several buckets may be held at once; they must be released in order.

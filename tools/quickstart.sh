@@ -43,14 +43,15 @@ build_all() {
 }
 
 # Runs every test, then fails when a test was skipped although this machine kind can have what it needs: only
-# tests labelled `cuda` may skip here (no GPU); a skipped engine/sglang/mooncake/rdma/cluster test means a peer
-# that the test installs itself could not be set up, which is a failure, not a pass.
+# tests labelled `cuda` (no GPU here) or `rdma_device` (an RDMA device on the host itself; their soft-RoCE VM
+# variants run instead) may skip; a skipped engine/sglang/mooncake/rdma/cluster test means a peer that the test
+# installs itself could not be set up, which is a failure, not a pass.
 run_tests_and_check_skips() {
   local log rc=0
   log=$(mktemp)
   ctest --output-on-failure -j "$jobs" --timeout 600 2>&1 | tee "$log" || rc=$?
   mapfile -t skipped < <(sed -n 's/^ *[0-9]*\/[0-9]* Test *#[0-9]*: \([^ ]*\) .*\*\*\*Skipped.*/\1/p' "$log")
-  mapfile -t may_skip < <(ctest -N -L '^cuda$' | sed -n 's/^ *Test *#[0-9]*: \(.*\)$/\1/p')
+  mapfile -t may_skip < <(ctest -N -L '^(cuda|rdma_device)$' | sed -n 's/^ *Test *#[0-9]*: \(.*\)$/\1/p')
   rm -f "$log"
   local bad=()
   for t in "${skipped[@]}"; do
@@ -58,11 +59,25 @@ run_tests_and_check_skips() {
   done
   if [ ${#bad[@]} -gt 0 ]; then
     echo "quickstart: FAILED: these tests were skipped although this machine can install what they need: ${bad[*]}" >&2
-    echo "quickstart: (only tests labelled 'cuda' may skip on a machine without a GPU; see the test's output above)" >&2
+    echo "quickstart: (only tests labelled cuda or rdma_device may skip here; see the test's output above)" >&2
     return 1
   fi
-  [ ${#skipped[@]} -gt 0 ] && echo "quickstart: skipped (no GPU on this machine): ${skipped[*]}"
+  [ ${#skipped[@]} -gt 0 ] && echo "quickstart: skipped (no GPU / no host RDMA device on this machine): ${skipped[*]}"
   return "$rc"
+}
+
+# The tests labelled `asan` (ring, fd passing, transports, fuzzers) again in an AddressSanitizer +
+# UndefinedBehaviorSanitizer build of their own ($build-asan): a memory error fails the run.
+run_sanitizer_tests() {
+  local sbuild="$1-asan"
+  cmake -S . -B "$sbuild" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWSYNC_SANITIZE=address,undefined \
+    -DWSYNC_BUILD_BENCH=OFF >/dev/null
+  mapfile -t targets < <(cd "$sbuild" && ctest -N -L '^asan$' | sed -n 's/^ *Test *#[0-9]*: \(.*\)$/\1/p')
+  [ ${#targets[@]} -gt 0 ] || { echo "quickstart: no tests labelled asan" >&2; return 1; }
+  echo "quickstart: sanitizer build of ${targets[*]}"
+  cmake --build "$sbuild" -j "$jobs" --target "${targets[@]}"
+  (cd "$sbuild" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+     ctest --output-on-failure -j "$jobs" --timeout 600 -L '^asan$')
 }
 
 case "$mode" in
@@ -77,8 +92,8 @@ case "$mode" in
   test)
     install_missing
     build_all
-    cd "$build"
-    run_tests_and_check_skips
+    (cd "$build" && run_tests_and_check_skips)
+    run_sanitizer_tests "$build"
     ;;
   build)
     install_missing

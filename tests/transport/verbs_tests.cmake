@@ -9,14 +9,22 @@ endif()
 wsync_add_test(transport_verbs_unit_test
   SOURCES ${CMAKE_CURRENT_LIST_DIR}/verbs_unit_test.cc
   LIBS wsync_transport
-  LABELS transport
+  LABELS transport asan
   TIMEOUT 60)
 
+wsync_add_test(transport_verbs_wire_fuzz_test
+  SOURCES ${CMAKE_CURRENT_LIST_DIR}/verbs_wire_fuzz_test.cc
+  LIBS wsync_transport
+  LABELS fuzz asan
+  TIMEOUT 120)
+
+# Needs an RDMA device on the host itself (none in this kernel): it skips here, and transport_verbs_vm_test runs
+# the same executable inside the soft-RoCE VM. Label rdma_device: the only skip besides cuda that CI accepts.
 wsync_add_test(transport_verbs_test
   SOURCES ${CMAKE_CURRENT_LIST_DIR}/conformance_test.cc ${CMAKE_CURRENT_LIST_DIR}/verbs_factory.cc
           ${CMAKE_CURRENT_LIST_DIR}/verbs_test.cc
   LIBS wsync_transport absl::random_random
-  LABELS rdma
+  LABELS rdma rdma_device
   TIMEOUT 300)
 
 # CI checks out shared/ beside the repository; the harness boots a soft-RoCE guest that sees this filesystem.

@@ -83,6 +83,8 @@ absl::StatusOr<ConnInfo> DecodeConnInfo(const std::string& blob) {
   ConnInfo info;
   if (!r.Get(&magic) || magic != kConnMagic) return Malformed("connection info", "bad magic (not a verbs endpoint?)");
   if (!r.Get(&version) || version != kVersion || !r.Get(&pad)) return Malformed("connection info", "unknown version");
+  // Reserved: zero in every blob this version writes; anything else is not a blob of this version.
+  if (pad != 0) return Malformed("connection info", "reserved field is not zero");
   if (!r.Get(&info.transport_id) || !r.GetString(&info.owner, kMaxOwner) || !r.Get(&nqps) || nqps == 0 ||
       nqps > kMaxQps) {
     return Malformed("connection info", "truncated header");
@@ -118,6 +120,7 @@ absl::StatusOr<RegionDesc> DecodeRegionDesc(const std::string& blob) {
   RegionDesc d;
   if (!r.Get(&magic) || magic != kRegionMagic) return Malformed("region descriptor", "bad magic (not a verbs region?)");
   if (!r.Get(&version) || version != kVersion || !r.Get(&pad)) return Malformed("region descriptor", "unknown version");
+  if (pad != 0) return Malformed("region descriptor", "reserved field is not zero");
   if (!r.Get(&d.transport_id) || !r.GetString(&d.owner, kMaxOwner) || !r.Get(&d.base) || !r.Get(&d.length) ||
       !r.Get(&d.chunk_size) || !r.Get(&d.num_devices) || !r.Get(&d.num_chunks)) {
     return Malformed("region descriptor", "truncated header");
