@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Soak: 100 consecutive updates through real processes (coordinator, source and target wsyncd, a reference
+engine at TP=2, two trainer ranks), every update verified bit-exactly by the engine's own loader, while the test
+samples each daemon's resident memory, open fds and threads from /proc.
+
+Asserts, between a sample taken once the first 10 updates are done (caches warm) and one taken 5 updates before
+the end (trainer sessions still open, so per-session memory is counted in both):
+  * RSS grows by at most --rss-slack-mib (default 24 MiB) per process;
+  * the number of open fds and of threads does not grow (slack 2 each for transient connections);
+and that all updates succeeded. Prints one line per daemon with the three measures.
+
+  soak_test.py --bin build/bin --model tests/data/tiny/qwen3-tiny.json [--updates 100]
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engines"))
+import harness  # noqa: E402
+
+
+def sample(pid: int) -> dict:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                out["rss_kib"] = int(line.split()[1])
+            elif line.startswith("Threads:"):
+                out["threads"] = int(line.split()[1])
+    out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--updates", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--rss-slack-mib", type=float, default=24.0)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    args = ap.parse_args()
+    b = os.path.abspath(args.bin)
+    model = os.path.abspath(args.model)
+
+    with harness.workdir("wsync-soak-") as wd:
+        procs = harness.Procs(wd)
+        try:
+            def port_of(name: str) -> int:
+                path = os.path.join(wd, f"{name}.port")
+                return harness.wait_for(f"{name} port", lambda: harness.read_port_file(path), 60, procs, [name])
+
+            procs.start("coordinator", [f"{b}/wsync-coordinator", "--listen", "127.0.0.1:0",
+                                        "--port-file", os.path.join(wd, "coordinator.port")])
+            coord = f"127.0.0.1:{port_of('coordinator')}"
+            procs.start("engine", [f"{b}/wsync-engine-ref", "--id", "engine0", "--model", model, "--tp", "2",
+                                   "--listen", "127.0.0.1:0", "--port-file", os.path.join(wd, "engine.port")])
+            eng = f"127.0.0.1:{port_of('engine')}"
+            procs.start("target", [f"{b}/wsyncd", "--role", "target", "--node-id", "infer0", "--coordinator", coord,
+                                   "--engine", f"reference+grpc://{eng}", "--engine-socket",
+                                   os.path.join(wd, "target.sock"), "--port-file", os.path.join(wd, "target.port")])
+            port_of("target")
+            procs.start("source", [f"{b}/wsyncd", "--role", "source", "--node-id", "train0", "--coordinator", coord,
+                                   "--trainer-ranks", "2", "--ring-mib", "64",
+                                   "--port-file", os.path.join(wd, "source.port")])
+            src = f"127.0.0.1:{port_of('source')}"
+
+            outs = []
+            trainers = []
+            for r in range(2):
+                extra = ["--drive", "--coordinator", coord, "--verify-engine", eng] if r == 0 else []
+                out = open(os.path.join(wd, f"trainer{r}.out"), "w")
+                outs.append(out)
+                trainers.append(subprocess.Popen(
+                    [f"{b}/wsync-trainer-demo", "--daemon", src, "--model", model, "--local-rank", str(r),
+                     "--global-rank", str(r), "--updates", str(args.updates)] + extra,
+                    stdout=out, stderr=open(os.path.join(wd, f"trainer{r}.log"), "w")))
+
+            daemons = {n: procs.procs[n].pid for n in ("coordinator", "source", "target")}
+            out0 = os.path.join(wd, "trainer0.out")
+
+            def done_updates() -> int:
+                with open(out0) as f:
+                    return len(re.findall(r"^update \d+: ", f.read(), re.M))
+
+            early = late = None
+            deadline = time.time() + args.timeout
+            while any(t.poll() is None for t in trainers):
+                if time.time() > deadline:
+                    harness.fail(f"soak: {done_updates()} of {args.updates} updates after {args.timeout:.0f} s")
+                n_done = done_updates()
+                if early is None and n_done >= args.warmup:
+                    early = {n: sample(p) for n, p in daemons.items()}
+                if late is None and n_done >= args.updates - 5:
+                    late = {n: sample(p) for n, p in daemons.items()}
+                for n in daemons:
+                    if not procs.alive(n):
+                        harness.fail(f"soak: {n} died:\n{procs.tail(n)}")
+                time.sleep(0.05)
+            for o in outs:
+                o.close()
+            rcs = [t.returncode for t in trainers]
+            text = open(out0).read()
+            if rcs != [0, 0] or done_updates() != args.updates or "MISMATCH" in text:
+                print(text[-3000:])
+                harness.fail(f"soak: trainers exited {rcs}, {done_updates()} of {args.updates} updates recorded")
+            if early is None or late is None:
+                harness.fail("soak: the updates ran too fast to sample; raise --updates")
+            bad = []
+            for n in daemons:
+                e, l = early[n], late[n]
+                drss = (l["rss_kib"] - e["rss_kib"]) / 1024
+                print(f"soak: {n}: rss {e['rss_kib'] / 1024:.1f} -> {l['rss_kib'] / 1024:.1f} MiB ({drss:+.1f}), "
+                      f"fds {e['fds']} -> {l['fds']}, threads {e['threads']} -> {l['threads']}")
+                if drss > args.rss_slack_mib:
+                    bad.append(f"{n} RSS grew {drss:.1f} MiB")
+                if l["fds"] > e["fds"] + 2:
+                    bad.append(f"{n} fds {e['fds']} -> {l['fds']}")
+                if l["threads"] > e["threads"] + 2:
+                    bad.append(f"{n} threads {e['threads']} -> {l['threads']}")
+            if bad:
+                harness.fail("soak: growth over " + f"{args.updates - args.warmup} updates: " + "; ".join(bad))
+            print(f"soak: {args.updates} updates verified bit-exact; no growth beyond the bounds")
+            return 0
+        finally:
+            procs.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
