@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "base/cli.h"
 #include "base/status.h"
 #include "spdlog/spdlog.h"
 
@@ -372,6 +373,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
 v1::ClusterStatus Coordinator::Status() const {
   std::lock_guard<std::mutex> l(mu_);
   v1::ClusterStatus s;
+  s.set_server_version(cli::VersionString("wsync-coordinator"));
   for (const auto& [id, n] : nodes_) {
     auto* ni = s.add_nodes();
     ni->set_node_id(id);

@@ -5,6 +5,7 @@
 #include <csignal>
 
 #include "CLI/CLI.hpp"
+#include "base/cli.h"
 #include "base/logging.h"
 #include "daemon/coordinator.h"
 #include "daemon/serve.h"
@@ -18,6 +19,7 @@ int main(int argc, char** argv) {
 
   CLI::App app{"wsync-coordinator: membership, transfer plans and the weight-update lifecycle"};
   std::string listen = "127.0.0.1:7600", port_file, log_level;
+  cli::AddCommonFlags(app, "wsync-coordinator", &log_level);
   daemon::CoordinatorOptions opts;
   app.add_option("--listen", listen, "host:port to serve on (port 0 = any free port)");
   app.add_option("--port-file", port_file, "write the bound port here once serving");
@@ -25,8 +27,7 @@ int main(int argc, char** argv) {
   // (wsyncctl plan) also splits parameters across sources and needs byte-range writes in the daemon first.
   app.add_option("--strategy", opts.strategy, "transfer-plan strategy (seed)")->check(CLI::IsMember({"seed"}));
   app.add_option("--history", opts.history_limit, "updates kept in the history");
-  app.add_option("--log-level", log_level, "trace|debug|info|warn|error");
-  CLI11_PARSE(app, argc, argv);
+  if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging("coordinator", log_level);
 
   daemon::Coordinator coordinator(opts, daemon::MakeGrpcPeers());

@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -44,6 +45,24 @@ void WaitForTermination() {
   sigaddset(&set, SIGINT);
   int sig = 0;
   sigwait(&set, &sig);
+}
+
+bool TerminationRequested(int timeout_ms) {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  timespec ts{timeout_ms / 1000, static_cast<long>(timeout_ms % 1000) * 1000000L};
+  for (;;) {
+    const int sig = sigtimedwait(&set, nullptr, &ts);
+    if (sig == SIGTERM || sig == SIGINT) return true;
+    if (sig < 0 && errno == EINTR) continue;  // another signal; the remaining time is not tracked, close enough
+    return false;
+  }
+}
+
+bool IsWildcardHost(const std::string& host) {
+  return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]" || host == "*";
 }
 
 }  // namespace wsync::daemon

@@ -28,4 +28,11 @@ void BlockTerminationSignals();
 // Blocks until SIGTERM or SIGINT.
 void WaitForTermination();
 
+// Waits up to `timeout_ms` for SIGTERM or SIGINT (blocked by BlockTerminationSignals); true when one arrived. Used
+// instead of a sleep in retry loops, so that a daemon stops at once when told to, at any point of its start.
+bool TerminationRequested(int timeout_ms);
+
+// True for an address nobody else can dial: empty, 0.0.0.0 or :: (wildcards are fine to bind, not to register).
+bool IsWildcardHost(const std::string& host);
+
 }  // namespace wsync::daemon

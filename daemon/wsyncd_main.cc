@@ -13,6 +13,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/cli.h"
 #include "base/logging.h"
 #include "base/status.h"
 #include "daemon/engine_adapter.h"
@@ -27,13 +28,15 @@ using namespace wsync;
 
 namespace {
 
-// Registers with the coordinator, retrying while it is not up yet.
+// Registers with the coordinator, retrying (every 0.5 s, each attempt logged) while it is not up yet. Returns
+// Cancelled at once when SIGTERM/SIGINT arrives meanwhile.
 absl::Status Register(const std::string& coordinator, const v1::RegisterNodeRequest& req, int attempts) {
   auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
   absl::Status last;
-  for (int i = 0; i < attempts; ++i) {
+  for (int i = 1; i <= attempts; ++i) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    // Short attempts, so that a signal is noticed within about a second wherever the daemon is.
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
     ctx.set_wait_for_ready(true);
     v1::RegisterNodeReply out;
     last = FromGrpcStatus(stub->RegisterNode(&ctx, req, &out));
@@ -43,7 +46,10 @@ absl::Status Register(const std::string& coordinator, const v1::RegisterNodeRequ
     }
     if (last.code() != absl::StatusCode::kUnavailable && last.code() != absl::StatusCode::kDeadlineExceeded)
       return last;
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    spdlog::warn("registration with coordinator {} failed (attempt {}/{}): {}{}", coordinator, i, attempts,
+                 last.ToString(), i < attempts ? "; retrying in 0.5 s" : "");
+    if (i < attempts && daemon::TerminationRequested(500))
+      return absl::CancelledError("terminated by a signal while registering");
   }
   return last;
 }
@@ -60,7 +66,8 @@ int main(int argc, char** argv) {
   daemon::BlockTerminationSignals();
 
   CLI::App app{"wsyncd: wsync node daemon (role source on trainer nodes, target on inference nodes)"};
-  std::string role, node_id, listen = "127.0.0.1:0", coordinator, port_file, transport_name = "tcp", log_level;
+  std::string role, node_id, listen = "127.0.0.1:7601", coordinator, advertise, port_file, transport_name = "tcp", log_level;
+  cli::AddCommonFlags(app, "wsyncd", &log_level);
   std::string data_host = "127.0.0.1";
   std::vector<std::string> engines;
   std::string engine_socket;
@@ -70,7 +77,11 @@ int main(int argc, char** argv) {
   uint64_t ring_mib = 512;
   app.add_option("--role", role, "source | target")->required()->check(CLI::IsMember({"source", "target"}));
   app.add_option("--node-id", node_id, "unique node name (default: hostname:port)");
-  app.add_option("--listen", listen, "host:port of the daemon API (port 0 = any free port)");
+  app.add_option("--listen", listen,
+                 "host:port of the daemon API (port 0 = any free port); its host is the address registered with the "
+                 "coordinator unless --advertise is given");
+  app.add_option("--advertise", advertise,
+                 "host the coordinator and other daemons dial (needed when --listen binds a wildcard such as 0.0.0.0)");
   app.add_option("--coordinator", coordinator, "host:port of the coordinator")->required();
   app.add_option("--port-file", port_file, "write the bound port here once serving");
   app.add_option("--transport", transport_name, "tcp | verbs")->check(CLI::IsMember({"tcp", "verbs"}));
@@ -90,15 +101,26 @@ int main(int argc, char** argv) {
   app.add_option("--trainer-ranks", trainer_ranks, "source: trainer ranks on this node")->check(CLI::Range(1, 1024));
   app.add_option("--ring-mib", ring_mib, "source: shared-memory ring size per trainer rank, MiB")
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--log-level", log_level, "trace|debug|info|warn|error");
   app.footer(
+      "exit codes: 0 ok, 1 failure, 2 bad usage, 3 endpoint unavailable\n"
       "Environment:\n"
       "  WSYNC_FAULTS   testing aid, never for production: inject data-path faults, e.g.\n"
       "                 WSYNC_FAULTS=fail_post=3,fail_wait=5,delay_ms=10 fails the Post of this daemon's 3rd\n"
       "                 batch, the Wait of its 5th, and delays every Post by 10 ms. Batches are counted from 1\n"
       "                 across all endpoints. A malformed spec exits 2.\n");
-  CLI11_PARSE(app, argc, argv);
+  if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging(role == "source" ? "wsyncd-src" : "wsyncd-tgt", log_level);
+  const std::string listen_host = listen.substr(0, listen.rfind(':'));
+  if (advertise.empty() && daemon::IsWildcardHost(listen_host)) {
+    spdlog::error("--listen {} binds a wildcard address, which nobody can dial: give --advertise HOST (this node's "
+                  "reachable address)", listen);
+    return 2;
+  }
+  if (!advertise.empty() && daemon::IsWildcardHost(advertise)) {
+    spdlog::error("--advertise {} is not a reachable address", advertise);
+    return 2;
+  }
+  const std::string host = advertise.empty() ? listen_host : advertise;
   if (role == "target" && engines.empty()) {
     spdlog::error("--role target needs at least one --engine");
     return 2;
@@ -135,9 +157,9 @@ int main(int argc, char** argv) {
   }
 
   if (node_id.empty()) {
-    char host[256] = {0};
-    gethostname(host, sizeof(host) - 1);
-    node_id = absl::StrCat(host, "-", role, "-", getpid());
+    char hostname[256] = {0};
+    gethostname(hostname, sizeof(hostname) - 1);
+    node_id = absl::StrCat(hostname, "-", role, "-", getpid());
   }
   std::unique_ptr<daemon::SourceNode> source;
   std::unique_ptr<daemon::TargetNode> target;
@@ -161,7 +183,6 @@ int main(int argc, char** argv) {
     spdlog::error("{}", served.status().ToString());
     return 1;
   }
-  const std::string host = listen.substr(0, listen.rfind(':'));
   reg.set_address(absl::StrCat(host, ":", served->port));
   if (role == "target") {
     daemon::TargetOptions o;
@@ -186,7 +207,12 @@ int main(int argc, char** argv) {
     for (auto& r : target->Registrations()) *reg.add_engines() = std::move(r);
   }
   spdlog::info("wsyncd {} ({}) serving on {} with transport {}", node_id, role, reg.address(), transport->name());
-  if (auto st = Register(coordinator, reg, 60); !st.ok()) {
+  if (auto st = Register(coordinator, reg, 200); !st.ok()) {
+    if (absl::IsCancelled(st)) {
+      spdlog::info("wsyncd {} stopped before it registered: {}", node_id, std::string(st.message()));
+      served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      return 0;
+    }
     spdlog::error("cannot register with coordinator {}: {}", coordinator, st.ToString());
     served->server->Shutdown();
     return 1;

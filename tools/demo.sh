@@ -67,13 +67,13 @@ for e in 0 1; do
   eng[$e]="127.0.0.1:$(wait_port "$work/engine$e.port" "$last_pid" "engine$e")"
 done
 for e in 0 1; do
-  start "target$e" "$bin/wsyncd" --role target --node-id "infer-node$e" --coordinator "$coord" \
+  start "target$e" "$bin/wsyncd" --listen 127.0.0.1:0 --role target --node-id "infer-node$e" --coordinator "$coord" \
     --engine "reference+grpc://${eng[$e]}" --engine-socket "$work/target$e.sock" --transport "$transport" \
     --port-file "$work/target$e.port"
   wait_port "$work/target$e.port" "$last_pid" "target$e" >/dev/null
 done
 for s in 0 1; do
-  start "source$s" "$bin/wsyncd" --role source --node-id "train-node$s" --coordinator "$coord" \
+  start "source$s" "$bin/wsyncd" --listen 127.0.0.1:0 --role source --node-id "train-node$s" --coordinator "$coord" \
     --trainer-ranks 2 --ring-mib 384 --transport "$transport" --port-file "$work/source$s.port"
   src[$s]="127.0.0.1:$(wait_port "$work/source$s.port" "$last_pid" "source$s")"
 done

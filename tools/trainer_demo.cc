@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "base/cli.h"
 #include "base/logging.h"
 #include "client/coordinator_client.h"
 #include "client/trainer_client.h"
@@ -44,6 +45,7 @@ absl::StatusOr<v1::VerifyReply> VerifyEngine(const std::string& addr, int64_t st
 int main(int argc, char** argv) {
   CLI::App app{"wsync-trainer-demo: one synthetic trainer rank pushing deterministic weights"};
   std::string daemon_addr, model, coordinator, log_level;
+  cli::AddCommonFlags(app, "wsync-trainer-demo", &log_level);
   std::vector<std::string> verify_engines;
   int local_rank = 0, global_rank = 0, updates = 3;
   int64_t first_version = 1;
@@ -62,8 +64,7 @@ int main(int argc, char** argv) {
   app.add_option("--verify-engine", verify_engines, "engine control address to verify after each update (--drive)");
   app.add_option("--crash-after-bytes", crash_after,
                  "testing: die (exit 3) half-way through writing the tensor that crosses this many pushed bytes");
-  app.add_option("--log-level", log_level, "trace|debug|info|warn|error");
-  CLI11_PARSE(app, argc, argv);
+  if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging(absl::StrCat("trainer", global_rank), log_level);
   if (drive && coordinator.empty()) {
     spdlog::error("--drive needs --coordinator");

@@ -1,16 +1,22 @@
-// wsyncctl: the admin CLI. Exit codes: 0 ok, 1 the server reported an error, 2 bad usage or input,
-// 3 the endpoint could not be reached in time.
+// wsyncctl: the admin CLI. Exit codes (base/cli.h, shared by every wsync binary): 0 ok, 1 the server reported an
+// error, 2 bad usage or input, 3 the endpoint could not be reached in time. Global flags (--endpoints, -w,
+// --dial-timeout) may stand anywhere on the line, before or after the command, as in etcdctl.
 
 #include <cstdio>
 #include <iostream>
+#include <set>
 
 #include <grpcpp/grpcpp.h>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "base/cli.h"
+#include "base/logging.h"
 #include "client/coordinator_client.h"
 #include "google/protobuf/util/json_util.h"
+#include "nlohmann/json.hpp"
 #include "proto/status_convert.h"
 #include "wsync/v1/engine.grpc.pb.h"
 #ifdef WSYNC_HAVE_PLAN_COMMAND
@@ -21,7 +27,8 @@ using namespace wsync;
 
 namespace {
 
-constexpr int kExitOk = 0, kExitServer = 1, kExitUsage = 2, kExitUnreachable = 3;
+constexpr int kExitOk = cli::kExitOk, kExitServer = cli::kExitFailure, kExitUsage = cli::kExitUsage,
+              kExitUnreachable = cli::kExitUnavailable;
 
 int ExitFor(const absl::Status& s) {
   if (s.ok()) return kExitOk;
@@ -32,14 +39,18 @@ int ExitFor(const absl::Status& s) {
   return kExitServer;
 }
 
-void PrintJson(const google::protobuf::Message& m) {
+// Proto JSON with every field, default-valued ones included (`rank: 0`, `success: false`), original field names.
+std::string ProtoJson(const google::protobuf::Message& m, bool pretty) {
   std::string out;
   google::protobuf::util::JsonPrintOptions o;
-  o.add_whitespace = true;
+  o.add_whitespace = pretty;
   o.preserve_proto_field_names = true;
+  o.always_print_primitive_fields = true;
   (void)google::protobuf::util::MessageToJsonString(m, &out, o);
-  std::cout << out;
+  return out;
 }
+
+void PrintJson(const google::protobuf::Message& m) { std::cout << ProtoJson(m, true); }
 
 std::string Phases(const v1::UpdateRecord& r) {
   std::string s;
@@ -47,23 +58,78 @@ std::string Phases(const v1::UpdateRecord& r) {
   return s;
 }
 
+// Global flags that take a value; used to tell a flag's value from the command when scanning argv.
+const std::set<std::string>& ValueFlags() {
+  static const std::set<std::string> f = {"--endpoints", "-w", "--write-out", "--dial-timeout", "--log-level"};
+  return f;
+}
+
+// Index of the command word in argv (the first argument that is neither a flag nor a global flag's value), or -1.
+int CommandIndex(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.empty() || a[0] != '-') return i;
+    if (ValueFlags().count(a) > 0) ++i;  // skip its value
+  }
+  return -1;
+}
+
+#ifdef WSYNC_HAVE_PLAN_COMMAND
+// `plan` is a pure computation with its own flags; it is handed the arguments after the word `plan`, plus the
+// output format when -w/--write-out was given before the command.
+int RunPlan(int argc, char** argv, int at) {
+  std::vector<std::string> args = {"plan"};
+  for (int i = 1; i < at; ++i) {
+    const std::string a = argv[i];
+    if ((a == "-w" || a == "--write-out") && i + 1 < at) {
+      args.push_back("-w");
+      args.push_back(argv[++i]);
+    } else if (a.rfind("--write-out=", 0) == 0) {
+      args.push_back("-w");
+      args.push_back(a.substr(12));
+    } else if (ValueFlags().count(a) > 0) {
+      ++i;  // --endpoints etc.: meaningless for a local computation
+    }
+  }
+  for (int i = at + 1; i < argc; ++i) args.push_back(argv[i]);
+  std::vector<char*> ptrs;
+  for (auto& a : args) ptrs.push_back(a.data());
+  return wsync::tools::RunPlanCommand(static_cast<int>(ptrs.size()), ptrs.data());
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  const std::vector<std::string> commands = {"status", "nodes", "engines", "history", "verify", "checksums",
+                                             "version", "plan"};
+  const int at = CommandIndex(argc, argv);
+  if (at > 0) {
+    const std::string cmd = argv[at];
 #ifdef WSYNC_HAVE_PLAN_COMMAND
-  // `plan` is a pure computation with its own flags; hand it over whole.
-  if (argc >= 2 && std::string(argv[1]) == "plan") return wsync::tools::RunPlanCommand(argc - 1, argv + 1);
+    if (cmd == "plan") return RunPlan(argc, argv, at);
 #endif
-  CLI::App app{"wsyncctl: administer a wsync cluster\n"
-               "exit codes: 0 ok, 1 server error, 2 bad usage, 3 endpoint unreachable"};
+    if (std::find(commands.begin(), commands.end(), cmd) == commands.end()) {
+      std::fprintf(stderr, "Error: unknown command \"%s\" (commands: %s; see wsyncctl --help)\n", cmd.c_str(),
+                   absl::StrJoin(commands, ", ").c_str());
+      return kExitUsage;
+    }
+  }
+  CLI::App app{"wsyncctl: administer a wsync cluster"};
+  std::string log_level = "warn";
+  cli::AddCommonFlags(app, "wsyncctl", &log_level);
   app.require_subcommand(1);
+  app.fallthrough();  // global flags are accepted after the command too
   std::string endpoint = "127.0.0.1:7600", output = "table";
   double dial_timeout = 5;
   app.add_option("--endpoints", endpoint, "coordinator host:port")->envname("WSYNC_ENDPOINTS");
-  app.add_option("-w,--write-out", output, "output format")->check(CLI::IsMember({"table", "json"}));
+  app.add_option("-w,--write-out", output, "output format: table|json")->check(CLI::IsMember({"table", "json"}));
   app.add_option("--dial-timeout", dial_timeout, "seconds to wait for an endpoint")->check(CLI::PositiveNumber);
 
   auto* status = app.add_subcommand("status", "cluster membership, plan and current version");
+  auto* nodes = app.add_subcommand("nodes", "registered nodes: role, address, transport, engines");
+  auto* engines_cmd = app.add_subcommand("engines", "engines: kind, ranks, control address, node, state");
+  auto* version = app.add_subcommand("version", "client and coordinator versions");
   auto* history = app.add_subcommand("history", "past updates with per-phase timings");
   int limit = 20;
   history->add_option("-n,--limit", limit, "most recent N updates");
@@ -79,15 +145,61 @@ int main(int argc, char** argv) {
 #ifdef WSYNC_HAVE_PLAN_COMMAND
   app.add_subcommand("plan", "compute a transfer plan and its predicted time (see: wsyncctl plan --help)");
 #endif
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    int rc = app.exit(e);
-    return rc == 0 ? 0 : kExitUsage;
-  }
+  if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
+  InitLogging("wsyncctl", log_level);
   const absl::Duration dt = absl::Seconds(dial_timeout);
   const bool json = output == "json";
 
+  if (*version) {
+    client::CoordinatorClient c(endpoint, dt);
+    auto s = c.Status();
+    if (json) {
+      std::printf("{\n  \"client_version\": \"%s\",\n  \"server_version\": \"%s\"\n}\n",
+                  cli::VersionString("wsyncctl").c_str(), s.ok() ? s->server_version().c_str() : "");
+    } else {
+      std::printf("client: %s\nserver: %s\n", cli::VersionString("wsyncctl").c_str(),
+                  s.ok() ? (s->server_version().empty() ? "(older than 0.1.0: no version reported)"
+                                                        : s->server_version().c_str())
+                         : ("unreachable at " + endpoint).c_str());
+    }
+    return s.ok() ? kExitOk : ExitFor(s.status());
+  }
+  if (*nodes || *engines_cmd) {
+    client::CoordinatorClient c(endpoint, dt);
+    auto s = c.Status();
+    if (!s.ok()) return ExitFor(s.status());
+    if (*nodes) {
+      if (json) {
+        v1::ClusterStatus only;
+        *only.mutable_nodes() = s->nodes();
+        PrintJson(only);
+        return kExitOk;
+      }
+      std::printf("%-28s %-7s %-22s %-6s %-9s %s\n", "NODE", "ROLE", "ADDRESS", "XPORT", "REACHABLE", "ENGINES");
+      for (const auto& n : s->nodes())
+        std::printf("%-28s %-7s %-22s %-6s %-9s %s\n", n.node_id().c_str(), n.role().c_str(), n.address().c_str(),
+                    n.transport().c_str(), n.reachable() ? "yes" : "NO",
+                    n.engines_size() ? absl::StrJoin(n.engines(), ",").c_str() : "-");
+      return kExitOk;
+    }
+    if (json) {
+      nlohmann::json arr = nlohmann::json::array();
+      for (const auto& n : s->nodes())
+        for (const auto& e : n.engine_details()) {
+          nlohmann::json j = nlohmann::json::parse(ProtoJson(e, false));
+          j["node_id"] = n.node_id();
+          arr.push_back(std::move(j));
+        }
+      std::printf("%s\n", arr.dump(2).c_str());
+      return kExitOk;
+    }
+    std::printf("%-16s %-10s %-6s %-22s %-28s %s\n", "ENGINE", "KIND", "RANKS", "ADDRESS", "NODE", "STATE");
+    for (const auto& n : s->nodes())
+      for (const auto& e : n.engine_details())
+        std::printf("%-16s %-10s %-6d %-22s %-28s %s\n", e.engine_id().c_str(), e.kind().empty() ? "-" : e.kind().c_str(),
+                    e.ranks(), e.address().c_str(), n.node_id().c_str(), e.state().c_str());
+    return kExitOk;
+  }
   if (*status || *history) {
     client::CoordinatorClient c(endpoint, dt);
     if (*status) {

@@ -109,14 +109,14 @@ class Cluster {
       engines.push_back("127.0.0.1:" + Start(id, {o_.bin_dir + "/wsync-engine-ref", "--id", id, "--model", o_.model,
                                                   "--tp", std::to_string(o_.tp), "--listen", "127.0.0.1:0"}));
       Start("target" + std::to_string(e),
-            {o_.bin_dir + "/wsyncd", "--role", "target", "--node-id", "infer" + std::to_string(e), "--coordinator",
+            {o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "target", "--node-id", "infer" + std::to_string(e), "--coordinator",
              coordinator, "--engine", engines.back(), "--transport", o_.transport, "--engine-socket",
              dir_ + "/target" + std::to_string(e) + ".sock"});
     }
     for (int s = 0; s < o_.sources; ++s)
       sources.push_back("127.0.0.1:" +
                         Start("source" + std::to_string(s),
-                              {o_.bin_dir + "/wsyncd", "--role", "source", "--node-id", "train" + std::to_string(s),
+                              {o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id", "train" + std::to_string(s),
                                "--coordinator", coordinator, "--trainer-ranks", std::to_string(o_.trainer_ranks),
                                "--ring-mib", std::to_string(o_.ring_mib), "--transport", o_.transport},
                               o_.source_env));

@@ -59,11 +59,11 @@ def main() -> int:
             procs.start("engine", [f"{b}/wsync-engine-ref", "--id", "engine0", "--model", model, "--tp", "2",
                                    "--listen", "127.0.0.1:0", "--port-file", os.path.join(wd, "engine.port")])
             eng = f"127.0.0.1:{port_of('engine')}"
-            procs.start("target", [f"{b}/wsyncd", "--role", "target", "--node-id", "infer0", "--coordinator", coord,
+            procs.start("target", [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "target", "--node-id", "infer0", "--coordinator", coord,
                                    "--engine", f"reference+grpc://{eng}", "--engine-socket",
                                    os.path.join(wd, "target.sock"), "--port-file", os.path.join(wd, "target.port")])
             port_of("target")
-            procs.start("source", [f"{b}/wsyncd", "--role", "source", "--node-id", "train0", "--coordinator", coord,
+            procs.start("source", [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id", "train0", "--coordinator", coord,
                                    "--trainer-ranks", "2", "--ring-mib", "64",
                                    "--port-file", os.path.join(wd, "source.port")])
             src = f"127.0.0.1:{port_of('source')}"

@@ -96,7 +96,7 @@ class Cluster:
         pf = os.path.join(self.wd, "source.port")
         if os.path.exists(pf):
             os.unlink(pf)
-        self.procs.start("source", [os.path.join(self.args.bin, "wsyncd"), "--role", "source", "--node-id",
+        self.procs.start("source", [os.path.join(self.args.bin, "wsyncd"), "--listen", "127.0.0.1:0", "--role", "source", "--node-id",
                                     "trainer-node-0", "--coordinator", self.coord_addr, "--trainer-ranks", "1",
                                     "--port-file", pf])
         port = harness.wait_for("source wsyncd", lambda: harness.read_port_file(pf), 60, self.procs, ["source"])
@@ -105,7 +105,7 @@ class Cluster:
     def start_target(self, vllm_port: int):
         pf = os.path.join(self.wd, "target.port")
         sock = os.path.join(self.wd, "target.sock")
-        self.procs.start("target", [os.path.join(self.args.bin, "wsyncd"), "--role", "target", "--node-id",
+        self.procs.start("target", [os.path.join(self.args.bin, "wsyncd"), "--listen", "127.0.0.1:0", "--role", "target", "--node-id",
                                     "inference-node-0", "--coordinator", self.coord_addr, "--engine-socket", sock,
                                     "--engine", f"vllm+http://127.0.0.1:{vllm_port}?mode={self.args.mode}&id=vllm-a",
                                     "--port-file", pf])

@@ -27,6 +27,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/cli.h"
 #include "base/fd_passing.h"
 #include "base/logging.h"
 #include "nlohmann/json.hpp"
@@ -380,14 +381,14 @@ int main(int argc, char** argv) {
   using namespace wsync::engine_ref;
   CLI::App app{"wsync reference engine: holds one engine instance's TP-rank weights in shared memory (memfd)"};
   std::string id = "engine0", model, listen = "127.0.0.1:0", port_file, log_level;
+  wsync::cli::AddCommonFlags(app, "wsync-engine-ref", &log_level);
   int tp = 1;
   app.add_option("--id", id, "engine instance id");
   app.add_option("--model", model, "HF config.json of the model")->required()->check(CLI::ExistingFile);
   app.add_option("--tp", tp, "tensor-parallel size (number of ranks)")->check(CLI::Range(1, 1024));
   app.add_option("--listen", listen, "host:port of the control API (port 0 = any free port)");
   app.add_option("--port-file", port_file, "write the bound port here once serving");
-  app.add_option("--log-level", log_level, "trace|debug|info|warn|error");
-  CLI11_PARSE(app, argc, argv);
+  if (int rc = wsync::cli::Parse(app, argc, argv); rc >= 0) return rc;
   wsync::InitLogging("engine-ref", log_level);
 
   std::ifstream f(model);
