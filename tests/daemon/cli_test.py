@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Command-line contract of every binary (docs/operations.md, "Command lines, versions and exit codes"): --version,
+exit codes 0/1/2/3, validated --log-level, wsyncctl's global flags after the subcommand and JSON with default-valued
+fields, wsyncd refusing a wildcard listen address without --advertise, and SIGTERM stopping a daemon that is still
+retrying its registration."""
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+failures = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what)
+    if not cond:
+        failures.append(what)
+
+
+def run(argv, timeout=30):
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    args = ap.parse_args()
+    b = lambda n: os.path.join(args.bin, n)
+    progs = ["wsyncctl", "wsyncd", "wsync-coordinator", "wsync-engine-ref", "wsync-trainer-demo"]
+    for prog in progs:
+        rc, out, _ = run([b(prog), "--version"])
+        check(rc == 0 and out.startswith(prog + " ") and "commit" in out, f"{prog} --version: rc {rc}, {out.strip()!r}")
+        rc, out, _ = run([b(prog), "--help"])
+        check(rc == 0 and "exit codes" in out, f"{prog} --help lists exit codes (rc {rc})")
+        rc, _, err = run([b(prog), "--log-level", "verbose"])
+        check(rc == 2 and "verbose" in err, f"{prog} rejects --log-level verbose with 2 (rc {rc})")
+        rc, _, err = run([b(prog), "--no-such-flag"])
+        check(rc == 2, f"{prog} unknown flag exits 2 (rc {rc})")
+    rc, _, err = run([b("wsyncctl"), "frobnicate"])
+    check(rc == 2 and "frobnicate" in err, f"unknown subcommand named, exit 2 (rc {rc}: {err.strip()[:120]})")
+    dead = f"127.0.0.1:{free_port()}"
+    rc, _, err = run([b("wsyncctl"), "status", "-w", "json", "--endpoints", dead, "--dial-timeout", "1"])
+    check(rc == 3, f"unreachable coordinator exits 3 (rc {rc})")
+    rc, _, err = run([b("wsyncd"), "--role", "source", "--coordinator", dead, "--listen", "0.0.0.0:0"])
+    check(rc == 2 and "--advertise" in err + _, f"wsyncd --listen 0.0.0.0 without --advertise exits 2 (rc {rc})")
+
+    with tempfile.TemporaryDirectory() as wd:
+        pf = os.path.join(wd, "coord.port")
+        coord = subprocess.Popen([b("wsync-coordinator"), "--listen", "127.0.0.1:0", "--port-file", pf],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.time() + 20
+            while not os.path.exists(pf) and time.time() < deadline:
+                time.sleep(0.05)
+            ep = "127.0.0.1:" + open(pf).read().strip()
+            # Global flags after the subcommand; default-valued fields present in JSON.
+            rc, out, err = run([b("wsyncctl"), "status", "-w", "json", "--endpoints", ep])
+            check(rc == 0, f"status -w json after the subcommand (rc {rc}: {err.strip()[:160]})")
+            try:
+                doc = json.loads(out)
+            except ValueError:
+                doc = {}
+            check("currentVersion" in doc or "current_version" in doc,
+                  f"JSON carries default-valued fields: {sorted(doc)[:12]}")
+            check(bool(doc.get("serverVersion") or doc.get("server_version")), "status carries the server version")
+            rc, out, _ = run([b("wsyncctl"), "version", "--endpoints", ep])
+            check(rc == 0 and out.count("0.") >= 2, f"wsyncctl version shows client and server (rc {rc}): {out!r}")
+            for sub in ("nodes", "engines"):
+                rc, out, _ = run([b("wsyncctl"), sub, "--endpoints", ep, "-w", "json"])
+                check(rc == 0, f"wsyncctl {sub} on an empty cluster (rc {rc})")
+        finally:
+            coord.terminate()
+            coord.wait(10)
+
+        # SIGTERM while the daemon retries its registration: it must stop promptly with status 0.
+        d = subprocess.Popen([b("wsyncd"), "--role", "source", "--coordinator", dead, "--listen", "127.0.0.1:0",
+                              "--ring-mib", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(2.5)
+        t0 = time.time()
+        d.send_signal(signal.SIGTERM)
+        try:
+            rc = d.wait(5)
+        except subprocess.TimeoutExpired:
+            d.kill()
+            rc = d.wait()
+        log = d.stdout.read()
+        check(rc == 0 and time.time() - t0 < 3, f"SIGTERM during registration: rc {rc} after {time.time() - t0:.1f}s")
+        check("attempt 1/" in log, "each failed registration attempt is logged")
+    if failures:
+        print(f"FAIL: {len(failures)} checks failed")
+        return 1
+    print("PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
