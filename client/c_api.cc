@@ -211,6 +211,26 @@ int wsync_coordinator_commit_update(wsync_coordinator* c, int64_t version, doubl
   });
 }
 
+int wsync_coordinator_abort_update(wsync_coordinator* c, int64_t version, const char* reason, char** json_out) {
+  if (json_out != nullptr) *json_out = nullptr;
+  if (c == nullptr) return Report(NullArg("coordinator handle"));
+  return Guard(&c->last_error, [&]() -> absl::Status {
+    auto r = c->client->AbortUpdate(version, reason == nullptr ? "" : reason);
+    if (!r.ok()) return r.status();
+    return JsonOut(*r, json_out);
+  });
+}
+
+int wsync_coordinator_resume_engines(wsync_coordinator* c, char** json_out) {
+  if (json_out != nullptr) *json_out = nullptr;
+  if (c == nullptr) return Report(NullArg("coordinator handle"));
+  return Guard(&c->last_error, [&]() -> absl::Status {
+    auto r = c->client->ResumeEngines();
+    if (!r.ok()) return r.status();
+    return JsonOut(*r, json_out);
+  });
+}
+
 int wsync_coordinator_status(wsync_coordinator* c, char** json_out) {
   if (json_out != nullptr) *json_out = nullptr;
   if (c == nullptr) return Report(NullArg("coordinator handle"));

@@ -106,6 +106,13 @@ WSYNC_C_EXPORT int wsync_coordinator_begin_update(wsync_coordinator* c, int64_t 
  * paused at their old version; its record, "success": false, is in the history). */
 WSYNC_C_EXPORT int wsync_coordinator_commit_update(wsync_coordinator* c, int64_t version, double timeout_s,
                                                    char** json_out);
+/* Closes the open update `version` without committing it; reason may be NULL. *json_out receives the
+ * AbortUpdateReply as JSON (record, bytes_written, engines_resumable). The engines stay paused. */
+WSYNC_C_EXPORT int wsync_coordinator_abort_update(wsync_coordinator* c, int64_t version, const char* reason,
+                                                  char** json_out);
+/* Resumes paused engines at their current version (refused with WSYNC_FAILED_PRECONDITION while they may hold
+ * partial writes of a failed or aborted update). *json_out receives the ResumeEnginesReply as JSON. */
+WSYNC_C_EXPORT int wsync_coordinator_resume_engines(wsync_coordinator* c, char** json_out);
 /* ClusterStatus as JSON. */
 WSYNC_C_EXPORT int wsync_coordinator_status(wsync_coordinator* c, char** json_out);
 /* HistoryReply (the last `limit` updates; <= 0: all kept) as JSON. */

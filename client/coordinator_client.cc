@@ -61,4 +61,26 @@ absl::StatusOr<v1::HistoryReply> CoordinatorClient::History(int limit) {
   return rep;
 }
 
+absl::StatusOr<v1::AbortUpdateReply> CoordinatorClient::AbortUpdate(int64_t version, const std::string& reason) {
+  v1::AbortUpdateRequest req;
+  req.set_version(version);
+  req.set_reason(reason);
+  v1::AbortUpdateReply rep;
+  grpc::ClientContext ctx;
+  // The coordinator waits for every source's AbortSourceUpdate (a bucket being written, then the drain).
+  SetDeadline(&ctx, dial_timeout_ + absl::Seconds(60 + kDeadlineMarginSeconds));
+  grpc::Status s = stub_->AbortUpdate(&ctx, req, &rep);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return rep;
+}
+
+absl::StatusOr<v1::ResumeEnginesReply> CoordinatorClient::ResumeEngines() {
+  v1::ResumeEnginesReply rep;
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, dial_timeout_ + absl::Seconds(30 + kDeadlineMarginSeconds));
+  grpc::Status s = stub_->ResumeEngines(&ctx, v1::ResumeEnginesRequest(), &rep);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return rep;
+}
+
 }  // namespace wsync::client

@@ -42,6 +42,10 @@ class CoordinatorClient {
   absl::StatusOr<v1::UpdateRecord> CommitUpdate(int64_t version, double timeout_seconds = kDefaultCommitTimeoutSeconds);
   absl::StatusOr<v1::ClusterStatus> Status();
   absl::StatusOr<v1::HistoryReply> History(int limit);
+  // Closes the open update `version` without committing it (safe to retry: a repeat returns the first answer).
+  absl::StatusOr<v1::AbortUpdateReply> AbortUpdate(int64_t version, const std::string& reason);
+  // Resumes paused engines at their current version; refused while they may hold partial writes.
+  absl::StatusOr<v1::ResumeEnginesReply> ResumeEngines();
 
  private:
   std::unique_ptr<v1::Coordinator::Stub> stub_;

@@ -155,9 +155,10 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   ended_cv_.notify_all();
 }
 
-absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why) {
+absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written) {
   const int64_t v = rec.version();
   std::lock_guard<std::mutex> l(mu_);
+  if (may_have_written) engines_dirty_ = true;
   // Aborted: this update is over whatever is retried; a new update (a newer version) is the way forward.
   absl::Status err = absl::AbortedError(absl::StrCat(
       "update ", v, " failed; engines stay paused",
@@ -215,7 +216,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   });
   AddPhase(&rec, "pause", t);
   out.set_pause_seconds(rec.phases(0).seconds());
-  if (!st.ok()) return Fail(rec, st);
+  if (!st.ok()) return Fail(rec, st, false);
 
   t = absl::Now();
   std::vector<std::pair<std::string, v1::ConfigureSourceRequest>> configure;
@@ -244,7 +245,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       if (n.role() == "source") source_addrs.push_back(n.address());
     plan_epoch = need_plan ? membership_epoch_ : plan_epoch_;
   }
-  if (!st.ok()) return Fail(rec, st);
+  if (!st.ok()) return Fail(rec, st, false);
   if (need_plan) {
     st = ForAll(configure, [&](const std::pair<std::string, v1::ConfigureSourceRequest>& c) {
       auto r = peers_->ConfigureSource(c.first, c.second);
@@ -252,7 +253,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     });
     AddPhase(&rec, "configure", t);
     out.set_configure_seconds(rec.phases(1).seconds());
-    if (!st.ok()) return Fail(rec, st);
+    if (!st.ok()) return Fail(rec, st, false);
     std::lock_guard<std::mutex> l(mu_);
     plan_epoch_ = plan_epoch;
   }
@@ -260,7 +261,8 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   sreq.set_version(v);
   sreq.set_plan_epoch(plan_epoch);
   st = ForAll(source_addrs, [&](const std::string& a) { return Annotate(peers_->StartUpdate(a, sreq), "start " + a); });
-  if (!st.ok()) return Fail(rec, st);
+  // A source that started may already take pushes from its ranks: count the update as possibly written.
+  if (!st.ok()) return Fail(rec, st, true);
   out.set_plan_epoch(plan_epoch);
   std::lock_guard<std::mutex> l(mu_);
   state_ = "updating";
@@ -337,7 +339,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   rec.set_bytes(bytes);
   rec.set_params(params);
   // Weights may be partly written: the engines stay paused at their old version rather than resume silently.
-  if (!st.ok()) return Fail(rec, st);
+  if (!st.ok()) return Fail(rec, st, true);
   absl::Time t = absl::Now();
   const std::string version = std::to_string(v);
   st = ForAll(engines, [&](const std::string& a) {
@@ -358,15 +360,112 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     });
     AddPhase(&rec, "continue", t);
   }
-  if (!st.ok()) return Fail(rec, st);
+  if (!st.ok()) return Fail(rec, st, true);
   rec.set_success(true);
   rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   v1::CommitUpdateReply out;
   *out.mutable_record() = rec;
   std::lock_guard<std::mutex> l(mu_);
+  engines_dirty_ = false;
   Finish(v, Outcome{absl::OkStatus(), out}, rec);
   spdlog::info("update {} committed: {:.1f} MiB to {} engine ranks in {:.3f}s", v, bytes / 1048576.0, engine_ranks,
                rec.total_seconds());
+  return out;
+}
+
+absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpdateRequest& req) {
+  const int64_t v = req.version();
+  v1::UpdateRecord rec;
+  std::vector<std::string> sources;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (auto it = aborted_.find(v); it != aborted_.end()) return it->second;
+    if (const Outcome* o = FindOutcome(v))
+      return absl::FailedPreconditionError(absl::StrCat("cannot abort update ", v, ": it has ended already (",
+                                                        o->status.ok() ? "committed" : "failed", ")"));
+    if (open_version_ != v || state_ == "idle" || state_ == "failed")
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot abort update ", v, ": ",
+          open_version_ >= 0 ? absl::StrCat("the open update is ", open_version_) : std::string("no update is open")));
+    if (state_ == "beginning")
+      return absl::FailedPreconditionError(absl::StrCat("update ", v,
+                                                 " is beginning (pausing engines, configuring sources); abort it "
+                                                 "once BeginUpdate has returned"));
+    if (state_ == "committing")
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot abort update ", v, ": it is committing; the commit ends by itself (success or failure) within its "
+          "deadlines"));
+    if (state_ == "aborting")
+      return absl::FailedPreconditionError(
+          absl::StrCat("update ", v, " is being aborted by another call; ask again for its result"));
+    state_ = "aborting";
+    rec = open_record_;
+    for (const auto& [id, n] : nodes_)
+      if (n.role() == "source") sources.push_back(n.address());
+  }
+  const absl::Time t = absl::Now();
+  v1::AbortSourceUpdateRequest sreq;
+  sreq.set_version(v);
+  sreq.set_reason(req.reason());
+  std::mutex agg_mu;
+  uint64_t bytes = 0;
+  bool clean = true;
+  absl::Status st = ForAll(sources, [&](const std::string& a) {
+    auto r = peers_->AbortSourceUpdate(a, sreq);
+    std::lock_guard<std::mutex> l(agg_mu);
+    if (!r.ok()) {
+      clean = false;  // unknown: that source may have written
+      return Annotate(r.status(), "abort at source " + a);
+    }
+    bytes += r->bytes_written();
+    if (r->bytes_written() > 0 || !r->quiescent()) clean = false;
+    return absl::OkStatus();
+  });
+  AddPhase(&rec, "abort", t);
+  rec.set_bytes(bytes);
+  rec.set_aborted(true);
+  const std::string why = absl::StrCat("aborted by the operator",
+                                       req.reason().empty() ? std::string() : absl::StrCat(": ", req.reason()),
+                                       st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"));
+  absl::Status err = Fail(rec, absl::AbortedError(why), !clean);
+  v1::AbortUpdateReply out;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!history_.empty() && history_.back().version() == v) *out.mutable_record() = history_.back();
+    out.set_bytes_written(bytes);
+    out.set_engines_resumable(!engines_dirty_);
+    aborted_[v] = out;
+    while (aborted_.size() > std::max<size_t>(opts_.history_limit, 1)) aborted_.erase(aborted_.begin());
+  }
+  spdlog::warn("update {} aborted: {} bytes had reached the engines; engines {}", v, bytes,
+               out.engines_resumable() ? "may be resumed at the old version" : "stay paused until an update succeeds");
+  return out;
+}
+
+absl::StatusOr<v1::ResumeEnginesReply> Coordinator::ResumeEngines(const v1::ResumeEnginesRequest&) {
+  std::vector<std::string> engines;
+  v1::ResumeEnginesReply out;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (UpdateInProgress())
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot resume engines: update ", open_version_, " is ", state_));
+    if (engines_dirty_)
+      return absl::FailedPreconditionError(
+          "cannot resume engines: a failed or aborted update may have written into them, so they may hold mixed "
+          "weights; they resume with the next successful update");
+    for (const auto& [id, n] : nodes_)
+      for (const auto& e : n.engines()) {
+        engines.push_back(e.control_address());
+        out.add_engines(e.engine_id());
+      }
+    out.set_version(current_version_ >= 0 ? std::to_string(current_version_) : std::string());
+  }
+  absl::Status st = ForAll(engines, [&](const std::string& a) {
+    return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + a));
+  });
+  if (!st.ok()) return st;
+  spdlog::info("engines resumed at version {} by the operator", out.version());
   return out;
 }
 
@@ -396,6 +495,7 @@ v1::ClusterStatus Coordinator::Status() const {
   s.set_plan_epoch(plan_epoch_);
   s.set_current_version(current_version_ >= 0 ? std::to_string(current_version_) : std::string());
   s.set_state(state_);
+  s.set_engines_hold_partial_writes(engines_dirty_);
   for (const auto& p : plan_) {
     auto* t = s.add_plan();
     t->set_source_node(p.source);

@@ -15,6 +15,12 @@
 //   CommitUpdate(v) while v is committing: waits for that commit and returns its result (no second commit);
 //                   after v committed: the recorded reply; after v failed: the recorded Aborted("update v failed: …");
 //                   any other version, or v not yet open: FailedPrecondition naming the open and the asked version.
+//   AbortUpdate(v)  while v is open (updating): updating --> aborting --> failed; every source stops taking v's
+//                   pushes and drains its writes; the record says aborted and how many bytes reached the engines.
+//                   Engines stay paused at their old version. Repeats get the recorded answer; refused while v is
+//                   beginning or committing (those phases end by themselves within their deadlines).
+//   ResumeEngines   continues every engine at the current version, only when no byte of a failed or aborted update
+//                   may have reached them (engines_hold_partial_writes false); a successful update clears the flag.
 // The current version, the history and the engines' version labels therefore only move forward.
 
 #include <condition_variable>
@@ -41,6 +47,8 @@ class Peers {
   virtual absl::Status StartUpdate(const std::string& addr, const v1::StartUpdateRequest& req) = 0;
   virtual absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string& addr,
                                                               const v1::FinishUpdateRequest& req) = 0;
+  virtual absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string& addr,
+                                                                       const v1::AbortSourceUpdateRequest& req) = 0;
   virtual absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) = 0;
   virtual absl::Status Pause(const std::string& addr, const std::string& mode) = 0;
   // `version`: the update whose writes have all completed (a target daemon's facade sends it to the engine's ranks).
@@ -68,6 +76,7 @@ struct PeerDeadlines {
   static constexpr double kPostProcess = 300;
   static constexpr double kSetVersion = 30;
   static constexpr double kContinue = 30;
+  static constexpr double kAbort = 60;  // a source's AbortSourceUpdate: the bucket being written + the drain (30 s)
 };
 
 // Default CommitUpdateRequest.timeout_seconds (how long sources wait for their trainer ranks).
@@ -95,6 +104,8 @@ class Coordinator {
   absl::StatusOr<v1::BeginUpdateReply> BeginUpdate(const v1::BeginUpdateRequest& req);
   absl::StatusOr<v1::CommitUpdateReply> CommitUpdate(const v1::CommitUpdateRequest& req);
   v1::HistoryReply History(const v1::HistoryRequest& req) const;
+  absl::StatusOr<v1::AbortUpdateReply> AbortUpdate(const v1::AbortUpdateRequest& req);
+  absl::StatusOr<v1::ResumeEnginesReply> ResumeEngines(const v1::ResumeEnginesRequest& req);
 
  private:
   struct Planned {
@@ -109,12 +120,16 @@ class Coordinator {
   };
   absl::Status Replan();  // requires mu_
   std::vector<std::string> EngineAddresses() const;
-  bool UpdateInProgress() const { return state_ == "beginning" || state_ == "updating" || state_ == "committing"; }
+  bool UpdateInProgress() const {
+    return state_ == "beginning" || state_ == "updating" || state_ == "committing" || state_ == "aborting";
+  }
   // Records `v`'s outcome and history entry, leaves the update (state idle on success, failed otherwise) and wakes
   // the calls waiting for it. Requires mu_.
   void Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec);
   // Ends the open update `rec.version()` as failed with Aborted("update v failed: why"); returns that status.
-  absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why);
+  // `may_have_written`: whether a byte of it may have reached an engine (then engines stay paused until an update
+  // succeeds).
+  absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written);
   // The recorded answer for a version that has ended, or nullptr. Requires mu_.
   const Outcome* FindOutcome(int64_t v) const;
   // Records the coordinator's view of engine `addr` after a call of `phase` (on_success "" = unchanged); returns st.
@@ -131,7 +146,9 @@ class Coordinator {
   std::string model_config_json_;
   std::map<std::string, std::string> engine_state_;  // control address → registered | paused | serving | failed: …
 
-  std::string state_ = "idle";         // idle | beginning | updating | committing | failed
+  std::string state_ = "idle";         // idle | beginning | updating | committing | aborting | failed
+  bool engines_dirty_ = false;         // a failed/aborted update may have written into the engines
+  std::map<int64_t, v1::AbortUpdateReply> aborted_;  // answers to repeated AbortUpdate, bounded like outcomes_
   std::condition_variable ended_cv_;   // a begin or a commit ended (state_ left beginning or committing)
   int64_t open_version_ = -1;          // the version beginning, open or committing; -1 when none
   int64_t last_begun_ = -1;            // highest version ever begun; BeginUpdate needs a newer one

@@ -80,6 +80,11 @@ grpc::Status NodeDaemonService::FinishUpdate(grpc::ServerContext*, const v1::Fin
   WSYNC_NEED(Source);
   return Reply(source_->FinishUpdate(*req), out);
 }
+grpc::Status NodeDaemonService::AbortSourceUpdate(grpc::ServerContext*, const v1::AbortSourceUpdateRequest* req,
+                                                  v1::AbortSourceUpdateReply* out) {
+  WSYNC_NEED(Source);
+  return Reply(source_->AbortUpdate(*req), out);
+}
 grpc::Status NodeDaemonService::ConnectTarget(grpc::ServerContext*, const v1::ConnectTargetRequest* req,
                                               v1::ConnectTargetReply* out) {
   WSYNC_NEED(Target);
@@ -116,6 +121,14 @@ grpc::Status CoordinatorService::GetHistory(grpc::ServerContext*, const v1::Hist
                                             v1::HistoryReply* out) {
   *out = c_->History(*req);
   return grpc::Status::OK;
+}
+grpc::Status CoordinatorService::AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest* req,
+                                             v1::AbortUpdateReply* out) {
+  return Reply(c_->AbortUpdate(*req), out);
+}
+grpc::Status CoordinatorService::ResumeEngines(grpc::ServerContext*, const v1::ResumeEnginesRequest* req,
+                                               v1::ResumeEnginesReply* out) {
+  return Reply(c_->ResumeEngines(*req), out);
 }
 
 namespace {
@@ -208,6 +221,11 @@ class GrpcPeers final : public Peers {
                                                      const v1::FinishUpdateRequest& req) override {
     return Call<v1::FinishUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::FinishUpdate, req,
                                        req.timeout_seconds() + PeerDeadlines::kFinishSlack);
+  }
+  absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string& addr,
+                                                               const v1::AbortSourceUpdateRequest& req) override {
+    return Call<v1::AbortSourceUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::AbortSourceUpdate, req,
+                                            PeerDeadlines::kAbort);
   }
   absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) override {
     return Call<v1::EngineInfo>(Engine(addr), &v1::EngineControl::Stub::GetInfo, v1::GetEngineInfoRequest(),

@@ -29,6 +29,8 @@ class NodeDaemonService final : public v1::NodeDaemon::Service {
                                v1::ConfigureSourceReply*) override;
   grpc::Status StartUpdate(grpc::ServerContext*, const v1::StartUpdateRequest*, v1::StartUpdateReply*) override;
   grpc::Status FinishUpdate(grpc::ServerContext*, const v1::FinishUpdateRequest*, v1::FinishUpdateReply*) override;
+  grpc::Status AbortSourceUpdate(grpc::ServerContext*, const v1::AbortSourceUpdateRequest*,
+                                 v1::AbortSourceUpdateReply*) override;
   grpc::Status ConnectTarget(grpc::ServerContext*, const v1::ConnectTargetRequest*, v1::ConnectTargetReply*) override;
   grpc::Status GetNodeStatus(grpc::ServerContext*, const v1::NodeStatusRequest*, v1::NodeStatus*) override;
 
@@ -47,6 +49,9 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status BeginUpdate(grpc::ServerContext*, const v1::BeginUpdateRequest*, v1::BeginUpdateReply*) override;
   grpc::Status CommitUpdate(grpc::ServerContext*, const v1::CommitUpdateRequest*, v1::CommitUpdateReply*) override;
   grpc::Status GetHistory(grpc::ServerContext*, const v1::HistoryRequest*, v1::HistoryReply*) override;
+  grpc::Status AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest*, v1::AbortUpdateReply*) override;
+  grpc::Status ResumeEngines(grpc::ServerContext*, const v1::ResumeEnginesRequest*,
+                             v1::ResumeEnginesReply*) override;
 
  private:
   Coordinator* c_;

@@ -470,9 +470,16 @@ absl::Status SourceNode::EndPush(const v1::EndPushRequest& req) {
   std::lock_guard<std::mutex> l(mu_);
   Session* s = FindSession(req.session_id());
   if (s == nullptr) return absl::NotFoundError(absl::StrCat("no session ", req.session_id()));
-  if (req.version() != version_)
-    return absl::FailedPreconditionError(absl::StrCat("EndPush for update ", req.version(), " but update ", version_,
-                                                      " is open"));
+  if (req.version() != version_) {
+    if (ended_version_ == req.version())
+      return absl::FailedPreconditionError(absl::StrCat("EndPush for update ", req.version(),
+                                                        ", which has ended: ",
+                                                        ended_result_.ok() ? std::string("it finished")
+                                                                           : ended_result_.status().ToString()));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "EndPush for update ", req.version(), " but ",
+        version_ >= 0 ? absl::StrCat("update ", version_, " is open") : std::string("no update is open")));
+  }
   s->ended_version = req.version();
   ended_ranks_.insert(s->local_rank);
   cv_.notify_all();
@@ -542,6 +549,50 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   ended_result_ = out;
   spdlog::info("update {} done: {} tensors in, {} params / {:.1f} MiB written (ingest {:.3f}s, write {:.3f}s)", v,
                tensors_received_, params_written_, bytes_written_ / 1048576.0, ingest_seconds_, write_seconds_);
+  return out;
+}
+
+absl::StatusOr<v1::AbortSourceUpdateReply> SourceNode::AbortUpdate(const v1::AbortSourceUpdateRequest& req,
+                                                                   absl::Duration drain_timeout) {
+  const int64_t v = req.version();
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (aborted_version_ == v) return aborted_reply_;
+    if (version_ != v) {
+      if (last_version_ == v)
+        return absl::FailedPreconditionError(absl::StrCat("cannot abort update ", v, ": it finished successfully"));
+      // Never started here, or ended (failed/abandoned) already: nothing of it can be written any more.
+      v1::AbortSourceUpdateReply out;
+      out.set_was_open(false);
+      out.set_quiescent(true);
+      if (ended_version_ == v) out.set_bytes_written(bytes_written_);
+      return out;
+    }
+    if (finishing_)
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot abort update ", v, ": it is finishing (its commit runs; it ends by itself)"));
+    // From here on BeginPush/CommitBucket/EndPush of v are refused (CommitBucket reads version_ under ingest_mu_).
+    version_ = -1;
+    ended_version_ = v;
+    absl::Status err = absl::AbortedError(absl::StrCat(
+        "update ", v, " was aborted", req.reason().empty() ? std::string() : absl::StrCat(": ", req.reason())));
+    ended_result_ = err;
+    update_error_ = err;
+    aborted_version_ = v;
+    cv_.notify_all();
+  }
+  // A bucket being written when the abort came holds ingest_mu_: wait for it, then for every write in flight.
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  absl::Status drained = DrainOutstanding(drain_timeout);
+  std::lock_guard<std::mutex> l(mu_);
+  v1::AbortSourceUpdateReply out;
+  out.set_was_open(true);
+  out.set_bytes_written(bytes_written_);
+  out.set_quiescent(drained.ok());
+  aborted_reply_ = out;
+  spdlog::warn("update {} aborted ({}): {:.1f} MiB of it had been written{}", v,
+               req.reason().empty() ? "no reason given" : req.reason(), bytes_written_ / 1048576.0,
+               drained.ok() ? "" : absl::StrCat("; draining its writes failed: ", drained.ToString()));
   return out;
 }
 

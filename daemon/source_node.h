@@ -55,6 +55,12 @@ class SourceNode {
   absl::StatusOr<v1::ConfigureSourceReply> Configure(const v1::ConfigureSourceRequest& req);
   absl::Status StartUpdate(const v1::StartUpdateRequest& req);
   absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const v1::FinishUpdateRequest& req);
+  // Ends the open update `req.version()` as aborted: pushes and buckets of it are refused from now on, a bucket
+  // being written is let finish, outstanding writes are drained (bounded by `drain_timeout`), then the bytes it wrote
+  // are reported. Idempotent: a repeat answers the first call's result. Refused while the update is finishing
+  // (FinishUpdate owns it) or after it finished successfully.
+  absl::StatusOr<v1::AbortSourceUpdateReply> AbortUpdate(const v1::AbortSourceUpdateRequest& req,
+                                                         absl::Duration drain_timeout = absl::Seconds(30));
 
   v1::NodeStatus Status() const;
 
@@ -117,6 +123,9 @@ class SourceNode {
   int64_t ended_version_ = -1;
   absl::StatusOr<v1::FinishUpdateReply> ended_result_ = absl::UnknownError("no update has ended");
   absl::Status update_error_;
+  // The last aborted version and AbortUpdate's answer for it (repeats get the same answer).
+  int64_t aborted_version_ = -1;
+  v1::AbortSourceUpdateReply aborted_reply_;
   std::set<int> ended_ranks_;  // local ranks that finished pushing the open update
   uint64_t bytes_written_ = 0, params_written_ = 0, tensors_received_ = 0;
   double ingest_seconds_ = 0, write_seconds_ = 0;

@@ -102,7 +102,7 @@ int RunPlan(int argc, char** argv, int at) {
 
 int main(int argc, char** argv) {
   const std::vector<std::string> commands = {"status", "nodes", "engines", "history", "verify", "checksums",
-                                             "version", "plan"};
+                                             "version", "plan", "abort", "resume"};
   const int at = CommandIndex(argc, argv);
   if (at > 0) {
     const std::string cmd = argv[at];
@@ -142,6 +142,13 @@ int main(int argc, char** argv) {
   int rank = 0;
   checksums->add_option("--engine", engine, "engine control address")->required();
   checksums->add_option("--rank", rank, "engine rank");
+  auto* abort_cmd = app.add_subcommand("abort", "close the open update without committing it (engines stay paused)");
+  int64_t abort_version = -1;
+  std::string reason;
+  abort_cmd->add_option("--version,version", abort_version, "the open update's version")->required();
+  abort_cmd->add_option("--reason", reason, "recorded in the history");
+  auto* resume = app.add_subcommand(
+      "resume", "resume paused engines at their current version (only when no byte of a failed update reached them)");
 #ifdef WSYNC_HAVE_PLAN_COMMAND
   app.add_subcommand("plan", "compute a transfer plan and its predicted time (see: wsyncctl plan --help)");
 #endif
@@ -200,6 +207,32 @@ int main(int argc, char** argv) {
                     e.ranks(), e.address().c_str(), n.node_id().c_str(), e.state().c_str());
     return kExitOk;
   }
+  if (*abort_cmd || *resume) {
+    client::CoordinatorClient c(endpoint, dt);
+    if (*abort_cmd) {
+      auto r = c.AbortUpdate(abort_version, reason);
+      if (!r.ok()) return ExitFor(r.status());
+      if (json) {
+        PrintJson(*r);
+        return kExitOk;
+      }
+      std::printf("update %lld aborted: %.1f MiB of it had reached the engines; %s\n",
+                  static_cast<long long>(abort_version), r->bytes_written() / 1048576.0,
+                  r->engines_resumable()
+                      ? "the engines hold their old version untouched: `wsyncctl resume` resumes them"
+                      : "the engines may hold partial writes and stay paused until an update succeeds");
+      return kExitOk;
+    }
+    auto r = c.ResumeEngines();
+    if (!r.ok()) return ExitFor(r.status());
+    if (json) {
+      PrintJson(*r);
+      return kExitOk;
+    }
+    std::printf("resumed %d engines at version %s: %s\n", r->engines_size(),
+                r->version().empty() ? "-" : r->version().c_str(), absl::StrJoin(r->engines(), ", ").c_str());
+    return kExitOk;
+  }
   if (*status || *history) {
     client::CoordinatorClient c(endpoint, dt);
     if (*status) {
@@ -246,7 +279,7 @@ int main(int argc, char** argv) {
     std::printf("%-8s %-7s %-9s %-10s %-6s %s\n", "VERSION", "OK", "TOTAL_S", "MiB", "RANKS", "PHASES / ERROR");
     for (const auto& r : h->records())
       std::printf("%-8lld %-7s %-9.3f %-10.1f %-6d %s\n", static_cast<long long>(r.version()),
-                  r.success() ? "yes" : "FAILED", r.total_seconds(), r.bytes() / 1048576.0, r.engine_ranks(),
+                  r.success() ? "yes" : (r.aborted() ? "ABORTED" : "FAILED"), r.total_seconds(), r.bytes() / 1048576.0, r.engine_ranks(),
                   r.success() ? Phases(r).c_str() : r.error().c_str());
     return kExitOk;
   }

@@ -248,6 +248,43 @@ def run(args, cluster, deadline):
         check(last and last[-1]["version"] == bad_version and last[-1]["success"] is False,
               "history records update %d as failed" % bad_version)
 
+        # `with coord.update(v)`: an exception in the body aborts the update (recorded, engines stay paused), the
+        # exception propagates; then a clean update through the context manager commits.
+        aborted_version = bad_version + 1
+        try:
+            with coord.update(aborted_version):
+                trainer.begin_push(aborted_version)
+                raise RuntimeError("loss is NaN")
+            check(False, "the body's exception propagates")
+        except RuntimeError as e:
+            check("NaN" in str(e), "the body's exception propagates: %s" % e)
+        last = coord.history(1)[-1]
+        check(last["version"] == aborted_version and last.get("aborted") is True and "loss is NaN" in last["error"],
+              "history records update %d as aborted with the reason: %s" % (aborted_version, last.get("error")))
+        try:
+            trainer.end_push(aborted_version)
+            check(False, "pushes of an aborted update are refused")
+        except WsyncError as e:
+            check(e.code == FAILED_PRECONDITION_CODE, "end_push of the aborted update refused: %s" % e)
+        try:
+            coord.resume_engines()  # update 2 failed after its sources started: engines may hold its bytes
+            check(False, "resume refused while engines may hold partial writes")
+        except WsyncError as e:
+            check(e.code == FAILED_PRECONDITION_CODE and "mixed" in e.message, "resume refused: %s" % e)
+        good = aborted_version + 1
+        with coord.update(good):
+            for name in trainer.begin_push(good):
+                trainer.push(name, generate_bf16(name, good, specs[name]), dtype="bfloat16")
+            trainer.end_push(good)
+        check(coord.last_record.get("success") is True, "update %d committed through coord.update()" % good)
+        r = subprocess.run([args.wsyncctl, "verify", "--engine", engine_addr, "--step", str(good)],
+                           capture_output=True, text=True, timeout=20)
+        check(r.returncode == 0, "engine verifies step %d bit-exact (rc %d)" % (good, r.returncode))
+        check(str(coord.resume_engines().get("version")) == str(good), "resume allowed after a successful update")
+
+FAILED_PRECONDITION_CODE = 9
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--coordinator", required=True, help="wsync-coordinator binary")

@@ -49,6 +49,16 @@ class FakePeers : public Peers {
     r.set_bytes_written(100);
     return r;
   }
+  absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string& addr,
+                                                               const v1::AbortSourceUpdateRequest& req) override {
+    Log("abort " + addr + " " + std::to_string(req.version()));
+    if (fail_abort) return absl::UnavailableError("source " + addr + " is gone");
+    v1::AbortSourceUpdateReply r;
+    r.set_was_open(true);
+    r.set_quiescent(true);
+    r.set_bytes_written(abort_bytes);
+    return r;
+  }
   absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) override {
     v1::EngineInfo i;
     i.set_model_config_json("{}");
@@ -95,6 +105,8 @@ class FakePeers : public Peers {
   std::vector<std::string> calls;
   std::map<std::string, v1::ConfigureSourceRequest> configured;
   std::atomic<bool> fail_finish{false};
+  std::atomic<bool> fail_abort{false};
+  std::atomic<uint64_t> abort_bytes{0};
   bool hold_finish = false;             // guarded by mu
   int finishing = 0;                    // guarded by mu
   std::set<int64_t> fail_versions;      // guarded by mu
@@ -449,6 +461,100 @@ TEST_CASE("lifecycle: the client's deadlines exceed the coordinator's worst case
   }
   CHECK(absl::ToDoubleSeconds(client::BeginUpdateDeadline(absl::ZeroDuration())) > BeginWorstCaseSeconds());
   CHECK(client::kDefaultCommitTimeoutSeconds == kDefaultCommitTimeoutSeconds);
+}
+
+}  // namespace
+}  // namespace wsync::daemon
+
+namespace wsync::daemon {
+namespace {
+
+absl::StatusOr<v1::AbortUpdateReply> Abort(Fixture& f, int64_t v) {
+  v1::AbortUpdateRequest r;
+  r.set_version(v);
+  r.set_reason("trainer crashed");
+  return f.c->AbortUpdate(r);
+}
+
+TEST_CASE("abort: closes the open update, records it, keeps engines paused; resume only when nothing was written") {
+  Fixture f(2, 2, 1);
+  REQUIRE(f.Begin(1).ok());
+  REQUIRE(f.Commit(1).ok());
+  const int continues = f.peers->Count("continue ");
+  CHECK(Abort(f, 2).status().code() == absl::StatusCode::kFailedPrecondition);  // nothing open
+  CHECK(Abort(f, 1).status().code() == absl::StatusCode::kFailedPrecondition);  // committed already
+
+  // Update 2 aborted before any byte was written: the engines may be resumed at version 1.
+  REQUIRE(f.Begin(2).ok());
+  auto a = Abort(f, 2);
+  REQUIRE(a.ok());
+  CHECK(a->record().aborted());
+  CHECK_FALSE(a->record().success());
+  CHECK(a->record().error().find("trainer crashed") != std::string::npos);
+  CHECK(a->bytes_written() == 0);
+  CHECK(a->engines_resumable());
+  CHECK(f.peers->Count("abort ") == 2);                          // every source told
+  CHECK(f.peers->Count("continue ") == continues);               // nothing resumed by the abort itself
+  CHECK(f.c->Status().current_version() == "1");
+  CHECK(f.c->Status().state() == "failed");
+  CHECK(f.Commit(2).status().code() == absl::StatusCode::kAborted);  // a late commit of it is refused
+  auto again = Abort(f, 2);                                       // a repeat answers the record, calls nothing
+  REQUIRE(again.ok());
+  CHECK(f.peers->Count("abort ") == 2);
+  auto r = f.c->ResumeEngines(v1::ResumeEnginesRequest());
+  REQUIRE(r.ok());
+  CHECK(r->version() == "1");
+  CHECK(f.peers->Count("continue ") == continues + 2);
+
+  // Update 3 aborted after bytes reached the engines: resume refused until an update succeeds.
+  REQUIRE(f.Begin(3).ok());
+  f.peers->abort_bytes = 4096;
+  a = Abort(f, 3);
+  REQUIRE(a.ok());
+  CHECK(a->bytes_written() == 2 * 4096);
+  CHECK_FALSE(a->engines_resumable());
+  CHECK(f.c->Status().engines_hold_partial_writes());
+  auto refused = f.c->ResumeEngines(v1::ResumeEnginesRequest());
+  CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(std::string(refused.status().message()).find("mixed weights") != std::string::npos);
+  // Update 4 aborted with nothing written: the engines still hold update 3's partial bytes.
+  f.peers->abort_bytes = 0;
+  REQUIRE(f.Begin(4).ok());
+  a = Abort(f, 4);
+  REQUIRE(a.ok());
+  CHECK_FALSE(a->engines_resumable());
+  // A successful update clears it.
+  REQUIRE(f.Begin(5).ok());
+  REQUIRE(f.Commit(5).ok());
+  CHECK_FALSE(f.c->Status().engines_hold_partial_writes());
+  CHECK(f.c->ResumeEngines(v1::ResumeEnginesRequest()).ok());
+  auto h = f.c->History(v1::HistoryRequest());
+  std::vector<bool> aborted;
+  for (const auto& rec : h.records()) aborted.push_back(rec.aborted());
+  CHECK(aborted == std::vector<bool>{false, true, true, true, false});
+}
+
+TEST_CASE("abort: a source that cannot be reached counts as written; a commit running cannot be aborted") {
+  Fixture f(1, 1, 1);
+  REQUIRE(f.Begin(1).ok());
+  f.peers->fail_abort = true;
+  auto a = Abort(f, 1);
+  REQUIRE(a.ok());
+  CHECK_FALSE(a->engines_resumable());
+  CHECK(a->record().error().find("is gone") != std::string::npos);
+  f.peers->fail_abort = false;
+  REQUIRE(f.Begin(2).ok());
+  {
+    std::lock_guard<std::mutex> l(f.peers->mu);
+    f.peers->hold_finish = true;
+  }
+  std::thread commit([&] { CHECK(f.Commit(2).ok()); });
+  f.peers->AwaitFinishing(1);
+  CHECK(Abort(f, 2).status().code() == absl::StatusCode::kFailedPrecondition);  // committing
+  CHECK(f.c->ResumeEngines(v1::ResumeEnginesRequest()).status().code() == absl::StatusCode::kFailedPrecondition);
+  f.peers->Release();
+  commit.join();
+  CHECK(f.c->Status().current_version() == "2");
 }
 
 }  // namespace

@@ -125,5 +125,85 @@ TEST_CASE("fault: a failed completion aborts the update, the engine stays paused
               false);
 }
 
+// AbortUpdate in a real cluster: an update aborted before any byte reached the engine leaves it resumable at its
+// old version; one aborted after its bytes were written keeps the engine paused (it may hold mixed weights) until
+// the next update succeeds. Every verdict is checked by the engine's own loader.
+TEST_CASE("abort: an aborted update records it, refuses its late pushes and commits, resumes only untouched engines") {
+  ClusterOptions o;
+  o.bin_dir = kBin;
+  o.model = kModel;
+  o.tp = kTp;
+  Cluster cl(o);
+  INFO("cluster logs in " << cl.dir() << " (WSYNC_TEST_KEEP=1 keeps them)");
+  client::TrainerOptions to;
+  to.daemon = cl.sources[0];
+  to.timeout = absl::Seconds(20);
+  auto trainer = client::TrainerClient::Connect(to);
+  REQUIRE(trainer.ok());
+  const std::string& engine = cl.engines[0];
+  client::CoordinatorClient coord(cl.coordinator);
+  static const auto specs = testing::Specs(kModel);
+
+  REQUIRE(RunUpdate(cl, **trainer, 1).ok());
+  CHECK(Verify(engine, 1).ok());
+
+  // Update 2: opened, nothing pushed, aborted.
+  REQUIRE(coord.BeginUpdate(2).ok());
+  CHECK(Info(engine).paused());
+  auto a = coord.AbortUpdate(2, "trainer step diverged");
+  INFO("abort 2: " << a.status().ToString());
+  REQUIRE(a.ok());
+  CHECK(a->bytes_written() == 0);
+  CHECK(a->engines_resumable());
+  CHECK(a->record().aborted());
+  CHECK(absl::StrContains(a->record().error(), "trainer step diverged"));
+  CHECK((*trainer)->BeginPush(2).status().code() == absl::StatusCode::kFailedPrecondition);  // v2 has ended
+  CHECK(coord.CommitUpdate(2, 5).status().code() == absl::StatusCode::kAborted);
+  CHECK(Info(engine).paused());
+  CHECK(Info(engine).weight_version() == "1");
+  auto resumed = coord.ResumeEngines();
+  INFO("resume: " << resumed.status().ToString());
+  REQUIRE(resumed.ok());
+  CHECK(resumed->version() == "1");
+  CHECK_FALSE(Info(engine).paused());
+  CHECK(Verify(engine, 1).ok());
+
+  // Update 3: every tensor pushed and written into the engine, then aborted before the commit.
+  REQUIRE(coord.BeginUpdate(3).ok());
+  auto names = (*trainer)->BeginPush(3);
+  REQUIRE(names.ok());
+  for (const auto& n : *names) REQUIRE(PushGenerated(**trainer, specs.at(n), 3).ok());
+  REQUIRE((*trainer)->Flush().ok());
+  a = coord.AbortUpdate(3, "operator");
+  REQUIRE(a.ok());
+  CHECK(a->bytes_written() > 0);
+  CHECK_FALSE(a->engines_resumable());
+  auto st = coord.Status();
+  REQUIRE(st.ok());
+  CHECK(st->engines_hold_partial_writes());
+  CHECK(st->current_version() == "1");
+  auto refused = coord.ResumeEngines();
+  CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(Info(engine).paused());                 // never resumed with bytes the update did not commit
+  CHECK(Info(engine).weight_version() == "1");
+  CHECK((*trainer)->EndPush(3).code() == absl::StatusCode::kFailedPrecondition);
+
+  // Update 4 succeeds and clears it.
+  auto r4 = RunUpdate(cl, **trainer, 4);
+  INFO("update 4: " << r4.status().ToString());
+  REQUIRE(r4.ok());
+  CHECK(Verify(engine, 4).ok());
+  CHECK_FALSE(Info(engine).paused());
+  st = coord.Status();
+  REQUIRE(st.ok());
+  CHECK_FALSE(st->engines_hold_partial_writes());
+  auto h = coord.History(10);
+  REQUIRE(h.ok());
+  REQUIRE(h->records_size() == 4);
+  CHECK(h->records(1).aborted());
+  CHECK(h->records(2).aborted());
+  CHECK_FALSE(h->records(3).aborted());
+}
+
 }  // namespace
 }  // namespace wsync

@@ -51,6 +51,8 @@ def _declare(lib):
         "wsync_coordinator_commit_update": (c_int, [c_void_p, i64, dbl, out_buf]),
         "wsync_coordinator_status": (c_int, [c_void_p, out_buf]),
         "wsync_coordinator_history": (c_int, [c_void_p, c_int, out_buf]),
+        "wsync_coordinator_abort_update": (c_int, [c_void_p, i64, c_char_p, out_buf]),
+        "wsync_coordinator_resume_engines": (c_int, [c_void_p, out_buf]),
         "wsync_coordinator_last_error": (c_char_p, [c_void_p]),
         "wsync_coordinator_close": (None, [c_void_p]),
     }

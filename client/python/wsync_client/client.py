@@ -1,5 +1,6 @@
 """Trainer and Coordinator: Python faces of the wsync C API."""
 
+import contextlib
 import ctypes
 import json
 
@@ -210,6 +211,38 @@ class Coordinator(_Handle):
         A failed update raises WsyncError with code ABORTED (10): the engines stay paused at their old version
         until an update succeeds; history() then shows its record with success False."""
         return self._json_call(_lib.lib().wsync_coordinator_commit_update, int(version), float(timeout))
+
+    @contextlib.contextmanager
+    def update(self, version, pause_mode="", timeout=120.0):
+        """Opens update `version`, runs the body (the trainer ranks push), then commits it; when the body raises, the
+        update is aborted (engines stay paused at their old version) and the exception propagates. Yields the
+        BeginUpdate reply.
+
+            with coordinator.update(7):
+                ... every rank pushes version 7 ...
+        """
+        reply = self.begin_update(version, pause_mode)
+        try:
+            yield reply
+        except BaseException as exc:
+            try:
+                self.abort_update(version, "%s: %s" % (type(exc).__name__, exc))
+            except WsyncError as abort_err:  # keep the body's exception; say why the abort failed too
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note("aborting update %d failed as well: %s" % (int(version), abort_err))
+            raise
+        self.last_record = self.commit_update(version, timeout)
+
+    def abort_update(self, version, reason=""):
+        """Closes the open update `version` without committing it: sources stop taking its pushes and finish the
+        writes in flight; it is recorded as aborted. The engines stay paused at their old version. Returns a dict
+        with the record, bytes_written (bytes of it that reached the engines) and engines_resumable."""
+        return self._json_call(_lib.lib().wsync_coordinator_abort_update, int(version), str(reason).encode())
+
+    def resume_engines(self):
+        """Resumes paused engines at their current version; raises WsyncError (FAILED_PRECONDITION) while they may
+        hold partial writes of a failed or aborted update."""
+        return self._json_call(_lib.lib().wsync_coordinator_resume_engines)
 
     def status(self):
         """Cluster status: nodes, epochs, current version, state, plan."""
