@@ -1,8 +1,11 @@
 #include "daemon/source_node.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <fstream>
 #include <set>
 
 #include "absl/strings/match.h"
@@ -21,10 +24,62 @@ std::string ShapeStr(absl::Span<const int64_t> s) { return absl::StrCat("[", abs
 
 }  // namespace
 
+namespace {
+
+// True while process `pid` runs (a zombie, exited but not reaped, counts as gone).
+bool ProcessAlive(int64_t pid) {
+  if (pid <= 0) return true;  // unknown: not watched
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM) return false;
+  std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(stat, line)) return true;  // no procfs view of it: trust kill()
+  const size_t paren = line.rfind(')');
+  return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z';
+}
+
+}  // namespace
+
 SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetFn connect)
-    : opts_(std::move(opts)), transport_(transport), connect_(std::move(connect)) {}
+    : opts_(std::move(opts)), transport_(transport), connect_(std::move(connect)) {
+  watcher_ = std::thread([this] { WatchRanks(); });
+}
+
+void SourceNode::WatchRanks() {
+  std::unique_lock<std::mutex> l(mu_);
+  while (!stopping_) {
+    watch_cv_.wait_for(l, absl::ToChronoMilliseconds(opts_.liveness_poll), [&] { return stopping_; });
+    if (!stopping_) CheckRanks();
+  }
+}
+
+void SourceNode::CheckRanks() {
+  const absl::Time now = absl::Now();
+  for (auto& [id, s] : sessions_) {
+    if (s->dead || ProcessAlive(s->pid)) continue;
+    s->dead = true;
+    spdlog::warn("trainer rank {} (pid {}, session {}) exited", s->local_rank, s->pid, id);
+    if (version_ != -1 && !ended_ranks_.count(s->local_rank) && !lost_ranks_.count(s->local_rank))
+      lost_ranks_[s->local_rank] = {now, absl::StrCat("exited (pid ", s->pid, ", session ", id, ")")};
+  }
+  if (version_ == -1 || !update_error_.ok()) return;
+  for (const auto& [rank, lost] : lost_ranks_) {
+    if (ended_ranks_.count(rank) || now - lost.since < opts_.rank_grace) continue;
+    update_error_ = absl::UnavailableError(absl::StrCat(
+        "update ", version_, ": trainer rank ", rank, " on node ", opts_.node_id, " ", lost.what,
+        " before it finished pushing, and did not reconnect within ", absl::FormatDuration(opts_.rank_grace)));
+    spdlog::error("{}", update_error_.ToString());
+    cv_.notify_all();  // FinishUpdate and waiting pushes see it at once
+    return;
+  }
+}
 
 SourceNode::~SourceNode() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stopping_ = true;
+  }
+  watch_cv_.notify_all();
+  if (watcher_.joinable()) watcher_.join();
   // Endpoints and regions go before the replica memory they point into.
   targets_.clear();
   replica_regions_.clear();
@@ -53,6 +108,8 @@ absl::StatusOr<v1::OpenSessionReply> SourceNode::OpenSession(const v1::OpenSessi
       ++it;
     }
   }
+  if (lost_ranks_.erase(req.local_rank()))
+    spdlog::info("trainer rank {} is back (pid {})", req.local_rank(), req.pid());
   auto s = std::make_unique<Session>();
   s->id = absl::StrCat(opts_.node_id, "-s", next_session_++);
   s->local_rank = req.local_rank();
@@ -73,7 +130,11 @@ absl::StatusOr<v1::OpenSessionReply> SourceNode::OpenSession(const v1::OpenSessi
 absl::Status SourceNode::CloseSession(const std::string& session_id) {
   std::lock_guard<std::mutex> ingest(ingest_mu_);
   std::lock_guard<std::mutex> l(mu_);
-  if (sessions_.erase(session_id) == 0) return absl::NotFoundError(absl::StrCat("no session ", session_id));
+  Session* s = FindSession(session_id);
+  if (s == nullptr) return absl::NotFoundError(absl::StrCat("no session ", session_id));
+  if (version_ != -1 && !ended_ranks_.count(s->local_rank) && !lost_ranks_.count(s->local_rank))
+    lost_ranks_[s->local_rank] = {absl::Now(), absl::StrCat("closed its session ", session_id)};
+  sessions_.erase(session_id);
   spdlog::info("session {} closed", session_id);
   cv_.notify_all();
   return absl::OkStatus();
@@ -320,6 +381,9 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   version_ = req.version();
   update_error_ = absl::OkStatus();
   ended_ranks_.clear();
+  // Only ranks lost while this update is open count (a rank whose process ended after the last update may start
+  // its next process at any time; until it pushes, the commit's own timeout applies).
+  lost_ranks_.clear();
   bytes_written_ = params_written_ = tensors_received_ = 0;
   ingest_seconds_ = write_seconds_ = 0;
   spdlog::info("update {} started", version_);

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -35,6 +36,10 @@ struct SourceOptions {
   int trainer_ranks = 1;             // sessions expected per update
   uint64_t ring_bytes = 256ull << 20;
   absl::Duration push_timeout = absl::Seconds(120);
+  // A trainer rank whose process exited (or that closed its session) during an open update, without having ended
+  // its push, fails the update once it has not come back (a new session for the same local rank) within this time.
+  absl::Duration rank_grace = absl::Seconds(5);
+  absl::Duration liveness_poll = absl::Milliseconds(200);  // how often trainer processes are checked
 };
 
 // Dials a peer daemon's ConnectTarget (injected so tests can run without gRPC).
@@ -71,6 +76,12 @@ class SourceNode {
     int64_t pid = 0;
     std::unique_ptr<RingConsumer> ring;
     int64_t ended_version = -1;
+    bool dead = false;  // its process is gone (seen by the liveness watcher)
+  };
+  // Why a local rank is missing from the open update, and since when.
+  struct LostRank {
+    absl::Time since;
+    std::string what;  // "exited (pid 123, session s0)" | "closed its session s0"
   };
   // One (engine, rank) this source writes.
   struct Target {
@@ -87,6 +98,10 @@ class SourceNode {
     absl::Status broken;
   };
 
+  // The liveness watcher: marks sessions whose process exited and fails the open update when a rank that has not
+  // ended its push stays lost longer than opts_.rank_grace.
+  void WatchRanks();
+  void CheckRanks();  // requires mu_
   absl::Status CheckLayout(const replica::ParamTable& table, const v1::RankLayout& target, const std::string& who);
   absl::Status WriteReady(const std::vector<replica::ReadyParam>& ready);
   // "engine E rank R at D": how every error about a target names it.
@@ -126,7 +141,11 @@ class SourceNode {
   // The last aborted version and AbortUpdate's answer for it (repeats get the same answer).
   int64_t aborted_version_ = -1;
   v1::AbortSourceUpdateReply aborted_reply_;
-  std::set<int> ended_ranks_;  // local ranks that finished pushing the open update
+  std::set<int> ended_ranks_;
+  std::map<int, LostRank> lost_ranks_;  // local rank → why and since when it is missing (cleared when it reconnects)
+  bool stopping_ = false;
+  std::condition_variable watch_cv_;
+  std::thread watcher_;  // local ranks that finished pushing the open update
   uint64_t bytes_written_ = 0, params_written_ = 0, tensors_received_ = 0;
   double ingest_seconds_ = 0, write_seconds_ = 0;
   // One bucket at a time through the replica and the endpoints. Targets' endpoints, outstanding batches and

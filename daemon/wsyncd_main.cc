@@ -99,6 +99,11 @@ int main(int argc, char** argv) {
   app.add_option("--engine-timeout", engine_timeout_s, "target: seconds one engine control call may take")
       ->check(CLI::PositiveNumber);
   app.add_option("--trainer-ranks", trainer_ranks, "source: trainer ranks on this node")->check(CLI::Range(1, 1024));
+  double rank_grace_s = 5;
+  app.add_option("--rank-grace", rank_grace_s,
+                 "source: seconds a trainer rank whose process exited mid-update has to reconnect before the update "
+                 "fails, naming the rank")
+      ->check(CLI::PositiveNumber);
   app.add_option("--ring-mib", ring_mib, "source: shared-memory ring size per trainer rank, MiB")
       ->check(CLI::Range(1, 1 << 20));
   app.footer(
@@ -172,6 +177,7 @@ int main(int argc, char** argv) {
     o.node_id = node_id;
     o.trainer_ranks = trainer_ranks;
     o.ring_bytes = ring_mib << 20;
+    o.rank_grace = absl::Seconds(rank_grace_s);
     source = std::make_unique<daemon::SourceNode>(o, transport.get(), daemon::DialConnectTarget);
     reg.set_trainer_ranks(trainer_ranks);
   }

@@ -199,14 +199,59 @@ TEST_CASE("cluster: a trainer that dies mid-bucket corrupts nothing; its rank re
   };
   CHECK(cl.Run("trainer0-dies", args({"--local-rank", "0", "--crash-after-bytes", "20000"}),
                std::chrono::seconds(60)) == 3);
-  CHECK(cl.Run("trainer1", args({"--local-rank", "1", "--global-rank", "1"}), std::chrono::seconds(60)) == 0);
+  // Back within the source's --rank-grace (5 s), so the update goes on.
   CHECK(cl.Run("trainer0", args({"--local-rank", "0"}), std::chrono::seconds(60)) == 0);
+  CHECK(cl.Run("trainer1", args({"--local-rank", "1", "--global-rank", "1"}), std::chrono::seconds(60)) == 0);
   auto rec = coord.CommitUpdate(1, 30);
   INFO((rec.ok() ? "" : rec.status().ToString()));
   REQUIRE(rec.ok());
   auto v = Verify(cl.engines[0], 1);
   for (const auto& m : v.mismatches()) UNSCOPED_INFO(m);
   CHECK(v.ok());
+}
+
+TEST_CASE("cluster: a trainer rank that dies and stays away fails the update within seconds, naming rank and node") {
+  ClusterOptions o;
+  o.bin_dir = kBin;
+  o.model = kModel;
+  o.transport = "tcp";
+  o.trainer_ranks = 2;
+  Cluster cl(o);
+  INFO("cluster logs in " << cl.dir());
+  client::CoordinatorClient coord(cl.coordinator);
+  const std::string initial_version = Info(cl.engines[0]).weight_version();
+  const std::vector<std::string> common = {std::string(kBin) + "/wsync-trainer-demo", "--daemon", cl.sources[0],
+                                           "--model", kModel, "--updates", "1"};
+  auto args = [&](int64_t v, std::vector<std::string> extra) {
+    std::vector<std::string> a = common;
+    a.insert(a.end(), {"--first-version", std::to_string(v)});
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  REQUIRE(coord.BeginUpdate(1).ok());
+  CHECK(cl.Run("trainer1", args(1, {"--local-rank", "1", "--global-rank", "1"}), std::chrono::seconds(60)) == 0);
+  CHECK(cl.Run("trainer0-dies", args(1, {"--local-rank", "0", "--crash-after-bytes", "20000"}),
+               std::chrono::seconds(60)) == 3);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto rec = coord.CommitUpdate(1, 120);  // the commit's own timeout is far longer than the rank grace
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO("commit after " << waited << " s: " << rec.status().ToString());
+  REQUIRE_FALSE(rec.ok());
+  const std::string msg(rec.status().message());
+  CHECK(absl::StrContains(msg, "trainer rank 0 on node train0 exited"));
+  CHECK(waited < 15);
+  auto info = Info(cl.engines[0]);
+  CHECK(info.paused());
+  CHECK(info.weight_version() == initial_version);  // never labelled or resumed with a partial update
+
+  // Both ranks come back for update 2, which lands bit-exactly.
+  REQUIRE(coord.BeginUpdate(2).ok());
+  CHECK(cl.Run("trainer0", args(2, {"--local-rank", "0"}), std::chrono::seconds(60)) == 0);
+  CHECK(cl.Run("trainer1b", args(2, {"--local-rank", "1", "--global-rank", "1"}), std::chrono::seconds(60)) == 0);
+  auto rec2 = coord.CommitUpdate(2, 30);
+  INFO((rec2.ok() ? "" : rec2.status().ToString()));
+  REQUIRE(rec2.ok());
+  CHECK(Verify(cl.engines[0], 2).ok());
 }
 
 TEST_CASE("cluster: two engine instances share a source replica; three updates verified") {
