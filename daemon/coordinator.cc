@@ -37,7 +37,42 @@ void AddPhase(v1::UpdateRecord* rec, const std::string& phase, absl::Time since)
 }  // namespace
 
 Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
-    : opts_(std::move(opts)), peers_(std::move(peers)) {}
+    : opts_(std::move(opts)), peers_(std::move(peers)) {
+  metrics_.Declare("wsync_updates_total", "counter", "Updates ended, by result (ok, failed, aborted).");
+  metrics_.Declare("wsync_update_seconds", "histogram", "Wall time of an update from BeginUpdate to its end.");
+  metrics_.Declare("wsync_update_phase_seconds", "histogram",
+                   "Wall time of each update phase (pause, configure, push, post_process, set_version, continue, "
+                   "abort).");
+  metrics_.Declare("wsync_update_bytes_total", "counter", "Bytes written into engine memory by ended updates.");
+  metrics_.Declare("wsync_current_version", "gauge", "Last committed weight version (-1: none).");
+  metrics_.Declare("wsync_update_in_progress", "gauge", "1 while an update is beginning, open, committing or aborting.");
+  metrics_.Declare("wsync_engines_hold_partial_writes", "gauge",
+                   "1 when a failed or aborted update may have written into the paused engines.");
+  metrics_.Declare("wsync_membership_epoch", "gauge", "Membership epoch (changes when a node registers).");
+  metrics_.Declare("wsync_nodes", "gauge", "Registered nodes, by role.");
+  metrics_.Declare("wsync_engines", "gauge", "Registered engines, by the coordinator's view of their state.");
+  metrics_.OnCollect([this](Metrics& m) {
+    std::lock_guard<std::mutex> l(mu_);
+    m.Set("wsync_current_version", {}, static_cast<double>(current_version_));
+    m.Set("wsync_update_in_progress", {}, UpdateInProgress() ? 1 : 0);
+    m.Set("wsync_engines_hold_partial_writes", {}, engines_dirty_ ? 1 : 0);
+    m.Set("wsync_membership_epoch", {}, static_cast<double>(membership_epoch_));
+    std::map<std::string, int> roles, states;
+    for (const auto& [id, n] : nodes_) {
+      ++roles[n.role()];
+      for (const auto& e : n.engines()) {
+        auto it = engine_state_.find(e.control_address());
+        std::string st = it == engine_state_.end() ? "registered" : it->second;
+        if (st.rfind("failed", 0) == 0) st = "failed";
+        ++states[st];
+      }
+    }
+    m.ClearFamily("wsync_nodes");
+    m.ClearFamily("wsync_engines");
+    for (const char* r : {"source", "target"}) m.Set("wsync_nodes", {{"role", r}}, roles[r]);
+    for (const auto& [st, n] : states) m.Set("wsync_engines", {{"state", st}}, n);
+  });
+}
 
 absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::RegisterNodeRequest& req) {
   if (req.node_id().empty()) return absl::InvalidArgumentError("node_id is empty");
@@ -150,6 +185,10 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   if (o.status.ok() && v > current_version_) current_version_ = v;
   outcomes_[v] = o;
   while (outcomes_.size() > std::max<size_t>(opts_.history_limit, 1)) outcomes_.erase(outcomes_.begin());
+  metrics_.Add("wsync_updates_total", {{"result", rec.aborted() ? "aborted" : (o.status.ok() ? "ok" : "failed")}}, 1);
+  metrics_.Observe("wsync_update_seconds", {}, rec.total_seconds());
+  for (const auto& p : rec.phases()) metrics_.Observe("wsync_update_phase_seconds", {{"phase", p.phase()}}, p.seconds());
+  metrics_.Add("wsync_update_bytes_total", {}, static_cast<double>(rec.bytes()));
   history_.push_back(std::move(rec));
   while (history_.size() > opts_.history_limit) history_.pop_front();
   ended_cv_.notify_all();

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/metrics.h"
 #include "wsync/v1/coordinator.pb.h"
 #include "wsync/v1/daemon.pb.h"
 #include "wsync/v1/engine.pb.h"
@@ -106,6 +107,8 @@ class Coordinator {
   v1::HistoryReply History(const v1::HistoryRequest& req) const;
   absl::StatusOr<v1::AbortUpdateReply> AbortUpdate(const v1::AbortUpdateRequest& req);
   absl::StatusOr<v1::ResumeEnginesReply> ResumeEngines(const v1::ResumeEnginesRequest& req);
+  // Updates by result, phase durations, bytes; membership and engine states (docs/operations.md, "Metrics").
+  Metrics& metrics() { return metrics_; }
 
  private:
   struct Planned {
@@ -158,6 +161,7 @@ class Coordinator {
   v1::UpdateRecord open_record_;
   std::map<int64_t, Outcome> outcomes_;  // per ended version, the oldest dropped beyond history_limit
   std::deque<v1::UpdateRecord> history_;
+  Metrics metrics_;
 };
 
 }  // namespace wsync::daemon

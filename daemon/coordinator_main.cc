@@ -27,6 +27,9 @@ int main(int argc, char** argv) {
   // (wsyncctl plan) also splits parameters across sources and needs byte-range writes in the daemon first.
   app.add_option("--strategy", opts.strategy, "transfer-plan strategy (seed)")->check(CLI::IsMember({"seed"}));
   app.add_option("--history", opts.history_limit, "updates kept in the history");
+  std::string metrics_listen;
+  app.add_option("--metrics-listen", metrics_listen,
+                 "host:port serving Prometheus /metrics and /healthz over HTTP (default: off; port 9600 by convention)");
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging("coordinator", log_level);
 
@@ -36,6 +39,15 @@ int main(int argc, char** argv) {
   if (!served.ok()) {
     spdlog::error("{}", served.status().ToString());
     return 1;
+  }
+  std::unique_ptr<daemon::MetricsServer> metrics;
+  if (!metrics_listen.empty()) {
+    auto m = daemon::MetricsServer::Start(metrics_listen, &coordinator.metrics());
+    if (!m.ok()) {
+      spdlog::error("--metrics-listen: {}", m.status().ToString());
+      return m.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+    }
+    metrics = *std::move(m);
   }
   spdlog::info("coordinator serving on port {} (strategy {})", served->port, opts.strategy);
   daemon::WaitForTermination();

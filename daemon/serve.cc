@@ -14,6 +14,9 @@ namespace wsync::daemon {
 absl::StatusOr<Served> Serve(const std::string& listen, const std::vector<grpc::Service*>& services,
                              const std::string& port_file) {
   Served s;
+  // grpc.health.v1.Health on every server ("" = the whole server, SERVING while it runs): Kubernetes grpc probes
+  // and `grpc_health_probe` use it.
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder b;
   b.AddListeningPort(listen, grpc::InsecureServerCredentials(), &s.port);
   for (auto* svc : services) b.RegisterService(svc);

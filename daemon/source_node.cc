@@ -41,6 +41,32 @@ bool ProcessAlive(int64_t pid) {
 
 SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetFn connect)
     : opts_(std::move(opts)), transport_(transport), connect_(std::move(connect)) {
+  metrics_.Declare("wsync_source_bytes_written_total", "counter", "Bytes posted to targets (engine memory).");
+  metrics_.Declare("wsync_source_params_written_total", "counter", "Engine parameters posted to targets.");
+  metrics_.Declare("wsync_source_tensors_received_total", "counter", "HF tensors received from trainer ranks.");
+  metrics_.Declare("wsync_source_buckets_total", "counter", "Buckets committed by trainer ranks, by result.");
+  metrics_.Declare("wsync_source_updates_total", "counter", "Updates ended on this source, by result.");
+  metrics_.Declare("wsync_source_bucket_ingest_seconds", "histogram", "Replica load time of one bucket.");
+  metrics_.Declare("wsync_source_bucket_write_seconds", "histogram", "Time to post one bucket's finished params.");
+  metrics_.Declare("wsync_source_update_write_gbps", "gauge",
+                   "Bytes written by the last successful update divided by its write time, GB/s.");
+  metrics_.Declare("wsync_source_sessions", "gauge", "Open trainer sessions (one ring each).");
+  metrics_.Declare("wsync_source_ring_bytes", "gauge", "Shared-memory ring bytes mapped for trainer sessions.");
+  metrics_.Declare("wsync_source_replica_bytes", "gauge", "Bytes of the CPU replica (all layouts).");
+  metrics_.Declare("wsync_source_update_open", "gauge", "Version of the open update (-1: none).");
+  metrics_.Declare("wsync_source_trainer_ranks_lost", "gauge", "Trainer ranks lost during the open update.");
+  metrics_.OnCollect([this](Metrics& m) {
+    std::lock_guard<std::mutex> l(mu_);
+    uint64_t ring = 0, replica = 0;
+    for (const auto& [id, s] : sessions_) ring += s->ring ? s->ring->capacity() : 0;
+    if (replica_)
+      for (int i = 0; i < replica_->num_layouts(); ++i) replica += replica_->table(i).total_bytes();
+    m.Set("wsync_source_sessions", {}, static_cast<double>(sessions_.size()));
+    m.Set("wsync_source_ring_bytes", {}, static_cast<double>(ring));
+    m.Set("wsync_source_replica_bytes", {}, static_cast<double>(replica));
+    m.Set("wsync_source_update_open", {}, static_cast<double>(version_));
+    m.Set("wsync_source_trainer_ranks_lost", {}, static_cast<double>(lost_ranks_.size()));
+  });
   watcher_ = std::thread([this] { WatchRanks(); });
 }
 
@@ -461,6 +487,7 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
                                                   " rejected, nothing from it was written"));
     if (update_error_.ok()) update_error_ = err;
     spdlog::error("{}", err.ToString());
+    metrics_.Add("wsync_source_buckets_total", {{"result", "rejected"}}, 1);
     return err;
   }
 
@@ -482,10 +509,15 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
   ingest_seconds_ += ingest_s;
   write_seconds_ += Seconds(t1);
   tensors_received_ += tensors.size();
+  metrics_.Add("wsync_source_tensors_received_total", {}, static_cast<double>(tensors.size()));
+  metrics_.Observe("wsync_source_bucket_ingest_seconds", {}, ingest_s);
+  metrics_.Observe("wsync_source_bucket_write_seconds", {}, Seconds(t1));
   if (!ws.ok()) {
     if (update_error_.ok()) update_error_ = ws;
+    metrics_.Add("wsync_source_buckets_total", {{"result", "write_failed"}}, 1);
     return ws;
   }
+  metrics_.Add("wsync_source_buckets_total", {{"result", "ok"}}, 1);
   v1::CommitBucketReply out;
   out.set_tensors(static_cast<uint32_t>(tensors.size()));
   out.set_bytes(bucket.payload_bytes);
@@ -527,6 +559,8 @@ absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& read
   std::lock_guard<std::mutex> l(mu_);
   bytes_written_ += bytes;
   params_written_ += ready.size();
+  metrics_.Add("wsync_source_bytes_written_total", {}, static_cast<double>(bytes));
+  metrics_.Add("wsync_source_params_written_total", {}, static_cast<double>(ready.size()));
   return absl::OkStatus();
 }
 
@@ -601,9 +635,12 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   if (!result.ok()) {
     spdlog::error("update {} failed: {}", v, result.ToString());
     ended_result_ = result;
+    metrics_.Add("wsync_source_updates_total", {{"result", "failed"}}, 1);
     return result;
   }
   last_version_ = v;
+  metrics_.Add("wsync_source_updates_total", {{"result", "ok"}}, 1);
+  if (write_seconds_ > 0) metrics_.Set("wsync_source_update_write_gbps", {}, bytes_written_ / write_seconds_ / 1e9);
   v1::FinishUpdateReply out;
   out.set_bytes_written(bytes_written_);
   out.set_params_written(params_written_);
@@ -654,6 +691,7 @@ absl::StatusOr<v1::AbortSourceUpdateReply> SourceNode::AbortUpdate(const v1::Abo
   out.set_bytes_written(bytes_written_);
   out.set_quiescent(drained.ok());
   aborted_reply_ = out;
+  metrics_.Add("wsync_source_updates_total", {{"result", "aborted"}}, 1);
   spdlog::warn("update {} aborted ({}): {:.1f} MiB of it had been written{}", v,
                req.reason().empty() ? "no reason given" : req.reason(), bytes_written_ / 1048576.0,
                drained.ok() ? "" : absl::StrCat("; draining its writes failed: ", drained.ToString()));

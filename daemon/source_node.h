@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "base/ring.h"
+#include "daemon/metrics.h"
 #include "replica/replica.h"
 #include "transport/transport.h"
 #include "wsync/v1/daemon.grpc.pb.h"
@@ -68,6 +69,8 @@ class SourceNode {
                                                          absl::Duration drain_timeout = absl::Seconds(30));
 
   v1::NodeStatus Status() const;
+  // Bytes, params, tensors, buckets by result, updates by result, ingest/write times, sessions (docs/operations.md).
+  Metrics& metrics() { return metrics_; }
 
  private:
   struct Session {
@@ -145,7 +148,8 @@ class SourceNode {
   std::map<int, LostRank> lost_ranks_;  // local rank → why and since when it is missing (cleared when it reconnects)
   bool stopping_ = false;
   std::condition_variable watch_cv_;
-  std::thread watcher_;  // local ranks that finished pushing the open update
+  Metrics metrics_;
+  std::thread watcher_;  // last: started in the constructor once everything it touches exists  // local ranks that finished pushing the open update
   uint64_t bytes_written_ = 0, params_written_ = 0, tensors_received_ = 0;
   double ingest_seconds_ = 0, write_seconds_ = 0;
   // One bucket at a time through the replica and the endpoints. Targets' endpoints, outstanding batches and

@@ -99,6 +99,9 @@ int main(int argc, char** argv) {
   app.add_option("--engine-timeout", engine_timeout_s, "target: seconds one engine control call may take")
       ->check(CLI::PositiveNumber);
   app.add_option("--trainer-ranks", trainer_ranks, "source: trainer ranks on this node")->check(CLI::Range(1, 1024));
+  std::string metrics_listen;
+  app.add_option("--metrics-listen", metrics_listen,
+                 "host:port serving Prometheus /metrics and /healthz over HTTP (default: off; 9601 by convention)");
   double rank_grace_s = 5;
   app.add_option("--rank-grace", rank_grace_s,
                  "source: seconds a trainer rank whose process exited mid-update has to reconnect before the update "
@@ -212,6 +215,37 @@ int main(int argc, char** argv) {
     service.set_target(target.get());
     for (auto& r : target->Registrations()) *reg.add_engines() = std::move(r);
   }
+  // Target metrics are read from the node at scrape time; a source keeps its own counters.
+  daemon::Metrics target_metrics;
+  std::unique_ptr<daemon::MetricsServer> metrics_server;
+  if (!metrics_listen.empty()) {
+    daemon::Metrics* m = source ? &source->metrics() : &target_metrics;
+    if (target) {
+      target_metrics.Declare("wsync_target_engines", "gauge", "Engine instances served by this target daemon.");
+      target_metrics.Declare("wsync_target_engine_ranks", "gauge", "Engine ranks whose memory is registered here.");
+      target_metrics.Declare("wsync_target_registered_bytes", "gauge", "Engine weight bytes registered here.");
+      daemon::TargetNode* t = target.get();
+      target_metrics.OnCollect([t](daemon::Metrics& mm) {
+        double engines = 0, ranks = 0, bytes = 0;
+        for (const auto& e : t->Registrations()) {
+          ++engines;
+          ranks += e.ranks_size();
+          for (const auto& r : e.ranks())
+            for (const auto& s : r.segments()) bytes += static_cast<double>(s.bytes());
+        }
+        mm.Set("wsync_target_engines", {}, engines);
+        mm.Set("wsync_target_engine_ranks", {}, ranks);
+        mm.Set("wsync_target_registered_bytes", {}, bytes);
+      });
+    }
+    auto ms = daemon::MetricsServer::Start(metrics_listen, m);
+    if (!ms.ok()) {
+      spdlog::error("--metrics-listen: {}", ms.status().ToString());
+      served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      return ms.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+    }
+    metrics_server = *std::move(ms);
+  }
   spdlog::info("wsyncd {} ({}) serving on {} with transport {}", node_id, role, reg.address(), transport->name());
   if (auto st = Register(coordinator, reg, 200); !st.ok()) {
     if (absl::IsCancelled(st)) {
@@ -232,6 +266,7 @@ int main(int argc, char** argv) {
   daemon::WaitForTermination();
   spdlog::info("wsyncd {} shutting down", node_id);
   served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  metrics_server.reset();  // its collect callback reads the target
   target.reset();  // stops the engine socket loop, removes the socket, shuts the facades down
   return 0;
 }

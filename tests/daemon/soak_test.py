@@ -14,7 +14,9 @@ and that all updates succeeded. Prints one line per daemon with the three measur
 import argparse
 import os
 import re
+import socket
 import subprocess
+import urllib.request
 import sys
 import time
 
@@ -31,6 +33,25 @@ def sample(pid: int) -> dict:
             elif line.startswith("Threads:"):
                 out["threads"] = int(line.split()[1])
     out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict:
+    """The Prometheus text of http://127.0.0.1:PORT/metrics as {series: value}; /healthz must answer ok."""
+    base = f"http://127.0.0.1:{port}"
+    if urllib.request.urlopen(base + "/healthz", timeout=10).read() != b"ok\n":
+        harness.fail(f"soak: {base}/healthz did not answer ok")
+    out = {}
+    for line in urllib.request.urlopen(base + "/metrics", timeout=10).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
     return out
 
 
@@ -53,18 +74,22 @@ def main() -> int:
                 path = os.path.join(wd, f"{name}.port")
                 return harness.wait_for(f"{name} port", lambda: harness.read_port_file(path), 60, procs, [name])
 
+            mports = {n: free_port() for n in ("coordinator", "source", "target")}
             procs.start("coordinator", [f"{b}/wsync-coordinator", "--listen", "127.0.0.1:0",
+                                        "--metrics-listen", f"127.0.0.1:{mports['coordinator']}",
                                         "--port-file", os.path.join(wd, "coordinator.port")])
             coord = f"127.0.0.1:{port_of('coordinator')}"
             procs.start("engine", [f"{b}/wsync-engine-ref", "--id", "engine0", "--model", model, "--tp", "2",
                                    "--listen", "127.0.0.1:0", "--port-file", os.path.join(wd, "engine.port")])
             eng = f"127.0.0.1:{port_of('engine')}"
             procs.start("target", [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "target", "--node-id", "infer0", "--coordinator", coord,
-                                   "--engine", f"reference+grpc://{eng}", "--engine-socket",
+                                   "--engine", f"reference+grpc://{eng}",
+                                   "--metrics-listen", f"127.0.0.1:{mports['target']}", "--engine-socket",
                                    os.path.join(wd, "target.sock"), "--port-file", os.path.join(wd, "target.port")])
             port_of("target")
             procs.start("source", [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id", "train0", "--coordinator", coord,
                                    "--trainer-ranks", "2", "--ring-mib", "64",
+                                   "--metrics-listen", f"127.0.0.1:{mports['source']}",
                                    "--port-file", os.path.join(wd, "source.port")])
             src = f"127.0.0.1:{port_of('source')}"
 
@@ -123,6 +148,23 @@ def main() -> int:
                     bad.append(f"{n} threads {e['threads']} -> {l['threads']}")
             if bad:
                 harness.fail("soak: growth over " + f"{args.updates - args.warmup} updates: " + "; ".join(bad))
+            # The operator's view must agree with what happened: counted by the coordinator and by the source.
+            cm, sm, tm = (scrape(mports[n]) for n in ("coordinator", "source", "target"))
+            ok_key = 'wsync_updates_total{result="ok"}'
+            if cm.get(ok_key) != args.updates:
+                harness.fail(f"soak: coordinator metrics count {cm.get(ok_key)} ok updates, not {args.updates}")
+            if cm.get('wsync_update_phase_seconds_count{phase="push"}') != args.updates:
+                harness.fail("soak: push phase histogram count disagrees with the number of updates")
+            if sm.get('wsync_source_updates_total{result="ok"}') != args.updates:
+                harness.fail("soak: source metrics disagree with the number of updates")
+            if not sm.get("wsync_source_bytes_written_total") or \
+                    sm["wsync_source_bytes_written_total"] != cm.get("wsync_update_bytes_total"):
+                harness.fail(f"soak: bytes written per source metrics {sm.get('wsync_source_bytes_written_total')} "
+                             f"!= coordinator's {cm.get('wsync_update_bytes_total')}")
+            if tm.get("wsync_target_engine_ranks") != 2:
+                harness.fail(f"soak: target metrics show {tm.get('wsync_target_engine_ranks')} engine ranks, not 2")
+            print(f"soak: metrics agree: {args.updates} ok updates, "
+                  f"{cm['wsync_update_bytes_total'] / 1e6:.1f} MB written")
             print(f"soak: {args.updates} updates verified bit-exact; no growth beyond the bounds")
             return 0
         finally:
