@@ -236,11 +236,15 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     if (it == layouts.end()) layouts.push_back(rp);
   }
 
-  // Tear down the previous plan's state first (endpoints before the memory they reference).
-  targets_.clear();
-  targets_by_layout_.clear();
-  replica_regions_.clear();
-  replica_.reset();
+  // Tear down the previous plan's state first (endpoints before the memory they reference); under mu_ as well,
+  // since Status() and the metrics read them.
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    targets_.clear();
+    targets_by_layout_.clear();
+    replica_regions_.clear();
+    replica_.reset();
+  }
 
   v1::ConfigureSourceReply out;
   absl::Time t0 = absl::Now();
@@ -711,6 +715,16 @@ v1::NodeStatus SourceNode::Status() const {
   s.set_replica_bytes(total);
   s.set_last_version(last_version_);
   s.set_state(version_ != -1 ? (finishing_ ? "finishing" : "updating") : (replica_ ? "ready" : "unconfigured"));
+  s.set_open_version(version_);
+  s.set_bytes_written(bytes_written_);
+  s.set_tensors_received(tensors_received_);
+  s.set_tensors_expected(push_names_.size());
+  uint64_t expected = 0;
+  if (replica_)
+    for (const auto& t : targets_) expected += replica_->table(t->layout).total_bytes();
+  s.set_bytes_expected(expected);
+  s.set_trainer_ranks(opts_.trainer_ranks);
+  s.set_ranks_ended(static_cast<int>(ended_ranks_.size()));
   return s;
 }
 

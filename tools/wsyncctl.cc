@@ -18,6 +18,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "proto/status_convert.h"
+#include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
 #ifdef WSYNC_HAVE_PLAN_COMMAND
 #include "tools/plan_command.h"
@@ -98,11 +99,119 @@ int RunPlan(int argc, char** argv, int at) {
 }
 #endif
 
+// One sample of `wsyncctl watch`: the coordinator's state plus every source's progress.
+struct WatchSample {
+  v1::ClusterStatus cluster;
+  std::vector<std::pair<std::string, v1::NodeStatus>> sources;  // node id → status (missing when unreachable)
+  uint64_t bytes = 0, expected = 0;
+};
+
+absl::StatusOr<WatchSample> SampleWatch(client::CoordinatorClient& c, absl::Duration dt,
+                                        std::map<std::string, std::unique_ptr<v1::NodeDaemon::Stub>>& stubs) {
+  WatchSample w;
+  auto s = c.Status();
+  if (!s.ok()) return s.status();
+  w.cluster = *s;
+  for (const auto& n : s->nodes()) {
+    if (n.role() != "source") continue;
+    auto& stub = stubs[n.address()];
+    if (!stub) stub = v1::NodeDaemon::NewStub(grpc::CreateChannel(n.address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(dt));
+    v1::NodeStatus ns;
+    if (!stub->GetNodeStatus(&ctx, v1::NodeStatusRequest(), &ns).ok()) {
+      ns.set_node_id(n.node_id());
+      ns.set_state("unreachable");
+    }
+    if (ns.open_version() >= 0) {
+      w.bytes += ns.bytes_written();
+      w.expected += ns.bytes_expected();
+    }
+    w.sources.emplace_back(n.node_id(), std::move(ns));
+  }
+  return w;
+}
+
+bool UpdateRunning(const std::string& state) {
+  return state == "beginning" || state == "updating" || state == "committing" || state == "aborting";
+}
+
+int RunWatch(const std::string& endpoint, absl::Duration dt, bool json, double interval, double watch_for,
+             bool once) {
+  client::CoordinatorClient c(endpoint, dt);
+  std::map<std::string, std::unique_ptr<v1::NodeDaemon::Stub>> stubs;
+  const absl::Time start = absl::Now();
+  absl::Time prev_t = start;
+  uint64_t prev_bytes = 0;
+  bool saw_running = false;
+  std::string first_version;
+  bool first = true;
+  for (;;) {
+    auto w = SampleWatch(c, dt, stubs);
+    if (!w.ok()) return ExitFor(w.status());
+    const absl::Time now = absl::Now();
+    const std::string& state = w->cluster.state();
+    const bool running = UpdateRunning(state);
+    saw_running |= running;
+    if (first) first_version = w->cluster.current_version();
+    // An update shorter than one interval is never seen running; the version moving says it ended.
+    const bool ended = !running && (saw_running || w->cluster.current_version() != first_version);
+    first = false;
+    const double dts = absl::ToDoubleSeconds(now - prev_t);
+    const double rate = dts > 0 && w->bytes >= prev_bytes ? (w->bytes - prev_bytes) / dts : 0;  // bytes/s
+    const double eta = rate > 0 && w->expected > w->bytes ? (w->expected - w->bytes) / rate : -1;
+    const bool quiet = !json && !running && !saw_running && absl::ToDoubleSeconds(now - start) > 0;
+    if (quiet) {
+      // Waiting for an update to start: the idle line was printed once.
+    } else if (json) {
+      nlohmann::json j;
+      j["t"] = absl::ToDoubleSeconds(now - start);
+      j["state"] = state;
+      j["current_version"] = w->cluster.current_version();
+      j["bytes_written"] = w->bytes;
+      j["bytes_expected"] = w->expected;
+      j["gbps"] = rate / 1e9;
+      j["eta_seconds"] = eta;
+      j["engines_hold_partial_writes"] = w->cluster.engines_hold_partial_writes();
+      j["sources"] = nlohmann::json::array();
+      for (const auto& [id, ns] : w->sources)
+        j["sources"].push_back({{"node_id", id}, {"state", ns.state()}, {"open_version", ns.open_version()},
+                                {"bytes_written", ns.bytes_written()}, {"bytes_expected", ns.bytes_expected()},
+                                {"tensors_received", ns.tensors_received()},
+                                {"tensors_expected", ns.tensors_expected()}, {"ranks_ended", ns.ranks_ended()},
+                                {"trainer_ranks", ns.trainer_ranks()}});
+      std::printf("%s\n", j.dump().c_str());
+    } else {
+      std::string line = absl::StrFormat("%7.1fs  %-10s version %-6s", absl::ToDoubleSeconds(now - start), state,
+                                         w->cluster.current_version().empty() ? "-" : w->cluster.current_version());
+      if (running && w->expected > 0)
+        absl::StrAppendFormat(&line, "  %5.1f%% %.1f/%.1f MiB  %.2f GB/s  ETA %s", 100.0 * w->bytes / w->expected,
+                              w->bytes / 1048576.0, w->expected / 1048576.0, rate / 1e9,
+                              eta >= 0 ? absl::StrFormat("%.1fs", eta) : std::string("-"));
+      for (const auto& [id, ns] : w->sources) {
+        if (ns.open_version() < 0) continue;
+        absl::StrAppendFormat(&line, "  | %s %s %.0f%% ranks %d/%d", id, ns.state(),
+                              ns.bytes_expected() ? 100.0 * ns.bytes_written() / ns.bytes_expected() : 0.0,
+                              ns.ranks_ended(), ns.trainer_ranks());
+      }
+      if (w->cluster.engines_hold_partial_writes()) line += "  [engines hold partial writes]";
+      std::printf("%s\n", line.c_str());
+    }
+    std::fflush(stdout);
+    if (once || ended ||
+        (watch_for > 0 && absl::ToDoubleSeconds(now - start) >= watch_for))
+      return kExitOk;
+    prev_t = now;
+    prev_bytes = w->bytes;
+    absl::SleepFor(absl::Seconds(interval));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::vector<std::string> commands = {"status", "nodes", "engines", "history", "verify", "checksums",
-                                             "version", "plan", "abort", "resume"};
+                                             "version", "plan", "abort", "resume", "watch"};
   const int at = CommandIndex(argc, argv);
   if (at > 0) {
     const std::string cmd = argv[at];
@@ -147,6 +256,13 @@ int main(int argc, char** argv) {
   std::string reason;
   abort_cmd->add_option("--version,version", abort_version, "the open update's version")->required();
   abort_cmd->add_option("--reason", reason, "recorded in the history");
+  auto* watch = app.add_subcommand(
+      "watch", "live progress of the current (or next) update: phase, bytes per source, rate, ETA; ends with it");
+  double interval = 0.5, watch_for = 0;
+  bool once = false;
+  watch->add_option("--interval", interval, "seconds between samples")->check(CLI::Range(0.01, 60.0));
+  watch->add_option("--for", watch_for, "stop after this many seconds (0: when the update has ended)");
+  watch->add_flag("--once", once, "print one sample and exit");
   auto* resume = app.add_subcommand(
       "resume", "resume paused engines at their current version (only when no byte of a failed update reached them)");
 #ifdef WSYNC_HAVE_PLAN_COMMAND
@@ -207,6 +323,7 @@ int main(int argc, char** argv) {
                     e.ranks(), e.address().c_str(), n.node_id().c_str(), e.state().c_str());
     return kExitOk;
   }
+  if (*watch) return RunWatch(endpoint, dt, json, interval, watch_for, once);
   if (*abort_cmd || *resume) {
     client::CoordinatorClient c(endpoint, dt);
     if (*abort_cmd) {

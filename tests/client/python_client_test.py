@@ -272,11 +272,28 @@ def run(args, cluster, deadline):
         except WsyncError as e:
             check(e.code == FAILED_PRECONDITION_CODE and "mixed" in e.message, "resume refused: %s" % e)
         good = aborted_version + 1
+        # `wsyncctl watch` follows the next update from the outside and ends with it.
+        watch = subprocess.Popen([args.wsyncctl, "watch", "-w", "json", "--interval", "0.02", "--for", "60",
+                                  "--endpoints", coord_addr], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.3)
         with coord.update(good):
-            for name in trainer.begin_push(good):
+            for k, name in enumerate(trainer.begin_push(good)):
                 trainer.push(name, generate_bf16(name, good, specs[name]), dtype="bfloat16")
+                if k % 8 == 7:
+                    trainer.flush()
+                    time.sleep(0.1)  # slow enough for the watcher to see progress
             trainer.end_push(good)
         check(coord.last_record.get("success") is True, "update %d committed through coord.update()" % good)
+        out, _ = watch.communicate(timeout=60)
+        samples = [json.loads(line) for line in out.splitlines() if line.strip()]
+        running = [s for s in samples if s["state"] in ("updating", "committing")]
+        check(watch.returncode == 0 and samples and samples[-1]["state"] == "idle" and
+              samples[-1]["current_version"] == str(good),
+              "wsyncctl watch ends with the update (rc %s, %d samples, last %s)"
+              % (watch.returncode, len(samples), samples[-1] if samples else None))
+        check(any(s["bytes_expected"] > 0 and s["sources"] and s["sources"][0]["trainer_ranks"] == 1
+                  for s in running), "watch saw the update running with its expected bytes (%d running samples)"
+              % len(running))
         r = subprocess.run([args.wsyncctl, "verify", "--engine", engine_addr, "--step", str(good)],
                            capture_output=True, text=True, timeout=20)
         check(r.returncode == 0, "engine verifies step %d bit-exact (rc %d)" % (good, r.returncode))
