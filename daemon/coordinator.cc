@@ -91,8 +91,10 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
         if (id != req.node_id() && other.engine_id() == e.engine_id())
           return absl::AlreadyExistsError(absl::StrCat("engine ", e.engine_id(), " is already served by node ", id));
   nodes_[req.node_id()] = req;
+  last_heartbeat_[req.node_id()] = absl::Now();
   for (const auto& e : req.engines()) engine_state_[e.control_address()] = "registered";
   ++membership_epoch_;
+  Persist();
   spdlog::info("node {} registered as {} at {} ({} engines); membership epoch {}", req.node_id(), req.role(),
                req.address(), req.engines_size(), membership_epoch_);
   v1::RegisterNodeReply out;
@@ -170,6 +172,7 @@ absl::Status Coordinator::Track(const std::string& addr, const std::string& on_s
   } else if (!on_success.empty()) {
     engine_state_[addr] = on_success;
   }
+  Persist();
   return st;
 }
 
@@ -191,6 +194,7 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   metrics_.Add("wsync_update_bytes_total", {}, static_cast<double>(rec.bytes()));
   history_.push_back(std::move(rec));
   while (history_.size() > opts_.history_limit) history_.pop_front();
+  Persist();
   ended_cv_.notify_all();
 }
 
@@ -243,6 +247,8 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     state_ = "beginning";
     open_version_ = v;
     last_begun_ = v;
+    open_record_ = rec;
+    Persist();
     need_plan = plan_epoch_ != membership_epoch_;
   }
   v1::BeginUpdateReply out;
@@ -311,6 +317,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   open_record_.set_started_unix_ms(absl::ToUnixMillis(start));
   // The push phase starts now; its start is kept in total_seconds until commit.
   open_record_.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  Persist();
   ended_cv_.notify_all();
   spdlog::info("update {} open (plan {}): engines paused in {:.3f}s", v, plan_epoch, out.pause_seconds());
   return out;
@@ -341,6 +348,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
                        v <= current_version_ ? " (the asked version is not newer than it)" : ""));
     }
     state_ = "committing";
+    Persist();
     rec = open_record_;
     plan_epoch = open_plan_epoch_;
     for (const auto& [id, n] : nodes_) {
@@ -438,6 +446,7 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
       return absl::FailedPreconditionError(
           absl::StrCat("update ", v, " is being aborted by another call; ask again for its result"));
     state_ = "aborting";
+    Persist();
     rec = open_record_;
     for (const auto& [id, n] : nodes_)
       if (n.role() == "source") sources.push_back(n.address());
@@ -478,6 +487,101 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
   }
   spdlog::warn("update {} aborted: {} bytes had reached the engines; engines {}", v, bytes,
                out.engines_resumable() ? "may be resumed at the old version" : "stay paused until an update succeeds");
+  return out;
+}
+
+void Coordinator::Persist() {
+  if (!store_) return;
+  v1::CoordinatorState s;
+  for (const auto& [id, n] : nodes_) *s.add_nodes() = n;
+  s.set_membership_epoch(membership_epoch_);
+  s.set_current_version(current_version_);
+  s.set_last_begun(last_begun_);
+  s.set_state(state_);
+  s.set_open_version(open_version_);
+  s.set_engines_hold_partial_writes(engines_dirty_);
+  for (const auto& [a, st] : engine_state_) (*s.mutable_engine_state())[a] = st;
+  for (const auto& r : history_) *s.add_history() = r;
+  *s.mutable_open_record() = open_record_;
+  if (auto st = store_->Save(s); !st.ok()) spdlog::error("{} (the coordinator goes on from memory)", st.ToString());
+}
+
+absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
+  auto loaded = store->Load();
+  std::vector<std::string> sources;
+  int64_t abort_version = -1;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    store_ = std::move(store);
+    if (absl::IsNotFound(loaded.status())) {
+      spdlog::info("state store {} is new", store_->path());
+      Persist();
+      return absl::OkStatus();
+    }
+    if (!loaded.ok()) return loaded.status();
+    const v1::CoordinatorState& s = *loaded;
+    for (const auto& n : s.nodes()) nodes_[n.node_id()] = n;
+    // A fresh epoch: the plan is not stored, so the first update re-plans and re-configures every source.
+    membership_epoch_ = s.membership_epoch() + 1;
+    current_version_ = s.current_version();
+    last_begun_ = s.last_begun();
+    engines_dirty_ = s.engines_hold_partial_writes();
+    for (const auto& [a, st] : s.engine_state()) engine_state_[a] = st;
+    for (const auto& r : s.history()) {
+      history_.push_back(r);
+      Outcome o;
+      if (r.success()) {
+        *o.reply.mutable_record() = r;
+      } else {
+        o.status = absl::AbortedError(r.error().empty() ? absl::StrCat("update ", r.version(), " failed") : r.error());
+      }
+      outcomes_[r.version()] = o;
+    }
+    state_ = s.state() == "idle" || s.state() == "failed" ? s.state() : "idle";
+    if (s.state() != "idle" && s.state() != "failed" && s.open_version() >= 0) {
+      // Died during an update: end it explicitly. Its bytes may be in the engines; they stay paused.
+      const int64_t v = s.open_version();
+      v1::UpdateRecord rec = s.open_record();
+      rec.set_version(v);
+      rec.set_success(false);
+      rec.set_error(absl::StrCat("ABORTED: update ", v, " failed: the coordinator restarted during it (state ",
+                                 s.state(), "); engines stay paused until a successful update"));
+      if (rec.started_unix_ms() > 0)
+        rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
+      engines_dirty_ = true;
+      open_version_ = v;  // Finish closes it
+      Finish(v, Outcome{absl::AbortedError(rec.error()), v1::CommitUpdateReply()}, rec);
+      spdlog::warn("update {} was open ({}) when the previous coordinator stopped: recorded as failed", v, s.state());
+      abort_version = v;
+      for (const auto& [id, n] : nodes_)
+        if (n.role() == "source") sources.push_back(n.address());
+    }
+    Persist();
+    spdlog::info("restored from {}: {} nodes, version {}, {} updates in the history{}", store_->path(), nodes_.size(),
+                 current_version_, history_.size(),
+                 engines_dirty_ ? "; engines may hold partial writes and stay paused until an update succeeds" : "");
+  }
+  if (abort_version >= 0) {
+    v1::AbortSourceUpdateRequest req;
+    req.set_version(abort_version);
+    req.set_reason("the coordinator restarted during the update");
+    ForAll(sources, [&](const std::string& a) {
+      auto r = peers_->AbortSourceUpdate(a, req);
+      if (!r.ok()) spdlog::warn("telling source {} to abort update {}: {}", a, abort_version, r.status().ToString());
+      return absl::OkStatus();
+    });
+  }
+  return absl::OkStatus();
+}
+
+v1::HeartbeatReply Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
+  std::lock_guard<std::mutex> l(mu_);
+  v1::HeartbeatReply out;
+  out.set_interval_seconds(opts_.heartbeat_seconds);
+  out.set_membership_epoch(membership_epoch_);
+  auto it = nodes_.find(req.node_id());
+  out.set_known(it != nodes_.end() && it->second.address() == req.address());
+  if (out.known()) last_heartbeat_[req.node_id()] = absl::Now();
   return out;
 }
 
@@ -528,7 +632,10 @@ v1::ClusterStatus Coordinator::Status() const {
       auto it = engine_state_.find(e.control_address());
       d->set_state(it == engine_state_.end() ? "registered" : it->second);
     }
-    ni->set_reachable(true);
+    auto hb = last_heartbeat_.find(id);
+    const double ago = hb == last_heartbeat_.end() ? -1 : absl::ToDoubleSeconds(absl::Now() - hb->second);
+    ni->set_last_heartbeat_seconds_ago(ago);
+    ni->set_reachable(ago >= 0 && ago <= 3 * opts_.heartbeat_seconds);
   }
   s.set_membership_epoch(membership_epoch_);
   s.set_plan_epoch(plan_epoch_);

@@ -33,6 +33,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/metrics.h"
+#include "daemon/state_store.h"
 #include "wsync/v1/coordinator.pb.h"
 #include "wsync/v1/daemon.pb.h"
 #include "wsync/v1/engine.pb.h"
@@ -64,6 +65,7 @@ std::unique_ptr<Peers> MakeGrpcPeers();
 struct CoordinatorOptions {
   std::string strategy = "seed";  // transfer-plan strategy
   size_t history_limit = 1000;    // also bounds the per-version outcomes kept to answer retries
+  double heartbeat_seconds = 2;   // daemons' lease renewal interval; a node is unreachable after 3 missed
 };
 
 // The gRPC deadlines GrpcPeers puts on each call (seconds). One fact, one place: CommitWorstCase below and the
@@ -107,6 +109,12 @@ class Coordinator {
   v1::HistoryReply History(const v1::HistoryRequest& req) const;
   absl::StatusOr<v1::AbortUpdateReply> AbortUpdate(const v1::AbortUpdateRequest& req);
   absl::StatusOr<v1::ResumeEnginesReply> ResumeEngines(const v1::ResumeEnginesRequest& req);
+  v1::HeartbeatReply Heartbeat(const v1::HeartbeatRequest& req);
+  // Makes the coordinator persistent: restores what `store` holds (nodes, versions, engine states, history) and
+  // saves every change from now on. An update that was open when the previous coordinator died is recorded as
+  // failed ("the coordinator restarted during update v"), its sources are told to abort it, and the engines stay
+  // paused until an update succeeds. Call before serving.
+  absl::Status UseStateStore(std::unique_ptr<StateStore> store);
   // Updates by result, phase durations, bytes; membership and engine states (docs/operations.md, "Metrics").
   Metrics& metrics() { return metrics_; }
 
@@ -135,6 +143,8 @@ class Coordinator {
   absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written);
   // The recorded answer for a version that has ended, or nullptr. Requires mu_.
   const Outcome* FindOutcome(int64_t v) const;
+  // Saves the state to the store, if any (a failed save is logged, the coordinator goes on). Requires mu_.
+  void Persist();
   // Records the coordinator's view of engine `addr` after a call of `phase` (on_success "" = unchanged); returns st.
   absl::Status Track(const std::string& addr, const std::string& on_success, const std::string& phase,
                      absl::Status st);
@@ -147,6 +157,7 @@ class Coordinator {
   int64_t plan_epoch_ = -1;  // membership epoch the current plan was built for
   std::vector<Planned> plan_;
   std::string model_config_json_;
+  std::map<std::string, absl::Time> last_heartbeat_;  // node id → last lease renewal
   std::map<std::string, std::string> engine_state_;  // control address → registered | paused | serving | failed: …
 
   std::string state_ = "idle";         // idle | beginning | updating | committing | aborting | failed
@@ -162,6 +173,7 @@ class Coordinator {
   std::map<int64_t, Outcome> outcomes_;  // per ended version, the oldest dropped beyond history_limit
   std::deque<v1::UpdateRecord> history_;
   Metrics metrics_;
+  std::unique_ptr<StateStore> store_;
 };
 
 }  // namespace wsync::daemon

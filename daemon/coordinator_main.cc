@@ -27,13 +27,24 @@ int main(int argc, char** argv) {
   // (wsyncctl plan) also splits parameters across sources and needs byte-range writes in the daemon first.
   app.add_option("--strategy", opts.strategy, "transfer-plan strategy (seed)")->check(CLI::IsMember({"seed"}));
   app.add_option("--history", opts.history_limit, "updates kept in the history");
-  std::string metrics_listen;
+  std::string metrics_listen, state_path;
+  app.add_option("--state", state_path,
+                 "SQLite file holding membership, versions, engine states and history across restarts (created if "
+                 "missing; default: memory only, a restarted coordinator relies on daemons registering again)");
   app.add_option("--metrics-listen", metrics_listen,
                  "host:port serving Prometheus /metrics and /healthz over HTTP (default: off; port 9600 by convention)");
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging("coordinator", log_level);
 
   daemon::Coordinator coordinator(opts, daemon::MakeGrpcPeers());
+  if (!state_path.empty()) {
+    auto store = daemon::StateStore::Open(state_path);
+    absl::Status st = store.ok() ? coordinator.UseStateStore(*std::move(store)) : store.status();
+    if (!st.ok()) {
+      spdlog::error("--state {}: {}", state_path, st.ToString());
+      return 1;
+    }
+  }
   daemon::CoordinatorService service(&coordinator);
   auto served = daemon::Serve(listen, {&service}, port_file);
   if (!served.ok()) {

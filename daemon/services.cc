@@ -126,6 +126,11 @@ grpc::Status CoordinatorService::AbortUpdate(grpc::ServerContext*, const v1::Abo
                                              v1::AbortUpdateReply* out) {
   return Reply(c_->AbortUpdate(*req), out);
 }
+grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+                                           v1::HeartbeatReply* out) {
+  *out = c_->Heartbeat(*req);
+  return grpc::Status::OK;
+}
 grpc::Status CoordinatorService::ResumeEngines(grpc::ServerContext*, const v1::ResumeEnginesRequest* req,
                                                v1::ResumeEnginesReply* out) {
   return Reply(c_->ResumeEngines(*req), out);

@@ -52,6 +52,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest*, v1::AbortUpdateReply*) override;
   grpc::Status ResumeEngines(grpc::ServerContext*, const v1::ResumeEnginesRequest*,
                              v1::ResumeEnginesReply*) override;
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*, v1::HeartbeatReply*) override;
 
  private:
   Coordinator* c_;

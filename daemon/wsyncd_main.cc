@@ -4,7 +4,9 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
+#include <functional>
 #include <cstdlib>
 #include <cstdio>
 #include <fstream>
@@ -52,6 +54,40 @@ absl::Status Register(const std::string& coordinator, const v1::RegisterNodeRequ
       return absl::CancelledError("terminated by a signal while registering");
   }
   return last;
+}
+
+// Holds this node's lease with the coordinator until SIGTERM/SIGINT: a heartbeat every interval (the coordinator
+// says how long); when the coordinator answers that it does not know the node (it restarted without its state or
+// dropped the node), registers again; while it is unreachable, logs once and keeps trying.
+void HoldLease(const std::string& coordinator, const v1::RegisterNodeRequest& reg,
+               const std::function<v1::RegisterNodeRequest()>& fresh_registration) {
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
+  v1::HeartbeatRequest hb;
+  hb.set_node_id(reg.node_id());
+  hb.set_address(reg.address());
+  int interval_ms = 2000;
+  bool down = false;
+  while (!daemon::TerminationRequested(interval_ms)) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::HeartbeatReply rep;
+    grpc::Status s = stub->Heartbeat(&ctx, hb, &rep);
+    if (!s.ok()) {
+      if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED) continue;  // an older coordinator: no leases
+      if (!down) spdlog::warn("coordinator {} unreachable ({}); will register again when it is back", coordinator,
+                              s.error_message());
+      down = true;
+      continue;
+    }
+    if (down) spdlog::info("coordinator {} is reachable again", coordinator);
+    down = false;
+    if (rep.interval_seconds() > 0) interval_ms = std::clamp(static_cast<int>(rep.interval_seconds() * 1000), 100, 60000);
+    if (rep.known()) continue;
+    spdlog::warn("coordinator {} does not know node {} (restarted or dropped it): registering again", coordinator,
+                 reg.node_id());
+    if (auto st = Register(coordinator, fresh_registration(), 1); !st.ok())
+      spdlog::warn("registering again failed: {}; next try in {} ms", st.ToString(), interval_ms);
+  }
 }
 
 // A malformed --engine address is a usage error (exit 2), like any bad flag.
@@ -263,7 +299,15 @@ int main(int argc, char** argv) {
     std::ofstream(tmp) << served->port << "\n";
     std::rename(tmp.c_str(), port_file.c_str());
   }
-  daemon::WaitForTermination();
+  daemon::TargetNode* tn = target.get();
+  HoldLease(coordinator, reg, [&reg, tn] {
+    v1::RegisterNodeRequest r = reg;
+    if (tn != nullptr) {
+      r.clear_engines();
+      for (auto& e : tn->Registrations()) *r.add_engines() = std::move(e);
+    }
+    return r;
+  });
   spdlog::info("wsyncd {} shutting down", node_id);
   served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   metrics_server.reset();  // its collect callback reads the target
