@@ -4,6 +4,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/engines/reference_adapter.h"
+#include "daemon/engines/sglang_adapter.h"
 #include "daemon/engines/vllm_adapter.h"
 
 namespace wsync::daemon {
@@ -44,8 +45,9 @@ absl::StatusOr<std::unique_ptr<EngineAdapter>> MakeEngineAdapter(const std::stri
     return MakeReferenceAdapter(address, hp, call_timeout);
   }
   if (kind == "vllm") return MakeVllmAdapter(rest, call_timeout);
-  return absl::InvalidArgumentError(
-      absl::StrCat("engine address '", address, "': unknown engine kind '", kind, "' (known: reference, vllm)"));
+  if (kind == "sglang") return MakeSglangAdapter(rest, call_timeout);
+  return absl::InvalidArgumentError(absl::StrCat("engine address '", address, "': unknown engine kind '", kind,
+                                                 "' (known: reference, vllm, sglang)"));
 }
 
 }  // namespace wsync::daemon

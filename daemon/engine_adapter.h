@@ -9,9 +9,13 @@
 
 #include <memory>
 #include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "wsync/v1/common.pb.h"
 
 namespace wsync::daemon {
 
@@ -21,6 +25,13 @@ struct AttachInfo {
   std::string engine_id;
   std::string token;
   std::string mode;  // "staged" | "direct" (vLLM); "" = the engine's default
+};
+
+// The memory of an engine that registers it itself with a transport wsync's sources speak (SGLang: Mooncake):
+// every rank's layout with one segment per region and the transport's region descriptors filled in.
+struct RemoteMemory {
+  std::string model_config_json;
+  std::vector<v1::RankLayout> ranks;  // index = rank
 };
 
 struct EngineDescription {
@@ -47,6 +58,12 @@ class EngineAdapter {
   // (vLLM: when every worker's backend has attached and /init_weight_transfer_engine answered); the target
   // daemon waits for the attaches on its socket.
   virtual absl::Status RequestAttach(const AttachInfo& info) = 0;
+  // True for engines whose ranks do not attach to the target daemon: their memory is already registered by the
+  // engine (RemoteLayouts says where), and sources write into it directly. RequestAttach is then never called.
+  virtual bool remote_memory() const { return false; }
+  virtual absl::StatusOr<RemoteMemory> RemoteLayouts() {
+    return absl::UnimplementedError(absl::StrCat("engine kind ", kind(), " has no remote memory"));
+  }
   // mode: "abort" | "retract" | "in_place" (the coordinator's names; each adapter maps them to its engine's).
   virtual absl::Status Pause(const std::string& mode) = 0;
   // Every write of update `version` into this engine's memory has completed and every rank has been sent its

@@ -11,8 +11,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "daemon/convert.h"
+#include "transport/mooncake/mooncake_transport.h"
 #include "spdlog/spdlog.h"
 
 namespace wsync::daemon {
@@ -109,6 +111,7 @@ SourceNode::~SourceNode() {
   // Endpoints and regions go before the replica memory they point into.
   targets_.clear();
   replica_regions_.clear();
+  mooncake_regions_.clear();
   replica_.reset();
 }
 
@@ -243,6 +246,7 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     targets_.clear();
     targets_by_layout_.clear();
     replica_regions_.clear();
+    mooncake_regions_.clear();
     replica_.reset();
   }
 
@@ -262,6 +266,22 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     regions.push_back(std::move(region));
     total += replica->table(l).total_bytes();
   }
+  // Targets whose memory a Mooncake Transfer Engine registered (SGLang) are written with the mooncake transport.
+  std::vector<std::unique_ptr<transport::LocalRegion>> mc_regions;
+  bool any_mooncake = false;
+  for (const auto& t : req.targets())
+    for (const auto& seg : t.layout().segments()) any_mooncake |= seg.kind() == "mooncake";
+  if (any_mooncake) {
+    if (!mooncake_) {
+      transport::TransportOptions mo;
+      WSYNC_ASSIGN_OR_RETURN(mooncake_, transport::mooncake::CreateMooncakeTransport(mo));
+    }
+    for (int l = 0; l < replica->num_layouts(); ++l) {
+      const uint64_t n = std::max<uint64_t>(replica->table(l).total_bytes(), 1);
+      WSYNC_ASSIGN_OR_RETURN(auto region, mooncake_->RegisterMemory(replica->data(l), n));
+      mc_regions.push_back(std::move(region));
+    }
+  }
   out.set_register_seconds(Seconds(t0));
   out.set_replica_bytes(total);
   out.set_layouts(replica->num_layouts());
@@ -274,9 +294,24 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     auto t = std::make_unique<Target>();
     t->assignment = a;
     t->layout = layout_of[i];
+    t->transport = transport_;
     std::map<int, const transport::RemoteRegion*> by_segment;
     for (const auto& seg : a.layout().segments()) {
-      auto region = transport_->ImportRegion(seg.region_descriptor());
+      if (seg.kind() == "mooncake") {
+        // "mooncake/1 <session> 0x<base> <len>": every segment of one rank is in the same Mooncake session.
+        std::vector<std::string> f = absl::StrSplit(seg.region_descriptor(), ' ');
+        if (f.size() != 4 || f[0] != "mooncake/1")
+          return absl::InvalidArgumentError(absl::StrCat("segment ", seg.id(), " of ", Who(*t),
+                                                         ": not a mooncake region descriptor"));
+        if (!t->mooncake_session.empty() && t->mooncake_session != f[1])
+          return absl::InvalidArgumentError(absl::StrCat(Who(*t), ": segments in two Mooncake sessions (",
+                                                         t->mooncake_session, ", ", f[1], ")"));
+        t->mooncake_session = f[1];
+        t->transport = mooncake_.get();
+      } else if (t->transport == mooncake_.get() && mooncake_ != nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(Who(*t), ": mixes mooncake and ", seg.kind(), " segments"));
+      }
+      auto region = t->transport->ImportRegion(seg.region_descriptor());
       if (!region.ok())
         return Annotate(region.status(), absl::StrCat("importing segment ", seg.id(), " of ", Who(*t)));
       by_segment[seg.id()] = region->get();
@@ -308,6 +343,7 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   std::lock_guard<std::mutex> l(mu_);
   replica_ = std::move(replica);
   replica_regions_ = std::move(regions);
+  mooncake_regions_ = std::move(mc_regions);
   targets_ = std::move(targets);
   targets_by_layout_ = std::move(by_layout);
   push_names_ = std::move(names);
@@ -328,8 +364,16 @@ absl::Status SourceNode::ConnectEndpoint(Target* t) {
   const std::string who = Who(*t);
   t->endpoint.reset();  // a broken endpoint goes first, so the peer sees it close before the new one connects
   t->outstanding.clear();
-  auto ep = transport_->CreateEndpoint();
+  auto ep = t->transport->CreateEndpoint();
   if (!ep.ok()) return Annotate(ep.status(), absl::StrCat("creating an endpoint for ", who));
+  if (!t->mooncake_session.empty()) {
+    // The engine's own Mooncake Transfer Engine: the handshake goes to it directly, not through a target daemon.
+    WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(t->mooncake_session, absl::Seconds(30)), "connecting to ", who,
+                              " (Mooncake session ", t->mooncake_session, ")");
+    t->endpoint = *std::move(ep);
+    t->broken = absl::OkStatus();
+    return absl::OkStatus();
+  }
   v1::ConnectTargetRequest creq;
   creq.set_engine_id(t->assignment.engine_id());
   creq.set_rank(t->assignment.rank());
@@ -537,7 +581,7 @@ absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& read
     const replica::EngineParam& p = replica_->table(r.layout).params()[r.param];
     for (Target* t : targets_by_layout_[r.layout]) {
       transport::WriteRequest w;
-      w.src = replica_regions_[r.layout].get();
+      w.src = (t->transport == transport_ ? replica_regions_ : mooncake_regions_)[r.layout].get();
       w.src_offset = p.offset;
       w.dst = t->dst_region[r.param];
       w.dst_offset = t->dst_offset[r.param];

@@ -96,6 +96,10 @@ class SourceNode {
     std::vector<const transport::RemoteRegion*> dst_region;
     std::vector<uint64_t> dst_offset;
     std::vector<transport::BatchId> outstanding;
+    // Which transport writes to it: the node's own, or Mooncake for engines that registered their memory with a
+    // Mooncake Transfer Engine (segments of kind "mooncake"; session = the engine rank's handshake address).
+    transport::Transport* transport = nullptr;
+    std::string mooncake_session;  // "" unless the mooncake transport is used
     // Not OK once a Post or Wait on `endpoint` failed: the transport contract says such an endpoint must be
     // re-created, which the next StartUpdate does before accepting pushes.
     absl::Status broken;
@@ -129,6 +133,9 @@ class SourceNode {
   int64_t plan_epoch_ = -1;
   std::unique_ptr<replica::Replica> replica_;
   std::vector<std::unique_ptr<transport::LocalRegion>> replica_regions_;
+  // The Mooncake transport (created at the first plan with a Mooncake target) and the replica's regions in it.
+  std::unique_ptr<transport::Transport> mooncake_;
+  std::vector<std::unique_ptr<transport::LocalRegion>> mooncake_regions_;
   std::vector<std::unique_ptr<Target>> targets_;
   std::vector<std::vector<Target*>> targets_by_layout_;
   std::vector<std::string> push_names_;  // checkpoint tensors this node needs, in push order

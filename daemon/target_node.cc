@@ -541,9 +541,26 @@ absl::Status TargetNode::AddEngine(std::unique_ptr<EngineAdapter> adapter) {
     engines_.erase(desc.engine_id);  // its ranks' registrations and mappings go with it
     return st;
   };
+  absl::Time t0 = absl::Now();
+  if (a->remote_memory()) {
+    // The engine registered its memory itself (SGLang + Mooncake): take its layouts as they are; sources write
+    // into it directly, nothing attaches here.
+    auto remote = a->RemoteLayouts();
+    if (!remote.ok()) return forget(remote.status());
+    if (static_cast<int>(remote->ranks.size()) != desc.num_ranks)
+      return forget(absl::InternalError(absl::StrCat("engine ", desc.engine_id, ": ", remote->ranks.size(),
+                                                     " rank layouts for ", desc.num_ranks, " ranks")));
+    std::lock_guard<std::mutex> l(mu_);
+    engine->model_config_json = remote->model_config_json;
+    for (int i = 0; i < desc.num_ranks; ++i) {
+      engine->ranks[i].layout = std::move(remote->ranks[i]);
+      engine->ranks[i].state = Rank::State::kAttached;
+    }
+    spdlog::info("engine {} ({}, {} ranks) at {}: layouts of its own registered memory taken in {:.3f}s",
+                 desc.engine_id, engine->kind, desc.num_ranks, address, absl::ToDoubleSeconds(absl::Now() - t0));
+  } else {
   spdlog::info("engine {} ({}, {} ranks) at {}: asking it to attach to {}", desc.engine_id, engine->kind,
                desc.num_ranks, address, opts_.engine_socket);
-  absl::Time t0 = absl::Now();
   if (auto st = a->RequestAttach(info); !st.ok())
     return forget(Annotate(st, absl::StrCat("engine ", desc.engine_id, " at ", address, ": attach request")));
   {
@@ -565,6 +582,7 @@ absl::Status TargetNode::AddEngine(std::unique_ptr<EngineAdapter> adapter) {
   }
   spdlog::info("engine {}: all {} ranks attached in {:.3f}s", desc.engine_id, desc.num_ranks,
                absl::ToDoubleSeconds(absl::Now() - t0));
+  }
   if (engine->control_address.empty() && !opts_.facade_host.empty()) {
     auto facade = MakeEngineFacade(this, desc.engine_id);
     auto served = daemon::Serve(absl::StrCat(opts_.facade_host, ":0"), {facade.get()}, "");
@@ -706,6 +724,7 @@ absl::Status TargetNode::PostProcess(const std::string& engine_id, const std::st
   std::lock_guard<std::mutex> call(e->call_mu);
   const std::string commit = Frame({{"type", "commit"}, {"version", version}});
   for (auto& [rank, c] : conns) {
+    if (c == nullptr) continue;  // an engine with remote memory: no attach connection, the adapter does it all
     absl::Status st;
     {
       std::lock_guard<std::mutex> l(c->send_mu);
