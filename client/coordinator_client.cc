@@ -74,6 +74,17 @@ absl::StatusOr<v1::AbortUpdateReply> CoordinatorClient::AbortUpdate(int64_t vers
   return rep;
 }
 
+absl::StatusOr<v1::RemoveNodeReply> CoordinatorClient::RemoveNode(const std::string& node_id) {
+  v1::RemoveNodeRequest req;
+  req.set_node_id(node_id);
+  v1::RemoveNodeReply rep;
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, dial_timeout_);
+  grpc::Status s = stub_->RemoveNode(&ctx, req, &rep);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return rep;
+}
+
 absl::StatusOr<v1::ResumeEnginesReply> CoordinatorClient::ResumeEngines() {
   v1::ResumeEnginesReply rep;
   grpc::ClientContext ctx;

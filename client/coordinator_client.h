@@ -46,6 +46,7 @@ class CoordinatorClient {
   absl::StatusOr<v1::AbortUpdateReply> AbortUpdate(int64_t version, const std::string& reason);
   // Resumes paused engines at their current version; refused while they may hold partial writes.
   absl::StatusOr<v1::ResumeEnginesReply> ResumeEngines();
+  absl::StatusOr<v1::RemoveNodeReply> RemoveNode(const std::string& node_id);
 
  private:
   std::unique_ptr<v1::Coordinator::Stub> stub_;

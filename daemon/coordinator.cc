@@ -76,6 +76,18 @@ Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
 
 absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::RegisterNodeRequest& req) {
   if (req.node_id().empty()) return absl::InvalidArgumentError("node_id is empty");
+  // Bounds before anything is stored: names end up in every status, log line and plan.
+  if (req.node_id().size() > 253 || req.address().size() > 300 || req.transport().size() > 64)
+    return absl::InvalidArgumentError(absl::StrCat("node_id (", req.node_id().size(), " bytes), address (",
+                                                   req.address().size(), ") or transport (", req.transport().size(),
+                                                   ") is too long (limits 253, 300, 64)"));
+  if (req.engines_size() > 1024 || req.trainer_ranks() > 1024 || req.trainer_ranks() < 0)
+    return absl::InvalidArgumentError("too many engines (> 1024) or trainer ranks out of [0, 1024]");
+  for (const auto& e : req.engines())
+    if (e.engine_id().empty() || e.engine_id().size() > 253 || e.control_address().size() > 300 ||
+        e.ranks_size() > 65536)
+      return absl::InvalidArgumentError(absl::StrCat("engine '", e.engine_id().substr(0, 64),
+                                                     "': empty or too long id/address, or more than 65536 ranks"));
   if (req.role() != "source" && req.role() != "target")
     return absl::InvalidArgumentError(absl::StrCat("role must be source or target, not '", req.role(), "'"));
   if (req.address().empty()) return absl::InvalidArgumentError("address is empty");
@@ -572,6 +584,28 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     });
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<v1::RemoveNodeReply> Coordinator::RemoveNode(const v1::RemoveNodeRequest& req) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = nodes_.find(req.node_id());
+  if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("no node ", req.node_id(), " is registered"));
+  if (UpdateInProgress())
+    return absl::FailedPreconditionError(absl::StrCat("cannot remove node ", req.node_id(), ": update ",
+                                                      open_version_, " is ", state_, "; remove it between updates"));
+  v1::RemoveNodeReply out;
+  for (const auto& e : it->second.engines()) {
+    out.add_engines(e.engine_id());
+    engine_state_.erase(e.control_address());
+  }
+  nodes_.erase(it);
+  last_heartbeat_.erase(req.node_id());
+  ++membership_epoch_;
+  out.set_membership_epoch(membership_epoch_);
+  Persist();
+  spdlog::warn("node {} removed by the operator ({} engines); membership epoch {}", req.node_id(), out.engines_size(),
+               membership_epoch_);
+  return out;
 }
 
 v1::HeartbeatReply Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {

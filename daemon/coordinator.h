@@ -110,6 +110,7 @@ class Coordinator {
   absl::StatusOr<v1::AbortUpdateReply> AbortUpdate(const v1::AbortUpdateRequest& req);
   absl::StatusOr<v1::ResumeEnginesReply> ResumeEngines(const v1::ResumeEnginesRequest& req);
   v1::HeartbeatReply Heartbeat(const v1::HeartbeatRequest& req);
+  absl::StatusOr<v1::RemoveNodeReply> RemoveNode(const v1::RemoveNodeRequest& req);
   // Makes the coordinator persistent: restores what `store` holds (nodes, versions, engine states, history) and
   // saves every change from now on. An update that was open when the previous coordinator died is recorded as
   // failed ("the coordinator restarted during update v"), its sources are told to abort it, and the engines stay

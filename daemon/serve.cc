@@ -20,8 +20,10 @@ absl::StatusOr<Served> Serve(const std::string& listen, const std::vector<grpc::
   grpc::ServerBuilder b;
   b.AddListeningPort(listen, grpc::InsecureServerCredentials(), &s.port);
   for (auto* svc : services) b.RegisterService(svc);
-  b.SetMaxReceiveMessageSize(512 << 20);
-  b.SetMaxSendMessageSize(512 << 20);
+  // Control messages only (weights never travel over gRPC): the largest are registrations and plans carrying every
+  // engine rank's parameter table, a few MiB for the largest models. Larger requests are refused before parsing.
+  b.SetMaxReceiveMessageSize(kMaxControlMessageBytes);
+  b.SetMaxSendMessageSize(kMaxControlMessageBytes);
   s.server = b.BuildAndStart();
   if (!s.server || s.port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", listen));
   if (!port_file.empty()) {

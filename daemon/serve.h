@@ -11,6 +11,9 @@
 
 namespace wsync::daemon {
 
+// The largest gRPC message a wsync server accepts or sends (and peers' channels allow).
+inline constexpr int kMaxControlMessageBytes = 64 << 20;
+
 struct Served {
   std::unique_ptr<grpc::Server> server;
   int port = 0;

@@ -1,4 +1,5 @@
 #include "daemon/services.h"
+#include "daemon/serve.h"
 
 #include <chrono>
 
@@ -125,6 +126,10 @@ grpc::Status CoordinatorService::GetHistory(grpc::ServerContext*, const v1::Hist
 grpc::Status CoordinatorService::AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest* req,
                                              v1::AbortUpdateReply* out) {
   return Reply(c_->AbortUpdate(*req), out);
+}
+grpc::Status CoordinatorService::RemoveNode(grpc::ServerContext*, const v1::RemoveNodeRequest* req,
+                                            v1::RemoveNodeReply* out) {
+  return Reply(c_->RemoveNode(*req), out);
 }
 grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
                                            v1::HeartbeatReply* out) {
@@ -289,8 +294,8 @@ class GrpcPeers final : public Peers {
   }
   static std::shared_ptr<grpc::Channel> Channel(const std::string& addr) {
     grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(512 << 20);
-    args.SetMaxSendMessageSize(512 << 20);
+    args.SetMaxReceiveMessageSize(kMaxControlMessageBytes);
+    args.SetMaxSendMessageSize(kMaxControlMessageBytes);
     return grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args);
   }
   std::mutex mu_;

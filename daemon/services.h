@@ -53,6 +53,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status ResumeEngines(grpc::ServerContext*, const v1::ResumeEnginesRequest*,
                              v1::ResumeEnginesReply*) override;
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*, v1::HeartbeatReply*) override;
+  grpc::Status RemoveNode(grpc::ServerContext*, const v1::RemoveNodeRequest*, v1::RemoveNodeReply*) override;
 
  private:
   Coordinator* c_;

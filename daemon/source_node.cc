@@ -239,8 +239,21 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     if (it == layouts.end()) layouts.push_back(rp);
   }
 
-  // Tear down the previous plan's state first (endpoints before the memory they reference); under mu_ as well,
-  // since Status() and the metrics read them.
+  // Validate the whole request before touching the current plan: a bad ConfigureSource leaves the plan in use
+  // working. The tables are what the replica will allocate (no memory yet).
+  for (int i = 0; i < req.targets_size(); ++i) {
+    const auto& t = req.targets(i);
+    auto table = replica::BuildParamTable(cfg, layouts[layout_of[i]], quant);
+    if (!table.ok()) return Annotate(table.status(), absl::StrCat("engine ", t.engine_id(), " rank ", t.rank()));
+    WSYNC_RETURN_IF_ERROR(CheckLayout(*table, t.layout(), absl::StrCat("engine ", t.engine_id(), " rank ", t.rank())));
+    for (const auto& seg : t.layout().segments())
+      if (seg.region_descriptor().empty())
+        return absl::InvalidArgumentError(absl::StrCat("engine ", t.engine_id(), " rank ", t.rank(), ": segment ",
+                                                       seg.id(), " has no region descriptor"));
+  }
+
+  // Tear down the previous plan's state (endpoints before the memory they reference); under mu_ as well, since
+  // Status() and the metrics read them. From here on a failure (memory, network) leaves the source unconfigured.
   {
     std::lock_guard<std::mutex> l(mu_);
     targets_.clear();

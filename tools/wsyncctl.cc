@@ -211,7 +211,7 @@ int RunWatch(const std::string& endpoint, absl::Duration dt, bool json, double i
 
 int main(int argc, char** argv) {
   const std::vector<std::string> commands = {"status", "nodes", "engines", "history", "verify", "checksums",
-                                             "version", "plan", "abort", "resume", "watch"};
+                                             "version", "plan", "abort", "resume", "watch", "remove"};
   const int at = CommandIndex(argc, argv);
   if (at > 0) {
     const std::string cmd = argv[at];
@@ -263,6 +263,10 @@ int main(int argc, char** argv) {
   watch->add_option("--interval", interval, "seconds between samples")->check(CLI::Range(0.01, 60.0));
   watch->add_option("--for", watch_for, "stop after this many seconds (0: when the update has ended)");
   watch->add_flag("--once", once, "print one sample and exit");
+  auto* remove = app.add_subcommand("remove", "deregister a node and its engines between updates (stop its daemon "
+                                               "first, or it registers again)");
+  std::string remove_id;
+  remove->add_option("node_id", remove_id, "the node to remove")->required();
   auto* resume = app.add_subcommand(
       "resume", "resume paused engines at their current version (only when no byte of a failed update reached them)");
 #ifdef WSYNC_HAVE_PLAN_COMMAND
@@ -324,6 +328,19 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   if (*watch) return RunWatch(endpoint, dt, json, interval, watch_for, once);
+  if (*remove) {
+    client::CoordinatorClient c(endpoint, dt);
+    auto r = c.RemoveNode(remove_id);
+    if (!r.ok()) return ExitFor(r.status());
+    if (json) {
+      PrintJson(*r);
+      return kExitOk;
+    }
+    std::printf("node %s removed (engines: %s); membership epoch %lld\n", remove_id.c_str(),
+                r->engines_size() ? absl::StrJoin(r->engines(), ", ").c_str() : "none",
+                static_cast<long long>(r->membership_epoch()));
+    return kExitOk;
+  }
   if (*abort_cmd || *resume) {
     client::CoordinatorClient c(endpoint, dt);
     if (*abort_cmd) {

@@ -559,3 +559,36 @@ TEST_CASE("abort: a source that cannot be reached counts as written; a commit ru
 
 }  // namespace
 }  // namespace wsync::daemon
+
+namespace wsync::daemon {
+namespace {
+
+TEST_CASE("remove: a node is deregistered only between updates; the next update re-plans without it") {
+  Fixture f(2, 1, 2);
+  v1::RemoveNodeRequest r;
+  r.set_node_id("nope");
+  CHECK(f.c->RemoveNode(r).status().code() == absl::StatusCode::kNotFound);
+  REQUIRE(f.Begin(1).ok());
+  r.set_node_id("s1");
+  CHECK(f.c->RemoveNode(r).status().code() == absl::StatusCode::kFailedPrecondition);  // update open
+  REQUIRE(f.Commit(1).ok());
+  const int64_t epoch = f.c->Status().membership_epoch();
+  auto out = f.c->RemoveNode(r);
+  REQUIRE(out.ok());
+  CHECK(out->membership_epoch() == epoch + 1);
+  CHECK(f.c->Status().nodes_size() == 2);  // s0 and t0
+  f.peers->configured.clear();
+  REQUIRE(f.Begin(2).ok());
+  REQUIRE(f.peers->configured.size() == 1);  // re-planned onto the remaining source only
+  CHECK(f.peers->configured.begin()->first == "s0:1");
+  CHECK(f.peers->configured.begin()->second.targets_size() == 2);
+  REQUIRE(f.Commit(2).ok());
+  r.set_node_id("t0");
+  out = f.c->RemoveNode(r);
+  REQUIRE(out.ok());
+  CHECK(out->engines_size() == 1);
+  CHECK(f.Begin(3).code() == absl::StatusCode::kFailedPrecondition);  // no engine left
+}
+
+}  // namespace
+}  // namespace wsync::daemon

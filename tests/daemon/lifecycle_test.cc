@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <string>
@@ -283,6 +284,50 @@ TEST_CASE("source lifecycle: a newer StartUpdate abandons an update the coordina
   CHECK(std::string(late.status().message()).find("abandoned") != std::string::npos);
   n.Push(2);
   CHECK(n.Finish(2).ok());
+}
+
+}  // namespace
+}  // namespace wsync::daemon
+
+namespace wsync::daemon {
+namespace {
+
+TEST_CASE("source configure: a request that fails validation changes nothing; the current plan keeps working") {
+  Node n;
+  REQUIRE(n.Start(1).ok());
+  n.Push(1);
+  REQUIRE(n.Finish(1).ok());
+  struct Bad {
+    const char* what;
+    std::function<void(v1::ConfigureSourceRequest&)> mutate;
+  };
+  const std::vector<Bad> bad = {
+      {"a parameter with the wrong size",
+       [](v1::ConfigureSourceRequest& r) { r.mutable_targets(0)->mutable_layout()->mutable_params(0)->set_bytes(3); }},
+      {"a missing parameter",
+       [](v1::ConfigureSourceRequest& r) { r.mutable_targets(0)->mutable_layout()->mutable_params()->RemoveLast(); }},
+      {"a config that does not parse", [](v1::ConfigureSourceRequest& r) { r.set_model_config_json("{"); }},
+      {"an unknown engine kind", [](v1::ConfigureSourceRequest& r) { r.mutable_targets(0)->set_engine_kind("x"); }},
+      {"a segment without descriptor",
+       [](v1::ConfigureSourceRequest& r) {
+         r.mutable_targets(0)->mutable_layout()->mutable_segments(0)->clear_region_descriptor();
+       }},
+  };
+  int64_t v = 2;
+  for (const auto& b : bad) {
+    v1::ConfigureSourceRequest r = Plan();
+    r.set_plan_epoch(kPlan + 1);
+    b.mutate(r);
+    auto c = n.node->Configure(r);
+    INFO(b.what << ": " << c.status().ToString());
+    CHECK_FALSE(c.ok());
+    // The old plan is intact: an update under it runs end to end.
+    CHECK(n.node->Status().state() == "ready");
+    REQUIRE(n.Start(v).ok());
+    n.Push(v);
+    CHECK(n.Finish(v).ok());
+    ++v;
+  }
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "daemon/serve.h"
 #include "daemon/services.h"
 #include "httplib.h"
+#include "wsync/v1/coordinator.grpc.pb.h"
 
 namespace wsync::daemon {
 namespace {
@@ -167,6 +168,42 @@ TEST_CASE("metrics: the coordinator counts updates by result and phase") {
   CHECK(absl::StrContains(text, "wsync_nodes{role=\"source\"} 1\n"));
   CHECK(absl::StrContains(text, "wsync_engines{state=\"serving\"} 1\n"));
   CHECK(absl::StrContains(text, "wsync_update_in_progress 0\n"));
+}
+
+}  // namespace
+}  // namespace wsync::daemon
+
+namespace wsync::daemon {
+namespace {
+
+TEST_CASE("limits: an oversized request is refused before parsing, a long name is refused, the server keeps serving") {
+  Coordinator coordinator(CoordinatorOptions(), MakeGrpcPeers());
+  CoordinatorService service(&coordinator);
+  auto served = Serve("127.0.0.1:0", {&service}, "");
+  REQUIRE(served.ok());
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(256 << 20);
+  auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", served->port),
+                                                                 grpc::InsecureChannelCredentials(), args));
+  auto reg = [&](size_t id_bytes) {
+    v1::RegisterNodeRequest r;
+    r.set_node_id(std::string(id_bytes, 'n'));
+    r.set_role("source");
+    r.set_address("127.0.0.1:1");
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::RegisterNodeReply out;
+    return stub->RegisterNode(&ctx, r, &out);
+  };
+  CHECK(reg(kMaxControlMessageBytes + 1024).error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK(reg(40 << 20).error_code() == grpc::StatusCode::INVALID_ARGUMENT);  // 40 MiB id: within the size limit
+  CHECK(reg(300).error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(reg(16).ok());
+  grpc::ClientContext ctx;
+  v1::ClusterStatus st;
+  REQUIRE(stub->GetClusterStatus(&ctx, v1::ClusterStatusRequest(), &st).ok());
+  CHECK(st.nodes_size() == 1);
+  served->server->Shutdown();
 }
 
 }  // namespace
