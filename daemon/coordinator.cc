@@ -314,12 +314,21 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     std::lock_guard<std::mutex> l(mu_);
     plan_epoch_ = plan_epoch;
   }
+  // Targets accept writes from now on, until the sources have finished (or the update ends otherwise).
+  st = SetWindows(true, v);
+  if (!st.ok()) {
+    SetWindows(false, v).IgnoreError();
+    return Fail(rec, st, false);
+  }
   v1::StartUpdateRequest sreq;
   sreq.set_version(v);
   sreq.set_plan_epoch(plan_epoch);
   st = ForAll(source_addrs, [&](const std::string& a) { return Annotate(peers_->StartUpdate(a, sreq), "start " + a); });
   // A source that started may already take pushes from its ranks: count the update as possibly written.
-  if (!st.ok()) return Fail(rec, st, true);
+  if (!st.ok()) {
+    SetWindows(false, v).IgnoreError();
+    return Fail(rec, st, true);
+  }
   out.set_plan_epoch(plan_epoch);
   std::lock_guard<std::mutex> l(mu_);
   state_ = "updating";
@@ -397,6 +406,8 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   }
   rec.set_bytes(bytes);
   rec.set_params(params);
+  // Every source has finished (or failed and drained): no write of this update is legitimate any more.
+  SetWindows(false, v).IgnoreError();
   // Weights may be partly written: the engines stay paused at their old version rather than resume silently.
   if (!st.ok()) return Fail(rec, st, true);
   absl::Time t = absl::Now();
@@ -481,6 +492,7 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
     if (r->bytes_written() > 0 || !r->quiescent()) clean = false;
     return absl::OkStatus();
   });
+  SetWindows(false, v).IgnoreError();
   AddPhase(&rec, "abort", t);
   rec.set_bytes(bytes);
   rec.set_aborted(true);
@@ -500,6 +512,24 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
   spdlog::warn("update {} aborted: {} bytes had reached the engines; engines {}", v, bytes,
                out.engines_resumable() ? "may be resumed at the old version" : "stay paused until an update succeeds");
   return out;
+}
+
+absl::Status Coordinator::SetWindows(bool open, int64_t version) {
+  std::vector<std::string> targets;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (const auto& [id, n] : nodes_)
+      if (n.role() == "target") targets.push_back(n.address());
+  }
+  v1::SetWriteWindowRequest req;
+  req.set_open(open);
+  req.set_version(version);
+  absl::Status st = ForAll(targets, [&](const std::string& a) {
+    return Annotate(peers_->SetWriteWindow(a, req).status(),
+                    absl::StrCat(open ? "opening" : "closing", " the write window of target ", a));
+  });
+  if (!st.ok() && !open) spdlog::warn("{}", st.ToString());
+  return st;
 }
 
 void Coordinator::Persist() {
@@ -582,6 +612,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
       if (!r.ok()) spdlog::warn("telling source {} to abort update {}: {}", a, abort_version, r.status().ToString());
       return absl::OkStatus();
     });
+    SetWindows(false, abort_version).IgnoreError();
   }
   return absl::OkStatus();
 }

@@ -52,6 +52,13 @@ class Peers {
   virtual absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string& addr,
                                                                        const v1::AbortSourceUpdateRequest& req) = 0;
   virtual absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) = 0;
+  // Target daemons: accept writes into their engines' memory only while the window is open.
+  virtual absl::StatusOr<v1::SetWriteWindowReply> SetWriteWindow(const std::string& addr,
+                                                                  const v1::SetWriteWindowRequest& req) {
+    (void)addr;
+    (void)req;
+    return v1::SetWriteWindowReply();
+  }
   virtual absl::Status Pause(const std::string& addr, const std::string& mode) = 0;
   // `version`: the update whose writes have all completed (a target daemon's facade sends it to the engine's ranks).
   virtual absl::Status PostProcess(const std::string& addr, const std::string& version) = 0;
@@ -144,6 +151,9 @@ class Coordinator {
   absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written);
   // The recorded answer for a version that has ended, or nullptr. Requires mu_.
   const Outcome* FindOutcome(int64_t v) const;
+  // Opens or closes the write window on every target daemon; a target that cannot be told is an error when opening
+  // (its engines would refuse the writes) and logged when closing.
+  absl::Status SetWindows(bool open, int64_t version);
   // Saves the state to the store, if any (a failed save is logged, the coordinator goes on). Requires mu_.
   void Persist();
   // Records the coordinator's view of engine `addr` after a call of `phase` (on_success "" = unchanged); returns st.

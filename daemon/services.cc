@@ -86,6 +86,12 @@ grpc::Status NodeDaemonService::AbortSourceUpdate(grpc::ServerContext*, const v1
   WSYNC_NEED(Source);
   return Reply(source_->AbortUpdate(*req), out);
 }
+grpc::Status NodeDaemonService::SetWriteWindow(grpc::ServerContext*, const v1::SetWriteWindowRequest* req,
+                                               v1::SetWriteWindowReply* out) {
+  WSYNC_NEED(Target);
+  *out = target_.load()->SetWriteWindow(*req);
+  return grpc::Status::OK;
+}
 grpc::Status NodeDaemonService::ConnectTarget(grpc::ServerContext*, const v1::ConnectTargetRequest* req,
                                               v1::ConnectTargetReply* out) {
   WSYNC_NEED(Target);
@@ -236,6 +242,11 @@ class GrpcPeers final : public Peers {
                                                                const v1::AbortSourceUpdateRequest& req) override {
     return Call<v1::AbortSourceUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::AbortSourceUpdate, req,
                                             PeerDeadlines::kAbort);
+  }
+  absl::StatusOr<v1::SetWriteWindowReply> SetWriteWindow(const std::string& addr,
+                                                          const v1::SetWriteWindowRequest& req) override {
+    return Call<v1::SetWriteWindowReply>(Daemon(addr), &v1::NodeDaemon::Stub::SetWriteWindow, req,
+                                         PeerDeadlines::kStart);
   }
   absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) override {
     return Call<v1::EngineInfo>(Engine(addr), &v1::EngineControl::Stub::GetInfo, v1::GetEngineInfoRequest(),

@@ -32,6 +32,8 @@ class NodeDaemonService final : public v1::NodeDaemon::Service {
   grpc::Status AbortSourceUpdate(grpc::ServerContext*, const v1::AbortSourceUpdateRequest*,
                                  v1::AbortSourceUpdateReply*) override;
   grpc::Status ConnectTarget(grpc::ServerContext*, const v1::ConnectTargetRequest*, v1::ConnectTargetReply*) override;
+  grpc::Status SetWriteWindow(grpc::ServerContext*, const v1::SetWriteWindowRequest*,
+                              v1::SetWriteWindowReply*) override;
   grpc::Status GetNodeStatus(grpc::ServerContext*, const v1::NodeStatusRequest*, v1::NodeStatus*) override;
 
  private:

@@ -300,7 +300,26 @@ TargetNode::~TargetNode() {
   engines_.clear();
 }
 
+v1::SetWriteWindowReply TargetNode::SetWriteWindow(const v1::SetWriteWindowRequest& req) {
+  std::lock_guard<std::mutex> l(mu_);
+  v1::SetWriteWindowReply out;
+  absl::Status st = transport_->SetWriteWindow(req.open());
+  window_enforced_ = st.ok();
+  window_open_ = req.open();
+  out.set_enforced(window_enforced_);
+  out.set_refused_writes(transport_->refused_writes());
+  spdlog::info("write window {} for update {}{}", req.open() ? "opened" : "closed", req.version(),
+               window_enforced_ ? "" : " (not enforced by this transport)");
+  return out;
+}
+
 absl::Status TargetNode::Start() {
+  // No writes into engine memory until the coordinator opens the window for an update.
+  if (auto st = transport_->SetWriteWindow(false); st.ok()) {
+    window_enforced_ = true;
+  } else {
+    spdlog::warn("{}: engines on this node accept writes at any time", std::string(st.message()));
+  }
   const std::string& path = opts_.engine_socket;
   sockaddr_un addr{};
   if (path.empty() || path.size() >= sizeof(addr.sun_path))
@@ -645,6 +664,8 @@ v1::NodeStatus TargetNode::Status() const {
   s.set_replica_bytes(bytes);
   s.set_state(absl::StrCat(engines_.size(), " engines, ", attached, "/", ranks, " ranks attached, ",
                            endpoints_.size(), " source connections"));
+  s.set_write_window(!window_enforced_ ? "not enforced" : (window_open_ ? "open" : "closed"));
+  s.set_refused_writes(transport_->refused_writes());
   return s;
 }
 

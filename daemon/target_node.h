@@ -81,6 +81,8 @@ class TargetNode {
   std::vector<v1::EngineRegistration> Registrations() const;
 
   absl::StatusOr<v1::ConnectTargetReply> ConnectTarget(const v1::ConnectTargetRequest& req);
+  // Opens or closes the transport's write window (closed from Start until the coordinator opens it).
+  v1::SetWriteWindowReply SetWriteWindow(const v1::SetWriteWindowRequest& req);
   v1::NodeStatus Status() const;
 
   // --- the EngineControl facade of one engine (kinds other than "reference") ---
@@ -152,6 +154,8 @@ class TargetNode {
   // One source connection per (engine, rank): the plan gives each target rank one source, and a source that
   // reconnects after a transport error replaces its broken endpoint.
   std::map<std::pair<std::string, int>, std::unique_ptr<transport::Endpoint>> endpoints_;
+  bool window_enforced_ = false;  // guarded by mu_
+  bool window_open_ = false;      // guarded by mu_
 };
 
 }  // namespace wsync::daemon

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -94,6 +95,16 @@ class Transport {
   virtual absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) = 0;
   // Creates an unconnected endpoint (both sides of a connection create one).
   virtual absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() = 0;
+
+  // The receiving side's write window: while it is closed, writes from peers are refused (their batch fails with
+  // PermissionDenied, nothing of it is written) and counted in refused_writes(). Open when the transport is
+  // created; a target daemon closes it at start and the coordinator opens it only while an update is open.
+  // Unimplemented for a backend that cannot enforce it (the caller reports that the window is not enforced).
+  virtual absl::Status SetWriteWindow(bool open) {
+    (void)open;
+    return absl::UnimplementedError(absl::StrCat("the ", name(), " transport does not enforce write windows"));
+  }
+  virtual uint64_t refused_writes() const { return 0; }
 };
 
 struct TransportOptions {

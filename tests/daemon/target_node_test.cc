@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -414,6 +415,75 @@ TEST_CASE("target: a peer of another uid is refused (SO_PEERCRED)") {
     return absl::FailedPreconditionError("refused");
   });
   CHECK_FALSE(st.ok());
+}
+
+}  // namespace
+}  // namespace wsync::daemon
+
+namespace wsync::daemon {
+namespace {
+
+// Connects a fresh "source" endpoint (any local process can do this) to rank 0 of fake0 and writes `byte` into the
+// first 64 bytes of segment 0.
+absl::Status WriteAsPeer(Fixture& f, transport::Transport& peer, const std::string& descriptor, uint8_t byte) {
+  auto region = peer.ImportRegion(descriptor);
+  if (!region.ok()) return region.status();
+  auto ep = peer.CreateEndpoint();
+  if (!ep.ok()) return ep.status();
+  v1::ConnectTargetRequest req;
+  req.set_engine_id("fake0");
+  req.set_rank(0);
+  req.set_source_endpoint_info((*ep)->LocalInfo());
+  auto info = f.node->ConnectTarget(req);
+  if (!info.ok()) return info.status();
+  if (auto st = (*ep)->Connect(info->target_endpoint_info(), absl::Seconds(10)); !st.ok()) return st;
+  static std::vector<uint8_t> src(64);
+  std::fill(src.begin(), src.end(), byte);
+  auto local = peer.RegisterMemory(src.data(), src.size());
+  if (!local.ok()) return local.status();
+  transport::WriteRequest w{local->get(), 0, region->get(), 0, src.size()};
+  return (*ep)->Write({w}, absl::Seconds(10));
+}
+
+TEST_CASE("target: writes into engine memory are refused unless the coordinator opened the write window") {
+  Fixture f;
+  f.Start();
+  AttachOnce(f, [](Json&) {});
+  REQUIRE(f.conns.size() == 1);
+  // The engine's memory, read independently through its own fd.
+  const int fd = f.conns[0].segments[0].fd.get();
+  void* mem = mmap(nullptr, 4096, PROT_READ, MAP_SHARED, fd, 0);
+  REQUIRE(mem != MAP_FAILED);
+  auto bytes = [&](uint8_t want) {
+    const auto* p = static_cast<const uint8_t*>(mem);
+    return std::all_of(p, p + 64, [&](uint8_t b) { return b == want; });
+  };
+  const std::string desc = f.node->Registrations()[0].ranks(0).segments(0).region_descriptor();
+  auto peer = transport::CreateTransport("tcp", {});
+  REQUIRE(peer.ok());
+
+  CHECK(f.node->Status().write_window() == "closed");  // from Start on
+  absl::Status st = WriteAsPeer(f, **peer, desc, 0xAB);
+  INFO(st.ToString());
+  CHECK(st.code() == absl::StatusCode::kPermissionDenied);
+  CHECK(absl::StrContains(st.message(), "write window is closed"));
+  CHECK(bytes(0));  // untouched
+  CHECK(f.node->Status().refused_writes() >= 1);
+
+  v1::SetWriteWindowRequest open;
+  open.set_open(true);
+  open.set_version(7);
+  CHECK(f.node->SetWriteWindow(open).enforced());
+  CHECK(f.node->Status().write_window() == "open");
+  CHECK(WriteAsPeer(f, **peer, desc, 0xAB).ok());
+  CHECK(bytes(0xAB));
+
+  v1::SetWriteWindowRequest close;
+  close.set_open(false);
+  f.node->SetWriteWindow(close);
+  CHECK(WriteAsPeer(f, **peer, desc, 0xCD).code() == absl::StatusCode::kPermissionDenied);
+  CHECK(bytes(0xAB));  // the update's bytes stay
+  munmap(mem, 4096);
 }
 
 }  // namespace

@@ -95,6 +95,8 @@ class FaultTransport : public Transport {
   absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) override {
     return inner_->ImportRegion(descriptor);
   }
+  absl::Status SetWriteWindow(bool open) override { return inner_->SetWriteWindow(open); }
+  uint64_t refused_writes() const override { return inner_->refused_writes(); }
   absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
     absl::StatusOr<std::unique_ptr<Endpoint>> ep = inner_->CreateEndpoint();
     if (!ep.ok()) return ep.status();

@@ -76,12 +76,19 @@ class RegionTable {
   explicit RegionTable(uint64_t token) : token_(token) {}
   uint64_t token() const { return token_; }
 
+  // Region ids are random (never 0, never reused while registered): a peer cannot guess another region's id.
   uint64_t Add(void* addr, uint64_t length) {
     std::lock_guard<std::mutex> lock(mu_);
-    uint64_t id = next_id_++;
+    uint64_t id = 0;
+    while (id == 0 || regions_.count(id)) id = (static_cast<uint64_t>(rng_()) << 32) ^ rng_();
     regions_[id] = std::make_shared<Entry>(Entry{static_cast<char*>(addr), length});
     return id;
   }
+
+  void SetWindow(bool open) { window_open_.store(open); }
+  bool window_open() const { return window_open_.load(); }
+  void CountRefused() { refused_.fetch_add(1); }
+  uint64_t refused() const { return refused_.load(); }
 
   // Blocks while a connection thread is still receiving into the region.
   void Remove(uint64_t id) {
@@ -109,9 +116,11 @@ class RegionTable {
 
  private:
   const uint64_t token_;
+  std::atomic<bool> window_open_{true};
+  std::atomic<uint64_t> refused_{0};
   std::mutex mu_;
   std::condition_variable idle_;
-  uint64_t next_id_ = 1;
+  std::random_device rng_;
   std::unordered_map<uint64_t, std::shared_ptr<Entry>> regions_;
 };
 
@@ -269,6 +278,12 @@ absl::Status ServeConnection(int fd, RegionTable& table) {
         return s;
       }
       std::shared_ptr<RegionTable::Entry> region;
+      if (batch_status.ok() && !table.window_open()) {
+        table.CountRefused();
+        batch_status = absl::PermissionDeniedError(
+            "write refused: the receiver's write window is closed (writes are accepted only while the coordinator "
+            "has an update open); nothing of this batch was written");
+      }
       if (batch_status.ok()) {
         region = table.AcquireForWrite(f.region);
         if (region == nullptr) {
@@ -787,6 +802,12 @@ class TcpTransport final : public Transport {
   absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
     return std::unique_ptr<Endpoint>(std::make_unique<TcpEndpoint>(local_info_, opts_));
   }
+
+  absl::Status SetWriteWindow(bool open) override {
+    table_->SetWindow(open);
+    return absl::OkStatus();
+  }
+  uint64_t refused_writes() const override { return table_->refused(); }
 
  private:
   const TransportOptions opts_;
