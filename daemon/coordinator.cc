@@ -611,7 +611,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
       auto r = peers_->AbortSourceUpdate(a, req);
       if (!r.ok()) spdlog::warn("telling source {} to abort update {}: {}", a, abort_version, r.status().ToString());
       return absl::OkStatus();
-    });
+    }).IgnoreError();  // best effort: a source that missed it abandons the update at the next StartUpdate
     SetWindows(false, abort_version).IgnoreError();
   }
   return absl::OkStatus();
