@@ -488,8 +488,10 @@ absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequ
     return version_ == req.version() || last_version_ >= req.version() || ended_version_ >= req.version();
   });
   if (!ready)
-    return absl::DeadlineExceededError(absl::StrCat("update ", req.version(), " was not started by the coordinator within ",
-                                                    absl::FormatDuration(opts_.push_timeout)));
+    return absl::DeadlineExceededError(absl::StrCat(
+        "no update ", req.version(), " is open on this node after waiting ", absl::FormatDuration(opts_.push_timeout),
+        ": the driver must open it first (Coordinator.begin_update / BeginUpdate(", req.version(),
+        ")) before the ranks begin their push"));
   if (version_ != req.version())
     return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " already ended"));
   v1::BeginPushReply out;

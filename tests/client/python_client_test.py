@@ -271,7 +271,24 @@ def run(args, cluster, deadline):
             check(False, "resume refused while engines may hold partial writes")
         except WsyncError as e:
             check(e.code == FAILED_PRECONDITION_CODE and "mixed" in e.message, "resume refused: %s" % e)
-        good = aborted_version + 1
+        # push_many over a state-dict-like iterable: the filter's tensors pushed, others skipped, a missing one named.
+        many = aborted_version + 1
+        coord.begin_update(many)
+        names = trainer.begin_push(many)
+        items = [(n, generate_bf16(n, many, specs[n]).view(np.uint16)) for n in names] + \
+                [("not.in.the.filter", np.zeros(4, np.uint16))]
+        r = trainer.push_many(iter(items), names=names, dtype="bfloat16")
+        check(r["pushed"] == len(names) and r["skipped"] == ["not.in.the.filter"],
+              "push_many pushes the filter, skips the rest: %s" % r)
+        trainer.end_push(many)
+        rec = coord.commit_update(many, timeout=20)
+        check(rec.get("success") is True, "update %d via push_many committed" % many)
+        try:
+            trainer.push_many([("not.in.the.filter", np.zeros(4, np.uint16))], names=names[:1], dtype="bfloat16")
+            check(False, "push_many names the filter tensors it did not get")
+        except WsyncError as e:
+            check(names[0] in e.message, "push_many names the missing tensor: %s" % e)
+        good = many + 1
         # `wsyncctl watch` follows the next update from the outside and ends with it.
         watch = subprocess.Popen([args.wsyncctl, "watch", "-w", "json", "--interval", "0.02", "--for", "60",
                                   "--endpoints", coord_addr], stdout=subprocess.PIPE, text=True)

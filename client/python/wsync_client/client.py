@@ -166,6 +166,41 @@ class Trainer(_Handle):
         _check(_lib.lib().wsync_trainer_push(self._handle(), name.encode(), dt.encode(), c_shape, len(shape),
                                              ctypes.c_void_p(ptr), int(nbytes)))
 
+    def push_many(self, named_tensors, names=None, dtype=None):
+        """Pushes every `(name, tensor)` of an iterable that this rank must push — what `model.state_dict().items()`,
+        `model.named_parameters()` or an FSDP/DTensor `full_tensor()` loop yields. `names` is the push filter
+        (the list begin_push returned); tensors outside it are skipped without being touched (a generator's
+        `full_tensor()` is never called for them only if the caller checks names first). Raises WsyncError
+        (INVALID_ARGUMENT) naming the filter's tensors the iterable did not yield, after pushing the others.
+        Returns {"pushed": n, "skipped": [names not in the filter]}."""
+        wanted = set(names) if names is not None else None
+        pushed, skipped = set(), []
+        for item in named_tensors:
+            try:
+                name, tensor = item
+            except (TypeError, ValueError):
+                raise WsyncError(INVALID_ARGUMENT, "push_many needs (name, tensor) pairs, got %r" % (item,))
+            if wanted is not None and name not in wanted:
+                skipped.append(name)
+                continue
+            if name in pushed:
+                raise WsyncError(INVALID_ARGUMENT, "tensor %s is yielded twice" % name)
+            self.push(name, tensor, dtype=dtype)
+            pushed.add(name)
+        if wanted is not None and pushed != wanted:
+            missing = sorted(wanted - pushed)
+            raise WsyncError(INVALID_ARGUMENT, "%d tensors of this rank's push filter were not yielded: %s%s"
+                             % (len(missing), ", ".join(missing[:8]), " ..." if len(missing) > 8 else ""))
+        return {"pushed": len(pushed), "skipped": skipped}
+
+    def push_update(self, version, named_tensors, dtype=None):
+        """begin_push(version), push_many over the filter it returns, end_push(version): one rank's whole part of
+        an update. Returns push_many's result."""
+        names = self.begin_push(version)
+        result = self.push_many(named_tensors, names=names, dtype=dtype)
+        self.end_push(version)
+        return result
+
     def flush(self):
         """Commits the current bucket and waits until the daemon took everything committed so far."""
         _check(_lib.lib().wsync_trainer_flush(self._handle()))
