@@ -122,11 +122,11 @@ struct Kernel {
     WSYNC_FP8_INLINE static float KeyToFloat(int32_t k) { return BitsToFloat(static_cast<uint32_t>(k)); }
   };
 
-  // e4m3fn codes (one per 32-bit lane) of x · inv. Same steps as FloatToE4m3, with two shortcuts that give identical
-  // codes: the exponent rebias is folded into the rounding constant, and instead of clamping x · inv to ±448 first
-  // the code is capped at 0x7E (every value the clamp would move rounds to a code >= 0x7E).
-  WSYNC_FP8_INLINE static U32v Codes(U32v bits, float inv) {
-    const U32v u = (U32v)((F32v)bits * inv);
+  // e4m3fn codes (one per 32-bit lane) of x / scale. Same steps as FloatToE4m3, with two shortcuts that give
+  // identical codes: the exponent rebias is folded into the rounding constant, and instead of clamping x / scale to
+  // ±448 first the code is capped at 0x7E (every value the clamp would move rounds to a code >= 0x7E).
+  WSYNC_FP8_INLINE static U32v Codes(U32v bits, float scale) {
+    const U32v u = (U32v)((F32v)bits / scale);
     const U32v sign = (u >> 24) & 0x80u;
     const U32v a = u & 0x7FFFFFFFu;
     const I32v normal = (I32v)((a + ((a >> 20) & 1u) + (0x7FFFFu - (120u << 23))) >> 20);
@@ -157,8 +157,8 @@ struct Kernel {
     }
   }
 
-  WSYNC_FP8_INLINE static uint8_t QuantizeOne(float x, float inv) {
-    float v = x * inv;
+  WSYNC_FP8_INLINE static uint8_t QuantizeOne(float x, float scale) {
+    float v = x / scale;
     v = v < -kFp8E4M3Max ? -kFp8E4M3Max : v;
     v = v > kFp8E4M3Max ? kFp8E4M3Max : v;
     return FloatToE4m3(v);
@@ -205,7 +205,7 @@ struct Kernel {
           int32_t m = amax[j];
           for (size_t i = 0; i < sizeof(KeyV) / sizeof(amax_v[j][0]); ++i) m = std::max<int32_t>(m, amax_v[j][i]);
           const float scale = Fp8BlockScale(Src::KeyToFloat(m));
-          inv[j] = 1.0f / scale;
+          inv[j] = scale;  // divided by, as torch's (w.float() / scale).to(float8_e4m3fn)
           scale_inv[rb * scale_stride + cb0 + j] = scale;
         }
         for (int64_t r = r0; r < r1; ++r) {

@@ -5,11 +5,10 @@
 // (slime/miles `blockwise_cast_to_fp8_triton`; e4m3fn weight + float32 `weight_scale_inv` per block_n x block_k):
 //   amax   = max |x| over the block, in float32 (NaN elements ignored)
 //   scale  = max(amax, 1e-10f) / 448.0f       float32 division; an all-zero block gets 1e-10f/448 and q = 0
-//   inv    = 1.0f / scale                     float32
-//   q      = e4m3fn(clamp(x * inv, ±448))     multiply by the reciprocal as that kernel does; DeepSeek's own
-//                                             activation kernel divides (x / scale) and DeepGEMM's test helper uses
-//                                             x * (448 / amax) with amax floored at 1e-4: each can differ from this
-//                                             in the last bit of some codes
+//   q      = e4m3fn(clamp(x / scale, ±448))   float32 division, exactly torch's
+//                                             (w.float() / scale).to(torch.float8_e4m3fn) with scale = amax / 448
+//                                             (multiplying by a reciprocal instead, as some Triton kernels do,
+//                                             differs in the last bit of ~0.1-0.3 % of the codes)
 //   stored = scale (dequantization: x ≈ q * scale_inv)
 // The e4m3fn cast rounds to nearest, ties to even, and saturates finite overflow (and ±inf) to ±448 like the GPU's
 // `cvt.rn.satfinite`; torch's CPU `.to(torch.float8_e4m3fn)` does not saturate, which is why the reference clamps

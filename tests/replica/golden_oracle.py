@@ -70,7 +70,7 @@ def make_tensor(name, dtype, shape):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # FP8 e4m3fn block quantization (DeepSeek/SGLang convention as RL trainers apply it: per block scale = amax/448 with
-# amax floored at 1e-10, q = e4m3(clamp(x * (1/scale), ±448)) rounding to nearest even, stored scale_inv = scale)
+# amax floored at 1e-10, q = e4m3(clamp(x / scale, ±448)) rounding to nearest even, stored scale_inv = scale)
 # ---------------------------------------------------------------------------------------------------------------------
 def e4m3_value(code):
     e, m = (code >> 3) & 15, code & 7
@@ -113,8 +113,7 @@ def quantize_fp8(w_bf16, bn, bk):
             finite = blk[~np.isnan(blk)]
             amax = np.float32(np.max(np.abs(finite))) if finite.size else np.float32(0)
             scale = np.float32(max(amax, np.float32(1e-10))) / np.float32(448.0)
-            inv = np.float32(1.0) / scale
-            v = blk * inv
+            v = blk / scale  # float32 division, as torch's (w.float() / scale).to(torch.float8_e4m3fn)
             v = np.where(v < -448.0, np.float32(-448.0), v)
             v = np.where(v > 448.0, np.float32(448.0), v)
             q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = e4m3_encode(v)
