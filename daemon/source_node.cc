@@ -224,6 +224,12 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   } else if (!req.quantization().empty()) {
     return absl::InvalidArgumentError(absl::StrCat("unknown quantization '", req.quantization(), "'"));
   }
+  if (req.scale_format() == "ue8m0") {
+    quant.ue8m0 = true;
+  } else if (!req.scale_format().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown fp8 scale format '", req.scale_format(),
+                                                   "' (\"\" or \"ue8m0\")"));
+  }
 
   // Identical engine ranks (same parallelism and engine dialect) share one layout: one load serves all of them.
   std::vector<replica::RankParallelism> layouts;

@@ -174,7 +174,8 @@ struct Kernel {
   template <typename Src>
   WSYNC_FP8_INLINE static void Quantize(const typename Src::T* __restrict src, int64_t rows, int64_t cols,
                                         int64_t src_stride, int64_t block_n, int64_t block_k, uint8_t* __restrict dst,
-                                        int64_t dst_stride, float* __restrict scale_inv, int64_t scale_stride) {
+                                        int64_t dst_stride, float* __restrict scale_inv, int64_t scale_stride,
+                                        Fp8ScaleFormat format) {
     using T = typename Src::T;
     using KeyV = typename Src::KeyV;
     const int64_t panel_blocks = std::max<int64_t>(1, std::min(kPanelBlocks, kPanelElems / block_k));
@@ -204,7 +205,7 @@ struct Kernel {
         for (int64_t j = 0; j < nb; ++j) {
           int32_t m = amax[j];
           for (size_t i = 0; i < sizeof(KeyV) / sizeof(amax_v[j][0]); ++i) m = std::max<int32_t>(m, amax_v[j][i]);
-          const float scale = Fp8BlockScale(Src::KeyToFloat(m));
+          const float scale = Fp8BlockScale(Src::KeyToFloat(m), format);
           inv[j] = scale;  // divided by, as torch's (w.float() / scale).to(float8_e4m3fn)
           scale_inv[rb * scale_stride + cb0 + j] = scale;
         }
@@ -237,6 +238,7 @@ struct Args {
   int64_t dst_stride;
   float* scale_inv;
   int64_t scale_stride;
+  Fp8ScaleFormat format;
 };
 
 template <int N>
@@ -245,15 +247,15 @@ WSYNC_FP8_INLINE void Run(DType dtype, const Args& a) {
   switch (dtype) {
     case DType::kBF16:
       K::template Quantize<typename K::Bf16Src>(reinterpret_cast<const uint16_t*>(a.src), a.rows, a.cols, a.src_stride,
-                                                a.block_n, a.block_k, a.dst, a.dst_stride, a.scale_inv, a.scale_stride);
+                                                a.block_n, a.block_k, a.dst, a.dst_stride, a.scale_inv, a.scale_stride, a.format);
       break;
     case DType::kF16:
       K::template Quantize<typename K::F16Src>(reinterpret_cast<const uint16_t*>(a.src), a.rows, a.cols, a.src_stride,
-                                               a.block_n, a.block_k, a.dst, a.dst_stride, a.scale_inv, a.scale_stride);
+                                               a.block_n, a.block_k, a.dst, a.dst_stride, a.scale_inv, a.scale_stride, a.format);
       break;
     default:
       K::template Quantize<typename K::F32Src>(reinterpret_cast<const uint32_t*>(a.src), a.rows, a.cols, a.src_stride,
-                                               a.block_n, a.block_k, a.dst, a.dst_stride, a.scale_inv, a.scale_stride);
+                                               a.block_n, a.block_k, a.dst, a.dst_stride, a.scale_inv, a.scale_stride, a.format);
       break;
   }
 }
@@ -289,7 +291,7 @@ void Dispatch(DType dtype, const Args& a) { Run<8>(dtype, a); }
 
 absl::Status QuantizeFp8Block(DType src_dtype, const uint8_t* src, int64_t rows, int64_t cols, int64_t src_stride,
                               int block_n, int block_k, uint8_t* dst, int64_t dst_stride, float* scale_inv,
-                              int64_t scale_stride) {
+                              int64_t scale_stride, Fp8ScaleFormat format) {
   if (src_dtype != DType::kBF16 && src_dtype != DType::kF16 && src_dtype != DType::kF32) {
     return absl::InvalidArgumentError(
         absl::StrCat("fp8 quantization source must be bfloat16, float16 or float32, got ", DTypeName(src_dtype)));
@@ -310,7 +312,8 @@ absl::Status QuantizeFp8Block(DType src_dtype, const uint8_t* src, int64_t rows,
   if (src == nullptr || dst == nullptr || scale_inv == nullptr) {
     return absl::InvalidArgumentError("fp8 quantization given a null buffer");
   }
-  Dispatch(src_dtype, Args{src, rows, cols, src_stride, block_n, block_k, dst, dst_stride, scale_inv, scale_stride});
+  Dispatch(src_dtype,
+           Args{src, rows, cols, src_stride, block_n, block_k, dst, dst_stride, scale_inv, scale_stride, format});
   return absl::OkStatus();
 }
 

@@ -92,8 +92,24 @@ inline float E4m3ToFloat(uint8_t q) {
   return BitsToFloat(sign | ((exp + 120u) << 23) | (mant << 20));
 }
 
+// How a block's scale is stored. kFloat32: amax / 448 as is. kUe8m0: rounded up to a power of two (the UE8M0
+// scales DeepGEMM-enabled engines use): 2^ceil(log2(amax / 448)), computed exactly on the float's bits (torch's
+// `2 ** ceil(log2(s))` agrees except where float32 log2 rounds a value a few ulps above a power of two down onto
+// it); every |x / scale| is then <= 448 and the division is exact.
+enum class Fp8ScaleFormat { kFloat32, kUe8m0 };
+
+// A positive normal float rounded up to a power of two (itself when it is one).
+inline float RoundUpToPow2(float s) {
+  const uint32_t u = FloatBits(s);
+  const uint32_t exp = u & 0x7F800000u;
+  return BitsToFloat((u & 0x007FFFFFu) == 0 ? exp : exp + 0x00800000u);
+}
+
 // The per-block scale for a block whose max |x| is `amax` (see the convention above).
-inline float Fp8BlockScale(float amax) { return (amax > kFp8AmaxEps ? amax : kFp8AmaxEps) / kFp8E4M3Max; }
+inline float Fp8BlockScale(float amax, Fp8ScaleFormat format = Fp8ScaleFormat::kFloat32) {
+  const float s = (amax > kFp8AmaxEps ? amax : kFp8AmaxEps) / kFp8E4M3Max;
+  return format == Fp8ScaleFormat::kUe8m0 ? RoundUpToPow2(s) : s;
+}
 
 // Quantizes a row-major [rows, cols] slice (row stride `src_stride` elements) of bf16/f16/f32 data into fp8 e4m3
 // (row stride `dst_stride` bytes) and float32 scale_inv [ceil(rows/bn), ceil(cols/bk)] (row stride `scale_stride`
@@ -102,6 +118,6 @@ inline float Fp8BlockScale(float amax) { return (amax > kFp8AmaxEps ? amax : kFp
 // Thread-safe; writes only dst and scale_inv. InvalidArgument for an unsupported dtype or bad sizes/strides.
 absl::Status QuantizeFp8Block(DType src_dtype, const uint8_t* src, int64_t rows, int64_t cols, int64_t src_stride,
                               int block_n, int block_k, uint8_t* dst, int64_t dst_stride, float* scale_inv,
-                              int64_t scale_stride);
+                              int64_t scale_stride, Fp8ScaleFormat format = Fp8ScaleFormat::kFloat32);
 
 }  // namespace wsync::replica

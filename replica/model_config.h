@@ -96,6 +96,7 @@ struct QuantSpec {
   Mode mode = Mode::kNone;
   int block_n = 128;
   int block_k = 128;
+  bool ue8m0 = false;  // scales rounded up to powers of two (replica/fp8.h, Fp8ScaleFormat::kUe8m0)
 };
 
 // One tensor of the HF checkpoint (what trainers push).

@@ -254,7 +254,7 @@ absl::Status ReplicaImpl::Place(const HfTensor& t, const Layout& l, const SliceS
     float* scale = reinterpret_cast<float*>(base + sp.offset) + (s.expert * sv.r + s.scale_dst_row0) * sv.c +
                    s.scale_dst_col0;
     return QuantizeFp8Block(t.dtype, src, s.rows, s.cols, src_cols, quant_.block_n, quant_.block_k, dst, v.c, scale,
-                            sv.c);
+                            sv.c, quant_.ue8m0 ? Fp8ScaleFormat::kUe8m0 : Fp8ScaleFormat::kFloat32);
   }
   return CopyRect(t.dtype, src, src_cols, p.dtype, dst, v.c, s.rows, s.cols);
 }

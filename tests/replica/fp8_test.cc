@@ -211,7 +211,7 @@ TEST_CASE("block quantization: all-zero block gets the eps scale", "[fp8]") {
 
 // Straightforward scalar model of the convention, for comparing the vectorized kernel.
 void RefQuantize(const std::vector<float>& x, int64_t rows, int64_t cols, int bn, int bk, std::vector<uint8_t>* q,
-                 std::vector<float>* s) {
+                 std::vector<float>* s, bool ue8m0 = false) {
   const int64_t sr = (rows + bn - 1) / bn, sc = (cols + bk - 1) / bk;
   q->assign(rows * cols, 0);
   s->assign(sr * sc, 0);
@@ -221,7 +221,8 @@ void RefQuantize(const std::vector<float>& x, int64_t rows, int64_t cols, int bn
       for (int64_t r = br * bn; r < std::min(rows, (br + 1) * bn); ++r)
         for (int64_t c = bc * bk; c < std::min(cols, (bc + 1) * bk); ++c)
           amax = std::max(amax, std::fabs(x[r * cols + c]));
-      const float scale = std::max(amax, 1e-10f) / 448.0f;
+      float scale = std::max(amax, 1e-10f) / 448.0f;
+      if (ue8m0) scale = std::exp2(std::ceil(std::log2(static_cast<double>(scale))));  // exact in double
       (*s)[br * sc + bc] = scale;
       for (int64_t r = br * bn; r < std::min(rows, (br + 1) * bn); ++r)
         for (int64_t c = bc * bk; c < std::min(cols, (bc + 1) * bk); ++c) {
@@ -338,6 +339,39 @@ TEST_CASE("block quantization rejects bad arguments", "[fp8]") {
   CHECK(QuantizeFp8Block(DType::kBF16, src, 1, 4, 4, 2, 2, dst, 4, s, 1).code() ==
         absl::StatusCode::kInvalidArgument);                                     // scale stride 1 < 2 scale columns
   CHECK(QuantizeFp8Block(DType::kBF16, src, 0, 4, 4, 2, 2, dst, 4, s, 1).ok());  // empty is fine
+}
+
+}  // namespace
+}  // namespace wsync::replica
+
+namespace wsync::replica {
+namespace {
+
+TEST_CASE("block quantization: UE8M0 scales are the next power of two; codes divide by them", "[fp8]") {
+  CHECK(RoundUpToPow2(1.0f) == 1.0f);
+  CHECK(RoundUpToPow2(0.75f) == 1.0f);
+  CHECK(RoundUpToPow2(3.0f / 448.0f) == 1.0f / 128);
+  CHECK(RoundUpToPow2(std::nextafter(0.5f, 1.0f)) == 1.0f);
+  // Random blocks against the scalar model with UE8M0 scales.
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int64_t rows = 96, cols = 160;
+  std::vector<float> x(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float mag = std::exp2(static_cast<float>(r % 13) - 8.0f);
+    for (int64_t c = 0; c < cols; ++c) x[r * cols + c] = BitsToFloat(FloatBits(nd(rng) * mag) & 0xFFFF0000u);
+  }
+  std::vector<uint16_t> src(x.size());
+  for (size_t i = 0; i < x.size(); ++i) src[i] = static_cast<uint16_t>(FloatBits(x[i]) >> 16);
+  std::vector<uint8_t> q(x.size()), want_q;
+  std::vector<float> s(((rows + 31) / 32) * ((cols + 31) / 32)), want_s;
+  REQUIRE(QuantizeFp8Block(DType::kBF16, reinterpret_cast<const uint8_t*>(src.data()), rows, cols, cols, 32, 32,
+                           q.data(), cols, s.data(), (cols + 31) / 32, Fp8ScaleFormat::kUe8m0)
+              .ok());
+  RefQuantize(x, rows, cols, 32, 32, &want_q, &want_s, /*ue8m0=*/true);
+  CHECK(s == want_s);
+  CHECK(q == want_q);
+  for (float v : s) CHECK((FloatBits(v) & 0x007FFFFFu) == 0);  // powers of two
 }
 
 }  // namespace

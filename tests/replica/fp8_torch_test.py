@@ -20,17 +20,22 @@ import golden_oracle as go  # noqa: E402
 def main():
     rng = np.random.default_rng(7)
     bad = total = 0
-    for bn, bk, (n, k) in ((128, 128, (256, 384)), (64, 64, (200, 130)), (128, 128, (130, 300))):
-        for _ in range(4):
+    cases = [(bn, bk, shape, ue8m0) for bn, bk, shape in ((128, 128, (256, 384)), (64, 64, (200, 130)),
+                                                          (128, 128, (130, 300))) for ue8m0 in (False, True)]
+    for bn, bk, (n, k), ue8m0 in cases:
+        for _ in range(3):
             x = (rng.standard_normal((n, k)) * np.exp(rng.uniform(-9, 3, (n, 1)))).astype(np.float32)
             x[rng.random((n, k)) < 0.01] = 0
             t = torch.from_numpy(x).to(torch.bfloat16)
-            q, s = go.quantize_fp8(t.view(torch.int16).numpy().view(np.uint16), bn, bk)
+            q, s = go.quantize_fp8(t.view(torch.int16).numpy().view(np.uint16), bn, bk, ue8m0=ue8m0)
             w = t.float()
             for i in range(0, n, bn):
                 for j in range(0, k, bk):
                     blk = w[i:i + bn, j:j + bk]
                     scale = torch.clamp(blk.abs().max(), min=1e-10) / 448.0
+                    if ue8m0:  # DeepGEMM's power-of-two scale, exactly: the next power of two >= scale
+                        m, e = torch.frexp(scale)
+                        scale = scale if m.item() == 0.5 else torch.ldexp(torch.tensor(1.0), e)
                     if np.float32(scale.item()) != s[i // bn, j // bk]:
                         print("FAIL: scale of block (%d, %d): torch %r, wsync %r" % (i, j, scale.item(),
                                                                                     s[i // bn, j // bk]))

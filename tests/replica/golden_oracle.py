@@ -100,7 +100,13 @@ def bf16_to_f32(bits):
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def quantize_fp8(w_bf16, bn, bk):
+def pow2_ceil(s):
+    """UE8M0: a positive float32 rounded up to a power of two (itself when it is one), exactly."""
+    m, e = np.frexp(np.float32(s))  # s = m * 2**e, m in [0.5, 1)
+    return np.float32(s) if m == 0.5 else np.float32(np.ldexp(np.float32(1.0), int(e)))
+
+
+def quantize_fp8(w_bf16, bn, bk, ue8m0=False):
     """2-D bf16 bits [N, K] → (uint8 [N, K], float32 [ceil(N/bn), ceil(K/bk)]); blocks start at the tensor origin."""
     x = bf16_to_f32(w_bf16)
     n, k = x.shape
@@ -113,6 +119,8 @@ def quantize_fp8(w_bf16, bn, bk):
             finite = blk[~np.isnan(blk)]
             amax = np.float32(np.max(np.abs(finite))) if finite.size else np.float32(0)
             scale = np.float32(max(amax, np.float32(1e-10))) / np.float32(448.0)
+            if ue8m0:
+                scale = pow2_ceil(scale)
             v = blk / scale  # float32 division, as torch's (w.float() / scale).to(torch.float8_e4m3fn)
             v = np.where(v < -448.0, np.float32(-448.0), v)
             v = np.where(v > 448.0, np.float32(448.0), v)
