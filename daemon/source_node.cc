@@ -11,7 +11,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "daemon/convert.h"
 #include "transport/mooncake/mooncake_transport.h"
@@ -247,11 +246,16 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
 
   // Validate the whole request before touching the current plan: a bad ConfigureSource leaves the plan in use
   // working. The tables are what the replica will allocate (no memory yet).
+  std::vector<replica::ParamTable> tables;  // one per distinct layout
+  for (const auto& rp : layouts) {
+    auto table = replica::BuildParamTable(cfg, rp, quant);
+    if (!table.ok()) return Annotate(table.status(), absl::StrCat("layout tp_rank ", rp.tp_rank));
+    tables.push_back(*std::move(table));
+  }
   for (int i = 0; i < req.targets_size(); ++i) {
     const auto& t = req.targets(i);
-    auto table = replica::BuildParamTable(cfg, layouts[layout_of[i]], quant);
-    if (!table.ok()) return Annotate(table.status(), absl::StrCat("engine ", t.engine_id(), " rank ", t.rank()));
-    WSYNC_RETURN_IF_ERROR(CheckLayout(*table, t.layout(), absl::StrCat("engine ", t.engine_id(), " rank ", t.rank())));
+    WSYNC_RETURN_IF_ERROR(
+        CheckLayout(tables[layout_of[i]], t.layout(), absl::StrCat("engine ", t.engine_id(), " rank ", t.rank())));
     for (const auto& seg : t.layout().segments())
       if (seg.region_descriptor().empty())
         return absl::InvalidArgumentError(absl::StrCat("engine ", t.engine_id(), " rank ", t.rank(), ": segment ",
@@ -271,12 +275,8 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
 
   v1::ConfigureSourceReply out;
   absl::Time t0 = absl::Now();
+  // The replica builds the same tables the layouts were checked against above.
   WSYNC_ASSIGN_OR_RETURN(auto replica, replica::Replica::Create(cfg, layouts, quant));
-  for (int i = 0; i < req.targets_size(); ++i) {
-    const auto& t = req.targets(i);
-    WSYNC_RETURN_IF_ERROR(CheckLayout(replica->table(layout_of[i]), t.layout(),
-                                      absl::StrCat("engine ", t.engine_id(), " rank ", t.rank())));
-  }
   std::vector<std::unique_ptr<transport::LocalRegion>> regions;
   uint64_t total = 0;
   for (int l = 0; l < replica->num_layouts(); ++l) {
@@ -317,15 +317,13 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     std::map<int, const transport::RemoteRegion*> by_segment;
     for (const auto& seg : a.layout().segments()) {
       if (seg.kind() == "mooncake") {
-        // "mooncake/1 <session> 0x<base> <len>": every segment of one rank is in the same Mooncake session.
-        std::vector<std::string> f = absl::StrSplit(seg.region_descriptor(), ' ');
-        if (f.size() != 4 || f[0] != "mooncake/1")
-          return absl::InvalidArgumentError(absl::StrCat("segment ", seg.id(), " of ", Who(*t),
-                                                         ": not a mooncake region descriptor"));
-        if (!t->mooncake_session.empty() && t->mooncake_session != f[1])
+        // Every segment of one rank is in the same Mooncake session (the rank's transfer engine).
+        auto f = transport::mooncake::ParseRegionDescriptor(seg.region_descriptor());
+        if (!f.ok()) return Annotate(f.status(), absl::StrCat("segment ", seg.id(), " of ", Who(*t)));
+        if (!t->mooncake_session.empty() && t->mooncake_session != f->session_id)
           return absl::InvalidArgumentError(absl::StrCat(Who(*t), ": segments in two Mooncake sessions (",
-                                                         t->mooncake_session, ", ", f[1], ")"));
-        t->mooncake_session = f[1];
+                                                         t->mooncake_session, ", ", f->session_id, ")"));
+        t->mooncake_session = f->session_id;
         t->transport = mooncake_.get();
       } else if (t->transport == mooncake_.get() && mooncake_ != nullptr) {
         return absl::InvalidArgumentError(absl::StrCat(Who(*t), ": mixes mooncake and ", seg.kind(), " segments"));

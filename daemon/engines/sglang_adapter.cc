@@ -13,7 +13,7 @@
 #include "absl/strings/strip.h"
 #include "base/dtype.h"
 #include "base/status.h"
-#include "httplib.h"
+#include "daemon/engines/http_exchange.h"
 #include "nlohmann/json.hpp"
 #include "replica/model_config.h"
 #include "replica/param_table.h"
@@ -50,30 +50,10 @@ std::string SglangMessage(const std::string& body) {
   return Cut(body);
 }
 
-struct HostPort {
-  std::string host;
-  int port = 0;
-};
+using HostPort = transport::mooncake::SessionAddress;  // "HOST:PORT" or "[v6]:PORT", the same syntax
 
 absl::StatusOr<HostPort> ParseHostPort(absl::string_view hp) {
-  HostPort out;
-  absl::string_view port;
-  if (absl::ConsumePrefix(&hp, "[")) {
-    const size_t close = hp.find(']');
-    if (close == absl::string_view::npos || hp.substr(close + 1, 1) != ":")
-      return absl::InvalidArgumentError("bad [IPv6]:PORT");
-    out.host = std::string(hp.substr(0, close));
-    port = hp.substr(close + 2);
-  } else {
-    const size_t colon = hp.rfind(':');
-    if (colon == absl::string_view::npos || colon == 0) return absl::InvalidArgumentError("missing HOST:PORT");
-    out.host = std::string(hp.substr(0, colon));
-    port = hp.substr(colon + 1);
-  }
-  if (!absl::SimpleAtoi(port, &out.port) || out.port <= 0 || out.port > 65535 ||
-      out.host.find_first_of("/?#@ ") != std::string::npos)
-    return absl::InvalidArgumentError(absl::StrCat("bad HOST:PORT '", hp, "'"));
-  return out;
+  return transport::mooncake::ParseSessionId(std::string(hp));
 }
 
 struct SglangUrl {
@@ -322,25 +302,11 @@ class SglangAdapter final : public EngineAdapter {
   // One HTTP exchange; the JSON body of a 2xx answer (null when empty or not JSON, e.g. /flush_cache's text).
   absl::StatusOr<json> Call(const char* method, const HostPort& to, const char* verb, const std::string& path,
                             const json* body, absl::Duration timeout) const {
-    httplib::Client cli(to.host, to.port);
-    const auto t = absl::ToChronoMicroseconds(timeout);
-    cli.set_connection_timeout(t);
-    cli.set_read_timeout(t);
-    cli.set_write_timeout(t);
-    cli.set_keep_alive(false);
     const std::string where = absl::StrCat(Who(), ": ", method, ": ", verb, " ", to.host, ":", to.port, path);
-    const absl::Time start = absl::Now();
-    httplib::Result res = std::string(verb) == "GET" ? cli.Get(path.c_str())
-                                                     : cli.Post(path.c_str(), body ? body->dump() : "{}",
-                                                                "application/json");
-    if (!res) {
-      const bool slow = absl::Now() - start >= timeout * 0.9;
-      if (res.error() == httplib::Error::Connection || res.error() == httplib::Error::ConnectionTimeout)
-        return absl::UnavailableError(absl::StrCat(where, ": cannot connect"));
-      if (slow) return absl::DeadlineExceededError(absl::StrCat(where, ": no answer within ",
-                                                                absl::FormatDuration(timeout)));
-      return absl::UnavailableError(absl::StrCat(where, ": connection failed (", httplib::to_string(res.error()), ")"));
-    }
+    std::optional<std::string> payload;
+    if (std::string(verb) != "GET") payload = body ? body->dump() : std::string("{}");
+    WSYNC_ASSIGN_OR_RETURN(HttpAnswer answer, HttpExchange(to.host, to.port, path, payload, timeout, where));
+    const HttpAnswer* res = &answer;
     if (res->status == 404)
       return absl::FailedPreconditionError(absl::StrCat(where, ": HTTP 404: ", SglangMessage(res->body)));
     if (res->status >= 500)

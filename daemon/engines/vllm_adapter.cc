@@ -14,7 +14,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "base/status.h"
-#include "httplib.h"
+#include "daemon/engines/http_exchange.h"
 #include "nlohmann/json.hpp"
 #include "spdlog/spdlog.h"
 
@@ -345,37 +345,11 @@ class VllmAdapter final : public EngineAdapter {
   // naming the engine, `method` and the request; `server_error` is the code for a 5xx answer.
   absl::StatusOr<json> Call(absl::string_view method, absl::string_view verb, const std::string& path, const json* body,
                             absl::Duration timeout, absl::StatusCode server_error = absl::StatusCode::kInternal) {
-    httplib::Client cli(host_, port_);
-    const auto t = absl::ToChronoMicroseconds(timeout);
-    cli.set_connection_timeout(t);
-    cli.set_read_timeout(t);
-    cli.set_write_timeout(t);
-    cli.set_keep_alive(false);
-
-    const absl::Time start = absl::Now();
-    httplib::Result res = verb == "GET"     ? cli.Get(path.c_str())
-                          : body != nullptr ? cli.Post(path.c_str(), body->dump(), "application/json")
-                                            : cli.Post(path.c_str());
-    const absl::Duration took = absl::Now() - start;
     const std::string where = Where(method, verb, path);
-
-    if (!res) {
-      const httplib::Error err = res.error();
-      spdlog::debug("{}: no answer after {} ({})", where, absl::FormatDuration(took), httplib::to_string(err));
-      if (err == httplib::Error::Connection || err == httplib::Error::ConnectionTimeout) {
-        return absl::UnavailableError(absl::StrCat(where, ": cannot connect to ", host_, ":", port_,
-                                                   " (refused, or unreachable within ", Seconds(timeout), ")"));
-      }
-      // httplib 0.11 reports a read or write timeout as a plain Read/Write error; the time taken tells them apart
-      // from a connection the server closed.
-      if ((err == httplib::Error::Read || err == httplib::Error::Write) && took >= timeout * 0.9) {
-        return absl::DeadlineExceededError(absl::StrCat(where, ": no answer within ", Seconds(timeout)));
-      }
-      return absl::UnavailableError(absl::StrCat(where, ": the connection failed before an answer (",
-                                                 httplib::to_string(err), " error after ", absl::FormatDuration(took),
-                                                 ")"));
-    }
-    spdlog::debug("{}: HTTP {} in {}", where, res->status, absl::FormatDuration(took));
+    std::optional<std::string> payload;
+    if (verb != "GET") payload = body != nullptr ? body->dump() : std::string();
+    WSYNC_ASSIGN_OR_RETURN(HttpAnswer answer, HttpExchange(host_, port_, path, payload, timeout, where));
+    const HttpAnswer* res = &answer;
 
     const int status = res->status;
     if (status < 200 || status >= 300) {

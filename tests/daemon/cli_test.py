@@ -13,13 +13,10 @@ import sys
 import tempfile
 import time
 
-failures = []
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engines"))
+import harness  # noqa: E402
 
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        failures.append(what)
+check = harness.Checks()
 
 
 def run(argv, timeout=30):
@@ -100,11 +97,7 @@ def main():
         log = d.stdout.read()
         check(rc == 0 and time.time() - t0 < 3, f"SIGTERM during registration: rc {rc} after {time.time() - t0:.1f}s")
         check("attempt 1/" in log, "each failed registration attempt is logged")
-    if failures:
-        print(f"FAIL: {len(failures)} checks failed")
-        return 1
-    print("PASS")
-    return 0
+    return check.verdict()
 
 
 if __name__ == "__main__":

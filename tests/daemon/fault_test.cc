@@ -55,31 +55,41 @@ absl::StatusOr<v1::UpdateRecord> RunUpdate(Cluster& cl, client::TrainerClient& t
   return coord.CommitUpdate(v, 30);
 }
 
-// Update 1 ok, update 2 hit by the fault in `spec`, update 3 ok after the automatic reconnect.
-void RunScenario(const std::string& spec, const std::string& expect_fault, bool nothing_of_update2_sent) {
+// The tiny model at TP=2 with one source (env `source_env`), and the in-process trainer rank connected to it.
+ClusterOptions TinyTp2(std::vector<std::string> source_env = {}) {
   ClusterOptions o;
   o.bin_dir = kBin;
   o.model = kModel;
   o.tp = kTp;
-  o.source_env = {"WSYNC_FAULTS=" + spec};
-  Cluster cl(o);
-  INFO("cluster logs in " << cl.dir() << " (WSYNC_TEST_KEEP=1 keeps them)");
-  CHECK(absl::StrContains(cl.Log("source0"), "WSYNC_FAULTS is set"));
+  o.source_env = std::move(source_env);
+  return o;
+}
+
+std::unique_ptr<client::TrainerClient> ConnectTrainer(const Cluster& cl) {
   client::TrainerOptions to;
   to.daemon = cl.sources[0];
   to.timeout = absl::Seconds(20);
   auto trainer = client::TrainerClient::Connect(to);
   REQUIRE(trainer.ok());
+  return *std::move(trainer);
+}
+
+// Update 1 ok, update 2 hit by the fault in `spec`, update 3 ok after the automatic reconnect.
+void RunScenario(const std::string& spec, const std::string& expect_fault, bool nothing_of_update2_sent) {
+  Cluster cl(TinyTp2({"WSYNC_FAULTS=" + spec}));
+  INFO("cluster logs in " << cl.dir() << " (WSYNC_TEST_KEEP=1 keeps them)");
+  CHECK(absl::StrContains(cl.Log("source0"), "WSYNC_FAULTS is set"));
+  auto trainer = ConnectTrainer(cl);
   const std::string& engine = cl.engines[0];
 
-  auto r1 = RunUpdate(cl, **trainer, 1);
+  auto r1 = RunUpdate(cl, *trainer, 1);
   INFO("update 1: " << r1.status().ToString());
   REQUIRE(r1.ok());
-  REQUIRE((*trainer)->stats().buckets == 1);  // the batch arithmetic above relies on it
+  REQUIRE(trainer->stats().buckets == 1);  // the batch arithmetic above relies on it
   CHECK(Verify(engine, 1).ok());
   CHECK(Info(engine).weight_version() == "1");
 
-  auto r2 = RunUpdate(cl, **trainer, 2);
+  auto r2 = RunUpdate(cl, *trainer, 2);
   {
     INFO("update 2: " << r2.status().ToString());
     REQUIRE_FALSE(r2.ok());
@@ -93,7 +103,7 @@ void RunScenario(const std::string& spec, const std::string& expect_fault, bool 
   CHECK(info.paused());  // never resumed with possibly partial weights
   if (nothing_of_update2_sent) CHECK(Verify(engine, 1).ok());
 
-  auto r3 = RunUpdate(cl, **trainer, 3);
+  auto r3 = RunUpdate(cl, *trainer, 3);
   INFO("update 3: " << r3.status().ToString());
   REQUIRE(r3.ok());
   CHECK(r3->success());
@@ -129,22 +139,14 @@ TEST_CASE("fault: a failed completion aborts the update, the engine stays paused
 // old version; one aborted after its bytes were written keeps the engine paused (it may hold mixed weights) until
 // the next update succeeds. Every verdict is checked by the engine's own loader.
 TEST_CASE("abort: an aborted update records it, refuses its late pushes and commits, resumes only untouched engines") {
-  ClusterOptions o;
-  o.bin_dir = kBin;
-  o.model = kModel;
-  o.tp = kTp;
-  Cluster cl(o);
+  Cluster cl(TinyTp2());
   INFO("cluster logs in " << cl.dir() << " (WSYNC_TEST_KEEP=1 keeps them)");
-  client::TrainerOptions to;
-  to.daemon = cl.sources[0];
-  to.timeout = absl::Seconds(20);
-  auto trainer = client::TrainerClient::Connect(to);
-  REQUIRE(trainer.ok());
+  auto trainer = ConnectTrainer(cl);
   const std::string& engine = cl.engines[0];
   client::CoordinatorClient coord(cl.coordinator);
   static const auto specs = testing::Specs(kModel);
 
-  REQUIRE(RunUpdate(cl, **trainer, 1).ok());
+  REQUIRE(RunUpdate(cl, *trainer, 1).ok());
   CHECK(Verify(engine, 1).ok());
 
   // Update 2: opened, nothing pushed, aborted.
@@ -157,7 +159,7 @@ TEST_CASE("abort: an aborted update records it, refuses its late pushes and comm
   CHECK(a->engines_resumable());
   CHECK(a->record().aborted());
   CHECK(absl::StrContains(a->record().error(), "trainer step diverged"));
-  CHECK((*trainer)->BeginPush(2).status().code() == absl::StatusCode::kFailedPrecondition);  // v2 has ended
+  CHECK(trainer->BeginPush(2).status().code() == absl::StatusCode::kFailedPrecondition);  // v2 has ended
   CHECK(coord.CommitUpdate(2, 5).status().code() == absl::StatusCode::kAborted);
   CHECK(Info(engine).paused());
   CHECK(Info(engine).weight_version() == "1");
@@ -170,10 +172,10 @@ TEST_CASE("abort: an aborted update records it, refuses its late pushes and comm
 
   // Update 3: every tensor pushed and written into the engine, then aborted before the commit.
   REQUIRE(coord.BeginUpdate(3).ok());
-  auto names = (*trainer)->BeginPush(3);
+  auto names = trainer->BeginPush(3);
   REQUIRE(names.ok());
-  for (const auto& n : *names) REQUIRE(PushGenerated(**trainer, specs.at(n), 3).ok());
-  REQUIRE((*trainer)->Flush().ok());
+  for (const auto& n : *names) REQUIRE(PushGenerated(*trainer, specs.at(n), 3).ok());
+  REQUIRE(trainer->Flush().ok());
   a = coord.AbortUpdate(3, "operator");
   REQUIRE(a.ok());
   CHECK(a->bytes_written() > 0);
@@ -186,10 +188,10 @@ TEST_CASE("abort: an aborted update records it, refuses its late pushes and comm
   CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
   CHECK(Info(engine).paused());                 // never resumed with bytes the update did not commit
   CHECK(Info(engine).weight_version() == "1");
-  CHECK((*trainer)->EndPush(3).code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(trainer->EndPush(3).code() == absl::StatusCode::kFailedPrecondition);
 
   // Update 4 succeeds and clears it.
-  auto r4 = RunUpdate(cl, **trainer, 4);
+  auto r4 = RunUpdate(cl, *trainer, 4);
   INFO("update 4: " << r4.status().ToString());
   REQUIRE(r4.ok());
   CHECK(Verify(engine, 4).ok());

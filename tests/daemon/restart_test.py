@@ -22,13 +22,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "engines"))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python"))
 import harness  # noqa: E402
 
-failures = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        failures.append(what)
+check = harness.Checks()
 
 
 def main() -> int:
@@ -135,11 +129,7 @@ def main() -> int:
             check("registering again" in log, "the source logged why it registered again")
         finally:
             procs.close()
-    if failures:
-        print(f"FAIL: {len(failures)} checks failed")
-        return 1
-    print("PASS")
-    return 0
+    return check.verdict()
 
 
 if __name__ == "__main__":

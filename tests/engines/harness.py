@@ -163,3 +163,28 @@ def workdir(prefix: str, keep: bool = False):
 def fail(msg: str) -> None:
     print(f"FAIL: {msg}", flush=True)
     sys.exit(1)
+
+
+class Checks:
+    """Named checks that all run, each printed as it is made; `verdict()` is the exit status (1 if any failed).
+
+        check = Checks()
+        check(rc == 0, "the daemon exits 0")
+        return check.verdict()
+    """
+
+    def __init__(self):
+        self.failures: list[str] = []
+
+    def __call__(self, cond, what: str) -> bool:
+        print(("ok   " if cond else "FAIL ") + what, flush=True)
+        if not cond:
+            self.failures.append(what)
+        return bool(cond)
+
+    def verdict(self) -> int:
+        if self.failures:
+            print(f"FAIL: {len(self.failures)} checks failed")
+            return 1
+        print("PASS")
+        return 0

@@ -76,6 +76,21 @@ def load_layout(path):
     return layout
 
 
+class JsonHandler(http.server.BaseHTTPRequestHandler):
+    """Quiet request handler with one reply helper (JSON by default); shared by the test peers."""
+
+    def log_message(self, fmt, *a):  # quiet; errors still reach stderr through send_error
+        pass
+
+    def reply(self, code, body, ctype="application/json"):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 class Rank:
     """Host memory laid out like one TP rank: regions (mmaps) holding parameters at aligned offsets."""
 
@@ -147,18 +162,7 @@ def main():
     info = [session_id, rank.weights_info()]
     stop = threading.Event()
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, fmt, *a):  # quiet; errors still reach stderr through send_error
-            pass
-
-        def reply(self, code, body, ctype="application/json"):
-            data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_GET(self):
             url = urllib.parse.urlparse(self.path)
             q = urllib.parse.parse_qs(url.query)

@@ -37,13 +37,7 @@ import harness  # noqa: E402
 from python_client_test import generate_bf16  # noqa: E402  (numpy port of the trainer demo's generator)
 
 TP = 2
-failures = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        failures.append(what)
+check = harness.Checks()
 
 
 def expected(cfg_json, step):
@@ -202,11 +196,7 @@ def main():
                   f"engine death in post-processing fails update 4 naming it: {last.get('error', '')[:300]}")
         finally:
             procs.close()
-    if failures:
-        print(f"FAIL: {len(failures)} checks failed")
-        return 1
-    print("PASS")
-    return 0
+    return check.verdict()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import urllib.parse
 import http.server
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mooncake_peer import Rank  # noqa: E402  (host memory laid out like a TP rank, initial bytes)
+from mooncake_peer import JsonHandler, Rank  # noqa: E402  (reply helper; host memory laid out like a TP rank)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 SELECTORS = ("target", "draft", "all")
@@ -83,19 +83,8 @@ def main():
     eng.snapshot("initial")
     stop = threading.Event()
 
-    class Base(http.server.BaseHTTPRequestHandler):
+    class Base(JsonHandler):
         protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *a):
-            pass
-
-        def reply(self, code, body, ctype="application/json"):
-            data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
 
     class Bootstrap(Base):
         def do_GET(self):

@@ -428,18 +428,11 @@ class MooncakeTransport final : public Transport {
   }
 
   absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) override {
-    std::vector<std::string> p = absl::StrSplit(descriptor, ' ');
-    uint64_t base = 0;
-    uint64_t length = 0;
-    if (p.size() != 4 || p[0] != kDescPrefix || !absl::StartsWith(p[2], "0x") ||
-        !absl::SimpleHexAtoi(p[2].substr(2), &base) || !absl::SimpleAtoi(p[3], &length)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "not a mooncake region descriptor (want \"", kDescPrefix, " <session_id> 0x<addr> <length>\"): \"",
-          absl::CHexEscape(descriptor.substr(0, 80)), "\""));
-    }
-    WSYNC_ASSIGN_OR_RETURN(std::string canonical, MakeRegionDescriptor(p[1], base, length));
-    (void)canonical;  // the same checks as for a descriptor built here
-    return std::unique_ptr<RemoteRegion>(std::make_unique<MooncakeRemoteRegion>(p[1], base, length));
+    WSYNC_ASSIGN_OR_RETURN(RegionDescriptorFields f, ParseRegionDescriptor(descriptor));
+    // The same checks as for a descriptor built here (session id, non-empty, no wrap-around).
+    WSYNC_RETURN_IF_ERROR(MakeRegionDescriptor(f.session_id, f.base_addr, f.length).status());
+    return std::unique_ptr<RemoteRegion>(
+        std::make_unique<MooncakeRemoteRegion>(f.session_id, f.base_addr, f.length));
   }
 
   absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
@@ -452,6 +445,19 @@ class MooncakeTransport final : public Transport {
 };
 
 }  // namespace
+
+absl::StatusOr<RegionDescriptorFields> ParseRegionDescriptor(const std::string& descriptor) {
+  std::vector<std::string> p = absl::StrSplit(descriptor, ' ');
+  RegionDescriptorFields f;
+  if (p.size() != 4 || p[0] != kDescPrefix || !absl::StartsWith(p[2], "0x") ||
+      !absl::SimpleHexAtoi(p[2].substr(2), &f.base_addr) || !absl::SimpleAtoi(p[3], &f.length)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "not a mooncake region descriptor (want \"", kDescPrefix, " <session_id> 0x<addr> <length>\"): \"",
+        absl::CHexEscape(descriptor.substr(0, 80)), "\""));
+  }
+  f.session_id = p[1];
+  return f;
+}
 
 absl::StatusOr<SessionAddress> ParseSessionId(const std::string& session_id) {
   SessionAddress a;

@@ -51,6 +51,14 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateMooncakeTransport(const Transpo
 absl::StatusOr<std::string> MakeRegionDescriptor(const std::string& session_id, uint64_t base_addr,
                                                  uint64_t length);
 
+// The fields of a region descriptor made by MakeRegionDescriptor; InvalidArgument for anything else.
+struct RegionDescriptorFields {
+  std::string session_id;
+  uint64_t base_addr = 0;
+  uint64_t length = 0;
+};
+absl::StatusOr<RegionDescriptorFields> ParseRegionDescriptor(const std::string& descriptor);
+
 // "host:port" or "[v6]:port" → host (without brackets) and port. InvalidArgument otherwise.
 struct SessionAddress {
   std::string host;
