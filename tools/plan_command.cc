@@ -16,6 +16,8 @@
 #include "base/status.h"
 #include "nlohmann/json.hpp"
 #include "planner/cost.h"
+#include "planner/model_input.h"
+#include "replica/model_config.h"
 #include "planner/seed_table.h"
 
 namespace wsync::tools {
@@ -30,289 +32,6 @@ using planner::PlanInput;
 constexpr int kExitOk = 0;
 constexpr int kExitError = 1;
 constexpr int kExitUsage = 2;
-
-// ---------------------------------------------------------------------------------------------------------------
-// Model shape: the few config.json facts that decide tensor sizes. (The replica module's ModelConfig/ParamTable
-// are the authoritative layout; this estimate matches them in bytes, which is all the planner needs.)
-
-struct ModelShape {
-  std::string architecture;
-  int64_t hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0, vocab = 0;
-  bool tie = false, qkv_bias = false, qk_norm = false, glm4_dense_norms = false;
-  int64_t experts = 0, shared_experts = 0, moe_intermediate = 0, first_dense = 0, moe_freq = 1;
-  bool expert_bias = false;  // e_score_correction_bias
-  int64_t q_lora = 0, kv_lora = 0, qk_nope = 0, qk_rope = 0, v_head = 0;
-  bool mla() const { return kv_lora > 0; }
-  bool moe_layer(int64_t l) const { return experts > 0 && l >= first_dense && (l % std::max<int64_t>(1, moe_freq)) == 0; }
-};
-
-int64_t GetInt(const nlohmann::json& j, const char* key, int64_t def) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null() || !it->is_number()) return def;
-  return it->get<int64_t>();
-}
-
-absl::StatusOr<ModelShape> LoadShape(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) return absl::NotFoundError(absl::StrCat("cannot open model config '", path, "'"));
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const std::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not JSON: ", e.what()));
-  }
-  ModelShape m;
-  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty()) {
-    m.architecture = j["architectures"][0].get<std::string>();
-  }
-  const std::string& a = m.architecture;
-  m.hidden = GetInt(j, "hidden_size", 0);
-  m.layers = GetInt(j, "num_hidden_layers", 0);
-  m.heads = GetInt(j, "num_attention_heads", 0);
-  m.kv_heads = GetInt(j, "num_key_value_heads", m.heads);
-  m.head_dim = GetInt(j, "head_dim", m.heads ? m.hidden / m.heads : 0);
-  m.intermediate = GetInt(j, "intermediate_size", 0);
-  m.vocab = GetInt(j, "vocab_size", 0);
-  m.tie = j.value("tie_word_embeddings", false);
-  if (m.hidden <= 0 || m.layers <= 0 || m.heads <= 0 || m.vocab <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": needs hidden_size, num_hidden_layers, num_attention_heads and vocab_size"));
-  }
-  m.experts = GetInt(j, "n_routed_experts", GetInt(j, "num_experts", 0));
-  m.shared_experts = GetInt(j, "n_shared_experts", 0);
-  m.moe_intermediate = GetInt(j, "moe_intermediate_size", 0);
-  m.first_dense = GetInt(j, "first_k_dense_replace", 0);
-  m.moe_freq = GetInt(j, "moe_layer_freq", GetInt(j, "decoder_sparse_step", 1));
-  m.q_lora = GetInt(j, "q_lora_rank", 0);
-  m.kv_lora = GetInt(j, "kv_lora_rank", 0);
-  m.qk_nope = GetInt(j, "qk_nope_head_dim", 0);
-  m.qk_rope = GetInt(j, "qk_rope_head_dim", 0);
-  m.v_head = GetInt(j, "v_head_dim", 0);
-  if (a == "Qwen2ForCausalLM") m.qkv_bias = true;
-  if (a == "Qwen3ForCausalLM" || a == "Qwen3MoeForCausalLM") m.qk_norm = true;
-  if (a == "Glm4ForCausalLM") m.glm4_dense_norms = true, m.qkv_bias = j.value("attention_bias", true);
-  if (a == "Glm4MoeForCausalLM") {
-    m.qkv_bias = j.value("attention_bias", true);
-    m.qk_norm = j.value("use_qk_norm", false);
-  }
-  // SGLang registers gate.e_score_correction_bias for DeepSeek only with noaux_tc routing; GLM4-MoE always has it.
-  m.expert_bias = a.find("Glm4Moe") != std::string::npos || a.find("GlmMoe") != std::string::npos ||
-                  (a.find("Deepseek") != std::string::npos && j.value("topk_method", std::string()) == "noaux_tc");
-  if (m.experts > 0 && m.moe_intermediate <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": MoE model without moe_intermediate_size"));
-  }
-  return m;
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// Layout builder.
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-class LayoutBuilder {
- public:
-  LayoutBuilder(const ModelShape& m, const ClusterSpec& c, const WeightFormat& f, PlanInput* out)
-      : m_(m), c_(c), f_(f), out_(out) {
-    out_->layouts.assign(c.engine.tp, {});
-  }
-
-  absl::Status Build() {
-    const auto& e = c_.engine;
-    at_ = e.tp / e.dp_attention;
-    mt_ = e.tp / e.ep;
-    if (m_.experts > 0 && m_.experts % e.ep != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("engine ep=", e.ep, " does not divide ", m_.experts, " experts"));
-    }
-    if (m_.heads % at_ != 0 && at_ % m_.heads != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("attention tp=", at_, " does not fit ", m_.heads, " heads"));
-    }
-    const int last = c_.trainer.pp - 1;
-    const int64_t vpad = CeilDiv(m_.vocab, 64) * 64;
-    Linear("model.embed_tokens.weight", {"model.embed_tokens.weight"}, vpad, m_.hidden, e.tp, 1, 0, false);
-    for (int64_t l = 0; l < m_.layers; ++l) Layer(l);
-    Replicated("model.norm.weight", {"model.norm.weight"}, m_.hidden, last);
-    if (!m_.tie) Linear("lm_head.weight", {"lm_head.weight"}, vpad, m_.hidden, e.tp, 1, last, false);
-    return absl::OkStatus();
-  }
-
- private:
-  int StageOf(int64_t layer) const {
-    const int pp = c_.trainer.pp;
-    for (int p = 0; p < pp; ++p) {
-      if (layer < (p + 1) * m_.layers / pp) return p;
-    }
-    return pp - 1;
-  }
-
-  int Hf(const std::string& name, int64_t numel, int elem, int stage, bool expert, bool quantized_scale = false) {
-    HfTensorInfo h;
-    h.name = name;
-    h.bytes = static_cast<uint64_t>(numel) * elem;
-    h.stage = stage;
-    h.expert = expert;
-    // The trainer gathers bf16 weights and quantizes afterwards, so scales are not gathered.
-    h.train_bytes = quantized_scale ? 0 : static_cast<uint64_t>(numel) * 2;
-    out_->hf_tensors.push_back(std::move(h));
-    return static_cast<int>(out_->hf_tensors.size()) - 1;
-  }
-
-  int WeightElem(bool quantizable) const { return (quantizable && f_.fp8_block > 0) ? 1 : 2; }
-  int64_t ScaleNumel(int64_t n, int64_t k) const { return CeilDiv(n, f_.fp8_block) * CeilDiv(k, f_.fp8_block); }
-
-  void AddParam(int rank, const std::string& name, uint64_t bytes, int stage, std::vector<int> inputs) {
-    out_->layouts[rank].params.push_back({name, bytes, stage, std::move(inputs)});
-  }
-
-  // A norm / bias / router tensor every rank holds whole.
-  void Replicated(const std::string& engine, const std::vector<std::string>& hf, int64_t numel, int stage,
-                  int elem = 2) {
-    std::vector<int> in;
-    for (const auto& n : hf) in.push_back(Hf(n, numel / static_cast<int64_t>(hf.size()), elem, stage, false));
-    for (int r = 0; r < c_.engine.tp; ++r) AddParam(r, engine, static_cast<uint64_t>(numel) * elem, stage, in);
-  }
-
-  // A linear weight of [n, k] (HF tensors `hf` stacked along n), split `split_n` ways along n and `split_k` ways
-  // along k over `group` consecutive ranks. FP8 adds a `weight_scale_inv` of whole blocks beside it.
-  void Linear(const std::string& engine, const std::vector<std::string>& hf, int64_t n, int64_t k, int split_n,
-              int split_k, int stage, bool quantizable, int64_t local_n_override = 0) {
-    const bool q = quantizable && f_.fp8_block > 0;
-    std::vector<int> in;
-    for (const auto& name : hf) {
-      const int64_t hn = n / static_cast<int64_t>(hf.size());
-      in.push_back(Hf(name, hn * k, WeightElem(quantizable), stage, false));
-      if (q) in.push_back(Hf(ScaleName(name), ScaleNumel(hn, k), 4, stage, false, true));
-    }
-    const int64_t ln = local_n_override ? local_n_override : CeilDiv(n, split_n);
-    const int64_t lk = CeilDiv(k, split_k);
-    for (int r = 0; r < c_.engine.tp; ++r) {
-      AddParam(r, engine, static_cast<uint64_t>(ln * lk) * WeightElem(quantizable), stage, in);
-      if (q) AddParam(r, ScaleName(engine), static_cast<uint64_t>(ScaleNumel(ln, lk)) * 4, stage, in);
-    }
-  }
-
-  static std::string ScaleName(const std::string& weight) {
-    const std::string suffix = ".weight";
-    if (weight.size() > suffix.size() && weight.compare(weight.size() - suffix.size(), suffix.size(), suffix) == 0) {
-      return weight.substr(0, weight.size() - suffix.size()) + ".weight_scale_inv";
-    }
-    return weight + "_scale_inv";
-  }
-
-  void Layer(int64_t l) {
-    const int s = StageOf(l);
-    const std::string p = absl::StrCat("model.layers.", l, ".");
-    const int at = at_;
-    Replicated(p + "input_layernorm.weight", {p + "input_layernorm.weight"}, m_.hidden, s);
-    Replicated(p + "post_attention_layernorm.weight", {p + "post_attention_layernorm.weight"}, m_.hidden, s);
-    if (m_.glm4_dense_norms) {
-      Replicated(p + "post_self_attn_layernorm.weight", {p + "post_self_attn_layernorm.weight"}, m_.hidden, s);
-      Replicated(p + "post_mlp_layernorm.weight", {p + "post_mlp_layernorm.weight"}, m_.hidden, s);
-    }
-    const std::string a = p + "self_attn.";
-    if (m_.mla()) {
-      const int64_t qk = m_.qk_nope + m_.qk_rope;
-      const int64_t local_heads = std::max<int64_t>(1, m_.heads / at);
-      if (m_.q_lora > 0) {
-        Linear(a + "fused_qkv_a_proj_with_mqa.weight", {a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight"},
-               m_.q_lora + m_.kv_lora + m_.qk_rope, m_.hidden, 1, 1, s, true);
-        Replicated(a + "q_a_layernorm.weight", {a + "q_a_layernorm.weight"}, m_.q_lora, s);
-        Linear(a + "q_b_proj.weight", {a + "q_b_proj.weight"}, m_.heads * qk, m_.q_lora, 1, 1, s, true,
-               local_heads * qk);
-      } else {
-        Linear(a + "q_proj.weight", {a + "q_proj.weight"}, m_.heads * qk, m_.hidden, 1, 1, s, true, local_heads * qk);
-        Linear(a + "kv_a_proj_with_mqa.weight", {a + "kv_a_proj_with_mqa.weight"}, m_.kv_lora + m_.qk_rope, m_.hidden,
-               1, 1, s, true);
-      }
-      Replicated(a + "kv_a_layernorm.weight", {a + "kv_a_layernorm.weight"}, m_.kv_lora, s);
-      Linear(a + "kv_b_proj.weight", {a + "kv_b_proj.weight"}, m_.heads * (m_.qk_nope + m_.v_head), m_.kv_lora, 1, 1,
-             s, true, local_heads * (m_.qk_nope + m_.v_head));
-      Linear(a + "o_proj.weight", {a + "o_proj.weight"}, m_.hidden, m_.heads * m_.v_head, 1, at, s, true);
-    } else {
-      const int64_t hd = m_.head_dim;
-      const int64_t local_q = std::max<int64_t>(1, m_.heads / at) * hd;
-      const int64_t local_kv = std::max<int64_t>(1, m_.kv_heads / at) * hd;  // KV heads replicated when tp > kv
-      Linear(a + "qkv_proj.weight", {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
-             (m_.heads + 2 * m_.kv_heads) * hd, m_.hidden, 1, 1, s, true, local_q + 2 * local_kv);
-      if (m_.qkv_bias) {
-        std::vector<int> in = {Hf(a + "q_proj.bias", m_.heads * hd, 2, s, false),
-                               Hf(a + "k_proj.bias", m_.kv_heads * hd, 2, s, false),
-                               Hf(a + "v_proj.bias", m_.kv_heads * hd, 2, s, false)};
-        for (int r = 0; r < c_.engine.tp; ++r) AddParam(r, a + "qkv_proj.bias", (local_q + 2 * local_kv) * 2, s, in);
-      }
-      if (m_.qk_norm) {
-        Replicated(a + "q_norm.weight", {a + "q_norm.weight"}, hd, s);
-        Replicated(a + "k_norm.weight", {a + "k_norm.weight"}, hd, s);
-      }
-      Linear(a + "o_proj.weight", {a + "o_proj.weight"}, m_.hidden, m_.heads * hd, 1, at, s, true);
-    }
-    const std::string mlp = p + "mlp.";
-    const int tp = c_.engine.tp;
-    if (!m_.moe_layer(l)) {
-      Linear(mlp + "gate_up_proj.weight", {mlp + "gate_proj.weight", mlp + "up_proj.weight"}, 2 * m_.intermediate,
-             m_.hidden, tp, 1, s, true);
-      Linear(mlp + "down_proj.weight", {mlp + "down_proj.weight"}, m_.hidden, m_.intermediate, 1, tp, s, true);
-      return;
-    }
-    Replicated(mlp + "gate.weight", {mlp + "gate.weight"}, m_.experts * m_.hidden, s);
-    if (m_.expert_bias) {
-      Replicated(mlp + "gate.e_score_correction_bias", {mlp + "gate.e_score_correction_bias"}, m_.experts, s, 4);
-    }
-    if (m_.shared_experts > 0) {
-      const int64_t is = m_.moe_intermediate * m_.shared_experts;
-      const std::string se = mlp + "shared_experts.";
-      Linear(se + "gate_up_proj.weight", {se + "gate_proj.weight", se + "up_proj.weight"}, 2 * is, m_.hidden, tp, 1,
-             s, true);
-      Linear(se + "down_proj.weight", {se + "down_proj.weight"}, m_.hidden, is, 1, tp, s, true);
-    }
-    Experts(l, s);
-  }
-
-  // Routed experts: HF experts.{e}.{gate,up,down}_proj -> experts.w13_weight [E/ep, 2I/moe_tp, H] and
-  // experts.w2_weight [E/ep, H, I/moe_tp] on EP rank tp_rank / moe_tp.
-  void Experts(int64_t l, int s) {
-    const std::string ex = absl::StrCat("model.layers.", l, ".mlp.experts.");
-    const int64_t im = m_.moe_intermediate, h = m_.hidden;
-    const bool q = f_.fp8_block > 0;
-    const int elem = WeightElem(true);
-    struct PerExpert {
-      std::vector<int> w13, w2, w13s, w2s;
-    };
-    std::vector<PerExpert> per(m_.experts);
-    for (int64_t e = 0; e < m_.experts; ++e) {
-      const std::string n = absl::StrCat(ex, e, ".");
-      for (const char* proj : {"gate_proj", "up_proj"}) {
-        per[e].w13.push_back(Hf(absl::StrCat(n, proj, ".weight"), im * h, elem, s, true));
-        if (q) per[e].w13s.push_back(Hf(absl::StrCat(n, proj, ".weight_scale_inv"), ScaleNumel(im, h), 4, s, true, true));
-      }
-      per[e].w2.push_back(Hf(n + "down_proj.weight", h * im, elem, s, true));
-      if (q) per[e].w2s.push_back(Hf(n + "down_proj.weight_scale_inv", ScaleNumel(h, im), 4, s, true, true));
-    }
-    const int64_t el = m_.experts / c_.engine.ep;
-    const int64_t lim = CeilDiv(im, mt_);
-    for (int r = 0; r < c_.engine.tp; ++r) {
-      const int64_t ep_rank = r / mt_;
-      std::vector<int> w13, w2, w13s, w2s;
-      for (int64_t e = ep_rank * el; e < (ep_rank + 1) * el; ++e) {
-        w13.insert(w13.end(), per[e].w13.begin(), per[e].w13.end());
-        w2.insert(w2.end(), per[e].w2.begin(), per[e].w2.end());
-        w13s.insert(w13s.end(), per[e].w13s.begin(), per[e].w13s.end());
-        w2s.insert(w2s.end(), per[e].w2s.begin(), per[e].w2s.end());
-      }
-      AddParam(r, ex + "w13_weight", static_cast<uint64_t>(el * 2 * lim * h) * elem, s, w13);
-      AddParam(r, ex + "w2_weight", static_cast<uint64_t>(el * h * lim) * elem, s, w2);
-      if (q) {
-        AddParam(r, ex + "w13_weight_scale_inv", static_cast<uint64_t>(el * ScaleNumel(2 * lim, h)) * 4, s, w13s);
-        AddParam(r, ex + "w2_weight_scale_inv", static_cast<uint64_t>(el * ScaleNumel(h, lim)) * 4, s, w2s);
-      }
-    }
-  }
-
-  const ModelShape& m_;
-  const ClusterSpec& c_;
-  const WeightFormat& f_;
-  PlanInput* out_;
-  int at_ = 1, mt_ = 1;
-};
 
 // ---------------------------------------------------------------------------------------------------------------
 // Output.
@@ -534,11 +253,17 @@ absl::StatusOr<WeightFormat> ParseWeightFormat(const std::string& text) {
 absl::StatusOr<PlanInput> PlanInputFromModel(const std::string& config_path, const ClusterSpec& cluster,
                                              const WeightFormat& format) {
   WSYNC_RETURN_IF_ERROR(cluster.Validate());
-  WSYNC_ASSIGN_OR_RETURN(ModelShape shape, LoadShape(config_path));
-  PlanInput in;
-  in.cluster = cluster;
-  LayoutBuilder b(shape, cluster, format, &in);
-  WSYNC_RETURN_IF_ERROR_CTX(b.Build(), config_path);
+  auto config = replica::ModelConfig::FromFile(config_path);
+  if (!config.ok()) return Annotate(config.status(), config_path);
+  planner::ModelInputOptions o;
+  if (format.fp8_block > 0) {
+    // The trainer quantizes and sends fp8 weights with their block scales (what the engine holds).
+    o.quant.mode = replica::QuantSpec::Mode::kFp8Block;
+    o.quant.block_n = o.quant.block_k = format.fp8_block;
+    o.format = replica::CheckpointFormat::kFp8PassThrough;
+  }
+  auto in = planner::BuildModelInput(*config, cluster, o);
+  if (!in.ok()) return Annotate(in.status(), config_path);
   return in;
 }
 

@@ -20,9 +20,7 @@
 #include "proto/status_convert.h"
 #include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
-#ifdef WSYNC_HAVE_PLAN_COMMAND
 #include "tools/plan_command.h"
-#endif
 
 using namespace wsync;
 
@@ -75,7 +73,6 @@ int CommandIndex(int argc, char** argv) {
   return -1;
 }
 
-#ifdef WSYNC_HAVE_PLAN_COMMAND
 // `plan` is a pure computation with its own flags; it is handed the arguments after the word `plan`, plus the
 // output format when -w/--write-out was given before the command.
 int RunPlan(int argc, char** argv, int at) {
@@ -97,7 +94,6 @@ int RunPlan(int argc, char** argv, int at) {
   for (auto& a : args) ptrs.push_back(a.data());
   return wsync::tools::RunPlanCommand(static_cast<int>(ptrs.size()), ptrs.data());
 }
-#endif
 
 // One sample of `wsyncctl watch`: the coordinator's state plus every source's progress.
 struct WatchSample {
@@ -215,9 +211,7 @@ int main(int argc, char** argv) {
   const int at = CommandIndex(argc, argv);
   if (at > 0) {
     const std::string cmd = argv[at];
-#ifdef WSYNC_HAVE_PLAN_COMMAND
     if (cmd == "plan") return RunPlan(argc, argv, at);
-#endif
     if (std::find(commands.begin(), commands.end(), cmd) == commands.end()) {
       std::fprintf(stderr, "Error: unknown command \"%s\" (commands: %s; see wsyncctl --help)\n", cmd.c_str(),
                    absl::StrJoin(commands, ", ").c_str());
@@ -269,9 +263,7 @@ int main(int argc, char** argv) {
   remove->add_option("node_id", remove_id, "the node to remove")->required();
   auto* resume = app.add_subcommand(
       "resume", "resume paused engines at their current version (only when no byte of a failed update reached them)");
-#ifdef WSYNC_HAVE_PLAN_COMMAND
   app.add_subcommand("plan", "compute a transfer plan and its predicted time (see: wsyncctl plan --help)");
-#endif
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging("wsyncctl", log_level);
   const absl::Duration dt = absl::Seconds(dial_timeout);
