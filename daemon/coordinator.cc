@@ -3,12 +3,17 @@
 #include <algorithm>
 #include <future>
 #include <set>
+#include <tuple>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "base/cli.h"
 #include "base/status.h"
+#include "planner/model_input.h"
+#include "planner/plan.h"
+#include "replica/model_config.h"
 #include "spdlog/spdlog.h"
 
 namespace wsync::daemon {
@@ -91,8 +96,8 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
   if (req.role() != "source" && req.role() != "target")
     return absl::InvalidArgumentError(absl::StrCat("role must be source or target, not '", req.role(), "'"));
   if (req.address().empty()) return absl::InvalidArgumentError("address is empty");
-  if (req.role() == "source" && req.pp_stage() != 0)
-    return absl::UnimplementedError("trainer pipeline stages other than 0 are not supported yet");
+  if (req.pp_stage() < 0 || req.pp_stage() >= 1024)
+    return absl::InvalidArgumentError(absl::StrCat("pp_stage ", req.pp_stage(), " is out of [0, 1024)"));
   std::lock_guard<std::mutex> l(mu_);
   if (UpdateInProgress())
     return absl::UnavailableError(
@@ -115,57 +120,174 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
 }
 
 absl::Status Coordinator::Replan() {
+  // Sources: ordered by (stage, node id); every node must hold the same number of trainer ranks, every stage the
+  // same number of nodes (Megatron rank order: stage p owns a contiguous block of ranks).
   std::vector<const v1::RegisterNodeRequest*> sources;
-  struct T {
-    std::string node_addr;
-    const v1::EngineRegistration* engine;
-    const v1::RankLayout* rank;
-  };
-  std::vector<T> targets;
-  for (const auto& [id, n] : nodes_) {
+  for (const auto& [id, n] : nodes_)
     if (n.role() == "source") sources.push_back(&n);
-    for (const auto& e : n.engines())
-      for (const auto& r : e.ranks()) targets.push_back({n.address(), &e, &r});
-  }
   if (sources.empty()) return absl::FailedPreconditionError("no source daemon has registered");
-  if (targets.empty()) return absl::FailedPreconditionError("no target daemon with an engine has registered");
-  std::sort(targets.begin(), targets.end(), [](const T& a, const T& b) {
-    return std::make_pair(a.engine->engine_id(), a.rank->rank()) < std::make_pair(b.engine->engine_id(), b.rank->rank());
+  std::sort(sources.begin(), sources.end(), [](const auto* a, const auto* b) {
+    return std::make_pair(a->pp_stage(), a->node_id()) < std::make_pair(b->pp_stage(), b->node_id());
   });
-  // Seed strategy: targets 1:1 onto sources, then each remaining target to the least-loaded source already
-  // serving the same engine rank (its replica layout is loaded there already), else round-robin.
-  const size_t S = sources.size();
-  std::vector<std::map<int, int>> count(S);
-  std::vector<int> load(S, 0);
-  std::vector<Planned> plan;
-  size_t rr = 0;
-  for (size_t i = 0; i < targets.size(); ++i) {
-    const T& t = targets[i];
-    size_t s = 0;
-    if (i < S) {
-      s = i;
-    } else {
-      int best = -1;
-      for (size_t k = 0; k < S; ++k) {
-        auto it = count[k].find(t.rank->rank());
-        if (it == count[k].end()) continue;
-        if (best < 0 || it->second < count[best][t.rank->rank()]) best = static_cast<int>(k);
-      }
-      s = best >= 0 ? static_cast<size_t>(best) : (rr++ % S);
-    }
-    count[s][t.rank->rank()]++;
-    load[s]++;
-    Planned p;
-    p.source = sources[s]->node_id();
-    p.assignment.set_engine_id(t.engine->engine_id());
-    p.assignment.set_rank(t.rank->rank());
-    p.assignment.set_target_daemon(t.node_addr);
-    p.assignment.set_engine_kind(t.engine->kind());
-    *p.assignment.mutable_layout() = *t.rank;
-    for (const auto& prm : t.rank->params()) p.bytes += prm.bytes();
-    plan.push_back(std::move(p));
+  const int ranks_per_node = std::max(sources.front()->trainer_ranks(), 1);
+  std::map<int, int> nodes_per_stage;
+  for (const auto* s : sources) {
+    if (std::max(s->trainer_ranks(), 1) != ranks_per_node)
+      return absl::FailedPreconditionError(absl::StrCat("source nodes hold different numbers of trainer ranks (",
+                                                        sources.front()->node_id(), ": ", ranks_per_node, ", ",
+                                                        s->node_id(), ": ", s->trainer_ranks(), ")"));
+    ++nodes_per_stage[s->pp_stage()];
   }
+  const int pp = static_cast<int>(nodes_per_stage.size());
+  for (const auto& [stage, count] : nodes_per_stage)
+    if (stage >= pp || count != nodes_per_stage.begin()->second)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "trainer stages must be 0..", pp - 1, " with the same number of source nodes each; stage ", stage, " has ",
+          count, " (a stage may not have registered yet)"));
+
+  // Engines: grouped by everything that makes their layouts differ.
+  struct Engine {
+    std::string node_addr;
+    const v1::EngineRegistration* reg;
+  };
+  std::map<std::tuple<std::string, int, int, int>, std::vector<Engine>> groups;  // (dialect, tp, ep, dp)
+  for (const auto& [id, n] : nodes_)
+    for (const auto& e : n.engines()) {
+      if (e.ranks_size() == 0) return absl::FailedPreconditionError(absl::StrCat("engine ", e.engine_id(), " has no ranks"));
+      auto dialect = replica::DialectForEngineKind(e.kind());
+      if (!dialect.ok()) return Annotate(dialect.status(), absl::StrCat("engine ", e.engine_id()));
+      const auto& par = e.ranks(0).parallelism();
+      groups[{std::string(replica::DialectName(*dialect)), e.ranks_size(), std::max(par.ep_size(), 1),
+              std::max(par.attn_dp_size(), 1)}]
+          .push_back({n.address(), &e});
+    }
+  if (groups.empty()) return absl::FailedPreconditionError("no target daemon with an engine has registered");
+  WSYNC_ASSIGN_OR_RETURN(replica::ModelConfig cfg, replica::ModelConfig::FromJson(model_config_json_));
+  WSYNC_ASSIGN_OR_RETURN(planner::Strategy strategy, planner::ParseStrategy(opts_.strategy));
+
+  std::map<std::tuple<std::string, std::string, int>, Planned> planned;  // (source node, engine, rank)
+  std::map<std::string, std::vector<std::vector<std::string>>> push;      // node → per local rank
+  std::map<std::string, std::set<std::string>> pushed;                     // node → tensors already assigned
+  for (auto& [key, engines] : groups) {
+    std::sort(engines.begin(), engines.end(),
+              [](const Engine& a, const Engine& b) { return a.reg->engine_id() < b.reg->engine_id(); });
+    planner::ClusterSpec c;
+    c.trainer.pp = pp;
+    c.trainer.nodes = static_cast<int>(sources.size());
+    c.trainer.gpus_per_node = ranks_per_node;
+    c.engine.instances = static_cast<int>(engines.size());
+    c.engine.tp = std::get<1>(key);
+    c.engine.ep = std::get<2>(key);
+    c.engine.dp_attention = std::get<3>(key);
+    c.engine.nodes = 1;
+    c.nic.per_node = 1;
+    planner::ModelInputOptions mo;
+    mo.dialect = *replica::DialectForEngineKind(engines.front().reg->kind());
+    // Quantization is what the engine reports: FP8 block scales among its parameters (block size from its config).
+    bool fp8 = false;
+    for (const auto& p : engines.front().reg->ranks(0).params())
+      fp8 |= absl::EndsWith(p.name(), "weight_scale_inv");
+    if (fp8) {
+      if (cfg.weight_block_size.empty()) cfg.weight_block_size = {128, 128};
+      mo.quant.mode = replica::QuantSpec::Mode::kFp8Block;
+      mo.quant.block_n = static_cast<int>(cfg.weight_block_size[0]);
+      mo.quant.block_k = static_cast<int>(cfg.weight_block_size.size() > 1 ? cfg.weight_block_size[1]
+                                                                             : cfg.weight_block_size[0]);
+    }
+    auto input = planner::BuildModelInput(cfg, c, mo);
+    if (!input.ok())
+      return Annotate(input.status(), absl::StrCat("planning engines of kind ", engines.front().reg->kind()));
+    // Every engine rank must hold exactly the layout planned for it (names and sizes), before any write.
+    for (const Engine& e : engines)
+      for (const auto& r : e.reg->ranks()) {
+        const std::string who = absl::StrCat("engine ", e.reg->engine_id(), " rank ", r.rank());
+        if (r.rank() < 0 || r.rank() >= c.engine.tp)
+          return absl::FailedPreconditionError(absl::StrCat(who, ": rank out of [0, ", c.engine.tp, ")"));
+        std::map<std::string, uint64_t> theirs;
+        for (const auto& p : r.params()) theirs[p.name()] = p.bytes();
+        for (const auto& p : input->layouts[r.rank()].params) {
+          auto it = theirs.find(p.name);
+          if (it == theirs.end())
+            return absl::FailedPreconditionError(absl::StrCat(who, " lacks parameter ", p.name));
+          if (it->second != p.bytes)
+            return absl::FailedPreconditionError(absl::StrCat(who, ": parameter ", p.name, " has ", it->second,
+                                                              " bytes, the model needs ", p.bytes));
+        }
+        if (theirs.size() != input->layouts[r.rank()].params.size())
+          return absl::FailedPreconditionError(
+              absl::StrCat(who, " has ", theirs.size(), " parameters, the model's layout ",
+                           input->layouts[r.rank()].params.size()));
+      }
+    planner::PlanOptions po;
+    po.strategy = strategy;
+    po.min_source_bytes = opts_.min_source_bytes;
+    po.snap_bytes = opts_.snap_bytes;
+    auto plan = planner::BuildPlan(*input, po);
+    if (!plan.ok()) return Annotate(plan.status(), "building the transfer plan");
+    WSYNC_RETURN_IF_ERROR_CTX(planner::VerifyPlan(*input, *plan), "checking the transfer plan");
+    for (const auto& sp : plan->sources) {
+      const v1::RegisterNodeRequest& node = *sources[sp.trainer_rank / ranks_per_node];
+      const int local = sp.trainer_rank % ranks_per_node;
+      for (const auto& task : sp.tasks) {
+        const Engine& e = engines[task.target.instance];
+        const v1::RankLayout* layout = nullptr;
+        for (const auto& r : e.reg->ranks())
+          if (r.rank() == task.target.rank) layout = &r;
+        if (layout == nullptr)
+          return absl::FailedPreconditionError(
+              absl::StrCat("engine ", e.reg->engine_id(), " did not report rank ", task.target.rank));
+        Planned& p = planned[{node.node_id(), e.reg->engine_id(), task.target.rank}];
+        if (p.source.empty()) {
+          p.source = node.node_id();
+          p.assignment.set_engine_id(e.reg->engine_id());
+          p.assignment.set_rank(task.target.rank);
+          p.assignment.set_target_daemon(e.node_addr);
+          p.assignment.set_engine_kind(e.reg->kind());
+          p.assignment.set_pp_stage(sp.stage);
+          *p.assignment.mutable_layout() = *layout;
+        }
+        for (const auto& s : task.slices) {
+          auto* w = p.assignment.add_writes();
+          w->set_param(input->layouts[task.target.rank].params[s.param].name);
+          w->set_offset(s.offset);
+          w->set_length(s.length);
+          p.bytes += s.length;
+        }
+      }
+      auto& lists = push[node.node_id()];
+      lists.resize(ranks_per_node);
+      for (int h : sp.push_filter) {
+        const std::string& name = input->hf_tensors[h].name;
+        if (pushed[node.node_id()].insert(name).second) lists[local].push_back(name);
+      }
+    }
+  }
+  std::vector<Planned> plan;
+  for (auto& [k, p] : planned) plan.push_back(std::move(p));
+  std::map<std::string, std::vector<v1::RankPushFilter>> filters;
+  for (const auto* s : sources) {
+    auto& out = filters[s->node_id()];
+    const auto& lists = push[s->node_id()];
+    for (int r = 0; r < ranks_per_node; ++r) {
+      v1::RankPushFilter f;
+      f.set_local_rank(r);
+      if (r < static_cast<int>(lists.size())) *f.mutable_tensor_names() = {lists[r].begin(), lists[r].end()};
+      out.push_back(std::move(f));
+    }
+  }
+  model_weight_block_.clear();
+  for (const auto& [key, engines] : groups)
+    for (const auto& p : engines.front().reg->ranks(0).params())
+      if (absl::EndsWith(p.name(), "weight_scale_inv") && model_weight_block_.empty()) {
+        const auto& b = cfg.weight_block_size;
+        model_weight_block_ = {static_cast<int32_t>(b.empty() ? 128 : b[0]),
+                               static_cast<int32_t>(b.size() > 1 ? b[1] : (b.empty() ? 128 : b[0]))};
+      }
+  spdlog::info("plan ({}): {} source nodes ({} stages x {} ranks per node), {} engine groups, {} (source, engine "
+               "rank) assignments",
+               opts_.strategy, sources.size(), pp, ranks_per_node, groups.size(), plan.size());
   plan_ = std::move(plan);
+  push_filters_ = std::move(filters);
   return absl::OkStatus();
 }
 
@@ -292,6 +414,15 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
         for (const auto& [id, n] : nodes_)
           if (n.role() == "source") by_source[id].set_model_config_json(model_config_json_);
         for (const auto& p : plan_) *by_source[p.source].add_targets() = p.assignment;
+        for (auto& [id, r] : by_source) {
+          auto f = push_filters_.find(id);
+          if (f != push_filters_.end()) *r.mutable_push_filters() = {f->second.begin(), f->second.end()};
+          // The engines hold what their config says: FP8 block-quantized weights are quantized by the source.
+          if (!model_weight_block_.empty()) {
+            r.set_quantization("fp8_block");
+            *r.mutable_weight_block_size() = {model_weight_block_.begin(), model_weight_block_.end()};
+          }
+        }
         for (auto& [id, r] : by_source) {
           r.set_plan_epoch(membership_epoch_);
           configure.emplace_back(nodes_[id].address(), r);

@@ -70,7 +70,11 @@ class Peers {
 std::unique_ptr<Peers> MakeGrpcPeers();
 
 struct CoordinatorOptions {
-  std::string strategy = "seed";  // transfer-plan strategy
+  std::string strategy = "balanced";  // transfer-plan strategy: seed | balanced (planner/plan.h)
+  // balanced: a source is only given work if it gets at least this many bytes per engine copy (0 = every source).
+  uint64_t min_source_bytes = 64ull << 20;
+  // balanced: a cut within this many bytes of a parameter boundary moves to the boundary (0: cut anywhere, aligned).
+  uint64_t snap_bytes = 4ull << 20;
   size_t history_limit = 1000;    // also bounds the per-version outcomes kept to answer retries
   double heartbeat_seconds = 2;   // daemons' lease renewal interval; a node is unreachable after 3 missed
 };
@@ -137,6 +141,9 @@ class Coordinator {
     absl::Status status;
     v1::CommitUpdateReply reply;
   };
+  // Builds plan_ and push_filters_ with the planner (planner/plan.h) from the membership and model_config_json_:
+  // source nodes in (pp_stage, node id) order hold trainer ranks node_index * ranks_per_node + local rank; engines
+  // in id order are the planner's instances, grouped by layout (engine kind and parallelism), one plan per group.
   absl::Status Replan();  // requires mu_
   std::vector<std::string> EngineAddresses() const;
   bool UpdateInProgress() const {
@@ -167,7 +174,10 @@ class Coordinator {
   int64_t membership_epoch_ = 0;
   int64_t plan_epoch_ = -1;  // membership epoch the current plan was built for
   std::vector<Planned> plan_;
+  // Per source node: what each of its local trainer ranks pushes (every local rank listed, lists may be empty).
+  std::map<std::string, std::vector<v1::RankPushFilter>> push_filters_;
   std::string model_config_json_;
+  std::vector<int32_t> model_weight_block_;  // FP8 block [n, k] when the engines hold block-quantized weights
   std::map<std::string, absl::Time> last_heartbeat_;  // node id → last lease renewal
   std::map<std::string, std::string> engine_state_;  // control address → registered | paused | serving | failed: …
 

@@ -23,9 +23,21 @@ int main(int argc, char** argv) {
   daemon::CoordinatorOptions opts;
   app.add_option("--listen", listen, "host:port to serve on (port 0 = any free port)");
   app.add_option("--port-file", port_file, "write the bound port here once serving");
-  // The daemon writes whole parameters per target, which is what the seed strategy plans; the balanced planner
-  // (wsyncctl plan) also splits parameters across sources and needs byte-range writes in the daemon first.
-  app.add_option("--strategy", opts.strategy, "transfer-plan strategy (seed)")->check(CLI::IsMember({"seed"}));
+  app.add_option("--strategy", opts.strategy,
+                 "transfer-plan strategy: balanced (bytes balanced over sources and NICs, parameters split into byte "
+                 "ranges where that balances better) or seed (whole layouts per source, as the seed write-up)")
+      ->check(CLI::IsMember({"seed", "balanced"}))
+      ->capture_default_str();
+  uint64_t min_source_mib = opts.min_source_bytes >> 20;
+  app.add_option("--min-source-mib", min_source_mib,
+                 "balanced: give a source work only if it gets at least this many MiB per engine copy (0: use every "
+                 "source)")
+      ->capture_default_str();
+  uint64_t snap_kib = opts.snap_bytes >> 10;
+  app.add_option("--snap-kib", snap_kib,
+                 "balanced: a byte-range cut this close (KiB) to a parameter boundary moves to the boundary (0: split "
+                 "parameters anywhere, 4 KiB aligned)")
+      ->capture_default_str();
   app.add_option("--history", opts.history_limit, "updates kept in the history");
   std::string metrics_listen, state_path;
   app.add_option("--state", state_path,
@@ -35,6 +47,8 @@ int main(int argc, char** argv) {
                  "host:port serving Prometheus /metrics and /healthz over HTTP (default: off; port 9600 by convention)");
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging("coordinator", log_level);
+  opts.min_source_bytes = min_source_mib << 20;
+  opts.snap_bytes = snap_kib << 10;
 
   daemon::Coordinator coordinator(opts, daemon::MakeGrpcPeers());
   if (!state_path.empty()) {

@@ -262,6 +262,42 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
                                                        seg.id(), " has no region descriptor"));
   }
 
+  // The plan's byte ranges per target (name → ranges, checked against the table) and the per-rank push filters.
+  std::vector<std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>>> writes(req.targets_size());
+  for (int i = 0; i < req.targets_size(); ++i) {
+    const auto& t = req.targets(i);
+    for (const auto& w : t.writes()) {
+      const replica::EngineParam* p = tables[layout_of[i]].Find(w.param());
+      if (p == nullptr || w.length() == 0 || w.offset() > p->bytes || w.length() > p->bytes - w.offset())
+        return absl::InvalidArgumentError(absl::StrCat(
+            "engine ", t.engine_id(), " rank ", t.rank(), ": write range [", w.offset(), ", +", w.length(), ") of ",
+            w.param(), p == nullptr ? " names no parameter of the layout"
+                                    : absl::StrCat(" is empty or outside its ", p->bytes, " bytes")));
+      writes[i][w.param()].emplace_back(w.offset(), w.length());
+    }
+  }
+  std::map<int, std::vector<std::string>> rank_push;
+  if (req.push_filters_size() > 0) {
+    WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
+    std::set<std::string> known, seen;
+    for (const auto& s : specs) known.insert(s.name);
+    for (const auto& f : req.push_filters()) {
+      if (f.local_rank() < 0 || f.local_rank() >= opts_.trainer_ranks || rank_push.count(f.local_rank()))
+        return absl::InvalidArgumentError(absl::StrCat("push filter for local rank ", f.local_rank(),
+                                                       ": out of range [0, ", opts_.trainer_ranks, ") or repeated"));
+      auto& names = rank_push[f.local_rank()];
+      for (const auto& n : f.tensor_names()) {
+        if (!known.count(n))
+          return absl::InvalidArgumentError(absl::StrCat("push filter for local rank ", f.local_rank(), " names ", n,
+                                                         ", which is not a tensor of the model"));
+        if (!seen.insert(n).second)
+          return absl::InvalidArgumentError(
+              absl::StrCat("push filter: tensor ", n, " is assigned to two local ranks"));
+        names.push_back(n);
+      }
+    }
+  }
+
   // Tear down the previous plan's state (endpoints before the memory they reference); under mu_ as well, since
   // Status() and the metrics read them. From here on a failure (memory, network) leaves the source unconfigured.
   {
@@ -271,15 +307,21 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     replica_regions_.clear();
     mooncake_regions_.clear();
     replica_.reset();
+    configured_ = false;
   }
 
   v1::ConfigureSourceReply out;
   absl::Time t0 = absl::Now();
-  // The replica builds the same tables the layouts were checked against above.
-  WSYNC_ASSIGN_OR_RETURN(auto replica, replica::Replica::Create(cfg, layouts, quant));
+  // The replica builds the same tables the layouts were checked against above. A node the plan gives no work has
+  // none (its ranks' push filters are empty).
+  std::unique_ptr<replica::Replica> replica;
+  if (!layouts.empty()) {
+    WSYNC_ASSIGN_OR_RETURN(replica, replica::Replica::Create(cfg, layouts, quant));
+  }
+  const int num_layouts = replica ? replica->num_layouts() : 0;
   std::vector<std::unique_ptr<transport::LocalRegion>> regions;
   uint64_t total = 0;
-  for (int l = 0; l < replica->num_layouts(); ++l) {
+  for (int l = 0; l < num_layouts; ++l) {
     const uint64_t n = std::max<uint64_t>(replica->table(l).total_bytes(), 1);
     WSYNC_ASSIGN_OR_RETURN(auto region, transport_->RegisterMemory(replica->data(l), n));
     regions.push_back(std::move(region));
@@ -295,7 +337,7 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
       transport::TransportOptions mo;
       WSYNC_ASSIGN_OR_RETURN(mooncake_, transport::mooncake::CreateMooncakeTransport(mo));
     }
-    for (int l = 0; l < replica->num_layouts(); ++l) {
+    for (int l = 0; l < num_layouts; ++l) {
       const uint64_t n = std::max<uint64_t>(replica->table(l).total_bytes(), 1);
       WSYNC_ASSIGN_OR_RETURN(auto region, mooncake_->RegisterMemory(replica->data(l), n));
       mc_regions.push_back(std::move(region));
@@ -303,11 +345,11 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   }
   out.set_register_seconds(Seconds(t0));
   out.set_replica_bytes(total);
-  out.set_layouts(replica->num_layouts());
+  out.set_layouts(num_layouts);
 
   absl::Time t1 = absl::Now();
   std::vector<std::unique_ptr<Target>> targets;
-  std::vector<std::vector<Target*>> by_layout(replica->num_layouts());
+  std::vector<std::vector<Target*>> by_layout(num_layouts);
   for (int i = 0; i < req.targets_size(); ++i) {
     const auto& a = req.targets(i);
     auto t = std::make_unique<Target>();
@@ -342,20 +384,40 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
       const v1::ParamDesc* d = theirs.at(p.name);
       t->dst_region.push_back(by_segment.at(d->segment()));
       t->dst_offset.push_back(d->offset());
+      if (a.writes_size() == 0) {
+        t->ranges.push_back({{0, p.bytes}});
+      } else {
+        auto it = writes[i].find(p.name);
+        t->ranges.push_back(it == writes[i].end() ? std::vector<std::pair<uint64_t, uint64_t>>{} : it->second);
+      }
     }
     by_layout[t->layout].push_back(t.get());
     targets.push_back(std::move(t));
   }
   out.set_connect_seconds(Seconds(t1));
 
-  // Push filter: every checkpoint tensor some layout needs; non-expert tensors first, then experts.
-  WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
-  std::vector<std::string> names, experts;
-  for (const auto& s : specs) {
-    if (!replica->Needs(s.name)) continue;
-    (absl::StrContains(s.name, ".experts.") ? experts : names).push_back(s.name);
+  // What an update must complete: every parameter some target takes bytes of.
+  std::vector<std::vector<char>> required(num_layouts);
+  for (int l = 0; l < num_layouts; ++l) required[l].assign(replica->table(l).params().size(), 0);
+  for (const auto& t : targets)
+    for (size_t p = 0; p < t->ranges.size(); ++p)
+      if (!t->ranges[p].empty()) required[t->layout][p] = 1;
+
+  // Push filter: the plan's per-rank lists, else every checkpoint tensor some layout needs (non-expert tensors
+  // first, then experts), split round-robin over the local ranks.
+  std::vector<std::string> names;
+  if (!rank_push.empty()) {
+    for (const auto& [r, list] : rank_push) names.insert(names.end(), list.begin(), list.end());
+  } else {
+    WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
+    std::vector<std::string> experts;
+    for (const auto& s : specs) {
+      if (!replica || !replica->Needs(s.name)) continue;
+      (absl::StrContains(s.name, ".experts.") ? experts : names).push_back(s.name);
+    }
+    names.insert(names.end(), experts.begin(), experts.end());
+    for (size_t i = 0; i < names.size(); ++i) rank_push[static_cast<int>(i % opts_.trainer_ranks)].push_back(names[i]);
   }
-  names.insert(names.end(), experts.begin(), experts.end());
 
   std::lock_guard<std::mutex> l(mu_);
   replica_ = std::move(replica);
@@ -364,10 +426,15 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   targets_ = std::move(targets);
   targets_by_layout_ = std::move(by_layout);
   push_names_ = std::move(names);
+  rank_push_ = std::move(rank_push);
+  completed_.assign(required.size(), {});
+  for (size_t l = 0; l < required.size(); ++l) completed_[l].assign(required[l].size(), 0);
+  required_ = std::move(required);
   plan_epoch_ = req.plan_epoch();
+  configured_ = true;
   spdlog::info("configured plan {}: {} targets, {} layouts, replica {:.1f} MiB registered in {:.3f}s, connected in "
                "{:.3f}s, {} tensors to push",
-               plan_epoch_, targets_.size(), replica_->num_layouts(), total / 1048576.0, out.register_seconds(),
+               plan_epoch_, targets_.size(), num_layouts, total / 1048576.0, out.register_seconds(),
                out.connect_seconds(), push_names_.size());
   return out;
 }
@@ -424,7 +491,7 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   std::lock_guard<std::mutex> ingest(ingest_mu_);
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (!replica_) return absl::FailedPreconditionError("source is not configured (no transfer plan yet)");
+    if (!configured_) return absl::FailedPreconditionError("source is not configured (no transfer plan yet)");
     if (req.plan_epoch() != plan_epoch_)
       return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " is for plan ", req.plan_epoch(),
                                                         " but this source is configured for plan ", plan_epoch_));
@@ -468,7 +535,8 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
     spdlog::info("update {}: reconnected to {}", req.version(), Who(*t));
   }
   std::lock_guard<std::mutex> l(mu_);
-  replica_->BeginUpdate();
+  if (replica_) replica_->BeginUpdate();
+  for (auto& c : completed_) std::fill(c.begin(), c.end(), 0);
   version_ = req.version();
   update_error_ = absl::OkStatus();
   ended_ranks_.clear();
@@ -499,8 +567,9 @@ absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequ
   if (version_ != req.version())
     return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " already ended"));
   v1::BeginPushReply out;
-  for (size_t i = 0; i < push_names_.size(); ++i)
-    if (static_cast<int>(i % opts_.trainer_ranks) == rank) out.add_tensor_names(push_names_[i]);
+  auto it = rank_push_.find(rank);
+  if (it != rank_push_.end())
+    for (const auto& n : it->second) out.add_tensor_names(n);
   return out;
 }
 
@@ -532,6 +601,10 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
                                                       " committed while no update is open (after update ",
                                                       last_version_, " ended); nothing was written"));
 
+  if (!replica_)
+    return absl::FailedPreconditionError(absl::StrCat("bucket ", bucket.seq, ": this node writes nothing in plan ",
+                                                      plan_epoch_, " (its ranks' push filters are empty); nothing "
+                                                      "was written"));
   // Validate the whole bucket before anything of it reaches the replica or an engine.
   std::vector<replica::HfTensor> tensors;
   tensors.reserve(bucket.tensors.size());
@@ -599,15 +672,17 @@ absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& read
   for (const auto& r : ready) {
     const replica::EngineParam& p = replica_->table(r.layout).params()[r.param];
     for (Target* t : targets_by_layout_[r.layout]) {
-      transport::WriteRequest w;
-      w.src = (t->transport == transport_ ? replica_regions_ : mooncake_regions_)[r.layout].get();
-      w.src_offset = p.offset;
-      w.dst = t->dst_region[r.param];
-      w.dst_offset = t->dst_offset[r.param];
-      w.length = p.bytes;
-      if (w.length == 0) continue;
-      batches[t].push_back(w);
-      bytes += p.bytes;
+      for (const auto& [offset, length] : t->ranges[r.param]) {
+        transport::WriteRequest w;
+        w.src = (t->transport == transport_ ? replica_regions_ : mooncake_regions_)[r.layout].get();
+        w.src_offset = p.offset + offset;
+        w.dst = t->dst_region[r.param];
+        w.dst_offset = t->dst_offset[r.param] + offset;
+        w.length = length;
+        if (w.length == 0) continue;
+        batches[t].push_back(w);
+        bytes += length;
+      }
     }
   }
   for (auto& [t, writes] : batches) {
@@ -624,6 +699,7 @@ absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& read
     t->outstanding.push_back(*id);
   }
   std::lock_guard<std::mutex> l(mu_);
+  for (const auto& r : ready) completed_[r.layout][r.param] = 1;
   bytes_written_ += bytes;
   params_written_ += ready.size();
   metrics_.Add("wsync_source_bytes_written_total", {}, static_cast<double>(bytes));
@@ -694,7 +770,19 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   std::lock_guard<std::mutex> l(mu_);
   write_seconds_ += Seconds(t0);
   if (result.ok()) result = update_error_;
-  if (result.ok()) result = replica_->FinishUpdate();
+  if (result.ok()) {
+    // Every parameter this node writes must be complete (the plan may leave others of its layouts to other nodes).
+    std::vector<std::string> missing;
+    size_t count = 0;
+    for (size_t li = 0; li < required_.size(); ++li)
+      for (size_t p = 0; p < required_[li].size(); ++p)
+        if (required_[li][p] && !completed_[li][p] && ++count <= 5)
+          missing.push_back(absl::StrCat(replica_->table(static_cast<int>(li)).params()[p].name, " (layout ", li, ")"));
+    if (count > 0)
+      result = absl::FailedPreconditionError(absl::StrCat(
+          "update ", v, ": ", count, " parameters this node writes are incomplete (their checkpoint tensors were not "
+          "all pushed): ", absl::StrJoin(missing, ", "), count > missing.size() ? ", ..." : ""));
+  }
   version_ = -1;
   finishing_ = false;
   ended_version_ = v;

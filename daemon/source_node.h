@@ -95,6 +95,9 @@ class SourceNode {
     // Per replica param of its layout: the segment's region and the offset inside it.
     std::vector<const transport::RemoteRegion*> dst_region;
     std::vector<uint64_t> dst_offset;
+    // Per replica param of its layout: the byte ranges (offset, length) this source writes (the plan's slices);
+    // empty for a parameter another source writes.
+    std::vector<std::vector<std::pair<uint64_t, uint64_t>>> ranges;
     std::vector<transport::BatchId> outstanding;
     // Which transport writes to it: the node's own, or Mooncake for engines that registered their memory with a
     // Mooncake Transfer Engine (segments of kind "mooncake"; session = the engine rank's handshake address).
@@ -131,6 +134,7 @@ class SourceNode {
 
   // Configured state (replaced by Configure).
   int64_t plan_epoch_ = -1;
+  bool configured_ = false;  // a plan was applied (a node without work in it has no replica)
   std::unique_ptr<replica::Replica> replica_;
   std::vector<std::unique_ptr<transport::LocalRegion>> replica_regions_;
   // The Mooncake transport (created at the first plan with a Mooncake target) and the replica's regions in it.
@@ -139,6 +143,10 @@ class SourceNode {
   std::vector<std::unique_ptr<Target>> targets_;
   std::vector<std::vector<Target*>> targets_by_layout_;
   std::vector<std::string> push_names_;  // checkpoint tensors this node needs, in push order
+  std::map<int, std::vector<std::string>> rank_push_;  // per local rank, when the plan partitions the push
+  // Per layout and param: whether some target of this node takes bytes of it (what an update must complete), and
+  // whether it completed in the open update.
+  std::vector<std::vector<char>> required_, completed_;
 
   // Current update.
   int64_t version_ = -1;     // version being pushed; -1 when none is open

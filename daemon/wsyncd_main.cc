@@ -135,6 +135,12 @@ int main(int argc, char** argv) {
   app.add_option("--engine-timeout", engine_timeout_s, "target: seconds one engine control call may take")
       ->check(CLI::PositiveNumber);
   app.add_option("--trainer-ranks", trainer_ranks, "source: trainer ranks on this node")->check(CLI::Range(1, 1024));
+  int pp_stage = 0;
+  app.add_option("--pp-stage", pp_stage,
+                 "source: the trainer pipeline stage this node's ranks hold (0-based; every stage needs the same "
+                 "number of source nodes)")
+      ->check(CLI::Range(0, 1023))
+      ->capture_default_str();
   std::string metrics_listen;
   app.add_option("--metrics-listen", metrics_listen,
                  "host:port serving Prometheus /metrics and /healthz over HTTP (default: off; 9601 by convention)");
@@ -219,6 +225,7 @@ int main(int argc, char** argv) {
     o.rank_grace = absl::Seconds(rank_grace_s);
     source = std::make_unique<daemon::SourceNode>(o, transport.get(), daemon::DialConnectTarget);
     reg.set_trainer_ranks(trainer_ranks);
+    reg.set_pp_stage(pp_stage);
   }
   // The target's engines attach through its socket, whose default name carries the API port: serve first (ConnectTarget
   // answers NotFound until the engines are there; nobody dials before the node registered).

@@ -292,6 +292,15 @@ int RunPlanCommand(int argc, char** argv) {
   app.add_option("--bcast-rx-gbps", cp.bcast_rx_gbps, "what one broadcast receiver absorbs")->capture_default_str();
   app.add_option("--fixed-ms", cp.fixed_ms, "fixed per-update overhead")->capture_default_str();
   app.add_option("--post-process-ms", cp.post_process_ms, "engine post-processing")->capture_default_str();
+  uint64_t min_source_mib = planner::PlanOptions().min_source_bytes >> 20;
+  uint64_t snap_kib = planner::PlanOptions().snap_bytes >> 10;
+  app.add_option("--min-source-mib", min_source_mib,
+                 "balanced: give a source work only if it gets at least this many MiB per engine copy (0: every "
+                 "source); as wsync-coordinator --min-source-mib")
+      ->capture_default_str();
+  app.add_option("--snap-kib", snap_kib,
+                 "balanced: a cut this close (KiB) to a parameter boundary moves to it; as wsync-coordinator --snap-kib")
+      ->capture_default_str();
   app.add_flag("--no-gather", no_gather, "leave the trainer all-gather out of the prediction");
   app.add_flag("--tasks", tasks, "print every source's tasks (and push filter in json)");
   app.add_flag("--seed-table", seed_table, "reproduce the seed write-up's 8-row table in simulation");
@@ -343,6 +352,8 @@ int RunPlanCommand(int argc, char** argv) {
   }
   planner::PlanOptions opt;
   opt.strategy = *st;
+  opt.min_source_bytes = min_source_mib << 20;
+  opt.snap_bytes = snap_kib << 10;
   const auto t0 = std::chrono::steady_clock::now();
   auto plan = planner::BuildPlan(*in, opt);
   const double build_ms =

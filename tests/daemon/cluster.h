@@ -95,6 +95,8 @@ struct ClusterOptions {
   int trainer_ranks = 1;
   int ring_mib = 16;
   std::string transport = "tcp";
+  int pp = 1;                            // trainer pipeline stages: sources split evenly, stage = s * pp / sources
+  std::vector<std::string> coordinator_args;  // e.g. {"--strategy", "balanced", "--min-source-mib", "0"}
   std::vector<std::string> source_env;  // extra "NAME=value" environment for the source daemons (e.g. WSYNC_FAULTS)
 };
 
@@ -103,7 +105,9 @@ class Cluster {
   explicit Cluster(ClusterOptions o) : o_(std::move(o)) {
     char tmpl[] = "/tmp/wsync-cluster-test.XXXXXX";
     dir_ = mkdtemp(tmpl);
-    coordinator = "127.0.0.1:" + Start("coordinator", {o_.bin_dir + "/wsync-coordinator", "--listen", "127.0.0.1:0"});
+    std::vector<std::string> cargs = {o_.bin_dir + "/wsync-coordinator", "--listen", "127.0.0.1:0"};
+    cargs.insert(cargs.end(), o_.coordinator_args.begin(), o_.coordinator_args.end());
+    coordinator = "127.0.0.1:" + Start("coordinator", cargs);
     for (int e = 0; e < o_.engines; ++e) {
       const std::string id = "engine" + std::to_string(e);
       engines.push_back("127.0.0.1:" + Start(id, {o_.bin_dir + "/wsync-engine-ref", "--id", id, "--model", o_.model,
@@ -118,7 +122,8 @@ class Cluster {
                         Start("source" + std::to_string(s),
                               {o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id", "train" + std::to_string(s),
                                "--coordinator", coordinator, "--trainer-ranks", std::to_string(o_.trainer_ranks),
-                               "--ring-mib", std::to_string(o_.ring_mib), "--transport", o_.transport},
+                               "--ring-mib", std::to_string(o_.ring_mib), "--transport", o_.transport,
+                               "--pp-stage", std::to_string(s * o_.pp / o_.sources)},
                               o_.source_env));
   }
   ~Cluster() {

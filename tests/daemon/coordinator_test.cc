@@ -5,6 +5,8 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <cstdio>
+#include <tuple>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -13,10 +15,16 @@
 
 #include "client/coordinator_client.h"
 #include "daemon/coordinator.h"
+#include "tests/daemon/fake_layouts.h"
+#include "nlohmann/json.hpp"
+#include "planner/model_input.h"
 #include "absl/strings/str_cat.h"
 
 namespace wsync::daemon {
 namespace {
+
+using testing::FillLayout;
+using testing::TinyConfigJson;
 
 class FakePeers : public Peers {
  public:
@@ -61,7 +69,7 @@ class FakePeers : public Peers {
   }
   absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) override {
     v1::EngineInfo i;
-    i.set_model_config_json("{}");
+    i.set_model_config_json(TinyConfigJson());
     return i;
   }
   absl::Status Pause(const std::string& addr, const std::string& mode) override { return Log("pause " + addr); }
@@ -114,12 +122,13 @@ class FakePeers : public Peers {
   std::map<std::string, std::vector<int64_t>> labels;  // engine → every version label set on it, in order
 };
 
-v1::RegisterNodeRequest Source(const std::string& id) {
+v1::RegisterNodeRequest Source(const std::string& id, int ranks = 1, int stage = 0) {
   v1::RegisterNodeRequest r;
   r.set_node_id(id);
   r.set_role("source");
   r.set_address(id + ":1");
-  r.set_trainer_ranks(1);
+  r.set_trainer_ranks(ranks);
+  r.set_pp_stage(stage);
   return r;
 }
 
@@ -131,23 +140,18 @@ v1::RegisterNodeRequest Target(const std::string& id, const std::string& engine,
   auto* e = r.add_engines();
   e->set_engine_id(engine);
   e->set_control_address(engine + ":2");
-  for (int i = 0; i < ranks; ++i) {
-    auto* l = e->add_ranks();
-    l->set_rank(i);
-    auto* p = l->add_params();
-    p->set_name("w");
-    p->set_bytes(10);
-  }
+  e->set_kind("reference");
+  for (int i = 0; i < ranks; ++i) FillLayout(e->add_ranks(), ranks, i);
   return r;
 }
 
 struct Fixture {
   FakePeers* peers;
   std::unique_ptr<Coordinator> c;
-  Fixture(int sources, int engines, int ranks) {
+  Fixture(int sources, int engines, int ranks, CoordinatorOptions opts = CoordinatorOptions()) {
     auto p = std::make_unique<FakePeers>();
     peers = p.get();
-    c = std::make_unique<Coordinator>(CoordinatorOptions(), std::move(p));
+    c = std::make_unique<Coordinator>(opts, std::move(p));
     for (int s = 0; s < sources; ++s) REQUIRE(c->RegisterNode(Source("s" + std::to_string(s))).ok());
     for (int e = 0; e < engines; ++e)
       REQUIRE(c->RegisterNode(Target("t" + std::to_string(e), "e" + std::to_string(e), ranks)).ok());
@@ -164,8 +168,14 @@ struct Fixture {
   }
 };
 
+CoordinatorOptions Seed() {
+  CoordinatorOptions o;
+  o.strategy = "seed";
+  return o;
+}
+
 TEST_CASE("coordinator: seed plan keeps identical engine ranks on the source that already serves them") {
-  Fixture f(2, 3, 2);  // 2 sources, 3 engines x 2 ranks
+  Fixture f(2, 3, 2, Seed());  // 2 sources, 3 engines x 2 ranks
   REQUIRE(f.Begin(1).ok());
   std::map<std::string, std::set<int>> ranks_by_source;
   int targets = 0;
@@ -588,6 +598,146 @@ TEST_CASE("remove: a node is deregistered only between updates; the next update 
   REQUIRE(out.ok());
   CHECK(out->engines_size() == 1);
   CHECK(f.Begin(3).code() == absl::StatusCode::kFailedPrecondition);  // no engine left
+}
+
+}  // namespace
+}  // namespace wsync::daemon
+
+namespace wsync::daemon {
+namespace {
+
+// (source node, engine, rank, param, offset, length): one byte range one source writes.
+using Write = std::tuple<std::string, std::string, int, std::string, uint64_t, uint64_t>;
+
+std::set<Write> ConfiguredWrites(FakePeers* peers) {
+  std::set<Write> out;
+  for (const auto& [addr, req] : peers->configured)
+    for (const auto& t : req.targets())
+      for (const auto& w : t.writes())
+        out.insert({addr.substr(0, addr.find(':')), t.engine_id(), t.rank(), w.param(), w.offset(), w.length()});
+  return out;
+}
+
+// Every byte of every engine rank's layout is written exactly once (over all sources).
+void CheckCoverage(const std::set<Write>& writes, int engines, int tp) {
+  std::map<std::tuple<std::string, int, std::string>, std::vector<std::pair<uint64_t, uint64_t>>> by_param;
+  for (const auto& [src, e, r, p, off, len] : writes) by_param[{e, r, p}].push_back({off, len});
+  for (int e = 0; e < engines; ++e)
+    for (int r = 0; r < tp; ++r) {
+      v1::RankLayout l;
+      FillLayout(&l, tp, r);
+      for (const auto& p : l.params()) {
+        auto it = by_param.find({"e" + std::to_string(e), r, p.name()});
+        INFO("engine e" << e << " rank " << r << " param " << p.name());
+        REQUIRE(it != by_param.end());
+        auto ranges = it->second;
+        std::sort(ranges.begin(), ranges.end());
+        uint64_t at = 0;
+        for (const auto& [off, len] : ranges) {
+          CHECK(off == at);  // no gap, no overlap
+          at = off + len;
+        }
+        CHECK(at == p.bytes());
+      }
+    }
+}
+
+CoordinatorOptions BalancedEverySource() {
+  CoordinatorOptions o;
+  o.strategy = "balanced";
+  o.min_source_bytes = 0;
+  o.snap_bytes = 0;
+  return o;
+}
+
+TEST_CASE("coordinator: the balanced plan splits parameters, covers every byte once, and is wsyncctl plan's plan") {
+  auto peers = std::make_unique<FakePeers>();
+  FakePeers* fp = peers.get();
+  Coordinator c(BalancedEverySource(), std::move(peers));
+  for (int s = 0; s < 2; ++s) REQUIRE(c.RegisterNode(Source("s" + std::to_string(s), 3)).ok());
+  for (int e = 0; e < 2; ++e) REQUIRE(c.RegisterNode(Target("t" + std::to_string(e), "e" + std::to_string(e), 2)).ok());
+  v1::BeginUpdateRequest b;
+  b.set_version(1);
+  auto begun = c.BeginUpdate(b);
+  INFO(begun.status().ToString());
+  REQUIRE(begun.ok());
+  const std::set<Write> writes = ConfiguredWrites(fp);
+  CheckCoverage(writes, 2, 2);
+  bool split = false;
+  for (const auto& w : writes) split |= std::get<4>(w) != 0;
+  CHECK(split);  // some parameter is written in ranges by two sources
+
+  // Push filters: every local rank listed, no tensor twice on a node, and a node pushes every input of what it
+  // writes (qkv_proj needs q, k and v; gate_up_proj gate and up).
+  for (const auto& [addr, req] : fp->configured) {
+    REQUIRE(req.push_filters_size() == 3);
+    std::set<std::string> names;
+    for (const auto& f : req.push_filters())
+      for (const auto& n : f.tensor_names()) CHECK(names.insert(n).second);
+    for (const auto& t : req.targets())
+      for (const auto& w : t.writes()) {
+        if (w.param().find("qkv_proj") == std::string::npos) continue;
+        const std::string layer = w.param().substr(0, w.param().find("self_attn"));
+        for (const char* x : {"q_proj", "k_proj", "v_proj"}) CHECK(names.count(layer + "self_attn." + x + ".weight"));
+      }
+  }
+
+  // wsyncctl plan, given the same cluster shape and options, plans the same byte ranges on the same nodes.
+  const std::string cmd = std::string(WSYNC_BIN_DIR) + "/wsyncctl plan --model " + WSYNC_MODELS_DIR +
+                          "/tiny-qwen3/config.json --train tp=1,nodes=2,gpus=3 --infer instances=2,tp=2 --nic 1x100 "
+                          "--min-source-mib 0 --snap-kib 0 -w json --tasks";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
+  REQUIRE(pclose(pipe) == 0);
+  auto j = nlohmann::json::parse(out);
+  std::set<Write> cli;
+  for (const auto& s : j["sources"]) {
+    const std::string node = "s" + std::to_string(s["trainer_rank"].get<int>() / 3);
+    for (const auto& task : s["tasks"])
+      for (const auto& p : task["params"])
+        cli.insert({node, "e" + std::to_string(task["instance"].get<int>()), task["rank"].get<int>(),
+                    p["param"].get<std::string>(), p["offset"].get<uint64_t>(), p["length"].get<uint64_t>()});
+  }
+  CHECK(cli == writes);
+}
+
+TEST_CASE("coordinator: a PP=2 trainer: each stage's nodes push only their stage's tensors") {
+  auto peers = std::make_unique<FakePeers>();
+  FakePeers* fp = peers.get();
+  Coordinator c(BalancedEverySource(), std::move(peers));
+  REQUIRE(c.RegisterNode(Source("s0", 2, 0)).ok());
+  REQUIRE(c.RegisterNode(Source("s1", 2, 1)).ok());
+  REQUIRE(c.RegisterNode(Target("t0", "e0", 2)).ok());
+  v1::BeginUpdateRequest b;
+  b.set_version(1);
+  auto begun = c.BeginUpdate(b);
+  INFO(begun.status().ToString());
+  REQUIRE(begun.ok());
+  CheckCoverage(ConfiguredWrites(fp), 1, 2);
+  auto cfg = replica::ModelConfig::FromJson(TinyConfigJson());
+  REQUIRE(cfg.ok());
+  for (const auto& [addr, req] : fp->configured) {
+    const int stage = addr.rfind("s1", 0) == 0 ? 1 : 0;
+    int pushed = 0;
+    for (const auto& f : req.push_filters())
+      for (const auto& n : f.tensor_names()) {
+        INFO(addr << " pushes " << n);
+        CHECK(planner::TrainerStageOf(*cfg, n, 2) == stage);
+        ++pushed;
+      }
+    CHECK(pushed > 0);
+  }
+  // Stages that do not match up are refused with the reason.
+  Coordinator bad(BalancedEverySource(), std::make_unique<FakePeers>());
+  REQUIRE(bad.RegisterNode(Source("s0", 2, 0)).ok());
+  REQUIRE(bad.RegisterNode(Source("s2", 2, 2)).ok());
+  REQUIRE(bad.RegisterNode(Target("t0", "e0", 2)).ok());
+  auto st = bad.BeginUpdate(b);
+  CHECK_FALSE(st.ok());
+  CHECK(std::string(st.status().message()).find("trainer stages") != std::string::npos);
 }
 
 }  // namespace

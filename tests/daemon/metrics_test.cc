@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 #include <string>
 
+#include "tests/daemon/fake_layouts.h"
 #include "absl/strings/match.h"
 #include "daemon/coordinator.h"
 #include "daemon/metrics.h"
@@ -122,7 +123,11 @@ TEST_CASE("metrics: the coordinator counts updates by result and phase") {
                                                                  const v1::AbortSourceUpdateRequest&) override {
       return v1::AbortSourceUpdateReply();
     }
-    absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string&) override { return v1::EngineInfo(); }
+    absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string&) override {
+      v1::EngineInfo i;
+      i.set_model_config_json(testing::TinyConfigJson());
+      return i;
+    }
     absl::Status Pause(const std::string&, const std::string&) override { return absl::OkStatus(); }
     absl::Status PostProcess(const std::string&, const std::string&) override { return absl::OkStatus(); }
     absl::Status SetWeightVersion(const std::string&, const std::string&) override { return absl::OkStatus(); }
@@ -141,7 +146,8 @@ TEST_CASE("metrics: the coordinator counts updates by result and phase") {
   auto* e = tgt.add_engines();
   e->set_engine_id("e");
   e->set_control_address("e:2");
-  e->add_ranks()->set_rank(0);
+  e->set_kind("reference");
+  testing::FillLayout(e->add_ranks(), 1, 0);
   REQUIRE(c.RegisterNode(tgt).ok());
   for (int v = 1; v <= 3; ++v) {
     v1::BeginUpdateRequest b;
