@@ -91,6 +91,7 @@ struct ClusterOptions {
   std::string model;
   int engines = 1;
   int tp = 2;
+  int ep = 1;  // engines' expert parallelism (MoE models)
   int sources = 1;
   int trainer_ranks = 1;
   int ring_mib = 16;
@@ -111,7 +112,8 @@ class Cluster {
     for (int e = 0; e < o_.engines; ++e) {
       const std::string id = "engine" + std::to_string(e);
       engines.push_back("127.0.0.1:" + Start(id, {o_.bin_dir + "/wsync-engine-ref", "--id", id, "--model", o_.model,
-                                                  "--tp", std::to_string(o_.tp), "--listen", "127.0.0.1:0"}));
+                                                  "--tp", std::to_string(o_.tp), "--ep", std::to_string(o_.ep),
+                                                  "--listen", "127.0.0.1:0"}));
       Start("target" + std::to_string(e),
             {o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "target", "--node-id", "infer" + std::to_string(e), "--coordinator",
              coordinator, "--engine", engines.back(), "--transport", o_.transport, "--engine-socket",

@@ -290,12 +290,13 @@ TEST_CASE("cluster: two engine instances share a source replica; three updates v
 // Runs `updates` updates on `cl` with every trainer rank a separate process (rank 0 drives and asks every engine to
 // verify itself); returns when all exited.
 void RunTrainers(Cluster& cl, const ClusterOptions& o, int updates) {
+  const std::string model = o.model;
   std::vector<std::unique_ptr<testing::Process>> trainers;
   for (int s = 0; s < o.sources; ++s)
     for (int r = 0; r < o.trainer_ranks; ++r) {
       const int g = s * o.trainer_ranks + r;
       std::vector<std::string> a = {std::string(kBin) + "/wsync-trainer-demo", "--daemon", cl.sources[s], "--model",
-                                    kModel, "--local-rank", std::to_string(r), "--global-rank", std::to_string(g),
+                                    model, "--local-rank", std::to_string(r), "--global-rank", std::to_string(g),
                                     "--updates", std::to_string(updates)};
       if (g == 0) {
         a.insert(a.end(), {"--drive", "--coordinator", cl.coordinator});
@@ -327,6 +328,28 @@ TEST_CASE("cluster: a balanced plan splits parameters across sources; updates ve
   CHECK(sources_used.size() == 3);  // every node writes
   CHECK(st->plan_size() > 4);       // some engine rank is written by two sources
   for (const auto& e : cl.engines) CHECK(Verify(e, 2).ok());
+}
+
+TEST_CASE("cluster: a Qwen3-MoE engine with expert parallelism (tp2 ep2) behind a balanced plan; verified") {
+  // The reference engine's own loader places every expert (stacked w13/w2 per EP rank, router) independently of
+  // wsync's replica; the coordinator checks the engine's reported layout against replica/'s before configuring.
+  ClusterOptions o;
+  o.bin_dir = kBin;
+  o.model = WSYNC_TINY_MOE_MODEL;
+  o.transport = TransportUnderTest();
+  o.engines = 1;
+  o.ep = 2;
+  o.sources = 2;
+  o.trainer_ranks = 1;
+  o.coordinator_args = {"--min-source-mib", "0", "--snap-kib", "0"};
+  Cluster cl(o);
+  INFO("cluster logs in " << cl.dir());
+  RunTrainers(cl, o, 2);
+  client::CoordinatorClient coord(cl.coordinator);
+  auto st = coord.Status();
+  REQUIRE(st.ok());
+  CHECK(st->current_version() == "2");
+  CHECK(Verify(cl.engines[0], 2).ok());
 }
 
 TEST_CASE("cluster: a PP=2 trainer, each stage on its own source node; updates verified") {

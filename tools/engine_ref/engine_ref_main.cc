@@ -300,17 +300,21 @@ class EngineService final : public pb::EngineControl::Service {
     p->set_tp_size(tp_);
     p->set_tp_rank(r);
     p->set_pp_size(1);
-    p->set_ep_size(1);
-    p->set_moe_tp_size(tp_);
-    p->set_moe_tp_rank(r);
+    const int moe_tp = tp_ / cfg_.ep;
+    p->set_ep_size(cfg_.ep);
+    p->set_ep_rank(r / moe_tp);
+    p->set_moe_tp_size(moe_tp);
+    p->set_moe_tp_rank(r % moe_tp);
     p->set_attn_tp_size(tp_);
     p->set_attn_tp_rank(r);
     p->set_attn_dp_size(1);
   }
 
   std::string AttachMessage(const pb::AttachRequest& req, int r) const {
+    const int moe_tp = tp_ / cfg_.ep;
     nlohmann::json par = {{"tp_size", tp_},      {"tp_rank", r},      {"pp_size", 1},       {"pp_rank", 0},
-                          {"ep_size", 1},        {"ep_rank", 0},      {"moe_tp_size", tp_}, {"moe_tp_rank", r},
+                          {"ep_size", cfg_.ep},  {"ep_rank", r / moe_tp}, {"moe_tp_size", moe_tp},
+                          {"moe_tp_rank", r % moe_tp},
                           {"attn_tp_size", tp_}, {"attn_tp_rank", r}, {"attn_dp_size", 1},  {"attn_dp_rank", 0}};
     nlohmann::json segs = nlohmann::json::array(), params = nlohmann::json::array();
     const RankMemory& mem = *memory_[r];
@@ -386,6 +390,8 @@ int main(int argc, char** argv) {
   app.add_option("--id", id, "engine instance id");
   app.add_option("--model", model, "HF config.json of the model")->required()->check(CLI::ExistingFile);
   app.add_option("--tp", tp, "tensor-parallel size (number of ranks)")->check(CLI::Range(1, 1024));
+  int ep = 1;
+  app.add_option("--ep", ep, "expert-parallel size inside tp (MoE models)")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--listen", listen, "host:port of the control API (port 0 = any free port)");
   app.add_option("--port-file", port_file, "write the bound port here once serving");
   if (int rc = wsync::cli::Parse(app, argc, argv); rc >= 0) return rc;
@@ -399,6 +405,7 @@ int main(int argc, char** argv) {
     spdlog::error("{}", cfg.status().ToString());
     return 2;
   }
+  cfg->ep = ep;
   EngineService service(id, ss.str(), *cfg, tp);
   if (auto st = service.Init(); !st.ok()) {
     spdlog::error("{}", st.ToString());

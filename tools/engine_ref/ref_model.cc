@@ -41,8 +41,10 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& json_text) {
   if (!j.contains("architectures") || j["architectures"].empty())
     return absl::InvalidArgumentError("model config has no architectures");
   c.arch = j["architectures"][0].get<std::string>();
-  if (c.arch != "LlamaForCausalLM" && c.arch != "Qwen2ForCausalLM" && c.arch != "Qwen3ForCausalLM")
-    return absl::UnimplementedError(absl::StrCat("reference engine supports dense Llama/Qwen2/Qwen3, not ", c.arch));
+  if (c.arch != "LlamaForCausalLM" && c.arch != "Qwen2ForCausalLM" && c.arch != "Qwen3ForCausalLM" &&
+      c.arch != "Qwen3MoeForCausalLM")
+    return absl::UnimplementedError(
+        absl::StrCat("reference engine supports Llama/Qwen2/Qwen3 and Qwen3-MoE, not ", c.arch));
   c.hidden = Get(j, "hidden_size");
   c.layers = Get(j, "num_hidden_layers");
   c.heads = Get(j, "num_attention_heads");
@@ -52,15 +54,34 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& json_text) {
   c.vocab = Get(j, "vocab_size");
   c.tied = j.value("tie_word_embeddings", false);
   c.qkv_bias = c.arch == "Qwen2ForCausalLM" || j.value("attention_bias", false);
-  c.qk_norm = c.arch == "Qwen3ForCausalLM";
+  c.qk_norm = c.arch == "Qwen3ForCausalLM" || c.arch == "Qwen3MoeForCausalLM";
+  if (c.arch == "Qwen3MoeForCausalLM") {
+    c.experts = Get(j, "num_experts", 0);
+    c.moe_inter = Get(j, "moe_intermediate_size", 0);
+    c.sparse_step = Get(j, "decoder_sparse_step", 1);
+    if (j.contains("mlp_only_layers") && j["mlp_only_layers"].is_array())
+      for (const auto& v : j["mlp_only_layers"]) c.mlp_only.push_back(v.get<int64_t>());
+    if (c.experts <= 0 || c.moe_inter <= 0 || c.sparse_step <= 0)
+      return absl::InvalidArgumentError("Qwen3-MoE config lacks num_experts/moe_intermediate_size");
+  }
   if (c.hidden <= 0 || c.layers <= 0 || c.heads <= 0 || c.inter <= 0 || c.vocab <= 0)
     return absl::InvalidArgumentError("model config lacks hidden_size/num_hidden_layers/heads/intermediate/vocab");
   return c;
 }
 
+bool RefConfig::moe_layer(int64_t layer) const {
+  if (experts <= 0) return false;
+  for (int64_t l : mlp_only)
+    if (l == layer) return false;
+  return (layer + 1) % sparse_step == 0;
+}
+
 absl::StatusOr<RefLayout> BuildRefLayout(const RefConfig& c, int tp, int rank) {
   if (c.heads % tp != 0 || c.inter % tp != 0)
     return absl::InvalidArgumentError(absl::StrCat("tp=", tp, " does not divide heads/intermediate"));
+  if (c.ep < 1 || tp % c.ep != 0 || (c.experts > 0 && (c.experts % c.ep != 0 || c.moe_inter % (tp / c.ep) != 0)))
+    return absl::InvalidArgumentError(absl::StrCat("ep=", c.ep, " does not fit tp=", tp, " and ", c.experts,
+                                                   " experts of intermediate ", c.moe_inter));
   if (c.kv_heads >= tp ? c.kv_heads % tp != 0 : tp % c.kv_heads != 0)
     return absl::InvalidArgumentError(absl::StrCat("tp=", tp, " incompatible with ", c.kv_heads, " kv heads"));
   RefLayout l;
@@ -89,8 +110,15 @@ absl::StatusOr<RefLayout> BuildRefLayout(const RefConfig& c, int tp, int rank) {
       add(p + "self_attn.q_norm.weight", {c.head_dim});
       add(p + "self_attn.k_norm.weight", {c.head_dim});
     }
-    add(p + "mlp.gate_up_proj.weight", {2 * c.inter / tp, c.hidden});
-    add(p + "mlp.down_proj.weight", {c.hidden, c.inter / tp});
+    if (c.moe_layer(i)) {
+      const int64_t moe_tp = tp / c.ep, el = c.experts / c.ep, il = c.moe_inter / moe_tp;
+      add(p + "mlp.gate.weight", {c.experts, c.hidden});
+      add(p + "mlp.experts.w13_weight", {el, 2 * il, c.hidden});
+      add(p + "mlp.experts.w2_weight", {el, c.hidden, il});
+    } else {
+      add(p + "mlp.gate_up_proj.weight", {2 * c.inter / tp, c.hidden});
+      add(p + "mlp.down_proj.weight", {c.hidden, c.inter / tp});
+    }
     add(p + "input_layernorm.weight", {c.hidden});
     add(p + "post_attention_layernorm.weight", {c.hidden});
   }
@@ -166,7 +194,29 @@ absl::Status ComputeExpected(const RefConfig& c, int tp, int rank, const RefLayo
       replicated(p + "self_attn.q_norm.weight", p + "self_attn.q_norm.weight", D);
       replicated(p + "self_attn.k_norm.weight", p + "self_attn.k_norm.weight", D);
     }
-    {
+    if (c.moe_layer(i)) {
+      // Router: whole, every rank. Experts: EP group rank / (tp/ep) holds experts [g*E/ep, (g+1)*E/ep); inside the
+      // group, rank % (tp/ep) holds that slice of every expert's intermediate dimension. w13 = [gate; up] per expert.
+      const int64_t moe_tp = tp / c.ep, el = c.experts / c.ep, I = c.moe_inter, il = I / moe_tp;
+      const int64_t group = rank / moe_tp, part = rank % moe_tp;
+      {
+        auto [d, prm] = dst(p + "mlp.gate.weight");
+        const uint8_t* g = gen(p + "mlp.gate.weight", c.experts, H);
+        CopyBlock(g, H, 0, c.experts, 0, H, esz, d, H, 0);
+      }
+      auto [w13, p13] = dst(p + "mlp.experts.w13_weight");
+      auto [w2, p2] = dst(p + "mlp.experts.w2_weight");
+      for (int64_t e = 0; e < el; ++e) {
+        const std::string x = absl::StrCat(p, "mlp.experts.", group * el + e, ".");
+        uint8_t* d13 = w13 + static_cast<size_t>(e * 2 * il * H) * esz;
+        const uint8_t* g = gen(x + "gate_proj.weight", I, H);
+        CopyBlock(g, H, part * il, il, 0, H, esz, d13, H, 0);
+        const uint8_t* u = gen(x + "up_proj.weight", I, H);
+        CopyBlock(u, H, part * il, il, 0, H, esz, d13, H, il);
+        const uint8_t* dn = gen(x + "down_proj.weight", H, I);
+        CopyBlock(dn, I, 0, H, part * il, il, esz, w2 + static_cast<size_t>(e * H * il) * esz, il, 0);
+      }
+    } else {
       const int64_t I = c.inter, Il = c.inter / tp;
       auto [d, prm] = dst(p + "mlp.gate_up_proj.weight");
       const uint8_t* g = gen(p + "mlp.gate_proj.weight", I, H);

@@ -2,7 +2,7 @@
 // The reference engine's own model code: its parameter layout in SGLang's layout and a deliberately naive loader
 // that computes the expected bytes of every parameter from full HF tensors. It shares nothing with replica/ on
 // purpose: it is the independent expectation that transferred weights are checked against.
-// Supports the dense families (Llama, Qwen2, Qwen3).
+// Supports the dense families (Llama, Qwen2, Qwen3) and Qwen3-MoE (stacked experts, expert parallelism).
 
 #include <cstdint>
 #include <string>
@@ -18,6 +18,14 @@ struct RefConfig {
   int64_t hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0, inter = 0, vocab = 0;
   bool tied = false, qkv_bias = false, qk_norm = false;
   DType dtype = DType::kBF16;
+  // Qwen3-MoE: routed experts (0 = dense), their intermediate size, every `sparse_step`-th layer is MoE unless
+  // listed in `mlp_only`.
+  int64_t experts = 0, moe_inter = 0, sparse_step = 1;
+  std::vector<int64_t> mlp_only;
+  // Engine parallelism, not a model fact: expert-parallel size inside tp (experts split over ep groups of tp/ep
+  // ranks, each expert's intermediate split over its group).
+  int ep = 1;
+  bool moe_layer(int64_t layer) const;
 };
 
 absl::StatusOr<RefConfig> ParseRefConfig(const std::string& json_text);
