@@ -39,4 +39,19 @@ if command -v systemd-analyze >/dev/null; then
 else
   echo "skip: systemd-analyze not available"
 fi
+# The image's runtime packages must cover every shared library the built binaries link (deploy/docker/Dockerfile).
+if [ -x "$bin/wsyncd" ] && command -v dpkg >/dev/null; then
+  have=$(sed -n '/# runtime-packages/,/rm -rf/p' "$here/docker/Dockerfile" | tr ' \\' '\n\n' | grep -E '^lib|^zlib|^ibverbs' | sort -u)
+  need=$(for b in wsyncd wsync-coordinator wsyncctl wsync-engine-ref wsync-trainer-demo; do ldd "$bin/$b"; done |
+         awk '{print $1}' | sort -u | while read -r l; do (dpkg -S "*/$l" 2>/dev/null || true) | head -1 | cut -d: -f1; done |
+         grep -vE '^(libc6|libc6-i386|libgcc-s1|libstdc\+\+6)$' | sort -u)
+  missing=$(comm -13 <(echo "$have") <(echo "$need"))
+  if [ -n "$missing" ]; then
+    echo "docker: runtime packages missing from deploy/docker/Dockerfile: $(echo $missing)"; rc=1
+  else
+    echo "docker ok: the image's runtime packages cover every library the binaries link ($(echo "$need" | wc -l) packages)"
+  fi
+else
+  echo "skip: Dockerfile runtime-package check (no binaries in ${1:-build/bin} or no dpkg)"
+fi
 exit $rc
