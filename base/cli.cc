@@ -1,5 +1,7 @@
 #include "base/cli.h"
 
+#include "base/logging.h"
+
 #ifndef WSYNC_VERSION
 #define WSYNC_VERSION "unknown"
 #endif
@@ -22,6 +24,11 @@ void AddCommonFlags(CLI::App& app, const std::string& program, std::string* log_
   app.set_version_flag("--version", VersionString(program), "print the version and exit");
   app.add_option("--log-level", *log_level, "trace|debug|info|warn|error|critical|off; empty: $WSYNC_LOG_LEVEL or info")
       ->check(CLI::IsMember({"", "trace", "debug", "info", "warn", "error", "critical", "off"}));
+  app.add_option_function<std::string>(
+         "--log-format", [](const std::string& f) { SetLogFormat(f == "json" ? LogFormat::kJson : LogFormat::kText); },
+         "text|json (one JSON object per line, with the update version while one is open); default: "
+         "$WSYNC_LOG_FORMAT or text")
+      ->check(CLI::IsMember({"text", "json"}));
   app.footer("exit codes: 0 ok, 1 failure, 2 bad usage, 3 endpoint unavailable\n");
 }
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "base/cli.h"
+#include "base/logging.h"
 #include "base/status.h"
 #include "planner/model_input.h"
 #include "planner/plan.h"
@@ -318,6 +319,7 @@ const Coordinator::Outcome* Coordinator::FindOutcome(int64_t v) const {
 void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   state_ = o.status.ok() ? "idle" : "failed";
   open_version_ = -1;
+  SetLogUpdateVersion(-1);
   // BeginUpdate admits only versions newer than every one begun, so this never moves backwards; the check keeps it so.
   if (o.status.ok() && v > current_version_) current_version_ = v;
   outcomes_[v] = o;
@@ -379,6 +381,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     engines = EngineAddresses();
     if (engines.empty()) return absl::FailedPreconditionError("no engine has registered");
     state_ = "beginning";
+    SetLogUpdateVersion(v);
     open_version_ = v;
     last_begun_ = v;
     open_record_ = rec;

@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/logging.h"
 #include "base/status.h"
 #include "daemon/convert.h"
 #include "transport/mooncake/mooncake_transport.h"
@@ -511,6 +512,7 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
       ended_result_ = absl::AbortedError(
           absl::StrCat("update ", version_, " was abandoned: the coordinator started update ", req.version()));
       version_ = -1;
+      SetLogUpdateVersion(-1);
     }
   }
   // Every update ends by draining its batches; anything left is of unknown fate, so its endpoint is not reused.
@@ -538,6 +540,7 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   if (replica_) replica_->BeginUpdate();
   for (auto& c : completed_) std::fill(c.begin(), c.end(), 0);
   version_ = req.version();
+  SetLogUpdateVersion(version_);
   update_error_ = absl::OkStatus();
   ended_ranks_.clear();
   // Only ranks lost while this update is open count (a rank whose process ended after the last update may start
@@ -784,6 +787,7 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
           "all pushed): ", absl::StrJoin(missing, ", "), count > missing.size() ? ", ..." : ""));
   }
   version_ = -1;
+  SetLogUpdateVersion(-1);
   finishing_ = false;
   ended_version_ = v;
   cv_.notify_all();
@@ -829,6 +833,7 @@ absl::StatusOr<v1::AbortSourceUpdateReply> SourceNode::AbortUpdate(const v1::Abo
           absl::StrCat("cannot abort update ", v, ": it is finishing (its commit runs; it ends by itself)"));
     // From here on BeginPush/CommitBucket/EndPush of v are refused (CommitBucket reads version_ under ingest_mu_).
     version_ = -1;
+    SetLogUpdateVersion(-1);
     ended_version_ = v;
     absl::Status err = absl::AbortedError(absl::StrCat(
         "update ", v, " was aborted", req.reason().empty() ? std::string() : absl::StrCat(": ", req.reason())));

@@ -47,6 +47,8 @@ def main():
         check(rc == 2 and "verbose" in err, f"{prog} rejects --log-level verbose with 2 (rc {rc})")
         rc, _, err = run([b(prog), "--no-such-flag"])
         check(rc == 2, f"{prog} unknown flag exits 2 (rc {rc})")
+    rc, _, err = run([b("wsync-coordinator"), "--log-format", "xml"])
+    check(rc == 2 and "xml" in err, f"--log-format xml is rejected with 2 (rc {rc})")
     rc, _, err = run([b("wsyncctl"), "frobnicate"])
     check(rc == 2 and "frobnicate" in err, f"unknown subcommand named, exit 2 (rc {rc}: {err.strip()[:120]})")
     dead = f"127.0.0.1:{free_port()}"
@@ -97,6 +99,28 @@ def main():
         log = d.stdout.read()
         check(rc == 0 and time.time() - t0 < 3, f"SIGTERM during registration: rc {rc} after {time.time() - t0:.1f}s")
         check("attempt 1/" in log, "each failed registration attempt is logged")
+
+        # Structured logs: every line one JSON object with time, level, component and message.
+        d = subprocess.Popen([b("wsyncd"), "--role", "source", "--coordinator", dead, "--listen", "127.0.0.1:0",
+                              "--ring-mib", "4", "--log-format", "json"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        time.sleep(1.5)
+        d.send_signal(signal.SIGTERM)
+        try:
+            d.wait(5)
+        except subprocess.TimeoutExpired:
+            d.kill()
+            d.wait()
+        lines = [l for l in d.stdout.read().splitlines() if l.strip()]
+        parsed = []
+        for l in lines:
+            try:
+                parsed.append(json.loads(l))
+            except ValueError:
+                pass
+        check(len(lines) >= 2 and len(parsed) == len(lines)
+              and all({"ts", "level", "component", "msg"} <= set(p) for p in parsed),
+              f"--log-format json: {len(parsed)} of {len(lines)} lines are JSON objects with ts/level/component/msg")
     return check.verdict()
 
 
