@@ -12,8 +12,9 @@
 //   stored = scale (dequantization: x ≈ q * scale_inv)
 // The e4m3fn cast rounds to nearest, ties to even, and saturates finite overflow (and ±inf) to ±448 like the GPU's
 // `cvt.rn.satfinite`; torch's CPU `.to(torch.float8_e4m3fn)` does not saturate, which is why the reference clamps
-// first. NaN stays NaN (0x7F / 0xFF). Blocks at the right/bottom edge may be partial; their amax covers only the
-// elements that exist. All arithmetic is IEEE float32 without contraction, so a numpy float32 model reproduces it bit
+// first. NaN stays NaN (0x7F / 0xFF): a NaN input keeps its sign; the NaN that ±inf / inf creates (a block whose
+// amax is inf) is the x86 default NaN, negative, so 0xFF (the GPU quantizer, replica/fp8_cuda.cu, reproduces both).
+// Blocks at the right/bottom edge may be partial; their amax covers only the elements that exist. All arithmetic is IEEE float32 without contraction, so a numpy float32 model reproduces it bit
 // for bit (a GPU kernel's approximate division may differ from it in the last bit of `inv`).
 
 #include <cstdint>

@@ -1,0 +1,140 @@
+// bench_gpu: the GPU data path's mechanisms against the device's own peaks, measured in the same run.
+//   ring D2H  : device → a memfd MAP_SHARED mapping (the trainer ring's memory) page-locked once with
+//               cudaHostRegister, in 64 MiB chunks on two streams (a push overlapped with the next one)
+//   target H2D: the same registered memfd mapping → device (a target's staging ring into engine memory)
+//   baseline  : cudaMemcpyAsync D2H / H2D with cudaMallocHost memory (pinned peak)
+//   fp8       : GPU FP8 block quantization (bf16 in, 128x128) GB/s of input vs a device-to-device copy of the same
+//               bytes (copy GB/s counts the bytes read, as the quantizer's)
+//   register  : cudaHostRegister seconds per GiB (paid once per session, never per update)
+// Ends with one JSON line. Exit 77 without a CUDA device.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+#include "replica/fp8_cuda.h"
+#include "tests/cuda/cuda_check.h"
+
+namespace {
+
+double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// GB/s of `reps` copies of `bytes` in chunks of `chunk` alternating over two streams.
+double Copy(void* dst, const void* src, size_t bytes, size_t chunk, cudaMemcpyKind kind, int reps, cudaStream_t s[2]) {
+  double best = 0;
+  for (int r = 0; r < reps; ++r) {
+    WSYNC_CUDA_CHECK(cudaDeviceSynchronize(), "sync");
+    const auto t0 = std::chrono::steady_clock::now();
+    int i = 0;
+    for (size_t off = 0; off < bytes; off += chunk, ++i) {
+      const size_t n = std::min(chunk, bytes - off);
+      WSYNC_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off, n, kind,
+                                       s[i % 2]),
+                       std::to_string(n) + " bytes at " + std::to_string(off));
+    }
+    WSYNC_CUDA_CHECK(cudaDeviceSynchronize(), "sync");
+    best = std::max(best, bytes / Seconds(t0) / 1e9);
+  }
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  RequireCudaDevice("bench_gpu");
+  const size_t bytes = (argc > 1 ? std::stoull(argv[1]) : 2048) << 20;  // MiB
+  const size_t chunk = 64ull << 20;
+  const int reps = 5;
+  cudaStream_t s[2];
+  for (auto& x : s) WSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking), "stream");
+  void* dev;
+  WSYNC_CUDA_CHECK(cudaMalloc(&dev, bytes), std::to_string(bytes) + " bytes");
+  WSYNC_CUDA_CHECK(cudaMemset(dev, 0x5A, bytes), "memset");
+
+  // Baseline: cudaMallocHost memory, whole-buffer copies on one stream.
+  void* pinned;
+  WSYNC_CUDA_CHECK(cudaMallocHost(&pinned, bytes), std::to_string(bytes) + " pinned bytes");
+  const double d2h_peak = Copy(pinned, dev, bytes, bytes, cudaMemcpyDeviceToHost, reps, s);
+  const double h2d_peak = Copy(dev, pinned, bytes, bytes, cudaMemcpyHostToDevice, reps, s);
+  cudaFreeHost(pinned);
+
+  // The ring's memory: a memfd mapping, page-locked once.
+  const int fd = memfd_create("wsync-bench-ring", 0);
+  if (fd < 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    std::perror("memfd");
+    return 1;
+  }
+  void* ring = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (ring == MAP_FAILED) {
+    std::perror("mmap");
+    return 1;
+  }
+  for (size_t off = 0; off < bytes; off += 4096) static_cast<char*>(ring)[off] = 0;  // fault the pages in first
+  auto t0 = std::chrono::steady_clock::now();
+  WSYNC_CUDA_CHECK(cudaHostRegister(ring, bytes, cudaHostRegisterDefault), std::to_string(bytes) + " memfd bytes");
+  const double register_s_per_gib = Seconds(t0) / (bytes / 1073741824.0);
+  const double ring_d2h = Copy(ring, dev, bytes, chunk, cudaMemcpyDeviceToHost, reps, s);
+  const double target_h2d = Copy(dev, ring, bytes, chunk, cudaMemcpyHostToDevice, reps, s);
+  // Bit-exactness of the hand-over: what came back equals what the device holds.
+  std::vector<unsigned char> check(1 << 20);
+  WSYNC_CUDA_CHECK(cudaMemcpy(check.data(), dev, check.size(), cudaMemcpyDeviceToHost), "check");
+  for (size_t i = 0; i < check.size(); ++i)
+    if (check[i] != 0x5A || static_cast<unsigned char*>(ring)[i] != 0x5A) {
+      std::fprintf(stderr, "bench_gpu: byte %zu differs after the round trip\n", i);
+      return 1;
+    }
+  cudaHostUnregister(ring);
+  munmap(ring, bytes);
+  close(fd);
+
+  // FP8 quantization of a bf16 [rows, 8192] tensor of `bytes`/2 elements vs a D2D copy of the same bytes.
+  const int64_t cols = 8192, rows = static_cast<int64_t>(bytes / 2 / cols / 128) * 128;
+  const size_t in_bytes = static_cast<size_t>(rows * cols) * 2;
+  void *q, *sc, *copy;
+  WSYNC_CUDA_CHECK(cudaMalloc(&q, rows * cols), "fp8 codes");
+  WSYNC_CUDA_CHECK(cudaMalloc(&sc, (rows / 128) * (cols / 128) * 4), "fp8 scales");
+  WSYNC_CUDA_CHECK(cudaMalloc(&copy, in_bytes), "copy target");
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  float best_q = 1e30f, best_c = 1e30f;
+  for (int r = 0; r < reps; ++r) {
+    cudaEventRecord(e0, s[0]);
+    auto st = wsync::replica::QuantizeFp8BlockCuda(wsync::DType::kBF16, dev, rows, cols, cols, 128, 128,
+                                                   static_cast<uint8_t*>(q), cols, static_cast<float*>(sc), cols / 128,
+                                                   wsync::replica::Fp8ScaleFormat::kFloat32, s[0]);
+    if (!st.ok()) {
+      std::fprintf(stderr, "bench_gpu: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    cudaEventRecord(e1, s[0]);
+    WSYNC_CUDA_CHECK(cudaEventSynchronize(e1), "fp8 kernel");
+    float ms;
+    cudaEventElapsedTime(&ms, e0, e1);
+    best_q = std::min(best_q, ms);
+    cudaEventRecord(e0, s[0]);
+    WSYNC_CUDA_CHECK(cudaMemcpyAsync(copy, dev, in_bytes, cudaMemcpyDeviceToDevice, s[0]), "d2d");
+    cudaEventRecord(e1, s[0]);
+    WSYNC_CUDA_CHECK(cudaEventSynchronize(e1), "d2d");
+    cudaEventElapsedTime(&ms, e0, e1);
+    best_c = std::min(best_c, ms);
+  }
+  const double fp8_gbps = in_bytes / (best_q / 1e3) / 1e9, d2d_gbps = in_bytes / (best_c / 1e3) / 1e9;
+
+  std::printf("%-34s %10s %10s %7s\n", "path", "GB/s", "baseline", "ratio");
+  std::printf("%-34s %10.1f %10.1f %7.3f\n", "ring D2H (memfd, registered once)", ring_d2h, d2h_peak, ring_d2h / d2h_peak);
+  std::printf("%-34s %10.1f %10.1f %7.3f\n", "target H2D (memfd staging)", target_h2d, h2d_peak, target_h2d / h2d_peak);
+  std::printf("%-34s %10.1f %10.1f %7.3f\n", "fp8 quantize 128x128 (bf16 in)", fp8_gbps, d2d_gbps, fp8_gbps / d2d_gbps);
+  std::printf("cudaHostRegister: %.3f s per GiB (once per session)\n", register_s_per_gib);
+  std::printf("{\"bench\":\"gpu\",\"value\":%.2f,\"baseline\":%.2f,\"ratio\":%.3f,\"unit\":\"GB/s\","
+              "\"what\":\"ring D2H into a registered memfd mapping vs cudaMallocHost D2H peak\","
+              "\"h2d\":%.2f,\"h2d_peak\":%.2f,\"h2d_ratio\":%.3f,\"fp8_gbps\":%.1f,\"d2d_gbps\":%.1f,"
+              "\"fp8_ratio\":%.3f,\"register_s_per_gib\":%.3f,\"bytes\":%zu}\n",
+              ring_d2h, d2h_peak, ring_d2h / d2h_peak, target_h2d, h2d_peak, target_h2d / h2d_peak, fp8_gbps, d2d_gbps,
+              fp8_gbps / d2d_gbps, register_s_per_gib, bytes);
+  return 0;
+}
