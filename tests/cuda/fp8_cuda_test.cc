@@ -1,5 +1,5 @@
 // The GPU FP8 block quantizer must produce exactly the CPU quantizer's bytes (codes and scales) for the same input:
-// bf16/f16/f32, 128x128 and 64x64 blocks, both scale formats, ragged edges, strided rows, and hostile values (NaN,
+// bf16/f16/f32, 128x128, 64x64 and 256x256 blocks, both scale formats, ragged edges, strided rows, and hostile values (NaN,
 // ±inf, subnormals, huge, all-zero and all-NaN blocks). Exit 0 pass, 1 mismatch, 77 no CUDA device.
 #include <cstdint>
 #include <cstdio>
@@ -103,7 +103,7 @@ int main() {
   const int64_t shapes[][2] = {{1, 1}, {7, 300}, {128, 128}, {129, 257}, {384, 1000}, {1000, 384}, {2048, 7168},
                                {4096, 4096}, {513, 64}};
   for (DType d : {DType::kBF16, DType::kF16, DType::kF32})
-    for (int block : {128, 64})
+    for (int block : {128, 64, 256})  // 256: the uncached kernel
       for (Fp8ScaleFormat f : {Fp8ScaleFormat::kFloat32, Fp8ScaleFormat::kUe8m0})
         for (const auto& s : shapes) {
           failures += RunCase(d, s[0], s[1], block, f, rng);
