@@ -42,7 +42,7 @@ __device__ __forceinline__ uint8_t ToE4m3(float f) {
   return static_cast<uint8_t>(sign | static_cast<uint32_t>(code));
 }
 
-constexpr int kThreadsX = 32, kThreadsY = 8, kThreads = kThreadsX * kThreadsY;
+constexpr int kThreadsX = 32, kThreadsY = 8;
 
 // blockDim (32, 8): thread (tx, ty) covers rows ty, ty+8, ... and columns tx, tx+32, ... of its quantization block,
 // so a warp reads consecutive elements of one row and no index needs a division. The second pass re-reads the
