@@ -352,6 +352,30 @@ TEST_CASE("cluster: a Qwen3-MoE engine with expert parallelism (tp2 ep2) behind 
   CHECK(Verify(cl.engines[0], 2).ok());
 }
 
+TEST_CASE("cluster: an FP8 block-quantized engine: the sources quantize bf16 pushes; verified by the engine's own "
+          "encoder") {
+  // The engine's layout carries fp8 weights and float32 weight_scale_inv (32x32 blocks); the coordinator sees them
+  // and configures the sources to quantize. The engine checks codes and scales with its own naive encoder.
+  ClusterOptions o;
+  o.bin_dir = kBin;
+  o.model = WSYNC_TINY_FP8_MODEL;
+  o.transport = TransportUnderTest();
+  o.engines = 1;
+  o.sources = 2;
+  o.trainer_ranks = 1;
+  o.coordinator_args = {"--min-source-mib", "0", "--snap-kib", "0"};
+  Cluster cl(o);
+  INFO("cluster logs in " << cl.dir());
+  RunTrainers(cl, o, 2);
+  client::CoordinatorClient coord(cl.coordinator);
+  auto st = coord.Status();
+  REQUIRE(st.ok());
+  CHECK(st->current_version() == "2");
+  auto v = Verify(cl.engines[0], 2);
+  CHECK(v.ok());
+  CHECK(v.params_checked() > 0);
+}
+
 TEST_CASE("cluster: a PP=2 trainer, each stage on its own source node; updates verified") {
   ClusterOptions o;
   o.bin_dir = kBin;

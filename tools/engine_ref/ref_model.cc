@@ -1,7 +1,10 @@
 #include "tools/engine_ref/ref_model.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
@@ -26,6 +29,66 @@ void CopyBlock(const uint8_t* src, int64_t src_cols, int64_t r0, int64_t nr, int
       for (size_t b = 0; b < esz; ++b) d[b] = s[b];
     }
   }
+}
+
+// The engine's own FP8 e4m3fn encoder, written as naively as possible: the nearest of the 253 finite code values
+// (ties to the even code), saturating at ±448. Nothing shared with replica/fp8.*.
+uint8_t NaiveE4m3(float v) {
+  static const std::vector<std::pair<float, uint8_t>> table = [] {
+    std::vector<std::pair<float, uint8_t>> t;
+    for (int code = 0; code < 0x7F; ++code) {  // 0x7F is NaN
+      const int e = code >> 3, m = code & 7;
+      const double value = e == 0 ? m * std::ldexp(1.0, -9) : (1.0 + m / 8.0) * std::ldexp(1.0, e - 7);
+      t.push_back({static_cast<float>(value), static_cast<uint8_t>(code)});
+    }
+    return t;
+  }();
+  if (v != v) return 0x7F;
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  const double a = std::fabs(static_cast<double>(v));
+  uint8_t best = 0;
+  double best_d = 1e300;
+  for (const auto& [value, code] : table) {
+    const double d = std::fabs(a - value);
+    if (d < best_d || (d == best_d && (code & 1) == 0)) {
+      best = code;
+      best_d = d;
+    }
+  }
+  return sign | best;
+}
+
+// FP8 block quantization of a whole [rows, cols] bf16 tensor, blocks from its origin (what a published FP8
+// checkpoint holds): codes [rows, cols] and float32 scales [ceil(rows/bn), ceil(cols/bk)].
+void NaiveQuantize(const uint8_t* bf16, int64_t rows, int64_t cols, int64_t bn, int64_t bk, std::vector<uint8_t>* codes,
+                   std::vector<uint8_t>* scales) {
+  const int64_t sr = (rows + bn - 1) / bn, sc = (cols + bk - 1) / bk;
+  codes->assign(static_cast<size_t>(rows * cols), 0);
+  scales->assign(static_cast<size_t>(sr * sc) * 4, 0);
+  auto value = [&](int64_t r, int64_t c) {
+    uint16_t b;
+    std::memcpy(&b, bf16 + (r * cols + c) * 2, 2);
+    const uint32_t u = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  for (int64_t i = 0; i < sr; ++i)
+    for (int64_t j = 0; j < sc; ++j) {
+      float amax = 0;
+      for (int64_t r = i * bn; r < std::min(rows, (i + 1) * bn); ++r)
+        for (int64_t c = j * bk; c < std::min(cols, (j + 1) * bk); ++c) {
+          const float a = std::fabs(value(r, c));
+          if (a > amax) amax = a;
+        }
+      const float scale = std::max(amax, 1e-10f) / 448.0f;
+      std::memcpy(scales->data() + (i * sc + j) * 4, &scale, 4);
+      for (int64_t r = i * bn; r < std::min(rows, (i + 1) * bn); ++r)
+        for (int64_t c = j * bk; c < std::min(cols, (j + 1) * bk); ++c) {
+          volatile float q = value(r, c) / scale;  // one float32 division, nothing fused
+          (*codes)[r * cols + c] = NaiveE4m3(q);
+        }
+    }
 }
 
 }  // namespace
@@ -64,10 +127,22 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& json_text) {
     if (c.experts <= 0 || c.moe_inter <= 0 || c.sparse_step <= 0)
       return absl::InvalidArgumentError("Qwen3-MoE config lacks num_experts/moe_intermediate_size");
   }
+  if (j.contains("quantization_config") && j["quantization_config"].is_object()) {
+    const auto& q = j["quantization_config"];
+    if (q.value("quant_method", std::string()) != "fp8" || !q.contains("weight_block_size") ||
+        q["weight_block_size"].size() != 2)
+      return absl::UnimplementedError("reference engine: only fp8 block quantization (weight_block_size [n, k])");
+    c.fp8_bn = q["weight_block_size"][0].get<int64_t>();
+    c.fp8_bk = q["weight_block_size"][1].get<int64_t>();
+    if (c.fp8_bn <= 0 || c.fp8_bk <= 0) return absl::InvalidArgumentError("weight_block_size must be positive");
+    if (c.experts > 0) return absl::UnimplementedError("reference engine: FP8 MoE is not supported");
+  }
   if (c.hidden <= 0 || c.layers <= 0 || c.heads <= 0 || c.inter <= 0 || c.vocab <= 0)
     return absl::InvalidArgumentError("model config lacks hidden_size/num_hidden_layers/heads/intermediate/vocab");
   return c;
 }
+
+static int64_t q_local_rows(const RefConfig& c, int tp) { return c.heads / tp * c.head_dim; }
 
 bool RefConfig::moe_layer(int64_t layer) const {
   if (experts <= 0) return false;
@@ -85,45 +160,59 @@ absl::StatusOr<RefLayout> BuildRefLayout(const RefConfig& c, int tp, int rank) {
   if (c.kv_heads >= tp ? c.kv_heads % tp != 0 : tp % c.kv_heads != 0)
     return absl::InvalidArgumentError(absl::StrCat("tp=", tp, " incompatible with ", c.kv_heads, " kv heads"));
   RefLayout l;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape) {
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, DType dtype) {
     RefParam p;
     p.name = name;
     p.shape = std::move(shape);
-    p.dtype = c.dtype;
+    p.dtype = dtype;
     uint64_t n = 1;
     for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
-    p.bytes = n * DTypeSize(c.dtype);
+    p.bytes = n * DTypeSize(p.dtype);
     p.offset = (l.total_bytes + 255) / 256 * 256;
     l.total_bytes = p.offset + p.bytes;
     l.params.push_back(std::move(p));
   };
+  // A linear weight [n, k]: the model dtype, or fp8 codes plus float32 block scales.
+  const bool fp8 = c.fp8_bn > 0;
+  if (fp8) {  // SGLang shards block-quantized weights in whole blocks
+    const int64_t q_rows = q_local_rows(c, tp), kv_rows = (c.kv_heads >= tp ? c.kv_heads / tp : 1) * c.head_dim;
+    if (q_rows % c.fp8_bn || kv_rows % c.fp8_bn || (c.inter / tp) % c.fp8_bn || (c.inter / tp) % c.fp8_bk ||
+        q_rows % c.fp8_bk)
+      return absl::InvalidArgumentError(absl::StrCat("tp=", tp, " splits an FP8 block of ", c.fp8_bn, "x", c.fp8_bk));
+  }
+  auto linear = [&](const std::string& name, int64_t n, int64_t k) {
+    if (!fp8) return add(name, {n, k}, c.dtype);
+    add(name, {n, k}, DType::kF8E4M3);
+    add(name.substr(0, name.size() - 6) + "weight_scale_inv", {(n + c.fp8_bn - 1) / c.fp8_bn, (k + c.fp8_bk - 1) / c.fp8_bk},
+        DType::kF32);
+  };
   const int64_t vpad = (c.vocab + 63) / 64 * 64;
   const int64_t q_local = c.heads / tp;
   const int64_t kv_local = c.kv_heads >= tp ? c.kv_heads / tp : 1;
-  add("model.embed_tokens.weight", {vpad / tp, c.hidden});
+  add("model.embed_tokens.weight", {vpad / tp, c.hidden}, c.dtype);
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
-    add(p + "self_attn.qkv_proj.weight", {(q_local + 2 * kv_local) * c.head_dim, c.hidden});
-    if (c.qkv_bias) add(p + "self_attn.qkv_proj.bias", {(q_local + 2 * kv_local) * c.head_dim});
-    add(p + "self_attn.o_proj.weight", {c.hidden, q_local * c.head_dim});
+    linear(p + "self_attn.qkv_proj.weight", (q_local + 2 * kv_local) * c.head_dim, c.hidden);
+    if (c.qkv_bias) add(p + "self_attn.qkv_proj.bias", {(q_local + 2 * kv_local) * c.head_dim}, c.dtype);
+    linear(p + "self_attn.o_proj.weight", c.hidden, q_local * c.head_dim);
     if (c.qk_norm) {
-      add(p + "self_attn.q_norm.weight", {c.head_dim});
-      add(p + "self_attn.k_norm.weight", {c.head_dim});
+      add(p + "self_attn.q_norm.weight", {c.head_dim}, c.dtype);
+      add(p + "self_attn.k_norm.weight", {c.head_dim}, c.dtype);
     }
     if (c.moe_layer(i)) {
       const int64_t moe_tp = tp / c.ep, el = c.experts / c.ep, il = c.moe_inter / moe_tp;
-      add(p + "mlp.gate.weight", {c.experts, c.hidden});
-      add(p + "mlp.experts.w13_weight", {el, 2 * il, c.hidden});
-      add(p + "mlp.experts.w2_weight", {el, c.hidden, il});
+      add(p + "mlp.gate.weight", {c.experts, c.hidden}, c.dtype);
+      add(p + "mlp.experts.w13_weight", {el, 2 * il, c.hidden}, c.dtype);
+      add(p + "mlp.experts.w2_weight", {el, c.hidden, il}, c.dtype);
     } else {
-      add(p + "mlp.gate_up_proj.weight", {2 * c.inter / tp, c.hidden});
-      add(p + "mlp.down_proj.weight", {c.hidden, c.inter / tp});
+      linear(p + "mlp.gate_up_proj.weight", 2 * c.inter / tp, c.hidden);
+      linear(p + "mlp.down_proj.weight", c.hidden, c.inter / tp);
     }
-    add(p + "input_layernorm.weight", {c.hidden});
-    add(p + "post_attention_layernorm.weight", {c.hidden});
+    add(p + "input_layernorm.weight", {c.hidden}, c.dtype);
+    add(p + "post_attention_layernorm.weight", {c.hidden}, c.dtype);
   }
-  add("model.norm.weight", {c.hidden});
-  if (!c.tied) add("lm_head.weight", {vpad / tp, c.hidden});
+  add("model.norm.weight", {c.hidden}, c.dtype);
+  if (!c.tied) add("lm_head.weight", {vpad / tp, c.hidden}, c.dtype);
   (void)rank;
   return l;
 }
@@ -164,17 +253,35 @@ absl::Status ComputeExpected(const RefConfig& c, int tp, int rank, const RefLayo
     CopyBlock(s, n, 0, 1, 0, n, esz, d, n, 0);
   };
 
+  // A linear weight's slice: rows [r0, r0+nr) x cols [c0, c0+nc) of HF tensor `hf` [rows, cols] into `engine` from
+  // row `dst_row`; with FP8, the codes and block scales of the whole HF tensor quantized by the engine's own encoder.
+  const bool fp8 = c.fp8_bn > 0;
+  std::vector<uint8_t> codes, scales;
+  auto place = [&](const std::string& engine, const std::string& hf, int64_t rows, int64_t cols, int64_t r0,
+                   int64_t nr, int64_t c0, int64_t nc, int64_t dst_row) {
+    auto [d, prm] = dst(engine);
+    const uint8_t* s = gen(hf, rows, cols);
+    if (!fp8) {
+      CopyBlock(s, cols, r0, nr, c0, nc, esz, d, prm->shape[1], dst_row);
+      return;
+    }
+    const int64_t bn = c.fp8_bn, bk = c.fp8_bk;
+    NaiveQuantize(s, rows, cols, bn, bk, &codes, &scales);
+    CopyBlock(codes.data(), cols, r0, nr, c0, nc, 1, d, prm->shape[1], dst_row);
+    auto [ds, ps] = dst(engine.substr(0, engine.size() - 6) + "weight_scale_inv");
+    CopyBlock(scales.data(), (cols + bk - 1) / bk, r0 / bn, (nr + bn - 1) / bn, c0 / bk, (nc + bk - 1) / bk, 4, ds,
+              ps->shape[1], dst_row / bn);
+  };
+
   vocab_parallel("model.embed_tokens.weight");
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     {
-      auto [d, prm] = dst(p + "self_attn.qkv_proj.weight");
-      const uint8_t* q = gen(p + "self_attn.q_proj.weight", c.heads * D, H);
-      CopyBlock(q, H, rank * q_local * D, q_local * D, 0, H, esz, d, H, 0);
-      const uint8_t* k = gen(p + "self_attn.k_proj.weight", c.kv_heads * D, H);
-      CopyBlock(k, H, kv_first * D, kv_local * D, 0, H, esz, d, H, q_local * D);
-      const uint8_t* v = gen(p + "self_attn.v_proj.weight", c.kv_heads * D, H);
-      CopyBlock(v, H, kv_first * D, kv_local * D, 0, H, esz, d, H, (q_local + kv_local) * D);
+      const std::string qkv = p + "self_attn.qkv_proj.weight";
+      place(qkv, p + "self_attn.q_proj.weight", c.heads * D, H, rank * q_local * D, q_local * D, 0, H, 0);
+      place(qkv, p + "self_attn.k_proj.weight", c.kv_heads * D, H, kv_first * D, kv_local * D, 0, H, q_local * D);
+      place(qkv, p + "self_attn.v_proj.weight", c.kv_heads * D, H, kv_first * D, kv_local * D, 0, H,
+            (q_local + kv_local) * D);
     }
     if (c.qkv_bias) {
       auto [d, prm] = dst(p + "self_attn.qkv_proj.bias");
@@ -185,11 +292,8 @@ absl::Status ComputeExpected(const RefConfig& c, int tp, int rank, const RefLayo
       const uint8_t* v = gen(p + "self_attn.v_proj.bias", 1, c.kv_heads * D);
       CopyBlock(v, c.kv_heads * D, 0, 1, kv_first * D, kv_local * D, esz, d + (q_local + kv_local) * D * esz, 0, 0);
     }
-    {
-      auto [d, prm] = dst(p + "self_attn.o_proj.weight");
-      const uint8_t* o = gen(p + "self_attn.o_proj.weight", H, c.heads * D);
-      CopyBlock(o, c.heads * D, 0, H, rank * q_local * D, q_local * D, esz, d, q_local * D, 0);
-    }
+    place(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", H, c.heads * D, 0, H, rank * q_local * D,
+          q_local * D, 0);
     if (c.qk_norm) {
       replicated(p + "self_attn.q_norm.weight", p + "self_attn.q_norm.weight", D);
       replicated(p + "self_attn.k_norm.weight", p + "self_attn.k_norm.weight", D);
@@ -218,14 +322,9 @@ absl::Status ComputeExpected(const RefConfig& c, int tp, int rank, const RefLayo
       }
     } else {
       const int64_t I = c.inter, Il = c.inter / tp;
-      auto [d, prm] = dst(p + "mlp.gate_up_proj.weight");
-      const uint8_t* g = gen(p + "mlp.gate_proj.weight", I, H);
-      CopyBlock(g, H, rank * Il, Il, 0, H, esz, d, H, 0);
-      const uint8_t* u = gen(p + "mlp.up_proj.weight", I, H);
-      CopyBlock(u, H, rank * Il, Il, 0, H, esz, d, H, Il);
-      auto [dd, prm2] = dst(p + "mlp.down_proj.weight");
-      const uint8_t* dn = gen(p + "mlp.down_proj.weight", H, I);
-      CopyBlock(dn, I, 0, H, rank * Il, Il, esz, dd, Il, 0);
+      place(p + "mlp.gate_up_proj.weight", p + "mlp.gate_proj.weight", I, H, rank * Il, Il, 0, H, 0);
+      place(p + "mlp.gate_up_proj.weight", p + "mlp.up_proj.weight", I, H, rank * Il, Il, 0, H, Il);
+      place(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", H, I, 0, H, rank * Il, Il, 0);
     }
     replicated(p + "input_layernorm.weight", p + "input_layernorm.weight", H);
     replicated(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", H);

@@ -2,7 +2,8 @@
 // The reference engine's own model code: its parameter layout in SGLang's layout and a deliberately naive loader
 // that computes the expected bytes of every parameter from full HF tensors. It shares nothing with replica/ on
 // purpose: it is the independent expectation that transferred weights are checked against.
-// Supports the dense families (Llama, Qwen2, Qwen3) and Qwen3-MoE (stacked experts, expert parallelism).
+// Supports the dense families (Llama, Qwen2, Qwen3, also FP8 block-quantized) and Qwen3-MoE (stacked experts,
+// expert parallelism).
 
 #include <cstdint>
 #include <string>
@@ -25,6 +26,9 @@ struct RefConfig {
   // Engine parallelism, not a model fact: expert-parallel size inside tp (experts split over ep groups of tp/ep
   // ranks, each expert's intermediate split over its group).
   int ep = 1;
+  // FP8 block quantization (quantization_config quant_method fp8, weight_block_size [bn, bk]): the dense linear
+  // weights are float8_e4m3fn with a float32 `weight_scale_inv` per block; 0 = not quantized.
+  int64_t fp8_bn = 0, fp8_bk = 0;
   bool moe_layer(int64_t layer) const;
 };
 
