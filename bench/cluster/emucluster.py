@@ -389,6 +389,49 @@ class Cluster:
         return parse_updates(out)
 
 
+    def run_broadcast(self, python, manifest, raw, port=29500, timeout=900):
+        """The broadcast baseline over the same nodes and links: rank 0 (the trainer's head rank, on the first
+        source node) broadcasts every HF tensor in `raw`/`manifest` with torch.distributed (gloo) to tp engine ranks
+        on every target node; each keeps and checks its shard (bcast_rank.py). Returns
+        {seconds, ranks, checked, mismatches}. Raises HarnessError when a rank fails."""
+        world = 1 + self.T * self.tp
+        head = self.sources[0]
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        script = os.path.join(HERE, "bcast_rank.py")
+        procs = []
+        for rank in range(world):
+            node = head if rank == 0 else self.targets[(rank - 1) // self.tp]
+            out = os.path.join(self.work, f"bcast{rank}.json")
+            argv = [python, script, "--rank", str(rank), "--world", str(world), "--master", f"{head.ip}:{port}",
+                    "--manifest", manifest, "--config", self.model, "--tp", str(self.tp), "--out", out,
+                    "--timeout-s", str(timeout)]
+            if rank == 0:
+                argv += ["--raw", raw]
+            procs.append((f"bcast{rank}", self.start(f"bcast{rank}", node, argv, env=env), out))
+        deadline = time.time() + timeout
+        while time.time() < deadline and any(p.poll() is None for _, p, _ in procs):
+            if any(p.poll() not in (None, 0) for _, p, _ in procs):
+                break
+            time.sleep(0.2)
+        results, failed = [], []
+        for name, p, out in procs:
+            if p.poll() is None:
+                self.stop(p)
+                failed.append(f"{name}: still running (stopped)")
+            elif p.returncode != 0 and not os.path.exists(out):
+                failed.append(f"{name}: exit {p.returncode}:\n{self.log_tail(name, 8)}")
+            else:
+                self.procs = [x for x in self.procs if x[1] is not p]
+            if os.path.exists(out):
+                with open(out) as f:
+                    results.append(json.load(f))
+        if failed:
+            raise HarnessError("broadcast baseline failed:\n" + "\n".join(failed))
+        return {"seconds": max(r["seconds"] for r in results), "head_seconds": results[0]["seconds"],
+                "ranks": world - 1, "checked": sum(r["checked"] for r in results),
+                "mismatches": [m for r in results for m in r["mismatches"]]}
+
+
 UPDATE_RE = re.compile(r"^update (\d+): ([\d.]+) MiB to (\d+) engine ranks in ([\d.]+)s \(([\d.]+) GB/s[^;]*;(.*)$")
 
 
