@@ -21,6 +21,7 @@ packages=(
   libsqlite3-dev
   libibverbs-dev librdmacm-dev ibverbs-utils perftest iperf3
   python3 python3-numpy python3-yaml python3-venv
+  iproute2 python3-matplotlib
 )
 
 install_missing() {
