@@ -7,7 +7,7 @@ S x T (trainer nodes x inference nodes), in one invocation over the same namespa
   bound      link-limited lower bound: max over NICs of bytes ÷ measured rate, for the plan the coordinator runs
   bcast      torch.distributed broadcast (gloo) of every HF tensor from one head rank to every engine rank, each
              keeping its shard, verified bit-exact (bcast_rank.py)
-  predicted  `wsyncctl plan` for the same cluster at the iperf3-measured rate (seed strategy, serial executor,
+  predicted  `wsyncctl plan` for the same cluster at the iperf3-measured rate (the strategy the coordinator runs, serial executor,
              no trainer all-gather: the demo trainer ranks hold whole tensors)
 
     bench_cluster.py [--shapes 1x1,2x2,4x4,4x2,2x4] [--rate-mbit 400] [--delay-ms 0] [--updates 3] [--tp 2]
@@ -69,10 +69,10 @@ def cpu_busy(a, b):
     return (b[0] - a[0]) / (b[1] - a[1]) if b[1] > a[1] else 0.0
 
 
-def plan(bin_dir, model, S, T, tp, ranks, mbit):
+def plan(bin_dir, model, S, T, tp, ranks, mbit, strategy):
     argv = [os.path.join(bin_dir, "wsyncctl"), "plan", "--model", model, "--train",
             f"tp=1,pp=1,nodes={S},gpus={ranks}", "--infer", f"instances={T},tp={tp},nodes={T}",
-            "--nic", f"1x{mbit / 1000:.6f}Gbps", "--strategy", "seed", "--executor", "serial", "--no-gather",
+            "--nic", f"1x{mbit / 1000:.6f}Gbps", "--strategy", strategy, "--executor", "serial", "--no-gather",
             "-w", "json"]
     r = subprocess.run(argv, capture_output=True, text=True)
     if r.returncode != 0:
@@ -82,7 +82,7 @@ def plan(bin_dir, model, S, T, tp, ranks, mbit):
 
 def run_shape(a, S, T, py, manifest, raw):
     res = {"shape": f"{S}x{T}", "sources": S, "targets": T}
-    with emu.Cluster(S, T, a.rate_mbit, a.bin, a.model, a.tp, a.delay_ms, trainer_ranks=1, keep_logs=a.keep,
+    with emu.Cluster(S, T, a.rate_mbit, a.bin, a.model, a.tp, a.delay_ms, trainer_ranks=1, keep_logs=a.keep, strategy=a.strategy,
                      log=lambda m: print(m, file=sys.stderr)) as c:
         c.network_up()
         mbit = c.measure_rate()
@@ -107,7 +107,7 @@ def run_shape(a, S, T, py, manifest, raw):
             raise emu.HarnessError(f"{S}x{T}: broadcast baseline mismatches: {b['mismatches'][:5]}")
         res["bcast_s"] = round(b["seconds"], 3)
         res["bcast_checked"] = b["checked"]
-    p = plan(a.bin, a.model, S, T, a.tp, 1, mbit)
+    p = plan(a.bin, a.model, S, T, a.tp, 1, mbit, a.strategy)
     res["bound_s"] = round(p["bound_s"], 3)
     res["predicted_s"] = round(p["predicted_s"], 3)
     res["predicted_bcast_s"] = round(p["broadcast_s"], 3)
@@ -146,6 +146,8 @@ def write_plot(path, rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1x1,2x2,4x4,4x2,2x4")
+    ap.add_argument("--strategy", default="balanced", choices=["seed", "balanced"],
+                    help="the plan the coordinator executes (and the cost model predicts)")
     ap.add_argument("--rate-mbit", type=float, default=400)
     ap.add_argument("--delay-ms", type=float, default=0)
     ap.add_argument("--updates", type=int, default=3)

@@ -135,11 +135,14 @@ class Cluster:
     """S source nodes, T target nodes and a coordinator node on a shaped, private bridge."""
 
     def __init__(self, sources, targets, rate_mbit, bin_dir, model=DEFAULT_MODEL, tp=2, delay_ms=0.0,
-                 trainer_ranks=1, ring_mib=256, keep_logs=False, log=print):
+                 trainer_ranks=1, ring_mib=256, keep_logs=False, log=print, strategy="balanced"):
         if not 1 <= sources <= 64 or not 1 <= targets <= 64:
             raise HarnessError(f"sources and targets must be 1..64, not {sources} and {targets}")
         if tp < 2:
             raise HarnessError(f"the engines run at TP >= 2, not {tp}")
+        if strategy not in ("seed", "balanced"):
+            raise HarnessError(f"strategy must be seed or balanced, not {strategy}")
+        self.strategy = strategy
         if rate_mbit <= 0:
             raise HarnessError(f"--rate-mbit must be positive, not {rate_mbit}")
         for b in ("wsync-coordinator", "wsyncd", "wsync-engine-ref", "wsync-trainer-demo"):
@@ -321,7 +324,8 @@ class Cluster:
     def start_wsync(self):
         b = lambda n: os.path.join(self.bin, n)
         c = self.coord_node
-        self.coordinator = self._serve("coordinator", c, [b("wsync-coordinator"), "--listen", f"{c.ip}:0"])
+        self.coordinator = self._serve("coordinator", c, [b("wsync-coordinator"), "--listen", f"{c.ip}:0",
+                                                            "--strategy", self.strategy])
         self.engines = []
         for i, n in enumerate(self.targets):
             self.engines.append(self._serve(f"engine{i}", n, [b("wsync-engine-ref"), "--id", f"engine{i}", "--model",
