@@ -20,18 +20,24 @@
 namespace wsync::daemon {
 namespace {
 
-// Runs fn(item) for every item concurrently; returns the first error, annotated with the item.
+// Runs fn(item) for every item concurrently. OK when every call succeeded; otherwise the first error's code with
+// every failure's message (a link that goes down fails every engine rank behind it: the error names them all).
 template <typename T, typename Fn>
 absl::Status ForAll(const std::vector<T>& items, Fn fn) {
   std::vector<std::future<absl::Status>> fs;
   fs.reserve(items.size());
   for (const T& it : items) fs.push_back(std::async(std::launch::async, [&fn, &it] { return fn(it); }));
-  absl::Status first;
+  std::vector<absl::Status> failed;
   for (auto& f : fs) {
     absl::Status s = f.get();
-    if (!s.ok() && first.ok()) first = s;
+    if (!s.ok()) failed.push_back(s);
   }
-  return first;
+  if (failed.empty()) return absl::OkStatus();
+  if (failed.size() == 1) return failed.front();
+  std::vector<std::string> msgs;
+  for (const auto& s : failed) msgs.emplace_back(s.message());
+  return absl::Status(failed.front().code(), absl::StrCat(failed.size(), " of ", items.size(), " calls failed: ",
+                                                          absl::StrJoin(msgs, "; ")));
 }
 
 void AddPhase(v1::UpdateRecord* rec, const std::string& phase, absl::Time since) {
@@ -148,6 +154,7 @@ absl::Status Coordinator::Replan() {
 
   // Engines: grouped by everything that makes their layouts differ.
   struct Engine {
+    std::string node_id;
     std::string node_addr;
     const v1::EngineRegistration* reg;
   };
@@ -160,7 +167,7 @@ absl::Status Coordinator::Replan() {
       const auto& par = e.ranks(0).parallelism();
       groups[{std::string(replica::DialectName(*dialect)), e.ranks_size(), std::max(par.ep_size(), 1),
               std::max(par.attn_dp_size(), 1)}]
-          .push_back({n.address(), &e});
+          .push_back({id, n.address(), &e});
     }
   if (groups.empty()) return absl::FailedPreconditionError("no target daemon with an engine has registered");
   WSYNC_ASSIGN_OR_RETURN(replica::ModelConfig cfg, replica::ModelConfig::FromJson(model_config_json_));
@@ -243,6 +250,7 @@ absl::Status Coordinator::Replan() {
           p.assignment.set_engine_id(e.reg->engine_id());
           p.assignment.set_rank(task.target.rank);
           p.assignment.set_target_daemon(e.node_addr);
+          p.assignment.set_target_node(e.node_id);
           p.assignment.set_engine_kind(e.reg->kind());
           p.assignment.set_pp_stage(sp.stage);
           *p.assignment.mutable_layout() = *layout;

@@ -441,8 +441,9 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
 }
 
 std::string SourceNode::Who(const Target& t) {
-  return absl::StrCat("engine ", t.assignment.engine_id(), " rank ", t.assignment.rank(), " at ",
-                      t.assignment.target_daemon());
+  return absl::StrCat("engine ", t.assignment.engine_id(), " rank ", t.assignment.rank(),
+                      t.assignment.target_node().empty() ? std::string() : " on node " + t.assignment.target_node(),
+                      " at ", t.assignment.target_daemon());
 }
 
 absl::Status SourceNode::ConnectEndpoint(Target* t) {
@@ -472,20 +473,27 @@ absl::Status SourceNode::ConnectEndpoint(Target* t) {
 }
 
 absl::Status SourceNode::DrainOutstanding(absl::Duration timeout) {
-  absl::Status first;
+  // One deadline for the whole drain (targets behind the same dead link must not each wait the full timeout), and
+  // every failed target named in the result.
+  const absl::Time deadline = absl::Now() + timeout;
+  std::vector<absl::Status> failed;
   for (auto& t : targets_) {
     for (transport::BatchId id : t->outstanding) {
       if (!t->broken.ok()) break;  // the endpoint is gone for good; its remaining batches are abandoned with it
-      absl::Status st = t->endpoint->Wait(id, timeout);
+      absl::Status st = t->endpoint->Wait(id, std::max(deadline - absl::Now(), absl::ZeroDuration()));
       if (st.ok()) continue;
       // Also on DeadlineExceeded: a batch we stop waiting for must not stay pending on an endpoint we reuse.
       t->broken = Annotate(st, Who(*t));
       spdlog::error("{}; its endpoint will be re-created at the next update", t->broken.ToString());
-      if (first.ok()) first = t->broken;
+      failed.push_back(t->broken);
     }
     t->outstanding.clear();
   }
-  return first;
+  if (failed.size() <= 1) return failed.empty() ? absl::OkStatus() : failed.front();
+  std::vector<std::string> msgs;
+  for (const auto& s : failed) msgs.emplace_back(s.message());
+  return absl::Status(failed.front().code(),
+                      absl::StrCat(failed.size(), " targets failed: ", absl::StrJoin(msgs, "; ")));
 }
 
 absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {

@@ -80,9 +80,9 @@ def run(a):
         line = next((l for l in out.splitlines() if l.startswith("wsync demo: update 2 FAILED")), "")
         print(f"coordinator's error for update 2 ({took:.1f} s after the link went down):\n  {line}", flush=True)
         expect(driver.returncode != 0 and line, "update 2 failed")
-        expect("infer-node1" in line or c.targets[1].ip in line,
-               "the error names the unreachable node (infer-node1 or its address)")
-        expect("engine1" in line, "the error names the affected engine (engine1)")
+        expect("node infer-node1" in line, "the error names the unreachable node by its id (infer-node1)")
+        expect("engine engine1 rank 0" in line and "engine engine1 rank 1" in line,
+               "the error names every affected engine rank (engine1 ranks 0 and 1)")
         for name, p in procs:
             c.stop(p)
         v, st = cluster_view(c)
