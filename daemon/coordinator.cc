@@ -300,6 +300,15 @@ absl::Status Coordinator::Replan() {
   return absl::OkStatus();
 }
 
+std::string Coordinator::EngineLabel(const std::string& addr) const {
+  std::lock_guard<std::mutex> l(mu_);
+  for (const auto& [id, n] : nodes_)
+    for (const auto& e : n.engines())
+      if (e.control_address() == addr)
+        return absl::StrCat("engine ", e.engine_id(), " (", e.ranks_size(), " ranks, node ", id, ", ", addr, ")");
+  return addr;
+}
+
 std::vector<std::string> Coordinator::EngineAddresses() const {
   std::vector<std::string> out;
   for (const auto& [id, n] : nodes_)
@@ -402,7 +411,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   const std::string mode = req.pause_mode().empty() ? "retract" : req.pause_mode();
   absl::Time t = absl::Now();
   absl::Status st = ForAll(engines, [&](const std::string& a) {
-    return Track(a, "paused", "pause", Annotate(peers_->Pause(a, mode), "pause " + a));
+    return Track(a, "paused", "pause", Annotate(peers_->Pause(a, mode), "pause " + EngineLabel(a)));
   });
   AddPhase(&rec, "pause", t);
   out.set_pause_seconds(rec.phases(0).seconds());
@@ -555,20 +564,20 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   absl::Time t = absl::Now();
   const std::string version = std::to_string(v);
   st = ForAll(engines, [&](const std::string& a) {
-    return Track(a, "", "post_process", Annotate(peers_->PostProcess(a, version), "post_process " + a));
+    return Track(a, "", "post_process", Annotate(peers_->PostProcess(a, version), "post_process " + EngineLabel(a)));
   });
   AddPhase(&rec, "post_process", t);
   if (st.ok()) {
     t = absl::Now();
     st = ForAll(engines, [&](const std::string& a) {
-      return Track(a, "", "set_version", Annotate(peers_->SetWeightVersion(a, version), "set_version " + a));
+      return Track(a, "", "set_version", Annotate(peers_->SetWeightVersion(a, version), "set_version " + EngineLabel(a)));
     });
     AddPhase(&rec, "set_version", t);
   }
   if (st.ok()) {
     t = absl::Now();
     st = ForAll(engines, [&](const std::string& a) {
-      return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + a));
+      return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
     });
     AddPhase(&rec, "continue", t);
   }
@@ -812,7 +821,7 @@ absl::StatusOr<v1::ResumeEnginesReply> Coordinator::ResumeEngines(const v1::Resu
     out.set_version(current_version_ >= 0 ? std::to_string(current_version_) : std::string());
   }
   absl::Status st = ForAll(engines, [&](const std::string& a) {
-    return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + a));
+    return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
   });
   if (!st.ok()) return st;
   spdlog::info("engines resumed at version {} by the operator", out.version());

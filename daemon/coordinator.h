@@ -67,7 +67,13 @@ class Peers {
 };
 
 // gRPC implementation of Peers.
-std::unique_ptr<Peers> MakeGrpcPeers();
+// Engine calls' deadlines (seconds), configurable downwards from PeerDeadlines (clients' deadlines assume those
+// maxima): a stopped engine fails the update within these.
+struct EngineDeadlines {
+  double pause = 120;
+  double post_process = 300;
+};
+std::unique_ptr<Peers> MakeGrpcPeers(EngineDeadlines deadlines = EngineDeadlines());
 
 struct CoordinatorOptions {
   std::string strategy = "balanced";  // transfer-plan strategy: seed | balanced (planner/plan.h)
@@ -146,6 +152,8 @@ class Coordinator {
   // in id order are the planner's instances, grouped by layout (engine kind and parallelism), one plan per group.
   absl::Status Replan();  // requires mu_
   std::vector<std::string> EngineAddresses() const;
+  // "engine ID (N ranks, node NODE, ADDR)": how errors name an engine. Takes mu_ (call without it).
+  std::string EngineLabel(const std::string& addr) const;
   bool UpdateInProgress() const {
     return state_ == "beginning" || state_ == "updating" || state_ == "committing" || state_ == "aborting";
   }

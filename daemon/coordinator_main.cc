@@ -39,6 +39,16 @@ int main(int argc, char** argv) {
                  "parameters anywhere, 4 KiB aligned)")
       ->capture_default_str();
   app.add_option("--history", opts.history_limit, "updates kept in the history");
+  daemon::EngineDeadlines deadlines;
+  app.add_option("--pause-timeout", deadlines.pause,
+                 "seconds an engine may take to pause before the update fails naming it (at most 120)")
+      ->check(CLI::Range(1.0, daemon::PeerDeadlines::kPause))
+      ->capture_default_str();
+  app.add_option("--post-process-timeout", deadlines.post_process,
+                 "seconds an engine may take to post-process new weights before the update fails naming it (at most "
+                 "300)")
+      ->check(CLI::Range(1.0, daemon::PeerDeadlines::kPostProcess))
+      ->capture_default_str();
   std::string metrics_listen, state_path;
   app.add_option("--state", state_path,
                  "SQLite file holding membership, versions, engine states and history across restarts (created if "
@@ -50,7 +60,7 @@ int main(int argc, char** argv) {
   opts.min_source_bytes = min_source_mib << 20;
   opts.snap_bytes = snap_kib << 10;
 
-  daemon::Coordinator coordinator(opts, daemon::MakeGrpcPeers());
+  daemon::Coordinator coordinator(opts, daemon::MakeGrpcPeers(deadlines));
   if (!state_path.empty()) {
     auto store = daemon::StateStore::Open(state_path);
     absl::Status st = store.ok() ? coordinator.UseStateStore(*std::move(store)) : store.status();

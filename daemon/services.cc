@@ -224,6 +224,8 @@ namespace {
 
 class GrpcPeers final : public Peers {
  public:
+  explicit GrpcPeers(EngineDeadlines d) : d_(d) {}
+
   absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
                                                           const v1::ConfigureSourceRequest& req) override {
     return Call<v1::ConfigureSourceReply>(Daemon(addr), &v1::NodeDaemon::Stub::ConfigureSource, req,
@@ -255,15 +257,14 @@ class GrpcPeers final : public Peers {
   absl::Status Pause(const std::string& addr, const std::string& mode) override {
     v1::PauseRequest r;
     r.set_mode(mode);
-    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Pause, r, PeerDeadlines::kPause));
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Pause, r, d_.pause));
   }
   absl::Status PostProcess(const std::string& addr, const std::string& version) override {
     v1::PostProcessRequest r;
     r.set_version(version);
     r.set_post_process_quantization(true);
     r.set_post_load_weights(true);
-    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::PostProcess, r,
-                                      PeerDeadlines::kPostProcess));
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::PostProcess, r, d_.post_process));
   }
   absl::Status SetWeightVersion(const std::string& addr, const std::string& version) override {
     v1::SetWeightVersionRequest r;
@@ -312,10 +313,13 @@ class GrpcPeers final : public Peers {
   std::mutex mu_;
   std::map<std::string, std::unique_ptr<v1::NodeDaemon::Stub>> daemons_;
   std::map<std::string, std::unique_ptr<v1::EngineControl::Stub>> engines_;
+
+ private:
+  EngineDeadlines d_;
 };
 
 }  // namespace
 
-std::unique_ptr<Peers> MakeGrpcPeers() { return std::make_unique<GrpcPeers>(); }
+std::unique_ptr<Peers> MakeGrpcPeers(EngineDeadlines d) { return std::make_unique<GrpcPeers>(d); }
 
 }  // namespace wsync::daemon

@@ -114,6 +114,7 @@ class Cluster {
       engines.push_back("127.0.0.1:" + Start(id, {o_.bin_dir + "/wsync-engine-ref", "--id", id, "--model", o_.model,
                                                   "--tp", std::to_string(o_.tp), "--ep", std::to_string(o_.ep),
                                                   "--listen", "127.0.0.1:0"}));
+      engine_pids.push_back(procs_.back()->pid());
       Start("target" + std::to_string(e),
             {o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "target", "--node-id", "infer" + std::to_string(e), "--coordinator",
              coordinator, "--engine", engines.back(), "--transport", o_.transport, "--engine-socket",
@@ -144,6 +145,7 @@ class Cluster {
 
   std::string coordinator;
   std::vector<std::string> engines, sources;
+  std::vector<pid_t> engine_pids;  // reference engine processes, in `engines` order
 
  private:
   // Starts a server and returns the port it published.

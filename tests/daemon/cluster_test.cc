@@ -376,6 +376,37 @@ TEST_CASE("cluster: an FP8 block-quantized engine: the sources quantize bf16 pus
   CHECK(v.params_checked() > 0);
 }
 
+TEST_CASE("cluster: an engine that stops answering fails the update within the configured pause deadline, named") {
+  ClusterOptions o;
+  o.bin_dir = kBin;
+  o.model = kModel;
+  o.transport = TransportUnderTest();
+  o.engines = 2;
+  o.coordinator_args = {"--pause-timeout", "2"};
+  Cluster cl(o);
+  INFO("cluster logs in " << cl.dir());
+  client::CoordinatorClient coord(cl.coordinator);
+  ::kill(cl.engine_pids[1], SIGSTOP);  // alive but not answering
+  const auto t0 = std::chrono::steady_clock::now();
+  auto begun = coord.BeginUpdate(1);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ::kill(cl.engine_pids[1], SIGCONT);
+  INFO(begun.status().ToString() << " after " << took << " s");
+  REQUIRE_FALSE(begun.ok());
+  CHECK(took < 15);
+  const std::string msg(begun.status().message());
+  CHECK(msg.find("pause engine engine1") != std::string::npos);
+  CHECK(msg.find("node infer1") != std::string::npos);
+  auto st = coord.Status();
+  REQUIRE(st.ok());
+  CHECK(st->current_version().empty());  // nothing committed
+  // Once the engine answers again, the next update opens (every engine pauses); it is then aborted.
+  auto again = coord.BeginUpdate(2);
+  INFO(again.status().ToString());
+  CHECK(again.ok());
+  if (again.ok()) CHECK(coord.AbortUpdate(2, "test").ok());
+}
+
 TEST_CASE("cluster: a PP=2 trainer, each stage on its own source node; updates verified") {
   ClusterOptions o;
   o.bin_dir = kBin;
