@@ -137,7 +137,8 @@ json BaseConfig(const std::string& model_dir) {
 json LayoutJson(const RankParallelism& r) {
   return json{{"tp_size", r.tp_size},           {"tp_rank", r.tp_rank},          {"ep_size", r.ep_size},
               {"ep_rank", r.ep_rank},           {"moe_tp_size", r.moe_tp_size},  {"moe_tp_rank", r.moe_tp_rank},
-              {"attn_tp_size", r.attn_tp_size}, {"attn_tp_rank", r.attn_tp_rank}};
+              {"attn_tp_size", r.attn_tp_size}, {"attn_tp_rank", r.attn_tp_rank}, {"attn_dp_size", r.attn_dp_size},
+              {"fuse_shared_experts", r.num_fused_shared_experts > 0}};
 }
 
 std::vector<RankParallelism> AllRanks(int tp, int ep = 1) {
@@ -464,7 +465,19 @@ TEST_CASE("golden: FP8 64x64, DeepSeek-V3-style MLA tp 2 ep 2", "[golden][fp8]")
 }  // namespace wsync::replica
 
 int main(int argc, char* argv[]) {
+#ifdef WSYNC_SGLANG_ORACLE
+  // The SGLang oracle runs in the venv tests/replica/sglang_venv.sh creates; that script runs this binary with
+  // WSYNC_PYTHON set (and skips itself when the venv cannot be created). Without it this is a setup error.
+  const char* venv_python = std::getenv("WSYNC_PYTHON");
+  if (venv_python == nullptr || !wsync::replica::HasNumpy(venv_python)) {
+    std::cerr << "SGLang oracle test: WSYNC_PYTHON must name the SGLang venv's python (run it through "
+                 "tests/replica/sglang_venv.sh, as ctest does)\n";
+    return 1;
+  }
+  wsync::replica::g_python = venv_python;
+#else
   wsync::replica::g_python = wsync::replica::FindPython();
+#endif
   if (wsync::replica::g_python.empty()) {
     std::cerr << "golden tests skipped: no python3 with numpy found (install python3-numpy, or point WSYNC_PYTHON at "
                  "an interpreter that has numpy)\n";
