@@ -35,9 +35,18 @@ struct SliceSource {
   int64_t scale_src_row0 = 0, scale_src_col0 = 0;  // kFp8Weight: block coordinates of the slice in the HF scale
 };
 
+// A parameter no checkpoint tensor fills, whose value the engine fixes itself when it loads (FP8 KV-cache scales of
+// SGLang's MLA attention: `self_attn.attn_mqa.k_scale` etc., float32 scalars that are 1.0 after loading a checkpoint
+// without them). The replica holds the same value so its bytes are the engine's.
+struct ConstantParam {
+  int param = -1;
+  float value = 0.0f;
+};
+
 struct LayoutPlan {
   ParamTable table;
   std::vector<SliceSource> sources;  // in checkpoint order
+  std::vector<ConstantParam> constants;
   // Per parameter: how many sources fill it (a scale parameter counts the weight slices it covers).
   std::vector<int> expected;
 };

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
@@ -189,6 +190,13 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view json_text) {
       }
       // Glm4MoeGate always has the correction bias; DeepSeek's MoEGate only for noaux_tc routing.
       c.router_bias = c.family != Family::kDeepseekV2V3 || r.Str("topk_method") == "noaux_tc";
+      // SGLang's Glm4MoeGate / Glm4MoeLiteGate hold the router weight in float32; DeepSeek's MoEGate only when the
+      // config asks for router_fp32.
+      if (c.family == Family::kDeepseekV2V3) {
+        WSYNC_ASSIGN_OR_RETURN(c.router_fp32, r.Bool("router_fp32", false));
+      } else {
+        c.router_fp32 = true;
+      }
       if (c.family == Family::kGlm4Moe) {
         WSYNC_ASSIGN_OR_RETURN(c.qk_norm, r.Bool("use_qk_norm", false));
       } else {
@@ -242,7 +250,8 @@ bool RankParallelism::operator==(const RankParallelism& o) const {
   return tp_size == o.tp_size && tp_rank == o.tp_rank && pp_size == o.pp_size && pp_rank == o.pp_rank &&
          ep_size == o.ep_size && ep_rank == o.ep_rank && moe_tp_size == o.moe_tp_size &&
          moe_tp_rank == o.moe_tp_rank && attn_tp_size == o.attn_tp_size && attn_tp_rank == o.attn_tp_rank &&
-         attn_dp_size == o.attn_dp_size && attn_dp_rank == o.attn_dp_rank && dialect == o.dialect;
+         attn_dp_size == o.attn_dp_size && attn_dp_rank == o.attn_dp_rank && dialect == o.dialect &&
+         num_fused_shared_experts == o.num_fused_shared_experts;
 }
 
 absl::StatusOr<EngineDialect> DialectForEngineKind(absl::string_view kind) {
@@ -266,6 +275,33 @@ RankParallelism RankParallelism::ForTp(int tp_size, int tp_rank, int ep_size) {
   r.attn_tp_size = tp_size;
   r.attn_tp_rank = tp_rank;
   return r;
+}
+
+absl::StatusOr<int> SharedExpertsFusionFromParams(
+    const ModelConfig& config, int ep_size,
+    const std::vector<std::pair<std::string, std::vector<int64_t>>>& engine_params) {
+  if (config.num_experts == 0 || config.num_shared_experts == 0) return 0;
+  if (ep_size <= 0 || config.num_experts % ep_size != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ep_size ", ep_size, " does not divide n_routed_experts ", config.num_experts));
+  }
+  int64_t first_moe = -1;
+  for (int64_t i = 0; i < config.num_layers && first_moe < 0; ++i) {
+    if (config.IsMoeLayer(i)) first_moe = i;
+  }
+  if (first_moe < 0) return 0;
+  const std::string w13 = absl::StrCat("model.layers.", first_moe, ".mlp.experts.w13_weight");
+  const int64_t local = config.num_experts / ep_size;
+  int64_t stacked = -1;
+  for (const auto& [name, shape] : engine_params) {
+    if (absl::StrContains(name, ".mlp.shared_experts.")) return 0;
+    if (name == w13 && !shape.empty()) stacked = shape[0];
+  }
+  if (stacked == local + config.num_shared_experts) return static_cast<int>(config.num_shared_experts);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "cannot tell the engine's shared-expert layout: no mlp.shared_experts.* parameter and ", w13,
+      stacked < 0 ? " is missing" : absl::StrCat(" stacks ", stacked, " experts"), " (expected ", local,
+      " + ", config.num_shared_experts, " fused shared experts at ep_size ", ep_size, ")"));
 }
 
 uint64_t TensorSpec::bytes() const {
