@@ -5,6 +5,10 @@
 // tensors (the deterministic rule is implemented again here), loads them through Replica (Create → BeginUpdate →
 // Ingest each → FinishUpdate) and compares parameter names, dtypes, shapes and every byte.
 // Needs python3 with numpy (Debian: python3-numpy); exits 77 (skipped) without it.
+//
+// Built a second time with WSYNC_SGLANG_ORACLE as replica_sglang_oracle_test (label sglang): the same cases, with
+// SGLang 0.5.23's own model classes and weight loaders as the oracle (sglang_oracle.py, same job/manifest format),
+// run through sglang_venv.sh, which creates the pinned venv and sets WSYNC_PYTHON.
 #define CATCH_CONFIG_RUNNER
 #include <unistd.h>
 
@@ -40,6 +44,7 @@ bool HasNumpy(const std::string& python) {
   return std::system(cmd.c_str()) == 0;
 }
 
+#ifndef WSYNC_SGLANG_ORACLE
 std::string FindPython() {
   std::vector<std::string> candidates;
   if (const char* env = std::getenv("WSYNC_PYTHON")) candidates.push_back(env);
@@ -53,6 +58,7 @@ std::string FindPython() {
   }
   return "";
 }
+#endif
 
 // ---- the deterministic HF tensor rule (see golden_oracle.py) ----
 uint64_t Fnv1a64(const std::string& s) {
@@ -138,7 +144,7 @@ json LayoutJson(const RankParallelism& r) {
   return json{{"tp_size", r.tp_size},           {"tp_rank", r.tp_rank},          {"ep_size", r.ep_size},
               {"ep_rank", r.ep_rank},           {"moe_tp_size", r.moe_tp_size},  {"moe_tp_rank", r.moe_tp_rank},
               {"attn_tp_size", r.attn_tp_size}, {"attn_tp_rank", r.attn_tp_rank}, {"attn_dp_size", r.attn_dp_size},
-              {"fuse_shared_experts", r.num_fused_shared_experts > 0}};
+              {"num_fused_shared_experts", r.num_fused_shared_experts}};
 }
 
 std::vector<RankParallelism> AllRanks(int tp, int ep = 1) {
@@ -416,6 +422,24 @@ TEST_CASE("golden: Moonlight-style MLA without q_lora (2 shared experts), tp 2 e
 TEST_CASE("golden: GLM-4.7-Flash-style (Glm4MoeLiteForCausalLM), tp 2, tp 4 ep 4", "[golden]") {
   RunGolden("zai-org__GLM-4.7-Flash", kMlaDims, AllRanks(2, 1), NoQuant());
   RunGolden("zai-org__GLM-4.7-Flash", kMlaDims, AllRanks(4, 4), NoQuant());
+}
+
+std::vector<RankParallelism> Fused(std::vector<RankParallelism> layouts, int n) {
+  for (RankParallelism& r : layouts) r.num_fused_shared_experts = n;
+  return layouts;
+}
+
+TEST_CASE("golden: shared-expert fusion (E+1 experts, no shared_experts.*): DeepSeek-V3 tp 2, tp 4 ep 2; GLM-4.5 tp 2",
+          "[golden][fusion]") {
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, Fused(AllRanks(2, 1), 1), NoQuant());
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, Fused(AllRanks(4, 2), 1), NoQuant());
+  RunGolden("zai-org__GLM-4.5-Air", kGlmMoeDims, Fused(AllRanks(2, 1), 1), NoQuant());
+}
+
+TEST_CASE("golden: DP attention with MLA and GLM4-MoE (tp 4, attn_tp 2): embed_tokens over the attention-TP group",
+          "[golden][dp_attention]") {
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, DpAttentionRanks(4, 2, 2), NoQuant());
+  RunGolden("zai-org__GLM-4.5-Air", kGlmMoeDims, DpAttentionRanks(4, 2, 4), NoQuant());
 }
 
 TEST_CASE("golden: FP8 128x128, Qwen3 dense tp 2", "[golden][fp8]") {

@@ -5,7 +5,7 @@ Same command line and output as golden_oracle.py (so golden_test.cc drives eithe
   sglang_oracle.py JOB.json OUT_DIR
   JOB.json: {"config": path to an HF config.json,
              "layouts": [{"tp_size", "tp_rank", "ep_size", "ep_rank", "moe_tp_size", "moe_tp_rank",
-                          "attn_tp_size", "attn_tp_rank", "attn_dp_size", "fuse_shared_experts"}, ...],
+                          "attn_tp_size", "attn_tp_rank", "attn_dp_size", "num_fused_shared_experts"}, ...],
              "quant": {"mode": "none" | "fp8_block", "block_n", "block_k"}}
 Writes OUT_DIR/manifest.json {"hf": [...], "layouts": [[{name, dtype, shape, file}], ...]} and one raw file per
 parameter.
@@ -76,8 +76,11 @@ def publish_layout(model_dir, L, fuse_shared):
     ep = L.get("ep_size", 1)
     atp = L.get("attn_tp_size", tp)
     dp = tp // atp
+    # Shared-expert fusion: SGLang decides it per model class and platform (never on a CPU); the layout under test
+    # asks for it explicitly with SGLang's own flags, --enforce-shared-experts-fusion or
+    # --disable-shared-experts-fusion.
     kwargs = dict(model_path=model_dir, tp_size=tp, ep_size=ep, device="cpu", skip_tokenizer_init=True,
-                  disable_shared_experts_fusion=not fuse_shared)
+                  disable_shared_experts_fusion=not fuse_shared, enforce_shared_experts_fusion=fuse_shared)
     if dp > 1:
         kwargs.update(dp_size=dp, enable_dp_attention=True)
     args = ServerArgs(**kwargs)
@@ -140,22 +143,35 @@ def build_and_load(cfg_path, L, quant, hf_specs):
     from transformers import AutoConfig
 
     model_dir = os.path.dirname(cfg_path)
-    publish_layout(model_dir, L, bool(L.get("fuse_shared_experts", False)))
+    want_fused = L.get("num_fused_shared_experts", 0)
+    publish_layout(model_dir, L, want_fused > 0)
     hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     quant_config = None
     if quant.get("mode") == "fp8_block":
         from sglang.srt.layers.quantization.fp8 import Fp8Config
         quant_config = Fp8Config(is_checkpoint_fp8_serialized=True,
                                  weight_block_size=[quant["block_n"], quant["block_k"]])
-    module, cls = CLASSES[hf_config.architectures[0]]
-    mod = __import__(module, fromlist=[cls])
+    from sglang.srt.layers.moe.utils import resolve_shared_experts_config
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.runtime_context import get_model
+
+    module, cls_name = CLASSES[hf_config.architectures[0]]
+    cls = getattr(__import__(module, fromlist=[cls_name]), cls_name)
+    # As SGLang's model loader does: resolve the shared-expert layout, build under it with bf16 as the default dtype,
+    # run the model's load_weights, then the quantization methods' post-load processing.
+    shared = resolve_shared_experts_config(cls, hf_config, quant_config)
+    if shared.num_fused_shared_experts != want_fused:
+        raise SystemExit("SGLang resolves %d fused shared experts for %s, the layout asks for %d" %
+                         (shared.num_fused_shared_experts, cls_name, want_fused))
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        model = getattr(mod, cls)(hf_config, quant_config=quant_config)
+        with get_model().override(shared_experts=shared):
+            model = cls(hf_config, quant_config=quant_config)
     finally:
         torch.set_default_dtype(old)
-    model.load_weights(checkpoint(hf_specs, quant))
+    model.shared_experts_config = shared
+    DefaultModelLoader.load_weights_and_postprocess(model, checkpoint(hf_specs, quant), torch.device("cpu"))
     return model
 
 
