@@ -356,10 +356,11 @@ absl::Status Walker::Run() {
   if (fp8_ && (bn_ <= 0 || bk_ <= 0)) return absl::InvalidArgumentError("FP8 block size must be positive");
   if (r.dialect == EngineDialect::kVllm) WSYNC_RETURN_IF_ERROR(CheckVllmSupport());
   if (r.num_fused_shared_experts != 0 &&
-      (r.num_fused_shared_experts != c_.num_shared_experts || c_.num_experts == 0)) {
+      (r.num_fused_shared_experts != c_.num_shared_experts || c_.num_experts == 0 || r.num_fused_shared_experts != 1)) {
     return absl::InvalidArgumentError(absl::StrCat("shared-expert fusion of ", r.num_fused_shared_experts,
-                                                   " experts needs a MoE model with that many shared experts (",
-                                                   c_.architecture, " has ", c_.num_shared_experts, ")"));
+                                                   " experts needs a MoE model with exactly one shared expert, as "
+                                                   "SGLang fuses only one (", c_.architecture, " has ",
+                                                   c_.num_shared_experts, ")"));
   }
 
   // With DP attention SGLang 0.5.23 splits embed_tokens over the attention-TP group (use_attn_tp_group), except
