@@ -355,6 +355,14 @@ absl::Status Walker::Run() {
   }
   if (fp8_ && (bn_ <= 0 || bk_ <= 0)) return absl::InvalidArgumentError("FP8 block size must be positive");
   if (r.dialect == EngineDialect::kVllm) WSYNC_RETURN_IF_ERROR(CheckVllmSupport());
+  if (o_.check_blocks && r.dialect == EngineDialect::kSglang && c_.family == Family::kQwen3Moe &&
+      (!c_.mlp_only_layers.empty() || c_.moe_layer_freq != 1)) {
+    // SGLang 0.5.23's Qwen3-MoE decoder layers are all sparse (mlp_only_layers and decoder_sparse_step are ignored),
+    // so such a checkpoint's dense layers have no parameter to land in.
+    return absl::UnimplementedError(
+        "Qwen3-MoE with mlp_only_layers or decoder_sparse_step != 1: SGLang builds every layer as MoE and cannot "
+        "load this checkpoint's dense layers");
+  }
   if (r.num_fused_shared_experts != 0 &&
       (r.num_fused_shared_experts != c_.num_shared_experts || c_.num_experts == 0 || r.num_fused_shared_experts != 1)) {
     return absl::InvalidArgumentError(absl::StrCat("shared-expert fusion of ", r.num_fused_shared_experts,

@@ -52,7 +52,8 @@ struct LayoutPlan {
 };
 
 struct PlanOptions {
-  // false only when listing checkpoint names: skips the whole-block shard checks that apply to a real engine rank.
+  // false only when listing checkpoint names: skips the checks that apply to a real engine rank (whole FP8 blocks,
+  // layouts the engine cannot build).
   bool check_blocks = true;
 };
 

@@ -307,6 +307,21 @@ TEST_CASE("FP8 MLA carries SGLang's KV-cache scales; GLM4-MoE's router is float3
   }
 }
 
+TEST_CASE("SGLang cannot build Qwen3-MoE dense layers (mlp_only_layers): refused, vLLM keeps them", "[replica][table]") {
+  ModelConfig c = testing::TinyQwen3Moe();
+  c.mlp_only_layers = {1};
+  auto s = BuildParamTable(c, RankParallelism::ForTp(1, 0), {});
+  REQUIRE_FALSE(s.ok());
+  CHECK(s.status().code() == absl::StatusCode::kUnimplemented);
+  CHECK_THAT(std::string(s.status().message()), Catch::Contains("mlp_only_layers"));
+  RankParallelism v = RankParallelism::ForTp(1, 0);
+  v.dialect = EngineDialect::kVllm;
+  auto t = BuildParamTable(c, v, {});
+  REQUIRE(t.ok());
+  CHECK(t->Find("model.layers.1.mlp.gate_up_proj.weight") != nullptr);
+  CHECK(CheckpointTensors(c).ok());  // the checkpoint list itself is still known
+}
+
 TEST_CASE("shared-expert fusion is a rank option and is read from the engine's parameters", "[replica][table]") {
   const ModelConfig c = testing::TinyDeepseek();
   RankParallelism r = RankParallelism::ForTp(2, 0);
