@@ -366,10 +366,14 @@ TEST_CASE("golden: Qwen3-MoE, tp 4 ep 2 (moe_tp 2), tp 4 ep 4, tp 2 ep 1", "[gol
   RunGolden("Qwen__Qwen3-30B-A3B", kQwenMoeDims, AllRanks(2, 1), NoQuant());
 }
 
+// SGLang 0.5.23's Qwen3-MoE builds every layer sparse and ignores mlp_only_layers (its oracle shows experts where
+// the checkpoint has a dense MLP), so this case is the numpy oracle's only; no released Qwen3-MoE has dense layers.
+#ifndef WSYNC_SGLANG_ORACLE
 TEST_CASE("golden: Qwen3-MoE with a dense layer (mlp_only_layers)", "[golden]") {
   RunGolden("Qwen__Qwen3-30B-A3B", With(kQwenMoeDims, {{"mlp_only_layers", json::array({1})}}), AllRanks(2, 2),
             NoQuant());
 }
+#endif
 
 TEST_CASE("golden: Qwen3-MoE with DP attention (tp 4, attn_tp 2, ep 2)", "[golden]") {
   RunGolden("Qwen__Qwen3-30B-A3B", kQwenMoeDims, DpAttentionRanks(4, 2, 2), NoQuant());

@@ -139,6 +139,21 @@ def checkpoint(hf_specs, quant):
             yield name, t
 
 
+def cpu_rope_without_scaling():
+    """SGLang's CPU rotary-embedding factory (get_rope_wrapper with device "cpu") only handles configs with
+    rope_scaling (Moonlight and the tiny configs have none) and asserts otherwise. The rotary embedding holds buffers,
+    never parameters, so the MLA models are built with the device-independent factory instead."""
+    from sglang.srt.layers.rotary_embedding import factory
+
+    def rope(*args, device=None, **kwargs):
+        return factory.get_rope(*args, **kwargs)
+
+    for name in ("sglang.srt.models.deepseek_v2", "sglang.srt.models.glm4_moe_lite"):
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "get_rope_wrapper"):
+            mod.get_rope_wrapper = rope
+
+
 def build_and_load(cfg_path, L, quant, hf_specs):
     from transformers import AutoConfig
 
@@ -157,6 +172,7 @@ def build_and_load(cfg_path, L, quant, hf_specs):
 
     module, cls_name = CLASSES[hf_config.architectures[0]]
     cls = getattr(__import__(module, fromlist=[cls_name]), cls_name)
+    cpu_rope_without_scaling()
     # As SGLang's model loader does: resolve the shared-expert layout, build under it with bf16 as the default dtype,
     # run the model's load_weights, then the quantization methods' post-load processing.
     shared = resolve_shared_experts_config(cls, hf_config, quant_config)
