@@ -366,14 +366,17 @@ TEST_CASE("golden: Qwen3-MoE, tp 4 ep 2 (moe_tp 2), tp 4 ep 4, tp 2 ep 1", "[gol
   RunGolden("Qwen__Qwen3-30B-A3B", kQwenMoeDims, AllRanks(2, 1), NoQuant());
 }
 
-// SGLang 0.5.23's Qwen3-MoE builds every layer sparse and ignores mlp_only_layers (its oracle shows experts where
-// the checkpoint has a dense MLP), so this case is the numpy oracle's only; no released Qwen3-MoE has dense layers.
-#ifndef WSYNC_SGLANG_ORACLE
-TEST_CASE("golden: Qwen3-MoE with a dense layer (mlp_only_layers)", "[golden]") {
-  RunGolden("Qwen__Qwen3-30B-A3B", With(kQwenMoeDims, {{"mlp_only_layers", json::array({1})}}), AllRanks(2, 2),
-            NoQuant());
+// SGLang 0.5.23's Qwen3-MoE builds every layer sparse and ignores mlp_only_layers / decoder_sparse_step (the SGLang
+// oracle showed experts where the checkpoint has a dense MLP), so it cannot serve such a model: the replica refuses
+// it for the SGLang dialect. No released Qwen3-MoE has dense layers.
+TEST_CASE("golden: Qwen3-MoE with a dense layer (mlp_only_layers) is refused for SGLang", "[golden]") {
+  json cfg = BaseConfig("Qwen__Qwen3-30B-A3B");
+  cfg.merge_patch(With(kQwenMoeDims, {{"mlp_only_layers", json::array({1})}}));
+  absl::StatusOr<ModelConfig> config = ModelConfig::FromJson(cfg.dump());
+  REQUIRE(config.ok());
+  absl::StatusOr<std::unique_ptr<Replica>> replica = Replica::Create(*config, AllRanks(2, 2), NoQuant());
+  CHECK(replica.status().code() == absl::StatusCode::kUnimplemented);
 }
-#endif
 
 TEST_CASE("golden: Qwen3-MoE with DP attention (tp 4, attn_tp 2, ep 2)", "[golden]") {
   RunGolden("Qwen__Qwen3-30B-A3B", kQwenMoeDims, DpAttentionRanks(4, 2, 2), NoQuant());
@@ -416,6 +419,10 @@ TEST_CASE("golden: DeepSeek-V3-style MLA with q_lora, shared experts, first_k_de
   RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, AllRanks(2, 1), NoQuant());
   RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, AllRanks(4, 2), NoQuant());
   RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, AllRanks(4, 4), NoQuant());
+}
+
+TEST_CASE("golden: Kimi-K2-style MLA (its own config: 384-expert routing flags, yarn rope), tp 2 ep 2", "[golden]") {
+  RunGolden("moonshotai__Kimi-K2-Instruct", kMlaDims, AllRanks(2, 2), NoQuant());
 }
 
 TEST_CASE("golden: Moonlight-style MLA without q_lora (2 shared experts), tp 2 ep 2", "[golden]") {
