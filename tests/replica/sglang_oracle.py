@@ -97,6 +97,9 @@ def publish_layout(model_dir, L, fuse_shared):
     for g in ("tp", "attn_tp", "pp", "moe_ep", "moe_tp", "attn_cp", "moe_dp"):
         groups[g + "_group"] = Group(getattr(par, g + "_rank"), getattr(par, g + "_size"))
     par.override_permanently(**groups)
+    # SGLang's own DP-attention runtime flags (is_dp_attention_enabled() reads them), as its model runner sets them.
+    from sglang.srt.layers.dp_attention import initialize_dp_attention_flags
+    initialize_dp_attention_flags(args)
     return args
 
 
@@ -142,11 +145,14 @@ def checkpoint(hf_specs, quant):
 def cpu_rope_without_scaling():
     """SGLang's CPU rotary-embedding factory (get_rope_wrapper with device "cpu") only handles configs with
     rope_scaling (Moonlight and the tiny configs have none) and asserts otherwise. The rotary embedding holds buffers,
-    never parameters, so the MLA models are built with the device-independent factory instead."""
+    never parameters, so the MLA models without rope_scaling are built with the device-independent factory."""
     from sglang.srt.layers.rotary_embedding import factory
 
     def rope(*args, device=None, **kwargs):
-        return factory.get_rope(*args, **kwargs)
+        scaling = kwargs.get("rope_scaling", args[5] if len(args) > 5 else None)
+        if scaling is None:
+            return factory.get_rope(*args, **kwargs)
+        return factory.get_rope_wrapper(*args, device=device, **kwargs)
 
     for name in ("sglang.srt.models.deepseek_v2", "sglang.srt.models.glm4_moe_lite"):
         mod = sys.modules.get(name)
