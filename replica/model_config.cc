@@ -277,31 +277,19 @@ RankParallelism RankParallelism::ForTp(int tp_size, int tp_rank, int ep_size) {
   return r;
 }
 
-absl::StatusOr<int> SharedExpertsFusionFromParams(
-    const ModelConfig& config, int ep_size,
-    const std::vector<std::pair<std::string, std::vector<int64_t>>>& engine_params) {
+absl::StatusOr<int> SharedExpertsFusionFromParams(const ModelConfig& config,
+                                                  const std::vector<std::string>& engine_param_names) {
   if (config.num_experts == 0 || config.num_shared_experts == 0) return 0;
-  if (ep_size <= 0 || config.num_experts % ep_size != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ep_size ", ep_size, " does not divide n_routed_experts ", config.num_experts));
-  }
-  int64_t first_moe = -1;
-  for (int64_t i = 0; i < config.num_layers && first_moe < 0; ++i) {
-    if (config.IsMoeLayer(i)) first_moe = i;
-  }
-  if (first_moe < 0) return 0;
-  const std::string w13 = absl::StrCat("model.layers.", first_moe, ".mlp.experts.w13_weight");
-  const int64_t local = config.num_experts / ep_size;
-  int64_t stacked = -1;
-  for (const auto& [name, shape] : engine_params) {
+  bool experts = false;
+  for (const std::string& name : engine_param_names) {
     if (absl::StrContains(name, ".mlp.shared_experts.")) return 0;
-    if (name == w13 && !shape.empty()) stacked = shape[0];
+    if (absl::EndsWith(name, ".mlp.experts.w13_weight")) experts = true;
   }
-  if (stacked == local + config.num_shared_experts) return static_cast<int>(config.num_shared_experts);
+  if (experts) return static_cast<int>(config.num_shared_experts);
   return absl::InvalidArgumentError(absl::StrCat(
-      "cannot tell the engine's shared-expert layout: no mlp.shared_experts.* parameter and ", w13,
-      stacked < 0 ? " is missing" : absl::StrCat(" stacks ", stacked, " experts"), " (expected ", local,
-      " + ", config.num_shared_experts, " fused shared experts at ep_size ", ep_size, ")"));
+      "cannot tell the engine's shared-expert layout: its ", engine_param_names.size(),
+      " parameters have neither mlp.shared_experts.* nor mlp.experts.w13_weight (", config.architecture, " has ",
+      config.num_experts, " routed and ", config.num_shared_experts, " shared experts)"));
 }
 
 uint64_t TensorSpec::bytes() const {

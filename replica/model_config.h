@@ -3,7 +3,6 @@
 
 #include <cstdint>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -95,13 +94,13 @@ struct RankParallelism {
   static RankParallelism ForTp(int tp_size, int tp_rank, int ep_size = 1);
 };
 
-// The shared-expert fusion an engine uses, from its reported parameters (name → shape): 0 when any
-// `mlp.shared_experts.*` parameter is present or the config has no shared experts; n_shared_experts when the first
-// MoE layer's `mlp.experts.w13_weight` holds E/ep + n_shared experts and no shared_experts.* exist. InvalidArgument
-// when the list fits neither layout (it names what it saw).
-absl::StatusOr<int> SharedExpertsFusionFromParams(
-    const ModelConfig& config, int ep_size,
-    const std::vector<std::pair<std::string, std::vector<int64_t>>>& engine_params);
+// The shared-expert fusion an engine uses, from the names of the parameters it reports (SGLang's bootstrap answer
+// lists names with sizes): 0 when the config has no shared experts or any `.mlp.shared_experts.` parameter is
+// present; n_shared_experts (SGLang fuses exactly one) when MoE layers' `.mlp.experts.w13_weight` are present without
+// any shared_experts. InvalidArgument when the list fits neither layout. The stacked size (E/ep + 1 experts) is then
+// checked parameter by parameter against the table built with the result.
+absl::StatusOr<int> SharedExpertsFusionFromParams(const ModelConfig& config,
+                                                  const std::vector<std::string>& engine_param_names);
 
 // Quantization applied at the source when loading into the replica.
 struct QuantSpec {
