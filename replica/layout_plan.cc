@@ -285,10 +285,18 @@ absl::Status Walker::Mla(const std::string& p) {
       Linear(a + "o_proj.", 0, h, hl * v, true, {{a + "o_proj.", h, heads * v, 0, ar * hl * v, h, hl * v, 0, 0}}));
   if (fp8_) {
     // Under an FP8 quantization config SGLang's two MLA RadixAttention modules get FP8 KV-cache scales: float32
-    // scalars created at -1 and set to 1.0 after loading (the checkpoint has none).
+    // scalars created at -1 and set to 1.0 after loading (the checkpoint has none); ready with the layer's kv_b_proj.
     for (const char* attn : {"attn_mqa.", "attn_mha."}) {
       for (const char* scale : {"k_scale", "v_scale"}) {
-        plan_.constants.push_back({AddParam(absl::StrCat(a, attn, scale), DType::kF32, {}), 1.0f});
+        SliceSource k;
+        k.kind = SliceSource::Kind::kConstant;
+        k.hf_name = a + "kv_b_proj.weight";
+        k.hf_shape = {heads * nv, kvr};
+        k.hf_dtype = c_.dtype;
+        k.param = AddParam(absl::StrCat(a, attn, scale), DType::kF32, {});
+        k.rows = k.cols = 1;
+        k.value = 1.0f;
+        AddSource(std::move(k));
       }
     }
   }
@@ -437,6 +445,7 @@ absl::StatusOr<std::vector<TensorSpec>> CheckpointTensors(const ModelConfig& con
   out.reserve(plan.sources.size());
   absl::flat_hash_set<absl::string_view> seen;
   for (const SliceSource& s : plan.sources) {
+    if (s.kind == SliceSource::Kind::kConstant) continue;
     if (!seen.insert(s.hf_name).second) continue;  // GLM4's fused gate_up_proj feeds two slices
     TensorSpec t;
     t.name = s.hf_name;

@@ -21,6 +21,11 @@ struct SliceSource {
     kPlain,        // copy, converting bf16/f16/f32 to the parameter dtype
     kFp8Weight,    // into an fp8 weight: bf16/f16/f32 is quantized (also fills scale_param), fp8 is byte-copied
     kFp8Scale,     // an HF `weight_scale_inv` (fp8 pass-through) into the scale parameter; geometry in blocks
+    // A float32 parameter no checkpoint tensor fills, whose value the engine fixes itself when it loads (the FP8
+    // KV-cache scales of SGLang's MLA attention, `self_attn.attn_mqa.k_scale` etc.: scalars that are 1.0 after
+    // loading a checkpoint without them). `value` is written into every element when `hf_name` (a tensor of the same
+    // layer) arrives, so the parameter is ready with it and the planner places it with that tensor.
+    kConstant,
   };
   Kind kind = Kind::kPlain;
   std::string hf_name;
@@ -33,20 +38,12 @@ struct SliceSource {
   int64_t dst_row0 = 0, dst_col0 = 0;
   int64_t scale_dst_row0 = 0, scale_dst_col0 = 0;  // kFp8Weight: block coordinates in scale_param
   int64_t scale_src_row0 = 0, scale_src_col0 = 0;  // kFp8Weight: block coordinates of the slice in the HF scale
-};
-
-// A parameter no checkpoint tensor fills, whose value the engine fixes itself when it loads (FP8 KV-cache scales of
-// SGLang's MLA attention: `self_attn.attn_mqa.k_scale` etc., float32 scalars that are 1.0 after loading a checkpoint
-// without them). The replica holds the same value so its bytes are the engine's.
-struct ConstantParam {
-  int param = -1;
-  float value = 0.0f;
+  float value = 0.0f;                               // kConstant
 };
 
 struct LayoutPlan {
   ParamTable table;
   std::vector<SliceSource> sources;  // in checkpoint order
-  std::vector<ConstantParam> constants;
   // Per parameter: how many sources fill it (a scale parameter counts the weight slices it covers).
   std::vector<int> expected;
 };

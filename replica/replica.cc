@@ -77,7 +77,6 @@ class ReplicaImpl final : public Replica {
   void BeginUpdate() override {
     for (Layout& l : layouts_) std::fill(l.arrived.begin(), l.arrived.end(), 0);
     std::fill(seen_.begin(), seen_.end(), kNotSeen);
-    constants_reported_ = false;
   }
 
   absl::Status Validate(const HfTensor& t) const override { return Check(t).status(); }
@@ -118,7 +117,6 @@ class ReplicaImpl final : public Replica {
   absl::flat_hash_map<std::string, int> index_;
   std::vector<HfEntry> entries_;
   std::vector<uint8_t> seen_;
-  bool constants_reported_ = false;  // this update's constant parameters were returned as ready
 };
 
 absl::StatusOr<std::unique_ptr<Replica>> ReplicaImpl::Make(const ModelConfig& config,
@@ -180,11 +178,6 @@ absl::StatusOr<std::unique_ptr<Replica>> ReplicaImpl::Make(const ModelConfig& co
     lay.plan = std::move(plan).value();
     lay.arrived.assign(lay.plan.table.params().size(), 0);
     WSYNC_RETURN_IF_ERROR(lay.buffer.Allocate(lay.plan.table.total_bytes()));
-    for (const ConstantParam& c : lay.plan.constants) {
-      const EngineParam& p = lay.plan.table.params()[c.param];
-      if (p.dtype != DType::kF32) return absl::InternalError(absl::StrCat("constant '", p.name, "' is not float32"));
-      for (uint64_t b = 0; b < p.bytes; b += sizeof(float)) std::memcpy(lay.buffer.data() + p.offset + b, &c.value, 4);
-    }
     for (size_t s = 0; s < lay.plan.sources.size(); ++s) {
       const SliceSource& src = lay.plan.sources[s];
       auto it = r->index_.find(src.hf_name);
@@ -249,6 +242,12 @@ absl::StatusOr<int> ReplicaImpl::Check(const HfTensor& t) const {
 
 absl::Status ReplicaImpl::Place(const HfTensor& t, const Layout& l, const SliceSource& s) {
   const EngineParam& p = l.plan.table.params()[s.param];
+  if (s.kind == SliceSource::Kind::kConstant) {
+    if (p.dtype != DType::kF32) return absl::InternalError(absl::StrCat("constant '", p.name, "' is not float32"));
+    uint8_t* out = const_cast<uint8_t*>(l.buffer.data()) + p.offset;
+    for (uint64_t b = 0; b + sizeof(float) <= p.bytes; b += sizeof(float)) std::memcpy(out + b, &s.value, sizeof(float));
+    return absl::OkStatus();
+  }
   const View v = ViewOf(p.shape);
   const int64_t src_cols = s.hf_shape.size() > 1 ? s.hf_shape[1] : 1;
   const uint8_t* src = t.data + (s.src_row0 * src_cols + s.src_col0) * static_cast<int64_t>(DTypeSize(t.dtype));
@@ -269,13 +268,6 @@ absl::Status ReplicaImpl::Place(const HfTensor& t, const Layout& l, const SliceS
 absl::StatusOr<std::vector<ReadyParam>> ReplicaImpl::Ingest(const HfTensor& t) {
   WSYNC_ASSIGN_OR_RETURN(int idx, Check(t));
   std::vector<ReadyParam> ready;
-  if (!constants_reported_) {
-    // Constants (no checkpoint tensor) are complete from the start; they go out with the update's first tensor.
-    constants_reported_ = true;
-    for (size_t l = 0; l < layouts_.size(); ++l) {
-      for (const ConstantParam& c : layouts_[l].plan.constants) ready.push_back({static_cast<int>(l), c.param});
-    }
-  }
   if (idx < 0) return ready;
   seen_[idx] = t.dtype == DType::kF8E4M3 ? kSeenFp8 : kSeenConverted;
   for (const Placement& pl : entries_[idx].placements) {

@@ -142,12 +142,13 @@ void CheckConsistency(const std::string& model, int tp, int ep, QuantSpec q = {}
     const auto& params = plan->table.params();
     bytes += plan->table.total_bytes();
     std::vector<int64_t> filled(params.size(), 0);
-    for (const ConstantParam& k : plan->constants) {
-      INFO(params[k.param].name);
-      CHECK(params[k.param].shape.empty());  // scalars, filled by the replica itself
-      filled[k.param] = 1;
-    }
     for (const SliceSource& s : plan->sources) {
+      if (s.kind == SliceSource::Kind::kConstant) {
+        INFO(params[s.param].name);
+        CHECK(params[s.param].shape.empty());  // scalars, written by the replica itself
+        filled[s.param] += 1;
+        continue;
+      }
       const int64_t hr = s.hf_shape[0], hc = s.hf_shape.size() > 1 ? s.hf_shape[1] : 1;
       REQUIRE(s.src_row0 + s.rows <= hr);
       REQUIRE(s.src_col0 + s.cols <= hc);
@@ -286,8 +287,14 @@ TEST_CASE("FP8 MLA carries SGLang's KV-cache scales; GLM4-MoE's router is float3
     CHECK(p->shape.empty());
     CHECK(p->bytes == 4);
   }
-  CHECK(plan->constants.size() == 2 * 4);  // two layers
-  for (const ConstantParam& k : plan->constants) CHECK(k.value == 1.0f);
+  int constants = 0;
+  for (const SliceSource& s : plan->sources) {
+    if (s.kind != SliceSource::Kind::kConstant) continue;
+    ++constants;
+    CHECK(s.value == 1.0f);
+    CHECK(absl::EndsWith(s.hf_name, "self_attn.kv_b_proj.weight"));  // ready with (and planned with) kv_b_proj
+  }
+  CHECK(constants == 2 * 4);  // two layers
   // Unquantized: no KV-cache scales; DeepSeek's router stays in the model dtype.
   auto bf16 = BuildParamTable(testing::TinyDeepseek(), RankParallelism::ForTp(2, 1), {});
   REQUIRE(bf16.ok());

@@ -353,7 +353,7 @@ TEST_CASE("fp8 block quantization at load and pass-through agree", "[replica][fp
   CHECK_FALSE((*plain)->Validate(qb_scale.view()).ok());
 }
 
-TEST_CASE("FP8 MLA KV-cache scales hold 1.0 and are ready once per update", "[replica][fp8]") {
+TEST_CASE("FP8 MLA KV-cache scales hold 1.0 and are ready once per update, with kv_b_proj", "[replica][fp8]") {
   QuantSpec q;
   q.mode = QuantSpec::Mode::kFp8Block;
   q.block_n = q.block_k = 2;
