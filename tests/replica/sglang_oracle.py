@@ -160,6 +160,24 @@ def cpu_rope_without_scaling():
             mod.get_rope_wrapper = rope
 
 
+def resolve_fusion(cls, hf_config, quant_config, fuse):
+    """SGLang's own decision on shared-expert fusion. GLM-4.5's gate has no enforce flag and allows fusion only on a
+    CUDA device of capability >= 8.0, so when the layout asks for fusion the gate is asked as on an sm90 GPU (only
+    for this question; the model is still built on the CPU). DeepSeek's gate honours --enforce-shared-experts-fusion."""
+    from sglang.srt.layers.moe.utils import resolve_shared_experts_config
+
+    if not fuse:
+        return resolve_shared_experts_config(cls, hf_config, quant_config)
+    mod = sys.modules[cls.__module__]
+    saved = (getattr(mod, "_is_cuda", None), torch.cuda.get_device_capability)
+    mod._is_cuda = True
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    try:
+        return resolve_shared_experts_config(cls, hf_config, quant_config)
+    finally:
+        mod._is_cuda, torch.cuda.get_device_capability = saved
+
+
 def build_and_load(cfg_path, L, quant, hf_specs):
     from transformers import AutoConfig
 
@@ -172,7 +190,6 @@ def build_and_load(cfg_path, L, quant, hf_specs):
         from sglang.srt.layers.quantization.fp8 import Fp8Config
         quant_config = Fp8Config(is_checkpoint_fp8_serialized=True,
                                  weight_block_size=[quant["block_n"], quant["block_k"]])
-    from sglang.srt.layers.moe.utils import resolve_shared_experts_config
     from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.runtime_context import get_model
 
@@ -181,7 +198,7 @@ def build_and_load(cfg_path, L, quant, hf_specs):
     cpu_rope_without_scaling()
     # As SGLang's model loader does: resolve the shared-expert layout, build under it with bf16 as the default dtype,
     # run the model's load_weights, then the quantization methods' post-load processing.
-    shared = resolve_shared_experts_config(cls, hf_config, quant_config)
+    shared = resolve_fusion(cls, hf_config, quant_config, want_fused > 0)
     if shared.num_fused_shared_experts != want_fused:
         raise SystemExit("SGLang resolves %d fused shared experts for %s, the layout asks for %d" %
                          (shared.num_fused_shared_experts, cls_name, want_fused))
