@@ -51,13 +51,14 @@ class Walker {
     plan_.sources.push_back(std::move(s));
   }
 
-  // A parameter filled by one whole HF tensor of the same shape (norms, router, replicated vectors).
-  void Replicated(const std::string& name, std::vector<int64_t> shape, DType dtype) {
+  // A parameter filled by one whole HF tensor of the same shape (norms, router, replicated vectors); the checkpoint
+  // may hold it in another dtype (hf_dtype, kInvalid: the parameter's), converted when loaded.
+  void Replicated(const std::string& name, std::vector<int64_t> shape, DType dtype, DType hf_dtype = DType::kInvalid) {
     const int p = AddParam(name, dtype, shape);
     SliceSource s;
     s.hf_name = name;
     s.hf_shape = shape;
-    s.hf_dtype = dtype;
+    s.hf_dtype = hf_dtype == DType::kInvalid ? dtype : hf_dtype;
     s.param = p;
     s.rows = shape[0];
     s.cols = shape.size() > 1 ? shape[1] : 1;
@@ -217,7 +218,11 @@ absl::Status Walker::Embedding(const std::string& name, int tp, int rank) {
 }
 
 absl::Status Walker::Mha(const std::string& p) {
-  const int64_t atp = r_.attn_tp_size, ar = r_.attn_tp_rank, d = c_.head_dim, h = c_.hidden_size;
+  // SGLang's Llama, Qwen2 and GLM4 (dense) attention shard over the whole TP group even with DP attention; Qwen3,
+  // Qwen3-MoE and GLM4-MoE over the attention-TP group.
+  const bool full_tp = c_.family == Family::kLlama || c_.family == Family::kQwen2 || c_.family == Family::kGlm4;
+  const int64_t atp = full_tp ? r_.tp_size : r_.attn_tp_size, ar = full_tp ? r_.tp_rank : r_.attn_tp_rank;
+  const int64_t d = c_.head_dim, h = c_.hidden_size;
   const int64_t heads = c_.num_heads, kv = c_.num_kv_heads;
   WSYNC_RETURN_IF_ERROR(Divisible(heads, atp, "num_attention_heads"));
   const int64_t hl = heads / atp;
@@ -278,6 +283,23 @@ absl::Status Walker::Mla(const std::string& p) {
                                {{a + "kv_b_proj.", heads * nv, kvr, ar * hl * nv, 0, hl * nv, kvr, 0, 0}}));
   WSYNC_RETURN_IF_ERROR(
       Linear(a + "o_proj.", 0, h, hl * v, true, {{a + "o_proj.", h, heads * v, 0, ar * hl * v, h, hl * v, 0, 0}}));
+  if (fp8_) {
+    // Under an FP8 quantization config SGLang's two MLA RadixAttention modules get FP8 KV-cache scales: float32
+    // scalars created at -1 and set to 1.0 after loading (the checkpoint has none); ready with the layer's kv_b_proj.
+    for (const char* attn : {"attn_mqa.", "attn_mha."}) {
+      for (const char* scale : {"k_scale", "v_scale"}) {
+        SliceSource k;
+        k.kind = SliceSource::Kind::kConstant;
+        k.hf_name = a + "kv_b_proj.weight";
+        k.hf_shape = {heads * nv, kvr};
+        k.hf_dtype = c_.dtype;
+        k.param = AddParam(absl::StrCat(a, attn, scale), DType::kF32, {});
+        k.rows = k.cols = 1;
+        k.value = 1.0f;
+        AddSource(std::move(k));
+      }
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -302,11 +324,11 @@ absl::Status Walker::DenseMlp(const std::string& m, int64_t inter, bool fused_ch
 absl::Status Walker::Moe(const std::string& p) {
   const int64_t e = c_.num_experts, h = c_.hidden_size, mi = c_.moe_intermediate_size;
   const std::string m = p + "mlp.";
-  Replicated(m + "gate.weight", {e, h}, c_.dtype);
+  Replicated(m + "gate.weight", {e, h}, c_.router_fp32 ? DType::kF32 : c_.dtype, c_.dtype);
   if (c_.router_bias) Replicated(m + "gate.e_score_correction_bias", {e}, DType::kF32);
 
   WSYNC_RETURN_IF_ERROR(Divisible(e, r_.ep_size, "n_routed_experts"));
-  const int64_t n = e / r_.ep_size, fused = c_.num_fused_shared_experts, el = n + fused;
+  const int64_t n = e / r_.ep_size, fused = r_.num_fused_shared_experts, el = n + fused;
   WSYNC_RETURN_IF_ERROR(Divisible(mi, r_.moe_tp_size, "moe_intermediate_size"));
   const int64_t is = mi / r_.moe_tp_size, i0 = r_.moe_tp_rank * is;
   const int64_t up_scale_row = CeilDiv(is, bn_);
@@ -341,13 +363,28 @@ absl::Status Walker::Run() {
   }
   if (fp8_ && (bn_ <= 0 || bk_ <= 0)) return absl::InvalidArgumentError("FP8 block size must be positive");
   if (r.dialect == EngineDialect::kVllm) WSYNC_RETURN_IF_ERROR(CheckVllmSupport());
-  if (c_.num_fused_shared_experts > 0 && c_.num_fused_shared_experts != c_.num_shared_experts) {
-    return absl::InvalidArgumentError("shared-expert fusion needs num_fused_shared_experts == n_shared_experts");
+  if (o_.check_blocks && r.dialect == EngineDialect::kSglang && c_.family == Family::kQwen3Moe &&
+      (!c_.mlp_only_layers.empty() || c_.moe_layer_freq != 1)) {
+    // SGLang 0.5.23's Qwen3-MoE decoder layers are all sparse (mlp_only_layers and decoder_sparse_step are ignored),
+    // so such a checkpoint's dense layers have no parameter to land in.
+    return absl::UnimplementedError(
+        "Qwen3-MoE with mlp_only_layers or decoder_sparse_step != 1: SGLang builds every layer as MoE and cannot "
+        "load this checkpoint's dense layers");
+  }
+  if (r.num_fused_shared_experts != 0 &&
+      (r.num_fused_shared_experts != c_.num_shared_experts || c_.num_experts == 0 || r.num_fused_shared_experts != 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("shared-expert fusion of ", r.num_fused_shared_experts,
+                                                   " experts needs a MoE model with exactly one shared expert, as "
+                                                   "SGLang fuses only one (", c_.architecture, " has ",
+                                                   c_.num_shared_experts, ")"));
   }
 
-  // With DP-attention the embedding is replicated in every attention-DP group (SGLang: enable_tp=False).
-  const bool dp_attn = r.attn_dp_size > 1;
-  WSYNC_RETURN_IF_ERROR(Embedding("model.embed_tokens.weight", dp_attn ? 1 : r.tp_size, dp_attn ? 0 : r.tp_rank));
+  // With DP attention SGLang 0.5.23 splits embed_tokens over the attention-TP group (use_attn_tp_group), except
+  // Llama's, which stays on the whole TP group. (SGLANG_ENABLE_EMBED_REPLICATION, which replicates DeepSeek's
+  // embedding instead, is not modelled.)
+  const bool embed_attn_tp = r.attn_dp_size > 1 && c_.family != Family::kLlama;
+  WSYNC_RETURN_IF_ERROR(Embedding("model.embed_tokens.weight", embed_attn_tp ? r.attn_tp_size : r.tp_size,
+                                  embed_attn_tp ? r.attn_tp_rank : r.tp_rank));
   const int64_t h = c_.hidden_size;
   for (int64_t i = 0; i < c_.num_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
@@ -408,6 +445,7 @@ absl::StatusOr<std::vector<TensorSpec>> CheckpointTensors(const ModelConfig& con
   out.reserve(plan.sources.size());
   absl::flat_hash_set<absl::string_view> seen;
   for (const SliceSource& s : plan.sources) {
+    if (s.kind == SliceSource::Kind::kConstant) continue;
     if (!seen.insert(s.hf_name).second) continue;  // GLM4's fused gate_up_proj feeds two slices
     TensorSpec t;
     t.name = s.hf_name;

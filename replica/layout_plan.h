@@ -21,6 +21,11 @@ struct SliceSource {
     kPlain,        // copy, converting bf16/f16/f32 to the parameter dtype
     kFp8Weight,    // into an fp8 weight: bf16/f16/f32 is quantized (also fills scale_param), fp8 is byte-copied
     kFp8Scale,     // an HF `weight_scale_inv` (fp8 pass-through) into the scale parameter; geometry in blocks
+    // A float32 parameter no checkpoint tensor fills, whose value the engine fixes itself when it loads (the FP8
+    // KV-cache scales of SGLang's MLA attention, `self_attn.attn_mqa.k_scale` etc.: scalars that are 1.0 after
+    // loading a checkpoint without them). `value` is written into every element when `hf_name` (a tensor of the same
+    // layer) arrives, so the parameter is ready with it and the planner places it with that tensor.
+    kConstant,
   };
   Kind kind = Kind::kPlain;
   std::string hf_name;
@@ -33,6 +38,7 @@ struct SliceSource {
   int64_t dst_row0 = 0, dst_col0 = 0;
   int64_t scale_dst_row0 = 0, scale_dst_col0 = 0;  // kFp8Weight: block coordinates in scale_param
   int64_t scale_src_row0 = 0, scale_src_col0 = 0;  // kFp8Weight: block coordinates of the slice in the HF scale
+  float value = 0.0f;                               // kConstant
 };
 
 struct LayoutPlan {
@@ -43,7 +49,8 @@ struct LayoutPlan {
 };
 
 struct PlanOptions {
-  // false only when listing checkpoint names: skips the whole-block shard checks that apply to a real engine rank.
+  // false only when listing checkpoint names: skips the checks that apply to a real engine rank (whole FP8 blocks,
+  // layouts the engine cannot build).
   bool check_blocks = true;
 };
 

@@ -22,7 +22,8 @@ absl::string_view SkipRuleName(SkipRule r) {
   return "?";
 }
 
-absl::StatusOr<ParamMapper> ParamMapper::Create(const ModelConfig& config, int ep_size) {
+absl::StatusOr<ParamMapper> ParamMapper::Create(const ModelConfig& config, int ep_size,
+                                                int num_fused_shared_experts) {
   if (ep_size <= 0 || (config.num_experts > 0 && config.num_experts % ep_size != 0)) {
     return absl::InvalidArgumentError(absl::StrCat("ep_size ", ep_size, " does not divide n_routed_experts ",
                                                    config.num_experts));
@@ -30,12 +31,15 @@ absl::StatusOr<ParamMapper> ParamMapper::Create(const ModelConfig& config, int e
   ParamMapper m;
   m.config_ = config;
   m.ep_size_ = ep_size;
+  m.num_fused_shared_experts_ = num_fused_shared_experts;
   PlanOptions o;
   o.check_blocks = false;
   QuantSpec fp8;
   fp8.mode = QuantSpec::Mode::kFp8Block;
   for (const QuantSpec& q : {QuantSpec{}, fp8}) {
-    WSYNC_ASSIGN_OR_RETURN(LayoutPlan plan, PlanLayout(config, RankParallelism::ForTp(1, 0, 1), q, o));
+    RankParallelism r = RankParallelism::ForTp(1, 0, 1);
+    r.num_fused_shared_experts = num_fused_shared_experts;
+    WSYNC_ASSIGN_OR_RETURN(LayoutPlan plan, PlanLayout(config, r, q, o));
     for (const EngineParam& p : plan.table.params()) m.engine_names_.insert(p.name);
   }
   return m;
@@ -67,7 +71,7 @@ absl::StatusOr<HfMapping> ParamMapper::Map(absl::string_view name) const {
   // With shared-expert fusion, …mlp.shared_experts.<proj>.<suffix> is expert n_routed.
   for (size_t i = 0; i + 1 < parts.size(); ++i) {
     const bool routed = parts[i] == "experts" && i + 3 < parts.size() && i > 0 && parts[i - 1] == "mlp";
-    const bool shared = parts[i] == "shared_experts" && config_.num_fused_shared_experts > 0 && i + 2 < parts.size();
+    const bool shared = parts[i] == "shared_experts" && num_fused_shared_experts_ > 0 && i + 2 < parts.size();
     if (!routed && !shared) continue;
     int64_t e = config_.num_experts;
     size_t proj = i + 1;
@@ -95,7 +99,7 @@ absl::StatusOr<HfMapping> ParamMapper::Map(absl::string_view name) const {
     for (size_t k = proj + 1; k < parts.size(); ++k) absl::StrAppend(&engine, k == proj + 1 ? "" : ".", parts[k]);
     r.engine_name = engine;
     r.expert_id = e;
-    r.num_local_experts = config_.num_experts / ep_size_ + config_.num_fused_shared_experts;
+    r.num_local_experts = config_.num_experts / ep_size_ + num_fused_shared_experts_;
     break;
   }
   if (r.expert_id < 0) {

@@ -32,8 +32,10 @@ struct HfMapping {
 
 class ParamMapper {
  public:
-  // `ep_size` only affects num_local_experts.
-  static absl::StatusOr<ParamMapper> Create(const ModelConfig& config, int ep_size = 1);
+  // `ep_size` only affects num_local_experts; with `num_fused_shared_experts` > 0 (RankParallelism) the shared
+  // experts' tensors map to experts n_routed.. of experts.w13/w2.
+  static absl::StatusOr<ParamMapper> Create(const ModelConfig& config, int ep_size = 1,
+                                            int num_fused_shared_experts = 0);
 
   // InvalidArgument naming the tensor for unknown names, OutOfRange for an expert id >= n_routed_experts.
   absl::StatusOr<HfMapping> Map(absl::string_view hf_name) const;
@@ -41,6 +43,7 @@ class ParamMapper {
  private:
   ModelConfig config_;
   int ep_size_ = 1;
+  int num_fused_shared_experts_ = 0;
   absl::flat_hash_set<std::string> engine_names_;  // every parameter name at tp=1, bf16 and fp8
 };
 

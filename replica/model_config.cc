@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
@@ -189,6 +190,13 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view json_text) {
       }
       // Glm4MoeGate always has the correction bias; DeepSeek's MoEGate only for noaux_tc routing.
       c.router_bias = c.family != Family::kDeepseekV2V3 || r.Str("topk_method") == "noaux_tc";
+      // SGLang's Glm4MoeGate / Glm4MoeLiteGate hold the router weight in float32; DeepSeek's MoEGate only when the
+      // config asks for router_fp32.
+      if (c.family == Family::kDeepseekV2V3) {
+        WSYNC_ASSIGN_OR_RETURN(c.router_fp32, r.Bool("router_fp32", false));
+      } else {
+        c.router_fp32 = true;
+      }
       if (c.family == Family::kGlm4Moe) {
         WSYNC_ASSIGN_OR_RETURN(c.qk_norm, r.Bool("use_qk_norm", false));
       } else {
@@ -242,7 +250,8 @@ bool RankParallelism::operator==(const RankParallelism& o) const {
   return tp_size == o.tp_size && tp_rank == o.tp_rank && pp_size == o.pp_size && pp_rank == o.pp_rank &&
          ep_size == o.ep_size && ep_rank == o.ep_rank && moe_tp_size == o.moe_tp_size &&
          moe_tp_rank == o.moe_tp_rank && attn_tp_size == o.attn_tp_size && attn_tp_rank == o.attn_tp_rank &&
-         attn_dp_size == o.attn_dp_size && attn_dp_rank == o.attn_dp_rank && dialect == o.dialect;
+         attn_dp_size == o.attn_dp_size && attn_dp_rank == o.attn_dp_rank && dialect == o.dialect &&
+         num_fused_shared_experts == o.num_fused_shared_experts;
 }
 
 absl::StatusOr<EngineDialect> DialectForEngineKind(absl::string_view kind) {
@@ -266,6 +275,21 @@ RankParallelism RankParallelism::ForTp(int tp_size, int tp_rank, int ep_size) {
   r.attn_tp_size = tp_size;
   r.attn_tp_rank = tp_rank;
   return r;
+}
+
+absl::StatusOr<int> SharedExpertsFusionFromParams(const ModelConfig& config,
+                                                  const std::vector<std::string>& engine_param_names) {
+  if (config.num_experts == 0 || config.num_shared_experts == 0) return 0;
+  bool experts = false;
+  for (const std::string& name : engine_param_names) {
+    if (absl::StrContains(name, ".mlp.shared_experts.")) return 0;
+    if (absl::EndsWith(name, ".mlp.experts.w13_weight")) experts = true;
+  }
+  if (experts) return static_cast<int>(config.num_shared_experts);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "cannot tell the engine's shared-expert layout: its ", engine_param_names.size(),
+      " parameters have neither mlp.shared_experts.* nor mlp.experts.w13_weight (", config.architecture, " has ",
+      config.num_experts, " routed and ", config.num_shared_experts, " shared experts)"));
 }
 
 uint64_t TensorSpec::bytes() const {

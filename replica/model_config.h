@@ -54,11 +54,10 @@ struct ModelConfig {
   std::string model_type;
   bool qk_norm = false;                  // per-head q_norm/k_norm (Qwen3; GLM4-MoE with use_qk_norm)
   bool router_bias = false;              // mlp.gate.e_score_correction_bias (noaux_tc routing), float32
+  // mlp.gate.weight is float32 in the engine (GLM4-MoE and GLM4-MoE-Lite always; DeepSeek with router_fp32); the
+  // checkpoint's gate stays in the model dtype and is widened when loaded.
+  bool router_fp32 = false;
   std::vector<int64_t> mlp_only_layers;  // Qwen3-MoE: layers that stay dense
-  // Engine option, not an HF fact: SGLang's shared-expert fusion (DeepSeek-V3 with 256 routed + 1 shared experts and
-  // no EP) stores the shared expert as expert n_routed in experts.w13/w2. The daemon sets this from the engine's
-  // server args; 0 keeps shared_experts a separate MLP.
-  int64_t num_fused_shared_experts = 0;
 
   bool is_mla() const { return kv_lora_rank > 0; }
   bool IsMoeLayer(int64_t layer) const;
@@ -85,10 +84,23 @@ struct RankParallelism {
   int attn_tp_size = 1, attn_tp_rank = 0;   // == tp unless DP-attention
   int attn_dp_size = 1, attn_dp_rank = 0;
   EngineDialect dialect = EngineDialect::kSglang;
+  // Shared-expert fusion, an engine choice rather than an HF fact: SGLang (unless --disable-shared-experts-fusion, and
+  // only where its model allows it) stores the n_shared_experts shared experts as experts n_routed.. of every MoE
+  // layer's experts.w13/w2 (E/ep + n_shared local experts) and has no shared_experts.* parameters. 0 keeps them a
+  // separate MLP. Set from what the engine reports (SharedExpertsFusionFromParams), never guessed.
+  int num_fused_shared_experts = 0;
   bool operator==(const RankParallelism& o) const;
   // Fills moe_tp_* and attn_tp_* from tp/ep (no DP-attention) when they are left at their defaults.
   static RankParallelism ForTp(int tp_size, int tp_rank, int ep_size = 1);
 };
+
+// The shared-expert fusion an engine uses, from the names of the parameters it reports (SGLang's bootstrap answer
+// lists names with sizes): 0 when the config has no shared experts or any `.mlp.shared_experts.` parameter is
+// present; n_shared_experts (SGLang fuses exactly one) when MoE layers' `.mlp.experts.w13_weight` are present without
+// any shared_experts. InvalidArgument when the list fits neither layout. The stacked size (E/ep + 1 experts) is then
+// checked parameter by parameter against the table built with the result.
+absl::StatusOr<int> SharedExpertsFusionFromParams(const ModelConfig& config,
+                                                  const std::vector<std::string>& engine_param_names);
 
 // Quantization applied at the source when loading into the replica.
 struct QuantSpec {

@@ -130,7 +130,7 @@ absl::StatusOr<std::unique_ptr<Replica>> ReplicaImpl::Make(const ModelConfig& co
       }
     }
   }
-  WSYNC_ASSIGN_OR_RETURN(ParamMapper mapper, ParamMapper::Create(config, ranks[0].ep_size));
+  WSYNC_ASSIGN_OR_RETURN(ParamMapper mapper, ParamMapper::Create(config, ranks[0].ep_size, ranks[0].num_fused_shared_experts));
   std::unique_ptr<ReplicaImpl> r(new ReplicaImpl(config, quant, std::move(mapper)));
   const bool fp8 = quant.mode == QuantSpec::Mode::kFp8Block;
 
@@ -242,6 +242,12 @@ absl::StatusOr<int> ReplicaImpl::Check(const HfTensor& t) const {
 
 absl::Status ReplicaImpl::Place(const HfTensor& t, const Layout& l, const SliceSource& s) {
   const EngineParam& p = l.plan.table.params()[s.param];
+  if (s.kind == SliceSource::Kind::kConstant) {
+    if (p.dtype != DType::kF32) return absl::InternalError(absl::StrCat("constant '", p.name, "' is not float32"));
+    uint8_t* out = const_cast<uint8_t*>(l.buffer.data()) + p.offset;
+    for (uint64_t b = 0; b + sizeof(float) <= p.bytes; b += sizeof(float)) std::memcpy(out + b, &s.value, sizeof(float));
+    return absl::OkStatus();
+  }
   const View v = ViewOf(p.shape);
   const int64_t src_cols = s.hf_shape.size() > 1 ? s.hf_shape[1] : 1;
   const uint8_t* src = t.data + (s.src_row0 * src_cols + s.src_col0) * static_cast<int64_t>(DTypeSize(t.dtype));

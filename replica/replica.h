@@ -6,7 +6,9 @@
 //     engine instances share one layout, so one load serves them all.
 //   * Arriving HF tensors are sliced / fused / quantized straight into every layout buffer that needs them: the
 //     layout buffer is the staging area, so no extra copy. A parameter is *ready* only when every shard (and every
-//     local expert) of it has arrived for this update; only ready parameters may be sent.
+//     local expert) of it has arrived for this update; only ready parameters may be sent. A parameter no checkpoint
+//     tensor fills (SliceSource::Kind::kConstant, the FP8 MLA KV-cache scales) is written with the engine's value and
+//     reported ready when its designated tensor of the same layer arrives.
 //   * Validate() checks a tensor (known name, shape and dtype agreeing with the config, not a duplicate in this update)
 //     without writing anything; the daemon validates a whole bucket before ingesting any of it.
 // Threading: one thread calls Ingest/BeginUpdate/FinishUpdate at a time; buffers may be read (sent) concurrently for

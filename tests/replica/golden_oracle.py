@@ -8,7 +8,7 @@ the e4m3fn encoder is a nearest-value search over the 127 positive codes. It sha
 Usage: golden_oracle.py JOB.json OUT_DIR
   JOB.json: {"config": path to an HF config.json,
              "layouts": [{"tp_size", "tp_rank", "ep_size", "ep_rank", "moe_tp_size", "moe_tp_rank",
-                          "attn_tp_size", "attn_tp_rank"}, ...],
+                          "attn_tp_size", "attn_tp_rank", "num_fused_shared_experts" (optional, 0 or 1)}, ...],
              "quant": {"mode": "none" | "fp8_block", "block_n", "block_k"}}
 Writes OUT_DIR/manifest.json {"hf": [{name, dtype, shape}], "layouts": [[{name, dtype, shape, file}], ...]} and one
 raw little-endian file per engine parameter of every layout (OUT_DIR/l<layout>/<index>.bin).
@@ -147,6 +147,8 @@ class Cfg:
             "Glm4MoeLiteForCausalLM": "deepseek",  # MLA + DeepSeek-style MoE
         }
         self.family = fam[self.arch]
+        # Attention of SGLang's Llama, Qwen2 and GLM4 (dense) classes ignores DP attention (whole TP group).
+        self.attn_full_tp = self.family in ("llama", "qwen2", "glm4")
         self.H = j["hidden_size"]
         self.L = j["num_hidden_layers"]
         self.heads = j["num_attention_heads"]
@@ -173,6 +175,9 @@ class Cfg:
         self.moe_freq = j.get("moe_layer_freq") or 1
         self.sparse_step = j.get("decoder_sparse_step") or 1
         self.mlp_only = set(j.get("mlp_only_layers") or [])
+        # Glm4MoeGate / Glm4MoeLiteGate hold the router in float32; DeepSeek's MoEGate only with router_fp32.
+        self.router_fp32 = (self.family == "glm4_moe" or self.arch == "Glm4MoeLiteForCausalLM" or
+                            bool(j.get("router_fp32", False)))
         if self.family == "glm4_moe":
             self.router_bias = True
         elif self.family == "deepseek":
@@ -282,10 +287,12 @@ class Loader:
     def emit(self, name, dtype, arr):
         self.out.append((name, dtype, arr))
 
-    def plain(self, name, src=None):
-        """Replicated, copied as is (norms, router, replicated biases)."""
+    def plain(self, name, src=None, widen=False):
+        """Replicated, copied as is (norms, router, replicated biases); widen: a bf16 tensor held as float32."""
         src = src or name
         arr = self.hf[src]
+        if widen and arr.dtype == np.uint16:
+            arr = bf16_to_f32(arr)
         self.emit(name, "float32" if arr.dtype == np.float32 else "bfloat16", arr)
 
     def linear(self, name, pieces, quantize=True):
@@ -353,16 +360,19 @@ def engine_params(c, L, hf, quant):
     atp, atr = L.get("attn_tp_size", tp), L.get("attn_tp_rank", tpr)
     ep, epr = L.get("ep_size", 1), L.get("ep_rank", 0)
     mtp, mtr = L.get("moe_tp_size", tp // ep), L.get("moe_tp_rank", tpr % (tp // ep))
+    fused = L.get("num_fused_shared_experts", 0)
     dp_attention = atp < tp
     ld = Loader(hf, quant)
     H = c.H
 
-    # Embedding: with DP attention SGLang builds it with enable_tp=False (whole vocab, still padded); lm_head stays
-    # split over the full tp group (enable_dp_lm_head off).
-    if dp_attention:
-        vocab(ld, "model.embed_tokens.weight", c, 1, 0)
+    # Embedding: with DP attention SGLang 0.5.23 splits it over the attention-TP group (use_attn_tp_group), except
+    # Llama's (whole TP group); lm_head stays split over the full tp group (enable_dp_lm_head off).
+    if dp_attention and c.family != "llama":
+        vocab(ld, "model.embed_tokens.weight", c, atp, atr)
     else:
         vocab(ld, "model.embed_tokens.weight", c, tp, tpr)
+    if c.attn_full_tp:
+        atp, atr = tp, tpr
 
     def dense_mlp(prefix, hf_prefix, inter, fused_ckpt=False):
         lo, hi = shard(inter, tp, tpr)
@@ -398,6 +408,11 @@ def engine_params(c, L, hf, quant):
             kvd = c.nope + c.v_dim
             ld.linear(a + "kv_b_proj", [(a + "kv_b_proj.weight", h_lo * kvd, h_hi * kvd, 0, c.kv_lora)])
             ld.linear(a + "o_proj", [(a + "o_proj.weight", 0, H, h_lo * c.v_dim, h_hi * c.v_dim)])
+            if ld.fp8:
+                # FP8 KV-cache scales of SGLang's two MLA attention modules: float32 scalars, 1.0 after loading.
+                for mod in ("attn_mqa.", "attn_mha."):
+                    for sc in ("k_scale", "v_scale"):
+                        ld.emit(a + mod + sc, "float32", np.array(1.0, dtype=np.float32))
         else:
             d = c.head_dim
             q_lo, q_hi = shard(c.heads * d, atp, atr)
@@ -420,7 +435,7 @@ def engine_params(c, L, hf, quant):
                 ld.plain(a + "k_norm.weight")
         m = p + "mlp."
         if c.is_moe(i):
-            ld.plain(m + "gate.weight")
+            ld.plain(m + "gate.weight", widen=c.router_fp32)
             if c.router_bias:
                 ld.plain(m + "gate.e_score_correction_bias")
             n_local = c.E // ep
@@ -431,9 +446,16 @@ def engine_params(c, L, hf, quant):
                 x = m + "experts.%d." % e
                 w13.append([(x + "gate_proj.weight", lo, hi, 0, H), (x + "up_proj.weight", lo, hi, 0, H)])
                 w2.append([(x + "down_proj.weight", 0, H, lo, hi)])
+            if fused:
+                # Shared-expert fusion: the (single) shared expert is the last local expert, sliced like the others.
+                if fused != 1 or c.n_shared != 1:
+                    raise ValueError("shared-expert fusion needs exactly one shared expert")
+                x = m + "shared_experts."
+                w13.append([(x + "gate_proj.weight", lo, hi, 0, H), (x + "up_proj.weight", lo, hi, 0, H)])
+                w2.append([(x + "down_proj.weight", 0, H, lo, hi)])
             ld.experts(m + "experts.w13", w13)
             ld.experts(m + "experts.w2", w2)
-            if c.n_shared:
+            if c.n_shared and not fused:
                 dense_mlp(m + "shared_experts.", m + "shared_experts.", c.moe_I * c.n_shared)
         else:
             dense_mlp(m, m, c.I, fused_ckpt=c.family == "glm4")

@@ -5,6 +5,10 @@
 // tensors (the deterministic rule is implemented again here), loads them through Replica (Create → BeginUpdate →
 // Ingest each → FinishUpdate) and compares parameter names, dtypes, shapes and every byte.
 // Needs python3 with numpy (Debian: python3-numpy); exits 77 (skipped) without it.
+//
+// Built a second time with WSYNC_SGLANG_ORACLE as replica_sglang_oracle_test (label sglang): the same cases, with
+// SGLang 0.5.23's own model classes and weight loaders as the oracle (sglang_oracle.py, same job/manifest format),
+// run through sglang_venv.sh, which creates the pinned venv and sets WSYNC_PYTHON.
 #define CATCH_CONFIG_RUNNER
 #include <unistd.h>
 
@@ -40,6 +44,7 @@ bool HasNumpy(const std::string& python) {
   return std::system(cmd.c_str()) == 0;
 }
 
+#ifndef WSYNC_SGLANG_ORACLE
 std::string FindPython() {
   std::vector<std::string> candidates;
   if (const char* env = std::getenv("WSYNC_PYTHON")) candidates.push_back(env);
@@ -53,6 +58,7 @@ std::string FindPython() {
   }
   return "";
 }
+#endif
 
 // ---- the deterministic HF tensor rule (see golden_oracle.py) ----
 uint64_t Fnv1a64(const std::string& s) {
@@ -137,7 +143,8 @@ json BaseConfig(const std::string& model_dir) {
 json LayoutJson(const RankParallelism& r) {
   return json{{"tp_size", r.tp_size},           {"tp_rank", r.tp_rank},          {"ep_size", r.ep_size},
               {"ep_rank", r.ep_rank},           {"moe_tp_size", r.moe_tp_size},  {"moe_tp_rank", r.moe_tp_rank},
-              {"attn_tp_size", r.attn_tp_size}, {"attn_tp_rank", r.attn_tp_rank}};
+              {"attn_tp_size", r.attn_tp_size}, {"attn_tp_rank", r.attn_tp_rank}, {"attn_dp_size", r.attn_dp_size},
+              {"num_fused_shared_experts", r.num_fused_shared_experts}};
 }
 
 std::vector<RankParallelism> AllRanks(int tp, int ep = 1) {
@@ -359,9 +366,16 @@ TEST_CASE("golden: Qwen3-MoE, tp 4 ep 2 (moe_tp 2), tp 4 ep 4, tp 2 ep 1", "[gol
   RunGolden("Qwen__Qwen3-30B-A3B", kQwenMoeDims, AllRanks(2, 1), NoQuant());
 }
 
-TEST_CASE("golden: Qwen3-MoE with a dense layer (mlp_only_layers)", "[golden]") {
-  RunGolden("Qwen__Qwen3-30B-A3B", With(kQwenMoeDims, {{"mlp_only_layers", json::array({1})}}), AllRanks(2, 2),
-            NoQuant());
+// SGLang 0.5.23's Qwen3-MoE builds every layer sparse and ignores mlp_only_layers / decoder_sparse_step (the SGLang
+// oracle showed experts where the checkpoint has a dense MLP), so it cannot serve such a model: the replica refuses
+// it for the SGLang dialect. No released Qwen3-MoE has dense layers.
+TEST_CASE("golden: Qwen3-MoE with a dense layer (mlp_only_layers) is refused for SGLang", "[golden]") {
+  json cfg = BaseConfig("Qwen__Qwen3-30B-A3B");
+  cfg.merge_patch(With(kQwenMoeDims, {{"mlp_only_layers", json::array({1})}}));
+  absl::StatusOr<ModelConfig> config = ModelConfig::FromJson(cfg.dump());
+  REQUIRE(config.ok());
+  absl::StatusOr<std::unique_ptr<Replica>> replica = Replica::Create(*config, AllRanks(2, 2), NoQuant());
+  CHECK(replica.status().code() == absl::StatusCode::kUnimplemented);
 }
 
 TEST_CASE("golden: Qwen3-MoE with DP attention (tp 4, attn_tp 2, ep 2)", "[golden]") {
@@ -407,6 +421,10 @@ TEST_CASE("golden: DeepSeek-V3-style MLA with q_lora, shared experts, first_k_de
   RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, AllRanks(4, 4), NoQuant());
 }
 
+TEST_CASE("golden: Kimi-K2-style MLA (its own config: 384-expert routing flags, yarn rope), tp 2 ep 2", "[golden]") {
+  RunGolden("moonshotai__Kimi-K2-Instruct", kMlaDims, AllRanks(2, 2), NoQuant());
+}
+
 TEST_CASE("golden: Moonlight-style MLA without q_lora (2 shared experts), tp 2 ep 2", "[golden]") {
   RunGolden("moonshotai__Moonlight-16B-A3B", With(kMlaDims, {{"q_lora_rank", nullptr}, {"n_shared_experts", 2}}),
             AllRanks(2, 2), NoQuant());
@@ -415,6 +433,24 @@ TEST_CASE("golden: Moonlight-style MLA without q_lora (2 shared experts), tp 2 e
 TEST_CASE("golden: GLM-4.7-Flash-style (Glm4MoeLiteForCausalLM), tp 2, tp 4 ep 4", "[golden]") {
   RunGolden("zai-org__GLM-4.7-Flash", kMlaDims, AllRanks(2, 1), NoQuant());
   RunGolden("zai-org__GLM-4.7-Flash", kMlaDims, AllRanks(4, 4), NoQuant());
+}
+
+std::vector<RankParallelism> Fused(std::vector<RankParallelism> layouts, int n) {
+  for (RankParallelism& r : layouts) r.num_fused_shared_experts = n;
+  return layouts;
+}
+
+TEST_CASE("golden: shared-expert fusion (E+1 experts, no shared_experts.*): DeepSeek-V3 tp 2, tp 4 ep 2; GLM-4.5 tp 2",
+          "[golden][fusion]") {
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, Fused(AllRanks(2, 1), 1), NoQuant());
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, Fused(AllRanks(4, 2), 1), NoQuant());
+  RunGolden("zai-org__GLM-4.5-Air", kGlmMoeDims, Fused(AllRanks(2, 1), 1), NoQuant());
+}
+
+TEST_CASE("golden: DP attention with MLA and GLM4-MoE (tp 4, attn_tp 2): embed_tokens over the attention-TP group",
+          "[golden][dp_attention]") {
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, DpAttentionRanks(4, 2, 2), NoQuant());
+  RunGolden("zai-org__GLM-4.5-Air", kGlmMoeDims, DpAttentionRanks(4, 2, 4), NoQuant());
 }
 
 TEST_CASE("golden: FP8 128x128, Qwen3 dense tp 2", "[golden][fp8]") {
@@ -464,7 +500,19 @@ TEST_CASE("golden: FP8 64x64, DeepSeek-V3-style MLA tp 2 ep 2", "[golden][fp8]")
 }  // namespace wsync::replica
 
 int main(int argc, char* argv[]) {
+#ifdef WSYNC_SGLANG_ORACLE
+  // The SGLang oracle runs in the venv tests/replica/sglang_venv.sh creates; that script runs this binary with
+  // WSYNC_PYTHON set (and skips itself when the venv cannot be created). Without it this is a setup error.
+  const char* venv_python = std::getenv("WSYNC_PYTHON");
+  if (venv_python == nullptr || !wsync::replica::HasNumpy(venv_python)) {
+    std::cerr << "SGLang oracle test: WSYNC_PYTHON must name the SGLang venv's python (run it through "
+                 "tests/replica/sglang_venv.sh, as ctest does)\n";
+    return 1;
+  }
+  wsync::replica::g_python = venv_python;
+#else
   wsync::replica::g_python = wsync::replica::FindPython();
+#endif
   if (wsync::replica::g_python.empty()) {
     std::cerr << "golden tests skipped: no python3 with numpy found (install python3-numpy, or point WSYNC_PYTHON at "
                  "an interpreter that has numpy)\n";

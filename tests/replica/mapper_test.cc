@@ -78,9 +78,7 @@ TEST_CASE("stacked, expert and MLA mappings", "[replica][mapper]") {
 }
 
 TEST_CASE("shared-expert fusion maps shared_experts to expert n_routed", "[replica][mapper]") {
-  ModelConfig c = LoadModel("deepseek-ai__DeepSeek-V3");
-  c.num_fused_shared_experts = 1;
-  auto m = ParamMapper::Create(c);
+  auto m = ParamMapper::Create(LoadModel("deepseek-ai__DeepSeek-V3"), /*ep_size=*/1, /*num_fused_shared_experts=*/1);
   REQUIRE(m.ok());
   HfMapping s = MapOk(*m, "model.layers.5.mlp.shared_experts.down_proj.weight");
   CHECK(s.engine_name == "model.layers.5.mlp.experts.w2_weight");

@@ -57,6 +57,7 @@ TEST_CASE("config fields per family", "[replica][config]") {
   ModelConfig ga = LoadModel("zai-org__GLM-4.5-Air");
   CHECK(ga.attention_bias);
   CHECK(ga.router_bias);
+  CHECK(ga.router_fp32);  // Glm4MoeGate holds the router in float32
   CHECK_FALSE(ga.qk_norm);
   CHECK(ga.num_shared_experts == 1);
   CHECK(ga.first_k_dense == 1);
@@ -71,6 +72,7 @@ TEST_CASE("config fields per family", "[replica][config]") {
   CHECK(d.head_dim == 192);
   CHECK(d.first_k_dense == 3);
   CHECK(d.router_bias);
+  CHECK_FALSE(d.router_fp32);  // DeepSeek's MoEGate: model dtype unless the config sets router_fp32
   CHECK(d.weight_block_size == std::vector<int64_t>{128, 128});
 
   ModelConfig ml = LoadModel("moonshotai__Moonlight-16B-A3B");
@@ -83,6 +85,7 @@ TEST_CASE("config fields per family", "[replica][config]") {
   CHECK(f.qk_nope_head_dim == 192);
   CHECK(f.v_head_dim == 256);
   CHECK(f.router_bias);
+  CHECK(f.router_fp32);  // Glm4MoeLiteGate
 }
 
 TEST_CASE("config errors are clear", "[replica][config]") {

@@ -143,6 +143,12 @@ void CheckConsistency(const std::string& model, int tp, int ep, QuantSpec q = {}
     bytes += plan->table.total_bytes();
     std::vector<int64_t> filled(params.size(), 0);
     for (const SliceSource& s : plan->sources) {
+      if (s.kind == SliceSource::Kind::kConstant) {
+        INFO(params[s.param].name);
+        CHECK(params[s.param].shape.empty());  // scalars, written by the replica itself
+        filled[s.param] += 1;
+        continue;
+      }
       const int64_t hr = s.hf_shape[0], hc = s.hf_shape.size() > 1 ? s.hf_shape[1] : 1;
       REQUIRE(s.src_row0 + s.rows <= hr);
       REQUIRE(s.src_col0 + s.cols <= hc);
@@ -231,7 +237,7 @@ TEST_CASE("Kimi-K2 at tp=32, ep=32", "[replica][table][models]") {
 namespace wsync::replica {
 namespace {
 
-TEST_CASE("DP-attention shards attention by attn_tp and replicates the embedding", "[replica][table]") {
+TEST_CASE("DP-attention shards attention and the embedding by attn_tp", "[replica][table]") {
   RankParallelism r = RankParallelism::ForTp(4, 3);
   r.attn_tp_size = 2;
   r.attn_tp_rank = 1;
@@ -243,10 +249,117 @@ TEST_CASE("DP-attention shards attention by attn_tp and replicates the embedding
   CHECK(t->Find("model.layers.0.self_attn.qkv_proj.weight")->shape == std::vector<int64_t>{8, 8});
   CHECK(t->Find("model.layers.0.self_attn.o_proj.weight")->shape == std::vector<int64_t>{8, 4});
   CHECK(t->Find("model.layers.0.mlp.gate_up_proj.weight")->shape == std::vector<int64_t>{2, 8});
-  CHECK(t->Find("model.embed_tokens.weight")->shape == std::vector<int64_t>{128, 8});
+  // SGLang 0.5.23 splits embed_tokens over the attention-TP group (vocab 100 padded to 128, over 2); lm_head over tp.
+  CHECK(t->Find("model.embed_tokens.weight")->shape == std::vector<int64_t>{64, 8});
   CHECK(t->Find("lm_head.weight")->shape == std::vector<int64_t>{32, 8});
   r.attn_dp_size = 3;  // 2 * 3 != 4
   CHECK_FALSE(BuildParamTable(testing::TinyQwen3(), r, {}).ok());
+}
+
+TEST_CASE("Llama has no DP attention in SGLang: attention and embedding stay on the whole TP group",
+          "[replica][table]") {
+  RankParallelism r = RankParallelism::ForTp(4, 3);
+  r.attn_tp_size = 2;
+  r.attn_tp_rank = 1;
+  r.attn_dp_size = 2;
+  r.attn_dp_rank = 1;
+  const ModelConfig llama = *ModelConfig::FromJson(R"({"architectures":["LlamaForCausalLM"],"hidden_size":8,
+    "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"intermediate_size":4,"vocab_size":100})");
+  auto t = BuildParamTable(llama, r, {});
+  REQUIRE(t.ok());
+  // head_dim 2; over tp=4: 1 q head + 1 (replicated) k + 1 v head = 6 rows (over attn_tp=2 it would be 8).
+  CHECK(t->Find("model.layers.0.self_attn.qkv_proj.weight")->shape == std::vector<int64_t>{6, 8});
+  CHECK(t->Find("model.embed_tokens.weight")->shape == std::vector<int64_t>{32, 8});
+}
+
+TEST_CASE("FP8 MLA carries SGLang's KV-cache scales; GLM4-MoE's router is float32", "[replica][table]") {
+  QuantSpec fp8;
+  fp8.mode = QuantSpec::Mode::kFp8Block;
+  fp8.block_n = fp8.block_k = 2;
+  auto plan = PlanLayout(testing::TinyDeepseek(), RankParallelism::ForTp(2, 1), fp8);
+  REQUIRE(plan.ok());
+  const std::string a = "model.layers.1.self_attn.";
+  for (const char* n : {"attn_mqa.k_scale", "attn_mqa.v_scale", "attn_mha.k_scale", "attn_mha.v_scale"}) {
+    INFO(n);
+    const EngineParam* p = plan->table.Find(a + n);
+    REQUIRE(p != nullptr);
+    CHECK(p->dtype == DType::kF32);
+    CHECK(p->shape.empty());
+    CHECK(p->bytes == 4);
+  }
+  int constants = 0;
+  for (const SliceSource& s : plan->sources) {
+    if (s.kind != SliceSource::Kind::kConstant) continue;
+    ++constants;
+    CHECK(s.value == 1.0f);
+    CHECK(absl::EndsWith(s.hf_name, "self_attn.kv_b_proj.weight"));  // ready with (and planned with) kv_b_proj
+  }
+  CHECK(constants == 2 * 4);  // two layers
+  // Unquantized: no KV-cache scales; DeepSeek's router stays in the model dtype.
+  auto bf16 = BuildParamTable(testing::TinyDeepseek(), RankParallelism::ForTp(2, 1), {});
+  REQUIRE(bf16.ok());
+  CHECK(bf16->Find(a + "attn_mqa.k_scale") == nullptr);
+  CHECK(bf16->Find("model.layers.1.mlp.gate.weight")->dtype == DType::kBF16);
+
+  ModelConfig glm = LoadModel("zai-org__GLM-4.5-Air");
+  auto g = BuildParamTable(glm, RankParallelism::ForTp(8, 0, 8), {});
+  REQUIRE(g.ok());
+  CHECK(g->Find("model.layers.1.mlp.gate.weight")->dtype == DType::kF32);
+  CHECK(g->Find("model.layers.1.mlp.gate.e_score_correction_bias")->dtype == DType::kF32);
+  // The checkpoint (what trainers push) keeps the router in bf16; loading widens it.
+  auto ckpt = CheckpointTensors(glm);
+  REQUIRE(ckpt.ok());
+  for (const TensorSpec& t : *ckpt) {
+    if (t.name == "model.layers.1.mlp.gate.weight") CHECK(t.dtype == DType::kBF16);
+  }
+}
+
+TEST_CASE("SGLang cannot build Qwen3-MoE dense layers (mlp_only_layers): refused, vLLM keeps them", "[replica][table]") {
+  ModelConfig c = testing::TinyQwen3Moe();
+  c.mlp_only_layers = {1};
+  auto s = BuildParamTable(c, RankParallelism::ForTp(1, 0), {});
+  REQUIRE_FALSE(s.ok());
+  CHECK(s.status().code() == absl::StatusCode::kUnimplemented);
+  CHECK_THAT(std::string(s.status().message()), Catch::Contains("mlp_only_layers"));
+  RankParallelism v = RankParallelism::ForTp(1, 0);
+  v.dialect = EngineDialect::kVllm;
+  auto t = BuildParamTable(c, v, {});
+  REQUIRE(t.ok());
+  CHECK(t->Find("model.layers.1.mlp.gate_up_proj.weight") != nullptr);
+  CHECK(CheckpointTensors(c).ok());  // the checkpoint list itself is still known
+}
+
+TEST_CASE("shared-expert fusion is a rank option and is read from the engine's parameters", "[replica][table]") {
+  const ModelConfig c = testing::TinyDeepseek();
+  RankParallelism r = RankParallelism::ForTp(2, 0);
+  auto plain = BuildParamTable(c, r, {});
+  REQUIRE(plain.ok());
+  r.num_fused_shared_experts = 1;
+  auto fused = BuildParamTable(c, r, {});
+  REQUIRE(fused.ok());
+  CHECK(ShapeOf(*plain, "model.layers.1.mlp.experts.w13_weight")[0] == 4);
+  CHECK(ShapeOf(*fused, "model.layers.1.mlp.experts.w13_weight")[0] == 5);
+  CHECK(ShapeOf(*fused, "model.layers.1.mlp.experts.w2_weight")[0] == 5);
+  CHECK(plain->Find("model.layers.1.mlp.shared_experts.gate_up_proj.weight") != nullptr);
+  CHECK(fused->Find("model.layers.1.mlp.shared_experts.gate_up_proj.weight") == nullptr);
+  CHECK_FALSE(RankParallelism::ForTp(2, 0) == r);  // a different layout
+
+  auto names = [](const ParamTable& t) {
+    std::vector<std::string> v;
+    for (const EngineParam& p : t.params()) v.push_back(p.name);
+    return v;
+  };
+  CHECK(*SharedExpertsFusionFromParams(c, names(*plain)) == 0);
+  CHECK(*SharedExpertsFusionFromParams(c, names(*fused)) == 1);
+  // Neither layout (no experts at all): an error that says what it saw.
+  auto bad = SharedExpertsFusionFromParams(c, {"model.embed_tokens.weight"});
+  REQUIRE_FALSE(bad.ok());
+  CHECK_THAT(std::string(bad.status().message()), Catch::Contains("neither mlp.shared_experts"));
+  // Fusion of a model without shared experts is refused.
+  RankParallelism q = RankParallelism::ForTp(1, 0);
+  q.num_fused_shared_experts = 1;
+  CHECK_FALSE(BuildParamTable(testing::TinyQwen3Moe(), q, {}).ok());
+  CHECK(*SharedExpertsFusionFromParams(testing::TinyQwen3Moe(), {}) == 0);
 }
 
 }  // namespace

@@ -353,6 +353,41 @@ TEST_CASE("fp8 block quantization at load and pass-through agree", "[replica][fp
   CHECK_FALSE((*plain)->Validate(qb_scale.view()).ok());
 }
 
+TEST_CASE("FP8 MLA KV-cache scales hold 1.0 and are ready once per update, with kv_b_proj", "[replica][fp8]") {
+  QuantSpec q;
+  q.mode = QuantSpec::Mode::kFp8Block;
+  q.block_n = q.block_k = 2;
+  auto r = Replica::Create(testing::TinyDeepseek(), {RankParallelism::ForTp(2, 0), RankParallelism::ForTp(2, 1)}, q);
+  REQUIRE(r.ok());
+  auto trainer = CheckpointTensors(testing::TinyDeepseek());
+  REQUIRE(trainer.ok());
+  for (int update = 0; update < 2; ++update) {
+    (*r)->BeginUpdate();
+    std::map<std::pair<int, int>, int> ready;
+    uint32_t seed = 7;
+    for (const TensorSpec& s : *trainer) {
+      auto got = (*r)->Ingest(Random(s, seed++).view());
+      REQUIRE(got.ok());
+      for (const ReadyParam& p : *got) ready[{p.layout, p.param}]++;
+    }
+    CHECK((*r)->FinishUpdate().ok());
+    for (int l = 0; l < 2; ++l) {
+      const ParamTable& t = (*r)->table(l);
+      for (int i = 0; i < static_cast<int>(t.params().size()); ++i) {
+        INFO("update " << update << " layout " << l << " " << t.params()[i].name);
+        CHECK(ready[{l, i}] == 1);
+      }
+      for (const char* n : {"attn_mqa.k_scale", "attn_mqa.v_scale", "attn_mha.k_scale", "attn_mha.v_scale"}) {
+        const EngineParam* p = t.Find(std::string("model.layers.0.self_attn.") + n);
+        REQUIRE(p != nullptr);
+        float v = 0;
+        std::memcpy(&v, (*r)->data(l) + p->offset, 4);
+        CHECK(v == 1.0f);
+      }
+    }
+  }
+}
+
 TEST_CASE("replica creation errors", "[replica]") {
   ModelConfig c = testing::TinyQwen3();
   CHECK_FALSE(Replica::Create(c, {}, {}).ok());
