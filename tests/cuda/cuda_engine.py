@@ -2,8 +2,8 @@
 """A small engine rank holding its parameters in CUDA memory (PyTorch), for tests/cuda/cuda_segment_test.
 
 It speaks the attach protocol (docs/engines.md): two `cuda` segments exported with legacy CUDA IPC handles (the
-caching allocator's cudaMalloc blocks, via the storage's IPC export, with the segment's offset inside the block;
-segment 1 starts 1 MiB into its block), no file descriptors. On every {"type": "commit", "version": V} it checks
+caching allocator's cudaMalloc blocks, exported through the driver API with the segment's offset inside the
+allocation; segment 1 starts 1 MiB into its block), no file descriptors. On every {"type": "commit", "version": V} it checks
 the whole of both segments on the GPU against its own expectation for V, computed here with numpy (parameter bytes
 from a splitmix64 stream, zeros between parameters), and appends one JSON line to --result.
 
@@ -12,6 +12,7 @@ process). Exit 77 when torch or a CUDA device is missing.
 """
 
 import argparse
+import ctypes
 import json
 import socket
 import struct
@@ -89,13 +90,26 @@ def recv_frame(sock):
     return json.loads(data)
 
 
+_cuda = None
+
+
 def export(t):
-    """(IPC handle hex, offset of t's first byte inside the cudaMalloc block the handle names)."""
-    shared = t.untyped_storage()._share_cuda_()
-    handle, storage_offset = shared[1], shared[3]
-    if not handle:
-        raise RuntimeError("the storage has no legacy IPC handle (a VMM/expandable-segments allocation?)")
-    return bytes(handle).hex(), storage_offset + t.storage_offset() * t.element_size()
+    """(IPC handle hex, offset of t's first byte inside the cudaMalloc allocation the handle names), through the
+    driver API (torch has made its primary context current): the allocation's range, then its legacy handle."""
+    global _cuda
+    if _cuda is None:
+        _cuda = ctypes.CDLL("libcuda.so.1")
+    ptr = t.data_ptr()
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = _cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise RuntimeError("cuMemGetAddressRange(0x%x) failed: CUresult %d" % (ptr, rc))
+    handle = (ctypes.c_char * 64)()
+    rc = _cuda.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(base.value))
+    if rc != 0:
+        raise RuntimeError("cuIpcGetMemHandle(0x%x) failed: CUresult %d (a VMM/expandable-segments allocation has "
+                           "no legacy IPC handle)" % (base.value, rc))
+    return bytes(handle).hex(), ptr - base.value
 
 
 def main():

@@ -178,6 +178,11 @@ int main(int argc, char** argv) {
   CHECK(cinfo.ok(), "connect target");
   if (!cinfo.ok() || !(*ep)->Connect(cinfo->target_endpoint_info(), absl::Seconds(10)).ok()) return 1;
 
+  // The coordinator opens the write window while an update is open; this test plays the coordinator.
+  v1::SetWriteWindowRequest open_window;
+  open_window.set_open(true);
+  open_window.set_version(1);
+  node->SetWriteWindow(open_window);
   for (int64_t version = 1; version <= 2; ++version) {
     std::vector<transport::WriteRequest> writes;
     uint64_t off = 0;

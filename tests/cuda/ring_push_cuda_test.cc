@@ -62,9 +62,10 @@ int main() {
   std::printf("ring of %llu MiB page-locked in %.3f s\n", static_cast<unsigned long long>(kCapacity >> 20),
               (*copier)->register_seconds());
 
-  // The producer's stream: each tensor's last write is queued there right before its push.
+  // The producer's stream: each tensor's last write is queued there right before its push. A blocking stream, so
+  // that write follows the zeroing and the upload (legacy default stream; both may still run when they return).
   cudaStream_t producer_stream;
-  WSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&producer_stream, cudaStreamNonBlocking), "producer stream");
+  WSYNC_CUDA_CHECK(cudaStreamCreate(&producer_stream), "producer stream");
 
   std::mt19937_64 rng(20261204);
   const DType dtypes[] = {DType::kBF16, DType::kF16, DType::kF32, DType::kF8E4M3, DType::kI64};
