@@ -233,6 +233,9 @@ class RingProducer {
 
   uint64_t capacity() const { return map_.capacity(); }
   const std::string& name() const { return map_.name(); }
+  // The data area in this process (what a CUDA client page-locks once): every slot BeginTensor returns lies inside
+  // [data_area(), + capacity()).
+  uint8_t* data_area() const { return map_.data(); }
   uint64_t next_seq() const { return seq_; }
   uint32_t bucket_tensors() const { return bucket_tensors_; }
   uint64_t bucket_payload_bytes() const { return bucket_payload_; }

@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "base/dtype.h"
+#include "base/status.h"
 #include "client/coordinator_client.h"
 #include "client/trainer_client.h"
 
@@ -128,29 +129,49 @@ int wsync_trainer_begin_push(wsync_trainer* t, int64_t version, char** names_out
   });
 }
 
+namespace {
+
+// The checks every push does before the tensor reaches the client, where the caller can still tell which tensor.
+absl::StatusOr<wsync::DType> CheckPush(const char* name, const char* dtype, const int64_t* shape, int ndim,
+                                       const void* data, uint64_t bytes) {
+  if (name == nullptr) return NullArg("tensor name");
+  if (dtype == nullptr) return NullArg(absl::StrCat("dtype of tensor ", name));
+  if (ndim < 0 || (ndim > 0 && shape == nullptr))
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": bad shape (ndim ", ndim, ")"));
+  if (data == nullptr && bytes > 0) return NullArg(absl::StrCat("data of tensor ", name));
+  auto dt = wsync::ParseDType(dtype);
+  if (!dt.ok()) return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": ", dt.status().message()));
+  uint64_t elems = 1;
+  for (int i = 0; i < ndim; ++i) {
+    if (shape[i] < 0)
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": negative dimension ", shape[i]));
+    elems *= static_cast<uint64_t>(shape[i]);
+  }
+  const uint64_t want = elems * wsync::DTypeSize(*dt);
+  if (want != bytes)
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": ", bytes, " bytes given, its shape and ",
+                                                   wsync::DTypeName(*dt), " need ", want));
+  return *dt;
+}
+
+}  // namespace
+
 int wsync_trainer_push(wsync_trainer* t, const char* name, const char* dtype, const int64_t* shape, int ndim,
                        const void* data, uint64_t bytes) {
   if (t == nullptr) return Report(NullArg("trainer handle"));
   return Guard(&t->last_error, [&]() -> absl::Status {
-    if (name == nullptr) return NullArg("tensor name");
-    if (dtype == nullptr) return NullArg(absl::StrCat("dtype of tensor ", name));
-    if (ndim < 0 || (ndim > 0 && shape == nullptr))
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": bad shape (ndim ", ndim, ")"));
-    if (data == nullptr && bytes > 0) return NullArg(absl::StrCat("data of tensor ", name));
-    auto dt = wsync::ParseDType(dtype);
-    if (!dt.ok()) return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": ", dt.status().message()));
-    // Catch a wrong byte count here, where the caller can still tell which tensor it was.
-    uint64_t elems = 1;
-    for (int i = 0; i < ndim; ++i) {
-      if (shape[i] < 0)
-        return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": negative dimension ", shape[i]));
-      elems *= static_cast<uint64_t>(shape[i]);
-    }
-    const uint64_t want = elems * wsync::DTypeSize(*dt);
-    if (want != bytes)
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": ", bytes, " bytes given, its shape and ",
-                                                     wsync::DTypeName(*dt), " need ", want));
-    return t->client->Push(name, *dt, absl::Span<const int64_t>(shape, static_cast<size_t>(ndim)), data, bytes);
+    WSYNC_ASSIGN_OR_RETURN(wsync::DType dt, CheckPush(name, dtype, shape, ndim, data, bytes));
+    return t->client->Push(name, dt, absl::Span<const int64_t>(shape, static_cast<size_t>(ndim)), data, bytes);
+  });
+}
+
+int wsync_trainer_push_cuda(wsync_trainer* t, const char* name, const char* dtype, const int64_t* shape, int ndim,
+                            const void* data, uint64_t bytes, int device, uint64_t stream) {
+  if (t == nullptr) return Report(NullArg("trainer handle"));
+  return Guard(&t->last_error, [&]() -> absl::Status {
+    WSYNC_ASSIGN_OR_RETURN(wsync::DType dt, CheckPush(name, dtype, shape, ndim, data, bytes));
+    return t->client->PushDevice(name, dt, absl::Span<const int64_t>(shape, static_cast<size_t>(ndim)), data, bytes,
+                                 device, stream);
   });
 }
 

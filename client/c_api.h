@@ -81,6 +81,16 @@ WSYNC_C_EXPORT int wsync_trainer_begin_push(wsync_trainer* t, int64_t version, c
  * "float32", ...). `bytes` must equal the product of `shape` times the element size; `data` must be contiguous. */
 WSYNC_C_EXPORT int wsync_trainer_push(wsync_trainer* t, const char* name, const char* dtype, const int64_t* shape,
                                       int ndim, const void* data, uint64_t bytes);
+/* Like wsync_trainer_push for a tensor in CUDA memory: `data` is a device pointer of CUDA device `device` (an
+ * ordinal of this process), `stream` the cudaStream_t (as an integer; 0 = the legacy default stream) whose queued
+ * work produces the tensor (torch: torch.cuda.current_stream(device).cuda_stream). The first such call page-locks
+ * the ring once; each call queues an asynchronous device-to-host copy into the ring and returns. The tensor must
+ * stay alive and unchanged until the next wsync_trainer_flush / wsync_trainer_end_push returned. Returns
+ * WSYNC_UNIMPLEMENTED (12) when the library was built without CUDA, WSYNC_INVALID_ARGUMENT for a pointer that is
+ * not device memory of `device`. */
+WSYNC_C_EXPORT int wsync_trainer_push_cuda(wsync_trainer* t, const char* name, const char* dtype,
+                                           const int64_t* shape, int ndim, const void* data, uint64_t bytes,
+                                           int device, uint64_t stream);
 /* Commits the current bucket and waits until the daemon took every committed bucket. A daemon-side error for an
  * earlier bucket (e.g. a tensor of the wrong shape) is returned here at the latest. */
 WSYNC_C_EXPORT int wsync_trainer_flush(wsync_trainer* t);

@@ -43,6 +43,7 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const Trai
 
 TrainerClient::~TrainerClient() {
   if (in_flight_.valid()) in_flight_.wait();
+  device_.reset();  // waits for its copies, then unregisters the ring
   if (!stub_ || session_id_.empty()) return;
   ring_.reset();
   v1::CloseSessionRequest req;
@@ -74,6 +75,8 @@ absl::Status TrainerClient::CommitAsync() {
   if (ring_->bucket_tensors() == 0) return absl::OkStatus();
   // One bucket in flight at a time: the ring then always has room for the next one.
   WSYNC_RETURN_IF_ERROR(WaitInFlight());
+  // Device-to-host copies into this bucket's slots must have landed before the daemon may read them.
+  if (device_ != nullptr) WSYNC_RETURN_IF_ERROR(device_->Drain());
   WSYNC_ASSIGN_OR_RETURN(uint64_t seq, ring_->CommitBucket());
   ++stats_.buckets;
   in_flight_ = std::async(std::launch::async, [this, seq]() -> absl::Status {
@@ -90,6 +93,25 @@ absl::Status TrainerClient::CommitAsync() {
 
 absl::Status TrainerClient::PushWith(absl::string_view name, DType dtype, absl::Span<const int64_t> shape,
                                      uint64_t bytes, const std::function<void(uint8_t*)>& fill) {
+  return PushImpl(name, dtype, shape, bytes, [&](uint8_t* dst) {
+    fill(dst);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status TrainerClient::PushDevice(absl::string_view name, DType dtype, absl::Span<const int64_t> shape,
+                                       const void* data, uint64_t bytes, int device, uint64_t stream) {
+  if (device_ == nullptr) {
+    WSYNC_ASSIGN_OR_RETURN(device_, DeviceCopier::Create(ring_->data_area(), ring_->capacity(), ring_->name()));
+  }
+  WSYNC_RETURN_IF_ERROR(device_->Check(name, data, bytes, device));
+  return PushImpl(name, dtype, shape, bytes, [&](uint8_t* dst) {
+    return device_->CopyAsync(name, dst, data, bytes, device, stream);
+  });
+}
+
+absl::Status TrainerClient::PushImpl(absl::string_view name, DType dtype, absl::Span<const int64_t> shape,
+                                     uint64_t bytes, const std::function<absl::Status(uint8_t*)>& fill) {
   if (bytes > ring_->MaxTensorBytes(name.size()))
     return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " has ", bytes, " bytes, more than this ",
                                                    ring_->capacity() >> 20,
@@ -102,7 +124,13 @@ absl::Status TrainerClient::PushWith(absl::string_view name, DType dtype, absl::
     WSYNC_RETURN_IF_ERROR(CommitAsync());
   }
   WSYNC_ASSIGN_OR_RETURN(uint8_t * dst, ring_->BeginTensor(name, dtype, shape, bytes, opts_.timeout));
-  fill(dst);
+  if (absl::Status s = fill(dst); !s.ok()) {
+    // The slot's bytes are unknown: the open bucket cannot be published. Drop it and say so.
+    const uint32_t dropped = ring_->bucket_tensors();
+    ring_->AbortBucket();
+    return Annotate(s, absl::StrCat("the open bucket (", dropped, " tensors before this one) was dropped; abort this "
+                                    "update"));
+  }
   WSYNC_RETURN_IF_ERROR(ring_->FinishTensor());
   ++stats_.tensors;
   stats_.bytes += bytes;

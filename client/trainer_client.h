@@ -25,6 +25,7 @@
 #include "absl/types/span.h"
 #include "base/dtype.h"
 #include "base/ring.h"
+#include "client/device_copy.h"
 #include "wsync/v1/daemon.grpc.pb.h"
 
 namespace wsync::client {
@@ -58,6 +59,14 @@ class TrainerClient {
   // Like Push, but `fill` writes the `bytes` bytes in place (e.g. a device-to-host copy straight into the ring).
   absl::Status PushWith(absl::string_view name, DType dtype, absl::Span<const int64_t> shape, uint64_t bytes,
                         const std::function<void(uint8_t*)>& fill);
+  // Pushes a tensor that lives in CUDA memory (`data` is a device pointer of CUDA device `device` in this process;
+  // `stream` the cudaStream_t, as an integer, whose queued work produces it; 0 = the legacy default stream). The
+  // first such push page-locks the ring (once per session); each push queues one asynchronous device-to-host copy
+  // into the tensor's ring slot and returns, so the next push (and the daemon's work on earlier buckets) overlaps
+  // it. The copies are waited for before their bucket is published. The tensor must stay unchanged until the next
+  // Flush/EndPush returned. Unimplemented in a build without CUDA.
+  absl::Status PushDevice(absl::string_view name, DType dtype, absl::Span<const int64_t> shape, const void* data,
+                          uint64_t bytes, int device, uint64_t stream);
   // Commits the current bucket and waits until the daemon has taken every committed bucket.
   absl::Status Flush();
   // Flush, then tells the daemon this rank is done with `version`.
@@ -70,11 +79,14 @@ class TrainerClient {
   TrainerClient() = default;
   absl::Status CommitAsync();
   absl::Status WaitInFlight();
+  absl::Status PushImpl(absl::string_view name, DType dtype, absl::Span<const int64_t> shape, uint64_t bytes,
+                        const std::function<absl::Status(uint8_t*)>& fill);
 
   TrainerOptions opts_;
   std::unique_ptr<v1::NodeDaemon::Stub> stub_;
   std::string session_id_;
   std::unique_ptr<RingProducer> ring_;
+  std::unique_ptr<DeviceCopier> device_;  // created by the first PushDevice; goes before ring_
   uint64_t bucket_limit_ = 0;
   std::future<absl::Status> in_flight_;
   PushStats stats_;

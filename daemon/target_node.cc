@@ -98,7 +98,60 @@ struct AttachMessage {
   std::string token, engine_id, kind, mode, model_config_json;
   int rank = 0, world_size = 0;
   v1::RankLayout layout;  // rank, parallelism, params, segments (without descriptors), region_bytes
+  std::map<int, CudaSegmentDesc> cuda;  // index in layout.segments → how to import that cuda segment
 };
+
+// "0x…"/"GPU-…"-prefixed, dash-separated or plain hex into bytes; `want` bytes exactly.
+absl::StatusOr<std::string> HexBytes(std::string text, size_t want, const std::string& what) {
+  if (text.rfind("GPU-", 0) == 0) text = text.substr(4);
+  if (text.rfind("0x", 0) == 0) text = text.substr(2);
+  std::string hex;
+  for (char c : text)
+    if (c != '-') hex += c;
+  auto val = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) {
+    const int hi = val(hex[i]), lo = val(hex[i + 1]);
+    if (hi < 0 || lo < 0) return absl::InvalidArgumentError(absl::StrCat(what, " is not hexadecimal"));
+    out += static_cast<char>(hi * 16 + lo);
+  }
+  if (hex.size() % 2 != 0 || out.size() != want)
+    return absl::InvalidArgumentError(absl::StrCat(what, " must be ", want, " bytes in hex, got ", hex.size(),
+                                                   " hex digits"));
+  return out;
+}
+
+// The cuda-specific fields of a segment (docs/engines.md, "CUDA segments").
+absl::StatusOr<CudaSegmentDesc> ParseCudaSegment(const Json& s, int64_t id, uint64_t bytes) {
+  const std::string who = absl::StrCat("segment ", id);
+  WSYNC_ASSIGN_OR_RETURN(std::string handle_type, Str(s, "handle_type", false));
+  if (handle_type.empty()) handle_type = "cuda_ipc";
+  if (handle_type == "cuda_vmm_fd" || handle_type == "vmm")
+    return absl::UnimplementedError(absl::StrCat(
+        who, ": VMM allocations (cuMemCreate with shareable file descriptors: vLLM sleep mode, SGLang memory "
+             "saver, PyTorch expandable segments) are not supported; allocate the weights with cudaMalloc (the "
+             "PyTorch caching allocator without expandable_segments) and export legacy IPC handles"));
+  if (handle_type != "cuda_ipc")
+    return absl::InvalidArgumentError(absl::StrCat(who, ": unknown handle_type \"", handle_type,
+                                                   "\" (cuda_ipc is supported)"));
+  CudaSegmentDesc d;
+  d.bytes = bytes;
+  WSYNC_ASSIGN_OR_RETURN(std::string handle, Str(s, "ipc_handle"));
+  WSYNC_ASSIGN_OR_RETURN(d.ipc_handle, HexBytes(handle, 64, absl::StrCat(who, ": \"ipc_handle\"")));
+  WSYNC_ASSIGN_OR_RETURN(std::string uuid, Str(s, "device_uuid"));
+  WSYNC_ASSIGN_OR_RETURN(d.device_uuid, HexBytes(uuid, 16, absl::StrCat(who, ": \"device_uuid\"")));
+  if (s.contains("offset")) {
+    if (!s["offset"].is_number_unsigned())
+      return absl::InvalidArgumentError(absl::StrCat(who, ": \"offset\" must be a non-negative integer"));
+    d.offset = s["offset"].get<uint64_t>();
+  }
+  return d;
+}
 
 absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fds) {
   Json j;
@@ -151,10 +204,8 @@ absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fd
     if (!j.contains("segments") || !j["segments"].is_array())
       return absl::InvalidArgumentError("attach message lacks the \"segments\" array");
     const Json& segs = j["segments"];
-    if (segs.size() != num_fds)
-      return absl::InvalidArgumentError(absl::StrCat("the message lists ", segs.size(), " segments but ", num_fds,
-                                                     " file descriptors came with it"));
     if (segs.empty()) return absl::InvalidArgumentError("an attach needs at least one segment");
+    size_t host_segments = 0;
     std::map<int64_t, uint64_t> seg_bytes;
     uint64_t total = 0;
     for (const Json& s : segs) {
@@ -165,11 +216,15 @@ absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fd
         return absl::InvalidArgumentError(absl::StrCat("segment ", id, ": \"bytes\" must be a non-negative integer"));
       const uint64_t bytes = s["bytes"].get<uint64_t>();
       if (id < 0 || id > INT32_MAX) return absl::InvalidArgumentError(absl::StrCat("segment id ", id, " is invalid"));
-      if (kind == "cuda")
-        return absl::UnimplementedError(absl::StrCat("segment ", id, ": kind cuda is not supported by this daemon yet"));
-      if (kind != "host")
+      if (kind != "host" && kind != "cuda")
         return absl::InvalidArgumentError(absl::StrCat("segment ", id, ": unknown kind \"", kind, "\""));
       if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat("segment ", id, " has 0 bytes"));
+      if (kind == "cuda") {
+        WSYNC_ASSIGN_OR_RETURN(CudaSegmentDesc cd, ParseCudaSegment(s, id, bytes));
+        m.cuda[m.layout.segments_size()] = std::move(cd);
+      } else {
+        ++host_segments;
+      }
       if (!seg_bytes.emplace(id, bytes).second)
         return absl::InvalidArgumentError(absl::StrCat("segment id ", id, " appears twice"));
       total += bytes;
@@ -179,6 +234,9 @@ absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fd
       seg->set_bytes(bytes);
     }
     m.layout.set_region_bytes(total);
+    if (host_segments != num_fds)
+      return absl::InvalidArgumentError(absl::StrCat("the message lists ", host_segments, " host segments but ",
+                                                     num_fds, " file descriptors came with it"));
 
     if (!j.contains("params") || !j["params"].is_array())
       return absl::InvalidArgumentError("attach message lacks the \"params\" array");
@@ -479,10 +537,21 @@ absl::Status TargetNode::Attach(const std::shared_ptr<Conn>& c, const std::strin
   Rank r;
   r.layout = m.layout;
   absl::Time t0 = absl::Now();
+  size_t next_fd = 0;
   for (int i = 0; i < m.layout.segments_size(); ++i) {
     auto* seg = r.layout.mutable_segments(i);
     const std::string swho = absl::StrCat(who, " segment ", seg->id());
-    WSYNC_ASSIGN_OR_RETURN(auto mem, MappedSegment::Map(fds[i].get(), seg->bytes(), swho));
+    if (auto cd = m.cuda.find(i); cd != m.cuda.end()) {
+      // GPU memory: imported once here; the transport writes it through the segment's staging sink.
+      WSYNC_ASSIGN_OR_RETURN(auto cuda, ImportCudaSegment(cd->second, swho));
+      auto region = transport_->RegisterSink(cuda->sink());
+      if (!region.ok()) return Annotate(region.status(), absl::StrCat("registering ", swho));
+      seg->set_region_descriptor((*region)->Descriptor());
+      r.cuda.push_back(std::move(cuda));
+      r.regions.push_back(*std::move(region));
+      continue;
+    }
+    WSYNC_ASSIGN_OR_RETURN(auto mem, MappedSegment::Map(fds[next_fd++].get(), seg->bytes(), swho));
     auto region = transport_->RegisterMemory(mem->data(), seg->bytes());
     if (!region.ok()) return Annotate(region.status(), absl::StrCat("registering ", swho));
     seg->set_region_descriptor((*region)->Descriptor());

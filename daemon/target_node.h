@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "base/fd_passing.h"
 #include "daemon/engine_adapter.h"
+#include "daemon/target_node_cuda.h"
 #include "transport/transport.h"
 #include "wsync/v1/coordinator.pb.h"
 #include "wsync/v1/daemon.pb.h"
@@ -107,8 +108,9 @@ class TargetNode {
   struct Rank {
     enum class State { kWaiting, kAttached, kDetached } state = State::kWaiting;
     v1::RankLayout layout;
-    std::vector<std::unique_ptr<MappedSegment>> memory;                // one per segment
-    std::vector<std::unique_ptr<transport::LocalRegion>> regions;      // one per segment, dropped before memory
+    std::vector<std::unique_ptr<MappedSegment>> memory;                // one per host segment
+    std::vector<std::unique_ptr<CudaSegment>> cuda;                    // one per cuda segment
+    std::vector<std::unique_ptr<transport::LocalRegion>> regions;      // one per segment, dropped before memory/cuda
     std::shared_ptr<Conn> conn;
   };
   struct Engine {

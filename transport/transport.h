@@ -61,6 +61,33 @@ struct WriteRequest {
 
 using BatchId = uint64_t;
 
+// Receiving-side memory the CPU cannot write into (GPU memory imported from an engine). A backend whose receiver
+// runs on the CPU (tcp) receives each write's payload into host staging buffers the sink hands out, piece by piece,
+// and the sink copies them on asynchronously; a batch is acknowledged only after Flush returned, i.e. after every
+// copy of it reached the memory. Thread-safe: several connection threads use one sink at once.
+class RegionSink {
+ public:
+  struct Staging {
+    uint8_t* data = nullptr;  // host memory for up to chunk_bytes() bytes
+    int slot = -1;            // the sink's own handle
+  };
+  virtual ~RegionSink() = default;
+  virtual uint64_t length() const = 0;
+  // Largest piece Acquire hands out; the backend splits longer writes.
+  virtual uint64_t chunk_bytes() const = 0;
+  // A free staging buffer; blocks while every buffer is in flight (until the oldest copy finished).
+  virtual absl::StatusOr<Staging> Acquire() = 0;
+  // The buffer holds `len` bytes for [offset, offset + len): starts their copy (asynchronous) and takes the
+  // buffer back once it finished. The backend has checked the bounds.
+  virtual absl::Status Submit(const Staging& s, uint64_t offset, uint64_t len) = 0;
+  // Gives back a buffer that will not be submitted (its receive failed).
+  virtual void Cancel(const Staging& s) = 0;
+  // Waits until every copy submitted so far has finished; the first copy error, naming the memory, otherwise.
+  virtual absl::Status Flush() = 0;
+  // For logs and errors ("engine E rank R segment S on cuda:0").
+  virtual std::string Describe() const = 0;
+};
+
 // Checks a request against both regions' bounds. Every backend calls this in Post before anything is sent.
 absl::Status ValidateWrite(const WriteRequest& w);
 
@@ -91,6 +118,13 @@ class Transport {
   virtual std::string reason() const = 0;
   // Registers [addr, addr+len). Costly: do it once at start-up. Registration time is logged by the backend.
   virtual absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) = 0;
+  // Registers memory written through `sink` (see RegionSink); the region's addr() is null. Unimplemented for a
+  // backend that cannot stage (verbs, mooncake: they write with the NIC, GPUDirect registration is not built).
+  virtual absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSink(std::shared_ptr<RegionSink> sink) {
+    return absl::UnimplementedError(absl::StrCat("the ", name(), " transport cannot write into ", sink->Describe(),
+                                                 " (device memory is written through the tcp transport's staging "
+                                                 "path only; GPUDirect RDMA registration is not built)"));
+  }
   // Parses a peer's region descriptor.
   virtual absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) = 0;
   // Creates an unconnected endpoint (both sides of a connection create one).

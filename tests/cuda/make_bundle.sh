@@ -1,19 +1,36 @@
 #!/usr/bin/env bash
-# Collects the CUDA tests and benches of a build, with every shared library they link except glibc's own, into one
-# folder that runs on a GPU machine without this machine's packages (LD_LIBRARY_PATH=<bundle>/lib).
+# Collects what tests/cuda/run_on_gpu.sh needs on a GPU machine that lacks this machine's packages (no gRPC,
+# protobuf, Abseil, ...; docs/operations.md "GPU deployment"): the CUDA tests and bench, the daemons, the reference
+# engine, wsyncctl and the C client library (stripped), every shared library they link except glibc's own and the
+# C++ runtime (libstdc++/libgcc_s: the GPU machine's newer ones serve, and a PyTorch process needs those), and the
+# scripts and data the Python tests read, in the source tree's layout. Run with LD_LIBRARY_PATH=<bundle>/lib.
 #   tests/cuda/make_bundle.sh BUILD_DIR OUT_DIR
 set -euo pipefail
 build=$1 out=$2
+src=$(cd "$(dirname "$0")/../.." && pwd)
 rm -rf "$out"
-mkdir -p "$out/bin" "$out/lib"
-for b in fp8_cuda_test bench_gpu; do
+mkdir -p "$out/bin" "$out/lib" "$out/tests/cuda" "$out/tests/client" "$out/tests/data/models/tiny-qwen3" "$out/client"
+copy_deps() {
+  ldd "$1" | awk '$3 ~ /^\// {print $3}' | while read -r l; do
+    case "$(basename "$l")" in
+      libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++.so*|libgcc_s.so*) continue ;;
+    esac
+    cp -L -n "$l" "$out/lib/"
+  done
+}
+for b in fp8_cuda_test ring_push_cuda_test cuda_segment_test bench_gpu wsyncd wsync-coordinator wsync-engine-ref \
+         wsyncctl; do
   [ -x "$build/bin/$b" ] || { echo "make_bundle: $build/bin/$b missing (build with -DWSYNC_WITH_CUDA=ON)" >&2; exit 1; }
   cp "$build/bin/$b" "$out/bin/"
   strip "$out/bin/$b"
-  ldd "$build/bin/$b" | awk '$3 ~ /^\// {print $3}' | while read -r l; do
-    case "$(basename "$l")" in libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*) continue ;; esac
-    cp -L -n "$l" "$out/lib/"
-  done
+  copy_deps "$build/bin/$b"
 done
-cp "$(dirname "$0")/run_on_gpu.sh" "$out/"
+cp "$build/lib/libwsync_client_c.so" "$out/lib/"
+strip --strip-unneeded "$out/lib/libwsync_client_c.so"
+copy_deps "$build/lib/libwsync_client_c.so"
+cp "$src"/tests/cuda/*.py "$src"/tests/cuda/run_on_gpu.sh "$out/tests/cuda/"
+cp "$src/tests/client/python_client_test.py" "$out/tests/client/"
+cp "$src/tests/data/models/tiny-qwen3/config.json" "$out/tests/data/models/tiny-qwen3/"
+cp -r "$src/client/python" "$out/client/"
+find "$out" -name __pycache__ -prune -exec rm -rf {} +
 du -sh "$out"

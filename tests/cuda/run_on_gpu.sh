@@ -1,14 +1,35 @@
 #!/usr/bin/env bash
-# Runs the CUDA tests and the GPU bench from a bundle made by make_bundle.sh; logs to $OUT (or ./gpu-results).
+# Runs every `cuda` test and the GPU bench from a bundle made by make_bundle.sh (run from the bundle's root, or
+# give it as $1); logs to $OUT (or ./gpu-results), one file per test plus summary.txt. Exit 1 if any test failed.
 set -uo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "${1:-$(dirname "$0")/../..}" && pwd)
 out=${OUT:-$PWD/gpu-results}
 mkdir -p "$out"
-export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PYTHONUNBUFFERED=1
+cd "$root"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
+python3 -c 'import torch, numpy; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())' \
+  >>"$out/gpu.txt" 2>&1
 rc=0
-"$here/bin/fp8_cuda_test" >"$out/fp8_cuda_test.log" 2>&1 || rc=1
-tail -3 "$out/fp8_cuda_test.log"
-"$here/bin/bench_gpu" "${BENCH_MIB:-2048}" >"$out/bench_gpu.log" 2>&1 || rc=1
-cat "$out/bench_gpu.log"
+run() {  # name, timeout, command...
+  local name=$1 t=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$t" "$@" >"$out/$name.log" 2>&1
+  local r=$?
+  local verdict=pass
+  [ $r -eq 77 ] && verdict=skipped
+  [ $r -ne 0 ] && [ $r -ne 77 ] && { verdict="FAIL (rc $r)"; rc=1; }
+  echo "$name: $verdict in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
+}
+run fp8_cuda_test 240 bin/fp8_cuda_test
+run ring_push_cuda_test 120 bin/ring_push_cuda_test
+run cuda_segment_test 180 bin/cuda_segment_test tests/cuda/cuda_engine.py
+run cuda_push_e2e_test 150 python3 tests/cuda/cuda_push_e2e_test.py --coordinator bin/wsync-coordinator \
+  --wsyncd bin/wsyncd --engine-ref bin/wsync-engine-ref --wsyncctl bin/wsyncctl --lib lib/libwsync_client_c.so \
+  --model tests/data/models/tiny-qwen3/config.json
+run bench_gpu 180 bin/bench_gpu "${BENCH_MIB:-2048}"
+tail -n 12 "$out/bench_gpu.log"
+for f in ring_push_cuda_test cuda_segment_test cuda_push_e2e_test; do echo "== $f"; tail -n 8 "$out/$f.log"; done
 exit $rc

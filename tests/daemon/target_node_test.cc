@@ -239,7 +239,7 @@ TEST_CASE("target: attach validation refuses bad messages with a reason") {
   SECTION("fewer fds than segments") {
     std::vector<Segment> one;
     one.push_back(MakeSegment(4096));
-    RequireRefused(AttachOnce(f, [](Json&) {}, std::move(one)), "2 segments but 1 file descriptors");
+    RequireRefused(AttachOnce(f, [](Json&) {}, std::move(one)), "2 host segments but 1 file descriptors");
   }
   SECTION("parameter outside its segment") {
     RequireRefused(AttachOnce(f, [](Json& m) { m["params"][2]["offset"] = 1016; }),
@@ -274,8 +274,47 @@ TEST_CASE("target: attach validation refuses bad messages with a reason") {
     segs.push_back(MakeSegment(1024));
     RequireRefused(AttachOnce(f, [](Json&) {}, std::move(segs)), "is 100 bytes, smaller than the 4096");
   }
-  SECTION("cuda segments are not supported yet") {
-    RequireRefused(AttachOnce(f, [](Json& m) { m["segments"][1]["kind"] = "cuda"; }), "kind cuda");
+  // cuda segments carry no fd; their fields are checked before any CUDA call (tests/cuda covers the import).
+  auto cuda_segment = [](Json& m) {
+    m["segments"][1] = {{"id", 7}, {"kind", "cuda"}, {"bytes", 1024}, {"handle_type", "cuda_ipc"},
+                        {"ipc_handle", std::string(128, 'a')}, {"offset", 512},
+                        {"device_uuid", "GPU-0123abcd-0123-4567-89ab-0123456789ab"}};
+  };
+  auto one_host_fd = [] {
+    std::vector<Segment> segs;
+    segs.push_back(MakeSegment(4096));
+    return segs;
+  };
+  SECTION("cuda segment without an IPC handle") {
+    RequireRefused(AttachOnce(f, [&](Json& m) {
+                     cuda_segment(m);
+                     m["segments"][1].erase("ipc_handle");
+                   }, one_host_fd()),
+                   "ipc_handle");
+  }
+  SECTION("cuda segment with a short IPC handle") {
+    RequireRefused(AttachOnce(f, [&](Json& m) {
+                     cuda_segment(m);
+                     m["segments"][1]["ipc_handle"] = "abcd";
+                   }, one_host_fd()),
+                   "segment 7: \"ipc_handle\" must be 64 bytes in hex, got 4 hex digits");
+  }
+  SECTION("cuda segment from a VMM allocation") {
+    RequireRefused(AttachOnce(f, [&](Json& m) {
+                     cuda_segment(m);
+                     m["segments"][1]["handle_type"] = "cuda_vmm_fd";
+                   }, one_host_fd()),
+                   "VMM allocations");
+  }
+  SECTION("cuda segment with an fd for it") {
+    RequireRefused(AttachOnce(f, cuda_segment), "1 host segments but 2 file descriptors");
+  }
+  SECTION("cuda segment on a machine without a GPU (or a build without CUDA)") {
+    const Json r = AttachOnce(f, cuda_segment, one_host_fd());
+    RequireRefused(r, "rank 0 segment 7");
+    const std::string e = r.value("error", "");
+    CHECK((absl::StrContains(e, "sees no CUDA device") || absl::StrContains(e, "built without CUDA") ||
+           absl::StrContains(e, "which this wsyncd does not see")));
   }
   SECTION("wrong protocol version") {
     RequireRefused(AttachOnce(f, [](Json& m) { m["protocol"] = 2; }), "attach protocol 2");

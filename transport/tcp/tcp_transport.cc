@@ -70,6 +70,7 @@ class RegionTable {
   struct Entry {
     char* addr;
     uint64_t length;
+    std::shared_ptr<RegionSink> sink;  // set for memory the CPU cannot write (payload goes through its staging)
     int writers = 0;
   };
 
@@ -77,11 +78,11 @@ class RegionTable {
   uint64_t token() const { return token_; }
 
   // Region ids are random (never 0, never reused while registered): a peer cannot guess another region's id.
-  uint64_t Add(void* addr, uint64_t length) {
+  uint64_t Add(void* addr, uint64_t length, std::shared_ptr<RegionSink> sink = nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     uint64_t id = 0;
     while (id == 0 || regions_.count(id)) id = (static_cast<uint64_t>(rng_()) << 32) ^ rng_();
-    regions_[id] = std::make_shared<Entry>(Entry{static_cast<char*>(addr), length});
+    regions_[id] = std::make_shared<Entry>(Entry{static_cast<char*>(addr), length, std::move(sink)});
     return id;
   }
 
@@ -234,6 +235,34 @@ class FrameReader {
   size_t end_ = 0;
 };
 
+// Receives one write's payload through a sink's staging buffers, one chunk at a time; each chunk's copy starts as
+// soon as it is in, so receiving the next chunk overlaps the copy of the previous ones. Returns the stream's
+// status; a failure of the sink (a device error) goes to *sink_error, the rest of the payload is read and dropped
+// so the stream stays in step, and the batch's ack reports it.
+absl::Status ReceiveIntoSink(FrameReader& reader, RegionSink& sink, uint64_t offset, uint64_t length,
+                             absl::Status* sink_error) {
+  const uint64_t chunk = std::max<uint64_t>(sink.chunk_bytes(), 1);
+  for (uint64_t done = 0; done < length;) {
+    const uint64_t n = std::min(chunk, length - done);
+    absl::StatusOr<RegionSink::Staging> st = sink.Acquire();
+    if (!st.ok()) {
+      *sink_error = st.status();
+      return reader.Discard(length - done);
+    }
+    absl::Status s = reader.Read(st->data, n, false);
+    if (!s.ok()) {
+      sink.Cancel(*st);
+      return s;
+    }
+    done += n;
+    if (absl::Status ss = sink.Submit(*st, offset + done - n, n); !ss.ok()) {
+      *sink_error = ss;
+      return reader.Discard(length - done);
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Serves one accepted connection until it closes, fails, or the socket is shut down.
 // Errors in a batch's content (unknown region, out of bounds) are reported in that batch's ack, after which the
 // connection closes (the sender re-creates its endpoint). A malformed stream is answered with an error ack at
@@ -260,6 +289,7 @@ absl::Status ServeConnection(int fd, RegionTable& table) {
   absl::Status batch_status;
   uint64_t frames = 0;
   uint64_t bytes = 0;
+  std::vector<std::shared_ptr<RegionSink>> sinks;  // sink regions this batch wrote into
   bool large_payloads = false;  // the last write frame was large: expect another one
   for (;;) {
     FrameHeader f;
@@ -302,12 +332,26 @@ absl::Status ServeConnection(int fd, RegionTable& table) {
         continue;
       }
       large_payloads = f.length >= kDirectRecvBytes;
-      absl::Status s = reader.Read(region->addr + f.offset, f.length, false);
+      absl::Status s;
+      if (region->sink != nullptr) {
+        absl::Status sink_error;
+        s = ReceiveIntoSink(reader, *region->sink, f.offset, f.length, &sink_error);
+        if (!sink_error.ok() && batch_status.ok()) batch_status = sink_error;
+        if (std::find(sinks.begin(), sinks.end(), region->sink) == sinks.end()) sinks.push_back(region->sink);
+      } else {
+        s = reader.Read(region->addr + f.offset, f.length, false);
+      }
       table.Release(region);
       WSYNC_RETURN_IF_ERROR(s);
       ++frames;
       bytes += f.length;
     } else if (f.type == kCommit) {
+      // The batch is complete only when the staged copies into device memory have finished.
+      for (const auto& sink : sinks) {
+        absl::Status fs = sink->Flush();
+        if (batch_status.ok() && !fs.ok()) batch_status = fs;
+      }
+      sinks.clear();
       if (batch_status.ok() && (f.region != frames || f.length != bytes)) {
         batch_status = absl::DataLossError(absl::StrCat("batch ", f.batch, ": received ", frames, " frames / ",
                                                         bytes, " bytes, sender sent ", f.region, " / ",
@@ -784,6 +828,14 @@ class TcpTransport final : public Transport {
     spdlog::debug("tcp: registered region {} ({} bytes at {}) in {}", id, len, addr,
                   absl::FormatDuration(absl::Now() - start));
     return std::unique_ptr<LocalRegion>(std::make_unique<TcpLocalRegion>(table_, id, addr, len));
+  }
+
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSink(std::shared_ptr<RegionSink> sink) override {
+    if (sink == nullptr) return absl::InvalidArgumentError("cannot register a null sink");
+    const uint64_t len = sink->length();
+    uint64_t id = table_->Add(nullptr, len, sink);
+    spdlog::debug("tcp: registered region {} ({} bytes, staged into {})", id, len, sink->Describe());
+    return std::unique_ptr<LocalRegion>(std::make_unique<TcpLocalRegion>(table_, id, nullptr, len));
   }
 
   absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) override {

@@ -41,6 +41,8 @@ def _declare(lib):
         "wsync_trainer_connect": (c_int, [c_char_p, c_int, c_int, u64, dbl, ctypes.POINTER(c_void_p)]),
         "wsync_trainer_begin_push": (c_int, [c_void_p, i64, out_buf, ctypes.POINTER(c_size_t)]),
         "wsync_trainer_push": (c_int, [c_void_p, c_char_p, c_char_p, ctypes.POINTER(i64), c_int, c_void_p, u64]),
+        "wsync_trainer_push_cuda": (c_int, [c_void_p, c_char_p, c_char_p, ctypes.POINTER(i64), c_int, c_void_p, u64,
+                                            c_int, u64]),
         "wsync_trainer_flush": (c_int, [c_void_p]),
         "wsync_trainer_end_push": (c_int, [c_void_p, i64]),
         "wsync_trainer_stats": (c_int, [c_void_p, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)]),

@@ -56,8 +56,7 @@ def _describe(name, array, dtype):
     if _is_torch_tensor(array):
         t = array
         if t.device.type != "cpu":
-            raise WsyncError(INVALID_ARGUMENT, "tensor %s is on %s; push CPU tensors (copy with .cpu(), or pinned "
-                             "memory with non_blocking=True and a synchronize)" % (name, t.device))
+            raise WsyncError(INVALID_ARGUMENT, "tensor %s is on %s; push CPU or CUDA tensors" % (name, t.device))
         if not t.is_contiguous():
             t = t.contiguous()  # the ring takes dense row-major bytes
         # data_ptr() does not care about the element type, so bfloat16 needs no numpy round trip.
@@ -129,7 +128,7 @@ class Trainer(_Handle):
 
         with Trainer("127.0.0.1:7601", local_rank=0, global_rank=0) as t:
             for name in t.begin_push(version):
-                t.push(name, weights[name])            # numpy array or CPU torch tensor
+                t.push(name, weights[name])            # numpy array, CPU or CUDA torch tensor
             t.end_push(version)
 
     A Trainer is used by one thread at a time. Calls block (with the GIL released) until the daemon answers.
@@ -140,6 +139,7 @@ class Trainer(_Handle):
 
     def __init__(self, daemon, local_rank=0, global_rank=0, bucket_bytes=0, timeout=120.0):
         self._h = None
+        self._cuda_keep = []  # CUDA tensors whose device-to-host copies may still be running
         lib = _lib.lib()
         h = ctypes.c_void_p()
         _check(lib.wsync_trainer_connect(daemon.encode(), int(local_rank), int(global_rank), int(bucket_bytes),
@@ -160,11 +160,34 @@ class Trainer(_Handle):
     def push(self, name, array, dtype=None):
         """Copies one tensor into the ring. `dtype` overrides the array's own (needed for bfloat16 bits held in a
         numpy uint16 array: push(name, bits, dtype="bfloat16"))."""
+        if _is_torch_tensor(array) and array.device.type == "cuda":
+            return self._push_cuda(name, array, dtype)
         # `_keep` holds a contiguous copy (if one was needed) alive until the bytes are in the ring.
         dt, shape, ptr, nbytes, _keep = _describe(name, array, dtype)
         c_shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
         _check(_lib.lib().wsync_trainer_push(self._handle(), name.encode(), dt.encode(), c_shape, len(shape),
                                              ctypes.c_void_p(ptr), int(nbytes)))
+
+    def _push_cuda(self, name, t, dtype):
+        """A torch CUDA tensor: one asynchronous device-to-host copy into the ring, ordered after the work queued on
+        the tensor's device's current stream. The tensor is kept alive until the next flush/end_push (the copy may
+        still be reading it); do not modify it in place before then."""
+        if not t.is_contiguous():
+            raise WsyncError(INVALID_ARGUMENT, "tensor %s on %s is not contiguous (shape %s, strides %s); push "
+                             "t.contiguous()" % (name, t.device, tuple(t.shape), tuple(t.stride())))
+        dt = _canonical_dtype(dtype if dtype is not None else t.dtype)
+        if DTYPE_SIZES[dt] != t.element_size():
+            raise WsyncError(INVALID_ARGUMENT, "tensor %s: dtype %s has %d-byte elements, the tensor (%s) %d"
+                             % (name, dt, DTYPE_SIZES[dt], t.dtype, t.element_size()))
+        import torch
+        device = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(device).cuda_stream
+        shape = tuple(t.shape)
+        c_shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        _check(_lib.lib().wsync_trainer_push_cuda(self._handle(), name.encode(), dt.encode(), c_shape, len(shape),
+                                                  ctypes.c_void_p(t.data_ptr()), int(t.numel() * t.element_size()),
+                                                  int(device), int(stream)))
+        self._cuda_keep.append(t)
 
     def push_many(self, named_tensors, names=None, dtype=None):
         """Pushes every `(name, tensor)` of an iterable that this rank must push — what `model.state_dict().items()`,
@@ -204,10 +227,12 @@ class Trainer(_Handle):
     def flush(self):
         """Commits the current bucket and waits until the daemon took everything committed so far."""
         _check(_lib.lib().wsync_trainer_flush(self._handle()))
+        self._cuda_keep = []
 
     def end_push(self, version):
         """Flushes, then tells the daemon this rank is done with `version`."""
         _check(_lib.lib().wsync_trainer_end_push(self._handle(), int(version)))
+        self._cuda_keep = []
 
     def stats(self):
         """{'tensors', 'bytes', 'buckets'} pushed since the last begin_push."""

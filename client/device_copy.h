@@ -1,0 +1,44 @@
+#pragma once
+// Device-to-host hand-over of GPU tensors into a trainer's ring (issue 10): the ring's data area is page-locked
+// once per session (cudaHostRegister of the memfd mapping), and each push of a CUDA tensor is one
+// cudaMemcpyAsync into the tensor's ring slot on this copier's stream, ordered after the work already queued on
+// the producer's stream (an event), without waiting for it. The client keeps pushing (the next tensor's copy queues
+// behind this one) and calls Drain before it publishes a bucket, so the daemon never sees a slot still being
+// copied into. No per-push registration.
+//
+// Built with WSYNC_WITH_CUDA (device_copy_cuda.cc); without it (device_copy_none.cc) Create fails with
+// Unimplemented saying so. Threading: one thread at a time, like the TrainerClient that owns it.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace wsync::client {
+
+class DeviceCopier {
+ public:
+  // Page-locks [ring, ring + bytes) (the ring's data area). `ring_name` is for errors.
+  static absl::StatusOr<std::unique_ptr<DeviceCopier>> Create(void* ring, uint64_t bytes,
+                                                              const std::string& ring_name);
+  virtual ~DeviceCopier() = default;  // unregisters the ring after the last copy finished
+
+  // Checks that `src` is device memory of CUDA device `device` (an ordinal of this process) before anything is
+  // reserved for it; InvalidArgument naming the tensor otherwise.
+  virtual absl::Status Check(absl::string_view name, const void* src, uint64_t bytes, int device) = 0;
+  // Queues the copy of `bytes` bytes at device pointer `src` (checked) into `dst` (inside the registered ring),
+  // ordered after the work queued so far on `producer_stream` (the cudaStream_t as an integer, 0 = the legacy
+  // default stream). The source must stay unchanged until Drain returned.
+  virtual absl::Status CopyAsync(absl::string_view name, uint8_t* dst, const void* src, uint64_t bytes, int device,
+                                 uint64_t producer_stream) = 0;
+  // Waits until every queued copy has landed; the first asynchronous error otherwise.
+  virtual absl::Status Drain() = 0;
+  // Copies queued since creation, and the time the ring's registration took.
+  virtual uint64_t copies() const = 0;
+  virtual double register_seconds() const = 0;
+};
+
+}  // namespace wsync::client

@@ -1,0 +1,131 @@
+#include <cuda_runtime.h>
+
+#include <map>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "base/cuda_status.h"
+#include "base/status.h"
+#include "client/device_copy.h"
+
+namespace wsync::client {
+namespace {
+
+class CudaCopier final : public DeviceCopier {
+ public:
+  CudaCopier(void* ring, uint64_t bytes, std::string name, double reg_s)
+      : ring_(ring), bytes_(bytes), name_(std::move(name)), reg_s_(reg_s) {}
+
+  ~CudaCopier() override {
+    if (absl::Status s = Drain(); !s.ok()) spdlog::warn("ring {}: {}", name_, std::string(s.message()));
+    for (auto& [dev, q] : queues_) {
+      cudaSetDevice(dev);
+      cudaEventDestroy(q.ready);
+      cudaEventDestroy(q.done);
+      cudaStreamDestroy(q.stream);
+    }
+    if (cudaError_t e = cudaHostUnregister(ring_); e != cudaSuccess)
+      spdlog::warn("ring {}: cudaHostUnregister: {}", name_, cudaGetErrorString(e));
+  }
+
+  absl::Status Check(absl::string_view name, const void* src, uint64_t bytes, int device) override {
+    const std::string what = absl::StrCat("tensor ", name, ": ", bytes, " bytes from cuda:", device, " at 0x", absl::Hex(reinterpret_cast<uintptr_t>(src)));
+    cudaPointerAttributes attr{};
+    if (cudaError_t e = cudaPointerGetAttributes(&attr, src); e != cudaSuccess) {
+      cudaGetLastError();
+      return CudaError(e, "cudaPointerGetAttributes", what);
+    }
+    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+      return absl::InvalidArgumentError(absl::StrCat(what, ": the pointer is not device memory (push it as a host "
+                                                     "tensor)"));
+    if (attr.device != device)
+      return absl::InvalidArgumentError(absl::StrCat(what, ": the memory belongs to cuda:", attr.device,
+                                                     ", not the device given"));
+    return QueueFor(device, what).status();
+  }
+
+  absl::Status CopyAsync(absl::string_view name, uint8_t* dst, const void* src, uint64_t bytes, int device,
+                         uint64_t producer_stream) override {
+    const std::string what = absl::StrCat("tensor ", name, ": ", bytes, " bytes from cuda:", device, " at 0x", absl::Hex(reinterpret_cast<uintptr_t>(src)));
+    if (dst < static_cast<uint8_t*>(ring_) || bytes > bytes_ ||
+        dst + bytes > static_cast<uint8_t*>(ring_) + bytes_)
+      return absl::InternalError(absl::StrCat(what, ": the ring slot lies outside the registered ring"));
+    WSYNC_ASSIGN_OR_RETURN(Queue * q, QueueFor(device, what));
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), what);
+    // Ordered after what the producer has queued so far, without blocking the host.
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaEventRecord(q->ready, reinterpret_cast<cudaStream_t>(producer_stream)), what);
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(q->stream, q->ready, 0), what);
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, q->stream), what);
+    q->pending = true;
+    ++copies_;
+    return absl::OkStatus();
+  }
+
+  absl::Status Drain() override {
+    for (auto& [dev, q] : queues_) {
+      if (!q.pending) continue;
+      const std::string what = absl::StrCat("ring ", name_, ": waiting for the D2H copies from cuda:", dev);
+      WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(dev), what);
+      WSYNC_CUDA_RETURN_IF_ERROR(cudaEventRecord(q.done, q.stream), what);
+      WSYNC_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(q.done), what);
+      q.pending = false;
+    }
+    return absl::OkStatus();
+  }
+
+  uint64_t copies() const override { return copies_; }
+  double register_seconds() const override { return reg_s_; }
+
+ private:
+  struct Queue {
+    cudaStream_t stream = nullptr;
+    cudaEvent_t ready = nullptr;  // recorded on the producer's stream before each copy
+    cudaEvent_t done = nullptr;   // recorded on `stream` by Drain
+    bool pending = false;
+  };
+
+  absl::StatusOr<Queue*> QueueFor(int device, const std::string& what) {
+    auto it = queues_.find(device);
+    if (it != queues_.end()) return &it->second;
+    int n = 0;
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&n), what);
+    if (device < 0 || device >= n)
+      return absl::InvalidArgumentError(absl::StrCat(what, ": this process sees ", n, " CUDA devices"));
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), what);
+    Queue q;
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&q.stream, cudaStreamNonBlocking), what);
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&q.ready, cudaEventDisableTiming), what);
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&q.done, cudaEventDisableTiming), what);
+    return &queues_.emplace(device, q).first->second;
+  }
+
+  void* ring_;
+  uint64_t bytes_;
+  std::string name_;
+  double reg_s_;
+  uint64_t copies_ = 0;
+  std::map<int, Queue> queues_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceCopier>> DeviceCopier::Create(void* ring, uint64_t bytes,
+                                                                  const std::string& ring_name) {
+  int n = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess || n == 0)
+    return absl::FailedPreconditionError(absl::StrCat("ring ", ring_name, ": pushing a CUDA tensor, but this process "
+                                                      "sees no CUDA device (", e != cudaSuccess ? cudaGetErrorString(e)
+                                                                                                 : "0 devices", ")"));
+  const absl::Time t0 = absl::Now();
+  // Portable: the pinning holds for every device's context, so tensors of any device copy at full rate.
+  WSYNC_CUDA_RETURN_IF_ERROR(
+      cudaHostRegister(ring, bytes, cudaHostRegisterPortable),
+      absl::StrCat("page-locking ring ", ring_name, " (", bytes, " bytes; raise RLIMIT_MEMLOCK or lower --ring-mib)"));
+  const double s = absl::ToDoubleSeconds(absl::Now() - t0);
+  spdlog::info("ring {}: {} MiB page-locked for CUDA copies in {:.3f}s (once per session)", ring_name, bytes >> 20, s);
+  return std::unique_ptr<DeviceCopier>(std::make_unique<CudaCopier>(ring, bytes, ring_name, s));
+}
+
+}  // namespace wsync::client
