@@ -96,7 +96,7 @@ void RunScenario(const std::string& spec, const std::string& expect_fault, bool 
     CHECK(r2.status().code() == absl::StatusCode::kAborted);
     const std::string msg(r2.status().message());
     CHECK(absl::StrContains(msg, expect_fault));
-    CHECK((absl::StrContains(msg, "engine engine0 rank 0 at ") || absl::StrContains(msg, "engine engine0 rank 1 at ")));
+  CHECK((absl::StrContains(msg, "engine engine0 rank 0 on node infer0 at ") || absl::StrContains(msg, "engine engine0 rank 1 on node infer0 at ")));
   }
   auto info = Info(engine);
   CHECK(info.weight_version() == "1");
