@@ -22,12 +22,16 @@ import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "client"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
+# Skip only for what this machine cannot have: a CUDA device. With a GPU, a missing numpy/torch is a failure.
+if not os.path.exists("/dev/nvidia0") and not os.path.exists("/dev/nvidiactl"):
+    print("SKIP: no CUDA device on this machine (/dev/nvidia0 absent)")
+    sys.exit(77)
 try:
     import numpy as np
     import torch
 except ImportError as e:
-    print("SKIP: %s" % e)
-    sys.exit(77)
+    print("FAIL: a CUDA device is present but %s (run with a python that has numpy and torch)" % e)
+    sys.exit(1)
 import python_client_test as pct  # noqa: E402  (Cluster, generator, checkpoint shapes)
 
 DEADLINE_S = 90
