@@ -13,8 +13,10 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "base/cli.h"
 #include "base/logging.h"
 #include "base/status.h"
@@ -120,7 +122,17 @@ int main(int argc, char** argv) {
                  "host the coordinator and other daemons dial (needed when --listen binds a wildcard such as 0.0.0.0)");
   app.add_option("--coordinator", coordinator, "host:port of the coordinator")->required();
   app.add_option("--port-file", port_file, "write the bound port here once serving");
-  app.add_option("--transport", transport_name, "tcp | verbs")->check(CLI::IsMember({"tcp", "verbs"}));
+  app.add_option("--transport", transport_name,
+                 "data-path transport: tcp | verbs, or an ordered fallback list such as verbs,tcp (the first one "
+                 "viable on this host is used; a single transport that is not viable is an error)")
+      ->capture_default_str()
+      ->check([](const std::string& v) -> std::string {
+        for (absl::string_view n : absl::StrSplit(v, ',', absl::SkipWhitespace())) {
+          n = absl::StripAsciiWhitespace(n);
+          if (n != "tcp" && n != "verbs") return absl::StrCat("unknown transport '", n, "' (want tcp or verbs)");
+        }
+        return "";
+      });
   app.add_option("--data-host", data_host, "address the data-path listener binds (tcp transport)");
   app.add_option("--engine", engines,
                  "target: an engine on this node, KIND+SCHEME://HOST:PORT (reference+grpc://H:P, a bare H:P means "
@@ -178,21 +190,12 @@ int main(int argc, char** argv) {
 
   transport::TransportOptions topts;
   topts.bind_host = data_host;
-  auto tr = transport::CreateTransport(transport_name, topts);
+  auto tr = transport::CreateFirstViableTransport(transport_name, topts);
   if (!tr.ok()) {
-    spdlog::error("transport {}: {}", transport_name, tr.status().ToString());
-    return 1;
+    spdlog::error("--transport {}: {}", transport_name, std::string(tr.status().message()));
+    return tr.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   std::unique_ptr<transport::Transport> transport = *std::move(tr);
-  if (!transport->viable()) {
-    spdlog::warn("transport {} is not viable here ({}); falling back to tcp", transport_name, transport->reason());
-    auto tcp = transport::CreateTransport("tcp", topts);
-    if (!tcp.ok()) {
-      spdlog::error("tcp transport: {}", tcp.status().ToString());
-      return 1;
-    }
-    transport = *std::move(tcp);
-  }
   // Testing aid: WSYNC_FAULTS wraps the data path in the fault-injecting decorator (see --help), so tests can make
   // writes fail in a real daemon. Loud on purpose: a production node must never run with it.
   if (const char* faults = std::getenv("WSYNC_FAULTS"); faults != nullptr) {

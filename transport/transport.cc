@@ -1,8 +1,13 @@
 #include "transport/transport.h"
 
 #include <utility>
+#include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "base/status.h"
 #include "transport/mooncake/mooncake_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -72,6 +77,36 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const std::string& na
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown transport \"", name, "\" (known: tcp, verbs, mooncake)"));
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateFirstViableTransport(const std::string& list,
+                                                                      const TransportOptions& opts) {
+  std::vector<std::string> names = absl::StrSplit(list, ',', absl::SkipWhitespace());
+  if (names.empty()) return absl::InvalidArgumentError("no transport given (want e.g. tcp, verbs or verbs,tcp)");
+  for (std::string& name : names) name = std::string(absl::StripAsciiWhitespace(name));
+  for (size_t i = 0; i < names.size(); ++i) {
+    // A typo later in the list must not hide behind a viable first entry.
+    if (names[i] != "tcp" && names[i] != "verbs" && names[i] != "mooncake") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown transport \"", names[i], "\" in \"", list, "\" (known: tcp, verbs, mooncake)"));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (names[j] == names[i]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("transport \"", names[i], "\" is listed twice in \"", list, "\""));
+      }
+    }
+  }
+  std::vector<std::string> reasons;
+  for (const std::string& name : names) {
+    WSYNC_ASSIGN_OR_RETURN(std::unique_ptr<Transport> t, CreateTransport(name, opts));
+    if (t->viable()) return t;
+    reasons.push_back(absl::StrCat(name, ": ", t->reason()));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      names.size() == 1 ? "transport not viable on this host: " : "no listed transport is viable on this host: ",
+      absl::StrJoin(reasons, "; "),
+      names.size() == 1 ? " (list a fallback explicitly, e.g. --transport verbs,tcp, to use another)" : ""));
 }
 
 }  // namespace wsync::transport

@@ -155,4 +155,10 @@ struct TransportOptions {
 // exists (check viable()); an unknown name is InvalidArgument.
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const std::string& name, const TransportOptions& opts);
 
+// Creates the first viable backend of an ordered, comma-separated list ("verbs", "verbs,tcp"). A daemon never falls
+// back on its own: only a backend the operator listed is used. None viable is FailedPrecondition naming every
+// backend's reason; an empty list, an unknown or repeated name is InvalidArgument.
+absl::StatusOr<std::unique_ptr<Transport>> CreateFirstViableTransport(const std::string& list,
+                                                                      const TransportOptions& opts);
+
 }  // namespace wsync::transport

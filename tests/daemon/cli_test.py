@@ -54,6 +54,10 @@ def main():
     dead = f"127.0.0.1:{free_port()}"
     rc, _, err = run([b("wsyncctl"), "status", "-w", "json", "--endpoints", dead, "--dial-timeout", "1"])
     check(rc == 3, f"unreachable coordinator exits 3 (rc {rc})")
+    # libibverbs is loaded at run time, never linked: wsyncd must start on hosts without rdma-core.
+    rc, out, _ = run(["readelf", "-d", b("wsyncd")])
+    check(rc == 0 and "libibverbs" not in out and "librdmacm" not in out,
+          f"wsyncd does not link libibverbs or librdmacm (readelf rc {rc})")
     rc, _, err = run([b("wsyncd"), "--role", "source", "--coordinator", dead, "--listen", "0.0.0.0:0"])
     check(rc == 2 and "--advertise" in err + _, f"wsyncd --listen 0.0.0.0 without --advertise exits 2 (rc {rc})")
 
@@ -81,6 +85,40 @@ def main():
             for sub in ("nodes", "engines"):
                 rc, out, _ = run([b("wsyncctl"), sub, "--endpoints", ep, "-w", "json"])
                 check(rc == 0, f"wsyncctl {sub} on an empty cluster (rc {rc})")
+            # Transport selection (docs/operations.md, "Transports"): libibverbs is loaded at run time, so wsyncd
+            # starts where it is missing; a single transport that is not viable is an error, a listed fallback is
+            # used and shows in the node list.
+            env = dict(os.environ, WSYNC_IBVERBS_LIB="/nonexistent/libibverbs.so.1")
+            p = subprocess.run([b("wsyncd"), "--role", "source", "--coordinator", ep, "--listen", "127.0.0.1:0",
+                                "--ring-mib", "4", "--transport", "verbs"], capture_output=True, text=True,
+                               timeout=30, env=env)
+            check(p.returncode == 1 and "cannot load /nonexistent/libibverbs.so.1" in p.stdout + p.stderr
+                  and "verbs,tcp" in p.stdout + p.stderr,
+                  f"--transport verbs without libibverbs exits 1 naming the library and the fallback syntax "
+                  f"(rc {p.returncode})")
+            rc, out, err = run([b("wsyncd"), "--role", "source", "--coordinator", ep, "--transport", "udp"])
+            check(rc == 2 and "udp" in out + err, f"--transport udp is a usage error (rc {rc})")
+            d = subprocess.Popen([b("wsyncd"), "--role", "source", "--coordinator", ep, "--listen", "127.0.0.1:0",
+                                  "--ring-mib", "4", "--node-id", "fallback-node", "--transport", "verbs,tcp"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+            try:
+                transport = None
+                deadline = time.time() + 20
+                while transport is None and time.time() < deadline:
+                    rc, out, _ = run([b("wsyncctl"), "nodes", "--endpoints", ep, "-w", "json"])
+                    try:
+                        for n in json.loads(out).get("nodes", []):
+                            if n.get("nodeId", n.get("node_id")) == "fallback-node":
+                                transport = n.get("transport")
+                    except ValueError:
+                        pass
+                    if transport is None:
+                        time.sleep(0.2)
+                check(transport == "tcp", f"--transport verbs,tcp falls back to tcp, shown in wsyncctl nodes "
+                      f"({transport!r})")
+            finally:
+                d.terminate()
+                d.wait(10)
         finally:
             coord.terminate()
             coord.wait(10)

@@ -84,6 +84,32 @@ Fd RawClient(const Info& info) {
 
 }  // namespace
 
+TEST_CASE("factory: the first viable transport of an operator's list", "[transport][tcp]") {
+  auto tcp = CreateFirstViableTransport("tcp", TransportOptions{});
+  REQUIRE(tcp.ok());
+  CHECK((*tcp)->name() == "tcp");
+
+  // verbs first: used where viable, else the listed fallback; never a transport the list does not name.
+  auto v = CreateTransport("verbs", TransportOptions{});
+  REQUIRE(v.ok());
+  auto listed = CreateFirstViableTransport(" verbs , tcp ", TransportOptions{});
+  REQUIRE(listed.ok());
+  CHECK((*listed)->name() == ((*v)->viable() ? "verbs" : "tcp"));
+  if (!(*v)->viable()) {
+    auto alone = CreateFirstViableTransport("verbs", TransportOptions{});
+    CHECK(alone.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(absl::StrContains(alone.status().message(), (*v)->reason()));
+    CHECK(absl::StrContains(alone.status().message(), "verbs,tcp"));
+  }
+
+  CHECK(CreateFirstViableTransport("", TransportOptions{}).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(CreateFirstViableTransport("tcp,tcp", TransportOptions{}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  auto unknown = CreateFirstViableTransport("tcp,carrier-pigeon", TransportOptions{});
+  CHECK(unknown.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(unknown.status().message(), "carrier-pigeon"));
+}
+
 TEST_CASE("factory: tcp, verbs and unknown names", "[transport][tcp]") {
   auto t = CreateTransport("tcp", TransportOptions{});
   REQUIRE(t.ok());

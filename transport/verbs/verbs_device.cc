@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/status.h"
 #include "spdlog/spdlog.h"
 
 namespace wsync::transport::verbs {
@@ -34,7 +35,7 @@ bool IsZero(const ibv_gid& gid) {
   return true;
 }
 
-const char* PortStateName(ibv_port_state s) { return ibv_port_state_str(s); }
+const char* PortStateName(ibv_port_state s) { return Ibv().port_state_str(s); }
 
 // Chooses the GID index on an Ethernet (RoCE) port.
 absl::StatusOr<int> PickRoceGid(ibv_context* ctx, uint8_t port, int table_len) {
@@ -42,7 +43,7 @@ absl::StatusOr<int> PickRoceGid(ibv_context* ctx, uint8_t port, int table_len) {
   int first_any = -1;
   for (int i = 0; i < table_len; ++i) {
     ibv_gid_entry entry{};
-    if (ibv_query_gid_ex(ctx, port, i, &entry, 0) != 0) continue;  // empty slot (ENODATA)
+    if (Ibv().QueryGidEx(ctx, port, i, &entry) != 0) continue;  // empty slot (ENODATA)
     ibv_gid gid;
     std::memcpy(gid.raw, entry.gid.raw, sizeof(gid.raw));
     if (IsZero(gid)) continue;
@@ -60,13 +61,13 @@ absl::StatusOr<int> PickRoceGid(ibv_context* ctx, uint8_t port, int table_len) {
 // Opens one device port; fills everything but `index`.
 absl::StatusOr<std::unique_ptr<Device>> OpenDevice(ibv_device* dev, int want_port, int gid_index) {
   auto d = std::make_unique<Device>();
-  d->name = ibv_get_device_name(dev);
-  d->context.reset(ibv_open_device(dev));
+  d->name = Ibv().get_device_name(dev);
+  d->context.reset(Ibv().open_device(dev));
   if (!d->context) {
     return absl::UnavailableError(absl::StrCat("ibv_open_device(", d->name, "): ", std::strerror(errno)));
   }
   ibv_device_attr attr{};
-  if (int rc = ibv_query_device(d->context.get(), &attr); rc != 0) {
+  if (int rc = Ibv().query_device(d->context.get(), &attr); rc != 0) {
     return absl::UnavailableError(absl::StrCat("ibv_query_device(", d->name, "): ", std::strerror(rc)));
   }
   d->max_mr_size = attr.max_mr_size;
@@ -77,7 +78,7 @@ absl::StatusOr<std::unique_ptr<Device>> OpenDevice(ibv_device* dev, int want_por
   std::vector<std::string> states;
   for (int p = 1; p <= attr.phys_port_cnt; ++p) {
     if (want_port > 0 && p != want_port) continue;
-    if (ibv_query_port(d->context.get(), p, &pattr) != 0) continue;
+    if (Ibv().QueryPort(d->context.get(), p, &pattr) != 0) continue;
     states.push_back(absl::StrCat("port ", p, " ", PortStateName(pattr.state)));
     if (pattr.state == IBV_PORT_ACTIVE) {
       d->port = static_cast<uint8_t>(p);
@@ -103,7 +104,7 @@ absl::StatusOr<std::unique_ptr<Device>> OpenDevice(ibv_device* dev, int want_por
   } else {
     d->gid_index = 0;  // InfiniBand: addressed by LID, GID 0 is the port GID
   }
-  if (int rc = ibv_query_gid(d->context.get(), d->port, d->gid_index, &d->gid); rc != 0) {
+  if (int rc = Ibv().query_gid(d->context.get(), d->port, d->gid_index, &d->gid); rc != 0) {
     return absl::UnavailableError(
         absl::StrCat("ibv_query_gid(", d->name, " port ", d->port, " index ", d->gid_index, ") failed"));
   }
@@ -111,7 +112,7 @@ absl::StatusOr<std::unique_ptr<Device>> OpenDevice(ibv_device* dev, int want_por
     return absl::FailedPreconditionError(absl::StrCat(d->name, ": GID index ", d->gid_index, " is empty"));
   }
 
-  d->pd.reset(ibv_alloc_pd(d->context.get()));
+  d->pd.reset(Ibv().alloc_pd(d->context.get()));
   if (!d->pd) return absl::UnavailableError(absl::StrCat("ibv_alloc_pd(", d->name, "): ", std::strerror(errno)));
   d->numa_node = DeviceNumaNode(d->name);
   return d;
@@ -150,9 +151,11 @@ std::vector<int> PreferredDevices(const DeviceSet& set, const void* addr) {
 }
 
 absl::StatusOr<std::shared_ptr<DeviceSet>> OpenDevices(const std::vector<std::string>& wanted, int gid_index) {
+  // Without libibverbs this is where the verbs transport stops: not viable, with the loader's reason.
+  WSYNC_RETURN_IF_ERROR(LoadIbv().status());
   int num = 0;
   errno = 0;
-  DeviceListPtr list(ibv_get_device_list(&num));
+  DeviceListPtr list(Ibv().get_device_list(&num));
   if (!list) {
     int err = errno;
     std::string why = absl::StrCat("ibv_get_device_list failed: ", std::strerror(err));
@@ -162,7 +165,7 @@ absl::StatusOr<std::shared_ptr<DeviceSet>> OpenDevices(const std::vector<std::st
   if (num == 0) return absl::FailedPreconditionError("no RDMA devices found (ibv_get_device_list returned none)");
 
   std::vector<std::string> available;
-  for (int i = 0; i < num; ++i) available.push_back(ibv_get_device_name(list.get()[i]));
+  for (int i = 0; i < num; ++i) available.push_back(Ibv().get_device_name(list.get()[i]));
 
   auto set = std::make_shared<DeviceSet>();
   set->explicit_list = !wanted.empty();
@@ -188,7 +191,7 @@ absl::StatusOr<std::shared_ptr<DeviceSet>> OpenDevices(const std::vector<std::st
       }
       ibv_device* match = nullptr;
       for (int i = 0; i < num; ++i) {
-        if (parts[0] == ibv_get_device_name(list.get()[i])) match = list.get()[i];
+        if (parts[0] == Ibv().get_device_name(list.get()[i])) match = list.get()[i];
       }
       if (match == nullptr) {
         // An explicitly requested device must exist: using fewer NICs than configured silently would hide a fault.

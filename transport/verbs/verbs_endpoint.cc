@@ -97,7 +97,7 @@ class VerbsEndpoint final : public Endpoint {
         qp.max_wr = max_wr;
         qp.psn = rng() & 0xffffff;
         // Only signaled WRs complete normally, but a QP in error flushes every outstanding WR: size for all of them.
-        qp.cq.reset(ibv_create_cq(dev->context.get(), static_cast<int>(max_wr) + 1, nullptr, nullptr, 0));
+        qp.cq.reset(Ibv().create_cq(dev->context.get(), static_cast<int>(max_wr) + 1, nullptr, nullptr, 0));
         if (!qp.cq) {
           return absl::UnavailableError(absl::StrCat("ibv_create_cq on ", dev->name, ": ", std::strerror(errno)));
         }
@@ -110,7 +110,7 @@ class VerbsEndpoint final : public Endpoint {
         init.cap.max_recv_wr = 1;
         init.cap.max_send_sge = 1;
         init.cap.max_recv_sge = 1;
-        qp.qp.reset(ibv_create_qp(dev->pd.get(), &init));
+        qp.qp.reset(Ibv().create_qp(dev->pd.get(), &init));
         if (!qp.qp) {
           return absl::UnavailableError(
               absl::StrCat("ibv_create_qp on ", dev->name, " (max_send_wr ", max_wr, "): ", std::strerror(errno)));
@@ -122,7 +122,7 @@ class VerbsEndpoint final : public Endpoint {
         // The peer writes into our regions through this QP.
         attr.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE;
         if (int rc =
-                ibv_modify_qp(qp.qp.get(), &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
+                Ibv().modify_qp(qp.qp.get(), &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
             rc != 0) {
           return absl::UnavailableError(absl::StrCat("ibv_modify_qp(INIT) on ", dev->name, ": ", std::strerror(rc)));
         }
@@ -235,7 +235,7 @@ class VerbsEndpoint final : public Endpoint {
       attr.ah_attr.grh.sgid_index = static_cast<uint8_t>(qp.dev->gid_index);
       attr.ah_attr.grh.hop_limit = 64;
     }
-    if (int rc = ibv_modify_qp(qp.qp.get(), &attr,
+    if (int rc = Ibv().modify_qp(qp.qp.get(), &attr,
                                IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
                                    IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
         rc != 0) {
@@ -248,7 +248,7 @@ class VerbsEndpoint final : public Endpoint {
     rts.retry_cnt = cfg_.retry_cnt;
     rts.rnr_retry = 7;
     rts.max_rd_atomic = 1;
-    if (int rc = ibv_modify_qp(qp.qp.get(), &rts,
+    if (int rc = Ibv().modify_qp(qp.qp.get(), &rts,
                                IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                                    IBV_QP_MAX_QP_RD_ATOMIC);
         rc != 0) {
@@ -286,13 +286,13 @@ class VerbsEndpoint final : public Endpoint {
     ibv_qp_attr attr{};
     ibv_qp_init_attr init{};
     std::string state;
-    if (ibv_query_qp(qps_[q].qp.get(), &attr, IBV_QP_STATE, &init) == 0) {
+    if (Ibv().query_qp(qps_[q].qp.get(), &attr, IBV_QP_STATE, &init) == 0) {
       state = absl::StrCat(", qp state ", QpStateName(attr.qp_state));
     }
     auto status = static_cast<ibv_wc_status>(wc.status);
     return absl::Status(CodeForCompletion(status),
                         absl::StrFormat("verbs write to peer %s failed: %s (wc status %d, vendor_err 0x%x) on %s%s%s%s",
-                                        PeerName(), ibv_wc_status_str(status), static_cast<int>(wc.status),
+                                        PeerName(), Ibv().wc_status_str(status), static_cast<int>(wc.status),
                                         wc.vendor_err, QpLabel(q), state, where, HintForCompletion(status)));
   }
 

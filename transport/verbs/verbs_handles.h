@@ -9,6 +9,8 @@
 
 #include <memory>
 
+#include "transport/verbs/ibv_api.h"
+
 namespace wsync::transport::verbs {
 
 namespace internal {
@@ -33,11 +35,11 @@ inline constexpr char kDestroyCq[] = "ibv_destroy_cq";
 inline constexpr char kDestroyQp[] = "ibv_destroy_qp";
 inline constexpr char kDeregMr[] = "ibv_dereg_mr";
 // Some of these are macros or inline wrappers in rdma-core; take the address of a real function.
-inline int CloseDevice(ibv_context* c) { return ibv_close_device(c); }
-inline int DeallocPd(ibv_pd* p) { return ibv_dealloc_pd(p); }
-inline int DestroyCq(ibv_cq* c) { return ibv_destroy_cq(c); }
-inline int DestroyQp(ibv_qp* q) { return ibv_destroy_qp(q); }
-inline int DeregMr(ibv_mr* m) { return ibv_dereg_mr(m); }
+inline int CloseDevice(ibv_context* c) { return Ibv().close_device(c); }
+inline int DeallocPd(ibv_pd* p) { return Ibv().dealloc_pd(p); }
+inline int DestroyCq(ibv_cq* c) { return Ibv().destroy_cq(c); }
+inline int DestroyQp(ibv_qp* q) { return Ibv().destroy_qp(q); }
+inline int DeregMr(ibv_mr* m) { return Ibv().dereg_mr(m); }
 }  // namespace internal
 
 using ContextPtr = std::unique_ptr<ibv_context, IbvDeleter<ibv_context, internal::CloseDevice, internal::kCloseDevice>>;
@@ -49,7 +51,7 @@ using MrPtr = std::unique_ptr<ibv_mr, IbvDeleter<ibv_mr, internal::DeregMr, inte
 // The device list returned by ibv_get_device_list; freed with ibv_free_device_list.
 struct DeviceListDeleter {
   void operator()(ibv_device** list) const noexcept {
-    if (list != nullptr) ibv_free_device_list(list);
+    if (list != nullptr) Ibv().free_device_list(list);
   }
 };
 using DeviceListPtr = std::unique_ptr<ibv_device*, DeviceListDeleter>;

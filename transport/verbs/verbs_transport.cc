@@ -133,7 +133,7 @@ class VerbsTransport final : public Transport {
       for (uint64_t c = 0; c < nchunks; ++c) {
         uint64_t off = c * chunk;
         uint64_t n = std::min(chunk, len - off);
-        MrPtr mr(ibv_reg_mr(d->pd.get(), static_cast<char*>(addr) + off, n, kAccess));
+        MrPtr mr(Ibv().reg_mr(d->pd.get(), static_cast<char*>(addr) + off, n, kAccess));
         if (!mr) {
           int err = errno;
           // Already registered chunks are released by `mrs`.
