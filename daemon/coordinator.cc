@@ -114,6 +114,9 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
       for (const auto& other : n.engines())
         if (id != req.node_id() && other.engine_id() == e.engine_id())
           return absl::AlreadyExistsError(absl::StrCat("engine ", e.engine_id(), " is already served by node ", id));
+  // A (re)registering daemon is a new process, maybe at the address of the old one: dial it afresh.
+  peers_->Forget(req.address());
+  for (const auto& e : req.engines()) peers_->Forget(e.control_address());
   nodes_[req.node_id()] = req;
   last_heartbeat_[req.node_id()] = absl::Now();
   for (const auto& e : req.engines()) engine_state_[e.control_address()] = "registered";
@@ -309,6 +312,13 @@ std::string Coordinator::EngineLabel(const std::string& addr) const {
   return addr;
 }
 
+std::string Coordinator::NodeLabel(const std::string& addr) const {
+  std::lock_guard<std::mutex> l(mu_);
+  for (const auto& [id, n] : nodes_)
+    if (n.address() == addr) return absl::StrCat(id, " (", addr, ")");
+  return addr;
+}
+
 std::vector<std::string> Coordinator::EngineAddresses() const {
   std::vector<std::string> out;
   for (const auto& [id, n] : nodes_)
@@ -457,7 +467,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   if (need_plan) {
     st = ForAll(configure, [&](const std::pair<std::string, v1::ConfigureSourceRequest>& c) {
       auto r = peers_->ConfigureSource(c.first, c.second);
-      return Annotate(r.status(), "configure source " + c.first);
+      return Annotate(r.status(), "configure source " + NodeLabel(c.first));
     });
     AddPhase(&rec, "configure", t);
     out.set_configure_seconds(rec.phases(1).seconds());
@@ -474,7 +484,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   v1::StartUpdateRequest sreq;
   sreq.set_version(v);
   sreq.set_plan_epoch(plan_epoch);
-  st = ForAll(source_addrs, [&](const std::string& a) { return Annotate(peers_->StartUpdate(a, sreq), "start " + a); });
+  st = ForAll(source_addrs, [&](const std::string& a) { return Annotate(peers_->StartUpdate(a, sreq), "start source " + NodeLabel(a)); });
   // A source that started may already take pushes from its ranks: count the update as possibly written.
   if (!st.ok()) {
     SetWindows(false, v).IgnoreError();
@@ -544,7 +554,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   uint64_t bytes = 0, params = 0;
   absl::Status st = ForAll(sources, [&](const std::string& a) {
     auto r = peers_->FinishUpdate(a, freq);
-    if (!r.ok()) return Annotate(r.status(), "source " + a);
+    if (!r.ok()) return Annotate(r.status(), "source " + NodeLabel(a));
     std::lock_guard<std::mutex> l(agg_mu);
     bytes += r->bytes_written();
     params += r->params_written();
@@ -596,8 +606,6 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
 
 absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpdateRequest& req) {
   const int64_t v = req.version();
-  v1::UpdateRecord rec;
-  std::vector<std::string> sources;
   {
     std::lock_guard<std::mutex> l(mu_);
     if (auto it = aborted_.find(v); it != aborted_.end()) return it->second;
@@ -619,6 +627,19 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
     if (state_ == "aborting")
       return absl::FailedPreconditionError(
           absl::StrCat("update ", v, " is being aborted by another call; ask again for its result"));
+  }
+  return EndOpenUpdate(v, req.reason(), true);
+}
+
+absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const std::string& why_in,
+                                                                 bool by_operator, const std::string& lost_address) {
+  v1::UpdateRecord rec;
+  std::vector<std::string> sources;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (open_version_ != v || state_ != "updating")
+      return absl::FailedPreconditionError(
+          absl::StrCat("update ", v, " is not open (", state_, "); nothing to end"));
     state_ = "aborting";
     Persist();
     rec = open_record_;
@@ -628,29 +649,54 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
   const absl::Time t = absl::Now();
   v1::AbortSourceUpdateRequest sreq;
   sreq.set_version(v);
-  sreq.set_reason(req.reason());
+  sreq.set_reason(why_in);
   std::mutex agg_mu;
   uint64_t bytes = 0;
   bool clean = true;
   absl::Status st = ForAll(sources, [&](const std::string& a) {
+    if (a == lost_address) {
+      // Not asked: a stopped or unreachable node would hold the failure for the whole call deadline. It abandons
+      // the update at its next StartUpdate; whatever it wrote counts as possibly written.
+      std::lock_guard<std::mutex> l(agg_mu);
+      clean = false;
+      return absl::OkStatus();
+    }
     auto r = peers_->AbortSourceUpdate(a, sreq);
     std::lock_guard<std::mutex> l(agg_mu);
     if (!r.ok()) {
       clean = false;  // unknown: that source may have written
-      return Annotate(r.status(), "abort at source " + a);
+      return Annotate(r.status(), "abort at source " + NodeLabel(a));
     }
     bytes += r->bytes_written();
     if (r->bytes_written() > 0 || !r->quiescent()) clean = false;
     return absl::OkStatus();
   });
-  SetWindows(false, v).IgnoreError();
+  SetWindows(false, v, lost_address).IgnoreError();
   AddPhase(&rec, "abort", t);
   rec.set_bytes(bytes);
-  rec.set_aborted(true);
-  const std::string why = absl::StrCat("aborted by the operator",
-                                       req.reason().empty() ? std::string() : absl::StrCat(": ", req.reason()),
-                                       st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"));
-  absl::Status err = Fail(rec, absl::AbortedError(why), !clean);
+  rec.set_aborted(by_operator);
+  const std::string why =
+      by_operator ? absl::StrCat("aborted by the operator", why_in.empty() ? std::string() : absl::StrCat(": ", why_in),
+                                 st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"))
+                  : absl::StrCat(why_in, st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"));
+  absl::Status err = by_operator ? Fail(rec, absl::AbortedError(why), !clean)
+                                 : Fail(rec, absl::UnavailableError(why), !clean);
+  if (!lost_address.empty()) {
+    // The failure is recorded; now, off the critical path, try to close the lost node's window too (a stopped
+    // target that is continued later must not keep it open). Bounded by the call's deadline.
+    v1::SetWriteWindowRequest close;
+    close.set_open(false);
+    close.set_version(v);
+    bool is_target = false;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      for (const auto& [id, n] : nodes_) is_target |= n.address() == lost_address && n.role() == "target";
+    }
+    if (is_target) {
+      auto r = peers_->SetWriteWindow(lost_address, close);
+      if (!r.ok()) spdlog::warn("closing the write window of lost target {}: {}", lost_address, r.status().ToString());
+    }
+  }
   v1::AbortUpdateReply out;
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -660,24 +706,72 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
     aborted_[v] = out;
     while (aborted_.size() > std::max<size_t>(opts_.history_limit, 1)) aborted_.erase(aborted_.begin());
   }
-  spdlog::warn("update {} aborted: {} bytes had reached the engines; engines {}", v, bytes,
+  spdlog::warn("update {} {}: {} bytes had reached the engines; engines {}", v, by_operator ? "aborted" : "failed",
+               bytes,
                out.engines_resumable() ? "may be resumed at the old version" : "stay paused until an update succeeds");
   return out;
 }
 
-absl::Status Coordinator::SetWindows(bool open, int64_t version) {
+Coordinator::~Coordinator() {
+  {
+    std::lock_guard<std::mutex> l(watch_mu_);
+    watch_stop_ = true;
+  }
+  watch_cv_.notify_all();
+  if (watch_thread_.joinable()) watch_thread_.join();
+}
+
+void Coordinator::StartLeaseWatch() {
+  if (watch_thread_.joinable() || opts_.lease_check_seconds <= 0) return;
+  watch_thread_ = std::thread([this] {
+    std::unique_lock<std::mutex> l(watch_mu_);
+    while (!watch_cv_.wait_for(l, absl::ToChronoMilliseconds(absl::Seconds(opts_.lease_check_seconds)),
+                               [this] { return watch_stop_; })) {
+      l.unlock();
+      CheckLeases();
+      l.lock();
+    }
+  });
+}
+
+bool Coordinator::CheckLeases() {
+  int64_t v;
+  std::string why, lost_address;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (state_ != "updating") return false;
+    const absl::Duration limit = absl::Seconds(3 * opts_.heartbeat_seconds);
+    const absl::Time now = absl::Now();
+    for (const auto& [id, n] : nodes_) {
+      auto hb = last_heartbeat_.find(id);
+      const absl::Duration ago = hb == last_heartbeat_.end() ? absl::InfiniteDuration() : now - hb->second;
+      if (ago <= limit) continue;
+      why = absl::StrCat(n.role(), " node ", id, " (", n.address(), ") lost its lease during the update: no heartbeat for ",
+                         absl::FormatDuration(absl::Trunc(ago, absl::Milliseconds(100))), " (limit ",
+                         absl::FormatDuration(limit), "); it stopped or is unreachable");
+      lost_address = n.address();
+      break;
+    }
+    if (why.empty()) return false;
+    v = open_version_;
+  }
+  spdlog::error("update {}: {}", v, why);
+  return EndOpenUpdate(v, why, false, lost_address).ok();
+}
+
+absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::string& skip_address) {
   std::vector<std::string> targets;
   {
     std::lock_guard<std::mutex> l(mu_);
     for (const auto& [id, n] : nodes_)
-      if (n.role() == "target") targets.push_back(n.address());
+      if (n.role() == "target" && n.address() != skip_address) targets.push_back(n.address());
   }
   v1::SetWriteWindowRequest req;
   req.set_open(open);
   req.set_version(version);
   absl::Status st = ForAll(targets, [&](const std::string& a) {
     return Annotate(peers_->SetWriteWindow(a, req).status(),
-                    absl::StrCat(open ? "opening" : "closing", " the write window of target ", a));
+                    absl::StrCat(open ? "opening" : "closing", " the write window of target ", NodeLabel(a)));
   });
   if (!st.ok() && !open) spdlog::warn("{}", st.ToString());
   return st;

@@ -24,6 +24,7 @@
 // The current version, the history and the engines' version labels therefore only move forward.
 
 #include <condition_variable>
+#include <thread>
 #include <deque>
 #include <map>
 #include <memory>
@@ -44,6 +45,9 @@ namespace wsync::daemon {
 class Peers {
  public:
   virtual ~Peers() = default;
+  // A daemon or engine at `addr` (re)started: drop any connection state kept for it, so the next call dials afresh
+  // instead of failing inside a reconnect backoff left by the previous process.
+  virtual void Forget(const std::string& addr) { (void)addr; }
   virtual absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
                                                                   const v1::ConfigureSourceRequest& req) = 0;
   virtual absl::Status StartUpdate(const std::string& addr, const v1::StartUpdateRequest& req) = 0;
@@ -83,6 +87,9 @@ struct CoordinatorOptions {
   uint64_t snap_bytes = 4ull << 20;
   size_t history_limit = 1000;    // also bounds the per-version outcomes kept to answer retries
   double heartbeat_seconds = 2;   // daemons' lease renewal interval; a node is unreachable after 3 missed
+  // While an update is open (trainer pushing), a node that misses 3 lease renewals fails it at once, naming the node
+  // (StartLeaseWatch runs the check); otherwise a dead daemon would hold the update open until its client gave up.
+  double lease_check_seconds = 0.5;
 };
 
 // The gRPC deadlines GrpcPeers puts on each call (seconds). One fact, one place: CommitWorstCase below and the
@@ -118,6 +125,15 @@ inline double BeginWorstCaseSeconds() {
 class Coordinator {
  public:
   Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers);
+  ~Coordinator();
+
+  // Starts the lease watch: every lease_check_seconds, CheckLeases(). The binary starts it; unit tests call
+  // CheckLeases() themselves. Stopped by the destructor.
+  void StartLeaseWatch();
+  // Fails the open update (state updating) when a registered node has not renewed its lease for 3 intervals: its
+  // sources are told to abort, windows close, the record names the node, engines stay paused. Returns whether it
+  // failed an update.
+  bool CheckLeases();
 
   absl::StatusOr<v1::RegisterNodeReply> RegisterNode(const v1::RegisterNodeRequest& req);
   v1::ClusterStatus Status() const;
@@ -154,6 +170,8 @@ class Coordinator {
   std::vector<std::string> EngineAddresses() const;
   // "engine ID (N ranks, node NODE, ADDR)": how errors name an engine. Takes mu_ (call without it).
   std::string EngineLabel(const std::string& addr) const;
+  // "NODE_ID (ADDR)": how errors name a daemon. Takes mu_ (call without it).
+  std::string NodeLabel(const std::string& addr) const;
   bool UpdateInProgress() const {
     return state_ == "beginning" || state_ == "updating" || state_ == "committing" || state_ == "aborting";
   }
@@ -166,9 +184,15 @@ class Coordinator {
   absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written);
   // The recorded answer for a version that has ended, or nullptr. Requires mu_.
   const Outcome* FindOutcome(int64_t v) const;
+  // Ends the open update `v` (state updating) through the sources' AbortSourceUpdate: `by_operator` records it as
+  // aborted with `why`, otherwise as failed because of `why`. The shared body of AbortUpdate and CheckLeases.
+  // `lost_address`: a node not to be asked (its lease lapsed).
+  absl::StatusOr<v1::AbortUpdateReply> EndOpenUpdate(int64_t v, const std::string& why, bool by_operator,
+                                                     const std::string& lost_address = "");
   // Opens or closes the write window on every target daemon; a target that cannot be told is an error when opening
   // (its engines would refuse the writes) and logged when closing.
-  absl::Status SetWindows(bool open, int64_t version);
+  // `skip_address`: a target not to be told (its lease lapsed; its window closes when it restarts).
+  absl::Status SetWindows(bool open, int64_t version, const std::string& skip_address = "");
   // Saves the state to the store, if any (a failed save is logged, the coordinator goes on). Requires mu_.
   void Persist();
   // Records the coordinator's view of engine `addr` after a call of `phase` (on_success "" = unchanged); returns st.
@@ -198,6 +222,10 @@ class Coordinator {
   int64_t current_version_ = -1;       // last committed version; -1 when none
   int64_t open_plan_epoch_ = -1;       // plan the open update was started under (sent with FinishUpdate)
   v1::BeginUpdateReply begin_reply_;   // the open version's BeginUpdate reply (answers a retried BeginUpdate)
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  bool watch_stop_ = false;
+  std::thread watch_thread_;
   v1::UpdateRecord open_record_;
   std::map<int64_t, Outcome> outcomes_;  // per ended version, the oldest dropped beyond history_limit
   std::deque<v1::UpdateRecord> history_;

@@ -84,6 +84,7 @@ int main(int argc, char** argv) {
     }
     metrics = *std::move(m);
   }
+  coordinator.StartLeaseWatch();
   spdlog::info("coordinator serving on port {} (strategy {})", served->port, opts.strategy);
   daemon::WaitForTermination();
   spdlog::info("coordinator shutting down");

@@ -276,14 +276,19 @@ class GrpcPeers final : public Peers {
     return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Continue, v1::ContinueRequest(),
                                       PeerDeadlines::kContinue));
   }
+  void Forget(const std::string& addr) override {
+    std::lock_guard<std::mutex> l(mu_);
+    daemons_.erase(addr);
+    engines_.erase(addr);
+  }
 
  private:
   template <typename Rep, typename Stub, typename Req, typename Method>
-  static absl::StatusOr<Rep> Call(Stub* stub, Method m, const Req& req, double timeout_s) {
+  static absl::StatusOr<Rep> Call(const std::shared_ptr<Stub>& stub, Method m, const Req& req, double timeout_s) {
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline(timeout_s));
     Rep out;
-    grpc::Status s = (stub->*m)(&ctx, req, &out);
+    grpc::Status s = ((*stub).*m)(&ctx, req, &out);
     if (!s.ok()) return FromGrpcStatus(s);
     return out;
   }
@@ -292,17 +297,18 @@ class GrpcPeers final : public Peers {
     if (!r->success()) return absl::InternalError(absl::StrCat("engine refused: ", r->message()));
     return absl::OkStatus();
   }
-  v1::NodeDaemon::Stub* Daemon(const std::string& addr) {
+  // Stubs are shared: Forget may drop one while a call on it is still running.
+  std::shared_ptr<v1::NodeDaemon::Stub> Daemon(const std::string& addr) {
     std::lock_guard<std::mutex> l(mu_);
     auto& s = daemons_[addr];
     if (!s) s = v1::NodeDaemon::NewStub(Channel(addr));
-    return s.get();
+    return s;
   }
-  v1::EngineControl::Stub* Engine(const std::string& addr) {
+  std::shared_ptr<v1::EngineControl::Stub> Engine(const std::string& addr) {
     std::lock_guard<std::mutex> l(mu_);
     auto& s = engines_[addr];
     if (!s) s = v1::EngineControl::NewStub(Channel(addr));
-    return s.get();
+    return s;
   }
   static std::shared_ptr<grpc::Channel> Channel(const std::string& addr) {
     grpc::ChannelArguments args;
@@ -311,8 +317,8 @@ class GrpcPeers final : public Peers {
     return grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args);
   }
   std::mutex mu_;
-  std::map<std::string, std::unique_ptr<v1::NodeDaemon::Stub>> daemons_;
-  std::map<std::string, std::unique_ptr<v1::EngineControl::Stub>> engines_;
+  std::map<std::string, std::shared_ptr<v1::NodeDaemon::Stub>> daemons_;
+  std::map<std::string, std::shared_ptr<v1::EngineControl::Stub>> engines_;
 
  private:
   EngineDeadlines d_;

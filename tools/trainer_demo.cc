@@ -109,11 +109,18 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
-    auto names = (*c)->BeginPush(v);
-    if (!names.ok()) {
-      spdlog::error("{}", names.status().ToString());
+    // A driving rank whose push fails ends the update it opened at once (the engines stay paused), rather than
+    // leaving it open until the coordinator notices on its own.
+    auto give_up = [&](const std::string& why) {
+      spdlog::error("{}", why);
+      if (drive) {
+        auto a = coord->AbortUpdate(v, absl::StrCat("trainer rank ", global_rank, ": ", why));
+        if (!a.ok()) spdlog::warn("abort update {}: {}", v, a.status().ToString());
+      }
       return 1;
-    }
+    };
+    auto names = (*c)->BeginPush(v);
+    if (!names.ok()) return give_up(names.status().ToString());
     absl::Time t0 = absl::Now();
     for (const auto& n : *names) {
       auto it = by_name.find(n);
@@ -132,15 +139,9 @@ int main(int argc, char** argv) {
         }
         tools::GenerateTensor(s.name, v, s.dtype, elems, dst);
       });
-      if (!st.ok()) {
-        spdlog::error("push {}: {}", s.name, st.ToString());
-        return 1;
-      }
+      if (!st.ok()) return give_up(absl::StrCat("push ", s.name, ": ", st.ToString()));
     }
-    if (auto st = (*c)->EndPush(v); !st.ok()) {
-      spdlog::error("{}", st.ToString());
-      return 1;
-    }
+    if (auto st = (*c)->EndPush(v); !st.ok()) return give_up(st.ToString());
     const auto& ps = (*c)->stats();
     spdlog::info("update {}: pushed {} tensors, {:.1f} MiB in {} buckets ({:.2f}s)", v, ps.tensors, ps.bytes / 1048576.0,
                  ps.buckets, absl::ToDoubleSeconds(absl::Now() - t0));
