@@ -749,6 +749,10 @@ bool Coordinator::CheckLeases() {
       why = absl::StrCat(n.role(), " node ", id, " (", n.address(), ") lost its lease during the update: no heartbeat for ",
                          absl::FormatDuration(absl::Trunc(ago, absl::Milliseconds(100))), " (limit ",
                          absl::FormatDuration(limit), "); it stopped or is unreachable");
+      std::vector<std::string> ranks;
+      for (const auto& e : n.engines())
+        for (const auto& r : e.ranks()) ranks.push_back(absl::StrCat("engine ", e.engine_id(), " rank ", r.rank()));
+      if (!ranks.empty()) absl::StrAppend(&why, "; engine ranks that may hold partial writes: ", absl::StrJoin(ranks, ", "));
       lost_address = n.address();
       break;
     }

@@ -114,8 +114,18 @@ int main(int argc, char** argv) {
     auto give_up = [&](const std::string& why) {
       spdlog::error("{}", why);
       if (drive) {
+        std::string verdict = why;
         auto a = coord->AbortUpdate(v, absl::StrCat("trainer rank ", global_rank, ": ", why));
-        if (!a.ok()) spdlog::warn("abort update {}: {}", v, a.status().ToString());
+        if (a.ok()) {
+          verdict = a->record().error();
+        } else {
+          spdlog::warn("abort update {}: {}", v, a.status().ToString());
+          // Ended already (e.g. the coordinator failed it when a node lost its lease): its record has the cause.
+          if (auto h = coord->History(20); h.ok())
+            for (const auto& r : h->records())
+              if (r.version() == v && !r.success()) verdict = r.error();
+        }
+        std::printf("wsync demo: update %lld FAILED: %s\n", static_cast<long long>(v), verdict.c_str());
       }
       return 1;
     };
