@@ -737,7 +737,8 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
       v1::UpdateRecord rec = s.open_record();
       rec.set_version(v);
       rec.set_success(false);
-      rec.set_error(absl::StrCat("ABORTED: update ", v, " failed: the coordinator restarted during it (state ",
+      rec.set_error(absl::StrCat("ABORTED: update ", v,
+                                 " failed: the coordinator restarted during it (or its leader failed over; state ",
                                  s.state(), "); engines stay paused until a successful update"));
       if (rec.started_unix_ms() > 0)
         rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
