@@ -78,6 +78,15 @@ def main() -> int:
                 print(r.stdout.strip()[-600:])
                 return r.returncode == 0 and "all verified bit-exact" in r.stdout
 
+            # Bad --state values: a usage error (2) names what is wrong; an etcd nobody answers at is a failure (1).
+            r = subprocess.run([f"{b}/wsync-coordinator", "--listen", "127.0.0.1:0", "--state", "etcd://h:2379"],
+                               capture_output=True, text=True, timeout=30)
+            check(r.returncode == 2 and "PREFIX" in r.stdout + r.stderr, f"--state without a prefix: rc {r.returncode}")
+            r = subprocess.run([f"{b}/wsync-coordinator", "--listen", "127.0.0.1:0", "--state",
+                                f"etcd://127.0.0.1:{harness.free_port()}/x"], capture_output=True, text=True, timeout=30)
+            check(r.returncode == 1 and "no endpoint answered" in r.stdout + r.stderr,
+                  f"--state naming a dead etcd: rc {r.returncode}")
+
             # 1. Election: c1 first, so it leads; c2 stands by.
             start_coordinator("c1", c1)
             harness.wait_for("c1 leading", lambda: leads(c1), 30, procs, ["c1"])
@@ -148,6 +157,11 @@ def main() -> int:
             check([(str(r.get("version")), r.get("success")) for r in recs] == [("1", True), ("2", False)]
                   and "restarted during it" in recs[-1].get("error", ""),
                   f"history: {[(r.get('version'), r.get('success')) for r in recs]}")
+            from wsync_client import Coordinator  # noqa: E402
+            with Coordinator([c1, c2]) as pc:  # the Python client, the dead leader first
+                pst = pc.status()
+            check(pst.get("state") == "failed" and pst.get("current_version") == "1",
+                  f"the Python client finds the new leader past the dead one: {pst.get('state')!r}")
             rc, _, err = ctl(both, "resume")
             check(rc == 1 and "mixed weights" in err, f"resume refused while the engine may hold partial writes "
                                                        f"(rc {rc})")
