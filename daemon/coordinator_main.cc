@@ -212,7 +212,8 @@ int main(int argc, char** argv) {
   spdlog::info("coordinator serving on port {} (strategy {})", served->port, opts.strategy);
   daemon::WaitForTermination();
   spdlog::info("coordinator shutting down");
-  if (etcd != nullptr) etcd->Resign();  // a standby takes over at once instead of after the lease's TTL
   served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  // After the calls in flight have ended: a standby takes over at once instead of after the lease's TTL.
+  if (etcd != nullptr) etcd->Resign();
   return 0;
 }
