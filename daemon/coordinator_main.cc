@@ -144,6 +144,23 @@ int main(int argc, char** argv) {
     spdlog::error("{}", served.status().ToString());
     return 1;
   }
+  std::unique_ptr<daemon::MetricsServer> metrics;
+  if (!metrics_listen.empty()) {
+    auto m = daemon::MetricsServer::Start(metrics_listen, &coordinator.metrics());
+    if (!m.ok()) {
+      spdlog::error("--metrics-listen: {}", m.status().ToString());
+      served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      return m.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+    }
+    metrics = *std::move(m);
+  }
+  // High availability: `wsync_coordinator_leader` and the health status of service "wsync.v1.Coordinator" say
+  // which coordinator leads (a readiness probe on that service routes clients to the leader only); "" stays SERVING.
+  coordinator.metrics().Declare("wsync_coordinator_leader", "gauge",
+                                "1 while this coordinator leads (always 1 without a shared etcd state store).");
+  coordinator.metrics().Set("wsync_coordinator_leader", {}, ha ? 0 : 1);
+  grpc::HealthCheckServiceInterface* health = served->server->GetHealthCheckService();
+  if (health != nullptr) health->SetServingStatus("wsync.v1.Coordinator", !ha);
   daemon::EtcdStateStore* etcd = nullptr;  // owned by the coordinator once elected, else by etcd_owned
   std::unique_ptr<daemon::EtcdStateStore> etcd_owned;
   if (ha) {
@@ -198,16 +215,9 @@ int main(int argc, char** argv) {
       return 1;
     }
     gate.set_ready();
+    coordinator.metrics().Set("wsync_coordinator_leader", {}, 1);
+    if (health != nullptr) health->SetServingStatus("wsync.v1.Coordinator", true);
     spdlog::info("leading: state loaded from {} in {:.3f}s", etcd->path(), absl::ToDoubleSeconds(absl::Now() - t0));
-  }
-  std::unique_ptr<daemon::MetricsServer> metrics;
-  if (!metrics_listen.empty()) {
-    auto m = daemon::MetricsServer::Start(metrics_listen, &coordinator.metrics());
-    if (!m.ok()) {
-      spdlog::error("--metrics-listen: {}", m.status().ToString());
-      return m.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
-    }
-    metrics = *std::move(m);
   }
   spdlog::info("coordinator serving on port {} (strategy {})", served->port, opts.strategy);
   daemon::WaitForTermination();

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "engines"))
@@ -57,9 +58,15 @@ def main() -> int:
             both = f"{c1},{c2}"
             state = f"etcd://{etcd.endpoint}/wsync-failover-test"
 
-            def start_coordinator(name, addr):
+            c2_metrics = f"127.0.0.1:{harness.free_port()}"
+
+            def start_coordinator(name, addr, metrics=None):
                 procs.start(name, [f"{b}/wsync-coordinator", "--listen", addr, "--state", state,
-                                   "--lease-ttl", str(LEASE_TTL)])
+                                   "--lease-ttl", str(LEASE_TTL)] + (["--metrics-listen", metrics] if metrics else []))
+
+            def leader_gauge():
+                text = urllib.request.urlopen(f"http://{c2_metrics}/metrics", timeout=5).read().decode()
+                return [ln for ln in text.splitlines() if ln.startswith("wsync_coordinator_leader")]
 
             def ctl(endpoints, *a, timeout=60):
                 r = subprocess.run([f"{b}/wsyncctl", *a, "--endpoints", endpoints, "-w", "json"],
@@ -90,8 +97,9 @@ def main() -> int:
             # 1. Election: c1 first, so it leads; c2 stands by.
             start_coordinator("c1", c1)
             harness.wait_for("c1 leading", lambda: leads(c1), 30, procs, ["c1"])
-            start_coordinator("c2", c2)
+            start_coordinator("c2", c2, c2_metrics)
             harness.wait_for("c2 standing by", lambda: "standing by" in procs.tail("c2", 50) or None, 30, procs, ["c2"])
+            check(leader_gauge() == ["wsync_coordinator_leader 0"], f"the standby's leader gauge: {leader_gauge()}")
             rc, _, err = ctl(c2, "status", "--dial-timeout", "1")
             check(rc == 3 and "not the leader" in err and f"current leader: {c1}" in err,
                   f"the standby refuses calls naming the leader (rc {rc}): {err.strip()[:200]}")
@@ -138,6 +146,7 @@ def main() -> int:
             timings["failover_s"] = round(time.time() - t_kill, 2)
             check(timings["failover_s"] <= LEASE_TTL + 4,
                   f"the standby leads {timings['failover_s']} s after the kill (lease TTL {LEASE_TTL} s)")
+            check(leader_gauge() == ["wsync_coordinator_leader 1"], f"the new leader's gauge: {leader_gauge()}")
             out, _ = demo.communicate(timeout=120)
             timings["update_2_reported_s"] = round(time.time() - t_kill, 2)
             print(out.strip()[-800:])
