@@ -4,9 +4,9 @@
 
 #include <atomic>
 #include <condition_variable>
-#include <mutex>
 #include <csignal>
 #include <cstdlib>
+#include <mutex>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
@@ -38,10 +38,10 @@ class EtcdLeaderGate final : public daemon::LeaderGate {
     if (store_ == nullptr) return absl::UnavailableError("not the leader: this coordinator is starting");
     if (ready_.load() && store_->leader()) return absl::OkStatus();
     const std::string leader = store_->LeaderAddress(false);
-    return absl::UnavailableError(absl::StrCat(
-        "not the leader: coordinator ", self_,
-        store_->leader() ? " was just elected and is loading the state" : " is a standby",
-        "; current leader: ", leader.empty() || leader == self_ ? std::string("(electing)") : leader));
+    return absl::UnavailableError(
+        absl::StrCat("not the leader: coordinator ", self_,
+                     store_->leader() ? " was just elected and is loading the state" : " is a standby",
+                     "; current leader: ", leader.empty() || leader == self_ ? std::string("(electing)") : leader));
   }
 
  private:
@@ -121,8 +121,10 @@ int main(int argc, char** argv) {
   const bool ha = !state_path.empty() && spec.kind == daemon::StateSpec::Kind::kEtcd;
   const std::string listen_host = listen.substr(0, listen.rfind(':'));
   if (ha && advertise.empty() && daemon::IsWildcardHost(listen_host)) {
-    spdlog::error("--listen {} binds a wildcard address: give --advertise HOST:PORT, the address this coordinator is "
-                  "reached at when it leads", listen);
+    spdlog::error(
+        "--listen {} binds a wildcard address: give --advertise HOST:PORT, the address this coordinator is "
+        "reached at when it leads",
+        listen);
     return 2;
   }
 

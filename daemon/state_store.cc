@@ -104,10 +104,9 @@ absl::StatusOr<StateSpec> ParseStateSpec(const std::string& value) {
     ep = absl::StripAsciiWhitespace(ep);
     const size_t colon = ep.rfind(':');
     int port = 0;
-    if (colon == absl::string_view::npos || colon == 0 || !absl::SimpleAtoi(ep.substr(colon + 1), &port) ||
-        port <= 0 || port > 65535)
-      return absl::InvalidArgumentError(absl::StrCat("--state ", value, ": etcd endpoint '", ep,
-                                                     "' is not HOST:PORT"));
+    if (colon == absl::string_view::npos || colon == 0 || !absl::SimpleAtoi(ep.substr(colon + 1), &port) || port <= 0 ||
+        port > 65535)
+      return absl::InvalidArgumentError(absl::StrCat("--state ", value, ": etcd endpoint '", ep, "' is not HOST:PORT"));
     out.endpoints.emplace_back(ep);
   }
   if (out.endpoints.empty())
