@@ -276,6 +276,7 @@ void EtcdStateStore::ElectionLoop() {
   const absl::Duration ttl = absl::Seconds(opts_.lease_ttl_seconds);
   absl::Time last_keepalive = absl::Now();
   bool logged_standby = false;
+  std::string last_error;  // a campaign error is logged when it changes, not every interval
   auto wait = [this](absl::Duration d) {
     std::unique_lock<std::mutex> l(stop_mu_);
     return stop_cv_.wait_for(l, absl::ToChronoMilliseconds(d), [this] { return stop_; });
@@ -291,7 +292,8 @@ void EtcdStateStore::ElectionLoop() {
         continue;
       }
       if (!won.ok()) {
-        spdlog::warn("campaign at {}: {}", where_, won.status().ToString());
+        if (won.status().ToString() != last_error) spdlog::warn("campaign at {}: {}", where_, won.status().ToString());
+        last_error = won.status().ToString();
       } else if (!logged_standby) {
         spdlog::info("standing by: the leader is {}", LeaderAddress(false));
         logged_standby = true;
