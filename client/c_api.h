@@ -105,7 +105,9 @@ WSYNC_C_EXPORT void wsync_trainer_close(wsync_trainer* t);
 
 /* ---- coordinator ---- */
 
-/* Creates a client of the coordinator at `endpoint` (host:port); connects lazily. dial_timeout_s <= 0: 5 s. */
+/* Creates a client of the coordinator at `endpoint` (host:port); connects lazily. dial_timeout_s <= 0: 5 s.
+ * `endpoint` may list several coordinators sharing one etcd state store ("h1:p1,h2:p2"): calls go to the leader and
+ * are repeated on the new leader after a fail-over (up to 20 s of looking for one). */
 WSYNC_C_EXPORT int wsync_coordinator_open(const char* endpoint, double dial_timeout_s, wsync_coordinator** out);
 /* Pauses every engine and opens update `version`. pause_mode NULL or "": the coordinator's default.
  * *json_out (may be NULL) receives the BeginUpdateReply as JSON. */

@@ -2,6 +2,12 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "proto/status_convert.h"
 
 namespace wsync::client {
@@ -13,85 +19,107 @@ void SetDeadline(grpc::ClientContext* ctx, absl::Duration d) {
 
 }  // namespace
 
-CoordinatorClient::CoordinatorClient(const std::string& endpoint, absl::Duration dial_timeout)
-    : stub_(v1::Coordinator::NewStub(grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()))),
-      dial_timeout_(dial_timeout) {}
+std::vector<std::string> SplitEndpoints(const std::string& list) {
+  std::vector<std::string> out;
+  for (absl::string_view e : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
+    e = absl::StripAsciiWhitespace(e);
+    if (!e.empty()) out.emplace_back(e);
+  }
+  return out;
+}
+
+std::string LeaderHint(const std::string& message) {
+  const std::string kTag = "current leader: ";
+  const size_t at = message.find(kTag);
+  if (at == std::string::npos) return "";
+  std::string h = message.substr(at + kTag.size());
+  h = h.substr(0, h.find_first_of(" ;,)\n"));
+  return h.empty() || h[0] == '(' ? "" : h;
+}
+
+CoordinatorClient::CoordinatorClient(const std::string& endpoints, absl::Duration dial_timeout, absl::Duration failover)
+    : endpoints_(SplitEndpoints(endpoints)), dial_timeout_(dial_timeout), failover_(failover) {
+  if (endpoints_.empty()) endpoints_.push_back(endpoints);  // the channel reports what is wrong with it
+  for (const auto& e : endpoints_)
+    stubs_.push_back(v1::Coordinator::NewStub(grpc::CreateChannel(e, grpc::InsecureChannelCredentials())));
+}
+
+template <typename Req, typename Rep>
+absl::StatusOr<Rep> CoordinatorClient::Invoke(Method<Req, Rep> m, const Req& req, absl::Duration deadline) {
+  const size_t n = endpoints_.size();
+  const absl::Time give_up = absl::Now() + failover_;
+  absl::Duration backoff = absl::Milliseconds(100);
+  absl::Status last;
+  for (size_t attempt = 0;; ++attempt) {
+    const size_t i = current_.load();
+    Rep rep;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, deadline);
+    grpc::Status s = (stubs_[i].get()->*m)(&ctx, req, &rep);
+    if (s.ok()) return rep;
+    absl::Status st = FromGrpcStatus(s);
+    if (n == 1 || st.code() != absl::StatusCode::kUnavailable) return st;
+    last = absl::UnavailableError(absl::StrCat(endpoints_[i], ": ", st.message()));
+    size_t next = (i + 1) % n;
+    const std::string hint = LeaderHint(std::string(st.message()));
+    if (auto it = std::find(endpoints_.begin(), endpoints_.end(), hint);
+        !hint.empty() && it != endpoints_.end() && static_cast<size_t>(it - endpoints_.begin()) != i)
+      next = static_cast<size_t>(it - endpoints_.begin());
+    current_.store(next);
+    // Every endpoint asked once in this round: wait before the next round (an election takes a lease TTL).
+    if ((attempt + 1) % n == 0) {
+      if (absl::Now() + backoff > give_up)
+        return absl::UnavailableError(absl::StrCat("no coordinator of ", n, " answered as the leader within ",
+                                                   absl::FormatDuration(failover_), "; last: ", last.message()));
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, absl::Seconds(2));
+    }
+  }
+}
 
 absl::StatusOr<v1::BeginUpdateReply> CoordinatorClient::BeginUpdate(int64_t version, const std::string& pause_mode) {
   v1::BeginUpdateRequest req;
   req.set_version(version);
   req.set_pause_mode(pause_mode);
-  v1::BeginUpdateReply rep;
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, BeginUpdateDeadline(dial_timeout_));
-  grpc::Status s = stub_->BeginUpdate(&ctx, req, &rep);
-  if (!s.ok()) return FromGrpcStatus(s);
-  return rep;
+  return Invoke(&v1::Coordinator::Stub::BeginUpdate, req, BeginUpdateDeadline(dial_timeout_));
 }
 
 absl::StatusOr<v1::UpdateRecord> CoordinatorClient::CommitUpdate(int64_t version, double timeout_seconds) {
   v1::CommitUpdateRequest req;
   req.set_version(version);
   req.set_timeout_seconds(timeout_seconds);
-  v1::CommitUpdateReply rep;
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, CommitUpdateDeadline(timeout_seconds, dial_timeout_));
-  grpc::Status s = stub_->CommitUpdate(&ctx, req, &rep);
-  if (!s.ok()) return FromGrpcStatus(s);
-  return rep.record();
+  auto rep = Invoke(&v1::Coordinator::Stub::CommitUpdate, req, CommitUpdateDeadline(timeout_seconds, dial_timeout_));
+  if (!rep.ok()) return rep.status();
+  return rep->record();
 }
 
 absl::StatusOr<v1::ClusterStatus> CoordinatorClient::Status() {
-  v1::ClusterStatus rep;
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, dial_timeout_);
-  grpc::Status s = stub_->GetClusterStatus(&ctx, v1::ClusterStatusRequest(), &rep);
-  if (!s.ok()) return FromGrpcStatus(s);
-  return rep;
+  return Invoke(&v1::Coordinator::Stub::GetClusterStatus, v1::ClusterStatusRequest(), dial_timeout_);
 }
 
 absl::StatusOr<v1::HistoryReply> CoordinatorClient::History(int limit) {
   v1::HistoryRequest req;
   req.set_limit(limit);
-  v1::HistoryReply rep;
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, dial_timeout_);
-  grpc::Status s = stub_->GetHistory(&ctx, req, &rep);
-  if (!s.ok()) return FromGrpcStatus(s);
-  return rep;
+  return Invoke(&v1::Coordinator::Stub::GetHistory, req, dial_timeout_);
 }
 
 absl::StatusOr<v1::AbortUpdateReply> CoordinatorClient::AbortUpdate(int64_t version, const std::string& reason) {
   v1::AbortUpdateRequest req;
   req.set_version(version);
   req.set_reason(reason);
-  v1::AbortUpdateReply rep;
-  grpc::ClientContext ctx;
   // The coordinator waits for every source's AbortSourceUpdate (a bucket being written, then the drain).
-  SetDeadline(&ctx, dial_timeout_ + absl::Seconds(60 + kDeadlineMarginSeconds));
-  grpc::Status s = stub_->AbortUpdate(&ctx, req, &rep);
-  if (!s.ok()) return FromGrpcStatus(s);
-  return rep;
+  return Invoke(&v1::Coordinator::Stub::AbortUpdate, req, dial_timeout_ + absl::Seconds(60 + kDeadlineMarginSeconds));
 }
 
 absl::StatusOr<v1::RemoveNodeReply> CoordinatorClient::RemoveNode(const std::string& node_id) {
   v1::RemoveNodeRequest req;
   req.set_node_id(node_id);
-  v1::RemoveNodeReply rep;
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, dial_timeout_);
-  grpc::Status s = stub_->RemoveNode(&ctx, req, &rep);
-  if (!s.ok()) return FromGrpcStatus(s);
-  return rep;
+  return Invoke(&v1::Coordinator::Stub::RemoveNode, req, dial_timeout_);
 }
 
 absl::StatusOr<v1::ResumeEnginesReply> CoordinatorClient::ResumeEngines() {
-  v1::ResumeEnginesReply rep;
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, dial_timeout_ + absl::Seconds(30 + kDeadlineMarginSeconds));
-  grpc::Status s = stub_->ResumeEngines(&ctx, v1::ResumeEnginesRequest(), &rep);
-  if (!s.ok()) return FromGrpcStatus(s);
-  return rep;
+  return Invoke(&v1::Coordinator::Stub::ResumeEngines, v1::ResumeEnginesRequest(),
+                dial_timeout_ + absl::Seconds(30 + kDeadlineMarginSeconds));
 }
 
 }  // namespace wsync::client

@@ -1,8 +1,10 @@
 #pragma once
 // C++ client of the coordinator API (used by trainers that drive updates and by wsyncctl).
 
+#include <atomic>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -32,10 +34,28 @@ inline absl::Duration BeginUpdateDeadline(absl::Duration dial_timeout) {
   return dial_timeout + absl::Seconds(kBeginWorstCaseSeconds + kDeadlineMarginSeconds);
 }
 
+// High availability (docs/operations.md, "High availability (etcd)"): a standby coordinator answers every call with
+// Unavailable "not the leader: ...; current leader: HOST:PORT".
+// "a:1, b:2" → {"a:1", "b:2"} (whitespace and empty items dropped).
+std::vector<std::string> SplitEndpoints(const std::string& list);
+// The "current leader: HOST:PORT" a standby names in its error, or "" (none named, or "(electing)").
+std::string LeaderHint(const std::string& message);
+// How long a client given several coordinators keeps looking for the leader when none answers as one: a lease TTL
+// (3 s by default) for the old leader's lease to expire, the new leader's state load, and a margin.
+inline constexpr double kDefaultFailoverSeconds = 20;
+
 class CoordinatorClient {
  public:
-  // `endpoint` is host:port. Calls fail with Unavailable/DeadlineExceeded after `dial_timeout` when unreachable.
-  explicit CoordinatorClient(const std::string& endpoint, absl::Duration dial_timeout = absl::Seconds(5));
+  // `endpoints` is host:port, or a comma-separated list of the coordinators sharing one etcd state store. With one
+  // endpoint a call fails with Unavailable/DeadlineExceeded after `dial_timeout` when unreachable. With several, a
+  // call goes to the one that answered last; on Unavailable (down, or a standby's "not the leader") it moves to the
+  // leader the standby names, else to the next endpoint, retrying with backoff (0.1 s doubling to 2 s) for up to
+  // `failover` in all. Every call is safe to repeat (the coordinator answers a repeat with the first call's result,
+  // and one an old leader died during with that update's failure), so a call cut by a fail-over is repeated.
+  explicit CoordinatorClient(const std::string& endpoints, absl::Duration dial_timeout = absl::Seconds(5),
+                             absl::Duration failover = absl::Seconds(kDefaultFailoverSeconds));
+  // The endpoint the last call went to (the leader, when it succeeded).
+  std::string endpoint() const { return endpoints_[current_.load()]; }
 
   // Both are safe to retry with the same version: the coordinator answers a repeat with the first call's result.
   absl::StatusOr<v1::BeginUpdateReply> BeginUpdate(int64_t version, const std::string& pause_mode = "");
@@ -49,8 +69,17 @@ class CoordinatorClient {
   absl::StatusOr<v1::RemoveNodeReply> RemoveNode(const std::string& node_id);
 
  private:
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  template <typename Req, typename Rep>
+  using Method = grpc::Status (v1::Coordinator::Stub::*)(grpc::ClientContext*, const Req&, Rep*);
+  // One call with the fail-over rule above; `deadline` bounds each attempt.
+  template <typename Req, typename Rep>
+  absl::StatusOr<Rep> Invoke(Method<Req, Rep> m, const Req& req, absl::Duration deadline);
+
+  std::vector<std::string> endpoints_;
+  std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
+  std::atomic<size_t> current_{0};
   absl::Duration dial_timeout_;
+  absl::Duration failover_;
 };
 
 }  // namespace wsync::client

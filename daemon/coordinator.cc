@@ -811,7 +811,11 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     }
     if (!loaded.ok()) return loaded.status();
     const v1::CoordinatorState& s = *loaded;
-    for (const auto& n : s.nodes()) nodes_[n.node_id()] = n;
+    // Restored nodes get a fresh lease: they have three heartbeats to renew it with this coordinator.
+    for (const auto& n : s.nodes()) {
+      nodes_[n.node_id()] = n;
+      last_heartbeat_[n.node_id()] = absl::Now();
+    }
     // A fresh epoch: the plan is not stored, so the first update re-plans and re-configures every source.
     membership_epoch_ = s.membership_epoch() + 1;
     current_version_ = s.current_version();
@@ -835,7 +839,8 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
       v1::UpdateRecord rec = s.open_record();
       rec.set_version(v);
       rec.set_success(false);
-      rec.set_error(absl::StrCat("ABORTED: update ", v, " failed: the coordinator restarted during it (state ",
+      rec.set_error(absl::StrCat("ABORTED: update ", v,
+                                 " failed: the coordinator restarted during it (or its leader failed over; state ",
                                  s.state(), "); engines stay paused until a successful update"));
       if (rec.started_unix_ms() > 0)
         rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));

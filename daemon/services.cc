@@ -107,43 +107,56 @@ grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext*, const v1::No
   return grpc::Status::OK;
 }
 
+grpc::Status CoordinatorService::Gate() const {
+  return gate_ == nullptr ? grpc::Status::OK : ToGrpcStatus(gate_->Check());
+}
+
 grpc::Status CoordinatorService::RegisterNode(grpc::ServerContext*, const v1::RegisterNodeRequest* req,
                                               v1::RegisterNodeReply* out) {
+  if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->RegisterNode(*req), out);
 }
 grpc::Status CoordinatorService::GetClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
                                                   v1::ClusterStatus* out) {
+  if (grpc::Status g = Gate(); !g.ok()) return g;
   *out = c_->Status();
   return grpc::Status::OK;
 }
 grpc::Status CoordinatorService::BeginUpdate(grpc::ServerContext*, const v1::BeginUpdateRequest* req,
                                              v1::BeginUpdateReply* out) {
+  if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->BeginUpdate(*req), out);
 }
 grpc::Status CoordinatorService::CommitUpdate(grpc::ServerContext*, const v1::CommitUpdateRequest* req,
                                               v1::CommitUpdateReply* out) {
+  if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->CommitUpdate(*req), out);
 }
 grpc::Status CoordinatorService::GetHistory(grpc::ServerContext*, const v1::HistoryRequest* req,
                                             v1::HistoryReply* out) {
+  if (grpc::Status g = Gate(); !g.ok()) return g;
   *out = c_->History(*req);
   return grpc::Status::OK;
 }
 grpc::Status CoordinatorService::AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest* req,
                                              v1::AbortUpdateReply* out) {
+  if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->AbortUpdate(*req), out);
 }
 grpc::Status CoordinatorService::RemoveNode(grpc::ServerContext*, const v1::RemoveNodeRequest* req,
                                             v1::RemoveNodeReply* out) {
+  if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->RemoveNode(*req), out);
 }
 grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
                                            v1::HeartbeatReply* out) {
+  if (grpc::Status g = Gate(); !g.ok()) return g;
   *out = c_->Heartbeat(*req);
   return grpc::Status::OK;
 }
 grpc::Status CoordinatorService::ResumeEngines(grpc::ServerContext*, const v1::ResumeEnginesRequest* req,
                                                v1::ResumeEnginesReply* out) {
+  if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->ResumeEngines(*req), out);
 }
 

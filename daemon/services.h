@@ -43,9 +43,19 @@ class NodeDaemonService final : public v1::NodeDaemon::Service {
   std::atomic<TargetNode*> target_;
 };
 
+// Whether this coordinator may serve the coordinator API now. With high availability (etcd) only the leader does:
+// a standby answers every call with Unavailable "not the leader ...; current leader: HOST:PORT", which clients given
+// several endpoints take as "try the next one" (docs/operations.md, "High availability (etcd)").
+class LeaderGate {
+ public:
+  virtual ~LeaderGate() = default;
+  virtual absl::Status Check() const = 0;
+};
+
 class CoordinatorService final : public v1::Coordinator::Service {
  public:
-  explicit CoordinatorService(Coordinator* c) : c_(c) {}
+  // `gate` null: always serve (a single coordinator).
+  explicit CoordinatorService(Coordinator* c, const LeaderGate* gate = nullptr) : c_(c), gate_(gate) {}
   grpc::Status RegisterNode(grpc::ServerContext*, const v1::RegisterNodeRequest*, v1::RegisterNodeReply*) override;
   grpc::Status GetClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*, v1::ClusterStatus*) override;
   grpc::Status BeginUpdate(grpc::ServerContext*, const v1::BeginUpdateRequest*, v1::BeginUpdateReply*) override;
@@ -58,7 +68,9 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status RemoveNode(grpc::ServerContext*, const v1::RemoveNodeRequest*, v1::RemoveNodeReply*) override;
 
  private:
+  grpc::Status Gate() const;
   Coordinator* c_;
+  const LeaderGate* gate_;
 };
 
 // The EngineControl facade the target daemon serves for one engine whose kind has no EngineControl endpoint of its

@@ -2,7 +2,11 @@
 
 #include <sqlite3.h>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace wsync::daemon {
 namespace {
@@ -19,8 +23,8 @@ struct Stmt {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& path) {
-  std::unique_ptr<StateStore> st(new StateStore());
+absl::StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const std::string& path) {
+  std::unique_ptr<SqliteStateStore> st(new SqliteStateStore());
   st->path_ = path;
   if (sqlite3_open_v2(path.c_str(), &st->db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX,
                       nullptr) != SQLITE_OK)
@@ -41,11 +45,11 @@ absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& 
   return st;
 }
 
-StateStore::~StateStore() {
+SqliteStateStore::~SqliteStateStore() {
   if (db_ != nullptr) sqlite3_close(db_);
 }
 
-absl::StatusOr<v1::CoordinatorState> StateStore::Load() {
+absl::StatusOr<v1::CoordinatorState> SqliteStateStore::Load() {
   Stmt q;
   if (sqlite3_prepare_v2(db_, "SELECT format, state FROM coordinator_state WHERE id = 1", -1, &q.s, nullptr) !=
       SQLITE_OK)
@@ -63,7 +67,7 @@ absl::StatusOr<v1::CoordinatorState> StateStore::Load() {
   return out;
 }
 
-absl::Status StateStore::Save(const v1::CoordinatorState& state) {
+absl::Status SqliteStateStore::Save(const v1::CoordinatorState& state) {
   const std::string bytes = state.SerializeAsString();
   Stmt q;
   if (sqlite3_prepare_v2(db_,
@@ -74,6 +78,40 @@ absl::Status StateStore::Save(const v1::CoordinatorState& state) {
   sqlite3_bind_blob(q.s, 1, bytes.data(), static_cast<int>(bytes.size()), SQLITE_TRANSIENT);
   if (sqlite3_step(q.s) != SQLITE_DONE) return Error(db_, path_, "save");
   return absl::OkStatus();
+}
+
+absl::StatusOr<StateSpec> ParseStateSpec(const std::string& value) {
+  StateSpec out;
+  if (value.empty()) return absl::InvalidArgumentError("--state is empty");
+  constexpr absl::string_view kEtcd = "etcd://";
+  if (!absl::StartsWith(value, kEtcd)) {
+    out.kind = StateSpec::Kind::kSqlite;
+    out.path = absl::StartsWith(value, "sqlite:") ? value.substr(7) : value;
+    if (out.path.empty()) return absl::InvalidArgumentError("--state sqlite: needs a file path");
+    return out;
+  }
+  out.kind = StateSpec::Kind::kEtcd;
+  const std::string rest = value.substr(kEtcd.size());
+  const size_t slash = rest.find('/');
+  if (slash == std::string::npos || slash + 1 >= rest.size())
+    return absl::InvalidArgumentError(absl::StrCat("--state ", value,
+                                                   ": want etcd://HOST:PORT[,HOST:PORT...]/PREFIX (the key prefix "
+                                                   "every coordinator of this cluster shares)"));
+  out.prefix = rest.substr(slash + 1);
+  while (!out.prefix.empty() && out.prefix.back() == '/') out.prefix.pop_back();
+  if (out.prefix.empty()) return absl::InvalidArgumentError(absl::StrCat("--state ", value, ": the prefix is empty"));
+  for (absl::string_view ep : absl::StrSplit(rest.substr(0, slash), ',', absl::SkipWhitespace())) {
+    ep = absl::StripAsciiWhitespace(ep);
+    const size_t colon = ep.rfind(':');
+    int port = 0;
+    if (colon == absl::string_view::npos || colon == 0 || !absl::SimpleAtoi(ep.substr(colon + 1), &port) || port <= 0 ||
+        port > 65535)
+      return absl::InvalidArgumentError(absl::StrCat("--state ", value, ": etcd endpoint '", ep, "' is not HOST:PORT"));
+    out.endpoints.emplace_back(ep);
+  }
+  if (out.endpoints.empty())
+    return absl::InvalidArgumentError(absl::StrCat("--state ", value, ": no etcd endpoint (HOST:PORT) given"));
+  return out;
 }
 
 }  // namespace wsync::daemon

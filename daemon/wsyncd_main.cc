@@ -20,6 +20,7 @@
 #include "base/cli.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "client/coordinator_client.h"
 #include "daemon/engine_adapter.h"
 #include "daemon/serve.h"
 #include "daemon/services.h"
@@ -32,10 +33,41 @@ using namespace wsync;
 
 namespace {
 
-// Registers with the coordinator, retrying (every 0.5 s, each attempt logged) while it is not up yet. Returns
-// Cancelled at once when SIGTERM/SIGINT arrives meanwhile.
-absl::Status Register(const std::string& coordinator, const v1::RegisterNodeRequest& req, int attempts) {
-  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
+// The coordinators this daemon reports to (--coordinator A[,B...]). With several (high availability, one leader), a
+// call that gets Unavailable — the coordinator is down, or a standby answering "not the leader" — moves on to the
+// leader the standby named, else to the next one.
+class Coordinators {
+ public:
+  explicit Coordinators(const std::string& list) : endpoints_(client::SplitEndpoints(list)) {
+    if (endpoints_.empty()) endpoints_.push_back(list);
+    for (const auto& e : endpoints_)
+      stubs_.push_back(v1::Coordinator::NewStub(grpc::CreateChannel(e, grpc::InsecureChannelCredentials())));
+  }
+  size_t size() const { return endpoints_.size(); }
+  const std::string& current() const { return endpoints_[i_]; }
+  v1::Coordinator::Stub* stub() { return stubs_[i_].get(); }
+  // After `why` from the current one: moves on (no-op with a single coordinator). True when it moved.
+  bool Next(const absl::Status& why) {
+    if (endpoints_.size() < 2) return false;
+    const size_t from = i_;
+    i_ = (i_ + 1) % endpoints_.size();
+    const std::string hint = client::LeaderHint(std::string(why.message()));
+    for (size_t k = 0; k < endpoints_.size(); ++k)
+      if (!hint.empty() && endpoints_[k] == hint && k != from) i_ = k;
+    spdlog::info("coordinator {} is not the leader or is down ({}); trying {}", endpoints_[from],
+                 std::string(why.message()).substr(0, 200), endpoints_[i_]);
+    return true;
+  }
+
+ private:
+  std::vector<std::string> endpoints_;
+  std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
+  size_t i_ = 0;
+};
+
+// Registers with the coordinator (the leader, when there are several), retrying (every 0.5 s, each attempt logged)
+// while it is not up yet. Returns Cancelled at once when SIGTERM/SIGINT arrives meanwhile.
+absl::Status Register(Coordinators& coordinators, const v1::RegisterNodeRequest& req, int attempts) {
   absl::Status last;
   for (int i = 1; i <= attempts; ++i) {
     grpc::ClientContext ctx;
@@ -43,15 +75,17 @@ absl::Status Register(const std::string& coordinator, const v1::RegisterNodeRequ
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
     ctx.set_wait_for_ready(true);
     v1::RegisterNodeReply out;
-    last = FromGrpcStatus(stub->RegisterNode(&ctx, req, &out));
+    last = FromGrpcStatus(coordinators.stub()->RegisterNode(&ctx, req, &out));
     if (last.ok()) {
-      spdlog::info("registered with coordinator {} (membership epoch {})", coordinator, out.membership_epoch());
+      spdlog::info("registered with coordinator {} (membership epoch {})", coordinators.current(),
+                   out.membership_epoch());
       return last;
     }
     if (last.code() != absl::StatusCode::kUnavailable && last.code() != absl::StatusCode::kDeadlineExceeded)
       return last;
-    spdlog::warn("registration with coordinator {} failed (attempt {}/{}): {}{}", coordinator, i, attempts,
+    spdlog::warn("registration with coordinator {} failed (attempt {}/{}): {}{}", coordinators.current(), i, attempts,
                  last.ToString(), i < attempts ? "; retrying in 0.5 s" : "");
+    coordinators.Next(last);
     if (i < attempts && daemon::TerminationRequested(500))
       return absl::CancelledError("terminated by a signal while registering");
   }
@@ -60,34 +94,39 @@ absl::Status Register(const std::string& coordinator, const v1::RegisterNodeRequ
 
 // Holds this node's lease with the coordinator until SIGTERM/SIGINT: a heartbeat every interval (the coordinator
 // says how long); when the coordinator answers that it does not know the node (it restarted without its state or
-// dropped the node), registers again; while it is unreachable, logs once and keeps trying.
-void HoldLease(const std::string& coordinator, const v1::RegisterNodeRequest& reg,
+// dropped the node), registers again; while it is unreachable, logs once and keeps trying. With several
+// coordinators, an unreachable one or a standby sends the heartbeats on to the next (the new leader after a
+// fail-over), retried after 0.2 s instead of a whole interval.
+void HoldLease(Coordinators& coordinators, const v1::RegisterNodeRequest& reg,
                const std::function<v1::RegisterNodeRequest()>& fresh_registration) {
-  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
   v1::HeartbeatRequest hb;
   hb.set_node_id(reg.node_id());
   hb.set_address(reg.address());
   int interval_ms = 2000;
+  int wait_ms = interval_ms;
   bool down = false;
-  while (!daemon::TerminationRequested(interval_ms)) {
+  while (!daemon::TerminationRequested(wait_ms)) {
+    wait_ms = interval_ms;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
     v1::HeartbeatReply rep;
-    grpc::Status s = stub->Heartbeat(&ctx, hb, &rep);
+    grpc::Status s = coordinators.stub()->Heartbeat(&ctx, hb, &rep);
     if (!s.ok()) {
       if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED) continue;  // an older coordinator: no leases
-      if (!down) spdlog::warn("coordinator {} unreachable ({}); will register again when it is back", coordinator,
-                              s.error_message());
+      if (!down) spdlog::warn("coordinator {} unreachable ({}); will register again when it is back",
+                              coordinators.current(), s.error_message());
       down = true;
+      if (coordinators.Next(FromGrpcStatus(s))) wait_ms = 200;
       continue;
     }
-    if (down) spdlog::info("coordinator {} is reachable again", coordinator);
+    if (down) spdlog::info("coordinator {} is reachable again", coordinators.current());
     down = false;
     if (rep.interval_seconds() > 0) interval_ms = std::clamp(static_cast<int>(rep.interval_seconds() * 1000), 100, 60000);
+    wait_ms = interval_ms;
     if (rep.known()) continue;
-    spdlog::warn("coordinator {} does not know node {} (restarted or dropped it): registering again", coordinator,
-                 reg.node_id());
-    if (auto st = Register(coordinator, fresh_registration(), 1); !st.ok())
+    spdlog::warn("coordinator {} does not know node {} (restarted or dropped it): registering again",
+                 coordinators.current(), reg.node_id());
+    if (auto st = Register(coordinators, fresh_registration(), 1); !st.ok())
       spdlog::warn("registering again failed: {}; next try in {} ms", st.ToString(), interval_ms);
   }
 }
@@ -120,7 +159,10 @@ int main(int argc, char** argv) {
                  "coordinator unless --advertise is given");
   app.add_option("--advertise", advertise,
                  "host the coordinator and other daemons dial (needed when --listen binds a wildcard such as 0.0.0.0)");
-  app.add_option("--coordinator", coordinator, "host:port of the coordinator")->required();
+  app.add_option("--coordinator", coordinator,
+                 "host:port of the coordinator, or a comma-separated list of the coordinators sharing one etcd state "
+                 "store (the daemon reports to whichever leads, and follows a fail-over)")
+      ->required();
   app.add_option("--port-file", port_file, "write the bound port here once serving");
   app.add_option("--transport", transport_name,
                  "data-path transport: tcp | verbs, or an ordered fallback list such as verbs,tcp (the first one "
@@ -293,7 +335,8 @@ int main(int argc, char** argv) {
     metrics_server = *std::move(ms);
   }
   spdlog::info("wsyncd {} ({}) serving on {} with transport {}", node_id, role, reg.address(), transport->name());
-  if (auto st = Register(coordinator, reg, 200); !st.ok()) {
+  Coordinators coordinators(coordinator);
+  if (auto st = Register(coordinators, reg, 200); !st.ok()) {
     if (absl::IsCancelled(st)) {
       spdlog::info("wsyncd {} stopped before it registered: {}", node_id, std::string(st.message()));
       served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
@@ -310,7 +353,7 @@ int main(int argc, char** argv) {
     std::rename(tmp.c_str(), port_file.c_str());
   }
   daemon::TargetNode* tn = target.get();
-  HoldLease(coordinator, reg, [&reg, tn] {
+  HoldLease(coordinators, reg, [&reg, tn] {
     v1::RegisterNodeRequest r = reg;
     if (tn != nullptr) {
       r.clear_engines();

@@ -22,6 +22,8 @@ packages=(
   libibverbs-dev librdmacm-dev ibverbs-utils perftest iperf3
   python3 python3-numpy python3-yaml python3-venv
   iproute2 python3-matplotlib
+  # only for the tests labelled etcd (coordinator high availability); wsync itself needs no etcd library
+  etcd-server
 )
 
 install_missing() {

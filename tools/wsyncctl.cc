@@ -225,7 +225,9 @@ int main(int argc, char** argv) {
   app.fallthrough();  // global flags are accepted after the command too
   std::string endpoint = "127.0.0.1:7600", output = "table";
   double dial_timeout = 5;
-  app.add_option("--endpoints", endpoint, "coordinator host:port")->envname("WSYNC_ENDPOINTS");
+  app.add_option("--endpoints", endpoint,
+                 "coordinator host:port, or a comma-separated list of the coordinators sharing one etcd state store "
+                 "(the command goes to the leader)")->envname("WSYNC_ENDPOINTS");
   app.add_option("-w,--write-out", output, "output format: table|json")->check(CLI::IsMember({"table", "json"}));
   app.add_option("--dial-timeout", dial_timeout, "seconds to wait for an endpoint")->check(CLI::PositiveNumber);
 

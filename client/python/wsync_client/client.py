@@ -249,7 +249,11 @@ class Coordinator(_Handle):
     _what = "coordinator client"
 
     def __init__(self, endpoint, dial_timeout=5.0):
+        """`endpoint`: "host:port", or several coordinators sharing one etcd state store, as "a:1,b:2" or a list;
+        calls go to the leader and follow a fail-over (docs/operations.md, "High availability (etcd)")."""
         self._h = None
+        if isinstance(endpoint, (list, tuple)):
+            endpoint = ",".join(endpoint)
         h = ctypes.c_void_p()
         _check(_lib.lib().wsync_coordinator_open(endpoint.encode(), float(dial_timeout), ctypes.byref(h)))
         self._h = h
