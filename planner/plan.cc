@@ -321,19 +321,20 @@ absl::Status CheckLocalInput(const PlanInput& in) {
 }
 
 // Who holds what of each HF tensor: the tensor cut into its trainer shards (one shard when replicated), and per
-// rank of the stage the shard it holds (-1: none). Computed on first use.
+// rank of the stage the shards it holds. Computed on first use.
 class Holdings {
  public:
   explicit Holdings(const PlanInput& in) : in_(in), info_(in.hf_tensors.size()) {}
   const std::vector<Box>& Shards(int hf) { return Get(hf).shards; }
-  int ShardOf(int hf, int index) { return Get(hf).held[index]; }
+  bool Holds(int hf, int index, int shard) {
+    const auto& v = Get(hf).held[index];
+    return std::find(v.begin(), v.end(), shard) != v.end();
+  }
   // Shards of `hf` held by ranks `indices` (sorted, unique).
   std::vector<int> ShardsHeld(int hf, const std::vector<int>& indices) {
     std::vector<int> out;
-    for (int j : indices) {
-      const int k = ShardOf(hf, j);
-      if (k >= 0) out.push_back(k);
-    }
+    for (int j : indices)
+      for (int k : Get(hf).held[j]) out.push_back(k);
     std::sort(out.begin(), out.end());
     out.erase(std::unique(out.begin(), out.end()), out.end());
     return out;
@@ -343,20 +344,21 @@ class Holdings {
   struct Info {
     bool ready = false;
     std::vector<Box> shards;
-    std::vector<int> held;
+    std::vector<std::vector<int>> held;  // per rank of the stage: indices into shards
   };
   Info& Get(int hf) {
     Info& i = info_[hf];
     if (i.ready) return i;
     const HfTensorInfo& h = in_.hf_tensors[hf];
     const int S = in_.cluster.trainer.sources_per_stage();
-    i.held.assign(S, -1);
+    i.held.assign(S, {});
     for (int j = 0; j < S; ++j) {
-      const Box b = HeldBox(in_.cluster.trainer, in_.num_experts, h, j);
-      if (b.empty()) continue;
-      auto f = std::find(i.shards.begin(), i.shards.end(), b);
-      i.held[j] = static_cast<int>(f - i.shards.begin());
-      if (f == i.shards.end()) i.shards.push_back(b);
+      for (const Box& b : HeldBoxes(in_.cluster.trainer, in_.num_experts, h, j)) {
+        if (b.empty()) continue;
+        auto f = std::find(i.shards.begin(), i.shards.end(), b);
+        i.held[j].push_back(static_cast<int>(f - i.shards.begin()));
+        if (f == i.shards.end()) i.shards.push_back(b);
+      }
     }
     if (i.shards.empty()) i.shards.push_back(h.full());  // nobody holds it as one rectangle: gathered
     i.ready = true;
@@ -539,7 +541,7 @@ void AssignLocalPushes(const PlanInput& in, Plan* plan) {
         for (const Box& piece : UnionInShard(std::move(parts))) {
           int k = -1;
           for (int q : ranks)
-            if (hold.ShardOf(hf, plan->sources[q].index) == static_cast<int>(sh) && (k < 0 || pushed[q] < pushed[k]))
+            if (hold.Holds(hf, plan->sources[q].index, static_cast<int>(sh)) && (k < 0 || pushed[q] < pushed[k]))
               k = q;
           PushSlice ps;
           ps.hf = hf;
@@ -583,7 +585,8 @@ absl::Status VerifyLocalPushes(const PlanInput& in, const Plan& plan) {
       if (h.stage != s.stage || !h.full().Contains(ps.box) || ps.box.empty())
         return absl::InternalError(absl::StrCat("source ", s.trainer_rank, " pushes an empty, out-of-range or "
                                                 "other-stage rectangle of ", h.name));
-      const bool holds = HeldBox(in.cluster.trainer, in.num_experts, h, s.index).Contains(ps.box);
+      bool holds = false;
+      for (const Box& b : HeldBoxes(in.cluster.trainer, in.num_experts, h, s.index)) holds |= b.Contains(ps.box);
       const uint64_t want = holds ? 0 : static_cast<uint64_t>(std::llround(ps.box.area() * TrainElemBytes(h)));
       if (ps.gather_bytes != want)
         return absl::InternalError(absl::StrCat("source ", s.trainer_rank, " push of ", h.name, ": gather bytes ",
@@ -642,36 +645,45 @@ Box Box::Intersect(const Box& o) const {
 
 namespace {
 
-// Rank `rank` of `g`'s share of `h` along its split dimension: consecutive equal shards (sizes a multiple of
-// split_align, the last one possibly short or empty).
-Box SplitBox(const HfTensorInfo& h, int g, int rank) {
+// Rank `rank` of `g`'s shares of `h` along its split dimension: consecutive equal shards (sizes a multiple of
+// split_align, the last one possibly short or empty), one per stacked part.
+std::vector<Box> SplitBoxes(const HfTensorInfo& h, int g, int rank) {
   Box b = h.full();
-  if (g <= 1 || h.split == TrainerSplit::kReplicated) return b;
-  if (h.split_parts > 1) return {};
-  const int64_t n = h.split == TrainerSplit::kRows ? h.rows : h.cols;
+  if (g <= 1 || h.split == TrainerSplit::kReplicated) return {b};
+  const int parts = std::max(1, h.split_parts);
+  const int64_t n = (h.split == TrainerSplit::kRows ? h.rows : h.cols) / parts;
   const int64_t a = std::max<int64_t>(1, h.split_align);
   const int64_t per = (n + g * a - 1) / (g * a) * a;
   const int64_t lo = std::min<int64_t>(n, per * rank), hi = std::min<int64_t>(n, per * (rank + 1));
   if (hi <= lo) return {};
-  if (h.split == TrainerSplit::kRows) {
-    b.row0 = lo, b.rows = hi - lo;
-  } else {
-    b.col0 = lo, b.cols = hi - lo;
+  std::vector<Box> out;
+  for (int p = 0; p < parts; ++p) {
+    if (h.split == TrainerSplit::kRows) {
+      b.row0 = p * n + lo, b.rows = hi - lo;
+    } else {
+      b.col0 = p * n + lo, b.cols = hi - lo;
+    }
+    out.push_back(b);
   }
-  return b;
+  return out;
 }
 
 }  // namespace
 
-Box HeldBox(const TrainerSpec& t, int num_experts, const HfTensorInfo& h, int index) {
+std::vector<Box> HeldBoxes(const TrainerSpec& t, int num_experts, const HfTensorInfo& h, int index) {
   if (h.expert_id >= 0) {
     const int etp = std::max(1, t.etp), ep = std::max(1, t.ep);
     const int per = num_experts / ep;
     if (per <= 0 || h.expert_id / per != (index / etp) % ep) return {};
-    return SplitBox(h, etp, index % etp);
+    return SplitBoxes(h, etp, index % etp);
   }
   const int tp = std::max(1, t.tp);
-  return SplitBox(h, tp, index % tp);
+  return SplitBoxes(h, tp, index % tp);
+}
+
+Box HeldBox(const TrainerSpec& t, int num_experts, const HfTensorInfo& h, int index) {
+  const std::vector<Box> b = HeldBoxes(t, num_experts, h, index);
+  return b.size() == 1 ? b[0] : Box{};
 }
 
 std::vector<int> PlanInput::ActiveInstances() const {

@@ -50,7 +50,7 @@ struct HfTensorInfo {
   TrainerSplit split = TrainerSplit::kReplicated;
   int64_t split_align = 1;      // shard sizes are multiples of this (Megatron pads the vocabulary to 128 per rank)
   // > 1: the split dimension is this many stacked tensors each split on its own (GLM4's fused gate_up_proj: a TP
-  // rank holds part of gate and part of up, not one rectangle); `local` then treats every part as gathered.
+  // rank holds its share of gate and its share of up, two rectangles).
   int split_parts = 1;
   int expert_id = -1;           // global routed-expert id (expert tensors)
   Box full() const { return {0, rows, 0, cols}; }
@@ -194,8 +194,9 @@ struct Plan {
 // Which rectangle of HF tensor `h` trainer rank `index` (its position inside its PP stage) holds, under Megatron's
 // rank order tp-cp-ep-dp-pp: a dense tensor's TP rank is index % tp; a routed expert's expert-TP rank is
 // index % etp and its EP rank (index / etp) % ep, owning experts [ep_rank * E/ep, (ep_rank+1) * E/ep).
-// Empty when the rank holds none of it.
+// Empty when the rank holds none of it, or holds more than one rectangle (HeldBoxes: split_parts > 1).
 Box HeldBox(const TrainerSpec& trainer, int num_experts, const HfTensorInfo& h, int index);
+std::vector<Box> HeldBoxes(const TrainerSpec& trainer, int num_experts, const HfTensorInfo& h, int index);
 
 // Builds the plan for every active instance. Deterministic: same input, same plan, on any machine.
 absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& options);

@@ -184,6 +184,11 @@ TEST_CASE("HeldBox follows Megatron's tp-cp-ep-dp-pp order", "[planner][local]")
       CHECK(HeldBox(t, 8, e1, j).empty());
     }
   }
+  // GLM4's fused gate_up_proj: a TP rank holds its share of gate and its share of up.
+  HfTensorInfo gu{"gate_up", 0, 0, 0, false, 8, 4, TrainerSplit::kRows, 1, 2};
+  t = TrainerSpec{2, 1, 1, 1, 1, 1, 2};
+  CHECK(HeldBoxes(t, 0, gu, 1) == std::vector<Box>{Box{2, 2, 0, 4}, Box{6, 2, 0, 4}});
+  CHECK(HeldBox(t, 0, gu, 1).empty());
   // Vocabulary shards are multiples of 128 rows; the last one is short.
   HfTensorInfo v{"embed", 0, 0, 0, false, 300, 2, TrainerSplit::kRows, 128};
   t = TrainerSpec{2, 1, 1, 1, 1, 1, 2};
