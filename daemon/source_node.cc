@@ -1021,7 +1021,7 @@ v1::NodeStatus SourceNode::Status() const {
   s.set_open_version(version_);
   s.set_bytes_written(bytes_written_);
   s.set_tensors_received(tensors_received_);
-  s.set_tensors_expected(push_names_.size());
+  s.set_tensors_expected(push_names_.size() + push_slices_);  // slices count as tensors: each is one frame
   uint64_t expected = 0;
   if (replica_)
     for (const auto& t : targets_) expected += replica_->table(t->layout).total_bytes();
