@@ -120,7 +120,7 @@ void PrintTable(const PlanInput& in, const planner::Plan& plan, const Report& r,
               cp.executor == planner::Executor::kSerial ? "serial" : "pipelined");
   std::printf("gathered          %s in the trainer's dtype (%s of expert tensors)%s\n", Bytes(r.p2p.gather_bytes).c_str(),
               Bytes(plan.expert_gather_bytes).c_str(),
-              plan.strategy == planner::Strategy::kLocal ? "; only what no single rank holds"
+              plan.strategy == planner::Strategy::kLocal ? "; only what no rank of the pushing node holds"
                                                          : "; the whole TP/EP all-gather");
   std::printf("NCCL broadcast    %s  (gather %s + transfer %s; %s per engine rank)\n", Secs(r.bcast.total_s).c_str(),
               Secs(r.bcast.gather_s).c_str(), Secs(r.bcast.transfer_s).c_str(),
