@@ -175,6 +175,61 @@ int wsync_trainer_push_cuda(wsync_trainer* t, const char* name, const char* dtyp
   });
 }
 
+namespace {
+
+absl::StatusOr<wsync::DType> CheckSlice(const char* name, const char* dtype, const int64_t* full_shape, int ndim,
+                                        const int64_t* offsets, const int64_t* extents, const void* data,
+                                        uint64_t bytes) {
+  if (ndim <= 0 || offsets == nullptr || extents == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat("slice of ", name == nullptr ? "?" : name,
+                                                   ": needs ndim > 0 and offsets and extents"));
+  return CheckPush(name, dtype, full_shape, ndim, data, bytes);
+}
+
+absl::Span<const int64_t> Dims(const int64_t* p, int ndim) { return {p, static_cast<size_t>(ndim)}; }
+
+}  // namespace
+
+int wsync_trainer_push_slice(wsync_trainer* t, const char* name, const char* dtype, const int64_t* full_shape,
+                             int ndim, const int64_t* offsets, const int64_t* extents, const void* data,
+                             uint64_t bytes) {
+  if (t == nullptr) return Report(NullArg("trainer handle"));
+  return Guard(&t->last_error, [&]() -> absl::Status {
+    WSYNC_ASSIGN_OR_RETURN(wsync::DType dt, CheckSlice(name, dtype, full_shape, ndim, offsets, extents, data, bytes));
+    return t->client->PushSlice(name, dt, Dims(full_shape, ndim), Dims(offsets, ndim), Dims(extents, ndim), data,
+                                bytes);
+  });
+}
+
+int wsync_trainer_push_slice_cuda(wsync_trainer* t, const char* name, const char* dtype, const int64_t* full_shape,
+                                  int ndim, const int64_t* offsets, const int64_t* extents, const void* data,
+                                  uint64_t bytes, int device, uint64_t stream) {
+  if (t == nullptr) return Report(NullArg("trainer handle"));
+  return Guard(&t->last_error, [&]() -> absl::Status {
+    WSYNC_ASSIGN_OR_RETURN(wsync::DType dt, CheckSlice(name, dtype, full_shape, ndim, offsets, extents, data, bytes));
+    return t->client->PushSliceDevice(name, dt, Dims(full_shape, ndim), Dims(offsets, ndim), Dims(extents, ndim),
+                                      data, bytes, device, stream);
+  });
+}
+
+int wsync_trainer_push_slices(wsync_trainer* t, char** slices_out, size_t* count_out) {
+  if (slices_out != nullptr) *slices_out = nullptr;
+  if (count_out != nullptr) *count_out = 0;
+  if (t == nullptr) return Report(NullArg("trainer handle"));
+  return Guard(&t->last_error, [&]() -> absl::Status {
+    std::vector<std::string> lines;
+    for (const auto& s : t->client->push_slices())
+      lines.push_back(absl::StrCat(s.name, "|", absl::StrJoin(s.full_shape, "x"), "|", absl::StrJoin(s.offsets, ","),
+                                   "|", absl::StrJoin(s.extents, ",")));
+    if (slices_out != nullptr) {
+      *slices_out = CopyOut(absl::StrJoin(lines, "\n"));
+      if (*slices_out == nullptr) return absl::ResourceExhaustedError("out of memory copying slices");
+    }
+    if (count_out != nullptr) *count_out = lines.size();
+    return absl::OkStatus();
+  });
+}
+
 int wsync_trainer_flush(wsync_trainer* t) {
   if (t == nullptr) return Report(NullArg("trainer handle"));
   return Guard(&t->last_error, [&]() { return t->client->Flush(); });

@@ -91,6 +91,20 @@ WSYNC_C_EXPORT int wsync_trainer_push(wsync_trainer* t, const char* name, const 
 WSYNC_C_EXPORT int wsync_trainer_push_cuda(wsync_trainer* t, const char* name, const char* dtype,
                                            const int64_t* shape, int ndim, const void* data, uint64_t bytes,
                                            int device, uint64_t stream);
+/* Pushes a slice of HF tensor `name` whose whole shape is `full_shape` (ndim dims): the data (contiguous, `bytes`
+ * bytes) has shape `extents` and starts at `offsets` (both ndim long). Accepted: a range along dim 0 (row ranges,
+ * whole experts) or any rectangle of a 2-D tensor. The node's daemon assembles the tensor from its ranks' slices. */
+WSYNC_C_EXPORT int wsync_trainer_push_slice(wsync_trainer* t, const char* name, const char* dtype,
+                                            const int64_t* full_shape, int ndim, const int64_t* offsets,
+                                            const int64_t* extents, const void* data, uint64_t bytes);
+/* wsync_trainer_push_slice for data in CUDA memory (see wsync_trainer_push_cuda). */
+WSYNC_C_EXPORT int wsync_trainer_push_slice_cuda(wsync_trainer* t, const char* name, const char* dtype,
+                                                 const int64_t* full_shape, int ndim, const int64_t* offsets,
+                                                 const int64_t* extents, const void* data, uint64_t bytes,
+                                                 int device, uint64_t stream);
+/* The slices the last wsync_trainer_begin_push asked this rank to push (shard-aware plans), one per line,
+ * '\n'-joined: "<name>|<shape, x-joined>|<offsets, comma-joined>|<extents, comma-joined>" ("" when none). */
+WSYNC_C_EXPORT int wsync_trainer_push_slices(wsync_trainer* t, char** slices_out, size_t* count_out);
 /* Commits the current bucket and waits until the daemon took every committed bucket. A daemon-side error for an
  * earlier bucket (e.g. a tensor of the wrong shape) is returned here at the latest. */
 WSYNC_C_EXPORT int wsync_trainer_flush(wsync_trainer* t);

@@ -63,6 +63,16 @@ absl::StatusOr<std::vector<std::string>> TrainerClient::BeginPush(int64_t versio
   ctx.set_deadline(Deadline(opts_.timeout + absl::Seconds(10)));
   WSYNC_RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->BeginPush(&ctx, req, &rep)), "begin push of update ", version);
   stats_ = PushStats();
+  push_slices_.clear();
+  for (const auto& sp : rep.slices()) {
+    TensorSlice ts;
+    ts.name = sp.name();
+    ts.full_shape.assign(sp.shape().begin(), sp.shape().end());
+    ts.offsets.assign(sp.offsets().begin(), sp.offsets().end());
+    ts.extents.assign(sp.extents().begin(), sp.extents().end());
+    WSYNC_RETURN_IF_ERROR_CTX(ValidateSlice(&ts), "push filter of update ", version);
+    push_slices_.push_back(std::move(ts));
+  }
   return std::vector<std::string>(rep.tensor_names().begin(), rep.tensor_names().end());
 }
 
@@ -141,6 +151,37 @@ absl::Status TrainerClient::PushImpl(absl::string_view name, DType dtype, absl::
 absl::Status TrainerClient::Push(absl::string_view name, DType dtype, absl::Span<const int64_t> shape,
                                  const void* data, uint64_t bytes) {
   return PushWith(name, dtype, shape, bytes, [&](uint8_t* dst) { std::memcpy(dst, data, bytes); });
+}
+
+absl::StatusOr<std::string> SliceFrameName(absl::string_view name, DType dtype, absl::Span<const int64_t> full_shape,
+                                           absl::Span<const int64_t> offsets, absl::Span<const int64_t> extents,
+                                           uint64_t bytes) {
+  TensorSlice ts;
+  ts.name = std::string(name);
+  ts.full_shape.assign(full_shape.begin(), full_shape.end());
+  ts.offsets.assign(offsets.begin(), offsets.end());
+  ts.extents.assign(extents.begin(), extents.end());
+  WSYNC_RETURN_IF_ERROR(ValidateSlice(&ts));
+  uint64_t elems = 1;
+  for (int64_t e : extents) elems *= static_cast<uint64_t>(e);
+  if (DTypeSize(dtype) == 0 || elems * DTypeSize(dtype) != bytes)
+    return absl::InvalidArgumentError(absl::StrCat("slice of ", name, ": ", bytes, " bytes do not match extents of ",
+                                                   elems, " ", DTypeName(dtype), " elements"));
+  return EncodeSliceName(name, full_shape, offsets);
+}
+
+absl::Status TrainerClient::PushSlice(absl::string_view name, DType dtype, absl::Span<const int64_t> full_shape,
+                                      absl::Span<const int64_t> offsets, absl::Span<const int64_t> extents,
+                                      const void* data, uint64_t bytes) {
+  WSYNC_ASSIGN_OR_RETURN(std::string frame, SliceFrameName(name, dtype, full_shape, offsets, extents, bytes));
+  return Push(frame, dtype, extents, data, bytes);
+}
+
+absl::Status TrainerClient::PushSliceDevice(absl::string_view name, DType dtype, absl::Span<const int64_t> full_shape,
+                                            absl::Span<const int64_t> offsets, absl::Span<const int64_t> extents,
+                                            const void* data, uint64_t bytes, int device, uint64_t stream) {
+  WSYNC_ASSIGN_OR_RETURN(std::string frame, SliceFrameName(name, dtype, full_shape, offsets, extents, bytes));
+  return PushDevice(frame, dtype, extents, data, bytes, device, stream);
 }
 
 absl::Status TrainerClient::Flush() {

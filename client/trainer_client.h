@@ -25,6 +25,7 @@
 #include "absl/types/span.h"
 #include "base/dtype.h"
 #include "base/ring.h"
+#include "base/tensor_slice.h"
 #include "client/device_copy.h"
 #include "wsync/v1/daemon.grpc.pb.h"
 
@@ -67,6 +68,19 @@ class TrainerClient {
   // Flush/EndPush returned. Unimplemented in a build without CUDA.
   absl::Status PushDevice(absl::string_view name, DType dtype, absl::Span<const int64_t> shape, const void* data,
                           uint64_t bytes, int device, uint64_t stream);
+  // Pushes a slice of HF tensor `name` whose whole shape is `full_shape`: the data (`bytes` bytes, row-major) has
+  // shape `extents` and starts at `offsets` (a range along dim 0 — row ranges, whole experts — or any rectangle of
+  // a 2-D tensor; base/tensor_slice.h). The node's daemon assembles a tensor from the slices its ranks push and
+  // loads only completely covered parameters. InvalidArgument (naming tensor and ranges) for a malformed slice.
+  absl::Status PushSlice(absl::string_view name, DType dtype, absl::Span<const int64_t> full_shape,
+                         absl::Span<const int64_t> offsets, absl::Span<const int64_t> extents, const void* data,
+                         uint64_t bytes);
+  // PushSlice for data in CUDA memory (see PushDevice).
+  absl::Status PushSliceDevice(absl::string_view name, DType dtype, absl::Span<const int64_t> full_shape,
+                               absl::Span<const int64_t> offsets, absl::Span<const int64_t> extents,
+                               const void* data, uint64_t bytes, int device, uint64_t stream);
+  // The slices the last BeginPush asked this rank to push (shard-aware plans; empty otherwise), in push order.
+  const std::vector<TensorSlice>& push_slices() const { return push_slices_; }
   // Commits the current bucket and waits until the daemon has taken every committed bucket.
   absl::Status Flush();
   // Flush, then tells the daemon this rank is done with `version`.
@@ -90,6 +104,12 @@ class TrainerClient {
   uint64_t bucket_limit_ = 0;
   std::future<absl::Status> in_flight_;
   PushStats stats_;
+  std::vector<TensorSlice> push_slices_;
 };
+
+// Checks a slice push (shape, ranges, byte count) and returns its frame name (EncodeSliceName).
+absl::StatusOr<std::string> SliceFrameName(absl::string_view name, DType dtype, absl::Span<const int64_t> full_shape,
+                                           absl::Span<const int64_t> offsets, absl::Span<const int64_t> extents,
+                                           uint64_t bytes);
 
 }  // namespace wsync::client

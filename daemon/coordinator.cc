@@ -179,13 +179,27 @@ absl::Status Coordinator::Replan() {
   std::map<std::tuple<std::string, std::string, int>, Planned> planned;  // (source node, engine, rank)
   std::map<std::string, std::vector<std::vector<std::string>>> push;      // node → per local rank
   std::map<std::string, std::set<std::string>> pushed;                     // node → tensors already assigned
+  std::map<std::string, std::vector<google::protobuf::RepeatedPtrField<v1::TensorSliceSpec>>> slice_push;
+  std::map<std::string, std::vector<int64_t>> shapes;  // checkpoint tensor → shape (slices are sent in its dims)
+  {
+    WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
+    for (const auto& sp : specs) shapes[sp.name] = sp.shape;
+  }
   for (auto& [key, engines] : groups) {
     std::sort(engines.begin(), engines.end(),
               [](const Engine& a, const Engine& b) { return a.reg->engine_id() < b.reg->engine_id(); });
     planner::ClusterSpec c;
+    if (!opts_.trainer_parallelism.empty()) {
+      auto t = planner::ParseTrainerSpec(opts_.trainer_parallelism);
+      if (!t.ok()) return Annotate(t.status(), "--trainer-parallelism");
+      c.trainer = *t;
+    }
     c.trainer.pp = pp;
     c.trainer.nodes = static_cast<int>(sources.size());
     c.trainer.gpus_per_node = ranks_per_node;
+    if (strategy == planner::Strategy::kLocal && groups.size() > 1)
+      return absl::FailedPreconditionError(
+          "strategy local plans one engine group (one engine kind and parallelism); this membership has several");
     c.engine.instances = static_cast<int>(engines.size());
     c.engine.tp = std::get<1>(key);
     c.engine.ep = std::get<2>(key);
@@ -268,6 +282,38 @@ absl::Status Coordinator::Replan() {
       }
       auto& lists = push[node.node_id()];
       lists.resize(ranks_per_node);
+      if (strategy == planner::Strategy::kLocal) {
+        // Slices (planner::PushSlice, rectangles of the 2-D view) as offsets/extents of the tensor's own shape; a
+        // slice covering the whole tensor is pushed by name.
+        auto& sl = slice_push[node.node_id()];
+        sl.resize(ranks_per_node);
+        for (const auto& ps : sp.push_slices) {
+          const planner::HfTensorInfo& h = input->hf_tensors[ps.hf];
+          if (ps.box == h.full()) {
+            lists[local].push_back(h.name);
+            continue;
+          }
+          const std::vector<int64_t>& shape = shapes.at(h.name);
+          v1::TensorSliceSpec spec;
+          spec.set_name(h.name);
+          spec.set_gather(ps.gather_bytes > 0);
+          for (int64_t d : shape) spec.add_shape(d);
+          if (shape.size() == 2) {
+            spec.add_offsets(ps.box.row0), spec.add_offsets(ps.box.col0);
+            spec.add_extents(ps.box.rows), spec.add_extents(ps.box.cols);
+          } else {
+            // A row range of the 2-D view: whole sub-tensors along dim 0 (1-D: elements).
+            int64_t inner = 1;
+            for (size_t d = 1; d + 1 < shape.size(); ++d) inner *= shape[d];
+            if (ps.box.cols != h.cols || ps.box.row0 % inner != 0 || ps.box.rows % inner != 0)
+              return absl::InternalError(absl::StrCat("local plan slices ", h.name, " across its inner dims"));
+            spec.add_offsets(ps.box.row0 / inner), spec.add_extents(ps.box.rows / inner);
+            for (size_t d = 1; d < shape.size(); ++d) spec.add_offsets(0), spec.add_extents(shape[d]);
+          }
+          *sl[local].Add() = std::move(spec);
+        }
+        continue;
+      }
       for (int h : sp.push_filter) {
         const std::string& name = input->hf_tensors[h].name;
         if (pushed[node.node_id()].insert(name).second) lists[local].push_back(name);
@@ -284,6 +330,8 @@ absl::Status Coordinator::Replan() {
       v1::RankPushFilter f;
       f.set_local_rank(r);
       if (r < static_cast<int>(lists.size())) *f.mutable_tensor_names() = {lists[r].begin(), lists[r].end()};
+      auto sl = slice_push.find(s->node_id());
+      if (sl != slice_push.end() && r < static_cast<int>(sl->second.size())) *f.mutable_slices() = sl->second[r];
       out.push_back(std::move(f));
     }
   }

@@ -80,7 +80,10 @@ struct EngineDeadlines {
 std::unique_ptr<Peers> MakeGrpcPeers(EngineDeadlines deadlines = EngineDeadlines());
 
 struct CoordinatorOptions {
-  std::string strategy = "balanced";  // transfer-plan strategy: seed | balanced (planner/plan.h)
+  std::string strategy = "balanced";  // transfer-plan strategy: seed | balanced | local (planner/plan.h)
+  // local: the trainer's parallelism inside each PP stage ("tp=2,cp=1,ep=2,etp=1"; pp and nodes come from the
+  // registered sources), i.e. which rank holds which shard. Empty = tp=ep=1 (every rank holds whole tensors).
+  std::string trainer_parallelism;
   // balanced: a source is only given work if it gets at least this many bytes per engine copy (0 = every source).
   uint64_t min_source_bytes = 64ull << 20;
   // balanced: a cut within this many bytes of a parameter boundary moves to the boundary (0: cut anywhere, aligned).

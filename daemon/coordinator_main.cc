@@ -64,9 +64,13 @@ int main(int argc, char** argv) {
   app.add_option("--port-file", port_file, "write the bound port here once serving");
   app.add_option("--strategy", opts.strategy,
                  "transfer-plan strategy: balanced (bytes balanced over sources and NICs, parameters split into byte "
-                 "ranges where that balances better) or seed (whole layouts per source, as the seed write-up)")
-      ->check(CLI::IsMember({"seed", "balanced"}))
+                 "ranges where that balances better), seed (whole layouts per source, as the seed write-up) or local "
+                 "(each trainer rank pushes the slices it already holds; needs --trainer-parallelism)")
+      ->check(CLI::IsMember({"seed", "balanced", "local"}))
       ->capture_default_str();
+  app.add_option("--trainer-parallelism", opts.trainer_parallelism,
+                 "local: the trainer's parallelism within a PP stage, Megatron rank order tp-cp-ep-dp-pp, e.g. "
+                 "tp=2,ep=2[,cp=1][,etp=1] (pp and nodes come from the registered source daemons)");
   uint64_t min_source_mib = opts.min_source_bytes >> 20;
   app.add_option("--min-source-mib", min_source_mib,
                  "balanced: give a source work only if it gets at least this many MiB per engine copy (0: use every "

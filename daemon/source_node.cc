@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <fstream>
+#include <cstring>
+#include <optional>
 #include <set>
 
 #include "absl/strings/match.h"
@@ -278,10 +280,12 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     }
   }
   std::map<int, std::vector<std::string>> rank_push;
+  std::map<int, std::vector<v1::TensorSliceSpec>> rank_slices;
   if (req.push_filters_size() > 0) {
     WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
     std::set<std::string> known, seen;
-    for (const auto& s : specs) known.insert(s.name);
+    std::map<std::string, std::vector<int64_t>> shape_of;
+    for (const auto& s : specs) known.insert(s.name), shape_of[s.name] = s.shape;
     for (const auto& f : req.push_filters()) {
       if (f.local_rank() < 0 || f.local_rank() >= opts_.trainer_ranks || rank_push.count(f.local_rank()))
         return absl::InvalidArgumentError(absl::StrCat("push filter for local rank ", f.local_rank(),
@@ -295,6 +299,23 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
           return absl::InvalidArgumentError(
               absl::StrCat("push filter: tensor ", n, " is assigned to two local ranks"));
         names.push_back(n);
+      }
+      for (const auto& sp : f.slices()) {
+        TensorSlice ts;
+        ts.name = sp.name();
+        ts.full_shape.assign(sp.shape().begin(), sp.shape().end());
+        ts.offsets.assign(sp.offsets().begin(), sp.offsets().end());
+        ts.extents.assign(sp.extents().begin(), sp.extents().end());
+        WSYNC_RETURN_IF_ERROR_CTX(ValidateSlice(&ts), "push filter for local rank ", f.local_rank());
+        auto it = shape_of.find(ts.name);
+        if (it == shape_of.end() || it->second != ts.full_shape)
+          return absl::InvalidArgumentError(absl::StrCat("push filter for local rank ", f.local_rank(),
+                                                         " slices ", ts.name, ", which is not a tensor of the model ",
+                                                         "with that shape"));
+        if (seen.count(ts.name))
+          return absl::InvalidArgumentError(
+              absl::StrCat("push filter: tensor ", ts.name, " is both pushed whole and sliced"));
+        rank_slices[f.local_rank()].push_back(sp);
       }
     }
   }
@@ -421,13 +442,16 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   }
 
   std::lock_guard<std::mutex> l(mu_);
+  push_slices_ = 0;
   replica_ = std::move(replica);
   replica_regions_ = std::move(regions);
   mooncake_regions_ = std::move(mc_regions);
   targets_ = std::move(targets);
   targets_by_layout_ = std::move(by_layout);
   push_names_ = std::move(names);
+  for (const auto& [r, list] : rank_slices) push_slices_ += list.size();
   rank_push_ = std::move(rank_push);
+  rank_slices_ = std::move(rank_slices);
   completed_.assign(required.size(), {});
   for (size_t l = 0; l < required.size(); ++l) completed_[l].assign(required[l].size(), 0);
   required_ = std::move(required);
@@ -546,6 +570,7 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   }
   std::lock_guard<std::mutex> l(mu_);
   if (replica_) replica_->BeginUpdate();
+  staged_.clear();
   for (auto& c : completed_) std::fill(c.begin(), c.end(), 0);
   version_ = req.version();
   SetLogUpdateVersion(version_);
@@ -581,6 +606,9 @@ absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequ
   auto it = rank_push_.find(rank);
   if (it != rank_push_.end())
     for (const auto& n : it->second) out.add_tensor_names(n);
+  auto sl = rank_slices_.find(rank);
+  if (sl != rank_slices_.end())
+    for (const auto& x : sl->second) *out.add_slices() = x;
   return out;
 }
 
@@ -619,18 +647,30 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
   // Validate the whole bucket before anything of it reaches the replica or an engine.
   std::vector<replica::HfTensor> tensors;
   tensors.reserve(bucket.tensors.size());
+  std::vector<std::optional<TensorSlice>> slices;  // per tensor: its slice, if it is one
+  std::vector<std::pair<TensorSlice, DType>> bucket_slices;
   std::set<absl::string_view> seen;
   absl::Status bad;
   for (const TensorView& v : bucket.tensors) {
     replica::HfTensor t{v.name, v.dtype, v.shape, v.data, v.bytes};
-    absl::Status st = seen.insert(v.name).second
-                          ? replica_->Validate(t)
-                          : absl::InvalidArgumentError(absl::StrCat("tensor ", v.name, " appears twice in one bucket"));
+    auto slice = ParseSliceName(v.name, v.shape);
+    absl::Status st;
+    if (!slice.ok()) {
+      st = slice.status();
+    } else if (slice->has_value()) {
+      st = CheckSlice(**slice, v.dtype, v.bytes, bucket_slices);
+      if (st.ok()) bucket_slices.push_back({**slice, v.dtype});
+    } else {
+      st = seen.insert(v.name).second
+               ? replica_->Validate(t)
+               : absl::InvalidArgumentError(absl::StrCat("tensor ", v.name, " appears twice in one bucket"));
+    }
     if (!st.ok()) {
       bad = st;
       break;
     }
     tensors.push_back(t);
+    slices.push_back(slice.ok() ? *std::move(slice) : std::nullopt);
   }
   if (!bad.ok()) {
     std::lock_guard<std::mutex> l(mu_);
@@ -644,14 +684,21 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
 
   absl::Time t0 = absl::Now();
   std::vector<replica::ReadyParam> ready;
-  for (const auto& t : tensors) {
-    auto r = replica_->Ingest(t);
-    if (!r.ok()) {
-      std::lock_guard<std::mutex> l(mu_);
-      if (update_error_.ok()) update_error_ = r.status();
-      return r.status();
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const auto& t = tensors[k];
+    absl::Status st;
+    if (slices[k].has_value()) {
+      st = StageSlice(*slices[k], t.dtype, t.data, &ready);
+    } else {
+      auto r = replica_->Ingest(t);
+      if (r.ok()) ready.insert(ready.end(), r->begin(), r->end());
+      st = r.status();
     }
-    ready.insert(ready.end(), r->begin(), r->end());
+    if (!st.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      if (update_error_.ok()) update_error_ = st;
+      return st;
+    }
   }
   const double ingest_s = Seconds(t0);
   absl::Time t1 = absl::Now();
@@ -674,6 +721,92 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
   out.set_bytes(bucket.payload_bytes);
   out.set_params_ready(static_cast<uint32_t>(ready.size()));
   return out;
+}
+
+absl::Status SourceNode::CheckSlice(const TensorSlice& s, DType dtype, uint64_t bytes,
+                                    const std::vector<std::pair<TensorSlice, DType>>& bucket) {
+  uint64_t elems = 1, full = 1;
+  for (int64_t e : s.extents) elems *= static_cast<uint64_t>(e);
+  for (int64_t d : s.full_shape) full *= static_cast<uint64_t>(d);
+  if (DTypeSize(dtype) == 0 || bytes != elems * DTypeSize(dtype))
+    return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, " (", s.Describe(), "): ", bytes,
+                                                   " bytes of data, expected ", elems * DTypeSize(dtype)));
+  auto it = staged_.find(s.name);
+  if (it != staged_.end() && it->second.done)
+    return absl::AlreadyExistsError(absl::StrCat("slice of ", s.name, " (", s.Describe(),
+                                                 ") arrived after the tensor was complete in this update"));
+  // The whole tensor must be one the model has, with this shape and dtype (nothing is read through the pointer).
+  static const uint8_t kNoData = 0;
+  replica::HfTensor whole{s.name, dtype, s.full_shape, &kNoData, full * DTypeSize(dtype)};
+  WSYNC_RETURN_IF_ERROR_CTX(replica_->Validate(whole), "slice ", s.Describe());
+  auto overlaps = [&](const TensorSlice& o) {
+    return s.row0 < o.row0 + o.rows && o.row0 < s.row0 + s.rows && s.col0 < o.col0 + o.cols &&
+           o.col0 < s.col0 + s.cols;
+  };
+  std::vector<const TensorSlice*> earlier;
+  if (it != staged_.end()) {
+    if (it->second.dtype != dtype)
+      return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, " (", s.Describe(), ") is ",
+                                                     DTypeName(dtype), ", earlier slices were ",
+                                                     DTypeName(it->second.dtype)));
+    for (const auto& g : it->second.got) earlier.push_back(&g);
+  }
+  for (const auto& [b, bd] : bucket) {
+    if (b.name != s.name) continue;
+    if (bd != dtype)
+      return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, " (", s.Describe(), ") is ",
+                                                     DTypeName(dtype), ", an earlier slice was ", DTypeName(bd)));
+    earlier.push_back(&b);
+  }
+  for (const TensorSlice* o : earlier)
+    if (overlaps(*o))
+      return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, ": ", s.Describe(), " overlaps ",
+                                                     o->Describe(), " pushed earlier in this update"));
+  return absl::OkStatus();
+}
+
+absl::Status SourceNode::StageSlice(const TensorSlice& s, DType dtype, const uint8_t* data,
+                                    std::vector<replica::ReadyParam>* ready) {
+  auto [it, fresh] = staged_.try_emplace(s.name);
+  Staged& st = it->second;
+  if (fresh) {
+    st.dtype = dtype;
+    st.shape = s.full_shape;
+    for (const replica::TensorRead& r : replica_->Reads(s.name)) {
+      const bool needed = required_[r.layout][r.param] || (r.scale_param >= 0 && required_[r.layout][r.scale_param]);
+      if (!needed) continue;
+      if (r.constant) {
+        st.constant = true;
+      } else {
+        st.need.push_back(r);
+      }
+    }
+    if (!st.need.empty() || st.constant) st.data.assign(static_cast<size_t>(s.full_rows * s.full_cols) * DTypeSize(dtype), 0);
+  }
+  st.got.push_back(s);
+  if (st.data.empty()) return absl::OkStatus();  // nothing this node writes reads it
+  const size_t es = DTypeSize(dtype);
+  const size_t row_bytes = static_cast<size_t>(s.cols) * es;
+  for (int64_t r = 0; r < s.rows; ++r)
+    std::memcpy(st.data.data() + (static_cast<size_t>((s.row0 + r) * s.full_cols + s.col0)) * es,
+                data + static_cast<size_t>(r) * row_bytes, row_bytes);
+  // Complete when every rectangle read by a parameter this node writes is covered (slices are disjoint).
+  for (const replica::TensorRead& n : st.need) {
+    uint64_t covered = 0;
+    for (const TensorSlice& g : st.got) {
+      const int64_t r0 = std::max(n.row0, g.row0), r1 = std::min(n.row0 + n.rows, g.row0 + g.rows);
+      const int64_t c0 = std::max(n.col0, g.col0), c1 = std::min(n.col0 + n.cols, g.col0 + g.cols);
+      if (r1 > r0 && c1 > c0) covered += static_cast<uint64_t>((r1 - r0) * (c1 - c0));
+    }
+    if (covered < static_cast<uint64_t>(n.rows * n.cols)) return absl::OkStatus();
+  }
+  replica::HfTensor whole{s.name, dtype, st.shape, st.data.data(), st.data.size()};
+  auto r = replica_->Ingest(whole);
+  if (!r.ok()) return Annotate(r.status(), absl::StrCat("assembled from ", st.got.size(), " slices"));
+  ready->insert(ready->end(), r->begin(), r->end());
+  st.done = true;
+  std::vector<uint8_t>().swap(st.data);
+  return absl::OkStatus();
 }
 
 absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& ready) {
@@ -789,10 +922,16 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
       for (size_t p = 0; p < required_[li].size(); ++p)
         if (required_[li][p] && !completed_[li][p] && ++count <= 5)
           missing.push_back(absl::StrCat(replica_->table(static_cast<int>(li)).params()[p].name, " (layout ", li, ")"));
+    std::vector<std::string> partial;  // tensors pushed in slices that never covered what this node reads
+    for (const auto& [name, st] : staged_)
+      if (!st.done && !st.data.empty() && partial.size() < 5)
+        partial.push_back(absl::StrCat(name, " (", st.got.size(), " slices)"));
     if (count > 0)
       result = absl::FailedPreconditionError(absl::StrCat(
           "update ", v, ": ", count, " parameters this node writes are incomplete (their checkpoint tensors were not "
-          "all pushed): ", absl::StrJoin(missing, ", "), count > missing.size() ? ", ..." : ""));
+          "all pushed): ", absl::StrJoin(missing, ", "), count > missing.size() ? ", ..." : "",
+          partial.empty() ? "" : absl::StrCat("; tensors whose slices do not cover what this node reads: ",
+                                              absl::StrJoin(partial, ", "))));
   }
   version_ = -1;
   SetLogUpdateVersion(-1);
@@ -882,7 +1021,7 @@ v1::NodeStatus SourceNode::Status() const {
   s.set_open_version(version_);
   s.set_bytes_written(bytes_written_);
   s.set_tensors_received(tensors_received_);
-  s.set_tensors_expected(push_names_.size());
+  s.set_tensors_expected(push_names_.size() + push_slices_);  // slices count as tensors: each is one frame
   uint64_t expected = 0;
   if (replica_)
     for (const auto& t : targets_) expected += replica_->table(t->layout).total_bytes();

@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "base/ring.h"
+#include "base/tensor_slice.h"
 #include "daemon/metrics.h"
 #include "replica/replica.h"
 #include "transport/transport.h"
@@ -114,6 +115,24 @@ class SourceNode {
   void CheckRanks();  // requires mu_
   absl::Status CheckLayout(const replica::ParamTable& table, const v1::RankLayout& target, const std::string& who);
   absl::Status WriteReady(const std::vector<replica::ReadyParam>& ready);
+  // A tensor pushed in slices (shard-aware plans): assembled here until every rectangle this node's writes read has
+  // arrived, then ingested whole. Only the rectangles received are meaningful; parameters reading anything else are
+  // never written (they are not this node's to write).
+  struct Staged {
+    DType dtype = DType::kInvalid;
+    std::vector<int64_t> shape;
+    std::vector<uint8_t> data;            // the whole tensor; allocated at the first slice this node needs
+    std::vector<TensorSlice> got;         // rectangles received in this update (disjoint)
+    std::vector<replica::TensorRead> need;  // what this node's writes read of it
+    bool constant = false;                // a required parameter only needs the tensor to arrive
+    bool done = false;                    // ingested
+  };
+  // Checks one slice against the model, the open update's earlier slices and `bucket` (the slices before it in the
+  // same bucket). Caller holds ingest_mu_.
+  absl::Status CheckSlice(const TensorSlice& s, DType dtype, uint64_t bytes,
+                          const std::vector<std::pair<TensorSlice, DType>>& bucket);
+  // Copies a checked slice in; when the tensor is complete, ingests it and appends the ready parameters.
+  absl::Status StageSlice(const TensorSlice& s, DType dtype, const uint8_t* data, std::vector<replica::ReadyParam>* ready);
   // "engine E rank R at D": how every error about a target names it.
   static std::string Who(const Target& t);
   // Creates `t`'s endpoint and connects it through the target daemon (connect_). Caller holds ingest_mu_.
@@ -144,6 +163,8 @@ class SourceNode {
   std::vector<std::vector<Target*>> targets_by_layout_;
   std::vector<std::string> push_names_;  // checkpoint tensors this node needs, in push order
   std::map<int, std::vector<std::string>> rank_push_;  // per local rank, when the plan partitions the push
+  std::map<int, std::vector<v1::TensorSliceSpec>> rank_slices_;  // per local rank: slices (shard-aware plans)
+  size_t push_slices_ = 0;
   // Per layout and param: whether some target of this node takes bytes of it (what an update must complete), and
   // whether it completed in the open update.
   std::vector<std::vector<char>> required_, completed_;
@@ -167,6 +188,7 @@ class SourceNode {
   std::thread watcher_;  // last: started in the constructor once everything it touches exists  // local ranks that finished pushing the open update
   uint64_t bytes_written_ = 0, params_written_ = 0, tensors_received_ = 0;
   double ingest_seconds_ = 0, write_seconds_ = 0;
+  std::map<std::string, Staged> staged_;  // tensors being assembled from slices in the open update (ingest_mu_)
   // One bucket at a time through the replica and the endpoints. Targets' endpoints, outstanding batches and
   // broken state are touched only with it held.
   std::mutex ingest_mu_;

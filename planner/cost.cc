@@ -17,6 +17,18 @@ int PeersOnNode(int size, int stride, int gpus_per_node) {
 
 }  // namespace
 
+uint64_t GatherBytes(const PlanInput& in) {
+  const TrainerSpec& t = in.cluster.trainer;
+  // Every rank of a group of g receives (g-1)/g of the group's bytes; a stage has S/g such receivers per group.
+  long double total = 0;
+  const int S = t.sources_per_stage();
+  for (const HfTensorInfo& h : in.hf_tensors) {
+    const int g = h.expert ? t.ep : t.tp;
+    if (g > 1) total += static_cast<long double>(h.train_bytes) * (g - 1) / g * S;
+  }
+  return static_cast<uint64_t>(total);
+}
+
 double PredictGather(const PlanInput& in, const CostParams& cp) {
   if (!cp.include_gather) return 0;
   const TrainerSpec& t = in.cluster.trainer;
@@ -93,7 +105,20 @@ Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& 
     }
     pr.sources.push_back(st);
   }
-  pr.gather_s = PredictGather(in, cp);
+  if (plan.strategy == Strategy::kLocal) {
+    // Only what the plan gathers: each rank's gathered bytes, from holders on other nodes, at its NIC share.
+    const TrainerSpec& t = in.cluster.trainer;
+    const double nic_per_gpu =
+        in.cluster.nic.bytes_per_second() * in.cluster.nic.per_node / t.gpus_per_node * cp.gather_efficiency;
+    pr.gather_s = 0;
+    if (cp.include_gather)
+      for (const SourcePlan& s : plan.sources)
+        pr.gather_s = std::max(pr.gather_s, s.gather_bytes / nic_per_gpu);
+    pr.gather_bytes = plan.gather_bytes;
+  } else {
+    pr.gather_s = PredictGather(in, cp);
+    pr.gather_bytes = GatherBytes(in);
+  }
   pr.transfer_s = worst;
   pr.total_s = (cp.fixed_ms + cp.post_process_ms) / 1e3 + pr.gather_s + pr.transfer_s;
   return pr;

@@ -42,6 +42,9 @@ struct SourceTime {
 
 struct Prediction {
   double gather_s = 0;
+  // Trainer-dtype bytes all ranks together receive in the gather: for `local` what its push slices gather, for the
+  // other strategies the whole TP/EP all-gather (GatherBytes).
+  uint64_t gather_bytes = 0;
   double transfer_s = 0;      // P2P part after the gather
   double total_s = 0;         // fixed + gather + transfer + post
   double bound_s = 0;         // max(bytes out of any sending NIC, bytes into any receiving NIC) / line rate
@@ -61,7 +64,10 @@ struct BroadcastPrediction {
 };
 
 // TP/EP all-gather time on the trainer (the slowest rank), from HfTensorInfo::train_bytes and expert flags.
+// `local` plans gather only what their push slices name (Plan::gather_bytes, per source on NVLink or the NIC).
 double PredictGather(const PlanInput& input, const CostParams& params);
+// Bytes the full TP/EP all-gather moves, summed over the receiving ranks of every stage.
+uint64_t GatherBytes(const PlanInput& input);
 Prediction PredictPlan(const PlanInput& input, const Plan& plan, const CostParams& params);
 BroadcastPrediction PredictBroadcast(const PlanInput& input, const CostParams& params);
 

@@ -5,6 +5,8 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "replica/layout_plan.h"
@@ -23,6 +25,43 @@ replica::RankParallelism EngineRankParallelism(const EngineSpec& engine, int ran
   r.dialect = dialect;
   return r;
 }
+
+namespace {
+
+// Megatron's sharding of an HF tensor (docs/planner.md, "Trainer shards"): column-parallel linears and the
+// vocabulary split rows, row-parallel linears split columns, everything else (norms, router, MLA down-projections)
+// is replicated. FP8 block scales follow their weight.
+void SetTrainerSplit(const replica::ModelConfig& config, const TrainerSpec& trainer, HfTensorInfo* h) {
+  absl::string_view n = h->name;
+  absl::ConsumeSuffix(&n, "_scale_inv");
+  if (absl::StrContains(n, "embed_tokens") || absl::StartsWith(n, "lm_head")) {
+    h->split = TrainerSplit::kRows;
+    h->split_align = 128;
+    return;
+  }
+  const size_t e = n.find(".mlp.experts.");
+  if (e != absl::string_view::npos) {
+    absl::string_view rest = n.substr(e + 13);
+    int id = 0;
+    if (absl::SimpleAtoi(rest.substr(0, rest.find('.')), &id)) h->expert_id = id;
+  }
+  auto ends = [&](absl::string_view proj) {
+    return absl::EndsWith(n, absl::StrCat(".", proj, ".weight")) || absl::EndsWith(n, absl::StrCat(".", proj, ".bias"));
+  };
+  if (ends("k_proj") || ends("v_proj")) {
+    // Megatron needs query groups divisible by TP; fewer KV heads than ranks would be replicated.
+    h->split = config.num_kv_heads >= trainer.tp ? TrainerSplit::kRows : TrainerSplit::kReplicated;
+  } else if (ends("q_proj") || ends("q_b_proj") || ends("kv_b_proj") || ends("gate_proj") || ends("up_proj")) {
+    h->split = TrainerSplit::kRows;
+  } else if (ends("gate_up_proj")) {
+    h->split = TrainerSplit::kRows;
+    h->split_parts = 2;
+  } else if (ends("o_proj") || ends("down_proj")) {
+    h->split = TrainerSplit::kCols;
+  }
+}
+
+}  // namespace
 
 int TrainerStageOf(const replica::ModelConfig& config, const std::string& hf_name, int pp) {
   if (pp <= 1) return 0;
@@ -55,6 +94,11 @@ absl::StatusOr<PlanInput> BuildModelInput(const replica::ModelConfig& config, co
       for (int64_t d : s.shape) numel *= static_cast<uint64_t>(d);
       h.train_bytes = s.dtype == DType::kF8E4M3 ? numel * DTypeSize(config.dtype) : h.bytes;
     }
+    // The replica's 2-D view: [rows, cols] row-major, a 1-D tensor [n, 1], a scalar [1, 1].
+    h.rows = 1;
+    h.cols = s.shape.size() >= 2 ? s.shape.back() : 1;
+    for (size_t d = 0; d + (s.shape.size() >= 2 ? 1 : 0) < s.shape.size(); ++d) h.rows *= s.shape[d];
+    SetTrainerSplit(config, cluster.trainer, &h);
     index[h.name] = static_cast<int>(in.hf_tensors.size());
     in.hf_tensors.push_back(std::move(h));
   }
@@ -64,8 +108,26 @@ absl::StatusOr<PlanInput> BuildModelInput(const replica::ModelConfig& config, co
     auto plan = replica::PlanLayout(config, rp, options.quant);
     if (!plan.ok()) return Annotate(plan.status(), absl::StrCat("engine rank ", r));
     std::vector<std::set<int>> inputs(plan->table.params().size());
+    std::vector<std::vector<Need>> needs(plan->table.params().size());
+    auto add_need = [&](int param, int hf, const Box& b) {
+      for (const Need& x : needs[param])
+        if (x.hf == hf && x.box == b) return;
+      needs[param].push_back({hf, b});
+    };
     for (const auto& src : plan->sources) {
       auto it = index.find(src.hf_name);
+      if (it != index.end()) {
+        Box b{src.src_row0, src.rows, src.src_col0, src.cols};
+        if (src.kind == replica::SliceSource::Kind::kConstant) {
+          // Filled when its tensor arrives, not from its bytes: it reads what this rank reads of that tensor.
+          b = {};
+          for (const auto& o : plan->sources)
+            if (o.hf_name == src.hf_name && o.kind != replica::SliceSource::Kind::kConstant)
+              b = {o.src_row0, o.rows, o.src_col0, o.cols};
+        }
+        add_need(src.param, it->second, b);
+        if (src.scale_param >= 0) add_need(src.scale_param, it->second, b);
+      }
       // A trainer-format checkpoint has no `weight_scale_inv`: the source quantizes and computes the scales.
       if (it == index.end() && src.kind == replica::SliceSource::Kind::kFp8Scale) continue;
       if (it == index.end())
@@ -82,6 +144,7 @@ absl::StatusOr<PlanInput> BuildModelInput(const replica::ModelConfig& config, co
       info.name = ep.name;
       info.bytes = ep.bytes;
       info.inputs.assign(inputs[p].begin(), inputs[p].end());
+      info.needs = std::move(needs[p]);
       if (info.inputs.empty())
         return absl::InternalError(absl::StrCat("engine rank ", r, ": parameter ", ep.name,
                                                 " is loaded from no checkpoint tensor"));
@@ -93,6 +156,7 @@ absl::StatusOr<PlanInput> BuildModelInput(const replica::ModelConfig& config, co
       layout.params.push_back(std::move(info));
     }
   }
+  in.num_experts = static_cast<int>(config.num_experts);
   WSYNC_RETURN_IF_ERROR(in.Validate());
   return in;
 }

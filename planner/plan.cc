@@ -1,6 +1,10 @@
 #include "planner/plan.h"
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <set>
@@ -284,15 +288,403 @@ void Account(const PlanInput& in, const std::vector<int>& active, Plan* plan) {
   for (auto& [k, v] : tnic) plan->target_nics.push_back({k.first, k.second, v});
 }
 
+
+// Element sizes of an HF tensor in the transfer and the trainer dtype.
+double ElemBytes(const HfTensorInfo& h) { return h.full().area() ? static_cast<double>(h.bytes) / h.full().area() : 0; }
+double TrainElemBytes(const HfTensorInfo& h) {
+  return h.full().area() ? static_cast<double>(h.train_bytes) / h.full().area() : 0;
+}
+
+absl::Status CheckLocalInput(const PlanInput& in) {
+  const TrainerSpec& t = in.cluster.trainer;
+  bool experts = false;
+  for (const HfTensorInfo& h : in.hf_tensors) {
+    if (h.rows <= 0 || h.cols <= 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("strategy local needs the geometry of every HF tensor; ", h.name, " has none"));
+    experts |= h.expert_id >= 0;
+  }
+  if (experts && (in.num_experts <= 0 || in.num_experts % std::max(1, t.ep) != 0))
+    return absl::InvalidArgumentError(absl::StrCat("strategy local: ", in.num_experts,
+                                                   " routed experts cannot be split over trainer ep=", t.ep));
+  for (size_t r = 0; r < in.layouts.size(); ++r)
+    for (const ParamInfo& p : in.layouts[r].params) {
+      if (p.needs.empty() && !p.inputs.empty())
+        return absl::InvalidArgumentError(
+            absl::StrCat("strategy local: rank ", r, " parameter ", p.name, " has no HF rectangles"));
+      for (const Need& n : p.needs)
+        if (n.hf < 0 || n.hf >= static_cast<int>(in.hf_tensors.size()) || !in.hf_tensors[n.hf].full().Contains(n.box))
+          return absl::InvalidArgumentError(
+              absl::StrCat("strategy local: rank ", r, " parameter ", p.name, " reads outside its HF tensor"));
+    }
+  return absl::OkStatus();
+}
+
+// Who holds what of each HF tensor: the tensor cut into its trainer shards (one shard when replicated), and per
+// rank of the stage the shards it holds. Computed on first use.
+class Holdings {
+ public:
+  explicit Holdings(const PlanInput& in) : in_(in), info_(in.hf_tensors.size()) {}
+  const std::vector<Box>& Shards(int hf) { return Get(hf).shards; }
+  bool Holds(int hf, int index, int shard) {
+    const auto& v = Get(hf).held[index];
+    return std::find(v.begin(), v.end(), shard) != v.end();
+  }
+  // Shards of `hf` held by ranks `indices` (sorted, unique).
+  std::vector<int> ShardsHeld(int hf, const std::vector<int>& indices) {
+    std::vector<int> out;
+    for (int j : indices)
+      for (int k : Get(hf).held[j]) out.push_back(k);
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    return out;
+  }
+
+ private:
+  struct Info {
+    bool ready = false;
+    std::vector<Box> shards;
+    std::vector<std::vector<int>> held;  // per rank of the stage: indices into shards
+  };
+  Info& Get(int hf) {
+    Info& i = info_[hf];
+    if (i.ready) return i;
+    const HfTensorInfo& h = in_.hf_tensors[hf];
+    const int S = in_.cluster.trainer.sources_per_stage();
+    i.held.assign(S, {});
+    for (int j = 0; j < S; ++j) {
+      for (const Box& b : HeldBoxes(in_.cluster.trainer, in_.num_experts, h, j)) {
+        if (b.empty()) continue;
+        auto f = std::find(i.shards.begin(), i.shards.end(), b);
+        i.held[j].push_back(static_cast<int>(f - i.shards.begin()));
+        if (f == i.shards.end()) i.shards.push_back(b);
+      }
+    }
+    if (i.shards.empty()) i.shards.push_back(h.full());  // nobody holds it as one rectangle: gathered
+    i.ready = true;
+    return i;
+  }
+  const PlanInput& in_;
+  std::vector<Info> info_;
+};
+
+// Area of `need` that ranks holding `shards` (indices into Holdings::Shards, which are disjoint) cover.
+uint64_t CoveredArea(Holdings& hold, int hf, const Box& need, const std::vector<int>& shards) {
+  uint64_t a = 0;
+  for (int k : shards) a += hold.Shards(hf)[k].Intersect(need).area();
+  return a;
+}
+
+// Stage indices of the ranks of `stage` on `node`.
+std::vector<int> NodeIndices(const ClusterSpec& c, int stage, int node) {
+  const int S = c.trainer.sources_per_stage(), gpn = c.trainer.gpus_per_node;
+  std::vector<int> out;
+  for (int g = 0; g < gpn; ++g) {
+    const int rank = node * gpn + g;
+    if (rank / S == stage) out.push_back(rank % S);
+  }
+  return out;
+}
+
+// local, one stage. A source can send a parameter when the trainer ranks on its node hold, between them, every
+// rectangle the parameter reads (the node's daemon assembles slices, so no single rank needs all of it). Parameters
+// go whole, fewest candidate sources first, then largest first, to the candidate with the least weighted bytes,
+// preferring one already serving the engine rank unless that costs more than layout_affinity_bytes. A parameter no
+// node holds goes to a source whose node holds most of it; its node gathers the rest (AssignLocalPushes).
+void PlanStageLocal(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, int stage,
+                    const std::vector<SourcePlan*>& srcs, const std::vector<double>& weights, Holdings& hold) {
+  const int S = static_cast<int>(srcs.size());
+  const int R = static_cast<int>(in.layouts.size());
+  // Per node of the stage: its ranks' stage indices.
+  std::map<int, std::vector<int>> node_idx;
+  for (int j = 0; j < S; ++j) node_idx[srcs[j]->node].push_back(j);
+  struct Item {
+    int rank, param;
+    uint64_t bytes;
+    std::vector<int> cands;
+  };
+  std::vector<Item> items;
+  for (int r = 0; r < R; ++r) {
+    for (int k : ix.params[stage][r]) {
+      const ParamInfo& p = in.layouts[r].params[k];
+      Item it{r, k, p.bytes, {}};
+      for (const auto& [node, idx] : node_idx) {
+        bool all = true;
+        for (const Need& n : p.needs)
+          if (CoveredArea(hold, n.hf, n.box, hold.ShardsHeld(n.hf, idx)) != n.box.area()) {
+            all = false;
+            break;
+          }
+        if (all) it.cands.insert(it.cands.end(), idx.begin(), idx.end());
+      }
+      std::sort(it.cands.begin(), it.cands.end());
+      items.push_back(std::move(it));
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    const size_t ca = a.cands.empty() ? SIZE_MAX : a.cands.size(), cb = b.cands.empty() ? SIZE_MAX : b.cands.size();
+    if (ca != cb) return ca < cb;
+    return a.bytes > b.bytes;
+  });
+  std::vector<double> load(S, 0);
+  std::vector<std::map<int, std::vector<ParamSlice>>> got(S);  // source -> rank -> slices
+  for (const Item& it : items) {
+    auto cost = [&](int j) { return (load[j] + it.bytes) / weights[j]; };
+    int best = -1;
+    if (it.cands.empty()) {
+      uint64_t most = 0;
+      for (const auto& [node, idx] : node_idx) {
+        uint64_t have = 0;
+        for (const Need& n : in.layouts[it.rank].params[it.param].needs)
+          have += CoveredArea(hold, n.hf, n.box, hold.ShardsHeld(n.hf, idx));
+        for (int j : idx)
+          if (best < 0 || have > most || (have == most && cost(j) < cost(best))) best = j, most = have;
+      }
+    } else {
+      int best_any = -1, best_served = -1;
+      for (int j : it.cands) {
+        if (best_any < 0 || cost(j) < cost(best_any)) best_any = j;
+        if (got[j].count(it.rank) && (best_served < 0 || cost(j) < cost(best_served))) best_served = j;
+      }
+      best = best_any;
+      if (best_served >= 0 && cost(best_served) - cost(best_any) <= opt.layout_affinity_bytes / weights[best_served])
+        best = best_served;
+    }
+    load[best] += it.bytes;
+    got[best][it.rank].push_back({it.param, 0, it.bytes});
+  }
+  for (int j = 0; j < S; ++j) {
+    for (auto& [rank, slices] : got[j]) {
+      LayoutAssignment a;
+      a.rank = rank;
+      a.slices = std::move(slices);
+      std::sort(a.slices.begin(), a.slices.end(),
+                [](const ParamSlice& x, const ParamSlice& y) { return x.param < y.param; });
+      FinishAssignment(in.layouts[rank], &a);
+      srcs[j]->assignments.push_back(std::move(a));
+    }
+  }
+}
+
+// The union of rectangles inside one shard, as few disjoint rectangles: intervals along the rows when all span the
+// same columns, along the columns when all span the same rows, else their bounding box (still inside the shard).
+std::vector<Box> UnionInShard(std::vector<Box> boxes) {
+  if (boxes.empty()) return {};
+  bool same_cols = true, same_rows = true;
+  Box bound = boxes.front();
+  for (const Box& b : boxes) {
+    same_cols &= b.col0 == boxes[0].col0 && b.cols == boxes[0].cols;
+    same_rows &= b.row0 == boxes[0].row0 && b.rows == boxes[0].rows;
+    const int64_t r1 = std::max(bound.row0 + bound.rows, b.row0 + b.rows);
+    const int64_t c1 = std::max(bound.col0 + bound.cols, b.col0 + b.cols);
+    bound.row0 = std::min(bound.row0, b.row0), bound.col0 = std::min(bound.col0, b.col0);
+    bound.rows = r1 - bound.row0, bound.cols = c1 - bound.col0;
+  }
+  if (!same_cols && !same_rows) return {bound};
+  auto lo = [&](const Box& b) { return same_cols ? b.row0 : b.col0; };
+  auto hi = [&](const Box& b) { return same_cols ? b.row0 + b.rows : b.col0 + b.cols; };
+  auto make = [&](int64_t a, int64_t z) {
+    Box b = boxes[0];
+    (same_cols ? b.row0 : b.col0) = a;
+    (same_cols ? b.rows : b.cols) = z - a;
+    return b;
+  };
+  std::sort(boxes.begin(), boxes.end(), [&](const Box& a, const Box& b) { return lo(a) < lo(b); });
+  std::vector<Box> out;
+  int64_t a = lo(boxes[0]), z = hi(boxes[0]);
+  for (size_t k = 1; k < boxes.size(); ++k) {
+    if (lo(boxes[k]) <= z) {
+      z = std::max(z, hi(boxes[k]));
+    } else {
+      out.push_back(make(a, z));
+      a = lo(boxes[k]), z = hi(boxes[k]);
+    }
+  }
+  out.push_back(make(a, z));
+  return out;
+}
+
+// local: what every node's trainer ranks push. Per node and HF tensor, the rectangles its sources' parameters read
+// are cut at the trainer's shard boundaries and united per shard (disjoint by construction); each piece is pushed
+// by a rank of the node holding that shard (fewest pushed bytes first). A piece whose shard no rank of the node
+// holds is pushed by the node's rank with the fewest pushed bytes, which first gathers it from the shard's holders
+// on other nodes (gather_bytes, over its NIC share).
+void AssignLocalPushes(const PlanInput& in, Plan* plan) {
+  Holdings hold(in);
+  std::map<int, std::map<int, std::vector<Box>>> need;  // node -> hf -> rectangles
+  std::map<int, std::vector<int>> node_sources;          // node -> indices into plan->sources
+  for (size_t k = 0; k < plan->sources.size(); ++k) {
+    SourcePlan& s = plan->sources[k];
+    s.push_slices.clear();
+    s.gather_bytes = 0;
+    node_sources[s.node].push_back(static_cast<int>(k));
+    for (const LayoutAssignment& a : s.assignments)
+      for (const ParamSlice& sl : a.slices)
+        for (const Need& n : in.layouts[a.rank].params[sl.param].needs)
+          if (!n.box.empty()) need[s.node][n.hf].push_back(n.box);
+  }
+  plan->gather_bytes = plan->expert_gather_bytes = 0;
+  std::vector<uint64_t> pushed(plan->sources.size(), 0);
+  for (auto& [node, per_hf] : need) {
+    for (auto& [hf, boxes] : per_hf) {
+      const HfTensorInfo& h = in.hf_tensors[hf];
+      std::vector<int> ranks;  // plan->sources indices of the tensor's stage on this node
+      for (int k : node_sources[node])
+        if (plan->sources[k].stage == h.stage) ranks.push_back(k);
+      const std::vector<Box>& shards = hold.Shards(hf);
+      for (size_t sh = 0; sh < shards.size(); ++sh) {
+        std::vector<Box> parts;
+        for (const Box& b : boxes) {
+          const Box p = b.Intersect(shards[sh]);
+          if (!p.empty()) parts.push_back(p);
+        }
+        for (const Box& piece : UnionInShard(std::move(parts))) {
+          int k = -1;
+          for (int q : ranks)
+            if (hold.Holds(hf, plan->sources[q].index, static_cast<int>(sh)) && (k < 0 || pushed[q] < pushed[k]))
+              k = q;
+          PushSlice ps;
+          ps.hf = hf;
+          ps.box = piece;
+          ps.bytes = static_cast<uint64_t>(std::llround(piece.area() * ElemBytes(h)));
+          if (k < 0) {
+            for (int q : ranks)
+              if (k < 0 || pushed[q] < pushed[k]) k = q;
+            ps.gather_bytes = static_cast<uint64_t>(std::llround(piece.area() * TrainElemBytes(h)));
+          }
+          SourcePlan& s = plan->sources[k];
+          pushed[k] += ps.bytes;
+          s.gather_bytes += ps.gather_bytes;
+          plan->gather_bytes += ps.gather_bytes;
+          if (h.expert) plan->expert_gather_bytes += ps.gather_bytes;
+          s.push_slices.push_back(ps);
+        }
+      }
+    }
+  }
+  for (SourcePlan& s : plan->sources) {
+    std::sort(s.push_slices.begin(), s.push_slices.end(), [](const PushSlice& a, const PushSlice& b) {
+      return a.hf != b.hf ? a.hf < b.hf
+                          : std::make_pair(a.box.row0, a.box.col0) < std::make_pair(b.box.row0, b.box.col0);
+    });
+    std::set<int> ids;
+    s.push_bytes = 0;
+    for (const PushSlice& ps : s.push_slices) ids.insert(ps.hf), s.push_bytes += ps.bytes;
+    s.push_filter.assign(ids.begin(), ids.end());
+  }
+}
+
+// local: every rectangle a node's parameters read is covered exactly by its ranks' push slices, which are disjoint
+// per tensor, lie inside the tensor, and are held by the rank that pushes them unless it gathers them (then
+// gather_bytes is the piece's trainer-dtype size).
+absl::Status VerifyLocalPushes(const PlanInput& in, const Plan& plan) {
+  std::map<std::pair<int, int>, std::vector<Box>> pushed;  // (node, hf) -> boxes
+  for (const SourcePlan& s : plan.sources) {
+    for (const PushSlice& ps : s.push_slices) {
+      const HfTensorInfo& h = in.hf_tensors[ps.hf];
+      if (h.stage != s.stage || !h.full().Contains(ps.box) || ps.box.empty())
+        return absl::InternalError(absl::StrCat("source ", s.trainer_rank, " pushes an empty, out-of-range or "
+                                                "other-stage rectangle of ", h.name));
+      bool holds = false;
+      for (const Box& b : HeldBoxes(in.cluster.trainer, in.num_experts, h, s.index)) holds |= b.Contains(ps.box);
+      const uint64_t want = holds ? 0 : static_cast<uint64_t>(std::llround(ps.box.area() * TrainElemBytes(h)));
+      if (ps.gather_bytes != want)
+        return absl::InternalError(absl::StrCat("source ", s.trainer_rank, " push of ", h.name, ": gather bytes ",
+                                                ps.gather_bytes, ", but the rank ", holds ? "holds" : "lacks",
+                                                " the rectangle"));
+      auto& v = pushed[{s.node, ps.hf}];
+      for (const Box& o : v)
+        if (!o.Intersect(ps.box).empty())
+          return absl::InternalError(absl::StrCat("node ", s.node, " pushes overlapping rectangles of ", h.name));
+      v.push_back(ps.box);
+    }
+  }
+  for (const SourcePlan& s : plan.sources)
+    for (const LayoutAssignment& a : s.assignments)
+      for (const ParamSlice& sl : a.slices)
+        for (const Need& n : in.layouts[a.rank].params[sl.param].needs) {
+          uint64_t covered = 0;
+          auto it = pushed.find({s.node, n.hf});
+          if (it != pushed.end())
+            for (const Box& b : it->second) covered += b.Intersect(n.box).area();
+          if (covered != n.box.area())
+            return absl::InternalError(absl::StrCat("node ", s.node, ": parameter ",
+                                                    in.layouts[a.rank].params[sl.param].name, " reads ",
+                                                    in.hf_tensors[n.hf].name, " rows [", n.box.row0, ", +",
+                                                    n.box.rows, ") cols [", n.box.col0, ", +", n.box.cols,
+                                                    ") that its node's ranks do not push"));
+        }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<Strategy> ParseStrategy(absl::string_view name) {
   if (name == "seed") return Strategy::kSeed;
   if (name == "balanced") return Strategy::kBalanced;
-  return absl::InvalidArgumentError(absl::StrCat("unknown strategy '", name, "' (seed|balanced)"));
+  if (name == "local") return Strategy::kLocal;
+  return absl::InvalidArgumentError(absl::StrCat("unknown strategy '", name, "' (seed|balanced|local)"));
 }
 
-absl::string_view StrategyName(Strategy s) { return s == Strategy::kSeed ? "seed" : "balanced"; }
+absl::string_view StrategyName(Strategy s) {
+  switch (s) {
+    case Strategy::kSeed: return "seed";
+    case Strategy::kBalanced: return "balanced";
+    case Strategy::kLocal: return "local";
+  }
+  return "?";
+}
+
+Box Box::Intersect(const Box& o) const {
+  if (empty() || o.empty()) return {};
+  const int64_t r0 = std::max(row0, o.row0), r1 = std::min(row0 + rows, o.row0 + o.rows);
+  const int64_t c0 = std::max(col0, o.col0), c1 = std::min(col0 + cols, o.col0 + o.cols);
+  if (r1 <= r0 || c1 <= c0) return {};
+  return {r0, r1 - r0, c0, c1 - c0};
+}
+
+namespace {
+
+// Rank `rank` of `g`'s shares of `h` along its split dimension: consecutive equal shards (sizes a multiple of
+// split_align, the last one possibly short or empty), one per stacked part.
+std::vector<Box> SplitBoxes(const HfTensorInfo& h, int g, int rank) {
+  Box b = h.full();
+  if (g <= 1 || h.split == TrainerSplit::kReplicated) return {b};
+  const int parts = std::max(1, h.split_parts);
+  const int64_t n = (h.split == TrainerSplit::kRows ? h.rows : h.cols) / parts;
+  const int64_t a = std::max<int64_t>(1, h.split_align);
+  const int64_t per = (n + g * a - 1) / (g * a) * a;
+  const int64_t lo = std::min<int64_t>(n, per * rank), hi = std::min<int64_t>(n, per * (rank + 1));
+  if (hi <= lo) return {};
+  std::vector<Box> out;
+  for (int p = 0; p < parts; ++p) {
+    if (h.split == TrainerSplit::kRows) {
+      b.row0 = p * n + lo, b.rows = hi - lo;
+    } else {
+      b.col0 = p * n + lo, b.cols = hi - lo;
+    }
+    out.push_back(b);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<Box> HeldBoxes(const TrainerSpec& t, int num_experts, const HfTensorInfo& h, int index) {
+  if (h.expert_id >= 0) {
+    const int etp = std::max(1, t.etp), ep = std::max(1, t.ep);
+    const int per = num_experts / ep;
+    if (per <= 0 || h.expert_id / per != (index / etp) % ep) return {};
+    return SplitBoxes(h, etp, index % etp);
+  }
+  const int tp = std::max(1, t.tp);
+  return SplitBoxes(h, tp, index % tp);
+}
+
+Box HeldBox(const TrainerSpec& t, int num_experts, const HfTensorInfo& h, int index) {
+  const std::vector<Box> b = HeldBoxes(t, num_experts, h, index);
+  return b.size() == 1 ? b[0] : Box{};
+}
 
 std::vector<int> PlanInput::ActiveInstances() const {
   if (!instances.empty()) return instances;
@@ -369,6 +761,22 @@ absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& option
       for (int j = 0; j < S; ++j) srcs.push_back(&plan.sources[p * S + j]);
       PlanStageSeed(input, ix, p, active, srcs);
     }
+  } else if (options.strategy == Strategy::kLocal) {
+    WSYNC_RETURN_IF_ERROR(CheckLocalInput(input));
+    // Every rank may send (it holds its shards anyway); weights equalise bytes per NIC as in balanced.
+    std::map<std::pair<int, int>, int> per_nic;
+    for (const SourcePlan& s : plan.sources) per_nic[{s.node, s.nic}]++;
+    Holdings hold(input);
+    for (int p = 0; p < pp; ++p) {
+      std::vector<SourcePlan*> srcs;
+      std::vector<double> weights;
+      for (int j = 0; j < S; ++j) {
+        SourcePlan* s = &plan.sources[p * S + j];
+        srcs.push_back(s);
+        weights.push_back(1.0 / per_nic[{s->node, s->nic}]);
+      }
+      PlanStageLocal(input, options, ix, p, srcs, weights, hold);
+    }
   } else {
     // Which sources each stage uses: all of them unless the stage is too small to give each min_source_bytes.
     std::vector<std::vector<int>> used(pp);
@@ -400,6 +808,7 @@ absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& option
     }
   }
   for (SourcePlan& s : plan.sources) Materialize(input, active, &s);
+  if (options.strategy == Strategy::kLocal) AssignLocalPushes(input, &plan);
   Account(input, active, &plan);
   return plan;
 }
@@ -414,8 +823,14 @@ absl::Status VerifyPlan(const PlanInput& in, const Plan& plan) {
   const std::set<int> active_set(active.begin(), active.end());
   // received[stage][(instance, rank)] = slices
   std::vector<std::map<Target, std::vector<ParamSlice>>> received(pp);
+  const bool local = plan.strategy == Strategy::kLocal;
+  std::map<int, std::set<int>> node_push;  // local: a node's ranks push for every source of the node
+  if (local) {
+    WSYNC_RETURN_IF_ERROR(VerifyLocalPushes(in, plan));
+    for (const SourcePlan& s : plan.sources) node_push[s.node].insert(s.push_filter.begin(), s.push_filter.end());
+  }
   for (const SourcePlan& s : plan.sources) {
-    std::set<int> push(s.push_filter.begin(), s.push_filter.end());
+    std::set<int> push = local ? node_push[s.node] : std::set<int>(s.push_filter.begin(), s.push_filter.end());
     std::map<int, std::set<std::pair<int, uint64_t>>> loaded;  // rank -> (param, offset)
     for (const LayoutAssignment& a : s.assignments) {
       for (const auto& sl : a.slices) loaded[a.rank].insert({sl.param, sl.offset});
@@ -519,6 +934,7 @@ absl::StatusOr<std::vector<int>> Planner::AddInstance(int id) {
     for (SourcePlan& s : plan_.sources) {
       if (!s.assignments.empty()) Materialize(input_, v, &s);
     }
+    if (options_.strategy == Strategy::kLocal) AssignLocalPushes(input_, &plan_);
     Account(input_, v, &plan_);
   }
   return ChangedSources(before, plan_);
@@ -537,6 +953,7 @@ absl::StatusOr<std::vector<int>> Planner::RemoveInstance(int id) {
     for (SourcePlan& s : plan_.sources) {
       if (!s.assignments.empty()) Materialize(input_, v, &s);
     }
+    if (options_.strategy == Strategy::kLocal) AssignLocalPushes(input_, &plan_);
     Account(input_, v, &plan_);
   }
   return ChangedSources(before, plan_);

@@ -18,6 +18,26 @@
 
 namespace wsync::planner {
 
+// A rectangle of an HF tensor viewed as 2-D row-major [rows, cols] (1-D tensors as [n, 1]), in elements.
+struct Box {
+  int64_t row0 = 0, rows = 0, col0 = 0, cols = 0;
+  bool empty() const { return rows <= 0 || cols <= 0; }
+  uint64_t area() const { return empty() ? 0 : static_cast<uint64_t>(rows) * static_cast<uint64_t>(cols); }
+  bool Contains(const Box& o) const {
+    return o.empty() || (!empty() && o.row0 >= row0 && o.row0 + o.rows <= row0 + rows && o.col0 >= col0 &&
+                         o.col0 + o.cols <= col0 + cols);
+  }
+  Box Intersect(const Box& o) const;
+  bool operator==(const Box& o) const {
+    return row0 == o.row0 && rows == o.rows && col0 == o.col0 && cols == o.cols;
+  }
+};
+
+// How a Megatron trainer shards an HF tensor over its tensor-parallel group (TP for dense tensors, expert-TP for
+// routed experts). kRows: column-parallel (q/k/v, gate/up, q_b/kv_b, vocab embeddings and lm_head); kCols:
+// row-parallel (o_proj, down_proj); kReplicated: norms, router, MLA down-projections ("duplicated" in Megatron).
+enum class TrainerSplit : uint8_t { kReplicated, kRows, kCols };
+
 // One HF tensor the trainer hands over (what the push filter selects from).
 struct HfTensorInfo {
   std::string name;
@@ -25,6 +45,21 @@ struct HfTensorInfo {
   int stage = 0;             // trainer PP stage that holds it
   uint64_t train_bytes = 0;  // in the trainer's dtype: what the TP/EP all-gather moves (cost model; 0 = none)
   bool expert = false;       // routed-expert tensor (gathered over EP rather than TP)
+  // Geometry for the `local` strategy (rows = 0: unknown; `local` then refuses the input).
+  int64_t rows = 0, cols = 0;   // 2-D view
+  TrainerSplit split = TrainerSplit::kReplicated;
+  int64_t split_align = 1;      // shard sizes are multiples of this (Megatron pads the vocabulary to 128 per rank)
+  // > 1: the split dimension is this many stacked tensors each split on its own (GLM4's fused gate_up_proj: a TP
+  // rank holds its share of gate and its share of up, two rectangles).
+  int split_parts = 1;
+  int expert_id = -1;           // global routed-expert id (expert tensors)
+  Box full() const { return {0, rows, 0, cols}; }
+};
+
+// A rectangle of an HF tensor that one engine parameter is loaded from.
+struct Need {
+  int hf = 0;
+  Box box;
 };
 
 // One engine parameter of one engine rank's layout.
@@ -33,6 +68,7 @@ struct ParamInfo {
   uint64_t bytes = 0;
   int stage = 0;             // trainer PP stage that produces it
   std::vector<int> inputs;   // indices into PlanInput::hf_tensors this parameter is loaded from
+  std::vector<Need> needs;   // the rectangles it reads (the `local` strategy's input)
 };
 
 struct LayoutInfo {
@@ -44,11 +80,12 @@ struct PlanInput {
   std::vector<HfTensorInfo> hf_tensors;
   std::vector<LayoutInfo> layouts;  // index = engine rank; size must be cluster.engine.tp
   std::vector<int> instances;       // active engine instance ids (sorted, unique); empty = 0..engine.instances-1
+  int num_experts = 0;              // routed experts per MoE layer (expert ownership under trainer EP)
   absl::Status Validate() const;
   std::vector<int> ActiveInstances() const;
 };
 
-enum class Strategy { kSeed, kBalanced };
+enum class Strategy { kSeed, kBalanced, kLocal };
 absl::StatusOr<Strategy> ParseStrategy(absl::string_view name);
 absl::string_view StrategyName(Strategy s);
 
@@ -62,6 +99,9 @@ struct PlanOptions {
   // balanced: a source is only given work if each used source gets at least this many bytes per copy (avoids
   // hundreds of tiny sessions for small models). 0 = use every source.
   uint64_t min_source_bytes = 64ull << 20;
+  // local: a source that does not yet serve an engine rank gets one of its parameters only when that beats the
+  // best source already serving the rank by more than this many bytes (fewer replica layouts per source).
+  uint64_t layout_affinity_bytes = 4ull << 20;
 };
 
 // A byte range of one parameter of a layout. Whole parameter: offset 0, length = bytes.
@@ -105,6 +145,16 @@ struct LayoutAssignment {
   }
 };
 
+// One rectangle of an HF tensor a trainer rank pushes (the `local` strategy's push filter). It lies inside one
+// trainer shard; when no rank of the node holds that shard, the rank first gathers the rectangle from a holder on
+// another node (gather_bytes > 0, in the trainer's dtype).
+struct PushSlice {
+  int hf = 0;
+  Box box;
+  uint64_t bytes = 0;                // transfer bytes of the box
+  uint64_t gather_bytes = 0;         // trainer-dtype bytes it gathers first (its node holds none of the box)
+};
+
 struct SourcePlan {
   int stage = 0;
   int index = 0;         // position within the stage (miles' gathered_dp_rank)
@@ -114,6 +164,10 @@ struct SourcePlan {
   std::vector<LayoutAssignment> assignments;  // replica loads, in load order
   std::vector<Task> tasks;                    // writes, in issue order (grouped by layout, load order)
   std::vector<int> push_filter;               // HF tensor ids (sorted) the trainer rank must hand over
+  // `local` only: the rectangles of those tensors this rank pushes (disjoint per node and tensor); empty for the
+  // other strategies, whose push filters name whole tensors.
+  std::vector<PushSlice> push_slices;
+  uint64_t gather_bytes = 0;        // `local`: sum of push_slices' gather_bytes
   uint64_t push_bytes = 0;
   uint64_t load_bytes = 0;   // replica load work (sum over assignments)
   uint64_t bytes_out = 0;    // sum over tasks
@@ -133,7 +187,16 @@ struct Plan {
   std::vector<NicLoad> source_nics;  // trainer NICs carrying at least one source
   std::vector<NicLoad> target_nics;  // engine NICs of active targets
   std::vector<uint64_t> target_bytes;  // per target, indexed instance_slot * tp + rank (ActiveInstances order)
+  uint64_t gather_bytes = 0;           // `local`: trainer-dtype bytes gathered by all ranks together
+  uint64_t expert_gather_bytes = 0;    // `local`: of which expert tensors
 };
+
+// Which rectangle of HF tensor `h` trainer rank `index` (its position inside its PP stage) holds, under Megatron's
+// rank order tp-cp-ep-dp-pp: a dense tensor's TP rank is index % tp; a routed expert's expert-TP rank is
+// index % etp and its EP rank (index / etp) % ep, owning experts [ep_rank * E/ep, (ep_rank+1) * E/ep).
+// Empty when the rank holds none of it, or holds more than one rectangle (HeldBoxes: split_parts > 1).
+Box HeldBox(const TrainerSpec& trainer, int num_experts, const HfTensorInfo& h, int index);
+std::vector<Box> HeldBoxes(const TrainerSpec& trainer, int num_experts, const HfTensorInfo& h, int index);
 
 // Builds the plan for every active instance. Deterministic: same input, same plan, on any machine.
 absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& options);

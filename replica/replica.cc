@@ -83,6 +83,7 @@ class ReplicaImpl final : public Replica {
   absl::StatusOr<std::vector<ReadyParam>> Ingest(const HfTensor& t) override;
   absl::Status FinishUpdate() const override;
   bool Needs(absl::string_view hf_name) const override;
+  std::vector<TensorRead> Reads(absl::string_view hf_name) const override;
 
  private:
   enum class Role : uint8_t { kPlain, kFp8Weight, kFp8Scale };
@@ -300,6 +301,23 @@ absl::Status ReplicaImpl::FinishUpdate() const {
   if (count == 0) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(count, " parameter(s) incomplete: ", absl::StrJoin(missing, ", "),
                                                     count > missing.size() ? ", ..." : ""));
+}
+
+std::vector<TensorRead> ReplicaImpl::Reads(absl::string_view hf_name) const {
+  std::vector<TensorRead> out;
+  auto it = index_.find(hf_name);
+  if (it == index_.end()) return out;
+  for (const Placement& p : entries_[it->second].placements) {
+    const SliceSource& s = layouts_[p.layout].plan.sources[p.source];
+    TensorRead r;
+    r.layout = p.layout;
+    r.param = s.param;
+    r.scale_param = s.scale_param;
+    r.constant = s.kind == SliceSource::Kind::kConstant;
+    r.row0 = s.src_row0, r.rows = s.rows, r.col0 = s.src_col0, r.cols = s.cols;
+    out.push_back(r);
+  }
+  return out;
 }
 
 bool ReplicaImpl::Needs(absl::string_view hf_name) const {

@@ -37,6 +37,17 @@ struct HfTensor {
   uint64_t bytes = 0;
 };
 
+// One rectangle of an HF tensor that a layout reads into a parameter: the tensor's 2-D row-major view (1-D as
+// [n, 1]; an FP8 `weight_scale_inv` in its own elements, i.e. blocks). `constant`: the parameter is filled with a
+// fixed value when the tensor arrives and reads none of its bytes (SliceSource::Kind::kConstant).
+struct TensorRead {
+  int layout = 0;
+  int param = 0;
+  int scale_param = -1;  // also filled by this read (weights quantized here)
+  bool constant = false;
+  int64_t row0 = 0, rows = 0, col0 = 0, cols = 0;
+};
+
 // A parameter that became complete in one layout's buffer: send table(layout).params()[param] bytes.
 struct ReadyParam {
   int layout = 0;
@@ -67,6 +78,9 @@ class Replica {
   virtual absl::Status FinishUpdate() const = 0;
   // Whether any layout of this replica needs the tensor (the push filter; also true for skipped-by-rule names).
   virtual bool Needs(absl::string_view hf_name) const = 0;
+  // Every rectangle of `hf_name` the layouts read (empty for a tensor no layout needs): what a source assembling the
+  // tensor from slices must have before it may Ingest it.
+  virtual std::vector<TensorRead> Reads(absl::string_view hf_name) const = 0;
 };
 
 }  // namespace wsync::replica

@@ -60,7 +60,8 @@ nlohmann::json SourcesJson(const PlanInput& in, const planner::Plan& plan, bool 
     if (!s.active()) continue;
     nlohmann::json j = {{"trainer_rank", s.trainer_rank}, {"stage", s.stage}, {"node", s.node}, {"nic", s.nic},
                         {"bytes_out", s.bytes_out}, {"load_bytes", s.load_bytes}, {"push_bytes", s.push_bytes},
-                        {"sessions", s.sessions}, {"push_tensors", s.push_filter.size()}};
+                        {"sessions", s.sessions}, {"push_tensors", s.push_filter.size()},
+                        {"gather_bytes", s.gather_bytes}};
     if (tasks) {
       nlohmann::json tj = nlohmann::json::array();
       for (const auto& t : s.tasks) {
@@ -75,6 +76,14 @@ nlohmann::json SourcesJson(const PlanInput& in, const planner::Plan& plan, bool 
       nlohmann::json pf = nlohmann::json::array();
       for (int h : s.push_filter) pf.push_back(in.hf_tensors[h].name);
       j["push_filter"] = pf;
+      if (!s.push_slices.empty()) {
+        nlohmann::json ps = nlohmann::json::array();
+        for (const auto& x : s.push_slices)
+          ps.push_back({{"tensor", in.hf_tensors[x.hf].name}, {"rows", {x.box.row0, x.box.row0 + x.box.rows}},
+                        {"cols", {x.box.col0, x.box.col0 + x.box.cols}}, {"bytes", x.bytes},
+                        {"gather_bytes", x.gather_bytes}});
+        j["push_slices"] = ps;
+      }
     }
     arr.push_back(j);
   }
@@ -109,6 +118,10 @@ void PrintTable(const PlanInput& in, const planner::Plan& plan, const Report& r,
               Secs(r.p2p.total_s).c_str(), Secs(r.p2p.gather_s).c_str(), Secs(r.p2p.transfer_s).c_str(),
               Secs((cp.fixed_ms + cp.post_process_ms) / 1e3).c_str(),
               cp.executor == planner::Executor::kSerial ? "serial" : "pipelined");
+  std::printf("gathered          %s in the trainer's dtype (%s of expert tensors)%s\n", Bytes(r.p2p.gather_bytes).c_str(),
+              Bytes(plan.expert_gather_bytes).c_str(),
+              plan.strategy == planner::Strategy::kLocal ? "; only what no rank of the pushing node holds"
+                                                         : "; the whole TP/EP all-gather");
   std::printf("NCCL broadcast    %s  (gather %s + transfer %s; %s per engine rank)\n", Secs(r.bcast.total_s).c_str(),
               Secs(r.bcast.gather_s).c_str(), Secs(r.bcast.transfer_s).c_str(),
               Bytes(r.bcast.bytes_per_receiver).c_str());
@@ -116,8 +129,9 @@ void PrintTable(const PlanInput& in, const planner::Plan& plan, const Report& r,
   if (tasks) {
     for (const auto& s : plan.sources) {
       if (!s.active()) continue;
-      std::printf("source %d (stage %d, node %d, nic %d): %s out, load %s, push %zu tensors\n", s.trainer_rank, s.stage,
-                  s.node, s.nic, Bytes(s.bytes_out).c_str(), Bytes(s.load_bytes).c_str(), s.push_filter.size());
+      std::printf("source %d (stage %d, node %d, nic %d): %s out, load %s, push %zu tensors (%s), gathers %s\n",
+                  s.trainer_rank, s.stage, s.node, s.nic, Bytes(s.bytes_out).c_str(), Bytes(s.load_bytes).c_str(),
+                  s.push_filter.size(), Bytes(s.push_bytes).c_str(), Bytes(s.gather_bytes).c_str());
       for (const auto& t : s.tasks) {
         std::printf("  -> (%d,%d) %zu params %s\n", t.target.instance, t.target.rank, t.slices.size(),
                     Bytes(t.bytes).c_str());
@@ -145,6 +159,7 @@ nlohmann::json ReportJson(const Report& r) {
           {"ideal_bound_s", r.p2p.ideal_bound_s},
           {"predicted_s", r.p2p.total_s},
           {"gather_s", r.p2p.gather_s},
+          {"gather_bytes", r.p2p.gather_bytes},
           {"transfer_s", r.p2p.transfer_s},
           {"broadcast_s", r.bcast.total_s},
           {"broadcast_transfer_s", r.bcast.transfer_s},
@@ -174,10 +189,10 @@ std::string FindModel(const std::vector<std::string>& dirs, const std::string& n
 int RunSeedTable(const std::vector<std::string>& dirs, const planner::CostParams& base, bool json) {
   nlohmann::json rows = nlohmann::json::array();
   if (!json) {
-    std::printf("%-24s %5s %9s | %9s %9s | %9s %9s %9s %9s | %9s | %7s %7s\n", "model", "nodes", "HF bytes",
-                "bcast", "bcast", "seed", "balanced", "bal+pipe", "P2P", "bound", "speedup", "speedup");
-    std::printf("%-24s %5s %9s | %9s %9s | %9s %9s %9s %9s | %9s | %7s %7s\n", "", "", "", "pred", "measured",
-                "pred", "pred", "pred", "measured", "", "pred", "meas");
+    std::printf("%-24s %5s %9s | %9s %9s | %9s %9s %9s %9s %9s | %9s | %7s %7s\n", "model", "nodes", "HF bytes",
+                "bcast", "bcast", "seed", "balanced", "bal+pipe", "loc+pipe", "P2P", "bound", "speedup", "speedup");
+    std::printf("%-24s %5s %9s | %9s %9s | %9s %9s %9s %9s %9s | %9s | %7s %7s\n", "", "", "", "pred", "measured",
+                "pred", "pred", "pred", "pred", "measured", "", "pred", "meas");
   }
   int rc = kExitOk;
   for (const planner::SeedRow& row : planner::SeedRows()) {
@@ -197,11 +212,13 @@ int RunSeedTable(const std::vector<std::string>& dirs, const planner::CostParams
     }
     planner::CostParams cp = base;
     cp.post_process_ms = row.post_process_ms;
-    planner::PlanOptions so, bo;
+    planner::PlanOptions so, bo, lo;
     so.strategy = planner::Strategy::kSeed;
+    lo.strategy = planner::Strategy::kLocal;
     auto seed = planner::BuildPlan(*in, so);
     auto bal = planner::BuildPlan(*in, bo);
-    if (!seed.ok() || !bal.ok()) {
+    auto loc = planner::BuildPlan(*in, lo);
+    if (!seed.ok() || !bal.ok() || !loc.ok()) {
       std::fprintf(stderr, "seed table: %s: planning failed\n", row.model.c_str());
       rc = kExitError;
       continue;
@@ -211,6 +228,7 @@ int RunSeedTable(const std::vector<std::string>& dirs, const planner::CostParams
     planner::CostParams pipe = cp;
     pipe.executor = planner::Executor::kPipelined;
     const auto pp = planner::PredictPlan(*in, *bal, pipe);
+    const auto pl = planner::PredictPlan(*in, *loc, pipe);
     const auto bc = planner::PredictBroadcast(*in, cp);
     const double meas_ratio = row.nccl_ms / row.rdma_ms;
     if (json) {
@@ -219,13 +237,17 @@ int RunSeedTable(const std::vector<std::string>& dirs, const planner::CostParams
                       {"engine", planner::FormatEngineSpec(row.engine)},
                       {"broadcast_pred_ms", bc.total_s * 1e3}, {"broadcast_meas_ms", row.nccl_ms},
                       {"seed_pred_ms", ps.total_s * 1e3}, {"balanced_pred_ms", pb.total_s * 1e3},
-                      {"balanced_pipelined_pred_ms", pp.total_s * 1e3}, {"p2p_meas_ms", row.rdma_ms},
+                      {"balanced_pipelined_pred_ms", pp.total_s * 1e3},
+                      {"local_pipelined_pred_ms", pl.total_s * 1e3}, {"local_gather_ms", pl.gather_s * 1e3},
+                      {"local_gather_bytes", pl.gather_bytes}, {"local_transfer_ms", pl.transfer_s * 1e3},
+                      {"p2p_meas_ms", row.rdma_ms},
                       {"gather_ms", ps.gather_s * 1e3}, {"bound_ms", pb.bound_s * 1e3},
                       {"speedup_pred", bc.total_s / ps.total_s}, {"speedup_meas", meas_ratio}});
     } else {
-      std::printf("%-24s %5d %9s | %9.0f %9.0f | %9.0f %9.0f %9.0f %9.0f | %9.0f | %6.2fx %6.2fx\n",
+      std::printf("%-24s %5d %9s | %9.0f %9.0f | %9.0f %9.0f %9.0f %9.0f %9.0f | %9.0f | %6.2fx %6.2fx\n",
                   row.model.c_str(), row.trainer.nodes, Bytes(bc.bytes_per_receiver).c_str(), bc.total_s * 1e3,
-                  row.nccl_ms, ps.total_s * 1e3, pb.total_s * 1e3, pp.total_s * 1e3, row.rdma_ms, pb.bound_s * 1e3,
+                  row.nccl_ms, ps.total_s * 1e3, pb.total_s * 1e3, pp.total_s * 1e3, pl.total_s * 1e3, row.rdma_ms,
+                  pb.bound_s * 1e3,
                   bc.total_s / ps.total_s, meas_ratio);
     }
   }
@@ -282,7 +304,7 @@ int RunPlanCommand(int argc, char** argv) {
   app.add_option("--train", train, "trainer: tp=,pp=,cp=,ep=,etp=,nodes=,gpus= (gpus per node, default 8)");
   app.add_option("--infer", infer, "engines: instances=,tp=,ep=,dp=,nodes=");
   app.add_option("--nic", nic, "NICs per node x rate, e.g. 8x400Gbps")->capture_default_str();
-  app.add_option("--strategy", strategy, "seed|balanced")->capture_default_str();
+  app.add_option("--strategy", strategy, "seed|balanced|local")->capture_default_str();
   app.add_option("-w,--write-out", out, "table|json")->capture_default_str();
   app.add_option("--weights", weights, "transfer format: bf16, fp8 (128 blocks) or fp8:BLOCK")->capture_default_str();
   app.add_option("--executor", executor, "serial (the seed's) or pipelined")->capture_default_str();

@@ -295,7 +295,14 @@ def run(args, cluster, deadline):
         time.sleep(0.3)
         with coord.update(good):
             for k, name in enumerate(trainer.begin_push(good)):
-                trainer.push(name, generate_bf16(name, good, specs[name]), dtype="bfloat16")
+                bits = generate_bf16(name, good, specs[name])
+                if len(bits.shape) == 2 and bits.shape[0] % 2 == 0 and name.endswith("q_proj.weight"):
+                    # Slices: two row halves; the daemon assembles the tensor (the engine verifies it below).
+                    half = bits.shape[0] // 2
+                    trainer.push_slice(name, bits[half:], bits.shape, [half, 0], dtype="bfloat16")
+                    trainer.push_slice(name, np.ascontiguousarray(bits[:half]), bits.shape, [0, 0], dtype="bfloat16")
+                else:
+                    trainer.push(name, bits, dtype="bfloat16")
                 if k % 8 == 7:
                     trainer.flush()
                     time.sleep(0.1)  # slow enough for the watcher to see progress

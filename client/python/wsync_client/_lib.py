@@ -45,6 +45,7 @@ def _declare(lib):
                                             c_int, u64]),
         "wsync_trainer_flush": (c_int, [c_void_p]),
         "wsync_trainer_end_push": (c_int, [c_void_p, i64]),
+        "wsync_trainer_push_slices": (c_int, [c_void_p, out_buf, ctypes.POINTER(c_size_t)]),
         "wsync_trainer_stats": (c_int, [c_void_p, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)]),
         "wsync_trainer_last_error": (c_char_p, [c_void_p]),
         "wsync_trainer_close": (None, [c_void_p]),

@@ -168,6 +168,35 @@ class Trainer(_Handle):
         _check(_lib.lib().wsync_trainer_push(self._handle(), name.encode(), dt.encode(), c_shape, len(shape),
                                              ctypes.c_void_p(ptr), int(nbytes)))
 
+    def push_slice(self, name, array, full_shape, offsets, dtype=None):
+        """Pushes a slice of HF tensor `name` (whole shape `full_shape`): `array` (host or CUDA) is the slice, its
+        shape the extents, starting at `offsets` — a range along dim 0 (row ranges, whole experts) or any rectangle
+        of a 2-D tensor. The node's daemon assembles the tensor from the slices its ranks push."""
+        full_shape = [int(d) for d in full_shape]
+        offsets = [int(o) for o in offsets]
+        extents = [int(d) for d in array.shape]
+        if "|" in name or len(full_shape) != len(offsets) or len(extents) != len(full_shape):
+            raise WsyncError(INVALID_ARGUMENT, "slice of %s: offsets %s / extents %s do not match shape %s"
+                             % (name, offsets, extents, full_shape))
+        # The wire form is a name (base/tensor_slice.h); the daemon checks the ranges and names the tensor.
+        frame = "%s|slice|%s|%s" % (name, "x".join(map(str, full_shape)), ",".join(map(str, offsets)))
+        return self.push(frame, array, dtype)
+
+    def push_slices(self):
+        """The slices the last begin_push asked this rank to push (shard-aware plans), as dicts with name, shape,
+        offsets, extents (row/column ranges: take `t[o0:o0+e0, o1:o1+e1]` and push_slice it)."""
+        buf = ctypes.c_void_p()
+        count = ctypes.c_size_t()
+        _check(_lib.lib().wsync_trainer_push_slices(self._handle(), ctypes.byref(buf), ctypes.byref(count)))
+        text = _lib.take_string(buf.value)
+        out = []
+        for line in (text.split("\n") if count.value else []):
+            name, shape, offsets, extents = line.split("|")
+            out.append({"name": name, "shape": [int(x) for x in shape.split("x")],
+                        "offsets": [int(x) for x in offsets.split(",")],
+                        "extents": [int(x) for x in extents.split(",")]})
+        return out
+
     def _push_cuda(self, name, t, dtype):
         """A torch CUDA tensor: one asynchronous device-to-host copy into the ring, ordered after the work queued on
         the tensor's device's current stream. The tensor is kept alive until the next flush/end_push (the copy may
