@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "proto/status_convert.h"
+#include "proto/tls.h"
 
 namespace wsync::client {
 namespace {
@@ -14,14 +15,21 @@ void SetDeadline(grpc::ClientContext* ctx, absl::Duration d) {
 }  // namespace
 
 CoordinatorClient::CoordinatorClient(const std::string& endpoint, absl::Duration dial_timeout)
-    : stub_(v1::Coordinator::NewStub(grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()))),
-      dial_timeout_(dial_timeout) {}
+    : dial_timeout_(dial_timeout) {
+  // mTLS from WSYNC_TLS_* (or the binary's --tls-* flags); without TLS only a loopback endpoint is dialled.
+  auto channel = tls::Dial(endpoint);
+  if (channel.ok())
+    stub_ = v1::Coordinator::NewStub(*std::move(channel));
+  else
+    dial_status_ = channel.status();
+}
 
 absl::StatusOr<v1::BeginUpdateReply> CoordinatorClient::BeginUpdate(int64_t version, const std::string& pause_mode) {
   v1::BeginUpdateRequest req;
   req.set_version(version);
   req.set_pause_mode(pause_mode);
   v1::BeginUpdateReply rep;
+  if (!stub_) return dial_status_;
   grpc::ClientContext ctx;
   SetDeadline(&ctx, BeginUpdateDeadline(dial_timeout_));
   grpc::Status s = stub_->BeginUpdate(&ctx, req, &rep);
@@ -34,6 +42,7 @@ absl::StatusOr<v1::UpdateRecord> CoordinatorClient::CommitUpdate(int64_t version
   req.set_version(version);
   req.set_timeout_seconds(timeout_seconds);
   v1::CommitUpdateReply rep;
+  if (!stub_) return dial_status_;
   grpc::ClientContext ctx;
   SetDeadline(&ctx, CommitUpdateDeadline(timeout_seconds, dial_timeout_));
   grpc::Status s = stub_->CommitUpdate(&ctx, req, &rep);
@@ -43,6 +52,7 @@ absl::StatusOr<v1::UpdateRecord> CoordinatorClient::CommitUpdate(int64_t version
 
 absl::StatusOr<v1::ClusterStatus> CoordinatorClient::Status() {
   v1::ClusterStatus rep;
+  if (!stub_) return dial_status_;
   grpc::ClientContext ctx;
   SetDeadline(&ctx, dial_timeout_);
   grpc::Status s = stub_->GetClusterStatus(&ctx, v1::ClusterStatusRequest(), &rep);
@@ -54,6 +64,7 @@ absl::StatusOr<v1::HistoryReply> CoordinatorClient::History(int limit) {
   v1::HistoryRequest req;
   req.set_limit(limit);
   v1::HistoryReply rep;
+  if (!stub_) return dial_status_;
   grpc::ClientContext ctx;
   SetDeadline(&ctx, dial_timeout_);
   grpc::Status s = stub_->GetHistory(&ctx, req, &rep);
@@ -66,6 +77,7 @@ absl::StatusOr<v1::AbortUpdateReply> CoordinatorClient::AbortUpdate(int64_t vers
   req.set_version(version);
   req.set_reason(reason);
   v1::AbortUpdateReply rep;
+  if (!stub_) return dial_status_;
   grpc::ClientContext ctx;
   // The coordinator waits for every source's AbortSourceUpdate (a bucket being written, then the drain).
   SetDeadline(&ctx, dial_timeout_ + absl::Seconds(60 + kDeadlineMarginSeconds));
@@ -78,6 +90,7 @@ absl::StatusOr<v1::RemoveNodeReply> CoordinatorClient::RemoveNode(const std::str
   v1::RemoveNodeRequest req;
   req.set_node_id(node_id);
   v1::RemoveNodeReply rep;
+  if (!stub_) return dial_status_;
   grpc::ClientContext ctx;
   SetDeadline(&ctx, dial_timeout_);
   grpc::Status s = stub_->RemoveNode(&ctx, req, &rep);
@@ -87,6 +100,7 @@ absl::StatusOr<v1::RemoveNodeReply> CoordinatorClient::RemoveNode(const std::str
 
 absl::StatusOr<v1::ResumeEnginesReply> CoordinatorClient::ResumeEngines() {
   v1::ResumeEnginesReply rep;
+  if (!stub_) return dial_status_;
   grpc::ClientContext ctx;
   SetDeadline(&ctx, dial_timeout_ + absl::Seconds(30 + kDeadlineMarginSeconds));
   grpc::Status s = stub_->ResumeEngines(&ctx, v1::ResumeEnginesRequest(), &rep);

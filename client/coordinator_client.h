@@ -49,7 +49,8 @@ class CoordinatorClient {
   absl::StatusOr<v1::RemoveNodeReply> RemoveNode(const std::string& node_id);
 
  private:
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;  // null when the endpoint may not be dialled (dial_status_ says why)
+  absl::Status dial_status_;
   absl::Duration dial_timeout_;
 };
 

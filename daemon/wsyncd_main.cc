@@ -22,6 +22,7 @@
 #include "daemon/serve.h"
 #include "daemon/services.h"
 #include "proto/status_convert.h"
+#include "proto/tls.h"
 #include "spdlog/spdlog.h"
 #include "transport/fault/fault_transport.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
@@ -33,7 +34,9 @@ namespace {
 // Registers with the coordinator, retrying (every 0.5 s, each attempt logged) while it is not up yet. Returns
 // Cancelled at once when SIGTERM/SIGINT arrives meanwhile.
 absl::Status Register(const std::string& coordinator, const v1::RegisterNodeRequest& req, int attempts) {
-  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
+  auto channel = tls::Dial(coordinator);
+  if (!channel.ok()) return channel.status();
+  auto stub = v1::Coordinator::NewStub(*std::move(channel));
   absl::Status last;
   for (int i = 1; i <= attempts; ++i) {
     grpc::ClientContext ctx;
@@ -61,7 +64,12 @@ absl::Status Register(const std::string& coordinator, const v1::RegisterNodeRequ
 // dropped the node), registers again; while it is unreachable, logs once and keeps trying.
 void HoldLease(const std::string& coordinator, const v1::RegisterNodeRequest& reg,
                const std::function<v1::RegisterNodeRequest()>& fresh_registration) {
-  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
+  auto channel = tls::Dial(coordinator);  // Register dialled it already: the address passed the same check
+  if (!channel.ok()) {
+    spdlog::error("{}", channel.status().ToString());
+    return;
+  }
+  auto stub = v1::Coordinator::NewStub(*std::move(channel));
   v1::HeartbeatRequest hb;
   hb.set_node_id(reg.node_id());
   hb.set_address(reg.address());
@@ -151,8 +159,12 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--ring-mib", ring_mib, "source: shared-memory ring size per trainer rank, MiB")
       ->check(CLI::Range(1, 1 << 20));
+  tls::Options tls_opts;
+  tls::AddFlags(app, &tls_opts);
   app.footer(
       "exit codes: 0 ok, 1 failure, 2 bad usage, 3 endpoint unavailable\n"
+      "TLS: with --tls-ca/--tls-cert/--tls-key every gRPC channel is mutual TLS and the certificate's CN must be\n"
+      "  \"<role>:<node-id>\" (source or target); without them only loopback addresses are accepted.\n"
       "Environment:\n"
       "  WSYNC_FAULTS   testing aid, never for production: inject data-path faults, e.g.\n"
       "                 WSYNC_FAULTS=fail_post=3,fail_wait=5,delay_ms=10 fails the Post of this daemon's 3rd\n"
@@ -171,6 +183,20 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string host = advertise.empty() ? listen_host : advertise;
+  {
+    // Every address this daemon listens on or dials that is known now; without TLS each must be loopback.
+    std::vector<std::string> addresses = {listen, host, coordinator, data_host, metrics_listen};
+    for (const auto& e : engines) {
+      std::string a = e;
+      if (const size_t p = a.find("://"); p != std::string::npos) a = a.substr(p + 3);
+      if (const size_t q = a.find_first_of("?/"); q != std::string::npos) a = a.substr(0, q);
+      addresses.push_back(a);
+    }
+    if (auto st = tls::Configure(tls_opts, addresses); !st.ok()) {
+      spdlog::error("{}", st.ToString());
+      return 2;
+    }
+  }
   if (role == "target" && engines.empty()) {
     spdlog::error("--role target needs at least one --engine");
     return 2;
