@@ -755,8 +755,10 @@ absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::Conne
   WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(req.source_endpoint_info(), absl::Seconds(30)), "accepting source for engine ",
                             req.engine_id(), " rank ", req.rank());
   std::lock_guard<std::mutex> l(mu_);
-  // Replacing the rank's endpoint destroys the old one, which revokes its grant.
-  endpoints_[{req.engine_id(), req.rank(), grant.peer}] = std::move(*ep);
+  // Replacing this source's endpoint for the rank destroys the old one, which revokes its grant.
+  // Without identities (insecure) sources are told apart by their transport's info, so that several sources writing
+  // slices of one rank (balanced plans) do not replace each other's connection.
+  endpoints_[{req.engine_id(), req.rank(), source.empty() ? req.source_endpoint_info() : source}] = std::move(*ep);
   return out;
 }
 

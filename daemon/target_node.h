@@ -158,9 +158,8 @@ class TargetNode {
   mutable std::mutex mu_;
   std::condition_variable attached_cv_;
   std::map<std::string, std::unique_ptr<Engine>> engines_;
-  // One source connection per (engine, rank): the plan gives each target rank one source, and a source that
-  // reconnects after a transport error replaces its broken endpoint.
-  // Per (engine, rank, source identity): a source reconnecting replaces (and so revokes) only its own connection.
+  // One connection per (engine, rank, source identity; its transport info when insecure): a source that reconnects
+  // after a transport error replaces (and so revokes the grant of) its own broken endpoint, nobody else's.
   std::map<std::tuple<std::string, int, std::string>, std::unique_ptr<transport::Endpoint>> endpoints_;
   bool window_enforced_ = false;  // guarded by mu_
   bool window_open_ = false;      // guarded by mu_
