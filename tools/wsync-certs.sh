@@ -67,6 +67,7 @@ for spec in "$@"; do
     -extfile "$ext" -out "$base.pem" 2>/dev/null
   rm -f "$ext" "$base.csr"
   trap - EXIT
+  chmod 644 "$base.pem"  # certificates are public; keys stay 0600
   echo "$base.pem ($role:$id; $alt)"
 done
-chmod 644 "$dir/ca.pem" "$dir"/*[!y].pem 2>/dev/null || true
+chmod 644 "$dir/ca.pem"
