@@ -534,6 +534,43 @@ TEST_CASE("security: an idle-connection flood on the data port is bounded and th
   REQUIRE(DemoUpdate(cl, 2));
 }
 
+TEST_CASE("security: the Python client (C API) takes its certificate from WSYNC_TLS_* and gets its role checked") {
+  Cluster cl(TlsCluster());
+  const Certs& certs = MakeCerts();
+  const std::string script = absl::StrCat(
+      "import sys\n"
+      "sys.path.insert(0, '", WSYNC_PY_CLIENT_DIR, "')\n"
+      "from wsync_client import Coordinator, WsyncError\n"
+      "c = Coordinator(sys.argv[1], dial_timeout=3)\n"
+      "try:\n"
+      "    print('status', len(c.status()['nodes']))\n"
+      "except WsyncError as e:\n"
+      "    print('status failed', e.code_name)\n"
+      "try:\n"
+      "    c.abort_update(99, 'test')\n"
+      "    print('abort ok')\n"
+      "except WsyncError as e:\n"
+      "    print('abort failed', e.code_name)\n");
+  auto run = [&](const std::string& name, const std::string& cert) {
+    std::vector<std::string> env = {std::string("WSYNC_CLIENT_LIB=") + WSYNC_CLIENT_C_LIB};
+    if (!cert.empty()) {
+      env.push_back("WSYNC_TLS_CA=" + certs.dir + "/ca.pem");
+      env.push_back("WSYNC_TLS_CERT=" + certs.dir + "/" + cert + ".pem");
+      env.push_back("WSYNC_TLS_KEY=" + certs.dir + "/" + cert + "-key.pem");
+    }
+    testing::Process p({"/usr/bin/python3", "-c", script, cl.coordinator}, cl.dir() + "/" + name + ".log", env);
+    CHECK(p.Wait(std::chrono::seconds(60)) == 0);
+    return cl.Log(name);
+  };
+  const std::string trainer = run("py-trainer", "trainer-t0");
+  INFO(trainer);
+  CHECK(absl::StrContains(trainer, "status 2"));                   // any role reads the status
+  CHECK(absl::StrContains(trainer, "abort failed PERMISSION_DENIED"));  // AbortUpdate is for admins
+  const std::string none = run("py-none", "");
+  INFO(none);
+  CHECK(absl::StrContains(none, "status failed UNAVAILABLE"));  // no certificate: no handshake
+}
+
 TEST_CASE("security: without TLS, non-loopback addresses are refused; bad TLS flags are usage errors") {
   const Certs& certs = MakeCerts();
   char tmpl[] = "/tmp/wsync-sec-cli.XXXXXX";
