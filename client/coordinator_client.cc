@@ -9,6 +9,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "proto/status_convert.h"
+#include "proto/tls.h"
 
 namespace wsync::client {
 namespace {
@@ -40,8 +41,16 @@ std::string LeaderHint(const std::string& message) {
 CoordinatorClient::CoordinatorClient(const std::string& endpoints, absl::Duration dial_timeout, absl::Duration failover)
     : endpoints_(SplitEndpoints(endpoints)), dial_timeout_(dial_timeout), failover_(failover) {
   if (endpoints_.empty()) endpoints_.push_back(endpoints);  // the channel reports what is wrong with it
-  for (const auto& e : endpoints_)
-    stubs_.push_back(v1::Coordinator::NewStub(grpc::CreateChannel(e, grpc::InsecureChannelCredentials())));
+  // mTLS from WSYNC_TLS_* (or the binary's --tls-* flags); without TLS only a loopback endpoint is dialled.
+  for (const auto& e : endpoints_) {
+    auto channel = tls::Dial(e);
+    if (channel.ok()) {
+      stubs_.push_back(v1::Coordinator::NewStub(*std::move(channel)));
+    } else {
+      if (dial_status_.ok()) dial_status_ = channel.status();
+      stubs_.push_back(nullptr);
+    }
+  }
 }
 
 template <typename Req, typename Rep>
@@ -52,6 +61,7 @@ absl::StatusOr<Rep> CoordinatorClient::Invoke(Method<Req, Rep> m, const Req& req
   absl::Status last;
   for (size_t attempt = 0;; ++attempt) {
     const size_t i = current_.load();
+    if (!stubs_[i]) return dial_status_;
     Rep rep;
     grpc::ClientContext ctx;
     SetDeadline(&ctx, deadline);

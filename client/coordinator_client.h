@@ -76,7 +76,9 @@ class CoordinatorClient {
   absl::StatusOr<Rep> Invoke(Method<Req, Rep> m, const Req& req, absl::Duration deadline);
 
   std::vector<std::string> endpoints_;
+  // Null where the endpoint may not be dialled (mTLS settings; dial_status_ says why).
   std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
+  absl::Status dial_status_;
   std::atomic<size_t> current_{0};
   absl::Duration dial_timeout_;
   absl::Duration failover_;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "proto/status_convert.h"
+#include "proto/tls.h"
 
 namespace wsync::client {
 namespace {
@@ -22,7 +23,9 @@ std::chrono::system_clock::time_point Deadline(absl::Duration d) {
 absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const TrainerOptions& opts) {
   std::unique_ptr<TrainerClient> c(new TrainerClient());
   c->opts_ = opts;
-  c->stub_ = v1::NodeDaemon::NewStub(grpc::CreateChannel(opts.daemon, grpc::InsecureChannelCredentials()));
+  // mTLS from WSYNC_TLS_* (a trainer certificate) when the daemon serves TLS; loopback only without.
+  WSYNC_ASSIGN_OR_RETURN(auto channel, tls::Dial(opts.daemon));
+  c->stub_ = v1::NodeDaemon::NewStub(channel);
   v1::OpenSessionRequest req;
   req.set_local_rank(opts.local_rank);
   req.set_global_rank(opts.global_rank);

@@ -812,17 +812,30 @@ bool Coordinator::CheckLeases() {
 }
 
 absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::string& skip_address) {
-  std::vector<std::string> targets;
+  // Per target: the request, with the plan's assignments on it (its write grants are narrowed to them).
+  std::map<std::string, v1::SetWriteWindowRequest> reqs;
   {
     std::lock_guard<std::mutex> l(mu_);
-    for (const auto& [id, n] : nodes_)
-      if (n.role() == "target" && n.address() != skip_address) targets.push_back(n.address());
+    for (const auto& [id, n] : nodes_) {
+      if (n.role() != "target" || n.address() == skip_address) continue;
+      v1::SetWriteWindowRequest& r = reqs[n.address()];
+      r.set_open(open);
+      r.set_version(version);
+      r.set_assignments_given(open);
+      if (!open) continue;
+      for (const auto& p : plan_) {
+        if (p.assignment.target_node() != id && p.assignment.target_daemon() != n.address()) continue;
+        auto* a = r.add_assignments();
+        a->set_source_node(p.source);
+        a->set_engine_id(p.assignment.engine_id());
+        a->set_rank(p.assignment.rank());
+      }
+    }
   }
-  v1::SetWriteWindowRequest req;
-  req.set_open(open);
-  req.set_version(version);
+  std::vector<std::string> targets;
+  for (const auto& [a, r] : reqs) targets.push_back(a);
   absl::Status st = ForAll(targets, [&](const std::string& a) {
-    return Annotate(peers_->SetWriteWindow(a, req).status(),
+    return Annotate(peers_->SetWriteWindow(a, reqs.at(a)).status(),
                     absl::StrCat(open ? "opening" : "closing", " the write window of target ", NodeLabel(a)));
   });
   if (!st.ok() && !open) spdlog::warn("{}", st.ToString());

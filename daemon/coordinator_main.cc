@@ -15,6 +15,7 @@
 #include "base/logging.h"
 #include "daemon/coordinator.h"
 #include "daemon/etcd_store.h"
+#include "proto/tls.h"
 #include "daemon/serve.h"
 #include "daemon/services.h"
 #include "spdlog/spdlog.h"
@@ -108,8 +109,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--metrics-listen", metrics_listen,
                  "host:port serving Prometheus /metrics and /healthz over HTTP (default: off; port 9600 by convention)");
+  tls::Options tls_opts;
+  tls::AddFlags(app, &tls_opts);
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging("coordinator", log_level);
+  if (auto st = tls::Configure(tls_opts, {listen, metrics_listen, advertise}); !st.ok()) {
+    spdlog::error("{}", st.ToString());
+    return 2;
+  }
   opts.min_source_bytes = min_source_mib << 20;
   opts.snap_bytes = snap_kib << 10;
 

@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "proto/tls.h"
 
 namespace wsync::daemon {
 
@@ -18,7 +19,7 @@ absl::StatusOr<Served> Serve(const std::string& listen, const std::vector<grpc::
   // and `grpc_health_probe` use it.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder b;
-  b.AddListeningPort(listen, grpc::InsecureServerCredentials(), &s.port);
+  b.AddListeningPort(listen, tls::ServerCredentials(), &s.port);  // mTLS unless the process runs insecure
   for (auto* svc : services) b.RegisterService(svc);
   // Control messages only (weights never travel over gRPC): the largest are registrations and plans carrying every
   // engine rank's parameter table, a few MiB for the largest models. Larger requests are refused before parsing.

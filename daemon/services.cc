@@ -6,7 +6,9 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "proto/status_convert.h"
+#include "proto/tls.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
 namespace wsync::daemon {
@@ -35,6 +37,14 @@ grpc::Status NodeDaemonService::NeedTarget() const {
   return source_ ? grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this wsyncd runs the source role")
                  : grpc::Status(grpc::StatusCode::UNAVAILABLE, "this target wsyncd is still attaching its engines");
 }
+
+// Role check first (before any validation or state access): PERMISSION_DENIED for a caller whose certificate's role
+// is not allowed (docs/security.md, "Roles"). No check on an insecure (loopback development) server.
+#define WSYNC_AUTHORIZE(rpc, ...)                                                  \
+  do {                                                                            \
+    grpc::Status a_ = tls::Authorize(ctx, rpc, __VA_ARGS__);                      \
+    if (!a_.ok()) return a_;                                                      \
+  } while (0)
 
 #define WSYNC_NEED(role)                    \
   do {                                      \
@@ -66,38 +76,46 @@ grpc::Status NodeDaemonService::CloseSession(grpc::ServerContext*, const v1::Clo
   WSYNC_NEED(Source);
   return ToGrpcStatus(source_->CloseSession(req->session_id()));
 }
-grpc::Status NodeDaemonService::ConfigureSource(grpc::ServerContext*, const v1::ConfigureSourceRequest* req,
+grpc::Status NodeDaemonService::ConfigureSource(grpc::ServerContext* ctx, const v1::ConfigureSourceRequest* req,
                                                 v1::ConfigureSourceReply* out) {
+  WSYNC_AUTHORIZE("ConfigureSource", {tls::kCoordinator});
   WSYNC_NEED(Source);
   return Reply(source_->Configure(*req), out);
 }
-grpc::Status NodeDaemonService::StartUpdate(grpc::ServerContext*, const v1::StartUpdateRequest* req,
+grpc::Status NodeDaemonService::StartUpdate(grpc::ServerContext* ctx, const v1::StartUpdateRequest* req,
                                             v1::StartUpdateReply*) {
+  WSYNC_AUTHORIZE("StartUpdate", {tls::kCoordinator});
   WSYNC_NEED(Source);
   return ToGrpcStatus(source_->StartUpdate(*req));
 }
-grpc::Status NodeDaemonService::FinishUpdate(grpc::ServerContext*, const v1::FinishUpdateRequest* req,
+grpc::Status NodeDaemonService::FinishUpdate(grpc::ServerContext* ctx, const v1::FinishUpdateRequest* req,
                                              v1::FinishUpdateReply* out) {
+  WSYNC_AUTHORIZE("FinishUpdate", {tls::kCoordinator});
   WSYNC_NEED(Source);
   return Reply(source_->FinishUpdate(*req), out);
 }
-grpc::Status NodeDaemonService::AbortSourceUpdate(grpc::ServerContext*, const v1::AbortSourceUpdateRequest* req,
+grpc::Status NodeDaemonService::AbortSourceUpdate(grpc::ServerContext* ctx, const v1::AbortSourceUpdateRequest* req,
                                                   v1::AbortSourceUpdateReply* out) {
+  WSYNC_AUTHORIZE("AbortSourceUpdate", {tls::kCoordinator});
   WSYNC_NEED(Source);
   return Reply(source_->AbortUpdate(*req), out);
 }
-grpc::Status NodeDaemonService::SetWriteWindow(grpc::ServerContext*, const v1::SetWriteWindowRequest* req,
+grpc::Status NodeDaemonService::SetWriteWindow(grpc::ServerContext* ctx, const v1::SetWriteWindowRequest* req,
                                                v1::SetWriteWindowReply* out) {
+  WSYNC_AUTHORIZE("SetWriteWindow", {tls::kCoordinator});
   WSYNC_NEED(Target);
   *out = target_.load()->SetWriteWindow(*req);
   return grpc::Status::OK;
 }
-grpc::Status NodeDaemonService::ConnectTarget(grpc::ServerContext*, const v1::ConnectTargetRequest* req,
+grpc::Status NodeDaemonService::ConnectTarget(grpc::ServerContext* ctx, const v1::ConnectTargetRequest* req,
                                               v1::ConnectTargetReply* out) {
+  tls::Peer peer;
+  if (auto a = tls::Authorize(ctx, "ConnectTarget", {tls::kSource}, &peer); !a.ok()) return a;
   WSYNC_NEED(Target);
-  return Reply(target_.load()->ConnectTarget(*req), out);
+  return Reply(target_.load()->ConnectTarget(*req, peer.authenticated ? peer.Describe() : std::string()), out);
 }
-grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext*, const v1::NodeStatusRequest*, v1::NodeStatus* out) {
+grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext* ctx, const v1::NodeStatusRequest*, v1::NodeStatus* out) {
+  WSYNC_AUTHORIZE("GetNodeStatus", WSYNC_ANY_ROLE);
   if (source_ != nullptr) {
     *out = source_->Status();
     return grpc::Status::OK;
@@ -111,51 +129,79 @@ grpc::Status CoordinatorService::Gate() const {
   return gate_ == nullptr ? grpc::Status::OK : ToGrpcStatus(gate_->Check());
 }
 
-grpc::Status CoordinatorService::RegisterNode(grpc::ServerContext*, const v1::RegisterNodeRequest* req,
+// A node registers and heartbeats only as itself: the certificate's role is the registered role and its id the node
+// id, so no caller can take over another node's id (or register a target with a source certificate).
+static grpc::Status NodeDaemonIdentity(const grpc::ServerContext* ctx, const char* rpc, const std::string& node_id,
+                                const std::string* role) {
+  tls::Peer p;
+  if (auto a = tls::Authorize(ctx, rpc, {tls::kSource, tls::kTarget}, &p); !a.ok()) return a;
+  if (!tls::Enabled()) return grpc::Status::OK;
+  if (p.id != node_id || (role != nullptr && p.role != *role))
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        absl::StrCat(rpc, " refused for ", p.Describe(), ": a node may ", rpc, " only as itself (",
+                                     role != nullptr ? *role + ":" : std::string(), node_id, " requested)"));
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
                                               v1::RegisterNodeReply* out) {
+  if (auto a = NodeDaemonIdentity(ctx, "RegisterNode", req->node_id(), &req->role()); !a.ok()) return a;
+  if (!tls::Enabled() && !tls::IsLoopback(req->address()))
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("node ", req->node_id(), " registers address ", req->address(),
+                                     ", which is not loopback: this coordinator runs without TLS (loopback development "
+                                     "only) and dials nobody else"));
   if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->RegisterNode(*req), out);
 }
-grpc::Status CoordinatorService::GetClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
+grpc::Status CoordinatorService::GetClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest*,
                                                   v1::ClusterStatus* out) {
+  WSYNC_AUTHORIZE("GetClusterStatus", WSYNC_ANY_ROLE);
   if (grpc::Status g = Gate(); !g.ok()) return g;
   *out = c_->Status();
   return grpc::Status::OK;
 }
-grpc::Status CoordinatorService::BeginUpdate(grpc::ServerContext*, const v1::BeginUpdateRequest* req,
+grpc::Status CoordinatorService::BeginUpdate(grpc::ServerContext* ctx, const v1::BeginUpdateRequest* req,
                                              v1::BeginUpdateReply* out) {
+  WSYNC_AUTHORIZE("BeginUpdate", {tls::kTrainer, tls::kAdmin});
   if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->BeginUpdate(*req), out);
 }
-grpc::Status CoordinatorService::CommitUpdate(grpc::ServerContext*, const v1::CommitUpdateRequest* req,
+grpc::Status CoordinatorService::CommitUpdate(grpc::ServerContext* ctx, const v1::CommitUpdateRequest* req,
                                               v1::CommitUpdateReply* out) {
+  WSYNC_AUTHORIZE("CommitUpdate", {tls::kTrainer, tls::kAdmin});
   if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->CommitUpdate(*req), out);
 }
-grpc::Status CoordinatorService::GetHistory(grpc::ServerContext*, const v1::HistoryRequest* req,
+grpc::Status CoordinatorService::GetHistory(grpc::ServerContext* ctx, const v1::HistoryRequest* req,
                                             v1::HistoryReply* out) {
+  WSYNC_AUTHORIZE("GetHistory", WSYNC_ANY_ROLE);
   if (grpc::Status g = Gate(); !g.ok()) return g;
   *out = c_->History(*req);
   return grpc::Status::OK;
 }
-grpc::Status CoordinatorService::AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest* req,
+grpc::Status CoordinatorService::AbortUpdate(grpc::ServerContext* ctx, const v1::AbortUpdateRequest* req,
                                              v1::AbortUpdateReply* out) {
+  WSYNC_AUTHORIZE("AbortUpdate", {tls::kAdmin});
   if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->AbortUpdate(*req), out);
 }
-grpc::Status CoordinatorService::RemoveNode(grpc::ServerContext*, const v1::RemoveNodeRequest* req,
+grpc::Status CoordinatorService::RemoveNode(grpc::ServerContext* ctx, const v1::RemoveNodeRequest* req,
                                             v1::RemoveNodeReply* out) {
+  WSYNC_AUTHORIZE("RemoveNode", {tls::kAdmin});
   if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->RemoveNode(*req), out);
 }
-grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
                                            v1::HeartbeatReply* out) {
+  if (auto a = NodeDaemonIdentity(ctx, "Heartbeat", req->node_id(), nullptr); !a.ok()) return a;
   if (grpc::Status g = Gate(); !g.ok()) return g;
   *out = c_->Heartbeat(*req);
   return grpc::Status::OK;
 }
-grpc::Status CoordinatorService::ResumeEngines(grpc::ServerContext*, const v1::ResumeEnginesRequest* req,
+grpc::Status CoordinatorService::ResumeEngines(grpc::ServerContext* ctx, const v1::ResumeEnginesRequest* req,
                                                v1::ResumeEnginesReply* out) {
+  WSYNC_AUTHORIZE("ResumeEngines", {tls::kAdmin});
   if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->ResumeEngines(*req), out);
 }
@@ -166,39 +212,49 @@ class EngineFacade final : public v1::EngineControl::Service {
  public:
   EngineFacade(TargetNode* target, std::string engine_id) : t_(target), id_(std::move(engine_id)) {}
 
-  grpc::Status GetInfo(grpc::ServerContext*, const v1::GetEngineInfoRequest*, v1::EngineInfo* out) override {
+  grpc::Status GetInfo(grpc::ServerContext* ctx, const v1::GetEngineInfoRequest*, v1::EngineInfo* out) override {
+    WSYNC_AUTHORIZE("GetInfo", WSYNC_ANY_ROLE);
     return Reply(t_->EngineInfo(id_), out);
   }
-  grpc::Status GetParallelism(grpc::ServerContext*, const v1::RankRequest* req, v1::RankParallelism* out) override {
+  grpc::Status GetParallelism(grpc::ServerContext* ctx, const v1::RankRequest* req, v1::RankParallelism* out) override {
+    WSYNC_AUTHORIZE("GetParallelism", WSYNC_ANY_ROLE);
     auto l = t_->Layout(id_, req->rank());
     if (!l.ok()) return ToGrpcStatus(l.status());
     *out = l->parallelism();
     return grpc::Status::OK;
   }
-  grpc::Status GetWeightLayout(grpc::ServerContext*, const v1::RankRequest* req, v1::RankLayout* out) override {
+  grpc::Status GetWeightLayout(grpc::ServerContext* ctx, const v1::RankRequest* req, v1::RankLayout* out) override {
+    WSYNC_AUTHORIZE("GetWeightLayout", WSYNC_ANY_ROLE);
     return Reply(t_->Layout(id_, req->rank()), out);
   }
-  grpc::Status Pause(grpc::ServerContext*, const v1::PauseRequest* req, v1::EngineReply* out) override {
+  grpc::Status Pause(grpc::ServerContext* ctx, const v1::PauseRequest* req, v1::EngineReply* out) override {
+    WSYNC_AUTHORIZE("Pause", {tls::kCoordinator});
     return Done(t_->Pause(id_, req->mode()), out);
   }
-  grpc::Status PostProcess(grpc::ServerContext*, const v1::PostProcessRequest* req, v1::EngineReply* out) override {
+  grpc::Status PostProcess(grpc::ServerContext* ctx, const v1::PostProcessRequest* req, v1::EngineReply* out) override {
+    WSYNC_AUTHORIZE("PostProcess", {tls::kCoordinator});
     return Done(t_->PostProcess(id_, req->version()), out);
   }
-  grpc::Status SetWeightVersion(grpc::ServerContext*, const v1::SetWeightVersionRequest* req,
+  grpc::Status SetWeightVersion(grpc::ServerContext* ctx, const v1::SetWeightVersionRequest* req,
                                 v1::EngineReply* out) override {
+    WSYNC_AUTHORIZE("SetWeightVersion", {tls::kCoordinator});
     return Done(t_->SetWeightVersion(id_, req->version()), out);
   }
-  grpc::Status Continue(grpc::ServerContext*, const v1::ContinueRequest*, v1::EngineReply* out) override {
+  grpc::Status Continue(grpc::ServerContext* ctx, const v1::ContinueRequest*, v1::EngineReply* out) override {
+    WSYNC_AUTHORIZE("Continue", {tls::kCoordinator});
     return Done(t_->Continue(id_), out);
   }
-  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::EngineReply*) override {
+  grpc::Status Attach(grpc::ServerContext* ctx, const v1::AttachRequest*, v1::EngineReply*) override {
+    WSYNC_AUTHORIZE("Attach", {tls::kTarget});
     return ToGrpcStatus(absl::FailedPreconditionError(
         absl::StrCat("engine ", id_, " is attached through its target daemon; its ranks attach themselves")));
   }
-  grpc::Status GetChecksums(grpc::ServerContext*, const v1::RankRequest*, v1::ChecksumReply*) override {
+  grpc::Status GetChecksums(grpc::ServerContext* ctx, const v1::RankRequest*, v1::ChecksumReply*) override {
+    WSYNC_AUTHORIZE("GetChecksums", {tls::kAdmin, tls::kTrainer});
     return Unimplemented("GetChecksums");
   }
-  grpc::Status Verify(grpc::ServerContext*, const v1::VerifyRequest*, v1::VerifyReply*) override {
+  grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest*, v1::VerifyReply*) override {
+    WSYNC_AUTHORIZE("Verify", {tls::kAdmin, tls::kTrainer});
     return Unimplemented("Verify");
   }
 
@@ -224,7 +280,8 @@ std::unique_ptr<grpc::Service> MakeEngineFacade(TargetNode* target, std::string 
 }
 
 absl::StatusOr<std::string> DialConnectTarget(const std::string& target_daemon, const v1::ConnectTargetRequest& req) {
-  auto stub = v1::NodeDaemon::NewStub(grpc::CreateChannel(target_daemon, grpc::InsecureChannelCredentials()));
+  WSYNC_ASSIGN_OR_RETURN(auto channel, tls::Dial(target_daemon, kMaxControlMessageBytes));
+  auto stub = v1::NodeDaemon::NewStub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(60));
   v1::ConnectTargetReply out;
@@ -297,7 +354,10 @@ class GrpcPeers final : public Peers {
 
  private:
   template <typename Rep, typename Stub, typename Req, typename Method>
-  static absl::StatusOr<Rep> Call(const std::shared_ptr<Stub>& stub, Method m, const Req& req, double timeout_s) {
+  static absl::StatusOr<Rep> Call(absl::StatusOr<std::shared_ptr<Stub>> stub_or, Method m, const Req& req,
+                                  double timeout_s) {
+    if (!stub_or.ok()) return stub_or.status();
+    const std::shared_ptr<Stub>& stub = *stub_or;
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline(timeout_s));
     Rep out;
@@ -311,23 +371,23 @@ class GrpcPeers final : public Peers {
     return absl::OkStatus();
   }
   // Stubs are shared: Forget may drop one while a call on it is still running.
-  std::shared_ptr<v1::NodeDaemon::Stub> Daemon(const std::string& addr) {
+  absl::StatusOr<std::shared_ptr<v1::NodeDaemon::Stub>> Daemon(const std::string& addr) {
     std::lock_guard<std::mutex> l(mu_);
     auto& s = daemons_[addr];
-    if (!s) s = v1::NodeDaemon::NewStub(Channel(addr));
+    if (!s) {
+      WSYNC_ASSIGN_OR_RETURN(auto channel, tls::Dial(addr, kMaxControlMessageBytes));
+      s = v1::NodeDaemon::NewStub(channel);
+    }
     return s;
   }
-  std::shared_ptr<v1::EngineControl::Stub> Engine(const std::string& addr) {
+  absl::StatusOr<std::shared_ptr<v1::EngineControl::Stub>> Engine(const std::string& addr) {
     std::lock_guard<std::mutex> l(mu_);
     auto& s = engines_[addr];
-    if (!s) s = v1::EngineControl::NewStub(Channel(addr));
+    if (!s) {
+      WSYNC_ASSIGN_OR_RETURN(auto channel, tls::Dial(addr, kMaxControlMessageBytes));
+      s = v1::EngineControl::NewStub(channel);
+    }
     return s;
-  }
-  static std::shared_ptr<grpc::Channel> Channel(const std::string& addr) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(kMaxControlMessageBytes);
-    args.SetMaxSendMessageSize(kMaxControlMessageBytes);
-    return grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args);
   }
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<v1::NodeDaemon::Stub>> daemons_;

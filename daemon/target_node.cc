@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/dtype.h"
@@ -361,6 +362,27 @@ TargetNode::~TargetNode() {
 v1::SetWriteWindowReply TargetNode::SetWriteWindow(const v1::SetWriteWindowRequest& req) {
   std::lock_guard<std::mutex> l(mu_);
   v1::SetWriteWindowReply out;
+  if (req.open() && req.assignments_given()) {
+    // The plan decides who may write where: grants for ranks the plan does not give their source are revoked.
+    assignments_.clear();
+    for (const auto& a : req.assignments()) assignments_.insert({a.source_node(), a.engine_id(), a.rank()});
+    assignments_known_ = true;
+    int revoked = 0;
+    transport_->RevokeGrants([&](const transport::Transport::WriteGrant& g) {
+      const size_t colon = g.peer.find(':');
+      if (colon == std::string::npos) return true;  // an insecure daemon's grant: no identity to compare
+      const std::string id = g.peer.substr(colon + 1);
+      const size_t slash = g.scope.rfind('/');
+      int rank = -1;
+      if (slash == std::string::npos || !absl::SimpleAtoi(g.scope.substr(slash + 1), &rank)) return false;
+      const bool keep = assignments_.count({id, g.scope.substr(0, slash), rank}) > 0;
+      revoked += !keep;
+      return keep;
+    });
+    out.set_grants_revoked(revoked);
+  } else if (req.open()) {
+    assignments_known_ = false;  // a coordinator that sends no assignments: grants are not narrowed
+  }
   absl::Status st = transport_->SetWriteWindow(req.open());
   window_enforced_ = st.ok();
   window_open_ = req.open();
@@ -372,6 +394,12 @@ v1::SetWriteWindowReply TargetNode::SetWriteWindow(const v1::SetWriteWindowReque
 }
 
 absl::Status TargetNode::Start() {
+  // Writes only on connections with a write secret minted by ConnectTarget (tcp); verbs cannot enforce it yet.
+  if (auto st = transport_->RequireGrants(true); st.ok()) {
+    grants_enforced_ = true;
+  } else {
+    spdlog::warn("{}: a source connection needs no per-connection secret", std::string(st.message()));
+  }
   // No writes into engine memory until the coordinator opens the window for an update.
   if (auto st = transport_->SetWriteWindow(false); st.ok()) {
     window_enforced_ = true;
@@ -698,21 +726,39 @@ std::vector<v1::EngineRegistration> TargetNode::Registrations() const {
   return out;
 }
 
-absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::ConnectTargetRequest& req) {
+absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::ConnectTargetRequest& req,
+                                                                 const std::string& source) {
+  transport::Transport::WriteGrant grant;
+  grant.peer = source.empty() ? std::string("(insecure source)") : source;
+  grant.scope = absl::StrCat(req.engine_id(), "/", req.rank());
   {
     std::lock_guard<std::mutex> l(mu_);
     auto it = engines_.find(req.engine_id());
     if (it == engines_.end() || req.rank() < 0 || req.rank() >= it->second->num_ranks)
       return absl::NotFoundError(
           absl::StrCat("node ", opts_.node_id, " serves no engine ", req.engine_id(), " rank ", req.rank()));
+    // While an update's window is open, only a source the plan assigned this rank may connect to it.
+    const std::string source_id = source.substr(source.find(':') + 1);  // "source:train0" → "train0"
+    if (window_open_ && assignments_known_ && !source.empty() &&
+        assignments_.count({source_id, req.engine_id(), req.rank()}) == 0)
+      return absl::PermissionDeniedError(absl::StrCat("ConnectTarget refused for ", source, ": the current plan does "
+                                                      "not assign engine ", req.engine_id(), " rank ", req.rank(),
+                                                      " to it"));
+    for (const auto& r : it->second->ranks[req.rank()].regions) grant.regions.push_back(r.get());
   }
-  WSYNC_ASSIGN_OR_RETURN(auto ep, transport_->CreateEndpoint());
+  // A fresh write secret per source connection, for exactly this rank's regions (tcp); a transport that cannot
+  // enforce grants (verbs) gets a plain endpoint.
+  auto ep = grants_enforced_ ? transport_->CreateGrantedEndpoint(grant) : transport_->CreateEndpoint();
+  if (!ep.ok()) return ep.status();
   v1::ConnectTargetReply out;
-  out.set_target_endpoint_info(ep->LocalInfo());
-  WSYNC_RETURN_IF_ERROR_CTX(ep->Connect(req.source_endpoint_info(), absl::Seconds(30)), "accepting source for engine ",
+  out.set_target_endpoint_info((*ep)->LocalInfo());
+  WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(req.source_endpoint_info(), absl::Seconds(30)), "accepting source for engine ",
                             req.engine_id(), " rank ", req.rank());
   std::lock_guard<std::mutex> l(mu_);
-  endpoints_[{req.engine_id(), req.rank()}] = std::move(ep);
+  // Replacing this source's endpoint for the rank destroys the old one, which revokes its grant.
+  // Without identities (insecure) sources are told apart by their transport's info, so that several sources writing
+  // slices of one rank (balanced plans) do not replace each other's connection.
+  endpoints_[{req.engine_id(), req.rank(), source.empty() ? req.source_endpoint_info() : source}] = std::move(*ep);
   return out;
 }
 

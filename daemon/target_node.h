@@ -16,8 +16,10 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -81,7 +83,10 @@ class TargetNode {
   // What the coordinator needs to plan (layouts with one region descriptor per segment, kind, control address).
   std::vector<v1::EngineRegistration> Registrations() const;
 
-  absl::StatusOr<v1::ConnectTargetReply> ConnectTarget(const v1::ConnectTargetRequest& req);
+  // `source` is the caller's identity from its certificate ("" on an insecure daemon): the write grant minted for
+  // the connection is bound to it and to the engine rank's regions.
+  absl::StatusOr<v1::ConnectTargetReply> ConnectTarget(const v1::ConnectTargetRequest& req,
+                                                       const std::string& source = "");
   // Opens or closes the transport's write window (closed from Start until the coordinator opens it).
   v1::SetWriteWindowReply SetWriteWindow(const v1::SetWriteWindowRequest& req);
   v1::NodeStatus Status() const;
@@ -153,11 +158,15 @@ class TargetNode {
   mutable std::mutex mu_;
   std::condition_variable attached_cv_;
   std::map<std::string, std::unique_ptr<Engine>> engines_;
-  // One source connection per (engine, rank): the plan gives each target rank one source, and a source that
-  // reconnects after a transport error replaces its broken endpoint.
-  std::map<std::pair<std::string, int>, std::unique_ptr<transport::Endpoint>> endpoints_;
+  // One connection per (engine, rank, source identity; its transport info when insecure): a source that reconnects
+  // after a transport error replaces (and so revokes the grant of) its own broken endpoint, nobody else's.
+  std::map<std::tuple<std::string, int, std::string>, std::unique_ptr<transport::Endpoint>> endpoints_;
   bool window_enforced_ = false;  // guarded by mu_
   bool window_open_ = false;      // guarded by mu_
+  bool grants_enforced_ = false;  // the transport enforces per-connection write grants (set by Start)
+  // The last plan's (source node, engine, rank) assignments on this node, from SetWriteWindow; guarded by mu_.
+  std::set<std::tuple<std::string, std::string, int>> assignments_;
+  bool assignments_known_ = false;
 };
 
 }  // namespace wsync::daemon

@@ -25,6 +25,7 @@
 #include "daemon/serve.h"
 #include "daemon/services.h"
 #include "proto/status_convert.h"
+#include "proto/tls.h"
 #include "spdlog/spdlog.h"
 #include "transport/fault/fault_transport.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
@@ -40,9 +41,19 @@ class Coordinators {
  public:
   explicit Coordinators(const std::string& list) : endpoints_(client::SplitEndpoints(list)) {
     if (endpoints_.empty()) endpoints_.push_back(list);
-    for (const auto& e : endpoints_)
-      stubs_.push_back(v1::Coordinator::NewStub(grpc::CreateChannel(e, grpc::InsecureChannelCredentials())));
+    // mTLS from the --tls-* flags; without TLS only loopback coordinators may be dialled.
+    for (const auto& e : endpoints_) {
+      auto channel = tls::Dial(e);
+      if (!channel.ok()) {
+        if (dial_status_.ok()) dial_status_ = channel.status();
+        stubs_.push_back(nullptr);
+        continue;
+      }
+      stubs_.push_back(v1::Coordinator::NewStub(*std::move(channel)));
+    }
   }
+  // Why a coordinator may not be dialled (then stub() is null for it).
+  const absl::Status& dial_status() const { return dial_status_; }
   size_t size() const { return endpoints_.size(); }
   const std::string& current() const { return endpoints_[i_]; }
   v1::Coordinator::Stub* stub() { return stubs_[i_].get(); }
@@ -62,6 +73,7 @@ class Coordinators {
  private:
   std::vector<std::string> endpoints_;
   std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
+  absl::Status dial_status_;
   size_t i_ = 0;
 };
 
@@ -205,8 +217,12 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--ring-mib", ring_mib, "source: shared-memory ring size per trainer rank, MiB")
       ->check(CLI::Range(1, 1 << 20));
+  tls::Options tls_opts;
+  tls::AddFlags(app, &tls_opts);
   app.footer(
       "exit codes: 0 ok, 1 failure, 2 bad usage, 3 endpoint unavailable\n"
+      "TLS: with --tls-ca/--tls-cert/--tls-key every gRPC channel is mutual TLS and the certificate's CN must be\n"
+      "  \"<role>:<node-id>\" (source or target); without them only loopback addresses are accepted.\n"
       "Environment:\n"
       "  WSYNC_FAULTS   testing aid, never for production: inject data-path faults, e.g.\n"
       "                 WSYNC_FAULTS=fail_post=3,fail_wait=5,delay_ms=10 fails the Post of this daemon's 3rd\n"
@@ -225,6 +241,21 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string host = advertise.empty() ? listen_host : advertise;
+  {
+    // Every address this daemon listens on or dials that is known now; without TLS each must be loopback.
+    std::vector<std::string> addresses = {listen, host, data_host, metrics_listen};
+    for (const auto& c : client::SplitEndpoints(coordinator)) addresses.push_back(c);
+    for (const auto& e : engines) {
+      std::string a = e;
+      if (const size_t p = a.find("://"); p != std::string::npos) a = a.substr(p + 3);
+      if (const size_t q = a.find_first_of("?/"); q != std::string::npos) a = a.substr(0, q);
+      addresses.push_back(a);
+    }
+    if (auto st = tls::Configure(tls_opts, addresses); !st.ok()) {
+      spdlog::error("{}", st.ToString());
+      return 2;
+    }
+  }
   if (role == "target" && engines.empty()) {
     spdlog::error("--role target needs at least one --engine");
     return 2;
@@ -336,6 +367,11 @@ int main(int argc, char** argv) {
   }
   spdlog::info("wsyncd {} ({}) serving on {} with transport {}", node_id, role, reg.address(), transport->name());
   Coordinators coordinators(coordinator);
+  if (!coordinators.dial_status().ok()) {
+    spdlog::error("--coordinator {}: {}", coordinator, coordinators.dial_status().ToString());
+    served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    return 2;
+  }
   if (auto st = Register(coordinators, reg, 200); !st.ok()) {
     if (absl::IsCancelled(st)) {
       spdlog::info("wsyncd {} stopped before it registered: {}", node_id, std::string(st.message()));

@@ -2,7 +2,8 @@
 # End-to-end demo on 127.0.0.1 with free ports: a coordinator, 2 source daemons (2 trainer ranks each, separate
 # processes using the client library), 2 target daemons and 2 reference engine instances at TP=2. Runs N
 # consecutive updates; after each one every engine rank verifies every parameter bit-exactly against its own
-# independent loader. Exit status is non-zero on any mismatch or failure.
+# independent loader. Exit status is non-zero on any mismatch or failure. Every gRPC channel runs mutual TLS with
+# per-role certificates made by tools/wsync-certs.sh (WSYNC_DEMO_INSECURE=1: plain loopback instead).
 #
 #   tools/demo.sh [--bin DIR] [--model CONFIG.json] [--updates N] [--transport tcp|verbs]
 set -euo pipefail
@@ -57,24 +58,35 @@ start() {  # start NAME CMD... ; runs in the background with its log in $work/NA
   last_pid=$!
 }
 
-start coordinator "$bin/wsync-coordinator" --listen 127.0.0.1:0 --port-file "$work/coordinator.port"
+# mTLS: a CA and one certificate per process, CN "<role>:<id>" (docs/security.md).
+certs="$work/certs"
+tls() { :; }
+if [ "${WSYNC_DEMO_INSECURE:-0}" != 1 ]; then
+  "$here/tools/wsync-certs.sh" "$certs" coordinator:demo engine:engine0 engine:engine1 target:infer-node0 \
+    target:infer-node1 source:train-node0 source:train-node1 trainer:demo >/dev/null
+  tls() { echo --tls-ca "$certs/ca.pem" --tls-cert "$certs/$1.pem" --tls-key "$certs/$1-key.pem"; }
+  echo "mTLS on: certificates in $certs"
+fi
+
+start coordinator "$bin/wsync-coordinator" --listen 127.0.0.1:0 --port-file "$work/coordinator.port" $(tls coordinator-demo)
 coord="127.0.0.1:$(wait_port "$work/coordinator.port" "$last_pid" coordinator)"
 echo "coordinator on $coord"
 
 for e in 0 1; do
   start "engine$e" "$bin/wsync-engine-ref" --id "engine$e" --model "$model" --tp "$tp" \
-    --listen 127.0.0.1:0 --port-file "$work/engine$e.port"
+    --listen 127.0.0.1:0 --port-file "$work/engine$e.port" $(tls "engine-engine$e")
   eng[$e]="127.0.0.1:$(wait_port "$work/engine$e.port" "$last_pid" "engine$e")"
 done
 for e in 0 1; do
   start "target$e" "$bin/wsyncd" --listen 127.0.0.1:0 --role target --node-id "infer-node$e" --coordinator "$coord" \
     --engine "reference+grpc://${eng[$e]}" --engine-socket "$work/target$e.sock" --transport "$transport" \
-    --port-file "$work/target$e.port"
+    --port-file "$work/target$e.port" $(tls "target-infer-node$e")
   wait_port "$work/target$e.port" "$last_pid" "target$e" >/dev/null
 done
 for s in 0 1; do
   start "source$s" "$bin/wsyncd" --listen 127.0.0.1:0 --role source --node-id "train-node$s" --coordinator "$coord" \
-    --trainer-ranks 2 --ring-mib 384 --transport "$transport" --port-file "$work/source$s.port"
+    --trainer-ranks 2 --ring-mib 384 --transport "$transport" --port-file "$work/source$s.port" \
+    $(tls "source-train-node$s")
   src[$s]="127.0.0.1:$(wait_port "$work/source$s.port" "$last_pid" "source$s")"
 done
 echo "engines ${eng[*]}; source daemons ${src[*]}; running $updates updates of $(basename "$(dirname "$model")")"
@@ -86,7 +98,7 @@ for s in 0 1; do
     extra=()
     if [ $g -eq 0 ]; then extra=(--drive --coordinator "$coord" --verify-engine "${eng[0]}" --verify-engine "${eng[1]}"); fi
     "$bin/wsync-trainer-demo" --daemon "${src[$s]}" --model "$model" --local-rank $r --global-rank $g \
-      --updates "$updates" "${extra[@]}" >"$work/trainer$g.out" 2>"$work/trainer$g.log" &
+      --updates "$updates" "${extra[@]}" $(tls trainer-demo) >"$work/trainer$g.out" 2>"$work/trainer$g.log" &
     trainers+=($!)
   done
 done

@@ -22,6 +22,7 @@
 #include "replica/model_config.h"
 #include "spdlog/spdlog.h"
 #include "tools/weight_gen.h"
+#include "proto/tls.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
 using namespace wsync;
@@ -29,7 +30,9 @@ using namespace wsync;
 namespace {
 
 absl::StatusOr<v1::VerifyReply> VerifyEngine(const std::string& addr, int64_t step) {
-  auto stub = v1::EngineControl::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
+  auto channel = tls::Dial(addr);
+  if (!channel.ok()) return channel.status();
+  auto stub = v1::EngineControl::NewStub(*std::move(channel));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
   v1::VerifyRequest req;
@@ -64,8 +67,18 @@ int main(int argc, char** argv) {
   app.add_option("--verify-engine", verify_engines, "engine control address to verify after each update (--drive)");
   app.add_option("--crash-after-bytes", crash_after,
                  "testing: die (exit 3) half-way through writing the tensor that crosses this many pushed bytes");
+  tls::Options tls_opts;  // a trainer certificate (CN "trainer:NAME")
+  tls::AddFlags(app, &tls_opts);
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging(absl::StrCat("trainer", global_rank), log_level);
+  {
+    std::vector<std::string> addresses = {daemon_addr, coordinator};
+    addresses.insert(addresses.end(), verify_engines.begin(), verify_engines.end());
+    if (auto st = tls::Configure(tls_opts, addresses); !st.ok()) {
+      spdlog::error("{}", st.ToString());
+      return 2;
+    }
+  }
   if (drive && coordinator.empty()) {
     spdlog::error("--drive needs --coordinator");
     return 2;

@@ -18,6 +18,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "proto/status_convert.h"
+#include "proto/tls.h"
 #include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
 #include "tools/plan_command.h"
@@ -59,7 +60,8 @@ std::string Phases(const v1::UpdateRecord& r) {
 
 // Global flags that take a value; used to tell a flag's value from the command when scanning argv.
 const std::set<std::string>& ValueFlags() {
-  static const std::set<std::string> f = {"--endpoints", "-w", "--write-out", "--dial-timeout", "--log-level"};
+  static const std::set<std::string> f = {"--endpoints", "-w",      "--write-out", "--dial-timeout",
+                                          "--log-level", "--tls-ca", "--tls-cert",  "--tls-key"};
   return f;
 }
 
@@ -111,7 +113,11 @@ absl::StatusOr<WatchSample> SampleWatch(client::CoordinatorClient& c, absl::Dura
   for (const auto& n : s->nodes()) {
     if (n.role() != "source") continue;
     auto& stub = stubs[n.address()];
-    if (!stub) stub = v1::NodeDaemon::NewStub(grpc::CreateChannel(n.address(), grpc::InsecureChannelCredentials()));
+    if (!stub) {
+      auto channel = tls::Dial(n.address());
+      if (!channel.ok()) return channel.status();
+      stub = v1::NodeDaemon::NewStub(*std::move(channel));
+    }
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(dt));
     v1::NodeStatus ns;
@@ -230,6 +236,8 @@ int main(int argc, char** argv) {
                  "(the command goes to the leader)")->envname("WSYNC_ENDPOINTS");
   app.add_option("-w,--write-out", output, "output format: table|json")->check(CLI::IsMember({"table", "json"}));
   app.add_option("--dial-timeout", dial_timeout, "seconds to wait for an endpoint")->check(CLI::PositiveNumber);
+  tls::Options tls_opts;  // an admin certificate (CN "admin:NAME") for every command that changes state
+  tls::AddFlags(app, &tls_opts);
 
   auto* status = app.add_subcommand("status", "cluster membership, plan and current version");
   auto* nodes = app.add_subcommand("nodes", "registered nodes: role, address, transport, engines");
@@ -268,6 +276,7 @@ int main(int argc, char** argv) {
   app.add_subcommand("plan", "compute a transfer plan and its predicted time (see: wsyncctl plan --help)");
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging("wsyncctl", log_level);
+  if (auto st = tls::Configure(tls_opts, client::SplitEndpoints(endpoint)); !st.ok()) return ExitFor(st);
   const absl::Duration dt = absl::Seconds(dial_timeout);
   const bool json = output == "json";
 
@@ -412,7 +421,9 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
 
-  auto stub = v1::EngineControl::NewStub(grpc::CreateChannel(engine, grpc::InsecureChannelCredentials()));
+  auto channel = tls::Dial(engine);
+  if (!channel.ok()) return ExitFor(channel.status());
+  auto stub = v1::EngineControl::NewStub(*std::move(channel));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
   if (*verify) {

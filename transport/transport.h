@@ -18,6 +18,7 @@
 // to hand the work to the backend (bounded outstanding work may make it wait for earlier completions).
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -139,6 +140,28 @@ class Transport {
     return absl::UnimplementedError(absl::StrCat("the ", name(), " transport does not enforce write windows"));
   }
   virtual uint64_t refused_writes() const { return 0; }
+
+  // Per-connection write authorization (docs/security.md, "Write grants"). A granted endpoint's LocalInfo carries a
+  // fresh random secret; a peer that connects with it may write only into `regions` of this transport, only while
+  // the window is open, and only until the grant is revoked (RevokeGrants, or the endpoint is destroyed). With
+  // RequireGrants(true) a connection without a live secret is refused at its hello: the transport-wide token of a
+  // plain endpoint's LocalInfo no longer suffices. Every refusal is counted in refused_writes().
+  // Unimplemented for a backend that cannot enforce it.
+  struct WriteGrant {
+    std::string peer;                         // who it was minted for (logs, RevokeGrants): "source:train0"
+    std::string scope;                        // what it covers (logs, RevokeGrants): "engine0/1"
+    std::vector<const LocalRegion*> regions;  // of this transport; they must outlive the grant
+  };
+  virtual absl::StatusOr<std::unique_ptr<Endpoint>> CreateGrantedEndpoint(const WriteGrant& grant) {
+    (void)grant;
+    return absl::UnimplementedError(absl::StrCat("the ", name(), " transport does not enforce write grants"));
+  }
+  // Revokes every grant for which `keep` returns false; connections using them are refused from their next frame.
+  virtual void RevokeGrants(const std::function<bool(const WriteGrant&)>& keep) { (void)keep; }
+  virtual absl::Status RequireGrants(bool require) {
+    (void)require;
+    return absl::UnimplementedError(absl::StrCat("the ", name(), " transport does not enforce write grants"));
+  }
 };
 
 struct TransportOptions {
@@ -149,6 +172,12 @@ struct TransportOptions {
   int tcp_streams = 4;                   // tcp: max parallel connections an endpoint uses for one large batch
   // tcp: a connection that makes no progress for this long fails its batch (a stalled or vanished peer).
   absl::Duration io_timeout = absl::Seconds(30);
+  // tcp listener limits: a connection must send its hello within hello_timeout (until then it holds no thread, only
+  // a slot in the accept loop's poll set); at most max_conns_per_peer connections (pending or served) per peer
+  // address and max_conns in total; beyond them new connections are closed at once (and counted).
+  absl::Duration hello_timeout = absl::Seconds(5);
+  int max_conns_per_peer = 64;
+  int max_conns = 512;
 };
 
 // Creates a backend by name ("tcp", "verbs"). A backend compiled out or not viable is still returned when it

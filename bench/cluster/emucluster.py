@@ -321,28 +321,49 @@ class Cluster:
         p = self.start(name, node, argv + ["--port-file", port_file])
         return f"{node.ip}:{self._wait_port(name, p, port_file)}"
 
+    def make_certs(self):
+        """mTLS for every process (docs/security.md): a CA and one certificate per process, CN "<role>:<id>", whose
+        subjectAltName holds the node's address (these addresses are not loopback, so TLS is required)."""
+        self.certs = os.path.join(self.work, "certs")
+        specs = [f"coordinator:emu={self.coord_node.ip}", f"admin:emu={self.coord_node.ip}"]
+        for i, n in enumerate(self.targets):
+            specs += [f"engine:engine{i}={n.ip}", f"target:infer-node{i}={n.ip}"]
+        for i, n in enumerate(self.sources):
+            specs += [f"source:train-node{i}={n.ip}", f"trainer:train-node{i}={n.ip}"]
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "wsync-certs.sh")
+        sh(script, self.certs, *specs, capture=True)
+
+    def tls(self, name):
+        """--tls-* flags for the certificate `name` ("target-infer-node0")."""
+        d = self.certs
+        return ["--tls-ca", f"{d}/ca.pem", "--tls-cert", f"{d}/{name}.pem", "--tls-key", f"{d}/{name}-key.pem"]
+
     def start_wsync(self):
         b = lambda n: os.path.join(self.bin, n)
         c = self.coord_node
+        if not getattr(self, "certs", None):
+            self.make_certs()
         self.coordinator = self._serve("coordinator", c, [b("wsync-coordinator"), "--listen", f"{c.ip}:0",
-                                                            "--strategy", self.strategy])
+                                                            "--strategy", self.strategy] + self.tls("coordinator-emu"))
         self.engines = []
         for i, n in enumerate(self.targets):
             self.engines.append(self._serve(f"engine{i}", n, [b("wsync-engine-ref"), "--id", f"engine{i}", "--model",
                                                               self.model, "--tp", str(self.tp), "--listen",
-                                                              f"{n.ip}:0"]))
+                                                              f"{n.ip}:0"] + self.tls(f"engine-engine{i}")))
         for i, n in enumerate(self.targets):
             self._serve(f"target{i}", n, [b("wsyncd"), "--role", "target", "--node-id", f"infer-node{i}", "--listen",
                                           f"{n.ip}:0", "--data-host", n.ip, "--coordinator", self.coordinator,
                                           "--engine", f"reference+grpc://{self.engines[i]}", "--engine-socket",
-                                          os.path.join(self.work, f"target{i}.sock"), "--transport", "tcp"])
+                                          os.path.join(self.work, f"target{i}.sock"), "--transport", "tcp"]
+                        + self.tls(f"target-infer-node{i}"))
         self.source_addrs = []
         for i, n in enumerate(self.sources):
             self.source_addrs.append(
                 self._serve(f"source{i}", n, [b("wsyncd"), "--role", "source", "--node-id", f"train-node{i}",
                                               "--listen", f"{n.ip}:0", "--data-host", n.ip, "--coordinator",
                                               self.coordinator, "--trainer-ranks", str(self.trainer_ranks),
-                                              "--ring-mib", str(self.ring_mib), "--transport", "tcp"]))
+                                              "--ring-mib", str(self.ring_mib), "--transport", "tcp"]
+                            + self.tls(f"source-train-node{i}")))
         self.log(f"emucluster {self.run}: coordinator {self.coordinator}, engines {' '.join(self.engines)}")
 
     def stop_wsync(self):
@@ -358,7 +379,7 @@ class Cluster:
                 g = s * self.trainer_ranks + r
                 argv = [os.path.join(self.bin, "wsync-trainer-demo"), "--daemon", self.source_addrs[s], "--model",
                         self.model, "--local-rank", str(r), "--global-rank", str(g), "--updates", str(count),
-                        "--first-version", str(first)]
+                        "--first-version", str(first)] + self.tls(f"trainer-train-node{s}")
                 if g == 0:
                     argv += ["--drive", "--coordinator", self.coordinator]
                     if verify:

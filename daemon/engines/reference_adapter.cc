@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/status_convert.h"
+#include "proto/tls.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
 namespace wsync::daemon {
@@ -13,11 +14,12 @@ namespace {
 
 class ReferenceAdapter final : public EngineAdapter {
  public:
-  ReferenceAdapter(std::string address, std::string grpc_target, absl::Duration timeout)
+  ReferenceAdapter(std::string address, std::string grpc_target, absl::Duration timeout,
+                   std::shared_ptr<grpc::Channel> channel)
       : address_(std::move(address)),
         target_(std::move(grpc_target)),
         timeout_(timeout),
-        stub_(v1::EngineControl::NewStub(grpc::CreateChannel(target_, grpc::InsecureChannelCredentials()))) {}
+        stub_(v1::EngineControl::NewStub(std::move(channel))) {}
 
   const std::string& kind() const override { return kind_; }
   const std::string& address() const override { return address_; }
@@ -93,9 +95,12 @@ class ReferenceAdapter final : public EngineAdapter {
 
 }  // namespace
 
-std::unique_ptr<EngineAdapter> MakeReferenceAdapter(const std::string& address, const std::string& grpc_target,
+absl::StatusOr<std::unique_ptr<EngineAdapter>> MakeReferenceAdapter(const std::string& address, const std::string& grpc_target,
                                                     absl::Duration call_timeout) {
-  return std::make_unique<ReferenceAdapter>(address, grpc_target, call_timeout);
+  auto channel = tls::Dial(grpc_target);  // mTLS with the daemon's certificate (role target) unless insecure
+  if (!channel.ok()) return channel.status();
+  return std::unique_ptr<EngineAdapter>(
+      std::make_unique<ReferenceAdapter>(address, grpc_target, call_timeout, *std::move(channel)));
 }
 
 }  // namespace wsync::daemon

@@ -12,7 +12,7 @@
 namespace wsync::daemon {
 
 // `address`: the address as given on the command line; `grpc_target`: its "HOST:PORT". No I/O here.
-std::unique_ptr<EngineAdapter> MakeReferenceAdapter(const std::string& address, const std::string& grpc_target,
+absl::StatusOr<std::unique_ptr<EngineAdapter>> MakeReferenceAdapter(const std::string& address, const std::string& grpc_target,
                                                     absl::Duration call_timeout);
 
 }  // namespace wsync::daemon

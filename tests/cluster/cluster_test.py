@@ -36,7 +36,7 @@ def expect(cond, what):
 
 def ctl(c, *args):
     r = subprocess.run(["ip", "netns", "exec", c.coord_node.ns, os.path.join(c.bin, "wsyncctl"), *args, "--endpoints",
-                        c.coordinator, "-w", "json"], capture_output=True, text=True, timeout=60)
+                        c.coordinator, "-w", "json", *c.tls("admin-emu")], capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
         raise Failed(f"wsyncctl {' '.join(args)}: exit {r.returncode}: {r.stderr.strip()}")
     return json.loads(r.stdout)

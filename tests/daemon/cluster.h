@@ -99,7 +99,16 @@ struct ClusterOptions {
   int pp = 1;                            // trainer pipeline stages: sources split evenly, stage = s * pp / sources
   std::vector<std::string> coordinator_args;  // e.g. {"--strategy", "balanced", "--min-source-mib", "0"}
   std::vector<std::string> source_env;  // extra "NAME=value" environment for the source daemons (e.g. WSYNC_FAULTS)
+  // mTLS: a directory made by tools/wsync-certs.sh holding ca.pem and coordinator-main, engine-engine<e>,
+  // target-infer<e> and source-train<s> certificates; every process then runs with its own. Empty: insecure loopback.
+  std::string tls_dir;
 };
+
+// The --tls-* flags for the certificate `name` ("admin-ops") in `dir`; nothing when `dir` is empty.
+inline std::vector<std::string> TlsFlags(const std::string& dir, const std::string& name) {
+  if (dir.empty()) return {};
+  return {"--tls-ca", dir + "/ca.pem", "--tls-cert", dir + "/" + name + ".pem", "--tls-key", dir + "/" + name + "-key.pem"};
+}
 
 class Cluster {
  public:
@@ -108,25 +117,32 @@ class Cluster {
     dir_ = mkdtemp(tmpl);
     std::vector<std::string> cargs = {o_.bin_dir + "/wsync-coordinator", "--listen", "127.0.0.1:0"};
     cargs.insert(cargs.end(), o_.coordinator_args.begin(), o_.coordinator_args.end());
+    cargs = Tls(cargs, "coordinator-main");
     coordinator = "127.0.0.1:" + Start("coordinator", cargs);
     for (int e = 0; e < o_.engines; ++e) {
       const std::string id = "engine" + std::to_string(e);
-      engines.push_back("127.0.0.1:" + Start(id, {o_.bin_dir + "/wsync-engine-ref", "--id", id, "--model", o_.model,
-                                                  "--tp", std::to_string(o_.tp), "--ep", std::to_string(o_.ep),
-                                                  "--listen", "127.0.0.1:0"}));
+      engines.push_back("127.0.0.1:" + Start(id, Tls({o_.bin_dir + "/wsync-engine-ref", "--id", id, "--model", o_.model,
+                                                      "--tp", std::to_string(o_.tp), "--ep", std::to_string(o_.ep),
+                                                      "--listen", "127.0.0.1:0"},
+                                                     "engine-" + id)));
       engine_pids.push_back(procs_.back()->pid());
-      Start("target" + std::to_string(e),
-            {o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "target", "--node-id", "infer" + std::to_string(e), "--coordinator",
-             coordinator, "--engine", engines.back(), "--transport", o_.transport, "--engine-socket",
-             dir_ + "/target" + std::to_string(e) + ".sock"});
+      targets.push_back("127.0.0.1:" +
+                        Start("target" + std::to_string(e),
+                              Tls({o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "target", "--node-id",
+                                   "infer" + std::to_string(e), "--coordinator", coordinator, "--engine",
+                                   engines.back(), "--transport", o_.transport, "--engine-socket",
+                                   dir_ + "/target" + std::to_string(e) + ".sock"},
+                                  "target-infer" + std::to_string(e))));
+      target_pids.push_back(procs_.back()->pid());
     }
     for (int s = 0; s < o_.sources; ++s)
       sources.push_back("127.0.0.1:" +
                         Start("source" + std::to_string(s),
-                              {o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id", "train" + std::to_string(s),
-                               "--coordinator", coordinator, "--trainer-ranks", std::to_string(o_.trainer_ranks),
-                               "--ring-mib", std::to_string(o_.ring_mib), "--transport", o_.transport,
-                               "--pp-stage", std::to_string(s * o_.pp / o_.sources)},
+                              Tls({o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id", "train" + std::to_string(s),
+                                   "--coordinator", coordinator, "--trainer-ranks", std::to_string(o_.trainer_ranks),
+                                   "--ring-mib", std::to_string(o_.ring_mib), "--transport", o_.transport,
+                                   "--pp-stage", std::to_string(s * o_.pp / o_.sources)},
+                                  "source-train" + std::to_string(s)),
                               o_.source_env));
   }
   ~Cluster() {
@@ -144,10 +160,15 @@ class Cluster {
   }
 
   std::string coordinator;
-  std::vector<std::string> engines, sources;
+  std::vector<std::string> engines, targets, sources;
   std::vector<pid_t> engine_pids;  // reference engine processes, in `engines` order
+  std::vector<pid_t> target_pids;  // target daemons, in `targets` order
 
  private:
+  std::vector<std::string> Tls(std::vector<std::string> argv, const std::string& cert) const {
+    for (auto& f : TlsFlags(o_.tls_dir, cert)) argv.push_back(f);
+    return argv;
+  }
   // Starts a server and returns the port it published.
   std::string Start(const std::string& name, std::vector<std::string> argv, const std::vector<std::string>& env = {}) {
     const std::string port_file = dir_ + "/" + name + ".port";

@@ -73,7 +73,7 @@ Fd RawClient(const Info& info) {
   auto fd = tcp::ConnectTo(info.host, info.port, kTimeout);
   REQUIRE(fd.ok());
   tcp::TuneSocket(fd->get(), kTimeout);
-  tcp::Hello hello{tcp::kFrameMagic, tcp::kHello, tcp::kProtocolVersion, info.token, 0, 0};
+  tcp::Hello hello{tcp::kFrameMagic, tcp::kHello, tcp::kProtocolVersion, info.token, 0, 0, {0, 0}};
   SendRaw(fd->get(), &hello, sizeof(hello));
   std::string msg;
   tcp::Ack ack = RecvAck(fd->get(), &msg);

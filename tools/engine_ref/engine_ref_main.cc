@@ -31,6 +31,7 @@
 #include "base/fd_passing.h"
 #include "base/logging.h"
 #include "nlohmann/json.hpp"
+#include "proto/tls.h"
 #include "tools/engine_ref/ref_model.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
@@ -117,7 +118,8 @@ class EngineService final : public pb::EngineControl::Service {
 
   // Connects one socket per rank to the target daemon, sends each rank's attach frame with its segment fds, and
   // waits for every reply. A later Attach (the target restarted) replaces the previous connections.
-  grpc::Status Attach(grpc::ServerContext*, const pb::AttachRequest* req, pb::EngineReply* out) override {
+  grpc::Status Attach(grpc::ServerContext* ctx, const pb::AttachRequest* req, pb::EngineReply* out) override {
+    if (auto a = ::wsync::tls::Authorize(ctx, "Attach", {::wsync::tls::kTarget}); !a.ok()) return a;
     std::lock_guard<std::mutex> al(attach_mu_);
     CloseAttachments();
     if (req->engine_id() != id_)
@@ -168,7 +170,8 @@ class EngineService final : public pb::EngineControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status GetInfo(grpc::ServerContext*, const pb::GetEngineInfoRequest*, pb::EngineInfo* out) override {
+  grpc::Status GetInfo(grpc::ServerContext* ctx, const pb::GetEngineInfoRequest*, pb::EngineInfo* out) override {
+    if (auto a = ::wsync::tls::Authorize(ctx, "GetInfo", WSYNC_ANY_ROLE); !a.ok()) return a;
     std::lock_guard<std::mutex> l(mu_);
     out->set_engine_id(id_);
     out->set_num_ranks(tp_);
@@ -179,13 +182,15 @@ class EngineService final : public pb::EngineControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status GetParallelism(grpc::ServerContext*, const pb::RankRequest* req, pb::RankParallelism* out) override {
+  grpc::Status GetParallelism(grpc::ServerContext* ctx, const pb::RankRequest* req, pb::RankParallelism* out) override {
+    if (auto a = ::wsync::tls::Authorize(ctx, "GetParallelism", WSYNC_ANY_ROLE); !a.ok()) return a;
     if (req->rank() < 0 || req->rank() >= tp_) return BadRank(req->rank());
     FillParallelism(req->rank(), out);
     return grpc::Status::OK;
   }
 
-  grpc::Status GetWeightLayout(grpc::ServerContext*, const pb::RankRequest* req, pb::RankLayout* out) override {
+  grpc::Status GetWeightLayout(grpc::ServerContext* ctx, const pb::RankRequest* req, pb::RankLayout* out) override {
+    if (auto a = ::wsync::tls::Authorize(ctx, "GetWeightLayout", WSYNC_ANY_ROLE); !a.ok()) return a;
     if (req->rank() < 0 || req->rank() >= tp_) return BadRank(req->rank());
     const RefLayout& l = layouts_[req->rank()];
     out->set_rank(req->rank());
@@ -210,7 +215,8 @@ class EngineService final : public pb::EngineControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Pause(grpc::ServerContext*, const pb::PauseRequest* req, pb::EngineReply* out) override {
+  grpc::Status Pause(grpc::ServerContext* ctx, const pb::PauseRequest* req, pb::EngineReply* out) override {
+    if (auto a = ::wsync::tls::Authorize(ctx, "Pause", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget}); !a.ok()) return a;
     std::lock_guard<std::mutex> l(mu_);
     paused_ = true;
     spdlog::info("engine {}: paused (mode {})", id_, req->mode().empty() ? "retract" : req->mode());
@@ -219,7 +225,8 @@ class EngineService final : public pb::EngineControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status PostProcess(grpc::ServerContext*, const pb::PostProcessRequest* req, pb::EngineReply* out) override {
+  grpc::Status PostProcess(grpc::ServerContext* ctx, const pb::PostProcessRequest* req, pb::EngineReply* out) override {
+    if (auto a = ::wsync::tls::Authorize(ctx, "PostProcess", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget}); !a.ok()) return a;
     std::lock_guard<std::mutex> l(mu_);
     if (!paused_) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "post_process requires a paused engine");
     spdlog::debug("engine {}: post_process of version {}", id_, req->version());
@@ -228,8 +235,9 @@ class EngineService final : public pb::EngineControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status SetWeightVersion(grpc::ServerContext*, const pb::SetWeightVersionRequest* req,
+  grpc::Status SetWeightVersion(grpc::ServerContext* ctx, const pb::SetWeightVersionRequest* req,
                                 pb::EngineReply* out) override {
+    if (auto a = ::wsync::tls::Authorize(ctx, "SetWeightVersion", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget}); !a.ok()) return a;
     std::lock_guard<std::mutex> l(mu_);
     version_ = req->version();
     spdlog::info("engine {}: weight version {}", id_, version_);
@@ -237,7 +245,8 @@ class EngineService final : public pb::EngineControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Continue(grpc::ServerContext*, const pb::ContinueRequest*, pb::EngineReply* out) override {
+  grpc::Status Continue(grpc::ServerContext* ctx, const pb::ContinueRequest*, pb::EngineReply* out) override {
+    if (auto a = ::wsync::tls::Authorize(ctx, "Continue", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget}); !a.ok()) return a;
     std::lock_guard<std::mutex> l(mu_);
     paused_ = false;
     spdlog::info("engine {}: generation continued", id_);
@@ -246,7 +255,8 @@ class EngineService final : public pb::EngineControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status GetChecksums(grpc::ServerContext*, const pb::RankRequest* req, pb::ChecksumReply* out) override {
+  grpc::Status GetChecksums(grpc::ServerContext* ctx, const pb::RankRequest* req, pb::ChecksumReply* out) override {
+    if (auto a = ::wsync::tls::Authorize(ctx, "GetChecksums", {::wsync::tls::kAdmin, ::wsync::tls::kTrainer}); !a.ok()) return a;
     if (req->rank() < 0 || req->rank() >= tp_) return BadRank(req->rank());
     out->set_rank(req->rank());
     const RankMemory& mem = *memory_[req->rank()];
@@ -262,7 +272,8 @@ class EngineService final : public pb::EngineControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Verify(grpc::ServerContext*, const pb::VerifyRequest* req, pb::VerifyReply* out) override {
+  grpc::Status Verify(grpc::ServerContext* ctx, const pb::VerifyRequest* req, pb::VerifyReply* out) override {
+    if (auto a = ::wsync::tls::Authorize(ctx, "Verify", {::wsync::tls::kAdmin, ::wsync::tls::kTrainer}); !a.ok()) return a;
     std::lock_guard<std::mutex> vl(verify_mu_);
     int64_t checked = 0, bytes = 0;
     for (int r = 0; r < tp_; ++r) {
@@ -394,8 +405,14 @@ int main(int argc, char** argv) {
   app.add_option("--ep", ep, "expert-parallel size inside tp (MoE models)")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--listen", listen, "host:port of the control API (port 0 = any free port)");
   app.add_option("--port-file", port_file, "write the bound port here once serving");
+  wsync::tls::Options tls_opts;
+  wsync::tls::AddFlags(app, &tls_opts);
   if (int rc = wsync::cli::Parse(app, argc, argv); rc >= 0) return rc;
   wsync::InitLogging("engine-ref", log_level);
+  if (auto st = wsync::tls::Configure(tls_opts, {listen}); !st.ok()) {
+    spdlog::error("{}", st.ToString());
+    return 2;
+  }
 
   std::ifstream f(model);
   std::stringstream ss;
@@ -413,7 +430,7 @@ int main(int argc, char** argv) {
   }
   int port = 0;
   grpc::ServerBuilder b;
-  b.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  b.AddListeningPort(listen, wsync::tls::ServerCredentials(), &port);  // mTLS unless insecure (loopback)
   b.RegisterService(&service);
   b.SetMaxReceiveMessageSize(256 << 20);
   b.SetMaxSendMessageSize(256 << 20);

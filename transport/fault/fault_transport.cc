@@ -100,6 +100,11 @@ class FaultTransport : public Transport {
   }
   absl::Status SetWriteWindow(bool open) override { return inner_->SetWriteWindow(open); }
   uint64_t refused_writes() const override { return inner_->refused_writes(); }
+  absl::StatusOr<std::unique_ptr<Endpoint>> CreateGrantedEndpoint(const WriteGrant& grant) override {
+    return inner_->CreateGrantedEndpoint(grant);  // receiving side: faults are injected on the sender only
+  }
+  void RevokeGrants(const std::function<bool(const WriteGrant&)>& keep) override { inner_->RevokeGrants(keep); }
+  absl::Status RequireGrants(bool require) override { return inner_->RequireGrants(require); }
   absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
     absl::StatusOr<std::unique_ptr<Endpoint>> ep = inner_->CreateEndpoint();
     if (!ep.ok()) return ep.status();

@@ -15,11 +15,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <list>
 #include <mutex>
 #include <random>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -86,6 +88,54 @@ class RegionTable {
     return id;
   }
 
+  // A write grant (Transport::CreateGrantedEndpoint): the region ids it covers, live until revoked.
+  struct Grant {
+    Transport::WriteGrant info;
+    std::unordered_set<uint64_t> regions;
+    std::atomic<bool> live{true};
+  };
+  using Secret = std::pair<uint64_t, uint64_t>;
+  struct SecretHash {
+    size_t operator()(const Secret& s) const { return std::hash<uint64_t>()(s.first ^ (s.second * 0x9e3779b97f4a7c15ULL)); }
+  };
+
+  // Mints a fresh random 128-bit secret for `g`.
+  Secret AddGrant(std::shared_ptr<Grant> g) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Secret sec{0, 0};
+    while ((sec.first == 0 && sec.second == 0) || grants_.count(sec))
+      sec = {(static_cast<uint64_t>(rng_()) << 32) ^ rng_(), (static_cast<uint64_t>(rng_()) << 32) ^ rng_()};
+    grants_[sec] = std::move(g);
+    return sec;
+  }
+  void RemoveGrant(const Secret& sec) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = grants_.find(sec);
+    if (it == grants_.end()) return;
+    it->second->live = false;
+    grants_.erase(it);
+  }
+  void RevokeGrants(const std::function<bool(const Transport::WriteGrant&)>& keep) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = grants_.begin(); it != grants_.end();) {
+      if (keep(it->second->info)) {
+        ++it;
+        continue;
+      }
+      spdlog::info("tcp: write grant for {} ({}) revoked", it->second->info.peer, it->second->info.scope);
+      it->second->live = false;
+      it = grants_.erase(it);
+    }
+  }
+  // Null when the secret is unknown or was revoked.
+  std::shared_ptr<Grant> FindGrant(const Secret& sec) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = grants_.find(sec);
+    return it == grants_.end() ? nullptr : it->second;
+  }
+  void SetRequireGrants(bool r) { require_grants_.store(r); }
+  bool require_grants() const { return require_grants_.load(); }
+
   void SetWindow(bool open) { window_open_.store(open); }
   bool window_open() const { return window_open_.load(); }
   void CountRefused() { refused_.fetch_add(1); }
@@ -118,11 +168,13 @@ class RegionTable {
  private:
   const uint64_t token_;
   std::atomic<bool> window_open_{true};
+  std::atomic<bool> require_grants_{false};
   std::atomic<uint64_t> refused_{0};
   std::mutex mu_;
   std::condition_variable idle_;
   std::random_device rng_;
   std::unordered_map<uint64_t, std::shared_ptr<Entry>> regions_;
+  std::unordered_map<Secret, std::shared_ptr<Grant>, SecretHash> grants_;
 };
 
 class TcpLocalRegion final : public LocalRegion {
@@ -130,6 +182,7 @@ class TcpLocalRegion final : public LocalRegion {
   TcpLocalRegion(std::shared_ptr<RegionTable> table, uint64_t id, void* addr, uint64_t length)
       : table_(std::move(table)), id_(id), addr_(addr), length_(length) {}
   ~TcpLocalRegion() override { table_->Remove(id_); }
+  uint64_t id() const { return id_; }
   void* addr() const override { return addr_; }
   uint64_t length() const override { return length_; }
   std::string Descriptor() const override {
@@ -270,7 +323,9 @@ absl::Status ReceiveIntoSink(FrameReader& reader, RegionSink& sink, uint64_t off
 absl::Status ServeConnection(int fd, RegionTable& table) {
   FrameReader reader(fd);
   Hello hello;
-  WSYNC_RETURN_IF_ERROR(reader.Read(&hello, sizeof(hello), true));
+  // The accept loop hands a connection over only once its first bytes arrived: the rest of the hello must follow
+  // within the io timeout.
+  WSYNC_RETURN_IF_ERROR(reader.Read(&hello, sizeof(hello), false));
   if (hello.magic != kFrameMagic || hello.type != kHello || hello.version != kProtocolVersion) {
     absl::Status s = absl::InvalidArgumentError(
         absl::StrFormat("bad hello (magic %#x type %d version %d)", hello.magic, hello.type, hello.version));
@@ -284,6 +339,21 @@ absl::Status ServeConnection(int fd, RegionTable& table) {
     SendAck(fd, kHelloAck, 0, 0, s).IgnoreError();
     return s;
   }
+  std::shared_ptr<RegionTable::Grant> grant;
+  if (hello.secret[0] != 0 || hello.secret[1] != 0) {
+    grant = table.FindGrant({hello.secret[0], hello.secret[1]});
+    if (grant == nullptr) {
+      table.CountRefused();
+      absl::Status s = absl::PermissionDeniedError(
+          "write secret unknown or expired (revoked at a new plan, or its connection was replaced): ask the target "
+          "daemon again (ConnectTarget)");
+      SendAck(fd, kHelloAck, 0, 0, s).IgnoreError();
+      return s;
+    }
+  }
+  // Without a secret the connection is accepted (a peer's endpoint connects back to complete the symmetric
+  // handshake) but, when grants are required, every write frame on it is refused.
+  const bool ungranted_refused = grant == nullptr && table.require_grants();
   WSYNC_RETURN_IF_ERROR(SendAck(fd, kHelloAck, 0, 0, absl::OkStatus()));
 
   absl::Status batch_status;
@@ -308,6 +378,24 @@ absl::Status ServeConnection(int fd, RegionTable& table) {
         return s;
       }
       std::shared_ptr<RegionTable::Entry> region;
+      if (batch_status.ok() && ungranted_refused) {
+        table.CountRefused();
+        batch_status = absl::PermissionDeniedError(
+            "write refused: this receiver accepts writes only on connections authorized by a write secret (minted "
+            "by the target daemon's ConnectTarget for a source the coordinator assigned); the batch fails");
+      }
+      if (batch_status.ok() && grant != nullptr && !grant->live) {
+        table.CountRefused();
+        batch_status = absl::PermissionDeniedError(absl::StrCat(
+            "write refused: the write grant of this connection (", grant->info.peer, ", ", grant->info.scope,
+            ") was revoked; the batch fails"));
+      }
+      if (batch_status.ok() && grant != nullptr && grant->regions.count(f.region) == 0) {
+        table.CountRefused();
+        batch_status = absl::PermissionDeniedError(absl::StrCat(
+            "write refused: region ", f.region, " is not covered by this connection's write grant (", grant->info.peer,
+            ", ", grant->info.scope, "); the batch fails"));
+      }
       if (batch_status.ok() && !table.window_open()) {
         table.CountRefused();
         batch_status = absl::PermissionDeniedError(
@@ -369,16 +457,22 @@ absl::Status ServeConnection(int fd, RegionTable& table) {
   }
 }
 
-// Accepts connections on the transport's listening socket; one thread per connection.
+// Accepts connections on the transport's listening socket. A new connection first waits in the accept loop's own
+// poll set (no thread) until its hello arrives, for at most hello_timeout; then it gets a thread that serves it.
+// Connections per peer address and in total are capped (pending and served together), so an idle-connection flood
+// costs a bounded number of fds and threads and the listener keeps serving.
 class Listener {
  public:
   Listener(std::shared_ptr<RegionTable> table, Fd listen_fd, Fd wake_fd, std::string address,
-           absl::Duration io_timeout)
+           const TransportOptions& opts)
       : table_(std::move(table)),
         listen_fd_(std::move(listen_fd)),
         wake_fd_(std::move(wake_fd)),
         address_(std::move(address)),
-        io_timeout_(io_timeout) {
+        io_timeout_(opts.io_timeout),
+        hello_timeout_(opts.hello_timeout > absl::ZeroDuration() ? opts.hello_timeout : absl::Seconds(5)),
+        max_per_peer_(std::max(1, opts.max_conns_per_peer)),
+        max_total_(std::max(1, opts.max_conns)) {
     thread_ = std::thread([this] { AcceptLoop(); });
   }
 
@@ -394,52 +488,111 @@ class Listener {
  private:
   struct Conn {
     Fd fd;
-    std::string peer;
+    std::string host;  // peer address (the per-peer cap's key)
+    std::string peer;  // host:port
     std::thread thread;
     std::atomic<bool> done{false};
   };
+  struct Pending {
+    std::unique_ptr<Conn> conn;
+    absl::Time deadline;
+  };
 
   void AcceptLoop() {
+    std::vector<pollfd> p;
     for (;;) {
-      pollfd p[2] = {{listen_fd_.get(), POLLIN, 0}, {wake_fd_.get(), POLLIN, 0}};
-      int rc = ::poll(p, 2, -1);
+      p.assign({{listen_fd_.get(), POLLIN, 0}, {wake_fd_.get(), POLLIN, 0}});
+      absl::Time next = absl::InfiniteFuture();
+      for (const auto& w : pending_) {
+        p.push_back({w.conn->fd.get(), POLLIN, 0});
+        next = std::min(next, w.deadline);
+      }
+      const int timeout_ms =
+          next == absl::InfiniteFuture()
+              ? -1
+              : static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(next - absl::Now()) + 1, 0, 60000));
+      int rc = ::poll(p.data(), p.size(), timeout_ms);
       if (rc < 0) {
         if (errno == EINTR) continue;
         spdlog::error("tcp listener {}: poll: {}", address_, ErrnoText(errno));
         return;
       }
       if (p[1].revents != 0) return;
-      if (p[0].revents == 0) continue;
-      sockaddr_in addr{};
-      socklen_t len = sizeof(addr);
-      Fd fd(::accept4(listen_fd_.get(), reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC));
-      if (!fd.valid()) {
-        if (errno != EINTR && errno != ECONNABORTED) {
-          spdlog::warn("tcp listener {}: accept: {}", address_, ErrnoText(errno));
-        }
-        continue;
-      }
       Reap();
-      TuneSocket(fd.get(), io_timeout_);
-      char host[INET_ADDRSTRLEN] = "?";
-      ::inet_ntop(AF_INET, &addr.sin_addr, host, sizeof(host));
-      auto conn = std::make_unique<Conn>();
-      conn->fd = std::move(fd);
-      conn->peer = absl::StrCat(host, ":", ntohs(addr.sin_port));
-      Conn* c = conn.get();
-      c->thread = std::thread([this, c] {
-        absl::Status s = ServeConnection(c->fd.get(), *table_);
-        // The peer sees EOF now; the fd itself is closed when the thread is reaped (no fd-reuse race).
-        c->fd.ShutdownBoth();
-        if (s.code() == absl::StatusCode::kUnavailable) {
-          spdlog::debug("tcp listener {}: connection from {} ended: {}", address_, c->peer, s.ToString());
+      // Pending connections: readable (hello arriving, or closed) → served by a thread; past the deadline → closed.
+      const absl::Time now = absl::Now();
+      std::vector<Pending> still;
+      for (size_t i = 0; i < pending_.size(); ++i) {
+        Pending& w = pending_[i];
+        if (p[2 + i].revents != 0) {
+          Serve(std::move(w.conn));
+        } else if (now >= w.deadline) {
+          table_->CountRefused();
+          spdlog::warn("tcp listener {}: {} sent no hello within {}; closed", address_, w.conn->peer,
+                       absl::FormatDuration(hello_timeout_));
+          Drop(w.conn->host);
         } else {
-          spdlog::warn("tcp listener {}: connection from {} failed: {}", address_, c->peer, s.ToString());
+          still.push_back(std::move(w));
         }
-        c->done = true;
-      });
-      conns_.push_back(std::move(conn));
+      }
+      pending_ = std::move(still);
+      if (p[0].revents != 0) Accept();
     }
+  }
+
+  void Accept() {
+    sockaddr_in addr{};
+    socklen_t len = sizeof(addr);
+    Fd fd(::accept4(listen_fd_.get(), reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC));
+    if (!fd.valid()) {
+      if (errno != EINTR && errno != ECONNABORTED && errno != EAGAIN) {
+        spdlog::warn("tcp listener {}: accept: {}", address_, ErrnoText(errno));
+      }
+      return;
+    }
+    char host[INET_ADDRSTRLEN] = "?";
+    ::inet_ntop(AF_INET, &addr.sin_addr, host, sizeof(host));
+    int& from_peer = per_peer_[host];
+    if (from_peer >= max_per_peer_ || total_ >= max_total_) {
+      table_->CountRefused();
+      if (refused_logged_++ % 100 == 0)
+        spdlog::warn("tcp listener {}: connection from {} refused: {} ({} such refusals)", address_, host,
+                     from_peer >= max_per_peer_ ? absl::StrCat(max_per_peer_, " connections from that address")
+                                               : absl::StrCat(max_total_, " connections in total"),
+                     refused_logged_);
+      if (from_peer == 0) per_peer_.erase(host);
+      return;  // fd closes here
+    }
+    ++from_peer;
+    ++total_;
+    TuneSocket(fd.get(), io_timeout_);
+    auto conn = std::make_unique<Conn>();
+    conn->fd = std::move(fd);
+    conn->host = host;
+    conn->peer = absl::StrCat(host, ":", ntohs(addr.sin_port));
+    pending_.push_back({std::move(conn), absl::Now() + hello_timeout_});
+  }
+
+  void Serve(std::unique_ptr<Conn> conn) {
+    Conn* c = conn.get();
+    c->thread = std::thread([this, c] {
+      absl::Status s = ServeConnection(c->fd.get(), *table_);
+      // The peer sees EOF now; the fd itself is closed when the thread is reaped (no fd-reuse race).
+      c->fd.ShutdownBoth();
+      if (s.code() == absl::StatusCode::kUnavailable) {
+        spdlog::debug("tcp listener {}: connection from {} ended: {}", address_, c->peer, s.ToString());
+      } else {
+        spdlog::warn("tcp listener {}: connection from {} failed: {}", address_, c->peer, s.ToString());
+      }
+      c->done = true;
+    });
+    conns_.push_back(std::move(conn));
+  }
+
+  void Drop(const std::string& host) {
+    --total_;
+    auto it = per_peer_.find(host);
+    if (it != per_peer_.end() && --it->second <= 0) per_peer_.erase(it);
   }
 
   // Joins the threads of connections that have ended.
@@ -447,6 +600,7 @@ class Listener {
     for (auto it = conns_.begin(); it != conns_.end();) {
       if ((*it)->done) {
         (*it)->thread.join();
+        Drop((*it)->host);
         it = conns_.erase(it);
       } else {
         ++it;
@@ -459,7 +613,15 @@ class Listener {
   Fd wake_fd_;
   std::string address_;
   absl::Duration io_timeout_;
-  std::list<std::unique_ptr<Conn>> conns_;  // only the accept thread touches it until it has been joined
+  const absl::Duration hello_timeout_;
+  const int max_per_peer_;
+  const int max_total_;
+  // Only the accept thread touches these until it has been joined.
+  std::list<std::unique_ptr<Conn>> conns_;
+  std::vector<Pending> pending_;
+  std::unordered_map<std::string, int> per_peer_;
+  int total_ = 0;
+  uint64_t refused_logged_ = 0;
   std::thread thread_;
 };
 
@@ -470,24 +632,35 @@ struct PeerInfo {
   std::string host;
   int port = 0;
   uint64_t token = 0;
+  uint64_t secret[2] = {0, 0};  // a granted endpoint's write secret (sent in every Hello), else zero
 };
 
 std::string FormatInfo(const std::string& host, int port, uint64_t token) {
   return absl::StrFormat("%s %s %d %016x", kInfoPrefix, host, port, token);
 }
 
+// A granted endpoint's info: FormatInfo plus " SECRET" (32 hex digits).
+std::string FormatGrantedInfo(const std::string& info, const RegionTable::Secret& sec) {
+  return absl::StrFormat("%s %016x%016x", info, sec.first, sec.second);
+}
+
+bool ParseHex64(const std::string& s, uint64_t* out) {
+  if (s.empty() || s.size() > 16) return false;
+  char* end = nullptr;
+  errno = 0;
+  *out = std::strtoull(s.c_str(), &end, 16);
+  return errno == 0 && end != nullptr && *end == '\0';
+}
+
 absl::StatusOr<PeerInfo> ParseInfo(const std::string& info) {
   std::vector<std::string> parts = absl::StrSplit(info, ' ');
   PeerInfo p;
-  char* end = nullptr;
-  if (parts.size() == 4 && parts[0] == kInfoPrefix && absl::SimpleAtoi(parts[2], &p.port) && p.port > 0 &&
-      p.port < 65536 && !parts[3].empty()) {
-    errno = 0;
-    p.token = std::strtoull(parts[3].c_str(), &end, 16);
-    if (errno == 0 && end != nullptr && *end == '\0') {
-      p.host = parts[1];
-      return p;
-    }
+  if ((parts.size() == 4 || parts.size() == 5) && parts[0] == kInfoPrefix && absl::SimpleAtoi(parts[2], &p.port) &&
+      p.port > 0 && p.port < 65536 && ParseHex64(parts[3], &p.token) &&
+      (parts.size() == 4 || (parts[4].size() == 32 && ParseHex64(parts[4].substr(0, 16), &p.secret[0]) &&
+                             ParseHex64(parts[4].substr(16), &p.secret[1])))) {
+    p.host = parts[1];
+    return p;
   }
   return absl::InvalidArgumentError(absl::StrCat("not a tcp endpoint info: \"", absl::CEscape(info.substr(0, 80)),
                                                  "\""));
@@ -515,7 +688,14 @@ class TcpEndpoint final : public Endpoint {
         max_streams_(std::max(1, opts.tcp_streams)),
         io_timeout_(opts.io_timeout > absl::ZeroDuration() ? opts.io_timeout : absl::Seconds(30)) {}
 
+  // A granted endpoint (Transport::CreateGrantedEndpoint): destroying it revokes its grant.
+  void SetGrant(std::shared_ptr<RegionTable> table, RegionTable::Secret secret) {
+    grant_table_ = std::move(table);
+    grant_secret_ = secret;
+  }
+
   ~TcpEndpoint() override {
+    if (grant_table_) grant_table_->RemoveGrant(grant_secret_);
     for (auto& s : streams_) {
       if (s == nullptr) continue;
       {
@@ -648,7 +828,8 @@ class TcpEndpoint final : public Endpoint {
   absl::StatusOr<Fd> OpenStream(const PeerInfo& peer, int index, absl::Duration timeout) const {
     WSYNC_ASSIGN_OR_RETURN(Fd fd, ConnectTo(peer.host, peer.port, timeout));
     TuneSocket(fd.get(), std::min(timeout, io_timeout_));
-    Hello hello{kFrameMagic, kHello, kProtocolVersion, peer.token, static_cast<uint32_t>(index), 0};
+    Hello hello{kFrameMagic, kHello, kProtocolVersion, peer.token, static_cast<uint32_t>(index), 0,
+                {peer.secret[0], peer.secret[1]}};
     iovec iov{&hello, sizeof(hello)};
     WSYNC_RETURN_IF_ERROR_CTX(SendAll(fd.get(), &iov, 1), "hello");
     Ack ack;
@@ -783,6 +964,8 @@ class TcpEndpoint final : public Endpoint {
   }
 
   const std::string local_info_;
+  std::shared_ptr<RegionTable> grant_table_;
+  RegionTable::Secret grant_secret_{0, 0};
   const int max_streams_;
   const absl::Duration io_timeout_;
   // Set by Connect, read-only afterwards (stream threads start after Connect).
@@ -814,8 +997,7 @@ class TcpTransport final : public Transport {
       : opts_(opts),
         table_(table),
         local_info_(FormatInfo(host, port, table->token())),
-        listener_(std::move(table), std::move(listen_fd), std::move(wake_fd), absl::StrCat(host, ":", port),
-                  opts.io_timeout) {}
+        listener_(std::move(table), std::move(listen_fd), std::move(wake_fd), absl::StrCat(host, ":", port), opts) {}
 
   std::string name() const override { return "tcp"; }
   bool viable() const override { return true; }
@@ -853,6 +1035,26 @@ class TcpTransport final : public Transport {
 
   absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
     return std::unique_ptr<Endpoint>(std::make_unique<TcpEndpoint>(local_info_, opts_));
+  }
+
+  absl::StatusOr<std::unique_ptr<Endpoint>> CreateGrantedEndpoint(const WriteGrant& grant) override {
+    auto g = std::make_shared<RegionTable::Grant>();
+    g->info = grant;
+    for (const LocalRegion* r : grant.regions) {
+      auto* tr = dynamic_cast<const TcpLocalRegion*>(r);
+      if (tr == nullptr) return absl::InvalidArgumentError("write grant names a region of another transport");
+      g->regions.insert(tr->id());
+    }
+    const RegionTable::Secret sec = table_->AddGrant(std::move(g));
+    auto ep = std::make_unique<TcpEndpoint>(FormatGrantedInfo(local_info_, sec), opts_);
+    ep->SetGrant(table_, sec);
+    spdlog::info("tcp: write grant minted for {} ({}, {} regions)", grant.peer, grant.scope, grant.regions.size());
+    return std::unique_ptr<Endpoint>(std::move(ep));
+  }
+  void RevokeGrants(const std::function<bool(const WriteGrant&)>& keep) override { table_->RevokeGrants(keep); }
+  absl::Status RequireGrants(bool require) override {
+    table_->SetRequireGrants(require);
+    return absl::OkStatus();
   }
 
   absl::Status SetWriteWindow(bool open) override {

@@ -1,13 +1,16 @@
 #pragma once
 // The tcp backend: one-sided-write semantics over TCP sockets.
 //
-// Every TcpTransport runs a listener (TransportOptions::bind_host/tcp_port, ephemeral by default) with one
-// thread per accepted connection; those threads receive frames and recv() the payload straight into the
-// destination region after checking its bounds, then acknowledge each batch. Regions registered on a transport
-// are writable by any connected peer holding their descriptor. An endpoint's LocalInfo is its transport's
-// listener address plus the transport's random token; Connect() opens a connection to the peer's listener,
-// so either side may send. A sending endpoint sends a batch's frames with sendmsg() straight from the source
-// region, split over up to TransportOptions::tcp_streams connections when the batch is large.
+// Every TcpTransport runs a listener (TransportOptions::bind_host/tcp_port, ephemeral by default). A new connection
+// waits in the accept loop's poll set (no thread) until its hello arrives (hello_timeout, else it is closed), then
+// gets a thread that receives frames and recv()s the payload straight into the destination region after checking
+// its bounds, and acknowledges each batch; connections per peer address and in total are capped. Writes need the
+// open write window and, with RequireGrants, a connection whose hello carried the secret of a live write grant
+// covering the region (CreateGrantedEndpoint); otherwise any connected peer holding a region's descriptor may
+// write. An endpoint's LocalInfo is its transport's listener address plus the transport's random token (and a
+// granted endpoint's secret); Connect() opens a connection to the peer's listener, so either side may send. A
+// sending endpoint sends a batch's frames with sendmsg() straight from the source region, split over up to
+// TransportOptions::tcp_streams connections when the batch is large.
 
 #include <memory>
 

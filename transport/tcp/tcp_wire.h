@@ -18,7 +18,7 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 
 constexpr uint32_t kFrameMagic = 0x57535946;   // "WSYF"
 constexpr uint32_t kDescMagic = 0x57535444;    // "WSTD"
-constexpr uint16_t kProtocolVersion = 1;
+constexpr uint16_t kProtocolVersion = 2;  // 2: Hello carries the write secret
 // Largest payload of one write frame; larger writes are streamed as several frames. The receiver rejects
 // anything bigger, which bounds what a corrupt header can make it read.
 constexpr uint64_t kMaxFramePayload = 1 << 20;
@@ -39,8 +39,10 @@ struct Hello {
   uint64_t token;  // the receiving transport's token, from its LocalInfo: rejects stale or foreign peer info
   uint32_t stream;
   uint32_t reserved;
+  // The write secret of a granted endpoint's LocalInfo (Transport::CreateGrantedEndpoint); zero when it had none.
+  uint64_t secret[2];
 };
-static_assert(sizeof(Hello) == 24, "Hello is sent as raw bytes");
+static_assert(sizeof(Hello) == 40, "Hello is sent as raw bytes");
 
 // kWrite: `length` payload bytes follow, to land at `offset` in region `region`.
 // kCommit: end of the batch's frames on this connection; `region` = number of write frames, `length` = bytes.

@@ -1,0 +1,206 @@
+#include "proto/tls.h"
+
+#include <arpa/inet.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/str_join.h"
+
+namespace wsync::tls {
+namespace {
+
+struct Loaded {
+  bool enabled = false;
+  std::string ca, cert, key;  // PEM contents
+  std::string error;          // a bad WSYNC_TLS_* environment: every Dial fails with it
+};
+
+std::mutex g_mu;
+bool g_configured = false;
+Loaded g_loaded;
+
+absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return absl::NotFoundError(absl::StrCat(flag, " ", path, ": cannot read the file"));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  std::string s = ss.str();
+  if (!absl::StrContains(s, "-----BEGIN "))
+    return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": not a PEM file"));
+  return s;
+}
+
+absl::StatusOr<Loaded> Load(const Options& o) {
+  Loaded l;
+  const int given = !o.ca.empty() + !o.cert.empty() + !o.key.empty();
+  if (given == 0) return l;
+  if (o.insecure)
+    return absl::InvalidArgumentError("--insecure cannot be combined with --tls-ca/--tls-cert/--tls-key");
+  if (given != 3)
+    return absl::InvalidArgumentError(
+        "TLS needs all three of --tls-ca, --tls-cert and --tls-key (or WSYNC_TLS_CA, WSYNC_TLS_CERT, WSYNC_TLS_KEY)");
+  auto ca = ReadPem("--tls-ca", o.ca);
+  if (!ca.ok()) return ca.status();
+  auto cert = ReadPem("--tls-cert", o.cert);
+  if (!cert.ok()) return cert.status();
+  auto key = ReadPem("--tls-key", o.key);
+  if (!key.ok()) return key.status();
+  l.enabled = true;
+  l.ca = *std::move(ca);
+  l.cert = *std::move(cert);
+  l.key = *std::move(key);
+  return l;
+}
+
+// The process configuration; from the environment when Configure was never called.
+const Loaded& Current() {
+  std::lock_guard<std::mutex> l(g_mu);
+  if (!g_configured) {
+    Options o;
+    if (const char* v = std::getenv("WSYNC_TLS_CA")) o.ca = v;
+    if (const char* v = std::getenv("WSYNC_TLS_CERT")) o.cert = v;
+    if (const char* v = std::getenv("WSYNC_TLS_KEY")) o.key = v;
+    auto loaded = Load(o);
+    if (loaded.ok()) {
+      g_loaded = *std::move(loaded);
+    } else {
+      g_loaded = Loaded();
+      g_loaded.error = std::string(loaded.status().message());
+    }
+    g_configured = true;
+  }
+  return g_loaded;
+}
+
+std::string HostOf(const std::string& address) {
+  std::string a = address;
+  for (const char* scheme : {"dns:///", "ipv4:", "ipv6:"})
+    if (absl::StartsWith(a, scheme)) a = a.substr(std::string(scheme).size());
+  if (!a.empty() && a[0] == '[') {
+    const size_t e = a.find(']');
+    return e == std::string::npos ? a.substr(1) : a.substr(1, e - 1);
+  }
+  const size_t colon = a.rfind(':');
+  if (colon != std::string::npos && a.find(':') == colon) return a.substr(0, colon);  // host:port
+  return a;  // a bare host, or a bare IPv6 address
+}
+
+}  // namespace
+
+void AddFlags(CLI::App& app, Options* o) {
+  app.add_option("--tls-ca", o->ca, "PEM file of the CA that signs every wsync certificate (mTLS)")
+      ->envname("WSYNC_TLS_CA");
+  app.add_option("--tls-cert", o->cert, "PEM file of this process's certificate, CN \"<role>:<id>\"")
+      ->envname("WSYNC_TLS_CERT");
+  app.add_option("--tls-key", o->key, "PEM file of the certificate's private key")->envname("WSYNC_TLS_KEY");
+  app.add_flag("--insecure", o->insecure,
+               "no TLS and no roles: loopback development only (refused when any address is not loopback); the "
+               "default when no TLS files are given");
+}
+
+absl::Status Configure(const Options& o, const std::vector<std::string>& addresses) {
+  auto loaded = Load(o);
+  if (!loaded.ok()) return loaded.status();
+  if (!loaded->enabled) {
+    for (const auto& list : addresses)
+      for (absl::string_view part : absl::StrSplit(list, ',', absl::SkipWhitespace())) {  // "A,B": a fail-over list
+        const std::string a(absl::StripAsciiWhitespace(part));
+        if (a.empty() || IsLoopback(a)) continue;
+        return absl::InvalidArgumentError(absl::StrCat(
+            "address ", a, " is not loopback: without TLS (", o.insecure ? "--insecure" : "no --tls-* files given",
+            ") wsync listens on and dials loopback addresses only; give --tls-ca, --tls-cert and --tls-key "
+            "(docs/security.md)"));
+      }
+  }
+  std::lock_guard<std::mutex> l(g_mu);
+  g_loaded = *std::move(loaded);
+  g_configured = true;
+  return absl::OkStatus();
+}
+
+bool Enabled() { return Current().enabled; }
+
+bool IsLoopback(const std::string& address) {
+  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) return true;
+  const std::string host = HostOf(address);
+  if (host == "localhost") return true;
+  in_addr v4{};
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) return IN6_IS_ADDR_LOOPBACK(&v6);
+  return false;
+}
+
+std::shared_ptr<grpc::ServerCredentials> ServerCredentials() {
+  const Loaded& l = Current();
+  if (!l.enabled) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions o(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  o.pem_root_certs = l.ca;
+  o.pem_key_cert_pairs.push_back({l.key, l.cert});
+  return grpc::SslServerCredentials(o);
+}
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address, int max_message_bytes) {
+  const Loaded& l = Current();
+  if (!l.error.empty()) return absl::InvalidArgumentError(absl::StrCat("TLS configuration: ", l.error));
+  grpc::ChannelArguments args;
+  if (max_message_bytes > 0) {
+    args.SetMaxReceiveMessageSize(max_message_bytes);
+    args.SetMaxSendMessageSize(max_message_bytes);
+  }
+  if (!l.enabled) {
+    if (!IsLoopback(address))
+      return absl::FailedPreconditionError(absl::StrCat(
+          "refusing to dial ", address,
+          " without TLS: insecure channels are for loopback addresses only; configure --tls-ca/--tls-cert/--tls-key "
+          "or WSYNC_TLS_CA/WSYNC_TLS_CERT/WSYNC_TLS_KEY"));
+    return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  }
+  grpc::SslCredentialsOptions o;
+  o.pem_root_certs = l.ca;
+  o.pem_private_key = l.key;
+  o.pem_cert_chain = l.cert;
+  return grpc::CreateCustomChannel(address, grpc::SslCredentials(o), args);
+}
+
+std::string Peer::Describe() const {
+  return authenticated ? absl::StrCat(role, ":", id) : std::string("unauthenticated peer");
+}
+
+Peer PeerOf(const grpc::ServerContext* ctx) {
+  Peer p;
+  if (ctx == nullptr) return p;
+  auto auth = ctx->auth_context();
+  if (!auth || !auth->IsPeerAuthenticated()) return p;
+  auto cn = auth->FindPropertyValues("x509_common_name");
+  if (cn.empty()) return p;
+  const std::string name(cn.front().data(), cn.front().size());
+  const size_t colon = name.find(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == name.size()) return p;  // not a wsync certificate
+  p.authenticated = true;
+  p.role = name.substr(0, colon);
+  p.id = name.substr(colon + 1);
+  return p;
+}
+
+grpc::Status Authorize(const grpc::ServerContext* ctx, const char* rpc, std::initializer_list<const char*> roles,
+                       Peer* out) {
+  Peer p = PeerOf(ctx);
+  if (out != nullptr) *out = p;
+  if (!Enabled()) return grpc::Status::OK;  // insecure (loopback development): no roles
+  if (p.authenticated)
+    for (const char* r : roles)
+      if (p.role == r) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      absl::StrCat(rpc, " refused for ", p.Describe(), ": allowed roles are ",
+                                   absl::StrJoin(roles.begin(), roles.end(), ", ")));
+}
+
+}  // namespace wsync::tls

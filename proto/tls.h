@@ -1,0 +1,87 @@
+#pragma once
+// Mutual TLS for every wsync gRPC channel, and the caller's role taken from its certificate (docs/security.md).
+//
+// One process-wide configuration, set once at start (Configure, from the --tls-* / --insecure flags AddFlags adds),
+// or, in a process that never calls Configure (a trainer or library user of the C++/C/Python clients), read on first
+// use from WSYNC_TLS_CA / WSYNC_TLS_CERT / WSYNC_TLS_KEY. Either all three files are given (TLS: servers require and
+// verify a client certificate signed by the CA, clients verify the server's certificate against the CA and the
+// dialled host name or IP) or none (insecure: only for loopback addresses, checked when configuring and at every
+// dial).
+//
+// Identity: the certificate's subject common name is "<role>:<id>" with role one of coordinator, source, target,
+// engine, admin, trainer (tools/wsync-certs.sh makes them). An insecure server checks no roles.
+//
+// Thread safety: Configure must run before any channel or server is created (main, before threads); everything else
+// may be called from any thread.
+
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "CLI/CLI.hpp"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace wsync::tls {
+
+struct Options {
+  std::string ca;    // PEM file of the CA that signs every wsync certificate
+  std::string cert;  // PEM file of this process's certificate (CN "<role>:<id>")
+  std::string key;   // PEM file of its private key
+  bool insecure = false;  // explicitly no TLS (loopback only)
+};
+
+// --tls-ca, --tls-cert, --tls-key (defaults from WSYNC_TLS_CA / WSYNC_TLS_CERT / WSYNC_TLS_KEY) and --insecure.
+void AddFlags(CLI::App& app, Options* o);
+
+// Validates `o` against `addresses` (every address the process listens on or dials that is known at start, host:port
+// or unix:PATH) and makes it the process configuration. InvalidArgument, naming the flag or address, when only some
+// of the TLS files are given, --insecure is combined with them, or TLS is off and an address is not loopback;
+// NotFound/InvalidArgument when a file cannot be read.
+absl::Status Configure(const Options& o, const std::vector<std::string>& addresses);
+
+// True when the process configuration has TLS.
+bool Enabled();
+
+// True for 127.0.0.0/8, ::1, localhost and unix: addresses (host:port, [v6]:port, or a bare host).
+bool IsLoopback(const std::string& address);
+
+// Server credentials of the process configuration (TLS requiring a verified client certificate, or insecure).
+std::shared_ptr<grpc::ServerCredentials> ServerCredentials();
+
+// A channel to `address` with the process configuration; `max_message_bytes` > 0 sets both message limits.
+// FailedPrecondition when TLS is off and `address` is not loopback.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address, int max_message_bytes = 0);
+
+// The caller of an RPC, from its verified certificate. `authenticated` is false on an insecure server.
+struct Peer {
+  bool authenticated = false;
+  std::string role;
+  std::string id;
+  std::string Describe() const;  // "source:train0" or "unauthenticated peer"
+};
+Peer PeerOf(const grpc::ServerContext* ctx);
+
+// OK when the process runs insecure (loopback development: no roles) or the caller's role is one of `roles`;
+// PERMISSION_DENIED naming the caller, the RPC and the roles allowed otherwise. `out`, if set, receives the peer.
+grpc::Status Authorize(const grpc::ServerContext* ctx, const char* rpc, std::initializer_list<const char*> roles,
+                       Peer* out = nullptr);
+
+// Roles (the prefix of a certificate's common name).
+inline constexpr const char* kCoordinator = "coordinator";
+inline constexpr const char* kSource = "source";
+inline constexpr const char* kTarget = "target";
+inline constexpr const char* kEngine = "engine";
+inline constexpr const char* kAdmin = "admin";
+inline constexpr const char* kTrainer = "trainer";
+// Every role: read-only RPCs any authenticated caller may use.
+#define WSYNC_ANY_ROLE                                                                                     \
+  {                                                                                                        \
+    ::wsync::tls::kCoordinator, ::wsync::tls::kSource, ::wsync::tls::kTarget, ::wsync::tls::kEngine,       \
+        ::wsync::tls::kAdmin, ::wsync::tls::kTrainer                                                       \
+  }
+
+}  // namespace wsync::tls
