@@ -338,11 +338,14 @@ class Cluster:
                                           os.path.join(self.work, f"target{i}.sock"), "--transport", "tcp"])
         self.source_addrs = []
         for i, n in enumerate(self.sources):
-            self.source_addrs.append(
-                self._serve(f"source{i}", n, [b("wsyncd"), "--role", "source", "--node-id", f"train-node{i}",
-                                              "--listen", f"{n.ip}:0", "--data-host", n.ip, "--coordinator",
-                                              self.coordinator, "--trainer-ranks", str(self.trainer_ranks),
-                                              "--ring-mib", str(self.ring_mib), "--transport", "tcp"]))
+            # Trainer ranks reach their daemon through its Unix socket (shared across network namespaces by path).
+            sock = os.path.join(self.work, f"source{i}.sock")
+            self._serve(f"source{i}", n, [b("wsyncd"), "--role", "source", "--node-id", f"train-node{i}",
+                                          "--listen", f"{n.ip}:0", "--data-host", n.ip, "--coordinator",
+                                          self.coordinator, "--trainer-ranks", str(self.trainer_ranks),
+                                          "--ring-mib", str(self.ring_mib), "--transport", "tcp",
+                                          "--trainer-socket", sock])
+            self.source_addrs.append(sock)
         self.log(f"emucluster {self.run}: coordinator {self.coordinator}, engines {' '.join(self.engines)}")
 
     def stop_wsync(self):

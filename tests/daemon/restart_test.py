@@ -79,8 +79,10 @@ def main() -> int:
             port_of("target")
             procs.start("source", [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id",
                                    "train0", "--coordinator", coord, "--trainer-ranks", "1", "--ring-mib", "64",
+                                   "--trainer-socket", os.path.join(wd, "source.sock"),
                                    "--port-file", os.path.join(wd, "source.port")])
-            src = f"127.0.0.1:{port_of('source')}"
+            port_of('source')
+            src = os.path.join(wd, "source.sock")
 
             check(run_update(1), "update 1 lands, verified by the engine")
             with Coordinator(coord) as c:
