@@ -86,14 +86,15 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const Trai
   po.preserve_proto_field_names = true;
   (void)google::protobuf::util::MessageToJsonString(hello, &text, po);
   WSYNC_RETURN_IF_ERROR(set_timeout());
-  WSYNC_RETURN_IF_ERROR_CTX(SendFds(fd, {}, text), "trainer socket ", path);
+  // A refused peer's hello may meet a closed socket (EPIPE): the daemon's answer with the reason is read below anyway.
+  const absl::Status sent = SendFds(fd, {}, text);
   WSYNC_RETURN_IF_ERROR(set_timeout());
   auto frame = ReceiveFds(fd, 64 * 1024);
   if (!frame.ok()) {
     if (absl::IsDeadlineExceeded(frame.status()))
       return absl::DeadlineExceededError(absl::StrCat("trainer socket ", path, ": the daemon did not answer within "
                                                       "the connect timeout of ", absl::FormatDuration(opts.connect_timeout)));
-    return Annotate(frame.status(), absl::StrCat("trainer socket ", path, ": opening a session"));
+    return Annotate(sent.ok() ? frame.status() : sent, absl::StrCat("trainer socket ", path, ": opening a session"));
   }
   v1::TrainerOpened opened;
   google::protobuf::util::JsonParseOptions jo;
@@ -145,7 +146,7 @@ absl::StatusOr<std::vector<std::string>> TrainerClient::BeginPush(int64_t versio
   req.set_version(version);
   v1::BeginPushReply rep;
   grpc::ClientContext ctx;
-  ctx.set_deadline(Deadline(opts_.timeout + absl::Seconds(10)));
+  ctx.set_deadline(Deadline(opts_.timeout));  // the daemon answers "no update is open" just before it
   WSYNC_RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->BeginPush(&ctx, req, &rep)), "begin push of update ", version);
   stats_ = PushStats();
   return std::vector<std::string>(rep.tensor_names().begin(), rep.tensor_names().end());

@@ -194,8 +194,10 @@ void SourceNode::SessionDisconnected(const std::string& session_id, const std::s
   std::lock_guard<std::mutex> l(mu_);
   Session* s = FindSession(session_id);
   if (s == nullptr || s->dead) return;
-  spdlog::warn("trainer rank {} (pid {}, session {}): {}", s->local_rank, s->pid, s->label, why);
-  MarkDead(s, absl::StrCat(why, " (pid ", s->pid, ", session ", s->label, ")"));
+  // The usual reason is the process's exit (the kernel closed its socket): say so when it is gone.
+  const std::string what = s->pid > 0 && !ProcessAlive(s->pid) ? std::string("exited") : why;
+  spdlog::warn("trainer rank {} (pid {}, session {}): {}", s->local_rank, s->pid, s->label, what);
+  MarkDead(s, absl::StrCat(what, " (pid ", s->pid, ", session ", s->label, ")"));
 }
 
 absl::Status SourceNode::CloseSession(const std::string& session_id) {

@@ -50,6 +50,7 @@ class Coordinator:
         self.endpoint = endpoint
         self.dial_timeout = float(dial_timeout)
         self.last_record: Optional[Dict[str, Any]] = None
+        self._connected = False
         self._channel = grpc.insecure_channel(endpoint, options=[("grpc.max_receive_message_length", 64 << 20)])
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
@@ -68,11 +69,16 @@ class Coordinator:
     def _call(self, method: str, request, timeout: float, what: str):
         if self._channel is None:
             raise WsyncError(UNAVAILABLE, "coordinator client is closed")
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=self.dial_timeout)
-        except grpc.FutureTimeoutError:
-            raise WsyncError(UNAVAILABLE, "%s: coordinator %s not reachable within the dial timeout of %gs"
-                             % (what, self.endpoint, self.dial_timeout)) from None
+        if not self._connected:
+            ready = grpc.channel_ready_future(self._channel)
+            try:
+                ready.result(timeout=self.dial_timeout)
+            except grpc.FutureTimeoutError:
+                raise WsyncError(UNAVAILABLE, "%s: coordinator %s not reachable within the dial timeout of %gs"
+                                 % (what, self.endpoint, self.dial_timeout)) from None
+            finally:
+                ready.cancel()
+            self._connected = True  # later calls fail at once (UNAVAILABLE) if it goes away
         try:
             return getattr(self._stub, method)(request, timeout=timeout)
         except grpc.RpcError as e:

@@ -162,7 +162,10 @@ class Trainer:
             hello = json.dumps({"type": "open", "protocol": PROTOCOL, "local_rank": int(local_rank),
                                 "global_rank": int(global_rank)}).encode()
             sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.sendall(struct.pack("<I", len(hello)) + hello)
+            try:
+                sock.sendall(struct.pack("<I", len(hello)) + hello)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a refused peer: the daemon answered at once and closed; its reason is still to be read
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             try:
                 head, fds, _, _ = socket.recv_fds(sock, 4, 4, socket.MSG_WAITALL)
@@ -192,11 +195,14 @@ class Trainer:
             self.num_local_ranks = int(answer.get("num_local_ranks", 0))
             rpc = answer["rpc"]
             self._channel = grpc.insecure_channel(rpc, options=[("grpc.max_receive_message_length", 64 << 20)])
+            ready = grpc.channel_ready_future(self._channel)
             try:
-                grpc.channel_ready_future(self._channel).result(timeout=max(0.001, deadline - time.monotonic()))
+                ready.result(timeout=max(0.001, deadline - time.monotonic()))
             except grpc.FutureTimeoutError:
                 raise WsyncError(DEADLINE_EXCEEDED, "wsyncd at %s: its trainer RPC socket %s did not connect within "
                                  "the connect timeout of %gs" % (daemon, rpc, connect_timeout))
+            finally:
+                ready.cancel()
             self._stub = trainer_pb2_grpc.TrainerIngestStub(self._channel)
             sock.settimeout(None)
             self._sock = sock  # held for the session's life: closing it tells the daemon this rank is gone
