@@ -190,9 +190,10 @@ def run(args, cluster, deadline):
                                  "--port-file", os.path.join(work, "target.port")])
     cluster.wait_port("target", p, deadline)
     sock = os.path.join(work, "source.sock")
-    # One further allowed uid (not nobody's): the socket is then 0666 and SO_PEERCRED alone decides.
+    # One further allowed uid (not nobody's): the socket is then 0666 and SO_PEERCRED alone decides. A 1 MiB ring:
+    # the updates below (~0.3 MiB each) wrap around it several times (padding frames, reuse of released space).
     p = cluster.start("source", [args.wsyncd, "--role", "source", "--node-id", "py-train0",
-                                 "--coordinator", coord_addr, "--trainer-ranks", "1", "--ring-mib", "16",
+                                 "--coordinator", coord_addr, "--trainer-ranks", "1", "--ring-mib", "1",
                                  "--transport", "tcp", "--listen", "127.0.0.1:0", "--trainer-socket", sock,
                                  "--trainer-uid", "4242", "--port-file", os.path.join(work, "source.port")])
     source_addr = cluster.wait_port("source", p, deadline)
@@ -252,7 +253,8 @@ def run(args, cluster, deadline):
               "C++ client: dead socket path fails in %.2f s naming it: %s" % (took, r.stderr.strip()[-200:]))
 
     version = 2
-    with Coordinator(coord_addr) as coord, Trainer(sock, local_rank=0, global_rank=0) as trainer:
+    # Small buckets: many hand-overs, each overlapping the writing of the next (one in flight).
+    with Coordinator(coord_addr) as coord, Trainer(sock, local_rank=0, global_rank=0, bucket_bytes=40000) as trainer:
         st = coord.status()
         check(len(st.get("nodes", [])) == 2, "status lists the 2 daemons")
         check(len(trainer.session_id) == 32 and int(trainer.session_id, 16) >= 0,
@@ -304,8 +306,8 @@ def run(args, cluster, deadline):
         trainer.end_push(version)
         stats = trainer.stats()
         want_bytes = sum(2 * int(np.prod(s)) for s in specs.values())
-        check(stats["tensors"] == len(specs) and stats["bytes"] == want_bytes,
-              "stats count %d tensors / %d bytes" % (stats["tensors"], stats["bytes"]))
+        check(stats["tensors"] == len(specs) and stats["bytes"] == want_bytes and stats["buckets"] >= 7,
+              "stats count %d tensors / %d bytes in %d buckets" % (stats["tensors"], stats["bytes"], stats["buckets"]))
         rec = coord.commit_update(version, timeout=max(5.0, deadline - time.monotonic() - 30))
         check(rec.get("success") is True, "update %d committed: %s" % (version, rec.get("error") or "success"))
         check(rec.get("version") == version and rec.get("engine_ranks") == 2 and rec.get("bytes", 0) > 0,
@@ -368,6 +370,14 @@ def run(args, cluster, deadline):
         check(coord.last_record.get("success") is True, "update %d committed through coord.update()" % good)
         verify(good)
         check(str(coord.resume_engines().get("version")) == str(good), "resume allowed after a successful update")
+
+        # Two more updates through push_update over a generator: by now the 1 MiB ring has wrapped.
+        for extra in (good + 1, good + 2):
+            with coord.update(extra):
+                trainer.push_update(extra, ((n, generate_bf16(n, extra, specs[n])) for n in specs), dtype="bfloat16")
+            verify(extra)
+        check(trainer._ring._write > trainer._ring.capacity, "the ring wrapped: position %d, capacity %d"
+              % (trainer._ring._write, trainer._ring.capacity))
 
 
 def prepare(args, work):
