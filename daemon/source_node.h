@@ -24,11 +24,11 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "base/fd_passing.h"
 #include "base/ring.h"
 #include "daemon/metrics.h"
 #include "replica/replica.h"
 #include "transport/transport.h"
-#include "base/fd_passing.h"
 #include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/trainer.pb.h"
 
