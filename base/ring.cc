@@ -220,21 +220,11 @@ absl::StatusOr<RingMapping> RingMapping::Attach(int fd) {
   return MapFd(std::move(dup), absl::StrCat("ring fd ", fd));
 }
 
-absl::StatusOr<RingMapping> RingMapping::AttachPath(const std::string& path) {
-  ScopedFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
-  if (!fd.valid()) return ErrnoStatus(absl::StrCat("ring ", path, ": open"), errno);
-  return MapFd(std::move(fd), absl::StrCat("ring ", path));
-}
-
 // ---- RingProducer ----
 
 RingProducer::RingProducer(RingMapping map) : map_(std::move(map)) {}
 
 absl::StatusOr<RingProducer> RingProducer::Attach(int fd) { return FromMapping(RingMapping::Attach(fd)); }
-
-absl::StatusOr<RingProducer> RingProducer::AttachPath(const std::string& path) {
-  return FromMapping(RingMapping::AttachPath(path));
-}
 
 absl::StatusOr<RingProducer> RingProducer::FromMapping(absl::StatusOr<RingMapping> map) {
   if (!map.ok()) return map.status();
@@ -526,8 +516,6 @@ void RingConsumer::Close() {
   Notify(&h->read_futex, &h->producer_waiters);
   map_ = RingMapping();
 }
-
-std::string RingConsumer::ProcPath() const { return absl::StrCat("/proc/", ::getpid(), "/fd/", fd()); }
 
 bool RingConsumer::producer_attached() const {
   return map_.valid() && (map_.header()->state.load() & ring_wire::kStateProducerAttached);

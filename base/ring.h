@@ -3,8 +3,7 @@
 // (producer, a separate process using the client library) to its local daemon (consumer).
 //
 // Backing: a memfd created by the daemon (RingConsumer::Create), mapped MAP_SHARED by both sides. The daemon
-// hands the fd to the trainer over a unix socket (SendFd/ReceiveFd in base/fd_passing.h), or the trainer opens
-// /proc/<daemon pid>/fd/<n> (RingProducer::AttachPath).
+// hands the fd to the trainer over its trainer socket (SCM_RIGHTS, base/fd_passing.h; daemon/trainer_socket.h).
 //
 // Layout: one 4 KiB header page (RingHeader), then `capacity` bytes of data. Positions are monotonically
 // increasing 64-bit byte counters; the byte at position p lives at data[p % capacity]. Invariants:
@@ -163,8 +162,6 @@ class RingMapping {
   // Maps an existing ring; `fd` is duplicated (the caller keeps its own). Validates magic, version, capacity
   // against the file size.
   static absl::StatusOr<RingMapping> Attach(int fd);
-  // Opens `path` (e.g. "/proc/<pid>/fd/<n>") read-write and maps it as Attach does.
-  static absl::StatusOr<RingMapping> AttachPath(const std::string& path);
 
   RingMapping() = default;
   RingMapping(RingMapping&& other) noexcept;
@@ -202,7 +199,6 @@ class RingMapping {
 class RingProducer {
  public:
   static absl::StatusOr<RingProducer> Attach(int fd);
-  static absl::StatusOr<RingProducer> AttachPath(const std::string& path);
 
   RingProducer(RingProducer&& other) noexcept;
   RingProducer& operator=(RingProducer&& other) noexcept;
@@ -290,8 +286,6 @@ class RingConsumer {
 
   // The memfd to pass to the producer (owned by this object).
   int fd() const { return map_.fd(); }
-  // "/proc/<this pid>/fd/<fd>" for RingProducer::AttachPath.
-  std::string ProcPath() const;
   const std::string& name() const { return map_.name(); }
   uint64_t capacity() const { return map_.capacity(); }
   // The data area in this process: every view NextBucket returns lies inside [data_area(), + capacity()).

@@ -104,6 +104,7 @@ int wsync_trainer_connect(const char* daemon, int local_rank, int global_rank, u
     o.global_rank = global_rank;
     o.bucket_bytes = bucket_bytes;
     o.timeout = SecondsOr(timeout_s, 120);
+    o.connect_timeout = o.timeout;
     auto c = wsync::client::TrainerClient::Connect(o);
     if (!c.ok()) return c.status();
     auto t = std::make_unique<wsync_trainer>();

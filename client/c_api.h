@@ -13,7 +13,7 @@
  *  - Calls block until the daemon/coordinator answers or their timeout expires.
  *
  *   wsync_trainer* t;
- *   if (wsync_trainer_connect("127.0.0.1:7601", 0, 0, 0, 120, &t) != WSYNC_OK) puts(wsync_last_error());
+ *   if (wsync_trainer_connect("/run/wsync/wsyncd.sock", 0, 0, 0, 120, &t) != WSYNC_OK) puts(wsync_last_error());
  *   char* names; size_t n;
  *   wsync_trainer_begin_push(t, v, &names, &n);       // '\n'-joined tensor names this rank must push
  *   ... wsync_trainer_push(t, name, "bfloat16", shape, ndim, data, bytes) for each name ...
@@ -69,8 +69,10 @@ WSYNC_C_EXPORT void wsync_free(void* p);
 
 /* ---- trainer rank ---- */
 
-/* Opens a session with the local source wsyncd at `daemon` (host:port). bucket_bytes 0: half the ring.
- * timeout_s bounds each bucket hand-over and ring wait (<= 0: 120 s). */
+/* Opens a session with the local source wsyncd through its trainer socket `daemon` (a Unix socket path, wsyncd
+ * --trainer-socket; a host:port is refused with WSYNC_INVALID_ARGUMENT). bucket_bytes 0: half the ring.
+ * timeout_s bounds connecting (a daemon not answering on the path by then: WSYNC_DEADLINE_EXCEEDED naming it), each
+ * bucket hand-over and ring wait (<= 0: 120 s). */
 WSYNC_C_EXPORT int wsync_trainer_connect(const char* daemon, int local_rank, int global_rank, uint64_t bucket_bytes,
                                          double timeout_s, wsync_trainer** out);
 /* Opens this rank's part of update `version` (waits until the coordinator began it). *names_out receives the

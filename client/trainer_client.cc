@@ -1,9 +1,15 @@
 #include "client/trainer_client.h"
 
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 
 #include <cstring>
 
+#include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
@@ -18,27 +24,105 @@ std::chrono::system_clock::time_point Deadline(absl::Duration d) {
   return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d);
 }
 
+absl::StatusOr<ScopedFd> ConnectTrainerSocket(const std::string& path, absl::Time deadline,
+                                               absl::Duration timeout) {
+  sockaddr_un addr{};
+  if (path.empty() || path.size() >= sizeof(addr.sun_path))
+    return absl::InvalidArgumentError(absl::StrCat("trainer socket path '", path, "' is empty or longer than ",
+                                                   sizeof(addr.sun_path) - 1, " bytes"));
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size());
+  // The daemon may still be starting: retry while the path is missing or nobody listens, until the deadline.
+  while (true) {
+    ScopedFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd.valid()) return absl::ErrnoToStatus(errno, "socket(AF_UNIX)");
+    if (connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) return fd;
+    const int err = errno;
+    if (err == EACCES || err == EPERM)
+      return absl::PermissionDeniedError(absl::StrCat(
+          "connecting to trainer socket ", path, ": ", std::strerror(err),
+          " (its mode lets only the daemon's uid and group in; see wsyncd --trainer-uid / --trainer-gid)"));
+    const bool retry = err == ENOENT || err == ECONNREFUSED || err == EAGAIN || err == EINTR;
+    const absl::Duration left = deadline - absl::Now();
+    if (!retry || left <= absl::ZeroDuration()) {
+      const std::string why = absl::StrCat("no source wsyncd answers on trainer socket ", path, " (",
+                                           std::strerror(err), ")");
+      if (!retry) return absl::UnavailableError(why);
+      return absl::DeadlineExceededError(absl::StrCat(why, " within the connect timeout of ",
+                                                      absl::FormatDuration(timeout)));
+    }
+    absl::SleepFor(std::min(left, absl::Milliseconds(50)));
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const TrainerOptions& opts) {
+  const std::string& path = opts.daemon;
+  if (path.find('/') == std::string::npos)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", path, "' is not a Unix socket path: trainer ranks reach their node's source wsyncd through its local "
+        "trainer socket (wsyncd --trainer-socket, default /run/wsync/wsyncd.sock), not over TCP"));
+  const absl::Time deadline = absl::Now() + opts.connect_timeout;
   std::unique_ptr<TrainerClient> c(new TrainerClient());
   c->opts_ = opts;
-  // mTLS from WSYNC_TLS_* (a trainer certificate) when the daemon serves TLS; loopback only without.
-  WSYNC_ASSIGN_OR_RETURN(auto channel, tls::Dial(opts.daemon));
-  c->stub_ = v1::NodeDaemon::NewStub(channel);
-  v1::OpenSessionRequest req;
-  req.set_local_rank(opts.local_rank);
-  req.set_global_rank(opts.global_rank);
-  req.set_pid(getpid());
-  v1::OpenSessionReply rep;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(Deadline(opts.connect_timeout));
-  ctx.set_wait_for_ready(true);
-  WSYNC_RETURN_IF_ERROR_CTX(FromGrpcStatus(c->stub_->OpenSession(&ctx, req, &rep)), "opening a session with wsyncd at ",
-                            opts.daemon);
-  c->session_id_ = rep.session_id();
-  WSYNC_ASSIGN_OR_RETURN(RingProducer ring, RingProducer::AttachPath(rep.ring_path()));
+  WSYNC_ASSIGN_OR_RETURN(c->handover_, ConnectTrainerSocket(path, deadline, opts.connect_timeout));
+  const int fd = c->handover_.get();
+  auto set_timeout = [fd, &deadline, &path]() -> absl::Status {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration())
+      return absl::DeadlineExceededError(absl::StrCat("trainer socket ", path, ": no answer within the connect timeout"));
+    timeval tv = absl::ToTimeval(std::max(left, absl::Milliseconds(1)));
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    return absl::OkStatus();
+  };
+  v1::TrainerHello hello;
+  hello.set_type("open");
+  hello.set_protocol(1);
+  hello.set_local_rank(opts.local_rank);
+  hello.set_global_rank(opts.global_rank);
+  std::string text;
+  google::protobuf::util::JsonPrintOptions po;
+  po.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(hello, &text, po);
+  WSYNC_RETURN_IF_ERROR(set_timeout());
+  // A refused peer's hello may meet a closed socket (EPIPE): the daemon's answer with the reason is read below anyway.
+  const absl::Status sent = SendFds(fd, {}, text);
+  WSYNC_RETURN_IF_ERROR(set_timeout());
+  auto frame = ReceiveFds(fd, 64 * 1024);
+  if (!frame.ok()) {
+    if (absl::IsDeadlineExceeded(frame.status()))
+      return absl::DeadlineExceededError(absl::StrCat("trainer socket ", path, ": the daemon did not answer within "
+                                                      "the connect timeout of ", absl::FormatDuration(opts.connect_timeout)));
+    return Annotate(sent.ok() ? frame.status() : sent, absl::StrCat("trainer socket ", path, ": opening a session"));
+  }
+  v1::TrainerOpened opened;
+  google::protobuf::util::JsonParseOptions jo;
+  jo.ignore_unknown_fields = true;
+  if (!google::protobuf::util::JsonStringToMessage(frame->message, &opened, jo).ok())
+    return absl::DataLossError(absl::StrCat("trainer socket ", path, ": malformed answer: ", frame->message));
+  if (!opened.ok()) {
+    const bool denied = opened.error().rfind("permission denied", 0) == 0;
+    const std::string msg = absl::StrCat("wsyncd at ", path, " refused the session: ", opened.error());
+    return denied ? absl::PermissionDeniedError(msg) : absl::FailedPreconditionError(msg);
+  }
+  if (frame->fds.size() != 1)
+    return absl::DataLossError(absl::StrCat("trainer socket ", path, ": the answer carried ", frame->fds.size(),
+                                            " descriptors, not the ring's one"));
+  c->session_id_ = opened.session_id();
+  c->session_label_ = opened.session();
+  WSYNC_ASSIGN_OR_RETURN(RingProducer ring, RingProducer::Attach(frame->fds.front().get()));
   c->ring_ = std::make_unique<RingProducer>(std::move(ring));
+  // The session's RPCs: a local gRPC socket the daemon named; connected now, within the same timeout.
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  auto channel = grpc::CreateCustomChannel(opened.rpc(), grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(Deadline(std::max(deadline - absl::Now(), absl::ZeroDuration()))))
+    return absl::DeadlineExceededError(absl::StrCat("wsyncd at ", path, ": its trainer RPC socket ", opened.rpc(),
+                                                    " did not connect within the connect timeout of ",
+                                                    absl::FormatDuration(opts.connect_timeout)));
+  c->stub_ = v1::TrainerIngest::NewStub(channel);
   c->bucket_limit_ = opts.bucket_bytes > 0 ? std::min(opts.bucket_bytes, c->ring_->capacity() / 2)
                                            : c->ring_->capacity() / 2;
   return c;
@@ -63,7 +147,7 @@ absl::StatusOr<std::vector<std::string>> TrainerClient::BeginPush(int64_t versio
   req.set_version(version);
   v1::BeginPushReply rep;
   grpc::ClientContext ctx;
-  ctx.set_deadline(Deadline(opts_.timeout + absl::Seconds(10)));
+  ctx.set_deadline(Deadline(opts_.timeout));  // the daemon answers "no update is open" just before it
   WSYNC_RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->BeginPush(&ctx, req, &rep)), "begin push of update ", version);
   stats_ = PushStats();
   push_slices_.clear();

@@ -2,7 +2,11 @@
 // C++ client library for trainer ranks: one session with the local wsyncd, tensors written straight into the
 // session's shared-memory ring, buckets committed as they fill.
 //
-//   auto c = TrainerClient::Connect({.daemon = "127.0.0.1:7601", .local_rank = 0});
+// The session starts on the source daemon's local Unix socket (wsyncd --trainer-socket): the daemon checks this
+// process's uid/gid (SO_PEERCRED), hands over the ring's memfd (SCM_RIGHTS) and a session id, and serves this rank's
+// RPCs on a second local socket; nothing of it goes over TCP (docs/security.md).
+//
+//   auto c = TrainerClient::Connect({.daemon = "/run/wsync/wsyncd.sock", .local_rank = 0});
 //   auto names = (*c)->BeginPush(version);          // the push filter: what this rank must hand over
 //   for (name : names) (*c)->Push(name, dtype, shape, ptr, bytes);
 //   (*c)->EndPush(version);
@@ -27,17 +31,22 @@
 #include "base/ring.h"
 #include "base/tensor_slice.h"
 #include "client/device_copy.h"
-#include "wsync/v1/daemon.grpc.pb.h"
+#include "base/fd_passing.h"
+#include "wsync/v1/trainer.grpc.pb.h"
 
 namespace wsync::client {
 
 struct TrainerOptions {
-  std::string daemon = "127.0.0.1:7601";  // local wsyncd
+  // The local source wsyncd's trainer socket (its --trainer-socket). A host:port is refused: trainer ranks do not
+  // use TCP.
+  std::string daemon = "/run/wsync/wsyncd.sock";
   int local_rank = 0;                     // index of this rank on its node
   int global_rank = 0;
   uint64_t bucket_bytes = 0;              // 0: half the ring
   absl::Duration timeout = absl::Seconds(120);          // per bucket / per begin-push wait
-  absl::Duration connect_timeout = absl::Seconds(30);   // opening the session (waits for the daemon to come up)
+  // Opening the session, all of it (waiting for the socket to appear, the hand-over, the RPC channel): a daemon not up
+  // by then fails Connect with DeadlineExceeded naming the path.
+  absl::Duration connect_timeout = absl::Seconds(30);
 };
 
 struct PushStats {
@@ -87,7 +96,9 @@ class TrainerClient {
   absl::Status EndPush(int64_t version);
 
   const PushStats& stats() const { return stats_; }
+  // The session's secret id (authorizes this rank's calls; do not log it) and its name in the daemon's logs.
   const std::string& session_id() const { return session_id_; }
+  const std::string& session_label() const { return session_label_; }
 
  private:
   TrainerClient() = default;
@@ -97,8 +108,9 @@ class TrainerClient {
                         const std::function<absl::Status(uint8_t*)>& fill);
 
   TrainerOptions opts_;
-  std::unique_ptr<v1::NodeDaemon::Stub> stub_;
-  std::string session_id_;
+  ScopedFd handover_;  // held open for the session's life: its end tells the daemon this rank is gone
+  std::unique_ptr<v1::TrainerIngest::Stub> stub_;
+  std::string session_id_, session_label_;
   std::unique_ptr<RingProducer> ring_;
   std::unique_ptr<DeviceCopier> device_;  // created by the first PushDevice; goes before ring_
   uint64_t bucket_limit_ = 0;

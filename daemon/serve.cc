@@ -1,10 +1,15 @@
 #include "daemon/serve.h"
 
 #include <pthread.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
@@ -34,6 +39,54 @@ absl::StatusOr<Served> Serve(const std::string& listen, const std::vector<grpc::
       return absl::InternalError(absl::StrCat("cannot write port file ", port_file));
   }
   return s;
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> ServeUnix(const std::string& path,
+                                                        const std::vector<grpc::Service*>& services, int mode) {
+  if (path.empty() || path.front() != '/' || path.size() >= sizeof(sockaddr_un::sun_path))
+    return absl::InvalidArgumentError(absl::StrCat("socket path '", path, "' must be absolute and shorter than ",
+                                                   sizeof(sockaddr_un::sun_path), " bytes"));
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder b;
+  // Local peers only (the path's permissions and the session ids authorize them), so no TLS here.
+  b.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
+  for (auto* svc : services) b.RegisterService(svc);
+  b.SetMaxReceiveMessageSize(kMaxControlMessageBytes);
+  b.SetMaxSendMessageSize(kMaxControlMessageBytes);
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  if (!server) return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", path));
+  if (chmod(path.c_str(), static_cast<mode_t>(mode)) != 0) {
+    const int err = errno;
+    server->Shutdown();
+    return absl::ErrnoToStatus(err, absl::StrCat("chmod ", path, ": ", std::strerror(err)));
+  }
+  return server;
+}
+
+absl::Status MakeDirs(const std::string& dir, int mode) {
+  if (dir.empty()) return absl::OkStatus();
+  struct stat st {};
+  if (stat(dir.c_str(), &st) == 0) {
+    return S_ISDIR(st.st_mode) ? absl::OkStatus()
+                               : absl::FailedPreconditionError(absl::StrCat(dir, " exists and is no directory"));
+  }
+  const size_t slash = dir.rfind('/');
+  if (slash != std::string::npos && slash > 0) {
+    absl::Status parent = MakeDirs(dir.substr(0, slash), mode);
+    if (!parent.ok()) return parent;
+  }
+  if (mkdir(dir.c_str(), static_cast<mode_t>(mode)) != 0 && errno != EEXIST)
+    return absl::ErrnoToStatus(errno, absl::StrCat("mkdir ", dir, ": ", std::strerror(errno)));
+  return absl::OkStatus();
+}
+
+std::string DefaultSocketPath(const std::string& name) {
+  if (MakeDirs("/run/wsync", 0711).ok() && access("/run/wsync", W_OK | X_OK) == 0) return "/run/wsync/" + name;
+  if (const char* xdg = std::getenv("XDG_RUNTIME_DIR"); xdg != nullptr && *xdg != '\0') {
+    const std::string dir = absl::StrCat(xdg, "/wsync");
+    if (MakeDirs(dir, 0700).ok()) return dir + "/" + name;
+  }
+  return absl::StrCat("/tmp/wsync-", getuid(), "/", name);
 }
 
 void BlockTerminationSignals() {

@@ -24,6 +24,17 @@ struct Served {
 absl::StatusOr<Served> Serve(const std::string& listen, const std::vector<grpc::Service*>& services,
                              const std::string& port_file);
 
+// Serves `services` on the Unix socket `path` (gRPC address "unix:<path>") with file mode `mode`; local clients only.
+absl::StatusOr<std::unique_ptr<grpc::Server>> ServeUnix(const std::string& path,
+                                                        const std::vector<grpc::Service*>& services, int mode);
+
+// mkdir -p with `mode` for the directories it creates.
+absl::Status MakeDirs(const std::string& dir, int mode);
+
+// Where a daemon's local socket `name` lives by default: /run/wsync/<name> when /run/wsync can be created and
+// written, else $XDG_RUNTIME_DIR/wsync/<name>, else /tmp/wsync-<uid>/<name>.
+std::string DefaultSocketPath(const std::string& name);
+
 // Blocks SIGTERM and SIGINT in the calling thread; call first in main, before any thread starts, so that every
 // thread inherits the mask and WaitForTermination receives them synchronously.
 void BlockTerminationSignals();

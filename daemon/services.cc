@@ -52,28 +52,22 @@ grpc::Status NodeDaemonService::NeedTarget() const {
     if (!s_.ok()) return s_;                \
   } while (0)
 
-grpc::Status NodeDaemonService::OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest* req,
-                                            v1::OpenSessionReply* out) {
-  WSYNC_NEED(Source);
-  return Reply(source_->OpenSession(*req), out);
+grpc::Status TrainerIngestService::BeginPush(grpc::ServerContext* ctx, const v1::BeginPushRequest* req,
+                                             v1::BeginPushReply* out) {
+  // Answer "no update is open" a little before the caller's own deadline passes.
+  if (ctx->deadline() == std::chrono::system_clock::time_point::max()) return Reply(source_->BeginPush(*req), out);
+  const absl::Duration left = absl::FromChrono(ctx->deadline()) - absl::Now();
+  return Reply(source_->BeginPush(*req, left - std::min(left / 10, absl::Milliseconds(200))), out);
 }
-grpc::Status NodeDaemonService::BeginPush(grpc::ServerContext*, const v1::BeginPushRequest* req,
-                                          v1::BeginPushReply* out) {
-  WSYNC_NEED(Source);
-  return Reply(source_->BeginPush(*req), out);
-}
-grpc::Status NodeDaemonService::CommitBucket(grpc::ServerContext*, const v1::CommitBucketRequest* req,
-                                             v1::CommitBucketReply* out) {
-  WSYNC_NEED(Source);
+grpc::Status TrainerIngestService::CommitBucket(grpc::ServerContext*, const v1::CommitBucketRequest* req,
+                                                v1::CommitBucketReply* out) {
   return Reply(source_->CommitBucket(*req), out);
 }
-grpc::Status NodeDaemonService::EndPush(grpc::ServerContext*, const v1::EndPushRequest* req, v1::EndPushReply*) {
-  WSYNC_NEED(Source);
+grpc::Status TrainerIngestService::EndPush(grpc::ServerContext*, const v1::EndPushRequest* req, v1::EndPushReply*) {
   return ToGrpcStatus(source_->EndPush(*req));
 }
-grpc::Status NodeDaemonService::CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest* req,
-                                             v1::CloseSessionReply*) {
-  WSYNC_NEED(Source);
+grpc::Status TrainerIngestService::CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest* req,
+                                                v1::CloseSessionReply*) {
   return ToGrpcStatus(source_->CloseSession(req->session_id()));
 }
 grpc::Status NodeDaemonService::ConfigureSource(grpc::ServerContext* ctx, const v1::ConfigureSourceRequest* req,

@@ -10,6 +10,7 @@
 #include "daemon/target_node.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 #include "wsync/v1/daemon.grpc.pb.h"
+#include "wsync/v1/trainer.grpc.pb.h"
 
 namespace wsync::daemon {
 
@@ -20,11 +21,6 @@ class NodeDaemonService final : public v1::NodeDaemon::Service {
   // A target daemon serves before its engines attached; it sets its TargetNode once they have (before it registers).
   void set_target(TargetNode* target) { target_ = target; }
 
-  grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*, v1::OpenSessionReply*) override;
-  grpc::Status BeginPush(grpc::ServerContext*, const v1::BeginPushRequest*, v1::BeginPushReply*) override;
-  grpc::Status CommitBucket(grpc::ServerContext*, const v1::CommitBucketRequest*, v1::CommitBucketReply*) override;
-  grpc::Status EndPush(grpc::ServerContext*, const v1::EndPushRequest*, v1::EndPushReply*) override;
-  grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*, v1::CloseSessionReply*) override;
   grpc::Status ConfigureSource(grpc::ServerContext*, const v1::ConfigureSourceRequest*,
                                v1::ConfigureSourceReply*) override;
   grpc::Status StartUpdate(grpc::ServerContext*, const v1::StartUpdateRequest*, v1::StartUpdateReply*) override;
@@ -41,6 +37,20 @@ class NodeDaemonService final : public v1::NodeDaemon::Service {
   grpc::Status NeedTarget() const;
   SourceNode* source_;
   std::atomic<TargetNode*> target_;
+};
+
+// The trainer ranks' service of a source daemon, served only on its local Unix gRPC socket (daemon/trainer_socket.h);
+// every call is authorized by its session id.
+class TrainerIngestService final : public v1::TrainerIngest::Service {
+ public:
+  explicit TrainerIngestService(SourceNode* source) : source_(source) {}
+  grpc::Status BeginPush(grpc::ServerContext*, const v1::BeginPushRequest*, v1::BeginPushReply*) override;
+  grpc::Status CommitBucket(grpc::ServerContext*, const v1::CommitBucketRequest*, v1::CommitBucketReply*) override;
+  grpc::Status EndPush(grpc::ServerContext*, const v1::EndPushRequest*, v1::EndPushReply*) override;
+  grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*, v1::CloseSessionReply*) override;
+
+ private:
+  SourceNode* source_;
 };
 
 // Whether this coordinator may serve the coordinator API now. With high availability (etcd) only the leader does:

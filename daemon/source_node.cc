@@ -1,6 +1,7 @@
 #include "daemon/source_node.h"
 
 #include <signal.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,6 +40,26 @@ bool ProcessAlive(int64_t pid) {
   if (!std::getline(stat, line)) return true;  // no procfs view of it: trust kill()
   const size_t paren = line.rfind(')');
   return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z';
+}
+
+// A session id: 128 bits from the kernel's CSPRNG, hex. Whoever holds it may push into the session's ring, so it is
+// never logged (sessions are named by their label).
+absl::StatusOr<std::string> RandomSessionId() {
+  uint8_t bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return absl::ErrnoToStatus(errno, "getrandom for a session id");
+    got += static_cast<size_t>(n);
+  }
+  static const char* kHex = "0123456789abcdef";
+  std::string out;
+  for (uint8_t b : bytes) {
+    out.push_back(kHex[b >> 4]);
+    out.push_back(kHex[b & 0xf]);
+  }
+  return out;
 }
 
 }  // namespace
@@ -85,11 +106,9 @@ void SourceNode::WatchRanks() {
 void SourceNode::CheckRanks() {
   const absl::Time now = absl::Now();
   for (auto& [id, s] : sessions_) {
-    if (s->dead || ProcessAlive(s->pid)) continue;
-    s->dead = true;
-    spdlog::warn("trainer rank {} (pid {}, session {}) exited", s->local_rank, s->pid, id);
-    if (version_ != -1 && !ended_ranks_.count(s->local_rank) && !lost_ranks_.count(s->local_rank))
-      lost_ranks_[s->local_rank] = {now, absl::StrCat("exited (pid ", s->pid, ", session ", id, ")")};
+    if (s->dead || s->pid <= 0 || ProcessAlive(s->pid)) continue;
+    spdlog::warn("trainer rank {} (pid {}, session {}) exited", s->local_rank, s->pid, s->label);
+    MarkDead(s.get(), absl::StrCat("exited (pid ", s->pid, ", session ", s->label, ")"));
   }
   if (version_ == -1 || !update_error_.ok()) return;
   for (const auto& [rank, lost] : lost_ranks_) {
@@ -122,51 +141,76 @@ SourceNode::Session* SourceNode::FindSession(const std::string& id) {
   return it == sessions_.end() ? nullptr : it->second.get();
 }
 
-absl::StatusOr<v1::OpenSessionReply> SourceNode::OpenSession(const v1::OpenSessionRequest& req) {
-  if (req.local_rank() < 0 || req.local_rank() >= opts_.trainer_ranks)
-    return absl::InvalidArgumentError(absl::StrCat("local_rank ", req.local_rank(), " out of range: this node expects ",
+absl::Status SourceNode::UnknownSession() {
+  return absl::PermissionDeniedError(
+      "unknown session id: no open session has it (closed, replaced by a newer session of the same rank, or never "
+      "handed out); open a session through the daemon's trainer socket");
+}
+
+absl::StatusOr<OpenedSession> SourceNode::OpenSession(const SessionRequest& req) {
+  if (req.local_rank < 0 || req.local_rank >= opts_.trainer_ranks)
+    return absl::InvalidArgumentError(absl::StrCat("local_rank ", req.local_rank, " out of range: this node expects ",
                                                    opts_.trainer_ranks, " trainer ranks"));
+  WSYNC_ASSIGN_OR_RETURN(std::string id, RandomSessionId());
   std::lock_guard<std::mutex> ingest(ingest_mu_);
   std::lock_guard<std::mutex> l(mu_);
   // A rank that reconnects (e.g. after its process died mid-bucket) replaces its old session and ring, so nothing
   // it left uncommitted can ever be consumed.
   for (auto it = sessions_.begin(); it != sessions_.end();) {
-    if (it->second->local_rank == req.local_rank()) {
-      spdlog::warn("trainer rank {} reconnected (pid {}); dropping its previous session {}", req.local_rank(),
-                   req.pid(), it->first);
+    if (it->second->local_rank == req.local_rank) {
+      spdlog::warn("trainer rank {} reconnected (pid {}); dropping its previous session {}", req.local_rank, req.pid,
+                   it->second->label);
       it = sessions_.erase(it);
     } else {
       ++it;
     }
   }
-  if (lost_ranks_.erase(req.local_rank()))
-    spdlog::info("trainer rank {} is back (pid {})", req.local_rank(), req.pid());
+  if (lost_ranks_.erase(req.local_rank)) spdlog::info("trainer rank {} is back (pid {})", req.local_rank, req.pid);
   auto s = std::make_unique<Session>();
-  s->id = absl::StrCat(opts_.node_id, "-s", next_session_++);
-  s->local_rank = req.local_rank();
-  s->pid = req.pid();
-  WSYNC_ASSIGN_OR_RETURN(RingConsumer ring, RingConsumer::Create(s->id, opts_.ring_bytes));
+  s->id = std::move(id);
+  s->label = absl::StrCat(opts_.node_id, "-s", next_session_++);
+  s->local_rank = req.local_rank;
+  s->pid = req.pid;
+  WSYNC_ASSIGN_OR_RETURN(RingConsumer ring, RingConsumer::Create(s->label, opts_.ring_bytes));
   s->ring = std::make_unique<RingConsumer>(std::move(ring));
-  v1::OpenSessionReply out;
-  out.set_session_id(s->id);
-  out.set_ring_path(s->ring->ProcPath());
-  out.set_ring_bytes(s->ring->capacity());
-  out.set_num_local_ranks(opts_.trainer_ranks);
-  spdlog::info("session {} opened: trainer rank {} (global {}, pid {}), ring {} MiB", s->id, req.local_rank(),
-               req.global_rank(), req.pid(), s->ring->capacity() >> 20);
+  OpenedSession out;
+  WSYNC_ASSIGN_OR_RETURN(out.ring_fd, DupFd(s->ring->fd()));
+  out.id = s->id;
+  out.label = s->label;
+  out.ring_bytes = s->ring->capacity();
+  out.num_local_ranks = opts_.trainer_ranks;
+  spdlog::info("session {} opened: trainer rank {} (global {}, pid {}, uid {}), ring {} MiB", s->label, req.local_rank,
+               req.global_rank, req.pid, req.uid, s->ring->capacity() >> 20);
   sessions_[s->id] = std::move(s);
   return out;
+}
+
+void SourceNode::MarkDead(Session* s, const std::string& what) {
+  if (s->dead) return;
+  s->dead = true;
+  if (version_ != -1 && !ended_ranks_.count(s->local_rank) && !lost_ranks_.count(s->local_rank))
+    lost_ranks_[s->local_rank] = {absl::Now(), what};
+}
+
+void SourceNode::SessionDisconnected(const std::string& session_id, const std::string& why) {
+  std::lock_guard<std::mutex> l(mu_);
+  Session* s = FindSession(session_id);
+  if (s == nullptr || s->dead) return;
+  // The usual reason is the process's exit (the kernel closed its socket): say so when it is gone.
+  const std::string what = s->pid > 0 && !ProcessAlive(s->pid) ? std::string("exited") : why;
+  spdlog::warn("trainer rank {} (pid {}, session {}): {}", s->local_rank, s->pid, s->label, what);
+  MarkDead(s, absl::StrCat(what, " (pid ", s->pid, ", session ", s->label, ")"));
 }
 
 absl::Status SourceNode::CloseSession(const std::string& session_id) {
   std::lock_guard<std::mutex> ingest(ingest_mu_);
   std::lock_guard<std::mutex> l(mu_);
   Session* s = FindSession(session_id);
-  if (s == nullptr) return absl::NotFoundError(absl::StrCat("no session ", session_id));
+  if (s == nullptr) return UnknownSession();
   if (version_ != -1 && !ended_ranks_.count(s->local_rank) && !lost_ranks_.count(s->local_rank))
-    lost_ranks_[s->local_rank] = {absl::Now(), absl::StrCat("closed its session ", session_id)};
+    lost_ranks_[s->local_rank] = {absl::Now(), absl::StrCat("closed its session ", s->label)};
+  spdlog::info("session {} closed", s->label);
   sessions_.erase(session_id);
-  spdlog::info("session {} closed", session_id);
   cv_.notify_all();
   return absl::OkStatus();
 }
@@ -586,18 +630,19 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequest& req) {
+absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequest& req, absl::Duration max_wait) {
   std::unique_lock<std::mutex> l(mu_);
   Session* s = FindSession(req.session_id());
-  if (s == nullptr) return absl::NotFoundError(absl::StrCat("no session ", req.session_id()));
+  if (s == nullptr) return UnknownSession();
   const int rank = s->local_rank;
   // The coordinator opens the update; ranks that arrive first wait for it.
-  bool ready = cv_.wait_for(l, absl::ToChronoSeconds(opts_.push_timeout), [&] {
+  const absl::Duration wait = std::max(absl::ZeroDuration(), std::min(opts_.push_timeout, max_wait));
+  bool ready = cv_.wait_for(l, absl::ToChronoMilliseconds(wait), [&] {
     return version_ == req.version() || last_version_ >= req.version() || ended_version_ >= req.version();
   });
   if (!ready)
     return absl::DeadlineExceededError(absl::StrCat(
-        "no update ", req.version(), " is open on this node after waiting ", absl::FormatDuration(opts_.push_timeout),
+        "no update is open: update ", req.version(), " was not opened on this node within ", absl::FormatDuration(wait),
         ": the driver must open it first (Coordinator.begin_update / BeginUpdate(", req.version(),
         ")) before the ranks begin their push"));
   if (version_ != req.version())
@@ -619,7 +664,7 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
   {
     std::lock_guard<std::mutex> l(mu_);
     Session* s = FindSession(req.session_id());
-    if (s == nullptr) return absl::NotFoundError(absl::StrCat("no session ", req.session_id()));
+    if (s == nullptr) return UnknownSession();
     ring = s->ring.get();
     version = version_;
   }
@@ -854,7 +899,7 @@ absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& read
 absl::Status SourceNode::EndPush(const v1::EndPushRequest& req) {
   std::lock_guard<std::mutex> l(mu_);
   Session* s = FindSession(req.session_id());
-  if (s == nullptr) return absl::NotFoundError(absl::StrCat("no session ", req.session_id()));
+  if (s == nullptr) return UnknownSession();
   if (req.version() != version_) {
     if (ended_version_ == req.version())
       return absl::FailedPreconditionError(absl::StrCat("EndPush for update ", req.version(),

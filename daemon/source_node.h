@@ -24,12 +24,14 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "base/fd_passing.h"
 #include "base/ring.h"
 #include "base/tensor_slice.h"
 #include "daemon/metrics.h"
 #include "replica/replica.h"
 #include "transport/transport.h"
 #include "wsync/v1/daemon.grpc.pb.h"
+#include "wsync/v1/trainer.pb.h"
 
 namespace wsync::daemon {
 
@@ -48,14 +50,39 @@ struct SourceOptions {
 using ConnectTargetFn = std::function<absl::StatusOr<std::string>(const std::string& target_daemon,
                                                                   const v1::ConnectTargetRequest& req)>;
 
+// A trainer rank asking for a session (from the hand-over socket: the pid and uid are the kernel's SO_PEERCRED, not
+// the rank's word).
+struct SessionRequest {
+  int local_rank = 0;
+  int global_rank = 0;
+  int64_t pid = 0;  // 0: not visible in this pid namespace (liveness then comes from the hand-over connection alone)
+  uint32_t uid = 0;
+};
+
+// What a rank gets back: the secret session id, and its own duplicate of the ring memfd to send it.
+struct OpenedSession {
+  std::string id;     // 128 random bits, hex: authorizes the rank's TrainerIngest calls
+  std::string label;  // "<node>-s<n>": names the session in logs and the ring (never the id)
+  ScopedFd ring_fd;
+  uint64_t ring_bytes = 0;
+  int num_local_ranks = 0;
+};
+
 class SourceNode {
  public:
   SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetFn connect);
   ~SourceNode();
 
-  absl::StatusOr<v1::OpenSessionReply> OpenSession(const v1::OpenSessionRequest& req);
+  // Creates the rank's ring and session; a rank that reconnects replaces its previous session.
+  absl::StatusOr<OpenedSession> OpenSession(const SessionRequest& req);
   absl::Status CloseSession(const std::string& session_id);
-  absl::StatusOr<v1::BeginPushReply> BeginPush(const v1::BeginPushRequest& req);
+  // The rank's hand-over connection closed (its process exited, or it closed the client): the session is dead, as
+  // when its process is seen gone. Unknown ids are ignored (replaced or closed sessions).
+  void SessionDisconnected(const std::string& session_id, const std::string& why);
+  // Waits for the update to open at most min(push_timeout, max_wait) (the caller's deadline, so the rank hears
+  // "no update is open" rather than its own deadline passing).
+  absl::StatusOr<v1::BeginPushReply> BeginPush(const v1::BeginPushRequest& req,
+                                               absl::Duration max_wait = absl::InfiniteDuration());
   absl::StatusOr<v1::CommitBucketReply> CommitBucket(const v1::CommitBucketRequest& req);
   absl::Status EndPush(const v1::EndPushRequest& req);
 
@@ -76,6 +103,7 @@ class SourceNode {
  private:
   struct Session {
     std::string id;
+    std::string label;
     int local_rank = 0;
     int64_t pid = 0;
     std::unique_ptr<RingConsumer> ring;
@@ -141,6 +169,10 @@ class SourceNode {
   // error, naming the target. Caller holds ingest_mu_.
   absl::Status DrainOutstanding(absl::Duration timeout);
   Session* FindSession(const std::string& id);
+  // PermissionDenied for an id that names no open session (never echoes the id).
+  static absl::Status UnknownSession();
+  // Marks `s` dead and, during an open update it has not ended, its rank lost. Requires mu_.
+  void MarkDead(Session* s, const std::string& what);
 
   SourceOptions opts_;
   transport::Transport* transport_;

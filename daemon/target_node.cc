@@ -41,20 +41,6 @@ absl::Status ErrnoError(absl::string_view what) {
   return absl::ErrnoToStatus(errno, absl::StrCat(what, ": ", std::strerror(errno)));
 }
 
-// mkdir -p with `mode` for the directories it creates.
-absl::Status MakeDirs(const std::string& dir, mode_t mode) {
-  if (dir.empty()) return absl::OkStatus();
-  struct stat st {};
-  if (stat(dir.c_str(), &st) == 0) {
-    return S_ISDIR(st.st_mode) ? absl::OkStatus()
-                               : absl::FailedPreconditionError(absl::StrCat(dir, " exists and is no directory"));
-  }
-  const size_t slash = dir.rfind('/');
-  if (slash != std::string::npos && slash > 0) WSYNC_RETURN_IF_ERROR(MakeDirs(dir.substr(0, slash), mode));
-  if (mkdir(dir.c_str(), mode) != 0 && errno != EEXIST) return ErrnoError(absl::StrCat("mkdir ", dir));
-  return absl::OkStatus();
-}
-
 std::string RandomToken() {
   std::random_device rd;  // /dev/urandom on Linux
   std::string out;
@@ -326,15 +312,7 @@ MappedSegment::~MappedSegment() {
   if (base_ != nullptr && munmap(base_, size_) != 0) spdlog::warn("munmap engine memory: {}", strerror(errno));
 }
 
-std::string DefaultEngineSocket(int port) {
-  const std::string name = absl::StrCat("target-", port, ".sock");
-  if (MakeDirs("/run/wsync", 0711).ok() && access("/run/wsync", W_OK | X_OK) == 0) return "/run/wsync/" + name;
-  if (const char* xdg = std::getenv("XDG_RUNTIME_DIR"); xdg != nullptr && *xdg != '\0') {
-    const std::string dir = absl::StrCat(xdg, "/wsync");
-    if (MakeDirs(dir, 0700).ok()) return dir + "/" + name;
-  }
-  return absl::StrCat("/tmp/wsync-", getuid(), "/", name);
-}
+std::string DefaultEngineSocket(int port) { return DefaultSocketPath(absl::StrCat("target-", port, ".sock")); }
 
 TargetNode::TargetNode(TargetOptions opts, transport::Transport* transport)
     : opts_(std::move(opts)), transport_(transport) {}

@@ -24,6 +24,7 @@
 #include "daemon/engine_adapter.h"
 #include "daemon/serve.h"
 #include "daemon/services.h"
+#include "daemon/trainer_socket.h"
 #include "proto/status_convert.h"
 #include "proto/tls.h"
 #include "spdlog/spdlog.h"
@@ -215,6 +216,18 @@ int main(int argc, char** argv) {
                  "source: seconds a trainer rank whose process exited mid-update has to reconnect before the update "
                  "fails, naming the rank")
       ->check(CLI::PositiveNumber);
+  std::string trainer_socket;
+  std::vector<uint32_t> trainer_uids, trainer_gids;
+  app.add_option("--trainer-socket", trainer_socket,
+                 "source: Unix socket trainer ranks open their sessions on (SO_PEERCRED checked, the ring handed over "
+                 "with SCM_RIGHTS); their RPCs are served on PATH.rpc, never on --listen (default "
+                 "/run/wsync/wsyncd.sock, else $XDG_RUNTIME_DIR/wsync/wsyncd.sock, else /tmp/wsync-<uid>/wsyncd.sock)");
+  app.add_option("--trainer-uid", trainer_uids,
+                 "source: a further uid whose processes may open trainer sessions (repeatable; the daemon's own uid "
+                 "always may; with one, the sockets are mode 0666 and SO_PEERCRED decides, else 0660)");
+  app.add_option("--trainer-gid", trainer_gids,
+                 "source: a gid whose processes may open trainer sessions (repeatable; the socket's group becomes the "
+                 "first)");
   app.add_option("--ring-mib", ring_mib, "source: shared-memory ring size per trainer rank, MiB")
       ->check(CLI::Range(1, 1 << 20));
   tls::Options tls_opts;
@@ -312,6 +325,47 @@ int main(int argc, char** argv) {
     return 1;
   }
   reg.set_address(absl::StrCat(host, ":", served->port));
+  // Trainer ranks: a hand-over socket plus a gRPC server of their own, both local Unix sockets.
+  std::unique_ptr<daemon::TrainerIngestService> ingest;
+  std::unique_ptr<grpc::Server> trainer_rpc;
+  std::unique_ptr<daemon::TrainerSocket> trainer_sock;
+  std::string trainer_rpc_path;
+  if (source) {
+    daemon::TrainerSocketOptions to;
+    to.path = trainer_socket.empty() ? daemon::DefaultTrainerSocket() : trainer_socket;
+    to.uids = trainer_uids;
+    to.gids = trainer_gids;
+    trainer_rpc_path = to.path + ".rpc";
+    ingest = std::make_unique<daemon::TrainerIngestService>(source.get());
+    absl::Status st = daemon::TrainerSocket::ClaimPath(to.path);
+    if (st.ok()) {
+      const size_t slash = to.path.rfind('/');
+      if (slash != std::string::npos && slash > 0) st = daemon::MakeDirs(to.path.substr(0, slash), 0711);
+    }
+    if (st.ok()) {
+      auto rpc = daemon::ServeUnix(trainer_rpc_path, {ingest.get()}, daemon::TrainerSocket::SocketMode(to));
+      if (rpc.ok()) trainer_rpc = *std::move(rpc); else st = rpc.status();
+    }
+    if (st.ok()) {
+      auto ts = daemon::TrainerSocket::Start(to, source.get(), "unix:" + trainer_rpc_path);
+      if (ts.ok()) trainer_sock = *std::move(ts); else st = ts.status();
+    }
+    if (!st.ok()) {
+      spdlog::error("trainer socket: {}", st.ToString());
+      if (trainer_rpc) trainer_rpc->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      return st.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+    }
+  }
+  // Stops the trainer side (sockets first, then the sessions' RPCs) and removes its socket files.
+  auto stop_trainers = [&] {
+    trainer_sock.reset();
+    if (trainer_rpc) {
+      trainer_rpc->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      trainer_rpc.reset();
+      unlink(trainer_rpc_path.c_str());
+    }
+  };
   if (role == "target") {
     daemon::TargetOptions o;
     o.node_id = node_id;
@@ -369,10 +423,12 @@ int main(int argc, char** argv) {
   Coordinators coordinators(coordinator);
   if (!coordinators.dial_status().ok()) {
     spdlog::error("--coordinator {}: {}", coordinator, coordinators.dial_status().ToString());
+    stop_trainers();
     served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
     return 2;
   }
   if (auto st = Register(coordinators, reg, 200); !st.ok()) {
+    stop_trainers();
     if (absl::IsCancelled(st)) {
       spdlog::info("wsyncd {} stopped before it registered: {}", node_id, std::string(st.message()));
       served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
@@ -398,6 +454,7 @@ int main(int argc, char** argv) {
     return r;
   });
   spdlog::info("wsyncd {} shutting down", node_id);
+  stop_trainers();
   served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   metrics_server.reset();  // its collect callback reads the target
   target.reset();  // stops the engine socket loop, removes the socket, shuts the facades down

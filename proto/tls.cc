@@ -128,7 +128,9 @@ absl::Status Configure(const Options& o, const std::vector<std::string>& address
 bool Enabled() { return Current().enabled; }
 
 bool IsLoopback(const std::string& address) {
-  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) return true;
+  // A Unix socket (gRPC "unix:" or a plain path, as trainer ranks give their daemon) never leaves the host.
+  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:") || absl::StartsWith(address, "/"))
+    return true;
   const std::string host = HostOf(address);
   if (host == "localhost") return true;
   in_addr v4{};

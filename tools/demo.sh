@@ -85,9 +85,10 @@ for e in 0 1; do
 done
 for s in 0 1; do
   start "source$s" "$bin/wsyncd" --listen 127.0.0.1:0 --role source --node-id "train-node$s" --coordinator "$coord" \
-    --trainer-ranks 2 --ring-mib 384 --transport "$transport" --port-file "$work/source$s.port" \
-    $(tls "source-train-node$s")
-  src[$s]="127.0.0.1:$(wait_port "$work/source$s.port" "$last_pid" "source$s")"
+    --trainer-ranks 2 --ring-mib 384 --transport "$transport" --trainer-socket "$work/source$s.sock" \
+    --port-file "$work/source$s.port" $(tls "source-train-node$s")
+  wait_port "$work/source$s.port" "$last_pid" "source$s" >/dev/null
+  src[$s]="$work/source$s.sock"  # trainer ranks reach their daemon through its local socket
 done
 echo "engines ${eng[*]}; source daemons ${src[*]}; running $updates updates of $(basename "$(dirname "$model")")"
 

@@ -55,7 +55,12 @@ int main(int argc, char** argv) {
   bool drive = false;
   uint64_t bucket_mib = 0;
   int64_t crash_after = -1;
-  app.add_option("--daemon", daemon_addr, "local wsyncd (source) host:port")->required();
+  app.add_option("--daemon", daemon_addr, "the local source wsyncd's trainer socket (its --trainer-socket path)")
+      ->required();
+  double connect_timeout_s = 30;
+  app.add_option("--connect-timeout", connect_timeout_s, "seconds to wait for the daemon's trainer socket")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--model", model, "HF config.json")->required()->check(CLI::ExistingFile);
   app.add_option("--local-rank", local_rank, "rank index on this node");
   app.add_option("--global-rank", global_rank, "global trainer rank");
@@ -102,6 +107,7 @@ int main(int argc, char** argv) {
   o.local_rank = local_rank;
   o.global_rank = global_rank;
   o.bucket_bytes = bucket_mib << 20;
+  o.connect_timeout = absl::Seconds(connect_timeout_s);
   auto c = client::TrainerClient::Connect(o);
   if (!c.ok()) {
     spdlog::error("{}", c.status().ToString());

@@ -358,12 +358,14 @@ class Cluster:
                         + self.tls(f"target-infer-node{i}"))
         self.source_addrs = []
         for i, n in enumerate(self.sources):
-            self.source_addrs.append(
-                self._serve(f"source{i}", n, [b("wsyncd"), "--role", "source", "--node-id", f"train-node{i}",
-                                              "--listen", f"{n.ip}:0", "--data-host", n.ip, "--coordinator",
-                                              self.coordinator, "--trainer-ranks", str(self.trainer_ranks),
-                                              "--ring-mib", str(self.ring_mib), "--transport", "tcp"]
-                            + self.tls(f"source-train-node{i}")))
+            # Trainer ranks reach their daemon through its Unix socket (shared across network namespaces by path).
+            sock = os.path.join(self.work, f"source{i}.sock")
+            self._serve(f"source{i}", n, [b("wsyncd"), "--role", "source", "--node-id", f"train-node{i}",
+                                          "--listen", f"{n.ip}:0", "--data-host", n.ip, "--coordinator",
+                                          self.coordinator, "--trainer-ranks", str(self.trainer_ranks),
+                                          "--ring-mib", str(self.ring_mib), "--transport", "tcp",
+                                          "--trainer-socket", sock] + self.tls(f"source-train-node{i}"))
+            self.source_addrs.append(sock)
         self.log(f"emucluster {self.run}: coordinator {self.coordinator}, engines {' '.join(self.engines)}")
 
     def stop_wsync(self):

@@ -44,8 +44,11 @@ def main() -> None:
     args = ap.parse_args()
     args.mode = "staged"
     args.bin, args.lib = os.path.abspath(args.bin), os.path.abspath(args.lib)
-    os.environ["WSYNC_CLIENT_LIB"] = os.path.abspath(args.lib)
-    sys.path.insert(0, os.path.join(harness.REPO, "client", "python"))
+    sys.path.insert(0, os.path.join(harness.REPO, "tests", "client"))
+    import pyclient_wheel
+    import tempfile
+    pyclient = tempfile.TemporaryDirectory(prefix="wsync-pyclient-")
+    sys.path.insert(0, pyclient_wheel.unpacked(pyclient.name))  # the client's wheel, as users install it
     from wsync_client import Coordinator, Trainer
 
     with harness.workdir("wsync-vllm-bench-") as wd:

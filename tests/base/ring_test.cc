@@ -194,7 +194,7 @@ TEST_CASE("ring: round trip of one bucket", "[ring]") {
   CHECK(absl::IsFailedPrecondition(RingProducer::Attach(c->fd()).status()));  // one producer at a time
   p = absl::CancelledError("detach");  // destroys the producer
   CHECK_FALSE(c->producer_attached());
-  auto p2 = RingProducer::AttachPath(c->ProcPath());
+  auto p2 = RingProducer::Attach(c->fd());
   REQUIRE(p2.ok());
   CHECK(p2->next_seq() == 1);
 }
@@ -343,7 +343,6 @@ TEST_CASE("ring: size limits and misuse are reported clearly", "[ring]") {
   CHECK(VerifyBucket(*b3, 3, 4096).empty());
 
   CHECK(absl::IsInvalidArgument(RingConsumer::Create("bad", 5000).status()));
-  CHECK(absl::IsNotFound(RingProducer::AttachPath("/nonexistent/ring").status()));
   char tmp[] = "/tmp/ring_test_XXXXXX";
   ScopedFd not_a_ring(::mkstemp(tmp));
   REQUIRE(not_a_ring.valid());
@@ -390,17 +389,15 @@ TEST_CASE("ring: concurrent producer and consumer threads", "[ring]") {
   CHECK(error == "");
 }
 
-TEST_CASE("ring: producer in another process (fd inherited and /proc path)", "[ring]") {
+TEST_CASE("ring: producer in another process (fd inherited)", "[ring]") {
   constexpr uint64_t kCap = 1 << 20;
   constexpr uint64_t kMaxFrames = 256 * 1024;
   constexpr uint64_t kBuckets = 400;
-  const bool by_path = GENERATE(false, true);
   auto c = RingConsumer::Create("procs", kCap);
   REQUIRE(c.ok());
   const int fd = c->fd();
-  const std::string path = c->ProcPath();
   pid_t child = Spawn([&] {
-    auto p = by_path ? RingProducer::AttachPath(path) : RingProducer::Attach(fd);
+    auto p = RingProducer::Attach(fd);
     if (!p.ok()) return 2;
     for (uint64_t b = 0; b < kBuckets; ++b) {
       if (!ProduceBucket(*p, b, kMaxFrames).ok()) return 3;

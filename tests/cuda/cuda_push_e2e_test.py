@@ -33,6 +33,14 @@ except ImportError as e:
     print("FAIL: a CUDA device is present but %s (run with a python that has numpy and torch)" % e)
     sys.exit(1)
 import python_client_test as pct  # noqa: E402  (Cluster, generator, checkpoint shapes)
+pct.np = np  # the helpers' numpy (that test imports it only in its venv stage)
+try:
+    import wsync_client  # noqa: F401
+except ImportError as e:
+    print("FAIL: the wsync_client package is not installed in %s (%s): it is a wheel whose gRPC stubs are generated "
+          "at build time; install it (pip install client/python, or the wheel built on the build machine)"
+          % (sys.executable, e))
+    sys.exit(1)
 
 DEADLINE_S = 90
 check = pct.check
@@ -65,8 +73,10 @@ def run(args, cluster, deadline):
     p = cluster.start("source", [args.wsyncd, "--role", "source", "--node-id", "cuda-train0",
                                  "--coordinator", coord_addr, "--trainer-ranks", "1", "--ring-mib", "16",
                                  "--transport", "tcp", "--listen", "127.0.0.1:0",
+                                 "--trainer-socket", os.path.join(work, "source.sock"),
                                  "--port-file", os.path.join(work, "source.port")])
-    source_addr = cluster.wait_port("source", p, deadline)
+    cluster.wait_port("source", p, deadline)
+    source_addr = os.path.join(work, "source.sock")  # trainer ranks use the daemon's local socket
 
     def verify(step, want_ok):
         r = subprocess.run([args.wsyncctl, "verify", "--engine", engine_addr, "--step", str(step)],

@@ -135,15 +135,18 @@ class Cluster {
                                   "target-infer" + std::to_string(e))));
       target_pids.push_back(procs_.back()->pid());
     }
-    for (int s = 0; s < o_.sources; ++s)
+    for (int s = 0; s < o_.sources; ++s) {
+      trainer_sockets.push_back(dir_ + "/source" + std::to_string(s) + ".sock");
       sources.push_back("127.0.0.1:" +
                         Start("source" + std::to_string(s),
                               Tls({o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id", "train" + std::to_string(s),
+                                   "--trainer-socket", trainer_sockets.back(),
                                    "--coordinator", coordinator, "--trainer-ranks", std::to_string(o_.trainer_ranks),
                                    "--ring-mib", std::to_string(o_.ring_mib), "--transport", o_.transport,
                                    "--pp-stage", std::to_string(s * o_.pp / o_.sources)},
                                   "source-train" + std::to_string(s)),
                               o_.source_env));
+    }
   }
   ~Cluster() {
     for (auto it = procs_.rbegin(); it != procs_.rend(); ++it) (*it)->Stop();
@@ -161,6 +164,7 @@ class Cluster {
 
   std::string coordinator;
   std::vector<std::string> engines, targets, sources;
+  std::vector<std::string> trainer_sockets;  // per source daemon: the Unix socket its trainer ranks connect to
   std::vector<pid_t> engine_pids;  // reference engine processes, in `engines` order
   std::vector<pid_t> target_pids;  // target daemons, in `targets` order
 

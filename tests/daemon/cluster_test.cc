@@ -67,7 +67,7 @@ TEST_CASE("cluster: updates land bit-exactly; bad buckets are rejected whole and
   INFO("cluster logs in " << cl.dir());
   const auto specs = testing::Specs(kModel);
   client::TrainerOptions to;
-  to.daemon = cl.sources[0];
+  to.daemon = cl.trainer_sockets[0];
   to.timeout = absl::Seconds(20);
   auto trainer = client::TrainerClient::Connect(to);
   REQUIRE(trainer.ok());
@@ -191,7 +191,7 @@ TEST_CASE("cluster: a trainer that dies mid-bucket corrupts nothing; its rank re
   client::CoordinatorClient coord(cl.coordinator);
   REQUIRE(coord.BeginUpdate(1).ok());
   // Rank 1 pushes its share normally; rank 0 dies half-way through a tensor, then a new process takes its place.
-  const std::vector<std::string> common = {std::string(kBin) + "/wsync-trainer-demo", "--daemon", cl.sources[0],
+  const std::vector<std::string> common = {std::string(kBin) + "/wsync-trainer-demo", "--daemon", cl.trainer_sockets[0],
                                            "--model", kModel, "--updates", "1"};
   auto args = [&](std::vector<std::string> extra) {
     std::vector<std::string> a = common;
@@ -221,7 +221,7 @@ TEST_CASE("cluster: a trainer rank that dies and stays away fails the update wit
   INFO("cluster logs in " << cl.dir());
   client::CoordinatorClient coord(cl.coordinator);
   const std::string initial_version = Info(cl.engines[0]).weight_version();
-  const std::vector<std::string> common = {std::string(kBin) + "/wsync-trainer-demo", "--daemon", cl.sources[0],
+  const std::vector<std::string> common = {std::string(kBin) + "/wsync-trainer-demo", "--daemon", cl.trainer_sockets[0],
                                            "--model", kModel, "--updates", "1"};
   auto args = [&](int64_t v, std::vector<std::string> extra) {
     std::vector<std::string> a = common;
@@ -268,7 +268,7 @@ TEST_CASE("cluster: two engine instances share a source replica; three updates v
   std::vector<std::unique_ptr<testing::Process>> trainers;
   for (int s = 0; s < 2; ++s)
     for (int r = 0; r < 2; ++r) {
-      std::vector<std::string> a = {std::string(kBin) + "/wsync-trainer-demo", "--daemon", cl.sources[s], "--model",
+      std::vector<std::string> a = {std::string(kBin) + "/wsync-trainer-demo", "--daemon", cl.trainer_sockets[s], "--model",
                                     kModel, "--local-rank", std::to_string(r), "--global-rank",
                                     std::to_string(s * 2 + r), "--updates", "3"};
       if (s == 0 && r == 0)
@@ -295,7 +295,7 @@ void RunTrainers(Cluster& cl, const ClusterOptions& o, int updates) {
   for (int s = 0; s < o.sources; ++s)
     for (int r = 0; r < o.trainer_ranks; ++r) {
       const int g = s * o.trainer_ranks + r;
-      std::vector<std::string> a = {std::string(kBin) + "/wsync-trainer-demo", "--daemon", cl.sources[s], "--model",
+      std::vector<std::string> a = {std::string(kBin) + "/wsync-trainer-demo", "--daemon", cl.trainer_sockets[s], "--model",
                                     model, "--local-rank", std::to_string(r), "--global-rank", std::to_string(g),
                                     "--updates", std::to_string(updates)};
       if (g == 0) {
@@ -442,7 +442,7 @@ TEST_CASE("cluster: two daemons exchange updates over the selected transport", "
   REQUIRE(st.ok());
   for (const auto& n : st->nodes()) CHECK(n.transport() == o.transport);  // no silent fallback
   client::TrainerOptions to;
-  to.daemon = cl.sources[0];
+  to.daemon = cl.trainer_sockets[0];
   auto trainer = client::TrainerClient::Connect(to);
   REQUIRE(trainer.ok());
   for (int64_t v = 1; v <= 2; ++v) {

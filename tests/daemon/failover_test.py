@@ -41,7 +41,6 @@ def main() -> int:
     ap.add_argument("--lib", required=True)
     ap.add_argument("--model", required=True)
     args = ap.parse_args()
-    os.environ["WSYNC_CLIENT_LIB"] = os.path.abspath(args.lib)
     b = os.path.abspath(args.bin)
     model = os.path.abspath(args.model)
     timings = {}
@@ -116,9 +115,11 @@ def main() -> int:
             # that the leader can be killed in the middle of them.
             procs.start("source", [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id",
                                    "train0", "--coordinator", f"{c2},{c1}", "--trainer-ranks", "1",
-                                   "--ring-mib", "64", "--port-file", os.path.join(wd, "source.port")],
+                                   "--ring-mib", "64", "--port-file", os.path.join(wd, "source.port"),
+                                   "--trainer-socket", os.path.join(wd, "source.sock")],
                         env={"WSYNC_FAULTS": "delay_ms=1500"})
-            src = f"127.0.0.1:{port_of('source')}"
+            port_of("source")
+            src = os.path.join(wd, "source.sock")  # trainer ranks reach their daemon through its local socket
 
             t = time.time()
             check(run_update(1, both), "update 1 lands, verified by the engine")
@@ -166,11 +167,21 @@ def main() -> int:
             check([(str(r.get("version")), r.get("success")) for r in recs] == [("1", True), ("2", False)]
                   and "restarted during it" in recs[-1].get("error", ""),
                   f"history: {[(r.get('version'), r.get('success')) for r in recs]}")
-            from wsync_client import Coordinator  # noqa: E402
-            with Coordinator([c1, c2]) as pc:  # the Python client, the dead leader first
-                pst = pc.status()
-            check(pst.get("state") == "failed" and pst.get("current_version") == "1",
-                  f"the Python client finds the new leader past the dead one: {pst.get('state')!r}")
+            # The C API (what non-C++ trainers bind to), given the dead leader first, finds the new leader.
+            import ctypes  # noqa: E402
+            lib = ctypes.CDLL(os.path.abspath(args.lib))
+            lib.wsync_coordinator_open.argtypes = [ctypes.c_char_p, ctypes.c_double, ctypes.POINTER(ctypes.c_void_p)]
+            lib.wsync_coordinator_status.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+            lib.wsync_coordinator_close.argtypes = [ctypes.c_void_p]
+            lib.wsync_free.argtypes = [ctypes.c_void_p]
+            h, out, pst = ctypes.c_void_p(), ctypes.c_void_p(), {}
+            if lib.wsync_coordinator_open(f"{c1},{c2}".encode(), 5.0, ctypes.byref(h)) == 0:
+                if lib.wsync_coordinator_status(h, ctypes.byref(out)) == 0:
+                    pst = json.loads(ctypes.string_at(out.value).decode())
+                    lib.wsync_free(out)
+                lib.wsync_coordinator_close(h)
+            check(pst.get("state") == "failed" and str(pst.get("current_version")) == "1",
+                  f"the C API client finds the new leader past the dead one: {pst.get('state')!r}")
             rc, _, err = ctl(both, "resume")
             check(rc == 1 and "mixed weights" in err, f"resume refused while the engine may hold partial writes "
                                                        f"(rc {rc})")

@@ -67,7 +67,7 @@ ClusterOptions TinyTp2(std::vector<std::string> source_env = {}) {
 
 std::unique_ptr<client::TrainerClient> ConnectTrainer(const Cluster& cl) {
   client::TrainerOptions to;
-  to.daemon = cl.sources[0];
+  to.daemon = cl.trainer_sockets[0];
   to.timeout = absl::Seconds(20);
   auto trainer = client::TrainerClient::Connect(to);
   REQUIRE(trainer.ok());

@@ -65,7 +65,8 @@ def main() -> int:
             def start_source(delay_ms=0):
                 env = {"WSYNC_FAULTS": f"delay_ms={delay_ms}"} if delay_ms else None
                 # A fixed port: the trainer rank dials the same address after the restart.
-                procs.start("source", [f"{b}/wsyncd", "--listen", src, "--role", "source", "--node-id", "train0",
+                procs.start("source", [f"{b}/wsyncd", "--listen", src_listen, "--role", "source", "--node-id", "train0",
+                                       "--trainer-socket", src,
                                        "--coordinator", coord, "--trainer-ranks", "1", "--ring-mib", "64",
                                        "--port-file", os.path.join(wd, "source.port")], env=env)
                 port_of("source")
@@ -85,7 +86,8 @@ def main() -> int:
                 return [e.get("state", "") for n in st.get("nodes", []) for e in n.get("engine_details", [])]
 
             coord = f"127.0.0.1:{harness.free_port()}"
-            src = f"127.0.0.1:{harness.free_port()}"
+            src_listen = f"127.0.0.1:{harness.free_port()}"
+            src = os.path.join(wd, "source.sock")  # trainer ranks reach their daemon through its local socket
             procs.start("coordinator", [f"{b}/wsync-coordinator", "--listen", coord])
             harness.wait_for("coordinator serving", lambda: ctl("status")[0] == 0 or None, 30, procs, ["coordinator"])
             procs.start("engine", [f"{b}/wsync-engine-ref", "--id", "engine0", "--model", model, "--tp", "2",

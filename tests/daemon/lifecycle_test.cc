@@ -138,17 +138,18 @@ struct Node {
     auto c = node->Configure(Plan());
     INFO(c.status().ToString());
     REQUIRE(c.ok());
-    v1::OpenSessionRequest os;
-    os.set_local_rank(0);
+    SessionRequest os;
+    os.local_rank = 0;
     auto s = node->OpenSession(os);
     REQUIRE(s.ok());
-    session = s->session_id();
+    session = s->id;
+    CHECK(session.size() == 32);  // 128 random bits, hex
     auto cfg = replica::ModelConfig::FromFile(WSYNC_TINY_MODEL);
     REQUIRE(cfg.ok());
     auto all = replica::CheckpointTensors(*cfg);
     REQUIRE(all.ok());
     for (auto& t : *all) specs[t.name] = t;
-    ring_path = s->ring_path();
+    ring_fd = std::move(s->ring_fd);
   }
 
   absl::Status Start(int64_t v, int64_t plan = kPlan) {
@@ -172,7 +173,7 @@ struct Node {
     auto names = node->BeginPush(bp);
     REQUIRE(names.ok());
     REQUIRE(names->tensor_names_size() > 0);
-    auto prod = RingProducer::AttachPath(ring_path);
+    auto prod = RingProducer::Attach(ring_fd.get());
     REQUIRE(prod.ok());
     for (const auto& n : names->tensor_names()) {
       const replica::TensorSpec& s = specs.at(n);
@@ -195,7 +196,7 @@ struct Node {
     REQUIRE(node->EndPush(ep).ok());
   }
 
-  std::string ring_path;
+  ScopedFd ring_fd;  // the rank's own descriptor of the ring, as the hand-over socket sends it
 };
 
 TEST_CASE("source lifecycle: a repeated FinishUpdate(v) returns the first result; older versions are refused") {

@@ -12,6 +12,7 @@
 """
 import argparse
 import json
+import ctypes
 import os
 import subprocess
 import sys
@@ -19,7 +20,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "engines"))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python"))
 import harness  # noqa: E402
 
 check = harness.Checks()
@@ -32,7 +32,22 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     args = ap.parse_args()
     os.environ["WSYNC_CLIENT_LIB"] = os.path.abspath(args.lib)
-    from wsync_client import Coordinator, WsyncError  # noqa: E402
+    lib = ctypes.CDLL(os.path.abspath(args.lib))  # the C API (client/c_api.h): this test's python has no grpcio
+    lib.wsync_coordinator_open.argtypes = [ctypes.c_char_p, ctypes.c_double, ctypes.POINTER(ctypes.c_void_p)]
+    lib.wsync_coordinator_begin_update.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p,
+                                                   ctypes.POINTER(ctypes.c_void_p)]
+    lib.wsync_coordinator_close.argtypes = [ctypes.c_void_p]
+    lib.wsync_last_error.restype = ctypes.c_char_p
+
+    def begin_update(coord, version):
+        h, out = ctypes.c_void_p(), ctypes.c_void_p()
+        if lib.wsync_coordinator_open(coord.encode(), 5.0, ctypes.byref(h)) != 0:
+            raise RuntimeError(lib.wsync_last_error().decode())
+        try:
+            if lib.wsync_coordinator_begin_update(h, version, b"", ctypes.byref(out)) != 0:
+                raise RuntimeError(lib.wsync_last_error().decode())
+        finally:
+            lib.wsync_coordinator_close(h)
     b = os.path.abspath(args.bin)
     model = os.path.abspath(args.model)
 
@@ -79,12 +94,13 @@ def main() -> int:
             port_of("target")
             procs.start("source", [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id",
                                    "train0", "--coordinator", coord, "--trainer-ranks", "1", "--ring-mib", "64",
+                                   "--trainer-socket", os.path.join(wd, "source.sock"),
                                    "--port-file", os.path.join(wd, "source.port")])
-            src = f"127.0.0.1:{port_of('source')}"
+            port_of('source')
+            src = os.path.join(wd, "source.sock")
 
             check(run_update(1), "update 1 lands, verified by the engine")
-            with Coordinator(coord) as c:
-                c.begin_update(2)
+            begin_update(coord, 2)
             procs.kill("coordinator")  # SIGKILL mid-update: nothing is flushed on the way out
             start_coordinator("coordinator2")
             wait_serving("coordinator2")

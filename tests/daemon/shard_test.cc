@@ -82,7 +82,7 @@ TEST_CASE("shard: trainer TP=2 / EP=2 ranks push only their shards; the engine v
   std::vector<std::unique_ptr<client::TrainerClient>> ranks;
   for (int r = 0; r < 2; ++r) {
     client::TrainerOptions to;
-    to.daemon = cl.sources[r];
+    to.daemon = cl.trainer_sockets[r];
     to.global_rank = r;
     to.timeout = absl::Seconds(20);
     auto t = client::TrainerClient::Connect(to);

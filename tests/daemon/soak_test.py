@@ -88,10 +88,12 @@ def main() -> int:
                                    os.path.join(wd, "target.sock"), "--port-file", os.path.join(wd, "target.port")])
             port_of("target")
             procs.start("source", [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id", "train0", "--coordinator", coord,
+                                   "--trainer-socket", os.path.join(wd, "source.sock"),
                                    "--trainer-ranks", "2", "--ring-mib", "64",
                                    "--metrics-listen", f"127.0.0.1:{mports['source']}",
                                    "--port-file", os.path.join(wd, "source.port")])
-            src = f"127.0.0.1:{port_of('source')}"
+            port_of('source')
+            src = os.path.join(wd, "source.sock")
 
             outs = []
             trainers = []

@@ -145,9 +145,11 @@ def main():
             harness.wait_for("target registered", lambda: harness.read_port_file(tport), 60, procs, ["target"])
             procs.start("source", [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id",
                                    "train0", "--coordinator", coord, "--trainer-ranks", "1", "--ring-mib", "32",
+                                   "--trainer-socket", os.path.join(wd, "source.sock"),
                                    "--port-file", os.path.join(wd, "source.port")])
-            src = "127.0.0.1:%d" % harness.wait_for("source", lambda: harness.read_port_file(
-                os.path.join(wd, "source.port")), 60, procs, ["source"])
+            harness.wait_for("source", lambda: harness.read_port_file(os.path.join(wd, "source.port")), 60, procs,
+                             ["source"])
+            src = os.path.join(wd, "source.sock")  # the trainer socket
             r = subprocess.run([f"{b}/wsync-trainer-demo", "--daemon", src, "--model", model, "--updates", "3",
                                 "--first-version", "1", "--drive", "--coordinator", coord],
                                capture_output=True, text=True, timeout=180)

@@ -98,9 +98,9 @@ class Cluster:
             os.unlink(pf)
         self.procs.start("source", [os.path.join(self.args.bin, "wsyncd"), "--listen", "127.0.0.1:0", "--role", "source", "--node-id",
                                     "trainer-node-0", "--coordinator", self.coord_addr, "--trainer-ranks", "1",
-                                    "--port-file", pf])
-        port = harness.wait_for("source wsyncd", lambda: harness.read_port_file(pf), 60, self.procs, ["source"])
-        self.source_addr = f"127.0.0.1:{port}"
+                                    "--trainer-socket", os.path.join(self.wd, "source.sock"), "--port-file", pf])
+        harness.wait_for("source wsyncd", lambda: harness.read_port_file(pf), 60, self.procs, ["source"])
+        self.source_addr = os.path.join(self.wd, "source.sock")  # trainer ranks use the daemon's local socket
 
     def start_target(self, vllm_port: int):
         pf = os.path.join(self.wd, "target.port")

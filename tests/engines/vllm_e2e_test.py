@@ -51,8 +51,12 @@ def parse_args():
 
 def run(args) -> None:
     venv_python = sys.executable
-    os.environ["WSYNC_CLIENT_LIB"] = os.path.abspath(args.lib)
-    sys.path.insert(0, os.path.join(harness.REPO, "client", "python"))
+    # The Python client as users get it: its wheel, built here and put on the path (the venv has grpcio/protobuf).
+    sys.path.insert(0, os.path.join(harness.REPO, "tests", "client"))
+    import pyclient_wheel
+    import tempfile
+    pyclient = tempfile.TemporaryDirectory(prefix="wsync-pyclient-")
+    sys.path.insert(0, pyclient_wheel.unpacked(pyclient.name))
     from wsync_client import Coordinator, Trainer, WsyncError  # noqa: F401
 
     with harness.workdir("wsync-vllm-e2e-", keep=args.keep) as wd:

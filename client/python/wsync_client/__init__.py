@@ -2,22 +2,15 @@
 
     from wsync_client import Trainer, Coordinator, WsyncError
 
-The package is pure Python over libwsync_client_c.so (the C API in client/c_api.h), found through the environment
-variable WSYNC_CLIENT_LIB (the file or its directory), else next to this package, else in the build directories of
-the source checkout the package sits in, else on the system library path.
+Pure Python on grpcio and protobuf (stubs generated from wsync's protos when the wheel is built): a Trainer opens its
+session on the source daemon's local trainer socket, receives the ring's memfd over it and writes tensors straight
+into the mapped ring.
 """
 
-from .client import Coordinator, Trainer, DTYPE_SIZES
+from ._ring import DTYPE_SIZES
+from .coordinator import Coordinator
 from .errors import CODE_NAMES, WsyncError
-from ._lib import library_path_candidates
+from .trainer import DEFAULT_SOCKET, Trainer
 
-
-def library_version():
-    """Version string of the loaded C library."""
-    from . import _lib
-    return _lib.lib().wsync_version().decode()
-
-
-__all__ = ["Trainer", "Coordinator", "WsyncError", "CODE_NAMES", "DTYPE_SIZES", "library_version",
-           "library_path_candidates"]
-__version__ = "0.1.0"
+__all__ = ["Trainer", "Coordinator", "WsyncError", "CODE_NAMES", "DTYPE_SIZES", "DEFAULT_SOCKET"]
+__version__ = "0.2.0"

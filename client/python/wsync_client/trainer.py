@@ -1,0 +1,409 @@
+"""Trainer: one trainer rank's session with its node's source wsyncd, in pure Python.
+
+The session opens on the daemon's local trainer socket: the daemon checks this process's uid/gid (SO_PEERCRED) and
+hands over the ring's memfd (SCM_RIGHTS) with a session id; the rank's RPCs (TrainerIngest) go to a second local
+socket the daemon names. Tensors are copied once, straight into the shared-memory ring.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import grpc
+
+from ._proto.wsync.v1 import trainer_pb2, trainer_pb2_grpc
+from ._ring import DTYPE_SIZES, RingProducer
+from .errors import (DATA_LOSS, DEADLINE_EXCEEDED, FAILED_PRECONDITION, INVALID_ARGUMENT, PERMISSION_DENIED,
+                     UNAVAILABLE, WsyncError, from_rpc_error)
+
+DEFAULT_SOCKET = "/run/wsync/wsyncd.sock"
+PROTOCOL = 1
+_MAX_ANSWER = 64 * 1024
+
+_ALIASES = {"bf16": "bfloat16", "half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
+            "double": "float64", "fp8": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn"}
+
+
+def canonical_dtype(name: Any) -> str:
+    n = str(name)
+    if n.startswith("torch."):
+        n = n[len("torch."):]
+    n = _ALIASES.get(n, n)
+    if n not in DTYPE_SIZES:
+        raise WsyncError(INVALID_ARGUMENT, "unsupported dtype %r (one of %s)" % (name, ", ".join(sorted(DTYPE_SIZES))))
+    return n
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    mod = type(x).__module__
+    return mod.startswith("torch") and hasattr(x, "data_ptr") and hasattr(x, "element_size")
+
+
+def _describe(name: str, array: Any, dtype: Optional[str]):
+    """(dtype, shape, nbytes, fill) of a numpy array or torch tensor; fill(slot) copies its bytes into the slot."""
+    if _is_torch_tensor(array):
+        import torch
+        t = array
+        dt = canonical_dtype(dtype if dtype is not None else t.dtype)
+        if DTYPE_SIZES[dt] != t.element_size():
+            raise WsyncError(INVALID_ARGUMENT, "tensor %s: dtype %s has %d-byte elements, the tensor (%s) %d"
+                             % (name, dt, DTYPE_SIZES[dt], t.dtype, t.element_size()))
+        if t.device.type not in ("cpu", "cuda"):
+            raise WsyncError(INVALID_ARGUMENT, "tensor %s is on %s; push CPU or CUDA tensors" % (name, t.device))
+        nbytes = t.numel() * t.element_size()
+
+        def fill(slot: memoryview) -> None:
+            if nbytes == 0:
+                return
+            dst = torch.frombuffer(slot, dtype=torch.uint8, count=nbytes)
+            # One copy into the ring: a contiguous CPU tensor's bytes directly, a CUDA tensor's by torch's
+            # device-to-host copy straight into the slot (a non-contiguous tensor is made contiguous first).
+            src = t if t.is_contiguous() else t.contiguous()
+            dst.copy_(src.reshape(-1).view(torch.uint8))
+        return dt, tuple(t.shape), nbytes, fill
+
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - only without numpy
+        raise WsyncError(INVALID_ARGUMENT, "tensor %s: push needs a numpy array or a torch tensor, got %s"
+                         % (name, type(array).__name__))
+    if not isinstance(array, np.ndarray):
+        raise WsyncError(INVALID_ARGUMENT, "tensor %s: push needs a numpy array or a torch tensor, got %s"
+                         % (name, type(array).__name__))
+    a = array
+    if dtype is not None:
+        dt = canonical_dtype(dtype)
+    elif a.dtype.name in DTYPE_SIZES or a.dtype.name in _ALIASES:  # includes ml_dtypes' bfloat16
+        dt = canonical_dtype(a.dtype.name)
+    elif a.dtype == np.uint16:
+        raise WsyncError(INVALID_ARGUMENT, "tensor %s is uint16: pass dtype='bfloat16' (or 'float16') to say what "
+                         "its bits are" % name)
+    else:
+        raise WsyncError(INVALID_ARGUMENT, "tensor %s: numpy dtype %s has no wsync equivalent" % (name, a.dtype))
+    if DTYPE_SIZES[dt] != a.itemsize:
+        raise WsyncError(INVALID_ARGUMENT, "tensor %s: dtype %s has %d-byte elements, the array (%s) %d"
+                         % (name, dt, DTYPE_SIZES[dt], a.dtype, a.itemsize))
+
+    def fill(slot: memoryview) -> None:
+        if a.nbytes == 0:
+            return
+        dst = np.frombuffer(slot, dtype=a.dtype, count=a.size).reshape(a.shape)
+        np.copyto(dst, a, casting="no")  # one copy, gathering a non-contiguous array on the way
+    return dt, tuple(int(d) for d in a.shape), int(a.nbytes), fill
+
+
+def _connect(path: str, deadline: float, timeout: float) -> socket.socket:
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(max(0.001, deadline - time.monotonic()))
+            s.connect(path)
+            return s
+        except PermissionError as e:
+            s.close()
+            raise WsyncError(PERMISSION_DENIED, "connecting to trainer socket %s: %s (its mode lets only the daemon's "
+                             "uid and group in; see wsyncd --trainer-uid / --trainer-gid)" % (path, e.strerror))
+        except (FileNotFoundError, ConnectionRefusedError, BlockingIOError, InterruptedError, socket.timeout) as e:
+            s.close()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WsyncError(DEADLINE_EXCEEDED, "no source wsyncd answers on trainer socket %s (%s) within the "
+                                 "connect timeout of %gs" % (path, getattr(e, "strerror", None) or e, timeout))
+            time.sleep(min(left, 0.05))
+        except OSError as e:
+            s.close()
+            raise WsyncError(UNAVAILABLE, "connecting to trainer socket %s: %s" % (path, e))
+
+
+def _recv_exact(sock: socket.socket, n: int, path: str) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise WsyncError(UNAVAILABLE, "trainer socket %s: the daemon closed the connection" % path)
+        buf += chunk
+    return buf
+
+
+class Trainer:
+    """One trainer rank's session with its node's source wsyncd.
+
+        with Trainer("/run/wsync/wsyncd.sock", local_rank=0, global_rank=0) as t:
+            names = t.begin_push(version)                 # waits until the driver opened `version`
+            t.push_many(model.state_dict().items(), names=names)
+            t.end_push(version)
+
+    `daemon` is the daemon's trainer socket (wsyncd --trainer-socket). `timeout` bounds each wait (begin_push for the
+    update to open, a bucket hand-over, ring space); `connect_timeout` bounds opening the session, all of it.
+    A Trainer is used by one thread at a time.
+    """
+
+    def __init__(self, daemon: str = DEFAULT_SOCKET, local_rank: int = 0, global_rank: int = 0,
+                 bucket_bytes: int = 0, timeout: float = 120.0, connect_timeout: float = 30.0):
+        self._sock: Optional[socket.socket] = None
+        self._ring: Optional[RingProducer] = None
+        self._channel = None
+        self._in_flight = None
+        self.daemon = daemon
+        self.timeout = float(timeout)
+        self._stats = {"tensors": 0, "bytes": 0, "buckets": 0}
+        if "/" not in daemon:
+            raise WsyncError(INVALID_ARGUMENT, "%r is not a Unix socket path: trainer ranks reach their node's source "
+                             "wsyncd through its local trainer socket (wsyncd --trainer-socket, default %s), not "
+                             "over TCP" % (daemon, DEFAULT_SOCKET))
+        deadline = time.monotonic() + float(connect_timeout)
+        sock = _connect(daemon, deadline, float(connect_timeout))
+        try:
+            hello = json.dumps({"type": "open", "protocol": PROTOCOL, "local_rank": int(local_rank),
+                                "global_rank": int(global_rank)}).encode()
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            try:
+                sock.sendall(struct.pack("<I", len(hello)) + hello)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a refused peer: the daemon answered at once and closed; its reason is still to be read
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            try:
+                head, fds, _, _ = socket.recv_fds(sock, 4, 4, socket.MSG_WAITALL)
+                if len(head) < 4:
+                    raise WsyncError(UNAVAILABLE, "trainer socket %s: the daemon closed the connection" % daemon)
+                (n,) = struct.unpack("<I", head)
+                if n > _MAX_ANSWER:
+                    raise WsyncError(DATA_LOSS, "trainer socket %s: answer of %d bytes" % (daemon, n))
+                answer = json.loads(_recv_exact(sock, n, daemon))
+            except socket.timeout:
+                raise WsyncError(DEADLINE_EXCEEDED, "trainer socket %s: the daemon did not answer within the connect "
+                                 "timeout of %gs" % (daemon, connect_timeout))
+            try:
+                if not answer.get("ok", False):
+                    err = answer.get("error", "no reason given")
+                    code = PERMISSION_DENIED if err.startswith("permission denied") else FAILED_PRECONDITION
+                    raise WsyncError(code, "wsyncd at %s refused the session: %s" % (daemon, err))
+                if len(fds) != 1:
+                    raise WsyncError(DATA_LOSS, "trainer socket %s: the answer carried %d descriptors, not the ring's "
+                                     "one" % (daemon, len(fds)))
+                self._ring = RingProducer(fds[0])
+            finally:
+                for fd in fds:
+                    os.close(fd)  # the mapping keeps the ring
+            self.session_id: str = answer["session_id"]
+            self.session: str = answer.get("session", "")
+            self.num_local_ranks = int(answer.get("num_local_ranks", 0))
+            rpc = answer["rpc"]
+            self._channel = grpc.insecure_channel(rpc, options=[("grpc.max_receive_message_length", 64 << 20)])
+            ready = grpc.channel_ready_future(self._channel)
+            try:
+                ready.result(timeout=max(0.001, deadline - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                raise WsyncError(DEADLINE_EXCEEDED, "wsyncd at %s: its trainer RPC socket %s did not connect within "
+                                 "the connect timeout of %gs" % (daemon, rpc, connect_timeout))
+            finally:
+                ready.cancel()
+            self._stub = trainer_pb2_grpc.TrainerIngestStub(self._channel)
+            sock.settimeout(None)
+            self._sock = sock  # held for the session's life: closing it tells the daemon this rank is gone
+        except BaseException:
+            sock.close()
+            self._close_quietly()
+            raise
+        half = self._ring.capacity // 2
+        self.bucket_limit = min(int(bucket_bytes), half) if bucket_bytes > 0 else half
+
+    # ---- lifetime ----
+    def _close_quietly(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def close(self) -> None:
+        """Ends the session (an uncommitted bucket is dropped). Idempotent."""
+        if self._sock is None:
+            self._close_quietly()
+            return
+        try:
+            if self._in_flight is not None:
+                try:
+                    self._in_flight.result()
+                except grpc.RpcError:
+                    pass
+                self._in_flight = None
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
+            try:
+                self._stub.CloseSession(trainer_pb2.CloseSessionRequest(session_id=self.session_id), timeout=5)
+            except grpc.RpcError:
+                pass  # best effort: the closed socket ends the session anyway
+        finally:
+            self._close_quietly()
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _live(self) -> RingProducer:
+        if self._ring is None:
+            raise WsyncError(FAILED_PRECONDITION, "trainer session is closed")
+        return self._ring
+
+    # ---- the update ----
+    def begin_push(self, version: int) -> List[str]:
+        """Opens this rank's part of update `version` (waits up to `timeout` until the driver opened it); returns the
+        names of the tensors this rank must push."""
+        self._live()
+        try:
+            rep = self._stub.BeginPush(trainer_pb2.BeginPushRequest(session_id=self.session_id, version=int(version)),
+                                       timeout=self.timeout)
+        except grpc.RpcError as e:
+            err = from_rpc_error(e, "begin push of update %d" % int(version))
+            if err.code == DEADLINE_EXCEEDED and "no update is open" not in err.message:
+                err = WsyncError(DEADLINE_EXCEEDED, "no update is open: update %d was not opened within %gs; call "
+                                 "Coordinator.begin_update(%d) first" % (int(version), self.timeout, int(version)))
+            raise err from None
+        self._stats = {"tensors": 0, "bytes": 0, "buckets": 0}
+        self._slices = [{"name": x.name, "shape": list(x.shape), "offsets": list(x.offsets), "extents": list(x.extents),
+                         "gather": bool(x.gather)} for x in rep.slices]
+        return list(rep.tensor_names)
+
+    def push_slices(self) -> List[Dict[str, Any]]:
+        """The slices the last begin_push asked this rank to push (shard-aware plans), as dicts with name, shape,
+        offsets, extents (row/column ranges: take `t[o0:o0+e0, o1:o1+e1]` and push_slice it)."""
+        return list(getattr(self, "_slices", []))
+
+    def push_slice(self, name: str, array: Any, full_shape: Sequence[int], offsets: Sequence[int],
+                   dtype: Optional[str] = None) -> None:
+        """Pushes a slice of HF tensor `name` (whole shape `full_shape`): `array` is the slice, its shape the extents,
+        starting at `offsets` — a range along dim 0 (row ranges, whole experts) or any rectangle of a 2-D tensor.
+        The node's daemon assembles the tensor from the slices its ranks push and names the tensor and ranges of a
+        slice it refuses (overlap, out of range)."""
+        full_shape = [int(d) for d in full_shape]
+        offsets = [int(o) for o in offsets]
+        extents = [int(d) for d in array.shape]
+        if "|" in name or len(full_shape) != len(offsets) or len(extents) != len(full_shape):
+            raise WsyncError(INVALID_ARGUMENT, "slice of %s: offsets %s / extents %s do not match shape %s"
+                             % (name, offsets, extents, full_shape))
+        # The wire form is the frame's name (base/tensor_slice.h): NAME|slice|D0xD1...|O0,O1,...
+        frame = "%s|slice|%s|%s" % (name, "x".join(map(str, full_shape)), ",".join(map(str, offsets)))
+        self.push(frame, array, dtype)
+
+    def _wait_in_flight(self) -> None:
+        f, self._in_flight = self._in_flight, None
+        if f is None:
+            return
+        try:
+            f.result()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "bucket hand-over") from None
+
+    def _commit_async(self) -> None:
+        ring = self._live()
+        if ring.bucket_tensors == 0:
+            return
+        self._wait_in_flight()  # one bucket in flight: the ring always has room for the next
+        seq = ring.commit_bucket()
+        self._stats["buckets"] += 1
+        self._in_flight = self._stub.CommitBucket.future(
+            trainer_pb2.CommitBucketRequest(session_id=self.session_id, bucket_seq=seq), timeout=self.timeout)
+
+    def push(self, name: str, array: Any, dtype: Optional[str] = None) -> None:
+        """Copies one tensor (numpy array, CPU or CUDA torch tensor) into the ring. `dtype` overrides the array's
+        own (needed for bfloat16 bits held in a numpy uint16 array: push(name, bits, dtype="bfloat16"))."""
+        ring = self._live()
+        dt, shape, nbytes, fill = _describe(name, array, dtype)
+        nb = len(name.encode("utf-8"))
+        if nbytes > ring.max_tensor_bytes(nb):
+            raise WsyncError(INVALID_ARGUMENT, "tensor %s has %d bytes, more than this %d MiB ring can hold: start "
+                             "wsyncd with a larger --ring-mib" % (name, nbytes, ring.capacity >> 20))
+        alone = nbytes > self.bucket_limit  # travels alone, after the ring has drained
+        if alone:
+            self.flush()
+        elif not ring.fits_in_bucket(nb, nbytes) or ring.bucket_payload + nbytes > self.bucket_limit:
+            self._commit_async()
+        slot = ring.begin_tensor(name, dt, shape, nbytes, self.timeout, on_wait=self._wait_in_flight)
+        try:
+            fill(slot)
+        except BaseException:
+            dropped = ring.bucket_tensors
+            ring.abort_bucket()
+            raise WsyncError(FAILED_PRECONDITION, "copying tensor %s into the ring failed; the open bucket (%d tensors "
+                             "before it) was dropped: abort this update" % (name, dropped))
+        finally:
+            try:
+                slot.release()
+            except BufferError:
+                pass  # an array over it is still referenced (e.g. by a traceback); the GC drops it
+        ring.finish_tensor()
+        self._stats["tensors"] += 1
+        self._stats["bytes"] += nbytes
+        if alone:
+            self._commit_async()
+
+    def push_many(self, named_tensors: Iterable[Tuple[str, Any]], names: Optional[Sequence[str]] = None,
+                  dtype: Optional[str] = None) -> Dict[str, Any]:
+        """Pushes every `(name, tensor)` of an iterable that this rank must push — what `model.state_dict().items()`,
+        `model.named_parameters()` or an FSDP/DTensor `full_tensor()` loop yields. `names` is the push filter (the list
+        begin_push returned); tensors outside it are skipped. Raises WsyncError (INVALID_ARGUMENT) naming the filter's
+        tensors the iterable did not yield, after pushing the others. Returns {"pushed": n, "skipped": [names]}."""
+        wanted = set(names) if names is not None else None
+        pushed, skipped = set(), []
+        for item in named_tensors:
+            try:
+                name, tensor = item
+            except (TypeError, ValueError):
+                raise WsyncError(INVALID_ARGUMENT, "push_many needs (name, tensor) pairs, got %r" % (item,))
+            if wanted is not None and name not in wanted:
+                skipped.append(name)
+                continue
+            if name in pushed:
+                raise WsyncError(INVALID_ARGUMENT, "tensor %s is yielded twice" % name)
+            self.push(name, tensor, dtype=dtype)
+            pushed.add(name)
+        if wanted is not None and pushed != wanted:
+            missing = sorted(wanted - pushed)
+            raise WsyncError(INVALID_ARGUMENT, "%d tensors of this rank's push filter were not yielded: %s%s"
+                             % (len(missing), ", ".join(missing[:8]), " ..." if len(missing) > 8 else ""))
+        return {"pushed": len(pushed), "skipped": skipped}
+
+    def push_update(self, version: int, named_tensors: Iterable[Tuple[str, Any]],
+                    dtype: Optional[str] = None) -> Dict[str, Any]:
+        """begin_push(version), push_many over the filter it returns, end_push(version): one rank's whole part."""
+        names = self.begin_push(version)
+        result = self.push_many(named_tensors, names=names, dtype=dtype)
+        self.end_push(version)
+        return result
+
+    def flush(self) -> None:
+        """Commits the current bucket and waits until the daemon took everything committed so far."""
+        self._commit_async()
+        self._wait_in_flight()
+
+    def end_push(self, version: int) -> None:
+        """Flushes, then tells the daemon this rank is done with `version`."""
+        self.flush()
+        try:
+            self._stub.EndPush(trainer_pb2.EndPushRequest(session_id=self.session_id, version=int(version)),
+                               timeout=30)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "end push of update %d" % int(version)) from None
+
+    def stats(self) -> Dict[str, int]:
+        """{'tensors', 'bytes', 'buckets'} pushed since the last begin_push."""
+        return dict(self._stats)
