@@ -103,7 +103,8 @@ def main():
             rc = procs.procs["target404"].wait(60)
             log = procs.tail("target404", 20)
             check(rc != 0 and "TP rank 1" in log and "No transfer engine info for rank 1" in log,
-                  f"SGLang's bootstrap 404 for rank 1: the adapter exits {rc} naming the rank and SGLang's text")
+                  f"SGLang's bootstrap 404 for rank 1: the adapter exits {rc} naming the rank and SGLang's text "
+                  f"({log[-700:]!r})")
             procs.kill("peer404")
             procs.kill("coord0")
 

@@ -218,8 +218,11 @@ class Manager:
 
     def record(self, what, obj=None, **extra):
         # The request as SGLang's validation built it: its io_struct class and every field (defaults filled in).
+        # (BaseReq's own bookkeeping fields, rid and http_worker_ipc, left out.)
+        from sglang.srt.managers.io_struct import BaseReq
+        skip = set(BaseReq.__struct_fields__)
         body = None if obj is None else {"__class__": type(obj).__name__,
-                                         **{f: getattr(obj, f) for f in obj.__struct_fields__ if f != "rid"}}
+                                         **{f: getattr(obj, f) for f in obj.__struct_fields__ if f not in skip}}
         with self.lock:
             self.calls.append({"call": what, "body": body, "t": time.time(), **extra})
         if self.die_on and what == self.die_on:
