@@ -42,7 +42,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
     ap.add_argument("--model", required=True, help="an HF config.json (tests/data/tiny/qwen3-tiny.json)")
+    ap.add_argument("--protocol", choices=["tcp", "rdma"], default="tcp",
+                    help="the engine's MOONCAKE_PROTOCOL and the sources' WSYNC_MOONCAKE_PROTOCOL (rdma: inside the "
+                         "soft-RoCE VM, device $RXE_DEV)")
     args = ap.parse_args()
+    os.environ["WSYNC_MOONCAKE_PROTOCOL"] = args.protocol  # the source daemon's mooncake transport
+    if args.protocol == "rdma":
+        if not os.environ.get("RXE_DEV"):
+            ap.error("--protocol rdma runs inside the soft-RoCE VM (RXE_DEV unset)")
+        os.environ["WSYNC_MOONCAKE_DEVICE"] = os.environ["RXE_DEV"]
     mpy, spy = os.environ.get("WSYNC_MOONCAKE_PYTHON"), os.environ.get("WSYNC_PYTHON")
     if not mpy or not spy:
         ap.error("WSYNC_MOONCAKE_PYTHON (run_mooncake_test.sh) and WSYNC_PYTHON (sglang_venv.sh) are required")
@@ -57,7 +65,9 @@ def main():
         os.makedirs(model_dir)
         cfg = os.path.join(model_dir, "config.json")
         shutil.copy(args.model, cfg)
-        env = {"MOONCAKE_PROTOCOL": "tcp"}
+        env = {"MOONCAKE_PROTOCOL": args.protocol}  # read by SGLang's transporter (envs.MOONCAKE_PROTOCOL)
+        if args.protocol == "rdma":
+            env["MOONCAKE_DEVICE"] = os.environ["RXE_DEV"]
 
         t0 = time.time()
         r = subprocess.run([spy, "-W", "ignore", peer_py, "--config", cfg, "--tp", str(TP), "--mooncake-site", msite,
