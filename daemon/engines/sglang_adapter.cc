@@ -164,7 +164,8 @@ class SglangAdapter final : public EngineAdapter {
         return absl::NotFoundError(absl::StrCat(
             Who(), ": SGLang's bootstrap at ", u_.bootstrap.host, ":", u_.bootstrap.port,
             " has no transfer-engine memory for TP rank ", r, " (is the engine started with "
-            "--remote-instance-weight-loader-start-seed-via-transfer-engine, and is this its bootstrap port?)"));
+            "--remote-instance-weight-loader-start-seed-via-transfer-engine, and is this its bootstrap port?): ",
+            answer.status().message()));
       if (!answer.ok()) return answer.status();
       WSYNC_ASSIGN_OR_RETURN(v1::RankLayout layout, RankFromBootstrap(*cfg, r, *answer));
       out.ranks.push_back(std::move(layout));

@@ -68,7 +68,7 @@ class Group:
         self.cpu_group = None
 
 
-def publish_layout(model_dir, L, fuse_shared):
+def publish_layout(model_dir, L, fuse_shared, extra_args=None):
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
@@ -83,6 +83,7 @@ def publish_layout(model_dir, L, fuse_shared):
                   disable_shared_experts_fusion=not fuse_shared, enforce_shared_experts_fusion=fuse_shared)
     if dp > 1:
         kwargs.update(dp_size=dp, enable_dp_attention=True)
+    kwargs.update(extra_args or {})
     args = ServerArgs(**kwargs)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=L["tp_rank"]))
     par = get_parallel()
@@ -127,9 +128,11 @@ def fp8_quantized(name, shape):
     return not name.endswith("mlp.gate.weight") and "layernorm" not in name and "norm.weight" not in name
 
 
-def checkpoint(hf_specs, quant):
+def checkpoint(hf_specs, quant, make=None):
+    """The HF checkpoint as torch tensors; `make(name, dtype, shape)` gives each tensor's contents (numpy; bf16 as its
+    uint16 bits), golden_oracle's deterministic rule by default."""
     for name, dtype, shape in hf_specs:
-        arr = golden_oracle.make_tensor(name, dtype, shape)
+        arr = (make or golden_oracle.make_tensor)(name, dtype, shape)
         if dtype == "bfloat16":
             t = torch.from_numpy(arr.astype(np.uint16).view(np.int16).copy()).view(torch.bfloat16)
         else:
@@ -178,12 +181,14 @@ def resolve_fusion(cls, hf_config, quant_config, fuse):
         mod._is_cuda, torch.cuda.get_device_capability = saved
 
 
-def build_and_load(cfg_path, L, quant, hf_specs):
+def build_and_load(cfg_path, L, quant, hf_specs, extra_args=None, make=None):
+    """SGLang's model for layout L, loaded by SGLang's loader. `extra_args`: more ServerArgs fields; `make`: the
+    checkpoint's contents (see checkpoint())."""
     from transformers import AutoConfig
 
     model_dir = os.path.dirname(cfg_path)
     want_fused = L.get("num_fused_shared_experts", 0)
-    publish_layout(model_dir, L, want_fused > 0)
+    publish_layout(model_dir, L, want_fused > 0, extra_args)
     hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     quant_config = None
     if quant.get("mode") == "fp8_block":
@@ -210,7 +215,7 @@ def build_and_load(cfg_path, L, quant, hf_specs):
     finally:
         torch.set_default_dtype(old)
     model.shared_experts_config = shared
-    DefaultModelLoader.load_weights_and_postprocess(model, checkpoint(hf_specs, quant), torch.device("cpu"))
+    DefaultModelLoader.load_weights_and_postprocess(model, checkpoint(hf_specs, quant, make), torch.device("cpu"))
     return model
 
 

@@ -39,9 +39,17 @@ struct MooncakeOptions {
   absl::Duration handshake_timeout = absl::Seconds(10);
   // Tests only: skip Post's check against the peer's registered buffers, to observe the peer's own rejection.
   bool check_peer_buffers = true;
+  // The engine's protocol: "tcp" or "rdma" (SGLang: its MOONCAKE_PROTOCOL, default rdma). Empty: the environment
+  // variable WSYNC_MOONCAKE_PROTOCOL, else "tcp". rdma writes through wsync's verbs backend on exactly one device
+  // (TransportOptions::devices / gid_index; with no list, $WSYNC_MOONCAKE_DEVICE, else the machine's only active
+  // device). The daemons create this transport with default options: the two variables select rdma for them.
+  std::string protocol;
+  // rdma: queue pairs per endpoint; must equal the engine's (MC_NUM_QP_PER_EP, default 2), which refuses others.
+  int rdma_qps = 2;
 };
 
-// Always viable (plain TCP). Never fails today; StatusOr for symmetry with the other backends.
+// tcp: always viable (plain TCP). rdma: viable when the verbs backend finds its device (else viable() is false and
+// reason() says why). InvalidArgument for an unknown protocol or, for rdma, more than one device.
 absl::StatusOr<std::unique_ptr<Transport>> CreateMooncakeTransport(const TransportOptions& opts,
                                                                    const MooncakeOptions& mopts = {});
 

@@ -95,7 +95,7 @@ class VerbsEndpoint final : public Endpoint {
         Qp qp;
         qp.dev = dev.get();
         qp.max_wr = max_wr;
-        qp.psn = rng() & 0xffffff;
+        qp.psn = cfg_.zero_psn ? 0 : (rng() & 0xffffff);
         // Only signaled WRs complete normally, but a QP in error flushes every outstanding WR: size for all of them.
         qp.cq.reset(Ibv().create_cq(dev->context.get(), static_cast<int>(max_wr) + 1, nullptr, nullptr, 0));
         if (!qp.cq) {

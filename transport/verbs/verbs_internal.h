@@ -27,6 +27,7 @@ struct Config {
   // 6, not 7: soft-RoCE (rdma_rxe) treats retry_cnt 7 as "retry forever", so a vanished peer would hang.
   uint8_t retry_cnt = 6;
   absl::Duration io_timeout = absl::Seconds(30);  // Post gives up waiting for send-queue space after this
+  bool zero_psn = false;                          // VerbsOptions::zero_psn
 };
 
 // Who a transport instance is, as peers see it in connection info and descriptors.

@@ -74,6 +74,7 @@ absl::Status SmallFromEnv(const char* name, int current, int max, uint8_t* out) 
 absl::StatusOr<Config> ResolveConfig(const TransportOptions& opts, const VerbsOptions& v) {
   Config c;
   c.io_timeout = opts.io_timeout;
+  c.zero_psn = v.zero_psn;
   WSYNC_RETURN_IF_ERROR(FromEnv<uint64_t>("WSYNC_VERBS_MAX_MR_SIZE", v.max_mr_chunk, &c.max_mr_chunk));
   WSYNC_RETURN_IF_ERROR(FromEnv<int>("WSYNC_VERBS_QPS_PER_DEVICE", v.qps_per_device, &c.qps_per_device));
   WSYNC_RETURN_IF_ERROR(FromEnv<uint64_t>("WSYNC_VERBS_STRIPE_BYTES", v.stripe_bytes, &c.stripe_bytes));
@@ -112,6 +113,13 @@ class VerbsTransport final : public Transport {
   std::string name() const override { return "verbs"; }
   bool viable() const override { return devices_ != nullptr; }
   std::string reason() const override { return reason_; }
+  std::vector<std::string> DeviceNames() const {
+    std::vector<std::string> out;
+    if (devices_) {
+      for (const auto& d : devices_->devices) out.push_back(d->name);
+    }
+    return out;
+  }
 
   absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
     WSYNC_RETURN_IF_ERROR(CheckViable());
@@ -204,6 +212,11 @@ std::optional<VerbsRegionInfo> GetVerbsRegionInfo(const LocalRegion& region) {
   for (const auto& d : r->devices().devices) info.devices.push_back(d->name);
   for (int i : r->preferred_devices()) info.preferred_devices.push_back(r->devices().devices[i]->name);
   return info;
+}
+
+std::vector<std::string> GetVerbsTransportDevices(const Transport& transport) {
+  const auto* t = dynamic_cast<const VerbsTransport*>(&transport);
+  return t == nullptr ? std::vector<std::string>{} : t->DeviceNames();
 }
 
 std::optional<VerbsEndpointStats> GetVerbsEndpointStats(const Endpoint& endpoint) {

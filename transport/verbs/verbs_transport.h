@@ -42,6 +42,9 @@ struct VerbsOptions {
   uint32_t signal_every = 0;  // WSYNC_VERBS_SIGNAL_EVERY: WRs per linked list, last one signaled; default 32
   int qp_timeout = -1;        // WSYNC_VERBS_QP_TIMEOUT: ack timeout exponent (4.096 us * 2^n); default 14
   int retry_cnt = -1;         // WSYNC_VERBS_RETRY_CNT: retries before failing (0..7; rxe: 7 = forever); default 6
+  // Start every QP's send PSN at 0 instead of a random value. For peers that are not wsync and assume PSN 0 on
+  // both sides (the Mooncake Transfer Engine's rdma transport: transport/mooncake).
+  bool zero_psn = false;
 };
 
 // Creates the verbs backend. Hardware absence is not an error: the transport is returned with viable() == false.
@@ -68,5 +71,8 @@ struct VerbsEndpointStats {
   uint64_t send_queue_full_waits = 0;  // times Post had to poll for completions before posting more
 };
 std::optional<VerbsEndpointStats> GetVerbsEndpointStats(const Endpoint& endpoint);
+
+// The devices a verbs transport opened, in order (empty for another backend or a transport that is not viable).
+std::vector<std::string> GetVerbsTransportDevices(const Transport& transport);
 
 }  // namespace wsync::transport::verbs
