@@ -139,9 +139,11 @@ def main():
             harness.wait_for("target registered", lambda: harness.read_port_file(tport), 60, procs, ["target"])
             procs.start("source", [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id",
                                    "train0", "--coordinator", coord, "--trainer-ranks", "1", "--ring-mib", "32",
-                                   "--port-file", os.path.join(wd, "source.port")])
-            src = "127.0.0.1:%d" % harness.wait_for("source", lambda: harness.read_port_file(
-                os.path.join(wd, "source.port")), 60, procs, ["source"])
+                                   "--port-file", os.path.join(wd, "source.port"),
+                                   "--trainer-socket", os.path.join(wd, "source.sock")])
+            harness.wait_for("source", lambda: harness.read_port_file(os.path.join(wd, "source.port")), 60, procs,
+                             ["source"])
+            src = os.path.join(wd, "source.sock")  # the trainer socket
             t = time.time()
             r = subprocess.run([f"{b}/wsync-trainer-demo", "--daemon", src, "--model", args.model, "--updates", "3",
                                 "--first-version", "1", "--drive", "--coordinator", coord],
