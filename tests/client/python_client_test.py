@@ -38,7 +38,10 @@ ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 FAILED_PRECONDITION_CODE = 9
 sys.path.insert(0, HERE)
 
-np = None  # numpy: imported by the inner stage (the fresh venv has it)
+try:  # numpy: the inner stage imports it (the fresh venv has it); other tests import generate_bf16 from here
+    import numpy as np
+except ImportError:
+    np = None
 
 U64 = (1 << 64) - 1
 
