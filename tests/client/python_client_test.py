@@ -172,7 +172,55 @@ def readme_quick_use():
     return m.group(1)
 
 
+def check_tls(args, cluster, deadline):
+    """The coordinator calls over mTLS (docs/security.md): certificates from WSYNC_TLS_*, the role checked by the
+    coordinator; no certificate, no handshake; without TLS a non-loopback coordinator is refused before dialling."""
+    from wsync_client import Coordinator, WsyncError
+    certs = os.path.join(cluster.work, "certs")
+    subprocess.run([os.path.join(ROOT, "tools", "wsync-certs.sh"), certs, "coordinator:py", "trainer:py"],
+                   check=True, stdout=subprocess.DEVNULL, timeout=120)
+    pem = lambda n: (os.path.join(certs, n + ".pem"), os.path.join(certs, n + "-key.pem"))
+    cert, key = pem("coordinator-py")
+    p = cluster.start("coordinator-tls", [args.coordinator, "--listen", "127.0.0.1:0", "--port-file",
+                                          os.path.join(cluster.work, "coordinator-tls.port"),
+                                          "--tls-ca", os.path.join(certs, "ca.pem"), "--tls-cert", cert,
+                                          "--tls-key", key])
+    ep = cluster.wait_port("coordinator-tls", p, deadline)
+    saved = {k: os.environ.get(k) for k in ("WSYNC_TLS_CA", "WSYNC_TLS_CERT", "WSYNC_TLS_KEY")}
+    try:
+        os.environ["WSYNC_TLS_CA"] = os.path.join(certs, "ca.pem")
+        os.environ["WSYNC_TLS_CERT"], os.environ["WSYNC_TLS_KEY"] = pem("trainer-py")
+        with Coordinator(ep, dial_timeout=5) as c:
+            check(c.status().get("state") == "idle", "mTLS: a trainer certificate reads the status")
+            try:
+                c.abort_update(99, "test")
+                raise AssertionError("a trainer may not abort updates")
+            except WsyncError as e:
+                check(e.code_name == "PERMISSION_DENIED", "mTLS: AbortUpdate refused to a trainer (%s)" % e)
+        for k in saved:
+            os.environ.pop(k, None)
+        with Coordinator(ep, dial_timeout=2) as c:
+            try:
+                c.status()
+                raise AssertionError("a client without a certificate got an answer")
+            except WsyncError as e:
+                check(e.code_name == "UNAVAILABLE", "mTLS: no certificate, no handshake (%s)" % e.code_name)
+        try:
+            Coordinator("192.0.2.7:7600")
+            raise AssertionError("a non-loopback coordinator was accepted without TLS")
+        except WsyncError as e:
+            check(e.code_name == "INVALID_ARGUMENT" and "loopback" in str(e),
+                  "without TLS a non-loopback coordinator is refused: %s" % e)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run(args, cluster, deadline):
+    check_tls(args, cluster, deadline)
     from wsync_client import Coordinator, Trainer, WsyncError
     import grpc
     from wsync_client._proto.wsync.v1 import trainer_pb2, trainer_pb2_grpc
