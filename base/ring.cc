@@ -386,7 +386,19 @@ absl::StatusOr<uint8_t*> RingProducer::BeginTensor(absl::string_view name, DType
 
   uint64_t pos = write_;
   uint64_t pad = PaddingAt(pos, frame);
-  if (pad > 0 && bucket_tensors_ == 0) {
+  RingHeader* h = map_.header();
+  if (pad > 0 && bucket_tensors_ == 0 && commit_ == pos && h->read.load(std::memory_order_seq_cst) == pos) {
+    // Drained ring (everything committed is released; the consumer holds nothing and stores no release mark until
+    // the next bucket): skip to the wrap point by moving the release mark there ourselves. A padding frame would
+    // deadlock a frame longer than the room before the wrap: the consumer parses padding only together with the next
+    // bucket, and this frame, part of that bucket, would need the padding's space released first (and would
+    // overwrite its header). RingConsumer::LoadCommit adopts the skip.
+    write_ = bucket_begin_ = pos + pad;
+    h->read.store(write_, std::memory_order_seq_cst);
+    Publish(write_);
+    pos = write_;
+    pad = 0;
+  } else if (pad > 0 && bucket_tensors_ == 0) {
     // Wrap before the bucket starts and publish the padding alone, so it does not count against the bucket.
     WSYNC_RETURN_IF_ERROR(WaitForSpace(pos + pad, deadline, what));
     WritePadding(pos, pad);
@@ -540,7 +552,17 @@ void RingConsumer::StoreRead(uint64_t pos) {
 }
 
 absl::Status RingConsumer::LoadCommit(uint64_t* commit) {
-  const uint64_t c = map_.header()->commit.load(std::memory_order_acquire);
+  RingHeader* h = map_.header();
+  const uint64_t c = h->commit.load(std::memory_order_acquire);
+  if (outstanding_ == 0) {
+    // A producer that finds the ring drained skips the rest of the lap by moving the release mark to the wrap point
+    // itself (RingProducer::BeginTensor): nothing is held then, and a padding frame would only be parsed with the
+    // next bucket, which may be the very frame waiting for that space. Adopt such a skip: it ends on a wrap point,
+    // is shorter than a lap, and lies within what is committed (the mark is stored before the commit that covers it).
+    const uint64_t r = h->read.load(std::memory_order_acquire);
+    const uint64_t cap = map_.capacity();
+    if (r > parse_ && r <= c && r % cap == 0 && r - parse_ < cap && parse_ == read_) parse_ = read_ = r;
+  }
   if (c % kFrameAlign != 0 || c < last_commit_ || c - read_ > map_.capacity()) {
     return absl::DataLossError(absl::StrFormat(
         "ring '%s': invalid commit position %d (previous commit %d, read %d, capacity %d)", name(), c,

@@ -199,6 +199,40 @@ TEST_CASE("ring: round trip of one bucket", "[ring]") {
   CHECK(p2->next_seq() == 1);
 }
 
+TEST_CASE("ring: a drained ring takes a frame longer than the room before the wrap", "[ring]") {
+  // The demo's case: a 384 MiB ring, the embedding (most of the ring) pushed alone after the ring drained, with the
+  // write position past the middle of a lap. The producer must not wait for the consumer to skip a padding frame it
+  // only parses with the next bucket (that bucket is this frame's): it skips the lap's rest itself.
+  constexpr uint64_t kCap = 64 * 1024;
+  auto c = RingConsumer::Create("drained-wrap", kCap);
+  REQUIRE(c.ok());
+  auto p = RingProducer::Attach(c->fd());
+  REQUIRE(p.ok());
+  auto push = [&](const std::string& name, uint64_t bytes, uint8_t fill) {
+    auto dst = p->BeginTensor(name, DType::kU8, {static_cast<int64_t>(bytes)}, bytes, absl::Seconds(2));
+    REQUIRE(dst.ok());
+    std::memset(*dst, fill, bytes);
+    REQUIRE(p->FinishTensor().ok());
+    REQUIRE(p->CommitBucket().ok());
+    auto b = c->NextBucket(absl::Seconds(2));
+    REQUIRE(b.ok());
+    REQUIRE(b->tensors.size() == 1);
+    CHECK(b->tensors[0].name == name);
+    CHECK(b->tensors[0].bytes == bytes);
+    bool same = true;
+    for (uint64_t i = 0; i < bytes; ++i) same &= b->tensors[0].data[i] == fill;
+    CHECK(same);
+    REQUIRE(c->Release(*b).ok());
+  };
+  for (int lap = 0; lap < 3; ++lap) {
+    push("small.a", 20 * 1024, 1);           // the write position moves past the middle of the lap
+    push("big.embed", 48 * 1024, 2);         // longer than the room left before the wrap, drained ring
+    push("small.b", 5 * 1024 + 3, 3);
+  }
+  // Nothing more is pending and the positions stay consistent for a new producer.
+  CHECK(absl::IsDeadlineExceeded(c->NextBucket(absl::ZeroDuration()).status()));
+}
+
 TEST_CASE("ring: wrap-around over many laps, odd sizes", "[ring]") {
   constexpr uint64_t kCap = 64 * 1024;
   constexpr uint64_t kMaxFrames = kCap / 2;

@@ -259,7 +259,17 @@ class RingProducer:
         what = "tensor '%s' (%d bytes)" % (name, frame)
         pos = self._write
         pad = self._padding_at(pos, frame)
-        if pad > 0 and self.bucket_tensors == 0:
+        if pad > 0 and self.bucket_tensors == 0 and self._commit == pos and self._q[_OFF_READ // 8] == pos:
+            # Drained ring (everything committed is released; the consumer stores no release mark until the next
+            # bucket): skip to the wrap point by moving the release mark there ourselves, as the C++ producer does
+            # (base/ring.cc, RingProducer::BeginTensor). A padding frame would deadlock a frame longer than the room
+            # before the wrap: the consumer parses padding only with the next bucket, which this frame is part of.
+            self._write = self._bucket_begin = pos + pad
+            self._store_fence()
+            self._q[_OFF_READ // 8] = self._write
+            self._publish(self._write)
+            pos, pad = self._write, 0
+        elif pad > 0 and self.bucket_tensors == 0:
             # Wrap before the bucket starts and publish the padding alone, so it does not count against the bucket.
             self._wait_space(pos + pad, deadline, what, on_wait)
             self._write_padding(pos, pad)
