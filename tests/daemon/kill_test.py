@@ -144,12 +144,14 @@ def main() -> int:
                       f"{rec.get('error', '')[:200]!r}")
                 rc, st = ctl("status")
                 check(st.get("state") == "failed", f"[{tag}] coordinator state failed: {st.get('state')!r}")
-                rc, _ = ctl("resume")
-                if st.get("engines_hold_partial_writes"):
-                    check(rc == 1, f"[{tag}] resume refused while the engine may hold partial writes (rc {rc})")
                 states = engine_states()
                 check(states and all(not x.startswith("serving") for x in states),
                       f"[{tag}] engine not continued after the failed update: {states}")
+                # A source was inside a write when the victim died: the coordinator cannot know no byte landed.
+                check(st.get("engines_hold_partial_writes") is True,
+                      f"[{tag}] engines flagged as possibly holding partial writes")
+                rc, _ = ctl("resume")
+                check(rc == 1, f"[{tag}] resume refused while the engine may hold partial writes (rc {rc})")
 
                 # Restart the dead daemon under its node id; the next update must land bit-exact.
                 if victim == "source":

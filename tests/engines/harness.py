@@ -188,3 +188,11 @@ class Checks:
             return 1
         print("PASS")
         return 0
+
+
+def last_update_record(bin_dir: str, coordinator: str) -> dict:
+    """The newest record of `wsyncctl history` ({} when there is none or the call failed)."""
+    h = subprocess.run([f"{bin_dir}/wsyncctl", "history", "-w", "json", "--endpoints", coordinator],
+                       capture_output=True, text=True, timeout=30)
+    recs = json.loads(h.stdout).get("records", []) if h.returncode == 0 and h.stdout.strip() else []
+    return recs[-1] if recs else {}

@@ -189,10 +189,7 @@ def main():
             r = subprocess.run([f"{b}/wsync-trainer-demo", "--daemon", src, "--model", model, "--updates", "1",
                                 "--first-version", "4", "--drive", "--coordinator", coord],
                                capture_output=True, text=True, timeout=180)
-            h = subprocess.run([f"{b}/wsyncctl", "history", "-w", "json", "--endpoints", coord], capture_output=True,
-                               text=True, timeout=30)
-            recs = json.loads(h.stdout).get("records", []) if h.returncode == 0 else []
-            last = recs[-1] if recs else {}
+            last = harness.last_update_record(b, coord)
             check(r.returncode != 0 and str(last.get("version")) == "4" and last.get("success") is False and
                   "sgl0" in last.get("error", "") and "post_process" in last.get("error", ""),
                   f"engine death in post-processing fails update 4 naming it: {last.get('error', '')[:300]}")
