@@ -3,7 +3,7 @@
 // (producer, a separate process using the client library) to its local daemon (consumer).
 //
 // Backing: a memfd created by the daemon (RingConsumer::Create), mapped MAP_SHARED by both sides. The daemon
-// hands the fd to the trainer over its trainer socket (SCM_RIGHTS, base/fd_passing.h; daemon/trainer_socket.h).
+// hands the fd to the trainer over its trainer socket (SCM_RIGHTS, base/fd_passing.h; daemon/node/trainer_socket.h).
 //
 // Layout: one 4 KiB header page (RingHeader), then `capacity` bytes of data. Positions are monotonically
 // increasing 64-bit byte counters; the byte at position p lives at data[p % capacity]. Invariants:

@@ -14,8 +14,8 @@ namespace wsync::client {
 
 // Client deadlines derive from the server's worst case, so a call is never abandoned while the server still works
 // on it and a retry does not overlap the first call (the coordinator answers such a retry with the first call's
-// result anyway, see daemon/coordinator.h). The rule: deadline = dial timeout + the server's worst case + a margin.
-// The server's worst case is the sum of the per-phase peer deadlines of daemon/coordinator.h (PeerDeadlines); the
+// result anyway, see daemon/coordinator/coordinator.h). The rule: deadline = dial timeout + the server's worst case + a margin.
+// The server's worst case is the sum of the per-phase peer deadlines of daemon/coordinator/coordinator.h (PeerDeadlines); the
 // client cannot include the daemon, so daemon_coordinator_test checks that these stay above
 // CommitWorstCaseSeconds / BeginWorstCaseSeconds.
 inline constexpr double kDefaultCommitTimeoutSeconds = 120;  // CommitUpdateRequest.timeout_seconds default

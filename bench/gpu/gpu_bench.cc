@@ -8,7 +8,7 @@
 //   register  : cudaHostRegister seconds per GiB (paid once per session, never per update)
 //   client push: the real client path (client/device_copy.h + base/ring.h, what TrainerClient::PushDevice does) of
 //               64 MiB bf16 tensors into a 1 GiB ring, bucket of 8, vs the D2H peak — the JSON line's value
-//   target sink: the real staging sink of a cuda segment (daemon/target_node_cuda.h) vs the H2D peak
+//   target sink: the real staging sink of a cuda segment (daemon/node/target_node_cuda.h) vs the H2D peak
 // Ends with one JSON line. Exit 77 without a CUDA device.
 #include <sys/mman.h>
 #include <unistd.h>
@@ -19,7 +19,7 @@
 
 #include "base/ring.h"
 #include "client/device_copy.h"
-#include "daemon/target_node_cuda.h"
+#include "daemon/node/target_node_cuda.h"
 #include "replica/fp8_cuda.h"
 #include "tests/cuda/cuda_check.h"
 

@@ -28,7 +28,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/fd_passing.h"
-#include "daemon/target_node.h"
+#include "daemon/node/target_node.h"
 #include "tests/cuda/cuda_check.h"
 #include "transport/transport.h"
 

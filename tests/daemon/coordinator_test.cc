@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "client/coordinator_client.h"
-#include "daemon/coordinator.h"
+#include "daemon/coordinator/coordinator.h"
 #include "tests/daemon/fake_layouts.h"
 #include "nlohmann/json.hpp"
 #include "planner/model_input.h"

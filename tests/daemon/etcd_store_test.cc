@@ -2,7 +2,7 @@
 // passes its address in WSYNC_ETCD_ENDPOINT): save/load, create-if-absent election, fencing of a deposed leader,
 // fail-over by lease expiry and by resignation. Also the --state parser.
 
-#include "daemon/etcd_store.h"
+#include "daemon/coordinator/etcd_store.h"
 
 #include <atomic>
 #include <catch2/catch.hpp>

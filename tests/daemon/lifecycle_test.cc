@@ -15,8 +15,8 @@
 #include <thread>
 
 #include "base/ring.h"
-#include "daemon/convert.h"
-#include "daemon/source_node.h"
+#include "daemon/common/convert.h"
+#include "daemon/node/source_node.h"
 #include "replica/model_config.h"
 #include "replica/param_table.h"
 #include "transport/transport.h"

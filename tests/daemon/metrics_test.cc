@@ -8,10 +8,10 @@
 
 #include "tests/daemon/fake_layouts.h"
 #include "absl/strings/match.h"
-#include "daemon/coordinator.h"
-#include "daemon/metrics.h"
-#include "daemon/serve.h"
-#include "daemon/services.h"
+#include "daemon/coordinator/coordinator.h"
+#include "daemon/common/metrics.h"
+#include "daemon/common/serve.h"
+#include "daemon/coordinator/coordinator_service.h"
 #include "httplib.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 

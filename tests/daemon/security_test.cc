@@ -31,7 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "google/protobuf/descriptor.h"
-#include "daemon/state_store.h"
+#include "daemon/coordinator/state_store.h"
 #include "tests/daemon/cluster.h"
 #include "transport/transport.h"
 #include "wsync/v1/coordinator.grpc.pb.h"

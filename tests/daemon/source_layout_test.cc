@@ -11,7 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "daemon/source_node.h"
+#include "daemon/node/source_node.h"
 #include "transport/transport.h"
 
 namespace wsync::daemon {

@@ -26,7 +26,7 @@
 
 #include "absl/strings/match.h"
 #include "base/fd_passing.h"
-#include "daemon/target_node.h"
+#include "daemon/node/target_node.h"
 #include "transport/transport.h"
 #include "wsync/v1/engine.grpc.pb.h"
 

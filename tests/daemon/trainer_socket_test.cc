@@ -17,10 +17,10 @@
 #include "absl/strings/match.h"
 #include "base/fd_passing.h"
 #include "client/trainer_client.h"
-#include "daemon/serve.h"
-#include "daemon/services.h"
-#include "daemon/source_node.h"
-#include "daemon/trainer_socket.h"
+#include "daemon/common/serve.h"
+#include "daemon/node/node_services.h"
+#include "daemon/node/source_node.h"
+#include "daemon/node/trainer_socket.h"
 #include "transport/transport.h"
 
 namespace wsync::daemon {

@@ -2,7 +2,7 @@
 // and how vLLM's failures come back. The fake checks every request by vLLM's own rules and lists what the real
 // server would have rejected, so a malformed request fails the test even where the adapter shrugs it off.
 
-#include "daemon/engines/vllm_adapter.h"
+#include "daemon/common/engines/vllm_adapter.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

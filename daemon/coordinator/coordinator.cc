@@ -1,0 +1,1043 @@
+#include "daemon/coordinator/coordinator.h"
+
+#include <algorithm>
+#include <future>
+#include <set>
+#include <tuple>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "base/cli.h"
+#include "base/logging.h"
+#include "base/status.h"
+#include "planner/model_input.h"
+#include "planner/plan.h"
+#include "replica/model_config.h"
+#include "spdlog/spdlog.h"
+
+namespace wsync::daemon {
+namespace {
+
+// Runs fn(item) for every item concurrently. OK when every call succeeded; otherwise the first error's code with
+// every failure's message (a link that goes down fails every engine rank behind it: the error names them all).
+template <typename T, typename Fn>
+absl::Status ForAll(const std::vector<T>& items, Fn fn) {
+  std::vector<std::future<absl::Status>> fs;
+  fs.reserve(items.size());
+  for (const T& it : items) fs.push_back(std::async(std::launch::async, [&fn, &it] { return fn(it); }));
+  std::vector<absl::Status> failed;
+  for (auto& f : fs) {
+    absl::Status s = f.get();
+    if (!s.ok()) failed.push_back(s);
+  }
+  if (failed.empty()) return absl::OkStatus();
+  if (failed.size() == 1) return failed.front();
+  std::vector<std::string> msgs;
+  for (const auto& s : failed) msgs.emplace_back(s.message());
+  return absl::Status(failed.front().code(), absl::StrCat(failed.size(), " of ", items.size(), " calls failed: ",
+                                                          absl::StrJoin(msgs, "; ")));
+}
+
+void AddPhase(v1::UpdateRecord* rec, const std::string& phase, absl::Time since) {
+  auto* p = rec->add_phases();
+  p->set_phase(phase);
+  p->set_seconds(absl::ToDoubleSeconds(absl::Now() - since));
+}
+
+}  // namespace
+
+Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
+    : opts_(std::move(opts)), peers_(std::move(peers)) {
+  metrics_.Declare("wsync_updates_total", "counter", "Updates ended, by result (ok, failed, aborted).");
+  metrics_.Declare("wsync_update_seconds", "histogram", "Wall time of an update from BeginUpdate to its end.");
+  metrics_.Declare("wsync_update_phase_seconds", "histogram",
+                   "Wall time of each update phase (pause, configure, push, post_process, set_version, continue, "
+                   "abort).");
+  metrics_.Declare("wsync_update_bytes_total", "counter", "Bytes written into engine memory by ended updates.");
+  metrics_.Declare("wsync_current_version", "gauge", "Last committed weight version (-1: none).");
+  metrics_.Declare("wsync_update_in_progress", "gauge", "1 while an update is beginning, open, committing or aborting.");
+  metrics_.Declare("wsync_engines_hold_partial_writes", "gauge",
+                   "1 when a failed or aborted update may have written into the paused engines.");
+  metrics_.Declare("wsync_membership_epoch", "gauge", "Membership epoch (changes when a node registers).");
+  metrics_.Declare("wsync_nodes", "gauge", "Registered nodes, by role.");
+  metrics_.Declare("wsync_engines", "gauge", "Registered engines, by the coordinator's view of their state.");
+  metrics_.OnCollect([this](Metrics& m) {
+    std::lock_guard<std::mutex> l(mu_);
+    m.Set("wsync_current_version", {}, static_cast<double>(current_version_));
+    m.Set("wsync_update_in_progress", {}, UpdateInProgress() ? 1 : 0);
+    m.Set("wsync_engines_hold_partial_writes", {}, engines_dirty_ ? 1 : 0);
+    m.Set("wsync_membership_epoch", {}, static_cast<double>(membership_epoch_));
+    std::map<std::string, int> roles, states;
+    for (const auto& [id, n] : nodes_) {
+      ++roles[n.role()];
+      for (const auto& e : n.engines()) {
+        auto it = engine_state_.find(e.control_address());
+        std::string st = it == engine_state_.end() ? "registered" : it->second;
+        if (st.rfind("failed", 0) == 0) st = "failed";
+        ++states[st];
+      }
+    }
+    m.ClearFamily("wsync_nodes");
+    m.ClearFamily("wsync_engines");
+    for (const char* r : {"source", "target"}) m.Set("wsync_nodes", {{"role", r}}, roles[r]);
+    for (const auto& [st, n] : states) m.Set("wsync_engines", {{"state", st}}, n);
+  });
+}
+
+absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::RegisterNodeRequest& req) {
+  if (req.node_id().empty()) return absl::InvalidArgumentError("node_id is empty");
+  // Bounds before anything is stored: names end up in every status, log line and plan.
+  if (req.node_id().size() > 253 || req.address().size() > 300 || req.transport().size() > 64)
+    return absl::InvalidArgumentError(absl::StrCat("node_id (", req.node_id().size(), " bytes), address (",
+                                                   req.address().size(), ") or transport (", req.transport().size(),
+                                                   ") is too long (limits 253, 300, 64)"));
+  if (req.engines_size() > 1024 || req.trainer_ranks() > 1024 || req.trainer_ranks() < 0)
+    return absl::InvalidArgumentError("too many engines (> 1024) or trainer ranks out of [0, 1024]");
+  for (const auto& e : req.engines())
+    if (e.engine_id().empty() || e.engine_id().size() > 253 || e.control_address().size() > 300 ||
+        e.ranks_size() > 65536)
+      return absl::InvalidArgumentError(absl::StrCat("engine '", e.engine_id().substr(0, 64),
+                                                     "': empty or too long id/address, or more than 65536 ranks"));
+  if (req.role() != "source" && req.role() != "target")
+    return absl::InvalidArgumentError(absl::StrCat("role must be source or target, not '", req.role(), "'"));
+  if (req.address().empty()) return absl::InvalidArgumentError("address is empty");
+  if (req.pp_stage() < 0 || req.pp_stage() >= 1024)
+    return absl::InvalidArgumentError(absl::StrCat("pp_stage ", req.pp_stage(), " is out of [0, 1024)"));
+  std::lock_guard<std::mutex> l(mu_);
+  if (UpdateInProgress())
+    return absl::UnavailableError(
+        absl::StrCat("update ", open_version_, " is in progress (", state_, "); register again when it has ended"));
+  for (const auto& e : req.engines())
+    for (const auto& [id, n] : nodes_)
+      for (const auto& other : n.engines())
+        if (id != req.node_id() && other.engine_id() == e.engine_id())
+          return absl::AlreadyExistsError(absl::StrCat("engine ", e.engine_id(), " is already served by node ", id));
+  // A (re)registering daemon is a new process, maybe at the address of the old one: dial it afresh.
+  peers_->Forget(req.address());
+  for (const auto& e : req.engines()) peers_->Forget(e.control_address());
+  nodes_[req.node_id()] = req;
+  last_heartbeat_[req.node_id()] = absl::Now();
+  for (const auto& e : req.engines()) engine_state_[e.control_address()] = "registered";
+  ++membership_epoch_;
+  Persist();
+  spdlog::info("node {} registered as {} at {} ({} engines); membership epoch {}", req.node_id(), req.role(),
+               req.address(), req.engines_size(), membership_epoch_);
+  v1::RegisterNodeReply out;
+  out.set_membership_epoch(membership_epoch_);
+  return out;
+}
+
+absl::Status Coordinator::Replan() {
+  // Sources: ordered by (stage, node id); every node must hold the same number of trainer ranks, every stage the
+  // same number of nodes (Megatron rank order: stage p owns a contiguous block of ranks).
+  std::vector<const v1::RegisterNodeRequest*> sources;
+  for (const auto& [id, n] : nodes_)
+    if (n.role() == "source") sources.push_back(&n);
+  if (sources.empty()) return absl::FailedPreconditionError("no source daemon has registered");
+  std::sort(sources.begin(), sources.end(), [](const auto* a, const auto* b) {
+    return std::make_pair(a->pp_stage(), a->node_id()) < std::make_pair(b->pp_stage(), b->node_id());
+  });
+  const int ranks_per_node = std::max(sources.front()->trainer_ranks(), 1);
+  std::map<int, int> nodes_per_stage;
+  for (const auto* s : sources) {
+    if (std::max(s->trainer_ranks(), 1) != ranks_per_node)
+      return absl::FailedPreconditionError(absl::StrCat("source nodes hold different numbers of trainer ranks (",
+                                                        sources.front()->node_id(), ": ", ranks_per_node, ", ",
+                                                        s->node_id(), ": ", s->trainer_ranks(), ")"));
+    ++nodes_per_stage[s->pp_stage()];
+  }
+  const int pp = static_cast<int>(nodes_per_stage.size());
+  for (const auto& [stage, count] : nodes_per_stage)
+    if (stage >= pp || count != nodes_per_stage.begin()->second)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "trainer stages must be 0..", pp - 1, " with the same number of source nodes each; stage ", stage, " has ",
+          count, " (a stage may not have registered yet)"));
+
+  // Engines: grouped by everything that makes their layouts differ.
+  struct Engine {
+    std::string node_id;
+    std::string node_addr;
+    const v1::EngineRegistration* reg;
+  };
+  std::map<std::tuple<std::string, int, int, int>, std::vector<Engine>> groups;  // (dialect, tp, ep, dp)
+  for (const auto& [id, n] : nodes_)
+    for (const auto& e : n.engines()) {
+      if (e.ranks_size() == 0) return absl::FailedPreconditionError(absl::StrCat("engine ", e.engine_id(), " has no ranks"));
+      auto dialect = replica::DialectForEngineKind(e.kind());
+      if (!dialect.ok()) return Annotate(dialect.status(), absl::StrCat("engine ", e.engine_id()));
+      const auto& par = e.ranks(0).parallelism();
+      groups[{std::string(replica::DialectName(*dialect)), e.ranks_size(), std::max(par.ep_size(), 1),
+              std::max(par.attn_dp_size(), 1)}]
+          .push_back({id, n.address(), &e});
+    }
+  if (groups.empty()) return absl::FailedPreconditionError("no target daemon with an engine has registered");
+  WSYNC_ASSIGN_OR_RETURN(replica::ModelConfig cfg, replica::ModelConfig::FromJson(model_config_json_));
+  WSYNC_ASSIGN_OR_RETURN(planner::Strategy strategy, planner::ParseStrategy(opts_.strategy));
+
+  std::map<std::tuple<std::string, std::string, int>, Planned> planned;  // (source node, engine, rank)
+  std::map<std::string, std::vector<std::vector<std::string>>> push;      // node → per local rank
+  std::map<std::string, std::set<std::string>> pushed;                     // node → tensors already assigned
+  std::map<std::string, std::vector<google::protobuf::RepeatedPtrField<v1::TensorSliceSpec>>> slice_push;
+  std::map<std::string, std::vector<int64_t>> shapes;  // checkpoint tensor → shape (slices are sent in its dims)
+  {
+    WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
+    for (const auto& sp : specs) shapes[sp.name] = sp.shape;
+  }
+  for (auto& [key, engines] : groups) {
+    std::sort(engines.begin(), engines.end(),
+              [](const Engine& a, const Engine& b) { return a.reg->engine_id() < b.reg->engine_id(); });
+    planner::ClusterSpec c;
+    if (!opts_.trainer_parallelism.empty()) {
+      auto t = planner::ParseTrainerSpec(opts_.trainer_parallelism);
+      if (!t.ok()) return Annotate(t.status(), "--trainer-parallelism");
+      c.trainer = *t;
+    }
+    c.trainer.pp = pp;
+    c.trainer.nodes = static_cast<int>(sources.size());
+    c.trainer.gpus_per_node = ranks_per_node;
+    if (strategy == planner::Strategy::kLocal && groups.size() > 1)
+      return absl::FailedPreconditionError(
+          "strategy local plans one engine group (one engine kind and parallelism); this membership has several");
+    c.engine.instances = static_cast<int>(engines.size());
+    c.engine.tp = std::get<1>(key);
+    c.engine.ep = std::get<2>(key);
+    c.engine.dp_attention = std::get<3>(key);
+    c.engine.nodes = 1;
+    c.nic.per_node = 1;
+    planner::ModelInputOptions mo;
+    mo.dialect = *replica::DialectForEngineKind(engines.front().reg->kind());
+    // Quantization is what the engine reports: FP8 block scales among its parameters (block size from its config).
+    bool fp8 = false;
+    for (const auto& p : engines.front().reg->ranks(0).params())
+      fp8 |= absl::EndsWith(p.name(), "weight_scale_inv");
+    if (fp8) {
+      if (cfg.weight_block_size.empty()) cfg.weight_block_size = {128, 128};
+      mo.quant.mode = replica::QuantSpec::Mode::kFp8Block;
+      mo.quant.block_n = static_cast<int>(cfg.weight_block_size[0]);
+      mo.quant.block_k = static_cast<int>(cfg.weight_block_size.size() > 1 ? cfg.weight_block_size[1]
+                                                                             : cfg.weight_block_size[0]);
+    }
+    auto input = planner::BuildModelInput(cfg, c, mo);
+    if (!input.ok())
+      return Annotate(input.status(), absl::StrCat("planning engines of kind ", engines.front().reg->kind()));
+    // Every engine rank must hold exactly the layout planned for it (names and sizes), before any write.
+    for (const Engine& e : engines)
+      for (const auto& r : e.reg->ranks()) {
+        const std::string who = absl::StrCat("engine ", e.reg->engine_id(), " rank ", r.rank());
+        if (r.rank() < 0 || r.rank() >= c.engine.tp)
+          return absl::FailedPreconditionError(absl::StrCat(who, ": rank out of [0, ", c.engine.tp, ")"));
+        std::map<std::string, uint64_t> theirs;
+        for (const auto& p : r.params()) theirs[p.name()] = p.bytes();
+        for (const auto& p : input->layouts[r.rank()].params) {
+          auto it = theirs.find(p.name);
+          if (it == theirs.end())
+            return absl::FailedPreconditionError(absl::StrCat(who, " lacks parameter ", p.name));
+          if (it->second != p.bytes)
+            return absl::FailedPreconditionError(absl::StrCat(who, ": parameter ", p.name, " has ", it->second,
+                                                              " bytes, the model needs ", p.bytes));
+        }
+        if (theirs.size() != input->layouts[r.rank()].params.size())
+          return absl::FailedPreconditionError(
+              absl::StrCat(who, " has ", theirs.size(), " parameters, the model's layout ",
+                           input->layouts[r.rank()].params.size()));
+      }
+    planner::PlanOptions po;
+    po.strategy = strategy;
+    po.min_source_bytes = opts_.min_source_bytes;
+    po.snap_bytes = opts_.snap_bytes;
+    auto plan = planner::BuildPlan(*input, po);
+    if (!plan.ok()) return Annotate(plan.status(), "building the transfer plan");
+    WSYNC_RETURN_IF_ERROR_CTX(planner::VerifyPlan(*input, *plan), "checking the transfer plan");
+    for (const auto& sp : plan->sources) {
+      const v1::RegisterNodeRequest& node = *sources[sp.trainer_rank / ranks_per_node];
+      const int local = sp.trainer_rank % ranks_per_node;
+      for (const auto& task : sp.tasks) {
+        const Engine& e = engines[task.target.instance];
+        const v1::RankLayout* layout = nullptr;
+        for (const auto& r : e.reg->ranks())
+          if (r.rank() == task.target.rank) layout = &r;
+        if (layout == nullptr)
+          return absl::FailedPreconditionError(
+              absl::StrCat("engine ", e.reg->engine_id(), " did not report rank ", task.target.rank));
+        Planned& p = planned[{node.node_id(), e.reg->engine_id(), task.target.rank}];
+        if (p.source.empty()) {
+          p.source = node.node_id();
+          p.assignment.set_engine_id(e.reg->engine_id());
+          p.assignment.set_rank(task.target.rank);
+          p.assignment.set_target_daemon(e.node_addr);
+          p.assignment.set_target_node(e.node_id);
+          p.assignment.set_engine_kind(e.reg->kind());
+          p.assignment.set_pp_stage(sp.stage);
+          *p.assignment.mutable_layout() = *layout;
+        }
+        for (const auto& s : task.slices) {
+          auto* w = p.assignment.add_writes();
+          w->set_param(input->layouts[task.target.rank].params[s.param].name);
+          w->set_offset(s.offset);
+          w->set_length(s.length);
+          p.bytes += s.length;
+        }
+      }
+      auto& lists = push[node.node_id()];
+      lists.resize(ranks_per_node);
+      if (strategy == planner::Strategy::kLocal) {
+        // Slices (planner::PushSlice, rectangles of the 2-D view) as offsets/extents of the tensor's own shape; a
+        // slice covering the whole tensor is pushed by name.
+        auto& sl = slice_push[node.node_id()];
+        sl.resize(ranks_per_node);
+        for (const auto& ps : sp.push_slices) {
+          const planner::HfTensorInfo& h = input->hf_tensors[ps.hf];
+          if (ps.box == h.full()) {
+            lists[local].push_back(h.name);
+            continue;
+          }
+          const std::vector<int64_t>& shape = shapes.at(h.name);
+          v1::TensorSliceSpec spec;
+          spec.set_name(h.name);
+          spec.set_gather(ps.gather_bytes > 0);
+          for (int64_t d : shape) spec.add_shape(d);
+          if (shape.size() == 2) {
+            spec.add_offsets(ps.box.row0), spec.add_offsets(ps.box.col0);
+            spec.add_extents(ps.box.rows), spec.add_extents(ps.box.cols);
+          } else {
+            // A row range of the 2-D view: whole sub-tensors along dim 0 (1-D: elements).
+            int64_t inner = 1;
+            for (size_t d = 1; d + 1 < shape.size(); ++d) inner *= shape[d];
+            if (ps.box.cols != h.cols || ps.box.row0 % inner != 0 || ps.box.rows % inner != 0)
+              return absl::InternalError(absl::StrCat("local plan slices ", h.name, " across its inner dims"));
+            spec.add_offsets(ps.box.row0 / inner), spec.add_extents(ps.box.rows / inner);
+            for (size_t d = 1; d < shape.size(); ++d) spec.add_offsets(0), spec.add_extents(shape[d]);
+          }
+          *sl[local].Add() = std::move(spec);
+        }
+        continue;
+      }
+      for (int h : sp.push_filter) {
+        const std::string& name = input->hf_tensors[h].name;
+        if (pushed[node.node_id()].insert(name).second) lists[local].push_back(name);
+      }
+    }
+  }
+  std::vector<Planned> plan;
+  for (auto& [k, p] : planned) plan.push_back(std::move(p));
+  std::map<std::string, std::vector<v1::RankPushFilter>> filters;
+  for (const auto* s : sources) {
+    auto& out = filters[s->node_id()];
+    const auto& lists = push[s->node_id()];
+    for (int r = 0; r < ranks_per_node; ++r) {
+      v1::RankPushFilter f;
+      f.set_local_rank(r);
+      if (r < static_cast<int>(lists.size())) *f.mutable_tensor_names() = {lists[r].begin(), lists[r].end()};
+      auto sl = slice_push.find(s->node_id());
+      if (sl != slice_push.end() && r < static_cast<int>(sl->second.size())) *f.mutable_slices() = sl->second[r];
+      out.push_back(std::move(f));
+    }
+  }
+  model_weight_block_.clear();
+  for (const auto& [key, engines] : groups)
+    for (const auto& p : engines.front().reg->ranks(0).params())
+      if (absl::EndsWith(p.name(), "weight_scale_inv") && model_weight_block_.empty()) {
+        const auto& b = cfg.weight_block_size;
+        model_weight_block_ = {static_cast<int32_t>(b.empty() ? 128 : b[0]),
+                               static_cast<int32_t>(b.size() > 1 ? b[1] : (b.empty() ? 128 : b[0]))};
+      }
+  spdlog::info("plan ({}): {} source nodes ({} stages x {} ranks per node), {} engine groups, {} (source, engine "
+               "rank) assignments",
+               opts_.strategy, sources.size(), pp, ranks_per_node, groups.size(), plan.size());
+  plan_ = std::move(plan);
+  push_filters_ = std::move(filters);
+  return absl::OkStatus();
+}
+
+std::string Coordinator::EngineLabel(const std::string& addr) const {
+  std::lock_guard<std::mutex> l(mu_);
+  for (const auto& [id, n] : nodes_)
+    for (const auto& e : n.engines())
+      if (e.control_address() == addr)
+        return absl::StrCat("engine ", e.engine_id(), " (", e.ranks_size(), " ranks, node ", id, ", ", addr, ")");
+  return addr;
+}
+
+std::string Coordinator::NodeLabel(const std::string& addr) const {
+  std::lock_guard<std::mutex> l(mu_);
+  for (const auto& [id, n] : nodes_)
+    if (n.address() == addr) return absl::StrCat(id, " (", addr, ")");
+  return addr;
+}
+
+std::vector<std::string> Coordinator::EngineAddresses() const {
+  std::vector<std::string> out;
+  for (const auto& [id, n] : nodes_)
+    for (const auto& e : n.engines()) out.push_back(e.control_address());
+  return out;
+}
+
+absl::Status Coordinator::Track(const std::string& addr, const std::string& on_success, const std::string& phase,
+                                absl::Status st) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (!st.ok()) {
+    engine_state_[addr] = "failed: " + phase;
+  } else if (!on_success.empty()) {
+    engine_state_[addr] = on_success;
+  }
+  Persist();
+  return st;
+}
+
+const Coordinator::Outcome* Coordinator::FindOutcome(int64_t v) const {
+  auto it = outcomes_.find(v);
+  return it == outcomes_.end() ? nullptr : &it->second;
+}
+
+void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
+  state_ = o.status.ok() ? "idle" : "failed";
+  open_version_ = -1;
+  SetLogUpdateVersion(-1);
+  // BeginUpdate admits only versions newer than every one begun, so this never moves backwards; the check keeps it so.
+  if (o.status.ok() && v > current_version_) current_version_ = v;
+  outcomes_[v] = o;
+  while (outcomes_.size() > std::max<size_t>(opts_.history_limit, 1)) outcomes_.erase(outcomes_.begin());
+  metrics_.Add("wsync_updates_total", {{"result", rec.aborted() ? "aborted" : (o.status.ok() ? "ok" : "failed")}}, 1);
+  metrics_.Observe("wsync_update_seconds", {}, rec.total_seconds());
+  for (const auto& p : rec.phases()) metrics_.Observe("wsync_update_phase_seconds", {{"phase", p.phase()}}, p.seconds());
+  metrics_.Add("wsync_update_bytes_total", {}, static_cast<double>(rec.bytes()));
+  history_.push_back(std::move(rec));
+  while (history_.size() > opts_.history_limit) history_.pop_front();
+  Persist();
+  ended_cv_.notify_all();
+}
+
+absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written) {
+  const int64_t v = rec.version();
+  std::lock_guard<std::mutex> l(mu_);
+  if (may_have_written) engines_dirty_ = true;
+  // Aborted: this update is over whatever is retried; a new update (a newer version) is the way forward.
+  absl::Status err = absl::AbortedError(absl::StrCat(
+      "update ", v, " failed; engines stay paused",
+      current_version_ >= 0 ? absl::StrCat(" at version ", current_version_) : std::string(),
+      " until a successful update: ", why.ToString()));
+  rec.set_success(false);
+  rec.set_error(err.ToString());
+  rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
+  Finish(v, Outcome{err, v1::CommitUpdateReply()}, std::move(rec));
+  spdlog::error("{}", err.ToString());
+  return err;
+}
+
+absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpdateRequest& req) {
+  const absl::Time start = absl::Now();
+  const int64_t v = req.version();
+  if (v < 0) return absl::InvalidArgumentError(absl::StrCat("version ", v, " is negative"));
+  v1::UpdateRecord rec;
+  rec.set_version(v);
+  rec.set_started_unix_ms(absl::ToUnixMillis(start));
+  std::vector<std::string> engines;
+  bool need_plan;
+  {
+    std::unique_lock<std::mutex> l(mu_);
+    // A retried BeginUpdate(v) while the first one is still running waits for it and shares its result.
+    ended_cv_.wait(l, [&] { return !(state_ == "beginning" && open_version_ == v); });
+    if (open_version_ == v && (state_ == "updating" || state_ == "committing")) return begin_reply_;
+    if (const Outcome* o = FindOutcome(v)) {
+      if (!o->status.ok()) return o->status;
+      return absl::FailedPreconditionError(absl::StrCat("update ", v, " has already been committed"));
+    }
+    if (UpdateInProgress())
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot begin update ", v, ": update ", open_version_, " is still open (", state_, ")"));
+    if (v <= last_begun_)
+      return absl::FailedPreconditionError(absl::StrCat("version ", v, " is not newer than the last update begun (",
+                                                        last_begun_, "; current version ",
+                                                        current_version_ >= 0 ? std::to_string(current_version_)
+                                                                              : std::string("none"),
+                                                        ")"));
+    engines = EngineAddresses();
+    if (engines.empty()) return absl::FailedPreconditionError("no engine has registered");
+    state_ = "beginning";
+    SetLogUpdateVersion(v);
+    open_version_ = v;
+    last_begun_ = v;
+    open_record_ = rec;
+    Persist();
+    need_plan = plan_epoch_ != membership_epoch_;
+  }
+  v1::BeginUpdateReply out;
+  out.set_version(v);
+
+  const std::string mode = req.pause_mode().empty() ? "retract" : req.pause_mode();
+  absl::Time t = absl::Now();
+  absl::Status st = ForAll(engines, [&](const std::string& a) {
+    return Track(a, "paused", "pause", Annotate(peers_->Pause(a, mode), "pause " + EngineLabel(a)));
+  });
+  AddPhase(&rec, "pause", t);
+  out.set_pause_seconds(rec.phases(0).seconds());
+  if (!st.ok()) return Fail(rec, st, false);
+
+  t = absl::Now();
+  std::vector<std::pair<std::string, v1::ConfigureSourceRequest>> configure;
+  std::vector<std::string> source_addrs;
+  int64_t plan_epoch;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (need_plan) {
+      // The engines are the authority on the model they serve.
+      auto info = peers_->EngineInfo(engines.front());
+      if (!info.ok()) st = Annotate(info.status(), "engine info");
+      else model_config_json_ = info->model_config_json();
+      if (st.ok()) st = Replan();
+      if (st.ok()) {
+        std::map<std::string, v1::ConfigureSourceRequest> by_source;
+        for (const auto& [id, n] : nodes_)
+          if (n.role() == "source") by_source[id].set_model_config_json(model_config_json_);
+        for (const auto& p : plan_) *by_source[p.source].add_targets() = p.assignment;
+        for (auto& [id, r] : by_source) {
+          auto f = push_filters_.find(id);
+          if (f != push_filters_.end()) *r.mutable_push_filters() = {f->second.begin(), f->second.end()};
+          // The engines hold what their config says: FP8 block-quantized weights are quantized by the source.
+          if (!model_weight_block_.empty()) {
+            r.set_quantization("fp8_block");
+            *r.mutable_weight_block_size() = {model_weight_block_.begin(), model_weight_block_.end()};
+          }
+        }
+        for (auto& [id, r] : by_source) {
+          r.set_plan_epoch(membership_epoch_);
+          configure.emplace_back(nodes_[id].address(), r);
+        }
+      }
+    }
+    for (const auto& [id, n] : nodes_)
+      if (n.role() == "source") source_addrs.push_back(n.address());
+    plan_epoch = need_plan ? membership_epoch_ : plan_epoch_;
+  }
+  if (!st.ok()) return Fail(rec, st, false);
+  if (need_plan) {
+    st = ForAll(configure, [&](const std::pair<std::string, v1::ConfigureSourceRequest>& c) {
+      auto r = peers_->ConfigureSource(c.first, c.second);
+      return Annotate(r.status(), "configure source " + NodeLabel(c.first));
+    });
+    AddPhase(&rec, "configure", t);
+    out.set_configure_seconds(rec.phases(1).seconds());
+    if (!st.ok()) return Fail(rec, st, false);
+    std::lock_guard<std::mutex> l(mu_);
+    plan_epoch_ = plan_epoch;
+  }
+  // Targets accept writes from now on, until the sources have finished (or the update ends otherwise).
+  st = SetWindows(true, v);
+  if (!st.ok()) {
+    SetWindows(false, v).IgnoreError();
+    return Fail(rec, st, false);
+  }
+  v1::StartUpdateRequest sreq;
+  sreq.set_version(v);
+  sreq.set_plan_epoch(plan_epoch);
+  st = ForAll(source_addrs, [&](const std::string& a) { return Annotate(peers_->StartUpdate(a, sreq), "start source " + NodeLabel(a)); });
+  // A source that started may already take pushes from its ranks: count the update as possibly written.
+  if (!st.ok()) {
+    SetWindows(false, v).IgnoreError();
+    return Fail(rec, st, true);
+  }
+  out.set_plan_epoch(plan_epoch);
+  std::lock_guard<std::mutex> l(mu_);
+  state_ = "updating";
+  open_plan_epoch_ = plan_epoch;
+  begin_reply_ = out;
+  open_record_ = rec;
+  open_record_.set_started_unix_ms(absl::ToUnixMillis(start));
+  // The push phase starts now; its start is kept in total_seconds until commit.
+  open_record_.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  Persist();
+  ended_cv_.notify_all();
+  spdlog::info("update {} open (plan {}): engines paused in {:.3f}s", v, plan_epoch, out.pause_seconds());
+  return out;
+}
+
+absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::CommitUpdateRequest& req) {
+  const int64_t v = req.version();
+  v1::UpdateRecord rec;
+  std::vector<std::string> sources, engines;
+  int engine_ranks = 0;
+  int64_t plan_epoch;
+  {
+    std::unique_lock<std::mutex> l(mu_);
+    // A second CommitUpdate(v) while v commits (a client retry, a second driver) starts nothing: it waits for the
+    // running commit and returns its recorded result. The wait is bounded by that commit's own peer deadlines.
+    ended_cv_.wait(l, [&] { return !(state_ == "committing" && open_version_ == v); });
+    if (const Outcome* o = FindOutcome(v)) {
+      if (!o->status.ok()) return o->status;
+      spdlog::info("CommitUpdate({}) repeated after it committed: answering with the recorded result", v);
+      return o->reply;
+    }
+    if (state_ != "updating" || open_version_ != v) {
+      std::string open = open_version_ >= 0 ? absl::StrCat("update ", open_version_, " is ", state_)
+                                            : absl::StrCat("no update is open (state ", state_, ")");
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot commit update ", v, ": ", open, "; current version ",
+                       current_version_ >= 0 ? std::to_string(current_version_) : std::string("none"),
+                       v <= current_version_ ? " (the asked version is not newer than it)" : ""));
+    }
+    state_ = "committing";
+    Persist();
+    rec = open_record_;
+    plan_epoch = open_plan_epoch_;
+    for (const auto& [id, n] : nodes_) {
+      if (n.role() == "source") sources.push_back(n.address());
+      for (const auto& e : n.engines()) {
+        engines.push_back(e.control_address());
+        engine_ranks += e.ranks_size();
+      }
+    }
+  }
+  const absl::Time start = absl::FromUnixMillis(rec.started_unix_ms());
+  const absl::Time push_start = start + absl::Seconds(rec.total_seconds());
+  rec.set_engines(static_cast<int>(engines.size()));
+  rec.set_engine_ranks(engine_ranks);
+
+  v1::FinishUpdateRequest freq;
+  freq.set_version(v);
+  freq.set_plan_epoch(plan_epoch);
+  freq.set_timeout_seconds(req.timeout_seconds() > 0 ? req.timeout_seconds() : kDefaultCommitTimeoutSeconds);
+  std::mutex agg_mu;
+  uint64_t bytes = 0, params = 0;
+  absl::Status st = ForAll(sources, [&](const std::string& a) {
+    auto r = peers_->FinishUpdate(a, freq);
+    if (!r.ok()) return Annotate(r.status(), "source " + NodeLabel(a));
+    std::lock_guard<std::mutex> l(agg_mu);
+    bytes += r->bytes_written();
+    params += r->params_written();
+    return absl::OkStatus();
+  });
+  {
+    auto* p = rec.add_phases();
+    p->set_phase("push");
+    p->set_seconds(absl::ToDoubleSeconds(absl::Now() - push_start));
+  }
+  rec.set_bytes(bytes);
+  rec.set_params(params);
+  // Every source has finished (or failed and drained): no write of this update is legitimate any more.
+  SetWindows(false, v).IgnoreError();
+  // Weights may be partly written: the engines stay paused at their old version rather than resume silently.
+  if (!st.ok()) return Fail(rec, st, true);
+  absl::Time t = absl::Now();
+  const std::string version = std::to_string(v);
+  st = ForAll(engines, [&](const std::string& a) {
+    return Track(a, "", "post_process", Annotate(peers_->PostProcess(a, version), "post_process " + EngineLabel(a)));
+  });
+  AddPhase(&rec, "post_process", t);
+  if (st.ok()) {
+    t = absl::Now();
+    st = ForAll(engines, [&](const std::string& a) {
+      return Track(a, "", "set_version", Annotate(peers_->SetWeightVersion(a, version), "set_version " + EngineLabel(a)));
+    });
+    AddPhase(&rec, "set_version", t);
+  }
+  if (st.ok()) {
+    t = absl::Now();
+    st = ForAll(engines, [&](const std::string& a) {
+      return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
+    });
+    AddPhase(&rec, "continue", t);
+  }
+  if (!st.ok()) return Fail(rec, st, true);
+  rec.set_success(true);
+  rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  v1::CommitUpdateReply out;
+  *out.mutable_record() = rec;
+  std::lock_guard<std::mutex> l(mu_);
+  engines_dirty_ = false;
+  Finish(v, Outcome{absl::OkStatus(), out}, rec);
+  spdlog::info("update {} committed: {:.1f} MiB to {} engine ranks in {:.3f}s", v, bytes / 1048576.0, engine_ranks,
+               rec.total_seconds());
+  return out;
+}
+
+absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpdateRequest& req) {
+  const int64_t v = req.version();
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (auto it = aborted_.find(v); it != aborted_.end()) return it->second;
+    if (const Outcome* o = FindOutcome(v))
+      return absl::FailedPreconditionError(absl::StrCat("cannot abort update ", v, ": it has ended already (",
+                                                        o->status.ok() ? "committed" : "failed", ")"));
+    if (open_version_ != v || state_ == "idle" || state_ == "failed")
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot abort update ", v, ": ",
+          open_version_ >= 0 ? absl::StrCat("the open update is ", open_version_) : std::string("no update is open")));
+    if (state_ == "beginning")
+      return absl::FailedPreconditionError(absl::StrCat("update ", v,
+                                                 " is beginning (pausing engines, configuring sources); abort it "
+                                                 "once BeginUpdate has returned"));
+    if (state_ == "committing")
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot abort update ", v, ": it is committing; the commit ends by itself (success or failure) within its "
+          "deadlines"));
+    if (state_ == "aborting")
+      return absl::FailedPreconditionError(
+          absl::StrCat("update ", v, " is being aborted by another call; ask again for its result"));
+  }
+  return EndOpenUpdate(v, req.reason(), true);
+}
+
+absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const std::string& why_in,
+                                                                 bool by_operator, const std::string& lost_address) {
+  v1::UpdateRecord rec;
+  std::vector<std::string> sources;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (open_version_ != v || state_ != "updating")
+      return absl::FailedPreconditionError(
+          absl::StrCat("update ", v, " is not open (", state_, "); nothing to end"));
+    state_ = "aborting";
+    Persist();
+    rec = open_record_;
+    for (const auto& [id, n] : nodes_)
+      if (n.role() == "source") sources.push_back(n.address());
+  }
+  const absl::Time t = absl::Now();
+  v1::AbortSourceUpdateRequest sreq;
+  sreq.set_version(v);
+  sreq.set_reason(why_in);
+  std::mutex agg_mu;
+  uint64_t bytes = 0;
+  bool clean = true;
+  absl::Status st = ForAll(sources, [&](const std::string& a) {
+    if (a == lost_address) {
+      // Not asked: a stopped or unreachable node would hold the failure for the whole call deadline. It abandons
+      // the update at its next StartUpdate; whatever it wrote counts as possibly written.
+      std::lock_guard<std::mutex> l(agg_mu);
+      clean = false;
+      return absl::OkStatus();
+    }
+    auto r = peers_->AbortSourceUpdate(a, sreq);
+    std::lock_guard<std::mutex> l(agg_mu);
+    if (!r.ok()) {
+      clean = false;  // unknown: that source may have written
+      return Annotate(r.status(), "abort at source " + NodeLabel(a));
+    }
+    bytes += r->bytes_written();
+    if (r->bytes_written() > 0 || !r->quiescent()) clean = false;
+    return absl::OkStatus();
+  });
+  SetWindows(false, v, lost_address).IgnoreError();
+  AddPhase(&rec, "abort", t);
+  rec.set_bytes(bytes);
+  rec.set_aborted(by_operator);
+  const std::string why =
+      by_operator ? absl::StrCat("aborted by the operator", why_in.empty() ? std::string() : absl::StrCat(": ", why_in),
+                                 st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"))
+                  : absl::StrCat(why_in, st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"));
+  absl::Status err = by_operator ? Fail(rec, absl::AbortedError(why), !clean)
+                                 : Fail(rec, absl::UnavailableError(why), !clean);
+  if (!lost_address.empty()) {
+    // The failure is recorded; now, off the critical path, try to close the lost node's window too (a stopped
+    // target that is continued later must not keep it open). Bounded by the call's deadline.
+    v1::SetWriteWindowRequest close;
+    close.set_open(false);
+    close.set_version(v);
+    bool is_target = false;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      for (const auto& [id, n] : nodes_) is_target |= n.address() == lost_address && n.role() == "target";
+    }
+    if (is_target) {
+      auto r = peers_->SetWriteWindow(lost_address, close);
+      if (!r.ok()) spdlog::warn("closing the write window of lost target {}: {}", lost_address, r.status().ToString());
+    }
+  }
+  v1::AbortUpdateReply out;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!history_.empty() && history_.back().version() == v) *out.mutable_record() = history_.back();
+    out.set_bytes_written(bytes);
+    out.set_engines_resumable(!engines_dirty_);
+    aborted_[v] = out;
+    while (aborted_.size() > std::max<size_t>(opts_.history_limit, 1)) aborted_.erase(aborted_.begin());
+  }
+  spdlog::warn("update {} {}: {} bytes had reached the engines; engines {}", v, by_operator ? "aborted" : "failed",
+               bytes,
+               out.engines_resumable() ? "may be resumed at the old version" : "stay paused until an update succeeds");
+  return out;
+}
+
+Coordinator::~Coordinator() {
+  {
+    std::lock_guard<std::mutex> l(watch_mu_);
+    watch_stop_ = true;
+  }
+  watch_cv_.notify_all();
+  if (watch_thread_.joinable()) watch_thread_.join();
+}
+
+void Coordinator::StartLeaseWatch() {
+  if (watch_thread_.joinable() || opts_.lease_check_seconds <= 0) return;
+  watch_thread_ = std::thread([this] {
+    std::unique_lock<std::mutex> l(watch_mu_);
+    while (!watch_cv_.wait_for(l, absl::ToChronoMilliseconds(absl::Seconds(opts_.lease_check_seconds)),
+                               [this] { return watch_stop_; })) {
+      l.unlock();
+      CheckLeases();
+      l.lock();
+    }
+  });
+}
+
+bool Coordinator::CheckLeases() {
+  int64_t v;
+  std::string why, lost_address;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (state_ != "updating") return false;
+    const absl::Duration limit = absl::Seconds(3 * opts_.heartbeat_seconds);
+    const absl::Time now = absl::Now();
+    for (const auto& [id, n] : nodes_) {
+      auto hb = last_heartbeat_.find(id);
+      const absl::Duration ago = hb == last_heartbeat_.end() ? absl::InfiniteDuration() : now - hb->second;
+      if (ago <= limit) continue;
+      why = absl::StrCat(n.role(), " node ", id, " (", n.address(), ") lost its lease during the update: no heartbeat for ",
+                         absl::FormatDuration(absl::Trunc(ago, absl::Milliseconds(100))), " (limit ",
+                         absl::FormatDuration(limit), "); it stopped or is unreachable");
+      std::vector<std::string> ranks;
+      for (const auto& e : n.engines())
+        for (const auto& r : e.ranks()) ranks.push_back(absl::StrCat("engine ", e.engine_id(), " rank ", r.rank()));
+      if (!ranks.empty()) absl::StrAppend(&why, "; engine ranks that may hold partial writes: ", absl::StrJoin(ranks, ", "));
+      lost_address = n.address();
+      break;
+    }
+    if (why.empty()) return false;
+    v = open_version_;
+  }
+  spdlog::error("update {}: {}", v, why);
+  return EndOpenUpdate(v, why, false, lost_address).ok();
+}
+
+absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::string& skip_address) {
+  // Per target: the request, with the plan's assignments on it (its write grants are narrowed to them).
+  std::map<std::string, v1::SetWriteWindowRequest> reqs;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (const auto& [id, n] : nodes_) {
+      if (n.role() != "target" || n.address() == skip_address) continue;
+      v1::SetWriteWindowRequest& r = reqs[n.address()];
+      r.set_open(open);
+      r.set_version(version);
+      r.set_assignments_given(open);
+      if (!open) continue;
+      for (const auto& p : plan_) {
+        if (p.assignment.target_node() != id && p.assignment.target_daemon() != n.address()) continue;
+        auto* a = r.add_assignments();
+        a->set_source_node(p.source);
+        a->set_engine_id(p.assignment.engine_id());
+        a->set_rank(p.assignment.rank());
+      }
+    }
+  }
+  std::vector<std::string> targets;
+  for (const auto& [a, r] : reqs) targets.push_back(a);
+  absl::Status st = ForAll(targets, [&](const std::string& a) {
+    return Annotate(peers_->SetWriteWindow(a, reqs.at(a)).status(),
+                    absl::StrCat(open ? "opening" : "closing", " the write window of target ", NodeLabel(a)));
+  });
+  if (!st.ok() && !open) spdlog::warn("{}", st.ToString());
+  return st;
+}
+
+void Coordinator::Persist() {
+  if (!store_) return;
+  v1::CoordinatorState s;
+  for (const auto& [id, n] : nodes_) *s.add_nodes() = n;
+  s.set_membership_epoch(membership_epoch_);
+  s.set_current_version(current_version_);
+  s.set_last_begun(last_begun_);
+  s.set_state(state_);
+  s.set_open_version(open_version_);
+  s.set_engines_hold_partial_writes(engines_dirty_);
+  for (const auto& [a, st] : engine_state_) (*s.mutable_engine_state())[a] = st;
+  for (const auto& r : history_) *s.add_history() = r;
+  *s.mutable_open_record() = open_record_;
+  if (auto st = store_->Save(s); !st.ok()) spdlog::error("{} (the coordinator goes on from memory)", st.ToString());
+}
+
+absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
+  auto loaded = store->Load();
+  std::vector<std::string> sources;
+  int64_t abort_version = -1;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    store_ = std::move(store);
+    if (absl::IsNotFound(loaded.status())) {
+      spdlog::info("state store {} is new", store_->path());
+      Persist();
+      return absl::OkStatus();
+    }
+    if (!loaded.ok()) return loaded.status();
+    const v1::CoordinatorState& s = *loaded;
+    // Restored nodes get a fresh lease: they have three heartbeats to renew it with this coordinator.
+    for (const auto& n : s.nodes()) {
+      nodes_[n.node_id()] = n;
+      last_heartbeat_[n.node_id()] = absl::Now();
+    }
+    // A fresh epoch: the plan is not stored, so the first update re-plans and re-configures every source.
+    membership_epoch_ = s.membership_epoch() + 1;
+    current_version_ = s.current_version();
+    last_begun_ = s.last_begun();
+    engines_dirty_ = s.engines_hold_partial_writes();
+    for (const auto& [a, st] : s.engine_state()) engine_state_[a] = st;
+    for (const auto& r : s.history()) {
+      history_.push_back(r);
+      Outcome o;
+      if (r.success()) {
+        *o.reply.mutable_record() = r;
+      } else {
+        o.status = absl::AbortedError(r.error().empty() ? absl::StrCat("update ", r.version(), " failed") : r.error());
+      }
+      outcomes_[r.version()] = o;
+    }
+    state_ = s.state() == "idle" || s.state() == "failed" ? s.state() : "idle";
+    if (s.state() != "idle" && s.state() != "failed" && s.open_version() >= 0) {
+      // Died during an update: end it explicitly. Its bytes may be in the engines; they stay paused.
+      const int64_t v = s.open_version();
+      v1::UpdateRecord rec = s.open_record();
+      rec.set_version(v);
+      rec.set_success(false);
+      rec.set_error(absl::StrCat("ABORTED: update ", v,
+                                 " failed: the coordinator restarted during it (or its leader failed over; state ",
+                                 s.state(), "); engines stay paused until a successful update"));
+      if (rec.started_unix_ms() > 0)
+        rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
+      engines_dirty_ = true;
+      open_version_ = v;  // Finish closes it
+      Finish(v, Outcome{absl::AbortedError(rec.error()), v1::CommitUpdateReply()}, rec);
+      spdlog::warn("update {} was open ({}) when the previous coordinator stopped: recorded as failed", v, s.state());
+      abort_version = v;
+      for (const auto& [id, n] : nodes_)
+        if (n.role() == "source") sources.push_back(n.address());
+    }
+    Persist();
+    spdlog::info("restored from {}: {} nodes, version {}, {} updates in the history{}", store_->path(), nodes_.size(),
+                 current_version_, history_.size(),
+                 engines_dirty_ ? "; engines may hold partial writes and stay paused until an update succeeds" : "");
+  }
+  if (abort_version >= 0) {
+    v1::AbortSourceUpdateRequest req;
+    req.set_version(abort_version);
+    req.set_reason("the coordinator restarted during the update");
+    ForAll(sources, [&](const std::string& a) {
+      auto r = peers_->AbortSourceUpdate(a, req);
+      if (!r.ok()) spdlog::warn("telling source {} to abort update {}: {}", a, abort_version, r.status().ToString());
+      return absl::OkStatus();
+    }).IgnoreError();  // best effort: a source that missed it abandons the update at the next StartUpdate
+    SetWindows(false, abort_version).IgnoreError();
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::RemoveNodeReply> Coordinator::RemoveNode(const v1::RemoveNodeRequest& req) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = nodes_.find(req.node_id());
+  if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("no node ", req.node_id(), " is registered"));
+  if (UpdateInProgress())
+    return absl::FailedPreconditionError(absl::StrCat("cannot remove node ", req.node_id(), ": update ",
+                                                      open_version_, " is ", state_, "; remove it between updates"));
+  v1::RemoveNodeReply out;
+  for (const auto& e : it->second.engines()) {
+    out.add_engines(e.engine_id());
+    engine_state_.erase(e.control_address());
+  }
+  nodes_.erase(it);
+  last_heartbeat_.erase(req.node_id());
+  ++membership_epoch_;
+  out.set_membership_epoch(membership_epoch_);
+  Persist();
+  spdlog::warn("node {} removed by the operator ({} engines); membership epoch {}", req.node_id(), out.engines_size(),
+               membership_epoch_);
+  return out;
+}
+
+v1::HeartbeatReply Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
+  std::lock_guard<std::mutex> l(mu_);
+  v1::HeartbeatReply out;
+  out.set_interval_seconds(opts_.heartbeat_seconds);
+  out.set_membership_epoch(membership_epoch_);
+  auto it = nodes_.find(req.node_id());
+  out.set_known(it != nodes_.end() && it->second.address() == req.address());
+  if (out.known()) last_heartbeat_[req.node_id()] = absl::Now();
+  return out;
+}
+
+absl::StatusOr<v1::ResumeEnginesReply> Coordinator::ResumeEngines(const v1::ResumeEnginesRequest&) {
+  std::vector<std::string> engines;
+  v1::ResumeEnginesReply out;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (UpdateInProgress())
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot resume engines: update ", open_version_, " is ", state_));
+    if (engines_dirty_)
+      return absl::FailedPreconditionError(
+          "cannot resume engines: a failed or aborted update may have written into them, so they may hold mixed "
+          "weights; they resume with the next successful update");
+    for (const auto& [id, n] : nodes_)
+      for (const auto& e : n.engines()) {
+        engines.push_back(e.control_address());
+        out.add_engines(e.engine_id());
+      }
+    out.set_version(current_version_ >= 0 ? std::to_string(current_version_) : std::string());
+  }
+  absl::Status st = ForAll(engines, [&](const std::string& a) {
+    return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
+  });
+  if (!st.ok()) return st;
+  spdlog::info("engines resumed at version {} by the operator", out.version());
+  return out;
+}
+
+v1::ClusterStatus Coordinator::Status() const {
+  std::lock_guard<std::mutex> l(mu_);
+  v1::ClusterStatus s;
+  s.set_server_version(cli::VersionString("wsync-coordinator"));
+  for (const auto& [id, n] : nodes_) {
+    auto* ni = s.add_nodes();
+    ni->set_node_id(id);
+    ni->set_role(n.role());
+    ni->set_address(n.address());
+    ni->set_transport(n.transport());
+    for (const auto& e : n.engines()) {
+      ni->add_engines(e.engine_id());
+      auto* d = ni->add_engine_details();
+      d->set_engine_id(e.engine_id());
+      d->set_kind(e.kind());
+      d->set_address(e.control_address());
+      d->set_ranks(e.ranks_size());
+      auto it = engine_state_.find(e.control_address());
+      d->set_state(it == engine_state_.end() ? "registered" : it->second);
+    }
+    auto hb = last_heartbeat_.find(id);
+    const double ago = hb == last_heartbeat_.end() ? -1 : absl::ToDoubleSeconds(absl::Now() - hb->second);
+    ni->set_last_heartbeat_seconds_ago(ago);
+    ni->set_reachable(ago >= 0 && ago <= 3 * opts_.heartbeat_seconds);
+  }
+  s.set_membership_epoch(membership_epoch_);
+  s.set_plan_epoch(plan_epoch_);
+  s.set_current_version(current_version_ >= 0 ? std::to_string(current_version_) : std::string());
+  s.set_state(state_);
+  s.set_engines_hold_partial_writes(engines_dirty_);
+  for (const auto& p : plan_) {
+    auto* t = s.add_plan();
+    t->set_source_node(p.source);
+    t->set_engine_id(p.assignment.engine_id());
+    t->set_rank(p.assignment.rank());
+    t->set_bytes(p.bytes);
+  }
+  return s;
+}
+
+v1::HistoryReply Coordinator::History(const v1::HistoryRequest& req) const {
+  std::lock_guard<std::mutex> l(mu_);
+  v1::HistoryReply out;
+  size_t n = req.limit() > 0 ? std::min<size_t>(req.limit(), history_.size()) : history_.size();
+  for (size_t i = history_.size() - n; i < history_.size(); ++i) *out.add_records() = history_[i];
+  return out;
+}
+
+}  // namespace wsync::daemon

@@ -1,0 +1,239 @@
+#pragma once
+// The coordinator: membership (source and target daemons with their engines), the transfer plan, and the update
+// lifecycle on every engine (pause → configure when membership changed → push → post-process → set version →
+// continue), with per-phase timings kept in a bounded history.
+//
+// Peers are reached through the injected `Peers` interface so the logic can be tested without servers.
+//
+// Update lifecycle (exactly once per version):
+//   idle|failed --BeginUpdate(v)--> beginning --(engines paused, sources started)--> updating
+//   updating --CommitUpdate(v)--> committing --> idle (v is the current version) | failed
+// A version is used by one attempt only: BeginUpdate(v) needs v newer than every version begun before, failed ones
+// included (retry a failed update under a new version). Every outcome is recorded per version, so retries are
+// answered from the record instead of being run again:
+//   BeginUpdate(v)  while v is beginning: waits for that call and returns its result; while v is open: its reply.
+//   CommitUpdate(v) while v is committing: waits for that commit and returns its result (no second commit);
+//                   after v committed: the recorded reply; after v failed: the recorded Aborted("update v failed: …");
+//                   any other version, or v not yet open: FailedPrecondition naming the open and the asked version.
+//   AbortUpdate(v)  while v is open (updating): updating --> aborting --> failed; every source stops taking v's
+//                   pushes and drains its writes; the record says aborted and how many bytes reached the engines.
+//                   Engines stay paused at their old version. Repeats get the recorded answer; refused while v is
+//                   beginning or committing (those phases end by themselves within their deadlines).
+//   ResumeEngines   continues every engine at the current version, only when no byte of a failed or aborted update
+//                   may have reached them (engines_hold_partial_writes false); a successful update clears the flag.
+// The current version, the history and the engines' version labels therefore only move forward.
+
+#include <condition_variable>
+#include <thread>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/common/metrics.h"
+#include "daemon/coordinator/state_store.h"
+#include "wsync/v1/coordinator.pb.h"
+#include "wsync/v1/daemon.pb.h"
+#include "wsync/v1/engine.pb.h"
+
+namespace wsync::daemon {
+
+// Calls to the other processes; every call has a deadline.
+class Peers {
+ public:
+  virtual ~Peers() = default;
+  // A daemon or engine at `addr` (re)started: drop any connection state kept for it, so the next call dials afresh
+  // instead of failing inside a reconnect backoff left by the previous process.
+  virtual void Forget(const std::string& addr) { (void)addr; }
+  virtual absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
+                                                                  const v1::ConfigureSourceRequest& req) = 0;
+  virtual absl::Status StartUpdate(const std::string& addr, const v1::StartUpdateRequest& req) = 0;
+  virtual absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string& addr,
+                                                              const v1::FinishUpdateRequest& req) = 0;
+  virtual absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string& addr,
+                                                                       const v1::AbortSourceUpdateRequest& req) = 0;
+  virtual absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) = 0;
+  // Target daemons: accept writes into their engines' memory only while the window is open.
+  virtual absl::StatusOr<v1::SetWriteWindowReply> SetWriteWindow(const std::string& addr,
+                                                                  const v1::SetWriteWindowRequest& req) {
+    (void)addr;
+    (void)req;
+    return v1::SetWriteWindowReply();
+  }
+  virtual absl::Status Pause(const std::string& addr, const std::string& mode) = 0;
+  // `version`: the update whose writes have all completed (a target daemon's facade sends it to the engine's ranks).
+  virtual absl::Status PostProcess(const std::string& addr, const std::string& version) = 0;
+  virtual absl::Status SetWeightVersion(const std::string& addr, const std::string& version) = 0;
+  virtual absl::Status Continue(const std::string& addr) = 0;
+};
+
+// gRPC implementation of Peers.
+// Engine calls' deadlines (seconds), configurable downwards from PeerDeadlines (clients' deadlines assume those
+// maxima): a stopped engine fails the update within these.
+struct EngineDeadlines {
+  double pause = 120;
+  double post_process = 300;
+};
+std::unique_ptr<Peers> MakeGrpcPeers(EngineDeadlines deadlines = EngineDeadlines());
+
+struct CoordinatorOptions {
+  std::string strategy = "balanced";  // transfer-plan strategy: seed | balanced | local (planner/plan.h)
+  // local: the trainer's parallelism inside each PP stage ("tp=2,cp=1,ep=2,etp=1"; pp and nodes come from the
+  // registered sources), i.e. which rank holds which shard. Empty = tp=ep=1 (every rank holds whole tensors).
+  std::string trainer_parallelism;
+  // balanced: a source is only given work if it gets at least this many bytes per engine copy (0 = every source).
+  uint64_t min_source_bytes = 64ull << 20;
+  // balanced: a cut within this many bytes of a parameter boundary moves to the boundary (0: cut anywhere, aligned).
+  uint64_t snap_bytes = 4ull << 20;
+  size_t history_limit = 1000;    // also bounds the per-version outcomes kept to answer retries
+  double heartbeat_seconds = 2;   // daemons' lease renewal interval; a node is unreachable after 3 missed
+  // While an update is open (trainer pushing), a node that misses 3 lease renewals fails it at once, naming the node
+  // (StartLeaseWatch runs the check); otherwise a dead daemon would hold the update open until its client gave up.
+  double lease_check_seconds = 0.5;
+};
+
+// The gRPC deadlines GrpcPeers puts on each call (seconds). One fact, one place: CommitWorstCase below and the
+// clients' deadlines derive from them.
+struct PeerDeadlines {
+  static constexpr double kPause = 120;
+  static constexpr double kEngineInfo = 30;
+  static constexpr double kConfigure = 600;
+  static constexpr double kStart = 30;
+  static constexpr double kFinishSlack = 30;  // FinishUpdate: the commit's timeout_seconds plus this
+  static constexpr double kPostProcess = 300;
+  static constexpr double kSetVersion = 30;
+  static constexpr double kContinue = 30;
+  static constexpr double kAbort = 60;  // a source's AbortSourceUpdate: the bucket being written + the drain (30 s)
+};
+
+// Default CommitUpdateRequest.timeout_seconds (how long sources wait for their trainer ranks).
+inline constexpr double kDefaultCommitTimeoutSeconds = 120;
+
+// The longest a CommitUpdate can run on the server: the sources' FinishUpdate (its wait for the ranks, then the
+// drain of outstanding writes, both bounded by `commit_timeout_s`, under the peer deadline timeout + slack), then
+// post-process, set-version and continue, each phase bounded by its peer deadline.
+inline double CommitWorstCaseSeconds(double commit_timeout_s) {
+  if (commit_timeout_s <= 0) commit_timeout_s = kDefaultCommitTimeoutSeconds;
+  return commit_timeout_s + PeerDeadlines::kFinishSlack + PeerDeadlines::kPostProcess + PeerDeadlines::kSetVersion +
+         PeerDeadlines::kContinue;
+}
+// The longest a BeginUpdate can run on the server (pause, engine info, configure, start).
+inline double BeginWorstCaseSeconds() {
+  return PeerDeadlines::kPause + PeerDeadlines::kEngineInfo + PeerDeadlines::kConfigure + PeerDeadlines::kStart;
+}
+
+class Coordinator {
+ public:
+  Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers);
+  ~Coordinator();
+
+  // Starts the lease watch: every lease_check_seconds, CheckLeases(). The binary starts it; unit tests call
+  // CheckLeases() themselves. Stopped by the destructor.
+  void StartLeaseWatch();
+  // Fails the open update (state updating) when a registered node has not renewed its lease for 3 intervals: its
+  // sources are told to abort, windows close, the record names the node, engines stay paused. Returns whether it
+  // failed an update.
+  bool CheckLeases();
+
+  absl::StatusOr<v1::RegisterNodeReply> RegisterNode(const v1::RegisterNodeRequest& req);
+  v1::ClusterStatus Status() const;
+  absl::StatusOr<v1::BeginUpdateReply> BeginUpdate(const v1::BeginUpdateRequest& req);
+  absl::StatusOr<v1::CommitUpdateReply> CommitUpdate(const v1::CommitUpdateRequest& req);
+  v1::HistoryReply History(const v1::HistoryRequest& req) const;
+  absl::StatusOr<v1::AbortUpdateReply> AbortUpdate(const v1::AbortUpdateRequest& req);
+  absl::StatusOr<v1::ResumeEnginesReply> ResumeEngines(const v1::ResumeEnginesRequest& req);
+  v1::HeartbeatReply Heartbeat(const v1::HeartbeatRequest& req);
+  absl::StatusOr<v1::RemoveNodeReply> RemoveNode(const v1::RemoveNodeRequest& req);
+  // Makes the coordinator persistent: restores what `store` holds (nodes, versions, engine states, history) and
+  // saves every change from now on. An update that was open when the previous coordinator died is recorded as
+  // failed ("the coordinator restarted during update v"), its sources are told to abort it, and the engines stay
+  // paused until an update succeeds. Call before serving.
+  absl::Status UseStateStore(std::unique_ptr<StateStore> store);
+  // Updates by result, phase durations, bytes; membership and engine states (docs/operations.md, "Metrics").
+  Metrics& metrics() { return metrics_; }
+
+ private:
+  struct Planned {
+    std::string source;  // node id
+    v1::TargetAssignment assignment;
+    uint64_t bytes = 0;
+  };
+  // The terminal result of one version: its reply when it committed, else the error it failed with.
+  struct Outcome {
+    absl::Status status;
+    v1::CommitUpdateReply reply;
+  };
+  // Builds plan_ and push_filters_ with the planner (planner/plan.h) from the membership and model_config_json_:
+  // source nodes in (pp_stage, node id) order hold trainer ranks node_index * ranks_per_node + local rank; engines
+  // in id order are the planner's instances, grouped by layout (engine kind and parallelism), one plan per group.
+  absl::Status Replan();  // requires mu_
+  std::vector<std::string> EngineAddresses() const;
+  // "engine ID (N ranks, node NODE, ADDR)": how errors name an engine. Takes mu_ (call without it).
+  std::string EngineLabel(const std::string& addr) const;
+  // "NODE_ID (ADDR)": how errors name a daemon. Takes mu_ (call without it).
+  std::string NodeLabel(const std::string& addr) const;
+  bool UpdateInProgress() const {
+    return state_ == "beginning" || state_ == "updating" || state_ == "committing" || state_ == "aborting";
+  }
+  // Records `v`'s outcome and history entry, leaves the update (state idle on success, failed otherwise) and wakes
+  // the calls waiting for it. Requires mu_.
+  void Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec);
+  // Ends the open update `rec.version()` as failed with Aborted("update v failed: why"); returns that status.
+  // `may_have_written`: whether a byte of it may have reached an engine (then engines stay paused until an update
+  // succeeds).
+  absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written);
+  // The recorded answer for a version that has ended, or nullptr. Requires mu_.
+  const Outcome* FindOutcome(int64_t v) const;
+  // Ends the open update `v` (state updating) through the sources' AbortSourceUpdate: `by_operator` records it as
+  // aborted with `why`, otherwise as failed because of `why`. The shared body of AbortUpdate and CheckLeases.
+  // `lost_address`: a node not to be asked (its lease lapsed).
+  absl::StatusOr<v1::AbortUpdateReply> EndOpenUpdate(int64_t v, const std::string& why, bool by_operator,
+                                                     const std::string& lost_address = "");
+  // Opens or closes the write window on every target daemon; a target that cannot be told is an error when opening
+  // (its engines would refuse the writes) and logged when closing.
+  // `skip_address`: a target not to be told (its lease lapsed; its window closes when it restarts).
+  absl::Status SetWindows(bool open, int64_t version, const std::string& skip_address = "");
+  // Saves the state to the store, if any (a failed save is logged, the coordinator goes on). Requires mu_.
+  void Persist();
+  // Records the coordinator's view of engine `addr` after a call of `phase` (on_success "" = unchanged); returns st.
+  absl::Status Track(const std::string& addr, const std::string& on_success, const std::string& phase,
+                     absl::Status st);
+
+  CoordinatorOptions opts_;
+  std::unique_ptr<Peers> peers_;
+  mutable std::mutex mu_;
+  std::map<std::string, v1::RegisterNodeRequest> nodes_;
+  int64_t membership_epoch_ = 0;
+  int64_t plan_epoch_ = -1;  // membership epoch the current plan was built for
+  std::vector<Planned> plan_;
+  // Per source node: what each of its local trainer ranks pushes (every local rank listed, lists may be empty).
+  std::map<std::string, std::vector<v1::RankPushFilter>> push_filters_;
+  std::string model_config_json_;
+  std::vector<int32_t> model_weight_block_;  // FP8 block [n, k] when the engines hold block-quantized weights
+  std::map<std::string, absl::Time> last_heartbeat_;  // node id → last lease renewal
+  std::map<std::string, std::string> engine_state_;  // control address → registered | paused | serving | failed: …
+
+  std::string state_ = "idle";         // idle | beginning | updating | committing | aborting | failed
+  bool engines_dirty_ = false;         // a failed/aborted update may have written into the engines
+  std::map<int64_t, v1::AbortUpdateReply> aborted_;  // answers to repeated AbortUpdate, bounded like outcomes_
+  std::condition_variable ended_cv_;   // a begin or a commit ended (state_ left beginning or committing)
+  int64_t open_version_ = -1;          // the version beginning, open or committing; -1 when none
+  int64_t last_begun_ = -1;            // highest version ever begun; BeginUpdate needs a newer one
+  int64_t current_version_ = -1;       // last committed version; -1 when none
+  int64_t open_plan_epoch_ = -1;       // plan the open update was started under (sent with FinishUpdate)
+  v1::BeginUpdateReply begin_reply_;   // the open version's BeginUpdate reply (answers a retried BeginUpdate)
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  bool watch_stop_ = false;
+  std::thread watch_thread_;
+  v1::UpdateRecord open_record_;
+  std::map<int64_t, Outcome> outcomes_;  // per ended version, the oldest dropped beyond history_limit
+  std::deque<v1::UpdateRecord> history_;
+  Metrics metrics_;
+  std::unique_ptr<StateStore> store_;
+};
+
+}  // namespace wsync::daemon

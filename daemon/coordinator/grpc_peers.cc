@@ -1,0 +1,132 @@
+// The coordinator's outbound calls: the gRPC implementation of Peers (daemon/coordinator/coordinator.h) that dials
+// the node daemons and the engines.
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "daemon/common/rpc.h"
+#include "daemon/common/serve.h"
+#include "daemon/coordinator/coordinator.h"
+#include "proto/status_convert.h"
+#include "proto/tls.h"
+#include "wsync/v1/daemon.grpc.pb.h"
+#include "wsync/v1/engine.grpc.pb.h"
+
+namespace wsync::daemon {
+
+namespace {
+
+class GrpcPeers final : public Peers {
+ public:
+  explicit GrpcPeers(EngineDeadlines d) : d_(d) {}
+
+  absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
+                                                          const v1::ConfigureSourceRequest& req) override {
+    return Call<v1::ConfigureSourceReply>(Daemon(addr), &v1::NodeDaemon::Stub::ConfigureSource, req,
+                                            PeerDeadlines::kConfigure);
+  }
+  absl::Status StartUpdate(const std::string& addr, const v1::StartUpdateRequest& req) override {
+    return Call<v1::StartUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::StartUpdate, req,
+                                      PeerDeadlines::kStart).status();
+  }
+  absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string& addr,
+                                                     const v1::FinishUpdateRequest& req) override {
+    return Call<v1::FinishUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::FinishUpdate, req,
+                                       req.timeout_seconds() + PeerDeadlines::kFinishSlack);
+  }
+  absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string& addr,
+                                                               const v1::AbortSourceUpdateRequest& req) override {
+    return Call<v1::AbortSourceUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::AbortSourceUpdate, req,
+                                            PeerDeadlines::kAbort);
+  }
+  absl::StatusOr<v1::SetWriteWindowReply> SetWriteWindow(const std::string& addr,
+                                                          const v1::SetWriteWindowRequest& req) override {
+    return Call<v1::SetWriteWindowReply>(Daemon(addr), &v1::NodeDaemon::Stub::SetWriteWindow, req,
+                                         PeerDeadlines::kStart);
+  }
+  absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) override {
+    return Call<v1::EngineInfo>(Engine(addr), &v1::EngineControl::Stub::GetInfo, v1::GetEngineInfoRequest(),
+                                PeerDeadlines::kEngineInfo);
+  }
+  absl::Status Pause(const std::string& addr, const std::string& mode) override {
+    v1::PauseRequest r;
+    r.set_mode(mode);
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Pause, r, d_.pause));
+  }
+  absl::Status PostProcess(const std::string& addr, const std::string& version) override {
+    v1::PostProcessRequest r;
+    r.set_version(version);
+    r.set_post_process_quantization(true);
+    r.set_post_load_weights(true);
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::PostProcess, r, d_.post_process));
+  }
+  absl::Status SetWeightVersion(const std::string& addr, const std::string& version) override {
+    v1::SetWeightVersionRequest r;
+    r.set_version(version);
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::SetWeightVersion, r,
+                                      PeerDeadlines::kSetVersion));
+  }
+  absl::Status Continue(const std::string& addr) override {
+    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Continue, v1::ContinueRequest(),
+                                      PeerDeadlines::kContinue));
+  }
+  void Forget(const std::string& addr) override {
+    std::lock_guard<std::mutex> l(mu_);
+    daemons_.erase(addr);
+    engines_.erase(addr);
+  }
+
+ private:
+  template <typename Rep, typename Stub, typename Req, typename Method>
+  static absl::StatusOr<Rep> Call(absl::StatusOr<std::shared_ptr<Stub>> stub_or, Method m, const Req& req,
+                                  double timeout_s) {
+    if (!stub_or.ok()) return stub_or.status();
+    const std::shared_ptr<Stub>& stub = *stub_or;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(timeout_s));
+    Rep out;
+    grpc::Status s = ((*stub).*m)(&ctx, req, &out);
+    if (!s.ok()) return FromGrpcStatus(s);
+    return out;
+  }
+  static absl::Status Check(absl::StatusOr<v1::EngineReply> r) {
+    if (!r.ok()) return r.status();
+    if (!r->success()) return absl::InternalError(absl::StrCat("engine refused: ", r->message()));
+    return absl::OkStatus();
+  }
+  // Stubs are shared: Forget may drop one while a call on it is still running.
+  absl::StatusOr<std::shared_ptr<v1::NodeDaemon::Stub>> Daemon(const std::string& addr) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto& s = daemons_[addr];
+    if (!s) {
+      WSYNC_ASSIGN_OR_RETURN(auto channel, tls::Dial(addr, kMaxControlMessageBytes));
+      s = v1::NodeDaemon::NewStub(channel);
+    }
+    return s;
+  }
+  absl::StatusOr<std::shared_ptr<v1::EngineControl::Stub>> Engine(const std::string& addr) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto& s = engines_[addr];
+    if (!s) {
+      WSYNC_ASSIGN_OR_RETURN(auto channel, tls::Dial(addr, kMaxControlMessageBytes));
+      s = v1::EngineControl::NewStub(channel);
+    }
+    return s;
+  }
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<v1::NodeDaemon::Stub>> daemons_;
+  std::map<std::string, std::shared_ptr<v1::EngineControl::Stub>> engines_;
+
+ private:
+  EngineDeadlines d_;
+};
+
+}  // namespace
+
+std::unique_ptr<Peers> MakeGrpcPeers(EngineDeadlines d) { return std::make_unique<GrpcPeers>(d); }
+
+}  // namespace wsync::daemon

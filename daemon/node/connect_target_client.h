@@ -1,0 +1,14 @@
+#pragma once
+// The source daemon's outbound call to a target daemon (its NodeDaemon service).
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "wsync/v1/daemon.pb.h"
+
+namespace wsync::daemon {
+
+// Dials a target daemon's ConnectTarget over gRPC (used by SourceNode).
+absl::StatusOr<std::string> DialConnectTarget(const std::string& target_daemon, const v1::ConnectTargetRequest& req);
+
+}  // namespace wsync::daemon

@@ -1,0 +1,171 @@
+#include "daemon/node/node_services.h"
+
+#include <chrono>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/rpc.h"
+#include "proto/status_convert.h"
+#include "proto/tls.h"
+#include "wsync/v1/engine.grpc.pb.h"
+
+namespace wsync::daemon {
+
+grpc::Status NodeDaemonService::NeedSource() const {
+  return source_ ? grpc::Status::OK
+                 : grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this wsyncd runs the target role");
+}
+grpc::Status NodeDaemonService::NeedTarget() const {
+  if (target_ != nullptr) return grpc::Status::OK;
+  return source_ ? grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this wsyncd runs the source role")
+                 : grpc::Status(grpc::StatusCode::UNAVAILABLE, "this target wsyncd is still attaching its engines");
+}
+
+#define WSYNC_NEED(role)                    \
+  do {                                      \
+    grpc::Status s_ = Need##role();         \
+    if (!s_.ok()) return s_;                \
+  } while (0)
+
+grpc::Status TrainerIngestService::BeginPush(grpc::ServerContext* ctx, const v1::BeginPushRequest* req,
+                                             v1::BeginPushReply* out) {
+  // Answer "no update is open" a little before the caller's own deadline passes.
+  if (ctx->deadline() == std::chrono::system_clock::time_point::max()) return Reply(source_->BeginPush(*req), out);
+  const absl::Duration left = absl::FromChrono(ctx->deadline()) - absl::Now();
+  return Reply(source_->BeginPush(*req, left - std::min(left / 10, absl::Milliseconds(200))), out);
+}
+grpc::Status TrainerIngestService::CommitBucket(grpc::ServerContext*, const v1::CommitBucketRequest* req,
+                                                v1::CommitBucketReply* out) {
+  return Reply(source_->CommitBucket(*req), out);
+}
+grpc::Status TrainerIngestService::EndPush(grpc::ServerContext*, const v1::EndPushRequest* req, v1::EndPushReply*) {
+  return ToGrpcStatus(source_->EndPush(*req));
+}
+grpc::Status TrainerIngestService::CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest* req,
+                                                v1::CloseSessionReply*) {
+  return ToGrpcStatus(source_->CloseSession(req->session_id()));
+}
+grpc::Status NodeDaemonService::ConfigureSource(grpc::ServerContext* ctx, const v1::ConfigureSourceRequest* req,
+                                                v1::ConfigureSourceReply* out) {
+  WSYNC_AUTHORIZE("ConfigureSource", {tls::kCoordinator});
+  WSYNC_NEED(Source);
+  return Reply(source_->Configure(*req), out);
+}
+grpc::Status NodeDaemonService::StartUpdate(grpc::ServerContext* ctx, const v1::StartUpdateRequest* req,
+                                            v1::StartUpdateReply*) {
+  WSYNC_AUTHORIZE("StartUpdate", {tls::kCoordinator});
+  WSYNC_NEED(Source);
+  return ToGrpcStatus(source_->StartUpdate(*req));
+}
+grpc::Status NodeDaemonService::FinishUpdate(grpc::ServerContext* ctx, const v1::FinishUpdateRequest* req,
+                                             v1::FinishUpdateReply* out) {
+  WSYNC_AUTHORIZE("FinishUpdate", {tls::kCoordinator});
+  WSYNC_NEED(Source);
+  return Reply(source_->FinishUpdate(*req), out);
+}
+grpc::Status NodeDaemonService::AbortSourceUpdate(grpc::ServerContext* ctx, const v1::AbortSourceUpdateRequest* req,
+                                                  v1::AbortSourceUpdateReply* out) {
+  WSYNC_AUTHORIZE("AbortSourceUpdate", {tls::kCoordinator});
+  WSYNC_NEED(Source);
+  return Reply(source_->AbortUpdate(*req), out);
+}
+grpc::Status NodeDaemonService::SetWriteWindow(grpc::ServerContext* ctx, const v1::SetWriteWindowRequest* req,
+                                               v1::SetWriteWindowReply* out) {
+  WSYNC_AUTHORIZE("SetWriteWindow", {tls::kCoordinator});
+  WSYNC_NEED(Target);
+  *out = target_.load()->SetWriteWindow(*req);
+  return grpc::Status::OK;
+}
+grpc::Status NodeDaemonService::ConnectTarget(grpc::ServerContext* ctx, const v1::ConnectTargetRequest* req,
+                                              v1::ConnectTargetReply* out) {
+  tls::Peer peer;
+  if (auto a = tls::Authorize(ctx, "ConnectTarget", {tls::kSource}, &peer); !a.ok()) return a;
+  WSYNC_NEED(Target);
+  return Reply(target_.load()->ConnectTarget(*req, peer.authenticated ? peer.Describe() : std::string()), out);
+}
+grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext* ctx, const v1::NodeStatusRequest*, v1::NodeStatus* out) {
+  WSYNC_AUTHORIZE("GetNodeStatus", WSYNC_ANY_ROLE);
+  if (source_ != nullptr) {
+    *out = source_->Status();
+    return grpc::Status::OK;
+  }
+  WSYNC_NEED(Target);
+  *out = target_.load()->Status();
+  return grpc::Status::OK;
+}
+
+namespace {
+
+class EngineFacade final : public v1::EngineControl::Service {
+ public:
+  EngineFacade(TargetNode* target, std::string engine_id) : t_(target), id_(std::move(engine_id)) {}
+
+  grpc::Status GetInfo(grpc::ServerContext* ctx, const v1::GetEngineInfoRequest*, v1::EngineInfo* out) override {
+    WSYNC_AUTHORIZE("GetInfo", WSYNC_ANY_ROLE);
+    return Reply(t_->EngineInfo(id_), out);
+  }
+  grpc::Status GetParallelism(grpc::ServerContext* ctx, const v1::RankRequest* req, v1::RankParallelism* out) override {
+    WSYNC_AUTHORIZE("GetParallelism", WSYNC_ANY_ROLE);
+    auto l = t_->Layout(id_, req->rank());
+    if (!l.ok()) return ToGrpcStatus(l.status());
+    *out = l->parallelism();
+    return grpc::Status::OK;
+  }
+  grpc::Status GetWeightLayout(grpc::ServerContext* ctx, const v1::RankRequest* req, v1::RankLayout* out) override {
+    WSYNC_AUTHORIZE("GetWeightLayout", WSYNC_ANY_ROLE);
+    return Reply(t_->Layout(id_, req->rank()), out);
+  }
+  grpc::Status Pause(grpc::ServerContext* ctx, const v1::PauseRequest* req, v1::EngineReply* out) override {
+    WSYNC_AUTHORIZE("Pause", {tls::kCoordinator});
+    return Done(t_->Pause(id_, req->mode()), out);
+  }
+  grpc::Status PostProcess(grpc::ServerContext* ctx, const v1::PostProcessRequest* req, v1::EngineReply* out) override {
+    WSYNC_AUTHORIZE("PostProcess", {tls::kCoordinator});
+    return Done(t_->PostProcess(id_, req->version()), out);
+  }
+  grpc::Status SetWeightVersion(grpc::ServerContext* ctx, const v1::SetWeightVersionRequest* req,
+                                v1::EngineReply* out) override {
+    WSYNC_AUTHORIZE("SetWeightVersion", {tls::kCoordinator});
+    return Done(t_->SetWeightVersion(id_, req->version()), out);
+  }
+  grpc::Status Continue(grpc::ServerContext* ctx, const v1::ContinueRequest*, v1::EngineReply* out) override {
+    WSYNC_AUTHORIZE("Continue", {tls::kCoordinator});
+    return Done(t_->Continue(id_), out);
+  }
+  grpc::Status Attach(grpc::ServerContext* ctx, const v1::AttachRequest*, v1::EngineReply*) override {
+    WSYNC_AUTHORIZE("Attach", {tls::kTarget});
+    return ToGrpcStatus(absl::FailedPreconditionError(
+        absl::StrCat("engine ", id_, " is attached through its target daemon; its ranks attach themselves")));
+  }
+  grpc::Status GetChecksums(grpc::ServerContext* ctx, const v1::RankRequest*, v1::ChecksumReply*) override {
+    WSYNC_AUTHORIZE("GetChecksums", {tls::kAdmin, tls::kTrainer});
+    return Unimplemented("GetChecksums");
+  }
+  grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest*, v1::VerifyReply*) override {
+    WSYNC_AUTHORIZE("Verify", {tls::kAdmin, tls::kTrainer});
+    return Unimplemented("Verify");
+  }
+
+ private:
+  static grpc::Status Done(const absl::Status& st, v1::EngineReply* out) {
+    if (!st.ok()) return ToGrpcStatus(st);
+    out->set_success(true);
+    return grpc::Status::OK;
+  }
+  grpc::Status Unimplemented(const char* what) const {
+    return ToGrpcStatus(absl::UnimplementedError(
+        absl::StrCat(what, " is a reference-engine diagnostic; engine ", id_,
+                     " is served through the target daemon's facade, which has no independent loader to check with")));
+  }
+  TargetNode* t_;
+  std::string id_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::Service> MakeEngineFacade(TargetNode* target, std::string engine_id) {
+  return std::make_unique<EngineFacade>(target, std::move(engine_id));
+}
+
+}  // namespace wsync::daemon

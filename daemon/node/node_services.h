@@ -1,0 +1,60 @@
+#pragma once
+// The gRPC faces of the node daemon's roles: thin classes that delegate to the plain C++ modules (SourceNode,
+// TargetNode) and convert statuses in one place (proto/status_convert.h). The coordinator's face is
+// daemon/coordinator/coordinator_service.h.
+
+#include <atomic>
+#include <memory>
+
+#include "daemon/node/source_node.h"
+#include "daemon/node/target_node.h"
+#include "wsync/v1/daemon.grpc.pb.h"
+#include "wsync/v1/trainer.grpc.pb.h"
+
+namespace wsync::daemon {
+
+class NodeDaemonService final : public v1::NodeDaemon::Service {
+ public:
+  // Exactly one of source/target is non-null.
+  NodeDaemonService(SourceNode* source, TargetNode* target) : source_(source), target_(target) {}
+  // A target daemon serves before its engines attached; it sets its TargetNode once they have (before it registers).
+  void set_target(TargetNode* target) { target_ = target; }
+
+  grpc::Status ConfigureSource(grpc::ServerContext*, const v1::ConfigureSourceRequest*,
+                               v1::ConfigureSourceReply*) override;
+  grpc::Status StartUpdate(grpc::ServerContext*, const v1::StartUpdateRequest*, v1::StartUpdateReply*) override;
+  grpc::Status FinishUpdate(grpc::ServerContext*, const v1::FinishUpdateRequest*, v1::FinishUpdateReply*) override;
+  grpc::Status AbortSourceUpdate(grpc::ServerContext*, const v1::AbortSourceUpdateRequest*,
+                                 v1::AbortSourceUpdateReply*) override;
+  grpc::Status ConnectTarget(grpc::ServerContext*, const v1::ConnectTargetRequest*, v1::ConnectTargetReply*) override;
+  grpc::Status SetWriteWindow(grpc::ServerContext*, const v1::SetWriteWindowRequest*,
+                              v1::SetWriteWindowReply*) override;
+  grpc::Status GetNodeStatus(grpc::ServerContext*, const v1::NodeStatusRequest*, v1::NodeStatus*) override;
+
+ private:
+  grpc::Status NeedSource() const;
+  grpc::Status NeedTarget() const;
+  SourceNode* source_;
+  std::atomic<TargetNode*> target_;
+};
+
+// The trainer ranks' service of a source daemon, served only on its local Unix gRPC socket (daemon/node/trainer_socket.h);
+// every call is authorized by its session id.
+class TrainerIngestService final : public v1::TrainerIngest::Service {
+ public:
+  explicit TrainerIngestService(SourceNode* source) : source_(source) {}
+  grpc::Status BeginPush(grpc::ServerContext*, const v1::BeginPushRequest*, v1::BeginPushReply*) override;
+  grpc::Status CommitBucket(grpc::ServerContext*, const v1::CommitBucketRequest*, v1::CommitBucketReply*) override;
+  grpc::Status EndPush(grpc::ServerContext*, const v1::EndPushRequest*, v1::EndPushReply*) override;
+  grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*, v1::CloseSessionReply*) override;
+
+ private:
+  SourceNode* source_;
+};
+
+// The EngineControl facade the target daemon serves for one engine whose kind has no EngineControl endpoint of its
+// own (e.g. vllm): every call goes through TargetNode (and so the engine's adapter). Verify and GetChecksums are
+// reference-engine diagnostics and answer Unimplemented.
+std::unique_ptr<grpc::Service> MakeEngineFacade(TargetNode* target, std::string engine_id);
+
+}  // namespace wsync::daemon

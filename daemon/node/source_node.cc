@@ -1,0 +1,1079 @@
+#include "daemon/node/source_node.h"
+
+#include <signal.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <fstream>
+#include <cstring>
+#include <optional>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/logging.h"
+#include "base/status.h"
+#include "daemon/common/convert.h"
+#include "transport/mooncake/mooncake_transport.h"
+#include "spdlog/spdlog.h"
+
+namespace wsync::daemon {
+namespace {
+
+double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
+
+std::string ShapeStr(absl::Span<const int64_t> s) { return absl::StrCat("[", absl::StrJoin(s, ","), "]"); }
+
+}  // namespace
+
+namespace {
+
+// True while process `pid` runs (a zombie, exited but not reaped, counts as gone).
+bool ProcessAlive(int64_t pid) {
+  if (pid <= 0) return true;  // unknown: not watched
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM) return false;
+  std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(stat, line)) return true;  // no procfs view of it: trust kill()
+  const size_t paren = line.rfind(')');
+  return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z';
+}
+
+// A session id: 128 bits from the kernel's CSPRNG, hex. Whoever holds it may push into the session's ring, so it is
+// never logged (sessions are named by their label).
+absl::StatusOr<std::string> RandomSessionId() {
+  uint8_t bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return absl::ErrnoToStatus(errno, "getrandom for a session id");
+    got += static_cast<size_t>(n);
+  }
+  static const char* kHex = "0123456789abcdef";
+  std::string out;
+  for (uint8_t b : bytes) {
+    out.push_back(kHex[b >> 4]);
+    out.push_back(kHex[b & 0xf]);
+  }
+  return out;
+}
+
+}  // namespace
+
+SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetFn connect)
+    : opts_(std::move(opts)), transport_(transport), connect_(std::move(connect)) {
+  metrics_.Declare("wsync_source_bytes_written_total", "counter", "Bytes posted to targets (engine memory).");
+  metrics_.Declare("wsync_source_params_written_total", "counter", "Engine parameters posted to targets.");
+  metrics_.Declare("wsync_source_tensors_received_total", "counter", "HF tensors received from trainer ranks.");
+  metrics_.Declare("wsync_source_buckets_total", "counter", "Buckets committed by trainer ranks, by result.");
+  metrics_.Declare("wsync_source_updates_total", "counter", "Updates ended on this source, by result.");
+  metrics_.Declare("wsync_source_bucket_ingest_seconds", "histogram", "Replica load time of one bucket.");
+  metrics_.Declare("wsync_source_bucket_write_seconds", "histogram", "Time to post one bucket's finished params.");
+  metrics_.Declare("wsync_source_update_write_gbps", "gauge",
+                   "Bytes written by the last successful update divided by its write time, GB/s.");
+  metrics_.Declare("wsync_source_sessions", "gauge", "Open trainer sessions (one ring each).");
+  metrics_.Declare("wsync_source_ring_bytes", "gauge", "Shared-memory ring bytes mapped for trainer sessions.");
+  metrics_.Declare("wsync_source_replica_bytes", "gauge", "Bytes of the CPU replica (all layouts).");
+  metrics_.Declare("wsync_source_update_open", "gauge", "Version of the open update (-1: none).");
+  metrics_.Declare("wsync_source_trainer_ranks_lost", "gauge", "Trainer ranks lost during the open update.");
+  metrics_.OnCollect([this](Metrics& m) {
+    std::lock_guard<std::mutex> l(mu_);
+    uint64_t ring = 0, replica = 0;
+    for (const auto& [id, s] : sessions_) ring += s->ring ? s->ring->capacity() : 0;
+    if (replica_)
+      for (int i = 0; i < replica_->num_layouts(); ++i) replica += replica_->table(i).total_bytes();
+    m.Set("wsync_source_sessions", {}, static_cast<double>(sessions_.size()));
+    m.Set("wsync_source_ring_bytes", {}, static_cast<double>(ring));
+    m.Set("wsync_source_replica_bytes", {}, static_cast<double>(replica));
+    m.Set("wsync_source_update_open", {}, static_cast<double>(version_));
+    m.Set("wsync_source_trainer_ranks_lost", {}, static_cast<double>(lost_ranks_.size()));
+  });
+  watcher_ = std::thread([this] { WatchRanks(); });
+}
+
+void SourceNode::WatchRanks() {
+  std::unique_lock<std::mutex> l(mu_);
+  while (!stopping_) {
+    watch_cv_.wait_for(l, absl::ToChronoMilliseconds(opts_.liveness_poll), [&] { return stopping_; });
+    if (!stopping_) CheckRanks();
+  }
+}
+
+void SourceNode::CheckRanks() {
+  const absl::Time now = absl::Now();
+  for (auto& [id, s] : sessions_) {
+    if (s->dead || s->pid <= 0 || ProcessAlive(s->pid)) continue;
+    spdlog::warn("trainer rank {} (pid {}, session {}) exited", s->local_rank, s->pid, s->label);
+    MarkDead(s.get(), absl::StrCat("exited (pid ", s->pid, ", session ", s->label, ")"));
+  }
+  if (version_ == -1 || !update_error_.ok()) return;
+  for (const auto& [rank, lost] : lost_ranks_) {
+    if (ended_ranks_.count(rank) || now - lost.since < opts_.rank_grace) continue;
+    update_error_ = absl::UnavailableError(absl::StrCat(
+        "update ", version_, ": trainer rank ", rank, " on node ", opts_.node_id, " ", lost.what,
+        " before it finished pushing, and did not reconnect within ", absl::FormatDuration(opts_.rank_grace)));
+    spdlog::error("{}", update_error_.ToString());
+    cv_.notify_all();  // FinishUpdate and waiting pushes see it at once
+    return;
+  }
+}
+
+SourceNode::~SourceNode() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stopping_ = true;
+  }
+  watch_cv_.notify_all();
+  if (watcher_.joinable()) watcher_.join();
+  // Endpoints and regions go before the replica memory they point into.
+  targets_.clear();
+  replica_regions_.clear();
+  mooncake_regions_.clear();
+  replica_.reset();
+}
+
+SourceNode::Session* SourceNode::FindSession(const std::string& id) {
+  auto it = sessions_.find(id);
+  return it == sessions_.end() ? nullptr : it->second.get();
+}
+
+absl::Status SourceNode::UnknownSession() {
+  return absl::PermissionDeniedError(
+      "unknown session id: no open session has it (closed, replaced by a newer session of the same rank, or never "
+      "handed out); open a session through the daemon's trainer socket");
+}
+
+absl::StatusOr<OpenedSession> SourceNode::OpenSession(const SessionRequest& req) {
+  if (req.local_rank < 0 || req.local_rank >= opts_.trainer_ranks)
+    return absl::InvalidArgumentError(absl::StrCat("local_rank ", req.local_rank, " out of range: this node expects ",
+                                                   opts_.trainer_ranks, " trainer ranks"));
+  WSYNC_ASSIGN_OR_RETURN(std::string id, RandomSessionId());
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  std::lock_guard<std::mutex> l(mu_);
+  // A rank that reconnects (e.g. after its process died mid-bucket) replaces its old session and ring, so nothing
+  // it left uncommitted can ever be consumed.
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    if (it->second->local_rank == req.local_rank) {
+      spdlog::warn("trainer rank {} reconnected (pid {}); dropping its previous session {}", req.local_rank, req.pid,
+                   it->second->label);
+      it = sessions_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (lost_ranks_.erase(req.local_rank)) spdlog::info("trainer rank {} is back (pid {})", req.local_rank, req.pid);
+  auto s = std::make_unique<Session>();
+  s->id = std::move(id);
+  s->label = absl::StrCat(opts_.node_id, "-s", next_session_++);
+  s->local_rank = req.local_rank;
+  s->pid = req.pid;
+  WSYNC_ASSIGN_OR_RETURN(RingConsumer ring, RingConsumer::Create(s->label, opts_.ring_bytes));
+  s->ring = std::make_unique<RingConsumer>(std::move(ring));
+  OpenedSession out;
+  WSYNC_ASSIGN_OR_RETURN(out.ring_fd, DupFd(s->ring->fd()));
+  out.id = s->id;
+  out.label = s->label;
+  out.ring_bytes = s->ring->capacity();
+  out.num_local_ranks = opts_.trainer_ranks;
+  spdlog::info("session {} opened: trainer rank {} (global {}, pid {}, uid {}), ring {} MiB", s->label, req.local_rank,
+               req.global_rank, req.pid, req.uid, s->ring->capacity() >> 20);
+  sessions_[s->id] = std::move(s);
+  return out;
+}
+
+void SourceNode::MarkDead(Session* s, const std::string& what) {
+  if (s->dead) return;
+  s->dead = true;
+  if (version_ != -1 && !ended_ranks_.count(s->local_rank) && !lost_ranks_.count(s->local_rank))
+    lost_ranks_[s->local_rank] = {absl::Now(), what};
+}
+
+void SourceNode::SessionDisconnected(const std::string& session_id, const std::string& why) {
+  std::lock_guard<std::mutex> l(mu_);
+  Session* s = FindSession(session_id);
+  if (s == nullptr || s->dead) return;
+  // The usual reason is the process's exit (the kernel closed its socket): say so when it is gone.
+  const std::string what = s->pid > 0 && !ProcessAlive(s->pid) ? std::string("exited") : why;
+  spdlog::warn("trainer rank {} (pid {}, session {}): {}", s->local_rank, s->pid, s->label, what);
+  MarkDead(s, absl::StrCat(what, " (pid ", s->pid, ", session ", s->label, ")"));
+}
+
+absl::Status SourceNode::CloseSession(const std::string& session_id) {
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  std::lock_guard<std::mutex> l(mu_);
+  Session* s = FindSession(session_id);
+  if (s == nullptr) return UnknownSession();
+  if (version_ != -1 && !ended_ranks_.count(s->local_rank) && !lost_ranks_.count(s->local_rank))
+    lost_ranks_[s->local_rank] = {absl::Now(), absl::StrCat("closed its session ", s->label)};
+  spdlog::info("session {} closed", s->label);
+  sessions_.erase(session_id);
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::Status SourceNode::CheckLayout(const replica::ParamTable& table, const v1::RankLayout& target,
+                                     const std::string& who) {
+  std::map<std::string, const v1::ParamDesc*> theirs;
+  for (const auto& p : target.params()) theirs[p.name()] = &p;
+  std::map<int, uint64_t> segments;
+  for (const auto& s : target.segments())
+    if (!segments.emplace(s.id(), s.bytes()).second)
+      return absl::FailedPreconditionError(absl::StrCat(who, ": segment ", s.id(), " appears twice in the layout"));
+  for (const auto& p : table.params()) {
+    auto it = theirs.find(p.name);
+    if (it == theirs.end())
+      return absl::FailedPreconditionError(
+          absl::StrCat(who, ": the engine has no parameter ", p.name, " that the replica layout has"));
+    const v1::ParamDesc& t = *it->second;
+    std::vector<int64_t> tshape(t.shape().begin(), t.shape().end());
+    if (t.bytes() != p.bytes || tshape != p.shape || t.dtype() != DTypeName(p.dtype))
+      return absl::FailedPreconditionError(absl::StrCat(
+          who, ": parameter ", p.name, ": replica has ", ShapeStr(p.shape), " ", DTypeName(p.dtype), " (", p.bytes,
+          " bytes), engine has ", ShapeStr(tshape), " ", t.dtype(), " (", t.bytes(), " bytes)"));
+    auto seg = segments.find(t.segment());
+    if (seg == segments.end())
+      return absl::FailedPreconditionError(
+          absl::StrCat(who, ": parameter ", p.name, " is in segment ", t.segment(), ", which the layout lacks"));
+    if (t.offset() > seg->second || t.bytes() > seg->second - t.offset())
+      return absl::FailedPreconditionError(absl::StrCat(who, ": parameter ", p.name, " [", t.offset(), ", +",
+                                                        t.bytes(), ") lies outside segment ", t.segment(), " (",
+                                                        seg->second, " bytes)"));
+  }
+  if (static_cast<size_t>(target.params_size()) != table.params().size()) {
+    for (const auto& t : target.params())
+      if (table.Find(t.name()) == nullptr)
+        return absl::FailedPreconditionError(
+            absl::StrCat(who, ": the engine has parameter ", t.name(), " that the replica layout lacks"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::ConfigureSourceRequest& req) {
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (version_ != -1)
+      return absl::FailedPreconditionError(absl::StrCat("cannot reconfigure while update ", version_, " is open"));
+  }
+  WSYNC_ASSIGN_OR_RETURN(replica::ModelConfig cfg, replica::ModelConfig::FromJson(req.model_config_json()));
+  replica::QuantSpec quant;
+  if (req.quantization() == "fp8_block") {
+    quant.mode = replica::QuantSpec::Mode::kFp8Block;
+    if (req.weight_block_size_size() == 2) {
+      quant.block_n = req.weight_block_size(0);
+      quant.block_k = req.weight_block_size(1);
+    }
+  } else if (!req.quantization().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown quantization '", req.quantization(), "'"));
+  }
+  if (req.scale_format() == "ue8m0") {
+    quant.ue8m0 = true;
+  } else if (!req.scale_format().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown fp8 scale format '", req.scale_format(),
+                                                   "' (\"\" or \"ue8m0\")"));
+  }
+
+  // Identical engine ranks (same parallelism and engine dialect) share one layout: one load serves all of them.
+  std::vector<replica::RankParallelism> layouts;
+  std::vector<int> layout_of;
+  for (const auto& t : req.targets()) {
+    replica::RankParallelism rp = FromProto(t.layout().parallelism());
+    auto dialect = replica::DialectForEngineKind(t.engine_kind());
+    if (!dialect.ok())
+      return Annotate(dialect.status(), absl::StrCat("engine ", t.engine_id(), " rank ", t.rank()));
+    rp.dialect = *dialect;
+    auto it = std::find(layouts.begin(), layouts.end(), rp);
+    layout_of.push_back(static_cast<int>(it - layouts.begin()));
+    if (it == layouts.end()) layouts.push_back(rp);
+  }
+
+  // Validate the whole request before touching the current plan: a bad ConfigureSource leaves the plan in use
+  // working. The tables are what the replica will allocate (no memory yet).
+  std::vector<replica::ParamTable> tables;  // one per distinct layout
+  for (const auto& rp : layouts) {
+    auto table = replica::BuildParamTable(cfg, rp, quant);
+    if (!table.ok()) return Annotate(table.status(), absl::StrCat("layout tp_rank ", rp.tp_rank));
+    tables.push_back(*std::move(table));
+  }
+  for (int i = 0; i < req.targets_size(); ++i) {
+    const auto& t = req.targets(i);
+    WSYNC_RETURN_IF_ERROR(
+        CheckLayout(tables[layout_of[i]], t.layout(), absl::StrCat("engine ", t.engine_id(), " rank ", t.rank())));
+    for (const auto& seg : t.layout().segments())
+      if (seg.region_descriptor().empty())
+        return absl::InvalidArgumentError(absl::StrCat("engine ", t.engine_id(), " rank ", t.rank(), ": segment ",
+                                                       seg.id(), " has no region descriptor"));
+  }
+
+  // The plan's byte ranges per target (name → ranges, checked against the table) and the per-rank push filters.
+  std::vector<std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>>> writes(req.targets_size());
+  for (int i = 0; i < req.targets_size(); ++i) {
+    const auto& t = req.targets(i);
+    for (const auto& w : t.writes()) {
+      const replica::EngineParam* p = tables[layout_of[i]].Find(w.param());
+      if (p == nullptr || w.length() == 0 || w.offset() > p->bytes || w.length() > p->bytes - w.offset())
+        return absl::InvalidArgumentError(absl::StrCat(
+            "engine ", t.engine_id(), " rank ", t.rank(), ": write range [", w.offset(), ", +", w.length(), ") of ",
+            w.param(), p == nullptr ? " names no parameter of the layout"
+                                    : absl::StrCat(" is empty or outside its ", p->bytes, " bytes")));
+      writes[i][w.param()].emplace_back(w.offset(), w.length());
+    }
+  }
+  std::map<int, std::vector<std::string>> rank_push;
+  std::map<int, std::vector<v1::TensorSliceSpec>> rank_slices;
+  if (req.push_filters_size() > 0) {
+    WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
+    std::set<std::string> known, seen;
+    std::map<std::string, std::vector<int64_t>> shape_of;
+    for (const auto& s : specs) known.insert(s.name), shape_of[s.name] = s.shape;
+    for (const auto& f : req.push_filters()) {
+      if (f.local_rank() < 0 || f.local_rank() >= opts_.trainer_ranks || rank_push.count(f.local_rank()))
+        return absl::InvalidArgumentError(absl::StrCat("push filter for local rank ", f.local_rank(),
+                                                       ": out of range [0, ", opts_.trainer_ranks, ") or repeated"));
+      auto& names = rank_push[f.local_rank()];
+      for (const auto& n : f.tensor_names()) {
+        if (!known.count(n))
+          return absl::InvalidArgumentError(absl::StrCat("push filter for local rank ", f.local_rank(), " names ", n,
+                                                         ", which is not a tensor of the model"));
+        if (!seen.insert(n).second)
+          return absl::InvalidArgumentError(
+              absl::StrCat("push filter: tensor ", n, " is assigned to two local ranks"));
+        names.push_back(n);
+      }
+      for (const auto& sp : f.slices()) {
+        TensorSlice ts;
+        ts.name = sp.name();
+        ts.full_shape.assign(sp.shape().begin(), sp.shape().end());
+        ts.offsets.assign(sp.offsets().begin(), sp.offsets().end());
+        ts.extents.assign(sp.extents().begin(), sp.extents().end());
+        WSYNC_RETURN_IF_ERROR_CTX(ValidateSlice(&ts), "push filter for local rank ", f.local_rank());
+        auto it = shape_of.find(ts.name);
+        if (it == shape_of.end() || it->second != ts.full_shape)
+          return absl::InvalidArgumentError(absl::StrCat("push filter for local rank ", f.local_rank(),
+                                                         " slices ", ts.name, ", which is not a tensor of the model ",
+                                                         "with that shape"));
+        if (seen.count(ts.name))
+          return absl::InvalidArgumentError(
+              absl::StrCat("push filter: tensor ", ts.name, " is both pushed whole and sliced"));
+        rank_slices[f.local_rank()].push_back(sp);
+      }
+    }
+  }
+
+  // Tear down the previous plan's state (endpoints before the memory they reference); under mu_ as well, since
+  // Status() and the metrics read them. From here on a failure (memory, network) leaves the source unconfigured.
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    targets_.clear();
+    targets_by_layout_.clear();
+    replica_regions_.clear();
+    mooncake_regions_.clear();
+    replica_.reset();
+    configured_ = false;
+  }
+
+  v1::ConfigureSourceReply out;
+  absl::Time t0 = absl::Now();
+  // The replica builds the same tables the layouts were checked against above. A node the plan gives no work has
+  // none (its ranks' push filters are empty).
+  std::unique_ptr<replica::Replica> replica;
+  if (!layouts.empty()) {
+    WSYNC_ASSIGN_OR_RETURN(replica, replica::Replica::Create(cfg, layouts, quant));
+  }
+  const int num_layouts = replica ? replica->num_layouts() : 0;
+  std::vector<std::unique_ptr<transport::LocalRegion>> regions;
+  uint64_t total = 0;
+  for (int l = 0; l < num_layouts; ++l) {
+    const uint64_t n = std::max<uint64_t>(replica->table(l).total_bytes(), 1);
+    WSYNC_ASSIGN_OR_RETURN(auto region, transport_->RegisterMemory(replica->data(l), n));
+    regions.push_back(std::move(region));
+    total += replica->table(l).total_bytes();
+  }
+  // Targets whose memory a Mooncake Transfer Engine registered (SGLang) are written with the mooncake transport.
+  std::vector<std::unique_ptr<transport::LocalRegion>> mc_regions;
+  bool any_mooncake = false;
+  for (const auto& t : req.targets())
+    for (const auto& seg : t.layout().segments()) any_mooncake |= seg.kind() == "mooncake";
+  if (any_mooncake) {
+    if (!mooncake_) {
+      transport::TransportOptions mo;
+      WSYNC_ASSIGN_OR_RETURN(mooncake_, transport::mooncake::CreateMooncakeTransport(mo));
+    }
+    for (int l = 0; l < num_layouts; ++l) {
+      const uint64_t n = std::max<uint64_t>(replica->table(l).total_bytes(), 1);
+      WSYNC_ASSIGN_OR_RETURN(auto region, mooncake_->RegisterMemory(replica->data(l), n));
+      mc_regions.push_back(std::move(region));
+    }
+  }
+  out.set_register_seconds(Seconds(t0));
+  out.set_replica_bytes(total);
+  out.set_layouts(num_layouts);
+
+  absl::Time t1 = absl::Now();
+  std::vector<std::unique_ptr<Target>> targets;
+  std::vector<std::vector<Target*>> by_layout(num_layouts);
+  for (int i = 0; i < req.targets_size(); ++i) {
+    const auto& a = req.targets(i);
+    auto t = std::make_unique<Target>();
+    t->assignment = a;
+    t->layout = layout_of[i];
+    t->transport = transport_;
+    std::map<int, const transport::RemoteRegion*> by_segment;
+    for (const auto& seg : a.layout().segments()) {
+      if (seg.kind() == "mooncake") {
+        // Every segment of one rank is in the same Mooncake session (the rank's transfer engine).
+        auto f = transport::mooncake::ParseRegionDescriptor(seg.region_descriptor());
+        if (!f.ok()) return Annotate(f.status(), absl::StrCat("segment ", seg.id(), " of ", Who(*t)));
+        if (!t->mooncake_session.empty() && t->mooncake_session != f->session_id)
+          return absl::InvalidArgumentError(absl::StrCat(Who(*t), ": segments in two Mooncake sessions (",
+                                                         t->mooncake_session, ", ", f->session_id, ")"));
+        t->mooncake_session = f->session_id;
+        t->transport = mooncake_.get();
+      } else if (t->transport == mooncake_.get() && mooncake_ != nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(Who(*t), ": mixes mooncake and ", seg.kind(), " segments"));
+      }
+      auto region = t->transport->ImportRegion(seg.region_descriptor());
+      if (!region.ok())
+        return Annotate(region.status(), absl::StrCat("importing segment ", seg.id(), " of ", Who(*t)));
+      by_segment[seg.id()] = region->get();
+      t->regions.push_back(*std::move(region));
+    }
+    WSYNC_RETURN_IF_ERROR(ConnectEndpoint(t.get()));
+    const replica::ParamTable& table = replica->table(t->layout);
+    std::map<std::string, const v1::ParamDesc*> theirs;
+    for (const auto& p : a.layout().params()) theirs[p.name()] = &p;
+    for (const auto& p : table.params()) {  // CheckLayout made sure every one is there, inside its segment
+      const v1::ParamDesc* d = theirs.at(p.name);
+      t->dst_region.push_back(by_segment.at(d->segment()));
+      t->dst_offset.push_back(d->offset());
+      if (a.writes_size() == 0) {
+        t->ranges.push_back({{0, p.bytes}});
+      } else {
+        auto it = writes[i].find(p.name);
+        t->ranges.push_back(it == writes[i].end() ? std::vector<std::pair<uint64_t, uint64_t>>{} : it->second);
+      }
+    }
+    by_layout[t->layout].push_back(t.get());
+    targets.push_back(std::move(t));
+  }
+  out.set_connect_seconds(Seconds(t1));
+
+  // What an update must complete: every parameter some target takes bytes of.
+  std::vector<std::vector<char>> required(num_layouts);
+  for (int l = 0; l < num_layouts; ++l) required[l].assign(replica->table(l).params().size(), 0);
+  for (const auto& t : targets)
+    for (size_t p = 0; p < t->ranges.size(); ++p)
+      if (!t->ranges[p].empty()) required[t->layout][p] = 1;
+
+  // Push filter: the plan's per-rank lists, else every checkpoint tensor some layout needs (non-expert tensors
+  // first, then experts), split round-robin over the local ranks.
+  std::vector<std::string> names;
+  if (!rank_push.empty()) {
+    for (const auto& [r, list] : rank_push) names.insert(names.end(), list.begin(), list.end());
+  } else {
+    WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
+    std::vector<std::string> experts;
+    for (const auto& s : specs) {
+      if (!replica || !replica->Needs(s.name)) continue;
+      (absl::StrContains(s.name, ".experts.") ? experts : names).push_back(s.name);
+    }
+    names.insert(names.end(), experts.begin(), experts.end());
+    for (size_t i = 0; i < names.size(); ++i) rank_push[static_cast<int>(i % opts_.trainer_ranks)].push_back(names[i]);
+  }
+
+  std::lock_guard<std::mutex> l(mu_);
+  push_slices_ = 0;
+  replica_ = std::move(replica);
+  replica_regions_ = std::move(regions);
+  mooncake_regions_ = std::move(mc_regions);
+  targets_ = std::move(targets);
+  targets_by_layout_ = std::move(by_layout);
+  push_names_ = std::move(names);
+  for (const auto& [r, list] : rank_slices) push_slices_ += list.size();
+  rank_push_ = std::move(rank_push);
+  rank_slices_ = std::move(rank_slices);
+  completed_.assign(required.size(), {});
+  for (size_t l = 0; l < required.size(); ++l) completed_[l].assign(required[l].size(), 0);
+  required_ = std::move(required);
+  plan_epoch_ = req.plan_epoch();
+  configured_ = true;
+  spdlog::info("configured plan {}: {} targets, {} layouts, replica {:.1f} MiB registered in {:.3f}s, connected in "
+               "{:.3f}s, {} tensors to push",
+               plan_epoch_, targets_.size(), num_layouts, total / 1048576.0, out.register_seconds(),
+               out.connect_seconds(), push_names_.size());
+  return out;
+}
+
+std::string SourceNode::Who(const Target& t) {
+  return absl::StrCat("engine ", t.assignment.engine_id(), " rank ", t.assignment.rank(),
+                      t.assignment.target_node().empty() ? std::string() : " on node " + t.assignment.target_node(),
+                      " at ", t.assignment.target_daemon());
+}
+
+absl::Status SourceNode::ConnectEndpoint(Target* t) {
+  const std::string who = Who(*t);
+  t->endpoint.reset();  // a broken endpoint goes first, so the peer sees it close before the new one connects
+  t->outstanding.clear();
+  auto ep = t->transport->CreateEndpoint();
+  if (!ep.ok()) return Annotate(ep.status(), absl::StrCat("creating an endpoint for ", who));
+  if (!t->mooncake_session.empty()) {
+    // The engine's own Mooncake Transfer Engine: the handshake goes to it directly, not through a target daemon.
+    WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(t->mooncake_session, absl::Seconds(30)), "connecting to ", who,
+                              " (Mooncake session ", t->mooncake_session, ")");
+    t->endpoint = *std::move(ep);
+    t->broken = absl::OkStatus();
+    return absl::OkStatus();
+  }
+  v1::ConnectTargetRequest creq;
+  creq.set_engine_id(t->assignment.engine_id());
+  creq.set_rank(t->assignment.rank());
+  creq.set_source_endpoint_info((*ep)->LocalInfo());
+  auto info = connect_(t->assignment.target_daemon(), creq);
+  if (!info.ok()) return Annotate(info.status(), absl::StrCat("connecting to ", who));
+  WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(*info, absl::Seconds(30)), "connecting to ", who);
+  t->endpoint = *std::move(ep);
+  t->broken = absl::OkStatus();
+  return absl::OkStatus();
+}
+
+absl::Status SourceNode::DrainOutstanding(absl::Duration timeout) {
+  // One deadline for the whole drain (targets behind the same dead link must not each wait the full timeout), and
+  // every failed target named in the result.
+  const absl::Time deadline = absl::Now() + timeout;
+  std::vector<absl::Status> failed;
+  for (auto& t : targets_) {
+    for (transport::BatchId id : t->outstanding) {
+      if (!t->broken.ok()) break;  // the endpoint is gone for good; its remaining batches are abandoned with it
+      absl::Status st = t->endpoint->Wait(id, std::max(deadline - absl::Now(), absl::ZeroDuration()));
+      if (st.ok()) continue;
+      // Also on DeadlineExceeded: a batch we stop waiting for must not stay pending on an endpoint we reuse.
+      t->broken = Annotate(st, Who(*t));
+      spdlog::error("{}; its endpoint will be re-created at the next update", t->broken.ToString());
+      failed.push_back(t->broken);
+    }
+    t->outstanding.clear();
+  }
+  if (failed.size() <= 1) return failed.empty() ? absl::OkStatus() : failed.front();
+  std::vector<std::string> msgs;
+  for (const auto& s : failed) msgs.emplace_back(s.message());
+  return absl::Status(failed.front().code(),
+                      absl::StrCat(failed.size(), " targets failed: ", absl::StrJoin(msgs, "; ")));
+}
+
+absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!configured_) return absl::FailedPreconditionError("source is not configured (no transfer plan yet)");
+    if (req.plan_epoch() != plan_epoch_)
+      return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " is for plan ", req.plan_epoch(),
+                                                        " but this source is configured for plan ", plan_epoch_));
+    if (version_ != -1 && req.version() == version_ && !finishing_) return absl::OkStatus();  // a repeat
+    if (version_ != -1 && (finishing_ || req.version() < version_))
+      return absl::FailedPreconditionError(absl::StrCat("cannot start update ", req.version(), ": update ", version_,
+                                                        finishing_ ? " is finishing" : " is open"));
+    const int64_t newest = std::max(last_version_, ended_version_);
+    if (req.version() <= newest)
+      return absl::FailedPreconditionError(
+          absl::StrCat("version ", req.version(), " is not newer than the last update ", newest));
+    if (version_ != -1) {
+      // The coordinator only starts a newer update once it has given up on the open one (its begin failed at
+      // another source): end it here as failed; its batches are dealt with below.
+      spdlog::warn("update {} abandoned: update {} starts", version_, req.version());
+      ended_version_ = version_;
+      ended_result_ = absl::AbortedError(
+          absl::StrCat("update ", version_, " was abandoned: the coordinator started update ", req.version()));
+      version_ = -1;
+      SetLogUpdateVersion(-1);
+    }
+  }
+  // Every update ends by draining its batches; anything left is of unknown fate, so its endpoint is not reused.
+  for (auto& t : targets_) {
+    if (!t->outstanding.empty() && t->broken.ok())
+      t->broken = absl::InternalError(absl::StrCat(t->outstanding.size(), " batches of an earlier update were "
+                                                   "never waited for"));
+    t->outstanding.clear();
+  }
+  // Re-establish what the last update broke before any push is accepted (ingest_mu_ keeps pushes out; mu_ is not
+  // held across the dial, so status and BeginPush callers are not blocked behind it).
+  for (auto& t : targets_) {
+    if (t->broken.ok()) continue;
+    spdlog::warn("update {}: reconnecting to {} (its endpoint failed: {})", req.version(), Who(*t),
+                 t->broken.ToString());
+    absl::Status st = ConnectEndpoint(t.get());
+    if (!st.ok()) {
+      absl::Status err = Annotate(st, absl::StrCat("update ", req.version(), ": cannot re-establish the endpoint"));
+      spdlog::error("{}", err.ToString());
+      return err;  // t stays broken: the next StartUpdate tries again
+    }
+    spdlog::info("update {}: reconnected to {}", req.version(), Who(*t));
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  if (replica_) replica_->BeginUpdate();
+  staged_.clear();
+  for (auto& c : completed_) std::fill(c.begin(), c.end(), 0);
+  version_ = req.version();
+  SetLogUpdateVersion(version_);
+  update_error_ = absl::OkStatus();
+  ended_ranks_.clear();
+  // Only ranks lost while this update is open count (a rank whose process ended after the last update may start
+  // its next process at any time; until it pushes, the commit's own timeout applies).
+  lost_ranks_.clear();
+  bytes_written_ = params_written_ = tensors_received_ = 0;
+  ingest_seconds_ = write_seconds_ = 0;
+  spdlog::info("update {} started", version_);
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequest& req, absl::Duration max_wait) {
+  std::unique_lock<std::mutex> l(mu_);
+  Session* s = FindSession(req.session_id());
+  if (s == nullptr) return UnknownSession();
+  const int rank = s->local_rank;
+  // The coordinator opens the update; ranks that arrive first wait for it.
+  const absl::Duration wait = std::max(absl::ZeroDuration(), std::min(opts_.push_timeout, max_wait));
+  bool ready = cv_.wait_for(l, absl::ToChronoMilliseconds(wait), [&] {
+    return version_ == req.version() || last_version_ >= req.version() || ended_version_ >= req.version();
+  });
+  if (!ready)
+    return absl::DeadlineExceededError(absl::StrCat(
+        "no update is open: update ", req.version(), " was not opened on this node within ", absl::FormatDuration(wait),
+        ": the driver must open it first (Coordinator.begin_update / BeginUpdate(", req.version(),
+        ")) before the ranks begin their push"));
+  if (version_ != req.version())
+    return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " already ended"));
+  v1::BeginPushReply out;
+  auto it = rank_push_.find(rank);
+  if (it != rank_push_.end())
+    for (const auto& n : it->second) out.add_tensor_names(n);
+  auto sl = rank_slices_.find(rank);
+  if (sl != rank_slices_.end())
+    for (const auto& x : sl->second) *out.add_slices() = x;
+  return out;
+}
+
+absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitBucketRequest& req) {
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  RingConsumer* ring = nullptr;
+  int64_t version;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    Session* s = FindSession(req.session_id());
+    if (s == nullptr) return UnknownSession();
+    ring = s->ring.get();
+    version = version_;
+  }
+  // The trainer commits in the ring before it calls us, so the bucket is there already.
+  WSYNC_ASSIGN_OR_RETURN(BucketView bucket, ring->NextBucket(absl::Seconds(5)));
+  struct ReleaseGuard {
+    RingConsumer* ring;
+    const BucketView& b;
+    ~ReleaseGuard() {
+      if (auto st = ring->Release(b); !st.ok()) spdlog::error("ring release: {}", st.ToString());
+    }
+  } guard{ring, bucket};
+  if (bucket.seq != req.bucket_seq())
+    return absl::FailedPreconditionError(
+        absl::StrCat("bucket seq mismatch: ring holds ", bucket.seq, ", commit names ", req.bucket_seq()));
+  if (version == -1)
+    return absl::FailedPreconditionError(absl::StrCat("bucket ", bucket.seq,
+                                                      " committed while no update is open (after update ",
+                                                      last_version_, " ended); nothing was written"));
+
+  if (!replica_)
+    return absl::FailedPreconditionError(absl::StrCat("bucket ", bucket.seq, ": this node writes nothing in plan ",
+                                                      plan_epoch_, " (its ranks' push filters are empty); nothing "
+                                                      "was written"));
+  // Validate the whole bucket before anything of it reaches the replica or an engine.
+  std::vector<replica::HfTensor> tensors;
+  tensors.reserve(bucket.tensors.size());
+  std::vector<std::optional<TensorSlice>> slices;  // per tensor: its slice, if it is one
+  std::vector<std::pair<TensorSlice, DType>> bucket_slices;
+  std::set<absl::string_view> seen;
+  absl::Status bad;
+  for (const TensorView& v : bucket.tensors) {
+    replica::HfTensor t{v.name, v.dtype, v.shape, v.data, v.bytes};
+    auto slice = ParseSliceName(v.name, v.shape);
+    absl::Status st;
+    if (!slice.ok()) {
+      st = slice.status();
+    } else if (slice->has_value()) {
+      st = CheckSlice(**slice, v.dtype, v.bytes, bucket_slices);
+      if (st.ok()) bucket_slices.push_back({**slice, v.dtype});
+    } else {
+      st = seen.insert(v.name).second
+               ? replica_->Validate(t)
+               : absl::InvalidArgumentError(absl::StrCat("tensor ", v.name, " appears twice in one bucket"));
+    }
+    if (!st.ok()) {
+      bad = st;
+      break;
+    }
+    tensors.push_back(t);
+    slices.push_back(slice.ok() ? *std::move(slice) : std::nullopt);
+  }
+  if (!bad.ok()) {
+    std::lock_guard<std::mutex> l(mu_);
+    absl::Status err = Annotate(bad, absl::StrCat("bucket ", bucket.seq, " of update ", version,
+                                                  " rejected, nothing from it was written"));
+    if (update_error_.ok()) update_error_ = err;
+    spdlog::error("{}", err.ToString());
+    metrics_.Add("wsync_source_buckets_total", {{"result", "rejected"}}, 1);
+    return err;
+  }
+
+  absl::Time t0 = absl::Now();
+  std::vector<replica::ReadyParam> ready;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const auto& t = tensors[k];
+    absl::Status st;
+    if (slices[k].has_value()) {
+      st = StageSlice(*slices[k], t.dtype, t.data, &ready);
+    } else {
+      auto r = replica_->Ingest(t);
+      if (r.ok()) ready.insert(ready.end(), r->begin(), r->end());
+      st = r.status();
+    }
+    if (!st.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      if (update_error_.ok()) update_error_ = st;
+      return st;
+    }
+  }
+  const double ingest_s = Seconds(t0);
+  absl::Time t1 = absl::Now();
+  absl::Status ws = WriteReady(ready);
+  std::lock_guard<std::mutex> l(mu_);
+  ingest_seconds_ += ingest_s;
+  write_seconds_ += Seconds(t1);
+  tensors_received_ += tensors.size();
+  metrics_.Add("wsync_source_tensors_received_total", {}, static_cast<double>(tensors.size()));
+  metrics_.Observe("wsync_source_bucket_ingest_seconds", {}, ingest_s);
+  metrics_.Observe("wsync_source_bucket_write_seconds", {}, Seconds(t1));
+  if (!ws.ok()) {
+    if (update_error_.ok()) update_error_ = ws;
+    metrics_.Add("wsync_source_buckets_total", {{"result", "write_failed"}}, 1);
+    return ws;
+  }
+  metrics_.Add("wsync_source_buckets_total", {{"result", "ok"}}, 1);
+  v1::CommitBucketReply out;
+  out.set_tensors(static_cast<uint32_t>(tensors.size()));
+  out.set_bytes(bucket.payload_bytes);
+  out.set_params_ready(static_cast<uint32_t>(ready.size()));
+  return out;
+}
+
+absl::Status SourceNode::CheckSlice(const TensorSlice& s, DType dtype, uint64_t bytes,
+                                    const std::vector<std::pair<TensorSlice, DType>>& bucket) {
+  uint64_t elems = 1, full = 1;
+  for (int64_t e : s.extents) elems *= static_cast<uint64_t>(e);
+  for (int64_t d : s.full_shape) full *= static_cast<uint64_t>(d);
+  if (DTypeSize(dtype) == 0 || bytes != elems * DTypeSize(dtype))
+    return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, " (", s.Describe(), "): ", bytes,
+                                                   " bytes of data, expected ", elems * DTypeSize(dtype)));
+  auto it = staged_.find(s.name);
+  if (it != staged_.end() && it->second.done)
+    return absl::AlreadyExistsError(absl::StrCat("slice of ", s.name, " (", s.Describe(),
+                                                 ") arrived after the tensor was complete in this update"));
+  // The whole tensor must be one the model has, with this shape and dtype (nothing is read through the pointer).
+  static const uint8_t kNoData = 0;
+  replica::HfTensor whole{s.name, dtype, s.full_shape, &kNoData, full * DTypeSize(dtype)};
+  WSYNC_RETURN_IF_ERROR_CTX(replica_->Validate(whole), "slice ", s.Describe());
+  auto overlaps = [&](const TensorSlice& o) {
+    return s.row0 < o.row0 + o.rows && o.row0 < s.row0 + s.rows && s.col0 < o.col0 + o.cols &&
+           o.col0 < s.col0 + s.cols;
+  };
+  std::vector<const TensorSlice*> earlier;
+  if (it != staged_.end()) {
+    if (it->second.dtype != dtype)
+      return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, " (", s.Describe(), ") is ",
+                                                     DTypeName(dtype), ", earlier slices were ",
+                                                     DTypeName(it->second.dtype)));
+    for (const auto& g : it->second.got) earlier.push_back(&g);
+  }
+  for (const auto& [b, bd] : bucket) {
+    if (b.name != s.name) continue;
+    if (bd != dtype)
+      return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, " (", s.Describe(), ") is ",
+                                                     DTypeName(dtype), ", an earlier slice was ", DTypeName(bd)));
+    earlier.push_back(&b);
+  }
+  for (const TensorSlice* o : earlier)
+    if (overlaps(*o))
+      return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, ": ", s.Describe(), " overlaps ",
+                                                     o->Describe(), " pushed earlier in this update"));
+  return absl::OkStatus();
+}
+
+absl::Status SourceNode::StageSlice(const TensorSlice& s, DType dtype, const uint8_t* data,
+                                    std::vector<replica::ReadyParam>* ready) {
+  auto [it, fresh] = staged_.try_emplace(s.name);
+  Staged& st = it->second;
+  if (fresh) {
+    st.dtype = dtype;
+    st.shape = s.full_shape;
+    for (const replica::TensorRead& r : replica_->Reads(s.name)) {
+      const bool needed = required_[r.layout][r.param] || (r.scale_param >= 0 && required_[r.layout][r.scale_param]);
+      if (!needed) continue;
+      if (r.constant) {
+        st.constant = true;
+      } else {
+        st.need.push_back(r);
+      }
+    }
+    if (!st.need.empty() || st.constant) st.data.assign(static_cast<size_t>(s.full_rows * s.full_cols) * DTypeSize(dtype), 0);
+  }
+  st.got.push_back(s);
+  if (st.data.empty()) return absl::OkStatus();  // nothing this node writes reads it
+  const size_t es = DTypeSize(dtype);
+  const size_t row_bytes = static_cast<size_t>(s.cols) * es;
+  for (int64_t r = 0; r < s.rows; ++r)
+    std::memcpy(st.data.data() + (static_cast<size_t>((s.row0 + r) * s.full_cols + s.col0)) * es,
+                data + static_cast<size_t>(r) * row_bytes, row_bytes);
+  // Complete when every rectangle read by a parameter this node writes is covered (slices are disjoint).
+  for (const replica::TensorRead& n : st.need) {
+    uint64_t covered = 0;
+    for (const TensorSlice& g : st.got) {
+      const int64_t r0 = std::max(n.row0, g.row0), r1 = std::min(n.row0 + n.rows, g.row0 + g.rows);
+      const int64_t c0 = std::max(n.col0, g.col0), c1 = std::min(n.col0 + n.cols, g.col0 + g.cols);
+      if (r1 > r0 && c1 > c0) covered += static_cast<uint64_t>((r1 - r0) * (c1 - c0));
+    }
+    if (covered < static_cast<uint64_t>(n.rows * n.cols)) return absl::OkStatus();
+  }
+  replica::HfTensor whole{s.name, dtype, st.shape, st.data.data(), st.data.size()};
+  auto r = replica_->Ingest(whole);
+  if (!r.ok()) return Annotate(r.status(), absl::StrCat("assembled from ", st.got.size(), " slices"));
+  ready->insert(ready->end(), r->begin(), r->end());
+  st.done = true;
+  std::vector<uint8_t>().swap(st.data);
+  return absl::OkStatus();
+}
+
+absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& ready) {
+  if (ready.empty()) return absl::OkStatus();
+  std::map<Target*, std::vector<transport::WriteRequest>> batches;
+  uint64_t bytes = 0;
+  for (const auto& r : ready) {
+    const replica::EngineParam& p = replica_->table(r.layout).params()[r.param];
+    for (Target* t : targets_by_layout_[r.layout]) {
+      for (const auto& [offset, length] : t->ranges[r.param]) {
+        transport::WriteRequest w;
+        w.src = (t->transport == transport_ ? replica_regions_ : mooncake_regions_)[r.layout].get();
+        w.src_offset = p.offset + offset;
+        w.dst = t->dst_region[r.param];
+        w.dst_offset = t->dst_offset[r.param] + offset;
+        w.length = length;
+        if (w.length == 0) continue;
+        batches[t].push_back(w);
+        bytes += length;
+      }
+    }
+  }
+  for (auto& [t, writes] : batches) {
+    if (!t->broken.ok())
+      return absl::UnavailableError(absl::StrCat("writing to ", Who(*t),
+                                                 ": its endpoint failed and is not re-established (",
+                                                 t->broken.message(), ")"));
+    auto id = t->endpoint->Post(writes);
+    if (!id.ok()) {
+      t->broken = Annotate(id.status(), absl::StrCat("writing to ", Who(*t)));
+      spdlog::error("{}; its endpoint will be re-created at the next update", t->broken.ToString());
+      return t->broken;
+    }
+    t->outstanding.push_back(*id);
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  for (const auto& r : ready) completed_[r.layout][r.param] = 1;
+  bytes_written_ += bytes;
+  params_written_ += ready.size();
+  metrics_.Add("wsync_source_bytes_written_total", {}, static_cast<double>(bytes));
+  metrics_.Add("wsync_source_params_written_total", {}, static_cast<double>(ready.size()));
+  return absl::OkStatus();
+}
+
+absl::Status SourceNode::EndPush(const v1::EndPushRequest& req) {
+  std::lock_guard<std::mutex> l(mu_);
+  Session* s = FindSession(req.session_id());
+  if (s == nullptr) return UnknownSession();
+  if (req.version() != version_) {
+    if (ended_version_ == req.version())
+      return absl::FailedPreconditionError(absl::StrCat("EndPush for update ", req.version(),
+                                                        ", which has ended: ",
+                                                        ended_result_.ok() ? std::string("it finished")
+                                                                           : ended_result_.status().ToString()));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "EndPush for update ", req.version(), " but ",
+        version_ >= 0 ? absl::StrCat("update ", version_, " is open") : std::string("no update is open")));
+  }
+  s->ended_version = req.version();
+  ended_ranks_.insert(s->local_rank);
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishUpdateRequest& req) {
+  const absl::Duration timeout =
+      req.timeout_seconds() > 0 ? absl::Seconds(req.timeout_seconds()) : opts_.push_timeout;
+  const int64_t v = req.version();
+  absl::Status result;
+  {
+    std::unique_lock<std::mutex> l(mu_);
+    if (req.plan_epoch() != plan_epoch_)
+      return absl::FailedPreconditionError(absl::StrCat("finish of update ", v, " is for plan ", req.plan_epoch(),
+                                                        " but this source is configured for plan ", plan_epoch_));
+    // A repeat while the first call runs waits for it (bounded by the first call's own timeouts).
+    cv_.wait(l, [&] { return !(finishing_ && version_ == v); });
+    if (ended_version_ == v) return ended_result_;
+    if (version_ != v) {
+      const int64_t newest = std::max({last_version_, ended_version_, version_});
+      if (v < newest)
+        return absl::FailedPreconditionError(
+            absl::StrCat("cannot finish update ", v, ": it is older than update ", newest));
+      return absl::FailedPreconditionError(absl::StrCat("update ", v, " is not open here"));
+    }
+    // Claimed under the lock that checked it: from here on no other call can finish, restart or reconfigure v.
+    finishing_ = true;
+    // Counted by rank, not by live session: a rank may close its session right after its last EndPush.
+    auto all_ended = [&] {
+      return static_cast<int>(ended_ranks_.size()) >= opts_.trainer_ranks || !update_error_.ok();
+    };
+    if (!cv_.wait_for(l, absl::ToChronoSeconds(timeout), all_ended)) {
+      std::vector<int> missing;
+      for (int r = 0; r < opts_.trainer_ranks; ++r)
+        if (!ended_ranks_.count(r)) missing.push_back(r);
+      result = absl::DeadlineExceededError(absl::StrCat(
+          "update ", v, ": trainer ranks [", absl::StrJoin(missing, ","), "] did not finish pushing within ",
+          absl::FormatDuration(timeout)));
+    }
+  }
+  // Even a failed update drains its batches, so no batch id outlives the update it belongs to.
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  absl::Time t0 = absl::Now();
+  absl::Status drained = DrainOutstanding(timeout);
+  if (result.ok()) result = drained;
+  std::lock_guard<std::mutex> l(mu_);
+  write_seconds_ += Seconds(t0);
+  if (result.ok()) result = update_error_;
+  if (result.ok()) {
+    // Every parameter this node writes must be complete (the plan may leave others of its layouts to other nodes).
+    std::vector<std::string> missing;
+    size_t count = 0;
+    for (size_t li = 0; li < required_.size(); ++li)
+      for (size_t p = 0; p < required_[li].size(); ++p)
+        if (required_[li][p] && !completed_[li][p] && ++count <= 5)
+          missing.push_back(absl::StrCat(replica_->table(static_cast<int>(li)).params()[p].name, " (layout ", li, ")"));
+    std::vector<std::string> partial;  // tensors pushed in slices that never covered what this node reads
+    for (const auto& [name, st] : staged_)
+      if (!st.done && !st.data.empty() && partial.size() < 5)
+        partial.push_back(absl::StrCat(name, " (", st.got.size(), " slices)"));
+    if (count > 0)
+      result = absl::FailedPreconditionError(absl::StrCat(
+          "update ", v, ": ", count, " parameters this node writes are incomplete (their checkpoint tensors were not "
+          "all pushed): ", absl::StrJoin(missing, ", "), count > missing.size() ? ", ..." : "",
+          partial.empty() ? "" : absl::StrCat("; tensors whose slices do not cover what this node reads: ",
+                                              absl::StrJoin(partial, ", "))));
+  }
+  version_ = -1;
+  SetLogUpdateVersion(-1);
+  finishing_ = false;
+  ended_version_ = v;
+  cv_.notify_all();
+  if (!result.ok()) {
+    spdlog::error("update {} failed: {}", v, result.ToString());
+    ended_result_ = result;
+    metrics_.Add("wsync_source_updates_total", {{"result", "failed"}}, 1);
+    return result;
+  }
+  last_version_ = v;
+  metrics_.Add("wsync_source_updates_total", {{"result", "ok"}}, 1);
+  if (write_seconds_ > 0) metrics_.Set("wsync_source_update_write_gbps", {}, bytes_written_ / write_seconds_ / 1e9);
+  v1::FinishUpdateReply out;
+  out.set_bytes_written(bytes_written_);
+  out.set_params_written(params_written_);
+  out.set_tensors_received(tensors_received_);
+  out.set_ingest_seconds(ingest_seconds_);
+  out.set_write_seconds(write_seconds_);
+  ended_result_ = out;
+  spdlog::info("update {} done: {} tensors in, {} params / {:.1f} MiB written (ingest {:.3f}s, write {:.3f}s)", v,
+               tensors_received_, params_written_, bytes_written_ / 1048576.0, ingest_seconds_, write_seconds_);
+  return out;
+}
+
+absl::StatusOr<v1::AbortSourceUpdateReply> SourceNode::AbortUpdate(const v1::AbortSourceUpdateRequest& req,
+                                                                   absl::Duration drain_timeout) {
+  const int64_t v = req.version();
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (aborted_version_ == v) return aborted_reply_;
+    if (version_ != v) {
+      if (last_version_ == v)
+        return absl::FailedPreconditionError(absl::StrCat("cannot abort update ", v, ": it finished successfully"));
+      // Never started here, or ended (failed/abandoned) already: nothing of it can be written any more.
+      v1::AbortSourceUpdateReply out;
+      out.set_was_open(false);
+      out.set_quiescent(true);
+      if (ended_version_ == v) out.set_bytes_written(bytes_written_);
+      return out;
+    }
+    if (finishing_)
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot abort update ", v, ": it is finishing (its commit runs; it ends by itself)"));
+    // From here on BeginPush/CommitBucket/EndPush of v are refused (CommitBucket reads version_ under ingest_mu_).
+    version_ = -1;
+    SetLogUpdateVersion(-1);
+    ended_version_ = v;
+    absl::Status err = absl::AbortedError(absl::StrCat(
+        "update ", v, " was aborted", req.reason().empty() ? std::string() : absl::StrCat(": ", req.reason())));
+    ended_result_ = err;
+    update_error_ = err;
+    aborted_version_ = v;
+    cv_.notify_all();
+  }
+  // A bucket being written when the abort came holds ingest_mu_: wait for it, then for every write in flight.
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  absl::Status drained = DrainOutstanding(drain_timeout);
+  std::lock_guard<std::mutex> l(mu_);
+  v1::AbortSourceUpdateReply out;
+  out.set_was_open(true);
+  out.set_bytes_written(bytes_written_);
+  out.set_quiescent(drained.ok());
+  aborted_reply_ = out;
+  metrics_.Add("wsync_source_updates_total", {{"result", "aborted"}}, 1);
+  spdlog::warn("update {} aborted ({}): {:.1f} MiB of it had been written{}", v,
+               req.reason().empty() ? "no reason given" : req.reason(), bytes_written_ / 1048576.0,
+               drained.ok() ? "" : absl::StrCat("; draining its writes failed: ", drained.ToString()));
+  return out;
+}
+
+v1::NodeStatus SourceNode::Status() const {
+  std::lock_guard<std::mutex> l(mu_);
+  v1::NodeStatus s;
+  s.set_node_id(opts_.node_id);
+  s.set_role("source");
+  s.set_transport(transport_->name());
+  s.set_sessions(static_cast<int>(sessions_.size()));
+  uint64_t total = 0;
+  if (replica_)
+    for (int i = 0; i < replica_->num_layouts(); ++i) total += replica_->table(i).total_bytes();
+  s.set_replica_bytes(total);
+  s.set_last_version(last_version_);
+  s.set_state(version_ != -1 ? (finishing_ ? "finishing" : "updating") : (replica_ ? "ready" : "unconfigured"));
+  s.set_open_version(version_);
+  s.set_bytes_written(bytes_written_);
+  s.set_tensors_received(tensors_received_);
+  s.set_tensors_expected(push_names_.size() + push_slices_);  // slices count as tensors: each is one frame
+  uint64_t expected = 0;
+  if (replica_)
+    for (const auto& t : targets_) expected += replica_->table(t->layout).total_bytes();
+  s.set_bytes_expected(expected);
+  s.set_trainer_ranks(opts_.trainer_ranks);
+  s.set_ranks_ended(static_cast<int>(ended_ranks_.size()));
+  return s;
+}
+
+}  // namespace wsync::daemon

@@ -1,0 +1,229 @@
+#pragma once
+// The source role of wsyncd: trainer sessions (one shared-memory ring each), the CPU engine replica, and the
+// writes from the replica into the targets' registered weight memory.
+//
+// Lifecycle (driven by the coordinator): Configure (once per plan: build replica, check every target's layout
+// against it, register replica memory, connect to targets) → per update v: StartUpdate(v) → trainer ranks
+// BeginPush/CommitBucket*/EndPush → FinishUpdate(v) (waits for every local rank and every write).
+// Exactly once per version: StartUpdate and FinishUpdate carry the plan epoch and refuse another plan's; versions
+// only increase (a StartUpdate newer than a still-open update abandons it: the coordinator gave up on it); a repeated
+// StartUpdate(v) of the open v succeeds without restarting it; FinishUpdate(v) claims v under the lock that checked it,
+// so a concurrent or repeated FinishUpdate(v) runs nothing again and returns the first call's result; FinishUpdate
+// for an older version is refused.
+// Plain C++ (no gRPC types beyond the generated messages) so it can be tested without a server.
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "base/fd_passing.h"
+#include "base/ring.h"
+#include "base/tensor_slice.h"
+#include "daemon/common/metrics.h"
+#include "replica/replica.h"
+#include "transport/transport.h"
+#include "wsync/v1/daemon.grpc.pb.h"
+#include "wsync/v1/trainer.pb.h"
+
+namespace wsync::daemon {
+
+struct SourceOptions {
+  std::string node_id;
+  int trainer_ranks = 1;             // sessions expected per update
+  uint64_t ring_bytes = 256ull << 20;
+  absl::Duration push_timeout = absl::Seconds(120);
+  // A trainer rank whose process exited (or that closed its session) during an open update, without having ended
+  // its push, fails the update once it has not come back (a new session for the same local rank) within this time.
+  absl::Duration rank_grace = absl::Seconds(5);
+  absl::Duration liveness_poll = absl::Milliseconds(200);  // how often trainer processes are checked
+};
+
+// Dials a peer daemon's ConnectTarget (injected so tests can run without gRPC).
+using ConnectTargetFn = std::function<absl::StatusOr<std::string>(const std::string& target_daemon,
+                                                                  const v1::ConnectTargetRequest& req)>;
+
+// A trainer rank asking for a session (from the hand-over socket: the pid and uid are the kernel's SO_PEERCRED, not
+// the rank's word).
+struct SessionRequest {
+  int local_rank = 0;
+  int global_rank = 0;
+  int64_t pid = 0;  // 0: not visible in this pid namespace (liveness then comes from the hand-over connection alone)
+  uint32_t uid = 0;
+};
+
+// What a rank gets back: the secret session id, and its own duplicate of the ring memfd to send it.
+struct OpenedSession {
+  std::string id;     // 128 random bits, hex: authorizes the rank's TrainerIngest calls
+  std::string label;  // "<node>-s<n>": names the session in logs and the ring (never the id)
+  ScopedFd ring_fd;
+  uint64_t ring_bytes = 0;
+  int num_local_ranks = 0;
+};
+
+class SourceNode {
+ public:
+  SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetFn connect);
+  ~SourceNode();
+
+  // Creates the rank's ring and session; a rank that reconnects replaces its previous session.
+  absl::StatusOr<OpenedSession> OpenSession(const SessionRequest& req);
+  absl::Status CloseSession(const std::string& session_id);
+  // The rank's hand-over connection closed (its process exited, or it closed the client): the session is dead, as
+  // when its process is seen gone. Unknown ids are ignored (replaced or closed sessions).
+  void SessionDisconnected(const std::string& session_id, const std::string& why);
+  // Waits for the update to open at most min(push_timeout, max_wait) (the caller's deadline, so the rank hears
+  // "no update is open" rather than its own deadline passing).
+  absl::StatusOr<v1::BeginPushReply> BeginPush(const v1::BeginPushRequest& req,
+                                               absl::Duration max_wait = absl::InfiniteDuration());
+  absl::StatusOr<v1::CommitBucketReply> CommitBucket(const v1::CommitBucketRequest& req);
+  absl::Status EndPush(const v1::EndPushRequest& req);
+
+  absl::StatusOr<v1::ConfigureSourceReply> Configure(const v1::ConfigureSourceRequest& req);
+  absl::Status StartUpdate(const v1::StartUpdateRequest& req);
+  absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const v1::FinishUpdateRequest& req);
+  // Ends the open update `req.version()` as aborted: pushes and buckets of it are refused from now on, a bucket
+  // being written is let finish, outstanding writes are drained (bounded by `drain_timeout`), then the bytes it wrote
+  // are reported. Idempotent: a repeat answers the first call's result. Refused while the update is finishing
+  // (FinishUpdate owns it) or after it finished successfully.
+  absl::StatusOr<v1::AbortSourceUpdateReply> AbortUpdate(const v1::AbortSourceUpdateRequest& req,
+                                                         absl::Duration drain_timeout = absl::Seconds(30));
+
+  v1::NodeStatus Status() const;
+  // Bytes, params, tensors, buckets by result, updates by result, ingest/write times, sessions (docs/operations.md).
+  Metrics& metrics() { return metrics_; }
+
+ private:
+  struct Session {
+    std::string id;
+    std::string label;
+    int local_rank = 0;
+    int64_t pid = 0;
+    std::unique_ptr<RingConsumer> ring;
+    int64_t ended_version = -1;
+    bool dead = false;  // its process is gone (seen by the liveness watcher)
+  };
+  // Why a local rank is missing from the open update, and since when.
+  struct LostRank {
+    absl::Time since;
+    std::string what;  // "exited (pid 123, session s0)" | "closed its session s0"
+  };
+  // One (engine, rank) this source writes.
+  struct Target {
+    v1::TargetAssignment assignment;
+    int layout = 0;
+    std::vector<std::unique_ptr<transport::RemoteRegion>> regions;  // one per segment of its layout
+    std::unique_ptr<transport::Endpoint> endpoint;
+    // Per replica param of its layout: the segment's region and the offset inside it.
+    std::vector<const transport::RemoteRegion*> dst_region;
+    std::vector<uint64_t> dst_offset;
+    // Per replica param of its layout: the byte ranges (offset, length) this source writes (the plan's slices);
+    // empty for a parameter another source writes.
+    std::vector<std::vector<std::pair<uint64_t, uint64_t>>> ranges;
+    std::vector<transport::BatchId> outstanding;
+    // Which transport writes to it: the node's own, or Mooncake for engines that registered their memory with a
+    // Mooncake Transfer Engine (segments of kind "mooncake"; session = the engine rank's handshake address).
+    transport::Transport* transport = nullptr;
+    std::string mooncake_session;  // "" unless the mooncake transport is used
+    // Not OK once a Post or Wait on `endpoint` failed: the transport contract says such an endpoint must be
+    // re-created, which the next StartUpdate does before accepting pushes.
+    absl::Status broken;
+  };
+
+  // The liveness watcher: marks sessions whose process exited and fails the open update when a rank that has not
+  // ended its push stays lost longer than opts_.rank_grace.
+  void WatchRanks();
+  void CheckRanks();  // requires mu_
+  absl::Status CheckLayout(const replica::ParamTable& table, const v1::RankLayout& target, const std::string& who);
+  absl::Status WriteReady(const std::vector<replica::ReadyParam>& ready);
+  // A tensor pushed in slices (shard-aware plans): assembled here until every rectangle this node's writes read has
+  // arrived, then ingested whole. Only the rectangles received are meaningful; parameters reading anything else are
+  // never written (they are not this node's to write).
+  struct Staged {
+    DType dtype = DType::kInvalid;
+    std::vector<int64_t> shape;
+    std::vector<uint8_t> data;            // the whole tensor; allocated at the first slice this node needs
+    std::vector<TensorSlice> got;         // rectangles received in this update (disjoint)
+    std::vector<replica::TensorRead> need;  // what this node's writes read of it
+    bool constant = false;                // a required parameter only needs the tensor to arrive
+    bool done = false;                    // ingested
+  };
+  // Checks one slice against the model, the open update's earlier slices and `bucket` (the slices before it in the
+  // same bucket). Caller holds ingest_mu_.
+  absl::Status CheckSlice(const TensorSlice& s, DType dtype, uint64_t bytes,
+                          const std::vector<std::pair<TensorSlice, DType>>& bucket);
+  // Copies a checked slice in; when the tensor is complete, ingests it and appends the ready parameters.
+  absl::Status StageSlice(const TensorSlice& s, DType dtype, const uint8_t* data, std::vector<replica::ReadyParam>* ready);
+  // "engine E rank R at D": how every error about a target names it.
+  static std::string Who(const Target& t);
+  // Creates `t`'s endpoint and connects it through the target daemon (connect_). Caller holds ingest_mu_.
+  absl::Status ConnectEndpoint(Target* t);
+  // Waits for every outstanding batch and forgets them; a failed Wait marks its target broken. Returns the first
+  // error, naming the target. Caller holds ingest_mu_.
+  absl::Status DrainOutstanding(absl::Duration timeout);
+  Session* FindSession(const std::string& id);
+  // PermissionDenied for an id that names no open session (never echoes the id).
+  static absl::Status UnknownSession();
+  // Marks `s` dead and, during an open update it has not ended, its rank lost. Requires mu_.
+  void MarkDead(Session* s, const std::string& what);
+
+  SourceOptions opts_;
+  transport::Transport* transport_;
+  ConnectTargetFn connect_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::unique_ptr<Session>> sessions_;
+  int next_session_ = 0;
+
+  // Configured state (replaced by Configure).
+  int64_t plan_epoch_ = -1;
+  bool configured_ = false;  // a plan was applied (a node without work in it has no replica)
+  std::unique_ptr<replica::Replica> replica_;
+  std::vector<std::unique_ptr<transport::LocalRegion>> replica_regions_;
+  // The Mooncake transport (created at the first plan with a Mooncake target) and the replica's regions in it.
+  std::unique_ptr<transport::Transport> mooncake_;
+  std::vector<std::unique_ptr<transport::LocalRegion>> mooncake_regions_;
+  std::vector<std::unique_ptr<Target>> targets_;
+  std::vector<std::vector<Target*>> targets_by_layout_;
+  std::vector<std::string> push_names_;  // checkpoint tensors this node needs, in push order
+  std::map<int, std::vector<std::string>> rank_push_;  // per local rank, when the plan partitions the push
+  std::map<int, std::vector<v1::TensorSliceSpec>> rank_slices_;  // per local rank: slices (shard-aware plans)
+  size_t push_slices_ = 0;
+  // Per layout and param: whether some target of this node takes bytes of it (what an update must complete), and
+  // whether it completed in the open update.
+  std::vector<std::vector<char>> required_, completed_;
+
+  // Current update.
+  int64_t version_ = -1;     // version being pushed; -1 when none is open
+  int64_t last_version_ = -1;  // last version finished successfully
+  bool finishing_ = false;     // a FinishUpdate(version_) is running; others for it wait on cv_ for its result
+  // The newest ended version (finished, failed or abandoned) and its FinishUpdate result, to answer repeats.
+  int64_t ended_version_ = -1;
+  absl::StatusOr<v1::FinishUpdateReply> ended_result_ = absl::UnknownError("no update has ended");
+  absl::Status update_error_;
+  // The last aborted version and AbortUpdate's answer for it (repeats get the same answer).
+  int64_t aborted_version_ = -1;
+  v1::AbortSourceUpdateReply aborted_reply_;
+  std::set<int> ended_ranks_;
+  std::map<int, LostRank> lost_ranks_;  // local rank → why and since when it is missing (cleared when it reconnects)
+  bool stopping_ = false;
+  std::condition_variable watch_cv_;
+  Metrics metrics_;
+  std::thread watcher_;  // last: started in the constructor once everything it touches exists  // local ranks that finished pushing the open update
+  uint64_t bytes_written_ = 0, params_written_ = 0, tensors_received_ = 0;
+  double ingest_seconds_ = 0, write_seconds_ = 0;
+  std::map<std::string, Staged> staged_;  // tensors being assembled from slices in the open update (ingest_mu_)
+  // One bucket at a time through the replica and the endpoints. Targets' endpoints, outstanding batches and
+  // broken state are touched only with it held.
+  std::mutex ingest_mu_;
+};
+
+}  // namespace wsync::daemon

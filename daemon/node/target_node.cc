@@ -1,0 +1,865 @@
+#include "daemon/node/target_node.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/dtype.h"
+#include "base/status.h"
+#include "daemon/common/serve.h"
+#include "daemon/node/node_services.h"
+#include "spdlog/spdlog.h"
+
+namespace wsync::daemon {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr int kProtocol = 1;
+// A frame that starts must arrive whole within this; a stalled peer cannot hold the loop longer.
+constexpr int kFrameTimeoutMs = 10000;
+// Accepted connections at once (attached ranks plus ones that have not sent their attach yet).
+constexpr size_t kMaxConns = 4096;
+
+absl::Status ErrnoError(absl::string_view what) {
+  return absl::ErrnoToStatus(errno, absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+std::string RandomToken() {
+  std::random_device rd;  // /dev/urandom on Linux
+  std::string out;
+  static const char* kHex = "0123456789abcdef";
+  for (int i = 0; i < 8; ++i) {
+    uint32_t v = rd();
+    for (int k = 0; k < 8; ++k, v >>= 4) out.push_back(kHex[v & 0xf]);
+  }
+  return out;
+}
+
+bool SameToken(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+std::string Frame(const Json& j) { return j.dump(); }
+
+// Typed field access with errors that name the field.
+absl::StatusOr<int64_t> Int(const Json& j, const char* key, bool required = true, int64_t def = 0) {
+  if (!j.contains(key) || j[key].is_null()) {
+    if (required) return absl::InvalidArgumentError(absl::StrCat("attach message lacks \"", key, "\""));
+    return def;
+  }
+  if (!j[key].is_number_integer())
+    return absl::InvalidArgumentError(absl::StrCat("\"", key, "\" must be an integer"));
+  return j[key].get<int64_t>();
+}
+absl::StatusOr<std::string> Str(const Json& j, const char* key, bool required = true) {
+  if (!j.contains(key) || j[key].is_null()) {
+    if (required) return absl::InvalidArgumentError(absl::StrCat("attach message lacks \"", key, "\""));
+    return std::string();
+  }
+  if (!j[key].is_string()) return absl::InvalidArgumentError(absl::StrCat("\"", key, "\" must be a string"));
+  return j[key].get<std::string>();
+}
+
+// The parts of an attach message that do not depend on the daemon's state (docs/engines.md).
+struct AttachMessage {
+  std::string token, engine_id, kind, mode, model_config_json;
+  int rank = 0, world_size = 0;
+  v1::RankLayout layout;  // rank, parallelism, params, segments (without descriptors), region_bytes
+  std::map<int, CudaSegmentDesc> cuda;  // index in layout.segments → how to import that cuda segment
+};
+
+// "0x…"/"GPU-…"-prefixed, dash-separated or plain hex into bytes; `want` bytes exactly.
+absl::StatusOr<std::string> HexBytes(std::string text, size_t want, const std::string& what) {
+  if (text.rfind("GPU-", 0) == 0) text = text.substr(4);
+  if (text.rfind("0x", 0) == 0) text = text.substr(2);
+  std::string hex;
+  for (char c : text)
+    if (c != '-') hex += c;
+  auto val = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) {
+    const int hi = val(hex[i]), lo = val(hex[i + 1]);
+    if (hi < 0 || lo < 0) return absl::InvalidArgumentError(absl::StrCat(what, " is not hexadecimal"));
+    out += static_cast<char>(hi * 16 + lo);
+  }
+  if (hex.size() % 2 != 0 || out.size() != want)
+    return absl::InvalidArgumentError(absl::StrCat(what, " must be ", want, " bytes in hex, got ", hex.size(),
+                                                   " hex digits"));
+  return out;
+}
+
+// The cuda-specific fields of a segment (docs/engines.md, "CUDA segments").
+absl::StatusOr<CudaSegmentDesc> ParseCudaSegment(const Json& s, int64_t id, uint64_t bytes) {
+  const std::string who = absl::StrCat("segment ", id);
+  WSYNC_ASSIGN_OR_RETURN(std::string handle_type, Str(s, "handle_type", false));
+  if (handle_type.empty()) handle_type = "cuda_ipc";
+  if (handle_type == "cuda_vmm_fd" || handle_type == "vmm")
+    return absl::UnimplementedError(absl::StrCat(
+        who, ": VMM allocations (cuMemCreate with shareable file descriptors: vLLM sleep mode, SGLang memory "
+             "saver, PyTorch expandable segments) are not supported; allocate the weights with cudaMalloc (the "
+             "PyTorch caching allocator without expandable_segments) and export legacy IPC handles"));
+  if (handle_type != "cuda_ipc")
+    return absl::InvalidArgumentError(absl::StrCat(who, ": unknown handle_type \"", handle_type,
+                                                   "\" (cuda_ipc is supported)"));
+  CudaSegmentDesc d;
+  d.bytes = bytes;
+  WSYNC_ASSIGN_OR_RETURN(std::string handle, Str(s, "ipc_handle"));
+  WSYNC_ASSIGN_OR_RETURN(d.ipc_handle, HexBytes(handle, 64, absl::StrCat(who, ": \"ipc_handle\"")));
+  WSYNC_ASSIGN_OR_RETURN(std::string uuid, Str(s, "device_uuid"));
+  WSYNC_ASSIGN_OR_RETURN(d.device_uuid, HexBytes(uuid, 16, absl::StrCat(who, ": \"device_uuid\"")));
+  if (s.contains("offset")) {
+    if (!s["offset"].is_number_unsigned())
+      return absl::InvalidArgumentError(absl::StrCat(who, ": \"offset\" must be a non-negative integer"));
+    d.offset = s["offset"].get<uint64_t>();
+  }
+  return d;
+}
+
+absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fds) {
+  Json j;
+  try {
+    j = Json::parse(text);
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("attach message is not valid JSON: ", e.what()));
+  }
+  if (!j.is_object()) return absl::InvalidArgumentError("attach message is not a JSON object");
+  AttachMessage m;
+  try {
+    WSYNC_ASSIGN_OR_RETURN(std::string type, Str(j, "type"));
+    if (type != "attach") return absl::InvalidArgumentError(absl::StrCat("expected type \"attach\", got \"", type, "\""));
+    WSYNC_ASSIGN_OR_RETURN(int64_t protocol, Int(j, "protocol"));
+    if (protocol != kProtocol)
+      return absl::InvalidArgumentError(absl::StrCat("attach protocol ", protocol, " is not supported (this daemon "
+                                                     "speaks ", kProtocol, ")"));
+    WSYNC_ASSIGN_OR_RETURN(m.token, Str(j, "token"));
+    WSYNC_ASSIGN_OR_RETURN(m.engine_id, Str(j, "engine_id"));
+    WSYNC_ASSIGN_OR_RETURN(m.kind, Str(j, "kind"));
+    WSYNC_ASSIGN_OR_RETURN(m.mode, Str(j, "mode", false));
+    WSYNC_ASSIGN_OR_RETURN(m.model_config_json, Str(j, "model_config_json", false));
+    WSYNC_ASSIGN_OR_RETURN(int64_t rank, Int(j, "rank"));
+    WSYNC_ASSIGN_OR_RETURN(int64_t world, Int(j, "world_size"));
+    if (world < 1 || world > 65536) return absl::InvalidArgumentError(absl::StrCat("world_size ", world, " is invalid"));
+    if (rank < 0 || rank >= world)
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is outside [0, ", world, ")"));
+    m.rank = static_cast<int>(rank);
+    m.world_size = static_cast<int>(world);
+    m.layout.set_rank(m.rank);
+
+    const Json par = j.contains("parallelism") ? j["parallelism"] : Json::object();
+    if (!par.is_object()) return absl::InvalidArgumentError("\"parallelism\" must be an object");
+    auto* p = m.layout.mutable_parallelism();
+    const std::pair<const char*, void (v1::RankParallelism::*)(int32_t)> fields[] = {
+        {"tp_size", &v1::RankParallelism::set_tp_size},           {"tp_rank", &v1::RankParallelism::set_tp_rank},
+        {"pp_size", &v1::RankParallelism::set_pp_size},           {"pp_rank", &v1::RankParallelism::set_pp_rank},
+        {"ep_size", &v1::RankParallelism::set_ep_size},           {"ep_rank", &v1::RankParallelism::set_ep_rank},
+        {"moe_tp_size", &v1::RankParallelism::set_moe_tp_size},   {"moe_tp_rank", &v1::RankParallelism::set_moe_tp_rank},
+        {"attn_tp_size", &v1::RankParallelism::set_attn_tp_size}, {"attn_tp_rank", &v1::RankParallelism::set_attn_tp_rank},
+        {"attn_dp_size", &v1::RankParallelism::set_attn_dp_size}, {"attn_dp_rank", &v1::RankParallelism::set_attn_dp_rank},
+    };
+    for (const auto& [key, set] : fields) {
+      const bool is_size = std::string(key).find("_size") != std::string::npos;
+      WSYNC_ASSIGN_OR_RETURN(int64_t v, Int(par, key, false, is_size ? 1 : 0));
+      if (v < 0 || v > (1 << 20)) return absl::InvalidArgumentError(absl::StrCat("parallelism.", key, " = ", v));
+      (p->*set)(static_cast<int32_t>(v));
+    }
+
+    if (!j.contains("segments") || !j["segments"].is_array())
+      return absl::InvalidArgumentError("attach message lacks the \"segments\" array");
+    const Json& segs = j["segments"];
+    if (segs.empty()) return absl::InvalidArgumentError("an attach needs at least one segment");
+    size_t host_segments = 0;
+    std::map<int64_t, uint64_t> seg_bytes;
+    uint64_t total = 0;
+    for (const Json& s : segs) {
+      if (!s.is_object()) return absl::InvalidArgumentError("every segment must be an object");
+      WSYNC_ASSIGN_OR_RETURN(int64_t id, Int(s, "id"));
+      WSYNC_ASSIGN_OR_RETURN(std::string kind, Str(s, "kind"));
+      if (!s.contains("bytes") || !s["bytes"].is_number_unsigned())
+        return absl::InvalidArgumentError(absl::StrCat("segment ", id, ": \"bytes\" must be a non-negative integer"));
+      const uint64_t bytes = s["bytes"].get<uint64_t>();
+      if (id < 0 || id > INT32_MAX) return absl::InvalidArgumentError(absl::StrCat("segment id ", id, " is invalid"));
+      if (kind != "host" && kind != "cuda")
+        return absl::InvalidArgumentError(absl::StrCat("segment ", id, ": unknown kind \"", kind, "\""));
+      if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat("segment ", id, " has 0 bytes"));
+      if (kind == "cuda") {
+        WSYNC_ASSIGN_OR_RETURN(CudaSegmentDesc cd, ParseCudaSegment(s, id, bytes));
+        m.cuda[m.layout.segments_size()] = std::move(cd);
+      } else {
+        ++host_segments;
+      }
+      if (!seg_bytes.emplace(id, bytes).second)
+        return absl::InvalidArgumentError(absl::StrCat("segment id ", id, " appears twice"));
+      total += bytes;
+      auto* seg = m.layout.add_segments();
+      seg->set_id(static_cast<int32_t>(id));
+      seg->set_kind(kind);
+      seg->set_bytes(bytes);
+    }
+    m.layout.set_region_bytes(total);
+    if (host_segments != num_fds)
+      return absl::InvalidArgumentError(absl::StrCat("the message lists ", host_segments, " host segments but ",
+                                                     num_fds, " file descriptors came with it"));
+
+    if (!j.contains("params") || !j["params"].is_array())
+      return absl::InvalidArgumentError("attach message lacks the \"params\" array");
+    std::set<std::string> names;
+    // segment → (offset, end, name) for the overlap check
+    std::map<int64_t, std::vector<std::tuple<uint64_t, uint64_t, std::string>>> extents;
+    for (const Json& pj : j["params"]) {
+      if (!pj.is_object()) return absl::InvalidArgumentError("every parameter must be an object");
+      WSYNC_ASSIGN_OR_RETURN(std::string name, Str(pj, "name"));
+      if (name.empty()) return absl::InvalidArgumentError("a parameter has an empty name");
+      if (!names.insert(name).second)
+        return absl::InvalidArgumentError(absl::StrCat("parameter ", name, " appears twice"));
+      WSYNC_ASSIGN_OR_RETURN(std::string dtype_name, Str(pj, "dtype"));
+      auto dtype = ParseDType(dtype_name);
+      if (!dtype.ok())
+        return absl::InvalidArgumentError(absl::StrCat("parameter ", name, ": unknown dtype \"", dtype_name, "\""));
+      if (!pj.contains("shape") || !pj["shape"].is_array())
+        return absl::InvalidArgumentError(absl::StrCat("parameter ", name, ": \"shape\" must be an array"));
+      WSYNC_ASSIGN_OR_RETURN(int64_t segment, Int(pj, "segment"));
+      auto seg = seg_bytes.find(segment);
+      if (seg == seg_bytes.end())
+        return absl::InvalidArgumentError(absl::StrCat("parameter ", name, ": no segment ", segment));
+      if (!pj.contains("offset") || !pj["offset"].is_number_unsigned() || !pj.contains("bytes") ||
+          !pj["bytes"].is_number_unsigned())
+        return absl::InvalidArgumentError(
+            absl::StrCat("parameter ", name, ": \"offset\" and \"bytes\" must be non-negative integers"));
+      const uint64_t offset = pj["offset"].get<uint64_t>(), bytes = pj["bytes"].get<uint64_t>();
+      auto* d = m.layout.add_params();
+      d->set_name(name);
+      d->set_dtype(std::string(DTypeName(*dtype)));
+      d->set_segment(static_cast<int32_t>(segment));
+      d->set_offset(offset);
+      d->set_bytes(bytes);
+      unsigned __int128 numel = 1;
+      for (const Json& dim : pj["shape"]) {
+        if (!dim.is_number_unsigned())
+          return absl::InvalidArgumentError(absl::StrCat("parameter ", name, ": shape entries must be non-negative"));
+        const uint64_t v = dim.get<uint64_t>();
+        d->add_shape(static_cast<int64_t>(v));
+        numel *= v;
+        if (numel > (static_cast<unsigned __int128>(1) << 64))
+          return absl::InvalidArgumentError(absl::StrCat("parameter ", name, ": shape too large"));
+      }
+      if (numel * DTypeSize(*dtype) != bytes)
+        return absl::InvalidArgumentError(absl::StrCat("parameter ", name, ": ", dtype_name, " × shape is ",
+                                                       static_cast<uint64_t>(numel * DTypeSize(*dtype)),
+                                                       " bytes, the message says ", bytes));
+      if (offset > seg->second || bytes > seg->second - offset)
+        return absl::InvalidArgumentError(absl::StrCat("parameter ", name, " [", offset, ", +", bytes,
+                                                       ") lies outside segment ", segment, " (", seg->second,
+                                                       " bytes)"));
+      if (bytes > 0) extents[segment].emplace_back(offset, offset + bytes, name);
+    }
+    for (auto& [segment, ex] : extents) {
+      std::sort(ex.begin(), ex.end());
+      for (size_t i = 1; i < ex.size(); ++i)
+        if (std::get<0>(ex[i]) < std::get<1>(ex[i - 1]))
+          return absl::InvalidArgumentError(absl::StrCat("parameters ", std::get<2>(ex[i - 1]), " and ",
+                                                         std::get<2>(ex[i]), " overlap in segment ", segment));
+    }
+  } catch (const std::exception& e) {  // nlohmann type errors on values we did not check by hand
+    return absl::InvalidArgumentError(absl::StrCat("malformed attach message: ", e.what()));
+  }
+  return m;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::Map(int fd, uint64_t bytes, const std::string& who) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return ErrnoError(absl::StrCat("fstat ", who));
+  if (!S_ISREG(st.st_mode))
+    return absl::InvalidArgumentError(absl::StrCat(who, " is not a shared-memory file (memfd or tmpfs file)"));
+  if (static_cast<uint64_t>(st.st_size) < bytes)
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, " is ", st.st_size, " bytes, smaller than the ", bytes, " its segment declares"));
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return ErrnoError(absl::StrCat("mmap ", who));
+  auto r = std::unique_ptr<MappedSegment>(new MappedSegment());
+  r->base_ = static_cast<uint8_t*>(p);
+  r->size_ = bytes;
+  return r;
+}
+
+MappedSegment::~MappedSegment() {
+  if (base_ != nullptr && munmap(base_, size_) != 0) spdlog::warn("munmap engine memory: {}", strerror(errno));
+}
+
+std::string DefaultEngineSocket(int port) { return DefaultSocketPath(absl::StrCat("target-", port, ".sock")); }
+
+TargetNode::TargetNode(TargetOptions opts, transport::Transport* transport)
+    : opts_(std::move(opts)), transport_(transport) {}
+
+TargetNode::~TargetNode() {
+  if (loop_.joinable()) {
+    stop_ = true;
+    char b = 1;
+    if (write(wake_wr_.get(), &b, 1) < 0) spdlog::warn("waking the engine socket loop: {}", strerror(errno));
+    loop_.join();
+  }
+  if (listen_fd_.valid()) {
+    listen_fd_.reset();
+    if (unlink(opts_.engine_socket.c_str()) != 0 && errno != ENOENT)
+      spdlog::warn("removing engine socket {}: {}", opts_.engine_socket, strerror(errno));
+  }
+  for (auto& [id, e] : engines_)
+    if (e->facade_server) e->facade_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  endpoints_.clear();
+  conns_.clear();
+  // Registrations go before the mappings they cover (Rank's member order), engines after their servers.
+  engines_.clear();
+}
+
+v1::SetWriteWindowReply TargetNode::SetWriteWindow(const v1::SetWriteWindowRequest& req) {
+  std::lock_guard<std::mutex> l(mu_);
+  v1::SetWriteWindowReply out;
+  if (req.open() && req.assignments_given()) {
+    // The plan decides who may write where: grants for ranks the plan does not give their source are revoked.
+    assignments_.clear();
+    for (const auto& a : req.assignments()) assignments_.insert({a.source_node(), a.engine_id(), a.rank()});
+    assignments_known_ = true;
+    int revoked = 0;
+    transport_->RevokeGrants([&](const transport::Transport::WriteGrant& g) {
+      const size_t colon = g.peer.find(':');
+      if (colon == std::string::npos) return true;  // an insecure daemon's grant: no identity to compare
+      const std::string id = g.peer.substr(colon + 1);
+      const size_t slash = g.scope.rfind('/');
+      int rank = -1;
+      if (slash == std::string::npos || !absl::SimpleAtoi(g.scope.substr(slash + 1), &rank)) return false;
+      const bool keep = assignments_.count({id, g.scope.substr(0, slash), rank}) > 0;
+      revoked += !keep;
+      return keep;
+    });
+    out.set_grants_revoked(revoked);
+  } else if (req.open()) {
+    assignments_known_ = false;  // a coordinator that sends no assignments: grants are not narrowed
+  }
+  absl::Status st = transport_->SetWriteWindow(req.open());
+  window_enforced_ = st.ok();
+  window_open_ = req.open();
+  out.set_enforced(window_enforced_);
+  out.set_refused_writes(transport_->refused_writes());
+  spdlog::info("write window {} for update {}{}", req.open() ? "opened" : "closed", req.version(),
+               window_enforced_ ? "" : " (not enforced by this transport)");
+  return out;
+}
+
+absl::Status TargetNode::Start() {
+  // Writes only on connections with a write secret minted by ConnectTarget (tcp); verbs cannot enforce it yet.
+  if (auto st = transport_->RequireGrants(true); st.ok()) {
+    grants_enforced_ = true;
+  } else {
+    spdlog::warn("{}: a source connection needs no per-connection secret", std::string(st.message()));
+  }
+  // No writes into engine memory until the coordinator opens the window for an update.
+  if (auto st = transport_->SetWriteWindow(false); st.ok()) {
+    window_enforced_ = true;
+  } else {
+    spdlog::warn("{}: engines on this node accept writes at any time", std::string(st.message()));
+  }
+  const std::string& path = opts_.engine_socket;
+  sockaddr_un addr{};
+  if (path.empty() || path.size() >= sizeof(addr.sun_path))
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine socket path '", path, "' is empty or longer than ", sizeof(addr.sun_path) - 1));
+  const size_t slash = path.rfind('/');
+  if (slash != std::string::npos && slash > 0)
+    WSYNC_RETURN_IF_ERROR_CTX(MakeDirs(path.substr(0, slash), 0711), "engine socket directory");
+  // A socket left behind by a daemon that died is replaced; anything else at the path is not ours to remove.
+  struct stat st {};
+  if (lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode))
+      return absl::FailedPreconditionError(absl::StrCat("engine socket path ", path, " exists and is not a socket"));
+    unlink(path.c_str());
+  }
+  ScopedFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return ErrnoError("engine socket");
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size());
+  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0)
+    return ErrnoError(absl::StrCat("bind engine socket ", path));
+  // Other uids may connect only when named with --engine-uid; SO_PEERCRED is checked either way.
+  chmod(path.c_str(), opts_.engine_uids.empty() ? 0600 : 0666);
+  if (listen(fd.get(), 128) != 0) return ErrnoError(absl::StrCat("listen on engine socket ", path));
+  int pipefd[2];
+  if (pipe2(pipefd, O_CLOEXEC) != 0) return ErrnoError("pipe");
+  wake_rd_.reset(pipefd[0]);
+  wake_wr_.reset(pipefd[1]);
+  listen_fd_ = std::move(fd);
+  loop_ = std::thread([this] { Loop(); });
+  spdlog::info("engine socket {} (peers: uid {}{}{})", path, getuid(), opts_.engine_uids.empty() ? "" : ", ",
+               absl::StrJoin(opts_.engine_uids, ", "));
+  return absl::OkStatus();
+}
+
+void TargetNode::Loop() {
+  while (!stop_) {
+    std::vector<pollfd> pfds;
+    pfds.push_back({wake_rd_.get(), POLLIN, 0});
+    pfds.push_back({listen_fd_.get(), POLLIN, 0});
+    for (const auto& [fd, c] : conns_) pfds.push_back({fd, POLLIN, 0});
+    int n = poll(pfds.data(), pfds.size(), -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      spdlog::error("engine socket poll: {}", strerror(errno));
+      return;
+    }
+    if (pfds[0].revents != 0) return;
+    if (pfds[1].revents & POLLIN) Accept();
+    for (size_t i = 2; i < pfds.size(); ++i) {
+      if (pfds[i].revents == 0) continue;
+      auto it = conns_.find(pfds[i].fd);
+      if (it == conns_.end()) continue;
+      std::shared_ptr<Conn> c = it->second;
+      if (!Serve(c)) conns_.erase(pfds[i].fd);
+    }
+  }
+}
+
+void TargetNode::Accept() {
+  ScopedFd fd(accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  if (!fd.valid()) {
+    spdlog::warn("engine socket accept: {}", strerror(errno));
+    return;
+  }
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    spdlog::warn("engine socket: SO_PEERCRED: {}", strerror(errno));
+    return;
+  }
+  const bool allowed = cred.uid == getuid() || std::find(opts_.engine_uids.begin(), opts_.engine_uids.end(),
+                                                         cred.uid) != opts_.engine_uids.end();
+  if (!allowed || conns_.size() >= kMaxConns) {
+    const std::string why = !allowed ? absl::StrCat("uid ", cred.uid, " may not attach (allowed: ", getuid(),
+                                                    opts_.engine_uids.empty() ? "" : ", ",
+                                                    absl::StrJoin(opts_.engine_uids, ", "), "; see --engine-uid)")
+                                     : absl::StrCat("too many engine connections (", kMaxConns, ")");
+    spdlog::warn("engine socket: refused pid {}: {}", cred.pid, why);
+    timeval tv{1, 0};
+    setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    (void)SendFds(fd.get(), {}, Frame({{"type", "attached"}, {"ok", false}, {"error", why}}));
+    return;
+  }
+  // Bounds how long one frame may take, so a stalled peer cannot hold the loop (and the commit sends).
+  timeval tv{kFrameTimeoutMs / 1000, 0};
+  setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  auto c = std::make_shared<Conn>();
+  c->uid = cred.uid;
+  const int raw = fd.get();
+  c->fd = std::move(fd);
+  conns_[raw] = std::move(c);
+}
+
+bool TargetNode::Serve(const std::shared_ptr<Conn>& c) {
+  auto frame = ReceiveFds(c->fd.get(), opts_.max_attach_bytes);
+  if (!frame.ok()) {
+    Detach(c, absl::IsUnavailable(frame.status()) ? "closed its attach socket" : frame.status().ToString());
+    return false;
+  }
+  std::string type;
+  try {
+    Json j = Json::parse(frame->message);
+    if (j.is_object() && j.contains("type") && j["type"].is_string()) type = j["type"].get<std::string>();
+  } catch (const std::exception&) {
+  }
+  if (type == "detach") {
+    Detach(c, "detached");
+    return false;
+  }
+  if (type != "attach" || c->rank >= 0) {
+    const std::string why = c->rank >= 0 ? absl::StrCat("unexpected message type \"", type, "\" after attach")
+                                         : "the first message must be an attach";
+    Detach(c, why);
+    std::lock_guard<std::mutex> l(c->send_mu);
+    (void)SendFds(c->fd.get(), {}, Frame({{"type", "attached"}, {"ok", false}, {"error", why}}));
+    return false;
+  }
+  absl::Status st = Attach(c, frame->message, std::move(frame->fds));
+  Json reply = {{"type", "attached"}, {"ok", st.ok()}};
+  if (!st.ok()) {
+    reply["error"] = std::string(st.message());
+    spdlog::warn("engine attach refused: {}", st.ToString());
+  }
+  absl::Status sent;
+  {
+    std::lock_guard<std::mutex> l(c->send_mu);
+    sent = SendFds(c->fd.get(), {}, Frame(reply));
+  }
+  if (st.ok() && !sent.ok()) {
+    Detach(c, absl::StrCat("cannot send its attach reply: ", sent.ToString()));
+    return false;
+  }
+  return st.ok();
+}
+
+absl::Status TargetNode::Attach(const std::shared_ptr<Conn>& c, const std::string& msg, std::vector<ScopedFd> fds) {
+  WSYNC_ASSIGN_OR_RETURN(AttachMessage m, ParseAttach(msg, fds.size()));
+  const std::string who = absl::StrCat("engine ", m.engine_id, " rank ", m.rank);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = engines_.find(m.engine_id);
+    // The same answer for an unknown engine and a wrong token: the socket does not reveal which engines exist.
+    if (it == engines_.end() || !SameToken(it->second->token, m.token))
+      return absl::PermissionDeniedError(absl::StrCat(who, ": the token is not valid for this engine"));
+    Engine& e = *it->second;
+    if (m.kind != e.kind)
+      return absl::InvalidArgumentError(absl::StrCat(who, ": attaches as kind ", m.kind, " but the engine is ", e.kind));
+    if (m.world_size != e.num_ranks)
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, ": world_size ", m.world_size, " but the engine has ", e.num_ranks, " ranks"));
+    if (e.ranks[m.rank].state == Rank::State::kAttached)
+      return absl::AlreadyExistsError(absl::StrCat(who, " is already attached"));
+  }
+  // Map and register outside the lock: registration can take long (verbs pins the memory).
+  Rank r;
+  r.layout = m.layout;
+  absl::Time t0 = absl::Now();
+  size_t next_fd = 0;
+  for (int i = 0; i < m.layout.segments_size(); ++i) {
+    auto* seg = r.layout.mutable_segments(i);
+    const std::string swho = absl::StrCat(who, " segment ", seg->id());
+    if (auto cd = m.cuda.find(i); cd != m.cuda.end()) {
+      // GPU memory: imported once here; the transport writes it through the segment's staging sink.
+      WSYNC_ASSIGN_OR_RETURN(auto cuda, ImportCudaSegment(cd->second, swho));
+      auto region = transport_->RegisterSink(cuda->sink());
+      if (!region.ok()) return Annotate(region.status(), absl::StrCat("registering ", swho));
+      seg->set_region_descriptor((*region)->Descriptor());
+      r.cuda.push_back(std::move(cuda));
+      r.regions.push_back(*std::move(region));
+      continue;
+    }
+    WSYNC_ASSIGN_OR_RETURN(auto mem, MappedSegment::Map(fds[next_fd++].get(), seg->bytes(), swho));
+    auto region = transport_->RegisterMemory(mem->data(), seg->bytes());
+    if (!region.ok()) return Annotate(region.status(), absl::StrCat("registering ", swho));
+    seg->set_region_descriptor((*region)->Descriptor());
+    r.memory.push_back(std::move(mem));
+    r.regions.push_back(*std::move(region));
+  }
+  r.state = Rank::State::kAttached;
+  r.conn = c;
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = engines_.find(m.engine_id);
+  if (it == engines_.end()) return absl::NotFoundError(absl::StrCat(who, ": the engine went away"));
+  Engine& e = *it->second;
+  if (e.ranks[m.rank].state == Rank::State::kAttached)
+    return absl::AlreadyExistsError(absl::StrCat(who, " is already attached"));
+  if (e.ranks[m.rank].state == Rank::State::kDetached)
+    spdlog::warn("{} attached again; the coordinator keeps the plan built from its first attach", who);
+  if (m.rank == 0 || e.model_config_json.empty()) e.model_config_json = m.model_config_json;
+  // The previous mapping of a re-attaching rank stays until here (a source may still write into it); it goes when
+  // `old` does, registrations before mappings.
+  Rank old = std::move(e.ranks[m.rank]);
+  e.ranks[m.rank] = std::move(r);
+  c->engine_id = m.engine_id;
+  c->rank = m.rank;
+  spdlog::info("{} attached (kind {}, mode {}): {} params in {} segments, {:.1f} MiB mapped and registered in {:.3f}s",
+               who, m.kind, m.mode.empty() ? "-" : m.mode, m.layout.params_size(), m.layout.segments_size(),
+               m.layout.region_bytes() / 1048576.0, absl::ToDoubleSeconds(absl::Now() - t0));
+  attached_cv_.notify_all();
+  return absl::OkStatus();
+}
+
+void TargetNode::Detach(const std::shared_ptr<Conn>& c, const std::string& why) {
+  if (c->rank < 0) {
+    spdlog::debug("engine socket: a connection that never attached went away ({})", why);
+    return;
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = engines_.find(c->engine_id);
+  if (it == engines_.end()) return;
+  Rank& r = it->second->ranks[c->rank];
+  if (r.conn != c) return;  // replaced by a newer attach already
+  // The mapping and registration stay: a source may still be writing; they go when the rank attaches again.
+  r.state = Rank::State::kDetached;
+  r.conn.reset();
+  spdlog::warn("engine {} rank {} detached ({}); the engine is unusable until the rank attaches again",
+               c->engine_id, c->rank, why);
+}
+
+absl::Status TargetNode::AddEngine(std::unique_ptr<EngineAdapter> adapter) {
+  const std::string address = adapter->address();
+  WSYNC_ASSIGN_OR_RETURN(EngineDescription desc, adapter->Describe());
+  if (desc.engine_id.empty()) return absl::InvalidArgumentError(absl::StrCat("engine at ", address, " has no id"));
+  if (desc.num_ranks < 1 || desc.num_ranks > 65536)
+    return absl::InvalidArgumentError(absl::StrCat("engine ", desc.engine_id, " at ", address, " reports ",
+                                                   desc.num_ranks, " ranks"));
+  auto e = std::make_unique<Engine>();
+  e->id = desc.engine_id;
+  e->kind = desc.kind.empty() ? adapter->kind() : desc.kind;
+  e->num_ranks = desc.num_ranks;
+  e->version = desc.weight_version;
+  e->paused = desc.paused;
+  e->token = RandomToken();
+  e->control_address = adapter->control_address();
+  e->ranks.resize(desc.num_ranks);
+  EngineAdapter* a = adapter.get();
+  e->adapter = std::move(adapter);
+  AttachInfo info{opts_.engine_socket, e->id, e->token, ""};
+  Engine* engine = e.get();
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!engines_.emplace(e->id, std::move(e)).second)
+      return absl::AlreadyExistsError(absl::StrCat("engine ", desc.engine_id, " (", address, ") is added twice"));
+  }
+  auto forget = [&](const absl::Status& st) {
+    std::lock_guard<std::mutex> l(mu_);
+    engines_.erase(desc.engine_id);  // its ranks' registrations and mappings go with it
+    return st;
+  };
+  absl::Time t0 = absl::Now();
+  if (a->remote_memory()) {
+    // The engine registered its memory itself (SGLang + Mooncake): take its layouts as they are; sources write
+    // into it directly, nothing attaches here.
+    auto remote = a->RemoteLayouts();
+    if (!remote.ok()) return forget(remote.status());
+    if (static_cast<int>(remote->ranks.size()) != desc.num_ranks)
+      return forget(absl::InternalError(absl::StrCat("engine ", desc.engine_id, ": ", remote->ranks.size(),
+                                                     " rank layouts for ", desc.num_ranks, " ranks")));
+    std::lock_guard<std::mutex> l(mu_);
+    engine->model_config_json = remote->model_config_json;
+    for (int i = 0; i < desc.num_ranks; ++i) {
+      engine->ranks[i].layout = std::move(remote->ranks[i]);
+      engine->ranks[i].state = Rank::State::kAttached;
+    }
+    spdlog::info("engine {} ({}, {} ranks) at {}: layouts of its own registered memory taken in {:.3f}s",
+                 desc.engine_id, engine->kind, desc.num_ranks, address, absl::ToDoubleSeconds(absl::Now() - t0));
+  } else {
+  spdlog::info("engine {} ({}, {} ranks) at {}: asking it to attach to {}", desc.engine_id, engine->kind,
+               desc.num_ranks, address, opts_.engine_socket);
+  if (auto st = a->RequestAttach(info); !st.ok())
+    return forget(Annotate(st, absl::StrCat("engine ", desc.engine_id, " at ", address, ": attach request")));
+  {
+    std::unique_lock<std::mutex> l(mu_);
+    auto all = [&] {
+      for (const auto& r : engine->ranks)
+        if (r.state != Rank::State::kAttached) return false;
+      return true;
+    };
+    if (!attached_cv_.wait_for(l, absl::ToChronoSeconds(opts_.attach_timeout), all)) {
+      std::vector<int> missing;
+      for (int i = 0; i < engine->num_ranks; ++i)
+        if (engine->ranks[i].state != Rank::State::kAttached) missing.push_back(i);
+      l.unlock();
+      return forget(absl::DeadlineExceededError(absl::StrCat(
+          "engine ", desc.engine_id, " at ", address, ": ranks [", absl::StrJoin(missing, ","),
+          "] did not attach to ", opts_.engine_socket, " within ", absl::FormatDuration(opts_.attach_timeout))));
+    }
+  }
+  spdlog::info("engine {}: all {} ranks attached in {:.3f}s", desc.engine_id, desc.num_ranks,
+               absl::ToDoubleSeconds(absl::Now() - t0));
+  }
+  if (engine->control_address.empty() && !opts_.facade_host.empty()) {
+    auto facade = MakeEngineFacade(this, desc.engine_id);
+    auto served = daemon::Serve(absl::StrCat(opts_.facade_host, ":0"), {facade.get()}, "");
+    if (!served.ok()) return forget(Annotate(served.status(), absl::StrCat("engine ", desc.engine_id, " facade")));
+    std::lock_guard<std::mutex> l(mu_);
+    engine->control_address = absl::StrCat(opts_.facade_host, ":", served->port);
+    engine->facade = std::move(facade);
+    engine->facade_server = std::move(served->server);
+    spdlog::info("engine {}: EngineControl facade on {}", desc.engine_id, engine->control_address);
+  }
+  return absl::OkStatus();
+}
+
+std::vector<v1::EngineRegistration> TargetNode::Registrations() const {
+  std::lock_guard<std::mutex> l(mu_);
+  std::vector<v1::EngineRegistration> out;
+  for (const auto& [id, e] : engines_) {
+    v1::EngineRegistration r;
+    r.set_engine_id(e->id);
+    r.set_kind(e->kind);
+    r.set_control_address(e->control_address);
+    for (const auto& rank : e->ranks) *r.add_ranks() = rank.layout;
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::ConnectTargetRequest& req,
+                                                                 const std::string& source) {
+  transport::Transport::WriteGrant grant;
+  grant.peer = source.empty() ? std::string("(insecure source)") : source;
+  grant.scope = absl::StrCat(req.engine_id(), "/", req.rank());
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = engines_.find(req.engine_id());
+    if (it == engines_.end() || req.rank() < 0 || req.rank() >= it->second->num_ranks)
+      return absl::NotFoundError(
+          absl::StrCat("node ", opts_.node_id, " serves no engine ", req.engine_id(), " rank ", req.rank()));
+    // While an update's window is open, only a source the plan assigned this rank may connect to it.
+    const std::string source_id = source.substr(source.find(':') + 1);  // "source:train0" → "train0"
+    if (window_open_ && assignments_known_ && !source.empty() &&
+        assignments_.count({source_id, req.engine_id(), req.rank()}) == 0)
+      return absl::PermissionDeniedError(absl::StrCat("ConnectTarget refused for ", source, ": the current plan does "
+                                                      "not assign engine ", req.engine_id(), " rank ", req.rank(),
+                                                      " to it"));
+    for (const auto& r : it->second->ranks[req.rank()].regions) grant.regions.push_back(r.get());
+  }
+  // A fresh write secret per source connection, for exactly this rank's regions (tcp); a transport that cannot
+  // enforce grants (verbs) gets a plain endpoint.
+  auto ep = grants_enforced_ ? transport_->CreateGrantedEndpoint(grant) : transport_->CreateEndpoint();
+  if (!ep.ok()) return ep.status();
+  v1::ConnectTargetReply out;
+  out.set_target_endpoint_info((*ep)->LocalInfo());
+  WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(req.source_endpoint_info(), absl::Seconds(30)), "accepting source for engine ",
+                            req.engine_id(), " rank ", req.rank());
+  std::lock_guard<std::mutex> l(mu_);
+  // Replacing this source's endpoint for the rank destroys the old one, which revokes its grant.
+  // Without identities (insecure) sources are told apart by their transport's info, so that several sources writing
+  // slices of one rank (balanced plans) do not replace each other's connection.
+  endpoints_[{req.engine_id(), req.rank(), source.empty() ? req.source_endpoint_info() : source}] = std::move(*ep);
+  return out;
+}
+
+v1::NodeStatus TargetNode::Status() const {
+  std::lock_guard<std::mutex> l(mu_);
+  v1::NodeStatus s;
+  s.set_node_id(opts_.node_id);
+  s.set_role("target");
+  s.set_transport(transport_->name());
+  uint64_t bytes = 0;
+  int attached = 0, ranks = 0;
+  for (const auto& [id, e] : engines_)
+    for (const auto& r : e->ranks) {
+      bytes += r.layout.region_bytes();
+      ++ranks;
+      attached += r.state == Rank::State::kAttached;
+    }
+  s.set_replica_bytes(bytes);
+  s.set_state(absl::StrCat(engines_.size(), " engines, ", attached, "/", ranks, " ranks attached, ",
+                           endpoints_.size(), " source connections"));
+  s.set_write_window(!window_enforced_ ? "not enforced" : (window_open_ ? "open" : "closed"));
+  s.set_refused_writes(transport_->refused_writes());
+  return s;
+}
+
+absl::StatusOr<TargetNode::Engine*> TargetNode::Find(const std::string& engine_id) {
+  auto it = engines_.find(engine_id);
+  if (it == engines_.end())
+    return absl::NotFoundError(absl::StrCat("node ", opts_.node_id, " serves no engine ", engine_id));
+  return it->second.get();
+}
+
+absl::StatusOr<TargetNode::Engine*> TargetNode::Usable(const std::string& engine_id) {
+  WSYNC_ASSIGN_OR_RETURN(Engine * e, Find(engine_id));
+  for (int i = 0; i < e->num_ranks; ++i) {
+    const Rank& r = e->ranks[i];
+    if (r.state == Rank::State::kAttached) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "engine ", engine_id, " rank ", i,
+        r.state == Rank::State::kDetached ? " is detached (its attach socket closed)" : " has not attached",
+        "; the engine is unusable until it attaches again"));
+  }
+  return e;
+}
+
+absl::StatusOr<v1::EngineInfo> TargetNode::EngineInfo(const std::string& engine_id) {
+  std::lock_guard<std::mutex> l(mu_);
+  WSYNC_ASSIGN_OR_RETURN(Engine * e, Usable(engine_id));
+  v1::EngineInfo out;
+  out.set_engine_id(e->id);
+  out.set_num_ranks(e->num_ranks);
+  out.set_model_config_json(e->model_config_json);
+  out.set_weight_version(e->version);
+  out.set_paused(e->paused);
+  out.set_kind(e->kind);
+  return out;
+}
+
+absl::StatusOr<v1::RankLayout> TargetNode::Layout(const std::string& engine_id, int rank) {
+  std::lock_guard<std::mutex> l(mu_);
+  WSYNC_ASSIGN_OR_RETURN(Engine * e, Usable(engine_id));
+  if (rank < 0 || rank >= e->num_ranks)
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " out of range [0, ", e->num_ranks, ")"));
+  return e->ranks[rank].layout;
+}
+
+absl::Status TargetNode::CallEngine(const std::string& engine_id, const char* what,
+                                  const std::function<absl::Status(EngineAdapter*)>& call,
+                                  const std::function<void(Engine*)>& record) {
+  EngineAdapter* a;
+  Engine* e;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    WSYNC_ASSIGN_OR_RETURN(e, Usable(engine_id));
+    a = e->adapter.get();
+  }
+  std::lock_guard<std::mutex> call_lock(e->call_mu);
+  WSYNC_RETURN_IF_ERROR_CTX(call(a), "engine ", engine_id, " ", what);
+  std::lock_guard<std::mutex> l(mu_);
+  record(e);
+  return absl::OkStatus();
+}
+
+absl::Status TargetNode::Pause(const std::string& engine_id, const std::string& mode) {
+  return CallEngine(
+      engine_id, "pause", [&](EngineAdapter* a) { return a->Pause(mode); }, [](Engine* e) { e->paused = true; });
+}
+
+absl::Status TargetNode::PostProcess(const std::string& engine_id, const std::string& version) {
+  EngineAdapter* a;
+  Engine* e;
+  std::vector<std::pair<int, std::shared_ptr<Conn>>> conns;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    WSYNC_ASSIGN_OR_RETURN(e, Usable(engine_id));
+    a = e->adapter.get();
+    for (int i = 0; i < e->num_ranks; ++i) conns.emplace_back(i, e->ranks[i].conn);
+  }
+  std::lock_guard<std::mutex> call(e->call_mu);
+  const std::string commit = Frame({{"type", "commit"}, {"version", version}});
+  for (auto& [rank, c] : conns) {
+    if (c == nullptr) continue;  // an engine with remote memory: no attach connection, the adapter does it all
+    absl::Status st;
+    {
+      std::lock_guard<std::mutex> l(c->send_mu);
+      st = SendFds(c->fd.get(), {}, commit);
+    }
+    if (!st.ok())
+      return Annotate(st, absl::StrCat("engine ", engine_id, " rank ", rank, ": sending commit of version ", version));
+  }
+  WSYNC_RETURN_IF_ERROR_CTX(a->PostProcess(version), "engine ", engine_id, " post_process");
+  return absl::OkStatus();
+}
+
+absl::Status TargetNode::SetWeightVersion(const std::string& engine_id, const std::string& version) {
+  return CallEngine(
+      engine_id, "set_weight_version", [&](EngineAdapter* a) { return a->SetWeightVersion(version); },
+      [&](Engine* e) { e->version = version; });
+}
+
+absl::Status TargetNode::Continue(const std::string& engine_id) {
+  return CallEngine(
+      engine_id, "continue", [](EngineAdapter* a) { return a->Continue(); }, [](Engine* e) { e->paused = false; });
+}
+
+}  // namespace wsync::daemon

@@ -1,0 +1,172 @@
+#pragma once
+// The target role of wsyncd: engine ranks on this node attach their weight memory (segments handed over as file
+// descriptors on a Unix socket, docs/engines.md "The attach protocol"); the daemon maps and registers every segment
+// with the transport once, exports where each parameter lives, accepts the sources' transport connections, and
+// drives every engine through its EngineAdapter (for kinds other than "reference" it serves an EngineControl facade
+// per engine that the coordinator calls).
+//
+// Threading: one loop thread (poll) accepts and serves the attach socket; everything else is called from gRPC
+// threads or main. No lock is held across an adapter call, a transport registration or a socket write.
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "base/fd_passing.h"
+#include "daemon/common/engine_adapter.h"
+#include "daemon/node/target_node_cuda.h"
+#include "transport/transport.h"
+#include "wsync/v1/coordinator.pb.h"
+#include "wsync/v1/daemon.pb.h"
+#include "wsync/v1/engine.pb.h"
+
+namespace wsync::daemon {
+
+// One mapped segment of an engine rank's weight memory (MAP_SHARED of the fd the rank handed over).
+class MappedSegment {
+ public:
+  static absl::StatusOr<std::unique_ptr<MappedSegment>> Map(int fd, uint64_t bytes, const std::string& who);
+  ~MappedSegment();
+  uint8_t* data() const { return base_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+struct TargetOptions {
+  std::string node_id;
+  // Unix stream socket engine ranks attach to; created (with its directory) by Start, removed on destruction.
+  std::string engine_socket;
+  // Peer uids allowed to attach besides the daemon's own (SO_PEERCRED).
+  std::vector<uid_t> engine_uids;
+  // How long AddEngine waits for every rank of an engine to attach.
+  absl::Duration attach_timeout = absl::Seconds(120);
+  // Host the per-engine EngineControl facades listen on (port 0 each); "" = no facades (tests drive TargetNode).
+  std::string facade_host = "127.0.0.1";
+  // Largest attach message accepted.
+  size_t max_attach_bytes = 64ull << 20;
+};
+
+// The default engine socket of a daemon whose API listens on `port`: /run/wsync/target-<port>.sock when that
+// directory can be created, else under $XDG_RUNTIME_DIR/wsync, else /tmp/wsync-<uid>.
+std::string DefaultEngineSocket(int port);
+
+class TargetNode {
+ public:
+  TargetNode(TargetOptions opts, transport::Transport* transport);
+  ~TargetNode();
+
+  // Binds the engine socket and starts the loop thread. Call once, before AddEngine.
+  absl::Status Start();
+  const std::string& engine_socket() const { return opts_.engine_socket; }
+
+  // Describes the engine, asks it to attach (RequestAttach with a fresh random token), waits until every rank has
+  // attached (bounded by attach_timeout, the error names the ranks missing), and for kinds without their own
+  // EngineControl endpoint starts the facade. Blocks.
+  absl::Status AddEngine(std::unique_ptr<EngineAdapter> adapter);
+  // What the coordinator needs to plan (layouts with one region descriptor per segment, kind, control address).
+  std::vector<v1::EngineRegistration> Registrations() const;
+
+  // `source` is the caller's identity from its certificate ("" on an insecure daemon): the write grant minted for
+  // the connection is bound to it and to the engine rank's regions.
+  absl::StatusOr<v1::ConnectTargetReply> ConnectTarget(const v1::ConnectTargetRequest& req,
+                                                       const std::string& source = "");
+  // Opens or closes the transport's write window (closed from Start until the coordinator opens it).
+  v1::SetWriteWindowReply SetWriteWindow(const v1::SetWriteWindowRequest& req);
+  v1::NodeStatus Status() const;
+
+  // --- the EngineControl facade of one engine (kinds other than "reference") ---
+  absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& engine_id);
+  absl::StatusOr<v1::RankLayout> Layout(const std::string& engine_id, int rank);
+  absl::Status Pause(const std::string& engine_id, const std::string& mode);
+  // Sends {"type":"commit","version":V} to every rank, then adapter->PostProcess(version). A rank that is not
+  // attached fails it (FailedPrecondition naming engine and rank) before anything is sent or called.
+  absl::Status PostProcess(const std::string& engine_id, const std::string& version);
+  absl::Status SetWeightVersion(const std::string& engine_id, const std::string& version);
+  absl::Status Continue(const std::string& engine_id);
+
+ private:
+  // An accepted attach connection. Shared between the loop thread and control calls that write to it.
+  struct Conn {
+    ScopedFd fd;
+    uid_t uid = 0;
+    std::string engine_id;  // set once attached
+    int rank = -1;
+    std::mutex send_mu;
+  };
+  struct Rank {
+    enum class State { kWaiting, kAttached, kDetached } state = State::kWaiting;
+    v1::RankLayout layout;
+    std::vector<std::unique_ptr<MappedSegment>> memory;                // one per host segment
+    std::vector<std::unique_ptr<CudaSegment>> cuda;                    // one per cuda segment
+    std::vector<std::unique_ptr<transport::LocalRegion>> regions;      // one per segment, dropped before memory/cuda
+    std::shared_ptr<Conn> conn;
+  };
+  struct Engine {
+    std::string id, kind, control_address;
+    std::string token;
+    int num_ranks = 0;
+    std::string model_config_json, version;
+    bool paused = false;
+    std::unique_ptr<EngineAdapter> adapter;
+    std::vector<Rank> ranks;
+    std::mutex call_mu;  // one adapter call at a time (the adapter's contract)
+    std::unique_ptr<grpc::Service> facade;
+    std::unique_ptr<grpc::Server> facade_server;
+  };
+
+  void Loop();
+  void Accept();
+  // Reads one frame from `c`; returns false when the connection is to be dropped.
+  bool Serve(const std::shared_ptr<Conn>& c);
+  // Validates, maps and registers one attach message; the reply's error on failure.
+  absl::Status Attach(const std::shared_ptr<Conn>& c, const std::string& msg, std::vector<ScopedFd> fds);
+  void Detach(const std::shared_ptr<Conn>& c, const std::string& why);
+  // The engine with every rank attached, or FailedPrecondition naming the first rank that is not. Holds mu_.
+  absl::StatusOr<Engine*> Usable(const std::string& engine_id);
+  // One control call on an engine's adapter: one call at a time per engine, never under mu_; `record` runs under
+  // mu_ once the call succeeded. Errors name the engine and `what`.
+  absl::Status CallEngine(const std::string& engine_id, const char* what,
+                          const std::function<absl::Status(EngineAdapter*)>& call,
+                          const std::function<void(Engine*)>& record);
+  absl::StatusOr<Engine*> Find(const std::string& engine_id);
+
+  TargetOptions opts_;
+  transport::Transport* transport_;
+  ScopedFd listen_fd_;
+  ScopedFd wake_rd_, wake_wr_;  // self-pipe that ends the loop
+  std::thread loop_;
+  std::atomic<bool> stop_{false};
+  std::map<int, std::shared_ptr<Conn>> conns_;  // loop thread only
+
+  mutable std::mutex mu_;
+  std::condition_variable attached_cv_;
+  std::map<std::string, std::unique_ptr<Engine>> engines_;
+  // One connection per (engine, rank, source identity; its transport info when insecure): a source that reconnects
+  // after a transport error replaces (and so revokes the grant of) its own broken endpoint, nobody else's.
+  std::map<std::tuple<std::string, int, std::string>, std::unique_ptr<transport::Endpoint>> endpoints_;
+  bool window_enforced_ = false;  // guarded by mu_
+  bool window_open_ = false;      // guarded by mu_
+  bool grants_enforced_ = false;  // the transport enforces per-connection write grants (set by Start)
+  // The last plan's (source node, engine, rank) assignments on this node, from SetWriteWindow; guarded by mu_.
+  std::set<std::tuple<std::string, std::string, int>> assignments_;
+  bool assignments_known_ = false;
+};
+
+}  // namespace wsync::daemon

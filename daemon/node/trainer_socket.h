@@ -1,0 +1,81 @@
+#pragma once
+// The source daemon's hand-over socket for trainer ranks (docs/security.md, "Trainer ranks").
+//
+// A rank connects to the Unix socket at `path`; the daemon reads the kernel's SO_PEERCRED of the connection and
+// refuses, with a message naming the uid and gid, any process whose uid is neither the daemon's nor listed, and whose
+// gid is not listed. An allowed rank sends one frame (base/fd_passing.h framing, JSON):
+//   {"type": "open", "protocol": 1, "local_rank": R, "global_rank": G}
+// and gets back one frame carrying the ring's memfd (SCM_RIGHTS):
+//   {"type": "opened", "ok": true, "session_id": "<32 hex>", "ring_bytes": N, "num_local_ranks": K,
+//    "rpc": "unix:<path>.rpc"}
+// or, without a descriptor, {"type": "opened", "ok": false, "error": "..."}. The rank keeps the connection open for
+// the session's life: its end (process exit included) marks the session dead. The session id authorizes the rank's
+// TrainerIngest calls on the gRPC server at "rpc" (a Unix socket too; the TCP listener does not serve them).
+//
+// Threads: one loop thread polls the listener and every connection; a hello must arrive within a few seconds.
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "base/fd_passing.h"
+#include "daemon/node/source_node.h"
+
+namespace wsync::daemon {
+
+inline constexpr int kTrainerProtocol = 1;
+
+struct TrainerSocketOptions {
+  std::string path;                 // the hand-over socket; the gRPC socket is path + ".rpc"
+  std::vector<uint32_t> uids;       // further uids allowed (the daemon's own always is)
+  std::vector<uint32_t> gids;       // gids allowed (a peer whose primary gid is listed)
+};
+
+// "<dir>/wsyncd.sock" in DefaultSocketPath's directory.
+std::string DefaultTrainerSocket();
+
+class TrainerSocket {
+ public:
+  // Binds `opts.path` (mode 0660; 0666 when other uids are allowed: SO_PEERCRED decides) and starts the loop.
+  // A live socket at the path (another daemon answers there) is an error; a stale one is replaced.
+  // `rpc_address` is what ranks are told to dial for TrainerIngest ("unix:...").
+  static absl::StatusOr<std::unique_ptr<TrainerSocket>> Start(TrainerSocketOptions opts, SourceNode* source,
+                                                              std::string rpc_address);
+  ~TrainerSocket();  // stops the loop, closes every connection, removes the socket file
+
+  // The file mode the sockets get for these options.
+  static int SocketMode(const TrainerSocketOptions& opts);
+  // Fails when something answers on `path` (another daemon), replaces a stale socket, refuses a non-socket file.
+  static absl::Status ClaimPath(const std::string& path);
+
+ private:
+  struct Conn {
+    ScopedFd fd;
+    uint32_t uid = 0, gid = 0;
+    int64_t pid = 0;
+    std::string session_id;  // empty until its hello opened a session
+    int64_t hello_by_ms = 0; // monotonic deadline for the hello
+  };
+  TrainerSocket(TrainerSocketOptions opts, SourceNode* source, std::string rpc_address)
+      : opts_(std::move(opts)), source_(source), rpc_address_(std::move(rpc_address)) {}
+  void Loop();
+  void Accept();
+  // Handles a readable connection; false when it is finished (closed or refused).
+  bool Serve(Conn* c);
+  std::string Allowed() const;  // "uid 1000" / "uid 1000, 1001; gid 50" for messages
+
+  TrainerSocketOptions opts_;
+  SourceNode* source_;
+  std::string rpc_address_;
+  ScopedFd listen_fd_, wake_rd_, wake_wr_;
+  std::map<int, std::unique_ptr<Conn>> conns_;  // loop thread only
+  std::atomic<bool> stop_{false};
+  std::thread loop_;
+};
+
+}  // namespace wsync::daemon
