@@ -28,7 +28,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "base/dtype.h"
-#include "base/ring.h"
+#include "client/ring/ring.h"
 #include "base/tensor_slice.h"
 #include "client/device_copy.h"
 #include "base/fd_passing.h"

@@ -6,7 +6,7 @@
 //   fp8       : GPU FP8 block quantization (bf16 in, 128x128) GB/s of input vs a device-to-device copy of the same
 //               bytes (copy GB/s counts the bytes read, as the quantizer's)
 //   register  : cudaHostRegister seconds per GiB (paid once per session, never per update)
-//   client push: the real client path (client/device_copy.h + base/ring.h, what TrainerClient::PushDevice does) of
+//   client push: the real client path (client/device_copy.h + client/ring/ring.h, what TrainerClient::PushDevice does) of
 //               64 MiB bf16 tensors into a 1 GiB ring, bucket of 8, vs the D2H peak — the JSON line's value
 //   target sink: the real staging sink of a cuda segment (daemon/node/target_node_cuda.h) vs the H2D peak
 // Ends with one JSON line. Exit 77 without a CUDA device.
@@ -17,7 +17,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "base/ring.h"
+#include "client/ring/ring.h"
 #include "client/device_copy.h"
 #include "daemon/node/target_node_cuda.h"
 #include "replica/fp8_cuda.h"

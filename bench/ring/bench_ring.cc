@@ -16,7 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "base/ring.h"
+#include "client/ring/ring.h"
 
 namespace {
 

@@ -25,7 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "base/fd_passing.h"
-#include "base/ring.h"
+#include "client/ring/ring.h"
 #include "base/tensor_slice.h"
 #include "daemon/common/metrics.h"
 #include "replica/replica.h"

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "base/ring.h"
+#include "client/ring/ring.h"
 #include "client/device_copy.h"
 #include "tests/cuda/cuda_check.h"
 

@@ -14,7 +14,7 @@
 #include <string>
 #include <thread>
 
-#include "base/ring.h"
+#include "client/ring/ring.h"
 #include "daemon/common/convert.h"
 #include "daemon/node/source_node.h"
 #include "replica/model_config.h"

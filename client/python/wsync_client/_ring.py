@@ -1,4 +1,4 @@
-"""Producer side of the trainer ring (base/ring.h is the specification; this is a port of RingProducer).
+"""Producer side of the trainer ring (client/ring/ring.h is the specification; this is a port of RingProducer).
 
 The ring is a memfd the source daemon created and handed over (SCM_RIGHTS): a 4 KiB header page, then `capacity`
 data bytes. Positions are 64-bit byte counters; the byte at position p lives at data[p % capacity]. The producer
@@ -40,7 +40,7 @@ DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3, "float8_e4m3fn": 4, "i
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int32": 4, "int64": 8, "uint8": 1,
                "float64": 8}
 
-# RingHeader byte offsets (base/ring.h static_asserts the three 128-byte lines).
+# RingHeader byte offsets (client/ring/ring.h static_asserts the three 128-byte lines).
 _OFF_MAGIC, _OFF_VERSION, _OFF_HEADER_BYTES, _OFF_CAPACITY, _OFF_NAME = 0, 8, 12, 16, 32
 _OFF_WRITE, _OFF_COMMIT, _OFF_NEXT_SEQ, _OFF_COMMIT_FUTEX, _OFF_CONSUMER_WAITERS = 128, 136, 144, 152, 156
 _OFF_READ = 256
@@ -262,7 +262,7 @@ class RingProducer:
         if pad > 0 and self.bucket_tensors == 0 and self._commit == pos and self._q[_OFF_READ // 8] == pos:
             # Drained ring (everything committed is released; the consumer stores no release mark until the next
             # bucket): skip to the wrap point by moving the release mark there ourselves, as the C++ producer does
-            # (base/ring.cc, RingProducer::BeginTensor). A padding frame would deadlock a frame longer than the room
+            # (client/ring/ring.cc, RingProducer::BeginTensor). A padding frame would deadlock a frame longer than the room
             # before the wrap: the consumer parses padding only with the next bucket, which this frame is part of.
             self._write = self._bucket_begin = pos + pad
             self._store_fence()

@@ -1,4 +1,4 @@
-#include "base/ring.h"
+#include "client/ring/ring.h"
 
 #include <sys/socket.h>
 #include <sys/wait.h>

@@ -1,4 +1,4 @@
-#include "base/ring.h"
+#include "client/ring/ring.h"
 
 #include <fcntl.h>
 #include <linux/futex.h>

@@ -7,7 +7,7 @@
 //     stays broken (every later call returns the same error);
 //   * arbitrary corruption of frames and of the header's commit word yields only OK (every view inside the data
 //     area, sizes consistent with shape × dtype), DeadlineExceeded or DataLoss.
-// The expected frame positions come from the layout documented in base/ring.h, computed here independently.
+// The expected frame positions come from the layout documented in client/ring/ring.h, computed here independently.
 #include <sys/mman.h>
 
 #include <cstring>
@@ -18,7 +18,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "base/ring.h"
+#include "client/ring/ring.h"
 
 namespace wsync {
 namespace {
