@@ -9,7 +9,7 @@
 // dial).
 //
 // Identity: the certificate's subject common name is "<role>:<id>" with role one of coordinator, source, target,
-// engine, admin, trainer (tools/wsync-certs.sh makes them). An insecure server checks no roles.
+// engine, admin, trainer (tools/cli/wsync-certs.sh makes them). An insecure server checks no roles.
 //
 // Thread safety: Configure must run before any channel or server is created (main, before threads); everything else
 // may be called from any thread.

@@ -330,7 +330,7 @@ class Cluster:
             specs += [f"engine:engine{i}={n.ip}", f"target:infer-node{i}={n.ip}"]
         for i, n in enumerate(self.sources):
             specs += [f"source:train-node{i}={n.ip}", f"trainer:train-node{i}={n.ip}"]
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "wsync-certs.sh")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "cli", "wsync-certs.sh")
         sh(script, self.certs, *specs, capture=True)
 
     def tls(self, name):

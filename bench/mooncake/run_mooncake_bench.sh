@@ -16,7 +16,7 @@ while [[ $# -gt 0 ]]; do
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
-PY="$("${ROOT}/tools/engines/install_mooncake.sh" | tail -n1)"
+PY="$("${ROOT}/tools/testing/engines/install_mooncake.sh" | tail -n1)"
 TEB="$(dirname "${PY}")/transfer_engine_bench"
 [[ -x "${TEB}" ]] || { echo "Mooncake's transfer_engine_bench not found next to ${PY}" >&2; exit 1; }
 WSYNC="${BUILD}/bin/bench_mooncake_write"

@@ -18,7 +18,7 @@
 
 #include "planner/cost.h"
 #include "planner/plan.h"
-#include "tools/plan_command.h"
+#include "tools/cli/plan_command.h"
 
 namespace {
 

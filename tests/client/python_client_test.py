@@ -177,7 +177,7 @@ def check_tls(args, cluster, deadline):
     coordinator; no certificate, no handshake; without TLS a non-loopback coordinator is refused before dialling."""
     from wsync_client import Coordinator, WsyncError
     certs = os.path.join(cluster.work, "certs")
-    subprocess.run([os.path.join(ROOT, "tools", "wsync-certs.sh"), certs, "coordinator:py", "trainer:py"],
+    subprocess.run([os.path.join(ROOT, "tools", "cli", "wsync-certs.sh"), certs, "coordinator:py", "trainer:py"],
                    check=True, stdout=subprocess.DEVNULL, timeout=120)
     pem = lambda n: (os.path.join(certs, n + ".pem"), os.path.join(certs, n + "-key.pem"))
     cert, key = pem("coordinator-py")

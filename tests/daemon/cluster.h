@@ -99,7 +99,7 @@ struct ClusterOptions {
   int pp = 1;                            // trainer pipeline stages: sources split evenly, stage = s * pp / sources
   std::vector<std::string> coordinator_args;  // e.g. {"--strategy", "balanced", "--min-source-mib", "0"}
   std::vector<std::string> source_env;  // extra "NAME=value" environment for the source daemons (e.g. WSYNC_FAULTS)
-  // mTLS: a directory made by tools/wsync-certs.sh holding ca.pem and coordinator-main, engine-engine<e>,
+  // mTLS: a directory made by tools/cli/wsync-certs.sh holding ca.pem and coordinator-main, engine-engine<e>,
   // target-infer<e> and source-train<s> certificates; every process then runs with its own. Empty: insecure loopback.
   std::string tls_dir;
 };

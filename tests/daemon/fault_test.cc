@@ -14,7 +14,7 @@
 #include "replica/model_config.h"
 #include "tests/daemon/cluster.h"
 #include "tests/daemon/helpers.h"
-#include "tools/weight_gen.h"
+#include "tools/testdata/weight_gen.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
 namespace wsync {

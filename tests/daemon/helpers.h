@@ -10,7 +10,7 @@
 
 #include "client/trainer_client.h"
 #include "replica/model_config.h"
-#include "tools/weight_gen.h"
+#include "tools/testdata/weight_gen.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
 namespace wsync::testing {

@@ -17,7 +17,7 @@
 #include "client/trainer_client.h"
 #include "tests/daemon/cluster.h"
 #include "tests/daemon/helpers.h"
-#include "tools/weight_gen.h"
+#include "tools/testdata/weight_gen.h"
 
 namespace wsync {
 namespace {

@@ -17,8 +17,8 @@ Layout (--layout FILE): JSON {"regions": [[{"name", "numel", "element_size"}, ..
 allocation (one registered buffer), parameters packed in order at 512-byte aligned offsets, like torch's caching
 allocator. Without --layout a small built-in table (2 regions, sizes from 6 bytes to ~330 KiB) is used.
 
-Run it with the venv from tools/engines/install_mooncake.sh:
-  PY=$(tools/engines/install_mooncake.sh | tail -n1); $PY tests/engines/mooncake_peer.py --rank 0
+Run it with the venv from tools/testing/engines/install_mooncake.sh:
+  PY=$(tools/testing/engines/install_mooncake.sh | tail -n1); $PY tests/engines/mooncake_peer.py --rank 0
 """
 import argparse
 import ctypes

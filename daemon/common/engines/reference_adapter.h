@@ -1,5 +1,5 @@
 #pragma once
-// The EngineAdapter for wsync's reference engine (kind "reference", tools/engine_ref), over its own EngineControl
+// The EngineAdapter for wsync's reference engine (kind "reference", tools/testing/engine_ref), over its own EngineControl
 // gRPC API. The coordinator calls that API directly too (control_address()).
 
 #include <memory>

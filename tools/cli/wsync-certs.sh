@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # wsync-certs.sh: a CA and per-role certificates for wsync's mutual TLS (docs/security.md), with the openssl CLI.
 #
-#   tools/wsync-certs.sh DIR ROLE:ID[=SAN,...] ...
+#   tools/cli/wsync-certs.sh DIR ROLE:ID[=SAN,...] ...
 #
 # DIR gets ca.pem + ca-key.pem (created once, reused when present) and, per ROLE:ID, ROLE-ID.pem and ROLE-ID-key.pem:
 # an EC P-256 certificate with subject CN "ROLE:ID" (the caller's role and identity every wsync server checks), usable
@@ -11,7 +11,7 @@
 # Roles: coordinator, source, target, engine, admin, trainer. For a source or target daemon, ID is its --node-id.
 #
 # Example (the demo's cluster):
-#   tools/wsync-certs.sh /tmp/certs coordinator:main target:infer0 source:train0 engine:engine0 admin:ops trainer:demo
+#   tools/cli/wsync-certs.sh /tmp/certs coordinator:main target:infer0 source:train0 engine:engine0 admin:ops trainer:demo
 # then run each binary with --tls-ca DIR/ca.pem --tls-cert DIR/ROLE-ID.pem --tls-key DIR/ROLE-ID-key.pem.
 # Test and demo use only: production CAs and keys belong in the operator's PKI (Kubernetes: cert-manager).
 set -euo pipefail

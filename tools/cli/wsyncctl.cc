@@ -21,7 +21,7 @@
 #include "proto/tls.h"
 #include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
-#include "tools/plan_command.h"
+#include "tools/cli/plan_command.h"
 
 using namespace wsync;
 

@@ -1,4 +1,4 @@
-#include "tools/weight_gen.h"
+#include "tools/testdata/weight_gen.h"
 
 #include <cstring>
 

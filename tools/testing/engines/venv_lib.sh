@@ -1,4 +1,4 @@
-# Shared by the tools/engines installers (sourced, not run): a pinned venv in the cache directory, built once and
+# Shared by the tools/testing/engines installers (sourced, not run): a pinned venv in the cache directory, built once and
 # kept by a stamp, one installer at a time per venv (flock). The caller sets TAG (log prefix), HOST_PY, CACHE,
 # VENV, REQS and STAMP_VALUE, then calls `venv_open REINSTALL_VAR` and, if it returns 1, builds the venv and calls
 # `venv_done`.

@@ -21,7 +21,7 @@
 #include "proto/status_convert.h"
 #include "replica/model_config.h"
 #include "spdlog/spdlog.h"
-#include "tools/weight_gen.h"
+#include "tools/testdata/weight_gen.h"
 #include "proto/tls.h"
 #include "wsync/v1/engine.grpc.pb.h"
 

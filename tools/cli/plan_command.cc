@@ -1,4 +1,4 @@
-#include "tools/plan_command.h"
+#include "tools/cli/plan_command.h"
 
 #include <algorithm>
 #include <chrono>

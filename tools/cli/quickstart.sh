@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Debian 12 machine: installs what is missing, builds, then runs the demo or the tests.
 #
-#   tools/quickstart.sh demo    # install + build + end-to-end demo (exit status = demo result)
-#   tools/quickstart.sh test    # install + build + the whole test suite (ctest)
-#   tools/quickstart.sh build   # install + build only
-#   tools/quickstart.sh packages  # print the Debian packages it installs
+#   tools/cli/quickstart.sh demo    # install + build + end-to-end demo (exit status = demo result)
+#   tools/cli/quickstart.sh test    # install + build + the whole test suite (ctest)
+#   tools/cli/quickstart.sh build   # install + build only
+#   tools/cli/quickstart.sh packages  # print the Debian packages it installs
 #
 # Environment: BUILD_DIR (default ./build), JOBS (default: nproc), WSYNC_SKIP_INSTALL=1 to skip apt-get.
 set -euo pipefail
 
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 mode=${1:-demo}
 build=${BUILD_DIR:-build}
 jobs=${JOBS:-$(nproc)}
@@ -92,7 +92,7 @@ case "$mode" in
   demo)
     install_missing
     build_all
-    exec tools/demo.sh --bin "$build/bin"
+    exec tools/cli/demo.sh --bin "$build/bin"
     ;;
   test)
     install_missing
@@ -105,7 +105,7 @@ case "$mode" in
     build_all
     ;;
   *)
-    echo "usage: tools/quickstart.sh demo|test|build|packages" >&2
+    echo "usage: tools/cli/quickstart.sh demo|test|build|packages" >&2
     exit 2
     ;;
 esac

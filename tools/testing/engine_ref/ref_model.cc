@@ -1,4 +1,4 @@
-#include "tools/engine_ref/ref_model.h"
+#include "tools/testing/engine_ref/ref_model.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
-#include "tools/weight_gen.h"
+#include "tools/testdata/weight_gen.h"
 
 namespace wsync::engine_ref {
 namespace {

@@ -6,9 +6,9 @@
 # Idempotent: installs once and leaves a stamp keyed by the pinned requirements file; a warm run only checks the
 # stamp (seconds). The last line printed is the venv's python.
 #
-#   tools/engines/install_mooncake.sh
-#   WSYNC_CACHE=/somewhere tools/engines/install_mooncake.sh
-#   WSYNC_MOONCAKE_REINSTALL=1 tools/engines/install_mooncake.sh   # rebuild the venv from scratch
+#   tools/testing/engines/install_mooncake.sh
+#   WSYNC_CACHE=/somewhere tools/testing/engines/install_mooncake.sh
+#   WSYNC_MOONCAKE_REINSTALL=1 tools/testing/engines/install_mooncake.sh   # rebuild the venv from scratch
 #
 # Why 0.3.12.post1 and not the newest (0.3.13.post1 installs as well): its source is tagged (v0.3.12.post1), and
 # docs/mooncake-protocol.md cites that tag's files and lines. Change the version here, the requirements file name
@@ -24,7 +24,7 @@ HOST_PY=/usr/bin/python3
 
 TAG=install_mooncake
 STAMP_VALUE="mooncake=${MOONCAKE_VERSION} reqs=$(sha256sum "${REQS}" | cut -d' ' -f1)"
-# shellcheck source=tools/engines/venv_lib.sh
+# shellcheck source=tools/testing/engines/venv_lib.sh
 . "${HERE}/venv_lib.sh"
 [[ "$(uname -m)" == x86_64 ]] || die "the pinned wheel is manylinux x86_64 only (this is $(uname -m))"
 

@@ -32,7 +32,7 @@
 #include "base/logging.h"
 #include "nlohmann/json.hpp"
 #include "proto/tls.h"
-#include "tools/engine_ref/ref_model.h"
+#include "tools/testing/engine_ref/ref_model.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
 namespace wsync::engine_ref {

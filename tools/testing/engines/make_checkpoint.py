@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Write a deterministic random-weight Hugging Face checkpoint (safetensors, bf16) for a tiny variant of a real model.
 
-    python tools/engines/make_checkpoint.py \
+    python tools/testing/engines/make_checkpoint.py \
         --config tests/data/models/Qwen__Qwen3-0.6B/config.json --layers 2 --seed 1 --out /tmp/x/qwen3-a
-    python tools/engines/make_checkpoint.py \
+    python tools/testing/engines/make_checkpoint.py \
         --config tests/data/models/Qwen__Qwen3-30B-A3B/config.json --layers 2 --experts 8 --experts-per-tok 2 \
         --hidden 256 --moe-intermediate 128 --heads 4 --kv-heads 2 --head-dim 64 --seed 1 --out /tmp/x/moe-a
 
