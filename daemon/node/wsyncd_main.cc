@@ -24,6 +24,7 @@
 #include "daemon/common/engine_adapter.h"
 #include "daemon/common/serve.h"
 #include "daemon/node/connect_target_client.h"
+#include "daemon/node/coordinator_link.h"
 #include "daemon/node/node_services.h"
 #include "daemon/node/trainer_socket.h"
 #include "proto/status_convert.h"
@@ -35,115 +36,6 @@
 using namespace wsync;
 
 namespace {
-
-// The coordinators this daemon reports to (--coordinator A[,B...]). With several (high availability, one leader), a
-// call that gets Unavailable — the coordinator is down, or a standby answering "not the leader" — moves on to the
-// leader the standby named, else to the next one.
-class Coordinators {
- public:
-  explicit Coordinators(const std::string& list) : endpoints_(client::SplitEndpoints(list)) {
-    if (endpoints_.empty()) endpoints_.push_back(list);
-    // mTLS from the --tls-* flags; without TLS only loopback coordinators may be dialled.
-    for (const auto& e : endpoints_) {
-      auto channel = tls::Dial(e);
-      if (!channel.ok()) {
-        if (dial_status_.ok()) dial_status_ = channel.status();
-        stubs_.push_back(nullptr);
-        continue;
-      }
-      stubs_.push_back(v1::Coordinator::NewStub(*std::move(channel)));
-    }
-  }
-  // Why a coordinator may not be dialled (then stub() is null for it).
-  const absl::Status& dial_status() const { return dial_status_; }
-  size_t size() const { return endpoints_.size(); }
-  const std::string& current() const { return endpoints_[i_]; }
-  v1::Coordinator::Stub* stub() { return stubs_[i_].get(); }
-  // After `why` from the current one: moves on (no-op with a single coordinator). True when it moved.
-  bool Next(const absl::Status& why) {
-    if (endpoints_.size() < 2) return false;
-    const size_t from = i_;
-    i_ = (i_ + 1) % endpoints_.size();
-    const std::string hint = client::LeaderHint(std::string(why.message()));
-    for (size_t k = 0; k < endpoints_.size(); ++k)
-      if (!hint.empty() && endpoints_[k] == hint && k != from) i_ = k;
-    spdlog::info("coordinator {} is not the leader or is down ({}); trying {}", endpoints_[from],
-                 std::string(why.message()).substr(0, 200), endpoints_[i_]);
-    return true;
-  }
-
- private:
-  std::vector<std::string> endpoints_;
-  std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
-  absl::Status dial_status_;
-  size_t i_ = 0;
-};
-
-// Registers with the coordinator (the leader, when there are several), retrying (every 0.5 s, each attempt logged)
-// while it is not up yet. Returns Cancelled at once when SIGTERM/SIGINT arrives meanwhile.
-absl::Status Register(Coordinators& coordinators, const v1::RegisterNodeRequest& req, int attempts) {
-  absl::Status last;
-  for (int i = 1; i <= attempts; ++i) {
-    grpc::ClientContext ctx;
-    // Short attempts, so that a signal is noticed within about a second wherever the daemon is.
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
-    ctx.set_wait_for_ready(true);
-    v1::RegisterNodeReply out;
-    last = FromGrpcStatus(coordinators.stub()->RegisterNode(&ctx, req, &out));
-    if (last.ok()) {
-      spdlog::info("registered with coordinator {} (membership epoch {})", coordinators.current(),
-                   out.membership_epoch());
-      return last;
-    }
-    if (last.code() != absl::StatusCode::kUnavailable && last.code() != absl::StatusCode::kDeadlineExceeded)
-      return last;
-    spdlog::warn("registration with coordinator {} failed (attempt {}/{}): {}{}", coordinators.current(), i, attempts,
-                 last.ToString(), i < attempts ? "; retrying in 0.5 s" : "");
-    coordinators.Next(last);
-    if (i < attempts && daemon::TerminationRequested(500))
-      return absl::CancelledError("terminated by a signal while registering");
-  }
-  return last;
-}
-
-// Holds this node's lease with the coordinator until SIGTERM/SIGINT: a heartbeat every interval (the coordinator
-// says how long); when the coordinator answers that it does not know the node (it restarted without its state or
-// dropped the node), registers again; while it is unreachable, logs once and keeps trying. With several
-// coordinators, an unreachable one or a standby sends the heartbeats on to the next (the new leader after a
-// fail-over), retried after 0.2 s instead of a whole interval.
-void HoldLease(Coordinators& coordinators, const v1::RegisterNodeRequest& reg,
-               const std::function<v1::RegisterNodeRequest()>& fresh_registration) {
-  v1::HeartbeatRequest hb;
-  hb.set_node_id(reg.node_id());
-  hb.set_address(reg.address());
-  int interval_ms = 2000;
-  int wait_ms = interval_ms;
-  bool down = false;
-  while (!daemon::TerminationRequested(wait_ms)) {
-    wait_ms = interval_ms;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    v1::HeartbeatReply rep;
-    grpc::Status s = coordinators.stub()->Heartbeat(&ctx, hb, &rep);
-    if (!s.ok()) {
-      if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED) continue;  // an older coordinator: no leases
-      if (!down) spdlog::warn("coordinator {} unreachable ({}); will register again when it is back",
-                              coordinators.current(), s.error_message());
-      down = true;
-      if (coordinators.Next(FromGrpcStatus(s))) wait_ms = 200;
-      continue;
-    }
-    if (down) spdlog::info("coordinator {} is reachable again", coordinators.current());
-    down = false;
-    if (rep.interval_seconds() > 0) interval_ms = std::clamp(static_cast<int>(rep.interval_seconds() * 1000), 100, 60000);
-    wait_ms = interval_ms;
-    if (rep.known()) continue;
-    spdlog::warn("coordinator {} does not know node {} (restarted or dropped it): registering again",
-                 coordinators.current(), reg.node_id());
-    if (auto st = Register(coordinators, fresh_registration(), 1); !st.ok())
-      spdlog::warn("registering again failed: {}; next try in {} ms", st.ToString(), interval_ms);
-  }
-}
 
 // A malformed --engine address is a usage error (exit 2), like any bad flag.
 bool adapter_usage_error(const absl::Status& st) {
@@ -421,14 +313,14 @@ int main(int argc, char** argv) {
     metrics_server = *std::move(ms);
   }
   spdlog::info("wsyncd {} ({}) serving on {} with transport {}", node_id, role, reg.address(), transport->name());
-  Coordinators coordinators(coordinator);
+  daemon::Coordinators coordinators(coordinator);
   if (!coordinators.dial_status().ok()) {
     spdlog::error("--coordinator {}: {}", coordinator, coordinators.dial_status().ToString());
     stop_trainers();
     served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
     return 2;
   }
-  if (auto st = Register(coordinators, reg, 200); !st.ok()) {
+  if (auto st = daemon::Register(coordinators, reg, 200); !st.ok()) {
     stop_trainers();
     if (absl::IsCancelled(st)) {
       spdlog::info("wsyncd {} stopped before it registered: {}", node_id, std::string(st.message()));
@@ -446,7 +338,7 @@ int main(int argc, char** argv) {
     std::rename(tmp.c_str(), port_file.c_str());
   }
   daemon::TargetNode* tn = target.get();
-  HoldLease(coordinators, reg, [&reg, tn] {
+  daemon::HoldLease(coordinators, reg, [&reg, tn] {
     v1::RegisterNodeRequest r = reg;
     if (tn != nullptr) {
       r.clear_engines();

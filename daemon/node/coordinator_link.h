@@ -1,0 +1,73 @@
+#pragma once
+// The node daemon's outbound calls to the coordinator: registration and the lease (heartbeats), over one or several
+// coordinator endpoints (high availability: whichever leads).
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "client/coordinator_client.h"
+#include "proto/tls.h"
+#include "spdlog/spdlog.h"
+#include "wsync/v1/coordinator.grpc.pb.h"
+
+namespace wsync::daemon {
+
+// The coordinators this daemon reports to (--coordinator A[,B...]). With several (high availability, one leader), a
+// call that gets Unavailable — the coordinator is down, or a standby answering "not the leader" — moves on to the
+// leader the standby named, else to the next one.
+class Coordinators {
+ public:
+  explicit Coordinators(const std::string& list) : endpoints_(client::SplitEndpoints(list)) {
+    if (endpoints_.empty()) endpoints_.push_back(list);
+    // mTLS from the --tls-* flags; without TLS only loopback coordinators may be dialled.
+    for (const auto& e : endpoints_) {
+      auto channel = tls::Dial(e);
+      if (!channel.ok()) {
+        if (dial_status_.ok()) dial_status_ = channel.status();
+        stubs_.push_back(nullptr);
+        continue;
+      }
+      stubs_.push_back(v1::Coordinator::NewStub(*std::move(channel)));
+    }
+  }
+  // Why a coordinator may not be dialled (then stub() is null for it).
+  const absl::Status& dial_status() const { return dial_status_; }
+  size_t size() const { return endpoints_.size(); }
+  const std::string& current() const { return endpoints_[i_]; }
+  v1::Coordinator::Stub* stub() { return stubs_[i_].get(); }
+  // After `why` from the current one: moves on (no-op with a single coordinator). True when it moved.
+  bool Next(const absl::Status& why) {
+    if (endpoints_.size() < 2) return false;
+    const size_t from = i_;
+    i_ = (i_ + 1) % endpoints_.size();
+    const std::string hint = client::LeaderHint(std::string(why.message()));
+    for (size_t k = 0; k < endpoints_.size(); ++k)
+      if (!hint.empty() && endpoints_[k] == hint && k != from) i_ = k;
+    spdlog::info("coordinator {} is not the leader or is down ({}); trying {}", endpoints_[from],
+                 std::string(why.message()).substr(0, 200), endpoints_[i_]);
+    return true;
+  }
+
+ private:
+  std::vector<std::string> endpoints_;
+  std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
+  absl::Status dial_status_;
+  size_t i_ = 0;
+};
+
+// Registers with the coordinator (the leader, when there are several), retrying (every 0.5 s, each attempt logged)
+// while it is not up yet. Returns Cancelled at once when SIGTERM/SIGINT arrives meanwhile.
+absl::Status Register(Coordinators& coordinators, const v1::RegisterNodeRequest& req, int attempts);
+
+// Holds this node's lease with the coordinator until SIGTERM/SIGINT: a heartbeat every interval (the coordinator
+// says how long); when the coordinator answers that it does not know the node (it restarted without its state or
+// dropped the node), registers again; while it is unreachable, logs once and keeps trying. With several
+// coordinators, an unreachable one or a standby sends the heartbeats on to the next (the new leader after a
+// fail-over), retried after 0.2 s instead of a whole interval.
+void HoldLease(Coordinators& coordinators, const v1::RegisterNodeRequest& reg,
+               const std::function<v1::RegisterNodeRequest()>& fresh_registration);
+
+}  // namespace wsync::daemon
