@@ -21,7 +21,8 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "client"))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
+# wsync_client comes installed (its wheel carries the generated gRPC stubs; the source tree has none), never from
+# client/python.
 # Skip only for what this machine cannot have: a CUDA device. With a GPU, a missing numpy/torch is a failure.
 if not os.path.exists("/dev/nvidia0") and not os.path.exists("/dev/nvidiactl"):
     print("SKIP: no CUDA device on this machine (/dev/nvidia0 absent)")
