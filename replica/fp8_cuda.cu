@@ -126,6 +126,28 @@ __device__ __forceinline__ float Element(const uint4& v, int j) {
   return HalfToFloat(h);
 }
 
+// The codes of a thread's vectors (rows r0, r0 + kRowsPerStep, ...), stored 4 or 8 bytes at a time.
+template <int kKind, int kSteps, int kRowsPerStep, bool kFinite>
+__device__ __forceinline__ void StoreCodes(const uint4 (&v)[kSteps], int64_t r0, int64_t rows, int64_t c, uint8_t* dst,
+                                           int64_t dst_stride, float scale, float recip) {
+  constexpr int kVec = kKind == 2 ? 4 : 8;
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+    const int64_t r = r0 + static_cast<int64_t>(i) * kRowsPerStep;
+    if (r >= rows) break;
+    uint32_t packed[kVec / 4] = {};
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      packed[j >> 2] |= static_cast<uint32_t>(Code(Element<kKind>(v[i], j), scale, recip, kFinite)) << ((j & 3) * 8);
+    uint8_t* out = dst + r * dst_stride + c;
+    if constexpr (kVec == 8) {
+      *reinterpret_cast<uint2*>(out) = make_uint2(packed[0], packed[1]);
+    } else {
+      *reinterpret_cast<uint32_t*>(out) = packed[0];
+    }
+  }
+}
+
 // One thread block of 256 threads per kBlock x kBlock quantization block. A block row is kPerRow threads, each
 // holding one 16-byte vector (8 bf16/f16 or 4 f32 elements) per row it covers; all of the block's data is loaded
 // once into registers (8 or 16 vectors per thread), reduced, and quantized from there — one read of the input, one
@@ -168,22 +190,12 @@ __global__ void __launch_bounds__(kVecThreads, kBlock == 128 ? 3 : 4)
   const float scale = BlockScale(amax, ue8m0);
   if (t == 0) scale_inv[static_cast<int64_t>(blockIdx.y) * scale_stride + blockIdx.x] = scale;
   if (!col_in) return;
-  const bool finite = scale < INFINITY;
   const float recip = Fp8Reciprocal(scale);
-#pragma unroll
-  for (int i = 0; i < kSteps; ++i) {
-    const int64_t r = r0 + static_cast<int64_t>(i) * kRowsPerStep;
-    if (r >= rows) break;
-    uint32_t packed[kVec / 4] = {};
-#pragma unroll
-    for (int j = 0; j < kVec; ++j)
-      packed[j >> 2] |= static_cast<uint32_t>(Code(Element<kKind>(v[i], j), scale, recip, finite)) << ((j & 3) * 8);
-    uint8_t* out = dst + r * dst_stride + c;
-    if constexpr (kVec == 8) {
-      *reinterpret_cast<uint2*>(out) = make_uint2(packed[0], packed[1]);
-    } else {
-      *reinterpret_cast<uint32_t*>(out) = packed[0];
-    }
+  // One block-uniform branch, not one per element: only a block whose amax is inf divides.
+  if (scale < INFINITY) {
+    StoreCodes<kKind, kSteps, kRowsPerStep, true>(v, r0, rows, c, dst, dst_stride, scale, recip);
+  } else {
+    StoreCodes<kKind, kSteps, kRowsPerStep, false>(v, r0, rows, c, dst, dst_stride, scale, recip);
   }
 }
 
