@@ -1,9 +1,10 @@
 // GPU twin of replica/fp8.cc. Per quantization block: max |x| over the block, the block's scale in IEEE float32
-// (correctly rounded division, no fast math), then every element's code with the same bit-level e4m3 conversion as
-// the CPU (FloatToE4m3 in fp8.h). The per-element x / scale is the correctly rounded quotient computed from the
-// block's reciprocal and one FMA correction (replica/fp8_quotient.h says why that equals the division) — the
-// division itself costs more than the memory traffic. Nothing here may be contracted or approximated: the output
-// must equal the CPU quantizer's byte for byte.
+// (correctly rounded division, no fast math), then every element's code. The per-element x / scale is the correctly
+// rounded quotient computed from the block's reciprocal and one FMA correction (replica/fp8_quotient.h says why that
+// equals the division) — the division itself costs more than the memory traffic. The e4m3 conversion is the CPU's
+// bit-level one (FloatToE4m3 in fp8.h), or on sm_89+ in the vectorized kernel the hardware's round-to-nearest-even
+// saturating conversion with NaN codes set as the CPU sets them (Code2). Nothing here may be contracted or
+// approximated: the output must equal the CPU quantizer's byte for byte (tests/cuda/fp8_cuda_test).
 //
 // Two kernels: QuantizeVecKernel for 128x128 and 64x64 blocks over 16-byte aligned rows (the production shapes),
 // which loads each block once into registers with 16-byte loads and stores 4 or 8 codes at a time; QuantizeKernel
