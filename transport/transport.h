@@ -40,6 +40,14 @@ class LocalRegion {
   virtual uint64_t length() const = 0;
   // Opaque bytes a peer passes to ImportRegion to write into this region.
   virtual std::string Descriptor() const = 0;
+  // Makes the writes that completed into this region visible in the memory it stands for. A no-op except for
+  // device memory a NIC backend writes through a host mirror (verbs without GPUDirect, see RegisterSink): there it
+  // copies the mirror to the device and returns when the copy finished. The receiving side calls it after the
+  // writes of an update completed and before the memory's owner reads them (the target: before the commit).
+  virtual absl::Status Settle() { return absl::OkStatus(); }
+  // How writes reach device memory registered with RegisterSink, for status and logs: "staging (tcp)",
+  // "gpudirect", "staging (no GPUDirect: <reason>)"; empty for host memory.
+  virtual std::string DevicePath() const { return {}; }
 };
 
 // A peer's registered region, imported from its descriptor. Immutable; shareable across endpoints.
@@ -87,6 +95,27 @@ class RegionSink {
   virtual absl::Status Flush() = 0;
   // For logs and errors ("engine E rank R segment S on cuda:0").
   virtual std::string Describe() const = 0;
+
+  // For a backend whose receiver is the NIC (verbs), which cannot stage write by write. Either the NIC writes the
+  // memory itself (GPUDirect RDMA): ExportDmabuf gives a dma-buf over the whole memory (the caller owns the fd and
+  // closes it once registered), or why the platform cannot (the driver has no dma-buf support, ...). Or writes land
+  // in a page-locked host mirror of the whole memory: HostMirror allocates it once, filled with the memory's current
+  // contents (a partial update leaves the rest as it was), and CopyMirror copies it to the memory, returning when
+  // the copy finished. Both default to Unimplemented (a sink that supports neither).
+  struct Dmabuf {
+    int fd = -1;
+    uint64_t offset = 0;  // of the memory inside the dma-buf
+    uint64_t iova = 0;    // the memory's device address: what remote writes target
+  };
+  virtual absl::StatusOr<Dmabuf> ExportDmabuf() {
+    return absl::UnimplementedError(absl::StrCat(Describe(), " cannot be exported as a dma-buf"));
+  }
+  virtual absl::StatusOr<uint8_t*> HostMirror() {
+    return absl::UnimplementedError(absl::StrCat(Describe(), " has no host mirror"));
+  }
+  virtual absl::Status CopyMirror() {
+    return absl::UnimplementedError(absl::StrCat(Describe(), " has no host mirror"));
+  }
 };
 
 // Checks a request against both regions' bounds. Every backend calls this in Post before anything is sent.
@@ -119,12 +148,14 @@ class Transport {
   virtual std::string reason() const = 0;
   // Registers [addr, addr+len). Costly: do it once at start-up. Registration time is logged by the backend.
   virtual absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) = 0;
-  // Registers memory written through `sink` (see RegionSink); the region's addr() is null. Unimplemented for a
-  // backend that cannot stage (verbs, mooncake: they write with the NIC, GPUDirect registration is not built).
+  // Registers memory written through `sink` (see RegionSink). tcp stages every write through the sink (addr() is
+  // null); verbs registers the device memory for GPUDirect RDMA when the platform allows, else a host mirror that
+  // Settle copies to the device, and says which in the region's DevicePath() and its log. Unimplemented for a
+  // backend that can do neither (mooncake).
   virtual absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSink(std::shared_ptr<RegionSink> sink) {
-    return absl::UnimplementedError(absl::StrCat("the ", name(), " transport cannot write into ", sink->Describe(),
-                                                 " (device memory is written through the tcp transport's staging "
-                                                 "path only; GPUDirect RDMA registration is not built)"));
+    return absl::UnimplementedError(
+        absl::StrCat("the ", name(), " transport cannot write into ", sink->Describe(),
+                     " (device memory is written through the tcp or verbs transports only)"));
   }
   // Parses a peer's region descriptor.
   virtual absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) = 0;

@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -553,6 +554,10 @@ absl::Status TargetNode::Attach(const std::shared_ptr<Conn>& c, const std::strin
       auto region = transport_->RegisterSink(cuda->sink());
       if (!region.ok()) return Annotate(region.status(), absl::StrCat("registering ", swho));
       seg->set_region_descriptor((*region)->Descriptor());
+      std::string path = (*region)->DevicePath();
+      if (path.empty()) path = absl::StrCat("staging (", transport_->name(), ")");
+      spdlog::info("{} on {}: writes reach it by {}", swho, cuda->device(), path);
+      r.cuda_paths.push_back(absl::StrCat("segment ", seg->id(), ": ", path));
       r.cuda.push_back(std::move(cuda));
       r.regions.push_back(*std::move(region));
       continue;
@@ -759,6 +764,15 @@ v1::NodeStatus TargetNode::Status() const {
                            endpoints_.size(), " source connections"));
   s.set_write_window(!window_enforced_ ? "not enforced" : (window_open_ ? "open" : "closed"));
   s.set_refused_writes(transport_->refused_writes());
+  bool all_direct = false;
+  for (const auto& [id, e] : engines_)
+    for (size_t i = 0; i < e->ranks.size(); ++i)
+      for (const std::string& p : e->ranks[i].cuda_paths) {
+        if (s.cuda_segments_size() == 0) all_direct = true;
+        all_direct = all_direct && absl::EndsWith(p, ": gpudirect");
+        s.add_cuda_segments(absl::StrCat("engine ", id, " rank ", i, " ", p));
+      }
+  s.set_gpu_direct(all_direct);
   return s;
 }
 
@@ -829,13 +843,22 @@ absl::Status TargetNode::PostProcess(const std::string& engine_id, const std::st
   EngineAdapter* a;
   Engine* e;
   std::vector<std::pair<int, std::shared_ptr<Conn>>> conns;
+  std::vector<std::pair<int, transport::LocalRegion*>> settle;
   {
     std::lock_guard<std::mutex> l(mu_);
     WSYNC_ASSIGN_OR_RETURN(e, Usable(engine_id));
     a = e->adapter.get();
-    for (int i = 0; i < e->num_ranks; ++i) conns.emplace_back(i, e->ranks[i].conn);
+    for (int i = 0; i < e->num_ranks; ++i) {
+      conns.emplace_back(i, e->ranks[i].conn);
+      if (!e->ranks[i].cuda.empty())
+        for (auto& region : e->ranks[i].regions) settle.emplace_back(i, region.get());
+    }
   }
   std::lock_guard<std::mutex> call(e->call_mu);
+  // Device memory a NIC wrote through a host mirror (verbs without GPUDirect) is copied to the GPU before the engine
+  // hears of the update; for every other region this does nothing.
+  for (auto& [rank, region] : settle)
+    WSYNC_RETURN_IF_ERROR_CTX(region->Settle(), "engine ", engine_id, " rank ", rank, ": settling version ", version);
   const std::string commit = Frame({{"type", "commit"}, {"version", version}});
   for (auto& [rank, c] : conns) {
     if (c == nullptr) continue;  // an engine with remote memory: no attach connection, the adapter does it all

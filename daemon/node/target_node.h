@@ -116,6 +116,7 @@ class TargetNode {
     std::vector<std::unique_ptr<MappedSegment>> memory;                // one per host segment
     std::vector<std::unique_ptr<CudaSegment>> cuda;                    // one per cuda segment
     std::vector<std::unique_ptr<transport::LocalRegion>> regions;      // one per segment, dropped before memory/cuda
+    std::vector<std::string> cuda_paths;  // per cuda segment: "segment S: how writes reach it" (NodeStatus)
     std::shared_ptr<Conn> conn;
   };
   struct Engine {

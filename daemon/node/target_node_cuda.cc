@@ -156,10 +156,80 @@ class StagingPool {
   std::deque<int> free_, in_flight_;  // in_flight_: submission order
 };
 
+// A driver API function through the runtime's entry-point query (the daemon does not link libcuda); null when the
+// driver does not offer it.
+void* DriverEntry(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess)
+    return nullptr;
+  return fn;
+}
+
 class CudaSink final : public transport::RegionSink {
  public:
   CudaSink(std::shared_ptr<StagingPool> pool, uint8_t* dst, uint64_t bytes, std::string who)
       : pool_(std::move(pool)), dst_(dst), bytes_(bytes), who_(std::move(who)) {}
+  ~CudaSink() override {
+    if (mirror_ != nullptr) {
+      cudaSetDevice(pool_->device());
+      cudaFreeHost(mirror_);
+    }
+  }
+
+  // GPUDirect RDMA: a dma-buf over the host-page-aligned range around the segment (cuMemGetHandleForAddressRange).
+  absl::StatusOr<Dmabuf> ExportDmabuf() override {
+    const int dev = pool_->device();
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(dev), who_);
+    using AttrFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
+    auto attr = reinterpret_cast<AttrFn>(DriverEntry("cuDeviceGetAttribute"));
+    int supported = 0;
+    if (attr == nullptr || attr(&supported, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, dev) != CUDA_SUCCESS ||
+        supported == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cuda:", dev, " reports no dma-buf support (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: the "
+                       "driver or kernel is too old, or the open kernel modules are not in use)"));
+    }
+    using Fn = CUresult (*)(void*, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long);
+    auto fn = reinterpret_cast<Fn>(DriverEntry("cuMemGetHandleForAddressRange"));
+    if (fn == nullptr)
+      return absl::FailedPreconditionError("the CUDA driver has no cuMemGetHandleForAddressRange (older than 11.7)");
+    const uint64_t page = 4096, start = reinterpret_cast<uint64_t>(dst_);
+    const uint64_t lo = start & ~(page - 1), hi = (start + bytes_ + page - 1) & ~(page - 1);
+    int fd = -1;
+    if (CUresult r = fn(&fd, lo, hi - lo, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0); r != CUDA_SUCCESS || fd < 0)
+      return absl::FailedPreconditionError(absl::StrCat("cuMemGetHandleForAddressRange(dma-buf, ", hi - lo,
+                                                        " bytes of ", who_, ") failed with CUresult ", r));
+    return Dmabuf{fd, start - lo, start};
+  }
+
+  // The staging alternative for a NIC writer: page-locked host memory as large as the segment, filled from it.
+  absl::StatusOr<uint8_t*> HostMirror() override {
+    std::lock_guard<std::mutex> l(mirror_mu_);
+    if (mirror_ != nullptr) return mirror_;
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(pool_->device()), who_);
+    void* p = nullptr;
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, bytes_, cudaHostAllocPortable),
+                               absl::StrCat("page-locked host mirror of ", bytes_, " bytes for ", who_));
+    if (absl::Status st = CudaError(cudaMemcpy(p, dst_, bytes_, cudaMemcpyDeviceToHost), "cudaMemcpy",
+                                    absl::StrCat("filling the host mirror of ", who_));
+        !st.ok()) {
+      cudaFreeHost(p);
+      return st;
+    }
+    mirror_ = static_cast<uint8_t*>(p);
+    return mirror_;
+  }
+
+  absl::Status CopyMirror() override {
+    std::lock_guard<std::mutex> l(mirror_mu_);
+    if (mirror_ == nullptr) return absl::FailedPreconditionError(absl::StrCat(who_, " has no host mirror"));
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(pool_->device()), who_);
+    return CudaError(cudaMemcpy(dst_, mirror_, bytes_, cudaMemcpyHostToDevice), "cudaMemcpy",
+                     absl::StrCat("H2D copy of the host mirror (", bytes_, " bytes) into ", who_));
+  }
+
   uint64_t length() const override { return bytes_; }
   uint64_t chunk_bytes() const override { return kChunkBytes; }
   absl::StatusOr<Staging> Acquire() override { return pool_->Acquire(who_); }
@@ -180,6 +250,8 @@ class CudaSink final : public transport::RegionSink {
   uint8_t* dst_;
   uint64_t bytes_;
   std::string who_;
+  std::mutex mirror_mu_;
+  uint8_t* mirror_ = nullptr;  // page-locked, only for a NIC writer without GPUDirect
 };
 
 class ImportedSegment final : public CudaSegment {
@@ -206,11 +278,8 @@ class ImportedSegment final : public CudaSegment {
 // runtime so the daemon does not link libcuda). 0 when the driver does not offer it.
 uint64_t AllocationBytes(void* base) {
   using Fn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q{};
-  if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-      q != cudaDriverEntryPointSuccess || fn == nullptr)
-    return 0;
+  void* fn = DriverEntry("cuMemGetAddressRange");
+  if (fn == nullptr) return 0;
   CUdeviceptr b = 0;
   size_t size = 0;
   if (reinterpret_cast<Fn>(fn)(&b, &size, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS) return 0;

@@ -5,9 +5,10 @@ Coordinator, a reference engine at TP 2, a target and a source wsyncd on 127.0.0
 tests/client/python_client_test.py, whose helpers this reuses); the trainer generates every tensor with the
 independent numpy port of the weight generator, moves it to the GPU and pushes the CUDA tensor (one asynchronous
 device-to-host copy into the ring each, page-locked once). After the commit the engine verifies bit-exactly
-(wsyncctl verify) with its own loader, and rejects the next step (so the check can fail). Then: a non-contiguous
-CUDA tensor is refused naming it; a second update pushes tensors still being produced on a side stream (their
-last write queued right before the push), verified again. Exit 0 pass, 1 fail, 77 no torch / no CUDA device.
+(wsyncctl verify) with its own loader, and rejects the next step (so the check can fail). Then: bad input (a tensor
+on the meta device, a dtype of another element size) is refused naming the tensor, nothing of it pushed; a second
+update pushes tensors still being produced on a side stream (their last write queued right before the push), one of
+them as a non-contiguous view the client gathers, verified again. Exit 0 pass, 1 fail, 77 no torch / no CUDA device.
 """
 
 import argparse
@@ -21,7 +22,8 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "client"))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
+# wsync_client comes installed (its wheel carries the generated gRPC stubs; the source tree has none), never from
+# client/python.
 # Skip only for what this machine cannot have: a CUDA device. With a GPU, a missing numpy/torch is a failure.
 if not os.path.exists("/dev/nvidia0") and not os.path.exists("/dev/nvidiactl"):
     print("SKIP: no CUDA device on this machine (/dev/nvidia0 absent)")
@@ -104,17 +106,22 @@ def run(args, cluster, deadline):
         verify(version, True)
         verify(version + 1, False)
 
-        # Bad input: a non-contiguous CUDA tensor is refused before anything is written, naming it.
+        # Bad input is refused naming the tensor, before anything of it is written: a tensor on a device the client
+        # cannot copy from, and a dtype whose element size is not the tensor's.
         version = 2
         coord.begin_update(version)
         names = trainer.begin_push(version)
         two_d = [n for n in names if len(specs[n]) == 2 and specs[n][0] != specs[n][1]][0]
-        bad = to_cuda(pct.generate_bf16(two_d, version, tuple(reversed(specs[two_d])))).t()
-        try:
-            trainer.push(two_d, bad)
-            check(False, "a non-contiguous CUDA tensor is refused")
-        except WsyncError as e:
-            check(e.code == 3 and two_d in e.message and "contiguous" in e.message, "refused: %s" % e)
+        before = trainer.stats()["tensors"]
+        for bad, dtype, why in ((torch.empty(specs[two_d], dtype=torch.bfloat16, device="meta"), None, "is on meta"),
+                                (torch.zeros(specs[two_d], dtype=torch.bfloat16, device="cuda"), "float32",
+                                 "4-byte elements")):
+            try:
+                trainer.push(two_d, bad, dtype=dtype)
+                check(False, "a tensor %s is refused" % why)
+            except WsyncError as e:
+                check(e.code == 3 and two_d in e.message and why in e.message, "refused: %s" % e)
+        check(trainer.stats()["tensors"] == before, "nothing of a refused tensor was pushed")
 
         # Tensors still being produced: each one's bytes are written on a side stream right before its push (from a
         # zeroed tensor), so a copy not ordered after the producer's stream would read zeros.
@@ -127,6 +134,11 @@ def run(args, cluster, deadline):
             with torch.cuda.stream(side):
                 torch.cuda._sleep(200000)  # ~0.1 ms of GPU time ahead of the write
                 dst.copy_(src)
+                if name == two_d:
+                    # A non-contiguous CUDA tensor (column-major, the same values): the client gathers it into the
+                    # ring slot (client/python/README.md); the engine's check below sees the row-major bytes.
+                    dst = dst.t().contiguous().t()
+                    check(not dst.is_contiguous(), "tensor %s pushed as a non-contiguous view" % name)
                 trainer.push(name, dst)  # ordered after `side`, the current stream here
             keep.append((src, dst))
         trainer.end_push(version)

@@ -4,14 +4,17 @@
 // chunks and asynchronous host-to-device copies — then PostProcess sends the rank its commit, and the engine checks
 // both segments on the GPU against its own numpy expectation (parameters bit-exact, the gaps between them still
 // zero). Two versions, the second after the first, so stale bytes would show. Then the handles of an engine
-// process that has exited are refused naming the engine rank and segment. Exit 0 pass, 1 fail, 77 no GPU / no
-// python3 with CUDA torch.
+// process that has exited are refused naming the engine rank and segment. The target's status names each cuda
+// segment's write path. Last, the device half of the verbs paths (host mirror settle, dma-buf export; CheckNicPaths).
+// Exit 0 pass, 1 fail, 77 no GPU / no python3 with CUDA torch.
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <cuda_runtime.h>
 
 #include <chrono>
 #include <cstdio>
@@ -29,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/fd_passing.h"
 #include "daemon/node/target_node.h"
+#include "daemon/node/target_node_cuda.h"
 #include "tests/cuda/cuda_check.h"
 #include "transport/transport.h"
 
@@ -103,6 +107,64 @@ std::vector<Json> ReadResults(const std::string& path) {
   return out;
 }
 
+// The device half of the verbs paths into cuda memory, which the H200 (no RDMA device) can still run: the host
+// mirror a NIC writes without GPUDirect starts as the device's bytes and lands on the device when settled, leaving
+// bytes no write touched as they were; and whether the driver exports the memory as a dma-buf (GPUDirect's
+// prerequisite) is reported, with the reason when it does not.
+void CheckNicPaths() {
+  constexpr uint64_t kBytes = (64ull << 20) + 4096 + 123;  // not page-sized: the export rounds to pages
+  uint8_t* dev = nullptr;
+  if (cudaMalloc(&dev, kBytes + 8192) != cudaSuccess) {
+    CHECK(false, "cudaMalloc for the mirror check");
+    return;
+  }
+  uint8_t* seg = dev + 777;  // a segment that starts inside an allocation, off page alignment
+  std::vector<uint8_t> before(kBytes), after(kBytes);
+  Fill(before.data(), kBytes, 7, 0);
+  cudaMemcpy(seg, before.data(), kBytes, cudaMemcpyHostToDevice);
+  auto sink = daemon::MakeCudaSink(seg, kBytes, 0, "mirror check on cuda:0");
+  CHECK(sink.ok(), "staging sink: %s", sink.status().ToString().c_str());
+  if (!sink.ok()) return;
+  auto mirror = (*sink)->HostMirror();
+  CHECK(mirror.ok(), "host mirror: %s", mirror.status().ToString().c_str());
+  if (mirror.ok()) {
+    CHECK(std::memcmp(*mirror, before.data(), kBytes) == 0, "the host mirror starts as the device's bytes");
+    // A "NIC" writes two ranges into the mirror; the device must not change before the settle, and after it must
+    // hold exactly them with every other byte as before.
+    std::vector<uint8_t> expect = before;
+    Fill(expect.data() + 100, 1 << 20, 8, 1);
+    Fill(expect.data() + kBytes - 5000, 5000, 8, 2);
+    std::memcpy(*mirror + 100, expect.data() + 100, 1 << 20);
+    std::memcpy(*mirror + kBytes - 5000, expect.data() + kBytes - 5000, 5000);
+    cudaMemcpy(after.data(), seg, kBytes, cudaMemcpyDeviceToHost);
+    CHECK(std::memcmp(after.data(), before.data(), kBytes) == 0, "the device is untouched until the settle");
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status c = (*sink)->CopyMirror();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CHECK(c.ok(), "copy of the mirror: %s", c.ToString().c_str());
+    cudaMemcpy(after.data(), seg, kBytes, cudaMemcpyDeviceToHost);
+    CHECK(std::memcmp(after.data(), expect.data(), kBytes) == 0, "after the settle the device holds the mirror");
+    std::printf("host mirror: %.1f MiB settled to the device in %.4f s (%.2f GB/s)\n", kBytes / 1048576.0, s,
+                kBytes / s / 1e9);
+  }
+  auto buf = (*sink)->ExportDmabuf();
+  if (buf.ok()) {
+    CHECK(buf->fd >= 0 && buf->iova == reinterpret_cast<uint64_t>(seg) && buf->offset == reinterpret_cast<uint64_t>(seg) % 4096,
+          "dma-buf export: fd %d, offset %llu, iova matches the segment", buf->fd,
+          static_cast<unsigned long long>(buf->offset));
+    std::printf("GPUDirect prerequisite: the driver exports the segment as a dma-buf (fd %d, offset %llu)\n",
+                buf->fd, static_cast<unsigned long long>(buf->offset));
+    close(buf->fd);
+  } else {
+    CHECK(buf.status().code() == absl::StatusCode::kFailedPrecondition && !buf.status().message().empty(),
+          "a refused dma-buf export says why: %s", buf.status().ToString().c_str());
+    std::printf("GPUDirect prerequisite missing here (verbs would use the host mirror): %s\n",
+                std::string(buf.status().message()).c_str());
+  }
+  sink->reset();
+  cudaFree(dev);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -154,6 +216,17 @@ int main(int argc, char** argv) {
   const v1::RankLayout& layout = regs[0].ranks(0);
   CHECK(layout.segments_size() == 2 && layout.segments(0).kind() == "cuda" && layout.segments(1).kind() == "cuda",
         "two cuda segments");
+
+  // The target says how writes reach each cuda segment: over tcp, through its staging chunks (never GPUDirect).
+  {
+    const v1::NodeStatus st = node->Status();
+    CHECK(st.cuda_segments_size() == 2 && !st.gpu_direct(), "two cuda segments in the status, not GPUDirect");
+    for (const auto& p : st.cuda_segments()) {
+      CHECK(p.find("engine cudaeng rank 0 segment ") == 0 && p.find(": staging (tcp)") != std::string::npos,
+            "status of a cuda segment names it and its path: %s", p.c_str());
+      std::printf("status: %s\n", p.c_str());
+    }
+  }
 
   // The source: all parameters of a version in one host buffer, written with one batch per version.
   uint64_t total = 0;
@@ -244,6 +317,8 @@ int main(int argc, char** argv) {
   CHECK(!dead.ok() && refused.value("ok", true) == false && err.find("deadeng rank 0 segment") != std::string::npos,
         "the handles of an exited process are refused naming the rank and segment: %s", refused.dump().c_str());
   std::printf("dead engine: %s\n", err.c_str());
+
+  CheckNicPaths();
 
   node.reset();
   if (engine > 0) {

@@ -8,6 +8,14 @@ mkdir -p "$out"
 export LD_LIBRARY_PATH="$root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONUNBUFFERED=1
 cd "$root"
+# The Python client and its pinned requirements, as make_bundle.sh shipped them: installed offline into a private
+# folder that shadows the machine's own grpcio/protobuf (the generated stubs need at least the pinned versions).
+if ls wheels/*.whl >/dev/null 2>&1; then
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" wheels/*.whl \
+    >"$out/pip.log" 2>&1 || { echo "pip install of the bundle's wheels failed:"; cat "$out/pip.log"; exit 1; }
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
 python3 -c 'import torch, numpy; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())' \
   >>"$out/gpu.txt" 2>&1

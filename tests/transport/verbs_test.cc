@@ -369,3 +369,76 @@ TEST_CASE("verbs: descriptors and connection info are plain bytes that work acro
   close(to_child[1]);
   close(to_parent[0]);
 }
+
+namespace {
+
+// Device memory stand-in for RegisterSink: "device" bytes in host memory the NIC must not write directly. It has no
+// dma-buf, so verbs takes the host-mirror path; CopyMirror is the "H2D copy". Staging by chunks is tcp's path and
+// must not be used by verbs.
+class FakeDeviceSink final : public wsync::transport::RegionSink {
+ public:
+  explicit FakeDeviceSink(std::vector<uint8_t>* device) : device_(device) {}
+  uint64_t length() const override { return device_->size(); }
+  uint64_t chunk_bytes() const override { return 1 << 20; }
+  absl::StatusOr<Staging> Acquire() override { return absl::InternalError("verbs must not stage by chunks"); }
+  absl::Status Submit(const Staging&, uint64_t, uint64_t) override {
+    return absl::InternalError("verbs must not stage by chunks");
+  }
+  void Cancel(const Staging&) override {}
+  absl::Status Flush() override { return absl::OkStatus(); }
+  std::string Describe() const override { return "fake device memory"; }
+  absl::StatusOr<Dmabuf> ExportDmabuf() override {
+    return absl::FailedPreconditionError("the fake device has no dma-buf");
+  }
+  absl::StatusOr<uint8_t*> HostMirror() override {
+    if (mirror_.empty()) mirror_ = *device_;  // starts as the device's bytes
+    return mirror_.data();
+  }
+  absl::Status CopyMirror() override {
+    ++copies;
+    std::memcpy(device_->data(), mirror_.data(), mirror_.size());
+    return absl::OkStatus();
+  }
+  int copies = 0;
+
+ private:
+  std::vector<uint8_t>* device_;
+  std::vector<uint8_t> mirror_;
+};
+
+}  // namespace
+
+TEST_CASE("verbs: device memory without GPUDirect is written through a host mirror and lands when settled",
+          "[verbs]") {
+  auto a = MakeVerbs({});
+  auto b = MakeVerbs({});
+  constexpr uint64_t kLen = (3 << 20) + 77;
+  Mem src = Register(*a, kLen, 5);
+  std::vector<uint8_t> device(kLen);
+  for (uint64_t i = 0; i < kLen; ++i) device[i] = Pattern(9, i);
+  const std::vector<uint8_t> before = device;
+  auto sink = std::make_shared<FakeDeviceSink>(&device);
+  auto region = b->RegisterSink(sink);
+  INFO(region.status().ToString());
+  REQUIRE(region.ok());
+  const std::string path = (*region)->DevicePath();
+  INFO(path);
+  CHECK(absl::StartsWith(path, "staging (no GPUDirect: "));
+  // The reason is the first missing piece: this rdma-core's symbol, else the sink's own refusal.
+  CHECK((absl::StrContains(path, "the fake device has no dma-buf") || absl::StrContains(path, "ibv_reg_dmabuf_mr")));
+
+  auto remote = Import(*a, **region);
+  Link link = Connect(*a, *b);
+  WriteRequest w1{src.region.get(), 0, remote.get(), 4096, 1 << 20};
+  WriteRequest w2{src.region.get(), 2 << 20, remote.get(), kLen - 1000, 1000};
+  RequireOk(link.src->Write({&w1, 1}, kTimeout));
+  RequireOk(link.src->Write({&w2, 1}, kTimeout));
+  CHECK(device == before);  // nothing reaches the device before the settle
+  CHECK(sink->copies == 0);
+  RequireOk((*region)->Settle());
+  CHECK(sink->copies == 1);
+  std::vector<uint8_t> want = before;
+  std::memcpy(want.data() + 4096, src.bytes.data(), 1 << 20);
+  std::memcpy(want.data() + kLen - 1000, src.bytes.data() + (2 << 20), 1000);
+  CHECK(device == want);  // the written ranges, every other byte as it was
+}

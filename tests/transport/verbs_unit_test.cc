@@ -7,6 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "transport/transport.h"
+#include "transport/verbs/ibv_api.h"
 #include "transport/verbs/verbs_transport.h"
 #include "transport/verbs/verbs_wire.h"
 
@@ -122,4 +123,56 @@ TEST_CASE("malformed verbs settings are configuration errors", "[verbs_unit]") {
   VerbsOptions vo;
   vo.retry_cnt = 9;
   CHECK(CreateVerbsTransport(TransportOptions{}, vo).status().code() == absl::StatusCode::kInvalidArgument);
+}
+
+// GPUDirect RDMA into device memory needs three things; each one missing chooses the host mirror and says why
+// (the choice RegisterSink logs and the target reports per cuda segment). A fake libibverbs table stands in for the
+// library: only whether it has ibv_reg_dmabuf_mr matters.
+namespace {
+ibv_mr* FakeRegDmabufMr(ibv_pd*, uint64_t, size_t, uint64_t, int, int) { return nullptr; }
+}  // namespace
+
+TEST_CASE("verbs: GPUDirect is chosen only with ibv_reg_dmabuf_mr, a dma-buf and no opt-out", "[verbs_unit]") {
+  using wsync::transport::verbs::ChooseGpuDirect;
+  using wsync::transport::verbs::GpuDirectAllowed;
+  using wsync::transport::verbs::IbvApi;
+  IbvApi with, without;
+  with.reg_dmabuf_mr = &FakeRegDmabufMr;
+  const absl::Status exported = absl::OkStatus();
+  const absl::Status no_dmabuf = absl::FailedPreconditionError("cuda:0 reports no dma-buf support");
+
+  auto c = ChooseGpuDirect(with, exported, nullptr);
+  CHECK(c.gpu_direct);
+  CHECK(c.reason.empty());
+  CHECK(ChooseGpuDirect(with, exported, "1").gpu_direct);
+
+  c = ChooseGpuDirect(without, exported, nullptr);
+  CHECK_FALSE(c.gpu_direct);
+  CHECK(absl::StrContains(c.reason, "has no ibv_reg_dmabuf_mr"));
+
+  c = ChooseGpuDirect(with, no_dmabuf, nullptr);
+  CHECK_FALSE(c.gpu_direct);
+  CHECK(absl::StrContains(c.reason, "no dma-buf for the memory: cuda:0 reports no dma-buf support"));
+
+  c = ChooseGpuDirect(with, exported, "0");
+  CHECK_FALSE(c.gpu_direct);
+  CHECK(absl::StrContains(c.reason, "WSYNC_VERBS_GPUDIRECT=0"));
+  CHECK_FALSE(GpuDirectAllowed("0"));
+  CHECK(GpuDirectAllowed(nullptr));
+  CHECK(GpuDirectAllowed(""));
+
+  // The opt-out wins over everything, then the library, then the driver: the first missing piece is the reason.
+  CHECK(absl::StrContains(ChooseGpuDirect(without, no_dmabuf, "0").reason, "WSYNC_VERBS_GPUDIRECT=0"));
+  CHECK(absl::StrContains(ChooseGpuDirect(without, no_dmabuf, nullptr).reason, "ibv_reg_dmabuf_mr"));
+}
+
+TEST_CASE("verbs: device memory cannot be registered on a transport without devices", "[verbs_unit]") {
+  // No RDMA device here (or one present: then the case checks nothing of the no-device path). The sink is never
+  // touched: the transport refuses first.
+  auto t = CreateVerbsTransport(TransportOptions{}, VerbsOptions{});
+  REQUIRE(t.ok());
+  if ((*t)->viable()) return;
+  auto r = (*t)->RegisterSink(nullptr);
+  CHECK(r.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(r.status().message(), "not viable"));
 }

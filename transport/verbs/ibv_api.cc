@@ -60,6 +60,8 @@ void LoadOnce() {
   Resolve(lib, "ibv_query_qp", api.query_qp, missing);
   Resolve(lib, "ibv_port_state_str", api.port_state_str, missing);
   Resolve(lib, "ibv_wc_status_str", api.wc_status_str, missing);
+  std::string optional_missing;  // reg_dmabuf_mr stays null: device memory then goes through a host mirror
+  Resolve(lib, "ibv_reg_dmabuf_mr", api.reg_dmabuf_mr, optional_missing);
   if (!missing.empty()) {
     // An rdma-core too old for this build (e.g. no _ibv_query_gid_ex before v32): refuse rather than crash later.
     g_status = absl::FailedPreconditionError(

@@ -27,6 +27,8 @@ struct IbvApi {
   decltype(&::ibv_dealloc_pd) dealloc_pd = nullptr;
   decltype(&::ibv_reg_mr) reg_mr = nullptr;  // the exported symbol behind the ibv_reg_mr macro
   decltype(&::ibv_dereg_mr) dereg_mr = nullptr;
+  // Optional (rdma-core v34+): null when the library lacks it. Registers a dma-buf (GPUDirect RDMA into GPU memory).
+  decltype(&::ibv_reg_dmabuf_mr) reg_dmabuf_mr = nullptr;
   decltype(&::ibv_create_cq) create_cq = nullptr;
   decltype(&::ibv_destroy_cq) destroy_cq = nullptr;
   decltype(&::ibv_create_qp) create_qp = nullptr;

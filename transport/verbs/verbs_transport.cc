@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <utility>
 
@@ -15,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "base/fd_passing.h"
 #include "base/status.h"
 #include "spdlog/spdlog.h"
 #include "transport/verbs/verbs_internal.h"
@@ -35,7 +37,36 @@ std::string VerbsLocalRegion::Descriptor() const {
   return EncodeRegionDesc(d);
 }
 
+bool GpuDirectAllowed(const char* env) { return env == nullptr || std::string(env) != "0"; }
+
+GpuDirectChoice ChooseGpuDirect(const IbvApi& api, const absl::Status& dmabuf, const char* env) {
+  if (!GpuDirectAllowed(env)) return {false, "disabled by WSYNC_VERBS_GPUDIRECT=0"};
+  if (api.reg_dmabuf_mr == nullptr)
+    return {false, absl::StrCat(IbvLibraryName(), " has no ibv_reg_dmabuf_mr (rdma-core older than v34)")};
+  if (!dmabuf.ok()) return {false, absl::StrCat("no dma-buf for the memory: ", dmabuf.message())};
+  return {true, ""};
+}
+
 namespace {
+
+// Device memory registered through RegisterSink: the verbs region (of the device memory itself, or of the sink's
+// host mirror) plus how writes reach the device. The sink outlives the region's MRs (member order).
+class SinkRegion final : public LocalRegion {
+ public:
+  SinkRegion(std::shared_ptr<RegionSink> sink, std::unique_ptr<LocalRegion> region, std::string path, bool mirror)
+      : sink_(std::move(sink)), region_(std::move(region)), path_(std::move(path)), mirror_(mirror) {}
+  void* addr() const override { return region_->addr(); }
+  uint64_t length() const override { return region_->length(); }
+  std::string Descriptor() const override { return region_->Descriptor(); }
+  absl::Status Settle() override { return mirror_ ? sink_->CopyMirror() : absl::OkStatus(); }
+  std::string DevicePath() const override { return path_; }
+
+ private:
+  std::shared_ptr<RegionSink> sink_;
+  std::unique_ptr<LocalRegion> region_;
+  std::string path_;
+  bool mirror_;
+};
 
 // Reads an unsigned WSYNC_VERBS_* variable into *out when `current` is unset (0); InvalidArgument if unparsable.
 template <typename T>
@@ -124,45 +155,43 @@ class VerbsTransport final : public Transport {
   absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
     WSYNC_RETURN_IF_ERROR(CheckViable());
     if (addr == nullptr && len > 0) return absl::InvalidArgumentError("verbs: RegisterMemory of a null address");
-    uint64_t chunk = UINT64_MAX;
-    for (const auto& d : devices_->devices) chunk = std::min(chunk, d->max_mr_size);
-    if (cfg_.max_mr_chunk > 0) chunk = std::min(chunk, cfg_.max_mr_chunk);
-    chunk = std::max<uint64_t>(1, std::min(chunk, len));  // one MR covers a region within the limit
-    uint64_t nchunks = len == 0 ? 0 : (len - 1) / chunk + 1;
-    if (nchunks > (uint64_t{1} << 24)) {
-      return absl::InvalidArgumentError(absl::StrCat("verbs: registering ", len, " bytes in ", chunk,
-                                                     "-byte chunks needs too many MRs (", nchunks, ")"));
-    }
-    absl::Time start = absl::Now();
-    std::vector<MrPtr> mrs;
-    mrs.reserve(nchunks * devices_->devices.size());
-    constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
-    for (const auto& d : devices_->devices) {
-      for (uint64_t c = 0; c < nchunks; ++c) {
-        uint64_t off = c * chunk;
-        uint64_t n = std::min(chunk, len - off);
-        MrPtr mr(Ibv().reg_mr(d->pd.get(), static_cast<char*>(addr) + off, n, kAccess));
-        if (!mr) {
-          int err = errno;
-          // Already registered chunks are released by `mrs`.
-          return absl::ResourceExhaustedError(absl::StrCat(
-              "verbs: ibv_reg_mr on ", d->name, " of chunk ", c, " (", n, " bytes at offset ", off, " of ", len,
-              ") failed: ", std::strerror(err), err == ENOMEM ? " (check the locked-memory limit, ulimit -l)" : ""));
-        }
-        mrs.push_back(std::move(mr));
+    return Register(addr, len, "ibv_reg_mr", PreferredDevices(*devices_, addr),
+                    [&](ibv_pd* pd, uint64_t off, uint64_t n) {
+                      return Ibv().reg_mr(pd, static_cast<char*>(addr) + off, n, kAccess);
+                    });
+  }
+
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSink(std::shared_ptr<RegionSink> sink) override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    if (sink == nullptr) return absl::InvalidArgumentError("verbs: RegisterSink of a null sink");
+    const uint64_t len = sink->length();
+    const char* env = std::getenv("WSYNC_VERBS_GPUDIRECT");
+    const bool have = Ibv().reg_dmabuf_mr != nullptr;
+    absl::StatusOr<RegionSink::Dmabuf> buf = absl::CancelledError("not tried");
+    if (have && GpuDirectAllowed(env)) buf = sink->ExportDmabuf();
+    GpuDirectChoice choice = ChooseGpuDirect(Ibv(), buf.status(), env);
+    if (choice.gpu_direct) {
+      ScopedFd fd(buf->fd);  // the MRs keep their own reference to the dma-buf
+      const RegionSink::Dmabuf d = *buf;
+      auto region = Register(reinterpret_cast<void*>(d.iova), len, "ibv_reg_dmabuf_mr", {0},
+                             [&](ibv_pd* pd, uint64_t off, uint64_t n) {
+                               return Ibv().reg_dmabuf_mr(pd, d.offset + off, n, d.iova + off, fd.get(), kAccess);
+                             });
+      if (region.ok()) {
+        spdlog::info("verbs: {} registered for GPUDirect RDMA (dma-buf, {} bytes): the NIC writes the device memory",
+                     sink->Describe(), len);
+        return std::unique_ptr<LocalRegion>(
+            std::make_unique<SinkRegion>(std::move(sink), *std::move(region), "gpudirect", false));
       }
+      choice = {false, std::string(region.status().message())};
     }
-    std::vector<int> preferred = PreferredDevices(*devices_, addr);
-    double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
-    std::vector<std::string> pref_names;
-    for (int i : preferred) pref_names.push_back(devices_->devices[i]->name);
-    spdlog::info(
-        "verbs: registered {} bytes at {} as {} MR(s) of up to {} bytes on {} device(s) in {:.3f} ms "
-        "({:.2f} GB/s); writes from it use [{}]",
-        len, addr, mrs.size(), chunk, devices_->devices.size(), ms, ms > 0 ? len / ms / 1e6 : 0.0,
-        absl::StrJoin(pref_names, ","));
-    return std::unique_ptr<LocalRegion>(
-        std::make_unique<VerbsLocalRegion>(devices_, id_, addr, len, chunk, std::move(mrs), std::move(preferred)));
+    spdlog::warn("verbs: {} is written through a page-locked host mirror and copied to the device when an update is "
+                 "committed (no GPUDirect RDMA: {})",
+                 sink->Describe(), choice.reason);
+    WSYNC_ASSIGN_OR_RETURN(uint8_t* mirror, sink->HostMirror());
+    WSYNC_ASSIGN_OR_RETURN(auto region, RegisterMemory(mirror, len));
+    return std::unique_ptr<LocalRegion>(std::make_unique<SinkRegion>(
+        std::move(sink), std::move(region), absl::StrCat("staging (no GPUDirect: ", choice.reason, ")"), true));
   }
 
   absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) override {
@@ -177,6 +206,51 @@ class VerbsTransport final : public Transport {
   }
 
  private:
+  static constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+
+  // Registers [0, len) on every device in chunks of at most the devices' max_mr_size, `reg` making one MR.
+  absl::StatusOr<std::unique_ptr<LocalRegion>> Register(
+      void* addr, uint64_t len, const char* call, std::vector<int> preferred,
+      const std::function<ibv_mr*(ibv_pd*, uint64_t, uint64_t)>& reg) {
+    uint64_t chunk = UINT64_MAX;
+    for (const auto& d : devices_->devices) chunk = std::min(chunk, d->max_mr_size);
+    if (cfg_.max_mr_chunk > 0) chunk = std::min(chunk, cfg_.max_mr_chunk);
+    chunk = std::max<uint64_t>(1, std::min(chunk, len));  // one MR covers a region within the limit
+    uint64_t nchunks = len == 0 ? 0 : (len - 1) / chunk + 1;
+    if (nchunks > (uint64_t{1} << 24)) {
+      return absl::InvalidArgumentError(absl::StrCat("verbs: registering ", len, " bytes in ", chunk,
+                                                     "-byte chunks needs too many MRs (", nchunks, ")"));
+    }
+    absl::Time start = absl::Now();
+    std::vector<MrPtr> mrs;
+    mrs.reserve(nchunks * devices_->devices.size());
+    for (const auto& d : devices_->devices) {
+      for (uint64_t c = 0; c < nchunks; ++c) {
+        uint64_t off = c * chunk;
+        uint64_t n = std::min(chunk, len - off);
+        MrPtr mr(reg(d->pd.get(), off, n));
+        if (!mr) {
+          int err = errno;
+          // Already registered chunks are released by `mrs`.
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "verbs: ", call, " on ", d->name, " of chunk ", c, " (", n, " bytes at offset ", off, " of ", len,
+              ") failed: ", std::strerror(err), err == ENOMEM ? " (check the locked-memory limit, ulimit -l)" : ""));
+        }
+        mrs.push_back(std::move(mr));
+      }
+    }
+    double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+    std::vector<std::string> pref_names;
+    for (int i : preferred) pref_names.push_back(devices_->devices[i]->name);
+    spdlog::info(
+        "verbs: registered {} bytes at {} as {} MR(s) of up to {} bytes on {} device(s) in {:.3f} ms "
+        "({:.2f} GB/s); writes from it use [{}]",
+        len, addr, mrs.size(), chunk, devices_->devices.size(), ms, ms > 0 ? len / ms / 1e6 : 0.0,
+        absl::StrJoin(pref_names, ","));
+    return std::unique_ptr<LocalRegion>(
+        std::make_unique<VerbsLocalRegion>(devices_, id_, addr, len, chunk, std::move(mrs), std::move(preferred)));
+  }
+
   absl::Status CheckViable() const {
     if (viable()) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat("verbs transport not viable: ", reason_));

@@ -33,6 +33,8 @@
 
 namespace wsync::transport::verbs {
 
+struct IbvApi;  // transport/verbs/ibv_api.h
+
 // Tuning knobs. Zero / negative = take the environment variable named beside it, else the default.
 struct VerbsOptions {
   uint64_t max_mr_chunk = 0;  // WSYNC_VERBS_MAX_MR_SIZE: cap on one MR's size (bytes); default device max_mr_size
@@ -71,6 +73,20 @@ struct VerbsEndpointStats {
   uint64_t send_queue_full_waits = 0;  // times Post had to poll for completions before posting more
 };
 std::optional<VerbsEndpointStats> GetVerbsEndpointStats(const Endpoint& endpoint);
+
+// How RegisterSink writes device memory (docs/operations.md, "GPUDirect RDMA"). GPUDirect RDMA — the NIC writes the
+// GPU memory itself — needs rdma-core's ibv_reg_dmabuf_mr (in `api`), a dma-buf over the memory from its
+// driver (`dmabuf`: the sink's ExportDmabuf status), and WSYNC_VERBS_GPUDIRECT not set to 0 (`env`, may be null).
+// `api` is the loaded libibverbs table (tests pass a fake one).
+// Anything missing chooses the host mirror (writes land in page-locked host memory, copied to the device when the
+// target settles the update), with the reason; a later failure of ibv_reg_dmabuf_mr itself falls back the same way.
+struct GpuDirectChoice {
+  bool gpu_direct = false;
+  std::string reason;  // why not, when !gpu_direct
+};
+GpuDirectChoice ChooseGpuDirect(const IbvApi& api, const absl::Status& dmabuf, const char* env);
+// Whether WSYNC_VERBS_GPUDIRECT (value `env`, may be null) lets RegisterSink try GPUDirect at all.
+bool GpuDirectAllowed(const char* env);
 
 // The devices a verbs transport opened, in order (empty for another backend or a transport that is not viable).
 std::vector<std::string> GetVerbsTransportDevices(const Transport& transport);
