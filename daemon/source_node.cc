@@ -389,7 +389,7 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   uint64_t total = 0;
   for (int l = 0; l < num_layouts; ++l) {
     const uint64_t n = std::max<uint64_t>(replica->table(l).total_bytes(), 1);
-    WSYNC_ASSIGN_OR_RETURN(auto region, transport_->RegisterMemory(replica->data(l), n));
+    WSYNC_ASSIGN_OR_RETURN(auto region, transport_->RegisterSourceMemory(replica->data(l), n));
     regions.push_back(std::move(region));
     total += replica->table(l).total_bytes();
   }
