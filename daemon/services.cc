@@ -40,10 +40,21 @@ grpc::Status NodeDaemonService::NeedTarget() const {
 
 // Role check first (before any validation or state access): PERMISSION_DENIED for a caller whose certificate's role
 // is not allowed (docs/security.md, "Roles"). No check on an insecure (loopback development) server.
+// Then the request's size against the RPC's limit (serve.h, MaxRequestBytes): RESOURCE_EXHAUSTED before anything
+// is looked at or stored.
 #define WSYNC_AUTHORIZE(rpc, ...)                                                  \
   do {                                                                            \
     grpc::Status a_ = tls::Authorize(ctx, rpc, __VA_ARGS__);                      \
     if (!a_.ok()) return a_;                                                      \
+    a_ = CheckRequestSize(rpc, *req);                                             \
+    if (!a_.ok()) return a_;                                                      \
+  } while (0)
+
+// The trainer ranks' RPCs (Unix socket, authorized by their session id): the size check only.
+#define WSYNC_LIMIT(rpc)                            \
+  do {                                              \
+    grpc::Status l_ = CheckRequestSize(rpc, *req);  \
+    if (!l_.ok()) return l_;                        \
   } while (0)
 
 #define WSYNC_NEED(role)                    \
@@ -54,6 +65,7 @@ grpc::Status NodeDaemonService::NeedTarget() const {
 
 grpc::Status TrainerIngestService::BeginPush(grpc::ServerContext* ctx, const v1::BeginPushRequest* req,
                                              v1::BeginPushReply* out) {
+  WSYNC_LIMIT("BeginPush");
   // Answer "no update is open" a little before the caller's own deadline passes.
   if (ctx->deadline() == std::chrono::system_clock::time_point::max()) return Reply(source_->BeginPush(*req), out);
   const absl::Duration left = absl::FromChrono(ctx->deadline()) - absl::Now();
@@ -61,13 +73,16 @@ grpc::Status TrainerIngestService::BeginPush(grpc::ServerContext* ctx, const v1:
 }
 grpc::Status TrainerIngestService::CommitBucket(grpc::ServerContext*, const v1::CommitBucketRequest* req,
                                                 v1::CommitBucketReply* out) {
+  WSYNC_LIMIT("CommitBucket");
   return Reply(source_->CommitBucket(*req), out);
 }
 grpc::Status TrainerIngestService::EndPush(grpc::ServerContext*, const v1::EndPushRequest* req, v1::EndPushReply*) {
+  WSYNC_LIMIT("EndPush");
   return ToGrpcStatus(source_->EndPush(*req));
 }
 grpc::Status TrainerIngestService::CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest* req,
                                                 v1::CloseSessionReply*) {
+  WSYNC_LIMIT("CloseSession");
   return ToGrpcStatus(source_->CloseSession(req->session_id()));
 }
 grpc::Status NodeDaemonService::ConfigureSource(grpc::ServerContext* ctx, const v1::ConfigureSourceRequest* req,
@@ -105,10 +120,11 @@ grpc::Status NodeDaemonService::ConnectTarget(grpc::ServerContext* ctx, const v1
                                               v1::ConnectTargetReply* out) {
   tls::Peer peer;
   if (auto a = tls::Authorize(ctx, "ConnectTarget", {tls::kSource}, &peer); !a.ok()) return a;
+  WSYNC_LIMIT("ConnectTarget");
   WSYNC_NEED(Target);
   return Reply(target_.load()->ConnectTarget(*req, peer.authenticated ? peer.Describe() : std::string()), out);
 }
-grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext* ctx, const v1::NodeStatusRequest*, v1::NodeStatus* out) {
+grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext* ctx, const v1::NodeStatusRequest* req, v1::NodeStatus* out) {
   WSYNC_AUTHORIZE("GetNodeStatus", WSYNC_ANY_ROLE);
   if (source_ != nullptr) {
     *out = source_->Status();
@@ -140,6 +156,7 @@ static grpc::Status NodeDaemonIdentity(const grpc::ServerContext* ctx, const cha
 grpc::Status CoordinatorService::RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
                                               v1::RegisterNodeReply* out) {
   if (auto a = NodeDaemonIdentity(ctx, "RegisterNode", req->node_id(), &req->role()); !a.ok()) return a;
+  if (auto l = CheckRequestSize("RegisterNode", *req); !l.ok()) return l;
   if (!tls::Enabled() && !tls::IsLoopback(req->address()))
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         absl::StrCat("node ", req->node_id(), " registers address ", req->address(),
@@ -148,7 +165,7 @@ grpc::Status CoordinatorService::RegisterNode(grpc::ServerContext* ctx, const v1
   if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->RegisterNode(*req), out);
 }
-grpc::Status CoordinatorService::GetClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest*,
+grpc::Status CoordinatorService::GetClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest* req,
                                                   v1::ClusterStatus* out) {
   WSYNC_AUTHORIZE("GetClusterStatus", WSYNC_ANY_ROLE);
   if (grpc::Status g = Gate(); !g.ok()) return g;
@@ -189,6 +206,7 @@ grpc::Status CoordinatorService::RemoveNode(grpc::ServerContext* ctx, const v1::
 grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
                                            v1::HeartbeatReply* out) {
   if (auto a = NodeDaemonIdentity(ctx, "Heartbeat", req->node_id(), nullptr); !a.ok()) return a;
+  if (auto l = CheckRequestSize("Heartbeat", *req); !l.ok()) return l;
   if (grpc::Status g = Gate(); !g.ok()) return g;
   *out = c_->Heartbeat(*req);
   return grpc::Status::OK;
@@ -206,7 +224,7 @@ class EngineFacade final : public v1::EngineControl::Service {
  public:
   EngineFacade(TargetNode* target, std::string engine_id) : t_(target), id_(std::move(engine_id)) {}
 
-  grpc::Status GetInfo(grpc::ServerContext* ctx, const v1::GetEngineInfoRequest*, v1::EngineInfo* out) override {
+  grpc::Status GetInfo(grpc::ServerContext* ctx, const v1::GetEngineInfoRequest* req, v1::EngineInfo* out) override {
     WSYNC_AUTHORIZE("GetInfo", WSYNC_ANY_ROLE);
     return Reply(t_->EngineInfo(id_), out);
   }
@@ -234,20 +252,20 @@ class EngineFacade final : public v1::EngineControl::Service {
     WSYNC_AUTHORIZE("SetWeightVersion", {tls::kCoordinator});
     return Done(t_->SetWeightVersion(id_, req->version()), out);
   }
-  grpc::Status Continue(grpc::ServerContext* ctx, const v1::ContinueRequest*, v1::EngineReply* out) override {
+  grpc::Status Continue(grpc::ServerContext* ctx, const v1::ContinueRequest* req, v1::EngineReply* out) override {
     WSYNC_AUTHORIZE("Continue", {tls::kCoordinator});
     return Done(t_->Continue(id_), out);
   }
-  grpc::Status Attach(grpc::ServerContext* ctx, const v1::AttachRequest*, v1::EngineReply*) override {
+  grpc::Status Attach(grpc::ServerContext* ctx, const v1::AttachRequest* req, v1::EngineReply*) override {
     WSYNC_AUTHORIZE("Attach", {tls::kTarget});
     return ToGrpcStatus(absl::FailedPreconditionError(
         absl::StrCat("engine ", id_, " is attached through its target daemon; its ranks attach themselves")));
   }
-  grpc::Status GetChecksums(grpc::ServerContext* ctx, const v1::RankRequest*, v1::ChecksumReply*) override {
+  grpc::Status GetChecksums(grpc::ServerContext* ctx, const v1::RankRequest* req, v1::ChecksumReply*) override {
     WSYNC_AUTHORIZE("GetChecksums", {tls::kAdmin, tls::kTrainer});
     return Unimplemented("GetChecksums");
   }
-  grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest*, v1::VerifyReply*) override {
+  grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest* req, v1::VerifyReply*) override {
     WSYNC_AUTHORIZE("Verify", {tls::kAdmin, tls::kTrainer});
     return Unimplemented("Verify");
   }
