@@ -371,7 +371,8 @@ absl::StatusOr<uint8_t*> RingProducer::BeginTensor(absl::string_view name, DType
   }
   const uint64_t cap = map_.capacity();
   // data_bytes is checked first: the frame arithmetic would wrap for sizes near 2^64.
-  const uint64_t frame = data_bytes < cap ? ring_wire::TensorFrameBytes(name.size(), data_bytes) : UINT64_MAX - kFrameAlign;
+  const uint64_t frame =
+      data_bytes < cap ? ring_wire::TensorFrameBytes(name.size(), data_bytes) : UINT64_MAX - kFrameAlign;
   if (frame + kFrameAlign > cap) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "tensor '%s' (%d bytes) does not fit ring '%s': its frame takes %d bytes, the ring holds %d "

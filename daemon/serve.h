@@ -1,13 +1,13 @@
 #pragma once
 // Shared by the daemon binaries: start a gRPC server, publish its port, wait for SIGTERM/SIGINT.
 
-#include <memory>
+#include <grpcpp/grpcpp.h>
+
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 #include "google/protobuf/message.h"

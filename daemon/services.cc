@@ -42,19 +42,19 @@ grpc::Status NodeDaemonService::NeedTarget() const {
 // is not allowed (docs/security.md, "Roles"). No check on an insecure (loopback development) server.
 // Then the request's size against the RPC's limit (serve.h, MaxRequestBytes): RESOURCE_EXHAUSTED before anything
 // is looked at or stored.
-#define WSYNC_AUTHORIZE(rpc, ...)                                                  \
-  do {                                                                            \
-    grpc::Status a_ = tls::Authorize(ctx, rpc, __VA_ARGS__);                      \
-    if (!a_.ok()) return a_;                                                      \
-    a_ = CheckRequestSize(rpc, *req);                                             \
-    if (!a_.ok()) return a_;                                                      \
+#define WSYNC_AUTHORIZE(rpc, ...)                            \
+  do {                                                       \
+    grpc::Status a_ = tls::Authorize(ctx, rpc, __VA_ARGS__); \
+    if (!a_.ok()) return a_;                                 \
+    a_ = CheckRequestSize(rpc, *req);                        \
+    if (!a_.ok()) return a_;                                 \
   } while (0)
 
 // The trainer ranks' RPCs (Unix socket, authorized by their session id): the size check only.
-#define WSYNC_LIMIT(rpc)                            \
-  do {                                              \
-    grpc::Status l_ = CheckRequestSize(rpc, *req);  \
-    if (!l_.ok()) return l_;                        \
+#define WSYNC_LIMIT(rpc)                           \
+  do {                                             \
+    grpc::Status l_ = CheckRequestSize(rpc, *req); \
+    if (!l_.ok()) return l_;                       \
   } while (0)
 
 #define WSYNC_NEED(role)                    \
@@ -124,7 +124,8 @@ grpc::Status NodeDaemonService::ConnectTarget(grpc::ServerContext* ctx, const v1
   WSYNC_NEED(Target);
   return Reply(target_.load()->ConnectTarget(*req, peer.authenticated ? peer.Describe() : std::string()), out);
 }
-grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext* ctx, const v1::NodeStatusRequest* req, v1::NodeStatus* out) {
+grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext* ctx, const v1::NodeStatusRequest* req,
+                                              v1::NodeStatus* out) {
   WSYNC_AUTHORIZE("GetNodeStatus", WSYNC_ANY_ROLE);
   if (source_ != nullptr) {
     *out = source_->Status();

@@ -1,12 +1,13 @@
 // base/checked_size.h: sizes that would wrap 64 bits are errors naming the thing, never a small wrapped value.
 // Expectations are computed here with 128-bit arithmetic, not with the helper.
 
+#include "base/checked_size.h"
+
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "base/checked_size.h"
 
 namespace wsync {
 namespace {

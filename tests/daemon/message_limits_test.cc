@@ -6,12 +6,11 @@
 //     refuses a request one byte over its limit with RESOURCE_EXHAUSTED naming the RPC, accepts one just under it
 //     past the size check, and the server keeps serving.
 
-#include <catch2/catch.hpp>
-
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/codegen/client_unary_call.h>
 #include <grpcpp/impl/codegen/rpc_method.h>
 
+#include <catch2/catch.hpp>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -42,7 +41,7 @@ const std::set<std::string> kPlanSized = {"wsync.v1.Coordinator/RegisterNode", "
 class CapturePeers : public Peers {
  public:
   absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
-                                                          const v1::ConfigureSourceRequest& req) override {
+                                                           const v1::ConfigureSourceRequest& req) override {
     std::lock_guard<std::mutex> l(mu);
     configure_bytes[addr] = req.ByteSizeLong();
     return v1::ConfigureSourceReply();
@@ -227,8 +226,8 @@ TEST_CASE("limits: every RPC refuses a request over its limit with RESOURCE_EXHA
   REQUIRE(served.ok());
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(256 << 20);
-  auto ch = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", served->port), grpc::InsecureChannelCredentials(),
-                                      args);
+  auto ch =
+      grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", served->port), grpc::InsecureChannelCredentials(), args);
   int refused = 0;
   for (const std::string service : {"wsync.v1.Coordinator", "wsync.v1.NodeDaemon"}) {
     for (const auto& m : Methods(service)) {

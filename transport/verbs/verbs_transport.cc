@@ -100,9 +100,9 @@ absl::Status WriteWindow::Set(bool open) {
     // reconnects), in RESET it grants nothing.
     if (cur.qp_state != IBV_QPS_INIT && cur.qp_state != IBV_QPS_RTS) continue;
     if (int rc = Ibv().modify_qp(qp, &attr, IBV_QP_ACCESS_FLAGS); rc != 0 && first.ok()) {
-      first = absl::InternalError(absl::StrCat("verbs: ", open ? "opening" : "closing", " the write window on qpn ",
-                                               qp->qp_num, " failed: ibv_modify_qp(access flags): ",
-                                               std::strerror(rc)));
+      first =
+          absl::InternalError(absl::StrCat("verbs: ", open ? "opening" : "closing", " the write window on qpn ",
+                                           qp->qp_num, " failed: ibv_modify_qp(access flags): ", std::strerror(rc)));
     }
   }
   return first;
@@ -262,8 +262,8 @@ class VerbsTransport final : public Transport {
     spdlog::info(
         "verbs: registered {} bytes at {} ({}) as {} MR(s) of up to {} bytes on {} device(s) in {:.3f} ms "
         "({:.2f} GB/s); writes from it use [{}]",
-        len, addr, send_only ? "source, no remote access" : "remote write", mrs.size(), chunk, devices_->devices.size(), ms, ms > 0 ? len / ms / 1e6 : 0.0,
-        absl::StrJoin(pref_names, ","));
+        len, addr, send_only ? "source, no remote access" : "remote write", mrs.size(), chunk, devices_->devices.size(),
+        ms, ms > 0 ? len / ms / 1e6 : 0.0, absl::StrJoin(pref_names, ","));
     return std::unique_ptr<LocalRegion>(
         std::make_unique<VerbsLocalRegion>(devices_, id_, addr, len, chunk, std::move(mrs), std::move(preferred)));
   }
