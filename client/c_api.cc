@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/checked_size.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "base/dtype.h"
@@ -142,13 +143,8 @@ absl::StatusOr<wsync::DType> CheckPush(const char* name, const char* dtype, cons
   if (data == nullptr && bytes > 0) return NullArg(absl::StrCat("data of tensor ", name));
   auto dt = wsync::ParseDType(dtype);
   if (!dt.ok()) return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": ", dt.status().message()));
-  uint64_t elems = 1;
-  for (int i = 0; i < ndim; ++i) {
-    if (shape[i] < 0)
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": negative dimension ", shape[i]));
-    elems *= static_cast<uint64_t>(shape[i]);
-  }
-  const uint64_t want = elems * wsync::DTypeSize(*dt);
+  WSYNC_ASSIGN_OR_RETURN(const uint64_t want, wsync::ShapeBytes(absl::MakeConstSpan(shape, static_cast<size_t>(ndim)),
+                                                                 *dt, absl::StrCat("tensor ", name)));
   if (want != bytes)
     return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": ", bytes, " bytes given, its shape and ",
                                                    wsync::DTypeName(*dt), " need ", want));

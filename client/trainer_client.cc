@@ -13,6 +13,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/checked_size.h"
 #include "base/status.h"
 #include "proto/status_convert.h"
 #include "proto/tls.h"
@@ -249,11 +250,10 @@ absl::StatusOr<std::string> SliceFrameName(absl::string_view name, DType dtype, 
   ts.offsets.assign(offsets.begin(), offsets.end());
   ts.extents.assign(extents.begin(), extents.end());
   WSYNC_RETURN_IF_ERROR(ValidateSlice(&ts));
-  uint64_t elems = 1;
-  for (int64_t e : extents) elems *= static_cast<uint64_t>(e);
-  if (DTypeSize(dtype) == 0 || elems * DTypeSize(dtype) != bytes)
+  WSYNC_ASSIGN_OR_RETURN(const uint64_t want, ShapeBytes(extents, dtype, absl::StrCat("slice of ", name)));
+  if (want != bytes)
     return absl::InvalidArgumentError(absl::StrCat("slice of ", name, ": ", bytes, " bytes do not match extents of ",
-                                                   elems, " ", DTypeName(dtype), " elements"));
+                                                   want, " bytes of ", DTypeName(dtype)));
   return EncodeSliceName(name, full_shape, offsets);
 }
 

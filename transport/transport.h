@@ -148,6 +148,12 @@ class Transport {
   virtual std::string reason() const = 0;
   // Registers [addr, addr+len). Costly: do it once at start-up. Registration time is logged by the backend.
   virtual absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) = 0;
+  // Registers memory this side only writes from (a source's replica): peers get no write access to it (verbs: MRs
+  // without remote access; a peer's write into it fails). Same cost as RegisterMemory. A backend whose receiving
+  // side cannot tell the two apart registers it as RegisterMemory does.
+  virtual absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSourceMemory(void* addr, uint64_t len) {
+    return RegisterMemory(addr, len);
+  }
   // Registers memory written through `sink` (see RegionSink). tcp stages every write through the sink (addr() is
   // null); verbs registers the device memory for GPUDirect RDMA when the platform allows, else a host mirror that
   // Settle copies to the device, and says which in the region's DevicePath() and its log. Unimplemented for a
@@ -163,8 +169,10 @@ class Transport {
   virtual absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() = 0;
 
   // The receiving side's write window: while it is closed, writes from peers are refused (their batch fails with
-  // PermissionDenied, nothing of it is written) and counted in refused_writes(). Open when the transport is
-  // created; a target daemon closes it at start and the coordinator opens it only while an update is open.
+  // PermissionDenied on tcp; on verbs with a NAK completion error, FailedPrecondition, and the connection is dead
+  // and must be re-made), nothing of it is written, and the refusal is counted in refused_writes() (verbs counts
+  // refused connections). Open when the transport is created; a target daemon closes it at start and the
+  // coordinator opens it only while an update is open.
   // Unimplemented for a backend that cannot enforce it (the caller reports that the window is not enforced).
   virtual absl::Status SetWriteWindow(bool open) {
     (void)open;

@@ -6,3 +6,8 @@ endif()
 add_executable(bench_transport_verbs
   ${CMAKE_CURRENT_LIST_DIR}/verbs_bench_main.cc ${CMAKE_CURRENT_LIST_DIR}/verbs_bench.cc)
 target_link_libraries(bench_transport_verbs PRIVATE wsync_transport wsync_base absl::strings absl::str_format)
+
+# bench_verbs_window: the cost of a verbs target's write window next to the alternatives (reconnecting QPs,
+# re-registering MRs), measured in the same run. Run it inside the soft-RoCE VM when the host has no RDMA device.
+add_executable(bench_verbs_window ${CMAKE_CURRENT_LIST_DIR}/verbs_window_bench.cc)
+target_link_libraries(bench_verbs_window PRIVATE wsync_transport wsync_base absl::strings)

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/checked_size.h"
 #include "base/status.h"
 #include "spdlog/spdlog.h"
 
@@ -363,18 +364,15 @@ absl::StatusOr<uint8_t*> RingProducer::BeginTensor(absl::string_view name, DType
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", name, "': ", shape.size(), " dims, at most ", ring_wire::kMaxDims));
   }
-  uint64_t expect = elem;
-  for (int64_t d : shape) {
-    if (d < 0 || __builtin_mul_overflow(expect, static_cast<uint64_t>(d), &expect)) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': bad shape ", ShapeString(shape)));
-    }
-  }
+  WSYNC_ASSIGN_OR_RETURN(const uint64_t expect, ShapeBytes(shape, dtype, absl::StrCat("tensor '", name, "'")));
   if (expect != data_bytes) {
     return absl::InvalidArgumentError(absl::StrFormat("tensor '%s': shape %s of %s is %d bytes, not %d", name,
                                                       ShapeString(shape), DTypeName(dtype), expect, data_bytes));
   }
   const uint64_t cap = map_.capacity();
-  const uint64_t frame = ring_wire::TensorFrameBytes(name.size(), data_bytes);
+  // data_bytes is checked first: the frame arithmetic would wrap for sizes near 2^64.
+  const uint64_t frame =
+      data_bytes < cap ? ring_wire::TensorFrameBytes(name.size(), data_bytes) : UINT64_MAX - kFrameAlign;
   if (frame + kFrameAlign > cap) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "tensor '%s' (%d bytes) does not fit ring '%s': its frame takes %d bytes, the ring holds %d "
@@ -637,15 +635,11 @@ absl::Status RingConsumer::ReadFrame(uint64_t pos, uint64_t limit, TensorFrameHe
         return loss(absl::StrFormat("data (offset %d, %d bytes) or name (%d bytes) outside the %d-byte frame",
                                     f.data_offset, f.data_bytes, f.name_bytes, f.total_bytes));
       }
-      uint64_t expect = elem;
-      for (int i = 0; i < f.ndim; ++i) {
-        const int64_t d = out->shape[i];
-        if (d < 0 || __builtin_mul_overflow(expect, static_cast<uint64_t>(d), &expect)) {
-          return loss(absl::StrCat("bad dim ", d));
-        }
-      }
-      if (expect != f.data_bytes) {
-        return loss(absl::StrCat("shape needs ", expect, " bytes, frame says ", f.data_bytes));
+      absl::StatusOr<uint64_t> expect =
+          ShapeBytes(absl::MakeConstSpan(out->shape, f.ndim), static_cast<DType>(f.dtype), "tensor frame");
+      if (!expect.ok()) return loss(std::string(expect.status().message()));
+      if (*expect != f.data_bytes) {
+        return loss(absl::StrCat("shape needs ", *expect, " bytes, frame says ", f.data_bytes));
       }
       return absl::OkStatus();
     }

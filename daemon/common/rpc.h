@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "proto/status_convert.h"
 #include "proto/tls.h"
+#include "daemon/common/serve.h"
 
 namespace wsync::daemon {
 
@@ -30,8 +31,19 @@ inline std::chrono::system_clock::time_point Deadline(double seconds) {
 
 // Role check first (before any validation or state access): PERMISSION_DENIED for a caller whose certificate's role
 // is not allowed (docs/security.md, "Roles"). No check on an insecure (loopback development) server.
-#define WSYNC_AUTHORIZE(rpc, ...)                                                  \
-  do {                                                                            \
-    grpc::Status a_ = tls::Authorize(ctx, rpc, __VA_ARGS__);                      \
-    if (!a_.ok()) return a_;                                                      \
+// Then the request's size against the RPC's limit (serve.h, CheckRequestSize): RESOURCE_EXHAUSTED before anything
+// is looked at or stored.
+#define WSYNC_AUTHORIZE(rpc, ...)                            \
+  do {                                                       \
+    grpc::Status a_ = tls::Authorize(ctx, rpc, __VA_ARGS__); \
+    if (!a_.ok()) return a_;                                 \
+    a_ = CheckRequestSize(rpc, *req);                        \
+    if (!a_.ok()) return a_;                                 \
+  } while (0)
+
+// The trainer ranks' RPCs (Unix socket, authorized by their session id): the size check only.
+#define WSYNC_LIMIT(rpc)                           \
+  do {                                             \
+    grpc::Status l_ = CheckRequestSize(rpc, *req); \
+    if (!l_.ok()) return l_;                       \
   } while (0)

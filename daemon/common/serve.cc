@@ -17,6 +17,19 @@
 
 namespace wsync::daemon {
 
+uint64_t MaxRequestBytes(std::string_view rpc) {
+  return rpc == "RegisterNode" || rpc == "ConfigureSource" ? kMaxPlanRequestBytes : kMaxControlRequestBytes;
+}
+
+grpc::Status CheckRequestSize(const char* rpc, const google::protobuf::Message& req) {
+  const uint64_t limit = MaxRequestBytes(rpc);
+  const uint64_t size = req.ByteSizeLong();
+  if (size <= limit) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      absl::StrCat(rpc, " request of ", size, " bytes refused: the limit for ", rpc, " is ", limit,
+                                   " bytes (docs/security.md, \"Bounded requests\")"));
+}
+
 absl::StatusOr<Served> Serve(const std::string& listen, const std::vector<grpc::Service*>& services,
                              const std::string& port_file) {
   Served s;
@@ -27,7 +40,8 @@ absl::StatusOr<Served> Serve(const std::string& listen, const std::vector<grpc::
   b.AddListeningPort(listen, tls::ServerCredentials(), &s.port);  // mTLS unless the process runs insecure
   for (auto* svc : services) b.RegisterService(svc);
   // Control messages only (weights never travel over gRPC): the largest are registrations and plans carrying every
-  // engine rank's parameter table, a few MiB for the largest models. Larger requests are refused before parsing.
+  // engine rank's parameter table, a few MiB for the largest models. Larger requests are refused before parsing;
+  // each handler then applies its RPC's own limit (CheckRequestSize).
   b.SetMaxReceiveMessageSize(kMaxControlMessageBytes);
   b.SetMaxSendMessageSize(kMaxControlMessageBytes);
   s.server = b.BuildAndStart();

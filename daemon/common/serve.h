@@ -1,18 +1,38 @@
 #pragma once
 // Shared by the daemon binaries: start a gRPC server, publish its port, wait for SIGTERM/SIGINT.
 
-#include <memory>
-#include <string>
-#include <vector>
-
 #include <grpcpp/grpcpp.h>
 
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
 #include "absl/status/statusor.h"
+#include "google/protobuf/message.h"
 
 namespace wsync::daemon {
 
-// The largest gRPC message a wsync server accepts or sends (and peers' channels allow).
-inline constexpr int kMaxControlMessageBytes = 64 << 20;
+// Request size limits per RPC (docs/security.md, "Bounded requests"). Control requests carry ids, versions, addresses
+// and connection blobs: kMaxControlRequestBytes. Only the two that carry engine layouts get kMaxPlanRequestBytes:
+// RegisterNode (every rank's parameter table) and ConfigureSource (the plan's targets with their layouts, write
+// ranges and push filters). Measured for Kimi-K2 (FP8, 64x64 blocks, two TP32/EP32 engines, 32 source nodes of 8
+// ranks; daemon_message_limits_test prints them): a registration of one engine's 32 ranks 3.7 MiB, ConfigureSource
+// 0.55 MiB per source (17 MiB over all 32; a single source given every rank of both engines would get about 8 MiB),
+// so 64 MiB leaves a margin of 8x over the worst case and 17x over a registration.
+inline constexpr uint64_t kMaxControlRequestBytes = 4 << 20;
+inline constexpr uint64_t kMaxPlanRequestBytes = 64 << 20;
+// gRPC's own cap on every message a wsync server receives or sends (and peers' channels allow): the largest
+// per-RPC limit. gRPC refuses a larger message before parsing it; CheckRequestSize applies the per-RPC limit after.
+inline constexpr int kMaxControlMessageBytes = static_cast<int>(kMaxPlanRequestBytes);
+
+// The limit for the RPC `rpc` (its method name, e.g. "ConfigureSource").
+uint64_t MaxRequestBytes(std::string_view rpc);
+
+// RESOURCE_EXHAUSTED naming the RPC, the size and the limit when `req` is over MaxRequestBytes(rpc); OK otherwise.
+// Every handler calls it before it looks at the request (daemon/services.cc).
+grpc::Status CheckRequestSize(const char* rpc, const google::protobuf::Message& req);
 
 struct Served {
   std::unique_ptr<grpc::Server> server;

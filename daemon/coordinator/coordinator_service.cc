@@ -30,6 +30,7 @@ static grpc::Status NodeDaemonIdentity(const grpc::ServerContext* ctx, const cha
 grpc::Status CoordinatorService::RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
                                               v1::RegisterNodeReply* out) {
   if (auto a = NodeDaemonIdentity(ctx, "RegisterNode", req->node_id(), &req->role()); !a.ok()) return a;
+  if (auto l = CheckRequestSize("RegisterNode", *req); !l.ok()) return l;
   if (!tls::Enabled() && !tls::IsLoopback(req->address()))
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         absl::StrCat("node ", req->node_id(), " registers address ", req->address(),
@@ -38,7 +39,7 @@ grpc::Status CoordinatorService::RegisterNode(grpc::ServerContext* ctx, const v1
   if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->RegisterNode(*req), out);
 }
-grpc::Status CoordinatorService::GetClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest*,
+grpc::Status CoordinatorService::GetClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest* req,
                                                   v1::ClusterStatus* out) {
   WSYNC_AUTHORIZE("GetClusterStatus", WSYNC_ANY_ROLE);
   if (grpc::Status g = Gate(); !g.ok()) return g;
@@ -79,6 +80,7 @@ grpc::Status CoordinatorService::RemoveNode(grpc::ServerContext* ctx, const v1::
 grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
                                            v1::HeartbeatReply* out) {
   if (auto a = NodeDaemonIdentity(ctx, "Heartbeat", req->node_id(), nullptr); !a.ok()) return a;
+  if (auto l = CheckRequestSize("Heartbeat", *req); !l.ok()) return l;
   if (grpc::Status g = Gate(); !g.ok()) return g;
   *out = c_->Heartbeat(*req);
   return grpc::Status::OK;

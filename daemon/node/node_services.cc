@@ -30,6 +30,7 @@ grpc::Status NodeDaemonService::NeedTarget() const {
 
 grpc::Status TrainerIngestService::BeginPush(grpc::ServerContext* ctx, const v1::BeginPushRequest* req,
                                              v1::BeginPushReply* out) {
+  WSYNC_LIMIT("BeginPush");
   // Answer "no update is open" a little before the caller's own deadline passes.
   if (ctx->deadline() == std::chrono::system_clock::time_point::max()) return Reply(source_->BeginPush(*req), out);
   const absl::Duration left = absl::FromChrono(ctx->deadline()) - absl::Now();
@@ -37,13 +38,16 @@ grpc::Status TrainerIngestService::BeginPush(grpc::ServerContext* ctx, const v1:
 }
 grpc::Status TrainerIngestService::CommitBucket(grpc::ServerContext*, const v1::CommitBucketRequest* req,
                                                 v1::CommitBucketReply* out) {
+  WSYNC_LIMIT("CommitBucket");
   return Reply(source_->CommitBucket(*req), out);
 }
 grpc::Status TrainerIngestService::EndPush(grpc::ServerContext*, const v1::EndPushRequest* req, v1::EndPushReply*) {
+  WSYNC_LIMIT("EndPush");
   return ToGrpcStatus(source_->EndPush(*req));
 }
 grpc::Status TrainerIngestService::CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest* req,
                                                 v1::CloseSessionReply*) {
+  WSYNC_LIMIT("CloseSession");
   return ToGrpcStatus(source_->CloseSession(req->session_id()));
 }
 grpc::Status NodeDaemonService::ConfigureSource(grpc::ServerContext* ctx, const v1::ConfigureSourceRequest* req,
@@ -81,10 +85,11 @@ grpc::Status NodeDaemonService::ConnectTarget(grpc::ServerContext* ctx, const v1
                                               v1::ConnectTargetReply* out) {
   tls::Peer peer;
   if (auto a = tls::Authorize(ctx, "ConnectTarget", {tls::kSource}, &peer); !a.ok()) return a;
+  WSYNC_LIMIT("ConnectTarget");
   WSYNC_NEED(Target);
   return Reply(target_.load()->ConnectTarget(*req, peer.authenticated ? peer.Describe() : std::string()), out);
 }
-grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext* ctx, const v1::NodeStatusRequest*, v1::NodeStatus* out) {
+grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext* ctx, const v1::NodeStatusRequest* req, v1::NodeStatus* out) {
   WSYNC_AUTHORIZE("GetNodeStatus", WSYNC_ANY_ROLE);
   if (source_ != nullptr) {
     *out = source_->Status();
@@ -101,7 +106,7 @@ class EngineFacade final : public v1::EngineControl::Service {
  public:
   EngineFacade(TargetNode* target, std::string engine_id) : t_(target), id_(std::move(engine_id)) {}
 
-  grpc::Status GetInfo(grpc::ServerContext* ctx, const v1::GetEngineInfoRequest*, v1::EngineInfo* out) override {
+  grpc::Status GetInfo(grpc::ServerContext* ctx, const v1::GetEngineInfoRequest* req, v1::EngineInfo* out) override {
     WSYNC_AUTHORIZE("GetInfo", WSYNC_ANY_ROLE);
     return Reply(t_->EngineInfo(id_), out);
   }
@@ -129,20 +134,20 @@ class EngineFacade final : public v1::EngineControl::Service {
     WSYNC_AUTHORIZE("SetWeightVersion", {tls::kCoordinator});
     return Done(t_->SetWeightVersion(id_, req->version()), out);
   }
-  grpc::Status Continue(grpc::ServerContext* ctx, const v1::ContinueRequest*, v1::EngineReply* out) override {
+  grpc::Status Continue(grpc::ServerContext* ctx, const v1::ContinueRequest* req, v1::EngineReply* out) override {
     WSYNC_AUTHORIZE("Continue", {tls::kCoordinator});
     return Done(t_->Continue(id_), out);
   }
-  grpc::Status Attach(grpc::ServerContext* ctx, const v1::AttachRequest*, v1::EngineReply*) override {
+  grpc::Status Attach(grpc::ServerContext* ctx, const v1::AttachRequest* req, v1::EngineReply*) override {
     WSYNC_AUTHORIZE("Attach", {tls::kTarget});
     return ToGrpcStatus(absl::FailedPreconditionError(
         absl::StrCat("engine ", id_, " is attached through its target daemon; its ranks attach themselves")));
   }
-  grpc::Status GetChecksums(grpc::ServerContext* ctx, const v1::RankRequest*, v1::ChecksumReply*) override {
+  grpc::Status GetChecksums(grpc::ServerContext* ctx, const v1::RankRequest* req, v1::ChecksumReply*) override {
     WSYNC_AUTHORIZE("GetChecksums", {tls::kAdmin, tls::kTrainer});
     return Unimplemented("GetChecksums");
   }
-  grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest*, v1::VerifyReply*) override {
+  grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest* req, v1::VerifyReply*) override {
     WSYNC_AUTHORIZE("Verify", {tls::kAdmin, tls::kTrainer});
     return Unimplemented("Verify");
   }

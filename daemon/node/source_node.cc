@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/checked_size.h"
 #include "base/logging.h"
 #include "base/status.h"
 #include "daemon/common/convert.h"
@@ -389,7 +390,7 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   uint64_t total = 0;
   for (int l = 0; l < num_layouts; ++l) {
     const uint64_t n = std::max<uint64_t>(replica->table(l).total_bytes(), 1);
-    WSYNC_ASSIGN_OR_RETURN(auto region, transport_->RegisterMemory(replica->data(l), n));
+    WSYNC_ASSIGN_OR_RETURN(auto region, transport_->RegisterSourceMemory(replica->data(l), n));
     regions.push_back(std::move(region));
     total += replica->table(l).total_bytes();
   }
@@ -770,19 +771,18 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
 
 absl::Status SourceNode::CheckSlice(const TensorSlice& s, DType dtype, uint64_t bytes,
                                     const std::vector<std::pair<TensorSlice, DType>>& bucket) {
-  uint64_t elems = 1, full = 1;
-  for (int64_t e : s.extents) elems *= static_cast<uint64_t>(e);
-  for (int64_t d : s.full_shape) full *= static_cast<uint64_t>(d);
-  if (DTypeSize(dtype) == 0 || bytes != elems * DTypeSize(dtype))
-    return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, " (", s.Describe(), "): ", bytes,
-                                                   " bytes of data, expected ", elems * DTypeSize(dtype)));
+  const std::string what = absl::StrCat("slice of ", s.name, " (", s.Describe(), ")");
+  WSYNC_ASSIGN_OR_RETURN(const uint64_t want, ShapeBytes(s.extents, dtype, what));
+  WSYNC_ASSIGN_OR_RETURN(const uint64_t full, ShapeBytes(s.full_shape, dtype, what));
+  if (bytes != want)
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", bytes, " bytes of data, expected ", want));
   auto it = staged_.find(s.name);
   if (it != staged_.end() && it->second.done)
     return absl::AlreadyExistsError(absl::StrCat("slice of ", s.name, " (", s.Describe(),
                                                  ") arrived after the tensor was complete in this update"));
   // The whole tensor must be one the model has, with this shape and dtype (nothing is read through the pointer).
   static const uint8_t kNoData = 0;
-  replica::HfTensor whole{s.name, dtype, s.full_shape, &kNoData, full * DTypeSize(dtype)};
+  replica::HfTensor whole{s.name, dtype, s.full_shape, &kNoData, full};
   WSYNC_RETURN_IF_ERROR_CTX(replica_->Validate(whole), "slice ", s.Describe());
   auto overlaps = [&](const TensorSlice& o) {
     return s.row0 < o.row0 + o.rows && o.row0 < s.row0 + s.rows && s.col0 < o.col0 + o.cols &&

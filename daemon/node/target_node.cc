@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/checked_size.h"
 #include "base/dtype.h"
 #include "base/status.h"
 #include "daemon/common/serve.h"
@@ -258,19 +259,16 @@ absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fd
       d->set_segment(static_cast<int32_t>(segment));
       d->set_offset(offset);
       d->set_bytes(bytes);
-      unsigned __int128 numel = 1;
       for (const Json& dim : pj["shape"]) {
-        if (!dim.is_number_unsigned())
-          return absl::InvalidArgumentError(absl::StrCat("parameter ", name, ": shape entries must be non-negative"));
-        const uint64_t v = dim.get<uint64_t>();
-        d->add_shape(static_cast<int64_t>(v));
-        numel *= v;
-        if (numel > (static_cast<unsigned __int128>(1) << 64))
-          return absl::InvalidArgumentError(absl::StrCat("parameter ", name, ": shape too large"));
+        if (!dim.is_number_unsigned() || dim.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+          return absl::InvalidArgumentError(
+              absl::StrCat("parameter ", name, ": shape entries must be integers in [0, 2^63)"));
+        d->add_shape(dim.get<int64_t>());
       }
-      if (numel * DTypeSize(*dtype) != bytes)
-        return absl::InvalidArgumentError(absl::StrCat("parameter ", name, ": ", dtype_name, " × shape is ",
-                                                       static_cast<uint64_t>(numel * DTypeSize(*dtype)),
+      WSYNC_ASSIGN_OR_RETURN(const uint64_t want,
+                             ShapeBytes(d->shape(), *dtype, absl::StrCat("parameter ", name)));
+      if (want != bytes)
+        return absl::InvalidArgumentError(absl::StrCat("parameter ", name, ": ", dtype_name, " × shape is ", want,
                                                        " bytes, the message says ", bytes));
       if (offset > seg->second || bytes > seg->second - offset)
         return absl::InvalidArgumentError(absl::StrCat("parameter ", name, " [", offset, ", +", bytes,

@@ -19,6 +19,7 @@
 #include "tests/daemon/cluster.h"
 #include "tests/daemon/helpers.h"
 #include "tools/testdata/weight_gen.h"
+#include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
 namespace wsync {
@@ -451,6 +452,16 @@ TEST_CASE("cluster: two daemons exchange updates over the selected transport", "
     for (const auto& m : r.mismatches()) UNSCOPED_INFO(m);
     CHECK(r.ok());
   }
+  // Both updates went through the target's write window, enforced by this transport (verbs: remote write per QP
+  // only while open), and it is closed again; the second update reused connections that sat idle while it was
+  // closed, and nothing was refused.
+  auto target = v1::NodeDaemon::NewStub(grpc::CreateChannel(cl.targets[0], grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::NodeStatus ns;
+  REQUIRE(target->GetNodeStatus(&ctx, v1::NodeStatusRequest(), &ns).ok());
+  CHECK(ns.transport() == o.transport);
+  CHECK(ns.write_window() == "closed");
+  CHECK(ns.refused_writes() == 0);
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 // separate processes with mutual TLS on (docs/security.md):
 //   * every RPC of every wsync service (enumerated from the service descriptors, so a new RPC without a role check
 //     fails here) refuses callers without a certificate, with a certificate of another CA, and with every role the
-//     role table does not allow;
+//     role table does not allow; so does the target daemon's EngineControl facade, with its own table;
 //   * a node cannot register or heartbeat under another node's id;
 //   * crafted data-port writes are refused outside the write window, without a secret (the transport token alone),
 //     with a foreign or expired secret, into a region of another engine rank, and after the plan revoked the grant;
@@ -31,7 +31,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "google/protobuf/descriptor.h"
+#include "daemon/common/serve.h"
 #include "daemon/coordinator/state_store.h"
+#include "daemon/node/node_services.h"
+#include "proto/tls.h"
 #include "tests/daemon/cluster.h"
 #include "transport/transport.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
@@ -558,6 +561,53 @@ TEST_CASE("security: without TLS, non-loopback addresses are refused; bad TLS fl
   CHECK(run("c4", {coord, "--insecure", "--listen", "127.0.0.1:0", "--tls-ca", certs.dir + "/ca.pem", "--tls-cert",
                    certs.dir + "/coordinator-main.pem", "--tls-key", certs.dir + "/coordinator-main-key.pem"}) == 2);
   if (std::getenv("WSYNC_TEST_KEEP") == nullptr) std::system(("rm -rf " + dir).c_str());
+}
+
+// The role table of the target daemon's EngineControl facade (served for engines that attach through the engine
+// socket, e.g. vLLM): as the reference engine's, except that only the coordinator drives the lifecycle.
+std::map<std::string, std::set<std::string>> FacadeRoleTable() {
+  std::map<std::string, std::set<std::string>> t;
+  for (const auto& [m, roles] : RoleTable())
+    if (absl::StartsWith(m, "wsync.v1.EngineControl/")) t[m] = roles;
+  for (const char* m : {"Pause", "PostProcess", "SetWeightVersion", "Continue"})
+    t[absl::StrCat("wsync.v1.EngineControl/", m)] = {"coordinator"};
+  return t;
+}
+
+// Last in this file: it configures this process's TLS (as a target daemon) to serve the facade.
+TEST_CASE("security: the target's engine facade refuses unauthenticated and wrong-role callers") {
+  const Certs& certs = MakeCerts();
+  tls::Options o;
+  o.ca = certs.dir + "/ca.pem";
+  o.cert = certs.dir + "/target-infer0.pem";
+  o.key = certs.dir + "/target-infer0-key.pem";
+  REQUIRE(tls::Configure(o, {"127.0.0.1:0"}).ok());
+  // No target behind it: every call the table refuses must be refused before the facade looks at its target.
+  std::unique_ptr<grpc::Service> facade = daemon::MakeEngineFacade(nullptr, "facade0");
+  auto served = daemon::Serve("127.0.0.1:0", {facade.get()}, "");
+  REQUIRE(served.ok());
+  const std::string addr = absl::StrCat("127.0.0.1:", served->port);
+  const auto table = FacadeRoleTable();
+  int refused = 0;
+  for (const auto& m : Methods("wsync.v1.EngineControl")) {
+    INFO("facade " << m);
+    auto row = table.find(m);
+    REQUIRE(row != table.end());  // a new RPC needs a row (and a check in the facade)
+    CHECK(CallRaw(As(addr, certs.dir, ""), m).error_code() == grpc::StatusCode::UNAVAILABLE);
+    CHECK(CallRaw(As(addr, certs.foreign, "admin-ops", certs.dir), m).error_code() == grpc::StatusCode::UNAVAILABLE);
+    refused += 2;
+    for (const auto& role : kRoles) {
+      if (row->second.count("*") || row->second.count(role)) continue;
+      INFO("as " << role << ":x");
+      grpc::Status s = CallRaw(As(addr, certs.dir, role + "-x"), m);
+      CHECK(s.error_code() == grpc::StatusCode::PERMISSION_DENIED);
+      CHECK(absl::StrContains(s.error_message(), "refused for " + role + ":x"));
+      ++refused;
+    }
+  }
+  std::printf("security: target facade: %zu methods, %d unauthenticated/wrong-role calls refused\n",
+              Methods("wsync.v1.EngineControl").size(), refused);
+  served->server->Shutdown();
 }
 
 }  // namespace

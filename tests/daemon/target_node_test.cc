@@ -255,6 +255,19 @@ TEST_CASE("target: attach validation refuses bad messages with a reason") {
   SECTION("dtype x shape disagrees with bytes") {
     RequireRefused(AttachOnce(f, [](Json& m) { m["params"][0]["shape"] = {4, 4}; }), "a.weight: bfloat16");
   }
+  SECTION("a shape whose element count does not fit 64 bits") {
+    // 2^32 x 2^32 x 4 elements wrap to 0 in 64-bit arithmetic, which would match "bytes": 0.
+    RequireRefused(AttachOnce(f,
+                              [](Json& m) {
+                                m["params"][0]["shape"] = {uint64_t{1} << 32, uint64_t{1} << 32, 4};
+                                m["params"][0]["bytes"] = 0;
+                              }),
+                   "parameter a.weight: shape [4294967296, 4294967296, 4] has more than 2^64 elements");
+  }
+  SECTION("a shape entry beyond int64") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["params"][0]["shape"] = {uint64_t{1} << 63}; }),
+                   "a.weight: shape entries must be integers in [0, 2^63)");
+  }
   SECTION("unknown dtype") {
     RequireRefused(AttachOnce(f, [](Json& m) { m["params"][0]["dtype"] = "bfloat17"; }), "unknown dtype");
   }

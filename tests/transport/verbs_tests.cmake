@@ -22,7 +22,7 @@ wsync_add_test(transport_verbs_wire_fuzz_test
 # the same executable inside the soft-RoCE VM. Label rdma_device: the only skip besides cuda that CI accepts.
 wsync_add_test(transport_verbs_test
   SOURCES ${CMAKE_CURRENT_LIST_DIR}/conformance_test.cc ${CMAKE_CURRENT_LIST_DIR}/verbs_factory.cc
-          ${CMAKE_CURRENT_LIST_DIR}/verbs_test.cc
+          ${CMAKE_CURRENT_LIST_DIR}/verbs_test.cc ${CMAKE_CURRENT_LIST_DIR}/verbs_window_test.cc
   LIBS wsync_transport absl::random_random
   LABELS rdma rdma_device
   TIMEOUT 300)

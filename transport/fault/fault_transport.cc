@@ -92,6 +92,9 @@ class FaultTransport : public Transport {
   absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
     return inner_->RegisterMemory(addr, len);
   }
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSourceMemory(void* addr, uint64_t len) override {
+    return inner_->RegisterSourceMemory(addr, len);
+  }
   absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSink(std::shared_ptr<RegionSink> sink) override {
     return inner_->RegisterSink(std::move(sink));
   }

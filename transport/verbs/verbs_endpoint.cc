@@ -54,7 +54,9 @@ const char* HintForCompletion(ibv_wc_status s) {
     case IBV_WC_RNR_RETRY_EXC_ERR:
       return "; the peer was not ready to receive";
     case IBV_WC_REM_ACCESS_ERR:
-      return "; the peer rejected the access (region deregistered or rkey/bounds mismatch)";
+      return "; the peer rejected the access (region deregistered, not writable, or rkey/bounds mismatch)";
+    case IBV_WC_REM_INV_REQ_ERR:
+      return "; the peer refused the write (its write window is closed) or found the request invalid";
     default:
       return "";
   }
@@ -83,8 +85,13 @@ std::string QpStateName(ibv_qp_state s) {
 
 class VerbsEndpoint final : public Endpoint {
  public:
-  VerbsEndpoint(std::shared_ptr<DeviceSet> devices, const Config& cfg, const Identity& id)
-      : devices_(std::move(devices)), cfg_(cfg), id_(id) {}
+  VerbsEndpoint(std::shared_ptr<DeviceSet> devices, const Config& cfg, const Identity& id,
+                std::shared_ptr<WriteWindow> window)
+      : devices_(std::move(devices)), cfg_(cfg), id_(id), window_(std::move(window)) {}
+  ~VerbsEndpoint() override {
+    for (const Qp& qp : qps_)
+      if (qp.qp) window_->Remove(qp.qp.get());
+  }
 
   absl::Status Init() {
     std::random_device rd;
@@ -119,14 +126,15 @@ class VerbsEndpoint final : public Endpoint {
         attr.qp_state = IBV_QPS_INIT;
         attr.pkey_index = 0;
         attr.port_num = dev->port;
-        // The peer writes into our regions through this QP.
-        attr.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE;
+        // The peer writes into our regions through this QP, while the write window is open (WriteWindow).
+        attr.qp_access_flags = window_->Access();
         if (int rc =
                 Ibv().modify_qp(qp.qp.get(), &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
             rc != 0) {
           return absl::UnavailableError(absl::StrCat("ibv_modify_qp(INIT) on ", dev->name, ": ", std::strerror(rc)));
         }
         qps_.push_back(std::move(qp));
+        WSYNC_RETURN_IF_ERROR(window_->Add(qps_.back().qp.get()));
       }
     }
     return absl::OkStatus();
@@ -155,12 +163,16 @@ class VerbsEndpoint final : public Endpoint {
     if (connected_) return absl::FailedPreconditionError(absl::StrCat("already connected to ", peer_.owner));
     WSYNC_ASSIGN_OR_RETURN(ConnInfo peer, DecodeConnInfo(peer_info));
     size_t n = std::min(qps_.size(), peer.qps.size());
-    for (size_t i = 0; i < n; ++i) {
-      absl::Status s = ConnectQp(qps_[i], peer.qps[i]);
-      if (!s.ok()) {
-        return Annotate(s, absl::StrCat("connecting qp ", i, " (", qps_[i].dev->name, ") to ", peer.owner));
+    // Under the window's lock: a window change never sees a QP between INIT and RTS.
+    WSYNC_RETURN_IF_ERROR(window_->Locked([&]() -> absl::Status {
+      for (size_t i = 0; i < n; ++i) {
+        absl::Status s = ConnectQp(qps_[i], peer.qps[i]);
+        if (!s.ok()) {
+          return Annotate(s, absl::StrCat("connecting qp ", i, " (", qps_[i].dev->name, ") to ", peer.owner));
+        }
       }
-    }
+      return absl::OkStatus();
+    }));
     active_ = n;
     peer_ = std::move(peer);
     connected_ = true;
@@ -353,6 +365,7 @@ class VerbsEndpoint final : public Endpoint {
   std::shared_ptr<DeviceSet> devices_;
   Config cfg_;
   Identity id_;
+  std::shared_ptr<WriteWindow> window_;  // before qps_: every QP is removed from it before it is destroyed
   std::vector<Qp> qps_;
   size_t active_ = 0;  // QPs paired with a peer QP (a prefix of qps_)
   bool connected_ = false;
@@ -572,8 +585,8 @@ absl::Status VerbsEndpoint::Wait(BatchId batch, absl::Duration timeout) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Endpoint>> NewVerbsEndpoint(std::shared_ptr<DeviceSet> devices, const Config& cfg,
-                                                           const Identity& id) {
-  auto ep = std::make_unique<VerbsEndpoint>(std::move(devices), cfg, id);
+                                                           const Identity& id, std::shared_ptr<WriteWindow> window) {
+  auto ep = std::make_unique<VerbsEndpoint>(std::move(devices), cfg, id, std::move(window));
   WSYNC_RETURN_IF_ERROR(ep->Init());
   return std::unique_ptr<Endpoint>(std::move(ep));
 }

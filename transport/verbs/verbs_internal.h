@@ -2,7 +2,9 @@
 // Pieces of the verbs backend shared by its .cc files (not part of the public interface).
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -82,9 +84,44 @@ class VerbsRemoteRegion final : public RemoteRegion {
   RegionDesc desc_;
 };
 
-// Creates an endpoint with its QPs in INIT (defined in verbs_endpoint.cc).
+// The receiving side's write window (docs/security.md, "Write windows (verbs)"), shared by a transport and every
+// endpoint it made (endpoints may outlive the transport). Peers write through our QPs, so remote write is granted
+// per QP: a QP carries IBV_ACCESS_REMOTE_WRITE only while the window is open. Closing clears the flag on every live
+// QP (an RTS→RTS modify, no reconnection); a peer's write then draws a NAK (its batch fails, nothing is written)
+// and the responder QP goes to the error state: that connection is dead and counted as refused; the peer
+// reconnects. Idle connections survive a close/open cycle unchanged.
+// Thread-safe. A QP's access flags change only under mu, so Add/Remove/Set never race a QP's state transitions.
+class WriteWindow {
+ public:
+  // Access flags a QP is given at INIT (and keeps, until the next Set).
+  int Access() const;
+  // Until the first Set the window is open and not enforced (a transport used as a sender, tests, benchmarks).
+  absl::Status Set(bool open);
+  // Registers a QP in INIT (its flags are set here, under the lock) / forgets it before it is destroyed.
+  absl::Status Add(ibv_qp* qp);
+  void Remove(ibv_qp* qp);
+  // Runs `f` under the lock (the endpoint moves its QPs INIT → RTR → RTS inside it).
+  template <typename F>
+  auto Locked(F&& f) {
+    std::lock_guard<std::mutex> l(mu_);
+    return f();
+  }
+  // Connections refused so far: QPs found in the error state while the window was enforced (counted once each).
+  uint64_t Refused();
+
+ private:
+  int AccessLocked() const;
+  void CountLocked();
+  mutable std::mutex mu_;
+  bool enforced_ = false;
+  bool open_ = true;
+  std::map<ibv_qp*, bool> qps_;  // → already counted as refused
+  uint64_t refused_ = 0;
+};
+
+// Creates an endpoint with its QPs in INIT (defined in verbs_endpoint.cc), registered with `window`.
 absl::StatusOr<std::unique_ptr<Endpoint>> NewVerbsEndpoint(std::shared_ptr<DeviceSet> devices, const Config& cfg,
-                                                           const Identity& id);
+                                                           const Identity& id, std::shared_ptr<WriteWindow> window);
 std::optional<VerbsEndpointStats> GetVerbsEndpointStatsImpl(const Endpoint& endpoint);
 
 }  // namespace wsync::transport::verbs

@@ -48,6 +48,79 @@ GpuDirectChoice ChooseGpuDirect(const IbvApi& api, const absl::Status& dmabuf, c
 }
 
 namespace {
+constexpr int kAllowWrite = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+// LOCAL_WRITE even where the NIC only reads (a source region): it makes the kernel pin the pages for writing, so a
+// page the CPU writes after registration (the replica is rewritten every update) is never a copy-on-write page the
+// NIC no longer sees.
+constexpr int kDenyWrite = IBV_ACCESS_LOCAL_WRITE;
+}  // namespace
+
+int WriteWindow::Access() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return AccessLocked();
+}
+
+int WriteWindow::AccessLocked() const { return open_ ? kAllowWrite : kDenyWrite; }
+
+absl::Status WriteWindow::Add(ibv_qp* qp) {
+  std::lock_guard<std::mutex> l(mu_);
+  ibv_qp_attr attr{};
+  attr.qp_access_flags = AccessLocked();
+  if (int rc = Ibv().modify_qp(qp, &attr, IBV_QP_ACCESS_FLAGS); rc != 0)
+    return absl::UnavailableError(absl::StrCat("ibv_modify_qp(INIT access flags): ", std::strerror(rc)));
+  qps_.emplace(qp, false);
+  return absl::OkStatus();
+}
+
+void WriteWindow::Remove(ibv_qp* qp) {
+  std::lock_guard<std::mutex> l(mu_);
+  qps_.erase(qp);
+}
+
+void WriteWindow::CountLocked() {
+  if (!enforced_) return;
+  for (auto& [qp, counted] : qps_) {
+    if (counted) continue;
+    ibv_qp_attr attr{};
+    ibv_qp_init_attr init{};
+    if (Ibv().query_qp(qp, &attr, IBV_QP_STATE, &init) == 0 && attr.qp_state == IBV_QPS_ERR) {
+      counted = true;
+      ++refused_;
+    }
+  }
+}
+
+uint64_t WriteWindow::Refused() {
+  std::lock_guard<std::mutex> l(mu_);
+  CountLocked();
+  return refused_;
+}
+
+absl::Status WriteWindow::Set(bool open) {
+  std::lock_guard<std::mutex> l(mu_);
+  CountLocked();  // refusals of the closed period are counted before the flags change
+  enforced_ = true;
+  open_ = open;
+  ibv_qp_attr attr{};
+  attr.qp_access_flags = AccessLocked();
+  absl::Status first;
+  for (auto& [qp, counted] : qps_) {
+    ibv_qp_attr cur{};
+    ibv_qp_init_attr init{};
+    if (Ibv().query_qp(qp, &cur, IBV_QP_STATE, &init) != 0) continue;
+    // INIT → INIT and RTS → RTS may change the access flags; a QP in error is a dead connection (its peer
+    // reconnects), in RESET it grants nothing.
+    if (cur.qp_state != IBV_QPS_INIT && cur.qp_state != IBV_QPS_RTS) continue;
+    if (int rc = Ibv().modify_qp(qp, &attr, IBV_QP_ACCESS_FLAGS); rc != 0 && first.ok()) {
+      first =
+          absl::InternalError(absl::StrCat("verbs: ", open ? "opening" : "closing", " the write window on qpn ",
+                                           qp->qp_num, " failed: ibv_modify_qp(access flags): ", std::strerror(rc)));
+    }
+  }
+  return first;
+}
+
+namespace {
 
 // Device memory registered through RegisterSink: the verbs region (of the device memory itself, or of the sink's
 // host mirror) plus how writes reach the device. The sink outlives the region's MRs (member order).
@@ -153,13 +226,32 @@ class VerbsTransport final : public Transport {
   }
 
   absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
-    WSYNC_RETURN_IF_ERROR(CheckViable());
-    if (addr == nullptr && len > 0) return absl::InvalidArgumentError("verbs: RegisterMemory of a null address");
-    return Register(addr, len, "ibv_reg_mr", PreferredDevices(*devices_, addr),
-                    [&](ibv_pd* pd, uint64_t off, uint64_t n) {
-                      return Ibv().reg_mr(pd, static_cast<char*>(addr) + off, n, kAccess);
-                    });
+    return Register(addr, len, /*send_only=*/false);
   }
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSourceMemory(void* addr, uint64_t len) override {
+    return Register(addr, len, /*send_only=*/true);
+  }
+
+  absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    WSYNC_ASSIGN_OR_RETURN(RegionDesc d, DecodeRegionDesc(descriptor));
+    return std::unique_ptr<RemoteRegion>(std::make_unique<VerbsRemoteRegion>(std::move(d)));
+  }
+
+  absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    return NewVerbsEndpoint(devices_, cfg_, id_, window_);
+  }
+
+  absl::Status SetWriteWindow(bool open) override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    absl::Time start = absl::Now();
+    absl::Status st = window_->Set(open);
+    spdlog::info("verbs: write window {} in {:.3f} ms", open ? "opened" : "closed",
+                 absl::ToDoubleMilliseconds(absl::Now() - start));
+    return st;
+  }
+  uint64_t refused_writes() const override { return window_->Refused(); }
 
   absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSink(std::shared_ptr<RegionSink> sink) override {
     WSYNC_RETURN_IF_ERROR(CheckViable());
@@ -173,10 +265,11 @@ class VerbsTransport final : public Transport {
     if (choice.gpu_direct) {
       ScopedFd fd(buf->fd);  // the MRs keep their own reference to the dma-buf
       const RegionSink::Dmabuf d = *buf;
-      auto region = Register(reinterpret_cast<void*>(d.iova), len, "ibv_reg_dmabuf_mr", {0},
-                             [&](ibv_pd* pd, uint64_t off, uint64_t n) {
-                               return Ibv().reg_dmabuf_mr(pd, d.offset + off, n, d.iova + off, fd.get(), kAccess);
-                             });
+      auto region = RegisterMrs(reinterpret_cast<void*>(d.iova), len, "ibv_reg_dmabuf_mr", "GPUDirect, remote write",
+                                {0}, [&](ibv_pd* pd, uint64_t off, uint64_t n) {
+                                  return Ibv().reg_dmabuf_mr(pd, d.offset + off, n, d.iova + off, fd.get(),
+                                                             kAllowWrite);
+                                });
       if (region.ok()) {
         spdlog::info("verbs: {} registered for GPUDirect RDMA (dma-buf, {} bytes): the NIC writes the device memory",
                      sink->Describe(), len);
@@ -194,23 +287,21 @@ class VerbsTransport final : public Transport {
         std::move(sink), std::move(region), absl::StrCat("staging (no GPUDirect: ", choice.reason, ")"), true));
   }
 
-  absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) override {
-    WSYNC_RETURN_IF_ERROR(CheckViable());
-    WSYNC_ASSIGN_OR_RETURN(RegionDesc d, DecodeRegionDesc(descriptor));
-    return std::unique_ptr<RemoteRegion>(std::make_unique<VerbsRemoteRegion>(std::move(d)));
-  }
-
-  absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
-    WSYNC_RETURN_IF_ERROR(CheckViable());
-    return NewVerbsEndpoint(devices_, cfg_, id_);
-  }
-
  private:
-  static constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+  // send_only: a source's memory (the replica) is registered without remote access: no peer can write into it.
+  absl::StatusOr<std::unique_ptr<LocalRegion>> Register(void* addr, uint64_t len, bool send_only) {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    if (addr == nullptr && len > 0) return absl::InvalidArgumentError("verbs: RegisterMemory of a null address");
+    const int access = send_only ? kDenyWrite : kAllowWrite;
+    return RegisterMrs(addr, len, "ibv_reg_mr", send_only ? "source, no remote access" : "remote write",
+                       PreferredDevices(*devices_, addr), [&](ibv_pd* pd, uint64_t off, uint64_t n) {
+                         return Ibv().reg_mr(pd, static_cast<char*>(addr) + off, n, access);
+                       });
+  }
 
   // Registers [0, len) on every device in chunks of at most the devices' max_mr_size, `reg` making one MR.
-  absl::StatusOr<std::unique_ptr<LocalRegion>> Register(
-      void* addr, uint64_t len, const char* call, std::vector<int> preferred,
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMrs(
+      void* addr, uint64_t len, const char* call, const char* what, std::vector<int> preferred,
       const std::function<ibv_mr*(ibv_pd*, uint64_t, uint64_t)>& reg) {
     uint64_t chunk = UINT64_MAX;
     for (const auto& d : devices_->devices) chunk = std::min(chunk, d->max_mr_size);
@@ -243,9 +334,9 @@ class VerbsTransport final : public Transport {
     std::vector<std::string> pref_names;
     for (int i : preferred) pref_names.push_back(devices_->devices[i]->name);
     spdlog::info(
-        "verbs: registered {} bytes at {} as {} MR(s) of up to {} bytes on {} device(s) in {:.3f} ms "
+        "verbs: registered {} bytes at {} ({}) as {} MR(s) of up to {} bytes on {} device(s) in {:.3f} ms "
         "({:.2f} GB/s); writes from it use [{}]",
-        len, addr, mrs.size(), chunk, devices_->devices.size(), ms, ms > 0 ? len / ms / 1e6 : 0.0,
+        len, addr, what, mrs.size(), chunk, devices_->devices.size(), ms, ms > 0 ? len / ms / 1e6 : 0.0,
         absl::StrJoin(pref_names, ","));
     return std::unique_ptr<LocalRegion>(
         std::make_unique<VerbsLocalRegion>(devices_, id_, addr, len, chunk, std::move(mrs), std::move(preferred)));
@@ -260,6 +351,7 @@ class VerbsTransport final : public Transport {
   std::string reason_;
   Config cfg_;
   Identity id_;
+  std::shared_ptr<WriteWindow> window_ = std::make_shared<WriteWindow>();
 };
 
 }  // namespace

@@ -16,6 +16,9 @@
 //     (index, destination offset); every later call fails too, and the endpoint must be re-created. A vanished
 //     peer surfaces as Unavailable (transport retries exceeded), a stale or out-of-bounds remote region as
 //     FailedPrecondition.
+//   * Write window (receiving side): SetWriteWindow grants IBV_ACCESS_REMOTE_WRITE on this transport's QPs only while
+//     open (WriteWindow in verbs_internal.h); a peer's write while it is closed fails at the peer and kills that
+//     connection, counted in refused_writes(). RegisterSourceMemory registers MRs without remote access.
 //   * No device (host kernel without RDMA, empty device list, device not found): the transport is returned with
 //     viable() == false and reason() saying why; every other call then fails with FailedPrecondition.
 //

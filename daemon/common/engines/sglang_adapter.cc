@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "base/checked_size.h"
 #include "base/dtype.h"
 #include "base/status.h"
 #include "daemon/common/engines/http_exchange.h"
@@ -271,9 +272,10 @@ class SglangAdapter final : public EngineAdapter {
         return absl::InternalError(absl::StrCat(where, ": parameter ", p.name, ": [data_ptr, numel, element_size] ",
                                                 "expected, got ", Cut(e.dump())));
       const uint64_t ptr = e[0].get<uint64_t>(), numel = e[1].get<uint64_t>(), esize = e[2].get<uint64_t>();
-      if (esize != DTypeSize(p.dtype) || numel * esize != p.bytes)
+      if (esize != DTypeSize(p.dtype) || CheckedMul(numel, esize) != std::optional<uint64_t>(p.bytes))
         return absl::FailedPreconditionError(absl::StrCat(
-            where, ": parameter ", p.name, ": SGLang has ", numel, " elements of ", esize, " bytes (", numel * esize,
+            where, ": parameter ", p.name, ": SGLang has ", numel, " elements of ", esize, " bytes (",
+            CheckedMul(numel, esize) ? absl::StrCat(*CheckedMul(numel, esize)) : std::string("over 2^64"),
             " bytes), wsync's layout has ", p.bytes, " bytes of ", DTypeName(p.dtype)));
       WSYNC_ASSIGN_OR_RETURN(std::string desc, transport::mooncake::MakeRegionDescriptor(session, ptr, p.bytes));
       auto* s = out.add_segments();

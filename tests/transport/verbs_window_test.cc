@@ -1,0 +1,162 @@
+// The verbs write window and send-only source regions (docs/security.md, "Write windows (verbs)"), on a real RDMA
+// device (soft-RoCE in the test VM): a write inside the window lands, a write after the window closed fails at the
+// sender with the receiver's bytes unchanged, and a write after it re-opened lands; a source's replica cannot be
+// written by a peer at all.
+
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "tests/transport/verbs_test_util.h"
+#include "transport/transport.h"
+#include "transport/verbs/verbs_transport.h"
+
+namespace {
+
+using wsync::transport::Endpoint;
+using wsync::transport::LocalRegion;
+using wsync::transport::RemoteRegion;
+using wsync::transport::Transport;
+using wsync::transport::WriteRequest;
+
+const absl::Duration kTimeout = absl::Seconds(30);
+constexpr uint64_t kLen = 64 << 10;
+
+// FNV-1a over the bytes: the receiver's memory as the test itself reads it, independent of the transport.
+uint64_t Checksum(const std::vector<uint8_t>& b) {
+  uint64_t h = 1469598103934665603ull;
+  for (uint8_t c : b) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+std::vector<uint8_t> Fill(uint8_t seed) {
+  std::vector<uint8_t> v(kLen);
+  for (uint64_t i = 0; i < kLen; ++i) v[i] = static_cast<uint8_t>(i * 29 + seed * 101 + (i >> 8));
+  return v;
+}
+
+std::unique_ptr<Transport> Make() {
+  auto t = wsync::transport::verbs::CreateVerbsTransport({});
+  INFO(t.status().ToString());
+  REQUIRE(t.ok());
+  wsync::transport::verbs::testing::SkipUnlessViable(**t);
+  return std::move(*t);
+}
+
+struct Link {
+  std::unique_ptr<Endpoint> src, dst;
+};
+
+Link Connect(Transport& a, Transport& b) {
+  auto ea = a.CreateEndpoint();
+  auto eb = b.CreateEndpoint();
+  REQUIRE(ea.ok());
+  REQUIRE(eb.ok());
+  Link l{std::move(*ea), std::move(*eb)};
+  REQUIRE(l.src->Connect(l.dst->LocalInfo(), kTimeout).ok());
+  REQUIRE(l.dst->Connect(l.src->LocalInfo(), kTimeout).ok());
+  return l;
+}
+
+std::unique_ptr<LocalRegion> Reg(absl::StatusOr<std::unique_ptr<LocalRegion>> r) {
+  INFO(r.status().ToString());
+  REQUIRE(r.ok());
+  return std::move(*r);
+}
+
+std::unique_ptr<RemoteRegion> Import(Transport& t, const LocalRegion& r) {
+  auto rr = t.ImportRegion(r.Descriptor());
+  REQUIRE(rr.ok());
+  return std::move(*rr);
+}
+
+}  // namespace
+
+TEST_CASE("verbs window: writes land only while the receiver's window is open", "[verbs][window]") {
+  auto sender = Make();
+  auto receiver = Make();
+  std::vector<uint8_t> one = Fill(1), two = Fill(2), three = Fill(3);
+  std::vector<uint8_t> engine(kLen, 0xEE);
+  auto r1 = Reg(sender->RegisterSourceMemory(one.data(), kLen));
+  auto r2 = Reg(sender->RegisterSourceMemory(two.data(), kLen));
+  auto r3 = Reg(sender->RegisterSourceMemory(three.data(), kLen));
+  auto dst = Reg(receiver->RegisterMemory(engine.data(), kLen));
+  auto remote = Import(*sender, *dst);
+  auto write_from = [&](const LocalRegion* src) { return std::vector<WriteRequest>{{src, 0, remote.get(), 0, kLen}}; };
+
+  REQUIRE(receiver->SetWriteWindow(false).ok());
+  CHECK(receiver->refused_writes() == 0);
+  // A connection made while the window is closed carries writes once it opens.
+  Link link = Connect(*sender, *receiver);
+  Link idle = Connect(*sender, *receiver);
+  REQUIRE(receiver->SetWriteWindow(true).ok());
+  {
+    absl::Status s = link.src->Write(write_from(r1.get()), kTimeout);
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+  }
+  CHECK(engine == one);
+
+  // Closed: the sender's batch fails, nothing lands, the refusal is counted.
+  REQUIRE(receiver->SetWriteWindow(false).ok());
+  const uint64_t before = Checksum(engine);
+  absl::Status refused = link.src->Write(write_from(r2.get()), kTimeout);
+  INFO(refused.ToString());
+  CHECK(refused.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(refused.message(), link.src->PeerName()));
+  CHECK(absl::StrContains(refused.message(), "write window"));
+  WARN("refused write as the sender sees it: " << refused.ToString());
+  CHECK(Checksum(engine) == before);
+  CHECK(engine == one);
+  CHECK(receiver->refused_writes() == 1);
+
+  // Re-opened: the refused connection is dead (the sender re-creates it), a connection that stayed idle through the
+  // closed period writes without reconnecting, and a fresh one writes too.
+  REQUIRE(receiver->SetWriteWindow(true).ok());
+  CHECK(absl::StrContains(link.src->Post(write_from(r2.get())).status().message(), "re-create"));
+  {
+    absl::Status s = idle.src->Write(write_from(r2.get()), kTimeout);
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+  }
+  CHECK(engine == two);
+  link = Connect(*sender, *receiver);
+  {
+    absl::Status s = link.src->Write(write_from(r3.get()), kTimeout);
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+  }
+  CHECK(engine == three);
+  CHECK(receiver->refused_writes() == 1);
+}
+
+TEST_CASE("verbs window: a source's replica is registered without remote access", "[verbs][window]") {
+  auto source = Make();
+  auto peer = Make();
+  std::vector<uint8_t> replica = Fill(4), attacker = Fill(5), target(kLen, 0xEE);
+  auto replica_region = Reg(source->RegisterSourceMemory(replica.data(), kLen));
+  auto target_region = Reg(peer->RegisterMemory(target.data(), kLen));
+  auto attacker_region = Reg(peer->RegisterSourceMemory(attacker.data(), kLen));
+
+  // The peer imports the replica's descriptor and tries to write into it over a connected pair of QPs.
+  auto replica_remote = Import(*peer, *replica_region);
+  Link back = Connect(*peer, *source);
+  const uint64_t before = Checksum(replica);
+  absl::Status s = back.src->Write({{attacker_region.get(), 0, replica_remote.get(), 0, kLen}}, kTimeout);
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(Checksum(replica) == before);
+  CHECK(replica == Fill(4));
+
+  // The replica still serves as a write source.
+  auto target_remote = Import(*source, *target_region);
+  Link fwd = Connect(*source, *peer);
+  absl::Status ok = fwd.src->Write({{replica_region.get(), 0, target_remote.get(), 0, kLen}}, kTimeout);
+  INFO(ok.ToString());
+  REQUIRE(ok.ok());
+  CHECK(target == replica);
+}
