@@ -162,13 +162,13 @@ def check(cond, what):
 
 
 
-def readme_quick_use():
-    """The README's Python quick-use block (between the python-quick-use markers)."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+def readme_quick_use(path="README.md", marker="python-quick-use"):
+    """A README's Python block after its `<!-- marker -->` line."""
+    with open(os.path.join(ROOT, path)) as f:
         text = f.read()
-    m = re.search(r"<!-- python-quick-use -->\s*```python\n(.*?)```", text, re.S)
+    m = re.search(r"<!-- %s -->\s*```python\n(.*?)```" % re.escape(marker), text, re.S)
     if not m:
-        raise AssertionError("README.md has no <!-- python-quick-use --> python block")
+        raise AssertionError("%s has no <!-- %s --> python block" % (path, marker))
     return m.group(1)
 
 
@@ -618,7 +618,7 @@ def run_torch(args, cluster, coord, trainer, specs, version, verify, coord_addr)
         old = os.pread(fd, 1, at + 5)
         os.pwrite(fd, bytes([old[0] ^ 0x40]), at + 5)
         rc, out, err = wsyncctl_verify(args, coord_addr)
-        bad = [l for l in out.splitlines() if "MISMATCH" in l]
+        bad = [l for l in out.splitlines() if " MISMATCH " in l and not l.startswith("FAILED")]
         check(rc == 1 and len(bad) == 1 and victim in bad[0] and re.search(r"\s1\s+MISMATCH", bad[0]) is not None
               and out.strip().splitlines()[-1].startswith("FAILED"),
               "a corrupted byte: verify exits 1 naming the parameter and rank: %s" % (bad or out[-300:]))
@@ -633,6 +633,16 @@ def run_torch(args, cluster, coord, trainer, specs, version, verify, coord_addr)
     check(rc == 0, "the byte restored: verify passes again")
     rc, _, err = wsyncctl_verify(args, coord_addr, "--version", "999")
     check(rc == 1 and "999" in err and "keeps the last" in err, "verify --version 999: %s" % err.strip()[-200:])
+
+    # client/python/README.md's block, as written: it is given a torch module as `model` (step 100's weights).
+    readme_step = 100
+    check(version < readme_step, "the client README's step %d is newer than update %d" % (readme_step, version))
+    scope = {"model": torch_module({n: step_tensor(n, readme_step, s) for n, s in specs.items()})}
+    exec(compile(readme_quick_use("client/python/README.md", "python-client-quick-use"),
+                 "client/python/README.md:python-client-quick-use", "exec"), scope)
+    check(scope["coord"].last_record.get("success") is True, "the client README's block committed update %d"
+          % readme_step)
+    verify(readme_step)
     print("ok: torch checks took %.1f s" % (time.monotonic() - t_start))
 
 
