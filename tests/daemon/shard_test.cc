@@ -142,8 +142,8 @@ TEST_CASE("shard: trainer TP=2 / EP=2 ranks push only their shards; the engine v
   good_update(1);
   good_update(2);
   {
-    // wsyncctl verify merges the byte ranges both sources recorded writing into each engine rank (every split
-    // parameter is written half by each) and compares them with the engine's hashes of the same ranges.
+    // wsyncctl verify gathers the byte ranges both sources recorded writing (a shard-aware plan: ranges, not whole
+    // parameters) and compares them with the engine's hashes of the same ranges of its memory.
     const std::string out = cl.dir() + "/verify.json";
     const int rc = std::system((std::string(kBin) + "/wsyncctl verify --endpoints " + cl.coordinator +
                                 " -w json > " + out + " 2>&1").c_str());
