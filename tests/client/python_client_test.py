@@ -4,7 +4,10 @@
 Outer stage (any python3): builds the wheel with `pip wheel` (its pyproject's build requirements, grpcio-tools
 included, installed by pip into an isolated build environment) and installs it into a FRESH venv created for this
 run, offline, from a wheelhouse of pinned versions (pyclient_wheel.PINS) that the harness downloads once from PyPI
-into /var/cache/wsync/pyclient-wheelhouse-<pins>. No libwsync_client_c.so is anywhere on the path.
+into /var/cache/wsync/pyclient-wheelhouse-<pins>. No libwsync_client_c.so is anywhere on the path. PyPI's torch
+(pyclient_wheel.TORCH_PIN, the CUDA build with its runtime wheels, ~4.7 GiB installed) is downloaded and installed
+once into /var/cache/wsync/pyclient-site-<torch>-<python> and put on the venv's path by a .pth file, after the venv's
+own packages: installing it into every fresh venv would cost minutes per run.
 
 Inner stage (the fresh venv's python, `--inner`): starts a tiny local cluster on 127.0.0.1 (coordinator, one reference
 engine at TP 2, one target and one source wsyncd), then
@@ -14,7 +17,13 @@ engine at TP 2, one target and one source wsyncd), then
   * security of the trainer path: a process of another uid (run as `nobody` through setpriv) is refused with a
     message naming its uid and gid; a wrong session id is refused on every TrainerIngest call; the daemon's TCP
     listener does not serve TrainerIngest; a TCP address is refused by the client; a dead socket path fails within
-    the connect timeout, naming the path (Python client and the C++ client through wsync-trainer-demo).
+    the connect timeout, naming the path (Python client and the C++ client through wsync-trainer-demo);
+  * real torch tensors (run_torch): a module's state_dict() in bf16, row views of a fused tensor, a non-contiguous
+    view, column slices through push_slice, named_parameters(); update() aborting mid-push; meta tensors and CUDA
+    tensors in a process without CUDA refused; random torch weights checked by `wsyncctl verify` against the
+    checksums the source recorded (and, independently, replicated norms found byte for byte in each engine rank's
+    memory), then one byte of the engine's memory changed through /proc/PID/fd, which verify must name with its rank;
+    client/python/README.md's block run as written with a torch `model`.
 Exit 0 pass, 1 fail.
 """
 
