@@ -865,27 +865,10 @@ absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& read
   if (ready.empty()) return absl::OkStatus();
   std::map<Target*, std::vector<transport::WriteRequest>> batches;
   uint64_t bytes = 0;
-  // The checksum of each range as posted (targets of one layout get the same replica bytes: hashed once).
-  std::vector<v1::WriteChecksum> sums;
-  std::map<std::tuple<int, int, uint64_t, uint64_t>, std::string> hashed;
   for (const auto& r : ready) {
     const replica::EngineParam& p = replica_->table(r.layout).params()[r.param];
     for (Target* t : targets_by_layout_[r.layout]) {
       for (const auto& [offset, length] : t->ranges[r.param]) {
-        if (length > 0) {
-          std::string& hex = hashed[{r.layout, r.param, offset, length}];
-          if (hex.empty()) {
-            const XXH128_hash_t h = XXH3_128bits(replica_->data(r.layout) + p.offset + offset, length);
-            hex = absl::StrFormat("%016x%016x", h.high64, h.low64);
-          }
-          v1::WriteChecksum& c = sums.emplace_back();
-          c.set_engine_id(t->assignment.engine_id());
-          c.set_rank(t->assignment.rank());
-          c.set_param(p.name);
-          c.set_offset(offset);
-          c.set_length(length);
-          c.set_xxh128(hex);
-        }
         transport::WriteRequest w;
         w.src = (t->transport == transport_ ? replica_regions_ : mooncake_regions_)[r.layout].get();
         w.src_offset = p.offset + offset;
@@ -910,6 +893,32 @@ absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& read
       return t->broken;
     }
     t->outstanding.push_back(*id);
+  }
+  // The checksum of every range posted, hashed from the replica while the writes are in flight (ingest_mu_ is held:
+  // no bucket reloads these replica bytes meanwhile); targets of one layout get the same bytes: hashed once.
+  std::vector<v1::WriteChecksum> sums;
+  if (opts_.write_checksums) {
+    std::map<std::tuple<int, int, uint64_t, uint64_t>, std::string> hashed;
+    for (const auto& r : ready) {
+      const replica::EngineParam& p = replica_->table(r.layout).params()[r.param];
+      for (Target* t : targets_by_layout_[r.layout]) {
+        for (const auto& [offset, length] : t->ranges[r.param]) {
+          if (length == 0) continue;
+          std::string& hex = hashed[{r.layout, r.param, offset, length}];
+          if (hex.empty()) {
+            const XXH128_hash_t h = XXH3_128bits(replica_->data(r.layout) + p.offset + offset, length);
+            hex = absl::StrFormat("%016x%016x", h.high64, h.low64);
+          }
+          v1::WriteChecksum& c = sums.emplace_back();
+          c.set_engine_id(t->assignment.engine_id());
+          c.set_rank(t->assignment.rank());
+          c.set_param(p.name);
+          c.set_offset(offset);
+          c.set_length(length);
+          c.set_xxh128(hex);
+        }
+      }
+    }
   }
   std::lock_guard<std::mutex> l(mu_);
   if (auto it = checksums_.find(version_); it != checksums_.end())

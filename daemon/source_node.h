@@ -44,6 +44,9 @@ struct SourceOptions {
   // its push, fails the update once it has not come back (a new session for the same local rank) within this time.
   absl::Duration rank_grace = absl::Seconds(5);
   absl::Duration liveness_poll = absl::Milliseconds(200);  // how often trainer processes are checked
+  // Record the XXH3-128 of every byte range written (WriteChecksums, wsyncctl verify): one hash pass over each
+  // update's bytes per replica layout, overlapping the writes in flight.
+  bool write_checksums = true;
 };
 
 // Dials a peer daemon's ConnectTarget (injected so tests can run without gRPC).
@@ -99,7 +102,8 @@ class SourceNode {
   v1::NodeStatus Status() const;
   // What this source wrote into engine memory in `version` (-1: the newest recorded): per (engine, rank, parameter
   // byte range) the XXH3-128 of the bytes posted, taken from the replica as each write was posted. The last
-  // kChecksumVersionsKept versions are kept; NotFound names the ones kept for any other.
+  // kChecksumVersionsKept versions are kept; NotFound names the ones kept for any other. With
+  // SourceOptions::write_checksums off the lists are empty.
   absl::StatusOr<v1::WriteChecksumsReply> WriteChecksums(int64_t version) const;
   static constexpr size_t kChecksumVersionsKept = 4;
   // Bytes, params, tensors, buckets by result, updates by result, ingest/write times, sessions (docs/operations.md).
