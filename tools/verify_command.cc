@@ -1,11 +1,11 @@
 #include "tools/verify_command.h"
 
+#include <grpcpp/grpcpp.h>
+
 #include <algorithm>
 #include <chrono>
 #include <map>
 #include <tuple>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -32,17 +32,28 @@ void SetDeadline(grpc::ClientContext* ctx, absl::Duration d) {
   ctx->set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d));
 }
 
-absl::Status Named(const grpc::Status& s, const std::string& what) {
-  return Annotate(FromGrpcStatus(s), what);
+// A channel to `address` that connected within `dial` (Unavailable naming `who` otherwise).
+absl::StatusOr<std::shared_ptr<grpc::Channel>> Connect(const std::string& address, const std::string& who,
+                                                       absl::Duration dial) {
+  WSYNC_ASSIGN_OR_RETURN(auto channel, tls::Dial(address, kMaxReplyBytes));
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(dial)))
+    return absl::UnavailableError(
+        absl::StrCat(who, " at ", address, " could not be reached within ", absl::FormatDuration(dial)));
+  return channel;
 }
+
+absl::Status Named(const grpc::Status& s, const std::string& what) { return Annotate(FromGrpcStatus(s), what); }
 
 }  // namespace
 
 const char* VerdictName(ParamVerdict v) {
   switch (v) {
-    case ParamVerdict::kMatch: return "MATCH";
-    case ParamVerdict::kMismatch: return "MISMATCH";
-    case ParamVerdict::kMissing: return "MISSING";
+    case ParamVerdict::kMatch:
+      return "MATCH";
+    case ParamVerdict::kMismatch:
+      return "MISMATCH";
+    case ParamVerdict::kMissing:
+      return "MISSING";
   }
   return "?";
 }
@@ -54,16 +65,16 @@ absl::StatusOr<VerifyReport> VerifyAgainstSources(client::CoordinatorClient& coo
   rep.version = opts.version;
   if (rep.version < 0) {
     if (status->current_version().empty() || !absl::SimpleAtoi(status->current_version(), &rep.version))
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the coordinator reports no current version (\"", status->current_version(),
-          "\"): no update has completed yet; give --version"));
+      return absl::FailedPreconditionError(absl::StrCat("the coordinator reports no current version (\"",
+                                                        status->current_version(),
+                                                        "\"): no update has completed yet; give --version"));
   }
 
   // What the sources wrote: (engine, rank) → parameter → ranges.
   std::map<std::pair<std::string, int>, std::map<std::string, std::vector<Range>>> written;
   for (const auto& n : status->nodes()) {
     if (n.role() != "source") continue;
-    WSYNC_ASSIGN_OR_RETURN(auto channel, tls::Dial(n.address(), kMaxReplyBytes));
+    WSYNC_ASSIGN_OR_RETURN(auto channel, Connect(n.address(), "source " + n.node_id(), opts.dial_timeout));
     auto stub = v1::NodeDaemon::NewStub(channel);
     grpc::ClientContext ctx;
     SetDeadline(&ctx, opts.call_timeout);
@@ -87,7 +98,7 @@ absl::StatusOr<VerifyReport> VerifyAgainstSources(client::CoordinatorClient& coo
     for (const auto& e : n.engine_details()) {
       if (!opts.engine.empty() && opts.engine != e.engine_id() && opts.engine != e.address()) continue;
       any_engine = true;
-      WSYNC_ASSIGN_OR_RETURN(auto channel, tls::Dial(e.address(), kMaxReplyBytes));
+      WSYNC_ASSIGN_OR_RETURN(auto channel, Connect(e.address(), "engine " + e.engine_id(), opts.dial_timeout));
       auto stub = v1::EngineControl::NewStub(channel);
       for (int r = 0; r < e.ranks(); ++r) {
         const std::string who = absl::StrCat("engine ", e.engine_id(), " rank ", r);
@@ -135,8 +146,7 @@ absl::StatusOr<VerifyReport> VerifyAgainstSources(client::CoordinatorClient& coo
           uint64_t recorded = 0;
           if (it != mine.end()) {
             std::vector<Range> ranges = it->second;
-            std::sort(ranges.begin(), ranges.end(),
-                      [](const Range& a, const Range& b) { return a.offset < b.offset; });
+            std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.offset < b.offset; });
             for (const Range& g : ranges) {
               recorded += g.length;
               auto h = have.find({p.name(), g.offset, g.length});
@@ -170,7 +180,8 @@ absl::StatusOr<VerifyReport> VerifyAgainstSources(client::CoordinatorClient& coo
           res.rank = r;
           res.param = param;
           res.verdict = ParamVerdict::kMissing;
-          res.detail = absl::StrCat("source ", ranges.front().source, " wrote it; the engine's layout has no such "
+          res.detail = absl::StrCat("source ", ranges.front().source,
+                                    " wrote it; the engine's layout has no such "
                                     "parameter");
           rep.params.push_back(std::move(res));
         }

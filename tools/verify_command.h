@@ -22,23 +22,23 @@ struct ParamResult {
   int rank = 0;
   std::string param;
   ParamVerdict verdict = ParamVerdict::kMatch;
-  uint64_t bytes = 0;    // the parameter's size in the engine's layout (0: unknown)
-  std::string detail;    // why it is not a match: the first differing range, or what is missing
+  uint64_t bytes = 0;  // the parameter's size in the engine's layout (0: unknown)
+  std::string detail;  // why it is not a match: the first differing range, or what is missing
 };
 
 struct VerifyReport {
   int64_t version = -1;
-  std::vector<std::string> sources;   // node ids whose checksums were used
-  std::vector<std::string> notes;     // e.g. "source X: update V did not finish there"
-  std::vector<ParamResult> params;    // every (engine, rank, parameter), in engine/rank/layout order
+  std::vector<std::string> sources;  // node ids whose checksums were used
+  std::vector<std::string> notes;    // e.g. "source X: update V did not finish there"
+  std::vector<ParamResult> params;   // every (engine, rank, parameter), in engine/rank/layout order
   int64_t matched = 0, mismatched = 0, missing = 0;
   uint64_t bytes_compared = 0;
   bool ok() const { return mismatched == 0 && missing == 0 && !params.empty(); }
 };
 
 struct VerifyOptions {
-  int64_t version = -1;        // -1: the coordinator's current version
-  std::string engine;          // "": every engine; else an engine id or control address
+  int64_t version = -1;  // -1: the coordinator's current version
+  std::string engine;    // "": every engine; else an engine id or control address
   absl::Duration dial_timeout = absl::Seconds(5);
   absl::Duration call_timeout = absl::Seconds(600);  // hashing a large engine takes a while
 };

@@ -40,7 +40,8 @@ int main(int argc, char** argv) {
   int chunk_kib = 4096;
   app.add_option("--mib", mib, "bytes hashed per round")->check(CLI::Range(1, 1 << 16))->capture_default_str();
   app.add_option("--chunk-kib", chunk_kib, "size of one hashed range (a parameter)")
-      ->check(CLI::Range(1, 1 << 20))->capture_default_str();
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
   app.add_option("--reps", reps, "rounds; the best counts")->check(CLI::Range(1, 1000))->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
@@ -61,12 +62,13 @@ int main(int argc, char** argv) {
     }
   });
   const double copy_s = BestSeconds(reps, [&] {
-    for (size_t at = 0; at < bytes; at += chunk) std::memcpy(dst.data() + at, src.data() + at, std::min(chunk, bytes - at));
+    for (size_t at = 0; at < bytes; at += chunk)
+      std::memcpy(dst.data() + at, src.data() + at, std::min(chunk, bytes - at));
     sink ^= dst[bytes / 2];
   });
   const double hash_gbps = bytes / hash_s / 1e9, copy_gbps = bytes / copy_s / 1e9;
-  std::printf("XXH3-128: %.2f GB/s   memcpy: %.2f GB/s   (%d MiB in %d KiB ranges, best of %d; sink %llx)\n",
-              hash_gbps, copy_gbps, mib, chunk_kib, reps, static_cast<unsigned long long>(sink & 0xff));
+  std::printf("XXH3-128: %.2f GB/s   memcpy: %.2f GB/s   (%d MiB in %d KiB ranges, best of %d; sink %llx)\n", hash_gbps,
+              copy_gbps, mib, chunk_kib, reps, static_cast<unsigned long long>(sink & 0xff));
   nlohmann::ordered_json j = {{"bench", "checksum_xxh3_128_vs_memcpy"},
                               {"value", hash_gbps},
                               {"baseline", copy_gbps},
