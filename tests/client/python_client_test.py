@@ -640,6 +640,15 @@ def run_torch(args, cluster, coord, trainer, specs, version, verify, coord_addr)
         os.close(fd)
     rc, _, _ = wsyncctl_verify(args, coord_addr)
     check(rc == 0, "the byte restored: verify passes again")
+    st = coord.status()
+    engines = [e for n in st.get("nodes", []) for e in n.get("engine_details", [])]
+    check(len(engines) == 1, "one engine registered")
+    rc, out, _ = wsyncctl_verify(args, coord_addr, "--engine", engines[0]["engine_id"], "--all")
+    rows = [l for l in out.splitlines() if " MATCH " in l]
+    check(rc == 0 and len(rows) == n_params, "verify --engine %s --all lists all %d parameters as MATCH"
+          % (engines[0]["engine_id"], len(rows)))
+    rc, _, err = wsyncctl_verify(args, coord_addr, "--engine", "no-such-engine")
+    check(rc == 2 and "no-such-engine" in err, "verify --engine no-such-engine: exit 2 naming it (%d)" % rc)
     rc, _, err = wsyncctl_verify(args, coord_addr, "--version", "999")
     check(rc == 1 and "999" in err and "keeps the last" in err, "verify --version 999: %s" % err.strip()[-200:])
 
