@@ -100,6 +100,13 @@ grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext* ctx, const v1
   return grpc::Status::OK;
 }
 
+grpc::Status NodeDaemonService::GetWriteChecksums(grpc::ServerContext* ctx, const v1::WriteChecksumsRequest* req,
+                                                  v1::WriteChecksumsReply* out) {
+  WSYNC_AUTHORIZE("GetWriteChecksums", {tls::kAdmin, tls::kTrainer});
+  WSYNC_NEED(Source);
+  return Reply(source_->WriteChecksums(req->version()), out);
+}
+
 namespace {
 
 class EngineFacade final : public v1::EngineControl::Service {
@@ -143,9 +150,9 @@ class EngineFacade final : public v1::EngineControl::Service {
     return ToGrpcStatus(absl::FailedPreconditionError(
         absl::StrCat("engine ", id_, " is attached through its target daemon; its ranks attach themselves")));
   }
-  grpc::Status GetChecksums(grpc::ServerContext* ctx, const v1::RankRequest* req, v1::ChecksumReply*) override {
+  grpc::Status GetChecksums(grpc::ServerContext* ctx, const v1::RankRequest* req, v1::ChecksumReply* out) override {
     WSYNC_AUTHORIZE("GetChecksums", {tls::kAdmin, tls::kTrainer});
-    return Unimplemented("GetChecksums");
+    return Reply(t_->Checksums(id_, *req), out);
   }
   grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest* req, v1::VerifyReply*) override {
     WSYNC_AUTHORIZE("Verify", {tls::kAdmin, tls::kTrainer});

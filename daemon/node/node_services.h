@@ -30,6 +30,8 @@ class NodeDaemonService final : public v1::NodeDaemon::Service {
   grpc::Status SetWriteWindow(grpc::ServerContext*, const v1::SetWriteWindowRequest*,
                               v1::SetWriteWindowReply*) override;
   grpc::Status GetNodeStatus(grpc::ServerContext*, const v1::NodeStatusRequest*, v1::NodeStatus*) override;
+  grpc::Status GetWriteChecksums(grpc::ServerContext*, const v1::WriteChecksumsRequest*,
+                                 v1::WriteChecksumsReply*) override;
 
  private:
   grpc::Status NeedSource() const;
@@ -53,8 +55,8 @@ class TrainerIngestService final : public v1::TrainerIngest::Service {
 };
 
 // The EngineControl facade the target daemon serves for one engine whose kind has no EngineControl endpoint of its
-// own (e.g. vllm): every call goes through TargetNode (and so the engine's adapter). Verify and GetChecksums are
-// reference-engine diagnostics and answer Unimplemented.
+// own (e.g. vllm): every call goes through TargetNode (and so the engine's adapter). GetChecksums hashes the engine
+// memory this daemon maps (host segments); Verify is a reference-engine diagnostic and answers Unimplemented.
 std::unique_ptr<grpc::Service> MakeEngineFacade(TargetNode* target, std::string engine_id);
 
 }  // namespace wsync::daemon

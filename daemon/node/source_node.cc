@@ -9,10 +9,15 @@
 #include <fstream>
 #include <cstring>
 #include <optional>
+#include <iterator>
 #include <set>
+#include <tuple>
+
+#include <xxhash.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/checked_size.h"
 #include "base/logging.h"
@@ -619,6 +624,8 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   for (auto& c : completed_) std::fill(c.begin(), c.end(), 0);
   version_ = req.version();
   SetLogUpdateVersion(version_);
+  checksums_[version_] = Recorded{};
+  while (checksums_.size() > kChecksumVersionsKept) checksums_.erase(checksums_.begin());
   update_error_ = absl::OkStatus();
   ended_ranks_.clear();
   // Only ranks lost while this update is open count (a rank whose process ended after the last update may start
@@ -887,7 +894,35 @@ absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& read
     }
     t->outstanding.push_back(*id);
   }
+  // The checksum of every range posted, hashed from the replica while the writes are in flight (ingest_mu_ is held:
+  // no bucket reloads these replica bytes meanwhile); targets of one layout get the same bytes: hashed once.
+  std::vector<v1::WriteChecksum> sums;
+  if (opts_.write_checksums) {
+    std::map<std::tuple<int, int, uint64_t, uint64_t>, std::string> hashed;
+    for (const auto& r : ready) {
+      const replica::EngineParam& p = replica_->table(r.layout).params()[r.param];
+      for (Target* t : targets_by_layout_[r.layout]) {
+        for (const auto& [offset, length] : t->ranges[r.param]) {
+          if (length == 0) continue;
+          std::string& hex = hashed[{r.layout, r.param, offset, length}];
+          if (hex.empty()) {
+            const XXH128_hash_t h = XXH3_128bits(replica_->data(r.layout) + p.offset + offset, length);
+            hex = absl::StrFormat("%016x%016x", h.high64, h.low64);
+          }
+          v1::WriteChecksum& c = sums.emplace_back();
+          c.set_engine_id(t->assignment.engine_id());
+          c.set_rank(t->assignment.rank());
+          c.set_param(p.name);
+          c.set_offset(offset);
+          c.set_length(length);
+          c.set_xxh128(hex);
+        }
+      }
+    }
+  }
   std::lock_guard<std::mutex> l(mu_);
+  if (auto it = checksums_.find(version_); it != checksums_.end())
+    for (auto& c : sums) it->second.writes.push_back(std::move(c));
   for (const auto& r : ready) completed_[r.layout][r.param] = 1;
   bytes_written_ += bytes;
   params_written_ += ready.size();
@@ -990,6 +1025,7 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
     return result;
   }
   last_version_ = v;
+  if (auto it = checksums_.find(v); it != checksums_.end()) it->second.finished = true;
   metrics_.Add("wsync_source_updates_total", {{"result", "ok"}}, 1);
   if (write_seconds_ > 0) metrics_.Set("wsync_source_update_write_gbps", {}, bytes_written_ / write_seconds_ / 1e9);
   v1::FinishUpdateReply out;
@@ -1074,6 +1110,31 @@ v1::NodeStatus SourceNode::Status() const {
   s.set_trainer_ranks(opts_.trainer_ranks);
   s.set_ranks_ended(static_cast<int>(ended_ranks_.size()));
   return s;
+}
+
+}  // namespace wsync::daemon
+
+namespace wsync::daemon {
+
+absl::StatusOr<v1::WriteChecksumsReply> SourceNode::WriteChecksums(int64_t version) const {
+  std::lock_guard<std::mutex> l(mu_);
+  std::vector<std::string> kept;
+  for (const auto& [v, rec] : checksums_) kept.push_back(absl::StrCat(v));
+  auto it = version < 0 ? (checksums_.empty() ? checksums_.end() : std::prev(checksums_.end()))
+                        : checksums_.find(version);
+  if (it == checksums_.end())
+    return absl::NotFoundError(absl::StrCat(
+        "source ", opts_.node_id, " has no write checksums of ", version < 0 ? std::string("any update")
+                                                                             : absl::StrCat("update ", version),
+        " (it keeps the last ", kChecksumVersionsKept, " updates since it started; it has: ",
+        kept.empty() ? std::string("none") : absl::StrJoin(kept, ", "), ")"));
+  v1::WriteChecksumsReply out;
+  out.set_node_id(opts_.node_id);
+  out.set_version(it->first);
+  out.set_finished(it->second.finished);
+  for (const auto& c : it->second.writes) *out.add_writes() = c;
+  for (const auto& [v, rec] : checksums_) out.add_versions_kept(v);
+  return out;
 }
 
 }  // namespace wsync::daemon

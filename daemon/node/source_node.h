@@ -44,6 +44,9 @@ struct SourceOptions {
   // its push, fails the update once it has not come back (a new session for the same local rank) within this time.
   absl::Duration rank_grace = absl::Seconds(5);
   absl::Duration liveness_poll = absl::Milliseconds(200);  // how often trainer processes are checked
+  // Record the XXH3-128 of every byte range written (WriteChecksums, wsyncctl verify): one hash pass over each
+  // update's bytes per replica layout, overlapping the writes in flight.
+  bool write_checksums = true;
 };
 
 // Dials a peer daemon's ConnectTarget (injected so tests can run without gRPC).
@@ -97,6 +100,12 @@ class SourceNode {
                                                          absl::Duration drain_timeout = absl::Seconds(30));
 
   v1::NodeStatus Status() const;
+  // What this source wrote into engine memory in `version` (-1: the newest recorded): per (engine, rank, parameter
+  // byte range) the XXH3-128 of the bytes posted, taken from the replica as each write was posted. The last
+  // kChecksumVersionsKept versions are kept; NotFound names the ones kept for any other. With
+  // SourceOptions::write_checksums off the lists are empty.
+  absl::StatusOr<v1::WriteChecksumsReply> WriteChecksums(int64_t version) const;
+  static constexpr size_t kChecksumVersionsKept = 4;
   // Bytes, params, tensors, buckets by result, updates by result, ingest/write times, sessions (docs/operations.md).
   Metrics& metrics() { return metrics_; }
 
@@ -220,6 +229,12 @@ class SourceNode {
   std::thread watcher_;  // last: started in the constructor once everything it touches exists  // local ranks that finished pushing the open update
   uint64_t bytes_written_ = 0, params_written_ = 0, tensors_received_ = 0;
   double ingest_seconds_ = 0, write_seconds_ = 0;
+  // Per version (newest kChecksumVersionsKept): checksums of every range written, and whether it finished; mu_.
+  struct Recorded {
+    bool finished = false;
+    std::vector<v1::WriteChecksum> writes;
+  };
+  std::map<int64_t, Recorded> checksums_;
   std::map<std::string, Staged> staged_;  // tensors being assembled from slices in the open update (ingest_mu_)
   // One bucket at a time through the replica and the endpoints. Targets' endpoints, outstanding batches and
   // broken state are touched only with it held.

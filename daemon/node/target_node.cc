@@ -1,5 +1,7 @@
 #include "daemon/node/target_node.h"
 
+#include <xxhash.h>
+
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
@@ -20,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/checked_size.h"
 #include "base/dtype.h"
@@ -792,6 +795,56 @@ absl::StatusOr<TargetNode::Engine*> TargetNode::Usable(const std::string& engine
         "; the engine is unusable until it attaches again"));
   }
   return e;
+}
+
+absl::StatusOr<v1::ChecksumReply> TargetNode::Checksums(const std::string& engine_id, const v1::RankRequest& req) {
+  std::lock_guard<std::mutex> l(mu_);
+  WSYNC_ASSIGN_OR_RETURN(Engine * e, Usable(engine_id));
+  if (req.rank() < 0 || req.rank() >= e->num_ranks)
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine ", engine_id, " has ranks [0, ", e->num_ranks, "), not ", req.rank()));
+  const Rank& r = e->ranks[req.rank()];
+  // Segment id → its mapping (host segments are mapped in layout order; cuda ones are not mapped here).
+  std::map<int, const MappedSegment*> host;
+  size_t next = 0;
+  for (const auto& seg : r.layout.segments())
+    if (seg.kind() != "cuda" && next < r.memory.size()) host[seg.id()] = r.memory[next++].get();
+  std::map<std::string, const v1::ParamDesc*> params;
+  for (const auto& p : r.layout.params()) params[p.name()] = &p;
+  v1::ChecksumReply out;
+  out.set_rank(req.rank());
+  auto hash = [&](const v1::ParamDesc& p, uint64_t offset, uint64_t length, bool range) -> absl::Status {
+    auto seg = host.find(p.segment());
+    if (seg == host.end())
+      return absl::FailedPreconditionError(absl::StrCat("engine ", engine_id, " rank ", req.rank(), ": ", p.name(),
+                                                        " is in cuda segment ", p.segment(),
+                                                        ", which this daemon does not map (no checksum)"));
+    if (p.offset() + p.bytes() > seg->second->size())
+      return absl::InternalError(absl::StrCat(p.name(), " lies outside its segment"));
+    const XXH128_hash_t h = XXH3_128bits(seg->second->data() + p.offset() + offset, length);
+    auto* c = out.add_params();
+    c->set_name(p.name());
+    c->set_offset(offset);
+    c->set_bytes(length);
+    c->set_range(range);
+    c->set_xxh128(absl::StrFormat("%016x%016x", h.high64, h.low64));
+    return absl::OkStatus();
+  };
+  if (req.ranges_size() == 0) {
+    for (const auto& p : r.layout.params()) WSYNC_RETURN_IF_ERROR(hash(p, 0, p.bytes(), false));
+    return out;
+  }
+  for (const auto& q : req.ranges()) {
+    auto it = params.find(q.param());
+    if (it == params.end())
+      return absl::NotFoundError(absl::StrCat("engine ", engine_id, " rank ", req.rank(), " has no parameter ",
+                                              q.param()));
+    if (q.offset() > it->second->bytes() || q.length() > it->second->bytes() - q.offset())
+      return absl::InvalidArgumentError(absl::StrCat("range [", q.offset(), ", +", q.length(), ") of ", q.param(),
+                                                     " is outside its ", it->second->bytes(), " bytes"));
+    WSYNC_RETURN_IF_ERROR(hash(*it->second, q.offset(), q.length(), true));
+  }
+  return out;
 }
 
 absl::StatusOr<v1::EngineInfo> TargetNode::EngineInfo(const std::string& engine_id) {

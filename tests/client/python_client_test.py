@@ -4,7 +4,10 @@
 Outer stage (any python3): builds the wheel with `pip wheel` (its pyproject's build requirements, grpcio-tools
 included, installed by pip into an isolated build environment) and installs it into a FRESH venv created for this
 run, offline, from a wheelhouse of pinned versions (pyclient_wheel.PINS) that the harness downloads once from PyPI
-into /var/cache/wsync/pyclient-wheelhouse-<pins>. No libwsync_client_c.so is anywhere on the path.
+into /var/cache/wsync/pyclient-wheelhouse-<pins>. No libwsync_client_c.so is anywhere on the path. PyPI's torch
+(pyclient_wheel.TORCH_PIN, the CUDA build with its runtime wheels, ~4.7 GiB installed) is downloaded and installed
+once into /var/cache/wsync/pyclient-site-<torch>-<python> and put on the venv's path by a .pth file, after the venv's
+own packages: installing it into every fresh venv would cost minutes per run.
 
 Inner stage (the fresh venv's python, `--inner`): starts a tiny local cluster on 127.0.0.1 (coordinator, one reference
 engine at TP 2, one target and one source wsyncd), then
@@ -14,7 +17,13 @@ engine at TP 2, one target and one source wsyncd), then
   * security of the trainer path: a process of another uid (run as `nobody` through setpriv) is refused with a
     message naming its uid and gid; a wrong session id is refused on every TrainerIngest call; the daemon's TCP
     listener does not serve TrainerIngest; a TCP address is refused by the client; a dead socket path fails within
-    the connect timeout, naming the path (Python client and the C++ client through wsync-trainer-demo).
+    the connect timeout, naming the path (Python client and the C++ client through wsync-trainer-demo);
+  * real torch tensors (run_torch): a module's state_dict() in bf16, row views of a fused tensor, a non-contiguous
+    view, column slices through push_slice, named_parameters(); update() aborting mid-push; meta tensors and CUDA
+    tensors in a process without CUDA refused; random torch weights checked by `wsyncctl verify` against the
+    checksums the source recorded (and, independently, replicated norms found byte for byte in each engine rank's
+    memory), then one byte of the engine's memory changed through /proc/PID/fd, which verify must name with its rank;
+    client/python/README.md's block run as written with a torch `model`.
 Exit 0 pass, 1 fail.
 """
 
@@ -32,7 +41,7 @@ import threading
 import time
 import traceback
 
-DEADLINE_S = 120  # the inner stage, cluster start included
+DEADLINE_S = 240  # the inner stage, cluster start and the first torch import included
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 FAILED_PRECONDITION_CODE = 9
@@ -162,13 +171,13 @@ def check(cond, what):
 
 
 
-def readme_quick_use():
-    """The README's Python quick-use block (between the python-quick-use markers)."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+def readme_quick_use(path="README.md", marker="python-quick-use"):
+    """A README's Python block after its `<!-- marker -->` line."""
+    with open(os.path.join(ROOT, path)) as f:
         text = f.read()
-    m = re.search(r"<!-- python-quick-use -->\s*```python\n(.*?)```", text, re.S)
+    m = re.search(r"<!-- %s -->\s*```python\n(.*?)```" % re.escape(marker), text, re.S)
     if not m:
-        raise AssertionError("README.md has no <!-- python-quick-use --> python block")
+        raise AssertionError("%s has no <!-- %s --> python block" % (path, marker))
     return m.group(1)
 
 
@@ -439,6 +448,221 @@ def run(args, cluster, deadline):
         check(trainer._ring._write > trainer._ring.capacity, "the ring wrapped: position %d, capacity %d"
               % (trainer._ring._write, trainer._ring.capacity))
 
+        run_torch(args, cluster, coord, trainer, specs, good + 3, verify, coord_addr)
+
+
+def torch_module(tensors):
+    """A real torch module holding `tensors` (HF name -> tensor) as its parameters, nested as the names say, so that
+    `state_dict()` yields exactly those names."""
+    import torch
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=t.is_floating_point()))
+    return root
+
+
+def step_tensor(name, step, shape):
+    """Step `step`'s bf16 weights of `name` as a torch bfloat16 tensor (the bits the reference engine regenerates)."""
+    import torch
+    return torch.from_numpy(generate_bf16(name, step, shape).view(np.int16)).view(torch.bfloat16)
+
+
+def engine_segments(cluster, rank):
+    """The reference engine's weight memory of one rank, straight from its process: (path, bytes) of each memfd
+    segment (/proc/PID/fd, as root)."""
+    pid = dict(cluster.procs)["engine"].pid
+    out = []
+    for fd in sorted(os.listdir("/proc/%d/fd" % pid), key=int):
+        path = "/proc/%d/fd/%s" % (pid, fd)
+        try:
+            link = os.readlink(path)
+        except OSError:
+            continue
+        if re.search(r"memfd:wsync-engine-.*-r%d-s\d+" % rank, link):
+            with open(path, "rb") as f:
+                out.append((path, f.read()))
+    if not out:
+        raise AssertionError("no memfd segments of engine rank %d in /proc/%d/fd" % (rank, pid))
+    return out
+
+
+def wsyncctl_verify(args, coord_addr, *extra):
+    r = subprocess.run([args.wsyncctl, "verify", "--endpoints", coord_addr] + list(extra), capture_output=True,
+                       text=True, timeout=60)
+    return r.returncode, r.stdout, r.stderr
+
+
+def run_torch(args, cluster, coord, trainer, specs, version, verify, coord_addr):
+    """Real torch tensors through the client: a module's state_dict (bf16), slices and non-contiguous views, the
+    update() context manager aborting mid-push, tensors the client cannot read, and random weights checked by
+    `wsyncctl verify` against the checksums the source recorded — then one engine byte corrupted in the engine's own
+    memory, which verify must name."""
+    import torch
+    t_start = time.monotonic()
+    check(torch.__version__.startswith("2.13.0"), "torch %s from PyPI in the venv (%s)"
+          % (torch.__version__, os.path.dirname(torch.__file__)))
+
+    # 1. push_many(model.state_dict().items()) of a real module holding step `version`'s weights.
+    model = torch_module({n: step_tensor(n, version, s) for n, s in specs.items()})
+    check(all(t.dtype == torch.bfloat16 for t in model.state_dict().values()), "the module's state_dict is bf16")
+    with coord.update(version):
+        names = trainer.begin_push(version)
+        r = trainer.push_many(model.state_dict().items(), names=names)
+        check(r["pushed"] == len(specs) and not r["skipped"], "push_many(model.state_dict().items()): %s" % r)
+        trainer.end_push(version)
+    check(coord.last_record.get("success") is True, "torch update %d committed" % version)
+    verify(version)
+    state_version = version
+
+    # 2. Slices of torch tensors: q/k/v as row views of one fused qkv tensor (contiguous views at a storage offset),
+    # gate_proj transposed twice (a non-contiguous view: copied contiguous by the client, as documented), up_proj as
+    # two column halves (non-contiguous views) through push_slice, named_parameters() for the rest.
+    version += 1
+    w = {n: step_tensor(n, version, s) for n, s in specs.items()}
+    with coord.update(version):
+        names = set(trainer.begin_push(version))
+        done = set()
+        for layer in sorted({n.split(".")[2] for n in specs if n.startswith("model.layers.")}, key=int):
+            p = "model.layers.%s." % layer
+            q, k, v = (p + "self_attn.%s_proj.weight" % x for x in "qkv")
+            qkv = torch.cat([w[q], w[k], w[v]])
+            rows = [w[q].shape[0], w[k].shape[0], w[v].shape[0]]
+            for name, part in zip((q, k, v), torch.split(qkv, rows)):
+                assert part.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()  # a view, no copy
+                trainer.push(name, part)
+            gate = w[p + "mlp.gate_proj.weight"].t().contiguous().t()
+            assert not gate.is_contiguous()
+            trainer.push(p + "mlp.gate_proj.weight", gate)
+            up = w[p + "mlp.up_proj.weight"].clone()
+            half = up.shape[1] // 2
+            trainer.push_slice(p + "mlp.up_proj.weight", up[:, half:], up.shape, [0, half])
+            trainer.push_slice(p + "mlp.up_proj.weight", up[:, :half], up.shape, [0, 0])
+            done |= {q, k, v, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}
+        rest = torch_module({n: t for n, t in w.items() if n not in done})
+        r = trainer.push_many(rest.named_parameters(), names=sorted(names - done))
+        trainer.end_push(version)
+    check(coord.last_record.get("success") is True and r["pushed"] == len(specs) - len(done),
+          "update %d: fused-qkv row views, a non-contiguous gate_proj, column-half push_slice of up_proj, "
+          "named_parameters() for the other %d" % (version, r["pushed"]))
+    verify(version)
+
+    # 3. Tensors the client cannot read are refused before anything enters the ring, naming the tensor.
+    from wsync_client import WsyncError
+    try:
+        trainer.push("model.norm.weight", torch.empty(specs["model.norm.weight"], dtype=torch.bfloat16,
+                                                      device="meta"))
+        check(False, "a meta tensor is refused")
+    except WsyncError as e:
+        check(e.code == 3 and "model.norm.weight" in e.message and "meta" in e.message, "meta tensor: %s" % e)
+    if torch.cuda.is_available():
+        print("skip: a CUDA device is present; the refusal of CUDA tensors without one is checked on CPU-only hosts")
+    else:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode():  # a tensor that says it is on cuda:0, as a GPU-less process cannot make a real one
+            fake = torch.empty(specs["model.norm.weight"], dtype=torch.bfloat16, device="cuda")
+        try:
+            trainer.push("model.norm.weight", fake)
+            check(False, "a CUDA tensor is refused without a CUDA device")
+        except WsyncError as e:
+            check(e.code == 3 and "model.norm.weight" in e.message and "cuda" in e.message
+                  and "is_available" in e.message, "CUDA tensor on a GPU-less host: %s" % e)
+
+    # 4. update() aborts on an exception raised while torch tensors are being pushed (after some went out).
+    version += 1
+    try:
+        with coord.update(version):
+            names = trainer.begin_push(version)
+            for k, (n, t) in enumerate(model.state_dict().items()):
+                if k == len(names) // 2:
+                    trainer.flush()  # half the tensors handed over (and written): partial writes
+                    raise FloatingPointError("loss is inf at step %d" % version)
+                trainer.push(n, t)
+    except FloatingPointError:
+        pass
+    last = coord.history(1)[-1]
+    check(last["version"] == version and last.get("aborted") is True and "loss is inf" in last["error"],
+          "torch update %d aborted by the exception: %s" % (version, last.get("error")))
+
+    # 5. Random weights (no generator can regenerate them): verified against the checksums the source recorded.
+    version += 1
+    gen = torch.Generator().manual_seed(1234)
+    rand = {n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for n, s in specs.items()}
+    with coord.update(version):
+        trainer.push_update(version, torch_module(rand).state_dict().items())
+    check(coord.last_record.get("success") is True, "update %d of random torch weights committed" % version)
+    rc, out, err = wsyncctl_verify(args, coord_addr)
+    check(rc == 0 and out.strip().splitlines()[-1].startswith("verified: update %d" % version),
+          "wsyncctl verify: random weights MATCH the source's checksums (rc %d): %s%s"
+          % (rc, out.strip().splitlines()[-1] if out.strip() else "", err.strip()[-300:]))
+    rc, out, _ = wsyncctl_verify(args, coord_addr, "-w", "json")
+    doc = json.loads(out) if rc == 0 else {}
+    n_params = len(doc.get("params", []))
+    check(rc == 0 and doc["ok"] and doc["missing"] == 0 and doc["mismatched"] == 0 and n_params == doc["matched"]
+          and {p["rank"] for p in doc["params"]} == {0, 1} and doc["version"] == version,
+          "verify -w json: %d parameters on ranks 0 and 1 MATCH, none missing" % n_params)
+    # Independently of any checksum: replicated parameters (norms) sit in each rank's memory byte for byte.
+    norms = [n for n in specs if n.endswith("norm.weight")]
+    for rank in (0, 1):
+        mem = b"".join(data for _, data in engine_segments(cluster, rank))
+        found = [n for n in norms if rand[n].view(torch.int16).numpy().tobytes() in mem]
+        check(found == norms, "engine rank %d holds the %d norm tensors' exact bytes" % (rank, len(norms)))
+    rc, out, _ = wsyncctl_verify(args, coord_addr, "--version", str(state_version))
+    check(rc == 1 and "MISMATCH" in out, "verify --version %d (older weights, still recorded) fails: the engine "
+          "holds update %d's (rc %d)" % (state_version, version, rc))
+
+    # One byte of the engine's own memory changed (rank 1, inside model.norm.weight): verify names it and the rank.
+    victim = "model.norm.weight"
+    want = rand[victim].view(torch.int16).numpy().tobytes()
+    hits = [(path, data.find(want)) for path, data in engine_segments(cluster, 1) if data.find(want) >= 0]
+    check(len(hits) == 1, "%s found once in engine rank 1's memory" % victim)
+    path, at = hits[0]
+    fd = os.open(path, os.O_RDWR)
+    try:
+        old = os.pread(fd, 1, at + 5)
+        os.pwrite(fd, bytes([old[0] ^ 0x40]), at + 5)
+        rc, out, err = wsyncctl_verify(args, coord_addr)
+        bad = [l for l in out.splitlines() if " MISMATCH " in l and not l.startswith("FAILED")]
+        check(rc == 1 and len(bad) == 1 and victim in bad[0] and re.search(r"\s1\s+MISMATCH", bad[0]) is not None
+              and out.strip().splitlines()[-1].startswith("FAILED"),
+              "a corrupted byte: verify exits 1 naming the parameter and rank: %s" % (bad or out[-300:]))
+        rc, out, _ = wsyncctl_verify(args, coord_addr, "-w", "json")
+        doc = json.loads(out)
+        check(rc == 1 and [(p["rank"], p["param"]) for p in doc["params"] if p["result"] == "MISMATCH"]
+              == [(1, victim)] and doc["mismatched"] == 1, "verify -w json: exactly rank 1 %s MISMATCH" % victim)
+        os.pwrite(fd, old, at + 5)
+    finally:
+        os.close(fd)
+    rc, _, _ = wsyncctl_verify(args, coord_addr)
+    check(rc == 0, "the byte restored: verify passes again")
+    st = coord.status()
+    engines = [e for n in st.get("nodes", []) for e in n.get("engine_details", [])]
+    check(len(engines) == 1, "one engine registered")
+    rc, out, _ = wsyncctl_verify(args, coord_addr, "--engine", engines[0]["engine_id"], "--all")
+    rows = [l for l in out.splitlines() if " MATCH " in l]
+    check(rc == 0 and len(rows) == n_params, "verify --engine %s --all lists all %d parameters as MATCH"
+          % (engines[0]["engine_id"], len(rows)))
+    rc, _, err = wsyncctl_verify(args, coord_addr, "--engine", "no-such-engine")
+    check(rc == 2 and "no-such-engine" in err, "verify --engine no-such-engine: exit 2 naming it (%d)" % rc)
+    rc, _, err = wsyncctl_verify(args, coord_addr, "--version", "999")
+    check(rc == 1 and "999" in err and "keeps the last" in err, "verify --version 999: %s" % err.strip()[-200:])
+
+    # client/python/README.md's block, as written: it is given a torch module as `model` (step 100's weights).
+    readme_step = 100
+    check(version < readme_step, "the client README's step %d is newer than update %d" % (readme_step, version))
+    scope = {"model": torch_module({n: step_tensor(n, readme_step, s) for n, s in specs.items()})}
+    exec(compile(readme_quick_use("client/python/README.md", "python-client-quick-use"),
+                 "client/python/README.md:python-client-quick-use", "exec"), scope)
+    check(scope["coord"].last_record.get("success") is True, "the client README's block committed update %d"
+          % readme_step)
+    verify(readme_step)
+    print("ok: torch checks took %.1f s" % (time.monotonic() - t_start))
+
 
 def prepare(args, work):
     """Wheel built, fresh venv with it installed (offline, from the pinned wheelhouse); returns the venv's python."""
@@ -453,6 +677,9 @@ def prepare(args, work):
                    env=pw.offline_env(pw.wheelhouse(args.cache)))
     print("ok: built %s and installed it into a fresh venv in %.1f s" % (os.path.basename(wheel),
                                                                        time.monotonic() - t0))
+    t0 = time.monotonic()
+    pw.add_to_venv(py, pw.torch_site(py, cache=args.cache))
+    print("ok: %s on the venv's path in %.1f s" % (pw.TORCH_PIN, time.monotonic() - t0))
     return py
 
 

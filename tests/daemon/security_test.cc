@@ -75,6 +75,7 @@ const std::map<std::string, std::set<std::string>>& RoleTable() {
       {"wsync.v1.NodeDaemon/SetWriteWindow", {"coordinator"}},
       {"wsync.v1.NodeDaemon/ConnectTarget", {"source"}},
       {"wsync.v1.NodeDaemon/GetNodeStatus", {"*"}},
+      {"wsync.v1.NodeDaemon/GetWriteChecksums", {"admin", "trainer"}},
       {"wsync.v1.EngineControl/GetInfo", {"*"}},
       {"wsync.v1.EngineControl/GetParallelism", {"*"}},
       {"wsync.v1.EngineControl/GetWeightLayout", {"*"}},

@@ -12,6 +12,10 @@
 #include <string>
 #include <vector>
 
+#include <sys/wait.h>
+
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/match.h"
 #include "client/coordinator_client.h"
 #include "client/trainer_client.h"
@@ -137,6 +141,28 @@ TEST_CASE("shard: trainer TP=2 / EP=2 ranks push only their shards; the engine v
   };
   good_update(1);
   good_update(2);
+  {
+    // wsyncctl verify gathers the byte ranges both sources recorded writing (a shard-aware plan: ranges, not whole
+    // parameters) and compares them with the engine's hashes of the same ranges of its memory.
+    const std::string out = cl.dir() + "/verify.json";
+    const int rc = std::system((std::string(kBin) + "/wsyncctl verify --endpoints " + cl.coordinator +
+                                " -w json > " + out + " 2>&1").c_str());
+    const std::string doc = testing::ReadFile(out);
+    INFO(doc);
+    REQUIRE(WIFEXITED(rc));
+    CHECK(WEXITSTATUS(rc) == 0);
+    auto j = nlohmann::json::parse(doc, nullptr, false);
+    REQUIRE_FALSE(j.is_discarded());
+    CHECK(j["ok"] == true);
+    CHECK(j["version"] == 2);
+    CHECK(j["sources"].size() == 2);
+    CHECK(j["matched"].get<int64_t>() > 0);
+    CHECK(j["mismatched"] == 0);
+    CHECK(j["missing"] == 0);
+    const int wrong = std::system((std::string(kBin) + "/wsyncctl verify --endpoints " + cl.coordinator +
+                                   " --version 1 > /dev/null 2>&1").c_str());
+    CHECK(WEXITSTATUS(wrong) == 1);  // the engine holds update 2's weights, not 1's
+  }
   const auto before = Checksums(cl.engines[0], 2);
 
   // Bad slices: each fails its bucket, naming the tensor and the ranges; nothing reaches the engine.

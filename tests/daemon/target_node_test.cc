@@ -24,7 +24,11 @@
 #include <grpcpp/grpcpp.h>
 #include <nlohmann/json.hpp>
 
+#define XXH_INLINE_ALL  // the test's own copy of the hash: nothing shared with the daemon's build of it
+#include <xxhash.h>
+
 #include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
 #include "base/fd_passing.h"
 #include "daemon/node/target_node.h"
 #include "transport/transport.h"
@@ -225,6 +229,76 @@ TEST_CASE("target: two ranks attach two segments each; registration has one desc
     CHECK(l.params(2).segment() == 7);
   }
   CHECK(f.node->EngineInfo("fake0")->model_config_json() == "{\"architectures\":[\"X\"]}");
+}
+
+std::string Xxh128(const uint8_t* p, size_t n) {
+  const XXH128_hash_t h = XXH3_128bits(p, n);
+  return absl::StrFormat("%016x%016x", h.high64, h.low64);
+}
+
+TEST_CASE("target: checksums of whole parameters and byte ranges come from the engine's memory (wsyncctl verify)") {
+  Fixture f;
+  f.Start();
+  std::vector<uint8_t*> maps;  // the engine's own mappings of its two segments
+  REQUIRE(f.Add(1, [&](const AttachInfo& info) {
+            RankConn c = RankConn::Connect(info.socket_path);
+            c.segments = TwoSegments();
+            for (const auto& s : c.segments) {
+              void* p = mmap(nullptr, s.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s.fd.get(), 0);
+              REQUIRE(p != MAP_FAILED);
+              maps.push_back(static_cast<uint8_t*>(p));
+            }
+            for (uint64_t i = 0; i < 4096; ++i) maps[0][i] = static_cast<uint8_t>(i * 7 + 3);
+            for (uint64_t i = 0; i < 1024; ++i) maps[1][i] = static_cast<uint8_t>(i * 13 + 1);
+            REQUIRE(c.Attach(AttachMessage(info, 0, 1)).value("ok", false));
+            f.conns.push_back(std::move(c));
+            return absl::OkStatus();
+          }).ok());
+  auto whole = f.node->Checksums("fake0", v1::RankRequest());
+  REQUIRE(whole.ok());
+  REQUIRE(whole->params_size() == 3);
+  CHECK(whole->params(0).name() == "a.weight");
+  CHECK(whole->params(0).xxh128() == Xxh128(maps[0], 64));
+  CHECK(whole->params(1).xxh128() == Xxh128(maps[0] + 256, 16));
+  CHECK(whole->params(2).xxh128() == Xxh128(maps[1], 16));
+  CHECK_FALSE(whole->params(2).range());
+
+  v1::RankRequest req;
+  auto* r = req.add_ranges();
+  r->set_param("a.weight");
+  r->set_offset(8);
+  r->set_length(16);
+  r = req.add_ranges();
+  r->set_param("c.weight");
+  r->set_offset(0);
+  r->set_length(16);
+  auto ranges = f.node->Checksums("fake0", req);
+  REQUIRE(ranges.ok());
+  REQUIRE(ranges->params_size() == 2);
+  CHECK(ranges->params(0).range());
+  CHECK(ranges->params(0).offset() == 8);
+  CHECK(ranges->params(0).bytes() == 16);
+  CHECK(ranges->params(0).xxh128() == Xxh128(maps[0] + 8, 16));
+  const std::string c_before = ranges->params(1).xxh128();
+
+  maps[1][5] ^= 0x40;  // one byte of c.weight changed by the engine
+  auto after = f.node->Checksums("fake0", req);
+  REQUIRE(after.ok());
+  CHECK(after->params(0).xxh128() == ranges->params(0).xxh128());
+  CHECK(after->params(1).xxh128() != c_before);
+  CHECK(after->params(1).xxh128() == Xxh128(maps[1], 16));
+
+  req.mutable_ranges(1)->set_length(17);  // past the end of c.weight's 16 bytes
+  auto outside = f.node->Checksums("fake0", req);
+  CHECK(outside.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(outside.status().message(), "c.weight"));
+  req.mutable_ranges(1)->set_param("nope.weight");
+  CHECK(f.node->Checksums("fake0", req).status().code() == absl::StatusCode::kNotFound);
+  v1::RankRequest bad_rank;
+  bad_rank.set_rank(1);
+  CHECK(f.node->Checksums("fake0", bad_rank).status().code() == absl::StatusCode::kInvalidArgument);
+  munmap(maps[0], 4096);
+  munmap(maps[1], 1024);
 }
 
 TEST_CASE("target: attach validation refuses bad messages with a reason") {

@@ -22,6 +22,7 @@
 #include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
 #include "tools/cli/plan_command.h"
+#include "tools/cli/verify_command.h"
 
 using namespace wsync;
 
@@ -246,11 +247,20 @@ int main(int argc, char** argv) {
   auto* history = app.add_subcommand("history", "past updates with per-phase timings");
   int limit = 20;
   history->add_option("-n,--limit", limit, "most recent N updates");
-  auto* verify = app.add_subcommand("verify", "ask a reference engine to verify its weights against a step");
+  auto* verify = app.add_subcommand(
+      "verify",
+      "compare every engine rank's parameters with the checksums the sources recorded writing them (real weights; "
+      "exit 0 all MATCH, 1 any MISMATCH or MISSING); --synthetic: a reference engine regenerates a step's weights");
   std::string engine;
-  int64_t step = 0;
-  verify->add_option("--engine", engine, "engine control address")->required();
-  verify->add_option("--step", step, "generation step the weights should equal")->required();
+  int64_t step = -1, verify_version = -1;
+  bool synthetic = false, verify_all = false;
+  verify->add_option("--engine", engine,
+                     "engine id or control address (checksums: only this engine; --synthetic: required)");
+  verify->add_option("--version", verify_version, "the update to check (default: the coordinator's current version)");
+  verify->add_option("--step", step, "with --synthetic: the generation step the weights should equal");
+  verify->add_flag("--synthetic", synthetic, "ask the reference engine to regenerate synthetic weights (wsync-"
+                   "trainer-demo's) and compare (implied by --step)");
+  verify->add_flag("--all", verify_all, "table: list matching parameters too (mismatches and missing ones always)");
   auto* checksums = app.add_subcommand("checksums", "per-parameter checksums of one engine rank");
   int rank = 0;
   checksums->add_option("--engine", engine, "engine control address")->required();
@@ -331,6 +341,52 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   if (*watch) return RunWatch(endpoint, dt, json, interval, watch_for, once);
+  if (*verify && (synthetic || step >= 0)) {
+    if (engine.empty() || step < 0) {
+      std::fprintf(stderr, "Error: verify --synthetic needs --engine ADDRESS and --step N\n");
+      return kExitUsage;
+    }
+  } else if (*verify) {
+    client::CoordinatorClient c(endpoint, dt);
+    tools::VerifyOptions vo;
+    vo.version = verify_version;
+    vo.engine = engine;
+    vo.dial_timeout = dt;
+    auto r = tools::VerifyAgainstSources(c, vo);
+    if (!r.ok()) return ExitFor(r.status());
+    if (json) {
+      nlohmann::json j;
+      j["version"] = r->version;
+      j["ok"] = r->ok();
+      j["sources"] = r->sources;
+      j["notes"] = r->notes;
+      j["matched"] = r->matched;
+      j["mismatched"] = r->mismatched;
+      j["missing"] = r->missing;
+      j["bytes_compared"] = r->bytes_compared;
+      j["params"] = nlohmann::json::array();
+      for (const auto& p : r->params)
+        j["params"].push_back({{"engine_id", p.engine_id}, {"rank", p.rank}, {"param", p.param},
+                               {"result", tools::VerdictName(p.verdict)}, {"bytes", p.bytes}, {"detail", p.detail}});
+      std::printf("%s\n", j.dump(2).c_str());
+    } else {
+      for (const auto& n : r->notes) std::printf("note: %s\n", n.c_str());
+      std::printf("%-16s %-5s %-9s %-12s %s\n", "ENGINE", "RANK", "RESULT", "BYTES", "PARAMETER");
+      for (const auto& p : r->params) {
+        if (p.verdict == tools::ParamVerdict::kMatch && !verify_all) continue;
+        std::printf("%-16s %-5d %-9s %-12llu %s%s%s\n", p.engine_id.c_str(), p.rank, tools::VerdictName(p.verdict),
+                    static_cast<unsigned long long>(p.bytes), p.param.c_str(), p.detail.empty() ? "" : ": ",
+                    p.detail.c_str());
+      }
+      std::printf("%s: update %lld, %lld parameters MATCH, %lld MISMATCH, %lld MISSING (%.1f MiB compared; "
+                  "checksums from %zu sources)\n",
+                  r->ok() ? "verified" : "FAILED", static_cast<long long>(r->version),
+                  static_cast<long long>(r->matched), static_cast<long long>(r->mismatched),
+                  static_cast<long long>(r->missing), r->bytes_compared / 1048576.0, r->sources.size());
+    }
+    return r->ok() ? kExitOk : kExitServer;
+  }
+
   if (*remove) {
     client::CoordinatorClient c(endpoint, dt);
     auto r = c.RemoveNode(remove_id);

@@ -53,8 +53,14 @@ def _describe(name: str, array: Any, dtype: Optional[str]):
         if DTYPE_SIZES[dt] != t.element_size():
             raise WsyncError(INVALID_ARGUMENT, "tensor %s: dtype %s has %d-byte elements, the tensor (%s) %d"
                              % (name, dt, DTYPE_SIZES[dt], t.dtype, t.element_size()))
+        if t.device.type == "meta":
+            raise WsyncError(INVALID_ARGUMENT, "tensor %s is on the meta device and has no data (a module built "
+                             "with device='meta' must be materialized and loaded first)" % name)
         if t.device.type not in ("cpu", "cuda"):
             raise WsyncError(INVALID_ARGUMENT, "tensor %s is on %s; push CPU or CUDA tensors" % (name, t.device))
+        if t.device.type == "cuda" and not torch.cuda.is_available():
+            raise WsyncError(INVALID_ARGUMENT, "tensor %s is on %s but this process has no usable CUDA device "
+                             "(torch.cuda.is_available() is False): move it to the CPU first" % (name, t.device))
         nbytes = t.numel() * t.element_size()
 
         def fill(slot: memoryview) -> None:
@@ -63,8 +69,10 @@ def _describe(name: str, array: Any, dtype: Optional[str]):
             dst = torch.frombuffer(slot, dtype=torch.uint8, count=nbytes)
             # One copy into the ring: a contiguous CPU tensor's bytes directly, a CUDA tensor's by torch's
             # device-to-host copy straight into the slot (a non-contiguous tensor is made contiguous first).
-            src = t if t.is_contiguous() else t.contiguous()
-            dst.copy_(src.reshape(-1).view(torch.uint8))
+            with torch.no_grad():  # parameters (requires_grad) are read, never recorded in an autograd graph
+                src = t.detach()
+                src = src if src.is_contiguous() else src.contiguous()
+                dst.copy_(src.reshape(-1).view(torch.uint8))
         return dt, tuple(t.shape), nbytes, fill
 
     try:

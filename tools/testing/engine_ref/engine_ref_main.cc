@@ -15,6 +15,7 @@
 #include <csignal>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -261,6 +262,29 @@ class EngineService final : public pb::EngineControl::Service {
     out->set_rank(req->rank());
     const RankMemory& mem = *memory_[req->rank()];
     const auto& params = layouts_[req->rank()].params;
+    if (req->ranges_size() > 0) {  // byte ranges of parameters (what a source recorded writing), in request order
+      std::map<std::string, size_t> index;
+      for (size_t i = 0; i < params.size(); ++i) index[params[i].name] = i;
+      for (const auto& r : req->ranges()) {
+        auto it = index.find(r.param());
+        if (it == index.end())
+          return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                              absl::StrCat("rank ", req->rank(), " has no parameter ", r.param()));
+        const uint64_t bytes = params[it->second].bytes;
+        if (r.offset() > bytes || r.length() > bytes - r.offset())
+          return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              absl::StrCat("range [", r.offset(), ", +", r.length(), ") of ", r.param(),
+                                           " is outside its ", bytes, " bytes"));
+        XXH128_hash_t h = XXH3_128bits(mem.at(it->second) + r.offset(), r.length());
+        auto* c = out->add_params();
+        c->set_name(r.param());
+        c->set_offset(r.offset());
+        c->set_bytes(r.length());
+        c->set_range(true);
+        c->set_xxh128(absl::StrFormat("%016x%016x", h.high64, h.low64));
+      }
+      return grpc::Status::OK;
+    }
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& p = params[i];
       XXH128_hash_t h = XXH3_128bits(mem.at(i), p.bytes);
