@@ -1161,7 +1161,7 @@ absl::StatusOr<v1::DrainReply> Coordinator::Drain(const v1::DrainRequest& req, b
   if (changed) {
     ++membership_epoch_;  // the next update re-plans: the affected group only
     Persist();
-    spdlog::warn("{} {}d by the operator; membership epoch {}", what, verb, membership_epoch_);
+    spdlog::warn("{} {} by the operator; membership epoch {}", what, drain ? "drained" : "undrained", membership_epoch_);
   }
   out.set_membership_epoch(membership_epoch_);
   return out;
