@@ -936,6 +936,7 @@ bool Coordinator::CheckLeases() {
     const absl::Duration limit = absl::Seconds(3 * opts_.heartbeat_seconds);
     const absl::Time now = absl::Now();
     for (const auto& [id, n] : nodes_) {
+      if (TargetOutOfUpdates(n)) continue;  // drained: the update does not need it
       auto hb = last_heartbeat_.find(id);
       const absl::Duration ago = hb == last_heartbeat_.end() ? absl::InfiniteDuration() : now - hb->second;
       if (ago <= limit) continue;
@@ -962,7 +963,7 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::stri
   {
     std::lock_guard<std::mutex> l(mu_);
     for (const auto& [id, n] : nodes_) {
-      if (n.role() != "target" || n.address() == skip_address) continue;
+      if (n.role() != "target" || n.address() == skip_address || TargetOutOfUpdates(n)) continue;
       v1::SetWriteWindowRequest& r = reqs[n.address()];
       r.set_open(open);
       r.set_version(version);

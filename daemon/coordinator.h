@@ -193,6 +193,13 @@ class Coordinator {
   bool EngineDrained(const std::string& node_id, const std::string& engine_id) const {
     return drained_engines_.count(engine_id) > 0 || drained_nodes_.count(node_id) > 0;
   }
+  // A target node none of whose engines takes part in updates: not told to open windows, its lease not checked.
+  bool TargetOutOfUpdates(const v1::RegisterNodeRequest& n) const {
+    if (n.role() != "target" || n.engines_size() == 0) return false;
+    for (const auto& e : n.engines())
+      if (!EngineDrained(n.node_id(), e.engine_id())) return false;
+    return true;
+  }
   // The terminal result of one version: its reply when it committed, else the error it failed with.
   struct Outcome {
     absl::Status status;
