@@ -415,6 +415,34 @@ TEST_CASE("cluster: a DeepSeek-V3-shaped MLA + MoE engine (tp2 ep2) behind a bal
   CHECK_FALSE(Verify(cl.engines[0], 1).ok());
 }
 
+// The same model FP8 block-quantized (16x16 blocks): every MLA projection, dense MLP, shared and routed expert as fp8
+// codes with float32 block scales (per expert, the up half's scales in their own block rows), the four FP8 KV-cache
+// scales of SGLang's MLA attention modules; router, norms and embeddings stay bf16. The sources quantize the bf16
+// pushes; the engine checks with its own encoder.
+TEST_CASE("cluster: a DeepSeek-V3-shaped FP8 engine (tp2 ep2): MLA, shared and routed experts block-quantized by the "
+          "sources; verified by the engine's own encoder") {
+  ClusterOptions o;
+  o.bin_dir = kBin;
+  o.model = WSYNC_TINY_MLA_FP8_MODEL;
+  o.transport = TransportUnderTest();
+  o.engines = 1;
+  o.ep = 2;
+  o.sources = 2;
+  o.trainer_ranks = 1;
+  o.coordinator_args = {"--strategy", "balanced", "--min-source-mib", "0", "--snap-kib", "0"};
+  Cluster cl(o);
+  INFO("cluster logs in " << cl.dir());
+  RunTrainers(cl, o, 2);
+  client::CoordinatorClient coord(cl.coordinator);
+  auto st = coord.Status();
+  REQUIRE(st.ok());
+  CHECK(st->current_version() == "2");
+  auto v = Verify(cl.engines[0], 2);
+  CHECK(v.ok());
+  CHECK(v.params_checked() > 0);
+  CHECK_FALSE(Verify(cl.engines[0], 1).ok());
+}
+
 // DeepSeek-V2-Lite-shaped MLA without q_lora (q_proj and kv_a_proj_with_mqa as separate parameters), greedy routing
 // (no correction bias), tp2 without expert parallelism, a PP=2 trainer.
 TEST_CASE("cluster: a DeepSeek-V2-Lite-shaped MLA engine (no q_lora, tp2) with a PP=2 trainer; verified") {

@@ -2,9 +2,10 @@
 // The reference engine's own model code: its parameter layout in SGLang's layout and a deliberately naive loader
 // that computes the expected bytes of every parameter from full HF tensors. It shares nothing with replica/ on
 // purpose: it is the independent expectation that transferred weights are checked against.
-// Supports the dense families (Llama, Qwen2, Qwen3, also FP8 block-quantized), Qwen3-MoE (stacked experts, expert
-// parallelism) and DeepSeek-V2/V3 (MLA attention with or without q_lora, dense first layers, routed experts plus
-// unfused shared experts, router correction bias).
+// Supports the dense families (Llama, Qwen2, Qwen3), Qwen3-MoE (stacked experts, expert parallelism) and
+// DeepSeek-V2/V3 (MLA attention with or without q_lora, dense first layers, routed experts plus unfused shared
+// experts, router correction bias), each also FP8 block-quantized (linear and expert weights as e4m3 codes with
+// float32 block scales; MLA adds SGLang's four float32 KV-cache scales, 1.0).
 
 #include <cstdint>
 #include <string>
