@@ -553,8 +553,19 @@ TEST_CASE("cluster: an engine joins: only its group is re-planned; drain and und
   for (const auto& e : cl.engines) CHECK(Verify(e, 2).ok());
   CHECK(s2.source_plan_epochs_size() == 2);
 
-  // Drain engine1 and source node train1 with the CLI.
+  // Refused while an update is open, with the reason; the update is then aborted (nothing written) and the engines
+  // resumed at version 2.
   const std::string ctl = std::string(kBin) + "/wsyncctl";
+  REQUIRE(coord.BeginUpdate(3).ok());
+  CHECK(cl.Run("drain-open", {ctl, "--endpoints", cl.coordinator, "drain", "engine1"}, std::chrono::seconds(30)) != 0);
+  CHECK(absl::StrContains(cl.Log("drain-open"), "drain between updates"));
+  auto aborted = coord.AbortUpdate(3, "drain test");
+  REQUIRE(aborted.ok());
+  REQUIRE(aborted->engines_resumable());
+  REQUIRE(coord.ResumeEngines().ok());
+  CHECK(!EngineIn(status(), "engine1")->drained());
+
+  // Drain engine1 and source node train1 with the CLI.
   CHECK(cl.Run("drain-engine1", {ctl, "--endpoints", cl.coordinator, "drain", "engine1"}, std::chrono::seconds(30)) == 0);
   CHECK(cl.Run("drain-train1", {ctl, "--endpoints", cl.coordinator, "drain", "train1"}, std::chrono::seconds(30)) == 0);
   CHECK(cl.Run("drain-nobody", {ctl, "--endpoints", cl.coordinator, "drain", "nobody"}, std::chrono::seconds(30)) != 0);
@@ -568,18 +579,18 @@ TEST_CASE("cluster: an engine joins: only its group is re-planned; drain and und
     CHECK(EngineIn(s, "engine1")->state() == "drained");
     CHECK(EngineIn(s, "engine1")->weight_version() == "2");
   }
-  REQUIRE(RunUpdates(cl, o, 3, 1, {cl.engines[0], cl.engines[2]}));
+  REQUIRE(RunUpdates(cl, o, 4, 1, {cl.engines[0], cl.engines[2]}));
   {
     const v1::ClusterStatus s3 = status();
-    CHECK(s3.current_version() == "3");
+    CHECK(s3.current_version() == "4");
     CHECK(PlanOf(s3, "engine1").empty());
     for (const auto& t : s3.plan()) CHECK(t.source_node() == "train0");
-    CHECK(Verify(cl.engines[0], 3).ok());
-    CHECK(Verify(cl.engines[2], 3).ok());
+    CHECK(Verify(cl.engines[0], 4).ok());
+    CHECK(Verify(cl.engines[2], 4).ok());
     // The drained engine was neither paused nor written: it still serves version 2, whole, under its label.
     auto v2 = Verify(cl.engines[1], 2);
     CHECK(v2.ok());
-    CHECK_FALSE(Verify(cl.engines[1], 3).ok());
+    CHECK_FALSE(Verify(cl.engines[1], 4).ok());
     const v1::EngineInfo info = Info(cl.engines[1]);
     CHECK(info.weight_version() == "2");
     CHECK_FALSE(info.paused());
@@ -589,13 +600,13 @@ TEST_CASE("cluster: an engine joins: only its group is re-planned; drain and und
   // Undrain both; the next update writes engine1 whole again.
   CHECK(cl.Run("undrain-engine1", {ctl, "--endpoints", cl.coordinator, "undrain", "engine1"}, std::chrono::seconds(30)) == 0);
   CHECK(cl.Run("undrain-train1", {ctl, "--endpoints", cl.coordinator, "undrain", "train1"}, std::chrono::seconds(30)) == 0);
-  REQUIRE(RunUpdates(cl, o, 4, 1, cl.engines));
+  REQUIRE(RunUpdates(cl, o, 5, 1, cl.engines));
   const v1::ClusterStatus s4 = status();
-  CHECK(s4.current_version() == "4");
+  CHECK(s4.current_version() == "5");
   CHECK(!PlanOf(s4, "engine1").empty());
-  for (const auto& e : cl.engines) CHECK(Verify(e, 4).ok());
+  for (const auto& e : cl.engines) CHECK(Verify(e, 5).ok());
   CHECK(EngineIn(s4, "engine1")->state() == "serving");
-  CHECK(EngineIn(s4, "engine1")->weight_version() == "4");
+  CHECK(EngineIn(s4, "engine1")->weight_version() == "5");
 }
 
 TEST_CASE("cluster: an engine that stops answering fails the update within the configured pause deadline, named") {
