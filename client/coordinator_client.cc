@@ -127,6 +127,14 @@ absl::StatusOr<v1::RemoveNodeReply> CoordinatorClient::RemoveNode(const std::str
   return Invoke(&v1::Coordinator::Stub::RemoveNode, req, dial_timeout_);
 }
 
+absl::StatusOr<v1::DrainReply> CoordinatorClient::Drain(const std::string& engine_id, const std::string& node_id,
+                                                         bool drain) {
+  v1::DrainRequest req;
+  req.set_engine_id(engine_id);
+  req.set_node_id(node_id);
+  return Invoke(drain ? &v1::Coordinator::Stub::Drain : &v1::Coordinator::Stub::Undrain, req, dial_timeout_);
+}
+
 absl::StatusOr<v1::ResumeEnginesReply> CoordinatorClient::ResumeEngines() {
   return Invoke(&v1::Coordinator::Stub::ResumeEngines, v1::ResumeEnginesRequest(),
                 dial_timeout_ + absl::Seconds(30 + kDeadlineMarginSeconds));

@@ -67,6 +67,8 @@ class CoordinatorClient {
   // Resumes paused engines at their current version; refused while they may hold partial writes.
   absl::StatusOr<v1::ResumeEnginesReply> ResumeEngines();
   absl::StatusOr<v1::RemoveNodeReply> RemoveNode(const std::string& node_id);
+  // Drains (drain true) or undrains an engine (engine_id) or a whole node (node_id); exactly one is set.
+  absl::StatusOr<v1::DrainReply> Drain(const std::string& engine_id, const std::string& node_id, bool drain);
 
  private:
   template <typename Req, typename Rep>

@@ -6,6 +6,9 @@
 #include <tuple>
 
 #include "absl/strings/match.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -117,6 +120,10 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
   // A (re)registering daemon is a new process, maybe at the address of the old one: dial it afresh.
   peers_->Forget(req.address());
   for (const auto& e : req.engines()) peers_->Forget(e.control_address());
+  // A new source process holds no configuration; sources writing to a new target process must connect again.
+  configured_.erase(req.node_id());
+  for (const auto& p : plan_)
+    if (p.assignment.target_node() == req.node_id()) configured_.erase(p.source);
   nodes_[req.node_id()] = req;
   last_heartbeat_[req.node_id()] = absl::Now();
   for (const auto& e : req.engines()) engine_state_[e.control_address()] = "registered";
@@ -129,31 +136,76 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
   return out;
 }
 
-absl::Status Coordinator::Replan() {
+absl::StatusOr<Coordinator::PlanSources> Coordinator::SourcesForPlan() const {
   // Sources: ordered by (stage, node id); every node must hold the same number of trainer ranks, every stage the
   // same number of nodes (Megatron rank order: stage p owns a contiguous block of ranks).
-  std::vector<const v1::RegisterNodeRequest*> sources;
-  for (const auto& [id, n] : nodes_)
-    if (n.role() == "source") sources.push_back(&n);
-  if (sources.empty()) return absl::FailedPreconditionError("no source daemon has registered");
+  PlanSources out;
+  std::vector<const v1::RegisterNodeRequest*>& sources = out.nodes;
+  std::set<int> all_stages;
+  bool any_drained = false;
+  for (const auto& [id, n] : nodes_) {
+    if (n.role() != "source") continue;
+    all_stages.insert(n.pp_stage());
+    if (drained_nodes_.count(id)) {
+      any_drained = true;
+      continue;
+    }
+    sources.push_back(&n);
+  }
+  if (sources.empty())
+    return absl::FailedPreconditionError(any_drained ? "every source node is drained"
+                                                     : "no source daemon has registered");
+  for (int stage : all_stages) {
+    bool held = false;
+    for (const auto* s : sources) held |= s->pp_stage() == stage;
+    if (!held)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "trainer stage ", stage, " has no source node left that is not drained: the tensors of its layers could "
+          "not be pushed"));
+  }
+  if (any_drained && (!opts_.trainer_parallelism.empty() || opts_.strategy == "local"))
+    return absl::FailedPreconditionError(
+        "a drained source node's trainer ranks hold their own shards under --trainer-parallelism / strategy local: "
+        "the other nodes cannot push them");
   std::sort(sources.begin(), sources.end(), [](const auto* a, const auto* b) {
     return std::make_pair(a->pp_stage(), a->node_id()) < std::make_pair(b->pp_stage(), b->node_id());
   });
-  const int ranks_per_node = std::max(sources.front()->trainer_ranks(), 1);
+  out.ranks_per_node = std::max(sources.front()->trainer_ranks(), 1);
   std::map<int, int> nodes_per_stage;
   for (const auto* s : sources) {
-    if (std::max(s->trainer_ranks(), 1) != ranks_per_node)
+    if (std::max(s->trainer_ranks(), 1) != out.ranks_per_node)
       return absl::FailedPreconditionError(absl::StrCat("source nodes hold different numbers of trainer ranks (",
-                                                        sources.front()->node_id(), ": ", ranks_per_node, ", ",
+                                                        sources.front()->node_id(), ": ", out.ranks_per_node, ", ",
                                                         s->node_id(), ": ", s->trainer_ranks(), ")"));
     ++nodes_per_stage[s->pp_stage()];
   }
-  const int pp = static_cast<int>(nodes_per_stage.size());
+  out.pp = static_cast<int>(nodes_per_stage.size());
   for (const auto& [stage, count] : nodes_per_stage)
-    if (stage >= pp || count != nodes_per_stage.begin()->second)
+    if (stage >= out.pp || count != nodes_per_stage.begin()->second)
       return absl::FailedPreconditionError(absl::StrCat(
-          "trainer stages must be 0..", pp - 1, " with the same number of source nodes each; stage ", stage, " has ",
-          count, " (a stage may not have registered yet)"));
+          "trainer stages must be 0..", out.pp - 1, " with the same number of source nodes", any_drained ? " (not drained)" : "",
+          " each; stage ", stage, " has ", count, " (a stage may not have registered yet)"));
+  return out;
+}
+
+namespace {
+// Byte-stable serialization (map fields in key order), to tell whether a registration changed.
+std::string StableBytes(const google::protobuf::Message& m) {
+  std::string out;
+  {
+    google::protobuf::io::StringOutputStream sos(&out);
+    google::protobuf::io::CodedOutputStream cos(&sos);
+    cos.SetSerializationDeterministic(true);
+    m.SerializeToCodedStream(&cos);
+  }
+  return out;
+}
+}  // namespace
+
+absl::Status Coordinator::Replan(bool dry_run) {
+  WSYNC_ASSIGN_OR_RETURN(PlanSources ps, SourcesForPlan());
+  const std::vector<const v1::RegisterNodeRequest*>& sources = ps.nodes;
+  const int ranks_per_node = ps.ranks_per_node, pp = ps.pp;
 
   // Engines: grouped by everything that makes their layouts differ.
   struct Engine {
@@ -161,33 +213,62 @@ absl::Status Coordinator::Replan() {
     std::string node_addr;
     const v1::EngineRegistration* reg;
   };
-  std::map<std::tuple<std::string, int, int, int>, std::vector<Engine>> groups;  // (dialect, tp, ep, dp)
+  std::map<std::string, std::vector<Engine>> groups;  // "<dialect> tp=N ep=N dp=N"
+  std::map<std::string, std::tuple<int, int, int>> group_shape;
+  bool any_drained = false;
   for (const auto& [id, n] : nodes_)
     for (const auto& e : n.engines()) {
+      if (EngineDrained(id, e.engine_id())) {
+        any_drained = true;
+        continue;
+      }
       if (e.ranks_size() == 0) return absl::FailedPreconditionError(absl::StrCat("engine ", e.engine_id(), " has no ranks"));
       auto dialect = replica::DialectForEngineKind(e.kind());
       if (!dialect.ok()) return Annotate(dialect.status(), absl::StrCat("engine ", e.engine_id()));
       const auto& par = e.ranks(0).parallelism();
-      groups[{std::string(replica::DialectName(*dialect)), e.ranks_size(), std::max(par.ep_size(), 1),
-              std::max(par.attn_dp_size(), 1)}]
-          .push_back({id, n.address(), &e});
+      const int tp = e.ranks_size(), ep = std::max(par.ep_size(), 1), dp = std::max(par.attn_dp_size(), 1);
+      const std::string key = absl::StrCat(replica::DialectName(*dialect), " tp=", tp, " ep=", ep, " dp=", dp);
+      groups[key].push_back({id, n.address(), &e});
+      group_shape[key] = {tp, ep, dp};
     }
-  if (groups.empty()) return absl::FailedPreconditionError("no target daemon with an engine has registered");
+  if (groups.empty())
+    return absl::FailedPreconditionError(any_drained ? "every engine is drained"
+                                                     : "no target daemon with an engine has registered");
   WSYNC_ASSIGN_OR_RETURN(replica::ModelConfig cfg, replica::ModelConfig::FromJson(model_config_json_));
   WSYNC_ASSIGN_OR_RETURN(planner::Strategy strategy, planner::ParseStrategy(opts_.strategy));
+  if (strategy == planner::Strategy::kLocal && groups.size() > 1)
+    return absl::FailedPreconditionError(
+        "strategy local plans one engine group (one engine kind and parallelism); this membership has several");
 
-  std::map<std::tuple<std::string, std::string, int>, Planned> planned;  // (source node, engine, rank)
-  std::map<std::string, std::vector<std::vector<std::string>>> push;      // node → per local rank
-  std::map<std::string, std::set<std::string>> pushed;                     // node → tensors already assigned
-  std::map<std::string, std::vector<google::protobuf::RepeatedPtrField<v1::TensorSliceSpec>>> slice_push;
+  // What every group's plan depends on besides its own engines.
+  std::string common = absl::StrCat(model_config_json_, "\n", opts_.strategy, "\n", opts_.trainer_parallelism, "\n",
+                                    opts_.min_source_bytes, "\n", opts_.snap_bytes, "\n");
+  for (const auto* s : sources)
+    absl::StrAppend(&common, s->node_id(), " ", s->address(), " ", s->trainer_ranks(), " ", s->pp_stage(), "\n");
+
   std::map<std::string, std::vector<int64_t>> shapes;  // checkpoint tensor → shape (slices are sent in its dims)
-  {
-    WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
-    for (const auto& sp : specs) shapes[sp.name] = sp.shape;
-  }
+  std::map<std::string, GroupPlan> new_groups;
+  std::vector<std::string> replanned;
   for (auto& [key, engines] : groups) {
     std::sort(engines.begin(), engines.end(),
               [](const Engine& a, const Engine& b) { return a.reg->engine_id() < b.reg->engine_id(); });
+    std::string inputs = common;
+    for (const Engine& e : engines) absl::StrAppend(&inputs, e.node_id, " ", e.node_addr, " ", StableBytes(*e.reg), "\n");
+    if (auto old = groups_.find(key); old != groups_.end() && old->second.inputs == inputs) {
+      new_groups[key] = old->second;  // unchanged inputs: the same plan, its epoch kept
+      continue;
+    }
+    replanned.push_back(key);
+    GroupPlan g;
+    g.inputs = std::move(inputs);
+    g.epoch = membership_epoch_;
+    for (const Engine& e : engines) g.engine_ids.push_back(e.reg->engine_id());
+    if (shapes.empty()) {
+      WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
+      for (const auto& sp : specs) shapes[sp.name] = sp.shape;
+    }
+    std::map<std::tuple<std::string, std::string, int>, Planned> planned;  // (source node, engine, rank)
+    std::map<std::string, std::set<std::string>> pushed;                     // node → tensors already assigned
     planner::ClusterSpec c;
     if (!opts_.trainer_parallelism.empty()) {
       auto t = planner::ParseTrainerSpec(opts_.trainer_parallelism);
@@ -197,13 +278,8 @@ absl::Status Coordinator::Replan() {
     c.trainer.pp = pp;
     c.trainer.nodes = static_cast<int>(sources.size());
     c.trainer.gpus_per_node = ranks_per_node;
-    if (strategy == planner::Strategy::kLocal && groups.size() > 1)
-      return absl::FailedPreconditionError(
-          "strategy local plans one engine group (one engine kind and parallelism); this membership has several");
     c.engine.instances = static_cast<int>(engines.size());
-    c.engine.tp = std::get<1>(key);
-    c.engine.ep = std::get<2>(key);
-    c.engine.dp_attention = std::get<3>(key);
+    std::tie(c.engine.tp, c.engine.ep, c.engine.dp_attention) = group_shape.at(key);
     c.engine.nodes = 1;
     c.nic.per_node = 1;
     planner::ModelInputOptions mo;
@@ -212,14 +288,15 @@ absl::Status Coordinator::Replan() {
     bool fp8 = false;
     for (const auto& p : engines.front().reg->ranks(0).params())
       fp8 |= absl::EndsWith(p.name(), "weight_scale_inv");
+    replica::ModelConfig gcfg = cfg;
     if (fp8) {
-      if (cfg.weight_block_size.empty()) cfg.weight_block_size = {128, 128};
+      if (gcfg.weight_block_size.empty()) gcfg.weight_block_size = {128, 128};
       mo.quant.mode = replica::QuantSpec::Mode::kFp8Block;
-      mo.quant.block_n = static_cast<int>(cfg.weight_block_size[0]);
-      mo.quant.block_k = static_cast<int>(cfg.weight_block_size.size() > 1 ? cfg.weight_block_size[1]
-                                                                             : cfg.weight_block_size[0]);
+      mo.quant.block_n = static_cast<int>(gcfg.weight_block_size[0]);
+      mo.quant.block_k = static_cast<int>(gcfg.weight_block_size.size() > 1 ? gcfg.weight_block_size[1]
+                                                                              : gcfg.weight_block_size[0]);
     }
-    auto input = planner::BuildModelInput(cfg, c, mo);
+    auto input = planner::BuildModelInput(gcfg, c, mo);
     if (!input.ok())
       return Annotate(input.status(), absl::StrCat("planning engines of kind ", engines.front().reg->kind()));
     // Every engine rank must hold exactly the layout planned for it (names and sizes), before any write.
@@ -264,6 +341,7 @@ absl::Status Coordinator::Replan() {
         Planned& p = planned[{node.node_id(), e.reg->engine_id(), task.target.rank}];
         if (p.source.empty()) {
           p.source = node.node_id();
+          p.epoch = g.epoch;
           p.assignment.set_engine_id(e.reg->engine_id());
           p.assignment.set_rank(task.target.rank);
           p.assignment.set_target_daemon(e.node_addr);
@@ -280,34 +358,34 @@ absl::Status Coordinator::Replan() {
           p.bytes += s.length;
         }
       }
-      auto& lists = push[node.node_id()];
+      auto& lists = g.push[node.node_id()];
       lists.resize(ranks_per_node);
       if (strategy == planner::Strategy::kLocal) {
         // Slices (planner::PushSlice, rectangles of the 2-D view) as offsets/extents of the tensor's own shape; a
         // slice covering the whole tensor is pushed by name.
-        auto& sl = slice_push[node.node_id()];
+        auto& sl = g.slice_push[node.node_id()];
         sl.resize(ranks_per_node);
-        for (const auto& ps : sp.push_slices) {
-          const planner::HfTensorInfo& h = input->hf_tensors[ps.hf];
-          if (ps.box == h.full()) {
+        for (const auto& psl : sp.push_slices) {
+          const planner::HfTensorInfo& h = input->hf_tensors[psl.hf];
+          if (psl.box == h.full()) {
             lists[local].push_back(h.name);
             continue;
           }
           const std::vector<int64_t>& shape = shapes.at(h.name);
           v1::TensorSliceSpec spec;
           spec.set_name(h.name);
-          spec.set_gather(ps.gather_bytes > 0);
+          spec.set_gather(psl.gather_bytes > 0);
           for (int64_t d : shape) spec.add_shape(d);
           if (shape.size() == 2) {
-            spec.add_offsets(ps.box.row0), spec.add_offsets(ps.box.col0);
-            spec.add_extents(ps.box.rows), spec.add_extents(ps.box.cols);
+            spec.add_offsets(psl.box.row0), spec.add_offsets(psl.box.col0);
+            spec.add_extents(psl.box.rows), spec.add_extents(psl.box.cols);
           } else {
             // A row range of the 2-D view: whole sub-tensors along dim 0 (1-D: elements).
             int64_t inner = 1;
             for (size_t d = 1; d + 1 < shape.size(); ++d) inner *= shape[d];
-            if (ps.box.cols != h.cols || ps.box.row0 % inner != 0 || ps.box.rows % inner != 0)
+            if (psl.box.cols != h.cols || psl.box.row0 % inner != 0 || psl.box.rows % inner != 0)
               return absl::InternalError(absl::StrCat("local plan slices ", h.name, " across its inner dims"));
-            spec.add_offsets(ps.box.row0 / inner), spec.add_extents(ps.box.rows / inner);
+            spec.add_offsets(psl.box.row0 / inner), spec.add_extents(psl.box.rows / inner);
             for (size_t d = 1; d < shape.size(); ++d) spec.add_offsets(0), spec.add_extents(shape[d]);
           }
           *sl[local].Add() = std::move(spec);
@@ -319,35 +397,58 @@ absl::Status Coordinator::Replan() {
         if (pushed[node.node_id()].insert(name).second) lists[local].push_back(name);
       }
     }
+    for (auto& [k, p] : planned) g.planned.push_back(std::move(p));
+    new_groups[key] = std::move(g);
   }
+
+  // The whole plan: the groups' plans in key order; a node pushes a tensor once whichever groups need it.
   std::vector<Planned> plan;
-  for (auto& [k, p] : planned) plan.push_back(std::move(p));
+  std::map<std::string, std::vector<std::vector<std::string>>> push;  // node → per local rank
+  std::map<std::string, std::set<std::string>> pushed;
+  std::map<std::string, std::vector<google::protobuf::RepeatedPtrField<v1::TensorSliceSpec>>> slice_push;
+  for (const auto& [key, g] : new_groups) {
+    plan.insert(plan.end(), g.planned.begin(), g.planned.end());
+    for (const auto& [node, lists] : g.push) {
+      auto& out = push[node];
+      out.resize(ranks_per_node);
+      for (size_t r = 0; r < lists.size() && r < out.size(); ++r)
+        for (const auto& name : lists[r])
+          if (pushed[node].insert(name).second) out[r].push_back(name);
+    }
+    for (const auto& [node, sl] : g.slice_push) slice_push[node] = sl;  // local: one group only
+  }
   std::map<std::string, std::vector<v1::RankPushFilter>> filters;
-  for (const auto* s : sources) {
-    auto& out = filters[s->node_id()];
-    const auto& lists = push[s->node_id()];
-    for (int r = 0; r < ranks_per_node; ++r) {
+  for (const auto& [id, n] : nodes_) {
+    if (n.role() != "source") continue;
+    // A drained source node is configured with empty lists: its ranks push nothing.
+    auto& out = filters[id];
+    const auto& lists = push[id];
+    for (int r = 0; r < std::max(n.trainer_ranks(), 1); ++r) {
       v1::RankPushFilter f;
       f.set_local_rank(r);
       if (r < static_cast<int>(lists.size())) *f.mutable_tensor_names() = {lists[r].begin(), lists[r].end()};
-      auto sl = slice_push.find(s->node_id());
+      auto sl = slice_push.find(id);
       if (sl != slice_push.end() && r < static_cast<int>(sl->second.size())) *f.mutable_slices() = sl->second[r];
       out.push_back(std::move(f));
     }
   }
-  model_weight_block_.clear();
+  std::vector<int32_t> weight_block;
   for (const auto& [key, engines] : groups)
     for (const auto& p : engines.front().reg->ranks(0).params())
-      if (absl::EndsWith(p.name(), "weight_scale_inv") && model_weight_block_.empty()) {
+      if (absl::EndsWith(p.name(), "weight_scale_inv") && weight_block.empty()) {
         const auto& b = cfg.weight_block_size;
-        model_weight_block_ = {static_cast<int32_t>(b.empty() ? 128 : b[0]),
-                               static_cast<int32_t>(b.size() > 1 ? b[1] : (b.empty() ? 128 : b[0]))};
+        weight_block = {static_cast<int32_t>(b.empty() ? 128 : b[0]),
+                        static_cast<int32_t>(b.size() > 1 ? b[1] : (b.empty() ? 128 : b[0]))};
       }
-  spdlog::info("plan ({}): {} source nodes ({} stages x {} ranks per node), {} engine groups, {} (source, engine "
-               "rank) assignments",
-               opts_.strategy, sources.size(), pp, ranks_per_node, groups.size(), plan.size());
+  if (dry_run) return absl::OkStatus();
+  spdlog::info("plan ({}): {} source nodes ({} stages x {} ranks per node), {} engine groups ({} re-planned: {}), "
+               "{} (source, engine rank) assignments",
+               opts_.strategy, sources.size(), pp, ranks_per_node, groups.size(), replanned.size(),
+               absl::StrJoin(replanned, ", "), plan.size());
+  model_weight_block_ = std::move(weight_block);
   plan_ = std::move(plan);
   push_filters_ = std::move(filters);
+  groups_ = std::move(new_groups);
   return absl::OkStatus();
 }
 
@@ -370,7 +471,8 @@ std::string Coordinator::NodeLabel(const std::string& addr) const {
 std::vector<std::string> Coordinator::EngineAddresses() const {
   std::vector<std::string> out;
   for (const auto& [id, n] : nodes_)
-    for (const auto& e : n.engines()) out.push_back(e.control_address());
+    for (const auto& e : n.engines())
+      if (!EngineDrained(id, e.engine_id())) out.push_back(e.control_address());
   return out;
 }
 
@@ -454,7 +556,10 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
                                                                               : std::string("none"),
                                                         ")"));
     engines = EngineAddresses();
-    if (engines.empty()) return absl::FailedPreconditionError("no engine has registered");
+    if (engines.empty())
+      return absl::FailedPreconditionError(drained_engines_.empty() && drained_nodes_.empty()
+                                               ? "no engine has registered"
+                                               : "no engine to update: every registered engine is drained");
     state_ = "beginning";
     SetLogUpdateVersion(v);
     open_version_ = v;
@@ -476,8 +581,12 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   if (!st.ok()) return Fail(rec, st, false);
 
   t = absl::Now();
-  std::vector<std::pair<std::string, v1::ConfigureSourceRequest>> configure;
-  std::vector<std::string> source_addrs;
+  struct Configure {
+    std::string node_id, address;
+    v1::ConfigureSourceRequest req;
+  };
+  std::vector<Configure> configure;
+  std::map<std::string, int64_t> source_epochs;  // address → the plan epoch it holds after this phase
   int64_t plan_epoch;
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -501,27 +610,52 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
             *r.mutable_weight_block_size() = {model_weight_block_.begin(), model_weight_block_.end()};
           }
         }
+        // Only sources whose configuration changed are configured again (a join or leave re-plans one group; the
+        // sources serving only other groups keep their replica, connections and plan epoch).
         for (auto& [id, r] : by_source) {
-          r.set_plan_epoch(membership_epoch_);
-          configure.emplace_back(nodes_[id].address(), r);
+          auto c = configured_.find(id);
+          if (c != configured_.end() && google::protobuf::util::MessageDifferencer::Equals(c->second.req, r)) continue;
+          Configure cf{id, nodes_[id].address(), r};
+          cf.req.set_plan_epoch(membership_epoch_);
+          configure.push_back(std::move(cf));
         }
       }
     }
-    for (const auto& [id, n] : nodes_)
-      if (n.role() == "source") source_addrs.push_back(n.address());
     plan_epoch = need_plan ? membership_epoch_ : plan_epoch_;
   }
   if (!st.ok()) return Fail(rec, st, false);
   if (need_plan) {
-    st = ForAll(configure, [&](const std::pair<std::string, v1::ConfigureSourceRequest>& c) {
-      auto r = peers_->ConfigureSource(c.first, c.second);
-      return Annotate(r.status(), "configure source " + NodeLabel(c.first));
+    st = ForAll(configure, [&](const Configure& c) {
+      auto r = peers_->ConfigureSource(c.address, c.req);
+      return Annotate(r.status(), "configure source " + NodeLabel(c.address));
     });
     AddPhase(&rec, "configure", t);
     out.set_configure_seconds(rec.phases(1).seconds());
-    if (!st.ok()) return Fail(rec, st, false);
     std::lock_guard<std::mutex> l(mu_);
+    for (const Configure& c : configure) {
+      if (!st.ok()) {
+        configured_.erase(c.node_id);  // unknown what it holds now: configured again next time
+        continue;
+      }
+      SourceConfig& sc = configured_[c.node_id];
+      sc.req = c.req;
+      sc.req.clear_plan_epoch();
+      sc.epoch = c.req.plan_epoch();
+    }
+    if (!st.ok()) return Fail(rec, st, false);
     plan_epoch_ = plan_epoch;
+    spdlog::info("update {}: plan {} configured on {} of {} source nodes (the others' configuration is unchanged)", v,
+                 plan_epoch, configure.size(), configured_.size());
+  }
+  std::vector<std::string> source_addrs;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (const auto& [id, n] : nodes_) {
+      if (n.role() != "source") continue;
+      source_addrs.push_back(n.address());
+      auto c = configured_.find(id);
+      source_epochs[n.address()] = c == configured_.end() ? plan_epoch : c->second.epoch;
+    }
   }
   // Targets accept writes from now on, until the sources have finished (or the update ends otherwise).
   st = SetWindows(true, v);
@@ -529,10 +663,12 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     SetWindows(false, v).IgnoreError();
     return Fail(rec, st, false);
   }
-  v1::StartUpdateRequest sreq;
-  sreq.set_version(v);
-  sreq.set_plan_epoch(plan_epoch);
-  st = ForAll(source_addrs, [&](const std::string& a) { return Annotate(peers_->StartUpdate(a, sreq), "start source " + NodeLabel(a)); });
+  st = ForAll(source_addrs, [&](const std::string& a) {
+    v1::StartUpdateRequest sreq;
+    sreq.set_version(v);
+    sreq.set_plan_epoch(source_epochs.at(a));
+    return Annotate(peers_->StartUpdate(a, sreq), "start source " + NodeLabel(a));
+  });
   // A source that started may already take pushes from its ranks: count the update as possibly written.
   if (!st.ok()) {
     SetWindows(false, v).IgnoreError();
@@ -542,6 +678,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   std::lock_guard<std::mutex> l(mu_);
   state_ = "updating";
   open_plan_epoch_ = plan_epoch;
+  open_source_epochs_ = source_epochs;
   begin_reply_ = out;
   open_record_ = rec;
   open_record_.set_started_unix_ms(absl::ToUnixMillis(start));
@@ -558,7 +695,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   v1::UpdateRecord rec;
   std::vector<std::string> sources, engines;
   int engine_ranks = 0;
-  int64_t plan_epoch;
+  std::map<std::string, int64_t> source_epochs;
   {
     std::unique_lock<std::mutex> l(mu_);
     // A second CommitUpdate(v) while v commits (a client retry, a second driver) starts nothing: it waits for the
@@ -580,10 +717,11 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     state_ = "committing";
     Persist();
     rec = open_record_;
-    plan_epoch = open_plan_epoch_;
+    source_epochs = open_source_epochs_;
     for (const auto& [id, n] : nodes_) {
       if (n.role() == "source") sources.push_back(n.address());
       for (const auto& e : n.engines()) {
+        if (EngineDrained(id, e.engine_id())) continue;
         engines.push_back(e.control_address());
         engine_ranks += e.ranks_size();
       }
@@ -594,13 +732,14 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   rec.set_engines(static_cast<int>(engines.size()));
   rec.set_engine_ranks(engine_ranks);
 
-  v1::FinishUpdateRequest freq;
-  freq.set_version(v);
-  freq.set_plan_epoch(plan_epoch);
-  freq.set_timeout_seconds(req.timeout_seconds() > 0 ? req.timeout_seconds() : kDefaultCommitTimeoutSeconds);
   std::mutex agg_mu;
   uint64_t bytes = 0, params = 0;
   absl::Status st = ForAll(sources, [&](const std::string& a) {
+    v1::FinishUpdateRequest freq;
+    freq.set_version(v);
+    auto ep = source_epochs.find(a);
+    freq.set_plan_epoch(ep == source_epochs.end() ? -1 : ep->second);
+    freq.set_timeout_seconds(req.timeout_seconds() > 0 ? req.timeout_seconds() : kDefaultCommitTimeoutSeconds);
     auto r = peers_->FinishUpdate(a, freq);
     if (!r.ok()) return Annotate(r.status(), "source " + NodeLabel(a));
     std::lock_guard<std::mutex> l(agg_mu);
@@ -628,7 +767,13 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   if (st.ok()) {
     t = absl::Now();
     st = ForAll(engines, [&](const std::string& a) {
-      return Track(a, "", "set_version", Annotate(peers_->SetWeightVersion(a, version), "set_version " + EngineLabel(a)));
+      absl::Status r = Track(a, "", "set_version",
+                           Annotate(peers_->SetWeightVersion(a, version), "set_version " + EngineLabel(a)));
+    if (r.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      engine_version_[a] = version;
+    }
+    return r;
     });
     AddPhase(&rec, "set_version", t);
   }
@@ -791,6 +936,7 @@ bool Coordinator::CheckLeases() {
     const absl::Duration limit = absl::Seconds(3 * opts_.heartbeat_seconds);
     const absl::Time now = absl::Now();
     for (const auto& [id, n] : nodes_) {
+      if (TargetOutOfUpdates(n)) continue;  // drained: the update does not need it
       auto hb = last_heartbeat_.find(id);
       const absl::Duration ago = hb == last_heartbeat_.end() ? absl::InfiniteDuration() : now - hb->second;
       if (ago <= limit) continue;
@@ -817,7 +963,7 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::stri
   {
     std::lock_guard<std::mutex> l(mu_);
     for (const auto& [id, n] : nodes_) {
-      if (n.role() != "target" || n.address() == skip_address) continue;
+      if (n.role() != "target" || n.address() == skip_address || TargetOutOfUpdates(n)) continue;
       v1::SetWriteWindowRequest& r = reqs[n.address()];
       r.set_open(open);
       r.set_version(version);
@@ -855,6 +1001,9 @@ void Coordinator::Persist() {
   for (const auto& [a, st] : engine_state_) (*s.mutable_engine_state())[a] = st;
   for (const auto& r : history_) *s.add_history() = r;
   *s.mutable_open_record() = open_record_;
+  for (const auto& e : drained_engines_) s.add_drained_engines(e);
+  for (const auto& n : drained_nodes_) s.add_drained_nodes(n);
+  for (const auto& [a, v] : engine_version_) (*s.mutable_engine_version())[a] = v;
   if (auto st = store_->Save(s); !st.ok()) spdlog::error("{} (the coordinator goes on from memory)", st.ToString());
 }
 
@@ -883,6 +1032,9 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     last_begun_ = s.last_begun();
     engines_dirty_ = s.engines_hold_partial_writes();
     for (const auto& [a, st] : s.engine_state()) engine_state_[a] = st;
+    drained_engines_ = {s.drained_engines().begin(), s.drained_engines().end()};
+    drained_nodes_ = {s.drained_nodes().begin(), s.drained_nodes().end()};
+    for (const auto& [a, v] : s.engine_version()) engine_version_[a] = v;
     for (const auto& r : s.history()) {
       history_.push_back(r);
       Outcome o;
@@ -943,14 +1095,76 @@ absl::StatusOr<v1::RemoveNodeReply> Coordinator::RemoveNode(const v1::RemoveNode
   for (const auto& e : it->second.engines()) {
     out.add_engines(e.engine_id());
     engine_state_.erase(e.control_address());
+    engine_version_.erase(e.control_address());
+    drained_engines_.erase(e.engine_id());
   }
   nodes_.erase(it);
   last_heartbeat_.erase(req.node_id());
+  configured_.erase(req.node_id());
+  drained_nodes_.erase(req.node_id());
   ++membership_epoch_;
   out.set_membership_epoch(membership_epoch_);
   Persist();
   spdlog::warn("node {} removed by the operator ({} engines); membership epoch {}", req.node_id(), out.engines_size(),
                membership_epoch_);
+  return out;
+}
+
+absl::StatusOr<v1::DrainReply> Coordinator::Drain(const v1::DrainRequest& req, bool drain) {
+  const char* verb = drain ? "drain" : "undrain";
+  if (req.engine_id().empty() == req.node_id().empty())
+    return absl::InvalidArgumentError(absl::StrCat("give exactly one of an engine id and a node id to ", verb));
+  const std::string what = req.engine_id().empty() ? absl::StrCat("node ", req.node_id())
+                                                   : absl::StrCat("engine ", req.engine_id());
+  std::lock_guard<std::mutex> l(mu_);
+  if (UpdateInProgress())
+    return absl::FailedPreconditionError(absl::StrCat("cannot ", verb, " ", what, ": update ", open_version_, " is ",
+                                                      state_, "; ", verb, " between updates"));
+  v1::DrainReply out;
+  bool changed = false;
+  if (!req.engine_id().empty()) {
+    std::string node_id;
+    for (const auto& [id, n] : nodes_)
+      for (const auto& e : n.engines())
+        if (e.engine_id() == req.engine_id()) node_id = id;
+    if (node_id.empty()) return absl::NotFoundError(absl::StrCat("no engine ", req.engine_id(), " is registered"));
+    if (!drain && drained_nodes_.count(node_id))
+      return absl::FailedPreconditionError(absl::StrCat("engine ", req.engine_id(), " is drained with its node ",
+                                                        node_id, ": undrain the node"));
+    changed = drain ? drained_engines_.insert(req.engine_id()).second : drained_engines_.erase(req.engine_id()) > 0;
+    if (changed) out.add_engines(req.engine_id());
+  } else {
+    auto it = nodes_.find(req.node_id());
+    if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("no node ", req.node_id(), " is registered"));
+    if (drain && it->second.role() == "source" && !drained_nodes_.count(req.node_id())) {
+      // Only if the other source nodes can still push every tensor: try the plan without it.
+      drained_nodes_.insert(req.node_id());
+      absl::Status can = SourcesForPlan().status();
+      if (can.ok() && !model_config_json_.empty() && !plan_.empty()) can = Replan(/*dry_run=*/true);
+      if (!can.ok()) {
+        drained_nodes_.erase(req.node_id());
+        return absl::FailedPreconditionError(
+            absl::StrCat("cannot drain source node ", req.node_id(), ": the plan cannot cover without it: ",
+                         can.message()));
+      }
+      changed = true;
+    } else {
+      changed = drain ? drained_nodes_.insert(req.node_id()).second : drained_nodes_.erase(req.node_id()) > 0;
+    }
+    if (it->second.role() == "target") {
+      for (const auto& e : it->second.engines()) {
+        // Undraining a node also undrains engines drained one by one on it.
+        if (!drain) changed |= drained_engines_.erase(e.engine_id()) > 0;
+        if (changed) out.add_engines(e.engine_id());
+      }
+    }
+  }
+  if (changed) {
+    ++membership_epoch_;  // the next update re-plans: the affected group only
+    Persist();
+    spdlog::warn("{} {} by the operator; membership epoch {}", what, drain ? "drained" : "undrained", membership_epoch_);
+  }
+  out.set_membership_epoch(membership_epoch_);
   return out;
 }
 
@@ -979,6 +1193,7 @@ absl::StatusOr<v1::ResumeEnginesReply> Coordinator::ResumeEngines(const v1::Resu
           "weights; they resume with the next successful update");
     for (const auto& [id, n] : nodes_)
       for (const auto& e : n.engines()) {
+        if (EngineDrained(id, e.engine_id())) continue;  // never resumed by wsync while drained
         engines.push_back(e.control_address());
         out.add_engines(e.engine_id());
       }
@@ -1011,6 +1226,12 @@ v1::ClusterStatus Coordinator::Status() const {
       d->set_ranks(e.ranks_size());
       auto it = engine_state_.find(e.control_address());
       d->set_state(it == engine_state_.end() ? "registered" : it->second);
+      auto ver = engine_version_.find(e.control_address());
+      if (ver != engine_version_.end()) d->set_weight_version(ver->second);
+      if (EngineDrained(id, e.engine_id())) {
+        d->set_drained(true);
+        d->set_state("drained");
+      }
     }
     auto hb = last_heartbeat_.find(id);
     const double ago = hb == last_heartbeat_.end() ? -1 : absl::ToDoubleSeconds(absl::Now() - hb->second);
@@ -1028,7 +1249,16 @@ v1::ClusterStatus Coordinator::Status() const {
     t->set_engine_id(p.assignment.engine_id());
     t->set_rank(p.assignment.rank());
     t->set_bytes(p.bytes);
+    t->set_plan_epoch(p.epoch);
   }
+  for (const auto& [key, g] : groups_) {
+    auto* gp = s.add_groups();
+    gp->set_key(key);
+    gp->set_plan_epoch(g.epoch);
+    for (const auto& e : g.engine_ids) gp->add_engines(e);
+  }
+  for (const auto& [id, c] : configured_) (*s.mutable_source_plan_epochs())[id] = c.epoch;
+  for (const auto& n : drained_nodes_) s.add_drained_nodes(n);
   return s;
 }
 

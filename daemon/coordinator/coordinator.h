@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -147,6 +148,11 @@ class Coordinator {
   absl::StatusOr<v1::ResumeEnginesReply> ResumeEngines(const v1::ResumeEnginesRequest& req);
   v1::HeartbeatReply Heartbeat(const v1::HeartbeatRequest& req);
   absl::StatusOr<v1::RemoveNodeReply> RemoveNode(const v1::RemoveNodeRequest& req);
+  // Drains (`drain`) or undrains an engine or a node between updates (docs/operations.md, "Draining"): a drained
+  // engine is left out of the plans (re-planned as a leave), never paused, written or resumed until undrained (a
+  // join). A source node is drained only if the other source nodes still hold every trainer stage; its ranks then
+  // push nothing. Repeating a drain or undrain changes nothing and succeeds.
+  absl::StatusOr<v1::DrainReply> Drain(const v1::DrainRequest& req, bool drain);
   // Makes the coordinator persistent: restores what `store` holds (nodes, versions, engine states, history) and
   // saves every change from now on. An update that was open when the previous coordinator died is recorded as
   // failed ("the coordinator restarted during update v"), its sources are told to abort it, and the engines stay
@@ -160,7 +166,40 @@ class Coordinator {
     std::string source;  // node id
     v1::TargetAssignment assignment;
     uint64_t bytes = 0;
+    int64_t epoch = -1;  // its group's plan epoch
   };
+  // One engine group's share of the plan (the engines of one kind and parallelism), kept between re-plans: a
+  // membership change re-plans only the groups whose inputs changed, the others keep their plan and epoch.
+  struct GroupPlan {
+    std::string inputs;  // what it was planned from: model, options, sources, the engines' registrations
+    int64_t epoch = -1;  // membership epoch it was planned at
+    std::vector<std::string> engine_ids;
+    std::vector<Planned> planned;  // in (source node, engine, rank) order
+    std::map<std::string, std::vector<std::vector<std::string>>> push;  // source node → per local rank
+    std::map<std::string, std::vector<google::protobuf::RepeatedPtrField<v1::TensorSliceSpec>>> slice_push;
+  };
+  // A source node's last acknowledged configuration (plan_epoch cleared) and the plan epoch it holds.
+  struct SourceConfig {
+    v1::ConfigureSourceRequest req;
+    int64_t epoch = -1;
+  };
+  // The source nodes that take part in plans (not drained), in (stage, node id) order, with their shape.
+  struct PlanSources {
+    std::vector<const v1::RegisterNodeRequest*> nodes;
+    int ranks_per_node = 1;
+    int pp = 1;
+  };
+  absl::StatusOr<PlanSources> SourcesForPlan() const;  // requires mu_
+  bool EngineDrained(const std::string& node_id, const std::string& engine_id) const {
+    return drained_engines_.count(engine_id) > 0 || drained_nodes_.count(node_id) > 0;
+  }
+  // A target node none of whose engines takes part in updates: not told to open windows, its lease not checked.
+  bool TargetOutOfUpdates(const v1::RegisterNodeRequest& n) const {
+    if (n.role() != "target" || n.engines_size() == 0) return false;
+    for (const auto& e : n.engines())
+      if (!EngineDrained(n.node_id(), e.engine_id())) return false;
+    return true;
+  }
   // The terminal result of one version: its reply when it committed, else the error it failed with.
   struct Outcome {
     absl::Status status;
@@ -169,7 +208,10 @@ class Coordinator {
   // Builds plan_ and push_filters_ with the planner (planner/plan.h) from the membership and model_config_json_:
   // source nodes in (pp_stage, node id) order hold trainer ranks node_index * ranks_per_node + local rank; engines
   // in id order are the planner's instances, grouped by layout (engine kind and parallelism), one plan per group.
-  absl::Status Replan();  // requires mu_
+  // Reuses the plan of every engine group whose inputs did not change. `dry_run`: checks that a plan can be built,
+  // changes nothing.
+  absl::Status Replan(bool dry_run = false);  // requires mu_
+  // Control addresses of the engines that take part in updates (not drained). Requires mu_.
   std::vector<std::string> EngineAddresses() const;
   // "engine ID (N ranks, node NODE, ADDR)": how errors name an engine. Takes mu_ (call without it).
   std::string EngineLabel(const std::string& addr) const;
@@ -209,6 +251,10 @@ class Coordinator {
   int64_t membership_epoch_ = 0;
   int64_t plan_epoch_ = -1;  // membership epoch the current plan was built for
   std::vector<Planned> plan_;
+  std::map<std::string, GroupPlan> groups_;          // by group key ("<dialect> tp=N ep=N dp=N")
+  std::map<std::string, SourceConfig> configured_;   // source node id → what it was last configured with
+  std::set<std::string> drained_engines_, drained_nodes_;
+  std::map<std::string, std::string> engine_version_;  // control address → the version label last set on it
   // Per source node: what each of its local trainer ranks pushes (every local rank listed, lists may be empty).
   std::map<std::string, std::vector<v1::RankPushFilter>> push_filters_;
   std::string model_config_json_;
@@ -223,7 +269,8 @@ class Coordinator {
   int64_t open_version_ = -1;          // the version beginning, open or committing; -1 when none
   int64_t last_begun_ = -1;            // highest version ever begun; BeginUpdate needs a newer one
   int64_t current_version_ = -1;       // last committed version; -1 when none
-  int64_t open_plan_epoch_ = -1;       // plan the open update was started under (sent with FinishUpdate)
+  int64_t open_plan_epoch_ = -1;       // plan the open update was started under
+  std::map<std::string, int64_t> open_source_epochs_;  // source address → its plan epoch (sent with FinishUpdate)
   v1::BeginUpdateReply begin_reply_;   // the open version's BeginUpdate reply (answers a retried BeginUpdate)
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;

@@ -77,6 +77,16 @@ grpc::Status CoordinatorService::RemoveNode(grpc::ServerContext* ctx, const v1::
   if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->RemoveNode(*req), out);
 }
+grpc::Status CoordinatorService::Drain(grpc::ServerContext* ctx, const v1::DrainRequest* req, v1::DrainReply* out) {
+  WSYNC_AUTHORIZE("Drain", {tls::kAdmin});
+  if (grpc::Status g = Gate(); !g.ok()) return g;
+  return Reply(c_->Drain(*req, true), out);
+}
+grpc::Status CoordinatorService::Undrain(grpc::ServerContext* ctx, const v1::DrainRequest* req, v1::DrainReply* out) {
+  WSYNC_AUTHORIZE("Undrain", {tls::kAdmin});
+  if (grpc::Status g = Gate(); !g.ok()) return g;
+  return Reply(c_->Drain(*req, false), out);
+}
 grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
                                            v1::HeartbeatReply* out) {
   if (auto a = NodeDaemonIdentity(ctx, "Heartbeat", req->node_id(), nullptr); !a.ok()) return a;

@@ -91,6 +91,7 @@ struct ClusterOptions {
   std::string model;
   int engines = 1;
   int tp = 2;
+  std::vector<int> engine_tp;  // per engine, overriding `tp` (engines of different TP are planned in different groups)
   int ep = 1;  // engines' expert parallelism (MoE models)
   int sources = 1;
   int trainer_ranks = 1;
@@ -119,22 +120,7 @@ class Cluster {
     cargs.insert(cargs.end(), o_.coordinator_args.begin(), o_.coordinator_args.end());
     cargs = Tls(cargs, "coordinator-main");
     coordinator = "127.0.0.1:" + Start("coordinator", cargs);
-    for (int e = 0; e < o_.engines; ++e) {
-      const std::string id = "engine" + std::to_string(e);
-      engines.push_back("127.0.0.1:" + Start(id, Tls({o_.bin_dir + "/wsync-engine-ref", "--id", id, "--model", o_.model,
-                                                      "--tp", std::to_string(o_.tp), "--ep", std::to_string(o_.ep),
-                                                      "--listen", "127.0.0.1:0"},
-                                                     "engine-" + id)));
-      engine_pids.push_back(procs_.back()->pid());
-      targets.push_back("127.0.0.1:" +
-                        Start("target" + std::to_string(e),
-                              Tls({o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "target", "--node-id",
-                                   "infer" + std::to_string(e), "--coordinator", coordinator, "--engine",
-                                   engines.back(), "--transport", o_.transport, "--engine-socket",
-                                   dir_ + "/target" + std::to_string(e) + ".sock"},
-                                  "target-infer" + std::to_string(e))));
-      target_pids.push_back(procs_.back()->pid());
-    }
+    for (int e = 0; e < o_.engines; ++e) AddEngine(e < static_cast<int>(o_.engine_tp.size()) ? o_.engine_tp[e] : o_.tp);
     for (int s = 0; s < o_.sources; ++s) {
       trainer_sockets.push_back(dir_ + "/source" + std::to_string(s) + ".sock");
       sources.push_back("127.0.0.1:" +
@@ -151,6 +137,24 @@ class Cluster {
   ~Cluster() {
     for (auto it = procs_.rbegin(); it != procs_.rend(); ++it) (*it)->Stop();
     if (std::getenv("WSYNC_TEST_KEEP") == nullptr) std::system(("rm -rf " + dir_).c_str());
+  }
+  // Starts one more reference engine of `tp` ranks and its target daemon (node "infer<N>"), which registers it.
+  void AddEngine(int tp) {
+    const int e = static_cast<int>(engines.size());
+    const std::string id = "engine" + std::to_string(e);
+    engines.push_back("127.0.0.1:" + Start(id, Tls({o_.bin_dir + "/wsync-engine-ref", "--id", id, "--model", o_.model,
+                                                    "--tp", std::to_string(tp), "--ep", std::to_string(o_.ep),
+                                                    "--listen", "127.0.0.1:0"},
+                                                   "engine-" + id)));
+    engine_pids.push_back(procs_.back()->pid());
+    targets.push_back("127.0.0.1:" +
+                      Start("target" + std::to_string(e),
+                            Tls({o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "target", "--node-id",
+                                 "infer" + std::to_string(e), "--coordinator", coordinator, "--engine",
+                                 engines.back(), "--transport", o_.transport, "--engine-socket",
+                                 dir_ + "/target" + std::to_string(e) + ".sock"},
+                                "target-infer" + std::to_string(e))));
+    target_pids.push_back(procs_.back()->pid());
   }
   const std::string& dir() const { return dir_; }
   std::string Log(const std::string& name) const { return ReadFile(dir_ + "/" + name + ".log"); }

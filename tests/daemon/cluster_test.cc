@@ -10,6 +10,8 @@
 
 #include <map>
 #include <set>
+#include <thread>
+#include <tuple>
 
 #include "absl/strings/match.h"
 #include "client/coordinator_client.h"
@@ -375,6 +377,237 @@ TEST_CASE("cluster: an FP8 block-quantized engine: the sources quantize bf16 pus
   auto v = Verify(cl.engines[0], 2);
   CHECK(v.ok());
   CHECK(v.params_checked() > 0);
+}
+
+// DeepSeek-V3-shaped MLA model (q_lora: fused_qkv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; a dense first layer
+// then MoE layers with a shared expert and the noaux_tc router bias in float32), tp2 ep2, three sources under a
+// balanced plan that splits parameters between them. The reference engine's own loader computes every expected byte.
+TEST_CASE("cluster: a DeepSeek-V3-shaped MLA + MoE engine (tp2 ep2) behind a balanced plan over three sources; "
+          "verified") {
+  ClusterOptions o;
+  o.bin_dir = kBin;
+  o.model = WSYNC_TINY_MLA_MODEL;
+  o.transport = TransportUnderTest();
+  o.engines = 1;
+  o.ep = 2;
+  o.sources = 3;
+  o.trainer_ranks = 1;
+  o.coordinator_args = {"--strategy", "balanced", "--min-source-mib", "0", "--snap-kib", "0"};
+  Cluster cl(o);
+  INFO("cluster logs in " << cl.dir());
+  RunTrainers(cl, o, 2);
+  client::CoordinatorClient coord(cl.coordinator);
+  auto st = coord.Status();
+  REQUIRE(st.ok());
+  CHECK(st->current_version() == "2");
+  std::set<std::string> sources_used;
+  std::set<std::pair<std::string, int>> engine_ranks;
+  for (const auto& p : st->plan()) {
+    sources_used.insert(p.source_node());
+    engine_ranks.insert({p.engine_id(), p.rank()});
+  }
+  CHECK(sources_used.size() == 3);
+  CHECK(st->plan_size() > static_cast<int>(engine_ranks.size()));  // some engine rank is written by two sources
+  auto v = Verify(cl.engines[0], 2);
+  CHECK(v.ok());
+  CHECK(v.ranks() == 2);
+  CHECK(v.params_checked() > 0);
+  // The check can fail: the weights of step 2 are not those of step 1.
+  CHECK_FALSE(Verify(cl.engines[0], 1).ok());
+}
+
+// The same model FP8 block-quantized (16x16 blocks): every MLA projection, dense MLP, shared and routed expert as fp8
+// codes with float32 block scales (per expert, the up half's scales in their own block rows), the four FP8 KV-cache
+// scales of SGLang's MLA attention modules; router, norms and embeddings stay bf16. The sources quantize the bf16
+// pushes; the engine checks with its own encoder.
+TEST_CASE("cluster: a DeepSeek-V3-shaped FP8 engine (tp2 ep2): MLA, shared and routed experts block-quantized by the "
+          "sources; verified by the engine's own encoder") {
+  ClusterOptions o;
+  o.bin_dir = kBin;
+  o.model = WSYNC_TINY_MLA_FP8_MODEL;
+  o.transport = TransportUnderTest();
+  o.engines = 1;
+  o.ep = 2;
+  o.sources = 2;
+  o.trainer_ranks = 1;
+  o.coordinator_args = {"--strategy", "balanced", "--min-source-mib", "0", "--snap-kib", "0"};
+  Cluster cl(o);
+  INFO("cluster logs in " << cl.dir());
+  RunTrainers(cl, o, 2);
+  client::CoordinatorClient coord(cl.coordinator);
+  auto st = coord.Status();
+  REQUIRE(st.ok());
+  CHECK(st->current_version() == "2");
+  auto v = Verify(cl.engines[0], 2);
+  CHECK(v.ok());
+  CHECK(v.params_checked() > 0);
+  CHECK_FALSE(Verify(cl.engines[0], 1).ok());
+}
+
+// DeepSeek-V2-Lite-shaped MLA without q_lora (q_proj and kv_a_proj_with_mqa as separate parameters), greedy routing
+// (no correction bias), tp2 without expert parallelism, a PP=2 trainer.
+TEST_CASE("cluster: a DeepSeek-V2-Lite-shaped MLA engine (no q_lora, tp2) with a PP=2 trainer; verified") {
+  ClusterOptions o;
+  o.bin_dir = kBin;
+  o.model = WSYNC_TINY_MLA_NOQLORA_MODEL;
+  o.transport = TransportUnderTest();
+  o.engines = 1;
+  o.sources = 2;
+  o.pp = 2;
+  o.trainer_ranks = 1;
+  o.coordinator_args = {"--min-source-mib", "0", "--snap-kib", "0"};
+  Cluster cl(o);
+  INFO("cluster logs in " << cl.dir());
+  RunTrainers(cl, o, 2);
+  client::CoordinatorClient coord(cl.coordinator);
+  auto st = coord.Status();
+  REQUIRE(st.ok());
+  CHECK(st->current_version() == "2");
+  auto v = Verify(cl.engines[0], 2);
+  CHECK(v.ok());
+  CHECK(v.params_checked() > 0);
+}
+
+// Runs updates [first, first + n) with one trainer process per (source, rank); rank 0 drives and asks `verify` to
+// verify themselves after every update. Returns whether every trainer exited 0.
+bool RunUpdates(Cluster& cl, const ClusterOptions& o, int64_t first, int n, const std::vector<std::string>& verify) {
+  std::vector<std::unique_ptr<testing::Process>> trainers;
+  for (int s = 0; s < o.sources; ++s)
+    for (int r = 0; r < o.trainer_ranks; ++r) {
+      const int g = s * o.trainer_ranks + r;
+      std::vector<std::string> a = {std::string(kBin) + "/wsync-trainer-demo", "--daemon", cl.trainer_sockets[s],
+                                    "--model", o.model, "--local-rank", std::to_string(r), "--global-rank",
+                                    std::to_string(g), "--updates", std::to_string(n), "--first-version",
+                                    std::to_string(first)};
+      if (g == 0) {
+        a.insert(a.end(), {"--drive", "--coordinator", cl.coordinator});
+        for (const auto& e : verify) a.insert(a.end(), {"--verify-engine", e});
+      }
+      trainers.push_back(std::make_unique<testing::Process>(
+          a, cl.dir() + "/trainer" + std::to_string(g) + "-v" + std::to_string(first) + ".log"));
+    }
+  bool ok = true;
+  for (auto& t : trainers) ok &= t->Wait(std::chrono::seconds(120)) == 0;
+  return ok;
+}
+
+// (source node, rank, bytes, plan epoch) of every planned task of `engine`.
+std::set<std::tuple<std::string, int, uint64_t, int64_t>> PlanOf(const v1::ClusterStatus& st, const std::string& engine) {
+  std::set<std::tuple<std::string, int, uint64_t, int64_t>> out;
+  for (const auto& t : st.plan())
+    if (t.engine_id() == engine) out.insert({t.source_node(), t.rank(), t.bytes(), t.plan_epoch()});
+  return out;
+}
+
+int64_t GroupEpoch(const v1::ClusterStatus& st, const std::string& engine) {
+  for (const auto& g : st.groups())
+    for (const auto& e : g.engines())
+      if (e == engine) return g.plan_epoch();
+  return -2;
+}
+
+const v1::EngineSummary* EngineIn(const v1::ClusterStatus& st, const std::string& engine) {
+  for (const auto& n : st.nodes())
+    for (const auto& e : n.engine_details())
+      if (e.engine_id() == engine) return &e;
+  return nullptr;
+}
+
+TEST_CASE("cluster: an engine joins: only its group is re-planned; drain and undrain an engine and a source node "
+          "through wsyncctl; every update verified") {
+  ClusterOptions o;
+  o.bin_dir = kBin;
+  o.model = kModel;
+  o.transport = TransportUnderTest();
+  o.engines = 2;
+  o.engine_tp = {2, 1};  // two groups: engine0 (tp2) and engine1 (tp1)
+  o.sources = 2;
+  o.trainer_ranks = 1;
+  o.coordinator_args = {"--strategy", "balanced", "--min-source-mib", "0", "--snap-kib", "0"};
+  Cluster cl(o);
+  INFO("cluster logs in " << cl.dir());
+  client::CoordinatorClient coord(cl.coordinator);
+  auto status = [&] {
+    auto st = coord.Status();
+    REQUIRE(st.ok());
+    return *st;
+  };
+  REQUIRE(RunUpdates(cl, o, 1, 1, cl.engines));
+  const v1::ClusterStatus s1 = status();
+  REQUIRE(s1.groups_size() == 2);
+  const auto plan0 = PlanOf(s1, "engine0");
+  REQUIRE(!plan0.empty());
+
+  // engine2 (tp1) joins engine1's group.
+  cl.AddEngine(1);
+  for (int i = 0; i < 200 && EngineIn(status(), "engine2") == nullptr; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  REQUIRE(EngineIn(status(), "engine2") != nullptr);
+  REQUIRE(RunUpdates(cl, o, 2, 1, cl.engines));
+  const v1::ClusterStatus s2 = status();
+  CHECK(s2.current_version() == "2");
+  CHECK(GroupEpoch(s2, "engine0") == GroupEpoch(s1, "engine0"));  // untouched: same epoch, same tasks
+  CHECK(PlanOf(s2, "engine0") == plan0);
+  CHECK(GroupEpoch(s2, "engine2") > GroupEpoch(s1, "engine1"));  // the joined group was re-planned
+  CHECK(GroupEpoch(s2, "engine1") == GroupEpoch(s2, "engine2"));
+  CHECK(!PlanOf(s2, "engine2").empty());
+  for (const auto& e : cl.engines) CHECK(Verify(e, 2).ok());
+  CHECK(s2.source_plan_epochs_size() == 2);
+
+  // Refused while an update is open, with the reason; the update is then aborted (nothing written) and the engines
+  // resumed at version 2.
+  const std::string ctl = std::string(kBin) + "/wsyncctl";
+  REQUIRE(coord.BeginUpdate(3).ok());
+  CHECK(cl.Run("drain-open", {ctl, "--endpoints", cl.coordinator, "drain", "engine1"}, std::chrono::seconds(30)) != 0);
+  CHECK(absl::StrContains(cl.Log("drain-open"), "drain between updates"));
+  auto aborted = coord.AbortUpdate(3, "drain test");
+  REQUIRE(aborted.ok());
+  REQUIRE(aborted->engines_resumable());
+  REQUIRE(coord.ResumeEngines().ok());
+  CHECK(!EngineIn(status(), "engine1")->drained());
+
+  // Drain engine1 and source node train1 with the CLI.
+  CHECK(cl.Run("drain-engine1", {ctl, "--endpoints", cl.coordinator, "drain", "engine1"}, std::chrono::seconds(30)) == 0);
+  CHECK(cl.Run("drain-train1", {ctl, "--endpoints", cl.coordinator, "drain", "train1"}, std::chrono::seconds(30)) == 0);
+  CHECK(cl.Run("drain-nobody", {ctl, "--endpoints", cl.coordinator, "drain", "nobody"}, std::chrono::seconds(30)) != 0);
+  CHECK(absl::StrContains(cl.Log("drain-nobody"), "no engine or node 'nobody'"));
+  // The last source node cannot go: nothing could push the tensors.
+  CHECK(cl.Run("drain-train0", {ctl, "--endpoints", cl.coordinator, "drain", "train0"}, std::chrono::seconds(30)) != 0);
+  CHECK(absl::StrContains(cl.Log("drain-train0"), "cannot drain source node train0"));
+  {
+    const v1::ClusterStatus s = status();
+    REQUIRE(EngineIn(s, "engine1") != nullptr);
+    CHECK(EngineIn(s, "engine1")->state() == "drained");
+    CHECK(EngineIn(s, "engine1")->weight_version() == "2");
+  }
+  REQUIRE(RunUpdates(cl, o, 4, 1, {cl.engines[0], cl.engines[2]}));
+  {
+    const v1::ClusterStatus s3 = status();
+    CHECK(s3.current_version() == "4");
+    CHECK(PlanOf(s3, "engine1").empty());
+    for (const auto& t : s3.plan()) CHECK(t.source_node() == "train0");
+    CHECK(Verify(cl.engines[0], 4).ok());
+    CHECK(Verify(cl.engines[2], 4).ok());
+    // The drained engine was neither paused nor written: it still serves version 2, whole, under its label.
+    auto v2 = Verify(cl.engines[1], 2);
+    CHECK(v2.ok());
+    CHECK_FALSE(Verify(cl.engines[1], 4).ok());
+    const v1::EngineInfo info = Info(cl.engines[1]);
+    CHECK(info.weight_version() == "2");
+    CHECK_FALSE(info.paused());
+    CHECK(EngineIn(s3, "engine1")->weight_version() == "2");
+  }
+
+  // Undrain both; the next update writes engine1 whole again.
+  CHECK(cl.Run("undrain-engine1", {ctl, "--endpoints", cl.coordinator, "undrain", "engine1"}, std::chrono::seconds(30)) == 0);
+  CHECK(cl.Run("undrain-train1", {ctl, "--endpoints", cl.coordinator, "undrain", "train1"}, std::chrono::seconds(30)) == 0);
+  REQUIRE(RunUpdates(cl, o, 5, 1, cl.engines));
+  const v1::ClusterStatus s4 = status();
+  CHECK(s4.current_version() == "5");
+  CHECK(!PlanOf(s4, "engine1").empty());
+  for (const auto& e : cl.engines) CHECK(Verify(e, 5).ok());
+  CHECK(EngineIn(s4, "engine1")->state() == "serving");
+  CHECK(EngineIn(s4, "engine1")->weight_version() == "5");
 }
 
 TEST_CASE("cluster: an engine that stops answering fails the update within the configured pause deadline, named") {

@@ -68,6 +68,8 @@ const std::map<std::string, std::set<std::string>>& RoleTable() {
       {"wsync.v1.Coordinator/AbortUpdate", {"admin"}},
       {"wsync.v1.Coordinator/ResumeEngines", {"admin"}},
       {"wsync.v1.Coordinator/RemoveNode", {"admin"}},
+      {"wsync.v1.Coordinator/Drain", {"admin"}},
+      {"wsync.v1.Coordinator/Undrain", {"admin"}},
       {"wsync.v1.NodeDaemon/ConfigureSource", {"coordinator"}},
       {"wsync.v1.NodeDaemon/StartUpdate", {"coordinator"}},
       {"wsync.v1.NodeDaemon/FinishUpdate", {"coordinator"}},

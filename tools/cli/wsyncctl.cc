@@ -9,6 +9,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
@@ -214,7 +215,8 @@ int RunWatch(const std::string& endpoint, absl::Duration dt, bool json, double i
 
 int main(int argc, char** argv) {
   const std::vector<std::string> commands = {"status", "nodes", "engines", "history", "verify", "checksums",
-                                             "version", "plan", "abort", "resume", "watch", "remove"};
+                                             "version", "plan", "abort", "resume", "watch", "remove", "drain",
+                                             "undrain"};
   const int at = CommandIndex(argc, argv);
   if (at > 0) {
     const std::string cmd = argv[at];
@@ -281,6 +283,15 @@ int main(int argc, char** argv) {
                                                "first, or it registers again)");
   std::string remove_id;
   remove->add_option("node_id", remove_id, "the node to remove")->required();
+  auto* drain = app.add_subcommand(
+      "drain", "between updates, take an engine, or every engine of a target node, out of the next plans (it keeps "
+               "serving its current version and is not paused or updated); a source node only if the others can push "
+               "every tensor without it");
+  std::string drain_name;
+  drain->add_option("name", drain_name, "engine id or node id")->required();
+  auto* undrain = app.add_subcommand("undrain", "re-include a drained engine or node: the next update writes and "
+                                                "resumes it (until then it serves the version it had)");
+  undrain->add_option("name", drain_name, "engine id or node id")->required();
   auto* resume = app.add_subcommand(
       "resume", "resume paused engines at their current version (only when no byte of a failed update reached them)");
   app.add_subcommand("plan", "compute a transfer plan and its predicted time (see: wsyncctl plan --help)");
@@ -396,6 +407,29 @@ int main(int argc, char** argv) {
       return kExitOk;
     }
     std::printf("node %s removed (engines: %s); membership epoch %lld\n", remove_id.c_str(),
+                r->engines_size() ? absl::StrJoin(r->engines(), ", ").c_str() : "none",
+                static_cast<long long>(r->membership_epoch()));
+    return kExitOk;
+  }
+  if (*drain || *undrain) {
+    client::CoordinatorClient c(endpoint, dt);
+    auto s = c.Status();
+    if (!s.ok()) return ExitFor(s.status());
+    bool is_engine = false, is_node = false;
+    for (const auto& n : s->nodes()) {
+      is_node |= n.node_id() == drain_name;
+      for (const auto& e : n.engines()) is_engine |= e == drain_name;
+    }
+    if (!is_engine && !is_node)
+      return ExitFor(absl::NotFoundError(absl::StrCat("no engine or node '", drain_name, "' is registered")));
+    auto r = c.Drain(is_engine ? drain_name : "", is_engine ? "" : drain_name, static_cast<bool>(*drain));
+    if (!r.ok()) return ExitFor(r.status());
+    if (json) {
+      PrintJson(*r);
+      return kExitOk;
+    }
+    std::printf("%s %s %s (engines changed: %s); membership epoch %lld: the next update re-plans\n",
+                is_engine ? "engine" : "node", drain_name.c_str(), *drain ? "drained" : "undrained",
                 r->engines_size() ? absl::StrJoin(r->engines(), ", ").c_str() : "none",
                 static_cast<long long>(r->membership_epoch()));
     return kExitOk;

@@ -104,10 +104,11 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& json_text) {
   if (!j.contains("architectures") || j["architectures"].empty())
     return absl::InvalidArgumentError("model config has no architectures");
   c.arch = j["architectures"][0].get<std::string>();
+  const bool deepseek = c.arch == "DeepseekV2ForCausalLM" || c.arch == "DeepseekV3ForCausalLM";
   if (c.arch != "LlamaForCausalLM" && c.arch != "Qwen2ForCausalLM" && c.arch != "Qwen3ForCausalLM" &&
-      c.arch != "Qwen3MoeForCausalLM")
+      c.arch != "Qwen3MoeForCausalLM" && !deepseek)
     return absl::UnimplementedError(
-        absl::StrCat("reference engine supports Llama/Qwen2/Qwen3 and Qwen3-MoE, not ", c.arch));
+        absl::StrCat("reference engine supports Llama/Qwen2/Qwen3, Qwen3-MoE and DeepSeek-V2/V3, not ", c.arch));
   c.hidden = Get(j, "hidden_size");
   c.layers = Get(j, "num_hidden_layers");
   c.heads = Get(j, "num_attention_heads");
@@ -118,6 +119,31 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& json_text) {
   c.tied = j.value("tie_word_embeddings", false);
   c.qkv_bias = c.arch == "Qwen2ForCausalLM" || j.value("attention_bias", false);
   c.qk_norm = c.arch == "Qwen3ForCausalLM" || c.arch == "Qwen3MoeForCausalLM";
+  if (deepseek) {
+    c.mla = true;
+    c.qkv_bias = false;
+    c.q_lora = Get(j, "q_lora_rank", 0);
+    c.kv_lora = Get(j, "kv_lora_rank", 0);
+    c.qk_nope = Get(j, "qk_nope_head_dim", 0);
+    c.qk_rope = Get(j, "qk_rope_head_dim", 0);
+    c.v_head = Get(j, "v_head_dim", 0);
+    if (c.kv_lora <= 0 || c.qk_nope <= 0 || c.qk_rope <= 0 || c.v_head <= 0)
+      return absl::InvalidArgumentError(
+          "DeepSeek config lacks kv_lora_rank/qk_nope_head_dim/qk_rope_head_dim/v_head_dim");
+    c.head_dim = c.qk_nope + c.qk_rope;
+    c.experts = Get(j, "n_routed_experts", 0);
+    if (c.experts > 0) {
+      c.moe_inter = Get(j, "moe_intermediate_size", 0);
+      c.shared_experts = Get(j, "n_shared_experts", 0);
+      c.first_dense = Get(j, "first_k_dense_replace", 0);
+      c.sparse_step = Get(j, "moe_layer_freq", 1);
+      c.router_bias = j.value("topk_method", std::string()) == "noaux_tc";
+      if (c.moe_inter <= 0 || c.sparse_step <= 0)
+        return absl::InvalidArgumentError("DeepSeek MoE config lacks moe_intermediate_size/moe_layer_freq");
+    }
+    if (j.value("router_fp32", false))
+      return absl::UnimplementedError("reference engine: DeepSeek router_fp32 is not supported");
+  }
   if (c.arch == "Qwen3MoeForCausalLM") {
     c.experts = Get(j, "num_experts", 0);
     c.moe_inter = Get(j, "moe_intermediate_size", 0);
@@ -135,7 +161,6 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& json_text) {
     c.fp8_bn = q["weight_block_size"][0].get<int64_t>();
     c.fp8_bk = q["weight_block_size"][1].get<int64_t>();
     if (c.fp8_bn <= 0 || c.fp8_bk <= 0) return absl::InvalidArgumentError("weight_block_size must be positive");
-    if (c.experts > 0) return absl::UnimplementedError("reference engine: FP8 MoE is not supported");
   }
   if (c.hidden <= 0 || c.layers <= 0 || c.heads <= 0 || c.inter <= 0 || c.vocab <= 0)
     return absl::InvalidArgumentError("model config lacks hidden_size/num_hidden_layers/heads/intermediate/vocab");
@@ -146,18 +171,19 @@ static int64_t q_local_rows(const RefConfig& c, int tp) { return c.heads / tp * 
 
 bool RefConfig::moe_layer(int64_t layer) const {
   if (experts <= 0) return false;
+  if (mla) return layer >= first_dense && layer % sparse_step == 0;  // DeepSeek's rule, unlike Qwen3-MoE's below
   for (int64_t l : mlp_only)
     if (l == layer) return false;
   return (layer + 1) % sparse_step == 0;
 }
 
 absl::StatusOr<RefLayout> BuildRefLayout(const RefConfig& c, int tp, int rank) {
-  if (c.heads % tp != 0 || c.inter % tp != 0)
+  if (c.heads % tp != 0 || c.inter % tp != 0 || (c.moe_inter * c.shared_experts) % tp != 0)
     return absl::InvalidArgumentError(absl::StrCat("tp=", tp, " does not divide heads/intermediate"));
   if (c.ep < 1 || tp % c.ep != 0 || (c.experts > 0 && (c.experts % c.ep != 0 || c.moe_inter % (tp / c.ep) != 0)))
     return absl::InvalidArgumentError(absl::StrCat("ep=", c.ep, " does not fit tp=", tp, " and ", c.experts,
                                                    " experts of intermediate ", c.moe_inter));
-  if (c.kv_heads >= tp ? c.kv_heads % tp != 0 : tp % c.kv_heads != 0)
+  if (!c.mla && (c.kv_heads >= tp ? c.kv_heads % tp != 0 : tp % c.kv_heads != 0))
     return absl::InvalidArgumentError(absl::StrCat("tp=", tp, " incompatible with ", c.kv_heads, " kv heads"));
   RefLayout l;
   auto add = [&](const std::string& name, std::vector<int64_t> shape, DType dtype) {
@@ -174,11 +200,20 @@ absl::StatusOr<RefLayout> BuildRefLayout(const RefConfig& c, int tp, int rank) {
   };
   // A linear weight [n, k]: the model dtype, or fp8 codes plus float32 block scales.
   const bool fp8 = c.fp8_bn > 0;
-  if (fp8) {  // SGLang shards block-quantized weights in whole blocks
+  if (fp8 && !c.mla) {  // SGLang shards block-quantized weights in whole blocks
     const int64_t q_rows = q_local_rows(c, tp), kv_rows = (c.kv_heads >= tp ? c.kv_heads / tp : 1) * c.head_dim;
     if (q_rows % c.fp8_bn || kv_rows % c.fp8_bn || (c.inter / tp) % c.fp8_bn || (c.inter / tp) % c.fp8_bk ||
         q_rows % c.fp8_bk)
       return absl::InvalidArgumentError(absl::StrCat("tp=", tp, " splits an FP8 block of ", c.fp8_bn, "x", c.fp8_bk));
+  }
+  if (fp8 && c.mla) {
+    const int64_t hl = c.heads / tp, S = c.moe_inter * c.shared_experts;
+    for (int64_t split : {hl * (c.qk_nope + c.qk_rope), hl * (c.qk_nope + c.v_head), c.inter / tp, S / tp, c.q_lora})
+      if (split % c.fp8_bn)
+        return absl::InvalidArgumentError(absl::StrCat("tp=", tp, " splits an FP8 block of ", c.fp8_bn, " rows"));
+    for (int64_t split : {hl * c.v_head, c.inter / tp, S / tp, c.q_lora})
+      if (split % c.fp8_bk)
+        return absl::InvalidArgumentError(absl::StrCat("tp=", tp, " splits an FP8 block of ", c.fp8_bk, " columns"));
   }
   auto linear = [&](const std::string& name, int64_t n, int64_t k) {
     if (!fp8) return add(name, {n, k}, c.dtype);
@@ -192,9 +227,30 @@ absl::StatusOr<RefLayout> BuildRefLayout(const RefConfig& c, int tp, int rank) {
   add("model.embed_tokens.weight", {vpad / tp, c.hidden}, c.dtype);
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
-    linear(p + "self_attn.qkv_proj.weight", (q_local + 2 * kv_local) * c.head_dim, c.hidden);
-    if (c.qkv_bias) add(p + "self_attn.qkv_proj.bias", {(q_local + 2 * kv_local) * c.head_dim}, c.dtype);
-    linear(p + "self_attn.o_proj.weight", c.hidden, q_local * c.head_dim);
+    if (c.mla) {
+      // MLA: the low-rank projections are replicated (q_a and kv_a fused into one ReplicatedLinear), the per-head
+      // up-projections split by heads over tp.
+      const std::string a = p + "self_attn.";
+      const int64_t qk = c.qk_nope + c.qk_rope;
+      if (c.q_lora > 0) {
+        linear(a + "fused_qkv_a_proj_with_mqa.weight", c.q_lora + c.kv_lora + c.qk_rope, c.hidden);
+        add(a + "q_a_layernorm.weight", {c.q_lora}, c.dtype);
+        linear(a + "q_b_proj.weight", q_local * qk, c.q_lora);
+      } else {
+        linear(a + "q_proj.weight", q_local * qk, c.hidden);
+        linear(a + "kv_a_proj_with_mqa.weight", c.kv_lora + c.qk_rope, c.hidden);
+      }
+      add(a + "kv_a_layernorm.weight", {c.kv_lora}, c.dtype);
+      linear(a + "kv_b_proj.weight", q_local * (c.qk_nope + c.v_head), c.kv_lora);
+      linear(a + "o_proj.weight", c.hidden, q_local * c.v_head);
+      if (fp8)  // SGLang's FP8 KV-cache scales of its two MLA attention modules: float32 scalars, 1.0 once loaded
+        for (const char* m : {"attn_mqa.", "attn_mha."})
+          for (const char* k : {"k_scale", "v_scale"}) add(absl::StrCat(a, m, k), {}, DType::kF32);
+    } else {
+      linear(p + "self_attn.qkv_proj.weight", (q_local + 2 * kv_local) * c.head_dim, c.hidden);
+      if (c.qkv_bias) add(p + "self_attn.qkv_proj.bias", {(q_local + 2 * kv_local) * c.head_dim}, c.dtype);
+      linear(p + "self_attn.o_proj.weight", c.hidden, q_local * c.head_dim);
+    }
     if (c.qk_norm) {
       add(p + "self_attn.q_norm.weight", {c.head_dim}, c.dtype);
       add(p + "self_attn.k_norm.weight", {c.head_dim}, c.dtype);
@@ -202,8 +258,24 @@ absl::StatusOr<RefLayout> BuildRefLayout(const RefConfig& c, int tp, int rank) {
     if (c.moe_layer(i)) {
       const int64_t moe_tp = tp / c.ep, el = c.experts / c.ep, il = c.moe_inter / moe_tp;
       add(p + "mlp.gate.weight", {c.experts, c.hidden}, c.dtype);
-      add(p + "mlp.experts.w13_weight", {el, 2 * il, c.hidden}, c.dtype);
-      add(p + "mlp.experts.w2_weight", {el, c.hidden, il}, c.dtype);
+      if (c.router_bias) add(p + "mlp.gate.e_score_correction_bias", {c.experts}, DType::kF32);
+      if (fp8) {
+        // Per expert: gate and up each in whole row blocks (the up half's scales start at its own block row).
+        const int64_t bn = c.fp8_bn, bk = c.fp8_bk;
+        add(p + "mlp.experts.w13_weight", {el, 2 * il, c.hidden}, DType::kF8E4M3);
+        add(p + "mlp.experts.w13_weight_scale_inv", {el, 2 * ((il + bn - 1) / bn), (c.hidden + bk - 1) / bk},
+            DType::kF32);
+        add(p + "mlp.experts.w2_weight", {el, c.hidden, il}, DType::kF8E4M3);
+        add(p + "mlp.experts.w2_weight_scale_inv", {el, (c.hidden + bn - 1) / bn, (il + bk - 1) / bk}, DType::kF32);
+      } else {
+        add(p + "mlp.experts.w13_weight", {el, 2 * il, c.hidden}, c.dtype);
+        add(p + "mlp.experts.w2_weight", {el, c.hidden, il}, c.dtype);
+      }
+      if (c.shared_experts > 0) {
+        const int64_t sl = c.moe_inter * c.shared_experts / tp;
+        linear(p + "mlp.shared_experts.gate_up_proj.weight", 2 * sl, c.hidden);
+        linear(p + "mlp.shared_experts.down_proj.weight", c.hidden, sl);
+      }
     } else {
       linear(p + "mlp.gate_up_proj.weight", 2 * c.inter / tp, c.hidden);
       linear(p + "mlp.down_proj.weight", c.hidden, c.inter / tp);
@@ -257,26 +329,64 @@ absl::Status ComputeExpected(const RefConfig& c, int tp, int rank, const RefLayo
   // row `dst_row`; with FP8, the codes and block scales of the whole HF tensor quantized by the engine's own encoder.
   const bool fp8 = c.fp8_bn > 0;
   std::vector<uint8_t> codes, scales;
-  auto place = [&](const std::string& engine, const std::string& hf, int64_t rows, int64_t cols, int64_t r0,
-                   int64_t nr, int64_t c0, int64_t nc, int64_t dst_row) {
-    auto [d, prm] = dst(engine);
+  // The same into explicit destinations: `d` [*, d_cols] from row `dst_row`; with FP8 the scales into `ds`
+  // [*, s_cols] from row `scale_row`.
+  auto place_at = [&](uint8_t* d, int64_t d_cols, int64_t dst_row, uint8_t* ds, int64_t s_cols, int64_t scale_row,
+                      const std::string& hf, int64_t rows, int64_t cols, int64_t r0, int64_t nr, int64_t c0,
+                      int64_t nc) {
     const uint8_t* s = gen(hf, rows, cols);
     if (!fp8) {
-      CopyBlock(s, cols, r0, nr, c0, nc, esz, d, prm->shape[1], dst_row);
+      CopyBlock(s, cols, r0, nr, c0, nc, esz, d, d_cols, dst_row);
       return;
     }
     const int64_t bn = c.fp8_bn, bk = c.fp8_bk;
     NaiveQuantize(s, rows, cols, bn, bk, &codes, &scales);
-    CopyBlock(codes.data(), cols, r0, nr, c0, nc, 1, d, prm->shape[1], dst_row);
-    auto [ds, ps] = dst(engine.substr(0, engine.size() - 6) + "weight_scale_inv");
+    CopyBlock(codes.data(), cols, r0, nr, c0, nc, 1, d, d_cols, dst_row);
     CopyBlock(scales.data(), (cols + bk - 1) / bk, r0 / bn, (nr + bn - 1) / bn, c0 / bk, (nc + bk - 1) / bk, 4, ds,
-              ps->shape[1], dst_row / bn);
+              s_cols, scale_row);
+  };
+  auto place = [&](const std::string& engine, const std::string& hf, int64_t rows, int64_t cols, int64_t r0,
+                   int64_t nr, int64_t c0, int64_t nc, int64_t dst_row) {
+    auto [d, prm] = dst(engine);
+    uint8_t* ds = nullptr;
+    int64_t s_cols = 0;
+    if (fp8) {
+      auto [sd, sp] = dst(engine.substr(0, engine.size() - 6) + "weight_scale_inv");
+      ds = sd;
+      s_cols = sp->shape[1];
+    }
+    place_at(d, prm->shape[1], dst_row, ds, s_cols, fp8 ? dst_row / c.fp8_bn : 0, hf, rows, cols, r0, nr, c0, nc);
   };
 
   vocab_parallel("model.embed_tokens.weight");
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
-    {
+    if (c.mla) {
+      const std::string a = p + "self_attn.";
+      const int64_t qk = c.qk_nope + c.qk_rope, nv = c.qk_nope + c.v_head, kva = c.kv_lora + c.qk_rope;
+      if (c.q_lora > 0) {
+        // [q_a_proj; kv_a_proj_with_mqa] stacked along the rows, whole on every rank.
+        place(a + "fused_qkv_a_proj_with_mqa.weight", a + "q_a_proj.weight", c.q_lora, H, 0, c.q_lora, 0, H, 0);
+        place(a + "fused_qkv_a_proj_with_mqa.weight", a + "kv_a_proj_with_mqa.weight", kva, H, 0, kva, 0, H, c.q_lora);
+        replicated(a + "q_a_layernorm.weight", a + "q_a_layernorm.weight", c.q_lora);
+        place(a + "q_b_proj.weight", a + "q_b_proj.weight", c.heads * qk, c.q_lora, rank * q_local * qk, q_local * qk,
+              0, c.q_lora, 0);
+      } else {
+        place(a + "q_proj.weight", a + "q_proj.weight", c.heads * qk, H, rank * q_local * qk, q_local * qk, 0, H, 0);
+        place(a + "kv_a_proj_with_mqa.weight", a + "kv_a_proj_with_mqa.weight", kva, H, 0, kva, 0, H, 0);
+      }
+      replicated(a + "kv_a_layernorm.weight", a + "kv_a_layernorm.weight", c.kv_lora);
+      place(a + "kv_b_proj.weight", a + "kv_b_proj.weight", c.heads * nv, c.kv_lora, rank * q_local * nv,
+            q_local * nv, 0, c.kv_lora, 0);
+      place(a + "o_proj.weight", a + "o_proj.weight", H, c.heads * c.v_head, 0, H, rank * q_local * c.v_head,
+            q_local * c.v_head, 0);
+      if (fp8)
+        for (const char* m : {"attn_mqa.", "attn_mha."})
+          for (const char* k : {"k_scale", "v_scale"}) {
+            const float one = 1.0f;
+            std::memcpy(dst(absl::StrCat(a, m, k)).first, &one, 4);
+          }
+    } else {
       const std::string qkv = p + "self_attn.qkv_proj.weight";
       place(qkv, p + "self_attn.q_proj.weight", c.heads * D, H, rank * q_local * D, q_local * D, 0, H, 0);
       place(qkv, p + "self_attn.k_proj.weight", c.kv_heads * D, H, kv_first * D, kv_local * D, 0, H, q_local * D);
@@ -292,8 +402,9 @@ absl::Status ComputeExpected(const RefConfig& c, int tp, int rank, const RefLayo
       const uint8_t* v = gen(p + "self_attn.v_proj.bias", 1, c.kv_heads * D);
       CopyBlock(v, c.kv_heads * D, 0, 1, kv_first * D, kv_local * D, esz, d + (q_local + kv_local) * D * esz, 0, 0);
     }
-    place(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", H, c.heads * D, 0, H, rank * q_local * D,
-          q_local * D, 0);
+    if (!c.mla)
+      place(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", H, c.heads * D, 0, H, rank * q_local * D,
+            q_local * D, 0);
     if (c.qk_norm) {
       replicated(p + "self_attn.q_norm.weight", p + "self_attn.q_norm.weight", D);
       replicated(p + "self_attn.k_norm.weight", p + "self_attn.k_norm.weight", D);
@@ -308,17 +419,41 @@ absl::Status ComputeExpected(const RefConfig& c, int tp, int rank, const RefLayo
         const uint8_t* g = gen(p + "mlp.gate.weight", c.experts, H);
         CopyBlock(g, H, 0, c.experts, 0, H, esz, d, H, 0);
       }
+      if (c.router_bias) {
+        // float32 in the checkpoint and in the engine.
+        auto [d, prm] = dst(p + "mlp.gate.e_score_correction_bias");
+        std::vector<uint8_t> bias(static_cast<size_t>(c.experts) * 4);
+        tools::GenerateTensor(p + "mlp.gate.e_score_correction_bias", step, DType::kF32,
+                              static_cast<uint64_t>(c.experts), bias.data());
+        CopyBlock(bias.data(), c.experts, 0, 1, 0, c.experts, 4, d, c.experts, 0);
+      }
+      if (c.shared_experts > 0) {
+        // The shared experts as one dense MLP of intermediate moe_inter * n_shared, split over all tp ranks.
+        const int64_t S = c.moe_inter * c.shared_experts, sl = S / tp;
+        const std::string x = p + "mlp.shared_experts.";
+        place(x + "gate_up_proj.weight", x + "gate_proj.weight", S, H, rank * sl, sl, 0, H, 0);
+        place(x + "gate_up_proj.weight", x + "up_proj.weight", S, H, rank * sl, sl, 0, H, sl);
+        place(x + "down_proj.weight", x + "down_proj.weight", H, S, 0, H, rank * sl, sl, 0);
+      }
       auto [w13, p13] = dst(p + "mlp.experts.w13_weight");
       auto [w2, p2] = dst(p + "mlp.experts.w2_weight");
+      // FP8: per expert, codes [2*il, H] then scales [2*ceil(il/bn), ceil(H/bk)] (w13) and [H, il] / [ceil(H/bn),
+      // ceil(il/bk)] (w2); the up half's scales start at row ceil(il/bn).
+      const size_t wsz = fp8 ? 1 : esz;
+      const int64_t bn = std::max<int64_t>(c.fp8_bn, 1), bk = std::max<int64_t>(c.fp8_bk, 1);
+      const int64_t s13r = 2 * ((il + bn - 1) / bn), s13c = (H + bk - 1) / bk;
+      const int64_t s2r = (H + bn - 1) / bn, s2c = (il + bk - 1) / bk;
+      uint8_t* sc13 = fp8 ? dst(p + "mlp.experts.w13_weight_scale_inv").first : nullptr;
+      uint8_t* sc2 = fp8 ? dst(p + "mlp.experts.w2_weight_scale_inv").first : nullptr;
       for (int64_t e = 0; e < el; ++e) {
         const std::string x = absl::StrCat(p, "mlp.experts.", group * el + e, ".");
-        uint8_t* d13 = w13 + static_cast<size_t>(e * 2 * il * H) * esz;
-        const uint8_t* g = gen(x + "gate_proj.weight", I, H);
-        CopyBlock(g, H, part * il, il, 0, H, esz, d13, H, 0);
-        const uint8_t* u = gen(x + "up_proj.weight", I, H);
-        CopyBlock(u, H, part * il, il, 0, H, esz, d13, H, il);
-        const uint8_t* dn = gen(x + "down_proj.weight", H, I);
-        CopyBlock(dn, I, 0, H, part * il, il, esz, w2 + static_cast<size_t>(e * H * il) * esz, il, 0);
+        uint8_t* d13 = w13 + static_cast<size_t>(e * 2 * il * H) * wsz;
+        uint8_t* e13 = fp8 ? sc13 + static_cast<size_t>(e * s13r * s13c) * 4 : nullptr;
+        place_at(d13, H, 0, e13, s13c, 0, x + "gate_proj.weight", I, H, part * il, il, 0, H);
+        place_at(d13, H, il, e13, s13c, s13r / 2, x + "up_proj.weight", I, H, part * il, il, 0, H);
+        uint8_t* e2 = fp8 ? sc2 + static_cast<size_t>(e * s2r * s2c) * 4 : nullptr;
+        place_at(w2 + static_cast<size_t>(e * H * il) * wsz, il, 0, e2, s2c, 0, x + "down_proj.weight", H, I, 0, H,
+                 part * il, il);
       }
     } else {
       const int64_t I = c.inter, Il = c.inter / tp;

@@ -2,8 +2,10 @@
 // The reference engine's own model code: its parameter layout in SGLang's layout and a deliberately naive loader
 // that computes the expected bytes of every parameter from full HF tensors. It shares nothing with replica/ on
 // purpose: it is the independent expectation that transferred weights are checked against.
-// Supports the dense families (Llama, Qwen2, Qwen3, also FP8 block-quantized) and Qwen3-MoE (stacked experts,
-// expert parallelism).
+// Supports the dense families (Llama, Qwen2, Qwen3), Qwen3-MoE (stacked experts, expert parallelism) and
+// DeepSeek-V2/V3 (MLA attention with or without q_lora, dense first layers, routed experts plus unfused shared
+// experts, router correction bias), each also FP8 block-quantized (linear and expert weights as e4m3 codes with
+// float32 block scales; MLA adds SGLang's four float32 KV-cache scales, 1.0).
 
 #include <cstdint>
 #include <string>
@@ -29,6 +31,14 @@ struct RefConfig {
   // FP8 block quantization (quantization_config quant_method fp8, weight_block_size [bn, bk]): the dense linear
   // weights are float8_e4m3fn with a float32 `weight_scale_inv` per block; 0 = not quantized.
   int64_t fp8_bn = 0, fp8_bk = 0;
+  // DeepSeek-V2/V3 multi-head latent attention: q_lora (0 = plain q_proj), the compressed kv width, the per-head
+  // no-rope/rope query-key dims and the value dim.
+  bool mla = false;
+  int64_t q_lora = 0, kv_lora = 0, qk_nope = 0, qk_rope = 0, v_head = 0;
+  // DeepSeek MoE: layers [0, first_dense) are dense, then every `sparse_step`-th; shared experts beside the routed
+  // ones (SGLang unfused: mlp.shared_experts.* split over tp like a dense MLP); router bias for noaux_tc routing.
+  int64_t first_dense = 0, shared_experts = 0;
+  bool router_bias = false;
   bool moe_layer(int64_t layer) const;
 };
 
