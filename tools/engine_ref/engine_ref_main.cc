@@ -453,7 +453,7 @@ class EngineService final : public pb::EngineControl::Service {
   std::string version_ = "0";
 };
 
-// The --load-socket server: a Unix stream socket (mode 0600) taking one JSON request per line and answering one JSON
+// The --load-socket server: a Unix stream socket (owner only) taking one JSON request per line and answering one JSON
 // line each. {"type":"load","rank":R,"file":PATH,"tensors":[{name,dtype,shape,offset,bytes}...]} loads rank R from
 // the file; {"type":"verify","step":N} runs the Verify check. Connections are served concurrently (one engine
 // rank's receiver each), at most kMaxConnections at a time.
@@ -611,7 +611,7 @@ int main(int argc, char** argv) {
   app.add_option("--port-file", port_file, "write the bound port here once serving");
   std::string load_socket;
   app.add_option("--load-socket", load_socket,
-                 "Unix socket (mode 0600) on which whole HF tensors handed over in a file are loaded with the "
+                 "Unix socket (owner only) on which whole HF tensors handed over in a file are loaded with the "
                  "engine's own loader, and checked (docs/engines.md)");
   wsync::tls::Options tls_opts;
   wsync::tls::AddFlags(app, &tls_opts);
