@@ -187,7 +187,7 @@ def write_plot(path, rows):
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     x = range(len(rows))
-    for key, label, style in (("p2p_s", "wsync P2P", "o-"), ("bcast_s", "broadcast (gloo)", "s-"),
+    for key, label, style in (("p2p_s", "wsync P2P", "o-"), ("bcast_s", "broadcast + engine load (gloo)", "s-"),
                               ("bound_s", "link bound", "k--"), ("predicted_s", "cost model (P2P)", "x:")):
         ax.plot(list(x), [r[key] for r in rows], style, label=label)
     ax.set_xticks(list(x))
