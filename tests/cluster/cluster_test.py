@@ -90,6 +90,18 @@ def run(a):
                f"after the failed update the cluster stays at version 1 and no engine serves ({v}, {st})")
 
         c.set_link(c.targets[1], up=True)
+        # The link is back once the node's lease is: its next heartbeat reaches the coordinator (an update opened
+        # before that fails on the lease, as it should).
+        t0 = time.time()
+        while True:
+            nodes = ctl(c, "nodes")
+            nodes = nodes.get("nodes", []) if isinstance(nodes, dict) else nodes
+            if len(nodes) == 4 and all(n.get("reachable") for n in nodes):
+                break
+            if time.time() - t0 > 60:
+                raise Failed(f"infer-node1's lease did not return within 60 s of its link: {nodes}")
+            time.sleep(0.5)
+        expect(True, f"every node's lease is current again {time.time() - t0:.1f} s after the link returned")
         t0 = time.time()
         ups = c.run_updates(3, 1)
         expect(len(ups) == 1 and ups[0]["verified"] and ups[0]["engine_ranks"] == 4,

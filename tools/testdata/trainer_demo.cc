@@ -1,11 +1,14 @@
 // wsync-trainer-demo: stands in for one trainer rank. Each update it pushes the HF tensors its daemon asks for,
 // generated deterministically from (tensor name, step) — the same tensors the reference engine derives its
 // expectation from. The rank started with --drive also opens and commits each update on the coordinator, asks
-// every engine to verify what it holds, and prints the summary.
+// every engine to verify what it holds, and prints the summary. Under a shard-aware plan (coordinator --strategy
+// local) the daemon also asks for slices (the rank's TP shard of a tensor); the demo cuts them from the generated
+// tensor and pushes only them.
 
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -169,6 +172,27 @@ int main(int argc, char** argv) {
         tools::GenerateTensor(s.name, v, s.dtype, elems, dst);
       });
       if (!st.ok()) return give_up(absl::StrCat("push ", s.name, ": ", st.ToString()));
+    }
+    std::vector<uint8_t> full;
+    for (const TensorSlice& sl : (*c)->push_slices()) {
+      auto it = by_name.find(sl.name);
+      if (it == by_name.end()) {
+        spdlog::error("daemon asked for a slice of tensor {} which this model does not have", sl.name);
+        return 1;
+      }
+      const replica::TensorSpec& s = *it->second;
+      const size_t es = DTypeSize(s.dtype);
+      full.resize(s.bytes());
+      tools::GenerateTensor(s.name, v, s.dtype, s.bytes() / es, full.data());
+      const uint64_t bytes = static_cast<uint64_t>(sl.rows * sl.cols) * es;
+      auto st = (*c)->PushWith(EncodeSliceName(sl.name, sl.full_shape, sl.offsets), s.dtype, sl.extents, bytes,
+                               [&](uint8_t* dst) {
+                                 for (int64_t r = 0; r < sl.rows; ++r)
+                                   std::memcpy(dst + r * sl.cols * es,
+                                               full.data() + ((sl.row0 + r) * sl.full_cols + sl.col0) * es,
+                                               sl.cols * es);
+                               });
+      if (!st.ok()) return give_up(absl::StrCat("push slice of ", sl.name, " (", sl.Describe(), "): ", st.ToString()));
     }
     if (auto st = (*c)->EndPush(v); !st.ok()) return give_up(st.ToString());
     const auto& ps = (*c)->stats();

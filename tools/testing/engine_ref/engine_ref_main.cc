@@ -2,19 +2,25 @@
 // segments), in SGLang's layout, implements the engine control API, and verifies what landed in its memory against
 // its own naive loader. On the Attach RPC its ranks hand their segments to the target wsyncd over its engine socket
 // (docs/engines.md); the daemon maps them and writes into them directly, as it would into GPU weight memory.
+// With --load-socket it also loads full HF tensors handed over in a file (the broadcast baseline's receivers,
+// bench/cluster) through the same loader it verifies with (docs/engines.md, "Loading HF tensors directly").
 
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -30,6 +36,7 @@
 #include "absl/strings/str_format.h"
 #include "base/cli.h"
 #include "base/fd_passing.h"
+#include "base/status.h"
 #include "base/logging.h"
 #include "nlohmann/json.hpp"
 #include "proto/tls.h"
@@ -102,6 +109,7 @@ class EngineService final : public pb::EngineControl::Service {
   ~EngineService() { CloseAttachments(); }
 
   absl::Status Init() {
+    rank_mu_ = std::make_unique<std::mutex[]>(tp_);
     for (int r = 0; r < tp_; ++r) {
       auto layout = BuildRefLayout(cfg_, tp_, r);
       if (!layout.ok()) return layout.status();
@@ -298,13 +306,20 @@ class EngineService final : public pb::EngineControl::Service {
 
   grpc::Status Verify(grpc::ServerContext* ctx, const pb::VerifyRequest* req, pb::VerifyReply* out) override {
     if (auto a = ::wsync::tls::Authorize(ctx, "Verify", {::wsync::tls::kAdmin, ::wsync::tls::kTrainer}); !a.ok()) return a;
+    auto st = VerifyStep(req->step(), out);
+    if (!st.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, std::string(st.message()));
+    return grpc::Status::OK;
+  }
+
+  // Checks every rank's memory against the loader's expectation for the generated checkpoint of `step`.
+  absl::Status VerifyStep(int64_t step, pb::VerifyReply* out) {
     std::lock_guard<std::mutex> vl(verify_mu_);
     int64_t checked = 0, bytes = 0;
     for (int r = 0; r < tp_; ++r) {
       const RefLayout& l = layouts_[r];
       std::vector<uint8_t> expected(l.total_bytes);
-      auto st = ComputeExpected(cfg_, tp_, r, l, req->step(), expected.data());
-      if (!st.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, std::string(st.message()));
+      WSYNC_RETURN_IF_ERROR(ComputeExpected(cfg_, tp_, r, l, step, expected.data()));
+      std::lock_guard<std::mutex> rl(rank_mu_[r]);
       for (size_t k = 0; k < l.params.size(); ++k) {
         const auto& p = l.params[k];
         const uint8_t* have = memory_[r]->at(k);  // in its segment; `expected` is packed by the naive loader
@@ -322,9 +337,59 @@ class EngineService final : public pb::EngineControl::Service {
     out->set_params_checked(checked);
     out->set_bytes_checked(bytes);
     out->set_ranks(tp_);
-    spdlog::info("engine {}: verify step {}: {} params, {} mismatched", id_, req->step(), checked,
+    spdlog::info("engine {}: verify step {}: {} params, {} mismatched", id_, step, checked,
                  out->mismatches_size());
-    return grpc::Status::OK;
+    return absl::OkStatus();
+  }
+
+  // Loads full HF tensors into rank `rank`'s memory with the engine's own loader, as an engine's load_weights does
+  // for tensors a collective delivered. `file` holds them back to back as `tensors` ({name, dtype, shape, offset,
+  // bytes}) describes. Returns the parameters written.
+  absl::StatusOr<size_t> LoadFromFile(int rank, const std::string& file, const nlohmann::json& tensors) {
+    if (rank < 0 || rank >= tp_) return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " out of range [0, ", tp_, ")"));
+    if (!tensors.is_array()) return absl::InvalidArgumentError("load: 'tensors' must be an array");
+    wsync::ScopedFd fd(open(file.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) return absl::NotFoundError(absl::StrCat("load: cannot open ", file, ": ", strerror(errno)));
+    struct stat stt {};
+    if (fstat(fd.get(), &stt) != 0 || stt.st_size <= 0)
+      return absl::InvalidArgumentError(absl::StrCat("load: ", file, " is empty or unreadable"));
+    const uint64_t size = static_cast<uint64_t>(stt.st_size);
+    void* m = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd.get(), 0);
+    if (m == MAP_FAILED) return absl::InternalError(absl::StrCat("load: mmap ", file, ": ", strerror(errno)));
+    std::unique_ptr<void, std::function<void(void*)>> unmap(m, [size](void* p) { munmap(p, size); });
+    const auto* base = static_cast<const uint8_t*>(m);
+    struct Entry {
+      uint64_t offset, bytes;
+    };
+    std::map<std::string, Entry> index;
+    for (const auto& t : tensors) {
+      if (!t.is_object() || !t.contains("name") || !t.contains("offset") || !t.contains("bytes"))
+        return absl::InvalidArgumentError("load: every tensor needs name, offset and bytes");
+      const std::string name = t["name"].get<std::string>();
+      const std::string dtype = t.value("dtype", std::string(DTypeName(cfg_.dtype)));
+      if (dtype != DTypeName(cfg_.dtype))
+        return absl::InvalidArgumentError(absl::StrCat("load: tensor ", name, " is ", dtype, ", the model is ",
+                                                       DTypeName(cfg_.dtype)));
+      const Entry e{t["offset"].get<uint64_t>(), t["bytes"].get<uint64_t>()};
+      if (e.offset > size || e.bytes > size - e.offset)
+        return absl::InvalidArgumentError(absl::StrCat("load: tensor ", name, " [", e.offset, ", +", e.bytes,
+                                                       ") lies outside ", file, " (", size, " bytes)"));
+      index[name] = e;
+    }
+    const RefLayout& l = layouts_[rank];
+    std::vector<uint8_t> packed(l.total_bytes);
+    WSYNC_RETURN_IF_ERROR(LoadHfTensors(
+        cfg_, tp_, rank, l,
+        [&](const std::string& name, DType, uint64_t bytes) -> const uint8_t* {
+          // every tensor in the file is in the model's dtype (checked above): a float32 one is found by size only
+          auto it = index.find(name);
+          return it == index.end() || it->second.bytes != bytes ? nullptr : base + it->second.offset;
+        },
+        packed.data()));
+    std::lock_guard<std::mutex> rl(rank_mu_[rank]);
+    for (size_t k = 0; k < l.params.size(); ++k)
+      std::memcpy(memory_[rank]->at(k), packed.data() + l.params[k].offset, l.params[k].bytes);
+    return l.params.size();
   }
 
  private:
@@ -404,11 +469,150 @@ class EngineService final : public pb::EngineControl::Service {
   std::vector<RefLayout> layouts_;
   std::vector<std::unique_ptr<RankMemory>> memory_;
   std::mutex mu_, verify_mu_, attach_mu_;
+  std::unique_ptr<std::mutex[]> rank_mu_ = nullptr;  // per rank: its memory is being loaded or verified
   std::vector<wsync::ScopedFd> attached_;  // one attach socket per rank
   wsync::ScopedFd stop_rd_, stop_wr_;
   std::thread reader_;
   bool paused_ = false;
   std::string version_ = "0";
+};
+
+// The --load-socket server: a Unix stream socket (owner only) taking one JSON request per line and answering one JSON
+// line each. {"type":"load","rank":R,"file":PATH,"tensors":[{name,dtype,shape,offset,bytes}...]} loads rank R from
+// the file; {"type":"verify","step":N} runs the Verify check. Connections are served concurrently (one engine
+// rank's receiver each), at most kMaxConnections at a time.
+class LoadServer {
+ public:
+  static constexpr int kMaxConnections = 64;
+  static constexpr size_t kMaxRequest = 64u << 20;
+
+  explicit LoadServer(EngineService* engine) : engine_(engine) {}
+  ~LoadServer() { Stop(); }
+
+  absl::Status Start(const std::string& path) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (path.empty() || path.size() >= sizeof(addr.sun_path))
+      return absl::InvalidArgumentError(absl::StrCat("--load-socket path '", path, "' is empty or too long"));
+    std::memcpy(addr.sun_path, path.data(), path.size());
+    unlink(path.c_str());
+    listen_.reset(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    const mode_t old = umask(0077);  // only this user may hand the engine weights
+    const int b = listen_.valid() ? bind(listen_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) : -1;
+    umask(old);
+    if (b != 0 || listen(listen_.get(), 16) != 0)
+      return absl::UnavailableError(absl::StrCat("--load-socket ", path, ": ", strerror(errno)));
+    path_ = path;
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) != 0) return absl::InternalError(absl::StrCat("pipe: ", strerror(errno)));
+    stop_rd_.reset(p[0]);
+    stop_wr_.reset(p[1]);
+    acceptor_ = std::thread([this] { Accept(); });
+    spdlog::info("load socket {}", path);
+    return absl::OkStatus();
+  }
+
+  void Stop() {
+    if (!acceptor_.joinable()) return;
+    char b = 1;
+    if (write(stop_wr_.get(), &b, 1) < 0) spdlog::warn("stopping the load socket: {}", strerror(errno));
+    acceptor_.join();
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      for (int fd : open_) shutdown(fd, SHUT_RDWR);  // wakes handlers blocked in recv
+    }
+    for (auto& t : handlers_) t.join();
+    unlink(path_.c_str());
+  }
+
+ private:
+  void Accept() {
+    while (true) {
+      pollfd pfds[2] = {{stop_rd_.get(), POLLIN, 0}, {listen_.get(), POLLIN, 0}};
+      if (poll(pfds, 2, -1) < 0) {
+        if (errno == EINTR) continue;
+        return;
+      }
+      if (pfds[0].revents != 0) return;
+      int fd = accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) continue;
+      std::lock_guard<std::mutex> l(mu_);
+      if (static_cast<int>(open_.size()) >= kMaxConnections) {
+        spdlog::warn("load socket: more than {} connections; refusing one", kMaxConnections);
+        close(fd);
+        continue;
+      }
+      open_.push_back(fd);
+      handlers_.emplace_back([this, fd] { Serve(fd); });
+    }
+  }
+
+  void Serve(int fd) {
+    std::string buf;
+    char chunk[65536];
+    while (true) {
+      size_t nl;
+      while ((nl = buf.find('\n')) == std::string::npos) {
+        const ssize_t n = recv(fd, chunk, sizeof(chunk), 0);
+        if (n <= 0 || buf.size() > kMaxRequest) return Close(fd);
+        buf.append(chunk, static_cast<size_t>(n));
+      }
+      const std::string reply = Handle(buf.substr(0, nl)).dump() + "\n";
+      buf.erase(0, nl + 1);
+      for (size_t sent = 0; sent < reply.size();) {
+        const ssize_t n = send(fd, reply.data() + sent, reply.size() - sent, MSG_NOSIGNAL);
+        if (n <= 0) return Close(fd);
+        sent += static_cast<size_t>(n);
+      }
+    }
+  }
+
+  nlohmann::json Handle(const std::string& line) {
+    nlohmann::json req = nlohmann::json::parse(line, nullptr, false);
+    auto fail = [](const std::string& why) { return nlohmann::json{{"ok", false}, {"error", why}}; };
+    if (req.is_discarded() || !req.is_object()) return fail("request is not a JSON object");
+    const std::string type = req.value("type", "");
+    const auto t0 = std::chrono::steady_clock::now();
+    auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+    if (type == "load") {
+      if (!req.contains("rank") || !req["rank"].is_number_integer() || !req.contains("file") ||
+          !req["file"].is_string())
+        return fail("load needs rank (integer), file and tensors");
+      const int rank = req["rank"].get<int>();
+      auto n = engine_->LoadFromFile(rank, req["file"].get<std::string>(),
+                                     req.contains("tensors") ? req["tensors"] : nlohmann::json());
+      if (!n.ok()) return fail(n.status().ToString());
+      spdlog::info("load socket: rank {} loaded {} params from {} in {:.3f}s", rank, *n,
+                   req["file"].get<std::string>(), seconds());
+      return {{"ok", true}, {"rank", rank}, {"params", *n}, {"seconds", seconds()}};
+    }
+    if (type == "verify") {
+      if (!req.contains("step") || !req["step"].is_number_integer()) return fail("verify needs step (integer)");
+      pb::VerifyReply v;
+      if (auto st = engine_->VerifyStep(req["step"].get<int64_t>(), &v); !st.ok()) return fail(st.ToString());
+      return {{"ok", v.ok()},
+              {"params_checked", v.params_checked()},
+              {"bytes_checked", v.bytes_checked()},
+              {"ranks", v.ranks()},
+              {"mismatches", std::vector<std::string>(v.mismatches().begin(), v.mismatches().end())},
+              {"seconds", seconds()}};
+    }
+    return fail(absl::StrCat("unknown request type '", type, "' (load or verify)"));
+  }
+
+  void Close(int fd) {
+    std::lock_guard<std::mutex> l(mu_);
+    open_.erase(std::remove(open_.begin(), open_.end(), fd), open_.end());
+    close(fd);
+  }
+
+  EngineService* engine_;
+  std::string path_;
+  wsync::ScopedFd listen_, stop_rd_, stop_wr_;
+  std::thread acceptor_;
+  std::mutex mu_;
+  std::vector<int> open_;  // connections being served
+  std::vector<std::thread> handlers_;
 };
 
 std::atomic<bool> g_stop{false};
@@ -429,6 +633,10 @@ int main(int argc, char** argv) {
   app.add_option("--ep", ep, "expert-parallel size inside tp (MoE models)")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--listen", listen, "host:port of the control API (port 0 = any free port)");
   app.add_option("--port-file", port_file, "write the bound port here once serving");
+  std::string load_socket;
+  app.add_option("--load-socket", load_socket,
+                 "Unix socket (owner only) on which whole HF tensors handed over in a file are loaded with the "
+                 "engine's own loader, and checked (docs/engines.md)");
   wsync::tls::Options tls_opts;
   wsync::tls::AddFlags(app, &tls_opts);
   if (int rc = wsync::cli::Parse(app, argc, argv); rc >= 0) return rc;
@@ -452,6 +660,12 @@ int main(int argc, char** argv) {
     spdlog::error("{}", st.ToString());
     return 1;
   }
+  LoadServer loader(&service);
+  if (!load_socket.empty())
+    if (auto st = loader.Start(load_socket); !st.ok()) {
+      spdlog::error("{}", st.ToString());
+      return 1;
+    }
   int port = 0;
   grpc::ServerBuilder b;
   b.AddListeningPort(listen, wsync::tls::ServerCredentials(), &port);  // mTLS unless insecure (loopback)
@@ -474,5 +688,6 @@ int main(int argc, char** argv) {
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   spdlog::info("engine {} shutting down", id);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  loader.Stop();
   return 0;
 }

@@ -19,16 +19,11 @@ int64_t Get(const nlohmann::json& j, const char* key, int64_t def = -1) {
 }
 
 // Naive 2-D block copy: rows [r0, r0+nr) and columns [c0, c0+nc) of a row-major [*, src_cols] source go to rows
-// starting at `dst_row` of a row-major [*, dst_cols] destination, element by element.
+// starting at `dst_row` of a row-major [*, dst_cols] destination, row by row.
 void CopyBlock(const uint8_t* src, int64_t src_cols, int64_t r0, int64_t nr, int64_t c0, int64_t nc, size_t esz,
                uint8_t* dst, int64_t dst_cols, int64_t dst_row) {
-  for (int64_t r = 0; r < nr; ++r) {
-    for (int64_t c = 0; c < nc; ++c) {
-      const uint8_t* s = src + ((r0 + r) * src_cols + (c0 + c)) * esz;
-      uint8_t* d = dst + ((dst_row + r) * dst_cols + c) * esz;
-      for (size_t b = 0; b < esz; ++b) d[b] = s[b];
-    }
-  }
+  for (int64_t r = 0; r < nr; ++r)  // a row's run is contiguous on both sides
+    std::memcpy(dst + (dst_row + r) * dst_cols * esz, src + ((r0 + r) * src_cols + c0) * esz, nc * esz);
 }
 
 // The engine's own FP8 e4m3fn encoder, written as naively as possible: the nearest of the 253 finite code values
@@ -291,6 +286,19 @@ absl::StatusOr<RefLayout> BuildRefLayout(const RefConfig& c, int tp, int rank) {
 
 absl::Status ComputeExpected(const RefConfig& c, int tp, int rank, const RefLayout& layout, int64_t step,
                              uint8_t* out) {
+  std::vector<uint8_t> generated;
+  return LoadHfTensors(
+      c, tp, rank, layout,
+      [&](const std::string& name, DType dtype, uint64_t bytes) -> const uint8_t* {
+        generated.resize(bytes);
+        tools::GenerateTensor(name, step, dtype, bytes / DTypeSize(dtype), generated.data());
+        return generated.data();
+      },
+      out);
+}
+
+absl::Status LoadHfTensors(const RefConfig& c, int tp, int rank, const RefLayout& layout, const HfTensorSource& src,
+                           uint8_t* out) {
   std::map<std::string, const RefParam*> by_name;
   for (const auto& p : layout.params) by_name[p.name] = &p;
   std::memset(out, 0, layout.total_bytes);
@@ -302,10 +310,15 @@ absl::Status ComputeExpected(const RefConfig& c, int tp, int rank, const RefLayo
   const int64_t kv_first = c.kv_heads >= tp ? rank * kv_local : rank / (tp / c.kv_heads);
   std::vector<uint8_t> full;
 
-  // Generates the full HF tensor [rows, cols] and returns its bytes.
+  absl::Status missing;
+  // The full HF tensor [rows, cols] from the source; a missing one reads as zeros and fails the load at the end.
   auto gen = [&](const std::string& name, int64_t rows, int64_t cols) -> const uint8_t* {
-    full.resize(static_cast<size_t>(rows * cols) * esz);
-    tools::GenerateTensor(name, step, c.dtype, static_cast<uint64_t>(rows * cols), full.data());
+    const uint64_t bytes = static_cast<uint64_t>(rows * cols) * esz;
+    if (const uint8_t* p = src(name, c.dtype, bytes)) return p;
+    if (missing.ok())
+      missing = absl::NotFoundError(absl::StrCat("HF tensor ", name, " (", rows, "x", cols, ", ", bytes,
+                                                 " bytes) is not among the tensors to load"));
+    full.assign(bytes, 0);
     return full.data();
   };
   auto dst = [&](const std::string& name) -> std::pair<uint8_t*, const RefParam*> {
@@ -422,10 +435,17 @@ absl::Status ComputeExpected(const RefConfig& c, int tp, int rank, const RefLayo
       if (c.router_bias) {
         // float32 in the checkpoint and in the engine.
         auto [d, prm] = dst(p + "mlp.gate.e_score_correction_bias");
-        std::vector<uint8_t> bias(static_cast<size_t>(c.experts) * 4);
-        tools::GenerateTensor(p + "mlp.gate.e_score_correction_bias", step, DType::kF32,
-                              static_cast<uint64_t>(c.experts), bias.data());
-        CopyBlock(bias.data(), c.experts, 0, 1, 0, c.experts, 4, d, c.experts, 0);
+        const std::string name = p + "mlp.gate.e_score_correction_bias";
+        const uint64_t bytes = static_cast<uint64_t>(c.experts) * 4;
+        const uint8_t* bias = src(name, DType::kF32, bytes);
+        if (bias == nullptr) {
+          if (missing.ok())
+            missing = absl::NotFoundError(absl::StrCat("HF tensor ", name, " (float32, ", bytes,
+                                                       " bytes) is not among the tensors to load"));
+          full.assign(bytes, 0);
+          bias = full.data();
+        }
+        CopyBlock(bias, c.experts, 0, 1, 0, c.experts, 4, d, c.experts, 0);
       }
       if (c.shared_experts > 0) {
         // The shared experts as one dense MLP of intermediate moe_inter * n_shared, split over all tp ranks.
@@ -466,7 +486,7 @@ absl::Status ComputeExpected(const RefConfig& c, int tp, int rank, const RefLayo
   }
   replicated("model.norm.weight", "model.norm.weight", H);
   if (!c.tied) vocab_parallel("lm_head.weight");
-  return absl::OkStatus();
+  return missing;
 }
 
 }  // namespace wsync::engine_ref
