@@ -4,6 +4,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <tuple>
@@ -67,6 +68,12 @@ class FakePeers : public Peers {
     r.set_bytes_written(abort_bytes);
     return r;
   }
+  absl::StatusOr<v1::SetWriteWindowReply> SetWriteWindow(const std::string& addr,
+                                                          const v1::SetWriteWindowRequest& req) override {
+    std::lock_guard<std::mutex> l(mu);
+    windows.push_back(absl::StrCat(req.open() ? "open " : "close ", addr));
+    return v1::SetWriteWindowReply();
+  }
   absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) override {
     v1::EngineInfo i;
     i.set_model_config_json(TinyConfigJson());
@@ -111,6 +118,7 @@ class FakePeers : public Peers {
   std::mutex mu;
   std::condition_variable cv;
   std::vector<std::string> calls;
+  std::vector<std::string> windows;  // "open ADDR" / "close ADDR", in order
   std::map<std::string, v1::ConfigureSourceRequest> configured;
   std::atomic<bool> fail_finish{false};
   std::atomic<bool> fail_abort{false};
@@ -371,6 +379,60 @@ TEST_CASE("lifecycle: a second CommitUpdate(v) while v commits waits for the fir
   CHECK(f.peers->Count("finish ") == 2);
   CHECK(f.peers->Count("set_version ") == 2);
   CHECK(f.peers->Count("continue ") == 2);
+}
+
+TEST_CASE("liveness: a target lost during the commit fails it at once, naming the node and its engine ranks") {
+  CoordinatorOptions o = Seed();
+  o.heartbeat_seconds = 0.1;  // lease lost after 0.3 s without a heartbeat
+  Fixture f(2, 2, 2, o);
+  REQUIRE(f.Begin(1).ok());
+  {
+    std::lock_guard<std::mutex> l(f.peers->mu);
+    f.peers->hold_finish = true;  // the sources' drains are blocked on the lost target's link
+  }
+  absl::StatusOr<v1::CommitUpdateReply> commit = absl::UnknownError("not run");
+  std::thread tc([&] { commit = f.Commit(1); });
+  f.peers->AwaitFinishing(2);
+  REQUIRE(f.c->Status().state() == "committing");
+  CHECK_FALSE(f.c->CheckLeases());  // every lease is fresh
+  const absl::Time until = absl::Now() + absl::Milliseconds(450);
+  while (absl::Now() < until) {  // every node but t1 renews its lease
+    for (const char* id : {"s0", "s1", "t0"}) {
+      v1::HeartbeatRequest hb;
+      hb.set_node_id(id);
+      hb.set_address(std::string(id) + ":1");
+      REQUIRE(f.c->Heartbeat(hb).known());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const int aborts_before = f.peers->Count("abort ");
+  CHECK(f.c->CheckLeases());  // t1 lost its lease while the update commits: the sources are told
+  CHECK(f.peers->Count("abort s0:1 1") == 1);
+  CHECK(f.peers->Count("abort s1:1 1") == 1);
+  CHECK(f.peers->Count("abort ") == aborts_before + 2);
+  CHECK_FALSE(f.c->CheckLeases());  // told once per lost node
+  {
+    // What a source does when told: its drain's writes are cancelled, its FinishUpdate fails.
+    std::lock_guard<std::mutex> l(f.peers->mu);
+    f.peers->fail_versions.insert(1);
+  }
+  f.peers->Release();
+  tc.join();
+  INFO(commit.status().ToString());
+  REQUIRE_FALSE(commit.ok());
+  const std::string err(commit.status().message());
+  CHECK(err.find("target node t1") != std::string::npos);
+  CHECK(err.find("lost its lease") != std::string::npos);
+  CHECK(err.find("engine e1 rank 0") != std::string::npos);
+  CHECK(err.find("engine e1 rank 1") != std::string::npos);
+  {
+    std::lock_guard<std::mutex> l(f.peers->mu);
+    // The lost target's window is not closed in line (a call to it would hold the failure for its deadline).
+    CHECK(std::count(f.peers->windows.begin(), f.peers->windows.end(), "close t0:1") == 1);
+    CHECK(std::count(f.peers->windows.begin(), f.peers->windows.end(), "close t1:1") == 0);
+  }
+  CHECK(f.peers->Count("continue ") == 0);  // no engine resumed
+  CHECK(f.c->Status().current_version() != "1");
 }
 
 TEST_CASE("lifecycle: a retried BeginUpdate(v) returns the open update's reply; versions are single-use") {

@@ -93,7 +93,8 @@ class TcpEndpoint final : public Endpoint {
   TcpEndpoint(std::string local_info, const TransportOptions& opts)
       : local_info_(std::move(local_info)),
         max_streams_(std::max(1, opts.tcp_streams)),
-        io_timeout_(opts.io_timeout > absl::ZeroDuration() ? opts.io_timeout : absl::Seconds(30)) {}
+        io_timeout_(opts.io_timeout > absl::ZeroDuration() ? opts.io_timeout : absl::Seconds(30)),
+        progress_timeout_(opts.send_progress_timeout) {}
 
   // A granted endpoint (Transport::CreateGrantedEndpoint): destroying it revokes its grant.
   void SetGrant(std::shared_ptr<RegionTable> table, RegionTable::Secret secret) {
@@ -117,6 +118,22 @@ class TcpEndpoint final : public Endpoint {
 
   std::string LocalInfo() const override { return local_info_; }
 
+  void Cancel(const absl::Status& why) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!cancelled_.ok()) return;
+      cancelled_ = why.ok() ? absl::CancelledError("cancelled") : why;
+      if (broken_.ok()) broken_ = cancelled_;
+      if (!streams_ready_) return;
+    }
+    // A stream thread blocked in send or recv on the socket returns at once; queued jobs fail with broken_.
+    for (auto& st : streams_) {
+      std::lock_guard<std::mutex> lock(st->mu);
+      if (st->fd.valid()) st->fd.ShutdownBoth();
+    }
+    done_.notify_all();
+  }
+
   std::string PeerName() const override {
     return connected_ ? absl::StrCat(peer_.host, ":", peer_.port) : std::string("(unconnected tcp endpoint)");
   }
@@ -128,10 +145,13 @@ class TcpEndpoint final : public Endpoint {
     absl::StatusOr<Fd> fd = OpenStream(peer, 0, timeout);
     if (!fd.ok()) return Annotate(fd.status(), absl::StrCat("tcp peer ", name));
     peer_ = std::move(peer);
+    // Every Stream exists from here on (threads start lazily), so Cancel may walk them from another thread.
     streams_.resize(static_cast<size_t>(max_streams_));
-    streams_[0] = std::make_unique<Stream>();
+    for (auto& st : streams_) st = std::make_unique<Stream>();
     streams_[0]->fd = std::move(*fd);
     connected_ = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_ready_ = true;
     spdlog::debug("tcp endpoint connected to {}", name);
     return absl::OkStatus();
   }
@@ -207,12 +227,13 @@ class TcpEndpoint final : public Endpoint {
     if (it == batches_.end()) {
       return absl::NotFoundError(absl::StrCat("unknown batch ", batch, " (never posted, or already waited for)"));
     }
-    if (!WaitFor(done_, lock, timeout, [&] { return it->second.pending == 0; })) {
+    if (!WaitFor(done_, lock, timeout, [&] { return it->second.pending == 0 || !cancelled_.ok(); })) {
       return absl::DeadlineExceededError(absl::StrCat("batch ", batch, " to tcp peer ", PeerName(),
                                                       " not complete after ", absl::FormatDuration(timeout)));
     }
-    absl::Status s = it->second.status;
-    batches_.erase(it);
+    absl::Status s = it->second.pending == 0 ? it->second.status : cancelled_;
+    if (s.ok() && !cancelled_.ok()) s = cancelled_;
+    batches_.erase(it);  // a stream still finishing a cancelled batch finds it gone (Complete ignores it)
     return s;
   }
 
@@ -250,15 +271,12 @@ class TcpEndpoint final : public Endpoint {
       return absl::Status(static_cast<absl::StatusCode>(ack.code), absl::StrCat("peer refused: ", msg));
     }
     TuneSocket(fd.get(), io_timeout_);
+    SetSendProgressTimeout(fd.get(), progress_timeout_);
     return fd;
   }
 
   void Enqueue(size_t index, Job job) {
     Stream* s = streams_[index].get();
-    if (s == nullptr) {
-      streams_[index] = std::make_unique<Stream>();
-      s = streams_[index].get();
-    }
     if (!s->thread.joinable()) s->thread = std::thread([this, s, index] { StreamLoop(*s, static_cast<int>(index)); });
     {
       std::lock_guard<std::mutex> lock(s->mu);
@@ -296,9 +314,16 @@ class TcpEndpoint final : public Endpoint {
           s.fd = std::move(*fd);
         }
       }
+      if (status.ok()) {
+        // A Cancel that came while the connection opened did not see its fd: it must not be used.
+        std::lock_guard<std::mutex> lock(mu_);
+        status = broken_;
+      }
       if (status.ok()) status = SendJob(s.fd.get(), job, headers, iov);
       if (status.ok()) status = ReadAck(s.fd.get(), job);
       if (!status.ok()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!cancelled_.ok()) status = cancelled_;  // the socket error a Cancel caused says less than its reason
         status = Annotate(status, absl::StrCat("tcp peer ", PeerName(), " (connection ", index, ", batch ",
                                                job.batch, ")"));
       }
@@ -375,6 +400,7 @@ class TcpEndpoint final : public Endpoint {
   RegionTable::Secret grant_secret_{0, 0};
   const int max_streams_;
   const absl::Duration io_timeout_;
+  const absl::Duration progress_timeout_;
   // Set by Connect, read-only afterwards (stream threads start after Connect).
   bool connected_ = false;
   PeerInfo peer_;
@@ -386,6 +412,8 @@ class TcpEndpoint final : public Endpoint {
   BatchId next_batch_ = 1;
   std::unordered_map<BatchId, Batch> batches_;
   absl::Status broken_;  // first transport error; the endpoint accepts no batches after it
+  absl::Status cancelled_;      // Cancel's reason
+  bool streams_ready_ = false;  // Connect created every Stream (Cancel walks them only then)
 };
 
 }  // namespace
