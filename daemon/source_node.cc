@@ -575,11 +575,6 @@ absl::Status SourceNode::DrainOutstanding(absl::Duration timeout) {
   // One deadline for the whole drain (targets behind the same dead link must not each wait the full timeout), and
   // every failed target named in the result.
   const absl::Time deadline = absl::Now() + timeout;
-  absl::Status cancelled;
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    cancelled = cancel_reason_;
-  }
   std::vector<absl::Status> failed;
   for (auto& t : targets_) {
     for (transport::BatchId id : t->outstanding) {
@@ -589,7 +584,13 @@ absl::Status SourceNode::DrainOutstanding(absl::Duration timeout) {
       // Also on DeadlineExceeded: a batch we stop waiting for must not stay pending on an endpoint we reuse.
       t->broken = Annotate(st, absl::StrCat(Who(*t), "; affected: ", NodeRanks(*t)));
       spdlog::error("{}; its endpoint will be re-created at the next update", t->broken.ToString());
-      // A batch this node cancelled failed for the update's own error, which the caller reports once.
+      // A batch this node cancelled (possibly while this drain waited) failed for the update's own error, which the
+      // caller reports once.
+      absl::Status cancelled;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        cancelled = cancel_reason_;
+      }
       if (cancelled.ok() || !absl::StrContains(st.message(), cancelled.message())) failed.push_back(t->broken);
     }
     t->outstanding.clear();

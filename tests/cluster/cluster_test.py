@@ -91,6 +91,17 @@ def run(a):
                f"after the failed update the cluster stays at version 1 and no engine serves ({v}, {st})")
 
         c.set_link(c.targets[1], up=True)
+        # The node is back once it has renewed its lease (its heartbeat's tcp connection retransmits with backoff);
+        # an update begun before that would fail on the stale lease.
+        t_up = time.time()
+        while True:
+            nodes = ctl(c, "nodes").get("nodes", [])
+            if nodes and all(n.get("reachable", False) for n in nodes):
+                break
+            if time.time() - t_up > 60:
+                raise Failed(f"infer-node1 did not renew its lease within 60 s of its link returning ({nodes})")
+            time.sleep(0.5)
+        print(f"every node renewed its lease {time.time() - t_up:.1f} s after the link returned", flush=True)
         t0 = time.time()
         ups = c.run_updates(3, 1)
         expect(len(ups) == 1 and ups[0]["verified"] and ups[0]["engine_ranks"] == 4,
