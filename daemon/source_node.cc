@@ -705,7 +705,11 @@ absl::StatusOr<BucketView> SourceNode::WaitForBucket(RingConsumer& ring, absl::D
   for (;;) {
     const absl::Duration left = deadline - absl::Now();
     auto b = ring.NextBucket(std::max(absl::ZeroDuration(), std::min(left, kCancelPoll)));
-    if (b.ok() || !absl::IsDeadlineExceeded(b.status()) || left <= kCancelPoll) return b;
+    if (b.ok() || !absl::IsDeadlineExceeded(b.status())) return b;
+    if (left <= kCancelPoll)
+      return absl::DeadlineExceededError(absl::StrCat("ring '", ring.name(), "': no bucket committed within ",
+                                                      absl::FormatDuration(timeout),
+                                                      " of CommitBucket (a rank commits the bucket before the call)"));
     if (cancelled && cancelled())
       return absl::CancelledError(absl::StrCat("ring '", ring.name(), "': the caller cancelled the wait for a bucket"));
   }
