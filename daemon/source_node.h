@@ -124,7 +124,7 @@ class SourceNode {
     int local_rank = 0;
     int64_t pid = 0;
     std::shared_ptr<RingConsumer> ring;  // shared with a CommitBucket using it (which may outlive the session)
-    std::shared_ptr<std::timed_mutex> commit_mu = std::make_shared<std::timed_mutex>();  // one bucket at a time
+    std::shared_ptr<std::mutex> commit_mu = std::make_shared<std::mutex>();  // one bucket at a time
     int64_t ended_version = -1;
     bool dead = false;  // its process is gone (seen by the liveness watcher)
   };
