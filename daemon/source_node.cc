@@ -604,8 +604,10 @@ absl::Status SourceNode::DrainOutstanding(absl::Duration timeout) {
 
 absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   std::lock_guard<std::mutex> ingest(ingest_mu_);
+  absl::Status cancelled;  // why the last update's writes were cancelled: then every endpoint is unusable
   {
     std::lock_guard<std::mutex> l(mu_);
+    cancelled = cancel_reason_;
     if (!configured_) return absl::FailedPreconditionError("source is not configured (no transfer plan yet)");
     if (req.plan_epoch() != plan_epoch_)
       return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " is for plan ", req.plan_epoch(),
@@ -639,6 +641,8 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   // Re-establish what the last update broke before any push is accepted (ingest_mu_ keeps pushes out; mu_ is not
   // held across the dial, so status and BeginPush callers are not blocked behind it).
   for (auto& t : targets_) {
+    if (!cancelled.ok() && t->broken.ok())
+      t->broken = absl::CancelledError(absl::StrCat("its writes were cancelled: ", cancelled.message()));
     if (t->broken.ok()) continue;
     spdlog::warn("update {}: reconnecting to {} (its endpoint failed: {})", req.version(), Who(*t),
                  t->broken.ToString());
