@@ -137,6 +137,11 @@ class Endpoint {
   absl::Status Write(absl::Span<const WriteRequest> writes, absl::Duration timeout);
   // Human-readable peer name for errors and logs.
   virtual std::string PeerName() const = 0;
+  // Fails every batch in flight and every later Post/Wait with `why` (the caller's reason: an aborted or failed
+  // update), without waiting for the network: a sender blocked on a vanished peer is released at once. The one call
+  // that may come from any thread, concurrently with the thread using the endpoint. The endpoint must be re-created
+  // afterwards. A backend that cannot interrupt its writes ignores it (its batches end by their own timeouts).
+  virtual void Cancel(const absl::Status& why) { (void)why; }
 };
 
 class Transport {
@@ -211,6 +216,10 @@ struct TransportOptions {
   int tcp_streams = 4;                   // tcp: max parallel connections an endpoint uses for one large batch
   // tcp: a connection that makes no progress for this long fails its batch (a stalled or vanished peer).
   absl::Duration io_timeout = absl::Seconds(30);
+  // tcp, sending side: a connection whose sent bytes stay unacknowledged by the peer's kernel this long (a pulled
+  // link, a peer host gone) fails its batch (TCP_USER_TIMEOUT, plus keepalive probes while it waits for an ack).
+  // A peer that is alive but slow (a zero receive window it keeps answering probes for) is not cut off by it.
+  absl::Duration send_progress_timeout = absl::Seconds(5);
   // tcp listener limits: a connection must send its hello within hello_timeout (until then it holds no thread, only
   // a slot in the accept loop's poll set); at most max_conns_per_peer connections (pending or served) per peer
   // address and max_conns in total; beyond them new connections are closed at once (and counted).

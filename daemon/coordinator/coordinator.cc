@@ -715,6 +715,8 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
                        v <= current_version_ ? " (the asked version is not newer than it)" : ""));
     }
     state_ = "committing";
+    commit_lost_.clear();
+    commit_lost_why_.clear();
     Persist();
     rec = open_record_;
     source_epochs = open_source_epochs_;
@@ -754,8 +756,24 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   }
   rec.set_bytes(bytes);
   rec.set_params(params);
-  // Every source has finished (or failed and drained): no write of this update is legitimate any more.
-  SetWindows(false, v).IgnoreError();
+  // Every source has finished (or failed and drained): no write of this update is legitimate any more. A failed
+  // commit does not wait on targets that are unreachable (lost their lease, or missed their last heartbeat): their
+  // window closes when they come back (the next update's windows), and nothing writes meanwhile.
+  std::set<std::string> unreachable;
+  if (!st.ok()) {
+    std::lock_guard<std::mutex> l(mu_);
+    unreachable = commit_lost_;
+    const absl::Time now = absl::Now();
+    for (const auto& [id, n] : nodes_) {
+      auto hb = last_heartbeat_.find(id);
+      if (hb == last_heartbeat_.end() || now - hb->second > absl::Seconds(1.5 * opts_.heartbeat_seconds))
+        unreachable.insert(n.address());
+    }
+    if (!commit_lost_why_.empty() && !absl::StrContains(st.message(), commit_lost_why_))
+      st = absl::Status(st.code(), absl::StrCat(commit_lost_why_, "; ", st.message()));
+  }
+  SetWindows(false, v, unreachable).IgnoreError();
+  for (const auto& a : unreachable) spdlog::warn("update {}: write window of {} not closed (unreachable)", v, a);
   // Weights may be partly written: the engines stay paused at their old version rather than resume silently.
   if (!st.ok()) return Fail(rec, st, true);
   absl::Time t = absl::Now();
@@ -864,7 +882,7 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
     if (r->bytes_written() > 0 || !r->quiescent()) clean = false;
     return absl::OkStatus();
   });
-  SetWindows(false, v, lost_address).IgnoreError();
+  SetWindows(false, v, {lost_address}).IgnoreError();
   AddPhase(&rec, "abort", t);
   rec.set_bytes(bytes);
   rec.set_aborted(by_operator);
@@ -930,16 +948,19 @@ void Coordinator::StartLeaseWatch() {
 bool Coordinator::CheckLeases() {
   int64_t v;
   std::string why, lost_address;
+  std::vector<std::string> sources;
+  bool committing = false;
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (state_ != "updating") return false;
+    if (state_ != "updating" && state_ != "committing") return false;
+    committing = state_ == "committing";
     const absl::Duration limit = absl::Seconds(3 * opts_.heartbeat_seconds);
     const absl::Time now = absl::Now();
     for (const auto& [id, n] : nodes_) {
       if (TargetOutOfUpdates(n)) continue;  // drained: the update does not need it
       auto hb = last_heartbeat_.find(id);
       const absl::Duration ago = hb == last_heartbeat_.end() ? absl::InfiniteDuration() : now - hb->second;
-      if (ago <= limit) continue;
+      if (ago <= limit || (committing && commit_lost_.count(n.address()))) continue;
       why = absl::StrCat(n.role(), " node ", id, " (", n.address(), ") lost its lease during the update: no heartbeat for ",
                          absl::FormatDuration(absl::Trunc(ago, absl::Milliseconds(100))), " (limit ",
                          absl::FormatDuration(limit), "); it stopped or is unreachable");
@@ -952,18 +973,37 @@ bool Coordinator::CheckLeases() {
     }
     if (why.empty()) return false;
     v = open_version_;
+    if (committing) {
+      // The commit owns the update: it fails it once its sources return. Tell them now, so that writes blocked on
+      // the lost node are cancelled and their drains return at once instead of running into tcp timeouts.
+      commit_lost_.insert(lost_address);
+      if (commit_lost_why_.empty()) commit_lost_why_ = why;
+      for (const auto& [id, n] : nodes_)
+        if (n.role() == "source" && n.address() != lost_address) sources.push_back(n.address());
+    }
   }
   spdlog::error("update {}: {}", v, why);
+  if (committing) {
+    v1::AbortSourceUpdateRequest req;
+    req.set_version(v);
+    req.set_reason(why);
+    ForAll(sources, [&](const std::string& a) {
+      auto r = peers_->AbortSourceUpdate(a, req);
+      if (!r.ok()) spdlog::warn("telling source {} to cancel the writes of update {}: {}", a, v, r.status().ToString());
+      return absl::OkStatus();
+    }).IgnoreError();
+    return true;
+  }
   return EndOpenUpdate(v, why, false, lost_address).ok();
 }
 
-absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::string& skip_address) {
+absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<std::string>& skip) {
   // Per target: the request, with the plan's assignments on it (its write grants are narrowed to them).
   std::map<std::string, v1::SetWriteWindowRequest> reqs;
   {
     std::lock_guard<std::mutex> l(mu_);
     for (const auto& [id, n] : nodes_) {
-      if (n.role() != "target" || n.address() == skip_address || TargetOutOfUpdates(n)) continue;
+      if (n.role() != "target" || skip.count(n.address()) || TargetOutOfUpdates(n)) continue;
       v1::SetWriteWindowRequest& r = reqs[n.address()];
       r.set_open(open);
       r.set_version(version);

@@ -27,6 +27,7 @@
 #include <thread>
 #include <deque>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -237,7 +238,8 @@ class Coordinator {
   // Opens or closes the write window on every target daemon; a target that cannot be told is an error when opening
   // (its engines would refuse the writes) and logged when closing.
   // `skip_address`: a target not to be told (its lease lapsed; its window closes when it restarts).
-  absl::Status SetWindows(bool open, int64_t version, const std::string& skip_address = "");
+  // Targets in `skip` (unreachable ones) are not asked: a call to them would hold the caller for its whole deadline.
+  absl::Status SetWindows(bool open, int64_t version, const std::set<std::string>& skip = {});
   // Saves the state to the store, if any (a failed save is logged, the coordinator goes on). Requires mu_.
   void Persist();
   // Records the coordinator's view of engine `addr` after a call of `phase` (on_success "" = unchanged); returns st.
@@ -277,6 +279,10 @@ class Coordinator {
   bool watch_stop_ = false;
   std::thread watch_thread_;
   v1::UpdateRecord open_record_;
+  // During a commit: nodes that lost their lease (addresses) and the first such failure; the sources were told
+  // (AbortSourceUpdate cancels their writes), the commit fails with it and skips them when closing windows.
+  std::set<std::string> commit_lost_;
+  std::string commit_lost_why_;
   std::map<int64_t, Outcome> outcomes_;  // per ended version, the oldest dropped beyond history_limit
   std::deque<v1::UpdateRecord> history_;
   Metrics metrics_;

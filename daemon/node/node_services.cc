@@ -32,14 +32,16 @@ grpc::Status TrainerIngestService::BeginPush(grpc::ServerContext* ctx, const v1:
                                              v1::BeginPushReply* out) {
   WSYNC_LIMIT("BeginPush");
   // Answer "no update is open" a little before the caller's own deadline passes.
-  if (ctx->deadline() == std::chrono::system_clock::time_point::max()) return Reply(source_->BeginPush(*req), out);
+  const CancelFn gone = [ctx] { return ctx->IsCancelled(); };
+  if (ctx->deadline() == std::chrono::system_clock::time_point::max())
+    return Reply(source_->BeginPush(*req, absl::InfiniteDuration(), gone), out);
   const absl::Duration left = absl::FromChrono(ctx->deadline()) - absl::Now();
-  return Reply(source_->BeginPush(*req, left - std::min(left / 10, absl::Milliseconds(200))), out);
+  return Reply(source_->BeginPush(*req, left - std::min(left / 10, absl::Milliseconds(200)), gone), out);
 }
-grpc::Status TrainerIngestService::CommitBucket(grpc::ServerContext*, const v1::CommitBucketRequest* req,
+grpc::Status TrainerIngestService::CommitBucket(grpc::ServerContext* ctx, const v1::CommitBucketRequest* req,
                                                 v1::CommitBucketReply* out) {
   WSYNC_LIMIT("CommitBucket");
-  return Reply(source_->CommitBucket(*req), out);
+  return Reply(source_->CommitBucket(*req, [ctx] { return ctx->IsCancelled(); }), out);
 }
 grpc::Status TrainerIngestService::EndPush(grpc::ServerContext*, const v1::EndPushRequest* req, v1::EndPushReply*) {
   WSYNC_LIMIT("EndPush");
@@ -66,7 +68,7 @@ grpc::Status NodeDaemonService::FinishUpdate(grpc::ServerContext* ctx, const v1:
                                              v1::FinishUpdateReply* out) {
   WSYNC_AUTHORIZE("FinishUpdate", {tls::kCoordinator});
   WSYNC_NEED(Source);
-  return Reply(source_->FinishUpdate(*req), out);
+  return Reply(source_->FinishUpdate(*req, [ctx] { return ctx->IsCancelled(); }), out);
 }
 grpc::Status NodeDaemonService::AbortSourceUpdate(grpc::ServerContext* ctx, const v1::AbortSourceUpdateRequest* req,
                                                   v1::AbortSourceUpdateReply* out) {

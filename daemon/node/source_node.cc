@@ -123,6 +123,7 @@ void SourceNode::CheckRanks() {
         "update ", version_, ": trainer rank ", rank, " on node ", opts_.node_id, " ", lost.what,
         " before it finished pushing, and did not reconnect within ", absl::FormatDuration(opts_.rank_grace)));
     spdlog::error("{}", update_error_.ToString());
+    CancelWrites(update_error_);
     cv_.notify_all();  // FinishUpdate and waiting pushes see it at once
     return;
   }
@@ -178,7 +179,7 @@ absl::StatusOr<OpenedSession> SourceNode::OpenSession(const SessionRequest& req)
   s->local_rank = req.local_rank;
   s->pid = req.pid;
   WSYNC_ASSIGN_OR_RETURN(RingConsumer ring, RingConsumer::Create(s->label, opts_.ring_bytes));
-  s->ring = std::make_unique<RingConsumer>(std::move(ring));
+  s->ring = std::make_shared<RingConsumer>(std::move(ring));
   OpenedSession out;
   WSYNC_ASSIGN_OR_RETURN(out.ring_fd, DupFd(s->ring->fd()));
   out.id = s->id;
@@ -520,9 +521,37 @@ std::string SourceNode::Who(const Target& t) {
                       " at ", t.assignment.target_daemon());
 }
 
+void SourceNode::CancelWrites(const absl::Status& why) {
+  if (cancel_reason_.ok()) cancel_reason_ = why;
+  int n = 0;
+  for (auto& t : targets_) {
+    if (t->endpoint == nullptr) continue;
+    t->endpoint->Cancel(why);
+    ++n;
+  }
+  if (n > 0) spdlog::warn("writes to {} targets cancelled: {}", n, why.ToString());
+}
+
+std::string SourceNode::NodeRanks(const Target& t) const {
+  std::vector<std::string> ranks;
+  for (const auto& o : targets_)
+    if (o->assignment.target_daemon() == t.assignment.target_daemon())
+      ranks.push_back(absl::StrCat("engine ", o->assignment.engine_id(), " rank ", o->assignment.rank()));
+  return absl::StrCat(t.assignment.target_node().empty() ? std::string("target daemon")
+                                                         : "node " + t.assignment.target_node(),
+                      " at ", t.assignment.target_daemon(), " (", absl::StrJoin(ranks, ", "), ")");
+}
+
 absl::Status SourceNode::ConnectEndpoint(Target* t) {
   const std::string who = Who(*t);
-  t->endpoint.reset();  // a broken endpoint goes first, so the peer sees it close before the new one connects
+  // A broken endpoint goes first, so the peer sees it close before the new one connects. Swapped under mu_
+  // (CancelWrites walks the endpoints under it), destroyed outside it (its threads may take a while to stop).
+  std::unique_ptr<transport::Endpoint> old;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    old = std::move(t->endpoint);
+  }
+  old.reset();
   t->outstanding.clear();
   auto ep = t->transport->CreateEndpoint();
   if (!ep.ok()) return Annotate(ep.status(), absl::StrCat("creating an endpoint for ", who));
@@ -530,6 +559,7 @@ absl::Status SourceNode::ConnectEndpoint(Target* t) {
     // The engine's own Mooncake Transfer Engine: the handshake goes to it directly, not through a target daemon.
     WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(t->mooncake_session, absl::Seconds(30)), "connecting to ", who,
                               " (Mooncake session ", t->mooncake_session, ")");
+    std::lock_guard<std::mutex> l(mu_);
     t->endpoint = *std::move(ep);
     t->broken = absl::OkStatus();
     return absl::OkStatus();
@@ -541,6 +571,7 @@ absl::Status SourceNode::ConnectEndpoint(Target* t) {
   auto info = connect_(t->assignment.target_daemon(), creq);
   if (!info.ok()) return Annotate(info.status(), absl::StrCat("connecting to ", who));
   WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(*info, absl::Seconds(30)), "connecting to ", who);
+  std::lock_guard<std::mutex> l(mu_);
   t->endpoint = *std::move(ep);
   t->broken = absl::OkStatus();
   return absl::OkStatus();
@@ -557,9 +588,16 @@ absl::Status SourceNode::DrainOutstanding(absl::Duration timeout) {
       absl::Status st = t->endpoint->Wait(id, std::max(deadline - absl::Now(), absl::ZeroDuration()));
       if (st.ok()) continue;
       // Also on DeadlineExceeded: a batch we stop waiting for must not stay pending on an endpoint we reuse.
-      t->broken = Annotate(st, Who(*t));
+      t->broken = Annotate(st, absl::StrCat(Who(*t), "; affected: ", NodeRanks(*t)));
       spdlog::error("{}; its endpoint will be re-created at the next update", t->broken.ToString());
-      failed.push_back(t->broken);
+      // A batch this node cancelled (possibly while this drain waited) failed for the update's own error, which the
+      // caller reports once.
+      absl::Status cancelled;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        cancelled = cancel_reason_;
+      }
+      if (cancelled.ok() || !absl::StrContains(st.message(), cancelled.message())) failed.push_back(t->broken);
     }
     t->outstanding.clear();
   }
@@ -572,8 +610,10 @@ absl::Status SourceNode::DrainOutstanding(absl::Duration timeout) {
 
 absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   std::lock_guard<std::mutex> ingest(ingest_mu_);
+  absl::Status cancelled;  // why the last update's writes were cancelled: then every endpoint is unusable
   {
     std::lock_guard<std::mutex> l(mu_);
+    cancelled = cancel_reason_;
     if (!configured_) return absl::FailedPreconditionError("source is not configured (no transfer plan yet)");
     if (req.plan_epoch() != plan_epoch_)
       return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " is for plan ", req.plan_epoch(),
@@ -607,6 +647,8 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   // Re-establish what the last update broke before any push is accepted (ingest_mu_ keeps pushes out; mu_ is not
   // held across the dial, so status and BeginPush callers are not blocked behind it).
   for (auto& t : targets_) {
+    if (!cancelled.ok() && t->broken.ok())
+      t->broken = absl::CancelledError(absl::StrCat("its writes were cancelled: ", cancelled.message()));
     if (t->broken.ok()) continue;
     spdlog::warn("update {}: reconnecting to {} (its endpoint failed: {})", req.version(), Who(*t),
                  t->broken.ToString());
@@ -627,6 +669,7 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   checksums_[version_] = Recorded{};
   while (checksums_.size() > kChecksumVersionsKept) checksums_.erase(checksums_.begin());
   update_error_ = absl::OkStatus();
+  cancel_reason_ = absl::OkStatus();
   ended_ranks_.clear();
   // Only ranks lost while this update is open count (a rank whose process ended after the last update may start
   // its next process at any time; until it pushes, the commit's own timeout applies).
@@ -638,16 +681,19 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequest& req, absl::Duration max_wait) {
+absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequest& req, absl::Duration max_wait,
+                                                         const CancelFn& cancelled) {
   std::unique_lock<std::mutex> l(mu_);
   Session* s = FindSession(req.session_id());
   if (s == nullptr) return UnknownSession();
   const int rank = s->local_rank;
   // The coordinator opens the update; ranks that arrive first wait for it.
   const absl::Duration wait = std::max(absl::ZeroDuration(), std::min(opts_.push_timeout, max_wait));
-  bool ready = cv_.wait_for(l, absl::ToChronoMilliseconds(wait), [&] {
+  bool gone = false;
+  bool ready = WaitCancellable(l, wait, cancelled, &gone, [&] {
     return version_ == req.version() || last_version_ >= req.version() || ended_version_ >= req.version();
   });
+  if (gone) return absl::CancelledError(absl::StrCat("BeginPush(", req.version(), ") cancelled by the caller"));
   if (!ready)
     return absl::DeadlineExceededError(absl::StrCat(
         "no update is open: update ", req.version(), " was not opened on this node within ", absl::FormatDuration(wait),
@@ -665,26 +711,77 @@ absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequ
   return out;
 }
 
-absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitBucketRequest& req) {
-  std::lock_guard<std::mutex> ingest(ingest_mu_);
-  RingConsumer* ring = nullptr;
-  int64_t version;
+absl::StatusOr<BucketView> SourceNode::WaitForBucket(RingConsumer& ring, absl::Duration timeout,
+                                                   const CancelFn& cancelled) {
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    const absl::Duration left = deadline - absl::Now();
+    auto b = ring.NextBucket(std::max(absl::ZeroDuration(), std::min(left, kCancelPoll)));
+    if (b.ok() || !absl::IsDeadlineExceeded(b.status())) return b;
+    if (left <= kCancelPoll)
+      return absl::DeadlineExceededError(absl::StrCat("ring '", ring.name(), "': no bucket committed within ",
+                                                      absl::FormatDuration(timeout),
+                                                      " of CommitBucket (a rank commits the bucket before the call)"));
+    if (cancelled && cancelled())
+      return absl::CancelledError(absl::StrCat("ring '", ring.name(), "': the caller cancelled the wait for a bucket"));
+  }
+}
+
+template <typename Pred>
+bool SourceNode::WaitCancellable(std::unique_lock<std::mutex>& l, absl::Duration wait, const CancelFn& cancelled,
+                                 bool* gone, Pred pred) {
+  const absl::Time deadline = absl::Now() + std::max(wait, absl::ZeroDuration());
+  for (;;) {
+    const absl::Duration left = deadline - absl::Now();
+    if (cv_.wait_for(l, absl::ToChronoNanoseconds(std::max(absl::ZeroDuration(), std::min(left, kCancelPoll))), pred))
+      return true;
+    if (left <= kCancelPoll) return false;
+    if (cancelled && cancelled()) {
+      *gone = true;
+      return false;
+    }
+  }
+}
+
+absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitBucketRequest& req,
+                                                               const CancelFn& cancelled) {
+  std::shared_ptr<RingConsumer> ring;
+  std::shared_ptr<std::mutex> rank_mu;
   {
     std::lock_guard<std::mutex> l(mu_);
     Session* s = FindSession(req.session_id());
     if (s == nullptr) return UnknownSession();
-    ring = s->ring.get();
-    version = version_;
+    ring = s->ring;  // shared: a session replaced meanwhile keeps its ring mapped until this call is done
+    rank_mu = s->commit_mu;
   }
-  // The trainer commits in the ring before it calls us, so the bucket is there already.
-  WSYNC_ASSIGN_OR_RETURN(BucketView bucket, ring->NextBucket(absl::Seconds(5)));
+  // One bucket at a time per rank (its ring is consumed in order); a second concurrent call of the same rank waits
+  // for the first only briefly.
+  // (Polled with try_lock rather than a timed mutex: ThreadSanitizer cannot follow pthread_mutex_clocklock.)
+  std::unique_lock<std::mutex> rank_lock(*rank_mu, std::try_to_lock);
+  for (const absl::Time until = absl::Now() + kBucketWait; !rank_lock.owns_lock(); rank_lock.try_lock()) {
+    if (absl::Now() >= until || (cancelled && cancelled()))
+      return absl::FailedPreconditionError(absl::StrCat("bucket ", req.bucket_seq(), ": another CommitBucket of this "
+                                                        "rank is still running"));
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  // The trainer commits in the ring before it calls us, so the bucket is there already. A rank stuck mid-bucket waits
+  // here, holding no node-wide lock, so other ranks' buckets go on; a cancelled call stops waiting within
+  // kCancelPoll.
+  WSYNC_ASSIGN_OR_RETURN(BucketView bucket, WaitForBucket(*ring, kBucketWait, cancelled));
   struct ReleaseGuard {
     RingConsumer* ring;
     const BucketView& b;
     ~ReleaseGuard() {
       if (auto st = ring->Release(b); !st.ok()) spdlog::error("ring release: {}", st.ToString());
     }
-  } guard{ring, bucket};
+  } guard{ring.get(), bucket};
+  // One bucket at a time through the replica and the endpoints (held only while this bucket is worked on).
+  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  int64_t version;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    version = version_;
+  }
   if (bucket.seq != req.bucket_seq())
     return absl::FailedPreconditionError(
         absl::StrCat("bucket seq mismatch: ring holds ", bucket.seq, ", commit names ", req.bucket_seq()));
@@ -888,7 +985,7 @@ absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& read
                                                  t->broken.message(), ")"));
     auto id = t->endpoint->Post(writes);
     if (!id.ok()) {
-      t->broken = Annotate(id.status(), absl::StrCat("writing to ", Who(*t)));
+      t->broken = Annotate(id.status(), absl::StrCat("writing to ", Who(*t), "; affected: ", NodeRanks(*t)));
       spdlog::error("{}; its endpoint will be re-created at the next update", t->broken.ToString());
       return t->broken;
     }
@@ -951,7 +1048,8 @@ absl::Status SourceNode::EndPush(const v1::EndPushRequest& req) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishUpdateRequest& req) {
+absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishUpdateRequest& req,
+                                                               const CancelFn& cancelled) {
   const absl::Duration timeout =
       req.timeout_seconds() > 0 ? absl::Seconds(req.timeout_seconds()) : opts_.push_timeout;
   const int64_t v = req.version();
@@ -977,7 +1075,13 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
     auto all_ended = [&] {
       return static_cast<int>(ended_ranks_.size()) >= opts_.trainer_ranks || !update_error_.ok();
     };
-    if (!cv_.wait_for(l, absl::ToChronoSeconds(timeout), all_ended)) {
+    bool gone = false;
+    if (!WaitCancellable(l, timeout, cancelled, &gone, all_ended) && gone) {
+      // The coordinator's call is gone: the update fails here (a repeat of the call answers the same).
+      result = absl::CancelledError(absl::StrCat("update ", v, ": the coordinator's FinishUpdate call was cancelled "
+                                                 "while this node waited for its trainer ranks"));
+      CancelWrites(result);  // nobody waits for the drain either
+    } else if (!all_ended()) {
       std::vector<int> missing;
       for (int r = 0; r < opts_.trainer_ranks; ++r)
         if (!ended_ranks_.count(r)) missing.push_back(r);
@@ -990,10 +1094,12 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   std::lock_guard<std::mutex> ingest(ingest_mu_);
   absl::Time t0 = absl::Now();
   absl::Status drained = DrainOutstanding(timeout);
-  if (result.ok()) result = drained;
   std::lock_guard<std::mutex> l(mu_);
   write_seconds_ += Seconds(t0);
-  if (result.ok()) result = update_error_;
+  if (result.ok()) result = update_error_;  // the first cause (a bucket's failure, a lost rank, the coordinator's word)
+  if (!drained.ok())
+    result = result.ok() ? drained
+                         : absl::Status(result.code(), absl::StrCat(result.message(), "; draining: ", drained.message()));
   if (result.ok()) {
     // Every parameter this node writes must be complete (the plan may leave others of its layouts to other nodes).
     std::vector<std::string> missing;
@@ -1056,9 +1162,21 @@ absl::StatusOr<v1::AbortSourceUpdateReply> SourceNode::AbortUpdate(const v1::Abo
       if (ended_version_ == v) out.set_bytes_written(bytes_written_);
       return out;
     }
-    if (finishing_)
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot abort update ", v, ": it is finishing (its commit runs; it ends by itself)"));
+    if (finishing_) {
+      // The commit owns the update and ends it; what the coordinator learnt (a node lost its lease) fails it now:
+      // every write still in flight is cancelled, so FinishUpdate's drain returns at once with this reason.
+      absl::Status err = absl::AbortedError(absl::StrCat(
+          "update ", v, " failed during its commit",
+          req.reason().empty() ? std::string() : absl::StrCat(": ", req.reason())));
+      if (update_error_.ok()) update_error_ = err;
+      CancelWrites(err);
+      cv_.notify_all();
+      v1::AbortSourceUpdateReply out;
+      out.set_was_open(true);
+      out.set_quiescent(false);  // FinishUpdate reports the result
+      out.set_bytes_written(bytes_written_);
+      return out;
+    }
     // From here on BeginPush/CommitBucket/EndPush of v are refused (CommitBucket reads version_ under ingest_mu_).
     version_ = -1;
     SetLogUpdateVersion(-1);
@@ -1068,6 +1186,8 @@ absl::StatusOr<v1::AbortSourceUpdateReply> SourceNode::AbortUpdate(const v1::Abo
     ended_result_ = err;
     update_error_ = err;
     aborted_version_ = v;
+    // A bucket blocked on a dead link holds ingest_mu_: its writes are cancelled so that it (and the drain) end now.
+    CancelWrites(err);
     cv_.notify_all();
   }
   // A bucket being written when the abort came holds ingest_mu_: wait for it, then for every write in flight.

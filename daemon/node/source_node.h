@@ -13,6 +13,7 @@
 // Plain C++ (no gRPC types beyond the generated messages) so it can be tested without a server.
 
 #include <condition_variable>
+#include <functional>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -71,8 +72,16 @@ struct OpenedSession {
   int num_local_ranks = 0;
 };
 
+// Polled by long waits in handlers: true once the caller is gone (gRPC cancellation or deadline).
+using CancelFn = std::function<bool()>;
+
 class SourceNode {
  public:
+  // How long CommitBucket waits for a bucket the trainer says it committed, and how often a waiting handler checks
+  // for its caller's cancellation.
+  static constexpr absl::Duration kBucketWait = absl::Seconds(5);
+  static constexpr absl::Duration kCancelPoll = absl::Milliseconds(100);
+
   SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetFn connect);
   ~SourceNode();
 
@@ -84,14 +93,22 @@ class SourceNode {
   void SessionDisconnected(const std::string& session_id, const std::string& why);
   // Waits for the update to open at most min(push_timeout, max_wait) (the caller's deadline, so the rank hears
   // "no update is open" rather than its own deadline passing).
+  // `cancelled` (the caller's RPC was cancelled or its deadline passed) ends the wait early.
   absl::StatusOr<v1::BeginPushReply> BeginPush(const v1::BeginPushRequest& req,
-                                               absl::Duration max_wait = absl::InfiniteDuration());
-  absl::StatusOr<v1::CommitBucketReply> CommitBucket(const v1::CommitBucketRequest& req);
+                                               absl::Duration max_wait = absl::InfiniteDuration(),
+                                               const CancelFn& cancelled = nullptr);
+  // Waits for the rank's bucket in its ring (kBucketWait at most; `cancelled` ends it early) without holding any
+  // node-wide lock, then ingests it and posts its writes under the ingest lock. Other ranks' calls are not blocked by
+  // a rank whose bucket never arrives.
+  absl::StatusOr<v1::CommitBucketReply> CommitBucket(const v1::CommitBucketRequest& req,
+                                                     const CancelFn& cancelled = nullptr);
   absl::Status EndPush(const v1::EndPushRequest& req);
 
   absl::StatusOr<v1::ConfigureSourceReply> Configure(const v1::ConfigureSourceRequest& req);
   absl::Status StartUpdate(const v1::StartUpdateRequest& req);
-  absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const v1::FinishUpdateRequest& req);
+  // `cancelled` ends the wait for the trainer ranks early (the coordinator's call was cancelled).
+  absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const v1::FinishUpdateRequest& req,
+                                                     const CancelFn& cancelled = nullptr);
   // Ends the open update `req.version()` as aborted: pushes and buckets of it are refused from now on, a bucket
   // being written is let finish, outstanding writes are drained (bounded by `drain_timeout`), then the bytes it wrote
   // are reported. Idempotent: a repeat answers the first call's result. Refused while the update is finishing
@@ -115,7 +132,8 @@ class SourceNode {
     std::string label;
     int local_rank = 0;
     int64_t pid = 0;
-    std::unique_ptr<RingConsumer> ring;
+    std::shared_ptr<RingConsumer> ring;  // shared with a CommitBucket using it (which may outlive the session)
+    std::shared_ptr<std::mutex> commit_mu = std::make_shared<std::mutex>();  // one bucket at a time
     int64_t ended_version = -1;
     bool dead = false;  // its process is gone (seen by the liveness watcher)
   };
@@ -152,6 +170,12 @@ class SourceNode {
   void CheckRanks();  // requires mu_
   absl::Status CheckLayout(const replica::ParamTable& table, const v1::RankLayout& target, const std::string& who);
   absl::Status WriteReady(const std::vector<replica::ReadyParam>& ready);
+  // cv_.wait_for(wait, pred) that also polls `cancelled` every kCancelPoll (then *gone = true, returns false).
+  template <typename Pred>
+  bool WaitCancellable(std::unique_lock<std::mutex>& l, absl::Duration wait, const CancelFn& cancelled, bool* gone,
+                       Pred pred);
+  static absl::StatusOr<BucketView> WaitForBucket(RingConsumer& ring, absl::Duration timeout,
+                                                  const CancelFn& cancelled);
   // A tensor pushed in slices (shard-aware plans): assembled here until every rectangle this node's writes read has
   // arrived, then ingested whole. Only the rectangles received are meaningful; parameters reading anything else are
   // never written (they are not this node's to write).
@@ -172,7 +196,14 @@ class SourceNode {
   absl::Status StageSlice(const TensorSlice& s, DType dtype, const uint8_t* data, std::vector<replica::ReadyParam>* ready);
   // "engine E rank R at D": how every error about a target names it.
   static std::string Who(const Target& t);
-  // Creates `t`'s endpoint and connects it through the target daemon (connect_). Caller holds ingest_mu_.
+  // Cancels every in-flight and later write of the open update (Endpoint::Cancel on every target): a write blocked on
+  // a dead link returns at once, so the bucket and the drain waiting for it end now. The endpoints are re-created by
+  // the next StartUpdate. Requires mu_ (endpoints are swapped under it).
+  void CancelWrites(const absl::Status& why);
+  // "node N at D (engine E rank R, ...)": `t`'s node and every engine rank this source writes on it (what a failed
+  // link to that node affects). Requires mu_ or ingest_mu_ (targets_ is replaced under both).
+  std::string NodeRanks(const Target& t) const;
+  // Creates `t`'s endpoint and connects it through the target daemon (connect_). Caller holds ingest_mu_, not mu_.
   absl::Status ConnectEndpoint(Target* t);
   // Waits for every outstanding batch and forgets them; a failed Wait marks its target broken. Returns the first
   // error, naming the target. Caller holds ingest_mu_.
@@ -218,6 +249,7 @@ class SourceNode {
   int64_t ended_version_ = -1;
   absl::StatusOr<v1::FinishUpdateReply> ended_result_ = absl::UnknownError("no update has ended");
   absl::Status update_error_;
+  absl::Status cancel_reason_;  // why the open update's writes were cancelled (CancelWrites); OK when they were not
   // The last aborted version and AbortUpdate's answer for it (repeats get the same answer).
   int64_t aborted_version_ = -1;
   v1::AbortSourceUpdateReply aborted_reply_;

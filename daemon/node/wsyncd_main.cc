@@ -56,6 +56,7 @@ int main(int argc, char** argv) {
   std::string engine_socket;
   std::vector<uint32_t> engine_uids;
   double attach_timeout_s = 120, engine_timeout_s = 300;
+  double tcp_progress_timeout_s = absl::ToDoubleSeconds(transport::TransportOptions().send_progress_timeout);
   int trainer_ranks = 1;
   uint64_t ring_mib = 512;
   app.add_option("--role", role, "source | target")->required()->check(CLI::IsMember({"source", "target"}));
@@ -94,6 +95,10 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--engine-timeout", engine_timeout_s, "target: seconds one engine control call may take")
       ->check(CLI::PositiveNumber);
+  app.add_option("--tcp-progress-timeout", tcp_progress_timeout_s,
+                 "tcp transport: seconds a connection's sent bytes may stay unacknowledged (a pulled link, a peer host "
+                 "gone) before its writes fail, naming the target node and engine ranks")
+      ->check(CLI::Range(0.5, 600.0));
   app.add_option("--trainer-ranks", trainer_ranks, "source: trainer ranks on this node")->check(CLI::Range(1, 1024));
   int pp_stage = 0;
   app.add_option("--pp-stage", pp_stage,
@@ -173,6 +178,7 @@ int main(int argc, char** argv) {
 
   transport::TransportOptions topts;
   topts.bind_host = data_host;
+  topts.send_progress_timeout = absl::Seconds(tcp_progress_timeout_s);
   auto tr = transport::CreateFirstViableTransport(transport_name, topts);
   if (!tr.ok()) {
     spdlog::error("--transport {}: {}", transport_name, std::string(tr.status().message()));

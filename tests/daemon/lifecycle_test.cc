@@ -6,7 +6,11 @@
 
 #include <catch2/catch.hpp>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -14,6 +18,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "client/ring/ring.h"
 #include "daemon/common/convert.h"
 #include "daemon/node/source_node.h"
@@ -45,25 +50,45 @@ class NullRemote : public transport::RemoteRegion {
   uint64_t n_;
 };
 
-// Posts are validated and completed at once; nothing is sent.
+// Posts are validated and completed at once; nothing is sent. With `hang`, a batch never completes (a peer behind
+// a pulled link): Wait returns only at its timeout or once Cancel was called, with Cancel's reason.
 class NullEndpoint : public transport::Endpoint {
  public:
+  explicit NullEndpoint(bool hang = false) : hang_(hang) {}
   std::string LocalInfo() const override { return "null"; }
   absl::Status Connect(const std::string&, absl::Duration) override { return absl::OkStatus(); }
   absl::StatusOr<transport::BatchId> Post(absl::Span<const transport::WriteRequest> writes) override {
     for (const auto& w : writes)
       if (auto st = transport::ValidateWrite(w); !st.ok()) return st;
+    std::lock_guard<std::mutex> l(mu_);
+    if (!cancelled_.ok()) return cancelled_;
     return ++next_;
   }
-  absl::Status Wait(transport::BatchId, absl::Duration) override { return absl::OkStatus(); }
+  absl::Status Wait(transport::BatchId, absl::Duration timeout) override {
+    std::unique_lock<std::mutex> l(mu_);
+    if (!hang_) return cancelled_;
+    if (!cv_.wait_for(l, absl::ToChronoNanoseconds(timeout), [&] { return !cancelled_.ok(); }))
+      return absl::DeadlineExceededError("null peer: batch hangs");
+    return cancelled_;
+  }
+  void Cancel(const absl::Status& why) override {
+    std::lock_guard<std::mutex> l(mu_);
+    if (cancelled_.ok()) cancelled_ = why;
+    cv_.notify_all();
+  }
   std::string PeerName() const override { return "null peer"; }
 
  private:
+  const bool hang_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  absl::Status cancelled_;
   transport::BatchId next_ = 0;
 };
 
 class NullTransport : public transport::Transport {
  public:
+  std::atomic<bool> hang{false};  // endpoints created from now on never complete their batches
   std::string name() const override { return "null"; }
   bool viable() const override { return true; }
   std::string reason() const override { return ""; }
@@ -74,7 +99,7 @@ class NullTransport : public transport::Transport {
     return std::make_unique<NullRemote>(std::stoull(d));
   }
   absl::StatusOr<std::unique_ptr<transport::Endpoint>> CreateEndpoint() override {
-    return std::make_unique<NullEndpoint>();
+    return std::make_unique<NullEndpoint>(hang.load());
   }
 };
 
@@ -125,10 +150,11 @@ struct Node {
   std::string session;
   std::map<std::string, replica::TensorSpec> specs;
 
-  Node() {
+  explicit Node(int ranks = 1, bool hang = false) {
+    transport.hang = hang;
     SourceOptions o;
     o.node_id = "src";
-    o.trainer_ranks = 1;
+    o.trainer_ranks = ranks;
     o.ring_bytes = 8 << 20;
     o.push_timeout = absl::Seconds(5);
     node = std::make_unique<SourceNode>(o, &transport,
@@ -144,6 +170,13 @@ struct Node {
     REQUIRE(s.ok());
     session = s->id;
     CHECK(session.size() == 32);  // 128 random bits, hex
+    for (int r = 1; r < ranks; ++r) {
+      os.local_rank = r;
+      auto more = node->OpenSession(os);
+      REQUIRE(more.ok());
+      other_sessions.push_back(more->id);
+      other_fds.push_back(std::move(more->ring_fd));
+    }
     auto cfg = replica::ModelConfig::FromFile(WSYNC_TINY_MODEL);
     REQUIRE(cfg.ok());
     auto all = replica::CheckpointTensors(*cfg);
@@ -197,6 +230,8 @@ struct Node {
   }
 
   ScopedFd ring_fd;  // the rank's own descriptor of the ring, as the hand-over socket sends it
+  std::vector<std::string> other_sessions;  // ranks 1.. (their rings are never written by these tests)
+  std::vector<ScopedFd> other_fds;
 };
 
 TEST_CASE("source lifecycle: a repeated FinishUpdate(v) returns the first result; older versions are refused") {
@@ -285,6 +320,131 @@ TEST_CASE("source lifecycle: a newer StartUpdate abandons an update the coordina
   CHECK(std::string(late.status().message()).find("abandoned") != std::string::npos);
   n.Push(2);
   CHECK(n.Finish(2).ok());
+}
+
+TEST_CASE("source handlers: a rank stuck mid-bucket does not block another rank's CommitBucket") {
+  Node n(2);
+  REQUIRE(n.Start(1).ok());
+  // Rank 1 says it committed bucket 0 but its ring holds nothing (its process hangs mid-bucket): its call waits for
+  // the bucket (SourceNode::kBucketWait) without holding anything rank 0 needs.
+  std::atomic<bool> stuck_returned{false};
+  absl::Status stuck_status;
+  std::thread stuck([&] {
+    v1::CommitBucketRequest cb;
+    cb.set_session_id(n.other_sessions[0]);
+    cb.set_bucket_seq(0);
+    stuck_status = n.node->CommitBucket(cb).status();
+    stuck_returned = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 1 is waiting now
+  const absl::Time t0 = absl::Now();
+  n.Push(1);  // rank 0's BeginPush, CommitBucket and EndPush
+  const absl::Duration took = absl::Now() - t0;
+  CHECK(!stuck_returned.load());  // rank 0 finished while rank 1 was still waiting
+  CHECK(took < absl::Seconds(2));
+  stuck.join();
+  CHECK(stuck_status.code() == absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST_CASE("source handlers: a cancelled CommitBucket, BeginPush or FinishUpdate returns promptly") {
+  Node n(2);
+  std::atomic<bool> gone{false};
+  const CancelFn cancelled = [&] { return gone.load(); };
+  auto cancel_after = [&](int ms) {
+    gone = false;
+    return std::thread([&, ms] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      gone = true;
+    });
+  };
+  {
+    v1::BeginPushRequest bp;  // no update is open: the call would wait for push_timeout (5 s)
+    bp.set_session_id(n.session);
+    bp.set_version(1);
+    std::thread c = cancel_after(200);
+    const absl::Time t0 = absl::Now();
+    auto r = n.node->BeginPush(bp, absl::Seconds(30), cancelled);
+    c.join();
+    CHECK(r.status().code() == absl::StatusCode::kCancelled);
+    CHECK(absl::Now() - t0 < absl::Seconds(1));
+  }
+  REQUIRE(n.Start(1).ok());
+  {
+    v1::CommitBucketRequest cb;  // nothing in the ring: the call would wait kBucketWait (5 s)
+    cb.set_session_id(n.other_sessions[0]);
+    cb.set_bucket_seq(0);
+    std::thread c = cancel_after(200);
+    const absl::Time t0 = absl::Now();
+    auto r = n.node->CommitBucket(cb, cancelled);
+    c.join();
+    INFO(r.status().ToString());
+    CHECK(r.status().code() == absl::StatusCode::kCancelled);
+    CHECK(absl::Now() - t0 < absl::Seconds(1));
+  }
+  {
+    v1::FinishUpdateRequest fr;  // no rank has pushed: the call would wait its 30 s timeout
+    fr.set_version(1);
+    fr.set_plan_epoch(kPlan);
+    fr.set_timeout_seconds(30);
+    std::thread c = cancel_after(200);
+    const absl::Time t0 = absl::Now();
+    auto r = n.node->FinishUpdate(fr, cancelled);
+    c.join();
+    INFO(r.status().ToString());
+    CHECK(r.status().code() == absl::StatusCode::kCancelled);
+    CHECK(absl::Now() - t0 < absl::Seconds(1));
+  }
+  // The freed handlers left the node usable: the next update runs.
+  REQUIRE(n.Start(2).ok());
+}
+
+TEST_CASE("source liveness: the coordinator's abort during a commit cancels writes blocked on a dead peer") {
+  Node n(1, /*hang=*/true);
+  REQUIRE(n.Start(1).ok());
+  n.Push(1);  // its batches never complete
+  absl::StatusOr<v1::FinishUpdateReply> fin = absl::UnknownError("not run");
+  absl::Time finished;
+  std::thread f([&] {
+    fin = n.Finish(1, 30);  // would drain for 30 s
+    finished = absl::Now();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  CHECK(n.node->Status().state() == "finishing");
+  v1::AbortSourceUpdateRequest ab;
+  ab.set_version(1);
+  ab.set_reason("target node tn1 lost its lease; engine ranks: engine e0 rank 0");
+  const absl::Time t0 = absl::Now();
+  auto a = n.node->AbortUpdate(ab);
+  INFO(a.status().ToString());
+  REQUIRE(a.ok());
+  CHECK(!a->quiescent());
+  f.join();
+  CHECK(finished - t0 < absl::Seconds(2));
+  INFO(fin.status().ToString());
+  REQUIRE(!fin.ok());
+  CHECK(absl::StrContains(fin.status().message(), "target node tn1 lost its lease"));
+  CHECK(n.node->Status().last_version() == -1);  // never counted as written
+  // The next update re-creates the cancelled endpoint and runs (the peer answers again).
+  n.transport.hang = false;
+  REQUIRE(n.Start(2).ok());
+  n.Push(2);
+  auto ok = n.Finish(2);
+  INFO(ok.status().ToString());
+  CHECK(ok.ok());
+}
+
+TEST_CASE("source liveness: an abort while a bucket is being written cancels its writes instead of waiting") {
+  Node n(1, /*hang=*/true);
+  REQUIRE(n.Start(1).ok());
+  n.Push(1);
+  v1::AbortSourceUpdateRequest ab;
+  ab.set_version(1);
+  ab.set_reason("operator");
+  const absl::Time t0 = absl::Now();
+  auto a = n.node->AbortUpdate(ab, absl::Seconds(30));  // the drain would otherwise wait 30 s
+  CHECK(absl::Now() - t0 < absl::Seconds(2));
+  REQUIRE(a.ok());
+  CHECK(a->was_open());
 }
 
 }  // namespace

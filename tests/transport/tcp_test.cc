@@ -2,6 +2,7 @@
 
 #include <sys/socket.h>
 
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -330,4 +331,66 @@ TEST_CASE("a large batch is spread over several connections and arrives intact",
     REQUIRE(s.ok());
     CHECK(std::memcmp(src.data(), dst.data(), kLen) == 0);
   }
+}
+
+TEST_CASE("Cancel releases a batch blocked on a peer that stopped reading, at once, with the caller's reason",
+          "[transport][tcp]") {
+  int port = 0;
+  auto listen_fd = tcp::Listen("127.0.0.1", 0, &port);
+  REQUIRE(listen_fd.ok());
+  const uint64_t token = 0x4321;
+  Fd accepted;
+  std::thread peer([&] {
+    Fd fd(::accept(listen_fd->get(), nullptr, nullptr));
+    tcp::Hello hello;
+    if (!tcp::RecvAll(fd.get(), &hello, sizeof(hello)).ok()) return;
+    tcp::Ack ack{tcp::kFrameMagic, tcp::kHelloAck, 0, 0, 0, 0, 0};
+    iovec iov{&ack, sizeof(ack)};
+    tcp::SendAll(fd.get(), &iov, 1).IgnoreError();
+    accepted = std::move(fd);  // kept open, never read
+  });
+
+  TransportOptions opts;
+  opts.io_timeout = absl::Seconds(60);  // without Cancel the batch would hang this long
+  opts.tcp_streams = 1;
+  auto sender = CreateTransport("tcp", opts);
+  REQUIRE(sender.ok());
+  constexpr uint64_t kLen = 64 << 20;
+  std::vector<uint8_t> src(kLen, 5);
+  auto sr = (*sender)->RegisterMemory(src.data(), src.size());
+  REQUIRE(sr.ok());
+  auto remote = (*sender)->ImportRegion(Descriptor(token, 1, kLen));
+  REQUIRE(remote.ok());
+  auto ep = (*sender)->CreateEndpoint();
+  REQUIRE(ep.ok());
+  REQUIRE((*ep)->Connect(absl::StrCat("wsync-tcp/1 127.0.0.1 ", port, " ", absl::Hex(token)), kTimeout).ok());
+  peer.join();
+
+  WriteRequest w{sr->get(), 0, remote->get(), 0, kLen};
+  auto id = (*ep)->Post({&w, 1});
+  REQUIRE(id.ok());
+  CHECK((*ep)->Wait(*id, absl::Milliseconds(300)).code() == absl::StatusCode::kDeadlineExceeded);
+  auto id2 = (*ep)->Post({&w, 1});  // queued behind the blocked one
+  REQUIRE(id2.ok());
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    (*ep)->Cancel(absl::AbortedError("update 7 aborted: node n1 lost its lease"));
+  });
+  const absl::Time start = absl::Now();
+  absl::Status s = (*ep)->Wait(*id, kTimeout);
+  const absl::Duration took = absl::Now() - start;
+  canceller.join();
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kAborted);
+  CHECK(absl::StrContains(s.message(), "node n1 lost its lease"));
+  CHECK(took < absl::Seconds(2));
+  absl::Status s2 = (*ep)->Wait(*id2, kTimeout);
+  CHECK(absl::StrContains(s2.message(), "node n1 lost its lease"));
+  auto again = (*ep)->Post({&w, 1});
+  CHECK(!again.ok());
+  CHECK(absl::StrContains(again.status().message(), "node n1 lost its lease"));
+  // Destroying the cancelled endpoint does not hang on the blocked connection.
+  const absl::Time d0 = absl::Now();
+  ep->reset();
+  CHECK(absl::Now() - d0 < absl::Seconds(2));
 }

@@ -35,6 +35,7 @@ class FaultEndpoint : public Endpoint {
     return inner_->Connect(peer_info, timeout);
   }
   std::string PeerName() const override { return inner_->PeerName(); }
+  void Cancel(const absl::Status& why) override { inner_->Cancel(why); }
 
   absl::StatusOr<BatchId> Post(absl::Span<const WriteRequest> writes) override {
     if (!broken_.ok()) return Broken();

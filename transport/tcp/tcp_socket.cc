@@ -58,6 +58,11 @@ absl::Status IoError(const char* op, int err) {
   if (err == EAGAIN || err == EWOULDBLOCK) {
     return absl::DeadlineExceededError(absl::StrCat(op, ": no progress within the i/o timeout"));
   }
+  if (err == ETIMEDOUT) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        op, ": the peer acknowledged no byte within the send progress timeout (link down or peer host gone; ",
+        ErrnoText(err), ")"));
+  }
   return absl::UnavailableError(absl::StrCat(op, ": ", ErrnoText(err)));
 }
 
@@ -145,6 +150,19 @@ void TuneSocket(int fd, absl::Duration io_timeout) {
   }
   ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+}
+
+void SetSendProgressTimeout(int fd, absl::Duration timeout) {
+  const int64_t ms = absl::ToInt64Milliseconds(timeout);
+  if (ms <= 0) return;
+  const unsigned int user_timeout = static_cast<unsigned int>(std::min<int64_t>(ms, INT32_MAX));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof(user_timeout));
+  int one = 1;
+  int idle = static_cast<int>(std::clamp<int64_t>(ms / 2000, 1, 3600));
+  int interval = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
 }
 
 absl::Status SendAll(int fd, struct iovec* iov, int iovcnt) {

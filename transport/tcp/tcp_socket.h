@@ -54,6 +54,11 @@ absl::StatusOr<Fd> ConnectTo(const std::string& host, int port, absl::Duration t
 // (a blocked call returns EAGAIN after that long without progress).
 void TuneSocket(int fd, absl::Duration io_timeout);
 
+// Sending side: a connection whose sent bytes stay unacknowledged for `timeout` fails with ETIMEDOUT
+// (TCP_USER_TIMEOUT), and while nothing is in flight, keepalive probes every second after timeout/2 of silence
+// detect a vanished peer within about the same time. A zero timeout leaves the kernel's defaults (minutes).
+void SetSendProgressTimeout(int fd, absl::Duration timeout);
+
 // Sends every byte described by iov[0..iovcnt) (the array is modified as it is consumed).
 absl::Status SendAll(int fd, struct iovec* iov, int iovcnt);
 

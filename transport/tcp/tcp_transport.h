@@ -11,6 +11,10 @@
 // granted endpoint's secret); Connect() opens a connection to the peer's listener, so either side may send. A
 // sending endpoint sends a batch's frames with sendmsg() straight from the source region, split over up to
 // TransportOptions::tcp_streams connections when the batch is large.
+//
+// Liveness: a sending connection whose bytes stay unacknowledged for TransportOptions::send_progress_timeout (a
+// pulled link, a peer host gone) fails its batch with DeadlineExceeded; Endpoint::Cancel shuts the endpoint's
+// sockets down, so a batch blocked on a dead peer fails at once with the canceller's reason.
 
 #include <memory>
 

@@ -1,0 +1,30 @@
+#pragma once
+// The receiving side's listener.
+
+#include <memory>
+#include <string>
+
+#include "transport/tcp/tcp_region_table.h"
+#include "transport/tcp/tcp_socket.h"
+#include "transport/transport.h"
+
+namespace wsync::transport::tcp {
+
+// Accepts connections on the transport's listening socket. A new connection first waits in the accept loop's own
+// poll set (no thread) until its hello arrives, for at most hello_timeout; then it gets a thread that serves it.
+// Connections per peer address and in total are capped (pending and served together), so an idle-connection flood
+// costs a bounded number of fds and threads and the listener keeps serving.
+class Listener {
+ public:
+  // Starts the accept thread on `listen_fd`; a write to `wake_fd` (an eventfd) stops it.
+  Listener(std::shared_ptr<RegionTable> table, Fd listen_fd, Fd wake_fd, std::string address,
+           const TransportOptions& opts);
+  // Stops accepting, shuts down and joins every connection.
+  ~Listener();
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace wsync::transport::tcp
