@@ -61,6 +61,17 @@ void GoodUpdate(Cluster& cl, client::TrainerClient& trainer, int64_t v) {
   CHECK(rec->success());
 }
 
+// The coordinator committed `step` and engine 0's own loader verifies every parameter of it.
+void CheckCommittedAndVerified(Cluster& cl, int64_t step) {
+  client::CoordinatorClient coord(cl.coordinator);
+  auto st = coord.Status();
+  REQUIRE(st.ok());
+  CHECK(st->current_version() == std::to_string(step));
+  auto v = Verify(cl.engines[0], step);
+  CHECK(v.ok());
+  CHECK(v.params_checked() > 0);
+}
+
 TEST_CASE("cluster: updates land bit-exactly; bad buckets are rejected whole and write nothing") {
   ClusterOptions o;
   o.bin_dir = kBin;
@@ -370,13 +381,7 @@ TEST_CASE("cluster: an FP8 block-quantized engine: the sources quantize bf16 pus
   Cluster cl(o);
   INFO("cluster logs in " << cl.dir());
   RunTrainers(cl, o, 2);
-  client::CoordinatorClient coord(cl.coordinator);
-  auto st = coord.Status();
-  REQUIRE(st.ok());
-  CHECK(st->current_version() == "2");
-  auto v = Verify(cl.engines[0], 2);
-  CHECK(v.ok());
-  CHECK(v.params_checked() > 0);
+  CheckCommittedAndVerified(cl, 2);
 }
 
 // DeepSeek-V3-shaped MLA model (q_lora: fused_qkv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; a dense first layer
@@ -434,13 +439,7 @@ TEST_CASE("cluster: a DeepSeek-V3-shaped FP8 engine (tp2 ep2): MLA, shared and r
   Cluster cl(o);
   INFO("cluster logs in " << cl.dir());
   RunTrainers(cl, o, 2);
-  client::CoordinatorClient coord(cl.coordinator);
-  auto st = coord.Status();
-  REQUIRE(st.ok());
-  CHECK(st->current_version() == "2");
-  auto v = Verify(cl.engines[0], 2);
-  CHECK(v.ok());
-  CHECK(v.params_checked() > 0);
+  CheckCommittedAndVerified(cl, 2);
   CHECK_FALSE(Verify(cl.engines[0], 1).ok());
 }
 
@@ -459,13 +458,7 @@ TEST_CASE("cluster: a DeepSeek-V2-Lite-shaped MLA engine (no q_lora, tp2) with a
   Cluster cl(o);
   INFO("cluster logs in " << cl.dir());
   RunTrainers(cl, o, 2);
-  client::CoordinatorClient coord(cl.coordinator);
-  auto st = coord.Status();
-  REQUIRE(st.ok());
-  CHECK(st->current_version() == "2");
-  auto v = Verify(cl.engines[0], 2);
-  CHECK(v.ok());
-  CHECK(v.params_checked() > 0);
+  CheckCommittedAndVerified(cl, 2);
 }
 
 // Runs updates [first, first + n) with one trainer process per (source, rank); rank 0 drives and asks `verify` to

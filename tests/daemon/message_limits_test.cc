@@ -28,6 +28,7 @@
 #include "nlohmann/json.hpp"
 #include "replica/layout_plan.h"
 #include "replica/model_config.h"
+#include "tests/daemon/raw_rpc.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 #include "wsync/v1/daemon.grpc.pb.h"
 
@@ -201,22 +202,9 @@ std::string Padded(uint64_t bytes) {
 }
 
 grpc::Status CallRaw(const std::shared_ptr<grpc::Channel>& ch, const std::string& method, const std::string& body) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-  grpc::Slice s(body);
-  grpc::ByteBuffer req(&s, 1), resp;
-  const std::string path = "/" + method;
-  return grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
-      ch.get(), grpc::internal::RpcMethod(path.c_str(), grpc::internal::RpcMethod::NORMAL_RPC), &ctx, req, &resp);
+  return testing::CallRaw(ch, method, body, std::chrono::seconds(20));
 }
-
-std::vector<std::string> Methods(const std::string& service) {
-  const auto* d = google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(service);
-  REQUIRE(d != nullptr);
-  std::vector<std::string> out;
-  for (int i = 0; i < d->method_count(); ++i) out.push_back(absl::StrCat(service, "/", d->method(i)->name()));
-  return out;
-}
+using testing::Methods;
 
 TEST_CASE("limits: every RPC refuses a request over its limit with RESOURCE_EXHAUSTED; the server keeps serving") {
   auto peers = std::make_unique<CapturePeers>();

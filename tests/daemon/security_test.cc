@@ -36,6 +36,7 @@
 #include "daemon/node/node_services.h"
 #include "proto/tls.h"
 #include "tests/daemon/cluster.h"
+#include "tests/daemon/raw_rpc.h"
 #include "transport/transport.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 #include "wsync/v1/daemon.grpc.pb.h"
@@ -131,22 +132,9 @@ std::shared_ptr<grpc::Channel> As(const std::string& addr, const std::string& di
 
 // Calls /`method` with an empty request (any content would do: the role check comes first).
 grpc::Status CallRaw(const std::shared_ptr<grpc::Channel>& ch, const std::string& method) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  grpc::Slice empty("");
-  grpc::ByteBuffer req(&empty, 1), resp;
-  const std::string path = "/" + method;
-  return grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
-      ch.get(), grpc::internal::RpcMethod(path.c_str(), grpc::internal::RpcMethod::NORMAL_RPC), &ctx, req, &resp);
+  return testing::CallRaw(ch, method, "", std::chrono::seconds(5));
 }
-
-std::vector<std::string> Methods(const std::string& service) {
-  const auto* d = google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(service);
-  REQUIRE(d != nullptr);
-  std::vector<std::string> out;
-  for (int i = 0; i < d->method_count(); ++i) out.push_back(absl::StrCat(service, "/", d->method(i)->name()));
-  return out;
-}
+using testing::Methods;
 
 int CountDir(const std::string& path) {
   int n = 0;
