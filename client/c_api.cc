@@ -172,6 +172,20 @@ int wsync_trainer_push_cuda(wsync_trainer* t, const char* name, const char* dtyp
   });
 }
 
+int wsync_trainer_set_gpu_fp8(wsync_trainer* t, int enable, size_t* count_out) {
+  if (t == nullptr) return Report(NullArg("trainer handle"));
+  t->client->set_gpu_fp8(enable != 0);
+  if (count_out != nullptr) *count_out = static_cast<size_t>(t->client->fp8_hint().tensor_names_size());
+  return WSYNC_OK;
+}
+
+int wsync_trainer_fp8_quantized(const wsync_trainer* t, uint64_t* count) {
+  if (t == nullptr) return Report(NullArg("trainer handle"));
+  if (count == nullptr) return Report(NullArg("count"));
+  *count = t->client->stats().fp8_quantized;
+  return WSYNC_OK;
+}
+
 namespace {
 
 absl::StatusOr<wsync::DType> CheckSlice(const char* name, const char* dtype, const int64_t* full_shape, int ndim,

@@ -93,6 +93,14 @@ WSYNC_C_EXPORT int wsync_trainer_push(wsync_trainer* t, const char* name, const 
 WSYNC_C_EXPORT int wsync_trainer_push_cuda(wsync_trainer* t, const char* name, const char* dtype,
                                            const int64_t* shape, int ndim, const void* data, uint64_t bytes,
                                            int device, uint64_t stream);
+/* Turns GPU FP8 quantization on (enable != 0) or off for later wsync_trainer_push_cuda calls (TrainerOptions::gpu_fp8):
+ * a tensor the last wsync_trainer_begin_push offered for FP8 (the node's replica stores FP8 block-quantized weights)
+ * is then quantized on its GPU and pushed as float8_e4m3fn codes plus float32 `<name>_scale_inv`, byte-identical
+ * to the daemon's CPU quantization, with about half the device-to-host bytes. *count_out (may be NULL) receives how
+ * many tensors the last begin_push offered. */
+WSYNC_C_EXPORT int wsync_trainer_set_gpu_fp8(wsync_trainer* t, int enable, size_t* count_out);
+/* Tensors quantized on the GPU since the last begin_push. */
+WSYNC_C_EXPORT int wsync_trainer_fp8_quantized(const wsync_trainer* t, uint64_t* count);
 /* Pushes a slice of HF tensor `name` whose whole shape is `full_shape` (ndim dims): the data (contiguous, `bytes`
  * bytes) has shape `extents` and starts at `offsets` (both ndim long). Accepted: a range along dim 0 (row ranges,
  * whole experts) or any rectangle of a 2-D tensor. The node's daemon assembles the tensor from its ranks' slices. */

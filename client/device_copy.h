@@ -1,5 +1,5 @@
 #pragma once
-// Device-to-host hand-over of GPU tensors into a trainer's ring (issue 10): the ring's data area is page-locked
+// Device-to-host hand-over of GPU tensors into a trainer's ring: the ring's data area is page-locked
 // once per session (cudaHostRegister of the memfd mapping), and each push of a CUDA tensor is one
 // cudaMemcpyAsync into the tensor's ring slot on this copier's stream, ordered after the work already queued on
 // the producer's stream (an event), without waiting for it. The client keeps pushing (the next tensor's copy queues
@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "base/dtype.h"
 
 namespace wsync::client {
 
@@ -34,6 +35,24 @@ class DeviceCopier {
   // default stream). The source must stay unchanged until Drain returned.
   virtual absl::Status CopyAsync(absl::string_view name, uint8_t* dst, const void* src, uint64_t bytes, int device,
                                  uint64_t producer_stream) = 0;
+  // FP8 block quantization on the GPU before the copy (halves the bytes a bf16 tensor moves over PCIe): queues the
+  // quantization of the row-major [rows, cols] bf16/f16/f32 tensor at `src` (checked) into this copier's device
+  // scratch on its stream, ordered after the work queued so far on `producer_stream`, with wsync's convention
+  // (replica/fp8.h; byte-identical to the CPU quantizer). `out` receives the staged codes (rows*cols float8_e4m3fn)
+  // and scales (float32 [ceil(rows/block_n), ceil(cols/block_k)]), device memory this copier owns: copy them into
+  // the ring with CopyStagedAsync before the next QuantizeFp8Async (which reuses the scratch; the stream orders it).
+  struct Fp8Staged {
+    const void* codes = nullptr;
+    const void* scales = nullptr;
+    uint64_t code_bytes = 0, scale_bytes = 0;
+  };
+  virtual absl::Status QuantizeFp8Async(absl::string_view name, DType dtype, const void* src, int64_t rows,
+                                        int64_t cols, int block_n, int block_k, bool ue8m0, int device,
+                                        uint64_t producer_stream, Fp8Staged* out) = 0;
+  // Queues the copy of `bytes` staged bytes (from QuantizeFp8Async on `device`) into `dst` inside the ring, after
+  // everything queued on this copier's stream.
+  virtual absl::Status CopyStagedAsync(absl::string_view name, uint8_t* dst, const void* staged, uint64_t bytes,
+                                       int device) = 0;
   // Waits until every queued copy has landed; the first asynchronous error otherwise.
   virtual absl::Status Drain() = 0;
   // Copies queued since creation, and the time the ring's registration took.

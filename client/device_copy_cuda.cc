@@ -1,5 +1,6 @@
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <map>
 
 #include <spdlog/spdlog.h>
@@ -9,6 +10,7 @@
 #include "base/cuda_status.h"
 #include "base/status.h"
 #include "client/device_copy.h"
+#include "replica/fp8_cuda.h"
 
 namespace wsync::client {
 namespace {
@@ -25,6 +27,7 @@ class CudaCopier final : public DeviceCopier {
       cudaEventDestroy(q.ready);
       cudaEventDestroy(q.done);
       cudaStreamDestroy(q.stream);
+      if (q.scratch != nullptr) cudaFree(q.scratch);
     }
     if (cudaError_t e = cudaHostUnregister(ring_); e != cudaSuccess)
       spdlog::warn("ring {}: cudaHostUnregister: {}", name_, cudaGetErrorString(e));
@@ -63,6 +66,65 @@ class CudaCopier final : public DeviceCopier {
     return absl::OkStatus();
   }
 
+  absl::Status QuantizeFp8Async(absl::string_view name, DType dtype, const void* src, int64_t rows, int64_t cols,
+                                int block_n, int block_k, bool ue8m0, int device, uint64_t producer_stream,
+                                Fp8Staged* out) override {
+    const std::string what = absl::StrCat("tensor ", name, ": fp8 quantization of [", rows, ", ", cols, "] ",
+                                          DTypeName(dtype), " on cuda:", device);
+    if (rows <= 0 || cols <= 0 || block_n <= 0 || block_k <= 0)
+      return absl::InvalidArgumentError(absl::StrCat(what, ": needs a non-empty 2-D tensor and a positive block (",
+                                                     block_n, "x", block_k, ")"));
+    WSYNC_ASSIGN_OR_RETURN(Queue * q, QueueFor(device, what));
+    const uint64_t code_bytes = static_cast<uint64_t>(rows) * static_cast<uint64_t>(cols);
+    const int64_t srows = (rows + block_n - 1) / block_n, scols = (cols + block_k - 1) / block_k;
+    const uint64_t scale_bytes = static_cast<uint64_t>(srows) * static_cast<uint64_t>(scols) * sizeof(float);
+    const uint64_t scale_off = (code_bytes + 255) / 256 * 256;  // the scales start 256-byte aligned
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), what);
+    if (q->scratch_bytes < scale_off + scale_bytes) {
+      // Grown to the largest tensor quantized so far (once per size class, not per push). The old scratch may still
+      // be read by queued copies: wait for them first.
+      WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(q->stream), what);
+      if (q->scratch != nullptr) WSYNC_CUDA_RETURN_IF_ERROR(cudaFree(q->scratch), what);
+      q->scratch = nullptr;
+      q->scratch_bytes = 0;
+      const uint64_t want = std::max<uint64_t>(scale_off + scale_bytes, 1 << 20);
+      WSYNC_CUDA_RETURN_IF_ERROR(cudaMalloc(&q->scratch, want),
+                                 absl::StrCat(what, ": allocating ", want, " bytes of fp8 scratch"));
+      q->scratch_bytes = want;
+    }
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaEventRecord(q->ready, reinterpret_cast<cudaStream_t>(producer_stream)), what);
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(q->stream, q->ready, 0), what);
+    auto* codes = static_cast<uint8_t*>(q->scratch);
+    auto* scales = reinterpret_cast<float*>(codes + scale_off);
+    WSYNC_RETURN_IF_ERROR_CTX(
+        replica::QuantizeFp8BlockCuda(dtype, src, rows, cols, cols, block_n, block_k, codes, cols, scales, scols,
+                                      ue8m0 ? replica::Fp8ScaleFormat::kUe8m0 : replica::Fp8ScaleFormat::kFloat32,
+                                      q->stream),
+        what);
+    q->pending = true;
+    ++quantized_;
+    *out = Fp8Staged{codes, scales, code_bytes, scale_bytes};
+    return absl::OkStatus();
+  }
+
+  absl::Status CopyStagedAsync(absl::string_view name, uint8_t* dst, const void* staged, uint64_t bytes,
+                               int device) override {
+    const std::string what = absl::StrCat("tensor ", name, ": ", bytes, " staged bytes from cuda:", device);
+    if (dst < static_cast<uint8_t*>(ring_) || bytes > bytes_ || dst + bytes > static_cast<uint8_t*>(ring_) + bytes_)
+      return absl::InternalError(absl::StrCat(what, ": the ring slot lies outside the registered ring"));
+    auto it = queues_.find(device);
+    if (it == queues_.end() || it->second.scratch == nullptr ||
+        static_cast<const uint8_t*>(staged) < static_cast<const uint8_t*>(it->second.scratch) ||
+        static_cast<const uint8_t*>(staged) + bytes > static_cast<const uint8_t*>(it->second.scratch) +
+                                                          it->second.scratch_bytes)
+      return absl::InternalError(absl::StrCat(what, ": not inside this copier's fp8 scratch"));
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), what);
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, staged, bytes, cudaMemcpyDeviceToHost, it->second.stream), what);
+    it->second.pending = true;
+    ++copies_;
+    return absl::OkStatus();
+  }
+
   absl::Status Drain() override {
     for (auto& [dev, q] : queues_) {
       if (!q.pending) continue;
@@ -84,6 +146,8 @@ class CudaCopier final : public DeviceCopier {
     cudaEvent_t ready = nullptr;  // recorded on the producer's stream before each copy
     cudaEvent_t done = nullptr;   // recorded on `stream` by Drain
     bool pending = false;
+    void* scratch = nullptr;  // fp8 codes + scales of the tensor being quantized (QuantizeFp8Async)
+    uint64_t scratch_bytes = 0;
   };
 
   absl::StatusOr<Queue*> QueueFor(int device, const std::string& what) {
@@ -105,7 +169,7 @@ class CudaCopier final : public DeviceCopier {
   uint64_t bytes_;
   std::string name_;
   double reg_s_;
-  uint64_t copies_ = 0;
+  uint64_t copies_ = 0, quantized_ = 0;
   std::map<int, Queue> queues_;
 };
 

@@ -161,6 +161,9 @@ absl::StatusOr<std::vector<std::string>> TrainerClient::BeginPush(int64_t versio
     WSYNC_RETURN_IF_ERROR_CTX(ValidateSlice(&ts), "push filter of update ", version);
     push_slices_.push_back(std::move(ts));
   }
+  fp8_hint_ = rep.fp8();
+  fp8_names_.clear();
+  fp8_names_.insert(fp8_hint_.tensor_names().begin(), fp8_hint_.tensor_names().end());
   return std::vector<std::string>(rep.tensor_names().begin(), rep.tensor_names().end());
 }
 
@@ -203,9 +206,37 @@ absl::Status TrainerClient::PushDevice(absl::string_view name, DType dtype, absl
     WSYNC_ASSIGN_OR_RETURN(device_, DeviceCopier::Create(ring_->data_area(), ring_->capacity(), ring_->name()));
   }
   WSYNC_RETURN_IF_ERROR(device_->Check(name, data, bytes, device));
+  if (opts_.gpu_fp8 && shape.size() == 2 && (dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF32) &&
+      fp8_names_.contains(name))
+    return PushDeviceFp8(name, dtype, shape, data, bytes, device, stream);
   return PushImpl(name, dtype, shape, bytes, [&](uint8_t* dst) {
     return device_->CopyAsync(name, dst, data, bytes, device, stream);
   });
+}
+
+absl::Status TrainerClient::PushDeviceFp8(absl::string_view name, DType dtype, absl::Span<const int64_t> shape,
+                                          const void* data, uint64_t bytes, int device, uint64_t stream) {
+  WSYNC_ASSIGN_OR_RETURN(const uint64_t want, ShapeBytes(shape, dtype, absl::StrCat("tensor ", name)));
+  if (want != bytes)
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": ", bytes, " bytes do not match its shape of ",
+                                                   want, " bytes of ", DTypeName(dtype)));
+  // Quantized into the copier's device scratch on its stream, then both halves copied into their ring slots on the
+  // same stream (so the scratch is not reused before they are read).
+  DeviceCopier::Fp8Staged staged;
+  WSYNC_RETURN_IF_ERROR(device_->QuantizeFp8Async(name, dtype, data, shape[0], shape[1], fp8_hint_.block_n(),
+                                                  fp8_hint_.block_k(), fp8_hint_.ue8m0(), device, stream, &staged));
+  const int64_t scale_shape[2] = {(shape[0] + fp8_hint_.block_n() - 1) / fp8_hint_.block_n(),
+                                  (shape[1] + fp8_hint_.block_k() - 1) / fp8_hint_.block_k()};
+  const std::string scale_name = absl::StrCat(name, "_scale_inv");
+  WSYNC_RETURN_IF_ERROR(PushImpl(name, DType::kF8E4M3, shape, staged.code_bytes, [&](uint8_t* dst) {
+    return device_->CopyStagedAsync(name, dst, staged.codes, staged.code_bytes, device);
+  }));
+  WSYNC_RETURN_IF_ERROR(PushImpl(scale_name, DType::kF32, scale_shape, staged.scale_bytes, [&](uint8_t* dst) {
+    return device_->CopyStagedAsync(scale_name, dst, staged.scales, staged.scale_bytes, device);
+  }));
+  --stats_.tensors;  // the weight counts once
+  ++stats_.fp8_quantized;
+  return absl::OkStatus();
 }
 
 absl::Status TrainerClient::PushImpl(absl::string_view name, DType dtype, absl::Span<const int64_t> shape,

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -47,12 +48,18 @@ struct TrainerOptions {
   // Opening the session, all of it (waiting for the socket to appear, the hand-over, the RPC channel): a daemon not up
   // by then fails Connect with DeadlineExceeded naming the path.
   absl::Duration connect_timeout = absl::Seconds(30);
+  // Quantize on the GPU: when the node's replica stores FP8 block-quantized weights, BeginPush says which tensors
+  // may come pre-quantized (and the block and scale format); PushDevice of such a tensor (2-D, bf16/f16/f32) then
+  // quantizes it on its GPU and copies the float8_e4m3fn codes and float32 `<name>_scale_inv` into the ring instead
+  // of the tensor: about half the PCIe bytes of bf16. Byte-identical to the daemon's own CPU quantization.
+  bool gpu_fp8 = false;
 };
 
 struct PushStats {
   uint64_t tensors = 0;
   uint64_t bytes = 0;
   uint64_t buckets = 0;
+  uint64_t fp8_quantized = 0;  // tensors quantized on the GPU before the copy (TrainerOptions::gpu_fp8)
 };
 
 class TrainerClient {
@@ -74,7 +81,8 @@ class TrainerClient {
   // first such push page-locks the ring (once per session); each push queues one asynchronous device-to-host copy
   // into the tensor's ring slot and returns, so the next push (and the daemon's work on earlier buckets) overlaps
   // it. The copies are waited for before their bucket is published. The tensor must stay unchanged until the next
-  // Flush/EndPush returned. Unimplemented in a build without CUDA.
+  // Flush/EndPush returned. With TrainerOptions::gpu_fp8, a tensor the last BeginPush listed for FP8 is quantized
+  // on the GPU first and pushed as codes + scales (two frames). Unimplemented in a build without CUDA.
   absl::Status PushDevice(absl::string_view name, DType dtype, absl::Span<const int64_t> shape, const void* data,
                           uint64_t bytes, int device, uint64_t stream);
   // Pushes a slice of HF tensor `name` whose whole shape is `full_shape`: the data (`bytes` bytes, row-major) has
@@ -90,12 +98,15 @@ class TrainerClient {
                                const void* data, uint64_t bytes, int device, uint64_t stream);
   // The slices the last BeginPush asked this rank to push (shard-aware plans; empty otherwise), in push order.
   const std::vector<TensorSlice>& push_slices() const { return push_slices_; }
+  // The tensors the last BeginPush offered for pre-quantization (empty unless the node's replica is FP8).
+  const v1::Fp8PushHint& fp8_hint() const { return fp8_hint_; }
   // Commits the current bucket and waits until the daemon has taken every committed bucket.
   absl::Status Flush();
   // Flush, then tells the daemon this rank is done with `version`.
   absl::Status EndPush(int64_t version);
 
   const PushStats& stats() const { return stats_; }
+  void set_gpu_fp8(bool on) { opts_.gpu_fp8 = on; }
   // The session's secret id (authorizes this rank's calls; do not log it) and its name in the daemon's logs.
   const std::string& session_id() const { return session_id_; }
   const std::string& session_label() const { return session_label_; }
@@ -104,6 +115,8 @@ class TrainerClient {
   TrainerClient() = default;
   absl::Status CommitAsync();
   absl::Status WaitInFlight();
+  absl::Status PushDeviceFp8(absl::string_view name, DType dtype, absl::Span<const int64_t> shape, const void* data,
+                             uint64_t bytes, int device, uint64_t stream);
   absl::Status PushImpl(absl::string_view name, DType dtype, absl::Span<const int64_t> shape, uint64_t bytes,
                         const std::function<absl::Status(uint8_t*)>& fill);
 
@@ -117,6 +130,8 @@ class TrainerClient {
   std::future<absl::Status> in_flight_;
   PushStats stats_;
   std::vector<TensorSlice> push_slices_;
+  v1::Fp8PushHint fp8_hint_;
+  absl::flat_hash_set<std::string> fp8_names_;
 };
 
 // Checks a slice push (shape, ranges, byte count) and returns its frame name (EncodeSliceName).

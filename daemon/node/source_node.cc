@@ -492,8 +492,26 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     for (size_t i = 0; i < names.size(); ++i) rank_push[static_cast<int>(i % opts_.trainer_ranks)].push_back(names[i]);
   }
 
+  // Tensors a trainer rank may push already quantized (float8_e4m3fn + `<name>_scale_inv`): those every layout reads
+  // as a whole-block FP8 weight it would quantize here. The replica takes either form (pass-through slices the
+  // published codes and scales in whole blocks, which the layouts guarantee).
+  v1::Fp8PushHint hint;
+  if (quant.mode == replica::QuantSpec::Mode::kFp8Block && replica) {
+    hint.set_block_n(quant.block_n);
+    hint.set_block_k(quant.block_k);
+    hint.set_ue8m0(quant.ue8m0);
+    for (const auto& n : names) {
+      const std::vector<replica::TensorRead> reads = replica->Reads(n);
+      if (!reads.empty() && std::all_of(reads.begin(), reads.end(), [](const replica::TensorRead& r) {
+            return r.scale_param >= 0 && !r.constant;
+          }))
+        hint.add_tensor_names(n);
+    }
+  }
+
   std::lock_guard<std::mutex> l(mu_);
   push_slices_ = 0;
+  fp8_hint_ = std::move(hint);
   replica_ = std::move(replica);
   replica_regions_ = std::move(regions);
   mooncake_regions_ = std::move(mc_regions);
@@ -708,6 +726,15 @@ absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequ
   auto sl = rank_slices_.find(rank);
   if (sl != rank_slices_.end())
     for (const auto& x : sl->second) *out.add_slices() = x;
+  if (fp8_hint_.tensor_names_size() > 0 && it != rank_push_.end()) {
+    const std::set<std::string> mine(it->second.begin(), it->second.end());
+    v1::Fp8PushHint* h = out.mutable_fp8();
+    h->set_block_n(fp8_hint_.block_n());
+    h->set_block_k(fp8_hint_.block_k());
+    h->set_ue8m0(fp8_hint_.ue8m0());
+    for (const auto& n : fp8_hint_.tensor_names())
+      if (mine.count(n)) h->add_tensor_names(n);
+  }
   return out;
 }
 
@@ -856,8 +883,12 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
   std::lock_guard<std::mutex> l(mu_);
   ingest_seconds_ += ingest_s;
   write_seconds_ += Seconds(t1);
-  tensors_received_ += tensors.size();
-  metrics_.Add("wsync_source_tensors_received_total", {}, static_cast<double>(tensors.size()));
+  // A weight pushed pre-quantized comes as two frames (codes, then `_scale_inv`); progress counts the weight once.
+  const size_t scales = static_cast<size_t>(std::count_if(tensors.begin(), tensors.end(), [](const auto& t) {
+    return absl::EndsWith(t.name, "_scale_inv");
+  }));
+  tensors_received_ += tensors.size() - scales;
+  metrics_.Add("wsync_source_tensors_received_total", {}, static_cast<double>(tensors.size() - scales));
   metrics_.Observe("wsync_source_bucket_ingest_seconds", {}, ingest_s);
   metrics_.Observe("wsync_source_bucket_write_seconds", {}, Seconds(t1));
   if (!ws.ok()) {

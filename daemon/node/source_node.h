@@ -236,6 +236,9 @@ class SourceNode {
   std::vector<std::string> push_names_;  // checkpoint tensors this node needs, in push order
   std::map<int, std::vector<std::string>> rank_push_;  // per local rank, when the plan partitions the push
   std::map<int, std::vector<v1::TensorSliceSpec>> rank_slices_;  // per local rank: slices (shard-aware plans)
+  // What BeginPush offers for trainer-side FP8 quantization (trainer.proto Fp8PushHint): block, scale format and the
+  // tensors every layout quantizes here; empty names when the replica is not FP8.
+  v1::Fp8PushHint fp8_hint_;
   size_t push_slices_ = 0;
   // Per layout and param: whether some target of this node takes bytes of it (what an update must complete), and
   // whether it completed in the open update.

@@ -113,7 +113,7 @@ def run(args, cluster, deadline):
         names = trainer.begin_push(version)
         two_d = [n for n in names if len(specs[n]) == 2 and specs[n][0] != specs[n][1]][0]
         before = trainer.stats()["tensors"]
-        for bad, dtype, why in ((torch.empty(specs[two_d], dtype=torch.bfloat16, device="meta"), None, "is on meta"),
+        for bad, dtype, why in ((torch.empty(specs[two_d], dtype=torch.bfloat16, device="meta"), None, "is on the meta device"),
                                 (torch.zeros(specs[two_d], dtype=torch.bfloat16, device="cuda"), "float32",
                                  "4-byte elements")):
             try:

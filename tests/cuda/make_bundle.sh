@@ -23,7 +23,7 @@ copy_deps() {
   done
 }
 for b in fp8_cuda_test ring_push_cuda_test cuda_segment_test bench_gpu wsyncd wsync-coordinator wsync-engine-ref \
-         wsyncctl; do
+         wsyncctl wsync-trainer-demo; do
   [ -x "$build/bin/$b" ] || { echo "make_bundle: $build/bin/$b missing (build with -DWSYNC_WITH_CUDA=ON)" >&2; exit 1; }
   cp "$build/bin/$b" "$out/bin/"
   strip "$out/bin/$b"
@@ -33,8 +33,11 @@ cp "$build/lib/libwsync_client_c.so" "$out/lib/"
 strip --strip-unneeded "$out/lib/libwsync_client_c.so"
 copy_deps "$build/lib/libwsync_client_c.so"
 cp "$src"/tests/cuda/*.py "$src"/tests/cuda/run_on_gpu.sh "$out/tests/cuda/"
-cp "$src/tests/client/python_client_test.py" "$out/tests/client/"
+cp "$src/tests/client/python_client_test.py" "$src/tests/client/fp8_quantizer_test.py" "$out/tests/client/"
+mkdir -p "$out/tests/replica" "$out/tests/data/tiny"
+cp "$src/tests/replica/golden_oracle.py" "$out/tests/replica/"
 cp "$src/tests/data/models/tiny-qwen3/config.json" "$out/tests/data/models/tiny-qwen3/"
+cp "$src/tests/data/tiny/qwen3-fp8-tiny.json" "$out/tests/data/tiny/"
 mkdir -p "$out/wheels"
 pyver=${WSYNC_GPU_PYTHON:-3.12}
 work=$(mktemp -d)

@@ -8,6 +8,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <cstdio>
+#include <fstream>
 #include <map>
 #include <set>
 #include <thread>
@@ -303,7 +305,7 @@ TEST_CASE("cluster: two engine instances share a source replica; three updates v
 
 // Runs `updates` updates on `cl` with every trainer rank a separate process (rank 0 drives and asks every engine to
 // verify itself); returns when all exited.
-void RunTrainers(Cluster& cl, const ClusterOptions& o, int updates) {
+void RunTrainers(Cluster& cl, const ClusterOptions& o, int updates, const std::vector<std::string>& extra = {}) {
   const std::string model = o.model;
   std::vector<std::unique_ptr<testing::Process>> trainers;
   for (int s = 0; s < o.sources; ++s)
@@ -312,6 +314,7 @@ void RunTrainers(Cluster& cl, const ClusterOptions& o, int updates) {
       std::vector<std::string> a = {std::string(kBin) + "/wsync-trainer-demo", "--daemon", cl.trainer_sockets[s], "--model",
                                     model, "--local-rank", std::to_string(r), "--global-rank", std::to_string(g),
                                     "--updates", std::to_string(updates)};
+      a.insert(a.end(), extra.begin(), extra.end());
       if (g == 0) {
         a.insert(a.end(), {"--drive", "--coordinator", cl.coordinator});
         for (const auto& e : cl.engines) a.insert(a.end(), {"--verify-engine", e});
@@ -382,6 +385,39 @@ TEST_CASE("cluster: an FP8 block-quantized engine: the sources quantize bf16 pus
   INFO("cluster logs in " << cl.dir());
   RunTrainers(cl, o, 2);
   CheckCommittedAndVerified(cl, 2);
+}
+
+TEST_CASE("cluster: an FP8 engine whose trainer ranks push pre-quantized weights (BeginPush's FP8 offer); verified by "
+          "the engine's own encoder") {
+  // The ranks quantize every tensor the daemon offers themselves (codes + `_scale_inv`, as a GPU rank with gpu_fp8
+  // does; here with the CPU quantizer) and push the rest as bf16; the sources pass the codes through.
+  ClusterOptions o;
+  o.bin_dir = kBin;
+  o.model = WSYNC_TINY_FP8_MODEL;
+  o.transport = TransportUnderTest();
+  o.engines = 1;
+  o.sources = 2;
+  o.trainer_ranks = 1;
+  o.coordinator_args = {"--min-source-mib", "0", "--snap-kib", "0"};
+  Cluster cl(o);
+  INFO("cluster logs in " << cl.dir());
+  RunTrainers(cl, o, 2, {"--prequantize", "host"});
+  CheckCommittedAndVerified(cl, 2);
+  // Every rank was offered tensors and pushed them quantized (the demo fails when an FP8 update offers none).
+  int offered = 0;
+  for (int g = 0; g < 2; ++g) {
+    std::ifstream f(cl.dir() + "/trainer" + std::to_string(g) + ".log");
+    std::string line;
+    while (std::getline(f, line)) {
+      int pushed = 0, off = 0;
+      if (std::sscanf(line.c_str(), "update 2: %d tensors pushed pre-quantized to FP8 (host; %d offered)", &pushed,
+                      &off) == 2) {
+        CHECK(pushed == off);
+        offered += off;
+      }
+    }
+  }
+  CHECK(offered >= 14);  // 2 layers x 7 linear weights, split over the two sources
 }
 
 // DeepSeek-V3-shaped MLA model (q_lora: fused_qkv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; a dense first layer

@@ -102,13 +102,20 @@ def bf16_to_f32(bits):
 
 def pow2_ceil(s):
     """UE8M0: a positive float32 rounded up to a power of two (itself when it is one), exactly."""
+    if not np.isfinite(s):
+        return np.float32(s)  # an inf scale (a block whose amax is inf) stays inf
     m, e = np.frexp(np.float32(s))  # s = m * 2**e, m in [0.5, 1)
     return np.float32(s) if m == 0.5 else np.float32(np.ldexp(np.float32(1.0), int(e)))
 
 
 def quantize_fp8(w_bf16, bn, bk, ue8m0=False):
     """2-D bf16 bits [N, K] → (uint8 [N, K], float32 [ceil(N/bn), ceil(K/bk)]); blocks start at the tensor origin."""
-    x = bf16_to_f32(w_bf16)
+    return quantize_fp8_f32(bf16_to_f32(w_bf16), bn, bk, ue8m0)
+
+
+def quantize_fp8_f32(x, bn, bk, ue8m0=False):
+    """quantize_fp8 of a float32 array (the values of a bf16, f16 or f32 tensor, exactly)."""
+    x = np.asarray(x, dtype=np.float32)
     n, k = x.shape
     sr, sc = -(-n // bn), -(-k // bk)
     q = np.zeros((n, k), dtype=np.uint8)

@@ -6,11 +6,15 @@
 // tensor and pushes only them.
 
 #include <unistd.h>
+#ifdef WSYNC_DEMO_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "CLI/CLI.hpp"
@@ -22,6 +26,7 @@
 #include "client/coordinator_client.h"
 #include "client/trainer_client.h"
 #include "proto/status_convert.h"
+#include "replica/fp8.h"
 #include "replica/model_config.h"
 #include "spdlog/spdlog.h"
 #include "tools/testdata/weight_gen.h"
@@ -45,6 +50,36 @@ absl::StatusOr<v1::VerifyReply> VerifyEngine(const std::string& addr, int64_t st
   if (!s.ok()) return FromGrpcStatus(s);
   return rep;
 }
+
+// Device copies of the tensors a `--prequantize gpu` rank pushes from CUDA memory: alive until the update's EndPush
+// returned (the client copies them asynchronously).
+class DeviceTensors {
+ public:
+  ~DeviceTensors() { Clear(); }
+  absl::StatusOr<const void*> Upload(const std::vector<uint8_t>& host) {
+#ifdef WSYNC_DEMO_CUDA
+    void* d = nullptr;
+    if (cudaError_t e = cudaMalloc(&d, host.size()); e != cudaSuccess)
+      return absl::InternalError(absl::StrCat("cudaMalloc(", host.size(), "): ", cudaGetErrorString(e)));
+    buffers_.push_back(d);
+    if (cudaError_t e = cudaMemcpy(d, host.data(), host.size(), cudaMemcpyHostToDevice); e != cudaSuccess)
+      return absl::InternalError(absl::StrCat("cudaMemcpy H2D of ", host.size(), " bytes: ", cudaGetErrorString(e)));
+    return static_cast<const void*>(d);
+#else
+    (void)host;
+    return absl::UnimplementedError("--prequantize gpu: this build has no CUDA (WSYNC_WITH_CUDA=OFF)");
+#endif
+  }
+  void Clear() {
+#ifdef WSYNC_DEMO_CUDA
+    for (void* d : buffers_) cudaFree(d);
+#endif
+    buffers_.clear();
+  }
+
+ private:
+  std::vector<void*> buffers_;
+};
 
 }  // namespace
 
@@ -73,6 +108,13 @@ int main(int argc, char** argv) {
   app.add_flag("--drive", drive, "open and commit every update on the coordinator");
   app.add_option("--coordinator", coordinator, "coordinator host:port (with --drive)");
   app.add_option("--verify-engine", verify_engines, "engine control address to verify after each update (--drive)");
+  std::string prequantize = "none";
+  app.add_option("--prequantize", prequantize,
+                 "push the tensors the daemon offers for FP8 already quantized: host (CPU quantizer, replica/fp8.h) or "
+                 "gpu (from CUDA memory with the client's GPU quantizer, TrainerOptions::gpu_fp8); fails when an FP8 "
+                 "update offers none")
+      ->check(CLI::IsMember({"none", "host", "gpu"}))
+      ->capture_default_str();
   app.add_option("--crash-after-bytes", crash_after,
                  "testing: die (exit 3) half-way through writing the tensor that crosses this many pushed bytes");
   tls::Options tls_opts;  // a trainer certificate (CN "trainer:NAME")
@@ -111,6 +153,7 @@ int main(int argc, char** argv) {
   o.global_rank = global_rank;
   o.bucket_bytes = bucket_mib << 20;
   o.connect_timeout = absl::Seconds(connect_timeout_s);
+  o.gpu_fp8 = prequantize == "gpu";
   auto c = client::TrainerClient::Connect(o);
   if (!c.ok()) {
     spdlog::error("{}", c.status().ToString());
@@ -120,6 +163,7 @@ int main(int argc, char** argv) {
   if (drive) coord = std::make_unique<client::CoordinatorClient>(coordinator);
 
   bool all_ok = true;
+  int prequantized = 0;
   uint64_t total_bytes = 0;
   int engine_ranks = 0;
   for (int u = 0; u < updates; ++u) {
@@ -154,6 +198,14 @@ int main(int argc, char** argv) {
     auto names = (*c)->BeginPush(v);
     if (!names.ok()) return give_up(names.status().ToString());
     absl::Time t0 = absl::Now();
+    const v1::Fp8PushHint& hint = (*c)->fp8_hint();
+    const std::set<std::string> fp8_names(hint.tensor_names().begin(), hint.tensor_names().end());
+    if (prequantize != "none" && fp8_names.empty() && !names->empty())
+      return give_up(absl::StrCat("--prequantize ", prequantize, ": update ", v, " offers no tensor for FP8 "
+                                  "pre-quantization (the node's replica is not FP8)"));
+    DeviceTensors device;
+    std::vector<uint8_t> host, codes;
+    std::vector<float> scales;
     for (const auto& n : *names) {
       auto it = by_name.find(n);
       if (it == by_name.end()) {
@@ -162,6 +214,32 @@ int main(int argc, char** argv) {
       }
       const replica::TensorSpec& s = *it->second;
       uint64_t elems = s.bytes() / DTypeSize(s.dtype);
+      if (prequantize != "none" && fp8_names.count(n) && s.shape.size() == 2) {
+        host.resize(s.bytes());
+        tools::GenerateTensor(s.name, v, s.dtype, elems, host.data());
+        absl::Status st;
+        if (prequantize == "gpu") {
+          auto d = device.Upload(host);
+          st = d.ok() ? (*c)->PushDevice(s.name, s.dtype, s.shape, *d, s.bytes(), 0, 0) : d.status();
+        } else {
+          // The CPU quantizer with the hint's block and scale format: codes, then `<name>_scale_inv`.
+          const int bn = hint.block_n(), bk = hint.block_k();
+          const int64_t rows = s.shape[0], cols = s.shape[1], sr = (rows + bn - 1) / bn, sc = (cols + bk - 1) / bk;
+          codes.resize(static_cast<size_t>(rows * cols));
+          scales.resize(static_cast<size_t>(sr * sc));
+          st = replica::QuantizeFp8Block(s.dtype, host.data(), rows, cols, cols, bn, bk, codes.data(), cols,
+                                         scales.data(), sc,
+                                         hint.ue8m0() ? replica::Fp8ScaleFormat::kUe8m0
+                                                      : replica::Fp8ScaleFormat::kFloat32);
+          if (st.ok()) st = (*c)->Push(s.name, DType::kF8E4M3, s.shape, codes.data(), codes.size());
+          const int64_t sshape[2] = {sr, sc};
+          if (st.ok())
+            st = (*c)->Push(s.name + "_scale_inv", DType::kF32, sshape, scales.data(), scales.size() * sizeof(float));
+        }
+        if (!st.ok()) return give_up(absl::StrCat("push ", s.name, " pre-quantized (", prequantize, "): ", st.ToString()));
+        ++prequantized;
+        continue;
+      }
       auto st = (*c)->PushWith(s.name, s.dtype, s.shape, s.bytes(), [&](uint8_t* dst) {
         if (crash_after >= 0 && (*c)->stats().bytes + s.bytes() > static_cast<uint64_t>(crash_after)) {
           // Simulates a trainer dying mid-tensor: half the bytes written, nothing committed.
@@ -195,6 +273,11 @@ int main(int argc, char** argv) {
       if (!st.ok()) return give_up(absl::StrCat("push slice of ", sl.name, " (", sl.Describe(), "): ", st.ToString()));
     }
     if (auto st = (*c)->EndPush(v); !st.ok()) return give_up(st.ToString());
+    device.Clear();
+    if (prequantize != "none")
+      std::printf("update %lld: %d tensors pushed pre-quantized to FP8 (%s; %d offered)\n", static_cast<long long>(v),
+                  prequantized, prequantize.c_str(), static_cast<int>(fp8_names.size()));
+    prequantized = 0;
     const auto& ps = (*c)->stats();
     spdlog::info("update {}: pushed {} tensors, {:.1f} MiB in {} buckets ({:.2f}s)", v, ps.tensors, ps.bytes / 1048576.0,
                  ps.buckets, absl::ToDoubleSeconds(absl::Now() - t0));

@@ -148,18 +148,22 @@ class Trainer:
 
     `daemon` is the daemon's trainer socket (wsyncd --trainer-socket). `timeout` bounds each wait (begin_push for the
     update to open, a bucket hand-over, ring space); `connect_timeout` bounds opening the session, all of it.
+    `gpu_fp8`: quantize the CUDA tensors the daemon offers for FP8 on their GPU before the copy (see push).
     A Trainer is used by one thread at a time.
     """
 
     def __init__(self, daemon: str = DEFAULT_SOCKET, local_rank: int = 0, global_rank: int = 0,
-                 bucket_bytes: int = 0, timeout: float = 120.0, connect_timeout: float = 30.0):
+                 bucket_bytes: int = 0, timeout: float = 120.0, connect_timeout: float = 30.0,
+                 gpu_fp8: bool = False):
+        self.gpu_fp8 = bool(gpu_fp8)
+        self._fp8 = None  # the last begin_push's FP8 hint: (block_n, block_k, ue8m0, names)
         self._sock: Optional[socket.socket] = None
         self._ring: Optional[RingProducer] = None
         self._channel = None
         self._in_flight = None
         self.daemon = daemon
         self.timeout = float(timeout)
-        self._stats = {"tensors": 0, "bytes": 0, "buckets": 0}
+        self._stats = {"tensors": 0, "bytes": 0, "buckets": 0, "fp8_quantized": 0}
         if "/" not in daemon:
             raise WsyncError(INVALID_ARGUMENT, "%r is not a Unix socket path: trainer ranks reach their node's source "
                              "wsyncd through its local trainer socket (wsyncd --trainer-socket, default %s), not "
@@ -286,7 +290,10 @@ class Trainer:
                 err = WsyncError(DEADLINE_EXCEEDED, "no update is open: update %d was not opened within %gs; call "
                                  "Coordinator.begin_update(%d) first" % (int(version), self.timeout, int(version)))
             raise err from None
-        self._stats = {"tensors": 0, "bytes": 0, "buckets": 0}
+        self._stats = {"tensors": 0, "bytes": 0, "buckets": 0, "fp8_quantized": 0}
+        self._fp8 = None
+        if rep.HasField("fp8") and rep.fp8.tensor_names:
+            self._fp8 = (int(rep.fp8.block_n), int(rep.fp8.block_k), bool(rep.fp8.ue8m0), set(rep.fp8.tensor_names))
         self._slices = [{"name": x.name, "shape": list(x.shape), "offsets": list(x.offsets), "extents": list(x.extents),
                          "gather": bool(x.gather)} for x in rep.slices]
         return list(rep.tensor_names)
@@ -331,9 +338,33 @@ class Trainer:
         self._in_flight = self._stub.CommitBucket.future(
             trainer_pb2.CommitBucketRequest(session_id=self.session_id, bucket_seq=seq), timeout=self.timeout)
 
+    def fp8_tensors(self) -> List[str]:
+        """The tensors the last begin_push offered for pre-quantization (the node's replica stores FP8 block-quantized
+        weights; empty otherwise): with gpu_fp8=True, CUDA tensors among them are quantized on their GPU."""
+        return sorted(self._fp8[3]) if self._fp8 else []
+
     def push(self, name: str, array: Any, dtype: Optional[str] = None) -> None:
         """Copies one tensor (numpy array, CPU or CUDA torch tensor) into the ring. `dtype` overrides the array's
-        own (needed for bfloat16 bits held in a numpy uint16 array: push(name, bits, dtype="bfloat16"))."""
+        own (needed for bfloat16 bits held in a numpy uint16 array: push(name, bits, dtype="bfloat16")).
+
+        With gpu_fp8=True, a 2-D bfloat16/float16/float32 CUDA tensor that begin_push offered for FP8 is quantized on
+        its GPU (wsync_client.fp8, byte-identical to the daemon's CPU quantizer) and pushed as its float8_e4m3fn
+        codes plus float32 `<name>_scale_inv`: about half the device-to-host bytes of bfloat16."""
+        if self._fp8 is not None and self.gpu_fp8 and dtype is None and name in self._fp8[3] and _is_torch_tensor(array):
+            import torch
+            if (array.device.type == "cuda" and array.dim() == 2
+                    and array.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+                from .fp8 import quantize_fp8_block
+                block_n, block_k, ue8m0, _ = self._fp8
+                codes, scale = quantize_fp8_block(array, block_n, block_k, ue8m0)
+                self._push(name, codes, None)
+                self._push(name + "_scale_inv", scale, None)
+                self._stats["tensors"] -= 1  # the weight counts once
+                self._stats["fp8_quantized"] += 1
+                return
+        self._push(name, array, dtype)
+
+    def _push(self, name: str, array: Any, dtype: Optional[str]) -> None:
         ring = self._live()
         dt, shape, nbytes, fill = _describe(name, array, dtype)
         nb = len(name.encode("utf-8"))
@@ -413,5 +444,5 @@ class Trainer:
             raise from_rpc_error(e, "end push of update %d" % int(version)) from None
 
     def stats(self) -> Dict[str, int]:
-        """{'tensors', 'bytes', 'buckets'} pushed since the last begin_push."""
+        """{'tensors', 'bytes', 'buckets', 'fp8_quantized'} pushed since the last begin_push."""
         return dict(self._stats)
