@@ -467,7 +467,7 @@ void CheckCancelReason(const absl::Status& s) {
 
 }  // namespace
 
-TEST_CASE("verbs: Cancel releases a Post and a Wait stuck on a vanished peer at once; the QPs flush; a new "
+TEST_CASE("verbs: Cancel releases a Wait and a Post stuck on a vanished peer at once; the QPs flush; a new "
           "endpoint works", "[verbs][cancel]") {
   VerbsOptions vo;
   vo.qp_timeout = 20;  // ~4 s per try, 6 tries: without Cancel the batches would hang ~30 s
@@ -484,44 +484,56 @@ TEST_CASE("verbs: Cancel releases a Post and a Wait stuck on a vanished peer at 
   Mem src = Register(*a, kLen, 11);
   Mem dst = Register(*b, kLen, -1);
   auto remote = Import(*a, *dst.region);
-  Link link = Connect(*a, *b);
-  link.dst.reset();  // the peer's QPs are gone: nothing is acknowledged
   std::vector<WriteRequest> writes;
   for (int i = 0; i < kPieces; ++i) writes.push_back({src.region.get(), i * kPiece, remote.get(), i * kPiece, kPiece});
 
-  auto first = link.src->Post(absl::MakeSpan(writes).subspan(0, 8));  // fits the send queue
-  REQUIRE(first.ok());
-  CHECK(link.src->Wait(*first, absl::Milliseconds(300)).code() == absl::StatusCode::kDeadlineExceeded);
-  // The rest does not fit: Post waits for send-queue room that never comes, until the Cancel.
-  absl::Time cancelled_at;
-  std::thread canceller = CancelLater(*link.src, absl::Milliseconds(300), &cancelled_at);
-  auto second = link.src->Post(absl::MakeSpan(writes).subspan(8));
-  const absl::Time post_returned = absl::Now();
-  canceller.join();
-  REQUIRE(second.ok());  // posted in part: its Wait reports the reason
-  INFO("Post returned " << absl::FormatDuration(post_returned - cancelled_at) << " after the Cancel");
-  CHECK(post_returned - cancelled_at < absl::Seconds(1));
-  const absl::Time w0 = absl::Now();
-  CheckCancelReason(link.src->Wait(*first, kTimeout));
-  CheckCancelReason(link.src->Wait(*second, kTimeout));
-  CHECK(absl::Now() - w0 < absl::Seconds(1));
+  SECTION("a Wait") {
+    Link link = Connect(*a, *b);
+    link.dst.reset();  // the peer's QPs are gone: nothing is acknowledged
+    auto id = link.src->Post(absl::MakeSpan(writes).subspan(0, 8));  // fits the send queue
+    REQUIRE(id.ok());
+    CHECK(link.src->Wait(*id, absl::Milliseconds(300)).code() == absl::StatusCode::kDeadlineExceeded);
+    absl::Time cancelled_at;
+    std::thread canceller = CancelLater(*link.src, absl::Milliseconds(300), &cancelled_at);
+    absl::Status s = link.src->Wait(*id, kTimeout);  // concurrent with the Cancel
+    const absl::Time returned = absl::Now();
+    canceller.join();
+    CheckCancelReason(s);
+    INFO("Wait returned " << absl::FormatDuration(returned - cancelled_at) << " after the Cancel");
+    CHECK(returned - cancelled_at < absl::Seconds(1));
+  }
 
-  // The endpoint refuses new work; the QPs are in the error state, so every WR still queued flushes (retired by
-  // the refused Post's poll) instead of waiting out the retries.
-  absl::SleepFor(absl::Milliseconds(200));
-  auto again = link.src->Post(absl::MakeSpan(writes).subspan(0, 1));
-  CheckCancelReason(again.status());
-  CHECK(absl::StrContains(again.status().message(), "re-create"));
-  auto stats = GetVerbsEndpointStats(*link.src);
-  REQUIRE(stats.has_value());
-  CHECK(stats->cancelled);
-  CHECK(stats->outstanding_wrs == 0);
-  link.src->Cancel(absl::InternalError("a second reason"));  // later calls change nothing
-  CheckCancelReason(link.src->Post(absl::MakeSpan(writes).subspan(0, 1)).status());
+  SECTION("a Post waiting for send-queue room, then the refusals") {
+    Link link = Connect(*a, *b);
+    link.dst.reset();
+    absl::Time cancelled_at;
+    std::thread canceller = CancelLater(*link.src, absl::Milliseconds(300), &cancelled_at);
+    auto id = link.src->Post(writes);  // 256 WRs, room for 16: waits for completions that never come
+    const absl::Time returned = absl::Now();
+    canceller.join();
+    REQUIRE(id.ok());  // posted in part: its Wait reports the reason
+    INFO("Post returned " << absl::FormatDuration(returned - cancelled_at) << " after the Cancel");
+    CHECK(returned - cancelled_at < absl::Seconds(1));
+    const absl::Time w0 = absl::Now();
+    CheckCancelReason(link.src->Wait(*id, kTimeout));
+    CHECK(absl::Now() - w0 < absl::Seconds(1));
 
-  const absl::Time d0 = absl::Now();
-  link.src.reset();
-  CHECK(absl::Now() - d0 < absl::Seconds(1));
+    // The endpoint refuses new work; the QPs are in the error state, so every WR still queued flushes (retired by
+    // the refused Post's poll) instead of waiting out the retries.
+    absl::SleepFor(absl::Milliseconds(200));
+    auto again = link.src->Post(absl::MakeSpan(writes).subspan(0, 1));
+    CheckCancelReason(again.status());
+    CHECK(absl::StrContains(again.status().message(), "re-create"));
+    auto stats = GetVerbsEndpointStats(*link.src);
+    REQUIRE(stats.has_value());
+    CHECK(stats->cancelled);
+    CHECK(stats->outstanding_wrs == 0);
+    link.src->Cancel(absl::InternalError("a second reason"));  // later calls change nothing
+    CheckCancelReason(link.src->Post(absl::MakeSpan(writes).subspan(0, 1)).status());
+    const absl::Time d0 = absl::Now();
+    link.src.reset();
+    CHECK(absl::Now() - d0 < absl::Seconds(1));
+  }
   CHECK(std::all_of(dst.bytes.begin(), dst.bytes.end(), [](uint8_t v) { return v == kUntouched; }));
 
   // A new endpoint pair over the same regions carries the whole batch.
@@ -530,11 +542,12 @@ TEST_CASE("verbs: Cancel releases a Post and a Wait stuck on a vanished peer at 
   CHECK(std::memcmp(src.bytes.data(), dst.bytes.data(), kLen) == 0);
 }
 
-TEST_CASE("verbs: Cancel during a large in-flight batch: the Wait returns at once with the reason and nothing "
+TEST_CASE("verbs: Cancel during a large in-flight batch to a live peer returns at once with the reason; nothing "
           "lands after it", "[verbs][cancel]") {
   auto a = MakeVerbs({});
   auto b = MakeVerbs({});
-  // rxe loops back at ~1 GB/s even under emulation: ~60 ms in flight, the Cancel comes ~1 ms after the Post.
+  // soft-RoCE under emulation moves ~35 MB/s (mostly inside Post: rxe sends from the posting thread): ~2 s of
+  // writes, cancelled 100 ms after they start, during the Post or the Wait.
   constexpr uint64_t kLen = 64 << 20;
   Mem src = Register(*a, kLen, 12);
   Mem dst = Register(*b, kLen, -1);
@@ -544,16 +557,14 @@ TEST_CASE("verbs: Cancel during a large in-flight batch: the Wait returns at onc
   constexpr uint64_t kPiece = 256 << 10;
   for (uint64_t off = 0; off < kLen; off += kPiece) writes.push_back({src.region.get(), off, remote.get(), off, kPiece});
 
-  auto id = link.src->Post(writes);
-  REQUIRE(id.ok());
-  REQUIRE(link.src->Wait(*id, absl::Milliseconds(1)).code() == absl::StatusCode::kDeadlineExceeded);
   absl::Time cancelled_at;
-  std::thread canceller = CancelLater(*link.src, absl::ZeroDuration(), &cancelled_at);
-  absl::Status s = link.src->Wait(*id, kTimeout);  // concurrent with the Cancel
+  std::thread canceller = CancelLater(*link.src, absl::Milliseconds(100), &cancelled_at);
+  auto id = link.src->Post(writes);
+  absl::Status s = id.ok() ? link.src->Wait(*id, kTimeout) : id.status();
   const absl::Time returned = absl::Now();
   canceller.join();
   CheckCancelReason(s);
-  INFO("Wait returned " << absl::FormatDuration(returned - cancelled_at) << " after the Cancel");
+  WARN("the batch failed " << absl::FormatDuration(returned - cancelled_at) << " after the Cancel");
   CHECK(returned - cancelled_at < absl::Seconds(1));
 
   // The QPs are in the error state: the NIC stops sending, so the peer's memory stops changing.
@@ -563,7 +574,7 @@ TEST_CASE("verbs: Cancel during a large in-flight batch: the Wait returns at onc
   CHECK(dst.bytes == snapshot);
   uint64_t landed = 0;
   for (uint64_t i = 0; i < kLen; i += 4096) landed += (snapshot[i] == src.bytes[i]) ? 4096 : 0;
-  WARN("cancelled after " << landed << " of " << kLen << " bytes had landed");
+  WARN("cancelled when about " << landed << " of " << kLen << " bytes had landed");
   CHECK(landed < kLen);
 
   auto again = link.src->Post(writes);
