@@ -788,11 +788,14 @@ TEST_CASE("rdma: refusals before and during the queue-pair exchange; a dead peer
 TEST_CASE("rdma: Cancel during a large batch to the real peer returns at once with the reason; a new endpoint "
           "lands the bytes", "[.rdma]") {
   const RxeEnv e = Rxe();
-  Peer peer(Layout({{{"huge", 16 << 20, 2}}}), RdmaPeerArgs(e));  // 32 MiB: ~1 s of soft-RoCE under emulation
+  // Small parameters (the peer fills them in Python inside the emulated guest); the batch writes "huge" 8 times over:
+  // 32 MiB, ~1 s of soft-RoCE under emulation. "check" is what the new endpoint writes afterwards.
+  Peer peer(Layout({{{"huge", 2 << 20, 2}, {"check", 256 << 10, 2}}}), RdmaPeerArgs(e));
   const Param& p = peer.param("huge");
+  const Param& c = peer.param("check");
   auto t = MakeMooncakeRdma(e);
   auto ep = ConnectTo(*t, peer.session_id());
-  Source src = MakeSource(*t, peer, {"huge"}, "after-cancel");
+  Source src = MakeSource(*t, peer, {"check"}, "after-cancel");
   std::vector<uint8_t> other(p.bytes, 0x11);
   auto other_region = t->RegisterMemory(other.data(), other.size());
   RequireOk(other_region.status());
@@ -800,8 +803,10 @@ TEST_CASE("rdma: Cancel during a large batch to the real peer returns at once wi
   std::vector<WriteRequest> pieces;
   // 64 KiB pieces: 2 MiB per linked list. rxe sends a list inside ibv_post_send, in the kernel, which the guest's one
   // emulated CPU does not leave for the cancelling thread: a list is how late a Cancel can be noticed there.
-  for (uint64_t off = 0; off < p.bytes; off += 64 << 10) {
-    pieces.push_back({other_region->get(), off, dst.get(), off, std::min<uint64_t>(64 << 10, p.bytes - off)});
+  for (int round = 0; round < 8; ++round) {
+    for (uint64_t off = 0; off < p.bytes; off += 64 << 10) {
+      pieces.push_back({other_region->get(), off, dst.get(), off, std::min<uint64_t>(64 << 10, p.bytes - off)});
+    }
   }
 
   // The Cancel comes during the Post or the Wait.
@@ -818,7 +823,8 @@ TEST_CASE("rdma: Cancel during a large batch to the real peer returns at once wi
   ep.reset();
 
   auto fresh = ConnectTo(*t, peer.session_id());
-  WriteRequest last{src.region.get(), src.offset["huge"], dst.get(), 0, p.bytes};
+  auto check = ImportRange(*t, peer.session_id(), c.ptr, c.bytes);
+  WriteRequest last{src.region.get(), src.offset["check"], check.get(), 0, c.bytes};
   RequireOk(fresh->Write({&last, 1}, kTimeout));
-  CHECK(peer.Checksums().at("huge") == PatternSha256(SeedOf("after-cancel", "huge"), p.bytes));
+  CHECK(peer.Checksums().at("check") == PatternSha256(SeedOf("after-cancel", "check"), c.bytes));
 }

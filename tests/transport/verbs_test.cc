@@ -546,10 +546,10 @@ TEST_CASE("verbs: Cancel during a large in-flight batch to a live peer returns a
           "lands after it", "[verbs][cancel]") {
   auto a = MakeVerbs({});
   auto b = MakeVerbs({});
-  // soft-RoCE under emulation moves ~35 MB/s: ~2 s of writes, cancelled 100 ms after they start, during the Post
+  // soft-RoCE under emulation moves ~35 MB/s: ~1 s of writes, cancelled 100 ms after they start, during the Post
   // or the Wait. rxe sends a linked list inside ibv_post_send, in the kernel, which the guest's one emulated CPU does
   // not leave for the cancelling thread: a list (32 WRs of 64 KiB here) is how late a Cancel can be noticed there.
-  constexpr uint64_t kLen = 64 << 20;
+  constexpr uint64_t kLen = 32 << 20;
   Mem src = Register(*a, kLen, 12);
   Mem dst = Register(*b, kLen, -1);
   auto remote = Import(*a, *dst.region);
