@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -506,6 +507,134 @@ TEST_CASE("a peer whose tcp data protocol is not version 2 is refused at Connect
   }
 }
 
+namespace {
+
+const absl::Status kCancelReason = absl::AbortedError("update 7 aborted: node n1 lost its lease");
+
+void CheckCancelReason(const absl::Status& s) {
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kAborted);
+  CHECK(absl::StrContains(s.message(), "node n1 lost its lease"));
+}
+
+// Cancels `ep` from another thread `after` from now; *at: when it was called.
+std::thread CancelLater(Endpoint& ep, absl::Duration after, absl::Time* at) {
+  return std::thread([&ep, after, at] {
+    absl::SleepFor(after);
+    *at = absl::Now();
+    ep.Cancel(kCancelReason);
+  });
+}
+
+}  // namespace
+
+TEST_CASE("Cancel during a large batch to the real peer: the Wait returns at once with the reason, the endpoint "
+          "refuses more, a new one lands the bytes", "[mooncake][cancel]") {
+  Peer peer(Layout({{{"huge", 16 << 20, 2}}}));  // 32 MiB
+  const Param& p = peer.param("huge");
+  auto t = MakeMooncake(4 << 20);
+  auto ep = ConnectTo(*t, peer.session_id());
+  Source src = MakeSource(*t, peer, {"huge"}, "after-cancel");
+  std::vector<uint8_t> other(p.bytes, 0x11);
+  auto other_region = t->RegisterMemory(other.data(), other.size());
+  RequireOk(other_region.status());
+  auto dst = ImportRange(*t, peer.session_id(), p.ptr, p.bytes);
+  WriteRequest w{other_region->get(), 0, dst.get(), 0, p.bytes};
+  RequireOk(ep->Write({&w, 1}, kTimeout));  // connections are open and pooled now
+
+  std::vector<WriteRequest> many(40, w);  // ~1.3 GB: still running when the Cancel comes
+  auto id = ep->Post(many);
+  RequireOk(id.status());
+  absl::Time cancelled_at;
+  std::thread canceller = CancelLater(*ep, absl::Milliseconds(50), &cancelled_at);
+  absl::Status s = ep->Wait(*id, kTimeout);  // concurrent with the Cancel
+  const absl::Time returned = absl::Now();
+  canceller.join();
+  CheckCancelReason(s);
+  CHECK(absl::StrContains(s.message(), peer.session_id()));
+  WARN("the batch failed " << absl::FormatDuration(returned - cancelled_at) << " after the Cancel");
+  CHECK(returned - cancelled_at < absl::Seconds(1));
+
+  auto again = ep->Post({&w, 1});
+  CheckCancelReason(again.status());
+  CHECK(absl::StrContains(again.status().message(), "re-create"));
+  ep->Cancel(absl::InternalError("a second reason"));  // later calls change nothing
+  CheckCancelReason(ep->Post({&w, 1}).status());
+  // Requests that were on the wire end on their worker threads; destruction does not wait on the peer.
+  const absl::Time d0 = absl::Now();
+  ep.reset();
+  CHECK(absl::Now() - d0 < absl::Seconds(2));
+
+  // A new endpoint to the same peer lands a full write: the peer's memory is checked against the pattern.
+  auto fresh = ConnectTo(*t, peer.session_id());
+  WriteRequest last{src.region.get(), src.offset["huge"], dst.get(), 0, p.bytes};
+  RequireOk(fresh->Write({&last, 1}, kTimeout));
+  CHECK(peer.Checksums().at("huge") == PatternSha256(SeedOf("after-cancel", "huge"), p.bytes));
+}
+
+// A peer that stops reading (its host hangs, its link is gone) is what Cancel is for: the workers are blocked in
+// send. A stand-in for the handshake port points at a data port whose connections are never read.
+TEST_CASE("Cancel releases a batch blocked on a peer that stopped reading, and the endpoint's workers",
+          "[mooncake][cancel]") {
+  int data_port = 0;
+  auto data = tcp::Listen("127.0.0.1", 0, &data_port);  // connections complete in the backlog, never accepted
+  REQUIRE(data.ok());
+  int port = 0;
+  auto l = tcp::Listen("127.0.0.1", 0, &port);
+  REQUIRE(l.ok());
+  const std::string session = absl::StrCat("127.0.0.1:", port);
+  constexpr uint64_t kBase = 0x7f0000000000ull;
+  constexpr uint64_t kLen = 64 << 20;
+  std::thread server([&] {
+    tcp::Fd c(::accept(l->get(), nullptr, nullptr));
+    uint64_t len = 0;
+    if (!tcp::RecvAll(c.get(), &len, 8).ok() || len > 4096) return;
+    std::string req(len, '\0');
+    if (!tcp::RecvAll(c.get(), req.data(), len).ok()) return;
+    const std::string json_text = absl::StrCat("{\"buffers\":[{\"addr\":", kBase, ",\"length\":", kLen,
+                                               "}],\"name\":\"", session,
+                                               "\",\"protocol\":\"tcp\",\"tcp_proto_version\":2,\"tcp_data_port\":",
+                                               data_port, "}\n");
+    std::string frame = std::string(1, '\x01') + json_text;
+    uint64_t n = frame.size();
+    iovec iov[2] = {{&n, 8}, {frame.data(), frame.size()}};
+    tcp::SendAll(c.get(), iov, 2).IgnoreError();
+  });
+  TransportOptions opts;
+  opts.io_timeout = absl::Seconds(60);  // without Cancel the batch would hang this long
+  auto t = mooncake::CreateMooncakeTransport(opts, {});
+  RequireOk(t.status());
+  auto ep = ConnectTo(**t, session);
+  server.join();
+  std::vector<uint8_t> bytes(kLen, 0x22);
+  auto src = (*t)->RegisterMemory(bytes.data(), bytes.size());
+  RequireOk(src.status());
+  auto dst = ImportRange(**t, session, kBase, kLen);
+  WriteRequest w{src->get(), 0, dst.get(), 0, kLen};
+  auto id = ep->Post({&w, 1});
+  RequireOk(id.status());
+  CHECK(ep->Wait(*id, absl::Milliseconds(300)).code() == absl::StatusCode::kDeadlineExceeded);
+  auto id2 = ep->Post({&w, 1});  // queued behind the blocked requests
+  RequireOk(id2.status());
+
+  absl::Time cancelled_at;
+  std::thread canceller = CancelLater(*ep, absl::Milliseconds(200), &cancelled_at);
+  absl::Status s = ep->Wait(*id, kTimeout);
+  const absl::Time returned = absl::Now();
+  canceller.join();
+  CheckCancelReason(s);
+  CHECK(absl::StrContains(s.message(), session));
+  WARN("the blocked batch failed " << absl::FormatDuration(returned - cancelled_at) << " after the Cancel");
+  CHECK(returned - cancelled_at < absl::Seconds(1));
+  CheckCancelReason(ep->Wait(*id2, kTimeout));
+  CheckCancelReason(ep->Post({&w, 1}).status());
+  // The workers were blocked in send: the shut-down connections release them, so destruction is prompt (and no
+  // worker reconnects after the Cancel).
+  const absl::Time d0 = absl::Now();
+  ep.reset();
+  CHECK(absl::Now() - d0 < absl::Seconds(2));
+}
+
 // ---- protocol rdma: the real engine initialized with "rdma" on a soft-RoCE device, inside the VM
 // (tests/transport/run_in_rxe_vm.sh sets RXE_DEV / RXE_IP). Hidden tag: run with "[rdma]".
 
@@ -654,4 +783,48 @@ TEST_CASE("rdma: refusals before and during the queue-pair exchange; a dead peer
     CHECK(absl::StrContains(s.message(), peer.session_id()));
     CHECK(absl::Now() - t0 < absl::Seconds(30));
   }
+}
+
+TEST_CASE("rdma: Cancel during a large batch to the real peer returns at once with the reason; a new endpoint "
+          "lands the bytes", "[.rdma]") {
+  const RxeEnv e = Rxe();
+  // Small parameters (the peer fills them in Python inside the emulated guest); the batch writes "huge" 8 times over:
+  // 32 MiB, ~1 s of soft-RoCE under emulation. "check" is what the new endpoint writes afterwards.
+  Peer peer(Layout({{{"huge", 2 << 20, 2}, {"check", 256 << 10, 2}}}), RdmaPeerArgs(e));
+  const Param& p = peer.param("huge");
+  const Param& c = peer.param("check");
+  auto t = MakeMooncakeRdma(e);
+  auto ep = ConnectTo(*t, peer.session_id());
+  Source src = MakeSource(*t, peer, {"check"}, "after-cancel");
+  std::vector<uint8_t> other(p.bytes, 0x11);
+  auto other_region = t->RegisterMemory(other.data(), other.size());
+  RequireOk(other_region.status());
+  auto dst = ImportRange(*t, peer.session_id(), p.ptr, p.bytes);
+  std::vector<WriteRequest> pieces;
+  // 64 KiB pieces: 2 MiB per linked list. rxe sends a list inside ibv_post_send, in the kernel, which the guest's one
+  // emulated CPU does not leave for the cancelling thread: a list is how late a Cancel can be noticed there.
+  for (int round = 0; round < 8; ++round) {
+    for (uint64_t off = 0; off < p.bytes; off += 64 << 10) {
+      pieces.push_back({other_region->get(), off, dst.get(), off, std::min<uint64_t>(64 << 10, p.bytes - off)});
+    }
+  }
+
+  // The Cancel comes during the Post or the Wait.
+  absl::Time cancelled_at;
+  std::thread canceller = CancelLater(*ep, absl::Milliseconds(100), &cancelled_at);
+  auto id = ep->Post(pieces);
+  absl::Status s = id.ok() ? ep->Wait(*id, kTimeout) : id.status();
+  const absl::Time returned = absl::Now();
+  canceller.join();
+  CheckCancelReason(s);
+  WARN("the batch failed " << absl::FormatDuration(returned - cancelled_at) << " after the Cancel");
+  CHECK(returned - cancelled_at < absl::Seconds(1));
+  CheckCancelReason(ep->Post(pieces).status());
+  ep.reset();
+
+  auto fresh = ConnectTo(*t, peer.session_id());
+  auto check = ImportRange(*t, peer.session_id(), c.ptr, c.bytes);
+  WriteRequest last{src.region.get(), src.offset["check"], check.get(), 0, c.bytes};
+  RequireOk(fresh->Write({&last, 1}, kTimeout));
+  CHECK(peer.Checksums().at("check") == PatternSha256(SeedOf("after-cancel", "check"), c.bytes));
 }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -13,9 +14,11 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/time/clock.h"
 #include "tests/transport/verbs_test_util.h"
 #include "transport/transport.h"
 #include "transport/verbs/verbs_transport.h"
@@ -441,4 +444,147 @@ TEST_CASE("verbs: device memory without GPUDirect is written through a host mirr
   std::memcpy(want.data() + 4096, src.bytes.data(), 1 << 20);
   std::memcpy(want.data() + kLen - 1000, src.bytes.data() + (2 << 20), 1000);
   CHECK(device == want);  // the written ranges, every other byte as it was
+}
+
+namespace {
+
+const absl::Status kCancelReason = absl::AbortedError("update 7 aborted: node n1 lost its lease");
+
+// Cancels `ep` from another thread `after` from now; returns when it was called through `at`.
+std::thread CancelLater(Endpoint& ep, absl::Duration after, absl::Time* at) {
+  return std::thread([&ep, after, at] {
+    absl::SleepFor(after);
+    *at = absl::Now();
+    ep.Cancel(kCancelReason);
+  });
+}
+
+void CheckCancelReason(const absl::Status& s) {
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kAborted);
+  CHECK(absl::StrContains(s.message(), "node n1 lost its lease"));
+}
+
+}  // namespace
+
+TEST_CASE("verbs: Cancel releases a Wait and a Post stuck on a vanished peer at once; the QPs flush; a new "
+          "endpoint works", "[verbs][cancel]") {
+  VerbsOptions vo;
+  vo.qp_timeout = 20;  // ~4 s per try, 6 tries: without Cancel the batches would hang ~30 s
+  vo.max_send_wr = 16;
+  vo.signal_every = 4;
+  vo.qps_per_device = 1;
+  TransportOptions opts;
+  opts.io_timeout = absl::Seconds(60);  // Post's wait for send-queue room
+  auto a = MakeVerbs(vo, opts);
+  auto b = MakeVerbs(vo, opts);
+  constexpr uint64_t kPiece = 16 << 10;
+  constexpr int kPieces = 256;
+  constexpr uint64_t kLen = kPiece * kPieces;
+  Mem src = Register(*a, kLen, 11);
+  Mem dst = Register(*b, kLen, -1);
+  auto remote = Import(*a, *dst.region);
+  std::vector<WriteRequest> writes;
+  for (int i = 0; i < kPieces; ++i) writes.push_back({src.region.get(), i * kPiece, remote.get(), i * kPiece, kPiece});
+
+  SECTION("a Wait") {
+    Link link = Connect(*a, *b);
+    link.dst.reset();  // the peer's QPs are gone: nothing is acknowledged
+    auto id = link.src->Post(absl::MakeSpan(writes).subspan(0, 8));  // fits the send queue
+    REQUIRE(id.ok());
+    CHECK(link.src->Wait(*id, absl::Milliseconds(300)).code() == absl::StatusCode::kDeadlineExceeded);
+    absl::Time cancelled_at;
+    std::thread canceller = CancelLater(*link.src, absl::Milliseconds(300), &cancelled_at);
+    absl::Status s = link.src->Wait(*id, kTimeout);  // concurrent with the Cancel
+    const absl::Time returned = absl::Now();
+    canceller.join();
+    CheckCancelReason(s);
+    WARN("Wait returned " << absl::FormatDuration(returned - cancelled_at) << " after the Cancel");
+    CHECK(returned - cancelled_at < absl::Seconds(1));
+  }
+
+  SECTION("a Post waiting for send-queue room, then the refusals") {
+    Link link = Connect(*a, *b);
+    link.dst.reset();
+    absl::Time cancelled_at;
+    std::thread canceller = CancelLater(*link.src, absl::Milliseconds(300), &cancelled_at);
+    auto id = link.src->Post(writes);  // 256 WRs, room for 16: waits for completions that never come
+    const absl::Time returned = absl::Now();
+    canceller.join();
+    REQUIRE(id.ok());  // posted in part: its Wait reports the reason
+    WARN("Post returned " << absl::FormatDuration(returned - cancelled_at) << " after the Cancel");
+    CHECK(returned - cancelled_at < absl::Seconds(1));
+    const absl::Time w0 = absl::Now();
+    CheckCancelReason(link.src->Wait(*id, kTimeout));
+    CHECK(absl::Now() - w0 < absl::Seconds(1));
+
+    // The endpoint refuses new work; the QPs are in the error state, so every WR still queued flushes (retired by
+    // the refused Post's poll) instead of waiting out the retries.
+    absl::SleepFor(absl::Milliseconds(200));
+    auto again = link.src->Post(absl::MakeSpan(writes).subspan(0, 1));
+    CheckCancelReason(again.status());
+    CHECK(absl::StrContains(again.status().message(), "re-create"));
+    auto stats = GetVerbsEndpointStats(*link.src);
+    REQUIRE(stats.has_value());
+    CHECK(stats->cancelled);
+    CHECK(stats->outstanding_wrs == 0);
+    link.src->Cancel(absl::InternalError("a second reason"));  // later calls change nothing
+    CheckCancelReason(link.src->Post(absl::MakeSpan(writes).subspan(0, 1)).status());
+    const absl::Time d0 = absl::Now();
+    link.src.reset();
+    CHECK(absl::Now() - d0 < absl::Seconds(1));
+  }
+  CHECK(std::all_of(dst.bytes.begin(), dst.bytes.end(), [](uint8_t v) { return v == kUntouched; }));
+
+  // A new endpoint pair over the same regions carries the whole batch.
+  Link fresh = Connect(*a, *b);
+  RequireOk(fresh.src->Write(writes, kTimeout));
+  CHECK(std::memcmp(src.bytes.data(), dst.bytes.data(), kLen) == 0);
+}
+
+TEST_CASE("verbs: Cancel during a large in-flight batch to a live peer returns at once with the reason; nothing "
+          "lands after it", "[verbs][cancel]") {
+  auto a = MakeVerbs({});
+  auto b = MakeVerbs({});
+  // soft-RoCE under emulation moves ~35 MB/s: ~1 s of writes, cancelled 100 ms after they start, during the Post
+  // or the Wait. rxe sends a linked list inside ibv_post_send, in the kernel, which the guest's one emulated CPU does
+  // not leave for the cancelling thread: a list (32 WRs of 64 KiB here) is how late a Cancel can be noticed there.
+  constexpr uint64_t kLen = 32 << 20;
+  Mem src = Register(*a, kLen, 12);
+  Mem dst = Register(*b, kLen, -1);
+  auto remote = Import(*a, *dst.region);
+  Link link = Connect(*a, *b);
+  std::vector<WriteRequest> writes;
+  constexpr uint64_t kPiece = 64 << 10;
+  for (uint64_t off = 0; off < kLen; off += kPiece) writes.push_back({src.region.get(), off, remote.get(), off, kPiece});
+
+  absl::Time cancelled_at;
+  std::thread canceller = CancelLater(*link.src, absl::Milliseconds(100), &cancelled_at);
+  auto id = link.src->Post(writes);
+  absl::Status s = id.ok() ? link.src->Wait(*id, kTimeout) : id.status();
+  const absl::Time returned = absl::Now();
+  canceller.join();
+  CheckCancelReason(s);
+  WARN("the batch failed " << absl::FormatDuration(returned - cancelled_at) << " after the Cancel");
+  CHECK(returned - cancelled_at < absl::Seconds(1));
+
+  // The QPs are in the error state: the NIC stops sending, so the peer's memory stops changing.
+  absl::SleepFor(absl::Milliseconds(200));
+  const std::vector<uint8_t> snapshot = dst.bytes;
+  absl::SleepFor(absl::Milliseconds(500));
+  CHECK(dst.bytes == snapshot);
+  uint64_t landed = 0;
+  for (uint64_t i = 0; i < kLen; i += 4096) landed += (snapshot[i] == src.bytes[i]) ? 4096 : 0;
+  WARN("cancelled when about " << landed << " of " << kLen << " bytes had landed");
+  CHECK(landed < kLen);
+
+  auto again = link.src->Post(writes);
+  CheckCancelReason(again.status());
+  auto stats = GetVerbsEndpointStats(*link.src);
+  REQUIRE(stats.has_value());
+  CHECK(stats->outstanding_wrs == 0);
+
+  Link fresh = Connect(*a, *b);
+  RequireOk(fresh.src->Write(writes, kTimeout));
+  CHECK(std::memcmp(src.bytes.data(), dst.bytes.data(), kLen) == 0);
 }

@@ -314,6 +314,10 @@ class MooncakeEndpoint final : public Endpoint {
 
   absl::Status Connect(const std::string& peer_info, absl::Duration timeout) override {
     if (connected_) return absl::FailedPreconditionError("mooncake endpoint is already connected");
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!cancelled_.ok()) return Annotate(cancelled_, "mooncake endpoint was cancelled before it connected");
+    }
     absl::StatusOr<PeerSegment> seg = FetchSegment(peer_info, std::min(timeout, mopts_.handshake_timeout), "tcp");
     if (!seg.ok()) return Annotate(seg.status(), absl::StrCat("mooncake peer ", peer_info));
     seg_ = std::move(*seg);
@@ -322,7 +326,11 @@ class MooncakeEndpoint final : public Endpoint {
     spdlog::debug("mooncake endpoint connected to {}: data port {}, {} registered buffers ({} bytes)",
                   seg_.session_id, seg_.data_port, seg_.buffers.size(), total);
     connected_ = true;
-    workers_.resize(static_cast<size_t>(workers_n_));
+    {
+      // Under mu_: a concurrent Cancel walks workers_.
+      std::lock_guard<std::mutex> lock(mu_);
+      workers_.resize(static_cast<size_t>(workers_n_));
+    }
     for (int i = 0; i < workers_n_; ++i) threads_.emplace_back([this, i] { WorkerLoop(workers_[i], i); });
     return absl::OkStatus();
   }
@@ -385,13 +393,33 @@ class MooncakeEndpoint final : public Endpoint {
     if (it == batches_.end()) {
       return absl::NotFoundError(absl::StrCat("unknown batch ", batch, " (never posted, or already waited for)"));
     }
-    if (!WaitFor(done_, lock, timeout, [&] { return it->second.pending == 0; })) {
+    if (!WaitFor(done_, lock, timeout, [&] { return it->second.pending == 0 || !cancelled_.ok(); })) {
       return absl::DeadlineExceededError(absl::StrCat("batch ", batch, " to ", PeerName(), " not complete after ",
                                                       absl::FormatDuration(timeout)));
+    }
+    if (!cancelled_.ok()) {
+      // Never reported as landed, whatever completed. Requests still on the wire finish or fail on their worker
+      // thread; CompleteLocked absorbs them (the batch is gone, only outstanding_ drops).
+      batches_.erase(it);
+      return Annotate(cancelled_, absl::StrCat("batch ", batch, " to ", PeerName(), " cancelled"));
     }
     absl::Status s = it->second.status;
     batches_.erase(it);
     return s;
+  }
+
+  // From any thread: fails the endpoint with `why`, wakes every waiter and shuts the data connections down, so a
+  // worker blocked in send or recv on a stalled peer returns at once; queued requests are dropped unsent.
+  void Cancel(const absl::Status& why) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!cancelled_.ok()) return;
+      cancelled_ = why.ok() ? absl::CancelledError("cancelled") : why;
+      if (broken_.ok()) broken_ = cancelled_;
+      for (Worker& w : workers_) w.fd.ShutdownBoth();
+    }
+    done_.notify_all();
+    room_.notify_all();
   }
 
  private:
@@ -435,13 +463,13 @@ class MooncakeEndpoint final : public Endpoint {
     absl::Status s = reused ? Request(w.fd.get(), c, &answered) : absl::UnavailableError("not connected");
     // A kept-alive connection the peer has since closed fails before any answer: the request was not applied
     // (or, if it was, re-sending the same bytes to the same address is harmless). Retry once on a fresh one.
-    if (!s.ok() && !answered && s.code() == absl::StatusCode::kUnavailable) {
+    if (!s.ok() && !answered && s.code() == absl::StatusCode::kUnavailable && !Cancelled()) {
       ResetFd(w, Fd());
       absl::StatusOr<Fd> fd =
           tcp::ConnectTo(seg_.address.host, seg_.data_port, std::min(io_timeout_, absl::Seconds(10)));
       if (fd.ok()) {
         tcp::TuneSocket(fd->get(), io_timeout_);
-        if (!ResetFd(w, std::move(*fd))) return absl::CancelledError("mooncake endpoint destroyed");
+        if (!ResetFd(w, std::move(*fd))) return absl::CancelledError("mooncake endpoint destroyed or cancelled");
         s = Request(w.fd.get(), c, &answered);
       } else {
         s = Annotate(fd.status(), absl::StrCat("data port ", seg_.data_port));
@@ -453,11 +481,18 @@ class MooncakeEndpoint final : public Endpoint {
                                     ", request ", Range(c.addr, c.length)));
   }
 
-  // Installs `fd` as the worker's connection; false (and `fd` closed) when the endpoint is being destroyed.
+  // Installs `fd` as the worker's connection; false (and `fd` closed) when the endpoint is being destroyed or was
+  // cancelled (Cancel shut the connections down: a new one must not be used).
   bool ResetFd(Worker& w, Fd fd) {
     std::lock_guard<std::mutex> lock(mu_);
-    w.fd = stop_ ? Fd() : std::move(fd);
-    return !stop_;
+    const bool usable = !stop_ && cancelled_.ok();
+    w.fd = usable ? std::move(fd) : Fd();
+    return usable;
+  }
+
+  bool Cancelled() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !cancelled_.ok();
   }
 
   // One v2 WRITE: header + payload, then the status frame. *answered: the peer sent a status frame.
@@ -518,7 +553,8 @@ class MooncakeEndpoint final : public Endpoint {
   uint64_t outstanding_ = 0;  // chunks queued or in flight
   BatchId next_batch_ = 1;
   std::unordered_map<BatchId, Batch> batches_;
-  absl::Status broken_;  // first error; the endpoint accepts no batches after it
+  absl::Status broken_;     // first error; the endpoint accepts no batches after it
+  absl::Status cancelled_;  // Cancel's reason: every Wait returns it from then on
   bool stop_ = false;
 };
 
@@ -560,6 +596,10 @@ class MooncakeRdmaEndpoint final : public Endpoint {
 
   absl::Status Connect(const std::string& peer_info, absl::Duration timeout) override {
     if (connected_) return absl::FailedPreconditionError("mooncake endpoint is already connected");
+    {
+      std::lock_guard<std::mutex> lock(cancel_mu_);
+      if (!cancelled_.ok()) return Annotate(cancelled_, "mooncake endpoint was cancelled before it connected");
+    }
     absl::Status s = DoConnect(peer_info, std::min(timeout, mopts_.handshake_timeout));
     if (!s.ok()) return Annotate(s, absl::StrCat("mooncake peer ", peer_info, " (rdma)"));
     connected_ = true;
@@ -612,6 +652,15 @@ class MooncakeRdmaEndpoint final : public Endpoint {
     return Annotate(s, PeerName());
   }
 
+  // From any thread: the verbs endpoint's Cancel (its QPs to the error state, Post and Wait released at once); one
+  // that comes before the verbs endpoint exists is handed to it when DoConnect creates it.
+  void Cancel(const absl::Status& why) override {
+    std::lock_guard<std::mutex> lock(cancel_mu_);
+    if (!cancelled_.ok()) return;
+    cancelled_ = why.ok() ? absl::CancelledError("cancelled") : why;
+    if (ep_) ep_->Cancel(cancelled_);
+  }
+
  private:
   absl::Status DoConnect(const std::string& session_id, absl::Duration timeout) {
     WSYNC_ASSIGN_OR_RETURN(HandshakeReply meta, Handshake(session_id, kMetadata, "{}", timeout));
@@ -624,7 +673,12 @@ class MooncakeRdmaEndpoint final : public Endpoint {
       if (seg_.devices[i].name == device_) pd = i;
     }
     const PeerDevice& peer_dev = seg_.devices[pd];
-    WSYNC_ASSIGN_OR_RETURN(ep_, verbs_->CreateEndpoint());
+    WSYNC_ASSIGN_OR_RETURN(std::unique_ptr<Endpoint> ep, verbs_->CreateEndpoint());
+    {
+      std::lock_guard<std::mutex> lock(cancel_mu_);
+      ep_ = std::move(ep);
+      if (!cancelled_.ok()) ep_->Cancel(cancelled_);
+    }
     WSYNC_ASSIGN_OR_RETURN(verbs::ConnInfo mine, verbs::DecodeConnInfo(ep_->LocalInfo()));
     if (mine.qps.empty()) return absl::InternalError("the verbs endpoint has no queue pairs");
 
@@ -719,6 +773,8 @@ class MooncakeRdmaEndpoint final : public Endpoint {
   bool connected_ = false;
   PeerSegment seg_;
   std::string peer_nic_path_;
+  std::mutex cancel_mu_;  // ep_ is set, and cancelled_ read and written, under it
+  absl::Status cancelled_;
   std::unique_ptr<Endpoint> ep_;
   std::map<uint64_t, std::unique_ptr<RemoteRegion>> buffers_;  // the peer's registered buffers, by address
 };

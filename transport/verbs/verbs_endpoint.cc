@@ -3,10 +3,12 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <random>
 #include <thread>
 #include <unordered_map>
@@ -161,10 +163,11 @@ class VerbsEndpoint final : public Endpoint {
 
   absl::Status Connect(const std::string& peer_info, absl::Duration timeout) override {
     if (connected_) return absl::FailedPreconditionError(absl::StrCat("already connected to ", peer_.owner));
+    if (CheckCancel()) return Annotate(cancel_, "verbs endpoint was cancelled before it connected");
     WSYNC_ASSIGN_OR_RETURN(ConnInfo peer, DecodeConnInfo(peer_info));
     size_t n = std::min(qps_.size(), peer.qps.size());
-    // Under the window's lock: a window change never sees a QP between INIT and RTS.
-    WSYNC_RETURN_IF_ERROR(window_->Locked([&]() -> absl::Status {
+    // Under the window's lock: a window change (or a Cancel) never sees a QP between INIT and RTS.
+    absl::Status connected = window_->Locked([&]() -> absl::Status {
       for (size_t i = 0; i < n; ++i) {
         absl::Status s = ConnectQp(qps_[i], peer.qps[i]);
         if (!s.ok()) {
@@ -172,7 +175,12 @@ class VerbsEndpoint final : public Endpoint {
         }
       }
       return absl::OkStatus();
-    }));
+    });
+    if (!connected.ok()) {
+      // A Cancel that moved the QPs to the error state says more than the failed transition.
+      if (CheckCancel()) return Annotate(cancel_, "verbs endpoint was cancelled while it connected");
+      return connected;
+    }
     active_ = n;
     peer_ = std::move(peer);
     connected_ = true;
@@ -184,8 +192,27 @@ class VerbsEndpoint final : public Endpoint {
   absl::Status Wait(BatchId batch, absl::Duration timeout) override;
   std::string PeerName() const override { return connected_ ? peer_.owner : "(unconnected verbs peer)"; }
 
+  // From any thread. Moves every QP (connected or not: qps_ is fixed after Init) to the error state, so the NIC
+  // sends nothing more of this endpoint and flushes its queued WRs; the thread using the endpoint sees the flag at
+  // its next poll (Wait and Post check it on every turn of their loops) and adopts the reason (CheckCancel).
+  void Cancel(const absl::Status& why) override {
+    {
+      std::lock_guard<std::mutex> l(cancel_mu_);
+      if (!cancel_why_.ok()) return;
+      cancel_why_ = why.ok() ? absl::CancelledError("cancelled") : why;
+    }
+    // Before the QPs change state: a flush completion is then never taken for a failure of the link.
+    cancelled_.store(true, std::memory_order_release);
+    for (const Qp& qp : qps_) {
+      absl::Status s = window_->Kill(qp.qp.get());
+      if (!s.ok()) spdlog::warn("verbs: cancelling endpoint {}: {}", id_.owner, std::string(s.message()));
+    }
+  }
+
   VerbsEndpointStats Stats() const {
     VerbsEndpointStats s = stats_;
+    for (const Qp& qp : qps_) s.outstanding_wrs += qp.outstanding;
+    s.cancelled = cancelled_.load(std::memory_order_acquire);
     for (size_t i = 0; i < active_; ++i) {
       s.qp_devices.push_back(qps_[i].dev->name);
       s.wrs_per_qp.push_back(qps_[i].wrs);
@@ -278,6 +305,27 @@ class VerbsEndpoint final : public Endpoint {
     }
   }
 
+  // The using thread's view of Cancel: true once it was called; the first time, the endpoint adopts its reason
+  // (cancel_, and broken_ unless an earlier failure set it), so every loop that stops on broken_ stops.
+  bool CheckCancel() {
+    if (!cancelled_.load(std::memory_order_acquire)) return false;
+    if (cancel_.ok()) {
+      {
+        std::lock_guard<std::mutex> l(cancel_mu_);
+        cancel_ = cancel_why_;
+      }
+      if (broken_.ok()) broken_ = cancel_;
+      spdlog::info("verbs: endpoint to {} cancelled: {}", PeerName(), std::string(cancel_.message()));
+    }
+    return true;
+  }
+
+  // Retires what the CQs hold now (after a Cancel: the flushed WRs), without waiting.
+  void DrainCompletions() {
+    while (PollAll() > 0) {
+    }
+  }
+
   std::string QpLabel(uint32_t q) const {
     const Qp& qp = qps_[q];
     return absl::StrCat("qp ", q, " (", qp.dev->name, " qpn ", qp.qp->qp_num, ")");
@@ -316,30 +364,42 @@ class VerbsEndpoint final : public Endpoint {
       Break(absl::InternalError(absl::StrCat("ibv_poll_cq on ", QpLabel(q), " to ", PeerName(), " failed")));
       return 0;
     }
+    // An error completion is looked at only after Cancel's flag: a WR flushed by Cancel is the caller's reason.
+    if (n > 0) CheckCancel();
     for (int i = 0; i < n; ++i) {
       const ibv_wc& wc = wcs[i];
       auto it = signals_.find(wc.wr_id >> kSeqShift);
       if (wc.status == IBV_WC_SUCCESS) {
-        if (it == signals_.end()) continue;
-        qps_[q].outstanding -= static_cast<uint32_t>(it->second.segs.size());
-        auto b = batches_.find(it->second.batch);
-        if (b != batches_.end() && b->second.pending > 0) --b->second.pending;
-        signals_.erase(it);
+        if (it != signals_.end()) Retire(q, it);
         continue;
       }
       const Signal* sig = it == signals_.end() ? nullptr : &it->second;
-      absl::Status err = CompletionError(wc, q, sig);
-      if (wc.status == IBV_WC_WR_FLUSH_ERR && !broken_.ok()) {
+      absl::Status err;
+      if (wc.status == IBV_WC_WR_FLUSH_ERR && !cancel_.ok()) {
+        err = cancel_;
+      } else if (wc.status == IBV_WC_WR_FLUSH_ERR && !broken_.ok()) {
         // Flushed because of an earlier failure: report the cause, not the flush.
         err = absl::AbortedError(absl::StrCat("flushed after an earlier failure: ", broken_.message()));
+      } else {
+        err = CompletionError(wc, q, sig);
       }
       Break(err);
       if (sig != nullptr) {
         auto b = batches_.find(sig->batch);
         if (b != batches_.end() && b->second.status.ok()) b->second.status = err;
+        // The last WR of a list completes (with an error or flushed) after every earlier one: the list is done.
+        if ((wc.wr_id & kPosMask) + 1 == sig->segs.size()) Retire(q, it);
       }
     }
     return n;
+  }
+
+  // A signaled list is finished: its WRs leave the send queue and its batch waits for one list fewer.
+  void Retire(uint32_t q, std::unordered_map<uint64_t, Signal>::iterator it) {
+    qps_[q].outstanding -= static_cast<uint32_t>(it->second.segs.size());
+    auto b = batches_.find(it->second.batch);
+    if (b != batches_.end() && b->second.pending > 0) --b->second.pending;
+    signals_.erase(it);
   }
 
   int PollAll() {
@@ -377,6 +437,11 @@ class VerbsEndpoint final : public Endpoint {
   std::unordered_map<uint64_t, Signal> signals_;
   std::map<BatchId, Batch> batches_;
   VerbsEndpointStats stats_;
+  absl::Status cancel_;  // the using thread's copy of cancel_why_, once CheckCancel saw the flag
+  // Cancel's side, shared with other threads: the flag is read on every poll, the reason under the lock.
+  std::atomic<bool> cancelled_{false};
+  std::mutex cancel_mu_;
+  absl::Status cancel_why_;
   std::vector<ibv_send_wr> wr_buf_;
   std::vector<ibv_sge> sge_buf_;
 };
@@ -428,6 +493,10 @@ absl::Status VerbsEndpoint::PostList(uint32_t q, BatchId batch, absl::Span<const
 }
 
 absl::StatusOr<BatchId> VerbsEndpoint::Post(absl::Span<const WriteRequest> writes) {
+  if (CheckCancel()) {
+    DrainCompletions();
+    return Annotate(cancel_, absl::StrCat("verbs endpoint to ", PeerName(), " was cancelled; re-create it"));
+  }
   if (!connected_) return absl::FailedPreconditionError("verbs endpoint is not connected");
   if (!broken_.ok()) {
     return absl::FailedPreconditionError(
@@ -502,7 +571,7 @@ absl::StatusOr<BatchId> VerbsEndpoint::Post(absl::Span<const WriteRequest> write
   bool more = true;
   while (more && broken_.ok()) {
     more = false;
-    for (uint32_t q = 0; q < active_ && broken_.ok(); ++q) {
+    for (uint32_t q = 0; q < active_ && !CheckCancel() && broken_.ok(); ++q) {
       const std::vector<Seg>& segs = per_qp[q];
       if (next[q] >= segs.size()) continue;
       Qp& qp = qps_[q];
@@ -510,7 +579,7 @@ absl::StatusOr<BatchId> VerbsEndpoint::Post(absl::Span<const WriteRequest> write
       // Bounded outstanding work: wait for completions until the send queue has room for the whole list.
       int empty = 0;
       bool waited = false;
-      while (broken_.ok() && qp.max_wr - qp.outstanding < list) {
+      while (!CheckCancel() && broken_.ok() && qp.max_wr - qp.outstanding < list) {
         waited = true;
         if (PollQp(q) == 0) {
           if (absl::Now() > deadline) {
@@ -536,6 +605,7 @@ absl::StatusOr<BatchId> VerbsEndpoint::Post(absl::Span<const WriteRequest> write
       more |= next[q] < segs.size();
     }
   }
+  CheckCancel();
   if (!broken_.ok()) {
     // Wait reports the failure for this batch (some of it may already be on the wire).
     Batch& b = batches_[id];
@@ -553,6 +623,7 @@ absl::Status VerbsEndpoint::Wait(BatchId batch, absl::Duration timeout) {
   absl::Time deadline = absl::Now() + timeout;
   int empty = 0;
   while (it->second.pending > 0 && it->second.status.ok()) {
+    if (CheckCancel()) break;
     if (!broken_.ok()) {
       // Collect what already completed, then fail the rest with the endpoint's first error.
       while (PollAll() > 0) {
@@ -576,6 +647,12 @@ absl::Status VerbsEndpoint::Wait(BatchId batch, absl::Duration timeout) {
     } else {
       Backoff(++empty);
     }
+  }
+  if (CheckCancel()) {
+    // Whatever completed, the caller gave up on this batch: it is never reported as landed.
+    batches_.erase(it);
+    DrainCompletions();
+    return Annotate(cancel_, absl::StrCat("verbs batch ", batch, " to ", PeerName(), " cancelled"));
   }
   absl::Status s = it->second.status;
   batches_.erase(it);

@@ -100,6 +100,10 @@ class WriteWindow {
   // Registers a QP in INIT (its flags are set here, under the lock) / forgets it before it is destroyed.
   absl::Status Add(ibv_qp* qp);
   void Remove(ibv_qp* qp);
+  // Forgets a QP and moves it to the error state (Endpoint::Cancel): its outstanding WRs flush, it accepts no more
+  // posts, and it is not counted as refused. Under the lock, so it never races Set's RTS → RTS modify. The QP's
+  // owner still calls Remove (a no-op then).
+  absl::Status Kill(ibv_qp* qp);
   // Runs `f` under the lock (the endpoint moves its QPs INIT → RTR → RTS inside it).
   template <typename F>
   auto Locked(F&& f) {

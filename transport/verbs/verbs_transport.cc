@@ -77,6 +77,17 @@ void WriteWindow::Remove(ibv_qp* qp) {
   qps_.erase(qp);
 }
 
+absl::Status WriteWindow::Kill(ibv_qp* qp) {
+  std::lock_guard<std::mutex> l(mu_);
+  qps_.erase(qp);
+  ibv_qp_attr attr{};
+  attr.qp_state = IBV_QPS_ERR;
+  if (int rc = Ibv().modify_qp(qp, &attr, IBV_QP_STATE); rc != 0) {
+    return absl::InternalError(absl::StrCat("ibv_modify_qp(ERR) on qpn ", qp->qp_num, ": ", std::strerror(rc)));
+  }
+  return absl::OkStatus();
+}
+
 void WriteWindow::CountLocked() {
   if (!enforced_) return;
   for (auto& [qp, counted] : qps_) {

@@ -16,6 +16,10 @@
 //     (index, destination offset); every later call fails too, and the endpoint must be re-created. A vanished
 //     peer surfaces as Unavailable (transport retries exceeded), a stale or out-of-bounds remote region as
 //     FailedPrecondition.
+//   * Cancel (from any thread): a Wait or a Post blocked on the send queue returns at once with the caller's
+//     reason; every QP is moved to the error state, so the NIC stops sending and flushes the WRs still queued
+//     (their completions are retired by the next Post or Wait, never reported as success); every later Post and
+//     Wait fails with the reason, and the endpoint must be re-created.
 //   * Write window (receiving side): SetWriteWindow grants IBV_ACCESS_REMOTE_WRITE on this transport's QPs only while
 //     open (WriteWindow in verbs_internal.h); a peer's write while it is closed fails at the peer and kills that
 //     connection, counted in refused_writes(). RegisterSourceMemory registers MRs without remote access.
@@ -74,6 +78,10 @@ struct VerbsEndpointStats {
   uint64_t post_calls = 0;  // ibv_post_send calls (one per linked list)
   uint64_t signaled_wrs = 0;
   uint64_t send_queue_full_waits = 0;  // times Post had to poll for completions before posting more
+  // WRs posted and not yet retired by a completion (success, error or flush), summed over the QPs; after Cancel
+  // and the next call that polls (Post, Wait), 0: the QPs are in the error state and every WR flushed.
+  uint64_t outstanding_wrs = 0;
+  bool cancelled = false;  // Cancel was called
 };
 std::optional<VerbsEndpointStats> GetVerbsEndpointStats(const Endpoint& endpoint);
 
