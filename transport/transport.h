@@ -140,7 +140,8 @@ class Endpoint {
   // Fails every batch in flight and every later Post/Wait with `why` (the caller's reason: an aborted or failed
   // update), without waiting for the network: a sender blocked on a vanished peer is released at once. The one call
   // that may come from any thread, concurrently with the thread using the endpoint. The endpoint must be re-created
-  // afterwards. A backend that cannot interrupt its writes ignores it (its batches end by their own timeouts).
+  // afterwards. Every backend implements it (tcp shuts its sockets, verbs moves its QPs to the error state, mooncake
+  // does either); the default is for test doubles.
   virtual void Cancel(const absl::Status& why) { (void)why; }
 };
 
