@@ -949,7 +949,7 @@ bool Coordinator::CheckLeases() {
   int64_t v;
   std::string why, lost_address;
   std::vector<std::string> sources;
-  bool committing = false;
+  bool committing = false, lost_source = false;
   {
     std::lock_guard<std::mutex> l(mu_);
     if (state_ != "updating" && state_ != "committing") return false;
@@ -969,6 +969,7 @@ bool Coordinator::CheckLeases() {
         for (const auto& r : e.ranks()) ranks.push_back(absl::StrCat("engine ", e.engine_id(), " rank ", r.rank()));
       if (!ranks.empty()) absl::StrAppend(&why, "; engine ranks that may hold partial writes: ", absl::StrJoin(ranks, ", "));
       lost_address = n.address();
+      lost_source = n.role() == "source";
       break;
     }
     if (why.empty()) return false;
@@ -992,6 +993,9 @@ bool Coordinator::CheckLeases() {
       if (!r.ok()) spdlog::warn("telling source {} to cancel the writes of update {}: {}", a, v, r.status().ToString());
       return absl::OkStatus();
     }).IgnoreError();
+    // A lost source cannot answer its FinishUpdate: stop waiting for it now rather than at the call's deadline
+    // (the commit's timeout). Its writes, if it still runs, end with its own abort when it finds the update gone.
+    if (lost_source) peers_->CancelCalls(lost_address);
     return true;
   }
   return EndOpenUpdate(v, why, false, lost_address).ok();

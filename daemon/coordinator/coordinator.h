@@ -50,6 +50,9 @@ class Peers {
   // A daemon or engine at `addr` (re)started: drop any connection state kept for it, so the next call dials afresh
   // instead of failing inside a reconnect backoff left by the previous process.
   virtual void Forget(const std::string& addr) { (void)addr; }
+  // Fails the calls in flight to `addr` at once (CANCELLED), without waiting for their deadlines: the coordinator
+  // stops waiting for a node that lost its lease (e.g. a source's FinishUpdate during the commit).
+  virtual void CancelCalls(const std::string& addr) { (void)addr; }
   virtual absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
                                                                   const v1::ConfigureSourceRequest& req) = 0;
   virtual absl::Status StartUpdate(const std::string& addr, const v1::StartUpdateRequest& req) = 0;

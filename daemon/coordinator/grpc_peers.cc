@@ -3,6 +3,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 
 #include <grpcpp/grpcpp.h>
 
@@ -26,53 +27,59 @@ class GrpcPeers final : public Peers {
 
   absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
                                                           const v1::ConfigureSourceRequest& req) override {
-    return Call<v1::ConfigureSourceReply>(Daemon(addr), &v1::NodeDaemon::Stub::ConfigureSource, req,
+    return Call<v1::ConfigureSourceReply>(addr, Daemon(addr), &v1::NodeDaemon::Stub::ConfigureSource, req,
                                             PeerDeadlines::kConfigure);
   }
   absl::Status StartUpdate(const std::string& addr, const v1::StartUpdateRequest& req) override {
-    return Call<v1::StartUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::StartUpdate, req,
+    return Call<v1::StartUpdateReply>(addr, Daemon(addr), &v1::NodeDaemon::Stub::StartUpdate, req,
                                       PeerDeadlines::kStart).status();
   }
   absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string& addr,
                                                      const v1::FinishUpdateRequest& req) override {
-    return Call<v1::FinishUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::FinishUpdate, req,
+    return Call<v1::FinishUpdateReply>(addr, Daemon(addr), &v1::NodeDaemon::Stub::FinishUpdate, req,
                                        req.timeout_seconds() + PeerDeadlines::kFinishSlack);
   }
   absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string& addr,
                                                                const v1::AbortSourceUpdateRequest& req) override {
-    return Call<v1::AbortSourceUpdateReply>(Daemon(addr), &v1::NodeDaemon::Stub::AbortSourceUpdate, req,
+    return Call<v1::AbortSourceUpdateReply>(addr, Daemon(addr), &v1::NodeDaemon::Stub::AbortSourceUpdate, req,
                                             PeerDeadlines::kAbort);
   }
   absl::StatusOr<v1::SetWriteWindowReply> SetWriteWindow(const std::string& addr,
                                                           const v1::SetWriteWindowRequest& req) override {
-    return Call<v1::SetWriteWindowReply>(Daemon(addr), &v1::NodeDaemon::Stub::SetWriteWindow, req,
+    return Call<v1::SetWriteWindowReply>(addr, Daemon(addr), &v1::NodeDaemon::Stub::SetWriteWindow, req,
                                          PeerDeadlines::kStart);
   }
   absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) override {
-    return Call<v1::EngineInfo>(Engine(addr), &v1::EngineControl::Stub::GetInfo, v1::GetEngineInfoRequest(),
+    return Call<v1::EngineInfo>(addr, Engine(addr), &v1::EngineControl::Stub::GetInfo, v1::GetEngineInfoRequest(),
                                 PeerDeadlines::kEngineInfo);
   }
   absl::Status Pause(const std::string& addr, const std::string& mode) override {
     v1::PauseRequest r;
     r.set_mode(mode);
-    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Pause, r, d_.pause));
+    return Check(Call<v1::EngineReply>(addr, Engine(addr), &v1::EngineControl::Stub::Pause, r, d_.pause));
   }
   absl::Status PostProcess(const std::string& addr, const std::string& version) override {
     v1::PostProcessRequest r;
     r.set_version(version);
     r.set_post_process_quantization(true);
     r.set_post_load_weights(true);
-    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::PostProcess, r, d_.post_process));
+    return Check(Call<v1::EngineReply>(addr, Engine(addr), &v1::EngineControl::Stub::PostProcess, r, d_.post_process));
   }
   absl::Status SetWeightVersion(const std::string& addr, const std::string& version) override {
     v1::SetWeightVersionRequest r;
     r.set_version(version);
-    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::SetWeightVersion, r,
+    return Check(Call<v1::EngineReply>(addr, Engine(addr), &v1::EngineControl::Stub::SetWeightVersion, r,
                                       PeerDeadlines::kSetVersion));
   }
   absl::Status Continue(const std::string& addr) override {
-    return Check(Call<v1::EngineReply>(Engine(addr), &v1::EngineControl::Stub::Continue, v1::ContinueRequest(),
+    return Check(Call<v1::EngineReply>(addr, Engine(addr), &v1::EngineControl::Stub::Continue, v1::ContinueRequest(),
                                       PeerDeadlines::kContinue));
+  }
+  void CancelCalls(const std::string& addr) override {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = in_flight_.find(addr);
+    if (it == in_flight_.end()) return;
+    for (grpc::ClientContext* ctx : it->second) ctx->TryCancel();
   }
   void Forget(const std::string& addr) override {
     std::lock_guard<std::mutex> l(mu_);
@@ -82,14 +89,24 @@ class GrpcPeers final : public Peers {
 
  private:
   template <typename Rep, typename Stub, typename Req, typename Method>
-  static absl::StatusOr<Rep> Call(absl::StatusOr<std::shared_ptr<Stub>> stub_or, Method m, const Req& req,
-                                  double timeout_s) {
+  absl::StatusOr<Rep> Call(const std::string& addr, absl::StatusOr<std::shared_ptr<Stub>> stub_or, Method m,
+                           const Req& req, double timeout_s) {
     if (!stub_or.ok()) return stub_or.status();
     const std::shared_ptr<Stub>& stub = *stub_or;
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline(timeout_s));
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      in_flight_[addr].insert(&ctx);
+    }
     Rep out;
     grpc::Status s = ((*stub).*m)(&ctx, req, &out);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = in_flight_.find(addr);
+      it->second.erase(&ctx);
+      if (it->second.empty()) in_flight_.erase(it);
+    }
     if (!s.ok()) return FromGrpcStatus(s);
     return out;
   }
@@ -120,6 +137,7 @@ class GrpcPeers final : public Peers {
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<v1::NodeDaemon::Stub>> daemons_;
   std::map<std::string, std::shared_ptr<v1::EngineControl::Stub>> engines_;
+  std::map<std::string, std::set<grpc::ClientContext*>> in_flight_;  // calls running, per peer (CancelCalls)
 
  private:
   EngineDeadlines d_;

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <tuple>
 #include <condition_variable>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
@@ -47,8 +48,9 @@ class FakePeers : public Peers {
       std::unique_lock<std::mutex> l(mu);
       ++finishing;
       cv.notify_all();
-      cv.wait(l, [&] { return !hold_finish; });
+      cv.wait(l, [&] { return (!hold_finish && !unanswered.count(addr)) || cancelled.count(addr); });
       --finishing;
+      if (cancelled.count(addr)) return absl::CancelledError("call cancelled by the coordinator");
       if (fail_versions.count(req.version()))
         return absl::DataLossError(absl::StrCat("write to engine e1 rank 0 failed in update ", req.version()));
       finish_plan_epochs.insert(req.plan_epoch());
@@ -91,6 +93,12 @@ class FakePeers : public Peers {
     return Log("set_version " + addr + " " + v);
   }
   absl::Status Continue(const std::string& addr) override { return Log("continue " + addr); }
+  void CancelCalls(const std::string& addr) override {
+    std::lock_guard<std::mutex> l(mu);
+    cancelled.insert(addr);
+    calls.push_back("cancel_calls " + addr);
+    cv.notify_all();
+  }
 
   absl::Status Log(const std::string& s) {
     std::lock_guard<std::mutex> l(mu);
@@ -127,6 +135,8 @@ class FakePeers : public Peers {
   int finishing = 0;                    // guarded by mu
   std::set<int64_t> fail_versions;      // guarded by mu
   std::set<int64_t> finish_plan_epochs; // guarded by mu
+  std::set<std::string> unanswered;     // guarded by mu: FinishUpdate to these never returns unless cancelled
+  std::set<std::string> cancelled;      // guarded by mu: CancelCalls was called for these
   std::map<std::string, std::vector<int64_t>> labels;  // engine → every version label set on it, in order
 };
 
@@ -433,6 +443,44 @@ TEST_CASE("liveness: a target lost during the commit fails it at once, naming th
   }
   CHECK(f.peers->Count("continue ") == 0);  // no engine resumed
   CHECK(f.c->Status().current_version() != "1");
+}
+
+TEST_CASE("liveness: a source lost during the commit: its FinishUpdate is cancelled, the commit fails at once") {
+  CoordinatorOptions o = Seed();
+  o.heartbeat_seconds = 0.1;  // lease lost after 0.3 s without a heartbeat
+  Fixture f(2, 2, 2, o);
+  REQUIRE(f.Begin(1).ok());
+  {
+    std::lock_guard<std::mutex> l(f.peers->mu);
+    f.peers->hold_finish = true;
+    f.peers->unanswered.insert("s1:1");  // a vanished source: its FinishUpdate would hang until its deadline
+  }
+  auto commit = std::async(std::launch::async, [&] { return f.Commit(1); });
+  f.peers->AwaitFinishing(2);
+  const absl::Time until = absl::Now() + absl::Milliseconds(450);
+  while (absl::Now() < until) {  // every node but s1 renews its lease
+    for (const char* id : {"s0", "t0", "t1"}) {
+      v1::HeartbeatRequest hb;
+      hb.set_node_id(id);
+      hb.set_address(std::string(id) + ":1");
+      REQUIRE(f.c->Heartbeat(hb).known());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  CHECK(f.c->CheckLeases());
+  CHECK(f.peers->Count("abort s0:1 1") == 1);
+  CHECK(f.peers->Count("cancel_calls s1:1") == 1);
+  f.peers->Release();  // s0 finishes; s1 answers only because its call was cancelled
+  const bool ended = commit.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  CHECK(ended);
+  if (!ended) f.peers->CancelCalls("s1:1");  // let the test end
+  auto rec = commit.get();
+  REQUIRE_FALSE(rec.ok());
+  const std::string err(rec.status().message());
+  INFO(err);
+  CHECK(err.find("source node s1") != std::string::npos);
+  CHECK(err.find("lost its lease") != std::string::npos);
+  CHECK(f.peers->Count("continue ") == 0);
 }
 
 TEST_CASE("lifecycle: a retried BeginUpdate(v) returns the open update's reply; versions are single-use") {
