@@ -67,11 +67,14 @@ Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& 
     if (s.active()) nic_sources[{s.node, s.nic}]++;
   uint64_t max_src_nic = 0, max_tgt_nic = 0, total = 0;
   for (const NicLoad& n : plan.source_nics) max_src_nic = std::max(max_src_nic, n.bytes), total += n.bytes;
-  for (const NicLoad& n : plan.target_nics) max_tgt_nic = std::max(max_tgt_nic, n.bytes);
+  for (const NicLoad& n : plan.target_nics) {
+    max_tgt_nic = std::max(max_tgt_nic, n.bytes);
+    // A target NIC's time: its bytes at line rate plus the sessions writing into it.
+    pr.max_target_nic_s = std::max(pr.max_target_nic_s, n.bytes / bw + n.sessions * cp.session_ms / 1e3);
+  }
   pr.bound_s = std::max(max_src_nic, max_tgt_nic) / bw;
   const double trainer_nics = static_cast<double>(in.cluster.trainer.nodes) * in.cluster.nic.per_node;
   pr.ideal_bound_s = std::max(static_cast<double>(max_tgt_nic), total / trainer_nics) / bw;
-  pr.max_target_nic_s = max_tgt_nic / bw;
 
   double worst = pr.max_target_nic_s;
   for (size_t k = 0; k < plan.sources.size(); ++k) {
@@ -92,12 +95,13 @@ Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& 
         if (t.target.rank != last_rank) blocking += t.bytes;
     }
     st.blocking_send_s = blocking / share;
+    st.session_s = s.sessions * cp.session_ms / 1e3;
     if (cp.executor == Executor::kSerial) {
       // The seed's replica loads slice straight from the gathered GPU tensors, so the hand-over is part of the
       // measured load rate and not counted again.
-      st.total_s = std::max(st.load_s + st.blocking_send_s, st.nic_s);
+      st.total_s = std::max(st.load_s + st.blocking_send_s, st.nic_s) + st.session_s;
     } else {
-      st.total_s = std::max({st.d2h_s, st.load_s, st.nic_s});
+      st.total_s = std::max({st.d2h_s, st.load_s, st.nic_s}) + st.session_s;
     }
     if (st.total_s > worst) {
       worst = st.total_s;
