@@ -69,8 +69,12 @@ Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& 
   for (const NicLoad& n : plan.source_nics) max_src_nic = std::max(max_src_nic, n.bytes), total += n.bytes;
   for (const NicLoad& n : plan.target_nics) {
     max_tgt_nic = std::max(max_tgt_nic, n.bytes);
-    // A target NIC's time: its bytes at line rate plus the sessions writing into it.
-    pr.max_target_nic_s = std::max(pr.max_target_nic_s, n.bytes / bw + n.sessions * cp.session_ms / 1e3);
+    // A target NIC's time: its bytes at line rate and the sessions writing into it, one after the other (serial) or
+    // overlapped (pipelined).
+    const double sessions_s = n.sessions * cp.session_ms / 1e3;
+    pr.max_target_nic_s = std::max(pr.max_target_nic_s, cp.executor == Executor::kSerial
+                                                            ? n.bytes / bw + sessions_s
+                                                            : std::max(n.bytes / bw, sessions_s));
   }
   pr.bound_s = std::max(max_src_nic, max_tgt_nic) / bw;
   const double trainer_nics = static_cast<double>(in.cluster.trainer.nodes) * in.cluster.nic.per_node;
@@ -101,7 +105,8 @@ Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& 
       // measured load rate and not counted again.
       st.total_s = std::max(st.load_s + st.blocking_send_s, st.nic_s) + st.session_s;
     } else {
-      st.total_s = std::max({st.d2h_s, st.load_s, st.nic_s}) + st.session_s;
+      // Session set-up and completion overlap with the data like everything else in this executor.
+      st.total_s = std::max({st.d2h_s, st.load_s, st.nic_s, st.session_s});
     }
     if (st.total_s > worst) {
       worst = st.total_s;

@@ -6,9 +6,10 @@
 //   update = fixed + gather + transfer + post_process
 //   gather      TP/EP all-gather on the trainer (same for P2P and broadcast)
 //   transfer    P2P: max over sources and target NICs (see SourceTime); broadcast: see PredictBroadcast
-//   a source    serial: max(load + blocking writes, NIC) + sessions x session_ms; pipelined: max(d2h, load, NIC)
-//               + sessions x session_ms
-//   a target NIC  bytes in / line rate + (source, target) sessions into it x session_ms
+//   a source    serial: max(load + blocking writes, NIC) + sessions x session_ms; pipelined: max(d2h, load, NIC,
+//               sessions x session_ms)
+//   a target NIC  bytes in / line rate, plus (serial) or overlapped with (pipelined) the (source, target) sessions
+//                 into it x session_ms
 //
 // All rates are in GB/s (1e9 bytes per second).
 
