@@ -57,7 +57,7 @@ double PredictGather(const PlanInput& in, const CostParams& cp) {
   return worst;
 }
 
-Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& cp) {
+Prediction PredictTransfer(const PlanInput& in, const Plan& plan, const CostParams& cp) {
   Prediction pr;
   const double bw = in.cluster.nic.bytes_per_second();
   std::map<std::pair<int, int>, uint64_t> nic_bytes;
@@ -114,6 +114,13 @@ Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& 
     }
     pr.sources.push_back(st);
   }
+  pr.transfer_s = worst;
+  pr.total_s = worst;
+  return pr;
+}
+
+Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& cp) {
+  Prediction pr = PredictTransfer(in, plan, cp);
   if (plan.strategy == Strategy::kLocal) {
     // Only what the plan gathers: each rank's gathered bytes, from holders on other nodes, at its NIC share.
     const TrainerSpec& t = in.cluster.trainer;
@@ -128,7 +135,6 @@ Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& 
     pr.gather_s = PredictGather(in, cp);
     pr.gather_bytes = GatherBytes(in);
   }
-  pr.transfer_s = worst;
   pr.total_s = (cp.fixed_ms + cp.post_process_ms) / 1e3 + pr.gather_s + pr.transfer_s;
   return pr;
 }

@@ -58,6 +58,9 @@ double PredictGather(const PlanInput& input, const CostParams& params);
 // Bytes the full TP/EP all-gather moves, summed over the receiving ranks of every stage.
 uint64_t GatherBytes(const PlanInput& input);
 Prediction PredictPlan(const PlanInput& input, const Plan& plan, const CostParams& params);
+// PredictPlan's P2P transfer part alone (sources, NICs, bounds): gather and fixed terms are left at 0 and
+// total_s = transfer_s. What the planner's automatic source count compares.
+Prediction PredictTransfer(const PlanInput& input, const Plan& plan, const CostParams& params);
 BroadcastPrediction PredictBroadcast(const PlanInput& input, const CostParams& params);
 
 }  // namespace wsync::planner

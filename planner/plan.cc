@@ -761,6 +761,11 @@ std::vector<int> SpreadSources(int S, int u) {
 struct StageTime {
   double transfer_s = 0;  // the stage's predicted transfer: slowest source or target NIC
   double sources_s = 0;   // slowest source alone: decides between counts a target NIC makes equal
+  // What was evaluated: the stage's sources (index j within the stage), materialized for every configured
+  // instance, and the weights they were cut with. BuildPlan takes them over when its own weights for the chosen
+  // count are the same (then its cut is this one), instead of cutting and materializing the stage again.
+  std::vector<SourcePlan> sources;
+  std::vector<double> weights;
   bool operator<=(const StageTime& o) const {
     return transfer_s < o.transfer_s || (transfer_s == o.transfer_s && sources_s <= o.sources_s);
   }
@@ -789,12 +794,12 @@ StageTime PredictStageWith(const PlanInput& in, const PlanOptions& opt, const St
   PlanStageBalanced(in, opt, ix, stage, srcs, weights);
   for (SourcePlan* s : srcs) Materialize(in, all_instances, s);
   Account(in, all_instances, &tmp);
-  CostParams cp = opt.cost;
-  cp.include_gather = false;  // the same for every u
-  const Prediction pr = PredictPlan(in, tmp, cp);
+  const Prediction pr = PredictTransfer(in, tmp, opt.cost);  // the gather is the same for every u
   StageTime t;
   t.transfer_s = pr.transfer_s;
   for (const SourceTime& st : pr.sources) t.sources_s = std::max(t.sources_s, st.total_s);
+  t.weights = std::move(weights);
+  t.sources = std::move(tmp.sources);
   return t;
 }
 
@@ -803,11 +808,16 @@ StageTime PredictStageWith(const PlanInput& in, const PlanOptions& opt, const St
 // target NIC bounds the stage whatever the count, the slowest source decides). The scan stops at the first u whose
 // lower bound (the stage's bytes over u sources at the replica load rate or over u NICs at line rate, to every
 // instance) already exceeds the best; below it no count can do better.
-int AutoSourceCount(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, int stage) {
+struct SourceCount {
+  int u = 0;
+  StageTime evaluated;  // the chosen count's evaluation (no sources when nothing was evaluated)
+};
+
+SourceCount AutoSourceCount(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, int stage) {
   const int S = in.cluster.trainer.sources_per_stage();
   uint64_t stage_bytes = 0;
   for (uint64_t b : ix.bytes[stage]) stage_bytes += b;
-  if (stage_bytes == 0 || S <= 1) return S;
+  if (stage_bytes == 0 || S <= 1) return {S, {}};
   const int instances = std::max(1, in.cluster.engine.instances);
   std::vector<int> all(instances);
   std::iota(all.begin(), all.end(), 0);
@@ -820,10 +830,10 @@ int AutoSourceCount(const PlanInput& in, const PlanOptions& opt, const StageInde
     const double bound = std::max(share / load_rate, share * instances / nic_rate);
     // Both figures of any count <= u are at least `bound`.
     if (bound > best.transfer_s || (bound >= best.transfer_s && bound > best.sources_s)) break;
-    const StageTime t = PredictStageWith(in, opt, ix, stage, u, all);
-    if (t <= best) best = t, best_u = u;
+    StageTime t = PredictStageWith(in, opt, ix, stage, u, all);
+    if (t <= best) best = std::move(t), best_u = u;
   }
-  return best_u;
+  return {best_u, std::move(best)};
 }
 
 }  // namespace
@@ -854,6 +864,7 @@ absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& option
   Plan plan;
   plan.strategy = options.strategy;
   plan.sources.resize(static_cast<size_t>(pp) * S);
+  std::vector<bool> materialized(plan.sources.size(), false);
   for (int p = 0; p < pp; ++p) {
     for (int j = 0; j < S; ++j) {
       SourcePlan& s = plan.sources[p * S + j];
@@ -889,13 +900,16 @@ absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& option
     // Which sources each stage uses: the cost model's choice (auto), or all of them unless the stage is too small
     // to give each min_source_bytes.
     std::vector<std::vector<int>> used(pp);
+    std::vector<StageTime> evaluated(pp);
     std::map<std::pair<int, int>, int> per_nic;
     for (int p = 0; p < pp; ++p) {
       uint64_t stage_bytes = 0;
       for (uint64_t b : ix.bytes[p]) stage_bytes += b;
       int u = S;
       if (!options.min_source_bytes.has_value()) {
-        u = AutoSourceCount(input, options, ix, p);
+        SourceCount sc = AutoSourceCount(input, options, ix, p);
+        u = sc.u;
+        evaluated[p] = std::move(sc.evaluated);
       } else if (*options.min_source_bytes > 0) {
         const uint64_t m = *options.min_source_bytes;
         u = static_cast<int>(std::min<uint64_t>(S, std::max<uint64_t>(1, (stage_bytes + m - 1) / m)));
@@ -914,10 +928,25 @@ absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& option
         srcs.push_back(s);
         weights.push_back(1.0 / per_nic[{s->node, s->nic}]);  // equal bytes per NIC, split among its sources
       }
-      PlanStageBalanced(input, options, ix, p, srcs, weights);
+      if (!evaluated[p].sources.empty() && evaluated[p].weights == weights) {
+        // The count's evaluation cut the stage with these very weights (no NIC shared with another stage).
+        const bool all_active = static_cast<int>(active.size()) == c.engine.instances;
+        for (int j = 0; j < S; ++j) {
+          SourcePlan& e = evaluated[p].sources[j];
+          if (all_active) {
+            plan.sources[p * S + j] = std::move(e);  // materialized for exactly these instances
+            materialized[p * S + j] = true;
+          } else {
+            plan.sources[p * S + j].assignments = std::move(e.assignments);
+          }
+        }
+      } else {
+        PlanStageBalanced(input, options, ix, p, srcs, weights);
+      }
     }
   }
-  for (SourcePlan& s : plan.sources) Materialize(input, active, &s);
+  for (size_t k = 0; k < plan.sources.size(); ++k)
+    if (!materialized[k]) Materialize(input, active, &plan.sources[k]);
   if (options.strategy == Strategy::kLocal) AssignLocalPushes(input, &plan);
   Account(input, active, &plan);
   return plan;

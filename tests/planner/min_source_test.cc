@@ -111,6 +111,38 @@ TEST_CASE("auto: a tiny model uses fewer sources than it has", "[planner][min_so
   CHECK(UsedSources(MustPlan(testing::MakeInput(big), std::nullopt)) == 8);
 }
 
+// Where auto keeps every source, its plan is the one every-source planning builds: same cuts, tasks, push filters and
+// figures, whether all configured instances are active or a subset (the evaluation's work is reused only when it
+// is the same plan).
+TEST_CASE("auto with every source kept equals --min-source-mib 0", "[planner][min_source]") {
+  testing::SyntheticShape shapes[3];
+  shapes[0].instances = 4, shapes[0].engine_nodes = 4;                          // 8 sources, 4 x TP8
+  shapes[1].pp = 2, shapes[1].train_nodes = 2, shapes[1].instances = 2;         // 2 stages
+  shapes[1].engine_nodes = 2;
+  shapes[2].pp = 2, shapes[2].nics = 1, shapes[2].instances = 2;                // stages share a NIC
+  shapes[2].engine_nodes = 2;
+  for (const auto& shape : shapes) {
+    for (bool subset : {false, true}) {
+      PlanInput in = testing::MakeInput(shape);
+      if (subset) in.instances = {1};
+      const Plan a = MustPlan(in, std::nullopt), b = MustPlan(in, 0);
+      REQUIRE(UsedSources(a) == static_cast<int>(a.sources.size()));
+      REQUIRE(a.sources.size() == b.sources.size());
+      for (size_t k = 0; k < a.sources.size(); ++k) {
+        INFO("pp " << shape.pp << " nics " << shape.nics << " subset " << subset << " source " << k);
+        CHECK(a.sources[k].assignments == b.sources[k].assignments);
+        CHECK(a.sources[k].tasks == b.sources[k].tasks);
+        CHECK(a.sources[k].push_filter == b.sources[k].push_filter);
+        CHECK(a.sources[k].bytes_out == b.sources[k].bytes_out);
+        CHECK(a.sources[k].load_bytes == b.sources[k].load_bytes);
+        CHECK(a.sources[k].sessions == b.sources[k].sessions);
+        CHECK(a.sources[k].trainer_rank == b.sources[k].trainer_rank);
+      }
+      CHECK(a.target_bytes == b.target_bytes);
+    }
+  }
+}
+
 TEST_CASE("explicit --min-source-mib still sets the floor", "[planner][min_source]") {
   testing::SyntheticShape s;  // 8 sources, one engine at TP=8
   s.params_per_stage = 4;
