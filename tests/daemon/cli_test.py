@@ -93,6 +93,9 @@ def main():
         check(rc == 2, f"{prog} unknown flag exits 2 (rc {rc})")
     rc, _, err = run([b("wsync-coordinator"), "--log-format", "xml"])
     check(rc == 2 and "xml" in err, f"--log-format xml is rejected with 2 (rc {rc})")
+    for flag, bad in (("--min-source-mib", "lots"), ("--nic", "fast")):
+        rc, out, err = run([b("wsync-coordinator"), flag, bad, "--listen", "127.0.0.1:0"], timeout=10)
+        check(rc == 2 and flag in out + err, f"wsync-coordinator {flag} {bad} exits 2 naming the flag (rc {rc})")
     rc, _, err = run([b("wsyncctl"), "frobnicate"])
     check(rc == 2 and "frobnicate" in err, f"unknown subcommand named, exit 2 (rc {rc}: {err.strip()[:120]})")
     dead = f"127.0.0.1:{free_port()}"
