@@ -754,8 +754,8 @@ std::vector<int> SpreadSources(int S, int u) {
   return out;
 }
 
-// balanced, automatic source count of one stage: the cost model's predicted time of the stage (its slowest source)
-// with u of its sources, written to every configured instance (never the active subset, so the count, like the
+// balanced, automatic source count of one stage: the cost model's predicted transfer time of the stage (slowest
+// source or target NIC) with u of its sources, written to every configured instance (never the active subset, so the count, like the
 // cut, does not change when instances join or leave). The stage is evaluated on its own: a NIC shared with
 // another stage's sources is not charged their bytes (no sharing at all when a stage spans whole nodes).
 struct StageTime {
