@@ -1,7 +1,6 @@
 // `wsyncctl status`'s target-node view: NodeStatus.cuda_segments and gpu_direct as the table and the JSON show them.
 // The statuses are built here as a GPU target reports them (tests/cuda/cuda_segment_test checks the daemon's side).
 #include <catch2/catch.hpp>
-
 #include <string>
 
 #include "tools/cli/status_view.h"
@@ -62,8 +61,8 @@ TEST_CASE("status JSON: gpu_direct and cuda_segments per target node") {
   CHECK(j[0]["reachable"] == true);
   CHECK(j[0]["gpu_direct"] == false);
   CHECK(j[0]["cuda_segments"] == nlohmann::json::array({"engine e0 rank 0 segment 0: gpudirect",
-                                                         "engine e0 rank 1 segment 0: staging (no GPUDirect: "
-                                                         "nvidia_peermem not loaded)"}));
+                                                        "engine e0 rank 1 segment 0: staging (no GPUDirect: "
+                                                        "nvidia_peermem not loaded)"}));
   CHECK(j[1]["gpu_direct"] == true);
   CHECK(j[1]["cuda_segments"].size() == 1);
   CHECK(j[2]["gpu_direct"] == false);

@@ -1,9 +1,8 @@
 // balanced's automatic source count (PlanOptions::min_source_bytes unset): a stage uses a source only when the cost
 // model predicts the stage faster with it; --min-source-mib N still forces the byte floor. Expectations come from
 // the inputs' byte counts and the NIC rate computed here, not from the planner's selection code.
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <string>
 
 #include "planner/cost.h"
@@ -116,10 +115,10 @@ TEST_CASE("auto: a tiny model uses fewer sources than it has", "[planner][min_so
 // is the same plan).
 TEST_CASE("auto with every source kept equals --min-source-mib 0", "[planner][min_source]") {
   testing::SyntheticShape shapes[3];
-  shapes[0].instances = 4, shapes[0].engine_nodes = 4;                          // 8 sources, 4 x TP8
-  shapes[1].pp = 2, shapes[1].train_nodes = 2, shapes[1].instances = 2;         // 2 stages
+  shapes[0].instances = 4, shapes[0].engine_nodes = 4;                   // 8 sources, 4 x TP8
+  shapes[1].pp = 2, shapes[1].train_nodes = 2, shapes[1].instances = 2;  // 2 stages
   shapes[1].engine_nodes = 2;
-  shapes[2].pp = 2, shapes[2].nics = 1, shapes[2].instances = 2;                // stages share a NIC
+  shapes[2].pp = 2, shapes[2].nics = 1, shapes[2].instances = 2;  // stages share a NIC
   shapes[2].engine_nodes = 2;
   for (const auto& shape : shapes) {
     for (bool subset : {false, true}) {
