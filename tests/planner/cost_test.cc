@@ -69,11 +69,11 @@ TEST_CASE("sessions cost on both ends: per source and per target NIC", "[planner
   }
   // Every target NIC: its bytes at line rate plus 10 ms per (source, target) pair writing into it, counted here from
   // the tasks.
-  std::map<std::pair<int, int>, std::set<std::pair<int, int>>> writers;  // target -> (source, target rank key)
+  std::map<std::pair<int, int>, std::set<size_t>> writers;  // target (instance, rank) -> sources writing into it
   std::map<std::pair<int, int>, uint64_t> bytes_in;
   for (size_t k = 0; k < plan->sources.size(); ++k)
     for (const Task& t : plan->sources[k].tasks) {
-      writers[{t.target.instance, t.target.rank}].insert({static_cast<int>(k), 0});
+      writers[{t.target.instance, t.target.rank}].insert(k);
       bytes_in[{t.target.instance, t.target.rank}] += t.bytes;
     }
   double expect = 0;  // one engine rank per NIC in this shape (8 ranks, 8 NICs per node, one instance per node)
