@@ -57,7 +57,7 @@ double PredictGather(const PlanInput& in, const CostParams& cp) {
   return worst;
 }
 
-Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& cp) {
+Prediction PredictTransfer(const PlanInput& in, const Plan& plan, const CostParams& cp) {
   Prediction pr;
   const double bw = in.cluster.nic.bytes_per_second();
   std::map<std::pair<int, int>, uint64_t> nic_bytes;
@@ -67,11 +67,18 @@ Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& 
     if (s.active()) nic_sources[{s.node, s.nic}]++;
   uint64_t max_src_nic = 0, max_tgt_nic = 0, total = 0;
   for (const NicLoad& n : plan.source_nics) max_src_nic = std::max(max_src_nic, n.bytes), total += n.bytes;
-  for (const NicLoad& n : plan.target_nics) max_tgt_nic = std::max(max_tgt_nic, n.bytes);
+  for (const NicLoad& n : plan.target_nics) {
+    max_tgt_nic = std::max(max_tgt_nic, n.bytes);
+    // A target NIC's time: its bytes at line rate and the sessions writing into it, one after the other (serial) or
+    // overlapped (pipelined).
+    const double sessions_s = n.sessions * cp.session_ms / 1e3;
+    pr.max_target_nic_s = std::max(pr.max_target_nic_s, cp.executor == Executor::kSerial
+                                                            ? n.bytes / bw + sessions_s
+                                                            : std::max(n.bytes / bw, sessions_s));
+  }
   pr.bound_s = std::max(max_src_nic, max_tgt_nic) / bw;
   const double trainer_nics = static_cast<double>(in.cluster.trainer.nodes) * in.cluster.nic.per_node;
   pr.ideal_bound_s = std::max(static_cast<double>(max_tgt_nic), total / trainer_nics) / bw;
-  pr.max_target_nic_s = max_tgt_nic / bw;
 
   double worst = pr.max_target_nic_s;
   for (size_t k = 0; k < plan.sources.size(); ++k) {
@@ -92,12 +99,14 @@ Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& 
         if (t.target.rank != last_rank) blocking += t.bytes;
     }
     st.blocking_send_s = blocking / share;
+    st.session_s = s.sessions * cp.session_ms / 1e3;
     if (cp.executor == Executor::kSerial) {
       // The seed's replica loads slice straight from the gathered GPU tensors, so the hand-over is part of the
       // measured load rate and not counted again.
-      st.total_s = std::max(st.load_s + st.blocking_send_s, st.nic_s);
+      st.total_s = std::max(st.load_s + st.blocking_send_s, st.nic_s) + st.session_s;
     } else {
-      st.total_s = std::max({st.d2h_s, st.load_s, st.nic_s});
+      // Session set-up and completion overlap with the data like everything else in this executor.
+      st.total_s = std::max({st.d2h_s, st.load_s, st.nic_s, st.session_s});
     }
     if (st.total_s > worst) {
       worst = st.total_s;
@@ -105,6 +114,13 @@ Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& 
     }
     pr.sources.push_back(st);
   }
+  pr.transfer_s = worst;
+  pr.total_s = worst;
+  return pr;
+}
+
+Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& cp) {
+  Prediction pr = PredictTransfer(in, plan, cp);
   if (plan.strategy == Strategy::kLocal) {
     // Only what the plan gathers: each rank's gathered bytes, from holders on other nodes, at its NIC share.
     const TrainerSpec& t = in.cluster.trainer;
@@ -119,7 +135,6 @@ Prediction PredictPlan(const PlanInput& in, const Plan& plan, const CostParams& 
     pr.gather_s = PredictGather(in, cp);
     pr.gather_bytes = GatherBytes(in);
   }
-  pr.transfer_s = worst;
   pr.total_s = (cp.fixed_ms + cp.post_process_ms) / 1e3 + pr.gather_s + pr.transfer_s;
   return pr;
 }

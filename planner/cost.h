@@ -6,6 +6,10 @@
 //   update = fixed + gather + transfer + post_process
 //   gather      TP/EP all-gather on the trainer (same for P2P and broadcast)
 //   transfer    P2P: max over sources and target NICs (see SourceTime); broadcast: see PredictBroadcast
+//   a source    serial: max(load + blocking writes, NIC) + sessions x session_ms; pipelined: max(d2h, load, NIC,
+//               sessions x session_ms)
+//   a target NIC  bytes in / line rate, plus (serial) or overlapped with (pipelined) the (source, target) sessions
+//                 into it x session_ms
 //
 // All rates are in GB/s (1e9 bytes per second).
 
@@ -13,31 +17,16 @@
 #include <string>
 #include <vector>
 
+#include "planner/cost_params.h"
 #include "planner/plan.h"
 
 namespace wsync::planner {
 
-enum class Executor {
-  kSerial,     // the seed's: per bucket gather -> load layout 1 -> write it (blocking) -> load layout 2 -> ...;
-               // the last layout's writes overlap with the next bucket
-  kPipelined,  // hand-over, replica load and writes overlap (wsync's goal): the slowest stage dominates
-};
-
-struct CostParams {
-  double replica_load_gbps = 4.0;  // HF tensors -> CPU replica (slicing, fusion, copy) per source
-  double d2h_gbps = 25.0;          // trainer GPU -> pinned host hand-over of the push filter (pipelined only)
-  double nvlink_gbps = 150.0;      // per-GPU all-gather rate inside a node
-  double gather_efficiency = 1.0;  // fraction of the NIC line rate the all-gather achieves across nodes
-  double bcast_rx_gbps = 25.0;     // what one broadcast receiver absorbs (NCCL recv + GPU load_weights per bucket)
-  double fixed_ms = 0.0;           // pause, flush, RPCs
-  double post_process_ms = 0.0;    // engine post_process_weights (e.g. MLA w_kc/w_vc, requantization)
-  bool include_gather = true;
-  Executor executor = Executor::kSerial;
-};
-
 struct SourceTime {
   int source = 0;  // index into Plan::sources
-  double d2h_s = 0, load_s = 0, blocking_send_s = 0, nic_s = 0, total_s = 0;
+  double d2h_s = 0, load_s = 0, blocking_send_s = 0, nic_s = 0;
+  double session_s = 0;  // sessions x session_ms
+  double total_s = 0;
 };
 
 struct Prediction {
@@ -69,6 +58,9 @@ double PredictGather(const PlanInput& input, const CostParams& params);
 // Bytes the full TP/EP all-gather moves, summed over the receiving ranks of every stage.
 uint64_t GatherBytes(const PlanInput& input);
 Prediction PredictPlan(const PlanInput& input, const Plan& plan, const CostParams& params);
+// PredictPlan's P2P transfer part alone (sources, NICs, bounds): gather and fixed terms are left at 0 and
+// total_s = transfer_s. What the planner's automatic source count compares.
+Prediction PredictTransfer(const PlanInput& input, const Plan& plan, const CostParams& params);
 BroadcastPrediction PredictBroadcast(const PlanInput& input, const CostParams& params);
 
 }  // namespace wsync::planner

@@ -10,8 +10,11 @@
 #include <set>
 #include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "planner/cost.h"
 
 namespace wsync::planner {
 namespace {
@@ -272,10 +275,17 @@ void Account(const PlanInput& in, const std::vector<int>& active, Plan* plan) {
   for (size_t k = 0; k < active.size(); ++k) slot[active[k]] = static_cast<int>(k);
   plan->target_bytes.assign(active.size() * tp, 0);
   std::map<std::pair<int, int>, uint64_t> snic, tnic;
+  std::map<std::pair<int, int>, int> snic_sessions, tnic_sessions;
   for (const SourcePlan& s : plan->sources) {
     if (!s.active()) continue;
     snic[{s.node, s.nic}] += s.bytes_out;
-    for (const Task& t : s.tasks) plan->target_bytes[slot[t.target.instance] * tp + t.target.rank] += t.bytes;
+    snic_sessions[{s.node, s.nic}] += s.sessions;
+    std::set<Target> targets;
+    for (const Task& t : s.tasks) {
+      plan->target_bytes[slot[t.target.instance] * tp + t.target.rank] += t.bytes;
+      targets.insert(t.target);
+    }
+    for (const Target& t : targets) tnic_sessions[PlaceTarget(in.cluster, t)]++;
   }
   for (int i : active) {
     for (int r = 0; r < tp; ++r) {
@@ -284,8 +294,8 @@ void Account(const PlanInput& in, const std::vector<int>& active, Plan* plan) {
   }
   plan->source_nics.clear();
   plan->target_nics.clear();
-  for (auto& [k, v] : snic) plan->source_nics.push_back({k.first, k.second, v});
-  for (auto& [k, v] : tnic) plan->target_nics.push_back({k.first, k.second, v});
+  for (auto& [k, v] : snic) plan->source_nics.push_back({k.first, k.second, v, snic_sessions[k]});
+  for (auto& [k, v] : tnic) plan->target_nics.push_back({k.first, k.second, v, tnic_sessions[k]});
 }
 
 
@@ -735,6 +745,114 @@ absl::Status PlanInput::Validate() const {
   return absl::OkStatus();
 }
 
+namespace {
+
+// u of a stage's S sources, spread evenly over its ranks (hence nodes and NICs).
+std::vector<int> SpreadSources(int S, int u) {
+  std::vector<int> out;
+  for (int k = 0; k < u; ++k) out.push_back(static_cast<int>(static_cast<int64_t>(k) * S / u));
+  return out;
+}
+
+// balanced, automatic source count of one stage: the cost model's predicted transfer time of the stage (slowest
+// source or target NIC) with u of its sources, written to every configured instance (never the active subset, so the count, like the
+// cut, does not change when instances join or leave). The stage is evaluated on its own: a NIC shared with
+// another stage's sources is not charged their bytes (no sharing at all when a stage spans whole nodes).
+struct StageTime {
+  double transfer_s = 0;  // the stage's predicted transfer: slowest source or target NIC
+  double sources_s = 0;   // slowest source alone: decides between counts a target NIC makes equal
+  // What was evaluated: the stage's sources (index j within the stage), materialized for every configured
+  // instance, and the weights they were cut with. BuildPlan takes them over when its own weights for the chosen
+  // count are the same (then its cut is this one), instead of cutting and materializing the stage again.
+  std::vector<SourcePlan> sources;
+  std::vector<double> weights;
+  bool operator<=(const StageTime& o) const {
+    return transfer_s < o.transfer_s || (transfer_s == o.transfer_s && sources_s <= o.sources_s);
+  }
+};
+
+StageTime PredictStageWith(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, int stage, int u,
+                        const std::vector<int>& all_instances) {
+  const int S = in.cluster.trainer.sources_per_stage();
+  Plan tmp;
+  tmp.strategy = Strategy::kBalanced;
+  tmp.sources.resize(S);
+  for (int j = 0; j < S; ++j) {
+    tmp.sources[j].stage = stage;
+    tmp.sources[j].index = j;
+    PlaceSource(in.cluster, &tmp.sources[j]);
+  }
+  const std::vector<int> js = SpreadSources(S, u);
+  std::map<std::pair<int, int>, int> per_nic;
+  for (int j : js) per_nic[{tmp.sources[j].node, tmp.sources[j].nic}]++;
+  std::vector<SourcePlan*> srcs;
+  std::vector<double> weights;
+  for (int j : js) {
+    srcs.push_back(&tmp.sources[j]);
+    weights.push_back(1.0 / per_nic[{tmp.sources[j].node, tmp.sources[j].nic}]);
+  }
+  PlanStageBalanced(in, opt, ix, stage, srcs, weights);
+  for (SourcePlan* s : srcs) Materialize(in, all_instances, s);
+  Account(in, all_instances, &tmp);
+  const Prediction pr = PredictTransfer(in, tmp, opt.cost);  // the gather is the same for every u
+  StageTime t;
+  t.transfer_s = pr.transfer_s;
+  for (const SourceTime& st : pr.sources) t.sources_s = std::max(t.sources_s, st.total_s);
+  t.weights = std::move(weights);
+  t.sources = std::move(tmp.sources);
+  return t;
+}
+
+// The fewest of the stage's sources with the lowest predicted time: starting from all S, a count is taken when its
+// prediction is no higher than the best so far, i.e. a source is kept only if the stage is faster with it (where a
+// target NIC bounds the stage whatever the count, the slowest source decides). The scan stops at the first u whose
+// lower bound (the stage's bytes over u sources at the replica load rate or over u NICs at line rate, to every
+// instance) already exceeds the best; below it no count can do better.
+struct SourceCount {
+  int u = 0;
+  StageTime evaluated;  // the chosen count's evaluation (no sources when nothing was evaluated)
+};
+
+SourceCount AutoSourceCount(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, int stage) {
+  const int S = in.cluster.trainer.sources_per_stage();
+  uint64_t stage_bytes = 0;
+  for (uint64_t b : ix.bytes[stage]) stage_bytes += b;
+  if (stage_bytes == 0 || S <= 1) return {S, {}};
+  const int instances = std::max(1, in.cluster.engine.instances);
+  std::vector<int> all(instances);
+  std::iota(all.begin(), all.end(), 0);
+  const double load_rate = opt.cost.replica_load_gbps * 1e9;
+  const double nic_rate = in.cluster.nic.bytes_per_second();
+  int best_u = S;
+  StageTime best = PredictStageWith(in, opt, ix, stage, S, all);
+  for (int u = S - 1; u >= 1; --u) {
+    const double share = static_cast<double>(stage_bytes) / u;
+    const double bound = std::max(share / load_rate, share * instances / nic_rate);
+    // Both figures of any count <= u are at least `bound`.
+    if (bound > best.transfer_s || (bound >= best.transfer_s && bound > best.sources_s)) break;
+    StageTime t = PredictStageWith(in, opt, ix, stage, u, all);
+    if (t <= best) best = std::move(t), best_u = u;
+  }
+  return {best_u, std::move(best)};
+}
+
+}  // namespace
+
+absl::StatusOr<std::optional<uint64_t>> ParseMinSourceMib(absl::string_view text) {
+  const std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
+  if (t == "auto") return std::optional<uint64_t>();
+  uint64_t mib = 0;
+  if (!absl::SimpleAtoi(t, &mib) || mib > (uint64_t{1} << 40)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--min-source-mib: expected auto or a whole number of MiB, got '", text, "'"));
+  }
+  return std::optional<uint64_t>(mib << 20);
+}
+
+std::string FormatMinSourceMib(const std::optional<uint64_t>& bytes) {
+  return bytes.has_value() ? absl::StrCat(*bytes >> 20) : "auto";
+}
+
 absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& options) {
   WSYNC_RETURN_IF_ERROR_CTX(input.Validate(), "plan input");
   const ClusterSpec& c = input.cluster;
@@ -746,6 +864,7 @@ absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& option
   Plan plan;
   plan.strategy = options.strategy;
   plan.sources.resize(static_cast<size_t>(pp) * S);
+  std::vector<bool> materialized(plan.sources.size(), false);
   for (int p = 0; p < pp; ++p) {
     for (int j = 0; j < S; ++j) {
       SourcePlan& s = plan.sources[p * S + j];
@@ -778,19 +897,24 @@ absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& option
       PlanStageLocal(input, options, ix, p, srcs, weights, hold);
     }
   } else {
-    // Which sources each stage uses: all of them unless the stage is too small to give each min_source_bytes.
+    // Which sources each stage uses: the cost model's choice (auto), or all of them unless the stage is too small
+    // to give each min_source_bytes.
     std::vector<std::vector<int>> used(pp);
+    std::vector<StageTime> evaluated(pp);
     std::map<std::pair<int, int>, int> per_nic;
     for (int p = 0; p < pp; ++p) {
       uint64_t stage_bytes = 0;
       for (uint64_t b : ix.bytes[p]) stage_bytes += b;
       int u = S;
-      if (options.min_source_bytes > 0) {
-        u = static_cast<int>(std::min<uint64_t>(
-            S, std::max<uint64_t>(1, (stage_bytes + options.min_source_bytes - 1) / options.min_source_bytes)));
+      if (!options.min_source_bytes.has_value()) {
+        SourceCount sc = AutoSourceCount(input, options, ix, p);
+        u = sc.u;
+        evaluated[p] = std::move(sc.evaluated);
+      } else if (*options.min_source_bytes > 0) {
+        const uint64_t m = *options.min_source_bytes;
+        u = static_cast<int>(std::min<uint64_t>(S, std::max<uint64_t>(1, (stage_bytes + m - 1) / m)));
       }
-      for (int k = 0; k < u; ++k) {
-        const int j = static_cast<int>(static_cast<int64_t>(k) * S / u);  // spread over nodes and NICs
+      for (int j : SpreadSources(S, u)) {
         used[p].push_back(j);
         const SourcePlan& s = plan.sources[p * S + j];
         per_nic[{s.node, s.nic}]++;
@@ -804,10 +928,25 @@ absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& option
         srcs.push_back(s);
         weights.push_back(1.0 / per_nic[{s->node, s->nic}]);  // equal bytes per NIC, split among its sources
       }
-      PlanStageBalanced(input, options, ix, p, srcs, weights);
+      if (!evaluated[p].sources.empty() && evaluated[p].weights == weights) {
+        // The count's evaluation cut the stage with these very weights (no NIC shared with another stage).
+        const bool all_active = static_cast<int>(active.size()) == c.engine.instances;
+        for (int j = 0; j < S; ++j) {
+          SourcePlan& e = evaluated[p].sources[j];
+          if (all_active) {
+            plan.sources[p * S + j] = std::move(e);  // materialized for exactly these instances
+            materialized[p * S + j] = true;
+          } else {
+            plan.sources[p * S + j].assignments = std::move(e.assignments);
+          }
+        }
+      } else {
+        PlanStageBalanced(input, options, ix, p, srcs, weights);
+      }
     }
   }
-  for (SourcePlan& s : plan.sources) Materialize(input, active, &s);
+  for (size_t k = 0; k < plan.sources.size(); ++k)
+    if (!materialized[k]) Materialize(input, active, &plan.sources[k]);
   if (options.strategy == Strategy::kLocal) AssignLocalPushes(input, &plan);
   Account(input, active, &plan);
   return plan;

@@ -9,12 +9,14 @@
 // Threading: everything here is a pure function of its inputs; a Planner object is not thread-safe.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "planner/cluster.h"
+#include "planner/cost_params.h"
 
 namespace wsync::planner {
 
@@ -87,6 +89,9 @@ struct PlanInput {
 
 enum class Strategy { kSeed, kBalanced, kLocal };
 absl::StatusOr<Strategy> ParseStrategy(absl::string_view name);
+// "--min-source-mib": "auto" -> nullopt, "N" -> N MiB in bytes (0 = every source). InvalidArgument otherwise.
+absl::StatusOr<std::optional<uint64_t>> ParseMinSourceMib(absl::string_view text);
+std::string FormatMinSourceMib(const std::optional<uint64_t>& bytes);
 absl::string_view StrategyName(Strategy s);
 
 struct PlanOptions {
@@ -96,9 +101,15 @@ struct PlanOptions {
   bool split_params = true;
   uint64_t snap_bytes = 4ull << 20;
   uint64_t align_bytes = 4096;  // byte-range cuts are multiples of this
-  // balanced: a source is only given work if each used source gets at least this many bytes per copy (avoids
-  // hundreds of tiny sessions for small models). 0 = use every source.
-  uint64_t min_source_bytes = 64ull << 20;
+  // balanced: how many of a stage's sources get work. nullopt (default, "auto"): the count the cost model below
+  // predicts fastest for the stage; a source is added only if the stage's predicted time with it is lower, so
+  // tiny shares, whose per-session cost outweighs the bytes they take off the others, stay together.
+  // A value: an explicit floor, a source is only given work if each used source gets at least this many bytes per
+  // copy; 0 = use every source.
+  std::optional<uint64_t> min_source_bytes;
+  // The rates and fixed costs the automatic source count is predicted with (the `wsyncctl plan` flags of the same
+  // names; the coordinator uses the defaults at its NIC rate).
+  CostParams cost;
   // local: a source that does not yet serve an engine rank gets one of its parameters only when that beats the
   // best source already serving the rank by more than this many bytes (fewer replica layouts per source).
   uint64_t layout_affinity_bytes = 4ull << 20;
@@ -179,6 +190,7 @@ struct NicLoad {
   int node = 0;
   int nic = 0;
   uint64_t bytes = 0;
+  int sessions = 0;  // (source, target) pairs with writes through this NIC
 };
 
 struct Plan {

@@ -242,7 +242,8 @@ absl::Status Coordinator::Replan(bool dry_run) {
 
   // What every group's plan depends on besides its own engines.
   std::string common = absl::StrCat(model_config_json_, "\n", opts_.strategy, "\n", opts_.trainer_parallelism, "\n",
-                                    opts_.min_source_bytes, "\n", opts_.snap_bytes, "\n");
+                                    planner::FormatMinSourceMib(opts_.min_source_bytes), "\n", opts_.nic, "\n",
+                                    opts_.snap_bytes, "\n");
   for (const auto* s : sources)
     absl::StrAppend(&common, s->node_id(), " ", s->address(), " ", s->trainer_ranks(), " ", s->pp_stage(), "\n");
 
@@ -280,8 +281,14 @@ absl::Status Coordinator::Replan(bool dry_run) {
     c.trainer.gpus_per_node = ranks_per_node;
     c.engine.instances = static_cast<int>(engines.size());
     std::tie(c.engine.tp, c.engine.ep, c.engine.dp_attention) = group_shape.at(key);
-    c.engine.nodes = 1;
-    c.nic.per_node = 1;
+    // Engines on distinct target nodes have NICs of their own (the cost model's target side, which the automatic
+    // source count weighs).
+    std::set<std::string> engine_nodes;
+    for (const Engine& e : engines) engine_nodes.insert(e.node_id);
+    c.engine.nodes = static_cast<int>(engine_nodes.size());
+    auto nic = planner::ParseNicSpec(opts_.nic);
+    if (!nic.ok()) return Annotate(nic.status(), "--nic");
+    c.nic = *nic;
     planner::ModelInputOptions mo;
     mo.dialect = *replica::DialectForEngineKind(engines.front().reg->kind());
     // Quantization is what the engine reports: FP8 block scales among its parameters (block size from its config).

@@ -31,6 +31,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -89,8 +90,11 @@ struct CoordinatorOptions {
   // local: the trainer's parallelism inside each PP stage ("tp=2,cp=1,ep=2,etp=1"; pp and nodes come from the
   // registered sources), i.e. which rank holds which shard. Empty = tp=ep=1 (every rank holds whole tensors).
   std::string trainer_parallelism;
-  // balanced: a source is only given work if it gets at least this many bytes per engine copy (0 = every source).
-  uint64_t min_source_bytes = 64ull << 20;
+  // balanced: a source is only given work if it gets at least this many bytes per engine copy (0 = every source);
+  // nullopt (default): as many sources as the planner's cost model predicts fastest (planner::PlanOptions).
+  std::optional<uint64_t> min_source_bytes;
+  // balanced, automatic source count: every node's NICs ("1x400Gbps"), the link rate the cost model plans with.
+  std::string nic = "1x400Gbps";
   // balanced: a cut within this many bytes of a parameter boundary moves to the boundary (0: cut anywhere, aligned).
   uint64_t snap_bytes = 4ull << 20;
   size_t history_limit = 1000;    // also bounds the per-version outcomes kept to answer retries

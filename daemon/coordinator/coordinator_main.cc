@@ -15,6 +15,7 @@
 #include "base/logging.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/etcd_store.h"
+#include "planner/plan.h"
 #include "proto/tls.h"
 #include "daemon/common/serve.h"
 #include "daemon/coordinator/coordinator_service.h"
@@ -72,10 +73,15 @@ int main(int argc, char** argv) {
   app.add_option("--trainer-parallelism", opts.trainer_parallelism,
                  "local: the trainer's parallelism within a PP stage, Megatron rank order tp-cp-ep-dp-pp, e.g. "
                  "tp=2,ep=2[,cp=1][,etp=1] (pp and nodes come from the registered source daemons)");
-  uint64_t min_source_mib = opts.min_source_bytes >> 20;
+  std::string min_source_mib = planner::FormatMinSourceMib(opts.min_source_bytes);
   app.add_option("--min-source-mib", min_source_mib,
-                 "balanced: give a source work only if it gets at least this many MiB per engine copy (0: use every "
-                 "source)")
+                 "balanced: auto (as many sources per stage as the planner's cost model predicts fastest: a source "
+                 "is left out only when its share is too small to pay for its sessions) or N: give a source work "
+                 "only if it gets at least N MiB per engine copy (0: use every source)")
+      ->capture_default_str();
+  app.add_option("--nic", opts.nic,
+                 "balanced, --min-source-mib auto: every node's NICs as COUNTxRATE (e.g. 1x100Gbps), the link rate "
+                 "the planner's cost model chooses the number of sources with")
       ->capture_default_str();
   uint64_t snap_kib = opts.snap_bytes >> 10;
   app.add_option("--snap-kib", snap_kib,
@@ -117,7 +123,16 @@ int main(int argc, char** argv) {
     spdlog::error("{}", st.ToString());
     return 2;
   }
-  opts.min_source_bytes = min_source_mib << 20;
+  if (auto n = planner::ParseNicSpec(opts.nic); !n.ok()) {
+    spdlog::error("--nic: {}", std::string(n.status().message()));
+    return 2;
+  }
+  if (auto m = planner::ParseMinSourceMib(min_source_mib); m.ok()) {
+    opts.min_source_bytes = *m;
+  } else {
+    spdlog::error("{}", std::string(m.status().message()));
+    return 2;
+  }
   opts.snap_bytes = snap_kib << 10;
 
   daemon::StateSpec spec;

@@ -32,9 +32,53 @@ def free_port():
     return port
 
 
+def check_status_targets(b, ep, model, wd):
+    """wsyncctl status shows each target node's NodeStatus.gpu_direct and cuda_segments (table and JSON); on this
+    machine's host-memory engine: no segments, not GPUDirect; a target that stops answering is listed unreachable."""
+    procs = harness.Procs(wd)
+    try:
+        ef = os.path.join(wd, "engine.port")
+        procs.start("engine", [b("wsync-engine-ref"), "--id", "engine0", "--model", model, "--tp", "2",
+                               "--listen", "127.0.0.1:0", "--port-file", ef])
+        eng = f"127.0.0.1:{harness.wait_for('engine port', lambda: harness.read_port_file(ef), 30, procs, ['engine'])}"
+        tf = os.path.join(wd, "target.port")
+        procs.start("target", [b("wsyncd"), "--listen", "127.0.0.1:0", "--role", "target", "--node-id", "infer0",
+                               "--coordinator", ep, "--engine", f"reference+grpc://{eng}",
+                               "--engine-socket", os.path.join(wd, "target.sock"), "--port-file", tf])
+        harness.wait_for("target port", lambda: harness.read_port_file(tf), 30, procs, ["target"])
+
+        def target_entry():
+            rc, out, _ = run([b("wsyncctl"), "status", "-w", "json", "--endpoints", ep])
+            try:
+                for t in json.loads(out).get("target_nodes", []) if rc == 0 else []:
+                    if t.get("node_id") == "infer0":
+                        return t
+            except ValueError:
+                pass
+            return None
+
+        t = harness.wait_for("infer0 in status", target_entry, 30, procs, ["target"])
+        check(t.get("reachable") is True and t.get("gpu_direct") is False and t.get("cuda_segments") == [],
+              f"status -w json: target node's gpu_direct false and no cuda segments on host memory: {t}")
+        rc, out, err = run([b("wsyncctl"), "status", "--endpoints", ep])
+        lines = [l for l in out.splitlines() if l.startswith("infer0 ")]
+        check(rc == 0 and "GPUDIRECT" in out and "CUDA SEGMENTS" in out
+              and any(l.split()[1:4] == ["no", "none", "(host"] for l in lines),
+              f"status table: target node infer0 with GPUDirect 'no' and no segments (rc {rc}): {out[-600:]!r}")
+        target = procs.procs["target"]
+        os.killpg(target.pid, signal.SIGSTOP)  # registered but not answering
+        rc, out, _ = run([b("wsyncctl"), "status", "--endpoints", ep, "--dial-timeout", "1"])
+        check(rc == 0 and any(l.startswith("infer0 ") and "unreachable" in l for l in out.splitlines()),
+              f"status lists a target that does not answer as unreachable, still exit 0 (rc {rc}): {out[-400:]!r}")
+        os.killpg(target.pid, signal.SIGCONT)
+    finally:
+        procs.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
+    ap.add_argument("--model", required=True, help="model config for the reference engine behind a target node")
     args = ap.parse_args()
     b = lambda n: os.path.join(args.bin, n)
     progs = ["wsyncctl", "wsyncd", "wsync-coordinator", "wsync-engine-ref", "wsync-trainer-demo"]
@@ -49,6 +93,9 @@ def main():
         check(rc == 2, f"{prog} unknown flag exits 2 (rc {rc})")
     rc, _, err = run([b("wsync-coordinator"), "--log-format", "xml"])
     check(rc == 2 and "xml" in err, f"--log-format xml is rejected with 2 (rc {rc})")
+    for flag, bad in (("--min-source-mib", "lots"), ("--nic", "fast")):
+        rc, out, err = run([b("wsync-coordinator"), flag, bad, "--listen", "127.0.0.1:0"], timeout=10)
+        check(rc == 2 and flag in out + err, f"wsync-coordinator {flag} {bad} exits 2 naming the flag (rc {rc})")
     rc, _, err = run([b("wsyncctl"), "frobnicate"])
     check(rc == 2 and "frobnicate" in err, f"unknown subcommand named, exit 2 (rc {rc}: {err.strip()[:120]})")
     dead = f"127.0.0.1:{free_port()}"
@@ -119,6 +166,7 @@ def main():
             finally:
                 d.terminate()
                 d.wait(10)
+            check_status_targets(b, ep, args.model, wd)
         finally:
             coord.terminate()
             coord.wait(10)

@@ -688,7 +688,9 @@ namespace wsync::daemon {
 namespace {
 
 TEST_CASE("remove: a node is deregistered only between updates; the next update re-plans without it") {
-  Fixture f(2, 1, 2);
+  CoordinatorOptions floor;
+  floor.min_source_bytes = 64ull << 20;  // the tiny model on one source (see below)
+  Fixture f(2, 1, 2, floor);
   v1::RemoveNodeRequest r;
   r.set_node_id("nope");
   CHECK(f.c->RemoveNode(r).status().code() == absl::StatusCode::kNotFound);
@@ -703,7 +705,7 @@ TEST_CASE("remove: a node is deregistered only between updates; the next update 
   CHECK(f.c->Status().nodes_size() == 2);  // s0 and t0
   f.peers->configured.clear();
   REQUIRE(f.Begin(2).ok());
-  // Re-planned onto the remaining source only. With the default 64 MiB minimum per source, s0 wrote this tiny model
+  // Re-planned onto the remaining source only. With a 64 MiB minimum per source, s0 wrote this tiny model
   // alone already: its configuration did not change, so it is not configured again.
   CHECK(f.peers->configured.empty());
   {
@@ -821,6 +823,57 @@ TEST_CASE("coordinator: the balanced plan splits parameters, covers every byte o
                     p["param"].get<std::string>(), p["offset"].get<uint64_t>(), p["length"].get<uint64_t>()});
   }
   CHECK(cli == writes);
+}
+
+std::set<Write> CliWrites(const std::string& args, int ranks_per_node) {
+  const std::string cmd = std::string(WSYNC_BIN_DIR) + "/wsyncctl plan --model " + WSYNC_MODELS_DIR +
+                          "/tiny-qwen3/config.json " + args + " -w json --tasks";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
+  REQUIRE(pclose(pipe) == 0);
+  auto j = nlohmann::json::parse(out);
+  std::set<Write> cli;
+  for (const auto& s : j["sources"]) {
+    const std::string node = "s" + std::to_string(s["trainer_rank"].get<int>() / ranks_per_node);
+    for (const auto& task : s["tasks"])
+      for (const auto& p : task["params"])
+        cli.insert({node, "e" + std::to_string(task["instance"].get<int>()), task["rank"].get<int>(),
+                    p["param"].get<std::string>(), p["offset"].get<uint64_t>(), p["length"].get<uint64_t>()});
+  }
+  return cli;
+}
+
+TEST_CASE("coordinator: the automatic source count is wsyncctl plan's at the coordinator's --nic") {
+  // --min-source-mib auto (the default), 4 source nodes, 4 engines of TP=2 each on its own node, parameters split
+  // anywhere: the coordinator plans with its engines' node count, as `wsyncctl plan --infer ...,nodes=4` does. Here
+  // that keeps all 4 sources; counted on one engine node, whose NIC would take every session, it would keep 2.
+  for (const char* nic : {"1x400Gbps", "1x0.001Gbps"}) {
+    CoordinatorOptions o;
+    o.nic = nic;
+    o.snap_bytes = 0;
+    Fixture f(4, 4, 2, o);
+    REQUIRE(f.Begin(1).ok());
+    const std::set<Write> writes = ConfiguredWrites(f.peers);
+    CheckCoverage(writes, 4, 2);
+    std::set<std::string> sources;
+    for (const Write& w : writes) sources.insert(std::get<0>(w));
+    INFO("--nic " << nic);
+    CHECK(sources.size() == 4);
+    CHECK(writes == CliWrites(std::string("--train tp=1,nodes=4,gpus=1 --infer instances=4,tp=2,nodes=4 --snap-kib 0 "
+                                          "--nic ") + nic, 1));
+    CHECK(writes != CliWrites(std::string("--train tp=1,nodes=4,gpus=1 --infer instances=4,tp=2,nodes=1 --snap-kib 0 "
+                                          "--nic ") + nic, 1));
+  }
+  // A malformed --nic fails planning naming the flag.
+  CoordinatorOptions bad;
+  bad.nic = "fast";
+  Fixture f(1, 1, 2, bad);
+  const absl::Status st = f.Begin(1);
+  CHECK(!st.ok());
+  CHECK(std::string(st.message()).find("--nic") != std::string::npos);
 }
 
 TEST_CASE("coordinator: a PP=2 trainer: each stage's nodes push only their stage's tensors") {

@@ -51,6 +51,12 @@ TEST_CASE("plan command: bad flags exit 2", "[planner][cli]") {
   CHECK(with({"--executor", "magic"}) == 2);
   CHECK(with({"--replica-load-gbps", "0"}) == 2);
   CHECK(with({"--replica-load-gbps", "abc"}) == 2);
+  CHECK(with({"--min-source-mib", "auto"}) == 0);
+  CHECK(with({"--min-source-mib", "64"}) == 0);
+  CHECK(with({"--min-source-mib", "lots"}) == 2);
+  CHECK(with({"--min-source-mib", "-3"}) == 2);
+  CHECK(with({"--session-ms", "0"}) == 0);
+  CHECK(with({"--session-ms", "-1"}) == 2);
   CHECK(Run({"--model", cfg, "--train", "tp=2,pp=3", "--infer", "instances=1,tp=4"}) == 2);  // 8 ranks, pp=3
   CHECK(Run({"--model", cfg, "--train", "tq=2", "--infer", "instances=1,tp=4"}) == 2);
   CHECK(Run({"--model", cfg, "--train", "tp=2", "--infer", "instances=1,tp=4,ep=3"}) == 2);

@@ -1,5 +1,8 @@
 #include <catch2/catch.hpp>
 
+#include <map>
+#include <set>
+
 #include "planner/cost.h"
 #include "planner/plan.h"
 #include "synthetic.h"
@@ -40,7 +43,43 @@ TEST_CASE("serial executor pays replica loads and blocking writes; pipelined ove
   const SourcePlan& sp = plan->sources[s.source];
   CHECK(s.load_s == Approx(sp.load_bytes / 4e9));
   CHECK(s.blocking_send_s > 0);  // the first layout's writes are waited for
-  CHECK(s.total_s == Approx(std::max(s.load_s + s.blocking_send_s, s.nic_s)));
+  CHECK(s.session_s == Approx(sp.sessions * 1e-3));  // 1 ms per target session by default
+  CHECK(s.total_s == Approx(std::max(s.load_s + s.blocking_send_s, s.nic_s) + s.session_s));
+}
+
+TEST_CASE("sessions cost on both ends: per source and per target NIC", "[planner][cost]") {
+  testing::SyntheticShape shape;  // 8 sources, 2 instances x 8 ranks, one NIC per engine rank
+  shape.instances = 2, shape.engine_nodes = 2;
+  const PlanInput in = testing::MakeInput(shape);
+  PlanOptions po;
+  po.min_source_bytes = 0;
+  auto plan = BuildPlan(in, po);
+  REQUIRE(plan.ok());
+  CostParams none;
+  none.include_gather = false;
+  none.session_ms = 0;
+  CostParams ten = none;
+  ten.session_ms = 10;
+  const Prediction a = PredictPlan(in, *plan, none);
+  const Prediction b = PredictPlan(in, *plan, ten);
+  REQUIRE(a.sources.size() == b.sources.size());
+  for (size_t k = 0; k < a.sources.size(); ++k) {
+    const SourcePlan& sp = plan->sources[a.sources[k].source];
+    CHECK(b.sources[k].total_s == Approx(a.sources[k].total_s + sp.sessions * 0.010));
+  }
+  // Every target NIC: its bytes at line rate plus 10 ms per (source, target) pair writing into it, counted here from
+  // the tasks.
+  std::map<std::pair<int, int>, std::set<size_t>> writers;  // target (instance, rank) -> sources writing into it
+  std::map<std::pair<int, int>, uint64_t> bytes_in;
+  for (size_t k = 0; k < plan->sources.size(); ++k)
+    for (const Task& t : plan->sources[k].tasks) {
+      writers[{t.target.instance, t.target.rank}].insert(k);
+      bytes_in[{t.target.instance, t.target.rank}] += t.bytes;
+    }
+  double expect = 0;  // one engine rank per NIC in this shape (8 ranks, 8 NICs per node, one instance per node)
+  for (const auto& [tg, w] : writers) expect = std::max(expect, bytes_in[tg] / 50e9 + w.size() * 0.010);
+  CHECK(b.max_target_nic_s == Approx(expect));
+  CHECK(a.max_target_nic_s < b.max_target_nic_s);
 }
 
 TEST_CASE("broadcast sends every stage's full HF tensors to every engine rank", "[planner][cost]") {

@@ -129,6 +129,7 @@ TEST_CASE("seed strategy leaves sources idle or overloaded where balanced does n
 
 TEST_CASE("balanced stays within its stated bound", "[planner][balance]") {
   PlanOptions opt;
+  opt.min_source_bytes = GENERATE(std::optional<uint64_t>(), std::optional<uint64_t>(64ull << 20));
   for (const auto& shape : Shapes()) {
     const PlanInput in = MakeInput(shape);
     const Plan plan = MustPlan(in, Strategy::kBalanced, opt);
@@ -148,7 +149,7 @@ TEST_CASE("balanced stays within its stated bound", "[planner][balance]") {
               2.0 * (opt.snap_bytes + opt.align_bytes) + 1);
       }
       // Every source is used when each would still get min_source_bytes.
-      if (copy / S >= opt.min_source_bytes) CHECK(used == S);
+      if (opt.min_source_bytes && copy / S >= *opt.min_source_bytes) CHECK(used == S);
       // Replica loads: every parameter is loaded by one source, or two where a cut splits it.
       uint64_t load = 0;
       int splits = 0;

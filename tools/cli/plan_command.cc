@@ -215,6 +215,7 @@ int RunSeedTable(const std::vector<std::string>& dirs, const planner::CostParams
     planner::PlanOptions so, bo, lo;
     so.strategy = planner::Strategy::kSeed;
     lo.strategy = planner::Strategy::kLocal;
+    bo.cost = cp;
     auto seed = planner::BuildPlan(*in, so);
     auto bal = planner::BuildPlan(*in, bo);
     auto loc = planner::BuildPlan(*in, lo);
@@ -314,11 +315,13 @@ int RunPlanCommand(int argc, char** argv) {
   app.add_option("--bcast-rx-gbps", cp.bcast_rx_gbps, "what one broadcast receiver absorbs")->capture_default_str();
   app.add_option("--fixed-ms", cp.fixed_ms, "fixed per-update overhead")->capture_default_str();
   app.add_option("--post-process-ms", cp.post_process_ms, "engine post-processing")->capture_default_str();
-  uint64_t min_source_mib = planner::PlanOptions().min_source_bytes >> 20;
+  std::string min_source_mib = planner::FormatMinSourceMib(planner::PlanOptions().min_source_bytes);
   uint64_t snap_kib = planner::PlanOptions().snap_bytes >> 10;
+  app.add_option("--session-ms", cp.session_ms, "per target session of a source, per update")->capture_default_str();
   app.add_option("--min-source-mib", min_source_mib,
-                 "balanced: give a source work only if it gets at least this many MiB per engine copy (0: every "
-                 "source); as wsync-coordinator --min-source-mib")
+                 "balanced: auto (the source count per stage the cost model predicts fastest, at these rates) or N: "
+                 "give a source work only if it gets at least N MiB per engine copy (0: every source); as "
+                 "wsync-coordinator --min-source-mib")
       ->capture_default_str();
   app.add_option("--snap-kib", snap_kib,
                  "balanced: a cut this close (KiB) to a parameter boundary moves to it; as wsync-coordinator --snap-kib")
@@ -348,6 +351,9 @@ int RunPlanCommand(int argc, char** argv) {
   for (double v : {cp.replica_load_gbps, cp.d2h_gbps, cp.nvlink_gbps, cp.bcast_rx_gbps}) {
     if (!(v > 0)) return usage(absl::InvalidArgumentError("rates must be positive"));
   }
+  if (!(cp.session_ms >= 0)) return usage(absl::InvalidArgumentError("--session-ms must not be negative"));
+  auto min_source = planner::ParseMinSourceMib(min_source_mib);
+  if (!min_source.ok()) return usage(min_source.status());
   cp.include_gather = !no_gather;
   if (seed_table) {
     if (models_dirs.empty()) return usage(absl::InvalidArgumentError("--seed-table needs --models-dir"));
@@ -374,7 +380,8 @@ int RunPlanCommand(int argc, char** argv) {
   }
   planner::PlanOptions opt;
   opt.strategy = *st;
-  opt.min_source_bytes = min_source_mib << 20;
+  opt.min_source_bytes = *min_source;
+  opt.cost = cp;
   opt.snap_bytes = snap_kib << 10;
   const auto t0 = std::chrono::steady_clock::now();
   auto plan = planner::BuildPlan(*in, opt);

@@ -23,6 +23,7 @@
 #include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
 #include "tools/cli/plan_command.h"
+#include "tools/cli/status_view.h"
 #include "tools/cli/verify_command.h"
 
 using namespace wsync;
@@ -134,6 +135,30 @@ absl::StatusOr<WatchSample> SampleWatch(client::CoordinatorClient& c, absl::Dura
     w.sources.emplace_back(n.node_id(), std::move(ns));
   }
   return w;
+}
+
+// Every target node's own status (how writes reach its CUDA segments), asked of the node; an unreachable node is
+// listed as such, not an error of the whole command.
+std::vector<tools::TargetPath> QueryTargets(const v1::ClusterStatus& cs, absl::Duration dt) {
+  std::vector<tools::TargetPath> out;
+  for (const auto& n : cs.nodes()) {
+    if (n.role() != "target") continue;
+    tools::TargetPath t;
+    t.node_id = n.node_id();
+    auto channel = tls::Dial(n.address());
+    if (!channel.ok()) {
+      t.error = std::string(channel.status().message());
+    } else {
+      auto stub = v1::NodeDaemon::NewStub(*std::move(channel));
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(dt));
+      const grpc::Status st = stub->GetNodeStatus(&ctx, v1::NodeStatusRequest(), &t.status);
+      t.reachable = st.ok();
+      if (!st.ok()) t.error = st.error_message();
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
 }
 
 bool UpdateRunning(const std::string& state) {
@@ -465,8 +490,11 @@ int main(int argc, char** argv) {
     if (*status) {
       auto s = c.Status();
       if (!s.ok()) return ExitFor(s.status());
+      const std::vector<tools::TargetPath> targets = QueryTargets(*s, dt);
       if (json) {
-        PrintJson(*s);
+        nlohmann::json j = nlohmann::json::parse(ProtoJson(*s, false));
+        j["target_nodes"] = tools::TargetPathsJson(targets);
+        std::printf("%s\n", j.dump(2).c_str());
         return kExitOk;
       }
       std::printf("state: %s   version: %s   membership epoch: %lld   plan epoch: %lld\n", s->state().c_str(),
@@ -489,6 +517,7 @@ int main(int argc, char** argv) {
                         e.kind().empty() ? "-" : e.kind().c_str(), e.ranks(), e.address().c_str(),
                         n.node_id().c_str(), e.state().c_str());
       }
+      if (!targets.empty()) std::printf("\n%s", tools::FormatTargetPaths(targets).c_str());
       if (s->plan_size() > 0) {
         std::printf("\n%-28s %-12s %-5s %s\n", "SOURCE", "ENGINE", "RANK", "MiB");
         for (const auto& t : s->plan())

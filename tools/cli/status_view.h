@@ -1,0 +1,26 @@
+#pragma once
+// What `wsyncctl status` shows of each target node beyond the coordinator's view: how writes reach every attached
+// CUDA segment and whether all of them are written by GPUDirect RDMA (NodeStatus.cuda_segments / gpu_direct, asked
+// of the node itself). Formatting only; the RPCs are the caller's.
+
+#include <string>
+#include <vector>
+
+#include "nlohmann/json.hpp"
+#include "wsync/v1/daemon.pb.h"
+
+namespace wsync::tools {
+
+struct TargetPath {
+  std::string node_id;
+  bool reachable = false;  // false: the node's GetNodeStatus failed; `status` is empty
+  std::string error;       // why, when unreachable
+  v1::NodeStatus status;
+};
+
+// Table: one line per target node (GPUDirect yes/no, first segment), one more line per further segment.
+std::string FormatTargetPaths(const std::vector<TargetPath>& targets);
+// [{"node_id", "reachable", "gpu_direct", "cuda_segments": [...]} (+ "error" when unreachable)].
+nlohmann::json TargetPathsJson(const std::vector<TargetPath>& targets);
+
+}  // namespace wsync::tools
