@@ -1081,10 +1081,12 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   std::lock_guard<std::mutex> ingest(ingest_mu_);
   absl::Time t0 = absl::Now();
   absl::Status drained = DrainOutstanding(timeout);
-  // The update is reported finished (and its checksums complete) only once every range it wrote is hashed.
+  const double drain_s = Seconds(t0);
+  // The update is reported finished (and its checksums complete) only once every range it wrote is hashed (not
+  // counted as write time: wsync_source_checksum_wait_seconds).
   const double hash_wait_s = WaitForChecksums();
   std::lock_guard<std::mutex> l(mu_);
-  write_seconds_ += Seconds(t0);
+  write_seconds_ += drain_s;
   if (hasher_) metrics_.Observe("wsync_source_checksum_wait_seconds", {}, hash_wait_s);
   if (result.ok()) result = update_error_;  // the first cause (a bucket's failure, a lost rank, the coordinator's word)
   if (!drained.ok())
@@ -1131,8 +1133,9 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   out.set_ingest_seconds(ingest_seconds_);
   out.set_write_seconds(write_seconds_);
   ended_result_ = out;
-  spdlog::info("update {} done: {} tensors in, {} params / {:.1f} MiB written (ingest {:.3f}s, write {:.3f}s)", v,
-               tensors_received_, params_written_, bytes_written_ / 1048576.0, ingest_seconds_, write_seconds_);
+  spdlog::info("update {} done: {} tensors in, {} params / {:.1f} MiB written (ingest {:.3f}s, write {:.3f}s{})", v,
+               tensors_received_, params_written_, bytes_written_ / 1048576.0, ingest_seconds_, write_seconds_,
+               hasher_ ? absl::StrFormat(", then %.3fs for the checksums", hash_wait_s) : std::string());
   return out;
 }
 
