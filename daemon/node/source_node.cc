@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <fstream>
 #include <cstring>
@@ -86,6 +87,10 @@ SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, Conn
   metrics_.Declare("wsync_source_replica_bytes", "gauge", "Bytes of the CPU replica (all layouts).");
   metrics_.Declare("wsync_source_update_open", "gauge", "Version of the open update (-1: none).");
   metrics_.Declare("wsync_source_trainer_ranks_lost", "gauge", "Trainer ranks lost during the open update.");
+  metrics_.Declare("wsync_source_checksum_bytes_total", "counter",
+                   "Bytes hashed for write checksums (once per replica layout), on the hash pool.");
+  metrics_.Declare("wsync_source_checksum_wait_seconds", "histogram",
+                   "Time an update's commit waited for the hash pool after its writes had drained.");
   metrics_.OnCollect([this](Metrics& m) {
     std::lock_guard<std::mutex> l(mu_);
     uint64_t ring = 0, replica = 0;
@@ -98,6 +103,9 @@ SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, Conn
     m.Set("wsync_source_update_open", {}, static_cast<double>(version_));
     m.Set("wsync_source_trainer_ranks_lost", {}, static_cast<double>(lost_ranks_.size()));
   });
+  if (opts_.write_checksums)
+    hasher_ = std::make_unique<HashPool>(opts_.write_checksum_threads > 0 ? opts_.write_checksum_threads
+                                                                          : HashPool::DefaultThreads());
   watcher_ = std::thread([this] { WatchRanks(); });
 }
 
@@ -130,6 +138,7 @@ void SourceNode::CheckRanks() {
 }
 
 SourceNode::~SourceNode() {
+  hasher_.reset();  // its queued jobs read the replica and record into checksums_
   {
     std::lock_guard<std::mutex> l(mu_);
     stopping_ = true;
@@ -373,6 +382,8 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
 
   // Tear down the previous plan's state (endpoints before the memory they reference); under mu_ as well, since
   // Status() and the metrics read them. From here on a failure (memory, network) leaves the source unconfigured.
+  // Hashes still queued read the replica about to be freed: they finish first.
+  WaitForChecksums();
   {
     std::lock_guard<std::mutex> l(mu_);
     targets_.clear();
@@ -678,6 +689,9 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
     }
     spdlog::info("update {}: reconnected to {}", req.version(), Who(*t));
   }
+  // The replica is about to be rewritten: every range of an earlier update is hashed first (its FinishUpdate or
+  // AbortUpdate waited already; an abandoned update did not).
+  WaitForChecksums();
   std::lock_guard<std::mutex> l(mu_);
   if (replica_) replica_->BeginUpdate();
   staged_.clear();
@@ -879,7 +893,7 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
   }
   const double ingest_s = Seconds(t0);
   absl::Time t1 = absl::Now();
-  absl::Status ws = WriteReady(ready);
+  absl::Status ws = WriteReady(version, ready);
   std::lock_guard<std::mutex> l(mu_);
   ingest_seconds_ += ingest_s;
   write_seconds_ += Seconds(t1);
@@ -989,7 +1003,7 @@ absl::Status SourceNode::StageSlice(const TensorSlice& s, DType dtype, const uin
   return absl::OkStatus();
 }
 
-absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& ready) {
+absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::ReadyParam>& ready) {
   if (ready.empty()) return absl::OkStatus();
   std::map<Target*, std::vector<transport::WriteRequest>> batches;
   uint64_t bytes = 0;
@@ -1022,35 +1036,8 @@ absl::Status SourceNode::WriteReady(const std::vector<replica::ReadyParam>& read
     }
     t->outstanding.push_back(*id);
   }
-  // The checksum of every range posted, hashed from the replica while the writes are in flight (ingest_mu_ is held:
-  // no bucket reloads these replica bytes meanwhile); targets of one layout get the same bytes: hashed once.
-  std::vector<v1::WriteChecksum> sums;
-  if (opts_.write_checksums) {
-    std::map<std::tuple<int, int, uint64_t, uint64_t>, std::string> hashed;
-    for (const auto& r : ready) {
-      const replica::EngineParam& p = replica_->table(r.layout).params()[r.param];
-      for (Target* t : targets_by_layout_[r.layout]) {
-        for (const auto& [offset, length] : t->ranges[r.param]) {
-          if (length == 0) continue;
-          std::string& hex = hashed[{r.layout, r.param, offset, length}];
-          if (hex.empty()) {
-            const XXH128_hash_t h = XXH3_128bits(replica_->data(r.layout) + p.offset + offset, length);
-            hex = absl::StrFormat("%016x%016x", h.high64, h.low64);
-          }
-          v1::WriteChecksum& c = sums.emplace_back();
-          c.set_engine_id(t->assignment.engine_id());
-          c.set_rank(t->assignment.rank());
-          c.set_param(p.name);
-          c.set_offset(offset);
-          c.set_length(length);
-          c.set_xxh128(hex);
-        }
-      }
-    }
-  }
+  RecordChecksums(version, ready);
   std::lock_guard<std::mutex> l(mu_);
-  if (auto it = checksums_.find(version_); it != checksums_.end())
-    for (auto& c : sums) it->second.writes.push_back(std::move(c));
   for (const auto& r : ready) completed_[r.layout][r.param] = 1;
   bytes_written_ += bytes;
   params_written_ += ready.size();
@@ -1125,8 +1112,13 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   std::lock_guard<std::mutex> ingest(ingest_mu_);
   absl::Time t0 = absl::Now();
   absl::Status drained = DrainOutstanding(timeout);
+  const double drain_s = Seconds(t0);
+  // The update is reported finished (and its checksums complete) only once every range it wrote is hashed (not
+  // counted as write time: wsync_source_checksum_wait_seconds).
+  const double hash_wait_s = WaitForChecksums();
   std::lock_guard<std::mutex> l(mu_);
-  write_seconds_ += Seconds(t0);
+  write_seconds_ += drain_s;
+  if (hasher_) metrics_.Observe("wsync_source_checksum_wait_seconds", {}, hash_wait_s);
   if (result.ok()) result = update_error_;  // the first cause (a bucket's failure, a lost rank, the coordinator's word)
   if (!drained.ok())
     result = result.ok() ? drained
@@ -1172,8 +1164,9 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   out.set_ingest_seconds(ingest_seconds_);
   out.set_write_seconds(write_seconds_);
   ended_result_ = out;
-  spdlog::info("update {} done: {} tensors in, {} params / {:.1f} MiB written (ingest {:.3f}s, write {:.3f}s)", v,
-               tensors_received_, params_written_, bytes_written_ / 1048576.0, ingest_seconds_, write_seconds_);
+  spdlog::info("update {} done: {} tensors in, {} params / {:.1f} MiB written (ingest {:.3f}s, write {:.3f}s{})", v,
+               tensors_received_, params_written_, bytes_written_ / 1048576.0, ingest_seconds_, write_seconds_,
+               hasher_ ? absl::StrFormat(", then %.3fs for the checksums", hash_wait_s) : std::string());
   return out;
 }
 
@@ -1224,6 +1217,7 @@ absl::StatusOr<v1::AbortSourceUpdateReply> SourceNode::AbortUpdate(const v1::Abo
   // A bucket being written when the abort came holds ingest_mu_: wait for it, then for every write in flight.
   std::lock_guard<std::mutex> ingest(ingest_mu_);
   absl::Status drained = DrainOutstanding(drain_timeout);
+  WaitForChecksums();  // what the aborted update wrote is recorded in full
   std::lock_guard<std::mutex> l(mu_);
   v1::AbortSourceUpdateReply out;
   out.set_was_open(true);
@@ -1286,6 +1280,77 @@ absl::StatusOr<v1::WriteChecksumsReply> SourceNode::WriteChecksums(int64_t versi
   for (const auto& c : it->second.writes) *out.add_writes() = c;
   for (const auto& [v, rec] : checksums_) out.add_versions_kept(v);
   return out;
+}
+
+void SourceNode::RecordChecksums(int64_t version, const std::vector<replica::ReadyParam>& ready) {
+  if (!hasher_ || ready.empty()) return;
+  // One batch per bucket: its entries in the order posted, each hex filled in by the job hashing its range.
+  struct Batch {
+    int64_t version = -1;
+    std::vector<v1::WriteChecksum> sums;
+    std::atomic<size_t> jobs_left{0};
+  };
+  struct Range {
+    const uint8_t* data;
+    uint64_t length;
+    std::vector<size_t> entries;  // indices into Batch::sums: targets of one layout share the bytes, hashed once
+  };
+  auto batch = std::make_shared<Batch>();
+  batch->version = version;
+  std::vector<Range> ranges;
+  std::map<std::tuple<int, int, uint64_t, uint64_t>, size_t> index;  // (layout, param, offset, length) → ranges
+  for (const auto& r : ready) {
+    const replica::EngineParam& p = replica_->table(r.layout).params()[r.param];
+    for (Target* t : targets_by_layout_[r.layout]) {
+      for (const auto& [offset, length] : t->ranges[r.param]) {
+        if (length == 0) continue;
+        auto [it, fresh] = index.try_emplace({r.layout, r.param, offset, length}, ranges.size());
+        if (fresh) ranges.push_back({replica_->data(r.layout) + p.offset + offset, length, {}});
+        ranges[it->second].entries.push_back(batch->sums.size());
+        v1::WriteChecksum& c = batch->sums.emplace_back();
+        c.set_engine_id(t->assignment.engine_id());
+        c.set_rank(t->assignment.rank());
+        c.set_param(p.name);
+        c.set_offset(offset);
+        c.set_length(length);
+      }
+    }
+  }
+  if (ranges.empty()) return;
+  // Jobs of about kJobBytes (small parameters grouped, so the queue does not dominate; a large range is one job).
+  constexpr uint64_t kJobBytes = 4ull << 20;
+  std::vector<std::vector<Range>> jobs(1);
+  uint64_t in_job = 0, total = 0;
+  for (auto& r : ranges) {
+    if (in_job >= kJobBytes) jobs.emplace_back(), in_job = 0;
+    in_job += r.length;
+    total += r.length;
+    jobs.back().push_back(std::move(r));
+  }
+  batch->jobs_left = jobs.size();
+  metrics_.Add("wsync_source_checksum_bytes_total", {}, static_cast<double>(total));
+  for (auto& job : jobs) {
+    hasher_->Submit([this, batch, job = std::move(job)] {
+      for (const Range& r : job) {
+        if (opts_.checksum_hook) opts_.checksum_hook();
+        const XXH128_hash_t h = XXH3_128bits(r.data, r.length);
+        const std::string hex = absl::StrFormat("%016x%016x", h.high64, h.low64);
+        for (size_t e : r.entries) batch->sums[e].set_xxh128(hex);
+      }
+      // The last job of the batch publishes it whole (acq_rel: it sees every other job's entries).
+      if (batch->jobs_left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+      std::lock_guard<std::mutex> l(mu_);
+      if (auto it = checksums_.find(batch->version); it != checksums_.end())
+        for (auto& c : batch->sums) it->second.writes.push_back(std::move(c));
+    });
+  }
+}
+
+double SourceNode::WaitForChecksums() {
+  if (!hasher_) return 0;
+  const absl::Time t0 = absl::Now();
+  hasher_->WaitIdle();
+  return Seconds(t0);
 }
 
 }  // namespace wsync::daemon

@@ -29,6 +29,7 @@
 #include "client/ring/ring.h"
 #include "base/tensor_slice.h"
 #include "daemon/common/metrics.h"
+#include "daemon/node/hash_pool.h"
 #include "replica/replica.h"
 #include "transport/transport.h"
 #include "wsync/v1/daemon.grpc.pb.h"
@@ -46,8 +47,12 @@ struct SourceOptions {
   absl::Duration rank_grace = absl::Seconds(5);
   absl::Duration liveness_poll = absl::Milliseconds(200);  // how often trainer processes are checked
   // Record the XXH3-128 of every byte range written (WriteChecksums, wsyncctl verify): one hash pass over each
-  // update's bytes per replica layout, overlapping the writes in flight.
+  // update's bytes per replica layout, on a pool of write_checksum_threads threads (0: HashPool::DefaultThreads())
+  // off the ingest thread, overlapping the writes in flight and the next buckets' ingest.
   bool write_checksums = true;
+  int write_checksum_threads = 0;
+  // Tests only: called on the hashing thread just before each range is hashed.
+  std::function<void()> checksum_hook;
 };
 
 // Dials a peer daemon's ConnectTarget (injected so tests can run without gRPC).
@@ -118,7 +123,9 @@ class SourceNode {
 
   v1::NodeStatus Status() const;
   // What this source wrote into engine memory in `version` (-1: the newest recorded): per (engine, rank, parameter
-  // byte range) the XXH3-128 of the bytes posted, taken from the replica as each write was posted. The last
+  // byte range) the XXH3-128 of the bytes posted, hashed from the replica by the hash pool after each bucket's writes
+  // were posted. While the update is open (finished false) the list holds the buckets hashed so far; `finished` is
+  // set only once every range of the update is hashed (FinishUpdate waits for the pool). The last
   // kChecksumVersionsKept versions are kept; NotFound names the ones kept for any other. With
   // SourceOptions::write_checksums off the lists are empty.
   absl::StatusOr<v1::WriteChecksumsReply> WriteChecksums(int64_t version) const;
@@ -169,7 +176,17 @@ class SourceNode {
   void WatchRanks();
   void CheckRanks();  // requires mu_
   absl::Status CheckLayout(const replica::ParamTable& table, const v1::RankLayout& target, const std::string& who);
-  absl::Status WriteReady(const std::vector<replica::ReadyParam>& ready);
+  // Posts the writes of the ready parameters of update `version` and queues the hashing of the ranges they read
+  // (RecordChecksums). Caller holds ingest_mu_.
+  absl::Status WriteReady(int64_t version, const std::vector<replica::ReadyParam>& ready);
+  // Queues on hasher_ the XXH3-128 of every range posted for `ready`; the last job of the batch appends the batch to
+  // checksums_[version] (if still kept). Replica ordering: those replica bytes stay unchanged until WaitForChecksums
+  // returned: a parameter is loaded once per update, and the replica is next written only after StartUpdate (or
+  // replaced by Configure), which both wait first. Caller holds ingest_mu_.
+  void RecordChecksums(int64_t version, const std::vector<replica::ReadyParam>& ready);
+  // Blocks until every queued hash has been taken; returns the seconds waited. Caller holds ingest_mu_ (so nothing
+  // queues more meanwhile), not mu_ (the jobs take it).
+  double WaitForChecksums();
   // cv_.wait_for(wait, pred) that also polls `cancelled` every kCancelPoll (then *gone = true, returns false).
   template <typename Pred>
   bool WaitCancellable(std::unique_lock<std::mutex>& l, absl::Duration wait, const CancelFn& cancelled, bool* gone,
@@ -270,6 +287,9 @@ class SourceNode {
     std::vector<v1::WriteChecksum> writes;
   };
   std::map<int64_t, Recorded> checksums_;
+  // Hashes the ranges posted (null with write_checksums off). Declared after everything its jobs touch; the
+  // destructor drains it first.
+  std::unique_ptr<HashPool> hasher_;
   std::map<std::string, Staged> staged_;  // tensors being assembled from slices in the open update (ingest_mu_)
   // One bucket at a time through the replica and the endpoints. Targets' endpoints, outstanding batches and
   // broken state are touched only with it held.

@@ -118,6 +118,12 @@ int main(int argc, char** argv) {
   app.add_option("--write-checksums", write_checksums,
                  "source: record the XXH3-128 of every byte range written into engines (wsyncctl verify)")
       ->capture_default_str();
+  int write_checksum_threads = 0;
+  app.add_option("--write-checksum-threads", write_checksum_threads,
+                 "source: threads hashing the ranges written (--write-checksums), off the ingest thread; 0: "
+                 "min(4, hardware threads)")
+      ->check(CLI::Range(0, 256))
+      ->capture_default_str();
   std::string trainer_socket;
   std::vector<uint32_t> trainer_uids, trainer_gids;
   app.add_option("--trainer-socket", trainer_socket,
@@ -216,6 +222,7 @@ int main(int argc, char** argv) {
     o.ring_bytes = ring_mib << 20;
     o.rank_grace = absl::Seconds(rank_grace_s);
     o.write_checksums = write_checksums;
+    o.write_checksum_threads = write_checksum_threads;
     source = std::make_unique<daemon::SourceNode>(o, transport.get(), daemon::DialConnectTarget);
     reg.set_trainer_ranks(trainer_ranks);
     reg.set_pp_stage(pp_stage);
