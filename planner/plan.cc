@@ -191,9 +191,8 @@ std::vector<uint64_t> CutLine(const PlanOptions& opt, const StageLine& sl, const
 // balanced, one stage: cut the stage's line into consecutive segments proportional to each used source's weight.
 // Every segment is sent to every active instance, so a source's load is (#instances x its segment) and the cut
 // never depends on how many instances are active.
-void PlanStageBalanced(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, int stage,
+void PlanStageBalanced(const PlanInput& in, const PlanOptions& opt, const StageLine& sl,
                        const std::vector<SourcePlan*>& used, const std::vector<double>& weights) {
-  const StageLine sl = MakeStageLine(in, ix, stage);
   const std::vector<LineItem>& line = sl.items;
   const int U = static_cast<int>(used.size());
   if (U == 0 || line.empty()) return;
@@ -801,8 +800,9 @@ bool NoSlower(const StageCountTime& a, const StageCountTime& b) {
 // doubles as PredictTransfer on BuildStagePlan (tested on every count of the test and bench shapes).
 class StageCountModel {
  public:
-  StageCountModel(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, int stage)
-      : in_(in), opt_(opt), line_(MakeStageLine(in, ix, stage)) {
+  // `line` is MakeStageLine(in, ix, stage) and must outlive the model.
+  StageCountModel(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, const StageLine& line, int stage)
+      : in_(in), opt_(opt), line_(line) {
     const ClusterSpec& c = in.cluster;
     const int R = static_cast<int>(in.layouts.size());
     S_ = c.trainer.sources_per_stage();
@@ -941,7 +941,7 @@ class StageCountModel {
  private:
   const PlanInput& in_;
   const PlanOptions& opt_;
-  StageLine line_;
+  const StageLine& line_;
   int S_ = 0, I_ = 0;
   double bw_ = 0;
   std::vector<LineItem> items_;       // the line's items with bytes
@@ -962,7 +962,8 @@ class StageCountModel {
 // target NIC bounds the stage whatever the count, the slowest source decides). The scan stops at the first u whose
 // lower bound (the stage's bytes over u sources at the replica load rate or over u NICs at line rate, to every
 // instance) already exceeds the best; below it no count can do better.
-int AutoSourceCount(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, int stage) {
+int AutoSourceCount(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, const StageLine& line,
+                    int stage) {
   const int S = in.cluster.trainer.sources_per_stage();
   uint64_t stage_bytes = 0;
   for (uint64_t b : ix.bytes[stage]) stage_bytes += b;
@@ -970,7 +971,7 @@ int AutoSourceCount(const PlanInput& in, const PlanOptions& opt, const StageInde
   const int instances = std::max(1, in.cluster.engine.instances);
   const double load_rate = opt.cost.replica_load_gbps * 1e9;
   const double nic_rate = in.cluster.nic.bytes_per_second();
-  const StageCountModel model(in, opt, ix, stage);
+  const StageCountModel model(in, opt, ix, line, stage);
   int best_u = S;
   StageCountTime best = model.Predict(S);
   for (int u = S - 1; u >= 1; --u) {
@@ -1057,13 +1058,15 @@ absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& option
     // Which sources each stage uses: the cost model's choice (auto), or all of them unless the stage is too small
     // to give each min_source_bytes.
     std::vector<std::vector<int>> used(pp);
+    std::vector<StageLine> lines(pp);
     std::map<std::pair<int, int>, int> per_nic;
     for (int p = 0; p < pp; ++p) {
+      lines[p] = MakeStageLine(input, ix, p);
       uint64_t stage_bytes = 0;
       for (uint64_t b : ix.bytes[p]) stage_bytes += b;
       int u = S;
       if (!options.min_source_bytes.has_value()) {
-        u = AutoSourceCount(input, options, ix, p);
+        u = AutoSourceCount(input, options, ix, lines[p], p);
       } else if (*options.min_source_bytes > 0) {
         const uint64_t m = *options.min_source_bytes;
         u = static_cast<int>(std::min<uint64_t>(S, std::max<uint64_t>(1, (stage_bytes + m - 1) / m)));
@@ -1082,7 +1085,7 @@ absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& option
         srcs.push_back(s);
         weights.push_back(1.0 / per_nic[{s->node, s->nic}]);  // equal bytes per NIC, split among its sources
       }
-      PlanStageBalanced(input, options, ix, p, srcs, weights);
+      PlanStageBalanced(input, options, lines[p], srcs, weights);
     }
   }
   for (SourcePlan& s : plan.sources) Materialize(input, active, &s);
@@ -1115,7 +1118,7 @@ absl::StatusOr<Plan> BuildStagePlan(const PlanInput& input, const PlanOptions& o
     srcs.push_back(s);
     weights.push_back(1.0 / per_nic[{s->node, s->nic}]);
   }
-  PlanStageBalanced(input, options, ix, stage, srcs, weights);
+  PlanStageBalanced(input, options, MakeStageLine(input, ix, stage), srcs, weights);
   for (SourcePlan* s : srcs) Materialize(input, all, s);
   Account(input, all, &plan);
   return plan;
@@ -1124,14 +1127,17 @@ absl::StatusOr<Plan> BuildStagePlan(const PlanInput& input, const PlanOptions& o
 absl::StatusOr<StageCountTime> PredictStageCount(const PlanInput& input, const PlanOptions& options, int stage,
                                                  int sources) {
   WSYNC_RETURN_IF_ERROR(CheckStageCount(input, stage, sources));
-  return StageCountModel(input, options, IndexStages(input), stage).Predict(sources);
+  const StageIndex ix = IndexStages(input);
+  const StageLine line = MakeStageLine(input, ix, stage);
+  return StageCountModel(input, options, ix, line, stage).Predict(sources);
 }
 
 absl::StatusOr<std::vector<int>> AutoSourceCounts(const PlanInput& input, const PlanOptions& options) {
   WSYNC_RETURN_IF_ERROR_CTX(input.Validate(), "plan input");
   const StageIndex ix = IndexStages(input);
   std::vector<int> out;
-  for (int p = 0; p < input.cluster.trainer.pp; ++p) out.push_back(AutoSourceCount(input, options, ix, p));
+  for (int p = 0; p < input.cluster.trainer.pp; ++p)
+    out.push_back(AutoSourceCount(input, options, ix, MakeStageLine(input, ix, p), p));
   return out;
 }
 
