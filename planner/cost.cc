@@ -114,8 +114,8 @@ Prediction PredictTransfer(const PlanInput& in, const Plan& plan, const CostPara
       for (const Task& t : s.tasks)
         if (t.target.rank != last_rank) blocking += t.bytes;
     }
-    SourceTime st = PredictSource(cp, bw, nic_sources[key], nic_bytes[key], s.push_bytes, s.load_bytes, blocking,
-                                  s.sessions);
+    SourceTime st =
+        PredictSource(cp, bw, nic_sources[key], nic_bytes[key], s.push_bytes, s.load_bytes, blocking, s.sessions);
     st.source = static_cast<int>(k);
     if (st.total_s > worst) {
       worst = st.total_s;

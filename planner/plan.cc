@@ -919,8 +919,8 @@ class StageCountModel {
 
     StageCountTime t;
     for (const Figures& f : active) {
-      const SourceTime st = PredictSource(opt_.cost, bw_, nic_sources[f.nic], nic_bytes[f.nic], f.push, f.load,
-                                          f.blocking, f.sessions);
+      const SourceTime st =
+          PredictSource(opt_.cost, bw_, nic_sources[f.nic], nic_bytes[f.nic], f.push, f.load, f.blocking, f.sessions);
       t.sources_s = std::max(t.sources_s, st.total_s);
     }
     // Sessions into each target: the sources whose segment (or zero-byte parameters) touch its rank.
@@ -944,17 +944,17 @@ class StageCountModel {
   const StageLine& line_;
   int S_ = 0, I_ = 0;
   double bw_ = 0;
-  std::vector<LineItem> items_;       // the line's items with bytes
-  std::vector<uint64_t> starts_;      // their starts (increasing)
-  std::vector<int> ord_of_rank_;      // rank -> ordinal among ranks with bytes in the stage, -1 when none
+  std::vector<LineItem> items_;   // the line's items with bytes
+  std::vector<uint64_t> starts_;  // their starts (increasing)
+  std::vector<int> ord_of_rank_;  // rank -> ordinal among ranks with bytes in the stage, -1 when none
   std::vector<int> rank_of_ord_;
   std::vector<uint64_t> rank_start_;  // per ordinal: where the rank's bytes start on the line
   std::vector<int> zero_ranks_;       // ranks with zero-byte parameters in the stage (increasing)
   std::vector<LineItem> zero_items_;
-  std::vector<int> src_nic_;          // per source of the stage: its NIC (dense id)
+  std::vector<int> src_nic_;  // per source of the stage: its NIC (dense id)
   int num_src_nics_ = 0;
-  std::vector<int> tgt_nic_;          // per configured target (instance * R + rank): its NIC (dense id)
-  std::vector<uint64_t> tgt_bytes_;   // per target NIC: the stage's bytes into it
+  std::vector<int> tgt_nic_;         // per configured target (instance * R + rank): its NIC (dense id)
+  std::vector<uint64_t> tgt_bytes_;  // per target NIC: the stage's bytes into it
 };
 
 // The fewest of the stage's sources with the lowest predicted time: starting from all S, a count is taken when its

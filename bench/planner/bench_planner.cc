@@ -121,8 +121,8 @@ int main(int argc, char** argv) {
   line("uneven 192x32 balanced", ubal);
   line("uneven 192x32 seed", useed);
   // Every shape's balanced build under 100 ms and balanced within 5 % of ideal.
-  const bool goals_met = bal.median_ms < 100 && ubal.median_ms < 100 && bal.stats.imbalance <= 1.05 &&
-                         ubal.stats.imbalance <= 1.05;
+  const bool goals_met =
+      bal.median_ms < 100 && ubal.median_ms < 100 && bal.stats.imbalance <= 1.05 && ubal.stats.imbalance <= 1.05;
   std::printf(
       "{\"bench\":\"planner\",\"value\":%.3f,\"baseline\":%.3f,\"ratio\":%.3f,\"unit\":\"ms\","
       "\"imbalance\":%.4f,\"seed_imbalance\":%.4f,\"uneven_imbalance\":%.4f,\"uneven_seed_imbalance\":%.4f,"
