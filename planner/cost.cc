@@ -57,6 +57,33 @@ double PredictGather(const PlanInput& in, const CostParams& cp) {
   return worst;
 }
 
+SourceTime PredictSource(const CostParams& cp, double bw, int nic_sources, uint64_t nic_bytes, uint64_t push_bytes,
+                         uint64_t load_bytes, uint64_t blocking_bytes, int sessions) {
+  SourceTime st;
+  const double share = bw / std::max(1, nic_sources);  // sources on one NIC split it
+  st.d2h_s = push_bytes / (cp.d2h_gbps * kGB);
+  st.load_s = load_bytes / (cp.replica_load_gbps * kGB);
+  st.nic_s = nic_bytes / bw;
+  st.blocking_send_s = blocking_bytes / share;
+  st.session_s = sessions * cp.session_ms / 1e3;
+  if (cp.executor == Executor::kSerial) {
+    // The seed's replica loads slice straight from the gathered GPU tensors, so the hand-over is part of the
+    // measured load rate and not counted again.
+    st.total_s = std::max(st.load_s + st.blocking_send_s, st.nic_s) + st.session_s;
+  } else {
+    // Session set-up and completion overlap with the data like everything else in this executor.
+    st.total_s = std::max({st.d2h_s, st.load_s, st.nic_s, st.session_s});
+  }
+  return st;
+}
+
+double PredictTargetNic(const CostParams& cp, double bw, uint64_t bytes, int sessions) {
+  // Its bytes at line rate and the sessions writing into it, one after the other (serial) or overlapped
+  // (pipelined).
+  const double sessions_s = sessions * cp.session_ms / 1e3;
+  return cp.executor == Executor::kSerial ? bytes / bw + sessions_s : std::max(bytes / bw, sessions_s);
+}
+
 Prediction PredictTransfer(const PlanInput& in, const Plan& plan, const CostParams& cp) {
   Prediction pr;
   const double bw = in.cluster.nic.bytes_per_second();
@@ -69,12 +96,7 @@ Prediction PredictTransfer(const PlanInput& in, const Plan& plan, const CostPara
   for (const NicLoad& n : plan.source_nics) max_src_nic = std::max(max_src_nic, n.bytes), total += n.bytes;
   for (const NicLoad& n : plan.target_nics) {
     max_tgt_nic = std::max(max_tgt_nic, n.bytes);
-    // A target NIC's time: its bytes at line rate and the sessions writing into it, one after the other (serial) or
-    // overlapped (pipelined).
-    const double sessions_s = n.sessions * cp.session_ms / 1e3;
-    pr.max_target_nic_s = std::max(pr.max_target_nic_s, cp.executor == Executor::kSerial
-                                                            ? n.bytes / bw + sessions_s
-                                                            : std::max(n.bytes / bw, sessions_s));
+    pr.max_target_nic_s = std::max(pr.max_target_nic_s, PredictTargetNic(cp, bw, n.bytes, n.sessions));
   }
   pr.bound_s = std::max(max_src_nic, max_tgt_nic) / bw;
   const double trainer_nics = static_cast<double>(in.cluster.trainer.nodes) * in.cluster.nic.per_node;
@@ -84,13 +106,7 @@ Prediction PredictTransfer(const PlanInput& in, const Plan& plan, const CostPara
   for (size_t k = 0; k < plan.sources.size(); ++k) {
     const SourcePlan& s = plan.sources[k];
     if (!s.active()) continue;
-    SourceTime st;
-    st.source = static_cast<int>(k);
     const std::pair<int, int> key{s.node, s.nic};
-    const double share = bw / std::max(1, nic_sources[key]);  // sources on one NIC split it
-    st.d2h_s = s.push_bytes / (cp.d2h_gbps * kGB);
-    st.load_s = s.load_bytes / (cp.replica_load_gbps * kGB);
-    st.nic_s = nic_bytes[key] / bw;
     // Writes of every layout but the last are waited for before the shared replica buffer is reloaded.
     uint64_t blocking = 0;
     if (!s.tasks.empty()) {
@@ -98,16 +114,9 @@ Prediction PredictTransfer(const PlanInput& in, const Plan& plan, const CostPara
       for (const Task& t : s.tasks)
         if (t.target.rank != last_rank) blocking += t.bytes;
     }
-    st.blocking_send_s = blocking / share;
-    st.session_s = s.sessions * cp.session_ms / 1e3;
-    if (cp.executor == Executor::kSerial) {
-      // The seed's replica loads slice straight from the gathered GPU tensors, so the hand-over is part of the
-      // measured load rate and not counted again.
-      st.total_s = std::max(st.load_s + st.blocking_send_s, st.nic_s) + st.session_s;
-    } else {
-      // Session set-up and completion overlap with the data like everything else in this executor.
-      st.total_s = std::max({st.d2h_s, st.load_s, st.nic_s, st.session_s});
-    }
+    SourceTime st =
+        PredictSource(cp, bw, nic_sources[key], nic_bytes[key], s.push_bytes, s.load_bytes, blocking, s.sessions);
+    st.source = static_cast<int>(k);
     if (st.total_s > worst) {
       worst = st.total_s;
       pr.critical_source = st.source;

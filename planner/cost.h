@@ -58,6 +58,15 @@ double PredictGather(const PlanInput& input, const CostParams& params);
 // Bytes the full TP/EP all-gather moves, summed over the receiving ranks of every stage.
 uint64_t GatherBytes(const PlanInput& input);
 Prediction PredictPlan(const PlanInput& input, const Plan& plan, const CostParams& params);
+
+// One source's time from its figures, as PredictTransfer computes it: `nic_bytes` is what its NIC carries for all
+// `nic_sources` sources on it (they split the line rate `nic_bps`, bytes per second); `blocking_bytes` are the
+// writes waited for before the replica buffer is reloaded (every layout but the last). Also what the planner's
+// automatic source count evaluates without building a plan, so both agree to the bit.
+SourceTime PredictSource(const CostParams& params, double nic_bps, int nic_sources, uint64_t nic_bytes,
+                         uint64_t push_bytes, uint64_t load_bytes, uint64_t blocking_bytes, int sessions);
+// A target NIC's time: `bytes` in at line rate and `sessions` (source, target) pairs writing into it.
+double PredictTargetNic(const CostParams& params, double nic_bps, uint64_t bytes, int sessions);
 // PredictPlan's P2P transfer part alone (sources, NICs, bounds): gather and fixed terms are left at 0 and
 // total_s = transfer_s. What the planner's automatic source count compares.
 Prediction PredictTransfer(const PlanInput& input, const Plan& plan, const CostParams& params);

@@ -130,28 +130,36 @@ void PlanStageSeed(const PlanInput& in, const StageIndex& ix, int stage, const s
 
 uint64_t AlignDown(uint64_t v, uint64_t a) { return a > 1 ? v / a * a : v; }
 
-// balanced, one stage: lay the stage's parameters of every engine rank (rank-major, layout order) on a line of
-// one-copy bytes and cut it into consecutive segments proportional to each used source's weight. Every segment
-// is sent to every active instance, so a source's load is (#instances x its segment) and the cut never depends on
-// how many instances are active.
-void PlanStageBalanced(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, int stage,
-                       const std::vector<SourcePlan*>& used, const std::vector<double>& weights) {
-  const int R = static_cast<int>(in.layouts.size());
-  struct Item {
-    int rank, param;
-    uint64_t start, bytes;
-  };
-  std::vector<Item> line;
+// balanced, one stage's line: every engine rank's parameters of the stage (rank-major, layout order) laid end to
+// end in bytes of one copy. Zero-byte parameters are on it with no extent.
+struct LineItem {
+  int rank, param;
+  uint64_t start, bytes;
+};
+struct StageLine {
+  std::vector<LineItem> items;
   uint64_t total = 0;
-  for (int r = 0; r < R; ++r) {
+};
+
+StageLine MakeStageLine(const PlanInput& in, const StageIndex& ix, int stage) {
+  StageLine line;
+  for (int r = 0; r < static_cast<int>(in.layouts.size()); ++r) {
     for (int k : ix.params[stage][r]) {
       const uint64_t b = in.layouts[r].params[k].bytes;
-      line.push_back({r, k, total, b});
-      total += b;
+      line.items.push_back({r, k, line.total, b});
+      line.total += b;
     }
   }
-  const int U = static_cast<int>(used.size());
-  if (U == 0 || line.empty()) return;
+  return line;
+}
+
+// The cut of a stage's line into consecutive segments proportional to `weights` (cuts[0] = 0, cuts[U] = total):
+// a cut inside a parameter snaps to its boundary within snap_bytes, else splits it at an aligned offset (or, with
+// split_params off, goes to the nearer boundary). One function for the plan and the source count's prediction.
+std::vector<uint64_t> CutLine(const PlanOptions& opt, const StageLine& sl, const std::vector<double>& weights) {
+  const std::vector<LineItem>& line = sl.items;
+  const int U = static_cast<int>(weights.size());
+  const uint64_t total = sl.total;
   const double wsum = std::accumulate(weights.begin(), weights.end(), 0.0);
   std::vector<uint64_t> cuts(U + 1, 0);
   cuts[U] = total;
@@ -162,7 +170,7 @@ void PlanStageBalanced(const PlanInput& in, const PlanOptions& opt, const StageI
     uint64_t c = static_cast<uint64_t>(static_cast<long double>(total) * acc / wsum);
     c = std::max(c, cuts[k - 1]);
     while (item + 1 < line.size() && line[item].start + line[item].bytes <= c) ++item;
-    const Item& it = line[item];
+    const LineItem& it = line[item];
     const uint64_t lo = it.start, hi = it.start + it.bytes;
     if (c > lo && c < hi) {
       if (!opt.split_params) {
@@ -177,6 +185,18 @@ void PlanStageBalanced(const PlanInput& in, const PlanOptions& opt, const StageI
     }
     cuts[k] = std::max(c, cuts[k - 1]);
   }
+  return cuts;
+}
+
+// balanced, one stage: cut the stage's line into consecutive segments proportional to each used source's weight.
+// Every segment is sent to every active instance, so a source's load is (#instances x its segment) and the cut
+// never depends on how many instances are active.
+void PlanStageBalanced(const PlanInput& in, const PlanOptions& opt, const StageLine& sl,
+                       const std::vector<SourcePlan*>& used, const std::vector<double>& weights) {
+  const std::vector<LineItem>& line = sl.items;
+  const int U = static_cast<int>(used.size());
+  if (U == 0 || line.empty()) return;
+  const std::vector<uint64_t> cuts = CutLine(opt, sl, weights);
   // Walk the line once, emitting each segment's slices grouped by rank.
   size_t pos = 0;
   for (int u = 0; u < U; ++u) {
@@ -184,7 +204,7 @@ void PlanStageBalanced(const PlanInput& in, const PlanOptions& opt, const StageI
     while (pos < line.size() && line[pos].start + line[pos].bytes <= a && line[pos].bytes > 0) ++pos;
     LayoutAssignment* cur = nullptr;
     for (size_t q = pos; q < line.size() && line[q].start < b; ++q) {
-      const Item& it = line[q];
+      const LineItem& it = line[q];
       const uint64_t s0 = std::max(a, it.start), s1 = std::min(b, it.start + it.bytes);
       if (s1 <= s0) continue;
       if (cur == nullptr || cur->rank != it.rank) {
@@ -198,7 +218,7 @@ void PlanStageBalanced(const PlanInput& in, const PlanOptions& opt, const StageI
     for (auto& as : used[u]->assignments) FinishAssignment(in.layouts[as.rank], &as);
   }
   // Zero-byte parameters: attach to the first used source (they still need to be "written" as empty).
-  for (const Item& it : line) {
+  for (const LineItem& it : line) {
     if (it.bytes != 0) continue;
     SourcePlan* s = used[0];
     auto f = std::find_if(s->assignments.begin(), s->assignments.end(),
@@ -233,7 +253,7 @@ void Materialize(const PlanInput& in, const std::vector<int>& active, SourcePlan
   s->tasks.clear();
   s->bytes_out = 0;
   s->load_bytes = 0;
-  std::set<int> push;
+  std::vector<int> push;  // sorted and deduplicated below (cheaper than a set at millions of inputs)
   std::set<Target> sessions;
   const std::set<int> active_set(active.begin(), active.end());
   const std::vector<int> rotated = RotatedInstances(active, s->index, in.cluster.engine.instances);
@@ -251,7 +271,8 @@ void Materialize(const PlanInput& in, const std::vector<int>& active, SourcePlan
     for (const auto& sl : a.slices) {
       if (sl.param == last) continue;
       last = sl.param;
-      for (int h : in.layouts[a.rank].params[sl.param].inputs) push.insert(h);
+      const std::vector<int>& inputs = in.layouts[a.rank].params[sl.param].inputs;
+      push.insert(push.end(), inputs.begin(), inputs.end());
     }
     for (int i : insts) {
       Task t;
@@ -263,7 +284,9 @@ void Materialize(const PlanInput& in, const std::vector<int>& active, SourcePlan
       s->tasks.push_back(std::move(t));
     }
   }
-  s->push_filter.assign(push.begin(), push.end());
+  std::sort(push.begin(), push.end());
+  push.erase(std::unique(push.begin(), push.end()), push.end());
+  s->push_filter = std::move(push);
   s->push_bytes = 0;
   for (int h : s->push_filter) s->push_bytes += in.hf_tensors[h].bytes;
   s->sessions = static_cast<int>(sessions.size());
@@ -710,11 +733,15 @@ absl::Status PlanInput::Validate() const {
         absl::StrCat("need one layout per engine rank: ", layouts.size(), " layouts for engine tp=", cluster.engine.tp));
   }
   const int pp = cluster.trainer.pp;
+  // The tensors' stages packed apart: parameters read millions of inputs at the largest shapes, and this is
+  // checked on every plan build.
+  std::vector<int> hf_stage(hf_tensors.size());
   for (size_t h = 0; h < hf_tensors.size(); ++h) {
     if (hf_tensors[h].stage < 0 || hf_tensors[h].stage >= pp) {
       return absl::InvalidArgumentError(absl::StrCat("HF tensor ", hf_tensors[h].name, " has stage ",
                                                      hf_tensors[h].stage, " outside [0, ", pp, ")"));
     }
+    hf_stage[h] = hf_tensors[h].stage;
   }
   for (size_t r = 0; r < layouts.size(); ++r) {
     for (const ParamInfo& p : layouts[r].params) {
@@ -726,7 +753,7 @@ absl::Status PlanInput::Validate() const {
         if (h < 0 || h >= static_cast<int>(hf_tensors.size())) {
           return absl::InvalidArgumentError(absl::StrCat("rank ", r, " parameter ", p.name, ": bad input id ", h));
         }
-        if (hf_tensors[h].stage != p.stage) {
+        if (hf_stage[h] != p.stage) {
           return absl::InvalidArgumentError(absl::StrCat("rank ", r, " parameter ", p.name, " (stage ", p.stage,
                                                          ") loads from ", hf_tensors[h].name, " of stage ",
                                                          hf_tensors[h].stage));
@@ -754,86 +781,218 @@ std::vector<int> SpreadSources(int S, int u) {
   return out;
 }
 
-// balanced, automatic source count of one stage: the cost model's predicted transfer time of the stage (slowest
-// source or target NIC) with u of its sources, written to every configured instance (never the active subset, so the count, like the
-// cut, does not change when instances join or leave). The stage is evaluated on its own: a NIC shared with
-// another stage's sources is not charged their bytes (no sharing at all when a stage spans whole nodes).
-struct StageTime {
-  double transfer_s = 0;  // the stage's predicted transfer: slowest source or target NIC
-  double sources_s = 0;   // slowest source alone: decides between counts a target NIC makes equal
-  // What was evaluated: the stage's sources (index j within the stage), materialized for every configured
-  // instance, and the weights they were cut with. BuildPlan takes them over when its own weights for the chosen
-  // count are the same (then its cut is this one), instead of cutting and materializing the stage again.
-  std::vector<SourcePlan> sources;
-  std::vector<double> weights;
-  bool operator<=(const StageTime& o) const {
-    return transfer_s < o.transfer_s || (transfer_s == o.transfer_s && sources_s <= o.sources_s);
-  }
-};
-
-StageTime PredictStageWith(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, int stage, int u,
-                        const std::vector<int>& all_instances) {
-  const int S = in.cluster.trainer.sources_per_stage();
-  Plan tmp;
-  tmp.strategy = Strategy::kBalanced;
-  tmp.sources.resize(S);
-  for (int j = 0; j < S; ++j) {
-    tmp.sources[j].stage = stage;
-    tmp.sources[j].index = j;
-    PlaceSource(in.cluster, &tmp.sources[j]);
-  }
-  const std::vector<int> js = SpreadSources(S, u);
-  std::map<std::pair<int, int>, int> per_nic;
-  for (int j : js) per_nic[{tmp.sources[j].node, tmp.sources[j].nic}]++;
-  std::vector<SourcePlan*> srcs;
-  std::vector<double> weights;
-  for (int j : js) {
-    srcs.push_back(&tmp.sources[j]);
-    weights.push_back(1.0 / per_nic[{tmp.sources[j].node, tmp.sources[j].nic}]);
-  }
-  PlanStageBalanced(in, opt, ix, stage, srcs, weights);
-  for (SourcePlan* s : srcs) Materialize(in, all_instances, s);
-  Account(in, all_instances, &tmp);
-  const Prediction pr = PredictTransfer(in, tmp, opt.cost);  // the gather is the same for every u
-  StageTime t;
-  t.transfer_s = pr.transfer_s;
-  for (const SourceTime& st : pr.sources) t.sources_s = std::max(t.sources_s, st.total_s);
-  t.weights = std::move(weights);
-  t.sources = std::move(tmp.sources);
-  return t;
+// Every configured instance (what the automatic source count plans for, so the count, like the cut, stays put when
+// instances join or leave).
+std::vector<int> ConfiguredInstances(const ClusterSpec& c) {
+  std::vector<int> all(std::max(1, c.engine.instances));
+  std::iota(all.begin(), all.end(), 0);
+  return all;
 }
+
+bool NoSlower(const StageCountTime& a, const StageCountTime& b) {
+  return a.transfer_s < b.transfer_s || (a.transfer_s == b.transfer_s && a.sources_s <= b.sources_s);
+}
+
+// The automatic source count's figure for one stage and count u, from the cut alone: the cost model's inputs of a
+// source (bytes out, replica load, blocking writes, sessions, push filter) and of a target NIC (bytes in, sessions)
+// follow from where its segment starts and ends on the stage's line, so no plan is built. The figures are the very
+// integers Materialize and Account would produce, fed to the same PredictSource / PredictTargetNic, hence the same
+// doubles as PredictTransfer on BuildStagePlan (tested on every count of the test and bench shapes).
+class StageCountModel {
+ public:
+  // `line` is MakeStageLine(in, ix, stage) and must outlive the model.
+  StageCountModel(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, const StageLine& line, int stage)
+      : in_(in), opt_(opt), line_(line) {
+    const ClusterSpec& c = in.cluster;
+    const int R = static_cast<int>(in.layouts.size());
+    S_ = c.trainer.sources_per_stage();
+    I_ = std::max(1, c.engine.instances);
+    bw_ = c.nic.bytes_per_second();
+    ord_of_rank_.assign(R, -1);
+    for (const LineItem& it : line_.items) {
+      if (it.bytes == 0) {
+        if (zero_ranks_.empty() || zero_ranks_.back() != it.rank) zero_ranks_.push_back(it.rank);
+        zero_items_.push_back(it);
+        continue;
+      }
+      if (ord_of_rank_[it.rank] < 0) {
+        ord_of_rank_[it.rank] = static_cast<int>(rank_start_.size());
+        rank_start_.push_back(it.start);
+        rank_of_ord_.push_back(it.rank);
+      }
+      items_.push_back(it);
+      starts_.push_back(it.start);
+    }
+    std::map<std::pair<int, int>, int> ids;
+    for (int j = 0; j < S_; ++j) {
+      SourcePlan s;
+      s.stage = stage;
+      s.index = j;
+      PlaceSource(c, &s);
+      src_nic_.push_back(ids.emplace(std::make_pair(s.node, s.nic), static_cast<int>(ids.size())).first->second);
+    }
+    num_src_nics_ = static_cast<int>(ids.size());
+    ids.clear();
+    // Every configured target receives its rank's bytes of the stage, whatever the count.
+    for (int i = 0; i < I_; ++i) {
+      for (int r = 0; r < R; ++r) {
+        const int id = ids.emplace(PlaceTarget(c, {i, r}), static_cast<int>(ids.size())).first->second;
+        if (id == static_cast<int>(tgt_bytes_.size())) tgt_bytes_.push_back(0);
+        tgt_bytes_[id] += ix.bytes[stage][r];
+        tgt_nic_.push_back(id);  // index i * R + r
+      }
+    }
+  }
+
+  StageCountTime Predict(int u) const {
+    const int R = static_cast<int>(in_.layouts.size());
+    const uint64_t I = static_cast<uint64_t>(I_);
+    const std::vector<int> js = SpreadSources(S_, u);
+    std::vector<int> per_nic(num_src_nics_, 0);
+    for (int j : js) per_nic[src_nic_[j]]++;
+    std::vector<double> weights;
+    for (int j : js) weights.push_back(1.0 / per_nic[src_nic_[j]]);
+    const std::vector<uint64_t> cuts = CutLine(opt_, line_, weights);
+
+    struct Figures {
+      int nic = 0, sessions = 0;
+      uint64_t load = 0, blocking = 0, push = 0;
+    };
+    std::vector<Figures> active;
+    std::vector<uint64_t> nic_bytes(num_src_nics_, 0);
+    std::vector<int> nic_sources(num_src_nics_, 0);
+    std::vector<int> touch(rank_start_.size() + 1, 0);  // difference array over rank ordinals
+    std::vector<int> zero_touch(R, 0);
+    std::vector<int> stamp;
+    const bool pipelined = opt_.cost.executor == Executor::kPipelined;
+    if (pipelined) stamp.assign(in_.hf_tensors.size(), -1);
+    for (int k = 0; k < static_cast<int>(js.size()); ++k) {
+      const uint64_t a = cuts[k], b = cuts[k + 1];
+      Figures f;
+      int ranks = 0, last_rank = -1, first_ord = 0, last_ord = -1;
+      size_t first = 0, last = 0;
+      uint64_t blocking = 0;  // one copy
+      if (b > a) {
+        // The positive items tile [0, total): `first` holds byte a, `last` byte b - 1.
+        first = std::upper_bound(starts_.begin(), starts_.end(), a) - starts_.begin() - 1;
+        last = std::upper_bound(starts_.begin(), starts_.end(), b - 1) - starts_.begin() - 1;
+        f.load = items_[last].start + items_[last].bytes - items_[first].start;
+        first_ord = ord_of_rank_[items_[first].rank];
+        last_ord = ord_of_rank_[items_[last].rank];
+        ranks = last_ord - first_ord + 1;
+        last_rank = items_[last].rank;
+        blocking = std::max(a, rank_start_[last_ord]) - a;  // the segment's bytes before its last rank
+        touch[first_ord]++;
+        touch[last_ord + 1]--;
+      }
+      if (k == 0) {
+        // PlanStageBalanced gives zero-byte parameters to the first used source, in rank order with its others.
+        for (int z : zero_ranks_) {
+          const int o = ord_of_rank_[z];
+          if (o >= 0 && o >= first_ord && o <= last_ord) continue;
+          ++ranks;
+          zero_touch[z]++;
+        }
+        if (!zero_ranks_.empty() && zero_ranks_.back() > last_rank) blocking = b - a;
+      }
+      if (ranks == 0) continue;  // no tasks: an idle source
+      f.nic = src_nic_[js[k]];
+      f.sessions = ranks * I_;
+      f.blocking = blocking * I;
+      nic_bytes[f.nic] += (b - a) * I;
+      nic_sources[f.nic]++;
+      if (pipelined) {
+        auto add = [&](const LineItem& it) {
+          for (int h : in_.layouts[it.rank].params[it.param].inputs) {
+            if (stamp[h] == k) continue;
+            stamp[h] = k;
+            f.push += in_.hf_tensors[h].bytes;
+          }
+        };
+        if (b > a)
+          for (size_t q = first; q <= last; ++q) add(items_[q]);
+        if (k == 0)
+          for (const LineItem& it : zero_items_) add(it);
+      }
+      active.push_back(f);
+    }
+
+    StageCountTime t;
+    for (const Figures& f : active) {
+      const SourceTime st =
+          PredictSource(opt_.cost, bw_, nic_sources[f.nic], nic_bytes[f.nic], f.push, f.load, f.blocking, f.sessions);
+      t.sources_s = std::max(t.sources_s, st.total_s);
+    }
+    // Sessions into each target: the sources whose segment (or zero-byte parameters) touch its rank.
+    std::vector<int> writers(R, 0);
+    int run = 0;
+    for (size_t o = 0; o < rank_start_.size(); ++o) writers[rank_of_ord_[o]] = run += touch[o];
+    for (int r = 0; r < R; ++r) writers[r] += zero_touch[r];
+    std::vector<int> tgt_sessions(tgt_bytes_.size(), 0);
+    for (int i = 0; i < I_; ++i)
+      for (int r = 0; r < R; ++r) tgt_sessions[tgt_nic_[i * R + r]] += writers[r];
+    double targets_s = 0;
+    for (size_t n = 0; n < tgt_bytes_.size(); ++n)
+      targets_s = std::max(targets_s, PredictTargetNic(opt_.cost, bw_, tgt_bytes_[n], tgt_sessions[n]));
+    t.transfer_s = std::max(targets_s, t.sources_s);
+    return t;
+  }
+
+ private:
+  const PlanInput& in_;
+  const PlanOptions& opt_;
+  const StageLine& line_;
+  int S_ = 0, I_ = 0;
+  double bw_ = 0;
+  std::vector<LineItem> items_;   // the line's items with bytes
+  std::vector<uint64_t> starts_;  // their starts (increasing)
+  std::vector<int> ord_of_rank_;  // rank -> ordinal among ranks with bytes in the stage, -1 when none
+  std::vector<int> rank_of_ord_;
+  std::vector<uint64_t> rank_start_;  // per ordinal: where the rank's bytes start on the line
+  std::vector<int> zero_ranks_;       // ranks with zero-byte parameters in the stage (increasing)
+  std::vector<LineItem> zero_items_;
+  std::vector<int> src_nic_;  // per source of the stage: its NIC (dense id)
+  int num_src_nics_ = 0;
+  std::vector<int> tgt_nic_;         // per configured target (instance * R + rank): its NIC (dense id)
+  std::vector<uint64_t> tgt_bytes_;  // per target NIC: the stage's bytes into it
+};
 
 // The fewest of the stage's sources with the lowest predicted time: starting from all S, a count is taken when its
 // prediction is no higher than the best so far, i.e. a source is kept only if the stage is faster with it (where a
 // target NIC bounds the stage whatever the count, the slowest source decides). The scan stops at the first u whose
 // lower bound (the stage's bytes over u sources at the replica load rate or over u NICs at line rate, to every
 // instance) already exceeds the best; below it no count can do better.
-struct SourceCount {
-  int u = 0;
-  StageTime evaluated;  // the chosen count's evaluation (no sources when nothing was evaluated)
-};
-
-SourceCount AutoSourceCount(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, int stage) {
+int AutoSourceCount(const PlanInput& in, const PlanOptions& opt, const StageIndex& ix, const StageLine& line,
+                    int stage) {
   const int S = in.cluster.trainer.sources_per_stage();
   uint64_t stage_bytes = 0;
   for (uint64_t b : ix.bytes[stage]) stage_bytes += b;
-  if (stage_bytes == 0 || S <= 1) return {S, {}};
+  if (stage_bytes == 0 || S <= 1) return S;
   const int instances = std::max(1, in.cluster.engine.instances);
-  std::vector<int> all(instances);
-  std::iota(all.begin(), all.end(), 0);
   const double load_rate = opt.cost.replica_load_gbps * 1e9;
   const double nic_rate = in.cluster.nic.bytes_per_second();
+  const StageCountModel model(in, opt, ix, line, stage);
   int best_u = S;
-  StageTime best = PredictStageWith(in, opt, ix, stage, S, all);
+  StageCountTime best = model.Predict(S);
   for (int u = S - 1; u >= 1; --u) {
     const double share = static_cast<double>(stage_bytes) / u;
     const double bound = std::max(share / load_rate, share * instances / nic_rate);
     // Both figures of any count <= u are at least `bound`.
     if (bound > best.transfer_s || (bound >= best.transfer_s && bound > best.sources_s)) break;
-    StageTime t = PredictStageWith(in, opt, ix, stage, u, all);
-    if (t <= best) best = std::move(t), best_u = u;
+    const StageCountTime t = model.Predict(u);
+    if (NoSlower(t, best)) best = t, best_u = u;
   }
-  return {best_u, std::move(best)};
+  return best_u;
+}
+
+absl::Status CheckStageCount(const PlanInput& in, int stage, int sources) {
+  WSYNC_RETURN_IF_ERROR_CTX(in.Validate(), "plan input");
+  const int pp = in.cluster.trainer.pp, S = in.cluster.trainer.sources_per_stage();
+  if (stage < 0 || stage >= pp)
+    return absl::InvalidArgumentError(absl::StrCat("stage ", stage, " outside [0, ", pp, ")"));
+  if (sources < 1 || sources > S)
+    return absl::InvalidArgumentError(absl::StrCat("source count ", sources, " outside [1, ", S, "]"));
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -864,7 +1023,6 @@ absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& option
   Plan plan;
   plan.strategy = options.strategy;
   plan.sources.resize(static_cast<size_t>(pp) * S);
-  std::vector<bool> materialized(plan.sources.size(), false);
   for (int p = 0; p < pp; ++p) {
     for (int j = 0; j < S; ++j) {
       SourcePlan& s = plan.sources[p * S + j];
@@ -900,16 +1058,15 @@ absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& option
     // Which sources each stage uses: the cost model's choice (auto), or all of them unless the stage is too small
     // to give each min_source_bytes.
     std::vector<std::vector<int>> used(pp);
-    std::vector<StageTime> evaluated(pp);
+    std::vector<StageLine> lines(pp);
     std::map<std::pair<int, int>, int> per_nic;
     for (int p = 0; p < pp; ++p) {
+      lines[p] = MakeStageLine(input, ix, p);
       uint64_t stage_bytes = 0;
       for (uint64_t b : ix.bytes[p]) stage_bytes += b;
       int u = S;
       if (!options.min_source_bytes.has_value()) {
-        SourceCount sc = AutoSourceCount(input, options, ix, p);
-        u = sc.u;
-        evaluated[p] = std::move(sc.evaluated);
+        u = AutoSourceCount(input, options, ix, lines[p], p);
       } else if (*options.min_source_bytes > 0) {
         const uint64_t m = *options.min_source_bytes;
         u = static_cast<int>(std::min<uint64_t>(S, std::max<uint64_t>(1, (stage_bytes + m - 1) / m)));
@@ -928,28 +1085,60 @@ absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& option
         srcs.push_back(s);
         weights.push_back(1.0 / per_nic[{s->node, s->nic}]);  // equal bytes per NIC, split among its sources
       }
-      if (!evaluated[p].sources.empty() && evaluated[p].weights == weights) {
-        // The count's evaluation cut the stage with these very weights (no NIC shared with another stage).
-        const bool all_active = static_cast<int>(active.size()) == c.engine.instances;
-        for (int j = 0; j < S; ++j) {
-          SourcePlan& e = evaluated[p].sources[j];
-          if (all_active) {
-            plan.sources[p * S + j] = std::move(e);  // materialized for exactly these instances
-            materialized[p * S + j] = true;
-          } else {
-            plan.sources[p * S + j].assignments = std::move(e.assignments);
-          }
-        }
-      } else {
-        PlanStageBalanced(input, options, ix, p, srcs, weights);
-      }
+      PlanStageBalanced(input, options, lines[p], srcs, weights);
     }
   }
-  for (size_t k = 0; k < plan.sources.size(); ++k)
-    if (!materialized[k]) Materialize(input, active, &plan.sources[k]);
+  for (SourcePlan& s : plan.sources) Materialize(input, active, &s);
   if (options.strategy == Strategy::kLocal) AssignLocalPushes(input, &plan);
   Account(input, active, &plan);
   return plan;
+}
+
+absl::StatusOr<Plan> BuildStagePlan(const PlanInput& input, const PlanOptions& options, int stage, int sources) {
+  WSYNC_RETURN_IF_ERROR(CheckStageCount(input, stage, sources));
+  const ClusterSpec& c = input.cluster;
+  const int S = c.trainer.sources_per_stage();
+  const StageIndex ix = IndexStages(input);
+  const std::vector<int> all = ConfiguredInstances(c);
+  Plan plan;
+  plan.strategy = Strategy::kBalanced;
+  plan.sources.resize(static_cast<size_t>(c.trainer.pp) * S);
+  for (size_t k = 0; k < plan.sources.size(); ++k) {
+    plan.sources[k].stage = static_cast<int>(k) / S;
+    plan.sources[k].index = static_cast<int>(k) % S;
+    PlaceSource(c, &plan.sources[k]);
+  }
+  const std::vector<int> js = SpreadSources(S, sources);
+  std::map<std::pair<int, int>, int> per_nic;
+  for (int j : js) per_nic[{plan.sources[stage * S + j].node, plan.sources[stage * S + j].nic}]++;
+  std::vector<SourcePlan*> srcs;
+  std::vector<double> weights;
+  for (int j : js) {
+    SourcePlan* s = &plan.sources[stage * S + j];
+    srcs.push_back(s);
+    weights.push_back(1.0 / per_nic[{s->node, s->nic}]);
+  }
+  PlanStageBalanced(input, options, MakeStageLine(input, ix, stage), srcs, weights);
+  for (SourcePlan* s : srcs) Materialize(input, all, s);
+  Account(input, all, &plan);
+  return plan;
+}
+
+absl::StatusOr<StageCountTime> PredictStageCount(const PlanInput& input, const PlanOptions& options, int stage,
+                                                 int sources) {
+  WSYNC_RETURN_IF_ERROR(CheckStageCount(input, stage, sources));
+  const StageIndex ix = IndexStages(input);
+  const StageLine line = MakeStageLine(input, ix, stage);
+  return StageCountModel(input, options, ix, line, stage).Predict(sources);
+}
+
+absl::StatusOr<std::vector<int>> AutoSourceCounts(const PlanInput& input, const PlanOptions& options) {
+  WSYNC_RETURN_IF_ERROR_CTX(input.Validate(), "plan input");
+  const StageIndex ix = IndexStages(input);
+  std::vector<int> out;
+  for (int p = 0; p < input.cluster.trainer.pp; ++p)
+    out.push_back(AutoSourceCount(input, options, ix, MakeStageLine(input, ix, p), p));
+  return out;
 }
 
 absl::Status VerifyPlan(const PlanInput& in, const Plan& plan) {

@@ -213,6 +213,25 @@ std::vector<Box> HeldBoxes(const TrainerSpec& trainer, int num_experts, const Hf
 // Builds the plan for every active instance. Deterministic: same input, same plan, on any machine.
 absl::StatusOr<Plan> BuildPlan(const PlanInput& input, const PlanOptions& options);
 
+// balanced's automatic source count (PlanOptions::min_source_bytes unset), per stage. A count u of a stage's S
+// sources is judged on the stage alone (BuildStagePlan) by the cost model's transfer time of that plan
+// (PredictTransfer: slowest source or target NIC, with PlanOptions::cost); the planner keeps the fewest sources
+// with the lowest (transfer_s, sources_s). See docs/planner.md, "How many sources".
+struct StageCountTime {
+  double transfer_s = 0;  // slowest source or target NIC of the stage
+  double sources_s = 0;   // slowest source alone: decides between counts a target NIC makes equal
+};
+// The stage alone cut for `sources` of its sources (spread evenly over its ranks, each weighted 1 / the stage's
+// used sources on its NIC) and written to every configured instance; other stages' sources stay idle. What a count
+// is judged on. InvalidArgument for a stage or count out of range.
+absl::StatusOr<Plan> BuildStagePlan(const PlanInput& input, const PlanOptions& options, int stage, int sources);
+// PredictTransfer of BuildStagePlan(input, options, stage, sources), computed from the cut alone without building
+// the plan: what the planner evaluates per count (equal to the bit; tested).
+absl::StatusOr<StageCountTime> PredictStageCount(const PlanInput& input, const PlanOptions& options, int stage,
+                                                 int sources);
+// The count the planner picks for every stage (BuildPlan's balanced strategy with min_source_bytes unset).
+absl::StatusOr<std::vector<int>> AutoSourceCounts(const PlanInput& input, const PlanOptions& options);
+
 // Checks the plan against the input: every target receives every byte of its layout exactly once per stage, no
 // source sends a parameter of another stage or one it did not load, the push filter covers what was loaded.
 absl::Status VerifyPlan(const PlanInput& input, const Plan& plan);

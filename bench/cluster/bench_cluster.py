@@ -73,7 +73,7 @@ def cpu_busy(a, b):
 def plan(bin_dir, model, S, T, tp, ranks, mbit, strategy, train="tp=1", ep=1, gather=False):
     argv = [os.path.join(bin_dir, "wsyncctl"), "plan", "--model", model, "--train",
             f"{train},pp=1,nodes={S},gpus={ranks}", "--infer", f"instances={T},tp={tp},ep={ep},nodes={T}",
-            "--nic", f"1x{mbit / 1000:.6f}Gbps", "--strategy", strategy, "--executor", "serial", "-w", "json"]
+            "--nic", emu.nic_spec(mbit), "--strategy", strategy, "--executor", "serial", "-w", "json"]
     if not gather:
         argv.append("--no-gather")
     r = subprocess.run(argv, capture_output=True, text=True)

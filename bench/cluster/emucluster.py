@@ -40,6 +40,11 @@ SUBNET = "10.99.0"
 SKIP = 77
 
 
+def nic_spec(mbit):
+    """The cost model's --nic for one shaped NIC per node at `mbit` Mbit/s (coordinator and `wsyncctl plan`)."""
+    return f"1x{mbit / 1000:.6f}Gbps"
+
+
 class HarnessError(Exception):
     pass
 
@@ -352,9 +357,12 @@ class Cluster:
         if not getattr(self, "certs", None):
             self.make_certs()
         local = ["--trainer-parallelism", self.trainer_parallelism] if self.strategy == "local" else []
+        # The planner's cost model (automatic source count) at the links' rate: iperf3's when measured, else the
+        # configured shaping rate, instead of the coordinator's default 1x400Gbps.
+        mbit = self.measured_mbit or self.rate_mbit
         self.coordinator = self._serve("coordinator", c, [b("wsync-coordinator"), "--listen", f"{c.ip}:0",
-                                                            "--strategy", self.strategy] + local
-                                       + self.tls("coordinator-emu"))
+                                                            "--strategy", self.strategy, "--nic", nic_spec(mbit)]
+                                       + local + self.tls("coordinator-emu"))
         self.start_engines()
         self.start_daemons()
 

@@ -157,6 +157,108 @@ TEST_CASE("explicit --min-source-mib still sets the floor", "[planner][min_sourc
   CHECK(UsedSources(MustPlan(in, 0)) == 8);
 }
 
+// The exhaustive choice, computed here: every count u of every stage, the stage planned on its own with u sources
+// (BuildStagePlan: the plan is cut, materialized and accounted) and predicted by the cost model on that plan
+// (PredictTransfer); the fewest sources with the lowest (transfer, slowest source). The planner instead computes
+// each count's figure from the cut alone and stops scanning at a lower bound; both must agree: the chosen counts,
+// the sources BuildPlan uses, and (every_figure) each count's figure to the bit.
+void CheckExhaustive(const PlanInput& in, const CostParams& cp, bool every_figure) {
+  PlanOptions o;
+  o.cost = cp;
+  auto counts = AutoSourceCounts(in, o);
+  INFO(counts.status().ToString());
+  REQUIRE(counts.ok());
+  const Plan plan = MustPlan(in, std::nullopt, cp);
+  const int pp = in.cluster.trainer.pp, S = in.cluster.trainer.sources_per_stage();
+  REQUIRE(static_cast<int>(counts->size()) == pp);
+  for (int p = 0; p < pp; ++p) {
+    int best_u = 0;
+    double best_t = 0, best_s = 0;
+    for (int u = 1; u <= S; ++u) {
+      auto stage = BuildStagePlan(in, o, p, u);
+      REQUIRE(stage.ok());
+      const Prediction pr = PredictTransfer(in, *stage, cp);
+      double slowest = 0;
+      for (const SourceTime& st : pr.sources) slowest = std::max(slowest, st.total_s);
+      if (best_u == 0 || pr.transfer_s < best_t || (pr.transfer_s == best_t && slowest < best_s)) {
+        best_u = u, best_t = pr.transfer_s, best_s = slowest;
+      }
+      if (every_figure) {
+        auto fig = PredictStageCount(in, o, p, u);
+        REQUIRE(fig.ok());
+        INFO("stage " << p << " count " << u);
+        CHECK(fig->transfer_s == pr.transfer_s);
+        CHECK(fig->sources_s == slowest);
+      }
+    }
+    INFO("stage " << p << " of " << pp << ", " << S << " sources");
+    CHECK((*counts)[p] == best_u);
+    int active = 0;
+    for (int j = 0; j < S; ++j) active += plan.sources[p * S + j].active();
+    CHECK(active == best_u);
+  }
+}
+
+// Zero-byte parameters (given to the stage's first source) on a rank inside and one after its segment.
+PlanInput WithEmptyParams(PlanInput in) {
+  in.layouts[1].params[3].bytes = 0;
+  in.layouts.back().params.back().bytes = 0;
+  return in;
+}
+
+TEST_CASE("auto: the chosen count is the exhaustive choice on the test shapes", "[planner][min_source]") {
+  CostParams serial, pipelined, slow;
+  pipelined.executor = Executor::kPipelined;
+  slow.session_ms = 40;  // sessions weigh more: fewer sources win on more shapes
+  for (const CostParams& cp : {serial, pipelined, slow}) {
+    INFO("executor " << (cp.executor == Executor::kSerial ? "serial" : "pipelined") << " session " << cp.session_ms);
+    int n = 0;
+    for (const auto& shape : testing::CoverageShapes()) {
+      INFO("coverage shape " << n++);
+      CheckExhaustive(testing::MakeInput(shape), cp, true);
+    }
+    CheckExhaustive(Bench4x4(0.375), cp, true);
+    CheckExhaustive(Bench4x4(400), cp, true);
+    CheckExhaustive(testing::MakeInput(Tiny()), cp, true);
+    CheckExhaustive(WithEmptyParams(testing::MakeInput(Tiny())), cp, true);
+    testing::SyntheticShape big = Tiny();
+    big.param_bytes = 64ull << 20;
+    CheckExhaustive(testing::MakeInput(big), cp, true);
+    testing::SyntheticShape shared[2];  // stages sharing NICs; 2 GPUs per NIC
+    shared[0].pp = 2, shared[0].nics = 1, shared[0].instances = 2, shared[0].engine_nodes = 2;
+    shared[1].nics = 4, shared[1].params_per_stage = 6, shared[1].param_bytes = 64 << 10;
+    for (const auto& shape : shared) CheckExhaustive(testing::MakeInput(shape), cp, true);
+  }
+}
+
+// bench_planner's shapes: Kimi-K2 (fp8, 64-blocks) from 256 trainer ranks (TP8 PP8 CP4 EP32, 32 nodes) into
+// 8 x TP32 engines, and from 192 (CP3 EP24, 24 nodes) into one TP32 engine; 8x400 Gb/s NICs.
+PlanInput KimiBench(bool uneven) {
+  auto cfg =
+      replica::ModelConfig::FromFile(std::string(WSYNC_MODELS_DIR) + "/moonshotai__Kimi-K2-Instruct/config.json");
+  INFO(cfg.status().ToString());
+  REQUIRE(cfg.ok());
+  ClusterSpec c;
+  c.trainer = uneven ? TrainerSpec{8, 8, 3, 24, 1, 24, 8} : TrainerSpec{8, 8, 4, 32, 1, 32, 8};
+  c.engine.instances = uneven ? 1 : 8, c.engine.tp = 32, c.engine.ep = 32, c.engine.nodes = uneven ? 4 : 32;
+  c.nic.per_node = 8, c.nic.gbps = 400;
+  ModelInputOptions o;
+  o.quant.mode = replica::QuantSpec::Mode::kFp8Block;
+  o.quant.block_n = o.quant.block_k = 64;
+  o.format = replica::CheckpointFormat::kFp8PassThrough;
+  auto in = BuildModelInput(*cfg, c, o);
+  INFO(in.status().ToString());
+  REQUIRE(in.ok());
+  return *in;
+}
+
+TEST_CASE("auto: the chosen count is the exhaustive choice on the bench's Kimi-K2 shapes", "[planner][min_source]") {
+  for (bool uneven : {false, true}) {
+    INFO((uneven ? "192x32" : "256x256"));
+    CheckExhaustive(KimiBench(uneven), {}, false);
+  }
+}
+
 TEST_CASE("--min-source-mib parses auto or MiB and names itself on bad input", "[planner][min_source]") {
   CHECK(!ParseMinSourceMib("auto")->has_value());
   CHECK(!ParseMinSourceMib("AUTO")->has_value());

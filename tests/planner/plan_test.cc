@@ -27,25 +27,7 @@ uint64_t StageCopyBytes(const PlanInput& in, int stage) {
   return b;
 }
 
-// Shapes covering sources < targets, = targets, > targets, uneven counts, pp > 1, shared NICs.
-std::vector<SyntheticShape> Shapes() {
-  std::vector<SyntheticShape> v;
-  SyntheticShape a;  // 8 sources, 8 targets
-  v.push_back(a);
-  SyntheticShape b = a;  // 32 sources per stage (pp=4, 16 nodes) -> 2 x 16 targets (the write-up's example)
-  b.train_nodes = 16, b.pp = 4, b.instances = 2, b.engine_tp = 16, b.engine_nodes = 4;
-  v.push_back(b);
-  SyntheticShape c = a;  // 64 sources, 1 x 4 targets
-  c.train_nodes = 8, c.engine_tp = 4;
-  v.push_back(c);
-  SyntheticShape d = a;  // 24 sources, 32 targets, 4 NICs per 8 GPUs
-  d.train_nodes = 3, d.engine_tp = 32, d.engine_nodes = 4, d.nics = 4;
-  v.push_back(d);
-  SyntheticShape e = a;  // 12 sources per stage (pp=2, 3 nodes), 3 instances x 8
-  e.train_nodes = 3, e.pp = 2, e.instances = 3, e.engine_nodes = 3;
-  v.push_back(e);
-  return v;
-}
+std::vector<SyntheticShape> Shapes() { return testing::CoverageShapes(); }
 
 TEST_CASE("every target receives every parameter of its layout exactly once per stage", "[planner]") {
   for (const auto& shape : Shapes()) {

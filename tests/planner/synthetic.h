@@ -2,6 +2,7 @@
 // Synthetic planner inputs: no model, just layouts with parameters of varied sizes.
 
 #include <cstdint>
+#include <vector>
 
 #include "planner/plan.h"
 
@@ -17,5 +18,8 @@ struct SyntheticShape {
 };
 
 PlanInput MakeInput(const SyntheticShape& s);
+
+// Shapes covering sources < targets, = targets, > targets, uneven counts, pp > 1, shared NICs.
+std::vector<SyntheticShape> CoverageShapes();
 
 }  // namespace wsync::planner::testing
