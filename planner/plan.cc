@@ -408,17 +408,6 @@ uint64_t CoveredArea(Holdings& hold, int hf, const Box& need, const std::vector<
   return a;
 }
 
-// Stage indices of the ranks of `stage` on `node`.
-std::vector<int> NodeIndices(const ClusterSpec& c, int stage, int node) {
-  const int S = c.trainer.sources_per_stage(), gpn = c.trainer.gpus_per_node;
-  std::vector<int> out;
-  for (int g = 0; g < gpn; ++g) {
-    const int rank = node * gpn + g;
-    if (rank / S == stage) out.push_back(rank % S);
-  }
-  return out;
-}
-
 // local, one stage. A source can send a parameter when the trainer ranks on its node hold, between them, every
 // rectangle the parameter reads (the node's daemon assembles slices, so no single rank needs all of it). Parameters
 // go whole, fewest candidate sources first, then largest first, to the candidate with the least weighted bytes,
