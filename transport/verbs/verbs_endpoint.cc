@@ -347,8 +347,8 @@ class VerbsEndpoint final : public Endpoint {
       uint64_t pos = wc.wr_id & kPosMask;
       if (pos < sig->segs.size()) {
         const Seg& seg = sig->segs[pos];
-        where = absl::StrFormat(", write #%d (dst region 0x%x offset %d, %d bytes) of batch %d", seg.write_index,
-                                seg.dst_base, seg.dst_offset, seg.length, sig->batch);
+        where = absl::StrFormat(", write #%d (dst offset %d, %d bytes, dst region at 0x%x) of batch %d",
+                                seg.write_index, seg.dst_offset, seg.length, seg.dst_base, sig->batch);
         if (peer_.granted && peer_grant_.count(seg.dst_base) == 0)
           where += "; that region is outside the write grant of this connection";
       } else {
