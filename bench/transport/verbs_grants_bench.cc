@@ -59,8 +59,9 @@ struct Pair {
 };
 
 Pair Connect(Transport& source, Transport& target, const Transport::WriteGrant* grant) {
-  Pair p{Must(source.CreateEndpoint(), "endpoint"),
-         grant ? Must(target.CreateGrantedEndpoint(*grant), "granted endpoint") : Must(target.CreateEndpoint(), "endpoint")};
+  Pair p{Must(source.CreateEndpoint(), "endpoint"), grant
+                                                        ? Must(target.CreateGrantedEndpoint(*grant), "granted endpoint")
+                                                        : Must(target.CreateEndpoint(), "endpoint")};
   Must(p.src->Connect(p.dst->LocalInfo(), absl::Seconds(30)), "connect");
   Must(p.dst->Connect(p.src->LocalInfo(), absl::Seconds(30)), "connect");
   return p;
@@ -124,7 +125,8 @@ int main(int argc, char** argv) {
     for (uint64_t k = 0; k < cycles; ++k) {
       pairs.clear();
       const absl::Time s = absl::Now();
-      for (uint64_t c = 0; c < connections; ++c) pairs.push_back(Connect(*source, *target, granted ? &grants[c] : nullptr));
+      for (uint64_t c = 0; c < connections; ++c)
+        pairs.push_back(Connect(*source, *target, granted ? &grants[c] : nullptr));
       w.connect_ms += absl::ToDoubleMilliseconds(absl::Now() - s) / connections;
     }
     absl::Time s = absl::Now();
@@ -142,10 +144,11 @@ int main(int argc, char** argv) {
   const Way plain = measure(false);
   const Way granted = measure(true);
 
-  std::printf("verbs write grants, %llu connections (2 QPs each on one device), each granted %llu regions of %llu "
-              "bytes, %llu cycles\n",
-              static_cast<unsigned long long>(connections), static_cast<unsigned long long>(regions),
-              static_cast<unsigned long long>(region_bytes), static_cast<unsigned long long>(cycles));
+  std::printf(
+      "verbs write grants, %llu connections (2 QPs each on one device), each granted %llu regions of %llu "
+      "bytes, %llu cycles\n",
+      static_cast<unsigned long long>(connections), static_cast<unsigned long long>(regions),
+      static_cast<unsigned long long>(region_bytes), static_cast<unsigned long long>(cycles));
   std::printf("%-10s %16s %16s %16s\n", "way", "connect ms/conn", "window ms/cycle", "write ms/rank");
   std::printf("%-10s %16.3f %16.3f %16.3f\n", "plain", plain.connect_ms, plain.window_ms, plain.write_ms);
   std::printf("%-10s %16.3f %16.3f %16.3f\n", "granted", granted.connect_ms, granted.window_ms, granted.write_ms);
@@ -154,8 +157,8 @@ int main(int argc, char** argv) {
       "{\"bench\":\"verbs_grants\",\"value\":%.4f,\"baseline\":%.4f,\"ratio\":%.4f,\"window_granted_ms\":%.4f,"
       "\"window_plain_ms\":%.4f,\"write_granted_ms\":%.4f,\"write_plain_ms\":%.4f,\"register_rank_ms\":%.4f,"
       "\"connections\":%llu,\"regions\":%llu,\"region_bytes\":%llu}\n",
-      granted.connect_ms, plain.connect_ms, granted.connect_ms / plain.connect_ms, granted.window_ms,
-      plain.window_ms, granted.write_ms, plain.write_ms, register_ms, static_cast<unsigned long long>(connections),
+      granted.connect_ms, plain.connect_ms, granted.connect_ms / plain.connect_ms, granted.window_ms, plain.window_ms,
+      granted.write_ms, plain.write_ms, register_ms, static_cast<unsigned long long>(connections),
       static_cast<unsigned long long>(regions), static_cast<unsigned long long>(region_bytes));
   return 0;
 }

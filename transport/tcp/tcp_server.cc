@@ -122,9 +122,9 @@ absl::Status ServeConnection(int fd, RegionTable& table, const std::string& peer
               absl::StrCat("region ", f.region, " is not registered on the receiver (deregistered?)"));
         } else if (region->read_only) {
           table.CountRefused();
-          batch_status = absl::PermissionDeniedError(absl::StrCat(
-              "write refused: region ", f.region, " is a source's memory (registered read-only for peers); write "
-              "from ", peer, " refused, nothing of this batch is written there; the batch fails"));
+          batch_status = absl::PermissionDeniedError(
+              absl::StrCat("write refused: region ", f.region, " is a source's memory (read-only for peers); ",
+                           "write from ", peer, " refused, nothing of this batch is written there; the batch fails"));
           spdlog::warn("tcp: refused a write from {} into read-only source region {}", peer, f.region);
           table.Release(region);
           region = nullptr;

@@ -151,7 +151,7 @@ class WriteWindow {
 
  private:
   struct QpEntry {
-    bool counted = false;                          // already counted as refused
+    bool counted = false;                           // already counted as refused
     std::shared_ptr<std::atomic<bool>> grant_live;  // null: a plain endpoint's QP
   };
   int AccessLocked(const QpEntry& e) const;

@@ -331,10 +331,10 @@ class VerbsTransport final : public Transport {
     }
     const size_t nmrs = dom->mrs.size();
     WSYNC_ASSIGN_OR_RETURN(auto ep, NewVerbsEndpoint(devices_, cfg_, id_, window_, std::move(dom)));
-    spdlog::info("verbs: write grant minted for {} ({}, {} regions, {} bytes, {} MRs in its own protection domain) "
-                 "in {:.3f} ms",
-                 grant.peer, grant.scope, grant.regions.size(), bytes, nmrs,
-                 absl::ToDoubleMilliseconds(absl::Now() - start));
+    spdlog::info(
+        "verbs: write grant minted for {} ({}, {} regions, {} bytes, {} MRs in its own protection domain) "
+        "in {:.3f} ms",
+        grant.peer, grant.scope, grant.regions.size(), bytes, nmrs, absl::ToDoubleMilliseconds(absl::Now() - start));
     return ep;
   }
 
@@ -381,11 +381,11 @@ class VerbsTransport final : public Transport {
       // Kept open with the region: a write grant registers the same memory again in its own protection domain.
       auto fd = std::make_shared<ScopedFd>(buf->fd);
       const RegionSink::Dmabuf d = *buf;
-      auto region = RegisterMrs(reinterpret_cast<void*>(d.iova), len, "ibv_reg_dmabuf_mr", "GPUDirect, remote write",
-                                {0}, true, [fd, d](ibv_pd* pd, uint64_t off, uint64_t n) {
-                                  return Ibv().reg_dmabuf_mr(pd, d.offset + off, n, d.iova + off, fd->get(),
-                                                             kAllowWrite);
-                                });
+      auto region =
+          RegisterMrs(reinterpret_cast<void*>(d.iova), len, "ibv_reg_dmabuf_mr", "GPUDirect, remote write", {0}, true,
+                      [fd, d](ibv_pd* pd, uint64_t off, uint64_t n) {
+                        return Ibv().reg_dmabuf_mr(pd, d.offset + off, n, d.iova + off, fd->get(), kAllowWrite);
+                      });
       if (region.ok()) {
         spdlog::info("verbs: {} registered for GPUDirect RDMA (dma-buf, {} bytes): the NIC writes the device memory",
                      sink->Describe(), len);
@@ -410,15 +410,16 @@ class VerbsTransport final : public Transport {
     if (addr == nullptr && len > 0) return absl::InvalidArgumentError("verbs: RegisterMemory of a null address");
     const int access = send_only ? kDenyWrite : kAllowWrite;
     return RegisterMrs(addr, len, "ibv_reg_mr", send_only ? "source, no remote access" : "remote write",
-                       PreferredDevices(*devices_, addr), !send_only, [addr, access](ibv_pd* pd, uint64_t off, uint64_t n) {
+                       PreferredDevices(*devices_, addr), !send_only,
+                       [addr, access](ibv_pd* pd, uint64_t off, uint64_t n) {
                          return Ibv().reg_mr(pd, static_cast<char*>(addr) + off, n, access);
                        });
   }
 
   // Registers [0, len) on every device in chunks of at most the devices' max_mr_size, `reg` making one MR.
-  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMrs(
-      void* addr, uint64_t len, const char* call, const char* what, std::vector<int> preferred, bool remote_write,
-      ReRegister reg) {
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMrs(void* addr, uint64_t len, const char* call, const char* what,
+                                                           std::vector<int> preferred, bool remote_write,
+                                                           ReRegister reg) {
     uint64_t chunk = UINT64_MAX;
     for (const auto& d : devices_->devices) chunk = std::min(chunk, d->max_mr_size);
     if (cfg_.max_mr_chunk > 0) chunk = std::min(chunk, cfg_.max_mr_chunk);
@@ -454,9 +455,8 @@ class VerbsTransport final : public Transport {
         "({:.2f} GB/s); writes from it use [{}]",
         len, addr, what, mrs.size(), chunk, devices_->devices.size(), ms, ms > 0 ? len / ms / 1e6 : 0.0,
         absl::StrJoin(pref_names, ","));
-    return std::unique_ptr<LocalRegion>(
-        std::make_unique<VerbsLocalRegion>(devices_, id_, addr, len, chunk, std::move(mrs), std::move(preferred),
-                                           remote_write, std::move(reg)));
+    return std::unique_ptr<LocalRegion>(std::make_unique<VerbsLocalRegion>(
+        devices_, id_, addr, len, chunk, std::move(mrs), std::move(preferred), remote_write, std::move(reg)));
   }
 
   // The verbs region behind a LocalRegion of this backend (a sink's registered memory for RegisterSink), or null.
