@@ -155,8 +155,9 @@ class Transport {
   // Registers [addr, addr+len). Costly: do it once at start-up. Registration time is logged by the backend.
   virtual absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) = 0;
   // Registers memory this side only writes from (a source's replica): peers get no write access to it (verbs: MRs
-  // without remote access; a peer's write into it fails). Same cost as RegisterMemory. A backend whose receiving
-  // side cannot tell the two apart registers it as RegisterMemory does.
+  // without remote access, a peer's write into it fails; tcp: write frames into it are refused, PermissionDenied,
+  // and counted in refused_writes()). Same cost as RegisterMemory. A write grant cannot name it. A backend whose
+  // receiving side cannot tell the two apart registers it as RegisterMemory does.
   virtual absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSourceMemory(void* addr, uint64_t len) {
     return RegisterMemory(addr, len);
   }
@@ -186,11 +187,13 @@ class Transport {
   }
   virtual uint64_t refused_writes() const { return 0; }
 
-  // Per-connection write authorization (docs/security.md, "Write grants"). A granted endpoint's LocalInfo carries a
-  // fresh random secret; a peer that connects with it may write only into `regions` of this transport, only while
-  // the window is open, and only until the grant is revoked (RevokeGrants, or the endpoint is destroyed). With
-  // RequireGrants(true) a connection without a live secret is refused at its hello: the transport-wide token of a
-  // plain endpoint's LocalInfo no longer suffices. Every refusal is counted in refused_writes().
+  // Per-connection write authorization (docs/security.md, "Per-connection write grants"). A peer that connects to a
+  // granted endpoint may write only into `regions` of this transport, only while the window is open, and only until
+  // the grant is revoked (RevokeGrants, or the endpoint is destroyed). tcp: the endpoint's LocalInfo carries a fresh
+  // random secret, and with RequireGrants(true) a connection without a live secret gets no write frame accepted.
+  // verbs: the endpoint's QPs live in their own protection domains holding MRs of only `regions` (registered when
+  // the endpoint is created: costly, once per connection), whose rkeys its LocalInfo carries; with
+  // RequireGrants(true) a plain endpoint's QPs get no remote write. Every refusal is counted in refused_writes().
   // Unimplemented for a backend that cannot enforce it.
   struct WriteGrant {
     std::string peer;                         // who it was minted for (logs, RevokeGrants): "source:train0"

@@ -11,3 +11,8 @@ target_link_libraries(bench_transport_verbs PRIVATE wsync_transport wsync_base a
 # re-registering MRs), measured in the same run. Run it inside the soft-RoCE VM when the host has no RDMA device.
 add_executable(bench_verbs_window ${CMAKE_CURRENT_LIST_DIR}/verbs_window_bench.cc)
 target_link_libraries(bench_verbs_window PRIVATE wsync_transport wsync_base absl::strings)
+
+# bench_verbs_grants: what per-connection write grants cost (connection setup, window toggle, writes) next to plain
+# connections, measured in the same run. Run it inside the soft-RoCE VM when the host has no RDMA device.
+add_executable(bench_verbs_grants ${CMAKE_CURRENT_LIST_DIR}/verbs_grants_bench.cc)
+target_link_libraries(bench_verbs_grants PRIVATE wsync_transport wsync_base absl::strings)

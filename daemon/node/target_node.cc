@@ -374,7 +374,8 @@ v1::SetWriteWindowReply TargetNode::SetWriteWindow(const v1::SetWriteWindowReque
 }
 
 absl::Status TargetNode::Start() {
-  // Writes only on connections with a write secret minted by ConnectTarget (tcp); verbs cannot enforce it yet.
+  // Writes only on connections granted by ConnectTarget (tcp: a write secret; verbs: the rank's MRs in the
+  // connection's own protection domain); a backend that cannot enforce it (mooncake) keeps plain connections.
   if (auto st = transport_->RequireGrants(true); st.ok()) {
     grants_enforced_ = true;
   } else {
@@ -730,8 +731,9 @@ absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::Conne
                                                       " to it"));
     for (const auto& r : it->second->ranks[req.rank()].regions) grant.regions.push_back(r.get());
   }
-  // A fresh write secret per source connection, for exactly this rank's regions (tcp); a transport that cannot
-  // enforce grants (verbs) gets a plain endpoint.
+  // A fresh grant per source connection, for exactly this rank's regions (tcp: a write secret; verbs: the regions
+  // registered again in the connection's own protection domain, once per connection, not per update); a transport
+  // that cannot enforce grants gets a plain endpoint.
   auto ep = grants_enforced_ ? transport_->CreateGrantedEndpoint(grant) : transport_->CreateEndpoint();
   if (!ep.ok()) return ep.status();
   v1::ConnectTargetReply out;

@@ -724,6 +724,11 @@ TEST_CASE("cluster: two daemons exchange updates over the selected transport", "
   CHECK(ns.transport() == o.transport);
   CHECK(ns.write_window() == "closed");
   CHECK(ns.refused_writes() == 0);
+  // The source's connections were granted per engine rank (tcp: a write secret; verbs: the rank's MRs in the
+  // connection's own protection domain), never plain ones.
+  const std::string target_log = cl.Log("target0");
+  CHECK(absl::StrContains(target_log, "write grant minted for"));
+  CHECK_FALSE(absl::StrContains(target_log, "needs no per-connection secret"));
 }
 
 }  // namespace

@@ -83,6 +83,14 @@ Fd RawClient(const Info& info) {
   return std::move(*fd);
 }
 
+uint64_t RegionId(const LocalRegion& r) {
+  tcp::RegionDescriptor d;
+  const std::string desc = r.Descriptor();
+  REQUIRE(desc.size() == sizeof(d));
+  std::memcpy(&d, desc.data(), sizeof(d));
+  return d.region;
+}
+
 }  // namespace
 
 TEST_CASE("factory: the first viable transport of an operator's list", "[transport][tcp]") {
@@ -191,6 +199,70 @@ TEST_CASE("receiver: a region deregistered after import fails the batch, endpoin
   CHECK(absl::StrContains(s.message(), (*es)->PeerName()));
   CHECK(std::all_of(dst.begin(), dst.end(), [](uint8_t b) { return b == 0; }));
   CHECK_FALSE((*es)->Post({&w, 1}).ok());
+}
+
+TEST_CASE("receiver: a source's memory is read-only for peers, the write refused, counted, bytes unchanged",
+          "[transport][tcp]") {
+  auto writer = MakeTcp();
+  auto source = MakeTcp();  // a source daemon's transport: its replica is registered with RegisterSourceMemory
+  std::vector<uint8_t> src(1 << 20, 0xAB), replica(1 << 20), other(1 << 20, 0);
+  for (size_t i = 0; i < replica.size(); ++i) replica[i] = static_cast<uint8_t>(i * 7 + 3);
+  const std::vector<uint8_t> before = replica;
+  auto sr = writer->RegisterMemory(src.data(), src.size());
+  auto rr = source->RegisterSourceMemory(replica.data(), replica.size());
+  auto orr = source->RegisterMemory(other.data(), other.size());  // an ordinary region of the same transport
+  REQUIRE(sr.ok());
+  REQUIRE(rr.ok());
+  REQUIRE(orr.ok());
+  auto remote = writer->ImportRegion((*rr)->Descriptor());
+  auto remote_other = writer->ImportRegion((*orr)->Descriptor());
+  REQUIRE(remote.ok());
+  REQUIRE(remote_other.ok());
+  const uint64_t refused_before = source->refused_writes();
+  {
+    auto es = writer->CreateEndpoint();
+    auto er = source->CreateEndpoint();
+    REQUIRE(es.ok());
+    REQUIRE(er.ok());
+    REQUIRE((*es)->Connect((*er)->LocalInfo(), kTimeout).ok());
+    // The same connection writes an ordinary region: the listener accepts it (the refusal below is the region's).
+    WriteRequest ok_w{sr->get(), 0, remote_other->get(), 0, 4096};
+    REQUIRE((*es)->Write({&ok_w, 1}, kTimeout).ok());
+    CHECK(other[0] == 0xAB);
+    CHECK(other[4095] == 0xAB);
+    CHECK(other[4096] == 0);
+
+    WriteRequest w{sr->get(), 0, remote->get(), 4096, 65536};
+    absl::Status s = (*es)->Write({&w, 1}, kTimeout);
+    INFO(s.ToString());
+    CHECK(s.code() == absl::StatusCode::kPermissionDenied);
+    CHECK(absl::StrContains(s.message(), "read-only"));
+    CHECK(absl::StrContains(s.message(), absl::StrCat("region ", RegionId(**rr))));
+  }
+  CHECK(replica == before);
+  CHECK(source->refused_writes() == refused_before + 1);
+
+  // A raw peer holding the token and the descriptor, sending the frame itself, is refused the same way and the
+  // error ack names the region and the writer's address.
+  auto probe = source->CreateEndpoint();
+  REQUIRE(probe.ok());
+  Info info = ParseInfo((*probe)->LocalInfo());
+  Fd fd = RawClient(info);
+  std::vector<uint8_t> payload(4096, 0xEE);
+  tcp::FrameHeader f{tcp::kFrameMagic, tcp::kWrite, 0, 1, RegionId(**rr), 0, payload.size()};
+  SendRaw(fd.get(), &f, sizeof(f));
+  SendRaw(fd.get(), payload.data(), payload.size());
+  tcp::FrameHeader c{tcp::kFrameMagic, tcp::kCommit, 0, 1, 1, 0, payload.size()};
+  SendRaw(fd.get(), &c, sizeof(c));
+  std::string msg;
+  tcp::Ack ack = RecvAck(fd.get(), &msg);
+  INFO(msg);
+  CHECK(ack.type == tcp::kBatchAck);
+  CHECK(ack.code == static_cast<uint16_t>(absl::StatusCode::kPermissionDenied));
+  CHECK(absl::StrContains(msg, absl::StrCat("region ", RegionId(**rr))));
+  CHECK(absl::StrContains(msg, "127.0.0.1:"));
+  CHECK(replica == before);
+  CHECK(source->refused_writes() == refused_before + 2);
 }
 
 TEST_CASE("receiver: bounds check and malformed frames get an error ack", "[transport][tcp]") {

@@ -56,6 +56,35 @@ TEST_CASE("verbs blobs round-trip and reject garbage", "[verbs_unit]") {
     CHECK(DecodeConnInfo(blob.substr(0, cut)).status().code() == absl::StatusCode::kInvalidArgument);
   }
   CHECK_FALSE(DecodeConnInfo(blob + "x").ok());
+  CHECK_FALSE(back->granted);
+
+  // A granted endpoint's info carries the granted regions' rkeys (in its own protection domain).
+  ConnInfo granted = info;
+  granted.granted = true;
+  wsync::transport::verbs::GrantedRegion g;
+  g.base = 0x7f0000001000;
+  g.length = 3 * 4096 + 5;
+  g.chunk_size = 4096;
+  g.num_devices = 1;
+  g.num_chunks = 4;
+  g.rkeys = {11, 12, 13, 14};
+  granted.grant.push_back(g);
+  const std::string gblob = EncodeConnInfo(granted);
+  auto gback = DecodeConnInfo(gblob);
+  REQUIRE(gback.ok());
+  CHECK(gback->granted);
+  REQUIRE(gback->grant.size() == 1);
+  CHECK(gback->grant[0].base == g.base);
+  CHECK(gback->grant[0].length == g.length);
+  CHECK(gback->grant[0].rkeys == g.rkeys);
+  for (size_t cut = blob.size(); cut < gblob.size(); ++cut) {
+    INFO("granted blob truncated at " << cut);
+    CHECK(DecodeConnInfo(gblob.substr(0, cut)).status().code() == absl::StatusCode::kInvalidArgument);
+  }
+  ConnInfo bad_chunks = granted;
+  bad_chunks.grant[0].num_chunks = 3;  // does not cover the length
+  bad_chunks.grant[0].rkeys.pop_back();
+  CHECK(DecodeConnInfo(EncodeConnInfo(bad_chunks)).status().code() == absl::StatusCode::kInvalidArgument);
 
   RegionDesc d;
   d.transport_id = 9;

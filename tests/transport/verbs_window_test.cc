@@ -1,7 +1,7 @@
 // The verbs write window and send-only source regions (docs/security.md, "Write windows (verbs)"), on a real RDMA
 // device (soft-RoCE in the test VM): a write inside the window lands, a write after the window closed fails at the
 // sender with the receiver's bytes unchanged, and a write after it re-opened lands; a source's replica cannot be
-// written by a peer at all.
+// written by a peer at all; a granted connection (Transport::CreateGrantedEndpoint) writes only into its grant.
 
 #include <catch2/catch.hpp>
 #include <cstdint>
@@ -159,4 +159,168 @@ TEST_CASE("verbs window: a source's replica is registered without remote access"
   INFO(ok.ToString());
   REQUIRE(ok.ok());
   CHECK(target == replica);
+}
+
+namespace {
+
+// A target-side connection granted `regions` (as the target daemon's ConnectTarget makes it) and the source's side.
+Link ConnectGranted(Transport& source, Transport& target, const std::string& scope,
+                    std::vector<const LocalRegion*> regions) {
+  Transport::WriteGrant g;
+  g.peer = "source:s0";
+  g.scope = scope;
+  g.regions = std::move(regions);
+  auto et = target.CreateGrantedEndpoint(g);
+  INFO(et.status().ToString());
+  REQUIRE(et.ok());
+  auto es = source.CreateEndpoint();
+  REQUIRE(es.ok());
+  Link l{std::move(*es), std::move(*et)};
+  REQUIRE(l.src->Connect(l.dst->LocalInfo(), kTimeout).ok());
+  REQUIRE(l.dst->Connect(l.src->LocalInfo(), kTimeout).ok());
+  return l;
+}
+
+}  // namespace
+
+TEST_CASE("verbs grants: a granted connection writes only its regions, while the window is open", "[verbs][grants]") {
+  auto source = Make();
+  auto target = Make();
+  std::vector<uint8_t> one = Fill(6), two = Fill(7), three = Fill(8);
+  std::vector<uint8_t> rank0(kLen, 0xA0), rank1(kLen, 0xA1);  // two engine ranks' memory on the target
+  auto s1 = Reg(source->RegisterSourceMemory(one.data(), kLen));
+  auto s2 = Reg(source->RegisterSourceMemory(two.data(), kLen));
+  auto s3 = Reg(source->RegisterSourceMemory(three.data(), kLen));
+  auto r0 = Reg(target->RegisterMemory(rank0.data(), kLen));
+  auto r1 = Reg(target->RegisterMemory(rank1.data(), kLen));
+  auto remote0 = Import(*source, *r0);
+  auto remote1 = Import(*source, *r1);
+  auto write = [&](const LocalRegion* src, const RemoteRegion* dst) {
+    return std::vector<WriteRequest>{{src, 0, dst, 0, kLen}};
+  };
+
+  // As a target daemon starts: grants required, window closed.
+  REQUIRE(target->RequireGrants(true).ok());
+  REQUIRE(target->SetWriteWindow(false).ok());
+  Link granted0 = ConnectGranted(*source, *target, "engine0/0", {r0.get()});
+  Link plain = Connect(*source, *target);
+  REQUIRE(target->SetWriteWindow(true).ok());
+
+  // Inside the grant: lands.
+  {
+    absl::Status s = granted0.src->Write(write(s1.get(), remote0.get()), kTimeout);
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+  }
+  CHECK(rank0 == one);
+
+  // Outside the grant (rank 1's region through rank 0's connection), window open: the NIC refuses it.
+  const uint64_t before1 = Checksum(rank1);
+  absl::Status outside = granted0.src->Write(write(s2.get(), remote1.get()), kTimeout);
+  WARN("write outside the grant as the sender sees it: " << outside.ToString());
+  CHECK(outside.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(outside.message(), granted0.src->PeerName()));
+  CHECK(absl::StrContains(outside.message(), "outside the write grant"));
+  CHECK(Checksum(rank1) == before1);
+  CHECK(rank1 == std::vector<uint8_t>(kLen, 0xA1));
+  CHECK(rank0 == one);
+  CHECK(target->refused_writes() == 1);
+
+  // A connection without a grant gets no remote write at all once grants are required.
+  absl::Status ungranted = plain.src->Write(write(s2.get(), remote0.get()), kTimeout);
+  INFO(ungranted.ToString());
+  CHECK(ungranted.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(rank0 == one);
+  CHECK(target->refused_writes() == 2);
+
+  // A source's own memory cannot be granted.
+  {
+    Transport::WriteGrant g{"source:s0", "engine0/0", {s1.get()}};
+    auto bad = source->CreateGrantedEndpoint(g);
+    CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
+  }
+
+  // Grants change at the next window: the new plan gives rank 1 (not rank 0) to this source. Rank 0's grant is
+  // revoked before the window opens (its idle connection is refused from its next write), a new connection is
+  // granted rank 1 and writes there.
+  REQUIRE(target->SetWriteWindow(false).ok());
+  Link idle0 = ConnectGranted(*source, *target, "engine0/0", {r0.get()});  // connected, never written, then revoked
+  int revoked = 0;
+  target->RevokeGrants([&](const Transport::WriteGrant& g) {
+    const bool keep = g.scope == "engine0/1";
+    revoked += !keep;
+    return keep;
+  });
+  CHECK(revoked == 2);  // granted0's (its connection is dead, its endpoint still alive) and idle0's
+  Link granted1 = ConnectGranted(*source, *target, "engine0/1", {r1.get()});
+  REQUIRE(target->SetWriteWindow(true).ok());
+  {
+    absl::Status s = granted1.src->Write(write(s3.get(), remote1.get()), kTimeout);
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+  }
+  CHECK(rank1 == three);
+  const uint64_t before0 = Checksum(rank0);
+  absl::Status revoked_write = idle0.src->Write(write(s3.get(), remote0.get()), kTimeout);
+  INFO(revoked_write.ToString());
+  CHECK(revoked_write.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(Checksum(rank0) == before0);
+  CHECK(rank0 == one);
+  CHECK(target->refused_writes() == 3);
+}
+
+namespace {
+
+// Device memory as verbs sees it without GPUDirect: writes land in a host mirror, copied to the "device" on Settle.
+class MirrorSink final : public wsync::transport::RegionSink {
+ public:
+  explicit MirrorSink(std::vector<uint8_t>* device) : device_(device), mirror_(*device) {}
+  uint64_t length() const override { return device_->size(); }
+  uint64_t chunk_bytes() const override { return 4096; }
+  absl::StatusOr<Staging> Acquire() override { return absl::UnimplementedError("verbs does not stage"); }
+  absl::Status Submit(const Staging&, uint64_t, uint64_t) override { return absl::UnimplementedError("no staging"); }
+  void Cancel(const Staging&) override {}
+  absl::Status Flush() override { return absl::OkStatus(); }
+  std::string Describe() const override { return "test device memory"; }
+  absl::StatusOr<uint8_t*> HostMirror() override { return mirror_.data(); }
+  absl::Status CopyMirror() override {
+    std::memcpy(device_->data(), mirror_.data(), mirror_.size());
+    return absl::OkStatus();
+  }
+
+ private:
+  std::vector<uint8_t>* device_;
+  std::vector<uint8_t> mirror_;
+};
+
+}  // namespace
+
+TEST_CASE("verbs grants: device memory written through a host mirror can be granted", "[verbs][grants]") {
+  auto source = Make();
+  auto target = Make();
+  std::vector<uint8_t> one = Fill(9), two = Fill(10);
+  std::vector<uint8_t> dev0(kLen, 0xD0), dev1(kLen, 0xD1);
+  auto s1 = Reg(source->RegisterSourceMemory(one.data(), kLen));
+  auto s2 = Reg(source->RegisterSourceMemory(two.data(), kLen));
+  auto r0 = Reg(target->RegisterSink(std::make_shared<MirrorSink>(&dev0)));
+  auto r1 = Reg(target->RegisterSink(std::make_shared<MirrorSink>(&dev1)));
+  auto remote0 = Import(*source, *r0);
+  auto remote1 = Import(*source, *r1);
+  REQUIRE(target->RequireGrants(true).ok());
+  REQUIRE(target->SetWriteWindow(false).ok());
+  Link granted = ConnectGranted(*source, *target, "engine0/0", {r0.get()});
+  REQUIRE(target->SetWriteWindow(true).ok());
+  {
+    absl::Status s = granted.src->Write({{s1.get(), 0, remote0.get(), 0, kLen}}, kTimeout);
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+  }
+  absl::Status outside = granted.src->Write({{s2.get(), 0, remote1.get(), 0, kLen}}, kTimeout);
+  INFO(outside.ToString());
+  CHECK(outside.code() == absl::StatusCode::kFailedPrecondition);
+  REQUIRE(r0->Settle().ok());
+  REQUIRE(r1->Settle().ok());
+  CHECK(dev0 == one);
+  CHECK(dev1 == std::vector<uint8_t>(kLen, 0xD1));
+  CHECK(target->refused_writes() == 1);
 }

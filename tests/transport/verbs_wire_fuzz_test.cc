@@ -57,6 +57,19 @@ ConnInfo RandomConn(std::mt19937_64& rng) {
     q.mtu = 3;
     q.link_layer = 2;
   }
+  if (rng() % 2) {  // a granted endpoint's info (version 2): the granted regions' rkeys follow the QPs
+    c.granted = true;
+    c.grant.resize(rng() % 3);
+    for (auto& g : c.grant) {
+      g.num_devices = 1 + rng() % 2;
+      g.chunk_size = 1 + rng() % 4096;
+      g.length = rng() % 20000;
+      g.num_chunks = g.length == 0 ? 0 : static_cast<uint32_t>((g.length - 1) / g.chunk_size + 1);
+      g.base = rng() % (uint64_t{1} << 40);
+      g.rkeys.resize(static_cast<size_t>(g.num_devices) * g.num_chunks);
+      for (auto& k : g.rkeys) k = static_cast<uint32_t>(rng());
+    }
+  }
   return c;
 }
 

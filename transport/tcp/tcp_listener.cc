@@ -137,7 +137,7 @@ class Listener::Impl {
   void Serve(std::unique_ptr<Conn> conn) {
     Conn* c = conn.get();
     c->thread = std::thread([this, c] {
-      absl::Status s = ServeConnection(c->fd.get(), *table_);
+      absl::Status s = ServeConnection(c->fd.get(), *table_, c->peer);
       // The peer sees EOF now; the fd itself is closed when the thread is reaped (no fd-reuse race).
       c->fd.ShutdownBoth();
       if (s.code() == absl::StatusCode::kUnavailable) {

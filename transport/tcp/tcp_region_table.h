@@ -27,6 +27,7 @@ class RegionTable {
     char* addr;
     uint64_t length;
     std::shared_ptr<RegionSink> sink;  // set for memory the CPU cannot write (payload goes through its staging)
+    bool read_only = false;            // a source's memory (RegisterSourceMemory): peers may not write into it
     int writers = 0;
   };
 
@@ -34,11 +35,11 @@ class RegionTable {
   uint64_t token() const { return token_; }
 
   // Region ids are random (never 0, never reused while registered): a peer cannot guess another region's id.
-  uint64_t Add(void* addr, uint64_t length, std::shared_ptr<RegionSink> sink = nullptr) {
+  uint64_t Add(void* addr, uint64_t length, std::shared_ptr<RegionSink> sink = nullptr, bool read_only = false) {
     std::lock_guard<std::mutex> lock(mu_);
     uint64_t id = 0;
     while (id == 0 || regions_.count(id)) id = (static_cast<uint64_t>(rng_()) << 32) ^ rng_();
-    regions_[id] = std::make_shared<Entry>(Entry{static_cast<char*>(addr), length, std::move(sink)});
+    regions_[id] = std::make_shared<Entry>(Entry{static_cast<char*>(addr), length, std::move(sink), read_only});
     return id;
   }
 

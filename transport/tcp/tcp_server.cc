@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status.h"
+#include "spdlog/spdlog.h"
 #include "transport/tcp/tcp_frame_reader.h"
 #include "transport/tcp/tcp_socket.h"
 #include "transport/tcp/tcp_wire.h"
@@ -32,7 +33,7 @@ absl::Status SendAck(int fd, uint16_t type, uint64_t batch, uint64_t bytes, cons
 
 }  // namespace
 
-absl::Status ServeConnection(int fd, RegionTable& table) {
+absl::Status ServeConnection(int fd, RegionTable& table, const std::string& peer) {
   FrameReader reader(fd);
   Hello hello;
   // The accept loop hands a connection over only once its first bytes arrived: the rest of the hello must follow
@@ -119,6 +120,14 @@ absl::Status ServeConnection(int fd, RegionTable& table) {
         if (region == nullptr) {
           batch_status = absl::NotFoundError(
               absl::StrCat("region ", f.region, " is not registered on the receiver (deregistered?)"));
+        } else if (region->read_only) {
+          table.CountRefused();
+          batch_status = absl::PermissionDeniedError(
+              absl::StrCat("write refused: region ", f.region, " is a source's memory (read-only for peers); ",
+                           "write from ", peer, " refused, nothing of this batch is written there; the batch fails"));
+          spdlog::warn("tcp: refused a write from {} into read-only source region {}", peer, f.region);
+          table.Release(region);
+          region = nullptr;
         } else if (f.offset > region->length || f.length > region->length - f.offset) {
           batch_status = absl::OutOfRangeError(absl::StrCat("write [", f.offset, ", +", f.length,
                                                             ") is outside region ", f.region, " of ",

@@ -42,12 +42,11 @@ class TcpTransport final : public Transport {
   std::string reason() const override { return ""; }
 
   absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
-    if (addr == nullptr && len > 0) return absl::InvalidArgumentError("cannot register a null address");
-    absl::Time start = absl::Now();
-    uint64_t id = table_->Add(addr, len);
-    spdlog::debug("tcp: registered region {} ({} bytes at {}) in {}", id, len, addr,
-                  absl::FormatDuration(absl::Now() - start));
-    return std::unique_ptr<LocalRegion>(std::make_unique<TcpLocalRegion>(table_, id, addr, len));
+    return Register(addr, len, /*read_only=*/false);
+  }
+  // The receiver refuses every write frame into it (docs/security.md): the replica is the source's own memory.
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSourceMemory(void* addr, uint64_t len) override {
+    return Register(addr, len, /*read_only=*/true);
   }
 
   absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSink(std::shared_ptr<RegionSink> sink) override {
@@ -101,6 +100,15 @@ class TcpTransport final : public Transport {
   uint64_t refused_writes() const override { return table_->refused(); }
 
  private:
+  absl::StatusOr<std::unique_ptr<LocalRegion>> Register(void* addr, uint64_t len, bool read_only) {
+    if (addr == nullptr && len > 0) return absl::InvalidArgumentError("cannot register a null address");
+    absl::Time start = absl::Now();
+    uint64_t id = table_->Add(addr, len, nullptr, read_only);
+    spdlog::debug("tcp: registered region {} ({} bytes at {}{}) in {}", id, len, addr,
+                  read_only ? ", source: no remote writes" : "", absl::FormatDuration(absl::Now() - start));
+    return std::unique_ptr<LocalRegion>(std::make_unique<TcpLocalRegion>(table_, id, addr, len));
+  }
+
   const TransportOptions opts_;
   std::shared_ptr<RegionTable> table_;
   const std::string local_info_;

@@ -56,9 +56,11 @@ const char* HintForCompletion(ibv_wc_status s) {
     case IBV_WC_RNR_RETRY_EXC_ERR:
       return "; the peer was not ready to receive";
     case IBV_WC_REM_ACCESS_ERR:
-      return "; the peer rejected the access (region deregistered, not writable, or rkey/bounds mismatch)";
+      return "; the peer rejected the access (region deregistered, not writable, outside this connection's write "
+             "grant, or rkey/bounds mismatch)";
     case IBV_WC_REM_INV_REQ_ERR:
-      return "; the peer refused the write (its write window is closed) or found the request invalid";
+      return "; the peer refused the write (its write window is closed, or this connection's write grant was revoked "
+             "or never given) or found the request invalid";
     default:
       return "";
   }
@@ -88,8 +90,8 @@ std::string QpStateName(ibv_qp_state s) {
 class VerbsEndpoint final : public Endpoint {
  public:
   VerbsEndpoint(std::shared_ptr<DeviceSet> devices, const Config& cfg, const Identity& id,
-                std::shared_ptr<WriteWindow> window)
-      : devices_(std::move(devices)), cfg_(cfg), id_(id), window_(std::move(window)) {}
+                std::shared_ptr<WriteWindow> window, std::shared_ptr<GrantDomain> grant)
+      : devices_(std::move(devices)), cfg_(cfg), id_(id), window_(std::move(window)), grant_(std::move(grant)) {}
   ~VerbsEndpoint() override {
     for (const Qp& qp : qps_)
       if (qp.qp) window_->Remove(qp.qp.get());
@@ -119,7 +121,9 @@ class VerbsEndpoint final : public Endpoint {
         init.cap.max_recv_wr = 1;
         init.cap.max_send_sge = 1;
         init.cap.max_recv_sge = 1;
-        qp.qp.reset(Ibv().create_qp(dev->pd.get(), &init));
+        // A granted endpoint's QPs live in the grant's own PD: they reach only the granted regions' MRs.
+        ibv_pd* pd = grant_ ? grant_->pds[dev->index].get() : dev->pd.get();
+        qp.qp.reset(Ibv().create_qp(pd, &init));
         if (!qp.qp) {
           return absl::UnavailableError(
               absl::StrCat("ibv_create_qp on ", dev->name, " (max_send_wr ", max_wr, "): ", std::strerror(errno)));
@@ -136,7 +140,7 @@ class VerbsEndpoint final : public Endpoint {
           return absl::UnavailableError(absl::StrCat("ibv_modify_qp(INIT) on ", dev->name, ": ", std::strerror(rc)));
         }
         qps_.push_back(std::move(qp));
-        WSYNC_RETURN_IF_ERROR(window_->Add(qps_.back().qp.get()));
+        WSYNC_RETURN_IF_ERROR(window_->Add(qps_.back().qp.get(), grant_ ? grant_->live : nullptr));
       }
     }
     return absl::OkStatus();
@@ -157,6 +161,10 @@ class VerbsEndpoint final : public Endpoint {
       w.link_layer = qp.dev->link_layer;
       w.device_index = static_cast<uint8_t>(qp.dev->index);
       info.qps.push_back(w);
+    }
+    if (grant_) {
+      info.granted = true;
+      info.grant = grant_->regions;
     }
     return EncodeConnInfo(info);
   }
@@ -183,6 +191,7 @@ class VerbsEndpoint final : public Endpoint {
     }
     active_ = n;
     peer_ = std::move(peer);
+    for (const GrantedRegion& g : peer_.grant) peer_grant_[g.base] = &g;
     connected_ = true;
     spdlog::debug("verbs: endpoint {} connected to {} over {} QP(s)", id_.owner, peer_.owner, active_);
     return absl::OkStatus();
@@ -240,6 +249,7 @@ class VerbsEndpoint final : public Endpoint {
     uint64_t src_offset;
     uint64_t dst_offset;
     uint64_t length;
+    uint64_t dst_base;  // the destination region's address (errors name the region)
   };
   // One linked list of WRs whose last WR is signaled.
   struct Signal {
@@ -337,8 +347,10 @@ class VerbsEndpoint final : public Endpoint {
       uint64_t pos = wc.wr_id & kPosMask;
       if (pos < sig->segs.size()) {
         const Seg& seg = sig->segs[pos];
-        where = absl::StrCat(", write #", seg.write_index, " (dst offset ", seg.dst_offset, ", ", seg.length,
-                             " bytes) of batch ", sig->batch);
+        where = absl::StrFormat(", write #%d (dst offset %d, %d bytes, dst region at 0x%x) of batch %d",
+                                seg.write_index, seg.dst_offset, seg.length, seg.dst_base, sig->batch);
+        if (peer_.granted && peer_grant_.count(seg.dst_base) == 0)
+          where += "; that region is outside the write grant of this connection";
       } else {
         where = absl::StrCat(", batch ", sig->batch);
       }
@@ -426,10 +438,13 @@ class VerbsEndpoint final : public Endpoint {
   Config cfg_;
   Identity id_;
   std::shared_ptr<WriteWindow> window_;  // before qps_: every QP is removed from it before it is destroyed
+  std::shared_ptr<GrantDomain> grant_;   // before qps_: its PDs outlive the QPs created in them; null if plain
   std::vector<Qp> qps_;
   size_t active_ = 0;  // QPs paired with a peer QP (a prefix of qps_)
   bool connected_ = false;
   ConnInfo peer_;
+  // A granted peer's regions by base address (into peer_.grant): writes into them use the grant's rkeys.
+  std::unordered_map<uint64_t, const GrantedRegion*> peer_grant_;
   absl::Status broken_;
   BatchId next_batch_ = 1;
   uint64_t next_seq_ = 1;
@@ -470,7 +485,17 @@ absl::Status VerbsEndpoint::PostList(uint32_t q, BatchId batch, absl::Span<const
     wr.opcode = IBV_WR_RDMA_WRITE;
     wr.send_flags = (k + 1 == n) ? IBV_SEND_SIGNALED : 0;
     wr.wr.rdma.remote_addr = dst->desc().base + seg.dst_offset;
-    wr.wr.rdma.rkey = dst->rkey(qp.remote_device, seg.dst_offset / dst->desc().chunk_size);
+    const uint64_t chunk = seg.dst_offset / dst->desc().chunk_size;
+    wr.wr.rdma.rkey = dst->rkey(qp.remote_device, chunk);
+    if (!peer_grant_.empty()) {
+      // The peer granted this connection its own MRs; a region outside the grant keeps the descriptor's rkey,
+      // which the peer's NIC refuses on this connection.
+      auto g = peer_grant_.find(dst->desc().base);
+      if (g != peer_grant_.end() && g->second->length == dst->desc().length &&
+          g->second->chunk_size == dst->desc().chunk_size &&
+          static_cast<uint32_t>(qp.remote_device) < g->second->num_devices)
+        wr.wr.rdma.rkey = g->second->rkeys[qp.remote_device * g->second->num_chunks + chunk];
+    }
     wr.next = (k + 1 == n) ? nullptr : &wr_buf_[k + 1];
     qp.bytes += seg.length;
   }
@@ -558,7 +583,7 @@ absl::StatusOr<BatchId> VerbsEndpoint::Post(absl::Span<const WriteRequest> write
       piece = std::min(piece, src->chunk_size() - s_off % src->chunk_size());
       piece = std::min(piece, dst->desc().chunk_size - d_off % dst->desc().chunk_size);
       piece = std::min<uint64_t>(piece, qps_[q].dev->max_msg_sz == 0 ? (1u << 30) : qps_[q].dev->max_msg_sz);
-      per_qp[q].push_back(Seg{static_cast<uint32_t>(i), s_off, d_off, piece});
+      per_qp[q].push_back(Seg{static_cast<uint32_t>(i), s_off, d_off, piece, dst->desc().base});
       done += piece;
     }
   }
@@ -662,8 +687,9 @@ absl::Status VerbsEndpoint::Wait(BatchId batch, absl::Duration timeout) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Endpoint>> NewVerbsEndpoint(std::shared_ptr<DeviceSet> devices, const Config& cfg,
-                                                           const Identity& id, std::shared_ptr<WriteWindow> window) {
-  auto ep = std::make_unique<VerbsEndpoint>(std::move(devices), cfg, id, std::move(window));
+                                                           const Identity& id, std::shared_ptr<WriteWindow> window,
+                                                           std::shared_ptr<GrantDomain> grant) {
+  auto ep = std::make_unique<VerbsEndpoint>(std::move(devices), cfg, id, std::move(window), std::move(grant));
   WSYNC_RETURN_IF_ERROR(ep->Init());
   return std::unique_ptr<Endpoint>(std::move(ep));
 }

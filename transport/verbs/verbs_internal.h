@@ -1,7 +1,9 @@
 #pragma once
 // Pieces of the verbs backend shared by its .cc files (not part of the public interface).
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -38,17 +40,22 @@ struct Identity {
   std::string owner;  // "host/pid N/tXXXX [dev,...]"
 };
 
+// Registers [offset, offset + n) of a region's memory in a protection domain, with the region's access flags.
+using ReRegister = std::function<ibv_mr*(ibv_pd*, uint64_t offset, uint64_t n)>;
+
 class VerbsLocalRegion final : public LocalRegion {
  public:
   VerbsLocalRegion(std::shared_ptr<DeviceSet> devices, Identity id, void* addr, uint64_t len, uint64_t chunk,
-                   std::vector<MrPtr> mrs, std::vector<int> preferred)
+                   std::vector<MrPtr> mrs, std::vector<int> preferred, bool remote_write, ReRegister reg)
       : devices_(std::move(devices)),
         id_(std::move(id)),
         addr_(addr),
         len_(len),
         chunk_(chunk),
         mrs_(std::move(mrs)),
-        preferred_(std::move(preferred)) {}
+        preferred_(std::move(preferred)),
+        remote_write_(remote_write),
+        reg_(std::move(reg)) {}
 
   void* addr() const override { return addr_; }
   uint64_t length() const override { return len_; }
@@ -62,6 +69,12 @@ class VerbsLocalRegion final : public LocalRegion {
   const std::vector<int>& preferred_devices() const { return preferred_; }
   const DeviceSet& devices() const { return *devices_; }
   uint64_t transport_id() const { return id_.transport_id; }
+  // Whether peers may write into it (RegisterMemory/RegisterSink) or not (RegisterSourceMemory).
+  bool remote_write() const { return remote_write_; }
+  // The address remote writes target (the descriptor's base).
+  uint64_t base() const { return reinterpret_cast<uintptr_t>(addr_); }
+  // Registers a piece of the same memory in another protection domain (a write grant's).
+  ibv_mr* Register(ibv_pd* pd, uint64_t offset, uint64_t n) const { return reg_(pd, offset, n); }
 
  private:
   std::shared_ptr<DeviceSet> devices_;  // first: released after every MR below
@@ -71,6 +84,22 @@ class VerbsLocalRegion final : public LocalRegion {
   uint64_t chunk_;
   std::vector<MrPtr> mrs_;  // [device * num_chunks + chunk]
   std::vector<int> preferred_;
+  bool remote_write_;
+  ReRegister reg_;  // may hold what the registration needs (a dma-buf fd)
+};
+
+// A write grant's own protection domains (one per device) with MRs for exactly the granted regions
+// (docs/security.md, "Write grants (verbs)"). The granted endpoint's QPs are created in these PDs, so the NIC lets
+// a peer write through them only into these MRs; the regions' own MRs (in the devices' PDs, whose rkeys travel in
+// descriptors) are out of reach of these QPs. Registered once per grant (per source connection), never per update.
+struct GrantDomain {
+  std::shared_ptr<DeviceSet> devices;  // first: the device contexts outlive the PDs
+  std::vector<PdPtr> pds;              // [device index]
+  std::vector<MrPtr> mrs;              // after pds: deregistered first
+  std::vector<GrantedRegion> regions;  // what the endpoint's LocalInfo tells the peer
+  Transport::WriteGrant info;
+  // False once revoked: the window then gives the grant's QPs no remote write.
+  std::shared_ptr<std::atomic<bool>> live = std::make_shared<std::atomic<bool>>(true);
 };
 
 class VerbsRemoteRegion final : public RemoteRegion {
@@ -86,19 +115,26 @@ class VerbsRemoteRegion final : public RemoteRegion {
 
 // The receiving side's write window (docs/security.md, "Write windows (verbs)"), shared by a transport and every
 // endpoint it made (endpoints may outlive the transport). Peers write through our QPs, so remote write is granted
-// per QP: a QP carries IBV_ACCESS_REMOTE_WRITE only while the window is open. Closing clears the flag on every live
-// QP (an RTS→RTS modify, no reconnection); a peer's write then draws a NAK (its batch fails, nothing is written)
-// and the responder QP goes to the error state: that connection is dead and counted as refused; the peer
-// reconnects. Idle connections survive a close/open cycle unchanged.
+// per QP: a QP carries IBV_ACCESS_REMOTE_WRITE only while the window is open — and, once grants are required, only
+// if it belongs to a granted endpoint whose grant is live. Closing (or revoking) clears the flag on the QPs
+// concerned (an RTS→RTS modify, no reconnection); a peer's write then draws a NAK (its batch fails, nothing is
+// written) and the responder QP goes to the error state: that connection is dead and counted as refused; the peer
+// reconnects. Idle connections survive a close/open cycle unchanged. A write through a granted QP into memory
+// outside its grant is refused the same way (by the NIC's protection-domain check) and counted the same way.
 // Thread-safe. A QP's access flags change only under mu, so Add/Remove/Set never race a QP's state transitions.
 class WriteWindow {
  public:
-  // Access flags a QP is given at INIT (and keeps, until the next Set).
+  // Access flags a QP is given at INIT before Add sets its own.
   int Access() const;
   // Until the first Set the window is open and not enforced (a transport used as a sender, tests, benchmarks).
   absl::Status Set(bool open);
+  // With `require`, QPs of plain (ungranted) endpoints get no remote write at all.
+  absl::Status RequireGrants(bool require);
+  // Re-applies every QP's flags (after grants were revoked).
+  absl::Status Refresh();
   // Registers a QP in INIT (its flags are set here, under the lock) / forgets it before it is destroyed.
-  absl::Status Add(ibv_qp* qp);
+  // `grant_live`: the QP's grant (null for a plain endpoint's QP).
+  absl::Status Add(ibv_qp* qp, std::shared_ptr<std::atomic<bool>> grant_live);
   void Remove(ibv_qp* qp);
   // Forgets a QP and moves it to the error state (Endpoint::Cancel): its outstanding WRs flush, it accepts no more
   // posts, and it is not counted as refused. Under the lock, so it never races Set's RTS → RTS modify. The QP's
@@ -114,18 +150,26 @@ class WriteWindow {
   uint64_t Refused();
 
  private:
-  int AccessLocked() const;
+  struct QpEntry {
+    bool counted = false;                           // already counted as refused
+    std::shared_ptr<std::atomic<bool>> grant_live;  // null: a plain endpoint's QP
+  };
+  int AccessLocked(const QpEntry& e) const;
+  absl::Status ApplyLocked(const char* what);
   void CountLocked();
   mutable std::mutex mu_;
   bool enforced_ = false;
   bool open_ = true;
-  std::map<ibv_qp*, bool> qps_;  // → already counted as refused
+  bool require_grants_ = false;
+  std::map<ibv_qp*, QpEntry> qps_;
   uint64_t refused_ = 0;
 };
 
-// Creates an endpoint with its QPs in INIT (defined in verbs_endpoint.cc), registered with `window`.
+// Creates an endpoint with its QPs in INIT (defined in verbs_endpoint.cc), registered with `window`. With `grant`
+// its QPs are created in the grant's protection domains and its LocalInfo lists the granted regions' rkeys.
 absl::StatusOr<std::unique_ptr<Endpoint>> NewVerbsEndpoint(std::shared_ptr<DeviceSet> devices, const Config& cfg,
-                                                           const Identity& id, std::shared_ptr<WriteWindow> window);
+                                                           const Identity& id, std::shared_ptr<WriteWindow> window,
+                                                           std::shared_ptr<GrantDomain> grant = nullptr);
 std::optional<VerbsEndpointStats> GetVerbsEndpointStatsImpl(const Endpoint& endpoint);
 
 }  // namespace wsync::transport::verbs

@@ -57,18 +57,24 @@ constexpr int kDenyWrite = IBV_ACCESS_LOCAL_WRITE;
 
 int WriteWindow::Access() const {
   std::lock_guard<std::mutex> l(mu_);
-  return AccessLocked();
+  return open_ && !require_grants_ ? kAllowWrite : kDenyWrite;
 }
 
-int WriteWindow::AccessLocked() const { return open_ ? kAllowWrite : kDenyWrite; }
+int WriteWindow::AccessLocked(const QpEntry& e) const {
+  if (!open_) return kDenyWrite;
+  if (e.grant_live != nullptr) return e.grant_live->load() ? kAllowWrite : kDenyWrite;
+  return require_grants_ ? kDenyWrite : kAllowWrite;
+}
 
-absl::Status WriteWindow::Add(ibv_qp* qp) {
+absl::Status WriteWindow::Add(ibv_qp* qp, std::shared_ptr<std::atomic<bool>> grant_live) {
   std::lock_guard<std::mutex> l(mu_);
+  QpEntry e;
+  e.grant_live = std::move(grant_live);
   ibv_qp_attr attr{};
-  attr.qp_access_flags = AccessLocked();
+  attr.qp_access_flags = AccessLocked(e);
   if (int rc = Ibv().modify_qp(qp, &attr, IBV_QP_ACCESS_FLAGS); rc != 0)
     return absl::UnavailableError(absl::StrCat("ibv_modify_qp(INIT access flags): ", std::strerror(rc)));
-  qps_.emplace(qp, false);
+  qps_.emplace(qp, std::move(e));
   return absl::OkStatus();
 }
 
@@ -90,12 +96,12 @@ absl::Status WriteWindow::Kill(ibv_qp* qp) {
 
 void WriteWindow::CountLocked() {
   if (!enforced_) return;
-  for (auto& [qp, counted] : qps_) {
-    if (counted) continue;
+  for (auto& [qp, e] : qps_) {
+    if (e.counted) continue;
     ibv_qp_attr attr{};
     ibv_qp_init_attr init{};
     if (Ibv().query_qp(qp, &attr, IBV_QP_STATE, &init) == 0 && attr.qp_state == IBV_QPS_ERR) {
-      counted = true;
+      e.counted = true;
       ++refused_;
     }
   }
@@ -107,28 +113,43 @@ uint64_t WriteWindow::Refused() {
   return refused_;
 }
 
-absl::Status WriteWindow::Set(bool open) {
-  std::lock_guard<std::mutex> l(mu_);
-  CountLocked();  // refusals of the closed period are counted before the flags change
-  enforced_ = true;
-  open_ = open;
-  ibv_qp_attr attr{};
-  attr.qp_access_flags = AccessLocked();
+absl::Status WriteWindow::ApplyLocked(const char* what) {
   absl::Status first;
-  for (auto& [qp, counted] : qps_) {
+  for (auto& [qp, e] : qps_) {
     ibv_qp_attr cur{};
     ibv_qp_init_attr init{};
     if (Ibv().query_qp(qp, &cur, IBV_QP_STATE, &init) != 0) continue;
     // INIT → INIT and RTS → RTS may change the access flags; a QP in error is a dead connection (its peer
     // reconnects), in RESET it grants nothing.
     if (cur.qp_state != IBV_QPS_INIT && cur.qp_state != IBV_QPS_RTS) continue;
+    ibv_qp_attr attr{};
+    attr.qp_access_flags = AccessLocked(e);
     if (int rc = Ibv().modify_qp(qp, &attr, IBV_QP_ACCESS_FLAGS); rc != 0 && first.ok()) {
-      first =
-          absl::InternalError(absl::StrCat("verbs: ", open ? "opening" : "closing", " the write window on qpn ",
-                                           qp->qp_num, " failed: ibv_modify_qp(access flags): ", std::strerror(rc)));
+      first = absl::InternalError(absl::StrCat("verbs: ", what, " on qpn ", qp->qp_num,
+                                               " failed: ibv_modify_qp(access flags): ", std::strerror(rc)));
     }
   }
   return first;
+}
+
+absl::Status WriteWindow::Set(bool open) {
+  std::lock_guard<std::mutex> l(mu_);
+  CountLocked();  // refusals of the closed period are counted before the flags change
+  enforced_ = true;
+  open_ = open;
+  return ApplyLocked(open ? "opening the write window" : "closing the write window");
+}
+
+absl::Status WriteWindow::RequireGrants(bool require) {
+  std::lock_guard<std::mutex> l(mu_);
+  require_grants_ = require;
+  return ApplyLocked("requiring write grants");
+}
+
+absl::Status WriteWindow::Refresh() {
+  std::lock_guard<std::mutex> l(mu_);
+  CountLocked();
+  return ApplyLocked("revoking write grants");
 }
 
 namespace {
@@ -144,6 +165,7 @@ class SinkRegion final : public LocalRegion {
   std::string Descriptor() const override { return region_->Descriptor(); }
   absl::Status Settle() override { return mirror_ ? sink_->CopyMirror() : absl::OkStatus(); }
   std::string DevicePath() const override { return path_; }
+  const LocalRegion& registered() const { return *region_; }
 
  private:
   std::shared_ptr<RegionSink> sink_;
@@ -254,6 +276,88 @@ class VerbsTransport final : public Transport {
     return NewVerbsEndpoint(devices_, cfg_, id_, window_);
   }
 
+  absl::StatusOr<std::unique_ptr<Endpoint>> CreateGrantedEndpoint(const WriteGrant& grant) override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    absl::Time start = absl::Now();
+    auto dom = std::make_shared<GrantDomain>();
+    dom->devices = devices_;
+    dom->info = grant;
+    for (const auto& d : devices_->devices) {
+      PdPtr pd(Ibv().alloc_pd(d->context.get()));
+      if (!pd) {
+        return absl::ResourceExhaustedError(absl::StrCat("verbs: ibv_alloc_pd on ", d->name, " for the write grant of ",
+                                                         grant.peer, " (", grant.scope, "): ", std::strerror(errno)));
+      }
+      dom->pds.push_back(std::move(pd));
+    }
+    uint64_t bytes = 0;
+    for (const LocalRegion* region : grant.regions) {
+      const VerbsLocalRegion* r = AsVerbsRegion(region);
+      if (r == nullptr || r->transport_id() != id_.transport_id)
+        return absl::InvalidArgumentError(absl::StrCat("verbs: the write grant of ", grant.peer, " (", grant.scope,
+                                                       ") names a region of another transport"));
+      if (!r->remote_write())
+        return absl::InvalidArgumentError(absl::StrCat("verbs: the write grant of ", grant.peer, " (", grant.scope,
+                                                       ") names a source's memory, which peers may not write"));
+      GrantedRegion g;
+      g.base = r->base();
+      g.length = r->length();
+      g.chunk_size = r->chunk_size();
+      g.num_devices = static_cast<uint32_t>(devices_->devices.size());
+      g.num_chunks = r->num_chunks();
+      for (size_t d = 0; d < devices_->devices.size(); ++d) {
+        for (uint32_t c = 0; c < g.num_chunks; ++c) {
+          const uint64_t off = c * g.chunk_size;
+          const uint64_t n = std::min(g.chunk_size, g.length - off);
+          MrPtr mr(r->Register(dom->pds[d].get(), off, n));
+          if (!mr) {
+            const int err = errno;
+            return absl::ResourceExhaustedError(absl::StrCat(
+                "verbs: registering ", n, " bytes at offset ", off, " of a region for the write grant of ", grant.peer,
+                " (", grant.scope, ") on ", devices_->devices[d]->name, " failed: ", std::strerror(err)));
+          }
+          g.rkeys.push_back(mr->rkey);
+          dom->mrs.push_back(std::move(mr));
+        }
+      }
+      bytes += g.length;
+      dom->regions.push_back(std::move(g));
+    }
+    {
+      std::lock_guard<std::mutex> l(grants_mu_);
+      grants_.erase(std::remove_if(grants_.begin(), grants_.end(), [](const auto& w) { return w.expired(); }),
+                    grants_.end());
+      grants_.push_back(dom);
+    }
+    const size_t nmrs = dom->mrs.size();
+    WSYNC_ASSIGN_OR_RETURN(auto ep, NewVerbsEndpoint(devices_, cfg_, id_, window_, std::move(dom)));
+    spdlog::info(
+        "verbs: write grant minted for {} ({}, {} regions, {} bytes, {} MRs in its own protection domain) "
+        "in {:.3f} ms",
+        grant.peer, grant.scope, grant.regions.size(), bytes, nmrs, absl::ToDoubleMilliseconds(absl::Now() - start));
+    return ep;
+  }
+
+  void RevokeGrants(const std::function<bool(const WriteGrant&)>& keep) override {
+    if (!viable()) return;
+    {
+      std::lock_guard<std::mutex> l(grants_mu_);
+      for (const auto& w : grants_) {
+        std::shared_ptr<GrantDomain> dom = w.lock();
+        if (dom == nullptr || !dom->live->load() || keep(dom->info)) continue;
+        dom->live->store(false);
+        spdlog::info("verbs: write grant for {} ({}) revoked", dom->info.peer, dom->info.scope);
+      }
+    }
+    absl::Status st = window_->Refresh();
+    if (!st.ok()) spdlog::error("{}", std::string(st.message()));
+  }
+
+  absl::Status RequireGrants(bool require) override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    return window_->RequireGrants(require);
+  }
+
   absl::Status SetWriteWindow(bool open) override {
     WSYNC_RETURN_IF_ERROR(CheckViable());
     absl::Time start = absl::Now();
@@ -274,13 +378,14 @@ class VerbsTransport final : public Transport {
     if (have && GpuDirectAllowed(env)) buf = sink->ExportDmabuf();
     GpuDirectChoice choice = ChooseGpuDirect(Ibv(), buf.status(), env);
     if (choice.gpu_direct) {
-      ScopedFd fd(buf->fd);  // the MRs keep their own reference to the dma-buf
+      // Kept open with the region: a write grant registers the same memory again in its own protection domain.
+      auto fd = std::make_shared<ScopedFd>(buf->fd);
       const RegionSink::Dmabuf d = *buf;
-      auto region = RegisterMrs(reinterpret_cast<void*>(d.iova), len, "ibv_reg_dmabuf_mr", "GPUDirect, remote write",
-                                {0}, [&](ibv_pd* pd, uint64_t off, uint64_t n) {
-                                  return Ibv().reg_dmabuf_mr(pd, d.offset + off, n, d.iova + off, fd.get(),
-                                                             kAllowWrite);
-                                });
+      auto region =
+          RegisterMrs(reinterpret_cast<void*>(d.iova), len, "ibv_reg_dmabuf_mr", "GPUDirect, remote write", {0}, true,
+                      [fd, d](ibv_pd* pd, uint64_t off, uint64_t n) {
+                        return Ibv().reg_dmabuf_mr(pd, d.offset + off, n, d.iova + off, fd->get(), kAllowWrite);
+                      });
       if (region.ok()) {
         spdlog::info("verbs: {} registered for GPUDirect RDMA (dma-buf, {} bytes): the NIC writes the device memory",
                      sink->Describe(), len);
@@ -305,15 +410,16 @@ class VerbsTransport final : public Transport {
     if (addr == nullptr && len > 0) return absl::InvalidArgumentError("verbs: RegisterMemory of a null address");
     const int access = send_only ? kDenyWrite : kAllowWrite;
     return RegisterMrs(addr, len, "ibv_reg_mr", send_only ? "source, no remote access" : "remote write",
-                       PreferredDevices(*devices_, addr), [&](ibv_pd* pd, uint64_t off, uint64_t n) {
+                       PreferredDevices(*devices_, addr), !send_only,
+                       [addr, access](ibv_pd* pd, uint64_t off, uint64_t n) {
                          return Ibv().reg_mr(pd, static_cast<char*>(addr) + off, n, access);
                        });
   }
 
   // Registers [0, len) on every device in chunks of at most the devices' max_mr_size, `reg` making one MR.
-  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMrs(
-      void* addr, uint64_t len, const char* call, const char* what, std::vector<int> preferred,
-      const std::function<ibv_mr*(ibv_pd*, uint64_t, uint64_t)>& reg) {
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMrs(void* addr, uint64_t len, const char* call, const char* what,
+                                                           std::vector<int> preferred, bool remote_write,
+                                                           ReRegister reg) {
     uint64_t chunk = UINT64_MAX;
     for (const auto& d : devices_->devices) chunk = std::min(chunk, d->max_mr_size);
     if (cfg_.max_mr_chunk > 0) chunk = std::min(chunk, cfg_.max_mr_chunk);
@@ -349,8 +455,16 @@ class VerbsTransport final : public Transport {
         "({:.2f} GB/s); writes from it use [{}]",
         len, addr, what, mrs.size(), chunk, devices_->devices.size(), ms, ms > 0 ? len / ms / 1e6 : 0.0,
         absl::StrJoin(pref_names, ","));
-    return std::unique_ptr<LocalRegion>(
-        std::make_unique<VerbsLocalRegion>(devices_, id_, addr, len, chunk, std::move(mrs), std::move(preferred)));
+    return std::unique_ptr<LocalRegion>(std::make_unique<VerbsLocalRegion>(
+        devices_, id_, addr, len, chunk, std::move(mrs), std::move(preferred), remote_write, std::move(reg)));
+  }
+
+  // The verbs region behind a LocalRegion of this backend (a sink's registered memory for RegisterSink), or null.
+  static const VerbsLocalRegion* AsVerbsRegion(const LocalRegion* region) {
+    if (const auto* r = dynamic_cast<const VerbsLocalRegion*>(region)) return r;
+    if (const auto* s = dynamic_cast<const SinkRegion*>(region))
+      return dynamic_cast<const VerbsLocalRegion*>(&s->registered());
+    return nullptr;
   }
 
   absl::Status CheckViable() const {
@@ -363,6 +477,8 @@ class VerbsTransport final : public Transport {
   Config cfg_;
   Identity id_;
   std::shared_ptr<WriteWindow> window_ = std::make_shared<WriteWindow>();
+  std::mutex grants_mu_;
+  std::vector<std::weak_ptr<GrantDomain>> grants_;  // live while their endpoint is (RevokeGrants)
 };
 
 }  // namespace

@@ -23,6 +23,11 @@
 //   * Write window (receiving side): SetWriteWindow grants IBV_ACCESS_REMOTE_WRITE on this transport's QPs only while
 //     open (WriteWindow in verbs_internal.h); a peer's write while it is closed fails at the peer and kills that
 //     connection, counted in refused_writes(). RegisterSourceMemory registers MRs without remote access.
+//   * Write grants (receiving side): CreateGrantedEndpoint gives the endpoint one protection domain per device and
+//     registers the granted regions again in it (GrantDomain in verbs_internal.h); its QPs reach only those MRs and
+//     its LocalInfo carries their rkeys, which the sending endpoint uses for those regions instead of the
+//     descriptor's. RequireGrants(true) denies remote write to plain endpoints' QPs; RevokeGrants denies it to the
+//     revoked grants' QPs at once.
 //   * No device (host kernel without RDMA, empty device list, device not found): the transport is returned with
 //     viable() == false and reason() saying why; every other call then fails with FailedPrecondition.
 //

@@ -29,10 +29,26 @@ struct WireQp {
 // Fixed size: a peer built from another commit must parse the same bytes (the version field guards changes).
 static_assert(sizeof(WireQp) == 32, "WireQp is part of the wire format");
 
+// A region a granted connection may write into (docs/security.md, "Write grants (verbs)"): the same memory as the
+// region's descriptor (base, length, chunking), registered again in that connection's own protection domains; a
+// write through the connection must use these rkeys, the descriptor's are refused by the receiver's NIC.
+struct GrantedRegion {
+  uint64_t base = 0;
+  uint64_t length = 0;
+  uint64_t chunk_size = 0;
+  uint32_t num_devices = 0;
+  uint32_t num_chunks = 0;
+  std::vector<uint32_t> rkeys;  // [device * num_chunks + chunk]
+};
+
 struct ConnInfo {
   uint64_t transport_id = 0;  // random per transport instance; matches region descriptors of the same peer
   std::string owner;          // human-readable peer name (host, pid, devices)
   std::vector<WireQp> qps;
+  // A granted endpoint's info (blob version 2): its QPs reach only these regions. Version 1 blobs (plain
+  // endpoints) have no list.
+  bool granted = false;
+  std::vector<GrantedRegion> grant;
 };
 
 struct RegionDesc {
