@@ -1,4 +1,5 @@
 #include "proto/tls.h"
+#include "proto/tls_files.h"
 
 #include <arpa/inet.h>
 
@@ -27,7 +28,9 @@ struct Loaded {
 
 std::mutex g_mu;
 bool g_configured = false;
-Loaded g_loaded;
+// Never destroyed: credentials and channels may be used until the process exits, and the watcher and gRPC's provider
+// must not be torn down by static destruction (after gRPC may have shut down).
+Loaded& g_loaded = *new Loaded;
 
 absl::StatusOr<Loaded> Load(const Options& o) {
   Loaded l;
@@ -115,7 +118,9 @@ absl::Status Configure(const Options& o, const std::vector<std::string>& address
             "(docs/security.md)"));
       }
   }
+  std::shared_ptr<CredentialFiles> previous;  // stopped outside the lock (its watcher is joined)
   std::lock_guard<std::mutex> l(g_mu);
+  previous = std::move(g_loaded.files);
   g_loaded = *std::move(loaded);
   g_configured = true;
   return absl::OkStatus();

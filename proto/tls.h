@@ -28,9 +28,10 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "proto/tls_files.h"
 
 namespace wsync::tls {
+
+class CredentialFiles;  // proto/tls_files.h
 
 struct Options {
   std::string ca;    // PEM file of the CA that signs every wsync certificate

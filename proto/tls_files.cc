@@ -215,7 +215,8 @@ struct CredentialFiles::State {
   int refresh_seconds = 60;
   MemFile ca_file, identity_file;  // what gRPC's provider watches: only validated content
 
-  mutable std::mutex mu;
+  std::mutex check_mu;  // one CheckNow at a time (the watcher's and a caller's), so publications do not interleave
+  mutable std::mutex mu;  // the fields below
   std::condition_variable cv;
   bool stop = false;
   CredentialPems published;  // the contents in use
@@ -288,6 +289,7 @@ CredentialFiles::Counters CredentialFiles::counters() const {
 }
 
 absl::Status CredentialFiles::CheckNow() {
+  std::lock_guard<std::mutex> serial(s_->check_mu);
   std::string expected_cn;
   CredentialPems seen;
   {

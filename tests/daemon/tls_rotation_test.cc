@@ -7,6 +7,7 @@
 //   * broken replacements (not PEM, expired, signed by a CA outside the bundle, a key of another certificate, another
 //     identity) are rejected with an error naming the file, and the server keeps serving B; a valid one after them
 //     is taken;
+//   * a process started with an expired certificate exits 2 naming the file;
 //   * a wsync client (tls::Dial in this process) verifies the server's name, and presents its own rotated
 //     certificate on new connections.
 // Certificates are minted by tools/cli/wsync-certs.sh (openssl); the test's own channels use gRPC's plain SSL
@@ -27,6 +28,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "proto/tls.h"
+#include "proto/tls_files.h"
 #include "tests/daemon/cluster.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 
@@ -157,6 +159,18 @@ TEST_CASE("tls rotation: a running coordinator takes rotated files, rejects brok
   const Identity foreign = Load(ca3, "coordinator-main"), admin3 = Load(ca3, "admin-ops");
   REQUIRE(Strip(cert_a.cert) != Strip(cert_b.cert));
   const std::string both_cas = cert_a.ca + admin2.ca;
+
+  // At start the same checks apply: an expired certificate is refused, naming the file (exit 2).
+  {
+    SecretDir bad{dir + "/expired"};
+    bad.Publish(expired.ca, expired.cert, expired.key);
+    const std::string bad_log = dir + "/expired.log";
+    testing::Process p({std::string(kBin) + "/wsync-coordinator", "--listen", "127.0.0.1:0", "--tls-ca", bad.ca(),
+                        "--tls-cert", bad.cert(), "--tls-key", bad.key()},
+                       bad_log);
+    CHECK(p.Wait(std::chrono::seconds(20)) == 2);
+    CHECK(absl::StrContains(ReadFile(bad_log), "--tls-cert " + bad.cert() + ": expired on"));
+  }
 
   SecretDir secret{dir + "/server"};
   secret.Publish(cert_a.ca, cert_a.cert, cert_a.key);
