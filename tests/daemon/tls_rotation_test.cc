@@ -184,7 +184,7 @@ TEST_CASE("tls rotation: a running coordinator takes rotated files, rejects brok
   std::string port = ReadFile(port_file);
   port.pop_back();
   const std::string addr = "127.0.0.1:" + port;
-  INFO(ReadFile(log));
+  INFO("coordinator log: " << log << " (kept when the test fails)");
 
   // Before: A, CA1 only.
   auto long_lived = Stub(addr, admin1, cert_a.ca);
