@@ -99,6 +99,14 @@ CertificateInfo Describe(X509* x) {
   return info;
 }
 
+std::string Utc(int64_t t) {
+  const std::time_t tt = static_cast<std::time_t>(t);
+  std::tm tm{};
+  char buf[32];
+  if (gmtime_r(&tt, &tm) == nullptr || std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm) == 0) return "?";
+  return buf;
+}
+
 absl::Status Invalid(const std::string& flag, const std::string& path, const std::string& why) {
   return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": ", why));
 }
@@ -223,6 +231,7 @@ struct CredentialFiles::State {
   CertificateInfo current;
   Counters counters;
   std::string last_logged;  // the last rejection logged (not repeated every interval)
+  std::time_t last_expiry_warning = 0;
   std::thread watcher;
 };
 
@@ -262,7 +271,7 @@ absl::StatusOr<std::shared_ptr<CredentialFiles>> CredentialFiles::Open(const std
       f->s_->identity_file.path(), f->s_->identity_file.path(), f->s_->ca_file.path(), 1);
   f->s_->watcher = std::thread([raw = f.get()] { raw->Run(); });
   spdlog::info("TLS: {} (serial {}, expires {}), {} CA certificate(s); files checked every {} s", info.common_name,
-               info.serial, info.not_after, info.ca_certificates, refresh_seconds);
+               info.serial, Utc(info.not_after), info.ca_certificates, refresh_seconds);
   return f;
 }
 
@@ -316,8 +325,18 @@ absl::Status CredentialFiles::CheckNow() {
     p.cert = *std::move(cert);
     p.key = *std::move(key);
     if (p.ca == seen.ca && p.cert == seen.cert && p.key == seen.key) {
-      if (attempt == 0) return absl::OkStatus();  // unchanged since published
-      break;                                      // the same rejected contents again
+      if (attempt == 0) {  // unchanged since published: say so (hourly) when the certificate is about to expire
+        const std::time_t now = std::time(nullptr);
+        std::lock_guard<std::mutex> l(s_->mu);
+        if (now + 24 * 3600 > s_->current.not_after && now >= s_->last_expiry_warning + 3600) {
+          s_->last_expiry_warning = now;
+          spdlog::warn("TLS: {} (serial {}) {} {} and no replacement was found in {}", s_->current.common_name,
+                       s_->current.serial, now > s_->current.not_after ? "expired on" : "expires on",
+                       Utc(s_->current.not_after), s_->cert_path);
+        }
+        return absl::OkStatus();
+      }
+      break;  // the same rejected contents again
     }
     auto info = ValidateCredentials(p, std::time(nullptr), expected_cn);
     if (info.ok()) {
@@ -330,7 +349,7 @@ absl::Status CredentialFiles::CheckNow() {
       ++s_->counters.reloads;
       s_->last_logged.clear();
       spdlog::info("TLS: reloaded {} (serial {}, expires {}), {} CA certificate(s); new connections use them",
-                   info->common_name, info->serial, info->not_after, info->ca_certificates);
+                   info->common_name, info->serial, Utc(info->not_after), info->ca_certificates);
       return absl::OkStatus();
     }
     rejection = info.status();

@@ -7,7 +7,8 @@
 //   * broken replacements (not PEM, expired, signed by a CA outside the bundle, a key of another certificate, another
 //     identity) are rejected with an error naming the file, and the server keeps serving B; a valid one after them
 //     is taken;
-//   * a process started with an expired certificate exits 2 naming the file;
+//   * a process started with an expired certificate exits 2 naming the file; one whose certificate expires within a
+//     day warns that no replacement was found;
 //   * a wsync client (tls::Dial in this process) verifies the server's name, and presents its own rotated
 //     certificate on new connections.
 // Certificates are minted by tools/cli/wsync-certs.sh (openssl); the test's own channels use gRPC's plain SSL
@@ -170,6 +171,19 @@ TEST_CASE("tls rotation: a running coordinator takes rotated files, rejects brok
                        bad_log);
     CHECK(p.Wait(std::chrono::seconds(20)) == 2);
     CHECK(absl::StrContains(ReadFile(bad_log), "--tls-cert " + bad.cert() + ": expired on"));
+  }
+
+  // A certificate that expires within a day, with no replacement in sight, is warned about.
+  {
+    Sh(absl::StrCat(kCertsScript, " --days 1 ", ca1, " coordinator:soon >/dev/null"));
+    const std::string soon_log = dir + "/soon.log";
+    testing::Process p({std::string(kBin) + "/wsync-coordinator", "--listen", "127.0.0.1:0", "--tls-ca", ca1 + "/ca.pem",
+                        "--tls-cert", ca1 + "/coordinator-soon.pem", "--tls-key", ca1 + "/coordinator-soon-key.pem",
+                        "--tls-refresh-seconds", "1"},
+                       soon_log);
+    CHECK(WaitFor([&] { return absl::StrContains(ReadFile(soon_log), "no replacement was found in " + ca1); },
+                  std::chrono::seconds(10)));
+    CHECK(absl::StrContains(ReadFile(soon_log), "coordinator:soon"));
   }
 
   SecretDir secret{dir + "/server"};
