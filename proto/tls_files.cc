@@ -1,5 +1,11 @@
 #include "proto/tls_files.h"
 
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <openssl/x509_vfy.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -11,13 +17,6 @@
 #include <sstream>
 #include <thread>
 #include <vector>
-
-#include <openssl/bio.h>
-#include <openssl/err.h>
-#include <openssl/evp.h>
-#include <openssl/pem.h>
-#include <openssl/x509.h>
-#include <openssl/x509_vfy.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -113,7 +112,8 @@ absl::Status Invalid(const std::string& flag, const std::string& path, const std
 
 absl::StatusOr<std::string> ReadWhole(const std::string& flag, const std::string& path) {
   std::ifstream f(path, std::ios::binary);
-  if (!f) return absl::NotFoundError(absl::StrCat(flag, " ", path, ": cannot read the file (", std::strerror(errno), ")"));
+  if (!f)
+    return absl::NotFoundError(absl::StrCat(flag, " ", path, ": cannot read the file (", std::strerror(errno), ")"));
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
@@ -223,7 +223,7 @@ struct CredentialFiles::State {
   int refresh_seconds = 60;
   MemFile ca_file, identity_file;  // what gRPC's provider watches: only validated content
 
-  std::mutex check_mu;  // one CheckNow at a time (the watcher's and a caller's), so publications do not interleave
+  std::mutex check_mu;    // one CheckNow at a time (the watcher's and a caller's), so publications do not interleave
   mutable std::mutex mu;  // the fields below
   std::condition_variable cv;
   bool stop = false;

@@ -12,12 +12,12 @@
 //
 // Thread safety: every member may be called from any thread.
 
+#include <grpcpp/security/tls_certificate_provider.h>
+
 #include <cstdint>
 #include <ctime>
 #include <memory>
 #include <string>
-
-#include <grpcpp/security/tls_certificate_provider.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -53,8 +53,7 @@ class CredentialFiles {
  public:
   // Reads and validates the three files (errors name the flag and the file), stages them and starts the watcher.
   // `refresh_seconds` >= 1: how often the files are checked for a replacement.
-  static absl::StatusOr<std::shared_ptr<CredentialFiles>> Open(const std::string& ca_path,
-                                                               const std::string& cert_path,
+  static absl::StatusOr<std::shared_ptr<CredentialFiles>> Open(const std::string& ca_path, const std::string& cert_path,
                                                                const std::string& key_path, int refresh_seconds);
   ~CredentialFiles();  // stops the watcher; the staged copies stay readable (see the .cc)
   CredentialFiles(const CredentialFiles&) = delete;

@@ -14,12 +14,10 @@
 // Certificates are minted by tools/cli/wsync-certs.sh (openssl); the test's own channels use gRPC's plain SSL
 // credentials, not the code under test.
 
+#include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
-
-#include <grpcpp/grpcpp.h>
-
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -70,8 +68,8 @@ struct SecretDir {
   void Publish(const std::string& ca_pem, const std::string& cert_pem, const std::string& key_pem) {
     const std::string v = absl::StrCat("..v", ++version);
     Sh(absl::StrCat("mkdir -p ", dir, "/", v));
-    for (const auto& [name, content] : {std::pair<std::string, std::string>{"ca.crt", ca_pem},
-                                        {"tls.crt", cert_pem}, {"tls.key", key_pem}}) {
+    for (const auto& [name, content] :
+         {std::pair<std::string, std::string>{"ca.crt", ca_pem}, {"tls.crt", cert_pem}, {"tls.key", key_pem}}) {
       std::FILE* f = std::fopen(absl::StrCat(dir, "/", v, "/", name).c_str(), "w");
       REQUIRE(f != nullptr);
       std::fwrite(content.data(), 1, content.size(), f);
@@ -177,10 +175,10 @@ TEST_CASE("tls rotation: a running coordinator takes rotated files, rejects brok
   {
     Sh(absl::StrCat(kCertsScript, " --days 1 ", ca1, " coordinator:soon >/dev/null"));
     const std::string soon_log = dir + "/soon.log";
-    testing::Process p({std::string(kBin) + "/wsync-coordinator", "--listen", "127.0.0.1:0", "--tls-ca", ca1 + "/ca.pem",
-                        "--tls-cert", ca1 + "/coordinator-soon.pem", "--tls-key", ca1 + "/coordinator-soon-key.pem",
-                        "--tls-refresh-seconds", "1"},
-                       soon_log);
+    testing::Process p(
+        {std::string(kBin) + "/wsync-coordinator", "--listen", "127.0.0.1:0", "--tls-ca", ca1 + "/ca.pem", "--tls-cert",
+         ca1 + "/coordinator-soon.pem", "--tls-key", ca1 + "/coordinator-soon-key.pem", "--tls-refresh-seconds", "1"},
+        soon_log);
     CHECK(WaitFor([&] { return absl::StrContains(ReadFile(soon_log), "no replacement was found in " + ca1); },
                   std::chrono::seconds(10)));
     CHECK(absl::StrContains(ReadFile(soon_log), "coordinator:soon"));
@@ -189,10 +187,10 @@ TEST_CASE("tls rotation: a running coordinator takes rotated files, rejects brok
   SecretDir secret{dir + "/server"};
   secret.Publish(cert_a.ca, cert_a.cert, cert_a.key);
   const std::string log = dir + "/coordinator.log", port_file = dir + "/coordinator.port";
-  testing::Process coord({std::string(kBin) + "/wsync-coordinator", "--listen", "0.0.0.0:0", "--port-file", port_file,
-                          "--tls-ca", secret.ca(), "--tls-cert", secret.cert(), "--tls-key", secret.key(),
-                          "--tls-refresh-seconds", "1"},
-                         log);
+  testing::Process coord(
+      {std::string(kBin) + "/wsync-coordinator", "--listen", "0.0.0.0:0", "--port-file", port_file, "--tls-ca",
+       secret.ca(), "--tls-cert", secret.cert(), "--tls-key", secret.key(), "--tls-refresh-seconds", "1"},
+      log);
   REQUIRE(WaitFor([&] { return !ReadFile(port_file).empty() && ReadFile(port_file).back() == '\n'; },
                   std::chrono::seconds(30)));
   std::string port = ReadFile(port_file);
@@ -288,9 +286,10 @@ TEST_CASE("tls rotation: a running coordinator takes rotated files, rejects brok
 
   coord.Stop();
   const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("tls rotation: server took B %.1f s after the swap (refresh 1 s); %zu broken replacements rejected; "
-              "%.1f s in all\n",
-              rotate_s, broken.size(), total_s);
+  std::printf(
+      "tls rotation: server took B %.1f s after the swap (refresh 1 s); %zu broken replacements rejected; "
+      "%.1f s in all\n",
+      rotate_s, broken.size(), total_s);
   if (std::getenv("WSYNC_TEST_KEEP") == nullptr) std::system(("rm -rf " + dir).c_str());
 }
 
