@@ -1,4 +1,5 @@
 #include "proto/tls.h"
+#include "proto/tls_files.h"
 
 #include <arpa/inet.h>
 
@@ -12,30 +13,24 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/numbers.h"
+#include "grpcpp/security/tls_certificate_verifier.h"
+#include "grpcpp/security/tls_credentials_options.h"
 
 namespace wsync::tls {
 namespace {
 
 struct Loaded {
   bool enabled = false;
-  std::string ca, cert, key;  // PEM contents
-  std::string error;          // a bad WSYNC_TLS_* environment: every Dial fails with it
+  std::shared_ptr<CredentialFiles> files;  // validated, reloaded while the process runs (proto/tls_files.h)
+  std::string error;                       // a bad WSYNC_TLS_* environment: every Dial fails with it
 };
 
 std::mutex g_mu;
 bool g_configured = false;
-Loaded g_loaded;
-
-absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
-  std::ifstream f(path);
-  if (!f) return absl::NotFoundError(absl::StrCat(flag, " ", path, ": cannot read the file"));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  std::string s = ss.str();
-  if (!absl::StrContains(s, "-----BEGIN "))
-    return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": not a PEM file"));
-  return s;
-}
+// Never destroyed: credentials and channels may be used until the process exits, and the watcher and gRPC's provider
+// must not be torn down by static destruction (after gRPC may have shut down).
+Loaded& g_loaded = *new Loaded;
 
 absl::StatusOr<Loaded> Load(const Options& o) {
   Loaded l;
@@ -46,16 +41,10 @@ absl::StatusOr<Loaded> Load(const Options& o) {
   if (given != 3)
     return absl::InvalidArgumentError(
         "TLS needs all three of --tls-ca, --tls-cert and --tls-key (or WSYNC_TLS_CA, WSYNC_TLS_CERT, WSYNC_TLS_KEY)");
-  auto ca = ReadPem("--tls-ca", o.ca);
-  if (!ca.ok()) return ca.status();
-  auto cert = ReadPem("--tls-cert", o.cert);
-  if (!cert.ok()) return cert.status();
-  auto key = ReadPem("--tls-key", o.key);
-  if (!key.ok()) return key.status();
+  auto files = CredentialFiles::Open(o.ca, o.cert, o.key, o.refresh_seconds);
+  if (!files.ok()) return files.status();
   l.enabled = true;
-  l.ca = *std::move(ca);
-  l.cert = *std::move(cert);
-  l.key = *std::move(key);
+  l.files = *std::move(files);
   return l;
 }
 
@@ -67,7 +56,11 @@ const Loaded& Current() {
     if (const char* v = std::getenv("WSYNC_TLS_CA")) o.ca = v;
     if (const char* v = std::getenv("WSYNC_TLS_CERT")) o.cert = v;
     if (const char* v = std::getenv("WSYNC_TLS_KEY")) o.key = v;
-    auto loaded = Load(o);
+    absl::Status refresh;
+    if (const char* v = std::getenv("WSYNC_TLS_REFRESH_SECONDS"); v != nullptr && *v != 0)
+      if (!absl::SimpleAtoi(v, &o.refresh_seconds))
+        refresh = absl::InvalidArgumentError(absl::StrCat("WSYNC_TLS_REFRESH_SECONDS ", v, ": not a number"));
+    auto loaded = refresh.ok() ? Load(o) : absl::StatusOr<Loaded>(refresh);
     if (loaded.ok()) {
       g_loaded = *std::move(loaded);
     } else {
@@ -100,6 +93,12 @@ void AddFlags(CLI::App& app, Options* o) {
   app.add_option("--tls-cert", o->cert, "PEM file of this process's certificate, CN \"<role>:<id>\"")
       ->envname("WSYNC_TLS_CERT");
   app.add_option("--tls-key", o->key, "PEM file of the certificate's private key")->envname("WSYNC_TLS_KEY");
+  app.add_option("--tls-refresh-seconds", o->refresh_seconds,
+                 "how often the TLS files are checked for a replacement (rotation without a restart; an invalid "
+                 "replacement is logged and the credentials in use stay)")
+      ->envname("WSYNC_TLS_REFRESH_SECONDS")
+      ->check(CLI::Range(1, 86400))
+      ->capture_default_str();
   app.add_flag("--insecure", o->insecure,
                "no TLS and no roles: loopback development only (refused when any address is not loopback); the "
                "default when no TLS files are given");
@@ -119,13 +118,17 @@ absl::Status Configure(const Options& o, const std::vector<std::string>& address
             "(docs/security.md)"));
       }
   }
+  std::shared_ptr<CredentialFiles> previous;  // stopped outside the lock (its watcher is joined)
   std::lock_guard<std::mutex> l(g_mu);
+  previous = std::move(g_loaded.files);
   g_loaded = *std::move(loaded);
   g_configured = true;
   return absl::OkStatus();
 }
 
 bool Enabled() { return Current().enabled; }
+
+std::shared_ptr<CredentialFiles> Files() { return Current().files; }
 
 bool IsLoopback(const std::string& address) {
   // A Unix socket (gRPC "unix:" or a plain path, as trainer ranks give their daemon) never leaves the host.
@@ -143,10 +146,12 @@ bool IsLoopback(const std::string& address) {
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials() {
   const Loaded& l = Current();
   if (!l.enabled) return grpc::InsecureServerCredentials();
-  grpc::SslServerCredentialsOptions o(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  o.pem_root_certs = l.ca;
-  o.pem_key_cert_pairs.push_back({l.key, l.cert});
-  return grpc::SslServerCredentials(o);
+  // The provider hands new handshakes the current validated files; connections already up keep their session.
+  grpc::experimental::TlsServerCredentialsOptions o(l.files->provider());
+  o.watch_root_certs();
+  o.watch_identity_key_cert_pairs();
+  o.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  return grpc::experimental::TlsServerCredentials(o);
 }
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address, int max_message_bytes) {
@@ -165,11 +170,15 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address, 
           "or WSYNC_TLS_CA/WSYNC_TLS_CERT/WSYNC_TLS_KEY"));
     return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   }
-  grpc::SslCredentialsOptions o;
-  o.pem_root_certs = l.ca;
-  o.pem_private_key = l.key;
-  o.pem_cert_chain = l.cert;
-  return grpc::CreateCustomChannel(address, grpc::SslCredentials(o), args);
+  grpc::experimental::TlsChannelCredentialsOptions o;
+  o.set_certificate_provider(l.files->provider());
+  o.watch_root_certs();
+  o.watch_identity_key_cert_pairs();
+  o.set_verify_server_certs(true);  // chain to the CA bundle
+  // The server's certificate must name the dialled host or IP (subjectAltName), as with the plain SSL credentials.
+  o.set_certificate_verifier(std::make_shared<grpc::experimental::HostNameCertificateVerifier>());
+  o.set_check_call_host(true);
+  return grpc::CreateCustomChannel(address, grpc::experimental::TlsCredentials(o), args);
 }
 
 std::string Peer::Describe() const {

@@ -11,6 +11,10 @@
 // Identity: the certificate's subject common name is "<role>:<id>" with role one of coordinator, source, target,
 // engine, admin, trainer (tools/cli/wsync-certs.sh makes them). An insecure server checks no roles.
 //
+// Rotation: the files are read again every --tls-refresh-seconds; a replacement that passes the same checks as at
+// start (and keeps the certificate's CN) is used by every new handshake, server and client side, from then on; one
+// that does not is logged, naming the file, and the credentials in use stay (proto/tls_files.h).
+//
 // Thread safety: Configure must run before any channel or server is created (main, before threads); everything else
 // may be called from any thread.
 
@@ -27,24 +31,32 @@
 
 namespace wsync::tls {
 
+class CredentialFiles;  // proto/tls_files.h
+
 struct Options {
   std::string ca;    // PEM file of the CA that signs every wsync certificate
   std::string cert;  // PEM file of this process's certificate (CN "<role>:<id>")
   std::string key;   // PEM file of its private key
   bool insecure = false;  // explicitly no TLS (loopback only)
+  int refresh_seconds = 60;  // how often the files are checked for a replacement (proto/tls_files.h)
 };
 
-// --tls-ca, --tls-cert, --tls-key (defaults from WSYNC_TLS_CA / WSYNC_TLS_CERT / WSYNC_TLS_KEY) and --insecure.
+// --tls-ca, --tls-cert, --tls-key, --tls-refresh-seconds (defaults from WSYNC_TLS_CA / WSYNC_TLS_CERT /
+// WSYNC_TLS_KEY / WSYNC_TLS_REFRESH_SECONDS) and --insecure.
 void AddFlags(CLI::App& app, Options* o);
 
 // Validates `o` against `addresses` (every address the process listens on or dials that is known at start, host:port
 // or unix:PATH) and makes it the process configuration. InvalidArgument, naming the flag or address, when only some
 // of the TLS files are given, --insecure is combined with them, or TLS is off and an address is not loopback;
-// NotFound/InvalidArgument when a file cannot be read.
+// NotFound/InvalidArgument when a file cannot be read or the files are not valid credentials (ValidateCredentials:
+// the key matches the certificate, which is current and verifies against the CA bundle).
 absl::Status Configure(const Options& o, const std::vector<std::string>& addresses);
 
 // True when the process configuration has TLS.
 bool Enabled();
+
+// The process's TLS files (null when insecure): the credentials in use and the reload counters.
+std::shared_ptr<CredentialFiles> Files();
 
 // True for 127.0.0.0/8, ::1, localhost and unix: addresses (host:port, [v6]:port, or a bare host).
 bool IsLoopback(const std::string& address);

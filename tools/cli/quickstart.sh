@@ -18,7 +18,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev catch2 nlohmann-json3-dev libcli11-dev libxxhash-dev libcpp-httplib-dev
-  libsqlite3-dev openssl
+  libsqlite3-dev openssl libssl-dev
   libibverbs-dev librdmacm-dev ibverbs-utils perftest iperf3
   python3 python3-numpy python3-yaml python3-venv
   iproute2 python3-matplotlib
