@@ -28,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/logging.h"
+#include "bench/transport/bench_util.h"
 #include "transport/transport.h"
 #include "transport/verbs/verbs_transport.h"
 
@@ -39,46 +40,10 @@ using wsync::transport::RemoteRegion;
 using wsync::transport::Transport;
 using wsync::transport::WriteRequest;
 
-template <typename T>
-T Must(absl::StatusOr<T> v, const char* what) {
-  if (!v.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, v.status().ToString().c_str());
-    std::exit(1);
-  }
-  return std::move(*v);
-}
-void Must(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
-    std::exit(1);
-  }
-}
-
-struct Pair {
-  std::unique_ptr<Endpoint> src, dst;
-};
-
-Pair Connect(Transport& source, Transport& target, const Transport::WriteGrant* grant) {
-  Pair p{Must(source.CreateEndpoint(), "endpoint"), grant
-                                                        ? Must(target.CreateGrantedEndpoint(*grant), "granted endpoint")
-                                                        : Must(target.CreateEndpoint(), "endpoint")};
-  Must(p.src->Connect(p.dst->LocalInfo(), absl::Seconds(30)), "connect");
-  Must(p.dst->Connect(p.src->LocalInfo(), absl::Seconds(30)), "connect");
-  return p;
-}
-
-uint64_t Flag(int argc, char** argv, const char* name, uint64_t def) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], name) != 0) continue;
-    uint64_t v = 0;
-    if (!absl::SimpleAtoi(argv[i + 1], &v) || v == 0) {
-      std::fprintf(stderr, "%s must be a positive integer, got '%s'\n", name, argv[i + 1]);
-      std::exit(2);
-    }
-    return v;
-  }
-  return def;
-}
+using wsync::bench::Connect;
+using wsync::bench::Flag;
+using wsync::bench::Must;
+using wsync::bench::Pair;
 
 }  // namespace
 

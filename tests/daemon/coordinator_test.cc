@@ -166,6 +166,19 @@ v1::RegisterNodeRequest Target(const std::string& id, const std::string& engine,
 struct Fixture {
   FakePeers* peers;
   std::unique_ptr<Coordinator> c;
+  // Heartbeats from `ids` (node "X" at "X:1") every 50 ms for `how_long`: the other nodes' leases run out.
+  void RenewLeases(std::initializer_list<const char*> ids, absl::Duration how_long) {
+    const absl::Time until = absl::Now() + how_long;
+    while (absl::Now() < until) {
+      for (const char* id : ids) {
+        v1::HeartbeatRequest hb;
+        hb.set_node_id(id);
+        hb.set_address(std::string(id) + ":1");
+        REQUIRE(c->Heartbeat(hb).known());
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
   Fixture(int sources, int engines, int ranks, CoordinatorOptions opts = CoordinatorOptions()) {
     auto p = std::make_unique<FakePeers>();
     peers = p.get();
@@ -405,16 +418,7 @@ TEST_CASE("liveness: a target lost during the commit fails it at once, naming th
   f.peers->AwaitFinishing(2);
   REQUIRE(f.c->Status().state() == "committing");
   CHECK_FALSE(f.c->CheckLeases());  // every lease is fresh
-  const absl::Time until = absl::Now() + absl::Milliseconds(450);
-  while (absl::Now() < until) {  // every node but t1 renews its lease
-    for (const char* id : {"s0", "s1", "t0"}) {
-      v1::HeartbeatRequest hb;
-      hb.set_node_id(id);
-      hb.set_address(std::string(id) + ":1");
-      REQUIRE(f.c->Heartbeat(hb).known());
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  f.RenewLeases({"s0", "s1", "t0"}, absl::Milliseconds(450));  // every node but t1
   const int aborts_before = f.peers->Count("abort ");
   CHECK(f.c->CheckLeases());  // t1 lost its lease while the update commits: the sources are told
   CHECK(f.peers->Count("abort s0:1 1") == 1);
@@ -457,16 +461,7 @@ TEST_CASE("liveness: a source lost during the commit: its FinishUpdate is cancel
   }
   auto commit = std::async(std::launch::async, [&] { return f.Commit(1); });
   f.peers->AwaitFinishing(2);
-  const absl::Time until = absl::Now() + absl::Milliseconds(450);
-  while (absl::Now() < until) {  // every node but s1 renews its lease
-    for (const char* id : {"s0", "t0", "t1"}) {
-      v1::HeartbeatRequest hb;
-      hb.set_node_id(id);
-      hb.set_address(std::string(id) + ":1");
-      REQUIRE(f.c->Heartbeat(hb).known());
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  f.RenewLeases({"s0", "t0", "t1"}, absl::Milliseconds(450));  // every node but s1
   CHECK(f.c->CheckLeases());
   CHECK(f.peers->Count("abort s0:1 1") == 1);
   CHECK(f.peers->Count("cancel_calls s1:1") == 1);

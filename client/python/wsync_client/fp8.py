@@ -36,18 +36,21 @@ def quantize_fp8_block(x, block_n: int, block_k: int, ue8m0: bool = False) -> Tu
     with torch.no_grad():
         xf = x.detach().float()  # exact for bfloat16 and float16
         nan_in = torch.isnan(xf)
-        # amax per block over the elements that exist (padding with zeros cannot raise a maximum of |x| >= 0).
-        mag = torch.where(nan_in, torch.zeros((), dtype=torch.float32, device=x.device), xf.abs())
+        # The tensor padded to whole blocks and viewed as [block row, row, block col, col]: per-block reductions and
+        # the division by each block's scale broadcast over it, with no per-element copy of the scales.
         padded = torch.zeros((nr * block_n, nc * block_k), dtype=torch.float32, device=x.device)
-        padded[:rows, :cols] = mag
-        amax = padded.view(nr, block_n, nc, block_k).amax(dim=(1, 3))
+        padded[:rows, :cols] = xf
+        blocks = padded.view(nr, block_n, nc, block_k)
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        # amax over the elements that exist, NaN ignored (padding zeros cannot raise a maximum of |x| >= 0).
+        amax = torch.where(torch.isnan(blocks), zero, blocks.abs()).amax(dim=(1, 3))
         scale = torch.clamp(amax, min=AMAX_EPS) / torch.full_like(amax, E4M3_MAX)
         if ue8m0:
             bits = scale.view(torch.int32)
             exp = bits & 0x7F800000
             scale = torch.where((bits & 0x007FFFFF) == 0, exp, exp + 0x00800000).view(torch.float32)
-        full = scale.repeat_interleave(block_n, dim=0).repeat_interleave(block_k, dim=1)[:rows, :cols]
-        y = torch.clamp(xf / full, -E4M3_MAX, E4M3_MAX)
+        y = (blocks / scale[:, None, :, None]).view(nr * block_n, nc * block_k)[:rows, :cols]
+        y = torch.clamp(y, -E4M3_MAX, E4M3_MAX)
         codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
         # The sign of a NaN from the input's own bits: a GPU's half/bfloat16 -> float conversion returns the canonical
         # (positive) NaN, the CPU's keeps the sign.
