@@ -163,6 +163,31 @@ class Cluster:
                 p.wait()
 
 
+def start_one_box(args, cluster, deadline, model, prefix, source_args=()):
+    """A coordinator, a reference engine of `model` at TP 2, a target and a source wsyncd (one trainer rank) on
+    127.0.0.1, tcp. Returns (coordinator address, engine address, source address, the source's trainer socket)."""
+    work = cluster.work
+    p = cluster.start("coordinator", [args.coordinator, "--listen", "127.0.0.1:0",
+                                      "--port-file", os.path.join(work, "coordinator.port")])
+    coord_addr = cluster.wait_port("coordinator", p, deadline)
+    p = cluster.start("engine", [args.engine_ref, "--id", "%sengine%d" % (prefix, os.getpid()), "--model", model,
+                                 "--tp", "2", "--listen", "127.0.0.1:0",
+                                 "--port-file", os.path.join(work, "engine.port")])
+    engine_addr = cluster.wait_port("engine", p, deadline)
+    p = cluster.start("target", [args.wsyncd, "--role", "target", "--node-id", prefix + "-infer0",
+                                 "--coordinator", coord_addr, "--engine", engine_addr, "--transport", "tcp",
+                                 "--engine-socket", os.path.join(work, "target.sock"), "--listen", "127.0.0.1:0",
+                                 "--port-file", os.path.join(work, "target.port")])
+    cluster.wait_port("target", p, deadline)
+    sock = os.path.join(work, "source.sock")
+    p = cluster.start("source", [args.wsyncd, "--role", "source", "--node-id", prefix + "-train0",
+                                 "--coordinator", coord_addr, "--trainer-ranks", "1", "--transport", "tcp",
+                                 "--listen", "127.0.0.1:0", "--trainer-socket", sock,
+                                 "--port-file", os.path.join(work, "source.port")] + list(source_args))
+    source_addr = cluster.wait_port("source", p, deadline)
+    return coord_addr, engine_addr, source_addr, sock
+
+
 def check(cond, what):
     if not cond:
         raise AssertionError(what)
@@ -237,26 +262,10 @@ def run(args, cluster, deadline):
     work = cluster.work
     with open(args.model) as f:
         specs = qwen3_checkpoint(json.load(f))
-    p = cluster.start("coordinator", [args.coordinator, "--listen", "127.0.0.1:0",
-                                      "--port-file", os.path.join(work, "coordinator.port")])
-    coord_addr = cluster.wait_port("coordinator", p, deadline)
-    p = cluster.start("engine", [args.engine_ref, "--id", "pyengine%d" % os.getpid(), "--model", args.model,
-                                 "--tp", "2", "--listen", "127.0.0.1:0",
-                                 "--port-file", os.path.join(work, "engine.port")])
-    engine_addr = cluster.wait_port("engine", p, deadline)
-    p = cluster.start("target", [args.wsyncd, "--role", "target", "--node-id", "py-infer0",
-                                 "--coordinator", coord_addr, "--engine", engine_addr, "--transport", "tcp",
-                                 "--engine-socket", os.path.join(work, "target.sock"), "--listen", "127.0.0.1:0",
-                                 "--port-file", os.path.join(work, "target.port")])
-    cluster.wait_port("target", p, deadline)
-    sock = os.path.join(work, "source.sock")
     # One further allowed uid (not nobody's): the socket is then 0666 and SO_PEERCRED alone decides. A 1 MiB ring:
     # the updates below (~0.3 MiB each) wrap around it several times (padding frames, reuse of released space).
-    p = cluster.start("source", [args.wsyncd, "--role", "source", "--node-id", "py-train0",
-                                 "--coordinator", coord_addr, "--trainer-ranks", "1", "--ring-mib", "1",
-                                 "--transport", "tcp", "--listen", "127.0.0.1:0", "--trainer-socket", sock,
-                                 "--trainer-uid", "4242", "--port-file", os.path.join(work, "source.port")])
-    source_addr = cluster.wait_port("source", p, deadline)
+    coord_addr, engine_addr, source_addr, sock = start_one_box(
+        args, cluster, deadline, args.model, "py", ["--ring-mib", "1", "--trainer-uid", "4242"])
     print("cluster: coordinator %s, engine %s, source %s (trainer socket %s)" % (coord_addr, engine_addr,
                                                                                  source_addr, sock))
     check(oct(os.stat(sock).st_mode & 0o777) == oct(0o666) and os.path.exists(sock + ".rpc"),

@@ -58,24 +58,8 @@ def run(args, cluster, deadline):
     work = cluster.work
     with open(args.model) as f:
         specs = pct.qwen3_checkpoint(json.load(f))
-    p = cluster.start("coordinator", [args.coordinator, "--listen", "127.0.0.1:0",
-                                      "--port-file", os.path.join(work, "coordinator.port")])
-    coord_addr = cluster.wait_port("coordinator", p, deadline)
-    p = cluster.start("engine", [args.engine_ref, "--id", "cudafp8%d" % os.getpid(), "--model", args.model,
-                                 "--tp", "2", "--listen", "127.0.0.1:0",
-                                 "--port-file", os.path.join(work, "engine.port")])
-    engine_addr = cluster.wait_port("engine", p, deadline)
-    p = cluster.start("target", [args.wsyncd, "--role", "target", "--node-id", "fp8-infer0",
-                                 "--coordinator", coord_addr, "--engine", engine_addr, "--transport", "tcp",
-                                 "--engine-socket", os.path.join(work, "target.sock"), "--listen", "127.0.0.1:0",
-                                 "--port-file", os.path.join(work, "target.port")])
-    cluster.wait_port("target", p, deadline)
-    sock = os.path.join(work, "source.sock")
-    p = cluster.start("source", [args.wsyncd, "--role", "source", "--node-id", "fp8-train0",
-                                 "--coordinator", coord_addr, "--trainer-ranks", "1", "--ring-mib", "16",
-                                 "--transport", "tcp", "--listen", "127.0.0.1:0", "--trainer-socket", sock,
-                                 "--port-file", os.path.join(work, "source.port")])
-    cluster.wait_port("source", p, deadline)
+    coord_addr, engine_addr, _, sock = pct.start_one_box(args, cluster, deadline, args.model, "cudafp8",
+                                                         ["--ring-mib", "16"])
 
     def verify(step, want_ok):
         r = subprocess.run([args.wsyncctl, "verify", "--engine", engine_addr, "--step", str(step)],

@@ -60,25 +60,8 @@ def run(args, cluster, deadline):
     work = cluster.work
     with open(args.model) as f:
         specs = pct.qwen3_checkpoint(json.load(f))
-    p = cluster.start("coordinator", [args.coordinator, "--listen", "127.0.0.1:0",
-                                      "--port-file", os.path.join(work, "coordinator.port")])
-    coord_addr = cluster.wait_port("coordinator", p, deadline)
-    p = cluster.start("engine", [args.engine_ref, "--id", "cudapush%d" % os.getpid(), "--model", args.model,
-                                 "--tp", "2", "--listen", "127.0.0.1:0",
-                                 "--port-file", os.path.join(work, "engine.port")])
-    engine_addr = cluster.wait_port("engine", p, deadline)
-    p = cluster.start("target", [args.wsyncd, "--role", "target", "--node-id", "cuda-infer0",
-                                 "--coordinator", coord_addr, "--engine", engine_addr, "--transport", "tcp",
-                                 "--engine-socket", os.path.join(work, "target.sock"), "--listen", "127.0.0.1:0",
-                                 "--port-file", os.path.join(work, "target.port")])
-    cluster.wait_port("target", p, deadline)
-    p = cluster.start("source", [args.wsyncd, "--role", "source", "--node-id", "cuda-train0",
-                                 "--coordinator", coord_addr, "--trainer-ranks", "1", "--ring-mib", "16",
-                                 "--transport", "tcp", "--listen", "127.0.0.1:0",
-                                 "--trainer-socket", os.path.join(work, "source.sock"),
-                                 "--port-file", os.path.join(work, "source.port")])
-    cluster.wait_port("source", p, deadline)
-    source_addr = os.path.join(work, "source.sock")  # trainer ranks use the daemon's local socket
+    coord_addr, engine_addr, _, source_addr = pct.start_one_box(args, cluster, deadline, args.model, "cudapush",
+                                                                ["--ring-mib", "16"])
 
     def verify(step, want_ok):
         r = subprocess.run([args.wsyncctl, "verify", "--engine", engine_addr, "--step", str(step)],
