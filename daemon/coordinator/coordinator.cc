@@ -595,14 +595,19 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   std::vector<Configure> configure;
   std::map<std::string, int64_t> source_epochs;  // address → the plan epoch it holds after this phase
   int64_t plan_epoch;
+  std::string engine_model_json;
+  if (need_plan) {
+    // The engines are the authority on the model they serve. Asked without the lock: no remote call under mu_.
+    auto info = peers_->EngineInfo(engines.front());
+    if (!info.ok()) st = Annotate(info.status(), "engine info");
+    else engine_model_json = info->model_config_json();
+  }
+  if (!st.ok()) return Fail(rec, st, false);
   {
     std::lock_guard<std::mutex> l(mu_);
     if (need_plan) {
-      // The engines are the authority on the model they serve.
-      auto info = peers_->EngineInfo(engines.front());
-      if (!info.ok()) st = Annotate(info.status(), "engine info");
-      else model_config_json_ = info->model_config_json();
-      if (st.ok()) st = Replan();
+      model_config_json_ = engine_model_json;
+      st = Replan();
       if (st.ok()) {
         std::map<std::string, v1::ConfigureSourceRequest> by_source;
         for (const auto& [id, n] : nodes_)
@@ -638,21 +643,26 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     });
     AddPhase(&rec, "configure", t);
     out.set_configure_seconds(rec.phases(1).seconds());
-    std::lock_guard<std::mutex> l(mu_);
-    for (const Configure& c : configure) {
-      if (!st.ok()) {
-        configured_.erase(c.node_id);  // unknown what it holds now: configured again next time
-        continue;
+    size_t configured_sources = 0;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      for (const Configure& c : configure) {
+        if (!st.ok()) {
+          configured_.erase(c.node_id);  // unknown what it holds now: configured again next time
+          continue;
+        }
+        SourceConfig& sc = configured_[c.node_id];
+        sc.req = c.req;
+        sc.req.clear_plan_epoch();
+        sc.epoch = c.req.plan_epoch();
       }
-      SourceConfig& sc = configured_[c.node_id];
-      sc.req = c.req;
-      sc.req.clear_plan_epoch();
-      sc.epoch = c.req.plan_epoch();
+      if (st.ok()) plan_epoch_ = plan_epoch;
+      configured_sources = configured_.size();
     }
+    // Fail takes mu_ itself: called with it held, the coordinator deadlocked on every failed configure.
     if (!st.ok()) return Fail(rec, st, false);
-    plan_epoch_ = plan_epoch;
     spdlog::info("update {}: plan {} configured on {} of {} source nodes (the others' configuration is unchanged)", v,
-                 plan_epoch, configure.size(), configured_.size());
+                 plan_epoch, configure.size(), configured_sources);
   }
   std::vector<std::string> source_addrs;
   {

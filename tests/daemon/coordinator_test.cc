@@ -33,6 +33,7 @@ class FakePeers : public Peers {
   absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
                                                           const v1::ConfigureSourceRequest& req) override {
     std::lock_guard<std::mutex> l(mu);
+    if (fail_configure) return absl::UnavailableError("source " + addr + " is gone");
     configured[addr] = req;
     return v1::ConfigureSourceReply();
   }
@@ -129,6 +130,7 @@ class FakePeers : public Peers {
   std::vector<std::string> windows;  // "open ADDR" / "close ADDR", in order
   std::map<std::string, v1::ConfigureSourceRequest> configured;
   std::atomic<bool> fail_finish{false};
+  std::atomic<bool> fail_configure{false};
   std::atomic<bool> fail_abort{false};
   std::atomic<uint64_t> abort_bytes{0};
   bool hold_finish = false;             // guarded by mu
@@ -267,6 +269,24 @@ TEST_CASE("coordinator: a failed source leaves the engines paused at their old v
   REQUIRE(f.Begin(3).ok());  // a failed update does not block the next one
   REQUIRE(f.Commit(3).ok());
   CHECK(f.c->Status().current_version() == "3");
+}
+
+TEST_CASE("coordinator: a failed configure fails the update and the coordinator keeps answering") {
+  Fixture f(1, 2, 1);
+  f.peers->fail_configure = true;
+  auto begun = std::async(std::launch::async, [&] { return f.Begin(1); });
+  // Fail() once locked the mutex the configure phase still held: the coordinator hung here for good.
+  REQUIRE(begun.wait_for(std::chrono::seconds(5)) == std::future_status::ready);
+  absl::Status st = begun.get();
+  CHECK(st.code() == absl::StatusCode::kAborted);
+  CHECK(std::string(st.message()).find("configure source") != std::string::npos);
+  auto status = std::async(std::launch::async, [&] { return f.c->Status(); });
+  REQUIRE(status.wait_for(std::chrono::seconds(1)) == std::future_status::ready);
+  CHECK(status.get().state() == "failed");
+  f.peers->fail_configure = false;
+  REQUIRE(f.Begin(2).ok());  // configured again, since the failed attempt left it unknown
+  REQUIRE(f.Commit(2).ok());
+  CHECK(f.c->Status().current_version() == "2");
 }
 
 TEST_CASE("coordinator: registration is validated and membership changes trigger a new plan") {
