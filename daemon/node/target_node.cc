@@ -771,9 +771,8 @@ absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::Conne
     loser = *std::move(ep);
   } else {
     if (action == ConnectTargetAction::kReplace) {
-      spdlog::info("ConnectTarget from {} for engine {} rank {}: its previous connection is gone (or the transport "
-                   "cannot tell); replaced",
-                   grant.peer, req.engine_id(), req.rank());
+      spdlog::info("ConnectTarget from {} for engine {} rank {}: its previous connection is gone; replaced", grant.peer,
+                   req.engine_id(), req.rank());
       loser = std::move(old->second);
     }
     endpoints_[key] = *std::move(ep);
