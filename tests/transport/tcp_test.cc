@@ -1,7 +1,6 @@
 // tcp-only behaviour: the factory, the handshake, the receiver's own checks, stalled peers, peers trickling their
 // hello, and the rate-limited log of refusals.
 
-#include <poll.h>
 #include <sys/socket.h>
 
 #include <cerrno>
