@@ -60,7 +60,9 @@ int main(int argc, char** argv) {
   int trainer_ranks = 1;
   uint64_t ring_mib = 512;
   app.add_option("--role", role, "source | target")->required()->check(CLI::IsMember({"source", "target"}));
-  app.add_option("--node-id", node_id, "unique node name (default: hostname:port)");
+  app.add_option("--node-id", node_id,
+                 "unique node name; under TLS it must be the certificate's id (default: that id; without TLS "
+                 "hostname-role-pid)");
   app.add_option("--listen", listen,
                  "host:port of the daemon API (port 0 = any free port); its host is the address registered with the "
                  "coordinator unless --advertise is given");

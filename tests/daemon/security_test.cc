@@ -283,6 +283,43 @@ TEST_CASE("security: a node cannot register or heartbeat as another node") {
   REQUIRE(DemoUpdate(cl, 1));
 }
 
+// A free TCP port on 127.0.0.1 (bound and released: nothing else on this host is expected to take it meanwhile).
+int FreePort() {
+  int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  REQUIRE(::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  socklen_t len = sizeof(a);
+  REQUIRE(::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  ::close(s);
+  return ntohs(a.sin_port);
+}
+
+// GET http://127.0.0.1:`port``path` (HTTP/1.0, the whole answer).
+std::string HttpGet(int port, const std::string& path) {
+  int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  REQUIRE(::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  const std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+  REQUIRE(::send(s, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size()));
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::recv(s, buf, sizeof(buf), 0)) > 0;) out.append(buf, static_cast<size_t>(n));
+  ::close(s);
+  return out;
+}
+
+// The value of an unlabelled series in a Prometheus text page; -1 when absent.
+double MetricValue(const std::string& page, const std::string& name) {
+  for (absl::string_view line : absl::StrSplit(page, '\n'))
+    if (absl::StartsWith(line, name + " ")) return std::stod(std::string(line.substr(name.size() + 1)));
+  return -1;
+}
+
 // The engine's per-parameter checksums of every rank (admin certificate).
 std::map<std::string, std::string> EngineSums(Cluster& cl, int ranks) {
   auto stub = v1::EngineControl::NewStub(As(cl.engines[0], MakeCerts().dir, "admin-ops"));
@@ -312,6 +349,8 @@ TEST_CASE("security: crafted data-port writes are refused and leave the engine's
   const std::string db = MakeCerts().dir + "/coordinator-state.db";
   std::remove(db.c_str());
   o.coordinator_args = {"--state", db};
+  const int target_metrics = FreePort();
+  o.target_args = {"--metrics-listen", absl::StrCat("127.0.0.1:", target_metrics)};
   Cluster cl(o);
   const Certs& certs = MakeCerts();
   REQUIRE(DemoUpdate(cl, 1));
@@ -450,6 +489,9 @@ TEST_CASE("security: crafted data-port writes are refused and leave the engine's
   std::printf("security: refused_writes %llu -> %llu\n", static_cast<unsigned long long>(refused0),
               static_cast<unsigned long long>(refused1));
   CHECK(refused1 >= refused0 + 6);
+  // Prometheus has the same count.
+  CHECK(MetricValue(HttpGet(target_metrics, "/metrics"), "wsync_refused_writes_total") ==
+        static_cast<double>(RefusedWrites(cl)));
   // Not one byte changed: every parameter's checksum on every rank is what it was after update 1.
   CHECK(EngineSums(cl, 2) == before);
   ep0.reset();
@@ -557,43 +599,6 @@ TEST_CASE("security: without TLS, non-loopback addresses are refused; bad TLS fl
   CHECK(run("c4", {coord, "--insecure", "--listen", "127.0.0.1:0", "--tls-ca", certs.dir + "/ca.pem", "--tls-cert",
                    certs.dir + "/coordinator-main.pem", "--tls-key", certs.dir + "/coordinator-main-key.pem"}) == 2);
   if (std::getenv("WSYNC_TEST_KEEP") == nullptr) std::system(("rm -rf " + dir).c_str());
-}
-
-// A free TCP port on 127.0.0.1 (bound and released: nothing else on this host is expected to take it meanwhile).
-int FreePort() {
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-  REQUIRE(::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-  socklen_t len = sizeof(a);
-  REQUIRE(::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) == 0);
-  ::close(s);
-  return ntohs(a.sin_port);
-}
-
-// GET http://127.0.0.1:`port``path` (HTTP/1.0, the whole answer).
-std::string HttpGet(int port, const std::string& path) {
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-  REQUIRE(::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-  const std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-  REQUIRE(::send(s, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size()));
-  std::string out;
-  char buf[4096];
-  for (ssize_t n; (n = ::recv(s, buf, sizeof(buf), 0)) > 0;) out.append(buf, static_cast<size_t>(n));
-  ::close(s);
-  return out;
-}
-
-// The value of an unlabelled series in a Prometheus text page; -1 when absent.
-double MetricValue(const std::string& page, const std::string& name) {
-  for (absl::string_view line : absl::StrSplit(page, '\n'))
-    if (absl::StartsWith(line, name + " ")) return std::stod(std::string(line.substr(name.size() + 1)));
-  return -1;
 }
 
 // One TLS handshake with the gRPC server at 127.0.0.1:`port` as a client without a certificate (as a port scanner or
