@@ -2,10 +2,13 @@
 #include "proto/tls_files.h"
 
 #include <arpa/inet.h>
+#include <grpc/support/log.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/match.h"
@@ -14,8 +17,11 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/numbers.h"
+#include "absl/time/clock.h"
+#include "base/log_limiter.h"
 #include "grpcpp/security/tls_certificate_verifier.h"
 #include "grpcpp/security/tls_credentials_options.h"
+#include "spdlog/spdlog.h"
 
 namespace wsync::tls {
 namespace {
@@ -85,7 +91,81 @@ std::string HostOf(const std::string& address) {
   return a;  // a bare host, or a bare IPv6 address
 }
 
+std::atomic<uint64_t> g_handshake_failures{0};
+// Never destroyed: gRPC may log from its own threads until the process exits.
+LogLimiter& g_handshake_log = *new LogLimiter(absl::Minutes(1));
+
+absl::string_view BaseName(absl::string_view path) {
+  const size_t slash = path.rfind('/');
+  return slash == absl::string_view::npos ? path : path.substr(slash + 1);
+}
+
+// gRPC 1.51 logs each failed TLS handshake once, at ERROR, from its SSL transport: "Handshake failed with fatal error
+// SSL_ERROR_SSL: ...", server side (no or a foreign client certificate) and client side alike.
+bool IsHandshakeFailure(absl::string_view file, absl::string_view message) {
+  return BaseName(file) == "ssl_transport_security.cc" && absl::StartsWith(message, "Handshake failed");
+}
+
+void GrpcLogToSpdlog(gpr_log_func_args* args) {
+  const absl::string_view file = args->file != nullptr ? args->file : "";
+  // fmt cannot print this Abseil's string_view: log std::strings.
+  const std::string message(absl::StripTrailingAsciiWhitespace(args->message != nullptr ? args->message : ""));
+  if (IsHandshakeFailure(file, message)) {
+    const uint64_t total = g_handshake_failures.fetch_add(1) + 1;
+    if (std::optional<uint64_t> left_out = g_handshake_log.Admit("handshake", absl::Now())) {
+      spdlog::warn(
+          "TLS: a handshake failed (a peer without a valid certificate of the cluster CA, or a server whose "
+          "certificate does not verify): {}; {} failed handshakes since start, {} since the previous such line "
+          "(gRPC does not name the peer)",
+          message, total, *left_out + 1);
+    }
+    return;
+  }
+  const std::string where = absl::StrCat("grpc ", BaseName(file), ":", args->line);
+  switch (args->severity) {
+    case GPR_LOG_SEVERITY_ERROR:
+      spdlog::error("{}: {}", where, message);
+      break;
+    case GPR_LOG_SEVERITY_INFO:
+      spdlog::info("{}: {}", where, message);
+      break;
+    default:
+      spdlog::debug("{}: {}", where, message);
+  }
+}
+
 }  // namespace
+
+bool ParseCommonName(const std::string& cn, std::string* role, std::string* id) {
+  const size_t colon = cn.find(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == cn.size()) return false;
+  *role = cn.substr(0, colon);
+  *id = cn.substr(colon + 1);
+  return true;
+}
+
+absl::Status CheckIdentity(const std::string& common_name, const std::string& cert_path, const Identity& want) {
+  if (want.roles.empty()) return absl::OkStatus();
+  std::string role, id;
+  const bool parsed = ParseCommonName(common_name, &role, &id);
+  bool role_ok = false;
+  for (const auto& r : want.roles) role_ok = role_ok || (parsed && role == r);
+  if (role_ok && (want.id.empty() || id == want.id)) return absl::OkStatus();
+  std::string wanted;
+  for (const auto& r : want.roles)
+    absl::StrAppend(&wanted, wanted.empty() ? "" : " or ", "\"", r, ":", want.id.empty() ? "<name>" : want.id, "\"");
+  return absl::InvalidArgumentError(
+      absl::StrCat("--tls-cert ", cert_path, ": the certificate's CN is \"", common_name, "\", but ", want.process,
+                   " needs a certificate with CN ", wanted,
+                   " (a certificate names its holder's role and id; docs/security.md, \"Roles\")"));
+}
+
+void RouteGrpcLog() {
+  static std::once_flag once;
+  std::call_once(once, [] { gpr_set_log_function(&GrpcLogToSpdlog); });
+}
+
+uint64_t HandshakeFailures() { return g_handshake_failures.load(); }
 
 void AddFlags(CLI::App& app, Options* o) {
   app.add_option("--tls-ca", o->ca, "PEM file of the CA that signs every wsync certificate (mTLS)")
@@ -104,9 +184,13 @@ void AddFlags(CLI::App& app, Options* o) {
                "default when no TLS files are given");
 }
 
-absl::Status Configure(const Options& o, const std::vector<std::string>& addresses) {
+absl::Status Configure(const Options& o, const std::vector<std::string>& addresses, const Identity& identity) {
+  RouteGrpcLog();
   auto loaded = Load(o);
   if (!loaded.ok()) return loaded.status();
+  if (loaded->enabled) {
+    if (absl::Status st = CheckIdentity(loaded->files->current().common_name, o.cert, identity); !st.ok()) return st;
+  }
   if (!loaded->enabled) {
     for (const auto& list : addresses)
       for (absl::string_view part : absl::StrSplit(list, ',', absl::SkipWhitespace())) {  // "A,B": a fail-over list
@@ -192,12 +276,15 @@ Peer PeerOf(const grpc::ServerContext* ctx) {
   if (!auth || !auth->IsPeerAuthenticated()) return p;
   auto cn = auth->FindPropertyValues("x509_common_name");
   if (cn.empty()) return p;
-  const std::string name(cn.front().data(), cn.front().size());
-  const size_t colon = name.find(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == name.size()) return p;  // not a wsync certificate
-  p.authenticated = true;
-  p.role = name.substr(0, colon);
-  p.id = name.substr(colon + 1);
+  // Not a wsync certificate's CN: unauthenticated.
+  p.authenticated = ParseCommonName(std::string(cn.front().data(), cn.front().size()), &p.role, &p.id);
+  return p;
+}
+
+Peer Self() {
+  Peer p;
+  if (std::shared_ptr<CredentialFiles> f = Files())
+    p.authenticated = ParseCommonName(f->current().common_name, &p.role, &p.id);
   return p;
 }
 

@@ -6,6 +6,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "httplib.h"
+#include "proto/tls.h"
 #include "spdlog/spdlog.h"
 
 namespace wsync::daemon {
@@ -85,6 +86,11 @@ void Metrics::Set(const std::string& name, const Labels& labels, double value) {
   if (Family* f = Find(name, "gauge")) f->series[labels].value = value;
 }
 
+void Metrics::SetCounter(const std::string& name, const Labels& labels, double value) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (Family* f = Find(name, "counter")) f->series[labels].value = value;
+}
+
 void Metrics::Observe(const std::string& name, const Labels& labels, double value) {
   std::lock_guard<std::mutex> l(mu_);
   Family* f = Find(name, "histogram");
@@ -145,6 +151,21 @@ std::string Metrics::Render() {
     }
   }
   return out;
+}
+
+void ExportRefusalCounters(Metrics& m, std::function<uint64_t()> refused_writes) {
+  m.Declare("wsync_tls_handshake_failures_total", "counter",
+            "TLS handshakes of this process's gRPC servers and channels that failed (a peer without a valid "
+            "certificate of the cluster CA, or a server whose certificate does not verify).");
+  if (refused_writes) {
+    m.Declare("wsync_refused_writes_total", "counter",
+              "Writes and data connections refused by this node's data listener (outside a write window or grant, "
+              "into a source's read-only memory, unknown secrets, connection caps, hello deadlines).");
+  }
+  m.OnCollect([refused_writes = std::move(refused_writes)](Metrics& mm) {
+    mm.SetCounter("wsync_tls_handshake_failures_total", {}, static_cast<double>(tls::HandshakeFailures()));
+    if (refused_writes) mm.SetCounter("wsync_refused_writes_total", {}, static_cast<double>(refused_writes()));
+  });
 }
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& listen, Metrics* metrics) {

@@ -9,6 +9,7 @@
 // `MetricsServer` serves `GET /metrics` (the registry) and `GET /healthz` ("ok") on --metrics-listen HOST:PORT.
 // The metric names and what they mean: docs/operations.md, "Metrics".
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -37,6 +38,8 @@ class Metrics {
                std::vector<double> buckets = {});
   void Add(const std::string& name, const Labels& labels, double delta);        // counter (delta ≥ 0)
   void Set(const std::string& name, const Labels& labels, double value);        // gauge
+  // A counter mirrored from a count kept elsewhere (read at collect time); `value` never decreases.
+  void SetCounter(const std::string& name, const Labels& labels, double value);
   void Observe(const std::string& name, const Labels& labels, double value);    // histogram
   // Drops every series of a gauge family (before a collect callback re-sets the current ones).
   void ClearFamily(const std::string& name);
@@ -63,6 +66,11 @@ class Metrics {
   std::map<std::string, Family> families_;
   std::vector<std::function<void(Metrics&)>> collect_;
 };
+
+// The refusals of attacks on this process, read at scrape time: wsync_tls_handshake_failures_total (gRPC's failed
+// TLS handshakes, tls::HandshakeFailures) and, when `refused_writes` is given, wsync_refused_writes_total (what the
+// node's data listener refused: Transport::refused_writes). Their log lines are rate-limited; these count them all.
+void ExportRefusalCounters(Metrics& m, std::function<uint64_t()> refused_writes = nullptr);
 
 class MetricsServer {
  public:

@@ -119,7 +119,10 @@ int main(int argc, char** argv) {
   tls::AddFlags(app, &tls_opts);
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging("coordinator", log_level);
-  if (auto st = tls::Configure(tls_opts, {listen, metrics_listen, advertise}); !st.ok()) {
+  // A coordinator's certificate names the role only that matters here (CN "coordinator:<name>", any name).
+  if (auto st =
+          tls::Configure(tls_opts, {listen, metrics_listen, advertise}, {"wsync-coordinator", {tls::kCoordinator}, ""});
+      !st.ok()) {
     spdlog::error("{}", st.ToString());
     return 2;
   }
@@ -187,6 +190,7 @@ int main(int argc, char** argv) {
   coordinator.metrics().Declare("wsync_coordinator_leader", "gauge",
                                 "1 while this coordinator leads (always 1 without a shared etcd state store).");
   coordinator.metrics().Set("wsync_coordinator_leader", {}, ha ? 0 : 1);
+  daemon::ExportRefusalCounters(coordinator.metrics());
   grpc::HealthCheckServiceInterface* health = served->server->GetHealthCheckService();
   if (health != nullptr) health->SetServingStatus("wsync.v1.Coordinator", !ha);
   daemon::EtcdStateStore* etcd = nullptr;  // owned by the coordinator once elected, else by etcd_owned

@@ -60,7 +60,9 @@ int main(int argc, char** argv) {
   int trainer_ranks = 1;
   uint64_t ring_mib = 512;
   app.add_option("--role", role, "source | target")->required()->check(CLI::IsMember({"source", "target"}));
-  app.add_option("--node-id", node_id, "unique node name (default: hostname:port)");
+  app.add_option("--node-id", node_id,
+                 "unique node name; under TLS it must be the certificate's id (default: that id; without TLS "
+                 "hostname-role-pid)");
   app.add_option("--listen", listen,
                  "host:port of the daemon API (port 0 = any free port); its host is the address registered with the "
                  "coordinator unless --advertise is given");
@@ -172,9 +174,16 @@ int main(int argc, char** argv) {
       if (const size_t q = a.find_first_of("?/"); q != std::string::npos) a = a.substr(0, q);
       addresses.push_back(a);
     }
-    if (auto st = tls::Configure(tls_opts, addresses); !st.ok()) {
+    // The certificate must be this node's: CN "<--role>:<--node-id>" (without --node-id, its id becomes the node id).
+    const tls::Identity self{
+        absl::StrCat("wsyncd --role ", role, node_id.empty() ? "" : " --node-id " + node_id), {role}, node_id};
+    if (auto st = tls::Configure(tls_opts, addresses, self); !st.ok()) {
       spdlog::error("{}", st.ToString());
       return 2;
+    }
+    if (node_id.empty() && tls::Enabled()) {
+      node_id = tls::Self().id;
+      spdlog::info("node id {}: the id of this node's certificate (no --node-id given)", node_id);
     }
   }
   if (role == "target" && engines.empty()) {
@@ -304,6 +313,8 @@ int main(int argc, char** argv) {
   std::unique_ptr<daemon::MetricsServer> metrics_server;
   if (!metrics_listen.empty()) {
     daemon::Metrics* m = source ? &source->metrics() : &target_metrics;
+    transport::Transport* tr = transport.get();
+    daemon::ExportRefusalCounters(*m, [tr] { return tr->refused_writes(); });
     if (target) {
       target_metrics.Declare("wsync_target_engines", "gauge", "Engine instances served by this target daemon.");
       target_metrics.Declare("wsync_target_engine_ranks", "gauge", "Engine ranks whose memory is registered here.");

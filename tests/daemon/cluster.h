@@ -100,6 +100,7 @@ struct ClusterOptions {
   int pp = 1;                            // trainer pipeline stages: sources split evenly, stage = s * pp / sources
   std::vector<std::string> coordinator_args;  // e.g. {"--strategy", "balanced", "--min-source-mib", "0"}
   std::vector<std::string> source_env;  // extra "NAME=value" environment for the source daemons (e.g. WSYNC_FAULTS)
+  std::vector<std::string> target_args;  // extra arguments of every target daemon (e.g. --metrics-listen)
   // mTLS: a directory made by tools/cli/wsync-certs.sh holding ca.pem and coordinator-main, engine-engine<e>,
   // target-infer<e> and source-train<s> certificates; every process then runs with its own. Empty: insecure loopback.
   std::string tls_dir;
@@ -147,13 +148,13 @@ class Cluster {
                                                     "--listen", "127.0.0.1:0"},
                                                    "engine-" + id)));
     engine_pids.push_back(procs_.back()->pid());
+    std::vector<std::string> targs = {o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "target",
+                                      "--node-id", "infer" + std::to_string(e), "--coordinator", coordinator,
+                                      "--engine", engines.back(), "--transport", o_.transport, "--engine-socket",
+                                      dir_ + "/target" + std::to_string(e) + ".sock"};
+    targs.insert(targs.end(), o_.target_args.begin(), o_.target_args.end());
     targets.push_back("127.0.0.1:" +
-                      Start("target" + std::to_string(e),
-                            Tls({o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "target", "--node-id",
-                                 "infer" + std::to_string(e), "--coordinator", coordinator, "--engine",
-                                 engines.back(), "--transport", o_.transport, "--engine-socket",
-                                 dir_ + "/target" + std::to_string(e) + ".sock"},
-                                "target-infer" + std::to_string(e))));
+                      Start("target" + std::to_string(e), Tls(targs, "target-infer" + std::to_string(e))));
     target_pids.push_back(procs_.back()->pid());
   }
   const std::string& dir() const { return dir_; }

@@ -9,21 +9,24 @@
 //     the engine's bytes stay unchanged (per-parameter checksums) and the refusals are counted;
 //   * an idle-connection flood on the data port is bounded (threads, fds) and the listener keeps serving;
 //   * --insecure (or no TLS) on a non-loopback address is refused by every daemon;
+//   * every binary refuses to start with a certificate that is not its own identity (role, and id where it has one);
+//   * handshakes without a client certificate are counted in /metrics and logged once, not once each;
+//   * the demo trainer's driver, holding a trainer certificate, ends a failed update without an admin's call;
 // and a complete update through the same cluster still lands bit-exactly (verified by the engine's own loader).
 
-#include <dirent.h>
-#include <sys/socket.h>
-#include <netinet/in.h>
 #include <arpa/inet.h>
-#include <unistd.h>
-
-#include <catch2/catch.hpp>
-
+#include <dirent.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/codegen/client_unary_call.h>
 #include <grpcpp/impl/codegen/rpc_method.h>
+#include <netinet/in.h>
+#include <openssl/ssl.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <map>
 #include <set>
 
@@ -31,10 +34,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "google/protobuf/descriptor.h"
 #include "daemon/common/serve.h"
 #include "daemon/coordinator/state_store.h"
 #include "daemon/node/node_services.h"
+#include "google/protobuf/descriptor.h"
 #include "proto/tls.h"
 #include "tests/daemon/cluster.h"
 #include "tests/daemon/raw_rpc.h"
@@ -111,6 +114,8 @@ const Certs& MakeCerts() {
     REQUIRE(std::system(absl::StrCat(kCertsScript, " ", out.dir,
                                      " coordinator:x source:x target:x engine:x admin:x trainer:x >/dev/null")
                             .c_str()) == 0);
+    // Another source node's identity (a daemon started with it under the wrong --node-id must refuse to start).
+    REQUIRE(std::system(absl::StrCat(kCertsScript, " ", out.dir, " source:train1 >/dev/null").c_str()) == 0);
     // The same names under another CA: valid certificates, wrong issuer.
     REQUIRE(std::system(absl::StrCat(kCertsScript, " ", out.foreign, " admin:ops coordinator:main >/dev/null").c_str()) ==
             0);
@@ -279,6 +284,43 @@ TEST_CASE("security: a node cannot register or heartbeat as another node") {
   REQUIRE(DemoUpdate(cl, 1));
 }
 
+// A free TCP port on 127.0.0.1 (bound and released: nothing else on this host is expected to take it meanwhile).
+int FreePort() {
+  int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  REQUIRE(::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  socklen_t len = sizeof(a);
+  REQUIRE(::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  ::close(s);
+  return ntohs(a.sin_port);
+}
+
+// GET http://127.0.0.1:`port``path` (HTTP/1.0, the whole answer).
+std::string HttpGet(int port, const std::string& path) {
+  int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  REQUIRE(::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  const std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+  REQUIRE(::send(s, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size()));
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::recv(s, buf, sizeof(buf), 0)) > 0;) out.append(buf, static_cast<size_t>(n));
+  ::close(s);
+  return out;
+}
+
+// The value of an unlabelled series in a Prometheus text page; -1 when absent.
+double MetricValue(const std::string& page, const std::string& name) {
+  for (absl::string_view line : absl::StrSplit(page, '\n'))
+    if (absl::StartsWith(line, name + " ")) return std::stod(std::string(line.substr(name.size() + 1)));
+  return -1;
+}
+
 // The engine's per-parameter checksums of every rank (admin certificate).
 std::map<std::string, std::string> EngineSums(Cluster& cl, int ranks) {
   auto stub = v1::EngineControl::NewStub(As(cl.engines[0], MakeCerts().dir, "admin-ops"));
@@ -308,6 +350,8 @@ TEST_CASE("security: crafted data-port writes are refused and leave the engine's
   const std::string db = MakeCerts().dir + "/coordinator-state.db";
   std::remove(db.c_str());
   o.coordinator_args = {"--state", db};
+  const int target_metrics = FreePort();
+  o.target_args = {"--metrics-listen", absl::StrCat("127.0.0.1:", target_metrics)};
   Cluster cl(o);
   const Certs& certs = MakeCerts();
   REQUIRE(DemoUpdate(cl, 1));
@@ -463,6 +507,9 @@ TEST_CASE("security: crafted data-port writes are refused and leave the engine's
   std::printf("security: refused_writes %llu -> %llu\n", static_cast<unsigned long long>(refused0),
               static_cast<unsigned long long>(refused1));
   CHECK(refused1 >= refused0 + 6);
+  // Prometheus has the same count.
+  CHECK(MetricValue(HttpGet(target_metrics, "/metrics"), "wsync_refused_writes_total") ==
+        static_cast<double>(RefusedWrites(cl)));
   // Not one byte changed: every parameter's checksum on every rank is what it was after update 1.
   CHECK(EngineSums(cl, 2) == before);
   ep0.reset();
@@ -570,6 +617,206 @@ TEST_CASE("security: without TLS, non-loopback addresses are refused; bad TLS fl
   CHECK(run("c4", {coord, "--insecure", "--listen", "127.0.0.1:0", "--tls-ca", certs.dir + "/ca.pem", "--tls-cert",
                    certs.dir + "/coordinator-main.pem", "--tls-key", certs.dir + "/coordinator-main-key.pem"}) == 2);
   if (std::getenv("WSYNC_TEST_KEEP") == nullptr) std::system(("rm -rf " + dir).c_str());
+}
+
+// One TLS handshake with the gRPC server at 127.0.0.1:`port` as a client without a certificate (as a port scanner or
+// a misconfigured client would); true when the server refused it.
+bool CertlessHandshake(int port, const std::string& ca) {
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(SSL_CTX_new(TLS_client_method()), SSL_CTX_free);
+  REQUIRE(ctx != nullptr);
+  REQUIRE(SSL_CTX_load_verify_locations(ctx.get(), ca.c_str(), nullptr) == 1);
+  static const unsigned char kAlpn[] = {2, 'h', '2'};  // as a gRPC client offers
+  SSL_CTX_set_alpn_protos(ctx.get(), kAlpn, sizeof(kAlpn));
+  int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  timeval tv{5, 0};
+  ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  REQUIRE(::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  SSL* ssl = SSL_new(ctx.get());
+  SSL_set_fd(ssl, s);
+  int rc = SSL_connect(ssl);
+  // TLS 1.3: the client's side of the handshake may complete before the server has checked for a certificate; the
+  // server's refusal (an alert, then the close) arrives at the first read.
+  char c;
+  if (rc == 1) rc = SSL_read(ssl, &c, 1);
+  SSL_free(ssl);
+  ::close(s);
+  return rc <= 0;
+}
+
+TEST_CASE("security: every binary refuses to start with a certificate that is not its identity") {
+  const Certs& certs = MakeCerts();
+  char tmpl[] = "/tmp/wsync-sec-ids.XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  auto run = [&](const std::string& name, std::vector<std::string> argv, const std::string& cert) {
+    for (auto& f : testing::TlsFlags(certs.dir, cert)) argv.push_back(f);
+    testing::Process p(argv, dir + "/" + name + ".log");
+    int rc = p.Wait(std::chrono::seconds(20));
+    if (rc == -1) p.Stop();
+    return rc;
+  };
+  auto log = [&](const std::string& name) { return ReadFile(dir + "/" + name + ".log"); };
+  // The refusal names the certificate file and the CN found in it.
+  auto names = [&](const std::string& name, const std::string& cert, const std::string& cn) {
+    INFO(log(name));
+    CHECK(absl::StrContains(log(name), absl::StrCat("--tls-cert ", certs.dir, "/", cert, ".pem")));
+    CHECK(absl::StrContains(log(name), absl::StrCat("CN is \"", cn, "\"")));
+  };
+  const std::string bin = kBin;
+  const std::string coord = bin + "/wsync-coordinator", wsyncd = bin + "/wsyncd", engine = bin + "/wsync-engine-ref";
+
+  // A coordinator with a trainer's certificate.
+  CHECK(run("coord", {coord, "--listen", "127.0.0.1:0"}, "trainer-t0") == 2);
+  names("coord", "trainer-t0", "trainer:t0");
+  // A source daemon whose --node-id is not its certificate's id, and one whose --role is not its certificate's role.
+  const std::vector<std::string> src = {wsyncd,        "--role",           "source",
+                                        "--listen",    "127.0.0.1:0",      "--coordinator",
+                                        "127.0.0.1:1", "--trainer-socket", dir + "/s.sock"};
+  auto with = [](std::vector<std::string> v, std::initializer_list<std::string> more) {
+    v.insert(v.end(), more);
+    return v;
+  };
+  CHECK(run("src-id", with(src, {"--node-id", "train0"}), "source-train1") == 2);
+  names("src-id", "source-train1", "source:train1");
+  CHECK(run("tgt-role",
+            {wsyncd, "--role", "target", "--node-id", "train0", "--listen", "127.0.0.1:0", "--coordinator",
+             "127.0.0.1:1", "--engine", "127.0.0.1:1"},
+            "source-train0") == 2);
+  names("tgt-role", "source-train0", "source:train0");
+  CHECK(absl::StrContains(log("tgt-role"), "\"target:train0\""));  // and the CN it needed
+  // A reference engine with another engine's certificate, and with a target's.
+  CHECK(run("eng-id", {engine, "--id", "engine0", "--model", kModel, "--listen", "127.0.0.1:0"}, "engine-x") == 2);
+  names("eng-id", "engine-x", "engine:x");
+  CHECK(run("eng-role", {engine, "--id", "infer0", "--model", kModel, "--listen", "127.0.0.1:0"}, "target-infer0") ==
+        2);
+  names("eng-role", "target-infer0", "target:infer0");
+  // wsyncctl: a command that changes state needs an admin certificate; verify an admin's or a trainer's.
+  CHECK(run("ctl-abort", {bin + "/wsyncctl", "--endpoints", "127.0.0.1:1", "abort", "--version", "1"}, "trainer-t0") ==
+        2);
+  names("ctl-abort", "trainer-t0", "trainer:t0");
+  CHECK(run("ctl-verify", {bin + "/wsyncctl", "--endpoints", "127.0.0.1:1", "verify"}, "coordinator-main") == 2);
+  names("ctl-verify", "coordinator-main", "coordinator:main");
+  // The demo trainer with an admin's certificate.
+  CHECK(run("demo", {bin + "/wsync-trainer-demo", "--daemon", dir + "/s.sock", "--model", kModel}, "admin-ops") == 2);
+  names("demo", "admin-ops", "admin:ops");
+
+  // Matching certificates start: a coordinator (any name), a source daemon without --node-id, which takes its
+  // certificate's id, and read-only wsyncctl commands with any role's certificate.
+  testing::Process c(
+      {coord, "--listen", "127.0.0.1:0", "--port-file", dir + "/c.port", "--tls-ca", certs.dir + "/ca.pem",
+       "--tls-cert", certs.dir + "/coordinator-x.pem", "--tls-key", certs.dir + "/coordinator-x-key.pem"},
+      dir + "/c.log");
+  std::string port;
+  for (int i = 0; i < 400 && (port.empty() || port.back() != '\n'); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    port = ReadFile(dir + "/c.port");
+  }
+  REQUIRE(!port.empty());
+  const std::string coordinator = "127.0.0.1:" + port.substr(0, port.size() - 1);
+  std::vector<std::string> src_args = {wsyncd,          "--role",        "source",       "--listen",
+                                       "127.0.0.1:0",   "--coordinator", coordinator,    "--trainer-socket",
+                                       dir + "/s.sock", "--port-file",   dir + "/s.port"};
+  for (auto& f : testing::TlsFlags(certs.dir, "source-train1")) src_args.push_back(f);
+  testing::Process s(src_args, dir + "/s.log");
+  std::string node;
+  for (int i = 0; i < 400 && node.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    grpc::ClientContext ctx;
+    v1::ClusterStatus st;
+    if (v1::Coordinator::NewStub(As(coordinator, certs.dir, "trainer-t0"))
+            ->GetClusterStatus(&ctx, v1::ClusterStatusRequest(), &st)
+            .ok())
+      for (const auto& n : st.nodes()) node = n.node_id();
+  }
+  INFO(ReadFile(dir + "/s.log"));
+  CHECK(node == "train1");
+  CHECK(run("ctl-status", {bin + "/wsyncctl", "--endpoints", coordinator, "status"}, "trainer-t0") == 0);
+  if (std::getenv("WSYNC_TEST_KEEP") == nullptr) std::system(("rm -rf " + dir).c_str());
+}
+
+TEST_CASE("security: handshakes without a client certificate are counted in /metrics and logged once") {
+  ClusterOptions o = TlsCluster();
+  const int metrics_port = FreePort();
+  o.coordinator_args = {"--metrics-listen", absl::StrCat("127.0.0.1:", metrics_port)};
+  Cluster cl(o);
+  const int port = std::stoi(cl.coordinator.substr(cl.coordinator.rfind(':') + 1));
+  const double before = MetricValue(HttpGet(metrics_port, "/metrics"), "wsync_tls_handshake_failures_total");
+  REQUIRE(before >= 0);
+  constexpr int kBad = 40;
+  int refused = 0;
+  for (int i = 0; i < kBad; ++i) refused += CertlessHandshake(port, MakeCerts().dir + "/ca.pem");
+  CHECK(refused == kBad);
+  // The server logs (and counts) each failure as its handshake ends: wait for the count to settle.
+  double after = before;
+  for (int i = 0; i < 100 && after < before + kBad; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    after = MetricValue(HttpGet(metrics_port, "/metrics"), "wsync_tls_handshake_failures_total");
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  after = MetricValue(HttpGet(metrics_port, "/metrics"), "wsync_tls_handshake_failures_total");
+  const std::string log = cl.Log("coordinator");
+  int lines = 0;
+  for (absl::string_view line : absl::StrSplit(log, '\n')) lines += absl::StrContains(line, "andshake failed");
+  std::printf("security: %d handshakes without a client certificate: counter %.0f -> %.0f, %d log line(s)\n", kBad,
+              before, after, lines);
+  INFO(log);
+  CHECK(after == before + kBad);
+  CHECK(lines >= 1);
+  CHECK(lines <= 2);
+  // The coordinator still serves certified callers.
+  grpc::ClientContext ctx;
+  v1::ClusterStatus st;
+  CHECK(v1::Coordinator::NewStub(As(cl.coordinator, MakeCerts().dir, "admin-ops"))
+            ->GetClusterStatus(&ctx, v1::ClusterStatusRequest(), &st)
+            .ok());
+}
+
+TEST_CASE("security: the demo's driver (a trainer certificate) ends a failed update without AbortUpdate") {
+  Cluster cl(TlsCluster());
+  const Certs& certs = MakeCerts();
+  REQUIRE(DemoUpdate(cl, 1));
+  // A real failure on the trainer's side: it was asked to push FP8 pre-quantized tensors, and the model has none.
+  std::vector<std::string> argv = {std::string(kBin) + "/wsync-trainer-demo",
+                                   "--daemon",
+                                   cl.trainer_sockets[0],
+                                   "--model",
+                                   kModel,
+                                   "--updates",
+                                   "1",
+                                   "--first-version",
+                                   "2",
+                                   "--drive",
+                                   "--coordinator",
+                                   cl.coordinator,
+                                   "--prequantize",
+                                   "host"};
+  for (auto& f : testing::TlsFlags(certs.dir, "trainer-t0")) argv.push_back(f);
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK(cl.Run("demo-fail", argv, std::chrono::seconds(120)) == 1);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string log = cl.Log("demo-fail");
+  INFO(log);
+  std::printf("security: the driver's failed update 2 ended in %.1f s\n", took);
+  CHECK(absl::StrContains(log, "wsync demo: update 2 FAILED"));
+  CHECK(absl::StrContains(log, "offers no tensor for FP8"));
+  CHECK_FALSE(absl::StrContains(log, "PERMISSION_DENIED"));  // it made no call its role may not make
+  // The coordinator recorded update 2 as failed (not left open), and the next update lands.
+  grpc::ClientContext ctx;
+  v1::HistoryRequest hreq;
+  hreq.set_limit(10);
+  v1::HistoryReply hist;
+  REQUIRE(v1::Coordinator::NewStub(As(cl.coordinator, certs.dir, "admin-ops"))->GetHistory(&ctx, hreq, &hist).ok());
+  bool recorded = false;
+  for (const auto& r : hist.records())
+    if (r.version() == 2) {
+      recorded = true;
+      CHECK_FALSE(r.success());
+    }
+  CHECK(recorded);
+  REQUIRE(DemoUpdate(cl, 3));
 }
 
 // The role table of the target daemon's EngineControl facade (served for engines that attach through the engine

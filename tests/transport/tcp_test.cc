@@ -1,9 +1,12 @@
-// tcp-only behaviour: the factory, the handshake, the receiver's own checks, stalled peers.
+// tcp-only behaviour: the factory, the handshake, the receiver's own checks, stalled peers, peers trickling their
+// hello, and the rate-limited log of refusals.
 
 #include <sys/socket.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -13,8 +16,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "spdlog/sinks/ringbuffer_sink.h"
+#include "spdlog/spdlog.h"
 #include "transport/tcp/tcp_socket.h"
 #include "transport/tcp/tcp_transport.h"
 #include "transport/tcp/tcp_wire.h"
@@ -82,6 +88,44 @@ Fd RawClient(const Info& info) {
   REQUIRE(ack.code == 0);
   return std::move(*fd);
 }
+
+// This process's thread count (/proc/self/status).
+int CountThreads() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (absl::StartsWith(line, "Threads:")) return std::stoi(line.substr(8));
+  FAIL("no Threads: line in /proc/self/status");
+  return -1;
+}
+
+// True once the peer closed `fd` (EOF or reset); never blocks.
+bool ClosedByPeer(int fd) {
+  char c;
+  const ssize_t n = ::recv(fd, &c, 1, MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+// Routes spdlog's default logger into a ring buffer while alive (create it before the transports whose threads log,
+// destroy it after them).
+class CapturedLog {
+ public:
+  CapturedLog() : ring_(std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(4096)), old_(spdlog::default_logger()) {
+    spdlog::set_default_logger(std::make_shared<spdlog::logger>("captured", ring_));
+  }
+  ~CapturedLog() { spdlog::set_default_logger(old_); }
+  // Warnings containing `text`.
+  std::vector<std::string> Warnings(const std::string& text) const {
+    std::vector<std::string> out;
+    for (auto& l : ring_->last_formatted())
+      if (absl::StrContains(l, "[warning]") && absl::StrContains(l, text)) out.push_back(l);
+    return out;
+  }
+
+ private:
+  std::shared_ptr<spdlog::sinks::ringbuffer_sink_mt> ring_;
+  std::shared_ptr<spdlog::logger> old_;
+};
 
 uint64_t RegionId(const LocalRegion& r) {
   tcp::RegionDescriptor d;
@@ -465,4 +509,136 @@ TEST_CASE("Cancel releases a batch blocked on a peer that stopped reading, at on
   const absl::Time d0 = absl::Now();
   ep->reset();
   CHECK(absl::Now() - d0 < absl::Seconds(2));
+}
+
+TEST_CASE(
+    "listener: hellos trickled a byte at a time hold no thread and are closed at one total deadline, while a "
+    "good peer connects",
+    "[transport][tcp]") {
+  constexpr int kTrickling = 48;  // under the per-peer cap (64): every one is accepted and must wait for its hello
+  const absl::Duration kHelloTimeout = absl::Seconds(1);
+  TransportOptions opts;
+  opts.hello_timeout = kHelloTimeout;
+  auto receiver = CreateTransport("tcp", opts);
+  auto sender = CreateTransport("tcp", TransportOptions{});
+  REQUIRE(receiver.ok());
+  REQUIRE(sender.ok());
+  std::vector<uint8_t> src(1 << 20), dst(1 << 20, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 31 + 7);
+  auto sr = (*sender)->RegisterMemory(src.data(), src.size());
+  auto dr = (*receiver)->RegisterMemory(dst.data(), dst.size());
+  REQUIRE(sr.ok());
+  REQUIRE(dr.ok());
+  auto remote = (*sender)->ImportRegion((*dr)->Descriptor());
+  REQUIRE(remote.ok());
+  auto er = (*receiver)->CreateEndpoint();
+  REQUIRE(er.ok());
+  const Info info = ParseInfo((*er)->LocalInfo());
+  const uint64_t refused0 = (*receiver)->refused_writes();
+
+  const int threads0 = CountThreads();
+  std::vector<Fd> socks;
+  std::vector<absl::Time> opened, closed;
+  for (int i = 0; i < kTrickling; ++i) {
+    auto fd = tcp::ConnectTo(info.host, info.port, kTimeout);
+    REQUIRE(fd.ok());
+    socks.push_back(std::move(*fd));
+    opened.push_back(absl::Now());
+    closed.push_back(absl::InfiniteFuture());
+  }
+  // A valid hello (the right token), one byte per connection every 100 ms: complete after 4 s, had the listener
+  // waited that long. 20 ms polls time each close.
+  const tcp::Hello hello{tcp::kFrameMagic, tcp::kHello, tcp::kProtocolVersion, info.token, 0, 0, {0, 0}};
+  const char* hello_bytes = reinterpret_cast<const char*>(&hello);
+  int max_threads = 0, open = kTrickling;
+  bool good_peer_done = false;
+  for (int step = 0; open > 0 && absl::Now() - opened[0] < absl::Seconds(6); ++step) {
+    const size_t byte = static_cast<size_t>(step / 5);
+    for (int i = 0; i < kTrickling; ++i) {
+      if (closed[i] != absl::InfiniteFuture()) continue;
+      if (ClosedByPeer(socks[i].get())) {
+        closed[i] = absl::Now();
+        --open;
+      } else if (step % 5 == 0 && byte < sizeof(hello)) {
+        ::send(socks[i].get(), hello_bytes + byte, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+      }
+    }
+    if (!good_peer_done) max_threads = std::max(max_threads, CountThreads());
+    if (step == 25) {
+      // Half-way to the deadline: a good peer connects and writes, and its bytes land.
+      auto es = (*sender)->CreateEndpoint();
+      REQUIRE(es.ok());
+      REQUIRE((*es)->Connect((*er)->LocalInfo(), kTimeout).ok());
+      WriteRequest w{sr->get(), 0, remote->get(), 0, src.size()};
+      REQUIRE((*es)->Write({&w, 1}, kTimeout).ok());
+      CHECK(dst == src);
+      CHECK(absl::Now() - opened[0] < kHelloTimeout);  // it did not have to wait for the deadline
+      good_peer_done = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  REQUIRE(good_peer_done);
+  absl::Duration first = absl::InfiniteDuration(), last = absl::ZeroDuration();
+  for (int i = 0; i < kTrickling; ++i) {
+    first = std::min(first, closed[i] - opened[i]);
+    last = std::max(last, closed[i] - opened[i]);
+  }
+  std::printf(
+      "tcp: %d connections trickling their hello: process threads %d -> at most %d; %d closed, after %.2f .. "
+      "%.2f s (hello deadline %.1f s)\n",
+      kTrickling, threads0, max_threads, kTrickling - open, absl::ToDoubleSeconds(first), absl::ToDoubleSeconds(last),
+      absl::ToDoubleSeconds(kHelloTimeout));
+  CHECK(max_threads <= threads0);  // no thread per pending connection, however many bytes it sent
+  CHECK(open == 0);
+  CHECK(first >= kHelloTimeout - absl::Milliseconds(50));
+  CHECK(last <= kHelloTimeout + absl::Milliseconds(800));         // poll steps of 20 ms, slow sanitizer builds
+  CHECK((*receiver)->refused_writes() == refused0 + kTrickling);  // each deadline counted
+}
+
+TEST_CASE("listener: refused writes and bad hellos from one peer are counted one by one, logged once a minute",
+          "[transport][tcp]") {
+  constexpr int kRefused = 25;
+  CapturedLog log;
+  {
+    auto source = MakeTcp();
+    std::vector<uint8_t> replica(1 << 16, 0x5A);
+    const std::vector<uint8_t> before = replica;
+    auto rr = source->RegisterSourceMemory(replica.data(), replica.size());
+    REQUIRE(rr.ok());
+    auto probe = source->CreateEndpoint();
+    REQUIRE(probe.ok());
+    const Info info = ParseInfo((*probe)->LocalInfo());
+    const uint64_t refused0 = source->refused_writes();
+    std::vector<uint8_t> payload(4096, 0xEE);
+    for (int i = 0; i < kRefused; ++i) {
+      // A write into the source's read-only replica: refused, the batch fails, the connection closes.
+      Fd fd = RawClient(info);
+      tcp::FrameHeader f{tcp::kFrameMagic, tcp::kWrite, 0, 1, RegionId(**rr), 0, payload.size()};
+      SendRaw(fd.get(), &f, sizeof(f));
+      SendRaw(fd.get(), payload.data(), payload.size());
+      tcp::FrameHeader c{tcp::kFrameMagic, tcp::kCommit, 0, 1, 1, 0, payload.size()};
+      SendRaw(fd.get(), &c, sizeof(c));
+      std::string msg;
+      CHECK(RecvAck(fd.get(), &msg).code == static_cast<uint16_t>(absl::StatusCode::kPermissionDenied));
+      // A hello with a made-up token: refused at the hello.
+      auto bad = tcp::ConnectTo(info.host, info.port, kTimeout);
+      REQUIRE(bad.ok());
+      const tcp::Hello hello{tcp::kFrameMagic, tcp::kHello, tcp::kProtocolVersion, info.token ^ 1, 0, 0, {0, 0}};
+      SendRaw(bad->get(), &hello, sizeof(hello));
+      CHECK(RecvAck(bad->get(), &msg).code == static_cast<uint16_t>(absl::StatusCode::kFailedPrecondition));
+    }
+    // Every refusal is counted (the last connection thread may still be ending: wait for the count, not a line).
+    const absl::Time until = absl::Now() + kTimeout;
+    while (source->refused_writes() < refused0 + 2 * kRefused && absl::Now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    CHECK(source->refused_writes() == refused0 + 2 * kRefused);
+    CHECK(replica == before);
+  }
+  // Transports gone, every thread that logs joined: the log holds one line about this peer, not 2 x 25.
+  const std::vector<std::string> lines = log.Warnings(" from 127.0.0.1:");
+  INFO(absl::StrJoin(lines, "\n"));
+  std::printf("tcp: %d refused writes + %d refused hellos from one peer: %zu log line(s)\n", kRefused, kRefused,
+              lines.size());
+  CHECK(lines.size() >= 1);
+  CHECK(lines.size() <= 2);
 }

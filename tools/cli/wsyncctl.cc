@@ -322,7 +322,16 @@ int main(int argc, char** argv) {
   app.add_subcommand("plan", "compute a transfer plan and its predicted time (see: wsyncctl plan --help)");
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging("wsyncctl", log_level);
-  if (auto st = tls::Configure(tls_opts, client::SplitEndpoints(endpoint)); !st.ok()) return ExitFor(st);
+  {
+    // The certificate's role must be one the command's RPCs allow (docs/security.md, "Roles"), so a wrong one is a
+    // usage error here rather than a PERMISSION_DENIED half-way through.
+    tls::Identity self{"wsyncctl", tls::AllRoles(), ""};
+    for (const CLI::App* cmd : {abort_cmd, remove, drain, undrain, resume})
+      if (*cmd) self = {absl::StrCat("wsyncctl ", cmd->get_name()), {tls::kAdmin}, ""};
+    for (const CLI::App* cmd : {verify, checksums})
+      if (*cmd) self = {absl::StrCat("wsyncctl ", cmd->get_name()), {tls::kAdmin, tls::kTrainer}, ""};
+    if (auto st = tls::Configure(tls_opts, client::SplitEndpoints(endpoint), self); !st.ok()) return ExitFor(st);
+  }
   const absl::Duration dt = absl::Seconds(dial_timeout);
   const bool json = output == "json";
 

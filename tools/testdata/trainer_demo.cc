@@ -1,9 +1,9 @@
 // wsync-trainer-demo: stands in for one trainer rank. Each update it pushes the HF tensors its daemon asks for,
 // generated deterministically from (tensor name, step) — the same tensors the reference engine derives its
-// expectation from. The rank started with --drive also opens and commits each update on the coordinator, asks
-// every engine to verify what it holds, and prints the summary. Under a shard-aware plan (coordinator --strategy
-// local) the daemon also asks for slices (the rank's TP shard of a tensor); the demo cuts them from the generated
-// tensor and pushes only them.
+// expectation from. The rank started with --drive also opens and commits each update on the coordinator (the calls
+// a `trainer` certificate may make), asks every engine to verify what it holds, and prints the summary. Under a
+// shard-aware plan (coordinator --strategy local) the daemon also asks for slices (the rank's TP shard of a tensor);
+// the demo cuts them from the generated tensor and pushes only them.
 
 #include <unistd.h>
 #ifdef WSYNC_DEMO_CUDA
@@ -124,7 +124,7 @@ int main(int argc, char** argv) {
   {
     std::vector<std::string> addresses = {daemon_addr, coordinator};
     addresses.insert(addresses.end(), verify_engines.begin(), verify_engines.end());
-    if (auto st = tls::Configure(tls_opts, addresses); !st.ok()) {
+    if (auto st = tls::Configure(tls_opts, addresses, {"wsync-trainer-demo", {tls::kTrainer}, ""}); !st.ok()) {
       spdlog::error("{}", st.ToString());
       return 2;
     }
@@ -175,21 +175,19 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
-    // A driving rank whose push fails ends the update it opened at once (the engines stay paused), rather than
-    // leaving it open until the coordinator notices on its own.
+    // A driving rank whose push fails makes the update it opened fail, without AbortUpdate (an admin's call: the
+    // trainer role may only begin and commit, docs/security.md): it closes its session, which its source daemon
+    // counts as a lost rank once --rank-grace has passed, and commits; the commit then fails with that cause (or
+    // with the coordinator's own, when the update had failed already), and the engines stay paused.
     auto give_up = [&](const std::string& why) {
       spdlog::error("{}", why);
       if (drive) {
+        c->reset();  // closes the session: this rank will not finish pushing v
         std::string verdict = why;
-        auto a = coord->AbortUpdate(v, absl::StrCat("trainer rank ", global_rank, ": ", why));
-        if (a.ok()) {
-          verdict = a->record().error();
+        if (auto rec = coord->CommitUpdate(v); !rec.ok()) {
+          verdict = absl::StrCat(why, "; the coordinator: ", rec.status().message());
         } else {
-          spdlog::warn("abort update {}: {}", v, a.status().ToString());
-          // Ended already (e.g. the coordinator failed it when a node lost its lease): its record has the cause.
-          if (auto h = coord->History(20); h.ok())
-            for (const auto& r : h->records())
-              if (r.version() == v && !r.success()) verdict = r.error();
+          spdlog::warn("update {} committed although this rank gave up on it", v);
         }
         std::printf("wsync demo: update %lld FAILED: %s\n", static_cast<long long>(v), verdict.c_str());
       }

@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "spdlog/spdlog.h"
 #include "transport/tcp/tcp_server.h"
+#include "transport/tcp/tcp_wire.h"
 
 namespace wsync::transport::tcp {
 
@@ -56,7 +57,9 @@ class Listener::Impl {
   };
   struct Pending {
     std::unique_ptr<Conn> conn;
-    absl::Time deadline;
+    absl::Time deadline;  // accept time + hello_timeout: the whole hello must be in by then
+    Hello hello{};
+    size_t got = 0;  // bytes of `hello` received so far
   };
 
   void AcceptLoop() {
@@ -80,17 +83,19 @@ class Listener::Impl {
       }
       if (p[1].revents != 0) return;
       Reap();
-      // Pending connections: readable (hello arriving, or closed) → served by a thread; past the deadline → closed.
+      // Pending connections: readable → read what there is of the hello (a complete, admitted one is handed to a
+      // thread); past the deadline → closed, however many bytes came.
       const absl::Time now = absl::Now();
       std::vector<Pending> still;
       for (size_t i = 0; i < pending_.size(); ++i) {
         Pending& w = pending_[i];
-        if (p[2 + i].revents != 0) {
-          Serve(std::move(w.conn));
-        } else if (now >= w.deadline) {
+        if (p[2 + i].revents != 0 && !ReadHello(w)) continue;
+        if (w.conn == nullptr) continue;  // handed to its thread
+        if (now >= w.deadline) {
           table_->CountRefused();
-          spdlog::warn("tcp listener {}: {} sent no hello within {}; closed", address_, w.conn->peer,
-                       absl::FormatDuration(hello_timeout_));
+          table_->WarnPeer(w.conn->host, absl::StrCat("tcp listener ", address_, ": ", w.conn->peer, " sent ", w.got,
+                                                      " of the ", sizeof(Hello), " bytes of its hello within ",
+                                                      absl::FormatDuration(hello_timeout_), "; closed"));
           Drop(w.conn->host);
         } else {
           still.push_back(std::move(w));
@@ -116,11 +121,10 @@ class Listener::Impl {
     int& from_peer = per_peer_[host];
     if (from_peer >= max_per_peer_ || total_ >= max_total_) {
       table_->CountRefused();
-      if (refused_logged_++ % 100 == 0)
-        spdlog::warn("tcp listener {}: connection from {} refused: {} ({} such refusals)", address_, host,
-                     from_peer >= max_per_peer_ ? absl::StrCat(max_per_peer_, " connections from that address")
-                                               : absl::StrCat(max_total_, " connections in total"),
-                     refused_logged_);
+      table_->WarnPeer(
+          host, absl::StrCat("tcp listener ", address_, ": connection from ", host, " refused: ",
+                             from_peer >= max_per_peer_ ? absl::StrCat(max_per_peer_, " connections from that address")
+                                                        : absl::StrCat(max_total_, " connections in total")));
       if (from_peer == 0) per_peer_.erase(host);
       return;  // fd closes here
     }
@@ -134,16 +138,45 @@ class Listener::Impl {
     pending_.push_back({std::move(conn), absl::Now() + hello_timeout_});
   }
 
-  void Serve(std::unique_ptr<Conn> conn) {
+  // Reads what has arrived of `w`'s hello without blocking. Once it is complete: admitted → handed to a thread
+  // (w.conn becomes null), refused → answered and closed. False when the connection is gone (closed, failed or
+  // refused) and `w` is to be forgotten; true while it stays pending or was handed over.
+  bool ReadHello(Pending& w) {
+    Conn& c = *w.conn;
+    const ssize_t n =
+        ::recv(c.fd.get(), reinterpret_cast<char*>(&w.hello) + w.got, sizeof(Hello) - w.got, MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
+    if (n <= 0) {
+      spdlog::debug("tcp listener {}: {} closed before its hello ({} of {} bytes): {}", address_, c.peer, w.got,
+                    sizeof(Hello), n == 0 ? std::string("EOF") : ErrnoText(errno));
+      Drop(c.host);
+      return false;
+    }
+    w.got += static_cast<size_t>(n);
+    if (w.got < sizeof(Hello)) return true;
+    absl::StatusOr<std::shared_ptr<RegionTable::Grant>> grant = AdmitHello(w.hello, *table_);
+    if (!grant.ok()) {
+      table_->WarnPeer(c.host, absl::StrCat("tcp listener ", address_, ": hello from ", c.peer,
+                                            " refused: ", grant.status().ToString()));
+      RejectHello(c.fd.get(), grant.status());
+      Drop(c.host);
+      return false;
+    }
+    Serve(std::move(w.conn), *std::move(grant));
+    return true;
+  }
+
+  void Serve(std::unique_ptr<Conn> conn, std::shared_ptr<RegionTable::Grant> grant) {
     Conn* c = conn.get();
-    c->thread = std::thread([this, c] {
-      absl::Status s = ServeConnection(c->fd.get(), *table_, c->peer);
+    c->thread = std::thread([this, c, grant = std::move(grant)]() mutable {
+      absl::Status s = ServeConnection(c->fd.get(), *table_, c->peer, std::move(grant));
       // The peer sees EOF now; the fd itself is closed when the thread is reaped (no fd-reuse race).
       c->fd.ShutdownBoth();
       if (s.code() == absl::StatusCode::kUnavailable) {
         spdlog::debug("tcp listener {}: connection from {} ended: {}", address_, c->peer, s.ToString());
       } else {
-        spdlog::warn("tcp listener {}: connection from {} failed: {}", address_, c->peer, s.ToString());
+        table_->WarnPeer(
+            c->host, absl::StrCat("tcp listener ", address_, ": connection from ", c->peer, " failed: ", s.ToString()));
       }
       c->done = true;
     });
@@ -182,7 +215,6 @@ class Listener::Impl {
   std::vector<Pending> pending_;
   std::unordered_map<std::string, int> per_peer_;
   int total_ = 0;
-  uint64_t refused_logged_ = 0;
   std::thread thread_;
 };
 

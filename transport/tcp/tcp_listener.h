@@ -10,10 +10,13 @@
 
 namespace wsync::transport::tcp {
 
-// Accepts connections on the transport's listening socket. A new connection first waits in the accept loop's own
-// poll set (no thread) until its hello arrives, for at most hello_timeout; then it gets a thread that serves it.
-// Connections per peer address and in total are capped (pending and served together), so an idle-connection flood
-// costs a bounded number of fds and threads and the listener keeps serving.
+// Accepts connections on the transport's listening socket. A new connection stays in the accept loop's own poll set,
+// holding no thread, while the loop reads its hello without blocking, whatever the byte rate; the hello must be
+// complete within hello_timeout of the accept (one total deadline: a peer trickling bytes cannot extend it) and is
+// checked there (AdmitHello). Only an admitted connection gets a thread that serves it. Connections per peer address
+// and in total are capped (pending and served together), so an idle or trickling flood costs a bounded number of fds
+// and no threads, and the listener keeps serving. Refusals and failed connections are logged at most once per peer
+// per minute (RegionTable::WarnPeer).
 class Listener {
  public:
   // Starts the accept thread on `listen_fd`; a write to `wake_fd` (an eventfd) stops it.

@@ -7,12 +7,15 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
+#include "absl/time/clock.h"
+#include "base/log_limiter.h"
 #include "spdlog/spdlog.h"
 #include "transport/tcp/tcp_wire.h"
 #include "transport/transport.h"
@@ -96,6 +99,19 @@ class RegionTable {
   bool window_open() const { return window_open_.load(); }
   void CountRefused() { refused_.fetch_add(1); }
   uint64_t refused() const { return refused_.load(); }
+  // Logs `what` (a refusal, or a connection of peer address `host` that failed) as a warning, at most one line per
+  // host per minute, saying how many were left out since the previous one: a peer hammering the port with refused
+  // writes or bad hellos cannot fill the log (refused() still counts every refusal).
+  void WarnPeer(const std::string& host, const std::string& what) {
+    if (std::optional<uint64_t> left_out = peer_log_.Admit(host, absl::Now())) {
+      if (*left_out == 0) {
+        spdlog::warn("{}", what);
+      } else {
+        spdlog::warn("{} [{} more refusals/failures from {} not logged since the previous line]", what, *left_out,
+                     host);
+      }
+    }
+  }
 
   // Blocks while a connection thread is still receiving into the region.
   void Remove(uint64_t id) {
@@ -126,6 +142,7 @@ class RegionTable {
   std::atomic<bool> window_open_{true};
   std::atomic<bool> require_grants_{false};
   std::atomic<uint64_t> refused_{0};
+  LogLimiter peer_log_;
   std::mutex mu_;
   std::condition_variable idle_;
   std::random_device rng_;

@@ -10,7 +10,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status.h"
-#include "spdlog/spdlog.h"
 #include "transport/tcp/tcp_frame_reader.h"
 #include "transport/tcp/tcp_socket.h"
 #include "transport/tcp/tcp_wire.h"
@@ -33,37 +32,41 @@ absl::Status SendAck(int fd, uint16_t type, uint64_t batch, uint64_t bytes, cons
 
 }  // namespace
 
-absl::Status ServeConnection(int fd, RegionTable& table, const std::string& peer) {
-  FrameReader reader(fd);
-  Hello hello;
-  // The accept loop hands a connection over only once its first bytes arrived: the rest of the hello must follow
-  // within the io timeout.
-  WSYNC_RETURN_IF_ERROR(reader.Read(&hello, sizeof(hello), false));
+absl::StatusOr<std::shared_ptr<RegionTable::Grant>> AdmitHello(const Hello& hello, RegionTable& table) {
   if (hello.magic != kFrameMagic || hello.type != kHello || hello.version != kProtocolVersion) {
-    absl::Status s = absl::InvalidArgumentError(
+    table.CountRefused();
+    return absl::InvalidArgumentError(
         absl::StrFormat("bad hello (magic %#x type %d version %d)", hello.magic, hello.type, hello.version));
-    SendAck(fd, kHelloAck, 0, 0, s).IgnoreError();
-    return s;
   }
   if (hello.token != table.token()) {
-    absl::Status s = absl::FailedPreconditionError(absl::StrFormat(
-        "peer info is for transport %016x, this listener belongs to %016x (stale or foreign peer info)",
-        hello.token, table.token()));
-    SendAck(fd, kHelloAck, 0, 0, s).IgnoreError();
-    return s;
+    table.CountRefused();
+    return absl::FailedPreconditionError(
+        absl::StrFormat("peer info is for transport %016x, this listener belongs to %016x (stale or foreign peer info)",
+                        hello.token, table.token()));
   }
-  std::shared_ptr<RegionTable::Grant> grant;
-  if (hello.secret[0] != 0 || hello.secret[1] != 0) {
-    grant = table.FindGrant({hello.secret[0], hello.secret[1]});
-    if (grant == nullptr) {
-      table.CountRefused();
-      absl::Status s = absl::PermissionDeniedError(
-          "write secret unknown or expired (revoked at a new plan, or its connection was replaced): ask the target "
-          "daemon again (ConnectTarget)");
-      SendAck(fd, kHelloAck, 0, 0, s).IgnoreError();
-      return s;
-    }
+  if (hello.secret[0] == 0 && hello.secret[1] == 0) return nullptr;
+  std::shared_ptr<RegionTable::Grant> grant = table.FindGrant({hello.secret[0], hello.secret[1]});
+  if (grant == nullptr) {
+    table.CountRefused();
+    return absl::PermissionDeniedError(
+        "write secret unknown or expired (revoked at a new plan, or its connection was replaced): ask the target "
+        "daemon again (ConnectTarget)");
   }
+  return grant;
+}
+
+void RejectHello(int fd, const absl::Status& why) {
+  const std::string msg = ClipMessage(std::string(why.message()));
+  Ack ack{kFrameMagic, kHelloAck, static_cast<uint16_t>(why.code()), 0, 0, static_cast<uint32_t>(msg.size()), 0};
+  std::string bytes(reinterpret_cast<const char*>(&ack), sizeof(ack));
+  bytes += msg;
+  // Best effort: a short count or EAGAIN only loses the reason; the connection is closed either way.
+  (void)::send(fd, bytes.data(), bytes.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+absl::Status ServeConnection(int fd, RegionTable& table, const std::string& peer,
+                             std::shared_ptr<RegionTable::Grant> grant) {
+  FrameReader reader(fd);
   // Without a secret the connection is accepted (a peer's endpoint connects back to complete the symmetric
   // handshake) but, when grants are required, every write frame on it is refused.
   const bool ungranted_refused = grant == nullptr && table.require_grants();
@@ -133,7 +136,6 @@ absl::Status ServeConnection(int fd, RegionTable& table, const std::string& peer
           batch_status = absl::PermissionDeniedError(
               absl::StrCat("write refused: region ", f.region, " is a source's memory (read-only for peers); ",
                            "write from ", peer, " refused, nothing of this batch is written there; the batch fails"));
-          spdlog::warn("tcp: refused a write from {} into read-only source region {}", peer, f.region);
           table.Release(region);
           region = nullptr;
         } else if (f.offset > region->length || f.length > region->length - f.offset) {

@@ -641,7 +641,8 @@ int main(int argc, char** argv) {
   wsync::tls::AddFlags(app, &tls_opts);
   if (int rc = wsync::cli::Parse(app, argc, argv); rc >= 0) return rc;
   wsync::InitLogging("engine-ref", log_level);
-  if (auto st = wsync::tls::Configure(tls_opts, {listen}); !st.ok()) {
+  const wsync::tls::Identity self{"wsync-engine-ref --id " + id, {wsync::tls::kEngine}, id};  // CN "engine:<id>"
+  if (auto st = wsync::tls::Configure(tls_opts, {listen}, self); !st.ok()) {
     spdlog::error("{}", st.ToString());
     return 2;
   }
