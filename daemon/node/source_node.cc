@@ -788,10 +788,12 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
                                                                const CancelFn& cancelled) {
   std::shared_ptr<RingConsumer> ring;
   std::shared_ptr<std::mutex> rank_mu;
+  int local_rank = 0;
   {
     std::lock_guard<std::mutex> l(mu_);
     Session* s = FindSession(req.session_id());
     if (s == nullptr) return UnknownSession();
+    local_rank = s->local_rank;
     ring = s->ring;  // shared: a session replaced meanwhile keeps its ring mapped until this call is done
     rank_mu = s->commit_mu;
   }
@@ -816,8 +818,10 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
       if (auto st = ring->Release(b); !st.ok()) spdlog::error("ring release: {}", st.ToString());
     }
   } guard{ring.get(), bucket};
+  const absl::Time got = absl::Now();
   // One bucket at a time through the replica and the endpoints (held only while this bucket is worked on).
   std::lock_guard<std::mutex> ingest(ingest_mu_);
+  const absl::Time begin = absl::Now();
   int64_t version;
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -894,6 +898,8 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
   const double ingest_s = Seconds(t0);
   absl::Time t1 = absl::Now();
   absl::Status ws = WriteReady(version, ready);
+  if (opts_.bucket_observer)
+    opts_.bucket_observer({local_rank, bucket.seq, bucket.payload_bytes, got, begin, t1, absl::Now()});
   std::lock_guard<std::mutex> l(mu_);
   ingest_seconds_ += ingest_s;
   write_seconds_ += Seconds(t1);

@@ -37,6 +37,17 @@
 
 namespace wsync::daemon {
 
+// One bucket's way through the source, for SourceOptions::bucket_observer (bench_node's per-rank timeline).
+struct BucketTiming {
+  int local_rank = 0;
+  uint64_t seq = 0;
+  uint64_t bytes = 0;  // payload of the bucket
+  absl::Time got;      // the ring had it (the rank's CommitBucket found it)
+  absl::Time begin;    // the node's locks were taken: work on it began
+  absl::Time loaded;   // validated, claimed and loaded into the replica
+  absl::Time posted;   // the parameters it completed were handed to the transport
+};
+
 struct SourceOptions {
   std::string node_id;
   int trainer_ranks = 1;             // sessions expected per update
@@ -53,6 +64,8 @@ struct SourceOptions {
   int write_checksum_threads = 0;
   // Tests only: called on the hashing thread just before each range is hashed.
   std::function<void()> checksum_hook;
+  // Benchmarks and tests: called on a bucket's thread once its writes are posted (BucketTiming); null: not called.
+  std::function<void(const BucketTiming&)> bucket_observer;
 };
 
 // Dials a peer daemon's ConnectTarget (injected so tests can run without gRPC).
