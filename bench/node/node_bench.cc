@@ -163,13 +163,13 @@ struct RankLog {
 };
 
 // One rank's push of update `version`, as the client library does it.
-absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& session, int ring_fd, int64_t version,
-                      const std::map<std::string, HostTensor>& tensors, RankLog* log, Clock::time_point t0) {
+absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& session, wsync::RingProducer& ring,
+                      int64_t version, const std::map<std::string, HostTensor>& tensors, RankLog* log,
+                      Clock::time_point t0) {
   v1::BeginPushRequest bp;
   bp.set_session_id(session);
   bp.set_version(version);
   WSYNC_ASSIGN_OR_RETURN(v1::BeginPushReply names, node.BeginPush(bp));
-  WSYNC_ASSIGN_OR_RETURN(wsync::RingProducer ring, wsync::RingProducer::Attach(ring_fd));
   const uint64_t bucket_limit = ring.capacity() / 2;
   std::future<absl::Status> in_flight;
   auto wait = [&]() -> absl::Status { return in_flight.valid() ? in_flight.get() : absl::OkStatus(); };
@@ -330,6 +330,7 @@ int main(int argc, char** argv) {
       if (auto c = node.Configure(plan); !c.ok()) Die("configure", c.status());
       std::vector<std::string> sessions;
       std::vector<wsync::ScopedFd> fds;
+      std::vector<std::unique_ptr<wsync::RingProducer>> producers;
       for (int r = 0; r < R; ++r) {
         wsync::daemon::SessionRequest sr;
         sr.local_rank = r;
@@ -337,11 +338,10 @@ int main(int argc, char** argv) {
         if (!s.ok()) Die("open session", s.status());
         sessions.push_back(s->id);
         fds.push_back(std::move(s->ring_fd));
-        // Fault the ring's pages in once, as a ring that has wrapped in earlier updates is: otherwise every update of
-        // the first few pays first-touch faults on the part of the ring it reaches first.
-        auto warm = wsync::RingProducer::Attach(fds.back().get());
-        if (!warm.ok()) Die("ring", warm.status());
-        std::memset(warm->data_area(), 0, warm->capacity());
+        // Attached once per session, as the client does (the mapping is populated then, not per update).
+        auto prod = wsync::RingProducer::Attach(fds.back().get());
+        if (!prod.ok()) Die("ring", prod.status());
+        producers.push_back(std::make_unique<wsync::RingProducer>(*std::move(prod)));
       }
       double best = 1e30;
       std::vector<RankLog> best_logs;
@@ -356,7 +356,7 @@ int main(int argc, char** argv) {
         const auto t0 = Clock::now();
         for (int r = 0; r < R; ++r)
           pushes.push_back(std::async(std::launch::async, [&, r] {
-            return PushRank(node, sessions[r], fds[r].get(), v, tensors, &logs[r], t0);
+            return PushRank(node, sessions[r], *producers[r], v, tensors, &logs[r], t0);
           }));
         for (auto& p : pushes)
           if (auto st = p.get(); !st.ok()) Die("push", st);
