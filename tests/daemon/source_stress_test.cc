@@ -6,7 +6,8 @@
 // engine parameters concurrently. The expectation is independent: the reference engine's own loader
 // (tools/testing/engine_ref) computes every byte each engine rank must hold after each update, from the same
 // generated checkpoint. A tensor refused (a wrong shape, an overlapping slice) must leave every parameter reading
-// it untouched in every engine.
+// it untouched in every engine. And a bucket held inside the data path holds up neither another rank's bucket nor a
+// session hand-over (with a node-wide ingest lock both would wait for it).
 
 #include <algorithm>
 #include <atomic>
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
@@ -145,7 +147,7 @@ struct Harness {
   std::vector<ScopedFd> fds;
   std::vector<std::vector<Frame>> frames;  // per rank, in push order
 
-  Harness() {
+  explicit Harness(std::function<void(const BucketTiming&)> observer = nullptr) {
     json = ReadFile(WSYNC_TINY_MODEL);
     auto c = replica::ModelConfig::FromJson(json);
     REQUIRE(c.ok());
@@ -231,6 +233,7 @@ struct Harness {
     o.ring_bytes = 4 << 20;
     o.push_timeout = absl::Seconds(30);
     o.write_checksum_threads = 2;
+    o.bucket_observer = std::move(observer);
     node = std::make_unique<SourceNode>(
         o, &transport, [](const std::string&, const v1::ConnectTargetRequest&) -> absl::StatusOr<std::string> {
           return std::string("copy");
@@ -268,6 +271,25 @@ struct Harness {
     for (int64_t r = 0; r < f.shape[0]; ++r)
       std::memcpy(out.data() + r * row, full.data() + ((f.offsets[0] + r) * shape[1] + f.offsets[1]) * es, row);
     return out;
+  }
+
+  // One bucket of rank `rank` holding the whole tensors `names` of checkpoint `step`, committed from this thread.
+  absl::StatusOr<v1::CommitBucketReply> Bucket(int rank, const std::vector<std::string>& names, int64_t step) {
+    auto prod = RingProducer::Attach(fds[rank].get());
+    if (!prod.ok()) return prod.status();
+    for (const auto& n : names) {
+      const std::vector<uint8_t> data = Tensor(n, step);
+      auto dst = prod->BeginTensor(n, specs.at(n).dtype, specs.at(n).shape, data.size(), absl::Seconds(5));
+      if (!dst.ok()) return dst.status();
+      std::memcpy(*dst, data.data(), data.size());
+      if (auto st = prod->FinishTensor(); !st.ok()) return st;
+    }
+    auto seq = prod->CommitBucket();
+    if (!seq.ok()) return seq.status();
+    v1::CommitBucketRequest cb;
+    cb.set_session_id(sessions[rank]);
+    cb.set_bucket_seq(*seq);
+    return node->CommitBucket(cb);
   }
 
   absl::Status Start(int64_t v) {
@@ -460,6 +482,53 @@ TEST_CASE("source under eight concurrent ranks: a refused tensor or slice leaves
   INFO(fin3.status().ToString());
   REQUIRE(fin3.ok());
   CHECK(h.Mismatches(3).empty());
+}
+
+TEST_CASE("source: a bucket still being worked on holds up neither another rank's bucket nor a session hand-over") {
+  // Rank 0's bucket stops after posting (the observer waits, bounded), still inside the node's data path.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool inside = false, release = false;
+  Harness h([&](const BucketTiming& b) {
+    if (b.local_rank != 0) return;
+    std::unique_lock<std::mutex> l(mu);
+    inside = true;
+    cv.notify_all();
+    cv.wait_for(l, std::chrono::seconds(10), [&] { return release; });
+  });
+  REQUIRE(h.Start(1).ok());
+  auto stuck = std::async(std::launch::async, [&] { return h.Bucket(0, {"model.norm.weight"}, 1); });
+  {
+    std::unique_lock<std::mutex> l(mu);
+    REQUIRE(cv.wait_for(l, std::chrono::seconds(10), [&] { return inside; }));
+  }
+  // Meanwhile: another rank's bucket goes through, a rank reconnects (a new session), status answers.
+  auto other =
+      std::async(std::launch::async, [&] { return h.Bucket(1, {"model.layers.0.input_layernorm.weight"}, 1); });
+  auto reopen = std::async(std::launch::async, [&] {
+    SessionRequest sr;
+    sr.local_rank = 7;
+    return h.node->OpenSession(sr);
+  });
+  auto status = std::async(std::launch::async, [&] { return h.node->Status(); });
+  const bool other_done = other.wait_for(std::chrono::seconds(3)) == std::future_status::ready;
+  const bool reopen_done = reopen.wait_for(std::chrono::seconds(3)) == std::future_status::ready;
+  const bool status_done = status.wait_for(std::chrono::seconds(3)) == std::future_status::ready;
+  {
+    std::lock_guard<std::mutex> l(mu);
+    release = true;
+  }
+  cv.notify_all();
+  CHECK(other_done);
+  CHECK(reopen_done);
+  CHECK(status_done);
+  auto o = other.get();
+  INFO(o.status().ToString());
+  CHECK(o.ok());
+  CHECK(reopen.get().ok());
+  auto st = stuck.get();
+  INFO(st.status().ToString());
+  CHECK(st.ok());
 }
 
 }  // namespace
