@@ -258,10 +258,11 @@ class SourceNode {
   // "node N at D (engine E rank R, ...)": `t`'s node and every engine rank this source writes on it (what a failed
   // link to that node affects). Requires mu_ or ingest_mu_ (targets_ is replaced under both).
   std::string NodeRanks(const Target& t) const;
-  // Creates `t`'s endpoint and connects it through the target daemon (connect_). Caller holds ingest_mu_, not mu_.
+  // Creates `t`'s endpoint and connects it through the target daemon (connect_). Caller holds ingest_mu_
+  // exclusively, not mu_.
   absl::Status ConnectEndpoint(Target* t);
   // Waits for every outstanding batch and forgets them; a failed Wait marks its target broken. Returns the first
-  // error, naming the target. Caller holds ingest_mu_.
+  // error, naming the target. Caller holds ingest_mu_ exclusively.
   absl::Status DrainOutstanding(absl::Duration timeout);
   Session* FindSession(const std::string& id);
   // PermissionDenied for an id that names no open session (never echoes the id).
