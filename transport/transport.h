@@ -143,6 +143,11 @@ class Endpoint {
   // afterwards. Every backend implements it (tcp shuts its sockets, verbs moves its QPs to the error state, mooncake
   // does either); the default is for test doubles.
   virtual void Cancel(const absl::Status& why) { (void)why; }
+  // Receiving side, granted endpoints (Transport::CreateGrantedEndpoint): true while a peer holds an open connection
+  // authorized by this endpoint's grant (tcp: a connection whose hello carried its secret). A target daemon keeps
+  // such a connection when its source asks again (ConnectTarget is idempotent) and replaces it only once this is
+  // false. A backend that cannot tell answers false (verbs: a QP pair is re-made with every source endpoint).
+  virtual bool PeerConnected() const { return false; }
 };
 
 class Transport {

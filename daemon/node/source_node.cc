@@ -175,6 +175,7 @@ absl::StatusOr<OpenedSession> SourceNode::OpenSession(const SessionRequest& req)
     if (it->second->local_rank == req.local_rank) {
       spdlog::warn("trainer rank {} reconnected (pid {}); dropping its previous session {}", req.local_rank, req.pid,
                    it->second->label);
+      if (TakeoverFailsUpdate(*it->second)) FailTakenOver(*it->second, req);
       it = sessions_.erase(it);
     } else {
       ++it;
@@ -198,6 +199,23 @@ absl::StatusOr<OpenedSession> SourceNode::OpenSession(const SessionRequest& req)
                req.global_rank, req.pid, req.uid, s->ring->capacity() >> 20);
   sessions_[s->id] = std::move(s);
   return out;
+}
+
+bool SourceNode::TakeoverFailsUpdate(const Session& old) const {
+  return version_ != -1 && update_error_.ok() && !ended_ranks_.count(old.local_rank) && !old.dead &&
+         ProcessAlive(old.pid);
+}
+
+void SourceNode::FailTakenOver(const Session& old, const SessionRequest& req) {
+  // Two live processes claimed the rank: what the update got from it is of either, so it cannot commit. No grace:
+  // the old process is not coming back to this session.
+  update_error_ = absl::AbortedError(absl::StrCat("update ", version_, ": trainer rank ", old.local_rank, " on node ",
+                                                  opts_.node_id, " was taken over by a new session (pid ", req.pid,
+                                                  ") while its session ", old.label, " (pid ", old.pid,
+                                                  ") was live and had not finished pushing"));
+  spdlog::error("{}", update_error_.ToString());
+  CancelWrites(update_error_);
+  cv_.notify_all();
 }
 
 void SourceNode::MarkDead(Session* s, const std::string& what) {
@@ -1310,6 +1328,19 @@ absl::StatusOr<v1::WriteChecksumsReply> SourceNode::WriteChecksums(int64_t versi
   for (const auto& c : it->second.writes) *out.add_writes() = c;
   for (const auto& [v, rec] : checksums_) out.add_versions_kept(v);
   return out;
+}
+
+SourceNode::Retained SourceNode::RetainedSizes() {
+  std::lock_guard<std::shared_mutex> ingest(ingest_mu_);
+  std::lock_guard<std::mutex> l(mu_);
+  Retained r;
+  r.checksum_versions = checksums_.size();
+  for (const auto& [v, rec] : checksums_) r.checksum_entries += rec.writes.size();
+  r.sessions = sessions_.size();
+  r.lost_ranks = lost_ranks_.size();
+  r.ended_ranks = ended_ranks_.size();
+  r.staged_tensors = staged_.size();
+  return r;
 }
 
 void SourceNode::RecordChecksums(int64_t version, const std::vector<replica::ReadyParam>& ready) {

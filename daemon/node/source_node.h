@@ -105,7 +105,8 @@ class SourceNode {
   SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetFn connect);
   ~SourceNode();
 
-  // Creates the rank's ring and session; a rank that reconnects replaces its previous session.
+  // Creates the rank's ring and session; a rank that reconnects replaces its previous session. Taking over a live
+  // session of a rank that has not finished pushing the open update fails that update (docs/operations.md).
   absl::StatusOr<OpenedSession> OpenSession(const SessionRequest& req);
   absl::Status CloseSession(const std::string& session_id);
   // The rank's hand-over connection closed (its process exited, or it closed the client): the session is dead, as
@@ -147,6 +148,13 @@ class SourceNode {
   // SourceOptions::write_checksums off the lists are empty.
   absl::StatusOr<v1::WriteChecksumsReply> WriteChecksums(int64_t version) const;
   static constexpr size_t kChecksumVersionsKept = 4;
+  // Sizes of what the node keeps from one update to the next (tests: bounded however many updates ran).
+  struct Retained {
+    size_t checksum_versions = 0, checksum_entries = 0;  // write checksum records (all versions kept)
+    size_t sessions = 0, lost_ranks = 0, ended_ranks = 0;
+    size_t staged_tensors = 0;
+  };
+  Retained RetainedSizes();
   // Bytes, params, tensors, buckets by result, updates by result, ingest/write times, sessions (docs/operations.md).
   Metrics& metrics() { return metrics_; }
 
@@ -269,6 +277,10 @@ class SourceNode {
   static absl::Status UnknownSession();
   // Marks `s` dead and, during an open update it has not ended, its rank lost. Requires mu_.
   void MarkDead(Session* s, const std::string& what);
+  // A new session for `old`'s rank while `old` is live, during an open update the rank has not ended its push in:
+  // a takeover, which fails the update at once (FailTakenOver) naming the rank and both processes. Require mu_.
+  bool TakeoverFailsUpdate(const Session& old) const;
+  void FailTakenOver(const Session& old, const SessionRequest& req);
 
   SourceOptions opts_;
   transport::Transport* transport_;

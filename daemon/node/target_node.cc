@@ -711,11 +711,20 @@ std::vector<v1::EngineRegistration> TargetNode::Registrations() const {
   return out;
 }
 
+ConnectTargetAction DecideConnectTarget(bool have_connection, bool peer_connected) {
+  if (!have_connection) return ConnectTargetAction::kCreate;
+  return peer_connected ? ConnectTargetAction::kReuse : ConnectTargetAction::kReplace;
+}
+
 absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::ConnectTargetRequest& req,
                                                                  const std::string& source) {
   transport::Transport::WriteGrant grant;
   grant.peer = source.empty() ? std::string("(insecure source)") : source;
   grant.scope = absl::StrCat(req.engine_id(), "/", req.rank());
+  // Without identities (insecure) sources are told apart by their transport's info, so that several sources writing
+  // slices of one rank (balanced plans) do not replace each other's connection.
+  const EndpointKey key{req.engine_id(), req.rank(), source.empty() ? req.source_endpoint_info() : source};
+  v1::ConnectTargetReply out;
   {
     std::lock_guard<std::mutex> l(mu_);
     auto it = engines_.find(req.engine_id());
@@ -729,6 +738,16 @@ absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::Conne
       return absl::PermissionDeniedError(absl::StrCat("ConnectTarget refused for ", source, ": the current plan does "
                                                       "not assign engine ", req.engine_id(), " rank ", req.rank(),
                                                       " to it"));
+    // The live connection owns the rank for its source: a repeat (a retried call, a second process under the same
+    // identity) gets the same grant and leaves the connection an open update writes through untouched.
+    auto old = endpoints_.find(key);
+    if (DecideConnectTarget(old != endpoints_.end(), old != endpoints_.end() && old->second->PeerConnected()) ==
+        ConnectTargetAction::kReuse) {
+      spdlog::info("ConnectTarget from {} for engine {} rank {}: its connection is live; answered with the same grant",
+                   grant.peer, req.engine_id(), req.rank());
+      out.set_target_endpoint_info(old->second->LocalInfo());
+      return out;
+    }
     for (const auto& r : it->second->ranks[req.rank()].regions) grant.regions.push_back(r.get());
   }
   // A fresh grant per source connection, for exactly this rank's regions (tcp: a write secret; verbs: the regions
@@ -736,15 +755,28 @@ absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::Conne
   // that cannot enforce grants gets a plain endpoint.
   auto ep = grants_enforced_ ? transport_->CreateGrantedEndpoint(grant) : transport_->CreateEndpoint();
   if (!ep.ok()) return ep.status();
-  v1::ConnectTargetReply out;
   out.set_target_endpoint_info((*ep)->LocalInfo());
   WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(req.source_endpoint_info(), absl::Seconds(30)), "accepting source for engine ",
                             req.engine_id(), " rank ", req.rank());
+  // The endpoint that loses goes outside mu_ (a transport's endpoint may take a while to stop its threads); replacing
+  // one revokes its grant.
+  std::unique_ptr<transport::Endpoint> loser;
   std::lock_guard<std::mutex> l(mu_);
-  // Replacing this source's endpoint for the rank destroys the old one, which revokes its grant.
-  // Without identities (insecure) sources are told apart by their transport's info, so that several sources writing
-  // slices of one rank (balanced plans) do not replace each other's connection.
-  endpoints_[{req.engine_id(), req.rank(), source.empty() ? req.source_endpoint_info() : source}] = std::move(*ep);
+  auto old = endpoints_.find(key);
+  const ConnectTargetAction action =
+      DecideConnectTarget(old != endpoints_.end(), old != endpoints_.end() && old->second->PeerConnected());
+  if (action == ConnectTargetAction::kReuse) {
+    // A concurrent ConnectTarget of the same source connected first: its connection stays, this one is dropped.
+    out.set_target_endpoint_info(old->second->LocalInfo());
+    loser = *std::move(ep);
+  } else {
+    if (action == ConnectTargetAction::kReplace) {
+      spdlog::info("ConnectTarget from {} for engine {} rank {}: its previous connection is gone; replaced", grant.peer,
+                   req.engine_id(), req.rank());
+      loser = std::move(old->second);
+    }
+    endpoints_[key] = *std::move(ep);
+  }
   return out;
 }
 

@@ -63,6 +63,12 @@ struct TargetOptions {
   size_t max_attach_bytes = 64ull << 20;
 };
 
+// What ConnectTarget does with the connection a source already has to an engine rank (decided before acting): make
+// the first one; keep a live one (the same grant goes back: a repeat never disturbs an update writing through it);
+// replace one whose peer is gone (closed, dead, or a backend that cannot tell: Endpoint::PeerConnected).
+enum class ConnectTargetAction { kCreate, kReuse, kReplace };
+ConnectTargetAction DecideConnectTarget(bool have_connection, bool peer_connected);
+
 // The default engine socket of a daemon whose API listens on `port`: /run/wsync/target-<port>.sock when that
 // directory can be created, else under $XDG_RUNTIME_DIR/wsync, else /tmp/wsync-<uid>.
 std::string DefaultEngineSocket(int port);
@@ -84,7 +90,8 @@ class TargetNode {
   std::vector<v1::EngineRegistration> Registrations() const;
 
   // `source` is the caller's identity from its certificate ("" on an insecure daemon): the write grant minted for
-  // the connection is bound to it and to the engine rank's regions.
+  // the connection is bound to it and to the engine rank's regions. Idempotent while the source's connection for
+  // the rank is live: the same grant is answered (DecideConnectTarget).
   absl::StatusOr<v1::ConnectTargetReply> ConnectTarget(const v1::ConnectTargetRequest& req,
                                                        const std::string& source = "");
   // Opens or closes the transport's write window (closed from Start until the coordinator opens it).
@@ -164,8 +171,10 @@ class TargetNode {
   std::condition_variable attached_cv_;
   std::map<std::string, std::unique_ptr<Engine>> engines_;
   // One connection per (engine, rank, source identity; its transport info when insecure): a source that reconnects
-  // after a transport error replaces (and so revokes the grant of) its own broken endpoint, nobody else's.
-  std::map<std::tuple<std::string, int, std::string>, std::unique_ptr<transport::Endpoint>> endpoints_;
+  // after its connection closed replaces (and so revokes the grant of) its own endpoint, nobody else's; while the
+  // connection is live a repeat gets the same grant.
+  using EndpointKey = std::tuple<std::string, int, std::string>;
+  std::map<EndpointKey, std::unique_ptr<transport::Endpoint>> endpoints_;
   bool window_enforced_ = false;  // guarded by mu_
   bool window_open_ = false;      // guarded by mu_
   bool grants_enforced_ = false;  // the transport enforces per-connection write grants (set by Start)

@@ -159,19 +159,23 @@ void TrainerSocket::Loop() {
     if (pfds[0].revents != 0) return;
     if (pfds[1].revents & POLLIN) Accept();
     const int64_t now = NowMs();
-    for (size_t i = 2; i < pfds.size(); ++i) {
-      auto it = conns_.find(pfds[i].fd);
-      if (it == conns_.end()) continue;
-      Conn* c = it->second.get();
-      bool keep = true;
-      if (pfds[i].revents != 0) {
-        keep = Serve(c);
-      } else if (c->session_id.empty() && now >= c->hello_by_ms) {
-        spdlog::warn("trainer socket: pid {} (uid {}) sent no hello within {} ms; closed", c->pid, c->uid,
-                     kHelloTimeoutMs);
-        keep = false;
+    // Sessions' connections first, hellos second: a rank's new process whose hello arrives in the same poll as its
+    // old process's exit is a reconnect, not a takeover of a live session (SourceNode::OpenSession).
+    for (const bool sessions : {true, false}) {
+      for (size_t i = 2; i < pfds.size(); ++i) {
+        auto it = conns_.find(pfds[i].fd);
+        if (it == conns_.end() || it->second->session_id.empty() == sessions) continue;
+        Conn* c = it->second.get();
+        bool keep = true;
+        if (pfds[i].revents != 0) {
+          keep = Serve(c);
+        } else if (c->session_id.empty() && now >= c->hello_by_ms) {
+          spdlog::warn("trainer socket: pid {} (uid {}) sent no hello within {} ms; closed", c->pid, c->uid,
+                       kHelloTimeoutMs);
+          keep = false;
+        }
+        if (!keep) conns_.erase(it);
       }
-      if (!keep) conns_.erase(it);
     }
   }
 }

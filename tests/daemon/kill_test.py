@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""A source or target daemon killed mid-update, through real processes (docs/operations.md, "Coordinator restarts and daemon leases"):
+"""A source or target daemon or the engine killed mid-update, through real processes (docs/operations.md, "Coordinator restarts and daemon leases"):
 
-Update 1 succeeds; then, for a source SIGKILLed, a target SIGKILLed and a source SIGSTOPped (hung: only the
-coordinator's lease on it can tell), an update is started with the source's writes slowed down (WSYNC_FAULTS
-delay_ms) and the victim is hit mid-update. Each scenario asserts that
+Update 1 succeeds; then, for a source SIGKILLed, a target SIGKILLed, a source SIGSTOPped (hung: only the
+coordinator's lease on it can tell) and the engine SIGKILLed (the writes land in the memory its target daemon still
+maps; the commit's post-process finds the engine gone), an update is started with the source's writes slowed down
+(WSYNC_FAULTS delay_ms) and the victim is hit mid-update. Each scenario asserts that
 - the update fails within a bound (seconds, not the 120-300 s call timeouts), with an error naming the dead node;
 - the coordinator records the failure, flags the engine as possibly holding partial writes and refuses to resume it,
   and the engine keeps its previous weight version label (never continued at the new one);
 - after the daemon is restarted under the same node id, the next update succeeds and the engine's own loader
   verifies every byte.
+Last, the engine is SIGKILLed between updates: the next update fails at its start (the pause), naming the engine,
+within the bound; after the engine and its target daemon are restarted the next update is verified.
+Prints each detection time.
 
   kill_test.py --bin build/bin --model tests/data/tiny/qwen3-tiny.json
 """
@@ -90,9 +94,14 @@ def main() -> int:
             src = os.path.join(wd, "source.sock")  # trainer ranks reach their daemon through its local socket
             procs.start("coordinator", [f"{b}/wsync-coordinator", "--listen", coord])
             harness.wait_for("coordinator serving", lambda: ctl("status")[0] == 0 or None, 30, procs, ["coordinator"])
-            procs.start("engine", [f"{b}/wsync-engine-ref", "--id", "engine0", "--model", model, "--tp", "2",
-                                   "--listen", "127.0.0.1:0", "--port-file", os.path.join(wd, "engine.port")])
-            eng = f"127.0.0.1:{port_of('engine')}"
+            eng = f"127.0.0.1:{harness.free_port()}"  # fixed: the target dials the same address after a restart
+
+            def start_engine():
+                procs.start("engine", [f"{b}/wsync-engine-ref", "--id", "engine0", "--model", model, "--tp", "2",
+                                       "--listen", eng, "--port-file", os.path.join(wd, "engine.port")])
+                port_of("engine")
+
+            start_engine()
             start_target()
             start_source()
             harness.wait_for("both daemons registered", nodes_up, 30, procs, ["source", "target"])
@@ -102,7 +111,7 @@ def main() -> int:
             # (victim, node id, how): SIGKILL = the process died (its sockets close at once); SIGSTOP = it hangs
             # (nothing closes: only the coordinator's lease on the node can tell).
             for victim, node, how in (("source", "train0", "kill"), ("target", "infer0", "kill"),
-                                      ("source", "train0", "stop")):
+                                      ("source", "train0", "stop"), ("engine", "engine0", "kill")):
                 tag = f"{victim} {how}"
                 # Slow the source's writes so the update is still moving data when the victim dies.
                 procs.kill("source")
@@ -134,6 +143,7 @@ def main() -> int:
                     t.communicate()
                     os.killpg(procs.procs[victim].pid, signal.SIGCONT)
                     procs.kill(victim)
+                print(f"kill_test: [{tag}] mid-update: the update failed {took:.2f} s after the {how}")
                 check(took < FAIL_BOUND_S, f"[{tag}] failure reported {took:.1f} s after the {how} "
                       f"(bound {FAIL_BOUND_S:.0f} s)")
                 rc, h = ctl("history")
@@ -145,7 +155,7 @@ def main() -> int:
                 rc, st = ctl("status")
                 check(st.get("state") == "failed", f"[{tag}] coordinator state failed: {st.get('state')!r}")
                 states = engine_states()
-                check(states and all(not x.startswith("serving") for x in states),
+                check((victim == "engine" or states) and all(not x.startswith("serving") for x in states),
                       f"[{tag}] engine not continued after the failed update: {states}")
                 # A source was inside a write when the victim died: the coordinator cannot know no byte landed.
                 check(st.get("engines_hold_partial_writes") is True,
@@ -155,6 +165,13 @@ def main() -> int:
 
                 # Restart the dead daemon under its node id; the next update must land bit-exact.
                 if victim == "source":
+                    procs.kill("source")
+                    start_source()
+                elif victim == "engine":
+                    # A restarted engine attaches through a restarted target daemon (docs/operations.md).
+                    procs.kill("target")
+                    start_engine()
+                    start_target()
                     procs.kill("source")
                     start_source()
                 else:
@@ -168,6 +185,30 @@ def main() -> int:
                 rc, st = ctl("status")
                 check(st.get("current_version") == str(version) and not st.get("engines_hold_partial_writes"),
                       f"[{tag}] version {version}, engines clean: {st.get('current_version')!r}")
+
+            # The engine dies between updates: the next update fails at the pause, naming it.
+            procs.kill("engine")
+            version += 1
+            t_kill = time.time()
+            ok = trainer(version)
+            took = time.time() - t_kill
+            print(f"kill_test: [engine kill] between updates: update {version} refused {took:.2f} s after its start")
+            check(not ok, f"[engine kill] update {version} fails while the engine is dead")
+            check(took < FAIL_BOUND_S, f"[engine kill] refused within {took:.1f} s (bound {FAIL_BOUND_S:.0f} s)")
+            rec = harness.last_update_record(b, coord)
+            check(str(rec.get("version")) == str(version) and rec.get("success") is False
+                  and "pause engine engine0" in rec.get("error", ""),
+                  f"[engine kill] history records update {version} as failed at the pause of engine0: "
+                  f"{rec.get('error', '')[:200]!r}")
+            rc, st = ctl("status")
+            check(st.get("current_version") == str(version - 1),
+                  f"[engine kill] version stays {version - 1}: {st.get('current_version')!r}")
+            procs.kill("target")
+            start_engine()
+            start_target()
+            harness.wait_for("infer0 registered again", nodes_up, 30, procs, ["source", "target"])
+            version += 1
+            check(trainer(version), f"[engine kill] update {version} after the engine's restart lands, verified")
         finally:
             procs.close()
     return check.verdict()

@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Soak: 100 consecutive updates through real processes (coordinator, source and target wsyncd, a reference
+"""Soak: 100 (or --updates) consecutive updates through real processes (coordinator, source and target wsyncd, a reference
 engine at TP=2, two trainer ranks), every update verified bit-exactly by the engine's own loader, while the test
 samples each daemon's resident memory, open fds and threads from /proc.
 
-Asserts, between a sample taken once the first 10 updates are done (caches warm) and one taken 5 updates before
+Asserts, between a sample taken once the first --warmup updates are done (caches warm) and one taken 5 updates before
 the end (trainer sessions still open, so per-session memory is counted in both):
   * RSS grows by at most --rss-slack-mib (default 24 MiB) per process;
   * the number of open fds and of threads does not grow (slack 2 each for transient connections);
-and that all updates succeeded. Prints one line per daemon with the three measures.
+and that all updates succeeded. Prints one line per daemon with the three measures (RSS also per update).
+CTest runs it twice: 100 updates (daemon_soak_test) and 1000 updates with a 4 MiB slack (daemon_soak_1000_test,
+label faults: a leak of ~5 KiB per update shows).
 
-  soak_test.py --bin build/bin --model tests/data/tiny/qwen3-tiny.json [--updates 100]
+  soak_test.py --bin build/bin --model tests/data/tiny/qwen3-tiny.json [--updates 100] [--warmup 10]
 """
 import argparse
 import os
@@ -120,9 +122,9 @@ def main() -> int:
                     harness.fail(f"soak: {done_updates()} of {args.updates} updates after {args.timeout:.0f} s")
                 n_done = done_updates()
                 if early is None and n_done >= args.warmup:
-                    early = {n: sample(p) for n, p in daemons.items()}
+                    early = {n: dict(sample(p), updates=n_done) for n, p in daemons.items()}
                 if late is None and n_done >= args.updates - 5:
-                    late = {n: sample(p) for n, p in daemons.items()}
+                    late = {n: dict(sample(p), updates=n_done) for n, p in daemons.items()}
                 for n in daemons:
                     if not procs.alive(n):
                         harness.fail(f"soak: {n} died:\n{procs.tail(n)}")
@@ -140,7 +142,9 @@ def main() -> int:
             for n in daemons:
                 e, l = early[n], late[n]
                 drss = (l["rss_kib"] - e["rss_kib"]) / 1024
-                print(f"soak: {n}: rss {e['rss_kib'] / 1024:.1f} -> {l['rss_kib'] / 1024:.1f} MiB ({drss:+.1f}), "
+                per_update = (l["rss_kib"] - e["rss_kib"]) / max(1, l["updates"] - e["updates"])
+                print(f"soak: {n}: rss {e['rss_kib'] / 1024:.1f} -> {l['rss_kib'] / 1024:.1f} MiB ({drss:+.1f}, "
+                      f"{per_update:+.2f} KiB/update over updates {e['updates']}-{l['updates']}), "
                       f"fds {e['fds']} -> {l['fds']}, threads {e['threads']} -> {l['threads']}")
                 if drss > args.rss_slack_mib:
                     bad.append(f"{n} RSS grew {drss:.1f} MiB")

@@ -506,6 +506,8 @@ TEST_CASE("source: a bucket still being worked on holds up neither another rank'
   auto other =
       std::async(std::launch::async, [&] { return h.Bucket(1, {"model.layers.0.input_layernorm.weight"}, 1); });
   auto reopen = std::async(std::launch::async, [&] {
+    // Rank 7's process went away (its hand-over connection closed) and a new one takes its place.
+    h.node->SessionDisconnected(h.sessions[7], "test: hand-over connection closed");
     SessionRequest sr;
     sr.local_rank = 7;
     return h.node->OpenSession(sr);

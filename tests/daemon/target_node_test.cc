@@ -612,5 +612,101 @@ TEST_CASE("target: writes into engine memory are refused unless the coordinator 
   munmap(mem, 4096);
 }
 
+// Connection ownership: while a source's connection to an engine rank is live, a repeat ConnectTarget under the same
+// identity (a retried call, a second process of that source) gets the same grant, and the open update's writes go
+// on through the connection; only once that connection closed does a new ConnectTarget replace it (and so revoke
+// the old grant).
+TEST_CASE("target: a repeat ConnectTarget during an open update gets the same grant; a closed connection is replaced",
+          "[faults]") {
+  Fixture f;
+  f.Start();
+  AttachOnce(f, [](Json&) {});
+  REQUIRE(f.conns.size() == 1);
+  const int fd = f.conns[0].segments[0].fd.get();
+  void* mem = mmap(nullptr, 4096, PROT_READ, MAP_SHARED, fd, 0);
+  REQUIRE(mem != MAP_FAILED);
+  const std::string desc = f.node->Registrations()[0].ranks(0).segments(0).region_descriptor();
+  auto peer = transport::CreateTransport("tcp", {});
+  REQUIRE(peer.ok());
+  auto region = (*peer)->ImportRegion(desc);
+  REQUIRE(region.ok());
+  // The update's bytes (the test's own pattern, the expectation) and where they go: 4096 bytes of segment 0.
+  std::vector<uint8_t> src(4096);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + 3);
+  auto local = (*peer)->RegisterMemory(src.data(), src.size());
+  REQUIRE(local.ok());
+  auto write = [&](transport::Endpoint& ep, uint64_t off, uint64_t len) {
+    transport::WriteRequest w{local->get(), off, region->get(), off, len};
+    return ep.Write({w}, absl::Seconds(10));
+  };
+  const std::string source = "source:train0";
+  auto connect = [&](transport::Endpoint& ep) {
+    v1::ConnectTargetRequest req;
+    req.set_engine_id("fake0");
+    req.set_rank(0);
+    req.set_source_endpoint_info(ep.LocalInfo());
+    return f.node->ConnectTarget(req, source);
+  };
+
+  v1::SetWriteWindowRequest open;
+  open.set_open(true);
+  open.set_version(1);
+  REQUIRE(f.node->SetWriteWindow(open).enforced());
+  auto ep = (*peer)->CreateEndpoint();
+  REQUIRE(ep.ok());
+  auto first = connect(**ep);
+  REQUIRE(first.ok());
+  REQUIRE((*ep)->Connect(first->target_endpoint_info(), absl::Seconds(10)).ok());
+  REQUIRE(write(**ep, 0, 2048).ok());  // the first half of the update
+
+  // The repeats, mid-update: the same grant each time, the connection untouched.
+  for (int i = 0; i < 3; ++i) {
+    auto again = connect(**ep);
+    REQUIRE(again.ok());
+    CHECK(again->target_endpoint_info() == first->target_endpoint_info());
+  }
+  // A second endpoint of the same source connects with the grant it was given (tcp: the same write secret).
+  auto ep2 = (*peer)->CreateEndpoint();
+  REQUIRE(ep2.ok());
+  auto from2 = connect(**ep2);
+  REQUIRE(from2.ok());
+  CHECK(from2->target_endpoint_info() == first->target_endpoint_info());
+  REQUIRE((*ep2)->Connect(from2->target_endpoint_info(), absl::Seconds(10)).ok());
+  absl::Status rest = write(**ep, 2048, 2048);  // the rest of the update, through the first connection
+  INFO(rest.ToString());
+  REQUIRE(rest.ok());
+  CHECK(std::memcmp(mem, src.data(), src.size()) == 0);  // bit-exact
+
+  // Both connections close: the next ConnectTarget (once the target saw them go) replaces the grant.
+  ep->reset();
+  ep2->reset();
+  std::string replaced;
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (replaced.empty() && absl::Now() < deadline) {
+    auto probe = (*peer)->CreateEndpoint();
+    REQUIRE(probe.ok());
+    auto r = connect(**probe);
+    REQUIRE(r.ok());
+    if (r->target_endpoint_info() != first->target_endpoint_info()) {
+      replaced = r->target_endpoint_info();
+      REQUIRE((*probe)->Connect(replaced, absl::Seconds(10)).ok());
+      std::fill(src.begin(), src.begin() + 64, 0x5A);
+      CHECK(write(**probe, 0, 64).ok());  // the new grant writes
+    } else {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
+  REQUIRE_FALSE(replaced.empty());
+  CHECK(static_cast<const uint8_t*>(mem)[0] == 0x5A);
+  // The replaced grant is revoked: a connection presenting it is refused.
+  auto stale = (*peer)->CreateEndpoint();
+  REQUIRE(stale.ok());
+  absl::Status st = (*stale)->Connect(first->target_endpoint_info(), absl::Seconds(10));
+  if (st.ok()) st = write(**stale, 0, 64);
+  INFO(st.ToString());
+  CHECK(st.code() == absl::StatusCode::kPermissionDenied);
+  munmap(mem, 4096);
+}
+
 }  // namespace
 }  // namespace wsync::daemon

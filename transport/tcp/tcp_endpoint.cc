@@ -118,6 +118,12 @@ class TcpEndpoint final : public Endpoint {
 
   std::string LocalInfo() const override { return local_info_; }
 
+  bool PeerConnected() const override {
+    if (!grant_table_) return false;
+    auto g = grant_table_->FindGrant(grant_secret_);
+    return g != nullptr && g->connections.load() > 0;
+  }
+
   void Cancel(const absl::Status& why) override {
     {
       std::lock_guard<std::mutex> lock(mu_);

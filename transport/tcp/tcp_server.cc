@@ -67,6 +67,14 @@ absl::Status ServeConnection(int fd, RegionTable& table, const std::string& peer
   // Without a secret the connection is accepted (a peer's endpoint connects back to complete the symmetric
   // handshake) but, when grants are required, every write frame on it is refused.
   const bool ungranted_refused = grant == nullptr && table.require_grants();
+  // Counted before the ack, so a peer whose Connect returned is already seen connected (Endpoint::PeerConnected).
+  struct Counted {
+    std::shared_ptr<RegionTable::Grant> g;
+    ~Counted() {
+      if (g) g->connections.fetch_sub(1);
+    }
+  } counted{grant};
+  if (grant) grant->connections.fetch_add(1);
   WSYNC_RETURN_IF_ERROR(SendAck(fd, kHelloAck, 0, 0, absl::OkStatus()));
 
   absl::Status batch_status;
