@@ -13,8 +13,8 @@
 // the node's locks were not yet taken), load (validate + claim + replica load), send (the transport's Post of what it
 // completed). Last line: one JSON object; its value is the largest R's GB/s at the first TP.
 // Every byte is copied twice on this path (host tensor → ring by the trainer, ring → replica by the node), so where
-// memory bandwidth, not cores, limits the all-core memcpy, 0.5x is the ceiling; where cores limit it (one thread far
-// below all of them), the ratio shows how much of the machine the ranks and the node use together.
+// memory bandwidth, not cores, limits the all-core memcpy, the ratio stays near 0.5; where cores limit it (one thread
+// far below all of them), it shows how much of the machine the ranks and the node use together.
 //
 //   bench_node                                   # Qwen3-8B (36 layers, ~16 GB bf16), TP 1 and 8, R = 1,4,8
 //   bench_node --layers 2 --vocab 32768 --ranks 1,2 --reps 2   # small enough for a 2-core box
