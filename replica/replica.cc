@@ -3,7 +3,9 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <mutex>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -75,12 +77,14 @@ class ReplicaImpl final : public Replica {
   uint8_t* data(int l) override { return layouts_[l].buffer.data(); }
 
   void BeginUpdate() override {
-    for (Layout& l : layouts_) std::fill(l.arrived.begin(), l.arrived.end(), 0);
-    std::fill(seen_.begin(), seen_.end(), kNotSeen);
+    for (Layout& l : layouts_)
+      for (auto& a : l.arrived) a.store(0, std::memory_order_relaxed);
+    for (auto& s : seen_) s.store(kNotSeen, std::memory_order_relaxed);
   }
 
   absl::Status Validate(const HfTensor& t) const override { return Check(t).status(); }
-  absl::StatusOr<std::vector<ReadyParam>> Ingest(const HfTensor& t) override;
+  absl::Status Claim(absl::Span<const HfTensor> tensors) override;
+  absl::StatusOr<std::vector<ReadyParam>> Load(const HfTensor& t) override;
   absl::Status FinishUpdate() const override;
   bool Needs(absl::string_view hf_name) const override;
   std::vector<TensorRead> Reads(absl::string_view hf_name) const override;
@@ -102,7 +106,9 @@ class ReplicaImpl final : public Replica {
     RankParallelism rank;
     LayoutPlan plan;
     Buffer buffer;
-    std::vector<int> arrived;
+    // Per param: sources loaded in this update. Counted by concurrent Loads; the one reaching plan.expected reports
+    // the param ready.
+    std::vector<std::atomic<int>> arrived;
   };
 
   ReplicaImpl(const ModelConfig& c, const QuantSpec& q, ParamMapper m) : config_(c), quant_(q), mapper_(std::move(m)) {}
@@ -117,7 +123,10 @@ class ReplicaImpl final : public Replica {
   std::vector<Layout> layouts_;
   absl::flat_hash_map<std::string, int> index_;
   std::vector<HfEntry> entries_;
-  std::vector<uint8_t> seen_;
+  // Per entry: a Seen, set by Claim under claim_mu_ (a tensor and its FP8 partner are decided together), read
+  // anywhere.
+  std::vector<std::atomic<uint8_t>> seen_;
+  std::mutex claim_mu_;
 };
 
 absl::StatusOr<std::unique_ptr<Replica>> ReplicaImpl::Make(const ModelConfig& config,
@@ -177,7 +186,7 @@ absl::StatusOr<std::unique_ptr<Replica>> ReplicaImpl::Make(const ModelConfig& co
                                                   ", ep ", ranks[l].ep_rank, "/", ranks[l].ep_size, ")"));
     }
     lay.plan = std::move(plan).value();
-    lay.arrived.assign(lay.plan.table.params().size(), 0);
+    lay.arrived = std::vector<std::atomic<int>>(lay.plan.table.params().size());
     WSYNC_RETURN_IF_ERROR(lay.buffer.Allocate(lay.plan.table.total_bytes()));
     for (size_t s = 0; s < lay.plan.sources.size(); ++s) {
       const SliceSource& src = lay.plan.sources[s];
@@ -188,7 +197,7 @@ absl::StatusOr<std::unique_ptr<Replica>> ReplicaImpl::Make(const ModelConfig& co
       r->entries_[it->second].placements.push_back({static_cast<int>(l), static_cast<int>(s)});
     }
   }
-  r->seen_.assign(r->entries_.size(), kNotSeen);
+  r->seen_ = std::vector<std::atomic<uint8_t>>(r->entries_.size());
   return std::unique_ptr<Replica>(std::move(r));
 }
 
@@ -224,16 +233,17 @@ absl::StatusOr<int> ReplicaImpl::Check(const HfTensor& t) const {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': ", t.bytes, " bytes of data, expected ",
                                                    want, " for ", DTypeName(t.dtype), " ", ShapeStr(e.shape)));
   }
-  if (seen_[idx] != kNotSeen) {
+  if (seen_[idx].load(std::memory_order_acquire) != kNotSeen) {
     return absl::AlreadyExistsError(absl::StrCat("tensor '", t.name, "' arrived twice in this update"));
   }
   // A weight quantized here produces its own scales, so its published scale must not come too (and vice versa).
   if (e.partner >= 0) {
-    if (e.role == Role::kFp8Scale && seen_[e.partner] == kSeenConverted) {
+    const uint8_t partner = seen_[e.partner].load(std::memory_order_acquire);
+    if (e.role == Role::kFp8Scale && partner == kSeenConverted) {
       return absl::FailedPreconditionError(absl::StrCat(
           "tensor '", t.name, "': its weight arrived unquantized and was quantized here; do not send its scales"));
     }
-    if (e.role == Role::kFp8Weight && t.dtype != DType::kF8E4M3 && seen_[e.partner] != kNotSeen) {
+    if (e.role == Role::kFp8Weight && t.dtype != DType::kF8E4M3 && partner != kNotSeen) {
       return absl::FailedPreconditionError(absl::StrCat(
           "tensor '", t.name, "': its weight_scale_inv already arrived, so the weight must be float8_e4m3fn"));
     }
@@ -266,18 +276,41 @@ absl::Status ReplicaImpl::Place(const HfTensor& t, const Layout& l, const SliceS
   return CopyRect(t.dtype, src, src_cols, p.dtype, dst, v.c, s.rows, s.cols);
 }
 
-absl::StatusOr<std::vector<ReadyParam>> ReplicaImpl::Ingest(const HfTensor& t) {
-  WSYNC_ASSIGN_OR_RETURN(int idx, Check(t));
+absl::Status ReplicaImpl::Claim(absl::Span<const HfTensor> tensors) {
+  // Checked once outside the lock (the shape and dtype checks cost), then again under it for what concurrent
+  // claims change (seen_): one short critical section per bucket, no data touched.
+  for (const HfTensor& t : tensors) WSYNC_RETURN_IF_ERROR(Check(t).status());
+  std::lock_guard<std::mutex> l(claim_mu_);
+  std::vector<int> marked;
+  for (const HfTensor& t : tensors) {
+    absl::StatusOr<int> idx = Check(t);
+    if (!idx.ok()) {
+      for (int m : marked) seen_[m].store(kNotSeen, std::memory_order_release);
+      return idx.status();
+    }
+    if (*idx < 0) continue;
+    seen_[*idx].store(t.dtype == DType::kF8E4M3 ? kSeenFp8 : kSeenConverted, std::memory_order_release);
+    marked.push_back(*idx);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<ReadyParam>> ReplicaImpl::Load(const HfTensor& t) {
   std::vector<ReadyParam> ready;
-  if (idx < 0) return ready;
-  seen_[idx] = t.dtype == DType::kF8E4M3 ? kSeenFp8 : kSeenConverted;
+  auto it = index_.find(t.name);
+  if (it == index_.end()) return ready;  // skipped by rule (Claim accepted it)
+  const int idx = it->second;
+  if (seen_[idx].load(std::memory_order_acquire) == kNotSeen)
+    return absl::InternalError(absl::StrCat("tensor '", t.name, "' loaded without being claimed"));
   for (const Placement& pl : entries_[idx].placements) {
     Layout& l = layouts_[pl.layout];
     const SliceSource& s = l.plan.sources[pl.source];
     WSYNC_RETURN_IF_ERROR_CTX(Place(t, l, s), "loading '", t.name, "' into '", l.plan.table.params()[s.param].name,
                               "'");
+    // acq_rel: the Load completing a param sees every other Load's bytes of it before reporting it ready.
     auto bump = [&](int param) {
-      if (++l.arrived[param] == l.plan.expected[param]) ready.push_back({pl.layout, param});
+      if (l.arrived[param].fetch_add(1, std::memory_order_acq_rel) + 1 == l.plan.expected[param])
+        ready.push_back({pl.layout, param});
     };
     bump(s.param);
     if (s.kind == SliceSource::Kind::kFp8Weight && t.dtype != DType::kF8E4M3) bump(s.scale_param);
@@ -291,9 +324,10 @@ absl::Status ReplicaImpl::FinishUpdate() const {
   for (size_t li = 0; li < layouts_.size(); ++li) {
     const Layout& l = layouts_[li];
     for (size_t p = 0; p < l.arrived.size(); ++p) {
-      if (l.arrived[p] >= l.plan.expected[p]) continue;
+      const int arrived = l.arrived[p].load(std::memory_order_acquire);
+      if (arrived >= l.plan.expected[p]) continue;
       if (++count <= 5) {
-        missing.push_back(absl::StrCat(l.plan.table.params()[p].name, " (layout ", li, ", ", l.arrived[p], "/",
+        missing.push_back(absl::StrCat(l.plan.table.params()[p].name, " (layout ", li, ", ", arrived, "/",
                                        l.plan.expected[p], " slices)"));
       }
     }
@@ -328,6 +362,11 @@ bool ReplicaImpl::Needs(absl::string_view hf_name) const {
 }
 
 }  // namespace
+
+absl::StatusOr<std::vector<ReadyParam>> Replica::Ingest(const HfTensor& t) {
+  WSYNC_RETURN_IF_ERROR(Claim(absl::MakeConstSpan(&t, 1)));
+  return Load(t);
+}
 
 absl::StatusOr<std::unique_ptr<Replica>> Replica::Create(const ModelConfig& config,
                                                          std::vector<RankParallelism> layouts,

@@ -10,9 +10,12 @@
 //     tensor fills (SliceSource::Kind::kConstant, the FP8 MLA KV-cache scales) is written with the engine's value and
 //     reported ready when its designated tensor of the same layer arrives.
 //   * Validate() checks a tensor (known name, shape and dtype agreeing with the config, not a duplicate in this update)
-//     without writing anything; the daemon validates a whole bucket before ingesting any of it.
-// Threading: one thread calls Ingest/BeginUpdate/FinishUpdate at a time; buffers may be read (sent) concurrently for
-// parameters already reported ready.
+//     without writing anything; Claim() checks a whole bucket and marks its tensors arrived, all or none, so the
+//     daemon knows before it loads anything that no other bucket (of any rank) will load the same tensor.
+// Threading: BeginUpdate runs alone. Validate, Claim, Load and Ingest may be called from several threads at once:
+// different tensors fill disjoint bytes, each parameter's arrivals are counted atomically and exactly one Load (the
+// one that completes it) reports it ready, after every byte of it was written (acquire/release on the count), so
+// the caller may send it at once. Buffers may be read (sent) concurrently for parameters already reported ready.
 
 #include <cstdint>
 #include <memory>
@@ -71,9 +74,15 @@ class Replica {
   virtual void BeginUpdate() = 0;
   // Checks one tensor without writing anything.
   virtual absl::Status Validate(const HfTensor& t) const = 0;
-  // Loads a tensor into every layout that needs it (tensors no layout needs are accepted and ignored) and returns
-  // the parameters that became ready. Validates first; on error nothing was written.
-  virtual absl::StatusOr<std::vector<ReadyParam>> Ingest(const HfTensor& t) = 0;
+  // Checks every tensor as Validate does, against each other as well (a duplicate, a weight quantized here and its
+  // published scale), and marks them arrived in this update: all of them, or none when one is refused (the error
+  // names it). Atomic against concurrent Claims: of two claiming the same tensor, one is refused.
+  virtual absl::Status Claim(absl::Span<const HfTensor> tensors) = 0;
+  // Loads a tensor Claim accepted into every layout that needs it (tensors no layout needs are ignored) and returns
+  // the parameters it completed. Data is read from `t`; nothing is checked again (Claim did).
+  virtual absl::StatusOr<std::vector<ReadyParam>> Load(const HfTensor& t) = 0;
+  // Claim({t}) then Load(t): on a refusal nothing was written.
+  absl::StatusOr<std::vector<ReadyParam>> Ingest(const HfTensor& t);
   // FailedPrecondition naming the parameters that are still incomplete (first few) if any layout is incomplete.
   virtual absl::Status FinishUpdate() const = 0;
   // Whether any layout of this replica needs the tensor (the push filter; also true for skipped-by-rule names).

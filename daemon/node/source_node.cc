@@ -168,7 +168,6 @@ absl::StatusOr<OpenedSession> SourceNode::OpenSession(const SessionRequest& req)
     return absl::InvalidArgumentError(absl::StrCat("local_rank ", req.local_rank, " out of range: this node expects ",
                                                    opts_.trainer_ranks, " trainer ranks"));
   WSYNC_ASSIGN_OR_RETURN(std::string id, RandomSessionId());
-  std::lock_guard<std::mutex> ingest(ingest_mu_);
   std::lock_guard<std::mutex> l(mu_);
   // A rank that reconnects (e.g. after its process died mid-bucket) replaces its old session and ring, so nothing
   // it left uncommitted can ever be consumed.
@@ -237,7 +236,6 @@ void SourceNode::SessionDisconnected(const std::string& session_id, const std::s
 }
 
 absl::Status SourceNode::CloseSession(const std::string& session_id) {
-  std::lock_guard<std::mutex> ingest(ingest_mu_);
   std::lock_guard<std::mutex> l(mu_);
   Session* s = FindSession(session_id);
   if (s == nullptr) return UnknownSession();
@@ -287,7 +285,7 @@ absl::Status SourceNode::CheckLayout(const replica::ParamTable& table, const v1:
 }
 
 absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::ConfigureSourceRequest& req) {
-  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  std::lock_guard<std::shared_mutex> ingest(ingest_mu_);
   {
     std::lock_guard<std::mutex> l(mu_);
     if (version_ != -1)
@@ -656,7 +654,7 @@ absl::Status SourceNode::DrainOutstanding(absl::Duration timeout) {
 }
 
 absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
-  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  std::lock_guard<std::shared_mutex> ingest(ingest_mu_);
   absl::Status cancelled;  // why the last update's writes were cancelled: then every endpoint is unusable
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -806,10 +804,12 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
                                                                const CancelFn& cancelled) {
   std::shared_ptr<RingConsumer> ring;
   std::shared_ptr<std::mutex> rank_mu;
+  int local_rank = 0;
   {
     std::lock_guard<std::mutex> l(mu_);
     Session* s = FindSession(req.session_id());
     if (s == nullptr) return UnknownSession();
+    local_rank = s->local_rank;
     ring = s->ring;  // shared: a session replaced meanwhile keeps its ring mapped until this call is done
     rank_mu = s->commit_mu;
   }
@@ -834,8 +834,10 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
       if (auto st = ring->Release(b); !st.ok()) spdlog::error("ring release: {}", st.ToString());
     }
   } guard{ring.get(), bucket};
-  // One bucket at a time through the replica and the endpoints (held only while this bucket is worked on).
-  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  const absl::Time got = absl::Now();
+  // Buckets of other ranks run beside this one (shared); StartUpdate, Configure and the drains wait for it.
+  std::shared_lock<std::shared_mutex> ingest(ingest_mu_);
+  const absl::Time begin = absl::Now();
   int64_t version;
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -853,35 +855,9 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
     return absl::FailedPreconditionError(absl::StrCat("bucket ", bucket.seq, ": this node writes nothing in plan ",
                                                       plan_epoch_, " (its ranks' push filters are empty); nothing "
                                                       "was written"));
-  // Validate the whole bucket before anything of it reaches the replica or an engine.
-  std::vector<replica::HfTensor> tensors;
-  tensors.reserve(bucket.tensors.size());
-  std::vector<std::optional<TensorSlice>> slices;  // per tensor: its slice, if it is one
-  std::vector<std::pair<TensorSlice, DType>> bucket_slices;
-  std::set<absl::string_view> seen;
-  absl::Status bad;
-  for (const TensorView& v : bucket.tensors) {
-    replica::HfTensor t{v.name, v.dtype, v.shape, v.data, v.bytes};
-    auto slice = ParseSliceName(v.name, v.shape);
-    absl::Status st;
-    if (!slice.ok()) {
-      st = slice.status();
-    } else if (slice->has_value()) {
-      st = CheckSlice(**slice, v.dtype, v.bytes, bucket_slices);
-      if (st.ok()) bucket_slices.push_back({**slice, v.dtype});
-    } else {
-      st = seen.insert(v.name).second
-               ? replica_->Validate(t)
-               : absl::InvalidArgumentError(absl::StrCat("tensor ", v.name, " appears twice in one bucket"));
-    }
-    if (!st.ok()) {
-      bad = st;
-      break;
-    }
-    tensors.push_back(t);
-    slices.push_back(slice.ok() ? *std::move(slice) : std::nullopt);
-  }
-  if (!bad.ok()) {
+  // Validate and claim the whole bucket before anything of it reaches the replica or an engine.
+  std::vector<BucketTensor> tensors;
+  if (absl::Status bad = ClaimBucket(bucket, &tensors); !bad.ok()) {
     std::lock_guard<std::mutex> l(mu_);
     absl::Status err = Annotate(bad, absl::StrCat("bucket ", bucket.seq, " of update ", version,
                                                   " rejected, nothing from it was written"));
@@ -891,38 +867,28 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
     return err;
   }
 
-  absl::Time t0 = absl::Now();
   std::vector<replica::ReadyParam> ready;
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    const auto& t = tensors[k];
-    absl::Status st;
-    if (slices[k].has_value()) {
-      st = StageSlice(*slices[k], t.dtype, t.data, &ready);
-    } else {
-      auto r = replica_->Ingest(t);
-      if (r.ok()) ready.insert(ready.end(), r->begin(), r->end());
-      st = r.status();
-    }
-    if (!st.ok()) {
-      std::lock_guard<std::mutex> l(mu_);
-      if (update_error_.ok()) update_error_ = st;
-      return st;
-    }
+  if (absl::Status st = LoadBucket(tensors, &ready); !st.ok()) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (update_error_.ok()) update_error_ = st;
+    return st;
   }
-  const double ingest_s = Seconds(t0);
-  absl::Time t1 = absl::Now();
+  const absl::Time loaded = absl::Now();
   absl::Status ws = WriteReady(version, ready);
+  const absl::Time posted = absl::Now();
+  if (opts_.bucket_observer)
+    opts_.bucket_observer({local_rank, bucket.seq, bucket.payload_bytes, got, begin, loaded, posted});
+  const double ingest_s = absl::ToDoubleSeconds(loaded - begin), write_s = absl::ToDoubleSeconds(posted - loaded);
+  // A weight pushed pre-quantized comes as two frames (codes, then `_scale_inv`); progress counts the weight once.
+  const size_t scales = static_cast<size_t>(std::count_if(
+      tensors.begin(), tensors.end(), [](const BucketTensor& b) { return absl::EndsWith(b.t.name, "_scale_inv"); }));
   std::lock_guard<std::mutex> l(mu_);
   ingest_seconds_ += ingest_s;
-  write_seconds_ += Seconds(t1);
-  // A weight pushed pre-quantized comes as two frames (codes, then `_scale_inv`); progress counts the weight once.
-  const size_t scales = static_cast<size_t>(std::count_if(tensors.begin(), tensors.end(), [](const auto& t) {
-    return absl::EndsWith(t.name, "_scale_inv");
-  }));
+  write_seconds_ += write_s;
   tensors_received_ += tensors.size() - scales;
   metrics_.Add("wsync_source_tensors_received_total", {}, static_cast<double>(tensors.size() - scales));
   metrics_.Observe("wsync_source_bucket_ingest_seconds", {}, ingest_s);
-  metrics_.Observe("wsync_source_bucket_write_seconds", {}, Seconds(t1));
+  metrics_.Observe("wsync_source_bucket_write_seconds", {}, write_s);
   if (!ws.ok()) {
     if (update_error_.ok()) update_error_ = ws;
     metrics_.Add("wsync_source_buckets_total", {{"result", "write_failed"}}, 1);
@@ -934,6 +900,51 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
   out.set_bytes(bucket.payload_bytes);
   out.set_params_ready(static_cast<uint32_t>(ready.size()));
   return out;
+}
+
+absl::Status SourceNode::ClaimBucket(const BucketView& bucket, std::vector<BucketTensor>* tensors) {
+  tensors->reserve(bucket.tensors.size());
+  std::vector<replica::HfTensor> wholes;
+  std::set<absl::string_view> seen;
+  bool any_slice = false;
+  for (const TensorView& v : bucket.tensors) {
+    BucketTensor b{replica::HfTensor{v.name, v.dtype, v.shape, v.data, v.bytes}, std::nullopt, nullptr};
+    WSYNC_ASSIGN_OR_RETURN(b.slice, ParseSliceName(v.name, v.shape));
+    if (b.slice.has_value()) {
+      any_slice = true;
+    } else {
+      if (!seen.insert(v.name).second)
+        return absl::InvalidArgumentError(absl::StrCat("tensor ", v.name, " appears twice in one bucket"));
+      wholes.push_back(b.t);
+    }
+    tensors->push_back(std::move(b));
+  }
+  if (!any_slice) return replica_->Claim(wholes);
+  // Slices are checked against what other buckets claimed of the same tensors, and claimed with the bucket's whole
+  // tensors: both under staged_mu_, so a refusal leaves nothing of the bucket claimed.
+  std::lock_guard<std::mutex> l(staged_mu_);
+  std::vector<std::pair<TensorSlice, DType>> bucket_slices;
+  for (const BucketTensor& b : *tensors) {
+    if (!b.slice.has_value()) continue;
+    WSYNC_RETURN_IF_ERROR(CheckSlice(*b.slice, b.t.dtype, b.t.bytes, bucket_slices));
+    bucket_slices.push_back({*b.slice, b.t.dtype});
+  }
+  WSYNC_RETURN_IF_ERROR(replica_->Claim(wholes));
+  for (BucketTensor& b : *tensors)
+    if (b.slice.has_value()) b.staged = ReserveSlice(*b.slice, b.t.dtype);
+  return absl::OkStatus();
+}
+
+absl::Status SourceNode::LoadBucket(const std::vector<BucketTensor>& tensors, std::vector<replica::ReadyParam>* ready) {
+  for (const BucketTensor& b : tensors) {
+    if (b.slice.has_value()) {
+      WSYNC_RETURN_IF_ERROR(StageSlice(*b.slice, b.staged, b.t.data, ready));
+      continue;
+    }
+    WSYNC_ASSIGN_OR_RETURN(std::vector<replica::ReadyParam> r, replica_->Load(b.t));
+    ready->insert(ready->end(), r.begin(), r.end());
+  }
+  return absl::OkStatus();
 }
 
 absl::Status SourceNode::CheckSlice(const TensorSlice& s, DType dtype, uint64_t bytes,
@@ -977,8 +988,7 @@ absl::Status SourceNode::CheckSlice(const TensorSlice& s, DType dtype, uint64_t 
   return absl::OkStatus();
 }
 
-absl::Status SourceNode::StageSlice(const TensorSlice& s, DType dtype, const uint8_t* data,
-                                    std::vector<replica::ReadyParam>* ready) {
+SourceNode::Staged* SourceNode::ReserveSlice(const TensorSlice& s, DType dtype) {
   auto [it, fresh] = staged_.try_emplace(s.name);
   Staged& st = it->second;
   if (fresh) {
@@ -993,31 +1003,50 @@ absl::Status SourceNode::StageSlice(const TensorSlice& s, DType dtype, const uin
         st.need.push_back(r);
       }
     }
-    if (!st.need.empty() || st.constant) st.data.assign(static_cast<size_t>(s.full_rows * s.full_cols) * DTypeSize(dtype), 0);
+    if (!st.need.empty() || st.constant)
+      st.data.assign(static_cast<size_t>(s.full_rows * s.full_cols) * DTypeSize(dtype), 0);
   }
   st.got.push_back(s);
-  if (st.data.empty()) return absl::OkStatus();  // nothing this node writes reads it
-  const size_t es = DTypeSize(dtype);
-  const size_t row_bytes = static_cast<size_t>(s.cols) * es;
-  for (int64_t r = 0; r < s.rows; ++r)
-    std::memcpy(st.data.data() + (static_cast<size_t>((s.row0 + r) * s.full_cols + s.col0)) * es,
-                data + static_cast<size_t>(r) * row_bytes, row_bytes);
-  // Complete when every rectangle read by a parameter this node writes is covered (slices are disjoint).
-  for (const replica::TensorRead& n : st.need) {
-    uint64_t covered = 0;
-    for (const TensorSlice& g : st.got) {
-      const int64_t r0 = std::max(n.row0, g.row0), r1 = std::min(n.row0 + n.rows, g.row0 + g.rows);
-      const int64_t c0 = std::max(n.col0, g.col0), c1 = std::min(n.col0 + n.cols, g.col0 + g.cols);
-      if (r1 > r0 && c1 > c0) covered += static_cast<uint64_t>((r1 - r0) * (c1 - c0));
-    }
-    if (covered < static_cast<uint64_t>(n.rows * n.cols)) return absl::OkStatus();
+  ++st.copying;
+  return &st;
+}
+
+absl::Status SourceNode::StageSlice(const TensorSlice& s, Staged* st, const uint8_t* data,
+                                    std::vector<replica::ReadyParam>* ready) {
+  // The rectangle is this bucket's alone (claimed disjoint), and `data` stays allocated until the last claimed
+  // slice has landed (copying > 0): the copy needs no lock.
+  if (!st->data.empty()) {
+    const size_t es = DTypeSize(st->dtype);
+    const size_t row_bytes = static_cast<size_t>(s.cols) * es;
+    for (int64_t r = 0; r < s.rows; ++r)
+      std::memcpy(st->data.data() + (static_cast<size_t>((s.row0 + r) * s.full_cols + s.col0)) * es,
+                  data + static_cast<size_t>(r) * row_bytes, row_bytes);
   }
-  replica::HfTensor whole{s.name, dtype, st.shape, st.data.data(), st.data.size()};
+  std::vector<uint8_t> whole_data;
+  size_t slices = 0;
+  {
+    std::lock_guard<std::mutex> l(staged_mu_);
+    st->landed.push_back(s);
+    --st->copying;
+    if (st->done || st->data.empty() || st->copying > 0) return absl::OkStatus();
+    // Complete when every rectangle read by a parameter this node writes is covered (slices are disjoint).
+    for (const replica::TensorRead& n : st->need) {
+      uint64_t covered = 0;
+      for (const TensorSlice& g : st->landed) {
+        const int64_t r0 = std::max(n.row0, g.row0), r1 = std::min(n.row0 + n.rows, g.row0 + g.rows);
+        const int64_t c0 = std::max(n.col0, g.col0), c1 = std::min(n.col0 + n.cols, g.col0 + g.cols);
+        if (r1 > r0 && c1 > c0) covered += static_cast<uint64_t>((r1 - r0) * (c1 - c0));
+      }
+      if (covered < static_cast<uint64_t>(n.rows * n.cols)) return absl::OkStatus();
+    }
+    st->done = true;
+    whole_data.swap(st->data);
+    slices = st->landed.size();
+  }
+  replica::HfTensor whole{s.name, st->dtype, st->shape, whole_data.data(), whole_data.size()};
   auto r = replica_->Ingest(whole);
-  if (!r.ok()) return Annotate(r.status(), absl::StrCat("assembled from ", st.got.size(), " slices"));
+  if (!r.ok()) return Annotate(r.status(), absl::StrCat("assembled from ", slices, " slices"));
   ready->insert(ready->end(), r->begin(), r->end());
-  st.done = true;
-  std::vector<uint8_t>().swap(st.data);
   return absl::OkStatus();
 }
 
@@ -1042,6 +1071,7 @@ absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::
     }
   }
   for (auto& [t, writes] : batches) {
+    std::lock_guard<std::mutex> tl(t->mu);
     if (!t->broken.ok())
       return absl::UnavailableError(absl::StrCat("writing to ", Who(*t),
                                                  ": its endpoint failed and is not re-established (",
@@ -1055,8 +1085,8 @@ absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::
     t->outstanding.push_back(*id);
   }
   RecordChecksums(version, ready);
+  for (const auto& r : ready) completed_[r.layout][r.param] = 1;  // this bucket's alone: the replica said so once
   std::lock_guard<std::mutex> l(mu_);
-  for (const auto& r : ready) completed_[r.layout][r.param] = 1;
   bytes_written_ += bytes;
   params_written_ += ready.size();
   metrics_.Add("wsync_source_bytes_written_total", {}, static_cast<double>(bytes));
@@ -1127,7 +1157,7 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
     }
   }
   // Even a failed update drains its batches, so no batch id outlives the update it belongs to.
-  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  std::lock_guard<std::shared_mutex> ingest(ingest_mu_);
   absl::Time t0 = absl::Now();
   absl::Status drained = DrainOutstanding(timeout);
   const double drain_s = Seconds(t0);
@@ -1233,7 +1263,7 @@ absl::StatusOr<v1::AbortSourceUpdateReply> SourceNode::AbortUpdate(const v1::Abo
     cv_.notify_all();
   }
   // A bucket being written when the abort came holds ingest_mu_: wait for it, then for every write in flight.
-  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  std::lock_guard<std::shared_mutex> ingest(ingest_mu_);
   absl::Status drained = DrainOutstanding(drain_timeout);
   WaitForChecksums();  // what the aborted update wrote is recorded in full
   std::lock_guard<std::mutex> l(mu_);
@@ -1301,7 +1331,7 @@ absl::StatusOr<v1::WriteChecksumsReply> SourceNode::WriteChecksums(int64_t versi
 }
 
 SourceNode::Retained SourceNode::RetainedSizes() {
-  std::lock_guard<std::mutex> ingest(ingest_mu_);
+  std::lock_guard<std::shared_mutex> ingest(ingest_mu_);
   std::lock_guard<std::mutex> l(mu_);
   Retained r;
   r.checksum_versions = checksums_.size();

@@ -18,7 +18,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,6 +39,17 @@
 
 namespace wsync::daemon {
 
+// One bucket's way through the source, for SourceOptions::bucket_observer (bench_node's per-rank timeline).
+struct BucketTiming {
+  int local_rank = 0;
+  uint64_t seq = 0;
+  uint64_t bytes = 0;  // payload of the bucket
+  absl::Time got;      // the ring had it (the rank's CommitBucket found it)
+  absl::Time begin;    // the node's locks were taken: work on it began
+  absl::Time loaded;   // validated, claimed and loaded into the replica
+  absl::Time posted;   // the parameters it completed were handed to the transport
+};
+
 struct SourceOptions {
   std::string node_id;
   int trainer_ranks = 1;             // sessions expected per update
@@ -53,6 +66,8 @@ struct SourceOptions {
   int write_checksum_threads = 0;
   // Tests only: called on the hashing thread just before each range is hashed.
   std::function<void()> checksum_hook;
+  // Benchmarks and tests: called on a bucket's thread once its writes are posted (BucketTiming); null: not called.
+  std::function<void(const BucketTiming&)> bucket_observer;
 };
 
 // Dials a peer daemon's ConnectTarget (injected so tests can run without gRPC).
@@ -104,8 +119,10 @@ class SourceNode {
                                                absl::Duration max_wait = absl::InfiniteDuration(),
                                                const CancelFn& cancelled = nullptr);
   // Waits for the rank's bucket in its ring (kBucketWait at most; `cancelled` ends it early) without holding any
-  // node-wide lock, then ingests it and posts its writes under the ingest lock. Other ranks' calls are not blocked by
-  // a rank whose bucket never arrives.
+  // node-wide lock, then validates it, loads it into the replica and posts the writes of the parameters it completed.
+  // Thread-safe and parallel: ranks' buckets share the ingest lock (only StartUpdate, FinishUpdate's and
+  // AbortUpdate's drains and Configure exclude them), so each runs on its caller's thread beside the others; one
+  // rank's buckets run one at a time (its ring is consumed in order).
   absl::StatusOr<v1::CommitBucketReply> CommitBucket(const v1::CommitBucketRequest& req,
                                                      const CancelFn& cancelled = nullptr);
   absl::Status EndPush(const v1::EndPushRequest& req);
@@ -169,6 +186,10 @@ class SourceNode {
     // Per replica param of its layout: the byte ranges (offset, length) this source writes (the plan's slices);
     // empty for a parameter another source writes.
     std::vector<std::vector<std::pair<uint64_t, uint64_t>>> ranges;
+    // Buckets (several at once, under the shared ingest lock) use `endpoint`, `outstanding` and `broken` with `mu`
+    // held: the transport lets one thread at a time use an endpoint. Holders of the exclusive ingest lock need not
+    // take it. Held only for a Post, which hands the batch to the transport and does not wait for the network.
+    std::mutex mu;
     std::vector<transport::BatchId> outstanding;
     // Which transport writes to it: the node's own, or Mooncake for engines that registered their memory with a
     // Mooncake Transfer Engine (segments of kind "mooncake"; session = the engine rank's handshake address).
@@ -185,15 +206,15 @@ class SourceNode {
   void CheckRanks();  // requires mu_
   absl::Status CheckLayout(const replica::ParamTable& table, const v1::RankLayout& target, const std::string& who);
   // Posts the writes of the ready parameters of update `version` and queues the hashing of the ranges they read
-  // (RecordChecksums). Caller holds ingest_mu_.
+  // (RecordChecksums). Caller holds ingest_mu_ shared; each target's `mu` is taken for its Post.
   absl::Status WriteReady(int64_t version, const std::vector<replica::ReadyParam>& ready);
   // Queues on hasher_ the XXH3-128 of every range posted for `ready`; the last job of the batch appends the batch to
   // checksums_[version] (if still kept). Replica ordering: those replica bytes stay unchanged until WaitForChecksums
   // returned: a parameter is loaded once per update, and the replica is next written only after StartUpdate (or
-  // replaced by Configure), which both wait first. Caller holds ingest_mu_.
+  // replaced by Configure), which both wait first. Caller holds ingest_mu_ (shared is enough).
   void RecordChecksums(int64_t version, const std::vector<replica::ReadyParam>& ready);
-  // Blocks until every queued hash has been taken; returns the seconds waited. Caller holds ingest_mu_ (so nothing
-  // queues more meanwhile), not mu_ (the jobs take it).
+  // Blocks until every queued hash has been taken; returns the seconds waited. Caller holds ingest_mu_ exclusively
+  // (so nothing queues more meanwhile), not mu_ (the jobs take it).
   double WaitForChecksums();
   // cv_.wait_for(wait, pred) that also polls `cancelled` every kCancelPoll (then *gone = true, returns false).
   template <typename Pred>
@@ -203,22 +224,39 @@ class SourceNode {
                                                   const CancelFn& cancelled);
   // A tensor pushed in slices (shard-aware plans): assembled here until every rectangle this node's writes read has
   // arrived, then ingested whole. Only the rectangles received are meaningful; parameters reading anything else are
-  // never written (they are not this node's to write).
+  // never written (they are not this node's to write). Slices of one tensor from several ranks are copied in at
+  // once (disjoint rectangles); everything but `data`'s bytes is under staged_mu_.
   struct Staged {
     DType dtype = DType::kInvalid;
     std::vector<int64_t> shape;
     std::vector<uint8_t> data;            // the whole tensor; allocated at the first slice this node needs
-    std::vector<TensorSlice> got;         // rectangles received in this update (disjoint)
+    std::vector<TensorSlice> got;         // rectangles claimed in this update (disjoint)
+    std::vector<TensorSlice> landed;      // those of them copied into `data`
+    int copying = 0;                      // claimed, not landed yet
     std::vector<replica::TensorRead> need;  // what this node's writes read of it
     bool constant = false;                // a required parameter only needs the tensor to arrive
-    bool done = false;                    // ingested
+    bool done = false;                    // handed to the replica (by the slice that completed it)
   };
+  // One tensor of a bucket: whole, or a slice of one.
+  struct BucketTensor {
+    replica::HfTensor t;
+    std::optional<TensorSlice> slice;
+    Staged* staged = nullptr;  // a slice's tensor, set when claimed
+  };
+  // Checks every tensor of `bucket` (nothing is written) and claims them for this update, all or none: whole tensors
+  // in the replica, slices in staged_. A refusal names the tensor.
+  absl::Status ClaimBucket(const BucketView& bucket, std::vector<BucketTensor>* tensors);
+  // Loads claimed tensors into the replica and appends the parameters they completed.
+  absl::Status LoadBucket(const std::vector<BucketTensor>& tensors, std::vector<replica::ReadyParam>* ready);
   // Checks one slice against the model, the open update's earlier slices and `bucket` (the slices before it in the
-  // same bucket). Caller holds ingest_mu_.
+  // same bucket). Caller holds staged_mu_.
   absl::Status CheckSlice(const TensorSlice& s, DType dtype, uint64_t bytes,
                           const std::vector<std::pair<TensorSlice, DType>>& bucket);
-  // Copies a checked slice in; when the tensor is complete, ingests it and appends the ready parameters.
-  absl::Status StageSlice(const TensorSlice& s, DType dtype, const uint8_t* data, std::vector<replica::ReadyParam>* ready);
+  // Records a checked slice as claimed in staged_ (creating its entry). Caller holds staged_mu_.
+  Staged* ReserveSlice(const TensorSlice& s, DType dtype);
+  // Copies a claimed slice in; the slice that completes the tensor ingests it and appends the ready parameters.
+  absl::Status StageSlice(const TensorSlice& s, Staged* st, const uint8_t* data,
+                          std::vector<replica::ReadyParam>* ready);
   // "engine E rank R at D": how every error about a target names it.
   static std::string Who(const Target& t);
   // Cancels every in-flight and later write of the open update (Endpoint::Cancel on every target): a write blocked on
@@ -228,10 +266,11 @@ class SourceNode {
   // "node N at D (engine E rank R, ...)": `t`'s node and every engine rank this source writes on it (what a failed
   // link to that node affects). Requires mu_ or ingest_mu_ (targets_ is replaced under both).
   std::string NodeRanks(const Target& t) const;
-  // Creates `t`'s endpoint and connects it through the target daemon (connect_). Caller holds ingest_mu_, not mu_.
+  // Creates `t`'s endpoint and connects it through the target daemon (connect_). Caller holds ingest_mu_
+  // exclusively, not mu_.
   absl::Status ConnectEndpoint(Target* t);
   // Waits for every outstanding batch and forgets them; a failed Wait marks its target broken. Returns the first
-  // error, naming the target. Caller holds ingest_mu_.
+  // error, naming the target. Caller holds ingest_mu_ exclusively.
   absl::Status DrainOutstanding(absl::Duration timeout);
   Session* FindSession(const std::string& id);
   // PermissionDenied for an id that names no open session (never echoes the id).
@@ -270,7 +309,8 @@ class SourceNode {
   v1::Fp8PushHint fp8_hint_;
   size_t push_slices_ = 0;
   // Per layout and param: whether some target of this node takes bytes of it (what an update must complete), and
-  // whether it completed in the open update.
+  // whether it completed in the open update (set by the one bucket whose load completed it, without a lock: one
+  // writer per element per update; read by FinishUpdate under the exclusive ingest lock).
   std::vector<std::vector<char>> required_, completed_;
 
   // Current update.
@@ -302,10 +342,13 @@ class SourceNode {
   // Hashes the ranges posted (null with write_checksums off). Declared after everything its jobs touch; the
   // destructor drains it first.
   std::unique_ptr<HashPool> hasher_;
-  std::map<std::string, Staged> staged_;  // tensors being assembled from slices in the open update (ingest_mu_)
-  // One bucket at a time through the replica and the endpoints. Targets' endpoints, outstanding batches and
-  // broken state are touched only with it held.
-  std::mutex ingest_mu_;
+  // Tensors being assembled from slices in the open update (cleared under ingest_mu_ exclusive).
+  std::mutex staged_mu_;
+  std::map<std::string, Staged> staged_;
+  // Buckets hold it shared, so different ranks' buckets are validated, loaded and posted in parallel; what replaces
+  // or drains what they use (StartUpdate, Configure, the drains of FinishUpdate and AbortUpdate) holds it exclusive.
+  // Targets' endpoints and outstanding batches are touched only with it held (shared: plus the target's mu).
+  std::shared_mutex ingest_mu_;
 };
 
 }  // namespace wsync::daemon

@@ -1,0 +1,537 @@
+// A source's data path under eight trainer ranks pushing at once, driven in-process: a real SourceNode with the
+// tiny Qwen3 model's replica, eight sessions each pushing through its own real ring from its own thread, three
+// engine ranks (engine "a" at TP 1, engine "b" at TP 2) whose memory a copy transport fills at each Post. The ranks'
+// shares interleave: q/k/v (fused into one qkv_proj) and gate/up come from different ranks, the embedding arrives as
+// eight row slices (one per rank) and a down_proj as four column slices, so ranks write different parts of the same
+// engine parameters concurrently. The expectation is independent: the reference engine's own loader
+// (tools/testing/engine_ref) computes every byte each engine rank must hold after each update, from the same
+// generated checkpoint. A tensor refused (a wrong shape, an overlapping slice) must leave every parameter reading
+// it untouched in every engine. And a bucket held inside the data path holds up neither another rank's bucket nor a
+// session hand-over (with a node-wide ingest lock both would wait for it).
+
+#include <algorithm>
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <condition_variable>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "base/tensor_slice.h"
+#include "client/ring/ring.h"
+#include "daemon/common/convert.h"
+#include "daemon/node/source_node.h"
+#include "replica/model_config.h"
+#include "replica/param_table.h"
+#include "tools/testdata/weight_gen.h"
+#include "tools/testing/engine_ref/ref_model.h"
+#include "transport/transport.h"
+
+namespace wsync::daemon {
+namespace {
+
+class HostLocal : public transport::LocalRegion {
+ public:
+  HostLocal(void* a, uint64_t n) : a_(a), n_(n) {}
+  void* addr() const override { return a_; }
+  uint64_t length() const override { return n_; }
+  std::string Descriptor() const override { return std::to_string(n_); }
+
+ private:
+  void* a_;
+  uint64_t n_;
+};
+
+// An engine rank's memory: a host buffer the copy endpoint writes into.
+class EngineMemory : public transport::RemoteRegion {
+ public:
+  explicit EngineMemory(uint64_t n) : bytes(n, 0) {}
+  uint64_t length() const override { return bytes.size(); }
+  mutable std::vector<uint8_t> bytes;
+};
+
+// Copies every write at Post: what the replica held when the parameter was handed over is what the engine gets, so
+// a parameter posted before all its parts were loaded shows up as wrong bytes.
+class CopyEndpoint : public transport::Endpoint {
+ public:
+  std::string LocalInfo() const override { return "copy"; }
+  absl::Status Connect(const std::string&, absl::Duration) override { return absl::OkStatus(); }
+  absl::StatusOr<transport::BatchId> Post(absl::Span<const transport::WriteRequest> writes) override {
+    // The transport contract: one thread at a time per endpoint. A second one inside Post is the source's bug.
+    if (in_post_.exchange(true)) return absl::InternalError("two threads in Post of one endpoint");
+    for (const auto& w : writes) {
+      if (auto st = transport::ValidateWrite(w); !st.ok()) {
+        in_post_ = false;
+        return st;
+      }
+      auto* dst = static_cast<const EngineMemory*>(w.dst);
+      std::memcpy(dst->bytes.data() + w.dst_offset, static_cast<const uint8_t*>(w.src->addr()) + w.src_offset,
+                  w.length);
+    }
+    in_post_ = false;
+    return ++next_;
+  }
+  absl::Status Wait(transport::BatchId, absl::Duration) override { return absl::OkStatus(); }
+  std::string PeerName() const override { return "copy peer"; }
+
+ private:
+  std::atomic<bool> in_post_{false};
+  transport::BatchId next_ = 0;
+};
+
+// Imports regions in plan order: engines[i] is the i-th target's (one segment each).
+class CopyTransport : public transport::Transport {
+ public:
+  std::vector<const EngineMemory*> engines;
+  std::string name() const override { return "copy"; }
+  bool viable() const override { return true; }
+  std::string reason() const override { return ""; }
+  absl::StatusOr<std::unique_ptr<transport::LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
+    return std::make_unique<HostLocal>(addr, len);
+  }
+  absl::StatusOr<std::unique_ptr<transport::RemoteRegion>> ImportRegion(const std::string& d) override {
+    auto m = std::make_unique<EngineMemory>(std::stoull(d));
+    engines.push_back(m.get());
+    return m;
+  }
+  absl::StatusOr<std::unique_ptr<transport::Endpoint>> CreateEndpoint() override {
+    return std::make_unique<CopyEndpoint>();
+  }
+};
+
+constexpr int64_t kPlan = 5;
+constexpr int kRanks = 8;
+constexpr const char* kEmbed = "model.embed_tokens.weight";
+constexpr const char* kDown = "model.layers.0.mlp.down_proj.weight";  // four column slices (ranks 0-3)
+constexpr const char* kBadK = "model.layers.1.self_attn.k_proj.weight";
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path);
+  REQUIRE(f.good());
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+// One frame a rank pushes: a whole tensor or a slice of one.
+struct Frame {
+  std::string name;  // the frame name (slices: EncodeSliceName)
+  std::string tensor;
+  std::vector<int64_t> shape;    // the frame's (a slice's extents)
+  std::vector<int64_t> offsets;  // slices only
+};
+
+struct Engine {
+  int tp = 1, rank = 0;
+  replica::ParamTable table;  // the layout the engine reports (and the source writes)
+};
+
+struct Harness {
+  CopyTransport transport;
+  std::unique_ptr<SourceNode> node;
+  std::string json;
+  std::unique_ptr<replica::ModelConfig> cfg;
+  std::map<std::string, replica::TensorSpec> specs;
+  std::vector<Engine> engines;  // in plan order
+  std::vector<std::string> sessions;
+  std::vector<ScopedFd> fds;
+  std::vector<std::vector<Frame>> frames;  // per rank, in push order
+
+  explicit Harness(std::function<void(const BucketTiming&)> observer = nullptr) {
+    json = ReadFile(WSYNC_TINY_MODEL);
+    auto c = replica::ModelConfig::FromJson(json);
+    REQUIRE(c.ok());
+    cfg = std::make_unique<replica::ModelConfig>(*c);
+    auto all = replica::CheckpointTensors(*cfg);
+    REQUIRE(all.ok());
+    for (const auto& t : *all) specs[t.name] = t;
+
+    v1::ConfigureSourceRequest req;
+    req.set_model_config_json(json);
+    req.set_plan_epoch(kPlan);
+    const std::vector<std::pair<std::string, int>> engine_tp = {{"a", 1}, {"b", 2}};
+    for (const auto& [id, tp] : engine_tp) {
+      for (int r = 0; r < tp; ++r) {
+        const auto rp = replica::RankParallelism::ForTp(tp, r);
+        auto table = replica::BuildParamTable(*cfg, rp, replica::QuantSpec());
+        REQUIRE(table.ok());
+        auto* t = req.add_targets();
+        t->set_engine_id(id);
+        t->set_rank(r);
+        t->set_target_daemon("nowhere:1");
+        t->set_engine_kind("reference");
+        auto* l = t->mutable_layout();
+        *l->mutable_parallelism() = ToProto(rp);
+        for (const auto& p : table->params()) {
+          auto* d = l->add_params();
+          d->set_name(p.name);
+          d->set_dtype(std::string(DTypeName(p.dtype)));
+          for (int64_t s : p.shape) d->add_shape(s);
+          d->set_bytes(p.bytes);
+          d->set_offset(p.offset);
+          d->set_segment(0);
+        }
+        auto* seg = l->add_segments();
+        seg->set_id(0);
+        seg->set_kind("host");
+        seg->set_bytes(table->total_bytes());
+        seg->set_region_descriptor(std::to_string(seg->bytes()));
+        l->set_region_bytes(seg->bytes());
+        engines.push_back({tp, r, *std::move(table)});
+      }
+    }
+
+    // The push: the embedding in eight row slices (one per rank), the down_proj in four column slices (ranks 0-3),
+    // every other tensor whole, round-robin (so q/k/v and gate/up of a layer come from different ranks).
+    frames.resize(kRanks);
+    std::vector<v1::RankPushFilter*> filters;
+    for (int r = 0; r < kRanks; ++r) {
+      auto* f = req.add_push_filters();
+      f->set_local_rank(r);
+      filters.push_back(f);
+    }
+    auto add_slice = [&](int rank, const std::string& name, std::vector<int64_t> offsets, std::vector<int64_t> ext) {
+      const auto& full = specs.at(name).shape;
+      auto* sp = filters[rank]->add_slices();
+      sp->set_name(name);
+      for (int64_t d : full) sp->add_shape(d);
+      for (int64_t o : offsets) sp->add_offsets(o);
+      for (int64_t e : ext) sp->add_extents(e);
+      frames[rank].push_back({EncodeSliceName(name, full, offsets), name, ext, offsets});
+    };
+    const auto& emb = specs.at(kEmbed).shape;
+    for (int r = 0; r < kRanks; ++r) {
+      const int64_t r0 = emb[0] * r / kRanks, r1 = emb[0] * (r + 1) / kRanks;
+      add_slice(r, kEmbed, {r0, 0}, {r1 - r0, emb[1]});
+    }
+    const auto& down = specs.at(kDown).shape;
+    for (int r = 0; r < 4; ++r) {
+      const int64_t c0 = down[1] * r / 4, c1 = down[1] * (r + 1) / 4;
+      add_slice(r, kDown, {0, c0}, {down[0], c1 - c0});
+    }
+    int i = 0;
+    for (const auto& t : *all) {
+      if (t.name == kEmbed || t.name == kDown) continue;
+      const int r = i++ % kRanks;
+      filters[r]->add_tensor_names(t.name);
+      frames[r].push_back({t.name, t.name, t.shape, {}});
+    }
+
+    SourceOptions o;
+    o.node_id = "src";
+    o.trainer_ranks = kRanks;
+    o.ring_bytes = 4 << 20;
+    o.push_timeout = absl::Seconds(30);
+    o.write_checksum_threads = 2;
+    o.bucket_observer = std::move(observer);
+    node = std::make_unique<SourceNode>(
+        o, &transport, [](const std::string&, const v1::ConnectTargetRequest&) -> absl::StatusOr<std::string> {
+          return std::string("copy");
+        });
+    auto cr = node->Configure(req);
+    INFO(cr.status().ToString());
+    REQUIRE(cr.ok());
+    REQUIRE(transport.engines.size() == engines.size());
+    for (int r = 0; r < kRanks; ++r) {
+      SessionRequest sr;
+      sr.local_rank = r;
+      auto s = node->OpenSession(sr);
+      REQUIRE(s.ok());
+      sessions.push_back(s->id);
+      fds.push_back(std::move(s->ring_fd));
+    }
+  }
+
+  // The full tensor of checkpoint `step`, as the reference engine generates it.
+  std::vector<uint8_t> Tensor(const std::string& name, int64_t step) const {
+    const auto& s = specs.at(name);
+    std::vector<uint8_t> out(s.bytes());
+    tools::GenerateTensor(name, step, s.dtype, s.bytes() / DTypeSize(s.dtype), out.data());
+    return out;
+  }
+
+  // What a rank's frame carries in update `step` (a slice's rectangle cut from the full tensor).
+  std::vector<uint8_t> FrameData(const Frame& f, int64_t step) const {
+    std::vector<uint8_t> full = Tensor(f.tensor, step);
+    if (f.offsets.empty()) return full;
+    const auto& shape = specs.at(f.tensor).shape;
+    const size_t es = DTypeSize(specs.at(f.tensor).dtype);
+    const size_t row = static_cast<size_t>(f.shape[1]) * es;
+    std::vector<uint8_t> out(static_cast<size_t>(f.shape[0]) * row);
+    for (int64_t r = 0; r < f.shape[0]; ++r)
+      std::memcpy(out.data() + r * row, full.data() + ((f.offsets[0] + r) * shape[1] + f.offsets[1]) * es, row);
+    return out;
+  }
+
+  // One bucket of rank `rank` holding the whole tensors `names` of checkpoint `step`, committed from this thread.
+  absl::StatusOr<v1::CommitBucketReply> Bucket(int rank, const std::vector<std::string>& names, int64_t step) {
+    auto prod = RingProducer::Attach(fds[rank].get());
+    if (!prod.ok()) return prod.status();
+    for (const auto& n : names) {
+      const std::vector<uint8_t> data = Tensor(n, step);
+      auto dst = prod->BeginTensor(n, specs.at(n).dtype, specs.at(n).shape, data.size(), absl::Seconds(5));
+      if (!dst.ok()) return dst.status();
+      std::memcpy(*dst, data.data(), data.size());
+      if (auto st = prod->FinishTensor(); !st.ok()) return st;
+    }
+    auto seq = prod->CommitBucket();
+    if (!seq.ok()) return seq.status();
+    v1::CommitBucketRequest cb;
+    cb.set_session_id(sessions[rank]);
+    cb.set_bucket_seq(*seq);
+    return node->CommitBucket(cb);
+  }
+
+  absl::Status Start(int64_t v) {
+    v1::StartUpdateRequest r;
+    r.set_version(v);
+    r.set_plan_epoch(kPlan);
+    return node->StartUpdate(r);
+  }
+  absl::StatusOr<v1::FinishUpdateReply> Finish(int64_t v) {
+    v1::FinishUpdateRequest r;
+    r.set_version(v);
+    r.set_plan_epoch(kPlan);
+    r.set_timeout_seconds(60);
+    return node->FinishUpdate(r);
+  }
+
+  // Every rank pushes its frames of checkpoint `step` as update `step`, from its own thread, all released at once;
+  // buckets of three frames, each committed from the rank's thread. `mutate(rank, frame)` may change a frame's shape
+  // or offsets (the data stays the frame's bytes). Returns every CommitBucket error, by rank.
+  std::map<int, std::vector<absl::Status>> PushAll(int64_t step,
+                                                   const std::function<void(int, Frame*)>& mutate = nullptr) {
+    std::mutex mu;
+    std::condition_variable cv;
+    int ready = 0;
+    std::map<int, std::vector<absl::Status>> errors;
+    std::vector<std::thread> threads;
+    std::atomic<int> failures{0};
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        auto fail = [&](const absl::Status& st) {
+          std::lock_guard<std::mutex> l(mu);
+          errors[r].push_back(st);
+          ++failures;
+        };
+        // Frames prepared before the start, so the ranks' commits overlap as much as they can.
+        std::vector<Frame> mine = frames[r];
+        std::vector<std::vector<uint8_t>> data;
+        for (auto& f : mine) {
+          data.push_back(FrameData(f, step));
+          if (mutate) mutate(r, &f);
+        }
+        v1::BeginPushRequest bp;
+        bp.set_session_id(sessions[r]);
+        bp.set_version(step);
+        auto names = node->BeginPush(bp);
+        if (!names.ok()) return fail(names.status());
+        auto prod = RingProducer::Attach(fds[r].get());
+        if (!prod.ok()) return fail(prod.status());
+        {
+          std::unique_lock<std::mutex> l(mu);
+          ++ready;
+          cv.notify_all();
+          cv.wait(l, [&] { return ready == kRanks; });
+        }
+        for (size_t i = 0; i < mine.size(); ++i) {
+          const Frame& f = mine[i];
+          auto dst = prod->BeginTensor(f.name, specs.at(f.tensor).dtype, f.shape, data[i].size(), absl::Seconds(10));
+          if (!dst.ok()) return fail(dst.status());
+          std::memcpy(*dst, data[i].data(), data[i].size());
+          if (auto st = prod->FinishTensor(); !st.ok()) return fail(st);
+          if (i % 3 != 2 && i + 1 != mine.size()) continue;
+          auto seq = prod->CommitBucket();
+          if (!seq.ok()) return fail(seq.status());
+          v1::CommitBucketRequest cb;
+          cb.set_session_id(sessions[r]);
+          cb.set_bucket_seq(*seq);
+          if (auto c = node->CommitBucket(cb); !c.ok()) fail(c.status());
+        }
+        v1::EndPushRequest ep;
+        ep.set_session_id(sessions[r]);
+        ep.set_version(step);
+        if (auto st = node->EndPush(ep); !st.ok()) fail(st);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return errors;
+  }
+
+  size_t NumParams() const {
+    size_t n = 0;
+    for (const auto& e : engines) n += e.table.params().size();
+    return n;
+  }
+
+  // Per engine rank: the parameters whose bytes differ from what the reference engine's loader computes for
+  // checkpoint `step`.
+  std::vector<std::string> Mismatches(int64_t step) const {
+    auto rc = engine_ref::ParseRefConfig(json);
+    REQUIRE(rc.ok());
+    std::vector<std::string> bad;
+    for (size_t e = 0; e < engines.size(); ++e) {
+      const Engine& en = engines[e];
+      auto layout = engine_ref::BuildRefLayout(*rc, en.tp, en.rank);
+      REQUIRE(layout.ok());
+      std::vector<uint8_t> expected(layout->total_bytes);
+      REQUIRE(engine_ref::ComputeExpected(*rc, en.tp, en.rank, *layout, step, expected.data()).ok());
+      REQUIRE(layout->params.size() == en.table.params().size());
+      for (const auto& rp : layout->params) {
+        const replica::EngineParam* p = en.table.Find(rp.name);
+        REQUIRE(p != nullptr);
+        REQUIRE(p->bytes == rp.bytes);
+        if (std::memcmp(transport.engines[e]->bytes.data() + p->offset, expected.data() + rp.offset, rp.bytes) != 0)
+          bad.push_back(absl::StrCat("tp", en.tp, "/", en.rank, ":", rp.name));
+      }
+    }
+    return bad;
+  }
+};
+
+std::string Join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += s + " ";
+  return out;
+}
+
+std::string Errors(const std::map<int, std::vector<absl::Status>>& e) {
+  std::string out;
+  for (const auto& [r, list] : e)
+    for (const auto& s : list) out += absl::StrCat("rank ", r, ": ", s.ToString(), "\n");
+  return out;
+}
+
+TEST_CASE("source under eight concurrent ranks: every byte of every engine rank matches the reference loader") {
+  Harness h;
+  for (int64_t step = 1; step <= 3; ++step) {
+    INFO("update " << step);
+    REQUIRE(h.Start(step).ok());
+    const auto errors = h.PushAll(step);
+    INFO(Errors(errors));
+    REQUIRE(errors.empty());
+    auto fin = h.Finish(step);
+    INFO(fin.status().ToString());
+    REQUIRE(fin.ok());
+    const auto bad = h.Mismatches(step);
+    INFO(Join(bad));
+    CHECK(bad.empty());
+  }
+  // Every update's bytes differ from the last one's (else the checks could not tell an update that wrote nothing).
+  CHECK(h.Mismatches(2).size() == h.NumParams());
+}
+
+TEST_CASE("source under eight concurrent ranks: a refused tensor or slice leaves its parameters untouched") {
+  Harness h;
+  REQUIRE(h.Start(1).ok());
+  REQUIRE(h.PushAll(1).empty());
+  REQUIRE(h.Finish(1).ok());
+  REQUIRE(h.Mismatches(1).empty());
+
+  // Update 2: the rank pushing layer 1's k_proj sends it with a wrong shape (same bytes), and rank 5's embedding
+  // slice overlaps rank 4's (whichever claims second is refused). Every other tensor arrives, concurrently.
+  REQUIRE(h.Start(2).ok());
+  const auto errors = h.PushAll(2, [&](int rank, Frame* f) {
+    if (f->name == kBadK) std::swap(f->shape[0], f->shape[1]);
+    if (rank == 5 && f->tensor == kEmbed) {
+      f->offsets[0] -= 1;
+      f->name = EncodeSliceName(kEmbed, h.specs.at(kEmbed).shape, f->offsets);
+    }
+  });
+  std::string all = Errors(errors);
+  INFO(all);
+  CHECK(absl::StrContains(all, kBadK));
+  CHECK(absl::StrContains(all, "overlaps"));
+  CHECK(absl::StrContains(all, "nothing from it was written"));
+  auto fin = h.Finish(2);
+  CHECK_FALSE(fin.ok());
+
+  // The parameters reading a refused tensor hold update 1's bytes in every engine rank; the rest hold update 2's
+  // except those that shared a refused bucket with them.
+  const auto stale = h.Mismatches(2);
+  const auto fresh = h.Mismatches(1);
+  std::set<std::string> untouched(fresh.begin(), fresh.end());
+  INFO("not update 2's: " << Join(stale));
+  INFO("not update 1's: " << Join(fresh));
+  for (const auto& e : h.engines) {
+    const std::string who = absl::StrCat("tp", e.tp, "/", e.rank, ":");
+    CHECK(untouched.count(who + "model.layers.1.self_attn.qkv_proj.weight") == 0);  // still update 1's
+    CHECK(untouched.count(who + "model.embed_tokens.weight") == 0);
+    CHECK(std::count(stale.begin(), stale.end(), who + "model.layers.1.self_attn.qkv_proj.weight") == 1);
+    CHECK(std::count(stale.begin(), stale.end(), who + "model.embed_tokens.weight") == 1);
+  }
+  CHECK(stale.size() < h.NumParams() / 2);  // the other ranks' buckets went through: most parameters are update 2's
+  for (const auto& s : stale) CHECK(untouched.count(s) == 0);  // a parameter is either update 1's or update 2's
+
+  // The next update is whole again.
+  REQUIRE(h.Start(3).ok());
+  const auto e3 = h.PushAll(3);
+  INFO(Errors(e3));
+  REQUIRE(e3.empty());
+  auto fin3 = h.Finish(3);
+  INFO(fin3.status().ToString());
+  REQUIRE(fin3.ok());
+  CHECK(h.Mismatches(3).empty());
+}
+
+TEST_CASE("source: a bucket still being worked on holds up neither another rank's bucket nor a session hand-over") {
+  // Rank 0's bucket stops after posting (the observer waits, bounded), still inside the node's data path.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool inside = false, release = false;
+  Harness h([&](const BucketTiming& b) {
+    if (b.local_rank != 0) return;
+    std::unique_lock<std::mutex> l(mu);
+    inside = true;
+    cv.notify_all();
+    cv.wait_for(l, std::chrono::seconds(10), [&] { return release; });
+  });
+  REQUIRE(h.Start(1).ok());
+  auto stuck = std::async(std::launch::async, [&] { return h.Bucket(0, {"model.norm.weight"}, 1); });
+  {
+    std::unique_lock<std::mutex> l(mu);
+    REQUIRE(cv.wait_for(l, std::chrono::seconds(10), [&] { return inside; }));
+  }
+  // Meanwhile: another rank's bucket goes through, a rank reconnects (a new session), status answers.
+  auto other =
+      std::async(std::launch::async, [&] { return h.Bucket(1, {"model.layers.0.input_layernorm.weight"}, 1); });
+  auto reopen = std::async(std::launch::async, [&] {
+    // Rank 7's process went away (its hand-over connection closed) and a new one takes its place.
+    h.node->SessionDisconnected(h.sessions[7], "test: hand-over connection closed");
+    SessionRequest sr;
+    sr.local_rank = 7;
+    return h.node->OpenSession(sr);
+  });
+  auto status = std::async(std::launch::async, [&] { return h.node->Status(); });
+  const bool other_done = other.wait_for(std::chrono::seconds(3)) == std::future_status::ready;
+  const bool reopen_done = reopen.wait_for(std::chrono::seconds(3)) == std::future_status::ready;
+  const bool status_done = status.wait_for(std::chrono::seconds(3)) == std::future_status::ready;
+  {
+    std::lock_guard<std::mutex> l(mu);
+    release = true;
+  }
+  cv.notify_all();
+  CHECK(other_done);
+  CHECK(reopen_done);
+  CHECK(status_done);
+  auto o = other.get();
+  INFO(o.status().ToString());
+  CHECK(o.ok());
+  CHECK(reopen.get().ok());
+  auto st = stuck.get();
+  INFO(st.status().ToString());
+  CHECK(st.ok());
+}
+
+}  // namespace
+}  // namespace wsync::daemon
