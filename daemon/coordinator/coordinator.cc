@@ -574,7 +574,7 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   ended_cv_.notify_all();
 }
 
-absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in, bool may_have_written) {
+absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in, bool may_have_written, bool stopping) {
   const int64_t v = rec.version();
   std::lock_guard<std::mutex> l(mu_);
   absl::Status why = why_in;
@@ -604,7 +604,27 @@ absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in,
     aborted_[v] = out;
     while (aborted_.size() > std::max<size_t>(opts_.history_limit, 1)) aborted_.erase(aborted_.begin());
   }
+  if (stopping) {
+    state_ = "aborting";  // ended and recorded; FailAndStopSources leaves it once sources and targets were told
+    open_version_ = v;
+  }
   spdlog::error("{}", err.ToString());
+  return err;
+}
+
+absl::Status Coordinator::FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, const std::string& phase,
+                                             const std::set<std::string>& skip) {
+  const int64_t v = rec.version();
+  absl::Status err = Fail(std::move(rec), why, /*may_have_written=*/true, /*stopping=*/true);
+  uint64_t bytes = 0;
+  AbortSources(v, absl::StrCat("aborted by the operator while the update was ", phase), &bytes);
+  SetWindows(false, v, skip).IgnoreError();
+  std::lock_guard<std::mutex> l(mu_);
+  state_ = "failed";
+  open_version_ = -1;
+  Persist();
+  ended_cv_.notify_all();
+  if (bytes > 0) spdlog::warn("update {}: {} bytes of it had reached the engines when it was aborted", v, bytes);
   return err;
 }
 
@@ -772,15 +792,8 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     return Annotate(Remote(a, [&] { return peers_->StartUpdate(a, sreq); }), "start source " + NodeLabel(a));
   });
   // Sources started (or were being started) when an abort came: they may take pushes already, so they are told to
-  // abort; what they report decides whether the engines may be resumed.
-  const auto abort_started = [&](const absl::Status& why) {
-    uint64_t bytes = 0;
-    const bool clean = AbortSources(v, "aborted by the operator while the update was beginning", &bytes);
-    SetWindows(false, v).IgnoreError();
-    rec.set_bytes(bytes);
-    return Fail(rec, why, !clean);
-  };
-  if (AbortAsked()) return abort_started(st);
+  // abort.
+  if (AbortAsked()) return FailAndStopSources(rec, st, "beginning");
   // A source that started may already take pushes from its ranks: count the update as possibly written.
   if (!st.ok()) {
     SetWindows(false, v).IgnoreError();
@@ -805,7 +818,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       return out;
     }
   }
-  return abort_started(absl::OkStatus());
+  return FailAndStopSources(rec, absl::OkStatus(), "beginning");
 }
 
 absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::CommitUpdateRequest& req) {
@@ -878,13 +891,6 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   // commit does not wait on targets that are unreachable (lost their lease, or missed their last heartbeat): their
   // window closes when they come back (the next update's windows), and nothing writes meanwhile.
   std::set<std::string> unreachable;
-  const bool abort_asked = AbortAsked();
-  if (abort_asked) {
-    // The operator's abort cancelled the sources' FinishUpdate: their writes may still run; stop them.
-    uint64_t aborted_bytes = 0;
-    AbortSources(v, "aborted by the operator while the update was committing", &aborted_bytes);
-    rec.set_bytes(std::max<uint64_t>(bytes, aborted_bytes));
-  }
   if (!st.ok()) {
     std::lock_guard<std::mutex> l(mu_);
     unreachable = commit_lost_;
@@ -897,10 +903,12 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     if (!commit_lost_why_.empty() && !absl::StrContains(st.message(), commit_lost_why_))
       st = absl::Status(st.code(), absl::StrCat(commit_lost_why_, "; ", st.message()));
   }
-  SetWindows(false, v, unreachable).IgnoreError();
   for (const auto& a : unreachable) spdlog::warn("update {}: write window of {} not closed (unreachable)", v, a);
+  // The operator's abort cancelled the sources' FinishUpdate: their writes may still run; they are stopped.
+  if (AbortAsked()) return FailAndStopSources(rec, st, "committing", unreachable);
+  SetWindows(false, v, unreachable).IgnoreError();
   // Weights may be partly written: the engines stay paused at their old version rather than resume silently.
-  if (!st.ok() || abort_asked) return Fail(rec, st, true);
+  if (!st.ok()) return Fail(rec, st, true);
   absl::Time t = absl::Now();
   const std::string version = std::to_string(v);
   st = ForAll(engines, [&](const std::string& a) {
@@ -991,12 +999,13 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
     std::vector<std::string> addrs;
     {
       std::unique_lock<std::mutex> l(mu_);
-      if (open_version_ != v) break;
+      if (open_version_ != v || aborted_.count(v)) break;
       for (const auto& [a, n] : in_flight_) addrs.push_back(a);
     }
     for (const auto& a : addrs) peers_->CancelCalls(a);
     std::unique_lock<std::mutex> l(mu_);
-    if (ended_cv_.wait_for(l, std::chrono::milliseconds(50), [&] { return open_version_ != v; })) break;
+    if (ended_cv_.wait_for(l, std::chrono::milliseconds(50), [&] { return open_version_ != v || aborted_.count(v); }))
+      break;
   }
   std::lock_guard<std::mutex> l(mu_);
   if (auto it = aborted_.find(v); it != aborted_.end()) return it->second;

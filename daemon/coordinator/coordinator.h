@@ -18,8 +18,9 @@
 //   AbortUpdate(v)  while v is open (updating): updating --> aborting --> failed; every source stops taking v's
 //                   pushes and drains its writes; the record says aborted and how many bytes reached the engines.
 //                   While v is beginning or committing: the calls in flight are cancelled (Peers::CancelCalls), no
-//                   further phase starts, the sources are told to abort, and the thread running the phase ends v as
-//                   aborted with the operator's reason at once; the abort returns the recorded answer. Engines stay
+//                   further phase starts, and the thread running the phase ends v as aborted with the operator's
+//                   reason at once (the abort returns the recorded answer); then, state aborting until done, it tells
+//                   started or finishing sources to abort and closes the write windows. Engines stay
 //                   paused at their old version, except those already continued at v before the abort (Continue
 //                   had returned for them): the record's error names those, and Status shows them serving at v.
 //                   A commit whose every Continue returned before the abort took effect has committed: the abort
@@ -254,8 +255,14 @@ class Coordinator {
   // `may_have_written`: whether a byte of it may have reached an engine (then engines stay paused until an update
   // succeeds).
   // When an operator asked to abort the update (AbortUpdate while beginning or committing), it is recorded as
-  // aborted with their reason, `why` appended.
-  absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written);
+  // aborted with their reason, `why` appended. `stopping`: the caller still tells the sources and targets (the
+  // update stays in progress, state aborting, until StopSources).
+  absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written, bool stopping = false);
+  // An operator's abort of an update whose sources were started: recorded at once (the AbortUpdate waiting for it
+  // returns), then the sources are told to abort and the windows close (`skip`: unreachable targets) while nothing
+  // new may begin — a stopped source would otherwise hold the abort for its call's deadline.
+  absl::Status FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, const std::string& phase,
+                                  const std::set<std::string>& skip = {});
   // Whether an operator asked to abort the beginning or committing update. Takes mu_.
   bool AbortAsked() const;
   // Tells every source to abort update `v` (best effort, not cancelled by an abort: it is the abort); returns

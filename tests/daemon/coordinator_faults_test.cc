@@ -119,11 +119,20 @@ class ScriptedPeers : public Peers {
   Coordinator* coordinator = nullptr;  // probed from inside every call
   std::chrono::milliseconds hang_deadline{400};
 
+  // Injects `fault` into every call `rpc` to `addr` from now on (replacing what was armed; Also: in addition).
   void Arm(Rpc rpc, Fault fault, const std::string& addr) {
     std::lock_guard<std::mutex> l(mu_);
-    rpc_ = rpc, fault_ = fault, victim_ = addr;
+    armed_.clear();
+    armed_[{rpc, addr}] = fault;
   }
-  void Disarm() { Arm(Rpc::kPause, Fault::kNone, ""); }
+  void AlsoArm(Rpc rpc, Fault fault, const std::string& addr) {
+    std::lock_guard<std::mutex> l(mu_);
+    armed_[{rpc, addr}] = fault;
+  }
+  void Disarm() {
+    std::lock_guard<std::mutex> l(mu_);
+    armed_.clear();
+  }
 
   absl::Status Pause(const std::string& addr, const std::string&) override {
     WSYNC_RETURN_IF_ERROR(Inject(Rpc::kPause, addr));
@@ -253,7 +262,7 @@ class ScriptedPeers : public Peers {
     {
       std::lock_guard<std::mutex> l(mu_);
       ++calls_[{rpc, addr}];
-      if (rpc == rpc_ && addr == victim_) fault = fault_;
+      if (auto it = armed_.find({rpc, addr}); it != armed_.end()) fault = it->second;
       gen = cancel_gen_[addr];
     }
     const std::string what = absl::StrCat(Name(rpc), " at ", addr, " (injected ", Name(fault), ")");
@@ -286,9 +295,7 @@ class ScriptedPeers : public Peers {
   const std::string config_json_ = TinyConfigJson();
   std::mutex mu_;
   std::condition_variable cv_;
-  Rpc rpc_ = Rpc::kPause;
-  Fault fault_ = Fault::kNone;
-  std::string victim_;
+  std::map<std::pair<Rpc, std::string>, Fault> armed_;
   int hanging_ = 0;
   std::map<std::string, uint64_t> cancel_gen_;
   std::map<std::string, int> cancels_;
@@ -636,6 +643,36 @@ TEST_CASE("faults: abort ends an update in every phase, at once, the hung call c
   SECTION("while PostProcess hangs") { AbortWhileHanging(Rpc::kPostProcess); }
   SECTION("while SetWeightVersion hangs") { AbortWhileHanging(Rpc::kSetWeightVersion); }
   SECTION("while Continue hangs (the engines already continued are named)") { AbortWhileHanging(Rpc::kContinue); }
+}
+
+TEST_CASE("faults: an abort returns at once even when the source it must stop does not answer (stopped process)") {
+  Cluster k;
+  REQUIRE(k.Update(1).ok());
+  REQUIRE(k.Begin(2).ok());
+  // s1 answers nothing any more, its AbortSourceUpdate included (a SIGSTOPped daemon), for 2 s.
+  k.peers->hang_deadline = 2s;
+  k.peers->Arm(Rpc::kFinishUpdate, Fault::kHang, "s1:1");
+  k.peers->AlsoArm(Rpc::kAbortSourceUpdate, Fault::kHang, "s1:1");
+  absl::Status driven = absl::UnknownError("not run");
+  std::thread driver([&] { driven = k.Commit(2); });
+  REQUIRE(k.peers->AwaitHanging());
+  const absl::Time t0 = absl::Now();
+  auto a = k.Abort(2, "stopped source");
+  const absl::Duration took = absl::Now() - t0;
+  // Recorded at once; nothing new begins while the sources are still being told.
+  CHECK(took < absl::Seconds(1));
+  INFO(a.status().ToString());
+  REQUIRE(a.ok());
+  CHECK(a->record().aborted());
+  CHECK_FALSE(a->engines_resumable());
+  CHECK(k.Begin(3).code() == absl::StatusCode::kFailedPrecondition);
+  driver.join();
+  CHECK(driven.code() == absl::StatusCode::kAborted);
+  CHECK(k.peers->Calls(Rpc::kAbortSourceUpdate, "s0:1") == 1);
+  CHECK(k.c->Status().state() == "failed");
+  k.peers->Disarm();
+  REQUIRE(k.Update(4).ok());
+  k.CheckAllServing("4");
 }
 
 TEST_CASE("faults: an abort that comes after every engine was continued finds the update committed") {
