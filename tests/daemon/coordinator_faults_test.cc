@@ -205,6 +205,12 @@ class ScriptedPeers : public Peers {
     cv_.notify_all();
   }
 
+  // Ends every hang now and from now on (a failed test does not wait for the hang deadlines).
+  void ReleaseAll() {
+    std::lock_guard<std::mutex> l(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
   // Blocks until a call hangs (at most 5 s); false if none did.
   bool AwaitHanging() {
     std::unique_lock<std::mutex> l(mu_);
@@ -280,7 +286,7 @@ class ScriptedPeers : public Peers {
         std::unique_lock<std::mutex> l(mu_);
         ++hanging_;
         cv_.notify_all();
-        const bool cancelled = cv_.wait_for(l, hang_deadline, [&] { return cancel_gen_[addr] != gen; });
+        const bool cancelled = cv_.wait_for(l, hang_deadline, [&] { return cancel_gen_[addr] != gen || released_; });
         --hanging_;
         if (cancelled) return absl::CancelledError(absl::StrCat(what, ": cancelled by the coordinator"));
         return absl::DeadlineExceededError(absl::StrCat(what, ": deadline exceeded"));
@@ -297,12 +303,24 @@ class ScriptedPeers : public Peers {
   std::condition_variable cv_;
   std::map<std::pair<Rpc, std::string>, Fault> armed_;
   int hanging_ = 0;
+  bool released_ = false;
   std::map<std::string, uint64_t> cancel_gen_;
   std::map<std::string, int> cancels_;
   std::map<std::pair<Rpc, std::string>, int> calls_;
   std::map<std::string, EngineTruth> engines_;
   std::map<std::string, SourceTruth> sources_;
   std::vector<std::string> blocked_;
+};
+
+// Joins `t` however the test leaves its scope, releasing the fake's hangs first.
+struct Joiner {
+  std::thread& t;
+  ScriptedPeers* peers;
+  ~Joiner() {
+    if (!t.joinable()) return;
+    peers->ReleaseAll();
+    t.join();
+  }
 };
 
 // Calls Status() every 5 ms from its own thread while it lives; the longest answer.
@@ -570,13 +588,14 @@ void AbortWhileHanging(Rpc rpc) {
   REQUIRE(k.Update(1).ok());
   REQUIRE(k.c->RegisterNode(Target("t2", "e2")).ok());  // update 2 configures the sources
   const Victim victim = VictimOf(rpc);
-  k.peers->hang_deadline = 60s;
+  k.peers->hang_deadline = 10s;  // far beyond the 1 s the abort has
   k.peers->Arm(rpc, Fault::kHang, victim.addr);
   const bool in_commit =
       rpc == Rpc::kFinishUpdate || rpc == Rpc::kPostProcess || rpc == Rpc::kSetWeightVersion || rpc == Rpc::kContinue;
   if (in_commit) REQUIRE(k.Begin(2).ok());
   absl::Status driven = absl::UnknownError("not run");
   std::thread driver([&] { driven = in_commit ? k.Commit(2) : k.Begin(2); });  // checked after the join
+  Joiner joiner{driver, k.peers};
   REQUIRE(k.peers->AwaitHanging());
   CHECK(k.c->Status().state() == (in_commit ? "committing" : "beginning"));
 
@@ -584,6 +603,7 @@ void AbortWhileHanging(Rpc rpc) {
   const absl::Time t0 = absl::Now();
   auto a = k.Abort(2, "bad step");
   const absl::Duration took = absl::Now() - t0;
+  if (!a.ok()) k.peers->ReleaseAll();
   driver.join();
   CHECK(probe.Stop() < absl::FromChrono(kAnswerWithin));
   CHECK(took < absl::Seconds(1));
@@ -655,6 +675,7 @@ TEST_CASE("faults: an abort returns at once even when the source it must stop do
   k.peers->AlsoArm(Rpc::kAbortSourceUpdate, Fault::kHang, "s1:1");
   absl::Status driven = absl::UnknownError("not run");
   std::thread driver([&] { driven = k.Commit(2); });
+  Joiner joiner{driver, k.peers};
   REQUIRE(k.peers->AwaitHanging());
   const absl::Time t0 = absl::Now();
   auto a = k.Abort(2, "stopped source");
