@@ -15,6 +15,7 @@
 #include "base/cli.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/common/config_digest.h"
 #include "planner/model_input.h"
 #include "planner/plan.h"
 #include "replica/model_config.h"
@@ -500,9 +501,64 @@ const Coordinator::Outcome* Coordinator::FindOutcome(int64_t v) const {
   return it == outcomes_.end() ? nullptr : &it->second;
 }
 
+template <typename Call>
+auto Coordinator::Remote(const std::string& addr, Call call) -> decltype(call()) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (abort_asked_)
+      return absl::CancelledError(
+          absl::StrCat("not called: update ", open_version_, " is being aborted by the operator"));
+    ++in_flight_[addr];
+  }
+  struct Done {
+    Coordinator* c;
+    const std::string& addr;
+    ~Done() {
+      std::lock_guard<std::mutex> l(c->mu_);
+      auto it = c->in_flight_.find(addr);
+      if (--it->second == 0) c->in_flight_.erase(it);
+    }
+  } done{this, addr};
+  return call();
+}
+
+bool Coordinator::AbortAsked() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return abort_asked_;
+}
+
+bool Coordinator::AbortSources(int64_t v, const std::string& why, uint64_t* bytes) {
+  std::vector<std::string> sources;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (const auto& [id, n] : nodes_)
+      if (n.role() == "source") sources.push_back(n.address());
+  }
+  v1::AbortSourceUpdateRequest req;
+  req.set_version(v);
+  req.set_reason(why);
+  std::mutex agg_mu;
+  bool clean = true;
+  ForAll(sources, [&](const std::string& a) {
+    auto r = peers_->AbortSourceUpdate(a, req);
+    std::lock_guard<std::mutex> l(agg_mu);
+    if (!r.ok()) {
+      clean = false;  // unknown: that source may have written
+      spdlog::warn("telling source {} to abort update {}: {}", a, v, r.status().ToString());
+      return absl::OkStatus();
+    }
+    *bytes += r->bytes_written();
+    if (r->bytes_written() > 0 || !r->quiescent()) clean = false;
+    return absl::OkStatus();
+  }).IgnoreError();  // best effort: a source that missed it abandons the update at the next StartUpdate
+  return clean;
+}
+
 void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   state_ = o.status.ok() ? "idle" : "failed";
   open_version_ = -1;
+  abort_asked_ = false;
+  abort_reason_.clear();
   SetLogUpdateVersion(-1);
   // BeginUpdate admits only versions newer than every one begun, so this never moves backwards; the check keeps it so.
   if (o.status.ok() && v > current_version_) current_version_ = v;
@@ -518,9 +574,17 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   ended_cv_.notify_all();
 }
 
-absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written) {
+absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in, bool may_have_written, bool stopping) {
   const int64_t v = rec.version();
   std::lock_guard<std::mutex> l(mu_);
+  absl::Status why = why_in;
+  const bool asked = abort_asked_ && !rec.aborted();
+  if (asked) {
+    rec.set_aborted(true);
+    why = absl::AbortedError(absl::StrCat(
+        "aborted by the operator", abort_reason_.empty() ? std::string() : absl::StrCat(": ", abort_reason_), " while ",
+        state_, why_in.ok() ? std::string() : absl::StrCat(" (", why_in.ToString(), ")")));
+  }
   if (may_have_written) engines_dirty_ = true;
   // Aborted: this update is over whatever is retried; a new update (a newer version) is the way forward.
   absl::Status err = absl::AbortedError(absl::StrCat(
@@ -531,7 +595,36 @@ absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why, bo
   rec.set_error(err.ToString());
   rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
   Finish(v, Outcome{err, v1::CommitUpdateReply()}, std::move(rec));
+  if (asked) {
+    // The answer of the AbortUpdate calls waiting for this update to end, and of their repeats.
+    v1::AbortUpdateReply out;
+    if (!history_.empty()) *out.mutable_record() = history_.back();
+    out.set_bytes_written(out.record().bytes());
+    out.set_engines_resumable(!engines_dirty_);
+    aborted_[v] = out;
+    while (aborted_.size() > std::max<size_t>(opts_.history_limit, 1)) aborted_.erase(aborted_.begin());
+  }
+  if (stopping) {
+    state_ = "aborting";  // ended and recorded; FailAndStopSources leaves it once sources and targets were told
+    open_version_ = v;
+  }
   spdlog::error("{}", err.ToString());
+  return err;
+}
+
+absl::Status Coordinator::FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, const std::string& phase,
+                                             const std::set<std::string>& skip) {
+  const int64_t v = rec.version();
+  absl::Status err = Fail(std::move(rec), why, /*may_have_written=*/true, /*stopping=*/true);
+  uint64_t bytes = 0;
+  AbortSources(v, absl::StrCat("aborted by the operator while the update was ", phase), &bytes);
+  SetWindows(false, v, skip).IgnoreError();
+  std::lock_guard<std::mutex> l(mu_);
+  state_ = "failed";
+  open_version_ = -1;
+  Persist();
+  ended_cv_.notify_all();
+  if (bytes > 0) spdlog::warn("update {}: {} bytes of it had reached the engines when it was aborted", v, bytes);
   return err;
 }
 
@@ -543,7 +636,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   rec.set_version(v);
   rec.set_started_unix_ms(absl::ToUnixMillis(start));
   std::vector<std::string> engines;
-  bool need_plan;
+  bool need_plan, need_configure;
   {
     std::unique_lock<std::mutex> l(mu_);
     // A retried BeginUpdate(v) while the first one is still running waits for it and shares its result.
@@ -574,6 +667,10 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     open_record_ = rec;
     Persist();
     need_plan = plan_epoch_ != membership_epoch_;
+    // A source without a recorded configuration (a configure failed, or its heartbeat reported that it does not
+    // hold the planned one) is configured again even when the plan is unchanged.
+    need_configure = need_plan;
+    for (const auto& [id, n] : nodes_) need_configure |= n.role() == "source" && !configured_.count(id);
   }
   v1::BeginUpdateReply out;
   out.set_version(v);
@@ -581,16 +678,18 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   const std::string mode = req.pause_mode().empty() ? "retract" : req.pause_mode();
   absl::Time t = absl::Now();
   absl::Status st = ForAll(engines, [&](const std::string& a) {
-    return Track(a, "paused", "pause", Annotate(peers_->Pause(a, mode), "pause " + EngineLabel(a)));
+    return Track(a, "paused", "pause",
+                 Annotate(Remote(a, [&] { return peers_->Pause(a, mode); }), "pause " + EngineLabel(a)));
   });
   AddPhase(&rec, "pause", t);
   out.set_pause_seconds(rec.phases(0).seconds());
-  if (!st.ok()) return Fail(rec, st, false);
+  if (!st.ok() || AbortAsked()) return Fail(rec, st, false);
 
   t = absl::Now();
   struct Configure {
     std::string node_id, address;
     v1::ConfigureSourceRequest req;
+    std::string digest;
   };
   std::vector<Configure> configure;
   std::map<std::string, int64_t> source_epochs;  // address → the plan epoch it holds after this phase
@@ -598,47 +697,51 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   std::string engine_model_json;
   if (need_plan) {
     // The engines are the authority on the model they serve. Asked without the lock: no remote call under mu_.
-    auto info = peers_->EngineInfo(engines.front());
-    if (!info.ok()) st = Annotate(info.status(), "engine info");
+    const std::string& a = engines.front();
+    auto info = Remote(a, [&] { return peers_->EngineInfo(a); });
+    if (!info.ok())
+      st = Annotate(info.status(), "engine info from " + EngineLabel(a));
     else engine_model_json = info->model_config_json();
   }
-  if (!st.ok()) return Fail(rec, st, false);
+  if (!st.ok() || AbortAsked()) return Fail(rec, st, false);
   {
     std::lock_guard<std::mutex> l(mu_);
     if (need_plan) {
       model_config_json_ = engine_model_json;
       st = Replan();
-      if (st.ok()) {
-        std::map<std::string, v1::ConfigureSourceRequest> by_source;
-        for (const auto& [id, n] : nodes_)
-          if (n.role() == "source") by_source[id].set_model_config_json(model_config_json_);
-        for (const auto& p : plan_) *by_source[p.source].add_targets() = p.assignment;
-        for (auto& [id, r] : by_source) {
-          auto f = push_filters_.find(id);
-          if (f != push_filters_.end()) *r.mutable_push_filters() = {f->second.begin(), f->second.end()};
-          // The engines hold what their config says: FP8 block-quantized weights are quantized by the source.
-          if (!model_weight_block_.empty()) {
-            r.set_quantization("fp8_block");
-            *r.mutable_weight_block_size() = {model_weight_block_.begin(), model_weight_block_.end()};
-          }
-        }
-        // Only sources whose configuration changed are configured again (a join or leave re-plans one group; the
-        // sources serving only other groups keep their replica, connections and plan epoch).
-        for (auto& [id, r] : by_source) {
-          auto c = configured_.find(id);
-          if (c != configured_.end() && google::protobuf::util::MessageDifferencer::Equals(c->second.req, r)) continue;
-          Configure cf{id, nodes_[id].address(), r};
-          cf.req.set_plan_epoch(membership_epoch_);
-          configure.push_back(std::move(cf));
-        }
-      }
     }
     plan_epoch = need_plan ? membership_epoch_ : plan_epoch_;
+    if (st.ok() && need_configure) {
+      std::map<std::string, v1::ConfigureSourceRequest> by_source;
+      for (const auto& [id, n] : nodes_)
+        if (n.role() == "source") by_source[id].set_model_config_json(model_config_json_);
+      for (const auto& p : plan_) *by_source[p.source].add_targets() = p.assignment;
+      for (auto& [id, r] : by_source) {
+        auto f = push_filters_.find(id);
+        if (f != push_filters_.end()) *r.mutable_push_filters() = {f->second.begin(), f->second.end()};
+        // The engines hold what their config says: FP8 block-quantized weights are quantized by the source.
+        if (!model_weight_block_.empty()) {
+          r.set_quantization("fp8_block");
+          *r.mutable_weight_block_size() = {model_weight_block_.begin(), model_weight_block_.end()};
+        }
+      }
+      // Only sources whose configuration changed, or that do not hold it (their heartbeats said so), are
+      // configured again (a join or leave re-plans one group; the sources serving only other groups keep their
+      // replica, connections and plan epoch).
+      for (auto& [id, r] : by_source) {
+        auto c = configured_.find(id);
+        if (c != configured_.end() && google::protobuf::util::MessageDifferencer::Equals(c->second.req, r)) continue;
+        Configure cf{id, nodes_[id].address(), r, ""};
+        cf.req.set_plan_epoch(plan_epoch);
+        configure.push_back(std::move(cf));
+      }
+    }
   }
   if (!st.ok()) return Fail(rec, st, false);
-  if (need_plan) {
+  if (need_configure) {
+    for (Configure& c : configure) c.digest = ConfigureSourceDigest(c.req);
     st = ForAll(configure, [&](const Configure& c) {
-      auto r = peers_->ConfigureSource(c.address, c.req);
+      auto r = Remote(c.address, [&] { return peers_->ConfigureSource(c.address, c.req); });
       return Annotate(r.status(), "configure source " + NodeLabel(c.address));
     });
     AddPhase(&rec, "configure", t);
@@ -655,6 +758,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
         sc.req = c.req;
         sc.req.clear_plan_epoch();
         sc.epoch = c.req.plan_epoch();
+        sc.digest = c.digest;
       }
       if (st.ok()) plan_epoch_ = plan_epoch;
       configured_sources = configured_.size();
@@ -664,6 +768,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     spdlog::info("update {}: plan {} configured on {} of {} source nodes (the others' configuration is unchanged)", v,
                  plan_epoch, configure.size(), configured_sources);
   }
+  if (AbortAsked()) return Fail(rec, st, false);
   std::vector<std::string> source_addrs;
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -676,7 +781,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   }
   // Targets accept writes from now on, until the sources have finished (or the update ends otherwise).
   st = SetWindows(true, v);
-  if (!st.ok()) {
+  if (!st.ok() || AbortAsked()) {
     SetWindows(false, v).IgnoreError();
     return Fail(rec, st, false);
   }
@@ -684,27 +789,36 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     v1::StartUpdateRequest sreq;
     sreq.set_version(v);
     sreq.set_plan_epoch(source_epochs.at(a));
-    return Annotate(peers_->StartUpdate(a, sreq), "start source " + NodeLabel(a));
+    return Annotate(Remote(a, [&] { return peers_->StartUpdate(a, sreq); }), "start source " + NodeLabel(a));
   });
+  // Sources started (or were being started) when an abort came: they may take pushes already, so they are told to
+  // abort.
+  if (AbortAsked()) return FailAndStopSources(rec, st, "beginning");
   // A source that started may already take pushes from its ranks: count the update as possibly written.
   if (!st.ok()) {
     SetWindows(false, v).IgnoreError();
     return Fail(rec, st, true);
   }
   out.set_plan_epoch(plan_epoch);
-  std::lock_guard<std::mutex> l(mu_);
-  state_ = "updating";
-  open_plan_epoch_ = plan_epoch;
-  open_source_epochs_ = source_epochs;
-  begin_reply_ = out;
-  open_record_ = rec;
-  open_record_.set_started_unix_ms(absl::ToUnixMillis(start));
-  // The push phase starts now; its start is kept in total_seconds until commit.
-  open_record_.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
-  Persist();
-  ended_cv_.notify_all();
-  spdlog::info("update {} open (plan {}): engines paused in {:.3f}s", v, plan_epoch, out.pause_seconds());
-  return out;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    // Checked under the lock AbortUpdate decides under: an abort asked before this point ends the update below.
+    if (!abort_asked_) {
+      state_ = "updating";
+      open_plan_epoch_ = plan_epoch;
+      open_source_epochs_ = source_epochs;
+      begin_reply_ = out;
+      open_record_ = rec;
+      open_record_.set_started_unix_ms(absl::ToUnixMillis(start));
+      // The push phase starts now; its start is kept in total_seconds until commit.
+      open_record_.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+      Persist();
+      ended_cv_.notify_all();
+      spdlog::info("update {} open (plan {}): engines paused in {:.3f}s", v, plan_epoch, out.pause_seconds());
+      return out;
+    }
+  }
+  return FailAndStopSources(rec, absl::OkStatus(), "beginning");
 }
 
 absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::CommitUpdateRequest& req) {
@@ -759,8 +873,8 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     auto ep = source_epochs.find(a);
     freq.set_plan_epoch(ep == source_epochs.end() ? -1 : ep->second);
     freq.set_timeout_seconds(req.timeout_seconds() > 0 ? req.timeout_seconds() : kDefaultCommitTimeoutSeconds);
-    auto r = peers_->FinishUpdate(a, freq);
-    if (!r.ok()) return Annotate(r.status(), "source " + NodeLabel(a));
+    auto r = Remote(a, [&] { return peers_->FinishUpdate(a, freq); });
+    if (!r.ok()) return Annotate(r.status(), "finish update at source " + NodeLabel(a));
     std::lock_guard<std::mutex> l(agg_mu);
     bytes += r->bytes_written();
     params += r->params_written();
@@ -789,35 +903,56 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     if (!commit_lost_why_.empty() && !absl::StrContains(st.message(), commit_lost_why_))
       st = absl::Status(st.code(), absl::StrCat(commit_lost_why_, "; ", st.message()));
   }
-  SetWindows(false, v, unreachable).IgnoreError();
   for (const auto& a : unreachable) spdlog::warn("update {}: write window of {} not closed (unreachable)", v, a);
+  // The operator's abort cancelled the sources' FinishUpdate: their writes may still run; they are stopped.
+  if (AbortAsked()) return FailAndStopSources(rec, st, "committing", unreachable);
+  SetWindows(false, v, unreachable).IgnoreError();
   // Weights may be partly written: the engines stay paused at their old version rather than resume silently.
   if (!st.ok()) return Fail(rec, st, true);
   absl::Time t = absl::Now();
   const std::string version = std::to_string(v);
   st = ForAll(engines, [&](const std::string& a) {
-    return Track(a, "", "post_process", Annotate(peers_->PostProcess(a, version), "post_process " + EngineLabel(a)));
+    return Track(
+        a, "", "post_process",
+        Annotate(Remote(a, [&] { return peers_->PostProcess(a, version); }), "post_process " + EngineLabel(a)));
   });
   AddPhase(&rec, "post_process", t);
-  if (st.ok()) {
+  if (st.ok() && !AbortAsked()) {
     t = absl::Now();
     st = ForAll(engines, [&](const std::string& a) {
-      absl::Status r = Track(a, "", "set_version",
-                           Annotate(peers_->SetWeightVersion(a, version), "set_version " + EngineLabel(a)));
-    if (r.ok()) {
-      std::lock_guard<std::mutex> l(mu_);
-      engine_version_[a] = version;
-    }
-    return r;
+      absl::Status r = Track(
+          a, "", "set_version",
+          Annotate(Remote(a, [&] { return peers_->SetWeightVersion(a, version); }), "set_version " + EngineLabel(a)));
+      if (r.ok()) {
+        std::lock_guard<std::mutex> l(mu_);
+        engine_version_[a] = version;
+      }
+      return r;
     });
     AddPhase(&rec, "set_version", t);
   }
-  if (st.ok()) {
+  // Engines continued at v before the update failed serve it whatever the record says: the error names them.
+  std::vector<std::string> continued;
+  if (st.ok() && !AbortAsked()) {
     t = absl::Now();
+    std::mutex continued_mu;
     st = ForAll(engines, [&](const std::string& a) {
-      return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
+      absl::Status r = Track(a, "serving", "continue",
+                             Annotate(Remote(a, [&] { return peers_->Continue(a); }), "continue " + EngineLabel(a)));
+      if (r.ok()) {
+        std::lock_guard<std::mutex> l(continued_mu);
+        continued.push_back(EngineLabel(a));
+      }
+      return r;
     });
     AddPhase(&rec, "continue", t);
+    if (!st.ok() && !continued.empty()) {
+      std::sort(continued.begin(), continued.end());
+      st = absl::Status(st.code(), absl::StrCat(st.message(), "; continued at version ", v,
+                                                " before the failure: ", absl::StrJoin(continued, ", ")));
+    }
+  } else if (st.ok()) {
+    st = absl::CancelledError("no engine was continued");  // the abort came before the continue phase
   }
   if (!st.ok()) return Fail(rec, st, true);
   rec.set_success(true);
@@ -834,6 +969,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
 
 absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpdateRequest& req) {
   const int64_t v = req.version();
+  bool in_phase = false;  // v is beginning or committing (else updating)
   {
     std::lock_guard<std::mutex> l(mu_);
     if (auto it = aborted_.find(v); it != aborted_.end()) return it->second;
@@ -844,19 +980,44 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
       return absl::FailedPreconditionError(absl::StrCat(
           "cannot abort update ", v, ": ",
           open_version_ >= 0 ? absl::StrCat("the open update is ", open_version_) : std::string("no update is open")));
-    if (state_ == "beginning")
-      return absl::FailedPreconditionError(absl::StrCat("update ", v,
-                                                 " is beginning (pausing engines, configuring sources); abort it "
-                                                 "once BeginUpdate has returned"));
-    if (state_ == "committing")
-      return absl::FailedPreconditionError(absl::StrCat(
-          "cannot abort update ", v, ": it is committing; the commit ends by itself (success or failure) within its "
-          "deadlines"));
     if (state_ == "aborting")
       return absl::FailedPreconditionError(
           absl::StrCat("update ", v, " is being aborted by another call; ask again for its result"));
+    in_phase = state_ != "updating";  // updating: EndOpenUpdate below, without the lock (it calls the sources)
+    if (in_phase && !abort_asked_) {
+      // Beginning or committing: the thread running that phase ends the update at its next step.
+      abort_asked_ = true;
+      abort_reason_ = req.reason();
+      spdlog::warn("update {}: abort asked by the operator while {}{}", v, state_,
+                   req.reason().empty() ? std::string() : absl::StrCat(" (", req.reason(), ")"));
+    }
   }
-  return EndOpenUpdate(v, req.reason(), true);
+  if (!in_phase) return EndOpenUpdate(v, req.reason(), true);
+  // Cancel the phase's calls in flight until the update has ended. Repeated: a call registered in in_flight_ may not
+  // have reached the peer yet when it is first cancelled (the peer cannot cancel what it does not hold yet).
+  for (;;) {
+    std::vector<std::string> addrs;
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      if (open_version_ != v || aborted_.count(v)) break;
+      for (const auto& [a, n] : in_flight_) addrs.push_back(a);
+    }
+    for (const auto& a : addrs) peers_->CancelCalls(a);
+    std::unique_lock<std::mutex> l(mu_);
+    if (ended_cv_.wait_for(l, std::chrono::milliseconds(50), [&] { return open_version_ != v || aborted_.count(v); }))
+      break;
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  if (auto it = aborted_.find(v); it != aborted_.end()) return it->second;
+  const Outcome* o = FindOutcome(v);
+  if (o != nullptr && o->status.ok())
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot abort update ", v,
+                     ": it committed before the abort took effect (every engine had been continued at "
+                     "version ",
+                     v, ")"));
+  if (o != nullptr) return o->status;
+  return absl::InternalError(absl::StrCat("update ", v, " ended without a recorded outcome"));
 }
 
 absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const std::string& why_in,
@@ -1042,7 +1203,8 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
   std::vector<std::string> targets;
   for (const auto& [a, r] : reqs) targets.push_back(a);
   absl::Status st = ForAll(targets, [&](const std::string& a) {
-    return Annotate(peers_->SetWriteWindow(a, reqs.at(a)).status(),
+    const auto call = [&] { return peers_->SetWriteWindow(a, reqs.at(a)); };
+    return Annotate(open ? Remote(a, call).status() : call().status(),
                     absl::StrCat(open ? "opening" : "closing", " the write window of target ", NodeLabel(a)));
   });
   if (!st.ok() && !open) spdlog::warn("{}", st.ToString());
@@ -1236,7 +1398,20 @@ v1::HeartbeatReply Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
   out.set_membership_epoch(membership_epoch_);
   auto it = nodes_.find(req.node_id());
   out.set_known(it != nodes_.end() && it->second.address() == req.address());
-  if (out.known()) last_heartbeat_[req.node_id()] = absl::Now();
+  if (!out.known()) return out;
+  last_heartbeat_[req.node_id()] = absl::Now();
+  // A source that does not hold the configuration planned for it (it lost or never applied a ConfigureSource) is
+  // configured again at the next update. Not while one begins: its configure may be in flight, the report older.
+  auto c = configured_.find(req.node_id());
+  if (req.plan_epoch() != 0 && it->second.role() == "source" && state_ != "beginning" && c != configured_.end() &&
+      (req.plan_epoch() != c->second.epoch || req.config_digest() != c->second.digest)) {
+    spdlog::warn(
+        "source {} holds plan {} (configuration {}), not plan {} ({}) as planned: it is configured again at "
+        "the next update",
+        req.node_id(), req.plan_epoch(), req.config_digest().empty() ? "none" : req.config_digest(), c->second.epoch,
+        c->second.digest);
+    configured_.erase(c);
+  }
   return out;
 }
 

@@ -17,11 +17,25 @@
 //                   any other version, or v not yet open: FailedPrecondition naming the open and the asked version.
 //   AbortUpdate(v)  while v is open (updating): updating --> aborting --> failed; every source stops taking v's
 //                   pushes and drains its writes; the record says aborted and how many bytes reached the engines.
-//                   Engines stay paused at their old version. Repeats get the recorded answer; refused while v is
-//                   beginning or committing (those phases end by themselves within their deadlines).
+//                   While v is beginning or committing: the calls in flight are cancelled (Peers::CancelCalls), no
+//                   further phase starts, and the thread running the phase ends v as aborted with the operator's
+//                   reason at once (the abort returns the recorded answer); then, state aborting until done, it tells
+//                   started or finishing sources to abort and closes the write windows. Engines stay
+//                   paused at their old version, except those already continued at v before the abort (Continue
+//                   had returned for them): the record's error names those, and Status shows them serving at v.
+//                   A commit whose every Continue returned before the abort took effect has committed: the abort
+//                   then answers FailedPrecondition. Repeats get the recorded answer.
 //   ResumeEngines   continues every engine at the current version, only when no byte of a failed or aborted update
 //                   may have reached them (engines_hold_partial_writes false); a successful update clears the flag.
 // The current version, the history and the engines' version labels therefore only move forward.
+//
+// No lock is held across a call to a peer (tests/daemon/coordinator_faults_test.cc calls Status() from inside every
+// peer call): a peer that fails, times out or hangs delays only the update it belongs to, never Status, History,
+// heartbeats or an abort.
+//
+// Self-healing: sources report in every heartbeat the plan epoch and the digest (daemon/common/config_digest.h) of
+// the configuration they hold; one that does not hold what the coordinator planned for it is configured again at
+// the next BeginUpdate.
 
 #include <condition_variable>
 #include <thread>
@@ -190,7 +204,13 @@ class Coordinator {
   struct SourceConfig {
     v1::ConfigureSourceRequest req;
     int64_t epoch = -1;
+    std::string digest;  // ConfigureSourceDigest(req): what its heartbeats must report
   };
+  // Runs `call`, a call of the beginning or committing update to the peer at `addr`, counted in in_flight_ while it
+  // runs (what an operator's abort cancels); once an abort was asked, returns Cancelled without calling. Takes mu_
+  // briefly before and after, never across the call.
+  template <typename Call>
+  auto Remote(const std::string& addr, Call call) -> decltype(call());
   // The source nodes that take part in plans (not drained), in (stage, node id) order, with their shape.
   struct PlanSources {
     std::vector<const v1::RegisterNodeRequest*> nodes;
@@ -234,7 +254,20 @@ class Coordinator {
   // Ends the open update `rec.version()` as failed with Aborted("update v failed: why"); returns that status.
   // `may_have_written`: whether a byte of it may have reached an engine (then engines stay paused until an update
   // succeeds).
-  absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written);
+  // When an operator asked to abort the update (AbortUpdate while beginning or committing), it is recorded as
+  // aborted with their reason, `why` appended. `stopping`: the caller still tells the sources and targets (the
+  // update stays in progress, state aborting, until StopSources).
+  absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written, bool stopping = false);
+  // An operator's abort of an update whose sources were started: recorded at once (the AbortUpdate waiting for it
+  // returns), then the sources are told to abort and the windows close (`skip`: unreachable targets) while nothing
+  // new may begin — a stopped source would otherwise hold the abort for its call's deadline.
+  absl::Status FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, const std::string& phase,
+                                  const std::set<std::string>& skip = {});
+  // Whether an operator asked to abort the beginning or committing update. Takes mu_.
+  bool AbortAsked() const;
+  // Tells every source to abort update `v` (best effort, not cancelled by an abort: it is the abort); returns
+  // whether no byte of it may have been written (every source answered 0 bytes, quiescent) and adds the bytes.
+  bool AbortSources(int64_t v, const std::string& why, uint64_t* bytes);
   // The recorded answer for a version that has ended, or nullptr. Requires mu_.
   const Outcome* FindOutcome(int64_t v) const;
   // Ends the open update `v` (state updating) through the sources' AbortSourceUpdate: `by_operator` records it as
@@ -246,6 +279,7 @@ class Coordinator {
   // (its engines would refuse the writes) and logged when closing.
   // `skip_address`: a target not to be told (its lease lapsed; its window closes when it restarts).
   // Targets in `skip` (unreachable ones) are not asked: a call to them would hold the caller for its whole deadline.
+  // Opening counts as a call of the beginning update (InFlight): an abort cancels it.
   absl::Status SetWindows(bool open, int64_t version, const std::set<std::string>& skip = {});
   // Saves the state to the store, if any (a failed save is logged, the coordinator goes on). Requires mu_.
   void Persist();
@@ -274,6 +308,11 @@ class Coordinator {
   std::string state_ = "idle";         // idle | beginning | updating | committing | aborting | failed
   bool engines_dirty_ = false;         // a failed/aborted update may have written into the engines
   std::map<int64_t, v1::AbortUpdateReply> aborted_;  // answers to repeated AbortUpdate, bounded like outcomes_
+  // An operator's AbortUpdate of the update beginning or committing (cleared when it ends): the thread running the
+  // phase stops at its next step; the abort cancels the calls in flight (in_flight_) until the update has ended.
+  bool abort_asked_ = false;
+  std::string abort_reason_;
+  std::map<std::string, int> in_flight_;  // peer address → calls of the beginning/committing update in flight
   std::condition_variable ended_cv_;   // a begin or a commit ended (state_ left beginning or committing)
   int64_t open_version_ = -1;          // the version beginning, open or committing; -1 when none
   int64_t last_begun_ = -1;            // highest version ever begun; BeginUpdate needs a newer one

@@ -37,7 +37,8 @@ absl::Status Register(Coordinators& coordinators, const v1::RegisterNodeRequest&
 }
 
 void HoldLease(Coordinators& coordinators, const v1::RegisterNodeRequest& reg,
-               const std::function<v1::RegisterNodeRequest()>& fresh_registration) {
+               const std::function<v1::RegisterNodeRequest()>& fresh_registration,
+               const std::function<void(v1::HeartbeatRequest*)>& report) {
   v1::HeartbeatRequest hb;
   hb.set_node_id(reg.node_id());
   hb.set_address(reg.address());
@@ -46,6 +47,7 @@ void HoldLease(Coordinators& coordinators, const v1::RegisterNodeRequest& reg,
   bool down = false;
   while (!daemon::TerminationRequested(wait_ms)) {
     wait_ms = interval_ms;
+    if (report) report(&hb);
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
     v1::HeartbeatReply rep;

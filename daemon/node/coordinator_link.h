@@ -66,8 +66,10 @@ absl::Status Register(Coordinators& coordinators, const v1::RegisterNodeRequest&
 // says how long); when the coordinator answers that it does not know the node (it restarted without its state or
 // dropped the node), registers again; while it is unreachable, logs once and keeps trying. With several
 // coordinators, an unreachable one or a standby sends the heartbeats on to the next (the new leader after a
-// fail-over), retried after 0.2 s instead of a whole interval.
+// fail-over), retried after 0.2 s instead of a whole interval. `report`, when given, fills each heartbeat's report
+// before it is sent (a source: the plan epoch and configuration digest it holds, SourceNode::AppliedConfig).
 void HoldLease(Coordinators& coordinators, const v1::RegisterNodeRequest& reg,
-               const std::function<v1::RegisterNodeRequest()>& fresh_registration);
+               const std::function<v1::RegisterNodeRequest()>& fresh_registration,
+               const std::function<void(v1::HeartbeatRequest*)>& report = nullptr);
 
 }  // namespace wsync::daemon

@@ -23,6 +23,7 @@
 #include "base/checked_size.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/common/config_digest.h"
 #include "daemon/common/convert.h"
 #include "transport/mooncake/mooncake_transport.h"
 #include "spdlog/spdlog.h"
@@ -308,6 +309,16 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     return absl::InvalidArgumentError(absl::StrCat("unknown fp8 scale format '", req.scale_format(),
                                                    "' (\"\" or \"ue8m0\")"));
   }
+  if (req.targets_size() == 0) {
+    // A node the plan gives no work is told so explicitly: an empty push list for each local rank. Without targets
+    // any other request would have its ranks push into nothing (a plan lost on the way, or a coordinator bug).
+    bool pushes = req.push_filters_size() == 0;
+    for (const auto& f : req.push_filters()) pushes |= f.tensor_names_size() > 0 || f.slices_size() > 0;
+    if (pushes)
+      return absl::InvalidArgumentError(
+          "the plan names no targets but the push filters are missing or name tensors: its ranks would push into "
+          "nothing (a node without work gets an empty push filter per local rank)");
+  }
 
   // Identical engine ranks (same parallelism and engine dialect) share one layout: one load serves all of them.
   std::vector<replica::RankParallelism> layouts;
@@ -331,14 +342,32 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     if (!table.ok()) return Annotate(table.status(), absl::StrCat("layout tp_rank ", rp.tp_rank));
     tables.push_back(*std::move(table));
   }
+  std::set<std::pair<std::string, int>> seen_targets;
   for (int i = 0; i < req.targets_size(); ++i) {
     const auto& t = req.targets(i);
-    WSYNC_RETURN_IF_ERROR(
-        CheckLayout(tables[layout_of[i]], t.layout(), absl::StrCat("engine ", t.engine_id(), " rank ", t.rank())));
-    for (const auto& seg : t.layout().segments())
+    const std::string who = absl::StrCat("engine ", t.engine_id(), " rank ", t.rank());
+    if (!seen_targets.emplace(t.engine_id(), t.rank()).second)
+      return absl::InvalidArgumentError(absl::StrCat(who, " is a target twice in the plan"));
+    WSYNC_RETURN_IF_ERROR(CheckLayout(tables[layout_of[i]], t.layout(), who));
+    std::string mooncake_session;
+    bool other_kinds = false;
+    for (const auto& seg : t.layout().segments()) {
       if (seg.region_descriptor().empty())
-        return absl::InvalidArgumentError(absl::StrCat("engine ", t.engine_id(), " rank ", t.rank(), ": segment ",
-                                                       seg.id(), " has no region descriptor"));
+        return absl::InvalidArgumentError(absl::StrCat(who, ": segment ", seg.id(), " has no region descriptor"));
+      if (seg.kind() != "mooncake") {
+        other_kinds = true;
+        continue;
+      }
+      // Checked here, not only where the segments are imported: that is after the plan in use is torn down.
+      auto f = transport::mooncake::ParseRegionDescriptor(seg.region_descriptor());
+      if (!f.ok()) return Annotate(f.status(), absl::StrCat("segment ", seg.id(), " of ", who));
+      if (!mooncake_session.empty() && mooncake_session != f->session_id)
+        return absl::InvalidArgumentError(
+            absl::StrCat(who, ": segments in two Mooncake sessions (", mooncake_session, ", ", f->session_id, ")"));
+      mooncake_session = f->session_id;
+    }
+    if (!mooncake_session.empty() && other_kinds)
+      return absl::InvalidArgumentError(absl::StrCat(who, ": mixes mooncake and other segments"));
   }
 
   // The plan's byte ranges per target (name → ranges, checked against the table) and the per-rank push filters.
@@ -400,6 +429,7 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   // Status() and the metrics read them. From here on a failure (memory, network) leaves the source unconfigured.
   // Hashes still queued read the replica about to be freed: they finish first.
   WaitForChecksums();
+  std::string digest = ConfigureSourceDigest(req);
   {
     std::lock_guard<std::mutex> l(mu_);
     targets_.clear();
@@ -408,6 +438,7 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     mooncake_regions_.clear();
     replica_.reset();
     configured_ = false;
+    config_digest_.clear();
   }
 
   v1::ConfigureSourceReply out;
@@ -553,11 +584,18 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   required_ = std::move(required);
   plan_epoch_ = req.plan_epoch();
   configured_ = true;
+  config_digest_ = std::move(digest);
   spdlog::info("configured plan {}: {} targets, {} layouts, replica {:.1f} MiB registered in {:.3f}s, connected in "
                "{:.3f}s, {} tensors to push",
                plan_epoch_, targets_.size(), num_layouts, total / 1048576.0, out.register_seconds(),
                out.connect_seconds(), push_names_.size());
   return out;
+}
+
+std::pair<int64_t, std::string> SourceNode::AppliedConfig() const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (!configured_) return {-1, ""};
+  return {plan_epoch_, config_digest_};
 }
 
 std::string SourceNode::Who(const Target& t) {

@@ -127,7 +127,14 @@ class SourceNode {
                                                      const CancelFn& cancelled = nullptr);
   absl::Status EndPush(const v1::EndPushRequest& req);
 
+  // Validates the whole request first: a refused one (InvalidArgument / FailedPrecondition naming why: no targets
+  // while the push filters name tensors, an unknown engine kind or quantization, a layout that does not match the
+  // model, a write range outside its parameter, a bad region descriptor) leaves the configuration in use — plan
+  // epoch, replica, connections — untouched. A failure after that (memory, connecting) leaves it unconfigured.
   absl::StatusOr<v1::ConfigureSourceReply> Configure(const v1::ConfigureSourceRequest& req);
+  // The configuration held (heartbeats report it, daemon/coordinator/coordinator.h "Self-healing"): its plan epoch
+  // (-1: none) and daemon/common/config_digest.h of the request applied ("": none).
+  std::pair<int64_t, std::string> AppliedConfig() const;
   absl::Status StartUpdate(const v1::StartUpdateRequest& req);
   // `cancelled` ends the wait for the trainer ranks early (the coordinator's call was cancelled).
   absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const v1::FinishUpdateRequest& req,
@@ -294,6 +301,7 @@ class SourceNode {
   // Configured state (replaced by Configure).
   int64_t plan_epoch_ = -1;
   bool configured_ = false;  // a plan was applied (a node without work in it has no replica)
+  std::string config_digest_;  // ConfigureSourceDigest of the request applied
   std::unique_ptr<replica::Replica> replica_;
   std::vector<std::unique_ptr<transport::LocalRegion>> replica_regions_;
   // The Mooncake transport (created at the first plan with a Mooncake target) and the replica's regions in it.

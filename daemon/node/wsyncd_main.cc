@@ -367,14 +367,24 @@ int main(int argc, char** argv) {
     std::rename(tmp.c_str(), port_file.c_str());
   }
   daemon::TargetNode* tn = target.get();
-  daemon::HoldLease(coordinators, reg, [&reg, tn] {
-    v1::RegisterNodeRequest r = reg;
-    if (tn != nullptr) {
-      r.clear_engines();
-      for (auto& e : tn->Registrations()) *r.add_engines() = std::move(e);
-    }
-    return r;
-  });
+  daemon::SourceNode* sn = source.get();
+  daemon::HoldLease(
+      coordinators, reg,
+      [&reg, tn] {
+        v1::RegisterNodeRequest r = reg;
+        if (tn != nullptr) {
+          r.clear_engines();
+          for (auto& e : tn->Registrations()) *r.add_engines() = std::move(e);
+        }
+        return r;
+      },
+      [sn](v1::HeartbeatRequest* hb) {
+        if (sn == nullptr) return;
+        // The configuration this source holds: the coordinator configures it again when it is not the planned one.
+        auto [epoch, digest] = sn->AppliedConfig();
+        hb->set_plan_epoch(epoch);
+        hb->set_config_digest(digest);
+      });
   spdlog::info("wsyncd {} shutting down", node_id);
   stop_trainers();
   served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

@@ -671,7 +671,7 @@ TEST_CASE("abort: closes the open update, records it, keeps engines paused; resu
   CHECK(aborted == std::vector<bool>{false, true, true, true, false});
 }
 
-TEST_CASE("abort: a source that cannot be reached counts as written; a commit running cannot be aborted") {
+TEST_CASE("abort: a source that cannot be reached counts as written; a commit running is aborted at once") {
   Fixture f(1, 1, 1);
   REQUIRE(f.Begin(1).ok());
   f.peers->fail_abort = true;
@@ -688,12 +688,17 @@ TEST_CASE("abort: a source that cannot be reached counts as written; a commit ru
   absl::Status committed = absl::UnknownError("not run");
   std::thread commit([&] { committed = f.Commit(2).status(); });  // checked after the join (Catch2 is not thread-safe)
   f.peers->AwaitFinishing(1);
-  CHECK(Abort(f, 2).status().code() == absl::StatusCode::kFailedPrecondition);  // committing
-  CHECK(f.c->ResumeEngines(v1::ResumeEnginesRequest()).status().code() == absl::StatusCode::kFailedPrecondition);
-  f.peers->Release();
+  // Committing: the FinishUpdate in flight is cancelled and the update ends as aborted, engines paused.
+  auto aborted = Abort(f, 2);
   commit.join();
-  CHECK(committed.ok());
-  CHECK(f.c->Status().current_version() == "2");
+  INFO(aborted.status().ToString());
+  REQUIRE(aborted.ok());
+  CHECK(aborted->record().aborted());
+  CHECK(f.peers->Count("cancel_calls s0:1") >= 1);
+  CHECK(committed.code() == absl::StatusCode::kAborted);
+  CHECK(f.peers->Count("continue ") == 0);
+  CHECK(f.c->ResumeEngines(v1::ResumeEnginesRequest()).status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(f.c->Status().current_version().empty());
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 
 #include "absl/strings/match.h"
 #include "client/ring/ring.h"
+#include "daemon/common/config_digest.h"
 #include "daemon/common/convert.h"
 #include "daemon/node/source_node.h"
 #include "replica/model_config.h"
@@ -473,22 +474,85 @@ TEST_CASE("source configure: a request that fails validation changes nothing; th
        [](v1::ConfigureSourceRequest& r) {
          r.mutable_targets(0)->mutable_layout()->mutable_segments(0)->clear_region_descriptor();
        }},
+      {"no targets, no push filters", [](v1::ConfigureSourceRequest& r) { r.clear_targets(); }},
+      {"no targets while a rank's push filter names tensors",
+       [](v1::ConfigureSourceRequest& r) {
+         r.clear_targets();
+         auto* f = r.add_push_filters();
+         f->set_local_rank(0);
+         f->add_tensor_names("model.embed_tokens.weight");
+       }},
+      {"the same engine rank twice", [](v1::ConfigureSourceRequest& r) { *r.add_targets() = r.targets(0); }},
+      {"an unknown quantization", [](v1::ConfigureSourceRequest& r) { r.set_quantization("int3"); }},
+      {"a layout for another parallelism",
+       [](v1::ConfigureSourceRequest& r) {
+         r.mutable_targets(0)->mutable_layout()->mutable_parallelism()->set_tp_size(2);
+       }},
+      {"a write range outside its parameter",
+       [](v1::ConfigureSourceRequest& r) {
+         auto* w = r.mutable_targets(0)->add_writes();
+         w->set_param(r.targets(0).layout().params(0).name());
+         w->set_offset(r.targets(0).layout().params(0).bytes());
+         w->set_length(1);
+       }},
+      {"a Mooncake segment whose descriptor does not parse",
+       [](v1::ConfigureSourceRequest& r) {
+         r.mutable_targets(0)->mutable_layout()->mutable_segments(0)->set_kind("mooncake");
+       }},
   };
   int64_t v = 2;
   for (const auto& b : bad) {
     v1::ConfigureSourceRequest r = Plan();
     r.set_plan_epoch(kPlan + 1);
     b.mutate(r);
+    const auto held = n.node->AppliedConfig();
     auto c = n.node->Configure(r);
     INFO(b.what << ": " << c.status().ToString());
     CHECK_FALSE(c.ok());
-    // The old plan is intact: an update under it runs end to end.
+    CHECK((c.status().code() == absl::StatusCode::kInvalidArgument ||
+           c.status().code() == absl::StatusCode::kFailedPrecondition));
+    // The old plan is intact: the same epoch and configuration, and an update under it runs end to end.
+    CHECK(n.node->AppliedConfig() == held);
+    CHECK(held.first == kPlan);
     CHECK(n.node->Status().state() == "ready");
     REQUIRE(n.Start(v).ok());
     n.Push(v);
     CHECK(n.Finish(v).ok());
     ++v;
   }
+}
+
+}  // namespace
+}  // namespace wsync::daemon
+
+namespace wsync::daemon {
+namespace {
+
+TEST_CASE(
+    "source configure: the configuration held is reported by plan epoch and digest; a node without work is "
+    "configured with empty push filters") {
+  Node n;
+  // What heartbeats report: the digest the coordinator computes of what it sent (one function, both sides).
+  CHECK(n.node->AppliedConfig() == std::make_pair(kPlan, ConfigureSourceDigest(Plan())));
+  v1::ConfigureSourceRequest other = Plan();
+  other.set_plan_epoch(kPlan + 5);  // the epoch is not part of the digest
+  CHECK(ConfigureSourceDigest(other) == ConfigureSourceDigest(Plan()));
+  other.mutable_targets(0)->set_engine_id("e9");
+  CHECK(ConfigureSourceDigest(other) != ConfigureSourceDigest(Plan()));
+
+  // No work in this plan: no targets, an empty push list for the local rank. Accepted; then a plan with work again.
+  v1::ConfigureSourceRequest idle = Plan();
+  idle.set_plan_epoch(kPlan + 1);
+  idle.clear_targets();
+  idle.add_push_filters()->set_local_rank(0);
+  auto c = n.node->Configure(idle);
+  INFO(c.status().ToString());
+  REQUIRE(c.ok());
+  CHECK(n.node->AppliedConfig() == std::make_pair(kPlan + 1, ConfigureSourceDigest(idle)));
+  REQUIRE(n.node->Configure(Plan()).ok());
+  REQUIRE(n.Start(1).ok());
+  n.Push(1);
+  CHECK(n.Finish(1).ok());
 }
 
 }  // namespace

@@ -1,0 +1,757 @@
+// The coordinator's control plane under faults injected at every outbound call (docs/operations.md, "Faults"): a
+// scripted Peers makes each call of each phase fail at once, time out, hang until cancelled or a short stand-in
+// deadline, or answer late. For every combination the coordinator must keep answering Status (probed from another
+// thread throughout, and from inside every peer call: a lock held across a call would block it), end the update with
+// an error naming the call and the peer, leave the engines where its records say (checked against what the fake
+// engines were really told), and run the next update once the fault is gone. Then: an operator's abort in every
+// phase (the hung call cancelled, the abort back within a second), and self-healing by heartbeat digest.
+
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "base/status.h"
+#include "daemon/common/config_digest.h"
+#include "daemon/coordinator/coordinator.h"
+#include "tests/daemon/fake_layouts.h"
+
+namespace wsync::daemon {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::FillLayout;
+using testing::TinyConfigJson;
+
+// Every outbound call of the coordinator; the write window's opening and closing are told apart.
+enum class Rpc {
+  kPause,
+  kEngineInfo,
+  kConfigureSource,
+  kOpenWindow,
+  kStartUpdate,
+  kFinishUpdate,
+  kCloseWindow,
+  kPostProcess,
+  kSetWeightVersion,
+  kContinue,
+  kAbortSourceUpdate,
+};
+enum class Fault { kNone, kUnavailable, kInternal, kTimeout, kHang, kLate };
+
+const char* Name(Rpc r) {
+  switch (r) {
+    case Rpc::kPause:
+      return "Pause";
+    case Rpc::kEngineInfo:
+      return "EngineInfo";
+    case Rpc::kConfigureSource:
+      return "ConfigureSource";
+    case Rpc::kOpenWindow:
+      return "SetWriteWindow(open)";
+    case Rpc::kStartUpdate:
+      return "StartUpdate";
+    case Rpc::kFinishUpdate:
+      return "FinishUpdate";
+    case Rpc::kCloseWindow:
+      return "SetWriteWindow(close)";
+    case Rpc::kPostProcess:
+      return "PostProcess";
+    case Rpc::kSetWeightVersion:
+      return "SetWeightVersion";
+    case Rpc::kContinue:
+      return "Continue";
+    case Rpc::kAbortSourceUpdate:
+      return "AbortSourceUpdate";
+  }
+  return "?";
+}
+const char* Name(Fault f) {
+  switch (f) {
+    case Fault::kNone:
+      return "none";
+    case Fault::kUnavailable:
+      return "UNAVAILABLE";
+    case Fault::kInternal:
+      return "INTERNAL";
+    case Fault::kTimeout:
+      return "timeout";
+    case Fault::kHang:
+      return "hang";
+    case Fault::kLate:
+      return "late";
+  }
+  return "?";
+}
+
+// Stand-ins for the real deadlines (PeerDeadlines), so that a test takes milliseconds: a timed-out call fails after
+// kTimeoutAfter, a hung one at `hang_deadline` unless the coordinator cancels it first, a late one succeeds after
+// kLateBy.
+constexpr auto kTimeoutAfter = 100ms;
+constexpr auto kLateBy = 150ms;
+// How long Status() may take at most, from anywhere, at any time.
+constexpr auto kAnswerWithin = 1s;
+
+// A scripted cluster of source daemons, target daemons and engines. What each peer was really told (its "truth") is
+// kept apart from the coordinator's records, so the tests can compare the two.
+class ScriptedPeers : public Peers {
+ public:
+  struct EngineTruth {
+    bool paused = false;
+    std::string version;  // the label last set
+  };
+  struct SourceTruth {
+    int64_t epoch = -1;           // plan epoch held (-1: none)
+    std::string digest;           // ConfigureSourceDigest of the request applied
+    bool drop_configure = false;  // answer ConfigureSource OK without applying it (a configure lost on the way)
+  };
+
+  Coordinator* coordinator = nullptr;  // probed from inside every call
+  std::chrono::milliseconds hang_deadline{400};
+
+  // Injects `fault` into every call `rpc` to `addr` from now on (replacing what was armed; Also: in addition).
+  void Arm(Rpc rpc, Fault fault, const std::string& addr) {
+    std::lock_guard<std::mutex> l(mu_);
+    armed_.clear();
+    armed_[{rpc, addr}] = fault;
+  }
+  void AlsoArm(Rpc rpc, Fault fault, const std::string& addr) {
+    std::lock_guard<std::mutex> l(mu_);
+    armed_[{rpc, addr}] = fault;
+  }
+  void Disarm() {
+    std::lock_guard<std::mutex> l(mu_);
+    armed_.clear();
+  }
+
+  absl::Status Pause(const std::string& addr, const std::string&) override {
+    WSYNC_RETURN_IF_ERROR(Inject(Rpc::kPause, addr));
+    std::lock_guard<std::mutex> l(mu_);
+    engines_[addr].paused = true;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) override {
+    WSYNC_RETURN_IF_ERROR(Inject(Rpc::kEngineInfo, addr));
+    v1::EngineInfo i;
+    i.set_model_config_json(config_json_);
+    return i;
+  }
+  absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
+                                                           const v1::ConfigureSourceRequest& req) override {
+    WSYNC_RETURN_IF_ERROR(Inject(Rpc::kConfigureSource, addr));
+    std::lock_guard<std::mutex> l(mu_);
+    SourceTruth& s = sources_[addr];
+    if (!s.drop_configure) {
+      s.epoch = req.plan_epoch();
+      s.digest = ConfigureSourceDigest(req);
+    }
+    return v1::ConfigureSourceReply();
+  }
+  absl::StatusOr<v1::SetWriteWindowReply> SetWriteWindow(const std::string& addr,
+                                                         const v1::SetWriteWindowRequest& req) override {
+    WSYNC_RETURN_IF_ERROR(Inject(req.open() ? Rpc::kOpenWindow : Rpc::kCloseWindow, addr));
+    return v1::SetWriteWindowReply();
+  }
+  absl::Status StartUpdate(const std::string& addr, const v1::StartUpdateRequest& req) override {
+    WSYNC_RETURN_IF_ERROR(Inject(Rpc::kStartUpdate, addr));
+    return CheckPlan(addr, req.version(), req.plan_epoch());
+  }
+  absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string& addr,
+                                                     const v1::FinishUpdateRequest& req) override {
+    WSYNC_RETURN_IF_ERROR(Inject(Rpc::kFinishUpdate, addr));
+    WSYNC_RETURN_IF_ERROR(CheckPlan(addr, req.version(), req.plan_epoch()));
+    v1::FinishUpdateReply r;
+    r.set_bytes_written(100);
+    return r;
+  }
+  absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string& addr,
+                                                               const v1::AbortSourceUpdateRequest&) override {
+    WSYNC_RETURN_IF_ERROR(Inject(Rpc::kAbortSourceUpdate, addr));
+    v1::AbortSourceUpdateReply r;
+    r.set_was_open(true);
+    r.set_quiescent(true);
+    return r;
+  }
+  absl::Status PostProcess(const std::string& addr, const std::string&) override {
+    return Inject(Rpc::kPostProcess, addr);
+  }
+  absl::Status SetWeightVersion(const std::string& addr, const std::string& version) override {
+    WSYNC_RETURN_IF_ERROR(Inject(Rpc::kSetWeightVersion, addr));
+    std::lock_guard<std::mutex> l(mu_);
+    engines_[addr].version = version;
+    return absl::OkStatus();
+  }
+  absl::Status Continue(const std::string& addr) override {
+    WSYNC_RETURN_IF_ERROR(Inject(Rpc::kContinue, addr));
+    std::lock_guard<std::mutex> l(mu_);
+    engines_[addr].paused = false;
+    return absl::OkStatus();
+  }
+  // Cancels the calls to `addr` in flight now (not later ones), as gRPC's TryCancel does.
+  void CancelCalls(const std::string& addr) override {
+    std::lock_guard<std::mutex> l(mu_);
+    ++cancel_gen_[addr];
+    ++cancels_[addr];
+    cv_.notify_all();
+  }
+
+  // Ends every hang now and from now on (a failed test does not wait for the hang deadlines).
+  void ReleaseAll() {
+    std::lock_guard<std::mutex> l(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+  // Blocks until a call hangs (at most 5 s); false if none did.
+  bool AwaitHanging() {
+    std::unique_lock<std::mutex> l(mu_);
+    return cv_.wait_for(l, 5s, [&] { return hanging_ > 0; });
+  }
+  int Calls(Rpc rpc, const std::string& addr) {
+    std::lock_guard<std::mutex> l(mu_);
+    return calls_[{rpc, addr}];
+  }
+  int Cancels(const std::string& addr) {
+    std::lock_guard<std::mutex> l(mu_);
+    return cancels_[addr];
+  }
+  EngineTruth Engine(const std::string& addr) {
+    std::lock_guard<std::mutex> l(mu_);
+    return engines_[addr];
+  }
+  SourceTruth& Source(const std::string& addr) { return sources_[addr]; }  // between updates only
+  // Calls inside which Status() did not answer within kAnswerWithin (the coordinator held its lock across them).
+  std::vector<std::string> Blocked() {
+    std::lock_guard<std::mutex> l(mu_);
+    return blocked_;
+  }
+
+ private:
+  absl::Status CheckPlan(const std::string& addr, int64_t v, int64_t epoch) {
+    std::lock_guard<std::mutex> l(mu_);
+    const SourceTruth& s = sources_[addr];
+    // What a real source answers (SourceNode::StartUpdate): it holds another plan than the update's.
+    if (s.epoch != epoch)
+      return absl::FailedPreconditionError(
+          absl::StrCat("update ", v, " is for plan ", epoch, " but this source is configured for plan ", s.epoch));
+    return absl::OkStatus();
+  }
+
+  // Status() from another thread while this call is in flight. Detached: if the coordinator holds its lock across
+  // this call, Status() returns only after it, which is recorded rather than waited for.
+  void Probe(Rpc rpc, const std::string& addr) {
+    auto done = std::make_shared<std::promise<void>>();
+    std::future<void> answered = done->get_future();
+    std::thread([c = coordinator, done] {
+      c->Status();
+      done->set_value();
+    }).detach();
+    if (answered.wait_for(kAnswerWithin) != std::future_status::ready) {
+      std::lock_guard<std::mutex> l(mu_);
+      blocked_.push_back(absl::StrCat(Name(rpc), " ", addr));
+    }
+  }
+
+  absl::Status Inject(Rpc rpc, const std::string& addr) {
+    Probe(rpc, addr);
+    Fault fault = Fault::kNone;
+    uint64_t gen = 0;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      ++calls_[{rpc, addr}];
+      if (auto it = armed_.find({rpc, addr}); it != armed_.end()) fault = it->second;
+      gen = cancel_gen_[addr];
+    }
+    const std::string what = absl::StrCat(Name(rpc), " at ", addr, " (injected ", Name(fault), ")");
+    switch (fault) {
+      case Fault::kNone:
+        return absl::OkStatus();
+      case Fault::kUnavailable:
+        return absl::UnavailableError(absl::StrCat(what, ": connection refused"));
+      case Fault::kInternal:
+        return absl::InternalError(absl::StrCat(what, ": peer failed"));
+      case Fault::kTimeout:
+        std::this_thread::sleep_for(kTimeoutAfter);
+        return absl::DeadlineExceededError(absl::StrCat(what, ": deadline exceeded"));
+      case Fault::kHang: {
+        std::unique_lock<std::mutex> l(mu_);
+        ++hanging_;
+        cv_.notify_all();
+        const bool cancelled = cv_.wait_for(l, hang_deadline, [&] { return cancel_gen_[addr] != gen || released_; });
+        --hanging_;
+        if (cancelled) return absl::CancelledError(absl::StrCat(what, ": cancelled by the coordinator"));
+        return absl::DeadlineExceededError(absl::StrCat(what, ": deadline exceeded"));
+      }
+      case Fault::kLate:
+        std::this_thread::sleep_for(kLateBy);
+        return absl::OkStatus();
+    }
+    return absl::OkStatus();
+  }
+
+  const std::string config_json_ = TinyConfigJson();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::pair<Rpc, std::string>, Fault> armed_;
+  int hanging_ = 0;
+  bool released_ = false;
+  std::map<std::string, uint64_t> cancel_gen_;
+  std::map<std::string, int> cancels_;
+  std::map<std::pair<Rpc, std::string>, int> calls_;
+  std::map<std::string, EngineTruth> engines_;
+  std::map<std::string, SourceTruth> sources_;
+  std::vector<std::string> blocked_;
+};
+
+// Joins `t` however the test leaves its scope, releasing the fake's hangs first.
+struct Joiner {
+  std::thread& t;
+  ScriptedPeers* peers;
+  ~Joiner() {
+    if (!t.joinable()) return;
+    peers->ReleaseAll();
+    t.join();
+  }
+};
+
+// Calls Status() every 5 ms from its own thread while it lives; the longest answer.
+class StatusProbe {
+ public:
+  explicit StatusProbe(Coordinator* c)
+      : thread_([this, c] {
+          while (!stop_) {
+            const absl::Time t0 = absl::Now();
+            c->Status();
+            const absl::Duration took = absl::Now() - t0;
+            std::lock_guard<std::mutex> l(mu_);
+            longest_ = std::max(longest_, took);
+            std::this_thread::sleep_for(5ms);
+          }
+        }) {}
+  ~StatusProbe() { Stop(); }
+  absl::Duration Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+    std::lock_guard<std::mutex> l(mu_);
+    return longest_;
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  absl::Duration longest_ = absl::ZeroDuration();
+  std::thread thread_;
+};
+
+v1::RegisterNodeRequest Source(const std::string& id) {
+  v1::RegisterNodeRequest r;
+  r.set_node_id(id);
+  r.set_role("source");
+  r.set_address(id + ":1");
+  r.set_trainer_ranks(1);
+  return r;
+}
+
+v1::RegisterNodeRequest Target(const std::string& id, const std::string& engine) {
+  v1::RegisterNodeRequest r;
+  r.set_node_id(id);
+  r.set_role("target");
+  r.set_address(id + ":1");
+  auto* e = r.add_engines();
+  e->set_engine_id(engine);
+  e->set_control_address(engine + ":2");
+  e->set_kind("reference");
+  FillLayout(e->add_ranks(), 1, 0);
+  return r;
+}
+
+// Two source nodes s0, s1 (each given work: no minimum per source) and engines e0, e1 on target nodes t0, t1.
+struct Cluster {
+  ScriptedPeers* peers;
+  std::unique_ptr<Coordinator> c;
+
+  Cluster() {
+    CoordinatorOptions o;
+    o.min_source_bytes = 0;
+    auto p = std::make_unique<ScriptedPeers>();
+    peers = p.get();
+    c = std::make_unique<Coordinator>(o, std::move(p));
+    peers->coordinator = c.get();
+    for (const char* s : {"s0", "s1"}) REQUIRE(c->RegisterNode(Source(s)).ok());
+    REQUIRE(c->RegisterNode(Target("t0", "e0")).ok());
+    REQUIRE(c->RegisterNode(Target("t1", "e1")).ok());
+  }
+  absl::Status Begin(int64_t v) {
+    v1::BeginUpdateRequest r;
+    r.set_version(v);
+    return c->BeginUpdate(r).status();
+  }
+  absl::Status Commit(int64_t v) {
+    v1::CommitUpdateRequest r;
+    r.set_version(v);
+    return c->CommitUpdate(r).status();
+  }
+  absl::StatusOr<v1::AbortUpdateReply> Abort(int64_t v, const std::string& reason = "") {
+    v1::AbortUpdateRequest r;
+    r.set_version(v);
+    r.set_reason(reason);
+    return c->AbortUpdate(r);
+  }
+  absl::Status Update(int64_t v) {
+    absl::Status st = Begin(v);
+    return st.ok() ? Commit(v) : st;
+  }
+  v1::UpdateRecord LastRecord() {
+    const v1::HistoryReply h = c->History(v1::HistoryRequest());
+    REQUIRE(h.records_size() > 0);
+    return h.records(h.records_size() - 1);
+  }
+  // A heartbeat from source `id` reporting what it really holds.
+  void Heartbeat(const std::string& id) {
+    v1::HeartbeatRequest hb;
+    hb.set_node_id(id);
+    hb.set_address(id + ":1");
+    const ScriptedPeers::SourceTruth& s = peers->Source(id + ":1");
+    hb.set_plan_epoch(s.epoch);
+    hb.set_config_digest(s.digest);
+    REQUIRE(c->Heartbeat(hb).known());
+  }
+  // Every engine serves version `v`, by the coordinator's records and by what the engines were told.
+  void CheckAllServing(const std::string& v) {
+    const v1::ClusterStatus st = c->Status();
+    CHECK(st.state() == "idle");
+    CHECK(st.current_version() == v);
+    CHECK_FALSE(st.engines_hold_partial_writes());
+    for (const auto& n : st.nodes())
+      for (const auto& d : n.engine_details()) {
+        INFO(d.engine_id());
+        CHECK(d.state() == "serving");
+        CHECK(d.weight_version() == v);
+        const ScriptedPeers::EngineTruth t = peers->Engine(d.address());
+        CHECK_FALSE(t.paused);
+        CHECK(t.version == v);
+      }
+  }
+};
+
+// The peer a fault is injected at, and how the coordinator's error names that call there.
+struct Victim {
+  std::string addr;
+  std::string named;
+};
+Victim VictimOf(Rpc rpc) {
+  switch (rpc) {
+    case Rpc::kPause:
+      return {"e1:2", "pause engine e1"};
+    case Rpc::kEngineInfo:
+      return {"e0:2", "engine info from engine e0"};  // the first engine is asked
+    case Rpc::kConfigureSource:
+      return {"s1:1", "configure source s1 (s1:1)"};
+    case Rpc::kOpenWindow:
+      return {"t1:1", "opening the write window of target t1 (t1:1)"};
+    case Rpc::kStartUpdate:
+      return {"s1:1", "start source s1 (s1:1)"};
+    case Rpc::kFinishUpdate:
+      return {"s1:1", "finish update at source s1 (s1:1)"};
+    case Rpc::kCloseWindow:
+      return {"t1:1", "closing the write window of target t1 (t1:1)"};
+    case Rpc::kPostProcess:
+      return {"e1:2", "post_process engine e1"};
+    case Rpc::kSetWeightVersion:
+      return {"e1:2", "set_version engine e1"};
+    case Rpc::kContinue:
+      return {"e1:2", "continue engine e1"};
+    case Rpc::kAbortSourceUpdate:
+      return {"s1:1", "abort at source s1 (s1:1)"};
+  }
+  return {};
+}
+
+// Whether a failure of `rpc` may leave bytes of the update in the engines (sources had been started).
+bool MayHaveWritten(Rpc rpc) {
+  switch (rpc) {
+    case Rpc::kPause:
+    case Rpc::kEngineInfo:
+    case Rpc::kConfigureSource:
+    case Rpc::kOpenWindow:
+      return false;
+    default:
+      return true;
+  }
+}
+
+TEST_CASE(
+    "faults: every call of every phase fails, times out, hangs or answers late; the coordinator keeps "
+    "answering, ends the update naming the call, records where the engines are, and runs the next update") {
+  const Rpc rpc = GENERATE(Rpc::kPause, Rpc::kEngineInfo, Rpc::kConfigureSource, Rpc::kOpenWindow, Rpc::kStartUpdate,
+                           Rpc::kFinishUpdate, Rpc::kCloseWindow, Rpc::kPostProcess, Rpc::kSetWeightVersion,
+                           Rpc::kContinue, Rpc::kAbortSourceUpdate);
+  const Fault fault = GENERATE(Fault::kUnavailable, Fault::kInternal, Fault::kTimeout, Fault::kHang, Fault::kLate);
+  INFO(Name(rpc) << " " << Name(fault));
+  Cluster k;
+  REQUIRE(k.Update(1).ok());
+  k.CheckAllServing("1");
+  // A join: update 2 re-plans, so it asks the engine info and configures the sources again.
+  REQUIRE(k.c->RegisterNode(Target("t2", "e2")).ok());
+  const Victim victim = VictimOf(rpc);
+  k.peers->Arm(rpc, fault, victim.addr);
+
+  StatusProbe probe(k.c.get());
+  absl::Status ended = k.Begin(2);
+  if (ended.ok()) {
+    if (rpc == Rpc::kAbortSourceUpdate) {
+      // Only an abort calls it: the operator aborts update 2.
+      auto a = k.Abort(2, "step rejected");
+      ended = a.status();
+      if (a.ok() && !a->record().error().empty()) ended = absl::AbortedError(a->record().error());
+    } else {
+      ended = k.Commit(2);
+    }
+  }
+  const absl::Duration longest = probe.Stop();
+  CHECK(longest < absl::FromChrono(kAnswerWithin));
+  CHECK(k.peers->Blocked().empty());
+  CHECK(k.peers->Calls(rpc, victim.addr) > 0);  // the fault was met
+
+  const v1::ClusterStatus st = k.c->Status();
+  const v1::UpdateRecord last = k.LastRecord();
+  CHECK(last.version() == 2);
+  // A late answer, and a window that could not be closed after the sources finished (logged; the next update's
+  // windows replace it), do not fail the update.
+  const bool tolerated = fault == Fault::kLate || rpc == Rpc::kCloseWindow;
+  if (rpc == Rpc::kAbortSourceUpdate) {
+    INFO(ended.ToString());
+    CHECK(last.aborted());
+    CHECK(absl::StrContains(last.error(), "aborted by the operator: step rejected"));
+    CHECK(st.state() == "failed");
+    CHECK(st.current_version() == "1");
+    if (!tolerated) CHECK(absl::StrContains(last.error(), victim.named));
+    // A source that could not tell what it wrote counts as written.
+    CHECK(st.engines_hold_partial_writes() == !tolerated);
+  } else if (tolerated) {
+    INFO(ended.ToString());
+    CHECK(ended.ok());
+    CHECK(last.success());
+    k.CheckAllServing("2");
+  } else {
+    // (b) the update ended with an error naming the call and the peer.
+    INFO(ended.ToString());
+    CHECK(ended.code() == absl::StatusCode::kAborted);
+    CHECK(absl::StrContains(ended.message(), victim.named));
+    CHECK_FALSE(last.success());
+    CHECK(absl::StrContains(last.error(), victim.named));
+    // (c) one known version: the current one stays 1; every engine is serving v2 only if it was continued at 2
+    // (the error then names it), else paused or failed with the phase; the records match what the engines were told.
+    CHECK(st.state() == "failed");
+    CHECK(st.current_version() == "1");
+    CHECK(st.engines_hold_partial_writes() == MayHaveWritten(rpc));
+    for (const auto& n : st.nodes())
+      for (const auto& d : n.engine_details()) {
+        INFO(d.engine_id() << " " << d.state() << " at " << d.weight_version());
+        const ScriptedPeers::EngineTruth t = k.peers->Engine(d.address());
+        CHECK(d.weight_version() == t.version);
+        if (d.state() == "serving") {
+          CHECK(rpc == Rpc::kContinue);
+          CHECK_FALSE(t.paused);
+          CHECK(t.version == "2");
+          CHECK(absl::StrContains(last.error(), absl::StrCat("engine ", d.engine_id())));
+        } else {
+          CHECK((d.state() == "paused" || absl::StartsWith(d.state(), "failed: ")));
+          // Not paused only where the pause itself failed, at the old version.
+          if (!t.paused) CHECK((rpc == Rpc::kPause && d.state() == "failed: pause" && t.version == "1"));
+        }
+      }
+  }
+  // (d) the fault gone, the next update runs and every engine serves it.
+  k.peers->Disarm();
+  const absl::Status next = k.Update(3);
+  INFO(next.ToString());
+  REQUIRE(next.ok());
+  k.CheckAllServing("3");
+  CHECK(k.peers->Blocked().empty());
+}
+
+// An operator's abort while the call of `rpc` hangs (no stand-in deadline within the test: only a cancellation
+// ends it) returns within a second, cancels the call, records the update as aborted; the next update runs.
+void AbortWhileHanging(Rpc rpc) {
+  INFO(Name(rpc));
+  Cluster k;
+  REQUIRE(k.Update(1).ok());
+  REQUIRE(k.c->RegisterNode(Target("t2", "e2")).ok());  // update 2 configures the sources
+  const Victim victim = VictimOf(rpc);
+  k.peers->hang_deadline = 10s;  // far beyond the 1 s the abort has
+  k.peers->Arm(rpc, Fault::kHang, victim.addr);
+  const bool in_commit =
+      rpc == Rpc::kFinishUpdate || rpc == Rpc::kPostProcess || rpc == Rpc::kSetWeightVersion || rpc == Rpc::kContinue;
+  if (in_commit) REQUIRE(k.Begin(2).ok());
+  absl::Status driven = absl::UnknownError("not run");
+  std::thread driver([&] { driven = in_commit ? k.Commit(2) : k.Begin(2); });  // checked after the join
+  Joiner joiner{driver, k.peers};
+  REQUIRE(k.peers->AwaitHanging());
+  CHECK(k.c->Status().state() == (in_commit ? "committing" : "beginning"));
+
+  StatusProbe probe(k.c.get());
+  const absl::Time t0 = absl::Now();
+  auto a = k.Abort(2, "bad step");
+  const absl::Duration took = absl::Now() - t0;
+  if (!a.ok()) k.peers->ReleaseAll();
+  driver.join();
+  CHECK(probe.Stop() < absl::FromChrono(kAnswerWithin));
+  CHECK(took < absl::Seconds(1));
+  INFO(a.status().ToString());
+  REQUIRE(a.ok());
+  CHECK(k.peers->Cancels(victim.addr) > 0);
+  CHECK(a->record().aborted());
+  CHECK(absl::StrContains(a->record().error(), "aborted by the operator: bad step"));
+  CHECK(driven.code() == absl::StatusCode::kAborted);
+  CHECK(absl::StrContains(driven.message(), "aborted by the operator: bad step"));
+  // A repeat gets the same answer.
+  auto again = k.Abort(2, "bad step");
+  REQUIRE(again.ok());
+  CHECK(again->SerializeAsString() == a->SerializeAsString());
+
+  const v1::ClusterStatus st = k.c->Status();
+  CHECK(st.state() == "failed");
+  CHECK(st.current_version() == "1");
+  const v1::UpdateRecord last = k.LastRecord();
+  CHECK(last.version() == 2);
+  CHECK(last.aborted());
+  for (const auto& n : st.nodes())
+    for (const auto& d : n.engine_details()) {
+      INFO(d.engine_id() << " " << d.state());
+      const ScriptedPeers::EngineTruth t = k.peers->Engine(d.address());
+      if (d.state() == "serving") {
+        // Only an engine whose Continue had returned before the abort; the record names it.
+        CHECK(rpc == Rpc::kContinue);
+        CHECK(t.version == "2");
+        CHECK(absl::StrContains(last.error(), absl::StrCat("engine ", d.engine_id())));
+      } else if (!t.paused) {
+        // Its pause was cancelled, or never sent once the abort came: it still serves the old version, and the
+        // record says so.
+        CHECK(rpc == Rpc::kPause);
+        CHECK(d.state() == "failed: pause");
+        CHECK(t.version != "2");
+      }
+    }
+  // Sources that were started or were finishing are told to abort (their writes stop).
+  if (rpc == Rpc::kStartUpdate || rpc == Rpc::kFinishUpdate) CHECK(k.peers->Calls(Rpc::kAbortSourceUpdate, "s0:1") > 0);
+
+  k.peers->Disarm();
+  const absl::Status next = k.Update(3);
+  INFO(next.ToString());
+  REQUIRE(next.ok());
+  k.CheckAllServing("3");
+  CHECK(k.peers->Blocked().empty());
+}
+
+TEST_CASE("faults: abort ends an update in every phase, at once, the hung call cancelled") {
+  SECTION("while Pause hangs") { AbortWhileHanging(Rpc::kPause); }
+  SECTION("while EngineInfo hangs") { AbortWhileHanging(Rpc::kEngineInfo); }
+  SECTION("while ConfigureSource hangs") { AbortWhileHanging(Rpc::kConfigureSource); }
+  SECTION("while the write window opens") { AbortWhileHanging(Rpc::kOpenWindow); }
+  SECTION("while StartUpdate hangs") { AbortWhileHanging(Rpc::kStartUpdate); }
+  SECTION("while FinishUpdate hangs") { AbortWhileHanging(Rpc::kFinishUpdate); }
+  SECTION("while PostProcess hangs") { AbortWhileHanging(Rpc::kPostProcess); }
+  SECTION("while SetWeightVersion hangs") { AbortWhileHanging(Rpc::kSetWeightVersion); }
+  SECTION("while Continue hangs (the engines already continued are named)") { AbortWhileHanging(Rpc::kContinue); }
+}
+
+TEST_CASE("faults: an abort returns at once even when the source it must stop does not answer (stopped process)") {
+  Cluster k;
+  REQUIRE(k.Update(1).ok());
+  REQUIRE(k.Begin(2).ok());
+  // s1 answers nothing any more, its AbortSourceUpdate included (a SIGSTOPped daemon), for 2 s.
+  k.peers->hang_deadline = 2s;
+  k.peers->Arm(Rpc::kFinishUpdate, Fault::kHang, "s1:1");
+  k.peers->AlsoArm(Rpc::kAbortSourceUpdate, Fault::kHang, "s1:1");
+  absl::Status driven = absl::UnknownError("not run");
+  std::thread driver([&] { driven = k.Commit(2); });
+  Joiner joiner{driver, k.peers};
+  REQUIRE(k.peers->AwaitHanging());
+  const absl::Time t0 = absl::Now();
+  auto a = k.Abort(2, "stopped source");
+  const absl::Duration took = absl::Now() - t0;
+  // Recorded at once; nothing new begins while the sources are still being told.
+  CHECK(took < absl::Seconds(1));
+  INFO(a.status().ToString());
+  REQUIRE(a.ok());
+  CHECK(a->record().aborted());
+  CHECK_FALSE(a->engines_resumable());
+  CHECK(k.Begin(3).code() == absl::StatusCode::kFailedPrecondition);
+  driver.join();
+  CHECK(driven.code() == absl::StatusCode::kAborted);
+  CHECK(k.peers->Calls(Rpc::kAbortSourceUpdate, "s0:1") == 1);
+  CHECK(k.c->Status().state() == "failed");
+  k.peers->Disarm();
+  REQUIRE(k.Update(4).ok());
+  k.CheckAllServing("4");
+}
+
+TEST_CASE("faults: an abort that comes after every engine was continued finds the update committed") {
+  Cluster k;
+  REQUIRE(k.Update(1).ok());
+  REQUIRE(k.Begin(2).ok());
+  REQUIRE(k.Commit(2).ok());
+  auto a = k.Abort(2);
+  CHECK(a.status().code() == absl::StatusCode::kFailedPrecondition);
+  k.CheckAllServing("2");
+}
+
+TEST_CASE("faults: a source that lost its configuration is configured again at the next update (heartbeat digest)") {
+  Cluster k;
+  REQUIRE(k.Update(1).ok());
+  const int s0 = k.peers->Calls(Rpc::kConfigureSource, "s0:1");
+  const int s1 = k.peers->Calls(Rpc::kConfigureSource, "s1:1");
+  REQUIRE(s1 == 1);
+
+  SECTION("heartbeats reporting the planned configuration change nothing") {
+    k.Heartbeat("s0");
+    k.Heartbeat("s1");
+    v1::HeartbeatRequest older;  // a daemon that reports nothing (plan_epoch 0)
+    older.set_node_id("s1");
+    older.set_address("s1:1");
+    REQUIRE(k.c->Heartbeat(older).known());
+    REQUIRE(k.Update(2).ok());
+    CHECK(k.peers->Calls(Rpc::kConfigureSource, "s0:1") == s0);
+    CHECK(k.peers->Calls(Rpc::kConfigureSource, "s1:1") == s1);
+  }
+  SECTION("a source that restarted in place without its configuration") {
+    k.peers->Source("s1:1") = ScriptedPeers::SourceTruth();  // holds nothing, like a new process
+    k.Heartbeat("s1");
+    const absl::Status st = k.Update(2);
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+    CHECK(k.peers->Calls(Rpc::kConfigureSource, "s1:1") == s1 + 1);
+    CHECK(k.peers->Calls(Rpc::kConfigureSource, "s0:1") == s0);  // the other source keeps its configuration
+    k.CheckAllServing("2");
+  }
+  SECTION("a configure that was answered but never applied") {
+    REQUIRE(k.c->RegisterNode(Target("t2", "e2")).ok());  // update 2 configures both sources
+    k.peers->Source("s1:1").drop_configure = true;
+    const absl::Status failed = k.Update(2);
+    INFO(failed.ToString());
+    CHECK(absl::StrContains(failed.message(), "but this source is configured for plan"));
+    k.peers->Source("s1:1").drop_configure = false;
+    const int before = k.peers->Calls(Rpc::kConfigureSource, "s1:1");
+    // Not once, but in every later update, until its heartbeat tells the coordinator what it holds.
+    k.Heartbeat("s0");
+    k.Heartbeat("s1");
+    const absl::Status st = k.Update(3);
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+    CHECK(k.peers->Calls(Rpc::kConfigureSource, "s1:1") == before + 1);
+    k.CheckAllServing("3");
+  }
+}
+
+}  // namespace
+}  // namespace wsync::daemon
