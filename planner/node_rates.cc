@@ -51,7 +51,13 @@ absl::StatusOr<NodeRates> LoadNodeRates(const std::string& path) {
   return ParseNodeRates(ss.str(), path);
 }
 
-absl::StatusOr<NodeRates> BuiltinNodeRates() { return ParseNodeRates(kBuiltinNodeRatesJson, kBuiltinNodeRatesOrigin); }
+absl::StatusOr<NodeRates> BuiltinNodeRates() {
+  if (*kBuiltinNodeRatesJson == '\0')
+    return absl::NotFoundError(absl::StrCat("no node rates were compiled in (", kBuiltinNodeRatesOrigin,
+                                            " was absent at build time): run bench/node on the machine to plan for "
+                                            "and keep its result there, or pass --node-rates FILE"));
+  return ParseNodeRates(kBuiltinNodeRatesJson, kBuiltinNodeRatesOrigin);
+}
 
 void ApplyNodeRates(const NodeRates& rates, CostParams* params) {
   params->node_load_gbps = rates.node_load_gbps;

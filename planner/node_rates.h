@@ -28,8 +28,8 @@ struct NodeRates {
 // malformed (missing or non-increasing ranks, non-positive rates).
 absl::StatusOr<NodeRates> ParseNodeRates(absl::string_view json, absl::string_view origin);
 absl::StatusOr<NodeRates> LoadNodeRates(const std::string& path);
-// The result file compiled into the binaries (bench/node/results/default.json at build time): what the coordinator
-// and `wsyncctl plan` use unless told otherwise.
+// The result file compiled into the binaries (bench/node/results/default.json at build time): what `wsyncctl plan`
+// uses for wsync's executor unless told otherwise. NotFound when no such file was there at build time.
 absl::StatusOr<NodeRates> BuiltinNodeRates();
 // Puts the rates into `params` (node_load_gbps, d2h_gbps when measured, rates_origin).
 void ApplyNodeRates(const NodeRates& rates, CostParams* params);

@@ -110,6 +110,11 @@ TEST_CASE("node rates: the automatic source count agrees with the built plan und
 
 TEST_CASE("node rates: the built-in result file is valid and says where it was measured", "[planner][node_rates]") {
   auto r = BuiltinNodeRates();
+  if (r.status().code() == absl::StatusCode::kNotFound) {
+    // None kept in the tree: the error says what to do, and nothing else claims measured rates.
+    CHECK(std::string(r.status().message()).find("bench/node/results/default.json") != std::string::npos);
+    return;
+  }
   REQUIRE(r.ok());
   CHECK_FALSE(r->machine.empty());
   CHECK_FALSE(r->command.empty());

@@ -334,9 +334,9 @@ int RunPlanCommand(int argc, char** argv) {
       app.add_option("--d2h-gbps", cp.d2h_gbps, "GPU->host hand-over rate per source")->capture_default_str();
   std::string node_rates = "auto";
   app.add_option("--node-rates", node_rates,
-                 "measured node rates: auto (the built-in bench/node result with --executor pipelined, i.e. wsync's "
-                 "source daemon, unless --replica-load-gbps is given; none with serial, the seed's executor), "
-                 "builtin, none, or a bench/node result FILE")
+                 "measured node rates: auto (the built-in bench/node result, if one was compiled in, with --executor "
+                 "pipelined, i.e. wsync's source daemon, unless --replica-load-gbps is given; none with serial, the "
+                 "seed's executor), builtin, none, or a bench/node result FILE")
       ->capture_default_str();
   app.add_option("--nvlink-gbps", cp.nvlink_gbps, "intra-node all-gather rate per GPU")->capture_default_str();
   app.add_option("--bcast-rx-gbps", cp.bcast_rx_gbps, "what one broadcast receiver absorbs")->capture_default_str();
@@ -376,7 +376,10 @@ int RunPlanCommand(int argc, char** argv) {
     return usage(absl::InvalidArgumentError("--executor must be serial or pipelined"));
   }
   if (node_rates == "auto")
-    node_rates = cp.executor == planner::Executor::kPipelined && load_opt->count() == 0 ? "builtin" : "none";
+    node_rates = cp.executor == planner::Executor::kPipelined && load_opt->count() == 0 &&
+                         planner::BuiltinNodeRates().ok()
+                     ? "builtin"
+                     : "none";
   if (node_rates != "none") {
     if (load_opt->count() > 0)
       return usage(absl::InvalidArgumentError("--replica-load-gbps and --node-rates exclude each other"));
