@@ -17,6 +17,34 @@ int PeersOnNode(int size, int stride, int gpus_per_node) {
 
 }  // namespace
 
+double NodeLoadGbps(const CostParams& cp, int ranks) {
+  const auto& pts = cp.node_load_gbps;
+  if (pts.empty()) return 0;
+  if (ranks <= pts.front().first) return pts.front().second;
+  for (size_t i = 1; i < pts.size(); ++i) {
+    if (ranks <= pts[i].first) {
+      const auto& [r0, g0] = pts[i - 1];
+      const auto& [r1, g1] = pts[i];
+      return g0 + (g1 - g0) * (ranks - r0) / static_cast<double>(r1 - r0);
+    }
+  }
+  return pts.back().second;
+}
+
+double SourceLoadRate(const CostParams& cp, int node_sources) {
+  if (cp.node_load_gbps.empty()) return cp.replica_load_gbps * kGB;
+  const int r = std::max(1, node_sources);
+  return NodeLoadGbps(cp, r) * kGB / r;
+}
+
+double MaxSourceLoadRate(const CostParams& cp) {
+  if (cp.node_load_gbps.empty()) return cp.replica_load_gbps * kGB;
+  // The per-source share is highest at a measured point (it is linear in between, over R).
+  double best = 0;
+  for (const auto& [r, g] : cp.node_load_gbps) best = std::max(best, SourceLoadRate(cp, r));
+  return std::max(best, SourceLoadRate(cp, 1));
+}
+
 uint64_t GatherBytes(const PlanInput& in) {
   const TrainerSpec& t = in.cluster.trainer;
   // Every rank of a group of g receives (g-1)/g of the group's bytes; a stage has S/g such receivers per group.
@@ -58,11 +86,11 @@ double PredictGather(const PlanInput& in, const CostParams& cp) {
 }
 
 SourceTime PredictSource(const CostParams& cp, double bw, int nic_sources, uint64_t nic_bytes, uint64_t push_bytes,
-                         uint64_t load_bytes, uint64_t blocking_bytes, int sessions) {
+                         uint64_t load_bytes, uint64_t blocking_bytes, int sessions, int node_sources) {
   SourceTime st;
   const double share = bw / std::max(1, nic_sources);  // sources on one NIC split it
   st.d2h_s = push_bytes / (cp.d2h_gbps * kGB);
-  st.load_s = load_bytes / (cp.replica_load_gbps * kGB);
+  st.load_s = load_bytes / SourceLoadRate(cp, node_sources);
   st.nic_s = nic_bytes / bw;
   st.blocking_send_s = blocking_bytes / share;
   st.session_s = sessions * cp.session_ms / 1e3;
@@ -89,9 +117,10 @@ Prediction PredictTransfer(const PlanInput& in, const Plan& plan, const CostPara
   const double bw = in.cluster.nic.bytes_per_second();
   std::map<std::pair<int, int>, uint64_t> nic_bytes;
   std::map<std::pair<int, int>, int> nic_sources;
+  std::map<int, int> node_sources;
   for (const NicLoad& n : plan.source_nics) nic_bytes[{n.node, n.nic}] = n.bytes;
   for (const SourcePlan& s : plan.sources)
-    if (s.active()) nic_sources[{s.node, s.nic}]++;
+    if (s.active()) nic_sources[{s.node, s.nic}]++, node_sources[s.node]++;
   uint64_t max_src_nic = 0, max_tgt_nic = 0, total = 0;
   for (const NicLoad& n : plan.source_nics) max_src_nic = std::max(max_src_nic, n.bytes), total += n.bytes;
   for (const NicLoad& n : plan.target_nics) {
@@ -114,8 +143,8 @@ Prediction PredictTransfer(const PlanInput& in, const Plan& plan, const CostPara
       for (const Task& t : s.tasks)
         if (t.target.rank != last_rank) blocking += t.bytes;
     }
-    SourceTime st =
-        PredictSource(cp, bw, nic_sources[key], nic_bytes[key], s.push_bytes, s.load_bytes, blocking, s.sessions);
+    SourceTime st = PredictSource(cp, bw, nic_sources[key], nic_bytes[key], s.push_bytes, s.load_bytes, blocking,
+                                  s.sessions, node_sources[s.node]);
     st.source = static_cast<int>(k);
     if (st.total_s > worst) {
       worst = st.total_s;

@@ -61,10 +61,12 @@ Prediction PredictPlan(const PlanInput& input, const Plan& plan, const CostParam
 
 // One source's time from its figures, as PredictTransfer computes it: `nic_bytes` is what its NIC carries for all
 // `nic_sources` sources on it (they split the line rate `nic_bps`, bytes per second); `blocking_bytes` are the
-// writes waited for before the replica buffer is reloaded (every layout but the last). Also what the planner's
-// automatic source count evaluates without building a plan, so both agree to the bit.
+// writes waited for before the replica buffer is reloaded (every layout but the last); `node_sources`: the active
+// sources of its node, which share the node's replica load rate (CostParams::node_load_gbps). Also what the
+// planner's automatic source count evaluates without building a plan, so both agree to the bit.
 SourceTime PredictSource(const CostParams& params, double nic_bps, int nic_sources, uint64_t nic_bytes,
-                         uint64_t push_bytes, uint64_t load_bytes, uint64_t blocking_bytes, int sessions);
+                         uint64_t push_bytes, uint64_t load_bytes, uint64_t blocking_bytes, int sessions,
+                         int node_sources);
 // A target NIC's time: `bytes` in at line rate and `sessions` (source, target) pairs writing into it.
 double PredictTargetNic(const CostParams& params, double nic_bps, uint64_t bytes, int sessions);
 // PredictPlan's P2P transfer part alone (sources, NICs, bounds): gather and fixed terms are left at 0 and

@@ -1,4 +1,8 @@
 #pragma once
+#include <string>
+#include <utility>
+#include <vector>
+
 // Rates and fixed costs of the cost model (planner/cost.h). Apart from cost.h because the planner itself uses
 // them too: the `balanced` strategy's automatic source count (PlanOptions::cost) asks the cost model.
 // All rates are in GB/s (1e9 bytes per second).
@@ -13,6 +17,14 @@ enum class Executor {
 
 struct CostParams {
   double replica_load_gbps = 4.0;  // HF tensors -> CPU replica (slicing, fusion, copy) per source
+  // How fast one node loads its replica as a function of how many of its ranks push at once: (ranks, GB/s) points,
+  // increasing ranks, measured by bench/node (planner/node_rates.h reads its result files). When set, the ranks
+  // of a node share it (each active source loads at NodeLoadGbps(R) / R, R = the node's active sources) and
+  // replica_load_gbps is not used: what wsync's source daemon does, one replica per node fed by all its ranks.
+  // Empty: every source loads at replica_load_gbps on its own (the seed's executor: each rank loads its own replica
+  // in its own process).
+  std::vector<std::pair<int, double>> node_load_gbps;
+  std::string rates_origin;        // where the rates come from (printed by `wsyncctl plan`)
   double d2h_gbps = 25.0;          // trainer GPU -> pinned host hand-over of the push filter (pipelined only)
   double nvlink_gbps = 150.0;      // per-GPU all-gather rate inside a node
   double gather_efficiency = 1.0;  // fraction of the NIC line rate the all-gather achieves across nodes
@@ -25,5 +37,13 @@ struct CostParams {
   bool include_gather = true;
   Executor executor = Executor::kSerial;
 };
+
+// The node's replica load rate (GB/s) with `ranks` ranks loading at once: linear between measured points, the
+// nearest measured point outside them (never extrapolated beyond what was measured). node_load_gbps must be set.
+double NodeLoadGbps(const CostParams& params, int ranks);
+// One source's replica load rate (bytes per second) when `node_sources` sources of its node load at once.
+double SourceLoadRate(const CostParams& params, int node_sources);
+// The highest rate any one source can load at (for lower bounds): max over R of SourceLoadRate(R).
+double MaxSourceLoadRate(const CostParams& params);
 
 }  // namespace wsync::planner

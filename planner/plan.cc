@@ -813,14 +813,17 @@ class StageCountModel {
       starts_.push_back(it.start);
     }
     std::map<std::pair<int, int>, int> ids;
+    std::map<int, int> node_ids;
     for (int j = 0; j < S_; ++j) {
       SourcePlan s;
       s.stage = stage;
       s.index = j;
       PlaceSource(c, &s);
       src_nic_.push_back(ids.emplace(std::make_pair(s.node, s.nic), static_cast<int>(ids.size())).first->second);
+      src_node_.push_back(node_ids.emplace(s.node, static_cast<int>(node_ids.size())).first->second);
     }
     num_src_nics_ = static_cast<int>(ids.size());
+    num_src_nodes_ = static_cast<int>(node_ids.size());
     ids.clear();
     // Every configured target receives its rank's bytes of the stage, whatever the count.
     for (int i = 0; i < I_; ++i) {
@@ -844,12 +847,13 @@ class StageCountModel {
     const std::vector<uint64_t> cuts = CutLine(opt_, line_, weights);
 
     struct Figures {
-      int nic = 0, sessions = 0;
+      int nic = 0, node = 0, sessions = 0;
       uint64_t load = 0, blocking = 0, push = 0;
     };
     std::vector<Figures> active;
     std::vector<uint64_t> nic_bytes(num_src_nics_, 0);
     std::vector<int> nic_sources(num_src_nics_, 0);
+    std::vector<int> node_sources(num_src_nodes_, 0);
     std::vector<int> touch(rank_start_.size() + 1, 0);  // difference array over rank ordinals
     std::vector<int> zero_touch(R, 0);
     std::vector<int> stamp;
@@ -886,10 +890,12 @@ class StageCountModel {
       }
       if (ranks == 0) continue;  // no tasks: an idle source
       f.nic = src_nic_[js[k]];
+      f.node = src_node_[js[k]];
       f.sessions = ranks * I_;
       f.blocking = blocking * I;
       nic_bytes[f.nic] += (b - a) * I;
       nic_sources[f.nic]++;
+      node_sources[f.node]++;
       if (pipelined) {
         auto add = [&](const LineItem& it) {
           for (int h : in_.layouts[it.rank].params[it.param].inputs) {
@@ -908,8 +914,8 @@ class StageCountModel {
 
     StageCountTime t;
     for (const Figures& f : active) {
-      const SourceTime st =
-          PredictSource(opt_.cost, bw_, nic_sources[f.nic], nic_bytes[f.nic], f.push, f.load, f.blocking, f.sessions);
+      const SourceTime st = PredictSource(opt_.cost, bw_, nic_sources[f.nic], nic_bytes[f.nic], f.push, f.load,
+                                          f.blocking, f.sessions, node_sources[f.node]);
       t.sources_s = std::max(t.sources_s, st.total_s);
     }
     // Sessions into each target: the sources whose segment (or zero-byte parameters) touch its rank.
@@ -940,8 +946,10 @@ class StageCountModel {
   std::vector<uint64_t> rank_start_;  // per ordinal: where the rank's bytes start on the line
   std::vector<int> zero_ranks_;       // ranks with zero-byte parameters in the stage (increasing)
   std::vector<LineItem> zero_items_;
-  std::vector<int> src_nic_;  // per source of the stage: its NIC (dense id)
+  std::vector<int> src_nic_;   // per source of the stage: its NIC (dense id)
+  std::vector<int> src_node_;  // per source of the stage: its node (dense id)
   int num_src_nics_ = 0;
+  int num_src_nodes_ = 0;
   std::vector<int> tgt_nic_;         // per configured target (instance * R + rank): its NIC (dense id)
   std::vector<uint64_t> tgt_bytes_;  // per target NIC: the stage's bytes into it
 };
@@ -958,7 +966,7 @@ int AutoSourceCount(const PlanInput& in, const PlanOptions& opt, const StageInde
   for (uint64_t b : ix.bytes[stage]) stage_bytes += b;
   if (stage_bytes == 0 || S <= 1) return S;
   const int instances = std::max(1, in.cluster.engine.instances);
-  const double load_rate = opt.cost.replica_load_gbps * 1e9;
+  const double load_rate = MaxSourceLoadRate(opt.cost);
   const double nic_rate = in.cluster.nic.bytes_per_second();
   const StageCountModel model(in, opt, ix, line, stage);
   int best_u = S;

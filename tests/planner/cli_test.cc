@@ -1,10 +1,13 @@
-#include <catch2/catch.hpp>
+#include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
+#include "planner/node_rates.h"
 #include "tools/cli/plan_command.h"
 
 namespace wsync::tools {
@@ -63,6 +66,68 @@ TEST_CASE("plan command: bad flags exit 2", "[planner][cli]") {
   CHECK(Run({"--train", "tp=2", "--infer", "instances=1,tp=4"}) == 2);  // no --model
   CHECK(Run({"--seed-table"}) == 2);                                     // no --models-dir
   CHECK(Run({"--help"}) == 0);
+  std::remove(cfg.c_str());
+}
+
+// Runs the plan command with its stdout in a file; returns what it printed.
+std::string RunCaptured(std::vector<std::string> args, int* code) {
+  char name[] = "/tmp/wsync_plan_out_XXXXXX";
+  const int fd = mkstemp(name);
+  REQUIRE(fd >= 0);
+  std::fflush(stdout);
+  const int saved = dup(1);
+  dup2(fd, 1);
+  *code = Run(std::move(args));
+  std::fflush(stdout);
+  dup2(saved, 1);
+  close(saved);
+  close(fd);
+  std::ifstream f(name);
+  std::string out((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::remove(name);
+  return out;
+}
+
+TEST_CASE("plan command: says which rates it predicts with and where they were measured", "[planner][cli]") {
+  const std::string cfg = WriteConfig(kLlama);
+  const std::vector<std::string> base = {"--model", cfg, "--train", "tp=2,nodes=1", "--infer", "instances=1,tp=2"};
+  auto with = [&](std::vector<std::string> extra, int* code) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return RunCaptured(a, code);
+  };
+  int code = -1;
+  // wsync's executor: the node rates measured by bench/node, when a result was compiled in; else the defaults.
+  std::string out = with({"--executor", "pipelined"}, &code);
+  CHECK(code == 0);
+  if (planner::BuiltinNodeRates().ok()) {
+    CHECK(out.find("rates             replica load per node") != std::string::npos);
+    CHECK(out.find("bench/node/results/default.json") != std::string::npos);
+  } else {
+    CHECK(out.find("rates             replica load 4.00 GB/s per source") != std::string::npos);
+    with({"--executor", "pipelined", "--node-rates", "builtin"}, &code);
+    CHECK(code == 2);  // asked for by name, its absence is an error
+  }
+  // The seed's executor: per-source rates, the documented defaults.
+  out = with({"--executor", "serial"}, &code);
+  CHECK(code == 0);
+  CHECK(out.find("replica load 4.00 GB/s per source") != std::string::npos);
+  CHECK(out.find("from the defaults") != std::string::npos);
+  out = with({"--executor", "pipelined", "--replica-load-gbps", "3"}, &code);
+  CHECK(code == 0);
+  CHECK(out.find("replica load 3.00 GB/s per source") != std::string::npos);
+  CHECK(out.find("from the command line") != std::string::npos);
+  const std::string rates = WriteConfig(R"({"machine": "test box", "date": "d", "command": "c",
+    "node_load_gbps": [[1, 2.5], [2, 4.5]]})");
+  out = with({"--executor", "pipelined", "--node-rates", rates, "-w", "json"}, &code);
+  CHECK(code == 0);
+  CHECK(out.find("test box") != std::string::npos);
+  CHECK(out.find("\"node_load_gbps\"") != std::string::npos);
+  with({"--node-rates", rates, "--replica-load-gbps", "3"}, &code);
+  CHECK(code == 2);  // two sources for one rate
+  with({"--node-rates", "/nonexistent.json"}, &code);
+  CHECK(code == 2);
+  std::remove(rates.c_str());
   std::remove(cfg.c_str());
 }
 

@@ -207,10 +207,14 @@ PlanInput WithEmptyParams(PlanInput in) {
 }
 
 TEST_CASE("auto: the chosen count is the exhaustive choice on the test shapes", "[planner][min_source]") {
-  CostParams serial, pipelined, slow;
+  CostParams serial, pipelined, slow, node;
   pipelined.executor = Executor::kPipelined;
   slow.session_ms = 40;  // sessions weigh more: fewer sources win on more shapes
-  for (const CostParams& cp : {serial, pipelined, slow}) {
+  // wsync's daemon: a node's ranks share its measured load rate (here one that barely grows with ranks, so the
+  // node's sources compete for it and fewer sources can win).
+  node.executor = Executor::kPipelined;
+  node.node_load_gbps = {{1, 2.0}, {4, 3.0}, {8, 3.5}};
+  for (const CostParams& cp : {serial, pipelined, slow, node}) {
     INFO("executor " << (cp.executor == Executor::kSerial ? "serial" : "pipelined") << " session " << cp.session_ms);
     int n = 0;
     for (const auto& shape : testing::CoverageShapes()) {

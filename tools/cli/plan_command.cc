@@ -17,8 +17,9 @@
 #include "nlohmann/json.hpp"
 #include "planner/cost.h"
 #include "planner/model_input.h"
-#include "replica/model_config.h"
+#include "planner/node_rates.h"
 #include "planner/seed_table.h"
+#include "replica/model_config.h"
 
 namespace wsync::tools {
 namespace {
@@ -90,6 +91,22 @@ nlohmann::json SourcesJson(const PlanInput& in, const planner::Plan& plan, bool 
   return arr;
 }
 
+// Which replica-load and hand-over rates a prediction used, and where they come from.
+std::string RatesLine(const planner::CostParams& cp) {
+  std::string load;
+  if (cp.node_load_gbps.empty()) {
+    load = absl::StrFormat("replica load %.2f GB/s per source", cp.replica_load_gbps);
+  } else {
+    load = "replica load per node";
+    for (const auto& [r, g] : cp.node_load_gbps)
+      absl::StrAppendFormat(&load, " %d rank%s %.1f GB/s,", r, r == 1 ? "" : "s", g);
+    load.back() = ';';
+    load += " shared by the node's active ranks";
+  }
+  return absl::StrFormat("%s; d2h %.1f GB/s; from %s", load, cp.d2h_gbps,
+                         cp.rates_origin.empty() ? "the defaults (docs/planner.md)" : cp.rates_origin);
+}
+
 void PrintTable(const PlanInput& in, const planner::Plan& plan, const Report& r, const WeightFormat& f,
                 const planner::CostParams& cp, bool tasks) {
   const auto& c = in.cluster;
@@ -114,6 +131,7 @@ void PrintTable(const PlanInput& in, const planner::Plan& plan, const Report& r,
   std::printf("NIC bytes         source max %s, target max %s\n", Bytes(st.max_source_nic_bytes).c_str(),
               Bytes(st.max_target_nic_bytes).c_str());
   std::printf("network bound     %s  (any plan: %s)\n", Secs(r.p2p.bound_s).c_str(), Secs(r.p2p.ideal_bound_s).c_str());
+  std::printf("rates             %s\n", RatesLine(cp).c_str());
   std::printf("predicted         %s  (gather %s + transfer %s + fixed/post %s; %s executor)\n",
               Secs(r.p2p.total_s).c_str(), Secs(r.p2p.gather_s).c_str(), Secs(r.p2p.transfer_s).c_str(),
               Secs((cp.fixed_ms + cp.post_process_ms) / 1e3).c_str(),
@@ -309,8 +327,17 @@ int RunPlanCommand(int argc, char** argv) {
   app.add_option("-w,--write-out", out, "table|json")->capture_default_str();
   app.add_option("--weights", weights, "transfer format: bf16, fp8 (128 blocks) or fp8:BLOCK")->capture_default_str();
   app.add_option("--executor", executor, "serial (the seed's) or pipelined")->capture_default_str();
-  app.add_option("--replica-load-gbps", cp.replica_load_gbps, "CPU replica load rate per source")->capture_default_str();
-  app.add_option("--d2h-gbps", cp.d2h_gbps, "GPU->host hand-over rate per source")->capture_default_str();
+  auto* load_opt = app.add_option("--replica-load-gbps", cp.replica_load_gbps,
+                                  "CPU replica load rate per source, each source on its own (no node rates)")
+                       ->capture_default_str();
+  auto* d2h_opt =
+      app.add_option("--d2h-gbps", cp.d2h_gbps, "GPU->host hand-over rate per source")->capture_default_str();
+  std::string node_rates = "auto";
+  app.add_option("--node-rates", node_rates,
+                 "measured node rates: auto (the built-in bench/node result, if one was compiled in, with --executor "
+                 "pipelined, i.e. wsync's source daemon, unless --replica-load-gbps is given; none with serial, the "
+                 "seed's executor), builtin, none, or a bench/node result FILE")
+      ->capture_default_str();
   app.add_option("--nvlink-gbps", cp.nvlink_gbps, "intra-node all-gather rate per GPU")->capture_default_str();
   app.add_option("--bcast-rx-gbps", cp.bcast_rx_gbps, "what one broadcast receiver absorbs")->capture_default_str();
   app.add_option("--fixed-ms", cp.fixed_ms, "fixed per-update overhead")->capture_default_str();
@@ -347,6 +374,22 @@ int RunPlanCommand(int argc, char** argv) {
     cp.executor = planner::Executor::kPipelined;
   } else {
     return usage(absl::InvalidArgumentError("--executor must be serial or pipelined"));
+  }
+  if (node_rates == "auto")
+    node_rates = cp.executor == planner::Executor::kPipelined && load_opt->count() == 0 &&
+                         planner::BuiltinNodeRates().ok()
+                     ? "builtin"
+                     : "none";
+  if (node_rates != "none") {
+    if (load_opt->count() > 0)
+      return usage(absl::InvalidArgumentError("--replica-load-gbps and --node-rates exclude each other"));
+    auto rates = node_rates == "builtin" ? planner::BuiltinNodeRates() : planner::LoadNodeRates(node_rates);
+    if (!rates.ok()) return usage(rates.status());
+    const double d2h = cp.d2h_gbps;
+    planner::ApplyNodeRates(*rates, &cp);
+    if (d2h_opt->count() > 0) cp.d2h_gbps = d2h;  // the command line wins
+  } else if (load_opt->count() > 0 || d2h_opt->count() > 0) {
+    cp.rates_origin = "the command line";
   }
   for (double v : {cp.replica_load_gbps, cp.d2h_gbps, cp.nvlink_gbps, cp.bcast_rx_gbps}) {
     if (!(v > 0)) return usage(absl::InvalidArgumentError("rates must be positive"));
@@ -399,6 +442,11 @@ int RunPlanCommand(int argc, char** argv) {
     j["trainer"] = planner::FormatTrainerSpec(c.trainer);
     j["engine"] = planner::FormatEngineSpec(c.engine);
     j["sources"] = SourcesJson(*in, *plan, tasks);
+    j["rates"] = {{"replica_load_gbps_per_source", cp.node_load_gbps.empty() ? cp.replica_load_gbps : 0.0},
+                  {"node_load_gbps", cp.node_load_gbps},
+                  {"d2h_gbps", cp.d2h_gbps},
+                  {"origin", cp.rates_origin.empty() ? "defaults" : cp.rates_origin},
+                  {"text", RatesLine(cp)}};
     std::printf("%s\n", j.dump(2).c_str());
   } else {
     PrintTable(*in, *plan, r, *wf, cp, tasks);
