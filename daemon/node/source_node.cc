@@ -128,8 +128,11 @@ void SourceNode::CheckRanks() {
   if (version_ == -1 || !update_error_.ok()) return;
   for (const auto& [rank, lost] : lost_ranks_) {
     if (ended_ranks_.count(rank) || now - lost.since < opts_.rank_grace) continue;
+    const std::string what = lost.pid > 0 && !ProcessAlive(lost.pid)
+                                 ? absl::StrCat("exited (pid ", lost.pid, ", session ", lost.label, ")")
+                                 : lost.what;
     update_error_ = absl::UnavailableError(absl::StrCat(
-        "update ", version_, ": trainer rank ", rank, " on node ", opts_.node_id, " ", lost.what,
+        "update ", version_, ": trainer rank ", rank, " on node ", opts_.node_id, " ", what,
         " before it finished pushing, and did not reconnect within ", absl::FormatDuration(opts_.rank_grace)));
     spdlog::error("{}", update_error_.ToString());
     CancelWrites(update_error_);
@@ -176,7 +179,7 @@ absl::StatusOr<OpenedSession> SourceNode::OpenSession(const SessionRequest& req)
     if (it->second->local_rank == req.local_rank) {
       spdlog::warn("trainer rank {} reconnected (pid {}); dropping its previous session {}", req.local_rank, req.pid,
                    it->second->label);
-      if (TakeoverFailsUpdate(*it->second)) FailTakenOver(*it->second, req);
+      if (TakeoverFailsUpdate(*it->second, req.pid)) FailTakenOver(*it->second, req);
       it = sessions_.erase(it);
     } else {
       ++it;
@@ -202,9 +205,11 @@ absl::StatusOr<OpenedSession> SourceNode::OpenSession(const SessionRequest& req)
   return out;
 }
 
-bool SourceNode::TakeoverFailsUpdate(const Session& old) const {
+bool SourceNode::TakeoverFailsUpdate(const Session& old, int64_t new_pid) const {
+  // The same process opening a new session replaces its own (a client object made again, e.g. after an error): it
+  // is the one trainer of the rank, so that is a reconnect. Another live process is a second trainer for the rank.
   return version_ != -1 && update_error_.ok() && !ended_ranks_.count(old.local_rank) && !old.dead &&
-         ProcessAlive(old.pid);
+         old.pid != new_pid && ProcessAlive(old.pid);
 }
 
 void SourceNode::FailTakenOver(const Session& old, const SessionRequest& req) {
@@ -223,7 +228,7 @@ void SourceNode::MarkDead(Session* s, const std::string& what) {
   if (s->dead) return;
   s->dead = true;
   if (version_ != -1 && !ended_ranks_.count(s->local_rank) && !lost_ranks_.count(s->local_rank))
-    lost_ranks_[s->local_rank] = {absl::Now(), what};
+    lost_ranks_[s->local_rank] = {absl::Now(), what, s->pid, s->label};
 }
 
 void SourceNode::SessionDisconnected(const std::string& session_id, const std::string& why) {

@@ -180,6 +180,10 @@ class SourceNode {
   struct LostRank {
     absl::Time since;
     std::string what;  // "exited (pid 123, session s0)" | "closed its session s0"
+    // The process, when its connection closed while it was still exiting (the kernel closes a killed process's
+    // sockets before it is gone): looked at again when the grace ends, so the failure says it exited.
+    int64_t pid = 0;
+    std::string label;
   };
   // One (engine, rank) this source writes.
   struct Target {
@@ -284,9 +288,10 @@ class SourceNode {
   static absl::Status UnknownSession();
   // Marks `s` dead and, during an open update it has not ended, its rank lost. Requires mu_.
   void MarkDead(Session* s, const std::string& what);
-  // A new session for `old`'s rank while `old` is live, during an open update the rank has not ended its push in:
-  // a takeover, which fails the update at once (FailTakenOver) naming the rank and both processes. Require mu_.
-  bool TakeoverFailsUpdate(const Session& old) const;
+  // A new session for `old`'s rank, opened by another process (`new_pid`) while `old`'s is live, during an open
+  // update the rank has not ended its push in: a takeover, which fails the update at once (FailTakenOver) naming the
+  // rank and both processes. Require mu_.
+  bool TakeoverFailsUpdate(const Session& old, int64_t new_pid) const;
   void FailTakenOver(const Session& old, const SessionRequest& req);
 
   SourceOptions opts_;
