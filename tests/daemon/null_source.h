@@ -4,13 +4,16 @@
 // TP=1 laid out as the tiny model's SGLang table.
 
 #include <algorithm>
+#include <atomic>
 #include <catch2/catch.hpp>
+#include <condition_variable>
 #include <fstream>
 #include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
 
+#include "absl/time/time.h"
 #include "daemon/common/convert.h"
 #include "replica/model_config.h"
 #include "replica/param_table.h"
@@ -40,9 +43,11 @@ class NullRemoteRegion : public transport::RemoteRegion {
   uint64_t n_;
 };
 
-// Posts are validated and completed at once; Cancel fails every later one with its reason.
+// Posts are validated and completed at once (or, `hang`, never: Wait runs into its timeout unless cancelled);
+// Cancel fails every later call with its reason.
 class NullEndpoint : public transport::Endpoint {
  public:
+  explicit NullEndpoint(bool hang = false) : hang_(hang) {}
   std::string LocalInfo() const override { return "null"; }
   absl::Status Connect(const std::string&, absl::Duration) override { return absl::OkStatus(); }
   absl::StatusOr<transport::BatchId> Post(absl::Span<const transport::WriteRequest> writes) override {
@@ -52,24 +57,31 @@ class NullEndpoint : public transport::Endpoint {
     if (!cancelled_.ok()) return cancelled_;
     return ++next_;
   }
-  absl::Status Wait(transport::BatchId, absl::Duration) override {
-    std::lock_guard<std::mutex> l(mu_);
+  absl::Status Wait(transport::BatchId, absl::Duration timeout) override {
+    std::unique_lock<std::mutex> l(mu_);
+    if (!hang_) return cancelled_;
+    if (!cv_.wait_for(l, absl::ToChronoNanoseconds(timeout), [&] { return !cancelled_.ok(); }))
+      return absl::DeadlineExceededError("null peer: batch hangs");
     return cancelled_;
   }
   void Cancel(const absl::Status& why) override {
     std::lock_guard<std::mutex> l(mu_);
     if (cancelled_.ok()) cancelled_ = why;
+    cv_.notify_all();
   }
   std::string PeerName() const override { return "null peer"; }
 
  private:
+  const bool hang_;
   std::mutex mu_;
+  std::condition_variable cv_;
   absl::Status cancelled_;
   transport::BatchId next_ = 0;
 };
 
 class NullTransport : public transport::Transport {
  public:
+  std::atomic<bool> hang{false};  // endpoints created from now on never complete their batches
   std::string name() const override { return "null"; }
   bool viable() const override { return true; }
   std::string reason() const override { return ""; }
@@ -80,7 +92,7 @@ class NullTransport : public transport::Transport {
     return std::make_unique<NullRemoteRegion>(std::stoull(d));
   }
   absl::StatusOr<std::unique_ptr<transport::Endpoint>> CreateEndpoint() override {
-    return std::make_unique<NullEndpoint>();
+    return std::make_unique<NullEndpoint>(hang.load());
   }
 };
 
