@@ -12,6 +12,7 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "absl/time/time.h"
 #include "daemon/common/convert.h"
@@ -41,6 +42,14 @@ class NullRemoteRegion : public transport::RemoteRegion {
 
  private:
   uint64_t n_;
+};
+
+// An engine rank's memory for tests that check what was written: a host buffer a copying endpoint fills.
+class EngineMemory : public transport::RemoteRegion {
+ public:
+  explicit EngineMemory(uint64_t n) : bytes(n, 0) {}
+  uint64_t length() const override { return bytes.size(); }
+  mutable std::vector<uint8_t> bytes;
 };
 
 // Posts are validated and completed at once (or, `hang`, never: Wait runs into its timeout unless cancelled);

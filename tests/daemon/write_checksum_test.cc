@@ -27,6 +27,7 @@
 #include "daemon/common/convert.h"
 #include "daemon/node/hash_pool.h"
 #include "daemon/node/source_node.h"
+#include "tests/daemon/null_source.h"
 #include "replica/model_config.h"
 #include "replica/param_table.h"
 #include "transport/transport.h"
@@ -34,25 +35,8 @@
 namespace wsync::daemon {
 namespace {
 
-class HostLocal : public transport::LocalRegion {
- public:
-  HostLocal(void* a, uint64_t n) : a_(a), n_(n) {}
-  void* addr() const override { return a_; }
-  uint64_t length() const override { return n_; }
-  std::string Descriptor() const override { return std::to_string(n_); }
-
- private:
-  void* a_;
-  uint64_t n_;
-};
-
-// An engine rank's memory: a host buffer the copy endpoint writes into.
-class EngineMemory : public transport::RemoteRegion {
- public:
-  explicit EngineMemory(uint64_t n) : bytes(n, 0) {}
-  uint64_t length() const override { return bytes.size(); }
-  mutable std::vector<uint8_t> bytes;
-};
+using HostLocal = testing::NullLocalRegion;
+using testing::EngineMemory;
 
 // Copies every write at Post (the replica's bytes at the moment they were posted are what the engine holds).
 class CopyEndpoint : public transport::Endpoint {
