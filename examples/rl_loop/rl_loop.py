@@ -20,6 +20,7 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -182,7 +183,6 @@ class Loop:
         self.wd = tempfile.mkdtemp(prefix="wsync-rl-loop-")
         self.procs = harness.Procs(self.wd)
         self.policy = Policy(a.seed, a.lr)
-        import random
         rng = random.Random(a.seed)
         self.task = Task(POLICY_CONFIG["vocab_size"], a.window, [rng.randrange(POLICY_CONFIG["vocab_size"])
                                                                  for _ in range(a.prompts)])
