@@ -175,7 +175,7 @@ class Loop:
 
     # cluster ------------------------------------------------------------------------------------------------------
     def start(self) -> None:
-        sys.path.insert(0, os.path.join(REPO, "tests", "engines"))  # process and HTTP helpers shared with the tests
+        sys.path.insert(0, os.path.join(REPO, "tests", "engines"))  # process and HTTP utilities shared with the engine tests
         import harness
 
         a = self.args
