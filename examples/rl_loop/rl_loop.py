@@ -175,7 +175,8 @@ class Loop:
 
     # cluster ------------------------------------------------------------------------------------------------------
     def start(self) -> None:
-        sys.path.insert(0, os.path.join(REPO, "tests", "engines"))  # process and HTTP utilities shared with the engine tests
+        # Process and HTTP utilities shared with the engine tests.
+        sys.path.insert(0, os.path.join(REPO, "tests", "engines"))
         import harness
 
         a = self.args
@@ -453,11 +454,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    args = parse_args(argv)
     missing = missing_engine()
     if missing:
         print(install_hint(missing), file=sys.stderr)
         return 2
-    args = parse_args(argv)
     for exe in ("wsyncd", "wsync-coordinator"):
         if not os.access(os.path.join(args.bin, exe), os.X_OK):
             print(f"rl_loop: no {exe} in {args.bin}: build it (cmake --build build --target wsyncd "
