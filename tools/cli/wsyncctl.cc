@@ -23,8 +23,8 @@
 #include "proto/tls.h"
 #include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
-#include "tools/cli/plan_command.h"
 #include "tools/cli/engine_health.h"
+#include "tools/cli/plan_command.h"
 #include "tools/cli/status_view.h"
 #include "tools/cli/verify_command.h"
 
