@@ -278,10 +278,15 @@ int wsync_coordinator_open(const char* endpoint, double dial_timeout_s, wsync_co
 }
 
 int wsync_coordinator_begin_update(wsync_coordinator* c, int64_t version, const char* pause_mode, char** json_out) {
+  return wsync_coordinator_begin_update_mode(c, version, pause_mode, nullptr, json_out);
+}
+
+int wsync_coordinator_begin_update_mode(wsync_coordinator* c, int64_t version, const char* pause_mode,
+                                        const char* mode, char** json_out) {
   if (json_out != nullptr) *json_out = nullptr;
   if (c == nullptr) return Report(NullArg("coordinator handle"));
   return Guard(&c->last_error, [&]() -> absl::Status {
-    auto r = c->client->BeginUpdate(version, pause_mode == nullptr ? "" : pause_mode);
+    auto r = c->client->BeginUpdate(version, pause_mode == nullptr ? "" : pause_mode, mode == nullptr ? "" : mode);
     if (!r.ok()) return r.status();
     return JsonOut(*r, json_out);
   });

@@ -137,6 +137,10 @@ WSYNC_C_EXPORT int wsync_coordinator_open(const char* endpoint, double dial_time
  * *json_out (may be NULL) receives the BeginUpdateReply as JSON. */
 WSYNC_C_EXPORT int wsync_coordinator_begin_update(wsync_coordinator* c, int64_t version, const char* pause_mode,
                                                   char** json_out);
+/* The same with the update's mode: NULL, "" or "classic" as above; "staged": the engines serve on while the update is
+ * staged and switch together at the commit (docs/operations.md, "Staged updates"). */
+WSYNC_C_EXPORT int wsync_coordinator_begin_update_mode(wsync_coordinator* c, int64_t version, const char* pause_mode,
+                                                       const char* mode, char** json_out);
 /* Waits for every source (at most timeout_s; <= 0: 120 s), post-processes, sets the version and resumes the
  * engines. *json_out receives the UpdateRecord as JSON. A failed update returns WSYNC_ABORTED (the engines stay
  * paused at their old version; its record, "success": false, is in the history). */

@@ -87,10 +87,12 @@ absl::StatusOr<Rep> CoordinatorClient::Invoke(Method<Req, Rep> m, const Req& req
   }
 }
 
-absl::StatusOr<v1::BeginUpdateReply> CoordinatorClient::BeginUpdate(int64_t version, const std::string& pause_mode) {
+absl::StatusOr<v1::BeginUpdateReply> CoordinatorClient::BeginUpdate(int64_t version, const std::string& pause_mode,
+                                                                    const std::string& mode) {
   v1::BeginUpdateRequest req;
   req.set_version(version);
   req.set_pause_mode(pause_mode);
+  req.set_mode(mode);
   return Invoke(&v1::Coordinator::Stub::BeginUpdate, req, BeginUpdateDeadline(dial_timeout_));
 }
 
@@ -138,6 +140,29 @@ absl::StatusOr<v1::DrainReply> CoordinatorClient::Drain(const std::string& engin
 absl::StatusOr<v1::ResumeEnginesReply> CoordinatorClient::ResumeEngines() {
   return Invoke(&v1::Coordinator::Stub::ResumeEngines, v1::ResumeEnginesRequest(),
                 dial_timeout_ + absl::Seconds(30 + kDeadlineMarginSeconds));
+}
+
+absl::Status CoordinatorClient::WatchEngines(const std::function<bool(const v1::EngineStates&)>& on_change,
+                                             double interval_seconds, absl::Duration duration) {
+  const size_t i = current_.load();
+  if (!stubs_[i]) return dial_status_;
+  grpc::ClientContext ctx;
+  if (duration > absl::ZeroDuration()) SetDeadline(&ctx, duration);
+  v1::WatchEnginesRequest req;
+  req.set_interval_seconds(interval_seconds);
+  std::unique_ptr<grpc::ClientReader<v1::EngineStates>> reader = stubs_[i]->WatchEngines(&ctx, req);
+  v1::EngineStates states;
+  while (reader->Read(&states)) {
+    if (!on_change(states)) {
+      ctx.TryCancel();
+      (void)reader->Finish();  // cancelled by us: its status says so
+      return absl::OkStatus();
+    }
+  }
+  grpc::Status s = reader->Finish();
+  if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && duration > absl::ZeroDuration())
+    return absl::OkStatus();  // watched for `duration`
+  return FromGrpcStatus(s);
 }
 
 }  // namespace wsync::client

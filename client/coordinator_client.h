@@ -2,6 +2,7 @@
 // C++ client of the coordinator API (used by trainers that drive updates and by wsyncctl).
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,8 +20,9 @@ namespace wsync::client {
 // client cannot include the daemon, so daemon_coordinator_test checks that these stay above
 // CommitWorstCaseSeconds / BeginWorstCaseSeconds.
 inline constexpr double kDefaultCommitTimeoutSeconds = 120;  // CommitUpdateRequest.timeout_seconds default
-// CommitUpdate on the server: FinishUpdate (timeout_seconds + 30) + post-process 300 + set version 30 + continue 30.
-inline constexpr double kCommitOverheadSeconds = 30 + 300 + 30 + 30;
+// CommitUpdate on the server: FinishUpdate (timeout_seconds + 30) + post-process 300 + set version 30 + continue 30;
+// staged updates add verify 2 x 120, pause 120 and switch 60.
+inline constexpr double kCommitOverheadSeconds = 30 + 300 + 30 + 30 + 2 * 120 + 120 + 60;
 // BeginUpdate on the server: pause 120 + engine info 30 + configure 600 (a first-time replica build) + start 30.
 inline constexpr double kBeginWorstCaseSeconds = 120 + 30 + 600 + 30;
 // Scheduling, queueing and transfer on top of the server's own bounds.
@@ -58,7 +60,9 @@ class CoordinatorClient {
   std::string endpoint() const { return endpoints_[current_.load()]; }
 
   // Both are safe to retry with the same version: the coordinator answers a repeat with the first call's result.
-  absl::StatusOr<v1::BeginUpdateReply> BeginUpdate(int64_t version, const std::string& pause_mode = "");
+  // `mode`: "classic" ("") or "staged" (docs/operations.md, "Staged updates").
+  absl::StatusOr<v1::BeginUpdateReply> BeginUpdate(int64_t version, const std::string& pause_mode = "",
+                                                   const std::string& mode = "");
   absl::StatusOr<v1::UpdateRecord> CommitUpdate(int64_t version, double timeout_seconds = kDefaultCommitTimeoutSeconds);
   absl::StatusOr<v1::ClusterStatus> Status();
   absl::StatusOr<v1::HistoryReply> History(int limit);
@@ -69,6 +73,10 @@ class CoordinatorClient {
   absl::StatusOr<v1::RemoveNodeReply> RemoveNode(const std::string& node_id);
   // Drains (drain true) or undrains an engine (engine_id) or a whole node (node_id); exactly one is set.
   absl::StatusOr<v1::DrainReply> Drain(const std::string& engine_id, const std::string& node_id, bool drain);
+  // Follows the engines' readiness (WatchEngines): calls `on_change` with the states now and at every change until it
+  // returns false or `duration` (zero: no limit) passed; OK then, or the stream's error (the coordinator went away).
+  absl::Status WatchEngines(const std::function<bool(const v1::EngineStates&)>& on_change, double interval_seconds,
+                            absl::Duration duration);
 
  private:
   template <typename Req, typename Rep>

@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/util/message_differencer.h"
@@ -50,6 +51,35 @@ void AddPhase(v1::UpdateRecord* rec, const std::string& phase, absl::Time since)
   p->set_seconds(absl::ToDoubleSeconds(absl::Now() - since));
 }
 
+// `layout` with every parameter moved to copy `set` of its segment (id + set * shift); the segments themselves are
+// all listed already. Pure.
+v1::RankLayout LayoutForCopy(v1::RankLayout layout, int set) {
+  const int shift = layout.staging_segment_shift();
+  if (shift <= 0 || set == 0) return layout;
+  for (auto& p : *layout.mutable_params()) p.set_segment(p.segment() + set * shift);
+  return layout;
+}
+
+// Whether one engine rank's staging hashes `have` (the answer to `wrote`'s ranges, in order) match what the sources
+// wrote, and whether their writes cover all `bytes` of the rank's parameters. Pure.
+absl::Status CompareStaged(int rank, uint64_t bytes, const std::vector<v1::WriteChecksum>& wrote,
+                           const v1::ChecksumReply& have) {
+  uint64_t covered = 0;
+  for (const auto& w : wrote) covered += w.length();
+  if (covered != bytes)
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", rank, ": the sources wrote ", covered, " of its ", bytes, " bytes"));
+  if (have.params_size() != static_cast<int>(wrote.size()))
+    return absl::InternalError(
+        absl::StrCat("rank ", rank, ": ", have.params_size(), " hashes for ", wrote.size(), " ranges"));
+  for (size_t i = 0; i < wrote.size(); ++i)
+    if (have.params(static_cast<int>(i)).xxh128() != wrote[i].xxh128())
+      return absl::DataLossError(absl::StrCat("rank ", rank, ": ", wrote[i].param(), " [", wrote[i].offset(), ", +",
+                                              wrote[i].length(), ") staged ", have.params(static_cast<int>(i)).xxh128(),
+                                              ", the source wrote ", wrote[i].xxh128()));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
@@ -67,6 +97,10 @@ Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
   metrics_.Declare("wsync_membership_epoch", "gauge", "Membership epoch (changes when a node registers).");
   metrics_.Declare("wsync_nodes", "gauge", "Registered nodes, by role.");
   metrics_.Declare("wsync_engines", "gauge", "Registered engines, by the coordinator's view of their state.");
+  metrics_.Declare("wsync_engine_ready", "gauge",
+                   "Per engine: 1 when it serves the current version, unpaused (a router keeps the others out).");
+  metrics_.Declare("wsync_engine_stale", "gauge", "Per engine: 1 when left out of a staged update's switch.");
+  metrics_.Declare("wsync_engine_weight_version", "gauge", "Per engine: the version label it serves (-1: none).");
   metrics_.OnCollect([this](Metrics& m) {
     std::lock_guard<std::mutex> l(mu_);
     m.Set("wsync_current_version", {}, static_cast<double>(current_version_));
@@ -85,6 +119,24 @@ Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
     }
     m.ClearFamily("wsync_nodes");
     m.ClearFamily("wsync_engines");
+    m.ClearFamily("wsync_engine_ready");
+    m.ClearFamily("wsync_engine_stale");
+    m.ClearFamily("wsync_engine_weight_version");
+    const std::string current = current_version_ >= 0 ? std::to_string(current_version_) : std::string();
+    for (const auto& [id, n] : nodes_)
+      for (const auto& e : n.engines()) {
+        const std::string& a = e.control_address();
+        auto st = engine_state_.find(a);
+        auto ver = engine_version_.find(a);
+        const std::string version = ver == engine_version_.end() ? std::string() : ver->second;
+        const bool stale = engine_stale_.count(a) > 0;
+        const bool ready = st != engine_state_.end() && st->second == "serving" && !stale && version == current;
+        m.Set("wsync_engine_ready", {{"engine", e.engine_id()}}, ready ? 1 : 0);
+        m.Set("wsync_engine_stale", {{"engine", e.engine_id()}}, stale ? 1 : 0);
+        int64_t vn = -1;
+        if (!version.empty() && !absl::SimpleAtoi(version, &vn)) vn = -1;
+        m.Set("wsync_engine_weight_version", {{"engine", e.engine_id()}}, static_cast<double>(vn));
+      }
     for (const char* r : {"source", "target"}) m.Set("wsync_nodes", {{"role", r}}, roles[r]);
     for (const auto& [st, n] : states) m.Set("wsync_engines", {{"state", st}}, n);
   });
@@ -585,10 +637,12 @@ absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in,
         "aborted by the operator", abort_reason_.empty() ? std::string() : absl::StrCat(": ", abort_reason_), " while ",
         state_, why_in.ok() ? std::string() : absl::StrCat(" (", why_in.ToString(), ")")));
   }
-  if (may_have_written) engines_dirty_ = true;
+  // A staged update writes staging memory only: the weights the engines serve are never partly written.
+  const bool live_written = may_have_written && rec.mode() != "staged";
+  if (live_written) engines_dirty_ = true;
   // Aborted: this update is over whatever is retried; a new update (a newer version) is the way forward.
   absl::Status err = absl::AbortedError(absl::StrCat(
-      "update ", v, " failed; engines stay paused",
+      "update ", v, " failed; engines ", live_written || rec.mode() != "staged" ? "stay paused" : "serve on",
       current_version_ >= 0 ? absl::StrCat(" at version ", current_version_) : std::string(),
       " until a successful update: ", why.ToString()));
   rec.set_success(false);
@@ -632,10 +686,16 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   const absl::Time start = absl::Now();
   const int64_t v = req.version();
   if (v < 0) return absl::InvalidArgumentError(absl::StrCat("version ", v, " is negative"));
+  if (!req.mode().empty() && req.mode() != "classic" && req.mode() != "staged")
+    return absl::InvalidArgumentError(absl::StrCat("mode '", req.mode(), "' is not classic or staged"));
+  const bool staged = req.mode() == "staged";
   v1::UpdateRecord rec;
   rec.set_version(v);
   rec.set_started_unix_ms(absl::ToUnixMillis(start));
+  rec.set_mode(staged ? "staged" : "classic");
   std::vector<std::string> engines;
+  std::vector<std::string> staging_engines;  // engines offering staging memory: their live copy is asked below
+  std::map<std::string, int> live_sets;
   bool need_plan, need_configure;
   {
     std::unique_lock<std::mutex> l(mu_);
@@ -660,6 +720,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       return absl::FailedPreconditionError(drained_engines_.empty() && drained_nodes_.empty()
                                                ? "no engine has registered"
                                                : "no engine to update: every registered engine is drained");
+    WSYNC_ASSIGN_OR_RETURN(staging_engines, StagingEngines(engines, staged));
     state_ = "beginning";
     SetLogUpdateVersion(v);
     open_version_ = v;
@@ -671,18 +732,23 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     // hold the planned one) is configured again even when the plan is unchanged.
     need_configure = need_plan;
     for (const auto& [id, n] : nodes_) need_configure |= n.role() == "source" && !configured_.count(id);
+    // Which copy the plan writes can change at every switch: sources are re-configured when it did.
+    need_configure |= !staging_engines.empty();
   }
   v1::BeginUpdateReply out;
   out.set_version(v);
 
   const std::string mode = req.pause_mode().empty() ? "retract" : req.pause_mode();
   absl::Time t = absl::Now();
-  absl::Status st = ForAll(engines, [&](const std::string& a) {
-    return Track(a, "paused", "pause",
-                 Annotate(Remote(a, [&] { return peers_->Pause(a, mode); }), "pause " + EngineLabel(a)));
-  });
-  AddPhase(&rec, "pause", t);
-  out.set_pause_seconds(rec.phases(0).seconds());
+  absl::Status st;
+  if (!staged) {  // staged: engines serve on; they pause only for the switch (CommitStaged)
+    st = ForAll(engines, [&](const std::string& a) {
+      return Track(a, "paused", "pause",
+                   Annotate(Remote(a, [&] { return peers_->Pause(a, mode); }), "pause " + EngineLabel(a)));
+    });
+    AddPhase(&rec, "pause", t);
+    out.set_pause_seconds(rec.phases(0).seconds());
+  }
   if (!st.ok() || AbortAsked()) return Fail(rec, st, false);
 
   t = absl::Now();
@@ -703,6 +769,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       st = Annotate(info.status(), "engine info from " + EngineLabel(a));
     else engine_model_json = info->model_config_json();
   }
+  if (st.ok()) st = LiveSets(staging_engines, &live_sets);
   if (!st.ok() || AbortAsked()) return Fail(rec, st, false);
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -715,7 +782,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       std::map<std::string, v1::ConfigureSourceRequest> by_source;
       for (const auto& [id, n] : nodes_)
         if (n.role() == "source") by_source[id].set_model_config_json(model_config_json_);
-      for (const auto& p : plan_) *by_source[p.source].add_targets() = p.assignment;
+      for (const auto& p : plan_) *by_source[p.source].add_targets() = AssignmentFor(p, staged, live_sets);
       for (auto& [id, r] : by_source) {
         auto f = push_filters_.find(id);
         if (f != push_filters_.end()) *r.mutable_push_filters() = {f->second.begin(), f->second.end()};
@@ -745,7 +812,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       return Annotate(r.status(), "configure source " + NodeLabel(c.address));
     });
     AddPhase(&rec, "configure", t);
-    out.set_configure_seconds(rec.phases(1).seconds());
+    out.set_configure_seconds(rec.phases(rec.phases_size() - 1).seconds());
     size_t configured_sources = 0;
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -807,6 +874,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       state_ = "updating";
       open_plan_epoch_ = plan_epoch;
       open_source_epochs_ = source_epochs;
+      open_live_sets_ = live_sets;
       begin_reply_ = out;
       open_record_ = rec;
       open_record_.set_started_unix_ms(absl::ToUnixMillis(start));
@@ -814,7 +882,10 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       open_record_.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
       Persist();
       ended_cv_.notify_all();
-      spdlog::info("update {} open (plan {}): engines paused in {:.3f}s", v, plan_epoch, out.pause_seconds());
+      if (staged)
+        spdlog::info("update {} open (plan {}, staged): engines serve on while it is staged", v, plan_epoch);
+      else
+        spdlog::info("update {} open (plan {}): engines paused in {:.3f}s", v, plan_epoch, out.pause_seconds());
       return out;
     }
   }
@@ -907,8 +978,11 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   // The operator's abort cancelled the sources' FinishUpdate: their writes may still run; they are stopped.
   if (AbortAsked()) return FailAndStopSources(rec, st, "committing", unreachable);
   SetWindows(false, v, unreachable).IgnoreError();
-  // Weights may be partly written: the engines stay paused at their old version rather than resume silently.
-  if (!st.ok()) return Fail(rec, st, true);
+  const bool staged = rec.mode() == "staged";
+  // Weights may be partly written: the engines stay paused at their old version rather than resume silently. A
+  // staged update wrote only staging memory: the engines serve on, untouched.
+  if (!st.ok()) return Fail(rec, st, !staged);
+  if (staged) return CommitStaged(std::move(rec), engines, start);
   absl::Time t = absl::Now();
   const std::string version = std::to_string(v);
   st = ForAll(engines, [&](const std::string& a) {
@@ -961,6 +1035,10 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   *out.mutable_record() = rec;
   std::lock_guard<std::mutex> l(mu_);
   engines_dirty_ = false;
+  for (const auto& a : engines) {  // every engine holds v now: nothing of an earlier staged update is pending
+    engine_stale_.erase(a);
+    engine_staged_.erase(a);
+  }
   Finish(v, Outcome{absl::OkStatus(), out}, rec);
   spdlog::info("update {} committed: {:.1f} MiB to {} engine ranks in {:.3f}s", v, bytes / 1048576.0, engine_ranks,
                rec.total_seconds());
@@ -1227,6 +1305,8 @@ void Coordinator::Persist() {
   for (const auto& e : drained_engines_) s.add_drained_engines(e);
   for (const auto& n : drained_nodes_) s.add_drained_nodes(n);
   for (const auto& [a, v] : engine_version_) (*s.mutable_engine_version())[a] = v;
+  for (const auto& [a, why] : engine_stale_) (*s.mutable_engine_stale())[a] = why;
+  s.set_switch_started(switch_started_);
   if (auto st = store_->Save(s); !st.ok()) spdlog::error("{} (the coordinator goes on from memory)", st.ToString());
 }
 
@@ -1258,6 +1338,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     drained_engines_ = {s.drained_engines().begin(), s.drained_engines().end()};
     drained_nodes_ = {s.drained_nodes().begin(), s.drained_nodes().end()};
     for (const auto& [a, v] : s.engine_version()) engine_version_[a] = v;
+    for (const auto& [a, why] : s.engine_stale()) engine_stale_[a] = why;
     for (const auto& r : s.history()) {
       history_.push_back(r);
       Outcome o;
@@ -1270,17 +1351,23 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     }
     state_ = s.state() == "idle" || s.state() == "failed" ? s.state() : "idle";
     if (s.state() != "idle" && s.state() != "failed" && s.open_version() >= 0) {
-      // Died during an update: end it explicitly. Its bytes may be in the engines; they stay paused.
+      // Died during an update: end it explicitly. Its bytes may be in the engines; they stay paused. A staged
+      // update that had not begun to switch wrote only staging memory: it is abandoned and every engine serves on
+      // at the version it served (the next staged update writes every byte of the staging copies again).
       const int64_t v = s.open_version();
       v1::UpdateRecord rec = s.open_record();
+      const bool untouched = rec.mode() == "staged" && !s.switch_started();
       rec.set_version(v);
       rec.set_success(false);
       rec.set_error(absl::StrCat("ABORTED: update ", v,
                                  " failed: the coordinator restarted during it (or its leader failed over; state ",
-                                 s.state(), "); engines stay paused until a successful update"));
+                                 s.state(),
+                                 untouched ? "); abandoned before its switch: engines serve on at their "
+                                             "version"
+                                           : "); engines stay paused until a successful update"));
       if (rec.started_unix_ms() > 0)
         rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
-      engines_dirty_ = true;
+      if (!untouched) engines_dirty_ = true;
       open_version_ = v;  // Finish closes it
       Finish(v, Outcome{absl::AbortedError(rec.error()), v1::CommitUpdateReply()}, rec);
       spdlog::warn("update {} was open ({}) when the previous coordinator stopped: recorded as failed", v, s.state());
@@ -1464,6 +1551,11 @@ v1::ClusterStatus Coordinator::Status() const {
       d->set_state(it == engine_state_.end() ? "registered" : it->second);
       auto ver = engine_version_.find(e.control_address());
       if (ver != engine_version_.end()) d->set_weight_version(ver->second);
+      d->set_staging(e.ranks_size() > 0 && e.ranks(0).staging_segment_shift() > 0);
+      if (auto sv = engine_staged_.find(e.control_address()); sv != engine_staged_.end())
+        d->set_staged_version(sv->second);
+      d->set_stale(engine_stale_.count(e.control_address()) > 0);
+      if (d->stale() && d->state() == "serving") d->set_state("stale");  // serving, an older version than current
       if (EngineDrained(id, e.engine_id())) {
         d->set_drained(true);
         d->set_state("drained");
@@ -1496,6 +1588,273 @@ v1::ClusterStatus Coordinator::Status() const {
   for (const auto& [id, c] : configured_) (*s.mutable_source_plan_epochs())[id] = c.epoch;
   for (const auto& n : drained_nodes_) s.add_drained_nodes(n);
   return s;
+}
+
+absl::StatusOr<std::vector<std::string>> Coordinator::StagingEngines(const std::vector<std::string>& engines,
+                                                                     bool staged) const {
+  std::vector<std::string> out;
+  for (const auto& [id, n] : nodes_)
+    for (const auto& e : n.engines()) {
+      if (std::find(engines.begin(), engines.end(), e.control_address()) == engines.end()) continue;
+      if (e.ranks_size() > 0 && e.ranks(0).staging_segment_shift() > 0) {
+        out.push_back(e.control_address());
+      } else if (staged) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("engine ", e.engine_id(), " (", e.kind(), ", node ", id,
+                         ") offers no staging memory; use mode classic or start it with --staging"));
+      }
+    }
+  return out;
+}
+
+absl::Status Coordinator::LiveSets(const std::vector<std::string>& engines, std::map<std::string, int>* out) {
+  std::mutex m;
+  return ForAll(engines, [&](const std::string& a) {
+    auto info = Remote(a, [&] { return peers_->EngineInfo(a); });
+    if (!info.ok()) return Annotate(info.status(), "engine info from " + EngineLabel(a));
+    std::lock_guard<std::mutex> l(m);
+    (*out)[a] = info->live_set() == 1 ? 1 : 0;
+    return absl::OkStatus();
+  });
+}
+
+v1::TargetAssignment Coordinator::AssignmentFor(const Planned& p, bool staged,
+                                                const std::map<std::string, int>& live_sets) const {
+  v1::TargetAssignment a = p.assignment;
+  for (const auto& [id, n] : nodes_)
+    for (const auto& e : n.engines()) {
+      if (e.engine_id() != a.engine_id()) continue;
+      auto it = live_sets.find(e.control_address());
+      if (it == live_sets.end()) return a;  // no staging memory: one copy
+      *a.mutable_layout() = LayoutForCopy(a.layout(), staged ? 1 - it->second : it->second);
+      return a;
+    }
+  return a;
+}
+
+std::map<std::string, std::vector<std::string>> Coordinator::StageVerify(int64_t v,
+                                                                         const std::vector<std::string>& engines,
+                                                                         std::map<std::string, std::string>* left_out) {
+  struct Reg {
+    std::string id;
+    std::vector<uint64_t> rank_bytes;  // per rank: its parameters' bytes
+  };
+  std::vector<std::string> sources;
+  std::map<std::string, Reg> regs;  // control address → registration
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (const auto& [id, n] : nodes_) {
+      if (n.role() == "source") sources.push_back(n.address());
+      for (const auto& e : n.engines()) {
+        Reg& r = regs[e.control_address()];
+        r.id = e.engine_id();
+        for (const auto& rank : e.ranks()) {
+          uint64_t b = 0;
+          for (const auto& p : rank.params()) b += p.bytes();
+          r.rank_bytes.push_back(b);
+        }
+      }
+    }
+  }
+  std::map<std::pair<std::string, int>, std::vector<v1::WriteChecksum>> wrote;  // (engine id, rank) → ranges
+  std::mutex m;
+  absl::Status st = ForAll(sources, [&](const std::string& a) {
+    auto r = Remote(a, [&] { return peers_->WriteChecksums(a, v); });
+    if (!r.ok()) return Annotate(r.status(), "write checksums of source " + NodeLabel(a));
+    if (r->version() != v || !r->finished())
+      return absl::FailedPreconditionError(absl::StrCat("source ", NodeLabel(a), " has no finished record of update ",
+                                                        v, " (it answered for ", r->version(),
+                                                        r->finished() ? ")" : ", unfinished)"));
+    std::lock_guard<std::mutex> l(m);
+    for (const auto& w : r->writes()) wrote[{w.engine_id(), w.rank()}].push_back(w);
+    return absl::OkStatus();
+  });
+  std::map<std::string, std::vector<std::string>> verified;
+  if (!st.ok()) {
+    for (const auto& a : engines) (*left_out)[a] = absl::StrCat("not verified: ", st.ToString());
+    return verified;
+  }
+  ForAll(engines, [&](const std::string& a) {
+    const Reg& reg = regs.at(a);  // every engine of the update is registered (filled above)
+    std::vector<std::string> digests;
+    absl::Status rs;
+    for (int rank = 0; rank < static_cast<int>(reg.rank_bytes.size()) && rs.ok(); ++rank) {
+      static const std::vector<v1::WriteChecksum> kNone;
+      auto w = wrote.find({reg.id, rank});
+      const std::vector<v1::WriteChecksum>& ws = w == wrote.end() ? kNone : w->second;
+      v1::RankRequest req;
+      req.set_rank(rank);
+      req.set_staging(true);
+      for (const auto& c : ws) {
+        auto* r = req.add_ranges();
+        r->set_param(c.param());
+        r->set_offset(c.offset());
+        r->set_length(c.length());
+      }
+      auto have = Remote(a, [&] { return peers_->EngineChecksums(a, req); });
+      rs = have.ok() ? CompareStaged(rank, reg.rank_bytes[rank], ws, *have) : have.status();
+      if (rs.ok()) digests.push_back(have->staging_digest());
+    }
+    std::lock_guard<std::mutex> l(m);
+    if (rs.ok()) {
+      verified[a] = std::move(digests);
+    } else {
+      (*left_out)[a] = absl::StrCat("staging not verified: ", rs.ToString());
+      spdlog::warn("update {}: {} left out: {}", v, EngineLabel(a), (*left_out)[a]);
+    }
+    return absl::OkStatus();
+  }).IgnoreError();  // every engine's outcome is in `verified` or `left_out`
+  return verified;
+}
+
+absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
+    int64_t v, const std::map<std::string, std::vector<std::string>>& verified,
+    std::map<std::string, std::string>* left_out, v1::UpdateRecord* rec) {
+  std::vector<std::string> all;
+  for (const auto& [a, d] : verified) all.push_back(a);
+  std::mutex m;
+  std::vector<std::string> paused, switched;
+  absl::Time t = absl::Now();
+  ForAll(all, [&](const std::string& a) {
+    absl::Status st =
+        Track(a, "paused", "pause",
+              Annotate(Remote(a, [&] { return peers_->Pause(a, "retract"); }), "pause " + EngineLabel(a)));
+    std::lock_guard<std::mutex> l(m);
+    if (st.ok())
+      paused.push_back(a);
+    else
+      (*left_out)[a] = st.ToString();
+    return absl::OkStatus();
+  }).IgnoreError();
+  AddPhase(rec, "pause", t);
+  // The barrier: no engine switches before every engine was verified and paused.
+  t = absl::Now();
+  const std::string version = std::to_string(v);
+  ForAll(paused, [&](const std::string& a) {
+    v1::SwitchRequest req;
+    req.set_version(version);
+    for (const auto& d : verified.at(a)) req.add_staging_digests(d);
+    absl::Status st = Annotate(Remote(a, [&] { return peers_->Switch(a, req); }), "switch " + EngineLabel(a));
+    std::lock_guard<std::mutex> l(m);
+    if (st.ok())
+      switched.push_back(a);
+    else
+      (*left_out)[a] = st.ToString();
+    return absl::OkStatus();
+  }).IgnoreError();
+  AddPhase(rec, "switch", t);
+  // Paused but not switched: they serve their old version again (called directly: an abort must not keep them
+  // paused).
+  std::vector<std::string> resume;
+  for (const auto& a : paused)
+    if (left_out->count(a)) resume.push_back(a);
+  ForAll(resume, [&](const std::string& a) {
+    return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
+  }).IgnoreError();
+  if (switched.empty()) return switched;
+  t = absl::Now();
+  absl::Status st = ForAll(switched, [&](const std::string& a) {
+    return Track(
+        a, "", "post_process",
+        Annotate(Remote(a, [&] { return peers_->PostProcess(a, version); }), "post_process " + EngineLabel(a)));
+  });
+  AddPhase(rec, "post_process", t);
+  if (st.ok()) {
+    t = absl::Now();
+    st = ForAll(switched, [&](const std::string& a) {
+      absl::Status r = Track(
+          a, "", "set_version",
+          Annotate(Remote(a, [&] { return peers_->SetWeightVersion(a, version); }), "set_version " + EngineLabel(a)));
+      if (r.ok()) {
+        std::lock_guard<std::mutex> l(mu_);
+        engine_version_[a] = version;
+      }
+      return r;
+    });
+    AddPhase(rec, "set_version", t);
+  }
+  // Continued even after a failure above: a switched engine serves `v` whatever follows, and paused it serves none.
+  t = absl::Now();
+  absl::Status cst = ForAll(switched, [&](const std::string& a) {
+    return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
+  });
+  AddPhase(rec, "continue", t);
+  if (!st.ok()) return Annotate(st, absl::StrCat("after the switch to ", v));
+  if (!cst.ok()) return Annotate(cst, absl::StrCat("after the switch to ", v));
+  return switched;
+}
+
+absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitStaged(v1::UpdateRecord rec,
+                                                                const std::vector<std::string>& engines,
+                                                                absl::Time start) {
+  const int64_t v = rec.version();
+  std::map<std::string, std::string> left_out;
+  absl::Time t = absl::Now();
+  auto verified = StageVerify(v, engines, &left_out);
+  AddPhase(&rec, "verify", t);
+  if (AbortAsked()) return Fail(rec, absl::CancelledError("no engine was switched"), false);
+  std::map<std::string, std::string> ids;  // control address → engine id
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (const auto& [id, n] : nodes_)
+      for (const auto& e : n.engines()) ids[e.control_address()] = e.engine_id();
+    for (const auto& [a, d] : verified) engine_staged_[a] = std::to_string(v);
+    switch_started_ = !verified.empty();
+    Persist();
+  }
+  absl::StatusOr<std::vector<std::string>> switched = std::vector<std::string>();
+  if (!verified.empty()) switched = SwitchEngines(v, verified, &left_out, &rec);
+  std::vector<std::string> stale;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    switch_started_ = false;
+    for (const auto& [a, why] : left_out) {
+      engine_stale_[a] = why;
+      engine_staged_.erase(a);
+      stale.push_back(absl::StrCat(ids[a], ": ", why));
+    }
+    if (switched.ok())
+      for (const auto& a : *switched) {
+        engine_stale_.erase(a);
+        engine_staged_.erase(a);
+        rec.add_switched(ids[a]);
+      }
+    for (const auto& s : stale) rec.add_stale(s);
+  }
+  if (!switched.ok()) return Fail(rec, switched.status(), false);
+  if (switched->empty())
+    return Fail(
+        rec, absl::FailedPreconditionError(absl::StrCat("no engine switched to ", v, ": ", absl::StrJoin(stale, "; "))),
+        false);
+  rec.set_success(true);
+  rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  v1::CommitUpdateReply out;
+  *out.mutable_record() = rec;
+  std::lock_guard<std::mutex> l(mu_);
+  Finish(v, Outcome{absl::OkStatus(), out}, rec);
+  spdlog::info("update {} committed (staged): {} engines switched, {} left out (stale) in {:.3f}s", v,
+               rec.switched_size(), rec.stale_size(), rec.total_seconds());
+  return out;
+}
+
+v1::EngineStates EngineStatesOf(const v1::ClusterStatus& status) {
+  v1::EngineStates out;
+  out.set_current_version(status.current_version());
+  for (const auto& n : status.nodes())
+    for (const auto& e : n.engine_details()) {
+      auto* s = out.add_engines();
+      s->set_engine_id(e.engine_id());
+      s->set_node_id(n.node_id());
+      s->set_address(e.address());
+      s->set_weight_version(e.weight_version());
+      s->set_staged_version(e.staged_version());
+      s->set_stale(e.stale());
+      s->set_state(e.state());
+      s->set_paused(e.state() == "paused" || absl::StartsWith(e.state(), "failed"));
+      s->set_ready(!e.stale() && !e.drained() && e.state() == "serving" &&
+                   e.weight_version() == status.current_version());
+    }
+  return out;
 }
 
 v1::HistoryReply Coordinator::History(const v1::HistoryRequest& req) const {

@@ -29,6 +29,13 @@
 //                   may have reached them (engines_hold_partial_writes false); a successful update clears the flag.
 // The current version, the history and the engines' version labels therefore only move forward.
 //
+// Staged mode (BeginUpdateRequest.mode "staged", docs/operations.md "Staged updates"): BeginUpdate pauses nothing and
+// points the plan at each engine's staging copy; CommitUpdate, once the sources finished, runs StageVerify (every
+// rank's staging copy against the sources' write checksums), then SwitchEngines: pause every verified engine, Switch
+// each (the engine re-checks the verified digest), post-process, set the version, continue. Engines that fail to
+// verify, pause or switch are left out, continued at their old version and marked stale; the update succeeds when at
+// least one engine switched. A staged update never writes live weights: its failure leaves the engines serving.
+//
 // No lock is held across a call to a peer (tests/daemon/coordinator_faults_test.cc calls Status() from inside every
 // peer call): a peer that fails, times out or hangs delays only the update it belongs to, never Status, History,
 // heartbeats or an abort.
@@ -88,6 +95,25 @@ class Peers {
   virtual absl::Status PostProcess(const std::string& addr, const std::string& version) = 0;
   virtual absl::Status SetWeightVersion(const std::string& addr, const std::string& version) = 0;
   virtual absl::Status Continue(const std::string& addr) = 0;
+  // Staged updates (docs/operations.md, "Staged updates"). The defaults answer Unimplemented, as a peer that offers
+  // no staging does.
+  // What source `addr` wrote in update `version` (NodeDaemon.GetWriteChecksums).
+  virtual absl::StatusOr<v1::WriteChecksumsReply> WriteChecksums(const std::string& addr, int64_t version) {
+    (void)addr;
+    (void)version;
+    return absl::UnimplementedError("write checksums");
+  }
+  // Hashes of one engine rank's memory (EngineControl.GetChecksums; req.staging: of its staging copy).
+  virtual absl::StatusOr<v1::ChecksumReply> EngineChecksums(const std::string& addr, const v1::RankRequest& req) {
+    (void)addr;
+    (void)req;
+    return absl::UnimplementedError("engine checksums");
+  }
+  virtual absl::Status Switch(const std::string& addr, const v1::SwitchRequest& req) {
+    (void)addr;
+    (void)req;
+    return absl::UnimplementedError("switch");
+  }
 };
 
 // gRPC implementation of Peers.
@@ -130,6 +156,8 @@ struct PeerDeadlines {
   static constexpr double kSetVersion = 30;
   static constexpr double kContinue = 30;
   static constexpr double kAbort = 60;  // a source's AbortSourceUpdate: the bucket being written + the drain (30 s)
+  static constexpr double kVerify = 120;  // staged: a source's write checksums, an engine rank's staging hashes
+  static constexpr double kSwitch = 60;   // staged: an engine's Switch (re-hashes its staging copy)
 };
 
 // Default CommitUpdateRequest.timeout_seconds (how long sources wait for their trainer ranks).
@@ -137,16 +165,21 @@ inline constexpr double kDefaultCommitTimeoutSeconds = 120;
 
 // The longest a CommitUpdate can run on the server: the sources' FinishUpdate (its wait for the ranks, then the
 // drain of outstanding writes, both bounded by `commit_timeout_s`, under the peer deadline timeout + slack), then
-// post-process, set-version and continue, each phase bounded by its peer deadline.
+// post-process, set-version and continue, each phase bounded by its peer deadline; a staged update adds its verify
+// (the sources' checksums, then the engines' staging hashes) and the pause and switch of its barrier.
 inline double CommitWorstCaseSeconds(double commit_timeout_s) {
   if (commit_timeout_s <= 0) commit_timeout_s = kDefaultCommitTimeoutSeconds;
   return commit_timeout_s + PeerDeadlines::kFinishSlack + PeerDeadlines::kPostProcess + PeerDeadlines::kSetVersion +
-         PeerDeadlines::kContinue;
+         PeerDeadlines::kContinue + 2 * PeerDeadlines::kVerify + PeerDeadlines::kPause + PeerDeadlines::kSwitch;
 }
 // The longest a BeginUpdate can run on the server (pause, engine info, configure, start).
 inline double BeginWorstCaseSeconds() {
   return PeerDeadlines::kPause + PeerDeadlines::kEngineInfo + PeerDeadlines::kConfigure + PeerDeadlines::kStart;
 }
+
+// Readiness for routers: each engine's version served, staged version and ready / stale / paused, derived from a
+// status (one fact: the status is the coordinator's view; this only reads it). Pure.
+v1::EngineStates EngineStatesOf(const v1::ClusterStatus& status);
 
 class Coordinator {
  public:
@@ -283,6 +316,28 @@ class Coordinator {
   absl::Status SetWindows(bool open, int64_t version, const std::set<std::string>& skip = {});
   // Saves the state to the store, if any (a failed save is logged, the coordinator goes on). Requires mu_.
   void Persist();
+  // Staged updates (docs/operations.md, "Staged updates").
+  // The engines among `engines` that offer staging memory (their layout's staging_segment_shift); with `staged`,
+  // FailedPrecondition naming the first that does not. Requires mu_.
+  absl::StatusOr<std::vector<std::string>> StagingEngines(const std::vector<std::string>& engines, bool staged) const;
+  // Asks each engine in `engines` which copy of its segments is live (EngineInfo.live_set).
+  absl::Status LiveSets(const std::vector<std::string>& engines, std::map<std::string, int>* out);
+  // `p`'s assignment with its layout pointed at the copy the update writes: the live copy (classic) or the other one
+  // (staged), for engines offering staging memory; unchanged for the others. Requires mu_.
+  v1::TargetAssignment AssignmentFor(const Planned& p, bool staged, const std::map<std::string, int>& live_sets) const;
+  // The commit of a staged update once its sources finished: StageVerify, then SwitchEngines, then the record.
+  absl::StatusOr<v1::CommitUpdateReply> CommitStaged(v1::UpdateRecord rec, const std::vector<std::string>& engines,
+                                                     absl::Time start);
+  // Checks every rank of every engine in `engines`: its staging copy against the checksums the sources recorded for
+  // update `v`. Returns per verified engine its ranks' staging digests (for Switch); `left_out` gets the others, why.
+  std::map<std::string, std::vector<std::string>> StageVerify(int64_t v, const std::vector<std::string>& engines,
+                                                              std::map<std::string, std::string>* left_out);
+  // The fleet barrier: pauses every engine in `verified`, switches each, then post-processes, sets the version and
+  // continues those that switched. Engines failing their pause or switch move to `left_out` (continued at their old
+  // version); returns the engines that serve `v`, or the error of a phase after the switch.
+  absl::StatusOr<std::vector<std::string>> SwitchEngines(
+      int64_t v, const std::map<std::string, std::vector<std::string>>& verified,
+      std::map<std::string, std::string>* left_out, v1::UpdateRecord* rec);
   // Records the coordinator's view of engine `addr` after a call of `phase` (on_success "" = unchanged); returns st.
   absl::Status Track(const std::string& addr, const std::string& on_success, const std::string& phase,
                      absl::Status st);
@@ -319,6 +374,12 @@ class Coordinator {
   int64_t current_version_ = -1;       // last committed version; -1 when none
   int64_t open_plan_epoch_ = -1;       // plan the open update was started under
   std::map<std::string, int64_t> open_source_epochs_;  // source address → its plan epoch (sent with FinishUpdate)
+  std::map<std::string, int> open_live_sets_;          // staging engines' live copy when the open update began
+  // Staged updates: engines left out of a switch (control address → why) until an update succeeds on them; the
+  // version each engine holds verified in its staging copy, not yet switched; whether the open update's switch began.
+  std::map<std::string, std::string> engine_stale_;
+  std::map<std::string, std::string> engine_staged_;
+  bool switch_started_ = false;
   v1::BeginUpdateReply begin_reply_;   // the open version's BeginUpdate reply (answers a retried BeginUpdate)
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;

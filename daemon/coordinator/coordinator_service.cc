@@ -2,6 +2,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
 #include "absl/strings/str_cat.h"
 #include "daemon/common/rpc.h"
 #include "proto/status_convert.h"
@@ -100,6 +104,35 @@ grpc::Status CoordinatorService::ResumeEngines(grpc::ServerContext* ctx, const v
   WSYNC_AUTHORIZE("ResumeEngines", {tls::kAdmin});
   if (grpc::Status g = Gate(); !g.ok()) return g;
   return Reply(c_->ResumeEngines(*req), out);
+}
+
+grpc::Status CoordinatorService::WatchEngines(grpc::ServerContext* ctx, const v1::WatchEnginesRequest* req,
+                                              grpc::ServerWriter<v1::EngineStates>* writer) {
+  WSYNC_AUTHORIZE("WatchEngines", WSYNC_ANY_ROLE);
+  if (grpc::Status g = Gate(); !g.ok()) return g;
+  if (watchers_.fetch_add(1) >= kMaxWatchers) {
+    watchers_.fetch_sub(1);
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("more than ", kMaxWatchers, " WatchEngines streams are open; retry later"));
+  }
+  struct Release {
+    std::atomic<int>& n;
+    ~Release() { n.fetch_sub(1); }
+  } release{watchers_};
+  const double interval = req->interval_seconds() > 0 ? std::max(req->interval_seconds(), 0.05) : 0.2;
+  std::string last;
+  while (!ctx->IsCancelled()) {
+    if (grpc::Status g = Gate(); !g.ok()) return g;  // lost the leadership: clients move to the new leader
+    const v1::EngineStates now = EngineStatesOf(c_->Status());
+    std::string bytes;
+    now.SerializeToString(&bytes);
+    if (bytes != last) {
+      if (!writer->Write(now)) return grpc::Status::OK;  // the caller went away
+      last = std::move(bytes);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(interval * 1000)));
+  }
+  return grpc::Status::OK;
 }
 
 }  // namespace wsync::daemon

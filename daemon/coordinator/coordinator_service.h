@@ -2,6 +2,8 @@
 // The coordinator's gRPC face: a thin class that delegates to the plain C++ Coordinator and converts statuses in one
 // place (proto/status_convert.h).
 
+#include <atomic>
+
 #include "daemon/coordinator/coordinator.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 
@@ -32,11 +34,17 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status RemoveNode(grpc::ServerContext*, const v1::RemoveNodeRequest*, v1::RemoveNodeReply*) override;
   grpc::Status Drain(grpc::ServerContext*, const v1::DrainRequest*, v1::DrainReply*) override;
   grpc::Status Undrain(grpc::ServerContext*, const v1::DrainRequest*, v1::DrainReply*) override;
+  // Streams EngineStatesOf(Status()) now and at every change, polled every interval, until the caller cancels; at
+  // most kMaxWatchers at a time (each holds a server thread while it watches).
+  grpc::Status WatchEngines(grpc::ServerContext*, const v1::WatchEnginesRequest*,
+                            grpc::ServerWriter<v1::EngineStates>*) override;
+  static constexpr int kMaxWatchers = 32;
 
  private:
   grpc::Status Gate() const;
   Coordinator* c_;
   const LeaderGate* gate_;
+  std::atomic<int> watchers_{0};
 };
 
 }  // namespace wsync::daemon

@@ -75,6 +75,20 @@ class GrpcPeers final : public Peers {
     return Check(Call<v1::EngineReply>(addr, Engine(addr), &v1::EngineControl::Stub::Continue, v1::ContinueRequest(),
                                       PeerDeadlines::kContinue));
   }
+  absl::StatusOr<v1::WriteChecksumsReply> WriteChecksums(const std::string& addr, int64_t version) override {
+    v1::WriteChecksumsRequest r;
+    r.set_version(version);
+    return Call<v1::WriteChecksumsReply>(addr, Daemon(addr), &v1::NodeDaemon::Stub::GetWriteChecksums, r,
+                                         PeerDeadlines::kVerify);
+  }
+  absl::StatusOr<v1::ChecksumReply> EngineChecksums(const std::string& addr, const v1::RankRequest& req) override {
+    return Call<v1::ChecksumReply>(addr, Engine(addr), &v1::EngineControl::Stub::GetChecksums, req,
+                                   PeerDeadlines::kVerify);
+  }
+  absl::Status Switch(const std::string& addr, const v1::SwitchRequest& req) override {
+    return Check(
+        Call<v1::EngineReply>(addr, Engine(addr), &v1::EngineControl::Stub::Switch, req, PeerDeadlines::kSwitch));
+  }
   void CancelCalls(const std::string& addr) override {
     std::lock_guard<std::mutex> l(mu_);
     auto it = in_flight_.find(addr);

@@ -104,7 +104,7 @@ grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext* ctx, const v1
 
 grpc::Status NodeDaemonService::GetWriteChecksums(grpc::ServerContext* ctx, const v1::WriteChecksumsRequest* req,
                                                   v1::WriteChecksumsReply* out) {
-  WSYNC_AUTHORIZE("GetWriteChecksums", {tls::kAdmin, tls::kTrainer});
+  WSYNC_AUTHORIZE("GetWriteChecksums", {tls::kAdmin, tls::kTrainer, tls::kCoordinator});  // staged updates verify
   WSYNC_NEED(Source);
   return Reply(source_->WriteChecksums(req->version()), out);
 }

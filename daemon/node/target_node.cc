@@ -226,6 +226,18 @@ absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fd
       seg->set_bytes(bytes);
     }
     m.layout.set_region_bytes(total);
+    // Staged updates: segment id + shift is the staging copy of segment id (docs/operations.md, "Staged updates").
+    WSYNC_ASSIGN_OR_RETURN(int64_t shift, Int(j, "staging_segment_shift", false, 0));
+    if (shift < 0 || shift > INT32_MAX)
+      return absl::InvalidArgumentError(absl::StrCat("staging_segment_shift ", shift, " is invalid"));
+    for (const auto& [id, bytes] : seg_bytes) {
+      if (shift == 0 || id >= shift) continue;
+      auto twin = seg_bytes.find(id + shift);
+      if (twin == seg_bytes.end() || twin->second != bytes)
+        return absl::InvalidArgumentError(
+            absl::StrCat("segment ", id, " has no staging copy of its size (segment ", id + shift, ")"));
+    }
+    m.layout.set_staging_segment_shift(static_cast<int32_t>(shift));
     if (host_segments != num_fds)
       return absl::InvalidArgumentError(absl::StrCat("the message lists ", host_segments, " host segments but ",
                                                      num_fds, " file descriptors came with it"));

@@ -101,6 +101,7 @@ struct ClusterOptions {
   std::vector<std::string> coordinator_args;  // e.g. {"--strategy", "balanced", "--min-source-mib", "0"}
   std::vector<std::string> source_env;  // extra "NAME=value" environment for the source daemons (e.g. WSYNC_FAULTS)
   std::vector<std::string> target_args;  // extra arguments of every target daemon (e.g. --metrics-listen)
+  std::vector<std::string> engine_args;  // extra arguments of every reference engine (e.g. --staging)
   // mTLS: a directory made by tools/cli/wsync-certs.sh holding ca.pem and coordinator-main, engine-engine<e>,
   // target-infer<e> and source-train<s> certificates; every process then runs with its own. Empty: insecure loopback.
   std::string tls_dir;
@@ -121,6 +122,8 @@ class Cluster {
     cargs.insert(cargs.end(), o_.coordinator_args.begin(), o_.coordinator_args.end());
     cargs = Tls(cargs, "coordinator-main");
     coordinator = "127.0.0.1:" + Start("coordinator", cargs);
+    coordinator_argv_ = cargs;
+    coordinator_proc_ = procs_.back().get();
     for (int e = 0; e < o_.engines; ++e) AddEngine(e < static_cast<int>(o_.engine_tp.size()) ? o_.engine_tp[e] : o_.tp);
     for (int s = 0; s < o_.sources; ++s) {
       trainer_sockets.push_back(dir_ + "/source" + std::to_string(s) + ".sock");
@@ -143,10 +146,10 @@ class Cluster {
   void AddEngine(int tp) {
     const int e = static_cast<int>(engines.size());
     const std::string id = "engine" + std::to_string(e);
-    engines.push_back("127.0.0.1:" + Start(id, Tls({o_.bin_dir + "/wsync-engine-ref", "--id", id, "--model", o_.model,
-                                                    "--tp", std::to_string(tp), "--ep", std::to_string(o_.ep),
-                                                    "--listen", "127.0.0.1:0"},
-                                                   "engine-" + id)));
+    engines.push_back("127.0.0.1:" +
+                      Start(id, Tls({o_.bin_dir + "/wsync-engine-ref", "--id", id, "--model", o_.model, "--tp",
+                                     std::to_string(tp), "--ep", std::to_string(o_.ep), "--listen", "127.0.0.1:0"},
+                                    "engine-" + id, o_.engine_args)));
     engine_pids.push_back(procs_.back()->pid());
     std::vector<std::string> targs = {o_.bin_dir + "/wsyncd", "--listen", "127.0.0.1:0", "--role", "target",
                                       "--node-id", "infer" + std::to_string(e), "--coordinator", coordinator,
@@ -156,6 +159,16 @@ class Cluster {
     targets.push_back("127.0.0.1:" +
                       Start("target" + std::to_string(e), Tls(targs, "target-infer" + std::to_string(e))));
     target_pids.push_back(procs_.back()->pid());
+  }
+  // Kills the coordinator (SIGKILL) and starts it again on the same address with the same arguments (a state store
+  // given in coordinator_args is then restored).
+  void RestartCoordinator() {
+    kill(coordinator_proc_->pid(), SIGKILL);
+    coordinator_proc_->Wait(std::chrono::seconds(10));
+    std::vector<std::string> argv = coordinator_argv_;
+    argv[2] = coordinator;  // --listen: the address the daemons know
+    Start("coordinator-restarted" + std::to_string(++restarts_), argv);
+    coordinator_proc_ = procs_.back().get();
   }
   const std::string& dir() const { return dir_; }
   std::string Log(const std::string& name) const { return ReadFile(dir_ + "/" + name + ".log"); }
@@ -174,7 +187,9 @@ class Cluster {
   std::vector<pid_t> target_pids;  // target daemons, in `targets` order
 
  private:
-  std::vector<std::string> Tls(std::vector<std::string> argv, const std::string& cert) const {
+  std::vector<std::string> Tls(std::vector<std::string> argv, const std::string& cert,
+                               const std::vector<std::string>& extra = {}) const {
+    argv.insert(argv.end(), extra.begin(), extra.end());
     for (auto& f : TlsFlags(o_.tls_dir, cert)) argv.push_back(f);
     return argv;
   }
@@ -195,6 +210,9 @@ class Cluster {
   }
 
   ClusterOptions o_;
+  std::vector<std::string> coordinator_argv_;
+  Process* coordinator_proc_ = nullptr;
+  int restarts_ = 0;
   std::string dir_;
   std::vector<std::unique_ptr<Process>> procs_;
 };

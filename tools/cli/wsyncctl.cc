@@ -9,6 +9,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -22,6 +23,7 @@
 #include "proto/tls.h"
 #include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
+#include "tools/cli/engine_health.h"
 #include "tools/cli/plan_command.h"
 #include "tools/cli/status_view.h"
 #include "tools/cli/verify_command.h"
@@ -236,6 +238,47 @@ int RunWatch(const std::string& endpoint, absl::Duration dt, bool json, double i
   }
 }
 
+// `wsyncctl engines --watch`: prints the engines' states at every change, optionally serving them to a router.
+int RunEnginesWatch(const std::string& endpoint, absl::Duration dt, bool json, double seconds,
+                    const std::string& health_listen) {
+  std::unique_ptr<tools::EngineHealthServer> health;
+  if (!health_listen.empty()) {
+    const size_t colon = health_listen.rfind(':');
+    int port = -1;
+    if (colon == std::string::npos || !absl::SimpleAtoi(health_listen.substr(colon + 1), &port) || port < 0) {
+      std::fprintf(stderr, "Error: --health-listen %s is not HOST:PORT\n", health_listen.c_str());
+      return kExitUsage;
+    }
+    auto h = tools::EngineHealthServer::Start(health_listen.substr(0, colon), port);
+    if (!h.ok()) {
+      std::fprintf(stderr, "Error: %s\n", std::string(h.status().message()).c_str());
+      return kExitUnreachable;
+    }
+    health = *std::move(h);
+    std::printf("health endpoint on %s:%d\n", health_listen.substr(0, colon).c_str(), health->port());
+    std::fflush(stdout);
+  }
+  client::CoordinatorClient c(endpoint, dt);
+  absl::Status st = c.WatchEngines(
+      [&](const v1::EngineStates& s) {
+        if (health) health->Update(s);
+        if (json) {
+          std::printf("%s\n", nlohmann::json::parse(ProtoJson(s, false)).dump().c_str());
+        } else {
+          std::printf("current version %s\n", s.current_version().empty() ? "-" : s.current_version().c_str());
+          for (const auto& e : s.engines())
+            std::printf("  %-16s %-8s version %-8s staged %-8s %s\n", e.engine_id().c_str(),
+                        e.ready() ? "ready" : (e.stale() ? "stale" : (e.paused() ? "paused" : "not-ready")),
+                        e.weight_version().empty() ? "-" : e.weight_version().c_str(),
+                        e.staged_version().empty() ? "-" : e.staged_version().c_str(), e.state().c_str());
+        }
+        std::fflush(stdout);
+        return true;
+      },
+      0.2, absl::Seconds(seconds));
+  return ExitFor(st);  // prints the error
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -270,6 +313,16 @@ int main(int argc, char** argv) {
   auto* status = app.add_subcommand("status", "cluster membership, plan and current version");
   auto* nodes = app.add_subcommand("nodes", "registered nodes: role, address, transport, engines");
   auto* engines_cmd = app.add_subcommand("engines", "engines: kind, ranks, control address, node, state");
+  bool engines_watch = false;
+  double engines_for = 0;
+  std::string health_listen;
+  engines_cmd->add_flag("--watch", engines_watch,
+                        "follow the engines' readiness (version served, staged version, ready/stale/paused): one "
+                        "line per engine, or one JSON object, at every change");
+  engines_cmd->add_option("--for", engines_for, "with --watch: stop after S seconds (default: until interrupted)");
+  engines_cmd->add_option("--health-listen", health_listen,
+                          "with --watch: serve GET /engines/<id>/ready on HOST:PORT (200 ready, 503 stale or paused) "
+                          "for a router's health checks; port 0 = any (printed)");
   auto* version = app.add_subcommand("version", "client and coordinator versions");
   auto* history = app.add_subcommand("history", "past updates with per-phase timings");
   int limit = 20;
@@ -349,6 +402,7 @@ int main(int argc, char** argv) {
     }
     return s.ok() ? kExitOk : ExitFor(s.status());
   }
+  if (*engines_cmd && engines_watch) return RunEnginesWatch(endpoint, dt, json, engines_for, health_listen);
   if (*nodes || *engines_cmd) {
     client::CoordinatorClient c(endpoint, dt);
     auto s = c.Status();

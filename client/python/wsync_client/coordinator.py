@@ -15,7 +15,7 @@ from ._proto.wsync.v1 import coordinator_pb2, coordinator_pb2_grpc
 from .errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, UNAVAILABLE, WsyncError, from_rpc_error
 
 # Worst cases of the coordinator's own waits (client/coordinator_client.h): a call's deadline covers them.
-_COMMIT_OVERHEAD_S = 30 + 300 + 30 + 30
+_COMMIT_OVERHEAD_S = 30 + 300 + 30 + 30 + 2 * 120 + 120 + 60  # staged: verify, pause, switch
 _BEGIN_WORST_CASE_S = 120 + 30 + 600 + 30
 _MARGIN_S = 30
 
@@ -164,10 +164,13 @@ class Coordinator:
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
 
-    def begin_update(self, version: int, pause_mode: str = "") -> Dict[str, Any]:
-        """Pauses every engine and opens update `version`; returns the reply (plan_epoch, pause_seconds, ...)."""
+    def begin_update(self, version: int, pause_mode: str = "", mode: str = "") -> Dict[str, Any]:
+        """Pauses every engine and opens update `version`; returns the reply (plan_epoch, pause_seconds, ...).
+        mode "staged": the engines serve on while the update is staged and switch together at the commit
+        (docs/operations.md, "Staged updates"); "" or "classic": paused for the whole update."""
         rep = self._call("BeginUpdate", coordinator_pb2.BeginUpdateRequest(version=int(version),
-                                                                           pause_mode=pause_mode or ""),
+                                                                           pause_mode=pause_mode or "",
+                                                                           mode=mode or ""),
                          self.dial_timeout + _BEGIN_WORST_CASE_S + _MARGIN_S, "begin update %d" % int(version))
         return _to_dict(rep)
 
@@ -182,7 +185,8 @@ class Coordinator:
         return self.last_record
 
     @contextlib.contextmanager
-    def update(self, version: int, pause_mode: str = "", timeout: float = 120.0) -> Iterator[Dict[str, Any]]:
+    def update(self, version: int, pause_mode: str = "", timeout: float = 120.0,
+               mode: str = "") -> Iterator[Dict[str, Any]]:
         """Opens update `version`, runs the body (the trainer ranks push), then commits it; when the body raises, the
         update is aborted (engines stay paused at their old version) and the exception propagates. Yields the
         BeginUpdate reply; the committed record is in `last_record` afterwards.
@@ -190,7 +194,7 @@ class Coordinator:
             with coordinator.update(7):
                 ... every rank pushes version 7 ...
         """
-        reply = self.begin_update(version, pause_mode)
+        reply = self.begin_update(version, pause_mode, mode)
         try:
             yield reply
         except BaseException as exc:

@@ -4,8 +4,12 @@
 // (docs/engines.md); the daemon maps them and writes into them directly, as it would into GPU weight memory.
 // With --load-socket it also loads full HF tensors handed over in a file (the broadcast baseline's receivers,
 // bench/cluster) through the same loader it verifies with (docs/engines.md, "Loading HF tensors directly").
+// With --staging every rank holds two copies of its segments: the live one it serves from and a staging one that
+// staged updates write while it serves; Switch makes the staging copy live by swapping which copy is read
+// (docs/operations.md, "Staged updates").
 
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -24,20 +28,19 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/cli.h"
 #include "base/fd_passing.h"
-#include "base/status.h"
 #include "base/logging.h"
+#include "base/status.h"
 #include "nlohmann/json.hpp"
 #include "proto/tls.h"
 #include "tools/testing/engine_ref/ref_model.h"
@@ -50,6 +53,7 @@ namespace pb = ::wsync::v1;
 
 // One rank's weight memory: several memfd segments (the parameter list split in kSegmentsPerRank parts, so the
 // general segment model is exercised), each mapped here; the target daemon gets the fds through the attach socket.
+// With `copies` 2 (--staging) every segment exists twice: copy c of segment i has id i + c * per_copy().
 constexpr int kSegmentsPerRank = 3;
 
 struct Placement {
@@ -68,8 +72,9 @@ class RankMemory {
     for (auto& s : segments_)
       if (s.base != nullptr) munmap(s.base, s.bytes);
   }
-  // Splits `layout`'s parameters into contiguous runs of about equal bytes, one memfd each, 256-byte aligned inside.
-  absl::Status Create(const std::string& name, const RefLayout& layout) {
+  // Splits `layout`'s parameters into contiguous runs of about equal bytes, one memfd each, 256-byte aligned inside;
+  // `copies` times.
+  absl::Status Create(const std::string& name, const RefLayout& layout, int copies) {
     const uint64_t per = layout.total_bytes / kSegmentsPerRank + 1;
     std::vector<uint64_t> sizes(1, 0);
     for (const auto& p : layout.params) {
@@ -78,10 +83,12 @@ class RankMemory {
       placement_.push_back({static_cast<int>(sizes.size()) - 1, off});
       sizes.back() = off + p.bytes;
     }
-    for (size_t i = 0; i < sizes.size(); ++i) {
+    per_copy_ = static_cast<int>(sizes.size());
+    for (size_t k = 0; k < sizes.size() * copies; ++k) {
+      const size_t i = k % sizes.size();
       Segment s;
       s.bytes = std::max<uint64_t>(sizes[i], 1);
-      s.fd.reset(memfd_create(absl::StrCat(name, "-s", i).c_str(), MFD_CLOEXEC));
+      s.fd.reset(memfd_create(absl::StrCat(name, "-s", k).c_str(), MFD_CLOEXEC));
       if (!s.fd.valid()) return absl::InternalError(absl::StrCat("memfd_create: ", strerror(errno)));
       if (ftruncate(s.fd.get(), static_cast<off_t>(s.bytes)) != 0)
         return absl::InternalError(absl::StrCat("ftruncate memfd: ", strerror(errno)));
@@ -94,17 +101,34 @@ class RankMemory {
   }
   const std::vector<Segment>& segments() const { return segments_; }
   const Placement& placement(size_t param) const { return placement_[param]; }
-  uint8_t* at(size_t param) const { return segments_[placement_[param].segment].base + placement_[param].offset; }
+  // Parameter `param` in copy `set` (0 unless staging).
+  uint8_t* at(size_t param, int set = 0) const {
+    return segments_[placement_[param].segment + set * per_copy_].base + placement_[param].offset;
+  }
+  int per_copy() const { return per_copy_; }
+  // XXH3-128 (hex) of every segment of copy `set`, in id order.
+  std::string Digest(int set) const {
+    XXH3_state_t* st = XXH3_createState();
+    XXH3_128bits_reset(st);
+    for (int i = 0; i < per_copy_; ++i) {
+      const Segment& s = segments_[i + set * per_copy_];
+      XXH3_128bits_update(st, s.base, s.bytes);
+    }
+    const XXH128_hash_t h = XXH3_128bits_digest(st);
+    XXH3_freeState(st);
+    return absl::StrFormat("%016x%016x", h.high64, h.low64);
+  }
 
  private:
   std::vector<Segment> segments_;
+  int per_copy_ = 0;
   std::vector<Placement> placement_;  // per param of the layout
 };
 
 class EngineService final : public pb::EngineControl::Service {
  public:
-  EngineService(std::string id, std::string config_json, RefConfig cfg, int tp)
-      : id_(std::move(id)), config_json_(std::move(config_json)), cfg_(cfg), tp_(tp) {}
+  EngineService(std::string id, std::string config_json, RefConfig cfg, int tp, bool staging)
+      : id_(std::move(id)), config_json_(std::move(config_json)), cfg_(cfg), tp_(tp), staging_(staging) {}
 
   ~EngineService() { CloseAttachments(); }
 
@@ -115,7 +139,7 @@ class EngineService final : public pb::EngineControl::Service {
       if (!layout.ok()) return layout.status();
       layouts_.push_back(*std::move(layout));
       auto mem = std::make_unique<RankMemory>();
-      auto st = mem->Create(absl::StrCat("wsync-engine-", id_, "-r", r), layouts_.back());
+      auto st = mem->Create(absl::StrCat("wsync-engine-", id_, "-r", r), layouts_.back(), staging_ ? 2 : 1);
       if (!st.ok()) return st;
       memory_.push_back(std::move(mem));
       spdlog::info("engine {} rank {}: {} params, {:.1f} MiB in {} memfd segments", id_, r,
@@ -188,6 +212,9 @@ class EngineService final : public pb::EngineControl::Service {
     out->set_weight_version(version_);
     out->set_paused(paused_);
     out->set_kind("reference");
+    out->set_staging(staging_);
+    std::shared_lock<std::shared_mutex> sl(serving_mu_);
+    out->set_live_set(live_set_);
     return grpc::Status::OK;
   }
 
@@ -221,6 +248,7 @@ class EngineService final : public pb::EngineControl::Service {
       s->set_kind("host");
       s->set_bytes(memory_[req->rank()]->segments()[i].bytes);
     }
+    if (staging_) out->set_staging_segment_shift(memory_[req->rank()]->per_copy());
     return grpc::Status::OK;
   }
 
@@ -264,11 +292,51 @@ class EngineService final : public pb::EngineControl::Service {
     return grpc::Status::OK;
   }
 
+  // Makes every rank's staging copy live at once, after checking that each still hashes to what was verified.
+  grpc::Status Switch(grpc::ServerContext* ctx, const pb::SwitchRequest* req, pb::EngineReply* out) override {
+    if (auto a = ::wsync::tls::Authorize(ctx, "Switch", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget}); !a.ok())
+      return a;
+    if (!staging_)
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("engine ", id_, " offers no staging memory (start it with --staging)"));
+    if (req->staging_digests_size() != tp_)
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("switch to version ", req->version(), " carries ", req->staging_digests_size(),
+                                       " staging digests; the engine has ", tp_, " ranks"));
+    std::unique_lock<std::shared_mutex> sl(serving_mu_);
+    for (int r = 0; r < tp_; ++r) {
+      const std::string have = memory_[r]->Digest(1 - live_set_);
+      if (have != req->staging_digests(r))
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                            absl::StrCat("switch to version ", req->version(), " refused: rank ", r,
+                                         "'s staging copy is not what was verified (", have,
+                                         " != ", req->staging_digests(r), "); nothing switched"));
+    }
+    live_set_ = 1 - live_set_;
+    sl.unlock();
+    std::lock_guard<std::mutex> l(mu_);
+    version_ = req->version();
+    spdlog::info("engine {}: switched to version {} (copy {} live)", id_, version_, live_set_);
+    out->set_success(true);
+    out->set_message(absl::StrCat("version ", version_, " live"));
+    return grpc::Status::OK;
+  }
+
   grpc::Status GetChecksums(grpc::ServerContext* ctx, const pb::RankRequest* req, pb::ChecksumReply* out) override {
-    if (auto a = ::wsync::tls::Authorize(ctx, "GetChecksums", {::wsync::tls::kAdmin, ::wsync::tls::kTrainer}); !a.ok()) return a;
+    if (auto a = ::wsync::tls::Authorize(ctx, "GetChecksums",
+                                         {::wsync::tls::kAdmin, ::wsync::tls::kTrainer, ::wsync::tls::kCoordinator});
+        !a.ok())
+      return a;
     if (req->rank() < 0 || req->rank() >= tp_) return BadRank(req->rank());
+    if (req->staging() && !staging_)
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("engine ", id_, " offers no staging memory (start it with --staging)"));
     out->set_rank(req->rank());
     const RankMemory& mem = *memory_[req->rank()];
+    // A reader of the live weights sees one version: a switch waits for it, and it for a switch.
+    std::shared_lock<std::shared_mutex> sl(serving_mu_);
+    const int set = req->staging() ? 1 - live_set_ : live_set_;
+    if (req->staging()) out->set_staging_digest(mem.Digest(set));
     const auto& params = layouts_[req->rank()].params;
     if (req->ranges_size() > 0) {  // byte ranges of parameters (what a source recorded writing), in request order
       std::map<std::string, size_t> index;
@@ -283,7 +351,7 @@ class EngineService final : public pb::EngineControl::Service {
           return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                               absl::StrCat("range [", r.offset(), ", +", r.length(), ") of ", r.param(),
                                            " is outside its ", bytes, " bytes"));
-        XXH128_hash_t h = XXH3_128bits(mem.at(it->second) + r.offset(), r.length());
+        XXH128_hash_t h = XXH3_128bits(mem.at(it->second, set) + r.offset(), r.length());
         auto* c = out->add_params();
         c->set_name(r.param());
         c->set_offset(r.offset());
@@ -295,7 +363,7 @@ class EngineService final : public pb::EngineControl::Service {
     }
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& p = params[i];
-      XXH128_hash_t h = XXH3_128bits(mem.at(i), p.bytes);
+      XXH128_hash_t h = XXH3_128bits(mem.at(i, set), p.bytes);
       auto* c = out->add_params();
       c->set_name(p.name);
       c->set_bytes(p.bytes);
@@ -314,6 +382,7 @@ class EngineService final : public pb::EngineControl::Service {
   // Checks every rank's memory against the loader's expectation for the generated checkpoint of `step`.
   absl::Status VerifyStep(int64_t step, pb::VerifyReply* out) {
     std::lock_guard<std::mutex> vl(verify_mu_);
+    std::shared_lock<std::shared_mutex> sl(serving_mu_);  // one version throughout, even across a switch
     int64_t checked = 0, bytes = 0;
     for (int r = 0; r < tp_; ++r) {
       const RefLayout& l = layouts_[r];
@@ -322,7 +391,7 @@ class EngineService final : public pb::EngineControl::Service {
       std::lock_guard<std::mutex> rl(rank_mu_[r]);
       for (size_t k = 0; k < l.params.size(); ++k) {
         const auto& p = l.params[k];
-        const uint8_t* have = memory_[r]->at(k);  // in its segment; `expected` is packed by the naive loader
+        const uint8_t* have = memory_[r]->at(k, live_set_);  // in its segment; `expected` is packed by the loader
         ++checked;
         bytes += static_cast<int64_t>(p.bytes);
         if (std::memcmp(have, expected.data() + p.offset, p.bytes) == 0) continue;
@@ -340,6 +409,11 @@ class EngineService final : public pb::EngineControl::Service {
     spdlog::info("engine {}: verify step {}: {} params, {} mismatched", id_, step, checked,
                  out->mismatches_size());
     return absl::OkStatus();
+  }
+
+  int LiveSet() const {
+    std::shared_lock<std::shared_mutex> sl(serving_mu_);
+    return live_set_;
   }
 
   // Loads full HF tensors into rank `rank`'s memory with the engine's own loader, as an engine's load_weights does
@@ -388,7 +462,7 @@ class EngineService final : public pb::EngineControl::Service {
         packed.data()));
     std::lock_guard<std::mutex> rl(rank_mu_[rank]);
     for (size_t k = 0; k < l.params.size(); ++k)
-      std::memcpy(memory_[rank]->at(k), packed.data() + l.params[k].offset, l.params[k].bytes);
+      std::memcpy(memory_[rank]->at(k, LiveSet()), packed.data() + l.params[k].offset, l.params[k].bytes);
     return l.params.size();
   }
 
@@ -420,6 +494,7 @@ class EngineService final : public pb::EngineControl::Service {
     const RankMemory& mem = *memory_[r];
     for (size_t i = 0; i < mem.segments().size(); ++i)
       segs.push_back({{"id", i}, {"kind", "host"}, {"bytes", mem.segments()[i].bytes}});
+    const int shift = staging_ ? mem.per_copy() : 0;
     const auto& ps = layouts_[r].params;
     for (size_t i = 0; i < ps.size(); ++i)
       params.push_back({{"name", ps[i].name}, {"dtype", std::string(DTypeName(ps[i].dtype))}, {"shape", ps[i].shape},
@@ -429,6 +504,7 @@ class EngineService final : public pb::EngineControl::Service {
                         {"kind", "reference"}, {"mode", req.mode().empty() ? "direct" : req.mode()}, {"rank", r},
                         {"world_size", tp_}, {"parallelism", par}, {"model_config_json", config_json_},
                         {"segments", segs}, {"params", params}};
+    if (shift > 0) j["staging_segment_shift"] = shift;
     return j.dump();
   }
 
@@ -475,6 +551,10 @@ class EngineService final : public pb::EngineControl::Service {
   std::thread reader_;
   bool paused_ = false;
   std::string version_ = "0";
+  const bool staging_;
+  // Guards live_set_: readers of the live weights (GetChecksums, Verify) hold it shared, Switch exclusively.
+  mutable std::shared_mutex serving_mu_;
+  int live_set_ = 0;  // which copy of the segments is live (always 0 without --staging)
 };
 
 // The --load-socket server: a Unix stream socket (owner only) taking one JSON request per line and answering one JSON
@@ -637,6 +717,10 @@ int main(int argc, char** argv) {
   app.add_option("--load-socket", load_socket,
                  "Unix socket (owner only) on which whole HF tensors handed over in a file are loaded with the "
                  "engine's own loader, and checked (docs/engines.md)");
+  bool staging = false;
+  app.add_flag("--staging", staging,
+               "hold a second (staging) copy of every rank's weights, so that staged updates write while the engine "
+               "serves and switch by swapping the copies (doubles the memory)");
   wsync::tls::Options tls_opts;
   wsync::tls::AddFlags(app, &tls_opts);
   if (int rc = wsync::cli::Parse(app, argc, argv); rc >= 0) return rc;
@@ -656,7 +740,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   cfg->ep = ep;
-  EngineService service(id, ss.str(), *cfg, tp);
+  EngineService service(id, ss.str(), *cfg, tp, staging);
   if (auto st = service.Init(); !st.ok()) {
     spdlog::error("{}", st.ToString());
     return 1;
