@@ -134,8 +134,9 @@ int RunFabric(const wsync::bench::TcpBenchOptions& opts, const std::string& prov
     std::printf("%10s %10.3f %10.3f %12.3f %7.2fx %10.3f %10s\n", HumanSize((*raw)[i].message_bytes).c_str(),
                 (*spin)[i].gbps(), (*paced)[i].gbps(), f, ratio, t,
                 verbs.ok() ? absl::StrFormat("%.3f", v).c_str() : "-");
-    nlohmann::ordered_json e = {{"raw", r},   {"raw_spin", (*spin)[i].gbps()}, {"raw_paced", (*paced)[i].gbps()},
-                                {"fabric", f}, {"ratio", ratio},               {"tcp", t}};
+    nlohmann::ordered_json e = {
+        {"raw", r}, {"raw_spin", (*spin)[i].gbps()}, {"raw_paced", (*paced)[i].gbps()}, {"fabric", f}, {"ratio", ratio},
+        {"tcp", t}};
     if (verbs.ok()) e["verbs"] = v;
     sizes[std::to_string((*raw)[i].message_bytes)] = e;
   }
