@@ -98,8 +98,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateFirstViableTransport(const std:
   for (size_t i = 0; i < names.size(); ++i) {
     // A typo later in the list must not hide behind a viable first entry.
     if (names[i] != "tcp" && names[i] != "verbs" && names[i] != "fabric" && names[i] != "mooncake") {
-      return absl::InvalidArgumentError(absl::StrCat("unknown transport \"", names[i], "\" in \"", list,
-                                                     "\" (known: tcp, verbs, fabric, mooncake)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown transport \"", names[i], "\" in \"", list, "\" (known: tcp, verbs, fabric, mooncake)"));
     }
     for (size_t j = 0; j < i; ++j) {
       if (names[j] == names[i]) {

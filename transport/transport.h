@@ -239,13 +239,13 @@ struct TransportOptions {
   std::string fabric_provider;
 };
 
-// Creates a backend by name ("tcp", "verbs", "fabric", "mooncake"). A backend compiled out or not viable is still returned when it
-// exists (check viable()); an unknown name is InvalidArgument.
+// Creates a backend by name ("tcp", "verbs", "fabric", "mooncake"). A backend compiled out or not viable is still
+// returned when it exists (check viable()); an unknown name is InvalidArgument.
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const std::string& name, const TransportOptions& opts);
 
-// Creates the first viable backend of an ordered, comma-separated list ("verbs", "verbs,tcp", "fabric,tcp"). A daemon never falls
-// back on its own: only a backend the operator listed is used. None viable is FailedPrecondition naming every
-// backend's reason; an empty list, an unknown or repeated name is InvalidArgument.
+// Creates the first viable backend of an ordered, comma-separated list ("verbs", "verbs,tcp", "fabric,tcp"). A daemon
+// never falls back on its own: only a backend the operator listed is used. None viable is FailedPrecondition naming
+// every backend's reason; an empty list, an unknown or repeated name is InvalidArgument.
 absl::StatusOr<std::unique_ptr<Transport>> CreateFirstViableTransport(const std::string& list,
                                                                       const TransportOptions& opts);
 

@@ -1,6 +1,6 @@
 #pragma once
 // The libfabric backend: reliable-datagram (FI_EP_RDM) endpoints and one-sided RMA writes (fi_writemsg), for every
-// libfabric provider with RMA: efa on AWS, verbs;ofi_rxm, tcp;ofi_rxm, sockets, shm.
+// libfabric provider with RMA: efa on AWS, verbs;ofi_rxm, tcp;ofi_rxm (docs/operations.md lists what each enforces).
 //
 // What it does beyond the Transport contract (docs/operations.md, "AWS EFA" and "The fabric transport"):
 //   * Provider: TransportOptions::fabric_provider ("efa", "tcp;ofi_rxm"), else libfabric's pick (which also honours
@@ -30,8 +30,8 @@
 //     Closing the window or revoking a grant closes those MRs; opening registers them again under the same keys.
 //     That needs keys the transport chooses: where the provider picks keys (FI_MR_PROV_KEY, e.g. efa), the window is
 //     not enforced (SetWriteWindow is Unimplemented) while grants and revocation are. What a refused write does is
-//     the provider's: tcp;ofi_rxm fails it (and that connection), sockets fails it (EACCES), shm never completes it
-//     (the sender's Wait times out). The receiving side is not told, so refused_writes() stays 0.
+//     the provider's: tcp;ofi_rxm fails it (and that connection); sockets was seen not to refuse it; shm never
+//     completes it (the sender's Wait times out). The receiving side is not told, so refused_writes() stays 0.
 //   * No libfabric (library or provider missing): viable() == false with the reason; every other call fails.
 //
 // Thread safety: as in transport.h. Regions and endpoints keep the domain alive, so they may outlive the transport.
