@@ -30,7 +30,7 @@
 //     Closing the window or revoking a grant closes those MRs; opening registers them again under the same keys.
 //     That needs keys the transport chooses: where the provider picks keys (FI_MR_PROV_KEY, e.g. efa), the window is
 //     not enforced (SetWriteWindow is Unimplemented) while grants and revocation are. What a refused write does is
-//     the provider's: tcp;ofi_rxm fails it (and that connection); sockets was seen not to refuse it; shm never
+//     the provider's: tcp;ofi_rxm fails it (and that connection), sockets fails it (EACCES), shm never
 //     completes it (the sender's Wait times out). The receiving side is not told, so refused_writes() stays 0.
 //   * No libfabric (library or provider missing): viable() == false with the reason; every other call fails.
 //
