@@ -14,6 +14,9 @@
 #ifdef WSYNC_WITH_VERBS
 #include "transport/verbs/verbs_transport.h"
 #endif
+#ifdef WSYNC_WITH_FABRIC
+#include "transport/fabric/fabric_transport.h"
+#endif
 
 namespace wsync::transport {
 namespace {
@@ -75,8 +78,16 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const std::string& na
         std::make_unique<NonViableTransport>("verbs", "built without verbs support"));
 #endif
   }
+  if (name == "fabric") {
+#ifdef WSYNC_WITH_FABRIC
+    return fabric::CreateFabricTransport(opts);
+#else
+    return std::unique_ptr<Transport>(std::make_unique<NonViableTransport>(
+        "fabric", "built without libfabric support (install libfabric-dev and reconfigure)"));
+#endif
+  }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown transport \"", name, "\" (known: tcp, verbs, mooncake)"));
+      absl::StrCat("unknown transport \"", name, "\" (known: tcp, verbs, fabric, mooncake)"));
 }
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateFirstViableTransport(const std::string& list,
@@ -86,9 +97,9 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateFirstViableTransport(const std:
   for (std::string& name : names) name = std::string(absl::StripAsciiWhitespace(name));
   for (size_t i = 0; i < names.size(); ++i) {
     // A typo later in the list must not hide behind a viable first entry.
-    if (names[i] != "tcp" && names[i] != "verbs" && names[i] != "mooncake") {
+    if (names[i] != "tcp" && names[i] != "verbs" && names[i] != "fabric" && names[i] != "mooncake") {
       return absl::InvalidArgumentError(
-          absl::StrCat("unknown transport \"", names[i], "\" in \"", list, "\" (known: tcp, verbs, mooncake)"));
+          absl::StrCat("unknown transport \"", names[i], "\" in \"", list, "\" (known: tcp, verbs, fabric, mooncake)"));
     }
     for (size_t j = 0; j < i; ++j) {
       if (names[j] == names[i]) {

@@ -235,15 +235,17 @@ struct TransportOptions {
   absl::Duration hello_timeout = absl::Seconds(5);
   int max_conns_per_peer = 64;
   int max_conns = 512;
+  // fabric: the libfabric provider ("efa", "tcp;ofi_rxm", "verbs;ofi_rxm"); empty = libfabric's pick (FI_PROVIDER).
+  std::string fabric_provider;
 };
 
-// Creates a backend by name ("tcp", "verbs"). A backend compiled out or not viable is still returned when it
-// exists (check viable()); an unknown name is InvalidArgument.
+// Creates a backend by name ("tcp", "verbs", "fabric", "mooncake"). A backend compiled out or not viable is still
+// returned when it exists (check viable()); an unknown name is InvalidArgument.
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const std::string& name, const TransportOptions& opts);
 
-// Creates the first viable backend of an ordered, comma-separated list ("verbs", "verbs,tcp"). A daemon never falls
-// back on its own: only a backend the operator listed is used. None viable is FailedPrecondition naming every
-// backend's reason; an empty list, an unknown or repeated name is InvalidArgument.
+// Creates the first viable backend of an ordered, comma-separated list ("verbs", "verbs,tcp", "fabric,tcp"). A daemon
+// never falls back on its own: only a backend the operator listed is used. None viable is FailedPrecondition naming
+// every backend's reason; an empty list, an unknown or repeated name is InvalidArgument.
 absl::StatusOr<std::unique_ptr<Transport>> CreateFirstViableTransport(const std::string& list,
                                                                       const TransportOptions& opts);
 

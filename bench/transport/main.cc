@@ -1,5 +1,6 @@
 // bench_transport: transport throughput next to a plain-TCP baseline measured in the same run.
 //   bench_transport            tcp transport on 127.0.0.1 vs iperf3 (or a socket-to-socket loop without it)
+//   bench_transport --fabric   fabric transport vs raw libfabric writes (fabric_bench.cc), tcp and verbs beside
 // Other modes (e.g. --verbs) plug in as sibling sources; see CMakeLists.txt. Last line: one JSON object.
 
 #include <cstdio>
@@ -10,6 +11,9 @@
 #include "absl/strings/str_format.h"
 #include "base/logging.h"
 #include "bench/transport/tcp_bench.h"
+#ifdef WSYNC_WITH_FABRIC
+#include "bench/transport/fabric_bench.h"
+#endif
 #include "nlohmann/json.hpp"
 
 namespace {
@@ -79,6 +83,81 @@ int RunTcp(const wsync::bench::TcpBenchOptions& opts, double iperf_seconds) {
   return 0;
 }
 
+#ifdef WSYNC_WITH_FABRIC
+// The fabric transport, the raw-libfabric baseline, the tcp transport (and verbs where a device is viable), one run.
+int RunFabric(const wsync::bench::TcpBenchOptions& opts, const std::string& provider) {
+  wsync::bench::RawFabricOptions raw_opts;
+  raw_opts.provider = provider;
+  raw_opts.sizes = opts.sizes;
+  raw_opts.per_size = opts.per_size;
+  std::string used;
+  // Two ways for the raw receiver to progress; the better one per size is the baseline.
+  auto spin = wsync::bench::RunRawFabricSweep(raw_opts, &used);
+  raw_opts.progress_pause_us = 50;
+  auto paced = wsync::bench::RunRawFabricSweep(raw_opts, &used);
+  if (!spin.ok() || !paced.ok()) {
+    std::fprintf(stderr, "raw libfabric baseline failed: %s\n",
+                 (spin.ok() ? paced.status() : spin.status()).ToString().c_str());
+    return 1;
+  }
+  auto raw = spin;
+  for (size_t i = 0; i < raw->size(); ++i)
+    if ((*paced)[i].gbps() > (*raw)[i].gbps()) (*raw)[i] = (*paced)[i];
+  wsync::transport::TransportOptions topts;
+  topts.bind_host = "127.0.0.1";
+  topts.fabric_provider = used;  // the transport on exactly the provider the baseline ran on
+  auto fab = wsync::bench::RunTransportSweep("fabric", topts, opts);
+  if (!fab.ok()) {
+    std::fprintf(stderr, "fabric transport sweep failed: %s\n", fab.status().ToString().c_str());
+    return 1;
+  }
+  topts.tcp_streams = opts.streams;
+  auto tcp = wsync::bench::RunTransportSweep("tcp", topts, opts);
+  if (!tcp.ok()) {
+    std::fprintf(stderr, "tcp transport sweep failed: %s\n", tcp.status().ToString().c_str());
+    return 1;
+  }
+  auto verbs = wsync::bench::RunTransportSweep("verbs", topts, opts);
+  if (!verbs.ok()) std::printf("verbs: not measured (%s)\n", std::string(verbs.status().message()).c_str());
+
+  std::printf("\nfabric transport on %s vs raw libfabric (fi_writemsg window, same provider, same run)\n",
+              used.c_str());
+  std::printf("%10s %10s %10s %12s %8s %10s %10s\n", "message", "raw spin", "raw paced", "fabric GB/s", "ratio",
+              "tcp GB/s", "verbs GB/s");
+  nlohmann::ordered_json sizes = nlohmann::ordered_json::object();
+  double min_ratio = 1e9;
+  for (size_t i = 0; i < raw->size(); ++i) {
+    const double r = (*raw)[i].gbps(), f = (*fab)[i].gbps(), t = (*tcp)[i].gbps();
+    const double v = verbs.ok() ? (*verbs)[i].gbps() : 0;
+    const double ratio = r > 0 ? f / r : 0;
+    min_ratio = std::min(min_ratio, ratio);
+    std::printf("%10s %10.3f %10.3f %12.3f %7.2fx %10.3f %10s\n", HumanSize((*raw)[i].message_bytes).c_str(),
+                (*spin)[i].gbps(), (*paced)[i].gbps(), f, ratio, t,
+                verbs.ok() ? absl::StrFormat("%.3f", v).c_str() : "-");
+    nlohmann::ordered_json e = {
+        {"raw", r}, {"raw_spin", (*spin)[i].gbps()}, {"raw_paced", (*paced)[i].gbps()}, {"fabric", f}, {"ratio", ratio},
+        {"tcp", t}};
+    if (verbs.ok()) e["verbs"] = v;
+    sizes[std::to_string((*raw)[i].message_bytes)] = e;
+  }
+  const double at_max = fab->back().gbps(), raw_max = raw->back().gbps();
+  nlohmann::ordered_json out = {
+      {"bench", "transport_fabric"},
+      {"provider", used},
+      {"value", at_max},
+      {"baseline", raw_max},
+      {"ratio", raw_max > 0 ? at_max / raw_max : 0.0},
+      {"min_ratio", min_ratio},
+      {"unit", "GB/s"},
+      {"message_bytes", raw->back().message_bytes},
+      {"baseline_tool", "raw libfabric fi_writemsg window (receiver spinning or paced, the better per size)"},
+      {"sizes", sizes},
+  };
+  std::printf("%s\n", out.dump().c_str());
+  return 0;
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -89,6 +168,11 @@ int main(int argc, char** argv) {
   uint64_t min_size = 4 << 10;
   uint64_t max_size = 64 << 20;
   std::string log_level = "warn";
+  bool fabric = false;
+  std::string fabric_provider;
+  app.add_flag("--fabric", fabric,
+               "the fabric transport vs a raw-libfabric baseline, with tcp (and verbs where viable) in the same run");
+  app.add_option("--fabric-provider", fabric_provider, "libfabric provider for --fabric (default: libfabric's pick)");
   app.add_option("--streams", opts.streams, "tcp connections per endpoint for large batches")->capture_default_str();
   app.add_option("--in-flight", opts.in_flight, "batches outstanding at once")->capture_default_str();
   app.add_option("--per-size-ms", per_size_ms, "measurement time per message size")->capture_default_str();
@@ -102,5 +186,13 @@ int main(int argc, char** argv) {
   opts.per_size = absl::Milliseconds(per_size_ms);
   for (uint64_t s = min_size; s <= max_size; s *= 4) opts.sizes.push_back(s);
   if (opts.sizes.empty() || opts.sizes.back() != max_size) opts.sizes.push_back(max_size);
+  if (fabric) {
+#ifdef WSYNC_WITH_FABRIC
+    return RunFabric(opts, fabric_provider);
+#else
+    std::fprintf(stderr, "--fabric: built without libfabric support (install libfabric-dev and reconfigure)\n");
+    return 2;
+#endif
+  }
   return RunTcp(opts, iperf_seconds);
 }

@@ -61,8 +61,15 @@ absl::StatusOr<std::vector<SizePoint>> RunTcpTransportSweep(const TcpBenchOption
   transport::TransportOptions topts;
   topts.bind_host = "127.0.0.1";
   topts.tcp_streams = opts.streams;
-  WSYNC_ASSIGN_OR_RETURN(auto sender, transport::CreateTransport("tcp", topts));
-  WSYNC_ASSIGN_OR_RETURN(auto receiver, transport::CreateTransport("tcp", topts));
+  return RunTransportSweep("tcp", topts, opts);
+}
+
+absl::StatusOr<std::vector<SizePoint>> RunTransportSweep(const std::string& name,
+                                                         const transport::TransportOptions& topts,
+                                                         const TcpBenchOptions& opts) {
+  WSYNC_ASSIGN_OR_RETURN(auto sender, transport::CreateTransport(name, topts));
+  WSYNC_ASSIGN_OR_RETURN(auto receiver, transport::CreateTransport(name, topts));
+  if (!sender->viable()) return absl::FailedPreconditionError(absl::StrCat(name, ": ", sender->reason()));
 
   uint64_t region_bytes = opts.batch_bytes;
   for (uint64_t s : opts.sizes) region_bytes = std::max(region_bytes, s);

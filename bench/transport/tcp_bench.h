@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "transport/transport.h"
 
 namespace wsync::bench {
 
@@ -28,6 +29,10 @@ struct TcpBenchOptions {
 
 // Sender and receiver transports in this process, connected over 127.0.0.1.
 absl::StatusOr<std::vector<SizePoint>> RunTcpTransportSweep(const TcpBenchOptions& opts);
+// The same sweep on any backend (`name` as CreateTransport takes it), sender and receiver in this process.
+absl::StatusOr<std::vector<SizePoint>> RunTransportSweep(const std::string& name,
+                                                         const transport::TransportOptions& topts,
+                                                         const TcpBenchOptions& opts);
 
 struct Baseline {
   std::string tool;  // "iperf3" or "socket"

@@ -74,17 +74,23 @@ int main(int argc, char** argv) {
       ->required();
   app.add_option("--port-file", port_file, "write the bound port here once serving");
   app.add_option("--transport", transport_name,
-                 "data-path transport: tcp | verbs, or an ordered fallback list such as verbs,tcp (the first one "
-                 "viable on this host is used; a single transport that is not viable is an error)")
+                 "data-path transport: tcp | verbs | fabric, or an ordered fallback list such as verbs,tcp or "
+                 "fabric,tcp (the first one viable on this host is used; a single transport that is not viable is an "
+                 "error)")
       ->capture_default_str()
       ->check([](const std::string& v) -> std::string {
         for (absl::string_view n : absl::StrSplit(v, ',', absl::SkipWhitespace())) {
           n = absl::StripAsciiWhitespace(n);
-          if (n != "tcp" && n != "verbs") return absl::StrCat("unknown transport '", n, "' (want tcp or verbs)");
+          if (n != "tcp" && n != "verbs" && n != "fabric")
+            return absl::StrCat("unknown transport '", n, "' (want tcp, verbs or fabric)");
         }
         return "";
       });
   app.add_option("--data-host", data_host, "address the data-path listener binds (tcp transport)");
+  std::string fabric_provider;
+  app.add_option("--fabric-provider", fabric_provider,
+                 "fabric transport: the libfabric provider (efa on AWS, verbs;ofi_rxm, tcp;ofi_rxm); default: "
+                 "libfabric's pick, which honours FI_PROVIDER");
   app.add_option("--engine", engines,
                  "target: an engine on this node, KIND+SCHEME://HOST:PORT (reference+grpc://H:P, a bare H:P means "
                  "the same; vllm+http://H:P[?mode=staged|direct]); repeatable");
@@ -194,6 +200,7 @@ int main(int argc, char** argv) {
   transport::TransportOptions topts;
   topts.bind_host = data_host;
   topts.send_progress_timeout = absl::Seconds(tcp_progress_timeout_s);
+  topts.fabric_provider = fabric_provider;
   auto tr = transport::CreateFirstViableTransport(transport_name, topts);
   if (!tr.ok()) {
     spdlog::error("--transport {}: {}", transport_name, std::string(tr.status().message()));

@@ -20,6 +20,7 @@ packages=(
   libabsl-dev libspdlog-dev libfmt-dev catch2 nlohmann-json3-dev libcli11-dev libxxhash-dev libcpp-httplib-dev
   libsqlite3-dev openssl libssl-dev
   libibverbs-dev librdmacm-dev ibverbs-utils perftest iperf3
+  libfabric1 libfabric-dev libfabric-bin  # the fabric transport (headers to build, the library and fi_info to run)
   python3 python3-numpy python3-yaml python3-venv
   iproute2 python3-matplotlib
   # only for the tests labelled etcd (coordinator high availability); wsync itself needs no etcd library

@@ -1,0 +1,339 @@
+// The fabric backend beyond the conformance suite: what the receiving provider refuses (a write past the registered
+// memory, into a source's memory, through a closed window, outside a grant or after its revocation), blobs of
+// another transport or provider, a missing provider or library, and the fallback list. Every refused write is
+// checked against the receiver's memory as the test reads it: unchanged.
+
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "tests/transport/fabric_test_util.h"
+#include "tests/transport/pattern.h"
+#include "transport/fabric/fabric_transport.h"
+#include "transport/fabric/fabric_wire.h"
+#include "transport/transport.h"
+
+namespace {
+
+using wsync::transport::Endpoint;
+using wsync::transport::LocalRegion;
+using wsync::transport::RemoteRegion;
+using wsync::transport::Transport;
+using wsync::transport::WriteRequest;
+using wsync::transport::fabric::testing::MakeFabric;
+using wsync::transport::testing::PatternByte;
+
+const absl::Duration kTimeout = absl::Seconds(20);
+// A refused write: tcp;ofi_rxm and sockets fail it at once; a provider that drops it silently (shm) leaves the
+// batch outstanding, which this bound turns into DeadlineExceeded.
+const absl::Duration kRefusedTimeout = absl::Seconds(5);
+constexpr uint64_t kLen = 64 << 10;
+constexpr uint8_t kUntouched = 0xEE;
+
+std::unique_ptr<Transport> Viable() {
+  auto t = MakeFabric();
+  INFO(t->reason());
+  REQUIRE(t->viable());
+  return t;
+}
+
+struct Buffer {
+  std::vector<uint8_t> bytes;
+  std::unique_ptr<LocalRegion> region;
+};
+
+Buffer Source(Transport& t, uint64_t seed) {
+  Buffer b;
+  b.bytes.resize(kLen);
+  for (uint64_t i = 0; i < kLen; ++i) b.bytes[i] = PatternByte(seed, i);
+  auto r = t.RegisterMemory(b.bytes.data(), kLen);
+  REQUIRE(r.ok());
+  b.region = std::move(*r);
+  return b;
+}
+
+Buffer Target(Transport& t, uint64_t len = kLen) {
+  Buffer b;
+  b.bytes.assign(len, kUntouched);
+  auto r = t.RegisterMemory(b.bytes.data(), len);
+  REQUIRE(r.ok());
+  b.region = std::move(*r);
+  return b;
+}
+
+bool Untouched(const std::vector<uint8_t>& v) {
+  for (uint8_t b : v)
+    if (b != kUntouched) return false;
+  return true;
+}
+
+bool HoldsPattern(const uint8_t* p, uint64_t n, uint64_t seed) {
+  for (uint64_t i = 0; i < n; ++i)
+    if (p[i] != PatternByte(seed, i)) return false;
+  return true;
+}
+
+std::unique_ptr<RemoteRegion> Import(Transport& t, const std::string& desc) {
+  auto r = t.ImportRegion(desc);
+  INFO(r.status().ToString());
+  REQUIRE(r.ok());
+  return std::move(*r);
+}
+
+// Connects a sender's endpoint to `dst` (a receiver's endpoint, plain or granted).
+std::unique_ptr<Endpoint> ConnectTo(Transport& sender, Endpoint& dst) {
+  auto src = sender.CreateEndpoint();
+  REQUIRE(src.ok());
+  absl::Status a = dst.Connect((*src)->LocalInfo(), kTimeout);
+  absl::Status b = (*src)->Connect(dst.LocalInfo(), kTimeout);
+  INFO(a.ToString() << " / " << b.ToString());
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  return std::move(*src);
+}
+
+absl::Status WriteAll(Endpoint& ep, const LocalRegion& src, const RemoteRegion& dst, absl::Duration timeout) {
+  WriteRequest w{&src, 0, &dst, 0, kLen};
+  return ep.Write({&w, 1}, timeout);
+}
+
+// A refused write fails (never reported as landed) with a status naming the peer.
+void RequireRefused(const absl::Status& s, const Endpoint& ep) {
+  INFO(s.ToString());
+  REQUIRE_FALSE(s.ok());
+  if (s.code() != absl::StatusCode::kDeadlineExceeded) CHECK(absl::StrContains(s.message(), ep.PeerName()));
+}
+
+}  // namespace
+
+TEST_CASE("the provider negotiated is the one asked for, with RMA", "[fabric]") {
+  auto t = Viable();
+  auto info = wsync::transport::fabric::GetFabricInfo(*t);
+  REQUIRE(info.has_value());
+  INFO(info->provider << " mr_mode " << info->mr_mode);
+  CHECK(info->provider == wsync::transport::fabric::testing::TestProvider());
+  CHECK(info->tx_depth >= 1);
+  CHECK(info->max_piece >= 1);
+  // What the forced run asked for is what the backend honours.
+  if (const char* f = std::getenv("WSYNC_FABRIC_FORCE_MR_MODE"); f != nullptr && *f != '\0') {
+    auto bits = wsync::transport::fabric::ParseForcedMrMode(f);
+    REQUIRE(bits.ok());
+    CHECK((info->mr_mode & *bits) == *bits);
+    CHECK(info->app_keys == !absl::StrContains(f, "prov_key"));
+  }
+}
+
+TEST_CASE("a write past the registered memory is refused by the receiving provider", "[fabric][errors]") {
+  auto sender = Viable();
+  auto receiver = Viable();
+  Buffer src = Source(*sender, 1);
+  // Only the first half of the receiver's buffer is registered; a descriptor claiming the whole buffer is forged.
+  std::vector<uint8_t> mem(2 * kLen, kUntouched);
+  auto half = receiver->RegisterMemory(mem.data(), kLen);
+  REQUIRE(half.ok());
+  auto desc = wsync::transport::fabric::DecodeRegionDesc((*half)->Descriptor());
+  REQUIRE(desc.ok());
+  desc->length = 2 * kLen;
+  auto forged = Import(*sender, wsync::transport::fabric::EncodeRegionDesc(*desc));
+  auto rx = receiver->CreateEndpoint();
+  REQUIRE(rx.ok());
+  auto ep = ConnectTo(*sender, **rx);
+  // The sender's own bounds check passes (the forged length); the receiver's provider refuses the range.
+  WriteRequest w{src.region.get(), 0, forged.get(), kLen, kLen};
+  RequireRefused(ep->Write({&w, 1}, kRefusedTimeout), *ep);
+  CHECK(Untouched(mem));
+}
+
+TEST_CASE("a source's memory is read-only for peers", "[fabric][errors]") {
+  auto sender = Viable();
+  auto receiver = Viable();
+  Buffer src = Source(*sender, 2);
+  std::vector<uint8_t> replica(kLen, kUntouched);
+  auto ro = receiver->RegisterSourceMemory(replica.data(), kLen);
+  REQUIRE(ro.ok());
+  auto remote = Import(*sender, (*ro)->Descriptor());
+  auto rx = receiver->CreateEndpoint();
+  REQUIRE(rx.ok());
+  auto ep = ConnectTo(*sender, **rx);
+  RequireRefused(WriteAll(*ep, *src.region, *remote, kRefusedTimeout), *ep);
+  CHECK(Untouched(replica));
+}
+
+TEST_CASE("the write window: closed refuses, re-opened lands under the same descriptor", "[fabric][window]") {
+  auto sender = Viable();
+  auto receiver = Viable();
+  auto info = wsync::transport::fabric::GetFabricInfo(*receiver);
+  REQUIRE(info.has_value());
+  Buffer src = Source(*sender, 3);
+  Buffer dst = Target(*receiver);
+  auto remote = Import(*sender, dst.region->Descriptor());
+  if (!info->app_keys) {
+    // The provider picks keys: re-registering on open would change them, so the window is not enforced.
+    absl::Status s = receiver->SetWriteWindow(false);
+    INFO(s.ToString());
+    CHECK(s.code() == absl::StatusCode::kUnimplemented);
+    CHECK(absl::StrContains(s.message(), info->provider));
+    auto rx = receiver->CreateEndpoint();
+    REQUIRE(rx.ok());
+    auto ep = ConnectTo(*sender, **rx);
+    REQUIRE(WriteAll(*ep, *src.region, *remote, kTimeout).ok());
+    CHECK(HoldsPattern(dst.bytes.data(), kLen, 3));
+    return;
+  }
+  auto rx = receiver->CreateEndpoint();
+  REQUIRE(rx.ok());
+  auto ep = ConnectTo(*sender, **rx);
+  REQUIRE(receiver->SetWriteWindow(true).ok());
+  REQUIRE(WriteAll(*ep, *src.region, *remote, kTimeout).ok());
+  CHECK(HoldsPattern(dst.bytes.data(), kLen, 3));
+
+  std::fill(dst.bytes.begin(), dst.bytes.end(), kUntouched);
+  REQUIRE(receiver->SetWriteWindow(false).ok());
+  RequireRefused(WriteAll(*ep, *src.region, *remote, kRefusedTimeout), *ep);
+  CHECK(Untouched(dst.bytes));
+
+  // Re-opened: the descriptor the sender imported before still works (the same key), on a fresh connection (a
+  // refused write may have cost the old one, as a NAK does on verbs).
+  REQUIRE(receiver->SetWriteWindow(true).ok());
+  auto rx2 = receiver->CreateEndpoint();
+  REQUIRE(rx2.ok());
+  auto ep2 = ConnectTo(*sender, **rx2);
+  absl::Status s = WriteAll(*ep2, *src.region, *remote, kTimeout);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  CHECK(HoldsPattern(dst.bytes.data(), kLen, 3));
+}
+
+TEST_CASE("write grants: only the granted regions, only while the grant lives", "[fabric][grants]") {
+  auto sender = Viable();
+  auto receiver = Viable();
+  Buffer src = Source(*sender, 4);
+  Buffer granted = Target(*receiver);
+  Buffer other = Target(*receiver);
+  auto remote_granted = Import(*sender, granted.region->Descriptor());
+  auto remote_other = Import(*sender, other.region->Descriptor());
+  REQUIRE(receiver->RequireGrants(true).ok());
+
+  SECTION("a plain connection cannot write once grants are required") {
+    auto rx = receiver->CreateEndpoint();
+    REQUIRE(rx.ok());
+    auto ep = ConnectTo(*sender, **rx);
+    RequireRefused(WriteAll(*ep, *src.region, *remote_granted, kRefusedTimeout), *ep);
+    CHECK(Untouched(granted.bytes));
+  }
+  SECTION("a granted connection writes its regions, not others") {
+    Transport::WriteGrant g{"source:train0", "engine0/0", {granted.region.get()}};
+    auto rx = receiver->CreateGrantedEndpoint(g);
+    INFO(rx.status().ToString());
+    REQUIRE(rx.ok());
+    auto ep = ConnectTo(*sender, **rx);
+    REQUIRE(WriteAll(*ep, *src.region, *remote_granted, kTimeout).ok());
+    CHECK(HoldsPattern(granted.bytes.data(), kLen, 4));
+    absl::Status s = WriteAll(*ep, *src.region, *remote_other, kRefusedTimeout);
+    RequireRefused(s, *ep);
+    CHECK(Untouched(other.bytes));
+  }
+  SECTION("a revoked grant writes nothing more") {
+    Transport::WriteGrant g{"source:train0", "engine0/0", {granted.region.get()}};
+    auto rx = receiver->CreateGrantedEndpoint(g);
+    REQUIRE(rx.ok());
+    auto ep = ConnectTo(*sender, **rx);
+    REQUIRE(WriteAll(*ep, *src.region, *remote_granted, kTimeout).ok());
+    std::fill(granted.bytes.begin(), granted.bytes.end(), kUntouched);
+    receiver->RevokeGrants([](const Transport::WriteGrant& w) { return w.peer != "source:train0"; });
+    RequireRefused(WriteAll(*ep, *src.region, *remote_granted, kRefusedTimeout), *ep);
+    CHECK(Untouched(granted.bytes));
+  }
+  SECTION("a grant cannot name a source's memory") {
+    std::vector<uint8_t> replica(kLen);
+    auto ro = receiver->RegisterSourceMemory(replica.data(), kLen);
+    REQUIRE(ro.ok());
+    Transport::WriteGrant g{"source:train0", "engine0/0", {ro->get()}};
+    auto rx = receiver->CreateGrantedEndpoint(g);
+    CHECK(rx.status().code() == absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST_CASE("blobs of another transport or provider are refused naming both sides", "[fabric][errors]") {
+  auto fabric = Viable();
+  wsync::transport::TransportOptions topts;
+  auto tcp = wsync::transport::CreateTransport("tcp", topts);
+  REQUIRE(tcp.ok());
+  auto tcp_ep = (*tcp)->CreateEndpoint();
+  REQUIRE(tcp_ep.ok());
+  auto ep = fabric->CreateEndpoint();
+  REQUIRE(ep.ok());
+  absl::Status s = (*ep)->Connect((*tcp_ep)->LocalInfo(), kTimeout);
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(s.message(), "tcp transport"));
+  CHECK(absl::StrContains(s.message(), wsync::transport::fabric::testing::TestProvider()));
+
+  std::vector<uint8_t> mem(4096);
+  auto tcp_region = (*tcp)->RegisterMemory(mem.data(), mem.size());
+  REQUIRE(tcp_region.ok());
+  auto imported = fabric->ImportRegion((*tcp_region)->Descriptor());
+  INFO(imported.status().ToString());
+  CHECK(imported.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(imported.status().message(), "tcp transport"));
+
+  // A fabric peer on another provider: the address cannot be used, and the error names both providers.
+  const std::string other_provider =
+      wsync::transport::fabric::testing::TestProvider() == "sockets" ? "tcp;ofi_rxm" : "sockets";
+  auto other = MakeFabric(other_provider);
+  REQUIRE(other->viable());
+  auto other_ep = other->CreateEndpoint();
+  REQUIRE(other_ep.ok());
+  auto ep2 = fabric->CreateEndpoint();
+  REQUIRE(ep2.ok());
+  s = (*ep2)->Connect((*other_ep)->LocalInfo(), kTimeout);
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(s.message(), other_provider));
+  CHECK(absl::StrContains(s.message(), wsync::transport::fabric::testing::TestProvider()));
+}
+
+TEST_CASE("a provider that is not here makes the transport not viable, naming it; the fallback list skips it",
+          "[fabric][errors]") {
+  auto efa = MakeFabric("efa");
+  CHECK_FALSE(efa->viable());
+  INFO(efa->reason());
+  CHECK(absl::StrContains(efa->reason(), "\"efa\""));
+  CHECK(absl::StrContains(efa->reason(), "providers present"));
+  CHECK_FALSE(efa->RegisterMemory(nullptr, 0).ok());
+
+  wsync::transport::TransportOptions opts;
+  opts.fabric_provider = "efa";
+  auto first = wsync::transport::CreateFirstViableTransport("fabric,tcp", opts);
+  REQUIRE(first.ok());
+  CHECK((*first)->name() == "tcp");
+  auto only = wsync::transport::CreateFirstViableTransport("fabric", opts);
+  INFO(only.status().ToString());
+  CHECK(only.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(only.status().message(), "efa"));
+  opts.fabric_provider = wsync::transport::fabric::testing::TestProvider();
+  auto fab = wsync::transport::CreateFirstViableTransport("fabric,tcp", opts);
+  REQUIRE(fab.ok());
+  CHECK((*fab)->name() == "fabric");
+}
+
+// Run alone with WSYNC_FABRIC_LIB pointing at a missing file (the library is loaded once per process).
+TEST_CASE("no libfabric: not viable, naming the library", "[.nolib]") {
+  const char* lib = std::getenv("WSYNC_FABRIC_LIB");
+  REQUIRE(lib != nullptr);
+  auto t = MakeFabric();
+  CHECK_FALSE(t->viable());
+  INFO(t->reason());
+  CHECK(absl::StrContains(t->reason(), lib));
+  CHECK(absl::StrContains(t->reason(), "libfabric1"));
+  wsync::transport::TransportOptions opts;
+  auto tcp = wsync::transport::CreateFirstViableTransport("fabric,tcp", opts);
+  REQUIRE(tcp.ok());
+  CHECK((*tcp)->name() == "tcp");
+}

@@ -1,0 +1,213 @@
+#pragma once
+// Pieces of the fabric backend shared by its .cc files (not part of the public interface).
+
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "transport/fabric/fabric_transport.h"
+#include "transport/fabric/fabric_wire.h"
+#include "transport/fabric/fi_api.h"
+#include "transport/transport.h"
+
+namespace wsync::transport::fabric {
+
+// Closes any libfabric object (fi_close); logs a failure, never throws.
+void CloseFid(fid* f, const char* what);
+
+struct MrCloser {
+  void operator()(fid_mr* mr) const { CloseFid(&mr->fid, "memory registration"); }
+};
+using MrPtr = std::unique_ptr<fid_mr, MrCloser>;
+
+// FabricOptions with the environment and defaults applied, and what the provider negotiated.
+struct Config {
+  uint64_t max_piece = 4 << 20;
+  uint32_t tx_depth = 64;
+  uint64_t forced_mr_mode = 0;
+  absl::Duration io_timeout = absl::Seconds(30);  // Post gives up waiting for room after this
+};
+
+// One fabric + domain (+ the completion queue that drives a manual-progress provider's receiving side). Shared by
+// the transport, its regions and endpoints: closed after the last of them.
+class Domain {
+ public:
+  ~Domain();
+  // Opens the fabric and domain of `info` (owned from now on).
+  static absl::StatusOr<std::shared_ptr<Domain>> Open(fi_info* info, const Config& cfg);
+
+  fi_info* info() const { return info_; }
+  fid_domain* domain() const { return domain_; }
+  fid_cq* progress_cq() const { return progress_cq_; }
+  const Config& config() const { return cfg_; }
+  // The mr_mode bits this backend honours: the provider's plus the forced ones.
+  uint64_t mr_mode() const { return mr_mode_; }
+  bool local_mr() const { return (mr_mode_ & FI_MR_LOCAL) != 0; }
+  bool virt_addr() const { return (mr_mode_ & FI_MR_VIRT_ADDR) != 0; }
+  bool prov_key() const { return (mr_mode_ & FI_MR_PROV_KEY) != 0; }
+  bool endpoint_mr() const { return (mr_mode_ & FI_MR_ENDPOINT) != 0; }
+  bool delivery_complete() const { return delivery_complete_; }
+  uint64_t max_msg_size() const { return max_msg_; }
+  uint32_t tx_depth() const { return tx_depth_; }
+  std::string provider() const;
+  std::string fabric_name() const;
+  // Held while an endpoint is bound to or closed from the progress queue: the provider (tcp;ofi_rxm) does not
+  // tolerate an endpoint going away while another thread progresses it through that queue.
+  std::unique_lock<std::mutex> PauseProgress() { return std::unique_lock<std::mutex>(progress_mu_); }
+
+  // Registers [addr, addr+len) with `access`. With app keys the key is `key` (0: a fresh random one; a key in use
+  // is retried with another), with provider keys it is the provider's (a forced prov_key still asks for a fresh
+  // random key, never a remembered one). `ep` (FI_MR_ENDPOINT): the endpoint the MR is bound to before it is enabled.
+  absl::StatusOr<MrPtr> RegisterMr(void* addr, uint64_t len, uint64_t access, uint64_t key, fid_ep* ep,
+                                   const char* what);
+
+ private:
+  Domain() = default;
+  void ProgressLoop();
+
+  fi_info* info_ = nullptr;
+  fid_fabric* fabric_ = nullptr;
+  fid_domain* domain_ = nullptr;
+  fid_cq* progress_cq_ = nullptr;
+  std::mutex progress_mu_;  // held by the progress thread around each read of progress_cq_
+  std::thread progress_;
+  std::atomic<bool> stop_{false};
+  Config cfg_;
+  uint64_t mr_mode_ = 0;
+  bool delivery_complete_ = false;
+  uint64_t max_msg_ = 0;
+  uint32_t tx_depth_ = 0;
+};
+
+// Who a transport instance is, as peers see it in connection info and descriptors.
+struct Identity {
+  uint64_t transport_id = 0;
+  std::string owner;  // "host/pid N/tXXXX [provider]"
+};
+
+// The receiving side's remote-write MRs (the write window and the grants, see fabric_transport.h). Shared by the
+// transport, its regions and granted endpoints. Thread-safe; an MR is registered or closed only under mu_.
+class Gate {
+ public:
+  explicit Gate(std::shared_ptr<Domain> dom) : dom_(std::move(dom)) {}
+
+  // One remote-writable MR: registered while `wanted` holds, under the same key when the transport chose it.
+  struct Entry {
+    void* addr = nullptr;
+    uint64_t len = 0;
+    uint64_t key = 0;      // 0 until first registered
+    fid_ep* ep = nullptr;  // FI_MR_ENDPOINT: the granted endpoint it is bound to
+    MrPtr mr;
+  };
+  // A region's own remote MR (its descriptor's key).
+  struct Plain {
+    Entry e;
+  };
+  // A write grant: one MR per granted region, for one endpoint.
+  struct Grant {
+    Transport::WriteGrant info;
+    std::vector<uint64_t> region_ids;
+    std::vector<Entry> entries;
+    bool live = true;
+  };
+
+  // Adds a region's own remote MR (registered now when the state allows) and returns it; the region removes it.
+  absl::StatusOr<std::shared_ptr<Plain>> AddPlain(void* addr, uint64_t len);
+  void RemovePlain(const std::shared_ptr<Plain>& p);
+  absl::StatusOr<std::shared_ptr<Grant>> AddGrant(Transport::WriteGrant info, std::vector<uint64_t> ids,
+                                                  std::vector<std::pair<void*, uint64_t>> ranges, fid_ep* ep);
+  void RemoveGrant(const std::shared_ptr<Grant>& g);
+  // The keys a granted endpoint's LocalInfo carries.
+  std::vector<GrantedRegion> GrantKeys(const Grant& g) const;
+  uint64_t PlainKey(const Plain& p) const;
+
+  absl::Status SetWindow(bool open);
+  absl::Status RequireGrants(bool require);
+  // Revokes every grant for which `keep` is false (closes its MRs for good).
+  void Revoke(const std::function<bool(const Transport::WriteGrant&)>& keep);
+
+ private:
+  bool PlainWantedLocked() const { return !require_grants_ && (open_ || !enforced_); }
+  bool GrantWantedLocked(const Grant& g) const { return g.live && (open_ || !enforced_); }
+  absl::Status SyncLocked(Entry& e, bool wanted, const char* what);
+  absl::Status ApplyLocked();
+
+  std::shared_ptr<Domain> dom_;
+  mutable std::mutex mu_;
+  bool enforced_ = false;
+  bool open_ = true;
+  bool require_grants_ = false;
+  std::vector<std::shared_ptr<Plain>> plain_;
+  std::vector<std::shared_ptr<Grant>> grants_;
+};
+
+class FabricLocalRegion final : public LocalRegion {
+ public:
+  FabricLocalRegion(std::shared_ptr<Domain> dom, std::shared_ptr<Gate> gate, Identity id, uint64_t region_id,
+                    void* addr, uint64_t len, MrPtr local, std::shared_ptr<Gate::Plain> plain)
+      : dom_(std::move(dom)),
+        gate_(std::move(gate)),
+        id_(std::move(id)),
+        region_id_(region_id),
+        addr_(addr),
+        len_(len),
+        local_(std::move(local)),
+        plain_(std::move(plain)) {}
+  ~FabricLocalRegion() override {
+    if (plain_ != nullptr) gate_->RemovePlain(plain_);
+  }
+
+  void* addr() const override { return addr_; }
+  uint64_t length() const override { return len_; }
+  std::string Descriptor() const override;
+
+  uint64_t transport_id() const { return id_.transport_id; }
+  uint64_t region_id() const { return region_id_; }
+  bool remote_write() const { return plain_ != nullptr; }
+  // The local MR's descriptor for FI_MR_LOCAL (null when there is none: a zero-length region).
+  void* desc() const { return local_ ? fi_mr_desc(local_.get()) : nullptr; }
+  // The address remote writes into this region start from (the descriptor's addr_base).
+  uint64_t addr_base() const { return dom_->virt_addr() ? reinterpret_cast<uintptr_t>(addr_) : 0; }
+
+ private:
+  std::shared_ptr<Domain> dom_;  // first: released after the MRs below
+  std::shared_ptr<Gate> gate_;
+  Identity id_;
+  uint64_t region_id_;
+  void* addr_;
+  uint64_t len_;
+  MrPtr local_;
+  std::shared_ptr<Gate::Plain> plain_;  // null for a source's memory
+};
+
+class FabricRemoteRegion final : public RemoteRegion {
+ public:
+  explicit FabricRemoteRegion(RegionDesc desc) : desc_(std::move(desc)) {}
+  uint64_t length() const override { return desc_.length; }
+  const RegionDesc& desc() const { return desc_; }
+
+ private:
+  RegionDesc desc_;
+};
+
+// Creates an endpoint (defined in fabric_endpoint.cc). With `grant`, it registers the granted regions' MRs (bound to
+// it under FI_MR_ENDPOINT) and its LocalInfo carries their keys; the grant is removed from `gate` with the endpoint.
+struct GrantRequest {
+  Transport::WriteGrant info;
+  std::vector<const FabricLocalRegion*> regions;
+};
+absl::StatusOr<std::unique_ptr<Endpoint>> NewFabricEndpoint(std::shared_ptr<Domain> dom, std::shared_ptr<Gate> gate,
+                                                            const Identity& id, const GrantRequest* grant);
+
+}  // namespace wsync::transport::fabric

@@ -1,0 +1,590 @@
+#include "transport/fabric/fabric_transport.h"
+
+#include <rdma/fi_cm.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <set>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "base/status.h"
+#include "spdlog/spdlog.h"
+#include "transport/fabric/fabric_internal.h"
+
+namespace wsync::transport::fabric {
+
+void CloseFid(fid* f, const char* what) {
+  if (f == nullptr) return;
+  if (int rc = fi_close(f); rc != 0) spdlog::warn("fabric: closing a {} failed: {}", what, FiError(rc));
+}
+
+namespace {
+
+// Every bit this backend knows how to honour; the provider answers with those it requires.
+constexpr uint64_t kSupportedMrMode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+constexpr uint64_t kRmaCaps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
+
+uint64_t RandomKey(size_t key_size) {
+  static thread_local std::mt19937_64 rng(std::random_device{}() ^ (static_cast<uint64_t>(getpid()) << 32));
+  uint64_t k = rng();
+  if (key_size > 0 && key_size < 8) k &= (uint64_t{1} << (8 * key_size)) - 1;
+  return k == 0 ? 1 : k;  // 0 means "none yet" in this backend
+}
+
+std::string MrModeString(uint64_t m) {
+  std::vector<std::string> bits;
+  if (m & FI_MR_LOCAL) bits.push_back("FI_MR_LOCAL");
+  if (m & FI_MR_VIRT_ADDR) bits.push_back("FI_MR_VIRT_ADDR");
+  if (m & FI_MR_ALLOCATED) bits.push_back("FI_MR_ALLOCATED");
+  if (m & FI_MR_PROV_KEY) bits.push_back("FI_MR_PROV_KEY");
+  if (m & FI_MR_ENDPOINT) bits.push_back("FI_MR_ENDPOINT");
+  if (m & FI_MR_HMEM) bits.push_back("FI_MR_HMEM");
+  return bits.empty() ? "none (offset addressing, keys chosen by the application)" : absl::StrJoin(bits, "|");
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> ParseForcedMrMode(const std::string& list) {
+  uint64_t bits = 0;
+  for (absl::string_view part : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
+    if (part == "local") {
+      bits |= FI_MR_LOCAL;
+    } else if (part == "prov_key") {
+      bits |= FI_MR_PROV_KEY;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("fabric: unknown mr_mode bit \"", part, "\" to force (known: local, prov_key)"));
+    }
+  }
+  return bits;
+}
+
+// ---- Domain ----
+
+Domain::~Domain() {
+  stop_.store(true);
+  if (progress_.joinable()) progress_.join();
+  if (progress_cq_ != nullptr) CloseFid(&progress_cq_->fid, "completion queue");
+  if (domain_ != nullptr) CloseFid(&domain_->fid, "domain");
+  if (fabric_ != nullptr) CloseFid(&fabric_->fid, "fabric");
+  if (info_ != nullptr) Fi().freeinfo(info_);
+}
+
+std::string Domain::provider() const { return info_->fabric_attr->prov_name; }
+std::string Domain::fabric_name() const { return info_->fabric_attr->name != nullptr ? info_->fabric_attr->name : ""; }
+
+absl::StatusOr<std::shared_ptr<Domain>> Domain::Open(fi_info* info, const Config& cfg) {
+  std::shared_ptr<Domain> d(new Domain());
+  d->info_ = info;
+  d->cfg_ = cfg;
+  d->mr_mode_ = (info->domain_attr->mr_mode & kSupportedMrMode) | cfg.forced_mr_mode;
+  d->delivery_complete_ = (info->tx_attr->op_flags & FI_DELIVERY_COMPLETE) != 0;
+  d->max_msg_ = info->ep_attr->max_msg_size == 0 ? (uint64_t{1} << 30) : info->ep_attr->max_msg_size;
+  d->tx_depth_ = static_cast<uint32_t>(std::max<uint64_t>(
+      1, std::min<uint64_t>(cfg.tx_depth, info->tx_attr->size == 0 ? cfg.tx_depth : info->tx_attr->size)));
+  const std::string prov = d->provider();
+  if (int rc = Fi().fabric(info->fabric_attr, &d->fabric_, nullptr); rc != 0)
+    return absl::UnavailableError(absl::StrCat("fabric: fi_fabric (", prov, "): ", FiError(rc)));
+  if (int rc = fi_domain(d->fabric_, info, &d->domain_, nullptr); rc != 0)
+    return absl::UnavailableError(
+        absl::StrCat("fabric: fi_domain (", prov, " ", info->domain_attr->name, "): ", FiError(rc)));
+  // Every endpoint binds its receive side to this queue. Nothing is ever posted to receive, so it holds no entries;
+  // reading it is what progresses incoming writes on a provider that needs the receiver's CPU (FI_PROGRESS_MANUAL).
+  // Polled, not waited on (fi_cq_sread): libfabric 1.17's tcp;ofi_rxm crashes in a wait on a queue whose endpoint
+  // was closed, and efa offers no wait objects at all.
+  fi_cq_attr ca{};
+  ca.format = FI_CQ_FORMAT_CONTEXT;
+  ca.size = 64;
+  ca.wait_obj = FI_WAIT_NONE;
+  if (int rc = fi_cq_open(d->domain_, &ca, &d->progress_cq_, nullptr); rc != 0)
+    return absl::UnavailableError(absl::StrCat("fabric: fi_cq_open (", prov, "): ", FiError(rc)));
+  if (info->domain_attr->data_progress == FI_PROGRESS_MANUAL) {
+    Domain* raw = d.get();
+    d->progress_ = std::thread([raw] { raw->ProgressLoop(); });
+  }
+  return d;
+}
+
+void Domain::ProgressLoop() {
+  fi_cq_entry e[8];
+  while (!stop_.load(std::memory_order_relaxed)) {
+    ssize_t n;
+    {
+      std::lock_guard<std::mutex> l(progress_mu_);
+      n = fi_cq_read(progress_cq_, e, 8);
+      if (n == -FI_EAVAIL) {
+        fi_cq_err_entry err{};
+        if (fi_cq_readerr(progress_cq_, &err, 0) > 0)
+          spdlog::warn("fabric: receive-side completion error: {}", FiError(err.err));
+      }
+    }
+    if (n == -FI_EAGAIN) {
+      // Incoming writes leave no entry to tell activity by: poll often enough for them without spinning a core.
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+absl::StatusOr<MrPtr> Domain::RegisterMr(void* addr, uint64_t len, uint64_t access, uint64_t key, fid_ep* ep,
+                                         const char* what) {
+  const size_t key_size = info_->domain_attr->mr_key_size;
+  const bool provider_keys = (info_->domain_attr->mr_mode & FI_MR_PROV_KEY) != 0;
+  for (int attempt = 0;; ++attempt) {
+    // The provider ignores the requested key when it picks keys; a forced prov_key asks for a fresh one every time.
+    uint64_t want = provider_keys ? 0 : (key != 0 && !prov_key() ? key : RandomKey(key_size));
+    fid_mr* mr = nullptr;
+    int rc = fi_mr_reg(domain_, addr, len, access, 0, want, 0, &mr, nullptr);
+    if (rc == -FI_ENOKEY && !provider_keys && (key == 0 || prov_key()) && attempt < 8) continue;  // key taken
+    if (rc != 0) {
+      return absl::ResourceExhaustedError(absl::StrCat("fabric: fi_mr_reg of ", len, " bytes at ", absl::Hex(addr),
+                                                       " (", what, ") on ", provider(), ": ", FiError(rc),
+                                                       rc == -FI_ENOMEM ? " (check ulimit -l)" : ""));
+    }
+    MrPtr out(mr);
+    if (endpoint_mr() && ep != nullptr) {
+      if (int b = fi_mr_bind(mr, &ep->fid, 0); b != 0)
+        return absl::UnavailableError(absl::StrCat("fabric: fi_mr_bind (", what, "): ", FiError(b)));
+      if (int en = fi_mr_enable(mr); en != 0)
+        return absl::UnavailableError(absl::StrCat("fabric: fi_mr_enable (", what, "): ", FiError(en)));
+    }
+    return out;
+  }
+}
+
+// ---- Gate ----
+
+absl::Status Gate::SyncLocked(Entry& e, bool wanted, const char* what) {
+  // Under FI_MR_ENDPOINT an MR must be bound to an endpoint: a region's own remote MR has none to bind to.
+  if (dom_->endpoint_mr() && e.ep == nullptr) wanted = false;
+  if (!wanted) {
+    e.mr.reset();
+    return absl::OkStatus();
+  }
+  if (e.mr != nullptr) return absl::OkStatus();
+  WSYNC_ASSIGN_OR_RETURN(e.mr, dom_->RegisterMr(e.addr, e.len, FI_REMOTE_WRITE, e.key, e.ep, what));
+  const uint64_t key = fi_mr_key(e.mr.get());
+  if (e.key != 0 && key != e.key)
+    spdlog::warn(
+        "fabric: {} registered again under a new key (the provider picks keys): peers holding the old key "
+        "are refused",
+        what);
+  e.key = key;
+  return absl::OkStatus();
+}
+
+absl::Status Gate::ApplyLocked() {
+  absl::Status first;
+  for (auto& p : plain_) {
+    absl::Status s = SyncLocked(p->e, PlainWantedLocked(), "a region's remote-write MR");
+    if (first.ok()) first = s;
+  }
+  for (auto& g : grants_) {
+    for (Entry& e : g->entries) {
+      absl::Status s = SyncLocked(e, GrantWantedLocked(*g), "a write grant's MR");
+      if (first.ok()) first = s;
+    }
+  }
+  return first;
+}
+
+absl::StatusOr<std::shared_ptr<Gate::Plain>> Gate::AddPlain(void* addr, uint64_t len) {
+  auto p = std::make_shared<Plain>();
+  p->e.addr = addr;
+  p->e.len = len;
+  if (!dom_->prov_key()) p->e.key = RandomKey(dom_->info()->domain_attr->mr_key_size);
+  std::lock_guard<std::mutex> l(mu_);
+  WSYNC_RETURN_IF_ERROR(SyncLocked(p->e, PlainWantedLocked(), "a region's remote-write MR"));
+  plain_.push_back(p);
+  return p;
+}
+
+void Gate::RemovePlain(const std::shared_ptr<Plain>& p) {
+  std::lock_guard<std::mutex> l(mu_);
+  plain_.erase(std::remove(plain_.begin(), plain_.end(), p), plain_.end());
+  p->e.mr.reset();
+}
+
+uint64_t Gate::PlainKey(const Plain& p) const {
+  std::lock_guard<std::mutex> l(mu_);
+  return p.e.key;
+}
+
+absl::StatusOr<std::shared_ptr<Gate::Grant>> Gate::AddGrant(Transport::WriteGrant info, std::vector<uint64_t> ids,
+                                                            std::vector<std::pair<void*, uint64_t>> ranges,
+                                                            fid_ep* ep) {
+  auto g = std::make_shared<Grant>();
+  g->info = std::move(info);
+  g->region_ids = std::move(ids);
+  for (const auto& [addr, len] : ranges) {
+    Entry e;
+    e.addr = addr;
+    e.len = len;
+    e.ep = ep;
+    if (!dom_->prov_key()) e.key = RandomKey(dom_->info()->domain_attr->mr_key_size);
+    g->entries.push_back(std::move(e));
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  for (Entry& e : g->entries) WSYNC_RETURN_IF_ERROR(SyncLocked(e, GrantWantedLocked(*g), "a write grant's MR"));
+  grants_.push_back(g);
+  return g;
+}
+
+void Gate::RemoveGrant(const std::shared_ptr<Grant>& g) {
+  std::lock_guard<std::mutex> l(mu_);
+  grants_.erase(std::remove(grants_.begin(), grants_.end(), g), grants_.end());
+  for (Entry& e : g->entries) e.mr.reset();
+}
+
+std::vector<GrantedRegion> Gate::GrantKeys(const Grant& g) const {
+  std::lock_guard<std::mutex> l(mu_);
+  std::vector<GrantedRegion> out;
+  for (size_t i = 0; i < g.entries.size(); ++i) out.push_back(GrantedRegion{g.region_ids[i], g.entries[i].key});
+  return out;
+}
+
+absl::Status Gate::SetWindow(bool open) {
+  std::lock_guard<std::mutex> l(mu_);
+  enforced_ = true;
+  open_ = open;
+  return ApplyLocked();
+}
+
+absl::Status Gate::RequireGrants(bool require) {
+  std::lock_guard<std::mutex> l(mu_);
+  require_grants_ = require;
+  return ApplyLocked();
+}
+
+void Gate::Revoke(const std::function<bool(const Transport::WriteGrant&)>& keep) {
+  std::lock_guard<std::mutex> l(mu_);
+  for (auto& g : grants_) {
+    if (!g->live || keep(g->info)) continue;
+    g->live = false;
+    spdlog::info("fabric: write grant for {} ({}) revoked", g->info.peer, g->info.scope);
+  }
+  absl::Status s = ApplyLocked();
+  if (!s.ok()) spdlog::error("fabric: revoking write grants: {}", std::string(s.message()));
+}
+
+// ---- Regions ----
+
+std::string FabricLocalRegion::Descriptor() const {
+  RegionDesc d;
+  d.transport_id = id_.transport_id;
+  d.owner = id_.owner;
+  d.provider = dom_->provider();
+  d.region_id = region_id_;
+  d.length = len_;
+  d.addr_base = addr_base();
+  // A source's memory gives its local MR's key, which has no remote access: a peer's write through it is refused by
+  // this side's provider, not merely by the writer's good manners.
+  d.key = plain_ != nullptr ? gate_->PlainKey(*plain_) : (local_ ? fi_mr_key(local_.get()) : 0);
+  return EncodeRegionDesc(d);
+}
+
+namespace {
+
+// Device memory registered through RegisterSink: the sink's page-locked host mirror, copied to the device when the
+// receiving side settles an update (no FI_MR_HMEM registration of device memory yet).
+class SinkRegion final : public LocalRegion {
+ public:
+  SinkRegion(std::shared_ptr<RegionSink> sink, std::unique_ptr<LocalRegion> region)
+      : sink_(std::move(sink)), region_(std::move(region)) {}
+  void* addr() const override { return region_->addr(); }
+  uint64_t length() const override { return region_->length(); }
+  std::string Descriptor() const override { return region_->Descriptor(); }
+  absl::Status Settle() override { return sink_->CopyMirror(); }
+  std::string DevicePath() const override { return "staging (fabric host mirror)"; }
+  const LocalRegion& registered() const { return *region_; }
+
+ private:
+  std::shared_ptr<RegionSink> sink_;
+  std::unique_ptr<LocalRegion> region_;
+};
+
+template <typename T>
+absl::Status FromEnv(const char* name, T current, T* out) {
+  if (current > 0) {
+    *out = current;
+    return absl::OkStatus();
+  }
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return absl::OkStatus();
+  uint64_t parsed = 0;
+  if (!absl::SimpleAtoi(v, &parsed) || parsed == 0)
+    return absl::InvalidArgumentError(absl::StrCat(name, "='", v, "' is not a positive integer"));
+  *out = static_cast<T>(parsed);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Config> ResolveConfig(const TransportOptions& opts, const FabricOptions& f) {
+  Config c;
+  c.io_timeout = opts.io_timeout;
+  WSYNC_RETURN_IF_ERROR(FromEnv<uint64_t>("WSYNC_FABRIC_MAX_PIECE", f.max_piece, &c.max_piece));
+  WSYNC_RETURN_IF_ERROR(FromEnv<uint32_t>("WSYNC_FABRIC_TX_DEPTH", f.tx_depth, &c.tx_depth));
+  std::string force = f.force_mr_mode;
+  if (force.empty()) {
+    const char* v = std::getenv("WSYNC_FABRIC_FORCE_MR_MODE");
+    if (v != nullptr) force = v;
+  }
+  WSYNC_ASSIGN_OR_RETURN(c.forced_mr_mode, ParseForcedMrMode(force));
+  c.tx_depth = std::min<uint32_t>(c.tx_depth, 1 << 16);
+  return c;
+}
+
+std::string HostName() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
+  return buf;
+}
+
+struct InfoDeleter {
+  void operator()(fi_info* i) const {
+    if (i != nullptr) Fi().freeinfo(i);
+  }
+};
+using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
+
+// fi_getinfo for RDM endpoints with RMA writes on `provider` (empty: any), optionally delivery-complete.
+int GetInfo(const std::string& provider, bool rma, bool delivery_complete, InfoPtr* out) {
+  InfoPtr hints(Fi().dupinfo(nullptr));
+  if (hints == nullptr) return -FI_ENOMEM;
+  hints->caps = rma ? kRmaCaps : 0;
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;
+  hints->domain_attr->mr_mode = kSupportedMrMode;
+  hints->domain_attr->threading = FI_THREAD_SAFE;
+  if (delivery_complete) hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+  if (!provider.empty()) hints->fabric_attr->prov_name = strdup(provider.c_str());  // freed by fi_freeinfo
+  fi_info* info = nullptr;
+  int rc = Fi().getinfo(FI_VERSION(1, 9), nullptr, nullptr, 0, hints.get(), &info);
+  out->reset(rc == 0 ? info : nullptr);
+  return rc;
+}
+
+// Why no usable provider was found: whether `provider` exists here at all, lacks RMA, and which providers exist.
+std::string DiagnoseProvider(const std::string& provider, int rc) {
+  std::set<std::string> present, with_rma;
+  InfoPtr all, rma;
+  if (GetInfo("", false, false, &all) == 0)
+    for (fi_info* i = all.get(); i != nullptr; i = i->next) present.insert(i->fabric_attr->prov_name);
+  if (GetInfo("", true, false, &rma) == 0)
+    for (fi_info* i = rma.get(); i != nullptr; i = i->next) with_rma.insert(i->fabric_attr->prov_name);
+  const std::string which =
+      provider.empty() ? std::string("no libfabric provider") : "no libfabric provider \"" + provider + "\"";
+  std::string why;
+  InfoPtr plain;
+  if (!provider.empty() && GetInfo(provider, false, false, &plain) == 0) {
+    why = absl::StrCat("libfabric provider \"", provider,
+                       "\" offers no RMA writes on reliable-datagram endpoints (FI_EP_RDM with FI_RMA)");
+  } else {
+    why = absl::StrCat(which, provider.empty() ? " with RMA writes on reliable-datagram endpoints" : "",
+                       " is available here (fi_getinfo: ", FiError(rc), ")");
+  }
+  return absl::StrCat(why, "; providers present: [", absl::StrJoin(present, ", "), "], with RMA: [",
+                      absl::StrJoin(with_rma, ", "), "]",
+                      provider == "efa" ? " (efa needs an EFA device: AWS only)" : "");
+}
+
+class FabricTransport final : public Transport {
+ public:
+  FabricTransport(std::shared_ptr<Domain> dom, std::string reason) : dom_(std::move(dom)), reason_(std::move(reason)) {
+    std::random_device rd;
+    id_.transport_id = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    id_.owner = absl::StrFormat("%s/pid %d/t%04x [%s]", HostName(), getpid(), id_.transport_id & 0xffff,
+                                dom_ ? dom_->provider() : std::string("fabric"));
+    if (dom_) gate_ = std::make_shared<Gate>(dom_);
+  }
+
+  std::string name() const override { return "fabric"; }
+  bool viable() const override { return dom_ != nullptr; }
+  std::string reason() const override { return reason_; }
+
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
+    return Register(addr, len, /*remote_write=*/true);
+  }
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSourceMemory(void* addr, uint64_t len) override {
+    return Register(addr, len, /*remote_write=*/false);
+  }
+
+  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSink(std::shared_ptr<RegionSink> sink) override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    if (sink == nullptr) return absl::InvalidArgumentError("fabric: RegisterSink of a null sink");
+    WSYNC_ASSIGN_OR_RETURN(uint8_t * mirror, sink->HostMirror());
+    WSYNC_ASSIGN_OR_RETURN(auto region, RegisterMemory(mirror, sink->length()));
+    spdlog::warn("fabric: {} is written through a host mirror and copied to the device when an update is committed",
+                 sink->Describe());
+    return std::unique_ptr<LocalRegion>(std::make_unique<SinkRegion>(std::move(sink), std::move(region)));
+  }
+
+  absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    WSYNC_ASSIGN_OR_RETURN(RegionDesc d, DecodeRegionDesc(descriptor));
+    if (d.provider != dom_->provider())
+      return absl::InvalidArgumentError(absl::StrCat("fabric: region of ", d.owner, " is registered with provider \"",
+                                                     d.provider, "\", this transport uses \"", dom_->provider(), "\""));
+    return std::unique_ptr<RemoteRegion>(std::make_unique<FabricRemoteRegion>(std::move(d)));
+  }
+
+  absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    return NewFabricEndpoint(dom_, gate_, id_, nullptr);
+  }
+
+  absl::StatusOr<std::unique_ptr<Endpoint>> CreateGrantedEndpoint(const WriteGrant& grant) override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    GrantRequest req;
+    req.info = grant;
+    for (const LocalRegion* region : grant.regions) {
+      const FabricLocalRegion* r = AsFabricRegion(region);
+      if (r == nullptr || r->transport_id() != id_.transport_id)
+        return absl::InvalidArgumentError(absl::StrCat("fabric: the write grant of ", grant.peer, " (", grant.scope,
+                                                       ") names a region of another transport"));
+      if (!r->remote_write())
+        return absl::InvalidArgumentError(absl::StrCat("fabric: the write grant of ", grant.peer, " (", grant.scope,
+                                                       ") names a source's memory, which peers may not write"));
+      req.regions.push_back(r);
+    }
+    absl::Time start = absl::Now();
+    WSYNC_ASSIGN_OR_RETURN(auto ep, NewFabricEndpoint(dom_, gate_, id_, &req));
+    spdlog::info("fabric: write grant minted for {} ({}, {} regions, own MR keys) in {:.3f} ms", grant.peer,
+                 grant.scope, grant.regions.size(), absl::ToDoubleMilliseconds(absl::Now() - start));
+    return ep;
+  }
+
+  void RevokeGrants(const std::function<bool(const WriteGrant&)>& keep) override {
+    if (viable()) gate_->Revoke(keep);
+  }
+
+  absl::Status RequireGrants(bool require) override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    return gate_->RequireGrants(require);
+  }
+
+  absl::Status SetWriteWindow(bool open) override {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    if (dom_->prov_key()) {
+      // Re-registering on open would hand out new keys, which connected peers never learn.
+      return absl::UnimplementedError(
+          absl::StrCat("the fabric transport does not enforce write windows on provider ", dom_->provider(),
+                       " (it picks memory keys, FI_MR_PROV_KEY; write grants and their revocation are enforced)"));
+    }
+    absl::Time start = absl::Now();
+    absl::Status st = gate_->SetWindow(open);
+    spdlog::info("fabric: write window {} in {:.3f} ms", open ? "opened" : "closed",
+                 absl::ToDoubleMilliseconds(absl::Now() - start));
+    return st;
+  }
+
+  FabricInfo Info() const {
+    FabricInfo i;
+    i.provider = dom_->provider();
+    i.fabric = dom_->fabric_name();
+    i.domain = dom_->info()->domain_attr->name != nullptr ? dom_->info()->domain_attr->name : "";
+    i.mr_mode = dom_->mr_mode();
+    i.delivery_complete = dom_->delivery_complete();
+    i.manual_progress = dom_->info()->domain_attr->data_progress == FI_PROGRESS_MANUAL;
+    i.app_keys = !dom_->prov_key();
+    i.max_msg_size = dom_->max_msg_size();
+    i.max_piece = std::min(dom_->max_msg_size(), dom_->config().max_piece);
+    i.tx_depth = dom_->tx_depth();
+    return i;
+  }
+
+ private:
+  absl::StatusOr<std::unique_ptr<LocalRegion>> Register(void* addr, uint64_t len, bool remote_write) {
+    WSYNC_RETURN_IF_ERROR(CheckViable());
+    // FI_MR_ALLOCATED (efa): only memory that exists may be registered; never a null range.
+    if (addr == nullptr && len > 0) return absl::InvalidArgumentError("fabric: RegisterMemory of a null address");
+    absl::Time start = absl::Now();
+    const uint64_t region_id = RandomKey(8);
+    MrPtr local;
+    // Under FI_MR_ENDPOINT the local MRs are registered per endpoint (bound to it) when it first writes from here.
+    if (len > 0 && !dom_->endpoint_mr()) {
+      WSYNC_ASSIGN_OR_RETURN(local, dom_->RegisterMr(addr, len, FI_WRITE, 0, nullptr, "local access"));
+    }
+    std::shared_ptr<Gate::Plain> plain;
+    if (remote_write && len > 0) {
+      WSYNC_ASSIGN_OR_RETURN(plain, gate_->AddPlain(addr, len));
+    }
+    const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+    spdlog::info("fabric: registered {} bytes at {} ({}) on {} in {:.3f} ms", len, addr,
+                 remote_write ? "remote write" : "source, no remote access", dom_->provider(), ms);
+    return std::unique_ptr<LocalRegion>(std::make_unique<FabricLocalRegion>(dom_, gate_, id_, region_id, addr, len,
+                                                                            std::move(local), std::move(plain)));
+  }
+
+  static const FabricLocalRegion* AsFabricRegion(const LocalRegion* region) {
+    if (const auto* r = dynamic_cast<const FabricLocalRegion*>(region)) return r;
+    if (const auto* s = dynamic_cast<const SinkRegion*>(region))
+      return dynamic_cast<const FabricLocalRegion*>(&s->registered());
+    return nullptr;
+  }
+
+  absl::Status CheckViable() const {
+    if (viable()) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat("fabric transport not viable: ", reason_));
+  }
+
+  std::shared_ptr<Domain> dom_;
+  std::string reason_;
+  Identity id_;
+  std::shared_ptr<Gate> gate_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateFabricTransport(const TransportOptions& opts,
+                                                                 const FabricOptions& fabric_opts) {
+  WSYNC_ASSIGN_OR_RETURN(Config cfg, ResolveConfig(opts, fabric_opts));
+  auto not_viable = [](std::string why) {
+    spdlog::info("fabric: transport not viable: {}", why);
+    return std::unique_ptr<Transport>(std::make_unique<FabricTransport>(nullptr, std::move(why)));
+  };
+  absl::StatusOr<const FiApi*> api = LoadFabric();
+  if (!api.ok()) return not_viable(std::string(api.status().message()));
+  const std::string& provider = opts.fabric_provider;
+  InfoPtr info;
+  int rc = GetInfo(provider, true, true, &info);
+  if (rc != 0) rc = GetInfo(provider, true, false, &info);  // no delivery-complete: transmit-complete is all there is
+  if (rc != 0 || info == nullptr) return not_viable(DiagnoseProvider(provider, rc));
+  // The first answer is libfabric's preference; keep it alone.
+  fi_info* chosen = Fi().dupinfo(info.get());
+  if (chosen == nullptr) return absl::ResourceExhaustedError("fabric: fi_dupinfo failed");
+  auto dom = Domain::Open(chosen, cfg);
+  if (!dom.ok()) return not_viable(std::string(dom.status().message()));
+  const Domain& d = **dom;
+  spdlog::info(
+      "fabric: provider {} fabric {} domain {}: mr_mode {}{}, max_msg_size {}, tx depth {}, {} progress{}",
+      d.provider(), d.fabric_name(), chosen->domain_attr->name, MrModeString(d.mr_mode()),
+      cfg.forced_mr_mode ? absl::StrCat(" (forced: ", MrModeString(cfg.forced_mr_mode), ")") : "", d.max_msg_size(),
+      d.tx_depth(),
+      chosen->domain_attr->data_progress == FI_PROGRESS_MANUAL ? "manual (one thread drives receives)" : "automatic",
+      d.delivery_complete() ? ", delivery-complete writes" : ", transmit-complete writes only");
+  return std::unique_ptr<Transport>(std::make_unique<FabricTransport>(*std::move(dom), ""));
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateFabricTransport(const TransportOptions& opts) {
+  return CreateFabricTransport(opts, FabricOptions{});
+}
+
+std::optional<FabricInfo> GetFabricInfo(const Transport& transport) {
+  const auto* t = dynamic_cast<const FabricTransport*>(&transport);
+  if (t == nullptr || !t->viable()) return std::nullopt;
+  return t->Info();
+}
+
+}  // namespace wsync::transport::fabric

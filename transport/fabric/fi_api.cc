@@ -1,0 +1,85 @@
+#include "transport/fabric/fi_api.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "absl/base/call_once.h"
+#include "absl/strings/str_cat.h"
+
+namespace wsync::transport::fabric {
+namespace {
+
+absl::once_flag g_once;
+FiApi g_api;
+absl::Status g_status;
+
+template <typename Fn>
+void Resolve(void* lib, const char* name, Fn& slot, std::string& missing) {
+  dlerror();
+  void* sym = dlsym(lib, name);
+  if (sym == nullptr) {
+    if (missing.empty()) missing = name;
+    return;
+  }
+  slot = reinterpret_cast<Fn>(sym);
+}
+
+void LoadOnce() {
+  const char* lib_name = FabricLibraryName();
+  void* lib = dlopen(lib_name, RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* err = dlerror();
+    g_status = absl::FailedPreconditionError(absl::StrCat("cannot load ", lib_name, " (", err ? err : "unknown error",
+                                                          "): install libfabric1 to use the fabric transport"));
+    return;
+  }
+  FiApi api;
+  std::string missing;
+  Resolve(lib, "fi_getinfo", api.getinfo, missing);
+  Resolve(lib, "fi_freeinfo", api.freeinfo, missing);
+  Resolve(lib, "fi_dupinfo", api.dupinfo, missing);
+  Resolve(lib, "fi_fabric", api.fabric, missing);
+  Resolve(lib, "fi_strerror", api.strerror, missing);
+  Resolve(lib, "fi_version", api.version, missing);
+  if (!missing.empty()) {
+    g_status = absl::FailedPreconditionError(
+        absl::StrCat(lib_name, " lacks the symbol ", missing, ": not a libfabric the fabric transport can use"));
+    dlclose(lib);
+    return;
+  }
+  // The API version this backend is written against (1.9: mr_mode bits, FI_CONTEXT2) must be provided.
+  if (api.version() < FI_VERSION(1, 9)) {
+    g_status = absl::FailedPreconditionError(absl::StrCat(lib_name, " implements libfabric API ",
+                                                          FI_MAJOR(api.version()), ".", FI_MINOR(api.version()),
+                                                          "; the fabric transport needs 1.9 or newer"));
+    dlclose(lib);
+    return;
+  }
+  g_api = api;  // the library stays loaded for the life of the process
+}
+
+}  // namespace
+
+const char* FabricLibraryName() {
+  const char* env = std::getenv("WSYNC_FABRIC_LIB");
+  return env != nullptr && *env != '\0' ? env : "libfabric.so.1";
+}
+
+absl::StatusOr<const FiApi*> LoadFabric() {
+  absl::call_once(g_once, LoadOnce);
+  if (!g_status.ok()) return g_status;
+  return &g_api;
+}
+
+const FiApi& Fi() { return g_api; }
+
+std::string FiError(long rc) {
+  const int e = static_cast<int>(rc < 0 ? -rc : rc);
+  if (g_api.strerror != nullptr) return absl::StrCat(g_api.strerror(e), " (", e, ")");
+  return absl::StrCat(std::strerror(e), " (", e, ")");
+}
+
+}  // namespace wsync::transport::fabric
