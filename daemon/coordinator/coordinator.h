@@ -281,8 +281,8 @@ class Coordinator {
   // Targets in `skip` (unreachable ones) are not asked: a call to them would hold the caller for its whole deadline.
   // Opening counts as a call of the beginning update (InFlight): an abort cancels it.
   absl::Status SetWindows(bool open, int64_t version, const std::set<std::string>& skip = {});
-  // Saves the state to the store, if any (a failed save is logged, the coordinator goes on). Requires mu_.
-  void Persist();
+  // Saves the state to the store, if any (a failed save is logged and returned; most callers go on). Requires mu_.
+  absl::Status Persist();
   // Records the coordinator's view of engine `addr` after a call of `phase` (on_success "" = unchanged); returns st.
   absl::Status Track(const std::string& addr, const std::string& on_success, const std::string& phase,
                      absl::Status st);
@@ -333,6 +333,7 @@ class Coordinator {
   std::deque<v1::UpdateRecord> history_;
   Metrics metrics_;
   std::unique_ptr<StateStore> store_;
+  int64_t persisted_nodes_epoch_ = -1;  // membership epoch whose nodes store_ was last given (nodes_ change with it)
 };
 
 }  // namespace wsync::daemon
