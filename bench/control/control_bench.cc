@@ -445,13 +445,14 @@ class Bench {
 };
 
 std::string Svg(const std::vector<Result>& rs) {
-  // Two series against target ranks on log2 x: control overhead and re-plan time (ms, linear y).
+  // Two series against target ranks, both axes logarithmic: the overhead (tens of ms) and the re-plan (seconds).
   const double w = 640, h = 400, l = 70, r = 20, t = 40, b = 60;
-  double ymax = 1;
+  double ymax = 10;
   for (const auto& x : rs) ymax = std::max({ymax, x.overhead_ms, x.replan_ms});
+  const double lo = 0, hi = std::ceil(std::log10(ymax));  // decades from 1 ms
   const double xmin = std::log2(rs.front().size.target_ranks), xmax = std::log2(rs.back().size.target_ranks);
   auto X = [&](int n) { return l + (xmax > xmin ? (std::log2(n) - xmin) / (xmax - xmin) : 0.5) * (w - l - r); };
-  auto Y = [&](double v) { return h - b - v / ymax * (h - t - b); };
+  auto Y = [&](double v) { return h - b - (std::log10(std::max(v, 1.0)) - lo) / (hi - lo) * (h - t - b); };
   std::string s =
       absl::StrCat("<svg xmlns='http://www.w3.org/2000/svg' width='", w, "' height='", h,
                    "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' "
@@ -459,11 +460,9 @@ std::string Svg(const std::vector<Result>& rs) {
                    l, "' y='20' font-size='14'>wsync control plane: ms per update vs engine ranks</text>\n");
   absl::StrAppend(&s, "<line x1='", l, "' y1='", h - b, "' x2='", w - r, "' y2='", h - b, "' stroke='black'/>\n");
   absl::StrAppend(&s, "<line x1='", l, "' y1='", t, "' x2='", l, "' y2='", h - b, "' stroke='black'/>\n");
-  for (int i = 0; i <= 4; ++i) {
-    const double v = ymax * i / 4;
-    absl::StrAppend(&s, "<text x='", l - 8, "' y='", Y(v) + 4, "' text-anchor='end'>", absl::StrFormat("%.0f", v),
-                    "</text>\n");
-  }
+  for (double d = lo; d <= hi; ++d)
+    absl::StrAppend(&s, "<text x='", l - 8, "' y='", Y(std::pow(10, d)) + 4, "' text-anchor='end'>",
+                    absl::StrFormat("%.0f ms", std::pow(10, d)), "</text>\n");
   for (const auto& x : rs)
     absl::StrAppend(&s, "<text x='", X(x.size.target_ranks), "' y='", h - b + 18, "' text-anchor='middle'>",
                     x.size.target_ranks, " (", x.size.sources, " src)</text>\n");
