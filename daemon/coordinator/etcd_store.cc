@@ -197,8 +197,8 @@ absl::Status EtcdStateStore::Txn(const std::vector<std::string>& ops, int64_t le
               {"result", "EQUAL"},
               {"create_revision", std::to_string(leader_revision)}};
   // The ops are JSON already: joined by hand rather than parsed again.
-  std::string body = absl::StrCat(R"({"compare":[)", cmp.dump(), R"(],"success":[)", absl::StrJoin(ops, ","),
-                                  R"(],"failure":[]})");
+  std::string body =
+      absl::StrCat(R"({"compare":[)", cmp.dump(), R"(],"success":[)", absl::StrJoin(ops, ","), R"(],"failure":[]})");
   {
     std::lock_guard<std::mutex> l(stats_mu_);
     ++stats_.requests;
