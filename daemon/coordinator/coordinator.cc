@@ -721,12 +721,26 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
                                                ? "no engine has registered"
                                                : "no engine to update: every registered engine is drained");
     WSYNC_ASSIGN_OR_RETURN(staging_engines, StagingEngines(engines, staged));
+    const std::string prev_state = state_;
+    const int64_t prev_last_begun = last_begun_;
+    const v1::UpdateRecord prev_record = open_record_;
     state_ = "beginning";
     SetLogUpdateVersion(v);
     open_version_ = v;
     last_begun_ = v;
     open_record_ = rec;
-    Persist();
+    if (absl::Status saved = SaveState(); !saved.ok()) {
+      // Nothing was asked of an engine yet: fail now rather than run an update a successor would not know of.
+      state_ = prev_state;
+      open_version_ = -1;
+      last_begun_ = prev_last_begun;
+      open_record_ = prev_record;
+      SetLogUpdateVersion(-1);
+      Persist();
+      ended_cv_.notify_all();
+      return absl::UnavailableError(absl::StrCat("update ", v, " not begun: the state store could not record it (",
+                                                 saved.message(), "); nothing was paused"));
+    }
     need_plan = plan_epoch_ != membership_epoch_;
     // A source without a recorded configuration (a configure failed, or its heartbeat reported that it does not
     // hold the planned one) is configured again even when the plan is unchanged.
@@ -1289,10 +1303,13 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
   return st;
 }
 
-void Coordinator::Persist() {
-  if (!store_) return;
+absl::Status Coordinator::SaveState() {
+  if (!store_) return absl::OkStatus();
   v1::CoordinatorState s;
-  for (const auto& [id, n] : nodes_) *s.add_nodes() = n;
+  // The nodes (their parameter tables are most of the state) change only with the membership epoch.
+  const bool nodes_changed = persisted_nodes_epoch_ != membership_epoch_;
+  if (nodes_changed)
+    for (const auto& [id, n] : nodes_) *s.add_nodes() = n;
   s.set_membership_epoch(membership_epoch_);
   s.set_current_version(current_version_);
   s.set_last_begun(last_begun_);
@@ -1307,7 +1324,10 @@ void Coordinator::Persist() {
   for (const auto& [a, v] : engine_version_) (*s.mutable_engine_version())[a] = v;
   for (const auto& [a, why] : engine_stale_) (*s.mutable_engine_stale())[a] = why;
   s.set_switch_started(switch_started_);
-  if (auto st = store_->Save(s); !st.ok()) spdlog::error("{} (the coordinator goes on from memory)", st.ToString());
+  absl::Status st = store_->SaveChanges(s, nodes_changed);
+  persisted_nodes_epoch_ = membership_epoch_;  // the store keeps the nodes it was given, saved or not
+  if (!st.ok()) spdlog::error("{} (the coordinator goes on from memory)", st.ToString());
+  return st;
 }
 
 absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
@@ -1317,6 +1337,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
   {
     std::lock_guard<std::mutex> l(mu_);
     store_ = std::move(store);
+    persisted_nodes_epoch_ = -1;
     if (absl::IsNotFound(loaded.status())) {
       spdlog::info("state store {} is new", store_->path());
       Persist();

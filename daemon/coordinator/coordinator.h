@@ -314,8 +314,10 @@ class Coordinator {
   // Targets in `skip` (unreachable ones) are not asked: a call to them would hold the caller for its whole deadline.
   // Opening counts as a call of the beginning update (InFlight): an abort cancels it.
   absl::Status SetWindows(bool open, int64_t version, const std::set<std::string>& skip = {});
-  // Saves the state to the store, if any (a failed save is logged, the coordinator goes on). Requires mu_.
-  void Persist();
+  // Saves the state to the store, if any (a failed save is logged and returned; most callers go on). Requires mu_.
+  absl::Status SaveState();
+  // SaveState where the caller goes on whatever the store says (the failure is logged).
+  void Persist() { SaveState().IgnoreError(); }
   // Staged updates (docs/operations.md, "Staged updates").
   // The engines among `engines` that offer staging memory (their layout's staging_segment_shift); with `staged`,
   // FailedPrecondition naming the first that does not. Requires mu_.
@@ -394,6 +396,7 @@ class Coordinator {
   std::deque<v1::UpdateRecord> history_;
   Metrics metrics_;
   std::unique_ptr<StateStore> store_;
+  int64_t persisted_nodes_epoch_ = -1;  // membership epoch whose nodes store_ was last given (nodes_ change with it)
 };
 
 }  // namespace wsync::daemon

@@ -1,9 +1,12 @@
 #include "daemon/coordinator/etcd_store.h"
 
+#include <algorithm>
+
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/cli.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
 #include "spdlog/spdlog.h"
@@ -38,11 +41,13 @@ EtcdStateStore::EtcdStateStore(EtcdOptions opts)
     : opts_(std::move(opts)),
       where_(absl::StrCat("etcd://", absl::StrJoin(opts_.endpoints, ","), "/", opts_.prefix)),
       leader_key_(opts_.prefix + "/leader"),
-      state_key_(opts_.prefix + "/state") {}
+      objects_(where_, opts_.layout_part_bytes) {}
 
 absl::StatusOr<std::unique_ptr<EtcdStateStore>> EtcdStateStore::Open(EtcdOptions opts) {
   if (opts.endpoints.empty()) return absl::InvalidArgumentError("etcd state store: no endpoint");
   if (opts.prefix.empty()) return absl::InvalidArgumentError("etcd state store: empty key prefix");
+  if (opts.max_txn_ops < 3 || opts.max_txn_bytes < (64 << 10) || opts.layout_part_bytes < 1 || opts.range_page < 1)
+    return absl::InvalidArgumentError("etcd state store: max_txn_ops >= 3, max_txn_bytes >= 64 KiB, parts >= 1 B");
   if (opts.lease_ttl_seconds < 1)
     return absl::InvalidArgumentError(absl::StrCat("etcd lease TTL ", opts.lease_ttl_seconds, " s is below 1 s"));
   std::unique_ptr<EtcdStateStore> s(new EtcdStateStore(std::move(opts)));
@@ -119,49 +124,171 @@ absl::StatusOr<std::string> EtcdStateStore::Post(const std::string& path, const 
                                              absl::StrJoin(errors, "; "), ")"));
 }
 
-absl::StatusOr<v1::CoordinatorState> EtcdStateStore::Load() {
-  json req = {{"key", B64(state_key_)}};
-  auto body = Post("/v3/kv/range", req.dump());
-  if (!body.ok()) return body.status();
-  auto j = Parse(*body, "range");
-  if (!j.ok()) return j.status();
-  if (!j->contains("kvs") || (*j)["kvs"].empty())
-    return absl::NotFoundError(absl::StrCat("state store ", where_, " holds no state yet"));
-  const json& kv = (*j)["kvs"][0];
-  std::string bytes;
-  if (!kv.contains("value") || !absl::Base64Unescape(kv["value"].get<std::string>(), &bytes)) bytes.clear();
-  v1::CoordinatorState out;
-  if (!out.ParseFromString(bytes))
-    return absl::DataLossError(
-        absl::StrCat("state store ", where_, ": the saved state (", bytes.size(), " bytes) is corrupt"));
+absl::StatusOr<StateObjects> EtcdStateStore::ReadAll(int64_t revision, int64_t* root_revision) {
+  const std::string base = opts_.prefix + "/";
+  std::string range_end = base;
+  range_end.back() = static_cast<char>(range_end.back() + 1);  // '/' + 1: every key under the prefix
+  StateObjects out;
+  *root_revision = 0;
+  std::string from = base;
+  while (true) {
+    json req = {{"key", B64(from)}, {"range_end", B64(range_end)}, {"limit", std::to_string(opts_.range_page)}};
+    if (revision > 0) req["revision"] = std::to_string(revision);
+    auto body = Post("/v3/kv/range", req.dump());
+    if (!body.ok())
+      return absl::Status(body.status().code(),
+                          absl::StrCat("state store ", where_, ": reading the state: ", body.status().message()));
+    auto j = Parse(*body, "range");
+    if (!j.ok()) return j.status();
+    // The later pages read the revision of the first: one consistent view.
+    if (revision == 0) revision = Int((*j)["header"], "revision");
+    std::string last;
+    if (j->contains("kvs"))
+      for (const json& kv : (*j)["kvs"]) {
+        std::string k, v;
+        if (!absl::Base64Unescape(kv.value("key", std::string()), &k) ||
+            (kv.contains("value") && !absl::Base64Unescape(kv["value"].get<std::string>(), &v)))
+          return absl::DataLossError(absl::StrCat("state store ", where_, ": etcd answered an undecodable key"));
+        last = k;
+        std::string rel = k.substr(base.size());
+        if (!IsStateKey(rel)) continue;
+        if (rel == kRootKey) *root_revision = Int(kv, "mod_revision");
+        out[std::move(rel)] = std::move(v);
+      }
+    if (!j->value("more", false) || last.empty()) break;
+    from = last + std::string(1, '\0');
+  }
   return out;
 }
 
-absl::Status EtcdStateStore::Save(const v1::CoordinatorState& state) {
+absl::StatusOr<v1::CoordinatorState> EtcdStateStore::Load() {
+  std::lock_guard<std::mutex> l(save_mu_);
+  int64_t root_revision = 0;
+  auto all = ReadAll(0, &root_revision);
+  if (!all.ok()) return all.status();
+  objects_.SetStored(*all);  // what the next save diffs against: the latest keys, a broken save's included
+  StateObjects view = *std::move(all);
+  if (view.count(kSavingKey)) {
+    // A save of several txns is under way or died part way: the last whole save is the one that wrote the root.
+    if (root_revision == 0) {
+      // No whole save of objects yet: what there is besides them is a schema 1 value being migrated, or nothing.
+      StateObjects legacy;
+      if (auto it = view.find(kLegacyStateKey); it != view.end()) legacy.insert(*it);
+      view = std::move(legacy);
+    } else {
+      int64_t unused;
+      auto at = ReadAll(root_revision, &unused);
+      if (!at.ok())
+        return absl::Status(at.status().code(),
+                            absl::StrCat(at.status().message(), " (reading the last whole save, at revision ",
+                                         root_revision, ", because ", opts_.prefix, "/saving shows one under way)"));
+      view = *std::move(at);
+    }
+    spdlog::warn("state store {}: a save of several transactions did not finish; reading the last whole one{}", where_,
+                 root_revision ? absl::StrCat(" (revision ", root_revision, ")") : std::string(" (none)"));
+  }
+  if (view.count(kRootKey) || !view.count(kLegacyStateKey)) return JoinState(view, where_);
+  return ParseLegacyState(view.at(kLegacyStateKey), where_);
+}
+
+absl::Status EtcdStateStore::Txn(const std::vector<std::string>& ops, int64_t leader_revision) {
+  json cmp = {{"key", B64(leader_key_)},
+              {"target", "CREATE"},
+              {"result", "EQUAL"},
+              {"create_revision", std::to_string(leader_revision)}};
+  // The ops are JSON already: joined by hand rather than parsed again.
+  std::string body =
+      absl::StrCat(R"({"compare":[)", cmp.dump(), R"(],"success":[)", absl::StrJoin(ops, ","), R"(],"failure":[]})");
+  {
+    std::lock_guard<std::mutex> l(stats_mu_);
+    ++stats_.requests;
+    stats_.max_request_bytes = std::max<uint64_t>(stats_.max_request_bytes, body.size());
+    stats_.max_request_ops = std::max<int>(stats_.max_request_ops, static_cast<int>(ops.size()));
+  }
+  auto answer = Post("/v3/kv/txn", body);
+  if (!answer.ok())
+    return absl::Status(answer.status().code(),
+                        absl::StrCat("state store ", where_, ": saving the state: ", answer.status().message()));
+  auto j = Parse(*answer, "txn");
+  if (!j.ok()) return j.status();
+  if (j->value("succeeded", false)) return absl::OkStatus();
+  absl::Status fenced = absl::FailedPreconditionError(absl::StrCat(
+      "state store ", where_, ": write refused: ", leader_key_, " is no longer the key this coordinator created (",
+      "revision ", leader_revision, "); another coordinator leads now"));
+  Lost(fenced);
+  return fenced;
+}
+
+absl::Status EtcdStateStore::SaveChanges(const v1::CoordinatorState& state, bool nodes_changed) {
+  std::lock_guard<std::mutex> l(save_mu_);
+  if (absl::Status st = objects_.UseNodes(state, nodes_changed); !st.ok()) return st;
   int64_t rev;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::lock_guard<std::mutex> ml(mu_);
     rev = leader_revision_;
   }
   if (!leader_.load() || rev == 0)
     return absl::FailedPreconditionError(
         absl::StrCat("state store ", where_, ": this coordinator is not the leader; it may not write the state"));
-  json cmp = {
-      {"key", B64(leader_key_)}, {"target", "CREATE"}, {"result", "EQUAL"}, {"create_revision", std::to_string(rev)}};
-  json put = {{"request_put", {{"key", B64(state_key_)}, {"value", B64(state.SerializeAsString())}}}};
-  json req = {{"compare", json::array({cmp})}, {"success", json::array({put})}, {"failure", json::array()}};
-  auto body = Post("/v3/kv/txn", req.dump());
-  if (!body.ok())
-    return absl::Status(body.status().code(),
-                        absl::StrCat("state store ", where_, ": saving the state: ", body.status().message()));
-  auto j = Parse(*body, "txn");
-  if (!j.ok()) return j.status();
-  if (j->value("succeeded", false)) return absl::OkStatus();
-  absl::Status fenced = absl::FailedPreconditionError(absl::StrCat(
-      "state store ", where_, ": write refused: ", leader_key_, " is no longer the key this coordinator created (",
-      "revision ", rev, "); another coordinator leads now"));
-  Lost(fenced);
-  return fenced;
+  if (!objects_.stored_known()) {
+    int64_t unused;
+    auto all = ReadAll(0, &unused);
+    if (!all.ok()) return all.status();
+    objects_.SetStored(*all);
+  }
+  auto diff = objects_.Prepare(state, cli::VersionString("wsync-coordinator"));
+  if (!diff.ok()) return diff.status();
+  if (diff->empty()) return absl::OkStatus();
+  const bool had_marker = objects_.stored_has(kSavingKey);
+
+  // Ops in write order: layout parts, other objects, deletes, the root last (in the last txn).
+  std::vector<std::string> ops;
+  ops.reserve(diff->puts.size() + diff->deletes.size());
+  const std::string base = opts_.prefix + "/";
+  auto put = [&](const std::string& k, const std::string& v) {
+    return json{{"request_put", {{"key", B64(base + k)}, {"value", B64(v)}}}}.dump();
+  };
+  auto del = [&](const std::string& k) { return json{{"request_delete_range", {{"key", B64(base + k)}}}}.dump(); };
+  for (size_t i = 0; i + 1 < diff->puts.size(); ++i) ops.push_back(put(diff->puts[i].first, diff->puts[i].second));
+  for (const auto& k : diff->deletes) ops.push_back(del(k));
+  ops.push_back(put(diff->puts.back().first, diff->puts.back().second));  // the root
+
+  // Greedy packing; two ops of every txn are kept for the saving marker's put and delete.
+  std::vector<std::vector<std::string>> txns(1);
+  size_t bytes = 0;
+  constexpr size_t kOverhead = 512;  // compare, brackets, the marker's ops
+  for (auto& op : ops) {
+    if (!txns.back().empty() && (static_cast<int>(txns.back().size()) + 2 >= opts_.max_txn_ops ||
+                                 bytes + op.size() + 1 + kOverhead > opts_.max_txn_bytes)) {
+      txns.emplace_back();
+      bytes = 0;
+    }
+    bytes += op.size() + 1;
+    txns.back().push_back(std::move(op));
+  }
+  if (txns.size() > 1) {
+    txns.front().insert(txns.front().begin(), put(kSavingKey, std::to_string(diff->generation)));
+    txns.back().push_back(del(kSavingKey));
+  } else if (had_marker) {
+    txns.back().push_back(del(kSavingKey));
+  }
+  for (const auto& t : txns) {
+    if (absl::Status st = Txn(t, rev); !st.ok()) {
+      objects_.ForgetStored();  // some txns may have applied (or this one, unanswered): read before the next save
+      return st;
+    }
+  }
+  objects_.Written(*diff);
+  std::lock_guard<std::mutex> sl(stats_mu_);
+  ++stats_.saves;
+  stats_.bytes_written += diff->bytes;
+  stats_.last_save_bytes = diff->bytes;
+  return absl::OkStatus();
+}
+
+StateStoreStats EtcdStateStore::stats() const {
+  std::lock_guard<std::mutex> l(stats_mu_);
+  return stats_;
 }
 
 absl::StatusOr<bool> EtcdStateStore::TryAcquire() {

@@ -1,0 +1,636 @@
+// bench_control: the control plane at a thousand engine ranks, simulated. One process holds a real Coordinator (its
+// gRPC peers, its state store) and N fake node daemons and engines: one gRPC server with mutual TLS (certificates
+// from tools/cli/wsync-certs.sh) listening on one loopback port per fake, answering every NodeDaemon and
+// EngineControl call the coordinator makes at once. Targets register Kimi-K2's real parameter tables (TP32/EP32
+// engines, FP8 64x64 blocks, from the replica planner); every node renews its lease every heartbeat interval.
+//
+// Per size (target ranks : source nodes), measured per update with no data (sources finish at once):
+//   control overhead   BeginUpdate → CommitUpdate returned, median of --updates steady updates
+//   re-plan            BeginUpdate after a membership change (one target re-registers): plan + configure sources
+//   CPU                process CPU seconds per steady update (coordinator and fakes: one process; an upper bound)
+//   RSS                process resident memory growth over the size's run (the coordinator's state and the fakes)
+//   store bytes        bytes the state store wrote per steady update (SQLite; etcd with --etcd)
+//   fail-over          etcd: the leader dies without resigning (lease TTL 1 s), until the standby has loaded the
+//                      state and can serve (only at sizes up to --etcd-max-ranks)
+// Baseline in the same run: one empty EngineControl round trip over the same TLS channels (median of 200), so
+// overheads are also given as multiples of it. Prints a table, writes DIR/control_bench.svg (growth with N), and
+// ends with one JSON line.
+//
+//   bench_control [--sizes 64:32,256:64,1024:256] [--updates 5] [--etcd auto|on|off] [--out DIR]
+
+#include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "daemon/common/serve.h"
+#include "daemon/coordinator/coordinator.h"
+#include "daemon/coordinator/etcd_store.h"
+#include "daemon/coordinator/state_store.h"
+#include "nlohmann/json.hpp"
+#include "proto/tls.h"
+#include "replica/layout_plan.h"
+#include "replica/model_config.h"
+#include "spdlog/spdlog.h"
+#include "wsync/v1/daemon.grpc.pb.h"
+#include "wsync/v1/engine.grpc.pb.h"
+
+namespace wsync {
+namespace {
+
+namespace fs = std::filesystem;
+using daemon::Coordinator;
+
+// Every daemon call answered at once (sources "finish" with nothing written).
+class FakeDaemon final : public v1::NodeDaemon::Service {
+  grpc::Status ConfigureSource(grpc::ServerContext*, const v1::ConfigureSourceRequest*,
+                               v1::ConfigureSourceReply*) override {
+    return grpc::Status::OK;
+  }
+  grpc::Status StartUpdate(grpc::ServerContext*, const v1::StartUpdateRequest*, v1::StartUpdateReply*) override {
+    return grpc::Status::OK;
+  }
+  grpc::Status FinishUpdate(grpc::ServerContext*, const v1::FinishUpdateRequest*, v1::FinishUpdateReply*) override {
+    return grpc::Status::OK;
+  }
+  grpc::Status AbortSourceUpdate(grpc::ServerContext*, const v1::AbortSourceUpdateRequest*,
+                                 v1::AbortSourceUpdateReply* r) override {
+    r->set_quiescent(true);
+    return grpc::Status::OK;
+  }
+  grpc::Status SetWriteWindow(grpc::ServerContext*, const v1::SetWriteWindowRequest*,
+                              v1::SetWriteWindowReply*) override {
+    return grpc::Status::OK;
+  }
+};
+
+class FakeEngine final : public v1::EngineControl::Service {
+ public:
+  explicit FakeEngine(std::string config) : config_(std::move(config)) {}
+  grpc::Status GetInfo(grpc::ServerContext*, const v1::GetEngineInfoRequest*, v1::EngineInfo* r) override {
+    r->set_model_config_json(config_);
+    return grpc::Status::OK;
+  }
+  grpc::Status Pause(grpc::ServerContext*, const v1::PauseRequest*, v1::EngineReply* r) override { return Ok(r); }
+  grpc::Status PostProcess(grpc::ServerContext*, const v1::PostProcessRequest*, v1::EngineReply* r) override {
+    return Ok(r);
+  }
+  grpc::Status SetWeightVersion(grpc::ServerContext*, const v1::SetWeightVersionRequest*, v1::EngineReply* r) override {
+    return Ok(r);
+  }
+  grpc::Status Continue(grpc::ServerContext*, const v1::ContinueRequest*, v1::EngineReply* r) override { return Ok(r); }
+
+ private:
+  static grpc::Status Ok(v1::EngineReply* r) {
+    r->set_success(true);
+    return grpc::Status::OK;
+  }
+  const std::string config_;
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+double CpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
+double RssMiB() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  return 0;
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The 32 rank tables of a Kimi-K2 TP32/EP32 engine (FP8, 64x64 blocks) as the replica planner lays them out.
+std::vector<v1::RankLayout> KimiRanks(const replica::ModelConfig& cfg) {
+  replica::QuantSpec q;
+  q.mode = replica::QuantSpec::Mode::kFp8Block;
+  q.block_n = q.block_k = 64;
+  std::vector<v1::RankLayout> out;
+  for (int rank = 0; rank < 32; ++rank) {
+    const auto par = replica::RankParallelism::ForTp(32, rank, 32);
+    auto plan = replica::PlanLayout(cfg, par, q);
+    if (!plan.ok()) {
+      spdlog::critical("layout: {}", plan.status().ToString());
+      std::exit(1);
+    }
+    v1::RankLayout l;
+    l.set_rank(rank);
+    auto* p = l.mutable_parallelism();
+    p->set_tp_size(par.tp_size), p->set_tp_rank(par.tp_rank), p->set_ep_size(par.ep_size), p->set_ep_rank(par.ep_rank);
+    p->set_moe_tp_size(par.moe_tp_size), p->set_moe_tp_rank(par.moe_tp_rank);
+    p->set_attn_tp_size(par.attn_tp_size), p->set_attn_tp_rank(par.attn_tp_rank);
+    p->set_pp_size(1), p->set_attn_dp_size(1);
+    for (const auto& ep : plan->table.params()) {
+      auto* d = l.add_params();
+      d->set_name(ep.name);
+      d->set_dtype(std::string(DTypeName(ep.dtype)));
+      for (int64_t s : ep.shape) d->add_shape(s);
+      d->set_bytes(ep.bytes);
+      d->set_offset(ep.offset);
+    }
+    l.set_region_bytes(plan->table.total_bytes());
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
+struct Size {
+  int target_ranks = 0;
+  int sources = 0;
+};
+
+struct Result {
+  Size size;
+  double overhead_ms = 0, begin_ms = 0, commit_ms = 0, first_update_ms = 0, replan_ms = 0;
+  double cpu_s = 0, rss_mib = 0;
+  uint64_t sqlite_bytes = 0;
+  int64_t etcd_bytes = -1;
+  double failover_s = -1, failover_load_s = -1;
+};
+
+// A child etcd on loopback in `dir` (the tests' etcd_harness.py does the same); pid 0 when none could start.
+struct EtcdChild {
+  pid_t pid = 0;
+  std::string endpoint;
+  ~EtcdChild() {
+    if (pid > 0) {
+      kill(pid, SIGTERM);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+};
+
+int FreePort() {
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
+  close(s);
+  return ntohs(a.sin_port);
+}
+
+bool StartEtcd(const std::string& dir, EtcdChild* e) {
+  const int client = FreePort(), peer = FreePort();
+  e->endpoint = absl::StrCat("127.0.0.1:", client);
+  const std::string cu = "http://" + e->endpoint, pu = absl::StrCat("http://127.0.0.1:", peer);
+  const std::string data = dir + "/etcd", log = dir + "/etcd.log";
+  std::fflush(stdout);  // the child's freopen would print what is buffered again
+  e->pid = fork();
+  if (e->pid == 0) {
+    FILE* f = freopen(log.c_str(), "w", stdout);
+    (void)f;
+    dup2(fileno(stdout), 2);
+    execlp("etcd", "etcd", "--name", "bench", "--data-dir", data.c_str(), "--listen-client-urls", cu.c_str(),
+           "--advertise-client-urls", cu.c_str(), "--listen-peer-urls", pu.c_str(), "--initial-advertise-peer-urls",
+           pu.c_str(), "--initial-cluster", ("bench=" + pu).c_str(), "--log-level", "warn", nullptr);
+    _exit(127);
+  }
+  for (int i = 0; i < 300; ++i) {
+    daemon::EtcdOptions o;
+    o.endpoints = {e->endpoint};
+    o.prefix = "probe";
+    o.request_timeout = absl::Milliseconds(200);
+    if (daemon::EtcdStateStore::Open(o).ok()) return true;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return false;
+}
+
+class Bench {
+ public:
+  Bench(std::string config, std::vector<v1::RankLayout> ranks, std::vector<std::string> addrs)
+      : config_(std::move(config)), ranks_(std::move(ranks)), addrs_(std::move(addrs)) {}
+
+  // Registers the cluster of `sz` with `c`, node addresses taken from the fake server's ports.
+  std::vector<v1::RegisterNodeRequest> Cluster(const Size& sz) const {
+    std::vector<v1::RegisterNodeRequest> out;
+    size_t next = 0;
+    for (int s = 0; s < sz.sources; ++s) {
+      v1::RegisterNodeRequest r;
+      r.set_node_id(absl::StrCat("train", s));
+      r.set_role("source");
+      r.set_address(addrs_[next++]);
+      r.set_transport("verbs");
+      r.set_trainer_ranks(8);
+      out.push_back(std::move(r));
+    }
+    for (int t = 0; t < sz.target_ranks / 32; ++t) {
+      v1::RegisterNodeRequest r;
+      r.set_node_id(absl::StrCat("infer", t));
+      r.set_role("target");
+      r.set_address(addrs_[next++]);
+      r.set_transport("verbs");
+      auto* e = r.add_engines();
+      e->set_engine_id(absl::StrCat("kimi-", t));
+      e->set_control_address(addrs_[next++]);
+      e->set_kind("reference");
+      for (const auto& l : ranks_) {
+        auto* rl = e->add_ranks();
+        *rl = l;
+        auto* seg = rl->add_segments();
+        seg->set_id(0);
+        seg->set_kind("cuda");
+        seg->set_bytes(l.region_bytes());
+        seg->set_region_descriptor(absl::StrCat(std::string(480, 'd'), r.node_id(), "/", l.rank()));
+      }
+      out.push_back(std::move(r));
+    }
+    return out;
+  }
+
+  // Heartbeats every node of `nodes` to `c` every `interval` until stopped.
+  class Heartbeats {
+   public:
+    Heartbeats(Coordinator* c, const std::vector<v1::RegisterNodeRequest>& nodes, double interval) {
+      thread_ = std::thread([=] {
+        std::unique_lock<std::mutex> l(mu_);
+        while (!cv_.wait_for(l, std::chrono::duration<double>(interval), [this] { return stop_; }))
+          for (const auto& n : nodes) {
+            v1::HeartbeatRequest h;
+            h.set_node_id(n.node_id());
+            h.set_address(n.address());
+            c->Heartbeat(h);
+          }
+      });
+    }
+    ~Heartbeats() {
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        stop_ = true;
+      }
+      cv_.notify_all();
+      thread_.join();
+    }
+
+   private:
+    std::mutex mu_;
+    std::condition_variable cv_;
+    bool stop_ = false;
+    std::thread thread_;
+  };
+
+  static bool Update(Coordinator& c, int64_t v, double* begin_ms, double* commit_ms) {
+    const absl::Time t0 = absl::Now();
+    v1::BeginUpdateRequest b;
+    b.set_version(v);
+    auto begun = c.BeginUpdate(b);
+    const absl::Time t1 = absl::Now();
+    if (!begun.ok()) {
+      spdlog::error("update {}: {}", v, begun.status().ToString());
+      return false;
+    }
+    v1::CommitUpdateRequest cr;
+    cr.set_version(v);
+    auto done = c.CommitUpdate(cr);
+    const absl::Time t2 = absl::Now();
+    if (!done.ok()) {
+      spdlog::error("update {}: {}", v, done.status().ToString());
+      return false;
+    }
+    *begin_ms = absl::ToDoubleMilliseconds(t1 - t0);
+    *commit_ms = absl::ToDoubleMilliseconds(t2 - t1);
+    return true;
+  }
+
+  // One size on SQLite: the figures of Result except etcd's.
+  bool RunSqlite(const Size& sz, int updates, const std::string& dir, Result* out) {
+    const double rss0 = RssMiB();
+    auto store = daemon::SqliteStateStore::Open(absl::StrCat(dir, "/state-", sz.target_ranks, ".db"));
+    if (!store.ok()) return false;
+    daemon::StateStore* st = store->get();
+    daemon::CoordinatorOptions opts;
+    Coordinator c(opts, daemon::MakeGrpcPeers());
+    if (!c.UseStateStore(*std::move(store)).ok()) return false;
+    const auto nodes = Cluster(sz);
+    for (const auto& n : nodes)
+      if (auto r = c.RegisterNode(n); !r.ok()) {
+        spdlog::error("register: {}", r.status().ToString());
+        return false;
+      }
+    Heartbeats hb(&c, nodes, opts.heartbeat_seconds);
+    double b = 0, m = 0;
+    const absl::Time f0 = absl::Now();
+    if (!Update(c, 1, &b, &m)) return false;
+    out->first_update_ms = absl::ToDoubleMilliseconds(absl::Now() - f0);
+    std::vector<double> total, begin, commit, cpu, bytes;
+    for (int k = 0; k < updates; ++k) {
+      const uint64_t w0 = st->stats().bytes_written;
+      const double c0 = CpuSeconds();
+      if (!Update(c, 2 + k, &b, &m)) return false;
+      cpu.push_back(CpuSeconds() - c0);
+      begin.push_back(b);
+      commit.push_back(m);
+      total.push_back(b + m);
+      bytes.push_back(static_cast<double>(st->stats().bytes_written - w0));
+    }
+    out->overhead_ms = Median(total);
+    out->begin_ms = Median(begin);
+    out->commit_ms = Median(commit);
+    out->cpu_s = Median(cpu);
+    out->sqlite_bytes = static_cast<uint64_t>(Median(bytes));
+    // A membership change: the last target re-registers (a restarted daemon); the next begin re-plans and
+    // configures every source.
+    v1::RegisterNodeRequest again = nodes.back();
+    if (!c.RegisterNode(again).ok()) return false;
+    if (!Update(c, 2 + updates, &b, &m)) return false;
+    out->replan_ms = b;
+    out->rss_mib = RssMiB() - rss0;
+    return true;
+  }
+
+  // One size on etcd: bytes per steady update and the fail-over time.
+  bool RunEtcd(const Size& sz, int updates, const std::string& endpoint, Result* out) {
+    const std::string prefix = absl::StrCat("bench/", sz.target_ranks, "-", absl::ToUnixMicros(absl::Now()));
+    auto opts_for = [&](const std::string& self) {
+      daemon::EtcdOptions o;
+      o.endpoints = {endpoint};
+      o.prefix = prefix;
+      o.advertise = self;
+      o.lease_ttl_seconds = 1;
+      o.campaign_interval = absl::Milliseconds(50);
+      return o;
+    };
+    auto a_store = daemon::EtcdStateStore::Open(opts_for("a:1"));
+    if (!a_store.ok() || !(*a_store)->TryAcquire().value_or(false)) return false;
+    (*a_store)->StartElection(nullptr, nullptr);  // keeps its lease alive until it "dies" below
+    daemon::EtcdStateStore* as = a_store->get();
+    auto a = std::make_unique<Coordinator>(daemon::CoordinatorOptions(), daemon::MakeGrpcPeers());
+    if (!a->UseStateStore(*std::move(a_store)).ok()) return false;
+    const auto nodes = Cluster(sz);
+    for (const auto& n : nodes)
+      if (!a->RegisterNode(n).ok()) return false;
+    double b = 0, m = 0;
+    if (!Update(*a, 1, &b, &m)) return false;
+    std::vector<double> bytes;
+    for (int k = 0; k < updates; ++k) {
+      const uint64_t w0 = as->stats().bytes_written;
+      if (!Update(*a, 2 + k, &b, &m)) return false;
+      bytes.push_back(static_cast<double>(as->stats().bytes_written - w0));
+    }
+    out->etcd_bytes = static_cast<int64_t>(Median(bytes));
+
+    // Fail-over: a standby campaigns; the leader dies without resigning (its lease expires after the TTL).
+    auto b_store = daemon::EtcdStateStore::Open(opts_for("b:1"));
+    if (!b_store.ok()) return false;
+    daemon::EtcdStateStore* bs = b_store->get();
+    std::mutex mu;
+    std::condition_variable cv;
+    bool elected = false;
+    bs->StartElection(
+        [&] {
+          std::lock_guard<std::mutex> l(mu);
+          elected = true;
+          cv.notify_all();
+        },
+        nullptr);
+    absl::SleepFor(absl::Milliseconds(300));
+    const absl::Time died = absl::Now();
+    a.reset();  // the store's election thread stops; its lease is left to expire
+    {
+      std::unique_lock<std::mutex> l(mu);
+      if (!cv.wait_for(l, std::chrono::seconds(20), [&] { return elected; })) return false;
+    }
+    const absl::Time t_load = absl::Now();
+    Coordinator standby(daemon::CoordinatorOptions(), daemon::MakeGrpcPeers());
+    if (!standby.UseStateStore(*std::move(b_store)).ok()) return false;
+    out->failover_s = absl::ToDoubleSeconds(absl::Now() - died);
+    out->failover_load_s = absl::ToDoubleSeconds(absl::Now() - t_load);
+    if (standby.Status().nodes_size() != static_cast<int>(nodes.size())) return false;
+    bs->Resign();
+    return true;
+  }
+
+ private:
+  const std::string config_;
+  const std::vector<v1::RankLayout> ranks_;
+  const std::vector<std::string> addrs_;
+};
+
+std::string Svg(const std::vector<Result>& rs) {
+  // Two series against target ranks, both axes logarithmic: the overhead (tens of ms) and the re-plan (seconds).
+  const double w = 640, h = 400, l = 70, r = 20, t = 40, b = 60;
+  double ymax = 10;
+  for (const auto& x : rs) ymax = std::max({ymax, x.overhead_ms, x.replan_ms});
+  const double lo = 0, hi = std::ceil(std::log10(ymax));  // decades from 1 ms
+  const double xmin = std::log2(rs.front().size.target_ranks), xmax = std::log2(rs.back().size.target_ranks);
+  auto X = [&](int n) { return l + (xmax > xmin ? (std::log2(n) - xmin) / (xmax - xmin) : 0.5) * (w - l - r); };
+  auto Y = [&](double v) { return h - b - (std::log10(std::max(v, 1.0)) - lo) / (hi - lo) * (h - t - b); };
+  std::string s =
+      absl::StrCat("<svg xmlns='http://www.w3.org/2000/svg' width='", w, "' height='", h,
+                   "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' "
+                   "fill='white'/>\n<text x='",
+                   l, "' y='20' font-size='14'>wsync control plane: ms per update vs engine ranks</text>\n");
+  absl::StrAppend(&s, "<line x1='", l, "' y1='", h - b, "' x2='", w - r, "' y2='", h - b, "' stroke='black'/>\n");
+  absl::StrAppend(&s, "<line x1='", l, "' y1='", t, "' x2='", l, "' y2='", h - b, "' stroke='black'/>\n");
+  for (double d = lo; d <= hi; ++d)
+    absl::StrAppend(&s, "<text x='", l - 8, "' y='", Y(std::pow(10, d)) + 4, "' text-anchor='end'>",
+                    absl::StrFormat("%.0f ms", std::pow(10, d)), "</text>\n");
+  for (const auto& x : rs)
+    absl::StrAppend(&s, "<text x='", X(x.size.target_ranks), "' y='", h - b + 18, "' text-anchor='middle'>",
+                    x.size.target_ranks, " (", x.size.sources, " src)</text>\n");
+  absl::StrAppend(&s, "<text x='", (l + w - r) / 2, "' y='", h - 15,
+                  "' text-anchor='middle'>engine ranks (source nodes), log scale</text>\n");
+  auto series = [&](const char* color, const char* name, double Result::*field, int row) {
+    std::string pts;
+    for (const auto& x : rs) absl::StrAppend(&pts, X(x.size.target_ranks), ",", Y(x.*field), " ");
+    absl::StrAppend(&s, "<polyline fill='none' stroke='", color, "' stroke-width='2' points='", pts, "'/>\n");
+    for (const auto& x : rs)
+      absl::StrAppend(&s, "<circle cx='", X(x.size.target_ranks), "' cy='", Y(x.*field), "' r='3' fill='", color,
+                      "'/>\n");
+    absl::StrAppend(&s, "<text x='", l + 10, "' y='", t + 14 * row, "' fill='", color, "'>", name, "</text>\n");
+  };
+  series("#1f77b4", "control overhead (BeginUpdate to CommitUpdate, no data)", &Result::overhead_ms, 1);
+  series("#d62728", "BeginUpdate after a membership change (re-plan + configure)", &Result::replan_ms, 2);
+  absl::StrAppend(&s, "</svg>\n");
+  return s;
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app("bench_control: the coordinator against N fake node daemons and engines over loopback mTLS");
+  std::string sizes_arg = "64:32,256:64,1024:256", etcd_mode = "auto", out_dir = ".";
+  int updates = 5, etcd_max_ranks = 256;
+  app.add_option("--sizes", sizes_arg, "TARGET_RANKS:SOURCES,... (target ranks a multiple of 32)");
+  app.add_option("--updates", updates, "steady updates measured per size");
+  app.add_option("--etcd", etcd_mode, "auto (when an etcd binary is on PATH) | on | off");
+  app.add_option("--etcd-max-ranks", etcd_max_ranks, "largest size run on etcd too");
+  app.add_option("--out", out_dir, "where control_bench.svg goes");
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_level(spdlog::level::warn);
+  std::vector<Size> sizes;
+  for (absl::string_view part : absl::StrSplit(sizes_arg, ',', absl::SkipEmpty())) {
+    std::vector<std::string> f = absl::StrSplit(part, ':');
+    Size s;
+    if (f.size() != 2 || !absl::SimpleAtoi(f[0], &s.target_ranks) || !absl::SimpleAtoi(f[1], &s.sources) ||
+        s.target_ranks % 32 != 0 || s.target_ranks <= 0 || s.sources <= 0) {
+      std::fprintf(stderr, "--sizes: '%s' is not TARGET_RANKS:SOURCES with ranks a multiple of 32\n",
+                   std::string(part).c_str());
+      return 2;
+    }
+    sizes.push_back(s);
+  }
+  if (sizes.empty()) return 2;
+
+  const std::string dir = (fs::temp_directory_path() / absl::StrCat("wsync-control-bench-", getpid())).string();
+  fs::create_directories(dir);
+  const std::string certs = dir + "/certs";
+  const std::string cmd =
+      absl::StrCat(WSYNC_SOURCE_DIR "/tools/cli/wsync-certs.sh ", certs, " coordinator:bench >/dev/null");
+  if (std::system(cmd.c_str()) != 0) {
+    std::fprintf(stderr, "bench_control: %s failed\n", cmd.c_str());
+    return 1;
+  }
+  tls::Options to;
+  to.ca = certs + "/ca.pem";
+  to.cert = certs + "/coordinator-bench.pem";
+  to.key = certs + "/coordinator-bench-key.pem";
+  if (auto st = tls::Configure(to, {"127.0.0.1:0"}); !st.ok()) {
+    std::fprintf(stderr, "bench_control: TLS: %s\n", st.ToString().c_str());
+    return 1;
+  }
+
+  std::string config = ReadFile(WSYNC_MODELS_DIR "/moonshotai__Kimi-K2-Instruct/config.json");
+  auto j = nlohmann::json::parse(config);
+  j["quantization_config"]["weight_block_size"] = {64, 64};
+  config = j.dump();
+  auto cfg = replica::ModelConfig::FromJson(config);
+  if (!cfg.ok()) return 1;
+  const absl::Time l0 = absl::Now();
+  std::vector<v1::RankLayout> ranks = KimiRanks(*cfg);
+  size_t table_bytes = 0;
+  for (const auto& r : ranks) table_bytes += r.ByteSizeLong();
+  std::printf("Kimi-K2 TP32/EP32 rank tables: %zu params per rank, %.2f MiB per engine (built in %.1f s)\n",
+              static_cast<size_t>(ranks[0].params_size()), table_bytes / 1048576.0,
+              absl::ToDoubleSeconds(absl::Now() - l0));
+
+  // One server, one port per fake daemon or engine, all with the same services.
+  int ports = 0;
+  for (const auto& s : sizes) ports = std::max(ports, s.sources + 2 * (s.target_ranks / 32));
+  FakeDaemon daemon_svc;
+  FakeEngine engine_svc(config);
+  grpc::ServerBuilder builder;
+  std::vector<int> bound(ports, 0);
+  for (int i = 0; i < ports; ++i) builder.AddListeningPort("127.0.0.1:0", tls::ServerCredentials(), &bound[i]);
+  builder.RegisterService(&daemon_svc);
+  builder.RegisterService(&engine_svc);
+  builder.SetMaxReceiveMessageSize(daemon::kMaxControlMessageBytes);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) return 1;
+  std::vector<std::string> addrs;
+  for (int p : bound) addrs.push_back(absl::StrCat("127.0.0.1:", p));
+
+  // Baseline: an empty EngineControl round trip through the coordinator's own peers (TLS, a warm channel).
+  double rtt_ms;
+  {
+    auto peers = daemon::MakeGrpcPeers();
+    std::vector<double> rt;
+    for (int i = 0; i < 220; ++i) {
+      const absl::Time t = absl::Now();
+      if (!peers->Continue(addrs[0]).ok()) return 1;
+      if (i >= 20) rt.push_back(absl::ToDoubleMilliseconds(absl::Now() - t));
+    }
+    rtt_ms = Median(rt);
+  }
+
+  EtcdChild etcd;
+  bool use_etcd = etcd_mode == "on" || (etcd_mode == "auto" && std::system("command -v etcd >/dev/null 2>&1") == 0);
+  if (use_etcd && !StartEtcd(dir, &etcd)) {
+    std::fprintf(stderr, "bench_control: etcd did not start (see %s/etcd.log)\n", dir.c_str());
+    if (etcd_mode == "on") return 1;
+    use_etcd = false;
+  }
+
+  Bench bench(config, std::move(ranks), addrs);
+  std::vector<Result> results;
+  for (const auto& s : sizes) {
+    Result r;
+    r.size = s;
+    if (!bench.RunSqlite(s, updates, dir, &r)) {
+      std::fprintf(stderr, "bench_control: size %d:%d failed\n", s.target_ranks, s.sources);
+      return 1;
+    }
+    if (use_etcd && s.target_ranks <= etcd_max_ranks && !bench.RunEtcd(s, updates, etcd.endpoint, &r)) {
+      std::fprintf(stderr, "bench_control: size %d:%d on etcd failed\n", s.target_ranks, s.sources);
+      return 1;
+    }
+    results.push_back(r);
+    std::fprintf(stderr, "size %d:%d done\n", s.target_ranks, s.sources);
+  }
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+
+  std::printf("\nbaseline: empty EngineControl round trip over mTLS %.3f ms (median of 200)\n", rtt_ms);
+  std::printf("%7s %7s %9s %8s %8s %9s %10s %9s %9s %10s %10s %9s %9s\n", "ranks", "sources", "overhead", "xRTT",
+              "begin", "commit", "1st upd", "re-plan", "CPU/upd", "RSS", "sqlite B", "etcd B", "failover");
+  for (const auto& r : results)
+    std::printf("%7d %7d %7.1fms %8.0f %6.1fms %7.1fms %8.0fms %7.0fms %8.3fs %7.0fMiB %10llu %9s %9s\n",
+                r.size.target_ranks, r.size.sources, r.overhead_ms, r.overhead_ms / rtt_ms, r.begin_ms, r.commit_ms,
+                r.first_update_ms, r.replan_ms, r.cpu_s, r.rss_mib, static_cast<unsigned long long>(r.sqlite_bytes),
+                r.etcd_bytes < 0 ? "-" : std::to_string(r.etcd_bytes).c_str(),
+                r.failover_s < 0 ? "-" : absl::StrFormat("%.2fs", r.failover_s).c_str());
+  const std::string svg_path = out_dir + "/control_bench.svg";
+  std::ofstream(svg_path) << Svg(results);
+  std::printf("plot: %s\n", svg_path.c_str());
+
+  nlohmann::json out = {{"bench", "control"}, {"rtt_ms", rtt_ms}, {"sizes", nlohmann::json::array()}};
+  for (const auto& r : results)
+    out["sizes"].push_back({{"target_ranks", r.size.target_ranks},
+                            {"sources", r.size.sources},
+                            {"overhead_ms", r.overhead_ms},
+                            {"overhead_x_rtt", r.overhead_ms / rtt_ms},
+                            {"begin_ms", r.begin_ms},
+                            {"commit_ms", r.commit_ms},
+                            {"first_update_ms", r.first_update_ms},
+                            {"replan_begin_ms", r.replan_ms},
+                            {"cpu_s_per_update", r.cpu_s},
+                            {"rss_growth_mib", r.rss_mib},
+                            {"sqlite_bytes_per_update", r.sqlite_bytes},
+                            {"etcd_bytes_per_update", r.etcd_bytes},
+                            {"failover_s", r.failover_s},
+                            {"failover_load_s", r.failover_load_s}});
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  std::printf("%s\n", out.dump().c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace wsync
+
+int main(int argc, char** argv) { return wsync::Main(argc, argv); }
