@@ -62,7 +62,8 @@ start() {  # start NAME CMD... ; runs in the background with its log in $work/NA
 certs="$work/certs"
 tls() { :; }
 if [ "${WSYNC_DEMO_INSECURE:-0}" != 1 ]; then
-  "$here/tools/cli/wsync-certs.sh" "$certs" coordinator:demo engine:engine0 engine:engine1 target:infer-node0 \
+  # Beside this script: tools/cli in the checkout, the bin directory of an installed tree (the container image).
+  "$(cd "$(dirname "$0")" && pwd)/wsync-certs.sh" "$certs" coordinator:demo engine:engine0 engine:engine1 target:infer-node0 \
     target:infer-node1 source:train-node0 source:train-node1 trainer:demo >/dev/null
   tls() { echo --tls-ca "$certs/ca.pem" --tls-cert "$certs/$1.pem" --tls-key "$certs/$1-key.pem"; }
   echo "mTLS on: certificates in $certs"

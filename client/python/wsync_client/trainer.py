@@ -18,8 +18,8 @@ import grpc
 
 from ._proto.wsync.v1 import trainer_pb2, trainer_pb2_grpc
 from ._ring import DTYPE_SIZES, RingProducer
-from .errors import (DATA_LOSS, DEADLINE_EXCEEDED, FAILED_PRECONDITION, INVALID_ARGUMENT, PERMISSION_DENIED,
-                     UNAVAILABLE, WsyncError, from_rpc_error)
+from .errors import (DATA_LOSS, DEADLINE_EXCEEDED, FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND,
+                     PERMISSION_DENIED, UNAVAILABLE, WsyncError, from_rpc_error)
 
 DEFAULT_SOCKET = "/run/wsync/wsyncd.sock"
 PROTOCOL = 1
@@ -116,7 +116,13 @@ def _connect(path: str, deadline: float, timeout: float) -> socket.socket:
             s.close()
             raise WsyncError(PERMISSION_DENIED, "connecting to trainer socket %s: %s (its mode lets only the daemon's "
                              "uid and group in; see wsyncd --trainer-uid / --trainer-gid)" % (path, e.strerror))
-        except (FileNotFoundError, ConnectionRefusedError, BlockingIOError, InterruptedError, socket.timeout) as e:
+        except FileNotFoundError:
+            # Nothing to wait for: the daemon creates its socket before it serves, so a missing path is a wrong path
+            # (or a daemon that is not running), not one that is still starting.
+            s.close()
+            raise WsyncError(NOT_FOUND, "trainer socket %s does not exist: no source wsyncd serves it (check the path "
+                             "against the daemon's --trainer-socket, and that the daemon runs)" % path)
+        except (ConnectionRefusedError, BlockingIOError, InterruptedError, socket.timeout) as e:
             s.close()
             left = deadline - time.monotonic()
             if left <= 0:
