@@ -168,6 +168,7 @@ absl::StatusOr<std::vector<std::string>> TrainerClient::BeginPush(int64_t versio
     push_slices_.push_back(std::move(ts));
   }
   fp8_hint_ = rep.fp8();
+  expected_ = rep.expected();
   fp8_names_.clear();
   fp8_names_.insert(fp8_hint_.tensor_names().begin(), fp8_hint_.tensor_names().end());
   return std::vector<std::string>(rep.tensor_names().begin(), rep.tensor_names().end());

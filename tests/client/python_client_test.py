@@ -30,6 +30,7 @@ Exit 0 pass, 1 fail.
 import argparse
 import ctypes
 import json
+import logging
 import os
 import re
 import shutil
@@ -373,17 +374,32 @@ def run(args, cluster, deadline):
               "wsyncctl watch --once prints one line with the open update: %r" % out.strip())
         rc, out, _ = ctl(args, coord_addr, "status", "-o", "json")
         check(rc == 0 and json.loads(out).get("open_version") == version, "status -o json: open_version %d" % version)
+        check(all(names.shapes.get(n) == tuple(specs[n]) and names.dtypes.get(n) == "bfloat16" for n in names),
+              "begin_push returns the shape and dtype of each tensor (%s: %s %s)"
+              % (names[0], names.shapes.get(names[0]), names.dtypes.get(names[0])))
+        notes = []
+        note_handler = logging.Handler()
+        note_handler.emit = lambda rec: notes.append(rec.getMessage())
+        logging.getLogger("wsync_client").addHandler(note_handler)
         for k, name in enumerate(names):
             bits = generate_bf16(name, version, specs[name])
-            if k % 3 == 0:
+            if k in (0, 3):
+                # float32 for a bfloat16 tensor: converted by the daemon (exactly here: the values are bf16's), and
+                # the client says so once for the update.
+                trainer.push(name, bits.astype(np.float32))
+            elif k % 3 == 0:
                 trainer.push(name, bits, dtype="bfloat16")
             elif k % 3 == 1:
                 trainer.push(name, bits.view(np.uint16), dtype="bf16")  # alias spelling
             else:
                 trainer.push(name, np.asfortranarray(bits), dtype="bfloat16")  # non-contiguous source
         trainer.end_push(version)
+        logging.getLogger("wsync_client").removeHandler(note_handler)
+        check(len(notes) == 1 and "float32 tensors are converted to the model's bfloat16" in notes[0]
+              and names[0] in notes[0], "one conversion note for the update: %s" % notes)
         stats = trainer.stats()
-        want_bytes = sum(2 * int(np.prod(s)) for s in specs.values())
+        want_bytes = sum(2 * int(np.prod(s)) for s in specs.values()) + \
+            2 * sum(int(np.prod(specs[names[k]])) for k in (0, 3))  # the two float32 pushes are twice as big
         check(stats["tensors"] == len(specs) and stats["bytes"] == want_bytes and stats["buckets"] >= 7,
               "stats count %d tensors / %d bytes in %d buckets" % (stats["tensors"], stats["bytes"], stats["buckets"]))
         rec = coord.commit_update(version, timeout=max(5.0, deadline - time.monotonic() - 30))
