@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -301,7 +302,19 @@ def run(args, cluster, deadline):
           "a process of uid %d (gid %d) is refused, named: %s" % (nobody, nogroup, out[-300:]))
 
     t0 = time.monotonic()
-    dead = os.path.join(work, "no-daemon-here.sock")
+    missing = os.path.join(work, "no-daemon-here.sock")
+    try:
+        Trainer(missing, connect_timeout=5.0)
+        check(False, "a missing socket path fails")
+    except WsyncError as e:
+        took = time.monotonic() - t0
+        check(e.code == 5 and missing in e.message and "does not exist" in e.message and took < 0.5,
+              "missing socket path fails at once: %s after %.2f s (connect timeout 5 s)" % (e, took))
+    # A socket file nobody listens on (a daemon that died or restarts): retried until the connect timeout.
+    dead = os.path.join(work, "dead-daemon.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(dead)
+    t0 = time.monotonic()
     try:
         Trainer(dead, connect_timeout=1.0)
         check(False, "a dead socket path fails")
