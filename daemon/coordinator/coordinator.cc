@@ -1070,9 +1070,10 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
   rec.set_bytes(bytes);
   rec.set_aborted(by_operator);
   const std::string why =
-      by_operator ? absl::StrCat("aborted by ", rec.aborted_by(), why_in.empty() ? std::string() : absl::StrCat(": ", why_in),
-                                 st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"))
-                  : absl::StrCat(why_in, st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"));
+      by_operator
+          ? absl::StrCat("aborted by ", rec.aborted_by(), why_in.empty() ? std::string() : absl::StrCat(": ", why_in),
+                         st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"))
+          : absl::StrCat(why_in, st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"));
   absl::Status err = by_operator ? Fail(rec, absl::AbortedError(why), !clean)
                                  : Fail(rec, absl::UnavailableError(why), !clean);
   if (!lost_address.empty()) {

@@ -1,11 +1,11 @@
 // `wsyncctl status`'s target-node view: NodeStatus.cuda_segments and gpu_direct as the table and the JSON show them.
 // The statuses are built here as a GPU target reports them (tests/cuda/cuda_segment_test checks the daemon's side).
 #include <arpa/inet.h>
-#include <catch2/catch.hpp>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -104,8 +104,8 @@ TEST_CASE("ProtoToJson: 64-bit integers are numbers, every field present, maps a
   CHECK(j["membership_epoch"] == 7);
   CHECK(j["open_version"] == 12);
   CHECK(j["failed_version"] == -1);
-  CHECK(j["plan_epoch"] == 0);              // default-valued, still present
-  CHECK(j["current_version"] == "");        // a string field stays a string
+  CHECK(j["plan_epoch"] == 0);        // default-valued, still present
+  CHECK(j["current_version"] == "");  // a string field stays a string
   CHECK(j["engines_hold_partial_writes"] == false);
   CHECK(j["source_plan_epochs"]["train0"] == 3);
   CHECK(j["plan"][0]["bytes"].get<uint64_t>() == (uint64_t{5} << 40));

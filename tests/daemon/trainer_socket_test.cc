@@ -3,7 +3,7 @@
 // uid is refused naming its uid and gid; a forged session id is refused; a dead path fails within the connect
 // timeout naming it; a TCP address is refused.
 
-#include <catch2/catch.hpp>
+#include "daemon/node/trainer_socket.h"
 
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -21,7 +22,6 @@
 #include "daemon/common/serve.h"
 #include "daemon/node/node_services.h"
 #include "daemon/node/source_node.h"
-#include "daemon/node/trainer_socket.h"
 #include "transport/transport.h"
 
 namespace wsync::daemon {
@@ -173,9 +173,10 @@ TEST_CASE("trainer socket: a process of another uid is refused, named", "[traine
   CHECK(d.node->Status().sessions() == 0);
 }
 
-TEST_CASE("trainer socket: a missing path fails at once, a dead socket within the connect timeout; a TCP address is "
-          "refused",
-          "[trainer_socket]") {
+TEST_CASE(
+    "trainer socket: a missing path fails at once, a dead socket within the connect timeout; a TCP address is "
+    "refused",
+    "[trainer_socket]") {
   // A path that does not exist is a wrong path: no wait, the path named.
   const std::string missing = "/tmp/wsync-no-daemon-here-" + std::to_string(getpid()) + ".sock";
   client::TrainerOptions o = Opts(missing);

@@ -44,13 +44,20 @@ std::string Base64(const std::string& in) {
 nlohmann::json Value(const Message& m, const Reflection* r, const FieldDescriptor* f, int index) {
   const bool rep = index >= 0;
   switch (f->cpp_type()) {
-    case FieldDescriptor::CPPTYPE_INT32: return rep ? r->GetRepeatedInt32(m, f, index) : r->GetInt32(m, f);
-    case FieldDescriptor::CPPTYPE_INT64: return rep ? r->GetRepeatedInt64(m, f, index) : r->GetInt64(m, f);
-    case FieldDescriptor::CPPTYPE_UINT32: return rep ? r->GetRepeatedUInt32(m, f, index) : r->GetUInt32(m, f);
-    case FieldDescriptor::CPPTYPE_UINT64: return rep ? r->GetRepeatedUInt64(m, f, index) : r->GetUInt64(m, f);
-    case FieldDescriptor::CPPTYPE_DOUBLE: return rep ? r->GetRepeatedDouble(m, f, index) : r->GetDouble(m, f);
-    case FieldDescriptor::CPPTYPE_FLOAT: return rep ? r->GetRepeatedFloat(m, f, index) : r->GetFloat(m, f);
-    case FieldDescriptor::CPPTYPE_BOOL: return rep ? r->GetRepeatedBool(m, f, index) : r->GetBool(m, f);
+    case FieldDescriptor::CPPTYPE_INT32:
+      return rep ? r->GetRepeatedInt32(m, f, index) : r->GetInt32(m, f);
+    case FieldDescriptor::CPPTYPE_INT64:
+      return rep ? r->GetRepeatedInt64(m, f, index) : r->GetInt64(m, f);
+    case FieldDescriptor::CPPTYPE_UINT32:
+      return rep ? r->GetRepeatedUInt32(m, f, index) : r->GetUInt32(m, f);
+    case FieldDescriptor::CPPTYPE_UINT64:
+      return rep ? r->GetRepeatedUInt64(m, f, index) : r->GetUInt64(m, f);
+    case FieldDescriptor::CPPTYPE_DOUBLE:
+      return rep ? r->GetRepeatedDouble(m, f, index) : r->GetDouble(m, f);
+    case FieldDescriptor::CPPTYPE_FLOAT:
+      return rep ? r->GetRepeatedFloat(m, f, index) : r->GetFloat(m, f);
+    case FieldDescriptor::CPPTYPE_BOOL:
+      return rep ? r->GetRepeatedBool(m, f, index) : r->GetBool(m, f);
     case FieldDescriptor::CPPTYPE_ENUM:
       return (rep ? r->GetRepeatedEnum(m, f, index) : r->GetEnum(m, f))->name();
     case FieldDescriptor::CPPTYPE_STRING: {
@@ -112,9 +119,8 @@ EndpointProbe ProbeEndpoint(const std::string& endpoint, int timeout_ms) {
   if (!fd.valid() || (rc != 0 && connect_errno != EINPROGRESS)) return EndpointProbe::kRefused;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   auto wait = [&](short events) {
-    const int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                          deadline - std::chrono::steady_clock::now())
-                                          .count());
+    const int left = static_cast<int>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count());
     pollfd p{fd.get(), events, 0};
     return left > 0 && poll(&p, 1, left) == 1 ? p.revents : 0;
   };
@@ -176,8 +182,10 @@ CallError DescribeCallError(const absl::Status& s, const std::string& endpoint, 
                          "): drop them or give the server TLS"),
             cli::kExitUsage};
   if (probe == EndpointProbe::kRefused)
-    return {absl::StrCat("cannot reach ", endpoint, " (nothing answers there): is it running, and is that its "
-                         "address? Set it with ", flag, env),
+    return {absl::StrCat("cannot reach ", endpoint,
+                         " (nothing answers there): is it running, and is that its "
+                         "address? Set it with ",
+                         flag, env),
             cli::kExitUnavailable};
   if (s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded)
     return {absl::StrCat(s.ToString(), " (endpoint ", endpoint, "; set it with ", flag, env, ")"),

@@ -16,10 +16,10 @@ nlohmann::json ProtoToJson(const google::protobuf::Message& m);
 
 // What answers on a TCP endpoint, found by ProbeEndpoint (act) and used by DescribeCallError (decide).
 enum class EndpointProbe {
-  kNotProbed,     // not asked (the call did not fail for want of a connection)
-  kRefused,       // nothing listens (connection refused, no route, timeout)
-  kPlaintext,     // an HTTP/2 server without TLS answered
-  kTlsRequired,   // the server closed the plaintext connection or answered with TLS: it wants a TLS client
+  kNotProbed,    // not asked (the call did not fail for want of a connection)
+  kRefused,      // nothing listens (connection refused, no route, timeout)
+  kPlaintext,    // an HTTP/2 server without TLS answered
+  kTlsRequired,  // the server closed the plaintext connection or answered with TLS: it wants a TLS client
 };
 
 // Connects to host:port and sends an HTTP/2 preface without TLS; classifies the answer within `timeout_ms`.

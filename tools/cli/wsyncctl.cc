@@ -4,10 +4,10 @@
 // --dial-timeout, --log-level, --log-format, --tls-*) may stand anywhere on the line, before or after the command, as
 // in etcdctl.
 
-#include <cstdio>
-
 #include <grpc/support/log.h>
 #include <grpcpp/grpcpp.h>
+
+#include <cstdio>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
@@ -20,12 +20,12 @@
 #include "nlohmann/json.hpp"
 #include "proto/status_convert.h"
 #include "proto/tls.h"
-#include "wsync/v1/daemon.grpc.pb.h"
-#include "wsync/v1/engine.grpc.pb.h"
 #include "tools/cli/cli_support.h"
 #include "tools/cli/plan_command.h"
 #include "tools/cli/status_view.h"
 #include "tools/cli/verify_command.h"
+#include "wsync/v1/daemon.grpc.pb.h"
+#include "wsync/v1/engine.grpc.pb.h"
 
 using namespace wsync;
 
@@ -55,8 +55,7 @@ struct Peer {
 int ExitFor(const absl::Status& s, const Peer& peer) {
   if (s.ok() || !tools::IsConnectionFailure(s)) return ExitFor(s);
   const bool one = peer.endpoint.find(',') == std::string::npos;
-  const tools::EndpointProbe probe =
-      one ? tools::ProbeEndpoint(peer.endpoint, 2000) : tools::EndpointProbe::kNotProbed;
+  const tools::EndpointProbe probe = one ? tools::ProbeEndpoint(peer.endpoint, 2000) : tools::EndpointProbe::kNotProbed;
   const tools::CallError e = tools::DescribeCallError(s, peer.endpoint, peer.tls, peer.flag, probe);
   std::fprintf(stderr, "Error: %s\n", e.message.c_str());
   return e.exit_code;
@@ -218,8 +217,8 @@ int RunWatch(const std::string& endpoint, const Peer& peer, absl::Duration dt, b
     const double rate = dts > 0 && w->bytes >= prev_bytes ? (w->bytes - prev_bytes) / dts : 0;  // bytes/s
     const double eta = rate > 0 && w->expected > w->bytes ? (w->expected - w->bytes) / rate : -1;
     const std::string key = absl::StrCat(state, "|", cs.current_version(), "|", cs.failed_version());
-    const bool print = json || first || running || ended || key != last_key ||
-                       absl::ToDoubleSeconds(now - last_print) >= idle_every;
+    const bool print =
+        json || first || running || ended || key != last_key || absl::ToDoubleSeconds(now - last_print) >= idle_every;
     first = false;
     last_key = key;
     if (print && json) {
@@ -279,9 +278,8 @@ int RunWatch(const std::string& endpoint, const Peer& peer, absl::Duration dt, b
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::vector<std::string> commands = {"status", "nodes", "engines", "history", "verify", "checksums",
-                                             "version", "plan", "abort", "resume", "watch", "remove", "drain",
-                                             "undrain"};
+  const std::vector<std::string> commands = {"status", "nodes", "engines", "history", "verify", "checksums", "version",
+                                             "plan",   "abort", "resume",  "watch",   "remove", "drain",     "undrain"};
   CLI::App app{"wsyncctl: administer a wsync cluster"};
   std::string log_level = "warn";
   cli::AddCommonFlags(app, "wsyncctl", &log_level);
@@ -330,8 +328,9 @@ int main(int argc, char** argv) {
   abort_cmd->add_option("--version,version", abort_version, "the open update's version")->required();
   abort_cmd->add_option("--reason", reason, "recorded in the history");
   auto* watch = app.add_subcommand(
-      "watch", "the current state at once, then live progress of the current (or next) update: phase, bytes per "
-               "source, rate, ETA; ends with it");
+      "watch",
+      "the current state at once, then live progress of the current (or next) update: phase, bytes per "
+      "source, rate, ETA; ends with it");
   double interval = 0.5, watch_for = 0;
   bool once = false;
   watch->add_option("--interval", interval, "seconds between samples")->check(CLI::Range(0.01, 60.0));
@@ -594,14 +593,14 @@ int main(int argc, char** argv) {
     std::printf("%-8s %-20s %-7s %-9s %-10s %-6s %s\n", "VERSION", "STARTED (UTC)", "OK", "TOTAL_S", "MiB", "RANKS",
                 "PHASES / ERROR");
     for (const auto& r : h->records())
-      std::printf("%-8lld %-20s %-7s %-9.3f %-10.1f %-6d %s\n", static_cast<long long>(r.version()),
-                  r.started_unix_ms() > 0
-                      ? absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(r.started_unix_ms()),
-                                         absl::UTCTimeZone())
-                            .c_str()
-                      : "-",
-                  r.success() ? "yes" : (r.aborted() ? "ABORTED" : "FAILED"), r.total_seconds(),
-                  r.bytes() / 1048576.0, r.engine_ranks(), r.success() ? Phases(r).c_str() : r.error().c_str());
+      std::printf(
+          "%-8lld %-20s %-7s %-9.3f %-10.1f %-6d %s\n", static_cast<long long>(r.version()),
+          r.started_unix_ms() > 0
+              ? absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(r.started_unix_ms()), absl::UTCTimeZone())
+                    .c_str()
+              : "-",
+          r.success() ? "yes" : (r.aborted() ? "ABORTED" : "FAILED"), r.total_seconds(), r.bytes() / 1048576.0,
+          r.engine_ranks(), r.success() ? Phases(r).c_str() : r.error().c_str());
     return kExitOk;
   }
 
@@ -616,9 +615,9 @@ int main(int argc, char** argv) {
       for (const auto& e : n.engine_details())
         if (e.engine_id() == engine) engine_addr = e.address();
     if (engine_addr.empty())
-      return ExitFor(absl::InvalidArgumentError(absl::StrCat(
-          "--engine ", engine, ": no engine of that id is registered with the coordinator at ", endpoint,
-          " (give an engine id from `wsyncctl engines`, or its control address host:port)")));
+      return ExitFor(absl::InvalidArgumentError(
+          absl::StrCat("--engine ", engine, ": no engine of that id is registered with the coordinator at ", endpoint,
+                       " (give an engine id from `wsyncctl engines`, or its control address host:port)")));
   }
   const Peer engine_peer{engine_addr, "--engine", coordinator.tls};
   auto channel = tls::Dial(engine_addr);

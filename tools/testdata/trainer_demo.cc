@@ -285,10 +285,10 @@ int main(int argc, char** argv) {
                  ps.buckets, absl::ToDoubleSeconds(absl::Now() - t0));
     if (!drive) continue;
     const double push_wall = absl::ToDoubleSeconds(absl::Now() - t0);
-    std::printf("update %lld: this rank pushed %.1f MiB in %.2fs (%.2f GB/s); committing (every rank's writes, then "
-                "the engines' post-processing)\n",
-                static_cast<long long>(v), ps.bytes / 1048576.0, push_wall,
-                push_wall > 0 ? ps.bytes / push_wall / 1e9 : 0.0);
+    std::printf(
+        "update %lld: this rank pushed %.1f MiB in %.2fs (%.2f GB/s); committing (every rank's writes, then "
+        "the engines' post-processing)\n",
+        static_cast<long long>(v), ps.bytes / 1048576.0, push_wall, push_wall > 0 ? ps.bytes / push_wall / 1e9 : 0.0);
     std::fflush(stdout);
     auto rec = coord->CommitUpdate(v);
     if (!rec.ok()) {
