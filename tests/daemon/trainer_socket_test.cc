@@ -1,9 +1,9 @@
 // The source daemon's trainer socket, in process: a real SourceNode behind TrainerSocket and the TrainerIngest gRPC
 // server on a Unix socket, reached by the real C++ client. A session hands over a working ring; a process of another
 // uid is refused naming its uid and gid; a forged session id is refused; a dead path fails within the connect
-// timeout naming it; a TCP address is refused.
+// timeout naming it, a missing path at once; a TCP address is refused.
 
-#include "daemon/node/trainer_socket.h"
+#include <catch2/catch.hpp>
 
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -11,7 +11,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <catch2/catch.hpp>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -22,6 +21,7 @@
 #include "daemon/common/serve.h"
 #include "daemon/node/node_services.h"
 #include "daemon/node/source_node.h"
+#include "daemon/node/trainer_socket.h"
 #include "transport/transport.h"
 
 namespace wsync::daemon {
