@@ -399,7 +399,8 @@ def run(args, cluster, deadline):
             if k in (0, 3):
                 # float32 for a bfloat16 tensor: converted by the daemon (exactly here: the values are bf16's), and
                 # the client says so once for the update.
-                trainer.push(name, bits.astype(np.float32))
+                import ml_dtypes
+                trainer.push(name, bits.view(ml_dtypes.bfloat16).astype(np.float32))
             elif k % 3 == 0:
                 trainer.push(name, bits, dtype="bfloat16")
             elif k % 3 == 1:
@@ -471,11 +472,12 @@ def run(args, cluster, deadline):
               "history records update %d as aborted with the reason: %s" % (aborted_version, last.get("error")))
         check(last.get("aborted_by") == "client exception: RuntimeError: loss is NaN",
               "history says who aborted it: %r" % last.get("aborted_by"))
-        # Nothing of it was written (the body raised before any push): the engines were resumed at once.
+        # Nothing of it was written, but the failed update before it may have written: the engines stay paused.
         states = {e["engine_id"]: e["state"] for n in coord.status()["nodes"] for e in n.get("engine_details", [])}
-        check(coord.last_abort.get("engines_resumable") is True and coord.last_abort.get("engines_resumed") is True
-              and states and all(st == "serving" for st in states.values()),
-              "an abort that wrote nothing resumes the engines: %s, engines %s" % (coord.last_abort, states))
+        check(coord.last_abort.get("engines_resumable") is False and coord.last_abort.get("engines_resumed") is False
+              and states and all(st == "paused" for st in states.values()),
+              "after an earlier failed update the abort leaves the engines paused: %s, engines %s"
+              % (coord.last_abort, states))
         try:
             trainer.end_push(aborted_version)
             check(False, "pushes of an aborted update are refused")
@@ -515,7 +517,20 @@ def run(args, cluster, deadline):
               "wsyncctl abort recorded as the operator's (rc %d): %r, %r" % (p.returncode, last.get("aborted_by"),
                                                                            last.get("error")))
         coord.resume_engines()
-        good = by_ctl
+        # An exception before any push, with clean engines: nothing of it was written, so they are resumed at once.
+        clean_abort = by_ctl + 1
+        try:
+            with coord.update(clean_abort):
+                trainer.begin_push(clean_abort)
+                raise ValueError("bad batch")
+        except ValueError:
+            pass
+        states = {e["engine_id"]: e["state"] for n in coord.status()["nodes"] for e in n.get("engine_details", [])}
+        check(coord.last_abort.get("engines_resumable") is True and coord.last_abort.get("engines_resumed") is True
+              and states and all(st == "serving" for st in states.values())
+              and coord.history(1)[-1].get("aborted_by") == "client exception: ValueError: bad batch",
+              "an abort that wrote nothing resumes the engines: %s, engines %s" % (coord.last_abort, states))
+        good = clean_abort
 
         # Two more updates through push_update over a generator: by now the 1 MiB ring has wrapped.
         for extra in (good + 1, good + 2):

@@ -186,8 +186,9 @@ class Coordinator:
     def update(self, version: int, pause_mode: str = "", timeout: float = 120.0) -> Iterator[Dict[str, Any]]:
         """Opens update `version`, runs the body (the trainer ranks push), then commits it; when the body raises, the
         update is aborted and the exception propagates. The history records who aborted it ("client exception:
-        ValueError: ..."); when no byte of it reached the engines they are resumed at their old version, else they
-        stay paused until an update succeeds. Yields the BeginUpdate reply; the committed record is in `last_record`
+        ValueError: ..."); when the abort reply says the engines are resumable (no byte of this update, nor of an
+        earlier failed one, reached them) they are resumed at their old version, else they stay paused until an
+        update succeeds. Yields the BeginUpdate reply; the committed record is in `last_record`
         afterwards, the abort's reply (with `engines_resumed`) in `last_abort`.
 
             with coordinator.update(7):
