@@ -92,8 +92,8 @@ for s in 0 1; do
   src[$s]="$work/source$s.sock"  # trainer ranks reach their daemon through its local socket
 done
 echo "engines ${eng[*]}; source daemons ${src[*]}; running $updates updates of $(basename "$(dirname "$model")")"
-echo "(each update: begun, pushed, committed with its phases, then every engine rank verified; 10 to 25 s per update"
-echo " of Qwen3-0.6B on a 2-core machine, a few minutes in all)"
+echo "(each update: begun, pushed, committed with its phases, then every engine rank verified; 3 to 25 s per update"
+echo " of Qwen3-0.6B on a 2-core machine, one to a few minutes in all)"
 
 trainers=()
 for s in 0 1; do
