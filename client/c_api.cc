@@ -87,7 +87,7 @@ int Guard(std::string* handle_error, F&& f) {
 
 extern "C" {
 
-const char* wsync_version(void) { return "0.1.0"; }
+const char* wsync_version(void) { return WSYNC_VERSION; }  // the project version (CMakeLists.txt)
 
 const char* wsync_last_error(void) { return g_last_error.c_str(); }
 

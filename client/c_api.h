@@ -59,7 +59,7 @@ enum {
 typedef struct wsync_trainer wsync_trainer;
 typedef struct wsync_coordinator wsync_coordinator;
 
-/* Library version, e.g. "0.1.0". */
+/* Library version: the project version, e.g. "0.3.0". */
 WSYNC_C_EXPORT const char* wsync_version(void);
 /* Message (without the code) of the last failed call on this thread ("" if none). Valid until the next failing
  * call on this thread. */

@@ -115,10 +115,12 @@ absl::StatusOr<v1::HistoryReply> CoordinatorClient::History(int limit) {
   return Invoke(&v1::Coordinator::Stub::GetHistory, req, dial_timeout_);
 }
 
-absl::StatusOr<v1::AbortUpdateReply> CoordinatorClient::AbortUpdate(int64_t version, const std::string& reason) {
+absl::StatusOr<v1::AbortUpdateReply> CoordinatorClient::AbortUpdate(int64_t version, const std::string& reason,
+                                                                    const std::string& aborted_by) {
   v1::AbortUpdateRequest req;
   req.set_version(version);
   req.set_reason(reason);
+  req.set_aborted_by(aborted_by);
   // The coordinator waits for every source's AbortSourceUpdate (a bucket being written, then the drain).
   return Invoke(&v1::Coordinator::Stub::AbortUpdate, req, dial_timeout_ + absl::Seconds(60 + kDeadlineMarginSeconds));
 }

@@ -67,7 +67,9 @@ class CoordinatorClient {
   absl::StatusOr<v1::ClusterStatus> Status();
   absl::StatusOr<v1::HistoryReply> History(int limit);
   // Closes the open update `version` without committing it (safe to retry: a repeat returns the first answer).
-  absl::StatusOr<v1::AbortUpdateReply> AbortUpdate(int64_t version, const std::string& reason);
+  // `aborted_by` says who asks, for the history (empty: "the operator").
+  absl::StatusOr<v1::AbortUpdateReply> AbortUpdate(int64_t version, const std::string& reason,
+                                                   const std::string& aborted_by = "");
   // Resumes paused engines at their current version; refused while they may hold partial writes.
   absl::StatusOr<v1::ResumeEnginesReply> ResumeEngines();
   absl::StatusOr<v1::RemoveNodeReply> RemoveNode(const std::string& node_id);

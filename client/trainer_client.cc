@@ -33,7 +33,7 @@ absl::StatusOr<ScopedFd> ConnectTrainerSocket(const std::string& path, absl::Tim
                                                    sizeof(addr.sun_path) - 1, " bytes"));
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.c_str(), path.size());
-  // The daemon may still be starting: retry while the path is missing or nobody listens, until the deadline.
+  // The daemon may be restarting: retry while nobody listens on the socket, until the deadline.
   while (true) {
     ScopedFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (!fd.valid()) return absl::ErrnoToStatus(errno, "socket(AF_UNIX)");
@@ -43,7 +43,13 @@ absl::StatusOr<ScopedFd> ConnectTrainerSocket(const std::string& path, absl::Tim
       return absl::PermissionDeniedError(absl::StrCat(
           "connecting to trainer socket ", path, ": ", std::strerror(err),
           " (its mode lets only the daemon's uid and group in; see wsyncd --trainer-uid / --trainer-gid)"));
-    const bool retry = err == ENOENT || err == ECONNREFUSED || err == EAGAIN || err == EINTR;
+    // Nothing to wait for when the path is missing: the daemon creates its socket before it serves, so a missing
+    // path is a wrong path (or a daemon that is not running), not one that is still starting.
+    if (err == ENOENT)
+      return absl::NotFoundError(absl::StrCat("trainer socket ", path,
+                                              " does not exist: no source wsyncd serves it (check the path against "
+                                              "the daemon's --trainer-socket, and that the daemon runs)"));
+    const bool retry = err == ECONNREFUSED || err == EAGAIN || err == EINTR;
     const absl::Duration left = deadline - absl::Now();
     if (!retry || left <= absl::ZeroDuration()) {
       const std::string why = absl::StrCat("no source wsyncd answers on trainer socket ", path, " (",
@@ -162,6 +168,7 @@ absl::StatusOr<std::vector<std::string>> TrainerClient::BeginPush(int64_t versio
     push_slices_.push_back(std::move(ts));
   }
   fp8_hint_ = rep.fp8();
+  expected_ = rep.expected();
   fp8_names_.clear();
   fp8_names_.insert(fp8_hint_.tensor_names().begin(), fp8_hint_.tensor_names().end());
   return std::vector<std::string>(rep.tensor_names().begin(), rep.tensor_names().end());

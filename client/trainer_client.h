@@ -100,6 +100,9 @@ class TrainerClient {
   const std::vector<TensorSlice>& push_slices() const { return push_slices_; }
   // The tensors the last BeginPush offered for pre-quantization (empty unless the node's replica is FP8).
   const v1::Fp8PushHint& fp8_hint() const { return fp8_hint_; }
+  // Per name the last BeginPush returned, same order: the shape and dtype the model holds (float32/float16 pushed for
+  // a bfloat16 tensor are converted by the daemon), to check tensors before pushing them.
+  const google::protobuf::RepeatedPtrField<v1::PushSpec>& expected() const { return expected_; }
   // Commits the current bucket and waits until the daemon has taken every committed bucket.
   absl::Status Flush();
   // Flush, then tells the daemon this rank is done with `version`.
@@ -131,6 +134,7 @@ class TrainerClient {
   PushStats stats_;
   std::vector<TensorSlice> push_slices_;
   v1::Fp8PushHint fp8_hint_;
+  google::protobuf::RepeatedPtrField<v1::PushSpec> expected_;
   absl::flat_hash_set<std::string> fp8_names_;
 };
 

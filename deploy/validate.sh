@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Checks the deployment files: YAML syntax of deploy/k8s (python3-yaml) and the systemd units (systemd-analyze
-# verify, with ExecStart pointed at a build directory's binaries). Each check is skipped when its tool is missing.
+# Checks the deployment files: YAML syntax of deploy/k8s (python3-yaml), the manifests and the image against each
+# other (every container command is a program the Dockerfile's image installs, image tags and labels carry the version
+# of CMakeLists.txt, the demo's scripts, openssl, HEALTHCHECK, .dockerignore, transports that start without RDMA), the
+# image's HEALTHCHECK against a running coordinator's /healthz, and the systemd units (systemd-analyze verify, with
+# ExecStart pointed at a build directory's binaries). Each check is skipped when its tool is missing.
 #   deploy/validate.sh [BUILD_BIN_DIR]     (default: build/bin)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -18,8 +21,109 @@ for f in sys.argv[1:]:
     kinds = [d["kind"] for d in yaml.safe_load_all(open(f)) if d]
     print("yaml ok: %s (%s)" % (f.split("/deploy/")[-1], ", ".join(kinds)))
 PY
+  "$py" - "$here" <<'PY' || rc=1
+import glob, os, re, sys, yaml
+here = sys.argv[1]
+root = os.path.dirname(here)
+bad = []
+def fail(msg):
+    bad.append(msg)
+    print("layout: " + msg)
+version = re.search(r"^project\(wsync VERSION (\S+)", open(os.path.join(root, "CMakeLists.txt")).read(), re.M).group(1)
+df = open(os.path.join(here, "docker", "Dockerfile")).read()
+build_stage, runtime_stage = re.split(r"^FROM ", df, flags=re.M)[1:3]
+prefix = re.search(r"cmake --install \S+ --prefix (\S+)", build_stage).group(1)
+# What `cmake --install` puts in PREFIX/bin: the install() rules outside tests/ and bench/ (the image builds neither).
+progs = set()
+for cm in glob.glob(os.path.join(root, "**", "CMakeLists.txt"), recursive=True):
+    rel = os.path.relpath(cm, root)
+    if rel.startswith(("build", "tests" + os.sep, "bench" + os.sep)):
+        continue
+    text = open(cm).read()
+    for m in re.finditer(r"install\(TARGETS\s+([^)]*?)\s+RUNTIME DESTINATION bin\)", text):
+        progs |= set(m.group(1).split())
+    for m in re.finditer(r"install\(PROGRAMS\s+([^)]*?)\s+DESTINATION bin\)", text):
+        progs |= {os.path.basename(p) for p in m.group(1).split()}
+image_paths = {prefix + "/bin/" + p for p in progs}
+image_paths |= {m.group(1) for m in re.finditer(r"^COPY (?!--from)\S+ (\S+)", runtime_stage, re.M)}
+for f in sorted(glob.glob(os.path.join(here, "k8s", "*.yaml"))):
+    for doc in yaml.safe_load_all(open(f)):
+        spec = ((doc or {}).get("spec") or {}).get("template", {}).get("spec", {})
+        for c in spec.get("containers", []) + spec.get("initContainers", []):
+            where = "%s container %s" % (os.path.basename(f), c.get("name"))
+            cmd = (c.get("command") or [None])[0]
+            if cmd is not None and cmd not in image_paths:
+                fail("%s runs %s, which the image does not install (it has %s)" % (where, cmd, ", ".join(sorted(image_paths))))
+            image = c.get("image", "")
+            if image.split("/")[-1].split(":")[0] == "wsync" and not image.endswith(":" + version):
+                fail("%s uses image %s, not the version of CMakeLists.txt (%s)" % (where, image, version))
+if not re.search(r"^ARG WSYNC_VERSION=%s$" % re.escape(version), runtime_stage, re.M):
+    fail("Dockerfile: ARG WSYNC_VERSION is not %s (CMakeLists.txt)" % version)
+if "org.opencontainers.image.version=\"${WSYNC_VERSION}\"" not in runtime_stage:
+    fail("Dockerfile: no org.opencontainers.image.version label from WSYNC_VERSION")
+for m in re.finditer(r"wsync:([0-9][0-9.]*[0-9])", df + open(os.path.join(here, "README.md")).read()):
+    if m.group(1) != version:
+        fail("image tag wsync:%s in the Dockerfile or deploy/README.md is not %s" % (m.group(1), version))
+if not re.search(r"^HEALTHCHECK .*entrypoint\.sh\", \"healthcheck\"", runtime_stage, re.M):
+    fail("Dockerfile: no HEALTHCHECK running entrypoint.sh healthcheck")
+if not re.search(r"^\s+openssl \\$", runtime_stage, re.M):
+    fail("Dockerfile: the runtime stage does not install openssl (the demo's certificates)")
+# The demo in the image: entrypoint.sh's demo.sh, its certificate script beside it, and the model it is given.
+entry = open(os.path.join(here, "docker", "entrypoint.sh")).read()
+demo = re.search(r"exec (\S+/demo\.sh) .*--model (\S+)", entry)
+if not demo or demo.group(1) not in image_paths:
+    fail("entrypoint.sh runs %s, which the image does not install" % (demo.group(1) if demo else "no demo.sh"))
+if "wsync-certs.sh" not in progs or not re.search(r'dirname "\$0"\)" && pwd\)/wsync-certs\.sh', open(os.path.join(root, "tools", "cli", "demo.sh")).read()):
+    fail("demo.sh does not find wsync-certs.sh beside itself, or it is not installed to bin")
+if demo:
+    model_dir = os.path.basename(os.path.dirname(demo.group(2)))
+    share = os.path.dirname(os.path.dirname(demo.group(2)))
+    if not re.search(r"cp -r tests/data/models/%s %s/" % (re.escape(model_dir), re.escape(share)), build_stage) or \
+            not os.path.isfile(os.path.join(root, "tests", "data", "models", model_dir, "config.json")):
+        fail("the demo's model %s is not copied into the image" % demo.group(2))
+ignore = os.path.join(root, ".dockerignore")
+lines = open(ignore).read().split() if os.path.exists(ignore) else []
+for need in ("build*/", ".git/"):
+    if need not in lines:
+        fail(".dockerignore does not exclude %s" % need)
+# A host without RDMA must not crash-loop on the defaults: the last transport of every list is tcp.
+for f in [os.path.join(here, "k8s", "configmap.yaml")] + glob.glob(os.path.join(here, "systemd", "*")) + \
+         glob.glob(os.path.join(here, "systemd", "env", "*")):
+    if os.path.isdir(f):
+        continue
+    for m in re.finditer(r"WSYNC_TRANSPORT[=:] *\"?([a-z,]+)", open(f).read()):
+        if m.group(1).split(",")[-1] != "tcp":
+            fail("%s: WSYNC_TRANSPORT=%s exits on a host without RDMA (use tcp or verbs,tcp)" % (os.path.relpath(f, here), m.group(1)))
+print("layout %s: manifests, image (%s/bin: %d programs), version %s, demo, HEALTHCHECK, .dockerignore, transports" %
+      ("FAILED" if bad else "ok", prefix, len(progs), version))
+sys.exit(1 if bad else 0)
+PY
 else
   echo "skip: no python3 with yaml (apt-get install python3-yaml)"
+fi
+
+# The image's HEALTHCHECK (entrypoint.sh healthcheck) against a real coordinator's /healthz, and against an address
+# nobody serves.
+if [ -x "$bin/wsync-coordinator" ] && [ -n "$py" ]; then
+  port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  dead=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  "$bin/wsync-coordinator" --listen 127.0.0.1:0 --metrics-listen "127.0.0.1:$port" >/dev/null 2>&1 &
+  cpid=$!
+  ok=1
+  for _ in $(seq 1 100); do WSYNC_HEALTH_PID=$cpid sh "$here/docker/entrypoint.sh" healthcheck 2>/dev/null && { ok=0; break; }; sleep 0.1; done
+  kill $cpid 2>/dev/null; wait $cpid 2>/dev/null || true
+  bash -c 'sleep 30; :' --metrics-listen "127.0.0.1:$dead" &  # a command line naming an address nobody serves
+  spid=$!
+  sleep 0.2
+  WSYNC_HEALTH_PID=$spid sh "$here/docker/entrypoint.sh" healthcheck 2>/dev/null && bad_ok=1 || bad_ok=0
+  kill $spid 2>/dev/null; wait $spid 2>/dev/null || true
+  if [ $ok -eq 0 ] && [ $bad_ok -eq 0 ]; then
+    echo "healthcheck ok: healthy on a coordinator's --metrics-listen, unhealthy where nothing serves /healthz"
+  else
+    echo "healthcheck: entrypoint.sh healthcheck answered $([ $ok -eq 0 ] && echo 'right' || echo 'wrong') for a running coordinator, $([ $bad_ok -eq 0 ] && echo 'right' || echo 'wrong') for a dead address"; rc=1
+  fi
+else
+  echo "skip: HEALTHCHECK check (no wsync-coordinator in ${1:-build/bin})"
 fi
 
 if command -v systemd-analyze >/dev/null; then

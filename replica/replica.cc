@@ -88,6 +88,12 @@ class ReplicaImpl final : public Replica {
   absl::Status FinishUpdate() const override;
   bool Needs(absl::string_view hf_name) const override;
   std::vector<TensorRead> Reads(absl::string_view hf_name) const override;
+  std::optional<TensorSpec> Expected(absl::string_view hf_name) const override {
+    auto it = index_.find(std::string(hf_name));
+    if (it == index_.end()) return std::nullopt;
+    const HfEntry& e = entries_[it->second];
+    return TensorSpec{std::string(hf_name), e.dtype, e.shape};
+  }
 
  private:
   enum class Role : uint8_t { kPlain, kFp8Weight, kFp8Scale };
@@ -98,6 +104,7 @@ class ReplicaImpl final : public Replica {
   };
   struct HfEntry {
     std::vector<int64_t> shape;
+    DType dtype = DType::kBF16;  // the checkpoint's (CheckpointTensors, trainer format)
     Role role = Role::kPlain;
     int partner = -1;  // weight <-> its weight_scale_inv
     std::vector<Placement> placements;
@@ -162,6 +169,7 @@ absl::StatusOr<std::unique_ptr<Replica>> ReplicaImpl::Make(const ModelConfig& co
       }
       HfEntry e;
       e.shape = t.shape;
+      e.dtype = t.dtype;
       const bool is_scale = t.name.size() > 10 && t.name.compare(t.name.size() - 10, 10, "_scale_inv") == 0;
       e.role = is_scale ? Role::kFp8Scale : t.dtype == DType::kF8E4M3 ? Role::kFp8Weight : Role::kPlain;
       r->entries_.push_back(std::move(e));
@@ -220,8 +228,10 @@ absl::StatusOr<int> ReplicaImpl::Check(const HfTensor& t) const {
     case Role::kFp8Scale: dtype_ok = t.dtype == DType::kF32; break;
   }
   if (!dtype_ok) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': dtype ", DTypeName(t.dtype),
-                                                   " is not allowed here"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", t.name, "': dtype ", DTypeName(t.dtype), " is not accepted: the model holds it as ",
+        DTypeName(e.dtype), e.role == Role::kFp8Weight ? " (or float8_e4m3fn with its scales, pre-quantized)" : "",
+        e.role == Role::kFp8Scale ? "" : "; push that dtype (float32 and float16 are converted to it)"));
   }
   if (!std::equal(t.shape.begin(), t.shape.end(), e.shape.begin(), e.shape.end())) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': shape ", ShapeStr(t.shape), ", expected ",

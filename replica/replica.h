@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,10 @@ class Replica {
   // Every rectangle of `hf_name` the layouts read (empty for a tensor no layout needs): what a source assembling the
   // tensor from slices must have before it may Ingest it.
   virtual std::vector<TensorRead> Reads(absl::string_view hf_name) const = 0;
+  // The shape and dtype the model's checkpoint holds for `hf_name` (what a trainer is told to push: float32 and
+  // float16 are accepted for a bfloat16 tensor and converted, docs/operations.md), or nullopt for a name this replica
+  // does not accept.
+  virtual std::optional<TensorSpec> Expected(absl::string_view hf_name) const { return std::nullopt; }
 };
 
 }  // namespace wsync::replica

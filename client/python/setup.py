@@ -4,6 +4,10 @@ The stubs go into the wheel only (wsync_client/_proto), never into the source tr
 $WSYNC_PROTO_DIR, then ./proto (an sdist), then ../../proto (this directory inside the wsync checkout). The runtime
 requirements follow the generator: protobuf of the same major version as grpcio-tools' bundled protoc (and at least
 it), grpcio at least grpcio-tools' version (what the generated code checks at import).
+
+The version is wsync's, written once in the checkout's CMakeLists.txt (`project(wsync VERSION x.y.z)`): read from
+$WSYNC_SOURCE_DIR/CMakeLists.txt (a build from a copy of this directory), ../../CMakeLists.txt (pip in the checkout),
+or PKG-INFO (an sdist), and written into the wheel as wsync_client/_version.py.
 """
 
 import glob
@@ -23,6 +27,25 @@ def proto_root():
         if root and os.path.isfile(os.path.join(root, "wsync", "v1", "trainer.proto")):
             return os.path.normpath(root)
     raise SystemExit("wsync_client: cannot find wsync's protos (wsync/v1/*.proto); set WSYNC_PROTO_DIR")
+
+
+def wsync_version():
+    for root in (os.environ.get("WSYNC_SOURCE_DIR"), os.path.join(HERE, "..", "..")):
+        path = os.path.join(root, "CMakeLists.txt") if root else ""
+        if path and os.path.isfile(path):
+            m = re.search(r"^project\(wsync VERSION ([0-9]+\.[0-9]+\.[0-9]+)", open(path).read(), re.M)
+            if m:
+                return m.group(1)
+    pkg_info = os.path.join(HERE, "PKG-INFO")
+    if os.path.isfile(pkg_info):
+        m = re.search(r"^Version: (\S+)", open(pkg_info).read(), re.M)
+        if m:
+            return m.group(1)
+    raise SystemExit("wsync_client: cannot find wsync's version (CMakeLists.txt of the checkout); set "
+                     "WSYNC_SOURCE_DIR to the wsync checkout")
+
+
+VERSION = wsync_version()
 
 
 def generator_versions():
@@ -45,6 +68,9 @@ def generator_versions():
 class BuildWithStubs(build_py):
     def run(self):
         super().run()
+        with open(os.path.join(self.build_lib, "wsync_client", "_version.py"), "w") as f:
+            f.write('__version__ = "%s"  # wsync\'s version (CMakeLists.txt), written when the wheel was built\n'
+                    % VERSION)
         from grpc_tools import protoc
         import grpc_tools
         root = proto_root()
@@ -71,6 +97,7 @@ class BuildWithStubs(build_py):
 tools_version, protobuf_version = generator_versions()
 pb_major = int(protobuf_version.split(".")[0])
 setup(
+    version=VERSION,
     cmdclass={"build_py": BuildWithStubs},
     install_requires=[
         "grpcio>=%s" % tools_version,

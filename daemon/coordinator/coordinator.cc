@@ -611,6 +611,7 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   open_version_ = -1;
   abort_asked_ = false;
   abort_reason_.clear();
+  abort_by_.clear();
   SetLogUpdateVersion(-1);
   // BeginUpdate admits only versions newer than every one begun, so this never moves backwards; the check keeps it so.
   if (o.status.ok() && v > current_version_) current_version_ = v;
@@ -633,8 +634,9 @@ absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in,
   const bool asked = abort_asked_ && !rec.aborted();
   if (asked) {
     rec.set_aborted(true);
+    rec.set_aborted_by(abort_by_);
     why = absl::AbortedError(absl::StrCat(
-        "aborted by the operator", abort_reason_.empty() ? std::string() : absl::StrCat(": ", abort_reason_), " while ",
+        "aborted by ", abort_by_, abort_reason_.empty() ? std::string() : absl::StrCat(": ", abort_reason_), " while ",
         state_, why_in.ok() ? std::string() : absl::StrCat(" (", why_in.ToString(), ")")));
   }
   // A staged update writes staging memory only: the weights the engines serve are never partly written.
@@ -1076,11 +1078,13 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
       return absl::FailedPreconditionError(
           absl::StrCat("update ", v, " is being aborted by another call; ask again for its result"));
     in_phase = state_ != "updating";  // updating: EndOpenUpdate below, without the lock (it calls the sources)
+    if (!in_phase) abort_by_ = req.aborted_by().empty() ? "the operator" : req.aborted_by();
     if (in_phase && !abort_asked_) {
       // Beginning or committing: the thread running that phase ends the update at its next step.
       abort_asked_ = true;
       abort_reason_ = req.reason();
-      spdlog::warn("update {}: abort asked by the operator while {}{}", v, state_,
+      abort_by_ = req.aborted_by().empty() ? "the operator" : req.aborted_by();
+      spdlog::warn("update {}: abort asked by {} while {}{}", v, abort_by_, state_,
                    req.reason().empty() ? std::string() : absl::StrCat(" (", req.reason(), ")"));
     }
   }
@@ -1124,6 +1128,7 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
     state_ = "aborting";
     Persist();
     rec = open_record_;
+    if (by_operator) rec.set_aborted_by(abort_by_.empty() ? "the operator" : abort_by_);
     for (const auto& [id, n] : nodes_)
       if (n.role() == "source") sources.push_back(n.address());
   }
@@ -1157,9 +1162,10 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
   rec.set_bytes(bytes);
   rec.set_aborted(by_operator);
   const std::string why =
-      by_operator ? absl::StrCat("aborted by the operator", why_in.empty() ? std::string() : absl::StrCat(": ", why_in),
-                                 st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"))
-                  : absl::StrCat(why_in, st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"));
+      by_operator
+          ? absl::StrCat("aborted by ", rec.aborted_by(), why_in.empty() ? std::string() : absl::StrCat(": ", why_in),
+                         st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"))
+          : absl::StrCat(why_in, st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"));
   absl::Status err = by_operator ? Fail(rec, absl::AbortedError(why), !clean)
                                  : Fail(rec, absl::UnavailableError(why), !clean);
   if (!lost_address.empty()) {
@@ -1592,6 +1598,10 @@ v1::ClusterStatus Coordinator::Status() const {
   s.set_current_version(current_version_ >= 0 ? std::to_string(current_version_) : std::string());
   s.set_state(state_);
   s.set_engines_hold_partial_writes(engines_dirty_);
+  s.set_open_version(state_ == "idle" || state_ == "failed" ? -1 : open_version_);
+  const bool failed = state_ == "failed" && !history_.empty() && !history_.back().success();
+  s.set_failed_version(failed ? history_.back().version() : -1);
+  if (failed) s.set_failure(history_.back().error());
   for (const auto& p : plan_) {
     auto* t = s.add_plan();
     t->set_source_node(p.source);

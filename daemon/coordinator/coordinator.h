@@ -369,6 +369,7 @@ class Coordinator {
   // phase stops at its next step; the abort cancels the calls in flight (in_flight_) until the update has ended.
   bool abort_asked_ = false;
   std::string abort_reason_;
+  std::string abort_by_;  // who asked for the abort (AbortUpdateRequest.aborted_by; "the operator" when not said)
   std::map<std::string, int> in_flight_;  // peer address → calls of the beginning/committing update in flight
   std::condition_variable ended_cv_;   // a begin or a commit ended (state_ left beginning or committing)
   int64_t open_version_ = -1;          // the version beginning, open or committing; -1 when none

@@ -795,7 +795,15 @@ absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequ
   v1::BeginPushReply out;
   auto it = rank_push_.find(rank);
   if (it != rank_push_.end())
-    for (const auto& n : it->second) out.add_tensor_names(n);
+    for (const auto& n : it->second) {
+      out.add_tensor_names(n);
+      v1::PushSpec* spec = out.add_expected();
+      spec->set_name(n);
+      if (auto e = replica_ ? replica_->Expected(n) : std::nullopt) {
+        for (int64_t d : e->shape) spec->add_shape(d);
+        spec->set_dtype(std::string(DTypeName(e->dtype)));
+      }
+    }
   auto sl = rank_slices_.find(rank);
   if (sl != rank_slices_.end())
     for (const auto& x : sl->second) *out.add_slices() = x;

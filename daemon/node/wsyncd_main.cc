@@ -93,7 +93,8 @@ int main(int argc, char** argv) {
                  "libfabric's pick, which honours FI_PROVIDER");
   app.add_option("--engine", engines,
                  "target: an engine on this node, KIND+SCHEME://HOST:PORT (reference+grpc://H:P, a bare H:P means "
-                 "the same; vllm+http://H:P[?mode=staged|direct]); repeatable");
+                 "the same; vllm+http://H:P[?mode=staged|direct]; sglang+http://H:P?config=PATH[&bootstrap=H:P]"
+                 "[&id=ID]); repeatable");
   app.add_option("--engine-socket", engine_socket,
                  "target: Unix socket engine ranks attach their memory to (default /run/wsync/target-<port>.sock, "
                  "else under $XDG_RUNTIME_DIR/wsync or /tmp/wsync-<uid>)");

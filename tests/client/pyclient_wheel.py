@@ -87,8 +87,9 @@ def build_wheel(work, python=sys.executable, cache="/var/cache/wsync"):
                     ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     shutil.copytree(os.path.join(ROOT, "proto", "wsync"), os.path.join(src, "proto", "wsync"))
     dist = os.path.join(work, "pyclient-dist")
+    # WSYNC_SOURCE_DIR: the copy's setup.py reads wsync's version from the checkout's CMakeLists.txt.
     subprocess.run([python, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, src], check=True, timeout=300,
-                   env=offline_env(house))
+                   env=dict(offline_env(house), WSYNC_SOURCE_DIR=ROOT))
     wheels = [w for w in os.listdir(dist) if w.endswith(".whl")]
     if len(wheels) != 1:
         raise RuntimeError("pip wheel built %s" % wheels)

@@ -30,10 +30,12 @@ Exit 0 pass, 1 fail.
 import argparse
 import ctypes
 import json
+import logging
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -300,7 +302,19 @@ def run(args, cluster, deadline):
           "a process of uid %d (gid %d) is refused, named: %s" % (nobody, nogroup, out[-300:]))
 
     t0 = time.monotonic()
-    dead = os.path.join(work, "no-daemon-here.sock")
+    missing = os.path.join(work, "no-daemon-here.sock")
+    try:
+        Trainer(missing, connect_timeout=5.0)
+        check(False, "a missing socket path fails")
+    except WsyncError as e:
+        took = time.monotonic() - t0
+        check(e.code == 5 and missing in e.message and "does not exist" in e.message and took < 0.5,
+              "missing socket path fails at once: %s after %.2f s (connect timeout 5 s)" % (e, took))
+    # A socket file nobody listens on (a daemon that died or restarts): retried until the connect timeout.
+    dead = os.path.join(work, "dead-daemon.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(dead)
+    t0 = time.monotonic()
     try:
         Trainer(dead, connect_timeout=1.0)
         check(False, "a dead socket path fails")
@@ -364,17 +378,42 @@ def run(args, cluster, deadline):
         coord.begin_update(version)
         names = trainer.begin_push(version)
         check(sorted(names) == sorted(specs), "push filter names every checkpoint tensor (%d)" % len(names))
+        # While it is open, status and watch show the update in progress (not the version served before it).
+        rc, out, err = ctl(args, coord_addr, "status")
+        check(rc == 0 and "in progress: update %d (updating)" % version in out,
+              "wsyncctl status shows the open update %d: %s" % (version, (out + err).splitlines()[:1]))
+        rc, out, err = ctl(args, coord_addr, "watch", "--once")
+        check(rc == 0 and len(out.strip().splitlines()) == 1 and "update %d (serving" % version in out,
+              "wsyncctl watch --once prints one line with the open update: %r" % out.strip())
+        rc, out, _ = ctl(args, coord_addr, "status", "-o", "json")
+        check(rc == 0 and json.loads(out).get("open_version") == version, "status -o json: open_version %d" % version)
+        check(all(names.shapes.get(n) == tuple(specs[n]) and names.dtypes.get(n) == "bfloat16" for n in names),
+              "begin_push returns the shape and dtype of each tensor (%s: %s %s)"
+              % (names[0], names.shapes.get(names[0]), names.dtypes.get(names[0])))
+        notes = []
+        note_handler = logging.Handler()
+        note_handler.emit = lambda rec: notes.append(rec.getMessage())
+        logging.getLogger("wsync_client").addHandler(note_handler)
         for k, name in enumerate(names):
             bits = generate_bf16(name, version, specs[name])
-            if k % 3 == 0:
+            if k in (0, 3):
+                # float32 for a bfloat16 tensor: converted by the daemon (exactly here: the values are bf16's), and
+                # the client says so once for the update.
+                import ml_dtypes
+                trainer.push(name, bits.view(ml_dtypes.bfloat16).astype(np.float32))
+            elif k % 3 == 0:
                 trainer.push(name, bits, dtype="bfloat16")
             elif k % 3 == 1:
                 trainer.push(name, bits.view(np.uint16), dtype="bf16")  # alias spelling
             else:
                 trainer.push(name, np.asfortranarray(bits), dtype="bfloat16")  # non-contiguous source
         trainer.end_push(version)
+        logging.getLogger("wsync_client").removeHandler(note_handler)
+        check(len(notes) == 1 and "float32 tensors are converted to the model's bfloat16" in notes[0]
+              and names[0] in notes[0], "one conversion note for the update: %s" % notes)
         stats = trainer.stats()
-        want_bytes = sum(2 * int(np.prod(s)) for s in specs.values())
+        want_bytes = sum(2 * int(np.prod(s)) for s in specs.values()) + \
+            2 * sum(int(np.prod(specs[names[k]])) for k in (0, 3))  # the two float32 pushes are twice as big
         check(stats["tensors"] == len(specs) and stats["bytes"] == want_bytes and stats["buckets"] >= 7,
               "stats count %d tensors / %d bytes in %d buckets" % (stats["tensors"], stats["bytes"], stats["buckets"]))
         rec = coord.commit_update(version, timeout=max(5.0, deadline - time.monotonic() - 30))
@@ -410,6 +449,16 @@ def run(args, cluster, deadline):
         last = coord.history(1)
         check(last and last[-1]["version"] == bad_version and last[-1]["success"] is False,
               "history records update %d as failed" % bad_version)
+        # After the failure, status names the failed update, why, and whether the engines hold partial writes.
+        rc, out, _ = ctl(args, coord_addr, "status", "-w", "json")
+        st = json.loads(out) if rc == 0 else {}
+        check(st.get("state") == "failed" and st.get("failed_version") == bad_version and bad in st.get("failure", "")
+              and st.get("open_version") == -1 and isinstance(st.get("engines_hold_partial_writes"), bool),
+              "status -w json after the failure: failed_version %s, failure %r" % (st.get("failed_version"),
+                                                                                   st.get("failure", "")[:160]))
+        rc, out, _ = ctl(args, coord_addr, "status")
+        check(rc == 0 and ("failed: update %d: " % bad_version) in out and bad in out,
+              "wsyncctl status table names the failed update and why: %s" % out.splitlines()[:3])
 
         aborted_version = bad_version + 1
         try:
@@ -421,6 +470,14 @@ def run(args, cluster, deadline):
         last = coord.history(1)[-1]
         check(last["version"] == aborted_version and last.get("aborted") is True and "loss is NaN" in last["error"],
               "history records update %d as aborted with the reason: %s" % (aborted_version, last.get("error")))
+        check(last.get("aborted_by") == "client exception: RuntimeError: loss is NaN",
+              "history says who aborted it: %r" % last.get("aborted_by"))
+        # Nothing of it was written, but the failed update before it may have written: the engines stay paused.
+        states = {e["engine_id"]: e["state"] for n in coord.status()["nodes"] for e in n.get("engine_details", [])}
+        check(coord.last_abort.get("engines_resumable") is False and coord.last_abort.get("engines_resumed") is False
+              and states and all(st == "paused" for st in states.values()),
+              "after an earlier failed update the abort leaves the engines paused: %s, engines %s"
+              % (coord.last_abort, states))
         try:
             trainer.end_push(aborted_version)
             check(False, "pushes of an aborted update are refused")
@@ -449,6 +506,32 @@ def run(args, cluster, deadline):
         verify(good)
         check(str(coord.resume_engines().get("version")) == str(good), "resume allowed after a successful update")
 
+        # An operator's abort through wsyncctl: recorded as such, with the reason.
+        by_ctl = good + 1
+        coord.begin_update(by_ctl)
+        p = subprocess.run([args.wsyncctl, "abort", str(by_ctl), "--reason", "bad data", "--endpoints", coord_addr],
+                           capture_output=True, text=True, timeout=60)
+        last = coord.history(1)[-1]
+        check(p.returncode == 0 and last["version"] == by_ctl and last.get("aborted_by") == "operator (wsyncctl abort)"
+              and "aborted by operator (wsyncctl abort): bad data" in last["error"],
+              "wsyncctl abort recorded as the operator's (rc %d): %r, %r" % (p.returncode, last.get("aborted_by"),
+                                                                           last.get("error")))
+        coord.resume_engines()
+        # An exception before any push, with clean engines: nothing of it was written, so they are resumed at once.
+        clean_abort = by_ctl + 1
+        try:
+            with coord.update(clean_abort):
+                trainer.begin_push(clean_abort)
+                raise ValueError("bad batch")
+        except ValueError:
+            pass
+        states = {e["engine_id"]: e["state"] for n in coord.status()["nodes"] for e in n.get("engine_details", [])}
+        check(coord.last_abort.get("engines_resumable") is True and coord.last_abort.get("engines_resumed") is True
+              and states and all(st == "serving" for st in states.values())
+              and coord.history(1)[-1].get("aborted_by") == "client exception: ValueError: bad batch",
+              "an abort that wrote nothing resumes the engines: %s, engines %s" % (coord.last_abort, states))
+        good = clean_abort
+
         # Two more updates through push_update over a generator: by now the 1 MiB ring has wrapped.
         for extra in (good + 1, good + 2):
             with coord.update(extra):
@@ -458,6 +541,12 @@ def run(args, cluster, deadline):
               % (trainer._ring._write, trainer._ring.capacity))
 
         run_torch(args, cluster, coord, trainer, specs, good + 3, verify, coord_addr)
+
+
+def ctl(args, coord_addr, *cmd):
+    """wsyncctl against the test's coordinator: (exit code, stdout, stderr)."""
+    p = subprocess.run([args.wsyncctl, *cmd, "--endpoints", coord_addr], capture_output=True, text=True, timeout=60)
+    return p.returncode, p.stdout, p.stderr
 
 
 def torch_module(tensors):
@@ -597,6 +686,13 @@ def run_torch(args, cluster, coord, trainer, specs, version, verify, coord_addr)
     last = coord.history(1)[-1]
     check(last["version"] == version and last.get("aborted") is True and "loss is inf" in last["error"],
           "torch update %d aborted by the exception: %s" % (version, last.get("error")))
+    # Half of it was written: the engines stay paused (resuming would serve mixed weights).
+    states = {e["engine_id"]: e["state"] for n in coord.status()["nodes"] for e in n.get("engine_details", [])}
+    check(last.get("aborted_by", "").startswith("client exception: FloatingPointError: loss is inf")
+          and coord.last_abort.get("engines_resumed") is False and states
+          and all(st == "paused" for st in states.values()),
+          "an abort after partial writes leaves the engines paused: %s, engines %s, by %r"
+          % (coord.last_abort, states, last.get("aborted_by")))
 
     # 5. Random weights (no generator can regenerate them): verified against the checksums the source recorded.
     version += 1

@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Command-line contract of every binary (docs/operations.md, "Command lines, versions and exit codes"): --version,
-exit codes 0/1/2/3, validated --log-level, wsyncctl's global flags after the subcommand and JSON with default-valued
-fields, wsyncd refusing a wildcard listen address without --advertise, and SIGTERM stopping a daemon that is still
-retrying its registration."""
+"""Command-line contract of every binary (docs/operations.md, "Command lines, versions and exit codes"): --version
+(the version of CMakeLists.txt), exit codes 0/1/2/3, validated --log-level, wsyncctl's global flags anywhere (every
+option of the main command, also around `plan`), JSON with default-valued fields and numbers as numbers, examples in
+--help, the bash completion against --help, watch's output while idle, the engines/history columns, connection errors
+explained (nothing listening: exit 3 with the --endpoints hint; an mTLS coordinator without a client certificate or
+with a foreign CA: exit 2, one line), --engine by id, wsyncd refusing a wildcard listen address without --advertise,
+and SIGTERM stopping a daemon that is still retrying its registration."""
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -65,6 +69,12 @@ def check_status_targets(b, ep, model, wd):
         check(rc == 0 and "GPUDIRECT" in out and "CUDA SEGMENTS" in out
               and any(l.split()[1:4] == ["no", "none", "(host"] for l in lines),
               f"status table: target node infer0 with GPUDirect 'no' and no segments (rc {rc}): {out[-600:]!r}")
+        rc, out, err = run([b("wsyncctl"), "checksums", "--engine", "engine0", "--rank", "1", "--endpoints", ep])
+        check(rc == 0 and len(out.strip().splitlines()) > 0,
+              f"checksums --engine engine0 (an engine id) reaches the engine (rc {rc}): {err.strip()[:200]!r}")
+        rc, out, err = run([b("wsyncctl"), "checksums", "--engine", "eng0", "--endpoints", ep])
+        check(rc == 2 and "no engine of that id" in err and "TLS" not in err,
+              f"checksums --engine eng0 (no such engine) names the cause (rc {rc}): {err.strip()!r}")
         target = procs.procs["target"]
         os.killpg(target.pid, signal.SIGSTOP)  # registered but not answering
         rc, out, _ = run([b("wsyncctl"), "status", "--endpoints", ep, "--dial-timeout", "1"])
@@ -75,6 +85,126 @@ def check_status_targets(b, ep, model, wd):
         procs.close()
 
 
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+
+def subcommands(help_text):
+    """The subcommand names `wsyncctl --help` lists."""
+    out, on = [], False
+    for line in help_text.splitlines():
+        if line.strip().lower().startswith("subcommands:"):
+            on = True
+            continue
+        if on:
+            if not line.startswith("  ") or not line.strip():
+                if out:
+                    break
+                continue
+            out.append(line.split()[0])
+    return out
+
+
+def complete(words):
+    """What tools/cli/wsyncctl.bash offers for the command line `words` (the last one being completed)."""
+    script = os.path.join(ROOT, "tools", "cli", "wsyncctl.bash")
+    arr = " ".join("'%s'" % w for w in words)
+    p = subprocess.run(["/bin/bash", "-c", 'source "$0"; COMP_WORDS=(%s); COMP_CWORD=%d; _wsyncctl; '
+                        'printf "%%s\\n" "${COMPREPLY[@]}"' % (arr, len(words) - 1), script],
+                       capture_output=True, text=True, timeout=30, env=dict(os.environ, PATH=""))
+    return set(p.stdout.split())
+
+
+def check_ctl_usability(b, ep, model):
+    """Global flags anywhere, JSON numbers, --help examples, completion, watch while idle, table columns."""
+    ctl = b("wsyncctl")
+    for argv in (["--log-format", "json", "status"], ["--tls-refresh-seconds", "30", "status"],
+                 ["-o", "json", "status"], ["status", "-o", "json"], ["--output=json", "status"],
+                 ["--log-level", "error", "status", "--dial-timeout", "3"]):
+        rc, out, err = run([ctl, *argv, "--endpoints", ep])
+        check(rc == 0, f"wsyncctl {' '.join(argv)}: global flags anywhere (rc {rc}: {err.strip()[:160]})")
+    rc, out, _ = run([ctl, "-o", "json", "status", "--endpoints", ep])
+    doc = json.loads(out) if rc == 0 else {}
+    check(isinstance(doc.get("membership_epoch"), int) and isinstance(doc.get("plan_epoch"), int)
+          and doc.get("open_version") == -1 and doc.get("failed_version") == -1,
+          f"status -o json: 64-bit integers are numbers, no update open or failed: "
+          f"{ {k: doc.get(k) for k in ('membership_epoch', 'open_version', 'failed_version')} }")
+    rc, out, _ = run([ctl, "history", "-o", "json", "--endpoints", ep])
+    check(rc == 0 and json.loads(out) == {"records": []}, f"history -o json on a fresh coordinator: {out.strip()!r}")
+    for argv in (["plan", "--model", model, "--endpoints", ep], ["--endpoints", ep, "-o", "json", "plan", "--model", model],
+                 ["plan", "--model", model, "-o", "json", "--tls-refresh-seconds", "9"]):
+        rc, out, err = run([ctl, *argv])
+        ok = rc == 0 and (not ("json" in argv) or out.strip().startswith("{"))
+        check(ok, f"wsyncctl {' '.join(argv[:4])}...: plan with global flags around it (rc {rc}: {err.strip()[:200]})")
+    rc, out, _ = run([ctl, "--help"])
+    cmds = subcommands(out)
+    check(rc == 0 and "examples:" in out and "wsyncctl watch" in out and len(cmds) >= 14,
+          f"--help lists {len(cmds)} commands and examples")
+    offered = complete(["wsyncctl", ""])
+    check(set(cmds) <= offered, f"completion offers every command of --help (missing {sorted(set(cmds) - offered)})")
+    for sub in cmds:
+        if sub == "plan":
+            continue
+        rc, out, _ = run([ctl, sub, "--help"])
+        flags = {n.split("=")[0] for line in out.splitlines() if line.startswith("  -")
+                 for n in line.split()[0].split(",") if n.startswith("--")}
+        offered = complete(["wsyncctl", sub, "--"])
+        check(flags <= offered, f"completion of `wsyncctl {sub} --` offers its flags (missing {sorted(flags - offered)})")
+    # watch: the current state at once, and a line while idle.
+    rc, out, _ = run([ctl, "watch", "--once", "--endpoints", ep])
+    lines = out.strip().splitlines()
+    check(rc == 0 and len(lines) == 1 and "idle" in lines[0], f"watch --once prints one line: {lines}")
+    rc, out, _ = run([ctl, "watch", "--idle-every", "0.3", "--interval", "0.1", "--for", "1.2", "--endpoints", ep])
+    lines = out.strip().splitlines()
+    check(rc == 0 and len(lines) >= 3 and "waiting for an update" in lines[0],
+          f"watch prints while idle ({len(lines)} lines in 1.2 s): {lines[:2]}")
+    rc, out, _ = run([ctl, "history", "--endpoints", ep])
+    check(rc == 0 and "STARTED (UTC)" in out.splitlines()[0], f"history has a time column: {out.splitlines()[:1]}")
+    rc, out, _ = run([ctl, "engines", "--endpoints", ep])
+    check(rc == 0 and "VERSION" in out.splitlines()[0].split(), f"engines has a version column: {out.splitlines()[:1]}")
+
+
+def check_connection_errors(b, wd):
+    """Unreachable, no client certificate against mTLS, a foreign CA: one line each, exit 3 / 2 / 2."""
+    ctl = b("wsyncctl")
+    dead = f"127.0.0.1:{free_port()}"
+    rc, _, err = run([ctl, "status", "--endpoints", dead, "--dial-timeout", "1"])
+    check(rc == 3 and "--endpoints or WSYNC_ENDPOINTS" in err and dead in err,
+          f"unreachable coordinator: exit 3 with the --endpoints hint (rc {rc}): {err.strip()!r}")
+    certs, foreign = os.path.join(wd, "certs"), os.path.join(wd, "foreign")
+    mk = os.path.join(ROOT, "tools", "cli", "wsync-certs.sh")
+    subprocess.run([mk, certs, "coordinator:main", "admin:ops"], check=True, capture_output=True)
+    subprocess.run([mk, foreign, "admin:ops"], check=True, capture_output=True)
+    tls = lambda d, who: ["--tls-ca", f"{d}/ca.pem", "--tls-cert", f"{d}/{who}.pem", "--tls-key", f"{d}/{who}-key.pem"]
+    pf = os.path.join(wd, "tls-coord.port")
+    coord = subprocess.Popen([b("wsync-coordinator"), "--listen", "127.0.0.1:0", "--port-file", pf,
+                              *tls(certs, "coordinator-main")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 20
+        while not os.path.exists(pf) and time.time() < deadline:
+            time.sleep(0.05)
+        ep = "127.0.0.1:" + open(pf).read().strip()
+        rc, _, err = run([ctl, "status", "--endpoints", ep])
+        check(rc == 2 and "a client certificate is required" in err and "Socket closed" not in err
+              and len(err.strip().splitlines()) == 1,
+              f"mTLS coordinator without a client certificate: exit 2, says a certificate is required (rc {rc}): "
+              f"{err.strip()!r}")
+        rc, _, err = run([ctl, "status", "--endpoints", ep, *tls(foreign, "admin-ops")])
+        check(rc == 2 and "not signed by the CA" in err and len(err.strip().splitlines()) == 1,
+              f"a foreign CA: exit 2, one line (rc {rc}): {err.strip()!r}")
+        rc, out, err = run([ctl, "status", "--endpoints", ep, *tls(certs, "admin-ops")])
+        check(rc == 0 and out.startswith("state: idle"), f"the right certificate: status works (rc {rc}: {err.strip()})")
+        # The HA readiness probe of docs/operations.md: the coordinator's own certificate from its environment.
+        env = dict(os.environ, WSYNC_TLS_CA=f"{certs}/ca.pem", WSYNC_TLS_CERT=f"{certs}/coordinator-main.pem",
+                   WSYNC_TLS_KEY=f"{certs}/coordinator-main-key.pem")
+        p = subprocess.run(["sh", "-c", f'exec {ctl} --endpoints "$POD_IP:{ep.split(":")[1]}" --dial-timeout 2 '
+                            'status -o json >/dev/null'], env=dict(env, POD_IP="127.0.0.1"), capture_output=True,
+                           text=True, timeout=30)
+        check(p.returncode == 0, f"the readiness-probe command under mTLS passes (rc {p.returncode}: {p.stderr.strip()})")
+    finally:
+        coord.terminate()
+        coord.wait(10)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
@@ -82,9 +212,15 @@ def main():
     args = ap.parse_args()
     b = lambda n: os.path.join(args.bin, n)
     progs = ["wsyncctl", "wsyncd", "wsync-coordinator", "wsync-engine-ref", "wsync-trainer-demo"]
+    version = re.search(r"^project\(wsync VERSION (\S+)", open(os.path.join(ROOT, "CMakeLists.txt")).read(),
+                        re.M).group(1)
+    rc, out, _ = run([b("wsyncd"), "--help"])
+    check(all(k in out for k in ("reference+grpc://", "vllm+http://", "sglang+http://")),
+          "wsyncd --help names every engine kind (reference, vllm, sglang)")
     for prog in progs:
         rc, out, _ = run([b(prog), "--version"])
         check(rc == 0 and out.startswith(prog + " ") and "commit" in out, f"{prog} --version: rc {rc}, {out.strip()!r}")
+        check(out.split()[1] == version, f"{prog} --version is the version of CMakeLists.txt ({version})")
         rc, out, _ = run([b(prog), "--help"])
         check(rc == 0 and "exit codes" in out, f"{prog} --help lists exit codes (rc {rc})")
         rc, _, err = run([b(prog), "--log-level", "verbose"])
@@ -101,6 +237,9 @@ def main():
     dead = f"127.0.0.1:{free_port()}"
     rc, _, err = run([b("wsyncctl"), "status", "-w", "json", "--endpoints", dead, "--dial-timeout", "1"])
     check(rc == 3, f"unreachable coordinator exits 3 (rc {rc})")
+    rc, _, err = run([b("wsyncctl"), "checksums", "--engine", "eng0", "--endpoints", dead, "--dial-timeout", "1"])
+    check(rc == 3 and "TLS" not in err and "WSYNC_ENDPOINTS" in err,
+          f"checksums --engine ID asks the coordinator for the engine; unreachable: exit 3, no TLS blame: {err.strip()!r}")
     # libibverbs is loaded at run time, never linked: wsyncd must start on hosts without rdma-core.
     rc, out, _ = run(["readelf", "-d", b("wsyncd")])
     check(rc == 0 and "libibverbs" not in out and "librdmacm" not in out,
@@ -166,10 +305,13 @@ def main():
             finally:
                 d.terminate()
                 d.wait(10)
+            check_ctl_usability(b, ep, args.model)
             check_status_targets(b, ep, args.model, wd)
         finally:
             coord.terminate()
             coord.wait(10)
+
+        check_connection_errors(b, wd)
 
         # SIGTERM while the daemon retries its registration: it must stop promptly with status 0.
         d = subprocess.Popen([b("wsyncd"), "--role", "source", "--coordinator", dead, "--listen", "127.0.0.1:0",

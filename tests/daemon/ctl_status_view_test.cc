@@ -1,8 +1,17 @@
 // `wsyncctl status`'s target-node view: NodeStatus.cuda_segments and gpu_direct as the table and the JSON show them.
 // The statuses are built here as a GPU target reports them (tests/cuda/cuda_segment_test checks the daemon's side).
-#include <catch2/catch.hpp>
-#include <string>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <catch2/catch.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "base/fd_passing.h"
+#include "tools/cli/cli_support.h"
 #include "tools/cli/status_view.h"
 
 namespace wsync::tools {
@@ -70,6 +79,164 @@ TEST_CASE("status JSON: gpu_direct and cuda_segments per target node") {
   CHECK(j[3]["reachable"] == false);
   CHECK(j[3]["error"] == "failed to connect");
   CHECK(!j[3].contains("gpu_direct"));
+}
+
+}  // namespace
+}  // namespace wsync::tools
+
+// wsyncctl's JSON, status headline, engines table and connection errors (tools/cli/cli_support.h, status_view.h).
+namespace wsync::tools {
+namespace {
+
+TEST_CASE("ProtoToJson: 64-bit integers are numbers, every field present, maps are objects") {
+  v1::ClusterStatus s;
+  s.set_membership_epoch(7);
+  s.set_open_version(12);
+  s.set_failed_version(-1);
+  (*s.mutable_source_plan_epochs())["train0"] = 3;
+  auto* n = s.add_nodes();
+  n->set_node_id("infer0");
+  n->add_engine_details()->set_engine_id("e0");
+  auto* t = s.add_plan();
+  t->set_bytes(uint64_t{5} << 40);
+  const nlohmann::json j = ProtoToJson(s);
+  CHECK(j["membership_epoch"].is_number_integer());
+  CHECK(j["membership_epoch"] == 7);
+  CHECK(j["open_version"] == 12);
+  CHECK(j["failed_version"] == -1);
+  CHECK(j["plan_epoch"] == 0);        // default-valued, still present
+  CHECK(j["current_version"] == "");  // a string field stays a string
+  CHECK(j["engines_hold_partial_writes"] == false);
+  CHECK(j["source_plan_epochs"]["train0"] == 3);
+  CHECK(j["plan"][0]["bytes"].get<uint64_t>() == (uint64_t{5} << 40));
+  CHECK(j["nodes"][0]["engine_details"][0]["engine_id"] == "e0");
+  CHECK(j["nodes"][0]["engine_details"][0]["ranks"] == 0);
+  v1::UpdateRecord r;
+  r.set_version(9);
+  r.set_started_unix_ms(1733000000000);
+  const nlohmann::json rj = ProtoToJson(r);
+  CHECK(rj["version"].is_number_integer());
+  CHECK(rj["started_unix_ms"] == 1733000000000);
+  CHECK(rj["aborted_by"] == "");
+}
+
+TEST_CASE("status headline: the update in progress, the failure with its reason and the partial-write flag") {
+  v1::ClusterStatus s;
+  s.set_state("updating");
+  s.set_current_version("4");
+  s.set_open_version(5);
+  s.set_failed_version(-1);
+  std::string h = FormatClusterHeadline(s);
+  INFO(h);
+  CHECK(h.find("version: 4") != std::string::npos);
+  CHECK(h.find("in progress: update 5 (updating)") != std::string::npos);
+  CHECK(h.find("failed") == std::string::npos);
+
+  s.set_state("failed");
+  s.set_open_version(-1);
+  s.set_failed_version(5);
+  s.set_failure("ABORTED: update 5 failed; engines stay paused at version 4 until a successful update: lease lost");
+  s.set_engines_hold_partial_writes(true);
+  h = FormatClusterHeadline(s);
+  INFO(h);
+  CHECK(h.find("in progress") == std::string::npos);
+  CHECK(h.find("failed: update 5: ABORTED: update 5 failed") != std::string::npos);
+  CHECK(h.find("lease lost") != std::string::npos);
+  CHECK(h.find("may hold partial writes") != std::string::npos);
+
+  s.set_engines_hold_partial_writes(false);
+  h = FormatClusterHeadline(s);
+  CHECK(h.find("no byte of the failed update reached the engines") != std::string::npos);
+}
+
+TEST_CASE("engines table: the version each engine serves") {
+  v1::ClusterStatus s;
+  auto* n = s.add_nodes();
+  n->set_node_id("infer0");
+  auto* e = n->add_engine_details();
+  e->set_engine_id("engine0");
+  e->set_state("serving");
+  e->set_weight_version("17");
+  auto* f = n->add_engine_details();
+  f->set_engine_id("engine1");
+  f->set_state("registered");
+  const std::string t = FormatEngines(s);
+  INFO(t);
+  CHECK(t.find("VERSION") != std::string::npos);
+  std::istringstream lines(t);
+  std::string header, l0, l1;
+  std::getline(lines, header);
+  std::getline(lines, l0);
+  std::getline(lines, l1);
+  CHECK(l0.find("engine0") == 0);
+  CHECK(l0.find(" 17 ") != std::string::npos);
+  CHECK(l1.find(" - ") != std::string::npos);  // no version yet
+}
+
+TEST_CASE("connection errors: a hint instead of gRPC's text, configuration (2) told from outage (3)") {
+  const absl::Status closed = absl::UnavailableError("failed to connect to all addresses; last error: Socket closed");
+  CallError e = DescribeCallError(closed, "127.0.0.1:7600", false, "--endpoints", EndpointProbe::kRefused);
+  CHECK(e.exit_code == 3);
+  CHECK(e.message.find("--endpoints or WSYNC_ENDPOINTS") != std::string::npos);
+  CHECK(e.message.find("127.0.0.1:7600") != std::string::npos);
+
+  e = DescribeCallError(closed, "127.0.0.1:7600", false, "--endpoints", EndpointProbe::kTlsRequired);
+  CHECK(e.exit_code == 2);
+  CHECK(e.message.find("a client certificate is required") != std::string::npos);
+  CHECK(e.message.find("Socket closed") == std::string::npos);
+
+  e = DescribeCallError(closed, "127.0.0.1:7600", true, "--endpoints", EndpointProbe::kTlsRequired);
+  CHECK(e.exit_code == 2);
+  CHECK(e.message.find("did not accept this client's certificate") != std::string::npos);
+
+  const absl::Status foreign = absl::UnavailableError(
+      "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:7600: Ssl handshake failed: "
+      "SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED");
+  e = DescribeCallError(foreign, "127.0.0.1:7600", true, "--endpoints", EndpointProbe::kNotProbed);
+  CHECK(e.exit_code == 2);
+  CHECK(e.message.find("not signed by the CA this client trusts") != std::string::npos);
+  CHECK(e.message.find('\n') == std::string::npos);
+
+  e = DescribeCallError(closed, "127.0.0.1:7600", true, "--endpoints", EndpointProbe::kPlaintext);
+  CHECK(e.exit_code == 2);
+  CHECK(e.message.find("serves without TLS") != std::string::npos);
+
+  // The server's own errors pass through unchanged.
+  e = DescribeCallError(absl::FailedPreconditionError("no update is open"), "x:1", false, "--endpoints",
+                        EndpointProbe::kNotProbed);
+  CHECK(e.exit_code == 1);
+  CHECK(e.message == "FAILED_PRECONDITION: no update is open");
+  CHECK(!IsConnectionFailure(absl::FailedPreconditionError("no update is open")));
+  CHECK(IsConnectionFailure(closed));
+}
+
+TEST_CASE("ProbeEndpoint: nothing listening, and a server that closes a plaintext connection") {
+  // A port nobody listens on.
+  ScopedFd probe(socket(AF_INET, SOCK_STREAM, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(bind(probe.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  socklen_t len = sizeof(a);
+  REQUIRE(getsockname(probe.get(), reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  const std::string dead = "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+  probe.reset();
+  CHECK(ProbeEndpoint(dead, 1000) == EndpointProbe::kRefused);
+
+  // A listener that reads the preface and closes, as a TLS server does with plaintext.
+  ScopedFd l(socket(AF_INET, SOCK_STREAM, 0));
+  a.sin_port = 0;
+  REQUIRE(bind(l.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  REQUIRE(listen(l.get(), 1) == 0);
+  len = sizeof(a);
+  REQUIRE(getsockname(l.get(), reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  std::thread server([&] {
+    ScopedFd c(accept(l.get(), nullptr, nullptr));
+    char buf[64];
+    (void)!read(c.get(), buf, sizeof(buf));
+  });
+  CHECK(ProbeEndpoint("127.0.0.1:" + std::to_string(ntohs(a.sin_port)), 2000) == EndpointProbe::kTlsRequired);
+  server.join();
 }
 
 }  // namespace

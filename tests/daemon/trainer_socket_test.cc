@@ -1,7 +1,7 @@
 // The source daemon's trainer socket, in process: a real SourceNode behind TrainerSocket and the TrainerIngest gRPC
 // server on a Unix socket, reached by the real C++ client. A session hands over a working ring; a process of another
 // uid is refused naming its uid and gid; a forged session id is refused; a dead path fails within the connect
-// timeout naming it; a TCP address is refused.
+// timeout naming it, a missing path at once; a TCP address is refused.
 
 #include <catch2/catch.hpp>
 
@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "absl/strings/match.h"
@@ -172,13 +173,39 @@ TEST_CASE("trainer socket: a process of another uid is refused, named", "[traine
   CHECK(d.node->Status().sessions() == 0);
 }
 
-TEST_CASE("trainer socket: a dead path fails within the connect timeout; a TCP address is refused", "[trainer_socket]") {
-  const std::string dead = "/tmp/wsync-no-daemon-here-" + std::to_string(getpid()) + ".sock";
-  client::TrainerOptions o = Opts(dead);
-  o.connect_timeout = absl::Milliseconds(500);
-  const absl::Time t0 = absl::Now();
+TEST_CASE(
+    "trainer socket: a missing path fails at once, a dead socket within the connect timeout; a TCP address is "
+    "refused",
+    "[trainer_socket]") {
+  // A path that does not exist is a wrong path: no wait, the path named.
+  const std::string missing = "/tmp/wsync-no-daemon-here-" + std::to_string(getpid()) + ".sock";
+  client::TrainerOptions o = Opts(missing);
+  o.connect_timeout = absl::Seconds(5);
+  absl::Time t0 = absl::Now();
   auto c = client::TrainerClient::Connect(o);
-  const absl::Duration took = absl::Now() - t0;
+  absl::Duration took = absl::Now() - t0;
+  INFO(c.status().ToString() << " after " << absl::FormatDuration(took));
+  CHECK(absl::IsNotFound(c.status()));
+  CHECK(absl::StrContains(c.status().message(), missing));
+  CHECK(absl::StrContains(c.status().message(), "does not exist"));
+  CHECK(took < absl::Milliseconds(200));
+
+  // A socket file nobody listens on (a daemon that died or is restarting): retried until the connect timeout.
+  const std::string dead = "/tmp/wsync-dead-daemon-" + std::to_string(getpid()) + ".sock";
+  {
+    ScopedFd s(socket(AF_UNIX, SOCK_STREAM, 0));
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::memcpy(a.sun_path, dead.c_str(), dead.size());
+    unlink(dead.c_str());
+    REQUIRE(bind(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);  // bound, never listening
+  }
+  o = Opts(dead);
+  o.connect_timeout = absl::Milliseconds(500);
+  t0 = absl::Now();
+  c = client::TrainerClient::Connect(o);
+  took = absl::Now() - t0;
+  unlink(dead.c_str());
   INFO(c.status().ToString() << " after " << absl::FormatDuration(took));
   CHECK(absl::IsDeadlineExceeded(c.status()));
   CHECK(absl::StrContains(c.status().message(), dead));

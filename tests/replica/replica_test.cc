@@ -234,11 +234,19 @@ TEST_CASE("bad tensors are rejected by name and write nothing", "[replica][valid
   Tensor i32 = Pattern("model.layers.0.self_attn.k_norm.weight", {2}, 1);
   i32.dtype = DType::kI32;
   i32.data.resize(8);
-  expect_error(i32, absl::StatusCode::kInvalidArgument, "dtype int32 is not allowed");
+  // The refusal names the dtype the model holds (and that float32/float16 would have been converted).
+  expect_error(i32, absl::StatusCode::kInvalidArgument, "dtype int32 is not accepted: the model holds it as bfloat16");
+  expect_error(i32, absl::StatusCode::kInvalidArgument, "float32 and float16 are converted");
   Tensor fp8 = Pattern("model.layers.0.self_attn.k_norm.weight", {2}, 1);
   fp8.dtype = DType::kF8E4M3;
   fp8.data.resize(2);
-  expect_error(fp8, absl::StatusCode::kInvalidArgument, "float8_e4m3fn is not allowed");
+  expect_error(fp8, absl::StatusCode::kInvalidArgument, "float8_e4m3fn is not accepted");
+  // What BeginPush tells a trainer to push: the checkpoint's shape and dtype, nothing for an unknown name.
+  auto want = rep.Expected("model.layers.0.self_attn.q_proj.weight");
+  REQUIRE(want.has_value());
+  CHECK(want->dtype == DType::kBF16);
+  CHECK(want->shape == std::vector<int64_t>{8, 8});
+  CHECK_FALSE(rep.Expected("model.layers.0.self_attn.qq_proj.weight").has_value());
   Tensor short_data = Pattern("model.layers.0.self_attn.k_norm.weight", {2}, 1);
   short_data.data.resize(2);
   expect_error(short_data, absl::StatusCode::kInvalidArgument, "2 bytes of data, expected 4");

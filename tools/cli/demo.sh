@@ -62,7 +62,8 @@ start() {  # start NAME CMD... ; runs in the background with its log in $work/NA
 certs="$work/certs"
 tls() { :; }
 if [ "${WSYNC_DEMO_INSECURE:-0}" != 1 ]; then
-  "$here/tools/cli/wsync-certs.sh" "$certs" coordinator:demo engine:engine0 engine:engine1 target:infer-node0 \
+  # Beside this script: tools/cli in the checkout, the bin directory of an installed tree (the container image).
+  "$(cd "$(dirname "$0")" && pwd)/wsync-certs.sh" "$certs" coordinator:demo engine:engine0 engine:engine1 target:infer-node0 \
     target:infer-node1 source:train-node0 source:train-node1 trainer:demo >/dev/null
   tls() { echo --tls-ca "$certs/ca.pem" --tls-cert "$certs/$1.pem" --tls-key "$certs/$1-key.pem"; }
   echo "mTLS on: certificates in $certs"
@@ -91,6 +92,8 @@ for s in 0 1; do
   src[$s]="$work/source$s.sock"  # trainer ranks reach their daemon through its local socket
 done
 echo "engines ${eng[*]}; source daemons ${src[*]}; running $updates updates of $(basename "$(dirname "$model")")"
+echo "(each update: begun, pushed, committed with its phases, then every engine rank verified; 3 to 25 s per update"
+echo " of Qwen3-0.6B on a 2-core machine, one to a few minutes in all)"
 
 trainers=()
 for s in 0 1; do
@@ -103,6 +106,9 @@ for s in 0 1; do
     trainers+=($!)
   done
 done
+# The driving rank's lines (each update begun, pushed, committed with its phases, verified) as they come.
+tail -n +1 -F "$work/trainer0.out" 2>/dev/null &
+follow=$!
 rc=0
 # The first trainer to fail ends the demo: the others would only wait for an update that cannot complete.
 remaining=("${trainers[@]}")
@@ -120,7 +126,9 @@ if [ $rc -ne 0 ]; then
     if grep -q ' E \[' "$work/trainer$i.log"; then echo "demo: trainer $i failed:" >&2; grep ' E \[' "$work/trainer$i.log" | tail -n 5 >&2; fi
   done
 fi
-cat "$work/trainer0.out"
+sleep 0.3  # let tail print the last lines
+kill "$follow" 2>/dev/null || true
+wait "$follow" 2>/dev/null || true
 if [ $rc -ne 0 ]; then
   for f in coordinator source0 source1 target0 target1; do echo "--- $f" >&2; tail -n 10 "$work/$f.log" >&2; done
   grep -q '^wsync demo:' "$work/trainer0.out" || echo "wsync demo: FAILED (see the logs above)"

@@ -35,4 +35,32 @@ nlohmann::json TargetPathsJson(const std::vector<TargetPath>& targets) {
   return arr;
 }
 
+std::string FormatClusterHeadline(const v1::ClusterStatus& s) {
+  std::string out =
+      absl::StrFormat("state: %s   version: %s", s.state(), s.current_version().empty() ? "-" : s.current_version());
+  if (s.open_version() >= 0) absl::StrAppendFormat(&out, "   in progress: update %d (%s)", s.open_version(), s.state());
+  absl::StrAppendFormat(&out, "   membership epoch: %d   plan epoch: %d\n", s.membership_epoch(), s.plan_epoch());
+  if (s.failed_version() >= 0)
+    absl::StrAppendFormat(&out, "failed: update %d: %s\n", s.failed_version(),
+                          s.failure().empty() ? std::string("(no reason recorded)") : s.failure());
+  if (s.engines_hold_partial_writes())
+    out +=
+        "engines may hold partial writes of a failed or aborted update: they stay paused until an update "
+        "succeeds (`wsyncctl resume` is refused)\n";
+  else if (s.state() == "failed")
+    out += "no byte of the failed update reached the engines: `wsyncctl resume` serves the old version again\n";
+  return out;
+}
+
+std::string FormatEngines(const v1::ClusterStatus& s) {
+  std::string out = absl::StrFormat("%-16s %-10s %-6s %-22s %-28s %-10s %s\n", "ENGINE", "KIND", "RANKS", "ADDRESS",
+                                    "NODE", "VERSION", "STATE");
+  for (const auto& n : s.nodes())
+    for (const auto& e : n.engine_details())
+      absl::StrAppendFormat(&out, "%-16s %-10s %-6d %-22s %-28s %-10s %s\n", e.engine_id(),
+                            e.kind().empty() ? "-" : e.kind(), e.ranks(), e.address(), n.node_id(),
+                            e.weight_version().empty() ? "-" : e.weight_version(), e.state());
+  return out;
+}
+
 }  // namespace wsync::tools

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "nlohmann/json.hpp"
+#include "wsync/v1/coordinator.pb.h"
 #include "wsync/v1/daemon.pb.h"
 
 namespace wsync::tools {
@@ -22,5 +23,13 @@ struct TargetPath {
 std::string FormatTargetPaths(const std::vector<TargetPath>& targets);
 // [{"node_id", "reachable", "gpu_direct", "cuda_segments": [...]} (+ "error" when unreachable)].
 nlohmann::json TargetPathsJson(const std::vector<TargetPath>& targets);
+
+// `wsyncctl status`'s first lines: state, the version served, the update in progress (its version; the state is its
+// phase), and after a failure the failed version, why, and whether the engines may hold partial writes.
+std::string FormatClusterHeadline(const v1::ClusterStatus& s);
+
+// The engines table of `wsyncctl engines` and `status`: id, kind, ranks, address, node, state and the version each
+// serves (EngineSummary.weight_version).
+std::string FormatEngines(const v1::ClusterStatus& s);
 
 }  // namespace wsync::tools

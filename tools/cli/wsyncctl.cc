@@ -1,12 +1,13 @@
 // wsyncctl: the admin CLI. Exit codes (base/cli.h, shared by every wsync binary): 0 ok, 1 the server reported an
-// error, 2 bad usage or input, 3 the endpoint could not be reached in time. Global flags (--endpoints, -w,
-// --dial-timeout) may stand anywhere on the line, before or after the command, as in etcdctl.
+// error, 2 bad usage, input or configuration (a missing client certificate, a foreign CA: retrying will not help),
+// 3 the endpoint could not be reached in time. Global flags (every option of the main command: --endpoints, -w/-o,
+// --dial-timeout, --log-level, --log-format, --tls-*) may stand anywhere on the line, before or after the command, as
+// in etcdctl.
+
+#include <grpc/support/log.h>
+#include <grpcpp/grpcpp.h>
 
 #include <cstdio>
-#include <iostream>
-#include <set>
-
-#include <grpcpp/grpcpp.h>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/numbers.h"
@@ -17,16 +18,18 @@
 #include "base/cli.h"
 #include "base/logging.h"
 #include "client/coordinator_client.h"
-#include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "proto/status_convert.h"
 #include "proto/tls.h"
 #include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
 #include "tools/cli/engine_health.h"
+#include "tools/cli/cli_support.h"
 #include "tools/cli/plan_command.h"
 #include "tools/cli/status_view.h"
 #include "tools/cli/verify_command.h"
+#include "wsync/v1/daemon.grpc.pb.h"
+#include "wsync/v1/engine.grpc.pb.h"
 
 using namespace wsync;
 
@@ -44,18 +47,29 @@ int ExitFor(const absl::Status& s) {
   return kExitServer;
 }
 
-// Proto JSON with every field, default-valued ones included (`rank: 0`, `success: false`), original field names.
-std::string ProtoJson(const google::protobuf::Message& m, bool pretty) {
-  std::string out;
-  google::protobuf::util::JsonPrintOptions o;
-  o.add_whitespace = pretty;
-  o.preserve_proto_field_names = true;
-  o.always_print_primitive_fields = true;
-  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
-  return out;
+// Where the command's calls went, so that a failed connection is explained rather than shown as gRPC's text.
+struct Peer {
+  std::string endpoint;  // host:port, or a fail-over list
+  std::string flag;      // the option that set it
+  bool tls = false;      // this client presents a certificate
+};
+
+// A failed call to `peer`: the server's own errors as they are; a connection that failed is probed (plaintext,
+// TLS, nothing) and explained, with exit 2 for what configuration must fix and 3 for an outage.
+int ExitFor(const absl::Status& s, const Peer& peer) {
+  if (s.ok() || !tools::IsConnectionFailure(s)) return ExitFor(s);
+  const bool one = peer.endpoint.find(',') == std::string::npos;
+  const tools::EndpointProbe probe = one ? tools::ProbeEndpoint(peer.endpoint, 2000) : tools::EndpointProbe::kNotProbed;
+  const tools::CallError e = tools::DescribeCallError(s, peer.endpoint, peer.tls, peer.flag, probe);
+  std::fprintf(stderr, "Error: %s\n", e.message.c_str());
+  return e.exit_code;
 }
 
-void PrintJson(const google::protobuf::Message& m) { std::cout << ProtoJson(m, true); }
+// gRPC's own log lines (a failed handshake, a refused connection) repeat what the error line says: debug only here.
+void QuietGrpcLog(gpr_log_func_args* args) { spdlog::debug("grpc: {}", args->message); }
+
+// Every field, default-valued ones included (`rank: 0`, `success: false`), proto field names, numbers as numbers.
+void PrintJson(const google::protobuf::Message& m) { std::printf("%s\n", tools::ProtoToJson(m).dump(2).c_str()); }
 
 std::string Phases(const v1::UpdateRecord& r) {
   std::string s;
@@ -63,40 +77,52 @@ std::string Phases(const v1::UpdateRecord& r) {
   return s;
 }
 
-// Global flags that take a value; used to tell a flag's value from the command when scanning argv.
-const std::set<std::string>& ValueFlags() {
-  static const std::set<std::string> f = {"--endpoints", "-w",      "--write-out", "--dial-timeout",
-                                          "--log-level", "--tls-ca", "--tls-cert",  "--tls-key"};
-  return f;
+// The main command's option named by argv word `a` ("--endpoints", "--endpoints=X", "-w"), or null.
+const CLI::Option* GlobalOption(const CLI::App& app, const std::string& a) {
+  if (a.size() < 2 || a[0] != '-') return nullptr;
+  return app.get_option_no_throw(a.substr(0, a.find('=')));
 }
 
-// Index of the command word in argv (the first argument that is neither a flag nor a global flag's value), or -1.
-int CommandIndex(int argc, char** argv) {
+// Whether argv word `a` is a global option whose value is the next word (not "--opt=value", not a flag).
+bool TakesNextWord(const CLI::App& app, const std::string& a) {
+  const CLI::Option* o = GlobalOption(app, a);
+  return o != nullptr && a.find('=') == std::string::npos && o->get_items_expected_max() > 0;
+}
+
+// Index of the command word in argv (the first argument that is neither an option nor a global option's value), or
+// -1. The options are the app's own, so a new global flag needs no second list here.
+int CommandIndex(const CLI::App& app, int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a.empty() || a[0] != '-') return i;
-    if (ValueFlags().count(a) > 0) ++i;  // skip its value
+    if (TakesNextWord(app, a)) ++i;  // skip its value
   }
   return -1;
 }
 
-// `plan` is a pure computation with its own flags; it is handed the arguments after the word `plan`, plus the
-// output format when -w/--write-out was given before the command.
-int RunPlan(int argc, char** argv, int at) {
+// `plan` is a pure computation with its own flags; it is handed the arguments around the word `plan` except the
+// global options (--endpoints, --tls-*: meaningless for a local computation), with -w/-o as its own -w.
+int RunPlan(const CLI::App& app, int argc, char** argv, int at) {
   std::vector<std::string> args = {"plan"};
-  for (int i = 1; i < at; ++i) {
+  for (int i = 1; i < argc; ++i) {
+    if (i == at) continue;
     const std::string a = argv[i];
-    if ((a == "-w" || a == "--write-out") && i + 1 < at) {
+    const CLI::Option* o = GlobalOption(app, a);
+    const bool after = i > at;
+    if (o != nullptr && o->check_name("-w")) {  // -w, -o, --write-out, --output
+      const size_t eq = a.find('=');
       args.push_back("-w");
-      args.push_back(argv[++i]);
-    } else if (a.rfind("--write-out=", 0) == 0) {
-      args.push_back("-w");
-      args.push_back(a.substr(12));
-    } else if (ValueFlags().count(a) > 0) {
-      ++i;  // --endpoints etc.: meaningless for a local computation
+      if (eq != std::string::npos) {
+        args.push_back(a.substr(eq + 1));
+      } else if (i + 1 < argc) {
+        args.push_back(argv[++i]);
+      }
+    } else if (o != nullptr && !(after && o->check_name("--help"))) {
+      if (TakesNextWord(app, a)) ++i;
+    } else if (after) {
+      args.push_back(a);  // plan's own flags and values
     }
   }
-  for (int i = at + 1; i < argc; ++i) args.push_back(argv[i]);
   std::vector<char*> ptrs;
   for (auto& a : args) ptrs.push_back(a.data());
   return wsync::tools::RunPlanCommand(static_cast<int>(ptrs.size()), ptrs.data());
@@ -167,43 +193,51 @@ bool UpdateRunning(const std::string& state) {
   return state == "beginning" || state == "updating" || state == "committing" || state == "aborting";
 }
 
-int RunWatch(const std::string& endpoint, absl::Duration dt, bool json, double interval, double watch_for,
-             bool once) {
+// Prints samples until the update that runs (or the next one) has ended: every sample while one runs; while idle the
+// first sample, each change of state or version, and one line every `idle_every` seconds so a silent terminal still
+// says the coordinator answers. JSON: one line per sample.
+int RunWatch(const std::string& endpoint, const Peer& peer, absl::Duration dt, bool json, double interval,
+             double watch_for, bool once, double idle_every) {
   client::CoordinatorClient c(endpoint, dt);
   std::map<std::string, std::unique_ptr<v1::NodeDaemon::Stub>> stubs;
   const absl::Time start = absl::Now();
-  absl::Time prev_t = start;
+  absl::Time prev_t = start, last_print = absl::InfinitePast();
   uint64_t prev_bytes = 0;
   bool saw_running = false;
-  std::string first_version;
+  std::string first_version, last_key;
   bool first = true;
   for (;;) {
     auto w = SampleWatch(c, dt, stubs);
-    if (!w.ok()) return ExitFor(w.status());
+    if (!w.ok()) return ExitFor(w.status(), peer);
     const absl::Time now = absl::Now();
-    const std::string& state = w->cluster.state();
+    const v1::ClusterStatus& cs = w->cluster;
+    const std::string& state = cs.state();
     const bool running = UpdateRunning(state);
     saw_running |= running;
-    if (first) first_version = w->cluster.current_version();
+    if (first) first_version = cs.current_version();
     // An update shorter than one interval is never seen running; the version moving says it ended.
-    const bool ended = !running && (saw_running || w->cluster.current_version() != first_version);
-    first = false;
+    const bool ended = !running && (saw_running || cs.current_version() != first_version);
     const double dts = absl::ToDoubleSeconds(now - prev_t);
     const double rate = dts > 0 && w->bytes >= prev_bytes ? (w->bytes - prev_bytes) / dts : 0;  // bytes/s
     const double eta = rate > 0 && w->expected > w->bytes ? (w->expected - w->bytes) / rate : -1;
-    const bool quiet = !json && !running && !saw_running && absl::ToDoubleSeconds(now - start) > 0;
-    if (quiet) {
-      // Waiting for an update to start: the idle line was printed once.
-    } else if (json) {
+    const std::string key = absl::StrCat(state, "|", cs.current_version(), "|", cs.failed_version());
+    const bool print =
+        json || first || running || ended || key != last_key || absl::ToDoubleSeconds(now - last_print) >= idle_every;
+    first = false;
+    last_key = key;
+    if (print && json) {
       nlohmann::json j;
       j["t"] = absl::ToDoubleSeconds(now - start);
       j["state"] = state;
-      j["current_version"] = w->cluster.current_version();
+      j["current_version"] = cs.current_version();
+      j["open_version"] = cs.open_version();
+      j["failed_version"] = cs.failed_version();
+      j["failure"] = cs.failure();
       j["bytes_written"] = w->bytes;
       j["bytes_expected"] = w->expected;
       j["gbps"] = rate / 1e9;
       j["eta_seconds"] = eta;
-      j["engines_hold_partial_writes"] = w->cluster.engines_hold_partial_writes();
+      j["engines_hold_partial_writes"] = cs.engines_hold_partial_writes();
       j["sources"] = nlohmann::json::array();
       for (const auto& [id, ns] : w->sources)
         j["sources"].push_back({{"node_id", id}, {"state", ns.state()}, {"open_version", ns.open_version()},
@@ -212,9 +246,14 @@ int RunWatch(const std::string& endpoint, absl::Duration dt, bool json, double i
                                 {"tensors_expected", ns.tensors_expected()}, {"ranks_ended", ns.ranks_ended()},
                                 {"trainer_ranks", ns.trainer_ranks()}});
       std::printf("%s\n", j.dump().c_str());
-    } else {
-      std::string line = absl::StrFormat("%7.1fs  %-10s version %-6s", absl::ToDoubleSeconds(now - start), state,
-                                         w->cluster.current_version().empty() ? "-" : w->cluster.current_version());
+    } else if (print) {
+      const std::string serving = cs.current_version().empty() ? "-" : cs.current_version();
+      std::string line = absl::StrFormat("%7.1fs  %-10s ", absl::ToDoubleSeconds(now - start), state);
+      if (running && cs.open_version() >= 0) {
+        absl::StrAppendFormat(&line, "update %d (serving %s)", cs.open_version(), serving);
+      } else {
+        absl::StrAppendFormat(&line, "version %-6s", serving);
+      }
       if (running && w->expected > 0)
         absl::StrAppendFormat(&line, "  %5.1f%% %.1f/%.1f MiB  %.2f GB/s  ETA %s", 100.0 * w->bytes / w->expected,
                               w->bytes / 1048576.0, w->expected / 1048576.0, rate / 1e9,
@@ -225,13 +264,15 @@ int RunWatch(const std::string& endpoint, absl::Duration dt, bool json, double i
                               ns.bytes_expected() ? 100.0 * ns.bytes_written() / ns.bytes_expected() : 0.0,
                               ns.ranks_ended(), ns.trainer_ranks());
       }
-      if (w->cluster.engines_hold_partial_writes()) line += "  [engines hold partial writes]";
+      if (!running && cs.failed_version() >= 0)
+        absl::StrAppendFormat(&line, "  update %d failed: %s", cs.failed_version(), cs.failure());
+      if (cs.engines_hold_partial_writes()) line += "  [engines hold partial writes]";
+      if (!running && !ended && !saw_running && !once) line += "  (waiting for an update)";
       std::printf("%s\n", line.c_str());
+      last_print = now;
     }
     std::fflush(stdout);
-    if (once || ended ||
-        (watch_for > 0 && absl::ToDoubleSeconds(now - start) >= watch_for))
-      return kExitOk;
+    if (once || ended || (watch_for > 0 && absl::ToDoubleSeconds(now - start) >= watch_for)) return kExitOk;
     prev_t = now;
     prev_bytes = w->bytes;
     absl::SleepFor(absl::Seconds(interval));
@@ -282,19 +323,8 @@ int RunEnginesWatch(const std::string& endpoint, absl::Duration dt, bool json, d
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::vector<std::string> commands = {"status", "nodes", "engines", "history", "verify", "checksums",
-                                             "version", "plan", "abort", "resume", "watch", "remove", "drain",
-                                             "undrain"};
-  const int at = CommandIndex(argc, argv);
-  if (at > 0) {
-    const std::string cmd = argv[at];
-    if (cmd == "plan") return RunPlan(argc, argv, at);
-    if (std::find(commands.begin(), commands.end(), cmd) == commands.end()) {
-      std::fprintf(stderr, "Error: unknown command \"%s\" (commands: %s; see wsyncctl --help)\n", cmd.c_str(),
-                   absl::StrJoin(commands, ", ").c_str());
-      return kExitUsage;
-    }
-  }
+  const std::vector<std::string> commands = {"status", "nodes", "engines", "history", "verify", "checksums", "version",
+                                             "plan",   "abort", "resume",  "watch",   "remove", "drain",     "undrain"};
   CLI::App app{"wsyncctl: administer a wsync cluster"};
   std::string log_level = "warn";
   cli::AddCommonFlags(app, "wsyncctl", &log_level);
@@ -305,7 +335,8 @@ int main(int argc, char** argv) {
   app.add_option("--endpoints", endpoint,
                  "coordinator host:port, or a comma-separated list of the coordinators sharing one etcd state store "
                  "(the command goes to the leader)")->envname("WSYNC_ENDPOINTS");
-  app.add_option("-w,--write-out", output, "output format: table|json")->check(CLI::IsMember({"table", "json"}));
+  app.add_option("-w,--write-out,-o,--output", output, "output format: table|json")
+      ->check(CLI::IsMember({"table", "json"}));
   app.add_option("--dial-timeout", dial_timeout, "seconds to wait for an endpoint")->check(CLI::PositiveNumber);
   tls::Options tls_opts;  // an admin certificate (CN "admin:NAME") for every command that changes state
   tls::AddFlags(app, &tls_opts);
@@ -343,7 +374,8 @@ int main(int argc, char** argv) {
   verify->add_flag("--all", verify_all, "table: list matching parameters too (mismatches and missing ones always)");
   auto* checksums = app.add_subcommand("checksums", "per-parameter checksums of one engine rank");
   int rank = 0;
-  checksums->add_option("--engine", engine, "engine control address")->required();
+  checksums->add_option("--engine", engine, "engine id (looked up at the coordinator) or control address host:port")
+      ->required();
   checksums->add_option("--rank", rank, "engine rank");
   auto* abort_cmd = app.add_subcommand("abort", "close the open update without committing it (engines stay paused)");
   int64_t abort_version = -1;
@@ -351,12 +383,17 @@ int main(int argc, char** argv) {
   abort_cmd->add_option("--version,version", abort_version, "the open update's version")->required();
   abort_cmd->add_option("--reason", reason, "recorded in the history");
   auto* watch = app.add_subcommand(
-      "watch", "live progress of the current (or next) update: phase, bytes per source, rate, ETA; ends with it");
+      "watch",
+      "the current state at once, then live progress of the current (or next) update: phase, bytes per "
+      "source, rate, ETA; ends with it");
   double interval = 0.5, watch_for = 0;
   bool once = false;
   watch->add_option("--interval", interval, "seconds between samples")->check(CLI::Range(0.01, 60.0));
   watch->add_option("--for", watch_for, "stop after this many seconds (0: when the update has ended)");
-  watch->add_flag("--once", once, "print one sample and exit");
+  watch->add_flag("--once", once, "print one sample (the current state) and exit");
+  double idle_every = 10;
+  watch->add_option("--idle-every", idle_every, "while no update runs, print a line at least this often (seconds)")
+      ->check(CLI::PositiveNumber);
   auto* remove = app.add_subcommand("remove", "deregister a node and its engines between updates (stop its daemon "
                                                "first, or it registers again)");
   std::string remove_id;
@@ -373,6 +410,31 @@ int main(int argc, char** argv) {
   auto* resume = app.add_subcommand(
       "resume", "resume paused engines at their current version (only when no byte of a failed update reached them)");
   app.add_subcommand("plan", "compute a transfer plan and its predicted time (see: wsyncctl plan --help)");
+  app.footer(
+      "exit codes: 0 ok, 1 failure, 2 bad usage or configuration (e.g. no client certificate for an mTLS "
+      "coordinator), 3 endpoint unavailable\n"
+      "global flags may stand anywhere on the line; the coordinator's address: --endpoints or WSYNC_ENDPOINTS "
+      "(default 127.0.0.1:7600)\n\n"
+      "examples:\n"
+      "  wsyncctl status                                   state, open update, last failure, nodes, engines\n"
+      "  wsyncctl watch                                    live progress of updates (Ctrl-C ends it)\n"
+      "  wsyncctl watch --once -o json                     one snapshot as JSON\n"
+      "  wsyncctl --endpoints 10.0.0.1:7600 history -n 5   the last five updates with their phases\n"
+      "  wsyncctl engines -w json                          engines with their served version\n"
+      "  wsyncctl abort 42 --reason \"bad batch\"            close open update 42 (admin certificate)\n"
+      "  wsyncctl verify                                   check every engine rank against the sources' checksums\n"
+      "  wsyncctl plan --model config.json --train tp=8,nodes=2 --infer instances=4,tp=8\n"
+      "  WSYNC_TLS_CA=ca.pem WSYNC_TLS_CERT=admin.pem WSYNC_TLS_KEY=admin-key.pem wsyncctl resume\n");
+  const int at = CommandIndex(app, argc, argv);
+  if (at > 0) {
+    const std::string cmd = argv[at];
+    if (cmd == "plan") return RunPlan(app, argc, argv, at);
+    if (std::find(commands.begin(), commands.end(), cmd) == commands.end()) {
+      std::fprintf(stderr, "Error: unknown command \"%s\" (commands: %s; see wsyncctl --help)\n", cmd.c_str(),
+                   absl::StrJoin(commands, ", ").c_str());
+      return kExitUsage;
+    }
+  }
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging("wsyncctl", log_level);
   {
@@ -384,7 +446,9 @@ int main(int argc, char** argv) {
     for (const CLI::App* cmd : {verify, checksums})
       if (*cmd) self = {absl::StrCat("wsyncctl ", cmd->get_name()), {tls::kAdmin, tls::kTrainer}, ""};
     if (auto st = tls::Configure(tls_opts, client::SplitEndpoints(endpoint), self); !st.ok()) return ExitFor(st);
+    gpr_set_log_function(&QuietGrpcLog);  // after Configure, which routes gRPC's log to spdlog for the daemons
   }
+  const Peer coordinator{endpoint, "--endpoints", !tls_opts.cert.empty()};
   const absl::Duration dt = absl::Seconds(dial_timeout);
   const bool json = output == "json";
 
@@ -400,13 +464,13 @@ int main(int argc, char** argv) {
                                                         : s->server_version().c_str())
                          : ("unreachable at " + endpoint).c_str());
     }
-    return s.ok() ? kExitOk : ExitFor(s.status());
+    return s.ok() ? kExitOk : ExitFor(s.status(), coordinator);
   }
   if (*engines_cmd && engines_watch) return RunEnginesWatch(endpoint, dt, json, engines_for, health_listen);
   if (*nodes || *engines_cmd) {
     client::CoordinatorClient c(endpoint, dt);
     auto s = c.Status();
-    if (!s.ok()) return ExitFor(s.status());
+    if (!s.ok()) return ExitFor(s.status(), coordinator);
     if (*nodes) {
       if (json) {
         v1::ClusterStatus only;
@@ -425,21 +489,17 @@ int main(int argc, char** argv) {
       nlohmann::json arr = nlohmann::json::array();
       for (const auto& n : s->nodes())
         for (const auto& e : n.engine_details()) {
-          nlohmann::json j = nlohmann::json::parse(ProtoJson(e, false));
+          nlohmann::json j = tools::ProtoToJson(e);
           j["node_id"] = n.node_id();
           arr.push_back(std::move(j));
         }
       std::printf("%s\n", arr.dump(2).c_str());
       return kExitOk;
     }
-    std::printf("%-16s %-10s %-6s %-22s %-28s %s\n", "ENGINE", "KIND", "RANKS", "ADDRESS", "NODE", "STATE");
-    for (const auto& n : s->nodes())
-      for (const auto& e : n.engine_details())
-        std::printf("%-16s %-10s %-6d %-22s %-28s %s\n", e.engine_id().c_str(), e.kind().empty() ? "-" : e.kind().c_str(),
-                    e.ranks(), e.address().c_str(), n.node_id().c_str(), e.state().c_str());
+    std::printf("%s", tools::FormatEngines(*s).c_str());
     return kExitOk;
   }
-  if (*watch) return RunWatch(endpoint, dt, json, interval, watch_for, once);
+  if (*watch) return RunWatch(endpoint, coordinator, dt, json, interval, watch_for, once, idle_every);
   if (*verify && (synthetic || step >= 0)) {
     if (engine.empty() || step < 0) {
       std::fprintf(stderr, "Error: verify --synthetic needs --engine ADDRESS and --step N\n");
@@ -489,7 +549,7 @@ int main(int argc, char** argv) {
   if (*remove) {
     client::CoordinatorClient c(endpoint, dt);
     auto r = c.RemoveNode(remove_id);
-    if (!r.ok()) return ExitFor(r.status());
+    if (!r.ok()) return ExitFor(r.status(), coordinator);
     if (json) {
       PrintJson(*r);
       return kExitOk;
@@ -502,7 +562,7 @@ int main(int argc, char** argv) {
   if (*drain || *undrain) {
     client::CoordinatorClient c(endpoint, dt);
     auto s = c.Status();
-    if (!s.ok()) return ExitFor(s.status());
+    if (!s.ok()) return ExitFor(s.status(), coordinator);
     bool is_engine = false, is_node = false;
     for (const auto& n : s->nodes()) {
       is_node |= n.node_id() == drain_name;
@@ -511,7 +571,7 @@ int main(int argc, char** argv) {
     if (!is_engine && !is_node)
       return ExitFor(absl::NotFoundError(absl::StrCat("no engine or node '", drain_name, "' is registered")));
     auto r = c.Drain(is_engine ? drain_name : "", is_engine ? "" : drain_name, static_cast<bool>(*drain));
-    if (!r.ok()) return ExitFor(r.status());
+    if (!r.ok()) return ExitFor(r.status(), coordinator);
     if (json) {
       PrintJson(*r);
       return kExitOk;
@@ -525,8 +585,8 @@ int main(int argc, char** argv) {
   if (*abort_cmd || *resume) {
     client::CoordinatorClient c(endpoint, dt);
     if (*abort_cmd) {
-      auto r = c.AbortUpdate(abort_version, reason);
-      if (!r.ok()) return ExitFor(r.status());
+      auto r = c.AbortUpdate(abort_version, reason, "operator (wsyncctl abort)");
+      if (!r.ok()) return ExitFor(r.status(), coordinator);
       if (json) {
         PrintJson(*r);
         return kExitOk;
@@ -539,7 +599,7 @@ int main(int argc, char** argv) {
       return kExitOk;
     }
     auto r = c.ResumeEngines();
-    if (!r.ok()) return ExitFor(r.status());
+    if (!r.ok()) return ExitFor(r.status(), coordinator);
     if (json) {
       PrintJson(*r);
       return kExitOk;
@@ -552,17 +612,15 @@ int main(int argc, char** argv) {
     client::CoordinatorClient c(endpoint, dt);
     if (*status) {
       auto s = c.Status();
-      if (!s.ok()) return ExitFor(s.status());
+      if (!s.ok()) return ExitFor(s.status(), coordinator);
       const std::vector<tools::TargetPath> targets = QueryTargets(*s, dt);
       if (json) {
-        nlohmann::json j = nlohmann::json::parse(ProtoJson(*s, false));
+        nlohmann::json j = tools::ProtoToJson(*s);
         j["target_nodes"] = tools::TargetPathsJson(targets);
         std::printf("%s\n", j.dump(2).c_str());
         return kExitOk;
       }
-      std::printf("state: %s   version: %s   membership epoch: %lld   plan epoch: %lld\n", s->state().c_str(),
-                  s->current_version().empty() ? "-" : s->current_version().c_str(),
-                  static_cast<long long>(s->membership_epoch()), static_cast<long long>(s->plan_epoch()));
+      std::printf("%s", tools::FormatClusterHeadline(*s).c_str());
       std::printf("%-28s %-7s %-22s %-6s %s\n", "NODE", "ROLE", "ADDRESS", "XPORT", "ENGINES");
       for (const auto& n : s->nodes()) {
         std::string engines;
@@ -572,14 +630,7 @@ int main(int argc, char** argv) {
       }
       bool any_engine = false;
       for (const auto& n : s->nodes()) any_engine |= n.engine_details_size() > 0;
-      if (any_engine) {
-        std::printf("\n%-16s %-10s %-6s %-22s %-28s %s\n", "ENGINE", "KIND", "RANKS", "ADDRESS", "NODE", "STATE");
-        for (const auto& n : s->nodes())
-          for (const auto& e : n.engine_details())
-            std::printf("%-16s %-10s %-6d %-22s %-28s %s\n", e.engine_id().c_str(),
-                        e.kind().empty() ? "-" : e.kind().c_str(), e.ranks(), e.address().c_str(),
-                        n.node_id().c_str(), e.state().c_str());
-      }
+      if (any_engine) std::printf("\n%s", tools::FormatEngines(*s).c_str());
       if (!targets.empty()) std::printf("\n%s", tools::FormatTargetPaths(targets).c_str());
       if (s->plan_size() > 0) {
         std::printf("\n%-28s %-12s %-5s %s\n", "SOURCE", "ENGINE", "RANK", "MiB");
@@ -590,20 +641,42 @@ int main(int argc, char** argv) {
       return kExitOk;
     }
     auto h = c.History(limit);
-    if (!h.ok()) return ExitFor(h.status());
+    if (!h.ok()) return ExitFor(h.status(), coordinator);
     if (json) {
       PrintJson(*h);
       return kExitOk;
     }
-    std::printf("%-8s %-7s %-9s %-10s %-6s %s\n", "VERSION", "OK", "TOTAL_S", "MiB", "RANKS", "PHASES / ERROR");
+    std::printf("%-8s %-20s %-7s %-9s %-10s %-6s %s\n", "VERSION", "STARTED (UTC)", "OK", "TOTAL_S", "MiB", "RANKS",
+                "PHASES / ERROR");
     for (const auto& r : h->records())
-      std::printf("%-8lld %-7s %-9.3f %-10.1f %-6d %s\n", static_cast<long long>(r.version()),
-                  r.success() ? "yes" : (r.aborted() ? "ABORTED" : "FAILED"), r.total_seconds(), r.bytes() / 1048576.0, r.engine_ranks(),
-                  r.success() ? Phases(r).c_str() : r.error().c_str());
+      std::printf(
+          "%-8lld %-20s %-7s %-9.3f %-10.1f %-6d %s\n", static_cast<long long>(r.version()),
+          r.started_unix_ms() > 0
+              ? absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(r.started_unix_ms()), absl::UTCTimeZone())
+                    .c_str()
+              : "-",
+          r.success() ? "yes" : (r.aborted() ? "ABORTED" : "FAILED"), r.total_seconds(), r.bytes() / 1048576.0,
+          r.engine_ranks(), r.success() ? Phases(r).c_str() : r.error().c_str());
     return kExitOk;
   }
 
-  auto channel = tls::Dial(engine);
+  // --engine takes an engine id as well as a control address: an id is looked up in the coordinator's membership.
+  std::string engine_addr = engine;
+  if (engine.find(':') == std::string::npos) {
+    client::CoordinatorClient c(endpoint, dt);
+    auto st = c.Status();
+    if (!st.ok()) return ExitFor(st.status(), coordinator);
+    engine_addr.clear();
+    for (const auto& n : st->nodes())
+      for (const auto& e : n.engine_details())
+        if (e.engine_id() == engine) engine_addr = e.address();
+    if (engine_addr.empty())
+      return ExitFor(absl::InvalidArgumentError(
+          absl::StrCat("--engine ", engine, ": no engine of that id is registered with the coordinator at ", endpoint,
+                       " (give an engine id from `wsyncctl engines`, or its control address host:port)")));
+  }
+  const Peer engine_peer{engine_addr, "--engine", coordinator.tls};
+  auto channel = tls::Dial(engine_addr);
   if (!channel.ok()) return ExitFor(channel.status());
   auto stub = v1::EngineControl::NewStub(*std::move(channel));
   grpc::ClientContext ctx;
@@ -613,7 +686,7 @@ int main(int argc, char** argv) {
     req.set_step(step);
     v1::VerifyReply rep;
     absl::Status s = FromGrpcStatus(stub->Verify(&ctx, req, &rep));
-    if (!s.ok()) return ExitFor(s);
+    if (!s.ok()) return ExitFor(s, engine_peer);
     if (json) {
       PrintJson(rep);
     } else {
@@ -627,7 +700,7 @@ int main(int argc, char** argv) {
   req.set_rank(rank);
   v1::ChecksumReply rep;
   absl::Status s = FromGrpcStatus(stub->GetChecksums(&ctx, req, &rep));
-  if (!s.ok()) return ExitFor(s);
+  if (!s.ok()) return ExitFor(s, engine_peer);
   if (json) {
     PrintJson(rep);
   } else {

@@ -174,6 +174,10 @@ int main(int argc, char** argv) {
         spdlog::error("begin update {}: {}", v, b.status().ToString());
         return 1;
       }
+      // Progress as it goes (the demo shows this rank's output live): phase by phase, then the committed record.
+      std::printf("update %lld: begun (engines paused in %.3fs, sources configured in %.3fs); pushing\n",
+                  static_cast<long long>(v), b->pause_seconds(), b->configure_seconds());
+      std::fflush(stdout);
     }
     // A driving rank whose push fails makes the update it opened fail, without AbortUpdate (an admin's call: the
     // trainer role may only begin and commit, docs/security.md): it closes its session, which its source daemon
@@ -280,6 +284,12 @@ int main(int argc, char** argv) {
     spdlog::info("update {}: pushed {} tensors, {:.1f} MiB in {} buckets ({:.2f}s)", v, ps.tensors, ps.bytes / 1048576.0,
                  ps.buckets, absl::ToDoubleSeconds(absl::Now() - t0));
     if (!drive) continue;
+    const double push_wall = absl::ToDoubleSeconds(absl::Now() - t0);
+    std::printf(
+        "update %lld: this rank pushed %.1f MiB in %.2fs (%.2f GB/s); committing (every rank's writes, then "
+        "the engines' post-processing)\n",
+        static_cast<long long>(v), ps.bytes / 1048576.0, push_wall, push_wall > 0 ? ps.bytes / push_wall / 1e9 : 0.0);
+    std::fflush(stdout);
     auto rec = coord->CommitUpdate(v);
     if (!rec.ok()) {
       spdlog::error("commit update {}: {}", v, rec.status().ToString());

@@ -13,4 +13,7 @@ from .errors import CODE_NAMES, WsyncError
 from .trainer import DEFAULT_SOCKET, Trainer
 
 __all__ = ["Trainer", "Coordinator", "WsyncError", "CODE_NAMES", "DTYPE_SIZES", "DEFAULT_SOCKET"]
-__version__ = "0.2.0"
+try:
+    from ._version import __version__  # written by setup.py when the wheel is built
+except ImportError:  # imported from the source tree, not built
+    __version__ = "unknown"

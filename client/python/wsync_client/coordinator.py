@@ -21,7 +21,7 @@ _MARGIN_S = 30
 
 # proto3 JSON writes 64-bit integers as strings; these fields come back as Python ints.
 _INT64_FIELDS = {"version", "plan_epoch", "membership_epoch", "bytes", "params", "started_unix_ms", "bytes_written",
-                 "current_version"}
+                 "current_version", "open_version", "failed_version"}
 
 
 def _ints(obj: Any) -> Any:
@@ -91,6 +91,7 @@ class Coordinator:
         self.endpoint = ",".join(self.endpoints)
         self.dial_timeout = float(dial_timeout)
         self.last_record: Optional[Dict[str, Any]] = None
+        self.last_abort: Optional[Dict[str, Any]] = None
         creds = _credentials()
         if creds is None:
             for e in self.endpoints:
@@ -188,8 +189,11 @@ class Coordinator:
     def update(self, version: int, pause_mode: str = "", timeout: float = 120.0,
                mode: str = "") -> Iterator[Dict[str, Any]]:
         """Opens update `version`, runs the body (the trainer ranks push), then commits it; when the body raises, the
-        update is aborted (engines stay paused at their old version) and the exception propagates. Yields the
-        BeginUpdate reply; the committed record is in `last_record` afterwards.
+        update is aborted and the exception propagates. The history records who aborted it ("client exception:
+        ValueError: ..."); when the abort reply says the engines are resumable (no byte of this update, nor of an
+        earlier failed one, reached them) they are resumed at their old version, else they stay paused until an
+        update succeeds. Yields the BeginUpdate reply; the committed record is in `last_record`
+        afterwards, the abort's reply (with `engines_resumed`) in `last_abort`.
 
             with coordinator.update(7):
                 ... every rank pushes version 7 ...
@@ -199,18 +203,27 @@ class Coordinator:
             yield reply
         except BaseException as exc:
             try:
-                self.abort_update(version, "%s: %s" % (type(exc).__name__, exc))
-            except WsyncError as abort_err:  # keep the body's exception; say why the abort failed too
+                self.last_abort = self.abort_update(version, aborted_by="client exception: %s: %s" %
+                                                    (type(exc).__name__, exc))
+                self.last_abort["engines_resumed"] = False
+                if self.last_abort.get("engines_resumable"):
+                    # Nothing of it was written: the engines' weights are the old version's, so they serve again.
+                    self.resume_engines()
+                    self.last_abort["engines_resumed"] = True
+            except WsyncError as abort_err:  # keep the body's exception; say why the abort or resume failed too
                 if hasattr(exc, "add_note"):  # Python >= 3.11
-                    exc.add_note("aborting update %d failed as well: %s" % (int(version), abort_err))
+                    exc.add_note("aborting update %d (or resuming its engines) failed as well: %s" %
+                                 (int(version), abort_err))
             raise
         self.commit_update(version, timeout)
 
-    def abort_update(self, version: int, reason: str = "") -> Dict[str, Any]:
+    def abort_update(self, version: int, reason: str = "", aborted_by: str = "") -> Dict[str, Any]:
         """Closes the open update `version` without committing it: sources stop taking its pushes and finish the
-        writes in flight; it is recorded as aborted. The engines stay paused at their old version. Returns a dict
-        with the record, bytes_written (bytes of it that reached the engines) and engines_resumable."""
-        rep = self._call("AbortUpdate", coordinator_pb2.AbortUpdateRequest(version=int(version), reason=str(reason)),
+        writes in flight; it is recorded as aborted by `aborted_by` (empty: "the operator"). The engines stay paused
+        at their old version. Returns a dict with the record, bytes_written (bytes of it that reached the engines)
+        and engines_resumable."""
+        req = coordinator_pb2.AbortUpdateRequest(version=int(version), reason=str(reason), aborted_by=str(aborted_by))
+        rep = self._call("AbortUpdate", req,
                          self.dial_timeout + _COMMIT_OVERHEAD_S + _MARGIN_S, "abort update %d" % int(version))
         return _to_dict(rep)
 

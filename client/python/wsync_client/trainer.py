@@ -8,6 +8,7 @@ socket the daemon names. Tensors are copied once, straight into the shared-memor
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import struct
@@ -18,8 +19,8 @@ import grpc
 
 from ._proto.wsync.v1 import trainer_pb2, trainer_pb2_grpc
 from ._ring import DTYPE_SIZES, RingProducer
-from .errors import (DATA_LOSS, DEADLINE_EXCEEDED, FAILED_PRECONDITION, INVALID_ARGUMENT, PERMISSION_DENIED,
-                     UNAVAILABLE, WsyncError, from_rpc_error)
+from .errors import (DATA_LOSS, DEADLINE_EXCEEDED, FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND,
+                     PERMISSION_DENIED, UNAVAILABLE, WsyncError, from_rpc_error)
 
 DEFAULT_SOCKET = "/run/wsync/wsyncd.sock"
 PROTOCOL = 1
@@ -105,6 +106,19 @@ def _describe(name: str, array: Any, dtype: Optional[str]):
     return dt, tuple(int(d) for d in a.shape), int(a.nbytes), fill
 
 
+_log = logging.getLogger("wsync_client")
+
+
+class PushFilter(list):
+    """What begin_push returns: the names this rank must push (a list, as before), plus `shapes` and `dtypes`: the
+    shape and dtype the model holds for each (float32/float16 pushed for a bfloat16 tensor are converted)."""
+
+    def __init__(self, names):
+        super().__init__(names)
+        self.shapes: Dict[str, Tuple[int, ...]] = {}
+        self.dtypes: Dict[str, str] = {}
+
+
 def _connect(path: str, deadline: float, timeout: float) -> socket.socket:
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -116,7 +130,13 @@ def _connect(path: str, deadline: float, timeout: float) -> socket.socket:
             s.close()
             raise WsyncError(PERMISSION_DENIED, "connecting to trainer socket %s: %s (its mode lets only the daemon's "
                              "uid and group in; see wsyncd --trainer-uid / --trainer-gid)" % (path, e.strerror))
-        except (FileNotFoundError, ConnectionRefusedError, BlockingIOError, InterruptedError, socket.timeout) as e:
+        except FileNotFoundError:
+            # Nothing to wait for: the daemon creates its socket before it serves, so a missing path is a wrong path
+            # (or a daemon that is not running), not one that is still starting.
+            s.close()
+            raise WsyncError(NOT_FOUND, "trainer socket %s does not exist: no source wsyncd serves it (check the path "
+                             "against the daemon's --trainer-socket, and that the daemon runs)" % path)
+        except (ConnectionRefusedError, BlockingIOError, InterruptedError, socket.timeout) as e:
             s.close()
             left = deadline - time.monotonic()
             if left <= 0:
@@ -277,9 +297,10 @@ class Trainer:
         return self._ring
 
     # ---- the update ----
-    def begin_push(self, version: int) -> List[str]:
+    def begin_push(self, version: int) -> "PushFilter":
         """Opens this rank's part of update `version` (waits up to `timeout` until the driver opened it); returns the
-        names of the tensors this rank must push."""
+        names of the tensors this rank must push (a list), with `.shapes` and `.dtypes`: what the model holds for each,
+        to check tensors before pushing them."""
         self._live()
         try:
             rep = self._stub.BeginPush(trainer_pb2.BeginPushRequest(session_id=self.session_id, version=int(version)),
@@ -296,7 +317,15 @@ class Trainer:
             self._fp8 = (int(rep.fp8.block_n), int(rep.fp8.block_k), bool(rep.fp8.ue8m0), set(rep.fp8.tensor_names))
         self._slices = [{"name": x.name, "shape": list(x.shape), "offsets": list(x.offsets), "extents": list(x.extents),
                          "gather": bool(x.gather)} for x in rep.slices]
-        return list(rep.tensor_names)
+        self._version = int(version)
+        self._converted = set()
+        names = PushFilter(rep.tensor_names)
+        for e in rep.expected:
+            if e.dtype:
+                names.shapes[e.name] = tuple(int(d) for d in e.shape)
+                names.dtypes[e.name] = e.dtype
+        self._expected = names
+        return names
 
     def push_slices(self) -> List[Dict[str, Any]]:
         """The slices the last begin_push asked this rank to push (shard-aware plans), as dicts with name, shape,
@@ -367,6 +396,13 @@ class Trainer:
     def _push(self, name: str, array: Any, dtype: Optional[str]) -> None:
         ring = self._live()
         dt, shape, nbytes, fill = _describe(name, array, dtype)
+        want = getattr(self, "_expected", None)
+        want = want.dtypes.get(name) if want is not None else None
+        if want is not None and dt != want and (dt, want) not in self._converted and dt in ("float32", "float16"):
+            # Accepted and converted by the daemon (docs/operations.md, "Validation"): said once per update and kind.
+            self._converted.add((dt, want))
+            _log.warning("wsync: update %d: %s tensors are converted to the model's %s by the daemon (first: %s)",
+                         self._version, dt, want, name)
         nb = len(name.encode("utf-8"))
         if nbytes > ring.max_tensor_bytes(nb):
             raise WsyncError(INVALID_ARGUMENT, "tensor %s has %d bytes, more than this %d MiB ring can hold: start "

@@ -53,7 +53,7 @@ log "installing wsync-vllm from ${PKG}"
 tmpbuild="$(mktemp -d)"
 trap 'rm -rf "${tmpbuild}"' EXIT
 cp -r "${PKG}/." "${tmpbuild}/"   # build from a copy: keeps build/ and *.egg-info out of the source tree
-"${VENV}/bin/python" -m pip install --quiet --no-deps --no-build-isolation --force-reinstall "${tmpbuild}"
+WSYNC_SOURCE_DIR="${REPO}" "${VENV}/bin/python" -m pip install --quiet --no-deps --no-build-isolation --force-reinstall "${tmpbuild}"
 "${VENV}/bin/python" - <<'EOF' >&2
 from importlib.metadata import entry_points, version
 eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "wsync"]
