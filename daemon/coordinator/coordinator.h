@@ -83,6 +83,13 @@ class Peers {
     (void)req;
     return v1::SetWriteWindowReply();
   }
+  // Target daemons, after every source finished: decode the staged delta records of the update into engine memory
+  // and record the ranks written as holding it (docs/delta.md).
+  virtual absl::StatusOr<v1::ApplyDeltaReply> ApplyDelta(const std::string& addr, const v1::ApplyDeltaRequest& req) {
+    (void)addr;
+    (void)req;
+    return v1::ApplyDeltaReply();
+  }
   virtual absl::Status Pause(const std::string& addr, const std::string& mode) = 0;
   // `version`: the update whose writes have all completed (a target daemon's facade sends it to the engine's ranks).
   virtual absl::Status PostProcess(const std::string& addr, const std::string& version) = 0;
@@ -129,6 +136,7 @@ struct PeerDeadlines {
   static constexpr double kPostProcess = 300;
   static constexpr double kSetVersion = 30;
   static constexpr double kContinue = 30;
+  static constexpr double kApplyDelta = 60;  // decoding what the sources staged (a fraction of the dense bytes)
   static constexpr double kAbort = 60;  // a source's AbortSourceUpdate: the bucket being written + the drain (30 s)
 };
 
@@ -140,8 +148,8 @@ inline constexpr double kDefaultCommitTimeoutSeconds = 120;
 // post-process, set-version and continue, each phase bounded by its peer deadline.
 inline double CommitWorstCaseSeconds(double commit_timeout_s) {
   if (commit_timeout_s <= 0) commit_timeout_s = kDefaultCommitTimeoutSeconds;
-  return commit_timeout_s + PeerDeadlines::kFinishSlack + PeerDeadlines::kPostProcess + PeerDeadlines::kSetVersion +
-         PeerDeadlines::kContinue;
+  return commit_timeout_s + PeerDeadlines::kFinishSlack + PeerDeadlines::kApplyDelta + PeerDeadlines::kPostProcess +
+         PeerDeadlines::kSetVersion + PeerDeadlines::kContinue;
 }
 // The longest a BeginUpdate can run on the server (pause, engine info, configure, start).
 inline double BeginWorstCaseSeconds() {
@@ -280,7 +288,13 @@ class Coordinator {
   // `skip_address`: a target not to be told (its lease lapsed; its window closes when it restarts).
   // Targets in `skip` (unreachable ones) are not asked: a call to them would hold the caller for its whole deadline.
   // Opening counts as a call of the beginning update (InFlight): an abort cancels it.
-  absl::Status SetWindows(bool open, int64_t version, const std::set<std::string>& skip = {});
+  // `held` (open only): the versions the targets' engine ranks held until now (docs/delta.md).
+  absl::Status SetWindows(bool open, int64_t version, const std::set<std::string>& skip = {},
+                          std::vector<v1::RankVersion>* held = nullptr);
+  // Delta updates, after every source finished `v` (`finished`: each source's node id and reply): every target
+  // daemon in the update applies the records staged for it (ApplyDelta), and `rec` gets the delta figures.
+  absl::Status ApplyDeltas(int64_t v, const std::vector<std::pair<std::string, v1::FinishUpdateReply>>& finished,
+                           v1::UpdateRecord* rec);
   // Saves the state to the store, if any (a failed save is logged, the coordinator goes on). Requires mu_.
   void Persist();
   // Records the coordinator's view of engine `addr` after a call of `phase` (on_success "" = unchanged); returns st.
