@@ -36,8 +36,8 @@ absl::Status SourceNode::AttachStaging(Target* t, const v1::ConnectTargetReply& 
 absl::Status SourceNode::DecideDeltas(const v1::StartUpdateRequest& req) {
   const std::string& mode = req.delta();
   if (!mode.empty() && mode != "auto" && mode != "off" && mode != "always")
-    return absl::InvalidArgumentError(absl::StrCat("update ", req.version(), ": delta mode '", mode,
-                                                   "' is not auto, off or always"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("update ", req.version(), ": delta mode '", mode, "' is not auto, off or always"));
   std::map<std::pair<std::string, int>, int64_t> held;
   for (const auto& h : req.held()) held[{h.engine_id(), h.rank()}] = h.version();
   int64_t base;
@@ -74,8 +74,8 @@ absl::Status SourceNode::DecideDeltas(const v1::StartUpdateRequest& req) {
       refused.push_back(absl::StrCat("engine ", t->assignment.engine_id(), " rank ", t->assignment.rank(), ": ", why));
   }
   if (!refused.empty())
-    return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), " asks delta=always, but ",
-                                                      absl::StrJoin(refused, "; ")));
+    return absl::FailedPreconditionError(
+        absl::StrCat("update ", req.version(), " asks delta=always, but ", absl::StrJoin(refused, "; ")));
   return absl::OkStatus();
 }
 

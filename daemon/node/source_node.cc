@@ -74,8 +74,7 @@ absl::StatusOr<std::string> RandomSessionId() {
 
 SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetFn connect)
     : SourceNode(std::move(opts), transport,
-                 [connect = std::move(connect)](const std::string& daemon,
-                                                const v1::ConnectTargetRequest& req)
+                 [connect = std::move(connect)](const std::string& daemon, const v1::ConnectTargetRequest& req)
                      -> absl::StatusOr<v1::ConnectTargetReply> {
                    WSYNC_ASSIGN_OR_RETURN(std::string info, connect(daemon, req));
                    v1::ConnectTargetReply out;

@@ -78,8 +78,8 @@ struct SourceOptions {
 using ConnectTargetFn = std::function<absl::StatusOr<std::string>(const std::string& target_daemon,
                                                                   const v1::ConnectTargetRequest& req)>;
 // The same, answering the whole reply (the delta staging region with the connection's endpoint info).
-using ConnectTargetReplyFn = std::function<absl::StatusOr<v1::ConnectTargetReply>(
-    const std::string& target_daemon, const v1::ConnectTargetRequest& req)>;
+using ConnectTargetReplyFn = std::function<absl::StatusOr<v1::ConnectTargetReply>(const std::string& target_daemon,
+                                                                                  const v1::ConnectTargetRequest& req)>;
 
 // A trainer rank asking for a session (from the hand-over socket: the pid and uid are the kernel's SO_PEERCRED, not
 // the rank's word).

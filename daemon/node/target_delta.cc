@@ -38,7 +38,8 @@ absl::StatusOr<std::vector<DeltaRecordRef>> CheckDeltaRecords(const uint8_t* dat
   while (off < bytes) {
     DeltaRecordHeader h;
     const std::string at = absl::StrCat(who, ": record ", n, " at byte ", off);
-    if (bytes - off < sizeof(h)) return absl::InvalidArgumentError(absl::StrCat(at, " is truncated; nothing was written"));
+    if (bytes - off < sizeof(h))
+      return absl::InvalidArgumentError(absl::StrCat(at, " is truncated; nothing was written"));
     std::memcpy(&h, data + off, sizeof(h));
     if (h.magic != kDeltaRecordMagic || h.version != version)
       return absl::InvalidArgumentError(absl::StrCat(at, " is not a record of update ", version, " (magic ", h.magic,
@@ -58,7 +59,8 @@ absl::StatusOr<std::vector<DeltaRecordRef>> CheckDeltaRecords(const uint8_t* dat
     if (owned != nullptr && std::none_of(owned->begin(), owned->end(), [&](const v1::WriteRange& w) {
           return w.param() == p.name() && w.offset() <= h.offset && h.offset + h.length <= w.offset() + w.length();
         }))
-      return absl::PermissionDeniedError(absl::StrCat(what, ": the plan does not give that range to the source; "
+      return absl::PermissionDeniedError(absl::StrCat(what,
+                                                      ": the plan does not give that range to the source; "
                                                       "nothing was written"));
     out.push_back({h.param, h.offset, h.length, data + off + sizeof(h), h.enc_bytes});
     off += DeltaRecordBytes(h.enc_bytes);
@@ -101,12 +103,13 @@ absl::Status TargetNode::ProvideStaging(const v1::ConnectTargetRequest& req, con
   if (req.delta_write_bytes() == 0 || opts_.delta_staging_fraction <= 0) return absl::OkStatus();
   const std::string who = absl::StrCat("engine ", req.engine_id(), " rank ", req.rank());
   if (req.source_node().empty())
-    return absl::InvalidArgumentError(absl::StrCat("ConnectTarget for ", who, " asks for delta staging without naming "
+    return absl::InvalidArgumentError(absl::StrCat("ConnectTarget for ", who,
+                                                   " asks for delta staging without naming "
                                                    "its source node"));
   // With identities, a source stages only under its own name (ApplyDelta checks records against its assignment).
   if (!source.empty() && source.substr(source.find(':') + 1) != req.source_node())
-    return absl::PermissionDeniedError(absl::StrCat("ConnectTarget from ", source, " asks for delta staging as source ",
-                                                    req.source_node()));
+    return absl::PermissionDeniedError(
+        absl::StrCat("ConnectTarget from ", source, " asks for delta staging as source ", req.source_node()));
   const std::tuple<std::string, int, std::string> key{req.engine_id(), req.rank(), req.source_node()};
   uint64_t host_bytes = 0;
   {
@@ -116,7 +119,8 @@ absl::Status TargetNode::ProvideStaging(const v1::ConnectTargetRequest& req, con
       if (seg.kind() != "cuda") host_bytes += seg.bytes();
   }
   if (host_bytes == 0) {
-    out->set_staging_refused(absl::StrCat(who, " has its weights in GPU memory only: delta records are decoded by the "
+    out->set_staging_refused(absl::StrCat(who,
+                                          " has its weights in GPU memory only: delta records are decoded by the "
                                           "host, so it takes dense writes"));
     return absl::OkStatus();
   }
@@ -155,8 +159,10 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
   const int64_t v = req.version();
   std::lock_guard<std::mutex> l(mu_);
   if (v != window_version_)
-    return absl::FailedPreconditionError(absl::StrCat("ApplyDelta for update ", v, ", but the write window was last "
-                                                      "opened for update ", window_version_));
+    return absl::FailedPreconditionError(absl::StrCat("ApplyDelta for update ", v,
+                                                      ", but the write window was last "
+                                                      "opened for update ",
+                                                      window_version_));
   struct Pending {
     std::string who;  // "engine E rank R parameter P [off, +len)"
     uint8_t* dst;
@@ -170,10 +176,9 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
     const std::string from = absl::StrCat(" (delta staged by source ", s.source_node(), " for update ", v, ")");
     auto st = staging_.find({s.engine_id(), s.rank(), s.source_node()});
     if (st == staging_.end() || s.bytes() > st->second->bytes)
-      return absl::FailedPreconditionError(absl::StrCat(who, from, ": ", s.bytes(), " bytes of records but ",
-                                                        st == staging_.end() ? "no staging region"
-                                                                             : "a smaller staging region",
-                                                        " here"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(who, from, ": ", s.bytes(), " bytes of records but ",
+                       st == staging_.end() ? "no staging region" : "a smaller staging region", " here"));
     WSYNC_ASSIGN_OR_RETURN(Engine * e, Find(s.engine_id()));
     if (s.rank() < 0 || s.rank() >= e->num_ranks || e->ranks[s.rank()].state != Rank::State::kAttached)
       return absl::FailedPreconditionError(absl::StrCat(who, from, ": the rank is not attached"));
@@ -183,14 +188,15 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
     if (assignments_known_) {
       auto aw = assigned_writes_.find({s.source_node(), s.engine_id(), s.rank()});
       if (aw == assigned_writes_.end())
-        return absl::PermissionDeniedError(absl::StrCat(who, from, ": the plan does not assign the rank to that "
+        return absl::PermissionDeniedError(absl::StrCat(who, from,
+                                                        ": the plan does not assign the rank to that "
                                                         "source; nothing was written"));
       if (!aw->second.empty()) owned = &aw->second;
     }
     std::map<int, uint64_t> host_bytes;
     for (const auto& [id, m] : host) host_bytes[id] = m->size();
-    auto recs = CheckDeltaRecords(st->second->data.get(), s.bytes(), s.records(), v, r.layout, host_bytes, owned,
-                                  who + from);
+    auto recs =
+        CheckDeltaRecords(st->second->data.get(), s.bytes(), s.records(), v, r.layout, host_bytes, owned, who + from);
     if (!recs.ok()) {
       r.held_version = -1;  // whatever it held, the next update writes it dense
       return recs.status();

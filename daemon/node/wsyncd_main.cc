@@ -242,8 +242,8 @@ int main(int argc, char** argv) {
     o.write_checksums = write_checksums;
     o.write_checksum_threads = write_checksum_threads;
     o.delta_base = delta_base;
-    source = std::make_unique<daemon::SourceNode>(o, transport.get(), daemon::ConnectTargetReplyFn(
-                                                                          daemon::DialConnectTargetReply));
+    source = std::make_unique<daemon::SourceNode>(o, transport.get(),
+                                                  daemon::ConnectTargetReplyFn(daemon::DialConnectTargetReply));
     reg.set_trainer_ranks(trainer_ranks);
     reg.set_pp_stage(pp_stage);
   }

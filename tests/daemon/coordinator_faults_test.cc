@@ -503,8 +503,7 @@ TEST_CASE(
     "answering, ends the update naming the call, records where the engines are, and runs the next update") {
   const Rpc rpc = GENERATE(Rpc::kPause, Rpc::kEngineInfo, Rpc::kConfigureSource, Rpc::kOpenWindow, Rpc::kStartUpdate,
                            Rpc::kFinishUpdate, Rpc::kCloseWindow, Rpc::kApplyDelta, Rpc::kPostProcess,
-                           Rpc::kSetWeightVersion,
-                           Rpc::kContinue, Rpc::kAbortSourceUpdate);
+                           Rpc::kSetWeightVersion, Rpc::kContinue, Rpc::kAbortSourceUpdate);
   const Fault fault = GENERATE(Fault::kUnavailable, Fault::kInternal, Fault::kTimeout, Fault::kHang, Fault::kLate);
   INFO(Name(rpc) << " " << Name(fault));
   Cluster k;
@@ -600,9 +599,8 @@ void AbortWhileHanging(Rpc rpc) {
   const Victim victim = VictimOf(rpc);
   k.peers->hang_deadline = 10s;  // far beyond the 1 s the abort has
   k.peers->Arm(rpc, Fault::kHang, victim.addr);
-  const bool in_commit =
-      rpc == Rpc::kFinishUpdate || rpc == Rpc::kApplyDelta || rpc == Rpc::kPostProcess ||
-      rpc == Rpc::kSetWeightVersion || rpc == Rpc::kContinue;
+  const bool in_commit = rpc == Rpc::kFinishUpdate || rpc == Rpc::kApplyDelta || rpc == Rpc::kPostProcess ||
+                         rpc == Rpc::kSetWeightVersion || rpc == Rpc::kContinue;
   if (in_commit) REQUIRE(k.Begin(2).ok());
   absl::Status driven = absl::UnknownError("not run");
   std::thread driver([&] { driven = in_commit ? k.Commit(2) : k.Begin(2); });  // checked after the join

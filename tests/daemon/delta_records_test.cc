@@ -60,8 +60,8 @@ void Append(std::string* staging, uint32_t param, uint64_t offset, uint64_t leng
 absl::StatusOr<std::vector<DeltaRecordRef>> Check(const std::string& staging, uint32_t records,
                                                   const std::vector<v1::WriteRange>* owned = nullptr) {
   const v1::RankLayout layout = Layout();
-  return CheckDeltaRecords(reinterpret_cast<const uint8_t*>(staging.data()), staging.size(), records, kVersion,
-                           layout, kHost, owned, "engine e0 rank 1");
+  return CheckDeltaRecords(reinterpret_cast<const uint8_t*>(staging.data()), staging.size(), records, kVersion, layout,
+                           kHost, owned, "engine e0 rank 1");
 }
 
 void Refused(const absl::StatusOr<std::vector<DeltaRecordRef>>& r, absl::StatusCode code, const std::string& says) {

@@ -108,8 +108,9 @@ ClusterOptions Options(const std::string& model) {
   return o;
 }
 
-TEST_CASE("delta: consecutive steps send only what changed, bit-exact; off, a new engine and a wrong base are "
-          "dense") {
+TEST_CASE(
+    "delta: consecutive steps send only what changed, bit-exact; off, a new engine and a wrong base are "
+    "dense") {
   const std::string model = WSYNC_TINY_MODEL;
   Cluster cl(Options(model));
   INFO("cluster logs in " << cl.dir() << " (WSYNC_TEST_KEEP=1 keeps them)");

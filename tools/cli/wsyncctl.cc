@@ -553,7 +553,8 @@ int main(int argc, char** argv) {
                   r.success() ? Phases(r).c_str() : r.error().c_str());
       // Why ranks got dense writes, when deltas were asked for.
       if (r.delta_mode() != "off")
-        for (const auto& f : r.fallbacks()) std::printf("         dense %s: %s\n", f.rank().c_str(), f.reason().c_str());
+        for (const auto& f : r.fallbacks())
+          std::printf("         dense %s: %s\n", f.rank().c_str(), f.reason().c_str());
     }
     return kExitOk;
   }
