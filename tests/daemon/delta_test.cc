@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <set>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -58,7 +59,7 @@ absl::StatusOr<v1::UpdateRecord> RunUpdate(Cluster& cl, const std::string& model
   UNSCOPED_INFO("trainer push of update " << v << ": " << pushed.ToString());
   auto rec = coord.CommitUpdate(v, 30);
   if (!rec.ok()) return rec.status();
-  return rec->record();
+  return *rec;
 }
 
 std::string Fallbacks(const v1::UpdateRecord& r) {
