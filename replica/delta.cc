@@ -307,7 +307,18 @@ EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_
     for (size_t k = 0; k < n; ++k) RecordChunk<ES>(diffs[k].offset, diffs[k].byte_mask, neu, &st);
     XXH3_64bits_update(&old_state, old + pos, end - pos);
     XXH3_64bits_update(&new_state, neu + pos, end - pos);
-    if (copy_into_old != nullptr) std::memcpy(copy_into_old + pos, neu + pos, end - pos);
+    if (copy_into_old != nullptr) {
+      // Only the chunks that differ need the copy: the rest of old already holds neu's bytes, so the replica's
+      // update writes O(changed) bytes instead of the whole range. After the hash of old: it covers the base.
+      for (size_t k = 0; k < n; ++k) {
+        const uint64_t off = diffs[k].offset;
+        if (off + kChunkBytes <= bytes) {
+          std::memcpy(copy_into_old + off, neu + off, kChunkBytes);  // fixed size: inlined vector moves
+        } else {
+          std::memcpy(copy_into_old + off, neu + off, bytes - off);
+        }
+      }
+    }
     over_limit = st.MinTotal() > limit;
   }
   if (copy_into_old != nullptr && pos < bytes) std::memcpy(copy_into_old + pos, neu + pos, bytes - pos);

@@ -41,6 +41,7 @@ EncodeResult Encode(const uint8_t* old, const uint8_t* neu, uint64_t bytes, uint
                     std::string* out);
 
 // The same, then copies neu into old (one pass over both buffers where possible: the source's replica is `old`).
+// Only the 64-byte chunks that differ are written, in the same pass as the compare.
 // The copy happens whatever the result (also when dense_smaller); old and neu must not overlap.
 EncodeResult CopyAndEncode(uint8_t* dst_old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
                            std::string* out);

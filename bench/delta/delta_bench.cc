@@ -4,8 +4,8 @@
 // replica (compare + encode + the copy the load does anyway), falling back to dense where the delta is not smaller.
 // Printed per case: encoded bytes ÷ dense bytes, the CopyAndEncode rate ÷ memcpy of the same bytes, the Apply rate
 // (validation, base checksum, scatter) ÷ memcpy; each timed as one pass over the whole model (larger than the last
-// level cache) on one thread, memcpy measured before and after in the same run. Every applied delta is checked
-// byte for byte against the new step.
+// level cache) on one thread, memcpy of the same bytes in the same run; each the best of --reps rounds. Every applied
+// delta is checked byte for byte against the new step.
 //
 // Models are cut so that a run takes well under a minute on a small machine: Qwen3-0.6B keeps 2 of its 28 layers and
 // 16384 of its 151936 vocabulary rows; qwen3-moe-2l keeps 1 of its 2 layers (--layers-06b, --vocab-06b,
@@ -52,41 +52,57 @@ struct Figures {
 };
 
 // Times memcpy, CopyAndEncode and Apply over all ranges (each a full pass); checks every result.
-bool MeasureStep(std::vector<Range>& ranges, Figures* f) {
+bool MeasureStep(std::vector<Range>& ranges, int reps, bool verbose, Figures* f) {
   std::vector<std::string> enc(ranges.size());
   std::vector<uint8_t> dense_flag(ranges.size());
-  auto memcpy_pass = [&]() {
-    const auto t0 = Clock::now();
+  std::vector<std::vector<uint8_t>> base(ranges.size());
+  for (size_t i = 0; i < ranges.size(); ++i) base[i] = ranges[i].replica;
+  double best_memcpy = 1e30, best_encode = 1e30, best_apply = 1e30;
+  for (int rep = 0; rep < reps; ++rep) {
+    auto t0 = Clock::now();
     for (Range& r : ranges) std::memcpy(r.scratch.data(), r.neu, r.scratch.size());
-    return Seconds(t0, Clock::now());
-  };
-  const double m0 = memcpy_pass();
-  auto t0 = Clock::now();
-  for (size_t i = 0; i < ranges.size(); ++i) {
-    Range& r = ranges[i];
-    const uint64_t bytes = r.replica.size();
-    const delta::EncodeResult e = delta::CopyAndEncode(r.replica.data(), r.neu, bytes, r.elem_size, bytes, &enc[i]);
-    dense_flag[i] = e.dense_smaller;
-  }
-  f->t_encode += Seconds(t0, Clock::now());
-  t0 = Clock::now();
-  for (size_t i = 0; i < ranges.size(); ++i) {
-    Range& r = ranges[i];
-    if (dense_flag[i]) {
-      std::memcpy(r.target.data(), r.neu, r.target.size());
-      continue;
+    best_memcpy = std::min(best_memcpy, Seconds(t0, Clock::now()));
+
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      if (rep > 0) std::memcpy(ranges[i].replica.data(), base[i].data(), base[i].size());
+      enc[i].clear();
     }
-    uint64_t consumed = 0;
-    const absl::Status s = delta::Apply(r.target.data(), r.target.size(),
-                                        reinterpret_cast<const uint8_t*>(enc[i].data()), enc[i].size(), &consumed);
-    if (!s.ok()) {
-      std::fprintf(stderr, "apply failed: %s\n", s.ToString().c_str());
-      return false;
+    t0 = Clock::now();
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      Range& r = ranges[i];
+      const uint64_t bytes = r.replica.size();
+      const delta::EncodeResult e = delta::CopyAndEncode(r.replica.data(), r.neu, bytes, r.elem_size, bytes, &enc[i]);
+      dense_flag[i] = e.dense_smaller;
     }
+    best_encode = std::min(best_encode, Seconds(t0, Clock::now()));
+
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      std::memcpy(ranges[i].target.data(), base[i].data(), base[i].size());
+    }
+    t0 = Clock::now();
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      Range& r = ranges[i];
+      if (dense_flag[i]) {
+        std::memcpy(r.target.data(), r.neu, r.target.size());
+        continue;
+      }
+      uint64_t consumed = 0;
+      const absl::Status s = delta::Apply(r.target.data(), r.target.size(),
+                                          reinterpret_cast<const uint8_t*>(enc[i].data()), enc[i].size(), &consumed);
+      if (!s.ok()) {
+        std::fprintf(stderr, "apply failed: %s\n", s.ToString().c_str());
+        return false;
+      }
+    }
+    best_apply = std::min(best_apply, Seconds(t0, Clock::now()));
   }
-  f->t_apply += Seconds(t0, Clock::now());
-  const double m1 = memcpy_pass();
-  f->t_memcpy += (m0 + m1) / 2;
+  if (verbose) {
+    std::fprintf(stderr, "  %zu ranges: memcpy %.1f ms, CopyAndEncode %.1f ms, Apply %.1f ms\n", ranges.size(),
+                 best_memcpy * 1e3, best_encode * 1e3, best_apply * 1e3);
+  }
+  f->t_memcpy += best_memcpy;
+  f->t_encode += best_encode;
+  f->t_apply += best_apply;
   for (size_t i = 0; i < ranges.size(); ++i) {
     Range& r = ranges[i];
     if (std::memcmp(r.replica.data(), r.neu, r.replica.size()) != 0 ||
@@ -114,7 +130,7 @@ struct CaseResult {
 };
 
 bool RunModel(const std::string& label, const std::string& config, int64_t layers, int64_t vocab, double lr, int steps,
-              std::vector<CaseResult>* results) {
+              int reps, bool verbose, std::vector<CaseResult>* results) {
   tools::RlStepOptions opt;
   opt.lr = lr;
   auto made = tools::RlStepModel::Create(config, opt, layers, vocab);
@@ -167,7 +183,7 @@ bool RunModel(const std::string& label, const std::string& config, int64_t layer
         fp8[k++].neu = m.bytes(i).data();
       }
     }
-    if (!MeasureStep(bf16, &rb.f) || !MeasureStep(fp8, &rf.f)) return false;
+    if (!MeasureStep(bf16, reps, verbose, &rb.f) || !MeasureStep(fp8, reps, verbose, &rf.f)) return false;
   }
   results->push_back(rb);
   results->push_back(rf);
@@ -180,11 +196,14 @@ bool RunModel(const std::string& label, const std::string& config, int64_t layer
 int main(int argc, char** argv) {
   using namespace wsync;
   CLI::App app{"delta updates on RL-like steps: bytes and rates vs dense"};
-  int steps = 2;
+  int steps = 2, reps = 5;
+  bool verbose = false;
   std::vector<double> lrs = {1e-6, 1e-5};
   int64_t layers_06b = 2, vocab_06b = 16384, layers_moe = 1;
   std::string models = WSYNC_BENCH_MODELS_DIR, moe = WSYNC_BENCH_MOE_CONFIG;
   app.add_option("--steps", steps, "steps measured per case")->check(CLI::PositiveNumber);
+  app.add_option("--reps", reps, "timed rounds per step (the best counts)")->check(CLI::PositiveNumber);
+  app.add_flag("--verbose", verbose, "print each timed pass (stderr)");
   app.add_option("--lrs", lrs, "learning rates")->delimiter(',');
   app.add_option("--layers-06b", layers_06b, "Qwen3-0.6B layers kept");
   app.add_option("--vocab-06b", vocab_06b, "Qwen3-0.6B vocabulary rows kept");
@@ -195,8 +214,9 @@ int main(int argc, char** argv) {
 
   std::vector<CaseResult> results;
   for (double lr : lrs) {
-    if (!RunModel("Qwen3-0.6B", models + "/Qwen__Qwen3-0.6B/config.json", layers_06b, vocab_06b, lr, steps, &results) ||
-        !RunModel("qwen3-moe-2l", moe, layers_moe, 0, lr, steps, &results)) {
+    if (!RunModel("Qwen3-0.6B", models + "/Qwen__Qwen3-0.6B/config.json", layers_06b, vocab_06b, lr, steps, reps,
+                  verbose, &results) ||
+        !RunModel("qwen3-moe-2l", moe, layers_moe, 0, lr, steps, reps, verbose, &results)) {
       return 1;
     }
   }

@@ -103,6 +103,7 @@ void RlStepModel::InitTensor(size_t t) {
   const uint64_t elems = spec.bytes() / DTypeSize(spec.dtype);
   const uint64_t seed = seeds_[t] = NameSeed(spec.name, options_.seed);
   const std::string kind = TensorKind(spec.name);
+  const bool is_norm = kind == "norm", is_bias = kind == "bias";
   const float init_std = static_cast<float>(options_.initializer_range);
   const float signal = static_cast<float>(options_.signal);
   const float m_std = static_cast<float>(std::sqrt((1 - options_.beta1) / (1 + options_.beta1)));
@@ -111,9 +112,9 @@ void RlStepModel::InitTensor(size_t t) {
   m_[t].resize(elems);
   v_[t].resize(elems);
   for (uint64_t i = 0; i < elems; ++i) {
-    if (kind == "norm") {
+    if (is_norm) {
       w[i] = 1.0f;
-    } else if (kind == "bias") {
+    } else if (is_bias) {
       w[i] = 0.0f;
     } else {
       w[i] = init_std * Normal(Draw(seed, kInitStream, 0, i));
