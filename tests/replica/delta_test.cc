@@ -237,6 +237,20 @@ TEST_CASE("delta: the limit refuses encodings larger than dense and appends noth
   CHECK(out.empty());
   CHECK(replica == all);
 
+  // The compare stops once every format exceeds the limit (here about half way); CopyAndEncode still leaves the
+  // whole new range in the replica: the chunks copied before the stop and the rest copied dense.
+  const Bytes big_old = Random(rng, 200000);
+  Bytes big_neu = big_old;
+  for (size_t i = 0; i < 20000; i += 999) big_neu[i] ^= 1;
+  for (size_t i = 20000; i < big_neu.size(); ++i) big_neu[i] ^= 0xFF;
+  replica = big_old;
+  out.clear();
+  r = CopyAndEncode(replica.data(), big_neu.data(), big_neu.size(), 1, 100000, &out);
+  CHECK(r.dense_smaller);
+  CHECK(out.empty());
+  CHECK(r.changed_elems < 150000);  // stopped early: a lower bound
+  CHECK(replica == big_neu);
+
   // A limit below the header refuses even "no change".
   r = Encode(old.data(), old.data(), old.size(), 2, 55, &out);
   CHECK(r.dense_smaller);
