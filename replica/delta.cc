@@ -289,7 +289,7 @@ thread_local ScanState tls_scan;
 // Hashes, compares and (optionally) copies old/neu block by block, then writes the smallest encoding.
 template <uint32_t ES>
 EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_t* neu, uint64_t bytes, uint64_t limit,
-                        std::string* out) {
+                        const EncodeOptions& options, std::string* out) {
   EncodeResult result;
   ScanState& st = tls_scan;
   st.Reset(bytes / ES);
@@ -305,7 +305,7 @@ EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_
     const uint64_t end = std::min(bytes, pos + kBlockBytes);
     const size_t n = kScan(old, neu, pos, end, diffs);
     for (size_t k = 0; k < n; ++k) RecordChunk<ES>(diffs[k].offset, diffs[k].byte_mask, neu, &st);
-    XXH3_64bits_update(&old_state, old + pos, end - pos);
+    if (!options.base_checksum.has_value()) XXH3_64bits_update(&old_state, old + pos, end - pos);
     XXH3_64bits_update(&new_state, neu + pos, end - pos);
     if (copy_into_old != nullptr) {
       // Only the chunks that differ need the copy: the rest of old already holds neu's bytes, so the replica's
@@ -381,8 +381,10 @@ EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_
   Put<uint64_t>(hdr + kOffRangeBytes, bytes);
   Put<uint64_t>(hdr + kOffChanged, changed);
   Put<uint64_t>(hdr + kOffIndexBytes, index_bytes);
-  Put<uint64_t>(hdr + kOffBaseSum, XXH3_64bits_digest(&old_state));
-  Put<uint64_t>(hdr + kOffNewSum, XXH3_64bits_digest(&new_state));
+  result.base_checksum = options.base_checksum.has_value() ? *options.base_checksum : XXH3_64bits_digest(&old_state);
+  result.new_checksum = XXH3_64bits_digest(&new_state);
+  Put<uint64_t>(hdr + kOffBaseSum, result.base_checksum);
+  Put<uint64_t>(hdr + kOffNewSum, result.new_checksum);
   const uint64_t frame_sum =
       XXH3_64bits_withSeed(hdr + kHeaderBytes, total - kHeaderBytes, XXH3_64bits(hdr, kOffFrameSum));
   Put<uint64_t>(hdr + kOffFrameSum, frame_sum);
@@ -391,14 +393,21 @@ EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_
 }
 
 EncodeResult Dispatch(uint8_t* copy_into_old, const uint8_t* old, const uint8_t* neu, uint64_t bytes,
-                      uint32_t elem_size, uint64_t limit, std::string* out) {
+                      const EncodeOptions& options, uint32_t elem_size, uint64_t limit, std::string* out) {
+  if ((elem_size != 1 && elem_size != 2 && elem_size != 4) || bytes % elem_size != 0) {
+    // Not a range the codec describes: the caller sends it dense.
+    if (copy_into_old != nullptr) std::memcpy(copy_into_old, neu, bytes);
+    EncodeResult r;
+    r.dense_smaller = true;
+    return r;
+  }
   switch (elem_size) {
     case 1:
-      return EncodeImpl<1>(copy_into_old, old, neu, bytes, limit, out);
+      return EncodeImpl<1>(copy_into_old, old, neu, bytes, limit, options, out);
     case 2:
-      return EncodeImpl<2>(copy_into_old, old, neu, bytes, limit, out);
+      return EncodeImpl<2>(copy_into_old, old, neu, bytes, limit, options, out);
     default:
-      return EncodeImpl<4>(copy_into_old, old, neu, bytes, limit, out);
+      return EncodeImpl<4>(copy_into_old, old, neu, bytes, limit, options, out);
   }
 }
 
@@ -554,12 +563,17 @@ uint64_t Checksum(const uint8_t* data, uint64_t bytes) { return XXH3_64bits(data
 
 EncodeResult Encode(const uint8_t* old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
                     std::string* out) {
-  return Dispatch(nullptr, old, neu, bytes, elem_size, limit, out);
+  return Dispatch(nullptr, old, neu, bytes, EncodeOptions(), elem_size, limit, out);
 }
 
 EncodeResult CopyAndEncode(uint8_t* dst_old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
                            std::string* out) {
-  return Dispatch(dst_old, dst_old, neu, bytes, elem_size, limit, out);
+  return Dispatch(dst_old, dst_old, neu, bytes, EncodeOptions(), elem_size, limit, out);
+}
+
+EncodeResult CopyAndEncode(uint8_t* dst_old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
+                           const EncodeOptions& options, std::string* out) {
+  return Dispatch(dst_old, dst_old, neu, bytes, options, elem_size, limit, out);
 }
 
 absl::StatusOr<Info> Inspect(const uint8_t* enc, uint64_t enc_bytes) {

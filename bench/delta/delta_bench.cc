@@ -1,7 +1,8 @@
 // Delta updates on realistic RL steps (tools/testdata/rl_steps.h): for each model, learning rate and target kind
 // (bf16 as pushed, or FP8 128×128 block-quantized linear weights + fp32 scales, the rest bf16), every parameter of
 // every step is encoded against the previous step with replica/delta.h, the source's way: CopyAndEncode into the
-// replica (compare + encode + the copy the load does anyway), falling back to dense where the delta is not smaller.
+// replica (compare + encode + the copy the load does anyway; the base checksum the source kept from the previous
+// encoding, unless --hash-base), falling back to dense where the delta is not smaller.
 // Printed per case: encoded bytes ÷ dense bytes, the CopyAndEncode rate ÷ memcpy of the same bytes, the Apply rate
 // (validation, base checksum, scatter) ÷ memcpy; each timed as one pass over the whole model (larger than the last
 // level cache) on one thread, memcpy of the same bytes in the same run; each the best of --reps rounds. Every applied
@@ -17,6 +18,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +45,9 @@ struct Range {
   std::vector<uint8_t> target;   // the engine's copy
   std::vector<uint8_t> scratch;  // memcpy's destination
   const uint8_t* neu = nullptr;  // this step's bytes
+  // The replica's checksum as a source keeps it: the new_checksum of the range's previous encoding (hashed only
+  // after a dense write). Unset with --hash-base: the encoder hashes the base itself.
+  std::optional<uint64_t> base_sum;
 };
 
 struct Figures {
@@ -55,6 +60,7 @@ struct Figures {
 bool MeasureStep(std::vector<Range>& ranges, int reps, bool verbose, Figures* f) {
   std::vector<std::string> enc(ranges.size());
   std::vector<uint8_t> dense_flag(ranges.size());
+  std::vector<uint64_t> new_sum(ranges.size());
   std::vector<std::vector<uint8_t>> base(ranges.size());
   for (size_t i = 0; i < ranges.size(); ++i) base[i] = ranges[i].replica;
   double best_memcpy = 1e30, best_encode = 1e30, best_apply = 1e30;
@@ -71,8 +77,12 @@ bool MeasureStep(std::vector<Range>& ranges, int reps, bool verbose, Figures* f)
     for (size_t i = 0; i < ranges.size(); ++i) {
       Range& r = ranges[i];
       const uint64_t bytes = r.replica.size();
-      const delta::EncodeResult e = delta::CopyAndEncode(r.replica.data(), r.neu, bytes, r.elem_size, bytes, &enc[i]);
+      delta::EncodeOptions options;
+      options.base_checksum = r.base_sum;
+      const delta::EncodeResult e =
+          delta::CopyAndEncode(r.replica.data(), r.neu, bytes, r.elem_size, bytes, options, &enc[i]);
       dense_flag[i] = e.dense_smaller;
+      new_sum[i] = e.new_checksum;
     }
     best_encode = std::min(best_encode, Seconds(t0, Clock::now()));
 
@@ -105,6 +115,7 @@ bool MeasureStep(std::vector<Range>& ranges, int reps, bool verbose, Figures* f)
   f->t_apply += best_apply;
   for (size_t i = 0; i < ranges.size(); ++i) {
     Range& r = ranges[i];
+    if (r.base_sum.has_value()) r.base_sum = dense_flag[i] ? delta::Checksum(r.neu, r.replica.size()) : new_sum[i];
     if (std::memcmp(r.replica.data(), r.neu, r.replica.size()) != 0 ||
         std::memcmp(r.target.data(), r.neu, r.target.size()) != 0) {
       std::fprintf(stderr, "range %zu: replica or target differs from the new step\n", i);
@@ -130,7 +141,7 @@ struct CaseResult {
 };
 
 bool RunModel(const std::string& label, const std::string& config, int64_t layers, int64_t vocab, double lr, int steps,
-              int reps, bool verbose, std::vector<CaseResult>* results) {
+              int reps, bool verbose, bool hash_base, std::vector<CaseResult>* results) {
   tools::RlStepOptions opt;
   opt.lr = lr;
   auto made = tools::RlStepModel::Create(config, opt, layers, vocab);
@@ -148,8 +159,9 @@ bool RunModel(const std::string& label, const std::string& config, int64_t layer
   std::vector<Range> fp8;
   std::vector<tools::Fp8Tensor> q(n);
   std::vector<size_t> fp8_src;  // for each fp8 range: tensor index, and whether codes (even) or scales
-  auto init_range = [](Range* r, const uint8_t* data, uint64_t bytes, uint32_t es) {
+  auto init_range = [hash_base](Range* r, const uint8_t* data, uint64_t bytes, uint32_t es) {
     r->elem_size = es;
+    if (!hash_base) r->base_sum = delta::Checksum(data, bytes);
     r->replica.assign(data, data + bytes);
     r->target = r->replica;
     r->scratch.assign(bytes, 0);
@@ -197,12 +209,13 @@ int main(int argc, char** argv) {
   using namespace wsync;
   CLI::App app{"delta updates on RL-like steps: bytes and rates vs dense"};
   int steps = 2, reps = 5;
-  bool verbose = false;
+  bool verbose = false, hash_base = false;
   std::vector<double> lrs = {1e-6, 1e-5};
   int64_t layers_06b = 2, vocab_06b = 16384, layers_moe = 1;
   std::string models = WSYNC_BENCH_MODELS_DIR, moe = WSYNC_BENCH_MOE_CONFIG;
   app.add_option("--steps", steps, "steps measured per case")->check(CLI::PositiveNumber);
   app.add_option("--reps", reps, "timed rounds per step (the best counts)")->check(CLI::PositiveNumber);
+  app.add_flag("--hash-base", hash_base, "the encoder hashes the base instead of taking the checksum the source kept");
   app.add_flag("--verbose", verbose, "print each timed pass (stderr)");
   app.add_option("--lrs", lrs, "learning rates")->delimiter(',');
   app.add_option("--layers-06b", layers_06b, "Qwen3-0.6B layers kept");
@@ -215,8 +228,8 @@ int main(int argc, char** argv) {
   std::vector<CaseResult> results;
   for (double lr : lrs) {
     if (!RunModel("Qwen3-0.6B", models + "/Qwen__Qwen3-0.6B/config.json", layers_06b, vocab_06b, lr, steps, reps,
-                  verbose, &results) ||
-        !RunModel("qwen3-moe-2l", moe, layers_moe, 0, lr, steps, reps, verbose, &results)) {
+                  verbose, hash_base, &results) ||
+        !RunModel("qwen3-moe-2l", moe, layers_moe, 0, lr, steps, reps, verbose, hash_base, &results)) {
       return 1;
     }
   }
