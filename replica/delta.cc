@@ -130,63 +130,71 @@ class Sink {
 };
 
 // What the compare has found so far: the changed elements' gap varints and new values (the kGaps payload, written
-// as the compare goes), and the size the kRuns index would have. The kBitmap size depends only on the element
-// count, so after the walk the smallest format is known exactly (decide) before any of it is written out (act).
+// as the compare goes) and the number of runs of consecutive changed elements (a kRuns index costs at least two
+// bytes per run). The kBitmap size depends only on the element count. After the walk the smallest format is known
+// exactly (decide; the kRuns size is computed from the gaps only when its lower bound could win) before any of it is
+// written out (act).
 struct ScanState {
   uint64_t elems = 0;
   uint64_t next = 0;  // index after the previous changed element
   Sink gaps, values;
-  uint64_t runs_bytes = 0;
-  bool in_run = false;
-  uint64_t run_gap = 0, run_len = 0;
+  uint64_t runs = 0;
 
   void Reset(uint64_t n) {
     elems = n;
     next = 0;
     gaps.Clear();
     values.Clear();
-    runs_bytes = 0;
-    in_run = false;
-  }
-  void CloseRun() {
-    if (in_run) runs_bytes += VarintSize(run_gap) + VarintSize(run_len - 1);
-    in_run = false;
+    runs = 0;
   }
   uint64_t BitmapBytes() const { return (elems + 7) / 8; }
-  uint64_t RunsBytes() const { return runs_bytes + (in_run ? 2 : 0); }  // an open run costs at least 2
-  // The smallest index section (a lower bound while the walk is under way: every size only grows).
-  uint64_t MinIndexBytes(Format* which) const {
-    Format f = Format::kGaps;
-    uint64_t best = gaps.size();
-    if (BitmapBytes() < best) best = BitmapBytes(), f = Format::kBitmap;
-    if (RunsBytes() < best) best = RunsBytes(), f = Format::kRuns;
-    if (which != nullptr) *which = f;
-    return best;
-  }
-  uint64_t MinTotal() const { return kHeaderBytes + MinIndexBytes(nullptr) + values.size(); }
+  // A lower bound of every format's index size while the walk is under way (every size only grows).
+  uint64_t MinIndexLowerBound() const { return std::min<uint64_t>({gaps.size(), BitmapBytes(), 2 * runs}); }
+  uint64_t MinTotalLowerBound() const { return kHeaderBytes + MinIndexLowerBound() + values.size(); }
 };
 
-// Records the changed elements of one 64-byte chunk (byte_mask: its differing bytes).
+// The exact kRuns index size of the changed elements listed by gap varints.
+uint64_t RunsBytesFromGaps(const uint8_t* g, const uint8_t* end) {
+  uint64_t bytes = 0, run_gap = 0, run_len = 0;
+  while (g != end) {
+    uint64_t gap = 0;
+    GetVarint(&g, end, &gap);  // written by the encoder: well formed
+    if (run_len != 0 && gap == 0) {
+      ++run_len;
+      continue;
+    }
+    if (run_len != 0) bytes += VarintSize(run_gap) + VarintSize(run_len - 1);
+    run_gap = gap;
+    run_len = 1;
+  }
+  if (run_len != 0) bytes += VarintSize(run_gap) + VarintSize(run_len - 1);
+  return bytes;
+}
+
+// Records the changed elements of one 64-byte chunk (byte_mask: its differing bytes). Within a chunk consecutive
+// changed elements are fewer than 64 apart, so only the chunk's first gap may need more than one varint byte.
 template <uint32_t ES>
 inline void RecordChunk(uint64_t off, uint64_t byte_mask, const uint8_t* neu, ScanState* st) {
   uint64_t starts = ElemStarts(byte_mask, ES);
+  const uint64_t base = off / ES;
+  // Elements that start a run: changed, and the element before is not (for the chunk's first element, the previous
+  // chunk's last one).
+  uint64_t run_starts = starts & ~(starts << ES);
+  if (st->next == base && base != 0) run_starts &= ~uint64_t{1};
+  st->runs += static_cast<uint64_t>(__builtin_popcountll(run_starts));
+
   uint8_t* g = st->gaps.Reserve(kChunkBytes + 10);
   uint8_t* v = st->values.Reserve(kChunkBytes);
-  const uint64_t base = off / ES;
-  uint64_t next = st->next;
+  uint64_t i = base + static_cast<uint64_t>(__builtin_ctzll(starts)) / ES;
+  starts &= starts - 1;
+  g = PutVarint(g, i - st->next);
+  std::memcpy(v, neu + i * ES, ES);
+  v += ES;
+  uint64_t next = i + 1;
   while (starts != 0) {
-    const uint64_t i = base + static_cast<uint64_t>(__builtin_ctzll(starts)) / ES;
+    i = base + static_cast<uint64_t>(__builtin_ctzll(starts)) / ES;
     starts &= starts - 1;
-    const uint64_t gap = i - next;
-    g = PutVarint(g, gap);
-    if (st->in_run && gap == 0) {
-      ++st->run_len;
-    } else {
-      st->CloseRun();
-      st->run_gap = gap;
-      st->run_len = 1;
-      st->in_run = true;
-    }
+    *g++ = static_cast<uint8_t>(i - next);
     std::memcpy(v, neu + i * ES, ES);
     v += ES;
     next = i + 1;
@@ -319,15 +327,18 @@ EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_
         }
       }
     }
-    over_limit = st.MinTotal() > limit;
+    over_limit = st.MinTotalLowerBound() > limit;
   }
   if (copy_into_old != nullptr && pos < bytes) std::memcpy(copy_into_old + pos, neu + pos, bytes - pos);
-  st.CloseRun();
-
   const uint64_t changed = st.values.size() / ES;
   result.changed_elems = changed;
-  Format format;
-  const uint64_t index_bytes = st.MinIndexBytes(&format);
+  Format format = Format::kGaps;
+  uint64_t index_bytes = st.gaps.size();
+  if (st.BitmapBytes() < index_bytes) format = Format::kBitmap, index_bytes = st.BitmapBytes();
+  if (!over_limit && 2 * st.runs < index_bytes) {
+    const uint64_t runs_bytes = RunsBytesFromGaps(st.gaps.data(), st.gaps.data() + st.gaps.size());
+    if (runs_bytes < index_bytes) format = Format::kRuns, index_bytes = runs_bytes;
+  }
   const uint64_t total = kHeaderBytes + index_bytes + st.values.size();
   if (over_limit || total > limit) {
     result.dense_smaller = true;
