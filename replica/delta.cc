@@ -1,6 +1,10 @@
 #include "replica/delta.h"
 
+#define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
 #include <xxhash.h>
+#if defined(__x86_64__)
+#include <xxh_x86dispatch.h>  // XXH3 with the widest vectors the CPU has (the library picks at run time)
+#endif
 
 #include <algorithm>
 #include <cstring>
@@ -102,72 +106,116 @@ inline uint64_t ElemStarts(uint64_t byte_mask, uint32_t elem_size) {
   }
 }
 
-// One 64-byte chunk in which some element changed: its byte offset and the element-start mask.
-struct DiffChunk {
-  uint64_t offset;
-  uint64_t starts;
-};
-
-// Running sizes of each index format while the compare walks the range (decide), so the encoder (act) writes only
-// the smallest one and the compare can stop as soon as all of them exceed the caller's limit.
-class SizeTracker {
+// A growable byte buffer written through a raw cursor: the encoder reserves room for one chunk's output once per
+// changed chunk rather than checking per element.
+class Sink {
  public:
-  SizeTracker(uint64_t elems, uint32_t elem_size) : elems_(elems), elem_size_(elem_size) {}
-
-  void Add(uint64_t idx) {
-    const uint64_t gap = idx - next_;
-    gaps_bytes_ += VarintSize(gap);
-    if (in_run_ && gap == 0) {
-      ++run_len_;
-    } else {
-      CloseRun();
-      run_gap_ = gap;
-      run_len_ = 1;
-      in_run_ = true;
-    }
-    next_ = idx + 1;
-    ++changed_;
+  void Clear() { size_ = 0; }
+  uint8_t* Reserve(size_t n) {
+    if (size_ + n > buf_.size()) buf_.resize(std::max(buf_.size() * 2, size_ + n + 4096));
+    return buf_.data() + size_;
   }
-  void Finish() { CloseRun(); }
-
-  uint64_t changed() const { return changed_; }
-  uint64_t bitmap_bytes() const { return (elems_ + 7) / 8; }
-  uint64_t gaps_bytes() const { return gaps_bytes_; }
-  uint64_t runs_bytes() const { return runs_bytes_ + (in_run_ ? 2 : 0); }  // an open run costs at least 2
-  uint64_t ValueBytes() const { return changed_ * elem_size_; }
-  // The smallest index section among the formats (a lower bound while the walk is under way: sizes only grow).
-  uint64_t MinIndexBytes(Format* which) const {
-    Format f = Format::kGaps;
-    uint64_t best = gaps_bytes();
-    if (bitmap_bytes() < best) best = bitmap_bytes(), f = Format::kBitmap;
-    if (runs_bytes() < best) best = runs_bytes(), f = Format::kRuns;
-    if (which != nullptr) *which = f;
-    return best;
+  void Commit(uint8_t* end) { size_ = static_cast<size_t>(end - buf_.data()); }
+  const uint8_t* data() const { return buf_.data(); }
+  size_t size() const { return size_; }
+  // Keeps the buffer for the next call (no allocation, no page faults per parameter) unless it grew large.
+  void Release() {
+    if (buf_.size() > kKeepBytes) std::vector<uint8_t>().swap(buf_);
   }
-  uint64_t MinTotal() const { return kHeaderBytes + MinIndexBytes(nullptr) + ValueBytes(); }
 
  private:
-  void CloseRun() {
-    if (!in_run_) return;
-    runs_bytes_ += VarintSize(run_gap_) + VarintSize(run_len_ - 1);
-    in_run_ = false;
-  }
-
-  uint64_t elems_;
-  uint32_t elem_size_;
-  uint64_t next_ = 0;  // index after the previous changed element
-  uint64_t changed_ = 0;
-  uint64_t gaps_bytes_ = 0;
-  uint64_t runs_bytes_ = 0;
-  bool in_run_ = false;
-  uint64_t run_gap_ = 0;
-  uint64_t run_len_ = 0;
+  static constexpr size_t kKeepBytes = 16u << 20;
+  std::vector<uint8_t> buf_;
+  size_t size_ = 0;
 };
 
-// The compare of one block: calls on_diff(offset, byte_mask) for each 64-byte chunk (the last may be shorter) in
-// which a byte differs. Vector versions skip equal chunks with one compare per 16/32 bytes and one branch.
-template <typename OnDiff>
-inline void ScanScalar(const uint8_t* a, const uint8_t* b, uint64_t begin, uint64_t end, OnDiff&& on_diff) {
+// What the compare has found so far: the changed elements' gap varints and new values (the kGaps payload, written
+// as the compare goes) and the number of runs of consecutive changed elements (a kRuns index costs at least two
+// bytes per run). The kBitmap size depends only on the element count. After the walk the smallest format is known
+// exactly (decide; the kRuns size is computed from the gaps only when its lower bound could win) before any of it is
+// written out (act).
+struct ScanState {
+  uint64_t elems = 0;
+  uint64_t next = 0;  // index after the previous changed element
+  Sink gaps, values;
+  uint64_t runs = 0;
+
+  void Reset(uint64_t n) {
+    elems = n;
+    next = 0;
+    gaps.Clear();
+    values.Clear();
+    runs = 0;
+  }
+  uint64_t BitmapBytes() const { return (elems + 7) / 8; }
+  // A lower bound of every format's index size while the walk is under way (every size only grows).
+  uint64_t MinIndexLowerBound() const { return std::min<uint64_t>({gaps.size(), BitmapBytes(), 2 * runs}); }
+  uint64_t MinTotalLowerBound() const { return kHeaderBytes + MinIndexLowerBound() + values.size(); }
+};
+
+// The exact kRuns index size of the changed elements listed by gap varints.
+uint64_t RunsBytesFromGaps(const uint8_t* g, const uint8_t* end) {
+  uint64_t bytes = 0, run_gap = 0, run_len = 0;
+  while (g != end) {
+    uint64_t gap = 0;
+    GetVarint(&g, end, &gap);  // written by the encoder: well formed
+    if (run_len != 0 && gap == 0) {
+      ++run_len;
+      continue;
+    }
+    if (run_len != 0) bytes += VarintSize(run_gap) + VarintSize(run_len - 1);
+    run_gap = gap;
+    run_len = 1;
+  }
+  if (run_len != 0) bytes += VarintSize(run_gap) + VarintSize(run_len - 1);
+  return bytes;
+}
+
+// Records the changed elements of one 64-byte chunk (byte_mask: its differing bytes). Within a chunk consecutive
+// changed elements are fewer than 64 apart, so only the chunk's first gap may need more than one varint byte.
+template <uint32_t ES>
+inline void RecordChunk(uint64_t off, uint64_t byte_mask, const uint8_t* neu, ScanState* st) {
+  uint64_t starts = ElemStarts(byte_mask, ES);
+  const uint64_t base = off / ES;
+  // Elements that start a run: changed, and the element before is not (for the chunk's first element, the previous
+  // chunk's last one).
+  uint64_t run_starts = starts & ~(starts << ES);
+  if (st->next == base && base != 0) run_starts &= ~uint64_t{1};
+  st->runs += static_cast<uint64_t>(__builtin_popcountll(run_starts));
+
+  uint8_t* g = st->gaps.Reserve(kChunkBytes + 10);
+  uint8_t* v = st->values.Reserve(kChunkBytes);
+  uint64_t i = base + static_cast<uint64_t>(__builtin_ctzll(starts)) / ES;
+  starts &= starts - 1;
+  g = PutVarint(g, i - st->next);
+  std::memcpy(v, neu + i * ES, ES);
+  v += ES;
+  uint64_t next = i + 1;
+  while (starts != 0) {
+    i = base + static_cast<uint64_t>(__builtin_ctzll(starts)) / ES;
+    starts &= starts - 1;
+    *g++ = static_cast<uint8_t>(i - next);
+    std::memcpy(v, neu + i * ES, ES);
+    v += ES;
+    next = i + 1;
+  }
+  st->next = next;
+  st->gaps.Commit(g);
+  st->values.Commit(v);
+}
+
+// The compare of one block [begin, end): writes {offset, byte_mask} for each 64-byte chunk (the last may be shorter)
+// in which a byte differs and returns how many. Equal chunks cost one compare per vector and one branch. The widest
+// instruction set the CPU has is picked once, at load.
+struct DiffChunk {
+  uint64_t offset;
+  uint64_t byte_mask;
+};
+constexpr uint64_t kChunksPerBlock = kBlockBytes / kChunkBytes;
+using ScanFn = size_t (*)(const uint8_t* a, const uint8_t* b, uint64_t begin, uint64_t end, DiffChunk* out);
+
+size_t ScanScalar(const uint8_t* a, const uint8_t* b, uint64_t begin, uint64_t end, DiffChunk* out) {
+  size_t n_out = 0;
   for (uint64_t off = begin; off < end; off += kChunkBytes) {
     const uint64_t n = std::min(kChunkBytes, end - off);
     if (n == kChunkBytes) {
@@ -176,85 +224,126 @@ inline void ScanScalar(const uint8_t* a, const uint8_t* b, uint64_t begin, uint6
       if (acc == 0) continue;
     }
     const uint64_t m = DiffMaskScalar(a + off, b + off, n);
-    if (m != 0) on_diff(off, m);
+    if (m != 0) out[n_out++] = {off, m};
   }
+  return n_out;
 }
 
 #if defined(__x86_64__)
-template <typename OnDiff>
-inline void ScanSse2(const uint8_t* a, const uint8_t* b, uint64_t begin, uint64_t end, OnDiff&& on_diff) {
+size_t ScanSse2(const uint8_t* a, const uint8_t* b, uint64_t begin, uint64_t end, DiffChunk* out) {
+  size_t n_out = 0;
   uint64_t off = begin;
   for (; off + kChunkBytes <= end; off += kChunkBytes) {
-    const __m128i e0 = _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + off)),
-                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off)));
-    const __m128i e1 = _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + off + 16)),
-                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off + 16)));
-    const __m128i e2 = _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + off + 32)),
-                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off + 32)));
-    const __m128i e3 = _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + off + 48)),
-                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off + 48)));
-    const __m128i all = _mm_and_si128(_mm_and_si128(e0, e1), _mm_and_si128(e2, e3));
+    __m128i e[4];
+    for (int k = 0; k < 4; ++k) {
+      e[k] = _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + off + 16 * k)),
+                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off + 16 * k)));
+    }
+    const __m128i all = _mm_and_si128(_mm_and_si128(e[0], e[1]), _mm_and_si128(e[2], e[3]));
     if (_mm_movemask_epi8(all) == 0xffff) continue;
-    const uint64_t eq = static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(e0))) |
-                        static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(e1))) << 16 |
-                        static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(e2))) << 32 |
-                        static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(e3))) << 48;
-    on_diff(off, ~eq);
+    uint64_t eq = 0;
+    for (int k = 0; k < 4; ++k) eq |= static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(e[k]))) << (16 * k);
+    out[n_out++] = {off, ~eq};
   }
-  if (off < end) ScanScalar(a, b, off, end, on_diff);
+  if (off < end) n_out += ScanScalar(a, b, off, end, out + n_out);
+  return n_out;
 }
+
+__attribute__((target("avx2"))) size_t ScanAvx2(const uint8_t* a, const uint8_t* b, uint64_t begin, uint64_t end,
+                                                DiffChunk* out) {
+  size_t n_out = 0;
+  uint64_t off = begin;
+  for (; off + kChunkBytes <= end; off += kChunkBytes) {
+    const __m256i e0 = _mm256_cmpeq_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + off)),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + off)));
+    const __m256i e1 = _mm256_cmpeq_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + off + 32)),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + off + 32)));
+    if (_mm256_movemask_epi8(_mm256_and_si256(e0, e1)) == -1) continue;
+    const uint64_t eq = static_cast<uint64_t>(static_cast<uint32_t>(_mm256_movemask_epi8(e0))) |
+                        static_cast<uint64_t>(static_cast<uint32_t>(_mm256_movemask_epi8(e1))) << 32;
+    out[n_out++] = {off, ~eq};
+  }
+  if (off < end) n_out += ScanScalar(a, b, off, end, out + n_out);
+  return n_out;
+}
+
+__attribute__((target("avx512f,avx512bw"))) size_t ScanAvx512(const uint8_t* a, const uint8_t* b, uint64_t begin,
+                                                              uint64_t end, DiffChunk* out) {
+  size_t n_out = 0;
+  uint64_t off = begin;
+  for (; off + kChunkBytes <= end; off += kChunkBytes) {
+    const uint64_t m = _mm512_cmpneq_epi8_mask(_mm512_loadu_si512(a + off), _mm512_loadu_si512(b + off));
+    if (m != 0) out[n_out++] = {off, m};
+  }
+  if (off < end) n_out += ScanScalar(a, b, off, end, out + n_out);
+  return n_out;
+}
+
+ScanFn PickScan() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512bw")) return ScanAvx512;
+  if (__builtin_cpu_supports("avx2")) return ScanAvx2;
+  return ScanSse2;
+}
+#else
+ScanFn PickScan() { return ScanScalar; }
 #endif
 
+const ScanFn kScan = PickScan();
+
+// Per thread, so that encoding many parameters allocates once.
+thread_local ScanState tls_scan;
+
 // Hashes, compares and (optionally) copies old/neu block by block, then writes the smallest encoding.
-EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_t* neu, uint64_t bytes,
-                        uint32_t elem_size, uint64_t limit, std::string* out) {
+template <uint32_t ES>
+EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_t* neu, uint64_t bytes, uint64_t limit,
+                        const EncodeOptions& options, std::string* out) {
   EncodeResult result;
-  const uint64_t elems = bytes / elem_size;
-  SizeTracker sizes(elems, elem_size);
-  std::vector<DiffChunk> chunks;
+  ScanState& st = tls_scan;
+  st.Reset(bytes / ES);
   bool over_limit = kHeaderBytes > limit;
 
-  XXH3_state_t* old_state = XXH3_createState();
-  XXH3_state_t* new_state = XXH3_createState();
-  XXH3_64bits_reset(old_state);
-  XXH3_64bits_reset(new_state);
-
-  auto on_diff = [&](uint64_t off, uint64_t byte_mask) {
-    uint64_t starts = ElemStarts(byte_mask, elem_size);
-    chunks.push_back({off, starts});
-    const uint64_t base = off / elem_size;
-    while (starts != 0) {
-      sizes.Add(base + static_cast<uint64_t>(__builtin_ctzll(starts)) / elem_size);
-      starts &= starts - 1;
-    }
-  };
+  XXH3_state_t old_state, new_state;  // XXH_STATIC_LINKING_ONLY: on the stack, no allocation
+  XXH3_64bits_reset(&old_state);
+  XXH3_64bits_reset(&new_state);
+  DiffChunk diffs[kChunksPerBlock];
 
   uint64_t pos = 0;
   for (; pos < bytes && !over_limit; pos += kBlockBytes) {
     const uint64_t end = std::min(bytes, pos + kBlockBytes);
-#if defined(__x86_64__)
-    ScanSse2(old, neu, pos, end, on_diff);
-#else
-    ScanScalar(old, neu, pos, end, on_diff);
-#endif
-    XXH3_64bits_update(old_state, old + pos, end - pos);
-    XXH3_64bits_update(new_state, neu + pos, end - pos);
-    if (copy_into_old != nullptr) std::memcpy(copy_into_old + pos, neu + pos, end - pos);
-    over_limit = sizes.MinTotal() > limit;
+    const size_t n = kScan(old, neu, pos, end, diffs);
+    for (size_t k = 0; k < n; ++k) RecordChunk<ES>(diffs[k].offset, diffs[k].byte_mask, neu, &st);
+    if (!options.base_checksum.has_value()) XXH3_64bits_update(&old_state, old + pos, end - pos);
+    XXH3_64bits_update(&new_state, neu + pos, end - pos);
+    if (copy_into_old != nullptr) {
+      // Only the chunks that differ need the copy: the rest of old already holds neu's bytes, so the replica's
+      // update writes O(changed) bytes instead of the whole range. After the hash of old: it covers the base.
+      for (size_t k = 0; k < n; ++k) {
+        const uint64_t off = diffs[k].offset;
+        if (off + kChunkBytes <= bytes) {
+          std::memcpy(copy_into_old + off, neu + off, kChunkBytes);  // fixed size: inlined vector moves
+        } else {
+          std::memcpy(copy_into_old + off, neu + off, bytes - off);
+        }
+      }
+    }
+    over_limit = st.MinTotalLowerBound() > limit;
   }
   if (copy_into_old != nullptr && pos < bytes) std::memcpy(copy_into_old + pos, neu + pos, bytes - pos);
-  sizes.Finish();
-  const uint64_t base_sum = XXH3_64bits_digest(old_state);
-  const uint64_t new_sum = XXH3_64bits_digest(new_state);
-  XXH3_freeState(old_state);
-  XXH3_freeState(new_state);
-
-  result.changed_elems = sizes.changed();
-  Format format;
-  const uint64_t index_bytes = sizes.MinIndexBytes(&format);
-  const uint64_t total = kHeaderBytes + index_bytes + sizes.ValueBytes();
+  const uint64_t changed = st.values.size() / ES;
+  result.changed_elems = changed;
+  Format format = Format::kGaps;
+  uint64_t index_bytes = st.gaps.size();
+  if (st.BitmapBytes() < index_bytes) format = Format::kBitmap, index_bytes = st.BitmapBytes();
+  if (!over_limit && 2 * st.runs < index_bytes) {
+    const uint64_t runs_bytes = RunsBytesFromGaps(st.gaps.data(), st.gaps.data() + st.gaps.size());
+    if (runs_bytes < index_bytes) format = Format::kRuns, index_bytes = runs_bytes;
+  }
+  const uint64_t total = kHeaderBytes + index_bytes + st.values.size();
   if (over_limit || total > limit) {
     result.dense_smaller = true;
+    st.gaps.Release();
+    st.values.Release();
     return result;
   }
 
@@ -262,58 +351,75 @@ EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_
   out->resize(start + total);
   uint8_t* hdr = reinterpret_cast<uint8_t*>(out->data()) + start;
   uint8_t* idx = hdr + kHeaderBytes;
-  uint8_t* val = idx + index_bytes;
-  if (format == Format::kBitmap) std::memset(idx, 0, index_bytes);
-
-  uint64_t next = 0;  // index after the previous changed element
-  bool in_run = false;
-  uint64_t run_gap = 0, run_len = 0;
-  for (const DiffChunk& c : chunks) {
-    uint64_t starts = c.starts;
-    const uint64_t base = c.offset / elem_size;
-    while (starts != 0) {
-      const uint64_t i = base + static_cast<uint64_t>(__builtin_ctzll(starts)) / elem_size;
-      starts &= starts - 1;
-      switch (format) {
-        case Format::kBitmap:
-          idx[i >> 3] |= static_cast<uint8_t>(1u << (i & 7));
-          break;
-        case Format::kGaps:
-          idx = PutVarint(idx, i - next);
-          break;
-        case Format::kRuns:
-          if (in_run && i == next) {
-            ++run_len;
-          } else {
-            if (in_run) idx = PutVarint(PutVarint(idx, run_gap), run_len - 1);
-            run_gap = i - next;
-            run_len = 1;
-            in_run = true;
-          }
-          break;
+  if (format == Format::kGaps) {
+    std::memcpy(idx, st.gaps.data(), index_bytes);
+  } else {
+    // Re-read the gap varints (O(changed), small next to the compare) into the chosen format.
+    if (format == Format::kBitmap) std::memset(idx, 0, index_bytes);
+    const uint8_t* g = st.gaps.data();
+    const uint8_t* g_end = g + st.gaps.size();
+    uint64_t next = 0;
+    bool in_run = false;
+    uint64_t run_gap = 0, run_len = 0;
+    uint8_t* w = idx;
+    while (g != g_end) {
+      uint64_t gap = 0;
+      GetVarint(&g, g_end, &gap);  // written above: well formed
+      const uint64_t i = next + gap;
+      if (format == Format::kBitmap) {
+        w[i >> 3] |= static_cast<uint8_t>(1u << (i & 7));
+      } else if (in_run && gap == 0) {
+        ++run_len;
+      } else {
+        if (in_run) w = PutVarint(PutVarint(w, run_gap), run_len - 1);
+        run_gap = gap;
+        run_len = 1;
+        in_run = true;
       }
-      std::memcpy(val, neu + i * elem_size, elem_size);
-      val += elem_size;
       next = i + 1;
     }
+    if (in_run) PutVarint(PutVarint(w, run_gap), run_len - 1);
   }
-  if (in_run) idx = PutVarint(PutVarint(idx, run_gap), run_len - 1);
+  std::memcpy(idx + index_bytes, st.values.data(), st.values.size());
+  st.gaps.Release();
+  st.values.Release();
 
   Put<uint32_t>(hdr + kOffMagic, kMagic);
   Put<uint8_t>(hdr + kOffVersion, kVersion);
   Put<uint8_t>(hdr + kOffFormat, static_cast<uint8_t>(format));
-  Put<uint8_t>(hdr + kOffElemSize, static_cast<uint8_t>(elem_size));
+  Put<uint8_t>(hdr + kOffElemSize, static_cast<uint8_t>(ES));
   Put<uint8_t>(hdr + kOffFlags, 0);
   Put<uint64_t>(hdr + kOffRangeBytes, bytes);
-  Put<uint64_t>(hdr + kOffChanged, sizes.changed());
+  Put<uint64_t>(hdr + kOffChanged, changed);
   Put<uint64_t>(hdr + kOffIndexBytes, index_bytes);
-  Put<uint64_t>(hdr + kOffBaseSum, base_sum);
-  Put<uint64_t>(hdr + kOffNewSum, new_sum);
+  result.base_checksum = options.base_checksum.has_value() ? *options.base_checksum : XXH3_64bits_digest(&old_state);
+  result.new_checksum = XXH3_64bits_digest(&new_state);
+  Put<uint64_t>(hdr + kOffBaseSum, result.base_checksum);
+  Put<uint64_t>(hdr + kOffNewSum, result.new_checksum);
   const uint64_t frame_sum =
       XXH3_64bits_withSeed(hdr + kHeaderBytes, total - kHeaderBytes, XXH3_64bits(hdr, kOffFrameSum));
   Put<uint64_t>(hdr + kOffFrameSum, frame_sum);
   result.encoded_bytes = total;
   return result;
+}
+
+EncodeResult Dispatch(uint8_t* copy_into_old, const uint8_t* old, const uint8_t* neu, uint64_t bytes,
+                      const EncodeOptions& options, uint32_t elem_size, uint64_t limit, std::string* out) {
+  if ((elem_size != 1 && elem_size != 2 && elem_size != 4) || bytes % elem_size != 0) {
+    // Not a range the codec describes: the caller sends it dense.
+    if (copy_into_old != nullptr) std::memcpy(copy_into_old, neu, bytes);
+    EncodeResult r;
+    r.dense_smaller = true;
+    return r;
+  }
+  switch (elem_size) {
+    case 1:
+      return EncodeImpl<1>(copy_into_old, old, neu, bytes, limit, options, out);
+    case 2:
+      return EncodeImpl<2>(copy_into_old, old, neu, bytes, limit, options, out);
+    default:
+      return EncodeImpl<4>(copy_into_old, old, neu, bytes, limit, options, out);
+  }
 }
 
 // Walks the index section of a header-checked encoding, calling fn(first, count, values) per run of consecutive
@@ -468,12 +574,17 @@ uint64_t Checksum(const uint8_t* data, uint64_t bytes) { return XXH3_64bits(data
 
 EncodeResult Encode(const uint8_t* old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
                     std::string* out) {
-  return EncodeImpl(nullptr, old, neu, bytes, elem_size, limit, out);
+  return Dispatch(nullptr, old, neu, bytes, EncodeOptions(), elem_size, limit, out);
 }
 
 EncodeResult CopyAndEncode(uint8_t* dst_old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
                            std::string* out) {
-  return EncodeImpl(dst_old, dst_old, neu, bytes, elem_size, limit, out);
+  return Dispatch(dst_old, dst_old, neu, bytes, EncodeOptions(), elem_size, limit, out);
+}
+
+EncodeResult CopyAndEncode(uint8_t* dst_old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
+                           const EncodeOptions& options, std::string* out) {
+  return Dispatch(dst_old, dst_old, neu, bytes, options, elem_size, limit, out);
 }
 
 absl::StatusOr<Info> Inspect(const uint8_t* enc, uint64_t enc_bytes) {

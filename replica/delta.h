@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -32,6 +33,17 @@ struct EncodeResult {
   uint64_t changed_elems = 0;
   uint64_t encoded_bytes = 0;  // appended to *out (header included); 0 when dense_smaller
   bool dense_smaller = false;
+  // Checksum() of the base and of the new range, as written in the header; 0 when dense_smaller. The caller may keep
+  // new_checksum as the range's base checksum for its next encoding (EncodeOptions).
+  uint64_t base_checksum = 0;
+  uint64_t new_checksum = 0;
+};
+
+struct EncodeOptions {
+  // Checksum() of `old`'s current bytes when the caller knows it (the new_checksum of this range's previous encoding,
+  // kept while nothing else wrote the range): saves one of the two hash passes. It must be the checksum of exactly
+  // the bytes in `old`: it is what the target checks its own bytes against before applying.
+  std::optional<uint64_t> base_checksum;
 };
 
 // Appends to *out the encoding of old→neu (elem_size 1, 2 or 4 bytes; bytes a multiple of it). If the smallest
@@ -41,9 +53,12 @@ EncodeResult Encode(const uint8_t* old, const uint8_t* neu, uint64_t bytes, uint
                     std::string* out);
 
 // The same, then copies neu into old (one pass over both buffers where possible: the source's replica is `old`).
+// Only the 64-byte chunks that differ are written, in the same pass as the compare.
 // The copy happens whatever the result (also when dense_smaller); old and neu must not overlap.
 EncodeResult CopyAndEncode(uint8_t* dst_old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
                            std::string* out);
+EncodeResult CopyAndEncode(uint8_t* dst_old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
+                           const EncodeOptions& options, std::string* out);
 
 // Validates the whole encoding first (header, lengths, indices in range, base checksum equals the checksum of
 // dst's current bytes) and only then applies it; on any error dst is untouched and the Status says what is wrong

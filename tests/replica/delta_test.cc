@@ -237,9 +237,60 @@ TEST_CASE("delta: the limit refuses encodings larger than dense and appends noth
   CHECK(out.empty());
   CHECK(replica == all);
 
+  // The compare stops once every format exceeds the limit (here about half way); CopyAndEncode still leaves the
+  // whole new range in the replica: the chunks copied before the stop and the rest copied dense.
+  const Bytes big_old = Random(rng, 200000);
+  Bytes big_neu = big_old;
+  for (size_t i = 0; i < 20000; i += 999) big_neu[i] ^= 1;
+  for (size_t i = 20000; i < big_neu.size(); ++i) big_neu[i] ^= 0xFF;
+  replica = big_old;
+  out.clear();
+  r = CopyAndEncode(replica.data(), big_neu.data(), big_neu.size(), 1, 100000, &out);
+  CHECK(r.dense_smaller);
+  CHECK(out.empty());
+  CHECK(r.changed_elems < 150000);  // stopped early: a lower bound
+  CHECK(replica == big_neu);
+
   // A limit below the header refuses even "no change".
   r = Encode(old.data(), old.data(), old.size(), 2, 55, &out);
   CHECK(r.dense_smaller);
+}
+
+TEST_CASE("delta: a known base checksum replaces the hash of old; a wrong one is refused by the target") {
+  std::mt19937_64 rng(19);
+  const Bytes old = Random(rng, 50000);
+  Bytes neu = old;
+  for (size_t i = 0; i < neu.size(); i += 101) neu[i] ^= 4;
+  std::string plain;
+  const EncodeResult r = Encode(old.data(), neu.data(), old.size(), 2, UINT64_MAX, &plain);
+  CHECK(r.base_checksum == XXH3_64bits(old.data(), old.size()));
+  CHECK(r.new_checksum == XXH3_64bits(neu.data(), neu.size()));
+
+  EncodeOptions known;
+  known.base_checksum = r.base_checksum;
+  Bytes replica = old;
+  std::string enc;
+  CopyAndEncode(replica.data(), neu.data(), neu.size(), 2, UINT64_MAX, known, &enc);
+  CHECK(enc == plain);
+  CHECK(replica == neu);
+
+  known.base_checksum = r.base_checksum ^ 1;  // stale: not the checksum of old's bytes
+  replica = old;
+  enc.clear();
+  CopyAndEncode(replica.data(), neu.data(), neu.size(), 2, UINT64_MAX, known, &enc);
+  Bytes dst = old;
+  CHECK(Apply(dst.data(), dst.size(), U8(enc), enc.size(), nullptr).code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(dst == old);
+}
+
+TEST_CASE("delta: element sizes the codec does not describe go dense") {
+  const Bytes old(30, 1), neu(30, 2);
+  Bytes replica = old;
+  std::string out;
+  CHECK(CopyAndEncode(replica.data(), neu.data(), 30, 3, 1000, &out).dense_smaller);
+  CHECK(replica == neu);
+  CHECK(Encode(old.data(), neu.data(), 30, 4, 1000, &out).dense_smaller);  // 30 is not a multiple of 4
+  CHECK(out.empty());
 }
 
 // Applies `enc` to a copy of `base` expecting `code`; the destination must be untouched.
