@@ -239,7 +239,8 @@ TEST_CASE("coordinator: lifecycle order, history and version checks") {
   CHECK(f.peers->Count("continue ") == 2);
   std::vector<std::string> phases;
   for (const auto& p : rec->record().phases()) phases.push_back(p.phase());
-  CHECK(phases == std::vector<std::string>{"pause", "configure", "push", "post_process", "set_version", "continue"});
+  CHECK(phases == std::vector<std::string>{"pause", "configure", "push", "apply_delta", "post_process", "set_version",
+                                           "continue"});
   CHECK(f.Begin(1).code() == absl::StatusCode::kFailedPrecondition);  // not newer than the current version
   REQUIRE(f.Begin(2).ok());
   REQUIRE(f.Commit(2).ok());
