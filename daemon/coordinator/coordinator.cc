@@ -569,6 +569,7 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   SetLogUpdateVersion(-1);
   // BeginUpdate admits only versions newer than every one begun, so this never moves backwards; the check keeps it so.
   if (o.status.ok() && v > current_version_) current_version_ = v;
+  if (o.status.ok()) since_dense_ = rec.delta_mode() == "off" || rec.delta_mode() == "anchor" ? 0 : since_dense_ + 1;
   outcomes_[v] = o;
   while (outcomes_.size() > std::max<size_t>(opts_.history_limit, 1)) outcomes_.erase(outcomes_.begin());
   metrics_.Add("wsync_updates_total", {{"result", rec.aborted() ? "aborted" : (o.status.ok() ? "ok" : "failed")}}, 1);
@@ -643,7 +644,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   const absl::Time start = absl::Now();
   const int64_t v = req.version();
   if (v < 0) return absl::InvalidArgumentError(absl::StrCat("version ", v, " is negative"));
-  const std::string delta = req.delta().empty() ? "auto" : req.delta();
+  std::string delta = req.delta().empty() ? "auto" : req.delta();
   if (delta != "auto" && delta != "off" && delta != "always")
     return absl::InvalidArgumentError(absl::StrCat("delta mode '", req.delta(), "' is not auto, off or always"));
   v1::UpdateRecord rec;
@@ -675,6 +676,10 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       return absl::FailedPreconditionError(drained_engines_.empty() && drained_nodes_.empty()
                                                ? "no engine has registered"
                                                : "no engine to update: every registered engine is drained");
+    if (delta == "auto" && opts_.delta_anchor_every > 0 && since_dense_ + 1 >= opts_.delta_anchor_every) {
+      delta = "off";
+      rec.set_delta_mode("anchor");
+    }
     state_ = "beginning";
     SetLogUpdateVersion(v);
     open_version_ = v;

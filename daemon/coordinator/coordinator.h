@@ -123,6 +123,9 @@ struct CoordinatorOptions {
   // While an update is open (trainer pushing), a node that misses 3 lease renewals fails it at once, naming the node
   // (StartLeaseWatch runs the check); otherwise a dead daemon would hold the update open until its client gave up.
   double lease_check_seconds = 0.5;
+  // Delta updates (docs/delta.md): with `auto`, every Nth update since the last dense one is sent dense (an anchor:
+  // every engine rank is rewritten in full now and then, whatever it held); 0: never.
+  int delta_anchor_every = 0;
 };
 
 // The gRPC deadlines GrpcPeers puts on each call (seconds). One fact, one place: CommitWorstCase below and the
@@ -330,6 +333,7 @@ class Coordinator {
   std::condition_variable ended_cv_;   // a begin or a commit ended (state_ left beginning or committing)
   int64_t open_version_ = -1;          // the version beginning, open or committing; -1 when none
   int64_t last_begun_ = -1;            // highest version ever begun; BeginUpdate needs a newer one
+  int64_t since_dense_ = 0;            // updates committed since the last dense one (delta_anchor_every)
   int64_t current_version_ = -1;       // last committed version; -1 when none
   int64_t open_plan_epoch_ = -1;       // plan the open update was started under
   std::map<std::string, int64_t> open_source_epochs_;  // source address → its plan epoch (sent with FinishUpdate)
