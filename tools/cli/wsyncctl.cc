@@ -551,8 +551,8 @@ int main(int argc, char** argv) {
                   r.success() ? "yes" : (r.aborted() ? "ABORTED" : "FAILED"), r.total_seconds(), r.bytes() / 1048576.0,
                   r.sent_bytes() / 1048576.0, r.engine_ranks(), delta.c_str(),
                   r.success() ? Phases(r).c_str() : r.error().c_str());
-      // Why ranks got dense writes, when deltas were asked for.
-      if (r.delta_mode() != "off")
+      // Why ranks got dense writes, when deltas were asked for (not for a dense update asked or an anchor).
+      if (r.delta_mode() != "off" && r.delta_mode() != "anchor")
         for (const auto& f : r.fallbacks())
           std::printf("         dense %s: %s\n", f.rank().c_str(), f.reason().c_str());
     }
