@@ -237,6 +237,14 @@ TEST_CASE(
   bool applied = false;
   for (const auto& p : h->records(7).phases()) applied |= p.phase() == "apply_delta";
   CHECK(applied);
+  // wsyncctl history: the bytes sent and the ranks with deltas per update, the reasons of the ranks written dense.
+  REQUIRE(cl.Run("history", {std::string(kBin) + "/wsyncctl", "--endpoints", cl.coordinator, "history"},
+                 std::chrono::seconds(30)) == 0);
+  const std::string table = cl.Log("history");
+  INFO(table);
+  CHECK(absl::StrContains(table, "SENT_MiB"));
+  CHECK(absl::StrContains(table, " 4/4 "));  // kBase+7: every rank of both engines took deltas
+  CHECK(absl::StrContains(table, "dense engine0/1: the rank holds no known version"));  // kBase+5
 }
 
 TEST_CASE("delta: a failed update is followed by dense writes, then deltas again; bit-exact throughout") {
