@@ -521,6 +521,74 @@ absl::Status DecodeRuns(const Info& info, const uint8_t* idx, uint64_t index_byt
   return absl::OkStatus();
 }
 
+// The kGaps index check without building runs (the common format, so the tight loop): every varint well formed,
+// every index inside the range, as many as the header says.
+absl::Status ValidateGaps(const Info& info, const uint8_t* idx, const uint8_t* end) {
+  const uint64_t elems = info.range_bytes / info.elem_size;
+  uint64_t next = 0, count = 0;
+  while (idx != end) {
+    uint64_t gap = *idx;
+    if (gap < 0x80) {
+      ++idx;
+    } else if (!GetVarint(&idx, end, &gap)) {
+      return absl::InvalidArgumentError("truncated or overlong gap varint");
+    }
+    if (next >= elems || gap >= elems - next) {
+      return absl::InvalidArgumentError(absl::StrCat("index past the end of the range (", elems, " elements)"));
+    }
+    next += gap + 1;
+    ++count;
+  }
+  if (count != info.changed_elems) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("index section lists ", count, " elements, the header ", info.changed_elems));
+  }
+  return absl::OkStatus();
+}
+
+// Writes a validated encoding's values into dst: element by element for kGaps and kBitmap (mostly isolated changes:
+// fixed-size moves), run by run for kRuns.
+template <uint32_t ES>
+void Scatter(const Info& info, const uint8_t* idx, uint64_t index_bytes, uint8_t* dst) {
+  const uint8_t* values = idx + index_bytes;
+  const uint8_t* end = idx + index_bytes;
+  switch (info.format) {
+    case Format::kGaps: {
+      uint64_t next = 0;
+      while (idx != end) {
+        uint64_t gap = *idx;
+        if (gap < 0x80) {
+          ++idx;
+        } else {
+          GetVarint(&idx, end, &gap);
+        }
+        const uint64_t i = next + gap;
+        std::memcpy(dst + i * ES, values, ES);
+        values += ES;
+        next = i + 1;
+      }
+      break;
+    }
+    case Format::kBitmap:
+      for (uint64_t w = 0; w < index_bytes; w += 8) {
+        uint64_t word = 0;
+        std::memcpy(&word, idx + w, std::min<uint64_t>(8, index_bytes - w));
+        while (word != 0) {
+          const uint64_t i = w * 8 + static_cast<uint64_t>(__builtin_ctzll(word));
+          word &= word - 1;
+          std::memcpy(dst + i * ES, values, ES);
+          values += ES;
+        }
+      }
+      break;
+    case Format::kRuns:
+      DecodeRuns(info, idx, index_bytes, values, [&](uint64_t first, uint64_t count, const uint8_t* v) {
+        std::memcpy(dst + first * ES, v, count * ES);
+      }).IgnoreError();
+      break;
+  }
+}
+
 // Header checks and frame checksum; on success *index points at the index section and *values at the values.
 absl::StatusOr<Info> ParseHeader(const uint8_t* enc, uint64_t enc_bytes, uint64_t* index_bytes) {
   if (enc_bytes < kHeaderBytes) {
@@ -591,8 +659,12 @@ absl::StatusOr<Info> Inspect(const uint8_t* enc, uint64_t enc_bytes) {
   uint64_t index_bytes = 0;
   WSYNC_ASSIGN_OR_RETURN(Info info, ParseHeader(enc, enc_bytes, &index_bytes));
   const uint8_t* idx = enc + kHeaderBytes;
-  WSYNC_RETURN_IF_ERROR(
-      DecodeRuns(info, idx, index_bytes, idx + index_bytes, [](uint64_t, uint64_t, const uint8_t*) {}));
+  if (info.format == Format::kGaps) {
+    WSYNC_RETURN_IF_ERROR(ValidateGaps(info, idx, idx + index_bytes));
+  } else {
+    WSYNC_RETURN_IF_ERROR(
+        DecodeRuns(info, idx, index_bytes, idx + index_bytes, [](uint64_t, uint64_t, const uint8_t*) {}));
+  }
   return info;
 }
 
@@ -615,12 +687,18 @@ absl::Status Apply(uint8_t* dst, uint64_t dst_bytes, const uint8_t* enc, uint64_
   }
   const uint64_t index_bytes = info.encoded_bytes - kHeaderBytes - info.changed_elems * info.elem_size;
   const uint8_t* idx = enc + kHeaderBytes;
-  const uint32_t es = info.elem_size;
   // Validated above, so this pass cannot fail.
-  WSYNC_RETURN_IF_ERROR(
-      DecodeRuns(info, idx, index_bytes, idx + index_bytes, [&](uint64_t first, uint64_t count, const uint8_t* values) {
-        std::memcpy(dst + first * es, values, count * es);
-      }));
+  switch (info.elem_size) {
+    case 1:
+      Scatter<1>(info, idx, index_bytes, dst);
+      break;
+    case 2:
+      Scatter<2>(info, idx, index_bytes, dst);
+      break;
+    default:
+      Scatter<4>(info, idx, index_bytes, dst);
+      break;
+  }
   if (consumed != nullptr) *consumed = info.encoded_bytes;
   return absl::OkStatus();
 }
