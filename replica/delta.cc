@@ -1,5 +1,7 @@
 #include "replica/delta.h"
 
+#include "replica/delta_testing.h"
+
 #define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
 #include <xxhash.h>
 #if defined(__x86_64__)
@@ -57,7 +59,7 @@ T Get(const uint8_t* p) {
 }
 
 inline uint32_t VarintSize(uint64_t v) {
-  // 7 payload bits per byte: 1 + floor(bit_width(v) - 1) / 7), with v == 0 taking one byte.
+  // 7 payload bits per byte: ceil(bit_width(v) / 7), with v == 0 taking one byte.
   const int bits = 64 - __builtin_clzll(v | 1);
   return static_cast<uint32_t>((bits + 6) / 7);
 }
@@ -229,6 +231,11 @@ size_t ScanScalar(const uint8_t* a, const uint8_t* b, uint64_t begin, uint64_t e
   return n_out;
 }
 
+struct Kernel {
+  const char* name;
+  ScanFn fn;
+};
+
 #if defined(__x86_64__)
 size_t ScanSse2(const uint8_t* a, const uint8_t* b, uint64_t begin, uint64_t end, DiffChunk* out) {
   size_t n_out = 0;
@@ -279,17 +286,22 @@ __attribute__((target("avx512f,avx512bw"))) size_t ScanAvx512(const uint8_t* a, 
   return n_out;
 }
 
-ScanFn PickScan() {
+// Those this CPU can run, widest first.
+std::vector<Kernel> Kernels() {
+  std::vector<Kernel> k;
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512bw")) return ScanAvx512;
-  if (__builtin_cpu_supports("avx2")) return ScanAvx2;
-  return ScanSse2;
+  if (__builtin_cpu_supports("avx512bw")) k.push_back({"avx512bw", ScanAvx512});
+  if (__builtin_cpu_supports("avx2")) k.push_back({"avx2", ScanAvx2});
+  k.push_back({"sse2", ScanSse2});
+  k.push_back({"scalar", ScanScalar});
+  return k;
 }
 #else
-ScanFn PickScan() { return ScanScalar; }
+std::vector<Kernel> Kernels() { return {{"scalar", ScanScalar}}; }
 #endif
 
-const ScanFn kScan = PickScan();
+// Chosen once at load; only delta_testing.h's hook changes it.
+ScanFn kScan = Kernels().front().fn;
 
 // Per thread, so that encoding many parameters allocates once.
 thread_local ScanState tls_scan;
@@ -637,6 +649,26 @@ absl::StatusOr<Info> ParseHeader(const uint8_t* enc, uint64_t enc_bytes, uint64_
 }
 
 }  // namespace
+
+namespace testing {
+
+std::vector<std::string> CompareKernels() {
+  std::vector<std::string> names;
+  for (const Kernel& k : Kernels()) names.push_back(k.name);
+  return names;
+}
+
+bool UseCompareKernel(const std::string& name) {
+  for (const Kernel& k : Kernels()) {
+    if (name == k.name) {
+      kScan = k.fn;
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace testing
 
 uint64_t Checksum(const uint8_t* data, uint64_t bytes) { return XXH3_64bits(data, bytes); }
 
