@@ -120,6 +120,7 @@ class Sink {
   void Commit(uint8_t* end) { size_ = static_cast<size_t>(end - buf_.data()); }
   const uint8_t* data() const { return buf_.data(); }
   size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
   // Keeps the buffer for the next call (no allocation, no page faults per parameter) unless it grew large.
   void Release() {
     if (buf_.size() > kKeepBytes) std::vector<uint8_t>().swap(buf_);
@@ -363,8 +364,9 @@ EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_
   out->resize(start + total);
   uint8_t* hdr = reinterpret_cast<uint8_t*>(out->data()) + start;
   uint8_t* idx = hdr + kHeaderBytes;
+  // The buffers have no storage until a thread's first change: memcpy must not see their null data() even for 0.
   if (format == Format::kGaps) {
-    std::memcpy(idx, st.gaps.data(), index_bytes);
+    if (index_bytes != 0) std::memcpy(idx, st.gaps.data(), index_bytes);
   } else {
     // Re-read the gap varints (O(changed), small next to the compare) into the chosen format.
     if (format == Format::kBitmap) std::memset(idx, 0, index_bytes);
@@ -392,7 +394,7 @@ EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_
     }
     if (in_run) PutVarint(PutVarint(w, run_gap), run_len - 1);
   }
-  std::memcpy(idx + index_bytes, st.values.data(), st.values.size());
+  if (!st.values.empty()) std::memcpy(idx + index_bytes, st.values.data(), st.values.size());
   st.gaps.Release();
   st.values.Release();
 
