@@ -1,5 +1,7 @@
 #include "replica/delta.h"
 
+#include "replica/delta_testing.h"
+
 #define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
 #include <xxhash.h>
 #if defined(__x86_64__)
@@ -57,7 +59,7 @@ T Get(const uint8_t* p) {
 }
 
 inline uint32_t VarintSize(uint64_t v) {
-  // 7 payload bits per byte: 1 + floor(bit_width(v) - 1) / 7), with v == 0 taking one byte.
+  // 7 payload bits per byte: ceil(bit_width(v) / 7), with v == 0 taking one byte.
   const int bits = 64 - __builtin_clzll(v | 1);
   return static_cast<uint32_t>((bits + 6) / 7);
 }
@@ -118,6 +120,7 @@ class Sink {
   void Commit(uint8_t* end) { size_ = static_cast<size_t>(end - buf_.data()); }
   const uint8_t* data() const { return buf_.data(); }
   size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
   // Keeps the buffer for the next call (no allocation, no page faults per parameter) unless it grew large.
   void Release() {
     if (buf_.size() > kKeepBytes) std::vector<uint8_t>().swap(buf_);
@@ -229,6 +232,11 @@ size_t ScanScalar(const uint8_t* a, const uint8_t* b, uint64_t begin, uint64_t e
   return n_out;
 }
 
+struct Kernel {
+  const char* name;
+  ScanFn fn;
+};
+
 #if defined(__x86_64__)
 size_t ScanSse2(const uint8_t* a, const uint8_t* b, uint64_t begin, uint64_t end, DiffChunk* out) {
   size_t n_out = 0;
@@ -279,17 +287,22 @@ __attribute__((target("avx512f,avx512bw"))) size_t ScanAvx512(const uint8_t* a, 
   return n_out;
 }
 
-ScanFn PickScan() {
+// Those this CPU can run, widest first.
+std::vector<Kernel> Kernels() {
+  std::vector<Kernel> k;
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512bw")) return ScanAvx512;
-  if (__builtin_cpu_supports("avx2")) return ScanAvx2;
-  return ScanSse2;
+  if (__builtin_cpu_supports("avx512bw")) k.push_back({"avx512bw", ScanAvx512});
+  if (__builtin_cpu_supports("avx2")) k.push_back({"avx2", ScanAvx2});
+  k.push_back({"sse2", ScanSse2});
+  k.push_back({"scalar", ScanScalar});
+  return k;
 }
 #else
-ScanFn PickScan() { return ScanScalar; }
+std::vector<Kernel> Kernels() { return {{"scalar", ScanScalar}}; }
 #endif
 
-const ScanFn kScan = PickScan();
+// Chosen once at load; only delta_testing.h's hook changes it.
+ScanFn kScan = Kernels().front().fn;
 
 // Per thread, so that encoding many parameters allocates once.
 thread_local ScanState tls_scan;
@@ -351,8 +364,9 @@ EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_
   out->resize(start + total);
   uint8_t* hdr = reinterpret_cast<uint8_t*>(out->data()) + start;
   uint8_t* idx = hdr + kHeaderBytes;
+  // The buffers have no storage until a thread's first change: memcpy must not see their null data() even for 0.
   if (format == Format::kGaps) {
-    std::memcpy(idx, st.gaps.data(), index_bytes);
+    if (index_bytes != 0) std::memcpy(idx, st.gaps.data(), index_bytes);
   } else {
     // Re-read the gap varints (O(changed), small next to the compare) into the chosen format.
     if (format == Format::kBitmap) std::memset(idx, 0, index_bytes);
@@ -380,7 +394,7 @@ EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_
     }
     if (in_run) PutVarint(PutVarint(w, run_gap), run_len - 1);
   }
-  std::memcpy(idx + index_bytes, st.values.data(), st.values.size());
+  if (!st.values.empty()) std::memcpy(idx + index_bytes, st.values.data(), st.values.size());
   st.gaps.Release();
   st.values.Release();
 
@@ -521,6 +535,74 @@ absl::Status DecodeRuns(const Info& info, const uint8_t* idx, uint64_t index_byt
   return absl::OkStatus();
 }
 
+// The kGaps index check without building runs (the common format, so the tight loop): every varint well formed,
+// every index inside the range, as many as the header says.
+absl::Status ValidateGaps(const Info& info, const uint8_t* idx, const uint8_t* end) {
+  const uint64_t elems = info.range_bytes / info.elem_size;
+  uint64_t next = 0, count = 0;
+  while (idx != end) {
+    uint64_t gap = *idx;
+    if (gap < 0x80) {
+      ++idx;
+    } else if (!GetVarint(&idx, end, &gap)) {
+      return absl::InvalidArgumentError("truncated or overlong gap varint");
+    }
+    if (next >= elems || gap >= elems - next) {
+      return absl::InvalidArgumentError(absl::StrCat("index past the end of the range (", elems, " elements)"));
+    }
+    next += gap + 1;
+    ++count;
+  }
+  if (count != info.changed_elems) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("index section lists ", count, " elements, the header ", info.changed_elems));
+  }
+  return absl::OkStatus();
+}
+
+// Writes a validated encoding's values into dst: element by element for kGaps and kBitmap (mostly isolated changes:
+// fixed-size moves), run by run for kRuns.
+template <uint32_t ES>
+void Scatter(const Info& info, const uint8_t* idx, uint64_t index_bytes, uint8_t* dst) {
+  const uint8_t* values = idx + index_bytes;
+  const uint8_t* end = idx + index_bytes;
+  switch (info.format) {
+    case Format::kGaps: {
+      uint64_t next = 0;
+      while (idx != end) {
+        uint64_t gap = *idx;
+        if (gap < 0x80) {
+          ++idx;
+        } else {
+          GetVarint(&idx, end, &gap);
+        }
+        const uint64_t i = next + gap;
+        std::memcpy(dst + i * ES, values, ES);
+        values += ES;
+        next = i + 1;
+      }
+      break;
+    }
+    case Format::kBitmap:
+      for (uint64_t w = 0; w < index_bytes; w += 8) {
+        uint64_t word = 0;
+        std::memcpy(&word, idx + w, std::min<uint64_t>(8, index_bytes - w));
+        while (word != 0) {
+          const uint64_t i = w * 8 + static_cast<uint64_t>(__builtin_ctzll(word));
+          word &= word - 1;
+          std::memcpy(dst + i * ES, values, ES);
+          values += ES;
+        }
+      }
+      break;
+    case Format::kRuns:
+      DecodeRuns(info, idx, index_bytes, values, [&](uint64_t first, uint64_t count, const uint8_t* v) {
+        std::memcpy(dst + first * ES, v, count * ES);
+      }).IgnoreError();
+      break;
+  }
+}
+
 // Header checks and frame checksum; on success *index points at the index section and *values at the values.
 absl::StatusOr<Info> ParseHeader(const uint8_t* enc, uint64_t enc_bytes, uint64_t* index_bytes) {
   if (enc_bytes < kHeaderBytes) {
@@ -570,6 +652,26 @@ absl::StatusOr<Info> ParseHeader(const uint8_t* enc, uint64_t enc_bytes, uint64_
 
 }  // namespace
 
+namespace testing {
+
+std::vector<std::string> CompareKernels() {
+  std::vector<std::string> names;
+  for (const Kernel& k : Kernels()) names.push_back(k.name);
+  return names;
+}
+
+bool UseCompareKernel(const std::string& name) {
+  for (const Kernel& k : Kernels()) {
+    if (name == k.name) {
+      kScan = k.fn;
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace testing
+
 uint64_t Checksum(const uint8_t* data, uint64_t bytes) { return XXH3_64bits(data, bytes); }
 
 EncodeResult Encode(const uint8_t* old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
@@ -591,8 +693,12 @@ absl::StatusOr<Info> Inspect(const uint8_t* enc, uint64_t enc_bytes) {
   uint64_t index_bytes = 0;
   WSYNC_ASSIGN_OR_RETURN(Info info, ParseHeader(enc, enc_bytes, &index_bytes));
   const uint8_t* idx = enc + kHeaderBytes;
-  WSYNC_RETURN_IF_ERROR(
-      DecodeRuns(info, idx, index_bytes, idx + index_bytes, [](uint64_t, uint64_t, const uint8_t*) {}));
+  if (info.format == Format::kGaps) {
+    WSYNC_RETURN_IF_ERROR(ValidateGaps(info, idx, idx + index_bytes));
+  } else {
+    WSYNC_RETURN_IF_ERROR(
+        DecodeRuns(info, idx, index_bytes, idx + index_bytes, [](uint64_t, uint64_t, const uint8_t*) {}));
+  }
   return info;
 }
 
@@ -615,12 +721,18 @@ absl::Status Apply(uint8_t* dst, uint64_t dst_bytes, const uint8_t* enc, uint64_
   }
   const uint64_t index_bytes = info.encoded_bytes - kHeaderBytes - info.changed_elems * info.elem_size;
   const uint8_t* idx = enc + kHeaderBytes;
-  const uint32_t es = info.elem_size;
   // Validated above, so this pass cannot fail.
-  WSYNC_RETURN_IF_ERROR(
-      DecodeRuns(info, idx, index_bytes, idx + index_bytes, [&](uint64_t first, uint64_t count, const uint8_t* values) {
-        std::memcpy(dst + first * es, values, count * es);
-      }));
+  switch (info.elem_size) {
+    case 1:
+      Scatter<1>(info, idx, index_bytes, dst);
+      break;
+    case 2:
+      Scatter<2>(info, idx, index_bytes, dst);
+      break;
+    default:
+      Scatter<4>(info, idx, index_bytes, dst);
+      break;
+  }
   if (consumed != nullptr) *consumed = info.encoded_bytes;
   return absl::OkStatus();
 }

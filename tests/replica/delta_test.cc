@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "replica/delta_testing.h"
+
 namespace wsync::replica::delta {
 namespace {
 
@@ -181,6 +183,32 @@ TEST_CASE("delta: round trips on adversarial patterns, every element size and un
           for (uint64_t i = start; i < start + len; ++i) neu[i * es] ^= 0x5A;
         }
         RoundTrip(old, neu, es);
+      }
+    }
+  }
+}
+
+TEST_CASE("delta: every compare kernel this CPU has finds exactly the naive reference's changes") {
+  const std::vector<std::string> kernels = testing::CompareKernels();
+  REQUIRE(kernels.back() == "scalar");
+  REQUIRE_FALSE(testing::UseCompareKernel("no-such-kernel"));
+  struct Restore {  // the widest kernel again for the other test cases, also when a REQUIRE fails
+    std::string widest;
+    ~Restore() { testing::UseCompareKernel(widest); }
+  } restore{kernels.front()};
+  std::mt19937_64 rng(31);
+  for (const std::string& kernel : kernels) {
+    REQUIRE(testing::UseCompareKernel(kernel));
+    for (uint32_t es : {1u, 2u, 4u}) {
+      for (uint64_t elems : {1ull, 31ull, 32ull, 33ull, 64ull, 65ull, 4097ull, 20011ull}) {
+        CAPTURE(kernel, es, elems);
+        const Bytes old = Random(rng, elems * es);
+        Bytes edges = old, sparse = old, half = old, all = old;
+        edges[0] ^= 1, edges[edges.size() - 1] ^= 1;
+        for (uint64_t k = 0; k < elems / 40 + 1; ++k) sparse[rng() % sparse.size()] ^= 0x10;
+        for (uint64_t i = 0; i < elems; i += 2) half[i * es + rng() % es] ^= 0x01;
+        for (auto& x : all) x = static_cast<uint8_t>(~x);
+        for (const Bytes* neu : std::vector<const Bytes*>{&old, &edges, &sparse, &half, &all}) RoundTrip(old, *neu, es);
       }
     }
   }
