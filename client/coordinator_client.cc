@@ -88,11 +88,13 @@ absl::StatusOr<Rep> CoordinatorClient::Invoke(Method<Req, Rep> m, const Req& req
 }
 
 absl::StatusOr<v1::BeginUpdateReply> CoordinatorClient::BeginUpdate(int64_t version, const std::string& pause_mode,
-                                                                    const std::string& mode) {
+                                                                    const std::string& mode,
+                                                                    const std::string& delta) {
   v1::BeginUpdateRequest req;
   req.set_version(version);
   req.set_pause_mode(pause_mode);
   req.set_mode(mode);
+  req.set_delta(delta);
   return Invoke(&v1::Coordinator::Stub::BeginUpdate, req, BeginUpdateDeadline(dial_timeout_));
 }
 

@@ -20,9 +20,9 @@ namespace wsync::client {
 // client cannot include the daemon, so daemon_coordinator_test checks that these stay above
 // CommitWorstCaseSeconds / BeginWorstCaseSeconds.
 inline constexpr double kDefaultCommitTimeoutSeconds = 120;  // CommitUpdateRequest.timeout_seconds default
-// CommitUpdate on the server: FinishUpdate (timeout_seconds + 30) + post-process 300 + set version 30 + continue 30;
-// staged updates add verify 2 x 120, pause 120 and switch 60.
-inline constexpr double kCommitOverheadSeconds = 30 + 300 + 30 + 30 + 2 * 120 + 120 + 60;
+// CommitUpdate on the server: FinishUpdate (timeout_seconds + 30) + apply delta 60 + post-process 300 + set version
+// 30 + continue 30; staged updates add verify 2 x 120, pause 120 and switch 60.
+inline constexpr double kCommitOverheadSeconds = 30 + 60 + 300 + 30 + 30 + 2 * 120 + 120 + 60;
 // BeginUpdate on the server: pause 120 + engine info 30 + configure 600 (a first-time replica build) + start 30.
 inline constexpr double kBeginWorstCaseSeconds = 120 + 30 + 600 + 30;
 // Scheduling, queueing and transfer on top of the server's own bounds.
@@ -61,8 +61,9 @@ class CoordinatorClient {
 
   // Both are safe to retry with the same version: the coordinator answers a repeat with the first call's result.
   // `mode`: "classic" ("") or "staged" (docs/operations.md, "Staged updates").
+  // `delta`: "" (auto) | "auto" | "off" | "always" (docs/delta.md).
   absl::StatusOr<v1::BeginUpdateReply> BeginUpdate(int64_t version, const std::string& pause_mode = "",
-                                                   const std::string& mode = "");
+                                                   const std::string& mode = "", const std::string& delta = "");
   absl::StatusOr<v1::UpdateRecord> CommitUpdate(int64_t version, double timeout_seconds = kDefaultCommitTimeoutSeconds);
   absl::StatusOr<v1::ClusterStatus> Status();
   absl::StatusOr<v1::HistoryReply> History(int limit);

@@ -90,6 +90,13 @@ Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
                    "Wall time of each update phase (pause, configure, push, post_process, set_version, continue, "
                    "abort).");
   metrics_.Declare("wsync_update_bytes_total", "counter", "Bytes written into engine memory by ended updates.");
+  metrics_.Declare("wsync_update_dense_bytes_total", "counter",
+                   "Bytes dense writes of ended updates would have been (docs/delta.md).");
+  metrics_.Declare("wsync_update_sent_bytes_total", "counter",
+                   "Bytes ended updates actually wrote: dense ranges plus delta records.");
+  metrics_.Declare("wsync_update_delta_ranks", "gauge", "Engine ranks that took deltas in the last ended update.");
+  metrics_.Declare("wsync_update_dense_fallback_ranks", "gauge",
+                   "Engine ranks that fell back to dense writes in the last ended update (the history says why).");
   metrics_.Declare("wsync_current_version", "gauge", "Last committed weight version (-1: none).");
   metrics_.Declare("wsync_update_in_progress", "gauge", "1 while an update is beginning, open, committing or aborting.");
   metrics_.Declare("wsync_engines_hold_partial_writes", "gauge",
@@ -615,12 +622,17 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   SetLogUpdateVersion(-1);
   // BeginUpdate admits only versions newer than every one begun, so this never moves backwards; the check keeps it so.
   if (o.status.ok() && v > current_version_) current_version_ = v;
+  if (o.status.ok()) since_dense_ = rec.delta_mode() == "off" || rec.delta_mode() == "anchor" ? 0 : since_dense_ + 1;
   outcomes_[v] = o;
   while (outcomes_.size() > std::max<size_t>(opts_.history_limit, 1)) outcomes_.erase(outcomes_.begin());
   metrics_.Add("wsync_updates_total", {{"result", rec.aborted() ? "aborted" : (o.status.ok() ? "ok" : "failed")}}, 1);
   metrics_.Observe("wsync_update_seconds", {}, rec.total_seconds());
   for (const auto& p : rec.phases()) metrics_.Observe("wsync_update_phase_seconds", {{"phase", p.phase()}}, p.seconds());
   metrics_.Add("wsync_update_bytes_total", {}, static_cast<double>(rec.bytes()));
+  metrics_.Add("wsync_update_dense_bytes_total", {}, static_cast<double>(rec.dense_bytes()));
+  metrics_.Add("wsync_update_sent_bytes_total", {}, static_cast<double>(rec.sent_bytes()));
+  metrics_.Set("wsync_update_delta_ranks", {}, static_cast<double>(rec.delta_ranks_size()));
+  metrics_.Set("wsync_update_dense_fallback_ranks", {}, static_cast<double>(rec.fallbacks_size()));
   history_.push_back(std::move(rec));
   while (history_.size() > opts_.history_limit) history_.pop_front();
   Persist();
@@ -691,8 +703,17 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   if (!req.mode().empty() && req.mode() != "classic" && req.mode() != "staged")
     return absl::InvalidArgumentError(absl::StrCat("mode '", req.mode(), "' is not classic or staged"));
   const bool staged = req.mode() == "staged";
+  std::string delta = req.delta().empty() ? "auto" : req.delta();
+  if (delta != "auto" && delta != "off" && delta != "always")
+    return absl::InvalidArgumentError(absl::StrCat("delta mode '", req.delta(), "' is not auto, off or always"));
+  if (staged && delta == "always")
+    return absl::InvalidArgumentError(
+        "delta=always cannot run with mode staged: a staging copy holds an older version than the sources' delta base "
+        "(docs/delta.md, \"Fallback to dense\")");
+  if (staged) delta = "off";
   v1::UpdateRecord rec;
   rec.set_version(v);
+  rec.set_delta_mode(delta);
   rec.set_started_unix_ms(absl::ToUnixMillis(start));
   rec.set_mode(staged ? "staged" : "classic");
   std::vector<std::string> engines;
@@ -722,6 +743,10 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       return absl::FailedPreconditionError(drained_engines_.empty() && drained_nodes_.empty()
                                                ? "no engine has registered"
                                                : "no engine to update: every registered engine is drained");
+    if (delta == "auto" && opts_.delta_anchor_every > 0 && since_dense_ + 1 >= opts_.delta_anchor_every) {
+      delta = "off";
+      rec.set_delta_mode("anchor");
+    }
     WSYNC_ASSIGN_OR_RETURN(staging_engines, StagingEngines(engines, staged));
     const std::string prev_state = state_;
     const int64_t prev_last_begun = last_begun_;
@@ -863,7 +888,8 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     }
   }
   // Targets accept writes from now on, until the sources have finished (or the update ends otherwise).
-  st = SetWindows(true, v);
+  std::vector<v1::RankVersion> held;  // what each engine rank holds: sources send deltas where it is their base
+  st = SetWindows(true, v, {}, &held);
   if (!st.ok() || AbortAsked()) {
     SetWindows(false, v).IgnoreError();
     return Fail(rec, st, false);
@@ -872,6 +898,8 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     v1::StartUpdateRequest sreq;
     sreq.set_version(v);
     sreq.set_plan_epoch(source_epochs.at(a));
+    sreq.set_delta(delta);
+    *sreq.mutable_held() = {held.begin(), held.end()};
     return Annotate(Remote(a, [&] { return peers_->StartUpdate(a, sreq); }), "start source " + NodeLabel(a));
   });
   // Sources started (or were being started) when an abort came: they may take pushes already, so they are told to
@@ -954,6 +982,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
 
   std::mutex agg_mu;
   uint64_t bytes = 0, params = 0;
+  std::vector<std::pair<std::string, v1::FinishUpdateReply>> finished;  // (source address, reply)
   absl::Status st = ForAll(sources, [&](const std::string& a) {
     v1::FinishUpdateRequest freq;
     freq.set_version(v);
@@ -965,6 +994,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     std::lock_guard<std::mutex> l(agg_mu);
     bytes += r->bytes_written();
     params += r->params_written();
+    finished.emplace_back(a, *r);
     return absl::OkStatus();
   });
   {
@@ -1000,6 +1030,10 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   if (!st.ok()) return Fail(rec, st, !staged);
   if (staged) return CommitStaged(std::move(rec), engines, start);
   absl::Time t = absl::Now();
+  st = ApplyDeltas(v, finished, &rec);
+  AddPhase(&rec, "apply_delta", t);
+  if (!st.ok() || AbortAsked()) return Fail(rec, st, true);
+  t = absl::Now();
   const std::string version = std::to_string(v);
   st = ForAll(engines, [&](const std::string& a) {
     return Track(
@@ -1277,7 +1311,8 @@ bool Coordinator::CheckLeases() {
   return EndOpenUpdate(v, why, false, lost_address).ok();
 }
 
-absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<std::string>& skip) {
+absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<std::string>& skip,
+                                     std::vector<v1::RankVersion>* held) {
   // Per target: the request, with the plan's assignments on it (its write grants are narrowed to them).
   std::map<std::string, v1::SetWriteWindowRequest> reqs;
   {
@@ -1295,18 +1330,76 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
         a->set_source_node(p.source);
         a->set_engine_id(p.assignment.engine_id());
         a->set_rank(p.assignment.rank());
+        *a->mutable_writes() = p.assignment.writes();
       }
     }
   }
   std::vector<std::string> targets;
   for (const auto& [a, r] : reqs) targets.push_back(a);
+  std::mutex held_mu;
   absl::Status st = ForAll(targets, [&](const std::string& a) {
     const auto call = [&] { return peers_->SetWriteWindow(a, reqs.at(a)); };
-    return Annotate(open ? Remote(a, call).status() : call().status(),
+    auto r = open ? Remote(a, call) : call();
+    if (r.ok() && held != nullptr) {
+      std::lock_guard<std::mutex> l(held_mu);
+      held->insert(held->end(), r->held().begin(), r->held().end());
+    }
+    return Annotate(r.status(),
                     absl::StrCat(open ? "opening" : "closing", " the write window of target ", NodeLabel(a)));
   });
   if (!st.ok() && !open) spdlog::warn("{}", st.ToString());
   return st;
+}
+
+absl::Status Coordinator::ApplyDeltas(int64_t v,
+                                      const std::vector<std::pair<std::string, v1::FinishUpdateReply>>& finished,
+                                      v1::UpdateRecord* rec) {
+  std::map<std::string, v1::ApplyDeltaRequest> reqs;  // target daemon address → what was staged there
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (const auto& [id, n] : nodes_)
+      if (n.role() == "target" && !TargetOutOfUpdates(n)) reqs[n.address()].set_version(v);
+    std::map<std::string, std::string> source_id;
+    for (const auto& [id, n] : nodes_) source_id[n.address()] = id;
+    uint64_t dense = 0, sent = 0;
+    std::map<std::string, std::string> fallback;  // "engine/rank" → why ("" took deltas)
+    for (const auto& [addr, r] : finished) {
+      dense += r.dense_bytes();
+      for (const auto& d : r.ranks()) {
+        sent += d.sent_bytes();
+        const std::string rank = absl::StrCat(d.engine_id(), "/", d.rank());
+        // A rank written by several sources took deltas only if every one sent them.
+        if (!d.fallback().empty() || !fallback.count(rank)) fallback[rank] = d.fallback();
+        if (d.records() == 0) continue;
+        auto* s = reqs[d.target_daemon()].add_staged();
+        s->set_source_node(source_id[addr]);
+        s->set_engine_id(d.engine_id());
+        s->set_rank(d.rank());
+        s->set_bytes(d.staged_bytes());
+        s->set_records(d.records());
+      }
+    }
+    rec->set_dense_bytes(dense);
+    rec->set_sent_bytes(sent);
+    for (const auto& [rank, why] : fallback) {
+      if (why.empty()) {
+        rec->add_delta_ranks(rank);
+        continue;
+      }
+      auto* f = rec->add_fallbacks();
+      f->set_rank(rank);
+      f->set_reason(why);
+    }
+  }
+  std::vector<std::string> targets;
+  for (auto& [a, r] : reqs) {
+    r.set_version(v);
+    targets.push_back(a);
+  }
+  return ForAll(targets, [&](const std::string& a) {
+    auto r = Remote(a, [&] { return peers_->ApplyDelta(a, reqs.at(a)); });
+    return Annotate(r.status(), "apply_delta at target " + NodeLabel(a));
+  });
 }
 
 absl::Status Coordinator::SaveState() {

@@ -90,6 +90,13 @@ class Peers {
     (void)req;
     return v1::SetWriteWindowReply();
   }
+  // Target daemons, after every source finished: decode the staged delta records of the update into engine memory
+  // and record the ranks written as holding it (docs/delta.md).
+  virtual absl::StatusOr<v1::ApplyDeltaReply> ApplyDelta(const std::string& addr, const v1::ApplyDeltaRequest& req) {
+    (void)addr;
+    (void)req;
+    return v1::ApplyDeltaReply();
+  }
   virtual absl::Status Pause(const std::string& addr, const std::string& mode) = 0;
   // `version`: the update whose writes have all completed (a target daemon's facade sends it to the engine's ranks).
   virtual absl::Status PostProcess(const std::string& addr, const std::string& version) = 0;
@@ -142,6 +149,9 @@ struct CoordinatorOptions {
   // While an update is open (trainer pushing), a node that misses 3 lease renewals fails it at once, naming the node
   // (StartLeaseWatch runs the check); otherwise a dead daemon would hold the update open until its client gave up.
   double lease_check_seconds = 0.5;
+  // Delta updates (docs/delta.md): with `auto`, every Nth update since the last dense one is sent dense (an anchor:
+  // every engine rank is rewritten in full now and then, whatever it held); 0: never.
+  int delta_anchor_every = 0;
 };
 
 // The gRPC deadlines GrpcPeers puts on each call (seconds). One fact, one place: CommitWorstCase below and the
@@ -155,6 +165,7 @@ struct PeerDeadlines {
   static constexpr double kPostProcess = 300;
   static constexpr double kSetVersion = 30;
   static constexpr double kContinue = 30;
+  static constexpr double kApplyDelta = 60;  // decoding what the sources staged (a fraction of the dense bytes)
   static constexpr double kAbort = 60;  // a source's AbortSourceUpdate: the bucket being written + the drain (30 s)
   static constexpr double kVerify = 120;  // staged: a source's write checksums, an engine rank's staging hashes
   static constexpr double kSwitch = 60;   // staged: an engine's Switch (re-hashes its staging copy)
@@ -169,8 +180,9 @@ inline constexpr double kDefaultCommitTimeoutSeconds = 120;
 // (the sources' checksums, then the engines' staging hashes) and the pause and switch of its barrier.
 inline double CommitWorstCaseSeconds(double commit_timeout_s) {
   if (commit_timeout_s <= 0) commit_timeout_s = kDefaultCommitTimeoutSeconds;
-  return commit_timeout_s + PeerDeadlines::kFinishSlack + PeerDeadlines::kPostProcess + PeerDeadlines::kSetVersion +
-         PeerDeadlines::kContinue + 2 * PeerDeadlines::kVerify + PeerDeadlines::kPause + PeerDeadlines::kSwitch;
+  return commit_timeout_s + PeerDeadlines::kFinishSlack + PeerDeadlines::kApplyDelta + PeerDeadlines::kPostProcess +
+         PeerDeadlines::kSetVersion + PeerDeadlines::kContinue + 2 * PeerDeadlines::kVerify + PeerDeadlines::kPause +
+         PeerDeadlines::kSwitch;
 }
 // The longest a BeginUpdate can run on the server (pause, engine info, configure, start).
 inline double BeginWorstCaseSeconds() {
@@ -313,7 +325,13 @@ class Coordinator {
   // `skip_address`: a target not to be told (its lease lapsed; its window closes when it restarts).
   // Targets in `skip` (unreachable ones) are not asked: a call to them would hold the caller for its whole deadline.
   // Opening counts as a call of the beginning update (InFlight): an abort cancels it.
-  absl::Status SetWindows(bool open, int64_t version, const std::set<std::string>& skip = {});
+  // `held` (open only): the versions the targets' engine ranks held until now (docs/delta.md).
+  absl::Status SetWindows(bool open, int64_t version, const std::set<std::string>& skip = {},
+                          std::vector<v1::RankVersion>* held = nullptr);
+  // Delta updates, after every source finished `v` (`finished`: each source's node id and reply): every target
+  // daemon in the update applies the records staged for it (ApplyDelta), and `rec` gets the delta figures.
+  absl::Status ApplyDeltas(int64_t v, const std::vector<std::pair<std::string, v1::FinishUpdateReply>>& finished,
+                           v1::UpdateRecord* rec);
   // Saves the state to the store, if any (a failed save is logged and returned; most callers go on). Requires mu_.
   absl::Status SaveState();
   // SaveState where the caller goes on whatever the store says (the failure is logged).
@@ -374,6 +392,7 @@ class Coordinator {
   std::condition_variable ended_cv_;   // a begin or a commit ended (state_ left beginning or committing)
   int64_t open_version_ = -1;          // the version beginning, open or committing; -1 when none
   int64_t last_begun_ = -1;            // highest version ever begun; BeginUpdate needs a newer one
+  int64_t since_dense_ = 0;            // updates committed since the last dense one (delta_anchor_every)
   int64_t current_version_ = -1;       // last committed version; -1 when none
   int64_t open_plan_epoch_ = -1;       // plan the open update was started under
   std::map<std::string, int64_t> open_source_epochs_;  // source address → its plan epoch (sent with FinishUpdate)

@@ -89,6 +89,9 @@ int main(int argc, char** argv) {
                  "parameters anywhere, 4 KiB aligned)")
       ->capture_default_str();
   app.add_option("--history", opts.history_limit, "updates kept in the history");
+  app.add_option("--delta-anchor-every", opts.delta_anchor_every,
+                 "with delta=auto, every Nth update since the last dense one is sent dense (0: never; docs/delta.md)")
+      ->check(CLI::NonNegativeNumber);
   daemon::EngineDeadlines deadlines;
   app.add_option("--pause-timeout", deadlines.pause,
                  "seconds an engine may take to pause before the update fails naming it (at most 120)")

@@ -49,6 +49,10 @@ class GrpcPeers final : public Peers {
     return Call<v1::SetWriteWindowReply>(addr, Daemon(addr), &v1::NodeDaemon::Stub::SetWriteWindow, req,
                                          PeerDeadlines::kStart);
   }
+  absl::StatusOr<v1::ApplyDeltaReply> ApplyDelta(const std::string& addr, const v1::ApplyDeltaRequest& req) override {
+    return Call<v1::ApplyDeltaReply>(addr, Daemon(addr), &v1::NodeDaemon::Stub::ApplyDelta, req,
+                                     PeerDeadlines::kApplyDelta);
+  }
   absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) override {
     return Call<v1::EngineInfo>(addr, Engine(addr), &v1::EngineControl::Stub::GetInfo, v1::GetEngineInfoRequest(),
                                 PeerDeadlines::kEngineInfo);

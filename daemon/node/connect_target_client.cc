@@ -11,7 +11,8 @@
 
 namespace wsync::daemon {
 
-absl::StatusOr<std::string> DialConnectTarget(const std::string& target_daemon, const v1::ConnectTargetRequest& req) {
+absl::StatusOr<v1::ConnectTargetReply> DialConnectTargetReply(const std::string& target_daemon,
+                                                              const v1::ConnectTargetRequest& req) {
   WSYNC_ASSIGN_OR_RETURN(auto channel, tls::Dial(target_daemon, kMaxControlMessageBytes));
   auto stub = v1::NodeDaemon::NewStub(channel);
   grpc::ClientContext ctx;
@@ -19,6 +20,11 @@ absl::StatusOr<std::string> DialConnectTarget(const std::string& target_daemon, 
   v1::ConnectTargetReply out;
   grpc::Status s = stub->ConnectTarget(&ctx, req, &out);
   if (!s.ok()) return FromGrpcStatus(s);
+  return out;
+}
+
+absl::StatusOr<std::string> DialConnectTarget(const std::string& target_daemon, const v1::ConnectTargetRequest& req) {
+  WSYNC_ASSIGN_OR_RETURN(v1::ConnectTargetReply out, DialConnectTargetReply(target_daemon, req));
   return out.target_endpoint_info();
 }
 

@@ -10,5 +10,8 @@ namespace wsync::daemon {
 
 // Dials a target daemon's ConnectTarget over gRPC (used by SourceNode).
 absl::StatusOr<std::string> DialConnectTarget(const std::string& target_daemon, const v1::ConnectTargetRequest& req);
+// The same, answering the whole reply (with the connection's delta staging region).
+absl::StatusOr<v1::ConnectTargetReply> DialConnectTargetReply(const std::string& target_daemon,
+                                                              const v1::ConnectTargetRequest& req);
 
 }  // namespace wsync::daemon

@@ -83,6 +83,12 @@ grpc::Status NodeDaemonService::SetWriteWindow(grpc::ServerContext* ctx, const v
   *out = target_.load()->SetWriteWindow(*req);
   return grpc::Status::OK;
 }
+grpc::Status NodeDaemonService::ApplyDelta(grpc::ServerContext* ctx, const v1::ApplyDeltaRequest* req,
+                                           v1::ApplyDeltaReply* out) {
+  WSYNC_AUTHORIZE("ApplyDelta", {tls::kCoordinator});
+  WSYNC_NEED(Target);
+  return Reply(target_.load()->ApplyDelta(*req), out);
+}
 grpc::Status NodeDaemonService::ConnectTarget(grpc::ServerContext* ctx, const v1::ConnectTargetRequest* req,
                                               v1::ConnectTargetReply* out) {
   tls::Peer peer;

@@ -29,6 +29,7 @@ class NodeDaemonService final : public v1::NodeDaemon::Service {
   grpc::Status ConnectTarget(grpc::ServerContext*, const v1::ConnectTargetRequest*, v1::ConnectTargetReply*) override;
   grpc::Status SetWriteWindow(grpc::ServerContext*, const v1::SetWriteWindowRequest*,
                               v1::SetWriteWindowReply*) override;
+  grpc::Status ApplyDelta(grpc::ServerContext*, const v1::ApplyDeltaRequest*, v1::ApplyDeltaReply*) override;
   grpc::Status GetNodeStatus(grpc::ServerContext*, const v1::NodeStatusRequest*, v1::NodeStatus*) override;
   grpc::Status GetWriteChecksums(grpc::ServerContext*, const v1::WriteChecksumsRequest*,
                                  v1::WriteChecksumsReply*) override;

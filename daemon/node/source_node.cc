@@ -73,9 +73,21 @@ absl::StatusOr<std::string> RandomSessionId() {
 }  // namespace
 
 SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetFn connect)
+    : SourceNode(std::move(opts), transport,
+                 [connect = std::move(connect)](const std::string& daemon, const v1::ConnectTargetRequest& req)
+                     -> absl::StatusOr<v1::ConnectTargetReply> {
+                   WSYNC_ASSIGN_OR_RETURN(std::string info, connect(daemon, req));
+                   v1::ConnectTargetReply out;
+                   out.set_target_endpoint_info(std::move(info));
+                   return out;
+                 }) {}
+
+SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetReplyFn connect)
     : opts_(std::move(opts)), transport_(transport), connect_(std::move(connect)) {
   metrics_.Declare("wsync_source_bytes_written_total", "counter", "Bytes posted to targets (engine memory).");
   metrics_.Declare("wsync_source_params_written_total", "counter", "Engine parameters posted to targets.");
+  metrics_.Declare("wsync_source_bytes_sent_total", "counter",
+                   "Bytes actually posted to targets: dense ranges plus delta records (docs/delta.md).");
   metrics_.Declare("wsync_source_tensors_received_total", "counter", "HF tensors received from trainer ranks.");
   metrics_.Declare("wsync_source_buckets_total", "counter", "Buckets committed by trainer ranks, by result.");
   metrics_.Declare("wsync_source_updates_total", "counter", "Updates ended on this source, by result.");
@@ -512,12 +524,21 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
       by_segment[seg.id()] = region->get();
       t->regions.push_back(*std::move(region));
     }
-    WSYNC_RETURN_IF_ERROR(ConnectEndpoint(t.get()));
     const replica::ParamTable& table = replica->table(t->layout);
     std::map<std::string, const v1::ParamDesc*> theirs;
-    for (const auto& p : a.layout().params()) theirs[p.name()] = &p;
+    std::map<std::string, uint32_t> their_index;
+    for (const auto& p : a.layout().params()) {
+      their_index[p.name()] = static_cast<uint32_t>(theirs.size());
+      theirs[p.name()] = &p;
+    }
+    // Deltas are decoded by the target daemon in host memory: not in cuda segments, nor Mooncake-registered ones.
+    std::set<int> host_segments;
+    for (const auto& seg : a.layout().segments())
+      if (seg.kind() != "cuda" && seg.kind() != "mooncake") host_segments.insert(seg.id());
     for (const auto& p : table.params()) {  // CheckLayout made sure every one is there, inside its segment
       const v1::ParamDesc* d = theirs.at(p.name);
+      t->layout_index.push_back(their_index.at(p.name));
+      t->host_param.push_back(host_segments.count(d->segment()) ? 1 : 0);
       t->dst_region.push_back(by_segment.at(d->segment()));
       t->dst_offset.push_back(d->offset());
       if (a.writes_size() == 0) {
@@ -526,7 +547,10 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
         auto it = writes[i].find(p.name);
         t->ranges.push_back(it == writes[i].end() ? std::vector<std::pair<uint64_t, uint64_t>>{} : it->second);
       }
+      if (t->host_param.back())
+        for (const auto& [offset, length] : t->ranges.back()) t->delta_write_bytes += length;
     }
+    WSYNC_RETURN_IF_ERROR(ConnectEndpoint(t.get()));
     by_layout[t->layout].push_back(t.get());
     targets.push_back(std::move(t));
   }
@@ -572,7 +596,14 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     }
   }
 
+  // The delta base: a fresh plan holds no version yet (its first update is dense everywhere).
+  std::vector<std::unique_ptr<uint8_t[]>> bases;
+  if (opts_.delta_base)
+    for (int l = 0; l < num_layouts; ++l) bases.emplace_back(new uint8_t[replica->table(l).total_bytes() + 1]());
+
   std::lock_guard<std::mutex> l(mu_);
+  delta_base_ = std::move(bases);
+  delta_base_version_ = -1;
   push_slices_ = 0;
   fp8_hint_ = std::move(hint);
   replica_ = std::move(replica);
@@ -656,9 +687,12 @@ absl::Status SourceNode::ConnectEndpoint(Target* t) {
   creq.set_engine_id(t->assignment.engine_id());
   creq.set_rank(t->assignment.rank());
   creq.set_source_endpoint_info((*ep)->LocalInfo());
+  creq.set_source_node(opts_.node_id);
+  if (opts_.delta_base) creq.set_delta_write_bytes(t->delta_write_bytes);
   auto info = connect_(t->assignment.target_daemon(), creq);
   if (!info.ok()) return Annotate(info.status(), absl::StrCat("connecting to ", who));
-  WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(*info, absl::Seconds(30)), "connecting to ", who);
+  WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(info->target_endpoint_info(), absl::Seconds(30)), "connecting to ", who);
+  WSYNC_RETURN_IF_ERROR(AttachStaging(t, *info));
   std::lock_guard<std::mutex> l(mu_);
   t->endpoint = *std::move(ep);
   t->broken = absl::OkStatus();
@@ -748,10 +782,15 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
     }
     spdlog::info("update {}: reconnected to {}", req.version(), Who(*t));
   }
+  WSYNC_RETURN_IF_ERROR(DecideDeltas(req));
   // The replica is about to be rewritten: every range of an earlier update is hashed first (its FinishUpdate or
   // AbortUpdate waited already; an abandoned update did not).
   WaitForChecksums();
   std::lock_guard<std::mutex> l(mu_);
+  // The base is rewritten by this update: it holds a complete version again only once the update finishes here.
+  delta_from_ = delta_base_version_;
+  delta_base_version_ = -1;
+  sent_bytes_ = 0;
   if (replica_) replica_->BeginUpdate();
   staged_.clear();
   for (auto& c : completed_) std::fill(c.begin(), c.end(), 0);
@@ -1104,23 +1143,13 @@ absl::Status SourceNode::StageSlice(const TensorSlice& s, Staged* st, const uint
 absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::ReadyParam>& ready) {
   if (ready.empty()) return absl::OkStatus();
   std::map<Target*, std::vector<transport::WriteRequest>> batches;
-  uint64_t bytes = 0;
+  uint64_t bytes = 0, sent = 0;
   for (const auto& r : ready) {
-    const replica::EngineParam& p = replica_->table(r.layout).params()[r.param];
-    for (Target* t : targets_by_layout_[r.layout]) {
-      for (const auto& [offset, length] : t->ranges[r.param]) {
-        transport::WriteRequest w;
-        w.src = (t->transport == transport_ ? replica_regions_ : mooncake_regions_)[r.layout].get();
-        w.src_offset = p.offset + offset;
-        w.dst = t->dst_region[r.param];
-        w.dst_offset = t->dst_offset[r.param] + offset;
-        w.length = length;
-        if (w.length == 0) continue;
-        batches[t].push_back(w);
-        bytes += length;
-      }
-    }
+    for (Target* t : targets_by_layout_[r.layout])
+      for (const auto& [offset, length] : t->ranges[r.param]) bytes += length;
+    sent += PlanWrites(version, r, &batches);
   }
+  RefreshBase(ready);
   for (auto& [t, writes] : batches) {
     std::lock_guard<std::mutex> tl(t->mu);
     if (!t->broken.ok())
@@ -1139,8 +1168,10 @@ absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::
   for (const auto& r : ready) completed_[r.layout][r.param] = 1;  // this bucket's alone: the replica said so once
   std::lock_guard<std::mutex> l(mu_);
   bytes_written_ += bytes;
+  sent_bytes_ += sent;
   params_written_ += ready.size();
   metrics_.Add("wsync_source_bytes_written_total", {}, static_cast<double>(bytes));
+  metrics_.Add("wsync_source_bytes_sent_total", {}, static_cast<double>(sent));
   metrics_.Add("wsync_source_params_written_total", {}, static_cast<double>(ready.size()));
   return absl::OkStatus();
 }
@@ -1262,6 +1293,8 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   out.set_tensors_received(tensors_received_);
   out.set_ingest_seconds(ingest_seconds_);
   out.set_write_seconds(write_seconds_);
+  DeltaReply(v, &out);
+  if (!delta_base_.empty()) delta_base_version_ = v;
   ended_result_ = out;
   spdlog::info("update {} done: {} tensors in, {} params / {:.1f} MiB written (ingest {:.3f}s, write {:.3f}s{})", v,
                tensors_received_, params_written_, bytes_written_ / 1048576.0, ingest_seconds_, write_seconds_,

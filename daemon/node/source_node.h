@@ -68,11 +68,18 @@ struct SourceOptions {
   std::function<void()> checksum_hook;
   // Benchmarks and tests: called on a bucket's thread once its writes are posted (BucketTiming); null: not called.
   std::function<void(const BucketTiming&)> bucket_observer;
+  // Delta updates (docs/delta.md): keep the delta base, a copy of every range this source last wrote (one more
+  // replica's worth of memory, refreshed by one copy per update), so that updates send engine ranks holding that
+  // version only what changed. false: every update is dense.
+  bool delta_base = true;
 };
 
 // Dials a peer daemon's ConnectTarget (injected so tests can run without gRPC).
 using ConnectTargetFn = std::function<absl::StatusOr<std::string>(const std::string& target_daemon,
                                                                   const v1::ConnectTargetRequest& req)>;
+// The same, answering the whole reply (the delta staging region with the connection's endpoint info).
+using ConnectTargetReplyFn = std::function<absl::StatusOr<v1::ConnectTargetReply>(const std::string& target_daemon,
+                                                                                  const v1::ConnectTargetRequest& req)>;
 
 // A trainer rank asking for a session (from the hand-over socket: the pid and uid are the kernel's SO_PEERCRED, not
 // the rank's word).
@@ -103,6 +110,7 @@ class SourceNode {
   static constexpr absl::Duration kCancelPoll = absl::Milliseconds(100);
 
   SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetFn connect);
+  SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetReplyFn connect);
   ~SourceNode();
 
   // Creates the rank's ring and session; a rank that reconnects replaces its previous session. Taking over a live
@@ -209,6 +217,23 @@ class SourceNode {
     // Not OK once a Post or Wait on `endpoint` failed: the transport contract says such an endpoint must be
     // re-created, which the next StartUpdate does before accepting pushes.
     absl::Status broken;
+    // Delta updates (source_delta.cc). Per replica param of its layout: its index in the rank's layout and whether
+    // it lies in host memory (where the target decodes deltas).
+    std::vector<uint32_t> layout_index;
+    std::vector<char> host_param;
+    uint64_t delta_write_bytes = 0;  // bytes of host parameters it takes from this source
+    // The target's staging region for this connection (null: none; staging_refused says why when the target did),
+    // and the registered host buffer records are assembled in before they are written there.
+    std::unique_ptr<transport::RemoteRegion> staging;
+    uint64_t staging_bytes = 0;
+    std::string staging_refused;
+    std::unique_ptr<uint8_t[]> mirror;
+    std::unique_ptr<transport::LocalRegion> mirror_region;
+    // The open update (set by StartUpdate; then under `mu`): deltas or why not, and what was sent.
+    bool delta = false;
+    std::string fallback;
+    uint64_t staged = 0, dense_bytes = 0, sent_bytes = 0;
+    uint32_t records = 0, dense_ranges = 0;
   };
 
   // The liveness watcher: marks sessions whose process exited and fails the open update when a rank that has not
@@ -280,6 +305,20 @@ class SourceNode {
   // Creates `t`'s endpoint and connects it through the target daemon (connect_). Caller holds ingest_mu_
   // exclusively, not mu_.
   absl::Status ConnectEndpoint(Target* t);
+  // Delta updates (source_delta.cc). Imports the staging region the target answered and registers the mirror.
+  // Caller holds ingest_mu_ exclusively.
+  absl::Status AttachStaging(Target* t, const v1::ConnectTargetReply& reply);
+  // Decides per target whether the update takes deltas (pure over the targets, the request and the base version);
+  // "always" refuses when one cannot. Caller holds ingest_mu_ exclusively.
+  absl::Status DecideDeltas(const v1::StartUpdateRequest& req);
+  // For one ready parameter: the writes to every target of its layout (dense ranges from the replica, delta records
+  // through the target's staging), appended to `batches`; returns the bytes sent. Caller holds ingest_mu_ shared.
+  uint64_t PlanWrites(int64_t version, const replica::ReadyParam& r,
+                      std::map<Target*, std::vector<transport::WriteRequest>>* batches);
+  // Copies the ready parameters into the delta base once their writes are planned.
+  void RefreshBase(const std::vector<replica::ReadyParam>& ready);
+  // What FinishUpdate answers about deltas; requires mu_ (ingest_mu_ exclusive is held too).
+  void DeltaReply(int64_t version, v1::FinishUpdateReply* out);
   // Waits for every outstanding batch and forgets them; a failed Wait marks its target broken. Returns the first
   // error, naming the target. Caller holds ingest_mu_ exclusively.
   absl::Status DrainOutstanding(absl::Duration timeout);
@@ -296,7 +335,7 @@ class SourceNode {
 
   SourceOptions opts_;
   transport::Transport* transport_;
-  ConnectTargetFn connect_;
+  ConnectTargetReplyFn connect_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -325,6 +364,12 @@ class SourceNode {
   // whether it completed in the open update (set by the one bucket whose load completed it, without a lock: one
   // writer per element per update; read by FinishUpdate under the exclusive ingest lock).
   std::vector<std::vector<char>> required_, completed_;
+  // Delta updates: per layout the delta base (empty with SourceOptions::delta_base off), the version it holds in
+  // full (-1: none: a fresh plan, or an update since that did not finish here), and the open update's mode and base.
+  std::vector<std::unique_ptr<uint8_t[]>> delta_base_;
+  int64_t delta_base_version_ = -1;
+  int64_t delta_from_ = -1;
+  uint64_t sent_bytes_ = 0;
 
   // Current update.
   int64_t version_ = -1;     // version being pushed; -1 when none is open

@@ -375,6 +375,7 @@ v1::SetWriteWindowReply TargetNode::SetWriteWindow(const v1::SetWriteWindowReque
   } else if (req.open()) {
     assignments_known_ = false;  // a coordinator that sends no assignments: grants are not narrowed
   }
+  if (req.open()) OpenDeltaWindow(req, &out);
   absl::Status st = transport_->SetWriteWindow(req.open());
   window_enforced_ = st.ok();
   window_open_ = req.open();
@@ -758,10 +759,17 @@ absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::Conne
       spdlog::info("ConnectTarget from {} for engine {} rank {}: its connection is live; answered with the same grant",
                    grant.peer, req.engine_id(), req.rank());
       out.set_target_endpoint_info(old->second->LocalInfo());
+      if (auto st = staging_.find({req.engine_id(), req.rank(), req.source_node()});
+          req.delta_write_bytes() > 0 && st != staging_.end()) {
+        out.set_staging_descriptor(st->second->region->Descriptor());
+        out.set_staging_bytes(st->second->bytes);
+      }
       return out;
     }
     for (const auto& r : it->second->ranks[req.rank()].regions) grant.regions.push_back(r.get());
   }
+  // The delta staging region (created or reused outside mu_'s registration) is written under the same grant.
+  WSYNC_RETURN_IF_ERROR(ProvideStaging(req, source, &out, &grant));
   // A fresh grant per source connection, for exactly this rank's regions (tcp: a write secret; verbs: the regions
   // registered again in the connection's own protection domain, once per connection, not per update); a transport
   // that cannot enforce grants gets a plain endpoint.

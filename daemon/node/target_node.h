@@ -61,7 +61,41 @@ struct TargetOptions {
   std::string facade_host = "127.0.0.1";
   // Largest attach message accepted.
   size_t max_attach_bytes = 64ull << 20;
+  // Delta updates (docs/delta.md): each source connection that asks gets a host staging region of this fraction of
+  // the bytes it writes to the rank (0: no staging, so every update is dense).
+  double delta_staging_fraction = 0.125;
 };
+
+// One record a source stages for ApplyDelta (docs/delta.md): this header, then `enc_bytes` of a
+// replica/delta.h encoding, then padding to 8 bytes. Records follow each other from the region's start.
+struct DeltaRecordHeader {
+  uint32_t magic;
+  uint32_t param;      // index into the rank's RankLayout.params
+  int64_t version;     // the update it belongs to
+  uint64_t offset;     // inside the parameter
+  uint64_t length;     // bytes of the parameter it rewrites
+  uint64_t enc_bytes;  // encoding that follows
+};
+static_assert(sizeof(DeltaRecordHeader) == 40, "a wire layout: sources and targets of one build agree on it");
+inline constexpr uint32_t kDeltaRecordMagic = 0x52445357;  // "WSDR"
+inline uint64_t DeltaRecordBytes(uint64_t enc_bytes) { return (sizeof(DeltaRecordHeader) + enc_bytes + 7) & ~7ull; }
+
+// One checked record: where its encoding is and which parameter range it rewrites.
+struct DeltaRecordRef {
+  uint32_t param = 0;  // index into RankLayout.params
+  uint64_t offset = 0, length = 0;
+  const uint8_t* enc = nullptr;
+  uint64_t enc_bytes = 0;
+};
+// Decides whether the `bytes` of records a source staged for one engine rank may be applied (nothing is written):
+// exactly `records` records of update `version`, each naming a parameter of `layout` in a host segment
+// (`host_segment_bytes`: id → mapped bytes), a range inside it, and, unless `owned` is null, inside one of the
+// plan's ranges for that source. A refusal names `who`, the record and the parameter.
+absl::StatusOr<std::vector<DeltaRecordRef>> CheckDeltaRecords(const uint8_t* data, uint64_t bytes, uint32_t records,
+                                                              int64_t version, const v1::RankLayout& layout,
+                                                              const std::map<int, uint64_t>& host_segment_bytes,
+                                                              const std::vector<v1::WriteRange>* owned,
+                                                              const std::string& who);
 
 // What ConnectTarget does with the connection a source already has to an engine rank (decided before acting): make
 // the first one; keep a live one (the same grant goes back: a repeat never disturbs an update writing through it);
@@ -112,6 +146,14 @@ class TargetNode {
   // mu_ while hashing (the mapping must not go away under it): a diagnostic, not for the update path.
   absl::StatusOr<v1::ChecksumReply> Checksums(const std::string& engine_id, const v1::RankRequest& req);
 
+  // Every source finished update `req.version()`: validates every staged delta record of it (structure, version,
+  // parameter and range inside the rank's layout, in host memory, inside the plan's ranges of the source that staged
+  // it), then applies them (replica/delta.h Apply: the base checksum must match what the rank holds; a refused
+  // record writes nothing), then records the ranks the window was opened for as holding the version. A refusal
+  // names the engine, rank and parameter; those ranks then hold no known version (the next update is dense there).
+  // Holds mu_ while applying (the mappings must not go away under it; the records are a fraction of the update).
+  absl::StatusOr<v1::ApplyDeltaReply> ApplyDelta(const v1::ApplyDeltaRequest& req);
+
  private:
   // An accepted attach connection. Shared between the loop thread and control calls that write to it.
   struct Conn {
@@ -129,6 +171,14 @@ class TargetNode {
     std::vector<std::unique_ptr<transport::LocalRegion>> regions;      // one per segment, dropped before memory/cuda
     std::vector<std::string> cuda_paths;  // per cuda segment: "segment S: how writes reach it" (NodeStatus)
     std::shared_ptr<Conn> conn;
+    // The update whose every write this rank holds (-1: none known: attached since, or an update is writing it).
+    int64_t held_version = -1;
+  };
+  // A source connection's delta staging region: kept for the daemon's life (grants reference its registration).
+  struct Staging {
+    std::unique_ptr<uint8_t[]> data;
+    uint64_t bytes = 0;
+    std::unique_ptr<transport::LocalRegion> region;
   };
   struct Engine {
     std::string id, kind, control_address;
@@ -158,6 +208,13 @@ class TargetNode {
                           const std::function<absl::Status(EngineAdapter*)>& call,
                           const std::function<void(Engine*)>& record);
   absl::StatusOr<Engine*> Find(const std::string& engine_id);
+  // Delta updates (target_delta.cc). At a window opening: answers and forgets the held version of every rank the
+  // plan writes, records the plan's write ranges. Requires mu_.
+  void OpenDeltaWindow(const v1::SetWriteWindowRequest& req, v1::SetWriteWindowReply* out);
+  // ConnectTarget asking for delta staging: creates (or reuses) the connection's staging region, answers it in
+  // `out` and adds it to `grant`; a rank without host segments is answered staging_refused. Takes mu_.
+  absl::Status ProvideStaging(const v1::ConnectTargetRequest& req, const std::string& source,
+                              v1::ConnectTargetReply* out, transport::Transport::WriteGrant* grant);
 
   TargetOptions opts_;
   transport::Transport* transport_;
@@ -181,6 +238,13 @@ class TargetNode {
   // The last plan's (source node, engine, rank) assignments on this node, from SetWriteWindow; guarded by mu_.
   std::set<std::tuple<std::string, std::string, int>> assignments_;
   bool assignments_known_ = false;
+  // Delta updates, guarded by mu_: staging per (engine, rank, source node); the plan's write ranges per assignment
+  // (empty: all of every parameter); the update the window was last opened for and the ranks it writes.
+  std::map<std::tuple<std::string, int, std::string>, std::unique_ptr<Staging>> staging_;
+  std::vector<std::unique_ptr<Staging>> retired_staging_;  // replaced by a larger one; a grant may still name it
+  std::map<std::tuple<std::string, std::string, int>, std::vector<v1::WriteRange>> assigned_writes_;
+  int64_t window_version_ = -1;
+  std::set<std::pair<std::string, int>> window_ranks_;
 };
 
 }  // namespace wsync::daemon

@@ -147,6 +147,15 @@ int main(int argc, char** argv) {
                  "first)");
   app.add_option("--ring-mib", ring_mib, "source: shared-memory ring size per trainer rank, MiB")
       ->check(CLI::Range(1, 1 << 20));
+  bool delta_base = true;
+  app.add_option("--delta-base", delta_base,
+                 "source: keep a copy of what was last written (one more replica's memory) so that updates send "
+                 "engine ranks only what changed (docs/delta.md); false: every update is dense");
+  double delta_staging_fraction = 0.125;
+  app.add_option("--delta-staging-fraction", delta_staging_fraction,
+                 "target: host staging for delta records per source connection, as a fraction of the bytes it "
+                 "writes to the engine rank (0: no deltas into this node's engines)")
+      ->check(CLI::Range(0.0, 1.0));
   tls::Options tls_opts;
   tls::AddFlags(app, &tls_opts);
   app.footer(
@@ -240,7 +249,9 @@ int main(int argc, char** argv) {
     o.rank_grace = absl::Seconds(rank_grace_s);
     o.write_checksums = write_checksums;
     o.write_checksum_threads = write_checksum_threads;
-    source = std::make_unique<daemon::SourceNode>(o, transport.get(), daemon::DialConnectTarget);
+    o.delta_base = delta_base;
+    source = std::make_unique<daemon::SourceNode>(o, transport.get(),
+                                                  daemon::ConnectTargetReplyFn(daemon::DialConnectTargetReply));
     reg.set_trainer_ranks(trainer_ranks);
     reg.set_pp_stage(pp_stage);
   }
@@ -301,6 +312,7 @@ int main(int argc, char** argv) {
     o.engine_uids.assign(engine_uids.begin(), engine_uids.end());
     o.attach_timeout = absl::Seconds(attach_timeout_s);
     o.facade_host = host;
+    o.delta_staging_fraction = delta_staging_fraction;
     target = std::make_unique<daemon::TargetNode>(o, transport.get());
     absl::Status st = target->Start();
     for (size_t i = 0; st.ok() && i < engines.size(); ++i) {

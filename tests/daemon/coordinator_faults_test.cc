@@ -42,6 +42,7 @@ enum class Rpc {
   kStartUpdate,
   kFinishUpdate,
   kCloseWindow,
+  kApplyDelta,
   kPostProcess,
   kSetWeightVersion,
   kContinue,
@@ -65,6 +66,8 @@ const char* Name(Rpc r) {
       return "FinishUpdate";
     case Rpc::kCloseWindow:
       return "SetWriteWindow(close)";
+    case Rpc::kApplyDelta:
+      return "ApplyDelta";
     case Rpc::kPostProcess:
       return "PostProcess";
     case Rpc::kSetWeightVersion:
@@ -161,6 +164,10 @@ class ScriptedPeers : public Peers {
                                                          const v1::SetWriteWindowRequest& req) override {
     WSYNC_RETURN_IF_ERROR(Inject(req.open() ? Rpc::kOpenWindow : Rpc::kCloseWindow, addr));
     return v1::SetWriteWindowReply();
+  }
+  absl::StatusOr<v1::ApplyDeltaReply> ApplyDelta(const std::string& addr, const v1::ApplyDeltaRequest&) override {
+    WSYNC_RETURN_IF_ERROR(Inject(Rpc::kApplyDelta, addr));
+    return v1::ApplyDeltaReply();
   }
   absl::Status StartUpdate(const std::string& addr, const v1::StartUpdateRequest& req) override {
     WSYNC_RETURN_IF_ERROR(Inject(Rpc::kStartUpdate, addr));
@@ -464,6 +471,8 @@ Victim VictimOf(Rpc rpc) {
       return {"s1:1", "finish update at source s1 (s1:1)"};
     case Rpc::kCloseWindow:
       return {"t1:1", "closing the write window of target t1 (t1:1)"};
+    case Rpc::kApplyDelta:
+      return {"t1:1", "apply_delta at target t1 (t1:1)"};
     case Rpc::kPostProcess:
       return {"e1:2", "post_process engine e1"};
     case Rpc::kSetWeightVersion:
@@ -493,8 +502,8 @@ TEST_CASE(
     "faults: every call of every phase fails, times out, hangs or answers late; the coordinator keeps "
     "answering, ends the update naming the call, records where the engines are, and runs the next update") {
   const Rpc rpc = GENERATE(Rpc::kPause, Rpc::kEngineInfo, Rpc::kConfigureSource, Rpc::kOpenWindow, Rpc::kStartUpdate,
-                           Rpc::kFinishUpdate, Rpc::kCloseWindow, Rpc::kPostProcess, Rpc::kSetWeightVersion,
-                           Rpc::kContinue, Rpc::kAbortSourceUpdate);
+                           Rpc::kFinishUpdate, Rpc::kCloseWindow, Rpc::kApplyDelta, Rpc::kPostProcess,
+                           Rpc::kSetWeightVersion, Rpc::kContinue, Rpc::kAbortSourceUpdate);
   const Fault fault = GENERATE(Fault::kUnavailable, Fault::kInternal, Fault::kTimeout, Fault::kHang, Fault::kLate);
   INFO(Name(rpc) << " " << Name(fault));
   Cluster k;
@@ -590,8 +599,8 @@ void AbortWhileHanging(Rpc rpc) {
   const Victim victim = VictimOf(rpc);
   k.peers->hang_deadline = 10s;  // far beyond the 1 s the abort has
   k.peers->Arm(rpc, Fault::kHang, victim.addr);
-  const bool in_commit =
-      rpc == Rpc::kFinishUpdate || rpc == Rpc::kPostProcess || rpc == Rpc::kSetWeightVersion || rpc == Rpc::kContinue;
+  const bool in_commit = rpc == Rpc::kFinishUpdate || rpc == Rpc::kApplyDelta || rpc == Rpc::kPostProcess ||
+                         rpc == Rpc::kSetWeightVersion || rpc == Rpc::kContinue;
   if (in_commit) REQUIRE(k.Begin(2).ok());
   absl::Status driven = absl::UnknownError("not run");
   std::thread driver([&] { driven = in_commit ? k.Commit(2) : k.Begin(2); });  // checked after the join
@@ -660,6 +669,7 @@ TEST_CASE("faults: abort ends an update in every phase, at once, the hung call c
   SECTION("while the write window opens") { AbortWhileHanging(Rpc::kOpenWindow); }
   SECTION("while StartUpdate hangs") { AbortWhileHanging(Rpc::kStartUpdate); }
   SECTION("while FinishUpdate hangs") { AbortWhileHanging(Rpc::kFinishUpdate); }
+  SECTION("while ApplyDelta hangs") { AbortWhileHanging(Rpc::kApplyDelta); }
   SECTION("while PostProcess hangs") { AbortWhileHanging(Rpc::kPostProcess); }
   SECTION("while SetWeightVersion hangs") { AbortWhileHanging(Rpc::kSetWeightVersion); }
   SECTION("while Continue hangs (the engines already continued are named)") { AbortWhileHanging(Rpc::kContinue); }

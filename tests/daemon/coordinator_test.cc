@@ -39,6 +39,10 @@ class FakePeers : public Peers {
   }
   absl::Status StartUpdate(const std::string& addr, const v1::StartUpdateRequest& req) override {
     Log("start " + addr);
+    {
+      std::lock_guard<std::mutex> l(mu);
+      start_deltas.push_back(req.delta());
+    }
     return absl::OkStatus();
   }
   absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string& addr,
@@ -129,6 +133,7 @@ class FakePeers : public Peers {
   std::vector<std::string> calls;
   std::vector<std::string> windows;  // "open ADDR" / "close ADDR", in order
   std::map<std::string, v1::ConfigureSourceRequest> configured;
+  std::vector<std::string> start_deltas;  // StartUpdateRequest.delta, in call order
   std::atomic<bool> fail_finish{false};
   std::atomic<bool> fail_configure{false};
   std::atomic<bool> fail_abort{false};
@@ -223,6 +228,24 @@ TEST_CASE("coordinator: seed plan keeps identical engine ranks on the source tha
   for (const auto& [addr, ranks] : ranks_by_source) CHECK(ranks.size() == 1);  // one replica layout per source
 }
 
+TEST_CASE("coordinator: with an anchor every 3 updates, every third update since the last dense one is dense") {
+  CoordinatorOptions o;
+  o.delta_anchor_every = 3;
+  Fixture f(1, 1, 1, o);
+  std::vector<std::string> modes;
+  for (int64_t v = 1; v <= 7; ++v) {
+    v1::BeginUpdateRequest r;
+    r.set_version(v);
+    if (v == 4) r.set_delta("off");  // a dense update asked for restarts the count
+    REQUIRE(f.c->BeginUpdate(r).ok());
+    auto rec = f.Commit(v);
+    REQUIRE(rec.ok());
+    modes.push_back(rec->record().delta_mode());
+  }
+  CHECK(modes == std::vector<std::string>{"auto", "auto", "anchor", "off", "auto", "auto", "anchor"});
+  CHECK(f.peers->start_deltas == std::vector<std::string>{"auto", "auto", "off", "off", "auto", "auto", "off"});
+}
+
 TEST_CASE("coordinator: lifecycle order, history and version checks") {
   Fixture f(1, 2, 1);
   CHECK(f.Commit(1).status().code() == absl::StatusCode::kFailedPrecondition);  // nothing open
@@ -239,7 +262,8 @@ TEST_CASE("coordinator: lifecycle order, history and version checks") {
   CHECK(f.peers->Count("continue ") == 2);
   std::vector<std::string> phases;
   for (const auto& p : rec->record().phases()) phases.push_back(p.phase());
-  CHECK(phases == std::vector<std::string>{"pause", "configure", "push", "post_process", "set_version", "continue"});
+  CHECK(phases == std::vector<std::string>{"pause", "configure", "push", "apply_delta", "post_process", "set_version",
+                                           "continue"});
   CHECK(f.Begin(1).code() == absl::StatusCode::kFailedPrecondition);  // not newer than the current version
   REQUIRE(f.Begin(2).ok());
   REQUIRE(f.Commit(2).ok());

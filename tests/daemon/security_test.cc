@@ -80,6 +80,7 @@ const std::map<std::string, std::set<std::string>>& RoleTable() {
       {"wsync.v1.NodeDaemon/FinishUpdate", {"coordinator"}},
       {"wsync.v1.NodeDaemon/AbortSourceUpdate", {"coordinator"}},
       {"wsync.v1.NodeDaemon/SetWriteWindow", {"coordinator"}},
+      {"wsync.v1.NodeDaemon/ApplyDelta", {"coordinator"}},
       {"wsync.v1.NodeDaemon/ConnectTarget", {"source"}},
       {"wsync.v1.NodeDaemon/GetNodeStatus", {"*"}},
       {"wsync.v1.NodeDaemon/GetWriteChecksums", {"admin", "trainer"}},

@@ -646,17 +646,25 @@ int main(int argc, char** argv) {
       PrintJson(*h);
       return kExitOk;
     }
-    std::printf("%-8s %-20s %-7s %-9s %-10s %-6s %s\n", "VERSION", "STARTED (UTC)", "OK", "TOTAL_S", "MiB", "RANKS",
-                "PHASES / ERROR");
-    for (const auto& r : h->records())
-      std::printf(
-          "%-8lld %-20s %-7s %-9.3f %-10.1f %-6d %s\n", static_cast<long long>(r.version()),
+    std::printf("%-8s %-20s %-7s %-9s %-10s %-10s %-6s %-7s %s\n", "VERSION", "STARTED (UTC)", "OK", "TOTAL_S", "MiB",
+                "SENT_MiB", "RANKS", "DELTA", "PHASES / ERROR");
+    for (const auto& r : h->records()) {
+      // DELTA: engine ranks that took deltas / ranks written ("-" for an update that recorded none).
+      const int written = r.delta_ranks_size() + r.fallbacks_size();
+      const std::string delta = written == 0 ? "-" : absl::StrCat(r.delta_ranks_size(), "/", written);
+      const std::string started =
           r.started_unix_ms() > 0
               ? absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(r.started_unix_ms()), absl::UTCTimeZone())
-                    .c_str()
-              : "-",
-          r.success() ? "yes" : (r.aborted() ? "ABORTED" : "FAILED"), r.total_seconds(), r.bytes() / 1048576.0,
-          r.engine_ranks(), r.success() ? Phases(r).c_str() : r.error().c_str());
+              : "-";
+      std::printf("%-8lld %-20s %-7s %-9.3f %-10.1f %-10.1f %-6d %-7s %s\n", static_cast<long long>(r.version()),
+                  started.c_str(), r.success() ? "yes" : (r.aborted() ? "ABORTED" : "FAILED"), r.total_seconds(),
+                  r.bytes() / 1048576.0, r.sent_bytes() / 1048576.0, r.engine_ranks(), delta.c_str(),
+                  r.success() ? Phases(r).c_str() : r.error().c_str());
+      // Why ranks got dense writes, when deltas were asked for (not for a dense update asked or an anchor).
+      if (r.delta_mode() != "off" && r.delta_mode() != "anchor")
+        for (const auto& f : r.fallbacks())
+          std::printf("         dense %s: %s\n", f.rank().c_str(), f.reason().c_str());
+    }
     return kExitOk;
   }
 

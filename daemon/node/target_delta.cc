@@ -1,0 +1,238 @@
+// The target's half of delta updates (docs/delta.md): staging regions for the sources' delta records, the version
+// each engine rank holds, and ApplyDelta.
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "daemon/node/target_node.h"
+#include "replica/delta.h"
+#include "spdlog/spdlog.h"
+
+namespace wsync::daemon {
+namespace {
+
+constexpr uint64_t kStagingAlign = 4096;
+
+// The rank's host segments by id (they are mapped in layout order; cuda ones are not mapped here).
+template <typename RankT>
+std::map<int, const MappedSegment*> HostSegments(const RankT& r) {
+  std::map<int, const MappedSegment*> host;
+  size_t next = 0;
+  for (const auto& seg : r.layout.segments())
+    if (seg.kind() != "cuda" && next < r.memory.size()) host[seg.id()] = r.memory[next++].get();
+  return host;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<DeltaRecordRef>> CheckDeltaRecords(const uint8_t* data, uint64_t bytes, uint32_t records,
+                                                              int64_t version, const v1::RankLayout& layout,
+                                                              const std::map<int, uint64_t>& host_segment_bytes,
+                                                              const std::vector<v1::WriteRange>* owned,
+                                                              const std::string& who) {
+  std::vector<DeltaRecordRef> out;
+  uint64_t off = 0;
+  uint32_t n = 0;
+  while (off < bytes) {
+    DeltaRecordHeader h;
+    const std::string at = absl::StrCat(who, ": record ", n, " at byte ", off);
+    if (bytes - off < sizeof(h))
+      return absl::InvalidArgumentError(absl::StrCat(at, " is truncated; nothing was written"));
+    std::memcpy(&h, data + off, sizeof(h));
+    if (h.magic != kDeltaRecordMagic || h.version != version)
+      return absl::InvalidArgumentError(absl::StrCat(at, " is not a record of update ", version, " (magic ", h.magic,
+                                                     ", version ", h.version, "); nothing was written"));
+    if (h.param >= static_cast<uint32_t>(layout.params_size()))
+      return absl::InvalidArgumentError(absl::StrCat(at, " names parameter index ", h.param, " but the rank has ",
+                                                     layout.params_size(), "; nothing was written"));
+    const v1::ParamDesc& p = layout.params(static_cast<int>(h.param));
+    const std::string what = absl::StrCat(at, ", parameter ", p.name(), " [", h.offset, ", +", h.length, ")");
+    if (h.length == 0 || h.offset > p.bytes() || h.length > p.bytes() - h.offset ||
+        h.enc_bytes > bytes - off - sizeof(h))
+      return absl::InvalidArgumentError(absl::StrCat(what, ": the range or its encoding (", h.enc_bytes,
+                                                     " bytes) is out of bounds; nothing was written"));
+    auto seg = host_segment_bytes.find(p.segment());
+    if (seg == host_segment_bytes.end() || p.offset() > seg->second || p.bytes() > seg->second - p.offset())
+      return absl::InvalidArgumentError(absl::StrCat(what, ": not in a host segment of the rank; nothing was written"));
+    if (owned != nullptr && std::none_of(owned->begin(), owned->end(), [&](const v1::WriteRange& w) {
+          return w.param() == p.name() && w.offset() <= h.offset && h.offset + h.length <= w.offset() + w.length();
+        }))
+      return absl::PermissionDeniedError(absl::StrCat(what,
+                                                      ": the plan does not give that range to the source; "
+                                                      "nothing was written"));
+    out.push_back({h.param, h.offset, h.length, data + off + sizeof(h), h.enc_bytes});
+    off += DeltaRecordBytes(h.enc_bytes);
+    ++n;
+  }
+  if (n != records || off != bytes)
+    return absl::InvalidArgumentError(absl::StrCat(who, ": ", n, " records in ", off, " bytes, the source reported ",
+                                                   records, " in ", bytes, "; nothing was written"));
+  return out;
+}
+
+void TargetNode::OpenDeltaWindow(const v1::SetWriteWindowRequest& req, v1::SetWriteWindowReply* out) {
+  window_version_ = req.version();
+  window_ranks_.clear();
+  assigned_writes_.clear();
+  if (req.assignments_given()) {
+    for (const auto& a : req.assignments()) {
+      window_ranks_.insert({a.engine_id(), a.rank()});
+      assigned_writes_[{a.source_node(), a.engine_id(), a.rank()}].assign(a.writes().begin(), a.writes().end());
+    }
+  } else {
+    for (const auto& [id, e] : engines_)
+      for (int r = 0; r < e->num_ranks; ++r) window_ranks_.insert({id, r});
+  }
+  // From now on the rank's memory is being written: it holds no complete version until ApplyDelta of this update.
+  for (const auto& [engine, rank] : window_ranks_) {
+    auto it = engines_.find(engine);
+    if (it == engines_.end() || rank < 0 || rank >= it->second->num_ranks) continue;
+    Rank& r = it->second->ranks[rank];
+    auto* h = out->add_held();
+    h->set_engine_id(engine);
+    h->set_rank(rank);
+    h->set_version(r.state == Rank::State::kAttached ? r.held_version : -1);
+    r.held_version = -1;
+  }
+}
+
+absl::Status TargetNode::ProvideStaging(const v1::ConnectTargetRequest& req, const std::string& source,
+                                        v1::ConnectTargetReply* out, transport::Transport::WriteGrant* grant) {
+  if (req.delta_write_bytes() == 0 || opts_.delta_staging_fraction <= 0) return absl::OkStatus();
+  const std::string who = absl::StrCat("engine ", req.engine_id(), " rank ", req.rank());
+  if (req.source_node().empty())
+    return absl::InvalidArgumentError(absl::StrCat("ConnectTarget for ", who,
+                                                   " asks for delta staging without naming "
+                                                   "its source node"));
+  // With identities, a source stages only under its own name (ApplyDelta checks records against its assignment).
+  if (!source.empty() && source.substr(source.find(':') + 1) != req.source_node())
+    return absl::PermissionDeniedError(
+        absl::StrCat("ConnectTarget from ", source, " asks for delta staging as source ", req.source_node()));
+  const std::tuple<std::string, int, std::string> key{req.engine_id(), req.rank(), req.source_node()};
+  uint64_t host_bytes = 0;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    WSYNC_ASSIGN_OR_RETURN(Engine * e, Find(req.engine_id()));
+    for (const auto& seg : e->ranks[req.rank()].layout.segments())
+      if (seg.kind() != "cuda") host_bytes += seg.bytes();
+  }
+  if (host_bytes == 0) {
+    out->set_staging_refused(absl::StrCat(who,
+                                          " has its weights in GPU memory only: delta records are decoded by the "
+                                          "host, so it takes dense writes"));
+    return absl::OkStatus();
+  }
+  uint64_t want = static_cast<uint64_t>(opts_.delta_staging_fraction *
+                                        static_cast<double>(std::min<uint64_t>(req.delta_write_bytes(), host_bytes)));
+  want = std::max<uint64_t>((want + kStagingAlign - 1) / kStagingAlign * kStagingAlign, kStagingAlign);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = staging_.find(key);
+    if (it != staging_.end() && it->second->bytes >= want) {
+      out->set_staging_descriptor(it->second->region->Descriptor());
+      out->set_staging_bytes(it->second->bytes);
+      grant->regions.push_back(it->second->region.get());
+      return absl::OkStatus();
+    }
+  }
+  // Registered outside mu_ (registration can take long).
+  auto st = std::make_unique<Staging>();
+  st->data.reset(new uint8_t[want]());
+  st->bytes = want;
+  auto region = transport_->RegisterMemory(st->data.get(), want);
+  if (!region.ok()) return Annotate(region.status(), absl::StrCat("registering the delta staging of ", who));
+  st->region = *std::move(region);
+  out->set_staging_descriptor(st->region->Descriptor());
+  out->set_staging_bytes(want);
+  grant->regions.push_back(st->region.get());
+  std::lock_guard<std::mutex> l(mu_);
+  auto& slot = staging_[key];
+  if (slot) retired_staging_.push_back(std::move(slot));
+  slot = std::move(st);
+  spdlog::info("{}: {} KiB of delta staging for source {}", who, want / 1024, req.source_node());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaRequest& req) {
+  const int64_t v = req.version();
+  std::lock_guard<std::mutex> l(mu_);
+  if (v != window_version_)
+    return absl::FailedPreconditionError(absl::StrCat("ApplyDelta for update ", v,
+                                                      ", but the write window was last "
+                                                      "opened for update ",
+                                                      window_version_));
+  struct Pending {
+    std::string who;  // "engine E rank R parameter P [off, +len)"
+    uint8_t* dst;
+    DeltaRecordRef rec;
+    Rank* rank;
+  };
+  std::vector<Pending> pending;
+  // Every record of every source is checked before any is applied.
+  for (const auto& s : req.staged()) {
+    const std::string who = absl::StrCat("engine ", s.engine_id(), " rank ", s.rank());
+    const std::string from = absl::StrCat(" (delta staged by source ", s.source_node(), " for update ", v, ")");
+    auto st = staging_.find({s.engine_id(), s.rank(), s.source_node()});
+    if (st == staging_.end() || s.bytes() > st->second->bytes)
+      return absl::FailedPreconditionError(
+          absl::StrCat(who, from, ": ", s.bytes(), " bytes of records but ",
+                       st == staging_.end() ? "no staging region" : "a smaller staging region", " here"));
+    WSYNC_ASSIGN_OR_RETURN(Engine * e, Find(s.engine_id()));
+    if (s.rank() < 0 || s.rank() >= e->num_ranks || e->ranks[s.rank()].state != Rank::State::kAttached)
+      return absl::FailedPreconditionError(absl::StrCat(who, from, ": the rank is not attached"));
+    Rank& r = e->ranks[s.rank()];
+    const std::map<int, const MappedSegment*> host = HostSegments(r);
+    const std::vector<v1::WriteRange>* owned = nullptr;
+    if (assignments_known_) {
+      auto aw = assigned_writes_.find({s.source_node(), s.engine_id(), s.rank()});
+      if (aw == assigned_writes_.end())
+        return absl::PermissionDeniedError(absl::StrCat(who, from,
+                                                        ": the plan does not assign the rank to that "
+                                                        "source; nothing was written"));
+      if (!aw->second.empty()) owned = &aw->second;
+    }
+    std::map<int, uint64_t> host_bytes;
+    for (const auto& [id, m] : host) host_bytes[id] = m->size();
+    auto recs =
+        CheckDeltaRecords(st->second->data.get(), s.bytes(), s.records(), v, r.layout, host_bytes, owned, who + from);
+    if (!recs.ok()) {
+      r.held_version = -1;  // whatever it held, the next update writes it dense
+      return recs.status();
+    }
+    for (const DeltaRecordRef& d : *recs) {
+      const v1::ParamDesc& p = r.layout.params(static_cast<int>(d.param));
+      pending.push_back({absl::StrCat(who, " parameter ", p.name(), " [", d.offset, ", +", d.length, ")", from),
+                         host.at(p.segment())->data() + p.offset() + d.offset, d, &r});
+    }
+  }
+  v1::ApplyDeltaReply out;
+  for (const Pending& p : pending) {
+    uint64_t consumed = 0;
+    // Apply checks the encoding and that the range holds its base before it writes anything of the record.
+    absl::Status st = replica::delta::Apply(p.dst, p.rec.length, p.rec.enc, p.rec.enc_bytes, &consumed);
+    if (!st.ok()) {
+      p.rank->held_version = -1;
+      return Annotate(st, absl::StrCat(p.who, ": refused, nothing of it written (", out.records_applied(),
+                                       " earlier records applied; the rank takes dense writes next)"));
+    }
+    out.set_records_applied(out.records_applied() + 1);
+    out.set_bytes_applied(out.bytes_applied() + p.rec.length);
+  }
+  int committed = 0;
+  for (const auto& [engine, rank] : window_ranks_) {
+    auto it = engines_.find(engine);
+    if (it == engines_.end() || rank < 0 || rank >= it->second->num_ranks) continue;
+    Rank& r = it->second->ranks[rank];
+    if (r.state != Rank::State::kAttached) continue;
+    r.held_version = v;
+    ++committed;
+  }
+  out.set_ranks_committed(committed);
+  spdlog::info("update {}: {} delta records applied ({:.1f} MiB of parameters); {} engine ranks hold it", v,
+               out.records_applied(), out.bytes_applied() / 1048576.0, committed);
+  return out;
+}
+
+}  // namespace wsync::daemon
