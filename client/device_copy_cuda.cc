@@ -56,8 +56,8 @@ class CudaCopier final : public DeviceCopier {
   absl::Status Copy2DAsync(absl::string_view name, uint8_t* dst, uint64_t dst_pitch, const void* src,
                            uint64_t src_pitch, uint64_t row_bytes, int64_t rows, int device, uint64_t producer_stream,
                            bool staged) override {
-    const std::string what = absl::StrCat("tensor ", name, ": ", rows, " rows of ", row_bytes, " bytes from cuda:",
-                                          device, " into the replica");
+    const std::string what = absl::StrCat("tensor ", name, ": ", rows, " rows of ", row_bytes,
+                                          " bytes from cuda:", device, " into the replica");
     if (rows <= 0 || row_bytes == 0) return absl::OkStatus();
     const uint64_t span = static_cast<uint64_t>(rows - 1) * dst_pitch + row_bytes;
     bool inside = false;
@@ -65,7 +65,8 @@ class CudaCopier final : public DeviceCopier {
       const auto* base = static_cast<const uint8_t*>(addr);
       inside |= dst >= base && span <= d.bytes && dst + span <= base + d.bytes;
     }
-    if (!inside) return absl::InternalError(absl::StrCat(what, ": the destination lies outside the registered replica"));
+    if (!inside)
+      return absl::InternalError(absl::StrCat(what, ": the destination lies outside the registered replica"));
     WSYNC_ASSIGN_OR_RETURN(Queue * q, QueueFor(device, what));
     WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), what);
     if (!staged) {

@@ -1,5 +1,7 @@
 #include "client/trainer_client.h"
 
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -7,11 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
-
 #include <cstring>
-
-#include <google/protobuf/util/json_util.h>
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/checked_size.h"
@@ -390,9 +388,9 @@ absl::Status TrainerClient::MapReplica() {
     return absl::FailedPreconditionError(absl::StrCat("wsyncd refused the replica's buffers: ", answer.error()));
   if (answer.replica_generation() != placement_generation_ ||
       frame.fds.size() != static_cast<size_t>(answer.replica_bytes_size()))
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the replica changed since BeginPush (generation ", answer.replica_generation(), ", offered ",
-        placement_generation_, ") or the answer is malformed (", frame.fds.size(), " descriptors)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the replica changed since BeginPush (generation ", answer.replica_generation(), ", offered ",
+                     placement_generation_, ") or the answer is malformed (", frame.fds.size(), " descriptors)"));
   for (size_t i = 0; i < frame.fds.size(); ++i) {
     const uint64_t n = answer.replica_bytes(static_cast<int>(i));
     void* a = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, frame.fds[i].get(), 0);
@@ -420,9 +418,11 @@ absl::Status CheckRegions(const v1::TensorPlacement& p, uint64_t bytes, const st
                     r.offset() + last * r.pitch() + r.row_bytes() <= layout_bytes[r.layout()] &&
                     r.src_offset() + last * r.src_pitch() + r.row_bytes() <= bytes;
     if (!ok)
-      return absl::InternalError(absl::StrCat("tensor ", p.name(), ": the daemon offered a region outside the "
-                                              "replica or the tensor (layout ", r.layout(), ", offset ", r.offset(),
-                                              ", ", r.rows(), " x ", r.row_bytes(), " bytes)"));
+      return absl::InternalError(absl::StrCat("tensor ", p.name(),
+                                              ": the daemon offered a region outside the "
+                                              "replica or the tensor (layout ",
+                                              r.layout(), ", offset ", r.offset(), ", ", r.rows(), " x ", r.row_bytes(),
+                                              " bytes)"));
   }
   return absl::OkStatus();
 }
@@ -455,8 +455,8 @@ absl::Status TrainerClient::PlaceDevice(const v1::TensorPlacement& p, const void
   WSYNC_RETURN_IF_ERROR(CheckRegions(p, bytes, sizes));
   if (!replica_registered_) {
     for (size_t i = 0; i < replica_.size(); ++i)
-      WSYNC_RETURN_IF_ERROR(device_->RegisterDestination(replica_[i].addr, replica_[i].bytes,
-                                                         absl::StrCat("replica layout ", i)));
+      WSYNC_RETURN_IF_ERROR(
+          device_->RegisterDestination(replica_[i].addr, replica_[i].bytes, absl::StrCat("replica layout ", i)));
     replica_registered_ = true;
   }
   const auto* src = static_cast<const uint8_t*>(data);

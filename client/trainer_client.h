@@ -30,10 +30,10 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "base/dtype.h"
-#include "client/ring/ring.h"
+#include "base/fd_passing.h"
 #include "base/tensor_slice.h"
 #include "client/device_copy.h"
-#include "base/fd_passing.h"
+#include "client/ring/ring.h"
 #include "wsync/v1/trainer.grpc.pb.h"
 
 namespace wsync::client {
@@ -140,8 +140,8 @@ class TrainerClient {
   // Copies `p`'s regions from `data` (host memory; or device memory of `device`, or this copier's fp8 scratch with
   // `staged`) into the mapped replica.
   absl::Status PlaceHost(const v1::TensorPlacement& p, const void* data, uint64_t bytes);
-  absl::Status PlaceDevice(const v1::TensorPlacement& p, const void* data, uint64_t bytes, int device,
-                           uint64_t stream, bool staged);
+  absl::Status PlaceDevice(const v1::TensorPlacement& p, const void* data, uint64_t bytes, int device, uint64_t stream,
+                           bool staged);
   absl::Status NotePlaced(absl::string_view name, uint64_t bytes);
   // Waits for the device copies, then tells the daemon which tensors landed (CommitPlaced).
   absl::Status CommitPlacedNow();

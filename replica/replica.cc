@@ -55,8 +55,8 @@ class Buffer {
   absl::Status Allocate(uint64_t bytes) {
     size_ = std::max<uint64_t>(kPageSize, (bytes + kPageSize - 1) / kPageSize * kPageSize);
     auto fail = [&](const char* what) {
-      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate a replica buffer of ", bytes, " bytes (",
-                                                       what, "): ", std::strerror(errno)));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate a replica buffer of ", bytes, " bytes (", what, "): ", std::strerror(errno)));
     };
     fd_.reset(static_cast<int>(syscall(SYS_memfd_create, "wsync-replica", MFD_CLOEXEC)));
     if (!fd_.valid()) return fail("memfd_create");
@@ -355,8 +355,8 @@ absl::StatusOr<std::vector<ReadyParam>> ReplicaImpl::LoadImpl(const HfTensor& t,
     Layout& l = layouts_[pl.layout];
     const SliceSource& s = l.plan.sources[pl.source];
     if (copy || s.kind == SliceSource::Kind::kConstant) {
-      WSYNC_RETURN_IF_ERROR_CTX(Place(t, l, s), "loading '", t.name, "' into '",
-                                l.plan.table.params()[s.param].name, "'");
+      WSYNC_RETURN_IF_ERROR_CTX(Place(t, l, s), "loading '", t.name, "' into '", l.plan.table.params()[s.param].name,
+                                "'");
     }
     // acq_rel: the Load completing a param sees every other Load's bytes of it before reporting it ready.
     auto bump = [&](int param) {
@@ -432,8 +432,8 @@ absl::StatusOr<std::vector<PlacedRect>> ReplicaImpl::PlaceRects(absl::string_vie
     // scale parameter, or a parameter of the tensor's dtype).
     if (StoredDType(l, s) != dtype || es == 0) {
       return absl::FailedPreconditionError(absl::StrCat("tensor '", hf_name, "' as ", DTypeName(dtype),
-                                                        " cannot be placed: '", p.name, "' stores ",
-                                                        DTypeName(p.dtype), " (converted on load)"));
+                                                        " cannot be placed: '", p.name, "' stores ", DTypeName(p.dtype),
+                                                        " (converted on load)"));
     }
     const View v = ViewOf(p.shape);
     PlacedRect r;

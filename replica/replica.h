@@ -16,8 +16,9 @@
 //     need no conversion themselves (PlaceRects, ClaimPlaced, MarkPlaced): the replica then only counts arrivals.
 // Threading: BeginUpdate runs alone. Validate, Claim, ClaimPlaced, Load, MarkPlaced and Ingest may be called from
 // several threads at once: different tensors fill disjoint bytes, each parameter's arrivals are counted atomically
-// and exactly one Load or MarkPlaced (the one that completes it) reports it ready, after every byte of it was written (acquire/release on the count), so
-// the caller may send it at once. Buffers may be read (sent) concurrently for parameters already reported ready.
+// and exactly one Load or MarkPlaced (the one that completes it) reports it ready, after every byte of it was written
+// (acquire/release on the count), so the caller may send it at once. Buffers may be read (sent) concurrently for
+// parameters already reported ready.
 
 #include <cstdint>
 #include <memory>

@@ -26,6 +26,8 @@
 //   bench_node --tp 1 --ranks 8 --write-checksums               # one case, with wsyncd's default hashing on
 // Memory: the tensors once, the replica per case, R rings of --ring-mib (enlarged to fit the largest tensor).
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -36,7 +38,6 @@
 #include <future>
 #include <map>
 #include <memory>
-#include <sys/mman.h>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -430,116 +431,116 @@ int main(int argc, char** argv) {
       if (placement != "off") modes.push_back(true);
       double ring_gbps = 0;
       for (const bool place : modes) {
-      double best = 1e30, case_copy_s = 1e30;
-      std::vector<RankLog> best_logs;
-      Clock::time_point best_t0;
-      for (int rep = 1; rep <= reps; ++rep) {
-        const int64_t v = ++version;
-        for (auto& l : logs) l = RankLog();
-        v1::StartUpdateRequest su;
-        su.set_version(v);
-        su.set_plan_epoch(epoch);
-        su.set_no_placement(!place);
-        if (auto st = node.StartUpdate(su); !st.ok()) Die("start update", st);
-        // The baseline again between this case's updates, so both figures of a ratio see the same machine (on a
-        // shared machine the memory bandwidth left over varies from minute to minute).
-        case_copy_s = std::min(case_copy_s, ParallelCopy(scratch.data(), host.data(), total, threads));
-        std::vector<std::future<absl::Status>> pushes;
-        const auto t0 = Clock::now();
-        for (int r = 0; r < R; ++r)
-          pushes.push_back(std::async(std::launch::async, [&, r] {
-            return PushRank(node, sessions[r], *producers[r], place ? maps[r].get() : nullptr, v, tensors, &logs[r],
-                            t0);
-          }));
-        for (auto& p : pushes)
-          if (auto st = p.get(); !st.ok()) Die("push", st);
-        double s = 0;
-        for (const auto& l : logs) s = std::max(s, l.end);
-        v1::FinishUpdateRequest fu;
-        fu.set_version(v);
-        fu.set_plan_epoch(epoch);
-        fu.set_timeout_seconds(600);
-        auto fin = node.FinishUpdate(fu);  // every required parameter was completed and posted, or this fails
-        if (!fin.ok()) Die("finish update", fin.status());
-        if (s < best) {
-          best = s;
-          std::lock_guard<std::mutex> l(log_mu);
-          best_logs = logs;
-          best_t0 = t0;
+        double best = 1e30, case_copy_s = 1e30;
+        std::vector<RankLog> best_logs;
+        Clock::time_point best_t0;
+        for (int rep = 1; rep <= reps; ++rep) {
+          const int64_t v = ++version;
+          for (auto& l : logs) l = RankLog();
+          v1::StartUpdateRequest su;
+          su.set_version(v);
+          su.set_plan_epoch(epoch);
+          su.set_no_placement(!place);
+          if (auto st = node.StartUpdate(su); !st.ok()) Die("start update", st);
+          // The baseline again between this case's updates, so both figures of a ratio see the same machine (on a
+          // shared machine the memory bandwidth left over varies from minute to minute).
+          case_copy_s = std::min(case_copy_s, ParallelCopy(scratch.data(), host.data(), total, threads));
+          std::vector<std::future<absl::Status>> pushes;
+          const auto t0 = Clock::now();
+          for (int r = 0; r < R; ++r)
+            pushes.push_back(std::async(std::launch::async, [&, r] {
+              return PushRank(node, sessions[r], *producers[r], place ? maps[r].get() : nullptr, v, tensors, &logs[r],
+                              t0);
+            }));
+          for (auto& p : pushes)
+            if (auto st = p.get(); !st.ok()) Die("push", st);
+          double s = 0;
+          for (const auto& l : logs) s = std::max(s, l.end);
+          v1::FinishUpdateRequest fu;
+          fu.set_version(v);
+          fu.set_plan_epoch(epoch);
+          fu.set_timeout_seconds(600);
+          auto fin = node.FinishUpdate(fu);  // every required parameter was completed and posted, or this fails
+          if (!fin.ok()) Die("finish update", fin.status());
+          if (s < best) {
+            best = s;
+            std::lock_guard<std::mutex> l(log_mu);
+            best_logs = logs;
+            best_t0 = t0;
+          }
         }
-      }
-      const double gbps = total / best / 1e9, case_copy_gbps = total / case_copy_s / 1e9;
-      uint64_t placed_bytes = 0;
-      for (const auto& l : best_logs) placed_bytes += l.placed_bytes;
-      const bool headline_case = tp == ParseList(tp_list).front() && R == ParseList(ranks_list).back();
-      if (headline_case && !place) headline = gbps, headline_copy = case_copy_gbps;
-      if (headline_case && place) headline_placed = gbps, headline_placed_copy = case_copy_gbps;
-      if (!place) ring_gbps = gbps;
-      std::printf(
-          "TP %d, R %d, %s: %.2f GB in %.3f s = %.2f GB/s, %.2fx the all-core memcpy (%.2f GB/s, between its "
-          "updates)",
-          tp, R, place ? "placement" : "ring", total / 1e9, best, gbps, gbps / case_copy_gbps, case_copy_gbps);
-      if (place)
-        std::printf("; %.0f%% of the bytes placed%s", 100.0 * placed_bytes / total,
-                    ring_gbps > 0 ? absl::StrCat(", placement / ring ", absl::StrFormat("%.2f", gbps / ring_gbps))
-                                        .c_str()
-                                  : "");
-      std::printf("\n");
-      nlohmann::ordered_json ranks_json = nlohmann::ordered_json::array();
-      for (int r = 0; r < R; ++r) {
-        const RankLog& l = best_logs[r];
-        double wait = 0, load = 0, send = 0;
-        for (const auto& b : l.buckets) {
-          wait += absl::ToDoubleSeconds(b.begin - b.got);
-          load += absl::ToDoubleSeconds(b.loaded - b.begin);
-          send += absl::ToDoubleSeconds(b.posted - b.loaded);
+        const double gbps = total / best / 1e9, case_copy_gbps = total / case_copy_s / 1e9;
+        uint64_t placed_bytes = 0;
+        for (const auto& l : best_logs) placed_bytes += l.placed_bytes;
+        const bool headline_case = tp == ParseList(tp_list).front() && R == ParseList(ranks_list).back();
+        if (headline_case && !place) headline = gbps, headline_copy = case_copy_gbps;
+        if (headline_case && place) headline_placed = gbps, headline_placed_copy = case_copy_gbps;
+        if (!place) ring_gbps = gbps;
+        std::printf(
+            "TP %d, R %d, %s: %.2f GB in %.3f s = %.2f GB/s, %.2fx the all-core memcpy (%.2f GB/s, between its "
+            "updates)",
+            tp, R, place ? "placement" : "ring", total / 1e9, best, gbps, gbps / case_copy_gbps, case_copy_gbps);
+        if (place)
+          std::printf("; %.0f%% of the bytes placed%s", 100.0 * placed_bytes / total,
+                      ring_gbps > 0
+                          ? absl::StrCat(", placement / ring ", absl::StrFormat("%.2f", gbps / ring_gbps)).c_str()
+                          : "");
+        std::printf("\n");
+        nlohmann::ordered_json ranks_json = nlohmann::ordered_json::array();
+        for (int r = 0; r < R; ++r) {
+          const RankLog& l = best_logs[r];
+          double wait = 0, load = 0, send = 0;
+          for (const auto& b : l.buckets) {
+            wait += absl::ToDoubleSeconds(b.begin - b.got);
+            load += absl::ToDoubleSeconds(b.loaded - b.begin);
+            send += absl::ToDoubleSeconds(b.posted - b.loaded);
+          }
+          if (timeline)
+            std::printf(
+                "  rank %d: %zu buckets, %.2f GB (%.2f GB placed): hand-over %.3f s, lock wait %.3f s, load %.3f s, "
+                "send %.3f s, placed commits %.3f s, done at %.3f s\n",
+                r, l.buckets.size(), l.bytes / 1e9, l.placed_bytes / 1e9, l.handover, wait, load, send, l.commit_placed,
+                l.end);
+          ranks_json.push_back({{"rank", r},
+                                {"buckets", l.buckets.size()},
+                                {"bytes", l.bytes},
+                                {"placed_bytes", l.placed_bytes},
+                                {"handover_s", l.handover},
+                                {"lock_wait_s", wait},
+                                {"load_s", load},
+                                {"send_s", send},
+                                {"commit_placed_s", l.commit_placed},
+                                {"end_s", l.end}});
         }
-        if (timeline)
-          std::printf(
-              "  rank %d: %zu buckets, %.2f GB (%.2f GB placed): hand-over %.3f s, lock wait %.3f s, load %.3f s, "
-              "send %.3f s, placed commits %.3f s, done at %.3f s\n",
-              r, l.buckets.size(), l.bytes / 1e9, l.placed_bytes / 1e9, l.handover, wait, load, send,
-              l.commit_placed, l.end);
-        ranks_json.push_back({{"rank", r},
-                              {"buckets", l.buckets.size()},
-                              {"bytes", l.bytes},
-                              {"placed_bytes", l.placed_bytes},
-                              {"handover_s", l.handover},
-                              {"lock_wait_s", wait},
-                              {"load_s", load},
-                              {"send_s", send},
-                              {"commit_placed_s", l.commit_placed},
-                              {"end_s", l.end}});
-      }
-      results.push_back({{"tp", tp},
-                         {"ranks", R},
-                         {"placement", place},
-                         {"gbps", gbps},
-                         {"ratio", gbps / case_copy_gbps},
-                         {"memcpy_gbps", case_copy_gbps},
-                         {"placed_bytes", placed_bytes},
-                         {"placement_over_ring", place && ring_gbps > 0 ? gbps / ring_gbps : 0.0},
-                         {"seconds", best},
-                         {"per_rank", ranks_json}});
+        results.push_back({{"tp", tp},
+                           {"ranks", R},
+                           {"placement", place},
+                           {"gbps", gbps},
+                           {"ratio", gbps / case_copy_gbps},
+                           {"memcpy_gbps", case_copy_gbps},
+                           {"placed_bytes", placed_bytes},
+                           {"placement_over_ring", place && ring_gbps > 0 ? gbps / ring_gbps : 0.0},
+                           {"seconds", best},
+                           {"per_rank", ranks_json}});
       }
     }
   }
-  nlohmann::ordered_json j = {{"bench", "source_node_push_host_tensors_vs_all_core_memcpy"},
-                              {"value", headline},
-                              {"baseline", headline_copy},
-                              {"ratio", headline > 0 ? headline / headline_copy : 0.0},
-                              {"placement_value", headline_placed},
-                              {"placement_ratio", headline_placed > 0 ? headline_placed / headline_placed_copy : 0.0},
-                              {"placement_over_ring", headline > 0 && headline_placed > 0 ? headline_placed / headline
-                                                                                          : 0.0},
-                              {"unit", "GB/s"},
-                              {"model", model},
-                              {"layers", cfg->num_layers},
-                              {"bytes", total},
-                              {"write_checksums", write_checksums},
-                              {"memcpy_threads", threads},
-                              {"hardware_threads", std::thread::hardware_concurrency()},
-                              {"results", results}};
+  nlohmann::ordered_json j = {
+      {"bench", "source_node_push_host_tensors_vs_all_core_memcpy"},
+      {"value", headline},
+      {"baseline", headline_copy},
+      {"ratio", headline > 0 ? headline / headline_copy : 0.0},
+      {"placement_value", headline_placed},
+      {"placement_ratio", headline_placed > 0 ? headline_placed / headline_placed_copy : 0.0},
+      {"placement_over_ring", headline > 0 && headline_placed > 0 ? headline_placed / headline : 0.0},
+      {"unit", "GB/s"},
+      {"model", model},
+      {"layers", cfg->num_layers},
+      {"bytes", total},
+      {"write_checksums", write_checksums},
+      {"memcpy_threads", threads},
+      {"hardware_threads", std::thread::hardware_concurrency()},
+      {"results", results}};
   std::printf("%s\n", j.dump().c_str());
   return 0;
 }

@@ -1546,8 +1546,8 @@ absl::StatusOr<v1::CommitPlacedReply> SourceNode::CommitPlaced(const v1::CommitP
                                                         " while no update is open; nothing was written"));
     auto offers = rank_offers_.find(s->local_rank);
     if (req.version() != version) {
-      bad = absl::FailedPreconditionError(absl::StrCat("placement committed for update ", req.version(), " while update ",
-                                                       version, " is open"));
+      bad = absl::FailedPreconditionError(
+          absl::StrCat("placement committed for update ", req.version(), " while update ", version, " is open"));
     } else if (!placement_open_) {
       bad = absl::FailedPreconditionError(absl::StrCat("update ", version, " offers no placements"));
     } else if (req.replica_generation() != replica_generation_) {
@@ -1569,8 +1569,8 @@ absl::StatusOr<v1::CommitPlacedReply> SourceNode::CommitPlaced(const v1::CommitP
         if (it != offers->second.end()) o = &it->second;
       }
       if (o == nullptr) {
-        bad = absl::PermissionDeniedError(absl::StrCat("tensor ", name, " was not offered to trainer rank ",
-                                                       s->local_rank, " for placement"));
+        bad = absl::PermissionDeniedError(
+            absl::StrCat("tensor ", name, " was not offered to trainer rank ", s->local_rank, " for placement"));
         break;
       }
       tensors.push_back(replica::HfTensor{name, o->dtype, o->shape, nullptr, o->bytes});
@@ -1581,8 +1581,8 @@ absl::StatusOr<v1::CommitPlacedReply> SourceNode::CommitPlaced(const v1::CommitP
   if (bad.ok() && !tensors.empty()) bad = replica_->ClaimPlaced(tensors);
   if (!bad.ok()) {
     std::lock_guard<std::mutex> l(mu_);
-    absl::Status err = Annotate(bad, absl::StrCat("placement of update ", req.version(),
-                                                  " refused, nothing from it was written"));
+    absl::Status err =
+        Annotate(bad, absl::StrCat("placement of update ", req.version(), " refused, nothing from it was written"));
     if (update_error_.ok() && version_ != -1) update_error_ = err;
     spdlog::error("{}", err.ToString());
     metrics_.Add("wsync_source_placements_total", {{"result", "rejected"}}, 1);

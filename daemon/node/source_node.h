@@ -260,7 +260,8 @@ class SourceNode {
   // Decides, per local rank, which of the tensors it pushes whole (`rank_push`) may be placed: those whose every
   // read in `replica` is a byte copy of the dtype they are stored as, plus `_scale_inv` of the ones `fp8` lists
   // (pushed by a rank that quantized them). Pure.
-  static RankOffers PlanPlacements(const replica::Replica& replica, const std::map<int, std::vector<std::string>>& rank_push,
+  static RankOffers PlanPlacements(const replica::Replica& replica,
+                                   const std::map<int, std::vector<std::string>>& rank_push,
                                    const v1::Fp8PushHint& fp8);
   static absl::StatusOr<BucketView> WaitForBucket(RingConsumer& ring, absl::Duration timeout,
                                                   const CancelFn& cancelled);

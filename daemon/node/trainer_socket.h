@@ -8,13 +8,13 @@
 // and gets back one frame carrying the ring's memfd (SCM_RIGHTS):
 //   {"type": "opened", "ok": true, "session_id": "<32 hex>", "ring_bytes": N, "num_local_ranks": K,
 //    "rpc": "unix:<path>.rpc"}
-// or, without a descriptor, {"type": "opened", "ok": false, "error": "..."}. A rank that places tensors straight into
-// the replica (zero-copy placement) opens another connection and sends
-//   {"type": "replica", "protocol": 1, "session_id": "<its session id>"}
-// and gets {"type": "replica", "ok": true, "replica_generation": G, "replica_bytes": [...]} with one memfd per
-// replica layout (kMaxFdsPerFrame at most), after which the daemon closes that connection. The rank keeps the connection open for
+// or, without a descriptor, {"type": "opened", "ok": false, "error": "..."}. The rank keeps the connection open for
 // the session's life: its end (process exit included) marks the session dead. The session id authorizes the rank's
 // TrainerIngest calls on the gRPC server at "rpc" (a Unix socket too; the TCP listener does not serve them).
+// A rank that places tensors straight into the replica (zero-copy placement) opens another connection and sends
+//   {"type": "replica", "protocol": 1, "session_id": "<its session id>"}
+// and gets {"type": "replica", "ok": true, "replica_generation": G, "replica_bytes": [...]} with one memfd per
+// replica layout (kMaxFdsPerFrame at most), after which the daemon closes that connection.
 //
 // Threads: one loop thread polls the listener and every connection; a hello must arrive within a few seconds.
 

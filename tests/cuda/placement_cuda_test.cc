@@ -37,13 +37,13 @@ int failures = 0;
     }                                    \
   } while (0)
 
-#define MUST(expr)                                                                      \
-  do {                                                                                  \
-    const absl::Status must_ = (expr);                                                  \
-    if (!must_.ok()) {                                                                  \
-      std::printf("FAIL: %s: %s\n", #expr, std::string(must_.message()).c_str());       \
-      std::exit(1);                                                                     \
-    }                                                                                   \
+#define MUST(expr)                                                                \
+  do {                                                                            \
+    const absl::Status must_ = (expr);                                            \
+    if (!must_.ok()) {                                                            \
+      std::printf("FAIL: %s: %s\n", #expr, std::string(must_.message()).c_str()); \
+      std::exit(1);                                                               \
+    }                                                                             \
   } while (0)
 
 std::vector<uint8_t> RandomBytes(const TensorSpec& s, uint32_t seed) {
@@ -144,8 +144,7 @@ void Run(client::DeviceCopier& copier, const ModelConfig& c, const char* mode, b
       MUST((*placed)->ClaimPlaced({t}));
       MUST((*placed)->MarkPlaced(t).status());
     }
-    CHECK(pending.size() > list->size() / 2, "%s: only %zu of %zu tensors placed", mode, pending.size(),
-          list->size());
+    CHECK(pending.size() > list->size() / 2, "%s: only %zu of %zu tensors placed", mode, pending.size(), list->size());
     CHECK((*loaded)->FinishUpdate().ok(), "%s: reference incomplete", mode);
     const absl::Status fin = (*placed)->FinishUpdate();
     CHECK(fin.ok(), "%s: placed replica incomplete: %s", mode, std::string(fin.message()).c_str());
@@ -155,8 +154,8 @@ void Run(client::DeviceCopier& copier, const ModelConfig& c, const char* mode, b
       for (size_t i = 0; i < want[l].size(); ++i) diff += want[l][i] != got[l][i];
       CHECK(diff == 0, "%s round %d layout %zu: %zu bytes differ from Load's", mode, round, l, diff);
     }
-    std::printf("%s, round %d: %zu of %zu tensors placed from device memory, bit-exact\n", mode, round,
-                pending.size(), list->size());
+    std::printf("%s, round %d: %zu of %zu tensors placed from device memory, bit-exact\n", mode, round, pending.size(),
+                list->size());
     for (void* d : device) cudaFree(d);
   }
   MUST(copier.Drain());

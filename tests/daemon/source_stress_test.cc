@@ -14,6 +14,8 @@
 // rank, one never offered, a second commit, another update's, a stale replica) fail the update, name the tensor and
 // leave every parameter reading it unwritten in every engine.
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
@@ -27,7 +29,6 @@
 #include <set>
 #include <sstream>
 #include <string>
-#include <sys/mman.h>
 #include <thread>
 #include <vector>
 
@@ -36,14 +37,14 @@
 #include "base/tensor_slice.h"
 #include "client/ring/ring.h"
 #include "client/trainer_client.h"
+#include "daemon/common/convert.h"
 #include "daemon/common/serve.h"
 #include "daemon/node/node_services.h"
-#include "daemon/node/trainer_socket.h"
-#include "daemon/common/convert.h"
 #include "daemon/node/source_node.h"
-#include "tests/daemon/null_source.h"
+#include "daemon/node/trainer_socket.h"
 #include "replica/model_config.h"
 #include "replica/param_table.h"
+#include "tests/daemon/null_source.h"
 #include "tools/testdata/weight_gen.h"
 #include "tools/testing/engine_ref/ref_model.h"
 #include "transport/transport.h"
@@ -657,8 +658,9 @@ TEST_CASE("placement: ring pushes, slices and placements of eight ranks mixed in
   }
 }
 
-TEST_CASE("placement: a commit the daemon did not offer, a repeat, another update's or a stale replica's is refused "
-          "and nothing of it reaches an engine") {
+TEST_CASE(
+    "placement: a commit the daemon did not offer, a repeat, another update's or a stale replica's is refused "
+    "and nothing of it reaches an engine") {
   Harness h(nullptr, /*slices=*/false);
   REQUIRE(h.Start(1).ok());
   REQUIRE(h.PushAll(1, nullptr, kAllRanks).empty());
@@ -757,7 +759,7 @@ TEST_CASE("placement: a commit the daemon did not offer, a repeat, another updat
   for (const auto& e : h.engines) {
     const std::string qkv = absl::StrCat("tp", e.tp, "/", e.rank, ":model.layers.1.self_attn.qkv_proj.weight");
     CHECK(std::count(stale.begin(), stale.end(), qkv) == 1);  // never written in update 2 ...
-    CHECK(not_one.count(qkv) == 0);                          // ... still update 1's bytes
+    CHECK(not_one.count(qkv) == 0);                           // ... still update 1's bytes
   }
 }
 

@@ -1,13 +1,12 @@
 #include "replica/replica.h"
 
-#include <catch2/catch.hpp>
+#include <sys/mman.h>
 
+#include <catch2/catch.hpp>
 #include <cstring>
 #include <map>
 #include <random>
 #include <set>
-
-#include <sys/mman.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -403,8 +402,8 @@ TEST_CASE("placement: bytes copied into a shared mapping by PlaceRects equal Loa
       for (const PlacedRect& pr : *rects) {
         REQUIRE(pr.offset + (pr.rows - 1) * pr.pitch + pr.row_bytes <= maps[pr.layout].second);
         for (int64_t i = 0; i < pr.rows; ++i)
-          std::memcpy(maps[pr.layout].first + pr.offset + i * pr.pitch, t.data.data() + pr.src_offset + i * pr.src_pitch,
-                      pr.row_bytes);
+          std::memcpy(maps[pr.layout].first + pr.offset + i * pr.pitch,
+                      t.data.data() + pr.src_offset + i * pr.src_pitch, pr.row_bytes);
       }
       HfTensor v = t.view();
       v.data = nullptr;  // the replica must not need the bytes
@@ -425,9 +424,8 @@ TEST_CASE("placement: bytes copied into a shared mapping by PlaceRects equal Loa
   }
 
   // A tensor that converts cannot be placed: a bf16 weight of an FP8 layout is quantized on load.
-  const TensorSpec& w = *std::find_if(list->begin(), list->end(), [](const TensorSpec& s) {
-    return s.dtype == DType::kF8E4M3;
-  });
+  const TensorSpec& w =
+      *std::find_if(list->begin(), list->end(), [](const TensorSpec& s) { return s.dtype == DType::kF8E4M3; });
   auto bf16 = (*placed)->PlaceRects(w.name, DType::kBF16);
   CHECK(bf16.status().code() == absl::StatusCode::kFailedPrecondition);
   (*placed)->BeginUpdate();
