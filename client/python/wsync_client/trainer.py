@@ -451,8 +451,10 @@ class Trainer:
                     dst = torch.frombuffer(self._maps[r.layout], dtype=torch.uint8)
                     # One copy per region: host memcpy, or torch's device-to-host copy for a CUDA tensor (synchronous,
                     # so it has landed before the commit).
+                    # as_strided's offset counts from the storage's start, not the view's (a row slice of a fused
+                    # tensor is a contiguous view into the middle of its storage).
                     dst.as_strided((r.rows, r.row_bytes), (r.pitch, 1), r.offset).copy_(
-                        src.as_strided((r.rows, r.row_bytes), (r.src_pitch, 1), r.src_offset))
+                        src.as_strided((r.rows, r.row_bytes), (r.src_pitch, 1), src.storage_offset() + r.src_offset))
         else:
             import numpy as np
             from numpy.lib.stride_tricks import as_strided
