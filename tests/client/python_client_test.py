@@ -361,28 +361,42 @@ def run(args, cluster, deadline):
                   "begin_push with no open update: %.2f s: %s" % (took, e))
         trainer.timeout = 60.0
 
-        coord.begin_update(version)
-        names = trainer.begin_push(version)
-        check(sorted(names) == sorted(specs), "push filter names every checkpoint tensor (%d)" % len(names))
-        for k, name in enumerate(names):
-            bits = generate_bf16(name, version, specs[name])
-            if k % 3 == 0:
-                trainer.push(name, bits, dtype="bfloat16")
-            elif k % 3 == 1:
-                trainer.push(name, bits.view(np.uint16), dtype="bf16")  # alias spelling
+        # Through the ring (placement off), then the same pushes copied straight into the replica (zero-copy
+        # placement, docs/operations.md: every tensor of this bf16 model is offered): both verified by the engine.
+        for placement in (False, True):
+            if placement:
+                version += 1
+            trainer.placement = placement
+            coord.begin_update(version)
+            names = trainer.begin_push(version)
+            check(sorted(names) == sorted(specs), "push filter names every checkpoint tensor (%d)" % len(names))
+            for k, name in enumerate(names):
+                bits = generate_bf16(name, version, specs[name])
+                if k % 3 == 0:
+                    trainer.push(name, bits, dtype="bfloat16")
+                elif k % 3 == 1:
+                    trainer.push(name, bits.view(np.uint16), dtype="bf16")  # alias spelling
+                else:
+                    trainer.push(name, np.asfortranarray(bits), dtype="bfloat16")  # non-contiguous source
+            trainer.end_push(version)
+            stats = trainer.stats()
+            want_bytes = sum(2 * int(np.prod(s)) for s in specs.values())
+            if placement:
+                check(stats["tensors"] == len(specs) and stats["bytes"] == want_bytes
+                      and stats["placed"] == len(specs) and stats["buckets"] == 0,
+                      "placement: %d tensors / %d bytes, %d placed, %d buckets"
+                      % (stats["tensors"], stats["bytes"], stats["placed"], stats["buckets"]))
             else:
-                trainer.push(name, np.asfortranarray(bits), dtype="bfloat16")  # non-contiguous source
-        trainer.end_push(version)
-        stats = trainer.stats()
-        want_bytes = sum(2 * int(np.prod(s)) for s in specs.values())
-        check(stats["tensors"] == len(specs) and stats["bytes"] == want_bytes and stats["buckets"] >= 7,
-              "stats count %d tensors / %d bytes in %d buckets" % (stats["tensors"], stats["bytes"], stats["buckets"]))
-        rec = coord.commit_update(version, timeout=max(5.0, deadline - time.monotonic() - 30))
-        check(rec.get("success") is True, "update %d committed: %s" % (version, rec.get("error") or "success"))
-        check(rec.get("version") == version and rec.get("engine_ranks") == 2 and rec.get("bytes", 0) > 0,
-              "record has version %s, %s engine ranks, %s bytes" % (rec.get("version"), rec.get("engine_ranks"),
-                                                                   rec.get("bytes")))
-        verify(version)
+                check(stats["tensors"] == len(specs) and stats["bytes"] == want_bytes and stats["buckets"] >= 7
+                      and stats["placed"] == 0,
+                      "stats count %d tensors / %d bytes in %d buckets"
+                      % (stats["tensors"], stats["bytes"], stats["buckets"]))
+            rec = coord.commit_update(version, timeout=max(5.0, deadline - time.monotonic() - 30))
+            check(rec.get("success") is True, "update %d committed: %s" % (version, rec.get("error") or "success"))
+            check(rec.get("version") == version and rec.get("engine_ranks") == 2 and rec.get("bytes", 0) > 0,
+                  "record has version %s, %s engine ranks, %s bytes" % (rec.get("version"), rec.get("engine_ranks"),
+                                                                       rec.get("bytes")))
+            verify(version)
 
         try:
             trainer.push("model.norm.weight", np.zeros(specs["model.norm.weight"], np.uint16))
@@ -449,15 +463,18 @@ def run(args, cluster, deadline):
         verify(good)
         check(str(coord.resume_engines().get("version")) == str(good), "resume allowed after a successful update")
 
-        # Two more updates through push_update over a generator: by now the 1 MiB ring has wrapped.
-        for extra in (good + 1, good + 2):
+        # Three more updates through push_update over a generator, through the ring (placement off): by now the 1 MiB
+        # ring has wrapped.
+        trainer.placement = False
+        for extra in (good + 1, good + 2, good + 3):
             with coord.update(extra):
                 trainer.push_update(extra, ((n, generate_bf16(n, extra, specs[n])) for n in specs), dtype="bfloat16")
             verify(extra)
         check(trainer._ring._write > trainer._ring.capacity, "the ring wrapped: position %d, capacity %d"
               % (trainer._ring._write, trainer._ring.capacity))
 
-        run_torch(args, cluster, coord, trainer, specs, good + 3, verify, coord_addr)
+        trainer.placement = True
+        run_torch(args, cluster, coord, trainer, specs, good + 4, verify, coord_addr)
 
 
 def torch_module(tensors):
