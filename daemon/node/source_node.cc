@@ -1527,55 +1527,61 @@ absl::StatusOr<SourceNode::ReplicaHandles> SourceNode::ReplicaFds(const std::str
   return out;
 }
 
+absl::Status SourceNode::CheckPlaced(const v1::CommitPlacedRequest& req, int64_t* version,
+                                     std::vector<replica::HfTensor>* tensors, uint64_t* bytes, absl::Status* refusal) {
+  absl::Status& bad = *refusal;
+  Session* s = FindSession(req.session_id());
+  if (s == nullptr) return UnknownSession();
+  *version = version_;
+  if (*version == -1)
+    return absl::FailedPreconditionError(absl::StrCat("placement committed for update ", req.version(),
+                                                      " while no update is open; nothing was written"));
+  auto offers = rank_offers_.find(s->local_rank);
+  if (req.version() != *version) {
+    bad = absl::FailedPreconditionError(
+        absl::StrCat("placement committed for update ", req.version(), " while update ", *version, " is open"));
+  } else if (!placement_open_) {
+    bad = absl::FailedPreconditionError(absl::StrCat("update ", *version, " offers no placements"));
+  } else if (req.replica_generation() != replica_generation_) {
+    bad = absl::FailedPreconditionError(absl::StrCat("placement committed for replica generation ",
+                                                     req.replica_generation(), ", but the replica in use is ",
+                                                     replica_generation_, " (reconfigured: map it again)"));
+  } else if (ended_ranks_.count(s->local_rank)) {
+    bad = absl::FailedPreconditionError(absl::StrCat("trainer rank ", s->local_rank, " already ended its push"));
+  }
+  if (!bad.ok()) {
+    std::vector<std::string> some(req.names().begin(), req.names().begin() + std::min(req.names_size(), 5));
+    bad = Annotate(bad, absl::StrCat("placing ", absl::StrJoin(some, ", "), req.names_size() > 5 ? ", ..." : ""));
+  }
+  for (const std::string& name : req.names()) {
+    if (!bad.ok()) break;
+    const Offer* o = nullptr;
+    if (offers != rank_offers_.end()) {
+      auto it = offers->second.find(name);
+      if (it != offers->second.end()) o = &it->second;
+    }
+    if (o == nullptr) {
+      bad = absl::PermissionDeniedError(
+          absl::StrCat("tensor ", name, " was not offered to trainer rank ", s->local_rank, " for placement"));
+      break;
+    }
+    tensors->push_back(replica::HfTensor{name, o->dtype, o->shape, nullptr, o->bytes});
+    *bytes += o->bytes;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::CommitPlacedReply> SourceNode::CommitPlaced(const v1::CommitPlacedRequest& req) {
   // Buckets and placements of all ranks run beside each other (shared); StartUpdate, Configure and the drains wait.
   std::shared_lock<std::shared_mutex> ingest(ingest_mu_);
   const absl::Time begin = absl::Now();
-  int64_t version;
+  int64_t version = -1;
   std::vector<replica::HfTensor> tensors;
   uint64_t bytes = 0;
-  // Refusals of what the rank cannot have been offered (the offers are fixed while the ingest lock is held).
-  absl::Status bad;
+  absl::Status bad;  // a refusal: fails the update
   {
     std::lock_guard<std::mutex> l(mu_);
-    Session* s = FindSession(req.session_id());
-    if (s == nullptr) return UnknownSession();
-    version = version_;
-    if (version == -1)
-      return absl::FailedPreconditionError(absl::StrCat("placement committed for update ", req.version(),
-                                                        " while no update is open; nothing was written"));
-    auto offers = rank_offers_.find(s->local_rank);
-    if (req.version() != version) {
-      bad = absl::FailedPreconditionError(
-          absl::StrCat("placement committed for update ", req.version(), " while update ", version, " is open"));
-    } else if (!placement_open_) {
-      bad = absl::FailedPreconditionError(absl::StrCat("update ", version, " offers no placements"));
-    } else if (req.replica_generation() != replica_generation_) {
-      bad = absl::FailedPreconditionError(absl::StrCat("placement committed for replica generation ",
-                                                       req.replica_generation(), ", but the replica in use is ",
-                                                       replica_generation_, " (reconfigured: map it again)"));
-    } else if (ended_ranks_.count(s->local_rank)) {
-      bad = absl::FailedPreconditionError(absl::StrCat("trainer rank ", s->local_rank, " already ended its push"));
-    }
-    if (!bad.ok()) {
-      std::vector<std::string> some(req.names().begin(), req.names().begin() + std::min(req.names_size(), 5));
-      bad = Annotate(bad, absl::StrCat("placing ", absl::StrJoin(some, ", "), req.names_size() > 5 ? ", ..." : ""));
-    }
-    for (const std::string& name : req.names()) {
-      if (!bad.ok()) break;
-      const Offer* o = nullptr;
-      if (offers != rank_offers_.end()) {
-        auto it = offers->second.find(name);
-        if (it != offers->second.end()) o = &it->second;
-      }
-      if (o == nullptr) {
-        bad = absl::PermissionDeniedError(
-            absl::StrCat("tensor ", name, " was not offered to trainer rank ", s->local_rank, " for placement"));
-        break;
-      }
-      tensors.push_back(replica::HfTensor{name, o->dtype, o->shape, nullptr, o->bytes});
-      bytes += o->bytes;
-    }
+    WSYNC_RETURN_IF_ERROR(CheckPlaced(req, &version, &tensors, &bytes, &bad));
   }
   // Claimed all or none, against every bucket's and placement's claims of this update: a tensor arrives once.
   if (bad.ok() && !tensors.empty()) bad = replica_->ClaimPlaced(tensors);

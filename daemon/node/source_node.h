@@ -257,6 +257,12 @@ class SourceNode {
     v1::TensorPlacement proto;
   };
   using RankOffers = std::map<int, std::map<std::string, Offer>>;
+  // CommitPlaced's checks (requires mu_; the offers are fixed while the caller holds ingest_mu_): an error for a
+  // call that cannot concern the open update (unknown session, no update open), else the update's version and, in
+  // `tensors` (viewing `req` and the offers), what the rank may claim, or in `refusal` why the commit is refused
+  // (another update, a replaced replica, placement off, the rank ended its push, a tensor not offered to it).
+  absl::Status CheckPlaced(const v1::CommitPlacedRequest& req, int64_t* version,
+                           std::vector<replica::HfTensor>* tensors, uint64_t* bytes, absl::Status* refusal);
   // Decides, per local rank, which of the tensors it pushes whole (`rank_push`) may be placed: those whose every
   // read in `replica` is a byte copy of the dtype they are stored as, plus `_scale_inv` of the ones `fp8` lists
   // (pushed by a rank that quantized them). Pure.
