@@ -53,6 +53,18 @@ class DeviceCopier {
   // everything queued on this copier's stream.
   virtual absl::Status CopyStagedAsync(absl::string_view name, uint8_t* dst, const void* staged, uint64_t bytes,
                                        int device) = 0;
+  // Zero-copy placement: page-locks [addr, addr + bytes) (the trainer's mapping of a replica layout buffer) as a
+  // further destination of Copy2DAsync, once per mapping; UnregisterDestination (after a Drain) or the copier's
+  // destruction releases it. `what` is for errors.
+  virtual absl::Status RegisterDestination(void* addr, uint64_t bytes, const std::string& what) = 0;
+  virtual void UnregisterDestination(void* addr) = 0;
+  // Queues a 2-D device-to-host copy (cudaMemcpy2DAsync): `rows` rows of `row_bytes` bytes from `src` (row pitch
+  // `src_pitch`) to `dst` (row pitch `dst_pitch`), which must lie inside a registered destination. `src` is a checked
+  // device pointer of `device` ordered after the work queued so far on `producer_stream`, or, with `staged`, bytes
+  // of this copier's fp8 scratch (from QuantizeFp8Async; ordered on the copier's stream, producer_stream unused).
+  virtual absl::Status Copy2DAsync(absl::string_view name, uint8_t* dst, uint64_t dst_pitch, const void* src,
+                                   uint64_t src_pitch, uint64_t row_bytes, int64_t rows, int device,
+                                   uint64_t producer_stream, bool staged) = 0;
   // Waits until every queued copy has landed; the first asynchronous error otherwise.
   virtual absl::Status Drain() = 0;
   // Copies queued since creation, and the time the ring's registration took.

@@ -31,6 +31,54 @@ class CudaCopier final : public DeviceCopier {
     }
     if (cudaError_t e = cudaHostUnregister(ring_); e != cudaSuccess)
       spdlog::warn("ring {}: cudaHostUnregister: {}", name_, cudaGetErrorString(e));
+    while (!destinations_.empty()) UnregisterDestination(destinations_.begin()->first);
+  }
+
+  absl::Status RegisterDestination(void* addr, uint64_t bytes, const std::string& what) override {
+    if (destinations_.count(addr)) return absl::OkStatus();
+    const absl::Time t0 = absl::Now();
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaHostRegister(addr, bytes, cudaHostRegisterPortable),
+                               absl::StrCat("page-locking ", what, " (", bytes, " bytes; raise RLIMIT_MEMLOCK)"));
+    spdlog::info("{}: {} MiB page-locked for CUDA placement in {:.3f}s (once per replica)", what, bytes >> 20,
+                 absl::ToDoubleSeconds(absl::Now() - t0));
+    destinations_[addr] = Destination{bytes, what};
+    return absl::OkStatus();
+  }
+
+  void UnregisterDestination(void* addr) override {
+    auto it = destinations_.find(addr);
+    if (it == destinations_.end()) return;
+    if (cudaError_t e = cudaHostUnregister(addr); e != cudaSuccess)
+      spdlog::warn("{}: cudaHostUnregister: {}", it->second.what, cudaGetErrorString(e));
+    destinations_.erase(it);
+  }
+
+  absl::Status Copy2DAsync(absl::string_view name, uint8_t* dst, uint64_t dst_pitch, const void* src,
+                           uint64_t src_pitch, uint64_t row_bytes, int64_t rows, int device, uint64_t producer_stream,
+                           bool staged) override {
+    const std::string what = absl::StrCat("tensor ", name, ": ", rows, " rows of ", row_bytes,
+                                          " bytes from cuda:", device, " into the replica");
+    if (rows <= 0 || row_bytes == 0) return absl::OkStatus();
+    const uint64_t span = static_cast<uint64_t>(rows - 1) * dst_pitch + row_bytes;
+    bool inside = false;
+    for (const auto& [addr, d] : destinations_) {
+      const auto* base = static_cast<const uint8_t*>(addr);
+      inside |= dst >= base && span <= d.bytes && dst + span <= base + d.bytes;
+    }
+    if (!inside)
+      return absl::InternalError(absl::StrCat(what, ": the destination lies outside the registered replica"));
+    WSYNC_ASSIGN_OR_RETURN(Queue * q, QueueFor(device, what));
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), what);
+    if (!staged) {
+      WSYNC_CUDA_RETURN_IF_ERROR(cudaEventRecord(q->ready, reinterpret_cast<cudaStream_t>(producer_stream)), what);
+      WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(q->stream, q->ready, 0), what);
+    }
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, static_cast<size_t>(rows),
+                                                 cudaMemcpyDeviceToHost, q->stream),
+                               what);
+    q->pending = true;
+    ++copies_;
+    return absl::OkStatus();
   }
 
   absl::Status Check(absl::string_view name, const void* src, uint64_t bytes, int device) override {
@@ -165,8 +213,14 @@ class CudaCopier final : public DeviceCopier {
     return &queues_.emplace(device, q).first->second;
   }
 
+  struct Destination {
+    uint64_t bytes = 0;
+    std::string what;
+  };
+
   void* ring_;
   uint64_t bytes_;
+  std::map<void*, Destination> destinations_;  // registered replica mappings (placement)
   std::string name_;
   double reg_s_;
   uint64_t copies_ = 0, quantized_ = 0;

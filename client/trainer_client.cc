@@ -1,16 +1,15 @@
 #include "client/trainer_client.h"
 
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-
 #include <cstring>
-
-#include <google/protobuf/util/json_util.h>
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/checked_size.h"
@@ -137,7 +136,9 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const Trai
 
 TrainerClient::~TrainerClient() {
   if (in_flight_.valid()) in_flight_.wait();
-  device_.reset();  // waits for its copies, then unregisters the ring
+  device_.reset();  // waits for its copies, then unregisters the ring (and the replica mapping)
+  replica_registered_ = false;
+  UnmapReplica();
   if (!stub_ || session_id_.empty()) return;
   ring_.reset();
   v1::CloseSessionRequest req;
@@ -171,6 +172,13 @@ absl::StatusOr<std::vector<std::string>> TrainerClient::BeginPush(int64_t versio
   expected_ = rep.expected();
   fp8_names_.clear();
   fp8_names_.insert(fp8_hint_.tensor_names().begin(), fp8_hint_.tensor_names().end());
+  version_ = version;
+  placements_.clear();
+  placed_pending_.clear();
+  placed_pending_bytes_ = 0;
+  placement_generation_ = rep.replica_generation();
+  if (opts_.placement)
+    for (const auto& p : rep.placements()) placements_[p.name()] = p;
   return std::vector<std::string>(rep.tensor_names().begin(), rep.tensor_names().end());
 }
 
@@ -213,6 +221,10 @@ absl::Status TrainerClient::PushDevice(absl::string_view name, DType dtype, absl
     WSYNC_ASSIGN_OR_RETURN(device_, DeviceCopier::Create(ring_->data_area(), ring_->capacity(), ring_->name()));
   }
   WSYNC_RETURN_IF_ERROR(device_->Check(name, data, bytes, device));
+  if (const v1::TensorPlacement* p = PlacementFor(name, dtype, shape, bytes); p != nullptr) {
+    WSYNC_RETURN_IF_ERROR(PlaceDevice(*p, data, bytes, device, stream, false));
+    return NotePlaced(name, bytes);
+  }
   if (opts_.gpu_fp8 && shape.size() == 2 && (dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF32) &&
       fp8_names_.contains(name))
     return PushDeviceFp8(name, dtype, shape, data, bytes, device, stream);
@@ -235,6 +247,18 @@ absl::Status TrainerClient::PushDeviceFp8(absl::string_view name, DType dtype, a
   const int64_t scale_shape[2] = {(shape[0] + fp8_hint_.block_n() - 1) / fp8_hint_.block_n(),
                                   (shape[1] + fp8_hint_.block_k() - 1) / fp8_hint_.block_k()};
   const std::string scale_name = absl::StrCat(name, "_scale_inv");
+  const v1::TensorPlacement* codes_at = PlacementFor(name, DType::kF8E4M3, shape, staged.code_bytes);
+  const v1::TensorPlacement* scales_at = PlacementFor(scale_name, DType::kF32, scale_shape, staged.scale_bytes);
+  if (codes_at != nullptr && scales_at != nullptr) {
+    // Both halves straight from the scratch into their replica slots, on the copier's stream after the quantizer.
+    WSYNC_RETURN_IF_ERROR(PlaceDevice(*codes_at, staged.codes, staged.code_bytes, device, 0, true));
+    WSYNC_RETURN_IF_ERROR(PlaceDevice(*scales_at, staged.scales, staged.scale_bytes, device, 0, true));
+    WSYNC_RETURN_IF_ERROR(NotePlaced(name, staged.code_bytes));
+    WSYNC_RETURN_IF_ERROR(NotePlaced(scale_name, staged.scale_bytes));
+    --stats_.tensors;
+    ++stats_.fp8_quantized;
+    return absl::OkStatus();
+  }
   WSYNC_RETURN_IF_ERROR(PushImpl(name, DType::kF8E4M3, shape, staged.code_bytes, [&](uint8_t* dst) {
     return device_->CopyStagedAsync(name, dst, staged.codes, staged.code_bytes, device);
   }));
@@ -276,6 +300,10 @@ absl::Status TrainerClient::PushImpl(absl::string_view name, DType dtype, absl::
 
 absl::Status TrainerClient::Push(absl::string_view name, DType dtype, absl::Span<const int64_t> shape,
                                  const void* data, uint64_t bytes) {
+  if (const v1::TensorPlacement* p = PlacementFor(name, dtype, shape, bytes); p != nullptr) {
+    WSYNC_RETURN_IF_ERROR(PlaceHost(*p, data, bytes));
+    return NotePlaced(name, bytes);
+  }
   return PushWith(name, dtype, shape, bytes, [&](uint8_t* dst) { std::memcpy(dst, data, bytes); });
 }
 
@@ -311,7 +339,170 @@ absl::Status TrainerClient::PushSliceDevice(absl::string_view name, DType dtype,
 
 absl::Status TrainerClient::Flush() {
   WSYNC_RETURN_IF_ERROR(CommitAsync());
-  return WaitInFlight();
+  WSYNC_RETURN_IF_ERROR(WaitInFlight());
+  return CommitPlacedNow();
+}
+
+const v1::TensorPlacement* TrainerClient::PlacementFor(absl::string_view name, DType dtype,
+                                                       absl::Span<const int64_t> shape, uint64_t bytes) const {
+  if (!opts_.placement) return nullptr;
+  auto it = placements_.find(name);
+  if (it == placements_.end()) return nullptr;
+  const v1::TensorPlacement& p = it->second;
+  if (p.dtype() != DTypeName(dtype) || !std::equal(shape.begin(), shape.end(), p.shape().begin(), p.shape().end()))
+    return nullptr;
+  absl::StatusOr<uint64_t> want = ShapeBytes(shape, dtype, "tensor");
+  if (!want.ok() || *want != bytes) return nullptr;
+  return &p;
+}
+
+void TrainerClient::UnmapReplica() {
+  if (replica_registered_ && device_ != nullptr) {
+    (void)device_->Drain();
+    for (const MappedLayout& m : replica_) device_->UnregisterDestination(m.addr);
+  }
+  replica_registered_ = false;
+  for (const MappedLayout& m : replica_) munmap(m.addr, m.bytes);
+  replica_.clear();
+  mapped_generation_ = 0;
+}
+
+absl::Status TrainerClient::MapReplica() {
+  if (!replica_.empty() && mapped_generation_ == placement_generation_) return absl::OkStatus();
+  UnmapReplica();
+  const absl::Time deadline = absl::Now() + opts_.connect_timeout;
+  WSYNC_ASSIGN_OR_RETURN(ScopedFd sock, ConnectTrainerSocket(opts_.daemon, deadline, opts_.connect_timeout));
+  timeval tv = absl::ToTimeval(opts_.connect_timeout);
+  setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(sock.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  v1::TrainerHello hello;
+  hello.set_type("replica");
+  hello.set_protocol(1);
+  hello.set_local_rank(opts_.local_rank);
+  hello.set_session_id(session_id_);
+  std::string text;
+  google::protobuf::util::JsonPrintOptions po;
+  po.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(hello, &text, po);
+  WSYNC_RETURN_IF_ERROR_CTX(SendFds(sock.get(), {}, text), "asking for the replica's buffers");
+  WSYNC_ASSIGN_OR_RETURN(ReceivedFds frame, ReceiveFds(sock.get(), 64 * 1024));
+  v1::TrainerOpened answer;
+  google::protobuf::util::JsonParseOptions jo;
+  jo.ignore_unknown_fields = true;
+  if (!google::protobuf::util::JsonStringToMessage(frame.message, &answer, jo).ok())
+    return absl::DataLossError(absl::StrCat("trainer socket: malformed replica answer: ", frame.message));
+  if (!answer.ok())
+    return absl::FailedPreconditionError(absl::StrCat("wsyncd refused the replica's buffers: ", answer.error()));
+  if (answer.replica_generation() != placement_generation_ ||
+      frame.fds.size() != static_cast<size_t>(answer.replica_bytes_size()))
+    return absl::FailedPreconditionError(
+        absl::StrCat("the replica changed since BeginPush (generation ", answer.replica_generation(), ", offered ",
+                     placement_generation_, ") or the answer is malformed (", frame.fds.size(), " descriptors)"));
+  for (size_t i = 0; i < frame.fds.size(); ++i) {
+    const uint64_t n = answer.replica_bytes(static_cast<int>(i));
+    void* a = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, frame.fds[i].get(), 0);
+    if (a == MAP_FAILED) {
+      const int err = errno;
+      UnmapReplica();
+      return absl::ErrnoToStatus(err, absl::StrCat("mapping replica layout ", i, " (", n, " bytes)"));
+    }
+    replica_.push_back({static_cast<uint8_t*>(a), n});
+  }
+  mapped_generation_ = placement_generation_;
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Whether every region of `p` lies inside the mapped layouts and the tensor of `bytes` bytes: the daemon's offsets
+// are trusted only as far as this process's own memory goes.
+absl::Status CheckRegions(const v1::TensorPlacement& p, uint64_t bytes, const std::vector<uint64_t>& layout_bytes) {
+  for (const auto& r : p.regions()) {
+    if (r.rows() <= 0 || r.row_bytes() == 0) continue;
+    const uint64_t last = static_cast<uint64_t>(r.rows() - 1);
+    const bool ok = r.layout() >= 0 && static_cast<size_t>(r.layout()) < layout_bytes.size() &&
+                    (r.rows() == 1 || (r.row_bytes() <= r.pitch() && r.row_bytes() <= r.src_pitch())) &&
+                    r.offset() + last * r.pitch() + r.row_bytes() <= layout_bytes[r.layout()] &&
+                    r.src_offset() + last * r.src_pitch() + r.row_bytes() <= bytes;
+    if (!ok)
+      return absl::InternalError(absl::StrCat("tensor ", p.name(),
+                                              ": the daemon offered a region outside the "
+                                              "replica or the tensor (layout ",
+                                              r.layout(), ", offset ", r.offset(), ", ", r.rows(), " x ", r.row_bytes(),
+                                              " bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status TrainerClient::PlaceHost(const v1::TensorPlacement& p, const void* data, uint64_t bytes) {
+  WSYNC_RETURN_IF_ERROR(MapReplica());
+  std::vector<uint64_t> sizes;
+  for (const MappedLayout& m : replica_) sizes.push_back(m.bytes);
+  WSYNC_RETURN_IF_ERROR(CheckRegions(p, bytes, sizes));
+  const auto* src = static_cast<const uint8_t*>(data);
+  for (const auto& r : p.regions()) {
+    uint8_t* dst = replica_[r.layout()].addr + r.offset();
+    if (r.pitch() == r.row_bytes() && r.src_pitch() == r.row_bytes()) {
+      std::memcpy(dst, src + r.src_offset(), r.row_bytes() * static_cast<uint64_t>(r.rows()));
+      continue;
+    }
+    for (int64_t i = 0; i < r.rows(); ++i)
+      std::memcpy(dst + i * r.pitch(), src + r.src_offset() + i * r.src_pitch(), r.row_bytes());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TrainerClient::PlaceDevice(const v1::TensorPlacement& p, const void* data, uint64_t bytes, int device,
+                                        uint64_t stream, bool staged) {
+  WSYNC_RETURN_IF_ERROR(MapReplica());
+  std::vector<uint64_t> sizes;
+  for (const MappedLayout& m : replica_) sizes.push_back(m.bytes);
+  WSYNC_RETURN_IF_ERROR(CheckRegions(p, bytes, sizes));
+  if (!replica_registered_) {
+    for (size_t i = 0; i < replica_.size(); ++i)
+      WSYNC_RETURN_IF_ERROR(
+          device_->RegisterDestination(replica_[i].addr, replica_[i].bytes, absl::StrCat("replica layout ", i)));
+    replica_registered_ = true;
+  }
+  const auto* src = static_cast<const uint8_t*>(data);
+  for (const auto& r : p.regions()) {
+    WSYNC_RETURN_IF_ERROR(device_->Copy2DAsync(p.name(), replica_[r.layout()].addr + r.offset(), r.pitch(),
+                                               src + r.src_offset(), r.src_pitch(), r.row_bytes(), r.rows(), device,
+                                               stream, staged));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TrainerClient::NotePlaced(absl::string_view name, uint64_t bytes) {
+  placed_pending_.emplace_back(name);
+  placed_pending_bytes_ += bytes;
+  ++stats_.tensors;
+  ++stats_.placed;
+  stats_.bytes += bytes;
+  stats_.placed_bytes += bytes;
+  // Committed in bucket-sized batches, so the daemon posts writes while this rank keeps copying.
+  if (placed_pending_bytes_ >= bucket_limit_) return CommitPlacedNow();
+  return absl::OkStatus();
+}
+
+absl::Status TrainerClient::CommitPlacedNow() {
+  if (placed_pending_.empty()) return absl::OkStatus();
+  // CUDA copies must have landed before the daemon may send what they wrote.
+  if (device_ != nullptr) WSYNC_RETURN_IF_ERROR(device_->Drain());
+  v1::CommitPlacedRequest req;
+  req.set_session_id(session_id_);
+  req.set_version(version_);
+  req.set_replica_generation(mapped_generation_);
+  for (auto& n : placed_pending_) req.add_names(std::move(n));
+  placed_pending_.clear();
+  placed_pending_bytes_ = 0;
+  v1::CommitPlacedReply rep;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(opts_.timeout));
+  return Annotate(FromGrpcStatus(stub_->CommitPlaced(&ctx, req, &rep)),
+                  absl::StrCat("committing ", req.names_size(), " placed tensors of update ", version_));
 }
 
 absl::Status TrainerClient::EndPush(int64_t version) {

@@ -23,16 +23,17 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "base/dtype.h"
-#include "client/ring/ring.h"
+#include "base/fd_passing.h"
 #include "base/tensor_slice.h"
 #include "client/device_copy.h"
-#include "base/fd_passing.h"
+#include "client/ring/ring.h"
 #include "wsync/v1/trainer.grpc.pb.h"
 
 namespace wsync::client {
@@ -53,6 +54,13 @@ struct TrainerOptions {
   // quantizes it on its GPU and copies the float8_e4m3fn codes and float32 `<name>_scale_inv` into the ring instead
   // of the tensor: about half the PCIe bytes of bf16. Byte-identical to the daemon's own CPU quantization.
   bool gpu_fp8 = false;
+  // Zero-copy placement (docs/operations.md): a tensor BeginPush offers for placement (its engine layouts read it
+  // unconverted) and that is pushed whole with exactly the offered dtype and shape is copied by Push / PushDevice
+  // straight into the node's replica (the layout buffers mapped from the daemon's memfds once per replica; host: a
+  // memcpy per region row, CUDA: cudaMemcpy2DAsync into the page-locked mapping) instead of into the ring, and
+  // committed with CommitPlaced once its copies completed (at least every bucket_bytes, and at Flush/EndPush).
+  // Off: every tensor goes through the ring.
+  bool placement = true;
 };
 
 struct PushStats {
@@ -60,6 +68,8 @@ struct PushStats {
   uint64_t bytes = 0;
   uint64_t buckets = 0;
   uint64_t fp8_quantized = 0;  // tensors quantized on the GPU before the copy (TrainerOptions::gpu_fp8)
+  uint64_t placed = 0;         // tensors (and fp8 scales) copied straight into the replica (TrainerOptions::placement)
+  uint64_t placed_bytes = 0;   // their bytes (each counted once, however many layouts it lands in)
 };
 
 class TrainerClient {
@@ -70,7 +80,7 @@ class TrainerClient {
   // Opens this rank's part of update `version` (waits until the coordinator started it) and returns the names of
   // the HF tensors this rank must push.
   absl::StatusOr<std::vector<std::string>> BeginPush(int64_t version);
-  // Copies one tensor into the ring (the only copy on this side).
+  // Copies one tensor into the ring (the only copy on this side), or, when offered, straight into the replica.
   absl::Status Push(absl::string_view name, DType dtype, absl::Span<const int64_t> shape, const void* data,
                     uint64_t bytes);
   // Like Push, but `fill` writes the `bytes` bytes in place (e.g. a device-to-host copy straight into the ring).
@@ -110,6 +120,9 @@ class TrainerClient {
 
   const PushStats& stats() const { return stats_; }
   void set_gpu_fp8(bool on) { opts_.gpu_fp8 = on; }
+  void set_placement(bool on) { opts_.placement = on; }
+  // The placements the last BeginPush offered (empty when placement is off on either side).
+  size_t placements_offered() const { return placements_.size(); }
   // The session's secret id (authorizes this rank's calls; do not log it) and its name in the daemon's logs.
   const std::string& session_id() const { return session_id_; }
   const std::string& session_label() const { return session_label_; }
@@ -122,6 +135,20 @@ class TrainerClient {
                              uint64_t bytes, int device, uint64_t stream);
   absl::Status PushImpl(absl::string_view name, DType dtype, absl::Span<const int64_t> shape, uint64_t bytes,
                         const std::function<absl::Status(uint8_t*)>& fill);
+  // Placement: the offer for a whole tensor of exactly this dtype, shape and size (null: it goes through the ring).
+  const v1::TensorPlacement* PlacementFor(absl::string_view name, DType dtype, absl::Span<const int64_t> shape,
+                                          uint64_t bytes) const;
+  // Maps the replica's layout buffers of the offered generation (the hand-over socket sends their memfds).
+  absl::Status MapReplica();
+  // Copies `p`'s regions from `data` (host memory; or device memory of `device`, or this copier's fp8 scratch with
+  // `staged`) into the mapped replica.
+  absl::Status PlaceHost(const v1::TensorPlacement& p, const void* data, uint64_t bytes);
+  absl::Status PlaceDevice(const v1::TensorPlacement& p, const void* data, uint64_t bytes, int device, uint64_t stream,
+                           bool staged);
+  absl::Status NotePlaced(absl::string_view name, uint64_t bytes);
+  // Waits for the device copies, then tells the daemon which tensors landed (CommitPlaced).
+  absl::Status CommitPlacedNow();
+  void UnmapReplica();
 
   TrainerOptions opts_;
   ScopedFd handover_;  // held open for the session's life: its end tells the daemon this rank is gone
@@ -136,6 +163,19 @@ class TrainerClient {
   v1::Fp8PushHint fp8_hint_;
   google::protobuf::RepeatedPtrField<v1::PushSpec> expected_;
   absl::flat_hash_set<std::string> fp8_names_;
+  // Placement: the last BeginPush's offers and replica generation, the mapping (if any), what was placed but not
+  // committed yet.
+  struct MappedLayout {
+    uint8_t* addr = nullptr;
+    uint64_t bytes = 0;
+  };
+  int64_t version_ = -1;
+  absl::flat_hash_map<std::string, v1::TensorPlacement> placements_;
+  uint64_t placement_generation_ = 0, mapped_generation_ = 0;
+  std::vector<MappedLayout> replica_;
+  bool replica_registered_ = false;  // page-locked in device_
+  std::vector<std::string> placed_pending_;
+  uint64_t placed_pending_bytes_ = 0;
 };
 
 // Checks a slice push (shape, ranges, byte count) and returns its frame name (EncodeSliceName).

@@ -1,6 +1,8 @@
 #include "replica/replica.h"
 
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -10,6 +12,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/fd_passing.h"
 #include "base/status.h"
 #include "replica/convert.h"
 #include "replica/fp8.h"
@@ -37,33 +40,46 @@ View ViewOf(const std::vector<int64_t>& s) {
   return v;
 }
 
-// Page-aligned, zeroed memory (anonymous mapping, populated up front so the first update pays no page faults),
-// released on destruction.
+// Page-aligned, zeroed, shareable memory: a memfd mapped MAP_SHARED (populated up front so the first update pays no
+// page faults), so a trainer process can map the same pages and place tensors into them. Released on destruction.
 class Buffer {
  public:
   Buffer() = default;
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
-  Buffer(Buffer&& o) noexcept : ptr_(o.ptr_), size_(o.size_) { o.ptr_ = nullptr; }
+  Buffer(Buffer&& o) noexcept : ptr_(o.ptr_), size_(o.size_), fd_(std::move(o.fd_)) { o.ptr_ = nullptr; }
   Buffer& operator=(Buffer&&) = delete;
   ~Buffer() {
     if (ptr_ != nullptr) munmap(ptr_, size_);
   }
   absl::Status Allocate(uint64_t bytes) {
     size_ = std::max<uint64_t>(kPageSize, (bytes + kPageSize - 1) / kPageSize * kPageSize);
-    void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    if (p == MAP_FAILED) {
-      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate a replica buffer of ", bytes, " bytes: ",
-                                                       std::strerror(errno)));
-    }
+    auto fail = [&](const char* what) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate a replica buffer of ", bytes, " bytes (", what, "): ", std::strerror(errno)));
+    };
+    fd_.reset(static_cast<int>(syscall(SYS_memfd_create, "wsync-replica", MFD_CLOEXEC)));
+    if (!fd_.valid()) return fail("memfd_create");
+    if (ftruncate(fd_.get(), static_cast<off_t>(size_)) != 0) return fail("ftruncate");
+    void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_.get(), 0);
+    if (p == MAP_FAILED) return fail("mmap");
     ptr_ = static_cast<uint8_t*>(p);
+    // Huge pages where the host allows them for shared memory (shmem_enabled=advise); a refusal only costs TLB misses.
+    (void)madvise(ptr_, size_, MADV_HUGEPAGE);
+    // Populate now (MAP_POPULATE on a fresh memfd would also do it, but not after the madvise above).
+    if (madvise(ptr_, size_, MADV_POPULATE_WRITE) != 0) {
+      for (uint64_t o = 0; o < size_; o += kPageSize) ptr_[o] = 0;
+    }
     return absl::OkStatus();
   }
   uint8_t* data() const { return ptr_; }
+  int fd() const { return fd_.get(); }
+  uint64_t size() const { return size_; }
 
  private:
   uint8_t* ptr_ = nullptr;
   uint64_t size_ = 0;
+  ScopedFd fd_;
 };
 
 class ReplicaImpl final : public Replica {
@@ -75,6 +91,8 @@ class ReplicaImpl final : public Replica {
   const RankParallelism& layout(int l) const override { return layouts_[l].rank; }
   const ParamTable& table(int l) const override { return layouts_[l].plan.table; }
   uint8_t* data(int l) override { return layouts_[l].buffer.data(); }
+  int fd(int l) const override { return layouts_[l].buffer.fd(); }
+  uint64_t mapped_bytes(int l) const override { return layouts_[l].buffer.size(); }
 
   void BeginUpdate() override {
     for (Layout& l : layouts_)
@@ -85,8 +103,16 @@ class ReplicaImpl final : public Replica {
   absl::Status Validate(const HfTensor& t) const override { return Check(t).status(); }
   absl::Status Claim(absl::Span<const HfTensor> tensors) override;
   absl::StatusOr<std::vector<ReadyParam>> Load(const HfTensor& t) override;
+  absl::StatusOr<std::vector<PlacedRect>> PlaceRects(absl::string_view hf_name, DType dtype) const override;
+  DType PlaceableDType(absl::string_view hf_name) const override;
+  absl::Status ClaimPlaced(absl::Span<const HfTensor> tensors) override;
+  absl::StatusOr<std::vector<ReadyParam>> MarkPlaced(const HfTensor& t) override;
   absl::Status FinishUpdate() const override;
   bool Needs(absl::string_view hf_name) const override;
+  std::vector<int64_t> Shape(absl::string_view hf_name) const override {
+    auto it = index_.find(hf_name);
+    return it == index_.end() ? std::vector<int64_t>{} : entries_[it->second].shape;
+  }
   std::vector<TensorRead> Reads(absl::string_view hf_name) const override;
   std::optional<TensorSpec> Expected(absl::string_view hf_name) const override {
     auto it = index_.find(std::string(hf_name));
@@ -120,9 +146,16 @@ class ReplicaImpl final : public Replica {
 
   ReplicaImpl(const ModelConfig& c, const QuantSpec& q, ParamMapper m) : config_(c), quant_(q), mapper_(std::move(m)) {}
 
-  // Index of the entry for a valid tensor, -1 for a tensor skipped by rule; errors name the tensor.
-  absl::StatusOr<int> Check(const HfTensor& t) const;
+  // Index of the entry for a valid tensor, -1 for a tensor skipped by rule; errors name the tensor. `placed`: the
+  // bytes are in the layouts already (t.data is not looked at).
+  absl::StatusOr<int> Check(const HfTensor& t, bool placed = false) const;
   absl::Status Place(const HfTensor& t, const Layout& l, const SliceSource& s);
+  // Claim and ClaimPlaced.
+  absl::Status ClaimImpl(absl::Span<const HfTensor> tensors, bool placed);
+  // Load and MarkPlaced: `copy` false writes only constant reads.
+  absl::StatusOr<std::vector<ReadyParam>> LoadImpl(const HfTensor& t, bool copy);
+  // The dtype a non-constant source stores unconverted (its parameter's; FP8 weights: float8_e4m3fn codes).
+  DType StoredDType(const Layout& l, const SliceSource& s) const { return l.plan.table.params()[s.param].dtype; }
 
   ModelConfig config_;
   QuantSpec quant_;
@@ -209,7 +242,7 @@ absl::StatusOr<std::unique_ptr<Replica>> ReplicaImpl::Make(const ModelConfig& co
   return std::unique_ptr<Replica>(std::move(r));
 }
 
-absl::StatusOr<int> ReplicaImpl::Check(const HfTensor& t) const {
+absl::StatusOr<int> ReplicaImpl::Check(const HfTensor& t, bool placed) const {
   auto it = index_.find(t.name);
   if (it == index_.end()) {
     auto m = mapper_.Map(t.name);
@@ -239,7 +272,7 @@ absl::StatusOr<int> ReplicaImpl::Check(const HfTensor& t) const {
   }
   uint64_t want = DTypeSize(t.dtype);
   for (int64_t d : e.shape) want *= static_cast<uint64_t>(d);
-  if (t.bytes != want || (want > 0 && t.data == nullptr)) {
+  if (t.bytes != want || (want > 0 && t.data == nullptr && !placed)) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': ", t.bytes, " bytes of data, expected ",
                                                    want, " for ", DTypeName(t.dtype), " ", ShapeStr(e.shape)));
   }
@@ -286,14 +319,26 @@ absl::Status ReplicaImpl::Place(const HfTensor& t, const Layout& l, const SliceS
   return CopyRect(t.dtype, src, src_cols, p.dtype, dst, v.c, s.rows, s.cols);
 }
 
-absl::Status ReplicaImpl::Claim(absl::Span<const HfTensor> tensors) {
+absl::Status ReplicaImpl::Claim(absl::Span<const HfTensor> tensors) { return ClaimImpl(tensors, false); }
+
+absl::Status ReplicaImpl::ClaimPlaced(absl::Span<const HfTensor> tensors) {
+  for (const HfTensor& t : tensors) {
+    if (!index_.contains(t.name)) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' cannot be placed: no layout stores it"));
+    }
+    WSYNC_RETURN_IF_ERROR(PlaceRects(t.name, t.dtype).status());
+  }
+  return ClaimImpl(tensors, true);
+}
+
+absl::Status ReplicaImpl::ClaimImpl(absl::Span<const HfTensor> tensors, bool placed) {
   // Checked once outside the lock (the shape and dtype checks cost), then again under it for what concurrent
   // claims change (seen_): one short critical section per bucket, no data touched.
-  for (const HfTensor& t : tensors) WSYNC_RETURN_IF_ERROR(Check(t).status());
+  for (const HfTensor& t : tensors) WSYNC_RETURN_IF_ERROR(Check(t, placed).status());
   std::lock_guard<std::mutex> l(claim_mu_);
   std::vector<int> marked;
   for (const HfTensor& t : tensors) {
-    absl::StatusOr<int> idx = Check(t);
+    absl::StatusOr<int> idx = Check(t, placed);
     if (!idx.ok()) {
       for (int m : marked) seen_[m].store(kNotSeen, std::memory_order_release);
       return idx.status();
@@ -305,7 +350,11 @@ absl::Status ReplicaImpl::Claim(absl::Span<const HfTensor> tensors) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<ReadyParam>> ReplicaImpl::Load(const HfTensor& t) {
+absl::StatusOr<std::vector<ReadyParam>> ReplicaImpl::Load(const HfTensor& t) { return LoadImpl(t, true); }
+
+absl::StatusOr<std::vector<ReadyParam>> ReplicaImpl::MarkPlaced(const HfTensor& t) { return LoadImpl(t, false); }
+
+absl::StatusOr<std::vector<ReadyParam>> ReplicaImpl::LoadImpl(const HfTensor& t, bool copy) {
   std::vector<ReadyParam> ready;
   auto it = index_.find(t.name);
   if (it == index_.end()) return ready;  // skipped by rule (Claim accepted it)
@@ -315,8 +364,10 @@ absl::StatusOr<std::vector<ReadyParam>> ReplicaImpl::Load(const HfTensor& t) {
   for (const Placement& pl : entries_[idx].placements) {
     Layout& l = layouts_[pl.layout];
     const SliceSource& s = l.plan.sources[pl.source];
-    WSYNC_RETURN_IF_ERROR_CTX(Place(t, l, s), "loading '", t.name, "' into '", l.plan.table.params()[s.param].name,
-                              "'");
+    if (copy || s.kind == SliceSource::Kind::kConstant) {
+      WSYNC_RETURN_IF_ERROR_CTX(Place(t, l, s), "loading '", t.name, "' into '", l.plan.table.params()[s.param].name,
+                                "'");
+    }
     // acq_rel: the Load completing a param sees every other Load's bytes of it before reporting it ready.
     auto bump = [&](int param) {
       if (l.arrived[param].fetch_add(1, std::memory_order_acq_rel) + 1 == l.plan.expected[param])
@@ -359,6 +410,50 @@ std::vector<TensorRead> ReplicaImpl::Reads(absl::string_view hf_name) const {
     r.scale_param = s.scale_param;
     r.constant = s.kind == SliceSource::Kind::kConstant;
     r.row0 = s.src_row0, r.rows = s.rows, r.col0 = s.src_col0, r.cols = s.cols;
+    out.push_back(r);
+  }
+  return out;
+}
+
+DType ReplicaImpl::PlaceableDType(absl::string_view hf_name) const {
+  auto it = index_.find(hf_name);
+  if (it == index_.end()) return DType::kInvalid;
+  for (const Placement& p : entries_[it->second].placements) {
+    const Layout& l = layouts_[p.layout];
+    const SliceSource& s = l.plan.sources[p.source];
+    if (s.kind != SliceSource::Kind::kConstant) return StoredDType(l, s);
+  }
+  return DType::kInvalid;
+}
+
+absl::StatusOr<std::vector<PlacedRect>> ReplicaImpl::PlaceRects(absl::string_view hf_name, DType dtype) const {
+  std::vector<PlacedRect> out;
+  auto it = index_.find(hf_name);
+  if (it == index_.end()) return out;
+  const HfEntry& e = entries_[it->second];
+  const int64_t src_cols = e.shape.size() > 1 ? e.shape[1] : 1;
+  const uint64_t es = DTypeSize(dtype);
+  for (const Placement& pl : e.placements) {
+    const Layout& l = layouts_[pl.layout];
+    const SliceSource& s = l.plan.sources[pl.source];
+    if (s.kind == SliceSource::Kind::kConstant) continue;
+    const EngineParam& p = l.plan.table.params()[s.param];
+    // What Place would do as a plain byte copy: same dtype (FP8 codes into an FP8 weight, a published scale into its
+    // scale parameter, or a parameter of the tensor's dtype).
+    if (StoredDType(l, s) != dtype || es == 0) {
+      return absl::FailedPreconditionError(absl::StrCat("tensor '", hf_name, "' as ", DTypeName(dtype),
+                                                        " cannot be placed: '", p.name, "' stores ", DTypeName(p.dtype),
+                                                        " (converted on load)"));
+    }
+    const View v = ViewOf(p.shape);
+    PlacedRect r;
+    r.layout = pl.layout;
+    r.offset = p.offset + static_cast<uint64_t>((s.expert * v.r + s.dst_row0) * v.c + s.dst_col0) * es;
+    r.pitch = static_cast<uint64_t>(v.c) * es;
+    r.src_offset = static_cast<uint64_t>(s.src_row0 * src_cols + s.src_col0) * es;
+    r.src_pitch = static_cast<uint64_t>(src_cols) * es;
+    r.rows = s.rows;
+    r.row_bytes = static_cast<uint64_t>(s.cols) * es;
     out.push_back(r);
   }
   return out;

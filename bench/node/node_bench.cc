@@ -15,11 +15,18 @@
 // Every byte is copied twice on this path (host tensor → ring by the trainer, ring → replica by the node), so where
 // memory bandwidth, not cores, limits the all-core memcpy, the ratio stays near 0.5; where cores limit it (one thread
 // far below all of them), it shows how much of the machine the ranks and the node use together.
+// --placement on|off|both (default both): with placement each rank copies the tensors the node offers straight into
+// its mapping of the replica (one copy per byte, per layout that reads it; committed every half ring of bytes, as the
+// client does) and the rest through its ring. Both runs per case, one after the other on the same node: the line
+// says placement ÷ ring and each ÷ the all-core memcpy. The JSON's "value" stays the ring figure; "placement_value"
+// is the placement one of the same case.
 //
 //   bench_node                                   # Qwen3-8B (36 layers, ~16 GB bf16), TP 1 and 8, R = 1,4,8
 //   bench_node --layers 2 --vocab 32768 --ranks 1,2 --reps 2   # small enough for a 2-core box
 //   bench_node --tp 1 --ranks 8 --write-checksums               # one case, with wsyncd's default hashing on
 // Memory: the tensors once, the replica per case, R rings of --ring-mib (enlarged to fit the largest tensor).
+
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -38,6 +45,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "client/ring/ring.h"
@@ -157,23 +165,56 @@ struct HostTensor {
   const uint8_t* data = nullptr;
 };
 
+// A rank's mapping of the replica's layout buffers (what the client maps from the daemon's memfds), made once per
+// case (per session), outside the timed updates.
+struct ReplicaMap {
+  std::vector<std::pair<uint8_t*, uint64_t>> layouts;
+  ReplicaMap() = default;
+  ReplicaMap(const ReplicaMap&) = delete;
+  ReplicaMap& operator=(const ReplicaMap&) = delete;
+  ~ReplicaMap() {
+    for (auto& [a, n] : layouts) munmap(a, n);
+  }
+};
+
 // What one rank's push took (seconds from the case's start).
 struct RankLog {
   double handover = 0;  // copies into the ring, waits for ring space included
   double end = 0;       // its last bucket's parameters were handed to the transport
   uint64_t bytes = 0;
+  uint64_t placed_bytes = 0;  // of `bytes`, copied straight into the replica
+  double commit_placed = 0;   // CommitPlaced calls (claim, arrival counting, posting)
   std::vector<wsync::daemon::BucketTiming> buckets;
 };
 
 // One rank's push of update `version`, as the client library does it.
 absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& session, wsync::RingProducer& ring,
-                      int64_t version, const std::map<std::string, HostTensor>& tensors, RankLog* log,
-                      Clock::time_point t0) {
+                      const ReplicaMap* replica, int64_t version, const std::map<std::string, HostTensor>& tensors,
+                      RankLog* log, Clock::time_point t0) {
   v1::BeginPushRequest bp;
   bp.set_session_id(session);
   bp.set_version(version);
   WSYNC_ASSIGN_OR_RETURN(v1::BeginPushReply names, node.BeginPush(bp));
   const uint64_t bucket_limit = ring.capacity() / 2;
+  std::map<std::string, const v1::TensorPlacement*> offers;
+  if (replica != nullptr)
+    for (const auto& p : names.placements()) offers[p.name()] = &p;
+  std::vector<std::string> placed;
+  uint64_t placed_pending = 0;
+  auto commit_placed = [&]() -> absl::Status {
+    if (placed.empty()) return absl::OkStatus();
+    const auto c0 = Clock::now();
+    v1::CommitPlacedRequest cp;
+    cp.set_session_id(session);
+    cp.set_version(version);
+    cp.set_replica_generation(names.replica_generation());
+    for (auto& n : placed) cp.add_names(std::move(n));
+    placed.clear();
+    placed_pending = 0;
+    auto r = node.CommitPlaced(cp);
+    log->commit_placed += Since(c0);
+    return r.status();
+  };
   std::future<absl::Status> in_flight;
   auto wait = [&]() -> absl::Status { return in_flight.valid() ? in_flight.get() : absl::OkStatus(); };
   auto commit = [&]() -> absl::Status {
@@ -191,6 +232,26 @@ absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& sessio
   for (const std::string& name : names.tensor_names()) {
     const HostTensor& t = tensors.at(name);
     const uint64_t bytes = t.spec.bytes();
+    if (auto o = offers.find(name); o != offers.end()) {
+      // The client's host placement: a memcpy per region (per row where the region is strided).
+      const auto h0 = Clock::now();
+      for (const auto& r : o->second->regions()) {
+        uint8_t* dst = replica->layouts[r.layout()].first + r.offset();
+        if (r.pitch() == r.row_bytes() && r.src_pitch() == r.row_bytes()) {
+          std::memcpy(dst, t.data + r.src_offset(), r.row_bytes() * static_cast<uint64_t>(r.rows()));
+        } else {
+          for (int64_t i = 0; i < r.rows(); ++i)
+            std::memcpy(dst + i * r.pitch(), t.data + r.src_offset() + i * r.src_pitch(), r.row_bytes());
+        }
+      }
+      log->handover += Since(h0);
+      log->bytes += bytes;
+      log->placed_bytes += bytes;
+      placed.push_back(name);
+      placed_pending += bytes;
+      if (placed_pending >= bucket_limit) WSYNC_RETURN_IF_ERROR(commit_placed());
+      continue;
+    }
     const bool alone = bytes > bucket_limit;
     if (alone) {
       WSYNC_RETURN_IF_ERROR(commit());
@@ -209,6 +270,7 @@ absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& sessio
   }
   WSYNC_RETURN_IF_ERROR(commit());
   WSYNC_RETURN_IF_ERROR(wait());
+  WSYNC_RETURN_IF_ERROR(commit_placed());
   log->end = Since(t0);
   v1::EndPushRequest ep;
   ep.set_session_id(session);
@@ -248,6 +310,7 @@ int main(int argc, char** argv) {
   int layers = 0, vocab = 0, reps = 3, ring_mib = 512;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   bool write_checksums = false, timeline = true;
+  std::string placement = "both";
   app.add_option("--model", model, "a dense model's config.json (bf16)")->capture_default_str();
   app.add_option("--ranks", ranks_list, "trainer ranks R, comma-separated")->capture_default_str();
   app.add_option("--tp", tp_list, "engine tensor-parallel sizes (one engine, all its ranks written by this node)")
@@ -262,6 +325,10 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "memcpy baseline threads")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_flag("--write-checksums", write_checksums,
                "hash what is written on the node's hash pool (wsyncd's default; off here: the data path alone)");
+  app.add_option("--placement", placement,
+                 "zero-copy placement: on, off, or both (each case run both ways, placement ÷ ring reported)")
+      ->check(CLI::IsMember({"on", "off", "both"}))
+      ->capture_default_str();
   app.add_flag("--timeline,!--no-timeline", timeline, "print the per-rank timeline of each case's best update");
   CLI11_PARSE(app, argc, argv);
 
@@ -309,8 +376,8 @@ int main(int argc, char** argv) {
               total / copy1_s / 1e9);
 
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
-  double headline = 0, headline_copy = copy_gbps;
-  int64_t epoch = 0;
+  double headline = 0, headline_copy = copy_gbps, headline_placed = 0, headline_placed_copy = copy_gbps;
+  int64_t epoch = 0, version = 0;
   for (int tp : ParseList(tp_list)) {
     for (int R : ParseList(ranks_list)) {
       NullTransport null_transport;
@@ -346,92 +413,134 @@ int main(int argc, char** argv) {
         if (!prod.ok()) Die("ring", prod.status());
         producers.push_back(std::make_unique<wsync::RingProducer>(*std::move(prod)));
       }
-      double best = 1e30, case_copy_s = 1e30;
-      std::vector<RankLog> best_logs;
-      Clock::time_point best_t0;
-      for (int v = 1; v <= reps; ++v) {
-        for (auto& l : logs) l = RankLog();
-        v1::StartUpdateRequest su;
-        su.set_version(v);
-        su.set_plan_epoch(epoch);
-        if (auto st = node.StartUpdate(su); !st.ok()) Die("start update", st);
-        // The baseline again between this case's updates, so both figures of a ratio see the same machine (on a
-        // shared machine the memory bandwidth left over varies from minute to minute).
-        case_copy_s = std::min(case_copy_s, ParallelCopy(scratch.data(), host.data(), total, threads));
-        std::vector<std::future<absl::Status>> pushes;
-        const auto t0 = Clock::now();
-        for (int r = 0; r < R; ++r)
-          pushes.push_back(std::async(std::launch::async, [&, r] {
-            return PushRank(node, sessions[r], *producers[r], v, tensors, &logs[r], t0);
-          }));
-        for (auto& p : pushes)
-          if (auto st = p.get(); !st.ok()) Die("push", st);
-        double s = 0;
-        for (const auto& l : logs) s = std::max(s, l.end);
-        v1::FinishUpdateRequest fu;
-        fu.set_version(v);
-        fu.set_plan_epoch(epoch);
-        fu.set_timeout_seconds(600);
-        auto fin = node.FinishUpdate(fu);  // every required parameter was completed and posted, or this fails
-        if (!fin.ok()) Die("finish update", fin.status());
-        if (s < best) {
-          best = s;
-          std::lock_guard<std::mutex> l(log_mu);
-          best_logs = logs;
-          best_t0 = t0;
+      // Mapped once per session, as the client does; placement runs only use them.
+      std::vector<std::unique_ptr<ReplicaMap>> maps;
+      for (int r = 0; r < R && placement != "off"; ++r) {
+        auto h = node.ReplicaFds(sessions[r]);
+        if (!h.ok()) Die("replica fds", h.status());
+        auto m = std::make_unique<ReplicaMap>();
+        for (size_t i = 0; i < h->fds.size(); ++i) {
+          void* a = mmap(nullptr, h->bytes[i], PROT_READ | PROT_WRITE, MAP_SHARED, h->fds[i].get(), 0);
+          if (a == MAP_FAILED) Die("mapping the replica", absl::ErrnoToStatus(errno, "mmap"));
+          m->layouts.push_back({static_cast<uint8_t*>(a), h->bytes[i]});
         }
+        maps.push_back(std::move(m));
       }
-      const double gbps = total / best / 1e9, case_copy_gbps = total / case_copy_s / 1e9;
-      if (tp == ParseList(tp_list).front() && R == ParseList(ranks_list).back())
-        headline = gbps, headline_copy = case_copy_gbps;
-      std::printf(
-          "TP %d, R %d: %.2f GB in %.3f s = %.2f GB/s, %.2fx the all-core memcpy (%.2f GB/s, between its "
-          "updates)\n",
-          tp, R, total / 1e9, best, gbps, gbps / case_copy_gbps, case_copy_gbps);
-      nlohmann::ordered_json ranks_json = nlohmann::ordered_json::array();
-      for (int r = 0; r < R; ++r) {
-        const RankLog& l = best_logs[r];
-        double wait = 0, load = 0, send = 0;
-        for (const auto& b : l.buckets) {
-          wait += absl::ToDoubleSeconds(b.begin - b.got);
-          load += absl::ToDoubleSeconds(b.loaded - b.begin);
-          send += absl::ToDoubleSeconds(b.posted - b.loaded);
+      std::vector<bool> modes;
+      if (placement != "on") modes.push_back(false);
+      if (placement != "off") modes.push_back(true);
+      double ring_gbps = 0;
+      for (const bool place : modes) {
+        double best = 1e30, case_copy_s = 1e30;
+        std::vector<RankLog> best_logs;
+        Clock::time_point best_t0;
+        for (int rep = 1; rep <= reps; ++rep) {
+          const int64_t v = ++version;
+          for (auto& l : logs) l = RankLog();
+          v1::StartUpdateRequest su;
+          su.set_version(v);
+          su.set_plan_epoch(epoch);
+          su.set_no_placement(!place);
+          if (auto st = node.StartUpdate(su); !st.ok()) Die("start update", st);
+          // The baseline again between this case's updates, so both figures of a ratio see the same machine (on a
+          // shared machine the memory bandwidth left over varies from minute to minute).
+          case_copy_s = std::min(case_copy_s, ParallelCopy(scratch.data(), host.data(), total, threads));
+          std::vector<std::future<absl::Status>> pushes;
+          const auto t0 = Clock::now();
+          for (int r = 0; r < R; ++r)
+            pushes.push_back(std::async(std::launch::async, [&, r] {
+              return PushRank(node, sessions[r], *producers[r], place ? maps[r].get() : nullptr, v, tensors, &logs[r],
+                              t0);
+            }));
+          for (auto& p : pushes)
+            if (auto st = p.get(); !st.ok()) Die("push", st);
+          double s = 0;
+          for (const auto& l : logs) s = std::max(s, l.end);
+          v1::FinishUpdateRequest fu;
+          fu.set_version(v);
+          fu.set_plan_epoch(epoch);
+          fu.set_timeout_seconds(600);
+          auto fin = node.FinishUpdate(fu);  // every required parameter was completed and posted, or this fails
+          if (!fin.ok()) Die("finish update", fin.status());
+          if (s < best) {
+            best = s;
+            std::lock_guard<std::mutex> l(log_mu);
+            best_logs = logs;
+            best_t0 = t0;
+          }
         }
-        if (timeline)
-          std::printf(
-              "  rank %d: %zu buckets, %.2f GB: hand-over %.3f s, lock wait %.3f s, load %.3f s, send %.3f s, "
-              "done at %.3f s\n",
-              r, l.buckets.size(), l.bytes / 1e9, l.handover, wait, load, send, l.end);
-        ranks_json.push_back({{"rank", r},
-                              {"buckets", l.buckets.size()},
-                              {"bytes", l.bytes},
-                              {"handover_s", l.handover},
-                              {"lock_wait_s", wait},
-                              {"load_s", load},
-                              {"send_s", send},
-                              {"end_s", l.end}});
+        const double gbps = total / best / 1e9, case_copy_gbps = total / case_copy_s / 1e9;
+        uint64_t placed_bytes = 0;
+        for (const auto& l : best_logs) placed_bytes += l.placed_bytes;
+        const bool headline_case = tp == ParseList(tp_list).front() && R == ParseList(ranks_list).back();
+        if (headline_case && !place) headline = gbps, headline_copy = case_copy_gbps;
+        if (headline_case && place) headline_placed = gbps, headline_placed_copy = case_copy_gbps;
+        if (!place) ring_gbps = gbps;
+        std::printf(
+            "TP %d, R %d, %s: %.2f GB in %.3f s = %.2f GB/s, %.2fx the all-core memcpy (%.2f GB/s, between its "
+            "updates)",
+            tp, R, place ? "placement" : "ring", total / 1e9, best, gbps, gbps / case_copy_gbps, case_copy_gbps);
+        if (place)
+          std::printf("; %.0f%% of the bytes placed%s", 100.0 * placed_bytes / total,
+                      ring_gbps > 0
+                          ? absl::StrCat(", placement / ring ", absl::StrFormat("%.2f", gbps / ring_gbps)).c_str()
+                          : "");
+        std::printf("\n");
+        nlohmann::ordered_json ranks_json = nlohmann::ordered_json::array();
+        for (int r = 0; r < R; ++r) {
+          const RankLog& l = best_logs[r];
+          double wait = 0, load = 0, send = 0;
+          for (const auto& b : l.buckets) {
+            wait += absl::ToDoubleSeconds(b.begin - b.got);
+            load += absl::ToDoubleSeconds(b.loaded - b.begin);
+            send += absl::ToDoubleSeconds(b.posted - b.loaded);
+          }
+          if (timeline)
+            std::printf(
+                "  rank %d: %zu buckets, %.2f GB (%.2f GB placed): hand-over %.3f s, lock wait %.3f s, load %.3f s, "
+                "send %.3f s, placed commits %.3f s, done at %.3f s\n",
+                r, l.buckets.size(), l.bytes / 1e9, l.placed_bytes / 1e9, l.handover, wait, load, send, l.commit_placed,
+                l.end);
+          ranks_json.push_back({{"rank", r},
+                                {"buckets", l.buckets.size()},
+                                {"bytes", l.bytes},
+                                {"placed_bytes", l.placed_bytes},
+                                {"handover_s", l.handover},
+                                {"lock_wait_s", wait},
+                                {"load_s", load},
+                                {"send_s", send},
+                                {"commit_placed_s", l.commit_placed},
+                                {"end_s", l.end}});
+        }
+        results.push_back({{"tp", tp},
+                           {"ranks", R},
+                           {"placement", place},
+                           {"gbps", gbps},
+                           {"ratio", gbps / case_copy_gbps},
+                           {"memcpy_gbps", case_copy_gbps},
+                           {"placed_bytes", placed_bytes},
+                           {"placement_over_ring", place && ring_gbps > 0 ? gbps / ring_gbps : 0.0},
+                           {"seconds", best},
+                           {"per_rank", ranks_json}});
       }
-      results.push_back({{"tp", tp},
-                         {"ranks", R},
-                         {"gbps", gbps},
-                         {"ratio", gbps / case_copy_gbps},
-                         {"memcpy_gbps", case_copy_gbps},
-                         {"seconds", best},
-                         {"per_rank", ranks_json}});
     }
   }
-  nlohmann::ordered_json j = {{"bench", "source_node_push_host_tensors_vs_all_core_memcpy"},
-                              {"value", headline},
-                              {"baseline", headline_copy},
-                              {"ratio", headline / headline_copy},
-                              {"unit", "GB/s"},
-                              {"model", model},
-                              {"layers", cfg->num_layers},
-                              {"bytes", total},
-                              {"write_checksums", write_checksums},
-                              {"memcpy_threads", threads},
-                              {"hardware_threads", std::thread::hardware_concurrency()},
-                              {"results", results}};
+  nlohmann::ordered_json j = {
+      {"bench", "source_node_push_host_tensors_vs_all_core_memcpy"},
+      {"value", headline},
+      {"baseline", headline_copy},
+      {"ratio", headline > 0 ? headline / headline_copy : 0.0},
+      {"placement_value", headline_placed},
+      {"placement_ratio", headline_placed > 0 ? headline_placed / headline_placed_copy : 0.0},
+      {"placement_over_ring", headline > 0 && headline_placed > 0 ? headline_placed / headline : 0.0},
+      {"unit", "GB/s"},
+      {"model", model},
+      {"layers", cfg->num_layers},
+      {"bytes", total},
+      {"write_checksums", write_checksums},
+      {"memcpy_threads", threads},
+      {"hardware_threads", std::thread::hardware_concurrency()},
+      {"results", results}};
   std::printf("%s\n", j.dump().c_str());
   return 0;
 }

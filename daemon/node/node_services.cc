@@ -47,6 +47,11 @@ grpc::Status TrainerIngestService::EndPush(grpc::ServerContext*, const v1::EndPu
   WSYNC_LIMIT("EndPush");
   return ToGrpcStatus(source_->EndPush(*req));
 }
+grpc::Status TrainerIngestService::CommitPlaced(grpc::ServerContext*, const v1::CommitPlacedRequest* req,
+                                                v1::CommitPlacedReply* out) {
+  WSYNC_LIMIT("CommitPlaced");
+  return Reply(source_->CommitPlaced(*req), out);
+}
 grpc::Status TrainerIngestService::CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest* req,
                                                 v1::CloseSessionReply*) {
   WSYNC_LIMIT("CloseSession");

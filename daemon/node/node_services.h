@@ -49,6 +49,7 @@ class TrainerIngestService final : public v1::TrainerIngest::Service {
   grpc::Status BeginPush(grpc::ServerContext*, const v1::BeginPushRequest*, v1::BeginPushReply*) override;
   grpc::Status CommitBucket(grpc::ServerContext*, const v1::CommitBucketRequest*, v1::CommitBucketReply*) override;
   grpc::Status EndPush(grpc::ServerContext*, const v1::EndPushRequest*, v1::EndPushReply*) override;
+  grpc::Status CommitPlaced(grpc::ServerContext*, const v1::CommitPlacedRequest*, v1::CommitPlacedReply*) override;
   grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*, v1::CloseSessionReply*) override;
 
  private:

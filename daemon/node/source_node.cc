@@ -90,6 +90,10 @@ SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, Conn
                    "Bytes actually posted to targets: dense ranges plus delta records (docs/delta.md).");
   metrics_.Declare("wsync_source_tensors_received_total", "counter", "HF tensors received from trainer ranks.");
   metrics_.Declare("wsync_source_buckets_total", "counter", "Buckets committed by trainer ranks, by result.");
+  metrics_.Declare("wsync_source_placements_total", "counter",
+                   "CommitPlaced calls of trainer ranks (tensors copied straight into the replica), by result.");
+  metrics_.Declare("wsync_source_placed_bytes_total", "counter",
+                   "Bytes of tensors trainer ranks placed straight into the replica (committed and accepted).");
   metrics_.Declare("wsync_source_updates_total", "counter", "Updates ended on this source, by result.");
   metrics_.Declare("wsync_source_bucket_ingest_seconds", "histogram", "Replica load time of one bucket.");
   metrics_.Declare("wsync_source_bucket_write_seconds", "histogram", "Time to post one bucket's finished params.");
@@ -600,11 +604,14 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   std::vector<std::unique_ptr<uint8_t[]>> bases;
   if (opts_.delta_base)
     for (int l = 0; l < num_layouts; ++l) bases.emplace_back(new uint8_t[replica->table(l).total_bytes() + 1]());
+  RankOffers offers = replica ? PlanPlacements(*replica, rank_push, hint) : RankOffers{};
 
   std::lock_guard<std::mutex> l(mu_);
   delta_base_ = std::move(bases);
   delta_base_version_ = -1;
   push_slices_ = 0;
+  rank_offers_ = std::move(offers);
+  ++replica_generation_;  // ranks' mappings of the previous replica are stale now
   fp8_hint_ = std::move(hint);
   replica_ = std::move(replica);
   replica_regions_ = std::move(regions);
@@ -804,6 +811,7 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   // Only ranks lost while this update is open count (a rank whose process ended after the last update may start
   // its next process at any time; until it pushes, the commit's own timeout applies).
   lost_ranks_.clear();
+  placement_open_ = opts_.placement && !req.no_placement();
   bytes_written_ = params_written_ = tensors_received_ = 0;
   ingest_seconds_ = write_seconds_ = 0;
   spdlog::info("update {} started", version_);
@@ -854,6 +862,10 @@ absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequ
     h->set_ue8m0(fp8_hint_.ue8m0());
     for (const auto& n : fp8_hint_.tensor_names())
       if (mine.count(n)) h->add_tensor_names(n);
+  }
+  if (auto offers = rank_offers_.find(rank); placement_open_ && offers != rank_offers_.end()) {
+    for (const auto& [name, offer] : offers->second) *out.add_placements() = offer.proto;
+    out.set_replica_generation(replica_generation_);
   }
   return out;
 }
@@ -1496,6 +1508,165 @@ double SourceNode::WaitForChecksums() {
   const absl::Time t0 = absl::Now();
   hasher_->WaitIdle();
   return Seconds(t0);
+}
+
+SourceNode::RankOffers SourceNode::PlanPlacements(const replica::Replica& replica,
+                                                  const std::map<int, std::vector<std::string>>& rank_push,
+                                                  const v1::Fp8PushHint& fp8) {
+  const std::set<std::string> quantized(fp8.tensor_names().begin(), fp8.tensor_names().end());
+  RankOffers out;
+  for (const auto& [rank, names] : rank_push) {
+    std::map<std::string, Offer>& mine = out[rank];
+    auto offer = [&](const std::string& name) {
+      const DType dtype = replica.PlaceableDType(name);
+      if (dtype == DType::kInvalid) return;
+      absl::StatusOr<std::vector<replica::PlacedRect>> rects = replica.PlaceRects(name, dtype);
+      if (!rects.ok() || rects->empty()) return;  // some layout converts it: the ring
+      Offer o;
+      o.dtype = dtype;
+      o.shape = replica.Shape(name);
+      o.bytes = DTypeSize(dtype);
+      for (int64_t d : o.shape) o.bytes *= static_cast<uint64_t>(d);
+      o.proto.set_name(name);
+      o.proto.set_dtype(std::string(DTypeName(dtype)));
+      for (int64_t d : o.shape) o.proto.add_shape(d);
+      for (const replica::PlacedRect& r : *rects) {
+        v1::PlacedRegion* g = o.proto.add_regions();
+        g->set_layout(r.layout);
+        g->set_offset(r.offset);
+        g->set_pitch(r.pitch);
+        g->set_src_offset(r.src_offset);
+        g->set_src_pitch(r.src_pitch);
+        g->set_rows(r.rows);
+        g->set_row_bytes(r.row_bytes);
+      }
+      mine[name] = std::move(o);
+    };
+    for (const std::string& name : names) {
+      offer(name);
+      // A weight the rank may quantize: its codes (float8_e4m3fn, offered above) and its scales land as they are.
+      if (quantized.count(name)) offer(absl::StrCat(name, "_scale_inv"));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<SourceNode::ReplicaHandles> SourceNode::ReplicaFds(const std::string& session_id) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (FindSession(session_id) == nullptr) return UnknownSession();
+  if (!replica_)
+    return absl::FailedPreconditionError(
+        absl::StrCat("this node has no replica in plan ", plan_epoch_, ": nothing to place into"));
+  ReplicaHandles out;
+  out.generation = replica_generation_;
+  for (int i = 0; i < replica_->num_layouts(); ++i) {
+    WSYNC_ASSIGN_OR_RETURN(ScopedFd fd, DupFd(replica_->fd(i)));
+    out.fds.push_back(std::move(fd));
+    out.bytes.push_back(replica_->mapped_bytes(i));
+  }
+  return out;
+}
+
+absl::Status SourceNode::CheckPlaced(const v1::CommitPlacedRequest& req, int64_t* version,
+                                     std::vector<replica::HfTensor>* tensors, uint64_t* bytes, absl::Status* refusal) {
+  absl::Status& bad = *refusal;
+  Session* s = FindSession(req.session_id());
+  if (s == nullptr) return UnknownSession();
+  *version = version_;
+  if (*version == -1)
+    return absl::FailedPreconditionError(absl::StrCat("placement committed for update ", req.version(),
+                                                      " while no update is open; nothing was written"));
+  auto offers = rank_offers_.find(s->local_rank);
+  if (req.version() != *version) {
+    bad = absl::FailedPreconditionError(
+        absl::StrCat("placement committed for update ", req.version(), " while update ", *version, " is open"));
+  } else if (!placement_open_) {
+    bad = absl::FailedPreconditionError(absl::StrCat("update ", *version, " offers no placements"));
+  } else if (req.replica_generation() != replica_generation_) {
+    bad = absl::FailedPreconditionError(absl::StrCat("placement committed for replica generation ",
+                                                     req.replica_generation(), ", but the replica in use is ",
+                                                     replica_generation_, " (reconfigured: map it again)"));
+  } else if (ended_ranks_.count(s->local_rank)) {
+    bad = absl::FailedPreconditionError(absl::StrCat("trainer rank ", s->local_rank, " already ended its push"));
+  }
+  if (!bad.ok()) {
+    std::vector<std::string> some(req.names().begin(), req.names().begin() + std::min(req.names_size(), 5));
+    bad = Annotate(bad, absl::StrCat("placing ", absl::StrJoin(some, ", "), req.names_size() > 5 ? ", ..." : ""));
+  }
+  for (const std::string& name : req.names()) {
+    if (!bad.ok()) break;
+    const Offer* o = nullptr;
+    if (offers != rank_offers_.end()) {
+      auto it = offers->second.find(name);
+      if (it != offers->second.end()) o = &it->second;
+    }
+    if (o == nullptr) {
+      bad = absl::PermissionDeniedError(
+          absl::StrCat("tensor ", name, " was not offered to trainer rank ", s->local_rank, " for placement"));
+      break;
+    }
+    tensors->push_back(replica::HfTensor{name, o->dtype, o->shape, nullptr, o->bytes});
+    *bytes += o->bytes;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::CommitPlacedReply> SourceNode::CommitPlaced(const v1::CommitPlacedRequest& req) {
+  // Buckets and placements of all ranks run beside each other (shared); StartUpdate, Configure and the drains wait.
+  std::shared_lock<std::shared_mutex> ingest(ingest_mu_);
+  const absl::Time begin = absl::Now();
+  int64_t version = -1;
+  std::vector<replica::HfTensor> tensors;
+  uint64_t bytes = 0;
+  absl::Status bad;  // a refusal: fails the update
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    WSYNC_RETURN_IF_ERROR(CheckPlaced(req, &version, &tensors, &bytes, &bad));
+  }
+  // Claimed all or none, against every bucket's and placement's claims of this update: a tensor arrives once.
+  if (bad.ok() && !tensors.empty()) bad = replica_->ClaimPlaced(tensors);
+  if (!bad.ok()) {
+    std::lock_guard<std::mutex> l(mu_);
+    absl::Status err =
+        Annotate(bad, absl::StrCat("placement of update ", req.version(), " refused, nothing from it was written"));
+    if (update_error_.ok() && version_ != -1) update_error_ = err;
+    spdlog::error("{}", err.ToString());
+    metrics_.Add("wsync_source_placements_total", {{"result", "rejected"}}, 1);
+    return err;
+  }
+  std::vector<replica::ReadyParam> ready;
+  for (const replica::HfTensor& t : tensors) {
+    absl::StatusOr<std::vector<replica::ReadyParam>> r = replica_->MarkPlaced(t);
+    if (!r.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      if (update_error_.ok()) update_error_ = r.status();
+      return r.status();
+    }
+    ready.insert(ready.end(), r->begin(), r->end());
+  }
+  const absl::Time loaded = absl::Now();
+  absl::Status ws = WriteReady(version, ready);
+  const double write_s = absl::ToDoubleSeconds(absl::Now() - loaded);
+  // Progress counts a weight once (its `_scale_inv` rides along), as for buckets.
+  const size_t scales = static_cast<size_t>(std::count_if(
+      tensors.begin(), tensors.end(), [](const replica::HfTensor& t) { return absl::EndsWith(t.name, "_scale_inv"); }));
+  std::lock_guard<std::mutex> l(mu_);
+  ingest_seconds_ += absl::ToDoubleSeconds(loaded - begin);
+  write_seconds_ += write_s;
+  tensors_received_ += tensors.size() - scales;
+  metrics_.Add("wsync_source_tensors_received_total", {}, static_cast<double>(tensors.size() - scales));
+  metrics_.Add("wsync_source_placed_bytes_total", {}, static_cast<double>(bytes));
+  if (!ws.ok()) {
+    if (update_error_.ok()) update_error_ = ws;
+    metrics_.Add("wsync_source_placements_total", {{"result", "write_failed"}}, 1);
+    return ws;
+  }
+  metrics_.Add("wsync_source_placements_total", {{"result", "ok"}}, 1);
+  v1::CommitPlacedReply out;
+  out.set_tensors(static_cast<uint32_t>(tensors.size()));
+  out.set_bytes(bytes);
+  out.set_params_ready(static_cast<uint32_t>(ready.size()));
+  return out;
 }
 
 }  // namespace wsync::daemon

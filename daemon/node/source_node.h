@@ -72,6 +72,10 @@ struct SourceOptions {
   // replica's worth of memory, refreshed by one copy per update), so that updates send engine ranks holding that
   // version only what changed. false: every update is dense.
   bool delta_base = true;
+  // Zero-copy placement (docs/operations.md): offer ranks the replica regions of tensors that need no conversion,
+  // so they copy them there themselves instead of into the ring. StartUpdateRequest.no_placement turns it off for
+  // one update.
+  bool placement = true;
 };
 
 // Dials a peer daemon's ConnectTarget (injected so tests can run without gRPC).
@@ -134,6 +138,20 @@ class SourceNode {
   absl::StatusOr<v1::CommitBucketReply> CommitBucket(const v1::CommitBucketRequest& req,
                                                      const CancelFn& cancelled = nullptr);
   absl::Status EndPush(const v1::EndPushRequest& req);
+  // Zero-copy placement. ReplicaFds: a duplicate of every layout buffer's memfd of the replica in use, for the
+  // session `session_id` to map (the hand-over socket sends them), with the generation BeginPush names it by.
+  // FailedPrecondition when no replica is configured.
+  struct ReplicaHandles {
+    uint64_t generation = 0;
+    std::vector<ScopedFd> fds;
+    std::vector<uint64_t> bytes;
+  };
+  absl::StatusOr<ReplicaHandles> ReplicaFds(const std::string& session_id);
+  // The rank placed `req.names` (its copies completed): claimed exactly like a bucket's tensors (all or none; a
+  // name not offered to this rank in this update, placed twice, also pushed through a ring, for another update or
+  // another replica generation is refused, naming it, and fails the update), then the parameters they complete are
+  // written. Thread-safe and parallel like CommitBucket.
+  absl::StatusOr<v1::CommitPlacedReply> CommitPlaced(const v1::CommitPlacedRequest& req);
 
   // Validates the whole request first: a refused one (InvalidArgument / FailedPrecondition naming why: no targets
   // while the push filters name tensors, an unknown engine kind or quantization, a layout that does not match the
@@ -256,6 +274,26 @@ class SourceNode {
   template <typename Pred>
   bool WaitCancellable(std::unique_lock<std::mutex>& l, absl::Duration wait, const CancelFn& cancelled, bool* gone,
                        Pred pred);
+  // A tensor a rank may place: exactly this dtype and shape, into these regions (BeginPushReply.placements).
+  struct Offer {
+    DType dtype = DType::kInvalid;
+    std::vector<int64_t> shape;
+    uint64_t bytes = 0;
+    v1::TensorPlacement proto;
+  };
+  using RankOffers = std::map<int, std::map<std::string, Offer>>;
+  // CommitPlaced's checks (requires mu_; the offers are fixed while the caller holds ingest_mu_): an error for a
+  // call that cannot concern the open update (unknown session, no update open), else the update's version and, in
+  // `tensors` (viewing `req` and the offers), what the rank may claim, or in `refusal` why the commit is refused
+  // (another update, a replaced replica, placement off, the rank ended its push, a tensor not offered to it).
+  absl::Status CheckPlaced(const v1::CommitPlacedRequest& req, int64_t* version,
+                           std::vector<replica::HfTensor>* tensors, uint64_t* bytes, absl::Status* refusal);
+  // Decides, per local rank, which of the tensors it pushes whole (`rank_push`) may be placed: those whose every
+  // read in `replica` is a byte copy of the dtype they are stored as, plus `_scale_inv` of the ones `fp8` lists
+  // (pushed by a rank that quantized them). Pure.
+  static RankOffers PlanPlacements(const replica::Replica& replica,
+                                   const std::map<int, std::vector<std::string>>& rank_push,
+                                   const v1::Fp8PushHint& fp8);
   static absl::StatusOr<BucketView> WaitForBucket(RingConsumer& ring, absl::Duration timeout,
                                                   const CancelFn& cancelled);
   // A tensor pushed in slices (shard-aware plans): assembled here until every rectangle this node's writes read has
@@ -360,6 +398,11 @@ class SourceNode {
   // tensors every layout quantizes here; empty names when the replica is not FP8.
   v1::Fp8PushHint fp8_hint_;
   size_t push_slices_ = 0;
+  // Zero-copy placement: what each local rank may place (replaced by Configure with the replica), the replica's
+  // generation (new at every Configure that builds one), and whether the open update offers placements.
+  RankOffers rank_offers_;
+  uint64_t replica_generation_ = 0;
+  bool placement_open_ = false;
   // Per layout and param: whether some target of this node takes bytes of it (what an update must complete), and
   // whether it completed in the open update (set by the one bucket whose load completed it, without a lock: one
   // writer per element per update; read by FinishUpdate under the exclusive ingest lock).

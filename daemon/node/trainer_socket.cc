@@ -250,6 +250,8 @@ bool TrainerSocket::Serve(Conn* c) {
   } else if (auto st = google::protobuf::util::JsonStringToMessage(frame->message, &hello, po); !st.ok()) {
     error = absl::StrCat("malformed hello (want {\"type\": \"open\", \"protocol\": 1, \"local_rank\": R}): ",
                          st.ToString());
+  } else if (hello.type() == "replica") {
+    return ServeReplica(c, hello.session_id());
   } else if (hello.type() != "open") {
     error = absl::StrCat("the first message must have type \"open\", not \"", hello.type(), "\"");
   } else if (hello.protocol() != kTrainerProtocol) {
@@ -285,6 +287,28 @@ bool TrainerSocket::Serve(Conn* c) {
   }
   c->session_id = s->id;
   return true;
+}
+
+bool TrainerSocket::ServeReplica(Conn* c, const std::string& session_id) {
+  v1::TrainerOpened reply;
+  reply.set_type("replica");
+  absl::StatusOr<SourceNode::ReplicaHandles> h = source_->ReplicaFds(session_id);
+  if (!h.ok()) {
+    spdlog::warn("trainer socket: pid {}: replica buffers refused: {}", c->pid, h.status().ToString());
+    reply.set_error(std::string(h.status().message()));
+    (void)SendFds(c->fd.get(), {}, ToJson(reply));
+    return false;
+  }
+  reply.set_ok(true);
+  reply.set_replica_generation(h->generation);
+  std::vector<int> fds;
+  for (size_t i = 0; i < h->fds.size(); ++i) {
+    fds.push_back(h->fds[i].get());
+    reply.add_replica_bytes(h->bytes[i]);
+  }
+  if (absl::Status sent = SendFds(c->fd.get(), fds, ToJson(reply)); !sent.ok())
+    spdlog::warn("trainer socket: pid {}: cannot hand over the replica buffers: {}", c->pid, sent.ToString());
+  return false;  // one answer per connection; the session's own connection stays the liveness signal
 }
 
 }  // namespace wsync::daemon

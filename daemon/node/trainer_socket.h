@@ -11,6 +11,10 @@
 // or, without a descriptor, {"type": "opened", "ok": false, "error": "..."}. The rank keeps the connection open for
 // the session's life: its end (process exit included) marks the session dead. The session id authorizes the rank's
 // TrainerIngest calls on the gRPC server at "rpc" (a Unix socket too; the TCP listener does not serve them).
+// A rank that places tensors straight into the replica (zero-copy placement) opens another connection and sends
+//   {"type": "replica", "protocol": 1, "session_id": "<its session id>"}
+// and gets {"type": "replica", "ok": true, "replica_generation": G, "replica_bytes": [...]} with one memfd per
+// replica layout (kMaxFdsPerFrame at most), after which the daemon closes that connection.
 //
 // Threads: one loop thread polls the listener and every connection; a hello must arrive within a few seconds.
 
@@ -67,6 +71,9 @@ class TrainerSocket {
   void Accept();
   // Handles a readable connection; false when it is finished (closed or refused).
   bool Serve(Conn* c);
+  // A {"type": "replica", "session_id": ...} hello: answers with the replica's memfds (zero-copy placement); always
+  // finishes the connection.
+  bool ServeReplica(Conn* c, const std::string& session_id);
   std::string Allowed() const;  // "uid 1000" / "uid 1000, 1001; gid 50" for messages
 
   TrainerSocketOptions opts_;

@@ -133,6 +133,11 @@ int main(int argc, char** argv) {
                  "min(4, hardware threads)")
       ->check(CLI::Range(0, 256))
       ->capture_default_str();
+  bool placement = true;
+  app.add_option("--placement", placement,
+                 "source: offer trainer ranks zero-copy placement (they copy tensors needing no conversion straight "
+                 "into the replica; docs/operations.md)")
+      ->capture_default_str();
   std::string trainer_socket;
   std::vector<uint32_t> trainer_uids, trainer_gids;
   app.add_option("--trainer-socket", trainer_socket,
@@ -250,6 +255,7 @@ int main(int argc, char** argv) {
     o.write_checksums = write_checksums;
     o.write_checksum_threads = write_checksum_threads;
     o.delta_base = delta_base;
+    o.placement = placement;
     source = std::make_unique<daemon::SourceNode>(o, transport.get(),
                                                   daemon::ConnectTargetReplyFn(daemon::DialConnectTargetReply));
     reg.set_trainer_ranks(trainer_ranks);

@@ -375,6 +375,8 @@ def run(args, cluster, deadline):
                   "begin_push with no open update: %.2f s: %s" % (took, e))
         trainer.timeout = 60.0
 
+        # Through the ring first (placement off).
+        trainer.placement = False
         coord.begin_update(version)
         names = trainer.begin_push(version)
         check(sorted(names) == sorted(specs), "push filter names every checkpoint tensor (%d)" % len(names))
@@ -414,13 +416,39 @@ def run(args, cluster, deadline):
         stats = trainer.stats()
         want_bytes = sum(2 * int(np.prod(s)) for s in specs.values()) + \
             2 * sum(int(np.prod(specs[names[k]])) for k in (0, 3))  # the two float32 pushes are twice as big
-        check(stats["tensors"] == len(specs) and stats["bytes"] == want_bytes and stats["buckets"] >= 7,
+        check(stats["tensors"] == len(specs) and stats["bytes"] == want_bytes and stats["buckets"] >= 7
+              and stats["placed"] == 0,
               "stats count %d tensors / %d bytes in %d buckets" % (stats["tensors"], stats["bytes"], stats["buckets"]))
         rec = coord.commit_update(version, timeout=max(5.0, deadline - time.monotonic() - 30))
         check(rec.get("success") is True, "update %d committed: %s" % (version, rec.get("error") or "success"))
         check(rec.get("version") == version and rec.get("engine_ranks") == 2 and rec.get("bytes", 0) > 0,
               "record has version %s, %s engine ranks, %s bytes" % (rec.get("version"), rec.get("engine_ranks"),
                                                                    rec.get("bytes")))
+        verify(version)
+        # The same pushes copied straight into the replica (zero-copy placement, docs/operations.md: every tensor of
+        # this bf16 model is offered), verified by the engine.
+        version += 1
+        trainer.placement = True
+        coord.begin_update(version)
+        names = trainer.begin_push(version)
+        check(sorted(names) == sorted(specs), "push filter names every checkpoint tensor (%d)" % len(names))
+        for k, name in enumerate(names):
+            bits = generate_bf16(name, version, specs[name])
+            if k % 3 == 0:
+                trainer.push(name, bits, dtype="bfloat16")
+            elif k % 3 == 1:
+                trainer.push(name, bits.view(np.uint16), dtype="bf16")  # alias spelling
+            else:
+                trainer.push(name, np.asfortranarray(bits), dtype="bfloat16")  # non-contiguous source
+        trainer.end_push(version)
+        stats = trainer.stats()
+        want_bytes = sum(2 * int(np.prod(s)) for s in specs.values())
+        check(stats["tensors"] == len(specs) and stats["bytes"] == want_bytes
+              and stats["placed"] == len(specs) and stats["buckets"] == 0,
+              "placement: %d tensors / %d bytes, %d placed, %d buckets"
+              % (stats["tensors"], stats["bytes"], stats["placed"], stats["buckets"]))
+        rec = coord.commit_update(version, timeout=max(5.0, deadline - time.monotonic() - 30))
+        check(rec.get("success") is True, "update %d committed: %s" % (version, rec.get("error") or "success"))
         verify(version)
 
         try:
@@ -532,15 +560,18 @@ def run(args, cluster, deadline):
               "an abort that wrote nothing resumes the engines: %s, engines %s" % (coord.last_abort, states))
         good = clean_abort
 
-        # Two more updates through push_update over a generator: by now the 1 MiB ring has wrapped.
-        for extra in (good + 1, good + 2):
+        # Three more updates through push_update over a generator, through the ring (placement off): by now the 1 MiB
+        # ring has wrapped.
+        trainer.placement = False
+        for extra in (good + 1, good + 2, good + 3):
             with coord.update(extra):
                 trainer.push_update(extra, ((n, generate_bf16(n, extra, specs[n])) for n in specs), dtype="bfloat16")
             verify(extra)
         check(trainer._ring._write > trainer._ring.capacity, "the ring wrapped: position %d, capacity %d"
               % (trainer._ring._write, trainer._ring.capacity))
 
-        run_torch(args, cluster, coord, trainer, specs, good + 3, verify, coord_addr)
+        trainer.placement = True
+        run_torch(args, cluster, coord, trainer, specs, good + 4, verify, coord_addr)
 
 
 def ctl(args, coord_addr, *cmd):

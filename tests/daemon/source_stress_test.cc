@@ -8,6 +8,13 @@
 // generated checkpoint. A tensor refused (a wrong shape, an overlapping slice) must leave every parameter reading
 // it untouched in every engine. And a bucket held inside the data path holds up neither another rank's bucket nor a
 // session hand-over (with a node-wide ingest lock both would wait for it).
+// Zero-copy placement: ranks copy the tensors the daemon offers straight into the replica's memfd-backed layout
+// buffers (mapped here as a trainer maps them) and commit them with CommitPlaced, alone or mixed with ring pushes
+// in one update; the same reference bytes must come out. Commits the daemon must refuse (a tensor offered to another
+// rank, one never offered, a second commit, another update's, a stale replica) fail the update, name the tensor and
+// leave every parameter reading it unwritten in every engine.
+
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -29,11 +36,15 @@
 #include "absl/strings/str_cat.h"
 #include "base/tensor_slice.h"
 #include "client/ring/ring.h"
+#include "client/trainer_client.h"
 #include "daemon/common/convert.h"
+#include "daemon/common/serve.h"
+#include "daemon/node/node_services.h"
 #include "daemon/node/source_node.h"
-#include "tests/daemon/null_source.h"
+#include "daemon/node/trainer_socket.h"
 #include "replica/model_config.h"
 #include "replica/param_table.h"
+#include "tests/daemon/null_source.h"
 #include "tools/testdata/weight_gen.h"
 #include "tools/testing/engine_ref/ref_model.h"
 #include "transport/transport.h"
@@ -131,7 +142,10 @@ struct Harness {
   std::vector<ScopedFd> fds;
   std::vector<std::vector<Frame>> frames;  // per rank, in push order
 
-  explicit Harness(std::function<void(const BucketTiming&)> observer = nullptr) {
+  std::atomic<int> placed{0};  // tensors committed with CommitPlaced (accepted)
+
+  // `slices`: the embedding and one down_proj arrive as slices (else whole, like every other tensor).
+  explicit Harness(std::function<void(const BucketTiming&)> observer = nullptr, bool slices = true) {
     json = ReadFile(WSYNC_TINY_MODEL);
     auto c = replica::ModelConfig::FromJson(json);
     REQUIRE(c.ok());
@@ -194,18 +208,18 @@ struct Harness {
       frames[rank].push_back({EncodeSliceName(name, full, offsets), name, ext, offsets});
     };
     const auto& emb = specs.at(kEmbed).shape;
-    for (int r = 0; r < kRanks; ++r) {
+    for (int r = 0; r < kRanks && slices; ++r) {
       const int64_t r0 = emb[0] * r / kRanks, r1 = emb[0] * (r + 1) / kRanks;
       add_slice(r, kEmbed, {r0, 0}, {r1 - r0, emb[1]});
     }
     const auto& down = specs.at(kDown).shape;
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < 4 && slices; ++r) {
       const int64_t c0 = down[1] * r / 4, c1 = down[1] * (r + 1) / 4;
       add_slice(r, kDown, {0, c0}, {down[0], c1 - c0});
     }
     int i = 0;
     for (const auto& t : *all) {
-      if (t.name == kEmbed || t.name == kDown) continue;
+      if (slices && (t.name == kEmbed || t.name == kDown)) continue;
       const int r = i++ % kRanks;
       filters[r]->add_tensor_names(t.name);
       frames[r].push_back({t.name, t.name, t.shape, {}});
@@ -276,11 +290,59 @@ struct Harness {
     return node->CommitBucket(cb);
   }
 
-  absl::Status Start(int64_t v) {
+  absl::Status Start(int64_t v, bool no_placement = false) {
     v1::StartUpdateRequest r;
     r.set_version(v);
     r.set_plan_epoch(kPlan);
+    r.set_no_placement(no_placement);
     return node->StartUpdate(r);
+  }
+
+  // The replica's layout buffers as a trainer rank maps them (its own MAP_SHARED mapping of the daemon's memfds).
+  struct Mapping {
+    uint64_t generation = 0;
+    std::vector<std::pair<uint8_t*, uint64_t>> layouts;
+    Mapping() = default;
+    Mapping(const Mapping&) = delete;
+    Mapping& operator=(const Mapping&) = delete;
+    ~Mapping() {
+      for (auto& [a, n] : layouts) munmap(a, n);
+    }
+  };
+  // (No REQUIREs: called from the ranks' threads.)
+  absl::StatusOr<std::unique_ptr<Mapping>> Map(int rank) {
+    auto h = node->ReplicaFds(sessions[rank]);
+    if (!h.ok()) return h.status();
+    auto m = std::make_unique<Mapping>();
+    m->generation = h->generation;
+    for (size_t i = 0; i < h->fds.size(); ++i) {
+      void* a = mmap(nullptr, h->bytes[i], PROT_READ | PROT_WRITE, MAP_SHARED, h->fds[i].get(), 0);
+      if (a == MAP_FAILED) return absl::InternalError("mmap of a replica layout failed");
+      m->layouts.push_back({static_cast<uint8_t*>(a), h->bytes[i]});
+    }
+    return m;
+  }
+  // Copies `data` into the regions `p` offers, as the client does.
+  static absl::Status Place(const Mapping& m, const v1::TensorPlacement& p, const std::vector<uint8_t>& data) {
+    for (const auto& r : p.regions()) {
+      if (static_cast<size_t>(r.layout()) >= m.layouts.size() ||
+          r.offset() + (r.rows() - 1) * r.pitch() + r.row_bytes() > m.layouts[r.layout()].second ||
+          r.src_offset() + (r.rows() - 1) * r.src_pitch() + r.row_bytes() > data.size())
+        return absl::InternalError(absl::StrCat("region of ", p.name(), " outside the replica or the tensor"));
+      for (int64_t i = 0; i < r.rows(); ++i)
+        std::memcpy(m.layouts[r.layout()].first + r.offset() + i * r.pitch(),
+                    data.data() + r.src_offset() + i * r.src_pitch(), r.row_bytes());
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<v1::CommitPlacedReply> CommitPlaced(int rank, int64_t version, uint64_t generation,
+                                                     const std::vector<std::string>& names) {
+    v1::CommitPlacedRequest req;
+    req.set_session_id(sessions[rank]);
+    req.set_version(version);
+    req.set_replica_generation(generation);
+    for (const auto& n : names) req.add_names(n);
+    return node->CommitPlaced(req);
   }
   absl::StatusOr<v1::FinishUpdateReply> Finish(int64_t v) {
     v1::FinishUpdateRequest r;
@@ -293,8 +355,11 @@ struct Harness {
   // Every rank pushes its frames of checkpoint `step` as update `step`, from its own thread, all released at once;
   // buckets of three frames, each committed from the rank's thread. `mutate(rank, frame)` may change a frame's shape
   // or offsets (the data stays the frame's bytes). Returns every CommitBucket error, by rank.
+  // Ranks whose bit is set in `placing` copy every frame the daemon offers for placement straight into the replica
+  // and commit those with CommitPlaced at the same bucket boundaries.
   std::map<int, std::vector<absl::Status>> PushAll(int64_t step,
-                                                   const std::function<void(int, Frame*)>& mutate = nullptr) {
+                                                   const std::function<void(int, Frame*)>& mutate = nullptr,
+                                                   uint32_t placing = 0) {
     std::mutex mu;
     std::condition_variable cv;
     int ready = 0;
@@ -322,19 +387,45 @@ struct Harness {
         if (!names.ok()) return fail(names.status());
         auto prod = RingProducer::Attach(fds[r].get());
         if (!prod.ok()) return fail(prod.status());
+        std::map<std::string, v1::TensorPlacement> offers;
+        if (placing & (1u << r))
+          for (const auto& p : names->placements()) offers[p.name()] = p;
         {
           std::unique_lock<std::mutex> l(mu);
           ++ready;
           cv.notify_all();
           cv.wait(l, [&] { return ready == kRanks; });
         }
+        std::unique_ptr<Mapping> mapping;
+        if (!offers.empty()) {
+          auto m = Map(r);
+          if (!m.ok()) return fail(m.status());
+          mapping = *std::move(m);
+        }
+        std::vector<std::string> pending;
+        int in_bucket = 0;
         for (size_t i = 0; i < mine.size(); ++i) {
           const Frame& f = mine[i];
-          auto dst = prod->BeginTensor(f.name, specs.at(f.tensor).dtype, f.shape, data[i].size(), absl::Seconds(10));
-          if (!dst.ok()) return fail(dst.status());
-          std::memcpy(*dst, data[i].data(), data[i].size());
-          if (auto st = prod->FinishTensor(); !st.ok()) return fail(st);
+          auto offer = offers.find(f.name);
+          if (offer != offers.end()) {
+            if (auto st = Place(*mapping, offer->second, data[i]); !st.ok()) return fail(st);
+            pending.push_back(f.name);
+          } else {
+            auto dst = prod->BeginTensor(f.name, specs.at(f.tensor).dtype, f.shape, data[i].size(), absl::Seconds(10));
+            if (!dst.ok()) return fail(dst.status());
+            std::memcpy(*dst, data[i].data(), data[i].size());
+            if (auto st = prod->FinishTensor(); !st.ok()) return fail(st);
+            ++in_bucket;
+          }
           if (i % 3 != 2 && i + 1 != mine.size()) continue;
+          if (!pending.empty()) {
+            auto c = CommitPlaced(r, step, names->replica_generation(), pending);
+            if (c.ok()) placed += static_cast<int>(pending.size());
+            if (!c.ok()) fail(c.status());
+            pending.clear();
+          }
+          if (in_bucket == 0) continue;
+          in_bucket = 0;
           auto seq = prod->CommitBucket();
           if (!seq.ok()) return fail(seq.status());
           v1::CommitBucketRequest cb;
@@ -515,6 +606,232 @@ TEST_CASE("source: a bucket still being worked on holds up neither another rank'
   auto st = stuck.get();
   INFO(st.status().ToString());
   CHECK(st.ok());
+}
+
+constexpr uint32_t kAllRanks = (1u << kRanks) - 1;
+
+TEST_CASE("placement: eight ranks copying straight into the replica give the reference loader's bytes (TP 1, TP 2)") {
+  // Every tensor whole: fused q/k/v and gate/up slots, row and column shards at TP 2, the vocabulary-sharded
+  // embedding and lm_head, norms: all of them byte copies for this bf16 model, so all are offered.
+  Harness h(nullptr, /*slices=*/false);
+  size_t frames = 0;
+  for (const auto& f : h.frames) frames += f.size();
+  for (int64_t step = 1; step <= 3; ++step) {
+    INFO("update " << step);
+    h.placed = 0;
+    REQUIRE(h.Start(step).ok());
+    const auto errors = h.PushAll(step, nullptr, kAllRanks);
+    INFO(Errors(errors));
+    REQUIRE(errors.empty());
+    CHECK(static_cast<size_t>(h.placed.load()) == frames);  // nothing went through a ring
+    auto fin = h.Finish(step);
+    INFO(fin.status().ToString());
+    REQUIRE(fin.ok());
+    const auto bad = h.Mismatches(step);
+    INFO(Join(bad));
+    CHECK(bad.empty());
+  }
+  CHECK(h.Mismatches(2).size() == h.NumParams());
+}
+
+TEST_CASE("placement: ring pushes, slices and placements of eight ranks mixed in one update; off for one update") {
+  Harness h;  // the embedding and a down_proj as slices (through the rings)
+  for (int64_t step = 1; step <= 3; ++step) {
+    INFO("update " << step);
+    h.placed = 0;
+    // Update 2 turns placement off (StartUpdateRequest.no_placement): nothing is offered, all goes through rings.
+    REQUIRE(h.Start(step, /*no_placement=*/step == 2).ok());
+    const auto errors = h.PushAll(step, nullptr, 0x55);  // ranks 0, 2, 4, 6 place; the others use their rings
+    INFO(Errors(errors));
+    REQUIRE(errors.empty());
+    if (step == 2) {
+      CHECK(h.placed == 0);
+    } else {
+      CHECK(h.placed > 0);
+    }
+    auto fin = h.Finish(step);
+    INFO(fin.status().ToString());
+    REQUIRE(fin.ok());
+    const auto bad = h.Mismatches(step);
+    INFO(Join(bad));
+    CHECK(bad.empty());
+  }
+}
+
+TEST_CASE(
+    "placement: a commit the daemon did not offer, a repeat, another update's or a stale replica's is refused "
+    "and nothing of it reaches an engine") {
+  Harness h(nullptr, /*slices=*/false);
+  REQUIRE(h.Start(1).ok());
+  REQUIRE(h.PushAll(1, nullptr, kAllRanks).empty());
+  REQUIRE(h.Finish(1).ok());
+  REQUIRE(h.Mismatches(1).empty());
+
+  // The victim: layer 1's k_proj (a slot of the fused qkv_proj at TP 1 and TP 2), offered to its owner only.
+  int owner = -1;
+  for (int r = 0; r < kRanks; ++r)
+    for (const auto& f : h.frames[r])
+      if (f.name == kBadK) owner = r;
+  REQUIRE(owner >= 0);
+  const int other = (owner + 1) % kRanks;
+  std::vector<std::string> offered_to_owner, offered_to_other;
+  uint64_t generation = 0;
+  REQUIRE(h.Start(2).ok());
+  for (int r : {owner, other}) {
+    v1::BeginPushRequest bp;
+    bp.set_session_id(h.sessions[r]);
+    bp.set_version(2);
+    auto rep = h.node->BeginPush(bp);
+    REQUIRE(rep.ok());
+    generation = rep->replica_generation();
+    for (const auto& p : rep->placements()) (r == owner ? offered_to_owner : offered_to_other).push_back(p.name());
+  }
+  REQUIRE(std::count(offered_to_owner.begin(), offered_to_owner.end(), kBadK) == 1);
+  REQUIRE(std::count(offered_to_other.begin(), offered_to_other.end(), kBadK) == 0);
+
+  std::string why;
+  SECTION("a rank placing into another rank's destinations") {
+    // Rank `other` writes its own bytes over the victim's regions (the daemon cannot see a stray copy) and commits
+    // it: refused, as it was never offered to it.
+    auto mapping = h.Map(other);
+    REQUIRE(mapping.ok());
+    v1::BeginPushRequest bp;
+    bp.set_session_id(h.sessions[owner]);
+    bp.set_version(2);
+    auto rep = h.node->BeginPush(bp);
+    REQUIRE(rep.ok());
+    for (const auto& p : rep->placements())
+      if (p.name() == kBadK) REQUIRE(h.Place(**mapping, p, std::vector<uint8_t>(h.Tensor(kBadK, 2).size(), 0x7f)).ok());
+    auto c = h.CommitPlaced(other, 2, generation, {kBadK});
+    REQUIRE_FALSE(c.ok());
+    CHECK(c.status().code() == absl::StatusCode::kPermissionDenied);
+    CHECK(absl::StrContains(c.status().message(), kBadK));
+    why = c.status().ToString();
+  }
+  SECTION("a rank committing a tensor nobody was offered") {
+    auto c = h.CommitPlaced(owner, 2, generation, {kBadK, "model.layers.1.self_attn.no_such_proj.weight"});
+    REQUIRE_FALSE(c.ok());
+    CHECK(absl::StrContains(c.status().message(), "no_such_proj"));
+    why = c.status().ToString();  // all or none: kBadK of the same call is not claimed either
+  }
+  SECTION("a placement committed for another update") {
+    auto c = h.CommitPlaced(owner, 1, generation, {kBadK});
+    REQUIRE_FALSE(c.ok());
+    CHECK(absl::StrContains(c.status().message(), "update 1"));
+    CHECK(absl::StrContains(c.status().message(), kBadK));
+    why = c.status().ToString();
+  }
+  SECTION("a placement committed for a replica that is no longer in use") {
+    auto c = h.CommitPlaced(owner, 2, generation - 1, {kBadK});
+    REQUIRE_FALSE(c.ok());
+    CHECK(absl::StrContains(c.status().message(), "generation"));
+    CHECK(absl::StrContains(c.status().message(), kBadK));
+    why = c.status().ToString();
+  }
+  SECTION("a tensor placed twice, or placed after it came through the ring") {
+    // The owner pushes the victim through its ring (accepted), then also commits it as placed: refused. Nothing
+    // of the victim may be missing here (the ring's copy was whole), so the check is the refusal and the failure.
+    auto b = h.Bucket(owner, {kBadK}, 2);
+    REQUIRE(b.ok());
+    auto c = h.CommitPlaced(owner, 2, generation, {kBadK});
+    REQUIRE_FALSE(c.ok());
+    CHECK(c.status().code() == absl::StatusCode::kAlreadyExists);
+    CHECK(absl::StrContains(c.status().message(), kBadK));
+    auto fin = h.Finish(2);
+    CHECK_FALSE(fin.ok());
+    return;
+  }
+  INFO(why);
+  CHECK(absl::StrContains(why, "nothing from it was written"));
+
+  // Every other tensor arrives (the victim does not: its placement was refused).
+  auto& mine = h.frames[owner];
+  mine.erase(std::remove_if(mine.begin(), mine.end(), [](const Frame& f) { return f.name == kBadK; }), mine.end());
+  const auto errors = h.PushAll(2, nullptr, kAllRanks);
+  INFO(Errors(errors));
+  CHECK(errors.empty());
+  auto fin = h.Finish(2);
+  CHECK_FALSE(fin.ok());
+  const auto stale = h.Mismatches(2);
+  const auto fresh = h.Mismatches(1);
+  const std::set<std::string> not_one(fresh.begin(), fresh.end());
+  INFO("not update 2's: " << Join(stale));
+  for (const auto& e : h.engines) {
+    const std::string qkv = absl::StrCat("tp", e.tp, "/", e.rank, ":model.layers.1.self_attn.qkv_proj.weight");
+    CHECK(std::count(stale.begin(), stale.end(), qkv) == 1);  // never written in update 2 ...
+    CHECK(not_one.count(qkv) == 0);                           // ... still update 1's bytes
+  }
+}
+
+TEST_CASE("placement through the C++ client: offered host tensors land in the replica, the rest in the ring") {
+  // The real client over the daemon's trainer socket and TrainerIngest gRPC server: even ranks place (the default),
+  // odd ranks turn placement off; the same clients across two updates (the replica is mapped once).
+  Harness h(nullptr, /*slices=*/false);
+  char tmpl[] = "/tmp/wsync-placement-test.XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::string path = dir + "/wsyncd.sock";
+  TrainerSocketOptions to;
+  to.path = path;
+  TrainerIngestService ingest(h.node.get());
+  auto rpc = ServeUnix(path + ".rpc", {&ingest}, TrainerSocket::SocketMode(to));
+  REQUIRE(rpc.ok());
+  auto sock = TrainerSocket::Start(to, h.node.get(), "unix:" + path + ".rpc");
+  REQUIRE(sock.ok());
+  std::vector<std::unique_ptr<client::TrainerClient>> clients;
+  for (int r = 0; r < kRanks; ++r) {
+    client::TrainerOptions o;
+    o.daemon = path;
+    o.local_rank = r;
+    o.bucket_bytes = 64 << 10;
+    o.placement = r % 2 == 0;
+    auto c = client::TrainerClient::Connect(o);
+    INFO(c.status().ToString());
+    REQUIRE(c.ok());
+    clients.push_back(*std::move(c));
+  }
+  for (int64_t step = 1; step <= 2; ++step) {
+    INFO("update " << step);
+    REQUIRE(h.Start(step).ok());
+    std::vector<absl::Status> results(kRanks);
+    std::vector<client::PushStats> stats(kRanks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        results[r] = [&]() -> absl::Status {
+          auto names = clients[r]->BeginPush(step);
+          if (!names.ok()) return names.status();
+          for (const auto& n : *names) {
+            const std::vector<uint8_t> data = h.Tensor(n, step);
+            const auto& spec = h.specs.at(n);
+            if (auto st = clients[r]->Push(n, spec.dtype, spec.shape, data.data(), data.size()); !st.ok()) return st;
+          }
+          stats[r] = clients[r]->stats();
+          return clients[r]->EndPush(step);
+        }();
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < kRanks; ++r) {
+      INFO("rank " << r << ": " << results[r].ToString());
+      CHECK(results[r].ok());
+      CHECK(stats[r].tensors > 0);
+      if (r % 2 == 0) {
+        CHECK(stats[r].placed == stats[r].tensors);  // every tensor of this bf16 model is a byte copy
+      } else {
+        CHECK(stats[r].placed == 0);
+      }
+    }
+    auto fin = h.Finish(step);
+    INFO(fin.status().ToString());
+    REQUIRE(fin.ok());
+    const auto bad = h.Mismatches(step);
+    INFO(Join(bad));
+    CHECK(bad.empty());
+  }
+  clients.clear();
+  sock->reset();
+  (*rpc)->Shutdown();
+  std::system(("rm -rf " + dir).c_str());
 }
 
 }  // namespace

@@ -1,10 +1,12 @@
 #include "replica/replica.h"
 
-#include <catch2/catch.hpp>
+#include <sys/mman.h>
 
+#include <catch2/catch.hpp>
 #include <cstring>
 #include <map>
 #include <random>
+#include <set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -359,6 +361,85 @@ TEST_CASE("fp8 block quantization at load and pass-through agree", "[replica][fp
   auto plain = Replica::Create(c, ranks, {});
   REQUIRE(plain.ok());
   CHECK_FALSE((*plain)->Validate(qb_scale.view()).ok());
+}
+
+TEST_CASE("placement: bytes copied into a shared mapping by PlaceRects equal Load's, readiness once",
+          "[replica][placement]") {
+  // The FP8 pass-through checkpoint of a tiny DeepSeek (MLA, MoE experts, shared experts) at TP 2: fp8 codes and
+  // their scales, bf16 and f32 tensors. One replica loads everything (the reference); the other gets every tensor
+  // PlaceRects accepts copied in through its own MAP_SHARED mapping of fd(), as a trainer process does, and the
+  // rest loaded.
+  ModelConfig c = testing::TinyDeepseek();
+  QuantSpec q;
+  q.mode = QuantSpec::Mode::kFp8Block;
+  q.block_n = q.block_k = 2;
+  const std::vector<RankParallelism> ranks = {RankParallelism::ForTp(2, 0), RankParallelism::ForTp(2, 1)};
+  auto loaded = Replica::Create(c, ranks, q);
+  auto placed = Replica::Create(c, ranks, q);
+  REQUIRE(loaded.ok());
+  REQUIRE(placed.ok());
+  auto list = CheckpointTensors(c, CheckpointFormat::kFp8PassThrough, 2, 2);
+  REQUIRE(list.ok());
+  std::vector<std::pair<uint8_t*, uint64_t>> maps;
+  for (int l = 0; l < (*placed)->num_layouts(); ++l) {
+    void* a = mmap(nullptr, (*placed)->mapped_bytes(l), PROT_READ | PROT_WRITE, MAP_SHARED, (*placed)->fd(l), 0);
+    REQUIRE(a != MAP_FAILED);
+    REQUIRE(a != (*placed)->data(l));
+    maps.push_back({static_cast<uint8_t*>(a), (*placed)->mapped_bytes(l)});
+  }
+  for (int round = 0; round < 2; ++round) {
+    (*loaded)->BeginUpdate();
+    (*placed)->BeginUpdate();
+    std::multiset<std::pair<int, int>> ready_loaded, ready_placed;
+    int n_placed = 0;
+    uint32_t seed = 11 + round * 1000;
+    for (const TensorSpec& s : *list) {
+      Tensor t{s.name, s.dtype, s.shape, std::vector<uint8_t>(s.bytes())};
+      std::mt19937 rng(seed++);
+      for (auto& b : t.data) b = static_cast<uint8_t>(rng() & 0x7e);  // no NaN patterns: compared as bytes anyway
+      auto r = (*loaded)->Ingest(t.view());
+      REQUIRE(r.ok());
+      for (const auto& x : *r) ready_loaded.insert({x.layout, x.param});
+      auto rects = (*placed)->PlaceRects(s.name, s.dtype);
+      if (!rects.ok() || (*placed)->PlaceableDType(s.name) != s.dtype) {
+        auto l = (*placed)->Ingest(t.view());
+        REQUIRE(l.ok());
+        for (const auto& x : *l) ready_placed.insert({x.layout, x.param});
+        continue;
+      }
+      for (const PlacedRect& pr : *rects) {
+        REQUIRE(pr.offset + (pr.rows - 1) * pr.pitch + pr.row_bytes <= maps[pr.layout].second);
+        for (int64_t i = 0; i < pr.rows; ++i)
+          std::memcpy(maps[pr.layout].first + pr.offset + i * pr.pitch,
+                      t.data.data() + pr.src_offset + i * pr.src_pitch, pr.row_bytes);
+      }
+      HfTensor v = t.view();
+      v.data = nullptr;  // the replica must not need the bytes
+      REQUIRE((*placed)->ClaimPlaced({v}).ok());
+      // A second arrival of it, placed or through Load, is refused.
+      CHECK((*placed)->ClaimPlaced({v}).code() == absl::StatusCode::kAlreadyExists);
+      CHECK((*placed)->Claim({t.view()}).code() == absl::StatusCode::kAlreadyExists);
+      auto m = (*placed)->MarkPlaced(v);
+      REQUIRE(m.ok());
+      for (const auto& x : *m) ready_placed.insert({x.layout, x.param});
+      ++n_placed;
+    }
+    CHECK(n_placed > static_cast<int>(list->size()) / 2);
+    CHECK((*loaded)->FinishUpdate().ok());
+    CHECK((*placed)->FinishUpdate().ok());
+    CHECK(Snapshot(**loaded) == Snapshot(**placed));
+    CHECK(ready_loaded == ready_placed);  // every parameter reported ready exactly once, by both
+  }
+
+  // A tensor that converts cannot be placed: a bf16 weight of an FP8 layout is quantized on load.
+  const TensorSpec& w =
+      *std::find_if(list->begin(), list->end(), [](const TensorSpec& s) { return s.dtype == DType::kF8E4M3; });
+  auto bf16 = (*placed)->PlaceRects(w.name, DType::kBF16);
+  CHECK(bf16.status().code() == absl::StatusCode::kFailedPrecondition);
+  (*placed)->BeginUpdate();
+  HfTensor v{w.name, DType::kBF16, w.shape, nullptr, w.bytes() / DTypeSize(w.dtype) * 2};
+  CHECK((*placed)->ClaimPlaced({v}).code() == absl::StatusCode::kFailedPrecondition);
+  for (auto& [a, n] : maps) munmap(a, n);
 }
 
 TEST_CASE("FP8 MLA KV-cache scales hold 1.0 and are ready once per update, with kv_b_proj", "[replica][fp8]") {

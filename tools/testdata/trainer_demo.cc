@@ -281,8 +281,11 @@ int main(int argc, char** argv) {
                   prequantized, prequantize.c_str(), static_cast<int>(fp8_names.size()));
     prequantized = 0;
     const auto& ps = (*c)->stats();
-    spdlog::info("update {}: pushed {} tensors, {:.1f} MiB in {} buckets ({:.2f}s)", v, ps.tensors, ps.bytes / 1048576.0,
-                 ps.buckets, absl::ToDoubleSeconds(absl::Now() - t0));
+    spdlog::info(
+        "update {}: pushed {} tensors, {:.1f} MiB in {} buckets ({:.2f}s); {} tensors, {:.1f} MiB placed "
+        "straight into the replica",
+        v, ps.tensors, ps.bytes / 1048576.0, ps.buckets, absl::ToDoubleSeconds(absl::Now() - t0), ps.placed,
+        ps.placed_bytes / 1048576.0);
     if (!drive) continue;
     const double push_wall = absl::ToDoubleSeconds(absl::Now() - t0);
     std::printf(

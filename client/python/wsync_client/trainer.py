@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import socket
 import struct
@@ -174,8 +175,18 @@ class Trainer:
 
     def __init__(self, daemon: str = DEFAULT_SOCKET, local_rank: int = 0, global_rank: int = 0,
                  bucket_bytes: int = 0, timeout: float = 120.0, connect_timeout: float = 30.0,
-                 gpu_fp8: bool = False):
+                 gpu_fp8: bool = False, placement: bool = True):
         self.gpu_fp8 = bool(gpu_fp8)
+        # Zero-copy placement (docs/operations.md): tensors begin_push offers are copied straight into the node's
+        # replica (mapped from the daemon's memfds) instead of the ring, and committed with CommitPlaced.
+        self.placement = bool(placement)
+        self._offers: Dict[str, Any] = {}
+        self._offer_gen = 0
+        self._maps: List[mmap.mmap] = []
+        self._mapped_gen = 0
+        self._placed: List[str] = []
+        self._placed_pending = 0
+        self._version = None
         self._fp8 = None  # the last begin_push's FP8 hint: (block_n, block_k, ue8m0, names)
         self._sock: Optional[socket.socket] = None
         self._ring: Optional[RingProducer] = None
@@ -183,7 +194,7 @@ class Trainer:
         self._in_flight = None
         self.daemon = daemon
         self.timeout = float(timeout)
-        self._stats = {"tensors": 0, "bytes": 0, "buckets": 0, "fp8_quantized": 0}
+        self._stats = {"tensors": 0, "bytes": 0, "buckets": 0, "fp8_quantized": 0, "placed": 0, "placed_bytes": 0}
         if "/" not in daemon:
             raise WsyncError(INVALID_ARGUMENT, "%r is not a Unix socket path: trainer ranks reach their node's source "
                              "wsyncd through its local trainer socket (wsyncd --trainer-socket, default %s), not "
@@ -247,6 +258,7 @@ class Trainer:
 
     # ---- lifetime ----
     def _close_quietly(self) -> None:
+        self._unmap_replica()
         if self._ring is not None:
             self._ring.close()
             self._ring = None
@@ -311,7 +323,11 @@ class Trainer:
                 err = WsyncError(DEADLINE_EXCEEDED, "no update is open: update %d was not opened within %gs; call "
                                  "Coordinator.begin_update(%d) first" % (int(version), self.timeout, int(version)))
             raise err from None
-        self._stats = {"tensors": 0, "bytes": 0, "buckets": 0, "fp8_quantized": 0}
+        self._stats = {"tensors": 0, "bytes": 0, "buckets": 0, "fp8_quantized": 0, "placed": 0, "placed_bytes": 0}
+        self._version = int(version)
+        self._placed, self._placed_pending = [], 0
+        self._offers = {p.name: p for p in rep.placements} if self.placement else {}
+        self._offer_gen = int(rep.replica_generation)
         self._fp8 = None
         if rep.HasField("fp8") and rep.fp8.tensor_names:
             self._fp8 = (int(rep.fp8.block_n), int(rep.fp8.block_k), bool(rep.fp8.ue8m0), set(rep.fp8.tensor_names))
@@ -393,7 +409,115 @@ class Trainer:
                 return
         self._push(name, array, dtype)
 
+    # ---- zero-copy placement ----
+    def _map_replica(self) -> None:
+        """Maps the replica's layout buffers (memfds from the daemon's trainer socket, a {"type": "replica"} hello)."""
+        if self._maps and self._mapped_gen == self._offer_gen:
+            return
+        self._unmap_replica()
+        deadline = time.monotonic() + self.timeout
+        sock = _connect(self.daemon, deadline, self.timeout)
+        try:
+            sock.settimeout(self.timeout)
+            hello = json.dumps({"type": "replica", "protocol": PROTOCOL, "session_id": self.session_id}).encode()
+            sock.sendall(struct.pack("<I", len(hello)) + hello)
+            head, fds, _, _ = socket.recv_fds(sock, 4, 256, socket.MSG_WAITALL)
+            try:
+                if len(head) < 4:
+                    raise WsyncError(UNAVAILABLE, "trainer socket %s: the daemon closed the connection" % self.daemon)
+                (n,) = struct.unpack("<I", head)
+                if n > _MAX_ANSWER:
+                    raise WsyncError(DATA_LOSS, "trainer socket %s: answer of %d bytes" % (self.daemon, n))
+                answer = json.loads(_recv_exact(sock, n, self.daemon))
+                if not answer.get("ok", False):
+                    raise WsyncError(FAILED_PRECONDITION, "wsyncd refused the replica's buffers: %s"
+                                     % answer.get("error", "no reason given"))
+                sizes = [int(b) for b in answer.get("replica_bytes", [])]
+                if int(answer.get("replica_generation", 0)) != self._offer_gen or len(sizes) != len(fds):
+                    raise WsyncError(FAILED_PRECONDITION, "the replica changed since begin_push, or the answer is "
+                                     "malformed (%d descriptors)" % len(fds))
+                self._maps = [mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                              for fd, size in zip(fds, sizes)]
+                self._mapped_gen = self._offer_gen
+            finally:
+                for fd in fds:
+                    os.close(fd)  # the mappings keep the buffers
+        finally:
+            sock.close()
+
+    def _unmap_replica(self) -> None:
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:
+                pass  # a view over it is still referenced; the GC drops it
+        self._maps, self._mapped_gen = [], 0
+
+    def _try_place(self, name: str, array: Any, dtype: Optional[str]) -> bool:
+        """Copies a tensor begin_push offered for placement (exactly its dtype and shape) into the replica; False
+        when it must go through the ring."""
+        offer = self._offers.get(name)
+        if offer is None:
+            return False
+        dt, shape, nbytes, _ = _describe(name, array, dtype)
+        if dt != canonical_dtype(offer.dtype) or tuple(shape) != tuple(offer.shape):
+            return False
+        self._map_replica()
+        for r in offer.regions:
+            if (r.layout >= len(self._maps)
+                    or r.offset + (r.rows - 1) * r.pitch + r.row_bytes > len(self._maps[r.layout])
+                    or r.src_offset + (r.rows - 1) * r.src_pitch + r.row_bytes > nbytes):
+                raise WsyncError(DATA_LOSS, "tensor %s: the daemon offered a region outside the replica or the tensor"
+                                 % name)
+        if _is_torch_tensor(array):
+            import torch
+            with torch.no_grad():
+                src = array.detach()
+                src = (src if src.is_contiguous() else src.contiguous()).reshape(-1).view(torch.uint8)
+                for r in offer.regions:
+                    if r.rows <= 0 or r.row_bytes == 0:
+                        continue
+                    dst = torch.frombuffer(self._maps[r.layout], dtype=torch.uint8)
+                    # One copy per region: host memcpy, or torch's device-to-host copy for a CUDA tensor (synchronous,
+                    # so it has landed before the commit).
+                    # as_strided's offset counts from the storage's start, not the view's (a row slice of a fused
+                    # tensor is a contiguous view into the middle of its storage).
+                    dst.as_strided((r.rows, r.row_bytes), (r.pitch, 1), r.offset).copy_(
+                        src.as_strided((r.rows, r.row_bytes), (r.src_pitch, 1), src.storage_offset() + r.src_offset))
+        else:
+            import numpy as np
+            from numpy.lib.stride_tricks import as_strided
+            src = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            for r in offer.regions:
+                if r.rows <= 0 or r.row_bytes == 0:
+                    continue
+                dst = np.frombuffer(self._maps[r.layout], dtype=np.uint8)
+                np.copyto(as_strided(dst[r.offset:], (r.rows, r.row_bytes), (r.pitch, 1)),
+                          as_strided(src[r.src_offset:], (r.rows, r.row_bytes), (r.src_pitch, 1)))
+        self._placed.append(name)
+        self._placed_pending += nbytes
+        self._stats["tensors"] += 1
+        self._stats["bytes"] += nbytes
+        self._stats["placed"] += 1
+        self._stats["placed_bytes"] += nbytes
+        if self._placed_pending >= self.bucket_limit:
+            self._commit_placed()
+        return True
+
+    def _commit_placed(self) -> None:
+        if not self._placed:
+            return
+        names, self._placed, self._placed_pending = self._placed, [], 0
+        try:
+            self._stub.CommitPlaced(trainer_pb2.CommitPlacedRequest(
+                session_id=self.session_id, version=self._version, replica_generation=self._mapped_gen, names=names),
+                timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "committing %d placed tensors" % len(names)) from None
+
     def _push(self, name: str, array: Any, dtype: Optional[str]) -> None:
+        if self._offers and self._try_place(name, array, dtype):
+            return
         ring = self._live()
         dt, shape, nbytes, fill = _describe(name, array, dtype)
         want = getattr(self, "_expected", None)
@@ -469,6 +593,7 @@ class Trainer:
         """Commits the current bucket and waits until the daemon took everything committed so far."""
         self._commit_async()
         self._wait_in_flight()
+        self._commit_placed()
 
     def end_push(self, version: int) -> None:
         """Flushes, then tells the daemon this rank is done with `version`."""
@@ -480,5 +605,6 @@ class Trainer:
             raise from_rpc_error(e, "end push of update %d" % int(version)) from None
 
     def stats(self) -> Dict[str, int]:
-        """{'tensors', 'bytes', 'buckets', 'fp8_quantized'} pushed since the last begin_push."""
+        """{'tensors', 'bytes', 'buckets', 'fp8_quantized', 'placed', 'placed_bytes'} pushed since the last
+        begin_push (placed: copied straight into the replica, counted in tensors and bytes too)."""
         return dict(self._stats)
