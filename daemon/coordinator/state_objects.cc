@@ -41,26 +41,15 @@ StateObjects SplitNodes(const google::protobuf::RepeatedPtrField<v1::RegisterNod
   for (const auto& n : nodes) {
     v1::StoredNode sn;
     v1::RegisterNodeRequest* stripped = sn.mutable_node();
-    // Field by field rather than copy-then-clear: the tables are most of a node's bytes.
-    stripped->set_node_id(n.node_id());
-    stripped->set_role(n.role());
-    stripped->set_address(n.address());
-    stripped->set_transport(n.transport());
-    stripped->set_trainer_ranks(n.trainer_ranks());
-    stripped->set_pp_stage(n.pp_stage());
+    // Copy, then clear the tables: every other field (of the node, its engines and their ranks, present or added
+    // later) is kept. Nodes are split only when the membership changed (Coordinator::SaveState), so the copy of the
+    // tables is paid once per membership change.
+    *stripped = n;
     for (int e = 0; e < n.engines_size(); ++e) {
       const auto& eng = n.engines(e);
-      auto* se = stripped->add_engines();
-      se->set_engine_id(eng.engine_id());
-      se->set_control_address(eng.control_address());
-      se->set_kind(eng.kind());
       for (int r = 0; r < eng.ranks_size(); ++r) {
         const auto& rank = eng.ranks(r);
-        auto* sr = se->add_ranks();
-        sr->set_rank(rank.rank());
-        *sr->mutable_parallelism() = rank.parallelism();
-        sr->set_region_bytes(rank.region_bytes());
-        *sr->mutable_segments() = rank.segments();
+        stripped->mutable_engines(e)->mutable_ranks(r)->clear_params();
         if (rank.params_size() == 0) continue;
         v1::StoredLayout layout;
         *layout.mutable_params() = rank.params();

@@ -164,8 +164,13 @@ class EngineFacade final : public v1::EngineControl::Service {
         absl::StrCat("engine ", id_, " is attached through its target daemon; its ranks attach themselves")));
   }
   grpc::Status GetChecksums(grpc::ServerContext* ctx, const v1::RankRequest* req, v1::ChecksumReply* out) override {
-    WSYNC_AUTHORIZE("GetChecksums", {tls::kAdmin, tls::kTrainer});
+    WSYNC_AUTHORIZE("GetChecksums", {tls::kAdmin, tls::kTrainer, tls::kCoordinator});  // staged updates verify
     return Reply(t_->Checksums(id_, *req), out);
+  }
+  // Staged updates through the facade's engines are not wired yet (docs/operations.md, "Staged updates").
+  grpc::Status Switch(grpc::ServerContext* ctx, const v1::SwitchRequest* req, v1::EngineReply*) override {
+    WSYNC_AUTHORIZE("Switch", {tls::kCoordinator});
+    return Unimplemented("Switch");
   }
   grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest* req, v1::VerifyReply*) override {
     WSYNC_AUTHORIZE("Verify", {tls::kAdmin, tls::kTrainer});

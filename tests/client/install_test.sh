@@ -2,9 +2,9 @@
 # `cmake --install` of the build tree into a temporary prefix, then a separate project (tests/client/consumer) that
 # finds it with find_package(wsync) and links wsync::client and wsync::client_c; both programs must run: the C++ one
 # against a live coordinator (its status answered), the C one printing the library version.
-#   install_test.sh BUILD_DIR SOURCE_DIR
+#   install_test.sh BUILD_DIR SOURCE_DIR VERSION   (VERSION: the project's, which the consumer asks find_package for)
 set -euo pipefail
-build=$1 src=$2
+build=$1 src=$2 version=$3
 work=$(mktemp -d /tmp/wsync-install-test.XXXXXX)
 coord_pid=
 cleanup() { [ -n "$coord_pid" ] && kill "$coord_pid" 2>/dev/null; rm -rf "$work"; }
@@ -14,7 +14,8 @@ for f in lib/cmake/wsync/wsyncConfig.cmake include/client/coordinator_client.h i
          bin/wsyncd bin/wsync-coordinator bin/wsyncctl; do
   [ -e "$work/prefix/$f" ] || { echo "install_test: $f was not installed" >&2; exit 1; }
 done
-cmake -S "$src/tests/client/consumer" -B "$work/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" >"$work/configure.log" \
+cmake -S "$src/tests/client/consumer" -B "$work/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" \
+  -DWSYNC_VERSION="$version" >"$work/configure.log" \
   || { cat "$work/configure.log" >&2; exit 1; }
 cmake --build "$work/build" -j "${JOBS:-2}" >"$work/build.log" || { tail -40 "$work/build.log" >&2; exit 1; }
 "$work/build/consumer_c" | grep -q "libwsync_client_c " || { echo "install_test: consumer_c printed no version" >&2; exit 1; }

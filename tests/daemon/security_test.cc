@@ -68,6 +68,7 @@ const std::map<std::string, std::set<std::string>>& RoleTable() {
       {"wsync.v1.Coordinator/Heartbeat", {"self"}},
       {"wsync.v1.Coordinator/GetClusterStatus", {"*"}},
       {"wsync.v1.Coordinator/GetHistory", {"*"}},
+      {"wsync.v1.Coordinator/WatchEngines", {"*"}},
       {"wsync.v1.Coordinator/BeginUpdate", {"trainer", "admin"}},
       {"wsync.v1.Coordinator/CommitUpdate", {"trainer", "admin"}},
       {"wsync.v1.Coordinator/AbortUpdate", {"admin"}},
@@ -83,7 +84,7 @@ const std::map<std::string, std::set<std::string>>& RoleTable() {
       {"wsync.v1.NodeDaemon/ApplyDelta", {"coordinator"}},
       {"wsync.v1.NodeDaemon/ConnectTarget", {"source"}},
       {"wsync.v1.NodeDaemon/GetNodeStatus", {"*"}},
-      {"wsync.v1.NodeDaemon/GetWriteChecksums", {"admin", "trainer"}},
+      {"wsync.v1.NodeDaemon/GetWriteChecksums", {"admin", "trainer", "coordinator"}},
       {"wsync.v1.EngineControl/GetInfo", {"*"}},
       {"wsync.v1.EngineControl/GetParallelism", {"*"}},
       {"wsync.v1.EngineControl/GetWeightLayout", {"*"}},
@@ -91,8 +92,9 @@ const std::map<std::string, std::set<std::string>>& RoleTable() {
       {"wsync.v1.EngineControl/PostProcess", {"coordinator", "target"}},
       {"wsync.v1.EngineControl/SetWeightVersion", {"coordinator", "target"}},
       {"wsync.v1.EngineControl/Continue", {"coordinator", "target"}},
+      {"wsync.v1.EngineControl/Switch", {"coordinator", "target"}},
       {"wsync.v1.EngineControl/Attach", {"target"}},
-      {"wsync.v1.EngineControl/GetChecksums", {"admin", "trainer"}},
+      {"wsync.v1.EngineControl/GetChecksums", {"admin", "trainer", "coordinator"}},
       {"wsync.v1.EngineControl/Verify", {"admin", "trainer"}},
   };
   return t;
@@ -826,7 +828,7 @@ std::map<std::string, std::set<std::string>> FacadeRoleTable() {
   std::map<std::string, std::set<std::string>> t;
   for (const auto& [m, roles] : RoleTable())
     if (absl::StartsWith(m, "wsync.v1.EngineControl/")) t[m] = roles;
-  for (const char* m : {"Pause", "PostProcess", "SetWeightVersion", "Continue"})
+  for (const char* m : {"Pause", "PostProcess", "SetWeightVersion", "Continue", "Switch"})
     t[absl::StrCat("wsync.v1.EngineControl/", m)] = {"coordinator"};
   return t;
 }

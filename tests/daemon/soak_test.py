@@ -113,7 +113,7 @@ def main() -> int:
 
             def done_updates() -> int:
                 with open(out0) as f:
-                    return len(re.findall(r"^update \d+: ", f.read(), re.M))
+                    return len(re.findall(r"^update \d+: \S+ MiB to \d+ engine ranks", f.read(), re.M))  # the commit line
 
             early = late = None
             deadline = time.time() + args.timeout

@@ -764,6 +764,13 @@ TEST_CASE(
 }
 
 TEST_CASE("placement through the C++ client: offered host tensors land in the replica, the rest in the ring") {
+#if defined(__SANITIZE_THREAD__)
+  // This case serves the trainer RPCs over gRPC in-process; Debian's libgrpc is not instrumented, so TSan reports its
+  // internals (tcp_send, completion queues, protobuf parsing) as races. The placement data path under concurrent ranks
+  // is covered by the cases above in the TSan build; this one runs in the plain build.
+  WARN("skipped under ThreadSanitizer: gRPC in-process (uninstrumented libgrpc)");
+  return;
+#endif
   // The real client over the daemon's trainer socket and TrainerIngest gRPC server: even ranks place (the default),
   // odd ranks turn placement off; the same clients across two updates (the replica is mapped once).
   Harness h(nullptr, /*slices=*/false);

@@ -12,7 +12,7 @@ _wsyncctl() {
     --log-format) mapfile -t COMPREPLY < <(compgen -W "text json" -- "$cur"); return ;;
     --tls-ca|--tls-cert|--tls-key|--model|--node-rates) mapfile -t COMPREPLY < <(compgen -f -- "$cur"); return ;;
     --endpoints|--dial-timeout|--tls-refresh-seconds|--version|--reason|--interval|--for|--idle-every|-n|--limit|\
-    --rank|--step) return ;;
+    --rank|--step|--health-listen) return ;;
   esac
   # The command word: the first word that is neither an option nor the value of one that takes a value.
   local i cmd=""
@@ -28,6 +28,7 @@ _wsyncctl() {
   case "$cmd" in
     "") mapfile -t COMPREPLY < <(compgen -W "$commands $global" -- "$cur"); return ;;
     history) flags="-n --limit" ;;
+    engines) flags="--watch --for --health-listen" ;;
     verify) flags="--engine --version --step --synthetic --all" ;;
     checksums) flags="--engine --rank" ;;
     abort) flags="--version --reason" ;;

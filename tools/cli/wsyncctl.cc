@@ -304,7 +304,7 @@ int RunEnginesWatch(const std::string& endpoint, absl::Duration dt, bool json, d
       [&](const v1::EngineStates& s) {
         if (health) health->Update(s);
         if (json) {
-          std::printf("%s\n", nlohmann::json::parse(ProtoJson(s, false)).dump().c_str());
+          std::printf("%s\n", tools::ProtoToJson(s).dump().c_str());
         } else {
           std::printf("current version %s\n", s.current_version().empty() ? "-" : s.current_version().c_str());
           for (const auto& e : s.engines())
