@@ -49,6 +49,7 @@
 #include "daemon/coordinator/state_store.h"
 #include "nlohmann/json.hpp"
 #include "proto/tls.h"
+#include "tools/testdata/planned_layout.h"
 #include "replica/layout_plan.h"
 #include "replica/model_config.h"
 #include "spdlog/spdlog.h"
@@ -143,28 +144,12 @@ std::vector<v1::RankLayout> KimiRanks(const replica::ModelConfig& cfg) {
   std::vector<v1::RankLayout> out;
   for (int rank = 0; rank < 32; ++rank) {
     const auto par = replica::RankParallelism::ForTp(32, rank, 32);
-    auto plan = replica::PlanLayout(cfg, par, q);
-    if (!plan.ok()) {
-      spdlog::critical("layout: {}", plan.status().ToString());
+    auto l = testdata::PlannedRankLayout(cfg, par, q);
+    if (!l.ok()) {
+      spdlog::critical("layout: {}", l.status().ToString());
       std::exit(1);
     }
-    v1::RankLayout l;
-    l.set_rank(rank);
-    auto* p = l.mutable_parallelism();
-    p->set_tp_size(par.tp_size), p->set_tp_rank(par.tp_rank), p->set_ep_size(par.ep_size), p->set_ep_rank(par.ep_rank);
-    p->set_moe_tp_size(par.moe_tp_size), p->set_moe_tp_rank(par.moe_tp_rank);
-    p->set_attn_tp_size(par.attn_tp_size), p->set_attn_tp_rank(par.attn_tp_rank);
-    p->set_pp_size(1), p->set_attn_dp_size(1);
-    for (const auto& ep : plan->table.params()) {
-      auto* d = l.add_params();
-      d->set_name(ep.name);
-      d->set_dtype(std::string(DTypeName(ep.dtype)));
-      for (int64_t s : ep.shape) d->add_shape(s);
-      d->set_bytes(ep.bytes);
-      d->set_offset(ep.offset);
-    }
-    l.set_region_bytes(plan->table.total_bytes());
-    out.push_back(std::move(l));
+    out.push_back(*std::move(l));
   }
   return out;
 }

@@ -28,6 +28,7 @@
 #include "daemon/coordinator/etcd_store.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "nlohmann/json.hpp"
+#include "tools/testdata/planned_layout.h"
 #include "replica/layout_plan.h"
 #include "replica/model_config.h"
 
@@ -197,27 +198,10 @@ std::vector<v1::RankLayout> EngineRanks(const replica::ModelConfig& cfg, int tp)
   std::vector<v1::RankLayout> out;
   for (int rank = 0; rank < tp; ++rank) {
     const replica::RankParallelism par = replica::RankParallelism::ForTp(tp, rank, tp);
-    auto plan = replica::PlanLayout(cfg, par, q);
-    INFO(plan.status().ToString());
-    REQUIRE(plan.ok());
-    v1::RankLayout l;
-    l.set_rank(rank);
-    auto* p = l.mutable_parallelism();
-    p->set_tp_size(par.tp_size), p->set_tp_rank(par.tp_rank), p->set_ep_size(par.ep_size), p->set_ep_rank(par.ep_rank);
-    p->set_moe_tp_size(par.moe_tp_size), p->set_moe_tp_rank(par.moe_tp_rank);
-    p->set_attn_tp_size(par.attn_tp_size), p->set_attn_tp_rank(par.attn_tp_rank);
-    p->set_pp_size(1), p->set_attn_dp_size(1);
-    for (const auto& ep : plan->table.params()) {
-      auto* d = l.add_params();
-      d->set_name(ep.name);
-      d->set_dtype(std::string(DTypeName(ep.dtype)));
-      for (int64_t s : ep.shape) d->add_shape(s);
-      d->set_bytes(ep.bytes);
-      d->set_offset(ep.offset);
-      d->set_segment(0);
-    }
-    l.set_region_bytes(plan->table.total_bytes());
-    out.push_back(std::move(l));
+    auto l = testdata::PlannedRankLayout(cfg, par, q);
+    INFO(l.status().ToString());
+    REQUIRE(l.ok());
+    out.push_back(*std::move(l));
   }
   return out;
 }

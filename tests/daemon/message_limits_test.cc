@@ -26,6 +26,7 @@
 #include "daemon/node/node_services.h"
 #include "google/protobuf/descriptor.h"
 #include "nlohmann/json.hpp"
+#include "tools/testdata/planned_layout.h"
 #include "replica/layout_plan.h"
 #include "replica/model_config.h"
 #include "tests/daemon/raw_rpc.h"
@@ -98,30 +99,15 @@ v1::RegisterNodeRequest KimiTarget(const replica::ModelConfig& cfg, const std::s
   q.block_n = q.block_k = 64;
   for (int rank = 0; rank < tp; ++rank) {
     const replica::RankParallelism par = replica::RankParallelism::ForTp(tp, rank, tp);
-    auto plan = replica::PlanLayout(cfg, par, q);
-    INFO(plan.status().ToString());
-    REQUIRE(plan.ok());
+    auto planned = testdata::PlannedRankLayout(cfg, par, q);
+    INFO(planned.status().ToString());
+    REQUIRE(planned.ok());
     auto* l = e->add_ranks();
-    l->set_rank(rank);
-    auto* p = l->mutable_parallelism();
-    p->set_tp_size(par.tp_size), p->set_tp_rank(par.tp_rank), p->set_ep_size(par.ep_size), p->set_ep_rank(par.ep_rank);
-    p->set_moe_tp_size(par.moe_tp_size), p->set_moe_tp_rank(par.moe_tp_rank);
-    p->set_attn_tp_size(par.attn_tp_size), p->set_attn_tp_rank(par.attn_tp_rank);
-    p->set_pp_size(1), p->set_attn_dp_size(1);
-    for (const auto& ep : plan->table.params()) {
-      auto* d = l->add_params();
-      d->set_name(ep.name);
-      d->set_dtype(std::string(DTypeName(ep.dtype)));
-      for (int64_t s : ep.shape) d->add_shape(s);
-      d->set_bytes(ep.bytes);
-      d->set_offset(ep.offset);
-      d->set_segment(0);
-    }
-    l->set_region_bytes(plan->table.total_bytes());
+    *l = *std::move(planned);
     auto* seg = l->add_segments();
     seg->set_id(0);
     seg->set_kind("cuda");
-    seg->set_bytes(plan->table.total_bytes());
+    seg->set_bytes(l->region_bytes());
     // A verbs descriptor of a multi-GiB region on 8 NICs: base, length, chunk size and one rkey per chunk and NIC.
     seg->set_region_descriptor(std::string(512, 'd'));
   }

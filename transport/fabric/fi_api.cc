@@ -8,6 +8,7 @@
 
 #include "absl/base/call_once.h"
 #include "absl/strings/str_cat.h"
+#include "base/dl_symbol.h"
 
 namespace wsync::transport::fabric {
 namespace {
@@ -16,16 +17,6 @@ absl::once_flag g_once;
 FiApi g_api;
 absl::Status g_status;
 
-template <typename Fn>
-void Resolve(void* lib, const char* name, Fn& slot, std::string& missing) {
-  dlerror();
-  void* sym = dlsym(lib, name);
-  if (sym == nullptr) {
-    if (missing.empty()) missing = name;
-    return;
-  }
-  slot = reinterpret_cast<Fn>(sym);
-}
 
 void LoadOnce() {
   const char* lib_name = FabricLibraryName();
@@ -38,12 +29,12 @@ void LoadOnce() {
   }
   FiApi api;
   std::string missing;
-  Resolve(lib, "fi_getinfo", api.getinfo, missing);
-  Resolve(lib, "fi_freeinfo", api.freeinfo, missing);
-  Resolve(lib, "fi_dupinfo", api.dupinfo, missing);
-  Resolve(lib, "fi_fabric", api.fabric, missing);
-  Resolve(lib, "fi_strerror", api.strerror, missing);
-  Resolve(lib, "fi_version", api.version, missing);
+  ResolveSymbol(lib, "fi_getinfo", api.getinfo, missing);
+  ResolveSymbol(lib, "fi_freeinfo", api.freeinfo, missing);
+  ResolveSymbol(lib, "fi_dupinfo", api.dupinfo, missing);
+  ResolveSymbol(lib, "fi_fabric", api.fabric, missing);
+  ResolveSymbol(lib, "fi_strerror", api.strerror, missing);
+  ResolveSymbol(lib, "fi_version", api.version, missing);
   if (!missing.empty()) {
     g_status = absl::FailedPreconditionError(
         absl::StrCat(lib_name, " lacks the symbol ", missing, ": not a libfabric the fabric transport can use"));

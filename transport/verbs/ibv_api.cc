@@ -7,6 +7,7 @@
 
 #include "absl/base/call_once.h"
 #include "absl/strings/str_cat.h"
+#include "base/dl_symbol.h"
 
 namespace wsync::transport::verbs {
 namespace {
@@ -15,17 +16,6 @@ absl::once_flag g_once;
 IbvApi g_api;
 absl::Status g_status;
 
-// Fills `slot` with the library's `name`, or records the first missing symbol.
-template <typename Fn>
-void Resolve(void* lib, const char* name, Fn& slot, std::string& missing) {
-  dlerror();
-  void* sym = dlsym(lib, name);
-  if (sym == nullptr) {
-    if (missing.empty()) missing = name;
-    return;
-  }
-  slot = reinterpret_cast<Fn>(sym);
-}
 
 void LoadOnce() {
   const char* lib_name = IbvLibraryName();
@@ -39,29 +29,29 @@ void LoadOnce() {
   }
   IbvApi api;
   std::string missing;
-  Resolve(lib, "ibv_get_device_list", api.get_device_list, missing);
-  Resolve(lib, "ibv_free_device_list", api.free_device_list, missing);
-  Resolve(lib, "ibv_get_device_name", api.get_device_name, missing);
-  Resolve(lib, "ibv_open_device", api.open_device, missing);
-  Resolve(lib, "ibv_close_device", api.close_device, missing);
-  Resolve(lib, "ibv_query_device", api.query_device, missing);
-  Resolve(lib, "ibv_query_port", api.query_port_compat, missing);
-  Resolve(lib, "ibv_query_gid", api.query_gid, missing);
-  Resolve(lib, "_ibv_query_gid_ex", api.query_gid_ex, missing);
-  Resolve(lib, "ibv_alloc_pd", api.alloc_pd, missing);
-  Resolve(lib, "ibv_dealloc_pd", api.dealloc_pd, missing);
-  Resolve(lib, "ibv_reg_mr", api.reg_mr, missing);
-  Resolve(lib, "ibv_dereg_mr", api.dereg_mr, missing);
-  Resolve(lib, "ibv_create_cq", api.create_cq, missing);
-  Resolve(lib, "ibv_destroy_cq", api.destroy_cq, missing);
-  Resolve(lib, "ibv_create_qp", api.create_qp, missing);
-  Resolve(lib, "ibv_destroy_qp", api.destroy_qp, missing);
-  Resolve(lib, "ibv_modify_qp", api.modify_qp, missing);
-  Resolve(lib, "ibv_query_qp", api.query_qp, missing);
-  Resolve(lib, "ibv_port_state_str", api.port_state_str, missing);
-  Resolve(lib, "ibv_wc_status_str", api.wc_status_str, missing);
+  ResolveSymbol(lib, "ibv_get_device_list", api.get_device_list, missing);
+  ResolveSymbol(lib, "ibv_free_device_list", api.free_device_list, missing);
+  ResolveSymbol(lib, "ibv_get_device_name", api.get_device_name, missing);
+  ResolveSymbol(lib, "ibv_open_device", api.open_device, missing);
+  ResolveSymbol(lib, "ibv_close_device", api.close_device, missing);
+  ResolveSymbol(lib, "ibv_query_device", api.query_device, missing);
+  ResolveSymbol(lib, "ibv_query_port", api.query_port_compat, missing);
+  ResolveSymbol(lib, "ibv_query_gid", api.query_gid, missing);
+  ResolveSymbol(lib, "_ibv_query_gid_ex", api.query_gid_ex, missing);
+  ResolveSymbol(lib, "ibv_alloc_pd", api.alloc_pd, missing);
+  ResolveSymbol(lib, "ibv_dealloc_pd", api.dealloc_pd, missing);
+  ResolveSymbol(lib, "ibv_reg_mr", api.reg_mr, missing);
+  ResolveSymbol(lib, "ibv_dereg_mr", api.dereg_mr, missing);
+  ResolveSymbol(lib, "ibv_create_cq", api.create_cq, missing);
+  ResolveSymbol(lib, "ibv_destroy_cq", api.destroy_cq, missing);
+  ResolveSymbol(lib, "ibv_create_qp", api.create_qp, missing);
+  ResolveSymbol(lib, "ibv_destroy_qp", api.destroy_qp, missing);
+  ResolveSymbol(lib, "ibv_modify_qp", api.modify_qp, missing);
+  ResolveSymbol(lib, "ibv_query_qp", api.query_qp, missing);
+  ResolveSymbol(lib, "ibv_port_state_str", api.port_state_str, missing);
+  ResolveSymbol(lib, "ibv_wc_status_str", api.wc_status_str, missing);
   std::string optional_missing;  // reg_dmabuf_mr stays null: device memory then goes through a host mirror
-  Resolve(lib, "ibv_reg_dmabuf_mr", api.reg_dmabuf_mr, optional_missing);
+  ResolveSymbol(lib, "ibv_reg_dmabuf_mr", api.reg_dmabuf_mr, optional_missing);
   if (!missing.empty()) {
     // An rdma-core too old for this build (e.g. no _ibv_query_gid_ex before v32): refuse rather than crash later.
     g_status = absl::FailedPreconditionError(

@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/byte_codec.h"
 
 namespace wsync::transport::verbs {
 namespace {
@@ -18,47 +19,8 @@ constexpr size_t kMaxOwner = 1024;
 constexpr uint32_t kMaxQps = 4096;
 constexpr uint32_t kMaxDevices = 64;
 
-class Writer {
- public:
-  template <typename T>
-  void Put(const T& v) {
-    static_assert(std::is_trivially_copyable_v<T>);
-    out_.append(reinterpret_cast<const char*>(&v), sizeof(T));
-  }
-  void PutString(const std::string& s) {
-    Put(static_cast<uint32_t>(s.size()));
-    out_.append(s);
-  }
-  std::string Take() { return std::move(out_); }
-
- private:
-  std::string out_;
-};
-
-class Reader {
- public:
-  explicit Reader(const std::string& in) : in_(in) {}
-  template <typename T>
-  bool Get(T* v) {
-    static_assert(std::is_trivially_copyable_v<T>);
-    if (in_.size() - pos_ < sizeof(T)) return false;
-    std::memcpy(v, in_.data() + pos_, sizeof(T));
-    pos_ += sizeof(T);
-    return true;
-  }
-  bool GetString(std::string* s, size_t max) {
-    uint32_t n = 0;
-    if (!Get(&n) || n > max || in_.size() - pos_ < n) return false;
-    s->assign(in_.data() + pos_, n);
-    pos_ += n;
-    return true;
-  }
-  bool AtEnd() const { return pos_ == in_.size(); }
-
- private:
-  const std::string& in_;
-  size_t pos_ = 0;
-};
+using Writer = ByteWriter;
+using Reader = ByteReader;
 
 absl::Status Malformed(const char* what, const char* detail) {
   return absl::InvalidArgumentError(absl::StrCat("malformed verbs ", what, ": ", detail));
