@@ -1,5 +1,6 @@
 // The source's half of delta updates (docs/delta.md): which engine ranks take deltas, the records staged for them,
 // and the delta base they are computed against.
+#include <algorithm>
 #include <cstring>
 #include <map>
 
@@ -46,8 +47,15 @@ absl::Status SourceNode::DecideDeltas(const v1::StartUpdateRequest& req) {
     base = delta_base_version_;
   }
   std::vector<std::string> refused;
+  // The base is worth keeping only when some engine rank could take deltas from it, now or in a later update (a host
+  // parameter behind a staging region, not Mooncake memory): otherwise refreshing it would copy every byte of every
+  // update for nothing (e.g. a node writing only GPU engines).
+  refresh_base_ = false;
   for (auto& t : targets_) {
     std::string why;
+    if (!delta_base_.empty() && t->staging != nullptr && t->mooncake_session.empty() &&
+        std::find(t->host_param.begin(), t->host_param.end(), 1) != t->host_param.end())
+      refresh_base_ = true;
     auto h = held.find({t->assignment.engine_id(), t->assignment.rank()});
     const int64_t holds = h == held.end() ? -1 : h->second;
     if (mode == "off") {
@@ -134,7 +142,7 @@ uint64_t SourceNode::PlanWrites(int64_t version, const replica::ReadyParam& r,
 }
 
 void SourceNode::RefreshBase(const std::vector<replica::ReadyParam>& ready) {
-  if (delta_base_.empty()) return;
+  if (!refresh_base_) return;
   // A parameter is loaded once per update by one bucket: its bytes in the base are this call's alone.
   for (const auto& r : ready) {
     const replica::EngineParam& p = replica_->table(r.layout).params()[r.param];

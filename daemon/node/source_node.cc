@@ -1306,7 +1306,7 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   out.set_ingest_seconds(ingest_seconds_);
   out.set_write_seconds(write_seconds_);
   DeltaReply(v, &out);
-  if (!delta_base_.empty()) delta_base_version_ = v;
+  if (refresh_base_) delta_base_version_ = v;  // else the base was not kept up to date (source_delta.cc)
   ended_result_ = out;
   spdlog::info("update {} done: {} tensors in, {} params / {:.1f} MiB written (ingest {:.3f}s, write {:.3f}s{})", v,
                tensors_received_, params_written_, bytes_written_ / 1048576.0, ingest_seconds_, write_seconds_,

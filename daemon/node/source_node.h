@@ -411,6 +411,9 @@ class SourceNode {
   // full (-1: none: a fresh plan, or an update since that did not finish here), and the open update's mode and base.
   std::vector<std::unique_ptr<uint8_t[]>> delta_base_;
   int64_t delta_base_version_ = -1;
+  // Whether the open update refreshes the base (some engine rank this source writes could take deltas from it; set
+  // by DecideDeltas under the exclusive ingest lock, read by buckets under the shared one).
+  bool refresh_base_ = false;
   int64_t delta_from_ = -1;
   uint64_t sent_bytes_ = 0;
 
