@@ -75,6 +75,7 @@ absl::StatusOr<std::vector<DeltaRecordRef>> CheckDeltaRecords(const uint8_t* dat
 void TargetNode::OpenDeltaWindow(const v1::SetWriteWindowRequest& req, v1::SetWriteWindowReply* out) {
   window_version_ = req.version();
   window_ranks_.clear();
+  window_gens_.clear();
   assigned_writes_.clear();
   if (req.assignments_given()) {
     for (const auto& a : req.assignments()) {
@@ -90,6 +91,7 @@ void TargetNode::OpenDeltaWindow(const v1::SetWriteWindowRequest& req, v1::SetWr
     auto it = engines_.find(engine);
     if (it == engines_.end() || rank < 0 || rank >= it->second->num_ranks) continue;
     Rank& r = it->second->ranks[rank];
+    window_gens_[{engine, rank}] = r.attach_gen;
     auto* h = out->add_held();
     h->set_engine_id(engine);
     h->set_rank(rank);
@@ -157,7 +159,8 @@ absl::Status TargetNode::ProvideStaging(const v1::ConnectTargetRequest& req, con
 
 absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaRequest& req) {
   const int64_t v = req.version();
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<std::mutex> apply(apply_mu_);
+  std::unique_lock<std::mutex> l(mu_);
   if (v != window_version_)
     return absl::FailedPreconditionError(absl::StrCat("ApplyDelta for update ", v,
                                                       ", but the write window was last "
@@ -167,9 +170,11 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
     std::string who;  // "engine E rank R parameter P [off, +len)"
     uint8_t* dst;
     DeltaRecordRef rec;
-    Rank* rank;
+    std::pair<std::string, int> rank;
+    uint64_t gen;  // the rank's attach when checked
   };
   std::vector<Pending> pending;
+  std::vector<std::shared_ptr<MappedSegment>> pins;  // the mappings `pending` writes, alive after mu_ is released
   // Every record of every source is checked before any is applied.
   for (const auto& s : req.staged()) {
     const std::string who = absl::StrCat("engine ", s.engine_id(), " rank ", s.rank());
@@ -184,6 +189,7 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
       return absl::FailedPreconditionError(absl::StrCat(who, from, ": the rank is not attached"));
     Rank& r = e->ranks[s.rank()];
     const std::map<int, const MappedSegment*> host = HostSegments(r);
+    pins.insert(pins.end(), r.memory.begin(), r.memory.end());
     const std::vector<v1::WriteRange>* owned = nullptr;
     if (assignments_known_) {
       auto aw = assigned_writes_.find({s.source_node(), s.engine_id(), s.rank()});
@@ -204,28 +210,46 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
     for (const DeltaRecordRef& d : *recs) {
       const v1::ParamDesc& p = r.layout.params(static_cast<int>(d.param));
       pending.push_back({absl::StrCat(who, " parameter ", p.name(), " [", d.offset, ", +", d.length, ")", from),
-                         host.at(p.segment())->data() + p.offset() + d.offset, d, &r});
+                         host.at(p.segment())->data() + p.offset() + d.offset, d, {s.engine_id(), s.rank()},
+                         r.attach_gen});
     }
   }
+  // The records were checked against the rank's current mapping; the scatter runs without mu_ (the mappings are
+  // pinned; the staging buffers live as long as the daemon; apply_mu_ keeps a second ApplyDelta out).
+  l.unlock();
+  // Forgets what a refused record's rank held, unless it re-attached meanwhile (its new process holds no version).
+  auto forget = [&](const Pending& p) {
+    std::lock_guard<std::mutex> relock(mu_);
+    auto it = engines_.find(p.rank.first);
+    if (it == engines_.end() || p.rank.second >= it->second->num_ranks) return;
+    Rank& r = it->second->ranks[p.rank.second];
+    if (r.attach_gen == p.gen) r.held_version = -1;
+  };
   v1::ApplyDeltaReply out;
   for (const Pending& p : pending) {
     uint64_t consumed = 0;
     // Apply checks the encoding and that the range holds its base before it writes anything of the record.
     absl::Status st = replica::delta::Apply(p.dst, p.rec.length, p.rec.enc, p.rec.enc_bytes, &consumed);
     if (!st.ok()) {
-      p.rank->held_version = -1;
+      forget(p);
       return Annotate(st, absl::StrCat(p.who, ": refused, nothing of it written (", out.records_applied(),
                                        " earlier records applied; the rank takes dense writes next)"));
     }
     out.set_records_applied(out.records_applied() + 1);
     out.set_bytes_applied(out.bytes_applied() + p.rec.length);
   }
+  l.lock();
+  if (v != window_version_)
+    return absl::AbortedError(absl::StrCat("ApplyDelta for update ", v, ": the write window was opened for update ",
+                                           window_version_, " while the records were applied"));
   int committed = 0;
   for (const auto& [engine, rank] : window_ranks_) {
     auto it = engines_.find(engine);
     if (it == engines_.end() || rank < 0 || rank >= it->second->num_ranks) continue;
     Rank& r = it->second->ranks[rank];
     if (r.state != Rank::State::kAttached) continue;
+    auto gen = window_gens_.find({engine, rank});
+    if (gen == window_gens_.end() || gen->second != r.attach_gen) continue;  // re-attached since the window opened
     r.held_version = v;
     ++committed;
   }

@@ -587,6 +587,7 @@ absl::Status TargetNode::Attach(const std::shared_ptr<Conn>& c, const std::strin
   r.state = Rank::State::kAttached;
   r.conn = c;
   std::lock_guard<std::mutex> l(mu_);
+  r.attach_gen = ++attach_gen_;
   auto it = engines_.find(m.engine_id);
   if (it == engines_.end()) return absl::NotFoundError(absl::StrCat(who, ": the engine went away"));
   Engine& e = *it->second;

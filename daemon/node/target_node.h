@@ -166,13 +166,16 @@ class TargetNode {
   struct Rank {
     enum class State { kWaiting, kAttached, kDetached } state = State::kWaiting;
     v1::RankLayout layout;
-    std::vector<std::unique_ptr<MappedSegment>> memory;                // one per host segment
+    // One per host segment; shared so that ApplyDelta, which scatters without holding mu_, keeps a mapping alive while
+    // the rank re-attaches meanwhile.
+    std::vector<std::shared_ptr<MappedSegment>> memory;
     std::vector<std::unique_ptr<CudaSegment>> cuda;                    // one per cuda segment
     std::vector<std::unique_ptr<transport::LocalRegion>> regions;      // one per segment, dropped before memory/cuda
     std::vector<std::string> cuda_paths;  // per cuda segment: "segment S: how writes reach it" (NodeStatus)
     std::shared_ptr<Conn> conn;
     // The update whose every write this rank holds (-1: none known: attached since, or an update is writing it).
     int64_t held_version = -1;
+    uint64_t attach_gen = 0;  // which attach this is (TargetNode::attach_gen_ when it attached)
   };
   // A source connection's delta staging region: kept for the daemon's life (grants reference its registration).
   struct Staging {
@@ -245,6 +248,13 @@ class TargetNode {
   std::map<std::tuple<std::string, std::string, int>, std::vector<v1::WriteRange>> assigned_writes_;
   int64_t window_version_ = -1;
   std::set<std::pair<std::string, int>> window_ranks_;
+  // Per window rank, the attach it had when the window opened: ApplyDelta records a held version only for a rank
+  // still on that attach (a rank that re-attached since holds its new process's weights).
+  std::map<std::pair<std::string, int>, uint64_t> window_gens_;
+  uint64_t attach_gen_ = 0;  // guarded by mu_
+  // One ApplyDelta at a time: it validates under mu_, then scatters without it (Status, attaches and connects do not
+  // wait for the bytes).
+  std::mutex apply_mu_;
 };
 
 }  // namespace wsync::daemon
