@@ -22,7 +22,8 @@ copy_deps() {
     cp -L -n "$l" "$out/lib/"
   done
 }
-for b in fp8_cuda_test ring_push_cuda_test placement_cuda_test cuda_segment_test bench_gpu wsyncd wsync-coordinator wsync-engine-ref \
+for b in fp8_cuda_test ring_push_cuda_test placement_cuda_test cuda_segment_test bench_gpu bench_node bench_transport bench_replica \
+         wsyncd wsync-coordinator wsync-engine-ref \
          wsyncctl wsync-trainer-demo; do
   [ -x "$build/bin/$b" ] || { echo "make_bundle: $build/bin/$b missing (build with -DWSYNC_WITH_CUDA=ON)" >&2; exit 1; }
   cp "$build/bin/$b" "$out/bin/"
