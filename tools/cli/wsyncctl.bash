@@ -27,7 +27,7 @@ _wsyncctl() {
   local flags=""
   case "$cmd" in
     "") mapfile -t COMPREPLY < <(compgen -W "$commands $global" -- "$cur"); return ;;
-    history) flags="-n --limit" ;;
+    history) flags="-n --limit --plot --version" ;;
     engines) flags="--watch --for --health-listen" ;;
     verify) flags="--engine --version --step --synthetic --all" ;;
     checksums) flags="--engine --rank" ;;
@@ -36,6 +36,10 @@ _wsyncctl() {
     plan) flags="--model --train --infer --nic --strategy --weights --executor --tasks --seed-table --no-gather
       --min-source-mib --node-rates --models-dir" ;;
   esac
+  if [ "$cmd" = "history" ] && [ "$prev" = "--plot" ]; then
+    mapfile -t COMPREPLY < <(compgen -f -X '!*.@(svg|png)' -o plusdirs -- "$cur")
+    return
+  fi
   if [ "$prev" = "--engine" ] || { [[ "$cmd" =~ ^(drain|undrain|remove)$ ]] && [[ "$cur" != -* ]]; }; then
     # Engine and node ids from the coordinator, when it answers quickly.
     local words
