@@ -129,8 +129,8 @@ int main(int argc, char** argv) {
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging("coordinator", log_level);
   // A coordinator's certificate names the role only that matters here (CN "coordinator:<name>", any name).
-  if (auto st =
-          tls::Configure(tls_opts, {listen, metrics_listen, advertise, http_listen}, {"wsync-coordinator", {tls::kCoordinator}, ""});
+  if (auto st = tls::Configure(tls_opts, {listen, metrics_listen, advertise, http_listen},
+                               {"wsync-coordinator", {tls::kCoordinator}, ""});
       !st.ok()) {
     spdlog::error("{}", st.ToString());
     return 2;

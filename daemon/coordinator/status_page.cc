@@ -127,13 +127,15 @@ std::string StatusPageHtml(const v1::ClusterStatus& status, const v1::HistoryRep
     absl::StrAppend(&out, "<br><span class=\"failed\">update ", status.failed_version(),
                     " failed: ", XmlEscape(status.failure()), "</span>");
   if (status.engines_hold_partial_writes())
-    absl::StrAppend(&out, "<br><span class=\"failed\">engines may hold partial writes: they stay paused until an "
-                          "update completes</span>");
+    absl::StrAppend(&out,
+                    "<br><span class=\"failed\">engines may hold partial writes: they stay paused until an "
+                    "update completes</span>");
   absl::StrAppend(&out, "<br><small>", XmlEscape(status.server_version()), " &middot; as of ",
                   absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", now, absl::UTCTimeZone()), "</small></p>\n");
 
-  absl::StrAppend(&out, "<h2>Membership</h2>\n<table id=\"nodes\"><tr><th>node</th><th>role</th><th>address</th>"
-                        "<th>transport</th><th>lease</th><th>engines</th></tr>\n");
+  absl::StrAppend(&out,
+                  "<h2>Membership</h2>\n<table id=\"nodes\"><tr><th>node</th><th>role</th><th>address</th>"
+                  "<th>transport</th><th>lease</th><th>engines</th></tr>\n");
   for (const auto& n : status.nodes()) {
     const std::string lease =
         n.last_heartbeat_seconds_ago() < 0
@@ -144,13 +146,14 @@ std::string StatusPageHtml(const v1::ClusterStatus& status, const v1::HistoryRep
   }
   absl::StrAppend(&out, "</table>\n");
 
-  absl::StrAppend(&out, "<h2>Engines</h2>\n<table id=\"engines\"><tr><th>engine</th><th>node</th><th>version</th>"
-                        "<th>staged</th><th>readiness</th><th>coordinator's view</th></tr>\n");
+  absl::StrAppend(&out,
+                  "<h2>Engines</h2>\n<table id=\"engines\"><tr><th>engine</th><th>node</th><th>version</th>"
+                  "<th>staged</th><th>readiness</th><th>coordinator's view</th></tr>\n");
   for (const auto& e : EngineStatesOf(status).engines()) {
     const std::string r = Readiness(e);
-    absl::StrAppend(&out, "<tr data-engine=\"", XmlEscape(e.engine_id()), "\">", Cell(e.engine_id()),
-                    Cell(e.node_id()), Cell(e.weight_version()), Cell(e.staged_version()), "<td class=\"",
-                    r == "not ready" ? "paused" : r, "\">", r, "</td>", Cell(e.state()), "</tr>\n");
+    absl::StrAppend(&out, "<tr data-engine=\"", XmlEscape(e.engine_id()), "\">", Cell(e.engine_id()), Cell(e.node_id()),
+                    Cell(e.weight_version()), Cell(e.staged_version()), "<td class=\"", r == "not ready" ? "paused" : r,
+                    "\">", r, "</td>", Cell(e.state()), "</tr>\n");
   }
   absl::StrAppend(&out, "</table>\n");
 
@@ -199,7 +202,7 @@ absl::StatusOr<std::unique_ptr<StatusPageServer>> StatusPageServer::Start(const 
   auto serve = [shared](const char* type, std::function<std::string(const httplib::Request&)> render) {
     return [shared, type, render](const httplib::Request& req, httplib::Response& res) {
       if (absl::Status a = Authorize(req); !a.ok()) {
-        spdlog::warn("status page: {} from {}", a.message(), req.remote_addr);
+        spdlog::warn("status page: {} from {}", std::string(a.message()), req.remote_addr);
         res.status = 403;
         res.set_content(absl::StrCat(a.message(), "\n"), "text/plain");
         return;

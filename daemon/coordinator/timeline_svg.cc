@@ -11,7 +11,7 @@
 namespace wsync::daemon {
 namespace {
 
-constexpr double kLabelWidth = 190;  // the row names' column
+constexpr double kLabelWidth = 190;   // the row names' column
 constexpr double kRightMargin = 150;  // room for a source row's bytes and rate after its bar
 constexpr double kRowHeight = 16;
 constexpr double kRowGap = 4;
@@ -19,9 +19,9 @@ constexpr double kRowGap = 4;
 // One colour per phase the coordinator records (colour-blind safe palette); other names hash into it.
 std::string PhaseColor(const std::string& phase) {
   static const std::map<std::string, std::string> known = {
-      {"pause", "#f28e2b"},       {"configure", "#bab0ac"}, {"push", "#4e79a7"},   {"apply_delta", "#76b7b2"},
+      {"pause", "#f28e2b"},        {"configure", "#bab0ac"},   {"push", "#4e79a7"},     {"apply_delta", "#76b7b2"},
       {"post_process", "#59a14f"}, {"set_version", "#edc948"}, {"continue", "#b07aa1"}, {"verify", "#9c755f"},
-      {"switch", "#ff9da7"},      {"abort", "#e15759"}};
+      {"switch", "#ff9da7"},       {"abort", "#e15759"}};
   if (auto it = known.find(phase); it != known.end()) return it->second;
   static const char* const spare[] = {"#86bcb6", "#d4a6c8", "#fabfd2", "#8cd17d", "#b6992d", "#499894"};
   return spare[std::hash<std::string>()(phase) % (sizeof(spare) / sizeof(spare[0]))];
@@ -75,8 +75,8 @@ class Drawing {
   void Legend(const std::vector<std::string>& phases) {
     double x = 10;
     for (const auto& p : phases) {
-      absl::StrAppend(&body_, "<rect class=\"legend\" data-phase=\"", XmlEscape(p), "\" x=\"", Px(x), "\" y=\"",
-                      Px(y_), "\" width=\"12\" height=\"12\" fill=\"", PhaseColor(p), "\"/>");
+      absl::StrAppend(&body_, "<rect class=\"legend\" data-phase=\"", XmlEscape(p), "\" x=\"", Px(x), "\" y=\"", Px(y_),
+                      "\" width=\"12\" height=\"12\" fill=\"", PhaseColor(p), "\"/>");
       absl::StrAppend(&body_, "<text x=\"", Px(x + 16), "\" y=\"", Px(y_ + 10), "\">", XmlEscape(p), "</text>");
       x += 24 + 7.0 * p.size();
     }
@@ -96,9 +96,10 @@ class Drawing {
     const std::string v = absl::StrCat(r.version());
     const std::string outcome = r.success() ? "ok" : (r.aborted() ? "ABORTED" : "FAILED");
     absl::StrAppend(&body_, "<g class=\"update\" data-version=\"", v, "\" data-outcome=\"", outcome, "\">");
-    std::string head = absl::StrCat("update ", v, " \u00b7 ", outcome, " \u00b7 ", Seconds(r.total_seconds()), " \u00b7 ",
-                                    Bytes(r.bytes()), " \u00b7 ", r.engines(), " engines, ", r.engine_ranks(),
-                                    " ranks", r.mode().empty() ? "" : absl::StrCat(" \u00b7 ", r.mode()));
+    std::string head =
+        absl::StrCat("update ", v, " \u00b7 ", outcome, " \u00b7 ", Seconds(r.total_seconds()), " \u00b7 ",
+                     Bytes(r.bytes()), " \u00b7 ", r.engines(), " engines, ", r.engine_ranks(), " ranks",
+                     r.mode().empty() ? "" : absl::StrCat(" \u00b7 ", r.mode()));
     absl::StrAppend(&body_, "<text class=\"heading\" x=\"10\" y=\"", Px(y_ + 12), "\" font-weight=\"bold\">",
                     XmlEscape(head), "</text>");
     y_ += 18;
@@ -164,8 +165,8 @@ class Drawing {
   void Row(const std::string& row, const std::string& label) {
     absl::StrAppend(&body_, "<text class=\"row\" data-row=\"", XmlEscape(row), "\" x=\"10\" y=\"", Px(y_ + 12), "\">",
                     XmlEscape(label.size() > 28 ? label.substr(0, 27) + "\u2026" : label), "</text>");
-    absl::StrAppend(&body_, "<rect x=\"", Px(kLabelWidth), "\" y=\"", Px(y_), "\" width=\"", Px(plot_),
-                    "\" height=\"", Px(kRowHeight), "\" fill=\"#f4f4f4\"/>");
+    absl::StrAppend(&body_, "<rect x=\"", Px(kLabelWidth), "\" y=\"", Px(y_), "\" width=\"", Px(plot_), "\" height=\"",
+                    Px(kRowHeight), "\" fill=\"#f4f4f4\"/>");
   }
 
   // Width proportional to `seconds`; a bar too short to see still gets a hairline (1 px) so that every call shows.
@@ -205,11 +206,21 @@ std::string XmlEscape(absl::string_view s) {
   out.reserve(s.size());
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&#39;"; break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20 && c != '\n' && c != '\t' && c != '\r') break;
         out += c;
@@ -266,8 +277,7 @@ void AddEnginePhases(v1::UpdateRecord* rec, const std::vector<EngineCallEnd>& en
   }
 }
 
-void AddSourcePushes(v1::UpdateRecord* rec,
-                     const std::vector<std::pair<std::string, v1::FinishUpdateReply>>& finished,
+void AddSourcePushes(v1::UpdateRecord* rec, const std::vector<std::pair<std::string, v1::FinishUpdateReply>>& finished,
                      const std::map<std::string, absl::Time>& done, const std::map<std::string, std::string>& node_ids,
                      absl::Time push_start) {
   for (const auto& [addr, reply] : finished) {

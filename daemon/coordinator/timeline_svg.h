@@ -51,8 +51,7 @@ void AddEnginePhases(v1::UpdateRecord* rec, const std::vector<EngineCallEnd>& en
 
 // Adds `rec`'s source_pushes: one per finished source (node id from `node_ids`, source address -> node id), from the
 // push phase's start (`push_start`) until its FinishUpdate answered (`done`).
-void AddSourcePushes(v1::UpdateRecord* rec,
-                     const std::vector<std::pair<std::string, v1::FinishUpdateReply>>& finished,
+void AddSourcePushes(v1::UpdateRecord* rec, const std::vector<std::pair<std::string, v1::FinishUpdateReply>>& finished,
                      const std::map<std::string, absl::Time>& done, const std::map<std::string, std::string>& node_ids,
                      absl::Time push_start);
 

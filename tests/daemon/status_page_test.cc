@@ -1,19 +1,23 @@
 // The update timeline (SVG) and the status page's HTML as pure functions, and the timeline the coordinator records
 // (per engine and per source) from an update whose peers take measured times.
 
+#include "daemon/coordinator/status_page.h"
+
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <map>
 #include <regex>
+#include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/coordinator/coordinator.h"
-#include "daemon/coordinator/status_page.h"
 #include "daemon/coordinator/timeline_svg.h"
 #include "tests/daemon/fake_layouts.h"
 #include "tools/cli/history_plot.h"
@@ -85,8 +89,9 @@ TEST_CASE("timeline: one bar per phase, per source push and per engine call") {
     CHECK(r.at("data-version") == "7");
     ++by_row[r.at("data-row")];
   }
-  CHECK(by_row == std::map<std::string, int>{
-                      {"update", 5}, {"source:train-a", 1}, {"source:train-b", 1}, {"engine:eng0", 1}, {"engine:eng1", 1}});
+  CHECK(by_row ==
+        std::map<std::string, int>{
+            {"update", 5}, {"source:train-a", 1}, {"source:train-b", 1}, {"engine:eng0", 1}, {"engine:eng1", 1}});
   std::vector<std::string> update_phases;
   for (const auto& r : rects)
     if (r.at("data-row") == "update") update_phases.push_back(r.at("data-phase"));
@@ -139,7 +144,8 @@ TEST_CASE("timeline: ids and errors from the cluster are escaped") {
   CHECK(absl::StrContains(svg, "data-row=\"engine:e&lt;v&gt;&quot;il&amp;\""));
   CHECK(absl::StrContains(svg, "&lt;/svg&gt;&lt;script&gt;"));
   CHECK(absl::StrContains(svg, "data-outcome=\"FAILED\""));
-  CHECK(XmlEscape("a\x01" "b'") == "ab&#39;");
+  CHECK(XmlEscape("a\x01"
+                  "b'") == "ab&#39;");
   // Exactly one root element: nothing from the record closed it early.
   CHECK(std::count(svg.begin(), svg.end(), '<') - std::count(svg.begin(), svg.end(), '>') == 0);
   size_t n = 0;
@@ -181,8 +187,9 @@ TEST_CASE("status page: membership, engine readiness and the timeline inline") {
   const std::string html = StatusPageHtml(s, h, absl::FromUnixSeconds(1700000000));
   CHECK(absl::StrContains(html, "<td>train-a</td><td>source</td>"));
   CHECK(absl::StrContains(html, "<td>infer&lt;0&gt;</td>"));
-  CHECK(absl::StrContains(html, "<tr data-engine=\"eng0\"><td>eng0</td><td>infer&lt;0&gt;</td><td>7</td><td>-</td>"
-                                "<td class=\"ready\">ready</td>"));
+  CHECK(absl::StrContains(html,
+                          "<tr data-engine=\"eng0\"><td>eng0</td><td>infer&lt;0&gt;</td><td>7</td><td>-</td>"
+                          "<td class=\"ready\">ready</td>"));
   CHECK(absl::StrContains(html, "<td class=\"stale\">stale</td>"));
   CHECK(absl::StrContains(html, "<td class=\"paused\">paused</td>"));
   CHECK(absl::StrContains(html, "current version <b>7</b>"));
@@ -219,7 +226,7 @@ class TimedPeers : public Peers {
   std::map<std::string, double> finish_s;        // source address -> seconds its FinishUpdate takes
 
   absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string&,
-                                                          const v1::ConfigureSourceRequest&) override {
+                                                           const v1::ConfigureSourceRequest&) override {
     return v1::ConfigureSourceReply();
   }
   absl::Status StartUpdate(const std::string&, const v1::StartUpdateRequest&) override { return absl::OkStatus(); }

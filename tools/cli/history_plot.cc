@@ -52,7 +52,8 @@ int RunWithInput(const std::vector<std::string>& args, const std::string& input)
   }
   close(fds[0]);
   // A converter that exits early must not take this process down with SIGPIPE: its exit status says what happened.
-  struct sigaction ignore {}, old {};
+  struct sigaction ignore {
+  }, old{};
   ignore.sa_handler = SIG_IGN;
   sigaction(SIGPIPE, &ignore, &old);
   size_t done = 0;
@@ -106,11 +107,11 @@ absl::StatusOr<std::vector<v1::UpdateRecord>> SelectRecords(const v1::HistoryRep
     }
   }
   if (!missing.empty())
-    return absl::NotFoundError(absl::StrCat(
-        missing.size() == 1 ? "version " : "versions ", DescribeVersions(missing), missing.size() == 1 ? " is" : " are",
-        " not in the coordinator's history, which holds ",
-        held.empty() ? std::string("no update yet") : absl::StrCat("versions ", DescribeVersions(held)),
-        " (it keeps the last updates only: wsync-coordinator --history)"));
+    return absl::NotFoundError(
+        absl::StrCat(missing.size() == 1 ? "version " : "versions ", DescribeVersions(missing),
+                     missing.size() == 1 ? " is" : " are", " not in the coordinator's history, which holds ",
+                     held.empty() ? std::string("no update yet") : absl::StrCat("versions ", DescribeVersions(held)),
+                     " (it keeps the last updates only: wsync-coordinator --history)"));
   return out;
 }
 
@@ -133,7 +134,8 @@ absl::Status WritePlot(const std::string& path, PlotFormat format, const std::st
   }
   if (!OnPath("rsvg-convert"))
     return absl::FailedPreconditionError(
-        absl::StrCat("--plot ", path, ": PNG needs rsvg-convert, which is not installed (apt-get install "
+        absl::StrCat("--plot ", path,
+                     ": PNG needs rsvg-convert, which is not installed (apt-get install "
                      "librsvg2-bin); or write SVG: --plot ",
                      path.substr(0, path.size() - 4), ".svg"));
   const int rc = RunWithInput({"rsvg-convert", "-f", "png", "-o", path}, svg);
