@@ -149,7 +149,8 @@ std::string StatusPageHtml(const v1::ClusterStatus& status, const v1::HistoryRep
   absl::StrAppend(&out,
                   "<h2>Engines</h2>\n<table id=\"engines\"><tr><th>engine</th><th>node</th><th>version</th>"
                   "<th>staged</th><th>readiness</th><th>coordinator's view</th></tr>\n");
-  for (const auto& e : EngineStatesOf(status).engines()) {
+  const v1::EngineStates states = EngineStatesOf(status);
+  for (const auto& e : states.engines()) {
     const std::string r = Readiness(e);
     absl::StrAppend(&out, "<tr data-engine=\"", XmlEscape(e.engine_id()), "\">", Cell(e.engine_id()), Cell(e.node_id()),
                     Cell(e.weight_version()), Cell(e.staged_version()), "<td class=\"", r == "not ready" ? "paused" : r,
