@@ -10,7 +10,7 @@ _wsyncctl() {
     -w|--write-out|-o|--output) mapfile -t COMPREPLY < <(compgen -W "table json" -- "$cur"); return ;;
     --log-level) mapfile -t COMPREPLY < <(compgen -W "trace debug info warn error critical off" -- "$cur"); return ;;
     --log-format) mapfile -t COMPREPLY < <(compgen -W "text json" -- "$cur"); return ;;
-    --tls-ca|--tls-cert|--tls-key|--model|--node-rates) mapfile -t COMPREPLY < <(compgen -f -- "$cur"); return ;;
+    --tls-ca|--tls-cert|--tls-key|--model|--node-rates|--plot) mapfile -t COMPREPLY < <(compgen -f -- "$cur"); return ;;
     --endpoints|--dial-timeout|--tls-refresh-seconds|--version|--reason|--interval|--for|--idle-every|-n|--limit|\
     --rank|--step|--health-listen) return ;;
   esac
@@ -36,10 +36,6 @@ _wsyncctl() {
     plan) flags="--model --train --infer --nic --strategy --weights --executor --tasks --seed-table --no-gather
       --min-source-mib --node-rates --models-dir" ;;
   esac
-  if [ "$cmd" = "history" ] && [ "$prev" = "--plot" ]; then
-    mapfile -t COMPREPLY < <(compgen -f -X '!*.@(svg|png)' -o plusdirs -- "$cur")
-    return
-  fi
   if [ "$prev" = "--engine" ] || { [[ "$cmd" =~ ^(drain|undrain|remove)$ ]] && [[ "$cur" != -* ]]; }; then
     # Engine and node ids from the coordinator, when it answers quickly.
     local words
