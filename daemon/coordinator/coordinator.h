@@ -415,7 +415,7 @@ class Coordinator {
   std::string commit_lost_why_;
   std::map<int64_t, Outcome> outcomes_;  // per ended version, the oldest dropped beyond history_limit
   std::deque<v1::UpdateRecord> history_;
-  std::vector<EngineCallEnd> engine_call_ends_;  // the open update's engine calls as they ended (its timeline)
+  std::vector<EngineCallEnd> engine_call_ends_;  // requires mu_: the open update's engine calls as they ended
   Metrics metrics_;
   std::unique_ptr<StateStore> store_;
   int64_t persisted_nodes_epoch_ = -1;  // membership epoch whose nodes store_ was last given (nodes_ change with it)
