@@ -59,13 +59,24 @@ def fp8_config(src, block, out_dir):
 
 
 def write_steps(bin_dir, model, lr, steps, out_dir):
+    """Steps 0..steps of the RL step model in out_dir (kept from an earlier run when all are there, with the
+    generator's output in log.txt); returns the fraction of elements changed per step it printed."""
     os.makedirs(out_dir, exist_ok=True)
     t = time.time()
-    r = subprocess.run([os.path.join(bin_dir, "wsync-rl-steps"), "--config", model, "--lr", str(lr), "--steps",
-                        str(steps), "--out", out_dir], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise emu.HarnessError(f"wsync-rl-steps {model} lr {lr}: exit {r.returncode}: {r.stderr.strip()}")
-    changed = [line for line in r.stdout.splitlines() if line.startswith("all ")]
+    log = os.path.join(out_dir, "log.txt")
+    have = all(os.path.exists(os.path.join(out_dir, f"step_{k:06d}.safetensors")) for k in range(steps + 1))
+    if have and os.path.exists(log):
+        with open(log) as f:
+            out = f.read()
+    else:
+        r = subprocess.run([os.path.join(bin_dir, "wsync-rl-steps"), "--config", model, "--lr", str(lr), "--steps",
+                            str(steps), "--out", out_dir], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise emu.HarnessError(f"wsync-rl-steps {model} lr {lr}: exit {r.returncode}: {r.stderr.strip()}")
+        out = r.stdout
+        with open(log, "w") as f:
+            f.write(out)
+    changed = [line for line in out.splitlines() if line.startswith("all ")]
     print(f"bench_cluster_delta: {steps} steps of {os.path.relpath(model, emu.ROOT)} at lr {lr} in "
           f"{time.time() - t:.0f} s ({changed[0].split()[-1] if changed else '?'} of the elements change per step)",
           file=sys.stderr)
@@ -116,6 +127,9 @@ def main():
     ap.add_argument("--rate-mbit", type=float, default=400)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--bin", default=os.path.join(emu.ROOT, "build", "bin"))
+    ap.add_argument("--steps-cache", default="",
+                    help="keep the generated steps in DIR/<model>-<lr> and reuse them (default: a temporary "
+                         "directory in /dev/shm, removed after each learning rate)")
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args()
     rows = []
@@ -138,7 +152,8 @@ def main():
         if not os.access(os.path.join(a.bin, "wsync-rl-steps"), os.X_OK):
             raise emu.HarnessError(f"{a.bin}/wsync-rl-steps is missing; build first")
         emu.check_privileges()
-        with tempfile.TemporaryDirectory(prefix="wsync-bench-cluster-delta-") as tmp:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # ~200 MB per step: memory, not disk
+        with tempfile.TemporaryDirectory(prefix="wsync-bench-cluster-delta-", dir=shm) as tmp:
             clusters = []
             try:
                 # One cluster per shape for the whole run: the same links for every configuration.
@@ -152,7 +167,7 @@ def main():
                     base, ep, block = MODELS[m]
                     cfgs = {"bf16": base, "fp8": fp8_config(base, block, tmp)}
                     for lr in lrs:
-                        steps_dir = os.path.join(tmp, f"{m}-{lr:g}")
+                        steps_dir = os.path.join(a.steps_cache or tmp, f"{m}-{lr:g}")
                         changed = write_steps(a.bin, base, lr, 1 + 2 * a.pairs, steps_dir)
                         for dt in dtypes:
                             for c in clusters:
@@ -163,7 +178,8 @@ def main():
                                 rows.append(row)
                                 print(f"bench_cluster_delta: {json.dumps({k: v for k, v in row.items() if k != 'updates'})} "
                                       f"({time.time() - t:.0f} s)", file=sys.stderr)
-                        shutil.rmtree(steps_dir, ignore_errors=True)
+                        if not a.steps_cache:
+                            shutil.rmtree(steps_dir, ignore_errors=True)
             finally:
                 for c in clusters:
                     c.close(failed=sys.exc_info()[0] is not None)
