@@ -598,7 +598,8 @@ def run(args, cluster, deadline):
 
         trainer.placement = True
         run_torch(args, cluster, coord, trainer, specs, good + 4, verify, coord_addr)
-        run_delta(coord, trainer, specs, verify)
+    with Coordinator(coord_addr) as coord, Trainer(sock, local_rank=0, global_rank=0) as trainer:
+        run_delta(coord, trainer, specs, verify)  # a new session: the README's block above replaced the last one
 
 
 def run_delta(coord, trainer, specs, verify):

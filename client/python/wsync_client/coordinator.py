@@ -21,7 +21,7 @@ _MARGIN_S = 30
 
 # proto3 JSON writes 64-bit integers as strings; these fields come back as Python ints.
 _INT64_FIELDS = {"version", "plan_epoch", "membership_epoch", "bytes", "params", "started_unix_ms", "bytes_written",
-                 "current_version", "open_version", "failed_version"}
+                 "current_version", "open_version", "failed_version", "dense_bytes", "sent_bytes"}
 
 
 def _ints(obj: Any) -> Any:
