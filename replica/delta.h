@@ -100,7 +100,7 @@ struct OneSidedCost {
   double bytes_per_second = 1;
 };
 struct OneSidedPlan {
-  bool dense = true;  // one write of the whole range is cheaper (writes is then empty)
+  bool dense = true;                                  // one write of the whole range is cheaper (writes is then empty)
   std::vector<std::pair<uint64_t, uint64_t>> writes;  // (byte offset in the range, bytes), ascending
   uint64_t write_bytes = 0;                           // bytes the coalesced writes carry
   double runs_seconds = 0;                            // predicted: the coalesced writes

@@ -2,8 +2,6 @@
 // sequential work the CPU does well) into pieces {device address, offset in the staged values, bytes}; the device
 // gets the pieces and the values in two copies and one kernel writes them, a thread per piece. Pieces are at most
 // kMaxPieceBytes so that a long run does not leave one thread copying while the rest of its warp idles.
-#include "replica/delta_cuda.h"
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "replica/delta_cuda.h"
 
 namespace wsync::replica::delta {
 namespace {
@@ -145,8 +144,7 @@ absl::Status CudaScatter::Flush(ScatterMethod method) {
     if (cudaError_t e = cudaMemcpyAsync(dev_values_, host_values_, values, cudaMemcpyHostToDevice, stream);
         e != cudaSuccess)
       return CudaError(e, absl::StrCat("delta scatter: copying ", values, " value bytes to the device"));
-    if (cudaError_t e =
-            cudaMemcpyAsync(dev_pieces_, host_pieces_, n * sizeof(Piece), cudaMemcpyHostToDevice, stream);
+    if (cudaError_t e = cudaMemcpyAsync(dev_pieces_, host_pieces_, n * sizeof(Piece), cudaMemcpyHostToDevice, stream);
         e != cudaSuccess)
       return CudaError(e, absl::StrCat("delta scatter: copying ", n, " pieces to the device"));
     const unsigned threads = 256;

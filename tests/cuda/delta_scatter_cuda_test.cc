@@ -32,8 +32,8 @@ void Check(bool ok, const std::string& what) {
 
 // A new version of `old`: `fraction` of the elements changed at random places, plus (clustered) a few runs of
 // `run` consecutive elements.
-std::vector<uint8_t> Mutate(const std::vector<uint8_t>& old, uint32_t es, double fraction, uint64_t runs,
-                            uint64_t run, std::mt19937_64& rng) {
+std::vector<uint8_t> Mutate(const std::vector<uint8_t>& old, uint32_t es, double fraction, uint64_t runs, uint64_t run,
+                            std::mt19937_64& rng) {
   std::vector<uint8_t> neu = old;
   const uint64_t n = old.size() / es;
   auto change = [&](uint64_t i) {
@@ -78,7 +78,7 @@ void CheckWays() {
     double fraction;
     uint64_t runs, run;
   } specs[] = {{1 << 20, 2, 0.014, 4, 3}, {3 << 18, 2, 0.09, 2, 5000}, {1 << 19, 1, 0.0012, 6, 128},
-               {4096, 4, 0.02, 1, 7}, {65536, 2, 0.0, 0, 0}, {257 * 2, 2, 0.3, 1, 200}};
+               {4096, 4, 0.02, 1, 7},     {65536, 2, 0.0, 0, 0},       {257 * 2, 2, 0.3, 1, 200}};
   std::vector<Range> ranges;
   uint64_t total = 0;
   for (const auto& s : specs) {
@@ -111,8 +111,8 @@ void CheckWays() {
     for (const auto& r : ranges) {
       auto info = cs.Add(dev + r.offset, r.old.size(), reinterpret_cast<const uint8_t*>(r.enc.data()), r.enc.size(),
                          delta::Checksum(r.old.data(), r.old.size()));
-      Check(info.ok(), way + ": staged a range of " + std::to_string(r.old.size()) + " bytes: " +
-                           (info.ok() ? "" : info.status().ToString()));
+      Check(info.ok(), way + ": staged a range of " + std::to_string(r.old.size()) +
+                           " bytes: " + (info.ok() ? "" : info.status().ToString()));
       if (info.ok()) changed += info->changed_elems;
     }
     const uint64_t runs = cs.staged_runs();
@@ -123,8 +123,9 @@ void CheckWays() {
     uint64_t first_diff = total;
     for (uint64_t i = 0; i < total && first_diff == total; ++i)
       if (got[i] != want[i]) first_diff = i;
-    Check(first_diff == total, way + ": device bytes equal the dense new bytes" +
-                                   (first_diff == total ? "" : " (first difference at " + std::to_string(first_diff) + ")"));
+    Check(first_diff == total,
+          way + ": device bytes equal the dense new bytes" +
+              (first_diff == total ? "" : " (first difference at " + std::to_string(first_diff) + ")"));
   }
 
   // Refusals stage nothing: the device keeps the new bytes after a flush.
@@ -165,9 +166,7 @@ void Measure(uint64_t mib) {
     Check(false, "CudaScatter::Create: " + scatter.status().ToString());
     return;
   }
-  auto seconds = [](auto t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
+  auto seconds = [](auto t0) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   double best[3] = {1e9, 1e9, 1e9};  // dense, kernel (host staging included), memcpy per run
   for (int rep = 0; rep < 3; ++rep) {
     auto t0 = std::chrono::steady_clock::now();
@@ -177,11 +176,12 @@ void Measure(uint64_t mib) {
       WSYNC_CUDA_CHECK(cudaMemcpy(dev, old.data(), bytes, cudaMemcpyHostToDevice), "base H2D");
       t0 = std::chrono::steady_clock::now();
       auto info = (*scatter)->Add(dev, bytes, reinterpret_cast<const uint8_t*>(enc.data()), enc.size(), std::nullopt);
-      auto st = info.ok() ? (*scatter)->Flush(m == 0 ? ScatterMethod::kKernel : ScatterMethod::kMemcpyBatch)
-                          : info.status();
+      auto st =
+          info.ok() ? (*scatter)->Flush(m == 0 ? ScatterMethod::kKernel : ScatterMethod::kMemcpyBatch) : info.status();
       best[1 + m] = std::min(best[1 + m], seconds(t0));
-      if (rep == 0) Check(st.ok() && DeviceBytes(dev, bytes) == neu,
-                          std::string("timing range bit-exact by ") + (m == 0 ? "kernel" : "memcpy per run"));
+      if (rep == 0)
+        Check(st.ok() && DeviceBytes(dev, bytes) == neu,
+              std::string("timing range bit-exact by ") + (m == 0 ? "kernel" : "memcpy per run"));
     }
   }
   std::printf(
@@ -192,9 +192,10 @@ void Measure(uint64_t mib) {
       static_cast<unsigned long long>(mib), static_cast<unsigned long long>(res.changed_elems),
       100.0 * res.changed_elems / (bytes / 2.0), enc.size() / 1048576.0, best[0] * 1e3, bytes / best[0] / 1e9,
       best[1] * 1e3, best[1] / best[0], best[2] * 1e3, best[2] / best[0]);
-  std::printf("{\"bench\":\"delta_scatter_cuda\",\"value\":%.4f,\"unit\":\"kernel s / dense s\",\"memcpy_per_run\":%.4f,"
-              "\"mib\":%llu}\n",
-              best[1] / best[0], best[2] / best[0], static_cast<unsigned long long>(mib));
+  std::printf(
+      "{\"bench\":\"delta_scatter_cuda\",\"value\":%.4f,\"unit\":\"kernel s / dense s\",\"memcpy_per_run\":%.4f,"
+      "\"mib\":%llu}\n",
+      best[1] / best[0], best[2] / best[0], static_cast<unsigned long long>(mib));
   cudaFreeHost(pinned);
   cudaFree(dev);
 }

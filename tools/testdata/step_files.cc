@@ -70,13 +70,11 @@ absl::Status StepFiles::Map(int64_t step) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<const uint8_t*> StepFiles::Tensor(int64_t step, const std::string& name, DType dtype,
-                                                 uint64_t bytes) {
+absl::StatusOr<const uint8_t*> StepFiles::Tensor(int64_t step, const std::string& name, DType dtype, uint64_t bytes) {
   if (step != step_)
     if (absl::Status st = Map(step); !st.ok()) return st;
   auto it = index_.find(name);
-  if (it == index_.end())
-    return absl::NotFoundError(absl::StrCat(Path(dir_, step), " has no tensor ", name));
+  if (it == index_.end()) return absl::NotFoundError(absl::StrCat(Path(dir_, step), " has no tensor ", name));
   if (it->second.dtype != dtype || it->second.bytes != bytes)
     return absl::InvalidArgumentError(absl::StrCat(Path(dir_, step), ": tensor ", name, " is ",
                                                    DTypeName(it->second.dtype), " of ", it->second.bytes,

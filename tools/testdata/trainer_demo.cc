@@ -26,12 +26,12 @@
 #include "client/coordinator_client.h"
 #include "client/trainer_client.h"
 #include "proto/status_convert.h"
+#include "proto/tls.h"
 #include "replica/fp8.h"
 #include "replica/model_config.h"
 #include "spdlog/spdlog.h"
 #include "tools/testdata/step_files.h"
 #include "tools/testdata/weight_gen.h"
-#include "proto/tls.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
 using namespace wsync;
