@@ -189,7 +189,11 @@ def main():
                                 row = {"shape": f"{c.S}x{c.T}", "model": m, "lr": lr, "dtype": dt,
                                        "iperf3_mbit": round(c.measured_mbit, 1), "elements_changed": changed}
                                 t = time.time()
-                                run_config(c, a, row, cfgs[dt], ep, steps_dir, dt == "bf16" or a.verify_all)
+                                try:
+                                    run_config(c, a, row, cfgs[dt], ep, steps_dir, dt == "bf16" or a.verify_all)
+                                except emu.HarnessError as e:  # reported in its row; the other configurations run
+                                    c.stop_wsync()
+                                    row["error"] = str(e)[-1500:]
                                 rows.append(row)
                                 print(f"bench_cluster_delta: {json.dumps({k: v for k, v in row.items() if k != 'updates'})} "
                                       f"({time.time() - t:.0f} s)", file=sys.stderr)
@@ -213,14 +217,22 @@ def main():
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     for r in rows:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['model']} | {r['lr']:g} | {r['dtype']} | FAILED: "
+                  f"{r['error'].splitlines()[0][:200]} |")
+            continue
         print(f"| {r['shape']} | {r['model']} | {r['lr']:g} | {r['dtype']} | {r['elements_changed']} | "
               f"{r['dense_mib']:.1f} | {r['sent_mib']:.2f} | {r['bytes_ratio']:.4f} | {r['dense_s']:.2f} | "
               f"{r['delta_s']:.2f} | {r['time_ratio']:.3f} | {r['delta_push_s']:.2f} | {r['delta_apply_s']:.2f} |")
-    main_row = next((r for r in rows if r["model"] == "demo" and r["lr"] == 1e-6 and r["dtype"] == "bf16"), rows[0])
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
+        print("bench_cluster_delta: every configuration failed", file=sys.stderr)
+        return 1
+    main_row = next((r for r in ok if r["model"] == "demo" and r["lr"] == 1e-6 and r["dtype"] == "bf16"), ok[0])
     print(json.dumps({"bench": "cluster_delta", "value": main_row["bytes_ratio"], "time_ratio": main_row["time_ratio"],
                       "unit": "sent/dense", "shape": main_row["shape"], "model": main_row["model"],
                       "lr": main_row["lr"], "dtype": main_row["dtype"], "rate_mbit": a.rate_mbit, "rows": rows}))
-    return 0
+    return 0 if len(ok) == len(rows) else 1
 
 
 if __name__ == "__main__":
