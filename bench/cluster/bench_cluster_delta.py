@@ -94,6 +94,7 @@ def run_config(c, a, row, model, ep, steps_dir, verify_all):
     c.stop_wsync()
     c.model, c.ep = model, ep
     c.engine_args = ["--steps-dir", steps_dir]
+    c.target_args = ["--delta-staging-fraction", str(a.staging_fraction)] if a.staging_fraction else []
     c.trainer_args = ["--steps-dir", steps_dir, "--delta", "auto,off"]  # update 1 auto (dense: nothing held yet)
     c.start_wsync()
     n = 1 + 2 * a.pairs
@@ -143,6 +144,9 @@ def main():
     ap.add_argument("--steps-cache", default="",
                     help="keep the generated steps in DIR/<model>-<lr> and reuse them (default: a temporary "
                          "directory in /dev/shm, removed after each learning rate)")
+    ap.add_argument("--staging-fraction", type=float, default=0,
+                    help="the targets' --delta-staging-fraction (0: wsyncd's default, 1/8): records that do not fit "
+                         "a connection's staging region are written dense")
     ap.add_argument("--verify-all", action="store_true",
                     help="FP8 engines verify every update too (default: only the last, a delta update)")
     ap.add_argument("--keep", action="store_true")
@@ -187,6 +191,7 @@ def main():
                         for dt in dtypes:
                             for c in clusters:
                                 row = {"shape": f"{c.S}x{c.T}", "model": m, "lr": lr, "dtype": dt,
+                                       "staging_fraction": a.staging_fraction or 0.125,
                                        "iperf3_mbit": round(c.measured_mbit, 1), "elements_changed": changed}
                                 t = time.time()
                                 try:

@@ -177,8 +177,9 @@ class Cluster:
         self.engines, self.source_addrs = [], []
         self.measured_mbit = None
         self._old_handlers = {}
-        # Extra flags for every engine and every trainer rank (bench_cluster_delta.py: --steps-dir, --delta).
-        self.engine_args, self.trainer_args = [], []
+        # Extra flags for every engine, target daemon and trainer rank (bench_cluster_delta.py: --steps-dir, --delta,
+        # --delta-staging-fraction).
+        self.engine_args, self.target_args, self.trainer_args = [], [], []
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def __enter__(self):
@@ -391,7 +392,7 @@ class Cluster:
                                           f"{n.ip}:0", "--data-host", n.ip, "--coordinator", self.coordinator,
                                           "--engine", f"reference+grpc://{self.engines[i]}", "--engine-socket",
                                           os.path.join(self.work, f"target{i}.sock"), "--transport", "tcp"]
-                        + self.tls(f"target-infer-node{i}"))
+                        + self.target_args + self.tls(f"target-infer-node{i}"))
         self.source_addrs = []
         for i, n in enumerate(self.sources):
             # Trainer ranks reach their daemon through its Unix socket (shared across network namespaces by path).
