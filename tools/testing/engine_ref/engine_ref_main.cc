@@ -393,16 +393,16 @@ class EngineService final : public pb::EngineControl::Service {
       const RefLayout& l = layouts_[r];
       std::vector<uint8_t> expected(l.total_bytes);
       if (step_files_ != nullptr) {
-        absl::Status missing;
-        WSYNC_RETURN_IF_ERROR(LoadHfTensors(
+        absl::Status missing;  // why the file could not give a tensor: more precise than the loader's NotFound
+        absl::Status loaded = LoadHfTensors(
             cfg_, tp_, r, l,
             [&](const std::string& name, wsync::DType dtype, uint64_t bytes) -> const uint8_t* {
               auto t = step_files_->Tensor(step, name, dtype, bytes);
               if (!t.ok() && missing.ok()) missing = t.status();
               return t.ok() ? *t : nullptr;
             },
-            expected.data()));
-        WSYNC_RETURN_IF_ERROR(missing);
+            expected.data());
+        if (!loaded.ok()) return missing.ok() ? loaded : missing;
       } else {
         WSYNC_RETURN_IF_ERROR(ComputeExpected(cfg_, tp_, r, l, step, expected.data()));
       }
