@@ -442,7 +442,8 @@ TEST_CASE("delta: hand-built frames with valid checksums but bad indices are ref
   }
 }
 
-TEST_CASE("delta: one-sided writes coalesce nearby runs and save nothing over one dense write when changes are scattered") {
+TEST_CASE(
+    "delta: one-sided writes coalesce nearby runs and save nothing over one dense write when changes are scattered") {
   // The Mooncake figures measured on the build machine (docs/delta.md): ~45 us per write, ~1 GB/s.
   const OneSidedCost cost{45e-6, 1e9};  // bridge gaps below 45 000 bytes
   std::mt19937_64 rng(3);
