@@ -1,0 +1,30 @@
+#!/bin/bash
+# Runs inside the soft-RoCE guest (rxe0, see run_in_rxe_vm.sh): the fabric suite on the verbs;ofi_rxm provider, then
+# bench_transport --fabric there (fabric vs raw libfabric vs verbs vs tcp in one run), so that one VM boot covers both.
+# The bench's figures are printed, not asserted (benchmarks are not tests); its failure to run fails this script.
+#
+# Usage: fabric_in_vm.sh TEST_EXECUTABLE BENCH_EXECUTABLE
+set -u
+if [ $# -ne 2 ]; then
+  echo "usage: $0 TEST_EXECUTABLE BENCH_EXECUTABLE" >&2
+  exit 2
+fi
+test_bin=$1
+bench_bin=$2
+provider="verbs;ofi_rxm"
+# The guest's default memlock limit (8 MiB) is below what the bench registers; the tests run as root there.
+ulimit -l unlimited
+
+start=$(date +%s)
+WSYNC_FABRIC_TEST_PROVIDER=$provider "$test_bin" --durations yes
+rc=$?
+echo "fabric_in_vm: suite on $provider exit $rc after $(($(date +%s) - start)) s" >&2
+[ $rc -eq 0 ] || exit $rc
+
+start=$(date +%s)
+# Small sizes and short windows: under emulation the rates are CPU-bound, meaningful only as ratios in this run.
+"$bench_bin" --fabric --fabric-provider "$provider" --per-size-ms "${WSYNC_FABRIC_VM_BENCH_MS:-200}" \
+  --max-size $((4 << 20))
+rc=$?
+echo "fabric_in_vm: bench_transport --fabric on $provider exit $rc after $(($(date +%s) - start)) s" >&2
+exit $rc
