@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "tests/transport/fabric_test_util.h"
 #include "tests/transport/pattern.h"
 #include "transport/fabric/fabric_transport.h"
@@ -336,4 +337,79 @@ TEST_CASE("no libfabric: not viable, naming the library", "[.nolib]") {
   auto tcp = wsync::transport::CreateFirstViableTransport("fabric,tcp", opts);
   REQUIRE(tcp.ok());
   CHECK((*tcp)->name() == "tcp");
+}
+
+// Run by transport_fabric_domains_netns_test inside a network namespace with two interfaces on one subnet
+// (fabric_netns.sh): tcp;ofi_rxm offers one domain per interface, WSYNC_FABRIC_DOMAINS names both.
+TEST_CASE("two NICs: endpoints spread over both domains, every pairing writes its bytes", "[.domains]") {
+  const char* want = std::getenv("WSYNC_FABRIC_DOMAINS");
+  REQUIRE(want != nullptr);
+  const std::vector<std::string> domains = absl::StrSplit(want, ',');
+  REQUIRE(domains.size() == 2);
+  auto sender = Viable();
+  auto receiver = Viable();
+  for (Transport* t : {sender.get(), receiver.get()}) {
+    auto info = wsync::transport::fabric::GetFabricInfo(*t);
+    REQUIRE(info.has_value());
+    CHECK(info->domains == domains);
+  }
+  constexpr int kEndpoints = 4;
+  std::vector<std::unique_ptr<Endpoint>> tx, rx;
+  std::vector<uint32_t> tx_dom, rx_dom;
+  std::vector<std::string> tx_addr;
+  for (int i = 0; i < kEndpoints; ++i) {
+    auto s = sender->CreateEndpoint();
+    auto r = receiver->CreateEndpoint();
+    REQUIRE(s.ok());
+    REQUIRE(r.ok());
+    auto si = wsync::transport::fabric::DecodeConnInfo((*s)->LocalInfo());
+    auto ri = wsync::transport::fabric::DecodeConnInfo((*r)->LocalInfo());
+    REQUIRE(si.ok());
+    REQUIRE(ri.ok());
+    CHECK(si->domain == domains[si->domain_index]);
+    tx_dom.push_back(si->domain_index);
+    rx_dom.push_back(ri->domain_index);
+    tx_addr.push_back(si->address);
+    tx.push_back(std::move(*s));
+    rx.push_back(std::move(*r));
+  }
+  // Nothing ties the memory to a NUMA node with a NIC here: the endpoints alternate between the two domains.
+  CHECK(tx_dom == std::vector<uint32_t>{0, 1, 0, 1});
+  CHECK(rx_dom == std::vector<uint32_t>{0, 1, 0, 1});
+  // Each domain's endpoints have that interface's address (the provider binds to it).
+  for (const std::string& a : tx_addr) REQUIRE(a.size() >= 8);
+  CHECK(tx_addr[0].substr(4, 4) == tx_addr[2].substr(4, 4));  // sockaddr_in: sin_addr at offset 4
+  CHECK(tx_addr[0].substr(4, 4) != tx_addr[1].substr(4, 4));
+
+  // Every (sender NIC, receiver NIC) pairing once: (0,0), (1,1), (0,1), (1,0). Each writes its own quarter.
+  const std::vector<std::pair<int, int>> pairs = {{0, 0}, {1, 1}, {2, 3}, {3, 2}};
+  Buffer src = Source(*sender, 11);
+  Buffer dst = Target(*receiver, 4 * kLen);
+  auto remote = Import(*sender, dst.region->Descriptor());
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    auto [s, r] = pairs[p];
+    INFO("sender domain " << tx_dom[s] << " -> receiver domain " << rx_dom[r]);
+    REQUIRE(rx[r]->Connect(tx[s]->LocalInfo(), kTimeout).ok());
+    REQUIRE(tx[s]->Connect(rx[r]->LocalInfo(), kTimeout).ok());
+    WriteRequest w{src.region.get(), 0, remote.get(), p * kLen, kLen};
+    absl::Status st = tx[s]->Write({&w, 1}, kTimeout);
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+  }
+  for (size_t p = 0; p < pairs.size(); ++p) CHECK(HoldsPattern(dst.bytes.data() + p * kLen, kLen, 11));
+
+  // A grant is minted in the domain of its endpoint: writes through it land, and its revocation refuses them.
+  REQUIRE(receiver->RequireGrants(true).ok());
+  Buffer granted = Target(*receiver);
+  auto remote_granted = Import(*sender, granted.region->Descriptor());
+  Transport::WriteGrant g{"source:train0", "engine0/0", {granted.region.get()}};
+  auto grx = receiver->CreateGrantedEndpoint(g);  // the fifth endpoint: domain 0
+  REQUIRE(grx.ok());
+  auto gtx = ConnectTo(*sender, **grx);  // the fifth: domain 0; the sixth would be 1
+  REQUIRE(WriteAll(*gtx, *src.region, *remote_granted, kTimeout).ok());
+  CHECK(HoldsPattern(granted.bytes.data(), kLen, 11));
+  std::fill(granted.bytes.begin(), granted.bytes.end(), kUntouched);
+  receiver->RevokeGrants([](const Transport::WriteGrant&) { return false; });
+  RequireRefused(WriteAll(*gtx, *src.region, *remote_granted, kRefusedTimeout), *gtx);
+  CHECK(Untouched(granted.bytes));
 }

@@ -82,8 +82,8 @@ const char* HintForError(int err) {
 
 class FabricEndpoint final : public Endpoint {
  public:
-  FabricEndpoint(std::shared_ptr<Domain> dom, std::shared_ptr<Gate> gate, const Identity& id)
-      : dom_(std::move(dom)), gate_(std::move(gate)), id_(id) {}
+  FabricEndpoint(std::shared_ptr<Domain> dom, std::shared_ptr<Gate> gate, const Identity& id, uint32_t domain_index)
+      : dom_(std::move(dom)), gate_(std::move(gate)), id_(id), domain_index_(domain_index) {}
   ~FabricEndpoint() override {
     // The grant's MRs are bound to ep_ (FI_MR_ENDPOINT): closed before it.
     if (grant_ != nullptr) gate_->RemoveGrant(grant_);
@@ -156,6 +156,8 @@ class FabricEndpoint final : public Endpoint {
     info.fabric = dom_->fabric_name();
     info.addr_format = dom_->info()->addr_format;
     info.address = address_;
+    info.domain_index = domain_index_;
+    info.domain = dom_->info()->domain_attr->name != nullptr ? dom_->info()->domain_attr->name : "";
     if (grant_ != nullptr) {
       info.granted = true;
       info.grant = gate_->GrantKeys(*grant_);
@@ -310,7 +312,7 @@ class FabricEndpoint final : public Endpoint {
   // The local MR descriptor a write from `src` is posted with (FI_MR_LOCAL), or null when the provider needs none.
   absl::StatusOr<void*> SourceDesc(const FabricLocalRegion* src) {
     if (!dom_->local_mr()) return nullptr;
-    if (!dom_->endpoint_mr()) return src->desc();
+    if (!dom_->endpoint_mr()) return src->desc(domain_index_);
     // FI_MR_ENDPOINT: an MR serves only the endpoint it is bound to; registered once per (endpoint, region).
     auto it = local_mrs_.find(src->region_id());
     if (it == local_mrs_.end()) {
@@ -324,6 +326,7 @@ class FabricEndpoint final : public Endpoint {
   std::shared_ptr<Domain> dom_;
   std::shared_ptr<Gate> gate_;
   Identity id_;
+  uint32_t domain_index_;
   std::vector<Op> ops_;  // before the endpoint and queue: a late completion never points at freed memory
   std::vector<Op*> free_;
   FidPtr<fid_cq> cq_{nullptr, {"completion queue"}};
@@ -368,6 +371,10 @@ absl::StatusOr<BatchId> FabricEndpoint::Post(absl::Span<const WriteRequest> writ
       return absl::InvalidArgumentError(absl::StrCat("write #", i, ": destination region belongs to ",
                                                      dst->desc().owner, ", but this endpoint is connected to ",
                                                      peer_.owner));
+    if (peer_.domain_index >= dst->desc().keys.size())
+      return absl::InvalidArgumentError(absl::StrCat(
+          "write #", i, ": the descriptor of ", dst->desc().owner, " has keys for ", dst->desc().keys.size(),
+          " domain(s), but the peer endpoint is on its domain #", peer_.domain_index, " (", peer_.domain, ")"));
     WSYNC_ASSIGN_OR_RETURN(descs[i], SourceDesc(src));
   }
 
@@ -380,7 +387,7 @@ absl::StatusOr<BatchId> FabricEndpoint::Post(absl::Span<const WriteRequest> writ
     const WriteRequest& w = writes[i];
     const auto* src = static_cast<const FabricLocalRegion*>(w.src);
     const RegionDesc& d = static_cast<const FabricRemoteRegion*>(w.dst)->desc();
-    uint64_t key = d.key;
+    uint64_t key = d.keys[peer_.domain_index];
     if (auto g = peer_grant_.find(d.region_id); g != peer_grant_.end()) key = g->second;
     for (uint64_t done = 0; done < w.length && broken_.ok();) {
       const uint64_t piece = std::min(w.length - done, max_piece);
@@ -487,8 +494,9 @@ absl::Status FabricEndpoint::Wait(BatchId batch, absl::Duration timeout) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Endpoint>> NewFabricEndpoint(std::shared_ptr<Domain> dom, std::shared_ptr<Gate> gate,
-                                                            const Identity& id, const GrantRequest* grant) {
-  auto ep = std::make_unique<FabricEndpoint>(std::move(dom), std::move(gate), id);
+                                                            const Identity& id, const GrantRequest* grant,
+                                                            uint32_t domain_index) {
+  auto ep = std::make_unique<FabricEndpoint>(std::move(dom), std::move(gate), id, domain_index);
   WSYNC_RETURN_IF_ERROR(ep->Init(grant));
   return std::unique_ptr<Endpoint>(std::move(ep));
 }

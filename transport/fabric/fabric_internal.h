@@ -36,6 +36,7 @@ struct Config {
   uint64_t max_piece = 4 << 20;
   uint32_t tx_depth = 64;
   uint64_t forced_mr_mode = 0;
+  std::vector<std::string> domains;  // the domains (NICs) to open; empty: every one on the preferred fabric
   absl::Duration io_timeout = absl::Seconds(30);  // Post gives up waiting for room after this
 };
 
@@ -152,12 +153,15 @@ class Gate {
   std::vector<std::shared_ptr<Grant>> grants_;
 };
 
+// A region registered in every domain of its transport (one local MR and, unless it is a source's memory, one
+// remote-write MR per domain, index for index).
 class FabricLocalRegion final : public LocalRegion {
  public:
-  FabricLocalRegion(std::shared_ptr<Domain> dom, std::shared_ptr<Gate> gate, Identity id, uint64_t region_id,
-                    void* addr, uint64_t len, MrPtr local, std::shared_ptr<Gate::Plain> plain)
-      : dom_(std::move(dom)),
-        gate_(std::move(gate)),
+  FabricLocalRegion(std::vector<std::shared_ptr<Domain>> doms, std::vector<std::shared_ptr<Gate>> gates, Identity id,
+                    uint64_t region_id, void* addr, uint64_t len, std::vector<MrPtr> local,
+                    std::vector<std::shared_ptr<Gate::Plain>> plain)
+      : doms_(std::move(doms)),
+        gates_(std::move(gates)),
         id_(std::move(id)),
         region_id_(region_id),
         addr_(addr),
@@ -165,7 +169,7 @@ class FabricLocalRegion final : public LocalRegion {
         local_(std::move(local)),
         plain_(std::move(plain)) {}
   ~FabricLocalRegion() override {
-    if (plain_ != nullptr) gate_->RemovePlain(plain_);
+    for (size_t i = 0; i < plain_.size(); ++i) gates_[i]->RemovePlain(plain_[i]);
   }
 
   void* addr() const override { return addr_; }
@@ -174,21 +178,24 @@ class FabricLocalRegion final : public LocalRegion {
 
   uint64_t transport_id() const { return id_.transport_id; }
   uint64_t region_id() const { return region_id_; }
-  bool remote_write() const { return plain_ != nullptr; }
-  // The local MR's descriptor for FI_MR_LOCAL (null when there is none: a zero-length region).
-  void* desc() const { return local_ ? fi_mr_desc(local_.get()) : nullptr; }
-  // The address remote writes into this region start from (the descriptor's addr_base).
-  uint64_t addr_base() const { return dom_->virt_addr() ? reinterpret_cast<uintptr_t>(addr_) : 0; }
+  bool remote_write() const { return !plain_.empty(); }
+  // The local MR's descriptor in domain `dom` for FI_MR_LOCAL (null when there is none: a zero-length region, or
+  // FI_MR_ENDPOINT where endpoints register their own).
+  void* desc(size_t dom) const {
+    return dom < local_.size() && local_[dom] ? fi_mr_desc(local_[dom].get()) : nullptr;
+  }
+  // The address remote writes into this region start from (the descriptor's addr_base); one mr_mode for all domains.
+  uint64_t addr_base() const { return doms_[0]->virt_addr() ? reinterpret_cast<uintptr_t>(addr_) : 0; }
 
  private:
-  std::shared_ptr<Domain> dom_;  // first: released after the MRs below
-  std::shared_ptr<Gate> gate_;
+  std::vector<std::shared_ptr<Domain>> doms_;  // first: released after the MRs below
+  std::vector<std::shared_ptr<Gate>> gates_;
   Identity id_;
   uint64_t region_id_;
   void* addr_;
   uint64_t len_;
-  MrPtr local_;
-  std::shared_ptr<Gate::Plain> plain_;  // null for a source's memory
+  std::vector<MrPtr> local_;                         // per domain; empty entries for a zero-length region
+  std::vector<std::shared_ptr<Gate::Plain>> plain_;  // per domain; empty for a source's memory
 };
 
 class FabricRemoteRegion final : public RemoteRegion {
@@ -201,13 +208,15 @@ class FabricRemoteRegion final : public RemoteRegion {
   RegionDesc desc_;
 };
 
-// Creates an endpoint (defined in fabric_endpoint.cc). With `grant`, it registers the granted regions' MRs (bound to
-// it under FI_MR_ENDPOINT) and its LocalInfo carries their keys; the grant is removed from `gate` with the endpoint.
+// Creates an endpoint on `dom`, the transport's domain number `domain_index`, whose remote-write MRs `gate` holds
+// (defined in fabric_endpoint.cc). With `grant`, it registers the granted regions' MRs (bound to it under
+// FI_MR_ENDPOINT) and its LocalInfo carries their keys; the grant is removed from `gate` with the endpoint.
 struct GrantRequest {
   Transport::WriteGrant info;
   std::vector<const FabricLocalRegion*> regions;
 };
 absl::StatusOr<std::unique_ptr<Endpoint>> NewFabricEndpoint(std::shared_ptr<Domain> dom, std::shared_ptr<Gate> gate,
-                                                            const Identity& id, const GrantRequest* grant);
+                                                            const Identity& id, const GrantRequest* grant,
+                                                            uint32_t domain_index);
 
 }  // namespace wsync::transport::fabric

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -22,6 +23,7 @@
 #include "absl/time/clock.h"
 #include "base/status.h"
 #include "spdlog/spdlog.h"
+#include "transport/fabric/fabric_domains.h"
 #include "transport/fabric/fabric_internal.h"
 
 namespace wsync::transport::fabric {
@@ -285,13 +287,19 @@ std::string FabricLocalRegion::Descriptor() const {
   RegionDesc d;
   d.transport_id = id_.transport_id;
   d.owner = id_.owner;
-  d.provider = dom_->provider();
+  d.provider = doms_[0]->provider();
   d.region_id = region_id_;
   d.length = len_;
   d.addr_base = addr_base();
-  // A source's memory gives its local MR's key, which has no remote access: a peer's write through it is refused by
-  // this side's provider, not merely by the writer's good manners.
-  d.key = plain_ != nullptr ? gate_->PlainKey(*plain_) : (local_ ? fi_mr_key(local_.get()) : 0);
+  // A source's memory gives its local MRs' keys, which have no remote access: a peer's write through one is refused
+  // by this side's provider, not merely by the writer's good manners.
+  for (size_t i = 0; i < doms_.size(); ++i) {
+    if (!plain_.empty()) {
+      d.keys.push_back(gates_[i]->PlainKey(*plain_[i]));
+    } else {
+      d.keys.push_back(i < local_.size() && local_[i] ? fi_mr_key(local_[i].get()) : 0);
+    }
+  }
   return EncodeRegionDesc(d);
 }
 
@@ -341,6 +349,11 @@ absl::StatusOr<Config> ResolveConfig(const TransportOptions& opts, const FabricO
     if (v != nullptr) force = v;
   }
   WSYNC_ASSIGN_OR_RETURN(c.forced_mr_mode, ParseForcedMrMode(force));
+  c.domains = f.domains;
+  if (c.domains.empty()) {
+    const char* v = std::getenv("WSYNC_FABRIC_DOMAINS");
+    if (v != nullptr) c.domains = absl::StrSplit(v, ',', absl::SkipWhitespace());
+  }
   c.tx_depth = std::min<uint32_t>(c.tx_depth, 1 << 16);
   return c;
 }
@@ -401,16 +414,18 @@ std::string DiagnoseProvider(const std::string& provider, int rc) {
 
 class FabricTransport final : public Transport {
  public:
-  FabricTransport(std::shared_ptr<Domain> dom, std::string reason) : dom_(std::move(dom)), reason_(std::move(reason)) {
+  // `doms`: one per NIC (empty: not viable, `reason` says why); `numa`: each domain's NUMA node.
+  FabricTransport(std::vector<std::shared_ptr<Domain>> doms, std::vector<int> numa, std::string reason)
+      : doms_(std::move(doms)), domain_numa_(std::move(numa)), reason_(std::move(reason)) {
     std::random_device rd;
     id_.transport_id = (static_cast<uint64_t>(rd()) << 32) ^ rd();
     id_.owner = absl::StrFormat("%s/pid %d/t%04x [%s]", HostName(), getpid(), id_.transport_id & 0xffff,
-                                dom_ ? dom_->provider() : std::string("fabric"));
-    if (dom_) gate_ = std::make_shared<Gate>(dom_);
+                                doms_.empty() ? std::string("fabric") : doms_[0]->provider());
+    for (const auto& d : doms_) gates_.push_back(std::make_shared<Gate>(d));
   }
 
   std::string name() const override { return "fabric"; }
-  bool viable() const override { return dom_ != nullptr; }
+  bool viable() const override { return !doms_.empty(); }
   std::string reason() const override { return reason_; }
 
   absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
@@ -433,15 +448,17 @@ class FabricTransport final : public Transport {
   absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) override {
     WSYNC_RETURN_IF_ERROR(CheckViable());
     WSYNC_ASSIGN_OR_RETURN(RegionDesc d, DecodeRegionDesc(descriptor));
-    if (d.provider != dom_->provider())
+    if (d.provider != doms_[0]->provider())
       return absl::InvalidArgumentError(absl::StrCat("fabric: region of ", d.owner, " is registered with provider \"",
-                                                     d.provider, "\", this transport uses \"", dom_->provider(), "\""));
+                                                     d.provider, "\", this transport uses \"", doms_[0]->provider(),
+                                                     "\""));
     return std::unique_ptr<RemoteRegion>(std::make_unique<FabricRemoteRegion>(std::move(d)));
   }
 
   absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
     WSYNC_RETURN_IF_ERROR(CheckViable());
-    return NewFabricEndpoint(dom_, gate_, id_, nullptr);
+    const uint32_t k = NextDomain();
+    return NewFabricEndpoint(doms_[k], gates_[k], id_, nullptr, k);
   }
 
   absl::StatusOr<std::unique_ptr<Endpoint>> CreateGrantedEndpoint(const WriteGrant& grant) override {
@@ -459,48 +476,58 @@ class FabricTransport final : public Transport {
       req.regions.push_back(r);
     }
     absl::Time start = absl::Now();
-    WSYNC_ASSIGN_OR_RETURN(auto ep, NewFabricEndpoint(dom_, gate_, id_, &req));
+    const uint32_t k = NextDomain();
+    WSYNC_ASSIGN_OR_RETURN(auto ep, NewFabricEndpoint(doms_[k], gates_[k], id_, &req, k));
     spdlog::info("fabric: write grant minted for {} ({}, {} regions, own MR keys) in {:.3f} ms", grant.peer,
                  grant.scope, grant.regions.size(), absl::ToDoubleMilliseconds(absl::Now() - start));
     return ep;
   }
 
   void RevokeGrants(const std::function<bool(const WriteGrant&)>& keep) override {
-    if (viable()) gate_->Revoke(keep);
+    for (const auto& g : gates_) g->Revoke(keep);
   }
 
   absl::Status RequireGrants(bool require) override {
     WSYNC_RETURN_IF_ERROR(CheckViable());
-    return gate_->RequireGrants(require);
+    absl::Status first;
+    for (const auto& g : gates_) first.Update(g->RequireGrants(require));
+    return first;
   }
 
   absl::Status SetWriteWindow(bool open) override {
     WSYNC_RETURN_IF_ERROR(CheckViable());
-    if (dom_->prov_key()) {
+    if (doms_[0]->prov_key()) {
       // Re-registering on open would hand out new keys, which connected peers never learn.
       return absl::UnimplementedError(
-          absl::StrCat("the fabric transport does not enforce write windows on provider ", dom_->provider(),
+          absl::StrCat("the fabric transport does not enforce write windows on provider ", doms_[0]->provider(),
                        " (it picks memory keys, FI_MR_PROV_KEY; write grants and their revocation are enforced)"));
     }
     absl::Time start = absl::Now();
-    absl::Status st = gate_->SetWindow(open);
+    absl::Status st;
+    for (const auto& g : gates_) st.Update(g->SetWindow(open));
     spdlog::info("fabric: write window {} in {:.3f} ms", open ? "opened" : "closed",
                  absl::ToDoubleMilliseconds(absl::Now() - start));
     return st;
   }
 
   FabricInfo Info() const {
+    const Domain& d = *doms_[0];  // every domain has the same provider, fabric and attributes
     FabricInfo i;
-    i.provider = dom_->provider();
-    i.fabric = dom_->fabric_name();
-    i.domain = dom_->info()->domain_attr->name != nullptr ? dom_->info()->domain_attr->name : "";
-    i.mr_mode = dom_->mr_mode();
-    i.delivery_complete = dom_->delivery_complete();
-    i.manual_progress = dom_->info()->domain_attr->data_progress == FI_PROGRESS_MANUAL;
-    i.app_keys = !dom_->prov_key();
-    i.max_msg_size = dom_->max_msg_size();
-    i.max_piece = std::min(dom_->max_msg_size(), dom_->config().max_piece);
-    i.tx_depth = dom_->tx_depth();
+    i.provider = d.provider();
+    i.fabric = d.fabric_name();
+    i.domain = d.info()->domain_attr->name != nullptr ? d.info()->domain_attr->name : "";
+    for (size_t k = 0; k < doms_.size(); ++k) {
+      const char* n = doms_[k]->info()->domain_attr->name;
+      i.domains.push_back(n != nullptr ? n : "");
+    }
+    i.domain_numa = domain_numa_;
+    i.mr_mode = d.mr_mode();
+    i.delivery_complete = d.delivery_complete();
+    i.manual_progress = d.info()->domain_attr->data_progress == FI_PROGRESS_MANUAL;
+    i.app_keys = !d.prov_key();
+    i.max_msg_size = d.max_msg_size();
+    i.max_piece = std::min(d.max_msg_size(), d.config().max_piece);
+    i.tx_depth = d.tx_depth();
     return i;
   }
 
@@ -511,20 +538,60 @@ class FabricTransport final : public Transport {
     if (addr == nullptr && len > 0) return absl::InvalidArgumentError("fabric: RegisterMemory of a null address");
     absl::Time start = absl::Now();
     const uint64_t region_id = RandomKey(8);
-    MrPtr local;
-    // Under FI_MR_ENDPOINT the local MRs are registered per endpoint (bound to it) when it first writes from here.
-    if (len > 0 && !dom_->endpoint_mr()) {
-      WSYNC_ASSIGN_OR_RETURN(local, dom_->RegisterMr(addr, len, FI_WRITE, 0, nullptr, "local access"));
+    // Registered in every domain: an endpoint on any NIC can write from it, a peer on any NIC into it.
+    std::vector<MrPtr> local(doms_.size());
+    std::vector<std::shared_ptr<Gate::Plain>> plain;
+    auto release_plain = [&] {
+      for (size_t i = 0; i < plain.size(); ++i) gates_[i]->RemovePlain(plain[i]);
+    };
+    for (size_t i = 0; i < doms_.size() && len > 0; ++i) {
+      // Under FI_MR_ENDPOINT the local MRs are registered per endpoint (bound to it) when it first writes from here.
+      if (!doms_[i]->endpoint_mr()) {
+        auto mr = doms_[i]->RegisterMr(addr, len, FI_WRITE, 0, nullptr, "local access");
+        if (!mr.ok()) {
+          release_plain();
+          return mr.status();
+        }
+        local[i] = *std::move(mr);
+      }
+      if (remote_write) {
+        auto p = gates_[i]->AddPlain(addr, len);
+        if (!p.ok()) {
+          release_plain();
+          return p.status();
+        }
+        plain.push_back(*std::move(p));
+      }
     }
-    std::shared_ptr<Gate::Plain> plain;
-    if (remote_write && len > 0) {
-      WSYNC_ASSIGN_OR_RETURN(plain, gate_->AddPlain(addr, len));
-    }
+    if (len > 0) NoteMemory(addr, len);
     const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
-    spdlog::info("fabric: registered {} bytes at {} ({}) on {} in {:.3f} ms", len, addr,
-                 remote_write ? "remote write" : "source, no remote access", dom_->provider(), ms);
-    return std::unique_ptr<LocalRegion>(std::make_unique<FabricLocalRegion>(dom_, gate_, id_, region_id, addr, len,
-                                                                            std::move(local), std::move(plain)));
+    spdlog::info("fabric: registered {} bytes at {} ({}) on {} ({} domain(s)) in {:.3f} ms", len, addr,
+                 remote_write ? "remote write" : "source, no remote access", doms_[0]->provider(), doms_.size(), ms);
+    return std::unique_ptr<LocalRegion>(std::make_unique<FabricLocalRegion>(
+        doms_, gates_, id_, region_id, addr, len, std::move(local), std::move(plain)));
+  }
+
+  // Counts registered bytes per NUMA node: endpoints go to the NICs beside most of the memory they will move.
+  void NoteMemory(void* addr, uint64_t len) {
+    if (doms_.size() < 2) return;
+    const int node = MemoryNumaNode(addr);
+    std::lock_guard<std::mutex> l(numa_mu_);
+    bytes_by_node_[node] += len;
+  }
+
+  uint32_t NextDomain() {
+    int node = -1;
+    {
+      std::lock_guard<std::mutex> l(numa_mu_);
+      uint64_t most = 0;
+      for (const auto& [n, bytes] : bytes_by_node_) {
+        if (n >= 0 && bytes > most) {
+          most = bytes;
+          node = n;
+        }
+      }
+    }
+    return static_cast<uint32_t>(PickEndpointDomain(domain_numa_, node, next_endpoint_.fetch_add(1)));
   }
 
   static const FabricLocalRegion* AsFabricRegion(const LocalRegion* region) {
@@ -539,10 +606,14 @@ class FabricTransport final : public Transport {
     return absl::FailedPreconditionError(absl::StrCat("fabric transport not viable: ", reason_));
   }
 
-  std::shared_ptr<Domain> dom_;
+  std::vector<std::shared_ptr<Domain>> doms_;
+  std::vector<int> domain_numa_;
   std::string reason_;
   Identity id_;
-  std::shared_ptr<Gate> gate_;
+  std::vector<std::shared_ptr<Gate>> gates_;  // one per domain
+  std::atomic<uint64_t> next_endpoint_{0};
+  std::mutex numa_mu_;
+  std::map<int, uint64_t> bytes_by_node_;  // registered bytes per NUMA node (-1: unknown)
 };
 
 }  // namespace
@@ -552,7 +623,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateFabricTransport(const Transport
   WSYNC_ASSIGN_OR_RETURN(Config cfg, ResolveConfig(opts, fabric_opts));
   auto not_viable = [](std::string why) {
     spdlog::info("fabric: transport not viable: {}", why);
-    return std::unique_ptr<Transport>(std::make_unique<FabricTransport>(nullptr, std::move(why)));
+    return std::unique_ptr<Transport>(
+        std::make_unique<FabricTransport>(std::vector<std::shared_ptr<Domain>>{}, std::vector<int>{}, std::move(why)));
   };
   absl::StatusOr<const FiApi*> api = LoadFabric();
   if (!api.ok()) return not_viable(std::string(api.status().message()));
@@ -561,20 +633,45 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateFabricTransport(const Transport
   int rc = GetInfo(provider, true, true, &info);
   if (rc != 0) rc = GetInfo(provider, true, false, &info);  // no delivery-complete: transmit-complete is all there is
   if (rc != 0 || info == nullptr) return not_viable(DiagnoseProvider(provider, rc));
-  // The first answer is libfabric's preference; keep it alone.
-  fi_info* chosen = Fi().dupinfo(info.get());
-  if (chosen == nullptr) return absl::ResourceExhaustedError("fabric: fi_dupinfo failed");
-  auto dom = Domain::Open(chosen, cfg);
-  if (!dom.ok()) return not_viable(std::string(dom.status().message()));
-  const Domain& d = **dom;
+  // The first answer is libfabric's preference: it fixes provider and fabric; one domain per NIC on that fabric.
+  std::vector<fi_info*> entries;
+  std::vector<DomainOffer> offers;
+  for (fi_info* i = info.get(); i != nullptr; i = i->next) {
+    entries.push_back(i);
+    offers.push_back(DomainOffer{i->fabric_attr->prov_name != nullptr ? i->fabric_attr->prov_name : "",
+                                 i->fabric_attr->name != nullptr ? i->fabric_attr->name : "",
+                                 i->domain_attr->name != nullptr ? i->domain_attr->name : "", i->addr_format, -1});
+  }
+  WSYNC_ASSIGN_OR_RETURN(std::vector<size_t> picked, PickDomains(offers, cfg.domains));
+  std::vector<std::shared_ptr<Domain>> doms;
+  std::vector<int> numa;
+  for (size_t idx : picked) {
+    const fi_info* e = entries[idx];
+    std::string pci;
+    if (e->nic != nullptr && e->nic->bus_attr != nullptr && e->nic->bus_attr->bus_type == FI_BUS_PCI) {
+      const fi_pci_attr& a = e->nic->bus_attr->attr.pci;
+      pci = absl::StrFormat("%04x:%02x:%02x.%x", a.domain_id, a.bus_id, a.device_id, a.function_id);
+    }
+    fi_info* chosen = Fi().dupinfo(e);
+    if (chosen == nullptr) return absl::ResourceExhaustedError("fabric: fi_dupinfo failed");
+    auto dom = Domain::Open(chosen, cfg);
+    if (!dom.ok()) return not_viable(std::string(dom.status().message()));
+    doms.push_back(*std::move(dom));
+    numa.push_back(NicNumaNode(offers[idx].domain, pci));
+  }
+  const Domain& d = *doms[0];
+  const fi_info* chosen = d.info();
+  std::vector<std::string> names;
+  for (size_t k = 0; k < doms.size(); ++k)
+    names.push_back(absl::StrCat(offers[picked[k]].domain, numa[k] >= 0 ? absl::StrCat(" (NUMA ", numa[k], ")") : ""));
   spdlog::info(
-      "fabric: provider {} fabric {} domain {}: mr_mode {}{}, max_msg_size {}, tx depth {}, {} progress{}",
-      d.provider(), d.fabric_name(), chosen->domain_attr->name, MrModeString(d.mr_mode()),
+      "fabric: provider {} fabric {} domain(s) {}: mr_mode {}{}, max_msg_size {}, tx depth {}, {} progress{}",
+      d.provider(), d.fabric_name(), absl::StrJoin(names, ", "), MrModeString(d.mr_mode()),
       cfg.forced_mr_mode ? absl::StrCat(" (forced: ", MrModeString(cfg.forced_mr_mode), ")") : "", d.max_msg_size(),
       d.tx_depth(),
       chosen->domain_attr->data_progress == FI_PROGRESS_MANUAL ? "manual (one thread drives receives)" : "automatic",
       d.delivery_complete() ? ", delivery-complete writes" : ", transmit-complete writes only");
-  return std::unique_ptr<Transport>(std::make_unique<FabricTransport>(*std::move(dom), ""));
+  return std::unique_ptr<Transport>(std::make_unique<FabricTransport>(std::move(doms), std::move(numa), ""));
 }
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateFabricTransport(const TransportOptions& opts) {
