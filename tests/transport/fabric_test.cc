@@ -3,8 +3,16 @@
 // another transport or provider, a missing provider or library, and the fallback list. Every refused write is
 // checked against the receiver's memory as the test reads it: unchanged.
 
+#include <signal.h>
+#include <time.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <iostream>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -412,4 +420,176 @@ TEST_CASE("two NICs: endpoints spread over both domains, every pairing writes it
   receiver->RevokeGrants([](const Transport::WriteGrant&) { return false; });
   RequireRefused(WriteAll(*gtx, *src.region, *remote_granted, kRefusedTimeout), *gtx);
   CHECK(Untouched(granted.bytes));
+}
+
+namespace {
+
+std::string ToHex(const std::string& bytes) {
+  static const char* kDigits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out.push_back(kDigits[c >> 4]);
+    out.push_back(kDigits[c & 15]);
+  }
+  return out;
+}
+
+std::string FromHex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  return out;
+}
+
+// This test executable run again as a receiving peer ("[.peer]" below), talking over its stdin and stdout.
+class PeerProcess {
+ public:
+  PeerProcess() {
+    int to_child[2], from_child[2];
+    REQUIRE(pipe(to_child) == 0);
+    REQUIRE(pipe(from_child) == 0);
+    pid_ = fork();
+    REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {
+      dup2(to_child[0], 0);
+      dup2(from_child[1], 1);
+      for (int fd : {to_child[0], to_child[1], from_child[0], from_child[1]}) close(fd);
+      execl("/proc/self/exe", "fabric_peer", "[.peer]", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(to_child[0]);
+    close(from_child[1]);
+    in_ = fdopen(to_child[1], "w");
+    out_ = fdopen(from_child[0], "r");
+    REQUIRE(in_ != nullptr);
+    REQUIRE(out_ != nullptr);
+  }
+  ~PeerProcess() {
+    Kill();
+    if (in_ != nullptr) fclose(in_);
+    if (out_ != nullptr) fclose(out_);
+  }
+  // The next line the peer printed for us ("PEER <what> <value>"), skipping its log lines; empty at its end.
+  std::string Next(const std::string& what) {
+    char buf[16384];
+    const std::string prefix = "PEER " + what + " ";
+    while (fgets(buf, sizeof(buf), out_) != nullptr) {
+      std::string line(buf);
+      while (!line.empty() && line.back() == '\n') line.pop_back();
+      if (absl::StartsWith(line, prefix)) return line.substr(prefix.size());
+    }
+    return "";
+  }
+  void Send(const std::string& line) {
+    fprintf(in_, "%s\n", line.c_str());
+    fflush(in_);
+  }
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* in_ = nullptr;
+  FILE* out_ = nullptr;
+};
+
+}  // namespace
+
+// The receiving peer of the dead-peer test, in its own process: prints its endpoint and region, connects to the
+// sender, says when the sender's pattern landed, then waits to be killed.
+TEST_CASE("(peer process) a receiver that waits to be killed", "[.peer]") {
+  auto t = Viable();
+  std::vector<uint8_t> mem(kLen, kUntouched);
+  auto region = t->RegisterMemory(mem.data(), kLen);
+  REQUIRE(region.ok());
+  auto ep = t->CreateEndpoint();
+  REQUIRE(ep.ok());
+  printf("PEER info %s\nPEER region %s\n", ToHex((*ep)->LocalInfo()).c_str(), ToHex((*region)->Descriptor()).c_str());
+  fflush(stdout);
+  std::string sender;
+  REQUIRE(std::getline(std::cin, sender));
+  REQUIRE((*ep)->Connect(FromHex(sender), kTimeout).ok());
+  const volatile uint8_t* p = mem.data();
+  for (;;) {
+    bool landed = true;
+    for (uint64_t i = 0; i < kLen && landed; ++i) landed = p[i] == PatternByte(21, i);
+    if (landed) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  printf("PEER landed yes\n");
+  fflush(stdout);
+  std::this_thread::sleep_for(std::chrono::minutes(5));
+}
+
+TEST_CASE("a write to a peer whose process was killed fails with the cause, in bounded time", "[fabric][errors][dead]") {
+  PeerProcess peer;
+  const std::string info = FromHex(peer.Next("info"));
+  const std::string region = FromHex(peer.Next("region"));
+  REQUIRE_FALSE(info.empty());
+  REQUIRE_FALSE(region.empty());
+  auto sender = Viable();
+  Buffer src = Source(*sender, 21);
+  auto remote = Import(*sender, region);
+  auto made = sender->CreateEndpoint();
+  REQUIRE(made.ok());
+  auto& ep = *made;
+  REQUIRE(ep->Connect(info, kTimeout).ok());
+  peer.Send(ToHex(ep->LocalInfo()));
+  // Alive: the write lands in the other process (it checks the bytes and says so).
+  REQUIRE(WriteAll(*ep, *src.region, *remote, kTimeout).ok());
+  REQUIRE(peer.Next("landed") == "yes");
+
+  peer.Kill();
+  const absl::Time start = absl::Now();
+  absl::Status s = WriteAll(*ep, *src.region, *remote, absl::Seconds(60));
+  const absl::Duration took = absl::Now() - start;
+  INFO(s.ToString() << " after " << absl::FormatDuration(took));
+  REQUIRE_FALSE(s.ok());
+  CHECK(s.code() == absl::StatusCode::kUnavailable);
+  CHECK(absl::StrContains(s.message(), ep->PeerName()));
+  CHECK(took < absl::Seconds(8));
+  // The endpoint stays failed with the cause.
+  absl::Status again = WriteAll(*ep, *src.region, *remote, kTimeout);
+  CHECK(absl::StrContains(again.message(), ep->PeerName()));
+}
+
+namespace {
+double ProcessCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+}  // namespace
+
+// Between updates a daemon's transport sits idle for minutes: whatever drives the provider must not keep a core busy.
+TEST_CASE("idle transports with live connections use little CPU", "[fabric][idle]") {
+  auto sender = Viable();
+  auto receiver = Viable();
+  Buffer src = Source(*sender, 31);
+  Buffer dst = Target(*receiver);
+  auto remote = Import(*sender, dst.region->Descriptor());
+  auto rx = receiver->CreateEndpoint();
+  REQUIRE(rx.ok());
+  auto ep = ConnectTo(*sender, **rx);
+  REQUIRE(WriteAll(*ep, *src.region, *remote, kTimeout).ok());
+  REQUIRE(HoldsPattern(dst.bytes.data(), kLen, 31));
+
+  const double cpu0 = ProcessCpuSeconds();
+  const absl::Time t0 = absl::Now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  const double share = (ProcessCpuSeconds() - cpu0) / absl::ToDoubleSeconds(absl::Now() - t0);
+  std::printf("idle CPU of two fabric transports (%s), one connection: %.2f%% of a core\n",
+              wsync::transport::fabric::testing::TestProvider().c_str(), 100 * share);
+  CHECK(share < 0.03);
+
+  // And they still deliver at once after the pause.
+  std::fill(dst.bytes.begin(), dst.bytes.end(), kUntouched);
+  const absl::Time w0 = absl::Now();
+  REQUIRE(WriteAll(*ep, *src.region, *remote, kTimeout).ok());
+  CHECK(absl::Now() - w0 < absl::Milliseconds(500));
+  CHECK(HoldsPattern(dst.bytes.data(), kLen, 31));
 }

@@ -382,7 +382,7 @@ absl::StatusOr<BatchId> FabricEndpoint::Post(absl::Span<const WriteRequest> writ
   Batch& batch = batches_[id];
   const uint64_t max_piece = std::max<uint64_t>(1, std::min(dom_->max_msg_size(), dom_->config().max_piece));
   const uint64_t flags = FI_COMPLETION | (dom_->delivery_complete() ? FI_DELIVERY_COMPLETE : 0);
-  absl::Time deadline = absl::Now() + dom_->config().io_timeout;
+  absl::Time last_progress = absl::Now();
   for (size_t i = 0; i < writes.size() && broken_.ok(); ++i) {
     const WriteRequest& w = writes[i];
     const auto* src = static_cast<const FabricLocalRegion*>(w.src);
@@ -429,16 +429,17 @@ absl::StatusOr<BatchId> FabricEndpoint::Post(absl::Span<const WriteRequest> writ
         }
         if (Poll() > 0) {
           empty = 0;
-          deadline = absl::Now() + dom_->config().io_timeout;
+          last_progress = absl::Now();
           continue;
         }
-        if (absl::Now() > deadline) {
-          // Nothing in flight and nothing accepted: the provider cannot reach the peer (tcp;ofi_rxm keeps answering
-          // FI_EAGAIN while its connection attempts to a closed endpoint fail).
-          const bool idle = free_.size() == ops_.size();
+        // Nothing in flight and nothing accepted: the provider cannot reach the peer (tcp;ofi_rxm keeps answering
+        // FI_EAGAIN while its connection attempts to a closed endpoint fail), which needs no io_timeout to tell.
+        const bool idle = free_.size() == ops_.size();
+        const absl::Duration limit = idle ? dom_->config().peer_timeout : dom_->config().io_timeout;
+        if (absl::Now() - last_progress > limit) {
           Break(absl::Status(idle ? absl::StatusCode::kUnavailable : absl::StatusCode::kDeadlineExceeded,
                              absl::StrCat("fabric writes to peer ", PeerName(), " made no progress for ",
-                                          absl::FormatDuration(dom_->config().io_timeout),
+                                          absl::FormatDuration(limit),
                                           idle ? ": the provider accepted none (peer gone or unreachable)" : "")));
           break;
         }

@@ -38,6 +38,9 @@ struct Config {
   uint64_t forced_mr_mode = 0;
   std::vector<std::string> domains;  // the domains (NICs) to open; empty: every one on the preferred fabric
   absl::Duration io_timeout = absl::Seconds(30);  // Post gives up waiting for room after this
+  // A peer the provider accepts no write for, with nothing in flight, this long is taken for gone (Unavailable):
+  // TransportOptions::send_progress_timeout, the tcp transport's bound for the same thing.
+  absl::Duration peer_timeout = absl::Seconds(5);
 };
 
 // One fabric + domain (+ the completion queue that drives a manual-progress provider's receiving side). Shared by

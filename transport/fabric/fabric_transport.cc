@@ -341,6 +341,7 @@ absl::Status FromEnv(const char* name, T current, T* out) {
 absl::StatusOr<Config> ResolveConfig(const TransportOptions& opts, const FabricOptions& f) {
   Config c;
   c.io_timeout = opts.io_timeout;
+  c.peer_timeout = std::min(opts.send_progress_timeout, opts.io_timeout);
   WSYNC_RETURN_IF_ERROR(FromEnv<uint64_t>("WSYNC_FABRIC_MAX_PIECE", f.max_piece, &c.max_piece));
   WSYNC_RETURN_IF_ERROR(FromEnv<uint32_t>("WSYNC_FABRIC_TX_DEPTH", f.tx_depth, &c.tx_depth));
   std::string force = f.force_mr_mode;
