@@ -2,13 +2,14 @@
 // written down as a multi-NIC host gives them (efa on an 8-NIC AWS instance, verbs;ofi_rxm on two mlx5 ports, tcp
 // on several interfaces). The real two-domain case runs in transport_fabric_domains_netns_test.
 
+#include "transport/fabric/fabric_domains.h"
+
 #include <catch2/catch.hpp>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "transport/fabric/fabric_domains.h"
 
 namespace {
 
@@ -16,9 +17,9 @@ using wsync::transport::fabric::DomainOffer;
 using wsync::transport::fabric::PickDomains;
 using wsync::transport::fabric::PickEndpointDomain;
 
-constexpr uint32_t kEfaAddr = 12;   // FI_ADDR_EFA
-constexpr uint32_t kSockAddr = 2;   // FI_SOCKADDR_IN
-constexpr uint32_t kIbAddr = 9;     // FI_ADDR_IB_UD
+constexpr uint32_t kEfaAddr = 12;  // FI_ADDR_EFA
+constexpr uint32_t kSockAddr = 2;  // FI_SOCKADDR_IN
+constexpr uint32_t kIbAddr = 9;    // FI_ADDR_IB_UD
 
 // An EFA host's answer: each NIC's RDM domain several times (one entry per capability set), then its datagram
 // domains on another provider-fabric pair, then shm.
@@ -26,10 +27,10 @@ std::vector<DomainOffer> EfaHost(int nics) {
   std::vector<DomainOffer> out;
   for (int i = 0; i < nics; ++i) {
     const std::string dev = "rdmap" + std::to_string(16 + 16 * i) + "s27";
-    for (int dup = 0; dup < 2; ++dup) out.push_back({"efa", "efa", dev + "-rdm", kEfaAddr, i < nics / 2 ? 0 : 1});
+    for (int dup = 0; dup < 2; ++dup) out.push_back({"efa", "efa", dev + "-rdm", kEfaAddr, i < nics / 2 ? 0 : 1, true});
   }
   for (int i = 0; i < nics; ++i)
-    out.push_back({"efa", "efa-direct", "rdmap" + std::to_string(16 + 16 * i) + "s27-dgrm", kEfaAddr, -1});
+    out.push_back({"efa", "efa-direct", "rdmap" + std::to_string(16 + 16 * i) + "s27-dgrm", kEfaAddr, -1, true});
   out.push_back({"shm", "shm", "shm", 22, -1});
   return out;
 }
@@ -46,31 +47,51 @@ TEST_CASE("every domain on the preferred fabric, once each, in offered order", "
   auto offers = EfaHost(8);
   auto picked = PickDomains(offers, {});
   REQUIRE(picked.ok());
-  CHECK(Names(offers, *picked) ==
-        std::vector<std::string>{"rdmap16s27-rdm", "rdmap32s27-rdm", "rdmap48s27-rdm", "rdmap64s27-rdm",
-                                 "rdmap80s27-rdm", "rdmap96s27-rdm", "rdmap112s27-rdm", "rdmap128s27-rdm"});
+  CHECK(Names(offers, *picked) == std::vector<std::string>{"rdmap16s27-rdm", "rdmap32s27-rdm", "rdmap48s27-rdm",
+                                                           "rdmap64s27-rdm", "rdmap80s27-rdm", "rdmap96s27-rdm",
+                                                           "rdmap112s27-rdm", "rdmap128s27-rdm"});
   // The first entry of each domain is the one opened.
   for (size_t i : *picked) CHECK((i == 0 || offers[i - 1].domain != offers[i].domain));
 }
 
 TEST_CASE("another fabric, provider or address format is left out", "[fabric][domains]") {
   std::vector<DomainOffer> offers = {
-      {"tcp;ofi_rxm", "10.9.0.0/24", "v0", kSockAddr, -1},  {"tcp;ofi_rxm", "127.0.0.1/32", "lo", kSockAddr, -1},
-      {"tcp;ofi_rxm", "10.9.0.0/24", "v1", kSockAddr, -1},  {"tcp;ofi_rxm", "fe80::/64", "v0", 3, -1},
-      {"sockets", "10.9.0.0/24", "v2", kSockAddr, -1},      {"tcp;ofi_rxm", "10.9.0.0/24", "v0", kSockAddr, -1},
-      {"tcp;ofi_rxm", "10.9.0.0/24", "v1", kIbAddr, -1},
+      {"verbs;ofi_rxm", "IB-0xfe80", "mlx5_0", kIbAddr, 0, true},
+      {"verbs;ofi_rxm", "IB-0xfe81", "mlx5_1", kIbAddr, 0, true},
+      {"verbs;ofi_rxm", "IB-0xfe80", "mlx5_2", kIbAddr, 1, true},
+      {"verbs;ofi_rxm", "IB-0xfe80", "mlx5_3", kSockAddr, 1, true},
+      {"tcp;ofi_rxm", "IB-0xfe80", "mlx5_4", kIbAddr, 1, true},
+      {"verbs;ofi_rxm", "IB-0xfe80", "mlx5_0", kIbAddr, 0, true},
+      {"verbs;ofi_rxm", "IB-0xfe80", "soft0", kIbAddr, -1, false},  // no PCI device (a software one)
   };
   auto picked = PickDomains(offers, {});
   REQUIRE(picked.ok());
   CHECK(*picked == std::vector<size_t>{0, 2});
 }
 
+TEST_CASE("interfaces of a socket provider are not spread over unasked", "[fabric][domains]") {
+  // tcp: one domain per interface, no PCI NIC reported; link-local subnets look alike on every interface.
+  std::vector<DomainOffer> offers = {
+      {"tcp;ofi_rxm", "fe80::/64", "veth3", 3, -1, false},
+      {"tcp;ofi_rxm", "fe80::/64", "veth2", 3, -1, false},
+      {"tcp;ofi_rxm", "10.9.0.0/24", "v0", kSockAddr, -1, false},
+      {"tcp;ofi_rxm", "10.9.0.0/24", "v1", kSockAddr, -1, false},
+  };
+  auto picked = PickDomains(offers, {});
+  REQUIRE(picked.ok());
+  CHECK(*picked == std::vector<size_t>{0});
+  // Named, they are used together.
+  picked = PickDomains(offers, std::vector<std::string>{"v1", "v0"});
+  REQUIRE(picked.ok());
+  CHECK(*picked == std::vector<size_t>{3, 2});
+}
+
 TEST_CASE("named domains: exactly those, in that order, on one fabric", "[fabric][domains]") {
   std::vector<DomainOffer> offers = {
-      {"verbs;ofi_rxm", "IB-0xfe80000000000000", "mlx5_0", kIbAddr, 0},
-      {"verbs;ofi_rxm", "IB-0xfe80000000000000", "mlx5_1", kIbAddr, 1},
-      {"verbs;ofi_rxm", "IB-0xfe80000000000000", "mlx5_2", kIbAddr, 1},
-      {"verbs;ofi_rxm", "IB-0xfe80000000000001", "mlx5_3", kIbAddr, 0},
+      {"verbs;ofi_rxm", "IB-0xfe80000000000000", "mlx5_0", kIbAddr, 0, true},
+      {"verbs;ofi_rxm", "IB-0xfe80000000000000", "mlx5_1", kIbAddr, 1, true},
+      {"verbs;ofi_rxm", "IB-0xfe80000000000000", "mlx5_2", kIbAddr, 1, true},
+      {"verbs;ofi_rxm", "IB-0xfe80000000000001", "mlx5_3", kIbAddr, 0, true},
   };
   SECTION("a subset, reordered") {
     auto picked = PickDomains(offers, {"mlx5_2", "mlx5_0"});

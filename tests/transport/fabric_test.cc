@@ -584,7 +584,7 @@ TEST_CASE("idle transports with live connections use little CPU", "[fabric][idle
   const double share = (ProcessCpuSeconds() - cpu0) / absl::ToDoubleSeconds(absl::Now() - t0);
   std::printf("idle CPU of two fabric transports (%s), one connection: %.2f%% of a core\n",
               wsync::transport::fabric::testing::TestProvider().c_str(), 100 * share);
-  CHECK(share < 0.03);
+  CHECK(share < 0.04);  // 50 us pauses throughout (the earlier loop) measured 6.6-9.5% here
 
   // And they still deliver at once after the pause.
   std::fill(dst.bytes.begin(), dst.bytes.end(), kUntouched);

@@ -42,9 +42,11 @@ absl::StatusOr<std::vector<size_t>> PickDomains(absl::Span<const DomainOffer> of
   if (offers.empty()) return absl::FailedPreconditionError("fabric: the provider offered no domain");
   std::vector<size_t> out;
   if (wanted.empty()) {
+    if (!offers[0].pci_nic) return std::vector<size_t>{0};
     std::set<std::string> seen;
     for (size_t i = 0; i < offers.size(); ++i)
-      if (SameFabric(offers[i], offers[0]) && seen.insert(offers[i].domain).second) out.push_back(i);
+      if (offers[i].pci_nic && SameFabric(offers[i], offers[0]) && seen.insert(offers[i].domain).second)
+        out.push_back(i);
     return out;
   }
   std::set<std::string> seen;
@@ -59,11 +61,10 @@ absl::StatusOr<std::vector<size_t>> PickDomains(absl::Span<const DomainOffer> of
       for (const DomainOffer& o : offers) elsewhere |= o.domain == name;
       if (elsewhere) {
         const DomainOffer& first = offers[out[0]];
-        return absl::FailedPreconditionError(
-            absl::StrCat("fabric: domain \"", name, "\" is not on the fabric of \"", first.domain, "\" (",
-                         first.provider, ", fabric ", first.fabric,
-                         "): endpoints on different fabrics cannot reach each other; domains offered: ",
-                         OfferedDomains(offers)));
+        return absl::FailedPreconditionError(absl::StrCat(
+            "fabric: domain \"", name, "\" is not on the fabric of \"", first.domain, "\" (", first.provider,
+            ", fabric ", first.fabric,
+            "): endpoints on different fabrics cannot reach each other; domains offered: ", OfferedDomains(offers)));
       }
       return absl::NotFoundError(
           absl::StrCat("fabric: no domain \"", name, "\" is offered; domains offered: ", OfferedDomains(offers)));

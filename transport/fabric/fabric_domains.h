@@ -21,11 +21,15 @@ struct DomainOffer {
   std::string domain;    // domain_attr->name: one per NIC ("rdmap16s27-rdm", "mlx5_0", an interface for tcp)
   uint32_t addr_format = 0;
   int numa_node = -1;  // the NIC's NUMA node, -1 when unknown
+  // The provider reports a NIC with a PCI address for it (efa, verbs): a domain is a device, not a software one
+  // over an IP interface (tcp, sockets: every interface of a subnet, link-local ones included, is a "domain").
+  bool pci_nic = false;
 };
 
 // The offers (indices into `offers`) a transport opens, one per domain, in the order libfabric offered them.
-//   * `wanted` empty: the first offer (libfabric's preference) fixes provider, fabric and address format; every
-//     domain offered with the same three is used.
+//   * `wanted` empty: the first offer (libfabric's preference) fixes provider, fabric and address format. When it
+//     is a PCI NIC, every PCI NIC domain offered with the same three is used; otherwise that one domain alone
+//     (interfaces are not spread over unasked: several on one subnet need not reach the same peers).
 //   * `wanted` names domains: exactly those, in that order; they must share provider, fabric and address format
 //     (an endpoint on one could not reach the peer's endpoint on another). An unknown or repeated name is an error
 //     naming the domains offered.

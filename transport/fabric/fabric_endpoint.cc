@@ -7,6 +7,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -48,6 +49,7 @@ absl::StatusCode CodeForError(int err) {
     case FI_ETIMEDOUT:
     case FI_EIO:
     case FI_ESHUTDOWN:
+    case FI_ENOENT:  // sockets: fi_writemsg to a peer whose process is gone (no connection to it can be made)
       return absl::StatusCode::kUnavailable;  // peer gone or unreachable: reconnect and retry
     case FI_EACCES:
     case FI_EPERM:
@@ -68,6 +70,7 @@ const char* HintForError(int err) {
     case FI_EHOSTUNREACH:
     case FI_ETIMEDOUT:
     case FI_EIO:
+    case FI_ENOENT:
       return "; the peer did not answer (its endpoint closed, process gone or unreachable)";
     case FI_EACCES:
     case FI_EPERM:
@@ -77,6 +80,25 @@ const char* HintForError(int err) {
              "not cover the region, the region is a source's memory, or its key or bounds do not match)";
     default:
       return "";
+  }
+}
+
+// The error a failed completion stands for. tcp;ofi_rxm cancels the writes queued on a connection it lost with
+// FI_ECANCELED, the socket's errno in prov_errno (ENOTCONN, ECONNRESET, EPIPE: the peer is gone); a write the peer
+// refused is FI_ECANCELED too, but with another prov_errno (ENOENT: no such key).
+int EffectiveError(int err, int prov_errno) {
+  if (err != FI_ECANCELED) return err;
+  switch (prov_errno) {
+    case ENOTCONN:
+    case ECONNRESET:
+    case EPIPE:
+    case ECONNREFUSED:
+    case ECONNABORTED:
+    case EHOSTUNREACH:
+    case ETIMEDOUT:
+      return FI_ENOTCONN;
+    default:
+      return err;
   }
 }
 
@@ -271,10 +293,11 @@ class FabricEndpoint final : public Endpoint {
       if (peer_.granted && peer_grant_.count(op->region_id) == 0)
         where += "; that region is outside the write grant of this connection";
     }
-    return absl::Status(CodeForError(e.err),
+    const int err = EffectiveError(e.err, e.prov_errno);
+    return absl::Status(CodeForError(err),
                         absl::StrCat("fabric write to peer ", PeerName(), " failed on provider ", dom_->provider(),
                                      ": ", FiError(e.err), " (provider: ", prov_msg ? prov_msg : "?", ", prov_errno ",
-                                     e.prov_errno, ")", where, HintForError(e.err)));
+                                     e.prov_errno, ")", where, HintForError(err)));
   }
 
   // Reads the completion queue once (which also progresses the endpoint). Returns the completions handled.
@@ -423,7 +446,8 @@ absl::StatusOr<BatchId> FabricEndpoint::Post(absl::Span<const WriteRequest> writ
             Break(absl::Status(CodeForError(static_cast<int>(-rc)),
                                absl::StrCat("fi_writemsg to peer ", PeerName(), " on provider ", dom_->provider(),
                                             " failed: ", FiError(rc), ", write #", i, " (dst offset ",
-                                            w.dst_offset + done, ", ", piece, " bytes)")));
+                                            w.dst_offset + done, ", ", piece, " bytes)",
+                                            HintForError(static_cast<int>(-rc)))));
             break;
           }
         }

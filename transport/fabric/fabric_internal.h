@@ -6,6 +6,7 @@
 #include <rdma/fi_endpoint.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -87,6 +88,8 @@ class Domain {
   std::mutex progress_mu_;  // held by the progress thread around each read of progress_cq_
   std::thread progress_;
   std::atomic<bool> stop_{false};
+  std::mutex stop_mu_;  // with stop_cv_: an idle progress thread's pause ends at once on destruction
+  std::condition_variable stop_cv_;
   Config cfg_;
   uint64_t mr_mode_ = 0;
   bool delivery_complete_ = false;

@@ -3,6 +3,7 @@
 #include <rdma/fi_cm.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -77,7 +78,11 @@ absl::StatusOr<uint64_t> ParseForcedMrMode(const std::string& list) {
 // ---- Domain ----
 
 Domain::~Domain() {
-  stop_.store(true);
+  {
+    std::lock_guard<std::mutex> l(stop_mu_);
+    stop_.store(true);
+  }
+  stop_cv_.notify_all();
   if (progress_.joinable()) progress_.join();
   if (progress_cq_ != nullptr) CloseFid(&progress_cq_->fid, "completion queue");
   if (domain_ != nullptr) CloseFid(&domain_->fid, "domain");
@@ -121,9 +126,28 @@ absl::StatusOr<std::shared_ptr<Domain>> Domain::Open(fi_info* info, const Config
 }
 
 void Domain::ProgressLoop() {
+  // Incoming writes leave no entry to tell activity by, and the queue's wait object cannot be used (libfabric 1.17's
+  // tcp;ofi_rxm calls back into closed endpoints from fi_trywait, and never clears the descriptor without it).
+  // Activity shows instead as a read that did work: one that returned entries, or cost this thread clearly more
+  // CPU than an empty read does (its running average). After such a read the queue is read again after kMinPause
+  // (as often as the raw-libfabric baseline's paced receiver); every empty read doubles the pause, up to kMaxPause:
+  // an idle domain costs a few hundred cheap reads a second, and a first write after a pause waits at most
+  // kMaxPause for its progress.
+  constexpr auto kMinPause = std::chrono::microseconds(50);
+  constexpr auto kMaxPause = std::chrono::microseconds(5000);
+  constexpr auto kBusyFloor = std::chrono::microseconds(10);
+  // This thread's CPU time, not the clock: a read the scheduler preempted did no work.
+  auto cpu_now = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return std::chrono::nanoseconds(int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec);
+  };
   fi_cq_entry e[8];
+  std::chrono::microseconds pause = kMinPause;
+  double empty_cost_ns = 0;  // running average of an empty read's CPU cost
   while (!stop_.load(std::memory_order_relaxed)) {
     ssize_t n;
+    const auto start = cpu_now();
     {
       std::lock_guard<std::mutex> l(progress_mu_);
       n = fi_cq_read(progress_cq_, e, 8);
@@ -133,10 +157,19 @@ void Domain::ProgressLoop() {
           spdlog::warn("fabric: receive-side completion error: {}", FiError(err.err));
       }
     }
-    if (n == -FI_EAGAIN) {
-      // Incoming writes leave no entry to tell activity by: poll often enough for them without spinning a core.
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (n > 0) continue;  // entries waiting: read on at once
+    const double cost_ns = static_cast<double>((cpu_now() - start).count());
+    const bool busy = n != -FI_EAGAIN ||
+                      (empty_cost_ns > 0 && cost_ns > std::max<double>(3 * empty_cost_ns,
+                                                                       std::chrono::nanoseconds(kBusyFloor).count()));
+    if (busy) {
+      pause = kMinPause;
+    } else {
+      empty_cost_ns = empty_cost_ns == 0 ? cost_ns : 0.95 * empty_cost_ns + 0.05 * cost_ns;
+      pause = std::min(kMaxPause, pause * 2);
     }
+    std::unique_lock<std::mutex> l(stop_mu_);
+    stop_cv_.wait_for(l, pause, [this] { return stop_.load(); });
   }
 }
 
@@ -387,6 +420,13 @@ int GetInfo(const std::string& provider, bool rma, bool delivery_complete, InfoP
   int rc = Fi().getinfo(FI_VERSION(1, 9), nullptr, nullptr, 0, hints.get(), &info);
   out->reset(rc == 0 ? info : nullptr);
   return rc;
+}
+
+// The PCI address of the NIC behind an answer ("0000:10:00.0"), empty when the provider reports none.
+std::string PciAddress(const fi_info* i) {
+  if (i->nic == nullptr || i->nic->bus_attr == nullptr || i->nic->bus_attr->bus_type != FI_BUS_PCI) return "";
+  const fi_pci_attr& a = i->nic->bus_attr->attr.pci;
+  return absl::StrFormat("%04x:%02x:%02x.%x", a.domain_id, a.bus_id, a.device_id, a.function_id);
 }
 
 // Why no usable provider was found: whether `provider` exists here at all, lacks RMA, and which providers exist.
@@ -641,24 +681,20 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateFabricTransport(const Transport
     entries.push_back(i);
     offers.push_back(DomainOffer{i->fabric_attr->prov_name != nullptr ? i->fabric_attr->prov_name : "",
                                  i->fabric_attr->name != nullptr ? i->fabric_attr->name : "",
-                                 i->domain_attr->name != nullptr ? i->domain_attr->name : "", i->addr_format, -1});
+                                 i->domain_attr->name != nullptr ? i->domain_attr->name : "", i->addr_format, -1,
+                                 !PciAddress(i).empty()});
   }
   WSYNC_ASSIGN_OR_RETURN(std::vector<size_t> picked, PickDomains(offers, cfg.domains));
   std::vector<std::shared_ptr<Domain>> doms;
   std::vector<int> numa;
   for (size_t idx : picked) {
     const fi_info* e = entries[idx];
-    std::string pci;
-    if (e->nic != nullptr && e->nic->bus_attr != nullptr && e->nic->bus_attr->bus_type == FI_BUS_PCI) {
-      const fi_pci_attr& a = e->nic->bus_attr->attr.pci;
-      pci = absl::StrFormat("%04x:%02x:%02x.%x", a.domain_id, a.bus_id, a.device_id, a.function_id);
-    }
     fi_info* chosen = Fi().dupinfo(e);
     if (chosen == nullptr) return absl::ResourceExhaustedError("fabric: fi_dupinfo failed");
     auto dom = Domain::Open(chosen, cfg);
     if (!dom.ok()) return not_viable(std::string(dom.status().message()));
     doms.push_back(*std::move(dom));
-    numa.push_back(NicNumaNode(offers[idx].domain, pci));
+    numa.push_back(NicNumaNode(offers[idx].domain, PciAddress(e)));
   }
   const Domain& d = *doms[0];
   const fi_info* chosen = d.info();
