@@ -14,6 +14,9 @@ bench_bin=$2
 provider="verbs;ofi_rxm"
 # The guest's default memlock limit (8 MiB) is below what the bench registers; the tests run as root there.
 ulimit -l unlimited
+# ofi_rxm sizes each endpoint's verbs completion queue for FI_UNIVERSE_SIZE peers (default 256), beyond rxe's
+# max_cqe: fi_enable then fails with EINVAL. A small device needs a smaller universe (docs/operations.md).
+export FI_UNIVERSE_SIZE=${FI_UNIVERSE_SIZE:-32}
 
 start=$(date +%s)
 WSYNC_FABRIC_TEST_PROVIDER=$provider "$test_bin" --durations yes

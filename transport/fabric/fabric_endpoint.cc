@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -145,8 +146,14 @@ class FabricEndpoint final : public Endpoint {
       auto pause = dom_->PauseProgress();
       if (int rc = fi_ep_bind(ep_.get(), &dom_->progress_cq()->fid, FI_RECV); rc != 0)
         return absl::UnavailableError(absl::StrCat("fabric: fi_ep_bind(rx cq) (", prov, "): ", FiError(rc)));
-      if (int rc = fi_enable(ep_.get()); rc != 0)
-        return absl::UnavailableError(absl::StrCat("fabric: fi_enable (", prov, "): ", FiError(rc)));
+      if (int rc = fi_enable(ep_.get()); rc != 0) {
+        return absl::UnavailableError(absl::StrCat(
+            "fabric: fi_enable (", prov, "): ", FiError(rc),
+            rc == -FI_EINVAL && absl::StrContains(prov, "ofi_rxm")
+                ? " (ofi_rxm sizes its completion queues for FI_UNIVERSE_SIZE peers, default 256: a device with "
+                  "fewer completion queue entries, such as rxe, needs a smaller FI_UNIVERSE_SIZE)"
+                : ""));
+      }
     }
     std::string name(256, '\0');
     size_t len = name.size();
@@ -160,10 +167,10 @@ class FabricEndpoint final : public Endpoint {
     address_ = std::move(name);
     if (grant != nullptr) {
       std::vector<uint64_t> ids;
-      std::vector<std::pair<void*, uint64_t>> ranges;
+      std::vector<Gate::Range> ranges;
       for (const FabricLocalRegion* r : grant->regions) {
         ids.push_back(r->region_id());
-        ranges.emplace_back(r->addr(), r->length());
+        ranges.push_back(Gate::Range{r->addr(), r->length(), r->device()});
       }
       WSYNC_ASSIGN_OR_RETURN(grant_, gate_->AddGrant(grant->info, std::move(ids), std::move(ranges), ep_.get()));
     }
@@ -340,7 +347,7 @@ class FabricEndpoint final : public Endpoint {
     auto it = local_mrs_.find(src->region_id());
     if (it == local_mrs_.end()) {
       WSYNC_ASSIGN_OR_RETURN(MrPtr mr, dom_->RegisterMr(src->addr(), src->length(), FI_WRITE, 0, ep_.get(),
-                                                        "local access, bound to an endpoint"));
+                                                        "local access, bound to an endpoint", src->device()));
       it = local_mrs_.emplace(src->region_id(), std::move(mr)).first;
     }
     return fi_mr_desc(it->second.get());

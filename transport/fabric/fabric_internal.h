@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "transport/fabric/fabric_hmem.h"
 #include "transport/fabric/fabric_transport.h"
 #include "transport/fabric/fabric_wire.h"
 #include "transport/fabric/fi_api.h"
@@ -32,12 +33,19 @@ struct MrCloser {
 };
 using MrPtr = std::unique_ptr<fid_mr, MrCloser>;
 
+// Where registered memory lives: host memory, or CUDA device memory registered through FI_HMEM.
+struct DeviceMemory {
+  bool on_device = false;
+  int cuda_ordinal = 0;
+};
+
 // FabricOptions with the environment and defaults applied, and what the provider negotiated.
 struct Config {
   uint64_t max_piece = 4 << 20;
   uint32_t tx_depth = 64;
   uint64_t forced_mr_mode = 0;
   std::vector<std::string> domains;  // the domains (NICs) to open; empty: every one on the preferred fabric
+  HmemMode hmem = HmemMode::kAuto;   // WSYNC_FABRIC_HMEM
   absl::Duration io_timeout = absl::Seconds(30);  // Post gives up waiting for room after this
   // A peer the provider accepts no write for, with nothing in flight, this long is taken for gone (Unavailable):
   // TransportOptions::send_progress_timeout, the tcp transport's bound for the same thing.
@@ -63,6 +71,8 @@ class Domain {
   bool prov_key() const { return (mr_mode_ & FI_MR_PROV_KEY) != 0; }
   bool endpoint_mr() const { return (mr_mode_ & FI_MR_ENDPOINT) != 0; }
   bool delivery_complete() const { return delivery_complete_; }
+  // Device memory can be registered (the domain was opened with FI_HMEM).
+  bool hmem() const { return (info_->caps & FI_HMEM) != 0; }
   uint64_t max_msg_size() const { return max_msg_; }
   uint32_t tx_depth() const { return tx_depth_; }
   std::string provider() const;
@@ -74,8 +84,9 @@ class Domain {
   // Registers [addr, addr+len) with `access`. With app keys the key is `key` (0: a fresh random one; a key in use
   // is retried with another), with provider keys it is the provider's (a forced prov_key still asks for a fresh
   // random key, never a remembered one). `ep` (FI_MR_ENDPOINT): the endpoint the MR is bound to before it is enabled.
+  // Device memory (`dev`) is registered with fi_mr_regattr as FI_HMEM_CUDA memory.
   absl::StatusOr<MrPtr> RegisterMr(void* addr, uint64_t len, uint64_t access, uint64_t key, fid_ep* ep,
-                                   const char* what);
+                                   const char* what, const DeviceMemory& dev = {});
 
  private:
   Domain() = default;
@@ -115,6 +126,7 @@ class Gate {
     uint64_t len = 0;
     uint64_t key = 0;      // 0 until first registered
     fid_ep* ep = nullptr;  // FI_MR_ENDPOINT: the granted endpoint it is bound to
+    DeviceMemory dev;
     MrPtr mr;
   };
   // A region's own remote MR (its descriptor's key).
@@ -130,10 +142,15 @@ class Gate {
   };
 
   // Adds a region's own remote MR (registered now when the state allows) and returns it; the region removes it.
-  absl::StatusOr<std::shared_ptr<Plain>> AddPlain(void* addr, uint64_t len);
+  absl::StatusOr<std::shared_ptr<Plain>> AddPlain(void* addr, uint64_t len, const DeviceMemory& dev = {});
   void RemovePlain(const std::shared_ptr<Plain>& p);
+  struct Range {
+    void* addr = nullptr;
+    uint64_t len = 0;
+    DeviceMemory dev;
+  };
   absl::StatusOr<std::shared_ptr<Grant>> AddGrant(Transport::WriteGrant info, std::vector<uint64_t> ids,
-                                                  std::vector<std::pair<void*, uint64_t>> ranges, fid_ep* ep);
+                                                  std::vector<Range> ranges, fid_ep* ep);
   void RemoveGrant(const std::shared_ptr<Grant>& g);
   // The keys a granted endpoint's LocalInfo carries.
   std::vector<GrantedRegion> GrantKeys(const Grant& g) const;
@@ -165,7 +182,7 @@ class FabricLocalRegion final : public LocalRegion {
  public:
   FabricLocalRegion(std::vector<std::shared_ptr<Domain>> doms, std::vector<std::shared_ptr<Gate>> gates, Identity id,
                     uint64_t region_id, void* addr, uint64_t len, std::vector<MrPtr> local,
-                    std::vector<std::shared_ptr<Gate::Plain>> plain)
+                    std::vector<std::shared_ptr<Gate::Plain>> plain, DeviceMemory dev = {})
       : doms_(std::move(doms)),
         gates_(std::move(gates)),
         id_(std::move(id)),
@@ -173,7 +190,8 @@ class FabricLocalRegion final : public LocalRegion {
         addr_(addr),
         len_(len),
         local_(std::move(local)),
-        plain_(std::move(plain)) {}
+        plain_(std::move(plain)),
+        dev_(dev) {}
   ~FabricLocalRegion() override {
     for (size_t i = 0; i < plain_.size(); ++i) gates_[i]->RemovePlain(plain_[i]);
   }
@@ -185,6 +203,7 @@ class FabricLocalRegion final : public LocalRegion {
   uint64_t transport_id() const { return id_.transport_id; }
   uint64_t region_id() const { return region_id_; }
   bool remote_write() const { return !plain_.empty(); }
+  const DeviceMemory& device() const { return dev_; }
   // The local MR's descriptor in domain `dom` for FI_MR_LOCAL (null when there is none: a zero-length region, or
   // FI_MR_ENDPOINT where endpoints register their own).
   void* desc(size_t dom) const {
@@ -202,6 +221,7 @@ class FabricLocalRegion final : public LocalRegion {
   uint64_t len_;
   std::vector<MrPtr> local_;                         // per domain; empty entries for a zero-length region
   std::vector<std::shared_ptr<Gate::Plain>> plain_;  // per domain; empty for a source's memory
+  DeviceMemory dev_;
 };
 
 class FabricRemoteRegion final : public RemoteRegion {

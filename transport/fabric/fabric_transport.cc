@@ -97,7 +97,7 @@ absl::StatusOr<std::shared_ptr<Domain>> Domain::Open(fi_info* info, const Config
   std::shared_ptr<Domain> d(new Domain());
   d->info_ = info;
   d->cfg_ = cfg;
-  d->mr_mode_ = (info->domain_attr->mr_mode & kSupportedMrMode) | cfg.forced_mr_mode;
+  d->mr_mode_ = (info->domain_attr->mr_mode & (kSupportedMrMode | FI_MR_HMEM)) | cfg.forced_mr_mode;
   d->delivery_complete_ = (info->tx_attr->op_flags & FI_DELIVERY_COMPLETE) != 0;
   d->max_msg_ = info->ep_attr->max_msg_size == 0 ? (uint64_t{1} << 30) : info->ep_attr->max_msg_size;
   d->tx_depth_ = static_cast<uint32_t>(std::max<uint64_t>(
@@ -174,17 +174,32 @@ void Domain::ProgressLoop() {
 }
 
 absl::StatusOr<MrPtr> Domain::RegisterMr(void* addr, uint64_t len, uint64_t access, uint64_t key, fid_ep* ep,
-                                         const char* what) {
+                                         const char* what, const DeviceMemory& dev) {
   const size_t key_size = info_->domain_attr->mr_key_size;
   const bool provider_keys = (info_->domain_attr->mr_mode & FI_MR_PROV_KEY) != 0;
   for (int attempt = 0;; ++attempt) {
     // The provider ignores the requested key when it picks keys; a forced prov_key asks for a fresh one every time.
     uint64_t want = provider_keys ? 0 : (key != 0 && !prov_key() ? key : RandomKey(key_size));
     fid_mr* mr = nullptr;
-    int rc = fi_mr_reg(domain_, addr, len, access, 0, want, 0, &mr, nullptr);
+    int rc;
+    if (dev.on_device) {
+      iovec iov{addr, len};
+      fi_mr_attr attr{};
+      attr.mr_iov = &iov;
+      attr.iov_count = 1;
+      attr.access = access;
+      attr.requested_key = want;
+      attr.iface = FI_HMEM_CUDA;
+      attr.device.cuda = dev.cuda_ordinal;
+      rc = fi_mr_regattr(domain_, &attr, 0, &mr);
+    } else {
+      rc = fi_mr_reg(domain_, addr, len, access, 0, want, 0, &mr, nullptr);
+    }
     if (rc == -FI_ENOKEY && !provider_keys && (key == 0 || prov_key()) && attempt < 8) continue;  // key taken
     if (rc != 0) {
-      return absl::ResourceExhaustedError(absl::StrCat("fabric: fi_mr_reg of ", len, " bytes at ", absl::Hex(addr),
+      return absl::ResourceExhaustedError(absl::StrCat("fabric: ", dev.on_device ? "fi_mr_regattr(FI_HMEM_CUDA, cuda:" : "fi_mr_reg",
+                                                       dev.on_device ? absl::StrCat(dev.cuda_ordinal, ")") : "",
+                                                       " of ", len, " bytes at ", absl::Hex(addr),
                                                        " (", what, ") on ", provider(), ": ", FiError(rc),
                                                        rc == -FI_ENOMEM ? " (check ulimit -l)" : ""));
     }
@@ -209,7 +224,7 @@ absl::Status Gate::SyncLocked(Entry& e, bool wanted, const char* what) {
     return absl::OkStatus();
   }
   if (e.mr != nullptr) return absl::OkStatus();
-  WSYNC_ASSIGN_OR_RETURN(e.mr, dom_->RegisterMr(e.addr, e.len, FI_REMOTE_WRITE, e.key, e.ep, what));
+  WSYNC_ASSIGN_OR_RETURN(e.mr, dom_->RegisterMr(e.addr, e.len, FI_REMOTE_WRITE, e.key, e.ep, what, e.dev));
   const uint64_t key = fi_mr_key(e.mr.get());
   if (e.key != 0 && key != e.key)
     spdlog::warn(
@@ -235,10 +250,11 @@ absl::Status Gate::ApplyLocked() {
   return first;
 }
 
-absl::StatusOr<std::shared_ptr<Gate::Plain>> Gate::AddPlain(void* addr, uint64_t len) {
+absl::StatusOr<std::shared_ptr<Gate::Plain>> Gate::AddPlain(void* addr, uint64_t len, const DeviceMemory& dev) {
   auto p = std::make_shared<Plain>();
   p->e.addr = addr;
   p->e.len = len;
+  p->e.dev = dev;
   if (!dom_->prov_key()) p->e.key = RandomKey(dom_->info()->domain_attr->mr_key_size);
   std::lock_guard<std::mutex> l(mu_);
   WSYNC_RETURN_IF_ERROR(SyncLocked(p->e, PlainWantedLocked(), "a region's remote-write MR"));
@@ -258,15 +274,15 @@ uint64_t Gate::PlainKey(const Plain& p) const {
 }
 
 absl::StatusOr<std::shared_ptr<Gate::Grant>> Gate::AddGrant(Transport::WriteGrant info, std::vector<uint64_t> ids,
-                                                            std::vector<std::pair<void*, uint64_t>> ranges,
-                                                            fid_ep* ep) {
+                                                            std::vector<Range> ranges, fid_ep* ep) {
   auto g = std::make_shared<Grant>();
   g->info = std::move(info);
   g->region_ids = std::move(ids);
-  for (const auto& [addr, len] : ranges) {
+  for (const Range& r : ranges) {
     Entry e;
-    e.addr = addr;
-    e.len = len;
+    e.addr = r.addr;
+    e.len = r.len;
+    e.dev = r.dev;
     e.ep = ep;
     if (!dom_->prov_key()) e.key = RandomKey(dom_->info()->domain_attr->mr_key_size);
     g->entries.push_back(std::move(e));
@@ -338,22 +354,24 @@ std::string FabricLocalRegion::Descriptor() const {
 
 namespace {
 
-// Device memory registered through RegisterSink: the sink's page-locked host mirror, copied to the device when the
-// receiving side settles an update (no FI_MR_HMEM registration of device memory yet).
+// Device memory registered through RegisterSink: the device memory itself (FI_HMEM: the NIC writes it), or the
+// sink's page-locked host mirror, copied to the device when the receiving side settles an update.
 class SinkRegion final : public LocalRegion {
  public:
-  SinkRegion(std::shared_ptr<RegionSink> sink, std::unique_ptr<LocalRegion> region)
-      : sink_(std::move(sink)), region_(std::move(region)) {}
+  SinkRegion(std::shared_ptr<RegionSink> sink, std::unique_ptr<LocalRegion> region, std::string path, bool mirror)
+      : sink_(std::move(sink)), region_(std::move(region)), path_(std::move(path)), mirror_(mirror) {}
   void* addr() const override { return region_->addr(); }
   uint64_t length() const override { return region_->length(); }
   std::string Descriptor() const override { return region_->Descriptor(); }
-  absl::Status Settle() override { return sink_->CopyMirror(); }
-  std::string DevicePath() const override { return "staging (fabric host mirror)"; }
+  absl::Status Settle() override { return mirror_ ? sink_->CopyMirror() : absl::OkStatus(); }
+  std::string DevicePath() const override { return path_; }
   const LocalRegion& registered() const { return *region_; }
 
  private:
   std::shared_ptr<RegionSink> sink_;
   std::unique_ptr<LocalRegion> region_;
+  std::string path_;
+  bool mirror_;
 };
 
 template <typename T>
@@ -383,6 +401,7 @@ absl::StatusOr<Config> ResolveConfig(const TransportOptions& opts, const FabricO
     if (v != nullptr) force = v;
   }
   WSYNC_ASSIGN_OR_RETURN(c.forced_mr_mode, ParseForcedMrMode(force));
+  WSYNC_ASSIGN_OR_RETURN(c.hmem, ParseHmemMode(std::getenv("WSYNC_FABRIC_HMEM")));
   c.domains = f.domains;
   if (c.domains.empty()) {
     const char* v = std::getenv("WSYNC_FABRIC_DOMAINS");
@@ -406,13 +425,17 @@ struct InfoDeleter {
 using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
 
 // fi_getinfo for RDM endpoints with RMA writes on `provider` (empty: any), optionally delivery-complete.
-int GetInfo(const std::string& provider, bool rma, bool delivery_complete, InfoPtr* out) {
+int GetInfo(const std::string& provider, bool rma, bool delivery_complete, InfoPtr* out, bool hmem = false) {
   InfoPtr hints(Fi().dupinfo(nullptr));
   if (hints == nullptr) return -FI_ENOMEM;
   hints->caps = rma ? kRmaCaps : 0;
   hints->ep_attr->type = FI_EP_RDM;
   hints->mode = FI_CONTEXT | FI_CONTEXT2;
   hints->domain_attr->mr_mode = kSupportedMrMode;
+  if (hmem) {
+    hints->caps |= FI_HMEM;
+    hints->domain_attr->mr_mode |= FI_MR_HMEM;
+  }
   hints->domain_attr->threading = FI_THREAD_SAFE;
   if (delivery_complete) hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
   if (!provider.empty()) hints->fabric_attr->prov_name = strdup(provider.c_str());  // freed by fi_freeinfo
@@ -479,11 +502,47 @@ class FabricTransport final : public Transport {
   absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterSink(std::shared_ptr<RegionSink> sink) override {
     WSYNC_RETURN_IF_ERROR(CheckViable());
     if (sink == nullptr) return absl::InvalidArgumentError("fabric: RegisterSink of a null sink");
+    const Domain& d = *doms_[0];
+    const HmemMode mode = d.config().hmem;
+    absl::Status pointer = absl::FailedPreconditionError("not looked up");
+    RegionSink::Dmabuf buf;
+    DeviceMemory dev;
+    if (d.hmem() && mode != HmemMode::kOff) {
+      // The sink's dma-buf export is how it names its device pointer; libfabric 1.17 registers by pointer.
+      auto exported = sink->ExportDmabuf();
+      pointer = exported.status();
+      if (exported.ok()) {
+        buf = *exported;
+        close(buf.fd);
+        auto ordinal = CudaDeviceOrdinal(buf.iova);
+        pointer = ordinal.status();
+        if (ordinal.ok()) dev = DeviceMemory{true, *ordinal};
+      }
+    }
+    DeviceMemoryChoice choice = ChooseDeviceMemoryPath(d.provider(), d.hmem(), mode, pointer);
+    if (choice.direct) {
+      auto region = Register(reinterpret_cast<void*>(buf.iova), sink->length(), /*remote_write=*/true, dev);
+      if (region.ok()) {
+        spdlog::info("fabric: {} registered as device memory (FI_HMEM, cuda:{}): the NIC writes it", sink->Describe(),
+                     dev.cuda_ordinal);
+        return std::unique_ptr<LocalRegion>(std::make_unique<SinkRegion>(
+            std::move(sink), *std::move(region), absl::StrCat("fabric FI_HMEM (cuda:", dev.cuda_ordinal, ")"), false));
+      }
+      choice = {false, std::string(region.status().message())};
+    }
+    if (mode == HmemMode::kRequired) {
+      return absl::FailedPreconditionError(absl::StrCat("fabric: ", sink->Describe(),
+                                                        " cannot be registered as device memory on provider ",
+                                                        d.provider(), " (WSYNC_FABRIC_HMEM=1 requires it): ",
+                                                        choice.reason));
+    }
     WSYNC_ASSIGN_OR_RETURN(uint8_t * mirror, sink->HostMirror());
     WSYNC_ASSIGN_OR_RETURN(auto region, RegisterMemory(mirror, sink->length()));
-    spdlog::warn("fabric: {} is written through a host mirror and copied to the device when an update is committed",
-                 sink->Describe());
-    return std::unique_ptr<LocalRegion>(std::make_unique<SinkRegion>(std::move(sink), std::move(region)));
+    spdlog::warn(
+        "fabric: {} is written through a host mirror and copied to the device when an update is committed ({})",
+        sink->Describe(), choice.reason);
+    return std::unique_ptr<LocalRegion>(std::make_unique<SinkRegion>(
+        std::move(sink), std::move(region), absl::StrCat("staging (fabric host mirror: ", choice.reason, ")"), true));
   }
 
   absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string& descriptor) override {
@@ -562,6 +621,7 @@ class FabricTransport final : public Transport {
       i.domains.push_back(n != nullptr ? n : "");
     }
     i.domain_numa = domain_numa_;
+    i.hmem = d.hmem();
     i.mr_mode = d.mr_mode();
     i.delivery_complete = d.delivery_complete();
     i.manual_progress = d.info()->domain_attr->data_progress == FI_PROGRESS_MANUAL;
@@ -573,7 +633,8 @@ class FabricTransport final : public Transport {
   }
 
  private:
-  absl::StatusOr<std::unique_ptr<LocalRegion>> Register(void* addr, uint64_t len, bool remote_write) {
+  absl::StatusOr<std::unique_ptr<LocalRegion>> Register(void* addr, uint64_t len, bool remote_write,
+                                                        const DeviceMemory& dev = {}) {
     WSYNC_RETURN_IF_ERROR(CheckViable());
     // FI_MR_ALLOCATED (efa): only memory that exists may be registered; never a null range.
     if (addr == nullptr && len > 0) return absl::InvalidArgumentError("fabric: RegisterMemory of a null address");
@@ -588,7 +649,7 @@ class FabricTransport final : public Transport {
     for (size_t i = 0; i < doms_.size() && len > 0; ++i) {
       // Under FI_MR_ENDPOINT the local MRs are registered per endpoint (bound to it) when it first writes from here.
       if (!doms_[i]->endpoint_mr()) {
-        auto mr = doms_[i]->RegisterMr(addr, len, FI_WRITE, 0, nullptr, "local access");
+        auto mr = doms_[i]->RegisterMr(addr, len, FI_WRITE, 0, nullptr, "local access", dev);
         if (!mr.ok()) {
           release_plain();
           return mr.status();
@@ -596,7 +657,7 @@ class FabricTransport final : public Transport {
         local[i] = *std::move(mr);
       }
       if (remote_write) {
-        auto p = gates_[i]->AddPlain(addr, len);
+        auto p = gates_[i]->AddPlain(addr, len, dev);
         if (!p.ok()) {
           release_plain();
           return p.status();
@@ -604,12 +665,12 @@ class FabricTransport final : public Transport {
         plain.push_back(*std::move(p));
       }
     }
-    if (len > 0) NoteMemory(addr, len);
+    if (len > 0 && !dev.on_device) NoteMemory(addr, len);
     const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
     spdlog::info("fabric: registered {} bytes at {} ({}) on {} ({} domain(s)) in {:.3f} ms", len, addr,
                  remote_write ? "remote write" : "source, no remote access", doms_[0]->provider(), doms_.size(), ms);
     return std::unique_ptr<LocalRegion>(std::make_unique<FabricLocalRegion>(
-        doms_, gates_, id_, region_id, addr, len, std::move(local), std::move(plain)));
+        doms_, gates_, id_, region_id, addr, len, std::move(local), std::move(plain), dev));
   }
 
   // Counts registered bytes per NUMA node: endpoints go to the NICs beside most of the memory they will move.
@@ -671,8 +732,12 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateFabricTransport(const Transport
   if (!api.ok()) return not_viable(std::string(api.status().message()));
   const std::string& provider = opts.fabric_provider;
   InfoPtr info;
+  bool delivery_complete = true;
   int rc = GetInfo(provider, true, true, &info);
-  if (rc != 0) rc = GetInfo(provider, true, false, &info);  // no delivery-complete: transmit-complete is all there is
+  if (rc != 0) {  // no delivery-complete: transmit-complete is all there is
+    delivery_complete = false;
+    rc = GetInfo(provider, true, false, &info);
+  }
   if (rc != 0 || info == nullptr) return not_viable(DiagnoseProvider(provider, rc));
   // The first answer is libfabric's preference: it fixes provider and fabric; one domain per NIC on that fabric.
   std::vector<fi_info*> entries;
@@ -685,6 +750,30 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateFabricTransport(const Transport
                                  !PciAddress(i).empty()});
   }
   WSYNC_ASSIGN_OR_RETURN(std::vector<size_t> picked, PickDomains(offers, cfg.domains));
+  // The same domains with device memory registration (FI_HMEM), where the provider offers it for every one of them.
+  // Asked only now, of the provider already chosen: asking first would steer libfabric's pick towards providers
+  // with FI_HMEM (shm, for one, which reaches no other host).
+  InfoPtr hmem_info;
+  if (cfg.hmem != HmemMode::kOff &&
+      GetInfo(offers[picked[0]].provider, true, delivery_complete, &hmem_info, /*hmem=*/true) == 0) {
+    std::vector<fi_info*> hmem_entries;
+    std::vector<DomainOffer> hmem_offers;
+    for (fi_info* i = hmem_info.get(); i != nullptr; i = i->next) {
+      hmem_entries.push_back(i);
+      hmem_offers.push_back(DomainOffer{i->fabric_attr->prov_name != nullptr ? i->fabric_attr->prov_name : "",
+                                        i->fabric_attr->name != nullptr ? i->fabric_attr->name : "",
+                                        i->domain_attr->name != nullptr ? i->domain_attr->name : "", i->addr_format,
+                                        -1, !PciAddress(i).empty()});
+    }
+    std::vector<std::string> names;
+    for (size_t idx : picked) names.push_back(offers[idx].domain);
+    auto again = PickDomains(hmem_offers, names);
+    if (again.ok() && hmem_offers[(*again)[0]].fabric == offers[picked[0]].fabric) {
+      entries = std::move(hmem_entries);
+      offers = std::move(hmem_offers);
+      picked = *std::move(again);
+    }
+  }
   std::vector<std::shared_ptr<Domain>> doms;
   std::vector<int> numa;
   for (size_t idx : picked) {

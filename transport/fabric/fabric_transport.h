@@ -70,6 +70,7 @@ struct FabricInfo {
   std::string domain;                // the first domain
   std::vector<std::string> domains;  // every domain (NIC) in use, in the order endpoints index them
   std::vector<int> domain_numa;      // their NUMA nodes (-1: unknown)
+  bool hmem = false;                 // device memory is registered directly (FI_HMEM); else through a host mirror
   uint64_t mr_mode = 0;  // the bits the backend honours (the provider's, plus forced ones)
   bool delivery_complete = false;
   bool manual_progress = false;
