@@ -3,6 +3,7 @@
 // on several interfaces). The real two-domain case runs in transport_fabric_domains_netns_test.
 
 #include "transport/fabric/fabric_domains.h"
+#include "transport/fabric/fabric_hmem.h"
 
 #include <catch2/catch.hpp>
 #include <map>
@@ -154,4 +155,33 @@ TEST_CASE("NIC NUMA node: unknown names read nothing outside sysfs", "[fabric][d
   CHECK(wsync::transport::fabric::NicNumaNode("", "0000:ff:ff.7") == -1);
   // lo has no device directory: unknown, not an error.
   CHECK(wsync::transport::fabric::NicNumaNode("lo", "") == -1);
+}
+
+TEST_CASE("device memory: registered directly only where the provider, the mode and the pointer allow",
+          "[fabric][hmem]") {
+  using wsync::transport::fabric::ChooseDeviceMemoryPath;
+  using wsync::transport::fabric::HmemMode;
+  const absl::Status found = absl::OkStatus();
+  CHECK(ChooseDeviceMemoryPath("efa", true, HmemMode::kAuto, found).direct);
+  CHECK(ChooseDeviceMemoryPath("efa", true, HmemMode::kRequired, found).direct);
+  auto off = ChooseDeviceMemoryPath("efa", true, HmemMode::kOff, found);
+  CHECK_FALSE(off.direct);
+  CHECK(absl::StrContains(off.reason, "WSYNC_FABRIC_HMEM=0"));
+  auto tcp = ChooseDeviceMemoryPath("tcp;ofi_rxm", false, HmemMode::kAuto, found);
+  CHECK_FALSE(tcp.direct);
+  CHECK(absl::StrContains(tcp.reason, "provider tcp;ofi_rxm offers no device memory registration"));
+  auto no_ptr =
+      ChooseDeviceMemoryPath("efa", true, HmemMode::kAuto, absl::FailedPreconditionError("libcuda.so.1 missing"));
+  CHECK_FALSE(no_ptr.direct);
+  CHECK(absl::StrContains(no_ptr.reason, "libcuda.so.1 missing"));
+
+  using wsync::transport::fabric::ParseHmemMode;
+  CHECK(*ParseHmemMode(nullptr) == HmemMode::kAuto);
+  CHECK(*ParseHmemMode("auto") == HmemMode::kAuto);
+  CHECK(*ParseHmemMode("0") == HmemMode::kOff);
+  CHECK(*ParseHmemMode("1") == HmemMode::kRequired);
+  CHECK(ParseHmemMode("yes").status().code() == absl::StatusCode::kInvalidArgument);
+  // No CUDA driver on a build host: the lookup says so instead of crashing.
+  auto ordinal = wsync::transport::fabric::CudaDeviceOrdinal(0x1000);
+  CHECK_FALSE(ordinal.ok());
 }

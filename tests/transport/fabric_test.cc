@@ -593,3 +593,79 @@ TEST_CASE("idle transports with live connections use little CPU", "[fabric][idle
   CHECK(absl::Now() - w0 < absl::Milliseconds(500));
   CHECK(HoldsPattern(dst.bytes.data(), kLen, 31));
 }
+
+namespace {
+
+// "Device" memory the test can read: a plain buffer, with a separate host mirror (as a GPU sink has).
+class HostBackedSink final : public wsync::transport::RegionSink {
+ public:
+  explicit HostBackedSink(uint64_t len) : device_(len, kUntouched), mirror_(len, kUntouched) {}
+  uint64_t length() const override { return device_.size(); }
+  uint64_t chunk_bytes() const override { return device_.size(); }
+  absl::StatusOr<Staging> Acquire() override { return absl::UnimplementedError("not staged"); }
+  absl::Status Submit(const Staging&, uint64_t, uint64_t) override { return absl::UnimplementedError("not staged"); }
+  void Cancel(const Staging&) override {}
+  absl::Status Flush() override { return absl::OkStatus(); }
+  std::string Describe() const override { return "test sink (host-backed)"; }
+  absl::StatusOr<uint8_t*> HostMirror() override { return mirror_.data(); }
+  absl::Status CopyMirror() override {
+    device_ = mirror_;
+    ++copies_;
+    return absl::OkStatus();
+  }
+  std::vector<uint8_t> device_, mirror_;
+  int copies_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE("device memory without FI_HMEM goes through the host mirror, saying why", "[fabric][hmem]") {
+  auto sender = Viable();
+  auto receiver = Viable();
+  auto info = wsync::transport::fabric::GetFabricInfo(*receiver);
+  REQUIRE(info.has_value());
+  REQUIRE_FALSE(info->hmem);  // tcp and sockets have no device memory registration
+  auto sink = std::make_shared<HostBackedSink>(kLen);
+  auto region = receiver->RegisterSink(sink);
+  INFO(region.status().ToString());
+  REQUIRE(region.ok());
+  INFO((*region)->DevicePath());
+  CHECK(absl::StrContains((*region)->DevicePath(), "host mirror"));
+  CHECK(absl::StrContains((*region)->DevicePath(), "provider " + info->provider + " offers no device memory"));
+  Buffer src = Source(*sender, 41);
+  auto remote = Import(*sender, (*region)->Descriptor());
+  auto rx = receiver->CreateEndpoint();
+  REQUIRE(rx.ok());
+  auto ep = ConnectTo(*sender, **rx);
+  REQUIRE(WriteAll(*ep, *src.region, *remote, kTimeout).ok());
+  CHECK(HoldsPattern(sink->mirror_.data(), kLen, 41));
+  CHECK(Untouched(sink->device_));  // reaches the device when the update settles, not before
+  REQUIRE((*region)->Settle().ok());
+  CHECK(sink->copies_ == 1);
+  CHECK(HoldsPattern(sink->device_.data(), kLen, 41));
+}
+
+TEST_CASE("WSYNC_FABRIC_HMEM=1 without FI_HMEM: registering device memory fails naming the provider",
+          "[fabric][hmem]") {
+  setenv("WSYNC_FABRIC_HMEM", "1", 1);
+  auto receiver = Viable();
+  unsetenv("WSYNC_FABRIC_HMEM");
+  auto info = wsync::transport::fabric::GetFabricInfo(*receiver);
+  REQUIRE(info.has_value());
+  REQUIRE_FALSE(info->hmem);
+  auto sink = std::make_shared<HostBackedSink>(kLen);
+  auto region = receiver->RegisterSink(sink);
+  INFO(region.status().ToString());
+  CHECK(region.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(region.status().message(), info->provider));
+  CHECK(absl::StrContains(region.status().message(), "WSYNC_FABRIC_HMEM=1"));
+  CHECK(sink->copies_ == 0);
+
+  setenv("WSYNC_FABRIC_HMEM", "sometimes", 1);
+  wsync::transport::TransportOptions opts;
+  opts.fabric_provider = wsync::transport::fabric::testing::TestProvider();
+  auto bad = wsync::transport::CreateTransport("fabric", opts);
+  unsetenv("WSYNC_FABRIC_HMEM");
+  INFO(bad.status().ToString());
+  CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
+}
