@@ -312,6 +312,7 @@ class FabricEndpoint final : public Endpoint {
     fi_cq_entry entries[kPollBatch];
     ssize_t n = fi_cq_read(cq_.get(), entries, kPollBatch);
     if (n > 0) {
+      reached_peer_ = true;
       for (ssize_t i = 0; i < n; ++i) Finish(static_cast<Op*>(entries[i].op_context), absl::OkStatus());
       return static_cast<int>(n);
     }
@@ -366,6 +367,7 @@ class FabricEndpoint final : public Endpoint {
   std::shared_ptr<Gate::Grant> grant_;             // null for a plain endpoint
   std::string address_;
   bool connected_ = false;
+  bool reached_peer_ = false;  // a write to the peer has completed
   ConnInfo peer_;
   fi_addr_t peer_addr_ = FI_ADDR_NOTAVAIL;
   std::unordered_map<uint64_t, uint64_t> peer_grant_;  // region id → the key of this connection's MR
@@ -465,8 +467,10 @@ absl::StatusOr<BatchId> FabricEndpoint::Post(absl::Span<const WriteRequest> writ
         }
         // Nothing in flight and nothing accepted: the provider cannot reach the peer (tcp;ofi_rxm keeps answering
         // FI_EAGAIN while its connection attempts to a closed endpoint fail), which needs no io_timeout to tell.
+        // Only for a peer reached before: setting up a connection may take longer (ofi_rxm over emulated verbs).
         const bool idle = free_.size() == ops_.size();
-        const absl::Duration limit = idle ? dom_->config().peer_timeout : dom_->config().io_timeout;
+        const absl::Duration limit =
+            idle && reached_peer_ ? dom_->config().peer_timeout : dom_->config().io_timeout;
         if (absl::Now() - last_progress > limit) {
           Break(absl::Status(idle ? absl::StatusCode::kUnavailable : absl::StatusCode::kDeadlineExceeded,
                              absl::StrCat("fabric writes to peer ", PeerName(), " made no progress for ",
