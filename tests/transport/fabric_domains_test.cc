@@ -3,7 +3,6 @@
 // on several interfaces). The real two-domain case runs in transport_fabric_domains_netns_test.
 
 #include "transport/fabric/fabric_domains.h"
-#include "transport/fabric/fabric_hmem.h"
 
 #include <catch2/catch.hpp>
 #include <map>
@@ -11,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "transport/fabric/fabric_hmem.h"
 
 namespace {
 

@@ -4,17 +4,17 @@
 // checked against the receiver's memory as the test reads it: unchanged.
 
 #include <signal.h>
-#include <time.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <iostream>
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -436,7 +436,8 @@ std::string ToHex(const std::string& bytes) {
 
 std::string FromHex(const std::string& hex) {
   std::string out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  for (size_t i = 0; i + 1 < hex.size(); i += 2)
+    out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
   return out;
 }
 
@@ -525,7 +526,8 @@ TEST_CASE("(peer process) a receiver that waits to be killed", "[.peer]") {
   std::this_thread::sleep_for(std::chrono::minutes(5));
 }
 
-TEST_CASE("a write to a peer whose process was killed fails with the cause, in bounded time", "[fabric][errors][dead]") {
+TEST_CASE("a write to a peer whose process was killed fails with the cause, in bounded time",
+          "[fabric][errors][dead]") {
   PeerProcess peer;
   const std::string info = FromHex(peer.Next("info"));
   const std::string region = FromHex(peer.Next("region"));

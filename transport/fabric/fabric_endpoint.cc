@@ -7,8 +7,8 @@
 #include <sched.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -452,11 +452,11 @@ absl::StatusOr<BatchId> FabricEndpoint::Post(absl::Span<const WriteRequest> writ
             break;
           }
           if (rc != -FI_EAGAIN) {
-            Break(absl::Status(CodeForError(static_cast<int>(-rc)),
-                               absl::StrCat("fi_writemsg to peer ", PeerName(), " on provider ", dom_->provider(),
-                                            " failed: ", FiError(rc), ", write #", i, " (dst offset ",
-                                            w.dst_offset + done, ", ", piece, " bytes)",
-                                            HintForError(static_cast<int>(-rc)))));
+            Break(absl::Status(
+                CodeForError(static_cast<int>(-rc)),
+                absl::StrCat("fi_writemsg to peer ", PeerName(), " on provider ", dom_->provider(),
+                             " failed: ", FiError(rc), ", write #", i, " (dst offset ", w.dst_offset + done, ", ",
+                             piece, " bytes)", HintForError(static_cast<int>(-rc)))));
             break;
           }
         }
@@ -469,13 +469,12 @@ absl::StatusOr<BatchId> FabricEndpoint::Post(absl::Span<const WriteRequest> writ
         // FI_EAGAIN while its connection attempts to a closed endpoint fail), which needs no io_timeout to tell.
         // Only for a peer reached before: setting up a connection may take longer (ofi_rxm over emulated verbs).
         const bool idle = free_.size() == ops_.size();
-        const absl::Duration limit =
-            idle && reached_peer_ ? dom_->config().peer_timeout : dom_->config().io_timeout;
+        const absl::Duration limit = idle && reached_peer_ ? dom_->config().peer_timeout : dom_->config().io_timeout;
         if (absl::Now() - last_progress > limit) {
-          Break(absl::Status(idle ? absl::StatusCode::kUnavailable : absl::StatusCode::kDeadlineExceeded,
-                             absl::StrCat("fabric writes to peer ", PeerName(), " made no progress for ",
-                                          absl::FormatDuration(limit),
-                                          idle ? ": the provider accepted none (peer gone or unreachable)" : "")));
+          Break(absl::Status(
+              idle ? absl::StatusCode::kUnavailable : absl::StatusCode::kDeadlineExceeded,
+              absl::StrCat("fabric writes to peer ", PeerName(), " made no progress for ", absl::FormatDuration(limit),
+                           idle ? ": the provider accepted none (peer gone or unreachable)" : "")));
           break;
         }
         Backoff(++empty);

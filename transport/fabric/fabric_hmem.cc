@@ -36,9 +36,9 @@ absl::StatusOr<int> CudaDeviceOrdinal(uint64_t device_ptr) {
   constexpr int kDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
   int ordinal = -1;
   if (int rc = fn(&ordinal, kDeviceOrdinal, device_ptr); rc != 0 || ordinal < 0)
-    return absl::FailedPreconditionError(
-        absl::StrCat("cuPointerGetAttribute(DEVICE_ORDINAL) of 0x", absl::Hex(device_ptr), " failed (CUresult ", rc,
-                     "): not CUDA device memory"));
+    return absl::FailedPreconditionError(absl::StrCat("cuPointerGetAttribute(DEVICE_ORDINAL) of 0x",
+                                                      absl::Hex(device_ptr), " failed (CUresult ", rc,
+                                                      "): not CUDA device memory"));
   return ordinal;
 }
 

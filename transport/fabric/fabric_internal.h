@@ -206,9 +206,7 @@ class FabricLocalRegion final : public LocalRegion {
   const DeviceMemory& device() const { return dev_; }
   // The local MR's descriptor in domain `dom` for FI_MR_LOCAL (null when there is none: a zero-length region, or
   // FI_MR_ENDPOINT where endpoints register their own).
-  void* desc(size_t dom) const {
-    return dom < local_.size() && local_[dom] ? fi_mr_desc(local_[dom].get()) : nullptr;
-  }
+  void* desc(size_t dom) const { return dom < local_.size() && local_[dom] ? fi_mr_desc(local_[dom].get()) : nullptr; }
   // The address remote writes into this region start from (the descriptor's addr_base); one mr_mode for all domains.
   uint64_t addr_base() const { return doms_[0]->virt_addr() ? reinterpret_cast<uintptr_t>(addr_) : 0; }
 

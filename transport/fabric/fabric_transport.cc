@@ -8,9 +8,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <map>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
 #include <set>
 #include <utility>
@@ -160,8 +160,8 @@ void Domain::ProgressLoop() {
     if (n > 0) continue;  // entries waiting: read on at once
     const double cost_ns = static_cast<double>((cpu_now() - start).count());
     const bool busy = n != -FI_EAGAIN ||
-                      (empty_cost_ns > 0 && cost_ns > std::max<double>(3 * empty_cost_ns,
-                                                                       std::chrono::nanoseconds(kBusyFloor).count()));
+                      (empty_cost_ns > 0 &&
+                       cost_ns > std::max<double>(3 * empty_cost_ns, std::chrono::nanoseconds(kBusyFloor).count()));
     if (busy) {
       pause = kMinPause;
     } else {
@@ -197,11 +197,10 @@ absl::StatusOr<MrPtr> Domain::RegisterMr(void* addr, uint64_t len, uint64_t acce
     }
     if (rc == -FI_ENOKEY && !provider_keys && (key == 0 || prov_key()) && attempt < 8) continue;  // key taken
     if (rc != 0) {
-      return absl::ResourceExhaustedError(absl::StrCat("fabric: ", dev.on_device ? "fi_mr_regattr(FI_HMEM_CUDA, cuda:" : "fi_mr_reg",
-                                                       dev.on_device ? absl::StrCat(dev.cuda_ordinal, ")") : "",
-                                                       " of ", len, " bytes at ", absl::Hex(addr),
-                                                       " (", what, ") on ", provider(), ": ", FiError(rc),
-                                                       rc == -FI_ENOMEM ? " (check ulimit -l)" : ""));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "fabric: ", dev.on_device ? "fi_mr_regattr(FI_HMEM_CUDA, cuda:" : "fi_mr_reg",
+          dev.on_device ? absl::StrCat(dev.cuda_ordinal, ")") : "", " of ", len, " bytes at ", absl::Hex(addr), " (",
+          what, ") on ", provider(), ": ", FiError(rc), rc == -FI_ENOMEM ? " (check ulimit -l)" : ""));
     }
     MrPtr out(mr);
     if (endpoint_mr() && ep != nullptr) {
@@ -531,10 +530,9 @@ class FabricTransport final : public Transport {
       choice = {false, std::string(region.status().message())};
     }
     if (mode == HmemMode::kRequired) {
-      return absl::FailedPreconditionError(absl::StrCat("fabric: ", sink->Describe(),
-                                                        " cannot be registered as device memory on provider ",
-                                                        d.provider(), " (WSYNC_FABRIC_HMEM=1 requires it): ",
-                                                        choice.reason));
+      return absl::FailedPreconditionError(
+          absl::StrCat("fabric: ", sink->Describe(), " cannot be registered as device memory on provider ",
+                       d.provider(), " (WSYNC_FABRIC_HMEM=1 requires it): ", choice.reason));
     }
     WSYNC_ASSIGN_OR_RETURN(uint8_t * mirror, sink->HostMirror());
     WSYNC_ASSIGN_OR_RETURN(auto region, RegisterMemory(mirror, sink->length()));
@@ -669,8 +667,8 @@ class FabricTransport final : public Transport {
     const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
     spdlog::info("fabric: registered {} bytes at {} ({}) on {} ({} domain(s)) in {:.3f} ms", len, addr,
                  remote_write ? "remote write" : "source, no remote access", doms_[0]->provider(), doms_.size(), ms);
-    return std::unique_ptr<LocalRegion>(std::make_unique<FabricLocalRegion>(
-        doms_, gates_, id_, region_id, addr, len, std::move(local), std::move(plain), dev));
+    return std::unique_ptr<LocalRegion>(std::make_unique<FabricLocalRegion>(doms_, gates_, id_, region_id, addr, len,
+                                                                            std::move(local), std::move(plain), dev));
   }
 
   // Counts registered bytes per NUMA node: endpoints go to the NICs beside most of the memory they will move.
@@ -762,8 +760,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateFabricTransport(const Transport
       hmem_entries.push_back(i);
       hmem_offers.push_back(DomainOffer{i->fabric_attr->prov_name != nullptr ? i->fabric_attr->prov_name : "",
                                         i->fabric_attr->name != nullptr ? i->fabric_attr->name : "",
-                                        i->domain_attr->name != nullptr ? i->domain_attr->name : "", i->addr_format,
-                                        -1, !PciAddress(i).empty()});
+                                        i->domain_attr->name != nullptr ? i->domain_attr->name : "", i->addr_format, -1,
+                                        !PciAddress(i).empty()});
     }
     std::vector<std::string> names;
     for (size_t idx : picked) names.push_back(offers[idx].domain);

@@ -13,7 +13,7 @@ namespace {
 
 constexpr uint32_t kConnMagic = 0x46465357;    // "WSFF"
 constexpr uint32_t kRegionMagic = 0x52465357;  // "WSFR"
-constexpr uint16_t kVersion = 2;  // 2: per-domain keys and the endpoint's domain
+constexpr uint16_t kVersion = 2;               // 2: per-domain keys and the endpoint's domain
 constexpr uint32_t kMaxDomains = 64;
 constexpr size_t kMaxString = 1024;
 constexpr size_t kMaxAddress = 4096;
