@@ -545,8 +545,8 @@ absl::Status Coordinator::Track(const std::string& addr, std::optional<EngineSta
 void Coordinator::SetState(UpdateState to) {
   if (!LegalUpdateTransition(state_, to)) {
     // A bug in this file: the bookkeeping follows what happened, and the log says where it went wrong.
-    spdlog::critical("update {}: illegal state transition {} -> {}", open_version_, UpdateStateName(state_),
-                     UpdateStateName(to));
+    spdlog::critical("update {}: illegal state transition {} -> {}", open_version_, StateName(),
+                     std::string(UpdateStateName(to)));
     assert(false);
   }
   state_ = to;

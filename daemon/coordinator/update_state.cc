@@ -1,6 +1,6 @@
 #include "daemon/coordinator/update_state.h"
 
-#include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 
 namespace wsync::daemon {
