@@ -21,10 +21,14 @@
 //                   further phase starts, and the thread running the phase ends v as aborted with the operator's
 //                   reason at once (the abort returns the recorded answer); then, state aborting until done, it tells
 //                   started or finishing sources to abort and closes the write windows. Engines stay
-//                   paused at their old version, except those already continued at v before the abort (Continue
-//                   had returned for them): the record's error names those, and Status shows them serving at v.
-//                   A commit whose every Continue returned before the abort took effect has committed: the abort
-//                   then answers FailedPrecondition. Repeats get the recorded answer.
+//                   paused at their old version. After the commit point (below) an abort cannot undo the update:
+//                   it cancels the Continue calls left, the update ends committed with those engines not resumed,
+//                   and the abort answers FailedPrecondition. Repeats get the recorded answer.
+//   Commit point    the continue phase begins: every engine holds v's weights and label. Recorded
+//                   (committed_unix_ms) and saved before the first Continue; v is the current version from then on.
+//                   Engines whose Continue fails are "not resumed" (paused at v, named in the record and Status);
+//                   CommitUpdate answers Unavailable "update v committed: … N of M engines not resumed"; a retried
+//                   CommitUpdate(v), ResumeEngines or the next update continues them.
 //   ResumeEngines   continues every engine at the current version, only when no byte of a failed or aborted update
 //                   may have reached them (engines_hold_partial_writes false); a successful update clears the flag.
 // The current version, the history and the engines' version labels therefore only move forward.
@@ -35,6 +39,13 @@
 // each (the engine re-checks the verified digest), post-process, set the version, continue. Engines that fail to
 // verify, pause or switch are left out, continued at their old version and marked stale; the update succeeds when at
 // least one engine switched. A staged update never writes live weights: its failure leaves the engines serving.
+//
+// Fan-out: each phase calls its peers on at most CoordinatorOptions::fanout_parallel workers (fanout.h), with a
+// deadline for the whole phase (the phase's PeerDeadlines entry) and the update's Cancellation (an operator's abort).
+// Saves: one store write per phase (the engine states a phase changed, once all its calls returned), plus those that
+// must be durable before the next step: the begin (before any engine is paused), the commit's start, the commit
+// point (before the first Continue) and the outcome. States are typed (update_state.h); strings only at the API
+// and in the store, whose form is unchanged.
 //
 // No lock is held across a call to a peer (tests/daemon/coordinator_faults_test.cc calls Status() from inside every
 // peer call): a peer that fails, times out or hangs delays only the update it belongs to, never Status, History,
