@@ -27,6 +27,9 @@
 namespace wsync::daemon {
 namespace {
 
+using testing::FillLayout;
+using testing::TinyConfigJson;
+
 // A source or target daemon that does what it is told at once (sources write nothing).
 class FakeDaemon final : public v1::NodeDaemon::Service {
   grpc::Status ConfigureSource(grpc::ServerContext*, const v1::ConfigureSourceRequest*,
