@@ -1737,6 +1737,7 @@ absl::StatusOr<v1::RemoveNodeReply> Coordinator::RemoveNode(const v1::RemoveNode
     engine_state_.erase(e.control_address());
     engine_version_.erase(e.control_address());
     drained_engines_.erase(e.engine_id());
+    not_resumed_.erase(e.engine_id());  // nothing left to resume
   }
   nodes_.erase(it);
   last_heartbeat_.erase(req.node_id());

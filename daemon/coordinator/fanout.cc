@@ -14,7 +14,7 @@ void Cancellation::Cancel(const std::string& why) {
   if (cancelled_) return;
   cancelled_ = true;
   why_ = why;
-  for (auto& [id, wake] : wakes_) wake();
+  for (auto& [id, wake] : wakes_) wake(why_);
 }
 
 bool Cancellation::cancelled() const {
@@ -27,9 +27,9 @@ std::string Cancellation::why() const {
   return why_;
 }
 
-int Cancellation::Subscribe(std::function<void()> wake) {
+int Cancellation::Subscribe(std::function<void(const std::string&)> wake) {
   std::lock_guard<std::mutex> l(mu_);
-  if (cancelled_) wake();
+  if (cancelled_) wake(why_);
   wakes_.emplace_back(next_id_, std::move(wake));
   return next_id_++;
 }
@@ -50,16 +50,18 @@ std::vector<absl::Status> RunFanout(size_t n, const std::function<absl::Status(s
     size_t next = 0;      // items handed to a worker
     size_t finished = 0;  // of those, returned
     std::vector<bool> running;
-    bool cancel_seen = false;  // set by the Cancellation's wake-up (never read its mutex under mu: lock order)
+    bool cancel_seen = false;  // set by the Cancellation's wake-up (never take its mutex under mu: lock order)
+    std::string cancel_why;
     bool stop = false;         // no further item starts
   } s;
   s.running.assign(n, false);
   const absl::Time deadline = opts.deadline == absl::InfiniteDuration() ? absl::InfiniteFuture()
                                                                           : absl::Now() + opts.deadline;
   Cancellation* cancellation = opts.cancellation.get();
-  const int sub = cancellation == nullptr ? -1 : cancellation->Subscribe([&s] {
+  const int sub = cancellation == nullptr ? -1 : cancellation->Subscribe([&s](const std::string& why) {
     std::lock_guard<std::mutex> l(s.mu);
     s.cancel_seen = true;
+    s.cancel_why = why;
     s.cv.notify_all();
   });
 
@@ -94,7 +96,7 @@ std::vector<absl::Status> RunFanout(size_t n, const std::function<absl::Status(s
         s.stop = true;
         const std::string phase = opts.phase.empty() ? std::string("the phase") : opts.phase;
         stopped = s.cancel_seen ? absl::CancelledError(absl::StrCat("not called: ", phase, " was cancelled (",
-                                                                    cancellation->why(), ")"))
+                                                                    s.cancel_why, ")"))
                                 : absl::DeadlineExceededError(absl::StrCat(
                                       "not called: ", phase, " ran past its deadline of ",
                                       absl::FormatDuration(opts.deadline)));

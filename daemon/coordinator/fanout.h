@@ -35,8 +35,9 @@ class Cancellation {
   bool cancelled() const;
   std::string why() const;
 
-  // Run's registration: `wake` is called once when the flag is raised (at once when it is raised already).
-  int Subscribe(std::function<void()> wake);
+  // Run's registration: `wake(why)` is called once when the flag is raised (at once when it is raised already), under
+  // the flag's mutex: it gets the reason as an argument so that it never calls back into the flag.
+  int Subscribe(std::function<void(const std::string&)> wake);
   void Unsubscribe(int id);
 
  private:
@@ -44,7 +45,7 @@ class Cancellation {
   bool cancelled_ = false;
   std::string why_;
   int next_id_ = 0;
-  std::vector<std::pair<int, std::function<void()>>> wakes_;
+  std::vector<std::pair<int, std::function<void(const std::string&)>>> wakes_;
 };
 
 struct FanoutOptions {
