@@ -70,7 +70,8 @@ std::vector<absl::Status> RunFanout(size_t n, const std::function<absl::Status(s
       size_t i;
       {
         std::lock_guard<std::mutex> l(s.mu);
-        if (s.stop || s.next >= n) return;
+        // Also checked here, not only by Run's thread: a phase cancelled or past its deadline starts no call.
+        if (s.stop || s.cancel_seen || s.next >= n || absl::Now() >= deadline) return;
         i = s.next++;
         s.running[i] = true;
       }
