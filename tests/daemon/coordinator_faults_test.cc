@@ -720,11 +720,13 @@ TEST_CASE("past the commit point: a failed Continue commits with the engine not 
 
   SECTION("a retried CommitUpdate continues the engines not resumed") {
     // Still failing: the same answer, the engine asked again.
+    const int e0_before = k.peers->Calls(Rpc::kContinue, "e0:2");
+    const int e1_before = k.peers->Calls(Rpc::kContinue, "e1:2");
     const absl::Status again = k.Commit(2);
     CHECK(again.code() == absl::StatusCode::kUnavailable);
     CHECK(absl::StrContains(again.message(), "1 of 2 engines not resumed (e1)"));
-    CHECK(k.peers->Calls(Rpc::kContinue, "e1:2") == 2);
-    CHECK(k.peers->Calls(Rpc::kContinue, "e0:2") == 1);  // only those not resumed
+    CHECK(k.peers->Calls(Rpc::kContinue, "e1:2") == e1_before + 1);
+    CHECK(k.peers->Calls(Rpc::kContinue, "e0:2") == e0_before);  // only those not resumed
     k.peers->Disarm();
     v1::CommitUpdateRequest r;
     r.set_version(2);
@@ -821,7 +823,10 @@ TEST_CASE("past the commit point: a coordinator that restarts during the continu
   Joiner joiner{driver, peers};
   REQUIRE(peers->AwaitHanging());
   // The successor loads what the first one saved at its commit point (the first is still hung in the Continue).
-  Coordinator second(o, std::make_unique<ScriptedPeers>());
+  auto second_peers = std::make_unique<ScriptedPeers>();
+  ScriptedPeers* successor_peers = second_peers.get();
+  Coordinator second(o, std::move(second_peers));
+  successor_peers->coordinator = &second;
   {
     auto store = SqliteStateStore::Open(db);
     REQUIRE(store.ok());
