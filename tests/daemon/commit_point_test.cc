@@ -209,7 +209,8 @@ struct Fleet {
     return Run(absl::StrCat(WSYNC_BIN_DIR, "/wsyncctl --endpoints 127.0.0.1:", coordinator_port, " ", args), rc);
   }
   std::string StateOf(const std::string& engine) {
-    for (const auto& n : c->Status().nodes())
+    const v1::ClusterStatus st = c->Status();
+    for (const auto& n : st.nodes())
       for (const auto& d : n.engine_details())
         if (d.engine_id() == engine) return absl::StrCat(d.state(), "@", d.weight_version());
     return "";
