@@ -7,9 +7,6 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
-#include "google/protobuf/util/message_differencer.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -18,6 +15,9 @@
 #include "base/status.h"
 #include "daemon/common/config_digest.h"
 #include "daemon/coordinator/fanout.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "planner/model_input.h"
 #include "planner/plan.h"
 #include "replica/model_config.h"
@@ -30,7 +30,8 @@ namespace {
 // otherwise the first error's code with every failure's message.
 template <typename T, typename Fn>
 absl::Status ForAll(const std::vector<T>& items, Fn fn, const FanoutOptions& opts = FanoutOptions()) {
-  return CombineStatuses(RunFanout(items.size(), [&](size_t i) { return fn(items[i]); }, opts));
+  return CombineStatuses(RunFanout(
+      items.size(), [&](size_t i) { return fn(items[i]); }, opts));
 }
 
 void AddPhase(v1::UpdateRecord* rec, const std::string& phase, absl::Time since) {
@@ -125,7 +126,8 @@ Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
         auto ver = engine_version_.find(a);
         const std::string version = ver == engine_version_.end() ? std::string() : ver->second;
         const bool stale = engine_stale_.count(a) > 0;
-        const bool ready = st != engine_state_.end() && st->second.state == EngineState::kServing && !stale && version == current;
+        const bool ready =
+            st != engine_state_.end() && st->second.state == EngineState::kServing && !stale && version == current;
         m.Set("wsync_engine_ready", {{"engine", e.engine_id()}}, ready ? 1 : 0);
         m.Set("wsync_engine_stale", {{"engine", e.engine_id()}}, stale ? 1 : 0);
         int64_t vn = -1;
@@ -158,8 +160,8 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
     return absl::InvalidArgumentError(absl::StrCat("pp_stage ", req.pp_stage(), " is out of [0, 1024)"));
   std::lock_guard<std::mutex> l(mu_);
   if (UpdateInProgress())
-    return absl::UnavailableError(
-        absl::StrCat("update ", open_version_, " is in progress (", StateName(), "); register again when it has ended"));
+    return absl::UnavailableError(absl::StrCat("update ", open_version_, " is in progress (", StateName(),
+                                               "); register again when it has ended"));
   for (const auto& e : req.engines())
     for (const auto& [id, n] : nodes_)
       for (const auto& other : n.engines())
@@ -531,8 +533,8 @@ std::vector<std::string> Coordinator::EngineAddresses() const {
   return out;
 }
 
-absl::Status Coordinator::Track(const std::string& addr, std::optional<EngineState> on_success, const std::string& phase,
-                                absl::Status st) {
+absl::Status Coordinator::Track(const std::string& addr, std::optional<EngineState> on_success,
+                                const std::string& phase, absl::Status st) {
   std::lock_guard<std::mutex> l(mu_);
   if (!st.ok()) {
     engine_state_[addr] = EngineView{EngineState::kFailed, phase};
@@ -645,7 +647,10 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   if (committed) since_dense_ = rec.delta_mode() == "off" || rec.delta_mode() == "anchor" ? 0 : since_dense_ + 1;
   outcomes_[v] = o;
   while (outcomes_.size() > std::max<size_t>(opts_.history_limit, 1)) outcomes_.erase(outcomes_.begin());
-  const char* result = rec.aborted() ? "aborted" : !committed ? "failed" : rec.not_resumed_size() > 0 ? "not_resumed" : "ok";
+  const char* result = rec.aborted()                ? "aborted"
+                       : !committed                 ? "failed"
+                       : rec.not_resumed_size() > 0 ? "not_resumed"
+                                                    : "ok";
   metrics_.Add("wsync_updates_total", {{"result", result}}, 1);
   metrics_.Observe("wsync_update_seconds", {}, rec.total_seconds());
   for (const auto& p : rec.phases()) metrics_.Observe("wsync_update_phase_seconds", {{"phase", p.phase()}}, p.seconds());
@@ -694,7 +699,8 @@ absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in,
     while (aborted_.size() > std::max<size_t>(opts_.history_limit, 1)) aborted_.erase(aborted_.begin());
   }
   if (stopping) {
-    SetState(UpdateState::kAborting);  // ended and recorded; FailAndStopSources leaves it once sources and targets were told
+    SetState(
+        UpdateState::kAborting);  // ended and recorded; FailAndStopSources leaves it once sources and targets were told
     open_version_ = v;
   }
   spdlog::error("{}", err.ToString());
@@ -745,7 +751,8 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     std::unique_lock<std::mutex> l(mu_);
     // A retried BeginUpdate(v) while the first one is still running waits for it and shares its result.
     ended_cv_.wait(l, [&] { return !(state_ == UpdateState::kBeginning && open_version_ == v); });
-    if (open_version_ == v && (state_ == UpdateState::kUpdating || state_ == UpdateState::kCommitting)) return begin_reply_;
+    if (open_version_ == v && (state_ == UpdateState::kUpdating || state_ == UpdateState::kCommitting))
+      return begin_reply_;
     if (const Outcome* o = FindOutcome(v)) {
       if (!o->status.ok()) return o->status;
       return absl::FailedPreconditionError(absl::StrCat("update ", v, " has already been committed"));
@@ -983,8 +990,8 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     ended_cv_.wait(l, [&] { return !(state_ == UpdateState::kCommitting && open_version_ == v); });
     if (const Outcome* o = FindOutcome(v)) {
       // Committed with engines not resumed, and still the fleet's version: the retry continues them.
-      const bool resume = o->reply.record().success() && !not_resumed_.empty() && v == current_version_ &&
-                          !UpdateInProgress();
+      const bool resume =
+          o->reply.record().success() && !not_resumed_.empty() && v == current_version_ && !UpdateInProgress();
       if (!resume) {
         if (!o->status.ok()) return o->status;
         spdlog::info("CommitUpdate({}) repeated after it committed: answering with the recorded result", v);
@@ -1264,7 +1271,8 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
     if (state_ == UpdateState::kAborting)
       return absl::FailedPreconditionError(
           absl::StrCat("update ", v, " is being aborted by another call; ask again for its result"));
-    in_phase = state_ != UpdateState::kUpdating;  // updating: EndOpenUpdate below, without the lock (it calls the sources)
+    in_phase =
+        state_ != UpdateState::kUpdating;  // updating: EndOpenUpdate below, without the lock (it calls the sources)
     if (!in_phase) abort_by_ = req.aborted_by().empty() ? "the operator" : req.aborted_by();
     if (in_phase && !abort_asked_) {
       // Beginning or committing: the thread running that phase ends the update at its next step.
@@ -1276,7 +1284,9 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
                    req.reason().empty() ? std::string() : absl::StrCat(" (", req.reason(), ")"));
     }
   }
-  if (cancel) cancel->Cancel(absl::StrCat("update ", v, " aborted by ", req.aborted_by().empty() ? "the operator" : req.aborted_by()));
+  if (cancel)
+    cancel->Cancel(
+        absl::StrCat("update ", v, " aborted by ", req.aborted_by().empty() ? "the operator" : req.aborted_by()));
   if (!in_phase) return EndOpenUpdate(v, req.reason(), true);
   // Cancel the phase's calls in flight until the update has ended. Repeated: a call registered in in_flight_ may not
   // have reached the peer yet when it is first cancelled (the peer cannot cancel what it does not hold yet).
@@ -1643,8 +1653,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
       outcomes_[r.version()] = o;
     }
     auto stored_state = ParseUpdateState(s.state());
-    if (!stored_state.ok())
-      return Annotate(stored_state.status(), absl::StrCat("restoring from ", store_->path()));
+    if (!stored_state.ok()) return Annotate(stored_state.status(), absl::StrCat("restoring from ", store_->path()));
     // Restoring is not a transition: the state is what was stored, an update in progress ended below.
     state_ = *stored_state == UpdateState::kFailed ? UpdateState::kFailed : UpdateState::kIdle;
     if (!history_.empty() && history_.back().success() && history_.back().version() == current_version_)
@@ -1661,7 +1670,8 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
         for (const auto& e : n.engines()) {
           if (EngineDrained(id, e.engine_id())) continue;
           auto es = engine_state_.find(e.control_address());
-          if (es == engine_state_.end() || es->second.state != EngineState::kServing) not_resumed_.insert(e.engine_id());
+          if (es == engine_state_.end() || es->second.state != EngineState::kServing)
+            not_resumed_.insert(e.engine_id());
         }
       for (const auto& id : not_resumed_) rec.add_not_resumed(id);
       if (rec.started_unix_ms() > 0)
@@ -1676,9 +1686,10 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
               : NotResumedError(v, static_cast<size_t>(rec.engines()),
                                 absl::UnavailableError("the coordinator restarted during the continue phase"));
       Finish(v, Outcome{result, reply}, rec);
-      spdlog::warn("update {} had passed its commit point when the previous coordinator stopped: recorded as "
-                   "committed, {} engines not resumed",
-                   v, not_resumed_.size());
+      spdlog::warn(
+          "update {} had passed its commit point when the previous coordinator stopped: recorded as "
+          "committed, {} engines not resumed",
+          v, not_resumed_.size());
     } else if (daemon::UpdateInProgress(*stored_state) && s.open_version() >= 0) {
       // Died during an update: end it explicitly. Its bytes may be in the engines; they stay paused. A staged
       // update that had not begun to switch wrote only staging memory: it is abandoned and every engine serves on
@@ -1729,8 +1740,8 @@ absl::StatusOr<v1::RemoveNodeReply> Coordinator::RemoveNode(const v1::RemoveNode
   auto it = nodes_.find(req.node_id());
   if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("no node ", req.node_id(), " is registered"));
   if (UpdateInProgress())
-    return absl::FailedPreconditionError(absl::StrCat("cannot remove node ", req.node_id(), ": update ",
-                                                      open_version_, " is ", StateName(), "; remove it between updates"));
+    return absl::FailedPreconditionError(absl::StrCat("cannot remove node ", req.node_id(), ": update ", open_version_,
+                                                      " is ", StateName(), "; remove it between updates"));
   v1::RemoveNodeReply out;
   for (const auto& e : it->second.engines()) {
     out.add_engines(e.engine_id());
@@ -1821,8 +1832,8 @@ v1::HeartbeatReply Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
   // A source that does not hold the configuration planned for it (it lost or never applied a ConfigureSource) is
   // configured again at the next update. Not while one begins: its configure may be in flight, the report older.
   auto c = configured_.find(req.node_id());
-  if (req.plan_epoch() != 0 && it->second.role() == "source" && state_ != UpdateState::kBeginning && c != configured_.end() &&
-      (req.plan_epoch() != c->second.epoch || req.config_digest() != c->second.digest)) {
+  if (req.plan_epoch() != 0 && it->second.role() == "source" && state_ != UpdateState::kBeginning &&
+      c != configured_.end() && (req.plan_epoch() != c->second.epoch || req.config_digest() != c->second.digest)) {
     spdlog::warn(
         "source {} holds plan {} (configuration {}), not plan {} ({}) as planned: it is configured again at "
         "the next update",

@@ -381,8 +381,8 @@ class Coordinator {
   FanoutOptions UpdatePhase(const std::string& phase, double deadline_s, std::vector<std::string> addrs) const;
   // Saves what a phase changed (engine states) in one store write, once every call of the phase returned. Takes mu_.
   void SaveEngineStates();
-  // Records the coordinator's view of engine `addr` after a call of `phase` (on_success nullopt = unchanged); returns st.
-  // Not saved: the phase saves once when all its calls returned (SaveEngineStates).
+  // Records the coordinator's view of engine `addr` after a call of `phase` (on_success nullopt = unchanged); returns
+  // st. Not saved: the phase saves once when all its calls returned (SaveEngineStates).
   absl::Status Track(const std::string& addr, std::optional<EngineState> on_success, const std::string& phase,
                      absl::Status st);
   // Past the commit point (docs/operations.md): continues each engine in `engines` (control addresses) at the version
@@ -417,7 +417,7 @@ class Coordinator {
   std::string model_config_json_;
   std::vector<int32_t> model_weight_block_;  // FP8 block [n, k] when the engines hold block-quantized weights
   std::map<std::string, absl::Time> last_heartbeat_;  // node id → last lease renewal
-  std::map<std::string, EngineView> engine_state_;  // control address → its state (update_state.h)
+  std::map<std::string, EngineView> engine_state_;    // control address → its state (update_state.h)
 
   UpdateState state_ = UpdateState::kIdle;
   bool engines_dirty_ = false;         // a failed/aborted update may have written into the engines

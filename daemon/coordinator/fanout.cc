@@ -52,11 +52,11 @@ std::vector<absl::Status> RunFanout(size_t n, const std::function<absl::Status(s
     std::vector<bool> running;
     bool cancel_seen = false;  // set by the Cancellation's wake-up (never take its mutex under mu: lock order)
     std::string cancel_why;
-    bool stop = false;         // no further item starts
+    bool stop = false;  // no further item starts
   } s;
   s.running.assign(n, false);
-  const absl::Time deadline = opts.deadline == absl::InfiniteDuration() ? absl::InfiniteFuture()
-                                                                          : absl::Now() + opts.deadline;
+  const absl::Time deadline =
+      opts.deadline == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + opts.deadline;
   Cancellation* cancellation = opts.cancellation.get();
   const int sub = cancellation == nullptr ? -1 : cancellation->Subscribe([&s](const std::string& why) {
     std::lock_guard<std::mutex> l(s.mu);
@@ -96,11 +96,10 @@ std::vector<absl::Status> RunFanout(size_t n, const std::function<absl::Status(s
       if (!s.stop && (s.cancel_seen || absl::Now() >= deadline)) {
         s.stop = true;
         const std::string phase = opts.phase.empty() ? std::string("the phase") : opts.phase;
-        stopped = s.cancel_seen ? absl::CancelledError(absl::StrCat("not called: ", phase, " was cancelled (",
-                                                                    s.cancel_why, ")"))
-                                : absl::DeadlineExceededError(absl::StrCat(
-                                      "not called: ", phase, " ran past its deadline of ",
-                                      absl::FormatDuration(opts.deadline)));
+        stopped = s.cancel_seen
+                      ? absl::CancelledError(absl::StrCat("not called: ", phase, " was cancelled (", s.cancel_why, ")"))
+                      : absl::DeadlineExceededError(absl::StrCat("not called: ", phase, " ran past its deadline of ",
+                                                                 absl::FormatDuration(opts.deadline)));
         std::vector<size_t> running;
         for (size_t i = 0; i < n; ++i)
           if (s.running[i]) running.push_back(i);

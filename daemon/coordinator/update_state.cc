@@ -1,7 +1,7 @@
 #include "daemon/coordinator/update_state.h"
 
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace wsync::daemon {
 

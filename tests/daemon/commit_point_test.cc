@@ -227,8 +227,9 @@ TEST_CASE("commit point: an engine refusing Continue leaves the update committed
   auto r = f.Commit(2);
   INFO(r.status().ToString());
   REQUIRE(r.status().code() == absl::StatusCode::kUnavailable);
-  CHECK(absl::StrContains(r.status().message(), "update 2 committed: the fleet is on version 2; 1 of 2 engines not "
-                                                "resumed (e1)"));
+  CHECK(absl::StrContains(r.status().message(),
+                          "update 2 committed: the fleet is on version 2; 1 of 2 engines not "
+                          "resumed (e1)"));
   CHECK(absl::StrContains(r.status().message(), "KV cache allocation failed"));
   // Both engines hold version 2; e0 serves it, e1 is paused at it.
   CHECK(f.e0.truth().version == "2");

@@ -627,8 +627,8 @@ void AbortWhileHanging(Rpc rpc) {
   const Victim victim = VictimOf(rpc);
   k.peers->hang_deadline = 10s;  // far beyond the 1 s the abort has
   k.peers->Arm(rpc, Fault::kHang, victim.addr);
-  const bool in_commit = rpc == Rpc::kFinishUpdate || rpc == Rpc::kApplyDelta || rpc == Rpc::kPostProcess ||
-                         rpc == Rpc::kSetWeightVersion;
+  const bool in_commit =
+      rpc == Rpc::kFinishUpdate || rpc == Rpc::kApplyDelta || rpc == Rpc::kPostProcess || rpc == Rpc::kSetWeightVersion;
   if (in_commit) REQUIRE(k.Begin(2).ok());
   absl::Status driven = absl::UnknownError("not run");
   std::thread driver([&] { driven = in_commit ? k.Commit(2) : k.Begin(2); });  // checked after the join

@@ -1,5 +1,7 @@
 // The coordinator's phase fan-out (daemon/coordinator/fanout.h) and its typed update and engine states
 // (daemon/coordinator/update_state.h): bounded workers, a phase deadline, cancellation, and the transitions table.
+#include "daemon/coordinator/fanout.h"
+
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -12,7 +14,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "daemon/coordinator/fanout.h"
 #include "daemon/coordinator/update_state.h"
 
 namespace wsync::daemon {
@@ -102,7 +103,9 @@ TEST_CASE("fanout: every item runs once, at most max_parallel at a time, on that
   CHECK(absl::StrContains(all.message(), "peer 7 refused"));
   CHECK(absl::StrContains(all.message(), "peer 907 refused"));
   CHECK(CombineStatuses({absl::OkStatus(), absl::OkStatus()}).ok());
-  CHECK(RunFanout(0, [](size_t) { return absl::OkStatus(); }, o).empty());
+  CHECK(RunFanout(
+            0, [](size_t) { return absl::OkStatus(); }, o)
+            .empty());
 }
 
 TEST_CASE("fanout: at the phase deadline running calls are cancelled and queued ones are not called") {
@@ -113,7 +116,8 @@ TEST_CASE("fanout: at the phase deadline running calls are cancelled and queued 
   o.phase = "pause";
   o.cancel_running = [&](size_t i) { peers.Cancel(i); };
   const absl::Time t0 = absl::Now();
-  const auto out = RunFanout(5, [&](size_t i) { return peers.Call(i); }, o);
+  const auto out = RunFanout(
+      5, [&](size_t i) { return peers.Call(i); }, o);
   const absl::Duration took = absl::Now() - t0;
   CHECK(took >= absl::Milliseconds(200));
   CHECK(took < absl::Seconds(2));
@@ -136,7 +140,10 @@ TEST_CASE("fanout: a cancellation raised during the phase cancels running calls 
   o.phase = "continue";
   o.cancel_running = [&](size_t i) { peers.Cancel(i); };
   std::vector<absl::Status> out;
-  std::thread phase([&] { out = RunFanout(10, [&](size_t i) { return peers.Call(i); }, o); });
+  std::thread phase([&] {
+    out = RunFanout(
+        10, [&](size_t i) { return peers.Call(i); }, o);
+  });
   REQUIRE(peers.AwaitStarted(3));
   const absl::Time t0 = absl::Now();
   cancel->Cancel("update 7 aborted by the operator");
@@ -167,7 +174,10 @@ TEST_CASE("fanout: without a deadline or cancellation a slow call is waited for"
   FanoutOptions o;
   o.max_parallel = 4;
   std::vector<absl::Status> out;
-  std::thread phase([&] { out = RunFanout(2, [&](size_t i) { return peers.Call(i); }, o); });
+  std::thread phase([&] {
+    out = RunFanout(
+        2, [&](size_t i) { return peers.Call(i); }, o);
+  });
   REQUIRE(peers.AwaitStarted(2));
   std::this_thread::sleep_for(50ms);
   peers.Release();

@@ -52,7 +52,8 @@ std::string FormatClusterHeadline(const v1::ClusterStatus& s) {
     out += "no byte of the failed update reached the engines: `wsyncctl resume` serves the old version again\n";
   // Past the commit point (docs/operations.md): the update committed, some engines hold it paused.
   if (s.not_resumed_size() > 0)
-    absl::StrAppendFormat(&out, "committed, %d engines not resumed at version %s (%s): `wsyncctl resume` continues them\n",
+    absl::StrAppendFormat(&out,
+                          "committed, %d engines not resumed at version %s (%s): `wsyncctl resume` continues them\n",
                           s.not_resumed_size(), s.current_version(), absl::StrJoin(s.not_resumed(), ", "));
   return out;
 }
