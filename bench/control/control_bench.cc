@@ -83,6 +83,10 @@ class FakeDaemon final : public v1::NodeDaemon::Service {
                               v1::SetWriteWindowReply*) override {
     return grpc::Status::OK;
   }
+  // Delta updates (the default, delta auto): the commit asks every target to apply what was staged (nothing here).
+  grpc::Status ApplyDelta(grpc::ServerContext*, const v1::ApplyDeltaRequest*, v1::ApplyDeltaReply*) override {
+    return grpc::Status::OK;
+  }
 };
 
 class FakeEngine final : public v1::EngineControl::Service {

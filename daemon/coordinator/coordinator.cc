@@ -1,7 +1,7 @@
 #include "daemon/coordinator/coordinator.h"
 
 #include <algorithm>
-#include <future>
+#include <cassert>
 #include <set>
 #include <tuple>
 
@@ -17,6 +17,7 @@
 #include "base/logging.h"
 #include "base/status.h"
 #include "daemon/common/config_digest.h"
+#include "daemon/coordinator/fanout.h"
 #include "planner/model_input.h"
 #include "planner/plan.h"
 #include "replica/model_config.h"
@@ -25,24 +26,12 @@
 namespace wsync::daemon {
 namespace {
 
-// Runs fn(item) for every item concurrently. OK when every call succeeded; otherwise the first error's code with
-// every failure's message (a link that goes down fails every engine rank behind it: the error names them all).
+// Runs fn(item) for every item as one phase on the bounded fan-out (fanout.h). OK when every call succeeded;
+// otherwise the first error's code with every failure's message.
 template <typename T, typename Fn>
-absl::Status ForAll(const std::vector<T>& items, Fn fn) {
-  std::vector<std::future<absl::Status>> fs;
-  fs.reserve(items.size());
-  for (const T& it : items) fs.push_back(std::async(std::launch::async, [&fn, &it] { return fn(it); }));
-  std::vector<absl::Status> failed;
-  for (auto& f : fs) {
-    absl::Status s = f.get();
-    if (!s.ok()) failed.push_back(s);
-  }
-  if (failed.empty()) return absl::OkStatus();
-  if (failed.size() == 1) return failed.front();
-  std::vector<std::string> msgs;
-  for (const auto& s : failed) msgs.emplace_back(s.message());
-  return absl::Status(failed.front().code(), absl::StrCat(failed.size(), " of ", items.size(), " calls failed: ",
-                                                          absl::StrJoin(msgs, "; ")));
+absl::Status ForAll(const std::vector<T>& items, Fn fn, const FanoutOptions& opts = FanoutOptions()) {
+  return CombineStatuses(RunFanout(
+      items.size(), [&](size_t i) { return fn(items[i]); }, opts));
 }
 
 void AddPhase(v1::UpdateRecord* rec, const std::string& phase, absl::Time since) {
@@ -120,8 +109,8 @@ Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
       ++roles[n.role()];
       for (const auto& e : n.engines()) {
         auto it = engine_state_.find(e.control_address());
-        std::string st = it == engine_state_.end() ? "registered" : it->second;
-        if (st.rfind("failed", 0) == 0) st = "failed";
+        const EngineView view = it == engine_state_.end() ? EngineView() : it->second;
+        const std::string st = view.state == EngineState::kFailed ? "failed" : EngineStateName(view);
         ++states[st];
       }
     }
@@ -138,7 +127,8 @@ Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
         auto ver = engine_version_.find(a);
         const std::string version = ver == engine_version_.end() ? std::string() : ver->second;
         const bool stale = engine_stale_.count(a) > 0;
-        const bool ready = st != engine_state_.end() && st->second == "serving" && !stale && version == current;
+        const bool ready =
+            st != engine_state_.end() && st->second.state == EngineState::kServing && !stale && version == current;
         m.Set("wsync_engine_ready", {{"engine", e.engine_id()}}, ready ? 1 : 0);
         m.Set("wsync_engine_stale", {{"engine", e.engine_id()}}, stale ? 1 : 0);
         int64_t vn = -1;
@@ -171,8 +161,8 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
     return absl::InvalidArgumentError(absl::StrCat("pp_stage ", req.pp_stage(), " is out of [0, 1024)"));
   std::lock_guard<std::mutex> l(mu_);
   if (UpdateInProgress())
-    return absl::UnavailableError(
-        absl::StrCat("update ", open_version_, " is in progress (", state_, "); register again when it has ended"));
+    return absl::UnavailableError(absl::StrCat("update ", open_version_, " is in progress (", StateName(),
+                                               "); register again when it has ended"));
   for (const auto& e : req.engines())
     for (const auto& [id, n] : nodes_)
       for (const auto& other : n.engines())
@@ -187,7 +177,7 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
     if (p.assignment.target_node() == req.node_id()) configured_.erase(p.source);
   nodes_[req.node_id()] = req;
   last_heartbeat_[req.node_id()] = absl::Now();
-  for (const auto& e : req.engines()) engine_state_[e.control_address()] = "registered";
+  for (const auto& e : req.engines()) engine_state_[e.control_address()] = EngineView();
   ++membership_epoch_;
   Persist();
   spdlog::info("node {} registered as {} at {} ({} engines); membership epoch {}", req.node_id(), req.role(),
@@ -544,17 +534,45 @@ std::vector<std::string> Coordinator::EngineAddresses() const {
   return out;
 }
 
-absl::Status Coordinator::Track(const std::string& addr, const std::string& on_success, const std::string& phase,
-                                absl::Status st) {
+absl::Status Coordinator::Track(const std::string& addr, std::optional<EngineState> on_success,
+                                const std::string& phase, absl::Status st) {
   std::lock_guard<std::mutex> l(mu_);
   if (open_version_ >= 0) engine_call_ends_.push_back({addr, phase, absl::Now(), st.ok()});  // the timeline
   if (!st.ok()) {
-    engine_state_[addr] = "failed: " + phase;
-  } else if (!on_success.empty()) {
-    engine_state_[addr] = on_success;
+    engine_state_[addr] = EngineView{EngineState::kFailed, phase};
+  } else if (on_success) {
+    engine_state_[addr] = EngineView{*on_success, ""};
   }
-  Persist();
   return st;
+}
+
+void Coordinator::SetState(UpdateState to) {
+  if (!LegalUpdateTransition(state_, to)) {
+    // A bug in this file: the bookkeeping follows what happened, and the log says where it went wrong.
+    spdlog::critical("update {}: illegal state transition {} -> {}", open_version_, StateName(),
+                     std::string(UpdateStateName(to)));
+    assert(false);
+  }
+  state_ = to;
+}
+
+void Coordinator::SaveEngineStates() {
+  std::lock_guard<std::mutex> l(mu_);
+  Persist();
+}
+
+FanoutOptions Coordinator::UpdatePhase(const std::string& phase, double deadline_s,
+                                       std::vector<std::string> addrs) const {
+  FanoutOptions o;
+  o.max_parallel = opts_.fanout_parallel;
+  o.deadline = absl::Seconds(deadline_s);
+  o.phase = phase;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    o.cancellation = update_cancel_;
+  }
+  o.cancel_running = [this, addrs = std::move(addrs)](size_t i) { peers_->CancelCalls(addrs[i]); };
+  return o;
 }
 
 const Coordinator::Outcome* Coordinator::FindOutcome(int64_t v) const {
@@ -616,18 +634,26 @@ bool Coordinator::AbortSources(int64_t v, const std::string& why, uint64_t* byte
 }
 
 void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
-  state_ = o.status.ok() ? "idle" : "failed";
+  // A commit past its commit point ended committed even when some engine was not resumed (rec.success, o.status
+  // Unavailable): the update is over and the fleet is on v.
+  const bool committed = o.status.ok() || rec.success();
+  SetState(committed ? UpdateState::kIdle : UpdateState::kFailed);
+  commit_point_ = false;
   open_version_ = -1;
   abort_asked_ = false;
   abort_reason_.clear();
   abort_by_.clear();
   SetLogUpdateVersion(-1);
   // BeginUpdate admits only versions newer than every one begun, so this never moves backwards; the check keeps it so.
-  if (o.status.ok() && v > current_version_) current_version_ = v;
-  if (o.status.ok()) since_dense_ = rec.delta_mode() == "off" || rec.delta_mode() == "anchor" ? 0 : since_dense_ + 1;
+  if (committed && v > current_version_) current_version_ = v;
+  if (committed) since_dense_ = rec.delta_mode() == "off" || rec.delta_mode() == "anchor" ? 0 : since_dense_ + 1;
   outcomes_[v] = o;
   while (outcomes_.size() > std::max<size_t>(opts_.history_limit, 1)) outcomes_.erase(outcomes_.begin());
-  metrics_.Add("wsync_updates_total", {{"result", rec.aborted() ? "aborted" : (o.status.ok() ? "ok" : "failed")}}, 1);
+  const char* result = rec.aborted()                ? "aborted"
+                       : !committed                 ? "failed"
+                       : rec.not_resumed_size() > 0 ? "not_resumed"
+                                                    : "ok";
+  metrics_.Add("wsync_updates_total", {{"result", result}}, 1);
   metrics_.Observe("wsync_update_seconds", {}, rec.total_seconds());
   for (const auto& p : rec.phases()) metrics_.Observe("wsync_update_phase_seconds", {{"phase", p.phase()}}, p.seconds());
   metrics_.Add("wsync_update_bytes_total", {}, static_cast<double>(rec.bytes()));
@@ -656,7 +682,7 @@ absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in,
     rec.set_aborted_by(abort_by_);
     why = absl::AbortedError(absl::StrCat(
         "aborted by ", abort_by_, abort_reason_.empty() ? std::string() : absl::StrCat(": ", abort_reason_), " while ",
-        state_, why_in.ok() ? std::string() : absl::StrCat(" (", why_in.ToString(), ")")));
+        StateName(), why_in.ok() ? std::string() : absl::StrCat(" (", why_in.ToString(), ")")));
   }
   // A staged update writes staging memory only: the weights the engines serve are never partly written.
   const bool live_written = may_have_written && rec.mode() != "staged";
@@ -680,7 +706,8 @@ absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in,
     while (aborted_.size() > std::max<size_t>(opts_.history_limit, 1)) aborted_.erase(aborted_.begin());
   }
   if (stopping) {
-    state_ = "aborting";  // ended and recorded; FailAndStopSources leaves it once sources and targets were told
+    SetState(
+        UpdateState::kAborting);  // ended and recorded; FailAndStopSources leaves it once sources and targets were told
     open_version_ = v;
   }
   spdlog::error("{}", err.ToString());
@@ -695,7 +722,7 @@ absl::Status Coordinator::FailAndStopSources(v1::UpdateRecord rec, const absl::S
   AbortSources(v, absl::StrCat("aborted by the operator while the update was ", phase), &bytes);
   SetWindows(false, v, skip).IgnoreError();
   std::lock_guard<std::mutex> l(mu_);
-  state_ = "failed";
+  SetState(UpdateState::kFailed);
   open_version_ = -1;
   Persist();
   ended_cv_.notify_all();
@@ -730,15 +757,16 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   {
     std::unique_lock<std::mutex> l(mu_);
     // A retried BeginUpdate(v) while the first one is still running waits for it and shares its result.
-    ended_cv_.wait(l, [&] { return !(state_ == "beginning" && open_version_ == v); });
-    if (open_version_ == v && (state_ == "updating" || state_ == "committing")) return begin_reply_;
+    ended_cv_.wait(l, [&] { return !(state_ == UpdateState::kBeginning && open_version_ == v); });
+    if (open_version_ == v && (state_ == UpdateState::kUpdating || state_ == UpdateState::kCommitting))
+      return begin_reply_;
     if (const Outcome* o = FindOutcome(v)) {
       if (!o->status.ok()) return o->status;
       return absl::FailedPreconditionError(absl::StrCat("update ", v, " has already been committed"));
     }
     if (UpdateInProgress())
       return absl::FailedPreconditionError(
-          absl::StrCat("cannot begin update ", v, ": update ", open_version_, " is still open (", state_, ")"));
+          absl::StrCat("cannot begin update ", v, ": update ", open_version_, " is still open (", StateName(), ")"));
     if (v <= last_begun_)
       return absl::FailedPreconditionError(absl::StrCat("version ", v, " is not newer than the last update begun (",
                                                         last_begun_, "; current version ",
@@ -755,17 +783,18 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       rec.set_delta_mode("anchor");
     }
     WSYNC_ASSIGN_OR_RETURN(staging_engines, StagingEngines(engines, staged));
-    const std::string prev_state = state_;
+    const UpdateState prev_state = state_;
     const int64_t prev_last_begun = last_begun_;
     const v1::UpdateRecord prev_record = open_record_;
-    state_ = "beginning";
+    SetState(UpdateState::kBeginning);
+    update_cancel_ = std::make_shared<Cancellation>();
     SetLogUpdateVersion(v);
     open_version_ = v;
     last_begun_ = v;
     open_record_ = rec;
     if (absl::Status saved = SaveState(); !saved.ok()) {
       // Nothing was asked of an engine yet: fail now rather than run an update a successor would not know of.
-      state_ = prev_state;
+      SetState(prev_state);
       open_version_ = -1;
       last_begun_ = prev_last_begun;
       open_record_ = prev_record;
@@ -790,10 +819,14 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   absl::Time t = absl::Now();
   absl::Status st;
   if (!staged) {  // staged: engines serve on; they pause only for the switch (CommitStaged)
-    st = ForAll(engines, [&](const std::string& a) {
-      return Track(a, "paused", "pause",
-                   Annotate(Remote(a, [&] { return peers_->Pause(a, mode); }), "pause " + EngineLabel(a)));
-    });
+    st = ForAll(
+        engines,
+        [&](const std::string& a) {
+          return Track(a, EngineState::kPaused, "pause",
+                       Annotate(Remote(a, [&] { return peers_->Pause(a, mode); }), "pause " + EngineLabel(a)));
+        },
+        UpdatePhase("pause", PeerDeadlines::kPause, engines));
+    SaveEngineStates();
     AddPhase(&rec, "pause", t);
     out.set_pause_seconds(rec.phases(0).seconds());
   }
@@ -855,10 +888,15 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   if (!st.ok()) return Fail(rec, st, false);
   if (need_configure) {
     for (Configure& c : configure) c.digest = ConfigureSourceDigest(c.req);
-    st = ForAll(configure, [&](const Configure& c) {
-      auto r = Remote(c.address, [&] { return peers_->ConfigureSource(c.address, c.req); });
-      return Annotate(r.status(), "configure source " + NodeLabel(c.address));
-    });
+    std::vector<std::string> configure_addrs;
+    for (const Configure& c : configure) configure_addrs.push_back(c.address);
+    st = ForAll(
+        configure,
+        [&](const Configure& c) {
+          auto r = Remote(c.address, [&] { return peers_->ConfigureSource(c.address, c.req); });
+          return Annotate(r.status(), "configure source " + NodeLabel(c.address));
+        },
+        UpdatePhase("configure", PeerDeadlines::kConfigure, std::move(configure_addrs)));
     AddPhase(&rec, "configure", t);
     out.set_configure_seconds(rec.phases(rec.phases_size() - 1).seconds());
     size_t configured_sources = 0;
@@ -901,14 +939,17 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     SetWindows(false, v).IgnoreError();
     return Fail(rec, st, false);
   }
-  st = ForAll(source_addrs, [&](const std::string& a) {
-    v1::StartUpdateRequest sreq;
-    sreq.set_version(v);
-    sreq.set_plan_epoch(source_epochs.at(a));
-    sreq.set_delta(delta);
-    *sreq.mutable_held() = {held.begin(), held.end()};
-    return Annotate(Remote(a, [&] { return peers_->StartUpdate(a, sreq); }), "start source " + NodeLabel(a));
-  });
+  st = ForAll(
+      source_addrs,
+      [&](const std::string& a) {
+        v1::StartUpdateRequest sreq;
+        sreq.set_version(v);
+        sreq.set_plan_epoch(source_epochs.at(a));
+        sreq.set_delta(delta);
+        *sreq.mutable_held() = {held.begin(), held.end()};
+        return Annotate(Remote(a, [&] { return peers_->StartUpdate(a, sreq); }), "start source " + NodeLabel(a));
+      },
+      UpdatePhase("start", PeerDeadlines::kStart, source_addrs));
   // Sources started (or were being started) when an abort came: they may take pushes already, so they are told to
   // abort.
   if (AbortAsked()) return FailAndStopSources(rec, st, "beginning");
@@ -922,7 +963,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     std::lock_guard<std::mutex> l(mu_);
     // Checked under the lock AbortUpdate decides under: an abort asked before this point ends the update below.
     if (!abort_asked_) {
-      state_ = "updating";
+      SetState(UpdateState::kUpdating);
       open_plan_epoch_ = plan_epoch;
       open_source_epochs_ = source_epochs;
       open_live_sets_ = live_sets;
@@ -954,21 +995,31 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     std::unique_lock<std::mutex> l(mu_);
     // A second CommitUpdate(v) while v commits (a client retry, a second driver) starts nothing: it waits for the
     // running commit and returns its recorded result. The wait is bounded by that commit's own peer deadlines.
-    ended_cv_.wait(l, [&] { return !(state_ == "committing" && open_version_ == v); });
+    ended_cv_.wait(l, [&] { return !(state_ == UpdateState::kCommitting && open_version_ == v); });
     if (const Outcome* o = FindOutcome(v)) {
-      if (!o->status.ok()) return o->status;
-      spdlog::info("CommitUpdate({}) repeated after it committed: answering with the recorded result", v);
-      return o->reply;
+      // Committed with engines not resumed, and still the fleet's version: the retry continues them.
+      const bool resume =
+          o->reply.record().success() && !not_resumed_.empty() && v == current_version_ && !UpdateInProgress();
+      if (!resume) {
+        if (!o->status.ok()) return o->status;
+        spdlog::info("CommitUpdate({}) repeated after it committed: answering with the recorded result", v);
+        return o->reply;
+      }
     }
-    if (state_ != "updating" || open_version_ != v) {
-      std::string open = open_version_ >= 0 ? absl::StrCat("update ", open_version_, " is ", state_)
-                                            : absl::StrCat("no update is open (state ", state_, ")");
+    if (FindOutcome(v) != nullptr) {
+      l.unlock();
+      return ResumeCommitted(v);
+    }
+    if (state_ != UpdateState::kUpdating || open_version_ != v) {
+      std::string open = open_version_ >= 0 ? absl::StrCat("update ", open_version_, " is ", StateName())
+                                            : absl::StrCat("no update is open (state ", StateName(), ")");
       return absl::FailedPreconditionError(
           absl::StrCat("cannot commit update ", v, ": ", open, "; current version ",
                        current_version_ >= 0 ? std::to_string(current_version_) : std::string("none"),
                        v <= current_version_ ? " (the asked version is not newer than it)" : ""));
     }
-    state_ = "committing";
+    SetState(UpdateState::kCommitting);
+    update_cancel_ = std::make_shared<Cancellation>();
     commit_lost_.clear();
     commit_lost_why_.clear();
     Persist();
@@ -993,21 +1044,25 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   uint64_t bytes = 0, params = 0;
   std::vector<std::pair<std::string, v1::FinishUpdateReply>> finished;  // (source address, reply)
   std::map<std::string, absl::Time> finished_at;
-  absl::Status st = ForAll(sources, [&](const std::string& a) {
-    v1::FinishUpdateRequest freq;
-    freq.set_version(v);
-    auto ep = source_epochs.find(a);
-    freq.set_plan_epoch(ep == source_epochs.end() ? -1 : ep->second);
-    freq.set_timeout_seconds(req.timeout_seconds() > 0 ? req.timeout_seconds() : kDefaultCommitTimeoutSeconds);
-    auto r = Remote(a, [&] { return peers_->FinishUpdate(a, freq); });
-    if (!r.ok()) return Annotate(r.status(), "finish update at source " + NodeLabel(a));
-    std::lock_guard<std::mutex> l(agg_mu);
-    bytes += r->bytes_written();
-    params += r->params_written();
-    finished.emplace_back(a, *r);
-    finished_at[a] = absl::Now();
-    return absl::OkStatus();
-  });
+  const double commit_timeout_s = req.timeout_seconds() > 0 ? req.timeout_seconds() : kDefaultCommitTimeoutSeconds;
+  absl::Status st = ForAll(
+      sources,
+      [&](const std::string& a) {
+        v1::FinishUpdateRequest freq;
+        freq.set_version(v);
+        auto ep = source_epochs.find(a);
+        freq.set_plan_epoch(ep == source_epochs.end() ? -1 : ep->second);
+        freq.set_timeout_seconds(commit_timeout_s);
+        auto r = Remote(a, [&] { return peers_->FinishUpdate(a, freq); });
+        if (!r.ok()) return Annotate(r.status(), "finish update at source " + NodeLabel(a));
+        std::lock_guard<std::mutex> l(agg_mu);
+        bytes += r->bytes_written();
+        params += r->params_written();
+        finished.emplace_back(a, *r);
+        finished_at[a] = absl::Now();
+        return absl::OkStatus();
+      },
+      UpdatePhase("finish", commit_timeout_s + PeerDeadlines::kFinishSlack, sources));
   {
     auto* p = rec.add_phases();
     p->set_phase("push");
@@ -1048,93 +1103,203 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   if (!st.ok() || AbortAsked()) return Fail(rec, st, true);
   t = absl::Now();
   const std::string version = std::to_string(v);
-  st = ForAll(engines, [&](const std::string& a) {
-    return Track(
-        a, "", "post_process",
-        Annotate(Remote(a, [&] { return peers_->PostProcess(a, version); }), "post_process " + EngineLabel(a)));
-  });
+  st = ForAll(
+      engines,
+      [&](const std::string& a) {
+        return Track(
+            a, std::nullopt, "post_process",
+            Annotate(Remote(a, [&] { return peers_->PostProcess(a, version); }), "post_process " + EngineLabel(a)));
+      },
+      UpdatePhase("post_process", PeerDeadlines::kPostProcess, engines));
+  SaveEngineStates();
   AddPhase(&rec, "post_process", t);
   if (st.ok() && !AbortAsked()) {
     t = absl::Now();
-    st = ForAll(engines, [&](const std::string& a) {
-      absl::Status r = Track(
-          a, "", "set_version",
-          Annotate(Remote(a, [&] { return peers_->SetWeightVersion(a, version); }), "set_version " + EngineLabel(a)));
-      if (r.ok()) {
-        std::lock_guard<std::mutex> l(mu_);
-        engine_version_[a] = version;
-      }
-      return r;
-    });
+    st = ForAll(
+        engines,
+        [&](const std::string& a) {
+          absl::Status r = Track(a, std::nullopt, "set_version",
+                                 Annotate(Remote(a, [&] { return peers_->SetWeightVersion(a, version); }),
+                                          "set_version " + EngineLabel(a)));
+          if (r.ok()) {
+            std::lock_guard<std::mutex> l(mu_);
+            engine_version_[a] = version;
+          }
+          return r;
+        },
+        UpdatePhase("set_version", PeerDeadlines::kSetVersion, engines));
+    SaveEngineStates();
     AddPhase(&rec, "set_version", t);
   }
-  // Engines continued at v before the update failed serve it whatever the record says: the error names them.
-  std::vector<std::string> continued;
-  if (st.ok() && !AbortAsked()) {
-    t = absl::Now();
-    std::mutex continued_mu;
-    st = ForAll(engines, [&](const std::string& a) {
-      absl::Status r = Track(a, "serving", "continue",
-                             Annotate(Remote(a, [&] { return peers_->Continue(a); }), "continue " + EngineLabel(a)));
-      if (r.ok()) {
-        std::lock_guard<std::mutex> l(continued_mu);
-        continued.push_back(EngineLabel(a));
-      }
-      return r;
-    });
-    AddPhase(&rec, "continue", t);
-    if (!st.ok() && !continued.empty()) {
-      std::sort(continued.begin(), continued.end());
-      st = absl::Status(st.code(), absl::StrCat(st.message(), "; continued at version ", v,
-                                                " before the failure: ", absl::StrJoin(continued, ", ")));
+  // The commit point (docs/operations.md, "Past the commit point"): every engine holds v's weights and label, so
+  // the fleet's version is v from here, whatever a Continue answers. Decided under the lock AbortUpdate decides
+  // under, and saved before the first Continue so that a successor coordinator knows it too.
+  bool committed = false;
+  if (st.ok()) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!abort_asked_) {
+      committed = true;
+      commit_point_ = true;
+      rec.set_committed_unix_ms(absl::ToUnixMillis(absl::Now()));
+      open_record_ = rec;
+      current_version_ = v;
+      engines_dirty_ = false;  // no engine holds a mix: all hold v
+      Persist();
     }
-  } else if (st.ok()) {
-    st = absl::CancelledError("no engine was continued");  // the abort came before the continue phase
   }
-  if (!st.ok()) return Fail(rec, st, true);
+  if (!committed) {
+    // The abort came before the continue phase (or a phase failed): no engine was continued at v.
+    if (st.ok()) st = absl::CancelledError("no engine was continued");
+    return Fail(rec, st, true);
+  }
+  t = absl::Now();
+  std::vector<std::string> not_resumed;  // addresses
+  st = ContinueEngines(engines, UpdatePhase("continue", PeerDeadlines::kContinue, engines), &not_resumed);
+  AddPhase(&rec, "continue", t);
   rec.set_success(true);
   rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
-  v1::CommitUpdateReply out;
-  *out.mutable_record() = rec;
   std::lock_guard<std::mutex> l(mu_);
-  engines_dirty_ = false;
   for (const auto& a : engines) {  // every engine holds v now: nothing of an earlier staged update is pending
     engine_stale_.erase(a);
     engine_staged_.erase(a);
   }
-  Finish(v, Outcome{absl::OkStatus(), out}, rec);
+  not_resumed_.clear();
+  for (const auto& a : not_resumed) {
+    const std::string id = EngineIdLocked(a);
+    not_resumed_.insert(id);
+    rec.add_not_resumed(id);
+  }
+  v1::CommitUpdateReply out;
+  *out.mutable_record() = rec;
+  const absl::Status result = st.ok() ? absl::OkStatus() : NotResumedError(v, engines.size(), st);
+  Finish(v, Outcome{result, out}, rec);
+  if (!result.ok()) {
+    spdlog::error("{}", result.ToString());
+    return result;
+  }
   spdlog::info("update {} committed: {:.1f} MiB to {} engine ranks in {:.3f}s", v, bytes / 1048576.0, engine_ranks,
                rec.total_seconds());
   return out;
 }
 
+absl::Status Coordinator::ContinueEngines(const std::vector<std::string>& engines, const FanoutOptions& phase,
+                                          std::vector<std::string>* failed) {
+  std::mutex failed_mu;
+  absl::Status st = ForAll(
+      engines,
+      [&](const std::string& a) {
+        absl::Status r = Track(a, EngineState::kServing, "continue",
+                               Annotate(Remote(a, [&] { return peers_->Continue(a); }), "continue " + EngineLabel(a)));
+        if (!r.ok()) {
+          std::lock_guard<std::mutex> l(failed_mu);
+          failed->push_back(a);
+        }
+        return r;
+      },
+      phase);
+  std::sort(failed->begin(), failed->end());
+  SaveEngineStates();
+  return st;
+}
+
+absl::Status Coordinator::NotResumedError(int64_t v, size_t engines, const absl::Status& why) const {
+  // Unavailable: the update is committed; retrying the commit (or wsyncctl resume) continues the rest.
+  return absl::UnavailableError(absl::StrCat(
+      "update ", v, " committed: the fleet is on version ", v, "; ", not_resumed_.size(), " of ", engines,
+      " engines not resumed (", absl::StrJoin(not_resumed_, ", "), "): ", why.message(),
+      "; they stay paused at version ", v, " until CommitUpdate(", v, ") is retried or `wsyncctl resume` runs"));
+}
+
+absl::StatusOr<v1::CommitUpdateReply> Coordinator::ResumeCommitted(int64_t v) {
+  std::vector<std::string> addrs;
+  size_t engines = 0;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (const auto& [id, n] : nodes_)
+      for (const auto& e : n.engines()) {
+        if (EngineDrained(id, e.engine_id())) continue;
+        ++engines;
+        if (not_resumed_.count(e.engine_id())) addrs.push_back(e.control_address());
+      }
+  }
+  std::vector<std::string> failed;
+  FanoutOptions phase;
+  phase.max_parallel = opts_.fanout_parallel;
+  phase.deadline = absl::Seconds(PeerDeadlines::kContinue);
+  phase.phase = "continue";
+  absl::Status st = ContinueEngines(addrs, phase, &failed);
+  std::lock_guard<std::mutex> l(mu_);
+  MarkResumed(addrs, failed, st);
+  const Outcome* o = FindOutcome(v);
+  if (o == nullptr) return absl::InternalError(absl::StrCat("update ", v, " has no recorded outcome"));
+  if (!o->status.ok()) return o->status;
+  spdlog::info("update {}: the engines not resumed at its commit were continued", v);
+  return o->reply;
+}
+
+void Coordinator::MarkResumed(const std::vector<std::string>& addrs, const std::vector<std::string>& failed,
+                              const absl::Status& why) {
+  if (not_resumed_.empty() || current_version_ < 0) return;
+  const std::set<std::string> still(failed.begin(), failed.end());
+  for (const auto& a : addrs)
+    if (!still.count(a)) not_resumed_.erase(EngineIdLocked(a));
+  // The committed update's record says which engines are still not resumed; its answer to a retry too.
+  const int64_t v = current_version_;
+  auto update = [&](v1::UpdateRecord* r) {
+    r->clear_not_resumed();
+    for (const auto& id : not_resumed_) r->add_not_resumed(id);
+  };
+  for (auto& r : history_)
+    if (r.version() == v) update(&r);
+  if (auto it = outcomes_.find(v); it != outcomes_.end()) {
+    update(it->second.reply.mutable_record());
+    it->second.status = not_resumed_.empty()
+                            ? absl::OkStatus()
+                            : NotResumedError(v, static_cast<size_t>(it->second.reply.record().engines()), why);
+  }
+  Persist();
+}
+
+std::string Coordinator::EngineIdLocked(const std::string& addr) const {
+  for (const auto& [id, n] : nodes_)
+    for (const auto& e : n.engines())
+      if (e.control_address() == addr) return e.engine_id();
+  return addr;
+}
+
 absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpdateRequest& req) {
   const int64_t v = req.version();
   bool in_phase = false;  // v is beginning or committing (else updating)
+  std::shared_ptr<Cancellation> cancel;  // the running phase's, raised without the lock
   {
     std::lock_guard<std::mutex> l(mu_);
     if (auto it = aborted_.find(v); it != aborted_.end()) return it->second;
     if (const Outcome* o = FindOutcome(v))
       return absl::FailedPreconditionError(absl::StrCat("cannot abort update ", v, ": it has ended already (",
                                                         o->status.ok() ? "committed" : "failed", ")"));
-    if (open_version_ != v || state_ == "idle" || state_ == "failed")
+    if (open_version_ != v || state_ == UpdateState::kIdle || state_ == UpdateState::kFailed)
       return absl::FailedPreconditionError(absl::StrCat(
           "cannot abort update ", v, ": ",
           open_version_ >= 0 ? absl::StrCat("the open update is ", open_version_) : std::string("no update is open")));
-    if (state_ == "aborting")
+    if (state_ == UpdateState::kAborting)
       return absl::FailedPreconditionError(
           absl::StrCat("update ", v, " is being aborted by another call; ask again for its result"));
-    in_phase = state_ != "updating";  // updating: EndOpenUpdate below, without the lock (it calls the sources)
+    in_phase =
+        state_ != UpdateState::kUpdating;  // updating: EndOpenUpdate below, without the lock (it calls the sources)
     if (!in_phase) abort_by_ = req.aborted_by().empty() ? "the operator" : req.aborted_by();
     if (in_phase && !abort_asked_) {
       // Beginning or committing: the thread running that phase ends the update at its next step.
       abort_asked_ = true;
+      cancel = update_cancel_;
       abort_reason_ = req.reason();
       abort_by_ = req.aborted_by().empty() ? "the operator" : req.aborted_by();
-      spdlog::warn("update {}: abort asked by {} while {}{}", v, abort_by_, state_,
+      spdlog::warn("update {}: abort asked by {} while {}{}", v, abort_by_, StateName(),
                    req.reason().empty() ? std::string() : absl::StrCat(" (", req.reason(), ")"));
     }
   }
+  if (cancel)
+    cancel->Cancel(
+        absl::StrCat("update ", v, " aborted by ", req.aborted_by().empty() ? "the operator" : req.aborted_by()));
   if (!in_phase) return EndOpenUpdate(v, req.reason(), true);
   // Cancel the phase's calls in flight until the update has ended. Repeated: a call registered in in_flight_ may not
   // have reached the peer yet when it is first cancelled (the peer cannot cancel what it does not hold yet).
@@ -1153,6 +1318,10 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
   std::lock_guard<std::mutex> l(mu_);
   if (auto it = aborted_.find(v); it != aborted_.end()) return it->second;
   const Outcome* o = FindOutcome(v);
+  if (o != nullptr && !o->status.ok() && o->reply.record().success())
+    return absl::FailedPreconditionError(absl::StrCat("cannot abort update ", v,
+                                                      ": it passed its commit point before the abort took effect (",
+                                                      o->status.message(), ")"));
   if (o != nullptr && o->status.ok())
     return absl::FailedPreconditionError(
         absl::StrCat("cannot abort update ", v,
@@ -1169,10 +1338,10 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
   std::vector<std::string> sources;
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (open_version_ != v || state_ != "updating")
+    if (open_version_ != v || state_ != UpdateState::kUpdating)
       return absl::FailedPreconditionError(
-          absl::StrCat("update ", v, " is not open (", state_, "); nothing to end"));
-    state_ = "aborting";
+          absl::StrCat("update ", v, " is not open (", StateName(), "); nothing to end"));
+    SetState(UpdateState::kAborting);
     Persist();
     rec = open_record_;
     if (by_operator) rec.set_aborted_by(abort_by_.empty() ? "the operator" : abort_by_);
@@ -1275,8 +1444,8 @@ bool Coordinator::CheckLeases() {
   bool committing = false, lost_source = false;
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (state_ != "updating" && state_ != "committing") return false;
-    committing = state_ == "committing";
+    if (state_ != UpdateState::kUpdating && state_ != UpdateState::kCommitting) return false;
+    committing = state_ == UpdateState::kCommitting;
     const absl::Duration limit = absl::Seconds(3 * opts_.heartbeat_seconds);
     const absl::Time now = absl::Now();
     for (const auto& [id, n] : nodes_) {
@@ -1350,16 +1519,23 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
   std::vector<std::string> targets;
   for (const auto& [a, r] : reqs) targets.push_back(a);
   std::mutex held_mu;
-  absl::Status st = ForAll(targets, [&](const std::string& a) {
-    const auto call = [&] { return peers_->SetWriteWindow(a, reqs.at(a)); };
-    auto r = open ? Remote(a, call) : call();
-    if (r.ok() && held != nullptr) {
-      std::lock_guard<std::mutex> l(held_mu);
-      held->insert(held->end(), r->held().begin(), r->held().end());
-    }
-    return Annotate(r.status(),
-                    absl::StrCat(open ? "opening" : "closing", " the write window of target ", NodeLabel(a)));
-  });
+  // Opening is a step of the beginning update (an abort cancels it); closing is how any update ends, never cancelled.
+  FanoutOptions phase;
+  if (open) phase = UpdatePhase("open_windows", PeerDeadlines::kStart, targets);
+  phase.max_parallel = opts_.fanout_parallel;
+  absl::Status st = ForAll(
+      targets,
+      [&](const std::string& a) {
+        const auto call = [&] { return peers_->SetWriteWindow(a, reqs.at(a)); };
+        auto r = open ? Remote(a, call) : call();
+        if (r.ok() && held != nullptr) {
+          std::lock_guard<std::mutex> l(held_mu);
+          held->insert(held->end(), r->held().begin(), r->held().end());
+        }
+        return Annotate(r.status(),
+                        absl::StrCat(open ? "opening" : "closing", " the write window of target ", NodeLabel(a)));
+      },
+      phase);
   if (!st.ok() && !open) spdlog::warn("{}", st.ToString());
   return st;
 }
@@ -1409,10 +1585,13 @@ absl::Status Coordinator::ApplyDeltas(int64_t v,
     r.set_version(v);
     targets.push_back(a);
   }
-  return ForAll(targets, [&](const std::string& a) {
-    auto r = Remote(a, [&] { return peers_->ApplyDelta(a, reqs.at(a)); });
-    return Annotate(r.status(), "apply_delta at target " + NodeLabel(a));
-  });
+  return ForAll(
+      targets,
+      [&](const std::string& a) {
+        auto r = Remote(a, [&] { return peers_->ApplyDelta(a, reqs.at(a)); });
+        return Annotate(r.status(), "apply_delta at target " + NodeLabel(a));
+      },
+      UpdatePhase("apply_delta", PeerDeadlines::kApplyDelta, targets));
 }
 
 absl::Status Coordinator::SaveState() {
@@ -1425,10 +1604,10 @@ absl::Status Coordinator::SaveState() {
   s.set_membership_epoch(membership_epoch_);
   s.set_current_version(current_version_);
   s.set_last_begun(last_begun_);
-  s.set_state(state_);
+  s.set_state(StateName());
   s.set_open_version(open_version_);
   s.set_engines_hold_partial_writes(engines_dirty_);
-  for (const auto& [a, st] : engine_state_) (*s.mutable_engine_state())[a] = st;
+  for (const auto& [a, st] : engine_state_) (*s.mutable_engine_state())[a] = EngineStateName(st);
   for (const auto& r : history_) *s.add_history() = r;
   *s.mutable_open_record() = open_record_;
   for (const auto& e : drained_engines_) s.add_drained_engines(e);
@@ -1467,7 +1646,11 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     current_version_ = s.current_version();
     last_begun_ = s.last_begun();
     engines_dirty_ = s.engines_hold_partial_writes();
-    for (const auto& [a, st] : s.engine_state()) engine_state_[a] = st;
+    for (const auto& [a, st] : s.engine_state()) {
+      auto view = ParseEngineState(st);
+      if (!view.ok()) return Annotate(view.status(), absl::StrCat("restoring engine ", a, " from ", store_->path()));
+      engine_state_[a] = *view;
+    }
     drained_engines_ = {s.drained_engines().begin(), s.drained_engines().end()};
     drained_nodes_ = {s.drained_nodes().begin(), s.drained_nodes().end()};
     for (const auto& [a, v] : s.engine_version()) engine_version_[a] = v;
@@ -1482,8 +1665,45 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
       }
       outcomes_[r.version()] = o;
     }
-    state_ = s.state() == "idle" || s.state() == "failed" ? s.state() : "idle";
-    if (s.state() != "idle" && s.state() != "failed" && s.open_version() >= 0) {
+    auto stored_state = ParseUpdateState(s.state());
+    if (!stored_state.ok()) return Annotate(stored_state.status(), absl::StrCat("restoring from ", store_->path()));
+    // Restoring is not a transition: the state is what was stored, an update in progress ended below.
+    state_ = *stored_state == UpdateState::kFailed ? UpdateState::kFailed : UpdateState::kIdle;
+    if (!history_.empty() && history_.back().success() && history_.back().version() == current_version_)
+      not_resumed_ = {history_.back().not_resumed().begin(), history_.back().not_resumed().end()};
+    if (*stored_state == UpdateState::kCommitting && s.open_record().committed_unix_ms() > 0 && s.open_version() >= 0) {
+      // Died past the commit point: every engine held the version (the root says it is current). It ended
+      // committed; the engines not seen serving stay paused at it until resumed.
+      const int64_t v = s.open_version();
+      v1::UpdateRecord rec = s.open_record();
+      rec.set_version(v);
+      rec.set_success(true);
+      not_resumed_.clear();
+      for (const auto& [id, n] : nodes_)
+        for (const auto& e : n.engines()) {
+          if (EngineDrained(id, e.engine_id())) continue;
+          auto es = engine_state_.find(e.control_address());
+          if (es == engine_state_.end() || es->second.state != EngineState::kServing)
+            not_resumed_.insert(e.engine_id());
+        }
+      for (const auto& id : not_resumed_) rec.add_not_resumed(id);
+      if (rec.started_unix_ms() > 0)
+        rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
+      v1::CommitUpdateReply reply;
+      *reply.mutable_record() = rec;
+      open_version_ = v;  // Finish closes it
+      state_ = UpdateState::kCommitting;
+      const absl::Status result =
+          not_resumed_.empty()
+              ? absl::OkStatus()
+              : NotResumedError(v, static_cast<size_t>(rec.engines()),
+                                absl::UnavailableError("the coordinator restarted during the continue phase"));
+      Finish(v, Outcome{result, reply}, rec);
+      spdlog::warn(
+          "update {} had passed its commit point when the previous coordinator stopped: recorded as "
+          "committed, {} engines not resumed",
+          v, not_resumed_.size());
+    } else if (daemon::UpdateInProgress(*stored_state) && s.open_version() >= 0) {
       // Died during an update: end it explicitly. Its bytes may be in the engines; they stay paused. A staged
       // update that had not begun to switch wrote only staging memory: it is abandoned and every engine serves on
       // at the version it served (the next staged update writes every byte of the staging copies again).
@@ -1502,6 +1722,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
         rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
       if (!untouched) engines_dirty_ = true;
       open_version_ = v;  // Finish closes it
+      state_ = UpdateState::kAborting;  // ended by the restart
       Finish(v, Outcome{absl::AbortedError(rec.error()), v1::CommitUpdateReply()}, rec);
       spdlog::warn("update {} was open ({}) when the previous coordinator stopped: recorded as failed", v, s.state());
       abort_version = v;
@@ -1532,14 +1753,15 @@ absl::StatusOr<v1::RemoveNodeReply> Coordinator::RemoveNode(const v1::RemoveNode
   auto it = nodes_.find(req.node_id());
   if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("no node ", req.node_id(), " is registered"));
   if (UpdateInProgress())
-    return absl::FailedPreconditionError(absl::StrCat("cannot remove node ", req.node_id(), ": update ",
-                                                      open_version_, " is ", state_, "; remove it between updates"));
+    return absl::FailedPreconditionError(absl::StrCat("cannot remove node ", req.node_id(), ": update ", open_version_,
+                                                      " is ", StateName(), "; remove it between updates"));
   v1::RemoveNodeReply out;
   for (const auto& e : it->second.engines()) {
     out.add_engines(e.engine_id());
     engine_state_.erase(e.control_address());
     engine_version_.erase(e.control_address());
     drained_engines_.erase(e.engine_id());
+    not_resumed_.erase(e.engine_id());  // nothing left to resume
   }
   nodes_.erase(it);
   last_heartbeat_.erase(req.node_id());
@@ -1562,7 +1784,7 @@ absl::StatusOr<v1::DrainReply> Coordinator::Drain(const v1::DrainRequest& req, b
   std::lock_guard<std::mutex> l(mu_);
   if (UpdateInProgress())
     return absl::FailedPreconditionError(absl::StrCat("cannot ", verb, " ", what, ": update ", open_version_, " is ",
-                                                      state_, "; ", verb, " between updates"));
+                                                      StateName(), "; ", verb, " between updates"));
   v1::DrainReply out;
   bool changed = false;
   if (!req.engine_id().empty()) {
@@ -1623,8 +1845,8 @@ v1::HeartbeatReply Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
   // A source that does not hold the configuration planned for it (it lost or never applied a ConfigureSource) is
   // configured again at the next update. Not while one begins: its configure may be in flight, the report older.
   auto c = configured_.find(req.node_id());
-  if (req.plan_epoch() != 0 && it->second.role() == "source" && state_ != "beginning" && c != configured_.end() &&
-      (req.plan_epoch() != c->second.epoch || req.config_digest() != c->second.digest)) {
+  if (req.plan_epoch() != 0 && it->second.role() == "source" && state_ != UpdateState::kBeginning &&
+      c != configured_.end() && (req.plan_epoch() != c->second.epoch || req.config_digest() != c->second.digest)) {
     spdlog::warn(
         "source {} holds plan {} (configuration {}), not plan {} ({}) as planned: it is configured again at "
         "the next update",
@@ -1642,7 +1864,7 @@ absl::StatusOr<v1::ResumeEnginesReply> Coordinator::ResumeEngines(const v1::Resu
     std::lock_guard<std::mutex> l(mu_);
     if (UpdateInProgress())
       return absl::FailedPreconditionError(
-          absl::StrCat("cannot resume engines: update ", open_version_, " is ", state_));
+          absl::StrCat("cannot resume engines: update ", open_version_, " is ", StateName()));
     if (engines_dirty_)
       return absl::FailedPreconditionError(
           "cannot resume engines: a failed or aborted update may have written into them, so they may hold mixed "
@@ -1655,9 +1877,17 @@ absl::StatusOr<v1::ResumeEnginesReply> Coordinator::ResumeEngines(const v1::Resu
       }
     out.set_version(current_version_ >= 0 ? std::to_string(current_version_) : std::string());
   }
-  absl::Status st = ForAll(engines, [&](const std::string& a) {
-    return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
-  });
+  FanoutOptions phase;
+  phase.max_parallel = opts_.fanout_parallel;
+  phase.deadline = absl::Seconds(PeerDeadlines::kContinue);
+  phase.phase = "resume";
+  std::vector<std::string> failed;
+  absl::Status st = ContinueEngines(engines, phase, &failed);
+  {
+    // Past a commit point: the engines not resumed then are now (the committed update's record says so).
+    std::lock_guard<std::mutex> l(mu_);
+    MarkResumed(engines, failed, st);
+  }
   if (!st.ok()) return st;
   spdlog::info("engines resumed at version {} by the operator", out.version());
   return out;
@@ -1681,7 +1911,7 @@ v1::ClusterStatus Coordinator::Status() const {
       d->set_address(e.control_address());
       d->set_ranks(e.ranks_size());
       auto it = engine_state_.find(e.control_address());
-      d->set_state(it == engine_state_.end() ? "registered" : it->second);
+      d->set_state(EngineStateName(it == engine_state_.end() ? EngineView() : it->second));
       auto ver = engine_version_.find(e.control_address());
       if (ver != engine_version_.end()) d->set_weight_version(ver->second);
       d->set_staging(e.ranks_size() > 0 && e.ranks(0).staging_segment_shift() > 0);
@@ -1702,12 +1932,13 @@ v1::ClusterStatus Coordinator::Status() const {
   s.set_membership_epoch(membership_epoch_);
   s.set_plan_epoch(plan_epoch_);
   s.set_current_version(current_version_ >= 0 ? std::to_string(current_version_) : std::string());
-  s.set_state(state_);
+  s.set_state(StateName());
   s.set_engines_hold_partial_writes(engines_dirty_);
-  s.set_open_version(state_ == "idle" || state_ == "failed" ? -1 : open_version_);
-  const bool failed = state_ == "failed" && !history_.empty() && !history_.back().success();
+  s.set_open_version(state_ == UpdateState::kIdle || state_ == UpdateState::kFailed ? -1 : open_version_);
+  const bool failed = state_ == UpdateState::kFailed && !history_.empty() && !history_.back().success();
   s.set_failed_version(failed ? history_.back().version() : -1);
   if (failed) s.set_failure(history_.back().error());
+  for (const auto& id : not_resumed_) s.add_not_resumed(id);
   for (const auto& p : plan_) {
     auto* t = s.add_plan();
     t->set_source_node(p.source);
@@ -1854,7 +2085,7 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
   absl::Time t = absl::Now();
   ForAll(all, [&](const std::string& a) {
     absl::Status st =
-        Track(a, "paused", "pause",
+        Track(a, EngineState::kPaused, "pause",
               Annotate(Remote(a, [&] { return peers_->Pause(a, "retract"); }), "pause " + EngineLabel(a)));
     std::lock_guard<std::mutex> l(m);
     if (st.ok())
@@ -1863,6 +2094,7 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
       (*left_out)[a] = st.ToString();
     return absl::OkStatus();
   }).IgnoreError();
+  SaveEngineStates();
   AddPhase(rec, "pause", t);
   // The barrier: no engine switches before every engine was verified and paused.
   t = absl::Now();
@@ -1886,13 +2118,14 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
   for (const auto& a : paused)
     if (left_out->count(a)) resume.push_back(a);
   ForAll(resume, [&](const std::string& a) {
-    return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
+    return Track(a, EngineState::kServing, "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
   }).IgnoreError();
+  SaveEngineStates();
   if (switched.empty()) return switched;
   t = absl::Now();
   absl::Status st = ForAll(switched, [&](const std::string& a) {
     return Track(
-        a, "", "post_process",
+        a, std::nullopt, "post_process",
         Annotate(Remote(a, [&] { return peers_->PostProcess(a, version); }), "post_process " + EngineLabel(a)));
   });
   AddPhase(rec, "post_process", t);
@@ -1900,7 +2133,7 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
     t = absl::Now();
     st = ForAll(switched, [&](const std::string& a) {
       absl::Status r = Track(
-          a, "", "set_version",
+          a, std::nullopt, "set_version",
           Annotate(Remote(a, [&] { return peers_->SetWeightVersion(a, version); }), "set_version " + EngineLabel(a)));
       if (r.ok()) {
         std::lock_guard<std::mutex> l(mu_);
@@ -1913,8 +2146,9 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
   // Continued even after a failure above: a switched engine serves `v` whatever follows, and paused it serves none.
   t = absl::Now();
   absl::Status cst = ForAll(switched, [&](const std::string& a) {
-    return Track(a, "serving", "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
+    return Track(a, EngineState::kServing, "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
   });
+  SaveEngineStates();
   AddPhase(rec, "continue", t);
   if (!st.ok()) return Annotate(st, absl::StrCat("after the switch to ", v));
   if (!cst.ok()) return Annotate(cst, absl::StrCat("after the switch to ", v));

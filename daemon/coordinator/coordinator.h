@@ -21,10 +21,14 @@
 //                   further phase starts, and the thread running the phase ends v as aborted with the operator's
 //                   reason at once (the abort returns the recorded answer); then, state aborting until done, it tells
 //                   started or finishing sources to abort and closes the write windows. Engines stay
-//                   paused at their old version, except those already continued at v before the abort (Continue
-//                   had returned for them): the record's error names those, and Status shows them serving at v.
-//                   A commit whose every Continue returned before the abort took effect has committed: the abort
-//                   then answers FailedPrecondition. Repeats get the recorded answer.
+//                   paused at their old version. After the commit point (below) an abort cannot undo the update:
+//                   it cancels the Continue calls left, the update ends committed with those engines not resumed,
+//                   and the abort answers FailedPrecondition. Repeats get the recorded answer.
+//   Commit point    the continue phase begins: every engine holds v's weights and label. Recorded
+//                   (committed_unix_ms) and saved before the first Continue; v is the current version from then on.
+//                   Engines whose Continue fails are "not resumed" (paused at v, named in the record and Status);
+//                   CommitUpdate answers Unavailable "update v committed: … N of M engines not resumed"; a retried
+//                   CommitUpdate(v), ResumeEngines or the next update continues them.
 //   ResumeEngines   continues every engine at the current version, only when no byte of a failed or aborted update
 //                   may have reached them (engines_hold_partial_writes false); a successful update clears the flag.
 // The current version, the history and the engines' version labels therefore only move forward.
@@ -35,6 +39,13 @@
 // each (the engine re-checks the verified digest), post-process, set the version, continue. Engines that fail to
 // verify, pause or switch are left out, continued at their old version and marked stale; the update succeeds when at
 // least one engine switched. A staged update never writes live weights: its failure leaves the engines serving.
+//
+// Fan-out: each phase calls its peers on at most CoordinatorOptions::fanout_parallel workers (fanout.h), with a
+// deadline for the whole phase (the phase's PeerDeadlines entry) and the update's Cancellation (an operator's abort).
+// Saves: one store write per phase (the engine states a phase changed, once all its calls returned), plus those that
+// must be durable before the next step: the begin (before any engine is paused), the commit's start, the commit
+// point (before the first Continue) and the outcome. States are typed (update_state.h); strings only at the API
+// and in the store, whose form is unchanged.
 //
 // No lock is held across a call to a peer (tests/daemon/coordinator_faults_test.cc calls Status() from inside every
 // peer call): a peer that fails, times out or hangs delays only the update it belongs to, never Status, History,
@@ -58,6 +69,8 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/common/metrics.h"
+#include "daemon/coordinator/fanout.h"
+#include "daemon/coordinator/update_state.h"
 #include "daemon/coordinator/state_store.h"
 #include "daemon/coordinator/timeline_svg.h"
 #include "wsync/v1/coordinator.pb.h"
@@ -153,6 +166,9 @@ struct CoordinatorOptions {
   // Delta updates (docs/delta.md): with `auto`, every Nth update since the last dense one is sent dense (an anchor:
   // every engine rank is rewritten in full now and then, whatever it held); 0: never.
   int delta_anchor_every = 0;
+  // Calls to peers running at once in one phase (daemon/coordinator/fanout.h): the threads and sockets an update
+  // uses, whatever the fleet's size.
+  size_t fanout_parallel = 64;
 };
 
 // The gRPC deadlines GrpcPeers puts on each call (seconds). One fact, one place: CommitWorstCase below and the
@@ -291,9 +307,10 @@ class Coordinator {
   std::string EngineLabel(const std::string& addr) const;
   // "NODE_ID (ADDR)": how errors name a daemon. Takes mu_ (call without it).
   std::string NodeLabel(const std::string& addr) const;
-  bool UpdateInProgress() const {
-    return state_ == "beginning" || state_ == "updating" || state_ == "committing" || state_ == "aborting";
-  }
+  bool UpdateInProgress() const { return daemon::UpdateInProgress(state_); }
+  // Moves the update to `to`, checking the transition (update_state.h). Requires mu_.
+  void SetState(UpdateState to);
+  std::string StateName() const { return std::string(UpdateStateName(state_)); }
   // Records `v`'s outcome and history entry, leaves the update (state idle on success, failed otherwise) and wakes
   // the calls waiting for it. Requires mu_.
   void Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec);
@@ -359,9 +376,31 @@ class Coordinator {
   absl::StatusOr<std::vector<std::string>> SwitchEngines(
       int64_t v, const std::map<std::string, std::vector<std::string>>& verified,
       std::map<std::string, std::string>* left_out, v1::UpdateRecord* rec);
-  // Records the coordinator's view of engine `addr` after a call of `phase` (on_success "" = unchanged); returns st.
-  absl::Status Track(const std::string& addr, const std::string& on_success, const std::string& phase,
+  // The fan-out of one phase of the beginning or committing update (fanout.h): `deadline_s` for the whole phase,
+  // cancelled by an operator's abort (update_cancel_), a running call cut short through Peers::CancelCalls on
+  // `addrs[i]` (the peer of item i).
+  FanoutOptions UpdatePhase(const std::string& phase, double deadline_s, std::vector<std::string> addrs) const;
+  // Saves what a phase changed (engine states) in one store write, once every call of the phase returned. Takes mu_.
+  void SaveEngineStates();
+  // Records the coordinator's view of engine `addr` after a call of `phase` (on_success nullopt = unchanged); returns
+  // st. Not saved: the phase saves once when all its calls returned (SaveEngineStates).
+  absl::Status Track(const std::string& addr, std::optional<EngineState> on_success, const std::string& phase,
                      absl::Status st);
+  // Past the commit point (docs/operations.md): continues each engine in `engines` (control addresses) at the version
+  // it holds, as one phase; `failed` gets those whose Continue failed, sorted. Saves their states. Without mu_.
+  absl::Status ContinueEngines(const std::vector<std::string>& engines, const FanoutOptions& phase,
+                               std::vector<std::string>* failed);
+  // "update v committed: the fleet is on version v; N of M engines not resumed (…)": the answer of a commit that
+  // passed its commit point with not_resumed_ left paused. Requires mu_.
+  absl::Status NotResumedError(int64_t v, size_t engines, const absl::Status& why) const;
+  // A retried CommitUpdate(v) of the current version committed with engines not resumed: continues them.
+  absl::StatusOr<v1::CommitUpdateReply> ResumeCommitted(int64_t v);
+  // After Continue was asked of `addrs` (`failed`: those that failed, with `why`): drops the others from
+  // not_resumed_ and rewrites the current version's record and recorded answer. Requires mu_.
+  void MarkResumed(const std::vector<std::string>& addrs, const std::vector<std::string>& failed,
+                   const absl::Status& why);
+  // The id of the engine at control address `addr` (addr when unknown). Requires mu_.
+  std::string EngineIdLocked(const std::string& addr) const;
 
   CoordinatorOptions opts_;
   std::unique_ptr<Peers> peers_;
@@ -379,14 +418,17 @@ class Coordinator {
   std::string model_config_json_;
   std::vector<int32_t> model_weight_block_;  // FP8 block [n, k] when the engines hold block-quantized weights
   std::map<std::string, absl::Time> last_heartbeat_;  // node id → last lease renewal
-  std::map<std::string, std::string> engine_state_;  // control address → registered | paused | serving | failed: …
+  std::map<std::string, EngineView> engine_state_;    // control address → its state (update_state.h)
 
-  std::string state_ = "idle";         // idle | beginning | updating | committing | aborting | failed
+  UpdateState state_ = UpdateState::kIdle;
   bool engines_dirty_ = false;         // a failed/aborted update may have written into the engines
   std::map<int64_t, v1::AbortUpdateReply> aborted_;  // answers to repeated AbortUpdate, bounded like outcomes_
   // An operator's AbortUpdate of the update beginning or committing (cleared when it ends): the thread running the
   // phase stops at its next step; the abort cancels the calls in flight (in_flight_) until the update has ended.
   bool abort_asked_ = false;
+  // Raised with abort_asked_: the phase running stops starting calls and cancels those in flight. A fresh one per
+  // begin and per commit.
+  std::shared_ptr<Cancellation> update_cancel_ = std::make_shared<Cancellation>();
   std::string abort_reason_;
   std::string abort_by_;  // who asked for the abort (AbortUpdateRequest.aborted_by; "the operator" when not said)
   std::map<std::string, int> in_flight_;  // peer address → calls of the beginning/committing update in flight
@@ -403,6 +445,11 @@ class Coordinator {
   std::map<std::string, std::string> engine_stale_;
   std::map<std::string, std::string> engine_staged_;
   bool switch_started_ = false;
+  // The committing update passed its commit point (every engine held its weights and label; the continue phase
+  // began): it ends committed whatever a Continue answers. Cleared when it ends.
+  bool commit_point_ = false;
+  // Engines (ids) holding the current version paused because their Continue failed past its commit point.
+  std::set<std::string> not_resumed_;
   v1::BeginUpdateReply begin_reply_;   // the open version's BeginUpdate reply (answers a retried BeginUpdate)
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;

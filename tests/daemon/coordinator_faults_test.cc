@@ -6,10 +6,14 @@
 // engines were really told), and run the next update once the fault is gone. Then: an operator's abort in every
 // phase (the hung call cancelled, the abort back within a second), and self-healing by heartbeat digest.
 
+#include <stdlib.h>
+
+#include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <condition_variable>
+#include <filesystem>
 #include <future>
 #include <map>
 #include <memory>
@@ -24,6 +28,7 @@
 #include "base/status.h"
 #include "daemon/common/config_digest.h"
 #include "daemon/coordinator/coordinator.h"
+#include "daemon/coordinator/state_store.h"
 #include "tests/daemon/fake_layouts.h"
 
 namespace wsync::daemon {
@@ -438,6 +443,7 @@ struct Cluster {
     CHECK(st.state() == "idle");
     CHECK(st.current_version() == v);
     CHECK_FALSE(st.engines_hold_partial_writes());
+    CHECK(st.not_resumed_size() == 0);
     for (const auto& n : st.nodes())
       for (const auto& d : n.engine_details()) {
         INFO(d.engine_id());
@@ -551,6 +557,32 @@ TEST_CASE(
     CHECK(ended.ok());
     CHECK(last.success());
     k.CheckAllServing("2");
+  } else if (rpc == Rpc::kContinue) {
+    // Past the commit point (every engine held version 2 and its label): the update committed, the engine whose
+    // Continue failed is named, paused at version 2, and nothing is flagged as partly written.
+    INFO(ended.ToString());
+    CHECK(ended.code() == absl::StatusCode::kUnavailable);
+    CHECK(absl::StrContains(ended.message(),
+                            "update 2 committed: the fleet is on version 2; 1 of 3 engines not resumed (e1)"));
+    CHECK(absl::StrContains(ended.message(), victim.named));
+    CHECK(last.success());
+    CHECK(last.committed_unix_ms() >= last.started_unix_ms());
+    REQUIRE(last.not_resumed_size() == 1);
+    CHECK(last.not_resumed(0) == "e1");
+    CHECK(st.state() == "idle");
+    CHECK(st.current_version() == "2");
+    CHECK_FALSE(st.engines_hold_partial_writes());
+    REQUIRE(st.not_resumed_size() == 1);
+    CHECK(st.not_resumed(0) == "e1");
+    for (const auto& n : st.nodes())
+      for (const auto& d : n.engine_details()) {
+        INFO(d.engine_id() << " " << d.state() << " at " << d.weight_version());
+        const ScriptedPeers::EngineTruth t = k.peers->Engine(d.address());
+        CHECK(t.version == "2");
+        CHECK(d.weight_version() == "2");
+        CHECK(t.paused == (d.engine_id() == "e1"));
+        CHECK(d.state() == (d.engine_id() == "e1" ? "failed: continue" : "serving"));
+      }
   } else {
     // (b) the update ended with an error naming the call and the peer.
     INFO(ended.ToString());
@@ -568,12 +600,8 @@ TEST_CASE(
         INFO(d.engine_id() << " " << d.state() << " at " << d.weight_version());
         const ScriptedPeers::EngineTruth t = k.peers->Engine(d.address());
         CHECK(d.weight_version() == t.version);
-        if (d.state() == "serving") {
-          CHECK(rpc == Rpc::kContinue);
-          CHECK_FALSE(t.paused);
-          CHECK(t.version == "2");
-          CHECK(absl::StrContains(last.error(), absl::StrCat("engine ", d.engine_id())));
-        } else {
+        CHECK(d.state() != "serving");  // none was continued at 2 (a failed Continue is past the commit point)
+        {
           CHECK((d.state() == "paused" || absl::StartsWith(d.state(), "failed: ")));
           // Not paused only where the pause itself failed, at the old version.
           if (!t.paused) CHECK((rpc == Rpc::kPause && d.state() == "failed: pause" && t.version == "1"));
@@ -599,8 +627,8 @@ void AbortWhileHanging(Rpc rpc) {
   const Victim victim = VictimOf(rpc);
   k.peers->hang_deadline = 10s;  // far beyond the 1 s the abort has
   k.peers->Arm(rpc, Fault::kHang, victim.addr);
-  const bool in_commit = rpc == Rpc::kFinishUpdate || rpc == Rpc::kApplyDelta || rpc == Rpc::kPostProcess ||
-                         rpc == Rpc::kSetWeightVersion || rpc == Rpc::kContinue;
+  const bool in_commit =
+      rpc == Rpc::kFinishUpdate || rpc == Rpc::kApplyDelta || rpc == Rpc::kPostProcess || rpc == Rpc::kSetWeightVersion;
   if (in_commit) REQUIRE(k.Begin(2).ok());
   absl::Status driven = absl::UnknownError("not run");
   std::thread driver([&] { driven = in_commit ? k.Commit(2) : k.Begin(2); });  // checked after the join
@@ -638,12 +666,8 @@ void AbortWhileHanging(Rpc rpc) {
     for (const auto& d : n.engine_details()) {
       INFO(d.engine_id() << " " << d.state());
       const ScriptedPeers::EngineTruth t = k.peers->Engine(d.address());
-      if (d.state() == "serving") {
-        // Only an engine whose Continue had returned before the abort; the record names it.
-        CHECK(rpc == Rpc::kContinue);
-        CHECK(t.version == "2");
-        CHECK(absl::StrContains(last.error(), absl::StrCat("engine ", d.engine_id())));
-      } else if (!t.paused) {
+      CHECK(d.state() != "serving");  // the abort came before the commit point: none was continued at 2
+      if (!t.paused) {
         // Its pause was cancelled, or never sent once the abort came: it still serves the old version, and the
         // record says so.
         CHECK(rpc == Rpc::kPause);
@@ -672,7 +696,163 @@ TEST_CASE("faults: abort ends an update in every phase, at once, the hung call c
   SECTION("while ApplyDelta hangs") { AbortWhileHanging(Rpc::kApplyDelta); }
   SECTION("while PostProcess hangs") { AbortWhileHanging(Rpc::kPostProcess); }
   SECTION("while SetWeightVersion hangs") { AbortWhileHanging(Rpc::kSetWeightVersion); }
-  SECTION("while Continue hangs (the engines already continued are named)") { AbortWhileHanging(Rpc::kContinue); }
+}
+
+// Past the commit point (docs/operations.md): every engine holds the version and its label, so an engine whose
+// Continue fails (refused, or its process gone: connection refused) leaves the update committed, that engine paused at
+// the new version and named; a retried CommitUpdate or ResumeEngines (wsyncctl resume) continues it.
+TEST_CASE("past the commit point: a failed Continue commits with the engine not resumed; a retry or resume ends it") {
+  Cluster k;
+  REQUIRE(k.Update(1).ok());
+  const Fault fault = GENERATE(Fault::kUnavailable, Fault::kInternal);
+  INFO(Name(fault));
+  k.peers->Arm(Rpc::kContinue, fault, "e1:2");
+  REQUIRE(k.Begin(2).ok());
+  const absl::Status ended = k.Commit(2);
+  INFO(ended.ToString());
+  CHECK(ended.code() == absl::StatusCode::kUnavailable);
+  CHECK(absl::StrContains(ended.message(), "1 of 2 engines not resumed (e1)"));
+  CHECK(absl::StrContains(ended.message(), "retried or `wsyncctl resume` runs"));
+  CHECK(k.c->Status().current_version() == "2");
+  CHECK(k.peers->Engine("e1:2").paused);
+  // No newer version begins behind the operator's back, but nothing blocks one either: resuming is not required.
+  CHECK(k.c->Status().state() == "idle");
+
+  SECTION("a retried CommitUpdate continues the engines not resumed") {
+    // Still failing: the same answer, the engine asked again.
+    const int e0_before = k.peers->Calls(Rpc::kContinue, "e0:2");
+    const int e1_before = k.peers->Calls(Rpc::kContinue, "e1:2");
+    const absl::Status again = k.Commit(2);
+    CHECK(again.code() == absl::StatusCode::kUnavailable);
+    CHECK(absl::StrContains(again.message(), "1 of 2 engines not resumed (e1)"));
+    CHECK(k.peers->Calls(Rpc::kContinue, "e1:2") == e1_before + 1);
+    CHECK(k.peers->Calls(Rpc::kContinue, "e0:2") == e0_before);  // only those not resumed
+    k.peers->Disarm();
+    v1::CommitUpdateRequest r;
+    r.set_version(2);
+    auto done = k.c->CommitUpdate(r);
+    INFO(done.status().ToString());
+    REQUIRE(done.ok());
+    CHECK(done->record().success());
+    CHECK(done->record().not_resumed_size() == 0);
+    k.CheckAllServing("2");
+    CHECK(k.LastRecord().not_resumed_size() == 0);
+    CHECK(k.Commit(2).ok());  // the recorded answer from now on
+  }
+  SECTION("ResumeEngines (wsyncctl resume) continues them") {
+    k.peers->Disarm();
+    auto r = k.c->ResumeEngines(v1::ResumeEnginesRequest());
+    INFO(r.status().ToString());
+    REQUIRE(r.ok());
+    CHECK(r->version() == "2");
+    k.CheckAllServing("2");
+    CHECK(k.LastRecord().not_resumed_size() == 0);
+    CHECK(k.Commit(2).ok());
+  }
+  SECTION("the next update continues them too") {
+    k.peers->Disarm();
+    REQUIRE(k.Update(3).ok());
+    k.CheckAllServing("3");
+  }
+}
+
+TEST_CASE("past the commit point: an abort while Continue hangs cancels it; the update stays committed") {
+  Cluster k;
+  REQUIRE(k.Update(1).ok());
+  k.peers->hang_deadline = 10s;  // only a cancellation ends it within the test
+  k.peers->Arm(Rpc::kContinue, Fault::kHang, "e1:2");
+  REQUIRE(k.Begin(2).ok());
+  absl::Status driven = absl::UnknownError("not run");
+  std::thread driver([&] { driven = k.Commit(2); });
+  Joiner joiner{driver, k.peers};
+  REQUIRE(k.peers->AwaitHanging());
+  StatusProbe probe(k.c.get());
+  const absl::Time t0 = absl::Now();
+  auto a = k.Abort(2, "bad step");
+  const absl::Duration took = absl::Now() - t0;
+  driver.join();
+  CHECK(probe.Stop() < absl::FromChrono(kAnswerWithin));
+  CHECK(took < absl::Seconds(1));
+  INFO(a.status().ToString());
+  CHECK(a.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(a.status().message(), "passed its commit point"));
+  CHECK(k.peers->Cancels("e1:2") > 0);
+  INFO(driven.ToString());
+  CHECK(driven.code() == absl::StatusCode::kUnavailable);
+  CHECK(absl::StrContains(driven.message(), "1 of 2 engines not resumed (e1)"));
+  const v1::ClusterStatus st = k.c->Status();
+  CHECK(st.current_version() == "2");
+  CHECK_FALSE(st.engines_hold_partial_writes());
+  const v1::UpdateRecord last = k.LastRecord();
+  CHECK(last.success());
+  CHECK_FALSE(last.aborted());
+  k.peers->Disarm();
+  REQUIRE(k.c->ResumeEngines(v1::ResumeEnginesRequest()).ok());
+  k.CheckAllServing("2");
+}
+
+TEST_CASE("past the commit point: a coordinator that restarts during the continue phase records it committed") {
+  char tmpl[] = "/tmp/wsync_commit_point_XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  const std::string dir = tmpl;
+  const std::string db = dir + "/state.db";
+  CoordinatorOptions o;
+  o.min_source_bytes = 0;
+  auto first_peers = std::make_unique<ScriptedPeers>();
+  ScriptedPeers* peers = first_peers.get();
+  peers->hang_deadline = 10s;
+  auto first = std::make_unique<Coordinator>(o, std::move(first_peers));
+  peers->coordinator = first.get();
+  {
+    auto store = SqliteStateStore::Open(db);
+    REQUIRE(store.ok());
+    REQUIRE(first->UseStateStore(*std::move(store)).ok());
+  }
+  for (const char* s : {"s0", "s1"}) REQUIRE(first->RegisterNode(Source(s)).ok());
+  REQUIRE(first->RegisterNode(Target("t0", "e0")).ok());
+  REQUIRE(first->RegisterNode(Target("t1", "e1")).ok());
+  v1::BeginUpdateRequest b;
+  b.set_version(2);
+  REQUIRE(first->BeginUpdate(b).ok());
+  peers->Arm(Rpc::kContinue, Fault::kHang, "e1:2");
+  std::thread driver([&] {
+    v1::CommitUpdateRequest c;
+    c.set_version(2);
+    first->CommitUpdate(c).IgnoreError();
+  });
+  Joiner joiner{driver, peers};
+  REQUIRE(peers->AwaitHanging());
+  // The successor loads what the first one saved at its commit point (the first is still hung in the Continue).
+  auto second_peers = std::make_unique<ScriptedPeers>();
+  ScriptedPeers* successor_peers = second_peers.get();
+  Coordinator second(o, std::move(second_peers));
+  successor_peers->coordinator = &second;
+  {
+    auto store = SqliteStateStore::Open(db);
+    REQUIRE(store.ok());
+    REQUIRE(second.UseStateStore(*std::move(store)).ok());
+  }
+  const v1::ClusterStatus st = second.Status();
+  CHECK(st.current_version() == "2");
+  CHECK(st.state() == "idle");
+  CHECK_FALSE(st.engines_hold_partial_writes());
+  // Which Continue returned is not known to the successor: every engine not seen serving is listed.
+  CHECK(std::find(st.not_resumed().begin(), st.not_resumed().end(), "e1") != st.not_resumed().end());
+  const v1::HistoryReply h = second.History(v1::HistoryRequest());
+  REQUIRE(h.records_size() > 0);
+  const v1::UpdateRecord& last = h.records(h.records_size() - 1);
+  CHECK(last.version() == 2);
+  CHECK(last.success());
+  CHECK(last.committed_unix_ms() > 0);
+  auto resumed = second.ResumeEngines(v1::ResumeEnginesRequest());
+  INFO(resumed.status().ToString());
+  REQUIRE(resumed.ok());
+  CHECK(resumed->version() == "2");
+  CHECK(second.Status().not_resumed_size() == 0);
+  peers->ReleaseAll();
+  driver.join();
+  first.reset();
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("faults: an abort returns at once even when the source it must stop does not answer (stopped process)") {

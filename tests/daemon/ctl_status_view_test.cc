@@ -147,6 +147,18 @@ TEST_CASE("status headline: the update in progress, the failure with its reason 
   s.set_engines_hold_partial_writes(false);
   h = FormatClusterHeadline(s);
   CHECK(h.find("no byte of the failed update reached the engines") != std::string::npos);
+  CHECK(h.find("not resumed") == std::string::npos);
+
+  // Past the commit point: committed, with engines left paused at the new version.
+  s.set_state("idle");
+  s.set_failed_version(-1);
+  s.set_current_version("6");
+  s.add_not_resumed("e1");
+  s.add_not_resumed("e3");
+  h = FormatClusterHeadline(s);
+  INFO(h);
+  CHECK(h.find("committed, 2 engines not resumed at version 6 (e1, e3): `wsyncctl resume` continues them") !=
+        std::string::npos);
 }
 
 TEST_CASE("engines table: the version each engine serves") {

@@ -1,6 +1,7 @@
 #include "tools/cli/status_view.h"
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 
 namespace wsync::tools {
 
@@ -49,6 +50,11 @@ std::string FormatClusterHeadline(const v1::ClusterStatus& s) {
         "succeeds (`wsyncctl resume` is refused)\n";
   else if (s.state() == "failed")
     out += "no byte of the failed update reached the engines: `wsyncctl resume` serves the old version again\n";
+  // Past the commit point (docs/operations.md): the update committed, some engines hold it paused.
+  if (s.not_resumed_size() > 0)
+    absl::StrAppendFormat(&out,
+                          "committed, %d engines not resumed at version %s (%s): `wsyncctl resume` continues them\n",
+                          s.not_resumed_size(), s.current_version(), absl::StrJoin(s.not_resumed(), ", "));
   return out;
 }
 

@@ -677,10 +677,16 @@ int main(int argc, char** argv) {
           r.started_unix_ms() > 0
               ? absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(r.started_unix_ms()), absl::UTCTimeZone())
               : "-";
+      // Committed past its commit point with engines not resumed: "PARTIAL", and which ones.
+      const std::string detail = r.not_resumed_size() > 0
+                                     ? absl::StrCat("committed, ", r.not_resumed_size(), " engines not resumed (",
+                                                    absl::StrJoin(r.not_resumed(), ", "), "); ", Phases(r))
+                                     : (r.success() ? Phases(r) : r.error());
       std::printf("%-8lld %-20s %-7s %-9.3f %-10.1f %-10.1f %-6d %-7s %s\n", static_cast<long long>(r.version()),
-                  started.c_str(), r.success() ? "yes" : (r.aborted() ? "ABORTED" : "FAILED"), r.total_seconds(),
-                  r.bytes() / 1048576.0, r.sent_bytes() / 1048576.0, r.engine_ranks(), delta.c_str(),
-                  r.success() ? Phases(r).c_str() : r.error().c_str());
+                  started.c_str(),
+                  r.success() ? (r.not_resumed_size() > 0 ? "PARTIAL" : "yes") : (r.aborted() ? "ABORTED" : "FAILED"),
+                  r.total_seconds(), r.bytes() / 1048576.0, r.sent_bytes() / 1048576.0, r.engine_ranks(), delta.c_str(),
+                  detail.c_str());
       // Why ranks got dense writes, when deltas were asked for (not for a dense update asked or an anchor).
       if (r.delta_mode() != "off" && r.delta_mode() != "anchor")
         for (const auto& f : r.fallbacks())
