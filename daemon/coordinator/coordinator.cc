@@ -923,6 +923,9 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   }
   if (AbortAsked()) return Fail(rec, st, false);
   std::vector<std::string> source_addrs;
+  // Per source, the engine ranks its plan writes: it is told only their held versions (every rank's, to every
+  // source, was 1024 x 256 entries per update at 1024 ranks). Absent: the source's plan is unknown here, all are sent.
+  std::map<std::string, std::set<std::pair<std::string, int>>> source_ranks;
   {
     std::lock_guard<std::mutex> l(mu_);
     for (const auto& [id, n] : nodes_) {
@@ -930,6 +933,10 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       source_addrs.push_back(n.address());
       auto c = configured_.find(id);
       source_epochs[n.address()] = c == configured_.end() ? plan_epoch : c->second.epoch;
+      if (c != configured_.end()) {
+        auto& ranks = source_ranks[n.address()];
+        for (const auto& t : c->second.req.targets()) ranks.emplace(t.engine_id(), t.rank());
+      }
     }
   }
   // Targets accept writes from now on, until the sources have finished (or the update ends otherwise).
@@ -946,7 +953,9 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
         sreq.set_version(v);
         sreq.set_plan_epoch(source_epochs.at(a));
         sreq.set_delta(delta);
-        *sreq.mutable_held() = {held.begin(), held.end()};
+        auto mine = source_ranks.find(a);
+        for (const auto& h : held)
+          if (mine == source_ranks.end() || mine->second.count({h.engine_id(), h.rank()})) *sreq.add_held() = h;
         return Annotate(Remote(a, [&] { return peers_->StartUpdate(a, sreq); }), "start source " + NodeLabel(a));
       },
       UpdatePhase("start", PeerDeadlines::kStart, source_addrs));
