@@ -706,11 +706,6 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   std::string delta = req.delta().empty() ? "auto" : req.delta();
   if (delta != "auto" && delta != "off" && delta != "always")
     return absl::InvalidArgumentError(absl::StrCat("delta mode '", req.delta(), "' is not auto, off or always"));
-  if (staged && delta == "always")
-    return absl::InvalidArgumentError(
-        "delta=always cannot run with mode staged: a staging copy holds an older version than the sources' delta base "
-        "(docs/delta.md, \"Fallback to dense\")");
-  if (staged) delta = "off";
   v1::UpdateRecord rec;
   rec.set_version(v);
   rec.set_delta_mode(delta);
@@ -748,6 +743,16 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       rec.set_delta_mode("anchor");
     }
     WSYNC_ASSIGN_OR_RETURN(staging_engines, StagingEngines(engines, staged));
+    // A second copy holds an older version than the sources' delta base; an engine staging in place (vLLM) holds
+    // what was last written into it, which is what the target's per-rank base records say.
+    if (staged && !staging_engines.empty() && delta != "off") {
+      if (delta == "always")
+        return absl::InvalidArgumentError(
+            "delta=always cannot run with mode staged: a staging copy holds an older version than the sources' delta "
+            "base (docs/delta.md, \"Fallback to dense\")");
+      delta = "off";
+      rec.set_delta_mode(delta);
+    }
     const std::string prev_state = state_;
     const int64_t prev_last_begun = last_begun_;
     const v1::UpdateRecord prev_record = open_record_;
@@ -1671,7 +1676,8 @@ v1::ClusterStatus Coordinator::Status() const {
       d->set_state(it == engine_state_.end() ? "registered" : it->second);
       auto ver = engine_version_.find(e.control_address());
       if (ver != engine_version_.end()) d->set_weight_version(ver->second);
-      d->set_staging(e.ranks_size() > 0 && e.ranks(0).staging_segment_shift() > 0);
+      d->set_staging(e.ranks_size() > 0 &&
+                     (e.ranks(0).staging_segment_shift() > 0 || e.ranks(0).stages_in_place()));
       if (auto sv = engine_staged_.find(e.control_address()); sv != engine_staged_.end())
         d->set_staged_version(sv->second);
       d->set_stale(engine_stale_.count(e.control_address()) > 0);
@@ -1722,7 +1728,8 @@ absl::StatusOr<std::vector<std::string>> Coordinator::StagingEngines(const std::
       if (std::find(engines.begin(), engines.end(), e.control_address()) == engines.end()) continue;
       if (e.ranks_size() > 0 && e.ranks(0).staging_segment_shift() > 0) {
         out.push_back(e.control_address());
-      } else if (staged) {
+      } else if (staged && !(e.ranks_size() > 0 && e.ranks(0).stages_in_place())) {
+        // An engine staging in place (vLLM) is written as it is: no live copy to pick, nothing to re-configure.
         return absl::FailedPreconditionError(
             absl::StrCat("engine ", e.engine_id(), " (", e.kind(), ", node ", id,
                          ") offers no staging memory; use mode classic or start it with --staging"));
