@@ -1033,11 +1033,16 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   // Weights may be partly written: the engines stay paused at their old version rather than resume silently. A
   // staged update wrote only staging memory: the engines serve on, untouched.
   if (!st.ok()) return Fail(rec, st, !staged);
-  if (staged) return CommitStaged(std::move(rec), engines, start);
   absl::Time t = absl::Now();
-  st = ApplyDeltas(v, finished, &rec);
-  AddPhase(&rec, "apply_delta", t);
-  if (!st.ok() || AbortAsked()) return Fail(rec, st, true);
+  // Staged with deltas (every engine stages in place): the records land in the staging memory before it is verified,
+  // and the targets record the version it holds. Staged without: nothing is recorded, the next update is dense (a
+  // second copy holds an older version than the one written).
+  if (!staged || rec.delta_mode() == "auto" || rec.delta_mode() == "always") {
+    st = ApplyDeltas(v, finished, &rec);
+    AddPhase(&rec, "apply_delta", t);
+    if (!st.ok() || AbortAsked()) return Fail(rec, st, !staged);
+  }
+  if (staged) return CommitStaged(std::move(rec), engines, start);
   t = absl::Now();
   const std::string version = std::to_string(v);
   st = ForAll(engines, [&](const std::string& a) {

@@ -977,15 +977,31 @@ TEST_CASE("staged: deltas stay possible where every engine stages in place; a se
     Cluster k(Staging::kInPlace, Staging::kInPlace);
     REQUIRE(k.Update(1, "staged").ok());
     CHECK(k.LastRecord().delta_mode() == "auto");
+    // The targets apply the records into the staging memory (and record the version it holds) before the verify.
+    CHECK(k.peers->Calls(Rpc::kApplyDelta, "t1:1") == 1);
     REQUIRE(k.Begin(2, "staged", "always").ok());
     REQUIRE(k.Commit(2).ok());
     CHECK(k.LastRecord().delta_mode() == "always");
     k.CheckAllServing("2");
+    // A target failing to apply them: nothing verified or switched, every engine serves on at 2, unpaused.
+    k.peers->Arm(Rpc::kApplyDelta, Fault::kUnavailable, "t1:1");
+    const absl::Status failed = k.Update(3, "staged");
+    CHECK(absl::StrContains(failed.message(), "apply_delta at target t1 (t1:1)"));
+    CHECK(k.peers->Calls(Rpc::kSwitch, "e0:2") == 2);
+    for (const char* e : {"e0:2", "e1:2"}) {
+      CHECK_FALSE(k.peers->Engine(e).paused);
+      CHECK(k.peers->Engine(e).live == "2");
+    }
+    CHECK_FALSE(k.c->Status().engines_hold_partial_writes());
+    k.peers->Disarm();
+    REQUIRE(k.Update(4, "staged").ok());
+    k.CheckAllServing("4");
   }
   SECTION("an engine with a second copy: that copy holds an older version") {
     Cluster k(Staging::kInPlace, Staging::kSecondCopy);
     REQUIRE(k.Update(1, "staged").ok());
     CHECK(k.LastRecord().delta_mode() == "off");
+    CHECK(k.peers->Calls(Rpc::kApplyDelta, "t1:1") == 0);  // no version recorded: the next update is dense
     const absl::Status always = k.Begin(2, "staged", "always");
     CHECK(always.code() == absl::StatusCode::kInvalidArgument);
     CHECK(absl::StrContains(always.message(), "delta=always cannot run with mode staged"));
