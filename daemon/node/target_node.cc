@@ -884,11 +884,10 @@ namespace {
 // XXH3-128 of every host segment of the rank in segment-id order: the whole staging memory of an engine that
 // stages in place, hashed as the engine would reload it.
 std::string StagingDigestOf(const std::map<int, std::shared_ptr<MappedSegment>>& host) {
-  XXH3_state_t* st = XXH3_createState();
-  XXH3_128bits_reset(st);
-  for (const auto& [id, seg] : host) XXH3_128bits_update(st, seg->data(), seg->size());
-  const XXH128_hash_t h = XXH3_128bits_digest(st);
-  XXH3_freeState(st);
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> st(XXH3_createState(), &XXH3_freeState);
+  XXH3_128bits_reset(st.get());
+  for (const auto& [id, seg] : host) XXH3_128bits_update(st.get(), seg->data(), seg->size());
+  const XXH128_hash_t h = XXH3_128bits_digest(st.get());
   return absl::StrFormat("%016x%016x", h.high64, h.low64);
 }
 }  // namespace

@@ -173,11 +173,13 @@ def run(args) -> None:
                 t_begin = time.time()
                 coord.begin_update(v, mode=mode)
                 n = push_update(Trainer, cl.source_addr, v, tensors)
-                t_commit = time.time()
                 if reader is not None:
-                    reader.wait_for_one_after(t_commit)  # the stage is over; vLLM must still have served throughout
+                    # The push is over, its bytes in vLLM's staging memory: a completion sent now must still be
+                    # answered, by the old weights, before the commit switches.
+                    reader.wait_for_one_after(time.time())
                     if http("GET", f"{a}/weight_info")["weight_version"] != str(v - 1):
                         harness.fail(f"staged update {v}: vLLM reports a new version before the switch")
+                t_commit = time.time()
                 rec = coord.commit_update(v, timeout=300.0)
                 t_done = time.time()
                 t_wsync = t_done - t_begin
