@@ -953,7 +953,8 @@ TEST_CASE("faults, staged: stage, verify and switch fail, time out, hang or answ
   INFO(next.ToString());
   REQUIRE(next.ok());
   k.CheckAllServing("3");
-  for (const auto& n : k.c->Status().nodes())
+  const v1::ClusterStatus after = k.c->Status();
+  for (const auto& n : after.nodes())
     for (const auto& d : n.engine_details()) CHECK_FALSE(d.stale());
 }
 
