@@ -176,8 +176,11 @@ def main() -> None:
                                                         "tokens_per_s")}
             out["staged_paused_over_reload"] = round(out["staged"]["paused_s"] / max(out["staged"]["reload_s"], 1e-9),
                                                      3)
-            out["tokens_staged_over_classic"] = round(out["staged"]["tokens_per_s"] /
-                                                      max(out["classic"]["tokens_per_s"], 1e-9), 3)
+            # null when classic delivered none (every client waits out a classic update's pause)
+            classic_rate = out["classic"]["tokens_per_s"]
+            out["tokens_staged_over_classic"] = (round(out["staged"]["tokens_per_s"] / classic_rate, 3)
+                                                 if classic_rate > 0 else None)
+            out["staged_tokens_per_s_over_idle"] = round(out["staged"]["tokens_per_s"] / max(idle_rate, 1e-9), 3)
             print(json.dumps(out), flush=True)
         finally:
             if load is not None:
