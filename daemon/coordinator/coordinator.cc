@@ -1681,8 +1681,7 @@ v1::ClusterStatus Coordinator::Status() const {
       d->set_state(it == engine_state_.end() ? "registered" : it->second);
       auto ver = engine_version_.find(e.control_address());
       if (ver != engine_version_.end()) d->set_weight_version(ver->second);
-      d->set_staging(e.ranks_size() > 0 &&
-                     (e.ranks(0).staging_segment_shift() > 0 || e.ranks(0).stages_in_place()));
+      d->set_staging(e.ranks_size() > 0 && (e.ranks(0).staging_segment_shift() > 0 || e.ranks(0).stages_in_place()));
       if (auto sv = engine_staged_.find(e.control_address()); sv != engine_staged_.end())
         d->set_staged_version(sv->second);
       d->set_stale(engine_stale_.count(e.control_address()) > 0);

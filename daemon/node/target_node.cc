@@ -896,8 +896,8 @@ absl::StatusOr<v1::ChecksumReply> TargetNode::Checksums(const std::string& engin
   // The mappings are shared: hashing runs without mu_ (a staged update's verify hashes whole models).
   WSYNC_ASSIGN_OR_RETURN(RankView view, ViewRank(engine_id, req.rank()));
   if (req.staging() && !view.layout.stages_in_place())
-    return absl::FailedPreconditionError(absl::StrCat("engine ", engine_id, " rank ", req.rank(),
-                                                      " offers no staging memory this daemon can hash"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("engine ", engine_id, " rank ", req.rank(), " offers no staging memory this daemon can hash"));
   std::map<std::string, const v1::ParamDesc*> params;
   for (const auto& p : view.layout.params()) params[p.name()] = &p;
   v1::ChecksumReply out;

@@ -309,21 +309,21 @@ TEST_CASE("target: an engine that stages in place: staging hashed for the verify
   f.Start();
   std::vector<uint8_t*> maps;
   REQUIRE(f.Add(1, [&](const AttachInfo& info) {
-            RankConn c = RankConn::Connect(info.socket_path);
-            c.segments = TwoSegments();
-            for (const auto& s : c.segments) {
-              void* p = mmap(nullptr, s.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s.fd.get(), 0);
-              REQUIRE(p != MAP_FAILED);
-              maps.push_back(static_cast<uint8_t*>(p));
-            }
-            for (uint64_t i = 0; i < 4096; ++i) maps[0][i] = static_cast<uint8_t>(i * 5 + 1);
-            for (uint64_t i = 0; i < 1024; ++i) maps[1][i] = static_cast<uint8_t>(i * 11 + 2);
-            Json msg = AttachMessage(info, 0, 1);
-            msg["stages_in_place"] = true;
-            REQUIRE(c.Attach(msg).value("ok", false));
-            f.conns.push_back(std::move(c));
-            return absl::OkStatus();
-          }).ok());
+             RankConn c = RankConn::Connect(info.socket_path);
+             c.segments = TwoSegments();
+             for (const auto& s : c.segments) {
+               void* p = mmap(nullptr, s.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s.fd.get(), 0);
+               REQUIRE(p != MAP_FAILED);
+               maps.push_back(static_cast<uint8_t*>(p));
+             }
+             for (uint64_t i = 0; i < 4096; ++i) maps[0][i] = static_cast<uint8_t>(i * 5 + 1);
+             for (uint64_t i = 0; i < 1024; ++i) maps[1][i] = static_cast<uint8_t>(i * 11 + 2);
+             Json msg = AttachMessage(info, 0, 1);
+             msg["stages_in_place"] = true;
+             REQUIRE(c.Attach(msg).value("ok", false));
+             f.conns.push_back(std::move(c));
+             return absl::OkStatus();
+           }).ok());
   auto whole = [&] {
     std::vector<uint8_t> all(maps[0], maps[0] + 4096);
     all.insert(all.end(), maps[1], maps[1] + 1024);
