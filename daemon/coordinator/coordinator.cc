@@ -740,11 +740,6 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   std::string delta = req.delta().empty() ? "auto" : req.delta();
   if (delta != "auto" && delta != "off" && delta != "always")
     return absl::InvalidArgumentError(absl::StrCat("delta mode '", req.delta(), "' is not auto, off or always"));
-  if (staged && delta == "always")
-    return absl::InvalidArgumentError(
-        "delta=always cannot run with mode staged: a staging copy holds an older version than the sources' delta base "
-        "(docs/delta.md, \"Fallback to dense\")");
-  if (staged) delta = "off";
   v1::UpdateRecord rec;
   rec.set_version(v);
   rec.set_delta_mode(delta);
@@ -783,6 +778,16 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       rec.set_delta_mode("anchor");
     }
     WSYNC_ASSIGN_OR_RETURN(staging_engines, StagingEngines(engines, staged));
+    // A second copy holds an older version than the sources' delta base; an engine staging in place (vLLM) holds
+    // what was last written into it, which is what the target's per-rank base records say.
+    if (staged && !staging_engines.empty() && delta != "off") {
+      if (delta == "always")
+        return absl::InvalidArgumentError(
+            "delta=always cannot run with mode staged: a staging copy holds an older version than the sources' delta "
+            "base (docs/delta.md, \"Fallback to dense\")");
+      delta = "off";
+      rec.set_delta_mode(delta);
+    }
     const UpdateState prev_state = state_;
     const int64_t prev_last_begun = last_begun_;
     const v1::UpdateRecord prev_record = open_record_;
@@ -1105,11 +1110,16 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   // Weights may be partly written: the engines stay paused at their old version rather than resume silently. A
   // staged update wrote only staging memory: the engines serve on, untouched.
   if (!st.ok()) return Fail(rec, st, !staged);
-  if (staged) return CommitStaged(std::move(rec), engines, start);
   absl::Time t = absl::Now();
-  st = ApplyDeltas(v, finished, &rec);
-  AddPhase(&rec, "apply_delta", t);
-  if (!st.ok() || AbortAsked()) return Fail(rec, st, true);
+  // Staged with deltas (every engine stages in place): the records land in the staging memory before it is verified,
+  // and the targets record the version it holds. Staged without: nothing is recorded, the next update is dense (a
+  // second copy holds an older version than the one written).
+  if (!staged || rec.delta_mode() == "auto" || rec.delta_mode() == "always") {
+    st = ApplyDeltas(v, finished, &rec);
+    AddPhase(&rec, "apply_delta", t);
+    if (!st.ok() || AbortAsked()) return Fail(rec, st, !staged);
+  }
+  if (staged) return CommitStaged(std::move(rec), engines, start);
   t = absl::Now();
   const std::string version = std::to_string(v);
   st = ForAll(
@@ -1923,7 +1933,7 @@ v1::ClusterStatus Coordinator::Status() const {
       d->set_state(EngineStateName(it == engine_state_.end() ? EngineView() : it->second));
       auto ver = engine_version_.find(e.control_address());
       if (ver != engine_version_.end()) d->set_weight_version(ver->second);
-      d->set_staging(e.ranks_size() > 0 && e.ranks(0).staging_segment_shift() > 0);
+      d->set_staging(e.ranks_size() > 0 && (e.ranks(0).staging_segment_shift() > 0 || e.ranks(0).stages_in_place()));
       if (auto sv = engine_staged_.find(e.control_address()); sv != engine_staged_.end())
         d->set_staged_version(sv->second);
       d->set_stale(engine_stale_.count(e.control_address()) > 0);
@@ -1975,7 +1985,8 @@ absl::StatusOr<std::vector<std::string>> Coordinator::StagingEngines(const std::
       if (std::find(engines.begin(), engines.end(), e.control_address()) == engines.end()) continue;
       if (e.ranks_size() > 0 && e.ranks(0).staging_segment_shift() > 0) {
         out.push_back(e.control_address());
-      } else if (staged) {
+      } else if (staged && !(e.ranks_size() > 0 && e.ranks(0).stages_in_place())) {
+        // An engine staging in place (vLLM) is written as it is: no live copy to pick, nothing to re-configure.
         return absl::FailedPreconditionError(
             absl::StrCat("engine ", e.engine_id(), " (", e.kind(), ", node ", id,
                          ") offers no staging memory; use mode classic or start it with --staging"));

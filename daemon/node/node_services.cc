@@ -167,10 +167,11 @@ class EngineFacade final : public v1::EngineControl::Service {
     WSYNC_AUTHORIZE("GetChecksums", {tls::kAdmin, tls::kTrainer, tls::kCoordinator});  // staged updates verify
     return Reply(t_->Checksums(id_, *req), out);
   }
-  // Staged updates through the facade's engines are not wired yet (docs/operations.md, "Staged updates").
-  grpc::Status Switch(grpc::ServerContext* ctx, const v1::SwitchRequest* req, v1::EngineReply*) override {
+  // Staged updates of an engine that stages in place (vLLM): the switch checks the verified bytes; its
+  // PostProcess (the reload) makes them live.
+  grpc::Status Switch(grpc::ServerContext* ctx, const v1::SwitchRequest* req, v1::EngineReply* out) override {
     WSYNC_AUTHORIZE("Switch", {tls::kCoordinator});
-    return Unimplemented("Switch");
+    return Done(t_->Switch(id_, *req), out);
   }
   grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest* req, v1::VerifyReply*) override {
     WSYNC_AUTHORIZE("Verify", {tls::kAdmin, tls::kTrainer});

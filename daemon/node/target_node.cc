@@ -238,6 +238,18 @@ absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fd
             absl::StrCat("segment ", id, " has no staging copy of its size (segment ", id + shift, ")"));
     }
     m.layout.set_staging_segment_shift(static_cast<int32_t>(shift));
+    // The segments are staging memory themselves (vLLM's staged attach): this daemon hashes them for the staged
+    // verify and Switch, so they must be host memory it maps.
+    if (j.contains("stages_in_place") && !j["stages_in_place"].is_null()) {
+      if (!j["stages_in_place"].is_boolean())
+        return absl::InvalidArgumentError("\"stages_in_place\" must be a boolean");
+      const bool in_place = j["stages_in_place"].get<bool>();
+      if (in_place && shift > 0)
+        return absl::InvalidArgumentError("stages_in_place and staging_segment_shift exclude each other");
+      if (in_place && host_segments != seg_bytes.size())
+        return absl::InvalidArgumentError("stages_in_place needs host segments only (cuda ones are not mapped here)");
+      m.layout.set_stages_in_place(in_place);
+    }
     if (host_segments != num_fds)
       return absl::InvalidArgumentError(absl::StrCat("the message lists ", host_segments, " host segments but ",
                                                      num_fds, " file descriptors came with it"));
@@ -852,25 +864,48 @@ absl::StatusOr<TargetNode::Engine*> TargetNode::Usable(const std::string& engine
   return e;
 }
 
-absl::StatusOr<v1::ChecksumReply> TargetNode::Checksums(const std::string& engine_id, const v1::RankRequest& req) {
+absl::StatusOr<TargetNode::RankView> TargetNode::ViewRank(const std::string& engine_id, int rank) {
   std::lock_guard<std::mutex> l(mu_);
   WSYNC_ASSIGN_OR_RETURN(Engine * e, Usable(engine_id));
-  if (req.rank() < 0 || req.rank() >= e->num_ranks)
+  if (rank < 0 || rank >= e->num_ranks)
     return absl::InvalidArgumentError(
-        absl::StrCat("engine ", engine_id, " has ranks [0, ", e->num_ranks, "), not ", req.rank()));
-  const Rank& r = e->ranks[req.rank()];
-  // Segment id → its mapping (host segments are mapped in layout order; cuda ones are not mapped here).
-  std::map<int, const MappedSegment*> host;
+        absl::StrCat("engine ", engine_id, " has ranks [0, ", e->num_ranks, "), not ", rank));
+  const Rank& r = e->ranks[rank];
+  RankView out;
+  out.layout = r.layout;
+  // Host segments are mapped in layout order; cuda ones are not mapped here.
   size_t next = 0;
   for (const auto& seg : r.layout.segments())
-    if (seg.kind() != "cuda" && next < r.memory.size()) host[seg.id()] = r.memory[next++].get();
+    if (seg.kind() != "cuda" && next < r.memory.size()) out.host[seg.id()] = r.memory[next++];
+  return out;
+}
+
+namespace {
+// XXH3-128 of every host segment of the rank in segment-id order: the whole staging memory of an engine that
+// stages in place, hashed as the engine would reload it.
+std::string StagingDigestOf(const std::map<int, std::shared_ptr<MappedSegment>>& host) {
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> st(XXH3_createState(), &XXH3_freeState);
+  XXH3_128bits_reset(st.get());
+  for (const auto& [id, seg] : host) XXH3_128bits_update(st.get(), seg->data(), seg->size());
+  const XXH128_hash_t h = XXH3_128bits_digest(st.get());
+  return absl::StrFormat("%016x%016x", h.high64, h.low64);
+}
+}  // namespace
+
+absl::StatusOr<v1::ChecksumReply> TargetNode::Checksums(const std::string& engine_id, const v1::RankRequest& req) {
+  // The mappings are shared: hashing runs without mu_ (a staged update's verify hashes whole models).
+  WSYNC_ASSIGN_OR_RETURN(RankView view, ViewRank(engine_id, req.rank()));
+  if (req.staging() && !view.layout.stages_in_place())
+    return absl::FailedPreconditionError(
+        absl::StrCat("engine ", engine_id, " rank ", req.rank(), " offers no staging memory this daemon can hash"));
   std::map<std::string, const v1::ParamDesc*> params;
-  for (const auto& p : r.layout.params()) params[p.name()] = &p;
+  for (const auto& p : view.layout.params()) params[p.name()] = &p;
   v1::ChecksumReply out;
   out.set_rank(req.rank());
+  if (req.staging()) out.set_staging_digest(StagingDigestOf(view.host));
   auto hash = [&](const v1::ParamDesc& p, uint64_t offset, uint64_t length, bool range) -> absl::Status {
-    auto seg = host.find(p.segment());
-    if (seg == host.end())
+    auto seg = view.host.find(p.segment());
+    if (seg == view.host.end())
       return absl::FailedPreconditionError(absl::StrCat("engine ", engine_id, " rank ", req.rank(), ": ", p.name(),
                                                         " is in cuda segment ", p.segment(),
                                                         ", which this daemon does not map (no checksum)"));
@@ -886,7 +921,7 @@ absl::StatusOr<v1::ChecksumReply> TargetNode::Checksums(const std::string& engin
     return absl::OkStatus();
   };
   if (req.ranges_size() == 0) {
-    for (const auto& p : r.layout.params()) WSYNC_RETURN_IF_ERROR(hash(p, 0, p.bytes(), false));
+    for (const auto& p : view.layout.params()) WSYNC_RETURN_IF_ERROR(hash(p, 0, p.bytes(), false));
     return out;
   }
   for (const auto& q : req.ranges()) {
@@ -902,6 +937,36 @@ absl::StatusOr<v1::ChecksumReply> TargetNode::Checksums(const std::string& engin
   return out;
 }
 
+absl::Status TargetNode::Switch(const std::string& engine_id, const v1::SwitchRequest& req) {
+  int num_ranks = 0;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    WSYNC_ASSIGN_OR_RETURN(Engine * e, Usable(engine_id));
+    num_ranks = e->num_ranks;
+  }
+  if (req.staging_digests_size() != num_ranks)
+    return absl::InvalidArgumentError(absl::StrCat("engine ", engine_id, ": switch to version ", req.version(),
+                                                   " carries ", req.staging_digests_size(),
+                                                   " staging digests; the engine has ", num_ranks, " ranks"));
+  // Nothing is swapped here: the engine's post-processing (vLLM's reload) makes the staging memory live. What the
+  // switch guarantees is that it reloads the bytes that were verified.
+  for (int r = 0; r < num_ranks; ++r) {
+    WSYNC_ASSIGN_OR_RETURN(RankView view, ViewRank(engine_id, r));
+    if (!view.layout.stages_in_place())
+      return absl::FailedPreconditionError(
+          absl::StrCat("engine ", engine_id, " rank ", r, " offers no staging memory; nothing switched"));
+    const std::string have = StagingDigestOf(view.host);
+    if (have != req.staging_digests(r))
+      return absl::FailedPreconditionError(absl::StrCat("engine ", engine_id, ": switch to version ", req.version(),
+                                                        " refused: rank ", r, "'s staging memory is not what was ",
+                                                        "verified (", have, " != ", req.staging_digests(r),
+                                                        "); nothing switched"));
+  }
+  spdlog::info("engine {}: staging memory of version {} still as verified; its post-processing makes it live",
+               engine_id, req.version());
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::EngineInfo> TargetNode::EngineInfo(const std::string& engine_id) {
   std::lock_guard<std::mutex> l(mu_);
   WSYNC_ASSIGN_OR_RETURN(Engine * e, Usable(engine_id));
@@ -912,6 +977,7 @@ absl::StatusOr<v1::EngineInfo> TargetNode::EngineInfo(const std::string& engine_
   out.set_weight_version(e->version);
   out.set_paused(e->paused);
   out.set_kind(e->kind);
+  out.set_staging(e->num_ranks > 0 && e->ranks[0].layout.stages_in_place());
   return out;
 }
 

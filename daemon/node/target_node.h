@@ -144,7 +144,13 @@ class TargetNode {
   // XXH3-128 of byte ranges (`req.ranges`, else every whole parameter) of one attached rank's weight memory as this
   // daemon maps it (wsyncctl verify). Host segments only: a parameter in a cuda segment is FailedPrecondition. Holds
   // mu_ while hashing (the mapping must not go away under it): a diagnostic, not for the update path.
+  // `req.staging` (staged updates, an engine whose layout stages in place): the reply also carries the digest of the
+  // rank's whole staging memory; FailedPrecondition for any other engine. Hashes without mu_ (mappings are shared).
   absl::StatusOr<v1::ChecksumReply> Checksums(const std::string& engine_id, const v1::RankRequest& req);
+  // Staged updates, an engine that stages in place: checks that every rank's staging memory still hashes to the
+  // digest it was verified with (FailedPrecondition naming the rank otherwise). Nothing is swapped: the engine's
+  // post-processing then makes those bytes live.
+  absl::Status Switch(const std::string& engine_id, const v1::SwitchRequest& req);
 
   // Every source finished update `req.version()`: validates every staged delta record of it (structure, version,
   // parameter and range inside the rank's layout, in host memory, inside the plan's ranges of the source that staged
@@ -195,6 +201,13 @@ class TargetNode {
     std::unique_ptr<grpc::Service> facade;
     std::unique_ptr<grpc::Server> facade_server;
   };
+
+  // One rank's layout and its host mappings (kept alive by the shared pointers), taken under mu_.
+  struct RankView {
+    v1::RankLayout layout;
+    std::map<int, std::shared_ptr<MappedSegment>> host;  // segment id → mapping
+  };
+  absl::StatusOr<RankView> ViewRank(const std::string& engine_id, int rank);
 
   void Loop();
   void Accept();

@@ -52,6 +52,10 @@ enum class Rpc {
   kSetWeightVersion,
   kContinue,
   kAbortSourceUpdate,
+  // Staged updates only: the verify's two sides and the switch.
+  kWriteChecksums,
+  kEngineChecksums,
+  kSwitch,
 };
 enum class Fault { kNone, kUnavailable, kInternal, kTimeout, kHang, kLate };
 
@@ -81,6 +85,12 @@ const char* Name(Rpc r) {
       return "Continue";
     case Rpc::kAbortSourceUpdate:
       return "AbortSourceUpdate";
+    case Rpc::kWriteChecksums:
+      return "GetWriteChecksums";
+    case Rpc::kEngineChecksums:
+      return "GetChecksums(staging)";
+    case Rpc::kSwitch:
+      return "Switch";
   }
   return "?";
 }
@@ -117,6 +127,8 @@ class ScriptedPeers : public Peers {
   struct EngineTruth {
     bool paused = false;
     std::string version;  // the label last set
+    std::string staged;   // the version its staging memory holds (what the sources of a started update wrote)
+    std::string live;     // the version its Switch made live ("" = none switched)
   };
   struct SourceTruth {
     int64_t epoch = -1;           // plan epoch held (-1: none)
@@ -176,7 +188,11 @@ class ScriptedPeers : public Peers {
   }
   absl::Status StartUpdate(const std::string& addr, const v1::StartUpdateRequest& req) override {
     WSYNC_RETURN_IF_ERROR(Inject(Rpc::kStartUpdate, addr));
-    return CheckPlan(addr, req.version(), req.plan_epoch());
+    WSYNC_RETURN_IF_ERROR(CheckPlan(addr, req.version(), req.plan_epoch()));
+    std::lock_guard<std::mutex> l(mu_);
+    // A started source writes every staged engine's staging memory (the fake's sources write everything).
+    for (const auto& [id, layout] : staged_layouts_) engines_[id + ":2"].staged = std::to_string(req.version());
+    return absl::OkStatus();
   }
   absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string& addr,
                                                      const v1::FinishUpdateRequest& req) override {
@@ -209,6 +225,59 @@ class ScriptedPeers : public Peers {
     engines_[addr].paused = false;
     return absl::OkStatus();
   }
+  // Staged updates. Source s0 reports writes covering every parameter of every staged engine (what a real source
+  // records when it posts them); each engine's staging memory hashes to what was written unless `corrupt` names it.
+  void StagedEngine(const std::string& engine_id, const v1::RankLayout& layout) {
+    std::lock_guard<std::mutex> l(mu_);
+    staged_layouts_[engine_id] = layout;
+  }
+  void Corrupt(const std::string& addr) {
+    std::lock_guard<std::mutex> l(mu_);
+    corrupt_ = addr;
+  }
+  absl::StatusOr<v1::WriteChecksumsReply> WriteChecksums(const std::string& addr, int64_t version) override {
+    WSYNC_RETURN_IF_ERROR(Inject(Rpc::kWriteChecksums, addr));
+    std::lock_guard<std::mutex> l(mu_);
+    v1::WriteChecksumsReply r;
+    r.set_version(version);
+    r.set_finished(true);
+    if (addr != "s0:1") return r;
+    for (const auto& [id, layout] : staged_layouts_)
+      for (const auto& p : layout.params()) {
+        auto* w = r.add_writes();
+        w->set_engine_id(id);
+        w->set_rank(layout.rank());
+        w->set_param(p.name());
+        w->set_length(p.bytes());
+        w->set_xxh128(StagedHash(version, p.name()));
+      }
+    return r;
+  }
+  absl::StatusOr<v1::ChecksumReply> EngineChecksums(const std::string& addr, const v1::RankRequest& req) override {
+    WSYNC_RETURN_IF_ERROR(Inject(Rpc::kEngineChecksums, addr));
+    std::lock_guard<std::mutex> l(mu_);
+    const std::string& staged = engines_[addr].staged;
+    v1::ChecksumReply r;
+    r.set_rank(req.rank());
+    r.set_staging_digest(absl::StrCat("digest of ", addr, " at ", staged));
+    for (const auto& q : req.ranges()) {
+      auto* c = r.add_params();
+      c->set_name(q.param());
+      c->set_xxh128(corrupt_ == addr ? "flipped" : StagedHash(std::stoll(staged), q.param()));
+    }
+    return r;
+  }
+  absl::Status Switch(const std::string& addr, const v1::SwitchRequest& req) override {
+    WSYNC_RETURN_IF_ERROR(Inject(Rpc::kSwitch, addr));
+    std::lock_guard<std::mutex> l(mu_);
+    EngineTruth& e = engines_[addr];
+    for (const auto& d : req.staging_digests())
+      if (d != absl::StrCat("digest of ", addr, " at ", e.staged))
+        return absl::FailedPreconditionError(absl::StrCat("staging of ", addr, " is not what was verified"));
+    e.live = req.version();
+    return absl::OkStatus();
+  }
+
   // Cancels the calls to `addr` in flight now (not later ones), as gRPC's TryCancel does.
   void CancelCalls(const std::string& addr) override {
     std::lock_guard<std::mutex> l(mu_);
@@ -310,7 +379,13 @@ class ScriptedPeers : public Peers {
     return absl::OkStatus();
   }
 
+  static std::string StagedHash(int64_t version, const std::string& param) {
+    return absl::StrCat("v", version, " ", param);
+  }
+
   const std::string config_json_ = TinyConfigJson();
+  std::map<std::string, v1::RankLayout> staged_layouts_;  // engine id → its one rank's layout
+  std::string corrupt_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::pair<Rpc, std::string>, Fault> armed_;
@@ -386,12 +461,28 @@ v1::RegisterNodeRequest Target(const std::string& id, const std::string& engine)
   return r;
 }
 
-// Two source nodes s0, s1 (each given work: no minimum per source) and engines e0, e1 on target nodes t0, t1.
+// How an engine offers staging memory: none, a second copy (the reference engine's --staging) or its own segments
+// made live by its reload (vLLM's staged attach).
+enum class Staging { kNone, kSecondCopy, kInPlace };
+
+v1::RegisterNodeRequest StagedTarget(const std::string& id, const std::string& engine, Staging staging) {
+  v1::RegisterNodeRequest r = Target(id, engine);
+  v1::RankLayout* l = r.mutable_engines(0)->mutable_ranks(0);
+  if (staging == Staging::kSecondCopy) l->set_staging_segment_shift(1);
+  if (staging == Staging::kInPlace) {
+    r.mutable_engines(0)->set_kind("vllm");
+    l->set_stages_in_place(true);
+  }
+  return r;
+}
+
+// Two source nodes s0, s1 (each given work: no minimum per source) and engines e0, e1 on target nodes t0, t1, with
+// the staging memory given (e0's, e1's).
 struct Cluster {
   ScriptedPeers* peers;
   std::unique_ptr<Coordinator> c;
 
-  Cluster() {
+  explicit Cluster(Staging e0 = Staging::kNone, Staging e1 = Staging::kNone) {
     CoordinatorOptions o;
     o.min_source_bytes = 0;
     auto p = std::make_unique<ScriptedPeers>();
@@ -399,12 +490,17 @@ struct Cluster {
     c = std::make_unique<Coordinator>(o, std::move(p));
     peers->coordinator = c.get();
     for (const char* s : {"s0", "s1"}) REQUIRE(c->RegisterNode(Source(s)).ok());
-    REQUIRE(c->RegisterNode(Target("t0", "e0")).ok());
-    REQUIRE(c->RegisterNode(Target("t1", "e1")).ok());
+    for (const auto& [t, e, staging] : {std::tuple("t0", "e0", e0), std::tuple("t1", "e1", e1)}) {
+      const v1::RegisterNodeRequest r = StagedTarget(t, e, staging);
+      REQUIRE(c->RegisterNode(r).ok());
+      if (staging != Staging::kNone) peers->StagedEngine(e, r.engines(0).ranks(0));
+    }
   }
-  absl::Status Begin(int64_t v) {
+  absl::Status Begin(int64_t v, const std::string& mode = "", const std::string& delta = "") {
     v1::BeginUpdateRequest r;
     r.set_version(v);
+    r.set_mode(mode);
+    r.set_delta(delta);
     return c->BeginUpdate(r).status();
   }
   absl::Status Commit(int64_t v) {
@@ -418,8 +514,8 @@ struct Cluster {
     r.set_reason(reason);
     return c->AbortUpdate(r);
   }
-  absl::Status Update(int64_t v) {
-    absl::Status st = Begin(v);
+  absl::Status Update(int64_t v, const std::string& mode = "") {
+    absl::Status st = Begin(v, mode);
     return st.ok() ? Commit(v) : st;
   }
   v1::UpdateRecord LastRecord() {
@@ -487,6 +583,12 @@ Victim VictimOf(Rpc rpc) {
       return {"e1:2", "continue engine e1"};
     case Rpc::kAbortSourceUpdate:
       return {"s1:1", "abort at source s1 (s1:1)"};
+    case Rpc::kWriteChecksums:
+      return {"s1:1", "write checksums of source s1 (s1:1)"};
+    case Rpc::kEngineChecksums:
+      return {"e1:2", "staging not verified"};
+    case Rpc::kSwitch:
+      return {"e1:2", "switch engine e1"};
   }
   return {};
 }
@@ -940,6 +1042,159 @@ TEST_CASE("faults: a source that lost its configuration is configured again at t
     REQUIRE(st.ok());
     CHECK(k.peers->Calls(Rpc::kConfigureSource, "s1:1") == before + 1);
     k.CheckAllServing("3");
+  }
+}
+
+// Staged updates under faults at stage, verify and switch (docs/operations.md, "Staged updates"): e0 stages in place
+// (vLLM), e1 in a second copy (reference engine). A source failing during the stage abandons the update with every
+// engine serving the old version, never paused; a verify that cannot hear the sources switches none; an engine whose
+// staging is not verified, whose pause fails (dead between verify and switch) or that refuses Switch is left out,
+// stale, serving its old version unpaused, while the other switches. The next staged update brings every engine up.
+TEST_CASE("faults, staged: stage, verify and switch fail, time out, hang or answer late; engines left out are stale") {
+  const Rpc rpc = GENERATE(Rpc::kStartUpdate, Rpc::kFinishUpdate, Rpc::kWriteChecksums, Rpc::kEngineChecksums,
+                           Rpc::kPause, Rpc::kSwitch);
+  const Fault fault = GENERATE(Fault::kUnavailable, Fault::kInternal, Fault::kTimeout, Fault::kHang, Fault::kLate);
+  INFO(Name(rpc) << " " << Name(fault));
+  Cluster k(Staging::kInPlace, Staging::kSecondCopy);
+  REQUIRE(k.Update(1, "staged").ok());
+  k.CheckAllServing("1");
+  const Victim victim = VictimOf(rpc);
+  k.peers->Arm(rpc, fault, victim.addr);
+
+  StatusProbe probe(k.c.get());
+  const absl::Status ended = k.Update(2, "staged");
+  CHECK(probe.Stop() < absl::FromChrono(kAnswerWithin));
+  CHECK(k.peers->Blocked().empty());
+  CHECK(k.peers->Calls(rpc, victim.addr) > 0);
+  INFO(ended.ToString());
+
+  const v1::ClusterStatus st = k.c->Status();
+  const v1::UpdateRecord last = k.LastRecord();
+  CHECK(last.version() == 2);
+  CHECK(last.mode() == "staged");
+  // Whatever happened, no engine stays paused and none holds partial live weights.
+  CHECK_FALSE(st.engines_hold_partial_writes());
+  for (const char* e : {"e0:2", "e1:2"}) CHECK_FALSE(k.peers->Engine(e).paused);
+  std::map<std::string, v1::EngineSummary> detail;
+  for (const auto& n : st.nodes())
+    for (const auto& d : n.engine_details()) detail[d.engine_id()] = d;
+  REQUIRE(detail.size() == 2);
+
+  if (fault == Fault::kLate) {
+    CHECK(ended.ok());
+    CHECK(last.switched_size() == 2);
+    k.CheckAllServing("2");
+  } else if (rpc == Rpc::kStartUpdate || rpc == Rpc::kFinishUpdate) {
+    // A source failed during the stage: abandoned, nothing paused, nothing switched.
+    CHECK_FALSE(ended.ok());
+    CHECK(absl::StrContains(ended.message(), victim.named));
+    CHECK(st.current_version() == "1");
+    CHECK(last.switched_size() == 0);
+    for (const char* e : {"e0", "e1"}) {
+      INFO(e);
+      CHECK(detail[e].weight_version() == "1");
+      const ScriptedPeers::EngineTruth t = k.peers->Engine(absl::StrCat(e, ":2"));
+      CHECK(t.version == "1");
+      CHECK(t.live == "1");
+    }
+    CHECK(k.peers->Calls(Rpc::kSwitch, "e0:2") == 1);  // update 1's only
+  } else if (rpc == Rpc::kWriteChecksums) {
+    // Nothing can be verified without every source's record: no engine switches, both stay on 1.
+    CHECK_FALSE(ended.ok());
+    CHECK(absl::StrContains(ended.message(), "no engine switched to 2"));
+    CHECK(absl::StrContains(ended.message(), victim.named));
+    CHECK(st.current_version() == "1");
+    for (const char* e : {"e0", "e1"}) {
+      INFO(e);
+      CHECK(detail[e].stale());
+      CHECK(detail[e].weight_version() == "1");
+      CHECK(k.peers->Engine(absl::StrCat(e, ":2")).live == "1");
+    }
+  } else {
+    // e1 was left out (not verified, its pause failed, or it refused Switch); e0 switched.
+    CHECK(ended.ok());
+    CHECK(st.current_version() == "2");
+    REQUIRE(last.switched_size() == 1);
+    CHECK(last.switched(0) == "e0");
+    REQUIRE(last.stale_size() == 1);
+    CHECK(absl::StartsWith(last.stale(0), "e1: "));
+    CHECK(absl::StrContains(last.stale(0), victim.named));
+    CHECK(detail["e0"].state() == "serving");
+    CHECK(detail["e0"].weight_version() == "2");
+    CHECK(k.peers->Engine("e0:2").live == "2");
+    CHECK(detail["e1"].stale());
+    CHECK(detail["e1"].weight_version() == "1");
+    const ScriptedPeers::EngineTruth t1 = k.peers->Engine("e1:2");
+    CHECK(t1.version == "1");
+    CHECK(t1.live == "1");
+  }
+  k.peers->Disarm();
+  const absl::Status next = k.Update(3, "staged");
+  INFO(next.ToString());
+  REQUIRE(next.ok());
+  k.CheckAllServing("3");
+  const v1::ClusterStatus after = k.c->Status();
+  for (const auto& n : after.nodes())
+    for (const auto& d : n.engine_details()) CHECK_FALSE(d.stale());
+}
+
+TEST_CASE("faults, staged: staged bytes that differ from what the sources wrote leave that engine out") {
+  Cluster k(Staging::kInPlace, Staging::kInPlace);
+  REQUIRE(k.Update(1, "staged").ok());
+  k.peers->Corrupt("e1:2");
+  REQUIRE(k.Update(2, "staged").ok());
+  const v1::UpdateRecord last = k.LastRecord();
+  REQUIRE(last.stale_size() == 1);
+  CHECK(absl::StrContains(last.stale(0), "staged flipped, the source wrote v2"));
+  CHECK(k.peers->Engine("e1:2").live == "1");
+  CHECK(k.peers->Engine("e0:2").live == "2");
+  k.peers->Corrupt("");
+  REQUIRE(k.Update(3, "staged").ok());
+  k.CheckAllServing("3");
+}
+
+TEST_CASE("staged: deltas stay possible where every engine stages in place; a second copy turns them off") {
+  SECTION("every engine stages in place (vLLM): its staging memory holds the version last written") {
+    Cluster k(Staging::kInPlace, Staging::kInPlace);
+    REQUIRE(k.Update(1, "staged").ok());
+    CHECK(k.LastRecord().delta_mode() == "auto");
+    // The targets apply the records into the staging memory (and record the version it holds) before the verify.
+    CHECK(k.peers->Calls(Rpc::kApplyDelta, "t1:1") == 1);
+    REQUIRE(k.Begin(2, "staged", "always").ok());
+    REQUIRE(k.Commit(2).ok());
+    CHECK(k.LastRecord().delta_mode() == "always");
+    k.CheckAllServing("2");
+    // A target failing to apply them: nothing verified or switched, every engine serves on at 2, unpaused.
+    k.peers->Arm(Rpc::kApplyDelta, Fault::kUnavailable, "t1:1");
+    const absl::Status failed = k.Update(3, "staged");
+    CHECK(absl::StrContains(failed.message(), "apply_delta at target t1 (t1:1)"));
+    CHECK(k.peers->Calls(Rpc::kSwitch, "e0:2") == 2);
+    for (const char* e : {"e0:2", "e1:2"}) {
+      CHECK_FALSE(k.peers->Engine(e).paused);
+      CHECK(k.peers->Engine(e).live == "2");
+    }
+    CHECK_FALSE(k.c->Status().engines_hold_partial_writes());
+    k.peers->Disarm();
+    REQUIRE(k.Update(4, "staged").ok());
+    k.CheckAllServing("4");
+  }
+  SECTION("an engine with a second copy: that copy holds an older version") {
+    Cluster k(Staging::kInPlace, Staging::kSecondCopy);
+    REQUIRE(k.Update(1, "staged").ok());
+    CHECK(k.LastRecord().delta_mode() == "off");
+    CHECK(k.peers->Calls(Rpc::kApplyDelta, "t1:1") == 0);  // no version recorded: the next update is dense
+    const absl::Status always = k.Begin(2, "staged", "always");
+    CHECK(always.code() == absl::StatusCode::kInvalidArgument);
+    CHECK(absl::StrContains(always.message(), "delta=always cannot run with mode staged"));
+    REQUIRE(k.Update(2).ok());  // classic still takes deltas
+    CHECK(k.LastRecord().delta_mode() == "auto");
+  }
+  SECTION("an engine without staging memory is refused, named, before anything is paused") {
+    Cluster k(Staging::kInPlace, Staging::kNone);
+    const absl::Status st = k.Begin(1, "staged");
+    CHECK(st.code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(absl::StrContains(st.message(), "engine e1 (reference, node t1) offers no staging memory"));
+    CHECK(k.peers->Calls(Rpc::kPause, "e0:2") == 0);
   }
 }
 

@@ -301,6 +301,88 @@ TEST_CASE("target: checksums of whole parameters and byte ranges come from the e
   munmap(maps[1], 1024);
 }
 
+// Staged updates of an engine whose segments are staging memory (vLLM's staged attach, docs/engines.md): the verify
+// hashes them in this daemon's mapping with a digest of the whole staging memory (every host segment in id order);
+// Switch accepts only that digest, and refuses, naming the rank, once a byte changed after the verify.
+TEST_CASE("target: an engine that stages in place: staging hashed for the verify, Switch refuses it changed since") {
+  Fixture f;
+  f.Start();
+  std::vector<uint8_t*> maps;
+  REQUIRE(f.Add(1, [&](const AttachInfo& info) {
+             RankConn c = RankConn::Connect(info.socket_path);
+             c.segments = TwoSegments();
+             for (const auto& s : c.segments) {
+               void* p = mmap(nullptr, s.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s.fd.get(), 0);
+               REQUIRE(p != MAP_FAILED);
+               maps.push_back(static_cast<uint8_t*>(p));
+             }
+             for (uint64_t i = 0; i < 4096; ++i) maps[0][i] = static_cast<uint8_t>(i * 5 + 1);
+             for (uint64_t i = 0; i < 1024; ++i) maps[1][i] = static_cast<uint8_t>(i * 11 + 2);
+             Json msg = AttachMessage(info, 0, 1);
+             msg["stages_in_place"] = true;
+             REQUIRE(c.Attach(msg).value("ok", false));
+             f.conns.push_back(std::move(c));
+             return absl::OkStatus();
+           }).ok());
+  auto whole = [&] {
+    std::vector<uint8_t> all(maps[0], maps[0] + 4096);
+    all.insert(all.end(), maps[1], maps[1] + 1024);
+    return Xxh128(all.data(), all.size());
+  };
+  auto info = f.node->EngineInfo("fake0");
+  REQUIRE(info.ok());
+  CHECK(info->staging());
+  v1::RankRequest req;
+  req.set_staging(true);
+  auto* r = req.add_ranges();
+  r->set_param("b.weight");
+  r->set_length(16);
+  auto verified = f.node->Checksums("fake0", req);
+  REQUIRE(verified.ok());
+  CHECK(verified->staging_digest() == whole());
+  CHECK(verified->params(0).xxh128() == Xxh128(maps[0] + 256, 16));
+
+  v1::SwitchRequest sw;
+  sw.set_version("5");
+  CHECK(f.node->Switch("fake0", sw).code() == absl::StatusCode::kInvalidArgument);  // one digest per rank
+  sw.add_staging_digests(verified->staging_digest());
+  CHECK(f.node->Switch("fake0", sw).ok());
+  maps[1][1000] ^= 1;  // a byte outside every parameter still counts: the reload copies the whole segment
+  const absl::Status changed = f.node->Switch("fake0", sw);
+  CHECK(changed.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(changed.message(), "rank 0's staging memory is not what was verified"));
+  munmap(maps[0], 4096);
+  munmap(maps[1], 1024);
+}
+
+TEST_CASE("target: staging is refused for an engine that does not stage in place, and the two staging forms clash") {
+  Fixture f;
+  f.Start();
+  RequireRefused(AttachOnce(f, [](Json& m) { m["stages_in_place"] = 1; }), "\"stages_in_place\" must be a boolean");
+  std::vector<Segment> four = TwoSegments();
+  four.push_back(MakeSegment(4096));
+  four.push_back(MakeSegment(1024));
+  RequireRefused(AttachOnce(
+                     f,
+                     [](Json& m) {
+                       m["segments"].push_back({{"id", 10}, {"kind", "host"}, {"bytes", 4096}});
+                       m["segments"].push_back({{"id", 17}, {"kind", "host"}, {"bytes", 1024}});
+                       m["staging_segment_shift"] = 10;
+                       m["stages_in_place"] = true;
+                     },
+                     std::move(four)),
+                 "stages_in_place and staging_segment_shift exclude each other");
+  REQUIRE(AttachOnce(f, [](Json&) {}).value("ok", false));
+  v1::RankRequest req;
+  req.set_staging(true);
+  const auto st = f.node->Checksums("fake0", req);
+  CHECK(st.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(st.status().message(), "offers no staging memory"));
+  v1::SwitchRequest sw;
+  sw.add_staging_digests("x");
+  CHECK(f.node->Switch("fake0", sw).code() == absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_CASE("target: attach validation refuses bad messages with a reason") {
   Fixture f;
   f.Start();

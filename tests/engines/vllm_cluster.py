@@ -57,9 +57,9 @@ def vllm_env(cpu: str, extra: dict | None = None) -> dict:
     return env
 
 
-def generate(base: str) -> list[list[int]]:
+def generate(base: str, prompts: list[list[int]] | None = None) -> list[list[int]]:
     out = []
-    for p in PROMPTS:
+    for p in PROMPTS if prompts is None else prompts:
         r = http("POST", f"{base}/v1/completions", {"model": "m", "prompt": p, "max_tokens": MAX_TOKENS,
                                                      "temperature": 0.0, "return_token_ids": True,
                                                      "ignore_eos": True}, timeout=120)

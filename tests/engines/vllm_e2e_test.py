@@ -13,6 +13,10 @@ Per update v (fresh random weights each time, written as a safetensors checkpoin
   * greedy generation from fixed token-id prompts on A equals B's, and differs from A's output one version before.
 Then a failed update: the source wsyncd is killed mid-push → the commit fails, A stays paused at the old version
 with its old outputs; the source is restarted (same node id) and the next update succeeds and verifies.
+With --coordinator-staged N, then N staged updates (docs/operations.md, "Staged updates"): the push lands in vLLM's
+staging memory while a client generates throughout; every completion answered before the commit is the old
+version's, every one sent after it the new version's (equal to the oracle's), and vLLM is paused only for the
+switch (its reload).
 
 Run: vllm_e2e_test.py --bin build/bin --python <venv python> --model qwen3|qwen3-moe [--mode staged|direct]
 Exit 0 pass, 1 fail. The venv comes from tools/testing/engines/install_vllm_cpu.sh (run by tests/engines/run_vllm_e2e.sh).
@@ -31,7 +35,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 from harness import http, log  # noqa: E402
-from vllm_cluster import (Cluster, checksums, generate, make_checkpoint,  # noqa: E402
+from vllm_cluster import (PROMPTS, Cluster, checksums, generate, make_checkpoint,  # noqa: E402
                           push_update, vllm_argv, vllm_env)
 
 
@@ -43,10 +47,72 @@ def parse_args():
     ap.add_argument("--mode", choices=["staged", "direct"], default="staged")
     ap.add_argument("--updates", type=int, default=3)
     ap.add_argument("--skip-failure", action="store_true", help="do not run the kill-the-source case")
+    ap.add_argument("--coordinator-staged", type=int, default=0,
+                    help="then this many staged updates (BeginUpdate mode staged) with a client generating "
+                         "throughout (needs --mode staged)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
     args.bin, args.lib = os.path.abspath(args.bin), os.path.abspath(args.lib)
     return args
+
+
+class Reader:
+    """A client generating throughout an update: greedy completions of the first prompt, one after another, each
+    recorded with when it was sent and answered (vLLM's greedy output is a pure function of the weights)."""
+
+    def __init__(self, base: str):
+        self.base = base
+        self.done: list[tuple[float, float, list[int]]] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.time()
+            try:
+                ids = generate(self.base, PROMPTS[:1])[0]
+            except Exception as e:  # noqa: BLE001 - recorded: serving must not fail during an update
+                self.errors.append(f"{type(e).__name__}: {e}")
+                time.sleep(0.05)
+                continue
+            with self._cv:
+                self.done.append((t0, time.time(), ids))
+                self._cv.notify_all()
+
+    def wait_for_one_after(self, t: float, timeout: float = 120.0) -> None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: any(s > t for s, _, _ in self.done), timeout):
+                harness.fail(f"no completion answered within {timeout:g}s during the stage: vLLM stopped serving")
+
+    def check(self, old: list[int], new: list[int], t_begin: float, t_commit: float, t_done: float) -> None:
+        """Before the commit only `old`; sent after it returned only `new`; never old again once new was seen."""
+        self._stop.set()
+        self._thread.join(timeout=180)
+        if self.errors:
+            harness.fail(f"the client's requests failed during the staged update: {self.errors[:3]}")
+        stage = [(s, e, ids) for s, e, ids in self.done if s >= t_begin and e <= t_commit]
+        if not stage:
+            harness.fail("no completion both sent and answered during the stage")
+        bad = [ids for s, e, ids in self.done if e <= t_commit and ids != old]
+        if bad:
+            harness.fail(f"{len(bad)} completions before the switch are not the old version's: {bad[0]} != {old}")
+        late = [ids for s, e, ids in self.done if s >= t_done and ids != new]
+        if late:
+            harness.fail(f"{len(late)} completions after the switch are not the new version's: {late[0]} != {new}")
+        if not any(s >= t_done for s, _, _ in self.done):
+            harness.fail("no completion after the switch")
+        first_new = min((e for s, e, ids in self.done if ids == new), default=None)
+        regress = [s for s, e, ids in self.done if ids == old and first_new is not None and s > first_new]
+        if regress:
+            harness.fail("a completion of the old version was sent after one of the new version was answered")
+        straddle = [ids for s, e, ids in self.done if s < t_done and e > t_commit and ids not in (old, new)]
+        longest = max(e - s for s, e, _ in stage)
+        log(f"client: {len(stage)} completions during the stage (longest {longest:.3f}s), all of the old version; "
+            f"{sum(1 for s, _, _ in self.done if s >= t_done)} after the switch, all of the new one; "
+            f"{len(straddle)} retracted at the switch and finished on the new weights")
 
 
 def run(args) -> None:
@@ -99,17 +165,34 @@ def run(args) -> None:
             prev = before
             version = 0
 
-            def one_update(v: int, seed: int):
+            def one_update(v: int, seed: int, mode: str = ""):
                 nonlocal prev
                 ck = os.path.join(wd, f"ckpt-{v}")
                 tensors = make_checkpoint(args.model, ck, seed)
+                reader = Reader(a) if mode == "staged" else None
                 t_begin = time.time()
-                coord.begin_update(v)
+                coord.begin_update(v, mode=mode)
                 n = push_update(Trainer, cl.source_addr, v, tensors)
+                if reader is not None:
+                    # The push is over, its bytes in vLLM's staging memory: a completion sent now must still be
+                    # answered, by the old weights, before the commit switches.
+                    reader.wait_for_one_after(time.time())
+                    if http("GET", f"{a}/weight_info")["weight_version"] != str(v - 1):
+                        harness.fail(f"staged update {v}: vLLM reports a new version before the switch")
+                t_commit = time.time()
                 rec = coord.commit_update(v, timeout=300.0)
-                t_wsync = time.time() - t_begin
-                phases = {p["phase"]: round(p["seconds"], 3) for p in rec.get("record", rec).get("phases", [])}
+                t_done = time.time()
+                t_wsync = t_done - t_begin
+                record = rec.get("record", rec)
+                phases = {p["phase"]: round(p["seconds"], 3) for p in record.get("phases", [])}
                 log(f"update {v}: {n} tensors pushed, committed in {t_wsync:.2f}s; phases {phases}")
+                if mode == "staged":
+                    if record.get("mode") != "staged" or record.get("switched") != ["vllm-a"]:
+                        harness.fail(f"staged update {v}: record {record}")
+                    paused = sum(phases.get(k, 0.0) for k in ("pause", "switch", "post_process", "set_version",
+                                                               "continue"))
+                    log(f"staged update {v}: paused {paused:.3f}s of {t_wsync:.3f}s; the reload (post_process) "
+                        f"{phases.get('post_process', 0.0):.3f}s of it; stage (push + verify) not paused")
                 t1 = time.time()
                 b = start_oracle(ck)
                 log(f"oracle B started fresh from checkpoint {v} in {time.time() - t1:.1f}s")
@@ -131,6 +214,8 @@ def run(args) -> None:
                     harness.fail(f"update {v}: greedy tokens differ from vLLM's own load: A {ga} B {gb}")
                 if ga == prev:
                     harness.fail(f"update {v}: outputs equal those of the previous weights; the test cannot tell")
+                if reader is not None:
+                    reader.check(prev[0], ga[0], t_begin, t_commit, t_done)
                 prev = ga
                 procs.kill("vllm-b", signal.SIGTERM)
                 log(f"update {v} verified: {len(ca)} parameter checksums equal vLLM's own load, "
@@ -178,6 +263,13 @@ def run(args) -> None:
                 version += 1
                 one_update(version, 1000 + version)
                 log(f"update {version} after restarting the source: verified")
+
+            if args.coordinator_staged:
+                for _ in range(args.coordinator_staged):
+                    version += 1
+                    one_update(version, 1000 + version, mode="staged")
+                    log(f"staged update {version}: verified; the client saw only the old version before the "
+                        "switch and only the new one after it")
 
             hist = coord.history()
             ok = [r for r in hist if r.get("success")]

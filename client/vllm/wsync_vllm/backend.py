@@ -294,6 +294,9 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
             "rank": self._rank, "world_size": world_size, "parallelism": par,
             "model_config_json": _model_config_json(self.model_config),
             "segments": [{"id": 0, "kind": "host", "bytes": self._segment.nbytes}],
+            # staged: the segment is staging memory that only the reload makes live, so the coordinator's staged
+            # updates write it while vLLM serves and pause it for the reload alone
+            "stages_in_place": self._mode == "staged",
             "params": [{"name": e.name, "dtype": dtype_name(e.dtype), "shape": list(e.shape), "segment": 0,
                         "offset": e.offset, "bytes": e.nbytes} for e in self._entries],
         }
