@@ -25,12 +25,13 @@ absl::Status CheckQuantization(const v1::WeightQuantization& q) {
     return absl::InvalidArgumentError(
         absl::StrCat("quantization: unknown method '", q.method().substr(0, 64), "' (\"\" or \"fp8_block\")"));
   if (q.block_size_size() != 2 || q.block_size(0) <= 0 || q.block_size(1) <= 0)
-    return absl::InvalidArgumentError(absl::StrCat("quantization: fp8_block needs block_size [block_n, block_k], "
-                                                   "both positive; got [",
-                                                   absl::StrJoin(q.block_size(), ", "), "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("quantization: fp8_block needs block_size [block_n, block_k], "
+                     "both positive; got [",
+                     absl::StrJoin(q.block_size(), ", "), "]"));
   if (!q.scale_format().empty() && q.scale_format() != kUe8m0)
-    return absl::InvalidArgumentError(absl::StrCat("quantization: unknown scale_format '",
-                                                   q.scale_format().substr(0, 64), "' (\"\" or \"ue8m0\")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("quantization: unknown scale_format '", q.scale_format().substr(0, 64), "' (\"\" or \"ue8m0\")"));
   return absl::OkStatus();
 }
 
@@ -53,7 +54,8 @@ absl::StatusOr<replica::QuantSpec> QuantSpecOfLayout(const v1::RankLayout& layou
     for (const auto& p : layout.params())
       if (absl::EndsWith(p.name(), "_scale_inv"))
         return absl::FailedPreconditionError(absl::StrCat(
-            who, ": parameter ", p.name(), " is an FP8 block scale but the engine reports no quantization; it must "
+            who, ": parameter ", p.name(),
+            " is an FP8 block scale but the engine reports no quantization; it must "
             "report quantization {method fp8_block, block_size [n, k]} (docs/engines.md, \"Quantization\")"));
     return out;
   }
@@ -92,9 +94,9 @@ absl::StatusOr<v1::WeightQuantization> QuantizationFromModelConfig(const std::st
   auto m = it->find("quant_method");
   const std::string method = m != it->end() && m->is_string() ? m->get<std::string>() : std::string();
   if (method != "fp8")
-    return absl::UnimplementedError(
-        absl::StrCat("config.json: quantization_config.quant_method '", method.substr(0, 64),
-                     "' is not supported (only fp8 with weight_block_size)"));
+    return absl::UnimplementedError(absl::StrCat("config.json: quantization_config.quant_method '",
+                                                 method.substr(0, 64),
+                                                 "' is not supported (only fp8 with weight_block_size)"));
   auto b = it->find("weight_block_size");
   if (b == it->end() || b->is_null())
     return absl::UnimplementedError("config.json: fp8 without weight_block_size (per-tensor FP8) is not supported");

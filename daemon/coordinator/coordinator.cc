@@ -215,10 +215,11 @@ ReplanInput Coordinator::PlanningInput() const {
 absl::Status Coordinator::Replan(bool dry_run) {
   WSYNC_ASSIGN_OR_RETURN(Replanned r, PlanMembership(PlanningInput()));
   if (dry_run) return absl::OkStatus();
-  spdlog::info("plan ({}): {} source nodes ({} stages x {} ranks per node), {} engine groups ({} re-planned: {}), "
-               "{} (source, engine rank) assignments, quantization {}",
-               opts_.strategy, r.sources, r.pp, r.ranks_per_node, r.groups.size(), r.replanned.size(),
-               absl::StrJoin(r.replanned, ", "), r.plan.size(), QuantizationName(r.quantization));
+  spdlog::info(
+      "plan ({}): {} source nodes ({} stages x {} ranks per node), {} engine groups ({} re-planned: {}), "
+      "{} (source, engine rank) assignments, quantization {}",
+      opts_.strategy, r.sources, r.pp, r.ranks_per_node, r.groups.size(), r.replanned.size(),
+      absl::StrJoin(r.replanned, ", "), r.plan.size(), QuantizationName(r.quantization));
   ApplyPlan(std::move(r));
   return absl::OkStatus();
 }
@@ -531,9 +532,9 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     }
     plan_epoch = need_plan ? membership_epoch_ : plan_epoch_;
     if (st.ok() && need_configure) {
-      std::map<std::string, v1::ConfigureSourceRequest> by_source = SourceConfigurations(
-          nodes_, model_config_json_, plan_, push_filters_, model_quantization_,
-          [&](const Planned& p) { return AssignmentFor(p, staged, live_sets); });
+      std::map<std::string, v1::ConfigureSourceRequest> by_source =
+          SourceConfigurations(nodes_, model_config_json_, plan_, push_filters_, model_quantization_,
+                               [&](const Planned& p) { return AssignmentFor(p, staged, live_sets); });
       // Only sources whose configuration changed, or that do not hold it (their heartbeats said so), are
       // configured again (a join or leave re-plans one group; the sources serving only other groups keep their
       // replica, connections and plan epoch).

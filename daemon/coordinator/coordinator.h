@@ -360,7 +360,7 @@ class Coordinator {
   // Per source node: what each of its local trainer ranks pushes (every local rank listed, lists may be empty).
   std::map<std::string, std::vector<v1::RankPushFilter>> push_filters_;
   std::string model_config_json_;
-  v1::WeightQuantization model_quantization_;  // what the engines report holding; the sources quantize to it
+  v1::WeightQuantization model_quantization_;         // what the engines report holding; the sources quantize to it
   std::map<std::string, absl::Time> last_heartbeat_;  // node id → last lease renewal
   std::map<std::string, std::string> engine_state_;  // control address → registered | paused | serving | failed: …
 

@@ -43,8 +43,7 @@ bool Drained(const ReplanInput& in, const std::string& node_id, const std::strin
 absl::StatusOr<std::pair<v1::WeightQuantization, replica::QuantSpec>> GroupQuantization(
     const std::vector<Engine>& engines) {
   const v1::RankLayout& first = engines.front().reg->ranks(0);
-  const std::string first_who =
-      absl::StrCat("engine ", engines.front().reg->engine_id(), " rank ", first.rank());
+  const std::string first_who = absl::StrCat("engine ", engines.front().reg->engine_id(), " rank ", first.rank());
   WSYNC_ASSIGN_OR_RETURN(replica::QuantSpec spec, QuantSpecOfLayout(first, first_who));
   for (const Engine& e : engines)
     for (const auto& r : e.reg->ranks()) {
@@ -61,8 +60,7 @@ absl::StatusOr<std::pair<v1::WeightQuantization, replica::QuantSpec>> GroupQuant
 }  // namespace
 
 absl::StatusOr<PlanSources> PlanSourceNodes(const std::map<std::string, v1::RegisterNodeRequest>& nodes,
-                                            const std::set<std::string>& drained_nodes,
-                                            const ReplanOptions& options) {
+                                            const std::set<std::string>& drained_nodes, const ReplanOptions& options) {
   // Every node must hold the same number of trainer ranks, every stage the same number of nodes (Megatron rank
   // order: stage p owns a contiguous block of ranks).
   PlanSources out;
@@ -85,9 +83,10 @@ absl::StatusOr<PlanSources> PlanSourceNodes(const std::map<std::string, v1::Regi
     bool held = false;
     for (const auto* s : sources) held |= s->pp_stage() == stage;
     if (!held)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "trainer stage ", stage, " has no source node left that is not drained: the tensors of its layers could "
-          "not be pushed"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("trainer stage ", stage,
+                       " has no source node left that is not drained: the tensors of its layers could "
+                       "not be pushed"));
   }
   if (any_drained && (!options.trainer_parallelism.empty() || options.strategy == "local"))
     return absl::FailedPreconditionError(
@@ -108,10 +107,10 @@ absl::StatusOr<PlanSources> PlanSourceNodes(const std::map<std::string, v1::Regi
   out.pp = static_cast<int>(nodes_per_stage.size());
   for (const auto& [stage, count] : nodes_per_stage)
     if (stage >= out.pp || count != nodes_per_stage.begin()->second)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "trainer stages must be 0..", out.pp - 1, " with the same number of source nodes",
-          any_drained ? " (not drained)" : "", " each; stage ", stage, " has ", count,
-          " (a stage may not have registered yet)"));
+      return absl::FailedPreconditionError(absl::StrCat("trainer stages must be 0..", out.pp - 1,
+                                                        " with the same number of source nodes",
+                                                        any_drained ? " (not drained)" : "", " each; stage ", stage,
+                                                        " has ", count, " (a stage may not have registered yet)"));
   return out;
 }
 
@@ -163,17 +162,16 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
       quant_of = engines.front().reg->engine_id();
     } else if (!SameQuantization(q.first, out.quantization)) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "engine ", engines.front().reg->engine_id(), " reports quantization ", QuantizationName(q.first),
-          ", engine ", quant_of, " ", QuantizationName(out.quantization),
-          ": the sources quantize one way for every engine"));
+          "engine ", engines.front().reg->engine_id(), " reports quantization ", QuantizationName(q.first), ", engine ",
+          quant_of, " ", QuantizationName(out.quantization), ": the sources quantize one way for every engine"));
     }
     group_quant[key] = q.second;
   }
 
   // What every group's plan depends on besides its own engines.
-  std::string common = absl::StrCat(in.model_config_json, "\n", opts.strategy, "\n", opts.trainer_parallelism, "\n",
-                                    planner::FormatMinSourceMib(opts.min_source_bytes), "\n", opts.nic, "\n",
-                                    opts.snap_bytes, "\n");
+  std::string common =
+      absl::StrCat(in.model_config_json, "\n", opts.strategy, "\n", opts.trainer_parallelism, "\n",
+                   planner::FormatMinSourceMib(opts.min_source_bytes), "\n", opts.nic, "\n", opts.snap_bytes, "\n");
   for (const auto* s : sources)
     absl::StrAppend(&common, s->node_id(), " ", s->address(), " ", s->trainer_ranks(), " ", s->pp_stage(), "\n");
 
@@ -224,7 +222,8 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
     // Quantization is what the engines report (GroupQuantization), never the parameter names.
     mo.quant = group_quant.at(key);
     replica::ModelConfig gcfg = cfg;
-    if (mo.quant.mode == replica::QuantSpec::Mode::kFp8Block) gcfg.weight_block_size = {mo.quant.block_n, mo.quant.block_k};
+    if (mo.quant.mode == replica::QuantSpec::Mode::kFp8Block)
+      gcfg.weight_block_size = {mo.quant.block_n, mo.quant.block_k};
     auto input = planner::BuildModelInput(gcfg, c, mo);
     if (!input.ok())
       return Annotate(input.status(), absl::StrCat("planning engines of kind ", engines.front().reg->kind()));
@@ -238,16 +237,14 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
         for (const auto& p : r.params()) theirs[p.name()] = p.bytes();
         for (const auto& p : input->layouts[r.rank()].params) {
           auto it = theirs.find(p.name);
-          if (it == theirs.end())
-            return absl::FailedPreconditionError(absl::StrCat(who, " lacks parameter ", p.name));
+          if (it == theirs.end()) return absl::FailedPreconditionError(absl::StrCat(who, " lacks parameter ", p.name));
           if (it->second != p.bytes)
-            return absl::FailedPreconditionError(absl::StrCat(who, ": parameter ", p.name, " has ", it->second,
-                                                              " bytes, the model needs ", p.bytes));
+            return absl::FailedPreconditionError(
+                absl::StrCat(who, ": parameter ", p.name, " has ", it->second, " bytes, the model needs ", p.bytes));
         }
         if (theirs.size() != input->layouts[r.rank()].params.size())
-          return absl::FailedPreconditionError(
-              absl::StrCat(who, " has ", theirs.size(), " parameters, the model's layout ",
-                           input->layouts[r.rank()].params.size()));
+          return absl::FailedPreconditionError(absl::StrCat(
+              who, " has ", theirs.size(), " parameters, the model's layout ", input->layouts[r.rank()].params.size()));
       }
     planner::PlanOptions po;
     po.strategy = strategy;

@@ -35,7 +35,7 @@ struct GroupPlan {
   std::string inputs;  // what it was planned from: model, options, sources, the engines' registrations
   int64_t epoch = -1;  // membership epoch it was planned at
   std::vector<std::string> engine_ids;
-  std::vector<PlannedAssignment> planned;  // in (source node, engine, rank) order
+  std::vector<PlannedAssignment> planned;                             // in (source node, engine, rank) order
   std::map<std::string, std::vector<std::vector<std::string>>> push;  // source node → per local rank
   std::map<std::string, std::vector<google::protobuf::RepeatedPtrField<v1::TensorSliceSpec>>> slice_push;
 };
@@ -67,17 +67,17 @@ struct ReplanInput {
   const std::map<std::string, v1::RegisterNodeRequest>* nodes = nullptr;  // node id → registration
   const std::set<std::string>* drained_engines = nullptr;                 // engine ids
   const std::set<std::string>* drained_nodes = nullptr;                   // node ids
-  int64_t membership_epoch = 0;  // the epoch groups planned afresh get
-  std::string model_config_json;  // what the engines serve (EngineInfo)
+  int64_t membership_epoch = 0;                                           // the epoch groups planned afresh get
+  std::string model_config_json;                                          // what the engines serve (EngineInfo)
   ReplanOptions options;
   // The groups of the plan in force (may be null): a group whose inputs did not change keeps its plan and epoch.
   const std::map<std::string, GroupPlan>* previous = nullptr;
 };
 
 struct Replanned {
-  std::vector<PlannedAssignment> plan;             // every group's assignments, groups in key order
-  std::map<std::string, GroupPlan> groups;         // by group key ("<dialect> tp=N ep=N dp=N")
-  std::vector<std::string> replanned;              // the keys planned afresh (the others were kept)
+  std::vector<PlannedAssignment> plan;      // every group's assignments, groups in key order
+  std::map<std::string, GroupPlan> groups;  // by group key ("<dialect> tp=N ep=N dp=N")
+  std::vector<std::string> replanned;       // the keys planned afresh (the others were kept)
   // Per source node (every registered one, drained ones with empty lists): what each local trainer rank pushes.
   std::map<std::string, std::vector<v1::RankPushFilter>> push_filters;
   v1::WeightQuantization quantization;  // what every engine reports holding (the sources quantize to it)

@@ -233,8 +233,8 @@ class SglangAdapter final : public EngineAdapter {
   }
 
   // One rank's layout from SGLang's bootstrap answer, checked against wsync's table of SGLang's layout.
-  absl::StatusOr<v1::RankLayout> RankFromBootstrap(const replica::ModelConfig& cfg,
-                                                   const v1::WeightQuantization& quant, int rank, const json& answer) {
+  absl::StatusOr<v1::RankLayout> RankFromBootstrap(const replica::ModelConfig& cfg, const v1::WeightQuantization& quant,
+                                                   int rank, const json& answer) {
     const std::string where = absl::StrCat(Who(), ": TP rank ", rank);
     const json* info = answer.is_object() && answer.contains("remote_instance_transfer_engine_info")
                            ? &answer["remote_instance_transfer_engine_info"]
