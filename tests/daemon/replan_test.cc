@@ -43,8 +43,7 @@ v1::RegisterNodeRequest Source(int i, int ranks, int stage = 0) {
   return r;
 }
 
-// One target node per engine, each engine's ranks laid out as the replica planner lays them out (what the engine
-// reports; `quant` also sets the reported quantization).
+// A target node with one engine whose ranks report `ranks`.
 v1::RegisterNodeRequest Target(const std::string& id, const std::vector<v1::RankLayout>& ranks) {
   v1::RegisterNodeRequest r;
   r.set_node_id(id);
