@@ -1,10 +1,14 @@
 #include "daemon/coordinator/replan.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
+#include <memory>
 #include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/status.h"
 #include "daemon/common/quantization.h"
 #include "google/protobuf/io/coded_stream.h"
@@ -33,6 +37,26 @@ struct Engine {
   std::string node_addr;
   const v1::EngineRegistration* reg;
 };
+
+// Hex XXH3-128 of `common` and every engine's node, address and registration (deterministic bytes), streamed: the
+// registrations are never held in one string. Empty (never taken as unchanged) if no hash state could be allocated.
+std::string InputsDigest(const std::string& common, const std::vector<Engine>& engines) {
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
+  if (state == nullptr) return std::string();
+  XXH3_state_t* st = state.get();
+  XXH3_128bits_reset(st);
+  XXH3_128bits_update(st, common.data(), common.size());
+  for (const Engine& e : engines) {
+    const std::string head = absl::StrCat(e.node_id, " ", e.node_addr, " ");
+    XXH3_128bits_update(st, head.data(), head.size());
+    const std::string reg = StableBytes(*e.reg);
+    const uint64_t n = reg.size();  // length-prefixed: no two different sequences hash the same bytes
+    XXH3_128bits_update(st, &n, sizeof(n));
+    XXH3_128bits_update(st, reg.data(), reg.size());
+  }
+  const XXH128_hash_t h = XXH3_128bits_digest(st);
+  return absl::StrFormat("%016x%016x", h.high64, h.low64);
+}
 
 bool Drained(const ReplanInput& in, const std::string& node_id, const std::string& engine_id) {
   return in.drained_engines->count(engine_id) > 0 || in.drained_nodes->count(node_id) > 0;
@@ -178,11 +202,10 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
   std::map<std::string, std::vector<int64_t>> shapes;  // checkpoint tensor → shape (slices are sent in its dims)
   std::map<std::string, GroupPlan>& new_groups = out.groups;
   for (auto& [key, engines] : groups) {
-    std::string inputs = common;
-    for (const Engine& e : engines)
-      absl::StrAppend(&inputs, e.node_id, " ", e.node_addr, " ", StableBytes(*e.reg), "\n");
+    std::string inputs = InputsDigest(common, engines);
     if (in.previous != nullptr) {
-      if (auto old = in.previous->find(key); old != in.previous->end() && old->second.inputs == inputs) {
+      if (auto old = in.previous->find(key);
+          old != in.previous->end() && !inputs.empty() && old->second.inputs == inputs) {
         new_groups[key] = old->second;  // unchanged inputs: the same plan, its epoch kept
         continue;
       }

@@ -32,7 +32,9 @@ struct PlannedAssignment {
 // One engine group's share of the plan (the engines of one kind and parallelism), kept between re-plans: a
 // membership change re-plans only the groups whose inputs changed, the others keep their plan and epoch.
 struct GroupPlan {
-  std::string inputs;  // what it was planned from: model, options, sources, the engines' registrations
+  // XXH3-128 (hex) of what it was planned from: model, options, sources, the engines' registrations (a digest, not
+  // the bytes: at Kimi-K2 scale the registrations of one group are hundreds of MB).
+  std::string inputs;
   int64_t epoch = -1;  // membership epoch it was planned at
   std::vector<std::string> engine_ids;
   std::vector<PlannedAssignment> planned;                             // in (source node, engine, rank) order

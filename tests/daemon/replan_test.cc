@@ -4,6 +4,8 @@
 
 #include "daemon/coordinator/replan.h"
 
+#include <time.h>
+
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cstdio>
@@ -20,6 +22,13 @@
 
 namespace wsync::daemon {
 namespace {
+
+// CPU seconds this thread has run (the planner is single-threaded).
+double CpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
+}
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -133,8 +142,10 @@ TEST_CASE(
   for (const auto& d : layouts[0].params()) rank_bytes += d.bytes();
 
   const auto t0 = std::chrono::steady_clock::now();
+  const double c0 = CpuSeconds();
   auto r = PlanMembership(m.Input(config, 7));
   const double first_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double first_cpu = CpuSeconds() - c0;
   INFO(r.status().ToString());
   REQUIRE(r.ok());
   CHECK(r->sources == kSources);
@@ -150,12 +161,21 @@ TEST_CASE(
     for (const auto& d : layouts[who.second].params()) want += d.bytes();
     CHECK(bytes == want);
   }
-  // Every source node gets push lists for its 8 ranks, and every trainer rank pushes something (balanced).
+  // Every source node gets push lists for its 8 ranks (the automatic source count may leave some empty), and
+  // together they push every tensor of the trainer's checkpoint.
   REQUIRE(r->push_filters.size() == kSources);
+  std::set<std::string> pushed;
   for (const auto& [id, f] : r->push_filters) {
     REQUIRE(f.size() == kRanks);
-    for (const auto& rf : f) CHECK(rf.tensor_names_size() > 0);
+    for (const auto& rf : f) pushed.insert(rf.tensor_names().begin(), rf.tensor_names().end());
   }
+  auto kimi = replica::ModelConfig::FromJson(config);
+  REQUIRE(kimi.ok());
+  auto checkpoint = replica::CheckpointTensors(*kimi);
+  REQUIRE(checkpoint.ok());
+  std::set<std::string> want;
+  for (const auto& t : *checkpoint) want.insert(t.name);
+  CHECK(pushed == want);
   // What the sources are told: the reported quantization, every assignment of theirs.
   auto configs = SourceConfigurations(m.nodes, config, r->plan, r->push_filters, r->quantization,
                                       [](const PlannedAssignment& p) { return p.assignment; });
@@ -172,12 +192,14 @@ TEST_CASE(
 
   // Unchanged membership: the group is kept (same epoch), nothing is planned again, and that takes no time.
   const auto t1 = std::chrono::steady_clock::now();
+  const double c1 = CpuSeconds();
   auto again = [&] {
     ReplanInput in = m.Input(config, 8);
     in.previous = &r->groups;
     return PlanMembership(in);
   }();
   const double kept_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  const double kept_cpu = CpuSeconds() - c1;
   REQUIRE(again.ok());
   CHECK(again->replanned.empty());
   CHECK(again->plan.size() == r->plan.size());
@@ -188,8 +210,10 @@ TEST_CASE(
   ReplanInput in = m.Input(config, 9);
   in.previous = &r->groups;
   const auto t2 = std::chrono::steady_clock::now();
+  const double c2 = CpuSeconds();
   auto drained = PlanMembership(in);
   const double drained_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t2).count();
+  const double drained_cpu = CpuSeconds() - c2;
   REQUIRE(drained.ok());
   CHECK(drained->replanned.size() == 1);
   CHECK(drained->groups.begin()->second.epoch == 9);
@@ -198,12 +222,14 @@ TEST_CASE(
   for (const auto& [who, bytes] : w2) CHECK(who.first != "engine-infer3");
   std::printf(
       "replan: Kimi-K2 fp8 64x64, %d sources x %d ranks, %d engines x 32 ranks (%zu assignments, %.1f GiB "
-      "per engine rank): plan %.2f s, kept %.3f s, one engine drained %.2f s\n",
-      kSources, kRanks, kEngines, r->plan.size(), rank_bytes / 1073741824.0, first_s, kept_s, drained_s);
-  // Planning runs under the coordinator's lock at every membership change: it must stay well under a second per
-  // engine rank set (generous for a loaded 2-core CI machine; measured figures are printed above).
-  CHECK(first_s < 30);
-  CHECK(kept_s < 5);
+      "per engine rank): plan %.2f s (CPU %.2f s), kept %.2f s (CPU %.2f s), one engine drained %.2f s (CPU "
+      "%.2f s)\n",
+      kSources, kRanks, kEngines, r->plan.size(), rank_bytes / 1073741824.0, first_s, first_cpu, kept_s, kept_cpu,
+      drained_s, drained_cpu);
+  // Planning runs under the coordinator's lock at every membership change. Bounds on the thread's CPU time, not the
+  // wall clock, so a loaded CI machine does not fail it; generous against the figures printed above.
+  CHECK(first_cpu < 10);
+  CHECK(kept_cpu < first_cpu);
 }
 
 // A tiny FP8 model (32x32 blocks) at TP2, every rank reporting `report`.
@@ -266,8 +292,8 @@ TEST_CASE(
     "replan: a report that does not match the layout, a malformed report, or engines that disagree are "
     "refused, naming the engine") {
   const std::string config = ReadFile(WSYNC_TINY_FP8_MODEL);
-  SECTION("64x64 reported for a layout of 32x32 scales: the layout check names the scale parameter") {
-    Membership m = TinyFp8(Fp8(64, 64));
+  SECTION("16x16 reported for a layout of 32x32 scales: the layout check names the scale parameter") {
+    Membership m = TinyFp8(Fp8(16, 16));
     auto r = PlanMembership(m.Input(config, 1));
     REQUIRE(!r.ok());
     INFO(r.status().message());
