@@ -193,7 +193,17 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
 }
 
 absl::StatusOr<PlanSources> Coordinator::SourcesForPlan() const {
-  return PlanSourceNodes(nodes_, drained_nodes_, PlanningInput().options);
+  return PlanSourceNodes(nodes_, drained_nodes_, PlanningOptions());
+}
+
+ReplanOptions Coordinator::PlanningOptions() const {
+  ReplanOptions o;
+  o.strategy = opts_.strategy;
+  o.trainer_parallelism = opts_.trainer_parallelism;
+  o.min_source_bytes = opts_.min_source_bytes;
+  o.nic = opts_.nic;
+  o.snap_bytes = opts_.snap_bytes;
+  return o;
 }
 
 ReplanInput Coordinator::PlanningInput() const {
@@ -203,11 +213,7 @@ ReplanInput Coordinator::PlanningInput() const {
   in.drained_nodes = &drained_nodes_;
   in.membership_epoch = membership_epoch_;
   in.model_config_json = model_config_json_;
-  in.options.strategy = opts_.strategy;
-  in.options.trainer_parallelism = opts_.trainer_parallelism;
-  in.options.min_source_bytes = opts_.min_source_bytes;
-  in.options.nic = opts_.nic;
-  in.options.snap_bytes = opts_.snap_bytes;
+  in.options = PlanningOptions();
   in.previous = &groups_;
   return in;
 }

@@ -266,6 +266,7 @@ class Coordinator {
   // What PlanMembership plans from: the membership, drains, model and options, and the groups in force. The input
   // points into members: use it while mu_ is held. Requires mu_.
   ReplanInput PlanningInput() const;
+  ReplanOptions PlanningOptions() const;  // the planning fields of opts_
   // Keeps `r` as the plan in force (plan_, groups_, push_filters_, model_quantization_). Requires mu_.
   void ApplyPlan(Replanned r);
   // Control addresses of the engines that take part in updates (not drained). Requires mu_.
