@@ -70,6 +70,15 @@ def cpu_busy(a, b):
     return (b[0] - a[0]) / (b[1] - a[1]) if b[1] > a[1] else 0.0
 
 
+def machine_times():
+    """(CPU seconds every process of the machine spent busy, wall seconds): from /proc/stat, so the load other work
+    put on the machine during a shape shows next to the cluster's own."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), time.monotonic()
+
+
 def plan(bin_dir, model, S, T, tp, ranks, mbit, strategy, train="tp=1", ep=1, gather=False):
     argv = [os.path.join(bin_dir, "wsyncctl"), "plan", "--model", model, "--train",
             f"{train},pp=1,nodes={S},gpus={ranks}", "--infer", f"instances={T},tp={tp},ep={ep},nodes={T}",
@@ -116,7 +125,8 @@ def broadcast(c, res, py, manifest, raw, trainers=1):
 
 
 def run_shape(a, S, T, py, manifest, raw):
-    res = {"shape": f"{S}x{T}", "sources": S, "targets": T}
+    res = {"shape": f"{S}x{T}", "sources": S, "targets": T, "loadavg_before": round(os.getloadavg()[0], 2)}
+    m0 = machine_times()
     with emu.Cluster(S, T, a.rate_mbit, a.bin, a.model, a.tp, a.delay_ms, trainer_ranks=1, keep_logs=a.keep, strategy=a.strategy,
                      log=lambda m: print(m, file=sys.stderr)) as c:
         c.network_up()
@@ -125,6 +135,10 @@ def run_shape(a, S, T, py, manifest, raw):
         c.start_wsync()
         p2p_updates(c, a, res, "p2p")
         broadcast(c, res, py, manifest, raw)
+    # The whole machine's busy cores over the shape (the cluster's, the kernel's forwarding and anyone else's), of
+    # os.cpu_count(): near that count, the CPU rather than the links may have set the pace.
+    res["machine_cpu_cores"] = round(cpu_busy(m0, machine_times()), 2)
+    res["loadavg_after"] = round(os.getloadavg()[0], 2)
     p = plan(a.bin, a.model, S, T, a.tp, 1, mbit, a.strategy)
     res["bound_s"] = round(p["bound_s"], 3)
     res["predicted_s"] = round(p["predicted_s"], 3)
@@ -268,7 +282,7 @@ def main():
         return 130
 
     hdr = ("shape", "Mbit/s", "MiB", "p2p s", "bound s", "p2p/bound", "bcast s (net+load)", "bcast/p2p", "goal",
-           "pred s", "pred err", "cores p2p/bc")
+           "pred s", "pred err", "cores p2p/bc", "machine cores")
     if rows:
         print("| " + " | ".join(hdr) + " |")
         print("|" + "---|" * len(hdr))
@@ -277,7 +291,7 @@ def main():
         print(f"| {r['shape']} | {r['iperf3_mbit']:.0f} | {r['p2p_mib']:.0f} | {r['p2p_s']:.2f} | {r['bound_s']:.2f} | "
               f"{r['p2p_over_bound']:.2f} | {r['bcast_s']:.2f} ({r['bcast_net_s']:.2f}+{r['bcast_load_s']:.2f}) | "
               f"{r['bcast_over_p2p']:.2f}x | >= {goal:.2f}x | {r['predicted_s']:.2f} | {r['pred_error_pct']:+.0f} % | "
-              f"{r['p2p_cpu_cores']:.2f}/{r['bcast_cpu_cores']:.2f} |")
+              f"{r['p2p_cpu_cores']:.2f}/{r['bcast_cpu_cores']:.2f} | {r['machine_cpu_cores']:.2f} |")
     if shard_row:
         r = shard_row
         print(f"\nshard-aware {r['shape']} ({os.path.relpath(a.shard_model, emu.ROOT)}, trainer {r['trainer_parallelism']}, "

@@ -7,8 +7,6 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -17,6 +15,7 @@
 #include "base/logging.h"
 #include "base/status.h"
 #include "daemon/common/config_digest.h"
+#include "daemon/common/quantization.h"
 #include "daemon/coordinator/fanout.h"
 #include "planner/model_input.h"
 #include "planner/plan.h"
@@ -187,327 +186,49 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
   return out;
 }
 
-absl::StatusOr<Coordinator::PlanSources> Coordinator::SourcesForPlan() const {
-  // Sources: ordered by (stage, node id); every node must hold the same number of trainer ranks, every stage the
-  // same number of nodes (Megatron rank order: stage p owns a contiguous block of ranks).
-  PlanSources out;
-  std::vector<const v1::RegisterNodeRequest*>& sources = out.nodes;
-  std::set<int> all_stages;
-  bool any_drained = false;
-  for (const auto& [id, n] : nodes_) {
-    if (n.role() != "source") continue;
-    all_stages.insert(n.pp_stage());
-    if (drained_nodes_.count(id)) {
-      any_drained = true;
-      continue;
-    }
-    sources.push_back(&n);
-  }
-  if (sources.empty())
-    return absl::FailedPreconditionError(any_drained ? "every source node is drained"
-                                                     : "no source daemon has registered");
-  for (int stage : all_stages) {
-    bool held = false;
-    for (const auto* s : sources) held |= s->pp_stage() == stage;
-    if (!held)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "trainer stage ", stage, " has no source node left that is not drained: the tensors of its layers could "
-          "not be pushed"));
-  }
-  if (any_drained && (!opts_.trainer_parallelism.empty() || opts_.strategy == "local"))
-    return absl::FailedPreconditionError(
-        "a drained source node's trainer ranks hold their own shards under --trainer-parallelism / strategy local: "
-        "the other nodes cannot push them");
-  std::sort(sources.begin(), sources.end(), [](const auto* a, const auto* b) {
-    return std::make_pair(a->pp_stage(), a->node_id()) < std::make_pair(b->pp_stage(), b->node_id());
-  });
-  out.ranks_per_node = std::max(sources.front()->trainer_ranks(), 1);
-  std::map<int, int> nodes_per_stage;
-  for (const auto* s : sources) {
-    if (std::max(s->trainer_ranks(), 1) != out.ranks_per_node)
-      return absl::FailedPreconditionError(absl::StrCat("source nodes hold different numbers of trainer ranks (",
-                                                        sources.front()->node_id(), ": ", out.ranks_per_node, ", ",
-                                                        s->node_id(), ": ", s->trainer_ranks(), ")"));
-    ++nodes_per_stage[s->pp_stage()];
-  }
-  out.pp = static_cast<int>(nodes_per_stage.size());
-  for (const auto& [stage, count] : nodes_per_stage)
-    if (stage >= out.pp || count != nodes_per_stage.begin()->second)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "trainer stages must be 0..", out.pp - 1, " with the same number of source nodes", any_drained ? " (not drained)" : "",
-          " each; stage ", stage, " has ", count, " (a stage may not have registered yet)"));
-  return out;
+absl::StatusOr<PlanSources> Coordinator::SourcesForPlan() const {
+  return PlanSourceNodes(nodes_, drained_nodes_, PlanningOptions());
 }
 
-namespace {
-// Byte-stable serialization (map fields in key order), to tell whether a registration changed.
-std::string StableBytes(const google::protobuf::Message& m) {
-  std::string out;
-  {
-    google::protobuf::io::StringOutputStream sos(&out);
-    google::protobuf::io::CodedOutputStream cos(&sos);
-    cos.SetSerializationDeterministic(true);
-    m.SerializeToCodedStream(&cos);
-  }
-  return out;
+ReplanOptions Coordinator::PlanningOptions() const {
+  ReplanOptions o;
+  o.strategy = opts_.strategy;
+  o.trainer_parallelism = opts_.trainer_parallelism;
+  o.min_source_bytes = opts_.min_source_bytes;
+  o.nic = opts_.nic;
+  o.snap_bytes = opts_.snap_bytes;
+  return o;
 }
-}  // namespace
+
+ReplanInput Coordinator::PlanningInput() const {
+  ReplanInput in;
+  in.nodes = &nodes_;
+  in.drained_engines = &drained_engines_;
+  in.drained_nodes = &drained_nodes_;
+  in.membership_epoch = membership_epoch_;
+  in.model_config_json = model_config_json_;
+  in.options = PlanningOptions();
+  in.previous = &groups_;
+  return in;
+}
 
 absl::Status Coordinator::Replan(bool dry_run) {
-  WSYNC_ASSIGN_OR_RETURN(PlanSources ps, SourcesForPlan());
-  const std::vector<const v1::RegisterNodeRequest*>& sources = ps.nodes;
-  const int ranks_per_node = ps.ranks_per_node, pp = ps.pp;
-
-  // Engines: grouped by everything that makes their layouts differ.
-  struct Engine {
-    std::string node_id;
-    std::string node_addr;
-    const v1::EngineRegistration* reg;
-  };
-  std::map<std::string, std::vector<Engine>> groups;  // "<dialect> tp=N ep=N dp=N"
-  std::map<std::string, std::tuple<int, int, int>> group_shape;
-  bool any_drained = false;
-  for (const auto& [id, n] : nodes_)
-    for (const auto& e : n.engines()) {
-      if (EngineDrained(id, e.engine_id())) {
-        any_drained = true;
-        continue;
-      }
-      if (e.ranks_size() == 0) return absl::FailedPreconditionError(absl::StrCat("engine ", e.engine_id(), " has no ranks"));
-      auto dialect = replica::DialectForEngineKind(e.kind());
-      if (!dialect.ok()) return Annotate(dialect.status(), absl::StrCat("engine ", e.engine_id()));
-      const auto& par = e.ranks(0).parallelism();
-      const int tp = e.ranks_size(), ep = std::max(par.ep_size(), 1), dp = std::max(par.attn_dp_size(), 1);
-      const std::string key = absl::StrCat(replica::DialectName(*dialect), " tp=", tp, " ep=", ep, " dp=", dp);
-      groups[key].push_back({id, n.address(), &e});
-      group_shape[key] = {tp, ep, dp};
-    }
-  if (groups.empty())
-    return absl::FailedPreconditionError(any_drained ? "every engine is drained"
-                                                     : "no target daemon with an engine has registered");
-  WSYNC_ASSIGN_OR_RETURN(replica::ModelConfig cfg, replica::ModelConfig::FromJson(model_config_json_));
-  WSYNC_ASSIGN_OR_RETURN(planner::Strategy strategy, planner::ParseStrategy(opts_.strategy));
-  if (strategy == planner::Strategy::kLocal && groups.size() > 1)
-    return absl::FailedPreconditionError(
-        "strategy local plans one engine group (one engine kind and parallelism); this membership has several");
-
-  // What every group's plan depends on besides its own engines.
-  std::string common = absl::StrCat(model_config_json_, "\n", opts_.strategy, "\n", opts_.trainer_parallelism, "\n",
-                                    planner::FormatMinSourceMib(opts_.min_source_bytes), "\n", opts_.nic, "\n",
-                                    opts_.snap_bytes, "\n");
-  for (const auto* s : sources)
-    absl::StrAppend(&common, s->node_id(), " ", s->address(), " ", s->trainer_ranks(), " ", s->pp_stage(), "\n");
-
-  std::map<std::string, std::vector<int64_t>> shapes;  // checkpoint tensor → shape (slices are sent in its dims)
-  std::map<std::string, GroupPlan> new_groups;
-  std::vector<std::string> replanned;
-  for (auto& [key, engines] : groups) {
-    std::sort(engines.begin(), engines.end(),
-              [](const Engine& a, const Engine& b) { return a.reg->engine_id() < b.reg->engine_id(); });
-    std::string inputs = common;
-    for (const Engine& e : engines) absl::StrAppend(&inputs, e.node_id, " ", e.node_addr, " ", StableBytes(*e.reg), "\n");
-    if (auto old = groups_.find(key); old != groups_.end() && old->second.inputs == inputs) {
-      new_groups[key] = old->second;  // unchanged inputs: the same plan, its epoch kept
-      continue;
-    }
-    replanned.push_back(key);
-    GroupPlan g;
-    g.inputs = std::move(inputs);
-    g.epoch = membership_epoch_;
-    for (const Engine& e : engines) g.engine_ids.push_back(e.reg->engine_id());
-    if (shapes.empty()) {
-      WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
-      for (const auto& sp : specs) shapes[sp.name] = sp.shape;
-    }
-    std::map<std::tuple<std::string, std::string, int>, Planned> planned;  // (source node, engine, rank)
-    std::map<std::string, std::set<std::string>> pushed;                     // node → tensors already assigned
-    planner::ClusterSpec c;
-    if (!opts_.trainer_parallelism.empty()) {
-      auto t = planner::ParseTrainerSpec(opts_.trainer_parallelism);
-      if (!t.ok()) return Annotate(t.status(), "--trainer-parallelism");
-      c.trainer = *t;
-    }
-    c.trainer.pp = pp;
-    c.trainer.nodes = static_cast<int>(sources.size());
-    c.trainer.gpus_per_node = ranks_per_node;
-    c.engine.instances = static_cast<int>(engines.size());
-    std::tie(c.engine.tp, c.engine.ep, c.engine.dp_attention) = group_shape.at(key);
-    // Engines on distinct target nodes have NICs of their own (the cost model's target side, which the automatic
-    // source count weighs).
-    std::set<std::string> engine_nodes;
-    for (const Engine& e : engines) engine_nodes.insert(e.node_id);
-    c.engine.nodes = static_cast<int>(engine_nodes.size());
-    auto nic = planner::ParseNicSpec(opts_.nic);
-    if (!nic.ok()) return Annotate(nic.status(), "--nic");
-    c.nic = *nic;
-    planner::ModelInputOptions mo;
-    mo.dialect = *replica::DialectForEngineKind(engines.front().reg->kind());
-    // Quantization is what the engine reports: FP8 block scales among its parameters (block size from its config).
-    bool fp8 = false;
-    for (const auto& p : engines.front().reg->ranks(0).params())
-      fp8 |= absl::EndsWith(p.name(), "weight_scale_inv");
-    replica::ModelConfig gcfg = cfg;
-    if (fp8) {
-      if (gcfg.weight_block_size.empty()) gcfg.weight_block_size = {128, 128};
-      mo.quant.mode = replica::QuantSpec::Mode::kFp8Block;
-      mo.quant.block_n = static_cast<int>(gcfg.weight_block_size[0]);
-      mo.quant.block_k = static_cast<int>(gcfg.weight_block_size.size() > 1 ? gcfg.weight_block_size[1]
-                                                                              : gcfg.weight_block_size[0]);
-    }
-    auto input = planner::BuildModelInput(gcfg, c, mo);
-    if (!input.ok())
-      return Annotate(input.status(), absl::StrCat("planning engines of kind ", engines.front().reg->kind()));
-    // Every engine rank must hold exactly the layout planned for it (names and sizes), before any write.
-    for (const Engine& e : engines)
-      for (const auto& r : e.reg->ranks()) {
-        const std::string who = absl::StrCat("engine ", e.reg->engine_id(), " rank ", r.rank());
-        if (r.rank() < 0 || r.rank() >= c.engine.tp)
-          return absl::FailedPreconditionError(absl::StrCat(who, ": rank out of [0, ", c.engine.tp, ")"));
-        std::map<std::string, uint64_t> theirs;
-        for (const auto& p : r.params()) theirs[p.name()] = p.bytes();
-        for (const auto& p : input->layouts[r.rank()].params) {
-          auto it = theirs.find(p.name);
-          if (it == theirs.end())
-            return absl::FailedPreconditionError(absl::StrCat(who, " lacks parameter ", p.name));
-          if (it->second != p.bytes)
-            return absl::FailedPreconditionError(absl::StrCat(who, ": parameter ", p.name, " has ", it->second,
-                                                              " bytes, the model needs ", p.bytes));
-        }
-        if (theirs.size() != input->layouts[r.rank()].params.size())
-          return absl::FailedPreconditionError(
-              absl::StrCat(who, " has ", theirs.size(), " parameters, the model's layout ",
-                           input->layouts[r.rank()].params.size()));
-      }
-    planner::PlanOptions po;
-    po.strategy = strategy;
-    po.min_source_bytes = opts_.min_source_bytes;
-    po.snap_bytes = opts_.snap_bytes;
-    auto plan = planner::BuildPlan(*input, po);
-    if (!plan.ok()) return Annotate(plan.status(), "building the transfer plan");
-    WSYNC_RETURN_IF_ERROR_CTX(planner::VerifyPlan(*input, *plan), "checking the transfer plan");
-    for (const auto& sp : plan->sources) {
-      const v1::RegisterNodeRequest& node = *sources[sp.trainer_rank / ranks_per_node];
-      const int local = sp.trainer_rank % ranks_per_node;
-      for (const auto& task : sp.tasks) {
-        const Engine& e = engines[task.target.instance];
-        const v1::RankLayout* layout = nullptr;
-        for (const auto& r : e.reg->ranks())
-          if (r.rank() == task.target.rank) layout = &r;
-        if (layout == nullptr)
-          return absl::FailedPreconditionError(
-              absl::StrCat("engine ", e.reg->engine_id(), " did not report rank ", task.target.rank));
-        Planned& p = planned[{node.node_id(), e.reg->engine_id(), task.target.rank}];
-        if (p.source.empty()) {
-          p.source = node.node_id();
-          p.epoch = g.epoch;
-          p.assignment.set_engine_id(e.reg->engine_id());
-          p.assignment.set_rank(task.target.rank);
-          p.assignment.set_target_daemon(e.node_addr);
-          p.assignment.set_target_node(e.node_id);
-          p.assignment.set_engine_kind(e.reg->kind());
-          p.assignment.set_pp_stage(sp.stage);
-          *p.assignment.mutable_layout() = *layout;
-        }
-        for (const auto& s : task.slices) {
-          auto* w = p.assignment.add_writes();
-          w->set_param(input->layouts[task.target.rank].params[s.param].name);
-          w->set_offset(s.offset);
-          w->set_length(s.length);
-          p.bytes += s.length;
-        }
-      }
-      auto& lists = g.push[node.node_id()];
-      lists.resize(ranks_per_node);
-      if (strategy == planner::Strategy::kLocal) {
-        // Slices (planner::PushSlice, rectangles of the 2-D view) as offsets/extents of the tensor's own shape; a
-        // slice covering the whole tensor is pushed by name.
-        auto& sl = g.slice_push[node.node_id()];
-        sl.resize(ranks_per_node);
-        for (const auto& psl : sp.push_slices) {
-          const planner::HfTensorInfo& h = input->hf_tensors[psl.hf];
-          if (psl.box == h.full()) {
-            lists[local].push_back(h.name);
-            continue;
-          }
-          const std::vector<int64_t>& shape = shapes.at(h.name);
-          v1::TensorSliceSpec spec;
-          spec.set_name(h.name);
-          spec.set_gather(psl.gather_bytes > 0);
-          for (int64_t d : shape) spec.add_shape(d);
-          if (shape.size() == 2) {
-            spec.add_offsets(psl.box.row0), spec.add_offsets(psl.box.col0);
-            spec.add_extents(psl.box.rows), spec.add_extents(psl.box.cols);
-          } else {
-            // A row range of the 2-D view: whole sub-tensors along dim 0 (1-D: elements).
-            int64_t inner = 1;
-            for (size_t d = 1; d + 1 < shape.size(); ++d) inner *= shape[d];
-            if (psl.box.cols != h.cols || psl.box.row0 % inner != 0 || psl.box.rows % inner != 0)
-              return absl::InternalError(absl::StrCat("local plan slices ", h.name, " across its inner dims"));
-            spec.add_offsets(psl.box.row0 / inner), spec.add_extents(psl.box.rows / inner);
-            for (size_t d = 1; d < shape.size(); ++d) spec.add_offsets(0), spec.add_extents(shape[d]);
-          }
-          *sl[local].Add() = std::move(spec);
-        }
-        continue;
-      }
-      for (int h : sp.push_filter) {
-        const std::string& name = input->hf_tensors[h].name;
-        if (pushed[node.node_id()].insert(name).second) lists[local].push_back(name);
-      }
-    }
-    for (auto& [k, p] : planned) g.planned.push_back(std::move(p));
-    new_groups[key] = std::move(g);
-  }
-
-  // The whole plan: the groups' plans in key order; a node pushes a tensor once whichever groups need it.
-  std::vector<Planned> plan;
-  std::map<std::string, std::vector<std::vector<std::string>>> push;  // node → per local rank
-  std::map<std::string, std::set<std::string>> pushed;
-  std::map<std::string, std::vector<google::protobuf::RepeatedPtrField<v1::TensorSliceSpec>>> slice_push;
-  for (const auto& [key, g] : new_groups) {
-    plan.insert(plan.end(), g.planned.begin(), g.planned.end());
-    for (const auto& [node, lists] : g.push) {
-      auto& out = push[node];
-      out.resize(ranks_per_node);
-      for (size_t r = 0; r < lists.size() && r < out.size(); ++r)
-        for (const auto& name : lists[r])
-          if (pushed[node].insert(name).second) out[r].push_back(name);
-    }
-    for (const auto& [node, sl] : g.slice_push) slice_push[node] = sl;  // local: one group only
-  }
-  std::map<std::string, std::vector<v1::RankPushFilter>> filters;
-  for (const auto& [id, n] : nodes_) {
-    if (n.role() != "source") continue;
-    // A drained source node is configured with empty lists: its ranks push nothing.
-    auto& out = filters[id];
-    const auto& lists = push[id];
-    for (int r = 0; r < std::max(n.trainer_ranks(), 1); ++r) {
-      v1::RankPushFilter f;
-      f.set_local_rank(r);
-      if (r < static_cast<int>(lists.size())) *f.mutable_tensor_names() = {lists[r].begin(), lists[r].end()};
-      auto sl = slice_push.find(id);
-      if (sl != slice_push.end() && r < static_cast<int>(sl->second.size())) *f.mutable_slices() = sl->second[r];
-      out.push_back(std::move(f));
-    }
-  }
-  std::vector<int32_t> weight_block;
-  for (const auto& [key, engines] : groups)
-    for (const auto& p : engines.front().reg->ranks(0).params())
-      if (absl::EndsWith(p.name(), "weight_scale_inv") && weight_block.empty()) {
-        const auto& b = cfg.weight_block_size;
-        weight_block = {static_cast<int32_t>(b.empty() ? 128 : b[0]),
-                        static_cast<int32_t>(b.size() > 1 ? b[1] : (b.empty() ? 128 : b[0]))};
-      }
+  WSYNC_ASSIGN_OR_RETURN(Replanned r, PlanMembership(PlanningInput()));
   if (dry_run) return absl::OkStatus();
-  spdlog::info("plan ({}): {} source nodes ({} stages x {} ranks per node), {} engine groups ({} re-planned: {}), "
-               "{} (source, engine rank) assignments",
-               opts_.strategy, sources.size(), pp, ranks_per_node, groups.size(), replanned.size(),
-               absl::StrJoin(replanned, ", "), plan.size());
-  model_weight_block_ = std::move(weight_block);
-  plan_ = std::move(plan);
-  push_filters_ = std::move(filters);
-  groups_ = std::move(new_groups);
+  spdlog::info(
+      "plan ({}): {} source nodes ({} stages x {} ranks per node), {} engine groups ({} re-planned: {}), "
+      "{} (source, engine rank) assignments, quantization {}",
+      opts_.strategy, r.sources, r.pp, r.ranks_per_node, r.groups.size(), r.replanned.size(),
+      absl::StrJoin(r.replanned, ", "), r.plan.size(), QuantizationName(r.quantization));
+  ApplyPlan(std::move(r));
   return absl::OkStatus();
+}
+
+void Coordinator::ApplyPlan(Replanned r) {
+  model_quantization_ = std::move(r.quantization);
+  plan_ = std::move(r.plan);
+  push_filters_ = std::move(r.push_filters);
+  groups_ = std::move(r.groups);
 }
 
 std::string Coordinator::EngineLabel(const std::string& addr) const {
@@ -865,19 +586,9 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     }
     plan_epoch = need_plan ? membership_epoch_ : plan_epoch_;
     if (st.ok() && need_configure) {
-      std::map<std::string, v1::ConfigureSourceRequest> by_source;
-      for (const auto& [id, n] : nodes_)
-        if (n.role() == "source") by_source[id].set_model_config_json(model_config_json_);
-      for (const auto& p : plan_) *by_source[p.source].add_targets() = AssignmentFor(p, staged, live_sets);
-      for (auto& [id, r] : by_source) {
-        auto f = push_filters_.find(id);
-        if (f != push_filters_.end()) *r.mutable_push_filters() = {f->second.begin(), f->second.end()};
-        // The engines hold what their config says: FP8 block-quantized weights are quantized by the source.
-        if (!model_weight_block_.empty()) {
-          r.set_quantization("fp8_block");
-          *r.mutable_weight_block_size() = {model_weight_block_.begin(), model_weight_block_.end()};
-        }
-      }
+      std::map<std::string, v1::ConfigureSourceRequest> by_source =
+          SourceConfigurations(nodes_, model_config_json_, plan_, push_filters_, model_quantization_,
+                               [&](const Planned& p) { return AssignmentFor(p, staged, live_sets); });
       // Only sources whose configuration changed, or that do not hold it (their heartbeats said so), are
       // configured again (a join or leave re-plans one group; the sources serving only other groups keep their
       // replica, connections and plan epoch).

@@ -71,6 +71,7 @@
 #include "daemon/common/metrics.h"
 #include "daemon/coordinator/fanout.h"
 #include "daemon/coordinator/update_state.h"
+#include "daemon/coordinator/replan.h"
 #include "daemon/coordinator/state_store.h"
 #include "daemon/coordinator/timeline_svg.h"
 #include "wsync/v1/coordinator.pb.h"
@@ -246,22 +247,7 @@ class Coordinator {
   Metrics& metrics() { return metrics_; }
 
  private:
-  struct Planned {
-    std::string source;  // node id
-    v1::TargetAssignment assignment;
-    uint64_t bytes = 0;
-    int64_t epoch = -1;  // its group's plan epoch
-  };
-  // One engine group's share of the plan (the engines of one kind and parallelism), kept between re-plans: a
-  // membership change re-plans only the groups whose inputs changed, the others keep their plan and epoch.
-  struct GroupPlan {
-    std::string inputs;  // what it was planned from: model, options, sources, the engines' registrations
-    int64_t epoch = -1;  // membership epoch it was planned at
-    std::vector<std::string> engine_ids;
-    std::vector<Planned> planned;  // in (source node, engine, rank) order
-    std::map<std::string, std::vector<std::vector<std::string>>> push;  // source node → per local rank
-    std::map<std::string, std::vector<google::protobuf::RepeatedPtrField<v1::TensorSliceSpec>>> slice_push;
-  };
+  using Planned = PlannedAssignment;  // daemon/coordinator/replan.h, as GroupPlan and PlanSources
   // A source node's last acknowledged configuration (plan_epoch cleared) and the plan epoch it holds.
   struct SourceConfig {
     v1::ConfigureSourceRequest req;
@@ -273,12 +259,7 @@ class Coordinator {
   // briefly before and after, never across the call.
   template <typename Call>
   auto Remote(const std::string& addr, Call call) -> decltype(call());
-  // The source nodes that take part in plans (not drained), in (stage, node id) order, with their shape.
-  struct PlanSources {
-    std::vector<const v1::RegisterNodeRequest*> nodes;
-    int ranks_per_node = 1;
-    int pp = 1;
-  };
+  // The source nodes that take part in plans (not drained), in (stage, node id) order (PlanSourceNodes).
   absl::StatusOr<PlanSources> SourcesForPlan() const;  // requires mu_
   bool EngineDrained(const std::string& node_id, const std::string& engine_id) const {
     return drained_engines_.count(engine_id) > 0 || drained_nodes_.count(node_id) > 0;
@@ -295,12 +276,16 @@ class Coordinator {
     absl::Status status;
     v1::CommitUpdateReply reply;
   };
-  // Builds plan_ and push_filters_ with the planner (planner/plan.h) from the membership and model_config_json_:
-  // source nodes in (pp_stage, node id) order hold trainer ranks node_index * ranks_per_node + local rank; engines
-  // in id order are the planner's instances, grouped by layout (engine kind and parallelism), one plan per group.
-  // Reuses the plan of every engine group whose inputs did not change. `dry_run`: checks that a plan can be built,
-  // changes nothing.
+  // Plans the membership and model_config_json_ (PlanMembership, daemon/coordinator/replan.h: pure) and applies the
+  // result (ApplyPlan). Reuses the plan of every engine group whose inputs did not change. `dry_run`: checks that a
+  // plan can be built, changes nothing.
   absl::Status Replan(bool dry_run = false);  // requires mu_
+  // What PlanMembership plans from: the membership, drains, model and options, and the groups in force. The input
+  // points into members: use it while mu_ is held. Requires mu_.
+  ReplanInput PlanningInput() const;
+  ReplanOptions PlanningOptions() const;  // the planning fields of opts_
+  // Keeps `r` as the plan in force (plan_, groups_, push_filters_, model_quantization_). Requires mu_.
+  void ApplyPlan(Replanned r);
   // Control addresses of the engines that take part in updates (not drained). Requires mu_.
   std::vector<std::string> EngineAddresses() const;
   // "engine ID (N ranks, node NODE, ADDR)": how errors name an engine. Takes mu_ (call without it).
@@ -416,7 +401,7 @@ class Coordinator {
   // Per source node: what each of its local trainer ranks pushes (every local rank listed, lists may be empty).
   std::map<std::string, std::vector<v1::RankPushFilter>> push_filters_;
   std::string model_config_json_;
-  std::vector<int32_t> model_weight_block_;  // FP8 block [n, k] when the engines hold block-quantized weights
+  v1::WeightQuantization model_quantization_;         // what the engines report holding; the sources quantize to it
   std::map<std::string, absl::Time> last_heartbeat_;  // node id → last lease renewal
   std::map<std::string, EngineView> engine_state_;    // control address → its state (update_state.h)
 

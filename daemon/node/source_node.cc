@@ -26,6 +26,7 @@
 #include "base/status.h"
 #include "daemon/common/config_digest.h"
 #include "daemon/common/convert.h"
+#include "daemon/common/quantization.h"
 #include "transport/mooncake/mooncake_transport.h"
 #include "spdlog/spdlog.h"
 
@@ -315,22 +316,14 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
       return absl::FailedPreconditionError(absl::StrCat("cannot reconfigure while update ", version_, " is open"));
   }
   WSYNC_ASSIGN_OR_RETURN(replica::ModelConfig cfg, replica::ModelConfig::FromJson(req.model_config_json()));
-  replica::QuantSpec quant;
-  if (req.quantization() == "fp8_block") {
-    quant.mode = replica::QuantSpec::Mode::kFp8Block;
-    if (req.weight_block_size_size() == 2) {
-      quant.block_n = req.weight_block_size(0);
-      quant.block_k = req.weight_block_size(1);
-    }
-  } else if (!req.quantization().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown quantization '", req.quantization(), "'"));
-  }
-  if (req.scale_format() == "ue8m0") {
-    quant.ue8m0 = true;
-  } else if (!req.scale_format().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown fp8 scale format '", req.scale_format(),
-                                                   "' (\"\" or \"ue8m0\")"));
-  }
+  // What the engines reported holding, passed on by the coordinator; checked in the one place that reads reports (no
+  // default block size: fp8_block without [n, k] is refused).
+  v1::WeightQuantization engines_hold;
+  engines_hold.set_method(req.quantization());
+  *engines_hold.mutable_block_size() = req.weight_block_size();
+  engines_hold.set_scale_format(req.scale_format());
+  WSYNC_RETURN_IF_ERROR(CheckQuantization(engines_hold));
+  const replica::QuantSpec quant = QuantSpecOf(engines_hold);
   if (req.targets_size() == 0) {
     // A node the plan gives no work is told so explicitly: an empty push list for each local rank. Without targets
     // any other request would have its ranks push into nothing (a plan lost on the way, or a coordinator bug).

@@ -27,6 +27,7 @@
 #include "base/checked_size.h"
 #include "base/dtype.h"
 #include "base/status.h"
+#include "daemon/common/quantization.h"
 #include "daemon/common/serve.h"
 #include "daemon/node/node_services.h"
 #include "spdlog/spdlog.h"
@@ -310,6 +311,24 @@ absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fd
           return absl::InvalidArgumentError(absl::StrCat("parameters ", std::get<2>(ex[i - 1]), " and ",
                                                          std::get<2>(ex[i]), " overlap in segment ", segment));
     }
+    // How the engine holds its weights (docs/engines.md, "Quantization"): reported, never read off the names; a
+    // layout with FP8 block scales that does not report it is refused here rather than at planning.
+    if (j.contains("quantization")) {
+      const Json& q = j["quantization"];
+      if (!q.is_object()) return absl::InvalidArgumentError("\"quantization\" must be an object");
+      auto* wq = m.layout.mutable_quantization();
+      WSYNC_ASSIGN_OR_RETURN(*wq->mutable_method(), Str(q, "method", false));
+      WSYNC_ASSIGN_OR_RETURN(*wq->mutable_scale_format(), Str(q, "scale_format", false));
+      if (q.contains("block_size")) {
+        if (!q["block_size"].is_array()) return absl::InvalidArgumentError("quantization.block_size must be an array");
+        for (const Json& b : q["block_size"]) {
+          if (!b.is_number_integer() || b.get<int64_t>() <= 0 || b.get<int64_t>() > (1 << 20))
+            return absl::InvalidArgumentError("quantization.block_size must hold positive integers");
+          wq->add_block_size(b.get<int32_t>());
+        }
+      }
+    }
+    WSYNC_RETURN_IF_ERROR(QuantSpecOfLayout(m.layout, absl::StrCat("engine ", m.engine_id, " rank ", m.rank)).status());
   } catch (const std::exception& e) {  // nlohmann type errors on values we did not check by hand
     return absl::InvalidArgumentError(absl::StrCat("malformed attach message: ", e.what()));
   }

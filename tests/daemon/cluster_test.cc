@@ -371,8 +371,8 @@ TEST_CASE("cluster: a Qwen3-MoE engine with expert parallelism (tp2 ep2) behind 
 
 TEST_CASE("cluster: an FP8 block-quantized engine: the sources quantize bf16 pushes; verified by the engine's own "
           "encoder") {
-  // The engine's layout carries fp8 weights and float32 weight_scale_inv (32x32 blocks); the coordinator sees them
-  // and configures the sources to quantize. The engine checks codes and scales with its own naive encoder.
+  // The engine's layout carries fp8 weights and float32 weight_scale_inv (32x32 blocks) and reports that
+  // quantization (RankLayout.quantization); the coordinator configures the sources to quantize to it. The engine checks codes and scales with its own naive encoder.
   ClusterOptions o;
   o.bin_dir = kBin;
   o.model = WSYNC_TINY_FP8_MODEL;

@@ -377,6 +377,8 @@ TEST_CASE("source configure: a request that fails validation changes nothing; th
        }},
       {"the same engine rank twice", [](v1::ConfigureSourceRequest& r) { *r.add_targets() = r.targets(0); }},
       {"an unknown quantization", [](v1::ConfigureSourceRequest& r) { r.set_quantization("int3"); }},
+      {"fp8_block without a block size", [](v1::ConfigureSourceRequest& r) { r.set_quantization("fp8_block"); }},
+      {"an unknown scale format", [](v1::ConfigureSourceRequest& r) { r.set_scale_format("e5m2"); }},
       {"a layout for another parallelism",
        [](v1::ConfigureSourceRequest& r) {
          r.mutable_targets(0)->mutable_layout()->mutable_parallelism()->set_tp_size(2);

@@ -231,6 +231,26 @@ TEST_CASE("target: two ranks attach two segments each; registration has one desc
   CHECK(f.node->EngineInfo("fake0")->model_config_json() == "{\"architectures\":[\"X\"]}");
 }
 
+TEST_CASE("target: the quantization a rank reports reaches its registration") {
+  Fixture f;
+  f.Start();
+  const Json reply = AttachOnce(f, [](Json& m) {
+    m["params"][2]["name"] = "a.weight_scale_inv";
+    m["quantization"] = {{"method", "fp8_block"}, {"block_size", {64, 32}}, {"scale_format", "ue8m0"}};
+  });
+  INFO(reply.dump());
+  REQUIRE(reply.value("ok", false));
+  auto regs = f.node->Registrations();
+  REQUIRE(regs.size() == 1);
+  REQUIRE(regs[0].ranks_size() == 1);
+  const v1::WeightQuantization& q = regs[0].ranks(0).quantization();
+  CHECK(q.method() == "fp8_block");
+  REQUIRE(q.block_size_size() == 2);
+  CHECK(q.block_size(0) == 64);
+  CHECK(q.block_size(1) == 32);
+  CHECK(q.scale_format() == "ue8m0");
+}
+
 std::string Xxh128(const uint8_t* p, size_t n) {
   const XXH128_hash_t h = XXH3_128bits(p, n);
   return absl::StrFormat("%016x%016x", h.high64, h.low64);
@@ -487,6 +507,36 @@ TEST_CASE("target: attach validation refuses bad messages with a reason") {
   }
   SECTION("wrong protocol version") {
     RequireRefused(AttachOnce(f, [](Json& m) { m["protocol"] = 2; }), "attach protocol 2");
+  }
+  // c.weight is float32 [2, 2]: named as an FP8 block scale, it says FP8 without the rank reporting it.
+  auto fp8_names = [](Json& m) { m["params"][2]["name"] = "a.weight_scale_inv"; };
+  SECTION("FP8 block scales without a reported quantization") {
+    RequireRefused(AttachOnce(f, fp8_names),
+                   "engine fake0 rank 0: parameter a.weight_scale_inv is an FP8 block scale but the engine reports no "
+                   "quantization");
+  }
+  SECTION("a quantization wsync cannot write") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["quantization"] = {{"method", "vllm:awq"}}; }),
+                   "quantization: unknown method 'vllm:awq'");
+  }
+  SECTION("fp8_block with one block size") {
+    RequireRefused(AttachOnce(f, [&](Json& m) {
+                     fp8_names(m);
+                     m["quantization"] = {{"method", "fp8_block"}, {"block_size", {128}}};
+                   }),
+                   "fp8_block needs block_size [block_n, block_k]");
+  }
+  SECTION("a block size of 0") {
+    RequireRefused(AttachOnce(f, [&](Json& m) {
+                     m["quantization"] = {{"method", "fp8_block"}, {"block_size", {128, 0}}};
+                   }),
+                   "quantization.block_size must hold positive integers");
+  }
+  SECTION("an unknown scale format") {
+    RequireRefused(AttachOnce(f, [&](Json& m) {
+                     m["quantization"] = {{"method", "fp8_block"}, {"block_size", {128, 128}}, {"scale_format", "e8"}};
+                   }),
+                   "unknown scale_format 'e8'");
   }
   SECTION("not JSON") {
     Json reply;

@@ -28,6 +28,12 @@ absl::StatusOr<v1::RankLayout> PlannedRankLayout(const replica::ModelConfig& cfg
     d->set_segment(0);
   }
   l.set_region_bytes(plan->table.total_bytes());
+  if (quant.mode == replica::QuantSpec::Mode::kFp8Block) {  // reported, as an engine holding FP8 blocks does
+    l.mutable_quantization()->set_method("fp8_block");
+    l.mutable_quantization()->add_block_size(quant.block_n);
+    l.mutable_quantization()->add_block_size(quant.block_k);
+    if (quant.ue8m0) l.mutable_quantization()->set_scale_format("ue8m0");
+  }
   return l;
 }
 

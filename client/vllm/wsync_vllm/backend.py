@@ -140,6 +140,21 @@ def _model_config_json(model_config: Any) -> str:
     return "{}"
 
 
+def _quantization(vllm_config: Any) -> dict[str, Any] | None:
+    """How this worker holds its weights, for the attach message: vLLM's own quantization config says it (the
+    target daemon refuses a layout whose parameters are FP8 block scales without it; nothing reads the names). None:
+    unquantized. A quantization wsync cannot write is reported by its vLLM name, which the target refuses."""
+    q = getattr(vllm_config, "quant_config", None)
+    if q is None:
+        return None
+    name = q.get_name() if hasattr(q, "get_name") else type(q).__name__
+    block = getattr(q, "weight_block_size", None)
+    if name == "fp8" and block is not None and len(block) == 2:
+        # vLLM loads block scales as float32 weight_scale_inv (any ue8m0 repacking happens after loading)
+        return {"method": "fp8_block", "block_size": [int(block[0]), int(block[1])], "scale_format": ""}
+    return {"method": f"vllm:{name}"}
+
+
 class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
     init_info_cls = WsyncInitInfo
     update_info_cls = WsyncUpdateInfo
@@ -300,6 +315,9 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
             "params": [{"name": e.name, "dtype": dtype_name(e.dtype), "shape": list(e.shape), "segment": 0,
                         "offset": e.offset, "bytes": e.nbytes} for e in self._entries],
         }
+        quant = _quantization(self.vllm_config)
+        if quant is not None:
+            msg["quantization"] = quant
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(_env_float(ENV_ATTACH_TIMEOUT, DEFAULT_ATTACH_TIMEOUT_S))

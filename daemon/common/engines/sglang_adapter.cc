@@ -15,6 +15,7 @@
 #include "base/dtype.h"
 #include "base/status.h"
 #include "daemon/common/engines/http_exchange.h"
+#include "daemon/common/quantization.h"
 #include "nlohmann/json.hpp"
 #include "replica/model_config.h"
 #include "replica/param_table.h"
@@ -158,6 +159,9 @@ class SglangAdapter final : public EngineAdapter {
     out.model_config_json = text.str();
     auto cfg = replica::ModelConfig::FromJson(out.model_config_json);
     if (!cfg.ok()) return Annotate(cfg.status(), absl::StrCat(Who(), ": config ", u_.config_path));
+    // SGLang holds the weights as the config it serves declares them (quantization_config): reported per rank.
+    auto quant = QuantizationFromModelConfig(out.model_config_json);
+    if (!quant.ok()) return Annotate(quant.status(), absl::StrCat(Who(), ": config ", u_.config_path));
     for (int r = 0; r < tp_; ++r) {
       const std::string path = absl::StrCat("/get_transfer_engine_info?rank=", r);
       auto answer = Call("layout", u_.bootstrap, "GET", path, nullptr, timeout_);
@@ -168,7 +172,7 @@ class SglangAdapter final : public EngineAdapter {
             "--remote-instance-weight-loader-start-seed-via-transfer-engine, and is this its bootstrap port?): ",
             answer.status().message()));
       if (!answer.ok()) return answer.status();
-      WSYNC_ASSIGN_OR_RETURN(v1::RankLayout layout, RankFromBootstrap(*cfg, r, *answer));
+      WSYNC_ASSIGN_OR_RETURN(v1::RankLayout layout, RankFromBootstrap(*cfg, *quant, r, *answer));
       out.ranks.push_back(std::move(layout));
     }
     return out;
@@ -229,7 +233,8 @@ class SglangAdapter final : public EngineAdapter {
   }
 
   // One rank's layout from SGLang's bootstrap answer, checked against wsync's table of SGLang's layout.
-  absl::StatusOr<v1::RankLayout> RankFromBootstrap(const replica::ModelConfig& cfg, int rank, const json& answer) {
+  absl::StatusOr<v1::RankLayout> RankFromBootstrap(const replica::ModelConfig& cfg, const v1::WeightQuantization& quant,
+                                                   int rank, const json& answer) {
     const std::string where = absl::StrCat(Who(), ": TP rank ", rank);
     const json* info = answer.is_object() && answer.contains("remote_instance_transfer_engine_info")
                            ? &answer["remote_instance_transfer_engine_info"]
@@ -241,11 +246,12 @@ class SglangAdapter final : public EngineAdapter {
     const std::string session = (*info)[0].get<std::string>();
     replica::RankParallelism rp = replica::RankParallelism::ForTp(tp_, rank, ep_);
     rp.dialect = replica::EngineDialect::kSglang;
-    auto table = replica::BuildParamTable(cfg, rp, replica::QuantSpec());
+    auto table = replica::BuildParamTable(cfg, rp, QuantSpecOf(quant));
     if (!table.ok()) return Annotate(table.status(), where);
     const json& published = (*info)[1];
     v1::RankLayout out;
     out.set_rank(rank);
+    *out.mutable_quantization() = quant;
     auto* par = out.mutable_parallelism();
     par->set_tp_size(rp.tp_size);
     par->set_tp_rank(rp.tp_rank);

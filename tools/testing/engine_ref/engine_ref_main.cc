@@ -247,6 +247,11 @@ class EngineService final : public pb::EngineControl::Service {
       d->set_offset(memory_[req->rank()]->placement(i).offset);
     }
     out->set_region_bytes(l.total_bytes);
+    if (cfg_.fp8_bn > 0) {
+      out->mutable_quantization()->set_method("fp8_block");
+      out->mutable_quantization()->add_block_size(static_cast<int32_t>(cfg_.fp8_bn));
+      out->mutable_quantization()->add_block_size(static_cast<int32_t>(cfg_.fp8_bk));
+    }
     for (size_t i = 0; i < memory_[req->rank()]->segments().size(); ++i) {
       auto* s = out->add_segments();
       s->set_id(static_cast<int>(i));
@@ -523,6 +528,10 @@ class EngineService final : public pb::EngineControl::Service {
                         {"world_size", tp_}, {"parallelism", par}, {"model_config_json", config_json_},
                         {"segments", segs}, {"params", params}};
     if (shift > 0) j["staging_segment_shift"] = shift;
+    // What this engine holds, reported (the daemon and the planner never read it off the parameter names): FP8
+    // blocks of its config, float32 amax/448 scales (its encoder knows no other scale format).
+    if (cfg_.fp8_bn > 0)
+      j["quantization"] = {{"method", "fp8_block"}, {"block_size", {cfg_.fp8_bn, cfg_.fp8_bk}}, {"scale_format", ""}};
     return j.dump();
   }
 
