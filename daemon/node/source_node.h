@@ -32,6 +32,7 @@
 #include "base/tensor_slice.h"
 #include "daemon/common/metrics.h"
 #include "daemon/node/hash_pool.h"
+#include "daemon/node/source_plan.h"
 #include "replica/replica.h"
 #include "transport/transport.h"
 #include "wsync/v1/daemon.grpc.pb.h"
@@ -228,10 +229,13 @@ class SourceNode {
     // take it. Held only for a Post, which hands the batch to the transport and does not wait for the network.
     std::mutex mu;
     std::vector<transport::BatchId> outstanding;
-    // Which transport writes to it: the node's own, or Mooncake for engines that registered their memory with a
-    // Mooncake Transfer Engine (segments of kind "mooncake"; session = the engine rank's handshake address).
+    // Which transport writes to it (the node's own, or the registered backend that owns its segments' kind:
+    // daemon/node/source_plan.h), what that one declares, the replica's regions in it, and the peer it connects to
+    // directly when it needs no target daemon (e.g. an engine rank's own Mooncake Transfer Engine).
     transport::Transport* transport = nullptr;
-    std::string mooncake_session;  // "" unless the mooncake transport is used
+    transport::Capabilities caps;
+    const std::vector<std::unique_ptr<transport::LocalRegion>>* src_regions = nullptr;
+    std::string peer;
     // Not OK once a Post or Wait on `endpoint` failed: the transport contract says such an endpoint must be
     // re-created, which the next StartUpdate does before accepting pushes.
     absl::Status broken;
@@ -258,7 +262,16 @@ class SourceNode {
   // ended its push stays lost longer than opts_.rank_grace.
   void WatchRanks();
   void CheckRanks();  // requires mu_
-  absl::Status CheckLayout(const replica::ParamTable& table, const v1::RankLayout& target, const std::string& who);
+  // Configure's second half: builds the replica, registers it, imports every target's regions and connects them
+  // (in parallel), as `plan` says. Caller holds ingest_mu_ exclusively, not mu_; the previous plan is torn down.
+  absl::Status ApplyPlan(const SourcePlan& plan, const v1::ConfigureSourceRequest& req,
+                         v1::ConfigureSourceReply* out);
+  // Connects every target of `targets` (ConnectEndpoint), several at once; the first error, naming the target.
+  // Caller holds ingest_mu_ exclusively, not mu_.
+  absl::Status ConnectTargets(const std::vector<Target*>& targets);
+  // The registered backend `name` (transport/registry.h), created at its first use and kept. Caller holds ingest_mu_
+  // exclusively.
+  absl::StatusOr<transport::Transport*> ExtraTransport(const std::string& name);
   // Posts the writes of the ready parameters of update `version` and queues the hashing of the ranges they read
   // (RecordChecksums). Caller holds ingest_mu_ shared; each target's `mu` is taken for its Post.
   absl::Status WriteReady(int64_t version, const std::vector<replica::ReadyParam>& ready);
@@ -386,9 +399,10 @@ class SourceNode {
   std::string config_digest_;  // ConfigureSourceDigest of the request applied
   std::unique_ptr<replica::Replica> replica_;
   std::vector<std::unique_ptr<transport::LocalRegion>> replica_regions_;
-  // The Mooncake transport (created at the first plan with a Mooncake target) and the replica's regions in it.
-  std::unique_ptr<transport::Transport> mooncake_;
-  std::vector<std::unique_ptr<transport::LocalRegion>> mooncake_regions_;
+  // Registered backends beyond the node's own that own some target's segments (created at the first plan that
+  // needs them, by name), and the replica's regions in each.
+  std::map<std::string, std::unique_ptr<transport::Transport>> extra_transports_;
+  std::map<std::string, std::vector<std::unique_ptr<transport::LocalRegion>>> extra_regions_;
   std::vector<std::unique_ptr<Target>> targets_;
   std::vector<std::vector<Target*>> targets_by_layout_;
   std::vector<std::string> push_names_;  // checkpoint tensors this node needs, in push order
