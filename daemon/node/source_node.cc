@@ -90,6 +90,9 @@ SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, Conn
                    "Bytes actually posted to targets: dense ranges plus delta records (docs/delta.md).");
   metrics_.Declare("wsync_source_tensors_received_total", "counter", "HF tensors received from trainer ranks.");
   metrics_.Declare("wsync_source_buckets_total", "counter", "Buckets committed by trainer ranks, by result.");
+  metrics_.Declare("wsync_source_sliced_tensors_total", "counter",
+                   "Tensors pushed in slices and completed, by path: direct (slices landed in the replica) or staged "
+                   "(assembled whole first: a conversion needs the whole tensor).");
   metrics_.Declare("wsync_source_placements_total", "counter",
                    "CommitPlaced calls of trainer ranks (tensors copied straight into the replica), by result.");
   metrics_.Declare("wsync_source_placed_bytes_total", "counter",
@@ -876,14 +879,25 @@ absl::Status SourceNode::ClaimBucket(const BucketView& bucket, std::vector<Bucke
   // tensors: both under staged_mu_, so a refusal leaves nothing of the bucket claimed.
   std::lock_guard<std::mutex> l(staged_mu_);
   std::vector<std::pair<TensorSlice, DType>> bucket_slices;
+  std::map<std::string, Staged> fresh;  // tensors whose first slice is in this bucket
+  std::vector<replica::HfTensor> direct;
   for (const BucketTensor& b : *tensors) {
     if (!b.slice.has_value()) continue;
     WSYNC_RETURN_IF_ERROR(CheckSlice(*b.slice, b.t.dtype, b.t.bytes, bucket_slices));
     bucket_slices.push_back({*b.slice, b.t.dtype});
+    if (staged_.count(b.slice->name) || fresh.count(b.slice->name)) continue;
+    Staged& st = fresh[b.slice->name] = NewStaged(*b.slice, b.t.dtype);
+    if (st.direct)
+      direct.push_back({b.slice->name, st.dtype, st.shape, nullptr,
+                        static_cast<uint64_t>(b.slice->full_rows * b.slice->full_cols) * DTypeSize(st.dtype)});
   }
+  // A tensor landing directly is claimed now, with the bucket's whole tensors, so no other bucket of any rank can
+  // load it (its bytes would mix with the slices'). Should the second claim be refused, the first stays: the bucket
+  // is refused, which fails the update, and nothing of it was written.
   WSYNC_RETURN_IF_ERROR(replica_->Claim(wholes));
+  if (!direct.empty()) WSYNC_RETURN_IF_ERROR(replica_->ClaimPlaced(direct));
   for (BucketTensor& b : *tensors)
-    if (b.slice.has_value()) b.staged = ReserveSlice(*b.slice, b.t.dtype);
+    if (b.slice.has_value()) b.staged = ReserveSlice(*b.slice, &fresh);
   return absl::OkStatus();
 }
 
@@ -911,9 +925,17 @@ absl::Status SourceNode::CheckSlice(const TensorSlice& s, DType dtype, uint64_t 
     return absl::AlreadyExistsError(absl::StrCat("slice of ", s.name, " (", s.Describe(),
                                                  ") arrived after the tensor was complete in this update"));
   // The whole tensor must be one the model has, with this shape and dtype (nothing is read through the pointer).
-  static const uint8_t kNoData = 0;
-  replica::HfTensor whole{s.name, dtype, s.full_shape, &kNoData, full};
-  WSYNC_RETURN_IF_ERROR_CTX(replica_->Validate(whole), "slice ", s.Describe());
+  // Checked at its first slice: one landing directly is claimed in the replica from then on, so the replica would
+  // call it a duplicate; later slices must agree with the first.
+  if (it == staged_.end()) {
+    static const uint8_t kNoData = 0;
+    replica::HfTensor whole{s.name, dtype, s.full_shape, &kNoData, full};
+    WSYNC_RETURN_IF_ERROR_CTX(replica_->Validate(whole), "slice ", s.Describe());
+  } else if (it->second.shape != s.full_shape) {
+    return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, " (", s.Describe(), ") names the shape ",
+                                                   ShapeStr(s.full_shape), ", earlier slices ",
+                                                   ShapeStr(it->second.shape)));
+  }
   auto overlaps = [&](const TensorSlice& o) {
     return s.row0 < o.row0 + o.rows && o.row0 < s.row0 + s.rows && s.col0 < o.col0 + o.cols &&
            o.col0 < s.col0 + s.cols;
@@ -940,34 +962,88 @@ absl::Status SourceNode::CheckSlice(const TensorSlice& s, DType dtype, uint64_t 
   return absl::OkStatus();
 }
 
-SourceNode::Staged* SourceNode::ReserveSlice(const TensorSlice& s, DType dtype) {
-  auto [it, fresh] = staged_.try_emplace(s.name);
-  Staged& st = it->second;
-  if (fresh) {
-    st.dtype = dtype;
-    st.shape = s.full_shape;
-    for (const replica::TensorRead& r : replica_->Reads(s.name)) {
-      const bool needed = required_[r.layout][r.param] || (r.scale_param >= 0 && required_[r.layout][r.scale_param]);
-      if (!needed) continue;
-      if (r.constant) {
-        st.constant = true;
-      } else {
-        st.need.push_back(r);
-      }
+SourceNode::Staged SourceNode::NewStaged(const TensorSlice& s, DType dtype) const {
+  Staged st;
+  st.dtype = dtype;
+  st.shape = s.full_shape;
+  for (const replica::TensorRead& r : replica_->Reads(s.name)) {
+    const bool needed = required_[r.layout][r.param] || (r.scale_param >= 0 && required_[r.layout][r.scale_param]);
+    if (!needed) continue;
+    if (r.constant) {
+      st.constant = true;
+    } else {
+      st.need.push_back(r);
     }
-    if (!st.need.empty() || st.constant)
-      st.data.assign(static_cast<size_t>(s.full_rows * s.full_cols) * DTypeSize(dtype), 0);
   }
+  st.needed = !st.need.empty() || st.constant;
+  if (!st.needed) return st;
+  // Direct when no read converts; a conversion (another dtype, FP8 quantized here) needs the whole tensor.
+  auto rects = replica_->PlaceRects(s.name, dtype);
+  st.direct = rects.ok();
+  if (st.direct) {
+    st.rects = *std::move(rects);
+  } else {
+    st.data.assign(static_cast<size_t>(s.full_rows * s.full_cols) * DTypeSize(dtype), 0);
+  }
+  return st;
+}
+
+SourceNode::Staged* SourceNode::ReserveSlice(const TensorSlice& s, std::map<std::string, Staged>* fresh) {
+  auto it = staged_.find(s.name);
+  if (it == staged_.end()) {
+    auto f = fresh->find(s.name);
+    it = staged_.emplace(s.name, std::move(f->second)).first;
+    fresh->erase(f);
+  }
+  Staged& st = it->second;
   st.got.push_back(s);
   ++st.copying;
   return &st;
+}
+
+void SourceNode::LandSlice(const TensorSlice& s, const Staged& st, const uint8_t* data) {
+  // All in bytes of the tensor's 2-D row-major view: the slice covers columns [c0, c1) of rows [row0, row0 + rows);
+  // a rectangle's i-th row is the tensor bytes [a, a + row_bytes), a = src_offset + i * src_pitch, which may span
+  // several tensor rows (a contiguous run).
+  const uint64_t es = DTypeSize(st.dtype);
+  const uint64_t trow = static_cast<uint64_t>(s.full_cols) * es;
+  const uint64_t c0 = static_cast<uint64_t>(s.col0) * es, c1 = static_cast<uint64_t>(s.col0 + s.cols) * es;
+  const uint64_t slice_row = static_cast<uint64_t>(s.cols) * es;
+  const uint64_t begin = static_cast<uint64_t>(s.row0) * trow + c0;
+  const uint64_t end = static_cast<uint64_t>(s.row0 + s.rows - 1) * trow + c1;
+  for (const replica::PlacedRect& r : st.rects) {
+    if (r.rows <= 0 || r.row_bytes == 0) continue;
+    // Only the rectangle's rows that can meet [begin, end).
+    int64_t i0 = 0, i1 = r.rows;
+    if (r.src_pitch > 0) {
+      if (end <= r.src_offset) continue;
+      i1 = std::min<int64_t>(r.rows, static_cast<int64_t>((end - 1 - r.src_offset) / r.src_pitch) + 1);
+      if (begin >= r.src_offset + r.row_bytes)
+        i0 = static_cast<int64_t>((begin - r.src_offset - r.row_bytes) / r.src_pitch) + 1;
+    }
+    uint8_t* dst = replica_->data(r.layout) + r.offset;
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint64_t a = r.src_offset + static_cast<uint64_t>(i) * r.src_pitch, b = a + r.row_bytes;
+      const int64_t t0 = std::max<int64_t>(s.row0, static_cast<int64_t>(a / trow));
+      const int64_t t1 = std::min<int64_t>(s.row0 + s.rows, static_cast<int64_t>((b - 1) / trow) + 1);
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint64_t row = static_cast<uint64_t>(t) * trow;
+        const uint64_t lo = std::max(a, row + c0), hi = std::min(b, row + c1);
+        if (lo >= hi) continue;
+        std::memcpy(dst + static_cast<uint64_t>(i) * r.pitch + (lo - a),
+                    data + static_cast<uint64_t>(t - s.row0) * slice_row + (lo - row - c0), hi - lo);
+      }
+    }
+  }
 }
 
 absl::Status SourceNode::StageSlice(const TensorSlice& s, Staged* st, const uint8_t* data,
                                     std::vector<replica::ReadyParam>* ready) {
   // The rectangle is this bucket's alone (claimed disjoint), and `data` stays allocated until the last claimed
   // slice has landed (copying > 0): the copy needs no lock.
-  if (!st->data.empty()) {
+  if (st->direct && !st->need.empty()) {
+    LandSlice(s, *st, data);
+  } else if (!st->data.empty()) {
     const size_t es = DTypeSize(st->dtype);
     const size_t row_bytes = static_cast<size_t>(s.cols) * es;
     for (int64_t r = 0; r < s.rows; ++r)
@@ -980,7 +1056,7 @@ absl::Status SourceNode::StageSlice(const TensorSlice& s, Staged* st, const uint
     std::lock_guard<std::mutex> l(staged_mu_);
     st->landed.push_back(s);
     --st->copying;
-    if (st->done || st->data.empty() || st->copying > 0) return absl::OkStatus();
+    if (st->done || !st->needed || st->copying > 0) return absl::OkStatus();
     // Complete when every rectangle read by a parameter this node writes is covered (slices are disjoint).
     for (const replica::TensorRead& n : st->need) {
       uint64_t covered = 0;
@@ -995,8 +1071,11 @@ absl::Status SourceNode::StageSlice(const TensorSlice& s, Staged* st, const uint
     whole_data.swap(st->data);
     slices = st->landed.size();
   }
-  replica::HfTensor whole{s.name, st->dtype, st->shape, whole_data.data(), whole_data.size()};
-  auto r = replica_->Ingest(whole);
+  // The mutex ordered every landed slice's copy before this point: the tensor's bytes are all in place.
+  metrics_.Add("wsync_source_sliced_tensors_total", {{"path", st->direct ? "direct" : "staged"}}, 1);
+  const uint64_t bytes = static_cast<uint64_t>(s.full_rows * s.full_cols) * DTypeSize(st->dtype);
+  replica::HfTensor whole{s.name, st->dtype, st->shape, whole_data.data(), st->direct ? bytes : whole_data.size()};
+  auto r = st->direct ? replica_->MarkPlaced(whole) : replica_->Ingest(whole);
   if (!r.ok()) return Annotate(r.status(), absl::StrCat("assembled from ", slices, " slices"));
   ready->insert(ready->end(), r->begin(), r->end());
   return absl::OkStatus();

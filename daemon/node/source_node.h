@@ -309,16 +309,25 @@ class SourceNode {
                                    const v1::Fp8PushHint& fp8);
   static absl::StatusOr<BucketView> WaitForBucket(RingConsumer& ring, absl::Duration timeout,
                                                   const CancelFn& cancelled);
-  // A tensor pushed in slices (shard-aware plans): assembled here until every rectangle this node's writes read has
-  // arrived, then ingested whole. Only the rectangles received are meaningful; parameters reading anything else are
-  // never written (they are not this node's to write). Slices of one tensor from several ranks are copied in at
-  // once (disjoint rectangles); everything but `data`'s bytes is under staged_mu_.
+  // A tensor pushed in slices (shard-aware plans). Where every read of it is a byte copy of the dtype it arrives as
+  // (Replica::PlaceRects: no conversion), each slice lands straight in the replica's layout buffers, in the parts of
+  // the engine-layout rectangles it covers (`direct`; the tensor is claimed in the replica with its first slice, so
+  // no whole push of it can write there too). Otherwise (a dtype conversion, FP8 quantization here, whose blocks a
+  // slice may split) it is assembled in `data` and ingested whole. Either way the replica reports its parameters
+  // ready only once every rectangle this node's writes read has arrived (the slice completing it: MarkPlaced or
+  // Ingest), so an incomplete tensor never reaches an engine. Only the rectangles received are meaningful;
+  // parameters reading anything else are never written (they are not this node's to write). Slices of one tensor
+  // from several ranks are copied in at once (disjoint rectangles); everything but the copied bytes is under
+  // staged_mu_.
   struct Staged {
     DType dtype = DType::kInvalid;
     std::vector<int64_t> shape;
-    std::vector<uint8_t> data;            // the whole tensor; allocated at the first slice this node needs
+    bool needed = false;                  // some parameter this node writes reads it (else slices are dropped)
+    bool direct = false;                  // slices land in the replica (`rects`), else in `data`
+    std::vector<replica::PlacedRect> rects;  // direct: where the tensor's bytes go in the layout buffers
+    std::vector<uint8_t> data;            // staged: the whole tensor; allocated at the first slice
     std::vector<TensorSlice> got;         // rectangles claimed in this update (disjoint)
-    std::vector<TensorSlice> landed;      // those of them copied into `data`
+    std::vector<TensorSlice> landed;      // those of them copied in
     int copying = 0;                      // claimed, not landed yet
     std::vector<replica::TensorRead> need;  // what this node's writes read of it
     bool constant = false;                // a required parameter only needs the tensor to arrive
@@ -339,8 +348,15 @@ class SourceNode {
   // same bucket). Caller holds staged_mu_.
   absl::Status CheckSlice(const TensorSlice& s, DType dtype, uint64_t bytes,
                           const std::vector<std::pair<TensorSlice, DType>>& bucket);
-  // Records a checked slice as claimed in staged_ (creating its entry). Caller holds staged_mu_.
-  Staged* ReserveSlice(const TensorSlice& s, DType dtype);
+  // The entry for the first slice of `s.name` in this update: what this node needs of it and whether its slices can
+  // land directly. Pure over the replica's tables and required_.
+  Staged NewStaged(const TensorSlice& s, DType dtype) const;
+  // Records a checked slice as claimed in staged_ (`fresh` holds the entries of tensors first seen in its bucket).
+  // Caller holds staged_mu_.
+  Staged* ReserveSlice(const TensorSlice& s, std::map<std::string, Staged>* fresh);
+  // Copies a direct slice's bytes into the parts of the tensor's layout rectangles it covers. No lock: the bytes are
+  // the slice's alone (claimed disjoint).
+  void LandSlice(const TensorSlice& s, const Staged& st, const uint8_t* data);
   // Copies a claimed slice in; the slice that completes the tensor ingests it and appends the ready parameters.
   absl::Status StageSlice(const TensorSlice& s, Staged* st, const uint8_t* data,
                           std::vector<replica::ReadyParam>* ready);
