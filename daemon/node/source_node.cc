@@ -272,7 +272,8 @@ absl::Status SourceNode::CloseSession(const std::string& session_id) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::ConfigureSourceRequest& req) {
+absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::ConfigureSourceRequest& req,
+                                                               absl::Time deadline) {
   std::lock_guard<std::shared_mutex> ingest(ingest_mu_);
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -300,7 +301,7 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     config_digest_.clear();
   }
   v1::ConfigureSourceReply out;
-  WSYNC_RETURN_IF_ERROR(ApplyPlan(plan, req, &out));
+  WSYNC_RETURN_IF_ERROR(ApplyPlan(plan, req, deadline, &out));
   return out;
 }
 
@@ -316,7 +317,7 @@ absl::StatusOr<transport::Transport*> SourceNode::ExtraTransport(const std::stri
 }
 
 absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSourceRequest& req,
-                                   v1::ConfigureSourceReply* out) {
+                                   absl::Time deadline, v1::ConfigureSourceReply* out) {
   absl::Time t0 = absl::Now();
   // The replica builds the same tables the plan checked the layouts against. A node the plan gives no work has none
   // (its ranks' push filters are empty).
@@ -387,7 +388,7 @@ absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSo
   {
     std::vector<Target*> all;
     for (auto& t : targets) all.push_back(t.get());
-    WSYNC_RETURN_IF_ERROR(ConnectTargets(all));
+    WSYNC_RETURN_IF_ERROR(ConnectTargets(all, deadline));
   }
   out->set_connect_seconds(Seconds(t1));
 
@@ -499,7 +500,7 @@ std::string SourceNode::NodeRanks(const Target& t) const {
                       " at ", t.assignment.target_daemon(), " (", absl::StrJoin(ranks, ", "), ")");
 }
 
-absl::Status SourceNode::ConnectEndpoint(Target* t) {
+absl::Status SourceNode::ConnectEndpoint(Target* t, absl::Time deadline) {
   const std::string who = Who(*t);
   // A broken endpoint goes first, so the peer sees it close before the new one connects. Swapped under mu_
   // (CancelWrites walks the endpoints under it), destroyed outside it (its threads may take a while to stop).
@@ -512,10 +513,11 @@ absl::Status SourceNode::ConnectEndpoint(Target* t) {
   t->outstanding.clear();
   auto ep = t->transport->CreateEndpoint();
   if (!ep.ok()) return Annotate(ep.status(), absl::StrCat("creating an endpoint for ", who));
+  absl::Duration timeout = std::min(absl::Seconds(30), std::max(deadline - absl::Now(), absl::ZeroDuration()));
   if (!t->caps.needs_target_daemon) {
     // The receiver is no wsync daemon (e.g. an engine rank's own Mooncake Transfer Engine): the handshake goes to
     // the peer its region descriptors name, directly.
-    WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(t->peer, absl::Seconds(30)), "connecting to ", who, " (",
+    WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(t->peer, timeout), "connecting to ", who, " (",
                               t->transport->name(), " peer ", t->peer, ")");
     std::lock_guard<std::mutex> l(mu_);
     t->endpoint = *std::move(ep);
@@ -530,7 +532,8 @@ absl::Status SourceNode::ConnectEndpoint(Target* t) {
   if (opts_.delta_base) creq.set_delta_write_bytes(t->delta_write_bytes);
   auto info = connect_(t->assignment.target_daemon(), creq);
   if (!info.ok()) return Annotate(info.status(), absl::StrCat("connecting to ", who));
-  WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(info->target_endpoint_info(), absl::Seconds(30)), "connecting to ", who);
+  timeout = std::min(absl::Seconds(30), std::max(deadline - absl::Now(), absl::ZeroDuration()));
+  WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(info->target_endpoint_info(), timeout), "connecting to ", who);
   WSYNC_RETURN_IF_ERROR(AttachStaging(t, *info));
   std::lock_guard<std::mutex> l(mu_);
   t->endpoint = *std::move(ep);
@@ -538,7 +541,7 @@ absl::Status SourceNode::ConnectEndpoint(Target* t) {
   return absl::OkStatus();
 }
 
-absl::Status SourceNode::ConnectTargets(const std::vector<Target*>& targets) {
+absl::Status SourceNode::ConnectTargets(const std::vector<Target*>& targets, absl::Time deadline) {
   // Each connect is a dial to a target daemon (or a peer's handshake) bounded by its own timeout; several run at
   // once so a plan with many engine ranks costs about one connect, not one per rank. Every target is tried (its
   // endpoint state is its own), and the first failure in plan order is answered.
@@ -546,7 +549,12 @@ absl::Status SourceNode::ConnectTargets(const std::vector<Target*>& targets) {
   std::vector<absl::Status> results(targets.size());
   std::atomic<size_t> next{0};
   auto work = [&] {
-    for (size_t i = next++; i < targets.size(); i = next++) results[i] = ConnectEndpoint(targets[i]);
+    for (size_t i = next++; i < targets.size(); i = next++) {
+      results[i] = absl::Now() < deadline
+                       ? ConnectEndpoint(targets[i], deadline)
+                       : absl::DeadlineExceededError(absl::StrCat("connecting to ", Who(*targets[i]),
+                                                                  ": the caller's deadline passed first"));
+    }
   };
   std::vector<std::thread> threads;
   const size_t n = std::min(kMaxParallel, targets.size());

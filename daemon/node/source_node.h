@@ -158,7 +158,10 @@ class SourceNode {
   // while the push filters name tensors, an unknown engine kind or quantization, a layout that does not match the
   // model, a write range outside its parameter, a bad region descriptor) leaves the configuration in use — plan
   // epoch, replica, connections — untouched. A failure after that (memory, connecting) leaves it unconfigured.
-  absl::StatusOr<v1::ConfigureSourceReply> Configure(const v1::ConfigureSourceRequest& req);
+  // The targets are connected several at once; each connect ends by `deadline` (the caller's), a target not
+  // connected by then fails the call (DeadlineExceeded naming it).
+  absl::StatusOr<v1::ConfigureSourceReply> Configure(const v1::ConfigureSourceRequest& req,
+                                                     absl::Time deadline = absl::InfiniteFuture());
   // The configuration held (heartbeats report it, daemon/coordinator/coordinator.h "Self-healing"): its plan epoch
   // (-1: none) and daemon/common/config_digest.h of the request applied ("": none).
   std::pair<int64_t, std::string> AppliedConfig() const;
@@ -264,11 +267,11 @@ class SourceNode {
   void CheckRanks();  // requires mu_
   // Configure's second half: builds the replica, registers it, imports every target's regions and connects them
   // (in parallel), as `plan` says. Caller holds ingest_mu_ exclusively, not mu_; the previous plan is torn down.
-  absl::Status ApplyPlan(const SourcePlan& plan, const v1::ConfigureSourceRequest& req,
+  absl::Status ApplyPlan(const SourcePlan& plan, const v1::ConfigureSourceRequest& req, absl::Time deadline,
                          v1::ConfigureSourceReply* out);
-  // Connects every target of `targets` (ConnectEndpoint), several at once; the first error, naming the target.
-  // Caller holds ingest_mu_ exclusively, not mu_.
-  absl::Status ConnectTargets(const std::vector<Target*>& targets);
+  // Connects every target of `targets` (ConnectEndpoint), several at once, each by `deadline` at the latest; the
+  // first error in their order, naming the target. Caller holds ingest_mu_ exclusively, not mu_.
+  absl::Status ConnectTargets(const std::vector<Target*>& targets, absl::Time deadline = absl::InfiniteFuture());
   // The registered backend `name` (transport/registry.h), created at its first use and kept. Caller holds ingest_mu_
   // exclusively.
   absl::StatusOr<transport::Transport*> ExtraTransport(const std::string& name);
@@ -371,7 +374,7 @@ class SourceNode {
   std::string NodeRanks(const Target& t) const;
   // Creates `t`'s endpoint and connects it through the target daemon (connect_). Caller holds ingest_mu_
   // exclusively, not mu_.
-  absl::Status ConnectEndpoint(Target* t);
+  absl::Status ConnectEndpoint(Target* t, absl::Time deadline = absl::InfiniteFuture());
   // Delta updates (source_delta.cc). Imports the staging region the target answered and registers the mirror.
   // Caller holds ingest_mu_ exclusively.
   absl::Status AttachStaging(Target* t, const v1::ConnectTargetReply& reply);
