@@ -1,12 +1,20 @@
 // The source's pure configuration step (daemon/node/source_plan.h): what it decides for a request and what it
 // refuses, with no sockets, threads or replica memory; at the size of a Kimi-K2 cluster of 8 engines x 32 ranks.
+// Then the step that applies a plan (SourceNode::Configure over a null transport): its targets are connected
+// several at once, and no connect starts after the caller's deadline.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <atomic>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 
+#include "absl/strings/match.h"
+#include "daemon/node/source_node.h"
 #include "daemon/node/source_plan.h"
+#include "tests/daemon/null_source.h"
 #include "replica/layout_plan.h"
 #include "tools/testdata/planned_layout.h"
 #include "transport/mooncake/mooncake_transport.h"
@@ -318,6 +326,52 @@ TEST_CASE("refusals name what is wrong") {
     REQUIRE(plan.ok());  // a node without work: an empty filter per rank
     CHECK(plan->targets.empty());
     CHECK(plan->layouts.empty());
+  }
+}
+
+TEST_CASE("applying a plan connects its targets several at once, none after the caller's deadline") {
+  // Engine ranks of one layout, each target daemon answering its ConnectTarget after 200 ms.
+  v1::ConfigureSourceRequest req = testing::TinyPlan(WSYNC_TINY_MODEL, 1);
+  const v1::TargetAssignment one = req.targets(0);
+  req.clear_targets();
+  for (int e = 0; e < 40; ++e) {
+    v1::TargetAssignment a = one;
+    a.set_engine_id("e" + std::to_string(e));
+    *req.add_targets() = a;
+  }
+  std::atomic<int> in_flight{0}, most{0}, calls{0};
+  auto connect = [&](const std::string&, const v1::ConnectTargetRequest&) -> absl::StatusOr<std::string> {
+    const int now = ++in_flight;
+    int seen = most.load();
+    while (now > seen && !most.compare_exchange_weak(seen, now)) {
+    }
+    ++calls;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    --in_flight;
+    return std::string("null");
+  };
+  testing::NullTransport transport;
+  SourceOptions o;
+  o.node_id = "src";
+  SourceNode node(o, &transport, connect);
+
+  SECTION("twelve targets: about one connect's time, not twelve") {
+    while (req.targets_size() > 12) req.mutable_targets()->RemoveLast();
+    const absl::Time start = absl::Now();
+    auto r = node.Configure(req);
+    INFO(r.status().ToString());
+    REQUIRE(r.ok());
+    CHECK(calls == 12);
+    CHECK(most > 1);
+    CHECK(absl::Now() - start < absl::Milliseconds(12 * 200 / 2));
+  }
+  SECTION("forty targets and a deadline the first ones' connects outlast: the rest are not started") {
+    auto r = node.Configure(req, absl::Now() + absl::Milliseconds(100));
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.status().code() == absl::StatusCode::kDeadlineExceeded);
+    CHECK_THAT(std::string(r.status().message()), Catch::Contains("the caller's deadline passed first"));
+    CHECK(calls < 40);
+    CHECK(node.AppliedConfig().first == -1);  // unconfigured: a failure after the plan was decided
   }
 }
 
