@@ -46,8 +46,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateFirstViableTransport(const std:
   for (size_t i = 0; i < names.size(); ++i) {
     // A typo later in the list must not hide behind a viable first entry.
     if (FindTransport(names[i]) == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown transport \"", names[i], "\" in \"", list,
-                                                     "\" (known: ", KnownTransports(), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown transport \"", names[i], "\" in \"", list, "\" (known: ", KnownTransports(), ")"));
     }
     for (size_t j = 0; j < i; ++j) {
       if (names[j] == names[i]) {

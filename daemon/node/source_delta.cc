@@ -63,7 +63,8 @@ absl::Status SourceNode::DecideDeltas(const v1::StartUpdateRequest& req) {
     } else if (delta_base_.empty()) {
       why = "this source keeps no delta base (wsyncd --delta-base=false)";
     } else if (t->caps.one_sided_only) {
-      why = absl::StrCat(t->transport->name(), "-registered memory: written one-sided, nothing beside it decodes deltas");
+      why =
+          absl::StrCat(t->transport->name(), "-registered memory: written one-sided, nothing beside it decodes deltas");
     } else if (t->staging == nullptr) {
       why = t->staging_refused.empty() ? "the target daemon gave no delta staging region" : t->staging_refused;
     } else if (base < 0) {

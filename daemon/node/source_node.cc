@@ -25,8 +25,8 @@
 #include "base/status.h"
 #include "daemon/common/config_digest.h"
 #include "daemon/common/convert.h"
-#include "transport/registry.h"
 #include "spdlog/spdlog.h"
+#include "transport/registry.h"
 
 namespace wsync::daemon {
 namespace {
@@ -316,8 +316,8 @@ absl::StatusOr<transport::Transport*> SourceNode::ExtraTransport(const std::stri
   return raw;
 }
 
-absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSourceRequest& req,
-                                   absl::Time deadline, v1::ConfigureSourceReply* out) {
+absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSourceRequest& req, absl::Time deadline,
+                                   v1::ConfigureSourceReply* out) {
   absl::Time t0 = absl::Now();
   // The replica builds the same tables the plan checked the layouts against. A node the plan gives no work has none
   // (its ranks' push filters are empty).
@@ -331,7 +331,8 @@ absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSo
                               std::vector<std::unique_ptr<transport::LocalRegion>>* regions) -> absl::Status {
     for (int l = 0; l < num_layouts; ++l) {
       const uint64_t n = std::max<uint64_t>(replica->table(l).total_bytes(), 1);
-      auto region = source_only ? tr->RegisterSourceMemory(replica->data(l), n) : tr->RegisterMemory(replica->data(l), n);
+      auto region =
+          source_only ? tr->RegisterSourceMemory(replica->data(l), n) : tr->RegisterMemory(replica->data(l), n);
       if (!region.ok()) return Annotate(region.status(), absl::StrCat("registering the replica with ", tr->name()));
       regions->push_back(*std::move(region));
     }
@@ -460,10 +461,11 @@ absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSo
   plan_epoch_ = req.plan_epoch();
   configured_ = true;
   config_digest_ = ConfigureSourceDigest(req);
-  spdlog::info("configured plan {}: {} targets, {} layouts, replica {:.1f} MiB registered in {:.3f}s, connected in "
-               "{:.3f}s, {} tensors to push",
-               plan_epoch_, targets_.size(), num_layouts, total / 1048576.0, out->register_seconds(),
-               out->connect_seconds(), push_names_.size());
+  spdlog::info(
+      "configured plan {}: {} targets, {} layouts, replica {:.1f} MiB registered in {:.3f}s, connected in "
+      "{:.3f}s, {} tensors to push",
+      plan_epoch_, targets_.size(), num_layouts, total / 1048576.0, out->register_seconds(), out->connect_seconds(),
+      push_names_.size());
   return absl::OkStatus();
 }
 
@@ -517,8 +519,8 @@ absl::Status SourceNode::ConnectEndpoint(Target* t, absl::Time deadline) {
   if (!t->caps.needs_target_daemon) {
     // The receiver is no wsync daemon (e.g. an engine rank's own Mooncake Transfer Engine): the handshake goes to
     // the peer its region descriptors name, directly.
-    WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(t->peer, timeout), "connecting to ", who, " (",
-                              t->transport->name(), " peer ", t->peer, ")");
+    WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(t->peer, timeout), "connecting to ", who, " (", t->transport->name(),
+                              " peer ", t->peer, ")");
     std::lock_guard<std::mutex> l(mu_);
     t->endpoint = *std::move(ep);
     t->broken = absl::OkStatus();
@@ -552,8 +554,8 @@ absl::Status SourceNode::ConnectTargets(const std::vector<Target*>& targets, abs
     for (size_t i = next++; i < targets.size(); i = next++) {
       results[i] = absl::Now() < deadline
                        ? ConnectEndpoint(targets[i], deadline)
-                       : absl::DeadlineExceededError(absl::StrCat("connecting to ", Who(*targets[i]),
-                                                                  ": the caller's deadline passed first"));
+                       : absl::DeadlineExceededError(
+                             absl::StrCat("connecting to ", Who(*targets[i]), ": the caller's deadline passed first"));
     }
   };
   std::vector<std::thread> threads;

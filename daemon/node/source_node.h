@@ -325,10 +325,10 @@ class SourceNode {
   struct Staged {
     DType dtype = DType::kInvalid;
     std::vector<int64_t> shape;
-    bool needed = false;                  // some parameter this node writes reads it (else slices are dropped)
-    bool direct = false;                  // slices land in the replica (`rects`), else in `data`
+    bool needed = false;                     // some parameter this node writes reads it (else slices are dropped)
+    bool direct = false;                     // slices land in the replica (`rects`), else in `data`
     std::vector<replica::PlacedRect> rects;  // direct: where the tensor's bytes go in the layout buffers
-    std::vector<uint8_t> data;            // staged: the whole tensor; allocated at the first slice
+    std::vector<uint8_t> data;               // staged: the whole tensor; allocated at the first slice
     std::vector<TensorSlice> got;         // rectangles claimed in this update (disjoint)
     std::vector<TensorSlice> landed;      // those of them copied in
     int copying = 0;                      // claimed, not landed yet

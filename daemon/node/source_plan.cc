@@ -106,8 +106,7 @@ void WireTarget(const replica::ParamTable& table, const v1::TargetAssignment& a,
   }
 }
 
-absl::Status PlanPushFilters(const v1::ConfigureSourceRequest& req, const SourcePlanOptions& opts,
-                             SourcePlan* plan) {
+absl::Status PlanPushFilters(const v1::ConfigureSourceRequest& req, const SourcePlanOptions& opts, SourcePlan* plan) {
   if (req.push_filters_size() == 0) return absl::OkStatus();
   WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(plan->config));
   std::set<std::string> known, seen;
@@ -149,8 +148,7 @@ absl::Status PlanPushFilters(const v1::ConfigureSourceRequest& req, const Source
 
 }  // namespace
 
-absl::Status CheckTargetLayout(const replica::ParamTable& table, const v1::RankLayout& target,
-                               const std::string& who) {
+absl::Status CheckTargetLayout(const replica::ParamTable& table, const v1::RankLayout& target, const std::string& who) {
   std::map<std::string, const v1::ParamDesc*> theirs;
   for (const auto& p : target.params()) theirs[p.name()] = &p;
   std::map<int, uint64_t> segments;
@@ -165,17 +163,17 @@ absl::Status CheckTargetLayout(const replica::ParamTable& table, const v1::RankL
     const v1::ParamDesc& t = *it->second;
     std::vector<int64_t> tshape(t.shape().begin(), t.shape().end());
     if (t.bytes() != p.bytes || tshape != p.shape || t.dtype() != DTypeName(p.dtype))
-      return absl::FailedPreconditionError(absl::StrCat(
-          who, ": parameter ", p.name, ": replica has ", ShapeStr(p.shape), " ", DTypeName(p.dtype), " (", p.bytes,
-          " bytes), engine has ", ShapeStr(tshape), " ", t.dtype(), " (", t.bytes(), " bytes)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(who, ": parameter ", p.name, ": replica has ", ShapeStr(p.shape), " ", DTypeName(p.dtype), " (",
+                       p.bytes, " bytes), engine has ", ShapeStr(tshape), " ", t.dtype(), " (", t.bytes(), " bytes)"));
     auto seg = segments.find(t.segment());
     if (seg == segments.end())
       return absl::FailedPreconditionError(
           absl::StrCat(who, ": parameter ", p.name, " is in segment ", t.segment(), ", which the layout lacks"));
     if (t.offset() > seg->second || t.bytes() > seg->second - t.offset())
-      return absl::FailedPreconditionError(absl::StrCat(who, ": parameter ", p.name, " [", t.offset(), ", +",
-                                                        t.bytes(), ") lies outside segment ", t.segment(), " (",
-                                                        seg->second, " bytes)"));
+      return absl::FailedPreconditionError(absl::StrCat(who, ": parameter ", p.name, " [", t.offset(), ", +", t.bytes(),
+                                                        ") lies outside segment ", t.segment(), " (", seg->second,
+                                                        " bytes)"));
   }
   if (static_cast<size_t>(target.params_size()) != table.params().size()) {
     for (const auto& t : target.params())
@@ -238,10 +236,10 @@ absl::StatusOr<SourcePlan> PlanSourceConfiguration(const v1::ConfigureSourceRequ
     for (const auto& w : t.writes()) {
       const replica::EngineParam* p = table.Find(w.param());
       if (p == nullptr || w.length() == 0 || w.offset() > p->bytes || w.length() > p->bytes - w.offset())
-        return absl::InvalidArgumentError(absl::StrCat(
-            who, ": write range [", w.offset(), ", +", w.length(), ") of ", w.param(),
-            p == nullptr ? " names no parameter of the layout"
-                         : absl::StrCat(" is empty or outside its ", p->bytes, " bytes")));
+        return absl::InvalidArgumentError(
+            absl::StrCat(who, ": write range [", w.offset(), ", +", w.length(), ") of ", w.param(),
+                         p == nullptr ? " names no parameter of the layout"
+                                      : absl::StrCat(" is empty or outside its ", p->bytes, " bytes")));
       writes[w.param()].emplace_back(w.offset(), w.length());
     }
     WireTarget(table, t, writes, &pt);

@@ -2,10 +2,11 @@
 // refuses, with no sockets, threads or replica memory; at the size of a Kimi-K2 cluster of 8 engines x 32 ranks.
 // Then the step that applies a plan (SourceNode::Configure over a null transport): its targets are connected
 // several at once, and no connect starts after the caller's deadline.
-#include <catch2/catch.hpp>
+#include "daemon/node/source_plan.h"
 
 #include <algorithm>
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -13,9 +14,8 @@
 
 #include "absl/strings/match.h"
 #include "daemon/node/source_node.h"
-#include "daemon/node/source_plan.h"
-#include "tests/daemon/null_source.h"
 #include "replica/layout_plan.h"
+#include "tests/daemon/null_source.h"
 #include "tools/testdata/planned_layout.h"
 #include "transport/mooncake/mooncake_transport.h"
 #include "transport/registry.h"

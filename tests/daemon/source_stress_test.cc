@@ -578,9 +578,7 @@ TEST_CASE("source under eight concurrent ranks: a refused tensor or slice leaves
 TEST_CASE("slices land straight in the replica, in any order; duplicates refused; a converting dtype is staged") {
   Harness h;  // the embedding in eight row slices, a down_proj in four column slices
   auto& m = h.node->metrics();
-  auto sliced = [&](const std::string& path) {
-    return m.Value("wsync_source_sliced_tensors_total", {{"path", path}});
-  };
+  auto sliced = [&](const std::string& path) { return m.Value("wsync_source_sliced_tensors_total", {{"path", path}}); };
   std::mt19937 rng(20261205);
   for (int64_t step = 1; step <= 3; ++step) {
     INFO("update " << step);

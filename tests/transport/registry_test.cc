@@ -1,12 +1,12 @@
 // The transport registry (transport/registry.h): every backend listed once with a factory, the names the factories
 // and the daemon accept, and each capability a backend declares held against what the backend does here.
-#include <catch2/catch.hpp>
+#include "transport/registry.h"
 
+#include <catch2/catch.hpp>
 #include <set>
 #include <string>
 
 #include "transport/mooncake/mooncake_transport.h"
-#include "transport/registry.h"
 
 namespace wsync::transport {
 
