@@ -8,15 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "base/status.h"
-#include "transport/mooncake/mooncake_transport.h"
-#include "transport/tcp/tcp_transport.h"
-
-#ifdef WSYNC_WITH_VERBS
-#include "transport/verbs/verbs_transport.h"
-#endif
-#ifdef WSYNC_WITH_FABRIC
-#include "transport/fabric/fabric_transport.h"
-#endif
+#include "transport/registry.h"
 
 namespace wsync::transport {
 namespace {
@@ -29,26 +21,6 @@ absl::Status CheckRange(const char* side, uint64_t offset, uint64_t length, uint
   }
   return absl::OkStatus();
 }
-
-// Stand-in for a backend that exists but cannot run here (compiled out, no device): says why, does nothing.
-class NonViableTransport final : public Transport {
- public:
-  NonViableTransport(std::string name, std::string reason)
-      : name_(std::move(name)), reason_(std::move(reason)) {}
-  std::string name() const override { return name_; }
-  bool viable() const override { return false; }
-  std::string reason() const override { return reason_; }
-  absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void*, uint64_t) override { return Error(); }
-  absl::StatusOr<std::unique_ptr<RemoteRegion>> ImportRegion(const std::string&) override { return Error(); }
-  absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override { return Error(); }
-
- private:
-  absl::Status Error() const {
-    return absl::FailedPreconditionError(absl::StrCat(name_, " transport is not viable: ", reason_));
-  }
-  std::string name_;
-  std::string reason_;
-};
 
 }  // namespace
 
@@ -66,30 +38,6 @@ absl::Status Endpoint::Write(absl::Span<const WriteRequest> writes, absl::Durati
   return Wait(*batch, timeout);
 }
 
-absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const std::string& name,
-                                                           const TransportOptions& opts) {
-  if (name == "tcp") return tcp::CreateTcpTransport(opts);
-  if (name == "mooncake") return mooncake::CreateMooncakeTransport(opts);
-  if (name == "verbs") {
-#ifdef WSYNC_WITH_VERBS
-    return verbs::CreateVerbsTransport(opts);
-#else
-    return std::unique_ptr<Transport>(
-        std::make_unique<NonViableTransport>("verbs", "built without verbs support"));
-#endif
-  }
-  if (name == "fabric") {
-#ifdef WSYNC_WITH_FABRIC
-    return fabric::CreateFabricTransport(opts);
-#else
-    return std::unique_ptr<Transport>(std::make_unique<NonViableTransport>(
-        "fabric", "built without libfabric support (install libfabric-dev and reconfigure)"));
-#endif
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown transport \"", name, "\" (known: tcp, verbs, fabric, mooncake)"));
-}
-
 absl::StatusOr<std::unique_ptr<Transport>> CreateFirstViableTransport(const std::string& list,
                                                                       const TransportOptions& opts) {
   std::vector<std::string> names = absl::StrSplit(list, ',', absl::SkipWhitespace());
@@ -97,9 +45,9 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateFirstViableTransport(const std:
   for (std::string& name : names) name = std::string(absl::StripAsciiWhitespace(name));
   for (size_t i = 0; i < names.size(); ++i) {
     // A typo later in the list must not hide behind a viable first entry.
-    if (names[i] != "tcp" && names[i] != "verbs" && names[i] != "fabric" && names[i] != "mooncake") {
+    if (FindTransport(names[i]) == nullptr) {
       return absl::InvalidArgumentError(
-          absl::StrCat("unknown transport \"", names[i], "\" in \"", list, "\" (known: tcp, verbs, fabric, mooncake)"));
+          absl::StrCat("unknown transport \"", names[i], "\" in \"", list, "\" (known: ", KnownTransports(), ")"));
     }
     for (size_t j = 0; j < i; ++j) {
       if (names[j] == names[i]) {

@@ -150,6 +150,26 @@ class Endpoint {
   virtual bool PeerConnected() const { return false; }
 };
 
+// What a backend declares about itself. A flag is a promise the conformance tests hold it to
+// (tests/transport/registry_test.cc): a backend that says it enforces something does, on every host it runs on.
+struct Capabilities {
+  // The sending side writes from host memory registered with RegisterSourceMemory (every backend today).
+  bool writes_from_host = true;
+  // The receiving side accepts device memory through RegisterSink.
+  bool writes_into_device = false;
+  // A connection is set up through the target daemon's ConnectTarget (an exchange of Endpoint::LocalInfo blobs).
+  // False: Endpoint::Connect takes the peer address the region descriptors name (RegionPeer), and no wsync
+  // process runs on the receiving side.
+  bool needs_target_daemon = true;
+  // Only the sending side exists in wsync (the receiver is a foreign engine): nothing beside the memory decodes
+  // deltas or stages writes, so only dense byte ranges are written through it.
+  bool one_sided_only = false;
+  // SetWriteWindow is enforced on every host the backend runs on.
+  bool write_windows = false;
+  // CreateGrantedEndpoint / RequireGrants are enforced.
+  bool write_grants = false;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -157,6 +177,9 @@ class Transport {
   // False (with a reason) when the backend cannot run here, e.g. no RDMA device. Never a crash.
   virtual bool viable() const = 0;
   virtual std::string reason() const = 0;
+  // What this backend declares (Capabilities). Default: the registry's entry for name() (transport/registry.h), so
+  // a decorator that forwards name() declares what it wraps; a name the registry lacks gets the defaults.
+  virtual Capabilities capabilities() const;
   // Registers [addr, addr+len). Costly: do it once at start-up. Registration time is logged by the backend.
   virtual absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) = 0;
   // Registers memory this side only writes from (a source's replica): peers get no write access to it (verbs: MRs

@@ -61,7 +61,14 @@ grpc::Status NodeDaemonService::ConfigureSource(grpc::ServerContext* ctx, const 
                                                 v1::ConfigureSourceReply* out) {
   WSYNC_AUTHORIZE("ConfigureSource", {tls::kCoordinator});
   WSYNC_NEED(Source);
-  return Reply(source_->Configure(*req), out);
+  // The connects to targets end before the caller's deadline, so it hears which one failed rather than its own
+  // deadline passing.
+  absl::Time deadline = absl::InfiniteFuture();
+  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
+    const absl::Duration left = absl::FromChrono(ctx->deadline()) - absl::Now();
+    deadline = absl::Now() + left - std::min(left / 10, absl::Seconds(1));
+  }
+  return Reply(source_->Configure(*req, deadline), out);
 }
 grpc::Status NodeDaemonService::StartUpdate(grpc::ServerContext* ctx, const v1::StartUpdateRequest* req,
                                             v1::StartUpdateReply*) {

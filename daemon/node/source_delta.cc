@@ -53,7 +53,7 @@ absl::Status SourceNode::DecideDeltas(const v1::StartUpdateRequest& req) {
   refresh_base_ = false;
   for (auto& t : targets_) {
     std::string why;
-    if (!delta_base_.empty() && t->staging != nullptr && t->mooncake_session.empty() &&
+    if (!delta_base_.empty() && t->staging != nullptr && !t->caps.one_sided_only &&
         std::find(t->host_param.begin(), t->host_param.end(), 1) != t->host_param.end())
       refresh_base_ = true;
     auto h = held.find({t->assignment.engine_id(), t->assignment.rank()});
@@ -62,8 +62,9 @@ absl::Status SourceNode::DecideDeltas(const v1::StartUpdateRequest& req) {
       why = "delta=off";
     } else if (delta_base_.empty()) {
       why = "this source keeps no delta base (wsyncd --delta-base=false)";
-    } else if (!t->mooncake_session.empty()) {
-      why = "Mooncake-registered memory: written one-sided, nothing beside it decodes deltas";
+    } else if (t->caps.one_sided_only) {
+      why =
+          absl::StrCat(t->transport->name(), "-registered memory: written one-sided, nothing beside it decodes deltas");
     } else if (t->staging == nullptr) {
       why = t->staging_refused.empty() ? "the target daemon gave no delta staging region" : t->staging_refused;
     } else if (base < 0) {
@@ -128,7 +129,7 @@ uint64_t SourceNode::PlanWrites(int64_t version, const replica::ReadyParam& r,
         ++t->dense_ranges;  // not smaller than dense, or the staging region is full
       }
       transport::WriteRequest w;
-      w.src = (t->transport == transport_ ? replica_regions_ : mooncake_regions_)[r.layout].get();
+      w.src = (*t->src_regions)[r.layout].get();
       w.src_offset = p.offset + offset;
       w.dst = t->dst_region[r.param];
       w.dst_offset = t->dst_offset[r.param] + offset;

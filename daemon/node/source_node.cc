@@ -26,9 +26,8 @@
 #include "base/status.h"
 #include "daemon/common/config_digest.h"
 #include "daemon/common/convert.h"
-#include "daemon/common/quantization.h"
-#include "transport/mooncake/mooncake_transport.h"
 #include "spdlog/spdlog.h"
+#include "transport/registry.h"
 
 namespace wsync::daemon {
 namespace {
@@ -92,6 +91,9 @@ SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, Conn
                    "Bytes actually posted to targets: dense ranges plus delta records (docs/delta.md).");
   metrics_.Declare("wsync_source_tensors_received_total", "counter", "HF tensors received from trainer ranks.");
   metrics_.Declare("wsync_source_buckets_total", "counter", "Buckets committed by trainer ranks, by result.");
+  metrics_.Declare("wsync_source_sliced_tensors_total", "counter",
+                   "Tensors pushed in slices and completed, by path: direct (slices landed in the replica) or staged "
+                   "(assembled whole first: a conversion needs the whole tensor).");
   metrics_.Declare("wsync_source_placements_total", "counter",
                    "CommitPlaced calls of trainer ranks (tensors copied straight into the replica), by result.");
   metrics_.Declare("wsync_source_placed_bytes_total", "counter",
@@ -170,7 +172,7 @@ SourceNode::~SourceNode() {
   // Endpoints and regions go before the replica memory they point into.
   targets_.clear();
   replica_regions_.clear();
-  mooncake_regions_.clear();
+  extra_regions_.clear();
   replica_.reset();
 }
 
@@ -271,304 +273,136 @@ absl::Status SourceNode::CloseSession(const std::string& session_id) {
   return absl::OkStatus();
 }
 
-absl::Status SourceNode::CheckLayout(const replica::ParamTable& table, const v1::RankLayout& target,
-                                     const std::string& who) {
-  std::map<std::string, const v1::ParamDesc*> theirs;
-  for (const auto& p : target.params()) theirs[p.name()] = &p;
-  std::map<int, uint64_t> segments;
-  for (const auto& s : target.segments())
-    if (!segments.emplace(s.id(), s.bytes()).second)
-      return absl::FailedPreconditionError(absl::StrCat(who, ": segment ", s.id(), " appears twice in the layout"));
-  for (const auto& p : table.params()) {
-    auto it = theirs.find(p.name);
-    if (it == theirs.end())
-      return absl::FailedPreconditionError(
-          absl::StrCat(who, ": the engine has no parameter ", p.name, " that the replica layout has"));
-    const v1::ParamDesc& t = *it->second;
-    std::vector<int64_t> tshape(t.shape().begin(), t.shape().end());
-    if (t.bytes() != p.bytes || tshape != p.shape || t.dtype() != DTypeName(p.dtype))
-      return absl::FailedPreconditionError(absl::StrCat(
-          who, ": parameter ", p.name, ": replica has ", ShapeStr(p.shape), " ", DTypeName(p.dtype), " (", p.bytes,
-          " bytes), engine has ", ShapeStr(tshape), " ", t.dtype(), " (", t.bytes(), " bytes)"));
-    auto seg = segments.find(t.segment());
-    if (seg == segments.end())
-      return absl::FailedPreconditionError(
-          absl::StrCat(who, ": parameter ", p.name, " is in segment ", t.segment(), ", which the layout lacks"));
-    if (t.offset() > seg->second || t.bytes() > seg->second - t.offset())
-      return absl::FailedPreconditionError(absl::StrCat(who, ": parameter ", p.name, " [", t.offset(), ", +",
-                                                        t.bytes(), ") lies outside segment ", t.segment(), " (",
-                                                        seg->second, " bytes)"));
-  }
-  if (static_cast<size_t>(target.params_size()) != table.params().size()) {
-    for (const auto& t : target.params())
-      if (table.Find(t.name()) == nullptr)
-        return absl::FailedPreconditionError(
-            absl::StrCat(who, ": the engine has parameter ", t.name(), " that the replica layout lacks"));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::ConfigureSourceRequest& req) {
+absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::ConfigureSourceRequest& req,
+                                                               absl::Time deadline) {
   std::lock_guard<std::shared_mutex> ingest(ingest_mu_);
   {
     std::lock_guard<std::mutex> l(mu_);
     if (version_ != -1)
       return absl::FailedPreconditionError(absl::StrCat("cannot reconfigure while update ", version_, " is open"));
   }
-  WSYNC_ASSIGN_OR_RETURN(replica::ModelConfig cfg, replica::ModelConfig::FromJson(req.model_config_json()));
-  // What the engines reported holding, passed on by the coordinator; checked in the one place that reads reports (no
-  // default block size: fp8_block without [n, k] is refused).
-  v1::WeightQuantization engines_hold;
-  engines_hold.set_method(req.quantization());
-  *engines_hold.mutable_block_size() = req.weight_block_size();
-  engines_hold.set_scale_format(req.scale_format());
-  WSYNC_RETURN_IF_ERROR(CheckQuantization(engines_hold));
-  const replica::QuantSpec quant = QuantSpecOf(engines_hold);
-  if (req.targets_size() == 0) {
-    // A node the plan gives no work is told so explicitly: an empty push list for each local rank. Without targets
-    // any other request would have its ranks push into nothing (a plan lost on the way, or a coordinator bug).
-    bool pushes = req.push_filters_size() == 0;
-    for (const auto& f : req.push_filters()) pushes |= f.tensor_names_size() > 0 || f.slices_size() > 0;
-    if (pushes)
-      return absl::InvalidArgumentError(
-          "the plan names no targets but the push filters are missing or name tensors: its ranks would push into "
-          "nothing (a node without work gets an empty push filter per local rank)");
-  }
-
-  // Identical engine ranks (same parallelism and engine dialect) share one layout: one load serves all of them.
-  std::vector<replica::RankParallelism> layouts;
-  std::vector<int> layout_of;
-  for (const auto& t : req.targets()) {
-    replica::RankParallelism rp = FromProto(t.layout().parallelism());
-    auto dialect = replica::DialectForEngineKind(t.engine_kind());
-    if (!dialect.ok())
-      return Annotate(dialect.status(), absl::StrCat("engine ", t.engine_id(), " rank ", t.rank()));
-    rp.dialect = *dialect;
-    auto it = std::find(layouts.begin(), layouts.end(), rp);
-    layout_of.push_back(static_cast<int>(it - layouts.begin()));
-    if (it == layouts.end()) layouts.push_back(rp);
-  }
-
-  // Validate the whole request before touching the current plan: a bad ConfigureSource leaves the plan in use
-  // working. The tables are what the replica will allocate (no memory yet).
-  std::vector<replica::ParamTable> tables;  // one per distinct layout
-  for (const auto& rp : layouts) {
-    auto table = replica::BuildParamTable(cfg, rp, quant);
-    if (!table.ok()) return Annotate(table.status(), absl::StrCat("layout tp_rank ", rp.tp_rank));
-    tables.push_back(*std::move(table));
-  }
-  std::set<std::pair<std::string, int>> seen_targets;
-  for (int i = 0; i < req.targets_size(); ++i) {
-    const auto& t = req.targets(i);
-    const std::string who = absl::StrCat("engine ", t.engine_id(), " rank ", t.rank());
-    if (!seen_targets.emplace(t.engine_id(), t.rank()).second)
-      return absl::InvalidArgumentError(absl::StrCat(who, " is a target twice in the plan"));
-    WSYNC_RETURN_IF_ERROR(CheckLayout(tables[layout_of[i]], t.layout(), who));
-    std::string mooncake_session;
-    bool other_kinds = false;
-    for (const auto& seg : t.layout().segments()) {
-      if (seg.region_descriptor().empty())
-        return absl::InvalidArgumentError(absl::StrCat(who, ": segment ", seg.id(), " has no region descriptor"));
-      if (seg.kind() != "mooncake") {
-        other_kinds = true;
-        continue;
-      }
-      // Checked here, not only where the segments are imported: that is after the plan in use is torn down.
-      auto f = transport::mooncake::ParseRegionDescriptor(seg.region_descriptor());
-      if (!f.ok()) return Annotate(f.status(), absl::StrCat("segment ", seg.id(), " of ", who));
-      if (!mooncake_session.empty() && mooncake_session != f->session_id)
-        return absl::InvalidArgumentError(
-            absl::StrCat(who, ": segments in two Mooncake sessions (", mooncake_session, ", ", f->session_id, ")"));
-      mooncake_session = f->session_id;
-    }
-    if (!mooncake_session.empty() && other_kinds)
-      return absl::InvalidArgumentError(absl::StrCat(who, ": mixes mooncake and other segments"));
-  }
-
-  // The plan's byte ranges per target (name → ranges, checked against the table) and the per-rank push filters.
-  std::vector<std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>>> writes(req.targets_size());
-  for (int i = 0; i < req.targets_size(); ++i) {
-    const auto& t = req.targets(i);
-    for (const auto& w : t.writes()) {
-      const replica::EngineParam* p = tables[layout_of[i]].Find(w.param());
-      if (p == nullptr || w.length() == 0 || w.offset() > p->bytes || w.length() > p->bytes - w.offset())
-        return absl::InvalidArgumentError(absl::StrCat(
-            "engine ", t.engine_id(), " rank ", t.rank(), ": write range [", w.offset(), ", +", w.length(), ") of ",
-            w.param(), p == nullptr ? " names no parameter of the layout"
-                                    : absl::StrCat(" is empty or outside its ", p->bytes, " bytes")));
-      writes[i][w.param()].emplace_back(w.offset(), w.length());
-    }
-  }
-  std::map<int, std::vector<std::string>> rank_push;
-  std::map<int, std::vector<v1::TensorSliceSpec>> rank_slices;
-  if (req.push_filters_size() > 0) {
-    WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
-    std::set<std::string> known, seen;
-    std::map<std::string, std::vector<int64_t>> shape_of;
-    for (const auto& s : specs) known.insert(s.name), shape_of[s.name] = s.shape;
-    for (const auto& f : req.push_filters()) {
-      if (f.local_rank() < 0 || f.local_rank() >= opts_.trainer_ranks || rank_push.count(f.local_rank()))
-        return absl::InvalidArgumentError(absl::StrCat("push filter for local rank ", f.local_rank(),
-                                                       ": out of range [0, ", opts_.trainer_ranks, ") or repeated"));
-      auto& names = rank_push[f.local_rank()];
-      for (const auto& n : f.tensor_names()) {
-        if (!known.count(n))
-          return absl::InvalidArgumentError(absl::StrCat("push filter for local rank ", f.local_rank(), " names ", n,
-                                                         ", which is not a tensor of the model"));
-        if (!seen.insert(n).second)
-          return absl::InvalidArgumentError(
-              absl::StrCat("push filter: tensor ", n, " is assigned to two local ranks"));
-        names.push_back(n);
-      }
-      for (const auto& sp : f.slices()) {
-        TensorSlice ts;
-        ts.name = sp.name();
-        ts.full_shape.assign(sp.shape().begin(), sp.shape().end());
-        ts.offsets.assign(sp.offsets().begin(), sp.offsets().end());
-        ts.extents.assign(sp.extents().begin(), sp.extents().end());
-        WSYNC_RETURN_IF_ERROR_CTX(ValidateSlice(&ts), "push filter for local rank ", f.local_rank());
-        auto it = shape_of.find(ts.name);
-        if (it == shape_of.end() || it->second != ts.full_shape)
-          return absl::InvalidArgumentError(absl::StrCat("push filter for local rank ", f.local_rank(),
-                                                         " slices ", ts.name, ", which is not a tensor of the model ",
-                                                         "with that shape"));
-        if (seen.count(ts.name))
-          return absl::InvalidArgumentError(
-              absl::StrCat("push filter: tensor ", ts.name, " is both pushed whole and sliced"));
-        rank_slices[f.local_rank()].push_back(sp);
-      }
-    }
-  }
+  // Decide everything before touching the current plan: a refused ConfigureSource leaves the plan in use working.
+  SourcePlanOptions popts;
+  popts.trainer_ranks = opts_.trainer_ranks;
+  popts.node_transport = transport_->capabilities();
+  WSYNC_ASSIGN_OR_RETURN(SourcePlan plan, PlanSourceConfiguration(req, popts));
 
   // Tear down the previous plan's state (endpoints before the memory they reference); under mu_ as well, since
   // Status() and the metrics read them. From here on a failure (memory, network) leaves the source unconfigured.
   // Hashes still queued read the replica about to be freed: they finish first.
   WaitForChecksums();
-  std::string digest = ConfigureSourceDigest(req);
   {
     std::lock_guard<std::mutex> l(mu_);
     targets_.clear();
     targets_by_layout_.clear();
     replica_regions_.clear();
-    mooncake_regions_.clear();
+    extra_regions_.clear();
     replica_.reset();
     configured_ = false;
     config_digest_.clear();
   }
-
   v1::ConfigureSourceReply out;
+  WSYNC_RETURN_IF_ERROR(ApplyPlan(plan, req, deadline, &out));
+  return out;
+}
+
+absl::StatusOr<transport::Transport*> SourceNode::ExtraTransport(const std::string& name) {
+  auto it = extra_transports_.find(name);
+  if (it != extra_transports_.end()) return it->second.get();
+  const transport::TransportEntry* e = transport::FindTransport(name);
+  if (e == nullptr) return absl::InternalError(absl::StrCat("no registered transport ", name));
+  WSYNC_ASSIGN_OR_RETURN(auto t, e->create(transport::TransportOptions{}));
+  transport::Transport* raw = t.get();
+  extra_transports_[name] = std::move(t);
+  return raw;
+}
+
+absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSourceRequest& req, absl::Time deadline,
+                                   v1::ConfigureSourceReply* out) {
   absl::Time t0 = absl::Now();
-  // The replica builds the same tables the layouts were checked against above. A node the plan gives no work has
-  // none (its ranks' push filters are empty).
+  // The replica builds the same tables the plan checked the layouts against. A node the plan gives no work has none
+  // (its ranks' push filters are empty).
   std::unique_ptr<replica::Replica> replica;
-  if (!layouts.empty()) {
-    WSYNC_ASSIGN_OR_RETURN(replica, replica::Replica::Create(cfg, layouts, quant));
+  if (!plan.layouts.empty()) {
+    WSYNC_ASSIGN_OR_RETURN(replica, replica::Replica::Create(plan.config, plan.layouts, plan.quant));
   }
   const int num_layouts = replica ? replica->num_layouts() : 0;
-  std::vector<std::unique_ptr<transport::LocalRegion>> regions;
-  uint64_t total = 0;
-  for (int l = 0; l < num_layouts; ++l) {
-    const uint64_t n = std::max<uint64_t>(replica->table(l).total_bytes(), 1);
-    WSYNC_ASSIGN_OR_RETURN(auto region, transport_->RegisterSourceMemory(replica->data(l), n));
-    regions.push_back(std::move(region));
-    total += replica->table(l).total_bytes();
-  }
-  // Targets whose memory a Mooncake Transfer Engine registered (SGLang) are written with the mooncake transport.
-  std::vector<std::unique_ptr<transport::LocalRegion>> mc_regions;
-  bool any_mooncake = false;
-  for (const auto& t : req.targets())
-    for (const auto& seg : t.layout().segments()) any_mooncake |= seg.kind() == "mooncake";
-  if (any_mooncake) {
-    if (!mooncake_) {
-      transport::TransportOptions mo;
-      WSYNC_ASSIGN_OR_RETURN(mooncake_, transport::mooncake::CreateMooncakeTransport(mo));
-    }
+  // The replica in the node's transport and in every other one some target is written with.
+  auto register_replica = [&](transport::Transport* tr, bool source_only,
+                              std::vector<std::unique_ptr<transport::LocalRegion>>* regions) -> absl::Status {
     for (int l = 0; l < num_layouts; ++l) {
       const uint64_t n = std::max<uint64_t>(replica->table(l).total_bytes(), 1);
-      WSYNC_ASSIGN_OR_RETURN(auto region, mooncake_->RegisterMemory(replica->data(l), n));
-      mc_regions.push_back(std::move(region));
+      auto region =
+          source_only ? tr->RegisterSourceMemory(replica->data(l), n) : tr->RegisterMemory(replica->data(l), n);
+      if (!region.ok()) return Annotate(region.status(), absl::StrCat("registering the replica with ", tr->name()));
+      regions->push_back(*std::move(region));
     }
+    return absl::OkStatus();
+  };
+  std::vector<std::unique_ptr<transport::LocalRegion>> regions;
+  WSYNC_RETURN_IF_ERROR(register_replica(transport_, true, &regions));
+  std::map<std::string, std::vector<std::unique_ptr<transport::LocalRegion>>> extra_regions;
+  for (const std::string& name : plan.transports) {
+    WSYNC_ASSIGN_OR_RETURN(transport::Transport * tr, ExtraTransport(name));
+    // A backend with no receiving side in wsync gives peers no access to what it registers anyway.
+    WSYNC_RETURN_IF_ERROR(register_replica(tr, !tr->capabilities().one_sided_only, &extra_regions[name]));
   }
-  out.set_register_seconds(Seconds(t0));
-  out.set_replica_bytes(total);
-  out.set_layouts(num_layouts);
+  uint64_t total = 0;
+  for (int l = 0; l < num_layouts; ++l) total += replica->table(l).total_bytes();
+  out->set_register_seconds(Seconds(t0));
+  out->set_replica_bytes(total);
+  out->set_layouts(num_layouts);
 
   absl::Time t1 = absl::Now();
   std::vector<std::unique_ptr<Target>> targets;
   std::vector<std::vector<Target*>> by_layout(num_layouts);
-  for (int i = 0; i < req.targets_size(); ++i) {
-    const auto& a = req.targets(i);
+  for (const PlannedTarget& pt : plan.targets) {
+    const auto& a = req.targets(pt.index);
     auto t = std::make_unique<Target>();
     t->assignment = a;
-    t->layout = layout_of[i];
-    t->transport = transport_;
+    t->layout = pt.layout;
+    t->caps = pt.caps;
+    t->peer = pt.peer;
+    if (pt.transport.empty()) {
+      t->transport = transport_;
+    } else {
+      WSYNC_ASSIGN_OR_RETURN(t->transport, ExtraTransport(pt.transport));
+    }
     std::map<int, const transport::RemoteRegion*> by_segment;
     for (const auto& seg : a.layout().segments()) {
-      if (seg.kind() == "mooncake") {
-        // Every segment of one rank is in the same Mooncake session (the rank's transfer engine).
-        auto f = transport::mooncake::ParseRegionDescriptor(seg.region_descriptor());
-        if (!f.ok()) return Annotate(f.status(), absl::StrCat("segment ", seg.id(), " of ", Who(*t)));
-        if (!t->mooncake_session.empty() && t->mooncake_session != f->session_id)
-          return absl::InvalidArgumentError(absl::StrCat(Who(*t), ": segments in two Mooncake sessions (",
-                                                         t->mooncake_session, ", ", f->session_id, ")"));
-        t->mooncake_session = f->session_id;
-        t->transport = mooncake_.get();
-      } else if (t->transport == mooncake_.get() && mooncake_ != nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(Who(*t), ": mixes mooncake and ", seg.kind(), " segments"));
-      }
       auto region = t->transport->ImportRegion(seg.region_descriptor());
       if (!region.ok())
         return Annotate(region.status(), absl::StrCat("importing segment ", seg.id(), " of ", Who(*t)));
       by_segment[seg.id()] = region->get();
       t->regions.push_back(*std::move(region));
     }
-    const replica::ParamTable& table = replica->table(t->layout);
-    std::map<std::string, const v1::ParamDesc*> theirs;
-    std::map<std::string, uint32_t> their_index;
-    for (const auto& p : a.layout().params()) {
-      their_index[p.name()] = static_cast<uint32_t>(theirs.size());
-      theirs[p.name()] = &p;
-    }
-    // Deltas are decoded by the target daemon in host memory: not in cuda segments, nor Mooncake-registered ones.
-    std::set<int> host_segments;
-    for (const auto& seg : a.layout().segments())
-      if (seg.kind() != "cuda" && seg.kind() != "mooncake") host_segments.insert(seg.id());
-    for (const auto& p : table.params()) {  // CheckLayout made sure every one is there, inside its segment
-      const v1::ParamDesc* d = theirs.at(p.name);
-      t->layout_index.push_back(their_index.at(p.name));
-      t->host_param.push_back(host_segments.count(d->segment()) ? 1 : 0);
-      t->dst_region.push_back(by_segment.at(d->segment()));
-      t->dst_offset.push_back(d->offset());
-      if (a.writes_size() == 0) {
-        t->ranges.push_back({{0, p.bytes}});
-      } else {
-        auto it = writes[i].find(p.name);
-        t->ranges.push_back(it == writes[i].end() ? std::vector<std::pair<uint64_t, uint64_t>>{} : it->second);
-      }
-      if (t->host_param.back())
-        for (const auto& [offset, length] : t->ranges.back()) t->delta_write_bytes += length;
-    }
-    WSYNC_RETURN_IF_ERROR(ConnectEndpoint(t.get()));
+    for (int seg : pt.segment) t->dst_region.push_back(by_segment.at(seg));
+    t->dst_offset = pt.dst_offset;
+    t->layout_index = pt.layout_index;
+    t->host_param = pt.host_param;
+    t->ranges = pt.ranges;
+    t->delta_write_bytes = pt.delta_write_bytes;
     by_layout[t->layout].push_back(t.get());
     targets.push_back(std::move(t));
   }
-  out.set_connect_seconds(Seconds(t1));
-
-  // What an update must complete: every parameter some target takes bytes of.
-  std::vector<std::vector<char>> required(num_layouts);
-  for (int l = 0; l < num_layouts; ++l) required[l].assign(replica->table(l).params().size(), 0);
-  for (const auto& t : targets)
-    for (size_t p = 0; p < t->ranges.size(); ++p)
-      if (!t->ranges[p].empty()) required[t->layout][p] = 1;
+  // The connects point at regions that are swapped in only at the end: every endpoint's writes are posted only after
+  // that, under the same exclusive lock.
+  {
+    std::vector<Target*> all;
+    for (auto& t : targets) all.push_back(t.get());
+    WSYNC_RETURN_IF_ERROR(ConnectTargets(all, deadline));
+  }
+  out->set_connect_seconds(Seconds(t1));
 
   // Push filter: the plan's per-rank lists, else every checkpoint tensor some layout needs (non-expert tensors
   // first, then experts), dealt out over the local ranks by bytes (push_split.h: the ranks copy in parallel, the
   // heaviest one sets the hand-over time).
+  std::map<int, std::vector<std::string>> rank_push = plan.rank_push;
   std::vector<std::string> names;
   if (!rank_push.empty()) {
     for (const auto& [r, list] : rank_push) names.insert(names.end(), list.begin(), list.end());
   } else {
-    WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
+    WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(plan.config));
     std::vector<PushItem> items, experts;
     for (const auto& s : specs) {
       if (!replica || !replica->Needs(s.name)) continue;
@@ -583,10 +417,10 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   // as a whole-block FP8 weight it would quantize here. The replica takes either form (pass-through slices the
   // published codes and scales in whole blocks, which the layouts guarantee).
   v1::Fp8PushHint hint;
-  if (quant.mode == replica::QuantSpec::Mode::kFp8Block && replica) {
-    hint.set_block_n(quant.block_n);
-    hint.set_block_k(quant.block_k);
-    hint.set_ue8m0(quant.ue8m0);
+  if (plan.quant.mode == replica::QuantSpec::Mode::kFp8Block && replica) {
+    hint.set_block_n(plan.quant.block_n);
+    hint.set_block_k(plan.quant.block_k);
+    hint.set_ue8m0(plan.quant.ue8m0);
     for (const auto& n : names) {
       const std::vector<replica::TensorRead> reads = replica->Reads(n);
       if (!reads.empty() && std::all_of(reads.begin(), reads.end(), [](const replica::TensorRead& r) {
@@ -611,24 +445,31 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   fp8_hint_ = std::move(hint);
   replica_ = std::move(replica);
   replica_regions_ = std::move(regions);
-  mooncake_regions_ = std::move(mc_regions);
+  extra_regions_ = std::move(extra_regions);
   targets_ = std::move(targets);
+  // What writes to a target read: the replica's regions in the transport it is written with (set once they are in
+  // place, as the plan's targets are in order).
+  for (size_t i = 0; i < targets_.size(); ++i) {
+    const std::string& name = plan.targets[i].transport;
+    targets_[i]->src_regions = name.empty() ? &replica_regions_ : &extra_regions_.at(name);
+  }
   targets_by_layout_ = std::move(by_layout);
   push_names_ = std::move(names);
-  for (const auto& [r, list] : rank_slices) push_slices_ += list.size();
+  for (const auto& [r, list] : plan.rank_slices) push_slices_ += list.size();
   rank_push_ = std::move(rank_push);
-  rank_slices_ = std::move(rank_slices);
-  completed_.assign(required.size(), {});
-  for (size_t l = 0; l < required.size(); ++l) completed_[l].assign(required[l].size(), 0);
-  required_ = std::move(required);
+  rank_slices_ = plan.rank_slices;
+  completed_.assign(plan.required.size(), {});
+  for (size_t l = 0; l < plan.required.size(); ++l) completed_[l].assign(plan.required[l].size(), 0);
+  required_ = plan.required;
   plan_epoch_ = req.plan_epoch();
   configured_ = true;
-  config_digest_ = std::move(digest);
-  spdlog::info("configured plan {}: {} targets, {} layouts, replica {:.1f} MiB registered in {:.3f}s, connected in "
-               "{:.3f}s, {} tensors to push",
-               plan_epoch_, targets_.size(), num_layouts, total / 1048576.0, out.register_seconds(),
-               out.connect_seconds(), push_names_.size());
-  return out;
+  config_digest_ = ConfigureSourceDigest(req);
+  spdlog::info(
+      "configured plan {}: {} targets, {} layouts, replica {:.1f} MiB registered in {:.3f}s, connected in "
+      "{:.3f}s, {} tensors to push",
+      plan_epoch_, targets_.size(), num_layouts, total / 1048576.0, out->register_seconds(), out->connect_seconds(),
+      push_names_.size());
+  return absl::OkStatus();
 }
 
 std::pair<int64_t, std::string> SourceNode::AppliedConfig() const {
@@ -664,7 +505,7 @@ std::string SourceNode::NodeRanks(const Target& t) const {
                       " at ", t.assignment.target_daemon(), " (", absl::StrJoin(ranks, ", "), ")");
 }
 
-absl::Status SourceNode::ConnectEndpoint(Target* t) {
+absl::Status SourceNode::ConnectEndpoint(Target* t, absl::Time deadline) {
   const std::string who = Who(*t);
   // A broken endpoint goes first, so the peer sees it close before the new one connects. Swapped under mu_
   // (CancelWrites walks the endpoints under it), destroyed outside it (its threads may take a while to stop).
@@ -677,10 +518,12 @@ absl::Status SourceNode::ConnectEndpoint(Target* t) {
   t->outstanding.clear();
   auto ep = t->transport->CreateEndpoint();
   if (!ep.ok()) return Annotate(ep.status(), absl::StrCat("creating an endpoint for ", who));
-  if (!t->mooncake_session.empty()) {
-    // The engine's own Mooncake Transfer Engine: the handshake goes to it directly, not through a target daemon.
-    WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(t->mooncake_session, absl::Seconds(30)), "connecting to ", who,
-                              " (Mooncake session ", t->mooncake_session, ")");
+  absl::Duration timeout = std::min(absl::Seconds(30), std::max(deadline - absl::Now(), absl::ZeroDuration()));
+  if (!t->caps.needs_target_daemon) {
+    // The receiver is no wsync daemon (e.g. an engine rank's own Mooncake Transfer Engine): the handshake goes to
+    // the peer its region descriptors name, directly.
+    WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(t->peer, timeout), "connecting to ", who, " (", t->transport->name(),
+                              " peer ", t->peer, ")");
     std::lock_guard<std::mutex> l(mu_);
     t->endpoint = *std::move(ep);
     t->broken = absl::OkStatus();
@@ -694,11 +537,37 @@ absl::Status SourceNode::ConnectEndpoint(Target* t) {
   if (opts_.delta_base) creq.set_delta_write_bytes(t->delta_write_bytes);
   auto info = connect_(t->assignment.target_daemon(), creq);
   if (!info.ok()) return Annotate(info.status(), absl::StrCat("connecting to ", who));
-  WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(info->target_endpoint_info(), absl::Seconds(30)), "connecting to ", who);
+  timeout = std::min(absl::Seconds(30), std::max(deadline - absl::Now(), absl::ZeroDuration()));
+  WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(info->target_endpoint_info(), timeout), "connecting to ", who);
   WSYNC_RETURN_IF_ERROR(AttachStaging(t, *info));
   std::lock_guard<std::mutex> l(mu_);
   t->endpoint = *std::move(ep);
   t->broken = absl::OkStatus();
+  return absl::OkStatus();
+}
+
+absl::Status SourceNode::ConnectTargets(const std::vector<Target*>& targets, absl::Time deadline) {
+  // Each connect is a dial to a target daemon (or a peer's handshake) bounded by its own timeout; several run at
+  // once so a plan with many engine ranks costs about one connect, not one per rank. Every target is tried (its
+  // endpoint state is its own), and the first failure in plan order is answered.
+  constexpr size_t kMaxParallel = 16;
+  std::vector<absl::Status> results(targets.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < targets.size(); i = next++) {
+      results[i] = absl::Now() < deadline
+                       ? ConnectEndpoint(targets[i], deadline)
+                       : absl::DeadlineExceededError(
+                             absl::StrCat("connecting to ", Who(*targets[i]), ": the caller's deadline passed first"));
+    }
+  };
+  std::vector<std::thread> threads;
+  const size_t n = std::min(kMaxParallel, targets.size());
+  for (size_t i = 1; i < n; ++i) threads.emplace_back(work);
+  if (n > 0) work();
+  for (auto& t : threads) t.join();
+  for (const absl::Status& st : results)
+    if (!st.ok()) return st;
   return absl::OkStatus();
 }
 
@@ -771,20 +640,21 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   }
   // Re-establish what the last update broke before any push is accepted (ingest_mu_ keeps pushes out; mu_ is not
   // held across the dial, so status and BeginPush callers are not blocked behind it).
+  std::vector<Target*> broken;
   for (auto& t : targets_) {
     if (!cancelled.ok() && t->broken.ok())
       t->broken = absl::CancelledError(absl::StrCat("its writes were cancelled: ", cancelled.message()));
     if (t->broken.ok()) continue;
     spdlog::warn("update {}: reconnecting to {} (its endpoint failed: {})", req.version(), Who(*t),
                  t->broken.ToString());
-    absl::Status st = ConnectEndpoint(t.get());
-    if (!st.ok()) {
-      absl::Status err = Annotate(st, absl::StrCat("update ", req.version(), ": cannot re-establish the endpoint"));
-      spdlog::error("{}", err.ToString());
-      return err;  // t stays broken: the next StartUpdate tries again
-    }
-    spdlog::info("update {}: reconnected to {}", req.version(), Who(*t));
+    broken.push_back(t.get());
   }
+  if (absl::Status st = ConnectTargets(broken); !st.ok()) {
+    absl::Status err = Annotate(st, absl::StrCat("update ", req.version(), ": cannot re-establish the endpoint"));
+    spdlog::error("{}", err.ToString());
+    return err;  // those not reconnected stay broken: the next StartUpdate tries again
+  }
+  for (Target* t : broken) spdlog::info("update {}: reconnected to {}", req.version(), Who(*t));
   WSYNC_RETURN_IF_ERROR(DecideDeltas(req));
   // The replica is about to be rewritten: every range of an earlier update is hashed first (its FinishUpdate or
   // AbortUpdate waited already; an abandoned update did not).
@@ -1022,14 +892,25 @@ absl::Status SourceNode::ClaimBucket(const BucketView& bucket, std::vector<Bucke
   // tensors: both under staged_mu_, so a refusal leaves nothing of the bucket claimed.
   std::lock_guard<std::mutex> l(staged_mu_);
   std::vector<std::pair<TensorSlice, DType>> bucket_slices;
+  std::map<std::string, Staged> fresh;  // tensors whose first slice is in this bucket
+  std::vector<replica::HfTensor> direct;
   for (const BucketTensor& b : *tensors) {
     if (!b.slice.has_value()) continue;
     WSYNC_RETURN_IF_ERROR(CheckSlice(*b.slice, b.t.dtype, b.t.bytes, bucket_slices));
     bucket_slices.push_back({*b.slice, b.t.dtype});
+    if (staged_.count(b.slice->name) || fresh.count(b.slice->name)) continue;
+    Staged& st = fresh[b.slice->name] = NewStaged(*b.slice, b.t.dtype);
+    if (st.direct)
+      direct.push_back({b.slice->name, st.dtype, st.shape, nullptr,
+                        static_cast<uint64_t>(b.slice->full_rows * b.slice->full_cols) * DTypeSize(st.dtype)});
   }
+  // A tensor landing directly is claimed now, with the bucket's whole tensors, so no other bucket of any rank can
+  // load it (its bytes would mix with the slices'). Should the second claim be refused, the first stays: the bucket
+  // is refused, which fails the update, and nothing of it was written.
   WSYNC_RETURN_IF_ERROR(replica_->Claim(wholes));
+  if (!direct.empty()) WSYNC_RETURN_IF_ERROR(replica_->ClaimPlaced(direct));
   for (BucketTensor& b : *tensors)
-    if (b.slice.has_value()) b.staged = ReserveSlice(*b.slice, b.t.dtype);
+    if (b.slice.has_value()) b.staged = ReserveSlice(*b.slice, &fresh);
   return absl::OkStatus();
 }
 
@@ -1057,9 +938,17 @@ absl::Status SourceNode::CheckSlice(const TensorSlice& s, DType dtype, uint64_t 
     return absl::AlreadyExistsError(absl::StrCat("slice of ", s.name, " (", s.Describe(),
                                                  ") arrived after the tensor was complete in this update"));
   // The whole tensor must be one the model has, with this shape and dtype (nothing is read through the pointer).
-  static const uint8_t kNoData = 0;
-  replica::HfTensor whole{s.name, dtype, s.full_shape, &kNoData, full};
-  WSYNC_RETURN_IF_ERROR_CTX(replica_->Validate(whole), "slice ", s.Describe());
+  // Checked at its first slice: one landing directly is claimed in the replica from then on, so the replica would
+  // call it a duplicate; later slices must agree with the first.
+  if (it == staged_.end()) {
+    static const uint8_t kNoData = 0;
+    replica::HfTensor whole{s.name, dtype, s.full_shape, &kNoData, full};
+    WSYNC_RETURN_IF_ERROR_CTX(replica_->Validate(whole), "slice ", s.Describe());
+  } else if (it->second.shape != s.full_shape) {
+    return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, " (", s.Describe(), ") names the shape ",
+                                                   ShapeStr(s.full_shape), ", earlier slices ",
+                                                   ShapeStr(it->second.shape)));
+  }
   auto overlaps = [&](const TensorSlice& o) {
     return s.row0 < o.row0 + o.rows && o.row0 < s.row0 + s.rows && s.col0 < o.col0 + o.cols &&
            o.col0 < s.col0 + s.cols;
@@ -1086,34 +975,88 @@ absl::Status SourceNode::CheckSlice(const TensorSlice& s, DType dtype, uint64_t 
   return absl::OkStatus();
 }
 
-SourceNode::Staged* SourceNode::ReserveSlice(const TensorSlice& s, DType dtype) {
-  auto [it, fresh] = staged_.try_emplace(s.name);
-  Staged& st = it->second;
-  if (fresh) {
-    st.dtype = dtype;
-    st.shape = s.full_shape;
-    for (const replica::TensorRead& r : replica_->Reads(s.name)) {
-      const bool needed = required_[r.layout][r.param] || (r.scale_param >= 0 && required_[r.layout][r.scale_param]);
-      if (!needed) continue;
-      if (r.constant) {
-        st.constant = true;
-      } else {
-        st.need.push_back(r);
-      }
+SourceNode::Staged SourceNode::NewStaged(const TensorSlice& s, DType dtype) const {
+  Staged st;
+  st.dtype = dtype;
+  st.shape = s.full_shape;
+  for (const replica::TensorRead& r : replica_->Reads(s.name)) {
+    const bool needed = required_[r.layout][r.param] || (r.scale_param >= 0 && required_[r.layout][r.scale_param]);
+    if (!needed) continue;
+    if (r.constant) {
+      st.constant = true;
+    } else {
+      st.need.push_back(r);
     }
-    if (!st.need.empty() || st.constant)
-      st.data.assign(static_cast<size_t>(s.full_rows * s.full_cols) * DTypeSize(dtype), 0);
   }
+  st.needed = !st.need.empty() || st.constant;
+  if (!st.needed) return st;
+  // Direct when no read converts; a conversion (another dtype, FP8 quantized here) needs the whole tensor.
+  auto rects = replica_->PlaceRects(s.name, dtype);
+  st.direct = rects.ok();
+  if (st.direct) {
+    st.rects = *std::move(rects);
+  } else {
+    st.data.assign(static_cast<size_t>(s.full_rows * s.full_cols) * DTypeSize(dtype), 0);
+  }
+  return st;
+}
+
+SourceNode::Staged* SourceNode::ReserveSlice(const TensorSlice& s, std::map<std::string, Staged>* fresh) {
+  auto it = staged_.find(s.name);
+  if (it == staged_.end()) {
+    auto f = fresh->find(s.name);
+    it = staged_.emplace(s.name, std::move(f->second)).first;
+    fresh->erase(f);
+  }
+  Staged& st = it->second;
   st.got.push_back(s);
   ++st.copying;
   return &st;
+}
+
+void SourceNode::LandSlice(const TensorSlice& s, const Staged& st, const uint8_t* data) {
+  // All in bytes of the tensor's 2-D row-major view: the slice covers columns [c0, c1) of rows [row0, row0 + rows);
+  // a rectangle's i-th row is the tensor bytes [a, a + row_bytes), a = src_offset + i * src_pitch, which may span
+  // several tensor rows (a contiguous run).
+  const uint64_t es = DTypeSize(st.dtype);
+  const uint64_t trow = static_cast<uint64_t>(s.full_cols) * es;
+  const uint64_t c0 = static_cast<uint64_t>(s.col0) * es, c1 = static_cast<uint64_t>(s.col0 + s.cols) * es;
+  const uint64_t slice_row = static_cast<uint64_t>(s.cols) * es;
+  const uint64_t begin = static_cast<uint64_t>(s.row0) * trow + c0;
+  const uint64_t end = static_cast<uint64_t>(s.row0 + s.rows - 1) * trow + c1;
+  for (const replica::PlacedRect& r : st.rects) {
+    if (r.rows <= 0 || r.row_bytes == 0) continue;
+    // Only the rectangle's rows that can meet [begin, end).
+    int64_t i0 = 0, i1 = r.rows;
+    if (r.src_pitch > 0) {
+      if (end <= r.src_offset) continue;
+      i1 = std::min<int64_t>(r.rows, static_cast<int64_t>((end - 1 - r.src_offset) / r.src_pitch) + 1);
+      if (begin >= r.src_offset + r.row_bytes)
+        i0 = static_cast<int64_t>((begin - r.src_offset - r.row_bytes) / r.src_pitch) + 1;
+    }
+    uint8_t* dst = replica_->data(r.layout) + r.offset;
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint64_t a = r.src_offset + static_cast<uint64_t>(i) * r.src_pitch, b = a + r.row_bytes;
+      const int64_t t0 = std::max<int64_t>(s.row0, static_cast<int64_t>(a / trow));
+      const int64_t t1 = std::min<int64_t>(s.row0 + s.rows, static_cast<int64_t>((b - 1) / trow) + 1);
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint64_t row = static_cast<uint64_t>(t) * trow;
+        const uint64_t lo = std::max(a, row + c0), hi = std::min(b, row + c1);
+        if (lo >= hi) continue;
+        std::memcpy(dst + static_cast<uint64_t>(i) * r.pitch + (lo - a),
+                    data + static_cast<uint64_t>(t - s.row0) * slice_row + (lo - row - c0), hi - lo);
+      }
+    }
+  }
 }
 
 absl::Status SourceNode::StageSlice(const TensorSlice& s, Staged* st, const uint8_t* data,
                                     std::vector<replica::ReadyParam>* ready) {
   // The rectangle is this bucket's alone (claimed disjoint), and `data` stays allocated until the last claimed
   // slice has landed (copying > 0): the copy needs no lock.
-  if (!st->data.empty()) {
+  if (st->direct && !st->need.empty()) {
+    LandSlice(s, *st, data);
+  } else if (!st->data.empty()) {
     const size_t es = DTypeSize(st->dtype);
     const size_t row_bytes = static_cast<size_t>(s.cols) * es;
     for (int64_t r = 0; r < s.rows; ++r)
@@ -1126,7 +1069,7 @@ absl::Status SourceNode::StageSlice(const TensorSlice& s, Staged* st, const uint
     std::lock_guard<std::mutex> l(staged_mu_);
     st->landed.push_back(s);
     --st->copying;
-    if (st->done || st->data.empty() || st->copying > 0) return absl::OkStatus();
+    if (st->done || !st->needed || st->copying > 0) return absl::OkStatus();
     // Complete when every rectangle read by a parameter this node writes is covered (slices are disjoint).
     for (const replica::TensorRead& n : st->need) {
       uint64_t covered = 0;
@@ -1141,8 +1084,11 @@ absl::Status SourceNode::StageSlice(const TensorSlice& s, Staged* st, const uint
     whole_data.swap(st->data);
     slices = st->landed.size();
   }
-  replica::HfTensor whole{s.name, st->dtype, st->shape, whole_data.data(), whole_data.size()};
-  auto r = replica_->Ingest(whole);
+  // The mutex ordered every landed slice's copy before this point: the tensor's bytes are all in place.
+  metrics_.Add("wsync_source_sliced_tensors_total", {{"path", st->direct ? "direct" : "staged"}}, 1);
+  const uint64_t bytes = static_cast<uint64_t>(s.full_rows * s.full_cols) * DTypeSize(st->dtype);
+  replica::HfTensor whole{s.name, st->dtype, st->shape, whole_data.data(), st->direct ? bytes : whole_data.size()};
+  auto r = st->direct ? replica_->MarkPlaced(whole) : replica_->Ingest(whole);
   if (!r.ok()) return Annotate(r.status(), absl::StrCat("assembled from ", slices, " slices"));
   ready->insert(ready->end(), r->begin(), r->end());
   return absl::OkStatus();

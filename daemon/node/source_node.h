@@ -32,6 +32,7 @@
 #include "base/tensor_slice.h"
 #include "daemon/common/metrics.h"
 #include "daemon/node/hash_pool.h"
+#include "daemon/node/source_plan.h"
 #include "replica/replica.h"
 #include "transport/transport.h"
 #include "wsync/v1/daemon.grpc.pb.h"
@@ -157,7 +158,10 @@ class SourceNode {
   // while the push filters name tensors, an unknown engine kind or quantization, a layout that does not match the
   // model, a write range outside its parameter, a bad region descriptor) leaves the configuration in use — plan
   // epoch, replica, connections — untouched. A failure after that (memory, connecting) leaves it unconfigured.
-  absl::StatusOr<v1::ConfigureSourceReply> Configure(const v1::ConfigureSourceRequest& req);
+  // The targets are connected several at once; each connect ends by `deadline` (the caller's), a target not
+  // connected by then fails the call (DeadlineExceeded naming it).
+  absl::StatusOr<v1::ConfigureSourceReply> Configure(const v1::ConfigureSourceRequest& req,
+                                                     absl::Time deadline = absl::InfiniteFuture());
   // The configuration held (heartbeats report it, daemon/coordinator/coordinator.h "Self-healing"): its plan epoch
   // (-1: none) and daemon/common/config_digest.h of the request applied ("": none).
   std::pair<int64_t, std::string> AppliedConfig() const;
@@ -228,10 +232,13 @@ class SourceNode {
     // take it. Held only for a Post, which hands the batch to the transport and does not wait for the network.
     std::mutex mu;
     std::vector<transport::BatchId> outstanding;
-    // Which transport writes to it: the node's own, or Mooncake for engines that registered their memory with a
-    // Mooncake Transfer Engine (segments of kind "mooncake"; session = the engine rank's handshake address).
+    // Which transport writes to it (the node's own, or the registered backend that owns its segments' kind:
+    // daemon/node/source_plan.h), what that one declares, the replica's regions in it, and the peer it connects to
+    // directly when it needs no target daemon (e.g. an engine rank's own Mooncake Transfer Engine).
     transport::Transport* transport = nullptr;
-    std::string mooncake_session;  // "" unless the mooncake transport is used
+    transport::Capabilities caps;
+    const std::vector<std::unique_ptr<transport::LocalRegion>>* src_regions = nullptr;
+    std::string peer;
     // Not OK once a Post or Wait on `endpoint` failed: the transport contract says such an endpoint must be
     // re-created, which the next StartUpdate does before accepting pushes.
     absl::Status broken;
@@ -258,7 +265,16 @@ class SourceNode {
   // ended its push stays lost longer than opts_.rank_grace.
   void WatchRanks();
   void CheckRanks();  // requires mu_
-  absl::Status CheckLayout(const replica::ParamTable& table, const v1::RankLayout& target, const std::string& who);
+  // Configure's second half: builds the replica, registers it, imports every target's regions and connects them
+  // (in parallel), as `plan` says. Caller holds ingest_mu_ exclusively, not mu_; the previous plan is torn down.
+  absl::Status ApplyPlan(const SourcePlan& plan, const v1::ConfigureSourceRequest& req, absl::Time deadline,
+                         v1::ConfigureSourceReply* out);
+  // Connects every target of `targets` (ConnectEndpoint), several at once, each by `deadline` at the latest; the
+  // first error in their order, naming the target. Caller holds ingest_mu_ exclusively, not mu_.
+  absl::Status ConnectTargets(const std::vector<Target*>& targets, absl::Time deadline = absl::InfiniteFuture());
+  // The registered backend `name` (transport/registry.h), created at its first use and kept. Caller holds ingest_mu_
+  // exclusively.
+  absl::StatusOr<transport::Transport*> ExtraTransport(const std::string& name);
   // Posts the writes of the ready parameters of update `version` and queues the hashing of the ranges they read
   // (RecordChecksums). Caller holds ingest_mu_ shared; each target's `mu` is taken for its Post.
   absl::Status WriteReady(int64_t version, const std::vector<replica::ReadyParam>& ready);
@@ -296,16 +312,25 @@ class SourceNode {
                                    const v1::Fp8PushHint& fp8);
   static absl::StatusOr<BucketView> WaitForBucket(RingConsumer& ring, absl::Duration timeout,
                                                   const CancelFn& cancelled);
-  // A tensor pushed in slices (shard-aware plans): assembled here until every rectangle this node's writes read has
-  // arrived, then ingested whole. Only the rectangles received are meaningful; parameters reading anything else are
-  // never written (they are not this node's to write). Slices of one tensor from several ranks are copied in at
-  // once (disjoint rectangles); everything but `data`'s bytes is under staged_mu_.
+  // A tensor pushed in slices (shard-aware plans). Where every read of it is a byte copy of the dtype it arrives as
+  // (Replica::PlaceRects: no conversion), each slice lands straight in the replica's layout buffers, in the parts of
+  // the engine-layout rectangles it covers (`direct`; the tensor is claimed in the replica with its first slice, so
+  // no whole push of it can write there too). Otherwise (a dtype conversion, FP8 quantization here, whose blocks a
+  // slice may split) it is assembled in `data` and ingested whole. Either way the replica reports its parameters
+  // ready only once every rectangle this node's writes read has arrived (the slice completing it: MarkPlaced or
+  // Ingest), so an incomplete tensor never reaches an engine. Only the rectangles received are meaningful;
+  // parameters reading anything else are never written (they are not this node's to write). Slices of one tensor
+  // from several ranks are copied in at once (disjoint rectangles); everything but the copied bytes is under
+  // staged_mu_.
   struct Staged {
     DType dtype = DType::kInvalid;
     std::vector<int64_t> shape;
-    std::vector<uint8_t> data;            // the whole tensor; allocated at the first slice this node needs
+    bool needed = false;                     // some parameter this node writes reads it (else slices are dropped)
+    bool direct = false;                     // slices land in the replica (`rects`), else in `data`
+    std::vector<replica::PlacedRect> rects;  // direct: where the tensor's bytes go in the layout buffers
+    std::vector<uint8_t> data;               // staged: the whole tensor; allocated at the first slice
     std::vector<TensorSlice> got;         // rectangles claimed in this update (disjoint)
-    std::vector<TensorSlice> landed;      // those of them copied into `data`
+    std::vector<TensorSlice> landed;      // those of them copied in
     int copying = 0;                      // claimed, not landed yet
     std::vector<replica::TensorRead> need;  // what this node's writes read of it
     bool constant = false;                // a required parameter only needs the tensor to arrive
@@ -326,8 +351,15 @@ class SourceNode {
   // same bucket). Caller holds staged_mu_.
   absl::Status CheckSlice(const TensorSlice& s, DType dtype, uint64_t bytes,
                           const std::vector<std::pair<TensorSlice, DType>>& bucket);
-  // Records a checked slice as claimed in staged_ (creating its entry). Caller holds staged_mu_.
-  Staged* ReserveSlice(const TensorSlice& s, DType dtype);
+  // The entry for the first slice of `s.name` in this update: what this node needs of it and whether its slices can
+  // land directly. Pure over the replica's tables and required_.
+  Staged NewStaged(const TensorSlice& s, DType dtype) const;
+  // Records a checked slice as claimed in staged_ (`fresh` holds the entries of tensors first seen in its bucket).
+  // Caller holds staged_mu_.
+  Staged* ReserveSlice(const TensorSlice& s, std::map<std::string, Staged>* fresh);
+  // Copies a direct slice's bytes into the parts of the tensor's layout rectangles it covers. No lock: the bytes are
+  // the slice's alone (claimed disjoint).
+  void LandSlice(const TensorSlice& s, const Staged& st, const uint8_t* data);
   // Copies a claimed slice in; the slice that completes the tensor ingests it and appends the ready parameters.
   absl::Status StageSlice(const TensorSlice& s, Staged* st, const uint8_t* data,
                           std::vector<replica::ReadyParam>* ready);
@@ -342,7 +374,7 @@ class SourceNode {
   std::string NodeRanks(const Target& t) const;
   // Creates `t`'s endpoint and connects it through the target daemon (connect_). Caller holds ingest_mu_
   // exclusively, not mu_.
-  absl::Status ConnectEndpoint(Target* t);
+  absl::Status ConnectEndpoint(Target* t, absl::Time deadline = absl::InfiniteFuture());
   // Delta updates (source_delta.cc). Imports the staging region the target answered and registers the mirror.
   // Caller holds ingest_mu_ exclusively.
   absl::Status AttachStaging(Target* t, const v1::ConnectTargetReply& reply);
@@ -386,9 +418,10 @@ class SourceNode {
   std::string config_digest_;  // ConfigureSourceDigest of the request applied
   std::unique_ptr<replica::Replica> replica_;
   std::vector<std::unique_ptr<transport::LocalRegion>> replica_regions_;
-  // The Mooncake transport (created at the first plan with a Mooncake target) and the replica's regions in it.
-  std::unique_ptr<transport::Transport> mooncake_;
-  std::vector<std::unique_ptr<transport::LocalRegion>> mooncake_regions_;
+  // Registered backends beyond the node's own that own some target's segments (created at the first plan that
+  // needs them, by name), and the replica's regions in each.
+  std::map<std::string, std::unique_ptr<transport::Transport>> extra_transports_;
+  std::map<std::string, std::vector<std::unique_ptr<transport::LocalRegion>>> extra_regions_;
   std::vector<std::unique_ptr<Target>> targets_;
   std::vector<std::vector<Target*>> targets_by_layout_;
   std::vector<std::string> push_names_;  // checkpoint tensors this node needs, in push order

@@ -31,6 +31,7 @@
 #include "proto/tls.h"
 #include "spdlog/spdlog.h"
 #include "transport/fault/fault_transport.h"
+#include "transport/registry.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 
 using namespace wsync;
@@ -81,8 +82,9 @@ int main(int argc, char** argv) {
       ->check([](const std::string& v) -> std::string {
         for (absl::string_view n : absl::StrSplit(v, ',', absl::SkipWhitespace())) {
           n = absl::StripAsciiWhitespace(n);
-          if (n != "tcp" && n != "verbs" && n != "fabric")
-            return absl::StrCat("unknown transport '", n, "' (want tcp, verbs or fabric)");
+          const transport::TransportEntry* e = transport::FindTransport(n);
+          if (e == nullptr || !e->daemon_selectable)
+            return absl::StrCat("unknown transport '", n, "' (want one of ", transport::KnownTransports(true), ")");
         }
         return "";
       });

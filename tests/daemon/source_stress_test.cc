@@ -26,6 +26,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -118,12 +119,25 @@ std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
+// bfloat16 values widened to float32, exactly (the replica narrows them back to the same bits).
+std::vector<uint8_t> Bf16ToF32(const std::vector<uint8_t>& in) {
+  std::vector<uint8_t> out(in.size() * 2);
+  for (size_t i = 0; i < in.size() / 2; ++i) {
+    uint16_t h;
+    std::memcpy(&h, in.data() + 2 * i, 2);
+    const uint32_t f = static_cast<uint32_t>(h) << 16;
+    std::memcpy(out.data() + 4 * i, &f, 4);
+  }
+  return out;
+}
+
 // One frame a rank pushes: a whole tensor or a slice of one.
 struct Frame {
   std::string name;  // the frame name (slices: EncodeSliceName)
   std::string tensor;
   std::vector<int64_t> shape;    // the frame's (a slice's extents)
   std::vector<int64_t> offsets;  // slices only
+  DType dtype = DType::kInvalid;  // pushed as (kInvalid: the checkpoint's); float32 for a bfloat16 tensor converts
 };
 
 struct Engine {
@@ -379,6 +393,7 @@ struct Harness {
         for (auto& f : mine) {
           data.push_back(FrameData(f, step));
           if (mutate) mutate(r, &f);
+          if (f.dtype == DType::kF32 && specs.at(f.tensor).dtype == DType::kBF16) data.back() = Bf16ToF32(data.back());
         }
         v1::BeginPushRequest bp;
         bp.set_session_id(sessions[r]);
@@ -411,7 +426,8 @@ struct Harness {
             if (auto st = Place(*mapping, offer->second, data[i]); !st.ok()) return fail(st);
             pending.push_back(f.name);
           } else {
-            auto dst = prod->BeginTensor(f.name, specs.at(f.tensor).dtype, f.shape, data[i].size(), absl::Seconds(10));
+            const DType dt = f.dtype == DType::kInvalid ? specs.at(f.tensor).dtype : f.dtype;
+            auto dst = prod->BeginTensor(f.name, dt, f.shape, data[i].size(), absl::Seconds(10));
             if (!dst.ok()) return fail(dst.status());
             std::memcpy(*dst, data[i].data(), data[i].size());
             if (auto st = prod->FinishTensor(); !st.ok()) return fail(st);
@@ -557,6 +573,69 @@ TEST_CASE("source under eight concurrent ranks: a refused tensor or slice leaves
   INFO(fin3.status().ToString());
   REQUIRE(fin3.ok());
   CHECK(h.Mismatches(3).empty());
+}
+
+TEST_CASE("slices land straight in the replica, in any order; duplicates refused; a converting dtype is staged") {
+  Harness h;  // the embedding in eight row slices, a down_proj in four column slices
+  auto& m = h.node->metrics();
+  auto sliced = [&](const std::string& path) { return m.Value("wsync_source_sliced_tensors_total", {{"path", path}}); };
+  std::mt19937 rng(20261205);
+  for (int64_t step = 1; step <= 3; ++step) {
+    INFO("update " << step);
+    // Every rank's frames (its slices among them) in another order each update, so slices of one tensor complete
+    // it in a different order every time.
+    for (auto& f : h.frames) std::shuffle(f.begin(), f.end(), rng);
+    REQUIRE(h.Start(step).ok());
+    const auto errors = h.PushAll(step);
+    INFO(Errors(errors));
+    REQUIRE(errors.empty());
+    auto fin = h.Finish(step);
+    INFO(fin.status().ToString());
+    REQUIRE(fin.ok());
+    const auto bad = h.Mismatches(step);
+    INFO(Join(bad));
+    CHECK(bad.empty());
+    // Both sliced tensors need no conversion: both landed directly, none was assembled.
+    CHECK(sliced("direct") == 2 * step);
+    CHECK(sliced("staged") == 0);
+  }
+
+  SECTION("a slice pushed twice is refused, failing the update; no parameter mixes two updates") {
+    // Rank 6 pushes rank 2's embedding slice as well as its own (an exact duplicate, claimed second or first).
+    for (const Frame& f : h.frames[2])
+      if (f.tensor == kEmbed) h.frames[6].push_back(f);
+    REQUIRE(h.Start(4).ok());
+    const std::string all = Errors(h.PushAll(4));
+    INFO(all);
+    CHECK(absl::StrContains(all, "overlaps"));
+    CHECK(absl::StrContains(all, kEmbed));
+    CHECK(absl::StrContains(all, "nothing from it was written"));
+    CHECK_FALSE(h.Finish(4).ok());
+    // The duplicate's bucket was refused whole, so some parameters hold update 3's bytes; each holds one update's.
+    const auto stale = h.Mismatches(4);
+    const auto old = h.Mismatches(3);
+    CHECK_FALSE(stale.empty());
+    std::set<std::string> not3(old.begin(), old.end());
+    for (const auto& p : stale) CHECK(not3.count(p) == 0);
+  }
+  SECTION("slices that need a conversion are assembled whole first, with the same bytes") {
+    // The embedding's slices as float32 (the replica narrows them to bfloat16): a conversion, so staged.
+    for (auto& frames : h.frames)
+      for (Frame& f : frames)
+        if (f.tensor == kEmbed) f.dtype = DType::kF32;
+    REQUIRE(h.Start(4).ok());
+    const auto errors = h.PushAll(4);
+    INFO(Errors(errors));
+    REQUIRE(errors.empty());
+    auto fin = h.Finish(4);
+    INFO(fin.status().ToString());
+    REQUIRE(fin.ok());
+    const auto bad = h.Mismatches(4);
+    INFO(Join(bad));
+    CHECK(bad.empty());
+    CHECK(sliced("staged") == 1);
+    CHECK(sliced("direct") == 2 * 3 + 1);
+  }
 }
 
 TEST_CASE("source: a bucket still being worked on holds up neither another rank's bucket nor a session hand-over") {

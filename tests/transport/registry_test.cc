@@ -1,0 +1,89 @@
+// The transport registry (transport/registry.h): every backend listed once with a factory, the names the factories
+// and the daemon accept, and each capability a backend declares held against what the backend does here.
+#include "transport/registry.h"
+
+#include <catch2/catch.hpp>
+#include <set>
+#include <string>
+
+#include "transport/mooncake/mooncake_transport.h"
+
+namespace wsync::transport {
+
+TEST_CASE("registry: names, factories and segment kinds") {
+  std::set<std::string> names;
+  for (const TransportEntry& e : RegisteredTransports()) {
+    CHECK(names.insert(e.name).second);
+    CHECK(e.create != nullptr);
+    CHECK(FindTransport(e.name) == &e);
+    // A backend that connects to the region's owner itself must say how to find it in a descriptor.
+    CHECK((e.caps.needs_target_daemon || e.region_peer != nullptr));
+    if (!e.segment_kind.empty()) CHECK(TransportForSegmentKind(e.segment_kind) == &e);
+  }
+  CHECK(names == std::set<std::string>{"tcp", "verbs", "fabric", "mooncake"});
+  CHECK(KnownTransports() == "tcp, verbs, fabric, mooncake");
+  CHECK(KnownTransports(/*daemon_only=*/true) == "tcp, verbs, fabric");
+  CHECK(FindTransport("carrier-pigeon") == nullptr);
+  CHECK(TransportForSegmentKind("") == nullptr);
+  CHECK(TransportForSegmentKind("host") == nullptr);
+  CHECK(TransportForSegmentKind("cuda") == nullptr);
+  auto bad = CreateFirstViableTransport("tcp,carrier-pigeon", {});
+  REQUIRE_FALSE(bad.ok());
+  CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(bad.status().message()), Catch::Contains("known: tcp, verbs, fabric, mooncake"));
+  // A name the registry lacks (a test double) declares the defaults.
+  CHECK(CapabilitiesOf("null").needs_target_daemon);
+  CHECK_FALSE(CapabilitiesOf("null").one_sided_only);
+}
+
+TEST_CASE("registry: every viable backend does what it declares") {
+  for (const TransportEntry& e : RegisteredTransports()) {
+    INFO(e.name);
+    auto t = e.create(TransportOptions{});
+    REQUIRE(t.ok());
+    CHECK((*t)->name() == e.name);
+    if (!(*t)->viable()) {
+      WARN(e.name << " is not viable here (" << (*t)->reason() << "): its capabilities are not exercised");
+      continue;
+    }
+    const Capabilities c = (*t)->capabilities();
+    CHECK(c.needs_target_daemon == e.caps.needs_target_daemon);
+    CHECK(c.write_windows == e.caps.write_windows);
+    if (c.write_windows) {
+      CHECK((*t)->SetWriteWindow(false).ok());
+      CHECK((*t)->SetWriteWindow(true).ok());
+    } else {
+      // Declared unenforced: either it says so, or (fabric) it depends on the provider picked.
+      const absl::Status st = (*t)->SetWriteWindow(true);
+      CHECK((st.ok() || st.code() == absl::StatusCode::kUnimplemented));
+    }
+    if (c.write_grants) {
+      CHECK((*t)->RequireGrants(false).ok());
+    } else {
+      CHECK((*t)->RequireGrants(false).code() == absl::StatusCode::kUnimplemented);
+    }
+    if (c.one_sided_only) {
+      // No receiving side in wsync: a region it registers is nothing a peer can import.
+      std::vector<uint8_t> mem(64);
+      auto r = (*t)->RegisterMemory(mem.data(), mem.size());
+      REQUIRE(r.ok());
+      CHECK((*r)->Descriptor().empty());
+      CHECK_FALSE((*t)->ImportRegion("").ok());
+    }
+  }
+}
+
+TEST_CASE("registry: the mooncake backend names the peer a region descriptor points at") {
+  const TransportEntry* e = TransportForSegmentKind("mooncake");
+  REQUIRE(e != nullptr);
+  CHECK_FALSE(e->caps.needs_target_daemon);
+  CHECK(e->caps.one_sided_only);
+  auto d = mooncake::MakeRegionDescriptor("10.0.0.7:15452", 0x7fc324ccf000ull, 4096);
+  REQUIRE(d.ok());
+  auto peer = e->region_peer(*d);
+  REQUIRE(peer.ok());
+  CHECK(*peer == "10.0.0.7:15452");
+  CHECK(e->region_peer("tcp/1 127.0.0.1:1 0").status().code() == absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace wsync::transport
