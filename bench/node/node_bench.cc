@@ -699,10 +699,7 @@ int main(int argc, char** argv) {
       "bench_node: trainer ranks pushing through one source node (in-process) vs a baseline of the same bytes "
       "measured in the same run: dense and MoE FP8 host tensors vs all-core memcpy, through a loopback tcp target "
       "vs the tcp transport alone, CUDA tensors vs the pinned D2H peak"};
-  const std::string models_dir = WSYNC_MODELS_DIR;
-  std::string model = models_dir + "/Qwen__Qwen3-8B/config.json";
-  std::string kimi = models_dir + "/moonshotai__Kimi-K2-Instruct/config.json";
-  std::string dsv3 = models_dir + "/deepseek-ai__DeepSeek-V3/config.json";
+  std::string models_dir = WSYNC_MODELS_DIR, model, kimi, dsv3;
   std::string cases_list = "dense,moe,tcp,cuda", ranks_list = "1,4,8", tp_list = "1,8";
   std::string results_out, machine;
   int layers = 0, vocab = 0, moe_layers = 4, moe_vocab = 16384, experts = 16, d2h_streams = 4;
@@ -714,10 +711,14 @@ int main(int argc, char** argv) {
   app.add_flag("--quick", quick,
                "small shapes (1 layer, vocab 8192, MoE 2 layers of 8 experts, R = 1,2, 2 reps) unless given "
                "explicitly: every case in well under a minute on 2 cores");
-  app.add_option("--model", model, "the dense model's config.json (bf16)")->capture_default_str();
-  app.add_option("--kimi-model", kimi, "Kimi-K2's config.json (FP8 64x64 pass-through)")->capture_default_str();
-  app.add_option("--deepseek-model", dsv3, "DeepSeek-V3's config.json (bf16 -> FP8 128x128 on the node)")
+  app.add_option("--models-dir", models_dir,
+                 "holds <org>__<name>/config.json of Qwen3-8B, Kimi-K2-Instruct and DeepSeek-V3 (a bundle's "
+                 "tests/data/models)")
       ->capture_default_str();
+  app.add_option("--model", model, "the dense model's config.json (bf16; default: Qwen3-8B in --models-dir)");
+  app.add_option("--kimi-model", kimi, "Kimi-K2's config.json (FP8 64x64 pass-through; default: in --models-dir)");
+  app.add_option("--deepseek-model", dsv3,
+                 "DeepSeek-V3's config.json (bf16 -> FP8 128x128 on the node; default: in --models-dir)");
   app.add_option("--ranks", ranks_list, "trainer ranks R, comma-separated")->capture_default_str();
   app.add_option("--tp", tp_list, "dense engine tensor-parallel sizes (one engine, all its ranks written by this node)")
       ->capture_default_str();
@@ -758,6 +759,9 @@ int main(int argc, char** argv) {
                  "write the node rates for the planner (planner/node_rates.h format) to this file");
   app.add_option("--machine", machine, "what the results file says this ran on (default: cores, memory, GPU)");
   CLI11_PARSE(app, argc, argv);
+  if (model.empty()) model = models_dir + "/Qwen__Qwen3-8B/config.json";
+  if (kimi.empty()) kimi = models_dir + "/moonshotai__Kimi-K2-Instruct/config.json";
+  if (dsv3.empty()) dsv3 = models_dir + "/deepseek-ai__DeepSeek-V3/config.json";
   if (quick) {
     if (app.count("--layers") == 0) layers = 1;
     if (app.count("--vocab") == 0) vocab = 8192;
