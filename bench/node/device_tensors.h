@@ -20,6 +20,8 @@ class DeviceTensors {
   // Copies `bytes` at `host` into a fresh device buffer. FailedPrecondition naming why when there is no GPU (or the
   // binary was built without CUDA): a result, not a crash.
   static absl::StatusOr<std::unique_ptr<DeviceTensors>> Create(const uint8_t* host, uint64_t bytes);
+  // Whether Create can succeed here (a GPU, a CUDA build), without allocating: FailedPrecondition naming why not.
+  static absl::Status Available();
   virtual ~DeviceTensors() = default;
   // The device copy of host[0, bytes): same offsets.
   virtual const uint8_t* data() const = 0;

@@ -66,12 +66,19 @@ class CudaTensors : public DeviceTensors {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DeviceTensors>> DeviceTensors::Create(const uint8_t* host, uint64_t bytes) {
+absl::Status DeviceTensors::Available() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    cudaGetLastError();  // clear the sticky "no device" error
+    cudaGetLastError();  // clear the "no device" error
     return absl::FailedPreconditionError("no CUDA device on this machine");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<DeviceTensors>> DeviceTensors::Create(const uint8_t* host, uint64_t bytes) {
+  if (absl::Status st = Available(); !st.ok()) return st;
+  int count = 0;
+  cudaGetDeviceCount(&count);
   cudaDeviceProp prop{};
   if (auto st = Cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties"); !st.ok()) return st;
   auto t = std::make_unique<CudaTensors>();

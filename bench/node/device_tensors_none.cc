@@ -7,4 +7,8 @@ absl::StatusOr<std::unique_ptr<DeviceTensors>> DeviceTensors::Create(const uint8
   return absl::FailedPreconditionError("this bench_node was built without CUDA (WSYNC_WITH_CUDA off)");
 }
 
+absl::Status DeviceTensors::Available() {
+  return absl::FailedPreconditionError("this bench_node was built without CUDA (WSYNC_WITH_CUDA off)");
+}
+
 }  // namespace wsync::bench

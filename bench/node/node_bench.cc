@@ -11,7 +11,8 @@
 //   moe    a Kimi-K2 / DeepSeek-V3-shaped node share (their real layer shapes, --moe-layers layers, routed experts
 //          capped at --experts, each keeping its real size) at engine TP 8 EP 8, null transport: Kimi-K2 in FP8 64x64
 //          pass-through (the trainer pushes codes + scales) and DeepSeek-V3 in bf16 quantized by the node to FP8
-//          128x128; vs the all-core memcpy of the bytes pushed.
+//          128x128; vs the all-core memcpy of the bytes pushed. --moe-layers 4 by default: one dense layer, then
+//          MoE ones, as both models begin (--moe-dense).
 //   tcp    the dense push at the first TP through the node's real tcp transport into a target over loopback: the
 //          target side is what a target daemon does for host segments (each engine rank's segment registered with
 //          its own tcp transport, an endpoint per connecting source), in this process; the clock stops when
@@ -263,6 +264,8 @@ struct Workload {
   replica::ModelConfig cfg;
   replica::QuantSpec quant;
   int ep = 1;
+  // The node quantizes what is pushed (bf16 -> FP8): nothing is offered for placement, so no placement run.
+  bool node_quantizes = false;
   std::vector<int> tps;
   std::vector<uint8_t> host;
   std::map<std::string, Tensor> tensors;
@@ -393,11 +396,24 @@ absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& sessio
     });
     return absl::OkStatus();
   };
+  // FP8 pass-through: a tensor the node names goes as its codes followed by its `_scale_inv` (the node accepts
+  // either form per tensor and names only the weight).
+  std::vector<std::string> order;
   for (const std::string& name : names.tensor_names()) {
+    order.push_back(name);
+    if (tensors.count(name + "_scale_inv") > 0) order.push_back(name + "_scale_inv");
+  }
+  for (const std::string& name : order) {
     const Tensor& t = tensors.at(name);
     const uint64_t bytes = t.spec.bytes();
     const uint8_t* dev = from.copier != nullptr ? from.device + t.offset : nullptr;
-    if (auto o = offers.find(name); o != offers.end()) {
+    // An offer is for exactly its dtype and shape (an FP8 replica offers codes and scales, not the bf16 tensor).
+    auto o = offers.find(name);
+    if (o != offers.end() &&
+        (o->second->dtype() != wsync::DTypeName(t.spec.dtype) ||
+         !std::equal(o->second->shape().begin(), o->second->shape().end(), t.spec.shape.begin(), t.spec.shape.end())))
+      o = offers.end();
+    if (o != offers.end()) {
       // The client's placement: host, a memcpy per region (per row where the region is strided); CUDA, one
       // cudaMemcpy2DAsync per region.
       const auto h0 = Clock::now();
@@ -571,8 +587,8 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
   }
   const uint64_t bytes = tcp != nullptr ? plan.bytes : w.total;
   std::vector<bool> modes;
-  if (opt.placement != "on") modes.push_back(false);
-  if (opt.placement != "off") modes.push_back(true);
+  if (opt.placement != "on" || w.node_quantizes) modes.push_back(false);
+  if (opt.placement != "off" && !w.node_quantizes) modes.push_back(true);
   std::vector<ModeResult> out;
   double ring_gbps = 0;
   for (const bool place : modes) {
@@ -702,14 +718,14 @@ int main(int argc, char** argv) {
   std::string models_dir = WSYNC_MODELS_DIR, model, kimi, dsv3;
   std::string cases_list = "dense,moe,tcp,cuda", ranks_list = "1,4,8", tp_list = "1,8";
   std::string results_out, machine;
-  int layers = 0, vocab = 0, moe_layers = 4, moe_vocab = 16384, experts = 16, d2h_streams = 4;
+  int layers = 0, vocab = 0, moe_layers = 4, moe_dense = 1, moe_vocab = 16384, experts = 16, d2h_streams = 4;
   double tcp_seconds = 1.0;
   bool quick = false;
   BenchOptions opt;
   opt.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   app.add_option("--cases", cases_list, "dense, moe, tcp, cuda: comma-separated")->capture_default_str();
   app.add_flag("--quick", quick,
-               "small shapes (1 layer, vocab 8192, MoE 2 layers of 8 experts, R = 1,2, 2 reps) unless given "
+               "small shapes (1 layer, vocab 4096; MoE: one MoE layer of 8 experts; R = 1,2; 2 reps) unless given "
                "explicitly: every case in well under a minute on 2 cores");
   app.add_option("--models-dir", models_dir,
                  "holds <org>__<name>/config.json of Qwen3-8B, Kimi-K2-Instruct and DeepSeek-V3 (a bundle's "
@@ -724,8 +740,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--layers", layers, "dense: override num_hidden_layers (0: the model's)")->check(CLI::Range(0, 1000));
   app.add_option("--vocab", vocab, "dense: override vocab_size (0: the model's)")->check(CLI::Range(0, 1 << 22));
-  app.add_option("--moe-layers", moe_layers, "MoE: layers kept (the first dense, the rest MoE)")
+  app.add_option("--moe-layers", moe_layers, "MoE: layers kept (the first --moe-dense dense, the rest MoE)")
       ->check(CLI::Range(1, 61))
+      ->capture_default_str();
+  app.add_option("--moe-dense", moe_dense, "MoE: of those, dense layers first (first_k_dense_replace)")
+      ->check(CLI::Range(0, 61))
       ->capture_default_str();
   app.add_option("--moe-vocab", moe_vocab, "MoE: vocab_size (0: the model's)")->check(CLI::Range(0, 1 << 22))
       ->capture_default_str();
@@ -764,9 +783,10 @@ int main(int argc, char** argv) {
   if (dsv3.empty()) dsv3 = models_dir + "/deepseek-ai__DeepSeek-V3/config.json";
   if (quick) {
     if (app.count("--layers") == 0) layers = 1;
-    if (app.count("--vocab") == 0) vocab = 8192;
-    if (app.count("--moe-layers") == 0) moe_layers = 2;
-    if (app.count("--moe-vocab") == 0) moe_vocab = 4096;
+    if (app.count("--vocab") == 0) vocab = 4096;
+    if (app.count("--moe-layers") == 0) moe_layers = 1;
+    if (app.count("--moe-dense") == 0) moe_dense = 0;
+    if (app.count("--moe-vocab") == 0) moe_vocab = 2048;
     if (app.count("--experts") == 0) experts = 8;
     if (app.count("--ranks") == 0) ranks_list = "1,2";
     if (app.count("--reps") == 0) opt.reps = 2;
@@ -777,6 +797,14 @@ int main(int argc, char** argv) {
   for (absl::string_view c : absl::StrSplit(cases_list, ',', absl::SkipEmpty())) {
     if (c != "dense" && c != "moe" && c != "tcp" && c != "cuda") Die("--cases", absl::InvalidArgumentError(c));
     run[std::string(c)] = true;
+  }
+  json skipped = json::object();
+  if (run["cuda"]) {
+    if (absl::Status st = wsync::bench::DeviceTensors::Available(); !st.ok()) {
+      std::printf("cuda: skipped: %s\n", std::string(st.message()).c_str());
+      skipped["cuda"] = std::string(st.message());
+      run["cuda"] = false;
+    }
   }
   const std::vector<int> ranks = ParseList(ranks_list), tps = ParseList(tp_list);
   if (ranks.empty() || tps.empty()) Die("--ranks/--tp", absl::InvalidArgumentError("empty list"));
@@ -794,6 +822,7 @@ int main(int argc, char** argv) {
     w->quant = quant;
     w->ep = ep;
     w->tps = std::move(wtps);
+    w->node_quantizes = quant.mode == replica::QuantSpec::Mode::kFp8Block && !fp8_pass_through;
     auto specs = fp8_pass_through ? replica::CheckpointTensors(w->cfg, replica::CheckpointFormat::kFp8PassThrough,
                                                                quant.block_n, quant.block_k)
                                   : replica::CheckpointTensors(w->cfg);
@@ -820,12 +849,12 @@ int main(int argc, char** argv) {
     fp8_64.block_n = fp8_64.block_k = 64;
     moe_w.push_back(std::make_unique<Workload>());
     load(moe_w.back().get(), "kimi-k2-fp8-64", "Kimi-K2 FP8 64x64 pass-through", kimi,
-         CutConfig(kimi, moe_layers, 1, moe_vocab, experts, {64, 64}), fp8_64, 8, {8}, true);
+         CutConfig(kimi, moe_layers, moe_dense, moe_vocab, experts, {64, 64}), fp8_64, 8, {8}, true);
     replica::QuantSpec fp8_128;
     fp8_128.mode = replica::QuantSpec::Mode::kFp8Block;
     moe_w.push_back(std::make_unique<Workload>());
     load(moe_w.back().get(), "deepseek-v3-bf16-fp8-128", "DeepSeek-V3 bf16 -> FP8 128x128", dsv3,
-         CutConfig(dsv3, moe_layers, 1, moe_vocab, experts, {}), fp8_128, 8, {8}, false);
+         CutConfig(dsv3, moe_layers, moe_dense, moe_vocab, experts, {}), fp8_128, 8, {8}, false);
   }
   uint64_t largest_total = 0;
   for (auto* ws : {&dense_w, &moe_w})
@@ -836,12 +865,13 @@ int main(int argc, char** argv) {
   for (auto* ws : {&dense_w, &moe_w})
     for (auto& w : *ws) {
       double s = 1e30, s1 = ParallelCopy(scratch.data(), w->host.data(), w->total, 1);
-      for (int i = 0; i < 3; ++i) s = std::min(s, ParallelCopy(scratch.data(), w->host.data(), w->total, opt.threads));
+      // Informational (each case's ratio uses the copies between its own updates): one warm copy is enough.
+      s = ParallelCopy(scratch.data(), w->host.data(), w->total, opt.threads);
       std::printf("baseline %s: memcpy of the same bytes on %d threads: %.2f GB/s (1 thread: %.2f GB/s)\n",
                   w->name.c_str(), opt.threads, w->total / s / 1e9, w->total / s1 / 1e9);
     }
 
-  json results = json::array(), skipped = json::object();
+  json results = json::array();
   int64_t epoch = 0, version = 0;
   // (case, workload) -> per R, the planner's figure; and the dense headline.
   std::map<std::pair<std::string, std::string>, std::vector<std::pair<int, double>>> curves;
