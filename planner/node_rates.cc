@@ -39,8 +39,7 @@ absl::StatusOr<NodeRates> ParseNodeRates(absl::string_view text, absl::string_vi
     }
     return absl::OkStatus();
   };
-  if (!j.contains("node_load_gbps"))
-    return bad("\"node_load_gbps\" (a non-empty array of [ranks, GB/s]) is required");
+  if (!j.contains("node_load_gbps")) return bad("\"node_load_gbps\" (a non-empty array of [ranks, GB/s]) is required");
   if (absl::Status st = curve("node_load_gbps", &r.node_load_gbps); !st.ok()) return st;
   for (auto [key, out] : {std::pair{"fp8_passthrough_load_gbps", &r.fp8_passthrough_load_gbps},
                           {"fp8_quantize_load_gbps", &r.fp8_quantize_load_gbps},

@@ -33,8 +33,7 @@ class CudaTensors : public DeviceTensors {
     }
     while (static_cast<int>(streams_.size()) < streams) {
       cudaStream_t s;
-      if (auto st = Cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"); !st.ok())
-        return st;
+      if (auto st = Cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"); !st.ok()) return st;
       streams_.push_back(s);
     }
     const uint64_t share = (bytes_ / streams + 4095) / 4096 * 4096;
@@ -44,8 +43,8 @@ class CudaTensors : public DeviceTensors {
       for (int i = 0; i < streams; ++i) {
         const uint64_t a = std::min(bytes_, share * i), b = std::min(bytes_, share * (i + 1));
         if (b == a) continue;
-        if (auto st = Cuda(cudaMemcpyAsync(static_cast<uint8_t*>(pinned_) + a, dev_ + a, b - a,
-                                           cudaMemcpyDeviceToHost, streams_[i]),
+        if (auto st = Cuda(cudaMemcpyAsync(static_cast<uint8_t*>(pinned_) + a, dev_ + a, b - a, cudaMemcpyDeviceToHost,
+                                           streams_[i]),
                            "cudaMemcpyAsync D2H");
             !st.ok())
           return st;
@@ -86,8 +85,7 @@ absl::StatusOr<std::unique_ptr<DeviceTensors>> DeviceTensors::Create(const uint8
   t->describe_ = absl::StrCat(prop.name, " (device 0 of ", count, ")");
   if (auto st = Cuda(cudaSetDevice(0), "cudaSetDevice"); !st.ok()) return st;
   if (auto st = Cuda(cudaMalloc(&t->dev_, std::max<uint64_t>(bytes, 1)), "cudaMalloc"); !st.ok()) return st;
-  if (auto st = Cuda(cudaMemcpy(t->dev_, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D"); !st.ok())
-    return st;
+  if (auto st = Cuda(cudaMemcpy(t->dev_, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D"); !st.ok()) return st;
   return std::unique_ptr<DeviceTensors>(std::move(t));
 }
 

@@ -529,8 +529,8 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
     std::lock_guard<std::mutex> l(log_mu);
     logs[b.local_rank].buckets.push_back(b);
   };
-  wsync::daemon::ConnectTargetFn connect =
-      [tcp](const std::string&, const v1::ConnectTargetRequest& req) -> absl::StatusOr<std::string> {
+  wsync::daemon::ConnectTargetFn connect = [tcp](const std::string&,
+                                                 const v1::ConnectTargetRequest& req) -> absl::StatusOr<std::string> {
     if (tcp == nullptr) return std::string("null");
     return tcp->Connect(req);
   };
@@ -622,7 +622,8 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
       fu.set_version(v);
       fu.set_plan_epoch(*epoch);
       fu.set_timeout_seconds(600);
-      auto fin = node.FinishUpdate(fu);  // every required parameter was completed and posted (and landed), or this fails
+      auto fin =
+          node.FinishUpdate(fu);  // every required parameter was completed and posted (and landed), or this fails
       if (!fin.ok()) Die("finish update", fin.status());
       if (tcp != nullptr) s = Since(t0);  // the writes landed in the target
       if (s < best) {
@@ -639,13 +640,11 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
     out.push_back({place, gbps, base_gbps});
     std::printf("%s %s TP %d%s, R %d, %s: %.2f GB in %.3f s = %.2f GB/s, %.2fx %s (%.2f GB/s)", case_name.c_str(),
                 w.label.c_str(), tp, w.ep > 1 ? absl::StrCat(" EP ", w.ep).c_str() : "", R,
-                place ? "placement" : "ring", bytes / 1e9, best, gbps, gbps / base_gbps, base.name.c_str(),
-                base_gbps);
+                place ? "placement" : "ring", bytes / 1e9, best, gbps, gbps / base_gbps, base.name.c_str(), base_gbps);
     if (place)
-      std::printf("; %.0f%% of the bytes placed%s", 100.0 * placed_bytes / w.total,
-                  ring_gbps > 0
-                      ? absl::StrCat(", placement / ring ", absl::StrFormat("%.2f", gbps / ring_gbps)).c_str()
-                      : "");
+      std::printf(
+          "; %.0f%% of the bytes placed%s", 100.0 * placed_bytes / w.total,
+          ring_gbps > 0 ? absl::StrCat(", placement / ring ", absl::StrFormat("%.2f", gbps / ring_gbps)).c_str() : "");
     std::printf("\n");
     json ranks_json = json::array();
     for (int r = 0; r < R; ++r) {
@@ -746,18 +745,21 @@ int main(int argc, char** argv) {
   app.add_option("--moe-dense", moe_dense, "MoE: of those, dense layers first (first_k_dense_replace)")
       ->check(CLI::Range(0, 61))
       ->capture_default_str();
-  app.add_option("--moe-vocab", moe_vocab, "MoE: vocab_size (0: the model's)")->check(CLI::Range(0, 1 << 22))
+  app.add_option("--moe-vocab", moe_vocab, "MoE: vocab_size (0: the model's)")
+      ->check(CLI::Range(0, 1 << 22))
       ->capture_default_str();
   app.add_option("--experts", experts, "MoE: routed experts per layer, capped (each keeps its real size; >= 8)")
       ->check(CLI::Range(8, 4096))
       ->capture_default_str();
-  app.add_option("--reps", opt.reps, "updates per case; the best counts")->check(CLI::Range(1, 100))
+  app.add_option("--reps", opt.reps, "updates per case; the best counts")
+      ->check(CLI::Range(1, 100))
       ->capture_default_str();
   app.add_option("--ring-mib", opt.ring_mib,
                  "ring per rank, MiB (wsyncd --ring-mib; enlarged to fit the largest tensor)")
       ->check(CLI::Range(8, 1 << 16))
       ->capture_default_str();
-  app.add_option("--threads", opt.threads, "memcpy baseline threads")->check(CLI::Range(1, 1024))
+  app.add_option("--threads", opt.threads, "memcpy baseline threads")
+      ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app.add_option("--tcp-streams", opt.tcp_streams, "tcp: connections per endpoint, node and baseline alike")
       ->check(CLI::Range(1, 64))
@@ -829,8 +831,8 @@ int main(int argc, char** argv) {
     if (!specs.ok()) Die("checkpoint tensors " + path, specs.status());
     Fill(w, *specs);
     std::printf("%s: %s, %lld layers, vocab %lld, %zu tensors, %.2f GB pushed%s\n", name.c_str(), path.c_str(),
-                static_cast<long long>(w->cfg.num_layers), static_cast<long long>(w->cfg.vocab_size),
-                specs->size(), w->total / 1e9,
+                static_cast<long long>(w->cfg.num_layers), static_cast<long long>(w->cfg.vocab_size), specs->size(),
+                w->total / 1e9,
                 quant.mode == replica::QuantSpec::Mode::kFp8Block
                     ? absl::StrFormat(", engine FP8 %dx%d blocks, routed experts capped at %d", quant.block_n,
                                       quant.block_k, experts)
@@ -906,27 +908,28 @@ int main(int argc, char** argv) {
       total_params += t->params().size();
       written += t->total_bytes();
     }
-    const uint64_t mean = std::clamp<uint64_t>(written / std::max<uint64_t>(total_params, 1) / 4096 * 4096,
-                                               64 << 10, 64 << 20);
+    const uint64_t mean =
+        std::clamp<uint64_t>(written / std::max<uint64_t>(total_params, 1) / 4096 * 4096, 64 << 10, 64 << 20);
     wsync::bench::TcpBenchOptions topts;
     topts.sizes = {mean, 64ull << 20};
     topts.per_size = absl::Seconds(tcp_seconds);
     topts.streams = opt.tcp_streams;
     auto sweep = wsync::bench::RunTcpTransportSweep(topts);
     if (!sweep.ok()) Die("tcp transport baseline", sweep.status());
-    std::printf("baseline tcp: the tcp transport alone over loopback, %d streams: %.2f GB/s at %llu KiB (the node's "
-                "mean write), %.2f GB/s at 64 MiB\n",
-                opt.tcp_streams, (*sweep)[0].gbps(), static_cast<unsigned long long>(mean >> 10), (*sweep)[1].gbps());
-    const Baseline tcp_base{absl::StrFormat("the tcp transport alone at %llu KiB", static_cast<unsigned long long>(mean >> 10)),
-                            (*sweep)[0].gbps(), nullptr};
-    run_all(
-        "tcp", w,
-        [](int streams) -> TcpTarget* {
-          auto t = TcpTarget::Create(streams);
-          if (!t.ok()) Die("tcp target", t.status());
-          return t->release();
-        },
-        nullptr, tcp_base, {tps.front()});
+    std::printf(
+        "baseline tcp: the tcp transport alone over loopback, %d streams: %.2f GB/s at %llu KiB (the node's "
+        "mean write), %.2f GB/s at 64 MiB\n",
+        opt.tcp_streams, (*sweep)[0].gbps(), static_cast<unsigned long long>(mean >> 10), (*sweep)[1].gbps());
+    const Baseline tcp_base{
+        absl::StrFormat("the tcp transport alone at %llu KiB", static_cast<unsigned long long>(mean >> 10)),
+        (*sweep)[0].gbps(), nullptr};
+    run_all("tcp", w,
+            [](int streams) -> TcpTarget* {
+              auto t = TcpTarget::Create(streams);
+              if (!t.ok()) Die("tcp target", t.status());
+              return t->release();
+            },
+            nullptr, tcp_base, {tps.front()});
   }
   double d2h_peak = 0;
   if (run["cuda"]) {
@@ -944,10 +947,10 @@ int main(int argc, char** argv) {
         if (!many.ok()) Die("pinned D2H", many.status());
         const double peak = std::max(w->total / *one, w->total / *many) / 1e9;
         d2h_peak = std::max(d2h_peak, peak);
-        std::printf("baseline cuda %s on %s: pinned D2H of the same bytes %.2f GB/s on 1 stream, %.2f GB/s on %d; "
-                    "all ranks share this one GPU\n",
-                    w->name.c_str(), (*dev)->Describe().c_str(), w->total / *one / 1e9, w->total / *many / 1e9,
-                    d2h_streams);
+        std::printf(
+            "baseline cuda %s on %s: pinned D2H of the same bytes %.2f GB/s on 1 stream, %.2f GB/s on %d; "
+            "all ranks share this one GPU\n",
+            w->name.c_str(), (*dev)->Describe().c_str(), w->total / *one / 1e9, w->total / *many / 1e9, d2h_streams);
         const Baseline cuda_base{"the pinned D2H peak", peak, nullptr};
         run_all("cuda", *w, nullptr, (*dev)->data(), cuda_base, w->tps);
       }
@@ -970,7 +973,8 @@ int main(int argc, char** argv) {
             {"results", results}};
   if (!results_out.empty()) {
     auto& dense_curve = curves[{"dense", "dense"}];
-    if (dense_curve.empty()) Die("--results-out", absl::FailedPreconditionError("needs the dense case (--cases dense)"));
+    if (dense_curve.empty())
+      Die("--results-out", absl::FailedPreconditionError("needs the dense case (--cases dense)"));
     if (machine.empty()) {
       const double mem = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE) / (1ull << 30);
       machine = absl::StrFormat("%u hardware threads, %.0f GiB memory%s", std::thread::hardware_concurrency(), mem,

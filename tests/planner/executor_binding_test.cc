@@ -9,11 +9,10 @@
 //   writes_overlap_loads    with no write ever completing (every Wait held), each bucket's CommitBucket still
 //                           returns and the next bucket is loaded: writes are posted, never waited for on the way.
 
-#include <catch2/catch.hpp>
-
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -132,9 +131,8 @@ ExecutorTraits MeasureDaemon() {
   o.write_checksums = false;
   o.placement = false;
   o.push_timeout = absl::Seconds(30);
-  daemon::SourceNode node(o, &tr, [](const std::string&, const v1::ConnectTargetRequest&) {
-    return absl::StatusOr<std::string>("gated");
-  });
+  daemon::SourceNode node(
+      o, &tr, [](const std::string&, const v1::ConnectTargetRequest&) { return absl::StatusOr<std::string>("gated"); });
   const v1::ConfigureSourceRequest plan = daemon::testing::TinyPlan(model, 1);
   REQUIRE(node.Configure(plan).ok());
   auto cfg = replica::ModelConfig::FromJson(plan.model_config_json());
@@ -279,8 +277,7 @@ TEST_CASE("executor binding: the pipelined formulas follow the traits they decla
   // Stages overlap: the slowest (the 2 s hand-over) is the time, nothing is added to it.
   CHECK(piped.total_s == Approx(2.0));
   cp.executor = planner::Executor::kSerial;
-  const auto serial =
-      planner::PredictSource(cp, bw, 1, 1'000'000'000, 1'000'000'000, 2'000'000'000, 500'000'000, 1, 1);
+  const auto serial = planner::PredictSource(cp, bw, 1, 1'000'000'000, 1'000'000'000, 2'000'000'000, 500'000'000, 1, 1);
   // Load then the blocking writes, one after the other; the hand-over is inside the load rate.
   CHECK(serial.total_s == Approx(0.5 + 0.05));
 }
