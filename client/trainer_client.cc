@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/checked_size.h"
+#include "base/host_copy.h"
 #include "base/status.h"
 #include "proto/status_convert.h"
 #include "proto/tls.h"
@@ -131,6 +132,7 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const Trai
   c->stub_ = v1::TrainerIngest::NewStub(channel);
   c->bucket_limit_ = opts.bucket_bytes > 0 ? std::min(opts.bucket_bytes, c->ring_->capacity() / 2)
                                            : c->ring_->capacity() / 2;
+  c->host_copy_threads_ = HostCopyThreads(opts.host_copy_threads, opened.num_local_ranks());
   return c;
 }
 
@@ -304,7 +306,9 @@ absl::Status TrainerClient::Push(absl::string_view name, DType dtype, absl::Span
     WSYNC_RETURN_IF_ERROR(PlaceHost(*p, data, bytes));
     return NotePlaced(name, bytes);
   }
-  return PushWith(name, dtype, shape, bytes, [&](uint8_t* dst) { std::memcpy(dst, data, bytes); });
+  return PushWith(name, dtype, shape, bytes, [&](uint8_t* dst) {
+    CopyRect(dst, bytes, static_cast<const uint8_t*>(data), bytes, bytes, 1, host_copy_threads_);
+  });
 }
 
 absl::StatusOr<std::string> SliceFrameName(absl::string_view name, DType dtype, absl::Span<const int64_t> full_shape,
@@ -442,15 +446,9 @@ absl::Status TrainerClient::PlaceHost(const v1::TensorPlacement& p, const void* 
   for (const MappedLayout& m : replica_) sizes.push_back(m.bytes);
   WSYNC_RETURN_IF_ERROR(CheckRegions(p, bytes, sizes));
   const auto* src = static_cast<const uint8_t*>(data);
-  for (const auto& r : p.regions()) {
-    uint8_t* dst = replica_[r.layout()].addr + r.offset();
-    if (r.pitch() == r.row_bytes() && r.src_pitch() == r.row_bytes()) {
-      std::memcpy(dst, src + r.src_offset(), r.row_bytes() * static_cast<uint64_t>(r.rows()));
-      continue;
-    }
-    for (int64_t i = 0; i < r.rows(); ++i)
-      std::memcpy(dst + i * r.pitch(), src + r.src_offset() + i * r.src_pitch(), r.row_bytes());
-  }
+  for (const auto& r : p.regions())
+    CopyRect(replica_[r.layout()].addr + r.offset(), r.pitch(), src + r.src_offset(), r.src_pitch(), r.row_bytes(),
+             r.rows(), host_copy_threads_);
   return absl::OkStatus();
 }
 

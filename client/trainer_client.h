@@ -61,6 +61,10 @@ struct TrainerOptions {
   // committed with CommitPlaced once its copies completed (at least every bucket_bytes, and at Flush/EndPush).
   // Off: every tensor goes through the ring.
   bool placement = true;
+  // Threads a host tensor's copy (into the ring, or placed into the replica) is spread over when it is at least
+  // 16 MiB (base/host_copy.h): 0 = the host's hardware threads divided among the node's trainer ranks (at least 1,
+  // at most 8), 1 = the calling thread alone. CUDA tensors are copied by the GPU's engines and do not use them.
+  int host_copy_threads = 0;
 };
 
 struct PushStats {
@@ -157,6 +161,7 @@ class TrainerClient {
   std::unique_ptr<RingProducer> ring_;
   std::unique_ptr<DeviceCopier> device_;  // created by the first PushDevice; goes before ring_
   uint64_t bucket_limit_ = 0;
+  int host_copy_threads_ = 1;  // TrainerOptions::host_copy_threads, resolved against the node's rank count
   std::future<absl::Status> in_flight_;
   PushStats stats_;
   std::vector<TensorSlice> push_slices_;

@@ -292,6 +292,11 @@ CertificateInfo CredentialFiles::current() const {
   return s_->current;
 }
 
+CredentialPems CredentialFiles::published() const {
+  std::lock_guard<std::mutex> l(s_->mu);
+  return s_->published;
+}
+
 CredentialFiles::Counters CredentialFiles::counters() const {
   std::lock_guard<std::mutex> l(s_->mu);
   return s_->counters;

@@ -64,6 +64,8 @@ class CredentialFiles {
 
   // The credentials in use (the last validated ones).
   CertificateInfo current() const;
+  // Their contents (servers that are not gRPC's, e.g. the coordinator's status page, read them per handshake).
+  CredentialPems published() const;
   // How many replacements were published / rejected since Open, and the last rejection's message ("" if none).
   struct Counters {
     uint64_t reloads = 0, rejected = 0;

@@ -737,4 +737,33 @@ absl::Status Apply(uint8_t* dst, uint64_t dst_bytes, const uint8_t* enc, uint64_
   return absl::OkStatus();
 }
 
+absl::StatusOr<OneSidedPlan> PlanOneSidedWrites(const uint8_t* enc, uint64_t enc_bytes, const OneSidedCost& cost) {
+  if (!(cost.per_write_seconds >= 0) || !(cost.bytes_per_second > 0))
+    return absl::InvalidArgumentError("one-sided write cost: per-write seconds >= 0 and a positive rate");
+  WSYNC_ASSIGN_OR_RETURN(Info info, Inspect(enc, enc_bytes));
+  // Bridging a gap of g bytes costs g / rate; a separate write costs per_write: bridge while g < per_write × rate.
+  const double bridge = cost.per_write_seconds * cost.bytes_per_second;
+  OneSidedPlan plan;
+  const uint64_t es = info.elem_size;
+  WSYNC_RETURN_IF_ERROR(ForEachRun(enc, enc_bytes, [&](uint64_t first, uint64_t count, const uint8_t*) {
+    const uint64_t begin = first * es, bytes = count * es;
+    if (!plan.writes.empty()) {
+      auto& last = plan.writes.back();
+      const uint64_t end = last.first + last.second;
+      if (static_cast<double>(begin - end) < bridge) {
+        last.second = begin + bytes - last.first;
+        return;
+      }
+    }
+    plan.writes.emplace_back(begin, bytes);
+  }));
+  for (const auto& w : plan.writes) plan.write_bytes += w.second;
+  plan.runs_seconds = static_cast<double>(plan.writes.size()) * cost.per_write_seconds +
+                      static_cast<double>(plan.write_bytes) / cost.bytes_per_second;
+  plan.dense_seconds = cost.per_write_seconds + static_cast<double>(info.range_bytes) / cost.bytes_per_second;
+  plan.dense = plan.runs_seconds >= plan.dense_seconds;
+  if (plan.dense) plan.writes.clear();
+  return plan;
+}
+
 }  // namespace wsync::replica::delta

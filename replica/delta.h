@@ -17,6 +17,8 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -89,5 +91,24 @@ absl::Status ForEachRun(const uint8_t* enc, uint64_t enc_bytes,
 
 // The checksum the header carries (XXH3-64, seed 0), for callers that record what they wrote.
 uint64_t Checksum(const uint8_t* data, uint64_t bytes);
+
+// Targets nothing runs beside (memory an engine registered for one-sided writes: SGLang with Mooncake) cannot decode
+// an encoding; they can take the changed bytes as one-sided writes instead, each costing a fixed overhead per write
+// request plus its bytes at the link's rate (both measured: docs/delta.md, "Mooncake").
+struct OneSidedCost {
+  double per_write_seconds = 0;
+  double bytes_per_second = 1;
+};
+struct OneSidedPlan {
+  bool dense = true;                                  // one write of the whole range is cheaper (writes is then empty)
+  std::vector<std::pair<uint64_t, uint64_t>> writes;  // (byte offset in the range, bytes), ascending
+  uint64_t write_bytes = 0;                           // bytes the coalesced writes carry
+  double runs_seconds = 0;                            // predicted: the coalesced writes
+  double dense_seconds = 0;                           // predicted: one dense write
+};
+// Validates `enc` (Inspect), coalesces its runs of changed elements into writes — a gap of unchanged bytes costs less
+// to write again (the source's copy holds the same bytes) than a separate request when it is shorter than
+// per_write_seconds × bytes_per_second, so it is bridged — and picks the cheaper of those writes and one dense write.
+absl::StatusOr<OneSidedPlan> PlanOneSidedWrites(const uint8_t* enc, uint64_t enc_bytes, const OneSidedCost& cost);
 
 }  // namespace wsync::replica::delta

@@ -177,6 +177,9 @@ class Cluster:
         self.engines, self.source_addrs = [], []
         self.measured_mbit = None
         self._old_handlers = {}
+        # Extra flags for every engine, target daemon and trainer rank (bench_cluster_delta.py: --steps-dir, --delta,
+        # --delta-staging-fraction).
+        self.engine_args, self.target_args, self.trainer_args = [], [], []
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def __enter__(self):
@@ -379,7 +382,8 @@ class Cluster:
             self.engines.append(self._serve(f"engine{i}", n, [b("wsync-engine-ref"), "--id", f"engine{i}", "--model",
                                                               self.model, "--tp", str(self.tp), "--ep", str(self.ep),
                                                               "--load-socket", self.load_sockets[-1], "--listen",
-                                                              f"{n.ip}:0"] + self.tls(f"engine-engine{i}")))
+                                                              f"{n.ip}:0"] + self.engine_args
+                                             + self.tls(f"engine-engine{i}")))
 
     def start_daemons(self):
         b = lambda n: os.path.join(self.bin, n)
@@ -388,7 +392,7 @@ class Cluster:
                                           f"{n.ip}:0", "--data-host", n.ip, "--coordinator", self.coordinator,
                                           "--engine", f"reference+grpc://{self.engines[i]}", "--engine-socket",
                                           os.path.join(self.work, f"target{i}.sock"), "--transport", "tcp"]
-                        + self.tls(f"target-infer-node{i}"))
+                        + self.target_args + self.tls(f"target-infer-node{i}"))
         self.source_addrs = []
         for i, n in enumerate(self.sources):
             # Trainer ranks reach their daemon through its Unix socket (shared across network namespaces by path).
@@ -414,7 +418,7 @@ class Cluster:
                 g = s * self.trainer_ranks + r
                 argv = [os.path.join(self.bin, "wsync-trainer-demo"), "--daemon", self.source_addrs[s], "--model",
                         self.model, "--local-rank", str(r), "--global-rank", str(g), "--updates", str(count),
-                        "--first-version", str(first)] + self.tls(f"trainer-train-node{s}")
+                        "--first-version", str(first)] + self.trainer_args + self.tls(f"trainer-train-node{s}")
                 if g == 0:
                     argv += ["--drive", "--coordinator", self.coordinator]
                     if verify:
@@ -511,6 +515,9 @@ class Cluster:
 
 
 UPDATE_RE = re.compile(r"^update (\d+): ([\d.]+) MiB to (\d+) engine ranks in ([\d.]+)s \(([\d.]+) GB/s[^;]*;(.*)$")
+# The demo trainer's line after each committed update: what went over the wire (docs/delta.md).
+DELTA_RE = re.compile(r"^update (\d+): delta (\w+): (\d+) bytes sent for (\d+) dense \([\d.]+\), (\d+) ranks with "
+                      r"deltas, (\d+) dense$")
 
 
 def parse_updates(text):
@@ -521,6 +528,11 @@ def parse_updates(text):
             phases = {k: float(v.rstrip("s")) for k, v in (p.split("=") for p in m.group(6).split())}
             updates.append({"version": int(m.group(1)), "mib": float(m.group(2)), "engine_ranks": int(m.group(3)),
                             "seconds": float(m.group(4)), "phases": phases, "verified": None})
+        elif DELTA_RE.match(line.strip()) and updates:
+            d = DELTA_RE.match(line.strip())
+            if int(d.group(1)) == updates[-1]["version"]:
+                updates[-1].update(delta_mode=d.group(2), sent_bytes=int(d.group(3)), dense_bytes=int(d.group(4)),
+                                   delta_ranks=int(d.group(5)), dense_ranks=int(d.group(6)))
         elif line.strip().startswith("engine ") and updates:
             ok = "verified bit-exact" in line
             updates[-1]["verified"] = ok if updates[-1]["verified"] is None else (updates[-1]["verified"] and ok)

@@ -49,6 +49,7 @@ void AddPhase(v1::UpdateRecord* rec, const std::string& phase, absl::Time since)
   auto* p = rec->add_phases();
   p->set_phase(phase);
   p->set_seconds(absl::ToDoubleSeconds(absl::Now() - since));
+  p->set_start_seconds(absl::ToDoubleSeconds(since - absl::FromUnixMillis(rec->started_unix_ms())));
 }
 
 // `layout` with every parameter moved to copy `set` of its segment (id + set * shift); the segments themselves are
@@ -546,6 +547,7 @@ std::vector<std::string> Coordinator::EngineAddresses() const {
 absl::Status Coordinator::Track(const std::string& addr, const std::string& on_success, const std::string& phase,
                                 absl::Status st) {
   std::lock_guard<std::mutex> l(mu_);
+  if (open_version_ >= 0) engine_call_ends_.push_back({addr, phase, absl::Now(), st.ok()});  // the timeline
   if (!st.ok()) {
     engine_state_[addr] = "failed: " + phase;
   } else if (!on_success.empty()) {
@@ -633,6 +635,11 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   metrics_.Add("wsync_update_sent_bytes_total", {}, static_cast<double>(rec.sent_bytes()));
   metrics_.Set("wsync_update_delta_ranks", {}, static_cast<double>(rec.delta_ranks_size()));
   metrics_.Set("wsync_update_dense_fallback_ranks", {}, static_cast<double>(rec.fallbacks_size()));
+  std::map<std::string, std::string> engine_ids;  // control address -> engine id, for the timeline
+  for (const auto& [id, n] : nodes_)
+    for (const auto& e : n.engines()) engine_ids[e.control_address()] = e.engine_id();
+  AddEnginePhases(&rec, engine_call_ends_, engine_ids);
+  engine_call_ends_.clear();
   history_.push_back(std::move(rec));
   while (history_.size() > opts_.history_limit) history_.pop_front();
   Persist();
@@ -942,6 +949,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   std::vector<std::string> sources, engines;
   int engine_ranks = 0;
   std::map<std::string, int64_t> source_epochs;
+  std::map<std::string, std::string> source_ids;  // address -> node id (the timeline)
   {
     std::unique_lock<std::mutex> l(mu_);
     // A second CommitUpdate(v) while v commits (a client retry, a second driver) starts nothing: it waits for the
@@ -968,6 +976,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     source_epochs = open_source_epochs_;
     for (const auto& [id, n] : nodes_) {
       if (n.role() == "source") sources.push_back(n.address());
+      if (n.role() == "source") source_ids[n.address()] = id;
       for (const auto& e : n.engines()) {
         if (EngineDrained(id, e.engine_id())) continue;
         engines.push_back(e.control_address());
@@ -983,6 +992,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   std::mutex agg_mu;
   uint64_t bytes = 0, params = 0;
   std::vector<std::pair<std::string, v1::FinishUpdateReply>> finished;  // (source address, reply)
+  std::map<std::string, absl::Time> finished_at;
   absl::Status st = ForAll(sources, [&](const std::string& a) {
     v1::FinishUpdateRequest freq;
     freq.set_version(v);
@@ -995,13 +1005,16 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     bytes += r->bytes_written();
     params += r->params_written();
     finished.emplace_back(a, *r);
+    finished_at[a] = absl::Now();
     return absl::OkStatus();
   });
   {
     auto* p = rec.add_phases();
     p->set_phase("push");
     p->set_seconds(absl::ToDoubleSeconds(absl::Now() - push_start));
+    p->set_start_seconds(absl::ToDoubleSeconds(push_start - start));
   }
+  AddSourcePushes(&rec, finished, finished_at, source_ids, push_start);
   rec.set_bytes(bytes);
   rec.set_params(params);
   // Every source has finished (or failed and drained): no write of this update is legitimate any more. A failed

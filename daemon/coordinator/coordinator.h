@@ -59,6 +59,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/common/metrics.h"
 #include "daemon/coordinator/state_store.h"
+#include "daemon/coordinator/timeline_svg.h"
 #include "wsync/v1/coordinator.pb.h"
 #include "wsync/v1/daemon.pb.h"
 #include "wsync/v1/engine.pb.h"
@@ -414,6 +415,7 @@ class Coordinator {
   std::string commit_lost_why_;
   std::map<int64_t, Outcome> outcomes_;  // per ended version, the oldest dropped beyond history_limit
   std::deque<v1::UpdateRecord> history_;
+  std::vector<EngineCallEnd> engine_call_ends_;  // requires mu_: the open update's engine calls as they ended
   Metrics metrics_;
   std::unique_ptr<StateStore> store_;
   int64_t persisted_nodes_epoch_ = -1;  // membership epoch whose nodes store_ was last given (nodes_ change with it)

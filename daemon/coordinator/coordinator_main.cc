@@ -19,6 +19,7 @@
 #include "proto/tls.h"
 #include "daemon/common/serve.h"
 #include "daemon/coordinator/coordinator_service.h"
+#include "daemon/coordinator/status_page.h"
 #include "spdlog/spdlog.h"
 
 using namespace wsync;
@@ -118,13 +119,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--metrics-listen", metrics_listen,
                  "host:port serving Prometheus /metrics and /healthz over HTTP (default: off; port 9600 by convention)");
+  std::string http_listen;
+  app.add_option("--http-listen", http_listen,
+                 "host:port serving the read-only status page (membership, engine versions and states, a timeline of "
+                 "the last updates): HTTPS requiring a client certificate of the cluster CA under TLS, plain HTTP "
+                 "only without TLS (loopback). Default: off; port 7680 by convention");
   tls::Options tls_opts;
   tls::AddFlags(app, &tls_opts);
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging("coordinator", log_level);
   // A coordinator's certificate names the role only that matters here (CN "coordinator:<name>", any name).
-  if (auto st =
-          tls::Configure(tls_opts, {listen, metrics_listen, advertise}, {"wsync-coordinator", {tls::kCoordinator}, ""});
+  if (auto st = tls::Configure(tls_opts, {listen, metrics_listen, advertise, http_listen},
+                               {"wsync-coordinator", {tls::kCoordinator}, ""});
       !st.ok()) {
     spdlog::error("{}", st.ToString());
     return 2;
@@ -187,6 +193,24 @@ int main(int argc, char** argv) {
       return m.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
     }
     metrics = *std::move(m);
+  }
+  std::unique_ptr<daemon::StatusPageServer> status_page;
+  if (!http_listen.empty()) {
+    daemon::StatusPageSource src;
+    if (ha) src.ready = [&gate] { return gate.Check(); };
+    src.status = [&coordinator] { return coordinator.Status(); };
+    src.history = [&coordinator](int n) {
+      v1::HistoryRequest req;
+      req.set_limit(n);
+      return coordinator.History(req);
+    };
+    auto p = daemon::StatusPageServer::Start(http_listen, std::move(src));
+    if (!p.ok()) {
+      spdlog::error("--http-listen: {}", p.status().ToString());
+      served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      return p.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+    }
+    status_page = *std::move(p);
   }
   // High availability: `wsync_coordinator_leader` and the health status of service "wsync.v1.Coordinator" say
   // which coordinator leads (a readiness probe on that service routes clients to the leader only); "" stays SERVING.

@@ -1,4 +1,5 @@
 #include "daemon/node/source_node.h"
+#include "daemon/node/push_split.h"
 
 #include <signal.h>
 #include <sys/random.h>
@@ -568,19 +569,21 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
       if (!t->ranges[p].empty()) required[t->layout][p] = 1;
 
   // Push filter: the plan's per-rank lists, else every checkpoint tensor some layout needs (non-expert tensors
-  // first, then experts), split round-robin over the local ranks.
+  // first, then experts), dealt out over the local ranks by bytes (push_split.h: the ranks copy in parallel, the
+  // heaviest one sets the hand-over time).
   std::vector<std::string> names;
   if (!rank_push.empty()) {
     for (const auto& [r, list] : rank_push) names.insert(names.end(), list.begin(), list.end());
   } else {
     WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
-    std::vector<std::string> experts;
+    std::vector<PushItem> items, experts;
     for (const auto& s : specs) {
       if (!replica || !replica->Needs(s.name)) continue;
-      (absl::StrContains(s.name, ".experts.") ? experts : names).push_back(s.name);
+      (absl::StrContains(s.name, ".experts.") ? experts : items).push_back({s.name, s.bytes()});
     }
-    names.insert(names.end(), experts.begin(), experts.end());
-    for (size_t i = 0; i < names.size(); ++i) rank_push[static_cast<int>(i % opts_.trainer_ranks)].push_back(names[i]);
+    items.insert(items.end(), experts.begin(), experts.end());
+    for (const auto& it : items) names.push_back(it.name);
+    rank_push = SplitPushByBytes(items, opts_.trainer_ranks);
   }
 
   // Tensors a trainer rank may push already quantized (float8_e4m3fn + `<name>_scale_inv`): those every layout reads

@@ -93,6 +93,32 @@ def generate_bf16(name, step, shape):
     return bits.astype(np.uint16).reshape(shape)
 
 
+SPARSE_BASE = 1000000  # tools/testdata/weight_gen.h: kSparseStepBase, kSparseMaxSteps, kSparseChangePerMille
+SPARSE_MAX_STEPS = 64
+SPARSE_PER_MILLE = 20
+
+
+def bf16_from_lanes(lanes):
+    return (lanes & np.uint16(0x807F)) | ((np.uint16(0x77) + ((lanes >> np.uint16(7)) & np.uint16(7))) << np.uint16(7))
+
+
+def generate_step_bf16(name, step, shape):
+    """generate_bf16, with weight_gen's sparse steps: from SPARSE_BASE on, each step gives ~2 % of the elements a new
+    value (that step's dense value), the others keeping the previous step's."""
+    if step <= SPARSE_BASE or step > SPARSE_BASE + SPARSE_MAX_STEPS:
+        return generate_bf16(name, step, shape)
+    out = generate_bf16(name, SPARSE_BASE, shape).reshape(-1).copy()
+    j = np.arange(out.size, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for k in range(SPARSE_BASE + 1, step + 1):
+            seed = np.uint64(tensor_seed(name, k))
+            pick = np.uint64(splitmix_int(int(seed) ^ 0x5DEECE66D))
+            mask = splitmix_np(pick + j) % np.uint64(1000) < np.uint64(SPARSE_PER_MILLE)
+            r = splitmix_np(seed + (j[mask] & ~np.uint64(3))) >> (np.uint64(16) * (j[mask] & np.uint64(3)))
+            out[mask] = bf16_from_lanes((r & np.uint64(0xFFFF)).astype(np.uint16))
+    return out.reshape(shape)
+
+
 def qwen3_checkpoint(cfg):
     """HF tensor name -> shape of a dense Qwen3 checkpoint (all bf16), written from the HF modeling code's layout."""
     h, v, i = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
@@ -572,6 +598,50 @@ def run(args, cluster, deadline):
 
         trainer.placement = True
         run_torch(args, cluster, coord, trainer, specs, good + 4, verify, coord_addr)
+    with Coordinator(coord_addr) as coord, Trainer(sock, local_rank=0, global_rank=0) as trainer:
+        run_delta(coord, trainer, specs, verify)  # a new session: the README's block above replaced the last one
+
+
+def run_delta(coord, trainer, specs, verify):
+    """The delta option (docs/delta.md) from Python: consecutive sparse steps (~2 % of the elements change) go as
+    deltas with the default (auto), dense with delta="off", as deltas with "always"; an unknown mode is refused.
+    Every update is verified bit-exactly by the engine's own loader."""
+    from wsync_client import WsyncError
+
+    def one(version, delta):
+        with coord.update(version, delta=delta):
+            trainer.push_update(version, ((n, generate_step_bf16(n, version, specs[n])) for n in specs),
+                                dtype="bfloat16")
+        verify(version)
+        verify(version - 1, expect_ok=False)
+        rec = coord.last_record
+        print("delta=%s: update %d sent %s of %s dense bytes; delta ranks %s; fallbacks %s"
+              % (delta or "(default)", version, rec.get("sent_bytes"), rec.get("dense_bytes"), rec.get("delta_ranks"),
+                 rec.get("fallbacks")))
+        return rec
+
+    v = SPARSE_BASE
+    one(v, "")  # the engine ranks hold update 100 (a dense step): this one is the base of the next
+    rec = one(v + 1, "")
+    check(rec.get("delta_mode") == "auto" and len(rec.get("delta_ranks", [])) == 2 and not rec.get("fallbacks")
+          and 0 < rec["sent_bytes"] < 0.1 * rec["dense_bytes"],
+          "delta auto (default): both ranks took deltas, %s of %s bytes sent" % (rec.get("sent_bytes"),
+                                                                               rec.get("dense_bytes")))
+    rec = one(v + 2, "off")
+    check(rec.get("delta_mode") == "off" and not rec.get("delta_ranks") and len(rec.get("fallbacks", [])) == 2
+          and all("delta=off" in f.get("reason", "") for f in rec["fallbacks"])
+          and rec["sent_bytes"] == rec["dense_bytes"],
+          "delta=\"off\": every rank dense, reason delta=off: %s" % rec.get("fallbacks"))
+    rec = one(v + 3, "always")
+    check(rec.get("delta_mode") == "always" and len(rec.get("delta_ranks", [])) == 2
+          and rec["sent_bytes"] < 0.1 * rec["dense_bytes"],
+          "delta=\"always\": deltas again after a dense update, %s of %s bytes" % (rec.get("sent_bytes"),
+                                                                                  rec.get("dense_bytes")))
+    try:
+        coord.begin_update(v + 4, delta="sometimes")
+        check(False, "delta=\"sometimes\" is refused")
+    except WsyncError as e:
+        check(e.code == 3 and "sometimes" in e.message, "an unknown delta mode is refused, named: %s" % e)
 
 
 def ctl(args, coord_addr, *cmd):

@@ -99,6 +99,7 @@ Link Connect(Transport& sender, Transport& receiver) {
   Link l;
   auto a = sender.CreateEndpoint();
   auto b = receiver.CreateEndpoint();
+  INFO(a.status().ToString() << " / " << b.status().ToString());
   REQUIRE(a.ok());
   REQUIRE(b.ok());
   l.src = std::move(*a);

@@ -3,16 +3,25 @@
 // another transport or provider, a missing provider or library, and the fallback list. Every refused write is
 // checked against the receiver's memory as the test reads it: unchanged.
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "tests/transport/fabric_test_util.h"
 #include "tests/transport/pattern.h"
 #include "transport/fabric/fabric_transport.h"
@@ -336,4 +345,329 @@ TEST_CASE("no libfabric: not viable, naming the library", "[.nolib]") {
   auto tcp = wsync::transport::CreateFirstViableTransport("fabric,tcp", opts);
   REQUIRE(tcp.ok());
   CHECK((*tcp)->name() == "tcp");
+}
+
+// Run by transport_fabric_domains_netns_test inside a network namespace with two interfaces on one subnet
+// (fabric_netns.sh): tcp;ofi_rxm offers one domain per interface, WSYNC_FABRIC_DOMAINS names both.
+TEST_CASE("two NICs: endpoints spread over both domains, every pairing writes its bytes", "[.domains]") {
+  const char* want = std::getenv("WSYNC_FABRIC_DOMAINS");
+  REQUIRE(want != nullptr);
+  const std::vector<std::string> domains = absl::StrSplit(want, ',');
+  REQUIRE(domains.size() == 2);
+  auto sender = Viable();
+  auto receiver = Viable();
+  for (Transport* t : {sender.get(), receiver.get()}) {
+    auto info = wsync::transport::fabric::GetFabricInfo(*t);
+    REQUIRE(info.has_value());
+    CHECK(info->domains == domains);
+  }
+  constexpr int kEndpoints = 4;
+  std::vector<std::unique_ptr<Endpoint>> tx, rx;
+  std::vector<uint32_t> tx_dom, rx_dom;
+  std::vector<std::string> tx_addr;
+  for (int i = 0; i < kEndpoints; ++i) {
+    auto s = sender->CreateEndpoint();
+    auto r = receiver->CreateEndpoint();
+    REQUIRE(s.ok());
+    REQUIRE(r.ok());
+    auto si = wsync::transport::fabric::DecodeConnInfo((*s)->LocalInfo());
+    auto ri = wsync::transport::fabric::DecodeConnInfo((*r)->LocalInfo());
+    REQUIRE(si.ok());
+    REQUIRE(ri.ok());
+    CHECK(si->domain == domains[si->domain_index]);
+    tx_dom.push_back(si->domain_index);
+    rx_dom.push_back(ri->domain_index);
+    tx_addr.push_back(si->address);
+    tx.push_back(std::move(*s));
+    rx.push_back(std::move(*r));
+  }
+  // Nothing ties the memory to a NUMA node with a NIC here: the endpoints alternate between the two domains.
+  CHECK(tx_dom == std::vector<uint32_t>{0, 1, 0, 1});
+  CHECK(rx_dom == std::vector<uint32_t>{0, 1, 0, 1});
+  // Each domain's endpoints have that interface's address (the provider binds to it).
+  for (const std::string& a : tx_addr) REQUIRE(a.size() >= 8);
+  CHECK(tx_addr[0].substr(4, 4) == tx_addr[2].substr(4, 4));  // sockaddr_in: sin_addr at offset 4
+  CHECK(tx_addr[0].substr(4, 4) != tx_addr[1].substr(4, 4));
+
+  // Every (sender NIC, receiver NIC) pairing once: (0,0), (1,1), (0,1), (1,0). Each writes its own quarter.
+  const std::vector<std::pair<int, int>> pairs = {{0, 0}, {1, 1}, {2, 3}, {3, 2}};
+  Buffer src = Source(*sender, 11);
+  Buffer dst = Target(*receiver, 4 * kLen);
+  auto remote = Import(*sender, dst.region->Descriptor());
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    auto [s, r] = pairs[p];
+    INFO("sender domain " << tx_dom[s] << " -> receiver domain " << rx_dom[r]);
+    REQUIRE(rx[r]->Connect(tx[s]->LocalInfo(), kTimeout).ok());
+    REQUIRE(tx[s]->Connect(rx[r]->LocalInfo(), kTimeout).ok());
+    WriteRequest w{src.region.get(), 0, remote.get(), p * kLen, kLen};
+    absl::Status st = tx[s]->Write({&w, 1}, kTimeout);
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+  }
+  for (size_t p = 0; p < pairs.size(); ++p) CHECK(HoldsPattern(dst.bytes.data() + p * kLen, kLen, 11));
+
+  // A grant is minted in the domain of its endpoint: writes through it land, and its revocation refuses them.
+  REQUIRE(receiver->RequireGrants(true).ok());
+  Buffer granted = Target(*receiver);
+  auto remote_granted = Import(*sender, granted.region->Descriptor());
+  Transport::WriteGrant g{"source:train0", "engine0/0", {granted.region.get()}};
+  auto grx = receiver->CreateGrantedEndpoint(g);  // the fifth endpoint: domain 0
+  REQUIRE(grx.ok());
+  auto gtx = ConnectTo(*sender, **grx);  // the fifth: domain 0; the sixth would be 1
+  REQUIRE(WriteAll(*gtx, *src.region, *remote_granted, kTimeout).ok());
+  CHECK(HoldsPattern(granted.bytes.data(), kLen, 11));
+  std::fill(granted.bytes.begin(), granted.bytes.end(), kUntouched);
+  receiver->RevokeGrants([](const Transport::WriteGrant&) { return false; });
+  RequireRefused(WriteAll(*gtx, *src.region, *remote_granted, kRefusedTimeout), *gtx);
+  CHECK(Untouched(granted.bytes));
+}
+
+namespace {
+
+std::string ToHex(const std::string& bytes) {
+  static const char* kDigits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out.push_back(kDigits[c >> 4]);
+    out.push_back(kDigits[c & 15]);
+  }
+  return out;
+}
+
+std::string FromHex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2)
+    out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  return out;
+}
+
+// This test executable run again as a receiving peer ("[.peer]" below), talking over its stdin and stdout.
+class PeerProcess {
+ public:
+  PeerProcess() {
+    int to_child[2], from_child[2];
+    REQUIRE(pipe(to_child) == 0);
+    REQUIRE(pipe(from_child) == 0);
+    pid_ = fork();
+    REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {
+      dup2(to_child[0], 0);
+      dup2(from_child[1], 1);
+      for (int fd : {to_child[0], to_child[1], from_child[0], from_child[1]}) close(fd);
+      execl("/proc/self/exe", "fabric_peer", "[.peer]", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(to_child[0]);
+    close(from_child[1]);
+    in_ = fdopen(to_child[1], "w");
+    out_ = fdopen(from_child[0], "r");
+    REQUIRE(in_ != nullptr);
+    REQUIRE(out_ != nullptr);
+  }
+  ~PeerProcess() {
+    Kill();
+    if (in_ != nullptr) fclose(in_);
+    if (out_ != nullptr) fclose(out_);
+  }
+  // The next line the peer printed for us ("PEER <what> <value>"), skipping its log lines; empty at its end.
+  std::string Next(const std::string& what) {
+    char buf[16384];
+    const std::string prefix = "PEER " + what + " ";
+    while (fgets(buf, sizeof(buf), out_) != nullptr) {
+      std::string line(buf);
+      while (!line.empty() && line.back() == '\n') line.pop_back();
+      if (absl::StartsWith(line, prefix)) return line.substr(prefix.size());
+    }
+    return "";
+  }
+  void Send(const std::string& line) {
+    fprintf(in_, "%s\n", line.c_str());
+    fflush(in_);
+  }
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* in_ = nullptr;
+  FILE* out_ = nullptr;
+};
+
+}  // namespace
+
+// The receiving peer of the dead-peer test, in its own process: prints its endpoint and region, connects to the
+// sender, says when the sender's pattern landed, then waits to be killed.
+TEST_CASE("(peer process) a receiver that waits to be killed", "[.peer]") {
+  auto t = Viable();
+  std::vector<uint8_t> mem(kLen, kUntouched);
+  auto region = t->RegisterMemory(mem.data(), kLen);
+  REQUIRE(region.ok());
+  auto ep = t->CreateEndpoint();
+  REQUIRE(ep.ok());
+  printf("PEER info %s\nPEER region %s\n", ToHex((*ep)->LocalInfo()).c_str(), ToHex((*region)->Descriptor()).c_str());
+  fflush(stdout);
+  std::string sender;
+  REQUIRE(std::getline(std::cin, sender));
+  REQUIRE((*ep)->Connect(FromHex(sender), kTimeout).ok());
+  const volatile uint8_t* p = mem.data();
+  for (;;) {
+    bool landed = true;
+    for (uint64_t i = 0; i < kLen && landed; ++i) landed = p[i] == PatternByte(21, i);
+    if (landed) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  printf("PEER landed yes\n");
+  fflush(stdout);
+  std::this_thread::sleep_for(std::chrono::minutes(5));
+}
+
+TEST_CASE("a write to a peer whose process was killed fails with the cause, in bounded time",
+          "[fabric][errors][dead]") {
+  PeerProcess peer;
+  const std::string info = FromHex(peer.Next("info"));
+  const std::string region = FromHex(peer.Next("region"));
+  REQUIRE_FALSE(info.empty());
+  REQUIRE_FALSE(region.empty());
+  auto sender = Viable();
+  Buffer src = Source(*sender, 21);
+  auto remote = Import(*sender, region);
+  auto made = sender->CreateEndpoint();
+  REQUIRE(made.ok());
+  auto& ep = *made;
+  REQUIRE(ep->Connect(info, kTimeout).ok());
+  peer.Send(ToHex(ep->LocalInfo()));
+  // Alive: the write lands in the other process (it checks the bytes and says so).
+  REQUIRE(WriteAll(*ep, *src.region, *remote, kTimeout).ok());
+  REQUIRE(peer.Next("landed") == "yes");
+
+  peer.Kill();
+  const absl::Time start = absl::Now();
+  absl::Status s = WriteAll(*ep, *src.region, *remote, absl::Seconds(60));
+  const absl::Duration took = absl::Now() - start;
+  INFO(s.ToString() << " after " << absl::FormatDuration(took));
+  REQUIRE_FALSE(s.ok());
+  CHECK(s.code() == absl::StatusCode::kUnavailable);
+  CHECK(absl::StrContains(s.message(), ep->PeerName()));
+  CHECK(took < absl::Seconds(8));
+  // The endpoint stays failed with the cause.
+  absl::Status again = WriteAll(*ep, *src.region, *remote, kTimeout);
+  CHECK(absl::StrContains(again.message(), ep->PeerName()));
+}
+
+namespace {
+double ProcessCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+}  // namespace
+
+// Between updates a daemon's transport sits idle for minutes: whatever drives the provider must not keep a core busy.
+TEST_CASE("idle transports with live connections use little CPU", "[fabric][idle]") {
+  auto sender = Viable();
+  auto receiver = Viable();
+  Buffer src = Source(*sender, 31);
+  Buffer dst = Target(*receiver);
+  auto remote = Import(*sender, dst.region->Descriptor());
+  auto rx = receiver->CreateEndpoint();
+  REQUIRE(rx.ok());
+  auto ep = ConnectTo(*sender, **rx);
+  REQUIRE(WriteAll(*ep, *src.region, *remote, kTimeout).ok());
+  REQUIRE(HoldsPattern(dst.bytes.data(), kLen, 31));
+
+  const double cpu0 = ProcessCpuSeconds();
+  const absl::Time t0 = absl::Now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  const double share = (ProcessCpuSeconds() - cpu0) / absl::ToDoubleSeconds(absl::Now() - t0);
+  std::printf("idle CPU of two fabric transports (%s), one connection: %.2f%% of a core\n",
+              wsync::transport::fabric::testing::TestProvider().c_str(), 100 * share);
+  CHECK(share < 0.04);  // 50 us pauses throughout (the earlier loop) measured 6.6-9.5% here
+
+  // And they still deliver at once after the pause.
+  std::fill(dst.bytes.begin(), dst.bytes.end(), kUntouched);
+  const absl::Time w0 = absl::Now();
+  REQUIRE(WriteAll(*ep, *src.region, *remote, kTimeout).ok());
+  CHECK(absl::Now() - w0 < absl::Milliseconds(500));
+  CHECK(HoldsPattern(dst.bytes.data(), kLen, 31));
+}
+
+namespace {
+
+// "Device" memory the test can read: a plain buffer, with a separate host mirror (as a GPU sink has).
+class HostBackedSink final : public wsync::transport::RegionSink {
+ public:
+  explicit HostBackedSink(uint64_t len) : device_(len, kUntouched), mirror_(len, kUntouched) {}
+  uint64_t length() const override { return device_.size(); }
+  uint64_t chunk_bytes() const override { return device_.size(); }
+  absl::StatusOr<Staging> Acquire() override { return absl::UnimplementedError("not staged"); }
+  absl::Status Submit(const Staging&, uint64_t, uint64_t) override { return absl::UnimplementedError("not staged"); }
+  void Cancel(const Staging&) override {}
+  absl::Status Flush() override { return absl::OkStatus(); }
+  std::string Describe() const override { return "test sink (host-backed)"; }
+  absl::StatusOr<uint8_t*> HostMirror() override { return mirror_.data(); }
+  absl::Status CopyMirror() override {
+    device_ = mirror_;
+    ++copies_;
+    return absl::OkStatus();
+  }
+  std::vector<uint8_t> device_, mirror_;
+  int copies_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE("device memory without FI_HMEM goes through the host mirror, saying why", "[fabric][hmem]") {
+  auto sender = Viable();
+  auto receiver = Viable();
+  auto info = wsync::transport::fabric::GetFabricInfo(*receiver);
+  REQUIRE(info.has_value());
+  REQUIRE_FALSE(info->hmem);  // tcp and sockets have no device memory registration
+  auto sink = std::make_shared<HostBackedSink>(kLen);
+  auto region = receiver->RegisterSink(sink);
+  INFO(region.status().ToString());
+  REQUIRE(region.ok());
+  INFO((*region)->DevicePath());
+  CHECK(absl::StrContains((*region)->DevicePath(), "host mirror"));
+  CHECK(absl::StrContains((*region)->DevicePath(), "provider " + info->provider + " offers no device memory"));
+  Buffer src = Source(*sender, 41);
+  auto remote = Import(*sender, (*region)->Descriptor());
+  auto rx = receiver->CreateEndpoint();
+  REQUIRE(rx.ok());
+  auto ep = ConnectTo(*sender, **rx);
+  REQUIRE(WriteAll(*ep, *src.region, *remote, kTimeout).ok());
+  CHECK(HoldsPattern(sink->mirror_.data(), kLen, 41));
+  CHECK(Untouched(sink->device_));  // reaches the device when the update settles, not before
+  REQUIRE((*region)->Settle().ok());
+  CHECK(sink->copies_ == 1);
+  CHECK(HoldsPattern(sink->device_.data(), kLen, 41));
+}
+
+TEST_CASE("WSYNC_FABRIC_HMEM=1 without FI_HMEM: registering device memory fails naming the provider",
+          "[fabric][hmem]") {
+  setenv("WSYNC_FABRIC_HMEM", "1", 1);
+  auto receiver = Viable();
+  unsetenv("WSYNC_FABRIC_HMEM");
+  auto info = wsync::transport::fabric::GetFabricInfo(*receiver);
+  REQUIRE(info.has_value());
+  REQUIRE_FALSE(info->hmem);
+  auto sink = std::make_shared<HostBackedSink>(kLen);
+  auto region = receiver->RegisterSink(sink);
+  INFO(region.status().ToString());
+  CHECK(region.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(region.status().message(), info->provider));
+  CHECK(absl::StrContains(region.status().message(), "WSYNC_FABRIC_HMEM=1"));
+  CHECK(sink->copies_ == 0);
+
+  setenv("WSYNC_FABRIC_HMEM", "sometimes", 1);
+  wsync::transport::TransportOptions opts;
+  opts.fabric_provider = wsync::transport::fabric::testing::TestProvider();
+  auto bad = wsync::transport::CreateTransport("fabric", opts);
+  unsetenv("WSYNC_FABRIC_HMEM");
+  INFO(bad.status().ToString());
+  CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
 }

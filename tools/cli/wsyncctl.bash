@@ -10,7 +10,7 @@ _wsyncctl() {
     -w|--write-out|-o|--output) mapfile -t COMPREPLY < <(compgen -W "table json" -- "$cur"); return ;;
     --log-level) mapfile -t COMPREPLY < <(compgen -W "trace debug info warn error critical off" -- "$cur"); return ;;
     --log-format) mapfile -t COMPREPLY < <(compgen -W "text json" -- "$cur"); return ;;
-    --tls-ca|--tls-cert|--tls-key|--model|--node-rates) mapfile -t COMPREPLY < <(compgen -f -- "$cur"); return ;;
+    --tls-ca|--tls-cert|--tls-key|--model|--node-rates|--plot) mapfile -t COMPREPLY < <(compgen -f -- "$cur"); return ;;
     --endpoints|--dial-timeout|--tls-refresh-seconds|--version|--reason|--interval|--for|--idle-every|-n|--limit|\
     --rank|--step|--health-listen) return ;;
   esac
@@ -27,7 +27,7 @@ _wsyncctl() {
   local flags=""
   case "$cmd" in
     "") mapfile -t COMPREPLY < <(compgen -W "$commands $global" -- "$cur"); return ;;
-    history) flags="-n --limit" ;;
+    history) flags="-n --limit --plot --version" ;;
     engines) flags="--watch --for --health-listen" ;;
     verify) flags="--engine --version --step --synthetic --all" ;;
     checksums) flags="--engine --rank" ;;

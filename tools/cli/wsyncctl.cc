@@ -23,7 +23,9 @@
 #include "proto/tls.h"
 #include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
+#include "daemon/coordinator/timeline_svg.h"
 #include "tools/cli/engine_health.h"
+#include "tools/cli/history_plot.h"
 #include "tools/cli/cli_support.h"
 #include "tools/cli/plan_command.h"
 #include "tools/cli/status_view.h"
@@ -358,6 +360,12 @@ int main(int argc, char** argv) {
   auto* history = app.add_subcommand("history", "past updates with per-phase timings");
   int limit = 20;
   history->add_option("-n,--limit", limit, "most recent N updates");
+  std::string plot;
+  std::vector<int64_t> history_versions;
+  history->add_option("--plot", plot,
+                      "write the updates' timeline (phases per engine and per source, bytes and rates) to FILE: .svg, "
+                      "or .png through rsvg-convert (librsvg2-bin); the same drawing as the status page");
+  history->add_option("--version", history_versions, "only these updates (repeat, or V1,V2)")->delimiter(',');
   auto* verify = app.add_subcommand(
       "verify",
       "compare every engine rank's parameters with the checksums the sources recorded writing them (real weights; "
@@ -420,6 +428,7 @@ int main(int argc, char** argv) {
       "  wsyncctl watch                                    live progress of updates (Ctrl-C ends it)\n"
       "  wsyncctl watch --once -o json                     one snapshot as JSON\n"
       "  wsyncctl --endpoints 10.0.0.1:7600 history -n 5   the last five updates with their phases\n"
+      "  wsyncctl history -n 3 --plot updates.svg          their timeline as SVG (.png: PNG, via rsvg-convert)\n"
       "  wsyncctl engines -w json                          engines with their served version\n"
       "  wsyncctl abort 42 --reason \"bad batch\"            close open update 42 (admin certificate)\n"
       "  wsyncctl verify                                   check every engine rank against the sources' checksums\n"
@@ -640,8 +649,20 @@ int main(int argc, char** argv) {
       }
       return kExitOk;
     }
-    auto h = c.History(limit);
+    // Versions asked by number are looked up in the whole history (they need not be among the last `limit`).
+    auto h = c.History(history_versions.empty() ? limit : 0);
     if (!h.ok()) return ExitFor(h.status(), coordinator);
+    auto selected = tools::SelectRecords(*h, history_versions, history_versions.empty() ? limit : 0);
+    if (!selected.ok()) return ExitFor(selected.status());
+    if (!plot.empty()) {
+      auto format = tools::PlotFormatOf(plot);
+      if (!format.ok()) return ExitFor(format.status());
+      if (absl::Status w = tools::WritePlot(plot, *format, daemon::TimelineSvg(*selected)); !w.ok()) return ExitFor(w);
+      std::fprintf(stderr, "wrote the timeline of %zu updates to %s\n", selected->size(), plot.c_str());
+      return kExitOk;
+    }
+    h->clear_records();
+    for (auto& r : *selected) *h->add_records() = std::move(r);
     if (json) {
       PrintJson(*h);
       return kExitOk;

@@ -26,11 +26,12 @@
 #include "client/coordinator_client.h"
 #include "client/trainer_client.h"
 #include "proto/status_convert.h"
+#include "proto/tls.h"
 #include "replica/fp8.h"
 #include "replica/model_config.h"
 #include "spdlog/spdlog.h"
+#include "tools/testdata/step_files.h"
 #include "tools/testdata/weight_gen.h"
-#include "proto/tls.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
 using namespace wsync;
@@ -117,6 +118,17 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--crash-after-bytes", crash_after,
                  "testing: die (exit 3) half-way through writing the tensor that crosses this many pushed bytes");
+  std::string steps_dir;
+  app.add_option("--steps-dir", steps_dir,
+                 "push step v of the RL-like steps `wsync-rl-steps --out DIR` wrote (DIR/step_NNNNNN.safetensors) at "
+                 "update v, instead of the generated weights")
+      ->check(CLI::ExistingDirectory);
+  std::vector<std::string> delta_modes;
+  app.add_option("--delta", delta_modes,
+                 "delta mode of each update (--drive): auto, off or always; several (comma-separated) are used in "
+                 "turn, update i taking the (i mod n)th")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"auto", "off", "always"}));
   tls::Options tls_opts;  // a trainer certificate (CN "trainer:NAME")
   tls::AddFlags(app, &tls_opts);
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
@@ -146,6 +158,19 @@ int main(int argc, char** argv) {
   }
   std::map<std::string, const replica::TensorSpec*> by_name;
   for (const auto& s : *specs) by_name[s.name] = &s;
+  // Tensor `name` of step `step`: generated, or read from --steps-dir (which the tensor must be in).
+  tools::StepFiles step_files(steps_dir);
+  auto fill = [&](const std::string& name, int64_t step, DType dtype, uint64_t elems, uint8_t* dst) -> absl::Status {
+    if (steps_dir.empty()) {
+      tools::GenerateTensor(name, step, dtype, elems, dst);
+      return absl::OkStatus();
+    }
+    const uint64_t bytes = elems * DTypeSize(dtype);
+    auto src = step_files.Tensor(step, name, dtype, bytes);
+    if (!src.ok()) return src.status();
+    std::memcpy(dst, *src, bytes);
+    return absl::OkStatus();
+  };
 
   client::TrainerOptions o;
   o.daemon = daemon_addr;
@@ -169,7 +194,8 @@ int main(int argc, char** argv) {
   for (int u = 0; u < updates; ++u) {
     const int64_t v = first_version + u;
     if (drive) {
-      auto b = coord->BeginUpdate(v);
+      const std::string delta = delta_modes.empty() ? "" : delta_modes[u % delta_modes.size()];
+      auto b = coord->BeginUpdate(v, "", "", delta);
       if (!b.ok()) {
         spdlog::error("begin update {}: {}", v, b.status().ToString());
         return 1;
@@ -218,8 +244,8 @@ int main(int argc, char** argv) {
       uint64_t elems = s.bytes() / DTypeSize(s.dtype);
       if (prequantize != "none" && fp8_names.count(n) && s.shape.size() == 2) {
         host.resize(s.bytes());
-        tools::GenerateTensor(s.name, v, s.dtype, elems, host.data());
-        absl::Status st;
+        absl::Status st = fill(s.name, v, s.dtype, elems, host.data());
+        if (!st.ok()) return give_up(st.ToString());
         if (prequantize == "gpu") {
           auto d = device.Upload(host);
           st = d.ok() ? (*c)->PushDevice(s.name, s.dtype, s.shape, *d, s.bytes(), 0, 0) : d.status();
@@ -242,6 +268,7 @@ int main(int argc, char** argv) {
         ++prequantized;
         continue;
       }
+      absl::Status filled;
       auto st = (*c)->PushWith(s.name, s.dtype, s.shape, s.bytes(), [&](uint8_t* dst) {
         if (crash_after >= 0 && (*c)->stats().bytes + s.bytes() > static_cast<uint64_t>(crash_after)) {
           // Simulates a trainer dying mid-tensor: half the bytes written, nothing committed.
@@ -249,8 +276,9 @@ int main(int argc, char** argv) {
           std::fflush(nullptr);
           _exit(3);
         }
-        tools::GenerateTensor(s.name, v, s.dtype, elems, dst);
+        filled = fill(s.name, v, s.dtype, elems, dst);
       });
+      if (st.ok()) st = filled;
       if (!st.ok()) return give_up(absl::StrCat("push ", s.name, ": ", st.ToString()));
     }
     std::vector<uint8_t> full;
@@ -263,7 +291,7 @@ int main(int argc, char** argv) {
       const replica::TensorSpec& s = *it->second;
       const size_t es = DTypeSize(s.dtype);
       full.resize(s.bytes());
-      tools::GenerateTensor(s.name, v, s.dtype, s.bytes() / es, full.data());
+      if (auto st = fill(s.name, v, s.dtype, s.bytes() / es, full.data()); !st.ok()) return give_up(st.ToString());
       const uint64_t bytes = static_cast<uint64_t>(sl.rows * sl.cols) * es;
       auto st = (*c)->PushWith(EncodeSliceName(sl.name, sl.full_shape, sl.offsets), s.dtype, sl.extents, bytes,
                                [&](uint8_t* dst) {
@@ -307,6 +335,13 @@ int main(int argc, char** argv) {
     std::printf("update %lld: %.1f MiB to %d engine ranks in %.3fs (%.2f GB/s over the push phase);%s\n",
                 static_cast<long long>(v), rec->bytes() / 1048576.0, rec->engine_ranks(), rec->total_seconds(),
                 push_s > 0 ? rec->bytes() / push_s / 1e9 : 0.0, phases.c_str());
+    // What went over the wire: dense ranges plus delta records (docs/delta.md), and the ranks written dense.
+    std::printf("update %lld: delta %s: %llu bytes sent for %llu dense (%.4f), %d ranks with deltas, %d dense\n",
+                static_cast<long long>(v), rec->delta_mode().empty() ? "auto" : rec->delta_mode().c_str(),
+                static_cast<unsigned long long>(rec->sent_bytes()), static_cast<unsigned long long>(rec->dense_bytes()),
+                rec->dense_bytes() > 0 ? static_cast<double>(rec->sent_bytes()) / rec->dense_bytes() : 0.0,
+                rec->delta_ranks_size(), rec->fallbacks_size());
+    for (const auto& f : rec->fallbacks()) std::printf("  dense %s: %s\n", f.rank().c_str(), f.reason().c_str());
     total_bytes += rec->bytes();
     engine_ranks = rec->engine_ranks();
     for (const auto& e : verify_engines) {

@@ -3,7 +3,9 @@
 # fabric transport reports itself not viable there. Only its headers are needed to build.
 target_sources(wsync_transport PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/fi_api.cc
+  ${CMAKE_CURRENT_LIST_DIR}/fabric_domains.cc
   ${CMAKE_CURRENT_LIST_DIR}/fabric_endpoint.cc
+  ${CMAKE_CURRENT_LIST_DIR}/fabric_hmem.cc
   ${CMAKE_CURRENT_LIST_DIR}/fabric_transport.cc
   ${CMAKE_CURRENT_LIST_DIR}/fabric_wire.cc
 )

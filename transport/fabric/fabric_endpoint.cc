@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -17,6 +18,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -48,6 +50,7 @@ absl::StatusCode CodeForError(int err) {
     case FI_ETIMEDOUT:
     case FI_EIO:
     case FI_ESHUTDOWN:
+    case FI_ENOENT:  // sockets: fi_writemsg to a peer whose process is gone (no connection to it can be made)
       return absl::StatusCode::kUnavailable;  // peer gone or unreachable: reconnect and retry
     case FI_EACCES:
     case FI_EPERM:
@@ -68,6 +71,7 @@ const char* HintForError(int err) {
     case FI_EHOSTUNREACH:
     case FI_ETIMEDOUT:
     case FI_EIO:
+    case FI_ENOENT:
       return "; the peer did not answer (its endpoint closed, process gone or unreachable)";
     case FI_EACCES:
     case FI_EPERM:
@@ -80,10 +84,29 @@ const char* HintForError(int err) {
   }
 }
 
+// The error a failed completion stands for. tcp;ofi_rxm cancels the writes queued on a connection it lost with
+// FI_ECANCELED, the socket's errno in prov_errno (ENOTCONN, ECONNRESET, EPIPE: the peer is gone); a write the peer
+// refused is FI_ECANCELED too, but with another prov_errno (ENOENT: no such key).
+int EffectiveError(int err, int prov_errno) {
+  if (err != FI_ECANCELED) return err;
+  switch (prov_errno) {
+    case ENOTCONN:
+    case ECONNRESET:
+    case EPIPE:
+    case ECONNREFUSED:
+    case ECONNABORTED:
+    case EHOSTUNREACH:
+    case ETIMEDOUT:
+      return FI_ENOTCONN;
+    default:
+      return err;
+  }
+}
+
 class FabricEndpoint final : public Endpoint {
  public:
-  FabricEndpoint(std::shared_ptr<Domain> dom, std::shared_ptr<Gate> gate, const Identity& id)
-      : dom_(std::move(dom)), gate_(std::move(gate)), id_(id) {}
+  FabricEndpoint(std::shared_ptr<Domain> dom, std::shared_ptr<Gate> gate, const Identity& id, uint32_t domain_index)
+      : dom_(std::move(dom)), gate_(std::move(gate)), id_(id), domain_index_(domain_index) {}
   ~FabricEndpoint() override {
     // The grant's MRs are bound to ep_ (FI_MR_ENDPOINT): closed before it.
     if (grant_ != nullptr) gate_->RemoveGrant(grant_);
@@ -123,8 +146,14 @@ class FabricEndpoint final : public Endpoint {
       auto pause = dom_->PauseProgress();
       if (int rc = fi_ep_bind(ep_.get(), &dom_->progress_cq()->fid, FI_RECV); rc != 0)
         return absl::UnavailableError(absl::StrCat("fabric: fi_ep_bind(rx cq) (", prov, "): ", FiError(rc)));
-      if (int rc = fi_enable(ep_.get()); rc != 0)
-        return absl::UnavailableError(absl::StrCat("fabric: fi_enable (", prov, "): ", FiError(rc)));
+      if (int rc = fi_enable(ep_.get()); rc != 0) {
+        return absl::UnavailableError(absl::StrCat(
+            "fabric: fi_enable (", prov, "): ", FiError(rc),
+            rc == -FI_EINVAL && absl::StrContains(prov, "ofi_rxm")
+                ? " (ofi_rxm sizes its completion queues for FI_UNIVERSE_SIZE peers, default 256: a device with "
+                  "fewer completion queue entries, such as rxe, needs a smaller FI_UNIVERSE_SIZE)"
+                : ""));
+      }
     }
     std::string name(256, '\0');
     size_t len = name.size();
@@ -138,10 +167,10 @@ class FabricEndpoint final : public Endpoint {
     address_ = std::move(name);
     if (grant != nullptr) {
       std::vector<uint64_t> ids;
-      std::vector<std::pair<void*, uint64_t>> ranges;
+      std::vector<Gate::Range> ranges;
       for (const FabricLocalRegion* r : grant->regions) {
         ids.push_back(r->region_id());
-        ranges.emplace_back(r->addr(), r->length());
+        ranges.push_back(Gate::Range{r->addr(), r->length(), r->device()});
       }
       WSYNC_ASSIGN_OR_RETURN(grant_, gate_->AddGrant(grant->info, std::move(ids), std::move(ranges), ep_.get()));
     }
@@ -156,6 +185,8 @@ class FabricEndpoint final : public Endpoint {
     info.fabric = dom_->fabric_name();
     info.addr_format = dom_->info()->addr_format;
     info.address = address_;
+    info.domain_index = domain_index_;
+    info.domain = dom_->info()->domain_attr->name != nullptr ? dom_->info()->domain_attr->name : "";
     if (grant_ != nullptr) {
       info.granted = true;
       info.grant = gate_->GrantKeys(*grant_);
@@ -269,10 +300,11 @@ class FabricEndpoint final : public Endpoint {
       if (peer_.granted && peer_grant_.count(op->region_id) == 0)
         where += "; that region is outside the write grant of this connection";
     }
-    return absl::Status(CodeForError(e.err),
+    const int err = EffectiveError(e.err, e.prov_errno);
+    return absl::Status(CodeForError(err),
                         absl::StrCat("fabric write to peer ", PeerName(), " failed on provider ", dom_->provider(),
                                      ": ", FiError(e.err), " (provider: ", prov_msg ? prov_msg : "?", ", prov_errno ",
-                                     e.prov_errno, ")", where, HintForError(e.err)));
+                                     e.prov_errno, ")", where, HintForError(err)));
   }
 
   // Reads the completion queue once (which also progresses the endpoint). Returns the completions handled.
@@ -280,6 +312,7 @@ class FabricEndpoint final : public Endpoint {
     fi_cq_entry entries[kPollBatch];
     ssize_t n = fi_cq_read(cq_.get(), entries, kPollBatch);
     if (n > 0) {
+      reached_peer_ = true;
       for (ssize_t i = 0; i < n; ++i) Finish(static_cast<Op*>(entries[i].op_context), absl::OkStatus());
       return static_cast<int>(n);
     }
@@ -310,12 +343,12 @@ class FabricEndpoint final : public Endpoint {
   // The local MR descriptor a write from `src` is posted with (FI_MR_LOCAL), or null when the provider needs none.
   absl::StatusOr<void*> SourceDesc(const FabricLocalRegion* src) {
     if (!dom_->local_mr()) return nullptr;
-    if (!dom_->endpoint_mr()) return src->desc();
+    if (!dom_->endpoint_mr()) return src->desc(domain_index_);
     // FI_MR_ENDPOINT: an MR serves only the endpoint it is bound to; registered once per (endpoint, region).
     auto it = local_mrs_.find(src->region_id());
     if (it == local_mrs_.end()) {
       WSYNC_ASSIGN_OR_RETURN(MrPtr mr, dom_->RegisterMr(src->addr(), src->length(), FI_WRITE, 0, ep_.get(),
-                                                        "local access, bound to an endpoint"));
+                                                        "local access, bound to an endpoint", src->device()));
       it = local_mrs_.emplace(src->region_id(), std::move(mr)).first;
     }
     return fi_mr_desc(it->second.get());
@@ -324,6 +357,7 @@ class FabricEndpoint final : public Endpoint {
   std::shared_ptr<Domain> dom_;
   std::shared_ptr<Gate> gate_;
   Identity id_;
+  uint32_t domain_index_;
   std::vector<Op> ops_;  // before the endpoint and queue: a late completion never points at freed memory
   std::vector<Op*> free_;
   FidPtr<fid_cq> cq_{nullptr, {"completion queue"}};
@@ -333,6 +367,7 @@ class FabricEndpoint final : public Endpoint {
   std::shared_ptr<Gate::Grant> grant_;             // null for a plain endpoint
   std::string address_;
   bool connected_ = false;
+  bool reached_peer_ = false;  // a write to the peer has completed
   ConnInfo peer_;
   fi_addr_t peer_addr_ = FI_ADDR_NOTAVAIL;
   std::unordered_map<uint64_t, uint64_t> peer_grant_;  // region id → the key of this connection's MR
@@ -368,6 +403,10 @@ absl::StatusOr<BatchId> FabricEndpoint::Post(absl::Span<const WriteRequest> writ
       return absl::InvalidArgumentError(absl::StrCat("write #", i, ": destination region belongs to ",
                                                      dst->desc().owner, ", but this endpoint is connected to ",
                                                      peer_.owner));
+    if (peer_.domain_index >= dst->desc().keys.size())
+      return absl::InvalidArgumentError(absl::StrCat(
+          "write #", i, ": the descriptor of ", dst->desc().owner, " has keys for ", dst->desc().keys.size(),
+          " domain(s), but the peer endpoint is on its domain #", peer_.domain_index, " (", peer_.domain, ")"));
     WSYNC_ASSIGN_OR_RETURN(descs[i], SourceDesc(src));
   }
 
@@ -375,12 +414,12 @@ absl::StatusOr<BatchId> FabricEndpoint::Post(absl::Span<const WriteRequest> writ
   Batch& batch = batches_[id];
   const uint64_t max_piece = std::max<uint64_t>(1, std::min(dom_->max_msg_size(), dom_->config().max_piece));
   const uint64_t flags = FI_COMPLETION | (dom_->delivery_complete() ? FI_DELIVERY_COMPLETE : 0);
-  absl::Time deadline = absl::Now() + dom_->config().io_timeout;
+  absl::Time last_progress = absl::Now();
   for (size_t i = 0; i < writes.size() && broken_.ok(); ++i) {
     const WriteRequest& w = writes[i];
     const auto* src = static_cast<const FabricLocalRegion*>(w.src);
     const RegionDesc& d = static_cast<const FabricRemoteRegion*>(w.dst)->desc();
-    uint64_t key = d.key;
+    uint64_t key = d.keys[peer_.domain_index];
     if (auto g = peer_grant_.find(d.region_id); g != peer_grant_.end()) key = g->second;
     for (uint64_t done = 0; done < w.length && broken_.ok();) {
       const uint64_t piece = std::min(w.length - done, max_piece);
@@ -413,26 +452,29 @@ absl::StatusOr<BatchId> FabricEndpoint::Post(absl::Span<const WriteRequest> writ
             break;
           }
           if (rc != -FI_EAGAIN) {
-            Break(absl::Status(CodeForError(static_cast<int>(-rc)),
-                               absl::StrCat("fi_writemsg to peer ", PeerName(), " on provider ", dom_->provider(),
-                                            " failed: ", FiError(rc), ", write #", i, " (dst offset ",
-                                            w.dst_offset + done, ", ", piece, " bytes)")));
+            Break(absl::Status(
+                CodeForError(static_cast<int>(-rc)),
+                absl::StrCat("fi_writemsg to peer ", PeerName(), " on provider ", dom_->provider(),
+                             " failed: ", FiError(rc), ", write #", i, " (dst offset ", w.dst_offset + done, ", ",
+                             piece, " bytes)", HintForError(static_cast<int>(-rc)))));
             break;
           }
         }
         if (Poll() > 0) {
           empty = 0;
-          deadline = absl::Now() + dom_->config().io_timeout;
+          last_progress = absl::Now();
           continue;
         }
-        if (absl::Now() > deadline) {
-          // Nothing in flight and nothing accepted: the provider cannot reach the peer (tcp;ofi_rxm keeps answering
-          // FI_EAGAIN while its connection attempts to a closed endpoint fail).
-          const bool idle = free_.size() == ops_.size();
-          Break(absl::Status(idle ? absl::StatusCode::kUnavailable : absl::StatusCode::kDeadlineExceeded,
-                             absl::StrCat("fabric writes to peer ", PeerName(), " made no progress for ",
-                                          absl::FormatDuration(dom_->config().io_timeout),
-                                          idle ? ": the provider accepted none (peer gone or unreachable)" : "")));
+        // Nothing in flight and nothing accepted: the provider cannot reach the peer (tcp;ofi_rxm keeps answering
+        // FI_EAGAIN while its connection attempts to a closed endpoint fail), which needs no io_timeout to tell.
+        // Only for a peer reached before: setting up a connection may take longer (ofi_rxm over emulated verbs).
+        const bool idle = free_.size() == ops_.size();
+        const absl::Duration limit = idle && reached_peer_ ? dom_->config().peer_timeout : dom_->config().io_timeout;
+        if (absl::Now() - last_progress > limit) {
+          Break(absl::Status(
+              idle ? absl::StatusCode::kUnavailable : absl::StatusCode::kDeadlineExceeded,
+              absl::StrCat("fabric writes to peer ", PeerName(), " made no progress for ", absl::FormatDuration(limit),
+                           idle ? ": the provider accepted none (peer gone or unreachable)" : "")));
           break;
         }
         Backoff(++empty);
@@ -487,8 +529,9 @@ absl::Status FabricEndpoint::Wait(BatchId batch, absl::Duration timeout) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Endpoint>> NewFabricEndpoint(std::shared_ptr<Domain> dom, std::shared_ptr<Gate> gate,
-                                                            const Identity& id, const GrantRequest* grant) {
-  auto ep = std::make_unique<FabricEndpoint>(std::move(dom), std::move(gate), id);
+                                                            const Identity& id, const GrantRequest* grant,
+                                                            uint32_t domain_index) {
+  auto ep = std::make_unique<FabricEndpoint>(std::move(dom), std::move(gate), id, domain_index);
   WSYNC_RETURN_IF_ERROR(ep->Init(grant));
   return std::unique_ptr<Endpoint>(std::move(ep));
 }

@@ -6,6 +6,7 @@
 #include <rdma/fi_endpoint.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -16,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "transport/fabric/fabric_hmem.h"
 #include "transport/fabric/fabric_transport.h"
 #include "transport/fabric/fabric_wire.h"
 #include "transport/fabric/fi_api.h"
@@ -31,12 +33,23 @@ struct MrCloser {
 };
 using MrPtr = std::unique_ptr<fid_mr, MrCloser>;
 
+// Where registered memory lives: host memory, or CUDA device memory registered through FI_HMEM.
+struct DeviceMemory {
+  bool on_device = false;
+  int cuda_ordinal = 0;
+};
+
 // FabricOptions with the environment and defaults applied, and what the provider negotiated.
 struct Config {
   uint64_t max_piece = 4 << 20;
   uint32_t tx_depth = 64;
   uint64_t forced_mr_mode = 0;
+  std::vector<std::string> domains;  // the domains (NICs) to open; empty: every one on the preferred fabric
+  HmemMode hmem = HmemMode::kAuto;   // WSYNC_FABRIC_HMEM
   absl::Duration io_timeout = absl::Seconds(30);  // Post gives up waiting for room after this
+  // A peer the provider accepts no write for, with nothing in flight, this long is taken for gone (Unavailable):
+  // TransportOptions::send_progress_timeout, the tcp transport's bound for the same thing.
+  absl::Duration peer_timeout = absl::Seconds(5);
 };
 
 // One fabric + domain (+ the completion queue that drives a manual-progress provider's receiving side). Shared by
@@ -58,6 +71,8 @@ class Domain {
   bool prov_key() const { return (mr_mode_ & FI_MR_PROV_KEY) != 0; }
   bool endpoint_mr() const { return (mr_mode_ & FI_MR_ENDPOINT) != 0; }
   bool delivery_complete() const { return delivery_complete_; }
+  // Device memory can be registered (the domain was opened with FI_HMEM).
+  bool hmem() const { return (info_->caps & FI_HMEM) != 0; }
   uint64_t max_msg_size() const { return max_msg_; }
   uint32_t tx_depth() const { return tx_depth_; }
   std::string provider() const;
@@ -69,8 +84,9 @@ class Domain {
   // Registers [addr, addr+len) with `access`. With app keys the key is `key` (0: a fresh random one; a key in use
   // is retried with another), with provider keys it is the provider's (a forced prov_key still asks for a fresh
   // random key, never a remembered one). `ep` (FI_MR_ENDPOINT): the endpoint the MR is bound to before it is enabled.
+  // Device memory (`dev`) is registered with fi_mr_regattr as FI_HMEM_CUDA memory.
   absl::StatusOr<MrPtr> RegisterMr(void* addr, uint64_t len, uint64_t access, uint64_t key, fid_ep* ep,
-                                   const char* what);
+                                   const char* what, const DeviceMemory& dev = {});
 
  private:
   Domain() = default;
@@ -83,6 +99,8 @@ class Domain {
   std::mutex progress_mu_;  // held by the progress thread around each read of progress_cq_
   std::thread progress_;
   std::atomic<bool> stop_{false};
+  std::mutex stop_mu_;  // with stop_cv_: an idle progress thread's pause ends at once on destruction
+  std::condition_variable stop_cv_;
   Config cfg_;
   uint64_t mr_mode_ = 0;
   bool delivery_complete_ = false;
@@ -108,6 +126,7 @@ class Gate {
     uint64_t len = 0;
     uint64_t key = 0;      // 0 until first registered
     fid_ep* ep = nullptr;  // FI_MR_ENDPOINT: the granted endpoint it is bound to
+    DeviceMemory dev;
     MrPtr mr;
   };
   // A region's own remote MR (its descriptor's key).
@@ -123,10 +142,15 @@ class Gate {
   };
 
   // Adds a region's own remote MR (registered now when the state allows) and returns it; the region removes it.
-  absl::StatusOr<std::shared_ptr<Plain>> AddPlain(void* addr, uint64_t len);
+  absl::StatusOr<std::shared_ptr<Plain>> AddPlain(void* addr, uint64_t len, const DeviceMemory& dev = {});
   void RemovePlain(const std::shared_ptr<Plain>& p);
+  struct Range {
+    void* addr = nullptr;
+    uint64_t len = 0;
+    DeviceMemory dev;
+  };
   absl::StatusOr<std::shared_ptr<Grant>> AddGrant(Transport::WriteGrant info, std::vector<uint64_t> ids,
-                                                  std::vector<std::pair<void*, uint64_t>> ranges, fid_ep* ep);
+                                                  std::vector<Range> ranges, fid_ep* ep);
   void RemoveGrant(const std::shared_ptr<Grant>& g);
   // The keys a granted endpoint's LocalInfo carries.
   std::vector<GrantedRegion> GrantKeys(const Grant& g) const;
@@ -152,20 +176,24 @@ class Gate {
   std::vector<std::shared_ptr<Grant>> grants_;
 };
 
+// A region registered in every domain of its transport (one local MR and, unless it is a source's memory, one
+// remote-write MR per domain, index for index).
 class FabricLocalRegion final : public LocalRegion {
  public:
-  FabricLocalRegion(std::shared_ptr<Domain> dom, std::shared_ptr<Gate> gate, Identity id, uint64_t region_id,
-                    void* addr, uint64_t len, MrPtr local, std::shared_ptr<Gate::Plain> plain)
-      : dom_(std::move(dom)),
-        gate_(std::move(gate)),
+  FabricLocalRegion(std::vector<std::shared_ptr<Domain>> doms, std::vector<std::shared_ptr<Gate>> gates, Identity id,
+                    uint64_t region_id, void* addr, uint64_t len, std::vector<MrPtr> local,
+                    std::vector<std::shared_ptr<Gate::Plain>> plain, DeviceMemory dev = {})
+      : doms_(std::move(doms)),
+        gates_(std::move(gates)),
         id_(std::move(id)),
         region_id_(region_id),
         addr_(addr),
         len_(len),
         local_(std::move(local)),
-        plain_(std::move(plain)) {}
+        plain_(std::move(plain)),
+        dev_(dev) {}
   ~FabricLocalRegion() override {
-    if (plain_ != nullptr) gate_->RemovePlain(plain_);
+    for (size_t i = 0; i < plain_.size(); ++i) gates_[i]->RemovePlain(plain_[i]);
   }
 
   void* addr() const override { return addr_; }
@@ -174,21 +202,24 @@ class FabricLocalRegion final : public LocalRegion {
 
   uint64_t transport_id() const { return id_.transport_id; }
   uint64_t region_id() const { return region_id_; }
-  bool remote_write() const { return plain_ != nullptr; }
-  // The local MR's descriptor for FI_MR_LOCAL (null when there is none: a zero-length region).
-  void* desc() const { return local_ ? fi_mr_desc(local_.get()) : nullptr; }
-  // The address remote writes into this region start from (the descriptor's addr_base).
-  uint64_t addr_base() const { return dom_->virt_addr() ? reinterpret_cast<uintptr_t>(addr_) : 0; }
+  bool remote_write() const { return !plain_.empty(); }
+  const DeviceMemory& device() const { return dev_; }
+  // The local MR's descriptor in domain `dom` for FI_MR_LOCAL (null when there is none: a zero-length region, or
+  // FI_MR_ENDPOINT where endpoints register their own).
+  void* desc(size_t dom) const { return dom < local_.size() && local_[dom] ? fi_mr_desc(local_[dom].get()) : nullptr; }
+  // The address remote writes into this region start from (the descriptor's addr_base); one mr_mode for all domains.
+  uint64_t addr_base() const { return doms_[0]->virt_addr() ? reinterpret_cast<uintptr_t>(addr_) : 0; }
 
  private:
-  std::shared_ptr<Domain> dom_;  // first: released after the MRs below
-  std::shared_ptr<Gate> gate_;
+  std::vector<std::shared_ptr<Domain>> doms_;  // first: released after the MRs below
+  std::vector<std::shared_ptr<Gate>> gates_;
   Identity id_;
   uint64_t region_id_;
   void* addr_;
   uint64_t len_;
-  MrPtr local_;
-  std::shared_ptr<Gate::Plain> plain_;  // null for a source's memory
+  std::vector<MrPtr> local_;                         // per domain; empty entries for a zero-length region
+  std::vector<std::shared_ptr<Gate::Plain>> plain_;  // per domain; empty for a source's memory
+  DeviceMemory dev_;
 };
 
 class FabricRemoteRegion final : public RemoteRegion {
@@ -201,13 +232,15 @@ class FabricRemoteRegion final : public RemoteRegion {
   RegionDesc desc_;
 };
 
-// Creates an endpoint (defined in fabric_endpoint.cc). With `grant`, it registers the granted regions' MRs (bound to
-// it under FI_MR_ENDPOINT) and its LocalInfo carries their keys; the grant is removed from `gate` with the endpoint.
+// Creates an endpoint on `dom`, the transport's domain number `domain_index`, whose remote-write MRs `gate` holds
+// (defined in fabric_endpoint.cc). With `grant`, it registers the granted regions' MRs (bound to it under
+// FI_MR_ENDPOINT) and its LocalInfo carries their keys; the grant is removed from `gate` with the endpoint.
 struct GrantRequest {
   Transport::WriteGrant info;
   std::vector<const FabricLocalRegion*> regions;
 };
 absl::StatusOr<std::unique_ptr<Endpoint>> NewFabricEndpoint(std::shared_ptr<Domain> dom, std::shared_ptr<Gate> gate,
-                                                            const Identity& id, const GrantRequest* grant);
+                                                            const Identity& id, const GrantRequest* grant,
+                                                            uint32_t domain_index);
 
 }  // namespace wsync::transport::fabric

@@ -40,6 +40,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "transport/transport.h"
@@ -53,6 +54,9 @@ struct FabricOptions {
   // WSYNC_FABRIC_FORCE_MR_MODE: act as if the provider required these mr_mode bits even where it does not
   // ("local,prov_key"): tests of the code paths efa needs, on a provider that runs here.
   std::string force_mr_mode;
+  // WSYNC_FABRIC_DOMAINS ("rdmap16s27-rdm,rdmap32s27-rdm", "mlx5_0,mlx5_1"): the domains (NICs) to use, in this
+  // order; empty: every domain libfabric offers on the fabric of its preferred answer.
+  std::vector<std::string> domains;
 };
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateFabricTransport(const TransportOptions& opts);
@@ -63,7 +67,10 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateFabricTransport(const Transport
 struct FabricInfo {
   std::string provider;
   std::string fabric;
-  std::string domain;
+  std::string domain;                // the first domain
+  std::vector<std::string> domains;  // every domain (NIC) in use, in the order endpoints index them
+  std::vector<int> domain_numa;      // their NUMA nodes (-1: unknown)
+  bool hmem = false;                 // device memory is registered directly (FI_HMEM); else through a host mirror
   uint64_t mr_mode = 0;  // the bits the backend honours (the provider's, plus forced ones)
   bool delivery_complete = false;
   bool manual_progress = false;

@@ -13,7 +13,8 @@ namespace {
 
 constexpr uint32_t kConnMagic = 0x46465357;    // "WSFF"
 constexpr uint32_t kRegionMagic = 0x52465357;  // "WSFR"
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;               // 2: per-domain keys and the endpoint's domain
+constexpr uint32_t kMaxDomains = 64;
 constexpr size_t kMaxString = 1024;
 constexpr size_t kMaxAddress = 4096;
 constexpr uint32_t kMaxGrantedRegions = 1 << 20;
@@ -58,6 +59,8 @@ std::string EncodeConnInfo(const ConnInfo& info) {
   w.PutString(info.fabric);
   w.Put(info.addr_format);
   w.PutString(info.address);
+  w.Put(info.domain_index);
+  w.PutString(info.domain);
   if (info.granted) {
     w.Put(static_cast<uint32_t>(info.grant.size()));
     for (const GrantedRegion& g : info.grant) {
@@ -78,10 +81,12 @@ absl::StatusOr<ConnInfo> DecodeConnInfo(const std::string& blob) {
   ConnInfo info;
   info.granted = flags == 1;
   if (!r.Get(&info.transport_id) || !r.GetString(&info.owner, kMaxString) || !r.GetString(&info.provider, kMaxString) ||
-      !r.GetString(&info.fabric, kMaxString) || !r.Get(&info.addr_format) || !r.GetString(&info.address, kMaxAddress)) {
+      !r.GetString(&info.fabric, kMaxString) || !r.Get(&info.addr_format) || !r.GetString(&info.address, kMaxAddress) ||
+      !r.Get(&info.domain_index) || !r.GetString(&info.domain, kMaxString)) {
     return Malformed("connection info", "truncated");
   }
   if (info.address.empty()) return Malformed("connection info", "no endpoint address");
+  if (info.domain_index >= kMaxDomains) return Malformed("connection info", "bad domain index");
   if (info.granted) {
     uint32_t n = 0;
     if (!r.Get(&n) || n > kMaxGrantedRegions) return Malformed("connection info", "bad granted region count");
@@ -106,7 +111,8 @@ std::string EncodeRegionDesc(const RegionDesc& d) {
   w.Put(d.region_id);
   w.Put(d.length);
   w.Put(d.addr_base);
-  w.Put(d.key);
+  w.Put(static_cast<uint32_t>(d.keys.size()));
+  for (uint64_t k : d.keys) w.Put(k);
   return w.Take();
 }
 
@@ -119,9 +125,14 @@ absl::StatusOr<RegionDesc> DecodeRegionDesc(const std::string& blob) {
   if (!r.Get(&flags) || flags != 0) return Malformed("region descriptor", "bad flags");
   RegionDesc d;
   if (!r.Get(&d.transport_id) || !r.GetString(&d.owner, kMaxString) || !r.GetString(&d.provider, kMaxString) ||
-      !r.Get(&d.region_id) || !r.Get(&d.length) || !r.Get(&d.addr_base) || !r.Get(&d.key)) {
+      !r.Get(&d.region_id) || !r.Get(&d.length) || !r.Get(&d.addr_base)) {
     return Malformed("region descriptor", "truncated");
   }
+  uint32_t n = 0;
+  if (!r.Get(&n) || n == 0 || n > kMaxDomains) return Malformed("region descriptor", "bad domain key count");
+  d.keys.resize(n);
+  for (uint64_t& k : d.keys)
+    if (!r.Get(&k)) return Malformed("region descriptor", "truncated keys");
   if (!r.AtEnd()) return Malformed("region descriptor", "trailing bytes");
   if (d.addr_base > UINT64_MAX - d.length) return Malformed("region descriptor", "address range overflows");
   return d;

@@ -9,6 +9,7 @@
 #include "absl/base/call_once.h"
 #include "absl/strings/str_cat.h"
 #include "base/dl_symbol.h"
+#include "spdlog/spdlog.h"
 
 namespace wsync::transport::fabric {
 namespace {
@@ -20,6 +21,13 @@ absl::Status g_status;
 
 void LoadOnce() {
   const char* lib_name = FabricLibraryName();
+  // libfabric's registration cache (ofi_rxm over verbs, efa) keeps an MR the backend closed registered, and hands it
+  // out again for the same range: a closed write window, a revoked grant or a source's read-only memory would stay
+  // writable through it (measured on verbs;ofi_rxm: every refusal of the fabric suite succeeded). Off before the
+  // library reads its parameters.
+  if (const char* c = std::getenv("FI_MR_CACHE_MAX_COUNT"); c != nullptr && std::string(c) != "0")
+    spdlog::warn("fabric: FI_MR_CACHE_MAX_COUNT={} overridden with 0: a cached MR outlives its revocation", c);
+  setenv("FI_MR_CACHE_MAX_COUNT", "0", 1);
   void* lib = dlopen(lib_name, RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* err = dlerror();

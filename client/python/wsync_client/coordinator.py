@@ -21,7 +21,7 @@ _MARGIN_S = 30
 
 # proto3 JSON writes 64-bit integers as strings; these fields come back as Python ints.
 _INT64_FIELDS = {"version", "plan_epoch", "membership_epoch", "bytes", "params", "started_unix_ms", "bytes_written",
-                 "current_version", "open_version", "failed_version"}
+                 "current_version", "open_version", "failed_version", "dense_bytes", "sent_bytes"}
 
 
 def _ints(obj: Any) -> Any:
@@ -165,13 +165,17 @@ class Coordinator:
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
 
-    def begin_update(self, version: int, pause_mode: str = "", mode: str = "") -> Dict[str, Any]:
+    def begin_update(self, version: int, pause_mode: str = "", mode: str = "", delta: str = "") -> Dict[str, Any]:
         """Pauses every engine and opens update `version`; returns the reply (plan_epoch, pause_seconds, ...).
         mode "staged": the engines serve on while the update is staged and switch together at the commit
-        (docs/operations.md, "Staged updates"); "" or "classic": paused for the whole update."""
+        (docs/operations.md, "Staged updates"); "" or "classic": paused for the whole update.
+        delta (docs/delta.md): "auto" (or "", the default) sends each engine rank only what changed since the version
+        it holds, dense where it holds none; "off" writes every rank dense; "always" fails the update when a rank
+        cannot take deltas. Another value raises WsyncError INVALID_ARGUMENT (the coordinator refuses it). The
+        committed record says per update dense_bytes, sent_bytes, delta_ranks and the fallbacks with their reason."""
         rep = self._call("BeginUpdate", coordinator_pb2.BeginUpdateRequest(version=int(version),
                                                                            pause_mode=pause_mode or "",
-                                                                           mode=mode or ""),
+                                                                           mode=mode or "", delta=delta or ""),
                          self.dial_timeout + _BEGIN_WORST_CASE_S + _MARGIN_S, "begin update %d" % int(version))
         return _to_dict(rep)
 
@@ -187,7 +191,7 @@ class Coordinator:
 
     @contextlib.contextmanager
     def update(self, version: int, pause_mode: str = "", timeout: float = 120.0,
-               mode: str = "") -> Iterator[Dict[str, Any]]:
+               mode: str = "", delta: str = "") -> Iterator[Dict[str, Any]]:
         """Opens update `version`, runs the body (the trainer ranks push), then commits it; when the body raises, the
         update is aborted and the exception propagates. The history records who aborted it ("client exception:
         ValueError: ..."); when the abort reply says the engines are resumable (no byte of this update, nor of an
@@ -198,7 +202,7 @@ class Coordinator:
             with coordinator.update(7):
                 ... every rank pushes version 7 ...
         """
-        reply = self.begin_update(version, pause_mode, mode)
+        reply = self.begin_update(version, pause_mode, mode, delta)
         try:
             yield reply
         except BaseException as exc:

@@ -43,6 +43,7 @@
 #include "base/status.h"
 #include "nlohmann/json.hpp"
 #include "proto/tls.h"
+#include "tools/testdata/step_files.h"
 #include "tools/testing/engine_ref/ref_model.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
@@ -131,6 +132,10 @@ class EngineService final : public pb::EngineControl::Service {
       : id_(std::move(id)), config_json_(std::move(config_json)), cfg_(cfg), tp_(tp), staging_(staging) {}
 
   ~EngineService() { CloseAttachments(); }
+
+  // Verify's expectation for step N: the checkpoint `wsync-rl-steps --out dir` wrote for it instead of the
+  // generated one. Call before serving.
+  void UseStepFiles(const std::string& dir) { step_files_ = std::make_unique<wsync::tools::StepFiles>(dir); }
 
   absl::Status Init() {
     rank_mu_ = std::make_unique<std::mutex[]>(tp_);
@@ -387,7 +392,20 @@ class EngineService final : public pb::EngineControl::Service {
     for (int r = 0; r < tp_; ++r) {
       const RefLayout& l = layouts_[r];
       std::vector<uint8_t> expected(l.total_bytes);
-      WSYNC_RETURN_IF_ERROR(ComputeExpected(cfg_, tp_, r, l, step, expected.data()));
+      if (step_files_ != nullptr) {
+        absl::Status missing;  // why the file could not give a tensor: more precise than the loader's NotFound
+        absl::Status loaded = LoadHfTensors(
+            cfg_, tp_, r, l,
+            [&](const std::string& name, wsync::DType dtype, uint64_t bytes) -> const uint8_t* {
+              auto t = step_files_->Tensor(step, name, dtype, bytes);
+              if (!t.ok() && missing.ok()) missing = t.status();
+              return t.ok() ? *t : nullptr;
+            },
+            expected.data());
+        if (!loaded.ok()) return missing.ok() ? loaded : missing;
+      } else {
+        WSYNC_RETURN_IF_ERROR(ComputeExpected(cfg_, tp_, r, l, step, expected.data()));
+      }
       std::lock_guard<std::mutex> rl(rank_mu_[r]);
       for (size_t k = 0; k < l.params.size(); ++k) {
         const auto& p = l.params[k];
@@ -545,6 +563,7 @@ class EngineService final : public pb::EngineControl::Service {
   std::vector<RefLayout> layouts_;
   std::vector<std::unique_ptr<RankMemory>> memory_;
   std::mutex mu_, verify_mu_, attach_mu_;
+  std::unique_ptr<wsync::tools::StepFiles> step_files_;  // guarded by verify_mu_
   std::unique_ptr<std::mutex[]> rank_mu_ = nullptr;  // per rank: its memory is being loaded or verified
   std::vector<wsync::ScopedFd> attached_;  // one attach socket per rank
   wsync::ScopedFd stop_rd_, stop_wr_;
@@ -721,6 +740,11 @@ int main(int argc, char** argv) {
   app.add_flag("--staging", staging,
                "hold a second (staging) copy of every rank's weights, so that staged updates write while the engine "
                "serves and switch by swapping the copies (doubles the memory)");
+  std::string steps_dir;
+  app.add_option("--steps-dir", steps_dir,
+                 "Verify step N against DIR/step_NNNNNN.safetensors (`wsync-rl-steps --out DIR`) loaded by the "
+                 "engine's loader, instead of the generated checkpoint of step N")
+      ->check(CLI::ExistingDirectory);
   wsync::tls::Options tls_opts;
   wsync::tls::AddFlags(app, &tls_opts);
   if (int rc = wsync::cli::Parse(app, argc, argv); rc >= 0) return rc;
@@ -741,6 +765,7 @@ int main(int argc, char** argv) {
   }
   cfg->ep = ep;
   EngineService service(id, ss.str(), *cfg, tp, staging);
+  if (!steps_dir.empty()) service.UseStepFiles(steps_dir);
   if (auto st = service.Init(); !st.ok()) {
     spdlog::error("{}", st.ToString());
     return 1;
