@@ -94,13 +94,15 @@ SourceTime PredictSource(const CostParams& cp, double bw, int nic_sources, uint6
   st.nic_s = nic_bytes / bw;
   st.blocking_send_s = blocking_bytes / share;
   st.session_s = sessions * cp.session_ms / 1e3;
-  if (cp.executor == Executor::kSerial) {
-    // The seed's replica loads slice straight from the gathered GPU tensors, so the hand-over is part of the
-    // measured load rate and not counted again.
+  const ExecutorTraits traits = TraitsOf(cp.executor);
+  if (!traits.writes_overlap_loads) {
+    // The seed's replica loads slice straight from the gathered GPU tensors (its hand-over is part of the measured
+    // load rate and not counted again), and its writes block the next load.
     st.total_s = std::max(st.load_s + st.blocking_send_s, st.nic_s) + st.session_s;
   } else {
-    // Session set-up and completion overlap with the data like everything else in this executor.
-    st.total_s = std::max({st.d2h_s, st.load_s, st.nic_s, st.session_s});
+    // Hand-over, load and writes are stages of a pipeline; session set-up and completion overlap with the data
+    // like everything else in this executor.
+    st.total_s = std::max({traits.handover_overlaps_load ? st.d2h_s : 0.0, st.load_s, st.nic_s, st.session_s});
   }
   return st;
 }
@@ -109,7 +111,7 @@ double PredictTargetNic(const CostParams& cp, double bw, uint64_t bytes, int ses
   // Its bytes at line rate and the sessions writing into it, one after the other (serial) or overlapped
   // (pipelined).
   const double sessions_s = sessions * cp.session_ms / 1e3;
-  return cp.executor == Executor::kSerial ? bytes / bw + sessions_s : std::max(bytes / bw, sessions_s);
+  return TraitsOf(cp.executor).writes_overlap_loads ? std::max(bytes / bw, sessions_s) : bytes / bw + sessions_s;
 }
 
 Prediction PredictTransfer(const PlanInput& in, const Plan& plan, const CostParams& cp) {

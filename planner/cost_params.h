@@ -15,6 +15,32 @@ enum class Executor {
   kPipelined,  // hand-over, replica load and writes overlap (wsync's goal): the slowest stage dominates
 };
 
+// What an executor's formulas assume the source daemon does. tests/planner/executor_binding_test.cc measures the
+// daemon (daemon/node/source_node.h) and fails when it no longer does what TraitsOf(kWsyncExecutor) says, so a
+// prediction for wsync never rests on an executor the daemon does not run.
+struct ExecutorTraits {
+  // A node's ranks load their buckets into the replica at the same time: each source's time is its own (the
+  // prediction is the max over sources, not their sum). Both executors assume it (the seed's ranks load their own
+  // replicas in their own processes; wsync's ranks share one node replica with no node-wide lock on the data path).
+  bool parallel_rank_loads = false;
+  // A rank hands over its next bucket (D2H / copy into the ring) while the node loads the previous one: the
+  // hand-over is a stage of its own (max(d2h, load, ...)), not part of the load.
+  bool handover_overlaps_load = false;
+  // A bucket's writes are posted and the node goes on loading the next bucket without waiting for them; the
+  // seed's executor waits for every layout's writes but the last before it reloads its buffer.
+  bool writes_overlap_loads = false;
+  bool operator==(const ExecutorTraits& o) const {
+    return parallel_rank_loads == o.parallel_rank_loads && handover_overlaps_load == o.handover_overlaps_load &&
+           writes_overlap_loads == o.writes_overlap_loads;
+  }
+};
+constexpr ExecutorTraits TraitsOf(Executor e) {
+  return e == Executor::kSerial ? ExecutorTraits{true, false, false} : ExecutorTraits{true, true, true};
+}
+// The executor wsync's source daemon runs: what `wsyncctl plan --executor pipelined` predicts with, together with
+// the measured node rates (planner/node_rates.h).
+constexpr Executor kWsyncExecutor = Executor::kPipelined;
+
 struct CostParams {
   double replica_load_gbps = 4.0;  // HF tensors -> CPU replica (slicing, fusion, copy) per source
   // How fast one node loads its replica as a function of how many of its ranks push at once: (ranks, GB/s) points,

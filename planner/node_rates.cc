@@ -24,18 +24,29 @@ absl::StatusOr<NodeRates> ParseNodeRates(absl::string_view text, absl::string_vi
       return bad(absl::StrCat("\"", key, "\" (a non-empty string) is required"));
     *field = j[key].get<std::string>();
   }
-  if (!j.contains("node_load_gbps") || !j["node_load_gbps"].is_array() || j["node_load_gbps"].empty())
-    return bad("\"node_load_gbps\" (a non-empty array of [ranks, GB/s]) is required");
-  for (const auto& p : j["node_load_gbps"]) {
-    if (!p.is_array() || p.size() != 2 || !p[0].is_number_integer() || !p[1].is_number())
-      return bad(absl::StrCat("node_load_gbps entry ", p.dump(), " is not [ranks, GB/s]"));
-    const int ranks = p[0].get<int>();
-    const double gbps = p[1].get<double>();
-    if (ranks < 1 || !(gbps > 0)) return bad(absl::StrCat("node_load_gbps entry ", p.dump(), ": ranks >= 1, GB/s > 0"));
-    if (!r.node_load_gbps.empty() && ranks <= r.node_load_gbps.back().first)
-      return bad("node_load_gbps ranks must increase");
-    r.node_load_gbps.emplace_back(ranks, gbps);
-  }
+  // A curve [[ranks, GB/s], ...]: non-empty, ranks >= 1 and increasing, rates > 0.
+  auto curve = [&](const char* key, std::vector<std::pair<int, double>>* out) -> absl::Status {
+    if (!j[key].is_array() || j[key].empty())
+      return bad(absl::StrCat("\"", key, "\" (a non-empty array of [ranks, GB/s]) is required"));
+    for (const auto& p : j[key]) {
+      if (!p.is_array() || p.size() != 2 || !p[0].is_number_integer() || !p[1].is_number())
+        return bad(absl::StrCat(key, " entry ", p.dump(), " is not [ranks, GB/s]"));
+      const int ranks = p[0].get<int>();
+      const double gbps = p[1].get<double>();
+      if (ranks < 1 || !(gbps > 0)) return bad(absl::StrCat(key, " entry ", p.dump(), ": ranks >= 1, GB/s > 0"));
+      if (!out->empty() && ranks <= out->back().first) return bad(absl::StrCat(key, " ranks must increase"));
+      out->emplace_back(ranks, gbps);
+    }
+    return absl::OkStatus();
+  };
+  if (!j.contains("node_load_gbps")) return bad("\"node_load_gbps\" (a non-empty array of [ranks, GB/s]) is required");
+  if (absl::Status st = curve("node_load_gbps", &r.node_load_gbps); !st.ok()) return st;
+  for (auto [key, out] : {std::pair{"fp8_passthrough_load_gbps", &r.fp8_passthrough_load_gbps},
+                          {"fp8_quantize_load_gbps", &r.fp8_quantize_load_gbps},
+                          {"send_gbps", &r.send_gbps},
+                          {"cuda_load_gbps", &r.cuda_load_gbps}})
+    if (j.contains(key))
+      if (absl::Status st = curve(key, out); !st.ok()) return st;
   if (j.contains("d2h_gbps")) {
     if (!j["d2h_gbps"].is_number() || !(j["d2h_gbps"].get<double>() > 0)) return bad("\"d2h_gbps\" must be > 0");
     r.d2h_gbps = j["d2h_gbps"].get<double>();

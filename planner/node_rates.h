@@ -7,9 +7,17 @@
 //   "node_load_gbps": [[ranks, GB/s], ...]  host tensors pushed by R trainer ranks -> every parameter in the node's
 //                     replica, complete and handed to the transport (increasing R);
 //   "d2h_gbps":        optional: the pinned device-to-host peak of that machine (CUDA tensors' hand-over);
-//   further fields (baselines, ratios) are kept for the reader and ignored here.
+//   optional curves, [[ranks, GB/s], ...] like node_load_gbps, each from its own bench_node case (bench/node):
+//   "fp8_passthrough_load_gbps"  FP8 codes + scales pushed (Kimi-K2 shapes, 64x64 blocks) -> replica;
+//   "fp8_quantize_load_gbps"     bf16 pushed, quantized to FP8 128x128 by the node (DeepSeek-V3 shapes);
+//   "send_gbps"                  host tensors -> the node's tcp transport -> a target's memory over loopback;
+//   "cuda_load_gbps"             CUDA tensors (D2H by the ranks, all sharing one GPU) -> replica;
+//   they are read and checked here and kept for the reader; the cost model uses node_load_gbps and d2h_gbps;
+//   further fields (baselines, ratios, the per-case results) are kept for the reader and ignored here.
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -21,6 +29,8 @@ struct NodeRates {
   std::string machine, date, command;
   std::vector<std::pair<int, double>> node_load_gbps;  // increasing ranks, positive rates
   double d2h_gbps = 0;                                 // 0: not measured
+  // The optional curves (empty: not measured), same rules as node_load_gbps.
+  std::vector<std::pair<int, double>> fp8_passthrough_load_gbps, fp8_quantize_load_gbps, send_gbps, cuda_load_gbps;
   std::string origin;                                  // the file it was read from
 };
 

@@ -1,32 +1,52 @@
-// What one source node's data path moves: R trainer ranks push a node's share of host tensors (a dense model in
-// bf16, Qwen3-8B by default) through their shared-memory rings into an in-process SourceNode, which validates each
-// bucket, loads it into the replica (engine TP 1 and TP 8 layouts) and hands every completed parameter to the
-// transport: a null one that accepts each write at once, so the figure is the node's own path. Each trainer thread
-// works as the client library does (one bucket in flight, the next written while the daemon loads it; a bucket is
-// half the ring; a tensor larger than that travels alone).
+// What one source node's data path moves: R trainer ranks push a node's share of a model through their
+// shared-memory rings (or straight into the replica, zero-copy placement) into an in-process SourceNode, which
+// validates each bucket, loads it into the replica (engine layouts) and hands every completed parameter to the
+// transport. Each trainer thread works as the client library does (one bucket in flight, the next written while the
+// daemon loads it; a bucket is half the ring; a tensor larger than that travels alone).
 //
-// Measured per (TP, R): the time from the first byte pushed to the last bucket's parameters handed to the transport
-// (every required parameter complete: FinishUpdate checks it after the clock stops), as GB/s of tensor bytes, and
-// the baseline from the same run: memcpy of the same bytes on every hardware thread (threads = cores, each its
-// share), taken again between each case's updates (a case's ratio uses its own, best of its reps). Per rank a timeline:
-// hand-over (the trainer's copies into the ring, waits for ring space included), lock wait (the bucket was in the ring,
-// the node's locks were not yet taken), load (validate + claim + replica load), send (the transport's Post of what it
-// completed). Last line: one JSON object; its value is the largest R's GB/s at the first TP.
-// Every byte is copied twice on this path (host tensor → ring by the trainer, ring → replica by the node), so where
-// memory bandwidth, not cores, limits the all-core memcpy, the ratio stays near 0.5; where cores limit it (one thread
-// far below all of them), it shows how much of the machine the ranks and the node use together.
+// Cases (--cases, comma-separated; all by default), each against its own baseline measured in the same run:
+//   dense  a dense model's host tensors in bf16 (Qwen3-8B by default) at engine TP 1 and TP 8, null transport
+//          (accepts each write at once: the figure is the node's own path) vs memcpy of the same bytes on every
+//          hardware thread (taken again between each case's updates; a case's ratio uses its own, best of its reps).
+//   moe    a Kimi-K2 / DeepSeek-V3-shaped node share (their real layer shapes, --moe-layers layers, routed experts
+//          capped at --experts, each keeping its real size) at engine TP 8 EP 8, null transport: Kimi-K2 in FP8 64x64
+//          pass-through (the trainer pushes codes + scales) and DeepSeek-V3 in bf16 quantized by the node to FP8
+//          128x128; vs the all-core memcpy of the bytes pushed. --moe-layers 4 by default: one dense layer, then
+//          MoE ones, as both models begin (--moe-dense).
+//   tcp    the dense push at the first TP through the node's real tcp transport into a target over loopback: the
+//          target side is what a target daemon does for host segments (each engine rank's segment registered with
+//          its own tcp transport, an endpoint per connecting source), in this process; the clock stops when
+//          FinishUpdate saw every write land. vs the tcp transport alone (bench_transport's sweep: sender and
+//          receiver in this process, the same streams) at the node's mean write size, same run.
+//   cuda   the dense and moe pushes from GPU tensors (cudaMalloc, device 0): ranks copy them as the C++ client does
+//          (client/device_copy.h: D2H into the page-locked ring, or cudaMemcpy2DAsync into the page-locked replica
+//          mapping) vs the pinned D2H peak of the same bytes (cudaMemcpyAsync into cudaMallocHost memory, one stream
+//          and --d2h-streams streams, the better). All ranks share the one GPU. Without a GPU (or built without
+//          CUDA) it prints a skip line and the JSON marks it skipped.
+// Measured per case: the time from the first byte pushed to the last bucket's parameters handed to the transport
+// (every required parameter complete: FinishUpdate checks it after the clock stops; tcp: until it returned), as GB/s
+// of pushed bytes (tcp: of bytes written into the target), and the ratio to the baseline. Per rank a timeline:
+// hand-over (the trainer's copies into the ring or the replica, waits for ring space included), lock wait (the
+// bucket was in the ring, the node's locks were not yet taken), load (validate + claim + replica load), send (the
+// transport's Post of what it completed). Last line: one JSON object; its value is the dense case's largest R at the
+// first TP through the ring.
+// Every host byte is copied twice on the ring path (host tensor → ring by the trainer, ring → replica by the node),
+// so where memory bandwidth, not cores, limits the all-core memcpy, the ring ratio stays near 0.5.
 // --placement on|off|both (default both): with placement each rank copies the tensors the node offers straight into
 // its mapping of the replica (one copy per byte, per layout that reads it; committed every half ring of bytes, as the
-// client does) and the rest through its ring. Both runs per case, one after the other on the same node: the line
-// says placement ÷ ring and each ÷ the all-core memcpy. The JSON's "value" stays the ring figure; "placement_value"
-// is the placement one of the same case.
+// client does) and the rest through its ring; the line says placement ÷ ring.
+// --results-out FILE writes the node rates the planner reads (planner/node_rates.h): node load per R (dense case,
+// first TP, placement where it ran: the client's default), the pinned D2H peak, and the FP8, tcp send and CUDA
+// curves of the other cases.
 //
-//   bench_node                                   # Qwen3-8B (36 layers, ~16 GB bf16), TP 1 and 8, R = 1,4,8
-//   bench_node --layers 2 --vocab 32768 --ranks 1,2 --reps 2   # small enough for a 2-core box
-//   bench_node --tp 1 --ranks 8 --write-checksums               # one case, with wsyncd's default hashing on
-// Memory: the tensors once, the replica per case, R rings of --ring-mib (enlarged to fit the largest tensor).
+//   bench_node                                   # every case at full size (Qwen3-8B, 36 layers, ~16 GB bf16)
+//   bench_node --quick                           # small shapes, R = 1,2: every case in well under a minute
+//   bench_node --cases dense --tp 1 --ranks 8 --write-checksums  # one case, with wsyncd's default hashing on
+// Memory: the tensors once per workload, the replica per case, R rings of --ring-mib (enlarged to fit the largest
+// tensor); tcp adds the target's segments, cuda the device copy and a pinned buffer of the same size.
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -34,10 +54,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <future>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -47,7 +70,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "base/status.h"
+#include "bench/node/device_tensors.h"
+#include "bench/transport/tcp_bench.h"
+#include "client/device_copy.h"
 #include "client/ring/ring.h"
 #include "daemon/common/convert.h"
 #include "daemon/node/source_node.h"
@@ -60,8 +87,10 @@ namespace {
 
 using wsync::DType;
 using Clock = std::chrono::steady_clock;
+using json = nlohmann::ordered_json;
 namespace v1 = wsync::v1;
 namespace transport = wsync::transport;
+namespace replica = wsync::replica;
 
 double Since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -124,20 +153,77 @@ class NullTransport : public transport::Transport {
   std::exit(1);
 }
 
-// One engine at TP `tp`: its ranks' layouts are the replica's tables for that parallelism (as a real engine reports).
-v1::ConfigureSourceRequest Plan(const std::string& json, const wsync::replica::ModelConfig& cfg, int tp,
-                                int64_t epoch) {
-  v1::ConfigureSourceRequest req;
-  req.set_model_config_json(json);
+// The target side of the tcp case: what a target daemon does for its engine ranks' host segments (each registered
+// with the target's tcp transport, its descriptor in the layout; a connecting source gets an endpoint connected back
+// to it), in this process. The source node sends through `source()`, a tcp transport of its own.
+class TcpTarget {
+ public:
+  static absl::StatusOr<std::unique_ptr<TcpTarget>> Create(int streams) {
+    transport::TransportOptions o;
+    o.bind_host = "127.0.0.1";
+    o.tcp_streams = streams;
+    auto t = std::unique_ptr<TcpTarget>(new TcpTarget());
+    WSYNC_ASSIGN_OR_RETURN(t->source_, transport::CreateTransport("tcp", o));
+    WSYNC_ASSIGN_OR_RETURN(t->target_, transport::CreateTransport("tcp", o));
+    return t;
+  }
+  transport::Transport* source() { return source_.get(); }
+  // A host segment of `bytes` (every page touched, as an engine's weights are), registered: its descriptor.
+  absl::StatusOr<std::string> AddSegment(uint64_t bytes) {
+    segments_.push_back(std::make_unique<uint8_t[]>(bytes));
+    std::memset(segments_.back().get(), 0, bytes);
+    WSYNC_ASSIGN_OR_RETURN(auto region, target_->RegisterMemory(segments_.back().get(), bytes));
+    regions_.push_back(std::move(region));
+    return regions_.back()->Descriptor();
+  }
+  // The target daemon's ConnectTarget: an endpoint connected to the source's, whose info goes back. Thread-safe.
+  absl::StatusOr<std::string> Connect(const v1::ConnectTargetRequest& req) {
+    WSYNC_ASSIGN_OR_RETURN(auto ep, target_->CreateEndpoint());
+    WSYNC_RETURN_IF_ERROR(ep->Connect(req.source_endpoint_info(), absl::Seconds(10)));
+    std::string info = ep->LocalInfo();
+    std::lock_guard<std::mutex> l(mu_);
+    endpoints_.push_back(std::move(ep));
+    return info;
+  }
+
+ private:
+  TcpTarget() = default;
+  std::unique_ptr<transport::Transport> source_, target_;
+  std::vector<std::unique_ptr<uint8_t[]>> segments_;
+  std::vector<std::unique_ptr<transport::LocalRegion>> regions_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<transport::Endpoint>> endpoints_;
+};
+
+// What one engine's layouts ask of the node.
+struct PlannedEngine {
+  v1::ConfigureSourceRequest request;
+  uint64_t bytes = 0;   // every rank's layout, summed: what the node writes per update
+  uint64_t params = 0;  // parameters over all ranks (the writes it posts, about)
+};
+
+// One engine at TP `tp` (EP `ep`): its ranks' layouts are the replica's tables for that parallelism (as a real
+// engine reports). `segment(bytes)` answers each rank's segment descriptor.
+PlannedEngine Plan(const std::string& json_text, const replica::ModelConfig& cfg, const replica::QuantSpec& quant,
+                   int tp, int ep, int64_t epoch, const std::string& target_daemon,
+                   const std::function<std::string(uint64_t)>& segment) {
+  PlannedEngine out;
+  v1::ConfigureSourceRequest& req = out.request;
+  req.set_model_config_json(json_text);
   req.set_plan_epoch(epoch);
+  if (quant.mode == replica::QuantSpec::Mode::kFp8Block) {
+    req.set_quantization("fp8_block");
+    req.add_weight_block_size(quant.block_n);
+    req.add_weight_block_size(quant.block_k);
+  }
   for (int r = 0; r < tp; ++r) {
-    const auto rp = wsync::replica::RankParallelism::ForTp(tp, r);
-    auto table = wsync::replica::BuildParamTable(cfg, rp, wsync::replica::QuantSpec());
+    const auto rp = replica::RankParallelism::ForTp(tp, r, ep);
+    auto table = replica::BuildParamTable(cfg, rp, quant);
     if (!table.ok()) Die("param table", table.status());
     auto* t = req.add_targets();
     t->set_engine_id("e0");
     t->set_rank(r);
-    t->set_target_daemon("null:1");
+    t->set_target_daemon(target_daemon);
     t->set_engine_kind("reference");
     auto* l = t->mutable_layout();
     *l->mutable_parallelism() = wsync::daemon::ToProto(rp);
@@ -154,16 +240,81 @@ v1::ConfigureSourceRequest Plan(const std::string& json, const wsync::replica::M
     seg->set_id(0);
     seg->set_kind("host");
     seg->set_bytes(std::max<uint64_t>(table->total_bytes(), 1));
-    seg->set_region_descriptor(std::to_string(seg->bytes()));
+    seg->set_region_descriptor(segment(seg->bytes()));
     l->set_region_bytes(seg->bytes());
+    out.bytes += table->total_bytes();
+    out.params += table->params().size();
   }
-  return req;
+  return out;
 }
 
-struct HostTensor {
-  wsync::replica::TensorSpec spec;
-  const uint8_t* data = nullptr;
+// A trainer tensor: its spec and where its bytes are in the workload's host buffer (and, for CUDA tensors, at the
+// same offset in the device copy).
+struct Tensor {
+  replica::TensorSpec spec;
+  const uint8_t* host = nullptr;
+  uint64_t offset = 0;
 };
+
+// A model cut to size, the tensors its trainer pushes and how the engine stores them.
+struct Workload {
+  std::string name;   // "dense", "kimi-k2-fp8-64", "deepseek-v3-bf16-fp8-128"
+  std::string label;  // for the output
+  std::string model_path, json_text;
+  replica::ModelConfig cfg;
+  replica::QuantSpec quant;
+  int ep = 1;
+  // The node quantizes what is pushed (bf16 -> FP8): nothing is offered for placement, so no placement run.
+  bool node_quantizes = false;
+  std::vector<int> tps;
+  std::vector<uint8_t> host;
+  std::map<std::string, Tensor> tensors;
+  uint64_t total = 0, largest = 0;
+};
+
+// Reads `path` and applies the cuts (0: keep the model's value).
+std::string CutConfig(const std::string& path, int layers, int dense_layers, int vocab, int experts,
+                      const std::vector<int>& block) {
+  std::ifstream f(path);
+  if (!f.good()) Die("reading " + path, absl::NotFoundError("no such file"));
+  nlohmann::json cj = nlohmann::json::parse(f);
+  if (layers > 0) {
+    cj["num_hidden_layers"] = layers;
+    if (cj.contains("max_window_layers")) cj["max_window_layers"] = layers;
+  }
+  if (dense_layers >= 0 && cj.contains("first_k_dense_replace")) cj["first_k_dense_replace"] = dense_layers;
+  if (cj.contains("num_nextn_predict_layers")) cj["num_nextn_predict_layers"] = 0;
+  if (vocab > 0) cj["vocab_size"] = vocab;
+  for (const char* key : {"num_experts", "n_routed_experts"})
+    if (experts > 0 && cj.contains(key) && cj[key].is_number() && cj[key].get<int>() > experts) cj[key] = experts;
+  if (!block.empty() && cj.contains("quantization_config")) cj["quantization_config"]["weight_block_size"] = block;
+  return cj.dump();
+}
+
+// Fills the workload's tensors: one host buffer, every page written (neither side pays first-touch faults), with
+// bf16 values of a normal distribution tiled (the node's FP8 quantizer sees real numbers; FP8 codes and float32
+// scales pushed as pass-through are bytes of the same pool).
+void Fill(Workload* w, const std::vector<replica::TensorSpec>& specs) {
+  for (const auto& s : specs) w->total += s.bytes(), w->largest = std::max(w->largest, s.bytes());
+  w->host.resize(w->total);
+  std::vector<uint16_t> pool(1 << 20);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  for (auto& v : pool) {
+    const float x = normal(rng);
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    v = static_cast<uint16_t>(bits >> 16);
+  }
+  const uint64_t pool_bytes = pool.size() * 2;
+  for (uint64_t i = 0; i < w->total; i += pool_bytes)
+    std::memcpy(&w->host[i], pool.data(), std::min(pool_bytes, w->total - i));
+  uint64_t at = 0;
+  for (const auto& s : specs) {
+    w->tensors[s.name] = {s, w->host.data() + at, at};
+    at += s.bytes();
+  }
+}
 
 // A rank's mapping of the replica's layout buffers (what the client maps from the daemon's memfds), made once per
 // case (per session), outside the timed updates.
@@ -179,7 +330,7 @@ struct ReplicaMap {
 
 // What one rank's push took (seconds from the case's start).
 struct RankLog {
-  double handover = 0;  // copies into the ring, waits for ring space included
+  double handover = 0;  // copies into the ring or the replica, waits for ring space and CUDA drains included
   double end = 0;       // its last bucket's parameters were handed to the transport
   uint64_t bytes = 0;
   uint64_t placed_bytes = 0;  // of `bytes`, copied straight into the replica
@@ -187,10 +338,16 @@ struct RankLog {
   std::vector<wsync::daemon::BucketTiming> buckets;
 };
 
-// One rank's push of update `version`, as the client library does it.
+// Where a rank's tensors come from: host memory, or (with a copier) the device copy at `device` (same offsets).
+struct RankSource {
+  const uint8_t* device = nullptr;
+  wsync::client::DeviceCopier* copier = nullptr;
+};
+
+// One rank's push of update `version`, as the client library does it (TrainerClient::Push / PushDevice).
 absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& session, wsync::RingProducer& ring,
-                      const ReplicaMap* replica, int64_t version, const std::map<std::string, HostTensor>& tensors,
-                      RankLog* log, Clock::time_point t0) {
+                      const ReplicaMap* replica, const RankSource& from, int64_t version,
+                      const std::map<std::string, Tensor>& tensors, RankLog* log, Clock::time_point t0) {
   v1::BeginPushRequest bp;
   bp.set_session_id(session);
   bp.set_version(version);
@@ -201,8 +358,17 @@ absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& sessio
     for (const auto& p : names.placements()) offers[p.name()] = &p;
   std::vector<std::string> placed;
   uint64_t placed_pending = 0;
+  // CUDA copies must have landed before the daemon reads what they wrote (the client drains before each commit).
+  auto drain = [&]() -> absl::Status {
+    if (from.copier == nullptr) return absl::OkStatus();
+    const auto d0 = Clock::now();
+    absl::Status st = from.copier->Drain();
+    log->handover += Since(d0);
+    return st;
+  };
   auto commit_placed = [&]() -> absl::Status {
     if (placed.empty()) return absl::OkStatus();
+    WSYNC_RETURN_IF_ERROR(drain());
     const auto c0 = Clock::now();
     v1::CommitPlacedRequest cp;
     cp.set_session_id(session);
@@ -220,6 +386,7 @@ absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& sessio
   auto commit = [&]() -> absl::Status {
     if (ring.bucket_tensors() == 0) return absl::OkStatus();
     WSYNC_RETURN_IF_ERROR(wait());
+    WSYNC_RETURN_IF_ERROR(drain());
     WSYNC_ASSIGN_OR_RETURN(uint64_t seq, ring.CommitBucket());
     in_flight = std::async(std::launch::async, [&node, &session, seq]() -> absl::Status {
       v1::CommitBucketRequest cb;
@@ -229,19 +396,38 @@ absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& sessio
     });
     return absl::OkStatus();
   };
+  // FP8 pass-through: a tensor the node names goes as its codes followed by its `_scale_inv` (the node accepts
+  // either form per tensor and names only the weight).
+  std::vector<std::string> order;
   for (const std::string& name : names.tensor_names()) {
-    const HostTensor& t = tensors.at(name);
+    order.push_back(name);
+    if (tensors.count(name + "_scale_inv") > 0) order.push_back(name + "_scale_inv");
+  }
+  for (const std::string& name : order) {
+    const Tensor& t = tensors.at(name);
     const uint64_t bytes = t.spec.bytes();
-    if (auto o = offers.find(name); o != offers.end()) {
-      // The client's host placement: a memcpy per region (per row where the region is strided).
+    const uint8_t* dev = from.copier != nullptr ? from.device + t.offset : nullptr;
+    // An offer is for exactly its dtype and shape (an FP8 replica offers codes and scales, not the bf16 tensor).
+    auto o = offers.find(name);
+    if (o != offers.end() &&
+        (o->second->dtype() != wsync::DTypeName(t.spec.dtype) ||
+         !std::equal(o->second->shape().begin(), o->second->shape().end(), t.spec.shape.begin(), t.spec.shape.end())))
+      o = offers.end();
+    if (o != offers.end()) {
+      // The client's placement: host, a memcpy per region (per row where the region is strided); CUDA, one
+      // cudaMemcpy2DAsync per region.
       const auto h0 = Clock::now();
+      if (dev != nullptr) WSYNC_RETURN_IF_ERROR(from.copier->Check(name, dev, bytes, 0));
       for (const auto& r : o->second->regions()) {
         uint8_t* dst = replica->layouts[r.layout()].first + r.offset();
-        if (r.pitch() == r.row_bytes() && r.src_pitch() == r.row_bytes()) {
-          std::memcpy(dst, t.data + r.src_offset(), r.row_bytes() * static_cast<uint64_t>(r.rows()));
+        if (dev != nullptr) {
+          WSYNC_RETURN_IF_ERROR(from.copier->Copy2DAsync(name, dst, r.pitch(), dev + r.src_offset(), r.src_pitch(),
+                                                         r.row_bytes(), r.rows(), 0, 0, false));
+        } else if (r.pitch() == r.row_bytes() && r.src_pitch() == r.row_bytes()) {
+          std::memcpy(dst, t.host + r.src_offset(), r.row_bytes() * static_cast<uint64_t>(r.rows()));
         } else {
           for (int64_t i = 0; i < r.rows(); ++i)
-            std::memcpy(dst + i * r.pitch(), t.data + r.src_offset() + i * r.src_pitch(), r.row_bytes());
+            std::memcpy(dst + i * r.pitch(), t.host + r.src_offset() + i * r.src_pitch(), r.row_bytes());
         }
       }
       log->handover += Since(h0);
@@ -260,9 +446,14 @@ absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& sessio
       WSYNC_RETURN_IF_ERROR(commit());
     }
     const auto h0 = Clock::now();
+    if (dev != nullptr) WSYNC_RETURN_IF_ERROR(from.copier->Check(name, dev, bytes, 0));
     WSYNC_ASSIGN_OR_RETURN(uint8_t * dst,
                            ring.BeginTensor(name, t.spec.dtype, t.spec.shape, bytes, absl::Seconds(120)));
-    std::memcpy(dst, t.data, bytes);
+    if (dev != nullptr) {
+      WSYNC_RETURN_IF_ERROR(from.copier->CopyAsync(name, dst, dev, bytes, 0, 0));
+    } else {
+      std::memcpy(dst, t.host, bytes);
+    }
     WSYNC_RETURN_IF_ERROR(ring.FinishTensor());
     log->handover += Since(h0);
     log->bytes += bytes;
@@ -293,254 +484,527 @@ double ParallelCopy(uint8_t* dst, const uint8_t* src, uint64_t bytes, int thread
 
 std::vector<int> ParseList(const std::string& s) {
   std::vector<int> out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::stoi(item));
+  for (absl::string_view item : absl::StrSplit(s, ',', absl::SkipEmpty())) out.push_back(std::stoi(std::string(item)));
   return out;
+}
+
+struct BenchOptions {
+  int reps = 3, ring_mib = 512, threads = 1, tcp_streams = 4;
+  bool write_checksums = false, timeline = true;
+  std::string placement = "both";
+};
+
+// One case's figure per mode (ring, placement).
+struct ModeResult {
+  bool placement = false;
+  double gbps = 0, baseline_gbps = 0;
+};
+
+// The baseline a case is measured against: the all-core memcpy of its bytes, taken between its updates (`memcpy`),
+// or a figure measured once before it (`fixed_gbps`: the pinned D2H peak, the tcp transport alone).
+struct Baseline {
+  std::string name;
+  double fixed_gbps = 0;  // 0: the memcpy between updates
+  std::vector<uint8_t>* scratch = nullptr;
+};
+
+// Runs one case: a fresh node configured for `w` at engine TP `tp`, R ranks' sessions, then --reps updates per
+// placement mode. `tcp`: through the real tcp transport into that target (else the null transport); `device`: the
+// ranks push CUDA tensors from this device copy. Appends its JSON to `results`.
+std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int tp, int R, TcpTarget* tcp,
+                                const uint8_t* device, const Baseline& base, const BenchOptions& opt, int64_t* epoch,
+                                int64_t* version, json* results) {
+  const uint64_t ring_bytes = std::max<uint64_t>(static_cast<uint64_t>(opt.ring_mib) << 20,
+                                                 (w.largest + (64ull << 20)) / (1 << 20) * (1 << 20));
+  NullTransport null_transport;
+  wsync::daemon::SourceOptions o;
+  o.node_id = "bench";
+  o.trainer_ranks = R;
+  o.ring_bytes = ring_bytes;
+  o.write_checksums = opt.write_checksums;
+  o.push_timeout = absl::Seconds(600);
+  std::mutex log_mu;
+  std::vector<RankLog> logs(R);
+  o.bucket_observer = [&](const wsync::daemon::BucketTiming& b) {
+    std::lock_guard<std::mutex> l(log_mu);
+    logs[b.local_rank].buckets.push_back(b);
+  };
+  wsync::daemon::ConnectTargetFn connect = [tcp](const std::string&,
+                                                 const v1::ConnectTargetRequest& req) -> absl::StatusOr<std::string> {
+    if (tcp == nullptr) return std::string("null");
+    return tcp->Connect(req);
+  };
+  wsync::daemon::SourceNode node(o, tcp != nullptr ? tcp->source() : &null_transport, connect);
+  const PlannedEngine plan = Plan(w.json_text, w.cfg, w.quant, tp, w.ep, ++*epoch,
+                                  tcp != nullptr ? "loopback-target:1" : "null:1", [tcp](uint64_t bytes) {
+                                    if (tcp == nullptr) return std::to_string(bytes);
+                                    auto d = tcp->AddSegment(bytes);
+                                    if (!d.ok()) Die("target segment", d.status());
+                                    return *d;
+                                  });
+  if (auto c = node.Configure(plan.request); !c.ok()) Die("configure", c.status());
+  std::vector<std::string> sessions;
+  std::vector<wsync::ScopedFd> fds;
+  std::vector<std::unique_ptr<wsync::RingProducer>> producers;
+  for (int r = 0; r < R; ++r) {
+    wsync::daemon::SessionRequest sr;
+    sr.local_rank = r;
+    auto s = node.OpenSession(sr);
+    if (!s.ok()) Die("open session", s.status());
+    sessions.push_back(s->id);
+    fds.push_back(std::move(s->ring_fd));
+    // Attached once per session, as the client does (the mapping is populated then, not per update).
+    auto prod = wsync::RingProducer::Attach(fds.back().get());
+    if (!prod.ok()) Die("ring", prod.status());
+    producers.push_back(std::make_unique<wsync::RingProducer>(*std::move(prod)));
+  }
+  // Mapped once per session, as the client does; placement runs only use them.
+  std::vector<std::unique_ptr<ReplicaMap>> maps;
+  for (int r = 0; r < R && opt.placement != "off"; ++r) {
+    auto h = node.ReplicaFds(sessions[r]);
+    if (!h.ok()) Die("replica fds", h.status());
+    auto m = std::make_unique<ReplicaMap>();
+    for (size_t i = 0; i < h->fds.size(); ++i) {
+      void* a = mmap(nullptr, h->bytes[i], PROT_READ | PROT_WRITE, MAP_SHARED, h->fds[i].get(), 0);
+      if (a == MAP_FAILED) Die("mapping the replica", absl::ErrnoToStatus(errno, "mmap"));
+      m->layouts.push_back({static_cast<uint8_t*>(a), h->bytes[i]});
+    }
+    maps.push_back(std::move(m));
+  }
+  // CUDA tensors: a copier per rank, its ring and replica mappings page-locked once per session (as the client
+  // does). Declared after the rings and mappings: destroyed (unregistered) before them.
+  std::vector<std::unique_ptr<wsync::client::DeviceCopier>> copiers;
+  for (int r = 0; r < R && device != nullptr; ++r) {
+    auto c = wsync::client::DeviceCopier::Create(producers[r]->data_area(), producers[r]->capacity(),
+                                                 absl::StrCat("rank ", r, " ring"));
+    if (!c.ok()) Die("device copier", c.status());
+    for (size_t i = 0; r < static_cast<int>(maps.size()) && i < maps[r]->layouts.size(); ++i)
+      if (auto st = (*c)->RegisterDestination(maps[r]->layouts[i].first, maps[r]->layouts[i].second,
+                                              absl::StrCat("replica layout ", i));
+          !st.ok())
+        Die("registering the replica mapping", st);
+    copiers.push_back(*std::move(c));
+  }
+  const uint64_t bytes = tcp != nullptr ? plan.bytes : w.total;
+  std::vector<bool> modes;
+  if (opt.placement != "on" || w.node_quantizes) modes.push_back(false);
+  if (opt.placement != "off" && !w.node_quantizes) modes.push_back(true);
+  std::vector<ModeResult> out;
+  double ring_gbps = 0;
+  for (const bool place : modes) {
+    double best = 1e30, case_copy_s = 1e30;
+    std::vector<RankLog> best_logs;
+    for (int rep = 1; rep <= opt.reps; ++rep) {
+      const int64_t v = ++*version;
+      for (auto& l : logs) l = RankLog();
+      v1::StartUpdateRequest su;
+      su.set_version(v);
+      su.set_plan_epoch(*epoch);
+      su.set_no_placement(!place);
+      if (auto st = node.StartUpdate(su); !st.ok()) Die("start update", st);
+      // The memcpy baseline again between this case's updates, so both figures of a ratio see the same machine (on
+      // a shared machine the memory bandwidth left over varies from minute to minute).
+      if (base.fixed_gbps == 0)
+        case_copy_s = std::min(case_copy_s, ParallelCopy(base.scratch->data(), w.host.data(), w.total, opt.threads));
+      std::vector<std::future<absl::Status>> pushes;
+      const auto t0 = Clock::now();
+      for (int r = 0; r < R; ++r)
+        pushes.push_back(std::async(std::launch::async, [&, r] {
+          const RankSource from{device, device != nullptr ? copiers[r].get() : nullptr};
+          return PushRank(node, sessions[r], *producers[r], place ? maps[r].get() : nullptr, from, v, w.tensors,
+                          &logs[r], t0);
+        }));
+      for (auto& p : pushes)
+        if (auto st = p.get(); !st.ok()) Die(absl::StrCat(case_name, " push"), st);
+      double s = 0;
+      for (const auto& l : logs) s = std::max(s, l.end);
+      v1::FinishUpdateRequest fu;
+      fu.set_version(v);
+      fu.set_plan_epoch(*epoch);
+      fu.set_timeout_seconds(600);
+      auto fin =
+          node.FinishUpdate(fu);  // every required parameter was completed and posted (and landed), or this fails
+      if (!fin.ok()) Die("finish update", fin.status());
+      if (tcp != nullptr) s = Since(t0);  // the writes landed in the target
+      if (s < best) {
+        best = s;
+        std::lock_guard<std::mutex> l(log_mu);
+        best_logs = logs;
+      }
+    }
+    const double gbps = bytes / best / 1e9;
+    const double base_gbps = base.fixed_gbps > 0 ? base.fixed_gbps : w.total / case_copy_s / 1e9;
+    uint64_t placed_bytes = 0;
+    for (const auto& l : best_logs) placed_bytes += l.placed_bytes;
+    if (!place) ring_gbps = gbps;
+    out.push_back({place, gbps, base_gbps});
+    std::printf("%s %s TP %d%s, R %d, %s: %.2f GB in %.3f s = %.2f GB/s, %.2fx %s (%.2f GB/s)", case_name.c_str(),
+                w.label.c_str(), tp, w.ep > 1 ? absl::StrCat(" EP ", w.ep).c_str() : "", R,
+                place ? "placement" : "ring", bytes / 1e9, best, gbps, gbps / base_gbps, base.name.c_str(), base_gbps);
+    if (place)
+      std::printf(
+          "; %.0f%% of the bytes placed%s", 100.0 * placed_bytes / w.total,
+          ring_gbps > 0 ? absl::StrCat(", placement / ring ", absl::StrFormat("%.2f", gbps / ring_gbps)).c_str() : "");
+    std::printf("\n");
+    json ranks_json = json::array();
+    for (int r = 0; r < R; ++r) {
+      const RankLog& l = best_logs[r];
+      double wait = 0, load = 0, send = 0;
+      for (const auto& b : l.buckets) {
+        wait += absl::ToDoubleSeconds(b.begin - b.got);
+        load += absl::ToDoubleSeconds(b.loaded - b.begin);
+        send += absl::ToDoubleSeconds(b.posted - b.loaded);
+      }
+      if (opt.timeline)
+        std::printf(
+            "  rank %d: %zu buckets, %.2f GB (%.2f GB placed): hand-over %.3f s, lock wait %.3f s, load %.3f s, "
+            "send %.3f s, placed commits %.3f s, done at %.3f s\n",
+            r, l.buckets.size(), l.bytes / 1e9, l.placed_bytes / 1e9, l.handover, wait, load, send, l.commit_placed,
+            l.end);
+      ranks_json.push_back({{"rank", r},
+                            {"buckets", l.buckets.size()},
+                            {"bytes", l.bytes},
+                            {"placed_bytes", l.placed_bytes},
+                            {"handover_s", l.handover},
+                            {"lock_wait_s", wait},
+                            {"load_s", load},
+                            {"send_s", send},
+                            {"commit_placed_s", l.commit_placed},
+                            {"end_s", l.end}});
+    }
+    std::fflush(stdout);
+    results->push_back({{"case", case_name},
+                        {"workload", w.name},
+                        {"tensors", device != nullptr ? "cuda" : "host"},
+                        {"tp", tp},
+                        {"ep", w.ep},
+                        {"ranks", R},
+                        {"placement", place},
+                        {"gbps", gbps},
+                        {"baseline", base.name},
+                        {"baseline_gbps", base_gbps},
+                        {"ratio", gbps / base_gbps},
+                        {"bytes", bytes},
+                        {"placed_bytes", placed_bytes},
+                        {"placement_over_ring", place && ring_gbps > 0 ? gbps / ring_gbps : 0.0},
+                        {"seconds", best},
+                        {"per_rank", ranks_json}});
+  }
+  return out;
+}
+
+// The figure the planner takes for a (case, R): placement where it ran (the client's default), else the ring.
+double PlannerFigure(const std::vector<ModeResult>& modes) {
+  double g = 0;
+  for (const auto& m : modes) g = m.placement || g == 0 ? m.gbps : g;
+  return g;
+}
+
+std::string UtcNow() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "bench_node: trainer ranks pushing host tensors through one source node (in-process, null transport) "
-      "vs all-core memcpy of the same bytes"};
-  std::string model = std::string(WSYNC_MODELS_DIR) + "/Qwen__Qwen3-8B/config.json";
-  std::string ranks_list = "1,4,8", tp_list = "1,8";
-  int layers = 0, vocab = 0, reps = 3, ring_mib = 512;
-  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  bool write_checksums = false, timeline = true;
-  std::string placement = "both";
-  app.add_option("--model", model, "a dense model's config.json (bf16)")->capture_default_str();
-  app.add_option("--ranks", ranks_list, "trainer ranks R, comma-separated")->capture_default_str();
-  app.add_option("--tp", tp_list, "engine tensor-parallel sizes (one engine, all its ranks written by this node)")
+      "bench_node: trainer ranks pushing through one source node (in-process) vs a baseline of the same bytes "
+      "measured in the same run: dense and MoE FP8 host tensors vs all-core memcpy, through a loopback tcp target "
+      "vs the tcp transport alone, CUDA tensors vs the pinned D2H peak"};
+  std::string models_dir = WSYNC_MODELS_DIR, model, kimi, dsv3;
+  std::string cases_list = "dense,moe,tcp,cuda", ranks_list = "1,4,8", tp_list = "1,8";
+  std::string results_out, machine;
+  int layers = 0, vocab = 0, moe_layers = 4, moe_dense = 1, moe_vocab = 16384, experts = 16, d2h_streams = 4;
+  double tcp_seconds = 1.0;
+  bool quick = false;
+  BenchOptions opt;
+  opt.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  app.add_option("--cases", cases_list, "dense, moe, tcp, cuda: comma-separated")->capture_default_str();
+  app.add_flag("--quick", quick,
+               "small shapes (1 layer, vocab 4096; MoE: one MoE layer of 8 experts; R = 1,2; 2 reps) unless given "
+               "explicitly: every case in well under a minute on 2 cores");
+  app.add_option("--models-dir", models_dir,
+                 "holds <org>__<name>/config.json of Qwen3-8B, Kimi-K2-Instruct and DeepSeek-V3 (a bundle's "
+                 "tests/data/models)")
       ->capture_default_str();
-  app.add_option("--layers", layers, "override num_hidden_layers (0: the model's) to size the push down")
-      ->check(CLI::Range(0, 1000));
-  app.add_option("--vocab", vocab, "override vocab_size (0: the model's)")->check(CLI::Range(0, 1 << 22));
-  app.add_option("--reps", reps, "updates per case; the best counts")->check(CLI::Range(1, 100))->capture_default_str();
-  app.add_option("--ring-mib", ring_mib, "ring per rank, MiB (wsyncd --ring-mib; enlarged to fit the largest tensor)")
+  app.add_option("--model", model, "the dense model's config.json (bf16; default: Qwen3-8B in --models-dir)");
+  app.add_option("--kimi-model", kimi, "Kimi-K2's config.json (FP8 64x64 pass-through; default: in --models-dir)");
+  app.add_option("--deepseek-model", dsv3,
+                 "DeepSeek-V3's config.json (bf16 -> FP8 128x128 on the node; default: in --models-dir)");
+  app.add_option("--ranks", ranks_list, "trainer ranks R, comma-separated")->capture_default_str();
+  app.add_option("--tp", tp_list, "dense engine tensor-parallel sizes (one engine, all its ranks written by this node)")
+      ->capture_default_str();
+  app.add_option("--layers", layers, "dense: override num_hidden_layers (0: the model's)")->check(CLI::Range(0, 1000));
+  app.add_option("--vocab", vocab, "dense: override vocab_size (0: the model's)")->check(CLI::Range(0, 1 << 22));
+  app.add_option("--moe-layers", moe_layers, "MoE: layers kept (the first --moe-dense dense, the rest MoE)")
+      ->check(CLI::Range(1, 61))
+      ->capture_default_str();
+  app.add_option("--moe-dense", moe_dense, "MoE: of those, dense layers first (first_k_dense_replace)")
+      ->check(CLI::Range(0, 61))
+      ->capture_default_str();
+  app.add_option("--moe-vocab", moe_vocab, "MoE: vocab_size (0: the model's)")
+      ->check(CLI::Range(0, 1 << 22))
+      ->capture_default_str();
+  app.add_option("--experts", experts, "MoE: routed experts per layer, capped (each keeps its real size; >= 8)")
+      ->check(CLI::Range(8, 4096))
+      ->capture_default_str();
+  app.add_option("--reps", opt.reps, "updates per case; the best counts")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
+  app.add_option("--ring-mib", opt.ring_mib,
+                 "ring per rank, MiB (wsyncd --ring-mib; enlarged to fit the largest tensor)")
       ->check(CLI::Range(8, 1 << 16))
       ->capture_default_str();
-  app.add_option("--threads", threads, "memcpy baseline threads")->check(CLI::Range(1, 1024))->capture_default_str();
-  app.add_flag("--write-checksums", write_checksums,
+  app.add_option("--threads", opt.threads, "memcpy baseline threads")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--tcp-streams", opt.tcp_streams, "tcp: connections per endpoint, node and baseline alike")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_option("--tcp-seconds", tcp_seconds, "tcp baseline: measurement time per message size")
+      ->capture_default_str();
+  app.add_option("--d2h-streams", d2h_streams, "cuda baseline: streams of the split pinned D2H copy")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_flag("--write-checksums", opt.write_checksums,
                "hash what is written on the node's hash pool (wsyncd's default; off here: the data path alone)");
-  app.add_option("--placement", placement,
+  app.add_option("--placement", opt.placement,
                  "zero-copy placement: on, off, or both (each case run both ways, placement ÷ ring reported)")
       ->check(CLI::IsMember({"on", "off", "both"}))
       ->capture_default_str();
-  app.add_flag("--timeline,!--no-timeline", timeline, "print the per-rank timeline of each case's best update");
+  app.add_flag("--timeline,!--no-timeline", opt.timeline, "print the per-rank timeline of each case's best update");
+  app.add_option("--results-out", results_out,
+                 "write the node rates for the planner (planner/node_rates.h format) to this file");
+  app.add_option("--machine", machine, "what the results file says this ran on (default: cores, memory, GPU)");
   CLI11_PARSE(app, argc, argv);
-
-  std::ifstream f(model);
-  if (!f.good()) Die("reading " + model, absl::NotFoundError("no such file"));
-  nlohmann::json cj = nlohmann::json::parse(f);
-  if (layers > 0) cj["num_hidden_layers"] = layers, cj["max_window_layers"] = layers;
-  if (vocab > 0) cj["vocab_size"] = vocab;
-  const std::string json = cj.dump();
-  auto cfg = wsync::replica::ModelConfig::FromJson(json);
-  if (!cfg.ok()) Die("model config", cfg.status());
-  auto specs = wsync::replica::CheckpointTensors(*cfg);
-  if (!specs.ok()) Die("checkpoint tensors", specs.status());
-
-  // The trainer's host tensors, once: one buffer, every page written (so neither side pays first-touch faults).
-  uint64_t total = 0, largest = 0;
-  for (const auto& s : *specs) total += s.bytes(), largest = std::max(largest, s.bytes());
-  std::vector<uint8_t> host(total), scratch(total);
-  for (uint64_t i = 0; i < total; i += 8) {
-    const uint64_t v = (i * 0x9E3779B97F4A7C15ull) >> 3;
-    std::memcpy(&host[i], &v, std::min<uint64_t>(8, total - i));
+  if (model.empty()) model = models_dir + "/Qwen__Qwen3-8B/config.json";
+  if (kimi.empty()) kimi = models_dir + "/moonshotai__Kimi-K2-Instruct/config.json";
+  if (dsv3.empty()) dsv3 = models_dir + "/deepseek-ai__DeepSeek-V3/config.json";
+  if (quick) {
+    if (app.count("--layers") == 0) layers = 1;
+    if (app.count("--vocab") == 0) vocab = 4096;
+    if (app.count("--moe-layers") == 0) moe_layers = 1;
+    if (app.count("--moe-dense") == 0) moe_dense = 0;
+    if (app.count("--moe-vocab") == 0) moe_vocab = 2048;
+    if (app.count("--experts") == 0) experts = 8;
+    if (app.count("--ranks") == 0) ranks_list = "1,2";
+    if (app.count("--reps") == 0) opt.reps = 2;
+    if (app.count("--ring-mib") == 0) opt.ring_mib = 64;
+    if (app.count("--tcp-seconds") == 0) tcp_seconds = 0.3;
   }
-  std::memset(scratch.data(), 1, total);
-  std::map<std::string, HostTensor> tensors;
-  uint64_t at = 0;
-  for (const auto& s : *specs) {
-    tensors[s.name] = {s, host.data() + at};
-    at += s.bytes();
+  std::map<std::string, bool> run;
+  for (absl::string_view c : absl::StrSplit(cases_list, ',', absl::SkipEmpty())) {
+    if (c != "dense" && c != "moe" && c != "tcp" && c != "cuda") Die("--cases", absl::InvalidArgumentError(c));
+    run[std::string(c)] = true;
   }
-  const uint64_t ring_bytes =
-      std::max<uint64_t>(static_cast<uint64_t>(ring_mib) << 20, (largest + (64ull << 20)) / (1 << 20) * (1 << 20));
-
-  double copy_s = 1e30;
-  for (int i = 0; i < std::max(reps, 3); ++i)
-    copy_s = std::min(copy_s, ParallelCopy(scratch.data(), host.data(), total, threads));
-  const double copy_gbps = total / copy_s / 1e9;
-  double copy1_s = ParallelCopy(scratch.data(), host.data(), total, 1);
-  std::printf(
-      "model %s: %lld layers, vocab %lld, %zu tensors, %.2f GB bf16; ring %llu MiB per rank; write checksums "
-      "%s; hardware threads %u\n",
-      model.c_str(), static_cast<long long>(cfg->num_layers), static_cast<long long>(cfg->vocab_size), specs->size(),
-      total / 1e9, static_cast<unsigned long long>(ring_bytes >> 20), write_checksums ? "on" : "off",
-      std::thread::hardware_concurrency());
-  std::printf("baseline: memcpy of the same bytes on %d threads: %.2f GB/s (1 thread: %.2f GB/s)\n", threads, copy_gbps,
-              total / copy1_s / 1e9);
-
-  nlohmann::ordered_json results = nlohmann::ordered_json::array();
-  double headline = 0, headline_copy = copy_gbps, headline_placed = 0, headline_placed_copy = copy_gbps;
-  int64_t epoch = 0, version = 0;
-  for (int tp : ParseList(tp_list)) {
-    for (int R : ParseList(ranks_list)) {
-      NullTransport null_transport;
-      wsync::daemon::SourceOptions o;
-      o.node_id = "bench";
-      o.trainer_ranks = R;
-      o.ring_bytes = ring_bytes;
-      o.write_checksums = write_checksums;
-      o.push_timeout = absl::Seconds(600);
-      std::mutex log_mu;
-      std::vector<RankLog> logs(R);
-      o.bucket_observer = [&](const wsync::daemon::BucketTiming& b) {
-        std::lock_guard<std::mutex> l(log_mu);
-        logs[b.local_rank].buckets.push_back(b);
-      };
-      wsync::daemon::SourceNode node(
-          o, &null_transport,
-          [](const std::string&, const v1::ConnectTargetRequest&) -> absl::StatusOr<std::string> { return "null"; });
-      const v1::ConfigureSourceRequest plan = Plan(json, *cfg, tp, ++epoch);
-      if (auto c = node.Configure(plan); !c.ok()) Die("configure", c.status());
-      std::vector<std::string> sessions;
-      std::vector<wsync::ScopedFd> fds;
-      std::vector<std::unique_ptr<wsync::RingProducer>> producers;
-      for (int r = 0; r < R; ++r) {
-        wsync::daemon::SessionRequest sr;
-        sr.local_rank = r;
-        auto s = node.OpenSession(sr);
-        if (!s.ok()) Die("open session", s.status());
-        sessions.push_back(s->id);
-        fds.push_back(std::move(s->ring_fd));
-        // Attached once per session, as the client does (the mapping is populated then, not per update).
-        auto prod = wsync::RingProducer::Attach(fds.back().get());
-        if (!prod.ok()) Die("ring", prod.status());
-        producers.push_back(std::make_unique<wsync::RingProducer>(*std::move(prod)));
-      }
-      // Mapped once per session, as the client does; placement runs only use them.
-      std::vector<std::unique_ptr<ReplicaMap>> maps;
-      for (int r = 0; r < R && placement != "off"; ++r) {
-        auto h = node.ReplicaFds(sessions[r]);
-        if (!h.ok()) Die("replica fds", h.status());
-        auto m = std::make_unique<ReplicaMap>();
-        for (size_t i = 0; i < h->fds.size(); ++i) {
-          void* a = mmap(nullptr, h->bytes[i], PROT_READ | PROT_WRITE, MAP_SHARED, h->fds[i].get(), 0);
-          if (a == MAP_FAILED) Die("mapping the replica", absl::ErrnoToStatus(errno, "mmap"));
-          m->layouts.push_back({static_cast<uint8_t*>(a), h->bytes[i]});
-        }
-        maps.push_back(std::move(m));
-      }
-      std::vector<bool> modes;
-      if (placement != "on") modes.push_back(false);
-      if (placement != "off") modes.push_back(true);
-      double ring_gbps = 0;
-      for (const bool place : modes) {
-        double best = 1e30, case_copy_s = 1e30;
-        std::vector<RankLog> best_logs;
-        Clock::time_point best_t0;
-        for (int rep = 1; rep <= reps; ++rep) {
-          const int64_t v = ++version;
-          for (auto& l : logs) l = RankLog();
-          v1::StartUpdateRequest su;
-          su.set_version(v);
-          su.set_plan_epoch(epoch);
-          su.set_no_placement(!place);
-          if (auto st = node.StartUpdate(su); !st.ok()) Die("start update", st);
-          // The baseline again between this case's updates, so both figures of a ratio see the same machine (on a
-          // shared machine the memory bandwidth left over varies from minute to minute).
-          case_copy_s = std::min(case_copy_s, ParallelCopy(scratch.data(), host.data(), total, threads));
-          std::vector<std::future<absl::Status>> pushes;
-          const auto t0 = Clock::now();
-          for (int r = 0; r < R; ++r)
-            pushes.push_back(std::async(std::launch::async, [&, r] {
-              return PushRank(node, sessions[r], *producers[r], place ? maps[r].get() : nullptr, v, tensors, &logs[r],
-                              t0);
-            }));
-          for (auto& p : pushes)
-            if (auto st = p.get(); !st.ok()) Die("push", st);
-          double s = 0;
-          for (const auto& l : logs) s = std::max(s, l.end);
-          v1::FinishUpdateRequest fu;
-          fu.set_version(v);
-          fu.set_plan_epoch(epoch);
-          fu.set_timeout_seconds(600);
-          auto fin = node.FinishUpdate(fu);  // every required parameter was completed and posted, or this fails
-          if (!fin.ok()) Die("finish update", fin.status());
-          if (s < best) {
-            best = s;
-            std::lock_guard<std::mutex> l(log_mu);
-            best_logs = logs;
-            best_t0 = t0;
-          }
-        }
-        const double gbps = total / best / 1e9, case_copy_gbps = total / case_copy_s / 1e9;
-        uint64_t placed_bytes = 0;
-        for (const auto& l : best_logs) placed_bytes += l.placed_bytes;
-        const bool headline_case = tp == ParseList(tp_list).front() && R == ParseList(ranks_list).back();
-        if (headline_case && !place) headline = gbps, headline_copy = case_copy_gbps;
-        if (headline_case && place) headline_placed = gbps, headline_placed_copy = case_copy_gbps;
-        if (!place) ring_gbps = gbps;
-        std::printf(
-            "TP %d, R %d, %s: %.2f GB in %.3f s = %.2f GB/s, %.2fx the all-core memcpy (%.2f GB/s, between its "
-            "updates)",
-            tp, R, place ? "placement" : "ring", total / 1e9, best, gbps, gbps / case_copy_gbps, case_copy_gbps);
-        if (place)
-          std::printf("; %.0f%% of the bytes placed%s", 100.0 * placed_bytes / total,
-                      ring_gbps > 0
-                          ? absl::StrCat(", placement / ring ", absl::StrFormat("%.2f", gbps / ring_gbps)).c_str()
-                          : "");
-        std::printf("\n");
-        nlohmann::ordered_json ranks_json = nlohmann::ordered_json::array();
-        for (int r = 0; r < R; ++r) {
-          const RankLog& l = best_logs[r];
-          double wait = 0, load = 0, send = 0;
-          for (const auto& b : l.buckets) {
-            wait += absl::ToDoubleSeconds(b.begin - b.got);
-            load += absl::ToDoubleSeconds(b.loaded - b.begin);
-            send += absl::ToDoubleSeconds(b.posted - b.loaded);
-          }
-          if (timeline)
-            std::printf(
-                "  rank %d: %zu buckets, %.2f GB (%.2f GB placed): hand-over %.3f s, lock wait %.3f s, load %.3f s, "
-                "send %.3f s, placed commits %.3f s, done at %.3f s\n",
-                r, l.buckets.size(), l.bytes / 1e9, l.placed_bytes / 1e9, l.handover, wait, load, send, l.commit_placed,
-                l.end);
-          ranks_json.push_back({{"rank", r},
-                                {"buckets", l.buckets.size()},
-                                {"bytes", l.bytes},
-                                {"placed_bytes", l.placed_bytes},
-                                {"handover_s", l.handover},
-                                {"lock_wait_s", wait},
-                                {"load_s", load},
-                                {"send_s", send},
-                                {"commit_placed_s", l.commit_placed},
-                                {"end_s", l.end}});
-        }
-        results.push_back({{"tp", tp},
-                           {"ranks", R},
-                           {"placement", place},
-                           {"gbps", gbps},
-                           {"ratio", gbps / case_copy_gbps},
-                           {"memcpy_gbps", case_copy_gbps},
-                           {"placed_bytes", placed_bytes},
-                           {"placement_over_ring", place && ring_gbps > 0 ? gbps / ring_gbps : 0.0},
-                           {"seconds", best},
-                           {"per_rank", ranks_json}});
-      }
+  json skipped = json::object();
+  if (run["cuda"]) {
+    if (absl::Status st = wsync::bench::DeviceTensors::Available(); !st.ok()) {
+      std::printf("cuda: skipped: %s\n", std::string(st.message()).c_str());
+      skipped["cuda"] = std::string(st.message());
+      run["cuda"] = false;
     }
   }
-  nlohmann::ordered_json j = {
-      {"bench", "source_node_push_host_tensors_vs_all_core_memcpy"},
-      {"value", headline},
-      {"baseline", headline_copy},
-      {"ratio", headline > 0 ? headline / headline_copy : 0.0},
-      {"placement_value", headline_placed},
-      {"placement_ratio", headline_placed > 0 ? headline_placed / headline_placed_copy : 0.0},
-      {"placement_over_ring", headline > 0 && headline_placed > 0 ? headline_placed / headline : 0.0},
-      {"unit", "GB/s"},
-      {"model", model},
-      {"layers", cfg->num_layers},
-      {"bytes", total},
-      {"write_checksums", write_checksums},
-      {"memcpy_threads", threads},
-      {"hardware_threads", std::thread::hardware_concurrency()},
-      {"results", results}};
+  const std::vector<int> ranks = ParseList(ranks_list), tps = ParseList(tp_list);
+  if (ranks.empty() || tps.empty()) Die("--ranks/--tp", absl::InvalidArgumentError("empty list"));
+
+  auto load = [&](Workload* w, const std::string& name, const std::string& label, const std::string& path,
+                  const std::string& cut, replica::QuantSpec quant, int ep, std::vector<int> wtps,
+                  bool fp8_pass_through) {
+    w->name = name;
+    w->label = label;
+    w->model_path = path;
+    w->json_text = cut;
+    auto cfg = replica::ModelConfig::FromJson(cut);
+    if (!cfg.ok()) Die("model config " + path, cfg.status());
+    w->cfg = *cfg;
+    w->quant = quant;
+    w->ep = ep;
+    w->tps = std::move(wtps);
+    w->node_quantizes = quant.mode == replica::QuantSpec::Mode::kFp8Block && !fp8_pass_through;
+    auto specs = fp8_pass_through ? replica::CheckpointTensors(w->cfg, replica::CheckpointFormat::kFp8PassThrough,
+                                                               quant.block_n, quant.block_k)
+                                  : replica::CheckpointTensors(w->cfg);
+    if (!specs.ok()) Die("checkpoint tensors " + path, specs.status());
+    Fill(w, *specs);
+    std::printf("%s: %s, %lld layers, vocab %lld, %zu tensors, %.2f GB pushed%s\n", name.c_str(), path.c_str(),
+                static_cast<long long>(w->cfg.num_layers), static_cast<long long>(w->cfg.vocab_size), specs->size(),
+                w->total / 1e9,
+                quant.mode == replica::QuantSpec::Mode::kFp8Block
+                    ? absl::StrFormat(", engine FP8 %dx%d blocks, routed experts capped at %d", quant.block_n,
+                                      quant.block_k, experts)
+                          .c_str()
+                    : "");
+  };
+  std::vector<std::unique_ptr<Workload>> dense_w, moe_w;
+  if (run["dense"] || run["tcp"] || run["cuda"]) {
+    dense_w.push_back(std::make_unique<Workload>());
+    load(dense_w.back().get(), "dense", "dense bf16", model, CutConfig(model, layers, -1, vocab, 0, {}), {}, 1, tps,
+         false);
+  }
+  if (run["moe"] || run["cuda"]) {
+    replica::QuantSpec fp8_64;
+    fp8_64.mode = replica::QuantSpec::Mode::kFp8Block;
+    fp8_64.block_n = fp8_64.block_k = 64;
+    moe_w.push_back(std::make_unique<Workload>());
+    load(moe_w.back().get(), "kimi-k2-fp8-64", "Kimi-K2 FP8 64x64 pass-through", kimi,
+         CutConfig(kimi, moe_layers, moe_dense, moe_vocab, experts, {64, 64}), fp8_64, 8, {8}, true);
+    replica::QuantSpec fp8_128;
+    fp8_128.mode = replica::QuantSpec::Mode::kFp8Block;
+    moe_w.push_back(std::make_unique<Workload>());
+    load(moe_w.back().get(), "deepseek-v3-bf16-fp8-128", "DeepSeek-V3 bf16 -> FP8 128x128", dsv3,
+         CutConfig(dsv3, moe_layers, moe_dense, moe_vocab, experts, {}), fp8_128, 8, {8}, false);
+  }
+  uint64_t largest_total = 0;
+  for (auto* ws : {&dense_w, &moe_w})
+    for (auto& w : *ws) largest_total = std::max(largest_total, w->total);
+  std::vector<uint8_t> scratch(largest_total, 1);
+  std::printf("hardware threads %u; write checksums %s; ring %d MiB per rank (at least)\n",
+              std::thread::hardware_concurrency(), opt.write_checksums ? "on" : "off", opt.ring_mib);
+  for (auto* ws : {&dense_w, &moe_w})
+    for (auto& w : *ws) {
+      double s = 1e30, s1 = ParallelCopy(scratch.data(), w->host.data(), w->total, 1);
+      // Informational (each case's ratio uses the copies between its own updates): one warm copy is enough.
+      s = ParallelCopy(scratch.data(), w->host.data(), w->total, opt.threads);
+      std::printf("baseline %s: memcpy of the same bytes on %d threads: %.2f GB/s (1 thread: %.2f GB/s)\n",
+                  w->name.c_str(), opt.threads, w->total / s / 1e9, w->total / s1 / 1e9);
+    }
+
+  json results = json::array();
+  int64_t epoch = 0, version = 0;
+  // (case, workload) -> per R, the planner's figure; and the dense headline.
+  std::map<std::pair<std::string, std::string>, std::vector<std::pair<int, double>>> curves;
+  double headline = 0, headline_base = 0, headline_placed = 0;
+  const Baseline memcpy_base{absl::StrFormat("the %d-thread memcpy", opt.threads), 0, &scratch};
+  auto run_all = [&](const std::string& case_name, Workload& w, TcpTarget* (*make_tcp)(int), const uint8_t* device,
+                     const Baseline& base, const std::vector<int>& case_tps) {
+    for (int tp : case_tps)
+      for (int R : ranks) {
+        std::unique_ptr<TcpTarget> tcp;
+        if (make_tcp != nullptr) tcp.reset(make_tcp(opt.tcp_streams));
+        auto modes = RunCase(case_name, w, tp, R, tcp.get(), device, base, opt, &epoch, &version, &results);
+        if (tp == case_tps.front()) curves[{case_name, w.name}].emplace_back(R, PlannerFigure(modes));
+        if (case_name == "dense" && tp == case_tps.front() && R == ranks.back())
+          for (const auto& m : modes) {
+            if (!m.placement) headline = m.gbps, headline_base = m.baseline_gbps;
+            if (m.placement) headline_placed = m.gbps;
+          }
+      }
+  };
+  if (run["dense"]) run_all("dense", *dense_w[0], nullptr, nullptr, memcpy_base, tps);
+  if (run["moe"])
+    for (auto& w : moe_w) run_all("moe", *w, nullptr, nullptr, memcpy_base, w->tps);
+  if (run["tcp"]) {
+    Workload& w = *dense_w[0];
+    // The node's writes are whole parameters: the baseline at their mean size (and at 64 MiB, bench_transport's
+    // headline size), the same streams.
+    uint64_t total_params = 0, written = 0;
+    for (int r = 0; r < tps.front(); ++r) {
+      auto t = replica::BuildParamTable(w.cfg, replica::RankParallelism::ForTp(tps.front(), r), {});
+      if (!t.ok()) Die("param table", t.status());
+      total_params += t->params().size();
+      written += t->total_bytes();
+    }
+    const uint64_t mean =
+        std::clamp<uint64_t>(written / std::max<uint64_t>(total_params, 1) / 4096 * 4096, 64 << 10, 64 << 20);
+    wsync::bench::TcpBenchOptions topts;
+    topts.sizes = {mean, 64ull << 20};
+    topts.per_size = absl::Seconds(tcp_seconds);
+    topts.streams = opt.tcp_streams;
+    auto sweep = wsync::bench::RunTcpTransportSweep(topts);
+    if (!sweep.ok()) Die("tcp transport baseline", sweep.status());
+    std::printf(
+        "baseline tcp: the tcp transport alone over loopback, %d streams: %.2f GB/s at %llu KiB (the node's "
+        "mean write), %.2f GB/s at 64 MiB\n",
+        opt.tcp_streams, (*sweep)[0].gbps(), static_cast<unsigned long long>(mean >> 10), (*sweep)[1].gbps());
+    const Baseline tcp_base{
+        absl::StrFormat("the tcp transport alone at %llu KiB", static_cast<unsigned long long>(mean >> 10)),
+        (*sweep)[0].gbps(), nullptr};
+    run_all("tcp", w,
+            [](int streams) -> TcpTarget* {
+              auto t = TcpTarget::Create(streams);
+              if (!t.ok()) Die("tcp target", t.status());
+              return t->release();
+            },
+            nullptr, tcp_base, {tps.front()});
+  }
+  double d2h_peak = 0;
+  if (run["cuda"]) {
+    for (auto* ws : {&dense_w, &moe_w}) {
+      for (auto& w : *ws) {
+        auto dev = wsync::bench::DeviceTensors::Create(w->host.data(), w->total);
+        if (!dev.ok()) {
+          std::printf("cuda: skipped: %s\n", std::string(dev.status().message()).c_str());
+          skipped["cuda"] = std::string(dev.status().message());
+          break;
+        }
+        auto one = (*dev)->PinnedD2hSeconds(1, 3);
+        auto many = (*dev)->PinnedD2hSeconds(d2h_streams, 3);
+        if (!one.ok()) Die("pinned D2H", one.status());
+        if (!many.ok()) Die("pinned D2H", many.status());
+        const double peak = std::max(w->total / *one, w->total / *many) / 1e9;
+        d2h_peak = std::max(d2h_peak, peak);
+        std::printf(
+            "baseline cuda %s on %s: pinned D2H of the same bytes %.2f GB/s on 1 stream, %.2f GB/s on %d; "
+            "all ranks share this one GPU\n",
+            w->name.c_str(), (*dev)->Describe().c_str(), w->total / *one / 1e9, w->total / *many / 1e9, d2h_streams);
+        const Baseline cuda_base{"the pinned D2H peak", peak, nullptr};
+        run_all("cuda", *w, nullptr, (*dev)->data(), cuda_base, w->tps);
+      }
+      if (skipped.contains("cuda")) break;
+    }
+  }
+
+  json j = {{"bench", "source_node_push_vs_baselines"},
+            {"value", headline},
+            {"baseline", headline_base},
+            {"ratio", headline > 0 && headline_base > 0 ? headline / headline_base : 0.0},
+            {"placement_value", headline_placed},
+            {"placement_ratio", headline_placed > 0 && headline_base > 0 ? headline_placed / headline_base : 0.0},
+            {"unit", "GB/s"},
+            {"cases", cases_list},
+            {"skipped", skipped},
+            {"write_checksums", opt.write_checksums},
+            {"memcpy_threads", opt.threads},
+            {"hardware_threads", std::thread::hardware_concurrency()},
+            {"results", results}};
+  if (!results_out.empty()) {
+    auto& dense_curve = curves[{"dense", "dense"}];
+    if (dense_curve.empty())
+      Die("--results-out", absl::FailedPreconditionError("needs the dense case (--cases dense)"));
+    if (machine.empty()) {
+      const double mem = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE) / (1ull << 30);
+      machine = absl::StrFormat("%u hardware threads, %.0f GiB memory%s", std::thread::hardware_concurrency(), mem,
+                                d2h_peak > 0 ? ", one GPU (CUDA tensors)" : "");
+    }
+    std::vector<std::string> args(argv, argv + argc);
+    json r = {{"machine", machine}, {"date", UtcNow()}, {"command", absl::StrJoin(args, " ")}};
+    auto curve = [](std::vector<std::pair<int, double>> c) {
+      std::sort(c.begin(), c.end());
+      json a = json::array();
+      for (const auto& [ranks_n, g] : c) a.push_back({ranks_n, g});
+      return a;
+    };
+    r["node_load_gbps"] = curve(dense_curve);
+    if (d2h_peak > 0) r["d2h_gbps"] = d2h_peak;
+    const std::pair<const char*, std::pair<std::string, std::string>> extra[] = {
+        {"fp8_passthrough_load_gbps", {"moe", "kimi-k2-fp8-64"}},
+        {"fp8_quantize_load_gbps", {"moe", "deepseek-v3-bf16-fp8-128"}},
+        {"send_gbps", {"tcp", "dense"}},
+        {"cuda_load_gbps", {"cuda", "dense"}}};
+    for (const auto& [key, which] : extra)
+      if (auto it = curves.find(which); it != curves.end() && !it->second.empty()) r[key] = curve(it->second);
+    r["dense_model"] = dense_w[0]->model_path;
+    r["dense_bytes"] = dense_w[0]->total;
+    r["results"] = results;
+    std::ofstream f(results_out);
+    f << r.dump(2) << "\n";
+    if (!f.good()) Die("writing " + results_out, absl::UnavailableError("write failed"));
+    std::printf("node rates written to %s\n", results_out.c_str());
+  }
   std::printf("%s\n", j.dump().c_str());
   return 0;
 }

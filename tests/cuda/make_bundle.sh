@@ -38,6 +38,11 @@ cp "$src/tests/client/python_client_test.py" "$src/tests/client/fp8_quantizer_te
 mkdir -p "$out/tests/replica" "$out/tests/data/tiny"
 cp "$src/tests/replica/golden_oracle.py" "$out/tests/replica/"
 cp "$src/tests/data/models/tiny-qwen3/config.json" "$out/tests/data/models/tiny-qwen3/"
+# bench_node's models (its --models-dir tests/data/models in the bundle).
+for m in Qwen__Qwen3-8B moonshotai__Kimi-K2-Instruct deepseek-ai__DeepSeek-V3; do
+  mkdir -p "$out/tests/data/models/$m"
+  cp "$src/tests/data/models/$m/config.json" "$out/tests/data/models/$m/"
+done
 cp "$src/tests/data/tiny/qwen3-fp8-tiny.json" "$out/tests/data/tiny/"
 mkdir -p "$out/wheels"
 pyver=${WSYNC_GPU_PYTHON:-3.12}

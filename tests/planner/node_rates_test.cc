@@ -23,6 +23,16 @@ TEST_CASE("node rates: a result file is read; malformed ones are refused naming 
   CHECK(r->machine == "m16");
   CHECK(r->node_load_gbps == std::vector<std::pair<int, double>>{{1, 6.0}, {4, 20.0}, {8, 32.0}});
   CHECK(r->d2h_gbps == 50.0);
+  CHECK(r->send_gbps.empty());  // optional curves: absent, not measured
+  auto full = ParseNodeRates(R"({"machine": "m", "date": "d", "command": "bench_node",
+    "node_load_gbps": [[1, 6.0], [8, 32.0]], "fp8_passthrough_load_gbps": [[1, 5.0], [8, 30.0]],
+    "fp8_quantize_load_gbps": [[1, 1.5], [8, 9.0]], "send_gbps": [[1, 4.0]], "cuda_load_gbps": [[8, 45.0]]})",
+                             "full.json");
+  REQUIRE(full.ok());
+  CHECK(full->fp8_passthrough_load_gbps == std::vector<std::pair<int, double>>{{1, 5.0}, {8, 30.0}});
+  CHECK(full->fp8_quantize_load_gbps == std::vector<std::pair<int, double>>{{1, 1.5}, {8, 9.0}});
+  CHECK(full->send_gbps == std::vector<std::pair<int, double>>{{1, 4.0}});
+  CHECK(full->cuda_load_gbps == std::vector<std::pair<int, double>>{{8, 45.0}});
   const std::map<std::string, std::string> bad = {
       {"{", "not a JSON object"},
       {R"({"date":"d","command":"c","node_load_gbps":[[1,1]]})", "\"machine\""},
@@ -31,6 +41,11 @@ TEST_CASE("node rates: a result file is read; malformed ones are refused naming 
       {R"({"machine":"m","date":"d","command":"c","node_load_gbps":[[1,0]]})", "GB/s > 0"},
       {R"({"machine":"m","date":"d","command":"c","node_load_gbps":[[1,"x"]]})", "is not [ranks, GB/s]"},
       {R"({"machine":"m","date":"d","command":"c","node_load_gbps":[[1,2]],"d2h_gbps":-1})", "d2h_gbps"},
+      {R"({"machine":"m","date":"d","command":"c","node_load_gbps":[[1,2]],"send_gbps":[]})", "\"send_gbps\""},
+      {R"({"machine":"m","date":"d","command":"c","node_load_gbps":[[1,2]],"fp8_quantize_load_gbps":[[2,1],[1,1]]})",
+       "fp8_quantize_load_gbps ranks must increase"},
+      {R"({"machine":"m","date":"d","command":"c","node_load_gbps":[[1,2]],"cuda_load_gbps":[[1,-3]]})",
+       "cuda_load_gbps entry"},
   };
   for (const auto& [text, why] : bad) {
     auto p = ParseNodeRates(text, "bad.json");
