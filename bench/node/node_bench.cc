@@ -71,6 +71,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/host_copy.h"
 #include "base/status.h"
 #include "bench/node/device_tensors.h"
 #include "bench/transport/tcp_bench.h"
@@ -342,6 +343,7 @@ struct RankLog {
 struct RankSource {
   const uint8_t* device = nullptr;
   wsync::client::DeviceCopier* copier = nullptr;
+  int copy_threads = 1;  // host tensors: threads per copy (TrainerOptions::host_copy_threads, base/host_copy.h)
 };
 
 // One rank's push of update `version`, as the client library does it (TrainerClient::Push / PushDevice).
@@ -423,11 +425,9 @@ absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& sessio
         if (dev != nullptr) {
           WSYNC_RETURN_IF_ERROR(from.copier->Copy2DAsync(name, dst, r.pitch(), dev + r.src_offset(), r.src_pitch(),
                                                          r.row_bytes(), r.rows(), 0, 0, false));
-        } else if (r.pitch() == r.row_bytes() && r.src_pitch() == r.row_bytes()) {
-          std::memcpy(dst, t.host + r.src_offset(), r.row_bytes() * static_cast<uint64_t>(r.rows()));
         } else {
-          for (int64_t i = 0; i < r.rows(); ++i)
-            std::memcpy(dst + i * r.pitch(), t.host + r.src_offset() + i * r.src_pitch(), r.row_bytes());
+          wsync::CopyRect(dst, r.pitch(), t.host + r.src_offset(), r.src_pitch(), r.row_bytes(), r.rows(),
+                          from.copy_threads);
         }
       }
       log->handover += Since(h0);
@@ -452,7 +452,7 @@ absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& sessio
     if (dev != nullptr) {
       WSYNC_RETURN_IF_ERROR(from.copier->CopyAsync(name, dst, dev, bytes, 0, 0));
     } else {
-      std::memcpy(dst, t.host, bytes);
+      wsync::CopyRect(dst, bytes, t.host, bytes, bytes, 1, from.copy_threads);
     }
     WSYNC_RETURN_IF_ERROR(ring.FinishTensor());
     log->handover += Since(h0);
@@ -490,6 +490,7 @@ std::vector<int> ParseList(const std::string& s) {
 
 struct BenchOptions {
   int reps = 3, ring_mib = 512, threads = 1, tcp_streams = 4;
+  int copy_threads = 0;  // per rank, as the client's host_copy_threads (0: hardware threads / R, at most 8)
   bool write_checksums = false, timeline = true;
   std::string placement = "both";
 };
@@ -610,7 +611,8 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
       const auto t0 = Clock::now();
       for (int r = 0; r < R; ++r)
         pushes.push_back(std::async(std::launch::async, [&, r] {
-          const RankSource from{device, device != nullptr ? copiers[r].get() : nullptr};
+          const RankSource from{device, device != nullptr ? copiers[r].get() : nullptr,
+                                wsync::HostCopyThreads(opt.copy_threads, R)};
           return PushRank(node, sessions[r], *producers[r], place ? maps[r].get() : nullptr, from, v, w.tensors,
                           &logs[r], t0);
         }));
@@ -757,6 +759,11 @@ int main(int argc, char** argv) {
   app.add_option("--ring-mib", opt.ring_mib,
                  "ring per rank, MiB (wsyncd --ring-mib; enlarged to fit the largest tensor)")
       ->check(CLI::Range(8, 1 << 16))
+      ->capture_default_str();
+  app.add_option("--copy-threads", opt.copy_threads,
+                 "threads each rank spreads a host tensor's copy over, as the client does (TrainerOptions::"
+                 "host_copy_threads; 0: hardware threads / R, at most 8; 1: one memcpy per copy)")
+      ->check(CLI::Range(0, 64))
       ->capture_default_str();
   app.add_option("--threads", opt.threads, "memcpy baseline threads")
       ->check(CLI::Range(1, 1024))
@@ -969,6 +976,7 @@ int main(int argc, char** argv) {
             {"skipped", skipped},
             {"write_checksums", opt.write_checksums},
             {"memcpy_threads", opt.threads},
+            {"copy_threads_per_rank", opt.copy_threads == 0 ? "auto (hardware threads / R, at most 8)" : std::to_string(opt.copy_threads)},
             {"hardware_threads", std::thread::hardware_concurrency()},
             {"results", results}};
   if (!results_out.empty()) {
