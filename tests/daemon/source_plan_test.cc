@@ -263,10 +263,19 @@ TEST_CASE("refusals name what is wrong") {
     Refused(req, "unknown engine kind 'trt'");
     req = tiny.Request(1, 1);
     req.set_quantization("int4");
-    Refused(req, "unknown quantization 'int4'");
+    Refused(req, "unknown method 'int4'");
     req = tiny.Request(1, 1);
     req.set_scale_format("e5m2");
-    Refused(req, "unknown fp8 scale format 'e5m2'");
+    Refused(req, "scale_format are only meaningful with method fp8_block");
+    req = tiny.Request(1, 1);
+    req.set_quantization("fp8_block");
+    req.add_weight_block_size(128);
+    req.add_weight_block_size(128);
+    req.set_scale_format("e5m2");
+    Refused(req, "unknown scale_format 'e5m2'");
+    req = tiny.Request(1, 1);
+    req.set_quantization("fp8_block");
+    Refused(req, "block_size");  // no silent 128x128 default
   }
   SECTION("a layout that does not match the model") {
     v1::ConfigureSourceRequest req = tiny.Request(1, 1);
