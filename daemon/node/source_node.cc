@@ -720,7 +720,8 @@ absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequ
   auto sl = rank_slices_.find(rank);
   if (sl != rank_slices_.end())
     for (const auto& x : sl->second) *out.add_slices() = x;
-  if (fp8_hint_.tensor_names_size() > 0 && it != rank_push_.end()) {
+  // A rank the byte split left without tensors gets no FP8 hint (as before the split, when it had no list at all).
+  if (fp8_hint_.tensor_names_size() > 0 && it != rank_push_.end() && !it->second.empty()) {
     const std::set<std::string> mine(it->second.begin(), it->second.end());
     v1::Fp8PushHint* h = out.mutable_fp8();
     h->set_block_n(fp8_hint_.block_n());
