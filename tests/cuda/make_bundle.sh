@@ -22,7 +22,7 @@ copy_deps() {
     cp -L -n "$l" "$out/lib/"
   done
 }
-for b in fp8_cuda_test delta_scatter_cuda_test ring_push_cuda_test placement_cuda_test cuda_segment_test bench_gpu bench_node bench_transport bench_replica \
+for b in fp8_cuda_test delta_scatter_cuda_test ring_push_cuda_test placement_cuda_test cuda_segment_test bench_gpu bench_node bench_transport bench_replica bench_control \
          wsyncd wsync-coordinator wsync-engine-ref \
          wsyncctl wsync-trainer-demo; do
   [ -x "$build/bin/$b" ] || { echo "make_bundle: $build/bin/$b missing (build with -DWSYNC_WITH_CUDA=ON)" >&2; exit 1; }
@@ -30,6 +30,8 @@ for b in fp8_cuda_test delta_scatter_cuda_test ring_push_cuda_test placement_cud
   strip "$out/bin/$b"
   copy_deps "$build/bin/$b"
 done
+# bench_control runs on etcd too where an etcd binary is on PATH (a static binary: it goes along as it is).
+if command -v etcd >/dev/null; then cp "$(command -v etcd)" "$out/bin/"; fi
 cp "$build/lib/libwsync_client_c.so" "$out/lib/"
 strip --strip-unneeded "$out/lib/libwsync_client_c.so"
 copy_deps "$build/lib/libwsync_client_c.so"
