@@ -141,6 +141,11 @@ def check_ctl_usability(b, ep, model):
           f"--help lists {len(cmds)} commands and examples")
     offered = complete(["wsyncctl", ""])
     check(set(cmds) <= offered, f"completion offers every command of --help (missing {sorted(set(cmds) - offered)})")
+    # The README's command table names every command (watch and remove were once missing from it).
+    row = re.search(r"^\| `wsyncctl ([a-z|\\]+) ", open(os.path.join(ROOT, "README.md")).read(), re.M)
+    listed = set(row.group(1).split("\\|")) if row else set()
+    check(set(cmds) <= listed, f"the README's wsyncctl row lists every command of --help "
+          f"(missing {sorted(set(cmds) - listed)})")
     for sub in cmds:
         if sub == "plan":
             continue

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -58,10 +59,20 @@ def main() -> int:
             state = f"etcd://{etcd.endpoint}/wsync-failover-test"
 
             c2_metrics = f"127.0.0.1:{harness.free_port()}"
+            c2_page = f"127.0.0.1:{harness.free_port()}"  # c2's status page (--http-listen)
 
-            def start_coordinator(name, addr, metrics=None):
+            def start_coordinator(name, addr, metrics=None, page=None):
                 procs.start(name, [f"{b}/wsync-coordinator", "--listen", addr, "--state", state,
-                                   "--lease-ttl", str(LEASE_TTL)] + (["--metrics-listen", metrics] if metrics else []))
+                                   "--lease-ttl", str(LEASE_TTL)] + (["--metrics-listen", metrics] if metrics else [])
+                            + (["--http-listen", page] if page else []))
+
+            def page_of_c2():
+                """(HTTP status, body) of c2's status page."""
+                try:
+                    with urllib.request.urlopen(f"http://{c2_page}/", timeout=5) as r:
+                        return r.status, r.read().decode()
+                except urllib.error.HTTPError as e:
+                    return e.code, e.read().decode()
 
             def leader_gauge():
                 text = urllib.request.urlopen(f"http://{c2_metrics}/metrics", timeout=5).read().decode()
@@ -96,12 +107,15 @@ def main() -> int:
             # 1. Election: c1 first, so it leads; c2 stands by.
             start_coordinator("c1", c1)
             harness.wait_for("c1 leading", lambda: leads(c1), 30, procs, ["c1"])
-            start_coordinator("c2", c2, c2_metrics)
+            start_coordinator("c2", c2, c2_metrics, c2_page)
             harness.wait_for("c2 standing by", lambda: "standing by" in procs.tail("c2", 50) or None, 30, procs, ["c2"])
             check(leader_gauge() == ["wsync_coordinator_leader 0"], f"the standby's leader gauge: {leader_gauge()}")
             rc, _, err = ctl(c2, "status", "--dial-timeout", "1")
             check(rc == 3 and "not the leader" in err and f"current leader: {c1}" in err,
                   f"the standby refuses calls naming the leader (rc {rc}): {err.strip()[:200]}")
+            code, body = page_of_c2()
+            check(code == 503 and f"current leader: {c1}" in body,
+                  f"the standby's status page answers 503 naming the leader ({code}: {body.strip()[:200]})")
 
             procs.start("engine", [f"{b}/wsync-engine-ref", "--id", "engine0", "--model", model, "--tp", "2",
                                    "--listen", "127.0.0.1:0", "--port-file", os.path.join(wd, "engine.port")])
@@ -167,6 +181,9 @@ def main() -> int:
             check([(str(r.get("version")), r.get("success")) for r in recs] == [("1", True), ("2", False)]
                   and "restarted during it" in recs[-1].get("error", ""),
                   f"history: {[(r.get('version'), r.get('success')) for r in recs]}")
+            code, body = page_of_c2()
+            check(code == 200 and 'data-version="2" data-outcome="FAILED"' in body and "restarted during it" in body,
+                  f"the new leader's status page shows the failed update 2 ({code})")
             # The C API (what non-C++ trainers bind to), given the dead leader first, finds the new leader.
             import ctypes  # noqa: E402
             lib = ctypes.CDLL(os.path.abspath(args.lib))

@@ -11,7 +11,8 @@
 3. The same cluster under mTLS (every process with a certificate of tools/cli/wsync-certs.sh's CA): headless Chromium
    presents an `admin` client certificate of the cluster CA and loads the HTTPS page (the same DOM and screenshot
    checks); the same Chromium without a client certificate, or with another CA's, gets no page (the handshake's
-   refusal, net::ERR_...); a Python TLS client likewise, and plain HTTP to the HTTPS port is refused.
+   refusal, net::ERR_...); a Python TLS client likewise, and plain HTTP to the HTTPS port is refused; a certificate
+   of the cluster CA whose CN names no wsync role passes the handshake and gets 403.
 
 How Chromium gets its certificate: Chromium on Linux keeps certificates in the NSS database $HOME/.pki/nssdb, so each
 Chromium run here gets its own HOME inside the work directory with a database made by `certutil`/`pk12util` (Debian's
@@ -31,6 +32,7 @@ import ssl
 import struct
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 import xml.etree.ElementTree as ET
 import zlib
@@ -243,11 +245,23 @@ class Tls:
         return ["--tls-ca", f"{self.certs}/ca.pem", "--tls-cert", f"{self.certs}/{who}.pem", "--tls-key",
                 f"{self.certs}/{who}-key.pem"]
 
-    def context(self, cert_dir: str | None) -> ssl.SSLContext:
+    def context(self, cert_dir: str | None, who: str = "admin-ui") -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=f"{self.certs}/ca.pem")
         if cert_dir:
-            ctx.load_cert_chain(f"{cert_dir}/admin-ui.pem", f"{cert_dir}/admin-ui-key.pem")
+            ctx.load_cert_chain(f"{cert_dir}/{who}.pem", f"{cert_dir}/{who}-key.pem")
         return ctx
+
+    def not_a_role(self) -> str:
+        """A certificate of the cluster CA whose CN names no wsync role (wsync-certs.sh makes only roles): its file
+        stem in self.certs."""
+        stem, base = "operator-ui", os.path.join(self.certs, "operator-ui")
+        subprocess.run(["openssl", "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                        "-keyout", f"{base}-key.pem", "-subj", "/O=wsync/CN=operator:ui", "-out", f"{base}.csr"],
+                       check=True, capture_output=True)
+        subprocess.run(["openssl", "x509", "-req", "-in", f"{base}.csr", "-CA", f"{self.certs}/ca.pem", "-CAkey",
+                        f"{self.certs}/ca-key.pem", "-set_serial", "4242", "-days", "2", "-out", f"{base}.pem"],
+                       check=True, capture_output=True)
+        return stem
 
 
 def cluster_checks(check, b: str, model: str, wd: str, chrome: str, tls: Tls | None) -> None:
@@ -359,8 +373,8 @@ def tls_page_checks(check, chrome: str, tls: Tls, page_port: int, wd: str, procs
         check("wsync coordinator" not in r.stdout and "<svg" not in r.stdout and
               re.fullmatch(r"net::ERR_\w+", err) is not None, f"{what}: no page, the connection is refused ({err})")
 
-    def get(cert_dir):
-        with urllib.request.urlopen(f"{origin}/", timeout=10, context=tls.context(cert_dir)) as r:
+    def get(cert_dir, who="admin-ui"):
+        with urllib.request.urlopen(f"{origin}/", timeout=10, context=tls.context(cert_dir, who)) as r:
             return r.status, r.read().decode()
 
     status, body = get(tls.certs)
@@ -377,6 +391,14 @@ def tls_page_checks(check, chrome: str, tls: Tls, page_port: int, wd: str, procs
             check(False, f"plain HTTP to the TLS page: refused (got HTTP {r.status})")
     except OSError as e:
         check(True, f"plain HTTP to the TLS page: refused ({type(e).__name__})")
+    # The handshake passes (the cluster CA signed it), the role check answers 403 naming the CN.
+    try:
+        status, _ = get(tls.certs, tls.not_a_role())
+        check(False, f"a cluster-CA certificate whose CN is no wsync role: 403 (got HTTP {status})")
+    except urllib.error.HTTPError as e:
+        body = e.read().decode()
+        check(e.code == 403 and 'CN "operator:ui": not a wsync identity' in body,
+              f"a cluster-CA certificate whose CN is no wsync role: 403 ({e.code}: {body.strip()[:120]})")
     check(procs.alive("coordinator"), "the coordinator serves on after the refusals")
     status, _ = get(tls.certs)
     check(status == 200, "and still serves a valid client")

@@ -25,6 +25,9 @@ packages=(
   iproute2 python3-matplotlib
   # only for the tests labelled etcd (coordinator high availability); wsync itself needs no etcd library
   etcd-server
+  # only for the ui test: certutil/pk12util give headless Chromium a client certificate (chromium itself and
+  # librsvg2-bin, larger, are installed by that test when missing)
+  libnss3-tools
 )
 
 install_missing() {
