@@ -12,7 +12,9 @@
    presents an `admin` client certificate of the cluster CA and loads the HTTPS page (the same DOM and screenshot
    checks); the same Chromium without a client certificate, or with another CA's, gets no page (the handshake's
    refusal, net::ERR_...); a Python TLS client likewise, and plain HTTP to the HTTPS port is refused; a certificate
-   of the cluster CA whose CN names no wsync role passes the handshake and gets 403.
+   of the cluster CA whose CN names no wsync role passes the handshake and gets 403. Then the coordinator's TLS files
+   are rotated (a new server certificate, a CA bundle adding the other CA): without a restart the page presents the
+   new certificate and serves the other CA's client.
 
 How Chromium gets its certificate: Chromium on Linux keeps certificates in the NSS database $HOME/.pki/nssdb, so each
 Chromium run here gets its own HOME inside the work directory with a database made by `certutil`/`pk12util` (Debian's
@@ -28,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import ssl
 import struct
 import subprocess
@@ -279,7 +282,7 @@ def cluster_checks(check, b: str, model: str, wd: str, chrome: str, tls: Tls | N
         page_port = harness.free_port()
         procs.start("coordinator", [f"{b}/wsync-coordinator", "--listen", "127.0.0.1:0", "--port-file",
                                     os.path.join(wd, "coordinator.port"), "--http-listen", f"127.0.0.1:{page_port}"]
-                    + flags("coordinator-ui"))
+                    + flags("coordinator-ui") + (["--tls-refresh-seconds", "1"] if tls else []))
         coord = f"127.0.0.1:{port_of('coordinator')}"
         engines = []
         for e in ("engine0", "engine1"):
@@ -402,6 +405,47 @@ def tls_page_checks(check, chrome: str, tls: Tls, page_port: int, wd: str, procs
     check(procs.alive("coordinator"), "the coordinator serves on after the refusals")
     status, _ = get(tls.certs)
     check(status == 200, "and still serves a valid client")
+    rotation_checks(check, tls, page_port, wd)
+
+
+def served_certificate(port: int, ctx: ssl.SSLContext) -> bytes:
+    """The DER certificate the page's server presents in a handshake."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+            return conn.getpeercert(binary_form=True)
+
+
+def rotation_checks(check, tls: Tls, page_port: int, wd: str) -> None:
+    """The page takes the coordinator's rotated files (checked every second here, --tls-refresh-seconds 1) without a
+    restart: a new server certificate of the same CA, and a CA bundle that adds another CA, whose client
+    certificates it then accepts."""
+    fresh = os.path.join(wd, "rotated")
+    os.makedirs(fresh)
+    for f in ("ca.pem", "ca-key.pem"):
+        shutil.copy(os.path.join(tls.certs, f), fresh)
+    subprocess.run([os.path.join(ROOT, "tools", "cli", "wsync-certs.sh"), fresh, "coordinator:ui"], check=True,
+                   stdout=subprocess.DEVNULL)
+    new_der = ssl.PEM_cert_to_DER_cert(open(f"{fresh}/coordinator-ui.pem").read())
+    before = served_certificate(page_port, tls.context(tls.certs))
+    check(before != new_der, "before the rotation the page presents the first certificate")
+    with open(f"{fresh}/ca-bundle.pem", "w") as out:
+        out.write(open(f"{tls.certs}/ca.pem").read() + open(f"{tls.foreign}/ca.pem").read())
+    for src, dst in (("coordinator-ui-key.pem", "coordinator-ui-key.pem"), ("coordinator-ui.pem", "coordinator-ui.pem"),
+                     ("ca-bundle.pem", "ca.pem")):
+        os.replace(os.path.join(fresh, src), os.path.join(tls.certs, dst))
+
+    def rotated():
+        ctx = tls.context(tls.foreign)  # trusts the bundle now in certs/ca.pem, presents the other CA's admin
+        if served_certificate(page_port, ctx) != new_der:
+            return None
+        with urllib.request.urlopen(f"https://127.0.0.1:{page_port}/", timeout=10, context=ctx) as r:
+            return r.status == 200 and "wsync coordinator" in r.read().decode()
+    try:
+        ok, err = harness.wait_for("the page on the rotated files", rotated, 20, None, None, 0.2), ""
+    except TimeoutError as e:
+        ok, err = False, f": {e}"
+    check(ok, "after the rotation, without a restart: the page presents the new certificate, and a client of the "
+              "CA the bundle added gets the page" + err)
 
 
 def main() -> int:
