@@ -318,6 +318,14 @@ def cluster_checks(check, b: str, model: str, wd: str, chrome: str, tls: Tls | N
             body = svg.read().decode()
             check(svg.headers.get("Content-Type", "").startswith("image/svg+xml") and
                   {r[0] for r in phase_rects(body)} == {"2"}, "/timeline.svg?n=1: the last update only, as SVG")
+            # Read-only: a write method is not served.
+            for method in ("POST", "PUT", "DELETE"):
+                try:
+                    with urllib.request.urlopen(urllib.request.Request(f"{base}/", data=b"x", method=method),
+                                                timeout=10) as r:
+                        check(False, f"{method} /: refused (got HTTP {r.status})")
+                except urllib.error.HTTPError as e:
+                    check(400 <= e.code < 500, f"{method} /: refused (HTTP {e.code})")
             plot_checks(check, b, coord, wd)
         else:
             tls_page_checks(check, chrome, tls, page_port, wd, procs)
