@@ -158,18 +158,18 @@ class Browser:
         env = dict(os.environ)
         if self.home:
             env["HOME"] = self.home  # Chromium reads $HOME/.pki/nssdb
-        return subprocess.run([self.binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                               "--no-first-run", "--hide-scrollbars", f"--user-data-dir={self.profile}",
-                               "--window-size=1280,1800", *args, url],
+        return subprocess.run([self.binary, "--headless=new", "--no-sandbox", "--disable-gpu",
+                               "--disable-dev-shm-usage", "--no-first-run", "--hide-scrollbars",
+                               f"--user-data-dir={self.profile}", "--window-size=1280,1800", *args, url],
                               capture_output=True, text=True, timeout=90, env=env)
 
 
-def subject_cn(pem: str, which: str = "subject") -> str:
-    out = subprocess.run(["openssl", "x509", "-in", pem, "-noout", f"-{which}", "-nameopt", "multiline"],
+def subject_cn(pem: str) -> str:
+    out = subprocess.run(["openssl", "x509", "-in", pem, "-noout", "-subject", "-nameopt", "multiline"],
                          capture_output=True, text=True, check=True).stdout
     m = re.search(r"commonName\s*=\s*(.+)", out)
     if not m:
-        raise RuntimeError(f"{pem}: no {which} CN in {out!r}")
+        raise RuntimeError(f"{pem}: no subject CN in {out!r}")
     return m.group(1).strip()
 
 
@@ -191,9 +191,9 @@ def tls_browser(chrome: str, wd: str, name: str, ca_dir: str, origin: str, cert_
                         f"{cert_dir}/{who}-key.pem", "-name", f"{name}-{who}", "-passout", "pass:", "-out", p12],
                        check=True, capture_output=True)
         subprocess.run(["pk12util", "-d", db, "-i", p12, "-W", ""], check=True, capture_output=True)
-    # The cluster CA's CN: wsync-certs.sh gives every CA it makes the same one, so another CA's certificate is
-    # selected by the same rule and presented (which is what the refusal check needs).
-    rule = {"filters": [{"ISSUER": {"CN": subject_cn(f"{ca_dir}/ca.pem")}}]}
+    # The rule names the issuer of the certificate in the database (another CA's in the refusal case), so that
+    # Chromium presents it: the refusal must come from the server, not from Chromium holding the certificate back.
+    rule = {"filters": [{"ISSUER": {"CN": subject_cn(f"{cert_dir or ca_dir}/ca.pem")}}]}
     prefs = {"profile": {"content_settings": {"exceptions": {"auto_select_certificate": {
         f"{origin},*": {"setting": rule}}}}}}
     with open(os.path.join(profile, "Default", "Preferences"), "w") as f:
