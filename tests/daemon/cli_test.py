@@ -36,6 +36,30 @@ def free_port():
     return port
 
 
+def check_node_id_default(b, ep):
+    """wsyncd without --node-id and without TLS registers as hostname-role-pid, the default its --help names."""
+    _, out, _ = run([b("wsyncd"), "--help"])
+    check("without TLS hostname-role-pid" in " ".join(out.split()), "wsyncd --help names the node-id default")
+    d = subprocess.Popen([b("wsyncd"), "--role", "source", "--coordinator", ep, "--listen", "127.0.0.1:0",
+                          "--ring-mib", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    want = f"{socket.gethostname()}-source-{d.pid}"
+    try:
+        def registered():
+            rc, out, _ = run([b("wsyncctl"), "nodes", "--endpoints", ep, "-w", "json"])
+            ids = [n.get("node_id", n.get("nodeId")) for n in json.loads(out).get("nodes", [])] if rc == 0 else []
+            return ids if want in ids else None
+        try:
+            ok = harness.wait_for("the default node id", registered, 20, None, None, 0.2) is not None
+        except TimeoutError:
+            ok = False
+        check(ok, f"wsyncd without --node-id registers as {want}")
+    finally:
+        d.terminate()
+        d.wait(10)
+    rc, _, err = run([b("wsyncctl"), "remove", want, "--endpoints", ep])
+    check(rc == 0, f"and is removed again (rc {rc}: {err.strip()[:160]})")
+
+
 def check_status_targets(b, ep, model, wd):
     """wsyncctl status shows each target node's NodeStatus.gpu_direct and cuda_segments (table and JSON); on this
     machine's host-memory engine: no segments, not GPUDirect; a target that stops answering is listed unreachable."""
@@ -310,6 +334,7 @@ def main():
             finally:
                 d.terminate()
                 d.wait(10)
+            check_node_id_default(b, ep)
             check_ctl_usability(b, ep, args.model)
             check_status_targets(b, ep, args.model, wd)
         finally:
