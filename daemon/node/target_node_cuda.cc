@@ -266,7 +266,9 @@ class CudaSink final : public transport::RegionSink {
 
 // Delta records into one cuda segment: CudaScatter's kernel from page-locked staging; the base check of a range
 // without a recorded checksum reads it back (one D2H copy of the range). With a host mirror (a NIC writer without
-// GPUDirect), each record is applied to the mirror as well (which checks the mirror's bytes against the base).
+// GPUDirect) the mirror is what the segment holds until PostProcess settles it onto the device (a copy of the whole
+// mirror): records are applied to the mirror (replica::delta::Apply, which checks its bytes against the base) and
+// read back from it; the device gets them with the settle.
 class DeviceScatter final : public SegmentScatter {
  public:
   static absl::StatusOr<std::unique_ptr<DeviceScatter>> Create(std::shared_ptr<CudaSink> sink) {
@@ -287,6 +289,10 @@ class DeviceScatter final : public SegmentScatter {
 
   absl::Status ReadBack(uint64_t offset, uint64_t bytes, uint8_t* out) override {
     WSYNC_RETURN_IF_ERROR(InSegment(offset, bytes));
+    if (const uint8_t* m = sink_->mirror(); m != nullptr) {
+      std::memcpy(out, m + offset, bytes);
+      return absl::OkStatus();
+    }
     WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(sink_->device()), sink_->Describe());
     return CudaError(cudaMemcpy(out, sink_->device_data() + offset, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy",
                      absl::StrCat("reading back [", offset, ", +", bytes, ") of ", sink_->Describe()));
@@ -303,6 +309,7 @@ class DeviceScatter final : public SegmentScatter {
     if (uint8_t* m = sink_->mirror(); m != nullptr) {
       uint64_t consumed = 0;
       WSYNC_RETURN_IF_ERROR(replica::delta::Apply(m + offset, bytes, enc, enc_bytes, &consumed));
+      return info;
     }
     WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(sink_->device()), sink_->Describe());
     return scatter_->Add(sink_->device_data() + offset, bytes, enc, enc_bytes, base);
