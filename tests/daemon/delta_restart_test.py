@@ -114,7 +114,7 @@ def main() -> int:
                                    "train0", "--trainer-socket", src, "--coordinator", coord, "--trainer-ranks", "1",
                                    "--ring-mib", "16", "--port-file", os.path.join(wd, "source.port")])
             port_of("source")
-            harness.wait_for("engine registered", engine_registered, 30, procs, ["source", "target"])
+            harness.wait_for("engine registered", engine_registered, 30, procs, ["source", "target0", "target1"])
 
             rec, sent, dense = update(BASE)
             check(not rec.get("delta_ranks") and sent == dense, f"update {BASE}: dense (nothing held yet)")
@@ -127,7 +127,7 @@ def main() -> int:
             start_engine(0)
             check(not verify_one(0, BASE + 1), "the restarted engine does not hold the last update (fresh memory)")
             start_target(0)
-            harness.wait_for("restarted engine registered", engine_registered, 60, procs, ["source", "target"])
+            harness.wait_for("restarted engine registered", engine_registered, 60, procs, ["source", "target0", "target1"])
 
             v = BASE + 2
             rec, sent, dense = update(v)
