@@ -63,7 +63,7 @@ absl::Status SourceNode::DecideDeltas(const v1::StartUpdateRequest& req) {
   std::vector<std::string> refused;
   // The base is worth keeping only when some engine rank could take deltas from it, now or in a later update (a host
   // parameter behind a staging region, not Mooncake memory): otherwise refreshing it would copy every byte of every
-  // update for nothing (e.g. a node writing only GPU engines).
+  // update for nothing (e.g. a node writing only Mooncake memory).
   refresh_base_ = false;
   for (auto& t : targets_) {
     std::string why;

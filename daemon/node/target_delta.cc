@@ -255,6 +255,8 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
   // then holds is the encoding's new checksum, recorded below for the rank's next delta.
   std::map<CudaSegment*, SegmentScatter*> scatters;
   std::map<RankKey, std::map<RangeKey, uint64_t>> new_sums;
+  // Read-backs go through a bounded buffer (a range can be a whole embedding), hashed piece by piece.
+  constexpr uint64_t kReadBackPiece = 16ull << 20;
   std::vector<uint8_t> readback;
   auto flush_all = [&]() -> absl::Status {
     absl::Status first;
@@ -273,9 +275,14 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
       uint64_t base = p.recorded.value_or(0);
       if (st.ok() && !p.recorded.has_value()) {
         // Last written dense: what the range holds is known only by reading it (one D2H copy of the range).
-        readback.resize(p.rec.length);
-        st = (*sc)->ReadBack(p.seg_offset, p.rec.length, readback.data());
-        if (st.ok()) base = replica::delta::Checksum(readback.data(), p.rec.length);
+        readback.resize(std::min(p.rec.length, kReadBackPiece));
+        replica::delta::ChecksumStream sum;
+        for (uint64_t at = 0; st.ok() && at < p.rec.length; at += kReadBackPiece) {
+          const uint64_t n = std::min(kReadBackPiece, p.rec.length - at);
+          st = (*sc)->ReadBack(p.seg_offset + at, n, readback.data());
+          if (st.ok()) sum.Update(readback.data(), n);
+        }
+        if (st.ok()) base = sum.Digest();
       }
       if (st.ok()) {
         absl::StatusOr<replica::delta::Info> info =
