@@ -674,6 +674,13 @@ bool UseCompareKernel(const std::string& name) {
 
 uint64_t Checksum(const uint8_t* data, uint64_t bytes) { return XXH3_64bits(data, bytes); }
 
+ChecksumStream::ChecksumStream() : state_(XXH3_createState()) { XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_)); }
+ChecksumStream::~ChecksumStream() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+void ChecksumStream::Update(const uint8_t* data, uint64_t bytes) {
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, bytes);
+}
+uint64_t ChecksumStream::Digest() const { return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state_)); }
+
 EncodeResult Encode(const uint8_t* old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
                     std::string* out) {
   return Dispatch(nullptr, old, neu, bytes, EncodeOptions(), elem_size, limit, out);

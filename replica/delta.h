@@ -92,6 +92,21 @@ absl::Status ForEachRun(const uint8_t* enc, uint64_t enc_bytes,
 // The checksum the header carries (XXH3-64, seed 0), for callers that record what they wrote.
 uint64_t Checksum(const uint8_t* data, uint64_t bytes);
 
+// Checksum() of a range fed in consecutive pieces (for memory the caller reads a piece at a time, e.g. GPU memory
+// read back through a bounded buffer). Not thread-safe.
+class ChecksumStream {
+ public:
+  ChecksumStream();
+  ~ChecksumStream();
+  ChecksumStream(const ChecksumStream&) = delete;
+  ChecksumStream& operator=(const ChecksumStream&) = delete;
+  void Update(const uint8_t* data, uint64_t bytes);
+  uint64_t Digest() const;
+
+ private:
+  void* state_;  // XXH3_state_t
+};
+
 // Targets nothing runs beside (memory an engine registered for one-sided writes: SGLang with Mooncake) cannot decode
 // an encoding; they can take the changed bytes as one-sided writes instead, each costing a fixed overhead per write
 // request plus its bytes at the link's rate (both measured: docs/delta.md, "Mooncake").

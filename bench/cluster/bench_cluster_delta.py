@@ -145,7 +145,7 @@ def main():
                     help="keep the generated steps in DIR/<model>-<lr> and reuse them (default: a temporary "
                          "directory in /dev/shm, removed after each learning rate)")
     ap.add_argument("--staging-fraction", type=float, default=0,
-                    help="the targets' --delta-staging-fraction (0: wsyncd's default, 1/8): records that do not fit "
+                    help="the targets' --delta-staging-fraction (0: wsyncd's default, 1/4): records that do not fit "
                          "a connection's staging region are written dense")
     ap.add_argument("--verify-all", action="store_true",
                     help="FP8 engines verify every update too (default: only the last, a delta update)")
@@ -191,7 +191,7 @@ def main():
                         for dt in dtypes:
                             for c in clusters:
                                 row = {"shape": f"{c.S}x{c.T}", "model": m, "lr": lr, "dtype": dt,
-                                       "staging_fraction": a.staging_fraction or 0.125,
+                                       "staging_fraction": a.staging_fraction or 0.25,
                                        "iperf3_mbit": round(c.measured_mbit, 1), "elements_changed": changed}
                                 t = time.time()
                                 try:

@@ -8,12 +8,26 @@
 #include "absl/strings/str_join.h"
 #include "base/dtype.h"
 #include "base/status.h"
+#include "daemon/common/config_digest.h"
 #include "daemon/node/source_node.h"
 #include "daemon/node/target_node.h"
 #include "replica/delta.h"
 #include "spdlog/spdlog.h"
 
 namespace wsync::daemon {
+
+std::string DeltaBaseShape(const v1::ConfigureSourceRequest& req) {
+  v1::ConfigureSourceRequest copy = req;
+  for (auto& t : *copy.mutable_targets()) {
+    t.clear_target_daemon();
+    for (auto& seg : *t.mutable_layout()->mutable_segments()) seg.clear_region_descriptor();
+  }
+  return ConfigureSourceDigest(copy);  // ignores the plan epoch
+}
+
+bool KeepsDeltaBase(const std::string& current, int64_t version, const std::string& next) {
+  return version >= 0 && !current.empty() && current == next;
+}
 
 absl::Status SourceNode::AttachStaging(Target* t, const v1::ConnectTargetReply& reply) {
   t->staging.reset();
@@ -49,7 +63,7 @@ absl::Status SourceNode::DecideDeltas(const v1::StartUpdateRequest& req) {
   std::vector<std::string> refused;
   // The base is worth keeping only when some engine rank could take deltas from it, now or in a later update (a host
   // parameter behind a staging region, not Mooncake memory): otherwise refreshing it would copy every byte of every
-  // update for nothing (e.g. a node writing only GPU engines).
+  // update for nothing (e.g. a node writing only Mooncake memory).
   refresh_base_ = false;
   for (auto& t : targets_) {
     std::string why;

@@ -291,8 +291,18 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   // Status() and the metrics read them. From here on a failure (memory, network) leaves the source unconfigured.
   // Hashes still queued read the replica about to be freed: they finish first.
   WaitForChecksums();
+  const std::string base_shape = DeltaBaseShape(req);
   {
     std::lock_guard<std::mutex> l(mu_);
+    kept_delta_base_.clear();
+    kept_delta_base_version_ = -1;
+    if (KeepsDeltaBase(delta_base_shape_, delta_base_version_, base_shape)) {
+      kept_delta_base_ = std::move(delta_base_);
+      kept_delta_base_version_ = delta_base_version_;
+    }
+    delta_base_.clear();
+    delta_base_version_ = -1;
+    delta_base_shape_.clear();
     targets_.clear();
     targets_by_layout_.clear();
     replica_regions_.clear();
@@ -430,15 +440,27 @@ absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSo
     }
   }
 
-  // The delta base: a fresh plan holds no version yet (its first update is dense everywhere).
+  // The delta base: a fresh plan holds no version yet (its first update is dense everywhere), unless Configure kept
+  // the previous plan's (same shape: only descriptors changed).
   std::vector<std::unique_ptr<uint8_t[]>> bases;
-  if (opts_.delta_base)
+  int64_t base_version = -1;
+  if (opts_.delta_base && kept_delta_base_version_ >= 0 &&
+      kept_delta_base_.size() == static_cast<size_t>(num_layouts)) {
+    bases = std::move(kept_delta_base_);
+    base_version = kept_delta_base_version_;
+    spdlog::info("plan {}: only where targets' memory is changed; the delta base keeps version {}", req.plan_epoch(),
+                 base_version);
+  } else if (opts_.delta_base) {
     for (int l = 0; l < num_layouts; ++l) bases.emplace_back(new uint8_t[replica->table(l).total_bytes() + 1]());
+  }
+  kept_delta_base_.clear();
+  kept_delta_base_version_ = -1;
   RankOffers offers = replica ? PlanPlacements(*replica, rank_push, hint) : RankOffers{};
 
   std::lock_guard<std::mutex> l(mu_);
   delta_base_ = std::move(bases);
-  delta_base_version_ = -1;
+  delta_base_version_ = base_version;
+  delta_base_shape_ = DeltaBaseShape(req);
   push_slices_ = 0;
   rank_offers_ = std::move(offers);
   ++replica_generation_;  // ranks' mappings of the previous replica are stale now

@@ -107,6 +107,14 @@ struct OpenedSession {
 // Polled by long waits in handlers: true once the caller is gone (gRPC cancellation or deadline).
 using CancelFn = std::function<bool()>;
 
+// Delta updates (source_delta.cc): what of a ConfigureSource the delta base depends on — everything but where the
+// targets' memory is (region descriptors, target daemon addresses) and the plan epoch. Two requests of the same
+// shape give every engine rank the same layout and the same ranges from this source, so a base holding version V is
+// still the bytes each rank holding V holds (a rank that re-attached holds none and is written dense).
+std::string DeltaBaseShape(const v1::ConfigureSourceRequest& req);
+// Whether a re-configuration to a plan of shape `next` keeps the base of shape `current` holding `version`.
+bool KeepsDeltaBase(const std::string& current, int64_t version, const std::string& next);
+
 class SourceNode {
  public:
   // How long CommitBucket waits for a bucket the trainer says it committed, and how often a waiting handler checks
@@ -243,10 +251,10 @@ class SourceNode {
     // re-created, which the next StartUpdate does before accepting pushes.
     absl::Status broken;
     // Delta updates (source_delta.cc). Per replica param of its layout: its index in the rank's layout and whether
-    // it lies in host memory (where the target decodes deltas).
+    // it lies in memory the target applies deltas into (source_plan.h).
     std::vector<uint32_t> layout_index;
     std::vector<char> host_param;
-    uint64_t delta_write_bytes = 0;  // bytes of host parameters it takes from this source
+    uint64_t delta_write_bytes = 0;  // bytes of those parameters it takes from this source
     // The target's staging region for this connection (null: none; staging_refused says why when the target did),
     // and the registered host buffer records are assembled in before they are written there.
     std::unique_ptr<transport::RemoteRegion> staging;
@@ -444,6 +452,11 @@ class SourceNode {
   // full (-1: none: a fresh plan, or an update since that did not finish here), and the open update's mode and base.
   std::vector<std::unique_ptr<uint8_t[]>> delta_base_;
   int64_t delta_base_version_ = -1;
+  // DeltaBaseShape of the plan the base belongs to; a re-configuration of the same shape keeps the base
+  // (`kept_delta_base_`: handed from Configure to ApplyPlan; version -1: none kept).
+  std::string delta_base_shape_;
+  std::vector<std::unique_ptr<uint8_t[]>> kept_delta_base_;
+  int64_t kept_delta_base_version_ = -1;
   // Whether the open update refreshes the base (some engine rank this source writes could take deltas from it; set
   // by DecideDeltas under the exclusive ingest lock, read by buckets under the shared one).
   bool refresh_base_ = false;

@@ -70,11 +70,11 @@ void WireTarget(const replica::ParamTable& table, const v1::TargetAssignment& a,
     their_index[p.name()] = static_cast<uint32_t>(theirs.size());
     theirs[p.name()] = &p;
   }
-  // Deltas are decoded by the target daemon in host memory: not in device segments, nor behind a transport whose
-  // receiver is no wsync daemon.
+  // Deltas are decoded by the target daemon (host segments in place, cuda ones by its device scatter): not behind a
+  // transport whose receiver is no wsync daemon.
   std::set<int> host_segments;
   for (const auto& seg : a.layout().segments())
-    if (seg.kind() != "cuda" && t->caps.needs_target_daemon && !t->caps.one_sided_only) host_segments.insert(seg.id());
+    if (t->caps.needs_target_daemon && !t->caps.one_sided_only) host_segments.insert(seg.id());
   const size_t n = table.params().size();
   t->segment.reserve(n);
   t->dst_offset.reserve(n);

@@ -37,14 +37,15 @@ struct PlannedTarget {
   // !caps.needs_target_daemon: the peer every segment's region descriptor names, which Endpoint::Connect takes.
   std::string peer;
   // Per replica param of its layout, in the table's order: the segment id and offset it lies at, its index in the
-  // rank's layout, whether it is in host memory that the target daemon decodes deltas in, and the byte ranges
-  // (offset, length) this source writes (the plan's slices; empty for a parameter another source writes).
+  // rank's layout, whether it is in memory the target daemon applies deltas into (its host segments, and its cuda ones
+  // through the device scatter; not memory written one-sided), and the byte ranges (offset, length) this source writes
+  // (the plan's slices; empty for a parameter another source writes).
   std::vector<int> segment;
   std::vector<uint64_t> dst_offset;
   std::vector<uint32_t> layout_index;
   std::vector<char> host_param;
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> ranges;
-  uint64_t delta_write_bytes = 0;  // bytes of host parameters it takes from this source
+  uint64_t delta_write_bytes = 0;  // bytes of those parameters it takes from this source
 };
 
 struct SourcePlan {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -15,14 +16,27 @@ namespace {
 
 constexpr uint64_t kStagingAlign = 4096;
 
-// The rank's host segments by id (they are mapped in layout order; cuda ones are not mapped here).
+// Where records of one segment go: host memory the daemon maps, or a cuda segment's scatter.
+struct SegmentTarget {
+  uint8_t* host = nullptr;
+  CudaSegment* cuda = nullptr;
+  uint64_t bytes = 0;
+};
+
+// The rank's segments by id (host ones are mapped in layout order, cuda ones imported in layout order).
 template <typename RankT>
-std::map<int, const MappedSegment*> HostSegments(const RankT& r) {
-  std::map<int, const MappedSegment*> host;
-  size_t next = 0;
-  for (const auto& seg : r.layout.segments())
-    if (seg.kind() != "cuda" && next < r.memory.size()) host[seg.id()] = r.memory[next++].get();
-  return host;
+std::map<int, SegmentTarget> Segments(const RankT& r) {
+  std::map<int, SegmentTarget> out;
+  size_t next_host = 0, next_cuda = 0;
+  for (const auto& seg : r.layout.segments()) {
+    if (seg.kind() == "cuda") {
+      if (next_cuda < r.cuda.size()) out[seg.id()] = {nullptr, r.cuda[next_cuda++].get(), seg.bytes()};
+    } else if (next_host < r.memory.size()) {
+      const MappedSegment* m = r.memory[next_host++].get();
+      out[seg.id()] = {m->data(), nullptr, m->size()};
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -55,7 +69,7 @@ absl::StatusOr<std::vector<DeltaRecordRef>> CheckDeltaRecords(const uint8_t* dat
                                                      " bytes) is out of bounds; nothing was written"));
     auto seg = host_segment_bytes.find(p.segment());
     if (seg == host_segment_bytes.end() || p.offset() > seg->second || p.bytes() > seg->second - p.offset())
-      return absl::InvalidArgumentError(absl::StrCat(what, ": not in a host segment of the rank; nothing was written"));
+      return absl::InvalidArgumentError(absl::StrCat(what, ": not in a segment of the rank; nothing was written"));
     if (owned != nullptr && std::none_of(owned->begin(), owned->end(), [&](const v1::WriteRange& w) {
           return w.param() == p.name() && w.offset() <= h.offset && h.offset + h.length <= w.offset() + w.length();
         }))
@@ -113,21 +127,15 @@ absl::Status TargetNode::ProvideStaging(const v1::ConnectTargetRequest& req, con
     return absl::PermissionDeniedError(
         absl::StrCat("ConnectTarget from ", source, " asks for delta staging as source ", req.source_node()));
   const std::tuple<std::string, int, std::string> key{req.engine_id(), req.rank(), req.source_node()};
-  uint64_t host_bytes = 0;
+  // Records land here for host and cuda segments alike (cuda ones are scattered from it on the device).
+  uint64_t rank_bytes = 0;
   {
     std::lock_guard<std::mutex> l(mu_);
     WSYNC_ASSIGN_OR_RETURN(Engine * e, Find(req.engine_id()));
-    for (const auto& seg : e->ranks[req.rank()].layout.segments())
-      if (seg.kind() != "cuda") host_bytes += seg.bytes();
-  }
-  if (host_bytes == 0) {
-    out->set_staging_refused(absl::StrCat(who,
-                                          " has its weights in GPU memory only: delta records are decoded by the "
-                                          "host, so it takes dense writes"));
-    return absl::OkStatus();
+    for (const auto& seg : e->ranks[req.rank()].layout.segments()) rank_bytes += seg.bytes();
   }
   uint64_t want = static_cast<uint64_t>(opts_.delta_staging_fraction *
-                                        static_cast<double>(std::min<uint64_t>(req.delta_write_bytes(), host_bytes)));
+                                        static_cast<double>(std::min<uint64_t>(req.delta_write_bytes(), rank_bytes)));
   want = std::max<uint64_t>((want + kStagingAlign - 1) / kStagingAlign * kStagingAlign, kStagingAlign);
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -166,15 +174,21 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
                                                       ", but the write window was last "
                                                       "opened for update ",
                                                       window_version_));
+  using RangeKey = std::tuple<uint32_t, uint64_t, uint64_t>;  // (parameter index, offset, length)
+  using RankKey = std::pair<std::string, int>;
   struct Pending {
     std::string who;  // "engine E rank R parameter P [off, +len)"
-    uint8_t* dst;
+    uint8_t* dst;     // host memory; null for a cuda segment
+    CudaSegment* cuda;
+    uint64_t seg_offset;               // of the range inside its cuda segment
+    std::optional<uint64_t> recorded;  // cuda: the checksum recorded for the range (Rank::device_sums)
     DeltaRecordRef rec;
-    std::pair<std::string, int> rank;
+    RankKey rank;
     uint64_t gen;  // the rank's attach when checked
   };
   std::vector<Pending> pending;
   std::vector<std::shared_ptr<MappedSegment>> pins;  // the mappings `pending` writes, alive after mu_ is released
+  std::vector<std::shared_ptr<CudaSegment>> cuda_pins;
   // Every record of every source is checked before any is applied.
   for (const auto& s : req.staged()) {
     const std::string who = absl::StrCat("engine ", s.engine_id(), " rank ", s.rank());
@@ -188,8 +202,9 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
     if (s.rank() < 0 || s.rank() >= e->num_ranks || e->ranks[s.rank()].state != Rank::State::kAttached)
       return absl::FailedPreconditionError(absl::StrCat(who, from, ": the rank is not attached"));
     Rank& r = e->ranks[s.rank()];
-    const std::map<int, const MappedSegment*> host = HostSegments(r);
+    const std::map<int, SegmentTarget> segs = Segments(r);
     pins.insert(pins.end(), r.memory.begin(), r.memory.end());
+    cuda_pins.insert(cuda_pins.end(), r.cuda.begin(), r.cuda.end());
     const std::vector<v1::WriteRange>* owned = nullptr;
     if (assignments_known_) {
       auto aw = assigned_writes_.find({s.source_node(), s.engine_id(), s.rank()});
@@ -199,19 +214,29 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
                                                         "source; nothing was written"));
       if (!aw->second.empty()) owned = &aw->second;
     }
-    std::map<int, uint64_t> host_bytes;
-    for (const auto& [id, m] : host) host_bytes[id] = m->size();
+    std::map<int, uint64_t> seg_bytes;
+    for (const auto& [id, t] : segs) seg_bytes[id] = t.bytes;
     auto recs =
-        CheckDeltaRecords(st->second->data.get(), s.bytes(), s.records(), v, r.layout, host_bytes, owned, who + from);
+        CheckDeltaRecords(st->second->data.get(), s.bytes(), s.records(), v, r.layout, seg_bytes, owned, who + from);
     if (!recs.ok()) {
       r.held_version = -1;  // whatever it held, the next update writes it dense
       return recs.status();
     }
     for (const DeltaRecordRef& d : *recs) {
       const v1::ParamDesc& p = r.layout.params(static_cast<int>(d.param));
-      pending.push_back({absl::StrCat(who, " parameter ", p.name(), " [", d.offset, ", +", d.length, ")", from),
-                         host.at(p.segment())->data() + p.offset() + d.offset, d, {s.engine_id(), s.rank()},
-                         r.attach_gen});
+      const SegmentTarget& t = segs.at(p.segment());
+      Pending pd{absl::StrCat(who, " parameter ", p.name(), " [", d.offset, ", +", d.length, ")", from),
+                 t.host == nullptr ? nullptr : t.host + p.offset() + d.offset,
+                 t.cuda,
+                 p.offset() + d.offset,
+                 std::nullopt,
+                 d,
+                 {s.engine_id(), s.rank()},
+                 r.attach_gen};
+      if (t.cuda != nullptr)
+        if (auto sum = r.device_sums.find({d.param, d.offset, d.length}); sum != r.device_sums.end())
+          pd.recorded = sum->second;
+      pending.push_back(std::move(pd));
     }
   }
   // The records were checked against the rank's current mapping; the scatter runs without mu_ (the mappings are
@@ -226,17 +251,64 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
     if (r.attach_gen == p.gen) r.held_version = -1;
   };
   v1::ApplyDeltaReply out;
+  // cuda segments: records are staged per segment and written at the end (one kernel per segment); what each range
+  // then holds is the encoding's new checksum, recorded below for the rank's next delta.
+  std::map<CudaSegment*, SegmentScatter*> scatters;
+  std::map<RankKey, std::map<RangeKey, uint64_t>> new_sums;
+  // Read-backs go through a bounded buffer (a range can be a whole embedding), hashed piece by piece.
+  constexpr uint64_t kReadBackPiece = 16ull << 20;
+  std::vector<uint8_t> readback;
+  auto flush_all = [&]() -> absl::Status {
+    absl::Status first;
+    for (const auto& [seg, sc] : scatters) first.Update(sc->Flush());
+    return first;
+  };
   for (const Pending& p : pending) {
-    uint64_t consumed = 0;
-    // Apply checks the encoding and that the range holds its base before it writes anything of the record.
-    absl::Status st = replica::delta::Apply(p.dst, p.rec.length, p.rec.enc, p.rec.enc_bytes, &consumed);
+    absl::Status st;
+    if (p.cuda == nullptr) {
+      uint64_t consumed = 0;
+      // Apply checks the encoding and that the range holds its base before it writes anything of the record.
+      st = replica::delta::Apply(p.dst, p.rec.length, p.rec.enc, p.rec.enc_bytes, &consumed);
+    } else {
+      absl::StatusOr<SegmentScatter*> sc = p.cuda->Scatter();
+      st = sc.status();
+      uint64_t base = p.recorded.value_or(0);
+      if (st.ok() && !p.recorded.has_value()) {
+        // Last written dense: what the range holds is known only by reading it (one D2H copy of the range).
+        readback.resize(std::min(p.rec.length, kReadBackPiece));
+        replica::delta::ChecksumStream sum;
+        for (uint64_t at = 0; st.ok() && at < p.rec.length; at += kReadBackPiece) {
+          const uint64_t n = std::min(kReadBackPiece, p.rec.length - at);
+          st = (*sc)->ReadBack(p.seg_offset + at, n, readback.data());
+          if (st.ok()) sum.Update(readback.data(), n);
+        }
+        if (st.ok()) base = sum.Digest();
+      }
+      if (st.ok()) {
+        absl::StatusOr<replica::delta::Info> info =
+            (*sc)->Add(p.seg_offset, p.rec.length, p.rec.enc, p.rec.enc_bytes, base);
+        st = info.status();
+        if (st.ok()) {
+          scatters[p.cuda] = *sc;
+          new_sums[p.rank][{p.rec.param, p.rec.offset, p.rec.length}] = info->new_checksum;
+        }
+      }
+    }
     if (!st.ok()) {
       forget(p);
+      flush_all().IgnoreError();  // what was staged before it was checked against its base: written, as on a host
       return Annotate(st, absl::StrCat(p.who, ": refused, nothing of it written (", out.records_applied(),
                                        " earlier records applied; the rank takes dense writes next)"));
     }
     out.set_records_applied(out.records_applied() + 1);
     out.set_bytes_applied(out.bytes_applied() + p.rec.length);
+  }
+  if (absl::Status st = flush_all(); !st.ok()) {
+    for (const Pending& p : pending)
+      if (p.cuda != nullptr) forget(p);
+    return Annotate(st, absl::StrCat("update ", v,
+                                     ": writing delta records into GPU memory (those ranks take dense "
+                                     "writes next)"));
   }
   l.lock();
   if (v != window_version_)
@@ -251,6 +323,9 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
     auto gen = window_gens_.find({engine, rank});
     if (gen == window_gens_.end() || gen->second != r.attach_gen) continue;  // re-attached since the window opened
     r.held_version = v;
+    // Ranges written dense in this update have no known checksum any more; the records' ranges hold their new one.
+    auto sums = new_sums.find({engine, rank});
+    r.device_sums = sums == new_sums.end() ? std::map<RangeKey, uint64_t>{} : std::move(sums->second);
     ++committed;
   }
   out.set_ranks_committed(committed);

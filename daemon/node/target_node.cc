@@ -596,7 +596,8 @@ absl::Status TargetNode::Attach(const std::shared_ptr<Conn>& c, const std::strin
     const std::string swho = absl::StrCat(who, " segment ", seg->id());
     if (auto cd = m.cuda.find(i); cd != m.cuda.end()) {
       // GPU memory: imported once here; the transport writes it through the segment's staging sink.
-      WSYNC_ASSIGN_OR_RETURN(auto cuda, ImportCudaSegment(cd->second, swho));
+      WSYNC_ASSIGN_OR_RETURN(auto cuda, opts_.import_cuda_segment ? opts_.import_cuda_segment(cd->second, swho)
+                                                                  : ImportCudaSegment(cd->second, swho));
       auto region = transport_->RegisterSink(cuda->sink());
       if (!region.ok()) return Annotate(region.status(), absl::StrCat("registering ", swho));
       seg->set_region_descriptor((*region)->Descriptor());

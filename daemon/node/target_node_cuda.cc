@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/cuda_status.h"
 #include "base/status.h"
+#include "replica/delta_cuda.h"
 
 namespace wsync::daemon {
 namespace {
@@ -230,6 +231,15 @@ class CudaSink final : public transport::RegionSink {
                      absl::StrCat("H2D copy of the host mirror (", bytes_, " bytes) into ", who_));
   }
 
+  // The host mirror if a NIC writer made one (null otherwise): delta records must reach it too, or its next
+  // CopyMirror would put back what they replaced.
+  uint8_t* mirror() {
+    std::lock_guard<std::mutex> l(mirror_mu_);
+    return mirror_;
+  }
+  uint8_t* device_data() const { return dst_; }
+  int device() const { return pool_->device(); }
+
   uint64_t length() const override { return bytes_; }
   uint64_t chunk_bytes() const override { return kChunkBytes; }
   absl::StatusOr<Staging> Acquire() override { return pool_->Acquire(who_); }
@@ -254,24 +264,104 @@ class CudaSink final : public transport::RegionSink {
   uint8_t* mirror_ = nullptr;  // page-locked, only for a NIC writer without GPUDirect
 };
 
+// Delta records into one cuda segment: CudaScatter's kernel from page-locked staging; the base check of a range
+// without a recorded checksum reads it back (one D2H copy of the range). With a host mirror (a NIC writer without
+// GPUDirect) the mirror is what the segment holds until PostProcess settles it onto the device (a copy of the whole
+// mirror): records are applied to the mirror (replica::delta::Apply, which checks its bytes against the base) and
+// read back from it; the device gets them with the settle.
+class DeviceScatter final : public SegmentScatter {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceScatter>> Create(std::shared_ptr<CudaSink> sink) {
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(sink->device()), sink->Describe());
+    auto s = std::unique_ptr<DeviceScatter>(new DeviceScatter(std::move(sink)));
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s->stream_, cudaStreamNonBlocking),
+                               absl::StrCat("delta scatter stream of ", s->sink_->Describe()));
+    WSYNC_ASSIGN_OR_RETURN(s->scatter_, replica::delta::CudaScatter::Create(s->stream_));
+    return s;
+  }
+  ~DeviceScatter() override {
+    scatter_.reset();
+    if (stream_ != nullptr) {
+      cudaSetDevice(sink_->device());
+      cudaStreamDestroy(stream_);
+    }
+  }
+
+  absl::Status ReadBack(uint64_t offset, uint64_t bytes, uint8_t* out) override {
+    WSYNC_RETURN_IF_ERROR(InSegment(offset, bytes));
+    if (const uint8_t* m = sink_->mirror(); m != nullptr) {
+      std::memcpy(out, m + offset, bytes);
+      return absl::OkStatus();
+    }
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(sink_->device()), sink_->Describe());
+    return CudaError(cudaMemcpy(out, sink_->device_data() + offset, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy",
+                     absl::StrCat("reading back [", offset, ", +", bytes, ") of ", sink_->Describe()));
+  }
+
+  absl::StatusOr<replica::delta::Info> Add(uint64_t offset, uint64_t bytes, const uint8_t* enc, uint64_t enc_bytes,
+                                           uint64_t base) override {
+    WSYNC_RETURN_IF_ERROR(InSegment(offset, bytes));
+    WSYNC_ASSIGN_OR_RETURN(replica::delta::Info info, replica::delta::Inspect(enc, enc_bytes));
+    if (info.base_checksum != base)
+      return absl::FailedPreconditionError(
+          "delta base mismatch: the destination does not hold the delta's base (by the checksum recorded when it "
+          "was last written)");
+    if (uint8_t* m = sink_->mirror(); m != nullptr) {
+      uint64_t consumed = 0;
+      WSYNC_RETURN_IF_ERROR(replica::delta::Apply(m + offset, bytes, enc, enc_bytes, &consumed));
+      return info;
+    }
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(sink_->device()), sink_->Describe());
+    return scatter_->Add(sink_->device_data() + offset, bytes, enc, enc_bytes, base);
+  }
+
+  absl::Status Flush() override {
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(sink_->device()), sink_->Describe());
+    return Annotate(scatter_->Flush(replica::delta::ScatterMethod::kKernel),
+                    absl::StrCat("delta scatter into ", sink_->Describe()));
+  }
+
+ private:
+  explicit DeviceScatter(std::shared_ptr<CudaSink> sink) : sink_(std::move(sink)) {}
+  absl::Status InSegment(uint64_t offset, uint64_t bytes) const {
+    if (offset > sink_->length() || bytes > sink_->length() - offset)
+      return absl::InvalidArgumentError(absl::StrCat("range [", offset, ", +", bytes, ") is outside ",
+                                                     sink_->Describe(), " (", sink_->length(), " bytes)"));
+    return absl::OkStatus();
+  }
+
+  std::shared_ptr<CudaSink> sink_;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<replica::delta::CudaScatter> scatter_;
+};
+
 class ImportedSegment final : public CudaSegment {
  public:
-  ImportedSegment(int dev, std::string dev_name, void* base, std::shared_ptr<transport::RegionSink> sink)
+  ImportedSegment(int dev, std::string dev_name, void* base, std::shared_ptr<CudaSink> sink)
       : dev_(dev), dev_name_(std::move(dev_name)), base_(base), sink_(std::move(sink)) {}
   ~ImportedSegment() override {
+    scatter_.reset();
     sink_.reset();
+    if (base_ == nullptr) return;  // WrapCudaMemory: the caller's own memory
     cudaSetDevice(dev_);
     if (cudaError_t e = cudaIpcCloseMemHandle(base_); e != cudaSuccess)
       spdlog::warn("cudaIpcCloseMemHandle on cuda:{}: {}", dev_, cudaGetErrorString(e));
   }
   std::shared_ptr<transport::RegionSink> sink() const override { return sink_; }
   std::string device() const override { return absl::StrCat("cuda:", dev_, " (", dev_name_, ")"); }
+  absl::StatusOr<SegmentScatter*> Scatter() override {
+    if (scatter_ == nullptr) {
+      WSYNC_ASSIGN_OR_RETURN(scatter_, DeviceScatter::Create(sink_));
+    }
+    return scatter_.get();
+  }
 
  private:
   int dev_;
   std::string dev_name_;
   void* base_;
-  std::shared_ptr<transport::RegionSink> sink_;
+  std::shared_ptr<CudaSink> sink_;
+  std::unique_ptr<DeviceScatter> scatter_;
 };
 
 // Size of the allocation that starts at `base`, through the driver's cuMemGetAddressRange (reached via the
@@ -293,6 +383,15 @@ absl::StatusOr<std::shared_ptr<transport::RegionSink>> MakeCudaSink(void* device
   WSYNC_ASSIGN_OR_RETURN(auto pool, StagingPool::ForDevice(device));
   return std::shared_ptr<transport::RegionSink>(
       std::make_shared<CudaSink>(std::move(pool), static_cast<uint8_t*>(device_ptr), bytes, who));
+}
+
+absl::StatusOr<std::unique_ptr<CudaSegment>> WrapCudaMemory(void* device_ptr, uint64_t bytes, int device,
+                                                            const std::string& who) {
+  cudaDeviceProp prop{};
+  WSYNC_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device), who);
+  WSYNC_ASSIGN_OR_RETURN(auto pool, StagingPool::ForDevice(device));
+  auto sink = std::make_shared<CudaSink>(std::move(pool), static_cast<uint8_t*>(device_ptr), bytes, who);
+  return std::unique_ptr<CudaSegment>(std::make_unique<ImportedSegment>(device, prop.name, nullptr, std::move(sink)));
 }
 
 absl::StatusOr<std::unique_ptr<CudaSegment>> ImportCudaSegment(const CudaSegmentDesc& d, const std::string& who) {
@@ -335,14 +434,15 @@ absl::StatusOr<std::unique_ptr<CudaSegment>> ImportCudaSegment(const CudaSegment
                                                    ") lies outside its allocation of ", alloc, " bytes"));
   }
   const std::string swho = absl::StrCat(who, " on cuda:", dev);
-  auto sink = MakeCudaSink(static_cast<uint8_t*>(base) + d.offset, d.bytes, dev, swho);
-  if (!sink.ok()) {
+  auto pool = StagingPool::ForDevice(dev);
+  if (!pool.ok()) {
     cudaIpcCloseMemHandle(base);
-    return sink.status();
+    return pool.status();
   }
+  auto sink = std::make_shared<CudaSink>(*std::move(pool), static_cast<uint8_t*>(base) + d.offset, d.bytes, swho);
   spdlog::info("{}: imported {} bytes (IPC handle, offset {}, allocation {} bytes) in {:.3f}s", swho, d.bytes,
                d.offset, alloc, absl::ToDoubleSeconds(absl::Now() - t0));
-  return std::unique_ptr<CudaSegment>(std::make_unique<ImportedSegment>(dev, prop.name, base, *std::move(sink)));
+  return std::unique_ptr<CudaSegment>(std::make_unique<ImportedSegment>(dev, prop.name, base, std::move(sink)));
 }
 
 }  // namespace wsync::daemon

@@ -9,10 +9,12 @@
 // daemon on a machine without a GPU runs as before.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "daemon/node/segment_scatter.h"
 #include "transport/transport.h"
 
 namespace wsync::daemon {
@@ -33,6 +35,9 @@ class CudaSegment {
   virtual std::shared_ptr<transport::RegionSink> sink() const = 0;
   // "cuda:0 (NVIDIA H200)" for logs.
   virtual std::string device() const = 0;
+  // Where delta records are applied (docs/delta.md, "GPU memory"): made on first use, owned by the segment; the
+  // caller is ApplyDelta, one at a time.
+  virtual absl::StatusOr<SegmentScatter*> Scatter() = 0;
 };
 
 // Opens the handle on the device with the given UUID and checks that [offset, offset + bytes) lies inside the
@@ -40,6 +45,14 @@ class CudaSegment {
 // (the engine's GPU is not visible to this daemon: CUDA_VISIBLE_DEVICES), a handle whose process has exited, a
 // range outside the allocation.
 absl::StatusOr<std::unique_ptr<CudaSegment>> ImportCudaSegment(const CudaSegmentDesc& desc, const std::string& who);
+// A cuda segment over `bytes` of device memory this process allocated on CUDA device `device` (not imported:
+// nothing is closed when it goes; the memory must outlive it). tests/cuda/delta_device_cuda_test puts it behind a
+// target to run the device path of delta updates on a GPU.
+absl::StatusOr<std::unique_ptr<CudaSegment>> WrapCudaMemory(void* device_ptr, uint64_t bytes, int device,
+                                                            const std::string& who);
+// How a target imports cuda segments (TargetOptions::import_cuda_segment; tests put host memory behind one).
+using CudaSegmentImporter =
+    std::function<absl::StatusOr<std::unique_ptr<CudaSegment>>(const CudaSegmentDesc&, const std::string&)>;
 
 // The staging sink an import builds, over `bytes` of device memory at `device_ptr` on CUDA device `device` of this
 // process (bench/gpu measures the staging path with it).

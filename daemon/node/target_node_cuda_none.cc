@@ -10,6 +10,10 @@ absl::StatusOr<std::unique_ptr<CudaSegment>> ImportCudaSegment(const CudaSegment
                                                "(WSYNC_WITH_CUDA=OFF: no nvcc at build time)"));
 }
 
+absl::StatusOr<std::unique_ptr<CudaSegment>> WrapCudaMemory(void*, uint64_t, int, const std::string& who) {
+  return absl::UnimplementedError(absl::StrCat(who, ": this build has no CUDA (WSYNC_WITH_CUDA=OFF)"));
+}
+
 absl::StatusOr<std::shared_ptr<transport::RegionSink>> MakeCudaSink(void*, uint64_t, int, const std::string& who) {
   return absl::UnimplementedError(absl::StrCat(who, ": this build has no CUDA (WSYNC_WITH_CUDA=OFF)"));
 }

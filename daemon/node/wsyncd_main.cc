@@ -158,10 +158,10 @@ int main(int argc, char** argv) {
   app.add_option("--delta-base", delta_base,
                  "source: keep a copy of what was last written (one more replica's memory) so that updates send "
                  "engine ranks only what changed (docs/delta.md); false: every update is dense");
-  double delta_staging_fraction = 0.125;
+  double delta_staging_fraction = daemon::TargetOptions{}.delta_staging_fraction;
   app.add_option("--delta-staging-fraction", delta_staging_fraction,
                  "target: host staging for delta records per source connection, as a fraction of the bytes it "
-                 "writes to the engine rank (0: no deltas into this node's engines)")
+                 "writes to the engine rank (default 0.25; 0: no deltas into this node's engines)")
       ->check(CLI::Range(0.0, 1.0));
   tls::Options tls_opts;
   tls::AddFlags(app, &tls_opts);

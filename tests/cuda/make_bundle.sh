@@ -22,7 +22,7 @@ copy_deps() {
     cp -L -n "$l" "$out/lib/"
   done
 }
-for b in fp8_cuda_test delta_scatter_cuda_test ring_push_cuda_test placement_cuda_test cuda_segment_test bench_gpu bench_node bench_transport bench_replica bench_control \
+for b in fp8_cuda_test delta_scatter_cuda_test delta_device_cuda_test ring_push_cuda_test placement_cuda_test cuda_segment_test bench_gpu bench_node bench_transport bench_replica bench_control \
          wsyncd wsync-coordinator wsync-engine-ref \
          wsyncctl wsync-trainer-demo; do
   [ -x "$build/bin/$b" ] || { echo "make_bundle: $build/bin/$b missing (build with -DWSYNC_WITH_CUDA=ON)" >&2; exit 1; }

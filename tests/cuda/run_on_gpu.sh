@@ -34,6 +34,7 @@ run() {  # name, timeout, command...
 run fp8_cuda_test 240 bin/fp8_cuda_test
 run ring_push_cuda_test 120 bin/ring_push_cuda_test
 run delta_scatter_cuda_test 180 bin/delta_scatter_cuda_test 256
+run delta_device_cuda_test 60 bin/delta_device_cuda_test
 run placement_cuda_test 120 bin/placement_cuda_test
 run cuda_segment_test 180 bin/cuda_segment_test tests/cuda/cuda_engine.py
 run cuda_push_e2e_test 150 python3 tests/cuda/cuda_push_e2e_test.py --coordinator bin/wsync-coordinator \
@@ -45,5 +46,5 @@ run cuda_fp8_push_e2e_test 180 python3 tests/cuda/cuda_fp8_push_e2e_test.py --co
   --model tests/data/tiny/qwen3-fp8-tiny.json
 run bench_gpu 180 bin/bench_gpu "${BENCH_MIB:-2048}"
 tail -n 12 "$out/bench_gpu.log"
-for f in delta_scatter_cuda_test ring_push_cuda_test placement_cuda_test cuda_segment_test cuda_push_e2e_test fp8_quantizer_cuda_test cuda_fp8_push_e2e_test; do echo "== $f"; tail -n 8 "$out/$f.log"; done
+for f in delta_scatter_cuda_test delta_device_cuda_test ring_push_cuda_test placement_cuda_test cuda_segment_test cuda_push_e2e_test fp8_quantizer_cuda_test cuda_fp8_push_e2e_test; do echo "== $f"; tail -n 8 "$out/$f.log"; done
 exit $rc

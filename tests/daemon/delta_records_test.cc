@@ -1,6 +1,7 @@
 // The target daemon's check of the delta records a source staged (CheckDeltaRecords, what ApplyDelta runs before it
-// writes anything): real encodings from replica/delta.h, then corrupted, out of range, of another update, in GPU
-// memory, or outside the plan's ranges for the source — each refused with the rank and parameter named.
+// writes anything): real encodings from replica/delta.h, then corrupted, out of range, of another update, in a
+// segment it cannot apply into, or outside the plan's ranges for the source — each refused with the rank and
+// parameter named. And what of a ConfigureSource the source's delta base depends on (DeltaBaseShape).
 
 #include <catch2/catch.hpp>
 #include <cstring>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "daemon/node/source_node.h"
 #include "daemon/node/target_node.h"
 #include "replica/delta.h"
 
@@ -119,10 +121,10 @@ TEST_CASE("delta records: each kind of bad record is refused, naming the rank, t
     Append(&s, 0, 512, 1024);
     Refused(Check(s, 1), absl::StatusCode::kInvalidArgument, "a.weight [512, +1024)");
   }
-  SECTION("a parameter in GPU memory") {
+  SECTION("a parameter in a segment the target cannot apply records into (not imported)") {
     std::string s;
     Append(&s, 2, 0, 512);
-    Refused(Check(s, 1), absl::StatusCode::kInvalidArgument, "c.weight [0, +512): not in a host segment");
+    Refused(Check(s, 1), absl::StatusCode::kInvalidArgument, "c.weight [0, +512): not in a segment of the rank");
   }
   SECTION("a range the plan gives another source") {
     std::vector<v1::WriteRange> owned(1);
@@ -160,6 +162,46 @@ TEST_CASE("delta records: an accepted record applied onto a wrong base writes no
   REQUIRE(replica::delta::Apply(dst.data(), 1024, (*r)[0].enc, (*r)[0].enc_bytes, &consumed).ok());
   CHECK(consumed == (*r)[0].enc_bytes);
   for (uint64_t i = 0; i < 1024; i += 20) CHECK(dst[i] == static_cast<uint8_t>((i * 7) ^ 0x5a));
+}
+
+TEST_CASE("delta base: kept across a re-configuration that moves only where targets' memory is") {
+  v1::ConfigureSourceRequest a;
+  a.set_model_config_json("{\"architectures\":[\"X\"]}");
+  a.set_plan_epoch(3);
+  for (int r = 0; r < 2; ++r) {
+    auto* t = a.add_targets();
+    t->set_engine_id("e0");
+    t->set_rank(r);
+    t->set_target_daemon("10.0.0.1:7000");
+    *t->mutable_layout() = Layout();
+    for (auto& seg : *t->mutable_layout()->mutable_segments()) seg.set_region_descriptor("old-" + std::to_string(r));
+  }
+  const std::string shape = DeltaBaseShape(a);
+  // A restarted target daemon: new regions, a new address, a new plan epoch; the same ranks and bytes.
+  v1::ConfigureSourceRequest moved = a;
+  moved.set_plan_epoch(4);
+  moved.mutable_targets(1)->set_target_daemon("10.0.0.1:7123");
+  for (auto& seg : *moved.mutable_targets(1)->mutable_layout()->mutable_segments()) seg.set_region_descriptor("new");
+  CHECK(DeltaBaseShape(moved) == shape);
+  CHECK(KeepsDeltaBase(shape, 5, DeltaBaseShape(moved)));
+  CHECK_FALSE(KeepsDeltaBase(shape, -1, DeltaBaseShape(moved)));  // the base holds no complete version
+  CHECK_FALSE(KeepsDeltaBase("", 5, DeltaBaseShape(moved)));      // no plan before
+  // What a rank holds changes: another slice of a parameter, a parameter moved, another quantization, a rank more.
+  v1::ConfigureSourceRequest sliced = a;
+  auto* w = sliced.mutable_targets(0)->add_writes();
+  w->set_param("a.weight");
+  w->set_length(512);
+  CHECK_FALSE(KeepsDeltaBase(shape, 5, DeltaBaseShape(sliced)));
+  v1::ConfigureSourceRequest shifted = a;
+  shifted.mutable_targets(0)->mutable_layout()->mutable_params(1)->set_offset(2048);
+  CHECK_FALSE(KeepsDeltaBase(shape, 5, DeltaBaseShape(shifted)));
+  v1::ConfigureSourceRequest fp8 = a;
+  fp8.set_quantization("fp8_block");
+  CHECK_FALSE(KeepsDeltaBase(shape, 5, DeltaBaseShape(fp8)));
+  v1::ConfigureSourceRequest more = a;
+  *more.add_targets() = a.targets(0);
+  more.mutable_targets(2)->set_engine_id("e1");
+  CHECK_FALSE(KeepsDeltaBase(shape, 5, DeltaBaseShape(more)));
 }
 
 }  // namespace

@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """A restarted engine between two delta updates (docs/delta.md, "Fallback to dense"), through real processes.
 
-Consecutive sparse steps (tools/testdata/weight_gen.h: ~2 % of the elements change per step) go to one reference
-engine of TP 2: the first update is dense (nothing held yet), the second takes deltas on both ranks. Then the engine
-is SIGKILLed and started again on the same address with fresh memory, and its target daemon with it (a restarted
-engine attaches through a restarted target daemon, docs/engines.md). The next update must not send deltas onto the
-restarted ranks (their memory no longer holds the base): both ranks are written dense, each with its reason in the
-history, and the engine's own loader verifies every byte; the update after it takes deltas again, verified too.
-Every check that the engine holds step v also checks that it does not hold step v-1 (the check can fail).
+Consecutive sparse steps (tools/testdata/weight_gen.h: ~2 % of the elements change per step) go to two reference
+engines of TP 2 on two target daemons: the first update is dense (nothing held yet), the second takes deltas on
+every rank. Then engine0 is SIGKILLed and started again on the same address with fresh memory, and its target daemon
+with it (a restarted engine attaches through a restarted target daemon, docs/engines.md). The restarted daemon
+registers new memory regions, so the coordinator configures the source again; only where engine0's memory is
+changed, so the source keeps its delta base (docs/delta.md, "Delta base"). The next update must not send deltas onto
+the restarted ranks (their memory no longer holds the base): both are written dense with the reason, while engine1,
+untouched, keeps taking deltas; each engine's own loader verifies every byte; the update after it takes deltas on
+every rank again, verified too. Every check that an engine holds step v also checks that it does not hold step v-1
+(the check can fail).
 
   delta_restart_test.py --bin build/bin --model tests/data/tiny/qwen3-tiny.json
 """
@@ -24,6 +27,7 @@ import harness  # noqa: E402
 
 check = harness.Checks()
 BASE = 1000000  # tools/testdata/weight_gen.h kSparseStepBase: later steps change ~2 % of the elements
+ALL = ["engine0/0", "engine0/1", "engine1/0", "engine1/1"]
 
 
 def main() -> int:
@@ -51,25 +55,30 @@ def main() -> int:
             def engine_registered():
                 rc, st = ctl("status")
                 nodes = {n["node_id"]: n for n in st.get("nodes", []) if n.get("reachable")}
-                return (sorted(nodes) == ["infer0", "train0"] and
-                        len(nodes["infer0"].get("engine_details", [])) == 1) or None
+                return (sorted(nodes) == ["infer0", "infer1", "train0"] and
+                        all(len(nodes[n].get("engine_details", [])) == 1 for n in ("infer0", "infer1"))) or None
 
-            def start_engine():
-                procs.start("engine", [f"{b}/wsync-engine-ref", "--id", "engine0", "--model", model, "--tp", "2",
-                                       "--listen", eng, "--port-file", os.path.join(wd, "engine.port")])
-                port_of("engine")
+            def start_engine(i=0):
+                procs.start(f"engine{i}", [f"{b}/wsync-engine-ref", "--id", f"engine{i}", "--model", model, "--tp",
+                                           "2", "--listen", engs[i], "--port-file",
+                                           os.path.join(wd, f"engine{i}.port")])
+                port_of(f"engine{i}")
 
-            def start_target():
-                procs.start("target", [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "target", "--node-id",
-                                       "infer0", "--coordinator", coord, "--engine", f"reference+grpc://{eng}",
-                                       "--engine-socket", os.path.join(wd, "target.sock"),
-                                       "--port-file", os.path.join(wd, "target.port")])
-                port_of("target")
+            def start_target(i=0):
+                procs.start(f"target{i}", [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "target", "--node-id",
+                                           f"infer{i}", "--coordinator", coord, "--engine",
+                                           f"reference+grpc://{engs[i]}",
+                                           "--engine-socket", os.path.join(wd, f"target{i}.sock"),
+                                           "--port-file", os.path.join(wd, f"target{i}.port")])
+                port_of(f"target{i}")
 
-            def verify(step):
-                r = subprocess.run([f"{b}/wsyncctl", "verify", "--engine", eng, "--step", str(step)],
+            def verify_one(i, step):
+                r = subprocess.run([f"{b}/wsyncctl", "verify", "--engine", engs[i], "--step", str(step)],
                                    capture_output=True, text=True, timeout=60)
                 return r.returncode == 0
+
+            def verify(step):
+                return all(verify_one(i, step) for i in (0, 1))
 
             def update(v):
                 """Update v (delta=auto, the default) from the demo trainer; returns its history record."""
@@ -80,29 +89,32 @@ def main() -> int:
                 rec = harness.last_update_record(b, coord)
                 check(str(rec.get("version")) == str(v) and rec.get("success") is True,
                       f"history: update {v} succeeded: {rec.get('error', '')}")
-                check(verify(v) and not verify(v - 1), f"update {v}: the engine's own loader verifies step {v} "
-                      f"and refuses step {v - 1}")
+                for i in (0, 1):
+                    check(verify_one(i, v) and not verify_one(i, v - 1), f"update {v}: engine{i}'s own loader "
+                          f"verifies step {v} and refuses step {v - 1}")
                 sent, dense = int(rec.get("sent_bytes", 0)), int(rec.get("dense_bytes", 0))
                 print(f"update {v}: {sent} bytes sent for {dense} dense; delta ranks {rec.get('delta_ranks', [])}; "
                       f"fallbacks {rec.get('fallbacks', [])}")
                 return rec, sent, dense
 
             def took_deltas(v, rec, sent, dense):
-                check(sorted(rec.get("delta_ranks", [])) == ["engine0/0", "engine0/1"] and not rec.get("fallbacks")
-                      and 0 < sent < 0.1 * dense, f"update {v}: both ranks took deltas ({sent} of {dense} bytes)")
+                check(sorted(rec.get("delta_ranks", [])) == ALL and not rec.get("fallbacks")
+                      and 0 < sent < 0.1 * dense, f"update {v}: every rank took deltas ({sent} of {dense} bytes)")
 
             coord = f"127.0.0.1:{harness.free_port()}"
-            eng = f"127.0.0.1:{harness.free_port()}"  # fixed: the restarted engine listens where the first did
+            # fixed: the restarted engine listens where the first did
+            engs = [f"127.0.0.1:{harness.free_port()}", f"127.0.0.1:{harness.free_port()}"]
             src = os.path.join(wd, "source.sock")
             procs.start("coordinator", [f"{b}/wsync-coordinator", "--listen", coord])
             harness.wait_for("coordinator serving", lambda: ctl("status")[0] == 0 or None, 30, procs, ["coordinator"])
-            start_engine()
-            start_target()
+            for i in (0, 1):
+                start_engine(i)
+                start_target(i)
             procs.start("source", [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "source", "--node-id",
                                    "train0", "--trainer-socket", src, "--coordinator", coord, "--trainer-ranks", "1",
                                    "--ring-mib", "16", "--port-file", os.path.join(wd, "source.port")])
             port_of("source")
-            harness.wait_for("engine registered", engine_registered, 30, procs, ["source", "target"])
+            harness.wait_for("engine registered", engine_registered, 30, procs, ["source", "target0", "target1"])
 
             rec, sent, dense = update(BASE)
             check(not rec.get("delta_ranks") and sent == dense, f"update {BASE}: dense (nothing held yet)")
@@ -110,23 +122,23 @@ def main() -> int:
 
             # The engine dies and comes back on the same address with fresh memory; its ranks attach through a
             # restarted target daemon under the same node id.
-            procs.kill("engine", signal.SIGKILL)
-            procs.kill("target", signal.SIGKILL)
-            start_engine()
-            check(not verify(BASE + 1), "the restarted engine does not hold the last update (fresh memory)")
-            start_target()
-            harness.wait_for("restarted engine registered", engine_registered, 60, procs, ["source", "target"])
+            procs.kill("engine0", signal.SIGKILL)
+            procs.kill("target0", signal.SIGKILL)
+            start_engine(0)
+            check(not verify_one(0, BASE + 1), "the restarted engine does not hold the last update (fresh memory)")
+            start_target(0)
+            harness.wait_for("restarted engine registered", engine_registered, 60, procs, ["source", "target0", "target1"])
 
             v = BASE + 2
             rec, sent, dense = update(v)
             falls = {f.get("rank"): f.get("reason", "") for f in rec.get("fallbacks", [])}
-            # The restarted target registers new memory regions, so the coordinator configures the source again and
-            # its delta base starts over; without that re-configuration the ranks' own held version (none, after a
-            # new attach) sends them dense. Either reason is right; a delta onto them is not.
-            known = ("the source's delta base holds no complete version", "the rank holds no known version")
-            check(not rec.get("delta_ranks") and sorted(falls) == ["engine0/0", "engine0/1"]
-                  and all(any(k in r for k in known) for r in falls.values()) and sent == dense,
-                  f"update {v} after the restart: both ranks dense, each with its reason: {falls}")
+            # The source was configured again (new region descriptors) and kept its base: the restarted ranks are
+            # dense because they hold nothing, engine1's take deltas from the kept base.
+            check(sorted(rec.get("delta_ranks", [])) == ["engine1/0", "engine1/1"]
+                  and sorted(falls) == ["engine0/0", "engine0/1"]
+                  and all("the rank holds no known version" in r for r in falls.values()) and sent < 0.6 * dense,
+                  f"update {v} after the restart: engine0 dense with its reason, engine1 deltas: {falls}, "
+                  f"{rec.get('delta_ranks', [])}, {sent} of {dense} bytes")
             took_deltas(v + 1, *update(v + 1))
         finally:
             procs.close()

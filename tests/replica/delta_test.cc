@@ -284,6 +284,22 @@ TEST_CASE("delta: the limit refuses encodings larger than dense and appends noth
   CHECK(r.dense_smaller);
 }
 
+TEST_CASE("delta: a checksum fed in pieces equals the one-shot checksum the header carries") {
+  std::mt19937 rng(11);
+  Bytes b(3 * 4096 + 17);
+  for (auto& x : b) x = static_cast<uint8_t>(rng());
+  for (uint64_t piece : {1ull, 7ull, 4096ull, 5000ull, static_cast<unsigned long long>(b.size())}) {
+    ChecksumStream s;
+    for (uint64_t at = 0; at < b.size(); at += piece) s.Update(b.data() + at, std::min<uint64_t>(piece, b.size() - at));
+    CHECK(s.Digest() == Checksum(b.data(), b.size()));
+    CHECK(s.Digest() == XXH3_64bits(b.data(), b.size()));  // the test's own hash: XXH3-64, seed 0
+  }
+  b[5] ^= 1;
+  ChecksumStream s;
+  s.Update(b.data(), b.size());
+  CHECK(s.Digest() == XXH3_64bits(b.data(), b.size()));
+}
+
 TEST_CASE("delta: a known base checksum replaces the hash of old; a wrong one is refused by the target") {
   std::mt19937_64 rng(19);
   const Bytes old = Random(rng, 50000);
