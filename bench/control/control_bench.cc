@@ -20,6 +20,7 @@
 
 #include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -126,13 +127,15 @@ double CpuSeconds() {
   return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
 }
 
-double RssMiB() {
+// `field` of /proc/self/status in MiB: VmRSS (resident now) or VmHWM (the peak).
+double StatusMiB(const std::string& field = "VmRSS:") {
   std::ifstream in("/proc/self/status");
   std::string line;
   while (std::getline(in, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+    if (line.rfind(field, 0) == 0) return std::stod(line.substr(field.size())) / 1024.0;
   return 0;
 }
+double RssMiB() { return StatusMiB(); }
 
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -321,6 +324,7 @@ class Bench {
 
   // One size on SQLite: the figures of Result except etcd's.
   bool RunSqlite(const Size& sz, int updates, const std::string& dir, Result* out) {
+    malloc_trim(0);  // what the previous size freed is not counted as this one's growth
     const double rss0 = RssMiB();
     auto store = daemon::SqliteStateStore::Open(absl::StrCat(dir, "/state-", sz.target_ranks, ".db"));
     if (!store.ok()) return false;
@@ -367,6 +371,7 @@ class Bench {
 
   // One size on etcd: bytes per steady update and the fail-over time.
   bool RunEtcd(const Size& sz, int updates, const std::string& endpoint, Result* out) {
+    malloc_trim(0);
     const std::string prefix = absl::StrCat("bench/", sz.target_ranks, "-", absl::ToUnixMicros(absl::Now()));
     auto opts_for = [&](const std::string& self) {
       daemon::EtcdOptions o;
@@ -475,7 +480,7 @@ std::string Svg(const std::vector<Result>& rs) {
 int Main(int argc, char** argv) {
   CLI::App app("bench_control: the coordinator against N fake node daemons and engines over loopback mTLS");
   std::string sizes_arg = "64:32,256:64,1024:256", etcd_mode = "auto", out_dir = ".";
-  int updates = 5, etcd_max_ranks = 256;
+  int updates = 5, etcd_max_ranks = 1024;
   app.add_option("--sizes", sizes_arg, "TARGET_RANKS:SOURCES,... (target ranks a multiple of 32)");
   app.add_option("--updates", updates, "steady updates measured per size");
   app.add_option("--etcd", etcd_mode, "auto (when an etcd binary is on PATH) | on | off");
@@ -597,7 +602,10 @@ int Main(int argc, char** argv) {
   std::ofstream(svg_path) << Svg(results);
   std::printf("plot: %s\n", svg_path.c_str());
 
-  nlohmann::json out = {{"bench", "control"}, {"rtt_ms", rtt_ms}, {"sizes", nlohmann::json::array()}};
+  const double peak_mib = StatusMiB("VmHWM:");
+  std::printf("peak RSS of the process (coordinator, fakes, every size): %.0f MiB\n", peak_mib);
+  nlohmann::json out = {
+      {"bench", "control"}, {"rtt_ms", rtt_ms}, {"peak_rss_mib", peak_mib}, {"sizes", nlohmann::json::array()}};
   for (const auto& r : results)
     out["sizes"].push_back({{"target_ranks", r.size.target_ranks},
                             {"sources", r.size.sources},

@@ -198,7 +198,7 @@ TEST_CASE(
     std::set<const v1::RankLayout*> tables;
     for (const auto& p : r->plan) tables.insert(p.layout.get());
     CHECK(tables.size() == kEngines * 32);
-    CHECK(r->plan.size() > tables.size());
+    CHECK(r->plan.size() >= tables.size());
   }
   // What the coordinator hands in: each engine's digest, computed once when it registered.
   std::map<std::string, std::string> digests;
