@@ -50,10 +50,10 @@
 #include "daemon/coordinator/state_store.h"
 #include "nlohmann/json.hpp"
 #include "proto/tls.h"
-#include "tools/testdata/planned_layout.h"
 #include "replica/layout_plan.h"
 #include "replica/model_config.h"
 #include "spdlog/spdlog.h"
+#include "tools/testdata/planned_layout.h"
 #include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
 

@@ -1,16 +1,14 @@
 #include "daemon/coordinator/coordinator.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cassert>
 #include <set>
 #include <tuple>
 
-#include <xxhash.h>
-
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -21,6 +19,8 @@
 #include "daemon/common/config_digest.h"
 #include "daemon/common/quantization.h"
 #include "daemon/coordinator/fanout.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "planner/model_input.h"
 #include "planner/plan.h"
 #include "replica/model_config.h"
@@ -223,8 +223,7 @@ ReplanInput Coordinator::PlanningInput() const {
 void Coordinator::RefreshEngineDigests() {
   for (const auto& [id, n] : nodes_)
     for (const auto& e : n.engines())
-      if (!engine_digests_.count(e.engine_id()))
-        engine_digests_[e.engine_id()] = EngineInputDigest(id, n.address(), e);
+      if (!engine_digests_.count(e.engine_id())) engine_digests_[e.engine_id()] = EngineInputDigest(id, n.address(), e);
 }
 
 absl::Status Coordinator::Replan(bool dry_run) {
@@ -1295,9 +1294,9 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
       // Built once per plan and membership, not per update: at 1024 engine ranks the assignments hold 1.6 million
       // write ranges, copied per update they were most of a BeginUpdate's CPU. Only one update begins at a time
       // (state beginning), so the version is set in place.
-      const std::string key = absl::StrCat(membership_epoch_, "/", plan_generation_, "/",
-                                           absl::StrJoin(drained_engines_, ","), "/",
-                                           absl::StrJoin(drained_nodes_, ","));
+      const std::string key =
+          absl::StrCat(membership_epoch_, "/", plan_generation_, "/", absl::StrJoin(drained_engines_, ","), "/",
+                       absl::StrJoin(drained_nodes_, ","));
       if (!open_windows_ || open_windows_key_ != key) {
         open_windows_ = std::make_shared<std::map<std::string, v1::SetWriteWindowRequest>>();
         build(open_windows_.get());

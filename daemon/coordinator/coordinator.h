@@ -405,7 +405,7 @@ class Coordinator {
   std::vector<Planned> plan_;
   std::map<std::string, GroupPlan> groups_;          // by group key ("<dialect> tp=N ep=N dp=N")
   std::map<std::string, SourceConfig> configured_;   // source node id → what it was last configured with
-  int64_t plan_generation_ = 0;  // plans applied (ApplyPlan)
+  int64_t plan_generation_ = 0;                      // plans applied (ApplyPlan)
   // The open-window requests of the plan in force by target daemon address (SetWindows), and what they were built
   // for (membership epoch, plan generation, drained engines and nodes): rebuilt only when one of those changed.
   std::shared_ptr<std::map<std::string, v1::SetWriteWindowRequest>> open_windows_;
