@@ -119,9 +119,9 @@ struct Replanned {
 // only, no clock, no I/O.
 absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in);
 
-// The configuration of every source node in `nodes`, by node id: the model, its assignments (each through
-// `assignment`, which points a layout at the copy the update writes), its push filters and the engines'
-// quantization. Pure (given a pure `assignment`).
+// The configuration of every source node in `nodes`, by node id: the model, its assignments (each as `assignment`
+// makes it: PlannedAssignment::Wire for the whole request; the coordinator leaves the tables out and adds each
+// source's when it sends it), its push filters and the engines' quantization. Pure (given a pure `assignment`).
 template <typename AssignmentFn>
 std::map<std::string, v1::ConfigureSourceRequest> SourceConfigurations(
     const std::map<std::string, v1::RegisterNodeRequest>& nodes, const std::string& model_config_json,
