@@ -1032,8 +1032,9 @@ TEST_CASE("replan: an engine that joins re-plans only its own group; sources who
   for (int64_t e : kept) CHECK(f.peers->finish_plan_epochs.count(e) == 1);
 }
 
-TEST_CASE("replan: a target registering again keeps its group's plan when its tables are the same, and re-plans "
-          "(here: refuses) when they differ") {
+TEST_CASE(
+    "replan: a target registering again keeps its group's plan when its tables are the same, and re-plans "
+    "(here: refuses) when they differ") {
   Fixture f(2, 0, 1, Seed());
   REQUIRE(f.c->RegisterNode(Target("t0", "e0", 2)).ok());
   REQUIRE(f.Begin(1).ok());
