@@ -9,6 +9,8 @@
 //   re-plan            BeginUpdate after a membership change (one target re-registers): plan + configure sources
 //   CPU                process CPU seconds per steady update (coordinator and fakes: one process; an upper bound)
 //   RSS                process resident memory growth over the size's run (the coordinator's state and the fakes)
+//                      (and, once, the process's peak resident memory over every size)
+//   CPU of the first update and of the re-plan's update: the load-independent share of those wall times
 //   store bytes        bytes the state store wrote per steady update (SQLite; etcd with --etcd)
 //   fail-over          etcd: the leader dies without resigning (lease TTL 1 s), until the standby has loaded the
 //                      state and can serve (only at sizes up to --etcd-max-ranks)
