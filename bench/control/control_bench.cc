@@ -9,6 +9,8 @@
 //   re-plan            BeginUpdate after a membership change (one target re-registers): plan + configure sources
 //   CPU                process CPU seconds per steady update (coordinator and fakes: one process; an upper bound)
 //   RSS                process resident memory growth over the size's run (the coordinator's state and the fakes)
+//                      (and, once, the process's peak resident memory over every size)
+//   CPU of the first update and of the re-plan's update: the load-independent share of those wall times
 //   store bytes        bytes the state store wrote per steady update (SQLite; etcd with --etcd)
 //   fail-over          etcd: the leader dies without resigning (lease TTL 1 s), until the standby has loaded the
 //                      state and can serve (only at sizes up to --etcd-max-ranks)
@@ -20,6 +22,7 @@
 
 #include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -49,10 +52,10 @@
 #include "daemon/coordinator/state_store.h"
 #include "nlohmann/json.hpp"
 #include "proto/tls.h"
-#include "tools/testdata/planned_layout.h"
 #include "replica/layout_plan.h"
 #include "replica/model_config.h"
 #include "spdlog/spdlog.h"
+#include "tools/testdata/planned_layout.h"
 #include "wsync/v1/daemon.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
@@ -126,13 +129,15 @@ double CpuSeconds() {
   return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
 }
 
-double RssMiB() {
+// `field` of /proc/self/status in MiB: VmRSS (resident now) or VmHWM (the peak).
+double StatusMiB(const std::string& field = "VmRSS:") {
   std::ifstream in("/proc/self/status");
   std::string line;
   while (std::getline(in, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+    if (line.rfind(field, 0) == 0) return std::stod(line.substr(field.size())) / 1024.0;
   return 0;
 }
+double RssMiB() { return StatusMiB(); }
 
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -167,6 +172,7 @@ struct Result {
   Size size;
   double overhead_ms = 0, begin_ms = 0, commit_ms = 0, first_update_ms = 0, replan_ms = 0;
   double cpu_s = 0, rss_mib = 0;
+  double first_update_cpu_s = 0, replan_cpu_s = 0;  // process CPU of the first update and of the re-plan's begin
   uint64_t sqlite_bytes = 0;
   int64_t etcd_bytes = -1;
   double failover_s = -1, failover_load_s = -1;
@@ -321,6 +327,7 @@ class Bench {
 
   // One size on SQLite: the figures of Result except etcd's.
   bool RunSqlite(const Size& sz, int updates, const std::string& dir, Result* out) {
+    malloc_trim(0);  // what the previous size freed is not counted as this one's growth
     const double rss0 = RssMiB();
     auto store = daemon::SqliteStateStore::Open(absl::StrCat(dir, "/state-", sz.target_ranks, ".db"));
     if (!store.ok()) return false;
@@ -337,8 +344,10 @@ class Bench {
     Heartbeats hb(&c, nodes, opts.heartbeat_seconds);
     double b = 0, m = 0;
     const absl::Time f0 = absl::Now();
+    const double fc0 = CpuSeconds();
     if (!Update(c, 1, &b, &m)) return false;
     out->first_update_ms = absl::ToDoubleMilliseconds(absl::Now() - f0);
+    out->first_update_cpu_s = CpuSeconds() - fc0;
     std::vector<double> total, begin, commit, cpu, bytes;
     for (int k = 0; k < updates; ++k) {
       const uint64_t w0 = st->stats().bytes_written;
@@ -359,7 +368,9 @@ class Bench {
     // configures every source.
     v1::RegisterNodeRequest again = nodes.back();
     if (!c.RegisterNode(again).ok()) return false;
+    const double rc0 = CpuSeconds();
     if (!Update(c, 2 + updates, &b, &m)) return false;
+    out->replan_cpu_s = CpuSeconds() - rc0;  // begin and commit (the commit's share is the steady CPU/update's)
     out->replan_ms = b;
     out->rss_mib = RssMiB() - rss0;
     return true;
@@ -367,6 +378,7 @@ class Bench {
 
   // One size on etcd: bytes per steady update and the fail-over time.
   bool RunEtcd(const Size& sz, int updates, const std::string& endpoint, Result* out) {
+    malloc_trim(0);
     const std::string prefix = absl::StrCat("bench/", sz.target_ranks, "-", absl::ToUnixMicros(absl::Now()));
     auto opts_for = [&](const std::string& self) {
       daemon::EtcdOptions o;
@@ -475,7 +487,7 @@ std::string Svg(const std::vector<Result>& rs) {
 int Main(int argc, char** argv) {
   CLI::App app("bench_control: the coordinator against N fake node daemons and engines over loopback mTLS");
   std::string sizes_arg = "64:32,256:64,1024:256", etcd_mode = "auto", out_dir = ".";
-  int updates = 5, etcd_max_ranks = 256;
+  int updates = 5, etcd_max_ranks = 1024;
   app.add_option("--sizes", sizes_arg, "TARGET_RANKS:SOURCES,... (target ranks a multiple of 32)");
   app.add_option("--updates", updates, "steady updates measured per size");
   app.add_option("--etcd", etcd_mode, "auto (when an etcd binary is on PATH) | on | off");
@@ -597,7 +609,10 @@ int Main(int argc, char** argv) {
   std::ofstream(svg_path) << Svg(results);
   std::printf("plot: %s\n", svg_path.c_str());
 
-  nlohmann::json out = {{"bench", "control"}, {"rtt_ms", rtt_ms}, {"sizes", nlohmann::json::array()}};
+  const double peak_mib = StatusMiB("VmHWM:");
+  std::printf("peak RSS of the process (coordinator, fakes, every size): %.0f MiB\n", peak_mib);
+  nlohmann::json out = {
+      {"bench", "control"}, {"rtt_ms", rtt_ms}, {"peak_rss_mib", peak_mib}, {"sizes", nlohmann::json::array()}};
   for (const auto& r : results)
     out["sizes"].push_back({{"target_ranks", r.size.target_ranks},
                             {"sources", r.size.sources},
@@ -606,6 +621,8 @@ int Main(int argc, char** argv) {
                             {"begin_ms", r.begin_ms},
                             {"commit_ms", r.commit_ms},
                             {"first_update_ms", r.first_update_ms},
+                            {"first_update_cpu_s", r.first_update_cpu_s},
+                            {"replan_update_cpu_s", r.replan_cpu_s},
                             {"replan_begin_ms", r.replan_ms},
                             {"cpu_s_per_update", r.cpu_s},
                             {"rss_growth_mib", r.rss_mib},

@@ -1,5 +1,7 @@
 #include "daemon/coordinator/coordinator.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cassert>
 #include <set>
@@ -7,8 +9,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "google/protobuf/util/message_differencer.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "base/cli.h"
@@ -17,6 +19,8 @@
 #include "daemon/common/config_digest.h"
 #include "daemon/common/quantization.h"
 #include "daemon/coordinator/fanout.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "planner/model_input.h"
 #include "planner/plan.h"
 #include "replica/model_config.h"
@@ -173,7 +177,10 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
   // A new source process holds no configuration; sources writing to a new target process must connect again.
   configured_.erase(req.node_id());
   for (const auto& p : plan_)
-    if (p.assignment.target_node() == req.node_id()) configured_.erase(p.source);
+    if (p.assignment->target_node() == req.node_id()) configured_.erase(p.source);
+  if (auto old = nodes_.find(req.node_id()); old != nodes_.end())
+    for (const auto& e : old->second.engines()) engine_digests_.erase(e.engine_id());
+  for (const auto& e : req.engines()) engine_digests_.erase(e.engine_id());
   nodes_[req.node_id()] = req;
   last_heartbeat_[req.node_id()] = absl::Now();
   for (const auto& e : req.engines()) engine_state_[e.control_address()] = EngineView();
@@ -209,10 +216,18 @@ ReplanInput Coordinator::PlanningInput() const {
   in.model_config_json = model_config_json_;
   in.options = PlanningOptions();
   in.previous = &groups_;
+  in.engine_digests = &engine_digests_;
   return in;
 }
 
+void Coordinator::RefreshEngineDigests() {
+  for (const auto& [id, n] : nodes_)
+    for (const auto& e : n.engines())
+      if (!engine_digests_.count(e.engine_id())) engine_digests_[e.engine_id()] = EngineInputDigest(id, n.address(), e);
+}
+
 absl::Status Coordinator::Replan(bool dry_run) {
+  RefreshEngineDigests();
   WSYNC_ASSIGN_OR_RETURN(Replanned r, PlanMembership(PlanningInput()));
   if (dry_run) return absl::OkStatus();
   spdlog::info(
@@ -225,6 +240,7 @@ absl::Status Coordinator::Replan(bool dry_run) {
 }
 
 void Coordinator::ApplyPlan(Replanned r) {
+  ++plan_generation_;
   model_quantization_ = std::move(r.quantization);
   plan_ = std::move(r.plan);
   push_filters_ = std::move(r.push_filters);
@@ -559,10 +575,15 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   if (!st.ok() || AbortAsked()) return Fail(rec, st, false);
 
   t = absl::Now();
+  // A source to configure: its request without the rank tables (which shared table each target gets, and which copy
+  // of its segments), filled in only by the worker sending it: a source's tables are megabytes at Kimi-K2 scale, and
+  // every source's at once did not fit in memory at 1024 engine ranks.
   struct Configure {
     std::string node_id, address;
     v1::ConfigureSourceRequest req;
-    std::string digest;
+    std::vector<std::shared_ptr<const v1::RankLayout>> layouts;  // per target of req
+    std::vector<int> copies;                                     // per target: LayoutCopy
+    std::string key;                                             // SourceConfigKey
   };
   std::vector<Configure> configure;
   std::map<std::string, int64_t> source_epochs;  // address → the plan epoch it holds after this phase
@@ -586,30 +607,49 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     }
     plan_epoch = need_plan ? membership_epoch_ : plan_epoch_;
     if (st.ok() && need_configure) {
+      RefreshEngineDigests();
+      std::map<std::string, std::vector<const Planned*>> planned_of;  // source → its assignments, in plan order
+      for (const Planned& p : plan_) planned_of[p.source].push_back(&p);
       std::map<std::string, v1::ConfigureSourceRequest> by_source =
           SourceConfigurations(nodes_, model_config_json_, plan_, push_filters_, model_quantization_,
-                               [&](const Planned& p) { return AssignmentFor(p, staged, live_sets); });
+                               [](const Planned& p) { return *p.assignment; });
       // Only sources whose configuration changed, or that do not hold it (their heartbeats said so), are
       // configured again (a join or leave re-plans one group; the sources serving only other groups keep their
       // replica, connections and plan epoch).
       for (auto& [id, r] : by_source) {
+        Configure cf{id, nodes_[id].address(), std::move(r), {}, {}, ""};
+        for (const Planned* p : planned_of[id]) {
+          cf.layouts.push_back(p->layout);
+          cf.copies.push_back(LayoutCopy(p->assignment->engine_id(), staged, live_sets));
+        }
+        cf.key = SourceConfigKey(cf.req, cf.copies);
         auto c = configured_.find(id);
-        if (c != configured_.end() && google::protobuf::util::MessageDifferencer::Equals(c->second.req, r)) continue;
-        Configure cf{id, nodes_[id].address(), r, ""};
-        cf.req.set_plan_epoch(plan_epoch);
+        if (c != configured_.end() && c->second.key == cf.key) continue;
         configure.push_back(std::move(cf));
       }
     }
   }
   if (!st.ok()) return Fail(rec, st, false);
   if (need_configure) {
-    for (Configure& c : configure) c.digest = ConfigureSourceDigest(c.req);
     std::vector<std::string> configure_addrs;
-    for (const Configure& c : configure) configure_addrs.push_back(c.address);
+    std::vector<size_t> items;
+    for (const Configure& c : configure) {
+      configure_addrs.push_back(c.address);
+      items.push_back(items.size());
+    }
+    std::vector<std::string> digests(configure.size());  // by item; each worker writes its own
     st = ForAll(
-        configure,
-        [&](const Configure& c) {
-          auto r = Remote(c.address, [&] { return peers_->ConfigureSource(c.address, c.req); });
+        items,
+        [&](size_t i) {
+          const Configure& c = configure[i];
+          v1::ConfigureSourceRequest full = c.req;
+          for (int k = 0; k < full.targets_size(); ++k)
+            if (c.layouts[k])
+              *full.mutable_targets(k)->mutable_layout() =
+                  c.copies[k] < 0 ? *c.layouts[k] : LayoutForCopy(*c.layouts[k], c.copies[k]);
+          digests[i] = ConfigureSourceDigest(full);
+          full.set_plan_epoch(plan_epoch);
+          auto r = Remote(c.address, [&] { return peers_->ConfigureSource(c.address, full); });
           return Annotate(r.status(), "configure source " + NodeLabel(c.address));
         },
         UpdatePhase("configure", PeerDeadlines::kConfigure, std::move(configure_addrs)));
@@ -618,16 +658,18 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     size_t configured_sources = 0;
     {
       std::lock_guard<std::mutex> l(mu_);
-      for (const Configure& c : configure) {
+      for (size_t i = 0; i < configure.size(); ++i) {
+        const Configure& c = configure[i];
         if (!st.ok()) {
           configured_.erase(c.node_id);  // unknown what it holds now: configured again next time
           continue;
         }
         SourceConfig& sc = configured_[c.node_id];
-        sc.req = c.req;
-        sc.req.clear_plan_epoch();
-        sc.epoch = c.req.plan_epoch();
-        sc.digest = c.digest;
+        sc.key = c.key;
+        sc.epoch = plan_epoch;
+        sc.digest = digests[i];
+        sc.targets.clear();
+        for (const auto& tg : c.req.targets()) sc.targets.emplace_back(tg.engine_id(), tg.rank());
       }
       if (st.ok()) plan_epoch_ = plan_epoch;
       configured_sources = configured_.size();
@@ -651,7 +693,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       source_epochs[n.address()] = c == configured_.end() ? plan_epoch : c->second.epoch;
       if (c != configured_.end()) {
         auto& ranks = source_ranks[n.address()];
-        for (const auto& t : c->second.req.targets()) ranks.emplace(t.engine_id(), t.rank());
+        for (const auto& t : c->second.targets) ranks.insert(t);
       }
     }
   }
@@ -1226,26 +1268,47 @@ bool Coordinator::CheckLeases() {
 absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<std::string>& skip,
                                      std::vector<v1::RankVersion>* held) {
   // Per target: the request, with the plan's assignments on it (its write grants are narrowed to them).
-  std::map<std::string, v1::SetWriteWindowRequest> reqs;
+  std::map<std::string, v1::SetWriteWindowRequest> built;
+  std::shared_ptr<std::map<std::string, v1::SetWriteWindowRequest>> cached;
   {
     std::lock_guard<std::mutex> l(mu_);
-    for (const auto& [id, n] : nodes_) {
-      if (n.role() != "target" || skip.count(n.address()) || TargetOutOfUpdates(n)) continue;
-      v1::SetWriteWindowRequest& r = reqs[n.address()];
-      r.set_open(open);
-      r.set_version(version);
-      r.set_assignments_given(open);
-      if (!open) continue;
-      for (const auto& p : plan_) {
-        if (p.assignment.target_node() != id && p.assignment.target_daemon() != n.address()) continue;
-        auto* a = r.add_assignments();
-        a->set_source_node(p.source);
-        a->set_engine_id(p.assignment.engine_id());
-        a->set_rank(p.assignment.rank());
-        *a->mutable_writes() = p.assignment.writes();
+    const auto build = [&](std::map<std::string, v1::SetWriteWindowRequest>* out) {
+      for (const auto& [id, n] : nodes_) {
+        if (n.role() != "target" || skip.count(n.address()) || TargetOutOfUpdates(n)) continue;
+        v1::SetWriteWindowRequest& r = (*out)[n.address()];
+        r.set_open(open);
+        r.set_version(version);
+        r.set_assignments_given(open);
+        if (!open) continue;
+        for (const auto& p : plan_) {
+          if (p.assignment->target_node() != id && p.assignment->target_daemon() != n.address()) continue;
+          auto* a = r.add_assignments();
+          a->set_source_node(p.source);
+          a->set_engine_id(p.assignment->engine_id());
+          a->set_rank(p.assignment->rank());
+          *a->mutable_writes() = p.assignment->writes();
+        }
       }
+    };
+    if (open && skip.empty()) {
+      // Built once per plan and membership, not per update: at 1024 engine ranks the assignments hold 1.6 million
+      // write ranges, copied per update they were most of a BeginUpdate's CPU. Only one update begins at a time
+      // (state beginning), so the version is set in place.
+      const std::string key =
+          absl::StrCat(membership_epoch_, "/", plan_generation_, "/", absl::StrJoin(drained_engines_, ","), "/",
+                       absl::StrJoin(drained_nodes_, ","));
+      if (!open_windows_ || open_windows_key_ != key) {
+        open_windows_ = std::make_shared<std::map<std::string, v1::SetWriteWindowRequest>>();
+        build(open_windows_.get());
+        open_windows_key_ = key;
+      }
+      for (auto& [a, r] : *open_windows_) r.set_version(version);
+      cached = open_windows_;
+    } else {
+      build(&built);
     }
   }
+  const std::map<std::string, v1::SetWriteWindowRequest>& reqs = cached ? *cached : built;
   std::vector<std::string> targets;
   for (const auto& [a, r] : reqs) targets.push_back(a);
   std::mutex held_mu;
@@ -1367,6 +1430,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     if (!loaded.ok()) return loaded.status();
     const v1::CoordinatorState& s = *loaded;
     // Restored nodes get a fresh lease: they have three heartbeats to renew it with this coordinator.
+    engine_digests_.clear();
     for (const auto& n : s.nodes()) {
       nodes_[n.node_id()] = n;
       last_heartbeat_[n.node_id()] = absl::Now();
@@ -1492,6 +1556,7 @@ absl::StatusOr<v1::RemoveNodeReply> Coordinator::RemoveNode(const v1::RemoveNode
     engine_version_.erase(e.control_address());
     drained_engines_.erase(e.engine_id());
     not_resumed_.erase(e.engine_id());  // nothing left to resume
+    engine_digests_.erase(e.engine_id());
   }
   nodes_.erase(it);
   last_heartbeat_.erase(req.node_id());
@@ -1672,8 +1737,8 @@ v1::ClusterStatus Coordinator::Status() const {
   for (const auto& p : plan_) {
     auto* t = s.add_plan();
     t->set_source_node(p.source);
-    t->set_engine_id(p.assignment.engine_id());
-    t->set_rank(p.assignment.rank());
+    t->set_engine_id(p.assignment->engine_id());
+    t->set_rank(p.assignment->rank());
     t->set_bytes(p.bytes);
     t->set_plan_epoch(p.epoch);
   }
@@ -1717,18 +1782,33 @@ absl::Status Coordinator::LiveSets(const std::vector<std::string>& engines, std:
   });
 }
 
-v1::TargetAssignment Coordinator::AssignmentFor(const Planned& p, bool staged,
-                                                const std::map<std::string, int>& live_sets) const {
-  v1::TargetAssignment a = p.assignment;
+int Coordinator::LayoutCopy(const std::string& engine_id, bool staged,
+                            const std::map<std::string, int>& live_sets) const {
   for (const auto& [id, n] : nodes_)
     for (const auto& e : n.engines()) {
-      if (e.engine_id() != a.engine_id()) continue;
+      if (e.engine_id() != engine_id) continue;
       auto it = live_sets.find(e.control_address());
-      if (it == live_sets.end()) return a;  // no staging memory: one copy
-      *a.mutable_layout() = LayoutForCopy(a.layout(), staged ? 1 - it->second : it->second);
-      return a;
+      if (it == live_sets.end()) return -1;  // no staging memory: one copy
+      return staged ? 1 - it->second : it->second;
     }
-  return a;
+  return -1;
+}
+
+std::string Coordinator::SourceConfigKey(const v1::ConfigureSourceRequest& req, const std::vector<int>& copies) const {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream sos(&bytes);
+    google::protobuf::io::CodedOutputStream cos(&sos);
+    cos.SetSerializationDeterministic(true);
+    req.SerializeToCodedStream(&cos);
+  }
+  for (int k = 0; k < req.targets_size(); ++k) {
+    auto d = engine_digests_.find(req.targets(k).engine_id());
+    absl::StrAppend(&bytes, "\n", req.targets(k).engine_id(), " ", d == engine_digests_.end() ? "?" : d->second, " ",
+                    copies[k]);
+  }
+  const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
+  return absl::StrFormat("%016x%016x", h.high64, h.low64);
 }
 
 std::map<std::string, std::vector<std::string>> Coordinator::StageVerify(int64_t v,

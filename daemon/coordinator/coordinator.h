@@ -248,11 +248,13 @@ class Coordinator {
 
  private:
   using Planned = PlannedAssignment;  // daemon/coordinator/replan.h, as GroupPlan and PlanSources
-  // A source node's last acknowledged configuration (plan_epoch cleared) and the plan epoch it holds.
+  // A source node's last acknowledged configuration and the plan epoch it holds. Digests, not the request: at 1024
+  // engine ranks the sources' requests (every assigned rank's table) were gigabytes kept only to be compared.
   struct SourceConfig {
-    v1::ConfigureSourceRequest req;
+    std::string key;  // SourceConfigKey of what it was sent: equal keys, equal requests
     int64_t epoch = -1;
-    std::string digest;  // ConfigureSourceDigest(req): what its heartbeats must report
+    std::string digest;  // ConfigureSourceDigest of the request: what its heartbeats must report
+    std::vector<std::pair<std::string, int>> targets;  // (engine id, rank) it writes
   };
   // Runs `call`, a call of the beginning or committing update to the peer at `addr`, counted in in_flight_ while it
   // runs (what an operator's abort cancels); once an abort was asked, returns Cancelled without calling. Takes mu_
@@ -345,9 +347,16 @@ class Coordinator {
   absl::StatusOr<std::vector<std::string>> StagingEngines(const std::vector<std::string>& engines, bool staged) const;
   // Asks each engine in `engines` which copy of its segments is live (EngineInfo.live_set).
   absl::Status LiveSets(const std::vector<std::string>& engines, std::map<std::string, int>* out);
-  // `p`'s assignment with its layout pointed at the copy the update writes: the live copy (classic) or the other one
-  // (staged), for engines offering staging memory; unchanged for the others. Requires mu_.
-  v1::TargetAssignment AssignmentFor(const Planned& p, bool staged, const std::map<std::string, int>& live_sets) const;
+  // The copy of engine `engine_id`'s segments an update writes (LayoutForCopy's `set`): the live copy (classic) or
+  // the other one (staged) for engines offering staging memory; -1 for the others (their layout as registered).
+  // Requires mu_.
+  int LayoutCopy(const std::string& engine_id, bool staged, const std::map<std::string, int>& live_sets) const;
+  // What tells two configurations of a source apart without their rank tables: `req` (targets without layouts),
+  // and per target its engine's registration digest and the copy written (`copies`). Requires mu_ and
+  // RefreshEngineDigests.
+  std::string SourceConfigKey(const v1::ConfigureSourceRequest& req, const std::vector<int>& copies) const;
+  // Digests every registered engine not in engine_digests_ (EngineInputDigest, replan.h). Requires mu_.
+  void RefreshEngineDigests();
   // The commit of a staged update once its sources finished: StageVerify, then SwitchEngines, then the record.
   absl::StatusOr<v1::CommitUpdateReply> CommitStaged(v1::UpdateRecord rec, const std::vector<std::string>& engines,
                                                      absl::Time start);
@@ -396,6 +405,14 @@ class Coordinator {
   std::vector<Planned> plan_;
   std::map<std::string, GroupPlan> groups_;          // by group key ("<dialect> tp=N ep=N dp=N")
   std::map<std::string, SourceConfig> configured_;   // source node id → what it was last configured with
+  int64_t plan_generation_ = 0;                      // plans applied (ApplyPlan)
+  // The open-window requests of the plan in force by target daemon address (SetWindows), and what they were built
+  // for (membership epoch, plan generation, drained engines and nodes): rebuilt only when one of those changed.
+  std::shared_ptr<std::map<std::string, v1::SetWriteWindowRequest>> open_windows_;
+  std::string open_windows_key_;
+  // Engine id → EngineInputDigest of its registration in nodes_, computed once per registration (a re-plan with
+  // nothing changed then reads no parameter table); dropped whenever the node's registration changes.
+  std::map<std::string, std::string> engine_digests_;
   std::set<std::string> drained_engines_, drained_nodes_;
   std::map<std::string, std::string> engine_version_;  // control address → the version label last set on it
   // Per source node: what each of its local trainer ranks pushes (every local rank listed, lists may be empty).

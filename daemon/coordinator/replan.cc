@@ -38,21 +38,24 @@ struct Engine {
   const v1::EngineRegistration* reg;
 };
 
-// Hex XXH3-128 of `common` and every engine's node, address and registration (deterministic bytes), streamed: the
-// registrations are never held in one string. Empty (never taken as unchanged) if no hash state could be allocated.
-std::string InputsDigest(const std::string& common, const std::vector<Engine>& engines) {
+// Hex XXH3-128 of `common` and every engine's EngineInputDigest (from `cached` where the caller has it; `computed`
+// counts the others). Empty (never taken as unchanged) if no hash state could be allocated.
+std::string InputsDigest(const std::string& common, const std::vector<Engine>& engines,
+                         const std::map<std::string, std::string>* cached, size_t* computed) {
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
   if (state == nullptr) return std::string();
   XXH3_state_t* st = state.get();
   XXH3_128bits_reset(st);
   XXH3_128bits_update(st, common.data(), common.size());
   for (const Engine& e : engines) {
-    const std::string head = absl::StrCat(e.node_id, " ", e.node_addr, " ");
-    XXH3_128bits_update(st, head.data(), head.size());
-    const std::string reg = StableBytes(*e.reg);
-    const uint64_t n = reg.size();  // length-prefixed: no two different sequences hash the same bytes
-    XXH3_128bits_update(st, &n, sizeof(n));
-    XXH3_128bits_update(st, reg.data(), reg.size());
+    std::string digest;
+    if (cached != nullptr)
+      if (auto it = cached->find(e.reg->engine_id()); it != cached->end()) digest = it->second;
+    if (digest.empty()) {
+      digest = EngineInputDigest(e.node_id, e.node_addr, *e.reg);
+      ++*computed;
+    }
+    XXH3_128bits_update(st, digest.data(), digest.size());
   }
   const XXH128_hash_t h = XXH3_128bits_digest(st);
   return absl::StrFormat("%016x%016x", h.high64, h.low64);
@@ -82,6 +85,18 @@ absl::StatusOr<std::pair<v1::WeightQuantization, replica::QuantSpec>> GroupQuant
 }
 
 }  // namespace
+
+std::string EngineInputDigest(const std::string& node_id, const std::string& node_address,
+                              const v1::EngineRegistration& engine) {
+  const std::string head = absl::StrCat(node_id, " ", node_address, " ");
+  const std::string reg = StableBytes(engine);
+  const uint64_t n = reg.size();  // length-prefixed: no two different sequences hash the same bytes
+  std::string bytes = head;
+  bytes.append(reinterpret_cast<const char*>(&n), sizeof(n));
+  bytes += reg;
+  const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
+  return absl::StrFormat("%016x%016x", h.high64, h.low64);
+}
 
 absl::StatusOr<PlanSources> PlanSourceNodes(const std::map<std::string, v1::RegisterNodeRequest>& nodes,
                                             const std::set<std::string>& drained_nodes, const ReplanOptions& options) {
@@ -202,7 +217,7 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
   std::map<std::string, std::vector<int64_t>> shapes;  // checkpoint tensor → shape (slices are sent in its dims)
   std::map<std::string, GroupPlan>& new_groups = out.groups;
   for (auto& [key, engines] : groups) {
-    std::string inputs = InputsDigest(common, engines);
+    std::string inputs = InputsDigest(common, engines, in.engine_digests, &out.engines_digested);
     if (in.previous != nullptr) {
       if (auto old = in.previous->find(key);
           old != in.previous->end() && !inputs.empty() && old->second.inputs == inputs) {
@@ -219,7 +234,10 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
       WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
       for (const auto& sp : specs) shapes[sp.name] = sp.shape;
     }
-    std::map<std::tuple<std::string, std::string, int>, PlannedAssignment> planned;  // (source node, engine, rank)
+    // (source node, engine, rank) → the assignment being built and its write ranges
+    std::map<std::tuple<std::string, std::string, int>, std::pair<PlannedAssignment, v1::TargetAssignment>> planned;
+    // engine rank → its table, shared by every assignment to it
+    std::map<std::pair<std::string, int>, std::shared_ptr<const v1::RankLayout>> tables;
     std::map<std::string, std::set<std::string>> pushed;  // node → tensors already assigned
     planner::ClusterSpec c;
     if (!opts.trainer_parallelism.empty()) {
@@ -287,20 +305,22 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
         if (layout == nullptr)
           return absl::FailedPreconditionError(
               absl::StrCat("engine ", e.reg->engine_id(), " did not report rank ", task.target.rank));
-        PlannedAssignment& p = planned[{node.node_id(), e.reg->engine_id(), task.target.rank}];
+        auto& [p, a] = planned[{node.node_id(), e.reg->engine_id(), task.target.rank}];
         if (p.source.empty()) {
           p.source = node.node_id();
           p.epoch = g.epoch;
-          p.assignment.set_engine_id(e.reg->engine_id());
-          p.assignment.set_rank(task.target.rank);
-          p.assignment.set_target_daemon(e.node_addr);
-          p.assignment.set_target_node(e.node_id);
-          p.assignment.set_engine_kind(e.reg->kind());
-          p.assignment.set_pp_stage(sp.stage);
-          *p.assignment.mutable_layout() = *layout;
+          auto& table = tables[{e.reg->engine_id(), task.target.rank}];
+          if (!table) table = std::make_shared<const v1::RankLayout>(*layout);
+          p.layout = table;
+          a.set_engine_id(e.reg->engine_id());
+          a.set_rank(task.target.rank);
+          a.set_target_daemon(e.node_addr);
+          a.set_target_node(e.node_id);
+          a.set_engine_kind(e.reg->kind());
+          a.set_pp_stage(sp.stage);
         }
         for (const auto& s : task.slices) {
-          auto* w = p.assignment.add_writes();
+          auto* w = a.add_writes();
           w->set_param(input->layouts[task.target.rank].params[s.param].name);
           w->set_offset(s.offset);
           w->set_length(s.length);
@@ -346,7 +366,10 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
         if (pushed[node.node_id()].insert(name).second) lists[local].push_back(name);
       }
     }
-    for (auto& [k, p] : planned) g.planned.push_back(std::move(p));
+    for (auto& [k, pa] : planned) {
+      pa.first.assignment = std::make_shared<const v1::TargetAssignment>(std::move(pa.second));
+      g.planned.push_back(std::move(pa.first));
+    }
     new_groups[key] = std::move(g);
   }
 

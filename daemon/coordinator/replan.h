@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -21,13 +22,30 @@
 
 namespace wsync::daemon {
 
-// One (source node, engine rank) pair of a plan: what that source writes to that rank.
+// One (source node, engine rank) pair of a plan: what that source writes to that rank. Shared, never copied: at
+// 1024 engine ranks a plan holds thousands of assignments with millions of write ranges, and every rank's
+// parameter table (hundreds of KB) once per engine rank, not once per source writing it; keeping a group's plan or
+// flattening the groups into one plan copies pointers.
 struct PlannedAssignment {
   std::string source;  // node id
-  v1::TargetAssignment assignment;
+  // Engine, rank, target daemon and node, kind, stage and the write ranges; its layout left empty (below).
+  std::shared_ptr<const v1::TargetAssignment> assignment;
+  std::shared_ptr<const v1::RankLayout> layout;  // the engine rank's table, one copy per engine rank
   uint64_t bytes = 0;
   int64_t epoch = -1;  // its group's plan epoch
+  // The assignment as a source is sent it (layout included).
+  v1::TargetAssignment Wire() const {
+    v1::TargetAssignment a = *assignment;
+    if (layout) *a.mutable_layout() = *layout;
+    return a;
+  }
 };
+
+// Hex XXH3-128 of one engine's registration with its node id and address (deterministic bytes): what a group's
+// plan depends on per engine. Serializing a Kimi-K2 engine's 32 rank tables takes tens of ms: the coordinator
+// computes it once per registration and hands it in (ReplanInput::engine_digests) instead of once per plan.
+std::string EngineInputDigest(const std::string& node_id, const std::string& node_address,
+                              const v1::EngineRegistration& engine);
 
 // One engine group's share of the plan (the engines of one kind and parallelism), kept between re-plans: a
 // membership change re-plans only the groups whose inputs changed, the others keep their plan and epoch.
@@ -74,12 +92,18 @@ struct ReplanInput {
   ReplanOptions options;
   // The groups of the plan in force (may be null): a group whose inputs did not change keeps its plan and epoch.
   const std::map<std::string, GroupPlan>* previous = nullptr;
+  // Engine id → EngineInputDigest of its registration, as the caller computed it when the engine registered (may be
+  // null; an engine not in it is digested here). Must be the digest of the registration in `nodes`.
+  const std::map<std::string, std::string>* engine_digests = nullptr;
 };
 
 struct Replanned {
   std::vector<PlannedAssignment> plan;      // every group's assignments, groups in key order
   std::map<std::string, GroupPlan> groups;  // by group key ("<dialect> tp=N ep=N dp=N")
   std::vector<std::string> replanned;       // the keys planned afresh (the others were kept)
+  // Engine registrations serialized and digested here (not found in ReplanInput::engine_digests): 0 when the caller
+  // handed in every digest, so a kept plan costs no pass over the parameter tables (tests check it).
+  size_t engines_digested = 0;
   // Per source node (every registered one, drained ones with empty lists): what each local trainer rank pushes.
   std::map<std::string, std::vector<v1::RankPushFilter>> push_filters;
   v1::WeightQuantization quantization;  // what every engine reports holding (the sources quantize to it)
@@ -95,9 +119,9 @@ struct Replanned {
 // only, no clock, no I/O.
 absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in);
 
-// The configuration of every source node in `nodes`, by node id: the model, its assignments (each through
-// `assignment`, which points a layout at the copy the update writes), its push filters and the engines'
-// quantization. Pure (given a pure `assignment`).
+// The configuration of every source node in `nodes`, by node id: the model, its assignments (each as `assignment`
+// makes it: PlannedAssignment::Wire for the whole request; the coordinator leaves the tables out and adds each
+// source's when it sends it), its push filters and the engines' quantization. Pure (given a pure `assignment`).
 template <typename AssignmentFn>
 std::map<std::string, v1::ConfigureSourceRequest> SourceConfigurations(
     const std::map<std::string, v1::RegisterNodeRequest>& nodes, const std::string& model_config_json,

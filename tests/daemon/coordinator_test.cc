@@ -1032,6 +1032,35 @@ TEST_CASE("replan: an engine that joins re-plans only its own group; sources who
   for (int64_t e : kept) CHECK(f.peers->finish_plan_epochs.count(e) == 1);
 }
 
+TEST_CASE(
+    "replan: a target registering again keeps its group's plan when its tables are the same, and re-plans "
+    "(here: refuses) when they differ") {
+  Fixture f(2, 0, 1, Seed());
+  REQUIRE(f.c->RegisterNode(Target("t0", "e0", 2)).ok());
+  REQUIRE(f.Begin(1).ok());
+  REQUIRE(f.Commit(1).ok());
+  const int64_t epoch = GroupOf(f.c->Status(), "e0")->plan_epoch();
+
+  // A restarted daemon with the same registration: the plan (its epoch) is kept.
+  REQUIRE(f.c->RegisterNode(Target("t0", "e0", 2)).ok());
+  REQUIRE(f.Begin(2).ok());
+  REQUIRE(f.Commit(2).ok());
+  CHECK(GroupOf(f.c->Status(), "e0")->plan_epoch() == epoch);
+
+  // The same engine now reports a table without one of its parameters: what the group was planned from changed
+  // (the registration's digest is dropped with it), so it is planned again, which refuses the table.
+  v1::RegisterNodeRequest changed = Target("t0", "e0", 2);
+  auto* params = changed.mutable_engines(0)->mutable_ranks(0)->mutable_params();
+  REQUIRE(params->size() > 1);
+  const std::string dropped = params->Get(params->size() - 1).name();
+  params->RemoveLast();
+  REQUIRE(f.c->RegisterNode(changed).ok());
+  const absl::Status st = f.Begin(3);
+  INFO(st.ToString());
+  CHECK_FALSE(st.ok());
+  CHECK(st.message().find("lacks parameter " + dropped) != std::string::npos);
+}
+
 TEST_CASE("replan: a restarted source daemon is configured again even when its plan did not change") {
   Fixture f(2, 1, 2, Seed());
   REQUIRE(f.Begin(1).ok());

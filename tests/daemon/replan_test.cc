@@ -98,16 +98,17 @@ std::map<std::pair<std::string, int>, uint64_t> Written(const Replanned& r) {
   std::map<std::pair<std::string, int>, uint64_t> out;
   for (const auto& p : r.plan) {
     std::map<std::string, uint64_t> sizes;
-    for (const auto& d : p.assignment.layout().params()) sizes[d.name()] = d.bytes();
+    REQUIRE(p.layout != nullptr);
+    for (const auto& d : p.layout->params()) sizes[d.name()] = d.bytes();
     uint64_t sum = 0;
-    for (const auto& w : p.assignment.writes()) {
+    for (const auto& w : p.assignment->writes()) {
       auto it = sizes.find(w.param());
       REQUIRE(it != sizes.end());
       REQUIRE(w.offset() + w.length() <= it->second);
       sum += w.length();
     }
     CHECK(sum == p.bytes);
-    out[{p.assignment.engine_id(), p.assignment.rank()}] += sum;
+    out[{p.assignment->engine_id(), p.assignment->rank()}] += sum;
   }
   return out;
 }
@@ -178,7 +179,7 @@ TEST_CASE(
   CHECK(pushed == want);
   // What the sources are told: the reported quantization, every assignment of theirs.
   auto configs = SourceConfigurations(m.nodes, config, r->plan, r->push_filters, r->quantization,
-                                      [](const PlannedAssignment& p) { return p.assignment; });
+                                      [](const PlannedAssignment& p) { return p.Wire(); });
   REQUIRE(configs.size() == kSources);
   size_t targets = 0;
   for (const auto& [id, c] : configs) {
@@ -190,20 +191,53 @@ TEST_CASE(
   }
   CHECK(targets == r->plan.size());
 
-  // Unchanged membership: the group is kept (same epoch), nothing is planned again, and that takes no time.
+  // Every engine's registration was digested by the first plan (no digests were handed in); the tables are shared
+  // per engine rank, not copied per assignment.
+  CHECK(r->engines_digested == kEngines);
+  {
+    std::set<const v1::RankLayout*> tables;
+    for (const auto& p : r->plan) tables.insert(p.layout.get());
+    CHECK(tables.size() == kEngines * 32);
+    CHECK(r->plan.size() >= tables.size());
+  }
+  // What the coordinator hands in: each engine's digest, computed once when it registered.
+  std::map<std::string, std::string> digests;
+  for (const auto& [id, n] : m.nodes)
+    for (const auto& e : n.engines()) digests[e.engine_id()] = EngineInputDigest(id, n.address(), e);
+
+  // Unchanged membership: the group is kept (same epoch), nothing is planned again, no registration is serialized
+  // (the digests handed in), and the kept assignments are the same objects, not copies: cheap by construction.
   const auto t1 = std::chrono::steady_clock::now();
   const double c1 = CpuSeconds();
   auto again = [&] {
     ReplanInput in = m.Input(config, 8);
     in.previous = &r->groups;
+    in.engine_digests = &digests;
     return PlanMembership(in);
   }();
   const double kept_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
   const double kept_cpu = CpuSeconds() - c1;
   REQUIRE(again.ok());
   CHECK(again->replanned.empty());
-  CHECK(again->plan.size() == r->plan.size());
+  CHECK(again->engines_digested == 0);
+  REQUIRE(again->plan.size() == r->plan.size());
+  for (size_t i = 0; i < r->plan.size(); ++i) {
+    CHECK(again->plan[i].assignment.get() == r->plan[i].assignment.get());
+    CHECK(again->plan[i].layout.get() == r->plan[i].layout.get());
+  }
   CHECK(again->groups.begin()->second.epoch == 7);
+  // A digest that does not match the registrations (an engine re-registered with another table) plans afresh.
+  {
+    std::map<std::string, std::string> changed = digests;
+    changed.begin()->second = "0";
+    ReplanInput in = m.Input(config, 8);
+    in.previous = &r->groups;
+    in.engine_digests = &changed;
+    auto replanned = PlanMembership(in);
+    REQUIRE(replanned.ok());
+    CHECK(replanned->replanned.size() == 1);
+    CHECK(replanned->groups.begin()->second.epoch == 8);
+  }
 
   // A drained engine leaves the plan; the others are planned afresh at the new epoch, still whole.
   m.drained_engines.insert("engine-infer3");
@@ -264,7 +298,7 @@ TEST_CASE("replan: the quantization is what the engines report; the sources are 
     INFO(r.status().ToString());
     REQUIRE(r.ok());
     auto configs = SourceConfigurations(m.nodes, config, r->plan, r->push_filters, r->quantization,
-                                        [](const PlannedAssignment& p) { return p.assignment; });
+                                        [](const PlannedAssignment& p) { return p.Wire(); });
     REQUIRE(configs.size() == 2);
     for (const auto& [id, c] : configs) {
       CHECK(c.quantization() == "fp8_block");
