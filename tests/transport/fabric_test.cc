@@ -130,6 +130,10 @@ TEST_CASE("the provider negotiated is the one asked for, with RMA", "[fabric]") 
   CHECK(info->provider == wsync::transport::fabric::testing::TestProvider());
   CHECK(info->tx_depth >= 1);
   CHECK(info->max_piece >= 1);
+  // ofi_rxm with a shared receive context (libfabric 1.17's connection teardown crashes without one on verbs).
+  const char* srx = std::getenv("FI_OFI_RXM_USE_SRX");
+  REQUIRE(srx != nullptr);
+  CHECK(std::string(srx) == "1");
   // What the forced run asked for is what the backend honours.
   if (const char* f = std::getenv("WSYNC_FABRIC_FORCE_MR_MODE"); f != nullptr && *f != '\0') {
     auto bits = wsync::transport::fabric::ParseForcedMrMode(f);
