@@ -3,6 +3,7 @@
 //   bench_transport --fabric   fabric transport vs raw libfabric writes (fabric_bench.cc), tcp and verbs beside
 // Other modes (e.g. --verbs) plug in as sibling sources; see CMakeLists.txt. Last line: one JSON object.
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -84,33 +85,56 @@ int RunTcp(const wsync::bench::TcpBenchOptions& opts, double iperf_seconds) {
 }
 
 #ifdef WSYNC_WITH_FABRIC
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
 // The fabric transport, the raw-libfabric baseline, the tcp transport (and verbs where a device is viable), one run.
-int RunFabric(const wsync::bench::TcpBenchOptions& opts, const std::string& provider) {
+// With `repeat` > 1 the baseline and the fabric sweep alternate that many times and every figure is the median over
+// the repetitions (ratios are taken per repetition, then their median): on a loaded machine one sweep's figure at a
+// size can be off by a scheduler hiccup; tcp and verbs run once.
+int RunFabric(const wsync::bench::TcpBenchOptions& opts, const std::string& provider, int repeat) {
   wsync::bench::RawFabricOptions raw_opts;
   raw_opts.provider = provider;
   raw_opts.sizes = opts.sizes;
   raw_opts.per_size = opts.per_size;
   std::string used;
-  // Two ways for the raw receiver to progress; the better one per size is the baseline.
-  auto spin = wsync::bench::RunRawFabricSweep(raw_opts, &used);
-  raw_opts.progress_pause_us = 50;
-  auto paced = wsync::bench::RunRawFabricSweep(raw_opts, &used);
-  if (!spin.ok() || !paced.ok()) {
-    std::fprintf(stderr, "raw libfabric baseline failed: %s\n",
-                 (spin.ok() ? paced.status() : spin.status()).ToString().c_str());
-    return 1;
+  const size_t n = opts.sizes.size();
+  // Per size, per repetition.
+  std::vector<std::vector<double>> spin_g(n), paced_g(n), raw_g(n), fab_g(n), ratio_r(n);
+  for (int rep = 0; rep < std::max(1, repeat); ++rep) {
+    // Two ways for the raw receiver to progress; the better one per size is the baseline.
+    raw_opts.progress_pause_us = 0;
+    auto spin = wsync::bench::RunRawFabricSweep(raw_opts, &used);
+    raw_opts.progress_pause_us = 50;
+    auto paced = wsync::bench::RunRawFabricSweep(raw_opts, &used);
+    if (!spin.ok() || !paced.ok()) {
+      std::fprintf(stderr, "raw libfabric baseline failed: %s\n",
+                   (spin.ok() ? paced.status() : spin.status()).ToString().c_str());
+      return 1;
+    }
+    wsync::transport::TransportOptions topts;
+    topts.bind_host = "127.0.0.1";
+    topts.fabric_provider = used;  // the transport on exactly the provider the baseline ran on
+    auto fab = wsync::bench::RunTransportSweep("fabric", topts, opts);
+    if (!fab.ok()) {
+      std::fprintf(stderr, "fabric transport sweep failed: %s\n", fab.status().ToString().c_str());
+      return 1;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const double r = std::max((*spin)[i].gbps(), (*paced)[i].gbps()), f = (*fab)[i].gbps();
+      spin_g[i].push_back((*spin)[i].gbps());
+      paced_g[i].push_back((*paced)[i].gbps());
+      raw_g[i].push_back(r);
+      fab_g[i].push_back(f);
+      ratio_r[i].push_back(r > 0 ? f / r : 0);
+    }
   }
-  auto raw = spin;
-  for (size_t i = 0; i < raw->size(); ++i)
-    if ((*paced)[i].gbps() > (*raw)[i].gbps()) (*raw)[i] = (*paced)[i];
   wsync::transport::TransportOptions topts;
   topts.bind_host = "127.0.0.1";
-  topts.fabric_provider = used;  // the transport on exactly the provider the baseline ran on
-  auto fab = wsync::bench::RunTransportSweep("fabric", topts, opts);
-  if (!fab.ok()) {
-    std::fprintf(stderr, "fabric transport sweep failed: %s\n", fab.status().ToString().c_str());
-    return 1;
-  }
   topts.tcp_streams = opts.streams;
   auto tcp = wsync::bench::RunTransportSweep("tcp", topts, opts);
   if (!tcp.ok()) {
@@ -120,36 +144,41 @@ int RunFabric(const wsync::bench::TcpBenchOptions& opts, const std::string& prov
   auto verbs = wsync::bench::RunTransportSweep("verbs", topts, opts);
   if (!verbs.ok()) std::printf("verbs: not measured (%s)\n", std::string(verbs.status().message()).c_str());
 
-  std::printf("\nfabric transport on %s vs raw libfabric (fi_writemsg window, same provider, same run)\n",
-              used.c_str());
-  std::printf("%10s %10s %10s %12s %8s %10s %10s\n", "message", "raw spin", "raw paced", "fabric GB/s", "ratio",
-              "tcp GB/s", "verbs GB/s");
+  std::printf("\nfabric transport on %s vs raw libfabric (fi_writemsg window, same provider, same run; median of %d)\n",
+              used.c_str(), std::max(1, repeat));
+  std::printf("%10s %10s %10s %12s %8s %16s %10s %10s\n", "message", "raw spin", "raw paced", "fabric GB/s", "ratio",
+              "ratio min-max", "tcp GB/s", "verbs GB/s");
   nlohmann::ordered_json sizes = nlohmann::ordered_json::object();
   double min_ratio = 1e9;
-  for (size_t i = 0; i < raw->size(); ++i) {
-    const double r = (*raw)[i].gbps(), f = (*fab)[i].gbps(), t = (*tcp)[i].gbps();
+  for (size_t i = 0; i < n; ++i) {
+    const double ratio = Median(ratio_r[i]), f = Median(fab_g[i]), t = (*tcp)[i].gbps();
     const double v = verbs.ok() ? (*verbs)[i].gbps() : 0;
-    const double ratio = r > 0 ? f / r : 0;
+    const auto [lo, hi] = std::minmax_element(ratio_r[i].begin(), ratio_r[i].end());
     min_ratio = std::min(min_ratio, ratio);
-    std::printf("%10s %10.3f %10.3f %12.3f %7.2fx %10.3f %10s\n", HumanSize((*raw)[i].message_bytes).c_str(),
-                (*spin)[i].gbps(), (*paced)[i].gbps(), f, ratio, t,
+    std::printf("%10s %10.3f %10.3f %12.3f %7.2fx %7.2f-%-7.2f %10.3f %10s\n", HumanSize(opts.sizes[i]).c_str(),
+                Median(spin_g[i]), Median(paced_g[i]), f, ratio, *lo, *hi, t,
                 verbs.ok() ? absl::StrFormat("%.3f", v).c_str() : "-");
-    nlohmann::ordered_json e = {
-        {"raw", r}, {"raw_spin", (*spin)[i].gbps()}, {"raw_paced", (*paced)[i].gbps()}, {"fabric", f}, {"ratio", ratio},
-        {"tcp", t}};
+    nlohmann::ordered_json e = {{"raw", Median(raw_g[i])},
+                                {"raw_spin", Median(spin_g[i])},
+                                {"raw_paced", Median(paced_g[i])},
+                                {"fabric", f},
+                                {"ratio", ratio},
+                                {"ratios", ratio_r[i]},
+                                {"tcp", t}};
     if (verbs.ok()) e["verbs"] = v;
-    sizes[std::to_string((*raw)[i].message_bytes)] = e;
+    sizes[std::to_string(opts.sizes[i])] = e;
   }
-  const double at_max = fab->back().gbps(), raw_max = raw->back().gbps();
+  const double at_max = Median(fab_g.back()), raw_max = Median(raw_g.back());
   nlohmann::ordered_json out = {
       {"bench", "transport_fabric"},
       {"provider", used},
       {"value", at_max},
       {"baseline", raw_max},
-      {"ratio", raw_max > 0 ? at_max / raw_max : 0.0},
+      {"ratio", Median(ratio_r.back())},
       {"min_ratio", min_ratio},
+      {"repeat", std::max(1, repeat)},
       {"unit", "GB/s"},
-      {"message_bytes", raw->back().message_bytes},
+      {"message_bytes", opts.sizes.back()},
       {"baseline_tool", "raw libfabric fi_writemsg window (receiver spinning or paced, the better per size)"},
       {"sizes", sizes},
   };
@@ -170,9 +199,12 @@ int main(int argc, char** argv) {
   std::string log_level = "warn";
   bool fabric = false;
   std::string fabric_provider;
+  int repeat = 1;
   app.add_flag("--fabric", fabric,
                "the fabric transport vs a raw-libfabric baseline, with tcp (and verbs where viable) in the same run");
   app.add_option("--fabric-provider", fabric_provider, "libfabric provider for --fabric (default: libfabric's pick)");
+  app.add_option("--repeat", repeat, "--fabric: alternate baseline and fabric sweeps this often, report medians")
+      ->capture_default_str();
   app.add_option("--streams", opts.streams, "tcp connections per endpoint for large batches")->capture_default_str();
   app.add_option("--in-flight", opts.in_flight, "batches outstanding at once")->capture_default_str();
   app.add_option("--per-size-ms", per_size_ms, "measurement time per message size")->capture_default_str();
@@ -188,7 +220,7 @@ int main(int argc, char** argv) {
   if (opts.sizes.empty() || opts.sizes.back() != max_size) opts.sizes.push_back(max_size);
   if (fabric) {
 #ifdef WSYNC_WITH_FABRIC
-    return RunFabric(opts, fabric_provider);
+    return RunFabric(opts, fabric_provider, repeat);
 #else
     std::fprintf(stderr, "--fabric: built without libfabric support (install libfabric-dev and reconfigure)\n");
     return 2;

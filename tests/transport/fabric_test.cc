@@ -3,6 +3,7 @@
 // another transport or provider, a missing provider or library, and the fallback list. Every refused write is
 // checked against the receiver's memory as the test reads it: unchanged.
 
+#include <rdma/fabric.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -129,6 +130,10 @@ TEST_CASE("the provider negotiated is the one asked for, with RMA", "[fabric]") 
   CHECK(info->provider == wsync::transport::fabric::testing::TestProvider());
   CHECK(info->tx_depth >= 1);
   CHECK(info->max_piece >= 1);
+  // ofi_rxm with a shared receive context (libfabric 1.17's connection teardown crashes without one on verbs).
+  const char* srx = std::getenv("FI_OFI_RXM_USE_SRX");
+  REQUIRE(srx != nullptr);
+  CHECK(std::string(srx) == "1");
   // What the forced run asked for is what the backend honours.
   if (const char* f = std::getenv("WSYNC_FABRIC_FORCE_MR_MODE"); f != nullptr && *f != '\0') {
     auto bits = wsync::transport::fabric::ParseForcedMrMode(f);
@@ -266,6 +271,141 @@ TEST_CASE("write grants: only the granted regions, only while the grant lives", 
     Transport::WriteGrant g{"source:train0", "engine0/0", {ro->get()}};
     auto rx = receiver->CreateGrantedEndpoint(g);
     CHECK(rx.status().code() == absl::StatusCode::kInvalidArgument);
+  }
+}
+
+namespace {
+
+// A transport acting as if its provider required FI_MR_ENDPOINT (and FI_MR_LOCAL), as cxi does: whatever the
+// run's environment forces otherwise.
+std::unique_ptr<Transport> EndpointMrFabric() {
+  wsync::transport::TransportOptions opts;
+  opts.io_timeout = absl::Seconds(15);
+  opts.fabric_provider = wsync::transport::fabric::testing::TestProvider();
+  wsync::transport::fabric::FabricOptions fopts;
+  fopts.force_mr_mode = "local,endpoint";
+  auto t = wsync::transport::fabric::CreateFabricTransport(opts, fopts);
+  REQUIRE(t.ok());
+  INFO((*t)->reason());
+  REQUIRE((*t)->viable());
+  return std::move(*t);
+}
+
+// The per-connection key `ep`'s connection info gives for the region with descriptor `desc` (0: none).
+uint64_t ConnectionKey(const Endpoint& ep, const std::string& desc) {
+  auto info = wsync::transport::fabric::DecodeConnInfo(ep.LocalInfo());
+  REQUIRE(info.ok());
+  auto d = wsync::transport::fabric::DecodeRegionDesc(desc);
+  REQUIRE(d.ok());
+  for (const auto& g : info->grant)
+    if (g.region_id == d->region_id) return g.key;
+  return 0;
+}
+
+// Connects a fresh sender endpoint to `dst`, but writing with `key` for region `desc` (a key of another
+// connection): what a peer that learned that key could do.
+std::unique_ptr<Endpoint> ConnectWithKey(Transport& sender, Endpoint& dst, const std::string& desc, uint64_t key) {
+  auto info = wsync::transport::fabric::DecodeConnInfo(dst.LocalInfo());
+  REQUIRE(info.ok());
+  auto d = wsync::transport::fabric::DecodeRegionDesc(desc);
+  REQUIRE(d.ok());
+  for (auto& g : info->grant)
+    if (g.region_id == d->region_id) g.key = key;
+  auto src = sender.CreateEndpoint();
+  REQUIRE(src.ok());
+  REQUIRE(dst.Connect((*src)->LocalInfo(), kTimeout).ok());
+  REQUIRE((*src)->Connect(wsync::transport::fabric::EncodeConnInfo(*info), kTimeout).ok());
+  return std::move(*src);
+}
+
+}  // namespace
+
+TEST_CASE("FI_MR_ENDPOINT: every receiving endpoint writes through MRs of its own, closed with it", "[fabric][mr]") {
+  auto sender = EndpointMrFabric();
+  auto receiver = EndpointMrFabric();
+  auto info = wsync::transport::fabric::GetFabricInfo(*receiver);
+  REQUIRE(info.has_value());
+  REQUIRE((info->mr_mode & FI_MR_ENDPOINT) != 0);
+  Buffer src = Source(*sender, 11);
+  Buffer dst = Target(*receiver);
+  const std::string desc = dst.region->Descriptor();
+  auto remote = Import(*sender, desc);
+  auto rx1 = receiver->CreateEndpoint();
+  auto rx2 = receiver->CreateEndpoint();
+  REQUIRE(rx1.ok());
+  REQUIRE(rx2.ok());
+  // Each endpoint has its own key for the region, and neither is the descriptor's (which has no MR behind it).
+  const uint64_t k1 = ConnectionKey(**rx1, desc), k2 = ConnectionKey(**rx2, desc);
+  auto d = wsync::transport::fabric::DecodeRegionDesc(desc);
+  REQUIRE(d.ok());
+  CHECK(k1 != 0);
+  CHECK(k2 != 0);
+  CHECK(k1 != k2);
+  CHECK(k1 != d->keys[0]);
+
+  // A receiving endpoint takes one connection: `fresh` makes another one.
+  auto fresh = [&] {
+    auto rx = receiver->CreateEndpoint();
+    REQUIRE(rx.ok());
+    return std::move(*rx);
+  };
+
+  SECTION("writes land through each endpoint's own key; the descriptor's key alone writes nothing") {
+    auto ep1 = ConnectTo(*sender, **rx1);
+    REQUIRE(WriteAll(*ep1, *src.region, *remote, kTimeout).ok());
+    CHECK(HoldsPattern(dst.bytes.data(), kLen, 11));
+    std::fill(dst.bytes.begin(), dst.bytes.end(), kUntouched);
+    auto ep2 = ConnectTo(*sender, **rx2);
+    REQUIRE(WriteAll(*ep2, *src.region, *remote, kTimeout).ok());
+    CHECK(HoldsPattern(dst.bytes.data(), kLen, 11));
+    std::fill(dst.bytes.begin(), dst.bytes.end(), kUntouched);
+    auto rx3 = fresh();
+    auto bare = ConnectWithKey(*sender, *rx3, desc, d->keys[0]);
+    RequireRefused(WriteAll(*bare, *src.region, *remote, kRefusedTimeout), *bare);
+    CHECK(Untouched(dst.bytes));
+  }
+  SECTION("a destroyed endpoint's MRs are closed: its key writes nothing more") {
+    // While rx1 lives its key is registered; this provider does not check the binding (FI_MR_ENDPOINT forced), one
+    // that requires FI_MR_ENDPOINT refuses the key on another endpoint already.
+    auto before = ConnectWithKey(*sender, **rx2, desc, k1);
+    if (WriteAll(*before, *src.region, *remote, kTimeout).ok()) CHECK(HoldsPattern(dst.bytes.data(), kLen, 11));
+    std::fill(dst.bytes.begin(), dst.bytes.end(), kUntouched);
+    rx1->reset();
+    auto rx3 = fresh();
+    auto after = ConnectWithKey(*sender, *rx3, desc, k1);
+    RequireRefused(WriteAll(*after, *src.region, *remote, kRefusedTimeout), *after);
+    CHECK(Untouched(dst.bytes));
+  }
+  SECTION("a region registered after the endpoint is not writable through it") {
+    Buffer late = Target(*receiver);
+    auto late_remote = Import(*sender, late.region->Descriptor());
+    CHECK(ConnectionKey(**rx1, late.region->Descriptor()) == 0);
+    auto ep1 = ConnectTo(*sender, **rx1);
+    RequireRefused(WriteAll(*ep1, *src.region, *late_remote, kRefusedTimeout), *ep1);
+    CHECK(Untouched(late.bytes));
+    // An endpoint made after it is.
+    auto rx3 = fresh();
+    auto ep3 = ConnectTo(*sender, *rx3);
+    REQUIRE(WriteAll(*ep3, *src.region, *late_remote, kTimeout).ok());
+    CHECK(HoldsPattern(late.bytes.data(), kLen, 11));
+  }
+  SECTION("the window and grant rules hold for the endpoints' MRs") {
+    REQUIRE(receiver->RequireGrants(true).ok());
+    auto ep1 = ConnectTo(*sender, **rx1);
+    RequireRefused(WriteAll(*ep1, *src.region, *remote, kRefusedTimeout), *ep1);
+    CHECK(Untouched(dst.bytes));
+    REQUIRE(receiver->RequireGrants(false).ok());
+    auto ep2 = ConnectTo(*sender, **rx2);
+    REQUIRE(WriteAll(*ep2, *src.region, *remote, kTimeout).ok());
+    CHECK(HoldsPattern(dst.bytes.data(), kLen, 11));
+    if (info->app_keys) {
+      std::fill(dst.bytes.begin(), dst.bytes.end(), kUntouched);
+      REQUIRE(receiver->SetWriteWindow(false).ok());
+      auto rx3 = fresh();
+      auto ep3 = ConnectTo(*sender, *rx3);
+      RequireRefused(WriteAll(*ep3, *src.region, *remote, kRefusedTimeout), *ep3);
+      CHECK(Untouched(dst.bytes));
+    }
   }
 }
 

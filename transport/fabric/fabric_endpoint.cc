@@ -110,6 +110,7 @@ class FabricEndpoint final : public Endpoint {
   ~FabricEndpoint() override {
     // The grant's MRs are bound to ep_ (FI_MR_ENDPOINT): closed before it.
     if (grant_ != nullptr) gate_->RemoveGrant(grant_);
+    if (bound_plain_) gate_->UnbindPlain(ep_.get());
     local_mrs_.clear();
     auto pause = dom_->PauseProgress();
     ep_.reset();
@@ -173,6 +174,10 @@ class FabricEndpoint final : public Endpoint {
         ranges.push_back(Gate::Range{r->addr(), r->length(), r->device()});
       }
       WSYNC_ASSIGN_OR_RETURN(grant_, gate_->AddGrant(grant->info, std::move(ids), std::move(ranges), ep_.get()));
+    } else if (dom_->endpoint_mr()) {
+      // FI_MR_ENDPOINT: the regions' own remote MRs cannot serve this endpoint; it gets MRs bound to it.
+      bound_plain_ = true;
+      WSYNC_RETURN_IF_ERROR(gate_->BindPlain(ep_.get()));
     }
     return absl::OkStatus();
   }
@@ -190,6 +195,10 @@ class FabricEndpoint final : public Endpoint {
     if (grant_ != nullptr) {
       info.granted = true;
       info.grant = gate_->GrantKeys(*grant_);
+    } else if (bound_plain_) {
+      // Per-connection keys like a grant's, for every region registered before this endpoint.
+      info.granted = true;
+      info.grant = gate_->BoundKeys(ep_.get());
     }
     return EncodeConnInfo(info);
   }
@@ -365,6 +374,7 @@ class FabricEndpoint final : public Endpoint {
   FidPtr<fid_ep> ep_{nullptr, {"endpoint"}};
   std::unordered_map<uint64_t, MrPtr> local_mrs_;  // FI_MR_ENDPOINT only; closed before ep_
   std::shared_ptr<Gate::Grant> grant_;             // null for a plain endpoint
+  bool bound_plain_ = false;                       // FI_MR_ENDPOINT plain endpoint: the gate holds MRs bound to ep_
   std::string address_;
   bool connected_ = false;
   bool reached_peer_ = false;  // a write to the peer has completed

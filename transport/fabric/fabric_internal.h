@@ -70,6 +70,10 @@ class Domain {
   bool virt_addr() const { return (mr_mode_ & FI_MR_VIRT_ADDR) != 0; }
   bool prov_key() const { return (mr_mode_ & FI_MR_PROV_KEY) != 0; }
   bool endpoint_mr() const { return (mr_mode_ & FI_MR_ENDPOINT) != 0; }
+  // The provider itself requires FI_MR_ENDPOINT (not only forced): MRs are then bound to their endpoint with
+  // fi_mr_bind and enabled. A forced bit keeps the per-endpoint bookkeeping but binds nothing: no provider Debian's
+  // libfabric has implements fi_mr_bind to an endpoint (they answer FI_ENOSYS).
+  bool binds_mr_to_endpoint() const { return (info_->domain_attr->mr_mode & FI_MR_ENDPOINT) != 0; }
   bool delivery_complete() const { return delivery_complete_; }
   // Device memory can be registered (the domain was opened with FI_HMEM).
   bool hmem() const { return (info_->caps & FI_HMEM) != 0; }
@@ -129,9 +133,13 @@ class Gate {
     DeviceMemory dev;
     MrPtr mr;
   };
-  // A region's own remote MR (its descriptor's key).
+  // A region's own remote MR (its descriptor's key). Under FI_MR_ENDPOINT that one has no endpoint to be bound to
+  // and stays unregistered; instead every plain endpoint gets an MR of its own for the region (`bound`), under
+  // the same window rules, whose key travels in that endpoint's connection info.
   struct Plain {
     Entry e;
+    uint64_t region_id = 0;
+    std::vector<Entry> bound;
   };
   // A write grant: one MR per granted region, for one endpoint.
   struct Grant {
@@ -142,7 +150,8 @@ class Gate {
   };
 
   // Adds a region's own remote MR (registered now when the state allows) and returns it; the region removes it.
-  absl::StatusOr<std::shared_ptr<Plain>> AddPlain(void* addr, uint64_t len, const DeviceMemory& dev = {});
+  absl::StatusOr<std::shared_ptr<Plain>> AddPlain(uint64_t region_id, void* addr, uint64_t len,
+                                                  const DeviceMemory& dev = {});
   void RemovePlain(const std::shared_ptr<Plain>& p);
   struct Range {
     void* addr = nullptr;
@@ -155,6 +164,12 @@ class Gate {
   // The keys a granted endpoint's LocalInfo carries.
   std::vector<GrantedRegion> GrantKeys(const Grant& g) const;
   uint64_t PlainKey(const Plain& p) const;
+  // FI_MR_ENDPOINT: gives the plain endpoint `ep` an MR bound to it for every region registered so far (a region
+  // registered later is not writable through it: its peer could not learn the key); BoundKeys lists their keys,
+  // UnbindPlain closes them (before the endpoint is closed).
+  absl::Status BindPlain(fid_ep* ep);
+  std::vector<GrantedRegion> BoundKeys(fid_ep* ep) const;
+  void UnbindPlain(fid_ep* ep);
 
   absl::Status SetWindow(bool open);
   absl::Status RequireGrants(bool require);

@@ -65,11 +65,13 @@ absl::StatusOr<uint64_t> ParseForcedMrMode(const std::string& list) {
   for (absl::string_view part : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
     if (part == "local") {
       bits |= FI_MR_LOCAL;
+    } else if (part == "endpoint") {
+      bits |= FI_MR_ENDPOINT;
     } else if (part == "prov_key") {
       bits |= FI_MR_PROV_KEY;
     } else {
       return absl::InvalidArgumentError(
-          absl::StrCat("fabric: unknown mr_mode bit \"", part, "\" to force (known: local, prov_key)"));
+          absl::StrCat("fabric: unknown mr_mode bit \"", part, "\" to force (known: local, prov_key, endpoint)"));
     }
   }
   return bits;
@@ -129,13 +131,16 @@ void Domain::ProgressLoop() {
   // Incoming writes leave no entry to tell activity by, and the queue's wait object cannot be used (libfabric 1.17's
   // tcp;ofi_rxm calls back into closed endpoints from fi_trywait, and never clears the descriptor without it).
   // Activity shows instead as a read that did work: one that returned entries, or cost this thread clearly more
-  // CPU than an empty read does (its running average). After such a read the queue is read again after kMinPause
-  // (as often as the raw-libfabric baseline's paced receiver); every empty read doubles the pause, up to kMaxPause:
-  // an idle domain costs a few hundred cheap reads a second, and a first write after a pause waits at most
-  // kMaxPause for its progress.
+  // CPU than an empty read does (its running average). After such a read the queue is read again at once: ofi_rxm
+  // handles about one incoming message per read (FI_OFI_RXM_COMP_PER_PROGRESS, default 1), so any pause between
+  // reads while writes arrive caps the receiver at one message per pause (a fixed 50 us pause held 16 KiB writes
+  // to 0.1 GB/s on tcp;ofi_rxm). Every empty read doubles the pause, from kMinPause up to kMaxPause: an idle domain
+  // costs a few hundred cheap reads a second, and a first write after a pause waits at most kMaxPause for its
+  // progress.
   constexpr auto kMinPause = std::chrono::microseconds(50);
   constexpr auto kMaxPause = std::chrono::microseconds(5000);
-  constexpr auto kBusyFloor = std::chrono::microseconds(10);
+  // A read that handled one small message costs a few microseconds more than an empty one.
+  constexpr auto kBusyFloor = std::chrono::microseconds(2);
   // This thread's CPU time, not the clock: a read the scheduler preempted did no work.
   auto cpu_now = [] {
     timespec ts{};
@@ -163,7 +168,8 @@ void Domain::ProgressLoop() {
                       (empty_cost_ns > 0 &&
                        cost_ns > std::max<double>(3 * empty_cost_ns, std::chrono::nanoseconds(kBusyFloor).count()));
     if (busy) {
-      pause = kMinPause;
+      pause = kMinPause / 2;  // the next empty read waits kMinPause
+      continue;
     } else {
       empty_cost_ns = empty_cost_ns == 0 ? cost_ns : 0.95 * empty_cost_ns + 0.05 * cost_ns;
       pause = std::min(kMaxPause, pause * 2);
@@ -203,7 +209,7 @@ absl::StatusOr<MrPtr> Domain::RegisterMr(void* addr, uint64_t len, uint64_t acce
           what, ") on ", provider(), ": ", FiError(rc), rc == -FI_ENOMEM ? " (check ulimit -l)" : ""));
     }
     MrPtr out(mr);
-    if (endpoint_mr() && ep != nullptr) {
+    if (binds_mr_to_endpoint() && ep != nullptr) {
       if (int b = fi_mr_bind(mr, &ep->fid, 0); b != 0)
         return absl::UnavailableError(absl::StrCat("fabric: fi_mr_bind (", what, "): ", FiError(b)));
       if (int en = fi_mr_enable(mr); en != 0)
@@ -239,6 +245,10 @@ absl::Status Gate::ApplyLocked() {
   for (auto& p : plain_) {
     absl::Status s = SyncLocked(p->e, PlainWantedLocked(), "a region's remote-write MR");
     if (first.ok()) first = s;
+    for (Entry& b : p->bound) {
+      s = SyncLocked(b, PlainWantedLocked(), "a region's remote-write MR bound to an endpoint");
+      if (first.ok()) first = s;
+    }
   }
   for (auto& g : grants_) {
     for (Entry& e : g->entries) {
@@ -249,8 +259,10 @@ absl::Status Gate::ApplyLocked() {
   return first;
 }
 
-absl::StatusOr<std::shared_ptr<Gate::Plain>> Gate::AddPlain(void* addr, uint64_t len, const DeviceMemory& dev) {
+absl::StatusOr<std::shared_ptr<Gate::Plain>> Gate::AddPlain(uint64_t region_id, void* addr, uint64_t len,
+                                                            const DeviceMemory& dev) {
   auto p = std::make_shared<Plain>();
+  p->region_id = region_id;
   p->e.addr = addr;
   p->e.len = len;
   p->e.dev = dev;
@@ -265,6 +277,41 @@ void Gate::RemovePlain(const std::shared_ptr<Plain>& p) {
   std::lock_guard<std::mutex> l(mu_);
   plain_.erase(std::remove(plain_.begin(), plain_.end(), p), plain_.end());
   p->e.mr.reset();
+  p->bound.clear();
+}
+
+absl::Status Gate::BindPlain(fid_ep* ep) {
+  std::lock_guard<std::mutex> l(mu_);
+  for (auto& p : plain_) {
+    Entry b;
+    b.addr = p->e.addr;
+    b.len = p->e.len;
+    b.dev = p->e.dev;
+    b.ep = ep;
+    if (!dom_->prov_key()) b.key = RandomKey(dom_->info()->domain_attr->mr_key_size);
+    p->bound.push_back(std::move(b));
+    WSYNC_RETURN_IF_ERROR(
+        SyncLocked(p->bound.back(), PlainWantedLocked(), "a region's remote-write MR bound to an endpoint"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<GrantedRegion> Gate::BoundKeys(fid_ep* ep) const {
+  std::lock_guard<std::mutex> l(mu_);
+  std::vector<GrantedRegion> out;
+  for (const auto& p : plain_) {
+    for (const Entry& b : p->bound)
+      if (b.ep == ep) out.push_back(GrantedRegion{p->region_id, b.key});
+  }
+  return out;
+}
+
+void Gate::UnbindPlain(fid_ep* ep) {
+  std::lock_guard<std::mutex> l(mu_);
+  for (auto& p : plain_) {
+    p->bound.erase(std::remove_if(p->bound.begin(), p->bound.end(), [ep](const Entry& b) { return b.ep == ep; }),
+                   p->bound.end());
+  }
 }
 
 uint64_t Gate::PlainKey(const Plain& p) const {
@@ -655,7 +702,7 @@ class FabricTransport final : public Transport {
         local[i] = *std::move(mr);
       }
       if (remote_write) {
-        auto p = gates_[i]->AddPlain(addr, len, dev);
+        auto p = gates_[i]->AddPlain(region_id, addr, len, dev);
         if (!p.ok()) {
           release_plain();
           return p.status();

@@ -10,7 +10,9 @@
 //     with every write), FI_MR_VIRT_ADDR (remote addresses are virtual addresses, else offsets into the MR),
 //     FI_MR_PROV_KEY (the provider picks keys, else the transport does, at random), FI_MR_ALLOCATED (only
 //     allocated memory is registered; a zero-length region registers nothing), FI_MR_ENDPOINT (an MR is bound to an
-//     endpoint and enabled before use: the local MRs a write is posted with are registered per endpoint then).
+//     endpoint and enabled before use: the local MRs a write is posted with are registered per endpoint then, and
+//     a receiving endpoint gets remote-write MRs of its own for the regions registered before it, keys in its
+//     LocalInfo as a grant's).
 //     A region gets one MR for local access (FI_WRITE: the source of writes) and, unless it is a source's memory,
 //     one for remote writes, which is the write window's and the grants' lever (below).
 //   * Endpoints: one FI_EP_RDM endpoint with its own address vector and transmit completion queue; LocalInfo carries
@@ -52,7 +54,8 @@ struct FabricOptions {
   uint64_t max_piece = 0;  // WSYNC_FABRIC_MAX_PIECE: largest piece of one write (bytes); default 4 MiB
   uint32_t tx_depth = 0;   // WSYNC_FABRIC_TX_DEPTH: writes outstanding per endpoint (capped by tx_attr->size); 64
   // WSYNC_FABRIC_FORCE_MR_MODE: act as if the provider required these mr_mode bits even where it does not
-  // ("local,prov_key"): tests of the code paths efa needs, on a provider that runs here.
+  // ("local,prov_key"): tests of the code paths efa needs, on a provider that runs here. "endpoint" (FI_MR_ENDPOINT,
+  // cxi's): MRs registered per endpoint, as bound to it (the binding itself only where the provider requires it).
   std::string force_mr_mode;
   // WSYNC_FABRIC_DOMAINS ("rdmap16s27-rdm,rdmap32s27-rdm", "mlx5_0,mlx5_1"): the domains (NICs) to use, in this
   // order; empty: every domain libfabric offers on the fabric of its preferred answer.

@@ -28,6 +28,21 @@ void LoadOnce() {
   if (const char* c = std::getenv("FI_MR_CACHE_MAX_COUNT"); c != nullptr && std::string(c) != "0")
     spdlog::warn("fabric: FI_MR_CACHE_MAX_COUNT={} overridden with 0: a cached MR outlives its revocation", c);
   setenv("FI_MR_CACHE_MAX_COUNT", "0", 1);
+  // ofi_rxm (libfabric 1.17 through 2.6.0) closes a connection's MSG endpoint and only then drains the
+  // completions still queued for it (rxm_close_conn): a receive among them is re-posted to the freed endpoint and
+  // the process crashes (SIGSEGV in the progress thread's fi_cq_read when a peer closes its endpoint, or in
+  // fi_close of our own). Fixed upstream after 2.6.0 (commit 697688386, "prov/rxm: fix the msg_ep use-after-free at
+  // connection teardown"). With a shared receive context every receive buffer is posted to that context, which outlives
+  // the connections, so nothing is re-posted to a freed endpoint. tcp;ofi_rxm uses one by default already;
+  // verbs;ofi_rxm does not (the crash was seen there, in the soft-RoCE VM). An explicit setting is kept, with a
+  // warning.
+  if (const char* c = std::getenv("FI_OFI_RXM_USE_SRX"); c != nullptr && std::string(c) != "1") {
+    spdlog::warn(
+        "fabric: FI_OFI_RXM_USE_SRX={} kept: ofi_rxm without a shared receive context can crash when a connection "
+        "closes (libfabric 1.17's connection teardown re-posts receives to a freed endpoint)",
+        c);
+  }
+  setenv("FI_OFI_RXM_USE_SRX", "1", 0);
   void* lib = dlopen(lib_name, RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* err = dlerror();
