@@ -321,14 +321,13 @@ class EngineService final : public pb::EngineControl::Service {
     return DoSwitch(*req, /*prepare=*/true, out);
   }
 
-  grpc::Status DoSwitch(const pb::SwitchRequest& request, bool prepare, pb::EngineReply* out) {
-    const pb::SwitchRequest* req = &request;
+  grpc::Status DoSwitch(const pb::SwitchRequest& req, bool prepare, pb::EngineReply* out) {
     if (!staging_)
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                           absl::StrCat("engine ", id_, " offers no staging memory (start it with --staging)"));
-    if (req->staging_digests_size() != tp_)
+    if (req.staging_digests_size() != tp_)
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("switch to version ", req->version(), " carries ", req->staging_digests_size(),
+                          absl::StrCat("switch to version ", req.version(), " carries ", req.staging_digests_size(),
                                        " staging digests; the engine has ", tp_, " ranks"));
     if (prepare) {
       int staging_set = 0;
@@ -336,30 +335,30 @@ class EngineService final : public pb::EngineControl::Service {
         // Shared: readers of the live copy go on; a switch cannot swap the copies under the hash.
         std::shared_lock<std::shared_mutex> sl(serving_mu_);
         staging_set = 1 - live_set_;
-        if (auto st = CheckStaging(*req, staging_set); !st.ok()) {
+        if (auto st = CheckStaging(req, staging_set); !st.ok()) {
           Disarm();
           return st;
         }
       }
       std::lock_guard<std::mutex> l(arm_mu_);
-      armed_ = ::wsync::daemon::ArmFrom(*req, staging_set);
+      armed_ = ::wsync::daemon::ArmFrom(req, staging_set);
       out->set_success(true);
-      out->set_message(absl::StrCat("staging copy of version ", req->version(), " as verified; switch armed"));
+      out->set_message(absl::StrCat("staging copy of version ", req.version(), " as verified; switch armed"));
       return grpc::Status::OK;
     }
     std::unique_lock<std::shared_mutex> sl(serving_mu_);
     bool checked = false;
     {
       std::lock_guard<std::mutex> l(arm_mu_);
-      checked = ::wsync::daemon::SwitchMaySkipRehash(armed_, *req, 1 - live_set_);
+      checked = ::wsync::daemon::SwitchMaySkipRehash(armed_, req, 1 - live_set_);
       armed_.reset();  // one switch per prepare
     }
     if (!checked)
-      if (auto st = CheckStaging(*req, 1 - live_set_); !st.ok()) return st;
+      if (auto st = CheckStaging(req, 1 - live_set_); !st.ok()) return st;
     live_set_ = 1 - live_set_;
     sl.unlock();
     std::lock_guard<std::mutex> l(mu_);
-    version_ = req->version();
+    version_ = req.version();
     spdlog::info("engine {}: switched to version {} (copy {} live{})", id_, version_, live_set_,
                  checked ? ", checked by its prepare" : "");
     out->set_success(true);
@@ -635,7 +634,7 @@ class EngineService final : public pb::EngineControl::Service {
   // Guards live_set_: readers of the live weights (GetChecksums, Verify) hold it shared, Switch exclusively.
   mutable std::shared_mutex serving_mu_;
   int live_set_ = 0;  // which copy of the segments is live (always 0 without --staging)
-  // The last successful prepare (SwitchRequest.prepare), until the next switch or continue; guarded by arm_mu_ (taken
+  // The last successful PrepareSwitch, until the next switch or continue; guarded by arm_mu_ (taken
   // after serving_mu_, never before).
   std::mutex arm_mu_;
   std::optional<::wsync::daemon::ArmedSwitch> armed_;
