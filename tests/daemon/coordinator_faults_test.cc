@@ -285,10 +285,11 @@ class ScriptedPeers : public Peers {
     WSYNC_RETURN_IF_ERROR(Inject(Rpc::kSwitch, addr));
     std::lock_guard<std::mutex> l(mu_);
     EngineTruth& e = engines_[addr];
-    const std::string have = absl::StrCat("digest of ", addr, " at ", e.staged,
-                                          changed_after_verify_ == addr ? " (changed)" : "");
+    const std::string have =
+        absl::StrCat("digest of ", addr, " at ", e.staged, changed_after_verify_ == addr ? " (changed)" : "");
     for (const auto& d : req.staging_digests())
-      if (d != have) return absl::FailedPreconditionError(absl::StrCat("staging of ", addr, " is not what was verified"));
+      if (d != have)
+        return absl::FailedPreconditionError(absl::StrCat("staging of ", addr, " is not what was verified"));
     if (prepare) {
       e.prepared_while_paused = e.paused;
       return absl::OkStatus();  // checked and armed; nothing live changes

@@ -381,7 +381,8 @@ TEST_CASE("target: an engine that stages in place: staging hashed for the verify
   const absl::Status unarmed = f.node->Switch("fake0", sw, false);  // one switch per prepare: this one hashes
   CHECK(unarmed.code() == absl::StatusCode::kFailedPrecondition);
   CHECK(absl::StrContains(unarmed.message(), "rank 0's staging memory is not what was verified"));
-  const absl::Status prepare_refused = f.node->Switch("fake0", sw, true);  // a change after the verify: refused, unarmed
+  // A change after the verify: the prepare refuses it and arms nothing.
+  const absl::Status prepare_refused = f.node->Switch("fake0", sw, true);
   CHECK(prepare_refused.code() == absl::StatusCode::kFailedPrecondition);
   CHECK(absl::StrContains(prepare_refused.message(), "rank 0's staging memory is not what was verified"));
   CHECK(f.node->Switch("fake0", sw, false).code() == absl::StatusCode::kFailedPrecondition);

@@ -598,8 +598,8 @@ class EngineService final : public pb::EngineControl::Service {
       if (have != req.staging_digests(r))
         return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                             absl::StrCat("switch to version ", req.version(), " refused: rank ", r,
-                                         "'s staging copy is not what was verified (", have, " != ",
-                                         req.staging_digests(r), "); nothing switched"));
+                                         "'s staging copy is not what was verified (", have,
+                                         " != ", req.staging_digests(r), "); nothing switched"));
     }
     return grpc::Status::OK;
   }
