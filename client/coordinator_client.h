@@ -21,8 +21,8 @@ namespace wsync::client {
 // CommitWorstCaseSeconds / BeginWorstCaseSeconds.
 inline constexpr double kDefaultCommitTimeoutSeconds = 120;  // CommitUpdateRequest.timeout_seconds default
 // CommitUpdate on the server: FinishUpdate (timeout_seconds + 30) + apply delta 60 + post-process 300 + set version
-// 30 + continue 30; staged updates add verify 2 x 120, pause 120 and switch 60.
-inline constexpr double kCommitOverheadSeconds = 30 + 60 + 300 + 30 + 30 + 2 * 120 + 120 + 60;
+// 30 + continue 30; staged updates add verify 2 x 120, pause 120, and prepare and switch 60 each.
+inline constexpr double kCommitOverheadSeconds = 30 + 60 + 300 + 30 + 30 + 2 * 120 + 120 + 2 * 60;
 // BeginUpdate on the server: pause 120 + engine info 30 + configure 600 (a first-time replica build) + start 30.
 inline constexpr double kBeginWorstCaseSeconds = 120 + 30 + 600 + 30;
 // Scheduling, queueing and transfer on top of the server's own bounds.

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/str_format.h"
 #include "client/coordinator_client.h"
 #include "client/trainer_client.h"
 #include "nlohmann/json.hpp"
@@ -134,6 +135,10 @@ int main(int argc, char** argv) {
       double worst = 0;
       for (double p : paused) worst = std::max(worst, p);
       std::printf("%-8s %8ld %12.3f %14.4f %14.4f\n", mode.c_str(), v, wall, worst, worst / wall);
+      // Where the commit's time went (the staged switch's phases show what lies inside the paused window).
+      std::string phases;
+      for (const auto& p : rec->phases()) phases += absl::StrFormat(" %s %.1fms", p.phase(), 1e3 * p.seconds());
+      std::printf("         phases:%s\n", phases.c_str());
       wall_sum += wall;
       ratio_sum += worst / wall;
       ratio_max = std::max(ratio_max, worst / wall);

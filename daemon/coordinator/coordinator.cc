@@ -1892,9 +1892,43 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
   std::vector<std::string> all;
   for (const auto& [a, d] : verified) all.push_back(a);
   std::mutex m;
-  std::vector<std::string> paused, switched;
+  std::vector<std::string> prepared, paused, switched;
+  const std::string version = std::to_string(v);
+  auto switch_request = [&](const std::string& a) {
+    v1::SwitchRequest req;
+    req.set_version(version);
+    for (const auto& d : verified.at(a)) req.add_staging_digests(d);
+    return req;
+  };
+  // The re-hash of the staging memory runs here, while the engines serve, not in the paused window: every source's
+  // write window closed before the verify, so no peer can write it any more; the prepare catches a change made on the
+  // engine's host since the verify (the engine left out, never paused) and arms the switch below.
   absl::Time t = absl::Now();
   ForAll(all, [&](const std::string& a) {
+    absl::Status st = Annotate(Remote(a, [&] { return peers_->PrepareSwitch(a, switch_request(a)); }),
+                               "switch " + EngineLabel(a) + " (prepare)");
+    if (st.code() == absl::StatusCode::kUnimplemented) {
+      // An engine from before PrepareSwitch: its Switch re-hashes inside the paused window, as it always did.
+      spdlog::info("update {}: {} has no PrepareSwitch; its switch re-hashes while paused", v, EngineLabel(a));
+      st = absl::OkStatus();
+    }
+    std::lock_guard<std::mutex> l(m);
+    if (st.ok())
+      prepared.push_back(a);
+    else
+      (*left_out)[a] = st.ToString();
+    return absl::OkStatus();
+  }).IgnoreError();
+  AddPhase(rec, "prepare", t);
+  // Recorded paused before they are, so that no store write lies inside the paused window: a coordinator that stops
+  // from here on restarts with the switch begun (switch_started), engines held paused until an update succeeds.
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (const auto& a : prepared) engine_state_[a] = EngineView{EngineState::kPaused, ""};
+    Persist();
+  }
+  t = absl::Now();
+  ForAll(prepared, [&](const std::string& a) {
     absl::Status st =
         Track(a, EngineState::kPaused, "pause",
               Annotate(Remote(a, [&] { return peers_->Pause(a, "retract"); }), "pause " + EngineLabel(a)));
@@ -1905,16 +1939,12 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
       (*left_out)[a] = st.ToString();
     return absl::OkStatus();
   }).IgnoreError();
-  SaveEngineStates();
   AddPhase(rec, "pause", t);
   // The barrier: no engine switches before every engine was verified and paused.
   t = absl::Now();
-  const std::string version = std::to_string(v);
   ForAll(paused, [&](const std::string& a) {
-    v1::SwitchRequest req;
-    req.set_version(version);
-    for (const auto& d : verified.at(a)) req.add_staging_digests(d);
-    absl::Status st = Annotate(Remote(a, [&] { return peers_->Switch(a, req); }), "switch " + EngineLabel(a));
+    absl::Status st =
+        Annotate(Remote(a, [&] { return peers_->Switch(a, switch_request(a)); }), "switch " + EngineLabel(a));
     std::lock_guard<std::mutex> l(m);
     if (st.ok())
       switched.push_back(a);
@@ -1931,8 +1961,10 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
   ForAll(resume, [&](const std::string& a) {
     return Track(a, EngineState::kServing, "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
   }).IgnoreError();
-  SaveEngineStates();
-  if (switched.empty()) return switched;
+  if (switched.empty()) {
+    SaveEngineStates();
+    return switched;
+  }  // else saved after the switched engines continue, outside their paused window
   t = absl::Now();
   absl::Status st = ForAll(switched, [&](const std::string& a) {
     return Track(

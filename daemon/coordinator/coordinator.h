@@ -136,6 +136,12 @@ class Peers {
     (void)req;
     return absl::UnimplementedError("switch");
   }
+  // EngineControl.PrepareSwitch: Switch's check, before the pause, arming the switch.
+  virtual absl::Status PrepareSwitch(const std::string& addr, const v1::SwitchRequest& req) {
+    (void)addr;
+    (void)req;
+    return absl::UnimplementedError("prepare switch");
+  }
 };
 
 // gRPC implementation of Peers.
@@ -186,7 +192,7 @@ struct PeerDeadlines {
   static constexpr double kApplyDelta = 60;  // decoding what the sources staged (a fraction of the dense bytes)
   static constexpr double kAbort = 60;  // a source's AbortSourceUpdate: the bucket being written + the drain (30 s)
   static constexpr double kVerify = 120;  // staged: a source's write checksums, an engine rank's staging hashes
-  static constexpr double kSwitch = 60;   // staged: an engine's Switch (re-hashes its staging copy)
+  static constexpr double kSwitch = 60;   // staged: an engine's PrepareSwitch or Switch (re-hashes its staging copy)
 };
 
 // Default CommitUpdateRequest.timeout_seconds (how long sources wait for their trainer ranks).
@@ -200,7 +206,7 @@ inline double CommitWorstCaseSeconds(double commit_timeout_s) {
   if (commit_timeout_s <= 0) commit_timeout_s = kDefaultCommitTimeoutSeconds;
   return commit_timeout_s + PeerDeadlines::kFinishSlack + PeerDeadlines::kApplyDelta + PeerDeadlines::kPostProcess +
          PeerDeadlines::kSetVersion + PeerDeadlines::kContinue + 2 * PeerDeadlines::kVerify + PeerDeadlines::kPause +
-         PeerDeadlines::kSwitch;
+         2 * PeerDeadlines::kSwitch;
 }
 // The longest a BeginUpdate can run on the server (pause, engine info, configure, start).
 inline double BeginWorstCaseSeconds() {

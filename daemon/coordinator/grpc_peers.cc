@@ -93,6 +93,10 @@ class GrpcPeers final : public Peers {
     return Check(
         Call<v1::EngineReply>(addr, Engine(addr), &v1::EngineControl::Stub::Switch, req, PeerDeadlines::kSwitch));
   }
+  absl::Status PrepareSwitch(const std::string& addr, const v1::SwitchRequest& req) override {
+    return Check(Call<v1::EngineReply>(addr, Engine(addr), &v1::EngineControl::Stub::PrepareSwitch, req,
+                                       PeerDeadlines::kSwitch));
+  }
   void CancelCalls(const std::string& addr) override {
     std::lock_guard<std::mutex> l(mu_);
     auto it = in_flight_.find(addr);

@@ -178,7 +178,11 @@ class EngineFacade final : public v1::EngineControl::Service {
   // PostProcess (the reload) makes them live.
   grpc::Status Switch(grpc::ServerContext* ctx, const v1::SwitchRequest* req, v1::EngineReply* out) override {
     WSYNC_AUTHORIZE("Switch", {tls::kCoordinator});
-    return Done(t_->Switch(id_, *req), out);
+    return Done(t_->Switch(id_, *req, /*prepare=*/false), out);
+  }
+  grpc::Status PrepareSwitch(grpc::ServerContext* ctx, const v1::SwitchRequest* req, v1::EngineReply* out) override {
+    WSYNC_AUTHORIZE("PrepareSwitch", {tls::kCoordinator});
+    return Done(t_->Switch(id_, *req, /*prepare=*/true), out);
   }
   grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest* req, v1::VerifyReply*) override {
     WSYNC_AUTHORIZE("Verify", {tls::kAdmin, tls::kTrainer});

@@ -406,7 +406,11 @@ v1::SetWriteWindowReply TargetNode::SetWriteWindow(const v1::SetWriteWindowReque
   } else if (req.open()) {
     assignments_known_ = false;  // a coordinator that sends no assignments: grants are not narrowed
   }
-  if (req.open()) OpenDeltaWindow(req, &out);
+  if (req.open()) {
+    // Sources may write staging memory again: no switch prepared before counts any more.
+    for (auto& [id, e] : engines_) e->armed_switch.reset();
+    OpenDeltaWindow(req, &out);
+  }
   absl::Status st = transport_->SetWriteWindow(req.open());
   window_enforced_ = st.ok();
   window_open_ = req.open();
@@ -957,7 +961,7 @@ absl::StatusOr<v1::ChecksumReply> TargetNode::Checksums(const std::string& engin
   return out;
 }
 
-absl::Status TargetNode::Switch(const std::string& engine_id, const v1::SwitchRequest& req) {
+absl::Status TargetNode::Switch(const std::string& engine_id, const v1::SwitchRequest& req, bool prepare) {
   int num_ranks = 0;
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -969,7 +973,44 @@ absl::Status TargetNode::Switch(const std::string& engine_id, const v1::SwitchRe
                                                    " carries ", req.staging_digests_size(),
                                                    " staging digests; the engine has ", num_ranks, " ranks"));
   // Nothing is swapped here: the engine's post-processing (vLLM's reload) makes the staging memory live. What the
-  // switch guarantees is that it reloads the bytes that were verified.
+  // switch guarantees is that it reloads the bytes that were verified. A prepare (sent while the engine serves) does
+  // the re-hash and arms the switch; the switch that follows it, inside the paused window, need not hash again.
+  if (!prepare) {
+    std::lock_guard<std::mutex> l(mu_);
+    WSYNC_ASSIGN_OR_RETURN(Engine * e, Usable(engine_id));
+    const bool checked = SwitchMaySkipRehash(e->armed_switch, req, 0);
+    e->armed_switch.reset();  // one switch per prepare
+    if (checked) {
+      spdlog::info("engine {}: staging memory of version {} checked by its prepare; its post-processing makes it live",
+                   engine_id, req.version());
+      return absl::OkStatus();
+    }
+  }
+  absl::Status st = CheckStagingDigests(engine_id, req, num_ranks);
+  std::lock_guard<std::mutex> l(mu_);
+  WSYNC_ASSIGN_OR_RETURN(Engine * e, Usable(engine_id));
+  if (!st.ok() || !prepare) {
+    e->armed_switch.reset();
+    if (st.ok())
+      spdlog::info("engine {}: staging memory of version {} still as verified; its post-processing makes it live",
+                   engine_id, req.version());
+    return st;
+  }
+  // Armed only while no source can write: the window closed and enforced by the transport (where it is not, e.g. a
+  // fabric provider that picks its own keys, the switch hashes again inside the paused window).
+  if (!window_enforced_ || window_open_) {
+    spdlog::info("engine {}: staging memory of version {} still as verified; switch not armed (write window {})",
+                 engine_id, req.version(), window_open_ ? "open" : "not enforced");
+    return absl::OkStatus();
+  }
+  e->armed_switch = ArmFrom(req, 0);
+  spdlog::info("engine {}: staging memory of version {} still as verified; switch armed", engine_id, req.version());
+  return absl::OkStatus();
+}
+
+absl::Status TargetNode::CheckStagingDigests(const std::string& engine_id, const v1::SwitchRequest& req,
+                                             int num_ranks) {
+  // The mappings are shared: hashing runs without mu_.
   for (int r = 0; r < num_ranks; ++r) {
     WSYNC_ASSIGN_OR_RETURN(RankView view, ViewRank(engine_id, r));
     if (!view.layout.stages_in_place())
@@ -982,8 +1023,6 @@ absl::Status TargetNode::Switch(const std::string& engine_id, const v1::SwitchRe
                                                         "verified (", have, " != ", req.staging_digests(r),
                                                         "); nothing switched"));
   }
-  spdlog::info("engine {}: staging memory of version {} still as verified; its post-processing makes it live",
-               engine_id, req.version());
   return absl::OkStatus();
 }
 
@@ -1074,7 +1113,11 @@ absl::Status TargetNode::SetWeightVersion(const std::string& engine_id, const st
 
 absl::Status TargetNode::Continue(const std::string& engine_id) {
   return CallEngine(
-      engine_id, "continue", [](EngineAdapter* a) { return a->Continue(); }, [](Engine* e) { e->paused = false; });
+      engine_id, "continue", [](EngineAdapter* a) { return a->Continue(); },
+      [](Engine* e) {
+        e->paused = false;
+        e->armed_switch.reset();  // continued without its switch: a later switch hashes again
+      });
 }
 
 }  // namespace wsync::daemon

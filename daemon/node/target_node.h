@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -28,6 +29,7 @@
 #include "absl/time/time.h"
 #include "base/fd_passing.h"
 #include "daemon/common/engine_adapter.h"
+#include "daemon/node/armed_switch.h"
 #include "daemon/node/target_node_cuda.h"
 #include "transport/transport.h"
 #include "wsync/v1/coordinator.pb.h"
@@ -154,8 +156,10 @@ class TargetNode {
   absl::StatusOr<v1::ChecksumReply> Checksums(const std::string& engine_id, const v1::RankRequest& req);
   // Staged updates, an engine that stages in place: checks that every rank's staging memory still hashes to the
   // digest it was verified with (FailedPrecondition naming the rank otherwise). Nothing is swapped: the engine's
-  // post-processing then makes those bytes live.
-  absl::Status Switch(const std::string& engine_id, const v1::SwitchRequest& req);
+  // post-processing then makes those bytes live. `prepare` (PrepareSwitch): the same check, while the engine serves,
+  // arming the switch; the next switch of that version and those digests then skips the re-hash
+  // (daemon/node/armed_switch.h).
+  absl::Status Switch(const std::string& engine_id, const v1::SwitchRequest& req, bool prepare);
 
   // Every source finished update `req.version()`: validates every staged delta record of it (structure, version,
   // parameter and range inside the rank's layout, in host memory, inside the plan's ranges of the source that staged
@@ -209,6 +213,8 @@ class TargetNode {
     std::unique_ptr<EngineAdapter> adapter;
     std::vector<Rank> ranks;
     std::mutex call_mu;  // one adapter call at a time (the adapter's contract)
+    // The last successful Switch prepare (staged updates), until its switch, a continue or the next open window.
+    std::optional<ArmedSwitch> armed_switch;
     std::unique_ptr<grpc::Service> facade;
     std::unique_ptr<grpc::Server> facade_server;
   };
@@ -219,6 +225,8 @@ class TargetNode {
     std::map<int, std::shared_ptr<MappedSegment>> host;  // segment id → mapping
   };
   absl::StatusOr<RankView> ViewRank(const std::string& engine_id, int rank);
+  // Refused unless every rank's staging memory hashes to the digest `req` gives for it.
+  absl::Status CheckStagingDigests(const std::string& engine_id, const v1::SwitchRequest& req, int num_ranks);
 
   void Loop();
   void Accept();

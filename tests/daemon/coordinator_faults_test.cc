@@ -129,6 +129,7 @@ class ScriptedPeers : public Peers {
     std::string version;  // the label last set
     std::string staged;   // the version its staging memory holds (what the sources of a started update wrote)
     std::string live;     // the version its Switch made live ("" = none switched)
+    bool prepared_while_paused = false;  // its last Switch prepare came while it was paused (the re-hash in the window)
   };
   struct SourceTruth {
     int64_t epoch = -1;           // plan epoch held (-1: none)
@@ -235,6 +236,12 @@ class ScriptedPeers : public Peers {
     std::lock_guard<std::mutex> l(mu_);
     corrupt_ = addr;
   }
+  // The staging memory of `addr` changes after its verify (before the switch's prepare): it no longer hashes to the
+  // digest the verify returned.
+  void ChangeAfterVerify(const std::string& addr) {
+    std::lock_guard<std::mutex> l(mu_);
+    changed_after_verify_ = addr;
+  }
   absl::StatusOr<v1::WriteChecksumsReply> WriteChecksums(const std::string& addr, int64_t version) override {
     WSYNC_RETURN_IF_ERROR(Inject(Rpc::kWriteChecksums, addr));
     std::lock_guard<std::mutex> l(mu_);
@@ -268,12 +275,25 @@ class ScriptedPeers : public Peers {
     return r;
   }
   absl::Status Switch(const std::string& addr, const v1::SwitchRequest& req) override {
+    return CheckStaged(addr, req, /*prepare=*/false);
+  }
+  absl::Status PrepareSwitch(const std::string& addr, const v1::SwitchRequest& req) override {
+    return CheckStaged(addr, req, /*prepare=*/true);
+  }
+  // Faults at Switch hit its prepare too (a named "switch engine e1" either way).
+  absl::Status CheckStaged(const std::string& addr, const v1::SwitchRequest& req, bool prepare) {
     WSYNC_RETURN_IF_ERROR(Inject(Rpc::kSwitch, addr));
     std::lock_guard<std::mutex> l(mu_);
     EngineTruth& e = engines_[addr];
+    const std::string have =
+        absl::StrCat("digest of ", addr, " at ", e.staged, changed_after_verify_ == addr ? " (changed)" : "");
     for (const auto& d : req.staging_digests())
-      if (d != absl::StrCat("digest of ", addr, " at ", e.staged))
+      if (d != have)
         return absl::FailedPreconditionError(absl::StrCat("staging of ", addr, " is not what was verified"));
+    if (prepare) {
+      e.prepared_while_paused = e.paused;
+      return absl::OkStatus();  // checked and armed; nothing live changes
+    }
     e.live = req.version();
     return absl::OkStatus();
   }
@@ -386,6 +406,7 @@ class ScriptedPeers : public Peers {
   const std::string config_json_ = TinyConfigJson();
   std::map<std::string, v1::RankLayout> staged_layouts_;  // engine id → its one rank's layout
   std::string corrupt_;
+  std::string changed_after_verify_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::pair<Rpc, std::string>, Fault> armed_;
@@ -1097,7 +1118,7 @@ TEST_CASE("faults, staged: stage, verify and switch fail, time out, hang or answ
       CHECK(t.version == "1");
       CHECK(t.live == "1");
     }
-    CHECK(k.peers->Calls(Rpc::kSwitch, "e0:2") == 1);  // update 1's only
+    CHECK(k.peers->Calls(Rpc::kSwitch, "e0:2") == 2);  // update 1's only (its prepare and its switch)
   } else if (rpc == Rpc::kWriteChecksums) {
     // Nothing can be verified without every source's record: no engine switches, both stay on 1.
     CHECK_FALSE(ended.ok());
@@ -1153,6 +1174,31 @@ TEST_CASE("faults, staged: staged bytes that differ from what the sources wrote 
   k.CheckAllServing("3");
 }
 
+// The switch's re-hash runs before the pause (Switch with prepare, while the engines serve): a staging memory changed
+// after its verify is refused there, that engine is left out without ever being paused, and the other switches.
+TEST_CASE("faults, staged: staging memory changed after the verify is refused at the prepare; never paused") {
+  Cluster k(Staging::kInPlace, Staging::kSecondCopy);
+  REQUIRE(k.Update(1, "staged").ok());
+  CHECK_FALSE(k.peers->Engine("e0:2").prepared_while_paused);
+  CHECK_FALSE(k.peers->Engine("e1:2").prepared_while_paused);
+  const int e1_pauses = k.peers->Calls(Rpc::kPause, "e1:2");
+  k.peers->ChangeAfterVerify("e1:2");
+  REQUIRE(k.Update(2, "staged").ok());
+  const v1::UpdateRecord last = k.LastRecord();
+  REQUIRE(last.switched_size() == 1);
+  CHECK(last.switched(0) == "e0");
+  REQUIRE(last.stale_size() == 1);
+  CHECK(absl::StrContains(last.stale(0), "is not what was verified"));
+  CHECK(absl::StrContains(last.stale(0), "(prepare)"));
+  CHECK(k.peers->Calls(Rpc::kPause, "e1:2") == e1_pauses);
+  CHECK_FALSE(k.peers->Engine("e1:2").paused);
+  CHECK(k.peers->Engine("e1:2").live == "1");
+  CHECK(k.peers->Engine("e0:2").live == "2");
+  k.peers->ChangeAfterVerify("");
+  REQUIRE(k.Update(3, "staged").ok());
+  k.CheckAllServing("3");
+}
+
 TEST_CASE("staged: deltas stay possible where every engine stages in place; a second copy turns them off") {
   SECTION("every engine stages in place (vLLM): its staging memory holds the version last written") {
     Cluster k(Staging::kInPlace, Staging::kInPlace);
@@ -1168,7 +1214,7 @@ TEST_CASE("staged: deltas stay possible where every engine stages in place; a se
     k.peers->Arm(Rpc::kApplyDelta, Fault::kUnavailable, "t1:1");
     const absl::Status failed = k.Update(3, "staged");
     CHECK(absl::StrContains(failed.message(), "apply_delta at target t1 (t1:1)"));
-    CHECK(k.peers->Calls(Rpc::kSwitch, "e0:2") == 2);
+    CHECK(k.peers->Calls(Rpc::kSwitch, "e0:2") == 4);  // updates 1 and 2, a prepare and a switch each
     for (const char* e : {"e0:2", "e1:2"}) {
       CHECK_FALSE(k.peers->Engine(e).paused);
       CHECK(k.peers->Engine(e).live == "2");

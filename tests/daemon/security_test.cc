@@ -93,6 +93,7 @@ const std::map<std::string, std::set<std::string>>& RoleTable() {
       {"wsync.v1.EngineControl/SetWeightVersion", {"coordinator", "target"}},
       {"wsync.v1.EngineControl/Continue", {"coordinator", "target"}},
       {"wsync.v1.EngineControl/Switch", {"coordinator", "target"}},
+      {"wsync.v1.EngineControl/PrepareSwitch", {"coordinator", "target"}},
       {"wsync.v1.EngineControl/Attach", {"target"}},
       {"wsync.v1.EngineControl/GetChecksums", {"admin", "trainer", "coordinator"}},
       {"wsync.v1.EngineControl/Verify", {"admin", "trainer"}},
@@ -828,7 +829,7 @@ std::map<std::string, std::set<std::string>> FacadeRoleTable() {
   std::map<std::string, std::set<std::string>> t;
   for (const auto& [m, roles] : RoleTable())
     if (absl::StartsWith(m, "wsync.v1.EngineControl/")) t[m] = roles;
-  for (const char* m : {"Pause", "PostProcess", "SetWeightVersion", "Continue", "Switch"})
+  for (const char* m : {"Pause", "PostProcess", "SetWeightVersion", "Continue", "Switch", "PrepareSwitch"})
     t[absl::StrCat("wsync.v1.EngineControl/", m)] = {"coordinator"};
   return t;
 }

@@ -364,6 +364,23 @@ TEST_CASE(
     CHECK(Verify(cl.engines[1], 2).ok());
     CHECK(Info(cl.engines[1]).weight_version() == "2");
     CHECK(Info(cl.engines[1]).live_set() == 1);
+    // The coordinator's order re-hashes in a prepare, before the pause: it refuses the change too, and the engine
+    // was never paused for it.
+    grpc::ClientContext pctx;
+    grpc::Status p = EngineStub(cl.engines[1])->PrepareSwitch(&pctx, req, &rep);
+    CHECK(p.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    CHECK(absl::StrContains(p.error_message(), "rank 0's staging copy is not what was verified"));
+    CHECK_FALSE(Info(cl.engines[1]).paused());
+    // A prepare with the digests of what is there now arms the switch; a switch with other digests (the verified
+    // ones) is not armed by it, hashes, and is refused.
+    grpc::ClientContext actx;
+    v1::SwitchRequest now = req;
+    now.clear_staging_digests();
+    for (const auto& d : StagingDigests(cl.engines[1])) now.add_staging_digests(d);
+    CHECK(EngineStub(cl.engines[1])->PrepareSwitch(&actx, now, &rep).ok());
+    grpc::ClientContext sctx;
+    CHECK(EngineStub(cl.engines[1])->Switch(&sctx, req, &rep).error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    CHECK(Info(cl.engines[1]).live_set() == 1);
   }
 
   // The next staged update writes every byte of every staging copy again: both switch, engine1 is no longer stale.

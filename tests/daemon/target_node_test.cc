@@ -364,13 +364,37 @@ TEST_CASE("target: an engine that stages in place: staging hashed for the verify
 
   v1::SwitchRequest sw;
   sw.set_version("5");
-  CHECK(f.node->Switch("fake0", sw).code() == absl::StatusCode::kInvalidArgument);  // one digest per rank
+  CHECK(f.node->Switch("fake0", sw, false).code() == absl::StatusCode::kInvalidArgument);  // one digest per rank
   sw.add_staging_digests(verified->staging_digest());
-  CHECK(f.node->Switch("fake0", sw).ok());
+  CHECK(f.node->Switch("fake0", sw, false).ok());
   maps[1][1000] ^= 1;  // a byte outside every parameter still counts: the reload copies the whole segment
-  const absl::Status changed = f.node->Switch("fake0", sw);
+  const absl::Status changed = f.node->Switch("fake0", sw, false);
   CHECK(changed.code() == absl::StatusCode::kFailedPrecondition);
   CHECK(absl::StrContains(changed.message(), "rank 0's staging memory is not what was verified"));
+
+  // Switch in two calls (the coordinator's order): a prepare re-hashes while the engine serves and arms the switch,
+  // which then, inside the paused window, does not hash again, once.
+  maps[1][1000] ^= 1;  // as verified again
+  CHECK(f.node->Switch("fake0", sw, /*prepare=*/true).ok());
+  maps[0][7] ^= 1;  // between the prepare and the switch: not seen (docs/security.md says why this is accepted)
+  CHECK(f.node->Switch("fake0", sw, false).ok());
+  const absl::Status unarmed = f.node->Switch("fake0", sw, false);  // one switch per prepare: this one hashes
+  CHECK(unarmed.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(unarmed.message(), "rank 0's staging memory is not what was verified"));
+  // A change after the verify: the prepare refuses it and arms nothing.
+  const absl::Status prepare_refused = f.node->Switch("fake0", sw, true);
+  CHECK(prepare_refused.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(prepare_refused.message(), "rank 0's staging memory is not what was verified"));
+  CHECK(f.node->Switch("fake0", sw, false).code() == absl::StatusCode::kFailedPrecondition);
+  // A write window opened after the prepare (sources may write again): the switch hashes again.
+  maps[0][7] ^= 1;
+  CHECK(f.node->Switch("fake0", sw, /*prepare=*/true).ok());
+  v1::SetWriteWindowRequest open;
+  open.set_open(true);
+  open.set_version(6);
+  f.node->SetWriteWindow(open);
+  maps[0][7] ^= 1;
+  CHECK(f.node->Switch("fake0", sw, false).code() == absl::StatusCode::kFailedPrecondition);
   munmap(maps[0], 4096);
   munmap(maps[1], 1024);
 }
@@ -400,7 +424,7 @@ TEST_CASE("target: staging is refused for an engine that does not stage in place
   CHECK(absl::StrContains(st.status().message(), "offers no staging memory"));
   v1::SwitchRequest sw;
   sw.add_staging_digests("x");
-  CHECK(f.node->Switch("fake0", sw).code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(f.node->Switch("fake0", sw, false).code() == absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_CASE("target: attach validation refuses bad messages with a reason") {

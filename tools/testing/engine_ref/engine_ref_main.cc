@@ -28,6 +28,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <sstream>
 #include <string>
@@ -41,6 +42,7 @@
 #include "base/fd_passing.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/node/armed_switch.h"
 #include "nlohmann/json.hpp"
 #include "proto/tls.h"
 #include "tools/testdata/step_files.h"
@@ -294,6 +296,7 @@ class EngineService final : public pb::EngineControl::Service {
 
   grpc::Status Continue(grpc::ServerContext* ctx, const pb::ContinueRequest*, pb::EngineReply* out) override {
     if (auto a = ::wsync::tls::Authorize(ctx, "Continue", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget}); !a.ok()) return a;
+    Disarm();  // continued without its switch (left out after a prepare): a later switch hashes again
     std::lock_guard<std::mutex> l(mu_);
     paused_ = false;
     spdlog::info("engine {}: generation continued", id_);
@@ -302,31 +305,62 @@ class EngineService final : public pb::EngineControl::Service {
     return grpc::Status::OK;
   }
 
-  // Makes every rank's staging copy live at once, after checking that each still hashes to what was verified.
+  // Makes every rank's staging copy live at once, after checking that each still hashes to what was verified, unless
+  // the PrepareSwitch just before it checked exactly that.
   grpc::Status Switch(grpc::ServerContext* ctx, const pb::SwitchRequest* req, pb::EngineReply* out) override {
     if (auto a = ::wsync::tls::Authorize(ctx, "Switch", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget}); !a.ok())
       return a;
+    return DoSwitch(*req, /*prepare=*/false, out);
+  }
+  // Switch's check only, while serving (readers of the live copy are not held up); arms the switch, so that the
+  // switch that follows for the same version and digests swaps without hashing, inside the paused window.
+  grpc::Status PrepareSwitch(grpc::ServerContext* ctx, const pb::SwitchRequest* req, pb::EngineReply* out) override {
+    if (auto a = ::wsync::tls::Authorize(ctx, "PrepareSwitch", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget});
+        !a.ok())
+      return a;
+    return DoSwitch(*req, /*prepare=*/true, out);
+  }
+
+  grpc::Status DoSwitch(const pb::SwitchRequest& req, bool prepare, pb::EngineReply* out) {
     if (!staging_)
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                           absl::StrCat("engine ", id_, " offers no staging memory (start it with --staging)"));
-    if (req->staging_digests_size() != tp_)
+    if (req.staging_digests_size() != tp_)
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("switch to version ", req->version(), " carries ", req->staging_digests_size(),
+                          absl::StrCat("switch to version ", req.version(), " carries ", req.staging_digests_size(),
                                        " staging digests; the engine has ", tp_, " ranks"));
-    std::unique_lock<std::shared_mutex> sl(serving_mu_);
-    for (int r = 0; r < tp_; ++r) {
-      const std::string have = memory_[r]->Digest(1 - live_set_);
-      if (have != req->staging_digests(r))
-        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                            absl::StrCat("switch to version ", req->version(), " refused: rank ", r,
-                                         "'s staging copy is not what was verified (", have,
-                                         " != ", req->staging_digests(r), "); nothing switched"));
+    if (prepare) {
+      int staging_set = 0;
+      {
+        // Shared: readers of the live copy go on; a switch cannot swap the copies under the hash.
+        std::shared_lock<std::shared_mutex> sl(serving_mu_);
+        staging_set = 1 - live_set_;
+        if (auto st = CheckStaging(req, staging_set); !st.ok()) {
+          Disarm();
+          return st;
+        }
+      }
+      std::lock_guard<std::mutex> l(arm_mu_);
+      armed_ = ::wsync::daemon::ArmFrom(req, staging_set);
+      out->set_success(true);
+      out->set_message(absl::StrCat("staging copy of version ", req.version(), " as verified; switch armed"));
+      return grpc::Status::OK;
     }
+    std::unique_lock<std::shared_mutex> sl(serving_mu_);
+    bool checked = false;
+    {
+      std::lock_guard<std::mutex> l(arm_mu_);
+      checked = ::wsync::daemon::SwitchMaySkipRehash(armed_, req, 1 - live_set_);
+      armed_.reset();  // one switch per prepare
+    }
+    if (!checked)
+      if (auto st = CheckStaging(req, 1 - live_set_); !st.ok()) return st;
     live_set_ = 1 - live_set_;
     sl.unlock();
     std::lock_guard<std::mutex> l(mu_);
-    version_ = req->version();
-    spdlog::info("engine {}: switched to version {} (copy {} live)", id_, version_, live_set_);
+    version_ = req.version();
+    spdlog::info("engine {}: switched to version {} (copy {} live{})", id_, version_, live_set_,
+                 checked ? ", checked by its prepare" : "");
     out->set_success(true);
     out->set_message(absl::StrCat("version ", version_, " live"));
     return grpc::Status::OK;
@@ -557,6 +591,23 @@ class EngineService final : public pb::EngineControl::Service {
     }
   }
 
+  // Refused unless every rank's copy `set` hashes to the digest the request gives for it. Callers hold serving_mu_.
+  grpc::Status CheckStaging(const pb::SwitchRequest& req, int set) const {
+    for (int r = 0; r < tp_; ++r) {
+      const std::string have = memory_[r]->Digest(set);
+      if (have != req.staging_digests(r))
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                            absl::StrCat("switch to version ", req.version(), " refused: rank ", r,
+                                         "'s staging copy is not what was verified (", have,
+                                         " != ", req.staging_digests(r), "); nothing switched"));
+    }
+    return grpc::Status::OK;
+  }
+  void Disarm() {
+    std::lock_guard<std::mutex> l(arm_mu_);
+    armed_.reset();
+  }
+
   void CloseAttachments() {
     if (reader_.joinable()) {
       char b = 1;
@@ -583,6 +634,10 @@ class EngineService final : public pb::EngineControl::Service {
   // Guards live_set_: readers of the live weights (GetChecksums, Verify) hold it shared, Switch exclusively.
   mutable std::shared_mutex serving_mu_;
   int live_set_ = 0;  // which copy of the segments is live (always 0 without --staging)
+  // The last successful PrepareSwitch, until the next switch or continue; guarded by arm_mu_ (taken
+  // after serving_mu_, never before).
+  std::mutex arm_mu_;
+  std::optional<::wsync::daemon::ArmedSwitch> armed_;
 };
 
 // The --load-socket server: a Unix stream socket (owner only) taking one JSON request per line and answering one JSON
