@@ -132,7 +132,7 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const Trai
   c->stub_ = v1::TrainerIngest::NewStub(channel);
   c->bucket_limit_ = opts.bucket_bytes > 0 ? std::min(opts.bucket_bytes, c->ring_->capacity() / 2)
                                            : c->ring_->capacity() / 2;
-  c->host_copy_threads_ = HostCopyThreads(opts.host_copy_threads, opened.num_local_ranks());
+  c->copy_pool_ = std::make_unique<CopyPool>(HostCopyThreads(opts.host_copy_threads, opened.num_local_ranks()));
   return c;
 }
 
@@ -307,7 +307,7 @@ absl::Status TrainerClient::Push(absl::string_view name, DType dtype, absl::Span
     return NotePlaced(name, bytes);
   }
   return PushWith(name, dtype, shape, bytes, [&](uint8_t* dst) {
-    CopyRect(dst, bytes, static_cast<const uint8_t*>(data), bytes, bytes, 1, host_copy_threads_);
+    CopyRect(dst, bytes, static_cast<const uint8_t*>(data), bytes, bytes, 1, copy_pool_.get());
   });
 }
 
@@ -445,10 +445,13 @@ absl::Status TrainerClient::PlaceHost(const v1::TensorPlacement& p, const void* 
   std::vector<uint64_t> sizes;
   for (const MappedLayout& m : replica_) sizes.push_back(m.bytes);
   WSYNC_RETURN_IF_ERROR(CheckRegions(p, bytes, sizes));
-  const auto* src = static_cast<const uint8_t*>(data);
+  // Every region of the tensor at once: column shards (TP > 1) are written from one pass over the tensor's rows.
+  std::vector<PlacedCopy> copies;
+  copies.reserve(p.regions_size());
   for (const auto& r : p.regions())
-    CopyRect(replica_[r.layout()].addr + r.offset(), r.pitch(), src + r.src_offset(), r.src_pitch(), r.row_bytes(),
-             r.rows(), host_copy_threads_);
+    copies.push_back(
+        {replica_[r.layout()].addr + r.offset(), r.pitch(), r.src_offset(), r.src_pitch(), r.row_bytes(), r.rows()});
+  CopyPlaced(copies, static_cast<const uint8_t*>(data), copy_pool_.get());
   return absl::OkStatus();
 }
 

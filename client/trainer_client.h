@@ -31,6 +31,7 @@
 #include "absl/types/span.h"
 #include "base/dtype.h"
 #include "base/fd_passing.h"
+#include "base/host_copy.h"
 #include "base/tensor_slice.h"
 #include "client/device_copy.h"
 #include "client/ring/ring.h"
@@ -63,7 +64,8 @@ struct TrainerOptions {
   bool placement = true;
   // Threads a host tensor's copy (into the ring, or placed into the replica) is spread over when it is at least
   // 16 MiB (base/host_copy.h): 0 = the host's hardware threads divided among the node's trainer ranks (at least 1,
-  // at most 8), 1 = the calling thread alone. CUDA tensors are copied by the GPU's engines and do not use them.
+  // at most 8), 1 = the calling thread alone. Started once per session (a CopyPool), not per copy. CUDA tensors are
+  // copied by the GPU's engines and do not use them.
   int host_copy_threads = 0;
 };
 
@@ -161,7 +163,8 @@ class TrainerClient {
   std::unique_ptr<RingProducer> ring_;
   std::unique_ptr<DeviceCopier> device_;  // created by the first PushDevice; goes before ring_
   uint64_t bucket_limit_ = 0;
-  int host_copy_threads_ = 1;  // TrainerOptions::host_copy_threads, resolved against the node's rank count
+  // TrainerOptions::host_copy_threads, resolved against the node's rank count, started once for the session.
+  std::unique_ptr<CopyPool> copy_pool_;
   std::future<absl::Status> in_flight_;
   PushStats stats_;
   std::vector<TensorSlice> push_slices_;

@@ -35,9 +35,12 @@
 // --placement on|off|both (default both): with placement each rank copies the tensors the node offers straight into
 // its mapping of the replica (one copy per byte, per layout that reads it; committed every half ring of bytes, as the
 // client does) and the rest through its ring; the line says placement ÷ ring.
-// --results-out FILE writes the node rates the planner reads (planner/node_rates.h): node load per R (dense case,
-// first TP, placement where it ran: the client's default), the pinned D2H peak, and the FP8, tcp send and CUDA
-// curves of the other cases.
+// --copy-mode one-pass|per-region|both (default one-pass): how a host placement copies a tensor's column shards
+// (engine TP > 1): in one pass over its rows writing every shard (the client's), or one strided copy per shard;
+// both: each placement run both ways, the line names the mode.
+// --results-out FILE writes the node rates the planner reads (planner/node_rates.h): a curve per R for every
+// (weights, host or CUDA tensors, ring or placement) measured, at the largest engine TP run, and the pinned D2H
+// peak. (bench/node/rates_from_outputs.py makes the same file from kept outputs of runs that ended early.)
 //
 //   bench_node                                   # every case at full size (Qwen3-8B, 36 layers, ~16 GB bf16)
 //   bench_node --quick                           # small shapes, R = 1,2: every case in well under a minute
@@ -343,7 +346,8 @@ struct RankLog {
 struct RankSource {
   const uint8_t* device = nullptr;
   wsync::client::DeviceCopier* copier = nullptr;
-  int copy_threads = 1;  // host tensors: threads per copy (TrainerOptions::host_copy_threads, base/host_copy.h)
+  wsync::CopyPool* pool = nullptr;  // host tensors: the rank's copy threads (TrainerOptions::host_copy_threads)
+  wsync::PlaceMode place_mode = wsync::PlaceMode::kOnePass;  // how host placements copy column shards
 };
 
 // One rank's push of update `version`, as the client library does it (TrainerClient::Push / PushDevice).
@@ -416,20 +420,21 @@ absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& sessio
          !std::equal(o->second->shape().begin(), o->second->shape().end(), t.spec.shape.begin(), t.spec.shape.end())))
       o = offers.end();
     if (o != offers.end()) {
-      // The client's placement: host, a memcpy per region (per row where the region is strided); CUDA, one
-      // cudaMemcpy2DAsync per region.
+      // The client's placement: host, every region at once (CopyPlaced: column shards in one pass over the rows,
+      // or per region with --copy-mode per-region); CUDA, one cudaMemcpy2DAsync per region.
       const auto h0 = Clock::now();
       if (dev != nullptr) WSYNC_RETURN_IF_ERROR(from.copier->Check(name, dev, bytes, 0));
+      std::vector<wsync::PlacedCopy> copies;
       for (const auto& r : o->second->regions()) {
         uint8_t* dst = replica->layouts[r.layout()].first + r.offset();
         if (dev != nullptr) {
           WSYNC_RETURN_IF_ERROR(from.copier->Copy2DAsync(name, dst, r.pitch(), dev + r.src_offset(), r.src_pitch(),
                                                          r.row_bytes(), r.rows(), 0, 0, false));
         } else {
-          wsync::CopyRect(dst, r.pitch(), t.host + r.src_offset(), r.src_pitch(), r.row_bytes(), r.rows(),
-                          from.copy_threads);
+          copies.push_back({dst, r.pitch(), r.src_offset(), r.src_pitch(), r.row_bytes(), r.rows()});
         }
       }
+      if (dev == nullptr) wsync::CopyPlaced(copies, t.host, from.pool, from.place_mode);
       log->handover += Since(h0);
       log->bytes += bytes;
       log->placed_bytes += bytes;
@@ -452,7 +457,7 @@ absl::Status PushRank(wsync::daemon::SourceNode& node, const std::string& sessio
     if (dev != nullptr) {
       WSYNC_RETURN_IF_ERROR(from.copier->CopyAsync(name, dst, dev, bytes, 0, 0));
     } else {
-      wsync::CopyRect(dst, bytes, t.host, bytes, bytes, 1, from.copy_threads);
+      wsync::CopyRect(dst, bytes, t.host, bytes, bytes, 1, from.pool);
     }
     WSYNC_RETURN_IF_ERROR(ring.FinishTensor());
     log->handover += Since(h0);
@@ -493,11 +498,13 @@ struct BenchOptions {
   int copy_threads = 0;  // per rank, as the client's host_copy_threads (0: hardware threads / R, at most 8)
   bool write_checksums = false, timeline = true;
   std::string placement = "both";
+  std::string copy_mode = "one-pass";  // host placement: one-pass, per-region or both (base/host_copy.h PlaceMode)
 };
 
 // One case's figure per mode (ring, placement).
 struct ModeResult {
   bool placement = false;
+  std::string copy_mode;  // placement: one-pass or per-region
   double gbps = 0, baseline_gbps = 0;
 };
 
@@ -587,12 +594,23 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
     copiers.push_back(*std::move(c));
   }
   const uint64_t bytes = tcp != nullptr ? plan.bytes : w.total;
-  std::vector<bool> modes;
-  if (opt.placement != "on" || w.node_quantizes) modes.push_back(false);
-  if (opt.placement != "off" && !w.node_quantizes) modes.push_back(true);
+  // Each rank's copy threads, started once for the case as the client starts them once per session.
+  std::vector<std::unique_ptr<wsync::CopyPool>> pools;
+  for (int r = 0; r < R; ++r)
+    pools.push_back(std::make_unique<wsync::CopyPool>(wsync::HostCopyThreads(opt.copy_threads, R)));
+  // (placement, copy mode): the ring, then placement with each copy mode asked for (host tensors; CUDA copies
+  // do not use it).
+  std::vector<std::pair<bool, std::string>> modes;
+  if (opt.placement != "on" || w.node_quantizes) modes.emplace_back(false, "");
+  if (opt.placement != "off" && !w.node_quantizes) {
+    if (device == nullptr && opt.copy_mode == "both") modes.emplace_back(true, "per-region");
+    modes.emplace_back(true, device != nullptr ? "cuda" : opt.copy_mode == "both" ? "one-pass" : opt.copy_mode);
+  }
   std::vector<ModeResult> out;
   double ring_gbps = 0;
-  for (const bool place : modes) {
+  for (const auto& [place, copy_mode] : modes) {
+    const wsync::PlaceMode place_mode =
+        copy_mode == "per-region" ? wsync::PlaceMode::kPerRegion : wsync::PlaceMode::kOnePass;
     double best = 1e30, case_copy_s = 1e30;
     std::vector<RankLog> best_logs;
     for (int rep = 1; rep <= opt.reps; ++rep) {
@@ -611,8 +629,7 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
       const auto t0 = Clock::now();
       for (int r = 0; r < R; ++r)
         pushes.push_back(std::async(std::launch::async, [&, r] {
-          const RankSource from{device, device != nullptr ? copiers[r].get() : nullptr,
-                                wsync::HostCopyThreads(opt.copy_threads, R)};
+          const RankSource from{device, device != nullptr ? copiers[r].get() : nullptr, pools[r].get(), place_mode};
           return PushRank(node, sessions[r], *producers[r], place ? maps[r].get() : nullptr, from, v, w.tensors,
                           &logs[r], t0);
         }));
@@ -639,10 +656,11 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
     uint64_t placed_bytes = 0;
     for (const auto& l : best_logs) placed_bytes += l.placed_bytes;
     if (!place) ring_gbps = gbps;
-    out.push_back({place, gbps, base_gbps});
+    out.push_back({place, copy_mode, gbps, base_gbps});
+    const std::string mode_name = !place ? "ring" : device != nullptr ? "placement" : "placement (" + copy_mode + ")";
     std::printf("%s %s TP %d%s, R %d, %s: %.2f GB in %.3f s = %.2f GB/s, %.2fx %s (%.2f GB/s)", case_name.c_str(),
-                w.label.c_str(), tp, w.ep > 1 ? absl::StrCat(" EP ", w.ep).c_str() : "", R,
-                place ? "placement" : "ring", bytes / 1e9, best, gbps, gbps / base_gbps, base.name.c_str(), base_gbps);
+                w.label.c_str(), tp, w.ep > 1 ? absl::StrCat(" EP ", w.ep).c_str() : "", R, mode_name.c_str(),
+                bytes / 1e9, best, gbps, gbps / base_gbps, base.name.c_str(), base_gbps);
     if (place)
       std::printf(
           "; %.0f%% of the bytes placed%s", 100.0 * placed_bytes / w.total,
@@ -682,6 +700,7 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
                         {"ep", w.ep},
                         {"ranks", R},
                         {"placement", place},
+                        {"copy_mode", copy_mode},
                         {"gbps", gbps},
                         {"baseline", base.name},
                         {"baseline_gbps", base_gbps},
@@ -695,11 +714,14 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
   return out;
 }
 
-// The figure the planner takes for a (case, R): placement where it ran (the client's default), else the ring.
-double PlannerFigure(const std::vector<ModeResult>& modes) {
-  double g = 0;
-  for (const auto& m : modes) g = m.placement || g == 0 ? m.gbps : g;
-  return g;
+// The planner's name for a case's figure (planner/node_rates.h: WEIGHTS/TENSORS/PATH); empty for what the planner
+// does not read (the tcp send path, the per-region copy kept for comparison).
+std::string CurveName(const std::string& case_name, const Workload& w, const ModeResult& m) {
+  if (case_name == "tcp" || m.copy_mode == "per-region") return "";
+  const std::string weights = w.name == "kimi-k2-fp8-64"             ? "fp8-passthrough"
+                              : w.name == "deepseek-v3-bf16-fp8-128" ? "fp8-quantize"
+                                                                     : "bf16";
+  return absl::StrCat(weights, "/", case_name == "cuda" ? "cuda" : "host", "/", m.placement ? "placement" : "ring");
 }
 
 std::string UtcNow() {
@@ -764,6 +786,10 @@ int main(int argc, char** argv) {
                  "threads each rank spreads a host tensor's copy over, as the client does (TrainerOptions::"
                  "host_copy_threads; 0: hardware threads / R, at most 8; 1: one memcpy per copy)")
       ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  app.add_option("--copy-mode", opt.copy_mode,
+                 "host placement of column shards: one-pass (the client's), per-region, or both (each run both ways)")
+      ->check(CLI::IsMember({"one-pass", "per-region", "both"}))
       ->capture_default_str();
   app.add_option("--threads", opt.threads, "memcpy baseline threads")
       ->check(CLI::Range(1, 1024))
@@ -882,8 +908,12 @@ int main(int argc, char** argv) {
 
   json results = json::array();
   int64_t epoch = 0, version = 0;
-  // (case, workload) -> per R, the planner's figure; and the dense headline.
-  std::map<std::pair<std::string, std::string>, std::vector<std::pair<int, double>>> curves;
+  // The planner's curves (planner/node_rates.h names) at the largest engine TP run, per R; and the dense headline.
+  struct Curve {
+    int tp = 0;
+    std::vector<std::pair<int, double>> gbps;
+  };
+  std::map<std::string, Curve> curves;
   double headline = 0, headline_base = 0, headline_placed = 0;
   const Baseline memcpy_base{absl::StrFormat("the %d-thread memcpy", opt.threads), 0, &scratch};
   auto run_all = [&](const std::string& case_name, Workload& w, TcpTarget* (*make_tcp)(int), const uint8_t* device,
@@ -893,7 +923,13 @@ int main(int argc, char** argv) {
         std::unique_ptr<TcpTarget> tcp;
         if (make_tcp != nullptr) tcp.reset(make_tcp(opt.tcp_streams));
         auto modes = RunCase(case_name, w, tp, R, tcp.get(), device, base, opt, &epoch, &version, &results);
-        if (tp == case_tps.front()) curves[{case_name, w.name}].emplace_back(R, PlannerFigure(modes));
+        for (const ModeResult& m : modes) {
+          const std::string name = CurveName(case_name, w, m);
+          if (name.empty()) continue;
+          Curve& c = curves[name];
+          if (tp > c.tp) c = Curve{tp, {}};
+          if (tp == c.tp) c.gbps.emplace_back(R, m.gbps);
+        }
         if (case_name == "dense" && tp == case_tps.front() && R == ranks.back())
           for (const auto& m : modes) {
             if (!m.placement) headline = m.gbps, headline_base = m.baseline_gbps;
@@ -976,13 +1012,13 @@ int main(int argc, char** argv) {
             {"skipped", skipped},
             {"write_checksums", opt.write_checksums},
             {"memcpy_threads", opt.threads},
-            {"copy_threads_per_rank", opt.copy_threads == 0 ? "auto (hardware threads / R, at most 8)" : std::to_string(opt.copy_threads)},
+            {"copy_threads_per_rank",
+             opt.copy_threads == 0 ? "auto (hardware threads / R, at most 8)" : std::to_string(opt.copy_threads)},
+            {"copy_mode", opt.copy_mode},
             {"hardware_threads", std::thread::hardware_concurrency()},
             {"results", results}};
   if (!results_out.empty()) {
-    auto& dense_curve = curves[{"dense", "dense"}];
-    if (dense_curve.empty())
-      Die("--results-out", absl::FailedPreconditionError("needs the dense case (--cases dense)"));
+    if (curves.empty()) Die("--results-out", absl::FailedPreconditionError("no case measured a replica load"));
     if (machine.empty()) {
       const double mem = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE) / (1ull << 30);
       machine = absl::StrFormat("%u hardware threads, %.0f GiB memory%s", std::thread::hardware_concurrency(), mem,
@@ -990,23 +1026,19 @@ int main(int argc, char** argv) {
     }
     std::vector<std::string> args(argv, argv + argc);
     json r = {{"machine", machine}, {"date", UtcNow()}, {"command", absl::StrJoin(args, " ")}};
-    auto curve = [](std::vector<std::pair<int, double>> c) {
-      std::sort(c.begin(), c.end());
+    json c = json::object();
+    for (auto& [name, curve] : curves) {
+      std::sort(curve.gbps.begin(), curve.gbps.end());
       json a = json::array();
-      for (const auto& [ranks_n, g] : c) a.push_back({ranks_n, g});
-      return a;
-    };
-    r["node_load_gbps"] = curve(dense_curve);
+      for (const auto& [ranks_n, g] : curve.gbps) a.push_back({ranks_n, g});
+      c[name] = {{"gbps", a}, {"tp", curve.tp}, {"source", "this run (results below)"}};
+    }
+    r["curves"] = c;
     if (d2h_peak > 0) r["d2h_gbps"] = d2h_peak;
-    const std::pair<const char*, std::pair<std::string, std::string>> extra[] = {
-        {"fp8_passthrough_load_gbps", {"moe", "kimi-k2-fp8-64"}},
-        {"fp8_quantize_load_gbps", {"moe", "deepseek-v3-bf16-fp8-128"}},
-        {"send_gbps", {"tcp", "dense"}},
-        {"cuda_load_gbps", {"cuda", "dense"}}};
-    for (const auto& [key, which] : extra)
-      if (auto it = curves.find(which); it != curves.end() && !it->second.empty()) r[key] = curve(it->second);
-    r["dense_model"] = dense_w[0]->model_path;
-    r["dense_bytes"] = dense_w[0]->total;
+    if (!dense_w.empty()) {
+      r["dense_model"] = dense_w[0]->model_path;
+      r["dense_bytes"] = dense_w[0]->total;
+    }
     r["results"] = results;
     std::ofstream f(results_out);
     f << r.dump(2) << "\n";

@@ -131,6 +131,52 @@ TEST_CASE("plan command: says which rates it predicts with and where they were m
   std::remove(cfg.c_str());
 }
 
+TEST_CASE("plan command: --trainer-tensors and --weights pick the measured curve it predicts with", "[planner][cli]") {
+  const std::string cfg = WriteConfig(kLlama);
+  const std::string rates = WriteConfig(R"({"machine": "curve box", "date": "d", "command": "c", "curves": {
+    "bf16/host/ring": {"gbps": [[1, 2.5], [2, 4.5]], "source": "ring.txt"},
+    "bf16/cuda/placement": {"gbps": [[1, 11.5], [2, 13.5]], "source": "cuda.txt"},
+    "fp8-passthrough/cuda/placement": {"gbps": [[1, 7.25], [2, 9.75]], "source": "kimi.txt"}}})");
+  const std::vector<std::string> base = {"--model",          cfg,          "--train",   "tp=2,nodes=1", "--infer",
+                                         "instances=1,tp=2", "--executor", "pipelined", "--node-rates", rates};
+  struct Want {
+    std::vector<std::string> flags;
+    std::string curve, text;
+  };
+  const std::vector<Want> wants = {
+      {{}, "bf16/cuda/placement", "1 rank 11.5 GB/s, 2 ranks 13.5 GB/s"},  // the default: CUDA tensors
+      {{"--trainer-tensors", "cuda"}, "bf16/cuda/placement", "1 rank 11.5 GB/s, 2 ranks 13.5 GB/s"},
+      {{"--trainer-tensors", "host"}, "bf16/host/ring", "1 rank 2.5 GB/s, 2 ranks 4.5 GB/s"},
+      {{"--weights", "fp8:64"}, "fp8-passthrough/cuda/placement", "1 rank 7.2 GB/s, 2 ranks 9.8 GB/s"},
+  };
+  for (const Want& w : wants) {
+    INFO(w.curve);
+    std::vector<std::string> a = base;
+    a.insert(a.end(), w.flags.begin(), w.flags.end());
+    int code = -1;
+    const std::string table = RunCaptured(a, &code);
+    REQUIRE(code == 0);
+    CHECK(table.find(w.text) != std::string::npos);
+    CHECK(table.find(w.curve) != std::string::npos);
+    CHECK(table.find("curve box") != std::string::npos);
+    a.insert(a.end(), {"-w", "json"});
+    const std::string json = RunCaptured(a, &code);
+    REQUIRE(code == 0);
+    CHECK(json.find(w.curve) != std::string::npos);
+  }
+  // host tensors: no placement curve for them, the ring's stands in and the line says so.
+  int code = -1;
+  std::vector<std::string> a = base;
+  a.insert(a.end(), {"--trainer-tensors", "host"});
+  CHECK(RunCaptured(a, &code).find("stands in for bf16/host/placement") != std::string::npos);
+  a = base;
+  a.insert(a.end(), {"--trainer-tensors", "tpu"});
+  RunCaptured(a, &code);
+  CHECK(code == 2);
+  std::remove(rates.c_str());
+  std::remove(cfg.c_str());
+}
+
 TEST_CASE("plan command: model errors exit 1", "[planner][cli]") {
   CHECK(Run({"--model", "/nonexistent/config.json", "--train", "tp=1", "--infer", "instances=1,tp=1"}) == 1);
   const std::string bad = WriteConfig("{not json");

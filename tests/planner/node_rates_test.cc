@@ -4,8 +4,11 @@
 #include "planner/node_rates.h"
 
 #include <catch2/catch.hpp>
+#include <fstream>
 #include <map>
+#include <sstream>
 
+#include "nlohmann/json.hpp"
 #include "planner/cost.h"
 #include "planner/plan.h"
 #include "synthetic.h"
@@ -37,6 +40,11 @@ TEST_CASE("node rates: a result file is read; malformed ones are refused naming 
       {"{", "not a JSON object"},
       {R"({"date":"d","command":"c","node_load_gbps":[[1,1]]})", "\"machine\""},
       {R"({"machine":"m","date":"d","command":"c"})", "\"node_load_gbps\""},
+      {R"({"machine":"m","date":"d","command":"c","curves":{"bf16/gpu/ring":{"gbps":[[1,2]]}}})", "bf16/gpu/ring"},
+      {R"({"machine":"m","date":"d","command":"c","curves":{"bf16/host/ring":{"gbps":[[2,2],[1,3]]}}})",
+       "curves.bf16/host/ring ranks must increase"},
+      {R"({"machine":"m","date":"d","command":"c","curves":{"bf16/host/ring":{"gbps":[[1,2]],"tp":0}}})", "\"tp\""},
+      {R"({"machine":"m","date":"d","command":"c","curves":{}})", "non-empty object"},
       {R"({"machine":"m","date":"d","command":"c","node_load_gbps":[[4,2],[2,3]]})", "must increase"},
       {R"({"machine":"m","date":"d","command":"c","node_load_gbps":[[1,0]]})", "GB/s > 0"},
       {R"({"machine":"m","date":"d","command":"c","node_load_gbps":[[1,"x"]]})", "is not [ranks, GB/s]"},
@@ -60,7 +68,7 @@ TEST_CASE("node rates: a result file is read; malformed ones are refused naming 
 
 TEST_CASE("node rates: interpolated between measured points, never extrapolated", "[planner][node_rates]") {
   CostParams cp;
-  ApplyNodeRates(*ParseNodeRates(kGood, "good.json"), &cp);
+  REQUIRE(ApplyNodeRates(*ParseNodeRates(kGood, "good.json"), TrainerTensors::kHost, PushedWeights::kBf16, &cp).ok());
   CHECK(NodeLoadGbps(cp, 1) == 6.0);
   CHECK(NodeLoadGbps(cp, 2) == Approx(6.0 + 14.0 / 3));
   CHECK(NodeLoadGbps(cp, 6) == Approx(26.0));
@@ -84,7 +92,7 @@ TEST_CASE("node rates: a node's active sources share its load rate", "[planner][
   CostParams cp;
   cp.include_gather = false;
   cp.executor = Executor::kPipelined;
-  ApplyNodeRates(*ParseNodeRates(kGood, "good.json"), &cp);
+  REQUIRE(ApplyNodeRates(*ParseNodeRates(kGood, "good.json"), TrainerTensors::kHost, PushedWeights::kBf16, &cp).ok());
   int active = 0;
   for (const SourcePlan& s : plan->sources) active += s.active();
   REQUIRE(active == 8);
@@ -111,7 +119,8 @@ TEST_CASE("node rates: the automatic source count agrees with the built plan und
     PlanOptions po;
     po.cost.executor = Executor::kPipelined;
     po.cost.include_gather = false;
-    ApplyNodeRates(*ParseNodeRates(kGood, "good.json"), &po.cost);
+    REQUIRE(ApplyNodeRates(*ParseNodeRates(kGood, "good.json"), TrainerTensors::kHost, PushedWeights::kBf16, &po.cost)
+                .ok());
     auto chosen = BuildPlan(in, po);
     REQUIRE(chosen.ok());
     const double t = PredictTransfer(in, *chosen, po.cost).transfer_s;
@@ -134,7 +143,98 @@ TEST_CASE("node rates: the built-in result file is valid and says where it was m
   CHECK_FALSE(r->machine.empty());
   CHECK_FALSE(r->command.empty());
   CHECK(r->origin == "bench/node/results/default.json");
-  CHECK(r->node_load_gbps.size() >= 2);  // a function of ranks, not one figure
+  // The curves the planner picks from, each a function of ranks (not one figure), each naming where it was measured.
+  for (const char* name : {"bf16/host/ring", "bf16/host/placement", "bf16/cuda/placement"}) {
+    INFO(name);
+    REQUIRE(r->curves.count(name) == 1);
+    CHECK(r->curves.at(name).gbps.size() >= 2);
+    CHECK_FALSE(r->curves.at(name).source.empty());
+  }
+  // What `wsyncctl plan` predicts with by default (CUDA tensors, bf16): that file's bf16/cuda/placement curve, read
+  // here from the file itself.
+  std::ifstream f(std::string(WSYNC_SOURCE_DIR) + "/bench/node/results/default.json");
+  REQUIRE(f.good());
+  std::stringstream text;
+  text << f.rdbuf();
+  const nlohmann::json j = nlohmann::json::parse(text.str());
+  CostParams cp;
+  REQUIRE(ApplyNodeRates(*r, TrainerTensors::kCuda, PushedWeights::kBf16, &cp).ok());
+  std::vector<std::pair<int, double>> want;
+  for (const auto& p : j["curves"]["bf16/cuda/placement"]["gbps"])
+    want.emplace_back(p[0].get<int>(), p[1].get<double>());
+  CHECK(cp.node_load_gbps == want);
+  CHECK(cp.d2h_gbps == j["d2h_gbps"].get<double>());
+}
+
+// A file whose every rate is distinct, so a prediction shows which one it used.
+constexpr const char* kCurves = R"({"machine": "m16", "date": "2026-12-05", "command": "bench_node",
+  "d2h_gbps": 55.0, "curves": {
+  "bf16/host/ring": {"gbps": [[1, 4.5], [8, 17.5]], "tp": 8, "source": "ring.txt"},
+  "bf16/host/placement": {"gbps": [[1, 7.25], [8, 25.5]], "tp": 8, "source": "place.txt"},
+  "bf16/cuda/ring": {"gbps": [[1, 6.125], [8, 21.75]], "tp": 8, "source": "cuda.txt"},
+  "bf16/cuda/placement": {"gbps": [[1, 53.5], [8, 53.75]], "tp": 8, "source": "cuda.txt"},
+  "fp8-passthrough/cuda/placement": {"gbps": [[1, 46.25], [4, 47.125]], "tp": 8, "source": "kimi.txt"},
+  "fp8-quantize/host/ring": {"gbps": [[1, 1.5]], "source": "dsv3.txt"}}})";
+
+TEST_CASE("node rates: the curve for where the trainer's tensors are and what it pushes is the one predicted with",
+          "[planner][node_rates]") {
+  auto rates = ParseNodeRates(kCurves, "curves.json");
+  REQUIRE(rates.ok());
+  struct Want {
+    TrainerTensors tensors;
+    PushedWeights weights;
+    std::string curve, wanted;
+  };
+  const std::vector<Want> wants = {
+      {TrainerTensors::kCuda, PushedWeights::kBf16, "bf16/cuda/placement", ""},
+      {TrainerTensors::kHost, PushedWeights::kBf16, "bf16/host/placement", ""},
+      {TrainerTensors::kCuda, PushedWeights::kFp8PassThrough, "fp8-passthrough/cuda/placement", ""},
+      // No host FP8 curve: host bf16 placement stands in (the same copies, no conversion), and says so.
+      {TrainerTensors::kHost, PushedWeights::kFp8PassThrough, "bf16/host/placement", "fp8-passthrough/host/placement"},
+  };
+  // One trainer node of 8 ranks, one engine of TP 8: each source's load time is its bytes over its share of the
+  // node's rate at 8 ranks, taken from the file's curve (read here from the JSON, not from the parser).
+  testing::SyntheticShape shape;
+  const PlanInput in = testing::MakeInput(shape);
+  PlanOptions po;
+  po.min_source_bytes = 0;
+  auto plan = BuildPlan(in, po);
+  REQUIRE(plan.ok());
+  const nlohmann::json j = nlohmann::json::parse(kCurves);
+  for (const Want& w : wants) {
+    INFO(w.curve);
+    auto c = ChooseNodeCurve(*rates, w.tensors, w.weights);
+    REQUIRE(c.ok());
+    CHECK(c->name == w.curve);
+    CHECK(c->wanted == w.wanted);
+    CostParams cp;
+    cp.include_gather = false;
+    cp.executor = Executor::kPipelined;
+    REQUIRE(ApplyNodeRates(*rates, w.tensors, w.weights, &cp).ok());
+    const nlohmann::json& points = j["curves"][w.curve]["gbps"];
+    const double at8 = points.back()[1].get<double>();  // each curve here ends at R = 8, or earlier and stays flat
+    CHECK(cp.rates_origin.find(w.curve) != std::string::npos);
+    CHECK(cp.rates_origin.find(j["curves"][w.curve]["source"].get<std::string>()) != std::string::npos);
+    CHECK(cp.rates_origin.find("m16") != std::string::npos);
+    CHECK((cp.rates_origin.find("stands in for") != std::string::npos) == !w.wanted.empty());
+    CHECK(cp.d2h_gbps == 55.0);
+    const Prediction p = PredictPlan(in, *plan, cp);
+    REQUIRE(p.sources.size() == 8);
+    for (const SourceTime& st : p.sources)
+      CHECK(st.load_s == Approx(plan->sources[st.source].load_bytes / (at8 * 1e9 / 8)));
+  }
+  // An older file's one curve stands in for everything, and says what it stands in for.
+  auto old = ChooseNodeCurve(*ParseNodeRates(kGood, "good.json"), TrainerTensors::kCuda, PushedWeights::kBf16);
+  REQUIRE(old.ok());
+  CHECK(old->name == "node_load_gbps");
+  CHECK(old->wanted == "bf16/cuda/placement");
+  // Only a quantizing curve: nothing stands in for bf16 pushes.
+  auto q = ParseNodeRates(R"({"machine":"m","date":"d","command":"c","curves":{"fp8-quantize/host/ring":
+    {"gbps":[[1,1.5]]}}})",
+                          "q.json");
+  REQUIRE(q.ok());
+  CHECK(ChooseNodeCurve(*q, TrainerTensors::kHost, PushedWeights::kBf16).status().code() ==
+        absl::StatusCode::kNotFound);
 }
 
 }  // namespace

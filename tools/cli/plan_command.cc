@@ -338,6 +338,12 @@ int RunPlanCommand(int argc, char** argv) {
                  "pipelined, i.e. wsync's source daemon, unless --replica-load-gbps is given; none with serial, the "
                  "seed's executor), builtin, none, or a bench/node result FILE")
       ->capture_default_str();
+  std::string trainer_tensors = "cuda";
+  app.add_option("--trainer-tensors", trainer_tensors,
+                 "where the trainer's tensors are when it pushes: cuda (GPU memory, the seed's trainers) or host; "
+                 "picks the measured node curve (with --weights: bf16 or FP8 pass-through)")
+      ->check(CLI::IsMember({"cuda", "host"}))
+      ->capture_default_str();
   app.add_option("--nvlink-gbps", cp.nvlink_gbps, "intra-node all-gather rate per GPU")->capture_default_str();
   app.add_option("--bcast-rx-gbps", cp.bcast_rx_gbps, "what one broadcast receiver absorbs")->capture_default_str();
   app.add_option("--fixed-ms", cp.fixed_ms, "fixed per-update overhead")->capture_default_str();
@@ -385,8 +391,14 @@ int RunPlanCommand(int argc, char** argv) {
       return usage(absl::InvalidArgumentError("--replica-load-gbps and --node-rates exclude each other"));
     auto rates = node_rates == "builtin" ? planner::BuiltinNodeRates() : planner::LoadNodeRates(node_rates);
     if (!rates.ok()) return usage(rates.status());
+    auto pushed = ParseWeightFormat(weights);
+    if (!pushed.ok()) return usage(pushed.status());
     const double d2h = cp.d2h_gbps;
-    planner::ApplyNodeRates(*rates, &cp);
+    if (absl::Status a = planner::ApplyNodeRates(
+            *rates, trainer_tensors == "host" ? planner::TrainerTensors::kHost : planner::TrainerTensors::kCuda,
+            pushed->fp8_block > 0 ? planner::PushedWeights::kFp8PassThrough : planner::PushedWeights::kBf16, &cp);
+        !a.ok())
+      return usage(a);
     if (d2h_opt->count() > 0) cp.d2h_gbps = d2h;  // the command line wins
   } else if (load_opt->count() > 0 || d2h_opt->count() > 0) {
     cp.rates_origin = "the command line";
