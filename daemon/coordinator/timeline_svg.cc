@@ -21,7 +21,7 @@ std::string PhaseColor(const std::string& phase) {
   static const std::map<std::string, std::string> known = {
       {"pause", "#f28e2b"},        {"configure", "#bab0ac"},   {"push", "#4e79a7"},     {"apply_delta", "#76b7b2"},
       {"post_process", "#59a14f"}, {"set_version", "#edc948"}, {"continue", "#b07aa1"}, {"verify", "#9c755f"},
-      {"switch", "#ff9da7"},       {"abort", "#e15759"}};
+      {"switch", "#ff9da7"},       {"prepare", "#d37295"},     {"abort", "#e15759"}};
   if (auto it = known.find(phase); it != known.end()) return it->second;
   static const char* const spare[] = {"#86bcb6", "#d4a6c8", "#fabfd2", "#8cd17d", "#b6992d", "#499894"};
   return spare[std::hash<std::string>()(phase) % (sizeof(spare) / sizeof(spare[0]))];
@@ -33,6 +33,15 @@ std::string Seconds(double s) {
   if (s < 0.01) return absl::StrFormat("%.1f ms", s * 1e3);
   if (s < 10) return absl::StrFormat("%.3f s", s);
   return absl::StrFormat("%.1f s", s);
+}
+
+// An axis tick in the one unit the whole axis uses (ms below a second of span, else s), with as many decimals as the
+// step needs: a reader compares ticks at a glance.
+std::string TickLabel(double t, double step, double span) {
+  const bool ms = span < 1;
+  const double v = ms ? t * 1e3 : t, st = ms ? step * 1e3 : step;
+  const int decimals = st >= 1 ? 0 : st >= 0.1 ? 1 : st >= 0.01 ? 2 : 3;
+  return absl::StrFormat("%.*f %s", decimals, v, ms ? "ms" : "s");
 }
 
 std::string Bytes(uint64_t b) {
@@ -188,7 +197,7 @@ class Drawing {
       absl::StrAppend(&body_, "<line x1=\"", Px(x), "\" y1=\"", Px(y_), "\" x2=\"", Px(x), "\" y2=\"", Px(y_ + 4),
                       "\" stroke=\"#888\"/>");
       absl::StrAppend(&body_, "<text class=\"tick\" x=\"", Px(x + 2), "\" y=\"", Px(y_ + 12),
-                      "\" fill=\"#666\" font-size=\"10\">", Seconds(t), "</text>");
+                      "\" fill=\"#666\" font-size=\"10\">", TickLabel(t, step, span), "</text>");
     }
     y_ += 16;
   }

@@ -153,6 +153,41 @@ TEST_CASE("timeline: ids and errors from the cluster are escaped") {
   CHECK(n == 1);
 }
 
+// The texts of every axis tick of an SVG, in document order.
+std::vector<std::string> Ticks(const std::string& svg) {
+  std::vector<std::string> out;
+  static const std::regex tick(R"(<text class="tick"[^>]*>([^<]*)</text>)");
+  for (auto it = std::sregex_iterator(svg.begin(), svg.end(), tick); it != std::sregex_iterator(); ++it)
+    out.push_back((*it)[1]);
+  return out;
+}
+
+TEST_CASE("timeline: an axis labels every tick in one unit") {
+  SECTION("an update of 6 s: seconds") {
+    const auto ticks = Ticks(TimelineSvg({Record(4)}));
+    REQUIRE(ticks.size() >= 3);
+    for (const auto& t : ticks) CHECK(absl::EndsWith(t, " s"));
+    CHECK(ticks.front() == "0 s");
+  }
+  SECTION("an update of 30 ms: milliseconds throughout, zero included") {
+    v1::UpdateRecord r = Record(5);
+    for (auto& p : *r.mutable_phases()) {
+      p.set_seconds(p.seconds() / 200);
+      p.set_start_seconds(p.start_seconds() / 200);
+    }
+    r.set_total_seconds(r.total_seconds() / 200);
+    for (auto& sp : *r.mutable_source_pushes()) sp.set_seconds(sp.seconds() / 200);
+    for (auto& e : *r.mutable_engine_phases()) {
+      e.set_seconds(e.seconds() / 200);
+      e.set_start_seconds(e.start_seconds() / 200);
+    }
+    const auto ticks = Ticks(TimelineSvg({r}));
+    REQUIRE(ticks.size() >= 3);
+    for (const auto& t : ticks) CHECK(absl::EndsWith(t, " ms"));
+    CHECK(ticks.front() == "0 ms");
+  }
+}
+
 TEST_CASE("timeline: no records says so") {
   const std::string svg = TimelineSvg({});
   CHECK(absl::StrContains(svg, "no updates recorded yet"));

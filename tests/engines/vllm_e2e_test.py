@@ -87,6 +87,15 @@ class Reader:
             if not self._cv.wait_for(lambda: any(s > t for s, _, _ in self.done), timeout):
                 harness.fail(f"no completion answered within {timeout:g}s during the stage: vLLM stopped serving")
 
+    def stop_after(self, t: float, n: int = 3, timeout: float = 120.0) -> None:
+        """Stops once `n` completions sent after `t` were answered: the client has seen the switch, and its load
+        (both cores on a small machine) would otherwise starve the oracle vLLM started next."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: sum(1 for s, _, _ in self.done if s >= t) >= n, timeout):
+                harness.fail(f"fewer than {n} completions within {timeout:g}s after the switch: vLLM stopped serving")
+        self._stop.set()
+        self._thread.join(timeout=180)
+
     def check(self, old: list[int], new: list[int], t_begin: float, t_commit: float, t_done: float) -> None:
         """Before the commit only `old`; sent after it returned only `new`; never old again once new was seen."""
         self._stop.set()
@@ -193,6 +202,8 @@ def run(args) -> None:
                                                                "continue"))
                     log(f"staged update {v}: paused {paused:.3f}s of {t_wsync:.3f}s; the reload (post_process) "
                         f"{phases.get('post_process', 0.0):.3f}s of it; stage (push + verify) not paused")
+                if reader is not None:
+                    reader.stop_after(t_done)
                 t1 = time.time()
                 b = start_oracle(ck)
                 log(f"oracle B started fresh from checkpoint {v} in {time.time() - t1:.1f}s")
