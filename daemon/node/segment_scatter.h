@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -30,6 +31,13 @@ class SegmentScatter {
   // Writes everything staged and returns when it is in the memory; the staging is empty afterwards (also on error).
   virtual absl::Status Flush() = 0;
 };
+
+// What every SegmentScatter::Add checks first, whatever memory is behind it: [offset, offset + bytes) inside a
+// segment of `segment_bytes` (`segment` names it in the error), `enc` well-formed and covering exactly `bytes`, and
+// encoded against the base whose checksum is `base`.
+absl::StatusOr<replica::delta::Info> CheckRecord(uint64_t offset, uint64_t bytes, uint64_t segment_bytes,
+                                                 absl::string_view segment, const uint8_t* enc, uint64_t enc_bytes,
+                                                 uint64_t base);
 
 // Over `bytes` of host memory at `data` (not owned; must outlive the scatter).
 std::unique_ptr<SegmentScatter> MakeHostScatter(uint8_t* data, uint64_t bytes);

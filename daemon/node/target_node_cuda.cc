@@ -300,12 +300,8 @@ class DeviceScatter final : public SegmentScatter {
 
   absl::StatusOr<replica::delta::Info> Add(uint64_t offset, uint64_t bytes, const uint8_t* enc, uint64_t enc_bytes,
                                            uint64_t base) override {
-    WSYNC_RETURN_IF_ERROR(InSegment(offset, bytes));
-    WSYNC_ASSIGN_OR_RETURN(replica::delta::Info info, replica::delta::Inspect(enc, enc_bytes));
-    if (info.base_checksum != base)
-      return absl::FailedPreconditionError(
-          "delta base mismatch: the destination does not hold the delta's base (by the checksum recorded when it "
-          "was last written)");
+    WSYNC_ASSIGN_OR_RETURN(replica::delta::Info info,
+                           CheckRecord(offset, bytes, sink_->length(), sink_->Describe(), enc, enc_bytes, base));
     if (uint8_t* m = sink_->mirror(); m != nullptr) {
       uint64_t consumed = 0;
       WSYNC_RETURN_IF_ERROR(replica::delta::Apply(m + offset, bytes, enc, enc_bytes, &consumed));
