@@ -1894,6 +1894,19 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
   std::mutex m;
   std::vector<std::string> prepared, paused, switched;
   const std::string version = std::to_string(v);
+  // Calls `call` on every engine of `engines` at once; those it answers OK go to `passed`, the others to left_out
+  // with the reason.
+  auto each = [&](const std::vector<std::string>& engines, std::vector<std::string>* passed, auto call) {
+    ForAll(engines, [&](const std::string& a) {
+      absl::Status st = call(a);
+      std::lock_guard<std::mutex> l(m);
+      if (st.ok())
+        passed->push_back(a);
+      else
+        (*left_out)[a] = st.ToString();
+      return absl::OkStatus();
+    }).IgnoreError();
+  };
   auto switch_request = [&](const std::string& a) {
     v1::SwitchRequest req;
     req.set_version(version);
@@ -1904,21 +1917,16 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
   // write window closed before the verify, so no peer can write it any more; the prepare catches a change made on the
   // engine's host since the verify (the engine left out, never paused) and arms the switch below.
   absl::Time t = absl::Now();
-  ForAll(all, [&](const std::string& a) {
+  each(all, &prepared, [&](const std::string& a) {
     absl::Status st = Annotate(Remote(a, [&] { return peers_->PrepareSwitch(a, switch_request(a)); }),
                                "switch " + EngineLabel(a) + " (prepare)");
     if (st.code() == absl::StatusCode::kUnimplemented) {
       // An engine from before PrepareSwitch: its Switch re-hashes inside the paused window, as it always did.
       spdlog::info("update {}: {} has no PrepareSwitch; its switch re-hashes while paused", v, EngineLabel(a));
-      st = absl::OkStatus();
+      return absl::OkStatus();
     }
-    std::lock_guard<std::mutex> l(m);
-    if (st.ok())
-      prepared.push_back(a);
-    else
-      (*left_out)[a] = st.ToString();
-    return absl::OkStatus();
-  }).IgnoreError();
+    return st;
+  });
   AddPhase(rec, "prepare", t);
   // Recorded paused before they are, so that no store write lies inside the paused window: a coordinator that stops
   // from here on restarts with the switch begun (switch_started), engines held paused until an update succeeds.
@@ -1928,30 +1936,16 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
     Persist();
   }
   t = absl::Now();
-  ForAll(prepared, [&](const std::string& a) {
-    absl::Status st =
-        Track(a, EngineState::kPaused, "pause",
-              Annotate(Remote(a, [&] { return peers_->Pause(a, "retract"); }), "pause " + EngineLabel(a)));
-    std::lock_guard<std::mutex> l(m);
-    if (st.ok())
-      paused.push_back(a);
-    else
-      (*left_out)[a] = st.ToString();
-    return absl::OkStatus();
-  }).IgnoreError();
+  each(prepared, &paused, [&](const std::string& a) {
+    return Track(a, EngineState::kPaused, "pause",
+                 Annotate(Remote(a, [&] { return peers_->Pause(a, "retract"); }), "pause " + EngineLabel(a)));
+  });
   AddPhase(rec, "pause", t);
   // The barrier: no engine switches before every engine was verified and paused.
   t = absl::Now();
-  ForAll(paused, [&](const std::string& a) {
-    absl::Status st =
-        Annotate(Remote(a, [&] { return peers_->Switch(a, switch_request(a)); }), "switch " + EngineLabel(a));
-    std::lock_guard<std::mutex> l(m);
-    if (st.ok())
-      switched.push_back(a);
-    else
-      (*left_out)[a] = st.ToString();
-    return absl::OkStatus();
-  }).IgnoreError();
+  each(paused, &switched, [&](const std::string& a) {
+    return Annotate(Remote(a, [&] { return peers_->Switch(a, switch_request(a)); }), "switch " + EngineLabel(a));
+  });
   AddPhase(rec, "switch", t);
   // Paused but not switched: they serve their old version again (called directly: an abort must not keep them
   // paused).
