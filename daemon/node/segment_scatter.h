@@ -7,10 +7,10 @@
 
 #include <cstdint>
 #include <memory>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "replica/delta.h"
 
 namespace wsync::daemon {
