@@ -503,20 +503,25 @@ std::string Errors(const std::map<int, std::vector<absl::Status>>& e) {
   return out;
 }
 
+// One whole update through every rank at once, then every engine rank's bytes against the reference loader.
+void UpdateAndCheck(Harness& h, int64_t step) {
+  REQUIRE(h.Start(step).ok());
+  const auto errors = h.PushAll(step);
+  INFO(Errors(errors));
+  REQUIRE(errors.empty());
+  auto fin = h.Finish(step);
+  INFO(fin.status().ToString());
+  REQUIRE(fin.ok());
+  const auto bad = h.Mismatches(step);
+  INFO(Join(bad));
+  CHECK(bad.empty());
+}
+
 TEST_CASE("source under eight concurrent ranks: every byte of every engine rank matches the reference loader") {
   Harness h;
   for (int64_t step = 1; step <= 3; ++step) {
     INFO("update " << step);
-    REQUIRE(h.Start(step).ok());
-    const auto errors = h.PushAll(step);
-    INFO(Errors(errors));
-    REQUIRE(errors.empty());
-    auto fin = h.Finish(step);
-    INFO(fin.status().ToString());
-    REQUIRE(fin.ok());
-    const auto bad = h.Mismatches(step);
-    INFO(Join(bad));
-    CHECK(bad.empty());
+    UpdateAndCheck(h, step);
   }
   // Every update's bytes differ from the last one's (else the checks could not tell an update that wrote nothing).
   CHECK(h.Mismatches(2).size() == h.NumParams());
@@ -585,16 +590,7 @@ TEST_CASE("slices land straight in the replica, in any order; duplicates refused
     // Every rank's frames (its slices among them) in another order each update, so slices of one tensor complete
     // it in a different order every time.
     for (auto& f : h.frames) std::shuffle(f.begin(), f.end(), rng);
-    REQUIRE(h.Start(step).ok());
-    const auto errors = h.PushAll(step);
-    INFO(Errors(errors));
-    REQUIRE(errors.empty());
-    auto fin = h.Finish(step);
-    INFO(fin.status().ToString());
-    REQUIRE(fin.ok());
-    const auto bad = h.Mismatches(step);
-    INFO(Join(bad));
-    CHECK(bad.empty());
+    UpdateAndCheck(h, step);
     // Both sliced tensors need no conversion: both landed directly, none was assembled.
     CHECK(sliced("direct") == 2 * step);
     CHECK(sliced("staged") == 0);
@@ -607,7 +603,9 @@ TEST_CASE("slices land straight in the replica, in any order; duplicates refused
     REQUIRE(h.Start(4).ok());
     const std::string all = Errors(h.PushAll(4));
     INFO(all);
-    CHECK(absl::StrContains(all, "overlaps"));
+    // Which refusal depends on the ranks' timing: the duplicate overlaps a slice still being assembled, or it comes
+    // after the slices completed the tensor. Either way it is refused by name.
+    CHECK((absl::StrContains(all, "overlaps") || absl::StrContains(all, "arrived after the tensor was complete")));
     CHECK(absl::StrContains(all, kEmbed));
     CHECK(absl::StrContains(all, "nothing from it was written"));
     CHECK_FALSE(h.Finish(4).ok());
