@@ -24,7 +24,8 @@ class SegmentScatter {
   virtual absl::Status ReadBack(uint64_t offset, uint64_t bytes, uint8_t* out) = 0;
   // Validates `enc` (replica::delta::Inspect), that it covers `bytes` and that it was encoded against a base whose
   // checksum is `base` (what the range holds now); then stages it for [offset, offset + bytes). Nothing is written
-  // before Flush; a refused encoding stages nothing. InvalidArgument (corrupt, wrong length, out of the segment) or
+  // before Flush (except into a host mirror of device memory, written at once: the target flushes what was staged
+  // before a refused record anyway and gives that rank dense writes next); a refused encoding stages nothing. InvalidArgument (corrupt, wrong length, out of the segment) or
   // FailedPrecondition (another base).
   virtual absl::StatusOr<replica::delta::Info> Add(uint64_t offset, uint64_t bytes, const uint8_t* enc,
                                                    uint64_t enc_bytes, uint64_t base) = 0;
