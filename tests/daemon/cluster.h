@@ -7,7 +7,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <dirent.h>
+
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -172,6 +176,67 @@ class Cluster {
   }
   const std::string& dir() const { return dir_; }
   std::string Log(const std::string& name) const { return ReadFile(dir_ + "/" + name + ".log"); }
+  // The last `lines` lines of every log of the cluster's directory, each under its name: printed when a step fails,
+  // so that a run whose directory is gone (CI) still says what each process did last.
+  std::string LogTails(size_t lines = 25) const {
+    std::vector<std::string> names;
+    if (DIR* d = opendir(dir_.c_str())) {
+      while (dirent* e = readdir(d)) {
+        const std::string n = e->d_name;
+        if (n.size() > 4 && n.compare(n.size() - 4, 4, ".log") == 0) names.push_back(n);
+      }
+      closedir(d);
+    }
+    std::sort(names.begin(), names.end());
+    std::string out;
+    for (const auto& n : names) {
+      const std::string text = ReadFile(dir_ + "/" + n);
+      size_t start = text.size(), seen = 0;  // back from the end over `lines` line breaks (a final one not counted)
+      while (start > 0 && !(text[start - 1] == '\n' && start != text.size() && ++seen == lines)) --start;
+      out += "----- " + n + " (last " + std::to_string(lines) + " lines)\n" + text.substr(start);
+      if (!text.empty() && text.back() != '\n') out += "\n";
+    }
+    return out;
+  }
+  // Waits for every process of `procs` (trainers of one step) to exit 0, within `timeout` in all. When one fails, the
+  // others get `grace` to finish (a rank whose driver failed would otherwise wait out its whole push deadline) and are
+  // then stopped. On any failure prints each process's exit status and every log's tail to stderr; returns success.
+  bool WaitAll(std::vector<std::unique_ptr<Process>>& procs, std::chrono::seconds timeout,
+               std::chrono::seconds grace = std::chrono::seconds(15)) {
+    auto end = std::chrono::steady_clock::now() + timeout;
+    std::vector<int> rc(procs.size(), -2);  // -2: running
+    bool failed = false;
+    for (;;) {
+      bool running = false;
+      for (size_t i = 0; i < procs.size(); ++i) {
+        if (rc[i] != -2) continue;
+        if (procs[i]->Running()) {
+          running = true;
+          continue;
+        }
+        rc[i] = procs[i]->Wait(std::chrono::seconds(0));
+        if (rc[i] != 0 && !failed) {
+          failed = true;
+          end = std::min(end, std::chrono::steady_clock::now() + grace);
+        }
+      }
+      if (!running) break;
+      if (std::chrono::steady_clock::now() > end) {
+        failed = true;
+        for (size_t i = 0; i < procs.size(); ++i)
+          if (rc[i] == -2) procs[i]->Stop();  // rc stays -2: "still running when stopped"
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (failed) {
+      std::string why = "cluster step failed in " + dir_ + ":";
+      for (size_t i = 0; i < procs.size(); ++i)
+        why += " process " + std::to_string(i) + (rc[i] == -2 ? " still running (stopped)" : " exited " + std::to_string(rc[i])) + ";";
+      std::fprintf(stderr, "%s\n%s", why.c_str(), LogTails().c_str());
+    }
+    return !failed;
+  }
   // Runs a program to completion (e.g. a trainer process); returns its exit status.
   int Run(const std::string& name, const std::vector<std::string>& argv, std::chrono::seconds timeout) {
     Process p(argv, dir_ + "/" + name + ".log");

@@ -288,13 +288,13 @@ TEST_CASE("cluster: two engine instances share a source replica; three updates v
                                     kModel, "--local-rank", std::to_string(r), "--global-rank",
                                     std::to_string(s * 2 + r), "--updates", "3"};
       if (s == 0 && r == 0)
-        for (const std::string x : {std::string("--drive"), std::string("--coordinator"), cl.coordinator,
+        for (const std::string& x : {std::string("--drive"), std::string("--coordinator"), cl.coordinator,
                                     std::string("--verify-engine"), cl.engines[0], std::string("--verify-engine"),
                                     cl.engines[1]})
           a.push_back(x);
       trainers.push_back(std::make_unique<testing::Process>(a, cl.dir() + "/trainer" + std::to_string(s * 2 + r) + ".log"));
     }
-  for (auto& t : trainers) CHECK(t->Wait(std::chrono::seconds(120)) == 0);
+  CHECK(cl.WaitAll(trainers, std::chrono::seconds(120)));
   client::CoordinatorClient coord(cl.coordinator);
   auto st = coord.Status();
   REQUIRE(st.ok());
@@ -321,7 +321,7 @@ void RunTrainers(Cluster& cl, const ClusterOptions& o, int updates, const std::v
       }
       trainers.push_back(std::make_unique<testing::Process>(a, cl.dir() + "/trainer" + std::to_string(g) + ".log"));
     }
-  for (auto& t : trainers) CHECK(t->Wait(std::chrono::seconds(120)) == 0);
+  CHECK(cl.WaitAll(trainers, std::chrono::seconds(120)));
 }
 
 TEST_CASE("cluster: a balanced plan splits parameters across sources; updates verified") {
@@ -515,9 +515,7 @@ bool RunUpdates(Cluster& cl, const ClusterOptions& o, int64_t first, int n, cons
       trainers.push_back(std::make_unique<testing::Process>(
           a, cl.dir() + "/trainer" + std::to_string(g) + "-v" + std::to_string(first) + ".log"));
     }
-  bool ok = true;
-  for (auto& t : trainers) ok &= t->Wait(std::chrono::seconds(120)) == 0;
-  return ok;
+  return cl.WaitAll(trainers, std::chrono::seconds(120));
 }
 
 // (source node, rank, bytes, plan epoch) of every planned task of `engine`.

@@ -4,7 +4,7 @@
 // thread throughout, and from inside every peer call: a lock held across a call would block it), end the update with
 // an error naming the call and the peer, leave the engines where its records say (checked against what the fake
 // engines were really told), and run the next update once the fault is gone. Then: an operator's abort in every
-// phase (the hung call cancelled, the abort back within a second), and self-healing by heartbeat digest.
+// phase (the hung call cancelled, the abort back promptly), and self-healing by heartbeat digest.
 
 #include <stdlib.h>
 
@@ -117,8 +117,10 @@ const char* Name(Fault f) {
 // kLateBy.
 constexpr auto kTimeoutAfter = 100ms;
 constexpr auto kLateBy = 150ms;
-// How long Status() may take at most, from anywhere, at any time.
-constexpr auto kAnswerWithin = 1s;
+// How long Status() (and an operator's abort) may take at most, from anywhere, at any time. Generous, so that a
+// loaded machine does not fail it (1 s did, once): what it catches is an answer that waits for a hung peer call, and
+// those hang 10 s (the abort cases) or until Probe, running inside the call, gives up waiting for Status().
+constexpr auto kAnswerWithin = 5s;
 
 // A scripted cluster of source daemons, target daemons and engines. What each peer was really told (its "truth") is
 // kept apart from the coordinator's records, so the tests can compare the two.
@@ -741,14 +743,14 @@ TEST_CASE(
 }
 
 // An operator's abort while the call of `rpc` hangs (no stand-in deadline within the test: only a cancellation
-// ends it) returns within a second, cancels the call, records the update as aborted; the next update runs.
+// ends it) returns promptly (kAnswerWithin), cancels the call, records the update as aborted; the next update runs.
 void AbortWhileHanging(Rpc rpc) {
   INFO(Name(rpc));
   Cluster k;
   REQUIRE(k.Update(1).ok());
   REQUIRE(k.c->RegisterNode(Target("t2", "e2")).ok());  // update 2 configures the sources
   const Victim victim = VictimOf(rpc);
-  k.peers->hang_deadline = 10s;  // far beyond the 1 s the abort has
+  k.peers->hang_deadline = 10s;  // far beyond the kAnswerWithin the abort has
   k.peers->Arm(rpc, Fault::kHang, victim.addr);
   const bool in_commit =
       rpc == Rpc::kFinishUpdate || rpc == Rpc::kApplyDelta || rpc == Rpc::kPostProcess || rpc == Rpc::kSetWeightVersion;
@@ -766,7 +768,7 @@ void AbortWhileHanging(Rpc rpc) {
   if (!a.ok()) k.peers->ReleaseAll();
   driver.join();
   CHECK(probe.Stop() < absl::FromChrono(kAnswerWithin));
-  CHECK(took < absl::Seconds(1));
+  CHECK(took < absl::FromChrono(kAnswerWithin));
   INFO(a.status().ToString());
   REQUIRE(a.ok());
   CHECK(k.peers->Cancels(victim.addr) > 0);
@@ -895,7 +897,7 @@ TEST_CASE("past the commit point: an abort while Continue hangs cancels it; the 
   const absl::Duration took = absl::Now() - t0;
   driver.join();
   CHECK(probe.Stop() < absl::FromChrono(kAnswerWithin));
-  CHECK(took < absl::Seconds(1));
+  CHECK(took < absl::FromChrono(kAnswerWithin));
   INFO(a.status().ToString());
   CHECK(a.status().code() == absl::StatusCode::kFailedPrecondition);
   CHECK(absl::StrContains(a.status().message(), "passed its commit point"));
@@ -982,8 +984,8 @@ TEST_CASE("faults: an abort returns at once even when the source it must stop do
   Cluster k;
   REQUIRE(k.Update(1).ok());
   REQUIRE(k.Begin(2).ok());
-  // s1 answers nothing any more, its AbortSourceUpdate included (a SIGSTOPped daemon), for 2 s.
-  k.peers->hang_deadline = 2s;
+  // s1 answers nothing any more, its AbortSourceUpdate included (a SIGSTOPped daemon), for 10 s.
+  k.peers->hang_deadline = 10s;
   k.peers->Arm(Rpc::kFinishUpdate, Fault::kHang, "s1:1");
   k.peers->AlsoArm(Rpc::kAbortSourceUpdate, Fault::kHang, "s1:1");
   absl::Status driven = absl::UnknownError("not run");
@@ -994,12 +996,13 @@ TEST_CASE("faults: an abort returns at once even when the source it must stop do
   auto a = k.Abort(2, "stopped source");
   const absl::Duration took = absl::Now() - t0;
   // Recorded at once; nothing new begins while the sources are still being told.
-  CHECK(took < absl::Seconds(1));
+  CHECK(took < absl::FromChrono(kAnswerWithin));
   INFO(a.status().ToString());
   REQUIRE(a.ok());
   CHECK(a->record().aborted());
   CHECK_FALSE(a->engines_resumable());
   CHECK(k.Begin(3).code() == absl::StatusCode::kFailedPrecondition);
+  k.peers->ReleaseAll();  // the stopped daemon runs again (rather than the test waiting out its 10 s)
   driver.join();
   CHECK(driven.code() == absl::StatusCode::kAborted);
   CHECK(k.peers->Calls(Rpc::kAbortSourceUpdate, "s0:1") == 1);
@@ -1243,6 +1246,7 @@ TEST_CASE("staged: deltas stay possible where every engine stages in place; a se
     CHECK(k.peers->Calls(Rpc::kPause, "e0:2") == 0);
   }
 }
+
 
 }  // namespace
 }  // namespace wsync::daemon
