@@ -6,13 +6,15 @@ live), one source, the coordinator, one trainer rank (this process). Client thre
 completions of --max-tokens tokens, one after another per thread. A poller reads /is_paused every 5 ms.
 Each round runs one classic update (paused from BeginUpdate to the end of the commit) and one staged update
 (BeginUpdate mode staged: the push and the verify run while vLLM serves; paused only for the switch: pause, the
-reload into the live weights, version, continue), on fresh weights each.
+reload into the live weights, version, continue), on fresh weights each; with --staged-pause-mode both (the default)
+one staged update of each pause mode, retract and in_place (docs/operations.md, "Pause modes").
 
 Per update: its wall time (BeginUpdate call to CommitUpdate return), the time /is_paused answered true inside it,
 the reload alone (the post_process phase of the record: vLLM's start/update/finish_weight_update), and the rollout
 tokens delivered inside it (tokens of completions answered inside the window; a completion's tokens count when it is
 answered, so short completions keep the attribution close). Idle token rate from a gap with no update.
-Ends with one JSON line (medians over the rounds after a warm-up round).
+Ends with one JSON line (medians over the rounds after a warm-up round); its value/baseline/ratio are the staged
+switch's paused time, the reload alone and their ratio (in_place's when both ran).
 
     bench/staged/run_vllm_staged_bench.sh [--layers 8] [--rounds 3] [--clients 4] [--max-tokens 8]
 """
@@ -105,6 +107,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--idle", type=float, default=3.0, help="seconds without an update, for the idle token rate")
+    ap.add_argument("--staged-pause-mode", choices=["retract", "in_place", "both"], default="both",
+                    help="pause mode of the staged updates' switch (docs/operations.md, \"Pause modes\"); both: each "
+                         "round runs a staged update of each, so that the two are compared in one run")
     args = ap.parse_args()
     args.mode = "staged"  # the vLLM attach mode (its staging segment); the update mode alternates below
     args.bin, args.lib = os.path.abspath(args.bin), os.path.abspath(args.lib)
@@ -133,16 +138,22 @@ def main() -> None:
             coord = Coordinator(cl.coord_addr)
             load = Load(url, args.clients, args.max_tokens)
 
-            results: dict[str, list[dict]] = {"classic": [], "staged": []}
+            # Each kind of update: (update mode, pause mode). "staged" keeps its name for the mode asked alone.
+            kinds = {"classic": ("", "")}
+            if args.staged_pause_mode in ("retract", "both"):
+                kinds["staged"] = ("staged", "retract")
+            if args.staged_pause_mode in ("in_place", "both"):
+                kinds["staged" if args.staged_pause_mode == "in_place" else "staged_in_place"] = ("staged", "in_place")
+            results: dict[str, list[dict]] = {k: [] for k in kinds}
             version = 0
             for rnd in range(args.rounds + 1):
-                for mode in ("classic", "staged"):
+                for mode, (update_mode, pause_mode) in kinds.items():
                     version += 1
                     tensors = make_checkpoint(args.model, os.path.join(wd, f"ckpt-{version}"), 3000 + version,
                                               layers=args.layers)
                     time.sleep(0.5)  # the clients back at their idle pace
                     t0 = time.time()
-                    coord.begin_update(version, mode="" if mode == "classic" else "staged")
+                    coord.begin_update(version, pause_mode=pause_mode, mode=update_mode)
                     push_update(Trainer, cl.source_addr, version, tensors)
                     rec = coord.commit_update(version, timeout=600.0)
                     t1 = time.time()
@@ -153,7 +164,7 @@ def main() -> None:
                          "reload_s": phases.get("post_process", 0.0), "tokens": load.tokens(t0, t1)}
                     r["paused_ratio"] = r["paused_s"] / r["update_s"]
                     r["tokens_per_s"] = r["tokens"] / r["update_s"]
-                    log(f"round {rnd} {mode:7s} v{version}: update {r['update_s']:.3f}s, paused {r['paused_s']:.3f}s "
+                    log(f"round {rnd} {mode:15s} v{version}: update {r['update_s']:.3f}s, paused {r['paused_s']:.3f}s "
                         f"({r['paused_ratio']:.3f}), reload {r['reload_s']:.3f}s, {r['tokens']} tokens "
                         f"({r['tokens_per_s']:.1f}/s); phases { {k: round(v, 3) for k, v in phases.items()} }")
                     if rnd > 0:  # the first round also plans, configures and connects
@@ -170,12 +181,19 @@ def main() -> None:
 
             out = {"bench": "vllm_staged", "model": args.model, "layers": args.layers, "rounds": args.rounds,
                    "clients": args.clients, "max_tokens": args.max_tokens, "idle_tokens_per_s": round(idle_rate, 1),
-                   "client_errors": len(load.errors)}
-            for mode in ("classic", "staged"):
+                   "client_errors": len(load.errors), "staged_pause_mode": args.staged_pause_mode}
+            for mode in kinds:
                 out[mode] = {k: med(mode, k) for k in ("update_s", "paused_s", "paused_ratio", "reload_s", "tokens",
                                                         "tokens_per_s")}
-            out["staged_paused_over_reload"] = round(out["staged"]["paused_s"] / max(out["staged"]["reload_s"], 1e-9),
-                                                     3)
+            for mode in kinds:
+                if mode != "classic":
+                    out[f"{mode}_paused_over_reload"] = round(out[mode]["paused_s"] / max(out[mode]["reload_s"], 1e-9),
+                                                              3)
+            # The headline: the staged switch's paused time against the reload alone (the goal: no more than it), for
+            # the last staged kind run (in_place when both were).
+            last = [m for m in kinds if m != "classic"][-1]
+            out.update({"value": out[last]["paused_s"], "baseline": out[last]["reload_s"],
+                        "ratio": out[f"{last}_paused_over_reload"], "headline": last})
             # null when classic delivered none (every client waits out a classic update's pause)
             classic_rate = out["classic"]["tokens_per_s"]
             out["tokens_staged_over_classic"] = (round(out["staged"]["tokens_per_s"] / classic_rate, 3)

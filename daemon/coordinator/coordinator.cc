@@ -477,8 +477,13 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   std::string delta = req.delta().empty() ? "auto" : req.delta();
   if (delta != "auto" && delta != "off" && delta != "always")
     return absl::InvalidArgumentError(absl::StrCat("delta mode '", req.delta(), "' is not auto, off or always"));
+  const std::string pause_mode = req.pause_mode().empty() ? "retract" : req.pause_mode();
+  if (pause_mode != "retract" && pause_mode != "in_place" && pause_mode != "abort")
+    return absl::InvalidArgumentError(
+        absl::StrCat("pause mode '", req.pause_mode(), "' is not retract, in_place or abort; nothing was paused"));
   v1::UpdateRecord rec;
   rec.set_version(v);
+  rec.set_pause_mode(pause_mode);
   rec.set_delta_mode(delta);
   rec.set_started_unix_ms(absl::ToUnixMillis(start));
   rec.set_mode(staged ? "staged" : "classic");
@@ -557,7 +562,6 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   v1::BeginUpdateReply out;
   out.set_version(v);
 
-  const std::string mode = req.pause_mode().empty() ? "retract" : req.pause_mode();
   absl::Time t = absl::Now();
   absl::Status st;
   if (!staged) {  // staged: engines serve on; they pause only for the switch (CommitStaged)
@@ -565,7 +569,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
         engines,
         [&](const std::string& a) {
           return Track(a, EngineState::kPaused, "pause",
-                       Annotate(Remote(a, [&] { return peers_->Pause(a, mode); }), "pause " + EngineLabel(a)));
+                       Annotate(Remote(a, [&] { return peers_->Pause(a, pause_mode); }), "pause " + EngineLabel(a)));
         },
         UpdatePhase("pause", PeerDeadlines::kPause, engines));
     SaveEngineStates();
@@ -1936,9 +1940,12 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
     Persist();
   }
   t = absl::Now();
+  // The update's pause mode (BeginUpdate): in_place keeps running requests and their KV, so that the pause costs the
+  // engine next to nothing beyond the reload (a record of an older coordinator has none: retract).
+  const std::string pause_mode = rec->pause_mode().empty() ? "retract" : rec->pause_mode();
   each(prepared, &paused, [&](const std::string& a) {
     return Track(a, EngineState::kPaused, "pause",
-                 Annotate(Remote(a, [&] { return peers_->Pause(a, "retract"); }), "pause " + EngineLabel(a)));
+                 Annotate(Remote(a, [&] { return peers_->Pause(a, pause_mode); }), "pause " + EngineLabel(a)));
   });
   AddPhase(rec, "pause", t);
   // The barrier: no engine switches before every engine was verified and paused.

@@ -169,10 +169,10 @@ class Corrupter {
 };
 
 absl::StatusOr<v1::UpdateRecord> Update(Cluster& cl, client::TrainerClient& trainer, int64_t v, const std::string& mode,
-                                        const std::function<void()>& staged = {}) {
+                                        const std::function<void()>& staged = {}, const std::string& pause_mode = "") {
   static const auto specs = testing::Specs(kModel);
   client::CoordinatorClient coord(cl.coordinator);
-  auto b = coord.BeginUpdate(v, "", mode);
+  auto b = coord.BeginUpdate(v, pause_mode, mode);
   if (!b.ok()) return b.status();
   auto names = trainer.BeginPush(v);
   REQUIRE(names.ok());
@@ -417,6 +417,12 @@ TEST_CASE("staged: refused, naming the engine, when an engine offers no staging 
                           "it with --staging"));
   CHECK_FALSE(Info(cl.engines[0]).paused());
   CHECK_FALSE(coord.BeginUpdate(1, "", "fast").ok());
+  // A pause mode no engine knows is refused before anything is paused (it was refused by each engine at its pause).
+  auto bad = coord.BeginUpdate(1, "keep", "classic");
+  REQUIRE_FALSE(bad.ok());
+  CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(bad.status().message(), "pause mode 'keep' is not retract, in_place or abort"));
+  CHECK_FALSE(Info(cl.engines[0]).paused());
   // The refused version was not used up.
   auto r = Update(cl, *trainer, 1, "classic");
   REQUIRE(r.ok());
@@ -462,11 +468,20 @@ TEST_CASE("staged: an engine joining during the stage is not switched; the next 
   REQUIRE(registered);
   CHECK(Info(cl.engines[1]).weight_version() == "0");
   CHECK(Verify(cl.engines[1], 1).ok() == false);
-  auto r2 = Update(cl, *trainer, 2, "staged");
+  // The switch pauses with the update's pause mode (in_place: running requests keep their place and KV).
+  auto r2 = Update(cl, *trainer, 2, "staged", {}, "in_place");
   INFO((r2.ok() ? "" : r2.status().ToString()));
   REQUIRE(r2.ok());
   CHECK(r2->switched_size() == 2);
-  for (const auto& e : cl.engines) CHECK(Verify(e, 2).ok());
+  CHECK(r2->pause_mode() == "in_place");
+  CHECK(r1->pause_mode() == "retract");
+  for (const auto& e : cl.engines) {
+    CHECK(Verify(e, 2).ok());
+    // What each engine was asked (its own log): retract at the first switch (engine0), in_place at this one.
+    const std::string log = cl.Log(e == cl.engines[0] ? "engine0" : "engine1");
+    CHECK(absl::StrContains(log, "paused (mode in_place)"));
+  }
+  CHECK(absl::StrContains(cl.Log("engine0"), "paused (mode retract)"));
 }
 
 TEST_CASE(
