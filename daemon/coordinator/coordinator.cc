@@ -1940,8 +1940,8 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
     Persist();
   }
   t = absl::Now();
-  // The update's pause mode (BeginUpdate): in_place keeps running requests and their KV, so that the pause costs the
-  // engine next to nothing beyond the reload (a record of an older coordinator has none: retract).
+  // The update's pause mode (BeginUpdate), as a classic update pauses with it: in_place keeps running requests and
+  // their KV (a record of an older coordinator has none: retract).
   const std::string pause_mode = rec->pause_mode().empty() ? "retract" : rec->pause_mode();
   each(prepared, &paused, [&](const std::string& a) {
     return Track(a, EngineState::kPaused, "pause",
