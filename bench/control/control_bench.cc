@@ -38,6 +38,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -47,6 +49,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "daemon/common/serve.h"
+#include "daemon/common/window_assignments.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/etcd_store.h"
 #include "daemon/coordinator/state_store.h"
@@ -82,14 +85,33 @@ class FakeDaemon final : public v1::NodeDaemon::Service {
     r->set_quiescent(true);
     return grpc::Status::OK;
   }
-  grpc::Status SetWriteWindow(grpc::ServerContext*, const v1::SetWriteWindowRequest*,
-                              v1::SetWriteWindowReply*) override {
+  // As a target daemon keeps the plan's write-window assignments (docs/operations.md, "Write windows"): a request
+  // that carries them is answered with their digest; one that names a digest received before is answered as kept.
+  // Every fake shares this service, and each target's assignments (its own engine) have their own digest.
+  grpc::Status SetWriteWindow(grpc::ServerContext*, const v1::SetWriteWindowRequest* req,
+                              v1::SetWriteWindowReply* r) override {
+    if (!req->open() || !req->assignments_given()) return grpc::Status::OK;
+    std::lock_guard<std::mutex> l(mu_);
+    if (req->assignments_held()) {
+      if (held_.count(req->assignments_digest()))
+        r->set_assignments_digest(req->assignments_digest());
+      else
+        r->set_assignments_missing(true);
+      return grpc::Status::OK;
+    }
+    const std::string d = daemon::WindowAssignmentsDigest(req->assignments());
+    held_.insert(d);
+    r->set_assignments_digest(d);
     return grpc::Status::OK;
   }
   // Delta updates (the default, delta auto): the commit asks every target to apply what was staged (nothing here).
   grpc::Status ApplyDelta(grpc::ServerContext*, const v1::ApplyDeltaRequest*, v1::ApplyDeltaReply*) override {
     return grpc::Status::OK;
   }
+
+ private:
+  std::mutex mu_;
+  std::set<std::string> held_;  // digests of the assignments sent so far
 };
 
 class FakeEngine final : public v1::EngineControl::Service {

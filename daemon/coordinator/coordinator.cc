@@ -18,6 +18,7 @@
 #include "base/status.h"
 #include "daemon/common/config_digest.h"
 #include "daemon/common/quantization.h"
+#include "daemon/common/window_assignments.h"
 #include "daemon/coordinator/fanout.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -174,6 +175,7 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
   // A (re)registering daemon is a new process, maybe at the address of the old one: dial it afresh.
   peers_->Forget(req.address());
   for (const auto& e : req.engines()) peers_->Forget(e.control_address());
+  window_acks_.erase(req.address());  // a new process holds no write-window assignments
   // A new source process holds no configuration; sources writing to a new target process must connect again.
   configured_.erase(req.node_id());
   for (const auto& p : plan_)
@@ -1274,6 +1276,7 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
   // Per target: the request, with the plan's assignments on it (its write grants are narrowed to them).
   std::map<std::string, v1::SetWriteWindowRequest> built;
   std::shared_ptr<std::map<std::string, v1::SetWriteWindowRequest>> cached;
+  std::map<std::string, std::string> acked;  // target address → the assignments digest it last said it holds
   {
     std::lock_guard<std::mutex> l(mu_);
     const auto build = [&](std::map<std::string, v1::SetWriteWindowRequest>* out) {
@@ -1292,6 +1295,7 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
           a->set_rank(p.assignment->rank());
           *a->mutable_writes() = p.assignment->writes();
         }
+        r.set_assignments_digest(WindowAssignmentsDigest(r.assignments()));
       }
     };
     if (open && skip.empty()) {
@@ -1311,6 +1315,7 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
     } else {
       build(&built);
     }
+    if (open) acked = window_acks_;
   }
   const std::map<std::string, v1::SetWriteWindowRequest>& reqs = cached ? *cached : built;
   std::vector<std::string> targets;
@@ -1323,8 +1328,9 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
   absl::Status st = ForAll(
       targets,
       [&](const std::string& a) {
-        const auto call = [&] { return peers_->SetWriteWindow(a, reqs.at(a)); };
-        auto r = open ? Remote(a, call) : call();
+        absl::StatusOr<v1::SetWriteWindowReply> r =
+            open ? OpenWindow(a, reqs.at(a), acked.count(a) ? acked.at(a) : std::string())
+                 : peers_->SetWriteWindow(a, reqs.at(a));
         if (r.ok() && held != nullptr) {
           std::lock_guard<std::mutex> l(held_mu);
           held->insert(held->end(), r->held().begin(), r->held().end());
@@ -1335,6 +1341,32 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
       phase);
   if (!st.ok() && !open) spdlog::warn("{}", st.ToString());
   return st;
+}
+
+absl::StatusOr<v1::SetWriteWindowReply> Coordinator::OpenWindow(const std::string& addr,
+                                                                const v1::SetWriteWindowRequest& full,
+                                                                const std::string& acked) {
+  // The plan's assignments go to a target once; afterwards the request only names them (at 1024 engine ranks they
+  // are 1.6 million write ranges, ~100 MB a round, that were most of a steady update's cost).
+  const bool named = MayNameHeldAssignments(full, acked);
+  const v1::SetWriteWindowRequest naming = named ? NamingHeldAssignments(full) : v1::SetWriteWindowRequest();
+  const v1::SetWriteWindowRequest& first = named ? naming : full;
+  absl::StatusOr<v1::SetWriteWindowReply> r = Remote(addr, [&] { return peers_->SetWriteWindow(addr, first); });
+  // A target that lost them (it restarted) or holds others opened nothing: it is given them within this phase.
+  if (r.ok() && AssignmentsNeeded(first, *r)) {
+    spdlog::info("target {} does not hold the plan's write-window assignments ({}; it holds {}): sending them",
+                 NodeLabel(addr), full.assignments_digest(),
+                 r->assignments_digest().empty() ? "none" : r->assignments_digest());
+    r = Remote(addr, [&] { return peers_->SetWriteWindow(addr, full); });
+  }
+  if (r.ok() && r->assignments_missing())
+    r = absl::FailedPreconditionError("the target did not take the plan's write-window assignments sent to it");
+  std::lock_guard<std::mutex> l(mu_);
+  if (r.ok())
+    window_acks_[addr] = r->assignments_digest();
+  else
+    window_acks_.erase(addr);  // not known what it holds: the next opening sends them
+  return r;
 }
 
 absl::Status Coordinator::ApplyDeltas(int64_t v,

@@ -339,6 +339,11 @@ class Coordinator {
   // `held` (open only): the versions the targets' engine ranks held until now (docs/delta.md).
   absl::Status SetWindows(bool open, int64_t version, const std::set<std::string>& skip = {},
                           std::vector<v1::RankVersion>* held = nullptr);
+  // Opens the write window of the target at `addr` with the open request `full`: without its assignments where the
+  // target's last answer said it holds them (`acked`, their digest), and then with them if it answers that it does
+  // not (restarted); records what the target now holds (window_acks_). A call of the beginning update (Remote).
+  absl::StatusOr<v1::SetWriteWindowReply> OpenWindow(const std::string& addr, const v1::SetWriteWindowRequest& full,
+                                                     const std::string& acked);
   // Delta updates, after every source finished `v` (`finished`: each source's node id and reply): every target
   // daemon in the update applies the records staged for it (ApplyDelta), and `rec` gets the delta figures.
   absl::Status ApplyDeltas(int64_t v, const std::vector<std::pair<std::string, v1::FinishUpdateReply>>& finished,
@@ -416,6 +421,9 @@ class Coordinator {
   // for (membership epoch, plan generation, drained engines and nodes): rebuilt only when one of those changed.
   std::shared_ptr<std::map<std::string, v1::SetWriteWindowRequest>> open_windows_;
   std::string open_windows_key_;
+  // Target daemon address → the digest of the write-window assignments it last answered holding (OpenWindow);
+  // erased when the daemon registers again.
+  std::map<std::string, std::string> window_acks_;
   // Engine id → EngineInputDigest of its registration in nodes_, computed once per registration (a re-plan with
   // nothing changed then reads no parameter table); dropped whenever the node's registration changes.
   std::map<std::string, std::string> engine_digests_;

@@ -86,16 +86,12 @@ absl::StatusOr<std::vector<DeltaRecordRef>> CheckDeltaRecords(const uint8_t* dat
   return out;
 }
 
-void TargetNode::OpenDeltaWindow(const v1::SetWriteWindowRequest& req, v1::SetWriteWindowReply* out) {
-  window_version_ = req.version();
+void TargetNode::OpenDeltaWindow(int64_t version, v1::SetWriteWindowReply* out) {
+  window_version_ = version;
   window_ranks_.clear();
   window_gens_.clear();
-  assigned_writes_.clear();
-  if (req.assignments_given()) {
-    for (const auto& a : req.assignments()) {
-      window_ranks_.insert({a.engine_id(), a.rank()});
-      assigned_writes_[{a.source_node(), a.engine_id(), a.rank()}].assign(a.writes().begin(), a.writes().end());
-    }
+  if (assignments_known_) {
+    for (const auto& [source, engine, rank] : assignments_) window_ranks_.insert({engine, rank});
   } else {
     for (const auto& [id, e] : engines_)
       for (int r = 0; r < e->num_ranks; ++r) window_ranks_.insert({id, r});

@@ -29,6 +29,7 @@
 #include "base/status.h"
 #include "daemon/common/quantization.h"
 #include "daemon/common/serve.h"
+#include "daemon/common/window_assignments.h"
 #include "daemon/node/node_services.h"
 #include "spdlog/spdlog.h"
 
@@ -382,34 +383,66 @@ TargetNode::~TargetNode() {
   engines_.clear();
 }
 
+void TargetNode::TakeAssignments(const v1::SetWriteWindowRequest& req) {
+  assignments_.clear();
+  assigned_writes_.clear();
+  for (const auto& a : req.assignments()) {
+    assignments_.insert({a.source_node(), a.engine_id(), a.rank()});
+    assigned_writes_[{a.source_node(), a.engine_id(), a.rank()}].assign(a.writes().begin(), a.writes().end());
+  }
+  // Computed here from what arrived, not taken from the request: a later request naming a digest is matched
+  // against these assignments only.
+  assignments_digest_ = WindowAssignmentsDigest(req.assignments());
+  assignments_known_ = true;
+}
+
+int TargetNode::RevokeUnassignedGrants() {
+  // The plan decides who may write where: grants for ranks the plan does not give their source are revoked.
+  int revoked = 0;
+  transport_->RevokeGrants([&](const transport::Transport::WriteGrant& g) {
+    const size_t colon = g.peer.find(':');
+    if (colon == std::string::npos) return true;  // an insecure daemon's grant: no identity to compare
+    const std::string id = g.peer.substr(colon + 1);
+    const size_t slash = g.scope.rfind('/');
+    int rank = -1;
+    if (slash == std::string::npos || !absl::SimpleAtoi(g.scope.substr(slash + 1), &rank)) return false;
+    const bool keep = assignments_.count({id, g.scope.substr(0, slash), rank}) > 0;
+    revoked += !keep;
+    return keep;
+  });
+  return revoked;
+}
+
 v1::SetWriteWindowReply TargetNode::SetWriteWindow(const v1::SetWriteWindowRequest& req) {
   std::lock_guard<std::mutex> l(mu_);
   v1::SetWriteWindowReply out;
-  if (req.open() && req.assignments_given()) {
-    // The plan decides who may write where: grants for ranks the plan does not give their source are revoked.
-    assignments_.clear();
-    for (const auto& a : req.assignments()) assignments_.insert({a.source_node(), a.engine_id(), a.rank()});
-    assignments_known_ = true;
-    int revoked = 0;
-    transport_->RevokeGrants([&](const transport::Transport::WriteGrant& g) {
-      const size_t colon = g.peer.find(':');
-      if (colon == std::string::npos) return true;  // an insecure daemon's grant: no identity to compare
-      const std::string id = g.peer.substr(colon + 1);
-      const size_t slash = g.scope.rfind('/');
-      int rank = -1;
-      if (slash == std::string::npos || !absl::SimpleAtoi(g.scope.substr(slash + 1), &rank)) return false;
-      const bool keep = assignments_.count({id, g.scope.substr(0, slash), rank}) > 0;
-      revoked += !keep;
-      return keep;
-    });
-    out.set_grants_revoked(revoked);
-  } else if (req.open()) {
+  const WindowAssignmentsAction what = DecideWindowAssignments(req, assignments_known_ ? assignments_digest_ : "");
+  if (what == WindowAssignmentsAction::kMissing) {
+    // Opening with assignments other than the plan's would narrow grants and check delta records against a stale
+    // plan: nothing changes until the coordinator sends them.
+    out.set_assignments_missing(true);
+    out.set_assignments_digest(assignments_known_ ? assignments_digest_ : "");
+    out.set_enforced(window_enforced_);
+    out.set_refused_writes(transport_->refused_writes());
+    spdlog::info("write window for update {} not opened: the coordinator named assignments {}, this target holds {}",
+                 req.version(), req.assignments_digest(), assignments_known_ ? assignments_digest_ : "none");
+    return out;
+  }
+  if (what == WindowAssignmentsAction::kTake) TakeAssignments(req);
+  if (what == WindowAssignmentsAction::kNone && req.open()) {
     assignments_known_ = false;  // a coordinator that sends no assignments: grants are not narrowed
+    assignments_digest_.clear();
+    assigned_writes_.clear();
+  }
+  if (req.open() && assignments_known_) {
+    // Kept assignments too: a grant given since the last opening is checked against the plan like the others.
+    out.set_grants_revoked(RevokeUnassignedGrants());
+    out.set_assignments_digest(assignments_digest_);
   }
   if (req.open()) {
     // Sources may write staging memory again: no switch prepared before counts any more.
     for (auto& [id, e] : engines_) e->armed_switch.reset();
-    OpenDeltaWindow(req, &out);
+    OpenDeltaWindow(req.version(), &out);
   }
   absl::Status st = transport_->SetWriteWindow(req.open());
   window_enforced_ = st.ok();

@@ -135,7 +135,8 @@ class TargetNode {
   // the rank is live: the same grant is answered (DecideConnectTarget).
   absl::StatusOr<v1::ConnectTargetReply> ConnectTarget(const v1::ConnectTargetRequest& req,
                                                        const std::string& source = "");
-  // Opens or closes the transport's write window (closed from Start until the coordinator opens it).
+  // Opens or closes the transport's write window (closed from Start until the coordinator opens it). An open that
+  // names held assignments this node does not hold changes nothing and answers assignments_missing.
   v1::SetWriteWindowReply SetWriteWindow(const v1::SetWriteWindowRequest& req);
   v1::NodeStatus Status() const;
 
@@ -243,9 +244,15 @@ class TargetNode {
                           const std::function<absl::Status(EngineAdapter*)>& call,
                           const std::function<void(Engine*)>& record);
   absl::StatusOr<Engine*> Find(const std::string& engine_id);
-  // Delta updates (target_delta.cc). At a window opening: answers and forgets the held version of every rank the
-  // plan writes, records the plan's write ranges. Requires mu_.
-  void OpenDeltaWindow(const v1::SetWriteWindowRequest& req, v1::SetWriteWindowReply* out);
+  // The plan's assignments of an open request that carries them replace those held (assignments_, assigned_writes_,
+  // their digest). Requires mu_.
+  void TakeAssignments(const v1::SetWriteWindowRequest& req);
+  // Revokes every write grant of a source identity for an engine rank the held assignments do not give it; returns
+  // how many. Requires mu_ and assignments_known_.
+  int RevokeUnassignedGrants();
+  // Delta updates (target_delta.cc). At a window opening for update `version`: answers and forgets the held version
+  // of every rank the held assignments write (every rank when none are held). Requires mu_.
+  void OpenDeltaWindow(int64_t version, v1::SetWriteWindowReply* out);
   // ConnectTarget asking for delta staging: creates (or reuses) the connection's staging region, answers it in
   // `out` and adds it to `grant`; a rank without host segments is answered staging_refused. Takes mu_.
   absl::Status ProvideStaging(const v1::ConnectTargetRequest& req, const std::string& source,
@@ -270,9 +277,11 @@ class TargetNode {
   bool window_enforced_ = false;  // guarded by mu_
   bool window_open_ = false;      // guarded by mu_
   bool grants_enforced_ = false;  // the transport enforces per-connection write grants (set by Start)
-  // The last plan's (source node, engine, rank) assignments on this node, from SetWriteWindow; guarded by mu_.
+  // The last plan's (source node, engine, rank) assignments on this node, from SetWriteWindow, and their
+  // WindowAssignmentsDigest (a later open may name them instead of sending them again); guarded by mu_.
   std::set<std::tuple<std::string, std::string, int>> assignments_;
   bool assignments_known_ = false;
+  std::string assignments_digest_;
   // Delta updates, guarded by mu_: staging per (engine, rank, source node); the plan's write ranges per assignment
   // (empty: all of every parameter); the update the window was last opened for and the ranks it writes.
   std::map<std::tuple<std::string, int, std::string>, std::unique_ptr<Staging>> staging_;

@@ -30,6 +30,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "base/fd_passing.h"
+#include "daemon/common/window_assignments.h"
 #include "daemon/node/target_node.h"
 #include "transport/transport.h"
 #include "wsync/v1/engine.grpc.pb.h"
@@ -861,6 +862,147 @@ TEST_CASE("target: a repeat ConnectTarget during an open update gets the same gr
   if (st.ok()) st = write(**stale, 0, 64);
   INFO(st.ToString());
   CHECK(st.code() == absl::StatusCode::kPermissionDenied);
+  munmap(mem, 4096);
+}
+
+// Write-window assignments kept between updates (docs/operations.md, "Write windows"). An open that names the
+// assignments this target holds narrows grants as the one that carried them did, including grants given since; one
+// naming other assignments, or any after the target holds none (never given, an older coordinator's open in
+// between), changes nothing and asks for them. The digest held is computed from what arrived, never the label sent.
+TEST_CASE("target: an open naming the held assignments keeps them; any other name opens nothing", "[faults]") {
+  Fixture f;
+  f.Start();
+  AttachOnce(f, [](Json&) {});
+  REQUIRE(f.conns.size() == 1);
+  void* mem = mmap(nullptr, 4096, PROT_READ, MAP_SHARED, f.conns[0].segments[0].fd.get(), 0);
+  REQUIRE(mem != MAP_FAILED);
+  const std::string desc = f.node->Registrations()[0].ranks(0).segments(0).region_descriptor();
+  auto peer = transport::CreateTransport("tcp", {});
+  REQUIRE(peer.ok());
+  auto region = (*peer)->ImportRegion(desc);
+  REQUIRE(region.ok());
+  std::vector<uint8_t> src(64);
+  auto local = (*peer)->RegisterMemory(src.data(), src.size());
+  REQUIRE(local.ok());
+  // A connection of source `id` to fake0 rank 0 (its grant bound to the identity "source:ID").
+  auto connect = [&](const std::string& id) -> std::unique_ptr<transport::Endpoint> {
+    auto ep = (*peer)->CreateEndpoint();
+    REQUIRE(ep.ok());
+    v1::ConnectTargetRequest req;
+    req.set_engine_id("fake0");
+    req.set_rank(0);
+    req.set_source_endpoint_info((*ep)->LocalInfo());
+    auto info = f.node->ConnectTarget(req, "source:" + id);
+    INFO(info.status().ToString());
+    REQUIRE(info.ok());
+    REQUIRE((*ep)->Connect(info->target_endpoint_info(), absl::Seconds(10)).ok());
+    return *std::move(ep);
+  };
+  // Writes `byte` over a.weight (segment 0, bytes [0, 64)) through `ep`.
+  auto write = [&](transport::Endpoint& ep, uint8_t byte) {
+    std::fill(src.begin(), src.end(), byte);
+    transport::WriteRequest w{local->get(), 0, region->get(), 0, src.size()};
+    return ep.Write({w}, absl::Seconds(10));
+  };
+  auto holds = [&](uint8_t byte) {
+    const auto* p = static_cast<const uint8_t*>(mem);
+    return std::all_of(p, p + 64, [&](uint8_t b) { return b == byte; });
+  };
+  // The plan's open request giving fake0 rank 0 to `source`.
+  auto plan = [](const std::string& source, int64_t v) {
+    v1::SetWriteWindowRequest r;
+    r.set_open(true);
+    r.set_version(v);
+    r.set_assignments_given(true);
+    auto* a = r.add_assignments();
+    a->set_source_node(source);
+    a->set_engine_id("fake0");
+    a->set_rank(0);
+    auto* w = a->add_writes();
+    w->set_param("a.weight");
+    w->set_offset(0);
+    w->set_length(64);
+    r.set_assignments_digest(WindowAssignmentsDigest(r.assignments()));
+    return r;
+  };
+  auto close = [&] {
+    v1::SetWriteWindowRequest c;
+    f.node->SetWriteWindow(c);
+    REQUIRE(f.node->Status().write_window() == "closed");
+  };
+  const v1::SetWriteWindowRequest a = plan("train0", 1), b = plan("train2", 1);
+  const std::string da = a.assignments_digest(), db = b.assignments_digest();
+  REQUIRE(da != db);
+
+  // 1. Named before any were given (a new daemon): nothing opens.
+  v1::SetWriteWindowReply r = f.node->SetWriteWindow(NamingHeldAssignments(a));
+  CHECK(r.assignments_missing());
+  CHECK(r.assignments_digest().empty());
+  CHECK(f.node->Status().write_window() == "closed");
+
+  // 2. Given: held under their digest.
+  auto ep0 = connect("train0");
+  r = f.node->SetWriteWindow(a);
+  CHECK_FALSE(r.assignments_missing());
+  CHECK(r.assignments_digest() == da);
+  CHECK(r.grants_revoked() == 0);
+  REQUIRE(write(*ep0, 0x11).ok());
+  CHECK(holds(0x11));
+  close();
+
+  // 3. Named: kept. train1 connected while the window was closed; the kept plan does not give it the rank, so its
+  //    grant is revoked at the opening, train0's stays.
+  auto ep1 = connect("train1");
+  r = f.node->SetWriteWindow(NamingHeldAssignments(a));
+  CHECK_FALSE(r.assignments_missing());
+  CHECK(r.assignments_digest() == da);
+  CHECK(r.grants_revoked() == 1);
+  CHECK(f.node->Status().write_window() == "open");
+  CHECK(absl::IsPermissionDenied(write(*ep1, 0x22)));
+  CHECK(holds(0x11));
+  REQUIRE(write(*ep0, 0x33).ok());
+  CHECK(holds(0x33));
+  close();
+
+  // 4. Naming other assignments: nothing opens, the held ones stay.
+  r = f.node->SetWriteWindow(NamingHeldAssignments(b));
+  CHECK(r.assignments_missing());
+  CHECK(r.assignments_digest() == da);
+  CHECK(f.node->Status().write_window() == "closed");
+  CHECK(absl::IsPermissionDenied(write(*ep0, 0x44)));
+  CHECK(holds(0x33));
+
+  // 5. A re-plan gives the rank to train2, in a request whose label is not the digest of what it carries: held
+  //    under the digest of the content; train0's grant is revoked, train2's (given while closed) kept.
+  auto ep2 = connect("train2");
+  v1::SetWriteWindowRequest mislabelled = b;
+  mislabelled.set_assignments_digest(da);
+  r = f.node->SetWriteWindow(mislabelled);
+  CHECK(r.assignments_digest() == db);
+  CHECK(r.grants_revoked() == 1);
+  CHECK(absl::IsPermissionDenied(write(*ep0, 0x55)));
+  REQUIRE(write(*ep2, 0x66).ok());
+  CHECK(holds(0x66));
+  close();
+  CHECK(f.node->SetWriteWindow(NamingHeldAssignments(a)).assignments_missing());
+  CHECK(f.node->Status().write_window() == "closed");
+
+  // 6. The re-plan named: kept.
+  r = f.node->SetWriteWindow(NamingHeldAssignments(b));
+  CHECK_FALSE(r.assignments_missing());
+  CHECK(r.assignments_digest() == db);
+  REQUIRE(write(*ep2, 0x77).ok());
+  CHECK(holds(0x77));
+  close();
+
+  // 7. An older coordinator's open (no assignments) in between: nothing is held any more.
+  v1::SetWriteWindowRequest older;
+  older.set_open(true);
+  older.set_version(2);
+  CHECK(f.node->SetWriteWindow(older).assignments_digest().empty());
+  close();
+  CHECK(f.node->SetWriteWindow(NamingHeldAssignments(b)).assignments_missing());
+  CHECK(f.node->Status().write_window() == "closed");
   munmap(mem, 4096);
 }
 
