@@ -567,13 +567,22 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   absl::Time t = absl::Now();
   absl::Status st;
   if (!staged) {  // staged: engines serve on; they pause only for the switch (CommitStaged)
-    st = ForAll(
-        engines,
-        [&](const std::string& a) {
+    std::vector<char> asked(engines.size(), 0);  // each worker sets its own
+    std::vector<absl::Status> paused = RunFanout(
+        engines.size(),
+        [&](size_t i) {
+          const std::string& a = engines[i];
+          asked[i] = 1;
           return Track(a, EngineState::kPaused, "pause",
                        Annotate(Remote(a, [&] { return peers_->Pause(a, pause_mode); }), "pause " + EngineLabel(a)));
         },
         UpdatePhase("pause", PeerDeadlines::kPause, engines));
+    // An engine the phase never asked (an abort or the phase's deadline came first) is recorded as its pause having
+    // failed, with why, as one whose pause was cancelled is: the record then says which engines the update left
+    // unpaused, whichever way it ended.
+    for (size_t i = 0; i < engines.size(); ++i)
+      if (!asked[i]) Track(engines[i], EngineState::kPaused, "pause", paused[i]).IgnoreError();
+    st = CombineStatuses(paused);
     SaveEngineStates();
     AddPhase(&rec, "pause", t);
     out.set_pause_seconds(rec.phases(0).seconds());

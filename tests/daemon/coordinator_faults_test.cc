@@ -505,9 +505,11 @@ struct Cluster {
   ScriptedPeers* peers;
   std::unique_ptr<Coordinator> c;
 
-  explicit Cluster(Staging e0 = Staging::kNone, Staging e1 = Staging::kNone) {
+  // fanout_parallel: the coordinator's workers per phase (0: its default).
+  explicit Cluster(Staging e0 = Staging::kNone, Staging e1 = Staging::kNone, size_t fanout_parallel = 0) {
     CoordinatorOptions o;
     o.min_source_bytes = 0;
+    if (fanout_parallel > 0) o.fanout_parallel = fanout_parallel;
     auto p = std::make_unique<ScriptedPeers>();
     peers = p.get();
     c = std::make_unique<Coordinator>(o, std::move(p));
@@ -821,6 +823,40 @@ TEST_CASE("faults: abort ends an update in every phase, at once, the hung call c
   SECTION("while ApplyDelta hangs") { AbortWhileHanging(Rpc::kApplyDelta); }
   SECTION("while PostProcess hangs") { AbortWhileHanging(Rpc::kPostProcess); }
   SECTION("while SetWeightVersion hangs") { AbortWhileHanging(Rpc::kSetWeightVersion); }
+}
+
+// An abort while engines still wait for a worker of the pause phase (one worker, the first engine's pause hung): the
+// engine never asked is recorded as its pause failed, like the one whose pause was cancelled, never as registered or
+// serving; the next update pauses and updates both.
+TEST_CASE("faults: an abort while engines queue for their pause records each engine never asked as failed: pause") {
+  Cluster k(Staging::kNone, Staging::kNone, 1);
+  REQUIRE(k.Update(1).ok());
+  k.peers->hang_deadline = 10s;
+  k.peers->Arm(Rpc::kPause, Fault::kHang, "e0:2");
+  const int e1_pauses = k.peers->Calls(Rpc::kPause, "e1:2");
+  absl::Status driven = absl::UnknownError("not run");
+  std::thread driver([&] { driven = k.Begin(2); });
+  Joiner joiner{driver, k.peers};
+  REQUIRE(k.peers->AwaitHanging());
+  auto a = k.Abort(2, "bad step");
+  INFO(a.status().ToString());
+  REQUIRE(a.ok());
+  driver.join();
+  CHECK(driven.code() == absl::StatusCode::kAborted);
+  CHECK(k.peers->Calls(Rpc::kPause, "e1:2") == e1_pauses);  // queued behind e0, never asked
+  CHECK_FALSE(k.peers->Engine("e1:2").paused);
+  int engines = 0;
+  const v1::ClusterStatus st = k.c->Status();
+  for (const auto& n : st.nodes())
+    for (const auto& d : n.engine_details()) {
+      INFO(d.engine_id() << " " << d.state());
+      CHECK(d.state() == "failed: pause");
+      ++engines;
+    }
+  CHECK(engines == 2);
+  k.peers->Disarm();
+  REQUIRE(k.Update(3).ok());
+  k.CheckAllServing("3");
 }
 
 // Past the commit point (docs/operations.md): every engine holds the version and its label, so an engine whose
