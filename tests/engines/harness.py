@@ -118,6 +118,43 @@ class Procs:
                             shutil.rmtree(path, ignore_errors=True)
                         else:
                             os.unlink(path)
+        # A killed engine also leaves the POSIX shared memory of its workers' message queues (Python's
+        # multiprocessing: psm_*, sem.mp-*), 160-250 MiB each: remove those made during this run that no live
+        # process maps or holds open (an engine of another test running at the same time keeps its own).
+        made = [f for f in glob.glob("/dev/shm/psm_*") + glob.glob("/dev/shm/sem.mp-*")
+                if _mtime(f) >= self.started - 1]
+        if made:
+            used = _shm_in_use()
+            for path in made:
+                if path not in used:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _shm_in_use() -> set[str]:
+    """Paths under /dev/shm that some process maps or has open (read from /proc; what cannot be read is skipped)."""
+    used: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find("/dev/shm/")
+                    if at >= 0:
+                        used.add(line[at:].rstrip("\n").removesuffix(" (deleted)"))
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/"):
+                        used.add(target)
+    return used
 
 
 def wait_for(what: str, fn, timeout: float, procs: Procs | None = None, watch: list[str] | None = None,
