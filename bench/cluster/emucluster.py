@@ -21,6 +21,8 @@ Cleans up on success, failure, SIGINT and SIGTERM.
 """
 
 import argparse
+import contextlib
+import glob
 import json
 import os
 import random
@@ -123,6 +125,17 @@ def cleanup_leftovers(all_runs=False):
             continue
         sh("ip", "link", "del", dev, check=False)
         removed.append(f"link {dev}")
+    # The broadcast baseline's receivers (bcast_rank.py) keep what they got in /dev/shm/wsync-bcast-<pid>-<rank>:
+    # a killed run leaves them (about one model copy each); the receiver's pid says whether it is gone.
+    for path in glob.glob("/dev/shm/wsync-bcast-*-*"):
+        try:
+            pid = int(os.path.basename(path).split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        if all_runs or not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(f"file {path}")
     return removed
 
 
