@@ -20,17 +20,18 @@ struct ProgressRead {
   bool driven = false;
 };
 
-// Decides the pause before the next read; not thread-safe (one per progress thread).
+// Decides what the progress thread does after each read; not thread-safe (one per progress thread).
 //
 // Incoming one-sided writes leave no entry in any queue of the receiver, so activity is told by what a read cost:
-// one clearly dearer than an empty read (the cheapest recent one) did work. ofi_rxm handles about one incoming message
-// per read, so while writes arrive any pause between reads caps the receiver at one message per pause; and a flow
-// of writes shows as busy reads with empty ones between them (the next message is not in yet). So:
-//  - after a read that did work, the next read follows at once; the first read after a pause, which can look dear
-//    for cold caches alone, counts as work only if the one following it at once does too;
-//  - for `spin` after the last read that did work, empty reads are followed at once too (the thread spins) unless
-//    a thread of the domain drives its endpoints itself: a sender polling its own queue needs no second spinning
-//    thread, and on a host with few cores one would take the sender's core;
+// one clearly dearer than an empty read (their running average) did work. ofi_rxm handles about one incoming
+// message per read, so while writes arrive any pause between reads caps the receiver at one message per pause; and
+// a flow of writes shows as busy reads with empty ones between them (the next message is not in yet). So:
+//  - after a read that did work, the next read follows at once;
+//  - for `spin` after a flow was last seen (a busy read that followed another read at once, or entries), empty
+//    reads are followed by another after a sched_yield only: the thread spins while a core is free and gives way
+//    where other threads want it (on a loaded host a plain spin took the sender's core and cut small writes to a
+//    fifth). Not while a thread of the domain drives its endpoints itself (a sender polling its own queue, which
+//    progresses its endpoint as this read would): no second thread spins beside it;
 //  - otherwise every empty read doubles the pause from `min_pause` up to `max_pause`: an idle domain costs a few
 //    hundred cheap reads a second, and a first write after an idle spell waits at most `max_pause`.
 class ProgressPacer {
@@ -42,26 +43,34 @@ class ProgressPacer {
     // A read that handled one small message costs a few microseconds more than an empty one.
     std::chrono::nanoseconds busy_floor{2000};
   };
+  struct Step {
+    enum Kind {
+      kRead,   // read again at once
+      kYield,  // sched_yield, then read
+      kPause,  // wait `pause` (ended early only by shutdown), then read
+    };
+    Kind kind = kRead;
+    std::chrono::microseconds pause{0};
+  };
 
   ProgressPacer() : ProgressPacer(Options{}) {}
   explicit ProgressPacer(const Options& opts) : opts_(opts), pause_(opts.min_pause / 2) {}
 
-  // Records `r` and returns how long to pause before the next read (zero: read again at once).
-  std::chrono::microseconds Next(const ProgressRead& r);
+  // Records `r` and decides what comes before the next read.
+  Step Next(const ProgressRead& r);
 
-  // Whether the last read was taken for work (entries, an error, or its cost without a pause before it).
-  bool last_busy() const { return last_busy_; }
+  // Whether a flow was seen within the last `spin` (as of the last read).
+  bool spinning() const { return active_; }
 
  private:
   bool Busy(const ProgressRead& r) const;
-  void TrackEmptyCost(const ProgressRead& r);
+  void TrackEmptyCost(const ProgressRead& r, bool busy);
 
   Options opts_;
   std::chrono::microseconds pause_;  // the pause the next empty read outside a spin doubles
-  double empty_cost_ns_ = 0;         // what an empty read costs: the cheapest recent read (see TrackEmptyCost)
-  bool active_ = false;              // a read did work, at last_active_
+  double empty_cost_ns_ = 0;         // running average of an empty read's CPU cost
+  bool active_ = false;              // a flow was seen, last at last_active_
   std::chrono::steady_clock::time_point last_active_;
-  bool last_busy_ = false;
   bool after_pause_ = true;  // the next read follows a pause (or is the first)
 };
 

@@ -3,6 +3,7 @@
 #include <rdma/fi_cm.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -156,10 +157,14 @@ void Domain::ProgressLoop() {
     read.cpu = cpu_now() - start;
     read.now = std::chrono::steady_clock::now();
     read.driven = driving_.load(std::memory_order_relaxed) > 0;
-    const std::chrono::microseconds pause = pacer.Next(read);
-    if (pause.count() == 0) continue;
+    const ProgressPacer::Step step = pacer.Next(read);
+    if (step.kind == ProgressPacer::Step::kRead) continue;
+    if (step.kind == ProgressPacer::Step::kYield) {
+      sched_yield();
+      continue;
+    }
     std::unique_lock<std::mutex> l(stop_mu_);
-    stop_cv_.wait_for(l, pause, [this] { return stop_.load(); });
+    stop_cv_.wait_for(l, step.pause, [this] { return stop_.load(); });
   }
 }
 
