@@ -29,9 +29,9 @@ struct ProgressRead {
 //  - after a read that did work, the next read follows at once;
 //  - for `spin` after a flow was last seen (a busy read that followed another read at once, or entries), empty
 //    reads are followed by another after a sched_yield only: the thread spins while a core is free and gives way
-//    where other threads want it (on a loaded host a plain spin took the sender's core and cut small writes to a
-//    fifth). Not while a thread of the domain drives its endpoints itself (a sender polling its own queue, which
-//    progresses its endpoint as this read would): no second thread spins beside it;
+//    where other threads want it (on a host with few cores, the sender's thread). Not while a thread of the
+//    domain drives its endpoints itself (a sender polling its own queue, which progresses its endpoint as this
+//    read would): no second thread spins beside it;
 //  - otherwise every empty read doubles the pause from `min_pause` up to `max_pause`: an idle domain costs a few
 //    hundred cheap reads a second, and a first write after an idle spell waits at most `max_pause`.
 class ProgressPacer {
