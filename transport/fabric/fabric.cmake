@@ -6,6 +6,7 @@ target_sources(wsync_transport PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/fabric_domains.cc
   ${CMAKE_CURRENT_LIST_DIR}/fabric_endpoint.cc
   ${CMAKE_CURRENT_LIST_DIR}/fabric_hmem.cc
+  ${CMAKE_CURRENT_LIST_DIR}/fabric_progress.cc
   ${CMAKE_CURRENT_LIST_DIR}/fabric_transport.cc
   ${CMAKE_CURRENT_LIST_DIR}/fabric_wire.cc
 )

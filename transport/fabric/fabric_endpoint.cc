@@ -425,6 +425,7 @@ absl::StatusOr<BatchId> FabricEndpoint::Post(absl::Span<const WriteRequest> writ
   const uint64_t max_piece = std::max<uint64_t>(1, std::min(dom_->max_msg_size(), dom_->config().max_piece));
   const uint64_t flags = FI_COMPLETION | (dom_->delivery_complete() ? FI_DELIVERY_COMPLETE : 0);
   absl::Time last_progress = absl::Now();
+  Domain::Driving driving(*dom_);
   for (size_t i = 0; i < writes.size() && broken_.ok(); ++i) {
     const WriteRequest& w = writes[i];
     const auto* src = static_cast<const FabricLocalRegion*>(w.src);
@@ -506,6 +507,7 @@ absl::Status FabricEndpoint::Wait(BatchId batch, absl::Duration timeout) {
   }
   const absl::Time deadline = absl::Now() + timeout;
   int empty = 0;
+  Domain::Driving driving(*dom_);
   while (it->second.pending > 0 && it->second.status.ok()) {
     if (CheckCancel()) break;
     if (!broken_.ok()) {

@@ -84,6 +84,18 @@ class Domain {
   // Held while an endpoint is bound to or closed from the progress queue: the provider (tcp;ofi_rxm) does not
   // tolerate an endpoint going away while another thread progresses it through that queue.
   std::unique_lock<std::mutex> PauseProgress() { return std::unique_lock<std::mutex>(progress_mu_); }
+  // Counts the threads polling an endpoint's own completion queue (in Post or Wait), which progresses that endpoint
+  // as a read of the progress queue does: the progress thread does not spin beside them (fabric_progress.h).
+  class Driving {
+   public:
+    explicit Driving(Domain& d) : d_(d) { d_.driving_.fetch_add(1, std::memory_order_relaxed); }
+    ~Driving() { d_.driving_.fetch_sub(1, std::memory_order_relaxed); }
+    Driving(const Driving&) = delete;
+    Driving& operator=(const Driving&) = delete;
+
+   private:
+    Domain& d_;
+  };
 
   // Registers [addr, addr+len) with `access`. With app keys the key is `key` (0: a fresh random one; a key in use
   // is retried with another), with provider keys it is the provider's (a forced prov_key still asks for a fresh
@@ -103,6 +115,7 @@ class Domain {
   std::mutex progress_mu_;  // held by the progress thread around each read of progress_cq_
   std::thread progress_;
   std::atomic<bool> stop_{false};
+  std::atomic<int> driving_{0};  // see Driving
   std::mutex stop_mu_;  // with stop_cv_: an idle progress thread's pause ends at once on destruction
   std::condition_variable stop_cv_;
   Config cfg_;

@@ -3,6 +3,7 @@
 #include <rdma/fi_cm.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -26,6 +27,7 @@
 #include "spdlog/spdlog.h"
 #include "transport/fabric/fabric_domains.h"
 #include "transport/fabric/fabric_internal.h"
+#include "transport/fabric/fabric_progress.h"
 
 namespace wsync::transport::fabric {
 
@@ -129,27 +131,15 @@ absl::StatusOr<std::shared_ptr<Domain>> Domain::Open(fi_info* info, const Config
 
 void Domain::ProgressLoop() {
   // Incoming writes leave no entry to tell activity by, and the queue's wait object cannot be used (libfabric 1.17's
-  // tcp;ofi_rxm calls back into closed endpoints from fi_trywait, and never clears the descriptor without it).
-  // Activity shows instead as a read that did work: one that returned entries, or cost this thread clearly more
-  // CPU than an empty read does (its running average). After such a read the queue is read again at once: ofi_rxm
-  // handles about one incoming message per read (FI_OFI_RXM_COMP_PER_PROGRESS, default 1), so any pause between
-  // reads while writes arrive caps the receiver at one message per pause (a fixed 50 us pause held 16 KiB writes
-  // to 0.1 GB/s on tcp;ofi_rxm). Every empty read doubles the pause, from kMinPause up to kMaxPause: an idle domain
-  // costs a few hundred cheap reads a second, and a first write after a pause waits at most kMaxPause for its
-  // progress.
-  constexpr auto kMinPause = std::chrono::microseconds(50);
-  constexpr auto kMaxPause = std::chrono::microseconds(5000);
-  // A read that handled one small message costs a few microseconds more than an empty one.
-  constexpr auto kBusyFloor = std::chrono::microseconds(2);
-  // This thread's CPU time, not the clock: a read the scheduler preempted did no work.
+  // tcp;ofi_rxm calls back into closed endpoints from fi_trywait, and never clears the descriptor without it): the
+  // pacer tells activity by what a read cost this thread and decides when to read next (fabric_progress.h).
   auto cpu_now = [] {
     timespec ts{};
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return std::chrono::nanoseconds(int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec);
   };
   fi_cq_entry e[8];
-  std::chrono::microseconds pause = kMinPause;
-  double empty_cost_ns = 0;  // running average of an empty read's CPU cost
+  ProgressPacer pacer;
   while (!stop_.load(std::memory_order_relaxed)) {
     ssize_t n;
     const auto start = cpu_now();
@@ -162,20 +152,19 @@ void Domain::ProgressLoop() {
           spdlog::warn("fabric: receive-side completion error: {}", FiError(err.err));
       }
     }
-    if (n > 0) continue;  // entries waiting: read on at once
-    const double cost_ns = static_cast<double>((cpu_now() - start).count());
-    const bool busy = n != -FI_EAGAIN ||
-                      (empty_cost_ns > 0 &&
-                       cost_ns > std::max<double>(3 * empty_cost_ns, std::chrono::nanoseconds(kBusyFloor).count()));
-    if (busy) {
-      pause = kMinPause / 2;  // the next empty read waits kMinPause
+    ProgressRead read;
+    read.entries_or_error = n != -FI_EAGAIN;
+    read.cpu = cpu_now() - start;
+    read.now = std::chrono::steady_clock::now();
+    read.driven = driving_.load(std::memory_order_relaxed) > 0;
+    const ProgressPacer::Step step = pacer.Next(read);
+    if (step.kind == ProgressPacer::Step::kRead) continue;
+    if (step.kind == ProgressPacer::Step::kYield) {
+      sched_yield();
       continue;
-    } else {
-      empty_cost_ns = empty_cost_ns == 0 ? cost_ns : 0.95 * empty_cost_ns + 0.05 * cost_ns;
-      pause = std::min(kMaxPause, pause * 2);
     }
     std::unique_lock<std::mutex> l(stop_mu_);
-    stop_cv_.wait_for(l, pause, [this] { return stop_.load(); });
+    stop_cv_.wait_for(l, step.pause, [this] { return stop_.load(); });
   }
 }
 
