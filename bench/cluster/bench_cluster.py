@@ -129,6 +129,9 @@ def run_shape(a, S, T, py, manifest, raw):
     m0 = machine_times()
     with emu.Cluster(S, T, a.rate_mbit, a.bin, a.model, a.tp, a.delay_ms, trainer_ranks=1, keep_logs=a.keep, strategy=a.strategy,
                      log=lambda m: print(m, file=sys.stderr)) as c:
+        if a.tcp_progress_timeout:
+            c.source_args = ["--tcp-progress-timeout", str(a.tcp_progress_timeout)]
+            res["tcp_progress_timeout_s"] = a.tcp_progress_timeout
         c.network_up()
         mbit = c.measure_rate()
         res["iperf3_mbit"] = round(mbit, 1)
@@ -233,6 +236,9 @@ def main():
     ap.add_argument("--python", default="")
     ap.add_argument("--plot", default="bench_cluster.png")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--tcp-progress-timeout", type=float, default=0,
+                    help="the sources' wsyncd --tcp-progress-timeout (0: its default, 5 s). At 16x16 every target's "
+                         "link is shared by 16 sources' connections, and one of them can go 5 s without an ack")
     a = ap.parse_args()
     try:
         def shape(s, flag):

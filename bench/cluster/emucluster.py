@@ -190,9 +190,9 @@ class Cluster:
         self.engines, self.source_addrs = [], []
         self.measured_mbit = None
         self._old_handlers = {}
-        # Extra flags for every engine, target daemon and trainer rank (bench_cluster_delta.py: --steps-dir, --delta,
-        # --delta-staging-fraction).
-        self.engine_args, self.target_args, self.trainer_args = [], [], []
+        # Extra flags for every engine, target daemon, source daemon and trainer rank (bench_cluster_delta.py:
+        # --steps-dir, --delta, --delta-staging-fraction; bench_cluster.py: --tcp-progress-timeout).
+        self.engine_args, self.target_args, self.source_args, self.trainer_args = [], [], [], []
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def __enter__(self):
@@ -414,7 +414,8 @@ class Cluster:
                                           "--listen", f"{n.ip}:0", "--data-host", n.ip, "--coordinator",
                                           self.coordinator, "--trainer-ranks", str(self.trainer_ranks),
                                           "--ring-mib", str(self.ring_mib), "--transport", "tcp",
-                                          "--trainer-socket", sock] + self.tls(f"source-train-node{i}"))
+                                          "--trainer-socket", sock] + self.source_args
+                        + self.tls(f"source-train-node{i}"))
             self.source_addrs.append(sock)
         self.log(f"emucluster {self.run}: coordinator {self.coordinator}, engines {' '.join(self.engines)}")
 
