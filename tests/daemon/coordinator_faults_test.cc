@@ -462,26 +462,10 @@ class StatusProbe {
   std::thread thread_;
 };
 
-v1::RegisterNodeRequest Source(const std::string& id) {
-  v1::RegisterNodeRequest r;
-  r.set_node_id(id);
-  r.set_role("source");
-  r.set_address(id + ":1");
-  r.set_trainer_ranks(1);
-  return r;
-}
+v1::RegisterNodeRequest Source(const std::string& id) { return testing::SourceRegistration(id); }
 
 v1::RegisterNodeRequest Target(const std::string& id, const std::string& engine) {
-  v1::RegisterNodeRequest r;
-  r.set_node_id(id);
-  r.set_role("target");
-  r.set_address(id + ":1");
-  auto* e = r.add_engines();
-  e->set_engine_id(engine);
-  e->set_control_address(engine + ":2");
-  e->set_kind("reference");
-  FillLayout(e->add_ranks(), 1, 0);
-  return r;
+  return testing::TargetRegistration(id, engine, 1);
 }
 
 // How an engine offers staging memory: none, a second copy (the reference engine's --staging) or its own segments

@@ -148,26 +148,11 @@ class FakePeers : public Peers {
 };
 
 v1::RegisterNodeRequest Source(const std::string& id, int ranks = 1, int stage = 0) {
-  v1::RegisterNodeRequest r;
-  r.set_node_id(id);
-  r.set_role("source");
-  r.set_address(id + ":1");
-  r.set_trainer_ranks(ranks);
-  r.set_pp_stage(stage);
-  return r;
+  return testing::SourceRegistration(id, ranks, stage);
 }
 
 v1::RegisterNodeRequest Target(const std::string& id, const std::string& engine, int ranks) {
-  v1::RegisterNodeRequest r;
-  r.set_node_id(id);
-  r.set_role("target");
-  r.set_address(id + ":1");
-  auto* e = r.add_engines();
-  e->set_engine_id(engine);
-  e->set_control_address(engine + ":2");
-  e->set_kind("reference");
-  for (int i = 0; i < ranks; ++i) FillLayout(e->add_ranks(), ranks, i);
-  return r;
+  return testing::TargetRegistration(id, engine, ranks);
 }
 
 struct Fixture {

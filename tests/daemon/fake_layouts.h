@@ -10,6 +10,7 @@
 
 #include "replica/param_table.h"
 #include "wsync/v1/common.pb.h"
+#include "wsync/v1/coordinator.pb.h"
 
 namespace wsync::testing {
 
@@ -36,6 +37,32 @@ inline void FillLayout(v1::RankLayout* l, int ranks, int rank) {
     d->set_bytes(p.bytes);
     d->set_offset(p.offset);
   }
+}
+
+// A source node's registration: `id` at address "<id>:1".
+inline v1::RegisterNodeRequest SourceRegistration(const std::string& id, int trainer_ranks = 1, int pp_stage = 0) {
+  v1::RegisterNodeRequest r;
+  r.set_node_id(id);
+  r.set_role("source");
+  r.set_address(id + ":1");
+  r.set_trainer_ranks(trainer_ranks);
+  r.set_pp_stage(pp_stage);
+  return r;
+}
+
+// A target node's registration (address "<id>:1") serving one reference engine of `ranks` TP ranks (control address
+// "<engine>:2"), each with its FillLayout table.
+inline v1::RegisterNodeRequest TargetRegistration(const std::string& id, const std::string& engine, int ranks) {
+  v1::RegisterNodeRequest r;
+  r.set_node_id(id);
+  r.set_role("target");
+  r.set_address(id + ":1");
+  auto* e = r.add_engines();
+  e->set_engine_id(engine);
+  e->set_control_address(engine + ":2");
+  e->set_kind("reference");
+  for (int i = 0; i < ranks; ++i) FillLayout(e->add_ranks(), ranks, i);
+  return r;
 }
 
 }  // namespace wsync::testing

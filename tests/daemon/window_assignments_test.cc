@@ -203,37 +203,15 @@ class TargetPeers : public Peers {
   std::map<std::string, v1::SetWriteWindowRequest> last_full;  // the last request with assignments, per address
 };
 
-v1::RegisterNodeRequest SourceNode(const std::string& id) {
-  v1::RegisterNodeRequest r;
-  r.set_node_id(id);
-  r.set_role("source");
-  r.set_address(id + ":1");
-  r.set_trainer_ranks(1);
-  return r;
-}
-
-v1::RegisterNodeRequest TargetNodeReq(const std::string& id, const std::string& engine, int ranks) {
-  v1::RegisterNodeRequest r;
-  r.set_node_id(id);
-  r.set_role("target");
-  r.set_address(id + ":1");
-  auto* e = r.add_engines();
-  e->set_engine_id(engine);
-  e->set_control_address(engine + ":2");
-  e->set_kind("reference");
-  for (int i = 0; i < ranks; ++i) FillLayout(e->add_ranks(), ranks, i);
-  return r;
-}
-
 struct Fixture {
   Fixture() {
     auto p = std::make_unique<TargetPeers>();
     peers = p.get();
     for (const char* t : {"t0", "t1"}) peers->targets[std::string(t) + ":1"] = std::make_unique<Target>(t);
     c = std::make_unique<Coordinator>(CoordinatorOptions(), std::move(p));
-    for (const char* s : {"s0", "s1"}) REQUIRE(c->RegisterNode(SourceNode(s)).ok());
-    REQUIRE(c->RegisterNode(TargetNodeReq("t0", "e0", 2)).ok());
-    REQUIRE(c->RegisterNode(TargetNodeReq("t1", "e1", 2)).ok());
+    for (const char* s : {"s0", "s1"}) REQUIRE(c->RegisterNode(testing::SourceRegistration(s)).ok());
+    REQUIRE(c->RegisterNode(testing::TargetRegistration("t0", "e0", 2)).ok());
+    REQUIRE(c->RegisterNode(testing::TargetRegistration("t1", "e1", 2)).ok());
   }
   void Update(int64_t v) {
     v1::BeginUpdateRequest b;
@@ -307,7 +285,7 @@ TEST_CASE("window assignments: sent once per plan, then named; a re-plan sends t
     }
     return sent;
   };
-  REQUIRE(f.c->RegisterNode(SourceNode("s2")).ok());  // planned again; its assignments may stay as they were
+  REQUIRE(f.c->RegisterNode(testing::SourceRegistration("s2")).ok());  // planned again; its assignments may stay as they were
   replanned(4, "");
   v1::RemoveNodeRequest rm;
   rm.set_node_id("s1");
@@ -348,7 +326,7 @@ TEST_CASE("window assignments: a target that lost them (restarted) is sent them 
     f.peers->targets["t1:1"].reset();
     f.peers->targets["t1:1"] = std::make_unique<Target>("t1");
   }
-  REQUIRE(f.c->RegisterNode(TargetNodeReq("t1", "e1", 2)).ok());
+  REQUIRE(f.c->RegisterNode(testing::TargetRegistration("t1", "e1", 2)).ok());
   f.Update(5);
   f.RequireOneOpen(5, "t1:1", true);
   f.RequireHoldsLastSent(5, "t1:1");
