@@ -10,15 +10,33 @@
 #include "wsync/v1/daemon.grpc.pb.h"
 
 namespace wsync::daemon {
+namespace {
+
+constexpr int kReconnectSeconds = 10;
+
+}  // namespace
 
 absl::StatusOr<v1::ConnectTargetReply> DialConnectTargetReply(const std::string& target_daemon,
                                                               const v1::ConnectTargetRequest& req) {
   WSYNC_ASSIGN_OR_RETURN(auto channel, tls::Dial(target_daemon, kMaxControlMessageBytes));
   auto stub = v1::NodeDaemon::NewStub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(Deadline(60));
   v1::ConnectTargetReply out;
-  grpc::Status s = stub->ConnectTarget(&ctx, req, &out);
+  const auto call = [&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(60));
+    return stub->ConnectTarget(&ctx, req, &out);
+  };
+  grpc::Status s = call();
+  // gRPC shares one connection per address among a process's channels and, after a failed connection attempt,
+  // backs off (about a second) before the next: a call in that window fails at once with UNAVAILABLE "failed to
+  // connect to all addresses" although the target serves (seen when a source connects again to a target it
+  // had left, on a loaded machine). Such a call is made once more when the channel connects within
+  // kReconnectSeconds; a target that is really gone still fails, after that wait.
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    if (!channel->WaitForConnected(Deadline(kReconnectSeconds)))
+      return Annotate(FromGrpcStatus(s), absl::StrCat("still unreachable ", kReconnectSeconds, " s later"));
+    s = call();
+  }
   if (!s.ok()) return FromGrpcStatus(s);
   return out;
 }
