@@ -1,6 +1,7 @@
 #include "daemon/node/connect_target_client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
 
 #include "base/status.h"
 #include "daemon/common/rpc.h"
@@ -33,6 +34,8 @@ absl::StatusOr<v1::ConnectTargetReply> DialConnectTargetReply(const std::string&
   // had left, on a loaded machine). Such a call is made once more when the channel connects within
   // kReconnectSeconds; a target that is really gone still fails, after that wait.
   if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    spdlog::warn("ConnectTarget to {}: {}; waiting up to {} s for the connection, then asking again", target_daemon,
+                 s.error_message(), kReconnectSeconds);
     if (!channel->WaitForConnected(Deadline(kReconnectSeconds)))
       return Annotate(FromGrpcStatus(s), absl::StrCat("still unreachable ", kReconnectSeconds, " s later"));
     s = call();
