@@ -15,26 +15,13 @@
 #include "absl/strings/match.h"
 #include "daemon/common/rpc.h"
 #include "daemon/node/connect_target_client.h"
+#include "tests/daemon/loopback_port.h"
 
 namespace wsync::daemon {
 namespace {
 
-// A free loopback port (bound once, then released).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-  socklen_t len = sizeof(a);
-  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 TEST_CASE("ConnectTarget to an address nobody serves fails, naming the wait, within the reconnect bound") {
-  const std::string addr = "127.0.0.1:" + std::to_string(FreePort());
+  const std::string addr = "127.0.0.1:" + std::to_string(testing::FreeLoopbackPort());
   v1::ConnectTargetRequest req;
   req.set_engine_id("engine0");
   const auto t0 = std::chrono::steady_clock::now();

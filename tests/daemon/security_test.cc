@@ -41,6 +41,7 @@
 #include "proto/tls.h"
 #include "tests/daemon/cluster.h"
 #include "tests/daemon/raw_rpc.h"
+#include "tests/daemon/loopback_port.h"
 #include "transport/transport.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 #include "wsync/v1/daemon.grpc.pb.h"
@@ -288,19 +289,6 @@ TEST_CASE("security: a node cannot register or heartbeat as another node") {
   REQUIRE(DemoUpdate(cl, 1));
 }
 
-// A free TCP port on 127.0.0.1 (bound and released: nothing else on this host is expected to take it meanwhile).
-int FreePort() {
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-  REQUIRE(::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-  socklen_t len = sizeof(a);
-  REQUIRE(::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) == 0);
-  ::close(s);
-  return ntohs(a.sin_port);
-}
-
 // GET http://127.0.0.1:`port``path` (HTTP/1.0, the whole answer).
 std::string HttpGet(int port, const std::string& path) {
   int s = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -354,7 +342,7 @@ TEST_CASE("security: crafted data-port writes are refused and leave the engine's
   const std::string db = MakeCerts().dir + "/coordinator-state.db";
   std::remove(db.c_str());
   o.coordinator_args = {"--state", db};
-  const int target_metrics = FreePort();
+  const int target_metrics = testing::FreeLoopbackPort();
   o.target_args = {"--metrics-listen", absl::StrCat("127.0.0.1:", target_metrics)};
   Cluster cl(o);
   const Certs& certs = MakeCerts();
@@ -743,7 +731,7 @@ TEST_CASE("security: every binary refuses to start with a certificate that is no
 
 TEST_CASE("security: handshakes without a client certificate are counted in /metrics and logged once") {
   ClusterOptions o = TlsCluster();
-  const int metrics_port = FreePort();
+  const int metrics_port = testing::FreeLoopbackPort();
   o.coordinator_args = {"--metrics-listen", absl::StrCat("127.0.0.1:", metrics_port)};
   Cluster cl(o);
   const int port = std::stoi(cl.coordinator.substr(cl.coordinator.rfind(':') + 1));

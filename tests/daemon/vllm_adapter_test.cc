@@ -1,3 +1,4 @@
+
 // The vLLM adapter against a recording fake of vLLM's HTTP API (engine-apis.md §2): what it sends, in which order,
 // and how vLLM's failures come back. The fake checks every request by vLLM's own rules and lists what the real
 // server would have rejected, so a malformed request fails the test even where the adapter shrugs it off.
@@ -24,6 +25,7 @@
 #include "absl/time/time.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
+#include "tests/daemon/loopback_port.h"
 
 namespace wsync::daemon {
 namespace {
@@ -287,20 +289,6 @@ std::unique_ptr<EngineAdapter> MustMake(const std::string& url, absl::Duration t
   return std::move(a).value();
 }
 
-// A port on 127.0.0.1 that nothing listens on.
-int ClosedPort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  socklen_t len = sizeof(addr);
-  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // Every error names the engine (id and address), the adapter method and the request.
 void CheckNames(const absl::Status& s, const std::string& id, const std::string& address, const std::string& method,
                 const std::string& request) {
@@ -540,7 +528,7 @@ TEST_CASE("vllm adapter: an engine that never answers → DeadlineExceeded namin
 }
 
 TEST_CASE("vllm adapter: connection refused → Unavailable naming the engine", "[vllm]") {
-  const std::string url = "http://127.0.0.1:" + std::to_string(ClosedPort()) + "?id=gone";
+  const std::string url = "http://127.0.0.1:" + std::to_string(testing::FreeLoopbackPort()) + "?id=gone";
   auto a = MustMake(url, absl::Seconds(2));
   auto d = a->Describe();
   CHECK(d.status().code() == absl::StatusCode::kUnavailable);
