@@ -93,9 +93,10 @@ double Median(std::vector<double> v) {
 }
 
 // The fabric transport, the raw-libfabric baseline, the tcp transport (and verbs where a device is viable), one run.
-// With `repeat` > 1 the baseline and the fabric sweep alternate that many times and every figure is the median over
-// the repetitions (ratios are taken per repetition, then their median): on a loaded machine one sweep's figure at a
-// size can be off by a scheduler hiccup; tcp and verbs run once.
+// Each size is measured raw (spinning and paced receiver) and then through the transport, size after size; with
+// `repeat` > 1 the whole sweep runs that many times and every figure is the median over the repetitions (ratios are
+// taken per repetition, then their median): on a loaded machine one figure can be off by a scheduler hiccup; tcp and
+// verbs run once.
 int RunFabric(const wsync::bench::TcpBenchOptions& opts, const std::string& provider, int repeat) {
   wsync::bench::RawFabricOptions raw_opts;
   raw_opts.provider = provider;
@@ -105,29 +106,34 @@ int RunFabric(const wsync::bench::TcpBenchOptions& opts, const std::string& prov
   const size_t n = opts.sizes.size();
   // Per size, per repetition.
   std::vector<std::vector<double>> spin_g(n), paced_g(n), raw_g(n), fab_g(n), ratio_r(n);
+  // Interleaved per size (raw spinning, raw paced, fabric, then the next size): the three figures a ratio is taken
+  // from are measured seconds apart, not a whole sweep apart (on a shared machine the load drifts between sweeps).
   for (int rep = 0; rep < std::max(1, repeat); ++rep) {
-    // Two ways for the raw receiver to progress; the better one per size is the baseline.
-    raw_opts.progress_pause_us = 0;
-    auto spin = wsync::bench::RunRawFabricSweep(raw_opts, &used);
-    raw_opts.progress_pause_us = 50;
-    auto paced = wsync::bench::RunRawFabricSweep(raw_opts, &used);
-    if (!spin.ok() || !paced.ok()) {
-      std::fprintf(stderr, "raw libfabric baseline failed: %s\n",
-                   (spin.ok() ? paced.status() : spin.status()).ToString().c_str());
-      return 1;
-    }
-    wsync::transport::TransportOptions topts;
-    topts.bind_host = "127.0.0.1";
-    topts.fabric_provider = used;  // the transport on exactly the provider the baseline ran on
-    auto fab = wsync::bench::RunTransportSweep("fabric", topts, opts);
-    if (!fab.ok()) {
-      std::fprintf(stderr, "fabric transport sweep failed: %s\n", fab.status().ToString().c_str());
-      return 1;
-    }
     for (size_t i = 0; i < n; ++i) {
-      const double r = std::max((*spin)[i].gbps(), (*paced)[i].gbps()), f = (*fab)[i].gbps();
-      spin_g[i].push_back((*spin)[i].gbps());
-      paced_g[i].push_back((*paced)[i].gbps());
+      wsync::bench::TcpBenchOptions one = opts;
+      one.sizes = {opts.sizes[i]};
+      raw_opts.sizes = one.sizes;
+      // Two ways for the raw receiver to progress; the better one is the baseline.
+      raw_opts.progress_pause_us = 0;
+      auto spin = wsync::bench::RunRawFabricSweep(raw_opts, &used);
+      raw_opts.progress_pause_us = 50;
+      auto paced = wsync::bench::RunRawFabricSweep(raw_opts, &used);
+      if (!spin.ok() || !paced.ok()) {
+        std::fprintf(stderr, "raw libfabric baseline failed: %s\n",
+                     (spin.ok() ? paced.status() : spin.status()).ToString().c_str());
+        return 1;
+      }
+      wsync::transport::TransportOptions topts;
+      topts.bind_host = "127.0.0.1";
+      topts.fabric_provider = used;  // the transport on exactly the provider the baseline ran on
+      auto fab = wsync::bench::RunTransportSweep("fabric", topts, one);
+      if (!fab.ok()) {
+        std::fprintf(stderr, "fabric transport sweep failed: %s\n", fab.status().ToString().c_str());
+        return 1;
+      }
+      const double r = std::max((*spin)[0].gbps(), (*paced)[0].gbps()), f = (*fab)[0].gbps();
+      spin_g[i].push_back((*spin)[0].gbps());
+      paced_g[i].push_back((*paced)[0].gbps());
       raw_g[i].push_back(r);
       fab_g[i].push_back(f);
       ratio_r[i].push_back(r > 0 ? f / r : 0);

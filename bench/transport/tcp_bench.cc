@@ -79,6 +79,9 @@ absl::StatusOr<std::vector<SizePoint>> RunTransportSweep(const std::string& name
   WSYNC_ASSIGN_OR_RETURN(auto src_region, sender->RegisterMemory(src.data(), src.size()));
   WSYNC_ASSIGN_OR_RETURN(auto dst_region, receiver->RegisterMemory(dst.data(), dst.size()));
   WSYNC_ASSIGN_OR_RETURN(auto remote, sender->ImportRegion(dst_region->Descriptor()));
+  // Open the receiver's write window as a target does for each update (a backend that does not enforce windows
+  // answers Unimplemented; the fabric transport still learns that writes are expected).
+  if (auto st = receiver->SetWriteWindow(true); !st.ok() && !absl::IsUnimplemented(st)) return st;
   WSYNC_ASSIGN_OR_RETURN(auto tx, sender->CreateEndpoint());
   WSYNC_ASSIGN_OR_RETURN(auto rx, receiver->CreateEndpoint());
   WSYNC_RETURN_IF_ERROR(tx->Connect(rx->LocalInfo(), absl::Seconds(5)));

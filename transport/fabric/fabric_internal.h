@@ -97,6 +97,10 @@ class Domain {
     Domain& d_;
   };
 
+  // Whether writes are expected now (the transport's write window is open): the progress thread then never pauses
+  // between reads (fabric_progress.h).
+  void ExpectWrites(bool expected) { expect_writes_.store(expected, std::memory_order_relaxed); }
+
   // Registers [addr, addr+len) with `access`. With app keys the key is `key` (0: a fresh random one; a key in use
   // is retried with another), with provider keys it is the provider's (a forced prov_key still asks for a fresh
   // random key, never a remembered one). `ep` (FI_MR_ENDPOINT): the endpoint the MR is bound to before it is enabled.
@@ -116,6 +120,7 @@ class Domain {
   std::thread progress_;
   std::atomic<bool> stop_{false};
   std::atomic<int> driving_{0};  // see Driving
+  std::atomic<bool> expect_writes_{false};  // see ExpectWrites
   std::mutex stop_mu_;  // with stop_cv_: an idle progress thread's pause ends at once on destruction
   std::condition_variable stop_cv_;
   Config cfg_;

@@ -39,6 +39,10 @@ ProgressPacer::Step ProgressPacer::Next(const ProgressRead& r) {
   } else {
     active_ = false;
   }
+  if (r.expected && !r.driven) {
+    pause_ = opts_.min_pause / 2;  // the window closed, the first pause is min_pause
+    return Step{Step::kYield, std::chrono::microseconds(0)};
+  }
   pause_ = std::min(opts_.max_pause, pause_ * 2);
   after_pause_ = true;
   return Step{Step::kPause, pause_};

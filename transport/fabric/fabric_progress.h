@@ -18,6 +18,9 @@ struct ProgressRead {
   // A thread using one of the domain's endpoints is polling that endpoint's own queue (in Post or Wait), which
   // progresses the endpoint as much as this read does.
   bool driven = false;
+  // Writes are expected now: the transport's write window is open (a target opens it for each update and closes
+  // it at the end; fabric_transport.h). The one exact signal there is that writes are on their way.
+  bool expected = false;
 };
 
 // Decides what the progress thread does after each read; not thread-safe (one per progress thread).
@@ -32,6 +35,10 @@ struct ProgressRead {
 //    where other threads want it (on a host with few cores, the sender's thread). Not while a thread of the
 //    domain drives its endpoints itself (a sender polling its own queue, which progresses its endpoint as this
 //    read would): no second thread spins beside it;
+//  - while writes are expected (the write window is open), empty reads are followed by another after a sched_yield
+//    only, for as long as it stays open: no pause can then cap the rate, whatever the reads cost (estimating
+//    activity from cost alone can settle into pausing between every message: the reads that each handle one
+//    message then count as empty). Not while the domain is driven, as above;
 //  - otherwise every empty read doubles the pause from `min_pause` up to `max_pause`: an idle domain costs a few
 //    hundred cheap reads a second, and a first write after an idle spell waits at most `max_pause`.
 class ProgressPacer {

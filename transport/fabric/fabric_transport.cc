@@ -157,6 +157,7 @@ void Domain::ProgressLoop() {
     read.cpu = cpu_now() - start;
     read.now = std::chrono::steady_clock::now();
     read.driven = driving_.load(std::memory_order_relaxed) > 0;
+    read.expected = expect_writes_.load(std::memory_order_relaxed);
     const ProgressPacer::Step step = pacer.Next(read);
     if (step.kind == ProgressPacer::Step::kRead) continue;
     if (step.kind == ProgressPacer::Step::kYield) {
@@ -630,6 +631,9 @@ class FabricTransport final : public Transport {
 
   absl::Status SetWriteWindow(bool open) override {
     WSYNC_RETURN_IF_ERROR(CheckViable());
+    // Writes are expected while the window is open, whether or not this provider lets it be enforced: the
+    // progress threads keep reading without pauses until it closes.
+    for (const auto& d : doms_) d->ExpectWrites(open);
     if (doms_[0]->prov_key()) {
       // Re-registering on open would hand out new keys, which connected peers never learn.
       return absl::UnimplementedError(

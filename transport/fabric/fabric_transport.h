@@ -22,7 +22,9 @@
 //     at most min(tx_attr->size, FabricOptions::tx_depth) outstanding; Post polls the queue for room. Completions
 //     are read by the thread using the endpoint. Where the provider needs the receiver's CPU to progress
 //     (FI_PROGRESS_MANUAL, e.g. tcp;ofi_rxm), one thread per transport (not per connection) drives it through a
-//     completion queue shared by every endpoint of the transport.
+//     completion queue shared by every endpoint of the transport. That thread reads without pauses while the write
+//     window is open (writes are expected: a target opens it for each update), and paces itself by what its reads
+//     cost otherwise (fabric_progress.h).
 //   * Errors: a failed completion fails its batch with a status naming the peer, the provider's error and the write;
 //     every later call fails too (re-create the endpoint).
 //   * Write window and grants (receiving side): remote write is possible only through MRs with FI_REMOTE_WRITE,
