@@ -57,6 +57,7 @@
 #include "daemon/common/window_assignments.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/etcd_store.h"
+#include "daemon/coordinator/fanout.h"
 #include "daemon/coordinator/state_store.h"
 #include "nlohmann/json.hpp"
 #include "proto/tls.h"
@@ -648,12 +649,15 @@ std::string Svg(const std::vector<Result>& rs) {
 int Main(int argc, char** argv) {
   CLI::App app("bench_control: the coordinator against N fake node daemons and engines over loopback mTLS");
   std::string sizes_arg = "64:32,256:64,1024:256", etcd_mode = "auto", out_dir = ".";
-  int updates = 5, etcd_max_ranks = 1024;
+  int updates = 5, etcd_max_ranks = 1024, malloc_arenas = daemon::kMallocArenas;
   app.add_option("--sizes", sizes_arg, "TARGET_RANKS:SOURCES,... (target ranks a multiple of 32)");
   app.add_option("--updates", updates, "steady updates measured per size");
   app.add_option("--etcd", etcd_mode, "auto (when an etcd binary is on PATH) | on | off");
   app.add_option("--etcd-max-ranks", etcd_max_ranks, "largest size run on etcd too");
   app.add_option("--out", out_dir, "where control_bench.svg goes");
+  app.add_option(
+      "--malloc-arenas", malloc_arenas,
+      "glibc malloc arenas of the coordinator's process (as wsync-coordinator sets them; 0: glibc's default)");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
   std::vector<Size> sizes;
@@ -699,6 +703,8 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "bench_control: the fake daemons did not start\n");
     return 1;
   }
+  // As wsync-coordinator's main does (daemon/coordinator/fanout.h), after the fakes' fork: theirs keep glibc's default.
+  if (malloc_arenas > 0) daemon::LimitMallocArenas(malloc_arenas);
   if (auto st = tls::Configure(to, {"127.0.0.1:0"}); !st.ok()) {
     std::fprintf(stderr, "bench_control: TLS: %s\n", st.ToString().c_str());
     return 1;
@@ -779,6 +785,7 @@ int Main(int argc, char** argv) {
               peak_mib, fakes_peak_mib);
   nlohmann::json out = {{"bench", "control"},
                         {"rtt_ms", rtt_ms},
+                        {"malloc_arenas", malloc_arenas},
                         {"peak_rss_mib", peak_mib},
                         {"fakes_peak_rss_mib", fakes_peak_mib},
                         {"sizes", nlohmann::json::array()}};

@@ -54,6 +54,40 @@ v1::RankLayout LayoutForCopy(v1::RankLayout layout, int set) {
   return layout;
 }
 
+// A source's ConfigureSourceRequest whose targets reference the plan's shared rank tables instead of copies (a
+// source's tables are megabytes at Kimi-K2 scale, and up to 64 workers build theirs at once); a table moved to
+// another copy of the segments (LayoutForCopy) is its own. The references are released before the request is
+// destroyed: the plan owns those tables. Serializing one table from several workers at once is safe (const access;
+// protobuf's cached sizes are atomic).
+class SourceRequest {
+ public:
+  explicit SourceRequest(const v1::ConfigureSourceRequest& base) : req_(base) {}
+  ~SourceRequest() {
+    for (v1::TargetAssignment* t : shared_) t->unsafe_arena_release_layout();
+  }
+  SourceRequest(const SourceRequest&) = delete;
+  SourceRequest& operator=(const SourceRequest&) = delete;
+
+  // Adds `a` (no layout) with `layout` (may be null) as copy `copy` of its segments (LayoutCopy).
+  void Add(const v1::TargetAssignment& a, const std::shared_ptr<const v1::RankLayout>& layout, int copy) {
+    v1::TargetAssignment* t = req_.add_targets();
+    *t = a;
+    if (!layout) return;
+    if (copy <= 0 || layout->staging_segment_shift() <= 0) {  // LayoutForCopy would return it unchanged
+      t->unsafe_arena_set_allocated_layout(const_cast<v1::RankLayout*>(layout.get()));
+      shared_.push_back(t);
+    } else {
+      *t->mutable_layout() = LayoutForCopy(*layout, copy);
+    }
+  }
+  void set_plan_epoch(int64_t epoch) { req_.set_plan_epoch(epoch); }
+  const v1::ConfigureSourceRequest& req() const { return req_; }
+
+ private:
+  v1::ConfigureSourceRequest req_;
+  std::vector<v1::TargetAssignment*> shared_;  // targets whose layout is the plan's
+};
+
 // Whether one engine rank's staging hashes `have` (the answer to `wrote`'s ranges, in order) match what the sources
 // wrote, and whether their writes cover all `bytes` of the rank's parameters. Pure.
 absl::Status CompareStaged(int rank, uint64_t bytes, const std::vector<v1::WriteChecksum>& wrote,
@@ -590,15 +624,18 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   if (!st.ok() || AbortAsked()) return Fail(rec, st, false);
 
   t = absl::Now();
-  // A source to configure: its request without the rank tables (which shared table each target gets, and which copy
-  // of its segments), filled in only by the worker sending it: a source's tables are megabytes at Kimi-K2 scale, and
-  // every source's at once did not fit in memory at 1024 engine ranks.
+  // A source to configure: its request without its assignments (model, push filters, quantization), its
+  // assignments and their rank tables as the plan holds them (shared), and which copy of each engine's segments it
+  // writes. The whole request is built only by the worker sending it, with the tables it shares with the plan
+  // referenced, not copied: a source's tables are megabytes at Kimi-K2 scale, and at 1024 engine ranks every
+  // source's request at once did not fit in memory; 64 workers' copies of theirs were the coordinator's peak.
   struct Configure {
     std::string node_id, address;
-    v1::ConfigureSourceRequest req;
-    std::vector<std::shared_ptr<const v1::RankLayout>> layouts;  // per target of req
-    std::vector<int> copies;                                     // per target: LayoutCopy
-    std::string key;                                             // SourceConfigKey
+    v1::ConfigureSourceRequest base;                                    // no targets
+    std::vector<std::shared_ptr<const v1::TargetAssignment>> assigned;  // in plan order; no layouts
+    std::vector<std::shared_ptr<const v1::RankLayout>> layouts;         // per assignment
+    std::vector<int> copies;                                            // per assignment: LayoutCopy
+    std::string key;                                                    // SourceConfigKey
   };
   std::vector<Configure> configure;
   std::map<std::string, int64_t> source_epochs;  // address → the plan epoch it holds after this phase
@@ -625,19 +662,22 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       RefreshEngineDigests();
       std::map<std::string, std::vector<const Planned*>> planned_of;  // source → its assignments, in plan order
       for (const Planned& p : plan_) planned_of[p.source].push_back(&p);
+      // Every source's request without its assignments (an empty plan): those are added by the worker.
       std::map<std::string, v1::ConfigureSourceRequest> by_source =
-          SourceConfigurations(nodes_, model_config_json_, plan_, push_filters_, model_quantization_,
+          SourceConfigurations(nodes_, model_config_json_, {}, push_filters_, model_quantization_,
                                [](const Planned& p) { return *p.assignment; });
       // Only sources whose configuration changed, or that do not hold it (their heartbeats said so), are
       // configured again (a join or leave re-plans one group; the sources serving only other groups keep their
       // replica, connections and plan epoch).
       for (auto& [id, r] : by_source) {
-        Configure cf{id, nodes_[id].address(), std::move(r), {}, {}, ""};
-        for (const Planned* p : planned_of[id]) {
+        Configure cf{id, nodes_[id].address(), std::move(r), {}, {}, {}, ""};
+        const std::vector<const Planned*>& mine = planned_of[id];
+        for (const Planned* p : mine) {
+          cf.assigned.push_back(p->assignment);
           cf.layouts.push_back(p->layout);
           cf.copies.push_back(LayoutCopy(p->assignment->engine_id(), staged, live_sets));
         }
-        cf.key = SourceConfigKey(cf.req, cf.copies);
+        cf.key = SourceConfigKey(cf.base, mine, cf.copies);
         auto c = configured_.find(id);
         if (c != configured_.end() && c->second.key == cf.key) continue;
         configure.push_back(std::move(cf));
@@ -657,14 +697,11 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
         items,
         [&](size_t i) {
           const Configure& c = configure[i];
-          v1::ConfigureSourceRequest full = c.req;
-          for (int k = 0; k < full.targets_size(); ++k)
-            if (c.layouts[k])
-              *full.mutable_targets(k)->mutable_layout() =
-                  c.copies[k] < 0 ? *c.layouts[k] : LayoutForCopy(*c.layouts[k], c.copies[k]);
-          digests[i] = ConfigureSourceDigest(full);
+          SourceRequest full(c.base);
+          for (size_t k = 0; k < c.assigned.size(); ++k) full.Add(*c.assigned[k], c.layouts[k], c.copies[k]);
+          digests[i] = ConfigureSourceDigest(full.req());  // before the epoch is set, which it leaves out anyway
           full.set_plan_epoch(plan_epoch);
-          auto r = Remote(c.address, [&] { return peers_->ConfigureSource(c.address, full); });
+          auto r = Remote(c.address, [&] { return peers_->ConfigureSource(c.address, full.req()); });
           return Annotate(r.status(), "configure source " + NodeLabel(c.address));
         },
         UpdatePhase("configure", PeerDeadlines::kConfigure, std::move(configure_addrs)));
@@ -684,7 +721,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
         sc.epoch = plan_epoch;
         sc.digest = digests[i];
         sc.targets.clear();
-        for (const auto& tg : c.req.targets()) sc.targets.emplace_back(tg.engine_id(), tg.rank());
+        for (const auto& tg : c.assigned) sc.targets.emplace_back(tg->engine_id(), tg->rank());
       }
       if (st.ok()) plan_epoch_ = plan_epoch;
       configured_sources = configured_.size();
@@ -1839,18 +1876,23 @@ int Coordinator::LayoutCopy(const std::string& engine_id, bool staged,
   return -1;
 }
 
-std::string Coordinator::SourceConfigKey(const v1::ConfigureSourceRequest& req, const std::vector<int>& copies) const {
+std::string Coordinator::SourceConfigKey(const v1::ConfigureSourceRequest& base,
+                                         const std::vector<const Planned*>& assigned,
+                                         const std::vector<int>& copies) const {
   std::string bytes;
   {
     google::protobuf::io::StringOutputStream sos(&bytes);
     google::protobuf::io::CodedOutputStream cos(&sos);
     cos.SetSerializationDeterministic(true);
-    req.SerializeToCodedStream(&cos);
+    base.SerializeToCodedStream(&cos);
   }
-  for (int k = 0; k < req.targets_size(); ++k) {
-    auto d = engine_digests_.find(req.targets(k).engine_id());
-    absl::StrAppend(&bytes, "\n", req.targets(k).engine_id(), " ", d == engine_digests_.end() ? "?" : d->second, " ",
-                    copies[k]);
+  // Each assignment by its digest (computed when the plan was built), its engine's registration by its digest.
+  for (size_t k = 0; k < assigned.size(); ++k) {
+    const Planned& p = *assigned[k];
+    const std::string& engine = p.assignment->engine_id();
+    auto d = engine_digests_.find(engine);
+    absl::StrAppend(&bytes, "\n", p.digest.empty() ? AssignmentDigest(*p.assignment) : p.digest, " ", engine, " ",
+                    d == engine_digests_.end() ? "?" : d->second, " ", copies[k]);
   }
   const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
   return absl::StrFormat("%016x%016x", h.high64, h.low64);

@@ -362,10 +362,11 @@ class Coordinator {
   // the other one (staged) for engines offering staging memory; -1 for the others (their layout as registered).
   // Requires mu_.
   int LayoutCopy(const std::string& engine_id, bool staged, const std::map<std::string, int>& live_sets) const;
-  // What tells two configurations of a source apart without their rank tables: `req` (targets without layouts),
-  // and per target its engine's registration digest and the copy written (`copies`). Requires mu_ and
-  // RefreshEngineDigests.
-  std::string SourceConfigKey(const v1::ConfigureSourceRequest& req, const std::vector<int>& copies) const;
+  // What tells two configurations of a source apart without their rank tables or write ranges: `base` (its request
+  // without targets), and per assignment its digest (PlannedAssignment::digest), its engine's registration digest
+  // and the copy written (`copies`). Requires mu_ and RefreshEngineDigests.
+  std::string SourceConfigKey(const v1::ConfigureSourceRequest& base, const std::vector<const Planned*>& assigned,
+                              const std::vector<int>& copies) const;
   // Digests every registered engine not in engine_digests_ (EngineInputDigest, replan.h). Requires mu_.
   void RefreshEngineDigests();
   // The commit of a staged update once its sources finished: StageVerify, then SwitchEngines, then the record.

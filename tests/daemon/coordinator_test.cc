@@ -1046,6 +1046,60 @@ TEST_CASE(
   CHECK(st.message().find("lacks parameter " + dropped) != std::string::npos);
 }
 
+// Holds every ConfigureSource until `expected` are in flight, so that every request of the phase is alive at once,
+// and records, per (engine, rank), the address and bytes of each layout it was sent.
+class LayoutRecordingPeers : public FakePeers {
+ public:
+  explicit LayoutRecordingPeers(int expected) : expected_(expected) {}
+  absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
+                                                           const v1::ConfigureSourceRequest& req) override {
+    {
+      std::unique_lock<std::mutex> l(mu);
+      for (const auto& t : req.targets())
+        if (t.has_layout())
+          layouts[{t.engine_id(), t.rank()}].emplace_back(&t.layout(), t.layout().SerializeAsString());
+      ++arrived_;
+      cv.notify_all();
+      all_in_flight = cv.wait_for(l, std::chrono::seconds(10), [&] { return arrived_ >= expected_; });
+    }
+    return FakePeers::ConfigureSource(addr, req);
+  }
+  std::map<std::pair<std::string, int>, std::vector<std::pair<const v1::RankLayout*, std::string>>> layouts;
+  bool all_in_flight = false;  // guarded by mu
+
+ private:
+  const int expected_;
+  int arrived_ = 0;  // guarded by mu
+};
+
+TEST_CASE("configure: the sources writing one engine rank are sent the plan's one table of it, not a copy each") {
+  constexpr int kSources = 3;
+  auto p = std::make_unique<LayoutRecordingPeers>(kSources);
+  LayoutRecordingPeers* peers = p.get();
+  CoordinatorOptions opts;  // balanced, every source used: each writes a share of the engine's one rank
+  opts.min_source_bytes = 1;
+  Coordinator c(opts, std::move(p));
+  for (int s = 0; s < kSources; ++s) REQUIRE(c.RegisterNode(Source("s" + std::to_string(s))).ok());
+  const v1::RegisterNodeRequest target = Target("t0", "e0", 1);
+  REQUIRE(c.RegisterNode(target).ok());
+  v1::BeginUpdateRequest b;
+  b.set_version(1);
+  REQUIRE(c.BeginUpdate(b).ok());
+  std::lock_guard<std::mutex> l(peers->mu);
+  CHECK(peers->all_in_flight);  // every request was alive at once: copies could not share an address
+  REQUIRE(peers->layouts.size() == 1);
+  for (const auto& [who, seen] : peers->layouts) {
+    INFO("engine " << who.first << " rank " << who.second);
+    CHECK(seen.size() == kSources);
+    // The table as the engine registered it (the independent expectation), at one address in every request.
+    const std::string registered = target.engines(0).ranks(who.second).SerializeAsString();
+    for (const auto& [ptr, bytes] : seen) {
+      CHECK(ptr == seen.front().first);
+      CHECK(bytes == registered);
+    }
+  }
+}
+
 TEST_CASE("replan: a restarted source daemon is configured again even when its plan did not change") {
   Fixture f(2, 1, 2, Seed());
   REQUIRE(f.Begin(1).ok());
