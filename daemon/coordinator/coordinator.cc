@@ -1472,10 +1472,17 @@ absl::Status Coordinator::ApplyDeltas(int64_t v,
 absl::Status Coordinator::SaveState() {
   if (!store_) return absl::OkStatus();
   v1::CoordinatorState s;
-  // The nodes (their parameter tables are most of the state) change only with the membership epoch.
+  // The nodes (their parameter tables are most of the state) change only with the membership epoch. They are lent
+  // to `s`, not copied (a copy of every registration per membership change was hundreds of MB at 1024 engine
+  // ranks), and taken back before `s` is destroyed; mu_ is held throughout, so nodes_ does not change meanwhile.
+  struct Lent {
+    google::protobuf::RepeatedPtrField<v1::RegisterNodeRequest>* nodes;
+    ~Lent() { nodes->UnsafeArenaExtractSubrange(0, nodes->size(), nullptr); }
+  } lent{s.mutable_nodes()};
   const bool nodes_changed = persisted_nodes_epoch_ != membership_epoch_;
   if (nodes_changed)
-    for (const auto& [id, n] : nodes_) *s.add_nodes() = n;
+    for (const auto& [id, n] : nodes_)
+      s.mutable_nodes()->UnsafeArenaAddAllocated(const_cast<v1::RegisterNodeRequest*>(&n));
   s.set_membership_epoch(membership_epoch_);
   s.set_current_version(current_version_);
   s.set_last_begun(last_begun_);

@@ -2,25 +2,26 @@
 // what a failure leaves behind, how the seed plan places targets, and the exactly-once update lifecycle under
 // retries and concurrent drivers.
 
-#include <catch2/catch.hpp>
+#include "daemon/coordinator/coordinator.h"
 
 #include <algorithm>
 #include <atomic>
-#include <cstdio>
-#include <tuple>
+#include <catch2/catch.hpp>
 #include <condition_variable>
+#include <cstdio>
 #include <future>
 #include <map>
 #include <mutex>
 #include <set>
 #include <thread>
+#include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "client/coordinator_client.h"
-#include "daemon/coordinator/coordinator.h"
-#include "tests/daemon/fake_layouts.h"
+#include "daemon/coordinator/state_objects.h"
 #include "nlohmann/json.hpp"
 #include "planner/model_input.h"
-#include "absl/strings/str_cat.h"
+#include "tests/daemon/fake_layouts.h"
 
 namespace wsync::daemon {
 namespace {
@@ -1098,6 +1099,36 @@ TEST_CASE("configure: the sources writing one engine rank are sent the plan's on
       CHECK(bytes == registered);
     }
   }
+}
+
+TEST_CASE(
+    "state objects: a save after a membership change splits only the nodes whose registration changed; the objects "
+    "are those of splitting every node") {
+  v1::CoordinatorState st;
+  for (int s = 0; s < 3; ++s) *st.add_nodes() = Source("s" + std::to_string(s));
+  *st.add_nodes() = Target("t0", "e0", 2);
+  *st.add_nodes() = Target("t1", "e1", 2);  // the same tables as t0's: stored once
+  constexpr size_t kPart = 512;             // several parts per table
+  StateObjectSet set("test", kPart);
+  REQUIRE(set.UseNodes(st, true).ok());
+  CHECK(set.nodes_split() == 5);
+  CHECK(set.node_objects() == SplitNodes(st.nodes(), kPart));
+  // The same registrations again (another node's change was saved): none is split, the objects are the same.
+  REQUIRE(set.UseNodes(st, true).ok());
+  CHECK(set.nodes_split() == 0);
+  CHECK(set.node_objects() == SplitNodes(st.nodes(), kPart));
+  // t1 registers again with another table, s2 leaves, s3 joins: those two are split, t0 keeps the shared table.
+  st.mutable_nodes(4)->mutable_engines(0)->mutable_ranks(0)->mutable_params()->RemoveLast();
+  st.mutable_nodes()->DeleteSubrange(2, 1);
+  *st.add_nodes() = Source("s3");
+  REQUIRE(set.UseNodes(st, true).ok());
+  CHECK(set.nodes_split() == 2);
+  CHECK(set.node_objects() == SplitNodes(st.nodes(), kPart));
+  // t0 leaves: the table only it had left is gone with it.
+  st.mutable_nodes()->DeleteSubrange(2, 1);
+  REQUIRE(set.UseNodes(st, true).ok());
+  CHECK(set.nodes_split() == 0);
+  CHECK(set.node_objects() == SplitNodes(st.nodes(), kPart));
 }
 
 TEST_CASE("replan: a restarted source daemon is configured again even when its plan did not change") {
