@@ -1325,16 +1325,38 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
   std::map<std::string, std::string> acked;  // target address → the assignments digest it last said it holds
   {
     std::lock_guard<std::mutex> l(mu_);
-    const auto build = [&](std::map<std::string, v1::SetWriteWindowRequest>* out) {
+    // `from`/`previous` (may be null): what each request is built from, and the requests of the last build, a
+    // target's taken over when built from the same assignment objects.
+    using From = std::map<std::string, std::vector<std::shared_ptr<const v1::TargetAssignment>>>;
+    const auto build = [&](std::map<std::string, v1::SetWriteWindowRequest>* out, From* from,
+                           std::map<std::string, v1::SetWriteWindowRequest>* previous) {
       for (const auto& [id, n] : nodes_) {
         if (n.role() != "target" || skip.count(n.address()) || TargetOutOfUpdates(n)) continue;
+        std::vector<const Planned*> mine;
+        std::vector<std::shared_ptr<const v1::TargetAssignment>> objects;
+        if (open)
+          for (const auto& p : plan_)
+            if (p.assignment->target_node() == id || p.assignment->target_daemon() == n.address()) {
+              mine.push_back(&p);
+              objects.push_back(p.assignment);
+            }
+        if (previous != nullptr && from != nullptr) {
+          auto was = open_windows_from_.find(n.address());
+          auto req = previous->find(n.address());
+          if (was != open_windows_from_.end() && req != previous->end() && was->second == objects) {
+            (*out)[n.address()] = std::move(req->second);
+            (*from)[n.address()] = std::move(objects);
+            continue;
+          }
+        }
         v1::SetWriteWindowRequest& r = (*out)[n.address()];
         r.set_open(open);
         r.set_version(version);
         r.set_assignments_given(open);
         if (!open) continue;
-        for (const auto& p : plan_) {
-          if (p.assignment->target_node() != id && p.assignment->target_daemon() != n.address()) continue;
+        if (from != nullptr) (*from)[n.address()] = std::move(objects);
+        for (const Planned* pp : mine) {
+          const Planned& p = *pp;
           auto* a = r.add_assignments();
           a->set_source_node(p.source);
           a->set_engine_id(p.assignment->engine_id());
@@ -1352,14 +1374,17 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
           absl::StrCat(membership_epoch_, "/", plan_generation_, "/", absl::StrJoin(drained_engines_, ","), "/",
                        absl::StrJoin(drained_nodes_, ","));
       if (!open_windows_ || open_windows_key_ != key) {
-        open_windows_ = std::make_shared<std::map<std::string, v1::SetWriteWindowRequest>>();
-        build(open_windows_.get());
+        auto next = std::make_shared<std::map<std::string, v1::SetWriteWindowRequest>>();
+        From from;
+        build(next.get(), &from, open_windows_.get());  // no other SetWindows reads open_windows_ meanwhile
+        open_windows_ = std::move(next);
+        open_windows_from_ = std::move(from);
         open_windows_key_ = key;
       }
       for (auto& [a, r] : *open_windows_) r.set_version(version);
       cached = open_windows_;
     } else {
-      build(&built);
+      build(&built, nullptr, nullptr);
     }
     if (open) acked = window_acks_;
   }

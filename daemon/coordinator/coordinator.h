@@ -422,6 +422,10 @@ class Coordinator {
   // for (membership epoch, plan generation, drained engines and nodes): rebuilt only when one of those changed.
   std::shared_ptr<std::map<std::string, v1::SetWriteWindowRequest>> open_windows_;
   std::string open_windows_key_;
+  // Per target of open_windows_, the plan's assignments its request was built from (held: the same objects, never
+  // an address reused). A rebuild keeps the request of a target whose assignments are the same objects (a kept
+  // plan: a membership change elsewhere) instead of copying and digesting its write ranges again.
+  std::map<std::string, std::vector<std::shared_ptr<const v1::TargetAssignment>>> open_windows_from_;
   // Target daemon address → the digest of the write-window assignments it last answered holding (OpenWindow);
   // erased when the daemon registers again.
   std::map<std::string, std::string> window_acks_;

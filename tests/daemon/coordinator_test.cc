@@ -1101,6 +1101,60 @@ TEST_CASE("configure: the sources writing one engine rank are sent the plan's on
   }
 }
 
+// Records, per target and opening, where the request's first write-window assignment lives.
+class WindowRecordingPeers : public FakePeers {
+ public:
+  absl::StatusOr<v1::SetWriteWindowReply> SetWriteWindow(const std::string& addr,
+                                                         const v1::SetWriteWindowRequest& req) override {
+    if (req.open() && req.assignments_size() > 0) {
+      std::lock_guard<std::mutex> l(mu);
+      first_assignment[addr].push_back(&req.assignments(0));
+      digests[addr].push_back(req.assignments_digest());
+    }
+    return FakePeers::SetWriteWindow(addr, req);
+  }
+  std::map<std::string, std::vector<const v1::WindowAssignment*>> first_assignment;  // guarded by mu
+  std::map<std::string, std::vector<std::string>> digests;                           // guarded by mu
+};
+
+TEST_CASE(
+    "windows: a membership change that keeps the plan keeps each target's open-window request (no copy of its write "
+    "ranges); a new plan builds them again") {
+  auto p = std::make_unique<WindowRecordingPeers>();
+  WindowRecordingPeers* peers = p.get();
+  Coordinator c(CoordinatorOptions(), std::move(p));
+  for (int s = 0; s < 2; ++s) REQUIRE(c.RegisterNode(Source("s" + std::to_string(s))).ok());
+  REQUIRE(c.RegisterNode(Target("t0", "e0", 2)).ok());
+  REQUIRE(c.RegisterNode(Target("t1", "e1", 2)).ok());
+  auto update = [&](int64_t v) {
+    v1::BeginUpdateRequest b;
+    b.set_version(v);
+    REQUIRE(c.BeginUpdate(b).ok());
+    v1::CommitUpdateRequest cr;
+    cr.set_version(v);
+    REQUIRE(c.CommitUpdate(cr).ok());
+  };
+  update(1);
+  // t1's daemon restarts with the same registration: the membership changed, the plan is kept.
+  REQUIRE(c.RegisterNode(Target("t1", "e1", 2)).ok());
+  update(2);
+  // A source leaves: the plan is made again.
+  v1::RemoveNodeRequest rm;
+  rm.set_node_id("s1");
+  REQUIRE(c.RemoveNode(rm).ok());
+  update(3);
+  std::lock_guard<std::mutex> l(peers->mu);
+  for (const char* t : {"t0:1", "t1:1"}) {
+    INFO(t);
+    const auto& at = peers->first_assignment[t];
+    REQUIRE(at.size() == 3);
+    CHECK(at[1] == at[0]);  // the same request object: kept
+    CHECK(at[2] != at[0]);  // built again for the new plan
+    CHECK(peers->digests[t][1] == peers->digests[t][0]);
+    CHECK(peers->digests[t][2] != peers->digests[t][0]);
+  }
+}
+
 TEST_CASE(
     "state objects: a save after a membership change splits only the nodes whose registration changed; the objects "
     "are those of splitting every node") {
