@@ -27,6 +27,7 @@
 //   bench_control [--sizes 64:32,256:64,1024:256] [--updates 5] [--etcd auto|on|off] [--out DIR]
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <malloc.h>
 #include <netinet/in.h>
@@ -211,9 +212,11 @@ class FakesChild {
   ~FakesChild() { Stop(); }
 
   bool Start(int ports, const std::string& config, const tls::Options& to) {
+    // Close-on-exec: a child this process execs later (etcd) must not hold the stop pipe open, or the fakes never
+    // see it close.
     int up[2], down[2];
-    if (pipe(up) != 0) return false;
-    if (pipe(down) != 0) return false;
+    if (pipe2(up, O_CLOEXEC) != 0) return false;
+    if (pipe2(down, O_CLOEXEC) != 0) return false;
     std::fflush(stdout);
     std::fflush(stderr);
     pid_ = fork();
