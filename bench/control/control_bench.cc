@@ -4,12 +4,18 @@
 // EngineControl call the coordinator makes at once. Targets register Kimi-K2's real parameter tables (TP32/EP32
 // engines, FP8 64x64 blocks, from the replica planner); every node renews its lease every heartbeat interval.
 //
+// The fakes run in a child process (forked before gRPC starts): this process is the coordinator (and the driver's
+// copy of the registrations it sends), so its CPU and memory figures are the coordinator's; the fakes' memory is
+// measured apart.
+//
 // Per size (target ranks : source nodes), measured per update with no data (sources finish at once):
 //   control overhead   BeginUpdate → CommitUpdate returned, median of --updates steady updates
-//   re-plan            BeginUpdate after a membership change (one target re-registers): plan + configure sources
-//   CPU                process CPU seconds per steady update (coordinator and fakes: one process; an upper bound)
-//   RSS                process resident memory growth over the size's run (the coordinator's state and the fakes)
-//                      (and, once, the process's peak resident memory over every size)
+//   re-plan            BeginUpdate after a membership change (one target re-registers): plan + configure sources;
+//                      and that RegisterNode's own time (it saves the membership in the state store)
+//   CPU                the coordinator process's CPU seconds per steady update
+//   RSS                the coordinator process's resident memory growth over the size's run; its peak during the
+//                      first update and during the re-plan's update, its growth after the steady updates; the
+//                      fakes' peak growth (and, once, each process's peak over every size)
 //   CPU of the first update and of the re-plan's update: the load-independent share of those wall times
 //   store bytes        bytes the state store wrote per steady update (SQLite; etcd with --etcd)
 //   fail-over          etcd: the leader dies without resigning (lease TTL 1 s), until the standby has loaded the
@@ -21,6 +27,7 @@
 //   bench_control [--sizes 64:32,256:64,1024:256] [--updates 5] [--etcd auto|on|off] [--out DIR]
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <malloc.h>
 #include <netinet/in.h>
@@ -52,6 +59,7 @@
 #include "daemon/common/window_assignments.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/etcd_store.h"
+#include "daemon/coordinator/fanout.h"
 #include "daemon/coordinator/state_store.h"
 #include "nlohmann/json.hpp"
 #include "proto/tls.h"
@@ -167,6 +175,122 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Resident memory of a process, from /proc/PID/status: now (VmRSS) and the peak since it started or since
+// ResetPeak (VmHWM), in MiB.
+struct ProcMemory {
+  double rss_mib = 0, peak_mib = 0;
+};
+
+ProcMemory MemoryOf(const std::string& pid) {
+  std::ifstream in("/proc/" + pid + "/status");
+  ProcMemory m;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) m.rss_mib = std::stod(line.substr(6)) / 1024.0;
+    if (line.rfind("VmHWM:", 0) == 0) m.peak_mib = std::stod(line.substr(6)) / 1024.0;
+  }
+  return m;
+}
+
+// Sets VmHWM back to the resident size now (Linux: "5" to clear_refs), so that the next peak read is a phase's own.
+void ResetPeakOf(const std::string& pid) { std::ofstream("/proc/" + pid + "/clear_refs") << "5"; }
+
+// The peak resident memory of this process over the whole run: VmHWM is reset per phase (ResetSelfPeak), so each
+// phase's peak is kept here before the reset.
+double g_self_peak_mib = 0;
+double SelfPeakMiB() { return g_self_peak_mib = std::max(g_self_peak_mib, StatusMiB("VmHWM:")); }
+void ResetSelfPeak() {
+  SelfPeakMiB();
+  ResetPeakOf("self");
+}
+
+// The fake daemons and engines, in a child process forked before this process starts gRPC (or any thread): one
+// server listening on `ports` loopback ports. The parent is then the coordinator (and this driver) alone, and the
+// fakes' memory, mostly the ConfigureSource requests they parse, is measured apart.
+class FakesChild {
+ public:
+  ~FakesChild() { Stop(); }
+
+  bool Start(int ports, const std::string& config, const tls::Options& to) {
+    // Close-on-exec: a child this process execs later (etcd) must not hold the stop pipe open, or the fakes never
+    // see it close.
+    int up[2], down[2];
+    if (pipe2(up, O_CLOEXEC) != 0) return false;
+    if (pipe2(down, O_CLOEXEC) != 0) return false;
+    std::fflush(stdout);
+    std::fflush(stderr);
+    pid_ = fork();
+    if (pid_ < 0) return false;
+    if (pid_ == 0) {
+      close(up[0]);
+      close(down[1]);
+      _exit(Serve(ports, config, to, up[1], down[0]));
+    }
+    close(up[1]);
+    close(down[0]);
+    stop_fd_ = down[1];
+    std::vector<int> bound(ports, 0);
+    char* p = reinterpret_cast<char*>(bound.data());
+    size_t want = bound.size() * sizeof(int);
+    while (want > 0) {
+      const ssize_t n = read(up[0], p, want);
+      if (n <= 0) break;
+      p += n;
+      want -= static_cast<size_t>(n);
+    }
+    close(up[0]);
+    if (want > 0) return false;
+    for (int b : bound) addrs.push_back(absl::StrCat("127.0.0.1:", b));
+    return true;
+  }
+
+  ProcMemory Memory() const { return pid_ > 0 ? MemoryOf(std::to_string(pid_)) : ProcMemory{}; }
+  // As ResetSelfPeak, for the child: PeakMiB is its peak over the whole run.
+  void ResetPeak() {
+    if (pid_ <= 0) return;
+    PeakMiB();
+    ResetPeakOf(std::to_string(pid_));
+  }
+  double PeakMiB() { return peak_mib_ = std::max(peak_mib_, Memory().peak_mib); }
+
+  // Closing the pipe tells the child to stop (it also stops when this process dies).
+  void Stop() {
+    if (pid_ <= 0) return;
+    close(stop_fd_);
+    waitpid(pid_, nullptr, 0);
+    pid_ = 0;
+  }
+
+  std::vector<std::string> addrs;
+
+ private:
+  static int Serve(int ports, const std::string& config, const tls::Options& to, int up, int down) {
+    if (!tls::Configure(to, {"127.0.0.1:0"}).ok()) return 1;
+    FakeDaemon daemon_svc;
+    FakeEngine engine_svc(config);
+    grpc::ServerBuilder builder;
+    std::vector<int> bound(ports, 0);
+    for (int i = 0; i < ports; ++i) builder.AddListeningPort("127.0.0.1:0", tls::ServerCredentials(), &bound[i]);
+    builder.RegisterService(&daemon_svc);
+    builder.RegisterService(&engine_svc);
+    builder.SetMaxReceiveMessageSize(daemon::kMaxControlMessageBytes);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    if (!server) return 1;
+    if (write(up, bound.data(), bound.size() * sizeof(int)) != static_cast<ssize_t>(bound.size() * sizeof(int)))
+      return 1;
+    close(up);
+    char c;
+    while (read(down, &c, 1) > 0) {
+    }
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    return 0;
+  }
+
+  pid_t pid_ = 0;
+  int stop_fd_ = -1;
+  double peak_mib_ = 0;
+};
+
 // The 32 rank tables of a Kimi-K2 TP32/EP32 engine (FP8, 64x64 blocks) as the replica planner lays them out.
 std::vector<v1::RankLayout> KimiRanks(const replica::ModelConfig& cfg) {
   replica::QuantSpec q;
@@ -194,7 +318,13 @@ struct Result {
   Size size;
   double overhead_ms = 0, begin_ms = 0, commit_ms = 0, first_update_ms = 0, replan_ms = 0;
   double cpu_s = 0, rss_mib = 0;
+  // Resident memory above the size's start (MiB), of this process (the coordinator, and the driver's copy of the
+  // registrations: registrations_mib) and of the fakes' process apart: the peak of the first update, of the re-plan's
+  // update, and the coordinator's resident growth after the steady updates.
+  double coord_first_peak_mib = 0, coord_replan_peak_mib = 0, coord_steady_mib = 0, fakes_peak_mib = 0;
+  double registrations_mib = 0;
   double first_update_cpu_s = 0, replan_cpu_s = 0;  // process CPU of the first update and of the re-plan's begin
+  double reregister_ms = 0, reregister_cpu_s = 0;   // the membership change's RegisterNode (before that begin)
   uint64_t sqlite_bytes = 0;
   int64_t etcd_bytes = -1;
   double failover_s = -1, failover_load_s = -1;
@@ -253,8 +383,9 @@ bool StartEtcd(const std::string& dir, EtcdChild* e) {
 
 class Bench {
  public:
-  Bench(std::string config, std::vector<v1::RankLayout> ranks, std::vector<std::string> addrs)
-      : config_(std::move(config)), ranks_(std::move(ranks)), addrs_(std::move(addrs)) {}
+  Bench(std::string config, std::vector<v1::RankLayout> ranks, std::vector<std::string> addrs,
+        FakesChild* fakes)
+      : config_(std::move(config)), ranks_(std::move(ranks)), addrs_(std::move(addrs)), fakes_(fakes) {}
 
   // Registers the cluster of `sz` with `c`, node addresses taken from the fake server's ports.
   std::vector<v1::RegisterNodeRequest> Cluster(const Size& sz) const {
@@ -297,15 +428,18 @@ class Bench {
   class Heartbeats {
    public:
     Heartbeats(Coordinator* c, const std::vector<v1::RegisterNodeRequest>& nodes, double interval) {
-      thread_ = std::thread([=] {
+      // The heartbeats only name the nodes: a copy of the registrations (their tables) would be the driver's
+      // memory counted as the coordinator process's.
+      std::vector<v1::HeartbeatRequest> beats;
+      for (const auto& n : nodes) {
+        v1::HeartbeatRequest& h = beats.emplace_back();
+        h.set_node_id(n.node_id());
+        h.set_address(n.address());
+      }
+      thread_ = std::thread([this, c, interval, beats = std::move(beats)] {
         std::unique_lock<std::mutex> l(mu_);
         while (!cv_.wait_for(l, std::chrono::duration<double>(interval), [this] { return stop_; }))
-          for (const auto& n : nodes) {
-            v1::HeartbeatRequest h;
-            h.set_node_id(n.node_id());
-            h.set_address(n.address());
-            c->Heartbeat(h);
-          }
+          for (const auto& h : beats) c->Heartbeat(h);
       });
     }
     ~Heartbeats() {
@@ -351,6 +485,8 @@ class Bench {
   bool RunSqlite(const Size& sz, int updates, const std::string& dir, Result* out) {
     malloc_trim(0);  // what the previous size freed is not counted as this one's growth
     const double rss0 = RssMiB();
+    const double fakes_rss0 = fakes_->Memory().rss_mib;
+    fakes_->ResetPeak();
     auto store = daemon::SqliteStateStore::Open(absl::StrCat(dir, "/state-", sz.target_ranks, ".db"));
     if (!store.ok()) return false;
     daemon::StateStore* st = store->get();
@@ -363,13 +499,18 @@ class Bench {
         spdlog::error("register: {}", r.status().ToString());
         return false;
       }
+    size_t reg_bytes = 0;
+    for (const auto& n : nodes) reg_bytes += n.SpaceUsedLong();
+    out->registrations_mib = reg_bytes / 1048576.0;
     Heartbeats hb(&c, nodes, opts.heartbeat_seconds);
     double b = 0, m = 0;
+    ResetSelfPeak();
     const absl::Time f0 = absl::Now();
     const double fc0 = CpuSeconds();
     if (!Update(c, 1, &b, &m)) return false;
     out->first_update_ms = absl::ToDoubleMilliseconds(absl::Now() - f0);
     out->first_update_cpu_s = CpuSeconds() - fc0;
+    out->coord_first_peak_mib = StatusMiB("VmHWM:") - rss0;
     std::vector<double> total, begin, commit, cpu, bytes;
     for (int k = 0; k < updates; ++k) {
       const uint64_t w0 = st->stats().bytes_written;
@@ -386,15 +527,22 @@ class Bench {
     out->commit_ms = Median(commit);
     out->cpu_s = Median(cpu);
     out->sqlite_bytes = static_cast<uint64_t>(Median(bytes));
+    out->coord_steady_mib = RssMiB() - rss0;
     // A membership change: the last target re-registers (a restarted daemon); the next begin re-plans and
     // configures every source.
-    v1::RegisterNodeRequest again = nodes.back();
-    if (!c.RegisterNode(again).ok()) return false;
+    ResetSelfPeak();
+    const absl::Time g0 = absl::Now();
+    const double gc0 = CpuSeconds();
+    if (!c.RegisterNode(nodes.back()).ok()) return false;
+    out->reregister_ms = absl::ToDoubleMilliseconds(absl::Now() - g0);  // the registration saved in the store
+    out->reregister_cpu_s = CpuSeconds() - gc0;
     const double rc0 = CpuSeconds();
     if (!Update(c, 2 + updates, &b, &m)) return false;
     out->replan_cpu_s = CpuSeconds() - rc0;  // begin and commit (the commit's share is the steady CPU/update's)
     out->replan_ms = b;
+    out->coord_replan_peak_mib = StatusMiB("VmHWM:") - rss0;
     out->rss_mib = RssMiB() - rss0;
+    out->fakes_peak_mib = fakes_->Memory().peak_mib - fakes_rss0;
     return true;
   }
 
@@ -465,6 +613,7 @@ class Bench {
   const std::string config_;
   const std::vector<v1::RankLayout> ranks_;
   const std::vector<std::string> addrs_;
+  FakesChild* fakes_;
 };
 
 std::string Svg(const std::vector<Result>& rs) {
@@ -509,12 +658,15 @@ std::string Svg(const std::vector<Result>& rs) {
 int Main(int argc, char** argv) {
   CLI::App app("bench_control: the coordinator against N fake node daemons and engines over loopback mTLS");
   std::string sizes_arg = "64:32,256:64,1024:256", etcd_mode = "auto", out_dir = ".";
-  int updates = 5, etcd_max_ranks = 1024;
+  int updates = 5, etcd_max_ranks = 1024, malloc_arenas = daemon::kMallocArenas;
   app.add_option("--sizes", sizes_arg, "TARGET_RANKS:SOURCES,... (target ranks a multiple of 32)");
   app.add_option("--updates", updates, "steady updates measured per size");
   app.add_option("--etcd", etcd_mode, "auto (when an etcd binary is on PATH) | on | off");
   app.add_option("--etcd-max-ranks", etcd_max_ranks, "largest size run on etcd too");
   app.add_option("--out", out_dir, "where control_bench.svg goes");
+  app.add_option(
+      "--malloc-arenas", malloc_arenas,
+      "glibc malloc arenas of the coordinator's process (as wsync-coordinator sets them; 0: glibc's default)");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
   std::vector<Size> sizes;
@@ -544,10 +696,6 @@ int Main(int argc, char** argv) {
   to.ca = certs + "/ca.pem";
   to.cert = certs + "/coordinator-bench.pem";
   to.key = certs + "/coordinator-bench-key.pem";
-  if (auto st = tls::Configure(to, {"127.0.0.1:0"}); !st.ok()) {
-    std::fprintf(stderr, "bench_control: TLS: %s\n", st.ToString().c_str());
-    return 1;
-  }
 
   std::string config = ReadFile(WSYNC_MODELS_DIR "/moonshotai__Kimi-K2-Instruct/config.json");
   auto j = nlohmann::json::parse(config);
@@ -555,6 +703,23 @@ int Main(int argc, char** argv) {
   config = j.dump();
   auto cfg = replica::ModelConfig::FromJson(config);
   if (!cfg.ok()) return 1;
+  // One server, one port per fake daemon or engine, all with the same services, in a child process: the fakes'
+  // memory (every ConfigureSource they parse) is not the coordinator's, and each process's is measured apart.
+  int ports = 0;
+  for (const auto& s : sizes) ports = std::max(ports, s.sources + 2 * (s.target_ranks / 32));
+  FakesChild fakes;
+  if (!fakes.Start(ports, config, to)) {
+    std::fprintf(stderr, "bench_control: the fake daemons did not start\n");
+    return 1;
+  }
+  // As wsync-coordinator's main does (daemon/coordinator/fanout.h), after the fakes' fork: theirs keep glibc's default.
+  if (malloc_arenas > 0) daemon::LimitMallocArenas(malloc_arenas);
+  if (auto st = tls::Configure(to, {"127.0.0.1:0"}); !st.ok()) {
+    std::fprintf(stderr, "bench_control: TLS: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  const std::vector<std::string>& addrs = fakes.addrs;
+
   const absl::Time l0 = absl::Now();
   std::vector<v1::RankLayout> ranks = KimiRanks(*cfg);
   size_t table_bytes = 0;
@@ -562,22 +727,6 @@ int Main(int argc, char** argv) {
   std::printf("Kimi-K2 TP32/EP32 rank tables: %zu params per rank, %.2f MiB per engine (built in %.1f s)\n",
               static_cast<size_t>(ranks[0].params_size()), table_bytes / 1048576.0,
               absl::ToDoubleSeconds(absl::Now() - l0));
-
-  // One server, one port per fake daemon or engine, all with the same services.
-  int ports = 0;
-  for (const auto& s : sizes) ports = std::max(ports, s.sources + 2 * (s.target_ranks / 32));
-  FakeDaemon daemon_svc;
-  FakeEngine engine_svc(config);
-  grpc::ServerBuilder builder;
-  std::vector<int> bound(ports, 0);
-  for (int i = 0; i < ports; ++i) builder.AddListeningPort("127.0.0.1:0", tls::ServerCredentials(), &bound[i]);
-  builder.RegisterService(&daemon_svc);
-  builder.RegisterService(&engine_svc);
-  builder.SetMaxReceiveMessageSize(daemon::kMaxControlMessageBytes);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server) return 1;
-  std::vector<std::string> addrs;
-  for (int p : bound) addrs.push_back(absl::StrCat("127.0.0.1:", p));
 
   // Baseline: an empty EngineControl round trip through the coordinator's own peers (TLS, a warm channel).
   double rtt_ms;
@@ -600,7 +749,7 @@ int Main(int argc, char** argv) {
     use_etcd = false;
   }
 
-  Bench bench(config, std::move(ranks), addrs);
+  Bench bench(config, std::move(ranks), addrs, &fakes);
   std::vector<Result> results;
   for (const auto& s : sizes) {
     Result r;
@@ -616,7 +765,8 @@ int Main(int argc, char** argv) {
     results.push_back(r);
     std::fprintf(stderr, "size %d:%d done\n", s.target_ranks, s.sources);
   }
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  const double fakes_peak_mib = fakes.PeakMiB();
+  fakes.Stop();
 
   std::printf("\nbaseline: empty EngineControl round trip over mTLS %.3f ms (median of 200)\n", rtt_ms);
   std::printf("%7s %7s %9s %8s %8s %9s %10s %9s %9s %10s %10s %9s %9s\n", "ranks", "sources", "overhead", "xRTT",
@@ -631,10 +781,27 @@ int Main(int argc, char** argv) {
   std::ofstream(svg_path) << Svg(results);
   std::printf("plot: %s\n", svg_path.c_str());
 
-  const double peak_mib = StatusMiB("VmHWM:");
-  std::printf("peak RSS of the process (coordinator, fakes, every size): %.0f MiB\n", peak_mib);
-  nlohmann::json out = {
-      {"bench", "control"}, {"rtt_ms", rtt_ms}, {"peak_rss_mib", peak_mib}, {"sizes", nlohmann::json::array()}};
+  std::printf("\nresident memory above each size's start, MiB (coordinator: this process, which also holds the driver's"
+              " copy of the registrations; fakes: their own process)\n");
+  std::printf("%7s %7s %14s %14s %14s %14s %12s\n", "ranks", "sources", "coord 1st upd", "coord re-plan",
+              "coord steady", "registrations", "fakes peak");
+  for (const auto& r : results)
+    std::printf("%7d %7d %14.0f %14.0f %14.0f %14.0f %12.0f\n", r.size.target_ranks, r.size.sources,
+                r.coord_first_peak_mib, r.coord_replan_peak_mib, r.coord_steady_mib, r.registrations_mib,
+                r.fakes_peak_mib);
+  std::printf("\nmembership change (one target registers again, then an update): RegisterNode, then BeginUpdate\n");
+  for (const auto& r : results)
+    std::printf("%7d %7d  register %.0f ms (CPU %.2f s)  begin %.0f ms  CPU of that update %.2f s\n",
+                r.size.target_ranks, r.size.sources, r.reregister_ms, r.reregister_cpu_s, r.replan_ms, r.replan_cpu_s);
+  const double peak_mib = SelfPeakMiB();
+  std::printf("peak RSS of the coordinator's process (every size): %.0f MiB; of the fakes' process: %.0f MiB\n",
+              peak_mib, fakes_peak_mib);
+  nlohmann::json out = {{"bench", "control"},
+                        {"rtt_ms", rtt_ms},
+                        {"malloc_arenas", malloc_arenas},
+                        {"peak_rss_mib", peak_mib},
+                        {"fakes_peak_rss_mib", fakes_peak_mib},
+                        {"sizes", nlohmann::json::array()}};
   for (const auto& r : results)
     out["sizes"].push_back({{"target_ranks", r.size.target_ranks},
                             {"sources", r.size.sources},
@@ -646,8 +813,15 @@ int Main(int argc, char** argv) {
                             {"first_update_cpu_s", r.first_update_cpu_s},
                             {"replan_update_cpu_s", r.replan_cpu_s},
                             {"replan_begin_ms", r.replan_ms},
+                            {"reregister_ms", r.reregister_ms},
+                            {"reregister_cpu_s", r.reregister_cpu_s},
                             {"cpu_s_per_update", r.cpu_s},
                             {"rss_growth_mib", r.rss_mib},
+                            {"coordinator_first_update_peak_mib", r.coord_first_peak_mib},
+                            {"coordinator_replan_peak_mib", r.coord_replan_peak_mib},
+                            {"coordinator_steady_mib", r.coord_steady_mib},
+                            {"driver_registrations_mib", r.registrations_mib},
+                            {"fakes_peak_mib", r.fakes_peak_mib},
                             {"sqlite_bytes_per_update", r.sqlite_bytes},
                             {"etcd_bytes_per_update", r.etcd_bytes},
                             {"failover_s", r.failover_s},

@@ -54,6 +54,40 @@ v1::RankLayout LayoutForCopy(v1::RankLayout layout, int set) {
   return layout;
 }
 
+// A source's ConfigureSourceRequest whose targets reference the plan's shared rank tables instead of copies (a
+// source's tables are megabytes at Kimi-K2 scale, and up to 64 workers build theirs at once); a table moved to
+// another copy of the segments (LayoutForCopy) is its own. The references are released before the request is
+// destroyed: the plan owns those tables. Serializing one table from several workers at once is safe (const access;
+// protobuf's cached sizes are atomic).
+class SourceRequest {
+ public:
+  explicit SourceRequest(const v1::ConfigureSourceRequest& base) : req_(base) {}
+  ~SourceRequest() {
+    for (v1::TargetAssignment* t : shared_) t->unsafe_arena_release_layout();
+  }
+  SourceRequest(const SourceRequest&) = delete;
+  SourceRequest& operator=(const SourceRequest&) = delete;
+
+  // Adds `a` (no layout) with `layout` (may be null) as copy `copy` of its segments (LayoutCopy).
+  void Add(const v1::TargetAssignment& a, const std::shared_ptr<const v1::RankLayout>& layout, int copy) {
+    v1::TargetAssignment* t = req_.add_targets();
+    *t = a;
+    if (!layout) return;
+    if (copy <= 0 || layout->staging_segment_shift() <= 0) {  // LayoutForCopy would return it unchanged
+      t->unsafe_arena_set_allocated_layout(const_cast<v1::RankLayout*>(layout.get()));
+      shared_.push_back(t);
+    } else {
+      *t->mutable_layout() = LayoutForCopy(*layout, copy);
+    }
+  }
+  void set_plan_epoch(int64_t epoch) { req_.set_plan_epoch(epoch); }
+  const v1::ConfigureSourceRequest& req() const { return req_; }
+
+ private:
+  v1::ConfigureSourceRequest req_;
+  std::vector<v1::TargetAssignment*> shared_;  // targets whose layout is the plan's
+};
+
 // Whether one engine rank's staging hashes `have` (the answer to `wrote`'s ranges, in order) match what the sources
 // wrote, and whether their writes cover all `bytes` of the rank's parameters. Pure.
 absl::Status CompareStaged(int rank, uint64_t bytes, const std::vector<v1::WriteChecksum>& wrote,
@@ -590,15 +624,18 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   if (!st.ok() || AbortAsked()) return Fail(rec, st, false);
 
   t = absl::Now();
-  // A source to configure: its request without the rank tables (which shared table each target gets, and which copy
-  // of its segments), filled in only by the worker sending it: a source's tables are megabytes at Kimi-K2 scale, and
-  // every source's at once did not fit in memory at 1024 engine ranks.
+  // A source to configure: its request without its assignments (model, push filters, quantization), its
+  // assignments and their rank tables as the plan holds them (shared), and which copy of each engine's segments it
+  // writes. The whole request is built only by the worker sending it, with the tables it shares with the plan
+  // referenced, not copied: a source's tables are megabytes at Kimi-K2 scale, and at 1024 engine ranks every
+  // source's request at once did not fit in memory; 64 workers' copies of theirs were the coordinator's peak.
   struct Configure {
     std::string node_id, address;
-    v1::ConfigureSourceRequest req;
-    std::vector<std::shared_ptr<const v1::RankLayout>> layouts;  // per target of req
-    std::vector<int> copies;                                     // per target: LayoutCopy
-    std::string key;                                             // SourceConfigKey
+    v1::ConfigureSourceRequest base;                                    // no targets
+    std::vector<std::shared_ptr<const v1::TargetAssignment>> assigned;  // in plan order; no layouts
+    std::vector<std::shared_ptr<const v1::RankLayout>> layouts;         // per assignment
+    std::vector<int> copies;                                            // per assignment: LayoutCopy
+    std::string key;                                                    // SourceConfigKey
   };
   std::vector<Configure> configure;
   std::map<std::string, int64_t> source_epochs;  // address → the plan epoch it holds after this phase
@@ -625,19 +662,22 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       RefreshEngineDigests();
       std::map<std::string, std::vector<const Planned*>> planned_of;  // source → its assignments, in plan order
       for (const Planned& p : plan_) planned_of[p.source].push_back(&p);
+      // Every source's request without its assignments (an empty plan): those are added by the worker.
       std::map<std::string, v1::ConfigureSourceRequest> by_source =
-          SourceConfigurations(nodes_, model_config_json_, plan_, push_filters_, model_quantization_,
+          SourceConfigurations(nodes_, model_config_json_, {}, push_filters_, model_quantization_,
                                [](const Planned& p) { return *p.assignment; });
       // Only sources whose configuration changed, or that do not hold it (their heartbeats said so), are
       // configured again (a join or leave re-plans one group; the sources serving only other groups keep their
       // replica, connections and plan epoch).
       for (auto& [id, r] : by_source) {
-        Configure cf{id, nodes_[id].address(), std::move(r), {}, {}, ""};
-        for (const Planned* p : planned_of[id]) {
+        Configure cf{id, nodes_[id].address(), std::move(r), {}, {}, {}, ""};
+        const std::vector<const Planned*>& mine = planned_of[id];
+        for (const Planned* p : mine) {
+          cf.assigned.push_back(p->assignment);
           cf.layouts.push_back(p->layout);
           cf.copies.push_back(LayoutCopy(p->assignment->engine_id(), staged, live_sets));
         }
-        cf.key = SourceConfigKey(cf.req, cf.copies);
+        cf.key = SourceConfigKey(cf.base, mine, cf.copies);
         auto c = configured_.find(id);
         if (c != configured_.end() && c->second.key == cf.key) continue;
         configure.push_back(std::move(cf));
@@ -657,14 +697,11 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
         items,
         [&](size_t i) {
           const Configure& c = configure[i];
-          v1::ConfigureSourceRequest full = c.req;
-          for (int k = 0; k < full.targets_size(); ++k)
-            if (c.layouts[k])
-              *full.mutable_targets(k)->mutable_layout() =
-                  c.copies[k] < 0 ? *c.layouts[k] : LayoutForCopy(*c.layouts[k], c.copies[k]);
-          digests[i] = ConfigureSourceDigest(full);
+          SourceRequest full(c.base);
+          for (size_t k = 0; k < c.assigned.size(); ++k) full.Add(*c.assigned[k], c.layouts[k], c.copies[k]);
+          digests[i] = ConfigureSourceDigest(full.req());  // before the epoch is set, which it leaves out anyway
           full.set_plan_epoch(plan_epoch);
-          auto r = Remote(c.address, [&] { return peers_->ConfigureSource(c.address, full); });
+          auto r = Remote(c.address, [&] { return peers_->ConfigureSource(c.address, full.req()); });
           return Annotate(r.status(), "configure source " + NodeLabel(c.address));
         },
         UpdatePhase("configure", PeerDeadlines::kConfigure, std::move(configure_addrs)));
@@ -684,7 +721,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
         sc.epoch = plan_epoch;
         sc.digest = digests[i];
         sc.targets.clear();
-        for (const auto& tg : c.req.targets()) sc.targets.emplace_back(tg.engine_id(), tg.rank());
+        for (const auto& tg : c.assigned) sc.targets.emplace_back(tg->engine_id(), tg->rank());
       }
       if (st.ok()) plan_epoch_ = plan_epoch;
       configured_sources = configured_.size();
@@ -1288,23 +1325,35 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
   std::map<std::string, std::string> acked;  // target address → the assignments digest it last said it holds
   {
     std::lock_guard<std::mutex> l(mu_);
-    const auto build = [&](std::map<std::string, v1::SetWriteWindowRequest>* out) {
+    // `from`/`previous` (may be null): what each request is built from, and the requests of the last build, a
+    // target's taken over when built from the same assignment objects.
+    using From = std::map<std::string, WindowSources>;
+    const auto build = [&](std::map<std::string, v1::SetWriteWindowRequest>* out, From* from,
+                           std::map<std::string, v1::SetWriteWindowRequest>* previous) {
       for (const auto& [id, n] : nodes_) {
         if (n.role() != "target" || skip.count(n.address()) || TargetOutOfUpdates(n)) continue;
+        WindowSources objects;
+        if (open)
+          for (const auto& p : plan_)
+            if (p.assignment->target_node() == id || p.assignment->target_daemon() == n.address())
+              objects.emplace_back(p.source, p.assignment);
+        if (previous != nullptr && from != nullptr) {
+          auto was = open_windows_from_.find(n.address());
+          auto req = previous->find(n.address());
+          if (was != open_windows_from_.end() && req != previous->end() && was->second == objects) {
+            (*out)[n.address()] = std::move(req->second);
+            (*from)[n.address()] = std::move(objects);
+            continue;
+          }
+        }
         v1::SetWriteWindowRequest& r = (*out)[n.address()];
         r.set_open(open);
         r.set_version(version);
         r.set_assignments_given(open);
         if (!open) continue;
-        for (const auto& p : plan_) {
-          if (p.assignment->target_node() != id && p.assignment->target_daemon() != n.address()) continue;
-          auto* a = r.add_assignments();
-          a->set_source_node(p.source);
-          a->set_engine_id(p.assignment->engine_id());
-          a->set_rank(p.assignment->rank());
-          *a->mutable_writes() = p.assignment->writes();
-        }
+        AddWindowAssignments(objects, &r);
         r.set_assignments_digest(WindowAssignmentsDigest(r.assignments()));
+        if (from != nullptr) (*from)[n.address()] = std::move(objects);
       }
     };
     if (open && skip.empty()) {
@@ -1315,14 +1364,17 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
           absl::StrCat(membership_epoch_, "/", plan_generation_, "/", absl::StrJoin(drained_engines_, ","), "/",
                        absl::StrJoin(drained_nodes_, ","));
       if (!open_windows_ || open_windows_key_ != key) {
-        open_windows_ = std::make_shared<std::map<std::string, v1::SetWriteWindowRequest>>();
-        build(open_windows_.get());
+        auto next = std::make_shared<std::map<std::string, v1::SetWriteWindowRequest>>();
+        From from;
+        build(next.get(), &from, open_windows_.get());  // no other SetWindows reads open_windows_ meanwhile
+        open_windows_ = std::move(next);
+        open_windows_from_ = std::move(from);
         open_windows_key_ = key;
       }
       for (auto& [a, r] : *open_windows_) r.set_version(version);
       cached = open_windows_;
     } else {
-      build(&built);
+      build(&built, nullptr, nullptr);
     }
     if (open) acked = window_acks_;
   }
@@ -1334,12 +1386,24 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
   FanoutOptions phase;
   if (open) phase = UpdatePhase("open_windows", PeerDeadlines::kStart, targets);
   phase.max_parallel = opts_.fanout_parallel;
+  // A kept request whose assignments were dropped (its target holds them) is made whole again when it must be sent
+  // whole (the target restarted, or holds others).
+  const auto whole = [&](const std::string& a) {
+    v1::SetWriteWindowRequest w = reqs.at(a);
+    std::lock_guard<std::mutex> l(mu_);
+    auto from = open_windows_from_.find(a);
+    if (from != open_windows_from_.end()) AddWindowAssignments(from->second, &w);
+    return w;
+  };
   absl::Status st = ForAll(
       targets,
       [&](const std::string& a) {
+        const v1::SetWriteWindowRequest& req = reqs.at(a);
+        const bool dropped = cached && req.assignments_given() && req.assignments_size() == 0;
         absl::StatusOr<v1::SetWriteWindowReply> r =
-            open ? OpenWindow(a, reqs.at(a), acked.count(a) ? acked.at(a) : std::string())
-                 : peers_->SetWriteWindow(a, reqs.at(a));
+            open ? OpenWindow(a, req, acked.count(a) ? acked.at(a) : std::string(),
+                              dropped ? std::function<v1::SetWriteWindowRequest()>([&] { return whole(a); }) : nullptr)
+                 : peers_->SetWriteWindow(a, req);
         if (r.ok() && held != nullptr) {
           std::lock_guard<std::mutex> l(held_mu);
           held->insert(held->end(), r->held().begin(), r->held().end());
@@ -1349,24 +1413,47 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
       },
       phase);
   if (!st.ok() && !open) spdlog::warn("{}", st.ToString());
+  if (cached) {
+    // A target that holds its assignments is sent only their digest until the plan or its daemon changes: its
+    // request keeps no write ranges of its own (at 1024 engine ranks, every target's were 210 MB kept per plan).
+    std::lock_guard<std::mutex> l(mu_);
+    if (cached == open_windows_)
+      for (auto& [a, r] : *open_windows_) {
+        auto ack = window_acks_.find(a);
+        if (ack != window_acks_.end() && !r.assignments_digest().empty() && ack->second == r.assignments_digest())
+          google::protobuf::RepeatedPtrField<v1::WindowAssignment>().Swap(r.mutable_assignments());
+      }
+  }
   return st;
 }
 
-absl::StatusOr<v1::SetWriteWindowReply> Coordinator::OpenWindow(const std::string& addr,
-                                                                const v1::SetWriteWindowRequest& full,
-                                                                const std::string& acked) {
+void Coordinator::AddWindowAssignments(const WindowSources& from, v1::SetWriteWindowRequest* r) const {
+  for (const auto& [source, assignment] : from) {
+    auto* a = r->add_assignments();
+    a->set_source_node(source);
+    a->set_engine_id(assignment->engine_id());
+    a->set_rank(assignment->rank());
+    *a->mutable_writes() = assignment->writes();
+  }
+}
+
+absl::StatusOr<v1::SetWriteWindowReply> Coordinator::OpenWindow(
+    const std::string& addr, const v1::SetWriteWindowRequest& full, const std::string& acked,
+    const std::function<v1::SetWriteWindowRequest()>& whole) {
   // The plan's assignments go to a target once; afterwards the request only names them (at 1024 engine ranks they
   // are 1.6 million write ranges, ~100 MB a round, that were most of a steady update's cost).
   const bool named = MayNameHeldAssignments(full, acked);
   const v1::SetWriteWindowRequest naming = named ? NamingHeldAssignments(full) : v1::SetWriteWindowRequest();
-  const v1::SetWriteWindowRequest& first = named ? naming : full;
+  const v1::SetWriteWindowRequest made = !named && whole ? whole() : v1::SetWriteWindowRequest();
+  const v1::SetWriteWindowRequest& first = named ? naming : whole ? made : full;
   absl::StatusOr<v1::SetWriteWindowReply> r = Remote(addr, [&] { return peers_->SetWriteWindow(addr, first); });
   // A target that lost them (it restarted) or holds others opened nothing: it is given them within this phase.
   if (r.ok() && AssignmentsNeeded(first, *r)) {
     spdlog::info("target {} does not hold the plan's write-window assignments ({}; it holds {}): sending them",
                  NodeLabel(addr), full.assignments_digest(),
                  r->assignments_digest().empty() ? "none" : r->assignments_digest());
-    r = Remote(addr, [&] { return peers_->SetWriteWindow(addr, full); });
+    const v1::SetWriteWindowRequest again = whole ? whole() : v1::SetWriteWindowRequest();
+    r = Remote(addr, [&] { return peers_->SetWriteWindow(addr, whole ? again : full); });
   }
   if (r.ok() && r->assignments_missing())
     r = absl::FailedPreconditionError("the target did not take the plan's write-window assignments sent to it");
@@ -1435,10 +1522,17 @@ absl::Status Coordinator::ApplyDeltas(int64_t v,
 absl::Status Coordinator::SaveState() {
   if (!store_) return absl::OkStatus();
   v1::CoordinatorState s;
-  // The nodes (their parameter tables are most of the state) change only with the membership epoch.
+  // The nodes (their parameter tables are most of the state) change only with the membership epoch. They are lent
+  // to `s`, not copied (a copy of every registration per membership change was hundreds of MB at 1024 engine
+  // ranks), and taken back before `s` is destroyed; mu_ is held throughout, so nodes_ does not change meanwhile.
+  struct Lent {
+    google::protobuf::RepeatedPtrField<v1::RegisterNodeRequest>* nodes;
+    ~Lent() { nodes->UnsafeArenaExtractSubrange(0, nodes->size(), nullptr); }
+  } lent{s.mutable_nodes()};
   const bool nodes_changed = persisted_nodes_epoch_ != membership_epoch_;
   if (nodes_changed)
-    for (const auto& [id, n] : nodes_) *s.add_nodes() = n;
+    for (const auto& [id, n] : nodes_)
+      s.mutable_nodes()->UnsafeArenaAddAllocated(const_cast<v1::RegisterNodeRequest*>(&n));
   s.set_membership_epoch(membership_epoch_);
   s.set_current_version(current_version_);
   s.set_last_begun(last_begun_);
@@ -1839,18 +1933,23 @@ int Coordinator::LayoutCopy(const std::string& engine_id, bool staged,
   return -1;
 }
 
-std::string Coordinator::SourceConfigKey(const v1::ConfigureSourceRequest& req, const std::vector<int>& copies) const {
+std::string Coordinator::SourceConfigKey(const v1::ConfigureSourceRequest& base,
+                                         const std::vector<const Planned*>& assigned,
+                                         const std::vector<int>& copies) const {
   std::string bytes;
   {
     google::protobuf::io::StringOutputStream sos(&bytes);
     google::protobuf::io::CodedOutputStream cos(&sos);
     cos.SetSerializationDeterministic(true);
-    req.SerializeToCodedStream(&cos);
+    base.SerializeToCodedStream(&cos);
   }
-  for (int k = 0; k < req.targets_size(); ++k) {
-    auto d = engine_digests_.find(req.targets(k).engine_id());
-    absl::StrAppend(&bytes, "\n", req.targets(k).engine_id(), " ", d == engine_digests_.end() ? "?" : d->second, " ",
-                    copies[k]);
+  // Each assignment by its digest (computed when the plan was built), its engine's registration by its digest.
+  for (size_t k = 0; k < assigned.size(); ++k) {
+    const Planned& p = *assigned[k];
+    const std::string& engine = p.assignment->engine_id();
+    auto d = engine_digests_.find(engine);
+    absl::StrAppend(&bytes, "\n", p.digest.empty() ? AssignmentDigest(*p.assignment) : p.digest, " ", engine, " ",
+                    d == engine_digests_.end() ? "?" : d->second, " ", copies[k]);
   }
   const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
   return absl::StrFormat("%016x%016x", h.high64, h.low64);

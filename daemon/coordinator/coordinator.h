@@ -58,6 +58,7 @@
 #include <condition_variable>
 #include <thread>
 #include <deque>
+#include <functional>
 #include <map>
 #include <set>
 #include <memory>
@@ -254,6 +255,8 @@ class Coordinator {
 
  private:
   using Planned = PlannedAssignment;  // daemon/coordinator/replan.h, as GroupPlan and PlanSources
+  // A target's write-window assignments: the plan's, each with its source node (open_windows_from_).
+  using WindowSources = std::vector<std::pair<std::string, std::shared_ptr<const v1::TargetAssignment>>>;
   // A source node's last acknowledged configuration and the plan epoch it holds. Digests, not the request: at 1024
   // engine ranks the sources' requests (every assigned rank's table) were gigabytes kept only to be compared.
   struct SourceConfig {
@@ -342,8 +345,13 @@ class Coordinator {
   // Opens the write window of the target at `addr` with the open request `full`: without its assignments where the
   // target's last answer said it holds them (`acked`, their digest), and then with them if it answers that it does
   // not (restarted); records what the target now holds (window_acks_). A call of the beginning update (Remote).
+  // `whole` (may be null) makes the request with its assignments where `full` was kept without them (SetWindows
+  // drops them once the target holds them).
   absl::StatusOr<v1::SetWriteWindowReply> OpenWindow(const std::string& addr, const v1::SetWriteWindowRequest& full,
-                                                     const std::string& acked);
+                                                     const std::string& acked,
+                                                     const std::function<v1::SetWriteWindowRequest()>& whole = nullptr);
+  // Adds the write-window assignments of `from` (a target's, WindowSources) to `r`.
+  void AddWindowAssignments(const WindowSources& from, v1::SetWriteWindowRequest* r) const;
   // Delta updates, after every source finished `v` (`finished`: each source's node id and reply): every target
   // daemon in the update applies the records staged for it (ApplyDelta), and `rec` gets the delta figures.
   absl::Status ApplyDeltas(int64_t v, const std::vector<std::pair<std::string, v1::FinishUpdateReply>>& finished,
@@ -362,10 +370,11 @@ class Coordinator {
   // the other one (staged) for engines offering staging memory; -1 for the others (their layout as registered).
   // Requires mu_.
   int LayoutCopy(const std::string& engine_id, bool staged, const std::map<std::string, int>& live_sets) const;
-  // What tells two configurations of a source apart without their rank tables: `req` (targets without layouts),
-  // and per target its engine's registration digest and the copy written (`copies`). Requires mu_ and
-  // RefreshEngineDigests.
-  std::string SourceConfigKey(const v1::ConfigureSourceRequest& req, const std::vector<int>& copies) const;
+  // What tells two configurations of a source apart without their rank tables or write ranges: `base` (its request
+  // without targets), and per assignment its digest (PlannedAssignment::digest), its engine's registration digest
+  // and the copy written (`copies`). Requires mu_ and RefreshEngineDigests.
+  std::string SourceConfigKey(const v1::ConfigureSourceRequest& base, const std::vector<const Planned*>& assigned,
+                              const std::vector<int>& copies) const;
   // Digests every registered engine not in engine_digests_ (EngineInputDigest, replan.h). Requires mu_.
   void RefreshEngineDigests();
   // The commit of a staged update once its sources finished: StageVerify, then SwitchEngines, then the record.
@@ -421,6 +430,11 @@ class Coordinator {
   // for (membership epoch, plan generation, drained engines and nodes): rebuilt only when one of those changed.
   std::shared_ptr<std::map<std::string, v1::SetWriteWindowRequest>> open_windows_;
   std::string open_windows_key_;
+  // Per target of open_windows_, the plan's assignments its request was built from, with their source node (held:
+  // the same objects, never an address reused). A rebuild keeps the request of a target whose assignments are the
+  // same objects (a kept plan: a membership change elsewhere) instead of copying and digesting its write ranges
+  // again; a request kept without its assignments (the target holds them) is made whole from them when needed.
+  std::map<std::string, WindowSources> open_windows_from_;
   // Target daemon address → the digest of the write-window assignments it last answered holding (OpenWindow);
   // erased when the daemon registers again.
   std::map<std::string, std::string> window_acks_;

@@ -15,6 +15,7 @@
 #include "base/logging.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/etcd_store.h"
+#include "daemon/coordinator/fanout.h"
 #include "planner/plan.h"
 #include "proto/tls.h"
 #include "daemon/common/serve.h"
@@ -57,6 +58,7 @@ class EtcdLeaderGate final : public daemon::LeaderGate {
 }  // namespace
 
 int main(int argc, char** argv) {
+  daemon::LimitMallocArenas();  // before any thread (fanout.h)
   daemon::BlockTerminationSignals();
 
   CLI::App app{"wsync-coordinator: membership, transfer plans and the weight-update lifecycle"};

@@ -1,5 +1,7 @@
 #include "daemon/coordinator/fanout.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <thread>
 
@@ -135,5 +137,7 @@ absl::Status CombineStatuses(const std::vector<absl::Status>& results) {
   return absl::Status(failed.front()->code(), absl::StrCat(failed.size(), " of ", results.size(),
                                                            " calls failed: ", absl::StrJoin(msgs, "; ")));
 }
+
+bool LimitMallocArenas(int arenas) { return mallopt(M_ARENA_MAX, arenas) == 1; }
 
 }  // namespace wsync::daemon

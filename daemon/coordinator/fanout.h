@@ -63,6 +63,14 @@ struct FanoutOptions {
 std::vector<absl::Status> RunFanout(size_t n, const std::function<absl::Status(size_t)>& call,
                                     const FanoutOptions& opts);
 
+// glibc's malloc gives threads arenas of their own (up to 8 per core) and an arena keeps what was freed in it: a
+// phase's workers each build and free a request of megabytes (a source's configuration at Kimi-K2 scale), and with an
+// arena per worker the process kept every worker's largest request resident after the phase (docs/operations.md,
+// "Control plane at scale"). The coordinator caps its arenas at kMallocArenas at start; its workers wait on the
+// network, not on the allocator. Call in main, before any thread starts. False where the allocator refused.
+inline constexpr int kMallocArenas = 2;
+bool LimitMallocArenas(int arenas = kMallocArenas);
+
 // The phase's result from per-item statuses: OK when every call succeeded; otherwise the first error's code with
 // every failure's message (a link that goes down fails every engine rank behind it: the error names them all). Pure.
 absl::Status CombineStatuses(const std::vector<absl::Status>& results);

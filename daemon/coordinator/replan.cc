@@ -86,6 +86,12 @@ absl::StatusOr<std::pair<v1::WeightQuantization, replica::QuantSpec>> GroupQuant
 
 }  // namespace
 
+std::string AssignmentDigest(const v1::TargetAssignment& a) {
+  const std::string bytes = StableBytes(a);
+  const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
+  return absl::StrFormat("%016x%016x", h.high64, h.low64);
+}
+
 std::string EngineInputDigest(const std::string& node_id, const std::string& node_address,
                               const v1::EngineRegistration& engine) {
   const std::string head = absl::StrCat(node_id, " ", node_address, " ");
@@ -367,6 +373,7 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
       }
     }
     for (auto& [k, pa] : planned) {
+      pa.first.digest = AssignmentDigest(pa.second);
       pa.first.assignment = std::make_shared<const v1::TargetAssignment>(std::move(pa.second));
       g.planned.push_back(std::move(pa.first));
     }

@@ -33,6 +33,10 @@ struct PlannedAssignment {
   std::shared_ptr<const v1::RankLayout> layout;  // the engine rank's table, one copy per engine rank
   uint64_t bytes = 0;
   int64_t epoch = -1;  // its group's plan epoch
+  // AssignmentDigest(*assignment), computed once when the plan is built (empty: not computed): a source's
+  // configuration key is made of its assignments' digests instead of a serialization of their write ranges (at 1024
+  // engine ranks, 1.6 million of them) at every re-plan.
+  std::string digest;
   // The assignment as a source is sent it (layout included).
   v1::TargetAssignment Wire() const {
     v1::TargetAssignment a = *assignment;
@@ -40,6 +44,10 @@ struct PlannedAssignment {
     return a;
   }
 };
+
+// Hex XXH3-128 of `a`'s deterministic serialization: equal digests, equal assignments (as the coordinator holds
+// them: the layout left out).
+std::string AssignmentDigest(const v1::TargetAssignment& a);
 
 // Hex XXH3-128 of one engine's registration with its node id and address (deterministic bytes): what a group's
 // plan depends on per engine. Serializing a Kimi-K2 engine's 32 rank tables takes tens of ms: the coordinator

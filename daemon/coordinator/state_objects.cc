@@ -36,39 +36,44 @@ bool IsStateKey(const std::string& key) {
          absl::StartsWith(key, kHistory);
 }
 
+std::vector<std::string> SplitNode(const v1::RegisterNodeRequest& n, size_t part_bytes, StateObjects* out) {
+  std::vector<std::string> keys;
+  v1::StoredNode sn;
+  v1::RegisterNodeRequest* stripped = sn.mutable_node();
+  // Copy, then clear the tables: every other field (of the node, its engines and their ranks, present or added
+  // later) is kept. A node is split only when it changed (StateObjectSet::UseNodes), so the copy of its tables is
+  // paid once per registration.
+  *stripped = n;
+  for (int e = 0; e < n.engines_size(); ++e) {
+    const auto& eng = n.engines(e);
+    for (int r = 0; r < eng.ranks_size(); ++r) {
+      if (eng.ranks(r).params_size() == 0) continue;
+      // The copy's table moves to the layout object (the stripped node is left without it).
+      v1::StoredLayout layout;
+      layout.mutable_params()->Swap(stripped->mutable_engines(e)->mutable_ranks(r)->mutable_params());
+      const std::string bytes = layout.SerializeAsString();
+      const std::string hash = Hash128(bytes);
+      auto* ref = sn.add_layouts();
+      ref->set_engine(e);
+      ref->set_rank(r);
+      ref->set_hash(hash);
+      ref->set_bytes(bytes.size());
+      const size_t step = std::max<size_t>(part_bytes, 1);
+      const int parts = static_cast<int>((bytes.size() + step - 1) / step);
+      ref->set_parts(parts);
+      for (int p = 0; p < parts; ++p) keys.push_back(LayoutKey(hash, p));
+      if (out->count(LayoutKey(hash, 0))) continue;  // another rank or engine has the same table
+      for (int p = 0; p < parts; ++p) (*out)[LayoutKey(hash, p)] = bytes.substr(p * step, step);
+    }
+  }
+  keys.push_back(absl::StrCat(kNode, n.node_id()));
+  (*out)[keys.back()] = sn.SerializeAsString();
+  return keys;
+}
+
 StateObjects SplitNodes(const google::protobuf::RepeatedPtrField<v1::RegisterNodeRequest>& nodes, size_t part_bytes) {
   StateObjects out;
-  for (const auto& n : nodes) {
-    v1::StoredNode sn;
-    v1::RegisterNodeRequest* stripped = sn.mutable_node();
-    // Copy, then clear the tables: every other field (of the node, its engines and their ranks, present or added
-    // later) is kept. Nodes are split only when the membership changed (Coordinator::SaveState), so the copy of the
-    // tables is paid once per membership change.
-    *stripped = n;
-    for (int e = 0; e < n.engines_size(); ++e) {
-      const auto& eng = n.engines(e);
-      for (int r = 0; r < eng.ranks_size(); ++r) {
-        const auto& rank = eng.ranks(r);
-        stripped->mutable_engines(e)->mutable_ranks(r)->clear_params();
-        if (rank.params_size() == 0) continue;
-        v1::StoredLayout layout;
-        *layout.mutable_params() = rank.params();
-        const std::string bytes = layout.SerializeAsString();
-        const std::string hash = Hash128(bytes);
-        auto* ref = sn.add_layouts();
-        ref->set_engine(e);
-        ref->set_rank(r);
-        ref->set_hash(hash);
-        ref->set_bytes(bytes.size());
-        const size_t step = std::max<size_t>(part_bytes, 1);
-        const int parts = static_cast<int>((bytes.size() + step - 1) / step);
-        ref->set_parts(parts);
-        if (out.count(LayoutKey(hash, 0))) continue;  // another rank or engine has the same table
-        for (int p = 0; p < parts; ++p) out[LayoutKey(hash, p)] = bytes.substr(p * step, step);
-      }
-    }
-    out[absl::StrCat(kNode, n.node_id())] = sn.SerializeAsString();
-  }
+  for (const auto& n : nodes) SplitNode(n, part_bytes, &out);
   return out;
 }
 
@@ -202,7 +207,38 @@ void StateObjectSet::SetStored(const StateObjects& stored) {
 
 absl::Status StateObjectSet::UseNodes(const v1::CoordinatorState& state, bool nodes_changed) {
   if (nodes_changed) {
-    node_objects_ = SplitNodes(state.nodes(), part_bytes_);
+    // Only the nodes whose registration changed are split again: a membership change is one node, and splitting
+    // every node copied and serialized every engine rank's table (at 1024 engine ranks, about a second of the
+    // coordinator's lock per registration). A node's objects are moved from the previous set, not copied.
+    StateObjects next;
+    std::map<std::string, NodeSplit> split;
+    nodes_split_ = 0;
+    for (const auto& n : state.nodes()) {
+      NodeSplit ns;
+      ns.hash = Hash128(n.SerializeAsString());
+      auto old = split_.find(n.node_id());
+      bool kept = have_nodes_ && old != split_.end() && old->second.hash == ns.hash;
+      if (kept) {
+        for (const auto& k : old->second.keys) {
+          if (next.count(k)) continue;  // a layout another node has too
+          auto moved = node_objects_.extract(k);
+          if (moved.empty()) {
+            kept = false;  // not expected: split it again
+            break;
+          }
+          next.insert(std::move(moved));
+        }
+      }
+      if (kept) {
+        ns.keys = std::move(old->second.keys);
+      } else {
+        ns.keys = SplitNode(n, part_bytes_, &next);
+        ++nodes_split_;
+      }
+      split[n.node_id()] = std::move(ns);
+    }
+    node_objects_ = std::move(next);
+    split_ = std::move(split);
     have_nodes_ = true;
   } else if (!have_nodes_) {
     return absl::FailedPreconditionError(

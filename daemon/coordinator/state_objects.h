@@ -45,6 +45,9 @@ bool IsStateKey(const std::string& key);
 
 // The node and layout objects of `nodes` (pure). Node keys map to StoredNode bytes, layout parts to their bytes.
 StateObjects SplitNodes(const google::protobuf::RepeatedPtrField<v1::RegisterNodeRequest>& nodes, size_t part_bytes);
+// One node's objects of SplitNodes, added to `out` (a layout already there is not made again); returns the keys of
+// its objects (its layouts' parts, then the node's own).
+std::vector<std::string> SplitNode(const v1::RegisterNodeRequest& node, size_t part_bytes, StateObjects* out);
 // The root (with `generation` and `writer`), engine, history and open-update objects of `state` (pure).
 StateObjects SplitRest(const v1::CoordinatorState& state, int64_t generation, const std::string& writer);
 
@@ -88,6 +91,10 @@ class StateObjectSet {
   absl::StatusOr<ObjectDiff> Prepare(const v1::CoordinatorState& state, const std::string& writer);
   // `diff` is now in the store.
   void Written(const ObjectDiff& diff);
+  // The node and layout objects of the nodes given last (SplitNodes of them), and how many of those nodes the last
+  // UseNodes with changed nodes split (the others kept their objects: their registrations were the same).
+  const StateObjects& node_objects() const { return node_objects_; }
+  size_t nodes_split() const { return nodes_split_; }
 
  private:
   const std::string where_;
@@ -97,6 +104,12 @@ class StateObjectSet {
   int64_t generation_ = 0;                  // the stored root's
   bool have_nodes_ = false;
   StateObjects node_objects_;  // the node and layout objects of the last nodes given
+  struct NodeSplit {
+    std::string hash;               // XXH3-128 of the registration's serialization
+    std::vector<std::string> keys;  // of its objects in node_objects_ (SplitNode)
+  };
+  std::map<std::string, NodeSplit> split_;  // node id → what its objects were made from
+  size_t nodes_split_ = 0;
 };
 
 }  // namespace wsync::daemon

@@ -2,25 +2,26 @@
 // what a failure leaves behind, how the seed plan places targets, and the exactly-once update lifecycle under
 // retries and concurrent drivers.
 
-#include <catch2/catch.hpp>
+#include "daemon/coordinator/coordinator.h"
 
 #include <algorithm>
 #include <atomic>
-#include <cstdio>
-#include <tuple>
+#include <catch2/catch.hpp>
 #include <condition_variable>
+#include <cstdio>
 #include <future>
 #include <map>
 #include <mutex>
 #include <set>
 #include <thread>
+#include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "client/coordinator_client.h"
-#include "daemon/coordinator/coordinator.h"
-#include "tests/daemon/fake_layouts.h"
+#include "daemon/coordinator/state_objects.h"
 #include "nlohmann/json.hpp"
 #include "planner/model_input.h"
-#include "absl/strings/str_cat.h"
+#include "tests/daemon/fake_layouts.h"
 
 namespace wsync::daemon {
 namespace {
@@ -1044,6 +1045,144 @@ TEST_CASE(
   INFO(st.ToString());
   CHECK_FALSE(st.ok());
   CHECK(st.message().find("lacks parameter " + dropped) != std::string::npos);
+}
+
+// Holds every ConfigureSource until `expected` are in flight, so that every request of the phase is alive at once,
+// and records, per (engine, rank), the address and bytes of each layout it was sent.
+class LayoutRecordingPeers : public FakePeers {
+ public:
+  explicit LayoutRecordingPeers(int expected) : expected_(expected) {}
+  absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
+                                                           const v1::ConfigureSourceRequest& req) override {
+    {
+      std::unique_lock<std::mutex> l(mu);
+      for (const auto& t : req.targets())
+        if (t.has_layout())
+          layouts[{t.engine_id(), t.rank()}].emplace_back(&t.layout(), t.layout().SerializeAsString());
+      ++arrived_;
+      cv.notify_all();
+      all_in_flight = cv.wait_for(l, std::chrono::seconds(10), [&] { return arrived_ >= expected_; });
+    }
+    return FakePeers::ConfigureSource(addr, req);
+  }
+  std::map<std::pair<std::string, int>, std::vector<std::pair<const v1::RankLayout*, std::string>>> layouts;
+  bool all_in_flight = false;  // guarded by mu
+
+ private:
+  const int expected_;
+  int arrived_ = 0;  // guarded by mu
+};
+
+TEST_CASE("configure: the sources writing one engine rank are sent the plan's one table of it, not a copy each") {
+  constexpr int kSources = 3;
+  auto p = std::make_unique<LayoutRecordingPeers>(kSources);
+  LayoutRecordingPeers* peers = p.get();
+  CoordinatorOptions opts;  // balanced, every source used: each writes a share of the engine's one rank
+  opts.min_source_bytes = 1;
+  Coordinator c(opts, std::move(p));
+  for (int s = 0; s < kSources; ++s) REQUIRE(c.RegisterNode(Source("s" + std::to_string(s))).ok());
+  const v1::RegisterNodeRequest target = Target("t0", "e0", 1);
+  REQUIRE(c.RegisterNode(target).ok());
+  v1::BeginUpdateRequest b;
+  b.set_version(1);
+  REQUIRE(c.BeginUpdate(b).ok());
+  std::lock_guard<std::mutex> l(peers->mu);
+  CHECK(peers->all_in_flight);  // every request was alive at once: copies could not share an address
+  REQUIRE(peers->layouts.size() == 1);
+  for (const auto& [who, seen] : peers->layouts) {
+    INFO("engine " << who.first << " rank " << who.second);
+    CHECK(seen.size() == kSources);
+    // The table as the engine registered it (the independent expectation), at one address in every request.
+    const std::string registered = target.engines(0).ranks(who.second).SerializeAsString();
+    for (const auto& [ptr, bytes] : seen) {
+      CHECK(ptr == seen.front().first);
+      CHECK(bytes == registered);
+    }
+  }
+}
+
+// Records, per target and opening, where the request's first write-window assignment lives.
+class WindowRecordingPeers : public FakePeers {
+ public:
+  absl::StatusOr<v1::SetWriteWindowReply> SetWriteWindow(const std::string& addr,
+                                                         const v1::SetWriteWindowRequest& req) override {
+    if (req.open() && req.assignments_size() > 0) {
+      std::lock_guard<std::mutex> l(mu);
+      first_assignment[addr].push_back(&req.assignments(0));
+      digests[addr].push_back(req.assignments_digest());
+    }
+    return FakePeers::SetWriteWindow(addr, req);
+  }
+  std::map<std::string, std::vector<const v1::WindowAssignment*>> first_assignment;  // guarded by mu
+  std::map<std::string, std::vector<std::string>> digests;                           // guarded by mu
+};
+
+TEST_CASE(
+    "windows: a membership change that keeps the plan keeps each target's open-window request (no copy of its write "
+    "ranges); a new plan builds them again") {
+  auto p = std::make_unique<WindowRecordingPeers>();
+  WindowRecordingPeers* peers = p.get();
+  Coordinator c(CoordinatorOptions(), std::move(p));
+  for (int s = 0; s < 2; ++s) REQUIRE(c.RegisterNode(Source("s" + std::to_string(s))).ok());
+  REQUIRE(c.RegisterNode(Target("t0", "e0", 2)).ok());
+  REQUIRE(c.RegisterNode(Target("t1", "e1", 2)).ok());
+  auto update = [&](int64_t v) {
+    v1::BeginUpdateRequest b;
+    b.set_version(v);
+    REQUIRE(c.BeginUpdate(b).ok());
+    v1::CommitUpdateRequest cr;
+    cr.set_version(v);
+    REQUIRE(c.CommitUpdate(cr).ok());
+  };
+  update(1);
+  // t1's daemon restarts with the same registration: the membership changed, the plan is kept.
+  REQUIRE(c.RegisterNode(Target("t1", "e1", 2)).ok());
+  update(2);
+  // A source leaves: the plan is made again.
+  v1::RemoveNodeRequest rm;
+  rm.set_node_id("s1");
+  REQUIRE(c.RemoveNode(rm).ok());
+  update(3);
+  std::lock_guard<std::mutex> l(peers->mu);
+  for (const char* t : {"t0:1", "t1:1"}) {
+    INFO(t);
+    const auto& at = peers->first_assignment[t];
+    REQUIRE(at.size() == 3);
+    CHECK(at[1] == at[0]);  // the same request object: kept
+    CHECK(at[2] != at[0]);  // built again for the new plan
+    CHECK(peers->digests[t][1] == peers->digests[t][0]);
+    CHECK(peers->digests[t][2] != peers->digests[t][0]);
+  }
+}
+
+TEST_CASE(
+    "state objects: a save after a membership change splits only the nodes whose registration changed; the objects "
+    "are those of splitting every node") {
+  v1::CoordinatorState st;
+  for (int s = 0; s < 3; ++s) *st.add_nodes() = Source("s" + std::to_string(s));
+  *st.add_nodes() = Target("t0", "e0", 2);
+  *st.add_nodes() = Target("t1", "e1", 2);  // the same tables as t0's: stored once
+  constexpr size_t kPart = 512;             // several parts per table
+  StateObjectSet set("test", kPart);
+  REQUIRE(set.UseNodes(st, true).ok());
+  CHECK(set.nodes_split() == 5);
+  CHECK(set.node_objects() == SplitNodes(st.nodes(), kPart));
+  // The same registrations again (another node's change was saved): none is split, the objects are the same.
+  REQUIRE(set.UseNodes(st, true).ok());
+  CHECK(set.nodes_split() == 0);
+  CHECK(set.node_objects() == SplitNodes(st.nodes(), kPart));
+  // t1 registers again with another table, s2 leaves, s3 joins: those two are split, t0 keeps the shared table.
+  st.mutable_nodes(4)->mutable_engines(0)->mutable_ranks(0)->mutable_params()->RemoveLast();
+  st.mutable_nodes()->DeleteSubrange(2, 1);
+  *st.add_nodes() = Source("s3");
+  REQUIRE(set.UseNodes(st, true).ok());
+  CHECK(set.nodes_split() == 2);
+  CHECK(set.node_objects() == SplitNodes(st.nodes(), kPart));
+  // t0 leaves: the table only it had left is gone with it.
+  st.mutable_nodes()->DeleteSubrange(2, 1);
+  REQUIRE(set.UseNodes(st, true).ok());
+  CHECK(set.nodes_split() == 0);
+  CHECK(set.node_objects() == SplitNodes(st.nodes(), kPart));
 }
 
 TEST_CASE("replan: a restarted source daemon is configured again even when its plan did not change") {

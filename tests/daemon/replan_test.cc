@@ -5,6 +5,7 @@
 #include "daemon/coordinator/replan.h"
 
 #include <time.h>
+#include <xxhash.h>
 
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -15,7 +16,11 @@
 #include <sstream>
 #include <string>
 
+#include "absl/strings/str_format.h"
+#include "daemon/common/config_digest.h"
 #include "daemon/common/quantization.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "nlohmann/json.hpp"
 #include "replica/model_config.h"
 #include "tools/testdata/planned_layout.h"
@@ -190,6 +195,30 @@ TEST_CASE(
     targets += c.targets_size();
   }
   CHECK(targets == r->plan.size());
+  // What a source's heartbeat reports and the coordinator compares (ConfigureSourceDigest): XXH3-128 of the request's
+  // deterministic serialization without its epoch, for these requests of megabytes too (hashed in pieces, never
+  // serialized whole), with or without the epoch set.
+  size_t largest = 0;
+  for (const auto& [id, c] : configs) {
+    std::string bytes;
+    {
+      google::protobuf::io::StringOutputStream sos(&bytes);
+      google::protobuf::io::CodedOutputStream cos(&sos);
+      cos.SetSerializationDeterministic(true);
+      c.SerializeToCodedStream(&cos);
+    }
+    largest = std::max(largest, bytes.size());
+    const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
+    CHECK(ConfigureSourceDigest(c) == absl::StrFormat("%016x%016x", h.high64, h.low64));
+    v1::ConfigureSourceRequest with_epoch = c;
+    with_epoch.set_plan_epoch(42);
+    CHECK(ConfigureSourceDigest(with_epoch) == ConfigureSourceDigest(c));
+  }
+  CHECK(largest > (1u << 20));
+  // Each assignment's digest was computed once, when the plan was built: a source's configuration key is made of them.
+  size_t digest_mismatches = 0;
+  for (const auto& p : r->plan) digest_mismatches += p.digest.empty() || p.digest != AssignmentDigest(*p.assignment);
+  CHECK(digest_mismatches == 0);
 
   // Every engine's registration was digested by the first plan (no digests were handed in); the tables are shared
   // per engine rank, not copied per assignment.
@@ -224,6 +253,7 @@ TEST_CASE(
   for (size_t i = 0; i < r->plan.size(); ++i) {
     CHECK(again->plan[i].assignment.get() == r->plan[i].assignment.get());
     CHECK(again->plan[i].layout.get() == r->plan[i].layout.get());
+    CHECK(again->plan[i].digest == r->plan[i].digest);
   }
   CHECK(again->groups.begin()->second.epoch == 7);
   // A digest that does not match the registrations (an engine re-registered with another table) plans afresh.
