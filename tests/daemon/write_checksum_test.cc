@@ -315,6 +315,7 @@ TEST_CASE("write checksums: the ingest thread does not hash; the commit waits fo
   auto hook = [&] {
     std::unique_lock<std::mutex> l(mu);
     hashing_threads.insert(std::this_thread::get_id());
+    cv.notify_all();  // the test waits for the first hashing thread
     // Held until the test releases it (bounded, so an inline implementation fails the checks instead of hanging).
     cv.wait_for(l, std::chrono::seconds(10), [&] { return release; });
     ++hashed;
@@ -326,7 +327,9 @@ TEST_CASE("write checksums: the ingest thread does not hash; the commit waits fo
   const auto push_time = std::chrono::steady_clock::now() - t0;
   CHECK(push_time < std::chrono::seconds(5));  // not held by the blocked hashing
   {
-    std::lock_guard<std::mutex> l(mu);
+    // The pool may not have been scheduled yet when the push returns (a loaded machine): wait for its first hash.
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait_for(l, std::chrono::seconds(10), [&] { return !hashing_threads.empty(); });
     CHECK(hashing_threads.count(std::this_thread::get_id()) == 0);
     CHECK(hashing_threads.size() >= 1);
     CHECK(hashing_threads.size() <= 3);
