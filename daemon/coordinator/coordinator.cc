@@ -76,6 +76,7 @@ class SourceRequest {
     if (copy <= 0 || layout->staging_segment_shift() <= 0) {  // LayoutForCopy would return it unchanged
       t->unsafe_arena_set_allocated_layout(const_cast<v1::RankLayout*>(layout.get()));
       shared_.push_back(t);
+      held_.push_back(layout);  // alive as long as the request, whatever happens to the plan meanwhile
     } else {
       *t->mutable_layout() = LayoutForCopy(*layout, copy);
     }
@@ -86,6 +87,7 @@ class SourceRequest {
  private:
   v1::ConfigureSourceRequest req_;
   std::vector<v1::TargetAssignment*> shared_;  // targets whose layout is the plan's
+  std::vector<std::shared_ptr<const v1::RankLayout>> held_;
 };
 
 // Whether one engine rank's staging hashes `have` (the answer to `wrote`'s ranges, in order) match what the sources
