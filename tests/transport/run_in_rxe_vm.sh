@@ -29,13 +29,48 @@ if ! command -v qemu-system-x86_64 >/dev/null 2>&1; then
 fi
 
 export RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-200}
+# The guest prints this before it runs the test. A VM that has not printed it RXE_VM_START_TIMEOUT s after it was
+# started stalled while booting under emulation (seen once: no line from the guest in 360 s) and is started once
+# more; a test that hangs inside a running guest is never retried (RXE_VM_TIMEOUT ends it).
+marker="run_in_rxe_vm: the guest runs the test"
+start_limit=${RXE_VM_START_TIMEOUT:-150}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 start=$(date +%s)
-bash "$harness" "$@"
-rc=$?
+for attempt in 1 2; do
+  : >"$work/stderr"
+  t0=$(date +%s)
+  # Its own process group, so that a stalled VM can be stopped with everything the harness started.
+  setsid bash "$harness" bash -c 'echo "$0" >&2; exec "$@"' "$marker" "$@" 2>"$work/stderr" &
+  pid=$!
+  tail -s 0.2 -c +1 -f --pid="$pid" "$work/stderr" >&2 &
+  tail_pid=$!
+  started=0 stalled=0
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ "$started" = 0 ]; then
+      if grep -qF "$marker" "$work/stderr"; then
+        started=1
+      elif [ $(( $(date +%s) - t0 )) -ge "$start_limit" ]; then
+        stalled=1
+        kill -TERM -- "-$pid" 2>/dev/null
+      fi
+    fi
+    sleep 1
+  done
+  wait "$pid"
+  rc=$?
+  wait "$tail_pid" 2>/dev/null
+  if [ "$stalled" = 1 ] && [ "$attempt" = 1 ]; then
+    echo "run_in_rxe_vm: the VM did not start the test within $start_limit s (no line from the guest): starting it once more" >&2
+    continue
+  fi
+  [ "$stalled" = 1 ] && { echo "run_in_rxe_vm: the VM did not start the test within $start_limit s twice" >&2; rc=124; }
+  break
+done
 echo "run_in_rxe_vm: exit $rc after $(( $(date +%s) - start )) s in the VM" >&2
 case $rc in
   125) echo "run_in_rxe_vm: FAILED: the VM harness failed (exit 125) before the test could run" >&2; rc=1 ;;
-  124) echo "run_in_rxe_vm: the VM hit RXE_VM_TIMEOUT=$RXE_VM_TIMEOUT s" >&2 ;;
+  124) [ "$stalled" = 1 ] || echo "run_in_rxe_vm: the VM hit RXE_VM_TIMEOUT=$RXE_VM_TIMEOUT s" >&2 ;;
   77) echo "run_in_rxe_vm: FAILED: the test skipped inside the VM (verbs not viable on rxe0): that is a bug" >&2; rc=1 ;;
 esac
 exit $rc
