@@ -35,7 +35,10 @@ export RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-200}
 marker="run_in_rxe_vm: the guest runs the test"
 start_limit=${RXE_VM_START_TIMEOUT:-150}
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+pid=""
+# The VM runs in a session of its own (below): whoever stops this script (ctest at its TIMEOUT) stops the VM too.
+trap '[ -n "$pid" ] && kill -TERM -- "-$pid" 2>/dev/null; rm -rf "$work"' EXIT
+trap 'exit 143' TERM INT
 start=$(date +%s)
 for attempt in 1 2; do
   : >"$work/stderr"
@@ -59,6 +62,7 @@ for attempt in 1 2; do
   done
   wait "$pid"
   rc=$?
+  pid=""
   wait "$tail_pid" 2>/dev/null
   if [ "$stalled" = 1 ] && [ "$attempt" = 1 ]; then
     echo "run_in_rxe_vm: the VM did not start the test within $start_limit s (no line from the guest): starting it once more" >&2
