@@ -11,8 +11,10 @@ The demo runs on the tiny model (2 updates, mTLS, every engine rank verified) wi
   that printed its output only at the end, e.g. from a buffer, would show it only after that process exited).
 """
 import argparse
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -47,9 +49,20 @@ def main() -> int:
     check = harness.Checks()
     # 400 ms per written batch: each update takes seconds, so that its lines have time to show before it ends.
     env = dict(os.environ, WSYNC_FAULTS="delay_ms=400")
+    # Its own process group: a test stopped from outside (ctest's timeout sends SIGTERM) or failing stops the demo
+    # with every daemon, engine and trainer it started.
     demo = subprocess.Popen([os.path.join(ROOT, "tools", "cli", "demo.sh"), "--bin", os.path.abspath(args.bin),
                              "--model", os.path.abspath(args.model), "--updates", str(UPDATES)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+
+    def stop(signum, _frame):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(demo.pid, signal.SIGTERM)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     lines, live_at_first = [], None
     try:
         for line in demo.stdout:
@@ -61,7 +74,7 @@ def main() -> int:
         rc = demo.wait(timeout=60)
     finally:
         if demo.poll() is None:
-            demo.kill()
+            os.killpg(demo.pid, signal.SIGKILL)
             demo.wait()
     check(rc == 0, f"the demo passes (exit {rc})")
 

@@ -95,40 +95,50 @@ echo "engines ${eng[*]}; source daemons ${src[*]}; running $updates updates of $
 echo "(each update: begun, pushed, committed with its phases, then every engine rank verified; 3 to 25 s per update"
 echo " of Qwen3-0.6B on a 2-core machine, one to a few minutes in all)"
 
+# The driving rank's lines (each update begun, pushed, committed with its phases, verified) as they come: its
+# standard output is a pipe (a FIFO) that tee copies to ours and to trainer0.out. tee ends at the pipe's end of
+# file, i.e. once the trainer has exited and every line it wrote has been copied; the demo waits for that, so no
+# line is lost however loaded the machine is (no sleep, no polling of a file).
+mkfifo "$work/trainer0.fifo"
+tee "$work/trainer0.out" <"$work/trainer0.fifo" &
+follow=$!
 trainers=()
 for s in 0 1; do
   for r in 0 1; do
     g=$((s * 2 + r))
     extra=()
-    if [ $g -eq 0 ]; then extra=(--drive --coordinator "$coord" --verify-engine "${eng[0]}" --verify-engine "${eng[1]}"); fi
+    out="$work/trainer$g.out"
+    if [ $g -eq 0 ]; then
+      extra=(--drive --coordinator "$coord" --verify-engine "${eng[0]}" --verify-engine "${eng[1]}")
+      out="$work/trainer0.fifo"
+    fi
     "$bin/wsync-trainer-demo" --daemon "${src[$s]}" --model "$model" --local-rank $r --global-rank $g \
-      --updates "$updates" "${extra[@]}" $(tls trainer-demo) >"$work/trainer$g.out" 2>"$work/trainer$g.log" &
+      --updates "$updates" "${extra[@]}" $(tls trainer-demo) >"$out" 2>"$work/trainer$g.log" &
     trainers+=($!)
+    pids+=($!)  # stopped with the daemons if the demo is interrupted
   done
 done
-# The driving rank's lines (each update begun, pushed, committed with its phases, verified) as they come.
-tail -n +1 -F "$work/trainer0.out" 2>/dev/null &
-follow=$!
 rc=0
 # The first trainer to fail ends the demo: the others would only wait for an update that cannot complete.
 remaining=("${trainers[@]}")
-while [ ${#remaining[@]} -gt 0 ] && [ $rc -eq 0 ]; do
+while [ ${#remaining[@]} -gt 0 ]; do
+  ended=
+  st=0
+  wait -n -p ended "${remaining[@]}" || st=$?
+  [ -n "$ended" ] || break  # none of them is a child any more (cannot happen; guards the loop)
   next=()
-  for p in "${remaining[@]}"; do
-    if kill -0 "$p" 2>/dev/null; then next+=("$p"); else wait "$p" || rc=1; fi
-  done
+  for p in "${remaining[@]}"; do [ "$p" = "$ended" ] || next+=("$p"); done
   remaining=("${next[@]}")
-  sleep 0.2
+  if [ $st -ne 0 ]; then rc=1; break; fi
 done
 if [ $rc -ne 0 ]; then
-  for p in "${trainers[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${remaining[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${remaining[@]}"; do wait "$p" 2>/dev/null || true; done
   for i in "${!trainers[@]}"; do
     if grep -q ' E \[' "$work/trainer$i.log"; then echo "demo: trainer $i failed:" >&2; grep ' E \[' "$work/trainer$i.log" | tail -n 5 >&2; fi
   done
 fi
-sleep 0.3  # let tail print the last lines
-kill "$follow" 2>/dev/null || true
-wait "$follow" 2>/dev/null || true
+wait "$follow" || true  # every line of the driving rank printed (the trainer has exited: the pipe is at its end)
 if [ $rc -ne 0 ]; then
   for f in coordinator source0 source1 target0 target1; do echo "--- $f" >&2; tail -n 10 "$work/$f.log" >&2; done
   grep -q '^wsync demo:' "$work/trainer0.out" || echo "wsync demo: FAILED (see the logs above)"
