@@ -94,8 +94,49 @@ for f in [os.path.join(here, "k8s", "configmap.yaml")] + glob.glob(os.path.join(
     for m in re.finditer(r"WSYNC_TRANSPORT[=:] *\"?([a-z,]+)", open(f).read()):
         if m.group(1).split(",")[-1] != "tcp":
             fail("%s: WSYNC_TRANSPORT=%s exits on a host without RDMA (use tcp or verbs,tcp)" % (os.path.relpath(f, here), m.group(1)))
-print("layout %s: manifests, image (%s/bin: %d programs), version %s, demo, HEALTHCHECK, .dockerignore, transports" %
-      ("FAILED" if bad else "ok", prefix, len(progs), version))
+# find_package(wsync X) in the docs: the package config accepts the same major.minor only (SameMinorVersion).
+for doc in (os.path.join(root, "README.md"), os.path.join(here, "README.md")):
+    for m in re.finditer(r"find_package\(wsync ([0-9.]+)", open(doc).read()):
+        if m.group(1).split(".")[:2] != version.split(".")[:2]:
+            fail("%s: find_package(wsync %s), which wsync %s refuses (same major.minor only)"
+                 % (os.path.relpath(doc, root), m.group(1), version))
+# Every pod: each $(VAR) of its containers' args is set (ConfigMap or env), and a non-root container can read the
+# Secrets it mounts (root-owned files: world-readable, or group-readable with the pod's fsGroup).
+config = {}
+for doc in yaml.safe_load_all(open(os.path.join(here, "k8s", "configmap.yaml"))):
+    if doc and doc.get("kind") == "ConfigMap":
+        config.update(doc.get("data") or {})
+for f in sorted(glob.glob(os.path.join(here, "k8s", "*.yaml"))):
+    for doc in yaml.safe_load_all(open(f)):
+        spec = ((doc or {}).get("spec") or {}).get("template", {}).get("spec", {})
+        pod_sc = spec.get("securityContext") or {}
+        secrets = {v["name"]: v["secret"].get("defaultMode", 0o644) for v in spec.get("volumes", []) if "secret" in v}
+        for c in spec.get("containers", []) + spec.get("initContainers", []):
+            where = "%s container %s" % (os.path.basename(f), c.get("name"))
+            env = set(config) if any("configMapRef" in e for e in c.get("envFrom", [])) else set()
+            env |= {e["name"] for e in c.get("env", [])}
+            for a in (c.get("command") or []) + (c.get("args") or []):
+                for var in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", str(a)):
+                    if var not in env:
+                        fail("%s: %s uses $(%s), which neither its env nor the ConfigMap sets" % (where, a, var))
+            uid = (c.get("securityContext") or {}).get("runAsUser", pod_sc.get("runAsUser"))
+            for m in c.get("volumeMounts", []):
+                mode = secrets.get(m["name"])
+                if mode is None or uid in (None, 0):
+                    continue
+                if not (mode & 0o004 or (pod_sc.get("fsGroup") is not None and mode & 0o040)):
+                    fail("%s runs as uid %s but its Secret volume %s (mode %o, root-owned) is not readable to it: "
+                         "set the pod's fsGroup and a group-readable defaultMode" % (where, uid, m["name"], mode))
+# systemd: every ${VAR} of a unit's ExecStart has a default in the unit (the env file only overrides).
+for f in glob.glob(os.path.join(here, "systemd", "*.service")):
+    unit = open(f).read()
+    defaults = set(re.findall(r"^Environment=\"?([A-Za-z_][A-Za-z0-9_]*)=", unit, re.M))
+    exec_start = re.search(r"^ExecStart=((?:.*\\\n)*.*)$", unit, re.M).group(1)
+    for var in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", exec_start):
+        if var not in defaults:
+            fail("%s: ExecStart uses %s, which has no Environment= default" % (os.path.basename(f), var))
+print("layout %s: manifests, image (%s/bin: %d programs), version %s, demo, HEALTHCHECK, .dockerignore, transports, "
+      "$(VAR)s, Secret modes, find_package" % ("FAILED" if bad else "ok", prefix, len(progs), version))
 sys.exit(1 if bad else 0)
 PY
 else

@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
   CLI::App app{"wsyncd: wsync node daemon (role source on trainer nodes, target on inference nodes)"};
   std::string role, node_id, listen = "127.0.0.1:7601", coordinator, advertise, port_file, transport_name = "tcp", log_level;
   cli::AddCommonFlags(app, "wsyncd", &log_level);
-  std::string data_host = "127.0.0.1";
+  std::string data_host;  // default: the host this node is reached at (--advertise, else --listen)
   std::vector<std::string> engines;
   std::string engine_socket;
   std::vector<uint32_t> engine_uids;
@@ -88,7 +88,9 @@ int main(int argc, char** argv) {
         }
         return "";
       });
-  app.add_option("--data-host", data_host, "address the data-path listener binds (tcp transport)");
+  app.add_option("--data-host", data_host,
+                 "tcp transport: the address its data listener binds and the sources dial (default: the host of "
+                 "--advertise, else of --listen; a loopback one is refused when those are not loopback)");
   std::string fabric_provider;
   app.add_option("--fabric-provider", fabric_provider,
                  "fabric transport: the libfabric provider (efa on AWS, verbs;ofi_rxm, tcp;ofi_rxm); default: "
@@ -187,6 +189,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string host = advertise.empty() ? listen_host : advertise;
+  // A multi-host node whose data listener sat on loopback would register fine and fail only at the first update.
+  if (data_host.empty()) {
+    data_host = host;
+  } else if (tls::IsLoopback(data_host) && !tls::IsLoopback(host)) {
+    spdlog::error("--data-host {} is a loopback address while this node is reached at {}: sources on other hosts "
+                  "could not reach its data listener; give --data-host this node's address (or leave it out: it "
+                  "follows --advertise, else --listen)", data_host, host);
+    return 2;
+  }
   {
     // Every address this daemon listens on or dials that is known now; without TLS each must be loopback.
     std::vector<std::string> addresses = {listen, host, data_host, metrics_listen};
@@ -220,7 +231,10 @@ int main(int argc, char** argv) {
   topts.fabric_provider = fabric_provider;
   auto tr = transport::CreateFirstViableTransport(transport_name, topts);
   if (!tr.ok()) {
-    spdlog::error("--transport {}: {}", transport_name, std::string(tr.status().message()));
+    spdlog::error("--transport {}: {}{}", transport_name, std::string(tr.status().message()),
+                  absl::StrContains(tr.status().message(), "bind ")
+                      ? absl::StrCat(" (the tcp data listener binds --data-host ", data_host, ": an address of this host)")
+                      : "");
     return tr.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   std::unique_ptr<transport::Transport> transport = *std::move(tr);
