@@ -111,7 +111,8 @@ void TargetNode::OpenDeltaWindow(int64_t version, v1::SetWriteWindowReply* out) 
 }
 
 absl::Status TargetNode::ProvideStaging(const v1::ConnectTargetRequest& req, const std::string& source,
-                                        v1::ConnectTargetReply* out, transport::Transport::WriteGrant* grant) {
+                                        v1::ConnectTargetReply* out, transport::Transport::WriteGrant* grant,
+                                        std::shared_ptr<Staging>* staging) {
   if (req.delta_write_bytes() == 0 || opts_.delta_staging_fraction <= 0) return absl::OkStatus();
   const std::string who = absl::StrCat("engine ", req.engine_id(), " rank ", req.rank());
   if (req.source_node().empty())
@@ -135,16 +136,19 @@ absl::Status TargetNode::ProvideStaging(const v1::ConnectTargetRequest& req, con
   want = std::max<uint64_t>((want + kStagingAlign - 1) / kStagingAlign * kStagingAlign, kStagingAlign);
   {
     std::lock_guard<std::mutex> l(mu_);
+    // A live region of the key (a connection's grant names it) big enough is shared by the new connection.
     auto it = staging_.find(key);
-    if (it != staging_.end() && it->second->bytes >= want) {
-      out->set_staging_descriptor(it->second->region->Descriptor());
-      out->set_staging_bytes(it->second->bytes);
-      grant->regions.push_back(it->second->region.get());
+    if (std::shared_ptr<Staging> live = it == staging_.end() ? nullptr : it->second.lock();
+        live != nullptr && live->bytes >= want) {
+      out->set_staging_descriptor(live->region->Descriptor());
+      out->set_staging_bytes(live->bytes);
+      grant->regions.push_back(live->region.get());
+      *staging = std::move(live);
       return absl::OkStatus();
     }
   }
   // Registered outside mu_ (registration can take long).
-  auto st = std::make_unique<Staging>();
+  auto st = std::make_shared<Staging>();
   st->data.reset(new uint8_t[want]());
   st->bytes = want;
   auto region = transport_->RegisterMemory(st->data.get(), want);
@@ -154,9 +158,10 @@ absl::Status TargetNode::ProvideStaging(const v1::ConnectTargetRequest& req, con
   out->set_staging_bytes(want);
   grant->regions.push_back(st->region.get());
   std::lock_guard<std::mutex> l(mu_);
-  auto& slot = staging_[key];
-  if (slot) retired_staging_.push_back(std::move(slot));
-  slot = std::move(st);
+  // A smaller region of the key stays as long as a connection still names it; the map forgets freed ones.
+  for (auto s = staging_.begin(); s != staging_.end();) s = s->second.expired() ? staging_.erase(s) : std::next(s);
+  staging_[key] = st;
+  *staging = std::move(st);
   spdlog::info("{}: {} KiB of delta staging for source {}", who, want / 1024, req.source_node());
   return absl::OkStatus();
 }
@@ -185,15 +190,18 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
   std::vector<Pending> pending;
   std::vector<std::shared_ptr<MappedSegment>> pins;  // the mappings `pending` writes, alive after mu_ is released
   std::vector<std::shared_ptr<CudaSegment>> cuda_pins;
+  std::vector<std::shared_ptr<Staging>> staging_pins;  // the records `pending` points into, alive without mu_
   // Every record of every source is checked before any is applied.
   for (const auto& s : req.staged()) {
     const std::string who = absl::StrCat("engine ", s.engine_id(), " rank ", s.rank());
     const std::string from = absl::StrCat(" (delta staged by source ", s.source_node(), " for update ", v, ")");
-    auto st = staging_.find({s.engine_id(), s.rank(), s.source_node()});
-    if (st == staging_.end() || s.bytes() > st->second->bytes)
+    auto found = staging_.find({s.engine_id(), s.rank(), s.source_node()});
+    std::shared_ptr<Staging> st = found == staging_.end() ? nullptr : found->second.lock();
+    if (st == nullptr || s.bytes() > st->bytes)
       return absl::FailedPreconditionError(
           absl::StrCat(who, from, ": ", s.bytes(), " bytes of records but ",
-                       st == staging_.end() ? "no staging region" : "a smaller staging region", " here"));
+                       st == nullptr ? "no staging region" : "a smaller staging region", " here"));
+    staging_pins.push_back(st);
     WSYNC_ASSIGN_OR_RETURN(Engine * e, Find(s.engine_id()));
     if (s.rank() < 0 || s.rank() >= e->num_ranks || e->ranks[s.rank()].state != Rank::State::kAttached)
       return absl::FailedPreconditionError(absl::StrCat(who, from, ": the rank is not attached"));
@@ -213,7 +221,7 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
     std::map<int, uint64_t> seg_bytes;
     for (const auto& [id, t] : segs) seg_bytes[id] = t.bytes;
     auto recs =
-        CheckDeltaRecords(st->second->data.get(), s.bytes(), s.records(), v, r.layout, seg_bytes, owned, who + from);
+        CheckDeltaRecords(st->data.get(), s.bytes(), s.records(), v, r.layout, seg_bytes, owned, who + from);
     if (!recs.ok()) {
       r.held_version = -1;  // whatever it held, the next update writes it dense
       return recs.status();
@@ -235,8 +243,8 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
       pending.push_back(std::move(pd));
     }
   }
-  // The records were checked against the rank's current mapping; the scatter runs without mu_ (the mappings are
-  // pinned; the staging buffers live as long as the daemon; apply_mu_ keeps a second ApplyDelta out).
+  // The records were checked against the rank's current mapping; the scatter runs without mu_ (the mappings and the
+  // staging regions are pinned; apply_mu_ keeps a second ApplyDelta out).
   l.unlock();
   // Forgets what a refused record's rank held, unless it re-attached meanwhile (its new process holds no version).
   auto forget = [&](const Pending& p) {

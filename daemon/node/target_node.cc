@@ -413,7 +413,23 @@ int TargetNode::RevokeUnassignedGrants() {
   return revoked;
 }
 
+void TargetNode::DropUnassignedConnections(std::vector<Connection>* dropped) {
+  for (auto it = endpoints_.begin(); it != endpoints_.end();) {
+    const auto& [engine, rank, who] = it->first;
+    if (it->second.source_id.empty() || assignments_.count({it->second.source_id, engine, rank}) > 0) {
+      ++it;
+      continue;
+    }
+    spdlog::info("engine {} rank {}: the plan no longer gives it to source {}; its connection{} dropped", engine, rank,
+                 it->second.source_id, it->second.staging ? " and delta staging" : "");
+    dropped->push_back(std::move(it->second));
+    it = endpoints_.erase(it);
+  }
+}
+
 v1::SetWriteWindowReply TargetNode::SetWriteWindow(const v1::SetWriteWindowRequest& req) {
+  // Connections a re-plan took from their source; destroyed after mu_ is released (declared before the lock).
+  std::vector<Connection> dropped;
   std::lock_guard<std::mutex> l(mu_);
   v1::SetWriteWindowReply out;
   const WindowAssignmentsAction what = DecideWindowAssignments(req, assignments_known_ ? assignments_digest_ : "");
@@ -437,6 +453,7 @@ v1::SetWriteWindowReply TargetNode::SetWriteWindow(const v1::SetWriteWindowReque
   if (req.open() && assignments_known_) {
     // Kept assignments too: a grant given since the last opening is checked against the plan like the others.
     out.set_grants_revoked(RevokeUnassignedGrants());
+    DropUnassignedConnections(&dropped);
     out.set_assignments_digest(assignments_digest_);
   }
   if (req.open()) {
@@ -824,22 +841,25 @@ absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::Conne
     // The live connection owns the rank for its source: a repeat (a retried call, a second process under the same
     // identity) gets the same grant and leaves the connection an open update writes through untouched.
     auto old = endpoints_.find(key);
-    if (DecideConnectTarget(old != endpoints_.end(), old != endpoints_.end() && old->second->PeerConnected()) ==
+    if (DecideConnectTarget(old != endpoints_.end(),
+                            old != endpoints_.end() && old->second.endpoint->PeerConnected()) ==
         ConnectTargetAction::kReuse) {
       spdlog::info("ConnectTarget from {} for engine {} rank {}: its connection is live; answered with the same grant",
                    grant.peer, req.engine_id(), req.rank());
-      out.set_target_endpoint_info(old->second->LocalInfo());
-      if (auto st = staging_.find({req.engine_id(), req.rank(), req.source_node()});
-          req.delta_write_bytes() > 0 && st != staging_.end()) {
-        out.set_staging_descriptor(st->second->region->Descriptor());
-        out.set_staging_bytes(st->second->bytes);
+      out.set_target_endpoint_info(old->second.endpoint->LocalInfo());
+      if (const Staging* st = old->second.staging.get(); req.delta_write_bytes() > 0 && st != nullptr) {
+        out.set_staging_descriptor(st->region->Descriptor());
+        out.set_staging_bytes(st->bytes);
       }
       return out;
     }
     for (const auto& r : it->second->ranks[req.rank()].regions) grant.regions.push_back(r.get());
   }
-  // The delta staging region (created or reused outside mu_'s registration) is written under the same grant.
-  WSYNC_RETURN_IF_ERROR(ProvideStaging(req, source, &out, &grant));
+  // The delta staging region (created or reused outside mu_'s registration) is written under the same grant; the
+  // connection owns it from here (a region no connection names is freed).
+  Connection conn;
+  conn.source_id = source.empty() ? req.source_node() : source.substr(source.find(':') + 1);
+  WSYNC_RETURN_IF_ERROR(ProvideStaging(req, source, &out, &grant, &conn.staging));
   // A fresh grant per source connection, for exactly this rank's regions (tcp: a write secret; verbs: the regions
   // registered again in the connection's own protection domain, once per connection, not per update); a transport
   // that cannot enforce grants gets a plain endpoint.
@@ -848,24 +868,32 @@ absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::Conne
   out.set_target_endpoint_info((*ep)->LocalInfo());
   WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(req.source_endpoint_info(), absl::Seconds(30)), "accepting source for engine ",
                             req.engine_id(), " rank ", req.rank());
-  // The endpoint that loses goes outside mu_ (a transport's endpoint may take a while to stop its threads); replacing
-  // one revokes its grant.
-  std::unique_ptr<transport::Endpoint> loser;
+  conn.endpoint = *std::move(ep);
+  // The connection that loses goes outside mu_ (a transport's endpoint may take a while to stop its threads);
+  // replacing one revokes its grant and frees the staging only it named.
+  Connection loser;
   std::lock_guard<std::mutex> l(mu_);
   auto old = endpoints_.find(key);
   const ConnectTargetAction action =
-      DecideConnectTarget(old != endpoints_.end(), old != endpoints_.end() && old->second->PeerConnected());
+      DecideConnectTarget(old != endpoints_.end(), old != endpoints_.end() && old->second.endpoint->PeerConnected());
   if (action == ConnectTargetAction::kReuse) {
     // A concurrent ConnectTarget of the same source connected first: its connection stays, this one is dropped.
-    out.set_target_endpoint_info(old->second->LocalInfo());
-    loser = *std::move(ep);
+    out.set_target_endpoint_info(old->second.endpoint->LocalInfo());
+    if (const Staging* st = old->second.staging.get(); st != nullptr) {
+      out.set_staging_descriptor(st->region->Descriptor());
+      out.set_staging_bytes(st->bytes);
+    } else {
+      out.clear_staging_descriptor();
+      out.set_staging_bytes(0);
+    }
+    loser = std::move(conn);
   } else {
     if (action == ConnectTargetAction::kReplace) {
       spdlog::info("ConnectTarget from {} for engine {} rank {}: its previous connection is gone; replaced", grant.peer,
                    req.engine_id(), req.rank());
       loser = std::move(old->second);
     }
-    endpoints_[key] = *std::move(ep);
+    endpoints_[key] = std::move(conn);
   }
   return out;
 }

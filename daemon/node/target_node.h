@@ -199,11 +199,20 @@ class TargetNode {
     // rank last held survive an ApplyDelta (every other range may have been written dense since).
     std::map<std::tuple<uint32_t, uint64_t, uint64_t>, uint64_t> device_sums;
   };
-  // A source connection's delta staging region: kept for the daemon's life (grants reference its registration).
+  // A source connection's delta staging region. Shared by the connections whose grants name it and pinned by an
+  // ApplyDelta reading it; freed (and deregistered) when the last of them lets go (docs/delta.md, "Staging").
   struct Staging {
     std::unique_ptr<uint8_t[]> data;
     uint64_t bytes = 0;
     std::unique_ptr<transport::LocalRegion> region;
+  };
+  // A source's connection to an engine rank (ConnectTarget): its endpoint, whose grant names the staging it holds.
+  struct Connection {
+    // The source node the plan's assignments name: its identity's when it has one, else the one it named
+    // (ConnectTargetRequest.source_node; empty: an insecure source that named none, never dropped by a re-plan).
+    std::string source_id;
+    std::shared_ptr<Staging> staging;  // its grant's delta staging (null: none); outlives `endpoint`
+    std::unique_ptr<transport::Endpoint> endpoint;
   };
   struct Engine {
     std::string id, kind, control_address;
@@ -254,9 +263,14 @@ class TargetNode {
   // of every rank the held assignments write (every rank when none are held). Requires mu_.
   void OpenDeltaWindow(int64_t version, v1::SetWriteWindowReply* out);
   // ConnectTarget asking for delta staging: creates (or reuses) the connection's staging region, answers it in
-  // `out` and adds it to `grant`; a rank without host segments is answered staging_refused. Takes mu_.
+  // `out`, adds it to `grant` and hands it to `*staging` (the connection keeps it alive). Takes mu_.
   absl::Status ProvideStaging(const v1::ConnectTargetRequest& req, const std::string& source,
-                              v1::ConnectTargetReply* out, transport::Transport::WriteGrant* grant);
+                              v1::ConnectTargetReply* out, transport::Transport::WriteGrant* grant,
+                              std::shared_ptr<Staging>* staging);
+  // Drops the connections whose source the held assignments do not give their rank (their grants were revoked;
+  // nothing may write through them), with the staging only they named. Requires mu_ and assignments_known_; the
+  // endpoints go to `dropped`, to be destroyed without mu_.
+  void DropUnassignedConnections(std::vector<Connection>* dropped);
 
   TargetOptions opts_;
   transport::Transport* transport_;
@@ -273,7 +287,7 @@ class TargetNode {
   // after its connection closed replaces (and so revokes the grant of) its own endpoint, nobody else's; while the
   // connection is live a repeat gets the same grant.
   using EndpointKey = std::tuple<std::string, int, std::string>;
-  std::map<EndpointKey, std::unique_ptr<transport::Endpoint>> endpoints_;
+  std::map<EndpointKey, Connection> endpoints_;
   bool window_enforced_ = false;  // guarded by mu_
   bool window_open_ = false;      // guarded by mu_
   bool grants_enforced_ = false;  // the transport enforces per-connection write grants (set by Start)
@@ -284,8 +298,9 @@ class TargetNode {
   std::string assignments_digest_;
   // Delta updates, guarded by mu_: staging per (engine, rank, source node); the plan's write ranges per assignment
   // (empty: all of every parameter); the update the window was last opened for and the ranks it writes.
-  std::map<std::tuple<std::string, int, std::string>, std::unique_ptr<Staging>> staging_;
-  std::vector<std::unique_ptr<Staging>> retired_staging_;  // replaced by a larger one; a grant may still name it
+  // staging_ names the newest region of each key; the connections (endpoints_) own them: a region no connection's
+  // grant names any more (replaced, revoked by a re-plan) is freed with its last connection.
+  std::map<std::tuple<std::string, int, std::string>, std::weak_ptr<Staging>> staging_;
   std::map<std::tuple<std::string, std::string, int>, std::vector<v1::WriteRange>> assigned_writes_;
   int64_t window_version_ = -1;
   std::set<std::pair<std::string, int>> window_ranks_;

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -28,6 +29,7 @@
 #include <xxhash.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/fd_passing.h"
 #include "daemon/common/window_assignments.h"
@@ -1004,6 +1006,124 @@ TEST_CASE("target: an open naming the held assignments keeps them; any other nam
   CHECK(f.node->SetWriteWindow(NamingHeldAssignments(b)).assignments_missing());
   CHECK(f.node->Status().write_window() == "closed");
   munmap(mem, 4096);
+}
+
+// Counts the bytes registered through it that are still registered (its regions wrap the inner transport's and
+// deregister with them): the test's own measure of what the target keeps registered.
+class CountingTransport final : public transport::Transport {
+ public:
+  explicit CountingTransport(std::unique_ptr<transport::Transport> inner) : inner_(std::move(inner)) {}
+  int64_t live_bytes() const { return live_.load(); }
+
+  std::string name() const override { return inner_->name(); }
+  bool viable() const override { return inner_->viable(); }
+  std::string reason() const override { return inner_->reason(); }
+  transport::Capabilities capabilities() const override { return inner_->capabilities(); }
+  absl::StatusOr<std::unique_ptr<transport::LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
+    return Wrap(inner_->RegisterMemory(addr, len));
+  }
+  absl::StatusOr<std::unique_ptr<transport::LocalRegion>> RegisterSourceMemory(void* addr, uint64_t len) override {
+    return Wrap(inner_->RegisterSourceMemory(addr, len));
+  }
+  absl::StatusOr<std::unique_ptr<transport::RemoteRegion>> ImportRegion(const std::string& d) override {
+    return inner_->ImportRegion(d);
+  }
+  absl::StatusOr<std::unique_ptr<transport::Endpoint>> CreateEndpoint() override { return inner_->CreateEndpoint(); }
+  absl::Status SetWriteWindow(bool open) override { return inner_->SetWriteWindow(open); }
+  uint64_t refused_writes() const override { return inner_->refused_writes(); }
+  absl::StatusOr<std::unique_ptr<transport::Endpoint>> CreateGrantedEndpoint(const WriteGrant& grant) override {
+    WriteGrant in = grant;
+    for (auto& r : in.regions) r = static_cast<const Region*>(r)->inner.get();
+    return inner_->CreateGrantedEndpoint(in);
+  }
+  void RevokeGrants(const std::function<bool(const WriteGrant&)>& keep) override { inner_->RevokeGrants(keep); }
+  absl::Status RequireGrants(bool require) override { return inner_->RequireGrants(require); }
+
+ private:
+  struct Region final : transport::LocalRegion {
+    Region(std::unique_ptr<transport::LocalRegion> r, std::atomic<int64_t>* l) : inner(std::move(r)), live(l) {
+      *live += static_cast<int64_t>(inner->length());
+    }
+    ~Region() override { *live -= static_cast<int64_t>(inner->length()); }
+    void* addr() const override { return inner->addr(); }
+    uint64_t length() const override { return inner->length(); }
+    std::string Descriptor() const override { return inner->Descriptor(); }
+    std::unique_ptr<transport::LocalRegion> inner;
+    std::atomic<int64_t>* live;
+  };
+  absl::StatusOr<std::unique_ptr<transport::LocalRegion>> Wrap(
+      absl::StatusOr<std::unique_ptr<transport::LocalRegion>> r) {
+    if (!r.ok()) return r.status();
+    return std::unique_ptr<transport::LocalRegion>(std::make_unique<Region>(*std::move(r), &live_));
+  }
+  std::unique_ptr<transport::Transport> inner_;
+  std::atomic<int64_t> live_{0};
+};
+
+// Delta staging is owned by the connections whose grants name it (issue 39): 100 re-plans, each giving the rank to
+// a new source (the old one gone: source churn) that asks for staging of alternating sizes, leave the target's
+// registered memory at the engine's segments plus the current source's one region, every time.
+TEST_CASE("target: 100 re-plans with source churn leave registered memory flat (delta staging is freed)", "[faults]") {
+  Fixture f;
+  auto counting = std::make_unique<CountingTransport>(std::move(f.transport));
+  CountingTransport* counted = counting.get();
+  f.transport = std::move(counting);
+  TargetOptions o;
+  o.delta_staging_fraction = 1.0;  // staging = what the source asks for (≤ the rank's 5120 bytes), 4 KiB pages
+  f.Start(o);
+  AttachOnce(f, [](Json&) {});
+  REQUIRE(f.conns.size() == 1);
+  const int64_t engine_bytes = counted->live_bytes();
+  REQUIRE(engine_bytes == 4096 + 1024);  // the rank's two segments
+  auto peer = transport::CreateTransport("tcp", {});
+  REQUIRE(peer.ok());
+  std::vector<uint8_t> src(64, 0x5C);
+  auto local = (*peer)->RegisterMemory(src.data(), src.size());
+  REQUIRE(local.ok());
+  auto plan = [](const std::string& source, int64_t v) {
+    v1::SetWriteWindowRequest r;
+    r.set_open(true);
+    r.set_version(v);
+    r.set_assignments_given(true);
+    auto* a = r.add_assignments();
+    a->set_source_node(source);
+    a->set_engine_id("fake0");
+    a->set_rank(0);
+    r.set_assignments_digest(WindowAssignmentsDigest(r.assignments()));
+    return r;
+  };
+  std::unique_ptr<transport::Endpoint> previous;
+  for (int i = 0; i < 100; ++i) {
+    const std::string id = absl::StrCat("train", i);
+    auto ep = (*peer)->CreateEndpoint();
+    REQUIRE(ep.ok());
+    v1::ConnectTargetRequest req;
+    req.set_engine_id("fake0");
+    req.set_rank(0);
+    req.set_source_endpoint_info((*ep)->LocalInfo());
+    req.set_source_node(id);
+    req.set_delta_write_bytes(i % 2 == 0 ? 4096 : 5000);
+    auto info = f.node->ConnectTarget(req, "source:" + id);
+    INFO("re-plan " << i << ": " << info.status().ToString());
+    REQUIRE(info.ok());
+    const uint64_t want = i % 2 == 0 ? 4096 : 8192;  // rounded up to whole pages
+    REQUIRE(info->staging_bytes() == want);
+    REQUIRE((*ep)->Connect(info->target_endpoint_info(), absl::Seconds(10)).ok());
+    // The re-plan: the rank is now the new source's; the old source's connection goes with its grant.
+    f.node->SetWriteWindow(plan(id, i + 1));
+    previous.reset();
+    CHECK(counted->live_bytes() == engine_bytes + static_cast<int64_t>(want));
+    // The current source's staging is alive and writable under its grant.
+    auto staging = (*peer)->ImportRegion(info->staging_descriptor());
+    REQUIRE(staging.ok());
+    transport::WriteRequest w{local->get(), 0, staging->get(), 0, src.size()};
+    absl::Status wrote = (*ep)->Write({w}, absl::Seconds(10));
+    INFO(wrote.ToString());
+    REQUIRE(wrote.ok());
+    v1::SetWriteWindowRequest close;
+    f.node->SetWriteWindow(close);
+    previous = *std::move(ep);
+  }
 }
 
 }  // namespace
