@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -31,7 +32,7 @@ std::string ToJson(const google::protobuf::Message& m) {
   return out;
 }
 
-// A connected peer must send its hello within this; a stalled frame may hold the loop at most this long.
+// A connected peer's whole hello frame must arrive within this (read without blocking: it holds no one else up).
 constexpr int kHelloTimeoutMs = 5000;
 // Connections at once (open sessions plus ones that have not sent their hello yet).
 constexpr size_t kMaxConns = 1024;
@@ -167,11 +168,11 @@ void TrainerSocket::Loop() {
         if (it == conns_.end() || it->second->session_id.empty() == sessions) continue;
         Conn* c = it->second.get();
         bool keep = true;
-        if (pfds[i].revents != 0) {
-          keep = Serve(c);
-        } else if (c->session_id.empty() && now >= c->hello_by_ms) {
-          spdlog::warn("trainer socket: pid {} (uid {}) sent no hello within {} ms; closed", c->pid, c->uid,
-                       kHelloTimeoutMs);
+        if (pfds[i].revents != 0) keep = Serve(c);
+        // One deadline for the whole frame, however its bytes trickle in.
+        if (keep && c->session_id.empty() && std::max(now, NowMs()) >= c->hello_by_ms) {
+          spdlog::warn("trainer socket: pid {} (uid {}) sent no complete hello within {} ms ({} bytes); closed", c->pid,
+                       c->uid, kHelloTimeoutMs, c->hello.size());
           keep = false;
         }
         if (!keep) conns_.erase(it);
@@ -209,8 +210,8 @@ void TrainerSocket::Accept() {
     Refuse(fd.get(), why);
     return;
   }
+  // Reads never block (ReadHello); the answer is one small frame, bounded all the same.
   timeval tv{kHelloTimeoutMs / 1000, 0};
-  setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   auto c = std::make_unique<Conn>();
   c->uid = cred.uid;
@@ -232,12 +233,15 @@ bool TrainerSocket::Serve(Conn* c) {
                                                        : "sent bytes after its hello (protocol error)");
     return false;
   }
-  auto frame = ReceiveFds(c->fd.get(), kMaxHelloBytes);
-  if (!frame.ok()) {
-    if (!absl::IsUnavailable(frame.status()))
-      spdlog::warn("trainer socket: pid {}: bad hello: {}", c->pid, frame.status().ToString());
+  absl::StatusOr<bool> complete = ReadHello(c);
+  if (!complete.ok()) {
+    if (!absl::IsUnavailable(complete.status()))
+      spdlog::warn("trainer socket: pid {}: bad hello: {}", c->pid, complete.status().ToString());
     return false;
   }
+  if (!*complete) return true;  // the rest of the frame is still to come (within its deadline)
+  const std::string message = c->hello.substr(4);
+  c->hello.clear();
   SessionRequest req;
   req.pid = c->pid;
   req.uid = c->uid;
@@ -245,9 +249,9 @@ bool TrainerSocket::Serve(Conn* c) {
   v1::TrainerHello hello;
   google::protobuf::util::JsonParseOptions po;
   po.ignore_unknown_fields = true;  // newer clients may say more
-  if (!frame->fds.empty()) {
+  if (c->hello_fds) {
     error = "the hello must not carry descriptors";
-  } else if (auto st = google::protobuf::util::JsonStringToMessage(frame->message, &hello, po); !st.ok()) {
+  } else if (auto st = google::protobuf::util::JsonStringToMessage(message, &hello, po); !st.ok()) {
     error = absl::StrCat("malformed hello (want {\"type\": \"open\", \"protocol\": 1, \"local_rank\": R}): ",
                          st.ToString());
   } else if (hello.type() == "replica") {
@@ -287,6 +291,49 @@ bool TrainerSocket::Serve(Conn* c) {
   }
   c->session_id = s->id;
   return true;
+}
+
+absl::StatusOr<bool> TrainerSocket::ReadHello(Conn* c) {
+  // The framing of base/fd_passing.h: a 4-byte little-endian length, then the message. Only the frame's own bytes
+  // are read (nothing follows a hello before its answer anyway).
+  static_assert(kMaxHelloBytes <= kMaxFdMessageBytes, "a hello is an ordinary fd_passing frame");
+  char buf[kMaxHelloBytes + 4];
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * kMaxFdsPerFrame));
+  for (;;) {
+    size_t want = 4 - std::min<size_t>(c->hello.size(), 4);
+    if (c->hello.size() >= 4) {
+      uint32_t len;
+      std::memcpy(&len, c->hello.data(), 4);
+      if (len > kMaxHelloBytes)
+        return absl::DataLossError(absl::StrCat("hello of ", len, " bytes exceeds ", kMaxHelloBytes));
+      want = 4 + len - c->hello.size();
+    }
+    if (want == 0) return true;
+    iovec iov{buf, want};
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = control.data();
+    mh.msg_controllen = control.size();
+    const ssize_t n = recvmsg(c->fd.get(), &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
+    if (n < 0) return ErrnoError("reading the hello");
+    // Descriptors are never part of a hello: closed at once, and the hello is refused once complete.
+    for (cmsghdr* m = CMSG_FIRSTHDR(&mh); m != nullptr; m = CMSG_NXTHDR(&mh, m)) {
+      if (m->cmsg_level != SOL_SOCKET || m->cmsg_type != SCM_RIGHTS) continue;
+      const size_t count = (m->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(m) + i * sizeof(int), sizeof(int));
+        ScopedFd closed(fd);
+      }
+      c->hello_fds = true;
+    }
+    if ((mh.msg_flags & MSG_CTRUNC) != 0) c->hello_fds = true;
+    if (n == 0) return absl::UnavailableError("the peer closed before its hello was complete");
+    c->hello.append(buf, static_cast<size_t>(n));
+  }
 }
 
 bool TrainerSocket::ServeReplica(Conn* c, const std::string& session_id) {

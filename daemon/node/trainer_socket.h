@@ -16,7 +16,9 @@
 // and gets {"type": "replica", "ok": true, "replica_generation": G, "replica_bytes": [...]} with one memfd per
 // replica layout (kMaxFdsPerFrame at most), after which the daemon closes that connection.
 //
-// Threads: one loop thread polls the listener and every connection; a hello must arrive within a few seconds.
+// Threads: one loop thread polls the listener and every connection and never blocks on a peer: a hello frame is read
+// as its bytes arrive (non-blocking), and the whole frame must have arrived within one deadline from the accept (a
+// few seconds), so a peer that trickles its hello delays no other rank's session.
 
 #include <atomic>
 #include <cstdint>
@@ -63,7 +65,9 @@ class TrainerSocket {
     uint32_t uid = 0, gid = 0;
     int64_t pid = 0;
     std::string session_id;  // empty until its hello opened a session
-    int64_t hello_by_ms = 0; // monotonic deadline for the hello
+    int64_t hello_by_ms = 0; // monotonic deadline for the whole hello frame
+    std::string hello;       // what has arrived of the hello frame: its 4-byte length prefix, then the message
+    bool hello_fds = false;  // descriptors rode on it (refused; they were closed on arrival)
   };
   TrainerSocket(TrainerSocketOptions opts, SourceNode* source, std::string rpc_address)
       : opts_(std::move(opts)), source_(source), rpc_address_(std::move(rpc_address)) {}
@@ -71,6 +75,9 @@ class TrainerSocket {
   void Accept();
   // Handles a readable connection; false when it is finished (closed or refused).
   bool Serve(Conn* c);
+  // Reads, without blocking, what has arrived of `c`'s hello frame: true once the frame is complete, false while
+  // more is to come; an error when the peer closed or the frame is malformed.
+  static absl::StatusOr<bool> ReadHello(Conn* c);
   // A {"type": "replica", "session_id": ...} hello: answers with the replica's memfds (zero-copy placement); always
   // finishes the connection.
   bool ServeReplica(Conn* c, const std::string& session_id);

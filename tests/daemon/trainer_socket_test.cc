@@ -13,7 +13,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <string>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "base/fd_passing.h"
@@ -229,6 +231,83 @@ TEST_CASE("trainer socket: a live socket is not taken over; a stale one is repla
   close(fd);  // bound, never listened: what a dead daemon leaves
   CHECK(TrainerSocket::ClaimPath(stale).ok());
   CHECK(access(stale.c_str(), F_OK) != 0);
+}
+
+// A raw connection to the trainer socket (the test speaks the frame format itself).
+ScopedFd Dial(const std::string& path) {
+  ScopedFd s(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::snprintf(a.sun_path, sizeof(a.sun_path), "%s", path.c_str());
+  REQUIRE(connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  return s;
+}
+
+// base/fd_passing.h framing, built here: a 4-byte little-endian length, then the message.
+std::string Frame(const std::string& msg) {
+  const uint32_t len = static_cast<uint32_t>(msg.size());
+  std::string out(4, '\0');
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<char>((len >> (8 * i)) & 0xff);
+  return out + msg;
+}
+
+// The loop never blocks on one peer (issue 39): a rank that trickles its hello a byte at a time (a frame that would
+// take ~30 s) holds up no other rank's session open, and is closed once its one deadline for the whole frame (5 s
+// from its accept) passed, however recently its last byte came. A hello arriving in pieces within the deadline opens
+// its session.
+TEST_CASE("trainer socket: a trickling peer delays no other rank and is cut at its frame deadline",
+          "[trainer_socket][faults]") {
+  Daemon d;
+  const std::string slow = Frame(R"({"type": "open", "protocol": 1, "local_rank": 0, "pad": "xxxxx"})");
+  ScopedFd trickler = Dial(d.path);
+  const absl::Time trickle_start = absl::Now();
+  std::promise<void> inside;  // set once the trickler is inside its frame
+  absl::Time cut_at;
+  size_t sent = 0;
+  std::thread t([&] {
+    for (; sent < slow.size(); ++sent) {
+      if (send(trickler.get(), slow.data() + sent, 1, MSG_NOSIGNAL) != 1) break;  // the daemon closed it
+      if (sent == 1) inside.set_value();
+      absl::SleepFor(absl::Milliseconds(400));  // the trickler's own pacing
+    }
+    cut_at = absl::Now();
+    if (sent <= 1) inside.set_value();
+  });
+  struct Joiner {
+    std::thread& t;
+    ~Joiner() {
+      if (t.joinable()) t.join();
+    }
+  } joiner{t};
+  inside.get_future().wait();
+
+  // Rank 1 opens its session at once.
+  const absl::Time t0 = absl::Now();
+  client::TrainerOptions o = Opts(d.path, 1);
+  o.connect_timeout = absl::Seconds(3);
+  auto c = client::TrainerClient::Connect(o);
+  const absl::Duration took = absl::Now() - t0;
+  INFO(c.status().ToString() << " after " << absl::FormatDuration(took));
+  REQUIRE(c.ok());
+  CHECK(took < absl::Seconds(1));
+
+  // Rank 0's hello in three pieces (the length prefix split): reassembled, answered with its ring.
+  ScopedFd pieces = Dial(d.path);
+  const std::string hello = Frame(R"({"type": "open", "protocol": 1, "local_rank": 0, "global_rank": 4})");
+  for (const auto& [at, n] : {std::pair<size_t, size_t>{0, 2}, {2, 9}, {11, hello.size() - 11}})
+    REQUIRE(send(pieces.get(), hello.data() + at, n, MSG_NOSIGNAL) == static_cast<ssize_t>(n));
+  auto reply = ReceiveFds(pieces.get());
+  INFO(reply.status().ToString());
+  REQUIRE(reply.ok());
+  CHECK(absl::StrContains(reply->message, "\"ok\":true"));
+  CHECK(reply->fds.size() == 1);
+  CHECK(d.node->Status().sessions() == 2);
+
+  t.join();
+  INFO("trickled " << sent << " of " << slow.size() << " bytes in " << absl::FormatDuration(cut_at - trickle_start));
+  CHECK(sent < slow.size());                           // cut off before it finished
+  CHECK(cut_at - trickle_start < absl::Seconds(7));    // at its deadline (5 s) plus one pacing step and slack
+  CHECK(d.node->Status().sessions() == 2);             // the trickler opened nothing
 }
 
 }  // namespace
