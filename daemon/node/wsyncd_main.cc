@@ -72,6 +72,7 @@ int main(int argc, char** argv) {
   app.add_option("--coordinator", coordinator,
                  "host:port of the coordinator, or a comma-separated list of the coordinators sharing one etcd state "
                  "store (the daemon reports to whichever leads, and follows a fail-over)")
+      ->envname("WSYNC_COORDINATOR")
       ->required();
   app.add_option("--port-file", port_file, "write the bound port here once serving");
   app.add_option("--transport", transport_name,

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engines"))
@@ -34,6 +35,99 @@ def free_port():
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def read_until(proc, pred, timeout):
+    """Reads proc's (text) stdout line by line until pred(line) holds or `timeout` s pass; returns the lines read.
+    Waits on the stream itself: a daemon's log line is the event, not a sleep."""
+    lines = []
+    timer = threading.Timer(timeout, proc.kill)  # past the timeout the stream ends (EOF), and so does the loop
+    timer.start()
+    try:
+        for line in iter(proc.stdout.readline, ""):
+            lines.append(line)
+            if pred(line):
+                break
+    finally:
+        timer.cancel()
+    return lines
+
+
+def check_empty_cluster(b, ep):
+    """A coordinator nobody registered with: every table says what to start next, JSON agrees with the table."""
+    ctl = b("wsyncctl")
+    for sub in ("nodes", "engines", "status"):
+        rc, out, _ = run([ctl, sub, "--endpoints", ep])
+        check(rc == 0 and ("no node registered" in out or "no engine registered" in out),
+              f"wsyncctl {sub} on an empty cluster names the next step (rc {rc}): {out.strip()[-300:]!r}")
+    rc, out, _ = run([ctl, "nodes", "-o", "json", "--endpoints", ep])
+    doc = json.loads(out) if rc == 0 else {}
+    check(doc == {"nodes": []}, f"nodes -o json holds the nodes only (no open_version 0 where status says -1): {doc}")
+    rc, out, _ = run([ctl, "engines", "--watch", "--for", "1", "--endpoints", ep])
+    check(rc == 0 and "no engine registered" in out, f"engines --watch on an empty cluster says so at once: {out!r}")
+    rc, out, _ = run([ctl, "engines", "--watch", "--for", "1", "-o", "json", "--endpoints", ep])
+    lines = out.strip().splitlines()
+    check(rc == 0 and len(lines) >= 1 and json.loads(lines[0]).get("engines") == [],
+          f"engines --watch -o json on an empty cluster: one state with no engines: {lines[:1]}")
+    rc, out, err = run([ctl, "resume", "--endpoints", ep])
+    check(rc == 0 and out.startswith("nothing to resume") and "-:" not in out,
+          f"resume on an idle, empty cluster says there is nothing to resume (rc {rc}): {out.strip()!r} {err.strip()!r}")
+    # --version is the global flag wherever it stands; the update to abort is a positional argument.
+    rc, out, _ = run([ctl, "abort", "--version"])
+    check(rc == 0 and out.startswith("wsyncctl "), f"abort --version prints wsyncctl's version (rc {rc}): {out!r}")
+    rc, _, err = run([ctl, "abort", "--version", "3", "--endpoints", ep])
+    check(rc == 2 and "wsyncctl abort 3" in err, f"abort --version 3 (the old form) is refused, naming the new one "
+          f"(rc {rc}): {err.strip()!r}")
+    rc, _, err = run([ctl, "abort", "3", "--endpoints", ep])
+    check(rc == 1 and "3" in err, f"abort 3 with no update open: the coordinator's refusal (rc {rc}): {err.strip()!r}")
+    # One environment variable names the coordinator: WSYNC_COORDINATOR (the old WSYNC_ENDPOINTS still works, warned).
+    base = {k: v for k, v in os.environ.items() if k not in ("WSYNC_COORDINATOR", "WSYNC_ENDPOINTS")}
+    p = subprocess.run([ctl, "status", "-o", "json"], env=dict(base, WSYNC_COORDINATOR=ep), capture_output=True,
+                       text=True, timeout=30)
+    check(p.returncode == 0 and not p.stderr.strip(), f"WSYNC_COORDINATOR sets wsyncctl's coordinator (rc "
+          f"{p.returncode}): {p.stderr.strip()!r}")
+    p = subprocess.run([ctl, "status", "-o", "json"], env=dict(base, WSYNC_ENDPOINTS=ep), capture_output=True,
+                       text=True, timeout=30)
+    check(p.returncode == 0 and "WSYNC_ENDPOINTS is deprecated" in p.stderr,
+          f"WSYNC_ENDPOINTS still works, with a deprecation warning (rc {p.returncode}): {p.stderr.strip()!r}")
+
+
+def check_metrics_port(b, wd):
+    """wsyncctl pointed at an insecure coordinator's metrics port: told it is HTTP, not that it requires TLS."""
+    mport = free_port()
+    pf = os.path.join(wd, "metrics-coord.port")
+    coord = subprocess.Popen([b("wsync-coordinator"), "--listen", "127.0.0.1:0", "--port-file", pf,
+                              "--metrics-listen", f"127.0.0.1:{mport}"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        harness.wait_for("coordinator port", lambda: harness.read_port_file(pf), 20, None, None, 0.05)
+        rc, _, err = run([b("wsyncctl"), "status", "--endpoints", f"127.0.0.1:{mport}"])
+        check(rc == 2 and "answers HTTP/1.1, not gRPC" in err and "requires TLS" not in err,
+              f"the metrics port given as --endpoints: exit 2, named as HTTP (rc {rc}): {err.strip()!r}")
+    finally:
+        coord.terminate()
+        coord.wait(10)
+
+
+def check_data_host(b):
+    """wsyncd's tcp data listener follows the node's address; a loopback --data-host on a non-loopback node is
+    refused at start naming the flag."""
+    rc, out, err = run([b("wsyncd"), "--role", "target", "--insecure", "--coordinator", "127.0.0.1:1", "--listen",
+                        "0.0.0.0:0", "--advertise", "192.0.2.1", "--data-host", "127.0.0.1", "--engine",
+                        "127.0.0.1:1"], timeout=30)
+    check(rc == 2 and "--data-host 127.0.0.1 is a loopback address" in out + err,
+          f"--data-host 127.0.0.1 with --advertise 192.0.2.1: exit 2 naming --data-host (rc {rc}): {(out + err)[-300:]!r}")
+    d = subprocess.Popen([b("wsyncd"), "--role", "source", "--coordinator", "127.0.0.1:1", "--listen",
+                          "127.0.0.2:0", "--ring-mib", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    try:
+        lines = read_until(d, lambda l: "tcp transport listening on" in l, 30)
+    finally:
+        d.terminate()
+        d.wait(10)
+    said = [l.strip() for l in lines if "tcp transport listening on" in l]
+    check(len(said) == 1 and "listening on 127.0.0.2:" in said[0],
+          f"without --data-host the data listener binds --listen's host 127.0.0.2: {said or lines[-3:]}")
 
 
 def check_node_id_default(b, ep):
@@ -197,7 +291,7 @@ def check_connection_errors(b, wd):
     ctl = b("wsyncctl")
     dead = f"127.0.0.1:{free_port()}"
     rc, _, err = run([ctl, "status", "--endpoints", dead, "--dial-timeout", "1"])
-    check(rc == 3 and "--endpoints or WSYNC_ENDPOINTS" in err and dead in err,
+    check(rc == 3 and "--endpoints or WSYNC_COORDINATOR" in err and dead in err,
           f"unreachable coordinator: exit 3 with the --endpoints hint (rc {rc}): {err.strip()!r}")
     certs, foreign = os.path.join(wd, "certs"), os.path.join(wd, "foreign")
     mk = os.path.join(ROOT, "tools", "cli", "wsync-certs.sh")
@@ -267,7 +361,7 @@ def main():
     rc, _, err = run([b("wsyncctl"), "status", "-w", "json", "--endpoints", dead, "--dial-timeout", "1"])
     check(rc == 3, f"unreachable coordinator exits 3 (rc {rc})")
     rc, _, err = run([b("wsyncctl"), "checksums", "--engine", "eng0", "--endpoints", dead, "--dial-timeout", "1"])
-    check(rc == 3 and "TLS" not in err and "WSYNC_ENDPOINTS" in err,
+    check(rc == 3 and "TLS" not in err and "WSYNC_COORDINATOR" in err,
           f"checksums --engine ID asks the coordinator for the engine; unreachable: exit 3, no TLS blame: {err.strip()!r}")
     # libibverbs is loaded at run time, never linked: wsyncd must start on hosts without rdma-core.
     rc, out, _ = run(["readelf", "-d", b("wsyncd")])
@@ -300,6 +394,7 @@ def main():
             for sub in ("nodes", "engines"):
                 rc, out, _ = run([b("wsyncctl"), sub, "--endpoints", ep, "-w", "json"])
                 check(rc == 0, f"wsyncctl {sub} on an empty cluster (rc {rc})")
+            check_empty_cluster(b, ep)
             # Transport selection (docs/operations.md, "Transports"): libibverbs is loaded at run time, so wsyncd
             # starts where it is missing; a single transport that is not viable is an error, a listed fallback is
             # used and shows in the node list.
@@ -342,11 +437,13 @@ def main():
             coord.wait(10)
 
         check_connection_errors(b, wd)
+        check_metrics_port(b, wd)
+        check_data_host(b)
 
         # SIGTERM while the daemon retries its registration: it must stop promptly with status 0.
         d = subprocess.Popen([b("wsyncd"), "--role", "source", "--coordinator", dead, "--listen", "127.0.0.1:0",
                               "--ring-mib", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        time.sleep(2.5)
+        log = "".join(read_until(d, lambda l: "attempt 1/" in l, 30))  # retrying its registration now
         t0 = time.time()
         d.send_signal(signal.SIGTERM)
         try:
@@ -354,7 +451,7 @@ def main():
         except subprocess.TimeoutExpired:
             d.kill()
             rc = d.wait()
-        log = d.stdout.read()
+        log += d.stdout.read()
         check(rc == 0 and time.time() - t0 < 3, f"SIGTERM during registration: rc {rc} after {time.time() - t0:.1f}s")
         check("attempt 1/" in log, "each failed registration attempt is logged")
 
@@ -362,14 +459,15 @@ def main():
         d = subprocess.Popen([b("wsyncd"), "--role", "source", "--coordinator", dead, "--listen", "127.0.0.1:0",
                               "--ring-mib", "4", "--log-format", "json"], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-        time.sleep(1.5)
+        first = []
+        read_until(d, lambda l: bool(l.strip() and first.append(l) is None and len(first) >= 2), 30)
         d.send_signal(signal.SIGTERM)
         try:
             d.wait(5)
         except subprocess.TimeoutExpired:
             d.kill()
             d.wait()
-        lines = [l for l in d.stdout.read().splitlines() if l.strip()]
+        lines = first + [l for l in d.stdout.read().splitlines() if l.strip()]
         parsed = []
         for l in lines:
             try:

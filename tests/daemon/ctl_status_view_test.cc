@@ -189,7 +189,7 @@ TEST_CASE("connection errors: a hint instead of gRPC's text, configuration (2) t
   const absl::Status closed = absl::UnavailableError("failed to connect to all addresses; last error: Socket closed");
   CallError e = DescribeCallError(closed, "127.0.0.1:7600", false, "--endpoints", EndpointProbe::kRefused);
   CHECK(e.exit_code == 3);
-  CHECK(e.message.find("--endpoints or WSYNC_ENDPOINTS") != std::string::npos);
+  CHECK(e.message.find("--endpoints or WSYNC_COORDINATOR") != std::string::npos);
   CHECK(e.message.find("127.0.0.1:7600") != std::string::npos);
 
   e = DescribeCallError(closed, "127.0.0.1:7600", false, "--endpoints", EndpointProbe::kTlsRequired);
@@ -208,6 +208,14 @@ TEST_CASE("connection errors: a hint instead of gRPC's text, configuration (2) t
   CHECK(e.exit_code == 2);
   CHECK(e.message.find("not signed by the CA this client trusts") != std::string::npos);
   CHECK(e.message.find('\n') == std::string::npos);
+
+  // A metrics or status-page port: HTTP/1.1, neither TLS nor gRPC, whatever this client's TLS.
+  for (bool tls : {false, true}) {
+    e = DescribeCallError(closed, "127.0.0.1:9600", tls, "--endpoints", EndpointProbe::kHttp1);
+    CHECK(e.exit_code == 2);
+    CHECK(e.message.find("answers HTTP/1.1, not gRPC") != std::string::npos);
+    CHECK(e.message.find("TLS") == std::string::npos);
+  }
 
   e = DescribeCallError(closed, "127.0.0.1:7600", true, "--endpoints", EndpointProbe::kPlaintext);
   CHECK(e.exit_code == 2);
@@ -249,6 +257,34 @@ TEST_CASE("ProbeEndpoint: nothing listening, and a server that closes a plaintex
   });
   CHECK(ProbeEndpoint("127.0.0.1:" + std::to_string(ntohs(a.sin_port)), 2000) == EndpointProbe::kTlsRequired);
   server.join();
+
+  // An HTTP/1.1 server (a --metrics-listen port): it answers the preface's request line with a status line.
+  std::thread http([&] {
+    ScopedFd c(accept(l.get(), nullptr, nullptr));
+    char buf[64];
+    (void)!read(c.get(), buf, sizeof(buf));
+    const char kReply[] = "HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+    (void)!write(c.get(), kReply, sizeof(kReply) - 1);
+  });
+  CHECK(ProbeEndpoint("127.0.0.1:" + std::to_string(ntohs(a.sin_port)), 2000) == EndpointProbe::kHttp1);
+  http.join();
+}
+
+TEST_CASE("empty clusters and resume: a next step instead of a bare header or an empty list") {
+  v1::ResumeEnginesReply none;
+  const std::string idle = FormatResumed(none);
+  INFO(idle);
+  CHECK(idle.find("nothing to resume") == 0);
+  CHECK(idle.find("wsyncd --role target") != std::string::npos);
+  CHECK(idle.find("-:") == std::string::npos);
+  v1::ResumeEnginesReply two;
+  two.add_engines("engine0");
+  two.add_engines("engine1");
+  CHECK(FormatResumed(two) == "resumed 2 engines at version - (no update has committed yet): engine0, engine1");
+  two.set_version("7");
+  CHECK(FormatResumed(two) == "resumed 2 engines at version 7: engine0, engine1");
+  CHECK(std::string(kNoNodesHint).find("wsyncd --role source") != std::string::npos);
+  CHECK(std::string(kNoEnginesHint).find("--engine") != std::string::npos);
 }
 
 }  // namespace

@@ -97,8 +97,13 @@ TEST_CASE("plan command: says which rates it predicts with and where they were m
     return RunCaptured(a, code);
   };
   int code = -1;
+  // Without --executor the prediction is for wsync's own source daemon (pipelined), not the seed's serial one.
+  std::string out = with({}, &code);
+  CHECK(code == 0);
+  CHECK(out.find("pipelined executor)") != std::string::npos);
+  CHECK(with({"--executor", "serial"}, &code).find("serial executor)") != std::string::npos);
   // wsync's executor: the node rates measured by bench/node, when a result was compiled in; else the defaults.
-  std::string out = with({"--executor", "pipelined"}, &code);
+  out = with({"--executor", "pipelined"}, &code);
   CHECK(code == 0);
   if (planner::BuiltinNodeRates().ok()) {
     CHECK(out.find("rates             replica load per node") != std::string::npos);

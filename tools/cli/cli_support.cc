@@ -141,6 +141,8 @@ EndpointProbe ProbeEndpoint(const std::string& endpoint, int timeout_ms) {
     got += static_cast<size_t>(n);
   }
   if (got == 0) return EndpointProbe::kRefused;  // accepted but silent: not something we can name
+  // An HTTP/1.x server (metrics, status page) answers the preface's request line with its own status line.
+  if (got >= 4 && std::string(reinterpret_cast<const char*>(buf), 4) == "HTTP") return EndpointProbe::kHttp1;
   if (buf[0] == 0x15 || buf[0] == 0x16) return EndpointProbe::kTlsRequired;  // TLS alert or handshake record
   return got >= 4 && buf[3] == 0x04 ? EndpointProbe::kPlaintext : EndpointProbe::kTlsRequired;
 }
@@ -153,7 +155,7 @@ bool IsConnectionFailure(const absl::Status& s) {
 CallError DescribeCallError(const absl::Status& s, const std::string& endpoint, bool tls, const std::string& flag,
                             EndpointProbe probe) {
   const std::string msg(s.message());
-  const std::string env = flag == "--endpoints" ? " or WSYNC_ENDPOINTS" : "";
+  const std::string env = flag == "--endpoints" ? " or WSYNC_COORDINATOR" : "";
   const std::string certs =
       "--tls-ca/--tls-cert/--tls-key or WSYNC_TLS_CA/WSYNC_TLS_CERT/WSYNC_TLS_KEY (docs/security.md; "
       "tools/cli/wsync-certs.sh makes test ones)";
@@ -169,6 +171,12 @@ CallError DescribeCallError(const absl::Status& s, const std::string& endpoint, 
       absl::StrContains(msg, "ALERT_CERTIFICATE_REQUIRED"))
     return {absl::StrCat("TLS: ", endpoint,
                          " refused this client's certificate (is it signed by the CA the server trusts?)"),
+            cli::kExitUsage};
+  if (probe == EndpointProbe::kHttp1)
+    return {absl::StrCat(endpoint,
+                         " answers HTTP/1.1, not gRPC: is that a --metrics-listen or --http-listen port? Give the "
+                         "gRPC address (the server's --listen; a coordinator's is port 7600 by default) with ",
+                         flag, env),
             cli::kExitUsage};
   if (probe == EndpointProbe::kTlsRequired && !tls)
     return {absl::StrCat(endpoint, " requires TLS: a client certificate is required (", certs, ")"), cli::kExitUsage};

@@ -20,6 +20,7 @@ enum class EndpointProbe {
   kRefused,      // nothing listens (connection refused, no route, timeout)
   kPlaintext,    // an HTTP/2 server without TLS answered
   kTlsRequired,  // the server closed the plaintext connection or answered with TLS: it wants a TLS client
+  kHttp1,        // an HTTP/1.x server answered (e.g. a --metrics-listen or --http-listen port): not gRPC at all
 };
 
 // Connects to host:port and sends an HTTP/2 preface without TLS; classifies the answer within `timeout_ms`.

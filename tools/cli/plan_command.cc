@@ -315,7 +315,7 @@ int RunPlanCommand(int argc, char** argv) {
       "Example: plan --model config.json --train tp=8,pp=8,cp=4,ep=32,nodes=32 --infer instances=8,tp=32,ep=32 "
       "--nic 8x400Gbps --weights fp8:64");
   std::string model, train = "tp=1", infer = "instances=1,tp=1", nic = "8x400Gbps", strategy = "balanced";
-  std::string out = "table", weights = "bf16", executor = "serial";
+  std::string out = "table", weights = "bf16", executor;  // default: see --executor
   std::vector<std::string> models_dirs;
   bool seed_table = false, tasks = false, no_gather = false;
   planner::CostParams cp;
@@ -326,7 +326,10 @@ int RunPlanCommand(int argc, char** argv) {
   app.add_option("--strategy", strategy, "seed|balanced|local")->capture_default_str();
   app.add_option("-w,--write-out", out, "table|json")->capture_default_str();
   app.add_option("--weights", weights, "transfer format: bf16, fp8 (128 blocks) or fp8:BLOCK")->capture_default_str();
-  app.add_option("--executor", executor, "serial (the seed's) or pipelined")->capture_default_str();
+  app.add_option("--executor", executor,
+                 "the executor the time is predicted for: pipelined (what wsync's source daemons run) or serial "
+                 "(the seed's). Default: pipelined, with the plan built as the coordinator builds it; serial for "
+                 "--seed-table");
   auto* load_opt = app.add_option("--replica-load-gbps", cp.replica_load_gbps,
                                   "CPU replica load rate per source, each source on its own (no node rates)")
                        ->capture_default_str();
@@ -374,6 +377,13 @@ int RunPlanCommand(int argc, char** argv) {
     return kExitUsage;
   };
   if (out != "table" && out != "json") return usage(absl::InvalidArgumentError("-w must be table or json"));
+  // Without --executor the time is predicted for what wsync's source daemons run (pipelined, with the measured node
+  // rates), while the plan itself is built as the coordinator builds it (its cost model: the serial executor's
+  // per-source defaults), so that the plan printed is the one the coordinator would execute.
+  const bool executor_given = !executor.empty();
+  if (!executor_given) executor = seed_table ? "serial" : "pipelined";
+  planner::CostParams coordinator_cost = cp;  // the flags' rates, before any node rates
+  coordinator_cost.executor = planner::Executor::kSerial;
   if (executor == "serial") {
     cp.executor = planner::Executor::kSerial;
   } else if (executor == "pipelined") {
@@ -410,6 +420,7 @@ int RunPlanCommand(int argc, char** argv) {
   auto min_source = planner::ParseMinSourceMib(min_source_mib);
   if (!min_source.ok()) return usage(min_source.status());
   cp.include_gather = !no_gather;
+  coordinator_cost.include_gather = cp.include_gather;
   if (seed_table) {
     if (models_dirs.empty()) return usage(absl::InvalidArgumentError("--seed-table needs --models-dir"));
     return RunSeedTable(models_dirs, cp, out == "json");
@@ -436,7 +447,7 @@ int RunPlanCommand(int argc, char** argv) {
   planner::PlanOptions opt;
   opt.strategy = *st;
   opt.min_source_bytes = *min_source;
-  opt.cost = cp;
+  opt.cost = executor_given ? cp : coordinator_cost;
   opt.snap_bytes = snap_kib << 10;
   const auto t0 = std::chrono::steady_clock::now();
   auto plan = planner::BuildPlan(*in, opt);

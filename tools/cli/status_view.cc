@@ -1,5 +1,6 @@
 #include "tools/cli/status_view.h"
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 
@@ -67,6 +68,13 @@ std::string FormatEngines(const v1::ClusterStatus& s) {
                             e.kind().empty() ? "-" : e.kind(), e.ranks(), e.address(), n.node_id(),
                             e.weight_version().empty() ? "-" : e.weight_version(), e.state());
   return out;
+}
+
+std::string FormatResumed(const v1::ResumeEnginesReply& r) {
+  if (r.engines_size() == 0) return absl::StrCat("nothing to resume: ", kNoEnginesHint);
+  return absl::StrFormat("resumed %d engine%s at version %s: %s", r.engines_size(), r.engines_size() == 1 ? "" : "s",
+                         r.version().empty() ? "- (no update has committed yet)" : r.version(),
+                         absl::StrJoin(r.engines(), ", "));
 }
 
 }  // namespace wsync::tools

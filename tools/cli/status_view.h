@@ -32,4 +32,16 @@ std::string FormatClusterHeadline(const v1::ClusterStatus& s);
 // serves (EngineSummary.weight_version).
 std::string FormatEngines(const v1::ClusterStatus& s);
 
+// What an empty cluster's tables add under their headers: what registers nodes and engines, so a new user sees the
+// next step rather than a bare header.
+inline constexpr char kNoNodesHint[] =
+    "(no node registered: start `wsyncd --role source` on each trainer node and `wsyncd --role target --engine ADDR` "
+    "on each inference node, with --coordinator this address; deploy/README.md)";
+inline constexpr char kNoEnginesHint[] =
+    "(no engine registered: engines are registered by their target daemon, `wsyncd --role target --engine ADDR "
+    "--coordinator this address`)";
+
+// `wsyncctl resume`'s line: which engines were resumed at which version, or that there was none to resume.
+std::string FormatResumed(const v1::ResumeEnginesReply& r);
+
 }  // namespace wsync::tools

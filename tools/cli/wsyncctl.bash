@@ -31,7 +31,7 @@ _wsyncctl() {
     engines) flags="--watch --for --health-listen" ;;
     verify) flags="--engine --version --step --synthetic --all" ;;
     checksums) flags="--engine --rank" ;;
-    abort) flags="--version --reason" ;;
+    abort) flags="--reason" ;;
     watch) flags="--interval --for --once --idle-every" ;;
     plan) flags="--model --train --infer --nic --strategy --weights --executor --tasks --seed-table --no-gather
       --min-source-mib --node-rates --models-dir" ;;

@@ -8,6 +8,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/numbers.h"
@@ -282,7 +283,7 @@ int RunWatch(const std::string& endpoint, const Peer& peer, absl::Duration dt, b
 }
 
 // `wsyncctl engines --watch`: prints the engines' states at every change, optionally serving them to a router.
-int RunEnginesWatch(const std::string& endpoint, absl::Duration dt, bool json, double seconds,
+int RunEnginesWatch(const std::string& endpoint, const Peer& peer, absl::Duration dt, bool json, double seconds,
                     const std::string& health_listen) {
   std::unique_ptr<tools::EngineHealthServer> health;
   if (!health_listen.empty()) {
@@ -302,6 +303,22 @@ int RunEnginesWatch(const std::string& endpoint, absl::Duration dt, bool json, d
     std::fflush(stdout);
   }
   client::CoordinatorClient c(endpoint, dt);
+  // The stream sends a state only when it changes, and an empty cluster's never does: say so at once.
+  auto first = c.Status();
+  if (!first.ok()) return ExitFor(first.status(), peer);
+  bool any_engine = false;
+  for (const auto& n : first->nodes()) any_engine |= n.engine_details_size() > 0;
+  if (!any_engine) {
+    if (json) {
+      v1::EngineStates none;
+      none.set_current_version(first->current_version());
+      std::printf("%s\n", tools::ProtoToJson(none).dump().c_str());
+    } else {
+      std::printf("current version %s\n  %s\n", first->current_version().empty() ? "-" : first->current_version().c_str(),
+                  tools::kNoEnginesHint);
+    }
+    std::fflush(stdout);
+  }
   absl::Status st = c.WatchEngines(
       [&](const v1::EngineStates& s) {
         if (health) health->Update(s);
@@ -319,7 +336,7 @@ int RunEnginesWatch(const std::string& endpoint, absl::Duration dt, bool json, d
         return true;
       },
       0.2, absl::Seconds(seconds));
-  return ExitFor(st);  // prints the error
+  return ExitFor(st, peer);  // prints the error
 }
 
 }  // namespace
@@ -336,7 +353,7 @@ int main(int argc, char** argv) {
   double dial_timeout = 5;
   app.add_option("--endpoints", endpoint,
                  "coordinator host:port, or a comma-separated list of the coordinators sharing one etcd state store "
-                 "(the command goes to the leader)")->envname("WSYNC_ENDPOINTS");
+                 "(the command goes to the leader)")->envname("WSYNC_COORDINATOR");
   app.add_option("-w,--write-out,-o,--output", output, "output format: table|json")
       ->check(CLI::IsMember({"table", "json"}));
   app.add_option("--dial-timeout", dial_timeout, "seconds to wait for an endpoint")->check(CLI::PositiveNumber);
@@ -388,7 +405,7 @@ int main(int argc, char** argv) {
   auto* abort_cmd = app.add_subcommand("abort", "close the open update without committing it (engines stay paused)");
   int64_t abort_version = -1;
   std::string reason;
-  abort_cmd->add_option("--version,version", abort_version, "the open update's version")->required();
+  abort_cmd->add_option("version", abort_version, "the open update's version (`wsyncctl abort 42`)")->required();
   abort_cmd->add_option("--reason", reason, "recorded in the history");
   auto* watch = app.add_subcommand(
       "watch",
@@ -421,7 +438,7 @@ int main(int argc, char** argv) {
   app.footer(
       "exit codes: 0 ok, 1 failure, 2 bad usage or configuration (e.g. no client certificate for an mTLS "
       "coordinator), 3 endpoint unavailable\n"
-      "global flags may stand anywhere on the line; the coordinator's address: --endpoints or WSYNC_ENDPOINTS "
+      "global flags may stand anywhere on the line; the coordinator's address: --endpoints or WSYNC_COORDINATOR "
       "(default 127.0.0.1:7600)\n\n"
       "examples:\n"
       "  wsyncctl status                                   state, open update, last failure, nodes, engines\n"
@@ -434,9 +451,29 @@ int main(int argc, char** argv) {
       "  wsyncctl verify                                   check every engine rank against the sources' checksums\n"
       "  wsyncctl plan --model config.json --train tp=8,nodes=2 --infer instances=4,tp=8\n"
       "  WSYNC_TLS_CA=ca.pem WSYNC_TLS_CERT=admin.pem WSYNC_TLS_KEY=admin-key.pem wsyncctl resume\n");
+  // WSYNC_COORDINATOR names the coordinator everywhere (docs, deploy files, the Python client's examples); the
+  // name wsyncctl once read alone is still taken, with a warning.
+  if (const char* old = std::getenv("WSYNC_ENDPOINTS"); old != nullptr && *old != '\0') {
+    const char* now = std::getenv("WSYNC_COORDINATOR");
+    if (now == nullptr || *now == '\0') {
+      std::fprintf(stderr, "wsyncctl: WSYNC_ENDPOINTS is deprecated: set WSYNC_COORDINATOR (using %s)\n", old);
+      setenv("WSYNC_COORDINATOR", old, 1);
+    } else if (std::string(now) != old) {
+      std::fprintf(stderr, "wsyncctl: WSYNC_ENDPOINTS (deprecated) is ignored: WSYNC_COORDINATOR=%s is set\n", now);
+    }
+  }
   const int at = CommandIndex(app, argc, argv);
   if (at > 0) {
     const std::string cmd = argv[at];
+    // `abort --version V` (once its form) would now print wsyncctl's version and abort nothing: refuse it.
+    for (int i = at + 1; cmd == "abort" && i + 1 < argc; ++i) {
+      int64_t v = 0;
+      if (std::string(argv[i]) == "--version" && absl::SimpleAtoi(argv[i + 1], &v)) {
+        std::fprintf(stderr, "Error: give the update's version without a flag: wsyncctl abort %s (--version prints "
+                     "wsyncctl's version)\n", argv[i + 1]);
+        return kExitUsage;
+      }
+    }
     if (cmd == "plan") return RunPlan(app, argc, argv, at);
     if (std::find(commands.begin(), commands.end(), cmd) == commands.end()) {
       std::fprintf(stderr, "Error: unknown command \"%s\" (commands: %s; see wsyncctl --help)\n", cmd.c_str(),
@@ -475,16 +512,17 @@ int main(int argc, char** argv) {
     }
     return s.ok() ? kExitOk : ExitFor(s.status(), coordinator);
   }
-  if (*engines_cmd && engines_watch) return RunEnginesWatch(endpoint, dt, json, engines_for, health_listen);
+  if (*engines_cmd && engines_watch) return RunEnginesWatch(endpoint, coordinator, dt, json, engines_for, health_listen);
   if (*nodes || *engines_cmd) {
     client::CoordinatorClient c(endpoint, dt);
     auto s = c.Status();
     if (!s.ok()) return ExitFor(s.status(), coordinator);
     if (*nodes) {
       if (json) {
-        v1::ClusterStatus only;
-        *only.mutable_nodes() = s->nodes();
-        PrintJson(only);
+        // Only the nodes: a ClusterStatus holding them would print its other fields at their defaults
+        // (open_version 0 where `status` says -1).
+        nlohmann::json j = {{"nodes", tools::ProtoToJson(*s)["nodes"]}};
+        std::printf("%s\n", j.dump(2).c_str());
         return kExitOk;
       }
       std::printf("%-28s %-7s %-22s %-6s %-9s %s\n", "NODE", "ROLE", "ADDRESS", "XPORT", "REACHABLE", "ENGINES");
@@ -492,6 +530,7 @@ int main(int argc, char** argv) {
         std::printf("%-28s %-7s %-22s %-6s %-9s %s\n", n.node_id().c_str(), n.role().c_str(), n.address().c_str(),
                     n.transport().c_str(), n.reachable() ? "yes" : "NO",
                     n.engines_size() ? absl::StrJoin(n.engines(), ",").c_str() : "-");
+      if (s->nodes_size() == 0) std::printf("%s\n", tools::kNoNodesHint);
       return kExitOk;
     }
     if (json) {
@@ -506,6 +545,9 @@ int main(int argc, char** argv) {
       return kExitOk;
     }
     std::printf("%s", tools::FormatEngines(*s).c_str());
+    bool any_engine = false;
+    for (const auto& n : s->nodes()) any_engine |= n.engine_details_size() > 0;
+    if (!any_engine) std::printf("%s\n", tools::kNoEnginesHint);
     return kExitOk;
   }
   if (*watch) return RunWatch(endpoint, coordinator, dt, json, interval, watch_for, once, idle_every);
@@ -613,8 +655,7 @@ int main(int argc, char** argv) {
       PrintJson(*r);
       return kExitOk;
     }
-    std::printf("resumed %d engines at version %s: %s\n", r->engines_size(),
-                r->version().empty() ? "-" : r->version().c_str(), absl::StrJoin(r->engines(), ", ").c_str());
+    std::printf("%s\n", tools::FormatResumed(*r).c_str());
     return kExitOk;
   }
   if (*status || *history) {
@@ -640,6 +681,7 @@ int main(int argc, char** argv) {
       bool any_engine = false;
       for (const auto& n : s->nodes()) any_engine |= n.engine_details_size() > 0;
       if (any_engine) std::printf("\n%s", tools::FormatEngines(*s).c_str());
+      if (s->nodes_size() == 0) std::printf("%s\n", tools::kNoNodesHint);
       if (!targets.empty()) std::printf("\n%s", tools::FormatTargetPaths(targets).c_str());
       if (s->plan_size() > 0) {
         std::printf("\n%-28s %-12s %-5s %s\n", "SOURCE", "ENGINE", "RANK", "MiB");
