@@ -32,9 +32,10 @@ class Walker {
   LayoutPlan TakePlan() { return std::move(plan_); }
 
  private:
+  // `name` is the checkpoint's (what the sources read); a draft's parameters take SGLang's draft names.
   int AddParam(std::string name, DType dtype, std::vector<int64_t> shape) {
     EngineParam p;
-    p.name = std::move(name);
+    p.name = r_.weights == WeightSet::kDraft ? DraftParamName(c_, name) : std::move(name);
     p.dtype = dtype;
     p.shape = std::move(shape);
     uint64_t n = DTypeSize(dtype);
@@ -73,6 +74,8 @@ class Walker {
   absl::Status Mla(const std::string& p);
   absl::Status DenseMlp(const std::string& p, int64_t inter, bool fused_checkpoint);
   absl::Status Moe(const std::string& p);
+  absl::Status CheckRank() const;
+  absl::Status Draft();
 
   // The vLLM dialect covers what has been compared with vLLM's own named_parameters() (tests/data/vllm,
   // tests/engines): dense Llama/Qwen2/Qwen3 and Qwen3-MoE, unquantized. Anything else fails before any write.
@@ -349,7 +352,7 @@ absl::Status Walker::Moe(const std::string& p) {
   return absl::OkStatus();
 }
 
-absl::Status Walker::Run() {
+absl::Status Walker::CheckRank() const {
   const RankParallelism& r = r_;
   if (r.pp_size != 1) return absl::UnimplementedError("pipeline-parallel engines (pp_size > 1) are not supported");
   if (r.tp_size <= 0 || r.tp_rank < 0 || r.tp_rank >= r.tp_size || r.ep_size <= 0 || r.tp_size % r.ep_size != 0 ||
@@ -378,7 +381,54 @@ absl::Status Walker::Run() {
                                                    "SGLang fuses only one (", c_.architecture, " has ",
                                                    c_.num_shared_experts, ")"));
   }
+  return absl::OkStatus();
+}
 
+// SGLang 0.5.23's NextN draft (deepseek_nextn.py, glm4_moe_nextn.py, glm4_moe_lite_nextn.py): embed_tokens (the
+// target's), enorm, hnorm, eh_proj, one decoder layer built as layer 0 with is_nextn (so always MoE),
+// shared_head.norm, lm_head (the target's). Walked under the checkpoint's names; AddParam renames.
+absl::Status Walker::Draft() {
+  const int64_t d = DraftLayerIndex(c_);
+  if (d < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        c_.architecture, " (model_type '", c_.model_type, "') has no draft to update: its config.json declares no "
+        "next-n / MTP layer (num_nextn_predict_layers)"));
+  }
+  if (c_.num_nextn_predict_layers != 1) {
+    return absl::UnimplementedError(absl::StrCat(c_.architecture, " declares ", c_.num_nextn_predict_layers,
+                                                 " next-n layers; SGLang's NextN drafts load exactly one"));
+  }
+  const bool family_ok =
+      c_.family == Family::kDeepseekV2V3 || c_.family == Family::kGlm4Moe || c_.family == Family::kGlm4MoeLite;
+  if (!family_ok || c_.num_experts == 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        "the draft layout of ", c_.architecture, " has not been checked against SGLang's NextN classes; drafts are "
+        "supported for DeepSeek-V3 (DeepseekV3ForCausalLMNextN), GLM-4.5/4.6 MoE (Glm4MoeForCausalLMNextN) and "
+        "GLM-4.7-Flash (Glm4MoeLiteForCausalLMNextN)"));
+  }
+  if (r_.dialect != EngineDialect::kSglang) {
+    return absl::UnimplementedError(absl::StrCat("the draft layout of ", c_.architecture, " for ",
+                                                 DialectName(r_.dialect), " engines has not been checked against "
+                                                 "its drafter; drafts are supported for SGLang"));
+  }
+  const std::string p = absl::StrCat("model.layers.", d, ".");
+  const int64_t h = c_.hidden_size;
+  Replicated(p + "enorm.weight", {h}, c_.dtype);
+  Replicated(p + "hnorm.weight", {h}, c_.dtype);
+  // A plain nn.Linear(2h, h): replicated on every rank and never quantized (the FP8 checkpoints store it bf16).
+  WSYNC_RETURN_IF_ERROR(Linear(p + "eh_proj.", 0, h, 2 * h, false, {{p + "eh_proj.", h, 2 * h, 0, 0, h, 2 * h, 0, 0}}));
+  WSYNC_RETURN_IF_ERROR(c_.is_mla() ? Mla(p) : Mha(p));
+  WSYNC_RETURN_IF_ERROR(Moe(p));
+  Replicated(p + "input_layernorm.weight", {h}, c_.dtype);
+  Replicated(p + "post_attention_layernorm.weight", {h}, c_.dtype);
+  Replicated(p + "shared_head.norm.weight", {h}, c_.dtype);
+  return absl::OkStatus();
+}
+
+absl::Status Walker::Run() {
+  WSYNC_RETURN_IF_ERROR(CheckRank());
+  if (r_.weights == WeightSet::kDraft) return Draft();
+  const RankParallelism& r = r_;
   // With DP attention SGLang 0.5.23 splits embed_tokens over the attention-TP group (use_attn_tp_group), except
   // Llama's, which stays on the whole TP group. (SGLANG_ENABLE_EMBED_REPLICATION, which replicates DeepSeek's
   // embedding instead, is not modelled.)
@@ -415,6 +465,23 @@ absl::StatusOr<LayoutPlan> PlanLayout(const ModelConfig& config, const RankParal
   return w.TakePlan();
 }
 
+int64_t DraftLayerIndex(const ModelConfig& config) {
+  if (config.num_nextn_predict_layers <= 0) return -1;
+  return config.num_layers == 1 ? 0 : config.num_layers;
+}
+
+std::string DraftParamName(const ModelConfig& config, absl::string_view hf_name) {
+  const int64_t d = DraftLayerIndex(config);
+  if (d < 0 || LayerIndexOf(hf_name) != d) return "";
+  const std::string prefix = absl::StrCat("model.layers.", d, ".");
+  const absl::string_view rest = hf_name.substr(prefix.size());
+  if (absl::StartsWith(rest, "embed_tokens.") || absl::StartsWith(rest, "shared_head.head.")) return "";
+  for (absl::string_view own : {"enorm.", "hnorm.", "eh_proj.", "shared_head.norm."}) {
+    if (absl::StartsWith(rest, own)) return absl::StrCat("model.", rest);
+  }
+  return absl::StrCat("model.decoder.", rest);
+}
+
 int64_t LayerIndexOf(absl::string_view hf_name) {
   constexpr absl::string_view kPrefix = "model.layers.";
   if (!absl::StartsWith(hf_name, kPrefix)) return -1;
@@ -430,7 +497,7 @@ absl::StatusOr<std::vector<TensorSpec>> CheckpointTensors(const ModelConfig& con
 }
 
 absl::StatusOr<std::vector<TensorSpec>> CheckpointTensors(const ModelConfig& config, CheckpointFormat format,
-                                                          int block_n, int block_k) {
+                                                          int block_n, int block_k, WeightSet weights) {
   QuantSpec q;
   if (format == CheckpointFormat::kFp8PassThrough) {
     q.mode = QuantSpec::Mode::kFp8Block;
@@ -440,7 +507,9 @@ absl::StatusOr<std::vector<TensorSpec>> CheckpointTensors(const ModelConfig& con
   PlanOptions o;
   o.check_blocks = false;
   // Unsharded walk (tp=1, ep=1): every source is a whole HF tensor, in checkpoint order.
-  WSYNC_ASSIGN_OR_RETURN(LayoutPlan plan, PlanLayout(config, RankParallelism::ForTp(1, 0, 1), q, o));
+  RankParallelism whole = RankParallelism::ForTp(1, 0, 1);
+  whole.weights = weights;
+  WSYNC_ASSIGN_OR_RETURN(LayoutPlan plan, PlanLayout(config, whole, q, o));
   std::vector<TensorSpec> out;
   out.reserve(plan.sources.size());
   absl::flat_hash_set<absl::string_view> seen;

@@ -56,10 +56,27 @@ struct PlanOptions {
 
 // The engine parameters of one rank and the HF slices that fill them. Errors (InvalidArgument) for parallelism the
 // config cannot be split by (heads, experts, vocab, FP8 blocks), naming the parameter.
+//
+// rank.weights == WeightSet::kDraft plans the rank's next-n draft instead, as SGLang 0.5.23's NextN classes hold it
+// (SGLang dialect; DeepSeek-V3, GLM-4.5/4.6 MoE, GLM-4.7-Flash): the checkpoint's layer DraftLayerIndex() renamed
+// (DraftParamName) to model.enorm / model.hnorm / model.eh_proj (an unquantized nn.Linear, replicated) /
+// model.shared_head.norm and model.decoder.* (the decoder layer, always MoE, sharded and FP8-quantized as a target
+// layer is). The draft's model.embed_tokens and lm_head are not in it: SGLang's draft does not load them and
+// shares the target's tensors (set_embed_and_head), so they are written once, with the target. A config without
+// num_nextn_predict_layers is InvalidArgument naming the model; other families are Unimplemented.
 absl::StatusOr<LayoutPlan> PlanLayout(const ModelConfig& config, const RankParallelism& rank, const QuantSpec& quant,
                                       const PlanOptions& options = {});
 
 // Layer index of "model.layers.<i>.…", or -1.
 int64_t LayerIndexOf(absl::string_view hf_name);
+
+// The checkpoint layer holding the next-n draft layer, as SGLang's NextN loaders pick it: num_hidden_layers, or 0 in
+// a one-layer checkpoint (a separately published draft). -1 when the config declares no num_nextn_predict_layers.
+int64_t DraftLayerIndex(const ModelConfig& config);
+
+// The draft model's name for a tensor of the draft layer, before fusion (SGLang's NextN load_weights rename):
+// model.layers.<d>.{enorm,hnorm,eh_proj,shared_head.norm}… → model.…, anything else of the layer → model.decoder.….
+// "" for tensors of other layers and for the layer's embed_tokens and shared_head.head, which the draft does not load.
+std::string DraftParamName(const ModelConfig& config, absl::string_view hf_name);
 
 }  // namespace wsync::replica

@@ -18,12 +18,14 @@ absl::string_view SkipRuleName(SkipRule r) {
     case SkipRule::kMtpLayer: return "mtp-layer";
     case SkipRule::kRotary: return "rotary-buffer";
     case SkipRule::kTiedHead: return "tied-lm-head";
+    case SkipRule::kTargetOnly: return "target-only";
+    case SkipRule::kSharedWithTarget: return "shared-with-target";
   }
   return "?";
 }
 
 absl::StatusOr<ParamMapper> ParamMapper::Create(const ModelConfig& config, int ep_size,
-                                                int num_fused_shared_experts) {
+                                                int num_fused_shared_experts, WeightSet weights) {
   if (ep_size <= 0 || (config.num_experts > 0 && config.num_experts % ep_size != 0)) {
     return absl::InvalidArgumentError(absl::StrCat("ep_size ", ep_size, " does not divide n_routed_experts ",
                                                    config.num_experts));
@@ -32,25 +34,51 @@ absl::StatusOr<ParamMapper> ParamMapper::Create(const ModelConfig& config, int e
   m.config_ = config;
   m.ep_size_ = ep_size;
   m.num_fused_shared_experts_ = num_fused_shared_experts;
+  m.weights_ = weights;
   PlanOptions o;
   o.check_blocks = false;
   QuantSpec fp8;
   fp8.mode = QuantSpec::Mode::kFp8Block;
-  for (const QuantSpec& q : {QuantSpec{}, fp8}) {
-    RankParallelism r = RankParallelism::ForTp(1, 0, 1);
-    r.num_fused_shared_experts = num_fused_shared_experts;
-    WSYNC_ASSIGN_OR_RETURN(LayoutPlan plan, PlanLayout(config, r, q, o));
-    for (const EngineParam& p : plan.table.params()) m.engine_names_.insert(p.name);
+  for (const WeightSet w : {WeightSet::kTarget, WeightSet::kDraft}) {
+    if (w == WeightSet::kDraft && weights != WeightSet::kDraft) break;
+    for (const QuantSpec& q : {QuantSpec{}, fp8}) {
+      RankParallelism r = RankParallelism::ForTp(1, 0, 1);
+      r.num_fused_shared_experts = num_fused_shared_experts;
+      r.weights = w;
+      WSYNC_ASSIGN_OR_RETURN(LayoutPlan plan, PlanLayout(config, r, q, o));
+      for (const EngineParam& p : plan.table.params()) {
+        (w == WeightSet::kDraft ? m.draft_names_ : m.engine_names_).insert(p.name);
+      }
+    }
   }
   return m;
 }
 
 absl::StatusOr<HfMapping> ParamMapper::Map(absl::string_view name) const {
+  if (weights_ == WeightSet::kDraft && LayerIndexOf(name) == DraftLayerIndex(config_)) {
+    if (absl::StrContains(name, ".rotary_emb.")) {
+      HfMapping r;
+      r.skip = SkipRule::kRotary;
+      return r;
+    }
+    const std::string draft = DraftParamName(config_, name);
+    if (draft.empty()) {
+      HfMapping r;
+      r.skip = SkipRule::kSharedWithTarget;
+      return r;
+    }
+    return Resolve(name, draft, draft_names_);
+  }
+  WSYNC_ASSIGN_OR_RETURN(HfMapping r, MapTarget(name));
+  if (weights_ == WeightSet::kDraft && r.skip == SkipRule::kNone) {
+    r = HfMapping{};
+    r.skip = SkipRule::kTargetOnly;
+  }
+  return r;
+}
+
+absl::StatusOr<HfMapping> ParamMapper::MapTarget(absl::string_view name) const {
   HfMapping r;
-  auto unknown = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown tensor '", name, "' for ", config_.architecture, ": ", why));
-  };
   if (name == "lm_head.weight" && config_.tie_word_embeddings) {
     r.skip = SkipRule::kTiedHead;
     return r;
@@ -64,7 +92,16 @@ absl::StatusOr<HfMapping> ParamMapper::Map(absl::string_view name) const {
     r.skip = SkipRule::kMtpLayer;
     return r;
   }
+  return Resolve(name, name, engine_names_);
+}
 
+absl::StatusOr<HfMapping> ParamMapper::Resolve(absl::string_view hf_name, absl::string_view name,
+                                               const absl::flat_hash_set<std::string>& names) const {
+  HfMapping r;
+  auto unknown = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown tensor '", hf_name, "' for ", config_.architecture,
+                                                   weights_ == WeightSet::kDraft ? " (draft)" : "", ": ", why));
+  };
   std::vector<std::string> parts = absl::StrSplit(name, '.');
   r.engine_name = std::string(name);
   // Experts: …mlp.experts.<e>.{gate,up,down}_proj.<suffix> → …mlp.experts.w13_<suffix> / w2_<suffix>.
@@ -78,7 +115,7 @@ absl::StatusOr<HfMapping> ParamMapper::Map(absl::string_view name) const {
     if (routed) {
       if (!absl::SimpleAtoi(parts[i + 1], &e)) return unknown("expert index is not a number");
       if (e < 0 || e >= config_.num_experts) {
-        return absl::OutOfRangeError(absl::StrCat("tensor '", name, "': expert id ", e, " out of range [0, ",
+        return absl::OutOfRangeError(absl::StrCat("tensor '", hf_name, "': expert id ", e, " out of range [0, ",
                                                   config_.num_experts, ")"));
       }
       proj = i + 2;
@@ -123,7 +160,7 @@ absl::StatusOr<HfMapping> ParamMapper::Map(absl::string_view name) const {
       }
     }
   }
-  if (!engine_names_.contains(r.engine_name)) {
+  if (!names.contains(r.engine_name)) {
     return unknown(absl::StrCat("no engine parameter '", r.engine_name, "'"));
   }
   return r;

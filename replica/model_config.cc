@@ -251,7 +251,7 @@ bool RankParallelism::operator==(const RankParallelism& o) const {
          ep_size == o.ep_size && ep_rank == o.ep_rank && moe_tp_size == o.moe_tp_size &&
          moe_tp_rank == o.moe_tp_rank && attn_tp_size == o.attn_tp_size && attn_tp_rank == o.attn_tp_rank &&
          attn_dp_size == o.attn_dp_size && attn_dp_rank == o.attn_dp_rank && dialect == o.dialect &&
-         num_fused_shared_experts == o.num_fused_shared_experts;
+         weights == o.weights && num_fused_shared_experts == o.num_fused_shared_experts;
 }
 
 absl::StatusOr<EngineDialect> DialectForEngineKind(absl::string_view kind) {
@@ -262,6 +262,8 @@ absl::StatusOr<EngineDialect> DialectForEngineKind(absl::string_view kind) {
 }
 
 absl::string_view DialectName(EngineDialect d) { return d == EngineDialect::kVllm ? "vllm" : "sglang"; }
+
+absl::string_view WeightSetName(WeightSet w) { return w == WeightSet::kDraft ? "draft" : "target"; }
 
 RankParallelism RankParallelism::ForTp(int tp_size, int tp_rank, int ep_size) {
   RankParallelism r;

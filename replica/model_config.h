@@ -47,7 +47,8 @@ struct ModelConfig {
   int64_t qk_nope_head_dim = 0;
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
-  int64_t num_nextn_predict_layers = 0;  // MTP layers stored after num_layers (skipped)
+  // Next-n (MTP) layers stored after num_layers: the target skips them, a draft layout (WeightSet::kDraft) holds them.
+  int64_t num_nextn_predict_layers = 0;
   // Checkpoint FP8 block quantization as published (quantization_config), empty when none.
   std::vector<int64_t> weight_block_size;
   // Added for the mapper and table builder.
@@ -74,8 +75,15 @@ enum class EngineDialect { kSglang, kVllm };
 absl::StatusOr<EngineDialect> DialectForEngineKind(absl::string_view kind);
 absl::string_view DialectName(EngineDialect d);
 
-// One engine rank's parallelism, field names as SGLang's RankParallelismConfig, plus the engine dialect (two ranks
-// with equal parallelism but different dialects need different layouts).
+// Which of an engine rank's models a layout reproduces: the target model, or its speculative draft as SGLang's
+// next-n classes hold it (DeepseekV3ForCausalLMNextN, Glm4MoeForCausalLMNextN, Glm4MoeLiteForCausalLMNextN: the
+// checkpoint's MTP layer; layout_plan.h). The names are SGLang's begin_weight_update selectors.
+enum class WeightSet : uint8_t { kTarget, kDraft };
+absl::string_view WeightSetName(WeightSet w);  // "target" | "draft"
+
+// One engine rank's parallelism, field names as SGLang's RankParallelismConfig, plus the engine dialect and the weight
+// set (two ranks with equal parallelism but different dialects, or a rank's target and its draft, need different
+// layouts).
 struct RankParallelism {
   int tp_size = 1, tp_rank = 0;
   int pp_size = 1, pp_rank = 0;
@@ -84,6 +92,7 @@ struct RankParallelism {
   int attn_tp_size = 1, attn_tp_rank = 0;   // == tp unless DP-attention
   int attn_dp_size = 1, attn_dp_rank = 0;
   EngineDialect dialect = EngineDialect::kSglang;
+  WeightSet weights = WeightSet::kTarget;
   // Shared-expert fusion, an engine choice rather than an HF fact: SGLang (unless --disable-shared-experts-fusion, and
   // only where its model allows it) stores the n_shared_experts shared experts as experts n_routed.. of every MoE
   // layer's experts.w13/w2 (E/ep + n_shared local experts) and has no shared_experts.* parameters. 0 keeps them a
@@ -128,8 +137,11 @@ absl::StatusOr<std::vector<TensorSpec>> CheckpointTensors(const ModelConfig& con
 // FP8 pass-through format (what a published FP8 checkpoint such as DeepSeek-V3 holds): the linear weights SGLang
 // block-quantizes are float8_e4m3fn and each is followed by its float32 `<name>_scale_inv`
 // [ceil(N/block_n), ceil(K/block_k)]; everything else as in the trainer format.
+// `weights` kDraft: the tensors a next-n draft loads (the checkpoint's MTP layer less its embed_tokens and
+// shared_head.head, layout_plan.h), under the same formats; eh_proj stays in the model dtype (not block-quantized).
 enum class CheckpointFormat { kTrainer, kFp8PassThrough };
 absl::StatusOr<std::vector<TensorSpec>> CheckpointTensors(const ModelConfig& config, CheckpointFormat format,
-                                                          int block_n = 128, int block_k = 128);
+                                                          int block_n = 128, int block_k = 128,
+                                                          WeightSet weights = WeightSet::kTarget);
 
 }  // namespace wsync::replica

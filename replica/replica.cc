@@ -180,18 +180,28 @@ absl::StatusOr<std::unique_ptr<Replica>> ReplicaImpl::Make(const ModelConfig& co
       }
     }
   }
-  WSYNC_ASSIGN_OR_RETURN(ParamMapper mapper, ParamMapper::Create(config, ranks[0].ep_size, ranks[0].num_fused_shared_experts));
+  // Target and draft layouts may share a replica (the same tensors arrive once); the weight sets present decide which
+  // names are known, and what a name outside them is (a draft-only replica drops the target's tensors by rule).
+  bool has_target = false, has_draft = false;
+  for (const RankParallelism& rank : ranks) (rank.weights == WeightSet::kDraft ? has_draft : has_target) = true;
+  WSYNC_ASSIGN_OR_RETURN(ParamMapper mapper,
+                         ParamMapper::Create(config, ranks[0].ep_size, ranks[0].num_fused_shared_experts,
+                                             has_target ? WeightSet::kTarget : WeightSet::kDraft));
   std::unique_ptr<ReplicaImpl> r(new ReplicaImpl(config, quant, std::move(mapper)));
   const bool fp8 = quant.mode == QuantSpec::Mode::kFp8Block;
 
   // Every checkpoint name is known (also experts no layout needs), so Validate can check any tensor's shape.
   std::vector<std::vector<TensorSpec>> lists;
-  WSYNC_ASSIGN_OR_RETURN(std::vector<TensorSpec> trainer, CheckpointTensors(config, CheckpointFormat::kTrainer));
-  lists.push_back(std::move(trainer));
-  if (fp8) {
-    WSYNC_ASSIGN_OR_RETURN(std::vector<TensorSpec> pass,
-                           CheckpointTensors(config, CheckpointFormat::kFp8PassThrough, quant.block_n, quant.block_k));
-    lists.push_back(std::move(pass));
+  for (const WeightSet w : {WeightSet::kTarget, WeightSet::kDraft}) {
+    if (!(w == WeightSet::kDraft ? has_draft : has_target)) continue;
+    WSYNC_ASSIGN_OR_RETURN(std::vector<TensorSpec> trainer,
+                           CheckpointTensors(config, CheckpointFormat::kTrainer, 128, 128, w));
+    lists.push_back(std::move(trainer));
+    if (fp8) {
+      WSYNC_ASSIGN_OR_RETURN(std::vector<TensorSpec> pass, CheckpointTensors(config, CheckpointFormat::kFp8PassThrough,
+                                                                             quant.block_n, quant.block_k, w));
+      lists.push_back(std::move(pass));
+    }
   }
   for (const auto& list : lists) {
     for (const TensorSpec& t : list) {
@@ -223,8 +233,9 @@ absl::StatusOr<std::unique_ptr<Replica>> ReplicaImpl::Make(const ModelConfig& co
     lay.rank = ranks[l];
     auto plan = PlanLayout(config, ranks[l], quant);
     if (!plan.ok()) {
-      return Annotate(plan.status(), absl::StrCat("layout ", l, " (tp ", ranks[l].tp_rank, "/", ranks[l].tp_size,
-                                                  ", ep ", ranks[l].ep_rank, "/", ranks[l].ep_size, ")"));
+      return Annotate(plan.status(), absl::StrCat("layout ", l, " (", ranks[l].weights == WeightSet::kDraft ? "draft " : "", "tp ",
+                                                  ranks[l].tp_rank, "/", ranks[l].tp_size, ", ep ", ranks[l].ep_rank,
+                                                  "/", ranks[l].ep_size, ")"));
     }
     lay.plan = std::move(plan).value();
     lay.arrived = std::vector<std::atomic<int>>(lay.plan.table.params().size());
@@ -463,7 +474,9 @@ bool ReplicaImpl::Needs(absl::string_view hf_name) const {
   auto it = index_.find(hf_name);
   if (it != index_.end()) return !entries_[it->second].placements.empty();
   auto m = mapper_.Map(hf_name);
-  return m.ok() && m->skip != SkipRule::kNone;
+  // Another model's tensor (a draft-only replica and the target's tensors) is not needed here.
+  return m.ok() && m->skip != SkipRule::kNone && m->skip != SkipRule::kTargetOnly &&
+         m->skip != SkipRule::kSharedWithTarget;
 }
 
 }  // namespace

@@ -122,7 +122,8 @@ class Replica {
   virtual absl::Status FinishUpdate() const = 0;
   // The checkpoint shape of a tensor this replica knows (empty for any other name).
   virtual std::vector<int64_t> Shape(absl::string_view hf_name) const = 0;
-  // Whether any layout of this replica needs the tensor (the push filter; also true for skipped-by-rule names).
+  // Whether any layout of this replica needs the tensor (the push filter; also true for skipped-by-rule names, except
+  // another model's: the target's tensors for a draft-only replica, mapper.h kTargetOnly / kSharedWithTarget).
   virtual bool Needs(absl::string_view hf_name) const = 0;
   // Every rectangle of `hf_name` the layouts read (empty for a tensor no layout needs): what a source assembling the
   // tensor from slices must have before it may Ingest it.

@@ -178,5 +178,122 @@ TEST_CASE("Kimi-K2 checkpoint list matches the published tensor count", "[replic
   CHECK(m->Map("model.layers.7.self_attn.rotary_emb.inv_freq")->skip == SkipRule::kRotary);
 }
 
+// The next-n draft (SGLang's DeepseekV3ForCausalLMNextN names; the bytes are checked against SGLang itself by
+// replica_sglang_oracle_test's draft cases).
+TEST_CASE("draft mapper: DeepSeek-V3's MTP layer maps to SGLang's NextN parameters", "[replica][mapper][draft]") {
+  const ModelConfig c = LoadModel("deepseek-ai__DeepSeek-V3");
+  CHECK(DraftLayerIndex(c) == 61);
+  auto m = ParamMapper::Create(c, /*ep_size=*/1, /*num_fused_shared_experts=*/0, WeightSet::kDraft);
+  INFO(m.status().ToString());
+  REQUIRE(m.ok());
+  CHECK(MapOk(*m, "model.layers.61.enorm.weight").engine_name == "model.enorm.weight");
+  CHECK(MapOk(*m, "model.layers.61.hnorm.weight").engine_name == "model.hnorm.weight");
+  CHECK(MapOk(*m, "model.layers.61.eh_proj.weight").engine_name == "model.eh_proj.weight");
+  CHECK(MapOk(*m, "model.layers.61.shared_head.norm.weight").engine_name == "model.shared_head.norm.weight");
+  CHECK(MapOk(*m, "model.layers.61.input_layernorm.weight").engine_name == "model.decoder.input_layernorm.weight");
+  HfMapping qa = MapOk(*m, "model.layers.61.self_attn.q_a_proj.weight_scale_inv");
+  CHECK(qa.engine_name == "model.decoder.self_attn.fused_qkv_a_proj_with_mqa.weight_scale_inv");
+  CHECK(qa.shard_id == "0");
+  CHECK(qa.num_shards == 2);
+  HfMapping up = MapOk(*m, "model.layers.61.mlp.experts.255.up_proj.weight");
+  CHECK(up.engine_name == "model.decoder.mlp.experts.w13_weight");
+  CHECK(up.shard_id == "w3");
+  CHECK(up.expert_id == 255);
+  CHECK(up.num_local_experts == 256);
+  CHECK(MapOk(*m, "model.layers.61.mlp.shared_experts.gate_proj.weight").engine_name ==
+        "model.decoder.mlp.shared_experts.gate_up_proj.weight");
+  // The draft uses the target's embedding and lm_head; the target's tensors belong to the target.
+  CHECK(MapOk(*m, "model.layers.61.embed_tokens.weight").skip == SkipRule::kSharedWithTarget);
+  CHECK(MapOk(*m, "model.layers.61.shared_head.head.weight").skip == SkipRule::kSharedWithTarget);
+  CHECK(MapOk(*m, "model.embed_tokens.weight").skip == SkipRule::kTargetOnly);
+  CHECK(MapOk(*m, "lm_head.weight").skip == SkipRule::kTargetOnly);
+  CHECK(MapOk(*m, "model.layers.3.mlp.experts.7.down_proj.weight").skip == SkipRule::kTargetOnly);
+  // Still an error: a name neither model has, in the draft layer or elsewhere, and an expert out of range.
+  auto bad = m->Map("model.layers.61.self_attn.foo_proj.weight");
+  REQUIRE_FALSE(bad.ok());
+  CHECK_THAT(std::string(bad.status().message()), Catch::Contains("model.layers.61.self_attn.foo_proj.weight"));
+  CHECK_FALSE(m->Map("model.layers.0.self_attn.foo_proj.weight").ok());
+  CHECK(m->Map("model.layers.61.mlp.experts.256.up_proj.weight").status().code() == absl::StatusCode::kOutOfRange);
+  // A target mapper is unchanged: the MTP layer is skipped.
+  auto t = ParamMapper::Create(c);
+  REQUIRE(t.ok());
+  CHECK(MapOk(*t, "model.layers.61.self_attn.q_a_proj.weight").skip == SkipRule::kMtpLayer);
+}
+
+// Every DeepSeek-V3 index.json name of layer 61 maps under a draft mapper, the loaded ones are exactly the draft's
+// CheckpointTensors (FP8 pass-through: eh_proj stays bf16), and every other name is the target's.
+TEST_CASE("draft mapper: DeepSeek-V3 index.json's MTP layer equals the draft's CheckpointTensors",
+          "[replica][mapper][draft][models]") {
+  const ModelConfig c = LoadModel("deepseek-ai__DeepSeek-V3");
+  auto m = ParamMapper::Create(c, 1, 0, WeightSet::kDraft);
+  REQUIRE(m.ok());
+  std::set<std::string> kept;
+  int shared = 0, target = 0;
+  for (const std::string& n : IndexNames("deepseek-ai__DeepSeek-V3")) {
+    auto r = m->Map(n);
+    INFO(n << ": " << r.status().ToString());
+    REQUIRE(r.ok());
+    if (r->skip == SkipRule::kSharedWithTarget) ++shared;
+    if (r->skip == SkipRule::kTargetOnly) ++target;
+    if (r->skip == SkipRule::kNone) {
+      CHECK(absl::StartsWith(n, "model.layers.61."));
+      kept.insert(n);
+    }
+  }
+  CHECK(shared == 2);
+  auto list = CheckpointTensors(c, CheckpointFormat::kFp8PassThrough, 128, 128, WeightSet::kDraft);
+  REQUIRE(list.ok());
+  std::set<std::string> derived;
+  for (const TensorSpec& t : *list) {
+    derived.insert(t.name);
+    if (t.name == "model.layers.61.eh_proj.weight") CHECK(t.dtype == DType::kBF16);
+  }
+  CHECK(derived.size() == list->size());
+  CHECK(derived == kept);
+  auto target_list = CheckpointTensors(c, CheckpointFormat::kFp8PassThrough);
+  REQUIRE(target_list.ok());
+  CHECK(static_cast<size_t>(target) == target_list->size());
+  CHECK(target_list->size() + kept.size() + shared == 91991);
+}
+
+TEST_CASE("draft mapper: GLM-4.5-Air's and GLM-4.7-Flash's next-n layer", "[replica][mapper][draft]") {
+  auto g = ParamMapper::Create(LoadModel("zai-org__GLM-4.5-Air"), 1, 0, WeightSet::kDraft);
+  INFO(g.status().ToString());
+  REQUIRE(g.ok());
+  HfMapping k = MapOk(*g, "model.layers.46.self_attn.k_proj.bias");
+  CHECK(k.engine_name == "model.decoder.self_attn.qkv_proj.bias");
+  CHECK(k.shard_id == "k");
+  CHECK(MapOk(*g, "model.layers.46.mlp.experts.127.down_proj.weight").engine_name ==
+        "model.decoder.mlp.experts.w2_weight");
+  CHECK(MapOk(*g, "model.layers.46.mlp.gate.e_score_correction_bias").engine_name ==
+        "model.decoder.mlp.gate.e_score_correction_bias");
+  CHECK(MapOk(*g, "model.layers.46.eh_proj.weight").engine_name == "model.eh_proj.weight");
+  auto f = ParamMapper::Create(LoadModel("zai-org__GLM-4.7-Flash"), 1, 0, WeightSet::kDraft);
+  INFO(f.status().ToString());
+  REQUIRE(f.ok());
+  CHECK(MapOk(*f, "model.layers.47.self_attn.kv_a_proj_with_mqa.weight").engine_name ==
+        "model.decoder.self_attn.fused_qkv_a_proj_with_mqa.weight");
+}
+
+TEST_CASE("a draft for a model without one is refused, naming the model", "[replica][mapper][draft]") {
+  for (const char* model : {"moonshotai__Kimi-K2-Instruct", "Qwen__Qwen3-8B", "moonshotai__Moonlight-16B-A3B"}) {
+    INFO(model);
+    const ModelConfig c = LoadModel(model);
+    CHECK(DraftLayerIndex(c) == -1);
+    auto m = ParamMapper::Create(c, 1, 0, WeightSet::kDraft);
+    REQUIRE_FALSE(m.ok());
+    CHECK(m.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(m.status().message()), Catch::Contains(c.architecture));
+    CHECK_THAT(std::string(m.status().message()), Catch::Contains("'" + c.model_type + "'"));
+    CHECK_THAT(std::string(m.status().message()), Catch::Contains("num_nextn_predict_layers"));
+    RankParallelism r = RankParallelism::ForTp(2, 0);
+    r.weights = WeightSet::kDraft;
+    auto plan = PlanLayout(c, r, QuantSpec{});
+    CHECK(plan.status().code() == absl::StatusCode::kInvalidArgument);
+    // Its target is unaffected.
+    CHECK(ParamMapper::Create(c).ok());
+  }
+}
+
 }  // namespace
 }  // namespace wsync::replica

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "replica/convert.h"
 #include "replica/fp8.h"
+#include "replica/layout_plan.h"
 #include "tests/replica/test_models.h"
 
 namespace wsync::replica {
@@ -489,6 +490,124 @@ TEST_CASE("replica creation errors", "[replica]") {
   CHECK(reinterpret_cast<uintptr_t>((*r)->data(0)) % 4096 == 0);
   const auto s = Snapshot(**r);
   for (uint8_t b : s[0]) REQUIRE(b == 0);
+}
+
+// A next-n draft is more layouts of the same replica: one update's tensors fill the target layouts and the draft's
+// (the MTP layer, renamed as SGLang's NextN classes name it; their bytes are checked against SGLang itself in
+// replica_sglang_oracle_test), and the target's layouts are exactly what they were without the draft.
+TEST_CASE("draft layouts beside the target: one update fills both, the target unchanged", "[replica][draft]") {
+  const ModelConfig c = testing::TinyDeepseek();
+  RankParallelism t0 = RankParallelism::ForTp(2, 0), d0 = t0, d1 = RankParallelism::ForTp(2, 1);
+  d0.weights = d1.weights = WeightSet::kDraft;
+  auto both = Replica::Create(c, {t0, d0, d1}, QuantSpec{});
+  INFO(both.status().ToString());
+  REQUIRE(both.ok());
+  auto alone = Replica::Create(c, {t0}, QuantSpec{});
+  REQUIRE(alone.ok());
+  Replica& r = **both;
+  const ParamTable& draft = r.table(1);
+  CHECK(draft.Find("model.eh_proj.weight") != nullptr);
+  CHECK(draft.Find("model.decoder.mlp.experts.w13_weight") != nullptr);
+  CHECK(draft.Find("model.embed_tokens.weight") == nullptr);  // the target's, shared by the draft
+  CHECK(draft.Find("lm_head.weight") == nullptr);
+  CHECK(r.table(0).params().size() == (*alone)->table(0).params().size());
+
+  auto target_specs = CheckpointTensors(c);
+  auto draft_specs = CheckpointTensors(c, CheckpointFormat::kTrainer, 128, 128, WeightSet::kDraft);
+  REQUIRE(target_specs.ok());
+  REQUIRE(draft_specs.ok());
+  std::vector<Tensor> tensors;
+  uint32_t seed = 1;
+  for (const auto* list : {&*target_specs, &*draft_specs}) {
+    for (const TensorSpec& spec : *list) tensors.push_back(Random(spec, seed++));
+  }
+  // The MTP layer's own embedding and head are accepted and dropped.
+  tensors.push_back(Random({"model.layers.2.embed_tokens.weight", DType::kBF16, {100, 8}}, seed++));
+  tensors.push_back(Random({"model.layers.2.shared_head.head.weight", DType::kBF16, {100, 8}}, seed++));
+
+  r.BeginUpdate();
+  (*alone)->BeginUpdate();
+  std::map<int, int> ready;
+  for (const Tensor& t : tensors) {
+    auto got = r.Ingest(t.view());
+    INFO(t.name << ": " << got.status().ToString());
+    REQUIRE(got.ok());
+    for (const ReadyParam& p : *got) ready[p.layout]++;
+    REQUIRE((*alone)->Ingest(t.view()).ok());
+  }
+  CHECK(r.FinishUpdate().ok());
+  CHECK((*alone)->FinishUpdate().ok());
+  for (int l = 0; l < r.num_layouts(); ++l) CHECK(ready[l] == static_cast<int>(r.table(l).params().size()));
+  // The target layout's bytes are the target-only replica's.
+  REQUIRE(r.table(0).total_bytes() == (*alone)->table(0).total_bytes());
+  CHECK(std::memcmp(r.data(0), (*alone)->data(0), r.table(0).total_bytes()) == 0);
+  // Replicated draft parameters are the MTP layer's tensors as they arrived, on both ranks.
+  for (const auto& [param, hf] : std::vector<std::pair<std::string, std::string>>{
+           {"model.eh_proj.weight", "model.layers.2.eh_proj.weight"},
+           {"model.enorm.weight", "model.layers.2.enorm.weight"},
+           {"model.shared_head.norm.weight", "model.layers.2.shared_head.norm.weight"},
+           {"model.decoder.input_layernorm.weight", "model.layers.2.input_layernorm.weight"}}) {
+    INFO(param);
+    const Tensor* src = nullptr;
+    for (const Tensor& t : tensors) {
+      if (t.name == hf) src = &t;
+    }
+    REQUIRE(src != nullptr);
+    for (int l : {1, 2}) {
+      const EngineParam* p = r.table(l).Find(param);
+      REQUIRE(p != nullptr);
+      REQUIRE(p->bytes == src->data.size());
+      CHECK(std::memcmp(r.data(l) + p->offset, src->data.data(), p->bytes) == 0);
+    }
+  }
+}
+
+TEST_CASE("a draft-only replica: the target's tensors are not needed and dropped", "[replica][draft][needs]") {
+  const ModelConfig c = testing::TinyDeepseek();
+  RankParallelism d = RankParallelism::ForTp(1, 0);
+  d.weights = WeightSet::kDraft;
+  auto rep = Replica::Create(c, {d}, QuantSpec{});
+  INFO(rep.status().ToString());
+  REQUIRE(rep.ok());
+  Replica& r = **rep;
+  CHECK(r.Needs("model.layers.2.self_attn.kv_b_proj.weight"));
+  CHECK_FALSE(r.Needs("model.layers.1.self_attn.kv_b_proj.weight"));
+  CHECK_FALSE(r.Needs("model.embed_tokens.weight"));
+  CHECK_FALSE(r.Needs("model.layers.2.embed_tokens.weight"));
+  auto draft_specs = CheckpointTensors(c, CheckpointFormat::kTrainer, 128, 128, WeightSet::kDraft);
+  REQUIRE(draft_specs.ok());
+  r.BeginUpdate();
+  const Tensor target = Random({"model.layers.1.self_attn.kv_b_proj.weight", DType::kBF16, {16, 4}}, 7);
+  auto dropped = r.Ingest(target.view());
+  REQUIRE(dropped.ok());
+  CHECK(dropped->empty());
+  CHECK_FALSE(r.FinishUpdate().ok());  // the draft's own tensors are still missing
+  uint32_t seed = 100;
+  for (const TensorSpec& spec : *draft_specs) REQUIRE(r.Ingest(Random(spec, seed++).view()).ok());
+  CHECK(r.FinishUpdate().ok());
+  // A tensor neither model has is still an error.
+  const Tensor bad = Random({"model.layers.2.self_attn.foo_proj.weight", DType::kBF16, {4, 8}}, 9);
+  CHECK_FALSE(r.Ingest(bad.view()).ok());
+}
+
+TEST_CASE("draft layouts that are not supported are refused", "[replica][draft]") {
+  RankParallelism v = RankParallelism::ForTp(1, 0);
+  v.weights = WeightSet::kDraft;
+  v.dialect = EngineDialect::kVllm;
+  CHECK(PlanLayout(testing::TinyDeepseek(), v, QuantSpec{}).status().code() == absl::StatusCode::kUnimplemented);
+  // A dense model with a next-n layer declared: SGLang has no NextN class for it.
+  ModelConfig q = testing::TinyQwen3();
+  q.num_nextn_predict_layers = 1;
+  RankParallelism d = RankParallelism::ForTp(1, 0);
+  d.weights = WeightSet::kDraft;
+  auto plan = PlanLayout(q, d, QuantSpec{});
+  CHECK(plan.status().code() == absl::StatusCode::kUnimplemented);
+  CHECK_THAT(std::string(plan.status().message()), Catch::Contains("Qwen3ForCausalLM"));
+  // A model without a draft, through the replica.
+  auto none = Replica::Create(testing::TinyQwen3(), {d}, QuantSpec{});
+  REQUIRE_FALSE(none.ok());
+  CHECK(none.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(none.status().message()), Catch::Contains("has no draft"));
 }
 
 }  // namespace
