@@ -8,7 +8,8 @@
 //
 // Built a second time with WSYNC_SGLANG_ORACLE as replica_sglang_oracle_test (label sglang): the same cases, with
 // SGLang 0.5.23's own model classes and weight loaders as the oracle (sglang_oracle.py, same job/manifest format),
-// run through sglang_venv.sh, which creates the pinned venv and sets WSYNC_PYTHON.
+// run through sglang_venv.sh, which creates the pinned venv and sets WSYNC_PYTHON. Only there: the next-n draft cases
+// (layouts with WeightSet::kDraft), SGLang's NextN classes loading a checkpoint that also holds the MTP layer.
 #define CATCH_CONFIG_RUNNER
 #include <unistd.h>
 
@@ -29,6 +30,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
+#include "replica/mapper.h"
 #include "replica/model_config.h"
 #include "replica/replica.h"
 
@@ -168,7 +170,7 @@ std::vector<RankParallelism> DpAttentionRanks(int tp, int dp, int ep) {
 }
 
 std::string LayoutName(const RankParallelism& r) {
-  return absl::StrCat("tp", r.tp_size, "/", r.tp_rank, " ep", r.ep_size, "/", r.ep_rank, " moe_tp", r.moe_tp_size, "/",
+  return absl::StrCat(r.weights == WeightSet::kDraft ? "draft " : "", "tp", r.tp_size, "/", r.tp_rank, " ep", r.ep_size, "/", r.ep_rank, " moe_tp", r.moe_tp_size, "/",
                       r.moe_tp_rank, " attn_tp", r.attn_tp_size, "/", r.attn_tp_rank);
 }
 
@@ -179,6 +181,10 @@ void RunGolden(const std::string& model_dir, const json& overrides, const std::v
                const QuantSpec& quant) {
   TempDir tmp;
   REQUIRE(!tmp.path.empty());
+  REQUIRE(!layouts.empty());
+  const WeightSet weights = layouts[0].weights;
+  for (const RankParallelism& r : layouts) REQUIRE(r.weights == weights);
+  const bool draft = weights == WeightSet::kDraft;
   json cfg = BaseConfig(model_dir);
   cfg.merge_patch(overrides);
   const std::string cfg_path = tmp.path + "/config.json";
@@ -191,6 +197,7 @@ void RunGolden(const std::string& model_dir, const json& overrides, const std::v
   job["quant"] = quant.mode == QuantSpec::Mode::kFp8Block
                      ? json{{"mode", "fp8_block"}, {"block_n", quant.block_n}, {"block_k", quant.block_k}}
                      : json{{"mode", "none"}};
+  job["weights"] = std::string(WeightSetName(weights));
   WriteFile(tmp.path + "/job.json", job.dump(2));
   const std::string out_dir = tmp.path + "/out";
   const std::string cmd = "'" + g_python + "' '" + std::string(WSYNC_GOLDEN_ORACLE) + "' '" + tmp.path +
@@ -212,20 +219,42 @@ void RunGolden(const std::string& model_dir, const json& overrides, const std::v
   INFO("config: " << config.status().ToString());
   REQUIRE(config.ok());
 
-  // The HF tensor set the oracle assumed must be what the replica expects trainers to push.
+  // The HF tensor set the oracle assumed must be what the replica expects trainers to push: the target's, plus for a
+  // draft its next-n layer, less the two tensors of that layer the draft does not load (the target's embedding and
+  // lm_head serve it).
   absl::StatusOr<std::vector<TensorSpec>> ckpt = CheckpointTensors(*config);
   REQUIRE(ckpt.ok());
+  absl::StatusOr<ParamMapper> mapper =
+      ParamMapper::Create(*config, layouts[0].ep_size, layouts[0].num_fused_shared_experts, weights);
+  INFO("ParamMapper::Create: " << mapper.status().ToString());
+  REQUIRE(mapper.ok());
+  if (draft) {
+    absl::StatusOr<std::vector<TensorSpec>> d = CheckpointTensors(*config, CheckpointFormat::kTrainer, 128, 128, weights);
+    INFO("draft CheckpointTensors: " << d.status().ToString());
+    REQUIRE(d.ok());
+    REQUIRE(!d->empty());
+    ckpt->insert(ckpt->end(), d->begin(), d->end());
+  }
   std::map<std::string, std::string> ours, theirs;
   for (const TensorSpec& t : *ckpt) ours[t.name] = absl::StrCat(DTypeName(t.dtype), ShapeStr(t.shape));
   for (const json& t : manifest["hf"]) {
     theirs[t["name"].get<std::string>()] =
         absl::StrCat(t["dtype"].get<std::string>(), ShapeStr(t["shape"].get<std::vector<int64_t>>()));
   }
+  int shared_with_target = 0;
   for (const auto& [name, desc] : theirs) {
     INFO("HF tensor " << name << " (oracle " << desc << ")");
+    if (draft && ours.count(name) == 0) {
+      absl::StatusOr<HfMapping> m = mapper->Map(name);
+      REQUIRE(m.ok());
+      CHECK(m->skip == SkipRule::kSharedWithTarget);
+      ++shared_with_target;
+      continue;
+    }
     CHECK(ours.count(name) == 1);
     if (ours.count(name)) CHECK(ours[name] == desc);
   }
+  CHECK(shared_with_target == (draft ? 2 : 0));
   for (const auto& [name, desc] : ours) {
     INFO("HF tensor " << name << " (CheckpointTensors " << desc << ")");
     CHECK(theirs.count(name) == 1);
@@ -266,9 +295,24 @@ void RunGolden(const std::string& model_dir, const json& overrides, const std::v
     INFO("layout " << l << ": " << LayoutName(layouts[l]));
     const ParamTable& table = rep.table(l);
     const json& expected = manifest["layouts"][l];
-    std::set<std::string> want_names, have_names;
-    for (const json& p : expected) want_names.insert(p["name"].get<std::string>());
+    // The oracle's parameters that its loader filled; a draft's unloaded ones are the target's embedding and lm_head
+    // (shared in a running engine, written with the target) and must not be in the draft's replica.
+    std::set<std::string> want_names, have_names, unloaded;
+    for (const json& p : expected) {
+      (p.value("loaded", true) ? want_names : unloaded).insert(p["name"].get<std::string>());
+    }
+    CHECK(unloaded == (draft ? std::set<std::string>{"model.embed_tokens.weight", "lm_head.weight"}
+                             : std::set<std::string>{}));
     for (const EngineParam& p : table.params()) have_names.insert(p.name);
+    // The mapper names, for every tensor the replica loads, a parameter the oracle has.
+    for (const auto& [name, desc] : theirs) {
+      absl::StatusOr<HfMapping> m = mapper->Map(name);
+      INFO("HF tensor " << name << ": " << m.status().ToString());
+      REQUIRE(m.ok());
+      if (m->skip != SkipRule::kNone) continue;
+      INFO("mapped to " << m->engine_name);
+      CHECK(want_names.count(m->engine_name) == 1);
+    }
     for (const std::string& name : want_names) {
       INFO("engine parameter missing from the replica: " << name);
       CHECK(have_names.count(name) == 1);
@@ -285,7 +329,7 @@ void RunGolden(const std::string& model_dir, const json& overrides, const std::v
     for (const json& p : expected) {
       const std::string name = p["name"].get<std::string>();
       const EngineParam* have = table.Find(name);
-      if (have == nullptr) continue;
+      if (have == nullptr || !p.value("loaded", true)) continue;
       const std::vector<int64_t> shape = p["shape"].get<std::vector<int64_t>>();
       INFO("parameter " << name << " oracle " << p["dtype"].get<std::string>() << ShapeStr(shape) << " replica "
                         << DTypeName(have->dtype) << ShapeStr(have->shape));
@@ -495,6 +539,69 @@ TEST_CASE("golden: FP8 64x64, DeepSeek-V3-style MLA tp 2 ep 2", "[golden][fp8]")
                      {"quantization_config", nullptr}};
   RunGolden("deepseek-ai__DeepSeek-V3", dims, AllRanks(2, 2), Fp8(64, 64));
 }
+
+#ifdef WSYNC_SGLANG_ORACLE
+// Next-n (MTP) drafts against SGLang's NextN classes: the checkpoint holds the MTP layer model.layers.<L>.*, SGLang's
+// draft class loads it (renamed to model.decoder.* / model.enorm ...) and every parameter its loader fills must equal
+// the draft replica's, bit-exact; its embed_tokens and lm_head stay unloaded (the target's serve it).
+std::vector<RankParallelism> Draft(std::vector<RankParallelism> layouts) {
+  for (RankParallelism& r : layouts) r.weights = WeightSet::kDraft;
+  return layouts;
+}
+
+TEST_CASE("sglang draft: DeepSeek-V3 NextN (MLA, q_lora, shared expert), tp 1, tp 2, tp 4 ep 2", "[golden][draft]") {
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, Draft(AllRanks(1)), NoQuant());
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, Draft(AllRanks(2)), NoQuant());
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, Draft(AllRanks(4, 2)), NoQuant());
+}
+
+TEST_CASE("sglang draft: DeepSeek-V3 NextN with the shared expert fused, tp 2", "[golden][draft][fusion]") {
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, Fused(Draft(AllRanks(2)), 1), NoQuant());
+}
+
+TEST_CASE("sglang draft: GLM-4.5 NextN (Glm4MoeForCausalLMNextN), tp 1, tp 2", "[golden][draft]") {
+  RunGolden("zai-org__GLM-4.5-Air", kGlmMoeDims, Draft(AllRanks(1)), NoQuant());
+  RunGolden("zai-org__GLM-4.5-Air", kGlmMoeDims, Draft(AllRanks(2)), NoQuant());
+}
+
+TEST_CASE("sglang draft: GLM-4.7-Flash NextN (Glm4MoeLiteForCausalLMNextN), tp 2", "[golden][draft]") {
+  RunGolden("zai-org__GLM-4.7-Flash", kMlaDims, Draft(AllRanks(2)), NoQuant());
+}
+
+// FP8: the draft's decoder layer block-quantized as a target layer (its MLA KV-cache scales included), eh_proj not.
+const json kMlaFp8Dims = {{"hidden_size", 128},
+                          {"num_hidden_layers", 2},
+                          {"first_k_dense_replace", 1},
+                          {"num_attention_heads", 4},
+                          {"num_key_value_heads", 4},
+                          {"q_lora_rank", 64},
+                          {"kv_lora_rank", 64},
+                          {"qk_nope_head_dim", 32},
+                          {"qk_rope_head_dim", 32},
+                          {"v_head_dim", 32},
+                          {"intermediate_size", 128},
+                          {"moe_intermediate_size", 128},
+                          {"n_routed_experts", 4},
+                          {"n_shared_experts", 1},
+                          {"vocab_size", 1000},
+                          {"tie_word_embeddings", false},
+                          {"quantization_config", nullptr},
+                          {"num_nextn_predict_layers", 1}};
+
+TEST_CASE("sglang draft: FP8 64x64, DeepSeek-V3 NextN tp 1, tp 2", "[golden][draft][fp8]") {
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaFp8Dims, Draft(AllRanks(1)), Fp8(64, 64));
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaFp8Dims, Draft(AllRanks(2)), Fp8(64, 64));
+}
+
+TEST_CASE("sglang draft: FP8 64x64, GLM-4.5 NextN tp 2", "[golden][draft][fp8]") {
+  const json dims = {{"hidden_size", 128},         {"num_hidden_layers", 2},     {"first_k_dense_replace", 1},
+                     {"num_attention_heads", 4},   {"num_key_value_heads", 2},   {"head_dim", 64},
+                     {"intermediate_size", 256},   {"moe_intermediate_size", 128}, {"n_routed_experts", 4},
+                     {"n_shared_experts", 1},      {"vocab_size", 1000},         {"tie_word_embeddings", false},
+                     {"num_nextn_predict_layers", 1}};
+  RunGolden("zai-org__GLM-4.5-Air", dims, Draft(AllRanks(2)), Fp8(64, 64));
+}
+#endif  // WSYNC_SGLANG_ORACLE
 
 }  // namespace
 }  // namespace wsync::replica

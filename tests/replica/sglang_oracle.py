@@ -6,20 +6,29 @@ Same command line and output as golden_oracle.py (so golden_test.cc drives eithe
   JOB.json: {"config": path to an HF config.json,
              "layouts": [{"tp_size", "tp_rank", "ep_size", "ep_rank", "moe_tp_size", "moe_tp_rank",
                           "attn_tp_size", "attn_tp_rank", "attn_dp_size", "num_fused_shared_experts"}, ...],
-             "quant": {"mode": "none" | "fp8_block", "block_n", "block_k"}}
-Writes OUT_DIR/manifest.json {"hf": [...], "layouts": [[{name, dtype, shape, file}], ...]} and one raw file per
-parameter.
+             "quant": {"mode": "none" | "fp8_block", "block_n", "block_k"},
+             "weights": "target" (default) | "draft"}
+Writes OUT_DIR/manifest.json {"hf": [...], "layouts": [[{name, dtype, shape, file, loaded}], ...]} and one raw file
+per parameter.
 
 For every layout it builds SGLang's own model class on the CPU (bfloat16 default dtype, as SGLang's loader sets it)
 under a published SGLang server configuration whose process groups are stand-ins carrying only rank and width, feeds
 the model's own `load_weights` the HF tensors (the deterministic rule of golden_oracle.py) and dumps
 `named_parameters()` as SGLang holds them after loading. Runs in the pinned venv sglang_venv.sh creates.
 
+Draft ("weights": "draft"): the checkpoint also holds the next-n (MTP) layer model.layers.<num_hidden_layers>.* as the
+published DeepSeek-V3 / GLM-4.5 checkpoints store it, and the model built is SGLang's NextN draft class for the
+architecture (the class SGLang's ModelConfig picks for a draft of it), fed the whole checkpoint as SGLang's draft
+loader is. Every floating parameter but the scalars (the FP8 KV-cache scales, which post-loading sets from their
+initial value) is filled with NaN before loading; one still all-NaN afterwards was not loaded
+(`loaded`: false), which is how the draft's embed_tokens and lm_head (the target's tensors in a running engine) show.
+
 FP8 ("fp8_block"): the trainer's bf16 tensors are quantized with torch, `(w.float() / scale).to(float8_e4m3fn)` per
 block with scale = max(amax, 1e-10) / 448 (the rule the replica implements), and SGLang loads the resulting FP8
 checkpoint (weight + weight_scale_inv) through its Fp8Config with that block size.
 """
 
+import copy
 import json
 import os
 import sys
@@ -43,6 +52,13 @@ CLASSES = {
     "DeepseekV2ForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("sglang.srt.models.glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
+}
+
+# SGLang's ModelConfig rewrites a draft's architecture to these classes (configs/model_config.py, is_draft_model).
+DRAFT_CLASSES = {
+    "DeepseekV3ForCausalLM": ("sglang.srt.models.deepseek_nextn", "DeepseekV3ForCausalLMNextN"),
+    "Glm4MoeForCausalLM": ("sglang.srt.models.glm4_moe_nextn", "Glm4MoeForCausalLMNextN"),
+    "Glm4MoeLiteForCausalLM": ("sglang.srt.models.glm4_moe_lite_nextn", "Glm4MoeLiteForCausalLMNextN"),
 }
 
 DTYPE_NAMES = {
@@ -122,10 +138,29 @@ def quantize(w, bn, bk):
 
 
 def fp8_quantized(name, shape):
-    """The HF tensors a block-FP8 checkpoint stores in FP8: linear weights inside the decoder layers."""
+    """The HF tensors a block-FP8 checkpoint stores in FP8: linear weights inside the decoder layers (not the next-n
+    layer's eh_proj, embed_tokens and shared_head.head, which DeepSeek-V3's FP8 checkpoint stores in bf16)."""
     if len(shape) != 2 or not name.startswith("model.layers.") or not name.endswith(".weight"):
         return False
+    if any(s in name for s in (".eh_proj.", ".embed_tokens.", ".shared_head.head.")):
+        return False
     return not name.endswith("mlp.gate.weight") and "layernorm" not in name and "norm.weight" not in name
+
+
+def mtp_tensors(c):
+    """The checkpoint's next-n layer model.layers.<L>.* (L = num_hidden_layers): embed_tokens, enorm, hnorm, eh_proj
+    [H, 2H], a MoE decoder layer (golden_oracle's listing of a layer) and shared_head.{norm,head}, as DeepSeek-V3's
+    published index.json lists it."""
+    deeper = copy.copy(c)
+    deeper.L = c.L + 1
+    deeper.is_moe = lambda i: c.E > 0 if i == c.L else c.is_moe(i)
+    p = "model.layers.%d." % c.L
+    H = c.H
+    own = [(p + "embed_tokens.weight", "bfloat16", [c.V, H]), (p + "enorm.weight", "bfloat16", [H]),
+           (p + "hnorm.weight", "bfloat16", [H]), (p + "eh_proj.weight", "bfloat16", [H, 2 * H])]
+    layer = [t for t in golden_oracle.hf_tensors(deeper) if t[0].startswith(p)]
+    return own + layer + [(p + "shared_head.norm.weight", "bfloat16", [H]),
+                          (p + "shared_head.head.weight", "bfloat16", [c.V, H])]
 
 
 def checkpoint(hf_specs, quant, make=None):
@@ -181,9 +216,10 @@ def resolve_fusion(cls, hf_config, quant_config, fuse):
         mod._is_cuda, torch.cuda.get_device_capability = saved
 
 
-def build_and_load(cfg_path, L, quant, hf_specs, extra_args=None, make=None):
+def build_and_load(cfg_path, L, quant, hf_specs, extra_args=None, make=None, draft=False):
     """SGLang's model for layout L, loaded by SGLang's loader. `extra_args`: more ServerArgs fields; `make`: the
-    checkpoint's contents (see checkpoint())."""
+    checkpoint's contents (see checkpoint()); `draft`: the architecture's NextN draft class instead, its floating
+    parameters NaN before loading (see the module doc)."""
     from transformers import AutoConfig
 
     model_dir = os.path.dirname(cfg_path)
@@ -198,7 +234,11 @@ def build_and_load(cfg_path, L, quant, hf_specs, extra_args=None, make=None):
     from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.runtime_context import get_model
 
-    module, cls_name = CLASSES[hf_config.architectures[0]]
+    if draft:
+        module, cls_name = DRAFT_CLASSES[hf_config.architectures[0]]
+        hf_config.architectures[0] = cls_name
+    else:
+        module, cls_name = CLASSES[hf_config.architectures[0]]
     cls = getattr(__import__(module, fromlist=[cls_name]), cls_name)
     cpu_rope_without_scaling()
     # As SGLang's model loader does: resolve the shared-expert layout, build under it with bf16 as the default dtype,
@@ -215,6 +255,11 @@ def build_and_load(cfg_path, L, quant, hf_specs, extra_args=None, make=None):
     finally:
         torch.set_default_dtype(old)
     model.shared_experts_config = shared
+    if draft:
+        with torch.no_grad():
+            for _, p in model.named_parameters():
+                if p.numel() > 1 and p.dtype in (torch.bfloat16, torch.float16, torch.float32):
+                    p.fill_(float("nan"))
     DefaultModelLoader.load_weights_and_postprocess(model, checkpoint(hf_specs, quant, make), torch.device("cpu"))
     return model
 
@@ -227,13 +272,14 @@ def main():
     out_dir = sys.argv[2]
     cfg_path = os.path.abspath(job["config"])
     c = golden_oracle.Cfg(json.load(open(cfg_path)))
-    specs = golden_oracle.hf_tensors(c)
+    draft = job.get("weights", "target") == "draft"
+    specs = golden_oracle.hf_tensors(c) + (mtp_tensors(c) if draft else [])
     manifest = {"hf": [{"name": n, "dtype": dt, "shape": sh} for n, dt, sh in specs], "layouts": []}
     quant = job.get("quant", {})
     for li, L in enumerate(job["layouts"]):
         d = os.path.join(out_dir, "l%d" % li)
         os.makedirs(d, exist_ok=True)
-        model = build_and_load(cfg_path, L, quant, specs)
+        model = build_and_load(cfg_path, L, quant, specs, draft=draft)
         entries = []
         for k, (name, p) in enumerate(model.named_parameters()):
             t = p.detach().contiguous().cpu()
@@ -242,7 +288,10 @@ def main():
             f = os.path.join("l%d" % li, "%d.bin" % k)
             with open(os.path.join(out_dir, f), "wb") as fh:
                 fh.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-            entries.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "file": f})
+            loaded = not (draft and t.numel() > 1 and t.dtype in (torch.bfloat16, torch.float16, torch.float32) and
+                          bool(torch.isnan(t.float()).all()))
+            entries.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "file": f,
+                            "loaded": loaded})
         manifest["layouts"].append(entries)
         del model
     with open(os.path.join(out_dir, "manifest.json"), "w") as fh:
