@@ -6,7 +6,9 @@
 # per-role certificates made by tools/cli/wsync-certs.sh (WSYNC_DEMO_INSECURE=1: plain loopback instead).
 #
 #   tools/cli/demo.sh [--bin DIR] [--model CONFIG.json] [--updates N] [--transport tcp|verbs]
+#   tools/cli/demo.sh --binaries     # the programs it runs, one per line (quickstart.sh builds only these)
 set -euo pipefail
+binaries=(wsync-coordinator wsyncd wsync-engine-ref wsync-trainer-demo)
 
 here=$(cd "$(dirname "$0")/../.." && pwd)
 bin="$here/build/bin"
@@ -21,12 +23,13 @@ while [ $# -gt 0 ]; do
     --updates) updates=$2; shift 2 ;;
     --transport) transport=$2; shift 2 ;;
     --tp) tp=$2; shift 2 ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    --binaries) printf '%s\n' "${binaries[@]}"; exit 0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "demo: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-for b in wsync-coordinator wsyncd wsync-engine-ref wsync-trainer-demo; do
-  [ -x "$bin/$b" ] || { echo "demo: $bin/$b is missing; build first (cmake --build build)" >&2; exit 2; }
+for b in "${binaries[@]}"; do
+  [ -x "$bin/$b" ] || { echo "demo: $bin/$b is missing; build first (cmake --build build --target ${binaries[*]})" >&2; exit 2; }
 done
 [ -f "$model" ] || { echo "demo: model config $model not found" >&2; exit 2; }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Debian 12 machine: installs what is missing, builds, then runs the demo or the tests.
 #
-#   tools/cli/quickstart.sh demo    # install + build + end-to-end demo (exit status = demo result)
+#   tools/cli/quickstart.sh demo    # install + build what the demo runs + end-to-end demo (exit status = its result)
 #   tools/cli/quickstart.sh test    # install + build + the whole test suite (ctest)
 #   tools/cli/quickstart.sh build   # install + build only
 #   tools/cli/quickstart.sh packages  # print the Debian packages it installs
@@ -45,9 +45,20 @@ install_missing() {
   "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-build_all() {
+configure() {
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+}
+
+build_all() {
+  configure
   cmake --build "$build" -j "$jobs"
+}
+
+# Only the programs the demo runs (it names them), not every test and benchmark.
+build_demo() {
+  configure
+  mapfile -t targets < <(tools/cli/demo.sh --binaries)
+  cmake --build "$build" -j "$jobs" --target "${targets[@]}"
 }
 
 # Runs every test, then fails when a test was skipped although this machine kind can have what it needs: only
@@ -111,7 +122,7 @@ case "$mode" in
     ;;
   demo)
     install_missing
-    build_all
+    build_demo
     exec tools/cli/demo.sh --bin "$build/bin"
     ;;
   test)
