@@ -130,6 +130,21 @@ def check_data_host(b):
           f"without --data-host the data listener binds --listen's host 127.0.0.2: {said or lines[-3:]}")
 
 
+def check_wsyncd_coordinator_env(b, dead):
+    """wsyncd takes the coordinator's address from WSYNC_COORDINATOR, the name the deploy files and docs use."""
+    env = {k: v for k, v in os.environ.items() if k != "WSYNC_COORDINATOR"}
+    d = subprocess.Popen([b("wsyncd"), "--role", "source", "--listen", "127.0.0.1:0", "--ring-mib", "4"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(env, WSYNC_COORDINATOR=dead))
+    try:
+        lines = read_until(d, lambda l: "attempt 1/" in l, 30)
+    finally:
+        d.terminate()
+        d.wait(10)
+    check(any("attempt 1/" in l and dead in l for l in lines),
+          f"wsyncd without --coordinator registers with WSYNC_COORDINATOR={dead}: {[l.strip() for l in lines[-2:]]}")
+
+
 def check_node_id_default(b, ep):
     """wsyncd without --node-id and without TLS registers as hostname-role-pid, the default its --help names."""
     _, out, _ = run([b("wsyncd"), "--help"])
@@ -439,6 +454,7 @@ def main():
         check_connection_errors(b, wd)
         check_metrics_port(b, wd)
         check_data_host(b)
+        check_wsyncd_coordinator_env(b, dead)
 
         # SIGTERM while the daemon retries its registration: it must stop promptly with status 0.
         d = subprocess.Popen([b("wsyncd"), "--role", "source", "--coordinator", dead, "--listen", "127.0.0.1:0",
