@@ -559,6 +559,11 @@ TEST_CASE("sglang draft: DeepSeek-V3 NextN with the shared expert fused, tp 2", 
   RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, Fused(Draft(AllRanks(2)), 1), NoQuant());
 }
 
+TEST_CASE("sglang draft: DP attention (tp 4, attn_tp 2), DeepSeek-V3 and GLM-4.5 NextN", "[golden][draft][dp_attention]") {
+  RunGolden("deepseek-ai__DeepSeek-V3", kMlaDims, Draft(DpAttentionRanks(4, 2, 2)), NoQuant());
+  RunGolden("zai-org__GLM-4.5-Air", kGlmMoeDims, Draft(DpAttentionRanks(4, 2, 4)), NoQuant());
+}
+
 TEST_CASE("sglang draft: GLM-4.5 NextN (Glm4MoeForCausalLMNextN), tp 1, tp 2", "[golden][draft]") {
   RunGolden("zai-org__GLM-4.5-Air", kGlmMoeDims, Draft(AllRanks(1)), NoQuant());
   RunGolden("zai-org__GLM-4.5-Air", kGlmMoeDims, Draft(AllRanks(2)), NoQuant());
