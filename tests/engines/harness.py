@@ -7,6 +7,7 @@ vLLM's own leftovers in /tmp and /dev/shm (it does not remove them) are removed 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import glob
 import json
 import os
@@ -54,8 +55,15 @@ def http(method: str, url: str, body=None, timeout: float = 60.0):
     return json.loads(raw) if raw.strip() else None
 
 
+def tie_to_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the process that started it dies, however that one dies (a CTest
+    timeout's SIGKILL, a killed .ci/run). It runs in its own session, so nothing else would stop it."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class Procs:
-    """Started processes (each in its own session) and the files to remove; `close()` kills and cleans all."""
+    """Started processes (each in its own session, each ended by SIGTERM if the test process dies) and the files to
+    remove; `close()` kills and cleans all."""
 
     def __init__(self, workdir: str):
         self.workdir = workdir
@@ -69,7 +77,7 @@ class Procs:
         if env:
             full_env.update(env)
         p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-                             cwd=self.workdir)
+                             cwd=self.workdir, preexec_fn=tie_to_parent)
         self.procs[name] = p
         return p
 

@@ -61,17 +61,23 @@ build_demo() {
   cmake --build "$build" -j "$jobs" --target "${targets[@]}"
 }
 
-# Runs every test, then fails when a test was skipped although this machine kind can have what it needs: only
+# ctest as a direct child of this script, told to stop (SIGTERM: it kills its running tests) when this script dies,
+# however it is stopped (.ci/run killed by a timeout): a test run stopped from outside leaves no test running.
+ctest_tied() {
+  setpriv --pdeathsig TERM ctest "$@"
+}
+
+# Runs every test of build directory $1, then fails when a test was skipped although this machine kind can have what it needs: only
 # tests labelled `cuda` (no GPU here) or `rdma_device` (an RDMA device on the host itself; their soft-RoCE VM
 # variants run instead) may skip; a skipped engine/sglang/mooncake/rdma/cluster test means a peer that the test
 # installs itself could not be set up, which is a failure, not a pass.
 run_tests_and_check_skips() {
-  local log rc=0
+  local dir=$1 log rc=0
   log=$(mktemp)
   # `extended`: long emulated runs (the whole SGLang stack over soft-RoCE, ~17 min), run on demand (tests/README.md).
-  ctest --output-on-failure -j "$jobs" --timeout 600 -LE extended 2>&1 | tee "$log" || rc=$?
+  ctest_tied --test-dir "$dir" --output-on-failure -j "$jobs" --timeout 600 -LE extended 2>&1 | tee "$log" || rc=$?
   mapfile -t skipped < <(sed -n 's/^ *[0-9]*\/[0-9]* Test *#[0-9]*: \([^ ]*\) .*\*\*\*Skipped.*/\1/p' "$log")
-  mapfile -t may_skip < <(ctest -N -L '^(cuda|rdma_device)$' | sed -n 's/^ *Test *#[0-9]*: \(.*\)$/\1/p')
+  mapfile -t may_skip < <(ctest --test-dir "$dir" -N -L '^(cuda|rdma_device)$' | sed -n 's/^ *Test *#[0-9]*: \(.*\)$/\1/p')
   rm -f "$log"
   local bad=()
   for t in "${skipped[@]}"; do
@@ -96,8 +102,8 @@ run_sanitizer_tests() {
   [ ${#targets[@]} -gt 0 ] || { echo "quickstart: no tests labelled asan" >&2; return 1; }
   echo "quickstart: sanitizer build of ${targets[*]}"
   cmake --build "$sbuild" -j "$jobs" --target "${targets[@]}"
-  (cd "$sbuild" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-     ctest --output-on-failure -j "$jobs" --timeout 600 -L '^asan$')
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest_tied --test-dir "$sbuild" --output-on-failure -j "$jobs" --timeout 600 -L '^asan$'
 }
 
 # ThreadSanitizer build of the concurrency tests (label tsan: the source/coordinator lifecycle hammered from several
@@ -112,8 +118,8 @@ run_tsan_tests() {
   [ ${#targets[@]} -gt 0 ] || { echo "quickstart: no tests labelled tsan" >&2; return 1; }
   echo "quickstart: thread-sanitizer build of ${targets[*]}"
   cmake --build "$tbuild" -j "$jobs" --target "${targets[@]}"
-  (cd "$tbuild" && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$supp" \
-     ctest --output-on-failure -j "$jobs" --timeout 600 -L '^tsan$')
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$supp" \
+    ctest_tied --test-dir "$tbuild" --output-on-failure -j "$jobs" --timeout 600 -L '^tsan$'
 }
 
 case "$mode" in
@@ -128,7 +134,7 @@ case "$mode" in
   test)
     install_missing
     build_all
-    (cd "$build" && run_tests_and_check_skips)
+    run_tests_and_check_skips "$build"
     run_sanitizer_tests "$build"
     run_tsan_tests "$build"
     ;;
