@@ -151,12 +151,9 @@ void SourceNode::CheckRanks() {
     const std::string what = lost.pid > 0 && !ProcessAlive(lost.pid)
                                  ? absl::StrCat("exited (pid ", lost.pid, ", session ", lost.label, ")")
                                  : lost.what;
-    update_error_ = absl::UnavailableError(absl::StrCat(
+    FailUpdate(absl::UnavailableError(absl::StrCat(
         "update ", version_, ": trainer rank ", rank, " on node ", opts_.node_id, " ", what,
-        " before it finished pushing, and did not reconnect within ", absl::FormatDuration(opts_.rank_grace)));
-    spdlog::error("{}", update_error_.ToString());
-    CancelWrites(update_error_);
-    cv_.notify_all();  // FinishUpdate and waiting pushes see it at once
+        " before it finished pushing, and did not reconnect within ", absl::FormatDuration(opts_.rank_grace))));
     return;
   }
 }
@@ -192,6 +189,20 @@ absl::StatusOr<OpenedSession> SourceNode::OpenSession(const SessionRequest& req)
     return absl::InvalidArgumentError(absl::StrCat("local_rank ", req.local_rank, " out of range: this node expects ",
                                                    opts_.trainer_ranks, " trainer ranks"));
   WSYNC_ASSIGN_OR_RETURN(std::string id, RandomSessionId());
+  auto s = std::make_unique<Session>();
+  s->id = std::move(id);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    s->label = absl::StrCat(opts_.node_id, "-s", next_session_++);
+  }
+  s->local_rank = req.local_rank;
+  s->pid = req.pid;
+  // The ring (a pre-faulted memfd of ring_bytes, 256 MiB by default) is made without mu_: status, commits and other
+  // ranks' sessions do not wait for its pages.
+  WSYNC_ASSIGN_OR_RETURN(RingConsumer ring, RingConsumer::Create(s->label, opts_.ring_bytes));
+  s->ring = std::make_shared<RingConsumer>(std::move(ring));
+  // Sessions this one replaces are unmapped after mu_ is released (declared before the lock).
+  std::vector<std::unique_ptr<Session>> replaced;
   std::lock_guard<std::mutex> l(mu_);
   // A rank that reconnects (e.g. after its process died mid-bucket) replaces its old session and ring, so nothing
   // it left uncommitted can ever be consumed.
@@ -200,19 +211,13 @@ absl::StatusOr<OpenedSession> SourceNode::OpenSession(const SessionRequest& req)
       spdlog::warn("trainer rank {} reconnected (pid {}); dropping its previous session {}", req.local_rank, req.pid,
                    it->second->label);
       if (TakeoverFailsUpdate(*it->second, req.pid)) FailTakenOver(*it->second, req);
+      replaced.push_back(std::move(it->second));
       it = sessions_.erase(it);
     } else {
       ++it;
     }
   }
   if (lost_ranks_.erase(req.local_rank)) spdlog::info("trainer rank {} is back (pid {})", req.local_rank, req.pid);
-  auto s = std::make_unique<Session>();
-  s->id = std::move(id);
-  s->label = absl::StrCat(opts_.node_id, "-s", next_session_++);
-  s->local_rank = req.local_rank;
-  s->pid = req.pid;
-  WSYNC_ASSIGN_OR_RETURN(RingConsumer ring, RingConsumer::Create(s->label, opts_.ring_bytes));
-  s->ring = std::make_shared<RingConsumer>(std::move(ring));
   OpenedSession out;
   WSYNC_ASSIGN_OR_RETURN(out.ring_fd, DupFd(s->ring->fd()));
   out.id = s->id;
@@ -235,13 +240,10 @@ bool SourceNode::TakeoverFailsUpdate(const Session& old, int64_t new_pid) const 
 void SourceNode::FailTakenOver(const Session& old, const SessionRequest& req) {
   // Two live processes claimed the rank: what the update got from it is of either, so it cannot commit. No grace:
   // the old process is not coming back to this session.
-  update_error_ = absl::AbortedError(absl::StrCat("update ", version_, ": trainer rank ", old.local_rank, " on node ",
-                                                  opts_.node_id, " was taken over by a new session (pid ", req.pid,
-                                                  ") while its session ", old.label, " (pid ", old.pid,
-                                                  ") was live and had not finished pushing"));
-  spdlog::error("{}", update_error_.ToString());
-  CancelWrites(update_error_);
-  cv_.notify_all();
+  FailUpdate(absl::AbortedError(absl::StrCat("update ", version_, ": trainer rank ", old.local_rank, " on node ",
+                                             opts_.node_id, " was taken over by a new session (pid ", req.pid,
+                                             ") while its session ", old.label, " (pid ", old.pid,
+                                             ") was live and had not finished pushing")));
 }
 
 void SourceNode::MarkDead(Session* s, const std::string& what) {
@@ -262,12 +264,14 @@ void SourceNode::SessionDisconnected(const std::string& session_id, const std::s
 }
 
 absl::Status SourceNode::CloseSession(const std::string& session_id) {
+  std::unique_ptr<Session> closed;  // its ring is unmapped after mu_ is released (declared before the lock)
   std::lock_guard<std::mutex> l(mu_);
   Session* s = FindSession(session_id);
   if (s == nullptr) return UnknownSession();
   if (version_ != -1 && !ended_ranks_.count(s->local_rank) && !lost_ranks_.count(s->local_rank))
     lost_ranks_[s->local_rank] = {absl::Now(), absl::StrCat("closed its session ", s->label)};
   spdlog::info("session {} closed", s->label);
+  closed = std::move(sessions_[session_id]);
   sessions_.erase(session_id);
   cv_.notify_all();
   return absl::OkStatus();
@@ -506,6 +510,15 @@ std::string SourceNode::Who(const Target& t) {
                       " at ", t.assignment.target_daemon());
 }
 
+void SourceNode::FailUpdate(const absl::Status& err) {
+  if (!update_error_.ok()) return;  // the first cause is the update's; its writes were cancelled then
+  update_error_ = err;
+  update_failed_ = true;
+  spdlog::error("{}", err.ToString());
+  CancelWrites(err);
+  cv_.notify_all();  // FinishUpdate and waiting pushes see it at once
+}
+
 void SourceNode::CancelWrites(const absl::Status& why) {
   if (cancel_reason_.ok()) cancel_reason_ = why;
   int n = 0;
@@ -694,6 +707,7 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   checksums_[version_] = Recorded{};
   while (checksums_.size() > kChecksumVersionsKept) checksums_.erase(checksums_.begin());
   update_error_ = absl::OkStatus();
+  update_failed_ = false;
   cancel_reason_ = absl::OkStatus();
   ended_ranks_.clear();
   // Only ranks lost while this update is open count (a rank whose process ended after the last update may start
@@ -830,9 +844,11 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
   std::shared_lock<std::shared_mutex> ingest(ingest_mu_);
   const absl::Time begin = absl::Now();
   int64_t version;
+  absl::Status failed;
   {
     std::lock_guard<std::mutex> l(mu_);
     version = version_;
+    failed = update_error_;
   }
   if (bucket.seq != req.bucket_seq())
     return absl::FailedPreconditionError(
@@ -841,6 +857,12 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
     return absl::FailedPreconditionError(absl::StrCat("bucket ", bucket.seq,
                                                       " committed while no update is open (after update ",
                                                       last_version_, " ended); nothing was written"));
+  // Fail fast: once the update failed here nothing more of it is loaded or posted (the engines stay paused only
+  // until the coordinator hears it).
+  if (!failed.ok())
+    return absl::AbortedError(absl::StrCat("bucket ", bucket.seq, " of update ", version,
+                                           " not loaded: the update already failed on node ", opts_.node_id, " (",
+                                           failed.message(), "); nothing from it was written"));
 
   if (!replica_)
     return absl::FailedPreconditionError(absl::StrCat("bucket ", bucket.seq, ": this node writes nothing in plan ",
@@ -852,8 +874,7 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
     std::lock_guard<std::mutex> l(mu_);
     absl::Status err = Annotate(bad, absl::StrCat("bucket ", bucket.seq, " of update ", version,
                                                   " rejected, nothing from it was written"));
-    if (update_error_.ok()) update_error_ = err;
-    spdlog::error("{}", err.ToString());
+    if (version_ == version) FailUpdate(err);
     metrics_.Add("wsync_source_buckets_total", {{"result", "rejected"}}, 1);
     return err;
   }
@@ -861,7 +882,7 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
   std::vector<replica::ReadyParam> ready;
   if (absl::Status st = LoadBucket(tensors, &ready); !st.ok()) {
     std::lock_guard<std::mutex> l(mu_);
-    if (update_error_.ok()) update_error_ = st;
+    if (version_ == version) FailUpdate(st);
     return st;
   }
   const absl::Time loaded = absl::Now();
@@ -881,7 +902,7 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
   metrics_.Observe("wsync_source_bucket_ingest_seconds", {}, ingest_s);
   metrics_.Observe("wsync_source_bucket_write_seconds", {}, write_s);
   if (!ws.ok()) {
-    if (update_error_.ok()) update_error_ = ws;
+    if (version_ == version) FailUpdate(ws);
     metrics_.Add("wsync_source_buckets_total", {{"result", "write_failed"}}, 1);
     return ws;
   }
@@ -894,21 +915,27 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
 }
 
 absl::Status SourceNode::ClaimBucket(const BucketView& bucket, std::vector<BucketTensor>* tensors) {
-  tensors->reserve(bucket.tensors.size());
+  // The names live in memory the trainer can still write: each is copied out once, and only the copies are parsed,
+  // compared and used as keys (a name changing under a std::set would break its ordering).
+  tensors->resize(bucket.tensors.size());  // not resized again: each t.name views its own entry's `name`
+  for (size_t i = 0; i < bucket.tensors.size(); ++i) {
+    const TensorView& v = bucket.tensors[i];
+    BucketTensor& b = (*tensors)[i];
+    b.name.assign(v.name.data(), v.name.size());
+    b.t = replica::HfTensor{b.name, v.dtype, v.shape, v.data, v.bytes};
+  }
   std::vector<replica::HfTensor> wholes;
   std::set<absl::string_view> seen;
   bool any_slice = false;
-  for (const TensorView& v : bucket.tensors) {
-    BucketTensor b{replica::HfTensor{v.name, v.dtype, v.shape, v.data, v.bytes}, std::nullopt, nullptr};
-    WSYNC_ASSIGN_OR_RETURN(b.slice, ParseSliceName(v.name, v.shape));
+  for (BucketTensor& b : *tensors) {
+    WSYNC_ASSIGN_OR_RETURN(b.slice, ParseSliceName(b.t.name, b.t.shape));
     if (b.slice.has_value()) {
       any_slice = true;
     } else {
-      if (!seen.insert(v.name).second)
-        return absl::InvalidArgumentError(absl::StrCat("tensor ", v.name, " appears twice in one bucket"));
+      if (!seen.insert(b.t.name).second)
+        return absl::InvalidArgumentError(absl::StrCat("tensor ", b.t.name, " appears twice in one bucket"));
       wholes.push_back(b.t);
     }
-    tensors->push_back(std::move(b));
   }
   if (!any_slice) return replica_->Claim(wholes);
   // Slices are checked against what other buckets claimed of the same tensors, and claimed with the bucket's whole
@@ -1128,6 +1155,10 @@ absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::
   }
   RefreshBase(ready);
   for (auto& [t, writes] : batches) {
+    // Fail fast: a failure elsewhere (another rank's bucket, another target) stops this bucket's posts too.
+    if (update_failed_)
+      return absl::AbortedError(absl::StrCat("update ", version, ": writes to ", Who(*t),
+                                             " not posted: the update already failed on node ", opts_.node_id));
     std::lock_guard<std::mutex> tl(t->mu);
     if (!t->broken.ok())
       return absl::UnavailableError(absl::StrCat("writing to ", Who(*t),
@@ -1301,9 +1332,11 @@ absl::StatusOr<v1::AbortSourceUpdateReply> SourceNode::AbortUpdate(const v1::Abo
       absl::Status err = absl::AbortedError(absl::StrCat(
           "update ", v, " failed during its commit",
           req.reason().empty() ? std::string() : absl::StrCat(": ", req.reason())));
-      if (update_error_.ok()) update_error_ = err;
-      CancelWrites(err);
-      cv_.notify_all();
+      if (update_error_.ok()) {
+        FailUpdate(err);
+      } else {
+        CancelWrites(err);  // failed already: still, nothing of it may be written any more
+      }
       v1::AbortSourceUpdateReply out;
       out.set_was_open(true);
       out.set_quiescent(false);  // FinishUpdate reports the result
@@ -1318,6 +1351,7 @@ absl::StatusOr<v1::AbortSourceUpdateReply> SourceNode::AbortUpdate(const v1::Abo
         "update ", v, " was aborted", req.reason().empty() ? std::string() : absl::StrCat(": ", req.reason())));
     ended_result_ = err;
     update_error_ = err;
+    update_failed_ = true;
     aborted_version_ = v;
     // A bucket blocked on a dead link holds ingest_mu_: its writes are cancelled so that it (and the drain) end now.
     CancelWrites(err);
@@ -1587,6 +1621,11 @@ absl::StatusOr<v1::CommitPlacedReply> SourceNode::CommitPlaced(const v1::CommitP
   {
     std::lock_guard<std::mutex> l(mu_);
     WSYNC_RETURN_IF_ERROR(CheckPlaced(req, &version, &tensors, &bytes, &bad));
+    // Fail fast, as for buckets: nothing more of a failed update is claimed, loaded or posted.
+    if (bad.ok() && !update_error_.ok())
+      return absl::AbortedError(absl::StrCat("placement of update ", version,
+                                             " not loaded: the update already failed on node ", opts_.node_id, " (",
+                                             update_error_.message(), "); nothing from it was written"));
   }
   // Claimed all or none, against every bucket's and placement's claims of this update: a tensor arrives once.
   if (bad.ok() && !tensors.empty()) bad = replica_->ClaimPlaced(tensors);
@@ -1594,8 +1633,7 @@ absl::StatusOr<v1::CommitPlacedReply> SourceNode::CommitPlaced(const v1::CommitP
     std::lock_guard<std::mutex> l(mu_);
     absl::Status err =
         Annotate(bad, absl::StrCat("placement of update ", req.version(), " refused, nothing from it was written"));
-    if (update_error_.ok() && version_ != -1) update_error_ = err;
-    spdlog::error("{}", err.ToString());
+    if (version_ != -1) FailUpdate(err);
     metrics_.Add("wsync_source_placements_total", {{"result", "rejected"}}, 1);
     return err;
   }
@@ -1604,7 +1642,7 @@ absl::StatusOr<v1::CommitPlacedReply> SourceNode::CommitPlaced(const v1::CommitP
     absl::StatusOr<std::vector<replica::ReadyParam>> r = replica_->MarkPlaced(t);
     if (!r.ok()) {
       std::lock_guard<std::mutex> l(mu_);
-      if (update_error_.ok()) update_error_ = r.status();
+      if (version_ == version) FailUpdate(r.status());
       return r.status();
     }
     ready.insert(ready.end(), r->begin(), r->end());
@@ -1622,7 +1660,7 @@ absl::StatusOr<v1::CommitPlacedReply> SourceNode::CommitPlaced(const v1::CommitP
   metrics_.Add("wsync_source_tensors_received_total", {}, static_cast<double>(tensors.size() - scales));
   metrics_.Add("wsync_source_placed_bytes_total", {}, static_cast<double>(bytes));
   if (!ws.ok()) {
-    if (update_error_.ok()) update_error_ = ws;
+    if (version_ == version) FailUpdate(ws);
     metrics_.Add("wsync_source_placements_total", {{"result", "write_failed"}}, 1);
     return ws;
   }

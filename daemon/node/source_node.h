@@ -12,6 +12,7 @@
 // for an older version is refused.
 // Plain C++ (no gRPC types beyond the generated messages) so it can be tested without a server.
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <cstdint>
@@ -346,6 +347,7 @@ class SourceNode {
   };
   // One tensor of a bucket: whole, or a slice of one.
   struct BucketTensor {
+    std::string name;  // copied out of the ring (trainer-writable memory); t.name views it
     replica::HfTensor t;
     std::optional<TensorSlice> slice;
     Staged* staged = nullptr;  // a slice's tensor, set when claimed
@@ -377,6 +379,11 @@ class SourceNode {
   // a dead link returns at once, so the bucket and the drain waiting for it end now. The endpoints are re-created by
   // the next StartUpdate. Requires mu_ (endpoints are swapped under it).
   void CancelWrites(const absl::Status& why);
+  // Fails the open update here at its first fault (a rejected bucket or placement, a load or a Post that failed, a
+  // lost or taken-over rank): records `err` as its error unless it has one, cancels every write of it (CancelWrites)
+  // and wakes FinishUpdate, which answers it at once. Buckets and placements committed after it are refused before
+  // they load anything, and a bucket being written posts no further batch. Requires mu_.
+  void FailUpdate(const absl::Status& err);
   // "node N at D (engine E rank R, ...)": `t`'s node and every engine rank this source writes on it (what a failed
   // link to that node affects). Requires mu_ or ingest_mu_ (targets_ is replaced under both).
   std::string NodeRanks(const Target& t) const;
@@ -471,6 +478,8 @@ class SourceNode {
   int64_t ended_version_ = -1;
   absl::StatusOr<v1::FinishUpdateReply> ended_result_ = absl::UnknownError("no update has ended");
   absl::Status update_error_;
+  // !update_error_.ok() of the open update, read without mu_ between one bucket's posts (WriteReady).
+  std::atomic<bool> update_failed_{false};
   absl::Status cancel_reason_;  // why the open update's writes were cancelled (CancelWrites); OK when they were not
   // The last aborted version and AbortUpdate's answer for it (repeats get the same answer).
   int64_t aborted_version_ = -1;
