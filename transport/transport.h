@@ -143,11 +143,22 @@ class Endpoint {
   // afterwards. Every backend implements it (tcp shuts its sockets, verbs moves its QPs to the error state, mooncake
   // does either); the default is for test doubles.
   virtual void Cancel(const absl::Status& why) { (void)why; }
-  // Receiving side, granted endpoints (Transport::CreateGrantedEndpoint): true while a peer holds an open connection
-  // authorized by this endpoint's grant (tcp: a connection whose hello carried its secret). A target daemon keeps
-  // such a connection when its source asks again (ConnectTarget is idempotent) and replaces it only once this is
-  // false. A backend that cannot tell answers false (verbs: a QP pair is re-made with every source endpoint).
-  virtual bool PeerConnected() const { return false; }
+  // Receiving side, granted endpoints (Transport::CreateGrantedEndpoint): whether a sender endpoint whose LocalInfo
+  // is `peer_info` can write through this endpoint, connected as it is, once it is handed this endpoint's LocalInfo
+  // (its grant). A target daemon answers a repeat ConnectTarget of the same source with this endpoint (the same
+  // grant) exactly when this is true, and otherwise replaces it (DecideConnectTarget), so a repeat never disturbs an
+  // update writing through a live endpoint. One meaning on every backend: false for a plain or unconnected
+  // endpoint, once Cancel was called, and once its grant was revoked; otherwise
+  //   tcp:    a connection carrying the grant's secret is open (any sender endpoint holding the secret connects);
+  //           once none is, the source gets a fresh grant;
+  //   fabric: true (connectionless: any sender endpoint holding the grant's keys writes through it);
+  //   verbs:  `peer_info` is the sender endpoint it was connected with (an RC QP pair serves that pair alone: a
+  //           retried ConnectTarget is answered with it, a new sender endpoint needs a new pair).
+  // A backend without grants answers false. Any thread; never blocks.
+  virtual bool Reusable(const std::string& peer_info) const {
+    (void)peer_info;
+    return false;
+  }
 };
 
 // What a backend declares about itself. A flag is a promise the conformance tests hold it to

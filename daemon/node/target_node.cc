@@ -811,9 +811,9 @@ std::vector<v1::EngineRegistration> TargetNode::Registrations() const {
   return out;
 }
 
-ConnectTargetAction DecideConnectTarget(bool have_connection, bool peer_connected) {
+ConnectTargetAction DecideConnectTarget(bool have_connection, bool reusable) {
   if (!have_connection) return ConnectTargetAction::kCreate;
-  return peer_connected ? ConnectTargetAction::kReuse : ConnectTargetAction::kReplace;
+  return reusable ? ConnectTargetAction::kReuse : ConnectTargetAction::kReplace;
 }
 
 absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::ConnectTargetRequest& req,
@@ -842,7 +842,7 @@ absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::Conne
     // identity) gets the same grant and leaves the connection an open update writes through untouched.
     auto old = endpoints_.find(key);
     if (DecideConnectTarget(old != endpoints_.end(),
-                            old != endpoints_.end() && old->second.endpoint->PeerConnected()) ==
+                            old != endpoints_.end() && old->second.endpoint->Reusable(req.source_endpoint_info())) ==
         ConnectTargetAction::kReuse) {
       spdlog::info("ConnectTarget from {} for engine {} rank {}: its connection is live; answered with the same grant",
                    grant.peer, req.engine_id(), req.rank());
@@ -874,8 +874,8 @@ absl::StatusOr<v1::ConnectTargetReply> TargetNode::ConnectTarget(const v1::Conne
   Connection loser;
   std::lock_guard<std::mutex> l(mu_);
   auto old = endpoints_.find(key);
-  const ConnectTargetAction action =
-      DecideConnectTarget(old != endpoints_.end(), old != endpoints_.end() && old->second.endpoint->PeerConnected());
+  const ConnectTargetAction action = DecideConnectTarget(
+      old != endpoints_.end(), old != endpoints_.end() && old->second.endpoint->Reusable(req.source_endpoint_info()));
   if (action == ConnectTargetAction::kReuse) {
     // A concurrent ConnectTarget of the same source connected first: its connection stays, this one is dropped.
     out.set_target_endpoint_info(old->second.endpoint->LocalInfo());

@@ -105,10 +105,11 @@ absl::StatusOr<std::vector<DeltaRecordRef>> CheckDeltaRecords(const uint8_t* dat
                                                               const std::string& who);
 
 // What ConnectTarget does with the connection a source already has to an engine rank (decided before acting): make
-// the first one; keep a live one (the same grant goes back: a repeat never disturbs an update writing through it);
-// replace one whose peer is gone (closed, dead, or a backend that cannot tell: Endpoint::PeerConnected).
+// the first one; keep one the asking sender endpoint can write through (Endpoint::Reusable, one meaning on every
+// backend: the same grant goes back, a repeat never disturbs an update writing through it); replace any other
+// (its peer gone, its grant revoked, or, on verbs, a new sender endpoint that needs a QP pair of its own).
 enum class ConnectTargetAction { kCreate, kReuse, kReplace };
-ConnectTargetAction DecideConnectTarget(bool have_connection, bool peer_connected);
+ConnectTargetAction DecideConnectTarget(bool have_connection, bool reusable);
 
 // The default engine socket of a daemon whose API listens on `port`: /run/wsync/target-<port>.sock when that
 // directory can be created, else under $XDG_RUNTIME_DIR/wsync, else /tmp/wsync-<uid>.

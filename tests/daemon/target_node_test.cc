@@ -140,13 +140,22 @@ std::vector<Segment> TwoSegments() {
   return s;
 }
 
+// The tcp transport, or the backend named (fabric on tcp;ofi_rxm, which every Debian libfabric1 has).
+std::unique_ptr<transport::Transport> MakeBackend(const std::string& backend = "tcp") {
+  transport::TransportOptions o;
+  if (backend == "fabric") o.fabric_provider = "tcp;ofi_rxm";
+  auto tr = transport::CreateTransport(backend, o);
+  REQUIRE(tr.ok());
+  INFO((*tr)->reason());
+  REQUIRE((*tr)->viable());
+  return *std::move(tr);
+}
+
 struct Fixture {
-  Fixture() {
+  explicit Fixture(const std::string& backend = "tcp") {
     char tmpl[] = "/tmp/wsync-target-test.XXXXXX";
     dir = mkdtemp(tmpl);
-    auto tr = transport::CreateTransport("tcp", {});
-    REQUIRE(tr.ok());
-    transport = *std::move(tr);
+    transport = MakeBackend(backend);
   }
   ~Fixture() {
     node.reset();
@@ -1005,6 +1014,74 @@ TEST_CASE("target: an open naming the held assignments keeps them; any other nam
   close();
   CHECK(f.node->SetWriteWindow(NamingHeldAssignments(b)).assignments_missing());
   CHECK(f.node->Status().write_window() == "closed");
+  munmap(mem, 4096);
+}
+
+// Endpoint::Reusable has one meaning on every backend (transport/transport.h); on it ConnectTarget decides. During
+// an open update, on tcp and on fabric: a retried ConnectTarget of the source's endpoint and one from a second endpoint
+// of the same source are answered with the live endpoint (the same grant), and the update goes on writing through
+// the first connection, bit-exact. Before, fabric (no PeerConnected) replaced the endpoint, revoking the grant the
+// update wrote with.
+TEST_CASE("target: a repeat ConnectTarget during an open update keeps the live endpoint on every backend with grants",
+          "[faults]") {
+  const std::string backend = GENERATE(as<std::string>{}, "tcp", "fabric");
+  INFO("backend " << backend);
+  Fixture f(backend);
+  f.Start();
+  AttachOnce(f, [](Json&) {});
+  REQUIRE(f.conns.size() == 1);
+  void* mem = mmap(nullptr, 4096, PROT_READ, MAP_SHARED, f.conns[0].segments[0].fd.get(), 0);
+  REQUIRE(mem != MAP_FAILED);
+  const std::string desc = f.node->Registrations()[0].ranks(0).segments(0).region_descriptor();
+  auto peer = MakeBackend(backend);
+  auto region = peer->ImportRegion(desc);
+  REQUIRE(region.ok());
+  std::vector<uint8_t> src(4096);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 13 + 5);
+  auto local = peer->RegisterMemory(src.data(), src.size());
+  REQUIRE(local.ok());
+  auto write = [&](transport::Endpoint& ep, uint64_t off, uint64_t len) {
+    transport::WriteRequest w{local->get(), off, region->get(), off, len};
+    return ep.Write({w}, absl::Seconds(10));
+  };
+  auto connect = [&](const std::string& sender_info) {
+    v1::ConnectTargetRequest req;
+    req.set_engine_id("fake0");
+    req.set_rank(0);
+    req.set_source_endpoint_info(sender_info);
+    return f.node->ConnectTarget(req, "source:train0");
+  };
+  v1::SetWriteWindowRequest open;
+  open.set_open(true);
+  open.set_version(1);
+  f.node->SetWriteWindow(open);
+  auto ep = peer->CreateEndpoint();
+  REQUIRE(ep.ok());
+  auto first = connect((*ep)->LocalInfo());
+  INFO(first.status().ToString());
+  REQUIRE(first.ok());
+  REQUIRE((*ep)->Connect(first->target_endpoint_info(), absl::Seconds(10)).ok());
+  absl::Status half = write(**ep, 0, 2048);
+  INFO(half.ToString());
+  REQUIRE(half.ok());
+
+  auto retried = connect((*ep)->LocalInfo());  // a retried call of the same sender endpoint
+  REQUIRE(retried.ok());
+  CHECK(retried->target_endpoint_info() == first->target_endpoint_info());
+  auto ep2 = peer->CreateEndpoint();  // a second endpoint of the same source
+  REQUIRE(ep2.ok());
+  auto second = connect((*ep2)->LocalInfo());
+  REQUIRE(second.ok());
+  CHECK(second->target_endpoint_info() == first->target_endpoint_info());
+  REQUIRE((*ep2)->Connect(second->target_endpoint_info(), absl::Seconds(10)).ok());
+
+  absl::Status rest = write(**ep, 2048, 2048);  // the update goes on through the first connection
+  INFO(rest.ToString());
+  CHECK(rest.ok());
+  CHECK(std::memcmp(mem, src.data(), src.size()) == 0);
+  absl::Status beside = write(**ep2, 0, 64);  // and the second writes with the same grant
+  INFO(beside.ToString());
+  CHECK(beside.ok());
   munmap(mem, 4096);
 }
 

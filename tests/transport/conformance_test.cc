@@ -451,3 +451,89 @@ TEST_CASE("Wait times out and leaves the batch outstanding", "[transport][errors
   }
   CHECK(unfinished == 1);
 }
+
+// Endpoint::Reusable, one meaning on every backend: it is what a target daemon answers a repeat ConnectTarget of the
+// same source with (the same endpoint and grant, or a new one). A granted receiving endpoint is reusable for the
+// sender endpoint it was connected with while that one writes; a second sender endpoint it declares reusable for
+// writes through it bit-exactly with only its LocalInfo (the receiving endpoint is not connected again), and the
+// first keeps writing; no endpoint is reusable once its grant is revoked or it was cancelled. A backend without
+// write grants has no granted endpoints: the case does not apply to it. Fails when a backend's Reusable ignores its
+// grant's revocation or a Cancel, answers false while it serves, or true for a sender it does not serve.
+TEST_CASE(
+    "a granted endpoint is reusable as it declares: repeat senders write through it; never after revoke or cancel",
+    "[transport][grants]") {
+  using wsync::transport::Transport;
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  if (!receiver->RequireGrants(true).ok()) {
+    SUCCEED("no write grants on this backend");
+    return;
+  }
+  constexpr uint64_t kLen = 1 << 16;
+  Buffer src = RegisterPattern(*sender, kLen, 21);
+  Buffer dst = Register(*receiver, kLen, kUntouched);
+  auto remote = Import(*sender, *dst.region);
+  auto grant_for = [&](const std::string& peer) {
+    Transport::WriteGrant g;
+    g.peer = peer;
+    g.scope = "engine0/0";
+    g.regions = {dst.region.get()};
+    auto ep = receiver->CreateGrantedEndpoint(g);
+    INFO(ep.status().ToString());
+    REQUIRE(ep.ok());
+    return *std::move(ep);
+  };
+  auto sender_endpoint = [&] {
+    auto ep = sender->CreateEndpoint();
+    REQUIRE(ep.ok());
+    return *std::move(ep);
+  };
+  // Both sides connect, as ConnectTarget and the source do.
+  auto pair = [&](Endpoint& granted, Endpoint& from) {
+    absl::Status granted_status;
+    std::thread t([&] { granted_status = granted.Connect(from.LocalInfo(), kTimeout); });
+    absl::Status from_status = from.Connect(granted.LocalInfo(), kTimeout);
+    t.join();
+    RequireOk(granted_status);
+    RequireOk(from_status);
+  };
+  auto write = [&](Endpoint& from, uint64_t off, uint64_t len) {
+    return from.Write({WriteRequest{src.region.get(), off, remote.get(), off, len}}, kTimeout);
+  };
+
+  std::unique_ptr<Endpoint> granted = grant_for("source:one");
+  std::unique_ptr<Endpoint> first = sender_endpoint();
+  CHECK_FALSE(granted->Reusable(first->LocalInfo()));  // not connected yet
+  pair(*granted, *first);
+  RequireOk(write(*first, 0, kLen / 2));
+  CHECK(granted->Reusable(first->LocalInfo()));  // the sender it serves, writing
+
+  // A second sender endpoint of the same source: if the endpoint declares it served, it writes through the same
+  // endpoint and grant with nothing but their LocalInfo; the first goes on writing beside it.
+  std::unique_ptr<Endpoint> second = sender_endpoint();
+  if (granted->Reusable(second->LocalInfo())) {
+    RequireOk(second->Connect(granted->LocalInfo(), kTimeout));
+    RequireOk(write(*second, kLen / 2, kLen / 2));
+    RequireOk(write(*first, 0, 64));
+    CHECK(FirstPatternMismatch(dst.bytes.data(), kLen, 21, 0) == -1);
+    CHECK(granted->Reusable(first->LocalInfo()));
+  }
+
+  // Revoked: never reusable again, for any sender.
+  receiver->RevokeGrants([](const Transport::WriteGrant& g) { return g.peer != "source:one"; });
+  CHECK_FALSE(granted->Reusable(first->LocalInfo()));
+  CHECK_FALSE(granted->Reusable(second->LocalInfo()));
+
+  // Cancelled: likewise, though its grant lives and its sender is connected.
+  std::unique_ptr<Endpoint> granted2 = grant_for("source:two");
+  std::unique_ptr<Endpoint> third = sender_endpoint();
+  pair(*granted2, *third);
+  RequireOk(write(*third, 0, 64));
+  REQUIRE(granted2->Reusable(third->LocalInfo()));
+  granted2->Cancel(absl::CancelledError("test: the update was aborted"));
+  CHECK_FALSE(granted2->Reusable(third->LocalInfo()));
+  // A plain endpoint carries no grant: never reusable.
+  auto plain = receiver->CreateEndpoint();
+  REQUIRE(plain.ok());
+  CHECK_FALSE((*plain)->Reusable(first->LocalInfo()));
+}

@@ -236,6 +236,13 @@ class FabricEndpoint final : public Endpoint {
     return absl::OkStatus();
   }
 
+  // Connectionless: any sender endpoint holding the grant's keys writes through this one (Endpoint::Reusable).
+  // connected_ is set by Connect before the endpoint is shared; the gate answers for the grant under its own lock.
+  bool Reusable(const std::string& peer_info) const override {
+    (void)peer_info;
+    return grant_ != nullptr && connected_ && !cancelled_.load(std::memory_order_acquire) && gate_->GrantLive(*grant_);
+  }
+
   absl::StatusOr<BatchId> Post(absl::Span<const WriteRequest> writes) override;
   absl::Status Wait(BatchId batch, absl::Duration timeout) override;
   std::string PeerName() const override {

@@ -179,6 +179,8 @@ class Gate {
   absl::StatusOr<std::shared_ptr<Grant>> AddGrant(Transport::WriteGrant info, std::vector<uint64_t> ids,
                                                   std::vector<Range> ranges, fid_ep* ep);
   void RemoveGrant(const std::shared_ptr<Grant>& g);
+  // False once `g` was revoked (Revoke) or removed.
+  bool GrantLive(const Grant& g) const;
   // The keys a granted endpoint's LocalInfo carries.
   std::vector<GrantedRegion> GrantKeys(const Grant& g) const;
   uint64_t PlainKey(const Plain& p) const;

@@ -335,6 +335,11 @@ void Gate::RemoveGrant(const std::shared_ptr<Grant>& g) {
   for (Entry& e : g->entries) e.mr.reset();
 }
 
+bool Gate::GrantLive(const Grant& g) const {
+  std::lock_guard<std::mutex> l(mu_);
+  return g.live && std::any_of(grants_.begin(), grants_.end(), [&](const auto& x) { return x.get() == &g; });
+}
+
 std::vector<GrantedRegion> Gate::GrantKeys(const Grant& g) const {
   std::lock_guard<std::mutex> l(mu_);
   std::vector<GrantedRegion> out;

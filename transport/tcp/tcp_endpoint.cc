@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -118,9 +119,10 @@ class TcpEndpoint final : public Endpoint {
 
   std::string LocalInfo() const override { return local_info_; }
 
-  bool PeerConnected() const override {
-    if (!grant_table_) return false;
-    auto g = grant_table_->FindGrant(grant_secret_);
+  bool Reusable(const std::string& peer_info) const override {
+    (void)peer_info;  // any sender endpoint holding the grant's secret connects
+    if (!grant_table_ || was_cancelled_.load()) return false;
+    auto g = grant_table_->FindGrant(grant_secret_);  // null once revoked
     return g != nullptr && g->connections.load() > 0;
   }
 
@@ -129,6 +131,7 @@ class TcpEndpoint final : public Endpoint {
       std::lock_guard<std::mutex> lock(mu_);
       if (!cancelled_.ok()) return;
       cancelled_ = why.ok() ? absl::CancelledError("cancelled") : why;
+      was_cancelled_ = true;
       if (broken_.ok()) broken_ = cancelled_;
       if (!streams_ready_) return;
     }
@@ -419,6 +422,7 @@ class TcpEndpoint final : public Endpoint {
   std::unordered_map<BatchId, Batch> batches_;
   absl::Status broken_;  // first transport error; the endpoint accepts no batches after it
   absl::Status cancelled_;      // Cancel's reason
+  std::atomic<bool> was_cancelled_{false};  // !cancelled_.ok(), for Reusable without mu_
   bool streams_ready_ = false;  // Connect created every Stream (Cancel walks them only then)
 };
 

@@ -51,7 +51,7 @@ class RegionTable {
     Transport::WriteGrant info;
     std::unordered_set<uint64_t> regions;
     std::atomic<bool> live{true};
-    std::atomic<int> connections{0};  // open connections whose hello carried its secret (PeerConnected)
+    std::atomic<int> connections{0};  // open connections whose hello carried its secret (Endpoint::Reusable)
   };
   using Secret = std::pair<uint64_t, uint64_t>;
   struct SecretHash {

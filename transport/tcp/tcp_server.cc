@@ -70,7 +70,7 @@ absl::Status ServeConnection(int fd, RegionTable& table, const std::string& peer
   // Without a secret the connection is accepted (a peer's endpoint connects back to complete the symmetric
   // handshake) but, when grants are required, every write frame on it is refused.
   const bool ungranted_refused = grant == nullptr && table.require_grants();
-  // Counted before the ack, so a peer whose Connect returned is already seen connected (Endpoint::PeerConnected).
+  // Counted before the ack, so a peer whose Connect returned is already seen connected (Endpoint::Reusable).
   struct Counted {
     std::shared_ptr<RegionTable::Grant> g;
     ~Counted() {

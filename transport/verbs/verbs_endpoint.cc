@@ -190,6 +190,7 @@ class VerbsEndpoint final : public Endpoint {
       return connected;
     }
     active_ = n;
+    peer_info_ = peer_info;
     peer_ = std::move(peer);
     for (const GrantedRegion& g : peer_.grant) peer_grant_[g.base] = &g;
     connected_ = true;
@@ -200,6 +201,14 @@ class VerbsEndpoint final : public Endpoint {
   absl::StatusOr<BatchId> Post(absl::Span<const WriteRequest> writes) override;
   absl::Status Wait(BatchId batch, absl::Duration timeout) override;
   std::string PeerName() const override { return connected_ ? peer_.owner : "(unconnected verbs peer)"; }
+
+  // An RC QP pair serves the sender endpoint it was connected with alone (Endpoint::Reusable): a retried
+  // ConnectTarget of that endpoint is answered with this one; any other sender endpoint needs a new pair.
+  // connected_ and peer_info_ are set by Connect before the endpoint is shared.
+  bool Reusable(const std::string& peer_info) const override {
+    return grant_ != nullptr && connected_ && peer_info == peer_info_ && !cancelled_.load(std::memory_order_acquire) &&
+           grant_->live->load();
+  }
 
   // From any thread. Moves every QP (connected or not: qps_ is fixed after Init) to the error state, so the NIC
   // sends nothing more of this endpoint and flushes its queued WRs; the thread using the endpoint sees the flag at
@@ -442,6 +451,7 @@ class VerbsEndpoint final : public Endpoint {
   std::vector<Qp> qps_;
   size_t active_ = 0;  // QPs paired with a peer QP (a prefix of qps_)
   bool connected_ = false;
+  std::string peer_info_;  // the LocalInfo of the sender endpoint Connect paired this one with
   ConnInfo peer_;
   // A granted peer's regions by base address (into peer_.grant): writes into them use the grant's rkeys.
   std::unordered_map<uint64_t, const GrantedRegion*> peer_grant_;
