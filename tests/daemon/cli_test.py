@@ -73,8 +73,11 @@ def check_empty_cluster(b, ep):
     check(rc == 0 and out.startswith("nothing to resume") and "-:" not in out,
           f"resume on an idle, empty cluster says there is nothing to resume (rc {rc}): {out.strip()!r} {err.strip()!r}")
     # --version is the global flag wherever it stands; the update to abort is a positional argument.
-    rc, out, _ = run([ctl, "abort", "--version"])
-    check(rc == 0 and out.startswith("wsyncctl "), f"abort --version prints wsyncctl's version (rc {rc}): {out!r}")
+    for sub in ("abort", "history", "verify", "status"):
+        rc, out, _ = run([ctl, sub, "--version"])
+        check(rc == 0 and out.startswith("wsyncctl "), f"{sub} --version prints wsyncctl's version (rc {rc}): {out!r}")
+    rc, out, _ = run([ctl, "history", "--version", "1", "-o", "json", "--endpoints", ep])
+    check(rc == 1 and not out.startswith("wsyncctl "), f"history --version 1 still selects update 1 (none here: rc {rc})")
     rc, _, err = run([ctl, "abort", "--version", "3", "--endpoints", ep])
     check(rc == 2 and "wsyncctl abort 3" in err, f"abort --version 3 (the old form) is refused, naming the new one "
           f"(rc {rc}): {err.strip()!r}")

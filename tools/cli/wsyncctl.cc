@@ -462,6 +462,14 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "wsyncctl: WSYNC_ENDPOINTS (deprecated) is ignored: WSYNC_COORDINATOR=%s is set\n", now);
     }
   }
+  // A bare --version (no value after it) is wsyncctl's own flag wherever it stands, also after `history` or `verify`,
+  // whose --version V selects updates.
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--version" && (i + 1 == argc || argv[i + 1][0] == '-')) {
+      std::printf("%s\n", cli::VersionString("wsyncctl").c_str());
+      return kExitOk;
+    }
+  }
   const int at = CommandIndex(app, argc, argv);
   if (at > 0) {
     const std::string cmd = argv[at];
@@ -563,7 +571,7 @@ int main(int argc, char** argv) {
     vo.engine = engine;
     vo.dial_timeout = dt;
     auto r = tools::VerifyAgainstSources(c, vo);
-    if (!r.ok()) return ExitFor(r.status());
+    if (!r.ok()) return ExitFor(r.status(), coordinator);
     if (json) {
       nlohmann::json j;
       j["version"] = r->version;
