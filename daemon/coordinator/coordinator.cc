@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "base/cli.h"
 #include "base/logging.h"
@@ -29,6 +30,15 @@
 
 namespace wsync::daemon {
 namespace {
+
+// How a failed update's error says where the engines are (Fail): left paused, or resumed at their old version.
+constexpr char kPausedNote[] = " until a successful update: ";
+constexpr char kResumedNote[] = " (no byte of the update had reached them): ";
+// The longest a durability point waits for the state store (an etcd leader election takes seconds).
+constexpr absl::Duration kStoreWait = absl::Seconds(30);
+// How long a failure at the sources' start waits for them to say whether they wrote anything before it is recorded
+// (then the engines resume at once, or stay paused; a source that does not answer in time counts as written).
+constexpr absl::Duration kCleanAnswerWithin = absl::Seconds(3);
 
 // Runs fn(item) for every item as one phase on the bounded fan-out (fanout.h). OK when every call succeeded;
 // otherwise the first error's code with every failure's message.
@@ -220,7 +230,7 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
     for (const auto& e : old->second.engines()) engine_digests_.erase(e.engine_id());
   for (const auto& e : req.engines()) engine_digests_.erase(e.engine_id());
   nodes_[req.node_id()] = req;
-  last_heartbeat_[req.node_id()] = absl::Now();
+  StampLease(req.node_id(), req.address(), absl::Now());
   for (const auto& e : req.engines()) engine_state_[e.control_address()] = EngineView();
   ++membership_epoch_;
   Persist();
@@ -232,7 +242,9 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
 }
 
 absl::StatusOr<PlanSources> Coordinator::SourcesForPlan() const {
-  return PlanSourceNodes(nodes_, drained_nodes_, PlanningOptions());
+  std::set<std::string> excluded = drained_nodes_;
+  excluded.insert(lapsed_nodes_.begin(), lapsed_nodes_.end());
+  return PlanSourceNodes(nodes_, excluded, PlanningOptions());
 }
 
 ReplanOptions Coordinator::PlanningOptions() const {
@@ -249,7 +261,7 @@ ReplanInput Coordinator::PlanningInput() const {
   ReplanInput in;
   in.nodes = &nodes_;
   in.drained_engines = &drained_engines_;
-  in.drained_nodes = &drained_nodes_;
+  in.drained_nodes = &plan_excluded_;
   in.membership_epoch = membership_epoch_;
   in.model_config_json = model_config_json_;
   in.options = PlanningOptions();
@@ -266,6 +278,8 @@ void Coordinator::RefreshEngineDigests() {
 
 absl::Status Coordinator::Replan(bool dry_run) {
   RefreshEngineDigests();
+  plan_excluded_ = drained_nodes_;
+  plan_excluded_.insert(lapsed_nodes_.begin(), lapsed_nodes_.end());
   WSYNC_ASSIGN_OR_RETURN(Replanned r, PlanMembership(PlanningInput()));
   if (dry_run) return absl::OkStatus();
   spdlog::info(
@@ -318,7 +332,27 @@ absl::Status Coordinator::Track(const std::string& addr, std::optional<EngineSta
   } else if (on_success) {
     engine_state_[addr] = EngineView{*on_success, ""};
   }
+  NoteChange();
   return st;
+}
+
+void Coordinator::NoteChange() {
+  {
+    std::lock_guard<std::mutex> l(change_mu_);
+    ++change_generation_;
+  }
+  change_cv_.notify_all();
+}
+
+uint64_t Coordinator::ChangeGeneration() {
+  std::lock_guard<std::mutex> l(change_mu_);
+  return change_generation_;
+}
+
+uint64_t Coordinator::WaitForChange(uint64_t seen, absl::Duration max_wait) {
+  std::unique_lock<std::mutex> l(change_mu_);
+  change_cv_.wait_for(l, absl::ToChronoMilliseconds(max_wait), [&] { return change_generation_ != seen; });
+  return change_generation_;
 }
 
 void Coordinator::SetState(UpdateState to) {
@@ -381,30 +415,39 @@ bool Coordinator::AbortAsked() const {
   return abort_asked_;
 }
 
-bool Coordinator::AbortSources(int64_t v, const std::string& why, uint64_t* bytes) {
+bool Coordinator::AbortSources(int64_t v, const std::string& why, uint64_t* bytes, absl::Duration within) {
   std::vector<std::string> sources;
   {
     std::lock_guard<std::mutex> l(mu_);
     for (const auto& [id, n] : nodes_)
-      if (n.role() == "source") sources.push_back(n.address());
+      if (n.role() == "source" && InRun(id)) sources.push_back(n.address());
   }
   v1::AbortSourceUpdateRequest req;
   req.set_version(v);
   req.set_reason(why);
   std::mutex agg_mu;
   bool clean = true;
-  ForAll(sources, [&](const std::string& a) {
-    auto r = peers_->AbortSourceUpdate(a, req);
-    std::lock_guard<std::mutex> l(agg_mu);
-    if (!r.ok()) {
-      clean = false;  // unknown: that source may have written
-      spdlog::warn("telling source {} to abort update {}: {}", a, v, r.status().ToString());
-      return absl::OkStatus();
-    }
-    *bytes += r->bytes_written();
-    if (r->bytes_written() > 0 || !r->quiescent()) clean = false;
-    return absl::OkStatus();
-  }).IgnoreError();  // best effort: a source that missed it abandons the update at the next StartUpdate
+  FanoutOptions o;
+  o.max_parallel = opts_.fanout_parallel;
+  o.deadline = within;
+  o.phase = "abort sources";
+  o.cancel_running = [this, &sources](size_t i) { peers_->CancelCalls(sources[i]); };
+  const absl::Status all = ForAll(
+      sources,
+      [&](const std::string& a) {
+        auto r = peers_->AbortSourceUpdate(a, req);
+        std::lock_guard<std::mutex> l(agg_mu);
+        if (!r.ok()) {
+          clean = false;  // unknown: that source may have written
+          spdlog::warn("telling source {} to abort update {}: {}", a, v, r.status().ToString());
+          return absl::OkStatus();
+        }
+        *bytes += r->bytes_written();
+        if (r->bytes_written() > 0 || !r->quiescent()) clean = false;
+        return absl::OkStatus();
+      },
+      o);  // best effort: a source that missed it abandons the update at the next StartUpdate
+  if (!all.ok()) clean = false;  // a source not asked in time: unknown
   return clean;
 }
 
@@ -441,13 +484,15 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
     for (const auto& e : n.engines()) engine_ids[e.control_address()] = e.engine_id();
   AddEnginePhases(&rec, engine_call_ends_, engine_ids);
   engine_call_ends_.clear();
+  history_dirty_.insert(rec.version());
   history_.push_back(std::move(rec));
   while (history_.size() > opts_.history_limit) history_.pop_front();
   Persist();
   ended_cv_.notify_all();
 }
 
-absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in, bool may_have_written, bool stopping) {
+absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in, bool may_have_written, bool stopping,
+                               bool resumed) {
   const int64_t v = rec.version();
   std::lock_guard<std::mutex> l(mu_);
   absl::Status why = why_in;
@@ -459,14 +504,18 @@ absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in,
         "aborted by ", abort_by_, abort_reason_.empty() ? std::string() : absl::StrCat(": ", abort_reason_), " while ",
         StateName(), why_in.ok() ? std::string() : absl::StrCat(" (", why_in.ToString(), ")")));
   }
-  // A staged update writes staging memory only: the weights the engines serve are never partly written.
-  const bool live_written = may_have_written && rec.mode() != "staged";
+  // The caller decided from the phase table (phase_table.h) whether live weights may be partly written: a staged
+  // update writes staging memory only, until its switch.
+  const bool live_written = may_have_written;
   if (live_written) engines_dirty_ = true;
+  const char* engines_now = resumed                                         ? "were resumed"
+                            : live_written || rec.mode() != "staged" ? "stay paused"
+                                                                            : "serve on";
   // Aborted: this update is over whatever is retried; a new update (a newer version) is the way forward.
   absl::Status err = absl::AbortedError(absl::StrCat(
-      "update ", v, " failed; engines ", live_written || rec.mode() != "staged" ? "stay paused" : "serve on",
+      "update ", v, " failed; engines ", engines_now,
       current_version_ >= 0 ? absl::StrCat(" at version ", current_version_) : std::string(),
-      " until a successful update: ", why.ToString()));
+      resumed ? kResumedNote : kPausedNote, why.ToString()));
   rec.set_success(false);
   rec.set_error(err.ToString());
   rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
@@ -489,12 +538,98 @@ absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in,
   return err;
 }
 
-absl::Status Coordinator::FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, const std::string& phase,
+absl::Status Coordinator::FailAt(v1::UpdateRecord rec, const absl::Status& why, Phase phase,
+                                 const std::vector<std::string>& engines) {
+  const UpdateMode mode = rec.mode() == "staged" ? UpdateMode::kStaged : UpdateMode::kClassic;
+  switch (PolicyFor(mode, phase)) {
+    case OnFailure::kResumeOld: {
+      bool dirty;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        dirty = engines_dirty_;
+      }
+      // Engines an earlier failed update left holding partial writes stay paused: they serve nothing true.
+      if (dirty) return Fail(std::move(rec), why, false);
+      ResumeOld(rec.version(), engines);
+      return Fail(std::move(rec), why, false, false, /*resumed=*/true);
+    }
+    case OnFailure::kServeOn:
+    case OnFailure::kLeaveOutStale:
+      return Fail(std::move(rec), why, false);
+    case OnFailure::kResumeIfClean:  // only where sources were started (FailAndStopSources); here: the safe answer
+    case OnFailure::kKeepPaused:
+    case OnFailure::kHoldPaused:
+    case OnFailure::kCommittedNotResumed:
+      break;
+  }
+  return Fail(std::move(rec), why, true);
+}
+
+bool Coordinator::ResumeOld(int64_t v, const std::vector<std::string>& engines) {
+  FanoutOptions o;
+  o.max_parallel = opts_.fanout_parallel;
+  o.deadline = absl::Seconds(PeerDeadlines::kContinue);
+  o.phase = "resume";
+  std::mutex failed_mu;
+  std::vector<std::string> failed;
+  // Called directly, not through Remote: an operator's abort must not keep the engines paused.
+  RunFanout(
+      engines.size(),
+      [&](size_t i) {
+        const std::string& a = engines[i];
+        absl::Status r = Track(a, EngineState::kServing, "resume",
+                               Annotate(peers_->Continue(a), "resume " + EngineLabel(a)));
+        if (!r.ok()) {
+          std::lock_guard<std::mutex> l(failed_mu);
+          failed.push_back(a);
+        }
+        return r;
+      },
+      o);
+  std::sort(failed.begin(), failed.end());
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    // Engines a committed update left paused at the current version were continued too.
+    MarkResumed(engines, failed, absl::UnavailableError("their resume failed"));
+  }
+  SaveEngineStates();
+  if (failed.empty())
+    spdlog::warn("update {}: nothing of it reached the engines: {} engines resumed at their version", v, engines.size());
+  else
+    spdlog::error("update {}: nothing of it reached the engines; {} of {} engines could not be resumed ({})", v,
+                  failed.size(), engines.size(), absl::StrJoin(failed, ", "));
+  return failed.empty();
+}
+
+absl::Status Coordinator::FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, Phase phase,
+                                             const std::vector<std::string>& engines,
                                              const std::set<std::string>& skip) {
   const int64_t v = rec.version();
-  absl::Status err = Fail(std::move(rec), why, /*may_have_written=*/true, /*stopping=*/true);
+  const UpdateMode mode = rec.mode() == "staged" ? UpdateMode::kStaged : UpdateMode::kClassic;
+  const OnFailure policy = PolicyFor(mode, phase);
+  const bool live = policy == OnFailure::kResumeIfClean || policy == OnFailure::kKeepPaused ||
+                    policy == OnFailure::kHoldPaused;
+  bool dirty_before, asked;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    dirty_before = engines_dirty_;
+    asked = abort_asked_;
+  }
+  const std::string reason = asked ? absl::StrCat("aborted by the operator at ", PhaseName(phase))
+                                   : absl::StrCat("update failed at ", PhaseName(phase), ": ", why.message());
   uint64_t bytes = 0;
-  AbortSources(v, absl::StrCat("aborted by the operator while the update was ", phase), &bytes);
+  absl::Status err;
+  if (policy == OnFailure::kResumeIfClean && !dirty_before) {
+    // Whether the engines resume depends on what the sources answer: asked first, for a short time, so that the
+    // recorded outcome (and an operator's abort, waiting for it) is true from the start.
+    const bool clean = AbortSources(v, reason, &bytes, kCleanAnswerWithin);
+    if (clean) ResumeOld(v, engines);
+    err = Fail(std::move(rec), why, /*may_have_written=*/!clean, /*stopping=*/true, /*resumed=*/clean);
+    if (!clean) AbortSources(v, reason, &bytes);  // the ones that did not answer in time are told, unbounded
+  } else {
+    err = Fail(std::move(rec), why, /*may_have_written=*/live, /*stopping=*/true);
+    AbortSources(v, reason, &bytes);
+  }
   SetWindows(false, v, skip).IgnoreError();
   std::lock_guard<std::mutex> l(mu_);
   SetState(UpdateState::kFailed);
@@ -506,6 +641,13 @@ absl::Status Coordinator::FailAndStopSources(v1::UpdateRecord rec, const absl::S
 }
 
 absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpdateRequest& req) {
+  // The outcome is in the store before the caller hears it (the store writer, store_writer.h).
+  auto out = RunBeginUpdate(req);
+  Durable().IgnoreError();
+  return out;
+}
+
+absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::BeginUpdateRequest& req) {
   const absl::Time start = absl::Now();
   const int64_t v = req.version();
   if (v < 0) return absl::InvalidArgumentError(absl::StrCat("version ", v, " is negative"));
@@ -529,6 +671,11 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   std::vector<std::string> staging_engines;  // engines offering staging memory: their live copy is asked below
   std::map<std::string, int> live_sets;
   bool need_plan, need_configure;
+  absl::Status saved;
+  uint64_t begin_ticket = 0;
+  UpdateState prev_state;
+  int64_t prev_last_begun;
+  v1::UpdateRecord prev_record;
   {
     std::unique_lock<std::mutex> l(mu_);
     // A retried BeginUpdate(v) while the first one is still running waits for it and shares its result.
@@ -548,6 +695,16 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
                                                         current_version_ >= 0 ? std::to_string(current_version_)
                                                                               : std::string("none"),
                                                         ")"));
+    // A node whose lease lapsed (registered, then silent) is left out of this update: not planned, paused, started
+    // or written; it comes back with its next heartbeat (a membership change: the next update re-plans).
+    if (std::set<std::string> lapsed = LapsedNodes(absl::Now()); lapsed != lapsed_nodes_) {
+      for (const auto& id : lapsed)
+        if (!lapsed_nodes_.count(id))
+          spdlog::warn("update {}: node {} lost its lease (no heartbeat for {:.1f} s): left out of the update", v, id,
+                       absl::ToDoubleSeconds(absl::Now() - LastHeartbeat(id)));
+      lapsed_nodes_ = std::move(lapsed);
+      ++membership_epoch_;
+    }
     engines = EngineAddresses();
     if (engines.empty())
       return absl::FailedPreconditionError(drained_engines_.empty() && drained_nodes_.empty()
@@ -568,21 +725,30 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       delta = "off";
       rec.set_delta_mode(delta);
     }
-    const UpdateState prev_state = state_;
-    const int64_t prev_last_begun = last_begun_;
-    const v1::UpdateRecord prev_record = open_record_;
+    prev_state = state_;
+    prev_last_begun = last_begun_;
+    prev_record = open_record_;
     SetState(UpdateState::kBeginning);
     update_cancel_ = std::make_shared<Cancellation>();
     SetLogUpdateVersion(v);
     open_version_ = v;
     last_begun_ = v;
     open_record_ = rec;
-    if (absl::Status saved = SaveState(); !saved.ok()) {
+    saved = SaveState();
+    begin_ticket = save_ticket_;
+  }
+  // The begin must be durable before any engine is paused; waited for without the lock (Status, heartbeats and an
+  // abort answer meanwhile; nothing else can begin: the state is beginning).
+  if (saved.ok()) saved = Durable(begin_ticket);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!saved.ok()) {
       // Nothing was asked of an engine yet: fail now rather than run an update a successor would not know of.
       SetState(prev_state);
       open_version_ = -1;
       last_begun_ = prev_last_begun;
       open_record_ = prev_record;
+      abort_asked_ = false;
       SetLogUpdateVersion(-1);
       Persist();
       ended_cv_.notify_all();
@@ -593,7 +759,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     // A source without a recorded configuration (a configure failed, or its heartbeat reported that it does not
     // hold the planned one) is configured again even when the plan is unchanged.
     need_configure = need_plan;
-    for (const auto& [id, n] : nodes_) need_configure |= n.role() == "source" && !configured_.count(id);
+    for (const auto& [id, n] : nodes_) need_configure |= n.role() == "source" && InRun(id) && !configured_.count(id);
     // Which copy the plan writes can change at every switch: sources are re-configured when it did.
     need_configure |= !staging_engines.empty();
   }
@@ -623,7 +789,8 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     AddPhase(&rec, "pause", t);
     out.set_pause_seconds(rec.phases(0).seconds());
   }
-  if (!st.ok() || AbortAsked()) return Fail(rec, st, false);
+  // (Staged: nothing was paused; the abort is met before the re-plan, which serves on as well.)
+  if (!st.ok() || AbortAsked()) return FailAt(rec, st, staged ? Phase::kEngineInfo : Phase::kPause, engines);
 
   t = absl::Now();
   // A source to configure: its request without its assignments (model, push filters, quantization), its
@@ -652,7 +819,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
     else engine_model_json = info->model_config_json();
   }
   if (st.ok()) st = LiveSets(staging_engines, &live_sets);
-  if (!st.ok() || AbortAsked()) return Fail(rec, st, false);
+  if (!st.ok() || AbortAsked()) return FailAt(rec, st, Phase::kEngineInfo, engines);
   {
     std::lock_guard<std::mutex> l(mu_);
     if (need_plan) {
@@ -672,6 +839,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       // configured again (a join or leave re-plans one group; the sources serving only other groups keep their
       // replica, connections and plan epoch).
       for (auto& [id, r] : by_source) {
+        if (!InRun(id)) continue;  // its lease lapsed: left out of this update
         Configure cf{id, nodes_[id].address(), std::move(r), {}, {}, {}, ""};
         const std::vector<const Planned*>& mine = planned_of[id];
         for (const Planned* p : mine) {
@@ -686,7 +854,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       }
     }
   }
-  if (!st.ok()) return Fail(rec, st, false);
+  if (!st.ok()) return FailAt(rec, st, Phase::kConfigure, engines);
   if (need_configure) {
     std::vector<std::string> configure_addrs;
     std::vector<size_t> items;
@@ -729,11 +897,11 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       configured_sources = configured_.size();
     }
     // Fail takes mu_ itself: called with it held, the coordinator deadlocked on every failed configure.
-    if (!st.ok()) return Fail(rec, st, false);
+    if (!st.ok()) return FailAt(rec, st, Phase::kConfigure, engines);
     spdlog::info("update {}: plan {} configured on {} of {} source nodes (the others' configuration is unchanged)", v,
                  plan_epoch, configure.size(), configured_sources);
   }
-  if (AbortAsked()) return Fail(rec, st, false);
+  if (AbortAsked()) return FailAt(rec, st, Phase::kConfigure, engines);
   std::vector<std::string> source_addrs;
   // Per source, the engine ranks its plan writes: it is told only their held versions (every rank's, to every
   // source, was 1024 x 256 entries per update at 1024 ranks). Absent: the source's plan is unknown here, all are sent.
@@ -741,7 +909,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   {
     std::lock_guard<std::mutex> l(mu_);
     for (const auto& [id, n] : nodes_) {
-      if (n.role() != "source") continue;
+      if (n.role() != "source" || !InRun(id)) continue;
       source_addrs.push_back(n.address());
       auto c = configured_.find(id);
       source_epochs[n.address()] = c == configured_.end() ? plan_epoch : c->second.epoch;
@@ -756,7 +924,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
   st = SetWindows(true, v, {}, &held);
   if (!st.ok() || AbortAsked()) {
     SetWindows(false, v).IgnoreError();
-    return Fail(rec, st, false);
+    return FailAt(rec, st, Phase::kOpenWindows, engines);
   }
   st = ForAll(
       source_addrs,
@@ -773,12 +941,9 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       UpdatePhase("start", PeerDeadlines::kStart, source_addrs));
   // Sources started (or were being started) when an abort came: they may take pushes already, so they are told to
   // abort.
-  if (AbortAsked()) return FailAndStopSources(rec, st, "beginning");
-  // A source that started may already take pushes from its ranks: count the update as possibly written.
-  if (!st.ok()) {
-    SetWindows(false, v).IgnoreError();
-    return Fail(rec, st, true);
-  }
+  // A source that started may already take pushes from its ranks: every source is told to abort and says what it
+  // wrote (the phase table's kResumeIfClean).
+  if (AbortAsked() || !st.ok()) return FailAndStopSources(rec, st, Phase::kStart, engines);
   out.set_plan_epoch(plan_epoch);
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -802,10 +967,17 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::BeginUpdate(const v1::BeginUpd
       return out;
     }
   }
-  return FailAndStopSources(rec, absl::OkStatus(), "beginning");
+  return FailAndStopSources(rec, absl::OkStatus(), Phase::kStart, engines);
 }
 
 absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::CommitUpdateRequest& req) {
+  // The outcome is in the store before the caller hears it (the store writer, store_writer.h).
+  auto out = RunCommitUpdate(req);
+  Durable().IgnoreError();
+  return out;
+}
+
+absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::CommitUpdateRequest& req) {
   const int64_t v = req.version();
   v1::UpdateRecord rec;
   std::vector<std::string> sources, engines;
@@ -847,7 +1019,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     rec = open_record_;
     source_epochs = open_source_epochs_;
     for (const auto& [id, n] : nodes_) {
-      if (n.role() == "source") sources.push_back(n.address());
+      if (n.role() == "source" && InRun(id)) sources.push_back(n.address());
       if (n.role() == "source") source_ids[n.address()] = id;
       for (const auto& e : n.engines()) {
         if (EngineDrained(id, e.engine_id())) continue;
@@ -901,22 +1073,19 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
     std::lock_guard<std::mutex> l(mu_);
     unreachable = commit_lost_;
     const absl::Time now = absl::Now();
-    for (const auto& [id, n] : nodes_) {
-      auto hb = last_heartbeat_.find(id);
-      if (hb == last_heartbeat_.end() || now - hb->second > absl::Seconds(1.5 * opts_.heartbeat_seconds))
-        unreachable.insert(n.address());
-    }
+    for (const auto& [id, n] : nodes_)
+      if (now - LastHeartbeat(id) > absl::Seconds(1.5 * opts_.heartbeat_seconds)) unreachable.insert(n.address());
     if (!commit_lost_why_.empty() && !absl::StrContains(st.message(), commit_lost_why_))
       st = absl::Status(st.code(), absl::StrCat(commit_lost_why_, "; ", st.message()));
   }
   for (const auto& a : unreachable) spdlog::warn("update {}: write window of {} not closed (unreachable)", v, a);
   // The operator's abort cancelled the sources' FinishUpdate: their writes may still run; they are stopped.
-  if (AbortAsked()) return FailAndStopSources(rec, st, "committing", unreachable);
+  if (AbortAsked()) return FailAndStopSources(rec, st, Phase::kFinish, engines, unreachable);
   SetWindows(false, v, unreachable).IgnoreError();
   const bool staged = rec.mode() == "staged";
   // Weights may be partly written: the engines stay paused at their old version rather than resume silently. A
-  // staged update wrote only staging memory: the engines serve on, untouched.
-  if (!st.ok()) return Fail(rec, st, !staged);
+  // staged update wrote only staging memory: the engines serve on, untouched (the phase table's rows).
+  if (!st.ok()) return FailAt(rec, st, Phase::kFinish, engines);
   absl::Time t = absl::Now();
   // Staged with deltas (every engine stages in place): the records land in the staging memory before it is verified,
   // and the targets record the version it holds. Staged without: nothing is recorded, the next update is dense (a
@@ -924,7 +1093,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
   if (!staged || rec.delta_mode() == "auto" || rec.delta_mode() == "always") {
     st = ApplyDeltas(v, finished, &rec);
     AddPhase(&rec, "apply_delta", t);
-    if (!st.ok() || AbortAsked()) return Fail(rec, st, !staged);
+    if (!st.ok() || AbortAsked()) return FailAt(rec, st, Phase::kApplyDelta, engines);
   }
   if (staged) return CommitStaged(std::move(rec), engines, start);
   t = absl::Now();
@@ -939,7 +1108,9 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
       UpdatePhase("post_process", PeerDeadlines::kPostProcess, engines));
   SaveEngineStates();
   AddPhase(&rec, "post_process", t);
+  Phase failed_phase = Phase::kPostProcess;
   if (st.ok() && !AbortAsked()) {
+    failed_phase = Phase::kSetVersion;
     t = absl::Now();
     st = ForAll(
         engines,
@@ -973,10 +1144,12 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::Commit
       Persist();
     }
   }
+  // Durable before the first Continue, so that a successor knows the fleet is on v (waited for without the lock).
+  if (committed) Durable().IgnoreError();
   if (!committed) {
     // The abort came before the continue phase (or a phase failed): no engine was continued at v.
     if (st.ok()) st = absl::CancelledError("no engine was continued");
-    return Fail(rec, st, true);
+    return FailAt(rec, st, failed_phase, engines);
   }
   t = absl::Now();
   std::vector<std::string> not_resumed;  // addresses
@@ -1076,7 +1249,10 @@ void Coordinator::MarkResumed(const std::vector<std::string>& addrs, const std::
     for (const auto& id : not_resumed_) r->add_not_resumed(id);
   };
   for (auto& r : history_)
-    if (r.version() == v) update(&r);
+    if (r.version() == v) {
+      update(&r);
+      history_dirty_.insert(v);
+    }
   if (auto it = outcomes_.find(v); it != outcomes_.end()) {
     update(it->second.reply.mutable_record());
     it->second.status = not_resumed_.empty()
@@ -1094,6 +1270,13 @@ std::string Coordinator::EngineIdLocked(const std::string& addr) const {
 }
 
 absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpdateRequest& req) {
+  // The outcome is in the store before the caller hears it (the store writer, store_writer.h).
+  auto out = RunAbortUpdate(req);
+  Durable().IgnoreError();
+  return out;
+}
+
+absl::StatusOr<v1::AbortUpdateReply> Coordinator::RunAbortUpdate(const v1::AbortUpdateRequest& req) {
   const int64_t v = req.version();
   bool in_phase = false;  // v is beginning or committing (else updating)
   std::shared_ptr<Cancellation> cancel;  // the running phase's, raised without the lock
@@ -1161,7 +1344,8 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
 absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const std::string& why_in,
                                                                  bool by_operator, const std::string& lost_address) {
   v1::UpdateRecord rec;
-  std::vector<std::string> sources;
+  std::vector<std::string> sources, engines;
+  bool dirty_before;
   {
     std::lock_guard<std::mutex> l(mu_);
     if (open_version_ != v || state_ != UpdateState::kUpdating)
@@ -1172,7 +1356,9 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
     rec = open_record_;
     if (by_operator) rec.set_aborted_by(abort_by_.empty() ? "the operator" : abort_by_);
     for (const auto& [id, n] : nodes_)
-      if (n.role() == "source") sources.push_back(n.address());
+      if (n.role() == "source" && InRun(id)) sources.push_back(n.address());
+    engines = EngineAddresses();
+    dirty_before = engines_dirty_;
   }
   const absl::Time t = absl::Now();
   v1::AbortSourceUpdateRequest sreq;
@@ -1208,8 +1394,14 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
           ? absl::StrCat("aborted by ", rec.aborted_by(), why_in.empty() ? std::string() : absl::StrCat(": ", why_in),
                          st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"))
           : absl::StrCat(why_in, st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"));
-  absl::Status err = by_operator ? Fail(rec, absl::AbortedError(why), !clean)
-                                 : Fail(rec, absl::UnavailableError(why), !clean);
+  // The phase table's row for the open update (kPush): classic resumes the engines when no source wrote a byte.
+  const OnFailure policy =
+      PolicyFor(rec.mode() == "staged" ? UpdateMode::kStaged : UpdateMode::kClassic, Phase::kPush);
+  const bool resume = policy == OnFailure::kResumeIfClean && clean && !dirty_before;
+  const bool written = policy == OnFailure::kResumeIfClean || policy == OnFailure::kKeepPaused ? !clean : false;
+  if (resume) ResumeOld(v, engines);
+  absl::Status err = Fail(rec, by_operator ? absl::AbortedError(why) : absl::UnavailableError(why), written,
+                          /*stopping=*/false, /*resumed=*/resume);
   if (!lost_address.empty()) {
     // The failure is recorded; now, off the critical path, try to close the lost node's window too (a stopped
     // target that is continued later must not keep it open). Bounded by the call's deadline.
@@ -1252,6 +1444,10 @@ Coordinator::~Coordinator() {
 
 void Coordinator::StartLeaseWatch() {
   if (watch_thread_.joinable() || opts_.lease_check_seconds <= 0) return;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    leases_enforced_ = true;  // from now on a node whose lease lapsed is left out of the next update
+  }
   watch_thread_ = std::thread([this] {
     std::unique_lock<std::mutex> l(watch_mu_);
     while (!watch_cv_.wait_for(l, absl::ToChronoMilliseconds(absl::Seconds(opts_.lease_check_seconds)),
@@ -1275,9 +1471,8 @@ bool Coordinator::CheckLeases() {
     const absl::Duration limit = absl::Seconds(3 * opts_.heartbeat_seconds);
     const absl::Time now = absl::Now();
     for (const auto& [id, n] : nodes_) {
-      if (TargetOutOfUpdates(n)) continue;  // drained: the update does not need it
-      auto hb = last_heartbeat_.find(id);
-      const absl::Duration ago = hb == last_heartbeat_.end() ? absl::InfiniteDuration() : now - hb->second;
+      if (TargetOutOfUpdates(n) || !InRun(id)) continue;  // drained or left out: the update does not need it
+      const absl::Duration ago = now - LastHeartbeat(id);
       if (ago <= limit || (committing && commit_lost_.count(n.address()))) continue;
       why = absl::StrCat(n.role(), " node ", id, " (", n.address(), ") lost its lease during the update: no heartbeat for ",
                          absl::FormatDuration(absl::Trunc(ago, absl::Milliseconds(100))), " (limit ",
@@ -1522,7 +1717,7 @@ absl::Status Coordinator::ApplyDeltas(int64_t v,
 }
 
 absl::Status Coordinator::SaveState() {
-  if (!store_) return absl::OkStatus();
+  if (!writer_) return absl::OkStatus();
   v1::CoordinatorState s;
   // The nodes (their parameter tables are most of the state) change only with the membership epoch. They are lent
   // to `s`, not copied (a copy of every registration per membership change was hundreds of MB at 1024 engine
@@ -1542,15 +1737,42 @@ absl::Status Coordinator::SaveState() {
   s.set_open_version(open_version_);
   s.set_engines_hold_partial_writes(engines_dirty_);
   for (const auto& [a, st] : engine_state_) (*s.mutable_engine_state())[a] = EngineStateName(st);
-  for (const auto& r : history_) *s.add_history() = r;
+  // Only the records added or changed since the last save (written once, not re-serialized at every save).
+  for (const auto& r : history_)
+    if (history_dirty_.count(r.version())) *s.add_history() = r;
+  history_dirty_.clear();
+  s.set_history_incremental(true);
+  s.set_history_floor(history_.empty() ? 0 : history_.front().version());
   *s.mutable_open_record() = open_record_;
   for (const auto& e : drained_engines_) s.add_drained_engines(e);
   for (const auto& n : drained_nodes_) s.add_drained_nodes(n);
   for (const auto& [a, v] : engine_version_) (*s.mutable_engine_version())[a] = v;
   for (const auto& [a, why] : engine_stale_) (*s.mutable_engine_stale())[a] = why;
   s.set_switch_started(switch_started_);
-  absl::Status st = store_->SaveChanges(s, nodes_changed);
+  if (!nodes_changed) {
+    save_ticket_ = writer_->Submit(std::move(s));
+    return absl::OkStatus();
+  }
+  // The nodes are lent: written now, under mu_ (a membership change, between updates only).
+  absl::Status st = writer_->SaveNow(&s, true, &save_ticket_);
   persisted_nodes_epoch_ = membership_epoch_;  // the store keeps the nodes it was given, saved or not
+  if (!st.ok()) spdlog::error("{} (the coordinator goes on from memory)", st.ToString());
+  return st;
+}
+
+absl::Status Coordinator::Durable(uint64_t t) {
+  if (!writer_) return absl::OkStatus();
+  return writer_->Wait(t, kStoreWait);
+}
+
+absl::Status Coordinator::Durable() {
+  uint64_t t;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!writer_) return absl::OkStatus();
+    t = save_ticket_;
+  }
+  absl::Status st = Durable(t);
   if (!st.ok()) spdlog::error("{} (the coordinator goes on from memory)", st.ToString());
   return st;
 }
@@ -1561,10 +1783,10 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
   int64_t abort_version = -1;
   {
     std::lock_guard<std::mutex> l(mu_);
-    store_ = std::move(store);
+    writer_ = std::make_unique<StoreWriter>(std::move(store));
     persisted_nodes_epoch_ = -1;
     if (absl::IsNotFound(loaded.status())) {
-      spdlog::info("state store {} is new", store_->path());
+      spdlog::info("state store {} is new", writer_->store()->path());
       Persist();
       return absl::OkStatus();
     }
@@ -1574,7 +1796,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     engine_digests_.clear();
     for (const auto& n : s.nodes()) {
       nodes_[n.node_id()] = n;
-      last_heartbeat_[n.node_id()] = absl::Now();
+      StampLease(n.node_id(), n.address(), absl::Now());
     }
     // A fresh epoch: the plan is not stored, so the first update re-plans and re-configures every source.
     membership_epoch_ = s.membership_epoch() + 1;
@@ -1583,7 +1805,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     engines_dirty_ = s.engines_hold_partial_writes();
     for (const auto& [a, st] : s.engine_state()) {
       auto view = ParseEngineState(st);
-      if (!view.ok()) return Annotate(view.status(), absl::StrCat("restoring engine ", a, " from ", store_->path()));
+      if (!view.ok()) return Annotate(view.status(), absl::StrCat("restoring engine ", a, " from ", writer_->store()->path()));
       engine_state_[a] = *view;
     }
     drained_engines_ = {s.drained_engines().begin(), s.drained_engines().end()};
@@ -1592,6 +1814,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     for (const auto& [a, why] : s.engine_stale()) engine_stale_[a] = why;
     for (const auto& r : s.history()) {
       history_.push_back(r);
+      history_dirty_.insert(r.version());  // rewritten once as objects if a schema 1 store held it
       Outcome o;
       if (r.success()) {
         *o.reply.mutable_record() = r;
@@ -1601,7 +1824,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
       outcomes_[r.version()] = o;
     }
     auto stored_state = ParseUpdateState(s.state());
-    if (!stored_state.ok()) return Annotate(stored_state.status(), absl::StrCat("restoring from ", store_->path()));
+    if (!stored_state.ok()) return Annotate(stored_state.status(), absl::StrCat("restoring from ", writer_->store()->path()));
     // Restoring is not a transition: the state is what was stored, an update in progress ended below.
     state_ = *stored_state == UpdateState::kFailed ? UpdateState::kFailed : UpdateState::kIdle;
     if (!history_.empty() && history_.back().success() && history_.back().version() == current_version_)
@@ -1665,7 +1888,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
         if (n.role() == "source") sources.push_back(n.address());
     }
     Persist();
-    spdlog::info("restored from {}: {} nodes, version {}, {} updates in the history{}", store_->path(), nodes_.size(),
+    spdlog::info("restored from {}: {} nodes, version {}, {} updates in the history{}", writer_->store()->path(), nodes_.size(),
                  current_version_, history_.size(),
                  engines_dirty_ ? "; engines may hold partial writes and stay paused until an update succeeds" : "");
   }
@@ -1700,7 +1923,11 @@ absl::StatusOr<v1::RemoveNodeReply> Coordinator::RemoveNode(const v1::RemoveNode
     engine_digests_.erase(e.engine_id());
   }
   nodes_.erase(it);
-  last_heartbeat_.erase(req.node_id());
+  {
+    std::lock_guard<std::mutex> ll(lease_mu_);
+    leases_.erase(req.node_id());
+  }
+  lapsed_nodes_.erase(req.node_id());
   configured_.erase(req.node_id());
   drained_nodes_.erase(req.node_id());
   ++membership_epoch_;
@@ -1769,7 +1996,34 @@ absl::StatusOr<v1::DrainReply> Coordinator::Drain(const v1::DrainRequest& req, b
   return out;
 }
 
+void Coordinator::StampLease(const std::string& id, const std::string& address, absl::Time at) {
+  std::lock_guard<std::mutex> l(lease_mu_);
+  leases_[id] = Lease{address, at};
+}
+
+absl::Time Coordinator::LastHeartbeat(const std::string& id) const {
+  std::lock_guard<std::mutex> l(lease_mu_);
+  auto it = leases_.find(id);
+  return it == leases_.end() ? absl::InfinitePast() : it->second.last;
+}
+
+std::set<std::string> Coordinator::LapsedNodes(absl::Time now) const {
+  std::set<std::string> out;
+  if (!leases_enforced_) return out;
+  const absl::Duration limit = absl::Seconds(3 * opts_.heartbeat_seconds);
+  for (const auto& [id, n] : nodes_)
+    if (!drained_nodes_.count(id) && now - LastHeartbeat(id) > limit) out.insert(id);
+  return out;
+}
+
 v1::HeartbeatReply Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
+  // Stamped on arrival, before mu_ (which a slow store write may hold): the lease is renewed whatever that costs.
+  const absl::Time arrived = absl::Now();
+  {
+    std::lock_guard<std::mutex> ll(lease_mu_);
+    auto lease = leases_.find(req.node_id());
+    if (lease != leases_.end() && lease->second.address == req.address()) lease->second.last = arrived;
+  }
   std::lock_guard<std::mutex> l(mu_);
   v1::HeartbeatReply out;
   out.set_interval_seconds(opts_.heartbeat_seconds);
@@ -1777,7 +2031,6 @@ v1::HeartbeatReply Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
   auto it = nodes_.find(req.node_id());
   out.set_known(it != nodes_.end() && it->second.address() == req.address());
   if (!out.known()) return out;
-  last_heartbeat_[req.node_id()] = absl::Now();
   // A source that does not hold the configuration planned for it (it lost or never applied a ConfigureSource) is
   // configured again at the next update. Not while one begins: its configure may be in flight, the report older.
   auto c = configured_.find(req.node_id());
@@ -1808,6 +2061,13 @@ absl::StatusOr<v1::ResumeEnginesReply> Coordinator::ResumeEngines(const v1::Resu
     for (const auto& [id, n] : nodes_)
       for (const auto& e : n.engines()) {
         if (EngineDrained(id, e.engine_id())) continue;  // never resumed by wsync while drained
+        // Held paused past a staged switch (stale and failed): it holds weights its label does not say.
+        auto es = engine_state_.find(e.control_address());
+        if (engine_stale_.count(e.control_address()) && es != engine_state_.end() &&
+            es->second.state == EngineState::kFailed) {
+          out.add_held(e.engine_id());
+          continue;
+        }
         engines.push_back(e.control_address());
         out.add_engines(e.engine_id());
       }
@@ -1831,6 +2091,19 @@ absl::StatusOr<v1::ResumeEnginesReply> Coordinator::ResumeEngines(const v1::Resu
 
 v1::ClusterStatus Coordinator::Status() const {
   std::lock_guard<std::mutex> l(mu_);
+  return StatusLocked(/*with_plan=*/true);
+}
+
+v1::EngineStates Coordinator::EngineStates() const {
+  v1::ClusterStatus s;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    s = StatusLocked(/*with_plan=*/false);
+  }
+  return EngineStatesOf(s);
+}
+
+v1::ClusterStatus Coordinator::StatusLocked(bool with_plan) const {
   v1::ClusterStatus s;
   s.set_server_version(cli::VersionString("wsync-coordinator"));
   for (const auto& [id, n] : nodes_) {
@@ -1860,8 +2133,8 @@ v1::ClusterStatus Coordinator::Status() const {
         d->set_state("drained");
       }
     }
-    auto hb = last_heartbeat_.find(id);
-    const double ago = hb == last_heartbeat_.end() ? -1 : absl::ToDoubleSeconds(absl::Now() - hb->second);
+    const absl::Time hb = LastHeartbeat(id);
+    const double ago = hb == absl::InfinitePast() ? -1 : absl::ToDoubleSeconds(absl::Now() - hb);
     ni->set_last_heartbeat_seconds_ago(ago);
     ni->set_reachable(ago >= 0 && ago <= 3 * opts_.heartbeat_seconds);
   }
@@ -1875,6 +2148,7 @@ v1::ClusterStatus Coordinator::Status() const {
   s.set_failed_version(failed ? history_.back().version() : -1);
   if (failed) s.set_failure(history_.back().error());
   for (const auto& id : not_resumed_) s.add_not_resumed(id);
+  if (!with_plan) return s;
   for (const auto& p : plan_) {
     auto* t = s.add_plan();
     t->set_source_node(p.source);
@@ -2032,24 +2306,40 @@ std::map<std::string, std::vector<std::string>> Coordinator::StageVerify(int64_t
   return verified;
 }
 
-absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
-    int64_t v, const std::map<std::string, std::vector<std::string>>& verified,
-    std::map<std::string, std::string>* left_out, v1::UpdateRecord* rec) {
+Coordinator::SwitchResult Coordinator::SwitchEngines(int64_t v,
+                                                    const std::map<std::string, std::vector<std::string>>& verified,
+                                                    std::map<std::string, std::string>* left_out,
+                                                    v1::UpdateRecord* rec) {
+  SwitchResult out;
   std::vector<std::string> all;
   for (const auto& [a, d] : verified) all.push_back(a);
   std::mutex m;
-  std::vector<std::string> prepared, paused, switched;
+  std::vector<std::string> prepared, paused, switched, processed, labelled;
   const std::string version = std::to_string(v);
-  // Calls `call` on every engine of `engines` at once; those it answers OK go to `passed`, the others to left_out
-  // with the reason.
-  auto each = [&](const std::vector<std::string>& engines, std::vector<std::string>* passed, auto call) {
+  // What a failure of one engine's call at `phase` means is the phase table's row (phase_table.h): left out (its old
+  // version continued, stale), held paused past its switch, or on v and not resumed.
+  auto failed_at = [&](Phase phase, const std::string& a, const absl::Status& why) {
+    switch (PolicyFor(UpdateMode::kStaged, phase)) {
+      case OnFailure::kHoldPaused:
+        out.held[a] = why.ToString();
+        break;
+      case OnFailure::kCommittedNotResumed:
+        out.not_resumed[a] = why.ToString();
+        break;
+      default:
+        (*left_out)[a] = why.ToString();
+        break;
+    }
+  };
+  // Calls `call` on every engine of `engines` at once; those it answers OK go to `passed`, the others to failed_at.
+  auto each = [&](Phase phase, const std::vector<std::string>& engines, std::vector<std::string>* passed, auto call) {
     ForAll(engines, [&](const std::string& a) {
       absl::Status st = call(a);
       std::lock_guard<std::mutex> l(m);
       if (st.ok())
         passed->push_back(a);
       else
-        (*left_out)[a] = st.ToString();
+        failed_at(phase, a, st);
       return absl::OkStatus();
     }).IgnoreError();
   };
@@ -2059,11 +2349,22 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
     for (const auto& d : verified.at(a)) req.add_staging_digests(d);
     return req;
   };
+  // Paused engines left out so far serve their old version again (called directly: an abort must not keep them
+  // paused). Run after the switch, and once more at the end for engines a later phase left out.
+  std::set<std::string> continued_old;
+  auto resume_left_out = [&] {
+    std::vector<std::string> resume;
+    for (const auto& a : paused)
+      if (left_out->count(a) && continued_old.insert(a).second) resume.push_back(a);
+    ForAll(resume, [&](const std::string& a) {
+      return Track(a, EngineState::kServing, "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
+    }).IgnoreError();
+  };
   // The re-hash of the staging memory runs here, while the engines serve, not in the paused window: every source's
   // write window closed before the verify, so no peer can write it any more; the prepare catches a change made on the
   // engine's host since the verify (the engine left out, never paused) and arms the switch below.
   absl::Time t = absl::Now();
-  each(all, &prepared, [&](const std::string& a) {
+  each(Phase::kPrepareSwitch, all, &prepared, [&](const std::string& a) {
     absl::Status st = Annotate(Remote(a, [&] { return peers_->PrepareSwitch(a, switch_request(a)); }),
                                "switch " + EngineLabel(a) + " (prepare)");
     if (st.code() == absl::StatusCode::kUnimplemented) {
@@ -2085,60 +2386,52 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SwitchEngines(
   // The update's pause mode (BeginUpdate), as a classic update pauses with it: in_place keeps running requests and
   // their KV (a record of an older coordinator has none: retract).
   const std::string pause_mode = rec->pause_mode().empty() ? "retract" : rec->pause_mode();
-  each(prepared, &paused, [&](const std::string& a) {
+  each(Phase::kSwitchPause, prepared, &paused, [&](const std::string& a) {
     return Track(a, EngineState::kPaused, "pause",
                  Annotate(Remote(a, [&] { return peers_->Pause(a, pause_mode); }), "pause " + EngineLabel(a)));
   });
   AddPhase(rec, "pause", t);
   // The barrier: no engine switches before every engine was verified and paused.
   t = absl::Now();
-  each(paused, &switched, [&](const std::string& a) {
+  each(Phase::kSwitch, paused, &switched, [&](const std::string& a) {
     return Annotate(Remote(a, [&] { return peers_->Switch(a, switch_request(a)); }), "switch " + EngineLabel(a));
   });
   AddPhase(rec, "switch", t);
-  // Paused but not switched: they serve their old version again (called directly: an abort must not keep them
-  // paused).
-  std::vector<std::string> resume;
-  for (const auto& a : paused)
-    if (left_out->count(a)) resume.push_back(a);
-  ForAll(resume, [&](const std::string& a) {
-    return Track(a, EngineState::kServing, "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
-  }).IgnoreError();
+  resume_left_out();
   if (switched.empty()) {
     SaveEngineStates();
-    return switched;
+    return out;
   }  // else saved after the switched engines continue, outside their paused window
+  // Past its switch an engine serves v's weights: each phase from here runs on the engines that passed the one
+  // before, and an engine failing one is handled as its row says (never labelled or continued as what it is not).
   t = absl::Now();
-  absl::Status st = ForAll(switched, [&](const std::string& a) {
+  each(Phase::kPostProcess, switched, &processed, [&](const std::string& a) {
     return Track(
         a, std::nullopt, "post_process",
         Annotate(Remote(a, [&] { return peers_->PostProcess(a, version); }), "post_process " + EngineLabel(a)));
   });
   AddPhase(rec, "post_process", t);
-  if (st.ok()) {
-    t = absl::Now();
-    st = ForAll(switched, [&](const std::string& a) {
-      absl::Status r = Track(
-          a, std::nullopt, "set_version",
-          Annotate(Remote(a, [&] { return peers_->SetWeightVersion(a, version); }), "set_version " + EngineLabel(a)));
-      if (r.ok()) {
-        std::lock_guard<std::mutex> l(mu_);
-        engine_version_[a] = version;
-      }
-      return r;
-    });
-    AddPhase(rec, "set_version", t);
-  }
-  // Continued even after a failure above: a switched engine serves `v` whatever follows, and paused it serves none.
   t = absl::Now();
-  absl::Status cst = ForAll(switched, [&](const std::string& a) {
+  each(Phase::kSetVersion, processed, &labelled, [&](const std::string& a) {
+    absl::Status r = Track(
+        a, std::nullopt, "set_version",
+        Annotate(Remote(a, [&] { return peers_->SetWeightVersion(a, version); }), "set_version " + EngineLabel(a)));
+    if (r.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      engine_version_[a] = version;
+    }
+    return r;
+  });
+  AddPhase(rec, "set_version", t);
+  t = absl::Now();
+  each(Phase::kContinue, labelled, &out.serving, [&](const std::string& a) {
     return Track(a, EngineState::kServing, "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
   });
+  resume_left_out();
   SaveEngineStates();
   AddPhase(rec, "continue", t);
-  if (!st.ok()) return Annotate(st, absl::StrCat("after the switch to ", v));
-  if (!cst.ok()) return Annotate(cst, absl::StrCat("after the switch to ", v));
-  return switched;
+  std::sort(out.serving.begin(), out.serving.end());
+  return out;
 }
 
 absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitStaged(v1::UpdateRecord rec,
@@ -2149,7 +2442,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitStaged(v1::UpdateRecord
   absl::Time t = absl::Now();
   auto verified = StageVerify(v, engines, &left_out);
   AddPhase(&rec, "verify", t);
-  if (AbortAsked()) return Fail(rec, absl::CancelledError("no engine was switched"), false);
+  if (AbortAsked()) return FailAt(rec, absl::CancelledError("no engine was switched"), Phase::kVerify, engines);
   std::map<std::string, std::string> ids;  // control address → engine id
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -2159,9 +2452,10 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitStaged(v1::UpdateRecord
     switch_started_ = !verified.empty();
     Persist();
   }
-  absl::StatusOr<std::vector<std::string>> switched = std::vector<std::string>();
-  if (!verified.empty()) switched = SwitchEngines(v, verified, &left_out, &rec);
-  std::vector<std::string> stale;
+  SwitchResult sw;
+  if (!verified.empty()) sw = SwitchEngines(v, verified, &left_out, &rec);
+  std::vector<std::string> stale, held;
+  const bool on_v = !sw.serving.empty() || !sw.not_resumed.empty();  // engines holding v's weights and label
   {
     std::lock_guard<std::mutex> l(mu_);
     switch_started_ = false;
@@ -2170,27 +2464,55 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitStaged(v1::UpdateRecord
       engine_staged_.erase(a);
       stale.push_back(absl::StrCat(ids[a], ": ", why));
     }
-    if (switched.ok())
-      for (const auto& a : *switched) {
-        engine_stale_.erase(a);
-        engine_staged_.erase(a);
-        rec.add_switched(ids[a]);
+    // Held past their switch: v's weights without the phase's effect, labelled as before, paused. Stale (not what
+    // the fleet serves) until an update succeeds on them; ResumeEngines leaves them paused.
+    for (const auto& [a, why] : sw.held) {
+      engine_stale_[a] = absl::StrCat("held paused after its switch to ", v, ": ", why);
+      engine_staged_.erase(a);
+      held.push_back(absl::StrCat(ids[a], ": held paused after its switch: ", why));
+    }
+    std::vector<std::string> on_version = sw.serving;
+    for (const auto& [a, why] : sw.not_resumed) on_version.push_back(a);
+    for (const auto& a : on_version) {
+      engine_stale_.erase(a);
+      engine_staged_.erase(a);
+      rec.add_switched(ids[a]);
+    }
+    for (const auto& x : stale) rec.add_stale(x);
+    for (const auto& x : held) rec.add_stale(x);
+    if (on_v) {
+      not_resumed_.clear();
+      for (const auto& [a, why] : sw.not_resumed) {
+        not_resumed_.insert(ids[a]);
+        rec.add_not_resumed(ids[a]);
       }
-    for (const auto& s : stale) rec.add_stale(s);
+    }
   }
-  if (!switched.ok()) return Fail(rec, switched.status(), false);
-  if (switched->empty())
-    return Fail(
-        rec, absl::FailedPreconditionError(absl::StrCat("no engine switched to ", v, ": ", absl::StrJoin(stale, "; "))),
-        false);
+  if (!on_v) {
+    std::vector<std::string> all = stale;
+    all.insert(all.end(), held.begin(), held.end());
+    // Engines held past their switch hold v's weights, paused: they stay paused until an update succeeds.
+    return Fail(rec,
+                absl::FailedPreconditionError(absl::StrCat("no engine switched to ", v, ": ", absl::StrJoin(all, "; "))),
+                /*may_have_written=*/!held.empty());
+  }
   rec.set_success(true);
   rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   v1::CommitUpdateReply out;
   *out.mutable_record() = rec;
   std::lock_guard<std::mutex> l(mu_);
-  Finish(v, Outcome{absl::OkStatus(), out}, rec);
-  spdlog::info("update {} committed (staged): {} engines switched, {} left out (stale) in {:.3f}s", v,
-               rec.switched_size(), rec.stale_size(), rec.total_seconds());
+  absl::Status result = absl::OkStatus();
+  if (!not_resumed_.empty())
+    result = NotResumedError(v, engines.size(), absl::UnavailableError(sw.not_resumed.begin()->second));
+  if (!held.empty())
+    result = absl::UnavailableError(absl::StrCat(
+        result.ok() ? absl::StrCat("update ", v, " committed: the fleet is on version ", v) : result.message(), "; ",
+        held.size(), " engines held paused after their switch (", absl::StrJoin(held, "; "),
+        "): they serve nothing until an update succeeds on them"));
+  Finish(v, Outcome{result, out}, rec);
+  spdlog::info("update {} committed (staged): {} engines switched, {} left out (stale), {} held paused in {:.3f}s", v,
+               rec.switched_size(), stale.size(), held.size(), rec.total_seconds());
+  if (!result.ok()) return result;
   return out;
 }
 

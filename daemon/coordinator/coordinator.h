@@ -71,9 +71,11 @@
 #include "absl/status/statusor.h"
 #include "daemon/common/metrics.h"
 #include "daemon/coordinator/fanout.h"
+#include "daemon/coordinator/phase_table.h"
 #include "daemon/coordinator/update_state.h"
 #include "daemon/coordinator/replan.h"
 #include "daemon/coordinator/state_store.h"
+#include "daemon/coordinator/store_writer.h"
 #include "daemon/coordinator/timeline_svg.h"
 #include "wsync/v1/coordinator.pb.h"
 #include "wsync/v1/daemon.pb.h"
@@ -239,6 +241,12 @@ class Coordinator {
   absl::StatusOr<v1::AbortUpdateReply> AbortUpdate(const v1::AbortUpdateRequest& req);
   absl::StatusOr<v1::ResumeEnginesReply> ResumeEngines(const v1::ResumeEnginesRequest& req);
   v1::HeartbeatReply Heartbeat(const v1::HeartbeatRequest& req);
+  // The engines' states for routers (EngineStatesOf of a status without the plan). Takes mu_ briefly.
+  v1::EngineStates EngineStates() const;
+  // A counter that moves whenever the state Status reports may have changed; WaitForChange blocks until it moves
+  // past `seen` or `max_wait` passed (whichever first) and returns it. Never waits on mu_.
+  uint64_t ChangeGeneration();
+  uint64_t WaitForChange(uint64_t seen, absl::Duration max_wait);
   absl::StatusOr<v1::RemoveNodeReply> RemoveNode(const v1::RemoveNodeRequest& req);
   // Drains (`drain`) or undrains an engine or a node between updates (docs/operations.md, "Draining"): a drained
   // engine is left out of the plans (re-planned as a leave), never paused, written or resumed until undrained (a
@@ -254,6 +262,10 @@ class Coordinator {
   Metrics& metrics() { return metrics_; }
 
  private:
+  // The bodies of BeginUpdate, CommitUpdate and AbortUpdate; the public calls add the wait for the outcome's save.
+  absl::StatusOr<v1::BeginUpdateReply> RunBeginUpdate(const v1::BeginUpdateRequest& req);
+  absl::StatusOr<v1::CommitUpdateReply> RunCommitUpdate(const v1::CommitUpdateRequest& req);
+  absl::StatusOr<v1::AbortUpdateReply> RunAbortUpdate(const v1::AbortUpdateRequest& req);
   using Planned = PlannedAssignment;  // daemon/coordinator/replan.h, as GroupPlan and PlanSources
   // A target's write-window assignments: the plan's, each with its source node (open_windows_from_).
   using WindowSources = std::vector<std::pair<std::string, std::shared_ptr<const v1::TargetAssignment>>>;
@@ -272,8 +284,10 @@ class Coordinator {
   auto Remote(const std::string& addr, Call call) -> decltype(call());
   // The source nodes that take part in plans (not drained), in (stage, node id) order (PlanSourceNodes).
   absl::StatusOr<PlanSources> SourcesForPlan() const;  // requires mu_
+  // Drained, or on a node whose lease had lapsed when the update began (not planned, paused or written).
   bool EngineDrained(const std::string& node_id, const std::string& engine_id) const {
-    return drained_engines_.count(engine_id) > 0 || drained_nodes_.count(node_id) > 0;
+    return drained_engines_.count(engine_id) > 0 || drained_nodes_.count(node_id) > 0 ||
+           lapsed_nodes_.count(node_id) > 0;
   }
   // A target node none of whose engines takes part in updates: not told to open windows, its lease not checked.
   bool TargetOutOfUpdates(const v1::RegisterNodeRequest& n) const {
@@ -316,17 +330,36 @@ class Coordinator {
   // When an operator asked to abort the update (AbortUpdate while beginning or committing), it is recorded as
   // aborted with their reason, `why` appended. `stopping`: the caller still tells the sources and targets (the
   // update stays in progress, state aborting, until StopSources).
-  absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written, bool stopping = false);
-  // An operator's abort of an update whose sources were started: recorded at once (the AbortUpdate waiting for it
-  // returns), then the sources are told to abort and the windows close (`skip`: unreachable targets) while nothing
-  // new may begin — a stopped source would otherwise hold the abort for its call's deadline.
-  absl::Status FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, const std::string& phase,
-                                  const std::set<std::string>& skip = {});
+  // `resumed`: the engines were continued at their old version (phase_table.h, kResumeOld): the record says so.
+  absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written, bool stopping = false,
+                    bool resumed = false);
+  // A failure of `phase` of the beginning update (before its sources started), applied as the phase table says
+  // (PolicyFor): kResumeOld continues every engine in `engines` at its version first (unless an earlier update left
+  // them holding partial writes), kServeOn and kKeepPaused only record it.
+  absl::Status FailAt(v1::UpdateRecord rec, const absl::Status& why, Phase phase,
+                      const std::vector<std::string>& engines);
+  // Continues `engines` at the version they hold after a failure before the first write (no abort cancels these
+  // calls: it is what the abort leaves behind); returns whether every one answered. Saves their states.
+  bool ResumeOld(int64_t v, const std::vector<std::string>& engines);
+  // An update whose sources were started ends (an operator's abort, or a failure of `phase`): recorded at once (the
+  // AbortUpdate waiting for it returns), then the sources are told to abort and the windows close (`skip`:
+  // unreachable targets) while nothing new may begin — a stopped source would otherwise hold the abort for its
+  // call's deadline. When the phase's policy is kResumeIfClean, the sources are asked first (for kCleanAnswerWithin):
+  // when every one answers that it wrote nothing, the engines in `engines` are resumed at their version before the
+  // failure is recorded (saying so).
+  absl::Status FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, Phase phase,
+                                  const std::vector<std::string>& engines, const std::set<std::string>& skip = {});
+  // Node ids whose lease lapsed (no heartbeat for 3 intervals), not drained. Requires mu_.
+  std::set<std::string> LapsedNodes(absl::Time now) const;
+  // Whether node `id` takes part in updates now (its lease had not lapsed when the update began). Requires mu_.
+  bool InRun(const std::string& id) const { return lapsed_nodes_.count(id) == 0; }
   // Whether an operator asked to abort the beginning or committing update. Takes mu_.
   bool AbortAsked() const;
   // Tells every source to abort update `v` (best effort, not cancelled by an abort: it is the abort); returns
   // whether no byte of it may have been written (every source answered 0 bytes, quiescent) and adds the bytes.
-  bool AbortSources(int64_t v, const std::string& why, uint64_t* bytes);
+  // `within`: the phase's deadline (calls still running then are cancelled, and count as not clean).
+  bool AbortSources(int64_t v, const std::string& why, uint64_t* bytes,
+                    absl::Duration within = absl::Seconds(PeerDeadlines::kAbort));
   // The recorded answer for a version that has ended, or nullptr. Requires mu_.
   const Outcome* FindOutcome(int64_t v) const;
   // Ends the open update `v` (state updating) through the sources' AbortSourceUpdate: `by_operator` records it as
@@ -356,10 +389,18 @@ class Coordinator {
   // daemon in the update applies the records staged for it (ApplyDelta), and `rec` gets the delta figures.
   absl::Status ApplyDeltas(int64_t v, const std::vector<std::pair<std::string, v1::FinishUpdateReply>>& finished,
                            v1::UpdateRecord* rec);
-  // Saves the state to the store, if any (a failed save is logged and returned; most callers go on). Requires mu_.
+  // Hands the state to the store writer, if any; returns at once (OK) unless the membership changed, which is written
+  // now (its error returned; most callers go on). Requires mu_.
   absl::Status SaveState();
+  // Waits, without mu_, until the state handed to the writer last (or ticket `t`) is in the store, at most
+  // kStoreWait: the durability points (begin, commit point, outcome). The store's error, or DeadlineExceeded.
+  absl::Status Durable(uint64_t t);
+  absl::Status Durable();
   // SaveState where the caller goes on whatever the store says (the failure is logged).
-  void Persist() { SaveState().IgnoreError(); }
+  void Persist() {
+    SaveState().IgnoreError();
+    NoteChange();
+  }
   // Staged updates (docs/operations.md, "Staged updates").
   // The engines among `engines` that offer staging memory (their layout's staging_segment_shift); with `staged`,
   // FailedPrecondition naming the first that does not. Requires mu_.
@@ -385,11 +426,16 @@ class Coordinator {
   std::map<std::string, std::vector<std::string>> StageVerify(int64_t v, const std::vector<std::string>& engines,
                                                               std::map<std::string, std::string>* left_out);
   // The fleet barrier: pauses every engine in `verified`, switches each, then post-processes, sets the version and
-  // continues those that switched. Engines failing their pause or switch move to `left_out` (continued at their old
-  // version); returns the engines that serve `v`, or the error of a phase after the switch.
-  absl::StatusOr<std::vector<std::string>> SwitchEngines(
-      int64_t v, const std::map<std::string, std::vector<std::string>>& verified,
-      std::map<std::string, std::string>* left_out, v1::UpdateRecord* rec);
+  // continues those that switched, each phase on the engines that passed the one before. An engine failing a call is
+  // handled as the staged phase table says: before its switch it moves to `left_out` (continued at its old
+  // version); past it, it is held paused (post-process, set version) or on v not resumed (continue).
+  struct SwitchResult {
+    std::vector<std::string> serving;          // on v, continued
+    std::map<std::string, std::string> not_resumed;  // on v (weights and label), Continue failed: paused (→ why)
+    std::map<std::string, std::string> held;   // switched, a later phase failed: held paused (address → why)
+  };
+  SwitchResult SwitchEngines(int64_t v, const std::map<std::string, std::vector<std::string>>& verified,
+                             std::map<std::string, std::string>* left_out, v1::UpdateRecord* rec);
   // The fan-out of one phase of the beginning or committing update (fanout.h): `deadline_s` for the whole phase,
   // cancelled by an operator's abort (update_cancel_), a running call cut short through Peers::CancelCalls on
   // `addrs[i]` (the peer of item i).
@@ -413,6 +459,8 @@ class Coordinator {
   // not_resumed_ and rewrites the current version's record and recorded answer. Requires mu_.
   void MarkResumed(const std::vector<std::string>& addrs, const std::vector<std::string>& failed,
                    const absl::Status& why);
+  // Status's body; without the plan, groups and source epochs when `with_plan` is false. Requires mu_.
+  v1::ClusterStatus StatusLocked(bool with_plan) const;
   // The id of the engine at control address `addr` (addr when unknown). Requires mu_.
   std::string EngineIdLocked(const std::string& addr) const;
 
@@ -447,7 +495,30 @@ class Coordinator {
   std::map<std::string, std::vector<v1::RankPushFilter>> push_filters_;
   std::string model_config_json_;
   v1::WeightQuantization model_quantization_;         // what the engines report holding; the sources quantize to it
-  std::map<std::string, absl::Time> last_heartbeat_;  // node id → last lease renewal
+  // Leases: stamped on arrival under their own lock (lease_mu_, taken after mu_ when both are needed, never before),
+  // so that a heartbeat is counted even while mu_ is held (a slow store write): a stalled store must not expire
+  // healthy nodes.
+  mutable std::mutex lease_mu_;
+  struct Lease {
+    std::string address;  // the registered address: a heartbeat from another process of the id does not renew it
+    absl::Time last;
+  };
+  std::map<std::string, Lease> leases_;  // node id → its lease (guarded by lease_mu_)
+  // Records a lease renewal for node `id` at `address` (registration or heartbeat). Takes lease_mu_.
+  void StampLease(const std::string& id, const std::string& address, absl::Time at);
+  // When node `id` last renewed its lease (InfinitePast when never). Takes lease_mu_.
+  absl::Time LastHeartbeat(const std::string& id) const;
+  // Nodes whose lease had lapsed when the open (or last) update began: left out of its plan and calls; a lease watch
+  // must run (StartLeaseWatch) for leases to mean anything, so without it none lapse.
+  std::set<std::string> lapsed_nodes_;
+  bool leases_enforced_ = false;
+  // The drained nodes and the lapsed ones: what the planner leaves out (PlanningInput). Requires mu_.
+  std::set<std::string> plan_excluded_;
+  // Bumped on every change of the state Status reports (Persist, Track); WatchEngines waits on it.
+  std::mutex change_mu_;
+  std::condition_variable change_cv_;
+  uint64_t change_generation_ = 0;
+  void NoteChange();
   std::map<std::string, EngineView> engine_state_;    // control address → its state (update_state.h)
 
   UpdateState state_ = UpdateState::kIdle;
@@ -494,8 +565,11 @@ class Coordinator {
   std::deque<v1::UpdateRecord> history_;
   std::vector<EngineCallEnd> engine_call_ends_;  // requires mu_: the open update's engine calls as they ended
   Metrics metrics_;
-  std::unique_ptr<StateStore> store_;
-  int64_t persisted_nodes_epoch_ = -1;  // membership epoch whose nodes store_ was last given (nodes_ change with it)
+  // The store's one owner (store_writer.h): saves are queued, never written under mu_, except a membership change's.
+  std::unique_ptr<StoreWriter> writer_;
+  int64_t persisted_nodes_epoch_ = -1;  // membership epoch whose nodes the store was last given (nodes_ change with it)
+  std::set<int64_t> history_dirty_;     // versions whose history record was added or changed since the last save
+  uint64_t save_ticket_ = 0;            // the ticket of the last state handed to writer_
 };
 
 }  // namespace wsync::daemon

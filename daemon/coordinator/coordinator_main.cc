@@ -1,5 +1,6 @@
 // wsync-coordinator: membership, transfer plans and the update lifecycle. Deployable on its own (one per cluster).
 
+#include <cstdio>
 #include <pthread.h>
 
 #include <atomic>
@@ -126,9 +127,17 @@ int main(int argc, char** argv) {
                  "host:port serving the read-only status page (membership, engine versions and states, a timeline of "
                  "the last updates): HTTPS requiring a client certificate of the cluster CA under TLS, plain HTTP "
                  "only without TLS (loopback). Default: off; port 7680 by convention");
+  bool failure_table = false;
+  app.add_flag("--failure-table", failure_table,
+               "print what a failure means at each phase of each update mode (the phase tables the coordinator "
+               "applies, as Markdown) and exit");
   tls::Options tls_opts;
   tls::AddFlags(app, &tls_opts);
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
+  if (failure_table) {
+    std::fputs(daemon::PhaseTableMarkdown().c_str(), stdout);
+    return 0;
+  }
   InitLogging("coordinator", log_level);
   // A coordinator's certificate names the role only that matters here (CN "coordinator:<name>", any name).
   if (auto st = tls::Configure(tls_opts, {listen, metrics_listen, advertise, http_listen},

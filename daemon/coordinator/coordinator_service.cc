@@ -6,6 +6,8 @@
 #include <chrono>
 #include <thread>
 
+#include "absl/time/clock.h"
+
 #include "absl/strings/str_cat.h"
 #include "daemon/common/rpc.h"
 #include "proto/status_convert.h"
@@ -106,31 +108,86 @@ grpc::Status CoordinatorService::ResumeEngines(grpc::ServerContext* ctx, const v
   return Reply(c_->ResumeEngines(*req), out);
 }
 
+std::string WatcherIdentity(const grpc::ServerContext* ctx) {
+  const tls::Peer p = tls::PeerOf(ctx);
+  if (p.authenticated) return p.Describe();
+  // Insecure (loopback development): the peer's host, without its port (one client, several connections).
+  const std::string peer = ctx->peer();
+  const size_t colon = peer.rfind(':');
+  return colon == std::string::npos ? peer : peer.substr(0, colon);
+}
+
+bool CoordinatorService::TakeWatchSlot(const std::string& who, std::string* refused) {
+  std::lock_guard<std::mutex> l(watch_mu_);
+  if (watchers_ >= kMaxWatchers) {
+    *refused = absl::StrCat("more than ", kMaxWatchers, " WatchEngines streams are open; retry later");
+    return false;
+  }
+  int& mine = watchers_by_identity_[who];
+  if (mine >= kMaxWatchersPerIdentity) {
+    *refused = absl::StrCat(who, " already holds ", kMaxWatchersPerIdentity,
+                            " WatchEngines streams (the most one identity may hold); close one first");
+    if (mine == 0) watchers_by_identity_.erase(who);
+    return false;
+  }
+  ++mine;
+  ++watchers_;
+  return true;
+}
+
+void CoordinatorService::ReleaseWatchSlot(const std::string& who) {
+  std::lock_guard<std::mutex> l(watch_mu_);
+  --watchers_;
+  if (--watchers_by_identity_[who] <= 0) watchers_by_identity_.erase(who);
+}
+
+double WatchInterval(double asked) {
+  if (!(asked > 0)) return CoordinatorService::kDefaultWatchInterval;  // also NaN
+  return std::clamp(asked, CoordinatorService::kMinWatchInterval, CoordinatorService::kMaxWatchInterval);
+}
+
 grpc::Status CoordinatorService::WatchEngines(grpc::ServerContext* ctx, const v1::WatchEnginesRequest* req,
                                               grpc::ServerWriter<v1::EngineStates>* writer) {
   WSYNC_AUTHORIZE("WatchEngines", WSYNC_ANY_ROLE);
   if (grpc::Status g = Gate(); !g.ok()) return g;
-  if (watchers_.fetch_add(1) >= kMaxWatchers) {
-    watchers_.fetch_sub(1);
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        absl::StrCat("more than ", kMaxWatchers, " WatchEngines streams are open; retry later"));
-  }
+  const std::string who = WatcherIdentity(ctx);
+  std::string refused;
+  if (!TakeWatchSlot(who, &refused)) return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, refused);
   struct Release {
-    std::atomic<int>& n;
-    ~Release() { n.fetch_sub(1); }
-  } release{watchers_};
-  const double interval = req->interval_seconds() > 0 ? std::max(req->interval_seconds(), 0.05) : 0.2;
+    CoordinatorService* s;
+    const std::string& who;
+    ~Release() { s->ReleaseWatchSlot(who); }
+  } release{this, who};
+  // At most one message per interval: changes within it are coalesced into the next one.
+  const absl::Duration interval = absl::Seconds(WatchInterval(req->interval_seconds()));
+  // How long one wait lasts at most: cancellation and a lost leadership are seen within it.
+  const absl::Duration slice = absl::Milliseconds(250);
   std::string last;
+  uint64_t gen = c_->ChangeGeneration();
+  bool changed = true;
+  absl::Time next_send = absl::InfinitePast();
   while (!ctx->IsCancelled()) {
     if (grpc::Status g = Gate(); !g.ok()) return g;  // lost the leadership: clients move to the new leader
-    const v1::EngineStates now = EngineStatesOf(c_->Status());
-    std::string bytes;
-    now.SerializeToString(&bytes);
-    if (bytes != last) {
-      if (!writer->Write(now)) return grpc::Status::OK;  // the caller went away
-      last = std::move(bytes);
+    const absl::Time now = absl::Now();
+    if (changed && now >= next_send) {
+      gen = c_->ChangeGeneration();  // before the read: a change during it is seen at the next wait
+      const v1::EngineStates states = c_->EngineStates();
+      std::string bytes;
+      states.SerializeToString(&bytes);
+      if (bytes != last) {
+        if (!writer->Write(states)) return grpc::Status::OK;  // the caller went away
+        last = std::move(bytes);
+        next_send = absl::Now() + interval;
+      }
+      changed = false;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(interval * 1000)));
+    const absl::Duration wait =
+        changed ? std::min(slice, std::max(next_send - absl::Now(), absl::ZeroDuration())) : slice;
+    const uint64_t seen = c_->WaitForChange(gen, wait);
+    if (seen != gen) {
+      changed = true;
+      gen = seen;
+    }
   }
   return grpc::Status::OK;
 }

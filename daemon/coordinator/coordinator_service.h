@@ -3,6 +3,9 @@
 // place (proto/status_convert.h).
 
 #include <atomic>
+#include <map>
+#include <mutex>
+#include <string>
 
 #include "daemon/coordinator/coordinator.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
@@ -34,17 +37,34 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status RemoveNode(grpc::ServerContext*, const v1::RemoveNodeRequest*, v1::RemoveNodeReply*) override;
   grpc::Status Drain(grpc::ServerContext*, const v1::DrainRequest*, v1::DrainReply*) override;
   grpc::Status Undrain(grpc::ServerContext*, const v1::DrainRequest*, v1::DrainReply*) override;
-  // Streams EngineStatesOf(Status()) now and at every change, polled every interval, until the caller cancels; at
-  // most kMaxWatchers at a time (each holds a server thread while it watches).
+  // Streams the engines' states now and whenever they change (woken by the coordinator's change counter, never by
+  // polling a whole status), at most one message per interval (interval_seconds clamped to [kMinWatchInterval,
+  // kMaxWatchInterval]; 0 or less: kDefaultWatchInterval), until the caller cancels (seen within 250 ms). At most
+  // kMaxWatchers at a time and kMaxWatchersPerIdentity per caller (certificate identity; insecure: host), so no one
+  // holder takes every slot (each holds a server thread while it watches).
   grpc::Status WatchEngines(grpc::ServerContext*, const v1::WatchEnginesRequest*,
                             grpc::ServerWriter<v1::EngineStates>*) override;
   static constexpr int kMaxWatchers = 32;
+  static constexpr int kMaxWatchersPerIdentity = 4;
+  static constexpr double kMinWatchInterval = 0.05;
+  static constexpr double kMaxWatchInterval = 60;
+  static constexpr double kDefaultWatchInterval = 0.2;
 
  private:
   grpc::Status Gate() const;
+  // A watcher slot for `who`; false with why (`refused`) when every slot, or every slot `who` may hold, is taken.
+  bool TakeWatchSlot(const std::string& who, std::string* refused);
+  void ReleaseWatchSlot(const std::string& who);
   Coordinator* c_;
   const LeaderGate* gate_;
-  std::atomic<int> watchers_{0};
+  std::mutex watch_mu_;
+  int watchers_ = 0;                                  // guarded by watch_mu_
+  std::map<std::string, int> watchers_by_identity_;  // guarded by watch_mu_
 };
+
+// The interval a WatchEngines call runs with (clamped; see WatchEngines). Pure.
+double WatchInterval(double asked);
+// Who holds a WatchEngines stream, for its per-identity cap.
+std::string WatcherIdentity(const grpc::ServerContext* ctx);
 
 }  // namespace wsync::daemon

@@ -28,6 +28,13 @@ absl::Status Corrupt(const std::string& where, const std::string& what) {
   return absl::DataLossError(absl::StrCat("state store ", where, ": ", what));
 }
 
+// The version of a history key ("history/<20 digits>[-<k>]"); -1 when it is not one.
+int64_t HistoryKeyVersion(const std::string& key) {
+  int64_t v = -1;
+  if (!absl::SimpleAtoi(absl::string_view(key).substr(kHistory.size(), 20), &v)) return -1;
+  return v;
+}
+
 }  // namespace
 
 bool IsStateKey(const std::string& key) {
@@ -295,6 +302,9 @@ absl::StatusOr<ObjectDiff> StateObjectSet::Prepare(const v1::CoordinatorState& s
     }
   for (const auto& [k, h] : stored_) {
     if (k == kSavingKey || node_objects_.count(k) || rest.count(k)) continue;
+    // An incremental history: records not sent are kept unless older than the floor (trimmed).
+    if (state.history_incremental() && absl::StartsWith(k, kHistory) && HistoryKeyVersion(k) >= state.history_floor())
+      continue;
     d.deletes.push_back(k);
   }
   const bool root_differs = stored_.count(kRootKey) == 0 || stored_[kRootKey] != Hash64(rest[kRootKey]);

@@ -7,6 +7,7 @@
 // phase (the hung call cancelled, the abort back promptly), and self-healing by heartbeat digest.
 
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -14,6 +15,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <future>
 #include <map>
 #include <memory>
@@ -24,12 +27,14 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
 #include "daemon/common/config_digest.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/state_store.h"
 #include "tests/daemon/fake_layouts.h"
+#include "tests/daemon/gated_store.h"
 
 namespace wsync::daemon {
 namespace {
@@ -129,6 +134,9 @@ class ScriptedPeers : public Peers {
   struct EngineTruth {
     bool paused = false;
     std::string version;  // the label last set
+    // The version of the live weights it holds (classic: what the sources wrote; "partial N" while a push of N was
+    // under way and not every source finished; staged engines: `live`).
+    std::string weights;
     std::string staged;   // the version its staging memory holds (what the sources of a started update wrote)
     std::string live;     // the version its Switch made live ("" = none switched)
     bool prepared_while_paused = false;  // its last Switch prepare came while it was paused (the re-hash in the window)
@@ -199,6 +207,14 @@ class ScriptedPeers : public Peers {
   }
   absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string& addr,
                                                      const v1::FinishUpdateRequest& req) override {
+    {
+      // The trainer pushed through this source before it was asked to finish: its share reached the live weights of
+      // every engine without staging memory (the fake's sources write everything).
+      std::lock_guard<std::mutex> l(mu_);
+      wrote_[addr] = req.version();
+      for (auto& [a, e] : engines_)
+        if (!staged_layouts_.count(a.substr(0, a.find(':')))) e.weights = absl::StrCat("partial ", req.version());
+    }
     WSYNC_RETURN_IF_ERROR(Inject(Rpc::kFinishUpdate, addr));
     WSYNC_RETURN_IF_ERROR(CheckPlan(addr, req.version(), req.plan_epoch()));
     v1::FinishUpdateReply r;
@@ -206,11 +222,17 @@ class ScriptedPeers : public Peers {
     return r;
   }
   absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string& addr,
-                                                               const v1::AbortSourceUpdateRequest&) override {
-    WSYNC_RETURN_IF_ERROR(Inject(Rpc::kAbortSourceUpdate, addr));
+                                                               const v1::AbortSourceUpdateRequest& req) override {
+    if (absl::Status st = Inject(Rpc::kAbortSourceUpdate, addr); !st.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      abort_unanswered_ = true;
+      return st;
+    }
     v1::AbortSourceUpdateReply r;
     r.set_was_open(true);
     r.set_quiescent(true);
+    std::lock_guard<std::mutex> l(mu_);
+    if (auto w = wrote_.find(addr); w != wrote_.end() && w->second == req.version()) r.set_bytes_written(100);
     return r;
   }
   absl::Status PostProcess(const std::string& addr, const std::string&) override {
@@ -219,7 +241,10 @@ class ScriptedPeers : public Peers {
   absl::Status SetWeightVersion(const std::string& addr, const std::string& version) override {
     WSYNC_RETURN_IF_ERROR(Inject(Rpc::kSetWeightVersion, addr));
     std::lock_guard<std::mutex> l(mu_);
-    engines_[addr].version = version;
+    EngineTruth& e = engines_[addr];
+    e.version = version;
+    // Asked only once every source finished: the push is whole.
+    if (e.weights == absl::StrCat("partial ", version)) e.weights = version;
     return absl::OkStatus();
   }
   absl::Status Continue(const std::string& addr) override {
@@ -297,6 +322,7 @@ class ScriptedPeers : public Peers {
       return absl::OkStatus();  // checked and armed; nothing live changes
     }
     e.live = req.version();
+    e.weights = req.version();
     return absl::OkStatus();
   }
 
@@ -332,6 +358,18 @@ class ScriptedPeers : public Peers {
     return engines_[addr];
   }
   SourceTruth& Source(const std::string& addr) { return sources_[addr]; }  // between updates only
+  SourceTruth SourceNow(const std::string& addr) {  // at any time
+    std::lock_guard<std::mutex> l(mu_);
+    return sources_[addr];
+  }
+  // Whether any source pushed version `v` (reached its FinishUpdate), or could not tell (its abort failed).
+  bool AnyWrote(int64_t v) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (abort_unanswered_) return true;
+    for (const auto& [a, w] : wrote_)
+      if (w == v) return true;
+    return false;
+  }
   // Calls inside which Status() did not answer within kAnswerWithin (the coordinator held its lock across them).
   std::vector<std::string> Blocked() {
     std::lock_guard<std::mutex> l(mu_);
@@ -419,6 +457,8 @@ class ScriptedPeers : public Peers {
   std::map<std::pair<Rpc, std::string>, int> calls_;
   std::map<std::string, EngineTruth> engines_;
   std::map<std::string, SourceTruth> sources_;
+  std::map<std::string, int64_t> wrote_;  // source address → the last version it pushed (FinishUpdate reached)
+  bool abort_unanswered_ = false;         // a source could not say what it wrote (its AbortSourceUpdate failed)
   std::vector<std::string> blocked_;
 };
 
@@ -490,10 +530,16 @@ struct Cluster {
   std::unique_ptr<Coordinator> c;
 
   // fanout_parallel: the coordinator's workers per phase (0: its default).
-  explicit Cluster(Staging e0 = Staging::kNone, Staging e1 = Staging::kNone, size_t fanout_parallel = 0) {
+  // heartbeat_seconds > 0: leases of that interval, and a lease watch running (StartLeaseWatch).
+  explicit Cluster(Staging e0 = Staging::kNone, Staging e1 = Staging::kNone, size_t fanout_parallel = 0,
+                   double heartbeat_seconds = 0) {
     CoordinatorOptions o;
     o.min_source_bytes = 0;
     if (fanout_parallel > 0) o.fanout_parallel = fanout_parallel;
+    if (heartbeat_seconds > 0) {
+      o.heartbeat_seconds = heartbeat_seconds;
+      o.lease_check_seconds = heartbeat_seconds / 4;
+    }
     auto p = std::make_unique<ScriptedPeers>();
     peers = p.get();
     c = std::make_unique<Coordinator>(o, std::move(p));
@@ -504,6 +550,7 @@ struct Cluster {
       REQUIRE(c->RegisterNode(r).ok());
       if (staging != Staging::kNone) peers->StagedEngine(e, r.engines(0).ranks(0));
     }
+    if (heartbeat_seconds > 0) c->StartLeaseWatch();
   }
   absl::Status Begin(int64_t v, const std::string& mode = "", const std::string& delta = "") {
     v1::BeginUpdateRequest r;
@@ -561,6 +608,42 @@ struct Cluster {
   }
 };
 
+// The invariants of the phase tables (daemon/coordinator/phase_table.h, docs/operations.md "Failure semantics"),
+// checked against what the engines were really told, after update `v` ended (`before`: the current version before
+// it; `dirty_before`: whether engines held partial writes before it). Returns what was violated, empty when nothing:
+//   (a) no unpaused engine serves weights other than its label says;
+//   (b) the status reports every engine's label as it is, and an engine reported serving is unpaused (reported
+//       paused: paused); a router's "ready" is true only of such an engine on the current version;
+//   (c) the current version never goes backwards;
+//   (f) an update none of whose sources wrote a byte leaves no engine paused (a failure before the first write
+//       resumes every engine at its version), unless an earlier failure had left them holding partial writes.
+std::vector<std::string> Violations(Cluster& k, int64_t v, int64_t before, bool dirty_before) {
+  std::vector<std::string> out;
+  const v1::ClusterStatus st = k.c->Status();
+  const int64_t current = st.current_version().empty() ? -1 : std::stoll(st.current_version());
+  if (current < before) out.push_back(absl::StrCat("(c) current version ", current, " < ", before));
+  const v1::UpdateRecord last = k.LastRecord();
+  const bool nothing_written = !last.success() && !k.peers->AnyWrote(v) && last.mode() != "staged";
+  const v1::EngineStates ready = EngineStatesOf(st);
+  std::map<std::string, bool> ready_of;
+  for (const auto& e : ready.engines()) ready_of[e.engine_id()] = e.ready();
+  for (const auto& n : st.nodes())
+    for (const auto& d : n.engine_details()) {
+      const ScriptedPeers::EngineTruth t = k.peers->Engine(d.address());
+      const std::string who = absl::StrCat(d.engine_id(), " (", d.state(), ", label ", t.version, ", weights ",
+                                           t.weights, t.paused ? ", paused" : ", unpaused", ")");
+      if (!t.paused && t.weights != t.version) out.push_back("(a) serves weights its label does not say: " + who);
+      if (d.weight_version() != t.version) out.push_back("(b) label reported as " + d.weight_version() + ": " + who);
+      if (d.state() == "serving" && t.paused) out.push_back("(b) reported serving but paused: " + who);
+      if (d.state() == "paused" && !t.paused) out.push_back("(b) reported paused but serving: " + who);
+      if (ready_of[d.engine_id()] && (t.paused || t.version != st.current_version() || t.weights != t.version))
+        out.push_back("(b) ready for routers but not serving the current version: " + who);
+      if (nothing_written && !dirty_before && t.paused)
+        out.push_back("(f) left paused although nothing of the update was written: " + who);
+    }
+  return out;
+}
+
 // The peer a fault is injected at, and how the coordinator's error names that call there.
 struct Victim {
   std::string addr;
@@ -602,16 +685,18 @@ Victim VictimOf(Rpc rpc) {
   return {};
 }
 
-// Whether a failure of `rpc` may leave bytes of the update in the engines (sources had been started).
-bool MayHaveWritten(Rpc rpc) {
+// Whether a failure of `rpc` comes before any byte of the update reached the engines: the classic phase table
+// resumes every engine at its version (kResumeOld; at the start, kResumeIfClean with sources that wrote nothing).
+bool BeforeFirstWrite(Rpc rpc) {
   switch (rpc) {
     case Rpc::kPause:
     case Rpc::kEngineInfo:
     case Rpc::kConfigureSource:
     case Rpc::kOpenWindow:
-      return false;
-    default:
+    case Rpc::kStartUpdate:
       return true;
+    default:
+      return false;
   }
 }
 
@@ -663,6 +748,8 @@ TEST_CASE(
     if (!tolerated) CHECK(absl::StrContains(last.error(), victim.named));
     // A source that could not tell what it wrote counts as written.
     CHECK(st.engines_hold_partial_writes() == !tolerated);
+    // Nothing was pushed: every source that answered said so; one that could not answer counts as written.
+    if (tolerated) CHECK(absl::StrContains(last.error(), "engines were resumed at version 1"));
   } else if (tolerated) {
     INFO(ended.ToString());
     CHECK(ended.ok());
@@ -705,20 +792,28 @@ TEST_CASE(
     // (the error then names it), else paused or failed with the phase; the records match what the engines were told.
     CHECK(st.state() == "failed");
     CHECK(st.current_version() == "1");
-    CHECK(st.engines_hold_partial_writes() == MayHaveWritten(rpc));
+    CHECK(st.engines_hold_partial_writes() == !BeforeFirstWrite(rpc));
+    // Before the first write every engine serves version 1 again (the error says so); after it, none was continued.
+    CHECK(absl::StrContains(ended.message(),
+                            BeforeFirstWrite(rpc) ? "engines were resumed at version 1" : "engines stay paused"));
     for (const auto& n : st.nodes())
       for (const auto& d : n.engine_details()) {
         INFO(d.engine_id() << " " << d.state() << " at " << d.weight_version());
         const ScriptedPeers::EngineTruth t = k.peers->Engine(d.address());
         CHECK(d.weight_version() == t.version);
-        CHECK(d.state() != "serving");  // none was continued at 2 (a failed Continue is past the commit point)
-        {
+        if (BeforeFirstWrite(rpc)) {
+          CHECK(t.version == (d.engine_id() == "e2" ? "" : "1"));  // e2 joined for update 2: never labelled
+          CHECK(d.state() == "serving");
+          CHECK_FALSE(t.paused);
+        } else {
           CHECK((d.state() == "paused" || absl::StartsWith(d.state(), "failed: ")));
-          // Not paused only where the pause itself failed, at the old version.
-          if (!t.paused) CHECK((rpc == Rpc::kPause && d.state() == "failed: pause" && t.version == "1"));
+          CHECK(t.paused);
         }
       }
   }
+  const std::vector<std::string> broken = Violations(k, 2, 1, false);
+  INFO(absl::StrJoin(broken, "\n"));
+  CHECK(broken.empty());
   // (d) the fault gone, the next update runs and every engine serves it.
   k.peers->Disarm();
   const absl::Status next = k.Update(3);
@@ -773,19 +868,23 @@ void AbortWhileHanging(Rpc rpc) {
   const v1::UpdateRecord last = k.LastRecord();
   CHECK(last.version() == 2);
   CHECK(last.aborted());
+  // Aborted before any byte was written (the fake's sources push only once asked to finish): every engine serves
+  // version 1 again, and the abort's answer says they may be resumed; after the first write they stay paused.
+  const bool before_write = BeforeFirstWrite(rpc);
+  CHECK(a->engines_resumable() == before_write);
+  CHECK(st.engines_hold_partial_writes() == !before_write);
   for (const auto& n : st.nodes())
     for (const auto& d : n.engine_details()) {
       INFO(d.engine_id() << " " << d.state());
       const ScriptedPeers::EngineTruth t = k.peers->Engine(d.address());
-      CHECK(d.state() != "serving");  // the abort came before the commit point: none was continued at 2
-      if (!t.paused) {
-        // Its pause was cancelled, or never sent once the abort came: it still serves the old version, and the
-        // record says so.
-        CHECK(rpc == Rpc::kPause);
-        CHECK(d.state() == "failed: pause");
-        CHECK(t.version != "2");
-      }
+      CHECK(d.weight_version() == t.version);
+      CHECK(t.paused == !before_write);
+      CHECK(d.state() == (before_write ? "serving" : d.state()));
+      CHECK(d.state() != (before_write ? "paused" : "serving"));
     }
+  const std::vector<std::string> broken = Violations(k, 2, 1, false);
+  INFO(absl::StrJoin(broken, "\n"));
+  CHECK(broken.empty());
   // Sources that were started or were finishing are told to abort (their writes stop).
   if (rpc == Rpc::kStartUpdate || rpc == Rpc::kFinishUpdate) CHECK(k.peers->Calls(Rpc::kAbortSourceUpdate, "s0:1") > 0);
 
@@ -829,12 +928,20 @@ TEST_CASE("faults: an abort while engines queue for their pause records each eng
   CHECK(driven.code() == absl::StatusCode::kAborted);
   CHECK(k.peers->Calls(Rpc::kPause, "e1:2") == e1_pauses);  // queued behind e0, never asked
   CHECK_FALSE(k.peers->Engine("e1:2").paused);
+  // The update's record says which engines it never paused (their pause is recorded as failed, cancelled); then,
+  // nothing having been written, every engine was resumed at its version.
+  const v1::UpdateRecord last = k.LastRecord();
+  int cancelled_pauses = 0;
+  for (const auto& e : last.engine_phases())
+    if (e.phase() == "pause" && !e.ok()) ++cancelled_pauses;
+  CHECK(cancelled_pauses == 2);
   int engines = 0;
   const v1::ClusterStatus st = k.c->Status();
   for (const auto& n : st.nodes())
     for (const auto& d : n.engine_details()) {
       INFO(d.engine_id() << " " << d.state());
-      CHECK(d.state() == "failed: pause");
+      CHECK(d.state() == "serving");
+      CHECK_FALSE(k.peers->Engine(d.address()).paused);
       ++engines;
     }
   CHECK(engines == 2);
@@ -1096,7 +1203,7 @@ TEST_CASE("faults: a source that lost its configuration is configured again at t
 // stale, serving its old version unpaused, while the other switches. The next staged update brings every engine up.
 TEST_CASE("faults, staged: stage, verify and switch fail, time out, hang or answer late; engines left out are stale") {
   const Rpc rpc = GENERATE(Rpc::kStartUpdate, Rpc::kFinishUpdate, Rpc::kWriteChecksums, Rpc::kEngineChecksums,
-                           Rpc::kPause, Rpc::kSwitch);
+                           Rpc::kPause, Rpc::kSwitch, Rpc::kPostProcess, Rpc::kSetWeightVersion, Rpc::kContinue);
   const Fault fault = GENERATE(Fault::kUnavailable, Fault::kInternal, Fault::kTimeout, Fault::kHang, Fault::kLate);
   INFO(Name(rpc) << " " << Name(fault));
   Cluster k(Staging::kInPlace, Staging::kSecondCopy);
@@ -1116,9 +1223,16 @@ TEST_CASE("faults, staged: stage, verify and switch fail, time out, hang or answ
   const v1::UpdateRecord last = k.LastRecord();
   CHECK(last.version() == 2);
   CHECK(last.mode() == "staged");
-  // Whatever happened, no engine stays paused and none holds partial live weights.
+  const std::vector<std::string> broken = Violations(k, 2, 1, false);
+  INFO(absl::StrJoin(broken, "\n"));
+  CHECK(broken.empty());
+  // Past its switch (post-process, set version, continue) an engine that fails stays paused: it holds version 2.
+  const bool past_switch = fault != Fault::kLate && (rpc == Rpc::kPostProcess || rpc == Rpc::kSetWeightVersion ||
+                                                     rpc == Rpc::kContinue);
+  // Otherwise no engine stays paused; and none ever holds partial live weights.
   CHECK_FALSE(st.engines_hold_partial_writes());
-  for (const char* e : {"e0:2", "e1:2"}) CHECK_FALSE(k.peers->Engine(e).paused);
+  CHECK_FALSE(k.peers->Engine("e0:2").paused);
+  CHECK(k.peers->Engine("e1:2").paused == past_switch);
   std::map<std::string, v1::EngineSummary> detail;
   for (const auto& n : st.nodes())
     for (const auto& d : n.engine_details()) detail[d.engine_id()] = d;
@@ -1128,6 +1242,45 @@ TEST_CASE("faults, staged: stage, verify and switch fail, time out, hang or answ
     CHECK(ended.ok());
     CHECK(last.switched_size() == 2);
     k.CheckAllServing("2");
+  } else if (past_switch) {
+    // e0 serves 2. e1 switched (its live weights are 2's) and then failed: committed, e1 named, paused, never
+    // reported ready; its label is 2 only where set_version had passed (a failed Continue: not resumed).
+    INFO(ended.ToString());
+    CHECK(ended.code() == absl::StatusCode::kUnavailable);
+    CHECK(absl::StrContains(ended.message(), "update 2 committed: the fleet is on version 2"));
+    CHECK(absl::StrContains(ended.message(), victim.named));
+    CHECK(last.success());
+    CHECK(st.current_version() == "2");
+    CHECK(detail["e0"].state() == "serving");
+    CHECK(detail["e0"].weight_version() == "2");
+    const ScriptedPeers::EngineTruth t1 = k.peers->Engine("e1:2");
+    CHECK(t1.live == "2");
+    const v1::EngineStates routers = EngineStatesOf(st);
+    for (const auto& e : routers.engines()) CHECK(e.ready() == (e.engine_id() == "e0"));
+    if (rpc == Rpc::kContinue) {
+      CHECK(t1.version == "2");
+      CHECK(detail["e1"].weight_version() == "2");
+      CHECK(detail["e1"].state() == "failed: continue");
+      REQUIRE(last.not_resumed_size() == 1);
+      CHECK(last.not_resumed(0) == "e1");
+      CHECK(last.switched_size() == 2);
+    } else {
+      CHECK(t1.version == "1");
+      CHECK(detail["e1"].weight_version() == "1");
+      CHECK(detail["e1"].state() == (rpc == Rpc::kPostProcess ? "failed: post_process" : "failed: set_version"));
+      CHECK(detail["e1"].stale());
+      CHECK(detail["e1"].staged_version().empty());
+      REQUIRE(last.switched_size() == 1);
+      CHECK(last.switched(0) == "e0");
+      REQUIRE(last.stale_size() == 1);
+      CHECK(absl::StartsWith(last.stale(0), "e1: held paused after its switch: "));
+      // The operator's resume leaves it paused: it would serve 2's weights labelled 1.
+      auto r = k.c->ResumeEngines(v1::ResumeEnginesRequest());
+      REQUIRE(r.ok());
+      REQUIRE(r->held_size() == 1);
+      CHECK(r->held(0) == "e1");
+      CHECK(k.peers->Engine("e1:2").paused);
+    }
   } else if (rpc == Rpc::kStartUpdate || rpc == Rpc::kFinishUpdate) {
     // A source failed during the stage: abandoned, nothing paused, nothing switched.
     CHECK_FALSE(ended.ok());
@@ -1267,6 +1420,225 @@ TEST_CASE("staged: deltas stay possible where every engine stages in place; a se
   }
 }
 
+
+}  // namespace
+}  // namespace wsync::daemon
+
+namespace wsync::daemon {
+namespace {
+
+// The healthy nodes renew their leases every 20 ms while it lives, as their daemons do; the longest a heartbeat took
+// to be answered, and whether every one was known.
+class Heartbeats {
+ public:
+  Heartbeats(Cluster& k, std::vector<std::string> ids)
+      : thread_([this, &k, ids = std::move(ids)] {
+          while (!stop_) {
+            for (const auto& id : ids) {
+              v1::HeartbeatRequest hb;
+              hb.set_node_id(id);
+              hb.set_address(id + ":1");
+              if (id[0] == 's') {
+                const ScriptedPeers::SourceTruth s = k.peers->SourceNow(id + ":1");
+                hb.set_plan_epoch(s.epoch);
+                hb.set_config_digest(s.digest);
+              }
+              const absl::Time t0 = absl::Now();
+              const bool known = k.c->Heartbeat(hb).known();
+              std::lock_guard<std::mutex> l(mu_);
+              longest_ = std::max(longest_, absl::Now() - t0);
+              all_known_ &= known;
+            }
+            std::this_thread::sleep_for(20ms);
+          }
+        }) {}
+  ~Heartbeats() {
+    stop_ = true;
+    thread_.join();
+  }
+  absl::Duration longest() {
+    std::lock_guard<std::mutex> l(mu_);
+    return longest_;
+  }
+  bool all_known() {
+    std::lock_guard<std::mutex> l(mu_);
+    return all_known_;
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  absl::Duration longest_ = absl::ZeroDuration();
+  bool all_known_ = true;
+  std::thread thread_;
+};
+
+// Restores a phase table row however the test leaves its scope.
+struct BrokenRow {
+  UpdateMode mode;
+  Phase phase;
+  OnFailure was;
+  BrokenRow(UpdateMode m, Phase p, OnFailure f) : mode(m), phase(p), was(OverridePolicyForTesting(m, p, f)) {}
+  ~BrokenRow() { OverridePolicyForTesting(mode, phase, was); }
+};
+
+bool AnyStartsWith(const std::vector<std::string>& v, const std::string& prefix) {
+  for (const auto& x : v)
+    if (absl::StartsWith(x, prefix)) return true;
+  return false;
+}
+
+// The invariants above can fail: one row of a phase table broken on purpose (what a new mode with a wrong failure
+// path would do) is caught by them, naming the invariant and the engine.
+TEST_CASE("phase tables: a row broken on purpose is caught by the invariants") {
+  SECTION("classic finish resumes the engines (instead of keeping them paused) over partial writes") {
+    Cluster k;
+    REQUIRE(k.Update(1).ok());
+    BrokenRow broken(UpdateMode::kClassic, Phase::kFinish, OnFailure::kResumeOld);
+    k.peers->Arm(Rpc::kFinishUpdate, Fault::kUnavailable, "s1:1");
+    REQUIRE(k.Begin(2).ok());
+    CHECK_FALSE(k.Commit(2).ok());
+    const std::vector<std::string> v = Violations(k, 2, 1, false);
+    INFO(absl::StrJoin(v, "\n"));
+    CHECK(AnyStartsWith(v, "(a) serves weights its label does not say: e0"));
+  }
+  SECTION("staged post-process leaves a switched engine out (continued at its old label) instead of holding it") {
+    Cluster k(Staging::kInPlace, Staging::kSecondCopy);
+    REQUIRE(k.Update(1, "staged").ok());
+    BrokenRow broken(UpdateMode::kStaged, Phase::kPostProcess, OnFailure::kLeaveOutStale);
+    k.peers->Arm(Rpc::kPostProcess, Fault::kUnavailable, "e1:2");
+    k.Update(2, "staged").IgnoreError();
+    const std::vector<std::string> v = Violations(k, 2, 1, false);
+    INFO(absl::StrJoin(v, "\n"));
+    CHECK(AnyStartsWith(v, "(a) serves weights its label does not say: e1"));
+  }
+  SECTION("classic pause keeps the engines paused although nothing was written") {
+    Cluster k;
+    REQUIRE(k.Update(1).ok());
+    BrokenRow broken(UpdateMode::kClassic, Phase::kPause, OnFailure::kKeepPaused);
+    k.peers->Arm(Rpc::kPause, Fault::kUnavailable, "e1:2");
+    CHECK_FALSE(k.Begin(2).ok());
+    const std::vector<std::string> v = Violations(k, 2, 1, false);
+    INFO(absl::StrJoin(v, "\n"));
+    CHECK(AnyStartsWith(v, "(f) left paused although nothing of the update was written: e0"));
+  }
+}
+
+// docs/operations.md's failure table is the one generated from the phase tables (one fact, one place).
+TEST_CASE("phase tables: docs/operations.md shows them as they are") {
+  std::ifstream in(WSYNC_SOURCE_DIR "/docs/operations.md");
+  REQUIRE(in.good());
+  const std::string doc((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  INFO("regenerate with: wsyncctl phases (or copy PhaseTableMarkdown())\n" << PhaseTableMarkdown());
+  CHECK(absl::StrContains(doc, PhaseTableMarkdown()));
+}
+
+// A node whose lease lapsed (registered, never heard from again: a dead member, or an attacker with a valid source
+// certificate) is left out of the next update instead of failing it with the fleet paused; it is never called.
+TEST_CASE("leases: a node whose lease lapsed is not planned, paused or called; the update succeeds without it") {
+  Cluster k(Staging::kNone, Staging::kNone, 0, /*heartbeat_seconds=*/1);
+  Heartbeats beats(k, {"s0", "s1", "t0", "t1"});
+  REQUIRE(k.Update(1).ok());
+  // A source at an address nobody serves: every call to it fails, as a dial to it would.
+  for (Rpc r : {Rpc::kConfigureSource, Rpc::kStartUpdate, Rpc::kFinishUpdate, Rpc::kAbortSourceUpdate})
+    k.peers->AlsoArm(r, Fault::kUnavailable, "s9:1");
+  REQUIRE(k.c->RegisterNode(Source("s9")).ok());
+  // Wait for the coordinator to see its lease lapse (3 intervals: 3 s), bounded.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  bool lapsed = false;
+  while (!lapsed && absl::Now() < deadline) {
+    const v1::ClusterStatus st = k.c->Status();
+    for (const auto& n : st.nodes())
+      if (n.node_id() == "s9") lapsed = !n.reachable();
+    if (!lapsed) std::this_thread::sleep_for(20ms);
+  }
+  REQUIRE(lapsed);
+  const absl::Status st = k.Update(2);
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  k.CheckAllServing("2");
+  for (Rpc r : {Rpc::kConfigureSource, Rpc::kStartUpdate, Rpc::kFinishUpdate}) CHECK(k.peers->Calls(r, "s9:1") == 0);
+  const v1::ClusterStatus st2 = k.c->Status();
+  for (const auto& p : st2.plan()) CHECK(p.source_node() != "s9");
+}
+
+}  // namespace
+}  // namespace wsync::daemon
+
+namespace wsync::daemon {
+namespace {
+
+std::unique_ptr<testing::GatedStore> NewGatedStore(const std::string& name) {
+  const std::string dir =
+      absl::StrCat(std::filesystem::temp_directory_path().string(), "/wsync-faults-store-", getpid());
+  std::filesystem::create_directories(dir);
+  const std::string path = absl::StrCat(dir, "/", name, ".db");
+  std::filesystem::remove(path);
+  auto inner = SqliteStateStore::Open(path);
+  REQUIRE(inner.ok());
+  return std::make_unique<testing::GatedStore>(*std::move(inner));
+}
+
+// A stalled state store (an etcd leader election, a disk that stops) delays only what must be durable (the begin,
+// here): Status and heartbeats answer at once throughout, no lease lapses although the stall outlasts the lease, and
+// the update completes once the store is back.
+TEST_CASE("store: a stalled store holds only the durability points; Status and heartbeats answer, no lease lapses") {
+  Cluster k(Staging::kNone, Staging::kNone, 0, /*heartbeat_seconds=*/0.3);
+  auto owned = NewGatedStore("stall");
+  testing::GatedStore* gate = owned.get();
+  REQUIRE(k.c->UseStateStore(std::move(owned)).ok());
+  Heartbeats beats(k, {"s0", "s1", "t0", "t1"});
+  REQUIRE(k.Update(1).ok());
+  const int before = static_cast<int>(gate->saves().size());
+  gate->Hold();
+  absl::Status updated = absl::UnknownError("not run");
+  std::thread driver([&] { updated = k.Update(2); });
+  struct Join {
+    std::thread& t;
+    testing::GatedStore* g;
+    ~Join() {
+      g->Release();
+      if (t.joinable()) t.join();
+    }
+  } join{driver, gate};
+  REQUIRE(gate->AwaitEntered(before + 1));  // the begin's save is in the store, stalled
+  // Twice the lease (3 heartbeats of 0.3 s): Status answers within 100 ms every time.
+  const absl::Time until = absl::Now() + absl::Seconds(1.8);
+  absl::Duration worst = absl::ZeroDuration();
+  while (absl::Now() < until) {
+    const absl::Time t0 = absl::Now();
+    const v1::ClusterStatus st = k.c->Status();
+    worst = std::max(worst, absl::Now() - t0);
+    CHECK(st.state() == "beginning");
+    std::this_thread::sleep_for(10ms);
+  }
+  CHECK(worst < absl::Milliseconds(100));
+  CHECK(beats.longest() < absl::Milliseconds(100));
+  CHECK(beats.all_known());
+  gate->Release();
+  driver.join();
+  INFO(updated.ToString());
+  REQUIRE(updated.ok());
+  k.CheckAllServing("2");
+}
+
+// Each history record is handed to the store once, when it is added or changed: a save's cost does not grow with the
+// history's length (the whole history was serialized at every save, about ten per update).
+TEST_CASE("store: an update hands the store its own history record only, whatever the history's length") {
+  Cluster k;
+  auto owned = NewGatedStore("history");
+  testing::GatedStore* gate = owned.get();
+  REQUIRE(k.c->UseStateStore(std::move(owned)).ok());
+  for (int v = 1; v <= 30; ++v) REQUIRE(k.Update(v).ok());
+  int most = 0, total = 0;
+  for (const auto& save : gate->saves()) {
+    most = std::max(most, save.history);
+    total += save.history;
+  }
+  CHECK(most <= 1);
+  CHECK(total == 30);
+  CHECK(k.c->History(v1::HistoryRequest()).records_size() == 30);
+}
 
 }  // namespace
 }  // namespace wsync::daemon

@@ -623,7 +623,7 @@ absl::StatusOr<v1::AbortUpdateReply> Abort(Fixture& f, int64_t v) {
   return f.c->AbortUpdate(r);
 }
 
-TEST_CASE("abort: closes the open update, records it, keeps engines paused; resume only when nothing was written") {
+TEST_CASE("abort: closes the open update, records it; resumes the engines only when nothing was written") {
   Fixture f(2, 2, 1);
   REQUIRE(f.Begin(1).ok());
   REQUIRE(f.Commit(1).ok());
@@ -631,7 +631,8 @@ TEST_CASE("abort: closes the open update, records it, keeps engines paused; resu
   CHECK(Abort(f, 2).status().code() == absl::StatusCode::kFailedPrecondition);  // nothing open
   CHECK(Abort(f, 1).status().code() == absl::StatusCode::kFailedPrecondition);  // committed already
 
-  // Update 2 aborted before any byte was written: the engines may be resumed at version 1.
+  // Update 2 aborted before any byte was written: the abort resumes the engines at version 1 itself (the phase
+  // table's push row), and says they are resumable.
   REQUIRE(f.Begin(2).ok());
   auto a = Abort(f, 2);
   REQUIRE(a.ok());
@@ -641,7 +642,8 @@ TEST_CASE("abort: closes the open update, records it, keeps engines paused; resu
   CHECK(a->bytes_written() == 0);
   CHECK(a->engines_resumable());
   CHECK(f.peers->Count("abort ") == 2);                          // every source told
-  CHECK(f.peers->Count("continue ") == continues);               // nothing resumed by the abort itself
+  CHECK(f.peers->Count("continue ") == continues + 2);           // both engines resumed by the abort
+  CHECK(a->record().error().find("engines were resumed at version 1") != std::string::npos);
   CHECK(f.c->Status().current_version() == "1");
   CHECK(f.c->Status().state() == "failed");
   CHECK(f.Commit(2).status().code() == absl::StatusCode::kAborted);  // a late commit of it is refused
@@ -651,7 +653,7 @@ TEST_CASE("abort: closes the open update, records it, keeps engines paused; resu
   auto r = f.c->ResumeEngines(v1::ResumeEnginesRequest());
   REQUIRE(r.ok());
   CHECK(r->version() == "1");
-  CHECK(f.peers->Count("continue ") == continues + 2);
+  CHECK(f.peers->Count("continue ") == continues + 4);  // a repeat is harmless
 
   // Update 3 aborted after bytes reached the engines: resume refused until an update succeeds.
   REQUIRE(f.Begin(3).ok());

@@ -1,0 +1,86 @@
+#pragma once
+// The one owner of the coordinator's state store (docs/operations.md, "Coordinator restarts").
+//
+// The coordinator decides under its lock and never waits there for the store: it hands each new state to the
+// writer (Submit, a queue of one: a newer state replaces one not yet written) and goes on. The writer's thread
+// writes the newest state it has; saves that pile up while a write is slow (an etcd leader election, a disk stall)
+// are coalesced into the next write. Where the protocol needs a state to be durable before the next step (an update
+// begun before any engine is paused, the commit point before the first Continue, the outcome), the coordinator waits
+// for its ticket (Wait) without holding its lock, so Status, History, heartbeats and aborts answer throughout.
+//
+// History records go to the writer once, when they are added or changed: a state handed to Submit carries only
+// those (CoordinatorState.history_incremental), plus the oldest version kept (history_floor); the writer keeps the
+// records not yet written across coalesced states and failed writes, so none is lost, and a store rewrites only
+// them instead of re-serializing the whole history at every save.
+//
+// A state whose nodes changed (a registration or removal: between updates only) lends the coordinator's node
+// objects; it is written by SaveNow on the caller's thread, in order with the queued states, because the lent
+// objects must not outlive the caller's lock.
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "daemon/coordinator/state_store.h"
+#include "wsync/v1/coordinator.pb.h"
+
+namespace wsync::daemon {
+
+class StoreWriter {
+ public:
+  explicit StoreWriter(std::unique_ptr<StateStore> store);
+  // Writes what is queued (bounded by one more attempt), then stops the thread.
+  ~StoreWriter();
+  StoreWriter(const StoreWriter&) = delete;
+  StoreWriter& operator=(const StoreWriter&) = delete;
+
+  // The store, for Load before the first Submit and for its stats and path. Owned by the writer.
+  StateStore* store() const { return store_.get(); }
+
+  // Queues `state` (no nodes: the store's last ones stand; history_incremental set by the caller) and returns its
+  // ticket. Never waits for the store. Thread-safe.
+  uint64_t Submit(v1::CoordinatorState state);
+  // Writes `state` (which may lend nodes: `nodes_changed`) now, on the caller's thread, after the write in progress;
+  // it covers every state queued before it. Returns the store's answer and the ticket it covered.
+  absl::Status SaveNow(v1::CoordinatorState* state, bool nodes_changed, uint64_t* ticket);
+  // Blocks until the write covering ticket `t` has been attempted (or `timeout`): OK when it was written, the store's
+  // error when that attempt failed (a later attempt retries it), DeadlineExceeded naming the store on timeout.
+  absl::Status Wait(uint64_t t, absl::Duration timeout);
+  // The newest ticket handed out.
+  uint64_t last_ticket() const;
+
+ private:
+  void Run();
+  // Takes the queued state with the history records not yet written. Requires mu_.
+  v1::CoordinatorState TakePending(uint64_t* ticket);
+  // A write of the records in `state` failed: they are queued again unless newer ones replaced them. Requires mu_.
+  void Requeue(const v1::CoordinatorState& state);
+  // The outcome of an attempt covering tickets up to `t`. Requires mu_.
+  void Attempted(uint64_t t, const absl::Status& st);
+
+  std::unique_ptr<StateStore> store_;
+  std::mutex io_mu_;  // one write at a time: the thread's and SaveNow's
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;        // a state queued, stop asked
+  std::condition_variable done_cv_;   // an attempt ended
+  std::optional<v1::CoordinatorState> pending_;  // the newest state not yet written (history cleared)
+  std::map<int64_t, v1::UpdateRecord> pending_history_;  // by version: records to write
+  int64_t pending_floor_ = 0;
+  uint64_t next_ticket_ = 0;      // tickets handed out
+  uint64_t pending_ticket_ = 0;   // the ticket pending_ covers
+  uint64_t attempted_ = 0;        // tickets covered by an attempt that ended
+  uint64_t written_ = 0;          // tickets covered by a write that succeeded
+  absl::Status last_error_;       // of the last failed attempt
+  uint64_t last_error_ticket_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace wsync::daemon
