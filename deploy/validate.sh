@@ -127,6 +127,23 @@ for f in sorted(glob.glob(os.path.join(here, "k8s", "*.yaml"))):
                 if not (mode & 0o004 or (pod_sc.get("fsGroup") is not None and mode & 0o040)):
                     fail("%s runs as uid %s but its Secret volume %s (mode %o, root-owned) is not readable to it: "
                          "set the pod's fsGroup and a group-readable defaultMode" % (where, uid, m["name"], mode))
+# Every --engine of the deploy files names its kind (a bare H:P means the reference engine, whatever serves there);
+# SGLang's needs the model's config.
+for f in glob.glob(os.path.join(here, "systemd", "*")) + glob.glob(os.path.join(here, "systemd", "env", "*")) + \
+         glob.glob(os.path.join(here, "k8s", "*.yaml")):
+    if os.path.isdir(f):
+        continue
+    for line in open(f):
+        if line.lstrip().startswith("#"):
+            continue
+        for m in re.finditer(r"--engine[= ]([^\s\"']+)", line):
+            addr = m.group(1)
+            kind = re.match(r"(reference\+grpc|vllm\+http|sglang\+http|\$\(WSYNC_ENGINE_SCHEME\))://", addr)
+            if not kind:
+                fail("%s: --engine %s does not name the engine's kind (reference+grpc://, vllm+http://, sglang+http://)"
+                     % (os.path.relpath(f, here), addr))
+            elif kind.group(1) == "sglang+http" and "config=" not in addr:
+                fail("%s: --engine %s: SGLang needs config=PATH" % (os.path.relpath(f, here), addr))
 # systemd: every ${VAR} of a unit's ExecStart has a default in the unit (the env file only overrides).
 for f in glob.glob(os.path.join(here, "systemd", "*.service")):
     unit = open(f).read()
@@ -136,7 +153,7 @@ for f in glob.glob(os.path.join(here, "systemd", "*.service")):
         if var not in defaults:
             fail("%s: ExecStart uses %s, which has no Environment= default" % (os.path.basename(f), var))
 print("layout %s: manifests, image (%s/bin: %d programs), version %s, demo, HEALTHCHECK, .dockerignore, transports, "
-      "$(VAR)s, Secret modes, find_package" % ("FAILED" if bad else "ok", prefix, len(progs), version))
+      "$(VAR)s, Secret modes, find_package, engine kinds" % ("FAILED" if bad else "ok", prefix, len(progs), version))
 sys.exit(1 if bad else 0)
 PY
 else
