@@ -277,18 +277,26 @@ void Coordinator::RefreshEngineDigests() {
 }
 
 absl::Status Coordinator::Replan(bool dry_run) {
+  WSYNC_ASSIGN_OR_RETURN(Replanned r, PlanMembership(PrepareReplan()));
+  if (dry_run) return absl::OkStatus();
+  ApplyPlanLogged(std::move(r));
+  return absl::OkStatus();
+}
+
+ReplanInput Coordinator::PrepareReplan() {
   RefreshEngineDigests();
   plan_excluded_ = drained_nodes_;
   plan_excluded_.insert(lapsed_nodes_.begin(), lapsed_nodes_.end());
-  WSYNC_ASSIGN_OR_RETURN(Replanned r, PlanMembership(PlanningInput()));
-  if (dry_run) return absl::OkStatus();
+  return PlanningInput();
+}
+
+void Coordinator::ApplyPlanLogged(Replanned r) {
   spdlog::info(
       "plan ({}): {} source nodes ({} stages x {} ranks per node), {} engine groups ({} re-planned: {}), "
       "{} (source, engine rank) assignments, quantization {}",
       opts_.strategy, r.sources, r.pp, r.ranks_per_node, r.groups.size(), r.replanned.size(),
       absl::StrJoin(r.replanned, ", "), r.plan.size(), QuantizationName(r.quantization));
   ApplyPlan(std::move(r));
-  return absl::OkStatus();
 }
 
 void Coordinator::ApplyPlan(Replanned r) {
@@ -820,12 +828,26 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   }
   if (st.ok()) st = LiveSets(staging_engines, &live_sets);
   if (!st.ok() || AbortAsked()) return FailAt(rec, st, Phase::kEngineInfo, engines);
+  if (need_plan) {
+    // Planned without the lock (seconds at 1024 engine ranks): Status, heartbeats and an abort answer meanwhile. The
+    // input points into members that nothing changes while an update is beginning (registrations, removals and
+    // drains are refused while an update is in progress; heartbeats and Status only read them); the plan in force
+    // is replaced under the lock.
+    ReplanInput input;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      model_config_json_ = engine_model_json;
+      input = PrepareReplan();
+    }
+    absl::StatusOr<Replanned> planned = PlanMembership(input);
+    std::lock_guard<std::mutex> l(mu_);
+    if (planned.ok())
+      ApplyPlanLogged(*std::move(planned));
+    else
+      st = planned.status();
+  }
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (need_plan) {
-      model_config_json_ = engine_model_json;
-      st = Replan();
-    }
     plan_epoch = need_plan ? membership_epoch_ : plan_epoch_;
     if (st.ok() && need_configure) {
       RefreshEngineDigests();

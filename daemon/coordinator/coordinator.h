@@ -311,6 +311,10 @@ class Coordinator {
   ReplanOptions PlanningOptions() const;  // the planning fields of opts_
   // Keeps `r` as the plan in force (plan_, groups_, push_filters_, model_quantization_). Requires mu_.
   void ApplyPlan(Replanned r);
+  // Replan's halves: the input (engine digests refreshed, drained and lapsed nodes left out), and the plan applied
+  // with its log line. Require mu_; PlanMembership runs between them, with or without it.
+  ReplanInput PrepareReplan();
+  void ApplyPlanLogged(Replanned r);
   // Control addresses of the engines that take part in updates (not drained). Requires mu_.
   std::vector<std::string> EngineAddresses() const;
   // "engine ID (N ranks, node NODE, ADDR)": how errors name an engine. Takes mu_ (call without it).
