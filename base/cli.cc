@@ -11,6 +11,9 @@
 
 namespace wsync::cli {
 
+std::string Version() { return WSYNC_VERSION; }
+std::string GitCommit() { return WSYNC_GIT_COMMIT; }
+
 std::string VersionString(const std::string& program) {
   std::string s = program + " " + WSYNC_VERSION;
   const std::string commit = WSYNC_GIT_COMMIT;

@@ -21,6 +21,9 @@ inline constexpr int kExitUnavailable = 3;
 
 // "PROGRAM 0.1.0 (commit abc1234)".
 std::string VersionString(const std::string& program);
+// The version of CMakeLists.txt and the commit built ("" when unknown), apart.
+std::string Version();
+std::string GitCommit();
 
 // Adds --version (prints VersionString and exits 0) and --log-level (validated: trace, debug, info, warn, error,
 // critical, off; empty = WSYNC_LOG_LEVEL or info), and makes every option added afterwards show its default in

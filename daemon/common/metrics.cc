@@ -1,10 +1,12 @@
 #include "daemon/common/metrics.h"
 
+#include <cerrno>  // program_invocation_short_name
 #include <cmath>
 #include <cstdio>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/cli.h"
 #include "httplib.h"
 #include "proto/tls.h"
 #include "spdlog/spdlog.h"
@@ -176,6 +178,11 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
     return absl::InvalidArgumentError(absl::StrCat("metrics address '", listen, "' is not HOST:PORT"));
   std::string host = listen.substr(0, colon);
   if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  // Which build answers, on every server (Prometheus' build_info convention: a gauge of 1 with the facts as labels).
+  metrics->Declare("wsync_build_info", "gauge", "the build of this process: version, commit and program (always 1)");
+  metrics->Set("wsync_build_info",
+               {{"version", cli::Version()}, {"commit", cli::GitCommit()}, {"program", program_invocation_short_name}},
+               1);
   std::unique_ptr<MetricsServer> s(new MetricsServer());
   s->server_ = std::make_unique<httplib::Server>();
   // SO_REUSEADDR only: the library's default also sets SO_REUSEPORT, which would let a second process share the port.

@@ -191,7 +191,9 @@ def scrape(c, node, addr):
                         "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen("
                         f"'http://{addr}/metrics', timeout=5).read().decode())"],
                        capture_output=True, text=True, timeout=30)
-    return dict(re.findall(r"^# TYPE (\S+) (\S+)$", r.stdout, re.M)) if r.returncode == 0 else None
+    if r.returncode != 0:
+        return None, ""
+    return dict(re.findall(r"^# TYPE (\S+) (\S+)$", r.stdout, re.M)), r.stdout
 
 
 def board_metrics():
@@ -336,10 +338,15 @@ def check_metrics(c, metrics):
     """Prometheus, on another host than the daemon's: every daemon's metrics listener, and together every metric
     the Grafana board reads."""
     exported = {}
+    version = re.search(r"^project\(wsync VERSION (\S+)", open(os.path.join(ROOT, "CMakeLists.txt")).read(),
+                        re.M).group(1)
     for node, addr, who in metrics:
-        fam = scrape(c, c.sources[0] if node is c.coord_node else c.coord_node, addr)
+        fam, text = scrape(c, c.sources[0] if node is c.coord_node else c.coord_node, addr)
         expect(fam is not None and any(k.startswith("wsync_") for k in fam),
                f"{who}: /metrics on {addr} scraped ({len(fam or {})} families)")
+        info = re.search(r'^wsync_build_info\{([^}]*)\} 1$', text, re.M)
+        expect(info is not None and f'version="{version}"' in info.group(1),
+               f"{who}: wsync_build_info carries the version {version}: {info.group(0) if info else None}")
         exported.update(fam)
     missing = sorted(n for n in board_metrics()
                      if n not in exported and re.sub(r"_(bucket|sum|count)$", "", n) not in exported)
