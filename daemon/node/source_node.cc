@@ -1154,24 +1154,7 @@ absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::
     sent += PlanWrites(version, r, &batches);
   }
   RefreshBase(ready);
-  for (auto& [t, writes] : batches) {
-    // Fail fast: a failure elsewhere (another rank's bucket, another target) stops this bucket's posts too.
-    if (update_failed_)
-      return absl::AbortedError(absl::StrCat("update ", version, ": writes to ", Who(*t),
-                                             " not posted: the update already failed on node ", opts_.node_id));
-    std::lock_guard<std::mutex> tl(t->mu);
-    if (!t->broken.ok())
-      return absl::UnavailableError(absl::StrCat("writing to ", Who(*t),
-                                                 ": its endpoint failed and is not re-established (",
-                                                 t->broken.message(), ")"));
-    auto id = t->endpoint->Post(writes);
-    if (!id.ok()) {
-      t->broken = Annotate(id.status(), absl::StrCat("writing to ", Who(*t), "; affected: ", NodeRanks(*t)));
-      spdlog::error("{}; its endpoint will be re-created at the next update", t->broken.ToString());
-      return t->broken;
-    }
-    t->outstanding.push_back(*id);
-  }
+  for (auto& [t, writes] : batches) WSYNC_RETURN_IF_ERROR(PostToTarget(version, t, std::move(writes)));
   RecordChecksums(version, ready);
   for (const auto& r : ready) completed_[r.layout][r.param] = 1;  // this bucket's alone: the replica said so once
   std::lock_guard<std::mutex> l(mu_);
@@ -1182,6 +1165,45 @@ absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::
   metrics_.Add("wsync_source_bytes_sent_total", {}, static_cast<double>(sent));
   metrics_.Add("wsync_source_params_written_total", {}, static_cast<double>(ready.size()));
   return absl::OkStatus();
+}
+
+absl::Status SourceNode::PostToTarget(int64_t version, Target* t, std::vector<transport::WriteRequest> writes) {
+  auto failed = [&] {
+    return absl::AbortedError(absl::StrCat("update ", version, ": writes to ", Who(*t),
+                                           " not posted: the update already failed on node ", opts_.node_id));
+  };
+  // Fail fast: a failure elsewhere (another rank's bucket, another target) stops this bucket's posts too.
+  if (update_failed_) return failed();
+  std::unique_lock<std::mutex> tl(t->mu);
+  if (!t->broken.ok())
+    return absl::UnavailableError(absl::StrCat("writing to ", Who(*t),
+                                               ": its endpoint failed and is not re-established (", t->broken.message(),
+                                               ")"));
+  t->pending.push_back(std::move(writes));
+  if (t->posting) return absl::OkStatus();  // the target's poster posts it before it lets go
+  t->posting = true;
+  absl::Status st;
+  while (st.ok() && !t->pending.empty()) {
+    std::vector<transport::WriteRequest> batch = std::move(t->pending.front());
+    t->pending.pop_front();
+    tl.unlock();  // never held across a Post: other ranks queue for this target meanwhile and go on
+    absl::StatusOr<transport::BatchId> id = update_failed_ ? absl::StatusOr<transport::BatchId>(failed())
+                                                           : t->endpoint->Post(batch);
+    tl.lock();
+    if (id.ok()) {
+      t->outstanding.push_back(*id);
+    } else if (update_failed_) {
+      st = id.status();
+    } else {
+      t->broken = Annotate(id.status(), absl::StrCat("writing to ", Who(*t), "; affected: ", NodeRanks(*t)));
+      spdlog::error("{}; its endpoint will be re-created at the next update", t->broken.ToString());
+      st = t->broken;
+    }
+  }
+  // On a failure the batches still queued are dropped: the update fails with it (the caller's FailUpdate).
+  t->pending.clear();
+  t->posting = false;
+  return st;
 }
 
 absl::Status SourceNode::EndPush(const v1::EndPushRequest& req) {

@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <functional>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -236,10 +237,14 @@ class SourceNode {
     // Per replica param of its layout: the byte ranges (offset, length) this source writes (the plan's slices);
     // empty for a parameter another source writes.
     std::vector<std::vector<std::pair<uint64_t, uint64_t>>> ranges;
-    // Buckets (several at once, under the shared ingest lock) use `endpoint`, `outstanding` and `broken` with `mu`
-    // held: the transport lets one thread at a time use an endpoint. Holders of the exclusive ingest lock need not
-    // take it. Held only for a Post, which hands the batch to the transport and does not wait for the network.
+    // Buckets (several at once, under the shared ingest lock) read and change `outstanding`, `broken`, `pending`,
+    // `posting` and the delta fields with `mu` held; holders of the exclusive ingest lock need not take it. `mu` is
+    // never held across a Post: the transport lets one thread at a time use an endpoint, so one bucket at a time is
+    // the target's poster (`posting`); a bucket that finds it busy queues its batch in `pending` and goes on, and
+    // the poster posts every batch queued before it lets go (WriteReady). No rank waits on another's network.
     std::mutex mu;
+    std::deque<std::vector<transport::WriteRequest>> pending;
+    bool posting = false;
     std::vector<transport::BatchId> outstanding;
     // Which transport writes to it (the node's own, or the registered backend that owns its segments' kind:
     // daemon/node/source_plan.h), what that one declares, the replica's regions in it, and the peer it connects to
@@ -287,6 +292,9 @@ class SourceNode {
   // Posts the writes of the ready parameters of update `version` and queues the hashing of the ranges they read
   // (RecordChecksums). Caller holds ingest_mu_ shared; each target's `mu` is taken for its Post.
   absl::Status WriteReady(int64_t version, const std::vector<replica::ReadyParam>& ready);
+  // Hands one batch of the update to `t`'s endpoint: posts it (and every batch other buckets queued meanwhile) when
+  // no other bucket is posting to `t`, else queues it for that one (Target::mu). Caller holds ingest_mu_ shared.
+  absl::Status PostToTarget(int64_t version, Target* t, std::vector<transport::WriteRequest> writes);
   // Queues on hasher_ the XXH3-128 of every range posted for `ready`; the last job of the batch appends the batch to
   // checksums_[version] (if still kept). Replica ordering: those replica bytes stay unchanged until WaitForChecksums
   // returned: a parameter is loaded once per update, and the replica is next written only after StartUpdate (or
