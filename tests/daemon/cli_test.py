@@ -134,7 +134,11 @@ def check_data_host(b):
 
 
 def check_wsyncd_coordinator_env(b, dead):
-    """wsyncd takes the coordinator's address from WSYNC_COORDINATOR, the name the deploy files and docs use."""
+    """wsyncd takes the coordinator's address from WSYNC_COORDINATOR, the name the deploy files and docs use (and so
+    do wsync-trainer-demo and wsyncctl, their --help says)."""
+    for prog in ("wsyncd", "wsync-trainer-demo", "wsyncctl"):
+        _, out, _ = run([b(prog), "--help"])
+        check("WSYNC_COORDINATOR" in out, f"{prog} --help names WSYNC_COORDINATOR")
     env = {k: v for k, v in os.environ.items() if k != "WSYNC_COORDINATOR"}
     d = subprocess.Popen([b("wsyncd"), "--role", "source", "--listen", "127.0.0.1:0", "--ring-mib", "4"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

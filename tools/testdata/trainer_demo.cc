@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
   app.add_option("--first-version", first_version, "version (and generation step) of the first update");
   app.add_option("--bucket-mib", bucket_mib, "bucket size in MiB (0: half the ring)");
   app.add_flag("--drive", drive, "open and commit every update on the coordinator");
-  app.add_option("--coordinator", coordinator, "coordinator host:port (with --drive)");
+  app.add_option("--coordinator", coordinator, "coordinator host:port (with --drive)")->envname("WSYNC_COORDINATOR");
   app.add_option("--verify-engine", verify_engines, "engine control address to verify after each update (--drive)");
   std::string prequantize = "none";
   app.add_option("--prequantize", prequantize,
