@@ -149,7 +149,7 @@ Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
   metrics_.Declare("wsync_engine_stale", "gauge", "Per engine: 1 when left out of a staged update's switch.");
   metrics_.Declare("wsync_engine_weight_version", "gauge", "Per engine: the version label it serves (-1: none).");
   metrics_.OnCollect([this](Metrics& m) {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     m.Set("wsync_current_version", {}, static_cast<double>(current_version_));
     m.Set("wsync_update_in_progress", {}, UpdateInProgress() ? 1 : 0);
     m.Set("wsync_engines_hold_partial_writes", {}, engines_dirty_ ? 1 : 0);
@@ -209,7 +209,7 @@ absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::Regist
   if (req.address().empty()) return absl::InvalidArgumentError("address is empty");
   if (req.pp_stage() < 0 || req.pp_stage() >= 1024)
     return absl::InvalidArgumentError(absl::StrCat("pp_stage ", req.pp_stage(), " is out of [0, 1024)"));
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (UpdateInProgress())
     return absl::UnavailableError(absl::StrCat("update ", open_version_, " is in progress (", StateName(),
                                                "); register again when it has ended"));
@@ -308,7 +308,7 @@ void Coordinator::ApplyPlan(Replanned r) {
 }
 
 std::string Coordinator::EngineLabel(const std::string& addr) const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   for (const auto& [id, n] : nodes_)
     for (const auto& e : n.engines())
       if (e.control_address() == addr)
@@ -317,7 +317,7 @@ std::string Coordinator::EngineLabel(const std::string& addr) const {
 }
 
 std::string Coordinator::NodeLabel(const std::string& addr) const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   for (const auto& [id, n] : nodes_)
     if (n.address() == addr) return absl::StrCat(id, " (", addr, ")");
   return addr;
@@ -333,7 +333,7 @@ std::vector<std::string> Coordinator::EngineAddresses() const {
 
 absl::Status Coordinator::Track(const std::string& addr, std::optional<EngineState> on_success,
                                 const std::string& phase, absl::Status st) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (open_version_ >= 0) engine_call_ends_.push_back({addr, phase, absl::Now(), st.ok()});  // the timeline
   if (!st.ok()) {
     engine_state_[addr] = EngineView{EngineState::kFailed, phase};
@@ -345,21 +345,21 @@ absl::Status Coordinator::Track(const std::string& addr, std::optional<EngineSta
 }
 
 void Coordinator::NoteChange() {
-  {
-    std::lock_guard<std::mutex> l(change_mu_);
-    ++change_generation_;
-  }
-  change_cv_.notify_all();
+  MutexLock l(&change_mu_);
+  ++change_generation_;
+  change_cv_.SignalAll();
 }
 
 uint64_t Coordinator::ChangeGeneration() {
-  std::lock_guard<std::mutex> l(change_mu_);
+  MutexLock l(&change_mu_);
   return change_generation_;
 }
 
 uint64_t Coordinator::WaitForChange(uint64_t seen, absl::Duration max_wait) {
-  std::unique_lock<std::mutex> l(change_mu_);
-  change_cv_.wait_for(l, absl::ToChronoMilliseconds(max_wait), [&] { return change_generation_ != seen; });
+  MutexLock l(&change_mu_);
+  const absl::Time deadline = absl::Now() + max_wait;
+  while (change_generation_ == seen)
+    if (change_cv_.WaitWithDeadline(&change_mu_, deadline)) break;  // true: the deadline passed
   return change_generation_;
 }
 
@@ -374,7 +374,7 @@ void Coordinator::SetState(UpdateState to) {
 }
 
 void Coordinator::SaveEngineStates() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   Persist();
 }
 
@@ -385,7 +385,7 @@ FanoutOptions Coordinator::UpdatePhase(const std::string& phase, double deadline
   o.deadline = absl::Seconds(deadline_s);
   o.phase = phase;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     o.cancellation = update_cancel_;
   }
   o.cancel_running = [this, addrs = std::move(addrs)](size_t i) { peers_->CancelCalls(addrs[i]); };
@@ -400,7 +400,7 @@ const Coordinator::Outcome* Coordinator::FindOutcome(int64_t v) const {
 template <typename Call>
 auto Coordinator::Remote(const std::string& addr, Call call) -> decltype(call()) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (abort_asked_)
       return absl::CancelledError(
           absl::StrCat("not called: update ", open_version_, " is being aborted by the operator"));
@@ -410,7 +410,7 @@ auto Coordinator::Remote(const std::string& addr, Call call) -> decltype(call())
     Coordinator* c;
     const std::string& addr;
     ~Done() {
-      std::lock_guard<std::mutex> l(c->mu_);
+      MutexLock l(&c->mu_);
       auto it = c->in_flight_.find(addr);
       if (--it->second == 0) c->in_flight_.erase(it);
     }
@@ -419,14 +419,14 @@ auto Coordinator::Remote(const std::string& addr, Call call) -> decltype(call())
 }
 
 bool Coordinator::AbortAsked() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return abort_asked_;
 }
 
 bool Coordinator::AbortSources(int64_t v, const std::string& why, uint64_t* bytes, absl::Duration within) {
   std::vector<std::string> sources;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (const auto& [id, n] : nodes_)
       if (n.role() == "source" && InRun(id)) sources.push_back(n.address());
   }
@@ -496,13 +496,13 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   history_.push_back(std::move(rec));
   while (history_.size() > opts_.history_limit) history_.pop_front();
   Persist();
-  ended_cv_.notify_all();
+  ended_cv_.SignalAll();
 }
 
 absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in, bool may_have_written, bool stopping,
                                bool resumed) {
   const int64_t v = rec.version();
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   absl::Status why = why_in;
   const bool asked = abort_asked_ && !rec.aborted();
   if (asked) {
@@ -553,7 +553,7 @@ absl::Status Coordinator::FailAt(v1::UpdateRecord rec, const absl::Status& why, 
     case OnFailure::kResumeOld: {
       bool dirty;
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         dirty = engines_dirty_;
       }
       // Engines an earlier failed update left holding partial writes stay paused: they serve nothing true.
@@ -596,7 +596,7 @@ bool Coordinator::ResumeOld(int64_t v, const std::vector<std::string>& engines) 
       o);
   std::sort(failed.begin(), failed.end());
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     // Engines a committed update left paused at the current version were continued too.
     MarkResumed(engines, failed, absl::UnavailableError("their resume failed"));
   }
@@ -619,7 +619,7 @@ absl::Status Coordinator::FailAndStopSources(v1::UpdateRecord rec, const absl::S
                     policy == OnFailure::kHoldPaused;
   bool dirty_before, asked;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     dirty_before = engines_dirty_;
     asked = abort_asked_;
   }
@@ -639,11 +639,11 @@ absl::Status Coordinator::FailAndStopSources(v1::UpdateRecord rec, const absl::S
     AbortSources(v, reason, &bytes);
   }
   SetWindows(false, v, skip).IgnoreError();
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   SetState(UpdateState::kFailed);
   open_version_ = -1;
   Persist();
-  ended_cv_.notify_all();
+  ended_cv_.SignalAll();
   if (bytes > 0) spdlog::warn("update {}: {} bytes of it had reached the engines when it was aborted", v, bytes);
   return err;
 }
@@ -685,9 +685,9 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   int64_t prev_last_begun;
   v1::UpdateRecord prev_record;
   {
-    std::unique_lock<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     // A retried BeginUpdate(v) while the first one is still running waits for it and shares its result.
-    ended_cv_.wait(l, [&] { return !(state_ == UpdateState::kBeginning && open_version_ == v); });
+    while (state_ == UpdateState::kBeginning && open_version_ == v) ended_cv_.Wait(&mu_);
     if (open_version_ == v && (state_ == UpdateState::kUpdating || state_ == UpdateState::kCommitting))
       return begin_reply_;
     if (const Outcome* o = FindOutcome(v)) {
@@ -749,7 +749,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   // abort answer meanwhile; nothing else can begin: the state is beginning).
   if (saved.ok()) saved = Durable(begin_ticket);
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (!saved.ok()) {
       // Nothing was asked of an engine yet: fail now rather than run an update a successor would not know of.
       SetState(prev_state);
@@ -759,7 +759,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
       abort_asked_ = false;
       SetLogUpdateVersion(-1);
       Persist();
-      ended_cv_.notify_all();
+      ended_cv_.SignalAll();
       return absl::UnavailableError(absl::StrCat("update ", v, " not begun: the state store could not record it (",
                                                  saved.message(), "); nothing was paused"));
     }
@@ -835,19 +835,19 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
     // is replaced under the lock.
     ReplanInput input;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       model_config_json_ = engine_model_json;
       input = PrepareReplan();
     }
     absl::StatusOr<Replanned> planned = PlanMembership(input);
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (planned.ok())
       ApplyPlanLogged(*std::move(planned));
     else
       st = planned.status();
   }
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     plan_epoch = need_plan ? membership_epoch_ : plan_epoch_;
     if (st.ok() && need_configure) {
       RefreshEngineDigests();
@@ -901,7 +901,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
     out.set_configure_seconds(rec.phases(rec.phases_size() - 1).seconds());
     size_t configured_sources = 0;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       for (size_t i = 0; i < configure.size(); ++i) {
         const Configure& c = configure[i];
         if (!st.ok()) {
@@ -929,7 +929,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   // source, was 1024 x 256 entries per update at 1024 ranks). Absent: the source's plan is unknown here, all are sent.
   std::map<std::string, std::set<std::pair<std::string, int>>> source_ranks;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (const auto& [id, n] : nodes_) {
       if (n.role() != "source" || !InRun(id)) continue;
       source_addrs.push_back(n.address());
@@ -968,7 +968,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   if (AbortAsked() || !st.ok()) return FailAndStopSources(rec, st, Phase::kStart, engines);
   out.set_plan_epoch(plan_epoch);
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     // Checked under the lock AbortUpdate decides under: an abort asked before this point ends the update below.
     if (!abort_asked_) {
       SetState(UpdateState::kUpdating);
@@ -981,7 +981,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
       // The push phase starts now; its start is kept in total_seconds until commit.
       open_record_.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
       Persist();
-      ended_cv_.notify_all();
+      ended_cv_.SignalAll();
       if (staged)
         spdlog::info("update {} open (plan {}, staged): engines serve on while it is staged", v, plan_epoch);
       else
@@ -1007,10 +1007,10 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
   std::map<std::string, int64_t> source_epochs;
   std::map<std::string, std::string> source_ids;  // address -> node id (the timeline)
   {
-    std::unique_lock<std::mutex> l(mu_);
+    ReleasableMutexLock l(&mu_);
     // A second CommitUpdate(v) while v commits (a client retry, a second driver) starts nothing: it waits for the
     // running commit and returns its recorded result. The wait is bounded by that commit's own peer deadlines.
-    ended_cv_.wait(l, [&] { return !(state_ == UpdateState::kCommitting && open_version_ == v); });
+    while (state_ == UpdateState::kCommitting && open_version_ == v) ended_cv_.Wait(&mu_);
     if (const Outcome* o = FindOutcome(v)) {
       // Committed with engines not resumed, and still the fleet's version: the retry continues them.
       const bool resume =
@@ -1022,7 +1022,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
       }
     }
     if (FindOutcome(v) != nullptr) {
-      l.unlock();
+      l.Release();
       return ResumeCommitted(v);
     }
     if (state_ != UpdateState::kUpdating || open_version_ != v) {
@@ -1092,7 +1092,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
   // window closes when they come back (the next update's windows), and nothing writes meanwhile.
   std::set<std::string> unreachable;
   if (!st.ok()) {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     unreachable = commit_lost_;
     const absl::Time now = absl::Now();
     for (const auto& [id, n] : nodes_)
@@ -1141,7 +1141,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
                                  Annotate(Remote(a, [&] { return peers_->SetWeightVersion(a, version); }),
                                           "set_version " + EngineLabel(a)));
           if (r.ok()) {
-            std::lock_guard<std::mutex> l(mu_);
+            MutexLock l(&mu_);
             engine_version_[a] = version;
           }
           return r;
@@ -1155,7 +1155,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
   // under, and saved before the first Continue so that a successor coordinator knows it too.
   bool committed = false;
   if (st.ok()) {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (!abort_asked_) {
       committed = true;
       commit_point_ = true;
@@ -1179,7 +1179,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
   AddPhase(&rec, "continue", t);
   rec.set_success(true);
   rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   for (const auto& a : engines) {  // every engine holds v now: nothing of an earlier staged update is pending
     engine_stale_.erase(a);
     engine_staged_.erase(a);
@@ -1235,7 +1235,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::ResumeCommitted(int64_t v) {
   std::vector<std::string> addrs;
   size_t engines = 0;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (const auto& [id, n] : nodes_)
       for (const auto& e : n.engines()) {
         if (EngineDrained(id, e.engine_id())) continue;
@@ -1249,7 +1249,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::ResumeCommitted(int64_t v) {
   phase.deadline = absl::Seconds(PeerDeadlines::kContinue);
   phase.phase = "continue";
   absl::Status st = ContinueEngines(addrs, phase, &failed);
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   MarkResumed(addrs, failed, st);
   const Outcome* o = FindOutcome(v);
   if (o == nullptr) return absl::InternalError(absl::StrCat("update ", v, " has no recorded outcome"));
@@ -1266,7 +1266,7 @@ void Coordinator::MarkResumed(const std::vector<std::string>& addrs, const std::
     if (!still.count(a)) not_resumed_.erase(EngineIdLocked(a));
   // The committed update's record says which engines are still not resumed; its answer to a retry too.
   const int64_t v = current_version_;
-  auto update = [&](v1::UpdateRecord* r) {
+  auto update = [&](v1::UpdateRecord* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     r->clear_not_resumed();
     for (const auto& id : not_resumed_) r->add_not_resumed(id);
   };
@@ -1303,7 +1303,7 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::RunAbortUpdate(const v1::Abort
   bool in_phase = false;  // v is beginning or committing (else updating)
   std::shared_ptr<Cancellation> cancel;  // the running phase's, raised without the lock
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (auto it = aborted_.find(v); it != aborted_.end()) return it->second;
     if (const Outcome* o = FindOutcome(v))
       return absl::FailedPreconditionError(absl::StrCat("cannot abort update ", v, ": it has ended already (",
@@ -1337,16 +1337,18 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::RunAbortUpdate(const v1::Abort
   for (;;) {
     std::vector<std::string> addrs;
     {
-      std::unique_lock<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       if (open_version_ != v || aborted_.count(v)) break;
       for (const auto& [a, n] : in_flight_) addrs.push_back(a);
     }
     for (const auto& a : addrs) peers_->CancelCalls(a);
-    std::unique_lock<std::mutex> l(mu_);
-    if (ended_cv_.wait_for(l, std::chrono::milliseconds(50), [&] { return open_version_ != v || aborted_.count(v); }))
-      break;
+    MutexLock l(&mu_);
+    const absl::Time deadline = absl::Now() + absl::Milliseconds(50);
+    while (open_version_ == v && !aborted_.count(v))
+      if (ended_cv_.WaitWithDeadline(&mu_, deadline)) break;
+    if (open_version_ != v || aborted_.count(v)) break;
   }
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (auto it = aborted_.find(v); it != aborted_.end()) return it->second;
   const Outcome* o = FindOutcome(v);
   if (o != nullptr && !o->status.ok() && o->reply.record().success())
@@ -1369,7 +1371,7 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
   std::vector<std::string> sources, engines;
   bool dirty_before;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (open_version_ != v || state_ != UpdateState::kUpdating)
       return absl::FailedPreconditionError(
           absl::StrCat("update ", v, " is not open (", StateName(), "); nothing to end"));
@@ -1432,7 +1434,7 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
     close.set_version(v);
     bool is_target = false;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       for (const auto& [id, n] : nodes_) is_target |= n.address() == lost_address && n.role() == "target";
     }
     if (is_target) {
@@ -1442,7 +1444,7 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
   }
   v1::AbortUpdateReply out;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (!history_.empty() && history_.back().version() == v) *out.mutable_record() = history_.back();
     out.set_bytes_written(bytes);
     out.set_engines_resumable(!engines_dirty_);
@@ -1467,7 +1469,7 @@ Coordinator::~Coordinator() {
 void Coordinator::StartLeaseWatch() {
   if (watch_thread_.joinable() || opts_.lease_check_seconds <= 0) return;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     leases_enforced_ = true;  // from now on a node whose lease lapsed is left out of the next update
   }
   watch_thread_ = std::thread([this] {
@@ -1487,7 +1489,7 @@ bool Coordinator::CheckLeases() {
   std::vector<std::string> sources;
   bool committing = false, lost_source = false;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (state_ != UpdateState::kUpdating && state_ != UpdateState::kCommitting) return false;
     committing = state_ == UpdateState::kCommitting;
     const absl::Duration limit = absl::Seconds(3 * opts_.heartbeat_seconds);
@@ -1543,12 +1545,13 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
   std::shared_ptr<std::map<std::string, v1::SetWriteWindowRequest>> cached;
   std::map<std::string, std::string> acked;  // target address → the assignments digest it last said it holds
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     // `from`/`previous` (may be null): what each request is built from, and the requests of the last build, a
     // target's taken over when built from the same assignment objects.
     using From = std::map<std::string, WindowSources>;
     const auto build = [&](std::map<std::string, v1::SetWriteWindowRequest>* out, From* from,
-                           std::map<std::string, v1::SetWriteWindowRequest>* previous) {
+                           std::map<std::string, v1::SetWriteWindowRequest>* previous)
+                           ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       for (const auto& [id, n] : nodes_) {
         if (n.role() != "target" || skip.count(n.address()) || TargetOutOfUpdates(n)) continue;
         WindowSources objects;
@@ -1609,7 +1612,7 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
   // whole (the target restarted, or holds others).
   const auto whole = [&](const std::string& a) {
     v1::SetWriteWindowRequest w = reqs.at(a);
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     auto from = open_windows_from_.find(a);
     if (from != open_windows_from_.end()) AddWindowAssignments(from->second, &w);
     return w;
@@ -1635,7 +1638,7 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
   if (cached) {
     // A target that holds its assignments is sent only their digest until the plan or its daemon changes: its
     // request keeps no write ranges of its own (at 1024 engine ranks, every target's were 210 MB kept per plan).
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (cached == open_windows_)
       for (auto& [a, r] : *open_windows_) {
         auto ack = window_acks_.find(a);
@@ -1676,7 +1679,7 @@ absl::StatusOr<v1::SetWriteWindowReply> Coordinator::OpenWindow(
   }
   if (r.ok() && r->assignments_missing())
     r = absl::FailedPreconditionError("the target did not take the plan's write-window assignments sent to it");
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (r.ok())
     window_acks_[addr] = r->assignments_digest();
   else
@@ -1689,7 +1692,7 @@ absl::Status Coordinator::ApplyDeltas(int64_t v,
                                       v1::UpdateRecord* rec) {
   std::map<std::string, v1::ApplyDeltaRequest> reqs;  // target daemon address → what was staged there
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (const auto& [id, n] : nodes_)
       if (n.role() == "target" && !TargetOutOfUpdates(n)) reqs[n.address()].set_version(v);
     std::map<std::string, std::string> source_id;
@@ -1783,18 +1786,22 @@ absl::Status Coordinator::SaveState() {
 }
 
 absl::Status Coordinator::Durable(uint64_t t) {
-  if (!writer_) return absl::OkStatus();
-  return writer_->Wait(t, kStoreWait);
+  StoreWriter* w;
+  {
+    MutexLock l(&mu_);
+    w = writer_.get();  // set once, before serving (UseStateStore); the writer itself is thread-safe
+  }
+  return w == nullptr ? absl::OkStatus() : w->Wait(t, kStoreWait);
 }
 
 absl::Status Coordinator::Durable() {
   uint64_t t;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (!writer_) return absl::OkStatus();
     t = save_ticket_;
   }
-  absl::Status st = Durable(t);
+  const absl::Status st = Durable(t);
   if (!st.ok()) spdlog::error("{} (the coordinator goes on from memory)", st.ToString());
   return st;
 }
@@ -1804,7 +1811,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
   std::vector<std::string> sources;
   int64_t abort_version = -1;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     writer_ = std::make_unique<StoreWriter>(std::move(store));
     persisted_nodes_epoch_ = -1;
     if (absl::IsNotFound(loaded.status())) {
@@ -1929,7 +1936,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
 }
 
 absl::StatusOr<v1::RemoveNodeReply> Coordinator::RemoveNode(const v1::RemoveNodeRequest& req) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = nodes_.find(req.node_id());
   if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("no node ", req.node_id(), " is registered"));
   if (UpdateInProgress())
@@ -1946,7 +1953,7 @@ absl::StatusOr<v1::RemoveNodeReply> Coordinator::RemoveNode(const v1::RemoveNode
   }
   nodes_.erase(it);
   {
-    std::lock_guard<std::mutex> ll(lease_mu_);
+    MutexLock ll(&lease_mu_);
     leases_.erase(req.node_id());
   }
   lapsed_nodes_.erase(req.node_id());
@@ -1966,7 +1973,7 @@ absl::StatusOr<v1::DrainReply> Coordinator::Drain(const v1::DrainRequest& req, b
     return absl::InvalidArgumentError(absl::StrCat("give exactly one of an engine id and a node id to ", verb));
   const std::string what = req.engine_id().empty() ? absl::StrCat("node ", req.node_id())
                                                    : absl::StrCat("engine ", req.engine_id());
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (UpdateInProgress())
     return absl::FailedPreconditionError(absl::StrCat("cannot ", verb, " ", what, ": update ", open_version_, " is ",
                                                       StateName(), "; ", verb, " between updates"));
@@ -2019,12 +2026,12 @@ absl::StatusOr<v1::DrainReply> Coordinator::Drain(const v1::DrainRequest& req, b
 }
 
 void Coordinator::StampLease(const std::string& id, const std::string& address, absl::Time at) {
-  std::lock_guard<std::mutex> l(lease_mu_);
+  MutexLock l(&lease_mu_);
   leases_[id] = Lease{address, at};
 }
 
 absl::Time Coordinator::LastHeartbeat(const std::string& id) const {
-  std::lock_guard<std::mutex> l(lease_mu_);
+  MutexLock l(&lease_mu_);
   auto it = leases_.find(id);
   return it == leases_.end() ? absl::InfinitePast() : it->second.last;
 }
@@ -2042,11 +2049,11 @@ v1::HeartbeatReply Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
   // Stamped on arrival, before mu_ (which a slow store write may hold): the lease is renewed whatever that costs.
   const absl::Time arrived = absl::Now();
   {
-    std::lock_guard<std::mutex> ll(lease_mu_);
+    MutexLock ll(&lease_mu_);
     auto lease = leases_.find(req.node_id());
     if (lease != leases_.end() && lease->second.address == req.address()) lease->second.last = arrived;
   }
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   v1::HeartbeatReply out;
   out.set_interval_seconds(opts_.heartbeat_seconds);
   out.set_membership_epoch(membership_epoch_);
@@ -2072,7 +2079,7 @@ absl::StatusOr<v1::ResumeEnginesReply> Coordinator::ResumeEngines(const v1::Resu
   std::vector<std::string> engines;
   v1::ResumeEnginesReply out;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (UpdateInProgress())
       return absl::FailedPreconditionError(
           absl::StrCat("cannot resume engines: update ", open_version_, " is ", StateName()));
@@ -2103,7 +2110,7 @@ absl::StatusOr<v1::ResumeEnginesReply> Coordinator::ResumeEngines(const v1::Resu
   absl::Status st = ContinueEngines(engines, phase, &failed);
   {
     // Past a commit point: the engines not resumed then are now (the committed update's record says so).
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     MarkResumed(engines, failed, st);
   }
   if (!st.ok()) return st;
@@ -2112,14 +2119,14 @@ absl::StatusOr<v1::ResumeEnginesReply> Coordinator::ResumeEngines(const v1::Resu
 }
 
 v1::ClusterStatus Coordinator::Status() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return StatusLocked(/*with_plan=*/true);
 }
 
 v1::EngineStates Coordinator::EngineStates() const {
   v1::ClusterStatus s;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     s = StatusLocked(/*with_plan=*/false);
   }
   return EngineStatesOf(s);
@@ -2263,7 +2270,7 @@ std::map<std::string, std::vector<std::string>> Coordinator::StageVerify(int64_t
   std::vector<std::string> sources;
   std::map<std::string, Reg> regs;  // control address → registration
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (const auto& [id, n] : nodes_) {
       if (n.role() == "source") sources.push_back(n.address());
       for (const auto& e : n.engines()) {
@@ -2400,7 +2407,7 @@ Coordinator::SwitchResult Coordinator::SwitchEngines(int64_t v,
   // Recorded paused before they are, so that no store write lies inside the paused window: a coordinator that stops
   // from here on restarts with the switch begun (switch_started), engines held paused until an update succeeds.
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (const auto& a : prepared) engine_state_[a] = EngineView{EngineState::kPaused, ""};
     Persist();
   }
@@ -2439,7 +2446,7 @@ Coordinator::SwitchResult Coordinator::SwitchEngines(int64_t v,
         a, std::nullopt, "set_version",
         Annotate(Remote(a, [&] { return peers_->SetWeightVersion(a, version); }), "set_version " + EngineLabel(a)));
     if (r.ok()) {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       engine_version_[a] = version;
     }
     return r;
@@ -2467,7 +2474,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitStaged(v1::UpdateRecord
   if (AbortAsked()) return FailAt(rec, absl::CancelledError("no engine was switched"), Phase::kVerify, engines);
   std::map<std::string, std::string> ids;  // control address → engine id
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (const auto& [id, n] : nodes_)
       for (const auto& e : n.engines()) ids[e.control_address()] = e.engine_id();
     for (const auto& [a, d] : verified) engine_staged_[a] = std::to_string(v);
@@ -2479,7 +2486,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitStaged(v1::UpdateRecord
   std::vector<std::string> stale, held;
   const bool on_v = !sw.serving.empty() || !sw.not_resumed.empty();  // engines holding v's weights and label
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     switch_started_ = false;
     for (const auto& [a, why] : left_out) {
       engine_stale_[a] = why;
@@ -2522,7 +2529,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitStaged(v1::UpdateRecord
   rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   v1::CommitUpdateReply out;
   *out.mutable_record() = rec;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   absl::Status result = absl::OkStatus();
   if (!not_resumed_.empty())
     result = NotResumedError(v, engines.size(), absl::UnavailableError(sw.not_resumed.begin()->second));
@@ -2559,7 +2566,7 @@ v1::EngineStates EngineStatesOf(const v1::ClusterStatus& status) {
 }
 
 v1::HistoryReply Coordinator::History(const v1::HistoryRequest& req) const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   v1::HistoryReply out;
   size_t n = req.limit() > 0 ? std::min<size_t>(req.limit(), history_.size()) : history_.size();
   for (size_t i = history_.size() - n; i < history_.size(); ++i) *out.add_records() = history_[i];

@@ -68,6 +68,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "base/mutex.h"
 #include "absl/status/statusor.h"
 #include "daemon/common/metrics.h"
 #include "daemon/coordinator/fanout.h"
@@ -283,14 +285,14 @@ class Coordinator {
   template <typename Call>
   auto Remote(const std::string& addr, Call call) -> decltype(call());
   // The source nodes that take part in plans (not drained), in (stage, node id) order (PlanSourceNodes).
-  absl::StatusOr<PlanSources> SourcesForPlan() const;  // requires mu_
+  absl::StatusOr<PlanSources> SourcesForPlan() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // requires mu_
   // Drained, or on a node whose lease had lapsed when the update began (not planned, paused or written).
-  bool EngineDrained(const std::string& node_id, const std::string& engine_id) const {
+  bool EngineDrained(const std::string& node_id, const std::string& engine_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return drained_engines_.count(engine_id) > 0 || drained_nodes_.count(node_id) > 0 ||
            lapsed_nodes_.count(node_id) > 0;
   }
   // A target node none of whose engines takes part in updates: not told to open windows, its lease not checked.
-  bool TargetOutOfUpdates(const v1::RegisterNodeRequest& n) const {
+  bool TargetOutOfUpdates(const v1::RegisterNodeRequest& n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (n.role() != "target" || n.engines_size() == 0) return false;
     for (const auto& e : n.engines())
       if (!EngineDrained(n.node_id(), e.engine_id())) return false;
@@ -304,30 +306,30 @@ class Coordinator {
   // Plans the membership and model_config_json_ (PlanMembership, daemon/coordinator/replan.h: pure) and applies the
   // result (ApplyPlan). Reuses the plan of every engine group whose inputs did not change. `dry_run`: checks that a
   // plan can be built, changes nothing.
-  absl::Status Replan(bool dry_run = false);  // requires mu_
+  absl::Status Replan(bool dry_run = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // requires mu_
   // What PlanMembership plans from: the membership, drains, model and options, and the groups in force. The input
   // points into members: use it while mu_ is held. Requires mu_.
-  ReplanInput PlanningInput() const;
+  ReplanInput PlanningInput() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ReplanOptions PlanningOptions() const;  // the planning fields of opts_
   // Keeps `r` as the plan in force (plan_, groups_, push_filters_, model_quantization_). Requires mu_.
-  void ApplyPlan(Replanned r);
+  void ApplyPlan(Replanned r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Replan's halves: the input (engine digests refreshed, drained and lapsed nodes left out), and the plan applied
   // with its log line. Require mu_; PlanMembership runs between them, with or without it.
-  ReplanInput PrepareReplan();
-  void ApplyPlanLogged(Replanned r);
+  ReplanInput PrepareReplan() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ApplyPlanLogged(Replanned r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Control addresses of the engines that take part in updates (not drained). Requires mu_.
-  std::vector<std::string> EngineAddresses() const;
+  std::vector<std::string> EngineAddresses() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // "engine ID (N ranks, node NODE, ADDR)": how errors name an engine. Takes mu_ (call without it).
-  std::string EngineLabel(const std::string& addr) const;
+  std::string EngineLabel(const std::string& addr) const ABSL_LOCKS_EXCLUDED(mu_);
   // "NODE_ID (ADDR)": how errors name a daemon. Takes mu_ (call without it).
-  std::string NodeLabel(const std::string& addr) const;
-  bool UpdateInProgress() const { return daemon::UpdateInProgress(state_); }
+  std::string NodeLabel(const std::string& addr) const ABSL_LOCKS_EXCLUDED(mu_);
+  bool UpdateInProgress() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return daemon::UpdateInProgress(state_); }
   // Moves the update to `to`, checking the transition (update_state.h). Requires mu_.
-  void SetState(UpdateState to);
-  std::string StateName() const { return std::string(UpdateStateName(state_)); }
+  void SetState(UpdateState to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string StateName() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return std::string(UpdateStateName(state_)); }
   // Records `v`'s outcome and history entry, leaves the update (state idle on success, failed otherwise) and wakes
   // the calls waiting for it. Requires mu_.
-  void Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec);
+  void Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the open update `rec.version()` as failed with Aborted("update v failed: why"); returns that status.
   // `may_have_written`: whether a byte of it may have reached an engine (then engines stay paused until an update
   // succeeds).
@@ -336,15 +338,15 @@ class Coordinator {
   // update stays in progress, state aborting, until StopSources).
   // `resumed`: the engines were continued at their old version (phase_table.h, kResumeOld): the record says so.
   absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written, bool stopping = false,
-                    bool resumed = false);
+                    bool resumed = false) ABSL_LOCKS_EXCLUDED(mu_);
   // A failure of `phase` of the beginning update (before its sources started), applied as the phase table says
   // (PolicyFor): kResumeOld continues every engine in `engines` at its version first (unless an earlier update left
   // them holding partial writes), kServeOn and kKeepPaused only record it.
   absl::Status FailAt(v1::UpdateRecord rec, const absl::Status& why, Phase phase,
-                      const std::vector<std::string>& engines);
+                      const std::vector<std::string>& engines) ABSL_LOCKS_EXCLUDED(mu_);
   // Continues `engines` at the version they hold after a failure before the first write (no abort cancels these
   // calls: it is what the abort leaves behind); returns whether every one answered. Saves their states.
-  bool ResumeOld(int64_t v, const std::vector<std::string>& engines);
+  bool ResumeOld(int64_t v, const std::vector<std::string>& engines) ABSL_LOCKS_EXCLUDED(mu_);
   // An update whose sources were started ends (an operator's abort, or a failure of `phase`): recorded at once (the
   // AbortUpdate waiting for it returns), then the sources are told to abort and the windows close (`skip`:
   // unreachable targets) while nothing new may begin — a stopped source would otherwise hold the abort for its
@@ -352,25 +354,25 @@ class Coordinator {
   // when every one answers that it wrote nothing, the engines in `engines` are resumed at their version before the
   // failure is recorded (saying so).
   absl::Status FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, Phase phase,
-                                  const std::vector<std::string>& engines, const std::set<std::string>& skip = {});
+                                  const std::vector<std::string>& engines, const std::set<std::string>& skip = {}) ABSL_LOCKS_EXCLUDED(mu_);
   // Node ids whose lease lapsed (no heartbeat for 3 intervals), not drained. Requires mu_.
-  std::set<std::string> LapsedNodes(absl::Time now) const;
+  std::set<std::string> LapsedNodes(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether node `id` takes part in updates now (its lease had not lapsed when the update began). Requires mu_.
-  bool InRun(const std::string& id) const { return lapsed_nodes_.count(id) == 0; }
+  bool InRun(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return lapsed_nodes_.count(id) == 0; }
   // Whether an operator asked to abort the beginning or committing update. Takes mu_.
-  bool AbortAsked() const;
+  bool AbortAsked() const ABSL_LOCKS_EXCLUDED(mu_);
   // Tells every source to abort update `v` (best effort, not cancelled by an abort: it is the abort); returns
   // whether no byte of it may have been written (every source answered 0 bytes, quiescent) and adds the bytes.
   // `within`: the phase's deadline (calls still running then are cancelled, and count as not clean).
   bool AbortSources(int64_t v, const std::string& why, uint64_t* bytes,
-                    absl::Duration within = absl::Seconds(PeerDeadlines::kAbort));
+                    absl::Duration within = absl::Seconds(PeerDeadlines::kAbort)) ABSL_LOCKS_EXCLUDED(mu_);
   // The recorded answer for a version that has ended, or nullptr. Requires mu_.
-  const Outcome* FindOutcome(int64_t v) const;
+  const Outcome* FindOutcome(int64_t v) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the open update `v` (state updating) through the sources' AbortSourceUpdate: `by_operator` records it as
   // aborted with `why`, otherwise as failed because of `why`. The shared body of AbortUpdate and CheckLeases.
   // `lost_address`: a node not to be asked (its lease lapsed).
   absl::StatusOr<v1::AbortUpdateReply> EndOpenUpdate(int64_t v, const std::string& why, bool by_operator,
-                                                     const std::string& lost_address = "");
+                                                     const std::string& lost_address = "") ABSL_LOCKS_EXCLUDED(mu_);
   // Opens or closes the write window on every target daemon; a target that cannot be told is an error when opening
   // (its engines would refuse the writes) and logged when closing.
   // `skip_address`: a target not to be told (its lease lapsed; its window closes when it restarts).
@@ -378,7 +380,7 @@ class Coordinator {
   // Opening counts as a call of the beginning update (InFlight): an abort cancels it.
   // `held` (open only): the versions the targets' engine ranks held until now (docs/delta.md).
   absl::Status SetWindows(bool open, int64_t version, const std::set<std::string>& skip = {},
-                          std::vector<v1::RankVersion>* held = nullptr);
+                          std::vector<v1::RankVersion>* held = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Opens the write window of the target at `addr` with the open request `full`: without its assignments where the
   // target's last answer said it holds them (`acked`, their digest), and then with them if it answers that it does
   // not (restarted); records what the target now holds (window_acks_). A call of the beginning update (Remote).
@@ -388,40 +390,42 @@ class Coordinator {
                                                      const std::string& acked,
                                                      const std::function<v1::SetWriteWindowRequest()>& whole = nullptr);
   // Adds the write-window assignments of `from` (a target's, WindowSources) to `r`.
-  void AddWindowAssignments(const WindowSources& from, v1::SetWriteWindowRequest* r) const;
+  void AddWindowAssignments(const WindowSources& from, v1::SetWriteWindowRequest* r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Delta updates, after every source finished `v` (`finished`: each source's node id and reply): every target
   // daemon in the update applies the records staged for it (ApplyDelta), and `rec` gets the delta figures.
   absl::Status ApplyDeltas(int64_t v, const std::vector<std::pair<std::string, v1::FinishUpdateReply>>& finished,
                            v1::UpdateRecord* rec);
   // Hands the state to the store writer, if any; returns at once (OK) unless the membership changed, which is written
   // now (its error returned; most callers go on). Requires mu_.
-  absl::Status SaveState();
+  absl::Status SaveState() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits, without mu_, until the state handed to the writer last (or ticket `t`) is in the store, at most
   // kStoreWait: the durability points (begin, commit point, outcome). The store's error, or DeadlineExceeded.
-  absl::Status Durable(uint64_t t);
-  absl::Status Durable();
+  absl::Status Durable(uint64_t t) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Durable() ABSL_LOCKS_EXCLUDED(mu_);
   // SaveState where the caller goes on whatever the store says (the failure is logged).
-  void Persist() {
+  void Persist() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     SaveState().IgnoreError();
     NoteChange();
   }
   // Staged updates (docs/operations.md, "Staged updates").
   // The engines among `engines` that offer staging memory (their layout's staging_segment_shift); with `staged`,
   // FailedPrecondition naming the first that does not. Requires mu_.
-  absl::StatusOr<std::vector<std::string>> StagingEngines(const std::vector<std::string>& engines, bool staged) const;
+  absl::StatusOr<std::vector<std::string>> StagingEngines(const std::vector<std::string>& engines, bool staged) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Asks each engine in `engines` which copy of its segments is live (EngineInfo.live_set).
   absl::Status LiveSets(const std::vector<std::string>& engines, std::map<std::string, int>* out);
   // The copy of engine `engine_id`'s segments an update writes (LayoutForCopy's `set`): the live copy (classic) or
   // the other one (staged) for engines offering staging memory; -1 for the others (their layout as registered).
   // Requires mu_.
-  int LayoutCopy(const std::string& engine_id, bool staged, const std::map<std::string, int>& live_sets) const;
+  int LayoutCopy(const std::string& engine_id, bool staged, const std::map<std::string, int>& live_sets) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What tells two configurations of a source apart without their rank tables or write ranges: `base` (its request
   // without targets), and per assignment its digest (PlannedAssignment::digest), its engine's registration digest
   // and the copy written (`copies`). Requires mu_ and RefreshEngineDigests.
   std::string SourceConfigKey(const v1::ConfigureSourceRequest& base, const std::vector<const Planned*>& assigned,
-                              const std::vector<int>& copies) const;
+                              const std::vector<int>& copies) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Digests every registered engine not in engine_digests_ (EngineInputDigest, replan.h). Requires mu_.
-  void RefreshEngineDigests();
+  void RefreshEngineDigests() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The commit of a staged update once its sources finished: StageVerify, then SwitchEngines, then the record.
   absl::StatusOr<v1::CommitUpdateReply> CommitStaged(v1::UpdateRecord rec, const std::vector<std::string>& engines,
                                                      absl::Time start);
@@ -445,7 +449,7 @@ class Coordinator {
   // `addrs[i]` (the peer of item i).
   FanoutOptions UpdatePhase(const std::string& phase, double deadline_s, std::vector<std::string> addrs) const;
   // Saves what a phase changed (engine states) in one store write, once every call of the phase returned. Takes mu_.
-  void SaveEngineStates();
+  void SaveEngineStates() ABSL_LOCKS_EXCLUDED(mu_);
   // Records the coordinator's view of engine `addr` after a call of `phase` (on_success nullopt = unchanged); returns
   // st. Not saved: the phase saves once when all its calls returned (SaveEngineStates).
   absl::Status Track(const std::string& addr, std::optional<EngineState> on_success, const std::string& phase,
@@ -456,124 +460,125 @@ class Coordinator {
                                std::vector<std::string>* failed);
   // "update v committed: the fleet is on version v; N of M engines not resumed (…)": the answer of a commit that
   // passed its commit point with not_resumed_ left paused. Requires mu_.
-  absl::Status NotResumedError(int64_t v, size_t engines, const absl::Status& why) const;
+  absl::Status NotResumedError(int64_t v, size_t engines, const absl::Status& why) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A retried CommitUpdate(v) of the current version committed with engines not resumed: continues them.
   absl::StatusOr<v1::CommitUpdateReply> ResumeCommitted(int64_t v);
   // After Continue was asked of `addrs` (`failed`: those that failed, with `why`): drops the others from
   // not_resumed_ and rewrites the current version's record and recorded answer. Requires mu_.
   void MarkResumed(const std::vector<std::string>& addrs, const std::vector<std::string>& failed,
-                   const absl::Status& why);
+                   const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Status's body; without the plan, groups and source epochs when `with_plan` is false. Requires mu_.
-  v1::ClusterStatus StatusLocked(bool with_plan) const;
+  v1::ClusterStatus StatusLocked(bool with_plan) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The id of the engine at control address `addr` (addr when unknown). Requires mu_.
-  std::string EngineIdLocked(const std::string& addr) const;
+  std::string EngineIdLocked(const std::string& addr) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   CoordinatorOptions opts_;
   std::unique_ptr<Peers> peers_;
-  mutable std::mutex mu_;
-  std::map<std::string, v1::RegisterNodeRequest> nodes_;
-  int64_t membership_epoch_ = 0;
-  int64_t plan_epoch_ = -1;  // membership epoch the current plan was built for
-  std::vector<Planned> plan_;
-  std::map<std::string, GroupPlan> groups_;          // by group key ("<dialect> tp=N ep=N dp=N")
-  std::map<std::string, SourceConfig> configured_;   // source node id → what it was last configured with
-  int64_t plan_generation_ = 0;                      // plans applied (ApplyPlan)
+  mutable Mutex mu_;
+  std::map<std::string, v1::RegisterNodeRequest> nodes_ ABSL_GUARDED_BY(mu_);
+  int64_t membership_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t plan_epoch_ ABSL_GUARDED_BY(mu_) = -1;  // membership epoch the current plan was built for
+  std::vector<Planned> plan_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, GroupPlan> groups_ ABSL_GUARDED_BY(mu_);          // by group key ("<dialect> tp=N ep=N dp=N")
+  std::map<std::string, SourceConfig> configured_ ABSL_GUARDED_BY(mu_);   // source node id → what it was last configured with
+  int64_t plan_generation_ ABSL_GUARDED_BY(mu_) = 0;                      // plans applied (ApplyPlan)
   // The open-window requests of the plan in force by target daemon address (SetWindows), and what they were built
   // for (membership epoch, plan generation, drained engines and nodes): rebuilt only when one of those changed.
-  std::shared_ptr<std::map<std::string, v1::SetWriteWindowRequest>> open_windows_;
-  std::string open_windows_key_;
+  std::shared_ptr<std::map<std::string, v1::SetWriteWindowRequest>> open_windows_ ABSL_GUARDED_BY(mu_);
+  std::string open_windows_key_ ABSL_GUARDED_BY(mu_);
   // Per target of open_windows_, the plan's assignments its request was built from, with their source node (held:
   // the same objects, never an address reused). A rebuild keeps the request of a target whose assignments are the
   // same objects (a kept plan: a membership change elsewhere) instead of copying and digesting its write ranges
   // again; a request kept without its assignments (the target holds them) is made whole from them when needed.
-  std::map<std::string, WindowSources> open_windows_from_;
+  std::map<std::string, WindowSources> open_windows_from_ ABSL_GUARDED_BY(mu_);
   // Target daemon address → the digest of the write-window assignments it last answered holding (OpenWindow);
   // erased when the daemon registers again.
-  std::map<std::string, std::string> window_acks_;
+  std::map<std::string, std::string> window_acks_ ABSL_GUARDED_BY(mu_);
   // Engine id → EngineInputDigest of its registration in nodes_, computed once per registration (a re-plan with
   // nothing changed then reads no parameter table); dropped whenever the node's registration changes.
-  std::map<std::string, std::string> engine_digests_;
-  std::set<std::string> drained_engines_, drained_nodes_;
-  std::map<std::string, std::string> engine_version_;  // control address → the version label last set on it
+  std::map<std::string, std::string> engine_digests_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> drained_engines_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> drained_nodes_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> engine_version_ ABSL_GUARDED_BY(mu_);  // control address → the version label last set on it
   // Per source node: what each of its local trainer ranks pushes (every local rank listed, lists may be empty).
-  std::map<std::string, std::vector<v1::RankPushFilter>> push_filters_;
-  std::string model_config_json_;
-  v1::WeightQuantization model_quantization_;         // what the engines report holding; the sources quantize to it
+  std::map<std::string, std::vector<v1::RankPushFilter>> push_filters_ ABSL_GUARDED_BY(mu_);
+  std::string model_config_json_ ABSL_GUARDED_BY(mu_);
+  v1::WeightQuantization model_quantization_ ABSL_GUARDED_BY(mu_);         // what the engines report holding; the sources quantize to it
   // Leases: stamped on arrival under their own lock (lease_mu_, taken after mu_ when both are needed, never before),
   // so that a heartbeat is counted even while mu_ is held (a slow store write): a stalled store must not expire
   // healthy nodes.
-  mutable std::mutex lease_mu_;
+  mutable Mutex lease_mu_ ABSL_ACQUIRED_AFTER(mu_);
   struct Lease {
     std::string address;  // the registered address: a heartbeat from another process of the id does not renew it
     absl::Time last;
   };
-  std::map<std::string, Lease> leases_;  // node id → its lease (guarded by lease_mu_)
+  std::map<std::string, Lease> leases_ ABSL_GUARDED_BY(lease_mu_);  // node id → its lease
   // Records a lease renewal for node `id` at `address` (registration or heartbeat). Takes lease_mu_.
-  void StampLease(const std::string& id, const std::string& address, absl::Time at);
+  void StampLease(const std::string& id, const std::string& address, absl::Time at) ABSL_LOCKS_EXCLUDED(lease_mu_);
   // When node `id` last renewed its lease (InfinitePast when never). Takes lease_mu_.
-  absl::Time LastHeartbeat(const std::string& id) const;
+  absl::Time LastHeartbeat(const std::string& id) const ABSL_LOCKS_EXCLUDED(lease_mu_);
   // Nodes whose lease had lapsed when the open (or last) update began: left out of its plan and calls; a lease watch
   // must run (StartLeaseWatch) for leases to mean anything, so without it none lapse.
-  std::set<std::string> lapsed_nodes_;
-  bool leases_enforced_ = false;
+  std::set<std::string> lapsed_nodes_ ABSL_GUARDED_BY(mu_);
+  bool leases_enforced_ ABSL_GUARDED_BY(mu_) = false;
   // The drained nodes and the lapsed ones: what the planner leaves out (PlanningInput). Requires mu_.
-  std::set<std::string> plan_excluded_;
+  std::set<std::string> plan_excluded_ ABSL_GUARDED_BY(mu_);
   // Bumped on every change of the state Status reports (Persist, Track); WatchEngines waits on it.
-  std::mutex change_mu_;
-  std::condition_variable change_cv_;
-  uint64_t change_generation_ = 0;
-  void NoteChange();
-  std::map<std::string, EngineView> engine_state_;    // control address → its state (update_state.h)
+  Mutex change_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  CondVar change_cv_;
+  uint64_t change_generation_ ABSL_GUARDED_BY(change_mu_) = 0;
+  void NoteChange() ABSL_LOCKS_EXCLUDED(change_mu_);
+  std::map<std::string, EngineView> engine_state_ ABSL_GUARDED_BY(mu_);    // control address → its state (update_state.h)
 
-  UpdateState state_ = UpdateState::kIdle;
-  bool engines_dirty_ = false;         // a failed/aborted update may have written into the engines
-  std::map<int64_t, v1::AbortUpdateReply> aborted_;  // answers to repeated AbortUpdate, bounded like outcomes_
+  UpdateState state_ ABSL_GUARDED_BY(mu_) = UpdateState::kIdle;
+  bool engines_dirty_ ABSL_GUARDED_BY(mu_) = false;         // a failed/aborted update may have written into the engines
+  std::map<int64_t, v1::AbortUpdateReply> aborted_ ABSL_GUARDED_BY(mu_);  // answers to repeated AbortUpdate, bounded like outcomes_
   // An operator's AbortUpdate of the update beginning or committing (cleared when it ends): the thread running the
   // phase stops at its next step; the abort cancels the calls in flight (in_flight_) until the update has ended.
-  bool abort_asked_ = false;
+  bool abort_asked_ ABSL_GUARDED_BY(mu_) = false;
   // Raised with abort_asked_: the phase running stops starting calls and cancels those in flight. A fresh one per
   // begin and per commit.
-  std::shared_ptr<Cancellation> update_cancel_ = std::make_shared<Cancellation>();
-  std::string abort_reason_;
-  std::string abort_by_;  // who asked for the abort (AbortUpdateRequest.aborted_by; "the operator" when not said)
-  std::map<std::string, int> in_flight_;  // peer address → calls of the beginning/committing update in flight
-  std::condition_variable ended_cv_;   // a begin or a commit ended (state_ left beginning or committing)
-  int64_t open_version_ = -1;          // the version beginning, open or committing; -1 when none
-  int64_t last_begun_ = -1;            // highest version ever begun; BeginUpdate needs a newer one
-  int64_t since_dense_ = 0;            // updates committed since the last dense one (delta_anchor_every)
-  int64_t current_version_ = -1;       // last committed version; -1 when none
-  int64_t open_plan_epoch_ = -1;       // plan the open update was started under
-  std::map<std::string, int64_t> open_source_epochs_;  // source address → its plan epoch (sent with FinishUpdate)
-  std::map<std::string, int> open_live_sets_;          // staging engines' live copy when the open update began
+  std::shared_ptr<Cancellation> update_cancel_ ABSL_GUARDED_BY(mu_) = std::make_shared<Cancellation>();
+  std::string abort_reason_ ABSL_GUARDED_BY(mu_);
+  std::string abort_by_ ABSL_GUARDED_BY(mu_);  // who asked for the abort (AbortUpdateRequest.aborted_by; "the operator" when not said)
+  std::map<std::string, int> in_flight_ ABSL_GUARDED_BY(mu_);  // peer address → calls of the beginning/committing update in flight
+  CondVar ended_cv_;   // a begin or a commit ended (state_ left beginning or committing)
+  int64_t open_version_ ABSL_GUARDED_BY(mu_) = -1;          // the version beginning, open or committing; -1 when none
+  int64_t last_begun_ ABSL_GUARDED_BY(mu_) = -1;            // highest version ever begun; BeginUpdate needs a newer one
+  int64_t since_dense_ ABSL_GUARDED_BY(mu_) = 0;            // updates committed since the last dense one (delta_anchor_every)
+  int64_t current_version_ ABSL_GUARDED_BY(mu_) = -1;       // last committed version; -1 when none
+  int64_t open_plan_epoch_ ABSL_GUARDED_BY(mu_) = -1;       // plan the open update was started under
+  std::map<std::string, int64_t> open_source_epochs_ ABSL_GUARDED_BY(mu_);  // source address → its plan epoch (sent with FinishUpdate)
+  std::map<std::string, int> open_live_sets_ ABSL_GUARDED_BY(mu_);          // staging engines' live copy when the open update began
   // Staged updates: engines left out of a switch (control address → why) until an update succeeds on them; the
   // version each engine holds verified in its staging copy, not yet switched; whether the open update's switch began.
-  std::map<std::string, std::string> engine_stale_;
-  std::map<std::string, std::string> engine_staged_;
-  bool switch_started_ = false;
+  std::map<std::string, std::string> engine_stale_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> engine_staged_ ABSL_GUARDED_BY(mu_);
+  bool switch_started_ ABSL_GUARDED_BY(mu_) = false;
   // The committing update passed its commit point (every engine held its weights and label; the continue phase
   // began): it ends committed whatever a Continue answers. Cleared when it ends.
-  bool commit_point_ = false;
+  bool commit_point_ ABSL_GUARDED_BY(mu_) = false;
   // Engines (ids) holding the current version paused because their Continue failed past its commit point.
-  std::set<std::string> not_resumed_;
-  v1::BeginUpdateReply begin_reply_;   // the open version's BeginUpdate reply (answers a retried BeginUpdate)
+  std::set<std::string> not_resumed_ ABSL_GUARDED_BY(mu_);
+  v1::BeginUpdateReply begin_reply_ ABSL_GUARDED_BY(mu_);   // the open version's BeginUpdate reply (answers a retried BeginUpdate)
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;
   bool watch_stop_ = false;
   std::thread watch_thread_;
-  v1::UpdateRecord open_record_;
+  v1::UpdateRecord open_record_ ABSL_GUARDED_BY(mu_);
   // During a commit: nodes that lost their lease (addresses) and the first such failure; the sources were told
   // (AbortSourceUpdate cancels their writes), the commit fails with it and skips them when closing windows.
-  std::set<std::string> commit_lost_;
-  std::string commit_lost_why_;
-  std::map<int64_t, Outcome> outcomes_;  // per ended version, the oldest dropped beyond history_limit
-  std::deque<v1::UpdateRecord> history_;
-  std::vector<EngineCallEnd> engine_call_ends_;  // requires mu_: the open update's engine calls as they ended
+  std::set<std::string> commit_lost_ ABSL_GUARDED_BY(mu_);
+  std::string commit_lost_why_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, Outcome> outcomes_ ABSL_GUARDED_BY(mu_);  // per ended version, the oldest dropped beyond history_limit
+  std::deque<v1::UpdateRecord> history_ ABSL_GUARDED_BY(mu_);
+  std::vector<EngineCallEnd> engine_call_ends_ ABSL_GUARDED_BY(mu_);  // requires mu_: the open update's engine calls as they ended
   Metrics metrics_;
   // The store's one owner (store_writer.h): saves are queued, never written under mu_, except a membership change's.
-  std::unique_ptr<StoreWriter> writer_;
-  int64_t persisted_nodes_epoch_ = -1;  // membership epoch whose nodes the store was last given (nodes_ change with it)
-  std::set<int64_t> history_dirty_;     // versions whose history record was added or changed since the last save
-  uint64_t save_ticket_ = 0;            // the ticket of the last state handed to writer_
+  std::unique_ptr<StoreWriter> writer_ ABSL_GUARDED_BY(mu_);
+  int64_t persisted_nodes_epoch_ ABSL_GUARDED_BY(mu_) = -1;  // membership epoch whose nodes the store was last given (nodes_ change with it)
+  std::set<int64_t> history_dirty_ ABSL_GUARDED_BY(mu_);     // versions whose history record was added or changed since the last save
+  uint64_t save_ticket_ ABSL_GUARDED_BY(mu_) = 0;            // the ticket of the last state handed to writer_
 };
 
 }  // namespace wsync::daemon

@@ -118,7 +118,7 @@ std::string WatcherIdentity(const grpc::ServerContext* ctx) {
 }
 
 bool CoordinatorService::TakeWatchSlot(const std::string& who, std::string* refused) {
-  std::lock_guard<std::mutex> l(watch_mu_);
+  MutexLock l(&watch_mu_);
   if (watchers_ >= kMaxWatchers) {
     *refused = absl::StrCat("more than ", kMaxWatchers, " WatchEngines streams are open; retry later");
     return false;
@@ -136,7 +136,7 @@ bool CoordinatorService::TakeWatchSlot(const std::string& who, std::string* refu
 }
 
 void CoordinatorService::ReleaseWatchSlot(const std::string& who) {
-  std::lock_guard<std::mutex> l(watch_mu_);
+  MutexLock l(&watch_mu_);
   --watchers_;
   if (--watchers_by_identity_[who] <= 0) watchers_by_identity_.erase(who);
 }

@@ -4,9 +4,10 @@
 
 #include <atomic>
 #include <map>
-#include <mutex>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "base/mutex.h"
 #include "daemon/coordinator/coordinator.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 
@@ -53,13 +54,13 @@ class CoordinatorService final : public v1::Coordinator::Service {
  private:
   grpc::Status Gate() const;
   // A watcher slot for `who`; false with why (`refused`) when every slot, or every slot `who` may hold, is taken.
-  bool TakeWatchSlot(const std::string& who, std::string* refused);
-  void ReleaseWatchSlot(const std::string& who);
+  bool TakeWatchSlot(const std::string& who, std::string* refused) ABSL_LOCKS_EXCLUDED(watch_mu_);
+  void ReleaseWatchSlot(const std::string& who) ABSL_LOCKS_EXCLUDED(watch_mu_);
   Coordinator* c_;
   const LeaderGate* gate_;
-  std::mutex watch_mu_;
-  int watchers_ = 0;                                  // guarded by watch_mu_
-  std::map<std::string, int> watchers_by_identity_;  // guarded by watch_mu_
+  Mutex watch_mu_;
+  int watchers_ ABSL_GUARDED_BY(watch_mu_) = 0;
+  std::map<std::string, int> watchers_by_identity_ ABSL_GUARDED_BY(watch_mu_);
 };
 
 // The interval a WatchEngines call runs with (clamped; see WatchEngines). Pure.

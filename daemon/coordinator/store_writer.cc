@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "absl/time/clock.h"
+
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 
@@ -27,27 +29,27 @@ StoreWriter::StoreWriter(std::unique_ptr<StateStore> store) : store_(std::move(s
 
 StoreWriter::~StoreWriter() {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     stop_ = true;
+    cv_.SignalAll();
   }
-  cv_.notify_all();
   thread_.join();
 }
 
 uint64_t StoreWriter::Submit(v1::CoordinatorState state) {
   uint64_t t;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     MergeHistory(&state, &pending_history_, &pending_floor_);
     pending_ = std::move(state);
     t = pending_ticket_ = ++next_ticket_;
+    cv_.SignalAll();
   }
-  cv_.notify_all();
   return t;
 }
 
 uint64_t StoreWriter::last_ticket() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return next_ticket_;
 }
 
@@ -75,59 +77,56 @@ void StoreWriter::Attempted(uint64_t t, const absl::Status& st) {
     last_error_ = st;
     last_error_ticket_ = t;
   }
-  done_cv_.notify_all();
+  done_cv_.SignalAll();
 }
 
 void StoreWriter::Run() {
-  std::unique_lock<std::mutex> l(mu_);
-  bool retry_wait = false;
+  mu_.Lock();
+  uint64_t failed = 0;  // the ticket of a failed write queued again: retried after kRetryAfter or a newer state
   for (;;) {
-    if (retry_wait)
-      cv_.wait_for(l, absl::ToChronoMilliseconds(kRetryAfter), [&] { return stop_ || pending_.has_value(); });
-    else
-      cv_.wait(l, [&] { return stop_ || pending_.has_value() || !pending_history_.empty(); });
-    if (!pending_ && pending_history_.empty()) {
-      if (stop_) return;
-      retry_wait = false;
-      continue;
+    if (failed > 0) {
+      const absl::Time deadline = absl::Now() + kRetryAfter;
+      while (!stop_ && pending_ticket_ <= failed)
+        if (cv_.WaitWithDeadline(&mu_, deadline)) break;
+    } else {
+      while (!stop_ && !pending_.has_value()) cv_.Wait(&mu_);
     }
+    failed = 0;
     if (!pending_) {
-      // Only records left from a failed write: they are written with the next state (a retry has no root to write).
-      if (stop_) return;
-      retry_wait = false;
-      cv_.wait(l, [&] { return stop_ || pending_.has_value(); });
-      continue;
+      if (stop_) break;
+      continue;  // a retry with nothing new: records left from a failed write go with the next state
     }
     uint64_t ticket;
     v1::CoordinatorState s = TakePending(&ticket);
-    l.unlock();
+    mu_.Unlock();
     absl::Status st;
     {
-      std::lock_guard<std::mutex> io(io_mu_);
+      MutexLock io(&io_mu_);
       st = store_->SaveChanges(s, /*nodes_changed=*/false);
     }
-    l.lock();
+    mu_.Lock();
     if (!st.ok()) {
       spdlog::error("state store {}: {} (the coordinator goes on from memory; the next change retries)",
                     store_->path(), st.ToString());
-      if (!pending_) pending_ = s;  // written again unless a newer state came
-      pending_->clear_history();
+      if (!pending_) {
+        pending_ = s;  // written again unless a newer state came
+        pending_->clear_history();
+      }
       Requeue(s);
       if (pending_ticket_ < ticket) pending_ticket_ = ticket;
-      retry_wait = true;
-    } else {
-      retry_wait = false;
+      failed = pending_ticket_;
     }
     Attempted(ticket, st);
-    if (stop_ && !st.ok()) return;  // stopping: one attempt is all a failing store gets
+    if (stop_ && !st.ok()) break;  // stopping: one attempt is all a failing store gets
   }
+  mu_.Unlock();
 }
 
 absl::Status StoreWriter::SaveNow(v1::CoordinatorState* state, bool nodes_changed, uint64_t* ticket) {
-  std::lock_guard<std::mutex> io(io_mu_);  // after the write in progress; the thread cannot start another meanwhile
+  MutexLock io(&io_mu_);  // after the write in progress; the thread cannot start another meanwhile
   uint64_t t;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     // This state is newer than the one queued, which it replaces; every record not yet written goes with it.
     MergeHistory(state, &pending_history_, &pending_floor_);
     for (auto& [v, r] : pending_history_) *state->add_history() = std::move(r);
@@ -138,7 +137,7 @@ absl::Status StoreWriter::SaveNow(v1::CoordinatorState* state, bool nodes_change
     t = pending_ticket_ = ++next_ticket_;
   }
   absl::Status st = store_->SaveChanges(*state, nodes_changed);
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (!st.ok()) {
     if (!pending_) {
       // Queued again without its nodes (lent: they stay the caller's; the store has taken its own form of them).
@@ -150,7 +149,7 @@ absl::Status StoreWriter::SaveNow(v1::CoordinatorState* state, bool nodes_change
       pending_ticket_ = t;
     }
     Requeue(*state);
-    cv_.notify_all();
+    cv_.SignalAll();
   }
   Attempted(t, st);
   if (ticket != nullptr) *ticket = t;
@@ -158,9 +157,11 @@ absl::Status StoreWriter::SaveNow(v1::CoordinatorState* state, bool nodes_change
 }
 
 absl::Status StoreWriter::Wait(uint64_t t, absl::Duration timeout) {
-  std::unique_lock<std::mutex> l(mu_);
-  const bool done =
-      done_cv_.wait_for(l, absl::ToChronoMilliseconds(timeout), [&] { return attempted_ >= t || written_ >= t; });
+  MutexLock l(&mu_);
+  const absl::Time deadline = absl::Now() + timeout;
+  while (attempted_ < t && written_ < t)
+    if (done_cv_.WaitWithDeadline(&mu_, deadline)) break;
+  const bool done = attempted_ >= t || written_ >= t;
   if (written_ >= t) return absl::OkStatus();
   if (!done)
     return absl::DeadlineExceededError(absl::StrCat("state store ", store_->path(), " did not record the state within ",

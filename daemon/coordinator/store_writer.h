@@ -17,14 +17,14 @@
 // objects; it is written by SaveNow on the caller's thread, in order with the queued states, because the lent
 // objects must not outlive the caller's lock.
 
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
+#include "base/mutex.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "daemon/coordinator/state_store.h"
@@ -45,41 +45,43 @@ class StoreWriter {
 
   // Queues `state` (no nodes: the store's last ones stand; history_incremental set by the caller) and returns its
   // ticket. Never waits for the store. Thread-safe.
-  uint64_t Submit(v1::CoordinatorState state);
+  uint64_t Submit(v1::CoordinatorState state) ABSL_LOCKS_EXCLUDED(mu_);
   // Writes `state` (which may lend nodes: `nodes_changed`) now, on the caller's thread, after the write in progress;
   // it covers every state queued before it. Returns the store's answer and the ticket it covered.
-  absl::Status SaveNow(v1::CoordinatorState* state, bool nodes_changed, uint64_t* ticket);
+  absl::Status SaveNow(v1::CoordinatorState* state, bool nodes_changed, uint64_t* ticket)
+      ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
   // Blocks until the write covering ticket `t` has been attempted (or `timeout`): OK when it was written, the store's
   // error when that attempt failed (a later attempt retries it), DeadlineExceeded naming the store on timeout.
-  absl::Status Wait(uint64_t t, absl::Duration timeout);
+  absl::Status Wait(uint64_t t, absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
   // The newest ticket handed out.
-  uint64_t last_ticket() const;
+  uint64_t last_ticket() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  void Run();
-  // Takes the queued state with the history records not yet written. Requires mu_.
-  v1::CoordinatorState TakePending(uint64_t* ticket);
-  // A write of the records in `state` failed: they are queued again unless newer ones replaced them. Requires mu_.
-  void Requeue(const v1::CoordinatorState& state);
-  // The outcome of an attempt covering tickets up to `t`. Requires mu_.
-  void Attempted(uint64_t t, const absl::Status& st);
+  void Run() ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
+  // Takes the queued state with the history records not yet written.
+  v1::CoordinatorState TakePending(uint64_t* ticket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A write of the records in `state` failed: they are queued again unless newer ones replaced them.
+  void Requeue(const v1::CoordinatorState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The outcome of an attempt covering tickets up to `t`.
+  void Attempted(uint64_t t, const absl::Status& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::unique_ptr<StateStore> store_;
-  std::mutex io_mu_;  // one write at a time: the thread's and SaveNow's
+  Mutex io_mu_;  // one write at a time: the thread's and SaveNow's (taken before mu_)
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;        // a state queued, stop asked
-  std::condition_variable done_cv_;   // an attempt ended
-  std::optional<v1::CoordinatorState> pending_;  // the newest state not yet written (history cleared)
-  std::map<int64_t, v1::UpdateRecord> pending_history_;  // by version: records to write
-  int64_t pending_floor_ = 0;
-  uint64_t next_ticket_ = 0;      // tickets handed out
-  uint64_t pending_ticket_ = 0;   // the ticket pending_ covers
-  uint64_t attempted_ = 0;        // tickets covered by an attempt that ended
-  uint64_t written_ = 0;          // tickets covered by a write that succeeded
-  absl::Status last_error_;       // of the last failed attempt
-  uint64_t last_error_ticket_ = 0;
-  bool stop_ = false;
+  mutable Mutex mu_ ABSL_ACQUIRED_AFTER(io_mu_);
+  CondVar cv_;        // a state queued, stop asked
+  CondVar done_cv_;   // an attempt ended
+  // The newest state not yet written (history cleared).
+  std::optional<v1::CoordinatorState> pending_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, v1::UpdateRecord> pending_history_ ABSL_GUARDED_BY(mu_);  // by version: records to write
+  int64_t pending_floor_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;      // tickets handed out
+  uint64_t pending_ticket_ ABSL_GUARDED_BY(mu_) = 0;   // the ticket pending_ covers
+  uint64_t attempted_ ABSL_GUARDED_BY(mu_) = 0;        // tickets covered by an attempt that ended
+  uint64_t written_ ABSL_GUARDED_BY(mu_) = 0;          // tickets covered by a write that succeeded
+  absl::Status last_error_ ABSL_GUARDED_BY(mu_);       // of the last failed attempt
+  uint64_t last_error_ticket_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

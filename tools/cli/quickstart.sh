@@ -28,6 +28,8 @@ packages=(
   # only for the ui test: certutil/pk12util give headless Chromium a client certificate (chromium itself and
   # librsvg2-bin, larger, are installed by that test when missing)
   libnss3-tools
+  # only for daemon_thread_safety_test: clang's -Wthread-safety checks the coordinator's lock annotations
+  clang
 )
 
 install_missing() {
