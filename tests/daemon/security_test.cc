@@ -686,7 +686,7 @@ TEST_CASE("security: every binary refuses to start with a certificate that is no
         2);
   names("eng-role", "target-infer0", "target:infer0");
   // wsyncctl: a command that changes state needs an admin certificate; verify an admin's or a trainer's.
-  CHECK(run("ctl-abort", {bin + "/wsyncctl", "--endpoints", "127.0.0.1:1", "abort", "--version", "1"}, "trainer-t0") ==
+  CHECK(run("ctl-abort", {bin + "/wsyncctl", "--endpoints", "127.0.0.1:1", "abort", "1"}, "trainer-t0") ==
         2);
   names("ctl-abort", "trainer-t0", "trainer:t0");
   CHECK(run("ctl-verify", {bin + "/wsyncctl", "--endpoints", "127.0.0.1:1", "verify"}, "coordinator-main") == 2);
