@@ -281,6 +281,28 @@ def check_tls(args, cluster, deadline):
                 os.environ[k] = v
 
 
+def check_coordinator_from_env(Coordinator, WsyncError, coord_addr):
+    """Coordinator() with no endpoint dials WSYNC_COORDINATOR, as wsyncctl and the deploy files do."""
+    saved = os.environ.get("WSYNC_COORDINATOR")
+    try:
+        os.environ["WSYNC_COORDINATOR"] = coord_addr
+        with Coordinator() as c:
+            check(c.endpoint == coord_addr and c.status().get("state") == "idle",
+                  "Coordinator() dials WSYNC_COORDINATOR=%s" % coord_addr)
+        os.environ.pop("WSYNC_COORDINATOR")
+        try:
+            Coordinator()
+            raise AssertionError("Coordinator() without WSYNC_COORDINATOR was accepted")
+        except WsyncError as e:
+            check(e.code_name == "INVALID_ARGUMENT" and "WSYNC_COORDINATOR" in str(e),
+                  "Coordinator() without WSYNC_COORDINATOR names the variable: %s" % e)
+    finally:
+        if saved is None:
+            os.environ.pop("WSYNC_COORDINATOR", None)
+        else:
+            os.environ["WSYNC_COORDINATOR"] = saved
+
+
 def run(args, cluster, deadline):
     check_tls(args, cluster, deadline)
     from wsync_client import Coordinator, Trainer, WsyncError
@@ -298,6 +320,7 @@ def run(args, cluster, deadline):
                                                                                  source_addr, sock))
     check(oct(os.stat(sock).st_mode & 0o777) == oct(0o666) and os.path.exists(sock + ".rpc"),
           "trainer socket is mode 0666 with --trainer-uid, its gRPC socket beside it")
+    check_coordinator_from_env(Coordinator, WsyncError, coord_addr)
 
     def verify(step, expect_ok=True):
         r = subprocess.run([args.wsyncctl, "verify", "--engine", engine_addr, "--step", str(step)],

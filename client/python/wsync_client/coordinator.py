@@ -78,16 +78,20 @@ class Coordinator:
 
     `endpoint` is host:port, or several ("a:1,b:2" or a list) for coordinators in high availability: a call that
     meets a standby ("not the leader ...; current leader: X") or a dead one moves on to the leader, for up to 20 s.
+    Left out (None), it is the WSYNC_COORDINATOR environment variable, as for wsyncctl and the deploy files.
     `dial_timeout` bounds connecting: every call fails after it when the coordinator is not reachable (a call that
     reaches it waits as long as the coordinator needs, e.g. for every source to finish). With WSYNC_TLS_CA/CERT/KEY
     set the channel is mTLS with that certificate; without them only loopback coordinators may be dialled.
     """
 
-    def __init__(self, endpoint, dial_timeout: float = 5.0):
+    def __init__(self, endpoint=None, dial_timeout: float = 5.0):
+        if endpoint is None:
+            endpoint = os.environ.get("WSYNC_COORDINATOR", "")
         eps = endpoint if isinstance(endpoint, (list, tuple)) else str(endpoint).split(",")
         self.endpoints = [e.strip() for e in eps if e.strip()]
         if not self.endpoints:
-            raise WsyncError(INVALID_ARGUMENT, "no coordinator endpoint given")
+            raise WsyncError(INVALID_ARGUMENT, "no coordinator endpoint given: pass Coordinator(\"host:port\") or set "
+                             "WSYNC_COORDINATOR")
         self.endpoint = ",".join(self.endpoints)
         self.dial_timeout = float(dial_timeout)
         self.last_record: Optional[Dict[str, Any]] = None
