@@ -108,6 +108,19 @@ void Metrics::Observe(const std::string& name, const Labels& labels, double valu
   ++s.count;
 }
 
+void Metrics::Preset(const std::string& name, const std::vector<Labels>& label_sets) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = families_.find(name);
+  if (it == families_.end()) {
+    spdlog::debug("metric {} is not declared", name);
+    return;
+  }
+  for (const Labels& labels : label_sets) {
+    Series& s = it->second.series[labels];
+    if (it->second.type == "histogram" && s.buckets.empty()) s.buckets.assign(it->second.bounds.size(), 0);
+  }
+}
+
 void Metrics::ClearFamily(const std::string& name) {
   std::lock_guard<std::mutex> l(mu_);
   if (auto it = families_.find(name); it != families_.end()) it->second.series.clear();
@@ -168,6 +181,21 @@ void ExportRefusalCounters(Metrics& m, std::function<uint64_t()> refused_writes)
     mm.SetCounter("wsync_tls_handshake_failures_total", {}, static_cast<double>(tls::HandshakeFailures()));
     if (refused_writes) mm.SetCounter("wsync_refused_writes_total", {}, static_cast<double>(refused_writes()));
   });
+}
+
+void PresetCoordinatorSeries(Metrics& m) {
+  // The results the coordinator counts an ended update under (docs/operations.md, "Metrics").
+  std::vector<Labels> results;
+  for (const char* r : {"ok", "failed", "aborted", "not_resumed"}) results.push_back({{"result", r}});
+  m.Preset("wsync_updates_total", results);
+  // The phases every classic update's record times (the table of docs/operations.md); staged ones appear when used.
+  std::vector<Labels> phases;
+  for (const char* p : {"pause", "configure", "push", "apply_delta", "post_process", "set_version", "continue", "abort"})
+    phases.push_back({{"phase", p}});
+  m.Preset("wsync_update_phase_seconds", phases);
+  for (const char* name : {"wsync_update_bytes_total", "wsync_update_dense_bytes_total", "wsync_update_sent_bytes_total",
+                           "wsync_update_seconds"})
+    m.Preset(name);
 }
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& listen, Metrics* metrics) {

@@ -41,6 +41,9 @@ class Metrics {
   // A counter mirrored from a count kept elsewhere (read at collect time); `value` never decreases.
   void SetCounter(const std::string& name, const Labels& labels, double value);
   void Observe(const std::string& name, const Labels& labels, double value);    // histogram
+  // Creates the given series at zero where absent, so that a counter or histogram whose label sets are known up front
+  // is exported from the start (a rate() or increase() over its first update then sees 0 → 1, not nothing).
+  void Preset(const std::string& name, const std::vector<Labels>& label_sets = {Labels{}});
   // Drops every series of a gauge family (before a collect callback re-sets the current ones).
   void ClearFamily(const std::string& name);
   double Value(const std::string& name, const Labels& labels) const;  // counter/gauge value, 0 when absent
@@ -71,6 +74,11 @@ class Metrics {
 // TLS handshakes, tls::HandshakeFailures) and, when `refused_writes` is given, wsync_refused_writes_total (what the
 // node's data listener refused: Transport::refused_writes). Their log lines are rate-limited; these count them all.
 void ExportRefusalCounters(Metrics& m, std::function<uint64_t()> refused_writes = nullptr);
+
+// The coordinator's update counters and histograms at zero from the start: wsync_updates_total for every result,
+// wsync_update_phase_seconds for every classic phase, the unlabelled byte counters and wsync_update_seconds
+// (families its Coordinator declares). Called by its main.
+void PresetCoordinatorSeries(Metrics& m);
 
 class MetricsServer {
  public:

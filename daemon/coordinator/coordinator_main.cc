@@ -229,6 +229,7 @@ int main(int argc, char** argv) {
                                 "1 while this coordinator leads (always 1 without a shared etcd state store).");
   coordinator.metrics().Set("wsync_coordinator_leader", {}, ha ? 0 : 1);
   daemon::ExportRefusalCounters(coordinator.metrics());
+  daemon::PresetCoordinatorSeries(coordinator.metrics());
   grpc::HealthCheckServiceInterface* health = served->server->GetHealthCheckService();
   if (health != nullptr) health->SetServingStatus("wsync.v1.Coordinator", !ha);
   daemon::EtcdStateStore* etcd = nullptr;  // owned by the coordinator once elected, else by etcd_owned

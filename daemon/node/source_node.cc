@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cerrno>
 #include <fstream>
+#include <initializer_list>
 #include <cstring>
 #include <optional>
 #include <iterator>
@@ -101,8 +102,8 @@ SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, Conn
   metrics_.Declare("wsync_source_updates_total", "counter", "Updates ended on this source, by result.");
   metrics_.Declare("wsync_source_bucket_ingest_seconds", "histogram", "Replica load time of one bucket.");
   metrics_.Declare("wsync_source_bucket_write_seconds", "histogram", "Time to post one bucket's finished params.");
-  metrics_.Declare("wsync_source_update_write_gbps", "gauge",
-                   "Bytes written by the last successful update divided by its write time, GB/s.");
+  metrics_.Declare("wsync_source_update_write_bytes_per_second", "gauge",
+                   "Bytes written by the last successful update divided by its write time.");
   metrics_.Declare("wsync_source_sessions", "gauge", "Open trainer sessions (one ring each).");
   metrics_.Declare("wsync_source_ring_bytes", "gauge", "Shared-memory ring bytes mapped for trainer sessions.");
   metrics_.Declare("wsync_source_replica_bytes", "gauge", "Bytes of the CPU replica (all layouts).");
@@ -112,6 +113,22 @@ SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, Conn
                    "Bytes hashed for write checksums (once per replica layout), on the hash pool.");
   metrics_.Declare("wsync_source_checksum_wait_seconds", "histogram",
                    "Time an update's commit waited for the hash pool after its writes had drained.");
+  // Counters and histograms at zero from the start, every label set this file counts under.
+  const auto by = [](const char* key, std::initializer_list<const char*> values) {
+    std::vector<Labels> sets;
+    for (const char* v : values) sets.push_back({{key, v}});
+    return sets;
+  };
+  metrics_.Preset("wsync_source_buckets_total", by("result", {"ok", "rejected", "write_failed"}));
+  metrics_.Preset("wsync_source_placements_total", by("result", {"ok", "rejected", "write_failed"}));
+  metrics_.Preset("wsync_source_updates_total", by("result", {"ok", "failed", "aborted"}));
+  metrics_.Preset("wsync_source_sliced_tensors_total", by("path", {"direct", "staged"}));
+  for (const char* name : {"wsync_source_bytes_written_total", "wsync_source_params_written_total",
+                           "wsync_source_bytes_sent_total", "wsync_source_tensors_received_total",
+                           "wsync_source_placed_bytes_total", "wsync_source_checksum_bytes_total",
+                           "wsync_source_bucket_ingest_seconds", "wsync_source_bucket_write_seconds",
+                           "wsync_source_checksum_wait_seconds"})
+    metrics_.Preset(name);
   metrics_.OnCollect([this](Metrics& m) {
     std::lock_guard<std::mutex> l(mu_);
     uint64_t ring = 0, replica = 0;
@@ -1316,7 +1333,8 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   last_version_ = v;
   if (auto it = checksums_.find(v); it != checksums_.end()) it->second.finished = true;
   metrics_.Add("wsync_source_updates_total", {{"result", "ok"}}, 1);
-  if (write_seconds_ > 0) metrics_.Set("wsync_source_update_write_gbps", {}, bytes_written_ / write_seconds_ / 1e9);
+  if (write_seconds_ > 0)
+    metrics_.Set("wsync_source_update_write_bytes_per_second", {}, bytes_written_ / write_seconds_);
   v1::FinishUpdateReply out;
   out.set_bytes_written(bytes_written_);
   out.set_params_written(params_written_);

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """deploy/grafana/wsync-dashboard.json against the metrics the daemons really export: a coordinator and a source
 wsyncd are started with --metrics-listen, their /metrics scraped, and every metric name in every panel's query must be
-a family one of them declares (histograms through their _bucket/_sum/_count series). Also: the JSON loads, panel ids
+a family one of them declares (histograms through their _bucket/_sum/_count series), and every counter and
+histogram the board queries has its series already at 0 before the first update. Also: the JSON loads, panel ids
 are unique, every panel queries the dashboard's Prometheus datasource variable."""
 import argparse
 import json
@@ -33,11 +34,13 @@ def free_port():
 
 
 def scrape(addr, deadline):
-    """{family: type} from the # TYPE lines of http://addr/metrics, retried until the listener answers."""
+    """({family: type} from the # TYPE lines of http://addr/metrics, {names of the samples}), retried until the
+    listener answers."""
     while True:
         try:
             text = urllib.request.urlopen("http://%s/metrics" % addr, timeout=2).read().decode()
-            return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+            return (dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)),
+                    set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", text, re.M)))
         except OSError:
             if time.time() > deadline:
                 raise
@@ -70,9 +73,11 @@ def main():
                                            coord, "--listen", "127.0.0.1:0", "--ring-mib", "4", "--transport", "tcp",
                                            "--trainer-socket", os.path.join(wd, "t.sock"), "--metrics-listen", sm],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            families = {}
+            families, sampled = {}, set()
             for addr in (cm, sm):
-                families.update(scrape(addr, time.time() + 30))
+                f, s = scrape(addr, time.time() + 30)
+                families.update(f)
+                sampled |= s
         finally:
             for p in procs:
                 p.terminate()
@@ -88,6 +93,12 @@ def main():
                 used += 1
                 check(ok, "panel %r: %s is exported%s" % (p.get("title"), name,
                                                          "" if ok else " (no such metric family)"))
+                # Before any update: a counter or histogram the board queries has its series already (at 0), so
+                # rate() and increase() see the first update's count.
+                if families.get(base) in ("counter", "histogram"):
+                    sample = base + "_count" if families[base] == "histogram" else base
+                    check(sample in sampled, "panel %r: %s is exported at 0 before the first update" %
+                          (p.get("title"), name))
     check(used > 0, "the dashboard queries %d metric references" % used)
     if failures:
         print("FAILED: %d checks" % len(failures))

@@ -52,6 +52,37 @@ TEST_CASE("metrics: counters, gauges and histograms render in the Prometheus tex
   CHECK(collects == 2);
 }
 
+TEST_CASE("metrics: preset series are exported at zero and keep counting; undeclared ones are ignored") {
+  Metrics m;
+  m.Declare("p_total", "counter", "p");
+  m.Declare("p_seconds", "histogram", "p", {1});
+  m.Preset("p_total", {{{"result", "ok"}}, {{"result", "failed"}}});
+  m.Preset("p_seconds");
+  m.Preset("undeclared_total");
+  m.Add("p_total", {{"result", "ok"}}, 2);
+  m.Preset("p_total", {{{"result", "ok"}}});  // never resets a value
+  const std::string text = m.Render();
+  INFO(text);
+  CHECK(absl::StrContains(text, "p_total{result=\"ok\"} 2\n"));
+  CHECK(absl::StrContains(text, "p_total{result=\"failed\"} 0\n"));
+  CHECK(absl::StrContains(text, "p_seconds_bucket{le=\"1\"} 0\n"));
+  CHECK(absl::StrContains(text, "p_seconds_count 0\n"));
+  CHECK_FALSE(absl::StrContains(text, "undeclared_total"));
+}
+
+TEST_CASE("metrics: the coordinator's update counters are exported at zero before the first update") {
+  Coordinator c(CoordinatorOptions(), MakeGrpcPeers());
+  PresetCoordinatorSeries(c.metrics());
+  const std::string text = c.metrics().Render();
+  INFO(text);
+  for (const char* series : {"wsync_updates_total{result=\"ok\"} 0\n", "wsync_updates_total{result=\"failed\"} 0\n",
+                             "wsync_updates_total{result=\"aborted\"} 0\n",
+                             "wsync_updates_total{result=\"not_resumed\"} 0\n", "wsync_update_bytes_total 0\n",
+                             "wsync_update_sent_bytes_total 0\n", "wsync_update_seconds_count 0\n",
+                             "wsync_update_phase_seconds_count{phase=\"push\"} 0\n"})
+    CHECK(absl::StrContains(text, series));
+}
+
 TEST_CASE("metrics: served over HTTP with /healthz; a bad address is refused") {
   Metrics m;
   m.Declare("x_total", "counter", "x");

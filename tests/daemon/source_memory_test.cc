@@ -145,5 +145,25 @@ TEST_CASE("source memory: what a source keeps across updates, and its heap, stay
   CHECK(absl::IsNotFound(n.node->WriteChecksums(1).status()));
 }
 
+TEST_CASE("source metrics: counters are exported at zero before the first update; write rate in bytes per second") {
+  Node n;
+  const std::string before = n.node->metrics().Render();
+  INFO(before);
+  for (const char* series :
+       {"wsync_source_updates_total{result=\"ok\"} 0\n", "wsync_source_updates_total{result=\"aborted\"} 0\n",
+        "wsync_source_buckets_total{result=\"rejected\"} 0\n", "wsync_source_placements_total{result=\"ok\"} 0\n",
+        "wsync_source_sliced_tensors_total{path=\"staged\"} 0\n", "wsync_source_bytes_written_total 0\n",
+        "wsync_source_bucket_write_seconds_count 0\n"})
+    CHECK(absl::StrContains(before, series));
+  CHECK_FALSE(absl::StrContains(before, "\nwsync_source_update_write_bytes_per_second "));  // no update yet
+  n.Update(1);
+  const double bytes = n.node->metrics().Value("wsync_source_bytes_written_total", {});
+  const double rate = n.node->metrics().Value("wsync_source_update_write_bytes_per_second", {});
+  CHECK(n.node->metrics().Value("wsync_source_updates_total", {{"result", "ok"}}) == 1);
+  CHECK(bytes > 0);
+  // Base units: at least the update's bytes per hour, which a GB/s figure of this tiny model would never reach.
+  CHECK(rate >= bytes / 3600);
+}
+
 }  // namespace
 }  // namespace wsync::daemon
