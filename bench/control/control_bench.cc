@@ -328,6 +328,69 @@ struct Result {
   uint64_t sqlite_bytes = 0;
   int64_t etcd_bytes = -1;
   double failover_s = -1, failover_load_s = -1;
+  // Status() answered from another thread every 5 ms during the steady updates: p99 and the longest (ms).
+  double status_p99_ms = 0, status_max_ms = 0;
+};
+
+// A run at one size with its history prefilled, or its store slowed: what a steady update costs then.
+struct SideResult {
+  std::string what;  // "history 1000", "store +100 ms per save"
+  double overhead_ms = 0, cpu_s = 0, status_p99_ms = 0, status_max_ms = 0;
+  int failed = 0;  // updates that failed (a slow store must not fail healthy updates)
+};
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
+}
+
+// Status() from its own thread every 5 ms while it lives; its latencies (ms).
+class StatusProbe {
+ public:
+  explicit StatusProbe(Coordinator* c)
+      : thread_([this, c] {
+          while (!stop_) {
+            const absl::Time t0 = absl::Now();
+            c->Status();
+            const double ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
+            {
+              std::lock_guard<std::mutex> l(mu_);
+              ms_.push_back(ms);
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          }
+        }) {}
+  ~StatusProbe() { Stop(); }
+  std::vector<double> Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+    std::lock_guard<std::mutex> l(mu_);
+    return ms_;
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::vector<double> ms_;
+  std::thread thread_;
+};
+
+// A state store that takes `delay` longer per save (a slow disk, an etcd leader election in progress).
+class SlowStore : public daemon::StateStore {
+ public:
+  SlowStore(std::unique_ptr<daemon::StateStore> inner, absl::Duration delay) : inner_(std::move(inner)), delay_(delay) {}
+  absl::StatusOr<v1::CoordinatorState> Load() override { return inner_->Load(); }
+  absl::Status SaveChanges(const v1::CoordinatorState& state, bool nodes_changed) override {
+    absl::SleepFor(delay_);
+    return inner_->SaveChanges(state, nodes_changed);
+  }
+  const std::string& path() const override { return inner_->path(); }
+  daemon::StateStoreStats stats() const override { return inner_->stats(); }
+
+ private:
+  std::unique_ptr<daemon::StateStore> inner_;
+  absl::Duration delay_;
 };
 
 // A child etcd on loopback in `dir` (the tests' etcd_harness.py does the same); pid 0 when none could start.
@@ -512,6 +575,7 @@ class Bench {
     out->first_update_cpu_s = CpuSeconds() - fc0;
     out->coord_first_peak_mib = StatusMiB("VmHWM:") - rss0;
     std::vector<double> total, begin, commit, cpu, bytes;
+    StatusProbe probe(&c);
     for (int k = 0; k < updates; ++k) {
       const uint64_t w0 = st->stats().bytes_written;
       const double c0 = CpuSeconds();
@@ -522,6 +586,9 @@ class Bench {
       total.push_back(b + m);
       bytes.push_back(static_cast<double>(st->stats().bytes_written - w0));
     }
+    const std::vector<double> status_ms = probe.Stop();
+    out->status_p99_ms = Percentile(status_ms, 0.99);
+    out->status_max_ms = status_ms.empty() ? 0 : *std::max_element(status_ms.begin(), status_ms.end());
     out->overhead_ms = Median(total);
     out->begin_ms = Median(begin);
     out->commit_ms = Median(commit);
@@ -547,6 +614,45 @@ class Bench {
   }
 
   // One size on etcd: bytes per steady update and the fail-over time.
+  // One size on SQLite (slowed by `slow` per save), its history prefilled with `prefill` updates, then `updates`
+  // steady ones measured with Status probed throughout.
+  bool RunSide(const Size& sz, int prefill, absl::Duration slow, int updates, const std::string& dir,
+               SideResult* out) {
+    const std::string path = absl::StrCat(dir, "/side-", prefill, "-", absl::ToInt64Milliseconds(slow), ".db");
+    auto store = daemon::SqliteStateStore::Open(path);
+    if (!store.ok()) return false;
+    daemon::CoordinatorOptions opts;
+    Coordinator c(opts, daemon::MakeGrpcPeers());
+    std::unique_ptr<daemon::StateStore> st = *std::move(store);
+    if (slow > absl::ZeroDuration()) st = std::make_unique<SlowStore>(std::move(st), slow);
+    if (!c.UseStateStore(std::move(st)).ok()) return false;
+    const auto nodes = Cluster(sz);
+    for (const auto& n : nodes)
+      if (!c.RegisterNode(n).ok()) return false;
+    Heartbeats hb(&c, nodes, opts.heartbeat_seconds);
+    double b = 0, m = 0;
+    int64_t v = 1;
+    for (; v <= std::max(prefill, 1); ++v)
+      if (!Update(c, v, &b, &m)) return false;
+    std::vector<double> total, cpu;
+    StatusProbe probe(&c);
+    for (int k = 0; k < updates; ++k, ++v) {
+      const double c0 = CpuSeconds();
+      if (!Update(c, v, &b, &m)) {
+        ++out->failed;
+        continue;
+      }
+      cpu.push_back(CpuSeconds() - c0);
+      total.push_back(b + m);
+    }
+    const std::vector<double> status_ms = probe.Stop();
+    out->overhead_ms = Median(total);
+    out->cpu_s = Median(cpu);
+    out->status_p99_ms = Percentile(status_ms, 0.99);
+    out->status_max_ms = status_ms.empty() ? 0 : *std::max_element(status_ms.begin(), status_ms.end());
+    return true;
+  }
+
   bool RunEtcd(const Size& sz, int updates, const std::string& endpoint, Result* out) {
     malloc_trim(0);
     const std::string prefix = absl::StrCat("bench/", sz.target_ranks, "-", absl::ToUnixMicros(absl::Now()));
@@ -658,7 +764,8 @@ std::string Svg(const std::vector<Result>& rs) {
 int Main(int argc, char** argv) {
   CLI::App app("bench_control: the coordinator against N fake node daemons and engines over loopback mTLS");
   std::string sizes_arg = "64:32,256:64,1024:256", etcd_mode = "auto", out_dir = ".";
-  int updates = 5, etcd_max_ranks = 1024, malloc_arenas = daemon::kMallocArenas;
+  int updates = 5, etcd_max_ranks = 1024, malloc_arenas = daemon::kMallocArenas, slow_store_ms = 0;
+  std::string history_arg;
   app.add_option("--sizes", sizes_arg, "TARGET_RANKS:SOURCES,... (target ranks a multiple of 32)");
   app.add_option("--updates", updates, "steady updates measured per size");
   app.add_option("--etcd", etcd_mode, "auto (when an etcd binary is on PATH) | on | off");
@@ -667,8 +774,23 @@ int Main(int argc, char** argv) {
   app.add_option(
       "--malloc-arenas", malloc_arenas,
       "glibc malloc arenas of the coordinator's process (as wsync-coordinator sets them; 0: glibc's default)");
+  app.add_option("--history", history_arg,
+                 "HISTORY,...: at the first size, the steady update's cost with the coordinator's history prefilled "
+                 "with that many updates (e.g. 10,1000; default: not run)");
+  app.add_option("--slow-store-ms", slow_store_ms,
+                 "at the first size, the steady update and Status with every state store save this much slower "
+                 "(a stalled disk or etcd; default 0: not run)");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
+  std::vector<int> history_sizes;
+  for (absl::string_view part : absl::StrSplit(history_arg, ',', absl::SkipEmpty())) {
+    int n = 0;
+    if (!absl::SimpleAtoi(part, &n) || n < 1) {
+      std::fprintf(stderr, "--history: '%s' is not a count of updates\n", std::string(part).c_str());
+      return 2;
+    }
+    history_sizes.push_back(n);
+  }
   std::vector<Size> sizes;
   for (absl::string_view part : absl::StrSplit(sizes_arg, ',', absl::SkipEmpty())) {
     std::vector<std::string> f = absl::StrSplit(part, ':');
@@ -765,6 +887,21 @@ int Main(int argc, char** argv) {
     results.push_back(r);
     std::fprintf(stderr, "size %d:%d done\n", s.target_ranks, s.sources);
   }
+  std::vector<SideResult> side;
+  for (int n : history_sizes) {
+    SideResult r;
+    r.what = absl::StrCat("history ", n);
+    if (!bench.RunSide(sizes[0], n, absl::ZeroDuration(), updates, dir, &r)) return 1;
+    side.push_back(r);
+    std::fprintf(stderr, "%s done\n", r.what.c_str());
+  }
+  if (slow_store_ms > 0) {
+    SideResult r;
+    r.what = absl::StrCat("store +", slow_store_ms, " ms per save");
+    if (!bench.RunSide(sizes[0], 1, absl::Milliseconds(slow_store_ms), updates, dir, &r)) return 1;
+    side.push_back(r);
+    std::fprintf(stderr, "%s done\n", r.what.c_str());
+  }
   const double fakes_peak_mib = fakes.PeakMiB();
   fakes.Stop();
 
@@ -793,6 +930,17 @@ int Main(int argc, char** argv) {
   for (const auto& r : results)
     std::printf("%7d %7d  register %.0f ms (CPU %.2f s)  begin %.0f ms  CPU of that update %.2f s\n",
                 r.size.target_ranks, r.size.sources, r.reregister_ms, r.reregister_cpu_s, r.replan_ms, r.replan_cpu_s);
+  std::printf("\nStatus() probed every 5 ms during the steady updates (ms)\n");
+  for (const auto& r : results)
+    std::printf("%7d %7d  p99 %.2f  max %.2f\n", r.size.target_ranks, r.size.sources, r.status_p99_ms,
+                r.status_max_ms);
+  if (!side.empty()) {
+    std::printf("\nat %d:%d, steady updates (median) and Status while they run\n", sizes[0].target_ranks,
+                sizes[0].sources);
+    for (const auto& r : side)
+      std::printf("  %-26s overhead %7.1f ms  CPU %.3f s  Status p99 %7.2f ms  max %7.2f ms  failed %d\n",
+                  r.what.c_str(), r.overhead_ms, r.cpu_s, r.status_p99_ms, r.status_max_ms, r.failed);
+  }
   const double peak_mib = SelfPeakMiB();
   std::printf("peak RSS of the coordinator's process (every size): %.0f MiB; of the fakes' process: %.0f MiB\n",
               peak_mib, fakes_peak_mib);
@@ -825,7 +973,21 @@ int Main(int argc, char** argv) {
                             {"sqlite_bytes_per_update", r.sqlite_bytes},
                             {"etcd_bytes_per_update", r.etcd_bytes},
                             {"failover_s", r.failover_s},
-                            {"failover_load_s", r.failover_load_s}});
+                            {"failover_load_s", r.failover_load_s},
+                            {"status_p99_ms", r.status_p99_ms},
+                            {"status_max_ms", r.status_max_ms}});
+  out["side"] = nlohmann::json::array();
+  for (const auto& r : side)
+    out["side"].push_back({{"what", r.what},
+                           {"overhead_ms", r.overhead_ms},
+                           {"cpu_s_per_update", r.cpu_s},
+                           {"status_p99_ms", r.status_p99_ms},
+                           {"status_max_ms", r.status_max_ms},
+                           {"failed_updates", r.failed}});
+  // The figure of merit: the largest size's steady overhead, against one round trip (the baseline of this run).
+  out["value"] = results.back().overhead_ms;
+  out["baseline"] = rtt_ms;
+  out["ratio"] = results.back().overhead_ms / rtt_ms;
   std::error_code ec;
   fs::remove_all(dir, ec);
   std::printf("%s\n", out.dump().c_str());

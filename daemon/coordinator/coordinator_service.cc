@@ -163,6 +163,7 @@ grpc::Status CoordinatorService::WatchEngines(grpc::ServerContext* ctx, const v1
   // How long one wait lasts at most: cancellation and a lost leadership are seen within it.
   const absl::Duration slice = absl::Milliseconds(250);
   std::string last;
+  bool sent = false;
   uint64_t gen = c_->ChangeGeneration();
   bool changed = true;
   absl::Time next_send = absl::InfinitePast();
@@ -174,8 +175,9 @@ grpc::Status CoordinatorService::WatchEngines(grpc::ServerContext* ctx, const v1
       const v1::EngineStates states = c_->EngineStates();
       std::string bytes;
       states.SerializeToString(&bytes);
-      if (bytes != last) {
+      if (!sent || bytes != last) {  // the first one always: an empty fleet's states serialize to nothing
         if (!writer->Write(states)) return grpc::Status::OK;  // the caller went away
+        sent = true;
         last = std::move(bytes);
         next_send = absl::Now() + interval;
       }
