@@ -4,6 +4,7 @@
 #include <openssl/pem.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <vector>
@@ -81,6 +82,31 @@ int UseCurrentCredentials(SSL* ssl, void*) {
 
 // The API's rule for read-only calls (GetClusterStatus): any wsync role. The handshake already required a
 // certificate that verifies against the CA; this checks that it is a wsync identity.
+// A plain-HTTP request on the HTTPS port: OpenSSL sees "GET " where a TLS record should start and fails the handshake
+// with SSL_R_HTTP_REQUEST, after which the library closes the connection without a word. This info callback runs as
+// the failed handshake exits and answers in plain text instead, on the still open socket, saying what to use.
+void AnswerPlainHttp(const SSL* ssl, int where, int ret) {
+  if ((where & SSL_CB_ACCEPT_EXIT) == 0 || ret > 0) return;
+  const auto http_request = [](unsigned long err) {
+    return ERR_GET_LIB(err) == ERR_LIB_SSL && ERR_GET_REASON(err) == SSL_R_HTTP_REQUEST;
+  };
+  if (!http_request(ERR_peek_error()) && !http_request(ERR_peek_last_error())) return;
+  const int fd = SSL_get_fd(ssl);
+  if (fd < 0) return;
+  // The rest of the request, as far as it has arrived (the socket is non-blocking): closing with unread bytes would
+  // reset the connection before the client reads the answer.
+  char sink[4096];
+  while (recv(fd, sink, sizeof(sink), MSG_DONTWAIT) > 0) {
+  }
+  static const std::string kBody =
+      "This is the wsync coordinator's status page over TLS: open it as https:// with a client certificate of the "
+      "cluster CA (docs/operations.md, \"Status page\").\n";
+  const std::string answer = absl::StrCat("HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n",
+                                          "Content-Length: ", kBody.size(), "\r\nConnection: close\r\n\r\n", kBody);
+  // A fresh connection's send buffer takes these few hundred bytes at once; a client that stalls gets none.
+  if (send(fd, answer.data(), answer.size(), MSG_DONTWAIT | MSG_NOSIGNAL) > 0) shutdown(fd, SHUT_WR);
+}
+
 absl::Status Authorize(const httplib::Request& req) {
   if (!tls::Enabled()) return absl::OkStatus();
   if (req.ssl == nullptr) return absl::PermissionDeniedError("the status page is served over TLS only");
@@ -180,6 +206,7 @@ absl::StatusOr<std::unique_ptr<StatusPageServer>> StatusPageServer::Start(const 
       // A client certificate of the CA is required, as by the gRPC API: no certificate, no handshake.
       SSL_CTX_set_verify(&ctx, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
       SSL_CTX_set_cert_cb(&ctx, &UseCurrentCredentials, nullptr);
+      SSL_CTX_set_info_callback(&ctx, &AnswerPlainHttp);
       return true;
     });
     if (!ssl->is_valid()) return absl::InternalError("--http-listen: cannot set up the TLS context");

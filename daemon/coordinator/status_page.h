@@ -6,8 +6,9 @@
 // The same TLS and role rules as the coordinator's gRPC API (docs/security.md): with TLS the page is served over
 // HTTPS only, the handshake requires a client certificate of the cluster CA (refused otherwise), and the
 // certificate's CN must name a wsync role (any role may read, as GetClusterStatus); the server's certificate and the
-// CA are the process's (proto/tls.h), read at every handshake so that a rotation applies to the page too. Without
-// TLS (loopback only, as the API) it is plain HTTP.
+// CA are the process's (proto/tls.h), read at every handshake so that a rotation applies to the page too; a plain
+// HTTP request to the HTTPS port gets a plain-text 400 saying to use https:// with a client certificate. Without TLS
+// (loopback only, as the API) it is plain HTTP.
 //
 // Paths: GET / (the page; ?n=N updates, default 10, at most 100), GET /timeline.svg (the timeline alone, same ?n=).
 // A standby coordinator (high availability) answers 503 naming the leader.

@@ -11,7 +11,7 @@
 3. The same cluster under mTLS (every process with a certificate of tools/cli/wsync-certs.sh's CA): headless Chromium
    presents an `admin` client certificate of the cluster CA and loads the HTTPS page (the same DOM and screenshot
    checks); the same Chromium without a client certificate, or with another CA's, gets no page (the handshake's
-   refusal, net::ERR_...); a Python TLS client likewise, and plain HTTP to the HTTPS port is refused; a certificate
+   refusal, net::ERR_...); a Python TLS client likewise, and plain HTTP to the HTTPS port gets a plain-text 400 naming https://; a certificate
    of the cluster CA whose CN names no wsync role passes the handshake and gets 403. Then the coordinator's TLS files
    are rotated (a new server certificate, a CA bundle adding the other CA): without a restart the page presents the
    new certificate and serves the other CA's client.
@@ -397,11 +397,17 @@ def tls_page_checks(check, chrome: str, tls: Tls, page_port: int, wd: str, procs
             check(False, f"Python, {what}: refused (got HTTP {status})")
         except (OSError, ssl.SSLError) as e:
             check(True, f"Python, {what}: refused ({type(e).__name__}: {str(e)[:120]})")
+    # Plain HTTP to the HTTPS port: no page, but a plain-text 400 saying to use https:// and a client certificate
+    # (before, the connection closed without a word).
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{page_port}/", timeout=10) as r:
             check(False, f"plain HTTP to the TLS page: refused (got HTTP {r.status})")
+    except urllib.error.HTTPError as e:
+        body = e.read().decode()
+        check(e.code == 400 and "https://" in body and "client certificate" in body and "<" not in body,
+              f"plain HTTP to the TLS page: 400 saying to use https:// with a client certificate ({body.strip()!r})")
     except OSError as e:
-        check(True, f"plain HTTP to the TLS page: refused ({type(e).__name__})")
+        check(False, f"plain HTTP to the TLS page: a 400 naming https:// (got {type(e).__name__}: {e})")
     # The handshake passes (the cluster CA signed it), the role check answers 403 naming the CN.
     try:
         status, _ = get(tls.certs, tls.not_a_role())
