@@ -190,11 +190,12 @@ void PresetCoordinatorSeries(Metrics& m) {
   m.Preset("wsync_updates_total", results);
   // The phases every classic update's record times (the table of docs/operations.md); staged ones appear when used.
   std::vector<Labels> phases;
-  for (const char* p : {"pause", "configure", "push", "apply_delta", "post_process", "set_version", "continue", "abort"})
+  for (const char* p :
+       {"pause", "configure", "push", "apply_delta", "post_process", "set_version", "continue", "abort"})
     phases.push_back({{"phase", p}});
   m.Preset("wsync_update_phase_seconds", phases);
-  for (const char* name : {"wsync_update_bytes_total", "wsync_update_dense_bytes_total", "wsync_update_sent_bytes_total",
-                           "wsync_update_seconds"})
+  for (const char* name : {"wsync_update_bytes_total", "wsync_update_dense_bytes_total",
+                           "wsync_update_sent_bytes_total", "wsync_update_seconds"})
     m.Preset(name);
 }
 

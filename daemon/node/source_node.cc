@@ -123,11 +123,11 @@ SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, Conn
   metrics_.Preset("wsync_source_placements_total", by("result", {"ok", "rejected", "write_failed"}));
   metrics_.Preset("wsync_source_updates_total", by("result", {"ok", "failed", "aborted"}));
   metrics_.Preset("wsync_source_sliced_tensors_total", by("path", {"direct", "staged"}));
-  for (const char* name : {"wsync_source_bytes_written_total", "wsync_source_params_written_total",
-                           "wsync_source_bytes_sent_total", "wsync_source_tensors_received_total",
-                           "wsync_source_placed_bytes_total", "wsync_source_checksum_bytes_total",
-                           "wsync_source_bucket_ingest_seconds", "wsync_source_bucket_write_seconds",
-                           "wsync_source_checksum_wait_seconds"})
+  for (const char* name :
+       {"wsync_source_bytes_written_total", "wsync_source_params_written_total", "wsync_source_bytes_sent_total",
+        "wsync_source_tensors_received_total", "wsync_source_placed_bytes_total", "wsync_source_checksum_bytes_total",
+        "wsync_source_bucket_ingest_seconds", "wsync_source_bucket_write_seconds",
+        "wsync_source_checksum_wait_seconds"})
     metrics_.Preset(name);
   metrics_.OnCollect([this](Metrics& m) {
     std::lock_guard<std::mutex> l(mu_);

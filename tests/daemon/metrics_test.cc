@@ -75,11 +75,11 @@ TEST_CASE("metrics: the coordinator's update counters are exported at zero befor
   PresetCoordinatorSeries(c.metrics());
   const std::string text = c.metrics().Render();
   INFO(text);
-  for (const char* series : {"wsync_updates_total{result=\"ok\"} 0\n", "wsync_updates_total{result=\"failed\"} 0\n",
-                             "wsync_updates_total{result=\"aborted\"} 0\n",
-                             "wsync_updates_total{result=\"not_resumed\"} 0\n", "wsync_update_bytes_total 0\n",
-                             "wsync_update_sent_bytes_total 0\n", "wsync_update_seconds_count 0\n",
-                             "wsync_update_phase_seconds_count{phase=\"push\"} 0\n"})
+  for (const char* series :
+       {"wsync_updates_total{result=\"ok\"} 0\n", "wsync_updates_total{result=\"failed\"} 0\n",
+        "wsync_updates_total{result=\"aborted\"} 0\n", "wsync_updates_total{result=\"not_resumed\"} 0\n",
+        "wsync_update_bytes_total 0\n", "wsync_update_sent_bytes_total 0\n", "wsync_update_seconds_count 0\n",
+        "wsync_update_phase_seconds_count{phase=\"push\"} 0\n"})
     CHECK(absl::StrContains(text, series));
 }
 
