@@ -29,6 +29,7 @@
 #include "tools/testdata/planned_layout.h"
 #include "replica/layout_plan.h"
 #include "replica/model_config.h"
+#include "tests/daemon/idle_peers.h"
 #include "tests/daemon/raw_rpc.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 #include "wsync/v1/daemon.grpc.pb.h"
@@ -41,7 +42,8 @@ constexpr uint64_t kControl = 4 << 20;
 constexpr uint64_t kPlan = 64 << 20;
 const std::set<std::string> kPlanSized = {"wsync.v1.Coordinator/RegisterNode", "wsync.v1.NodeDaemon/ConfigureSource"};
 
-class CapturePeers : public Peers {
+// Records the size of each source's ConfigureSource; every other call answers at once.
+class CapturePeers : public testing::IdlePeers {
  public:
   absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
                                                            const v1::ConfigureSourceRequest& req) override {
@@ -49,26 +51,8 @@ class CapturePeers : public Peers {
     configure_bytes[addr] = req.ByteSizeLong();
     return v1::ConfigureSourceReply();
   }
-  absl::Status StartUpdate(const std::string&, const v1::StartUpdateRequest&) override { return absl::OkStatus(); }
-  absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string&, const v1::FinishUpdateRequest&) override {
-    return v1::FinishUpdateReply();
-  }
-  absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string&,
-                                                               const v1::AbortSourceUpdateRequest&) override {
-    return v1::AbortSourceUpdateReply();
-  }
-  absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string&) override {
-    v1::EngineInfo i;
-    i.set_model_config_json(config_json);
-    return i;
-  }
-  absl::Status Pause(const std::string&, const std::string&) override { return absl::OkStatus(); }
-  absl::Status PostProcess(const std::string&, const std::string&) override { return absl::OkStatus(); }
-  absl::Status SetWeightVersion(const std::string&, const std::string&) override { return absl::OkStatus(); }
-  absl::Status Continue(const std::string&) override { return absl::OkStatus(); }
 
   std::mutex mu;
-  std::string config_json;
   std::map<std::string, uint64_t> configure_bytes;
 };
 

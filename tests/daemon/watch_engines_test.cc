@@ -18,35 +18,14 @@
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/coordinator_service.h"
 #include "tests/daemon/fake_layouts.h"
+#include "tests/daemon/idle_peers.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 
 namespace wsync::daemon {
 namespace {
 
-// No update runs here: every call answers at once.
-class IdlePeers : public Peers {
- public:
-  absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string&,
-                                                           const v1::ConfigureSourceRequest&) override {
-    return v1::ConfigureSourceReply();
-  }
-  absl::Status StartUpdate(const std::string&, const v1::StartUpdateRequest&) override { return absl::OkStatus(); }
-  absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string&, const v1::FinishUpdateRequest&) override {
-    return v1::FinishUpdateReply();
-  }
-  absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string&,
-                                                               const v1::AbortSourceUpdateRequest&) override {
-    return v1::AbortSourceUpdateReply();
-  }
-  absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string&) override { return v1::EngineInfo(); }
-  absl::Status Pause(const std::string&, const std::string&) override { return absl::OkStatus(); }
-  absl::Status PostProcess(const std::string&, const std::string&) override { return absl::OkStatus(); }
-  absl::Status SetWeightVersion(const std::string&, const std::string&) override { return absl::OkStatus(); }
-  absl::Status Continue(const std::string&) override { return absl::OkStatus(); }
-};
-
 struct Server {
-  Coordinator c{CoordinatorOptions(), std::make_unique<IdlePeers>()};
+  Coordinator c{CoordinatorOptions(), std::make_unique<testing::IdlePeers>()};
   CoordinatorService svc{&c};
   Served served;
   std::unique_ptr<v1::Coordinator::Stub> stub;
