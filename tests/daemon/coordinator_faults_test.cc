@@ -1602,7 +1602,9 @@ TEST_CASE("store: a stalled store holds only the durability points; Status and h
     }
   } join{driver, gate};
   REQUIRE(gate->AwaitEntered(before + 1));  // the begin's save is in the store, stalled
-  // Twice the lease (3 heartbeats of 0.3 s): Status answers within 100 ms every time.
+  // Twice the lease (3 heartbeats of 0.3 s): Status answers promptly every time. The bound is loose (a loaded
+  // machine, sanitizer builds): what it catches is an answer that waits for the stalled store (1.8 s here);
+  // bench_control measures the p99 (docs/operations.md, "Control plane at scale").
   const absl::Time until = absl::Now() + absl::Seconds(1.8);
   absl::Duration worst = absl::ZeroDuration();
   while (absl::Now() < until) {
@@ -1612,8 +1614,8 @@ TEST_CASE("store: a stalled store holds only the durability points; Status and h
     CHECK(st.state() == "beginning");
     std::this_thread::sleep_for(10ms);
   }
-  CHECK(worst < absl::Milliseconds(100));
-  CHECK(beats.longest() < absl::Milliseconds(100));
+  CHECK(worst < absl::Milliseconds(500));
+  CHECK(beats.longest() < absl::Milliseconds(500));
   CHECK(beats.all_known());
   gate->Release();
   driver.join();
