@@ -1583,7 +1583,7 @@ std::unique_ptr<testing::GatedStore> NewGatedStore(const std::string& name) {
 // here): Status and heartbeats answer at once throughout, no lease lapses although the stall outlasts the lease, and
 // the update completes once the store is back.
 TEST_CASE("store: a stalled store holds only the durability points; Status and heartbeats answer, no lease lapses") {
-  Cluster k(Staging::kNone, Staging::kNone, 0, /*heartbeat_seconds=*/0.3);
+  Cluster k(Staging::kNone, Staging::kNone, 0, /*heartbeat_seconds=*/0.5);
   auto owned = NewGatedStore("stall");
   testing::GatedStore* gate = owned.get();
   REQUIRE(k.c->UseStateStore(std::move(owned)).ok());
@@ -1602,10 +1602,10 @@ TEST_CASE("store: a stalled store holds only the durability points; Status and h
     }
   } join{driver, gate};
   REQUIRE(gate->AwaitEntered(before + 1));  // the begin's save is in the store, stalled
-  // Twice the lease (3 heartbeats of 0.3 s): Status answers promptly every time. The bound is loose (a loaded
-  // machine, sanitizer builds): what it catches is an answer that waits for the stalled store (1.8 s here);
+  // Twice the lease (3 heartbeats of 0.5 s): Status answers promptly every time. The bound is loose (a loaded
+  // machine, sanitizer builds): what it catches is an answer that waits for the stalled store (3 s here);
   // bench_control measures the p99 (docs/operations.md, "Control plane at scale").
-  const absl::Time until = absl::Now() + absl::Seconds(1.8);
+  const absl::Time until = absl::Now() + absl::Seconds(3);
   absl::Duration worst = absl::ZeroDuration();
   while (absl::Now() < until) {
     const absl::Time t0 = absl::Now();
