@@ -20,8 +20,10 @@
 //                   While v is beginning or committing: the calls in flight are cancelled (Peers::CancelCalls), no
 //                   further phase starts, and the thread running the phase ends v as aborted with the operator's
 //                   reason at once (the abort returns the recorded answer); then, state aborting until done, it tells
-//                   started or finishing sources to abort and closes the write windows. Engines stay
-//                   paused at their old version. After the commit point (below) an abort cannot undo the update:
+//                   started or finishing sources to abort and closes the write windows. What the engines are left
+//                   with is the phase table's row (phase_table.h): resumed at their old version before the first
+//                   write (and after it when every source answers that it wrote nothing), else paused at their old
+//                   version. After the commit point (below) an abort cannot undo the update:
 //                   it cancels the Continue calls left, the update ends committed with those engines not resumed,
 //                   and the abort answers FailedPrecondition. Repeats get the recorded answer.
 //   Commit point    the continue phase begins: every engine holds v's weights and label. Recorded
@@ -38,18 +40,25 @@
 // rank's staging copy against the sources' write checksums), then SwitchEngines: pause every verified engine, Switch
 // each (the engine re-checks the verified digest), post-process, set the version, continue. Engines that fail to
 // verify, pause or switch are left out, continued at their old version and marked stale; the update succeeds when at
-// least one engine switched. A staged update never writes live weights: its failure leaves the engines serving.
+// least one engine switched. Before its switch a staged update never writes live weights: its failure leaves the
+// engines serving. Past an engine's switch, a failed post-process or set-version holds that engine paused (failed,
+// stale, its label unchanged) and a failed Continue leaves it not resumed at v; the others commit.
+//
+// Failure semantics are data: every failure site applies PolicyFor(mode, phase) (phase_table.h), and a node whose
+// lease lapsed before an update began is left out of it (lapsed_nodes_: not planned, paused or called).
 //
 // Fan-out: each phase calls its peers on at most CoordinatorOptions::fanout_parallel workers (fanout.h), with a
 // deadline for the whole phase (the phase's PeerDeadlines entry) and the update's Cancellation (an operator's abort).
-// Saves: one store write per phase (the engine states a phase changed, once all its calls returned), plus those that
-// must be durable before the next step: the begin (before any engine is paused), the commit's start, the commit
-// point (before the first Continue) and the outcome. States are typed (update_state.h); strings only at the API
-// and in the store, whose form is unchanged.
+// Saves: handed to the store writer (store_writer.h), its one owner, once per phase (the engine states a phase
+// changed, once all its calls returned) and at each state change; never written under mu_ except a membership
+// change's. Those that must be durable before the next step are waited for without mu_: the begin (before any engine
+// is paused), the commit point (before the first Continue) and each call's outcome. States are typed
+// (update_state.h); strings only at the API and in the store, whose form is unchanged.
 //
 // No lock is held across a call to a peer (tests/daemon/coordinator_faults_test.cc calls Status() from inside every
-// peer call): a peer that fails, times out or hangs delays only the update it belongs to, never Status, History,
-// heartbeats or an abort.
+// peer call), a store write or a re-plan: a peer that fails, times out or hangs, or a store that stalls, delays only
+// the update it belongs to, never Status, History, heartbeats (stamped on arrival under lease_mu_) or an abort. The
+// lock contracts are compiler-checked (ABSL_GUARDED_BY; daemon_thread_safety_test).
 //
 // Self-healing: sources report in every heartbeat the plan epoch and the digest (daemon/common/config_digest.h) of
 // the configuration they hold; one that does not hold what the coordinator planned for it is configured again at
