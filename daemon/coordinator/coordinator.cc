@@ -39,6 +39,8 @@ constexpr absl::Duration kStoreWait = absl::Seconds(30);
 // How long a failure at the sources' start waits for them to say whether they wrote anything before it is recorded
 // (then the engines resume at once, or stay paused; a source that does not answer in time counts as written).
 constexpr absl::Duration kCleanAnswerWithin = absl::Seconds(3);
+// How long the engines an update paused have to answer their resume after a failure before the first write.
+constexpr absl::Duration kResumeWithin = absl::Seconds(5);
 
 // Runs fn(item) for every item as one phase on the bounded fan-out (fanout.h). OK when every call succeeded;
 // otherwise the first error's code with every failure's message.
@@ -573,11 +575,22 @@ absl::Status Coordinator::FailAt(v1::UpdateRecord rec, const absl::Status& why, 
   return Fail(std::move(rec), why, true);
 }
 
-bool Coordinator::ResumeOld(int64_t v, const std::vector<std::string>& engines) {
+bool Coordinator::ResumeOld(int64_t v, const std::vector<std::string>& all) {
+  // Only the engines the update paused (their Pause answered): one whose Pause failed was not paused by it or does not
+  // answer (its record says failed: pause; `wsyncctl resume` may continue it), and a call to it would hold the
+  // failure's answer for the call's deadline.
+  std::vector<std::string> engines;
+  {
+    MutexLock l(&mu_);
+    for (const auto& a : all)
+      if (auto it = engine_state_.find(a); it != engine_state_.end() && it->second.state == EngineState::kPaused)
+        engines.push_back(a);
+  }
   FanoutOptions o;
   o.max_parallel = opts_.fanout_parallel;
-  o.deadline = absl::Seconds(PeerDeadlines::kContinue);
+  o.deadline = kResumeWithin;  // an engine that stopped answering since its pause: cut short, recorded failed
   o.phase = "resume";
+  o.cancel_running = [this, &engines](size_t i) { peers_->CancelCalls(engines[i]); };
   std::mutex failed_mu;
   std::vector<std::string> failed;
   // Called directly, not through Remote: an operator's abort must not keep the engines paused.

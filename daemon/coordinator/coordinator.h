@@ -353,8 +353,9 @@ class Coordinator {
   // them holding partial writes), kServeOn and kKeepPaused only record it.
   absl::Status FailAt(v1::UpdateRecord rec, const absl::Status& why, Phase phase,
                       const std::vector<std::string>& engines) ABSL_LOCKS_EXCLUDED(mu_);
-  // Continues `engines` at the version they hold after a failure before the first write (no abort cancels these
-  // calls: it is what the abort leaves behind); returns whether every one answered. Saves their states.
+  // Continues the engines of `engines` that the update paused (recorded paused) at the version they hold, after a
+  // failure before the first write (no abort cancels these calls: it is what the abort leaves behind; a call still
+  // running after kResumeWithin is), returns whether every one answered. Saves their states.
   bool ResumeOld(int64_t v, const std::vector<std::string>& engines) ABSL_LOCKS_EXCLUDED(mu_);
   // An update whose sources were started ends (an operator's abort, or a failure of `phase`): recorded at once (the
   // AbortUpdate waiting for it returns), then the sources are told to abort and the windows close (`skip`:
