@@ -28,6 +28,7 @@
 #include "daemon/coordinator/etcd_store.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "nlohmann/json.hpp"
+#include "tests/daemon/idle_peers.h"
 #include "tools/testdata/planned_layout.h"
 #include "replica/layout_plan.h"
 #include "replica/model_config.h"
@@ -145,37 +146,14 @@ class Relay {
 };
 
 // Every peer call succeeds at once; pauses are counted (a clean failure pauses nothing).
-class FakePeers : public Peers {
+class FakePeers : public testing::IdlePeers {
  public:
-  explicit FakePeers(std::string config) : config_(std::move(config)) {}
-  absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string&,
-                                                           const v1::ConfigureSourceRequest&) override {
-    return v1::ConfigureSourceReply();
-  }
-  absl::Status StartUpdate(const std::string&, const v1::StartUpdateRequest&) override { return absl::OkStatus(); }
-  absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string&, const v1::FinishUpdateRequest&) override {
-    return v1::FinishUpdateReply();
-  }
-  absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string&,
-                                                               const v1::AbortSourceUpdateRequest&) override {
-    return v1::AbortSourceUpdateReply();
-  }
-  absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string&) override {
-    v1::EngineInfo i;
-    i.set_model_config_json(config_);
-    return i;
-  }
+  explicit FakePeers(std::string config) : IdlePeers(std::move(config)) {}
   absl::Status Pause(const std::string&, const std::string&) override {
     ++pauses;
     return absl::OkStatus();
   }
-  absl::Status PostProcess(const std::string&, const std::string&) override { return absl::OkStatus(); }
-  absl::Status SetWeightVersion(const std::string&, const std::string&) override { return absl::OkStatus(); }
-  absl::Status Continue(const std::string&) override { return absl::OkStatus(); }
   std::atomic<int> pauses{0};
-
- private:
-  const std::string config_;
 };
 
 // Kimi-K2's config.json (FP8 blocks 64x64, as its TP32 engines need) with `layers` decoder layers.
@@ -364,10 +342,13 @@ uint64_t UpdateBytes(int layers) {
   return per_update;
 }
 
-TEST_CASE("etcd scale: an update with no membership change writes the same bytes for 2 and 61 layers", "[etcd]") {
+TEST_CASE("etcd scale: an update with no membership change writes as few bytes for 61 layers as for 2", "[etcd]") {
   const uint64_t small = UpdateBytes(2);
   const uint64_t full = UpdateBytes(61);
-  CHECK(small == full);
+  // Not exactly equal: the store writer coalesces the saves that come while one is being written, so how many times
+  // an update's root and engine objects are written depends on timing. A layout rewritten per update would be
+  // megabytes at 61 layers.
+  CHECK(full <= 2 * small);
   CHECK(full < 16 * 1024);
 }
 

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/node/target_node.h"
+#include "tests/daemon/idle_peers.h"
 #include "tests/daemon/fake_layouts.h"
 #include "transport/transport.h"
 
@@ -141,7 +142,7 @@ struct Target {
 };
 
 // SetWriteWindow reaches the real target nodes; every other peer answers at once.
-class TargetPeers : public Peers {
+class TargetPeers : public testing::IdlePeers {
  public:
   struct Open {
     std::string addr;
@@ -151,29 +152,14 @@ class TargetPeers : public Peers {
     size_t bytes;     // its size on the wire
     v1::SetWriteWindowReply reply;
   };
-  absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string&,
-                                                           const v1::ConfigureSourceRequest&) override {
-    return v1::ConfigureSourceReply();
-  }
-  absl::Status StartUpdate(const std::string&, const v1::StartUpdateRequest&) override { return absl::OkStatus(); }
-  absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string&, const v1::FinishUpdateRequest&) override {
-    return v1::FinishUpdateReply();
-  }
+  TargetPeers() : IdlePeers(TinyConfigJson()) {}
+  // Sources that were started say they wrote nothing and are quiescent (the engines may resume).
   absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string&,
                                                                const v1::AbortSourceUpdateRequest&) override {
     v1::AbortSourceUpdateReply r;
     r.set_quiescent(true);
     return r;
   }
-  absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string&) override {
-    v1::EngineInfo i;
-    i.set_model_config_json(TinyConfigJson());
-    return i;
-  }
-  absl::Status Pause(const std::string&, const std::string&) override { return absl::OkStatus(); }
-  absl::Status PostProcess(const std::string&, const std::string&) override { return absl::OkStatus(); }
-  absl::Status SetWeightVersion(const std::string&, const std::string&) override { return absl::OkStatus(); }
-  absl::Status Continue(const std::string&) override { return absl::OkStatus(); }
   absl::StatusOr<v1::SetWriteWindowReply> SetWriteWindow(const std::string& addr,
                                                          const v1::SetWriteWindowRequest& req) override {
     std::lock_guard<std::mutex> l(mu);
