@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -720,13 +721,20 @@ TEST_CASE("idle transports with live connections use little CPU", "[fabric][idle
   REQUIRE(WriteAll(*ep, *src.region, *remote, kTimeout).ok());
   REQUIRE(HoldsPattern(dst.bytes.data(), kLen, 31));
 
-  const double cpu0 = ProcessCpuSeconds();
-  const absl::Time t0 = absl::Now();
-  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
-  const double share = (ProcessCpuSeconds() - cpu0) / absl::ToDoubleSeconds(absl::Now() - t0);
-  std::printf("idle CPU of two fabric transports (%s), one connection: %.2f%% of a core\n",
-              wsync::transport::fabric::testing::TestProvider().c_str(), 100 * share);
-  CHECK(share < 0.04);  // 50 us pauses throughout (the earlier loop) measured 6.6-9.5% here
+  // The least of three 1 s windows: a progress loop that keeps a core busy while idle (a spin, or the earlier 50 us
+  // pauses throughout, 6.6-9.5 % here) costs that in every window; on a loaded machine one window alone can catch a
+  // short burst of reads that noise made look dear (a clean-clone CI run measured 18.7 % once, 1 run in 3 here).
+  double share = 1e9;
+  for (int w = 0; w < 3; ++w) {
+    const double cpu0 = ProcessCpuSeconds();
+    const absl::Time t0 = absl::Now();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    const double s = (ProcessCpuSeconds() - cpu0) / absl::ToDoubleSeconds(absl::Now() - t0);
+    std::printf("idle CPU of two fabric transports (%s), one connection, window %d: %.2f%% of a core\n",
+                wsync::transport::fabric::testing::TestProvider().c_str(), w + 1, 100 * s);
+    share = std::min(share, s);
+  }
+  CHECK(share < 0.04);
 
   // And they still deliver at once after the pause.
   std::fill(dst.bytes.begin(), dst.bytes.end(), kUntouched);
