@@ -76,6 +76,7 @@ class Walker {
   absl::Status Moe(const std::string& p);
   absl::Status CheckRank() const;
   absl::Status Draft();
+  absl::Status Adapter();
 
   // The vLLM dialect covers what has been compared with vLLM's own named_parameters() (tests/data/vllm,
   // tests/engines): dense Llama/Qwen2/Qwen3 and Qwen3-MoE, unquantized. Anything else fails before any write.
@@ -425,8 +426,58 @@ absl::Status Walker::Draft() {
   return absl::OkStatus();
 }
 
+// A PEFT LoRA adapter over a dense decoder (ModelConfig::lora_adapter): per layer and target module, lora_A [r, in]
+// and lora_B [out, r] under PEFT's names, in the model dtype, whole on every rank (vLLM loads the full adapter on each
+// TP rank and slices it itself). In and out are the base module's, from the same config the base layout uses.
+absl::Status Walker::Adapter() {
+  const ModelConfig::LoraAdapter& a = *c_.lora_adapter;
+  if (r_.weights == WeightSet::kDraft)
+    return absl::InvalidArgumentError("a LoRA adapter has no draft: adapter-only models sync the adapter alone");
+  // (a checkpoint listing, check_blocks false, is the trainer's side and has no engine dialect)
+  if (o_.check_blocks && r_.dialect != EngineDialect::kVllm)
+    return absl::UnimplementedError(absl::StrCat(
+        "LoRA adapter updates are supported for vLLM engines only (", DialectName(r_.dialect),
+        " engines load adapters from disk paths; docs/engines.md, \"LoRA adapters\")"));
+  const bool family_ok = c_.family == Family::kLlama || c_.family == Family::kQwen2 || c_.family == Family::kQwen3;
+  if (!family_ok || c_.num_experts > 0 || c_.is_mla())
+    return absl::UnimplementedError(absl::StrCat("LoRA adapters are supported over dense Llama, Qwen2 and Qwen3 "
+                                                 "models; ", c_.architecture, " is not one"));
+  const int64_t h = c_.hidden_size, q = c_.num_heads * c_.head_dim, kv = c_.num_kv_heads * c_.head_dim;
+  const int64_t inter = c_.intermediate_size;
+  struct Module {
+    const char* name;
+    const char* block;
+    int64_t out, in;
+  };
+  const Module kModules[] = {{"q_proj", "self_attn", q, h},        {"k_proj", "self_attn", kv, h},
+                             {"v_proj", "self_attn", kv, h},       {"o_proj", "self_attn", h, q},
+                             {"gate_proj", "mlp", inter, h},       {"up_proj", "mlp", inter, h},
+                             {"down_proj", "mlp", h, inter}};
+  std::vector<const Module*> targets;
+  for (const Module& m : kModules)
+    if (std::find(a.target_modules.begin(), a.target_modules.end(), m.name) != a.target_modules.end())
+      targets.push_back(&m);
+  for (const std::string& t : a.target_modules) {
+    const bool known = std::any_of(std::begin(kModules), std::end(kModules),
+                                   [&](const Module& m) { return t == m.name; });
+    if (!known)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "LoRA target module '", t, "' is not a linear layer of ", c_.architecture,
+          "'s decoder (its modules: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)"));
+  }
+  for (int64_t i = 0; i < c_.num_layers; ++i) {
+    for (const Module* m : targets) {
+      const std::string p = absl::StrCat("base_model.model.model.layers.", i, ".", m->block, ".", m->name, ".");
+      Replicated(p + "lora_A.weight", {a.rank, m->in}, c_.dtype);
+      Replicated(p + "lora_B.weight", {m->out, a.rank}, c_.dtype);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Walker::Run() {
   WSYNC_RETURN_IF_ERROR(CheckRank());
+  if (c_.lora_adapter) return Adapter();
   if (r_.weights == WeightSet::kDraft) return Draft();
   const RankParallelism& r = r_;
   // With DP attention SGLang 0.5.23 splits embed_tokens over the attention-TP group (use_attn_tp_group), except

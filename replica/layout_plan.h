@@ -64,6 +64,10 @@ struct PlanOptions {
 // layer is). The draft's model.embed_tokens and lm_head are not in it: SGLang's draft does not load them and
 // shares the target's tensors (set_embed_and_head), so they are written once, with the target. A config without
 // num_nextn_predict_layers is InvalidArgument naming the model; other families are Unimplemented.
+//
+// A config with a lora_adapter section (ModelConfig::lora_adapter) plans the adapter alone: lora_A/lora_B of every
+// target module and layer under PEFT's names, whole on every rank (vLLM dialect; dense models). A target module the
+// decoder lacks is InvalidArgument naming it.
 absl::StatusOr<LayoutPlan> PlanLayout(const ModelConfig& config, const RankParallelism& rank, const QuantSpec& quant,
                                       const PlanOptions& options = {});
 

@@ -81,6 +81,24 @@ class Reader {
   std::string arch_;
 };
 
+absl::Status ParseLoraAdapter(const Json& a, ModelConfig* c) {
+  const std::string what = absl::StrCat("config.json (", c->architecture, "): lora_adapter");
+  if (!a.is_object()) return absl::InvalidArgumentError(absl::StrCat(what, " must be an object"));
+  ModelConfig::LoraAdapter out;
+  if (!a.contains("r") || !a["r"].is_number_integer() || a["r"].get<int64_t>() <= 0)
+    return absl::InvalidArgumentError(absl::StrCat(what, ".r (the adapter's rank) must be a positive integer"));
+  out.rank = a["r"].get<int64_t>();
+  if (!a.contains("target_modules") || !a["target_modules"].is_array() || a["target_modules"].empty())
+    return absl::InvalidArgumentError(absl::StrCat(what, ".target_modules must be a non-empty list of module names"));
+  for (const Json& m : a["target_modules"]) {
+    if (!m.is_string() || m.get<std::string>().empty())
+      return absl::InvalidArgumentError(absl::StrCat(what, ".target_modules must hold module names"));
+    out.target_modules.push_back(m.get<std::string>());
+  }
+  c->lora_adapter = std::move(out);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 bool ModelConfig::IsMoeLayer(int64_t layer) const {
@@ -233,6 +251,7 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view json_text) {
       }
     }
   }
+  if (r.Has("lora_adapter")) WSYNC_RETURN_IF_ERROR(ParseLoraAdapter(j["lora_adapter"], &c));
   return c;
 }
 

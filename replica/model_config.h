@@ -2,6 +2,7 @@
 // HF config.json → the facts the mapper and sharding need. Unknown keys are ignored; missing required keys are errors.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,16 @@ struct ModelConfig {
   // checkpoint's gate stays in the model dtype and is widened when loaded.
   bool router_fp32 = false;
   std::vector<int64_t> mlp_only_layers;  // Qwen3-MoE: layers that stay dense
+  // An adapter-only model (docs/engines.md, "LoRA adapters"): the config's "lora_adapter" section, which an engine
+  // serving a PEFT LoRA adapter over this base model reports ({"r", "target_modules"}). With it, every layout and
+  // checkpoint listing of this config is the adapter's tensors alone (lora_A [r, in] and lora_B [out, r] per target
+  // module and layer, PEFT names, the model dtype, whole on every rank as vLLM loads adapters); the base weights are
+  // the engine's own and never written. Dense Llama/Qwen2/Qwen3 only.
+  struct LoraAdapter {
+    int64_t rank = 0;
+    std::vector<std::string> target_modules;  // "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+  };
+  std::optional<LoraAdapter> lora_adapter;
 
   bool is_mla() const { return kv_lora_rank > 0; }
   bool IsMoeLayer(int64_t layer) const;

@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from . import cpu_plain
+from . import cpu_plain, lora
 from .protocol import PROTOCOL_VERSION, ProtocolError, recv_frame, send_frame
 from .shm import MemfdSegment, align_up
 
@@ -39,7 +39,7 @@ ENV_ATTACH_TIMEOUT = "WSYNC_VLLM_ATTACH_TIMEOUT_S"
 DEFAULT_COMMIT_TIMEOUT_S = 300.0
 DEFAULT_ATTACH_TIMEOUT_S = 60.0
 ENV_CPU_MOE_REPACK = "WSYNC_VLLM_CPU_MOE_REPACK"
-MODES = ("staged", "direct")
+MODES = ("staged", "direct", "adapter")
 
 
 @dataclass
@@ -173,6 +173,8 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         self._saved_loaders: list[tuple[torch.Tensor, dict[str, Any]]] = []
         self._session = False  # between start_weight_update and finish_weight_update
         self._active = False  # layerwise reload in progress (staged mode)
+        self._adapter: lora.AdapterSpec | None = None  # adapter mode
+        self._adapter_pending: dict[str, torch.Tensor] | None = None  # committed, published at finish
         self.last_timings: dict[str, float] = {}
 
     # ---------------------------------------------------------------- table
@@ -228,6 +230,13 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
                     continue
                 seen.add((id(mod), attr))
                 self._aliases.setdefault(n, []).append((mod_path, attr))
+
+    def _build_adapter(self) -> None:
+        self._adapter = lora.read_adapter(self.vllm_config)
+        dtype = self.model_config.dtype
+        total = self._layout([(n, dtype, shape) for n, shape in self._adapter.tensors])
+        self._segment = MemfdSegment(self._seg_name(), total)
+        lora.install()
 
     def _check_direct_possible(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
@@ -299,6 +308,8 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         self._rank, world_size, par = _parallelism(self.vllm_config)
         if self._mode == "staged":
             self._build_staged()
+        elif self._mode == "adapter":
+            self._build_adapter()
         else:
             self._build_direct()
         assert self._segment is not None
@@ -307,11 +318,12 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
             "type": "attach", "protocol": PROTOCOL_VERSION, "token": init_info.token,
             "engine_id": init_info.engine_id, "kind": "vllm", "mode": self._mode,
             "rank": self._rank, "world_size": world_size, "parallelism": par,
-            "model_config_json": _model_config_json(self.model_config),
+            "model_config_json": (lora.model_config_json(_model_config_json(self.model_config), self._adapter)
+                                  if self._adapter is not None else _model_config_json(self.model_config)),
             "segments": [{"id": 0, "kind": "host", "bytes": self._segment.nbytes}],
             # staged: the segment is staging memory that only the reload makes live, so the coordinator's staged
             # updates write it while vLLM serves and pause it for the reload alone
-            "stages_in_place": self._mode == "staged",
+            "stages_in_place": self._mode in ("staged", "adapter"),
             "params": [{"name": e.name, "dtype": dtype_name(e.dtype), "shape": list(e.shape), "segment": 0,
                         "offset": e.offset, "bytes": e.nbytes} for e in self._entries],
         }
@@ -431,6 +443,12 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
             return
         if not self._session:
             raise RuntimeError("wsync: update_weights without start_weight_update")
+        if self._mode == "adapter":
+            self._receive_adapter()
+            self.last_timings.update(wait_commit_s=t1 - t0, load_s=time.monotonic() - t1)
+            return
+        if not self._session:
+            raise RuntimeError("wsync: update_weights without start_weight_update")
         if self._active:
             raise RuntimeError("wsync: one update_weights per session (the staged table holds the whole model)")
         assert self._segment is not None
@@ -453,8 +471,23 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
             raise
         self.last_timings.update(wait_commit_s=t1 - t0, load_s=time.monotonic() - t1)
 
+    def _receive_adapter(self) -> None:
+        """Copies the committed adapter out of staging (the next update stages while this one serves) and builds
+        vLLM's LoRAModel from it, so bad bytes fail the update here, the previous adapter still serving."""
+        assert self._segment is not None and self._adapter is not None
+        tensors = {e.name: self._segment.view(e.offset, e.dtype, e.shape).clone() for e in self._entries}
+        lora.build_lora_model(self.vllm_config, self._adapter, tensors)
+        self._adapter_pending = tensors
+
     def finish_weight_update(self) -> None:
         self._session = False
+        if self._mode == "adapter":
+            # the switch: vLLM's worker drops its loaded adapters right after this returns (reset_lora_state), and
+            # the next request loads the adapter again, now from these tensors
+            if self._adapter_pending is not None and self._adapter is not None:
+                lora.publish(self._adapter.path, self._adapter_pending)
+                self._adapter_pending = None
+            return
         if self._mode == "direct" or not self._active:
             return
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
@@ -508,7 +541,7 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
             self._sock = None
         self._restore_loaders()
         if self._segment is not None:
-            if self._mode == "staged":
+            if self._mode in ("staged", "adapter"):
                 self._segment.close()
             else:
                 # the parameters live in the mapping: keep it, only drop the fd
