@@ -60,6 +60,10 @@ struct CostParams {
   // Per target session of a source, per update: opening the write window and completing it (an RPC round trip
   // and a flush). What makes a tiny share not worth a source; docs/planner.md says where the default comes from.
   double session_ms = 1.0;
+  // Relay plans (planner/relay.h): what a hop adds per chunk beyond the chunk's bytes on the relay's NIC: the relay
+  // learning that the chunk landed and checking it, then posting its forward. An assumption, not calibrated
+  // (docs/planner.md, "Relay plans").
+  double relay_hop_ms = 0.5;
   bool include_gather = true;
   Executor executor = Executor::kSerial;
 };

@@ -771,8 +771,9 @@ std::vector<int> SpreadSources(int S, int u) {
 }
 
 // Every configured instance (what the automatic source count plans for, so the count, like the cut, stays put when
-// instances join or leave).
-std::vector<int> ConfiguredInstances(const ClusterSpec& c) {
+// instances join or leave), or PlanOptions::count_instances where given (a relay plan's group roots).
+std::vector<int> ConfiguredInstances(const ClusterSpec& c, const PlanOptions& opt) {
+  if (!opt.count_instances.empty()) return opt.count_instances;
   std::vector<int> all(std::max(1, c.engine.instances));
   std::iota(all.begin(), all.end(), 0);
   return all;
@@ -795,7 +796,8 @@ class StageCountModel {
     const ClusterSpec& c = in.cluster;
     const int R = static_cast<int>(in.layouts.size());
     S_ = c.trainer.sources_per_stage();
-    I_ = std::max(1, c.engine.instances);
+    insts_ = ConfiguredInstances(c, opt);
+    I_ = static_cast<int>(insts_.size());
     bw_ = c.nic.bytes_per_second();
     ord_of_rank_.assign(R, -1);
     for (const LineItem& it : line_.items) {
@@ -828,7 +830,7 @@ class StageCountModel {
     // Every configured target receives its rank's bytes of the stage, whatever the count.
     for (int i = 0; i < I_; ++i) {
       for (int r = 0; r < R; ++r) {
-        const int id = ids.emplace(PlaceTarget(c, {i, r}), static_cast<int>(ids.size())).first->second;
+        const int id = ids.emplace(PlaceTarget(c, {insts_[i], r}), static_cast<int>(ids.size())).first->second;
         if (id == static_cast<int>(tgt_bytes_.size())) tgt_bytes_.push_back(0);
         tgt_bytes_[id] += ix.bytes[stage][r];
         tgt_nic_.push_back(id);  // index i * R + r
@@ -937,6 +939,7 @@ class StageCountModel {
   const PlanInput& in_;
   const PlanOptions& opt_;
   const StageLine& line_;
+  std::vector<int> insts_;
   int S_ = 0, I_ = 0;
   double bw_ = 0;
   std::vector<LineItem> items_;   // the line's items with bytes
@@ -993,6 +996,10 @@ absl::Status CheckStageCount(const PlanInput& in, int stage, int sources) {
 }
 
 }  // namespace
+
+std::pair<int, int> TargetNicOf(const ClusterSpec& cluster, const Target& target) {
+  return PlaceTarget(cluster, target);
+}
 
 absl::StatusOr<std::optional<uint64_t>> ParseMinSourceMib(absl::string_view text) {
   const std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
@@ -1096,7 +1103,7 @@ absl::StatusOr<Plan> BuildStagePlan(const PlanInput& input, const PlanOptions& o
   const ClusterSpec& c = input.cluster;
   const int S = c.trainer.sources_per_stage();
   const StageIndex ix = IndexStages(input);
-  const std::vector<int> all = ConfiguredInstances(c);
+  const std::vector<int> all = ConfiguredInstances(c, options);
   Plan plan;
   plan.strategy = Strategy::kBalanced;
   plan.sources.resize(static_cast<size_t>(c.trainer.pp) * S);

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -107,6 +108,9 @@ struct PlanOptions {
   // A value: an explicit floor, a source is only given work if each used source gets at least this many bytes per
   // copy; 0 = use every source.
   std::optional<uint64_t> min_source_bytes;
+  // The instances the automatic source count plans for (ids, sorted); empty: every configured instance. A relay
+  // plan (planner/relay.h) sets its group roots, the only instances its sources write.
+  std::vector<int> count_instances;
   // The rates and fixed costs the automatic source count is predicted with (the `wsyncctl plan` flags of the same
   // names; the coordinator uses the defaults at its NIC rate).
   CostParams cost;
@@ -133,6 +137,10 @@ struct Target {
     return instance != o.instance ? instance < o.instance : rank < o.rank;
   }
 };
+
+// The engine NIC a target writes through: (node, NIC within the node). Instance i's rank r is engine GPU
+// i * tp + r, gpus_per_node() GPUs per node, GPU g of a node on NIC g * nics / gpus_per_node.
+std::pair<int, int> TargetNicOf(const ClusterSpec& cluster, const Target& target);
 
 // Write `slices` of layout `target.rank` into `target`.
 struct Task {
