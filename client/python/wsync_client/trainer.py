@@ -589,6 +589,31 @@ class Trainer:
         self.end_push(version)
         return result
 
+    def push_adapter(self, version: int, adapter: Any) -> Dict[str, Any]:
+        """One rank's part of an adapter-only update (docs/engines.md, "LoRA adapters"): the engines serve a LoRA
+        adapter and the update carries its lora_A/lora_B tensors alone, under PEFT's names — a dict or the items of
+        `peft.get_peft_model_state_dict(model)`. Every tensor is checked against what the engines hold (begin_push's
+        names and shapes) before any byte is pushed: a missing, unknown or wrongly shaped tensor (another rank,
+        other target modules) raises WsyncError INVALID_ARGUMENT naming it, and inside Coordinator.update the update
+        is then aborted with nothing written. Returns push_many's result."""
+        tensors = dict(adapter.items() if hasattr(adapter, "items") else adapter)
+        names = self.begin_push(version)
+        problems = []
+        for n in names:
+            if n not in tensors:
+                problems.append("%s is missing" % n)
+            elif n in names.shapes and tuple(int(d) for d in tensors[n].shape) != tuple(names.shapes[n]):
+                problems.append("%s has shape %s, the engines' adapter needs %s"
+                                % (n, list(tensors[n].shape), list(names.shapes[n])))
+        wanted = set(names)
+        problems += ["%s is not a tensor of the engines' adapter" % n for n in sorted(tensors) if n not in wanted]
+        if problems:
+            raise WsyncError(INVALID_ARGUMENT, "the adapter does not fit the one the engines serve (%d problems): %s%s"
+                             % (len(problems), "; ".join(problems[:4]), " ..." if len(problems) > 4 else ""))
+        result = self.push_many(tensors.items(), names=names)
+        self.end_push(version)
+        return result
+
     def flush(self) -> None:
         """Commits the current bucket and waits until the daemon took everything committed so far."""
         self._commit_async()

@@ -73,9 +73,13 @@ struct ParsedUrl {
   std::string id;    // "" = not given
 };
 
+// The wsync backend's attach modes (client/vllm/wsync_vllm/backend.py): staged and direct hold the model's weights,
+// adapter the engine's LoRA adapter alone (docs/engines.md, "LoRA adapters").
+bool IsAttachMode(absl::string_view m) { return m == "staged" || m == "direct" || m == "adapter"; }
+
 absl::Status BadAddress(const std::string& url, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat("invalid vLLM engine address \"vllm+", url, "\": ", why,
-                                                 " (expected vllm+http://HOST:PORT[?mode=staged|direct&id=ID])"));
+                                                 " (expected vllm+http://HOST:PORT[?mode=staged|direct|adapter&id=ID])"));
 }
 
 bool IsIdChar(char c) { return absl::ascii_isalnum(c) || c == '.' || c == '-' || c == '_' || c == ':'; }
@@ -142,8 +146,8 @@ absl::StatusOr<ParsedUrl> ParseUrl(const std::string& url) {
       if (!seen.insert(key).second) return BadAddress(url, absl::StrCat("query key \"", key, "\" given twice"));
       if (value.empty()) return BadAddress(url, absl::StrCat("query key \"", key, "\" needs a value"));
       if (key == "mode") {
-        if (value != "staged" && value != "direct") {
-          return BadAddress(url, absl::StrCat("mode \"", value, "\" is not staged or direct"));
+        if (!IsAttachMode(value)) {
+          return BadAddress(url, absl::StrCat("mode \"", value, "\" is not staged, direct or adapter"));
         }
         out.mode = value;
       } else {
@@ -204,9 +208,9 @@ class VllmAdapter final : public EngineAdapter {
 
   absl::Status RequestAttach(const AttachInfo& info) override {
     const std::string mode = !info.mode.empty() ? info.mode : !url_mode_.empty() ? url_mode_ : "staged";
-    if (mode != "staged" && mode != "direct") {
+    if (!IsAttachMode(mode)) {
       return absl::InvalidArgumentError(
-          absl::StrCat(Who(), ": RequestAttach: mode \"", mode, "\" is not staged or direct"));
+          absl::StrCat(Who(), ": RequestAttach: mode \"", mode, "\" is not staged, direct or adapter"));
     }
     if (info.socket_path.empty() || info.token.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(Who(), ": RequestAttach: the socket path and token are required"));

@@ -33,7 +33,7 @@
 
 namespace wsync::daemon {
 
-// `url` is the address without its "vllm+" prefix: "http://HOST:PORT[?mode=staged|direct&id=ENGINE_ID]"
+// `url` is the address without its "vllm+" prefix: "http://HOST:PORT[?mode=staged|direct|adapter&id=ENGINE_ID]"
 // (HOST may be a bracketed IPv6 literal; a trailing "/" is allowed, any other path is not). The engine id defaults
 // to "vllm-HOST-PORT"; the attach mode to "staged". InvalidArgument naming the address when it is malformed, has an
 // unknown query key or a bad mode, or when `call_timeout` is not positive and finite. Connects lazily (no I/O here).
