@@ -14,6 +14,7 @@ def push_filtered(trainer: Any, version: int, named_tensors: Iterable[Tuple[str,
     names = trainer.begin_push(version)
     result = trainer.push_many(named_tensors, names=names)
     trainer.end_push(version)
+    result["filter"] = len(names)
     result["bytes"] = trainer.stats().get("bytes", 0)
     return result
 

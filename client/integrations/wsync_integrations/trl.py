@@ -76,7 +76,7 @@ class WsyncVLLMClient(VLLMClient):
         atexit.register(self.close_communicator)
 
     def _next_version(self) -> int:
-        current = self.coordinator.status().get("current_version", "") or "0"
+        current = str(self.coordinator.status().get("current_version", "") or "0")  # "" before any update
         return max(int(current) if current.lstrip("-").isdigit() else 0, self.version or 0) + 1
 
     @contextlib.contextmanager
