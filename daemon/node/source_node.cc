@@ -313,6 +313,10 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   // Hashes still queued read the replica about to be freed: they finish first.
   WaitForChecksums();
   const std::string base_shape = DeltaBaseShape(req);
+  std::unique_ptr<replica::Replica> old_replica;
+  std::vector<std::unique_ptr<transport::LocalRegion>> old_regions;
+  std::map<std::string, std::vector<std::unique_ptr<transport::LocalRegion>>> old_extra;
+  std::vector<std::unique_ptr<Target>> old_targets;
   {
     std::lock_guard<std::mutex> l(mu_);
     kept_delta_base_.clear();
@@ -324,14 +328,23 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
     delta_base_.clear();
     delta_base_version_ = -1;
     delta_base_shape_.clear();
+    // Destroyed below, outside mu_ (a writer's thread may be reporting into it), endpoints before the regions and the
+    // replica memory they point into.
+    old_replica = std::move(replica_);
+    old_regions = std::move(replica_regions_);
+    old_extra = std::move(extra_regions_);
+    old_targets = std::move(targets_);
     targets_.clear();
     targets_by_layout_.clear();
     replica_regions_.clear();
     extra_regions_.clear();
-    replica_.reset();
     configured_ = false;
     config_digest_.clear();
   }
+  old_targets.clear();
+  old_regions.clear();
+  old_extra.clear();
+  old_replica.reset();
   v1::ConfigureSourceReply out;
   WSYNC_RETURN_IF_ERROR(ApplyPlan(plan, req, deadline, &out));
   return out;
@@ -420,7 +433,10 @@ absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSo
   // that, under the same exclusive lock.
   {
     std::vector<Target*> all;
-    for (auto& t : targets) all.push_back(t.get());
+    for (auto& t : targets) {
+      t->affected = NodeRanksIn(*t, targets);
+      all.push_back(t.get());
+    }
     WSYNC_RETURN_IF_ERROR(ConnectTargets(all, deadline));
   }
   out->set_connect_seconds(Seconds(t1));
@@ -532,6 +548,7 @@ void SourceNode::FailUpdate(const absl::Status& err) {
   update_error_ = err;
   update_failed_ = true;
   spdlog::error("{}", err.ToString());
+  if (version_ != -1) updates_.Fail(version_, err);
   CancelWrites(err);
   cv_.notify_all();  // FinishUpdate and waiting pushes see it at once
 }
@@ -539,17 +556,26 @@ void SourceNode::FailUpdate(const absl::Status& err) {
 void SourceNode::CancelWrites(const absl::Status& why) {
   if (cancel_reason_.ok()) cancel_reason_ = why;
   int n = 0;
+  if (version_ != -1) updates_.Fail(version_, why);  // batches of it still queued are refused from now on
   for (auto& t : targets_) {
-    if (t->endpoint == nullptr) continue;
-    t->endpoint->Cancel(why);
+    if (t->writer == nullptr) continue;
+    t->writer->Cancel(why);
     ++n;
   }
   if (n > 0) spdlog::warn("writes to {} targets cancelled: {}", n, why.ToString());
 }
 
-std::string SourceNode::NodeRanks(const Target& t) const {
+void SourceNode::OnWriteFailure(int64_t version, const absl::Status& err) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (stopping_ || version_ != version) return;  // ended (or the node is going away): nothing left to fail
+  FailUpdate(err);
+}
+
+std::string SourceNode::NodeRanks(const Target& t) const { return NodeRanksIn(t, targets_); }
+
+std::string SourceNode::NodeRanksIn(const Target& t, const std::vector<std::unique_ptr<Target>>& all) {
   std::vector<std::string> ranks;
-  for (const auto& o : targets_)
+  for (const auto& o : all)
     if (o->assignment.target_daemon() == t.assignment.target_daemon())
       ranks.push_back(absl::StrCat("engine ", o->assignment.engine_id(), " rank ", o->assignment.rank()));
   return absl::StrCat(t.assignment.target_node().empty() ? std::string("target daemon")
@@ -561,13 +587,13 @@ absl::Status SourceNode::ConnectEndpoint(Target* t, absl::Time deadline) {
   const std::string who = Who(*t);
   // A broken endpoint goes first, so the peer sees it close before the new one connects. Swapped under mu_
   // (CancelWrites walks the endpoints under it), destroyed outside it (its threads may take a while to stop).
-  std::unique_ptr<transport::Endpoint> old;
+  std::unique_ptr<TargetWriter> old;
   {
     std::lock_guard<std::mutex> l(mu_);
-    old = std::move(t->endpoint);
+    old = std::move(t->writer);
   }
   old.reset();
-  t->outstanding.clear();
+  const std::string context = absl::StrCat("writing to ", who, "; affected: ", t->affected);
   auto ep = t->transport->CreateEndpoint();
   if (!ep.ok()) return Annotate(ep.status(), absl::StrCat("creating an endpoint for ", who));
   absl::Duration timeout = std::min(absl::Seconds(30), std::max(deadline - absl::Now(), absl::ZeroDuration()));
@@ -576,8 +602,9 @@ absl::Status SourceNode::ConnectEndpoint(Target* t, absl::Time deadline) {
     // the peer its region descriptors name, directly.
     WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(t->peer, timeout), "connecting to ", who, " (", t->transport->name(),
                               " peer ", t->peer, ")");
+    auto writer = std::make_unique<TargetWriter>(*std::move(ep), context, &updates_);
     std::lock_guard<std::mutex> l(mu_);
-    t->endpoint = *std::move(ep);
+    t->writer = std::move(writer);
     t->broken = absl::OkStatus();
     return absl::OkStatus();
   }
@@ -592,8 +619,9 @@ absl::Status SourceNode::ConnectEndpoint(Target* t, absl::Time deadline) {
   timeout = std::min(absl::Seconds(30), std::max(deadline - absl::Now(), absl::ZeroDuration()));
   WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(info->target_endpoint_info(), timeout), "connecting to ", who);
   WSYNC_RETURN_IF_ERROR(AttachStaging(t, *info));
+  auto writer = std::make_unique<TargetWriter>(*std::move(ep), context, &updates_);
   std::lock_guard<std::mutex> l(mu_);
-  t->endpoint = *std::move(ep);
+  t->writer = std::move(writer);
   t->broken = absl::OkStatus();
   return absl::OkStatus();
 }
@@ -627,25 +655,27 @@ absl::Status SourceNode::DrainOutstanding(absl::Duration timeout) {
   // One deadline for the whole drain (targets behind the same dead link must not each wait the full timeout), and
   // every failed target named in the result.
   const absl::Time deadline = absl::Now() + timeout;
+  const bool drained = updates_.WaitDrained(deadline);
+  absl::Status cancelled;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    cancelled = cancel_reason_;
+  }
   std::vector<absl::Status> failed;
   for (auto& t : targets_) {
-    for (transport::BatchId id : t->outstanding) {
-      if (!t->broken.ok()) break;  // the endpoint is gone for good; its remaining batches are abandoned with it
-      absl::Status st = t->endpoint->Wait(id, std::max(deadline - absl::Now(), absl::ZeroDuration()));
-      if (st.ok()) continue;
-      // Also on DeadlineExceeded: a batch we stop waiting for must not stay pending on an endpoint we reuse.
-      t->broken = Annotate(st, absl::StrCat(Who(*t), "; affected: ", NodeRanks(*t)));
-      spdlog::error("{}; its endpoint will be re-created at the next update", t->broken.ToString());
-      // A batch this node cancelled (possibly while this drain waited) failed for the update's own error, which the
-      // caller reports once.
-      absl::Status cancelled;
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        cancelled = cancel_reason_;
-      }
-      if (cancelled.ok() || !absl::StrContains(st.message(), cancelled.message())) failed.push_back(t->broken);
+    if (t->writer == nullptr) continue;
+    if (!drained && t->writer->busy() > 0) {
+      // A batch we stop waiting for must not stay pending on an endpoint we reuse.
+      t->writer->Cancel(absl::DeadlineExceededError(absl::StrCat(
+          "writing to ", Who(*t), "; affected: ", t->affected, ": batches not written within ",
+          absl::FormatDuration(timeout))));
     }
-    t->outstanding.clear();
+    absl::Status st = t->writer->broken();
+    if (st.ok() || !t->broken.ok()) continue;
+    t->broken = st;
+    // A batch this node cancelled (possibly while this drain waited) failed for the update's own error, which the
+    // caller reports once.
+    if (cancelled.ok() || !absl::StrContains(st.message(), cancelled.message())) failed.push_back(st);
   }
   if (failed.size() <= 1) return failed.empty() ? absl::OkStatus() : failed.front();
   std::vector<std::string> msgs;
@@ -685,10 +715,10 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   }
   // Every update ends by draining its batches; anything left is of unknown fate, so its endpoint is not reused.
   for (auto& t : targets_) {
-    if (!t->outstanding.empty() && t->broken.ok())
-      t->broken = absl::InternalError(absl::StrCat(t->outstanding.size(), " batches of an earlier update were "
-                                                   "never waited for"));
-    t->outstanding.clear();
+    if (t->writer == nullptr) continue;
+    if (const int busy = t->writer->busy(); busy > 0 && t->broken.ok())
+      t->broken = absl::InternalError(absl::StrCat(busy, " batches of an earlier update were never waited for"));
+    if (t->broken.ok()) t->broken = t->writer->broken();
   }
   // Re-establish what the last update broke before any push is accepted (ingest_mu_ keeps pushes out; mu_ is not
   // held across the dial, so status and BeginPush callers are not blocked behind it).
@@ -726,6 +756,7 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
   update_error_ = absl::OkStatus();
   update_failed_ = false;
   cancel_reason_ = absl::OkStatus();
+  updates_.Begin(version_);
   ended_ranks_.clear();
   // Only ranks lost while this update is open count (a rank whose process ended after the last update may start
   // its next process at any time; until it pushes, the commit's own timeout applies).
@@ -1185,42 +1216,15 @@ absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::
 }
 
 absl::Status SourceNode::PostToTarget(int64_t version, Target* t, std::vector<transport::WriteRequest> writes) {
-  auto failed = [&] {
+  // Fail fast: a failure elsewhere (another rank's bucket, another target) stops this bucket's writes too.
+  if (update_failed_)
     return absl::AbortedError(absl::StrCat("update ", version, ": writes to ", Who(*t),
                                            " not posted: the update already failed on node ", opts_.node_id));
-  };
-  // Fail fast: a failure elsewhere (another rank's bucket, another target) stops this bucket's posts too.
-  if (update_failed_) return failed();
-  std::unique_lock<std::mutex> tl(t->mu);
-  if (!t->broken.ok())
+  if (!t->broken.ok() || t->writer == nullptr)
     return absl::UnavailableError(absl::StrCat("writing to ", Who(*t),
                                                ": its endpoint failed and is not re-established (", t->broken.message(),
                                                ")"));
-  t->pending.push_back(std::move(writes));
-  if (t->posting) return absl::OkStatus();  // the target's poster posts it before it lets go
-  t->posting = true;
-  absl::Status st;
-  while (st.ok() && !t->pending.empty()) {
-    std::vector<transport::WriteRequest> batch = std::move(t->pending.front());
-    t->pending.pop_front();
-    tl.unlock();  // never held across a Post: other ranks queue for this target meanwhile and go on
-    absl::StatusOr<transport::BatchId> id = update_failed_ ? absl::StatusOr<transport::BatchId>(failed())
-                                                           : t->endpoint->Post(batch);
-    tl.lock();
-    if (id.ok()) {
-      t->outstanding.push_back(*id);
-    } else if (update_failed_) {
-      st = id.status();
-    } else {
-      t->broken = Annotate(id.status(), absl::StrCat("writing to ", Who(*t), "; affected: ", NodeRanks(*t)));
-      spdlog::error("{}; its endpoint will be re-created at the next update", t->broken.ToString());
-      st = t->broken;
-    }
-  }
-  // On a failure the batches still queued are dropped: the update fails with it (the caller's FailUpdate).
-  t->pending.clear();
-  t->posting = false;
-  return st;
+  return t->writer->Submit(version, std::move(writes));
 }
 
 absl::Status SourceNode::EndPush(const v1::EndPushRequest& req) {
@@ -1412,6 +1416,18 @@ absl::StatusOr<v1::AbortSourceUpdateReply> SourceNode::AbortUpdate(const v1::Abo
                req.reason().empty() ? "no reason given" : req.reason(), bytes_written_ / 1048576.0,
                drained.ok() ? "" : absl::StrCat("; draining its writes failed: ", drained.ToString()));
   return out;
+}
+
+absl::Status SourceNode::WaitWritten(absl::Duration timeout) {
+  int64_t version;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    version = version_;
+  }
+  if (!updates_.WaitDrained(absl::Now() + timeout))
+    return absl::DeadlineExceededError(
+        absl::StrCat("the writes of update ", version, " did not finish within ", absl::FormatDuration(timeout)));
+  return updates_.error(version);
 }
 
 v1::NodeStatus SourceNode::Status() const {

@@ -34,6 +34,7 @@
 #include "base/tensor_slice.h"
 #include "daemon/common/metrics.h"
 #include "daemon/node/hash_pool.h"
+#include "daemon/node/source_writer.h"
 #include "daemon/node/source_plan.h"
 #include "replica/replica.h"
 #include "transport/transport.h"
@@ -50,7 +51,7 @@ struct BucketTiming {
   absl::Time got;      // the ring had it (the rank's CommitBucket found it)
   absl::Time begin;    // the node's locks were taken: work on it began
   absl::Time loaded;   // validated, claimed and loaded into the replica
-  absl::Time posted;   // the parameters it completed were handed to the transport
+  absl::Time posted;   // the writes of the parameters it completed were handed to the targets' writers
 };
 
 struct SourceOptions {
@@ -142,7 +143,8 @@ class SourceNode {
                                                absl::Duration max_wait = absl::InfiniteDuration(),
                                                const CancelFn& cancelled = nullptr);
   // Waits for the rank's bucket in its ring (kBucketWait at most; `cancelled` ends it early) without holding any
-  // node-wide lock, then validates it, loads it into the replica and posts the writes of the parameters it completed.
+  // node-wide lock, then validates it, loads it into the replica and hands the writes of the parameters it completed
+  // to the targets' writers (source_writer.h: it waits on their credits, never on a Post).
   // Thread-safe and parallel: ranks' buckets share the ingest lock (only StartUpdate, FinishUpdate's and
   // AbortUpdate's drains and Configure exclude them), so each runs on its caller's thread beside the others; one
   // rank's buckets run one at a time (its ring is consumed in order).
@@ -185,6 +187,11 @@ class SourceNode {
   // (FinishUpdate owns it) or after it finished successfully.
   absl::StatusOr<v1::AbortSourceUpdateReply> AbortUpdate(const v1::AbortSourceUpdateRequest& req,
                                                          absl::Duration drain_timeout = absl::Seconds(30));
+
+  // Waits until every batch handed to the writers so far in the open update is written or failed, at most
+  // `timeout` (DeadlineExceeded), and answers the update's first write error. Benchmarks and tests: what a returned
+  // CommitBucket posted has landed (the writers post asynchronously).
+  absl::Status WaitWritten(absl::Duration timeout);
 
   v1::NodeStatus Status() const;
   // What this source wrote into engine memory in `version` (-1: the newest recorded): per (engine, rank, parameter
@@ -237,15 +244,16 @@ class SourceNode {
     // Per replica param of its layout: the byte ranges (offset, length) this source writes (the plan's slices);
     // empty for a parameter another source writes.
     std::vector<std::vector<std::pair<uint64_t, uint64_t>>> ranges;
-    // Buckets (several at once, under the shared ingest lock) read and change `outstanding`, `broken`, `pending`,
-    // `posting` and the delta fields with `mu` held; holders of the exclusive ingest lock need not take it. `mu` is
-    // never held across a Post: the transport lets one thread at a time use an endpoint, so one bucket at a time is
-    // the target's poster (`posting`); a bucket that finds it busy queues its batch in `pending` and goes on, and
-    // the poster posts every batch queued before it lets go (WriteReady). No rank waits on another's network.
+    // Its writer (source_writer.h): the thread that alone uses the connection's endpoint, fed by a bounded queue.
+    // Replaced (a new connection) only under the exclusive ingest lock and mu_; buckets hand it batches under the
+    // shared ingest lock; CancelWrites reaches it under mu_.
+    std::unique_ptr<TargetWriter> writer;
+    // "node N at D (engine E rank R, ...)": what a failed link to its node affects (NodeRanks over its plan's targets).
+    std::string affected;
+    // Guards the delta fields below, which buckets (several at once, under the shared ingest lock) change while
+    // planning their writes; holders of the exclusive ingest lock need not take it. Never held across a Post (only
+    // the writer posts).
     std::mutex mu;
-    std::deque<std::vector<transport::WriteRequest>> pending;
-    bool posting = false;
-    std::vector<transport::BatchId> outstanding;
     // Which transport writes to it (the node's own, or the registered backend that owns its segments' kind:
     // daemon/node/source_plan.h), what that one declares, the replica's regions in it, and the peer it connects to
     // directly when it needs no target daemon (e.g. an engine rank's own Mooncake Transfer Engine).
@@ -253,8 +261,9 @@ class SourceNode {
     transport::Capabilities caps;
     const std::vector<std::unique_ptr<transport::LocalRegion>>* src_regions = nullptr;
     std::string peer;
-    // Not OK once a Post or Wait on `endpoint` failed: the transport contract says such an endpoint must be
-    // re-created, which the next StartUpdate does before accepting pushes.
+    // Not OK once its writer broke (a Post or Wait failed, or its writes were cancelled) or a drain gave up on it: the
+    // transport contract says such an endpoint must be re-created, which the next StartUpdate does before accepting
+    // pushes. Changed under the exclusive ingest lock.
     absl::Status broken;
     // Delta updates (source_delta.cc). Per replica param of its layout: its index in the rank's layout and whether
     // it lies in memory the target applies deltas into (source_plan.h).
@@ -292,8 +301,8 @@ class SourceNode {
   // Posts the writes of the ready parameters of update `version` and queues the hashing of the ranges they read
   // (RecordChecksums). Caller holds ingest_mu_ shared; each target's `mu` is taken for its Post.
   absl::Status WriteReady(int64_t version, const std::vector<replica::ReadyParam>& ready);
-  // Hands one batch of the update to `t`'s endpoint: posts it (and every batch other buckets queued meanwhile) when
-  // no other bucket is posting to `t`, else queues it for that one (Target::mu). Caller holds ingest_mu_ shared.
+  // Hands one batch of the update to `t`'s writer (TargetWriter::Submit: blocks on its credits, never on a Post).
+  // Caller holds ingest_mu_ shared.
   absl::Status PostToTarget(int64_t version, Target* t, std::vector<transport::WriteRequest> writes);
   // Queues on hasher_ the XXH3-128 of every range posted for `ready`; the last job of the batch appends the batch to
   // checksums_[version] (if still kept). Replica ordering: those replica bytes stay unchanged until WaitForChecksums
@@ -395,6 +404,10 @@ class SourceNode {
   // "node N at D (engine E rank R, ...)": `t`'s node and every engine rank this source writes on it (what a failed
   // link to that node affects). Requires mu_ or ingest_mu_ (targets_ is replaced under both).
   std::string NodeRanks(const Target& t) const;
+  static std::string NodeRanksIn(const Target& t, const std::vector<std::unique_ptr<Target>>& all);
+  // A writer's first failure in update `version` (UpdateWrites' callback, on the writer's thread): fails the update
+  // if it is still the open one.
+  void OnWriteFailure(int64_t version, const absl::Status& err);
   // Creates `t`'s endpoint and connects it through the target daemon (connect_). Caller holds ingest_mu_
   // exclusively, not mu_.
   absl::Status ConnectEndpoint(Target* t, absl::Time deadline = absl::InfiniteFuture());
@@ -412,8 +425,10 @@ class SourceNode {
   void RefreshBase(const std::vector<replica::ReadyParam>& ready);
   // What FinishUpdate answers about deltas; requires mu_ (ingest_mu_ exclusive is held too).
   void DeltaReply(int64_t version, v1::FinishUpdateReply* out);
-  // Waits for every outstanding batch and forgets them; a failed Wait marks its target broken. Returns the first
-  // error, naming the target. Caller holds ingest_mu_ exclusively.
+  // Waits until every batch of the update is written or failed (UpdateWrites::WaitDrained) within `timeout`; a
+  // writer still busy then is cancelled. Every target whose writer broke is marked broken. Returns the first error,
+  // naming the target (a batch failed by this node's own cancel is the update's error, answered once by the caller).
+  // Caller holds ingest_mu_ exclusively.
   absl::Status DrainOutstanding(absl::Duration timeout);
   Session* FindSession(const std::string& id);
   // PermissionDenied for an id that names no open session (never echoes the id).
@@ -445,6 +460,8 @@ class SourceNode {
   // needs them, by name), and the replica's regions in each.
   std::map<std::string, std::unique_ptr<transport::Transport>> extra_transports_;
   std::map<std::string, std::vector<std::unique_ptr<transport::LocalRegion>>> extra_regions_;
+  // The update-lifecycle object every writer reports to (before targets_: their writers report into it).
+  UpdateWrites updates_{[this](int64_t version, const absl::Status& err) { OnWriteFailure(version, err); }};
   std::vector<std::unique_ptr<Target>> targets_;
   std::vector<std::vector<Target*>> targets_by_layout_;
   std::vector<std::string> push_names_;  // checkpoint tensors this node needs, in push order
@@ -514,7 +531,7 @@ class SourceNode {
   std::map<std::string, Staged> staged_;
   // Buckets hold it shared, so different ranks' buckets are validated, loaded and posted in parallel; what replaces
   // or drains what they use (StartUpdate, Configure, the drains of FinishUpdate and AbortUpdate) holds it exclusive.
-  // Targets' endpoints and outstanding batches are touched only with it held (shared: plus the target's mu).
+  // Targets' writers are replaced only with it held exclusively (and mu_); buckets submit to them with it shared.
   std::shared_mutex ingest_mu_;
 };
 

@@ -20,6 +20,7 @@ files=(
   daemon/coordinator/coordinator_service.cc
   daemon/coordinator/store_writer.cc
   daemon/coordinator/phase_table.cc
+  daemon/node/source_writer.cc
 )
 exec python3 - "$clang" "$build/compile_commands.json" "${files[@]}" <<'PY'
 import json, os, shlex, subprocess, sys

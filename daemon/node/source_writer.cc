@@ -1,0 +1,222 @@
+#include "daemon/node/source_writer.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "spdlog/spdlog.h"
+
+namespace wsync::daemon {
+
+void UpdateWrites::Begin(int64_t version) {
+  MutexLock l(&mu_);
+  version_ = version;
+  pending_ = 0;
+  error_ = absl::OkStatus();
+  cv_.SignalAll();
+}
+
+bool UpdateWrites::Add(int64_t version) {
+  MutexLock l(&mu_);
+  if (version != version_ || !error_.ok()) return false;
+  ++pending_;
+  return true;
+}
+
+void UpdateWrites::Report(int64_t version, const absl::Status& st) {
+  {
+    MutexLock l(&mu_);
+    if (version != version_) return;  // an earlier update's batch: its update ended without it
+    if (st.ok() || !error_.ok()) {
+      if (pending_ > 0 && --pending_ == 0) cv_.SignalAll();
+      return;
+    }
+    error_ = st;
+    cv_.SignalAll();
+  }
+  // The first failure: the batch counts as pending until the source has failed the update, so a drain that returns
+  // finds the update failed (and its writes cancelled).
+  if (on_failure_) on_failure_(version, st);
+  MutexLock l(&mu_);
+  if (version == version_ && pending_ > 0 && --pending_ == 0) cv_.SignalAll();
+}
+
+void UpdateWrites::Fail(int64_t version, const absl::Status& err) {
+  MutexLock l(&mu_);
+  if (version != version_ || !error_.ok() || err.ok()) return;
+  error_ = err;
+  cv_.SignalAll();
+}
+
+bool UpdateWrites::failed(int64_t version) const {
+  MutexLock l(&mu_);
+  return version == version_ && !error_.ok();
+}
+
+bool UpdateWrites::WaitDrained(absl::Time deadline) {
+  MutexLock l(&mu_);
+  while (pending_ > 0) {
+    if (cv_.WaitWithDeadline(&mu_, deadline)) return pending_ == 0;
+  }
+  return true;
+}
+
+absl::Status UpdateWrites::error(int64_t version) const {
+  MutexLock l(&mu_);
+  return version == version_ ? error_ : absl::OkStatus();
+}
+
+uint64_t UpdateWrites::pending() const {
+  MutexLock l(&mu_);
+  return pending_;
+}
+
+TargetWriter::TargetWriter(std::unique_ptr<transport::Endpoint> endpoint, std::string context, UpdateWrites* updates,
+                           Options opts)
+    : endpoint_(std::move(endpoint)), context_(std::move(context)), updates_(updates), opts_(opts) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+TargetWriter::~TargetWriter() {
+  Cancel(absl::CancelledError(absl::StrCat(context_, ": the connection was closed")));
+  {
+    MutexLock l(&mu_);
+    stop_ = true;
+    cv_.SignalAll();
+  }
+  thread_.join();
+}
+
+absl::Status TargetWriter::Submit(int64_t version, std::vector<transport::WriteRequest> batch) {
+  MutexLock l(&mu_);
+  for (;;) {
+    if (!broken_.ok())
+      return absl::UnavailableError(
+          absl::StrCat(context_, ": its endpoint failed and is not re-established (", broken_.message(), ")"));
+    if (updates_->failed(version))
+      return absl::AbortedError(
+          absl::StrCat(context_, ": update ", version, " not written: the update already failed"));
+    if (static_cast<int>(queue_.size()) + in_flight_ < opts_.credits) break;
+    cv_.Wait(&mu_);  // a credit frees when a batch completes; a Cancel or failure wakes it too
+  }
+  if (!updates_->Add(version))
+    return absl::AbortedError(absl::StrCat(context_, ": update ", version, " not written: the update already failed"));
+  queue_.push_back(Item{version, std::move(batch)});
+  cv_.SignalAll();
+  return absl::OkStatus();
+}
+
+std::vector<int64_t> TargetWriter::BreakLocked(const absl::Status& err) {
+  if (broken_.ok()) broken_ = err;
+  std::vector<int64_t> dropped;
+  for (const Item& i : queue_) dropped.push_back(i.version);
+  queue_.clear();
+  cv_.SignalAll();
+  return dropped;
+}
+
+void TargetWriter::Cancel(const absl::Status& why) {
+  std::vector<int64_t> dropped;
+  {
+    MutexLock l(&mu_);
+    dropped = BreakLocked(why);
+  }
+  endpoint_->Cancel(why);  // in-flight batches fail at once; the thread reports them
+  // The canceller fails the update itself (or it ended): the dropped batches only leave the count.
+  for (int64_t v : dropped) updates_->Report(v, absl::OkStatus());
+}
+
+absl::Status TargetWriter::broken() const {
+  MutexLock l(&mu_);
+  return broken_;
+}
+
+int TargetWriter::busy() const {
+  MutexLock l(&mu_);
+  return static_cast<int>(queue_.size()) + in_flight_;
+}
+
+void TargetWriter::Run() {
+  std::deque<InFlight> flying;  // this thread's alone; in_flight_ counts them for the producers' credits
+  for (;;) {
+    Item item;
+    bool post = false;
+    absl::Status abandon;
+    std::vector<InFlight> abandoned;
+    {
+      MutexLock l(&mu_);
+      while (!stop_ && queue_.empty() && flying.empty()) cv_.Wait(&mu_);
+      if (!broken_.ok() && !flying.empty()) {
+        // The endpoint must be re-created: its batches are abandoned with it (a Cancel failed them already, or a
+        // double whose Cancel does not reach its Wait would hold them forever).
+        abandon = broken_;
+        abandoned.assign(flying.begin(), flying.end());
+        in_flight_ -= static_cast<int>(flying.size());
+        flying.clear();
+        cv_.SignalAll();
+      } else if (flying.empty() && queue_.empty()) {
+        break;  // stop_
+      } else if (!queue_.empty()) {
+        item = std::move(queue_.front());
+        queue_.pop_front();
+        ++in_flight_;
+        post = true;
+      }
+    }
+    if (!abandoned.empty()) {
+      for (const InFlight& f : abandoned) updates_->Report(f.version, abandon);
+      continue;
+    }
+    absl::Status failure;
+    int64_t failed_version = -1;
+    if (post) {
+      absl::StatusOr<transport::BatchId> id =
+          updates_->failed(item.version)
+              ? absl::StatusOr<transport::BatchId>(absl::AbortedError("the update already failed"))
+              : endpoint_->Post(item.writes);
+      if (id.ok()) {
+        flying.push_back(InFlight{item.version, *id});
+        continue;
+      }
+      failed_version = item.version;
+      failure = Annotate(id.status(), context_);
+      if (updates_->failed(item.version)) {
+        // Dropped, not failed: the update's first error is elsewhere.
+        MutexLock l(&mu_);
+        --in_flight_;
+        cv_.SignalAll();
+        updates_->Report(item.version, absl::OkStatus());
+        continue;
+      }
+    } else {
+      const InFlight f = flying.front();
+      absl::Status st = endpoint_->Wait(f.id, opts_.wait_slice);
+      if (st.code() == absl::StatusCode::kDeadlineExceeded) continue;  // still outstanding: look at the queue
+      flying.pop_front();
+      if (st.ok()) {
+        {
+          MutexLock l(&mu_);
+          --in_flight_;
+          cv_.SignalAll();
+        }
+        updates_->Report(f.version, st);
+        continue;
+      }
+      failed_version = f.version;
+      failure = Annotate(st, context_);
+    }
+    std::vector<int64_t> dropped;
+    bool first = false;
+    {
+      MutexLock l(&mu_);
+      --in_flight_;
+      first = broken_.ok();
+      dropped = BreakLocked(failure);
+    }
+    if (first) spdlog::error("{}; its endpoint will be re-created at the next update", failure.ToString());
+    updates_->Report(failed_version, failure);
+    for (int64_t v : dropped) updates_->Report(v, failure);
+  }
+}
+
+}  // namespace wsync::daemon

@@ -1,0 +1,123 @@
+#pragma once
+// The source's write pipeline (issue 39): one TargetWriter per target connection, its own thread and the only user of
+// that target's endpoint, fed by a bounded queue with credits; and one UpdateWrites per source, the update-lifecycle
+// object every writer reports its completions to.
+//
+// Producers (the buckets and placements of the trainer ranks, after they loaded the replica) hand a target a batch
+// with Submit: it takes a credit and returns, so a rank waits on credits (a target whose queue and in-flight batches
+// are full), never on the network of a Post, and never on another target. No lock is held across a Post or a Wait:
+// the writer thread owns the endpoint, and its mutex guards only the queue and counters.
+// The first failed Post or Wait of an update fails it (UpdateWrites::Report, then the source's failure callback,
+// which cancels every writer: queued batches are dropped, in-flight ones fail at once by Endpoint::Cancel).
+// FinishUpdate and AbortUpdate wait for UpdateWrites to be drained (nothing queued or in flight) by their deadline.
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "base/mutex.h"
+#include "transport/transport.h"
+
+namespace wsync::daemon {
+
+// The open update's writes over every writer of a source: batches queued or in flight, and its first error.
+// Thread-safe; never calls out while holding its mutex.
+class UpdateWrites {
+ public:
+  // Called (outside any lock of this object, on the writer's thread) with the first error a writer reports for an
+  // update: the source fails that update if it is still the open one.
+  using FailureFn = std::function<void(int64_t version, const absl::Status& err)>;
+  explicit UpdateWrites(FailureFn on_failure) : on_failure_(std::move(on_failure)) {}
+
+  // A new update: nothing pending, no error. Batches of an earlier version that report later are ignored.
+  void Begin(int64_t version);
+  // Counts a batch of `version` in the pipeline; false (nothing counted) when `version` is not the update begun last
+  // or it failed already.
+  bool Add(int64_t version);
+  // A batch counted by Add left the pipeline: written (OK), or failed. The first failure of the update is recorded
+  // and handed to the failure callback; failures after it (the cancelled rest) only end their batch.
+  void Report(int64_t version, const absl::Status& st);
+  // Records `err` as the update's error without calling back (the source failed it itself).
+  void Fail(int64_t version, const absl::Status& err);
+  bool failed(int64_t version) const;
+  // The first error of `version` (OK: none, or another update).
+  absl::Status error(int64_t version) const;
+  // Waits until no batch of the current update is queued or in flight, or `deadline`; true when drained.
+  bool WaitDrained(absl::Time deadline);
+  uint64_t pending() const;
+
+ private:
+  const FailureFn on_failure_;
+  mutable Mutex mu_;
+  CondVar cv_;
+  int64_t version_ ABSL_GUARDED_BY(mu_) = -1;
+  uint64_t pending_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+};
+
+// One target connection's writer. Owns the endpoint and the thread that alone uses it (Post, Wait); Cancel is the
+// one endpoint call another thread makes (Endpoint::Cancel's contract allows it).
+class TargetWriter {
+ public:
+  struct Options {
+    int credits = 32;  // batches queued or in flight at once; Submit blocks beyond them
+    // How long the thread waits for its oldest batch before it looks at the queue again (new batches are posted
+    // while older ones are in flight).
+    absl::Duration wait_slice = absl::Milliseconds(2);
+  };
+  // `context` prefixes every error of this writer ("writing to engine E rank R at D; affected: ...").
+  TargetWriter(std::unique_ptr<transport::Endpoint> endpoint, std::string context, UpdateWrites* updates, Options opts);
+  TargetWriter(std::unique_ptr<transport::Endpoint> endpoint, std::string context, UpdateWrites* updates)
+      : TargetWriter(std::move(endpoint), std::move(context), updates, Options{}) {}
+  // Cancels what is left (nothing waits for it any more) and joins the thread.
+  ~TargetWriter();
+  TargetWriter(const TargetWriter&) = delete;
+  TargetWriter& operator=(const TargetWriter&) = delete;
+
+  // Queues a batch of update `version`: blocks while every credit is taken, until one frees, the writer breaks or
+  // the update fails. Errors (nothing queued): Unavailable once the writer is broken (its endpoint must be
+  // re-created), Aborted once the update failed. The batch's regions must outlive its write.
+  absl::Status Submit(int64_t version, std::vector<transport::WriteRequest> batch);
+  // Drops every queued batch and fails the ones in flight with `why` (Endpoint::Cancel), at once; the writer is
+  // broken from then on. Any thread; never blocks on the network.
+  void Cancel(const absl::Status& why);
+  // OK while the endpoint is usable; else why not (a failed Post or Wait, a Cancel).
+  absl::Status broken() const;
+  // Batches queued or in flight.
+  int busy() const;
+  const transport::Endpoint& endpoint() const { return *endpoint_; }
+
+ private:
+  struct Item {
+    int64_t version = -1;
+    std::vector<transport::WriteRequest> writes;
+  };
+  struct InFlight {
+    int64_t version = -1;
+    transport::BatchId id = 0;
+  };
+  void Run();
+  // Marks the writer broken by `err` (the first cause) and drops the queue; returns the dropped items' versions.
+  std::vector<int64_t> BreakLocked(const absl::Status& err) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::unique_ptr<transport::Endpoint> endpoint_;
+  const std::string context_;
+  UpdateWrites* const updates_;
+  const Options opts_;
+  mutable Mutex mu_;
+  CondVar cv_;  // the thread: work queued, stop; producers: a credit freed, broken
+  std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: started once everything it touches exists
+};
+
+}  // namespace wsync::daemon
