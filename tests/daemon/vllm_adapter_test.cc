@@ -573,7 +573,8 @@ TEST_CASE("vllm adapter: addresses", "[vllm]") {
   CHECK(MakeVllmAdapter("http://h:1", absl::ZeroDuration()).status().code() == absl::StatusCode::kInvalidArgument);
 
   for (const std::string url : {"http://127.0.0.1:8000", "http://127.0.0.1:8000/", "http://[::1]:8000?mode=direct",
-                                "http://vllm-0.cluster.local:65535?id=vllm-0&mode=staged"}) {
+                                "http://vllm-0.cluster.local:65535?id=vllm-0&mode=staged",
+                                "http://127.0.0.1:8000?mode=adapter&id=policy-0"}) {
     INFO("url \"" << url << "\"");
     auto a = MakeVllmAdapter(url, absl::Seconds(5));
     INFO(a.status().ToString());
