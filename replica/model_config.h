@@ -67,7 +67,8 @@ struct ModelConfig {
   // the engine's own and never written. Dense Llama/Qwen2/Qwen3 only.
   struct LoraAdapter {
     int64_t rank = 0;
-    std::vector<std::string> target_modules;  // "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+    // short module names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
+    std::vector<std::string> target_modules;
   };
   std::optional<LoraAdapter> lora_adapter;
 

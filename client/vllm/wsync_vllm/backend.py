@@ -447,8 +447,6 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
             self._receive_adapter()
             self.last_timings.update(wait_commit_s=t1 - t0, load_s=time.monotonic() - t1)
             return
-        if not self._session:
-            raise RuntimeError("wsync: update_weights without start_weight_update")
         if self._active:
             raise RuntimeError("wsync: one update_weights per session (the staged table holds the whole model)")
         assert self._segment is not None
