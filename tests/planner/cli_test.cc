@@ -4,9 +4,11 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <regex>
 #include <string>
 #include <vector>
 
+#include "nlohmann/json.hpp"
 #include "planner/node_rates.h"
 #include "tools/cli/plan_command.h"
 
@@ -64,7 +66,7 @@ TEST_CASE("plan command: bad flags exit 2", "[planner][cli]") {
   CHECK(Run({"--model", cfg, "--train", "tq=2", "--infer", "instances=1,tp=4"}) == 2);
   CHECK(Run({"--model", cfg, "--train", "tp=2", "--infer", "instances=1,tp=4,ep=3"}) == 2);
   CHECK(Run({"--train", "tp=2", "--infer", "instances=1,tp=4"}) == 2);  // no --model
-  CHECK(Run({"--seed-table"}) == 2);                                     // no --models-dir
+  CHECK(Run({"--seed-table"}) == 2);                                    // no --models-dir
   CHECK(Run({"--help"}) == 0);
   std::remove(cfg.c_str());
 }
@@ -179,6 +181,89 @@ TEST_CASE("plan command: --trainer-tensors and --weights pick the measured curve
   RunCaptured(a, &code);
   CHECK(code == 2);
   std::remove(rates.c_str());
+  std::remove(cfg.c_str());
+}
+
+// What a plan's output says regardless of how long building it took (the one figure that differs between runs).
+std::string WithoutBuildTime(std::string out, bool json) {
+  if (json) {
+    auto j = nlohmann::json::parse(out);
+    j.erase("build_ms");
+    return j.dump(2);
+  }
+  return std::regex_replace(out, std::regex(R"(\(built in [0-9.]+ ms\))"), "(built in - ms)");
+}
+
+TEST_CASE("plan command: --relay off prints today's plan byte for byte", "[planner][cli][relay]") {
+  const std::string cfg = WriteConfig(kMoe);
+  for (const std::vector<std::string>& shape :
+       {std::vector<std::string>{"--train", "tp=2,pp=2,nodes=1", "--infer", "instances=4,tp=2"},
+        std::vector<std::string>{"--train", "ep=8", "--infer", "instances=3,tp=4,ep=4", "--strategy", "seed"},
+        std::vector<std::string>{"--train", "tp=2,nodes=1,gpus=4", "--infer", "instances=8,tp=1", "--nic", "1x100"}}) {
+    for (bool json : {false, true}) {
+      std::vector<std::string> a = {"--model", cfg, "--tasks"};
+      a.insert(a.end(), shape.begin(), shape.end());
+      if (json) a.insert(a.end(), {"-w", "json"});
+      int c1 = -1, c2 = -1;
+      const std::string today = RunCaptured(a, &c1);
+      a.insert(a.end(), {"--relay", "off"});
+      const std::string off = RunCaptured(a, &c2);
+      REQUIRE(c1 == 0);
+      REQUIRE(c2 == 0);
+      CHECK(today.find("relay") == std::string::npos);
+      CHECK(WithoutBuildTime(off, json) == WithoutBuildTime(today, json));
+    }
+  }
+  std::remove(cfg.c_str());
+}
+
+TEST_CASE("plan command: --relay prints the tree and per-hop times", "[planner][cli][relay]") {
+  const std::string cfg = WriteConfig(kMoe);
+  const std::vector<std::string> base = {"--model", cfg, "--train", "tp=2,nodes=1", "--infer", "instances=4,tp=2"};
+  auto with = [&](std::vector<std::string> extra, int* code) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return RunCaptured(a, code);
+  };
+  int code = -1;
+  const std::string table = with({"--relay", "2"}, &code);
+  REQUIRE(code == 0);
+  for (const char* want : {"relay             2: 1 layout group", "trainer egress", "relay predicted",
+                           "degree 2, depth 2", "sources -> 0", "0 -> 1", "0 -> 2", "1 -> 3"}) {
+    INFO(want << "\n" << table);
+    CHECK(table.find(want) != std::string::npos);
+  }
+  const std::string js = with({"--relay", "2", "-w", "json"}, &code);
+  REQUIRE(code == 0);
+  const auto j = nlohmann::json::parse(js);
+  const auto& r = j.at("relay");
+  CHECK(r.at("relayed") == true);
+  CHECK(r.at("groups").size() == 1);
+  CHECK(r.at("groups")[0].at("degree") == 2);
+  CHECK(r.at("groups")[0].at("depth") == 2);
+  CHECK(r.at("hops").size() == 4);
+  // One copy leaves the trainer instead of four; the headline prediction is the relay's.
+  CHECK(r.at("trainer_egress_bytes").get<uint64_t>() * 4 == r.at("direct_trainer_egress_bytes").get<uint64_t>());
+  CHECK(j.at("predicted_s").get<double>() == r.at("predicted_s").get<double>());
+  for (const auto& h : r.at("hops")) {
+    if (h.at("parent") == -1) continue;
+    CHECK(h.at("first_chunk_s").get<double>() > 0);
+    // A hop's bytes part is one chunk (at most the copy); the rest is the per-hop check.
+    CHECK(h.at("chunk_s").get<double>() - r.at("hop_ms").get<double>() / 1e3 <= h.at("copy_s").get<double>() + 1e-12);
+  }
+  // auto: says what it decided and why; one instance is never relayed.
+  CHECK(with({"--relay", "auto"}, &code).find("relay             auto") != std::string::npos);
+  CHECK(code == 0);
+  std::vector<std::string> one = {"--model",          cfg,       "--train", "tp=2,nodes=1", "--infer",
+                                  "instances=1,tp=2", "--relay", "auto"};
+  CHECK(RunCaptured(one, &code).find("direct (one instance") != std::string::npos);
+  for (const std::vector<std::string>& bad :
+       {std::vector<std::string>{"--relay", "0"}, std::vector<std::string>{"--relay", "wide"},
+        std::vector<std::string>{"--relay", "2", "--relay-chunk-kib", "0"},
+        std::vector<std::string>{"--relay", "2", "--relay-hop-ms", "-1"}}) {
+    with(bad, &code);
+    CHECK(code == 2);
+  }
   std::remove(cfg.c_str());
 }
 

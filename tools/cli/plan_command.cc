@@ -18,6 +18,7 @@
 #include "planner/cost.h"
 #include "planner/model_input.h"
 #include "planner/node_rates.h"
+#include "planner/relay.h"
 #include "planner/seed_table.h"
 #include "replica/model_config.h"
 
@@ -278,6 +279,176 @@ int RunSeedTable(const std::vector<std::string>& dirs, const planner::CostParams
   return rc;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Relay plans (--relay): the tree, its per-hop times and the direct plan beside it.
+
+struct RelayReport {
+  planner::RelayPlan plan;
+  planner::RelayPrediction pred;
+  double direct_s = 0;         // the direct plan's prediction at the same rates
+  uint64_t direct_egress = 0;  // what the direct plan's sources send
+};
+
+std::string HopName(int parent) { return parent < 0 ? "sources" : absl::StrCat(parent); }
+
+void PrintRelay(const PlanInput& in, const RelayReport& rr, const planner::CostParams& cp, bool tasks) {
+  const planner::RelayPlan& rp = rr.plan;
+  if (!rp.relayed) {
+    std::printf("relay             %s: direct (%s)\n", planner::FormatRelayMode(rp.options).c_str(), rp.why.c_str());
+    return;
+  }
+  std::printf("relay             %s: %zu layout group%s, chunks of %s, %.2f ms per hop; %s\n",
+              planner::FormatRelayMode(rp.options).c_str(), rp.trees.size(), rp.trees.size() == 1 ? "" : "s",
+              Bytes(rp.options.chunk_bytes).c_str(), cp.relay_hop_ms, rp.why.c_str());
+  std::printf(
+      "trainer egress    %s (%zu cop%s, one per group); direct: %s (%.2f copies)\n",
+      Bytes(rr.pred.trainer_egress_bytes).c_str(), rp.trees.size(), rp.trees.size() == 1 ? "y" : "ies",
+      Bytes(rr.direct_egress).c_str(),
+      rr.pred.trainer_egress_bytes ? static_cast<double>(rr.direct_egress) / rr.pred.trainer_egress_bytes : 0.0);
+  uint64_t max_in = 0, max_out = 0;
+  for (const auto& n : rr.pred.nics) max_in = std::max(max_in, n.in_bytes), max_out = std::max(max_out, n.out_bytes);
+  std::printf(
+      "relay predicted   %s  (sources %s, engine NICs %s [in max %s, out max %s], + first chunk down the tree "
+      "%s); direct %s\n",
+      Secs(rr.pred.total_s).c_str(), Secs(rr.pred.source_s).c_str(), Secs(rr.pred.tree_s).c_str(),
+      Bytes(max_in).c_str(), Bytes(max_out).c_str(), Secs(rr.pred.latency_s).c_str(), Secs(rr.direct_s).c_str());
+  for (size_t g = 0; g < rp.trees.size(); ++g) {
+    const planner::RelayTree& t = rp.trees[g];
+    uint64_t chunks = 0, bytes = 0;
+    for (const auto& x : t.regions) chunks += x.chunks.size(), bytes += x.bytes;
+    std::printf("relay group %zu     %s: %zu instance%s, root %d, degree %d, depth %d; %s per copy in %llu chunks\n", g,
+                t.group.key.ToString().c_str(), t.group.instances.size(), t.group.instances.size() == 1 ? "" : "s",
+                t.group.instances.front(), t.degree, t.depth, Bytes(bytes).c_str(),
+                static_cast<unsigned long long>(chunks));
+    std::printf("  %-18s %5s %12s %12s %12s\n", "hop", "level", "first chunk", "per chunk", "one copy");
+    for (const auto& h : rr.pred.hops) {
+      if (h.group != static_cast<int>(g)) continue;
+      const std::string hop = absl::StrCat(HopName(h.parent), " -> ", h.child);
+      std::printf("  %-18s %5d %12s %12s %12s\n", hop.c_str(), h.level,
+                  absl::StrFormat("%.2f ms", h.first_s * 1e3).c_str(),
+                  h.parent < 0 ? "-" : absl::StrFormat("%.3f ms", h.chunk_s * 1e3).c_str(), Secs(h.stream_s).c_str());
+    }
+    if (tasks) {
+      for (const auto& x : t.regions)
+        std::printf("  rank %d forwards %s to each child in %zu chunks\n", x.rank, Bytes(x.bytes).c_str(),
+                    x.chunks.size());
+    }
+  }
+}
+
+nlohmann::json RelayJson(const PlanInput& in, const RelayReport& rr, const planner::CostParams& cp, bool tasks) {
+  const planner::RelayPlan& rp = rr.plan;
+  nlohmann::json j = {{"mode", planner::FormatRelayMode(rp.options)},
+                      {"relayed", rp.relayed},
+                      {"why", rp.why},
+                      {"chunk_bytes", rp.options.chunk_bytes},
+                      {"hop_ms", cp.relay_hop_ms},
+                      {"trainer_egress_bytes", rr.pred.trainer_egress_bytes},
+                      {"direct_trainer_egress_bytes", rr.direct_egress},
+                      {"predicted_s", rr.pred.total_s},
+                      {"direct_predicted_s", rr.direct_s},
+                      {"source_s", rr.pred.source_s},
+                      {"tree_s", rr.pred.tree_s},
+                      {"latency_s", rr.pred.latency_s},
+                      {"transfer_s", rr.pred.transfer_s}};
+  nlohmann::json groups = nlohmann::json::array();
+  for (size_t g = 0; g < rp.trees.size(); ++g) {
+    const planner::RelayTree& t = rp.trees[g];
+    nlohmann::json nodes = nlohmann::json::array();
+    for (const auto& n : t.nodes)
+      nodes.push_back({{"instance", n.instance}, {"parent", n.parent}, {"depth", n.depth}, {"children", n.children}});
+    nlohmann::json ranks = nlohmann::json::array();
+    for (const auto& x : t.regions) {
+      nlohmann::json rj = {{"rank", x.rank}, {"bytes", x.bytes}, {"chunks", x.chunks.size()}};
+      if (tasks) {
+        nlohmann::json cj = nlohmann::json::array();
+        for (const auto& c : x.chunks)
+          cj.push_back({{"param", in.layouts[x.rank].params[c.param].name},
+                        {"offset", c.offset},
+                        {"length", c.length},
+                        {"source", rp.plan.sources[c.source].trainer_rank}});
+        rj["chunk_list"] = cj;
+      }
+      ranks.push_back(rj);
+    }
+    groups.push_back({{"key", t.group.key.ToString()},
+                      {"instances", t.group.instances},
+                      {"root", t.group.instances.front()},
+                      {"degree", t.degree},
+                      {"depth", t.depth},
+                      {"tree", nodes},
+                      {"ranks", ranks}});
+  }
+  j["groups"] = groups;
+  nlohmann::json hops = nlohmann::json::array();
+  for (const auto& h : rr.pred.hops)
+    hops.push_back({{"group", h.group},
+                    {"parent", h.parent},
+                    {"child", h.child},
+                    {"level", h.level},
+                    {"chunk_s", h.chunk_s},
+                    {"first_chunk_s", h.first_s},
+                    {"copy_s", h.stream_s}});
+  j["hops"] = hops;
+  nlohmann::json nics = nlohmann::json::array();
+  for (const auto& n : rr.pred.nics)
+    nics.push_back({{"node", n.node},
+                    {"nic", n.nic},
+                    {"in_bytes", n.in_bytes},
+                    {"out_bytes", n.out_bytes},
+                    {"sessions", n.sessions},
+                    {"time_s", n.time_s}});
+  j["engine_nics"] = nics;
+  return j;
+}
+
+// `plan --relay auto|DEGREE`: the relay plan, its tree and per-hop times, next to the direct plan `direct` (built
+// with the same options). The figures above the relay section describe what the sources execute: with a relay, the
+// group roots only; the predicted time and speed-up are the relay's.
+int RunRelayPlan(const std::string& model, const PlanInput& in, const WeightFormat& wf, const planner::PlanOptions& opt,
+                 const planner::RelayOptions& relay, const planner::CostParams& cp, const planner::Plan& direct,
+                 bool json, bool tasks) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto rp = planner::BuildRelayPlan(in, opt, relay);
+  const double build_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (!rp.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(rp.status().message()).c_str());
+    return kExitError;
+  }
+  RelayReport rr;
+  rr.plan = *std::move(rp);
+  rr.pred = planner::PredictRelay(in, rr.plan, cp);
+  rr.direct_s = planner::PredictPlan(in, direct, cp).total_s;
+  for (const auto& s : direct.sources) rr.direct_egress += s.bytes_out;
+  const PlanInput& src_in = rr.plan.relayed ? rr.plan.roots_input : in;
+  Report r = Evaluate(model, src_in, rr.plan.plan, cp, build_ms);
+  if (rr.plan.relayed) {
+    r.p2p.transfer_s = rr.pred.transfer_s;
+    r.p2p.total_s = rr.pred.total_s;
+    uint64_t max_nic = 0;
+    for (const auto& n : rr.pred.nics) max_nic = std::max({max_nic, n.in_bytes, n.out_bytes});
+    r.p2p.bound_s = std::max(r.p2p.bound_s, max_nic / in.cluster.nic.bytes_per_second());
+  }
+  if (json) {
+    nlohmann::json j = ReportJson(r);
+    j["strategy"] = std::string(planner::StrategyName(rr.plan.plan.strategy));
+    j["trainer"] = planner::FormatTrainerSpec(in.cluster.trainer);
+    j["engine"] = planner::FormatEngineSpec(in.cluster.engine);
+    j["sources"] = SourcesJson(src_in, rr.plan.plan, tasks);
+    j["rates"] = {{"replica_load_gbps_per_source", cp.node_load_gbps.empty() ? cp.replica_load_gbps : 0.0},
+                  {"node_load_gbps", cp.node_load_gbps},
+                  {"d2h_gbps", cp.d2h_gbps},
+                  {"origin", cp.rates_origin.empty() ? "defaults" : cp.rates_origin},
+                  {"text", RatesLine(cp)}};
+    j["relay"] = RelayJson(in, rr, cp, tasks);
+    std::printf("%s\n", j.dump(2).c_str());
+  } else {
+    PrintTable(src_in, rr.plan.plan, r, wf, cp, tasks);
+    PrintRelay(in, rr, cp, tasks);
+  }
+  return kExitOk;
+}
+
 }  // namespace
 
 absl::StatusOr<WeightFormat> ParseWeightFormat(const std::string& text) {
@@ -362,6 +533,19 @@ int RunPlanCommand(int argc, char** argv) {
   app.add_option("--snap-kib", snap_kib,
                  "balanced: a cut this close (KiB) to a parameter boundary moves to it; as wsync-coordinator --snap-kib")
       ->capture_default_str();
+  std::string relay = "off";
+  uint64_t relay_chunk_kib = planner::RelayOptions().chunk_bytes >> 10;
+  app.add_option("--relay", relay,
+                 "relay plans: off (the sources write every instance: today's plan), auto (engine instances of one "
+                 "layout relay to each other when the cost model predicts it faster, the degree it predicts fastest) "
+                 "or DEGREE (children per relay). Planning only: daemons do not forward yet")
+      ->capture_default_str();
+  app.add_option("--relay-chunk-kib", relay_chunk_kib, "relay: what a relay forwards at once (KiB)")
+      ->capture_default_str();
+  app.add_option("--relay-hop-ms", cp.relay_hop_ms,
+                 "relay: per hop and chunk, beyond its bytes (landed, checked, "
+                 "forward posted)")
+      ->capture_default_str();
   app.add_flag("--no-gather", no_gather, "leave the trainer all-gather out of the prediction");
   app.add_flag("--tasks", tasks, "print every source's tasks (and push filter in json)");
   app.add_flag("--seed-table", seed_table, "reproduce the seed write-up's 8-row table in simulation");
@@ -419,6 +603,12 @@ int RunPlanCommand(int argc, char** argv) {
   if (!(cp.session_ms >= 0)) return usage(absl::InvalidArgumentError("--session-ms must not be negative"));
   auto min_source = planner::ParseMinSourceMib(min_source_mib);
   if (!min_source.ok()) return usage(min_source.status());
+  auto relay_opt = planner::ParseRelayMode(relay);
+  if (!relay_opt.ok()) return usage(relay_opt.status());
+  if (relay_chunk_kib == 0 || relay_chunk_kib > (uint64_t{1} << 30))
+    return usage(absl::InvalidArgumentError("--relay-chunk-kib must be in [1, 2^30]"));
+  relay_opt->chunk_bytes = relay_chunk_kib << 10;
+  if (!(cp.relay_hop_ms >= 0)) return usage(absl::InvalidArgumentError("--relay-hop-ms must not be negative"));
   cp.include_gather = !no_gather;
   coordinator_cost.include_gather = cp.include_gather;
   if (seed_table) {
@@ -457,6 +647,8 @@ int RunPlanCommand(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", std::string(plan.status().message()).c_str());
     return kExitError;
   }
+  if (relay_opt->mode != planner::RelayMode::kOff)
+    return RunRelayPlan(model, *in, *wf, opt, *relay_opt, cp, *plan, out == "json", tasks);
   const std::string name = model.substr(model.find_last_of('/') == std::string::npos ? 0 : model.find_last_of('/') + 1);
   Report r = Evaluate(model, *in, *plan, cp, build_ms);
   if (out == "json") {
