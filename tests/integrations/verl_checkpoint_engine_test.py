@@ -7,12 +7,15 @@ what registers the backend; checked in a fresh interpreter that imports nothing 
 config (`trainer/config/_generated_ppo_trainer.yaml`) with the one override
 `actor_rollout_ref.rollout.checkpoint_engine.backend=wsync`, converted by verl's `omega_conf_to_dataclass` into its
 `CheckpointEngineConfig`; `CheckpointEngineRegistry.new`/`get` with the arguments verl's actor and rollout workers
-pass; then per update the sequence of `CheckpointEngineManager.update_weights` (prepare on every worker,
-the backend class's build_topology, init_process_group with its kwargs, the actor ranks' send_weights concurrently
-with the rollout worker's receive_weights, finalize) on two actor ranks and one rollout worker. Not run: Ray (verl's
-worker groups and dispatch), the manager object itself, FSDP's `get_per_tensor_param` (the test's generator yields the
-trainer's bf16 state dict, one rank's as a plain generator, the other's as an async generator, as verl's engines may),
-verl's vLLM server adapter.
+pass; then per update the sequence of `CheckpointEngineManager.update_weights` through verl's own worker methods:
+`execute_checkpoint_engine` (prepare, init_process_group with the backend's build_topology kwargs, finalize) of
+`ActorRolloutRefWorker` (verl/workers/engine_workers.py) and `CheckpointEngineWorker`, then the two actor ranks'
+`ActorRolloutRefWorker.update_weights(global_steps, mode)` (which takes `get_per_tensor_param()` from its model engine
+and calls `send_weights`) concurrently with the rollout worker's `CheckpointEngineWorker.update_weights` (which feeds
+`receive_weights` to its server adapter). Not run: Ray (verl's worker groups and dispatch: the methods are called on
+stand-in `self` namespaces holding what they read), the manager object, the workers' constructors, FSDP's
+`get_per_tensor_param` (a stand-in model engine yields the trainer's bf16 state dict, to one rank as a plain generator,
+to the other as an async generator), verl's vLLM server adapter (a stand-in records what it is handed).
 
 Checks: the engine serves each step's version after send_weights returns; vLLM's SHA-256 of every parameter equals
 what vLLM's own reload of the trainer's tensors gives (bit-exact); vLLM's logprobs of its next rollout equal the
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -55,7 +59,8 @@ def registered_in_fresh_interpreter(check) -> None:
 
 
 def verl_config():
-    """verl's shipped PPO trainer config with the one-line switch, as verl's workers read it."""
+    """verl's shipped PPO trainer config with the one-line switch, as verl's workers read it: (its checkpoint-engine
+    section as verl's CheckpointEngineConfig, the whole config)."""
     import verl
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
@@ -64,13 +69,38 @@ def verl_config():
     base = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), "trainer", "config",
                                        "_generated_ppo_trainer.yaml"))
     cfg = OmegaConf.merge(base, OmegaConf.from_dotlist([SWITCH]))
-    return omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine, CheckpointEngineConfig)
+    return omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine, CheckpointEngineConfig), cfg
+
+
+class StandInEngine:
+    """What verl's actor worker asks of its model engine here: `get_per_tensor_param()` (FSDP's yields each full
+    tensor in HF names; this one the trainer's bf16 state dict, as a plain or an async generator)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def get_per_tensor_param(self):
+        return self.stream, None  # (weights, peft_config)
+
+
+class StandInServerAdapter:
+    """Records what verl's CheckpointEngineWorker.update_weights hands its vLLM server adapter."""
+
+    def __init__(self):
+        self.calls = []
+
+    async def update_weights(self, weights, global_steps=None, wire_format="named_tensors", **kwargs):
+        items = [item async for item in weights]
+        self.calls.append({"items": len(items), "global_steps": global_steps, "wire_format": wire_format})
 
 
 class VerlSide:
-    """The checkpoint engines as verl's workers build them, and the manager's per-update sequence over them."""
+    """The checkpoint engines as verl's workers build them, driven through verl's own worker methods
+    (ActorRolloutRefWorker.update_weights / execute_checkpoint_engine, CheckpointEngineWorker.update_weights /
+    execute_checkpoint_engine) in the order of CheckpointEngineManager.update_weights. The workers' `self` is a
+    namespace holding what those methods read: their config, checkpoint engine, model engine or server adapter."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, trainer_cfg):
         from verl.checkpoint_engine import CheckpointEngineRegistry
 
         self.cfg = cfg
@@ -78,33 +108,55 @@ class VerlSide:
         kwargs = cfg.engine_kwargs.get(cfg.backend, {})
         bucket = cfg.update_weights_bucket_megabytes << 20
         # Actor workers: is_master is torch.distributed rank 0; rollout workers: no is_master.
-        self.actors = [CheckpointEngineRegistry.new(cfg.backend, is_master=(r == 0), bucket_size=bucket, **kwargs)
-                       for r in range(ACTOR_RANKS)]
-        self.rollout = CheckpointEngineRegistry.new(cfg.backend, bucket_size=bucket, **kwargs)
+        self.actors = [types.SimpleNamespace(
+            config=trainer_cfg.actor_rollout_ref, actor=types.SimpleNamespace(engine=None),
+            checkpoint_engine=CheckpointEngineRegistry.new(cfg.backend, is_master=(r == 0), bucket_size=bucket,
+                                                           **kwargs)) for r in range(ACTOR_RANKS)]
+        self.adapter = StandInServerAdapter()
+        self.rollout = types.SimpleNamespace(
+            checkpoint_engine=CheckpointEngineRegistry.new(cfg.backend, bucket_size=bucket, **kwargs),
+            server_adapter=self.adapter)
+
+    @property
+    def engines(self):
+        return [w.checkpoint_engine for w in self.actors]
 
     def build_process_group(self) -> None:
-        metadata = [e.prepare() for e in self.actors] + [self.rollout.prepare()]
+        from verl.checkpoint_engine.base import CheckpointEngineWorker
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+
+        metadata = [ActorRolloutRefWorker.execute_checkpoint_engine(w, "prepare") for w in self.actors]
+        metadata.append(CheckpointEngineWorker.execute_checkpoint_engine(self.rollout, "prepare"))
         akw, rkw = self.backend_cls.build_topology(len(self.actors), 1, metadata)
-        for i, e in enumerate(self.actors):
-            e.init_process_group(**{k: v[i] for k, v in akw.items()})
-        self.rollout.init_process_group(**{k: v[0] for k, v in rkw.items()})
+        for i, w in enumerate(self.actors):
+            ActorRolloutRefWorker.execute_checkpoint_engine(w, "init_process_group", **{k: v[i] for k, v in akw.items()})
+        CheckpointEngineWorker.execute_checkpoint_engine(self.rollout, "init_process_group",
+                                                         **{k: v[0] for k, v in rkw.items()})
 
-    async def _update(self, streams, global_steps):
-        async def receive():
-            return [item async for item in self.rollout.receive_weights(global_steps=global_steps)]
+    async def _update(self, global_steps):
+        from verl.checkpoint_engine.base import CheckpointEngineWorker
+        from verl.workers.engine_workers import ActorRolloutRefWorker
 
-        return await asyncio.gather(*[e.send_weights(s, global_steps=global_steps)
-                                      for e, s in zip(self.actors, streams)], receive(), return_exceptions=True)
+        return await asyncio.gather(
+            *[ActorRolloutRefWorker.update_weights(w, global_steps=global_steps, mode=self.cfg.backend)
+              for w in self.actors],
+            CheckpointEngineWorker.update_weights(self.rollout, global_steps=global_steps), return_exceptions=True)
 
     def update_weights(self, streams, global_steps: int):
+        from verl.checkpoint_engine.base import CheckpointEngineWorker
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+
+        for w, s in zip(self.actors, streams):
+            w.actor.engine = StandInEngine(s)
         self.build_process_group()
-        results = asyncio.run(self._update(streams, global_steps))
-        for e in self.actors + [self.rollout]:
-            e.finalize()
+        results = asyncio.run(self._update(global_steps))
+        for w in self.actors:
+            ActorRolloutRefWorker.execute_checkpoint_engine(w, "finalize")
+        CheckpointEngineWorker.execute_checkpoint_engine(self.rollout, "finalize")
         return results
 
     def close(self):
-        for e in self.actors:
+        for e in self.engines:
             e.close()
 
 
@@ -139,12 +191,12 @@ def main() -> int:
         loop.start()
         os.environ["WSYNC_COORDINATOR"] = loop.coord_addr        # what a deployment sets for verl's workers
         os.environ["WSYNC_TRAINER_SOCKET"] = loop.trainer_socket
-        cfg = verl_config()
+        cfg, trainer_cfg = verl_config()
         check(cfg.backend == "wsync" and cfg.engine_kwargs == {} and not cfg.custom_backend_module,
               f"verl's config with `{SWITCH}` alone selects backend wsync: {cfg}")
-        side = VerlSide(cfg)
-        check(type(side.actors[0]).__name__ == "WsyncCheckpointEngine" and side.actors[0].is_master
-              and not side.actors[1].is_master, "CheckpointEngineRegistry.new builds wsync engines, rank 0 master")
+        side = VerlSide(cfg, trainer_cfg)
+        check(type(side.engines[0]).__name__ == "WsyncCheckpointEngine" and side.engines[0].is_master
+              and not side.engines[1].is_master, "CheckpointEngineRegistry.new builds wsync engines, rank 0 master")
         before = loop.checksums()
         for step in range(2):
             version = step + 1
@@ -165,13 +217,17 @@ def main() -> int:
                   f"({time.time() - t:.2f}s; errors: {errors})")
             metrics = results[0] if isinstance(results[0], dict) else {}
             check({"wsync/push_seconds", "wsync/post_process_seconds", "wsync/bytes"} <= set(metrics)
-                  and metrics.get("wsync/version") == version and results[1] == {} and results[2] == [],
-                  f"update {version}: the master returns wsync's phases as verl's sync metrics: "
+                  and metrics.get("wsync/version") == version and results[1] == {},
+                  f"update {version}: the master's update_weights returns wsync's phases as verl's sync metrics: "
                   f"{json.dumps(metrics)[:300]}")
+            call = side.adapter.calls[-1] if side.adapter.calls else {}
+            check(call == {"items": 0, "global_steps": version, "wire_format": "named_tensors"},
+                  f"update {version}: the rollout worker's update_weights hands its server adapter an empty stream "
+                  f"(the weights are in the engine already): {call}")
             check(loop.weight_version() == str(version), f"update {version}: vLLM serves version {version} when "
                   f"send_weights returns ({loop.weight_version()!r})")
-            pushed = [e.last_push.get("pushed", -1) for e in side.actors]
-            filters = [e.last_push.get("filter", -2) for e in side.actors]
+            pushed = [e.last_push.get("pushed", -1) for e in side.engines]
+            filters = [e.last_push.get("filter", -2) for e in side.engines]
             check(pushed == filters and sum(pushed) == len(state),
                   f"update {version}: each rank pushed its filter, together every tensor once (pushed {pushed}, "
                   f"filters {filters}, {len(state)} tensors; the plan decides the split)")
