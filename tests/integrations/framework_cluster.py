@@ -20,15 +20,16 @@ import rl_loop  # noqa: E402
 
 
 class FrameworkLoop(rl_loop.Loop):
-    def __init__(self, args, trainer_ranks: int):
+    def __init__(self, args, trainer_ranks: int, coordinator_args: tuple = ()):
         super().__init__(args)
         self.trainer_ranks = trainer_ranks
+        self.coordinator_args = list(coordinator_args)
 
     def _start_wsync_daemons(self) -> None:
         b = self.args.bin
         pf = os.path.join(self.wd, "coord.port")
         self.procs.start("coordinator", [os.path.join(b, "wsync-coordinator"), "--listen", "127.0.0.1:0",
-                                         "--port-file", pf])
+                                         "--port-file", pf] + self.coordinator_args)
         cport = harness.wait_for("coordinator", lambda: harness.read_port_file(pf), 30, self.procs, ["coordinator"])
         self.coord_addr = f"127.0.0.1:{cport}"
         pf = os.path.join(self.wd, "source.port")

@@ -185,7 +185,9 @@ def main() -> int:
     torch.set_num_threads(1)
     out = tempfile.mkdtemp(prefix="wsync-verl-test-")
     args = rl_loop.parse_args(["--bin", opts.bin, "--lr", "3e-2", "--out", out] + (["--keep"] if opts.keep else []))
-    loop = fc.FrameworkLoop(args, trainer_ranks=ACTOR_RANKS)
+    # --min-source-mib 0: the planner gives every rank a share however small the model (its cost model would leave
+    # rank 1 out for a model of 0.7 MiB), so both ranks push.
+    loop = fc.FrameworkLoop(args, trainer_ranks=ACTOR_RANKS, coordinator_args=("--min-source-mib", "0"))
     side = None
     try:
         loop.start()
@@ -228,9 +230,9 @@ def main() -> int:
                   f"send_weights returns ({loop.weight_version()!r})")
             pushed = [e.last_push.get("pushed", -1) for e in side.engines]
             filters = [e.last_push.get("filter", -2) for e in side.engines]
-            check(pushed == filters and sum(pushed) == len(state),
-                  f"update {version}: each rank pushed its filter, together every tensor once (pushed {pushed}, "
-                  f"filters {filters}, {len(state)} tensors; the plan decides the split)")
+            check(pushed == filters and sum(pushed) == len(state) and min(pushed) > 0,
+                  f"update {version}: each rank pushed its filter, both a share, together every tensor once "
+                  f"(pushed {pushed}, filters {filters}, {len(state)} tensors)")
             got = loop.checksums()
             oracle = loop.oracle_checksums(version, state)
             fc.compare_checksums(check, got, oracle, before, f"update {version}")
