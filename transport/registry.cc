@@ -48,6 +48,7 @@ std::vector<TransportEntry> BuildRegistry() {
     e.caps.writes_into_device = true;  // staged through the sink's host buffers
     e.caps.write_windows = true;
     e.caps.write_grants = true;
+    e.caps.refusals_counted = true;  // the receiving transport's threads refuse every write frame themselves
     e.daemon_selectable = true;
     e.create = [](const TransportOptions& o) { return tcp::CreateTcpTransport(o); };
     r.push_back(std::move(e));

@@ -161,8 +161,9 @@ class Endpoint {
   }
 };
 
-// What a backend declares about itself. A flag is a promise the conformance tests hold it to
-// (tests/transport/registry_test.cc): a backend that says it enforces something does, on every host it runs on.
+// What a backend declares about itself. A flag is a promise the conformance suite holds it to by what the backend does
+// (tests/transport/conformance_test.cc, run against every backend): a backend that says it enforces something does,
+// on every host it runs on; and a call that answers OK (SetWriteWindow, RequireGrants) is enforced, declared or not.
 struct Capabilities {
   // The sending side writes from host memory registered with RegisterSourceMemory (every backend today).
   bool writes_from_host = true;
@@ -179,6 +180,10 @@ struct Capabilities {
   bool write_windows = false;
   // CreateGrantedEndpoint / RequireGrants are enforced.
   bool write_grants = false;
+  // Every write the receiving side refuses (a closed window, a region outside the connection's grant, a revoked or
+  // missing grant) is counted in its refused_writes() by the time the sender's Post or Wait fails. False where some
+  // refusals happen out of the receiving CPU's sight (a NIC checking memory keys: verbs, fabric).
+  bool refusals_counted = false;
 };
 
 class Transport {

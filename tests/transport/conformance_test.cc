@@ -1,7 +1,14 @@
-// Behaviour every transport must have. Linked once per backend with its factory (see conformance.h).
+// Behaviour every transport must have. Linked once per backend with its factory (see conformance.h): tcp, tcp through
+// the fault decorator, fabric (tcp;ofi_rxm, sockets, and the forced efa/cxi memory-registration modes), verbs in the
+// soft-RoCE VM. What a backend declares (Capabilities) is held against what it does: bytes checked against a pattern
+// computed independently of the memory the transport read, windows and grants refused and counted as declared,
+// cancel, a dead peer named within the deadline, Endpoint::Reusable.
+
+#include "tests/transport/conformance.h"
 
 #include <algorithm>
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -12,12 +19,9 @@
 #include <thread>
 #include <vector>
 
-#include <catch2/catch.hpp>
-
-#include "tests/transport/pattern.h"
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
-#include "tests/transport/conformance.h"
+#include "tests/transport/pattern.h"
 
 namespace {
 
@@ -122,8 +126,7 @@ void RequireOk(const absl::Status& s) {
 }
 
 // Applies a write to an expected image using the pattern, not the source memory.
-void Expect(std::vector<uint8_t>& image, uint64_t dst_offset, uint64_t src_seed, uint64_t src_offset,
-            uint64_t len) {
+void Expect(std::vector<uint8_t>& image, uint64_t dst_offset, uint64_t src_seed, uint64_t src_offset, uint64_t len) {
   FillPattern(image.data() + dst_offset, len, src_seed, src_offset);
 }
 
@@ -536,4 +539,222 @@ TEST_CASE(
   auto plain = receiver->CreateEndpoint();
   REQUIRE(plain.ok());
   CHECK_FALSE((*plain)->Reusable(first->LocalInfo()));
+}
+
+// Declared capabilities held against behaviour (transport.h, Capabilities). A refused write is one whose Post or Wait
+// fails (not with DeadlineExceeded: a refusal is an answer, not a hang) and of which no byte lands; the endpoint it
+// was written through is not used again (the contract: re-create it). Each case fails when the backend's check is
+// removed: a window, grant or revocation that is not enforced lands the write's bytes (checked against the pattern,
+// untouched bytes against their fill), and a refusal not counted where the backend declares refusals_counted leaves
+// refused_writes() where it was.
+namespace {
+
+using wsync::transport::Capabilities;
+
+// Writes `len` bytes of `src` (pattern `seed`) at offset 0 of `dst` through a fresh endpoint of `sender` connected
+// with the receiving endpoint `granted` (null: a plain endpoint of `receiver`). Returns the write's status.
+absl::Status WriteOnce(Transport& sender, Transport& receiver, Endpoint* granted, const LocalRegion& src,
+                       const RemoteRegion& dst, uint64_t len) {
+  auto from = sender.CreateEndpoint();
+  REQUIRE(from.ok());
+  std::unique_ptr<Endpoint> plain;
+  Endpoint* to = granted;
+  if (to == nullptr) {
+    auto p = receiver.CreateEndpoint();
+    REQUIRE(p.ok());
+    plain = *std::move(p);
+    to = plain.get();
+  }
+  absl::Status to_status;
+  std::thread t([&] { to_status = to->Connect((*from)->LocalInfo(), kTimeout); });
+  absl::Status from_status = (*from)->Connect(to->LocalInfo(), kTimeout);
+  t.join();
+  RequireOk(to_status);
+  if (!from_status.ok()) return from_status;  // refused at connection time (a backend may refuse that early)
+  WriteRequest w{&src, 0, &dst, 0, len};
+  return (*from)->Write({&w, 1}, kTimeout);
+}
+
+// A refusal: failed with an answer, nothing landed, counted where the backend promises it.
+void CheckRefused(const absl::Status& st, const Capabilities& caps, const Transport& receiver, uint64_t refused_before,
+                  const Buffer& dst, uint8_t fill) {
+  INFO("write status: " << st.ToString());
+  CHECK_FALSE(st.ok());
+  CHECK(st.code() != absl::StatusCode::kDeadlineExceeded);
+  CHECK(std::all_of(dst.bytes.begin(), dst.bytes.end(), [&](uint8_t b) { return b == fill; }));
+  if (caps.refusals_counted) CHECK(receiver.refused_writes() > refused_before);
+}
+
+}  // namespace
+
+TEST_CASE("write window: closed refuses and counts, re-opened lands; closing after a write refuses the next",
+          "[transport][window]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  const Capabilities caps = receiver->capabilities();
+  constexpr uint64_t kLen = 256 << 10;
+  Buffer src = RegisterPattern(*sender, kLen, 31);
+  Buffer dst = Register(*receiver, kLen, kUntouched);
+  auto remote = Import(*sender, *dst.region);
+
+  const absl::Status closed = receiver->SetWriteWindow(false);
+  if (!closed.ok()) {
+    INFO(closed.ToString());
+    CHECK_FALSE(caps.write_windows);  // declared enforced, yet refused to close
+    CHECK(closed.code() == absl::StatusCode::kUnimplemented);
+    return;
+  }
+  // Closed: refused, nothing lands, counted.
+  uint64_t before = receiver->refused_writes();
+  CheckRefused(WriteOnce(*sender, *receiver, nullptr, *src.region, *remote, kLen), caps, *receiver, before, dst,
+               kUntouched);
+
+  // Re-opened: a new connection's write lands bit for bit.
+  RequireOk(receiver->SetWriteWindow(true));
+  RequireOk(WriteOnce(*sender, *receiver, nullptr, *src.region, *remote, kLen));
+  CHECK(FirstPatternMismatch(dst.bytes.data(), kLen, 31, 0) == -1);
+
+  // Closed after writes landed on a live connection: its next write is refused, the memory keeps what landed.
+  Link link = Connect(*sender, *receiver);
+  Buffer src2 = RegisterPattern(*sender, kLen, 32);
+  WriteRequest first{src2.region.get(), 0, remote.get(), 0, kLen / 2};
+  RequireOk(link.src->Write({&first, 1}, kTimeout));
+  CHECK(FirstPatternMismatch(dst.bytes.data(), kLen / 2, 32, 0) == -1);
+  RequireOk(receiver->SetWriteWindow(false));
+  before = receiver->refused_writes();
+  WriteRequest second{src2.region.get(), kLen / 2, remote.get(), kLen / 2, kLen / 2};
+  const absl::Status late = link.src->Write({&second, 1}, kTimeout);
+  INFO(late.ToString());
+  CHECK_FALSE(late.ok());
+  CHECK(late.code() != absl::StatusCode::kDeadlineExceeded);
+  CHECK(FirstPatternMismatch(dst.bytes.data(), kLen / 2, 32, 0) == -1);
+  CHECK(FirstPatternMismatch(dst.bytes.data() + kLen / 2, kLen / 2, 31, kLen / 2) == -1);  // not the new bytes
+  if (caps.refusals_counted) CHECK(receiver->refused_writes() > before);
+}
+
+TEST_CASE("write grants: outside the grant, without one and after revocation refused and counted; inside lands",
+          "[transport][grants]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  const Capabilities caps = receiver->capabilities();
+  constexpr uint64_t kLen = 128 << 10;
+  const absl::Status required = receiver->RequireGrants(true);
+  if (!required.ok()) {
+    INFO(required.ToString());
+    CHECK_FALSE(caps.write_grants);  // declared enforced, yet refused
+    CHECK(required.code() == absl::StatusCode::kUnimplemented);
+    return;
+  }
+  Buffer src = RegisterPattern(*sender, kLen, 41);
+  Buffer granted_mem = Register(*receiver, kLen, kUntouched);
+  Buffer other_mem = Register(*receiver, kLen, kUntouched);
+  auto granted_remote = Import(*sender, *granted_mem.region);
+  auto other_remote = Import(*sender, *other_mem.region);
+  auto grant = [&](const std::string& peer) {
+    Transport::WriteGrant g;
+    g.peer = peer;
+    g.scope = "engine0/0";
+    g.regions = {granted_mem.region.get()};
+    auto ep = receiver->CreateGrantedEndpoint(g);
+    INFO(ep.status().ToString());
+    REQUIRE(ep.ok());
+    return *std::move(ep);
+  };
+
+  SECTION("a region the grant does not name") {
+    auto g = grant("source:a");
+    const uint64_t before = receiver->refused_writes();
+    CheckRefused(WriteOnce(*sender, *receiver, g.get(), *src.region, *other_remote, kLen), caps, *receiver, before,
+                 other_mem, kUntouched);
+    // The granted region through a fresh grant: lands.
+    auto g2 = grant("source:a2");
+    RequireOk(WriteOnce(*sender, *receiver, g2.get(), *src.region, *granted_remote, kLen));
+    CHECK(FirstPatternMismatch(granted_mem.bytes.data(), kLen, 41, 0) == -1);
+  }
+  SECTION("no grant while grants are required") {
+    const uint64_t before = receiver->refused_writes();
+    CheckRefused(WriteOnce(*sender, *receiver, nullptr, *src.region, *granted_remote, kLen), caps, *receiver, before,
+                 granted_mem, kUntouched);
+  }
+  SECTION("a revoked grant, on a connection that wrote through it") {
+    auto g = grant("source:b");
+    auto from = sender->CreateEndpoint();
+    REQUIRE(from.ok());
+    absl::Status g_status;
+    std::thread t([&] { g_status = g->Connect((*from)->LocalInfo(), kTimeout); });
+    RequireOk((*from)->Connect(g->LocalInfo(), kTimeout));
+    t.join();
+    RequireOk(g_status);
+    WriteRequest w{src.region.get(), 0, granted_remote.get(), 0, kLen / 2};
+    RequireOk((*from)->Write({&w, 1}, kTimeout));
+    CHECK(FirstPatternMismatch(granted_mem.bytes.data(), kLen / 2, 41, 0) == -1);
+    receiver->RevokeGrants([](const Transport::WriteGrant& gr) { return gr.peer != "source:b"; });
+    const uint64_t before = receiver->refused_writes();
+    WriteRequest late{src.region.get(), kLen / 2, granted_remote.get(), kLen / 2, kLen / 2};
+    const absl::Status st = (*from)->Write({&late, 1}, kTimeout);
+    INFO(st.ToString());
+    CHECK_FALSE(st.ok());
+    CHECK(st.code() != absl::StatusCode::kDeadlineExceeded);
+    CHECK(std::all_of(granted_mem.bytes.begin() + kLen / 2, granted_mem.bytes.end(),
+                      [](uint8_t b) { return b == kUntouched; }));
+    if (caps.refusals_counted) CHECK(receiver->refused_writes() > before);
+  }
+}
+
+// Endpoint::Cancel (transport.h): every batch in flight and every later Post/Wait fails with the caller's reason,
+// at once, without waiting for the network; what had landed by then is the batches' bytes or untouched, nothing else.
+// Fails when a backend's Cancel does not reach its queued writes (a Wait that completes them all after the cancel, or
+// runs into its deadline).
+TEST_CASE("cancel: queued batches fail with the caller's reason at once; later calls fail; no torn bytes",
+          "[transport][cancel]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  constexpr uint64_t kLen = 32 << 20;
+  constexpr int kBatches = 8;
+  Buffer src = RegisterPattern(*sender, kLen, 51);
+  Buffer dst = Register(*receiver, kBatches * kLen, kUntouched);
+  auto remote = Import(*sender, *dst.region);
+  Link link = Connect(*sender, *receiver);
+  std::vector<BatchId> ids;
+  for (int i = 0; i < kBatches; ++i) {
+    WriteRequest w{src.region.get(), 0, remote.get(), static_cast<uint64_t>(i) * kLen, kLen};
+    auto id = link.src->Post({&w, 1});
+    RequireOk(id.status());
+    ids.push_back(*id);
+  }
+  const absl::Time t0 = absl::Now();
+  link.src->Cancel(absl::CancelledError("conformance: the update was aborted"));
+  int cancelled = 0;
+  for (BatchId id : ids) {
+    const absl::Status st = link.src->Wait(id, kTimeout);
+    INFO(st.ToString());
+    CHECK(st.code() != absl::StatusCode::kDeadlineExceeded);
+    if (!st.ok()) {
+      ++cancelled;
+      CHECK(absl::StrContains(st.message(), "conformance: the update was aborted"));
+    }
+  }
+  // 256 MiB were queued: on every backend here the cancel catches most of them in flight.
+  CHECK(cancelled > 0);
+  CHECK(absl::Now() - t0 < absl::Seconds(5));
+  WriteRequest again{src.region.get(), 0, remote.get(), 0, 4096};
+  auto later = link.src->Post({&again, 1});
+  if (later.ok()) {
+    const absl::Status st = link.src->Wait(*later, kTimeout);
+    CHECK_FALSE(st.ok());
+    CHECK(st.code() != absl::StatusCode::kDeadlineExceeded);
+  }
+  // Every byte is the pattern or untouched. (Bytes a receiver had buffered when the cancel came may still land after
+  // it returned: a tcp receiver applies what reached its socket.)
+  link.dst.reset();
+  dst.region.reset();
+  receiver.reset();
+  for (int i = 0; i < kBatches; ++i) {
+    const uint8_t* p = dst.bytes.data() + static_cast<uint64_t>(i) * kLen;
+    uint64_t torn = kLen;
+    for (uint64_t j = 0; j < kLen && torn == kLen; ++j)
+      if (p[j] != kUntouched && p[j] != PatternByte(51, j)) torn = j;
+    INFO("batch " << i << ": byte " << torn << " is neither the pattern nor untouched");
+    CHECK(torn == kLen);
+  }
 }
