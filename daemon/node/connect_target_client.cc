@@ -19,12 +19,18 @@ constexpr int kReconnectSeconds = 10;
 
 absl::StatusOr<v1::ConnectTargetReply> DialConnectTargetReply(const std::string& target_daemon,
                                                               const v1::ConnectTargetRequest& req) {
+  return DialConnectTargetBy(target_daemon, req, absl::InfiniteFuture());
+}
+
+absl::StatusOr<v1::ConnectTargetReply> DialConnectTargetBy(const std::string& target_daemon,
+                                                           const v1::ConnectTargetRequest& req, absl::Time deadline) {
+  const auto by = [&](int seconds) { return absl::ToChronoTime(std::min(absl::Now() + absl::Seconds(seconds), deadline)); };
   WSYNC_ASSIGN_OR_RETURN(auto channel, tls::Dial(target_daemon, kMaxControlMessageBytes));
   auto stub = v1::NodeDaemon::NewStub(channel);
   v1::ConnectTargetReply out;
   const auto call = [&] {
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline(60));
+    ctx.set_deadline(by(60));
     return stub->ConnectTarget(&ctx, req, &out);
   };
   grpc::Status s = call();
@@ -36,8 +42,10 @@ absl::StatusOr<v1::ConnectTargetReply> DialConnectTargetReply(const std::string&
   if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
     spdlog::warn("ConnectTarget to {}: {}; waiting up to {} s for the connection, then asking again", target_daemon,
                  s.error_message(), kReconnectSeconds);
-    if (!channel->WaitForConnected(Deadline(kReconnectSeconds)))
-      return Annotate(FromGrpcStatus(s), absl::StrCat("still unreachable ", kReconnectSeconds, " s later"));
+    if (!channel->WaitForConnected(by(kReconnectSeconds)))
+      return Annotate(FromGrpcStatus(s), absl::Now() >= deadline
+                                             ? std::string("still unreachable when the caller's deadline passed")
+                                             : absl::StrCat("still unreachable ", kReconnectSeconds, " s later"));
     s = call();
   }
   if (!s.ok()) return FromGrpcStatus(s);

@@ -57,24 +57,29 @@ grpc::Status TrainerIngestService::CloseSession(grpc::ServerContext*, const v1::
   WSYNC_LIMIT("CloseSession");
   return ToGrpcStatus(source_->CloseSession(req->session_id()));
 }
+namespace {
+
+// The connects to targets (ConfigureSource, StartUpdate's reconnects) end before the caller's deadline, so it hears
+// which one failed rather than its own deadline passing.
+absl::Time ConnectDeadline(const grpc::ServerContext& ctx) {
+  if (ctx.deadline() == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  const absl::Duration left = absl::FromChrono(ctx.deadline()) - absl::Now();
+  return absl::Now() + left - std::min(left / 10, absl::Seconds(1));
+}
+
+}  // namespace
+
 grpc::Status NodeDaemonService::ConfigureSource(grpc::ServerContext* ctx, const v1::ConfigureSourceRequest* req,
                                                 v1::ConfigureSourceReply* out) {
   WSYNC_AUTHORIZE("ConfigureSource", {tls::kCoordinator});
   WSYNC_NEED(Source);
-  // The connects to targets end before the caller's deadline, so it hears which one failed rather than its own
-  // deadline passing.
-  absl::Time deadline = absl::InfiniteFuture();
-  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
-    const absl::Duration left = absl::FromChrono(ctx->deadline()) - absl::Now();
-    deadline = absl::Now() + left - std::min(left / 10, absl::Seconds(1));
-  }
-  return Reply(source_->Configure(*req, deadline), out);
+  return Reply(source_->Configure(*req, ConnectDeadline(*ctx)), out);
 }
 grpc::Status NodeDaemonService::StartUpdate(grpc::ServerContext* ctx, const v1::StartUpdateRequest* req,
                                             v1::StartUpdateReply*) {
   WSYNC_AUTHORIZE("StartUpdate", {tls::kCoordinator});
   WSYNC_NEED(Source);
-  return ToGrpcStatus(source_->StartUpdate(*req));
+  return ToGrpcStatus(source_->StartUpdate(*req, ConnectDeadline(*ctx)));
 }
 grpc::Status NodeDaemonService::FinishUpdate(grpc::ServerContext* ctx, const v1::FinishUpdateRequest* req,
                                              v1::FinishUpdateReply* out) {

@@ -85,6 +85,12 @@ SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, Conn
                  }) {}
 
 SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetReplyFn connect)
+    : SourceNode(std::move(opts), transport,
+                 ConnectTargetByFn([connect = std::move(connect)](const std::string& daemon,
+                                                                  const v1::ConnectTargetRequest& req,
+                                                                  absl::Time) { return connect(daemon, req); })) {}
+
+SourceNode::SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetByFn connect)
     : opts_(std::move(opts)), transport_(transport), connect_(std::move(connect)) {
   metrics_.Declare("wsync_source_bytes_written_total", "counter", "Bytes posted to targets (engine memory).");
   metrics_.Declare("wsync_source_params_written_total", "counter", "Engine parameters posted to targets.");
@@ -614,7 +620,7 @@ absl::Status SourceNode::ConnectEndpoint(Target* t, absl::Time deadline) {
   creq.set_source_endpoint_info((*ep)->LocalInfo());
   creq.set_source_node(opts_.node_id);
   if (opts_.delta_base) creq.set_delta_write_bytes(t->delta_write_bytes);
-  auto info = connect_(t->assignment.target_daemon(), creq);
+  auto info = connect_(t->assignment.target_daemon(), creq, deadline);
   if (!info.ok()) return Annotate(info.status(), absl::StrCat("connecting to ", who));
   timeout = std::min(absl::Seconds(30), std::max(deadline - absl::Now(), absl::ZeroDuration()));
   WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(info->target_endpoint_info(), timeout), "connecting to ", who);
@@ -684,7 +690,7 @@ absl::Status SourceNode::DrainOutstanding(absl::Duration timeout) {
                       absl::StrCat(failed.size(), " targets failed: ", absl::StrJoin(msgs, "; ")));
 }
 
-absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
+absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req, absl::Time deadline) {
   std::lock_guard<std::shared_mutex> ingest(ingest_mu_);
   absl::Status cancelled;  // why the last update's writes were cancelled: then every endpoint is unusable
   {
@@ -731,7 +737,7 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req) {
                  t->broken.ToString());
     broken.push_back(t.get());
   }
-  if (absl::Status st = ConnectTargets(broken); !st.ok()) {
+  if (absl::Status st = ConnectTargets(broken, deadline); !st.ok()) {
     absl::Status err = Annotate(st, absl::StrCat("update ", req.version(), ": cannot re-establish the endpoint"));
     spdlog::error("{}", err.ToString());
     return err;  // those not reconnected stay broken: the next StartUpdate tries again

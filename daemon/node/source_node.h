@@ -88,6 +88,10 @@ using ConnectTargetFn = std::function<absl::StatusOr<std::string>(const std::str
 // The same, answering the whole reply (the delta staging region with the connection's endpoint info).
 using ConnectTargetReplyFn = std::function<absl::StatusOr<v1::ConnectTargetReply>(const std::string& target_daemon,
                                                                                   const v1::ConnectTargetRequest& req)>;
+// The same, ended by `deadline`: the source's caller's (Configure's, StartUpdate's), so a dial never outlives the
+// call it serves (DialConnectTargetBy).
+using ConnectTargetByFn = std::function<absl::StatusOr<v1::ConnectTargetReply>(
+    const std::string& target_daemon, const v1::ConnectTargetRequest& req, absl::Time deadline)>;
 
 // A trainer rank asking for a session (from the hand-over socket: the pid and uid are the kernel's SO_PEERCRED, not
 // the rank's word).
@@ -127,6 +131,7 @@ class SourceNode {
 
   SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetFn connect);
   SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetReplyFn connect);
+  SourceNode(SourceOptions opts, transport::Transport* transport, ConnectTargetByFn connect);
   ~SourceNode();
 
   // Creates the rank's ring and session; a rank that reconnects replaces its previous session. Taking over a live
@@ -177,7 +182,8 @@ class SourceNode {
   // The configuration held (heartbeats report it, daemon/coordinator/coordinator.h "Self-healing"): its plan epoch
   // (-1: none) and daemon/common/config_digest.h of the request applied ("": none).
   std::pair<int64_t, std::string> AppliedConfig() const;
-  absl::Status StartUpdate(const v1::StartUpdateRequest& req);
+  // Targets whose endpoint the last update broke are connected again first, each by `deadline` (the caller's).
+  absl::Status StartUpdate(const v1::StartUpdateRequest& req, absl::Time deadline = absl::InfiniteFuture());
   // `cancelled` ends the wait for the trainer ranks early (the coordinator's call was cancelled).
   absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const v1::FinishUpdateRequest& req,
                                                      const CancelFn& cancelled = nullptr);
@@ -443,7 +449,7 @@ class SourceNode {
 
   SourceOptions opts_;
   transport::Transport* transport_;
-  ConnectTargetReplyFn connect_;
+  ConnectTargetByFn connect_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -274,7 +274,7 @@ int main(int argc, char** argv) {
     o.delta_base = delta_base;
     o.placement = placement;
     source = std::make_unique<daemon::SourceNode>(o, transport.get(),
-                                                  daemon::ConnectTargetReplyFn(daemon::DialConnectTargetReply));
+                                                  daemon::ConnectTargetByFn(daemon::DialConnectTargetBy));
     reg.set_trainer_ranks(trainer_ranks);
     reg.set_pp_stage(pp_stage);
   }
