@@ -140,7 +140,8 @@ Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
   metrics_.Declare("wsync_update_dense_fallback_ranks", "gauge",
                    "Engine ranks that fell back to dense writes in the last ended update (the history says why).");
   metrics_.Declare("wsync_current_version", "gauge", "Last committed weight version (-1: none).");
-  metrics_.Declare("wsync_update_in_progress", "gauge", "1 while an update is beginning, open, committing or aborting.");
+  metrics_.Declare("wsync_update_in_progress", "gauge",
+                   "1 while an update is beginning, open, committing or aborting.");
   metrics_.Declare("wsync_engines_hold_partial_writes", "gauge",
                    "1 when a failed or aborted update may have written into the paused engines.");
   metrics_.Declare("wsync_membership_epoch", "gauge", "Membership epoch (changes when a node registers).");
@@ -380,13 +381,16 @@ void Coordinator::SaveEngineStates() {
   Persist();
 }
 
-FanoutOptions Coordinator::UpdatePhase(const std::string& phase, double deadline_s,
-                                       std::vector<std::string> addrs) const {
+FanoutOptions Coordinator::UpdatePhase(UpdateMode mode, Phase phase, std::vector<std::string> addrs,
+                                       double deadline_s) const {
   FanoutOptions o;
   o.max_parallel = opts_.fanout_parallel;
-  o.deadline = absl::Seconds(deadline_s);
-  o.phase = phase;
-  {
+  const double row = DeadlineFor(mode, phase);
+  o.deadline = row > 0 ? absl::Seconds(row) : deadline_s > 0 ? absl::Seconds(deadline_s) : absl::InfiniteDuration();
+  o.phase = std::string(PhaseName(phase));
+  const bool past_switch = mode == UpdateMode::kStaged && (phase == Phase::kSwitch || phase == Phase::kPostProcess ||
+                                                           phase == Phase::kSetVersion || phase == Phase::kContinue);
+  if (!past_switch) {
     MutexLock l(&mu_);
     o.cancellation = update_cancel_;
   }
@@ -456,7 +460,7 @@ bool Coordinator::AbortSources(int64_t v, const std::string& why, uint64_t* byte
         if (r->bytes_written() > 0 || !r->quiescent()) clean = false;
         return absl::OkStatus();
       },
-      o);  // best effort: a source that missed it abandons the update at the next StartUpdate
+      o);                        // best effort: a source that missed it abandons the update at the next StartUpdate
   if (!all.ok()) clean = false;  // a source not asked in time: unknown
   return clean;
 }
@@ -483,7 +487,8 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
                                                     : "ok";
   metrics_.Add("wsync_updates_total", {{"result", result}}, 1);
   metrics_.Observe("wsync_update_seconds", {}, rec.total_seconds());
-  for (const auto& p : rec.phases()) metrics_.Observe("wsync_update_phase_seconds", {{"phase", p.phase()}}, p.seconds());
+  for (const auto& p : rec.phases())
+    metrics_.Observe("wsync_update_phase_seconds", {{"phase", p.phase()}}, p.seconds());
   metrics_.Add("wsync_update_bytes_total", {}, static_cast<double>(rec.bytes()));
   metrics_.Add("wsync_update_dense_bytes_total", {}, static_cast<double>(rec.dense_bytes()));
   metrics_.Add("wsync_update_sent_bytes_total", {}, static_cast<double>(rec.sent_bytes()));
@@ -518,14 +523,14 @@ absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in,
   // update writes staging memory only, until its switch.
   const bool live_written = may_have_written;
   if (live_written) engines_dirty_ = true;
-  const char* engines_now = resumed                                         ? "were resumed"
+  const char* engines_now = resumed                                  ? "were resumed"
                             : live_written || rec.mode() != "staged" ? "stay paused"
-                                                                            : "serve on";
+                                                                     : "serve on";
   // Aborted: this update is over whatever is retried; a new update (a newer version) is the way forward.
-  absl::Status err = absl::AbortedError(absl::StrCat(
-      "update ", v, " failed; engines ", engines_now,
-      current_version_ >= 0 ? absl::StrCat(" at version ", current_version_) : std::string(),
-      resumed ? kResumedNote : kPausedNote, why.ToString()));
+  absl::Status err = absl::AbortedError(
+      absl::StrCat("update ", v, " failed; engines ", engines_now,
+                   current_version_ >= 0 ? absl::StrCat(" at version ", current_version_) : std::string(),
+                   resumed ? kResumedNote : kPausedNote, why.ToString()));
   rec.set_success(false);
   rec.set_error(err.ToString());
   rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
@@ -598,8 +603,8 @@ bool Coordinator::ResumeOld(int64_t v, const std::vector<std::string>& all) {
       engines.size(),
       [&](size_t i) {
         const std::string& a = engines[i];
-        absl::Status r = Track(a, EngineState::kServing, "resume",
-                               Annotate(peers_->Continue(a), "resume " + EngineLabel(a)));
+        absl::Status r =
+            Track(a, EngineState::kServing, "resume", Annotate(peers_->Continue(a), "resume " + EngineLabel(a)));
         if (!r.ok()) {
           std::lock_guard<std::mutex> l(failed_mu);
           failed.push_back(a);
@@ -615,7 +620,8 @@ bool Coordinator::ResumeOld(int64_t v, const std::vector<std::string>& all) {
   }
   SaveEngineStates();
   if (failed.empty())
-    spdlog::warn("update {}: nothing of it reached the engines: {} engines resumed at their version", v, engines.size());
+    spdlog::warn("update {}: nothing of it reached the engines: {} engines resumed at their version", v,
+                 engines.size());
   else
     spdlog::error("update {}: nothing of it reached the engines; {} of {} engines could not be resumed ({})", v,
                   failed.size(), engines.size(), absl::StrJoin(failed, ", "));
@@ -628,8 +634,8 @@ absl::Status Coordinator::FailAndStopSources(v1::UpdateRecord rec, const absl::S
   const int64_t v = rec.version();
   const UpdateMode mode = rec.mode() == "staged" ? UpdateMode::kStaged : UpdateMode::kClassic;
   const OnFailure policy = PolicyFor(mode, phase);
-  const bool live = policy == OnFailure::kResumeIfClean || policy == OnFailure::kKeepPaused ||
-                    policy == OnFailure::kHoldPaused;
+  const bool live =
+      policy == OnFailure::kResumeIfClean || policy == OnFailure::kKeepPaused || policy == OnFailure::kHoldPaused;
   bool dirty_before, asked;
   {
     MutexLock l(&mu_);
@@ -675,6 +681,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   if (!req.mode().empty() && req.mode() != "classic" && req.mode() != "staged")
     return absl::InvalidArgumentError(absl::StrCat("mode '", req.mode(), "' is not classic or staged"));
   const bool staged = req.mode() == "staged";
+  const UpdateMode mode = staged ? UpdateMode::kStaged : UpdateMode::kClassic;
   std::string delta = req.delta().empty() ? "auto" : req.delta();
   if (delta != "auto" && delta != "off" && delta != "always")
     return absl::InvalidArgumentError(absl::StrCat("delta mode '", req.delta(), "' is not auto, off or always"));
@@ -711,11 +718,9 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
       return absl::FailedPreconditionError(
           absl::StrCat("cannot begin update ", v, ": update ", open_version_, " is still open (", StateName(), ")"));
     if (v <= last_begun_)
-      return absl::FailedPreconditionError(absl::StrCat("version ", v, " is not newer than the last update begun (",
-                                                        last_begun_, "; current version ",
-                                                        current_version_ >= 0 ? std::to_string(current_version_)
-                                                                              : std::string("none"),
-                                                        ")"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("version ", v, " is not newer than the last update begun (", last_begun_, "; current version ",
+                       current_version_ >= 0 ? std::to_string(current_version_) : std::string("none"), ")"));
     // A node whose lease lapsed (registered, then silent) is left out of this update: not planned, paused, started
     // or written; it comes back with its next heartbeat (a membership change: the next update re-plans).
     if (std::set<std::string> lapsed = LapsedNodes(absl::Now()); lapsed != lapsed_nodes_) {
@@ -799,7 +804,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
           return Track(a, EngineState::kPaused, "pause",
                        Annotate(Remote(a, [&] { return peers_->Pause(a, pause_mode); }), "pause " + EngineLabel(a)));
         },
-        UpdatePhase("pause", PeerDeadlines::kPause, engines));
+        UpdatePhase(mode, Phase::kPause, engines));
     // An engine the phase never asked (an abort or the phase's deadline came first) is recorded as its pause having
     // failed, with why, as one whose pause was cancelled is: the record then says which engines the update left
     // unpaused, whichever way it ended.
@@ -837,7 +842,8 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
     auto info = Remote(a, [&] { return peers_->EngineInfo(a); });
     if (!info.ok())
       st = Annotate(info.status(), "engine info from " + EngineLabel(a));
-    else engine_model_json = info->model_config_json();
+    else
+      engine_model_json = info->model_config_json();
   }
   if (st.ok()) st = LiveSets(staging_engines, &live_sets);
   if (!st.ok() || AbortAsked()) return FailAt(rec, st, Phase::kEngineInfo, engines);
@@ -909,7 +915,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
           auto r = Remote(c.address, [&] { return peers_->ConfigureSource(c.address, full.req()); });
           return Annotate(r.status(), "configure source " + NodeLabel(c.address));
         },
-        UpdatePhase("configure", PeerDeadlines::kConfigure, std::move(configure_addrs)));
+        UpdatePhase(mode, Phase::kConfigure, std::move(configure_addrs)));
     AddPhase(&rec, "configure", t);
     out.set_configure_seconds(rec.phases(rec.phases_size() - 1).seconds());
     size_t configured_sources = 0;
@@ -973,7 +979,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
           if (mine == source_ranks.end() || mine->second.count({h.engine_id(), h.rank()})) *sreq.add_held() = h;
         return Annotate(Remote(a, [&] { return peers_->StartUpdate(a, sreq); }), "start source " + NodeLabel(a));
       },
-      UpdatePhase("start", PeerDeadlines::kStart, source_addrs));
+      UpdatePhase(mode, Phase::kStart, source_addrs));
   // Sources started (or were being started) when an abort came: they may take pushes already, so they are told to
   // abort.
   // A source that started may already take pushes from its ranks: every source is told to abort and says what it
@@ -1090,7 +1096,8 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
         finished_at[a] = absl::Now();
         return absl::OkStatus();
       },
-      UpdatePhase("finish", commit_timeout_s + PeerDeadlines::kFinishSlack, sources));
+      UpdatePhase(rec.mode() == "staged" ? UpdateMode::kStaged : UpdateMode::kClassic, Phase::kFinish, sources,
+                  commit_timeout_s + PeerDeadlines::kFinishSlack));
   {
     auto* p = rec.add_phases();
     p->set_phase("push");
@@ -1140,7 +1147,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
             a, std::nullopt, "post_process",
             Annotate(Remote(a, [&] { return peers_->PostProcess(a, version); }), "post_process " + EngineLabel(a)));
       },
-      UpdatePhase("post_process", PeerDeadlines::kPostProcess, engines));
+      UpdatePhase(UpdateMode::kClassic, Phase::kPostProcess, engines));
   SaveEngineStates();
   AddPhase(&rec, "post_process", t);
   Phase failed_phase = Phase::kPostProcess;
@@ -1159,7 +1166,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
           }
           return r;
         },
-        UpdatePhase("set_version", PeerDeadlines::kSetVersion, engines));
+        UpdatePhase(UpdateMode::kClassic, Phase::kSetVersion, engines));
     SaveEngineStates();
     AddPhase(&rec, "set_version", t);
   }
@@ -1188,7 +1195,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
   }
   t = absl::Now();
   std::vector<std::string> not_resumed;  // addresses
-  st = ContinueEngines(engines, UpdatePhase("continue", PeerDeadlines::kContinue, engines), &not_resumed);
+  st = ContinueEngines(engines, UpdatePhase(UpdateMode::kClassic, Phase::kContinue, engines), &not_resumed);
   AddPhase(&rec, "continue", t);
   rec.set_success(true);
   rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
@@ -1313,7 +1320,7 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::AbortUpdate(const v1::AbortUpd
 
 absl::StatusOr<v1::AbortUpdateReply> Coordinator::RunAbortUpdate(const v1::AbortUpdateRequest& req) {
   const int64_t v = req.version();
-  bool in_phase = false;  // v is beginning or committing (else updating)
+  bool in_phase = false;                 // v is beginning or committing (else updating)
   std::shared_ptr<Cancellation> cancel;  // the running phase's, raised without the lock
   {
     MutexLock l(&mu_);
@@ -1378,8 +1385,8 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::RunAbortUpdate(const v1::Abort
   return absl::InternalError(absl::StrCat("update ", v, " ended without a recorded outcome"));
 }
 
-absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const std::string& why_in,
-                                                                 bool by_operator, const std::string& lost_address) {
+absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const std::string& why_in, bool by_operator,
+                                                                const std::string& lost_address) {
   v1::UpdateRecord rec;
   std::vector<std::string> sources, engines;
   bool dirty_before;
@@ -1432,8 +1439,7 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
                          st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"))
           : absl::StrCat(why_in, st.ok() ? std::string() : absl::StrCat(" (", st.ToString(), ")"));
   // The phase table's row for the open update (kPush): classic resumes the engines when no source wrote a byte.
-  const OnFailure policy =
-      PolicyFor(rec.mode() == "staged" ? UpdateMode::kStaged : UpdateMode::kClassic, Phase::kPush);
+  const OnFailure policy = PolicyFor(rec.mode() == "staged" ? UpdateMode::kStaged : UpdateMode::kClassic, Phase::kPush);
   const bool resume = policy == OnFailure::kResumeIfClean && clean && !dirty_before;
   const bool written = policy == OnFailure::kResumeIfClean || policy == OnFailure::kKeepPaused ? !clean : false;
   if (resume) ResumeOld(v, engines);
@@ -1511,13 +1517,15 @@ bool Coordinator::CheckLeases() {
       if (TargetOutOfUpdates(n) || !InRun(id)) continue;  // drained or left out: the update does not need it
       const absl::Duration ago = now - LastHeartbeat(id);
       if (ago <= limit || (committing && commit_lost_.count(n.address()))) continue;
-      why = absl::StrCat(n.role(), " node ", id, " (", n.address(), ") lost its lease during the update: no heartbeat for ",
+      why = absl::StrCat(n.role(), " node ", id, " (", n.address(),
+                         ") lost its lease during the update: no heartbeat for ",
                          absl::FormatDuration(absl::Trunc(ago, absl::Milliseconds(100))), " (limit ",
                          absl::FormatDuration(limit), "); it stopped or is unreachable");
       std::vector<std::string> ranks;
       for (const auto& e : n.engines())
         for (const auto& r : e.ranks()) ranks.push_back(absl::StrCat("engine ", e.engine_id(), " rank ", r.rank()));
-      if (!ranks.empty()) absl::StrAppend(&why, "; engine ranks that may hold partial writes: ", absl::StrJoin(ranks, ", "));
+      if (!ranks.empty())
+        absl::StrAppend(&why, "; engine ranks that may hold partial writes: ", absl::StrJoin(ranks, ", "));
       lost_address = n.address();
       lost_source = n.role() == "source";
       break;
@@ -1562,35 +1570,35 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
     // `from`/`previous` (may be null): what each request is built from, and the requests of the last build, a
     // target's taken over when built from the same assignment objects.
     using From = std::map<std::string, WindowSources>;
-    const auto build = [&](std::map<std::string, v1::SetWriteWindowRequest>* out, From* from,
-                           std::map<std::string, v1::SetWriteWindowRequest>* previous)
-                           ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      for (const auto& [id, n] : nodes_) {
-        if (n.role() != "target" || skip.count(n.address()) || TargetOutOfUpdates(n)) continue;
-        WindowSources objects;
-        if (open)
-          for (const auto& p : plan_)
-            if (p.assignment->target_node() == id || p.assignment->target_daemon() == n.address())
-              objects.emplace_back(p.source, p.assignment);
-        if (previous != nullptr && from != nullptr) {
-          auto was = open_windows_from_.find(n.address());
-          auto req = previous->find(n.address());
-          if (was != open_windows_from_.end() && req != previous->end() && was->second == objects) {
-            (*out)[n.address()] = std::move(req->second);
-            (*from)[n.address()] = std::move(objects);
-            continue;
+    const auto build =
+        [&](std::map<std::string, v1::SetWriteWindowRequest>* out, From* from,
+            std::map<std::string, v1::SetWriteWindowRequest>* previous) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          for (const auto& [id, n] : nodes_) {
+            if (n.role() != "target" || skip.count(n.address()) || TargetOutOfUpdates(n)) continue;
+            WindowSources objects;
+            if (open)
+              for (const auto& p : plan_)
+                if (p.assignment->target_node() == id || p.assignment->target_daemon() == n.address())
+                  objects.emplace_back(p.source, p.assignment);
+            if (previous != nullptr && from != nullptr) {
+              auto was = open_windows_from_.find(n.address());
+              auto req = previous->find(n.address());
+              if (was != open_windows_from_.end() && req != previous->end() && was->second == objects) {
+                (*out)[n.address()] = std::move(req->second);
+                (*from)[n.address()] = std::move(objects);
+                continue;
+              }
+            }
+            v1::SetWriteWindowRequest& r = (*out)[n.address()];
+            r.set_open(open);
+            r.set_version(version);
+            r.set_assignments_given(open);
+            if (!open) continue;
+            AddWindowAssignments(objects, &r);
+            r.set_assignments_digest(WindowAssignmentsDigest(r.assignments()));
+            if (from != nullptr) (*from)[n.address()] = std::move(objects);
           }
-        }
-        v1::SetWriteWindowRequest& r = (*out)[n.address()];
-        r.set_open(open);
-        r.set_version(version);
-        r.set_assignments_given(open);
-        if (!open) continue;
-        AddWindowAssignments(objects, &r);
-        r.set_assignments_digest(WindowAssignmentsDigest(r.assignments()));
-        if (from != nullptr) (*from)[n.address()] = std::move(objects);
-      }
-    };
+        };
     if (open && skip.empty()) {
       // Built once per plan and membership, not per update: at 1024 engine ranks the assignments hold 1.6 million
       // write ranges, copied per update they were most of a BeginUpdate's CPU. Only one update begins at a time
@@ -1619,7 +1627,7 @@ absl::Status Coordinator::SetWindows(bool open, int64_t version, const std::set<
   std::mutex held_mu;
   // Opening is a step of the beginning update (an abort cancels it); closing is how any update ends, never cancelled.
   FanoutOptions phase;
-  if (open) phase = UpdatePhase("open_windows", PeerDeadlines::kStart, targets);
+  if (open) phase = UpdatePhase(UpdateMode::kClassic, Phase::kOpenWindows, targets);
   phase.max_parallel = opts_.fanout_parallel;
   // A kept request whose assignments were dropped (its target holds them) is made whole again when it must be sent
   // whole (the target restarted, or holds others).
@@ -1751,7 +1759,7 @@ absl::Status Coordinator::ApplyDeltas(int64_t v,
         auto r = Remote(a, [&] { return peers_->ApplyDelta(a, reqs.at(a)); });
         return Annotate(r.status(), "apply_delta at target " + NodeLabel(a));
       },
-      UpdatePhase("apply_delta", PeerDeadlines::kApplyDelta, targets));
+      UpdatePhase(UpdateMode::kClassic, Phase::kApplyDelta, targets));
 }
 
 absl::Status Coordinator::SaveState() {
@@ -1847,7 +1855,8 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     engines_dirty_ = s.engines_hold_partial_writes();
     for (const auto& [a, st] : s.engine_state()) {
       auto view = ParseEngineState(st);
-      if (!view.ok()) return Annotate(view.status(), absl::StrCat("restoring engine ", a, " from ", writer_->store()->path()));
+      if (!view.ok())
+        return Annotate(view.status(), absl::StrCat("restoring engine ", a, " from ", writer_->store()->path()));
       engine_state_[a] = *view;
     }
     drained_engines_ = {s.drained_engines().begin(), s.drained_engines().end()};
@@ -1866,7 +1875,8 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
       outcomes_[r.version()] = o;
     }
     auto stored_state = ParseUpdateState(s.state());
-    if (!stored_state.ok()) return Annotate(stored_state.status(), absl::StrCat("restoring from ", writer_->store()->path()));
+    if (!stored_state.ok())
+      return Annotate(stored_state.status(), absl::StrCat("restoring from ", writer_->store()->path()));
     // Restoring is not a transition: the state is what was stored, an update in progress ended below.
     state_ = *stored_state == UpdateState::kFailed ? UpdateState::kFailed : UpdateState::kIdle;
     if (!history_.empty() && history_.back().success() && history_.back().version() == current_version_)
@@ -1921,7 +1931,7 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
       if (rec.started_unix_ms() > 0)
         rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
       if (!untouched) engines_dirty_ = true;
-      open_version_ = v;  // Finish closes it
+      open_version_ = v;                // Finish closes it
       state_ = UpdateState::kAborting;  // ended by the restart
       Finish(v, Outcome{absl::AbortedError(rec.error()), v1::CommitUpdateReply()}, rec);
       spdlog::warn("update {} was open ({}) when the previous coordinator stopped: recorded as failed", v, s.state());
@@ -1930,8 +1940,8 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
         if (n.role() == "source") sources.push_back(n.address());
     }
     Persist();
-    spdlog::info("restored from {}: {} nodes, version {}, {} updates in the history{}", writer_->store()->path(), nodes_.size(),
-                 current_version_, history_.size(),
+    spdlog::info("restored from {}: {} nodes, version {}, {} updates in the history{}", writer_->store()->path(),
+                 nodes_.size(), current_version_, history_.size(),
                  engines_dirty_ ? "; engines may hold partial writes and stay paused until an update succeeds" : "");
   }
   if (abort_version >= 0) {
@@ -1984,8 +1994,8 @@ absl::StatusOr<v1::DrainReply> Coordinator::Drain(const v1::DrainRequest& req, b
   const char* verb = drain ? "drain" : "undrain";
   if (req.engine_id().empty() == req.node_id().empty())
     return absl::InvalidArgumentError(absl::StrCat("give exactly one of an engine id and a node id to ", verb));
-  const std::string what = req.engine_id().empty() ? absl::StrCat("node ", req.node_id())
-                                                   : absl::StrCat("engine ", req.engine_id());
+  const std::string what =
+      req.engine_id().empty() ? absl::StrCat("node ", req.node_id()) : absl::StrCat("engine ", req.engine_id());
   MutexLock l(&mu_);
   if (UpdateInProgress())
     return absl::FailedPreconditionError(absl::StrCat("cannot ", verb, " ", what, ": update ", open_version_, " is ",
@@ -1999,8 +2009,8 @@ absl::StatusOr<v1::DrainReply> Coordinator::Drain(const v1::DrainRequest& req, b
         if (e.engine_id() == req.engine_id()) node_id = id;
     if (node_id.empty()) return absl::NotFoundError(absl::StrCat("no engine ", req.engine_id(), " is registered"));
     if (!drain && drained_nodes_.count(node_id))
-      return absl::FailedPreconditionError(absl::StrCat("engine ", req.engine_id(), " is drained with its node ",
-                                                        node_id, ": undrain the node"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("engine ", req.engine_id(), " is drained with its node ", node_id, ": undrain the node"));
     changed = drain ? drained_engines_.insert(req.engine_id()).second : drained_engines_.erase(req.engine_id()) > 0;
     if (changed) out.add_engines(req.engine_id());
   } else {
@@ -2013,9 +2023,8 @@ absl::StatusOr<v1::DrainReply> Coordinator::Drain(const v1::DrainRequest& req, b
       if (can.ok() && !model_config_json_.empty() && !plan_.empty()) can = Replan(/*dry_run=*/true);
       if (!can.ok()) {
         drained_nodes_.erase(req.node_id());
-        return absl::FailedPreconditionError(
-            absl::StrCat("cannot drain source node ", req.node_id(), ": the plan cannot cover without it: ",
-                         can.message()));
+        return absl::FailedPreconditionError(absl::StrCat("cannot drain source node ", req.node_id(),
+                                                          ": the plan cannot cover without it: ", can.message()));
       }
       changed = true;
     } else {
@@ -2032,7 +2041,8 @@ absl::StatusOr<v1::DrainReply> Coordinator::Drain(const v1::DrainRequest& req, b
   if (changed) {
     ++membership_epoch_;  // the next update re-plans: the affected group only
     Persist();
-    spdlog::warn("{} {} by the operator; membership epoch {}", what, drain ? "drained" : "undrained", membership_epoch_);
+    spdlog::warn("{} {} by the operator; membership epoch {}", what, drain ? "drained" : "undrained",
+                 membership_epoch_);
   }
   out.set_membership_epoch(membership_epoch_);
   return out;
@@ -2230,13 +2240,16 @@ absl::StatusOr<std::vector<std::string>> Coordinator::StagingEngines(const std::
 
 absl::Status Coordinator::LiveSets(const std::vector<std::string>& engines, std::map<std::string, int>* out) {
   std::mutex m;
-  return ForAll(engines, [&](const std::string& a) {
-    auto info = Remote(a, [&] { return peers_->EngineInfo(a); });
-    if (!info.ok()) return Annotate(info.status(), "engine info from " + EngineLabel(a));
-    std::lock_guard<std::mutex> l(m);
-    (*out)[a] = info->live_set() == 1 ? 1 : 0;
-    return absl::OkStatus();
-  });
+  return ForAll(
+      engines,
+      [&](const std::string& a) {
+        auto info = Remote(a, [&] { return peers_->EngineInfo(a); });
+        if (!info.ok()) return Annotate(info.status(), "engine info from " + EngineLabel(a));
+        std::lock_guard<std::mutex> l(m);
+        (*out)[a] = info->live_set() == 1 ? 1 : 0;
+        return absl::OkStatus();
+      },
+      UpdatePhase(UpdateMode::kStaged, Phase::kEngineInfo, engines));
 }
 
 int Coordinator::LayoutCopy(const std::string& engine_id, bool staged,
@@ -2299,63 +2312,91 @@ std::map<std::string, std::vector<std::string>> Coordinator::StageVerify(int64_t
   }
   std::map<std::pair<std::string, int>, std::vector<v1::WriteChecksum>> wrote;  // (engine id, rank) → ranges
   std::mutex m;
-  absl::Status st = ForAll(sources, [&](const std::string& a) {
-    auto r = Remote(a, [&] { return peers_->WriteChecksums(a, v); });
-    if (!r.ok()) return Annotate(r.status(), "write checksums of source " + NodeLabel(a));
-    if (r->version() != v || !r->finished())
-      return absl::FailedPreconditionError(absl::StrCat("source ", NodeLabel(a), " has no finished record of update ",
-                                                        v, " (it answered for ", r->version(),
-                                                        r->finished() ? ")" : ", unfinished)"));
-    std::lock_guard<std::mutex> l(m);
-    for (const auto& w : r->writes()) wrote[{w.engine_id(), w.rank()}].push_back(w);
-    return absl::OkStatus();
-  });
+  // The verify row's deadline bounds each of its two fan-outs: the sources' records, then every engine rank at once
+  // (ranks asked one by one took ranks × the deadline).
+  absl::Status st = ForAll(
+      sources,
+      [&](const std::string& a) {
+        auto r = Remote(a, [&] { return peers_->WriteChecksums(a, v); });
+        if (!r.ok()) return Annotate(r.status(), "write checksums of source " + NodeLabel(a));
+        if (r->version() != v || !r->finished())
+          return absl::FailedPreconditionError(
+              absl::StrCat("source ", NodeLabel(a), " has no finished record of update ", v, " (it answered for ",
+                           r->version(), r->finished() ? ")" : ", unfinished)"));
+        std::lock_guard<std::mutex> l(m);
+        for (const auto& w : r->writes()) wrote[{w.engine_id(), w.rank()}].push_back(w);
+        return absl::OkStatus();
+      },
+      UpdatePhase(UpdateMode::kStaged, Phase::kVerify, sources));
   std::map<std::string, std::vector<std::string>> verified;
   if (!st.ok()) {
     for (const auto& a : engines) (*left_out)[a] = absl::StrCat("not verified: ", st.ToString());
     return verified;
   }
-  ForAll(engines, [&](const std::string& a) {
+  struct RankItem {
+    std::string engine;  // control address
+    int rank;
+  };
+  std::vector<RankItem> items;
+  std::vector<std::string> item_addrs;
+  std::map<std::string, std::vector<std::string>> digests;  // control address → per rank
+  for (const auto& a : engines) {
     const Reg& reg = regs.at(a);  // every engine of the update is registered (filled above)
-    std::vector<std::string> digests;
-    absl::Status rs;
-    for (int rank = 0; rank < static_cast<int>(reg.rank_bytes.size()) && rs.ok(); ++rank) {
-      static const std::vector<v1::WriteChecksum> kNone;
-      auto w = wrote.find({reg.id, rank});
-      const std::vector<v1::WriteChecksum>& ws = w == wrote.end() ? kNone : w->second;
-      v1::RankRequest req;
-      req.set_rank(rank);
-      req.set_staging(true);
-      for (const auto& c : ws) {
-        auto* r = req.add_ranges();
-        r->set_param(c.param());
-        r->set_offset(c.offset());
-        r->set_length(c.length());
-      }
-      auto have = Remote(a, [&] { return peers_->EngineChecksums(a, req); });
-      rs = have.ok() ? CompareStaged(rank, reg.rank_bytes[rank], ws, *have) : have.status();
-      if (rs.ok()) digests.push_back(have->staging_digest());
+    digests[a].resize(reg.rank_bytes.size());
+    for (int rank = 0; rank < static_cast<int>(reg.rank_bytes.size()); ++rank) {
+      items.push_back({a, rank});
+      item_addrs.push_back(a);
     }
-    std::lock_guard<std::mutex> l(m);
-    if (rs.ok()) {
-      verified[a] = std::move(digests);
+  }
+  const std::vector<absl::Status> per_rank = RunFanout(
+      items.size(),
+      [&](size_t i) {
+        const std::string& a = items[i].engine;
+        const int rank = items[i].rank;
+        const Reg& reg = regs.at(a);
+        static const std::vector<v1::WriteChecksum> kNone;
+        auto w = wrote.find({reg.id, rank});
+        const std::vector<v1::WriteChecksum>& ws = w == wrote.end() ? kNone : w->second;
+        v1::RankRequest req;
+        req.set_rank(rank);
+        req.set_staging(true);
+        for (const auto& c : ws) {
+          auto* r = req.add_ranges();
+          r->set_param(c.param());
+          r->set_offset(c.offset());
+          r->set_length(c.length());
+        }
+        auto have = Remote(a, [&] { return peers_->EngineChecksums(a, req); });
+        absl::Status rs = have.ok() ? CompareStaged(rank, reg.rank_bytes[rank], ws, *have) : have.status();
+        if (rs.ok()) {
+          std::lock_guard<std::mutex> l(m);
+          digests[a][rank] = have->staging_digest();
+        }
+        return rs;
+      },
+      UpdatePhase(UpdateMode::kStaged, Phase::kVerify, item_addrs));
+  std::map<std::string, absl::Status> first_error;  // control address → its first failed rank's
+  for (size_t i = 0; i < items.size(); ++i)
+    if (!per_rank[i].ok()) first_error.emplace(items[i].engine, per_rank[i]);
+  for (const auto& a : engines) {
+    auto e = first_error.find(a);
+    if (e == first_error.end()) {
+      verified[a] = std::move(digests[a]);
     } else {
-      (*left_out)[a] = absl::StrCat("staging not verified: ", rs.ToString());
+      (*left_out)[a] = absl::StrCat("staging not verified: ", e->second.ToString());
       spdlog::warn("update {}: {} left out: {}", v, EngineLabel(a), (*left_out)[a]);
     }
-    return absl::OkStatus();
-  }).IgnoreError();  // every engine's outcome is in `verified` or `left_out`
-  return verified;
+  }
+  return verified;  // every engine's outcome is in `verified` or `left_out`
 }
 
 Coordinator::SwitchResult Coordinator::SwitchEngines(int64_t v,
-                                                    const std::map<std::string, std::vector<std::string>>& verified,
-                                                    std::map<std::string, std::string>* left_out,
-                                                    v1::UpdateRecord* rec) {
+                                                     const std::map<std::string, std::vector<std::string>>& verified,
+                                                     std::map<std::string, std::string>* left_out,
+                                                     v1::UpdateRecord* rec) {
   SwitchResult out;
   std::vector<std::string> all;
   for (const auto& [a, d] : verified) all.push_back(a);
-  std::mutex m;
   std::vector<std::string> prepared, paused, switched, processed, labelled;
   const std::string version = std::to_string(v);
   // What a failure of one engine's call at `phase` means is the phase table's row (phase_table.h): left out (its old
@@ -2374,16 +2415,16 @@ Coordinator::SwitchResult Coordinator::SwitchEngines(int64_t v,
     }
   };
   // Calls `call` on every engine of `engines` at once; those it answers OK go to `passed`, the others to failed_at.
+  // Each with the phase's row (its deadline; an abort cuts it short only before the switch), a call still running at
+  // the deadline failing as the row says.
   auto each = [&](Phase phase, const std::vector<std::string>& engines, std::vector<std::string>* passed, auto call) {
-    ForAll(engines, [&](const std::string& a) {
-      absl::Status st = call(a);
-      std::lock_guard<std::mutex> l(m);
-      if (st.ok())
-        passed->push_back(a);
+    const std::vector<absl::Status> st = RunFanout(
+        engines.size(), [&](size_t i) { return call(engines[i]); }, UpdatePhase(UpdateMode::kStaged, phase, engines));
+    for (size_t i = 0; i < engines.size(); ++i)
+      if (st[i].ok())
+        passed->push_back(engines[i]);
       else
-        failed_at(phase, a, st);
-      return absl::OkStatus();
-    }).IgnoreError();
+        failed_at(phase, engines[i], st[i]);
   };
   auto switch_request = [&](const std::string& a) {
     v1::SwitchRequest req;
@@ -2534,9 +2575,9 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitStaged(v1::UpdateRecord
     std::vector<std::string> all = stale;
     all.insert(all.end(), held.begin(), held.end());
     // Engines held past their switch hold v's weights, paused: they stay paused until an update succeeds.
-    return Fail(rec,
-                absl::FailedPreconditionError(absl::StrCat("no engine switched to ", v, ": ", absl::StrJoin(all, "; "))),
-                /*may_have_written=*/!held.empty());
+    return Fail(
+        rec, absl::FailedPreconditionError(absl::StrCat("no engine switched to ", v, ": ", absl::StrJoin(all, "; "))),
+        /*may_have_written=*/!held.empty());
   }
   rec.set_success(true);
   rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));

@@ -65,29 +65,28 @@
 // the next BeginUpdate.
 
 #include <condition_variable>
-#include <thread>
 #include <deque>
 #include <functional>
 #include <map>
-#include <set>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <optional>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "base/mutex.h"
 #include "absl/status/statusor.h"
+#include "base/mutex.h"
 #include "daemon/common/metrics.h"
 #include "daemon/coordinator/fanout.h"
 #include "daemon/coordinator/phase_table.h"
-#include "daemon/coordinator/update_state.h"
 #include "daemon/coordinator/replan.h"
 #include "daemon/coordinator/state_store.h"
 #include "daemon/coordinator/store_writer.h"
 #include "daemon/coordinator/timeline_svg.h"
+#include "daemon/coordinator/update_state.h"
 #include "wsync/v1/coordinator.pb.h"
 #include "wsync/v1/daemon.pb.h"
 #include "wsync/v1/engine.pb.h"
@@ -105,16 +104,16 @@ class Peers {
   // stops waiting for a node that lost its lease (e.g. a source's FinishUpdate during the commit).
   virtual void CancelCalls(const std::string& addr) { (void)addr; }
   virtual absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
-                                                                  const v1::ConfigureSourceRequest& req) = 0;
+                                                                   const v1::ConfigureSourceRequest& req) = 0;
   virtual absl::Status StartUpdate(const std::string& addr, const v1::StartUpdateRequest& req) = 0;
   virtual absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string& addr,
-                                                              const v1::FinishUpdateRequest& req) = 0;
+                                                             const v1::FinishUpdateRequest& req) = 0;
   virtual absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string& addr,
                                                                        const v1::AbortSourceUpdateRequest& req) = 0;
   virtual absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) = 0;
   // Target daemons: accept writes into their engines' memory only while the window is open.
   virtual absl::StatusOr<v1::SetWriteWindowReply> SetWriteWindow(const std::string& addr,
-                                                                  const v1::SetWriteWindowRequest& req) {
+                                                                 const v1::SetWriteWindowRequest& req) {
     (void)addr;
     (void)req;
     return v1::SetWriteWindowReply();
@@ -179,8 +178,8 @@ struct CoordinatorOptions {
   std::string nic = "1x400Gbps";
   // balanced: a cut within this many bytes of a parameter boundary moves to the boundary (0: cut anywhere, aligned).
   uint64_t snap_bytes = 4ull << 20;
-  size_t history_limit = 1000;    // also bounds the per-version outcomes kept to answer retries
-  double heartbeat_seconds = 2;   // daemons' lease renewal interval; a node is unreachable after 3 missed
+  size_t history_limit = 1000;   // also bounds the per-version outcomes kept to answer retries
+  double heartbeat_seconds = 2;  // daemons' lease renewal interval; a node is unreachable after 3 missed
   // While an update is open (trainer pushing), a node that misses 3 lease renewals fails it at once, naming the node
   // (StartLeaseWatch runs the check); otherwise a dead daemon would hold the update open until its client gave up.
   double lease_check_seconds = 0.5;
@@ -204,7 +203,7 @@ struct PeerDeadlines {
   static constexpr double kSetVersion = 30;
   static constexpr double kContinue = 30;
   static constexpr double kApplyDelta = 60;  // decoding what the sources staged (a fraction of the dense bytes)
-  static constexpr double kAbort = 60;  // a source's AbortSourceUpdate: the bucket being written + the drain (30 s)
+  static constexpr double kAbort = 60;    // a source's AbortSourceUpdate: the bucket being written + the drain (30 s)
   static constexpr double kVerify = 120;  // staged: a source's write checksums, an engine rank's staging hashes
   static constexpr double kSwitch = 60;   // staged: an engine's PrepareSwitch or Switch (re-hashes its staging copy)
 };
@@ -296,7 +295,8 @@ class Coordinator {
   // The source nodes that take part in plans (not drained), in (stage, node id) order (PlanSourceNodes).
   absl::StatusOr<PlanSources> SourcesForPlan() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // requires mu_
   // Drained, or on a node whose lease had lapsed when the update began (not planned, paused or written).
-  bool EngineDrained(const std::string& node_id, const std::string& engine_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  bool EngineDrained(const std::string& node_id, const std::string& engine_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return drained_engines_.count(engine_id) > 0 || drained_nodes_.count(node_id) > 0 ||
            lapsed_nodes_.count(node_id) > 0;
   }
@@ -364,7 +364,8 @@ class Coordinator {
   // when every one answers that it wrote nothing, the engines in `engines` are resumed at their version before the
   // failure is recorded (saying so).
   absl::Status FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, Phase phase,
-                                  const std::vector<std::string>& engines, const std::set<std::string>& skip = {}) ABSL_LOCKS_EXCLUDED(mu_);
+                                  const std::vector<std::string>& engines, const std::set<std::string>& skip = {})
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Node ids whose lease lapsed (no heartbeat for 3 intervals), not drained. Requires mu_.
   std::set<std::string> LapsedNodes(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether node `id` takes part in updates now (its lease had not lapsed when the update began). Requires mu_.
@@ -400,7 +401,8 @@ class Coordinator {
                                                      const std::string& acked,
                                                      const std::function<v1::SetWriteWindowRequest()>& whole = nullptr);
   // Adds the write-window assignments of `from` (a target's, WindowSources) to `r`.
-  void AddWindowAssignments(const WindowSources& from, v1::SetWriteWindowRequest* r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddWindowAssignments(const WindowSources& from, v1::SetWriteWindowRequest* r) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Delta updates, after every source finished `v` (`finished`: each source's node id and reply): every target
   // daemon in the update applies the records staged for it (ApplyDelta), and `rec` gets the delta figures.
   absl::Status ApplyDeltas(int64_t v, const std::vector<std::pair<std::string, v1::FinishUpdateReply>>& finished,
@@ -448,16 +450,18 @@ class Coordinator {
   // handled as the staged phase table says: before its switch it moves to `left_out` (continued at its old
   // version); past it, it is held paused (post-process, set version) or on v not resumed (continue).
   struct SwitchResult {
-    std::vector<std::string> serving;          // on v, continued
+    std::vector<std::string> serving;                // on v, continued
     std::map<std::string, std::string> not_resumed;  // on v (weights and label), Continue failed: paused (→ why)
-    std::map<std::string, std::string> held;   // switched, a later phase failed: held paused (address → why)
+    std::map<std::string, std::string> held;         // switched, a later phase failed: held paused (address → why)
   };
   SwitchResult SwitchEngines(int64_t v, const std::map<std::string, std::vector<std::string>>& verified,
                              std::map<std::string, std::string>* left_out, v1::UpdateRecord* rec);
-  // The fan-out of one phase of the beginning or committing update (fanout.h): `deadline_s` for the whole phase,
-  // cancelled by an operator's abort (update_cancel_), a running call cut short through Peers::CancelCalls on
-  // `addrs[i]` (the peer of item i).
-  FanoutOptions UpdatePhase(const std::string& phase, double deadline_s, std::vector<std::string> addrs) const;
+  // The fan-out of one phase of the beginning or committing update (fanout.h), as `mode`'s phase table declares it:
+  // its name, its deadline for the whole phase (`deadline_s` only where the row leaves it to the caller: the
+  // commit's timeout), cancelled by an operator's abort (update_cancel_) up to the switch (an engine past its switch
+  // is never cut short by an abort), a running call cut short through Peers::CancelCalls on `addrs[i]` (the peer of
+  // item i) at the deadline.
+  FanoutOptions UpdatePhase(UpdateMode mode, Phase phase, std::vector<std::string> addrs, double deadline_s = 0) const;
   // Saves what a phase changed (engine states) in one store write, once every call of the phase returned. Takes mu_.
   void SaveEngineStates() ABSL_LOCKS_EXCLUDED(mu_);
   // Records the coordinator's view of engine `addr` after a call of `phase` (on_success nullopt = unchanged); returns
@@ -470,7 +474,8 @@ class Coordinator {
                                std::vector<std::string>* failed);
   // "update v committed: the fleet is on version v; N of M engines not resumed (…)": the answer of a commit that
   // passed its commit point with not_resumed_ left paused. Requires mu_.
-  absl::Status NotResumedError(int64_t v, size_t engines, const absl::Status& why) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status NotResumedError(int64_t v, size_t engines, const absl::Status& why) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A retried CommitUpdate(v) of the current version committed with engines not resumed: continues them.
   absl::StatusOr<v1::CommitUpdateReply> ResumeCommitted(int64_t v);
   // After Continue was asked of `addrs` (`failed`: those that failed, with `why`): drops the others from
@@ -489,9 +494,10 @@ class Coordinator {
   int64_t membership_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t plan_epoch_ ABSL_GUARDED_BY(mu_) = -1;  // membership epoch the current plan was built for
   std::vector<Planned> plan_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, GroupPlan> groups_ ABSL_GUARDED_BY(mu_);          // by group key ("<dialect> tp=N ep=N dp=N")
-  std::map<std::string, SourceConfig> configured_ ABSL_GUARDED_BY(mu_);   // source node id → what it was last configured with
-  int64_t plan_generation_ ABSL_GUARDED_BY(mu_) = 0;                      // plans applied (ApplyPlan)
+  std::map<std::string, GroupPlan> groups_ ABSL_GUARDED_BY(mu_);  // by group key ("<dialect> tp=N ep=N dp=N")
+  std::map<std::string, SourceConfig> configured_
+      ABSL_GUARDED_BY(mu_);                           // source node id → what it was last configured with
+  int64_t plan_generation_ ABSL_GUARDED_BY(mu_) = 0;  // plans applied (ApplyPlan)
   // The open-window requests of the plan in force by target daemon address (SetWindows), and what they were built
   // for (membership epoch, plan generation, drained engines and nodes): rebuilt only when one of those changed.
   std::shared_ptr<std::map<std::string, v1::SetWriteWindowRequest>> open_windows_ ABSL_GUARDED_BY(mu_);
@@ -509,11 +515,13 @@ class Coordinator {
   std::map<std::string, std::string> engine_digests_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> drained_engines_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> drained_nodes_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::string> engine_version_ ABSL_GUARDED_BY(mu_);  // control address → the version label last set on it
+  std::map<std::string, std::string> engine_version_
+      ABSL_GUARDED_BY(mu_);  // control address → the version label last set on it
   // Per source node: what each of its local trainer ranks pushes (every local rank listed, lists may be empty).
   std::map<std::string, std::vector<v1::RankPushFilter>> push_filters_ ABSL_GUARDED_BY(mu_);
   std::string model_config_json_ ABSL_GUARDED_BY(mu_);
-  v1::WeightQuantization model_quantization_ ABSL_GUARDED_BY(mu_);         // what the engines report holding; the sources quantize to it
+  v1::WeightQuantization model_quantization_
+      ABSL_GUARDED_BY(mu_);  // what the engines report holding; the sources quantize to it
   // Leases: stamped on arrival under their own lock (lease_mu_, taken after mu_ when both are needed, never before),
   // so that a heartbeat is counted even while mu_ is held (a slow store write): a stalled store must not expire
   // healthy nodes.
@@ -538,11 +546,12 @@ class Coordinator {
   CondVar change_cv_;
   uint64_t change_generation_ ABSL_GUARDED_BY(change_mu_) = 0;
   void NoteChange() ABSL_LOCKS_EXCLUDED(change_mu_);
-  std::map<std::string, EngineView> engine_state_ ABSL_GUARDED_BY(mu_);    // control address → its state (update_state.h)
+  std::map<std::string, EngineView> engine_state_ ABSL_GUARDED_BY(mu_);  // control address → its state (update_state.h)
 
   UpdateState state_ ABSL_GUARDED_BY(mu_) = UpdateState::kIdle;
-  bool engines_dirty_ ABSL_GUARDED_BY(mu_) = false;         // a failed/aborted update may have written into the engines
-  std::map<int64_t, v1::AbortUpdateReply> aborted_ ABSL_GUARDED_BY(mu_);  // answers to repeated AbortUpdate, bounded like outcomes_
+  bool engines_dirty_ ABSL_GUARDED_BY(mu_) = false;  // a failed/aborted update may have written into the engines
+  std::map<int64_t, v1::AbortUpdateReply> aborted_
+      ABSL_GUARDED_BY(mu_);  // answers to repeated AbortUpdate, bounded like outcomes_
   // An operator's AbortUpdate of the update beginning or committing (cleared when it ends): the thread running the
   // phase stops at its next step; the abort cancels the calls in flight (in_flight_) until the update has ended.
   bool abort_asked_ ABSL_GUARDED_BY(mu_) = false;
@@ -550,16 +559,20 @@ class Coordinator {
   // begin and per commit.
   std::shared_ptr<Cancellation> update_cancel_ ABSL_GUARDED_BY(mu_) = std::make_shared<Cancellation>();
   std::string abort_reason_ ABSL_GUARDED_BY(mu_);
-  std::string abort_by_ ABSL_GUARDED_BY(mu_);  // who asked for the abort (AbortUpdateRequest.aborted_by; "the operator" when not said)
-  std::map<std::string, int> in_flight_ ABSL_GUARDED_BY(mu_);  // peer address → calls of the beginning/committing update in flight
-  CondVar ended_cv_;   // a begin or a commit ended (state_ left beginning or committing)
-  int64_t open_version_ ABSL_GUARDED_BY(mu_) = -1;          // the version beginning, open or committing; -1 when none
-  int64_t last_begun_ ABSL_GUARDED_BY(mu_) = -1;            // highest version ever begun; BeginUpdate needs a newer one
-  int64_t since_dense_ ABSL_GUARDED_BY(mu_) = 0;            // updates committed since the last dense one (delta_anchor_every)
-  int64_t current_version_ ABSL_GUARDED_BY(mu_) = -1;       // last committed version; -1 when none
-  int64_t open_plan_epoch_ ABSL_GUARDED_BY(mu_) = -1;       // plan the open update was started under
-  std::map<std::string, int64_t> open_source_epochs_ ABSL_GUARDED_BY(mu_);  // source address → its plan epoch (sent with FinishUpdate)
-  std::map<std::string, int> open_live_sets_ ABSL_GUARDED_BY(mu_);          // staging engines' live copy when the open update began
+  std::string abort_by_
+      ABSL_GUARDED_BY(mu_);  // who asked for the abort (AbortUpdateRequest.aborted_by; "the operator" when not said)
+  std::map<std::string, int> in_flight_
+      ABSL_GUARDED_BY(mu_);  // peer address → calls of the beginning/committing update in flight
+  CondVar ended_cv_;         // a begin or a commit ended (state_ left beginning or committing)
+  int64_t open_version_ ABSL_GUARDED_BY(mu_) = -1;  // the version beginning, open or committing; -1 when none
+  int64_t last_begun_ ABSL_GUARDED_BY(mu_) = -1;    // highest version ever begun; BeginUpdate needs a newer one
+  int64_t since_dense_ ABSL_GUARDED_BY(mu_) = 0;    // updates committed since the last dense one (delta_anchor_every)
+  int64_t current_version_ ABSL_GUARDED_BY(mu_) = -1;  // last committed version; -1 when none
+  int64_t open_plan_epoch_ ABSL_GUARDED_BY(mu_) = -1;  // plan the open update was started under
+  std::map<std::string, int64_t> open_source_epochs_
+      ABSL_GUARDED_BY(mu_);  // source address → its plan epoch (sent with FinishUpdate)
+  std::map<std::string, int> open_live_sets_
+      ABSL_GUARDED_BY(mu_);  // staging engines' live copy when the open update began
   // Staged updates: engines left out of a switch (control address → why) until an update succeeds on them; the
   // version each engine holds verified in its staging copy, not yet switched; whether the open update's switch began.
   std::map<std::string, std::string> engine_stale_ ABSL_GUARDED_BY(mu_);
@@ -570,7 +583,8 @@ class Coordinator {
   bool commit_point_ ABSL_GUARDED_BY(mu_) = false;
   // Engines (ids) holding the current version paused because their Continue failed past its commit point.
   std::set<std::string> not_resumed_ ABSL_GUARDED_BY(mu_);
-  v1::BeginUpdateReply begin_reply_ ABSL_GUARDED_BY(mu_);   // the open version's BeginUpdate reply (answers a retried BeginUpdate)
+  v1::BeginUpdateReply begin_reply_
+      ABSL_GUARDED_BY(mu_);  // the open version's BeginUpdate reply (answers a retried BeginUpdate)
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;
   bool watch_stop_ = false;
@@ -580,15 +594,19 @@ class Coordinator {
   // (AbortSourceUpdate cancels their writes), the commit fails with it and skips them when closing windows.
   std::set<std::string> commit_lost_ ABSL_GUARDED_BY(mu_);
   std::string commit_lost_why_ ABSL_GUARDED_BY(mu_);
-  std::map<int64_t, Outcome> outcomes_ ABSL_GUARDED_BY(mu_);  // per ended version, the oldest dropped beyond history_limit
+  std::map<int64_t, Outcome> outcomes_
+      ABSL_GUARDED_BY(mu_);  // per ended version, the oldest dropped beyond history_limit
   std::deque<v1::UpdateRecord> history_ ABSL_GUARDED_BY(mu_);
-  std::vector<EngineCallEnd> engine_call_ends_ ABSL_GUARDED_BY(mu_);  // requires mu_: the open update's engine calls as they ended
+  std::vector<EngineCallEnd> engine_call_ends_
+      ABSL_GUARDED_BY(mu_);  // requires mu_: the open update's engine calls as they ended
   Metrics metrics_;
   // The store's one owner (store_writer.h): saves are queued, never written under mu_, except a membership change's.
   std::unique_ptr<StoreWriter> writer_ ABSL_GUARDED_BY(mu_);
-  int64_t persisted_nodes_epoch_ ABSL_GUARDED_BY(mu_) = -1;  // membership epoch whose nodes the store was last given (nodes_ change with it)
-  std::set<int64_t> history_dirty_ ABSL_GUARDED_BY(mu_);     // versions whose history record was added or changed since the last save
-  uint64_t save_ticket_ ABSL_GUARDED_BY(mu_) = 0;            // the ticket of the last state handed to writer_
+  int64_t persisted_nodes_epoch_ ABSL_GUARDED_BY(mu_) =
+      -1;  // membership epoch whose nodes the store was last given (nodes_ change with it)
+  std::set<int64_t> history_dirty_
+      ABSL_GUARDED_BY(mu_);  // versions whose history record was added or changed since the last save
+  uint64_t save_ticket_ ABSL_GUARDED_BY(mu_) = 0;  // the ticket of the last state handed to writer_
 };
 
 }  // namespace wsync::daemon

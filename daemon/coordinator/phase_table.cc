@@ -43,8 +43,7 @@ std::vector<PhaseRow>& Table(UpdateMode mode) {
       {Phase::kSwitch, "switch", "every paused engine", D::kSwitch, OnFailure::kLeaveOutStale},
       {Phase::kPostProcess, "post_process", "every switched engine", D::kPostProcess, OnFailure::kHoldPaused},
       {Phase::kSetVersion, "set_version", "every post-processed engine", D::kSetVersion, OnFailure::kHoldPaused},
-      {Phase::kContinue, "continue", "every engine on the new version", D::kContinue,
-       OnFailure::kCommittedNotResumed},
+      {Phase::kContinue, "continue", "every engine on the new version", D::kContinue, OnFailure::kCommittedNotResumed},
   };
   return mode == UpdateMode::kStaged ? staged : classic;
 }
@@ -67,6 +66,14 @@ OnFailure PolicyFor(UpdateMode mode, Phase phase) {
   return OnFailure::kKeepPaused;
 }
 
+double DeadlineFor(UpdateMode mode, Phase phase) {
+  for (const PhaseRow& r : Table(mode))
+    if (r.phase == phase) return r.deadline_s;
+  spdlog::critical("no {} phase {} in the phase table: no deadline", mode == UpdateMode::kStaged ? "staged" : "classic",
+                   std::string(PhaseName(phase)));
+  return 0;
+}
+
 OnFailure OverridePolicyForTesting(UpdateMode mode, Phase phase, OnFailure f) {
   std::lock_guard<std::mutex> l(OverrideMu());
   for (PhaseRow& r : Table(mode))
@@ -80,34 +87,56 @@ OnFailure OverridePolicyForTesting(UpdateMode mode, Phase phase, OnFailure f) {
 
 absl::string_view PhaseName(Phase phase) {
   switch (phase) {
-    case Phase::kPause: return "pause";
-    case Phase::kEngineInfo: return "engine_info";
-    case Phase::kConfigure: return "configure";
-    case Phase::kOpenWindows: return "open_windows";
-    case Phase::kStart: return "start";
-    case Phase::kPush: return "push";
-    case Phase::kFinish: return "finish";
-    case Phase::kApplyDelta: return "apply_delta";
-    case Phase::kVerify: return "verify";
-    case Phase::kPrepareSwitch: return "prepare";
-    case Phase::kSwitchPause: return "pause";
-    case Phase::kSwitch: return "switch";
-    case Phase::kPostProcess: return "post_process";
-    case Phase::kSetVersion: return "set_version";
-    case Phase::kContinue: return "continue";
+    case Phase::kPause:
+      return "pause";
+    case Phase::kEngineInfo:
+      return "engine_info";
+    case Phase::kConfigure:
+      return "configure";
+    case Phase::kOpenWindows:
+      return "open_windows";
+    case Phase::kStart:
+      return "start";
+    case Phase::kPush:
+      return "push";
+    case Phase::kFinish:
+      return "finish";
+    case Phase::kApplyDelta:
+      return "apply_delta";
+    case Phase::kVerify:
+      return "verify";
+    case Phase::kPrepareSwitch:
+      return "prepare";
+    case Phase::kSwitchPause:
+      return "pause";
+    case Phase::kSwitch:
+      return "switch";
+    case Phase::kPostProcess:
+      return "post_process";
+    case Phase::kSetVersion:
+      return "set_version";
+    case Phase::kContinue:
+      return "continue";
   }
   return "?";
 }
 
 absl::string_view OnFailureName(OnFailure f) {
   switch (f) {
-    case OnFailure::kResumeOld: return "resume old";
-    case OnFailure::kResumeIfClean: return "resume old if nothing was written, else keep paused";
-    case OnFailure::kKeepPaused: return "keep paused";
-    case OnFailure::kServeOn: return "serve on";
-    case OnFailure::kLeaveOutStale: return "leave the engine out (stale)";
-    case OnFailure::kHoldPaused: return "hold the engine paused (failed)";
-    case OnFailure::kCommittedNotResumed: return "committed; engine not resumed";
+    case OnFailure::kResumeOld:
+      return "resume old";
+    case OnFailure::kResumeIfClean:
+      return "resume old if nothing was written, else keep paused";
+    case OnFailure::kKeepPaused:
+      return "keep paused";
+    case OnFailure::kServeOn:
+      return "serve on";
+    case OnFailure::kLeaveOutStale:
+      return "leave the engine out (stale)";
+    case OnFailure::kHoldPaused:
+      return "hold the engine paused (failed)";
+    case OnFailure::kCommittedNotResumed:
+      return "committed; engine not resumed";
   }
   return "?";
 }
@@ -138,8 +167,7 @@ std::string PhaseTableMarkdown() {
   std::string out;
   for (UpdateMode mode : {UpdateMode::kClassic, UpdateMode::kStaged}) {
     absl::StrAppend(&out, mode == UpdateMode::kStaged ? "Staged" : "Classic (and delta)", " updates:\n\n",
-                    "| phase | peers | deadline | on failure | the engines then |\n",
-                    "|---|---|---|---|---|\n");
+                    "| phase | peers | deadline | on failure | the engines then |\n", "|---|---|---|---|---|\n");
     for (const PhaseRow& r : PhaseTable(mode))
       absl::StrAppend(&out, "| ", r.name, " | ", r.peers, " | ",
                       r.deadline_s > 0 ? absl::StrFormat("%g s", r.deadline_s) : std::string("the commit's timeout"),

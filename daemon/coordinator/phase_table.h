@@ -68,9 +68,9 @@ enum class OnFailure {
 
 struct PhaseRow {
   Phase phase;
-  const char* name;       // the phase as records and errors name it ("pause", "post_process", …)
-  const char* peers;      // who is called
-  double deadline_s;      // the whole phase's deadline (PeerDeadlines); 0: the caller's (commit timeout)
+  const char* name;   // the phase as records and errors name it ("pause", "post_process", …)
+  const char* peers;  // who is called
+  double deadline_s;  // the whole phase's deadline (PeerDeadlines); 0: the caller's (commit timeout)
   OnFailure on_failure;
 };
 
@@ -78,6 +78,9 @@ struct PhaseRow {
 const std::vector<PhaseRow>& PhaseTable(UpdateMode mode);
 // The row's policy; a phase the mode does not run is a bug (logged, kKeepPaused: the safe answer).
 OnFailure PolicyFor(UpdateMode mode, Phase phase);
+// The row's deadline for the whole phase (seconds; 0: the caller's, the commit's timeout). Every fan-out of an update
+// takes its deadline from here (Coordinator::UpdatePhase). A phase the mode does not run: 0, logged.
+double DeadlineFor(UpdateMode mode, Phase phase);
 absl::string_view PhaseName(Phase phase);
 absl::string_view OnFailureName(OnFailure f);
 // One sentence: what the engines see after a failure under `f`.

@@ -1536,6 +1536,32 @@ TEST_CASE("phase tables: docs/operations.md shows them as they are") {
   CHECK(absl::StrContains(doc, PhaseTableMarkdown()));
 }
 
+// The phases both modes run share their fan-outs (pause at begin, configure, start, open windows, finish, apply
+// delta: one code path for both), which take the row's name and deadline from the classic table: the two tables must
+// agree on them, or a staged update would run under a deadline its table does not show. Every row that names a
+// deadline names one the commit's budget counts (PeerDeadlines), and every phase a mode runs has a row.
+TEST_CASE("phase tables: rows both modes run agree on name and deadline; DeadlineFor answers from the row") {
+  const auto& classic = PhaseTable(UpdateMode::kClassic);
+  const auto& staged = PhaseTable(UpdateMode::kStaged);
+  int shared = 0;
+  for (const PhaseRow& c : classic)
+    for (const PhaseRow& st : staged)
+      if (c.phase == st.phase) {
+        ++shared;
+        INFO(c.name);
+        CHECK(std::string(c.name) == st.name);
+        CHECK(c.deadline_s == st.deadline_s);
+      }
+  CHECK(shared >= 8);
+  for (UpdateMode mode : {UpdateMode::kClassic, UpdateMode::kStaged})
+    for (const PhaseRow& r : PhaseTable(mode)) {
+      CHECK(DeadlineFor(mode, r.phase) == r.deadline_s);
+      CHECK(PhaseName(r.phase) == r.name);
+    }
+  CHECK(DeadlineFor(UpdateMode::kStaged, Phase::kVerify) == PeerDeadlines::kVerify);
+  CHECK(DeadlineFor(UpdateMode::kClassic, Phase::kVerify) == 0);  // classic runs no verify: no deadline, logged
+}
+
 // A node whose lease lapsed (registered, never heard from again: a dead member, or an attacker with a valid source
 // certificate) is left out of the next update instead of failing it with the fleet paused; it is never called.
 TEST_CASE("leases: a node whose lease lapsed is not planned, paused or called; the update succeeds without it") {
