@@ -6,7 +6,7 @@ reads the adapter's config with vLLM's PEFTHelper (refusing what vLLM's validate
 --max-lora-rank included) and its tensor names and shapes from the adapter file, and exposes a staging segment with
 one entry per lora_A/lora_B tensor (PEFT names, the model dtype). The attach reports the base model's config plus a
 "lora_adapter" section ({"r", "target_modules"}): the replica plans exactly these tensors from the base config's module
-shapes, and the coordinator refuses the attach when the engine's table differs.
+shapes, and the coordinator's planning refuses an engine whose table differs, before any write.
 
 An update: the target writes the adapter's bytes into staging while vLLM serves (nothing of vLLM reads staging);
 update_weights waits for the commit, copies the staged tensors and builds vLLM's LoRAModel from them
