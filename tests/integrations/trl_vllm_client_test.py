@@ -10,7 +10,8 @@ calls `init_communicator`; its `generate` (TRL's VLLMClient.generate: vLLM's /v1
 `DistributedBackend.gather_params`, `update_named_params`, `reset_prefix_cache`). Not run: GRPOTrainer itself (its
 loss and data pipeline), FSDP/DeepSpeed gathers (one CPU process), PEFT merging, colocate mode.
 
-Checks: after each `sync_weights` vLLM serves the next version; vLLM's SHA-256 of every parameter equals what vLLM's
+Checks: after each `sync_weights` (and a `weight_update()` group of `update_named_param` calls) vLLM serves the next
+version; vLLM's SHA-256 of every parameter equals what vLLM's
 own reload of the same fp32 tensors gives (wsync converts fp32 to the engine's bf16 as vLLM's loader does: bit-exact);
 the logprobs TRL's `generate` returns equal the trainer's for the sampled tokens; the client refuses a server without
 wsync's backend, naming the flag.
@@ -110,6 +111,25 @@ def main() -> int:
             check(len(flat) == len(prompts) * args.tokens and gap < 0.05,
                   f"after sync_weights {version}: the logprobs of TRL's generate equal the trainer's (mean gap "
                   f"{gap:.4f} over {len(flat)} tokens)")
+
+        # TRL's grouping API (VLLMClient.weight_update around update_named_param calls): one wsync update.
+        try:
+            client.update_named_param("lm_head.weight", model.lm_head.weight.data)
+            check(False, "update_named_param outside weight_update() is refused")
+        except RuntimeError as e:
+            check("weight_update" in str(e), f"update_named_param outside weight_update() is refused: {e}")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+        with client.weight_update():
+            for name, p in model.named_parameters():
+                client.update_named_param(name, p.data)
+        state = {n: p.detach().clone() for n, p in model.named_parameters()}
+        check(client.version == 3 and loop.weight_version() == "3",
+              f"weight_update() with update_named_param per tensor is one wsync update: vLLM serves "
+              f"{loop.weight_version()!r}")
+        fc.compare_checksums(check, loop.checksums(), loop.oracle_checksums(3, state), before,
+                             "weight_update() (fp32 parameters)")
 
         # A server without wsync's backend is refused, naming the flag (TRL's own server_info answer).
         bad = wtrl.WsyncVLLMClient.__new__(wtrl.WsyncVLLMClient)
