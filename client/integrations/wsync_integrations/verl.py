@@ -1,11 +1,11 @@
 """The `wsync` backend of verl's checkpoint engine (`verl.checkpoint_engine`, verl >= 0.8; tested with 0.9.1).
 
-Switch a verl run to wsync with one override (the backend registers itself on `import verl`, through this package's
-`verl.plugins` entry point):
+Switch a verl run to wsync with one override (from verl 0.9 the backend registers itself on `import verl`, through
+this package's `verl.plugins` entry point):
 
     actor_rollout_ref.rollout.checkpoint_engine.backend=wsync
 
-Where verl's plugin discovery is off (VERL_USE_EXTERNAL_PLUGINS=none), add
+With verl 0.8 (no plugin discovery), or with it turned off (VERL_USE_EXTERNAL_PLUGINS=none), add
 `actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=wsync_integrations.verl`. Options go in
 `checkpoint_engine.engine_kwargs.wsync` (the constructor's keywords below); without them the coordinator is
 $WSYNC_COORDINATOR and the trainer socket $WSYNC_TRAINER_SOCKET (else /run/wsync/wsyncd.sock).
