@@ -1,4 +1,4 @@
-"""TRL's vLLM server mode with its weight sync done by wsync (TRL >= 1.16, whose server mode talks to a plain `vllm serve`; tested with 1.16.0).
+"""TRL's vLLM server mode with its weight sync done by wsync (TRL >= 1.16; tested with 1.16.0).
 
 TRL's server mode talks to a `vllm serve` (VLLM_SERVER_DEV_MODE=1, `--weight-transfer-config`) through
 `trl.generation.vllm_client.VLLMClient`: generation over vLLM's OpenAI API, weight sync over vLLM's NCCL
