@@ -362,6 +362,8 @@ absl::Status VerifyRelayPlan(const PlanInput& in, const RelayPlan& rp) {
       const RelayNode& n = t.nodes[k];
       if (n.instance != t.group.instances[k] && k == 0)
         return absl::InternalError(absl::StrCat("group ", t.group.key.ToString(), ": the root is not its first"));
+      if (std::find(t.group.instances.begin(), t.group.instances.end(), n.instance) == t.group.instances.end())
+        return absl::InternalError(absl::StrCat("instance ", n.instance, " is not of group ", t.group.key.ToString()));
       if (!placed.insert(n.instance).second)
         return absl::InternalError(absl::StrCat("instance ", n.instance, " is in two trees or twice in one"));
       if (k == 0) {
