@@ -3,7 +3,8 @@
 
 As a module: `with Etcd() as e:` starts one (installing etcd-server with apt-get when it is missing) and gives
 `e.endpoint` ("127.0.0.1:PORT"). As a program: `etcd_harness.py CMD ARGS...` runs CMD with WSYNC_ETCD_ENDPOINT set
-to a fresh etcd and returns CMD's exit status. A missing etcd that cannot be installed is a failure, not a skip.
+to a fresh etcd and returns CMD's exit status; `etcd_harness.py --members 3 CMD ...` starts a 3-member cluster
+instead (WSYNC_ETCD_ENDPOINT lists every member, WSYNC_ETCD_PIDS their process ids). A missing etcd that cannot be installed is a failure, not a skip.
 """
 import contextlib
 import os
@@ -92,13 +93,91 @@ class Etcd:
         return False
 
 
+class EtcdCluster:
+    """`members` etcd processes forming one cluster on 127.0.0.1: `endpoints` (client host:port) and `pids`, in
+    member order."""
+
+    def __init__(self, members: int):
+        self.members = members
+        self.dir = None
+        self.procs = []
+        self.endpoints = []
+
+    def __enter__(self):
+        binary = ensure_etcd()
+        self.dir = tempfile.mkdtemp(prefix="wsync-etcd-cluster-")
+        ports = [(free_port(), free_port()) for _ in range(self.members)]
+        names = [f"m{i}" for i in range(self.members)]
+        initial = ",".join(f"{n}=http://127.0.0.1:{peer}" for n, (_, peer) in zip(names, ports))
+        self.endpoints = [f"127.0.0.1:{client}" for client, _ in ports]
+        for n, (client, peer) in zip(names, ports):
+            log = open(os.path.join(self.dir, f"{n}.log"), "wb")
+            self.procs.append(subprocess.Popen(
+                [binary, "--name", n, "--data-dir", os.path.join(self.dir, n),
+                 "--listen-client-urls", f"http://127.0.0.1:{client}",
+                 "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-cluster", initial, "--initial-cluster-state", "new", "--log-level", "warn"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        # Ready when every member answers a status with a leader elected.
+        deadline = time.time() + 60
+        pending = set(self.endpoints)
+        while pending and time.time() < deadline:
+            for p in self.procs:
+                if p.poll() is not None:
+                    self.__exit__(None, None, None)
+                    raise RuntimeError(f"an etcd member exited ({p.returncode})")
+            for ep in list(pending):
+                try:
+                    req = urllib.request.Request(f"http://{ep}/v3/maintenance/status", data=b"{}", method="POST")
+                    with urllib.request.urlopen(req, timeout=1) as r:
+                        if r.status == 200 and b'"leader"' in r.read():
+                            pending.discard(ep)
+                except OSError:
+                    pass
+            time.sleep(0.1)
+        if pending:
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"etcd members {sorted(pending)} did not answer with a leader within 60 s")
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGCONT)  # a member a test stopped must see the SIGTERM
+                    os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return False
+
+
 def main() -> int:
-    if len(sys.argv) < 2:
-        print("usage: etcd_harness.py CMD [ARGS...]", file=sys.stderr)
+    args = sys.argv[1:]
+    members = 1
+    if len(args) >= 2 and args[0] == "--members":
+        members = int(args[1])
+        args = args[2:]
+    if not args:
+        print("usage: etcd_harness.py [--members N] CMD [ARGS...]", file=sys.stderr)
         return 2
-    with Etcd() as e:
-        print(f"etcd_harness: etcd {e.endpoint}", flush=True)
-        return subprocess.run(sys.argv[1:], env=dict(os.environ, WSYNC_ETCD_ENDPOINT=e.endpoint)).returncode
+    if members == 1:
+        with Etcd() as e:
+            print(f"etcd_harness: etcd {e.endpoint}", flush=True)
+            return subprocess.run(args, env=dict(os.environ, WSYNC_ETCD_ENDPOINT=e.endpoint)).returncode
+    # A cluster: WSYNC_ETCD_ENDPOINT lists every member's client address, WSYNC_ETCD_PIDS their processes (same order).
+    with EtcdCluster(members) as c:
+        print(f"etcd_harness: etcd cluster {','.join(c.endpoints)}", flush=True)
+        env = dict(os.environ, WSYNC_ETCD_ENDPOINT=",".join(c.endpoints),
+                   WSYNC_ETCD_PIDS=",".join(str(p.pid) for p in c.procs))
+        return subprocess.run(args, env=env).returncode
 
 
 if __name__ == "__main__":
