@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The version is written once (CMakeLists.txt, `project(wsync VERSION x.y.z)`) and every artifact carries it: each
-binary's --version, the C API's wsync_version(), the Python client's wheel and the vLLM plugin's wheel (file name and
-the package's __version__, built from copies of client/python and client/vllm the way the tests and installers
-build them). The container image's labels and tags are checked by deploy/validate.sh."""
+binary's --version, the C API's wsync_version(), the Python client's wheel, the vLLM plugin's and the framework
+adapters' wheels (file name and the package's __version__, built from copies of client/python, client/vllm and
+client/integrations the way the tests and installers build them). The container image's labels and tags are checked by deploy/validate.sh."""
 import argparse
 import ctypes
 import os
@@ -77,6 +77,19 @@ def main():
         if wheels:
             got = wheel_version(os.path.join(dist, wheels[0]), "wsync_vllm")
             check(got == (v, v), "vLLM plugin wheel %s: version %s, wsync_vllm.__version__ %s" % (wheels[0], *got))
+        # The framework adapters (client/integrations), built the same way.
+        isrc = os.path.join(work, "integrations-src")
+        shutil.copytree(os.path.join(ROOT, "client", "integrations"), isrc,
+                        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        idist = os.path.join(work, "integrations-dist")
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", idist, isrc], check=True,
+                       timeout=300, env=dict(pw.offline_env(pw.wheelhouse(args.cache)), WSYNC_SOURCE_DIR=ROOT))
+        iwheels = [w for w in os.listdir(idist) if w.endswith(".whl")]
+        check(len(iwheels) == 1, "one framework-adapters wheel built: %s" % iwheels)
+        if iwheels:
+            got = wheel_version(os.path.join(idist, iwheels[0]), "wsync_integrations")
+            check(got == (v, v), "framework-adapters wheel %s: version %s, wsync_integrations.__version__ %s" %
+                  (iwheels[0], *got))
         # Without the checkout's CMakeLists.txt the build refuses rather than inventing a version.
         p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist + "2", src],
                            capture_output=True, text=True, timeout=300,
