@@ -134,7 +134,7 @@ class Procs:
         if made:
             used = _shm_in_use()
             for path in made:
-                if path not in used:
+                if _shm_inode(path) not in used:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
 
@@ -146,22 +146,31 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
-def _shm_in_use() -> set[str]:
-    """Paths under /dev/shm that some process maps or has open (read from /proc; what cannot be read is skipped)."""
-    used: set[str] = set()
+def _shm_inode(path: str) -> int:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return -1
+
+
+def _shm_in_use() -> set[int]:
+    """Inodes of files under /dev/shm that some process maps or has open (read from /proc; what cannot be read is
+    skipped). By inode, not name: glibc's sem_open maps a temporary file and then links it under the semaphore's
+    name, so a live semaphore shows in /proc/PID/maps under the temporary (deleted) name only."""
+    used: set[int] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
-                    at = line.find("/dev/shm/")
-                    if at >= 0:
-                        used.add(line[at:].rstrip("\n").removesuffix(" (deleted)"))
+                    if "/dev/shm/" in line:
+                        fields = line.split(None, 5)  # address perms offset dev inode path
+                        with contextlib.suppress(IndexError, ValueError):
+                            used.add(int(fields[4]))
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if target.startswith("/dev/shm/"):
-                        used.add(target)
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                        used.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
     return used
 
 
