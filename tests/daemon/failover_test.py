@@ -131,7 +131,7 @@ def main() -> int:
                                    "train0", "--coordinator", f"{c2},{c1}", "--trainer-ranks", "1",
                                    "--ring-mib", "64", "--port-file", os.path.join(wd, "source.port"),
                                    "--trainer-socket", os.path.join(wd, "source.sock")],
-                        env={"WSYNC_FAULTS": "delay_ms=1500"})
+                        env={"WSYNC_FAULTS": "delay_ms=3000"})
             port_of("source")
             src = os.path.join(wd, "source.sock")  # trainer ranks reach their daemon through its local socket
 
@@ -149,7 +149,8 @@ def main() -> int:
                 rc, w, _ = ctl(both, "watch", "--once", timeout=20)
                 return rc == 0 and w.get("state") in ("updating", "committing")
             harness.wait_for("update 2 open", opened, 30, procs, ["c1"], interval=0.05)
-            # The push takes two delayed batches (1.5 s each): 2 s in, the first has landed, the second is on its way.
+            # The push takes two delayed batches per engine rank (3 s each; each rank's writer posts its own, the two
+            # ranks' at once): 2 s in, the first is still on its way.
             time.sleep(2.0)
             rc, w, _ = ctl(c1, "watch", "--once")
             check(demo.poll() is None and w.get("state") in ("updating", "committing"),

@@ -120,7 +120,10 @@ def main() -> int:
                 version += 1
                 t = trainer(version, background=True)
 
-                harness.wait_for(f"update {version} open", lambda: ctl("status")[1].get("state") == "updating" or None,
+                # The ranks' pushes return once their batches are queued for the source's writers (issue 39): the
+                # slowed writes may be drained while the coordinator commits.
+                harness.wait_for(f"update {version} open",
+                                 lambda: ctl("status")[1].get("state") in ("updating", "committing") or None,
                                  60, procs, ["source", "target"], 0.05)
                 time.sleep(1.0)  # the source is now inside a slowed-down write
                 t_kill = time.time()
