@@ -64,32 +64,26 @@ def main():
         got = wheel_version(wheel, "wsync_client")
         check(got == (v, v), "Python client wheel %s: version %s, wsync_client.__version__ %s" %
               (os.path.basename(wheel), got[0], got[1]))
-        # The vLLM plugin, built from a copy (as tools/testing/engines/install_vllm_cpu.sh does), offline from the
-        # same pinned wheelhouse (its build needs setuptools only).
+        # The vLLM plugin and the framework adapters (client/integrations), each built from a copy (as
+        # tools/testing/engines/install_vllm_cpu.sh and install_framework.sh do), offline from the same pinned
+        # wheelhouse (their builds need setuptools only).
+        env = dict(pw.offline_env(pw.wheelhouse(args.cache)), WSYNC_SOURCE_DIR=ROOT)
+        for folder, package, what in (("vllm", "wsync_vllm", "vLLM plugin"),
+                                      ("integrations", "wsync_integrations", "framework adapters")):
+            src = os.path.join(work, folder + "-src")
+            shutil.copytree(os.path.join(ROOT, "client", folder), src,
+                            ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+            dist = os.path.join(work, folder + "-dist")
+            subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, src], check=True,
+                           timeout=300, env=env)
+            wheels = [w for w in os.listdir(dist) if w.endswith(".whl")]
+            check(len(wheels) == 1, "one %s wheel built: %s" % (what, wheels))
+            if wheels:
+                got = wheel_version(os.path.join(dist, wheels[0]), package)
+                check(got == (v, v), "%s wheel %s: version %s, %s.__version__ %s" %
+                      (what, wheels[0], got[0], package, got[1]))
         src = os.path.join(work, "vllm-src")
-        shutil.copytree(os.path.join(ROOT, "client", "vllm"), src,
-                        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
         dist = os.path.join(work, "vllm-dist")
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, src], check=True,
-                       timeout=300, env=dict(pw.offline_env(pw.wheelhouse(args.cache)), WSYNC_SOURCE_DIR=ROOT))
-        wheels = [w for w in os.listdir(dist) if w.endswith(".whl")]
-        check(len(wheels) == 1, "one vLLM plugin wheel built: %s" % wheels)
-        if wheels:
-            got = wheel_version(os.path.join(dist, wheels[0]), "wsync_vllm")
-            check(got == (v, v), "vLLM plugin wheel %s: version %s, wsync_vllm.__version__ %s" % (wheels[0], *got))
-        # The framework adapters (client/integrations), built the same way.
-        isrc = os.path.join(work, "integrations-src")
-        shutil.copytree(os.path.join(ROOT, "client", "integrations"), isrc,
-                        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-        idist = os.path.join(work, "integrations-dist")
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", idist, isrc], check=True,
-                       timeout=300, env=dict(pw.offline_env(pw.wheelhouse(args.cache)), WSYNC_SOURCE_DIR=ROOT))
-        iwheels = [w for w in os.listdir(idist) if w.endswith(".whl")]
-        check(len(iwheels) == 1, "one framework-adapters wheel built: %s" % iwheels)
-        if iwheels:
-            got = wheel_version(os.path.join(idist, iwheels[0]), "wsync_integrations")
-            check(got == (v, v), "framework-adapters wheel %s: version %s, wsync_integrations.__version__ %s" %
-                  (iwheels[0], *got))
         # Without the checkout's CMakeLists.txt the build refuses rather than inventing a version.
         p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist + "2", src],
                            capture_output=True, text=True, timeout=300,
