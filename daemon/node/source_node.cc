@@ -1,22 +1,20 @@
 #include "daemon/node/source_node.h"
-#include "daemon/node/push_split.h"
 
 #include <signal.h>
 #include <sys/random.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <initializer_list>
-#include <cstring>
-#include <optional>
 #include <iterator>
+#include <optional>
 #include <set>
 #include <tuple>
-
-#include <xxhash.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -27,6 +25,7 @@
 #include "base/status.h"
 #include "daemon/common/config_digest.h"
 #include "daemon/common/convert.h"
+#include "daemon/node/push_split.h"
 #include "spdlog/spdlog.h"
 #include "transport/registry.h"
 
@@ -421,8 +420,7 @@ absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSo
     std::map<int, const transport::RemoteRegion*> by_segment;
     for (const auto& seg : a.layout().segments()) {
       auto region = t->transport->ImportRegion(seg.region_descriptor());
-      if (!region.ok())
-        return Annotate(region.status(), absl::StrCat("importing segment ", seg.id(), " of ", Who(*t)));
+      if (!region.ok()) return Annotate(region.status(), absl::StrCat("importing segment ", seg.id(), " of ", Who(*t)));
       by_segment[seg.id()] = region->get();
       t->regions.push_back(*std::move(region));
     }
@@ -476,9 +474,8 @@ absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSo
     hint.set_ue8m0(plan.quant.ue8m0);
     for (const auto& n : names) {
       const std::vector<replica::TensorRead> reads = replica->Reads(n);
-      if (!reads.empty() && std::all_of(reads.begin(), reads.end(), [](const replica::TensorRead& r) {
-            return r.scale_param >= 0 && !r.constant;
-          }))
+      if (!reads.empty() && std::all_of(reads.begin(), reads.end(),
+                                        [](const replica::TensorRead& r) { return r.scale_param >= 0 && !r.constant; }))
         hint.add_tensor_names(n);
     }
   }
@@ -584,9 +581,9 @@ std::string SourceNode::NodeRanksIn(const Target& t, const std::vector<std::uniq
   for (const auto& o : all)
     if (o->assignment.target_daemon() == t.assignment.target_daemon())
       ranks.push_back(absl::StrCat("engine ", o->assignment.engine_id(), " rank ", o->assignment.rank()));
-  return absl::StrCat(t.assignment.target_node().empty() ? std::string("target daemon")
-                                                         : "node " + t.assignment.target_node(),
-                      " at ", t.assignment.target_daemon(), " (", absl::StrJoin(ranks, ", "), ")");
+  return absl::StrCat(
+      t.assignment.target_node().empty() ? std::string("target daemon") : "node " + t.assignment.target_node(), " at ",
+      t.assignment.target_daemon(), " (", absl::StrJoin(ranks, ", "), ")");
 }
 
 absl::Status SourceNode::ConnectEndpoint(Target* t, absl::Time deadline) {
@@ -672,9 +669,9 @@ absl::Status SourceNode::DrainOutstanding(absl::Duration timeout) {
     if (t->writer == nullptr) continue;
     if (!drained && t->writer->busy() > 0) {
       // A batch we stop waiting for must not stay pending on an endpoint we reuse.
-      t->writer->Cancel(absl::DeadlineExceededError(absl::StrCat(
-          "writing to ", Who(*t), "; affected: ", t->affected, ": batches not written within ",
-          absl::FormatDuration(timeout))));
+      t->writer->Cancel(
+          absl::DeadlineExceededError(absl::StrCat("writing to ", Who(*t), "; affected: ", t->affected,
+                                                   ": batches not written within ", absl::FormatDuration(timeout))));
     }
     absl::Status st = t->writer->broken();
     if (st.ok() || !t->broken.ok()) continue;
@@ -828,7 +825,7 @@ absl::StatusOr<v1::BeginPushReply> SourceNode::BeginPush(const v1::BeginPushRequ
 }
 
 absl::StatusOr<BucketView> SourceNode::WaitForBucket(RingConsumer& ring, absl::Duration timeout,
-                                                   const CancelFn& cancelled) {
+                                                     const CancelFn& cancelled) {
   const absl::Time deadline = absl::Now() + timeout;
   for (;;) {
     const absl::Duration left = deadline - absl::Now();
@@ -878,7 +875,8 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
   std::unique_lock<std::mutex> rank_lock(*rank_mu, std::try_to_lock);
   for (const absl::Time until = absl::Now() + kBucketWait; !rank_lock.owns_lock(); rank_lock.try_lock()) {
     if (absl::Now() >= until || (cancelled && cancelled()))
-      return absl::FailedPreconditionError(absl::StrCat("bucket ", req.bucket_seq(), ": another CommitBucket of this "
+      return absl::FailedPreconditionError(absl::StrCat("bucket ", req.bucket_seq(),
+                                                        ": another CommitBucket of this "
                                                         "rank is still running"));
     absl::SleepFor(absl::Milliseconds(10));
   }
@@ -920,14 +918,15 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
 
   if (!replica_)
     return absl::FailedPreconditionError(absl::StrCat("bucket ", bucket.seq, ": this node writes nothing in plan ",
-                                                      plan_epoch_, " (its ranks' push filters are empty); nothing "
+                                                      plan_epoch_,
+                                                      " (its ranks' push filters are empty); nothing "
                                                       "was written"));
   // Validate and claim the whole bucket before anything of it reaches the replica or an engine.
   std::vector<BucketTensor> tensors;
   if (absl::Status bad = ClaimBucket(bucket, &tensors); !bad.ok()) {
     std::lock_guard<std::mutex> l(mu_);
-    absl::Status err = Annotate(bad, absl::StrCat("bucket ", bucket.seq, " of update ", version,
-                                                  " rejected, nothing from it was written"));
+    absl::Status err = Annotate(
+        bad, absl::StrCat("bucket ", bucket.seq, " of update ", version, " rejected, nothing from it was written"));
     if (version_ == version) FailUpdate(err);
     metrics_.Add("wsync_source_buckets_total", {{"result", "rejected"}}, 1);
     return err;
@@ -1054,22 +1053,20 @@ absl::Status SourceNode::CheckSlice(const TensorSlice& s, DType dtype, uint64_t 
                                                    ShapeStr(it->second.shape)));
   }
   auto overlaps = [&](const TensorSlice& o) {
-    return s.row0 < o.row0 + o.rows && o.row0 < s.row0 + s.rows && s.col0 < o.col0 + o.cols &&
-           o.col0 < s.col0 + s.cols;
+    return s.row0 < o.row0 + o.rows && o.row0 < s.row0 + s.rows && s.col0 < o.col0 + o.cols && o.col0 < s.col0 + s.cols;
   };
   std::vector<const TensorSlice*> earlier;
   if (it != staged_.end()) {
     if (it->second.dtype != dtype)
-      return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, " (", s.Describe(), ") is ",
-                                                     DTypeName(dtype), ", earlier slices were ",
-                                                     DTypeName(it->second.dtype)));
+      return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, " (", s.Describe(), ") is ", DTypeName(dtype),
+                                                     ", earlier slices were ", DTypeName(it->second.dtype)));
     for (const auto& g : it->second.got) earlier.push_back(&g);
   }
   for (const auto& [b, bd] : bucket) {
     if (b.name != s.name) continue;
     if (bd != dtype)
-      return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, " (", s.Describe(), ") is ",
-                                                     DTypeName(dtype), ", an earlier slice was ", DTypeName(bd)));
+      return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, " (", s.Describe(), ") is ", DTypeName(dtype),
+                                                     ", an earlier slice was ", DTypeName(bd)));
     earlier.push_back(&b);
   }
   for (const TensorSlice* o : earlier)
@@ -1208,8 +1205,15 @@ absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::
     sent += PlanWrites(version, r, &batches);
   }
   RefreshBase(ready);
-  for (auto& [t, writes] : batches) WSYNC_RETURN_IF_ERROR(PostToTarget(version, t, std::move(writes)));
-  RecordChecksums(version, ready);
+  std::map<Target*, std::shared_ptr<BatchOutcome>> outcomes;
+  for (auto& [t, writes] : batches) {
+    auto outcome = std::make_shared<BatchOutcome>();
+    outcomes[t] = outcome;
+    WSYNC_RETURN_IF_ERROR(PostToTarget(version, t, std::move(writes), [outcome](const absl::Status& st) {
+      outcome->state.store(st.ok() ? 1 : 2, std::memory_order_release);
+    }));
+  }
+  RecordChecksums(version, ready, outcomes);
   for (const auto& r : ready) completed_[r.layout][r.param] = 1;  // this bucket's alone: the replica said so once
   std::lock_guard<std::mutex> l(mu_);
   bytes_written_ += bytes;
@@ -1221,16 +1225,16 @@ absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::
   return absl::OkStatus();
 }
 
-absl::Status SourceNode::PostToTarget(int64_t version, Target* t, std::vector<transport::WriteRequest> writes) {
+absl::Status SourceNode::PostToTarget(int64_t version, Target* t, std::vector<transport::WriteRequest> writes,
+                                      TargetWriter::Done done) {
   // Fail fast: a failure elsewhere (another rank's bucket, another target) stops this bucket's writes too.
   if (update_failed_)
     return absl::AbortedError(absl::StrCat("update ", version, ": writes to ", Who(*t),
                                            " not posted: the update already failed on node ", opts_.node_id));
   if (!t->broken.ok() || t->writer == nullptr)
-    return absl::UnavailableError(absl::StrCat("writing to ", Who(*t),
-                                               ": its endpoint failed and is not re-established (", t->broken.message(),
-                                               ")"));
-  return t->writer->Submit(version, std::move(writes));
+    return absl::UnavailableError(absl::StrCat(
+        "writing to ", Who(*t), ": its endpoint failed and is not re-established (", t->broken.message(), ")"));
+  return t->writer->Submit(version, std::move(writes), std::move(done));
 }
 
 absl::Status SourceNode::EndPush(const v1::EndPushRequest& req) {
@@ -1239,13 +1243,12 @@ absl::Status SourceNode::EndPush(const v1::EndPushRequest& req) {
   if (s == nullptr) return UnknownSession();
   if (req.version() != version_) {
     if (ended_version_ == req.version())
-      return absl::FailedPreconditionError(absl::StrCat("EndPush for update ", req.version(),
-                                                        ", which has ended: ",
-                                                        ended_result_.ok() ? std::string("it finished")
-                                                                           : ended_result_.status().ToString()));
-    return absl::FailedPreconditionError(absl::StrCat(
-        "EndPush for update ", req.version(), " but ",
-        version_ >= 0 ? absl::StrCat("update ", version_, " is open") : std::string("no update is open")));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "EndPush for update ", req.version(),
+          ", which has ended: ", ended_result_.ok() ? std::string("it finished") : ended_result_.status().ToString()));
+    return absl::FailedPreconditionError(
+        absl::StrCat("EndPush for update ", req.version(), " but ",
+                     version_ >= 0 ? absl::StrCat("update ", version_, " is open") : std::string("no update is open")));
   }
   s->ended_version = req.version();
   ended_ranks_.insert(s->local_rank);
@@ -1255,8 +1258,7 @@ absl::Status SourceNode::EndPush(const v1::EndPushRequest& req) {
 
 absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishUpdateRequest& req,
                                                                const CancelFn& cancelled) {
-  const absl::Duration timeout =
-      req.timeout_seconds() > 0 ? absl::Seconds(req.timeout_seconds()) : opts_.push_timeout;
+  const absl::Duration timeout = req.timeout_seconds() > 0 ? absl::Seconds(req.timeout_seconds()) : opts_.push_timeout;
   const int64_t v = req.version();
   absl::Status result;
   {
@@ -1283,16 +1285,17 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
     bool gone = false;
     if (!WaitCancellable(l, timeout, cancelled, &gone, all_ended) && gone) {
       // The coordinator's call is gone: the update fails here (a repeat of the call answers the same).
-      result = absl::CancelledError(absl::StrCat("update ", v, ": the coordinator's FinishUpdate call was cancelled "
+      result = absl::CancelledError(absl::StrCat("update ", v,
+                                                 ": the coordinator's FinishUpdate call was cancelled "
                                                  "while this node waited for its trainer ranks"));
       CancelWrites(result);  // nobody waits for the drain either
     } else if (!all_ended()) {
       std::vector<int> missing;
       for (int r = 0; r < opts_.trainer_ranks; ++r)
         if (!ended_ranks_.count(r)) missing.push_back(r);
-      result = absl::DeadlineExceededError(absl::StrCat(
-          "update ", v, ": trainer ranks [", absl::StrJoin(missing, ","), "] did not finish pushing within ",
-          absl::FormatDuration(timeout)));
+      result =
+          absl::DeadlineExceededError(absl::StrCat("update ", v, ": trainer ranks [", absl::StrJoin(missing, ","),
+                                                   "] did not finish pushing within ", absl::FormatDuration(timeout)));
     }
   }
   // Even a failed update drains its batches, so no batch id outlives the update it belongs to.
@@ -1308,8 +1311,9 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
   if (hasher_) metrics_.Observe("wsync_source_checksum_wait_seconds", {}, hash_wait_s);
   if (result.ok()) result = update_error_;  // the first cause (a bucket's failure, a lost rank, the coordinator's word)
   if (!drained.ok())
-    result = result.ok() ? drained
-                         : absl::Status(result.code(), absl::StrCat(result.message(), "; draining: ", drained.message()));
+    result = result.ok()
+                 ? drained
+                 : absl::Status(result.code(), absl::StrCat(result.message(), "; draining: ", drained.message()));
   if (result.ok()) {
     // Every parameter this node writes must be complete (the plan may leave others of its layouts to other nodes).
     std::vector<std::string> missing;
@@ -1323,11 +1327,14 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
       if (!st.done && !st.data.empty() && partial.size() < 5)
         partial.push_back(absl::StrCat(name, " (", st.got.size(), " slices)"));
     if (count > 0)
-      result = absl::FailedPreconditionError(absl::StrCat(
-          "update ", v, ": ", count, " parameters this node writes are incomplete (their checkpoint tensors were not "
-          "all pushed): ", absl::StrJoin(missing, ", "), count > missing.size() ? ", ..." : "",
-          partial.empty() ? "" : absl::StrCat("; tensors whose slices do not cover what this node reads: ",
-                                              absl::StrJoin(partial, ", "))));
+      result = absl::FailedPreconditionError(
+          absl::StrCat("update ", v, ": ", count,
+                       " parameters this node writes are incomplete (their checkpoint tensors were not "
+                       "all pushed): ",
+                       absl::StrJoin(missing, ", "), count > missing.size() ? ", ..." : "",
+                       partial.empty() ? ""
+                                       : absl::StrCat("; tensors whose slices do not cover what this node reads: ",
+                                                      absl::StrJoin(partial, ", "))));
   }
   version_ = -1;
   SetLogUpdateVersion(-1);
@@ -1379,9 +1386,9 @@ absl::StatusOr<v1::AbortSourceUpdateReply> SourceNode::AbortUpdate(const v1::Abo
     if (finishing_) {
       // The commit owns the update and ends it; what the coordinator learnt (a node lost its lease) fails it now:
       // every write still in flight is cancelled, so FinishUpdate's drain returns at once with this reason.
-      absl::Status err = absl::AbortedError(absl::StrCat(
-          "update ", v, " failed during its commit",
-          req.reason().empty() ? std::string() : absl::StrCat(": ", req.reason())));
+      absl::Status err =
+          absl::AbortedError(absl::StrCat("update ", v, " failed during its commit",
+                                          req.reason().empty() ? std::string() : absl::StrCat(": ", req.reason())));
       if (update_error_.ok()) {
         FailUpdate(err);
       } else {
@@ -1470,19 +1477,26 @@ absl::StatusOr<v1::WriteChecksumsReply> SourceNode::WriteChecksums(int64_t versi
   std::lock_guard<std::mutex> l(mu_);
   std::vector<std::string> kept;
   for (const auto& [v, rec] : checksums_) kept.push_back(absl::StrCat(v));
-  auto it = version < 0 ? (checksums_.empty() ? checksums_.end() : std::prev(checksums_.end()))
-                        : checksums_.find(version);
+  auto it =
+      version < 0 ? (checksums_.empty() ? checksums_.end() : std::prev(checksums_.end())) : checksums_.find(version);
   if (it == checksums_.end())
     return absl::NotFoundError(absl::StrCat(
-        "source ", opts_.node_id, " has no write checksums of ", version < 0 ? std::string("any update")
-                                                                             : absl::StrCat("update ", version),
-        " (it keeps the last ", kChecksumVersionsKept, " updates since it started; it has: ",
-        kept.empty() ? std::string("none") : absl::StrJoin(kept, ", "), ")"));
+        "source ", opts_.node_id, " has no write checksums of ",
+        version < 0 ? std::string("any update") : absl::StrCat("update ", version), " (it keeps the last ",
+        kChecksumVersionsKept,
+        " updates since it started; it has: ", kept.empty() ? std::string("none") : absl::StrJoin(kept, ", "), ")"));
   v1::WriteChecksumsReply out;
   out.set_node_id(opts_.node_id);
   out.set_version(it->first);
   out.set_finished(it->second.finished);
-  for (const auto& c : it->second.writes) *out.add_writes() = c;
+  // What each engine got: an entry of a batch its writer did not write (dropped at an abort, failed, cancelled in
+  // flight) is not listed. A batch still under way is listed (the bytes posted; finished records have none).
+  const Recorded& rec = it->second;
+  for (size_t i = 0; i < rec.writes.size(); ++i) {
+    const BatchOutcome* o = i < rec.outcomes.size() ? rec.outcomes[i].get() : nullptr;
+    if (o != nullptr && o->state.load(std::memory_order_acquire) == 2) continue;
+    *out.add_writes() = rec.writes[i];
+  }
   for (const auto& [v, rec] : checksums_) out.add_versions_kept(v);
   return out;
 }
@@ -1500,12 +1514,14 @@ SourceNode::Retained SourceNode::RetainedSizes() {
   return r;
 }
 
-void SourceNode::RecordChecksums(int64_t version, const std::vector<replica::ReadyParam>& ready) {
+void SourceNode::RecordChecksums(int64_t version, const std::vector<replica::ReadyParam>& ready,
+                                 const std::map<Target*, std::shared_ptr<BatchOutcome>>& outcomes) {
   if (!hasher_ || ready.empty()) return;
   // One batch per bucket: its entries in the order posted, each hex filled in by the job hashing its range.
   struct Batch {
     int64_t version = -1;
     std::vector<v1::WriteChecksum> sums;
+    std::vector<std::shared_ptr<const BatchOutcome>> outcomes;  // per entry of sums
     std::atomic<size_t> jobs_left{0};
   };
   struct Range {
@@ -1525,6 +1541,8 @@ void SourceNode::RecordChecksums(int64_t version, const std::vector<replica::Rea
         auto [it, fresh] = index.try_emplace({r.layout, r.param, offset, length}, ranges.size());
         if (fresh) ranges.push_back({replica_->data(r.layout) + p.offset + offset, length, {}});
         ranges[it->second].entries.push_back(batch->sums.size());
+        auto o = outcomes.find(t);
+        batch->outcomes.push_back(o == outcomes.end() ? nullptr : o->second);
         v1::WriteChecksum& c = batch->sums.emplace_back();
         c.set_engine_id(t->assignment.engine_id());
         c.set_rank(t->assignment.rank());
@@ -1558,8 +1576,10 @@ void SourceNode::RecordChecksums(int64_t version, const std::vector<replica::Rea
       // The last job of the batch publishes it whole (acq_rel: it sees every other job's entries).
       if (batch->jobs_left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
       std::lock_guard<std::mutex> l(mu_);
-      if (auto it = checksums_.find(batch->version); it != checksums_.end())
+      if (auto it = checksums_.find(batch->version); it != checksums_.end()) {
         for (auto& c : batch->sums) it->second.writes.push_back(std::move(c));
+        for (auto& o : batch->outcomes) it->second.outcomes.push_back(std::move(o));
+      }
     });
   }
 }

@@ -14,9 +14,9 @@
 
 #include <atomic>
 #include <condition_variable>
-#include <functional>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -30,12 +30,12 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "base/fd_passing.h"
-#include "client/ring/ring.h"
 #include "base/tensor_slice.h"
+#include "client/ring/ring.h"
 #include "daemon/common/metrics.h"
 #include "daemon/node/hash_pool.h"
-#include "daemon/node/source_writer.h"
 #include "daemon/node/source_plan.h"
+#include "daemon/node/source_writer.h"
 #include "replica/replica.h"
 #include "transport/transport.h"
 #include "wsync/v1/daemon.grpc.pb.h"
@@ -56,7 +56,7 @@ struct BucketTiming {
 
 struct SourceOptions {
   std::string node_id;
-  int trainer_ranks = 1;             // sessions expected per update
+  int trainer_ranks = 1;  // sessions expected per update
   uint64_t ring_bytes = 256ull << 20;
   absl::Duration push_timeout = absl::Seconds(120);
   // A trainer rank whose process exited (or that closed its session) during an open update, without having ended
@@ -83,8 +83,8 @@ struct SourceOptions {
 };
 
 // Dials a peer daemon's ConnectTarget (injected so tests can run without gRPC).
-using ConnectTargetFn = std::function<absl::StatusOr<std::string>(const std::string& target_daemon,
-                                                                  const v1::ConnectTargetRequest& req)>;
+using ConnectTargetFn =
+    std::function<absl::StatusOr<std::string>(const std::string& target_daemon, const v1::ConnectTargetRequest& req)>;
 // The same, answering the whole reply (the delta staging region with the connection's endpoint info).
 using ConnectTargetReplyFn = std::function<absl::StatusOr<v1::ConnectTargetReply>(const std::string& target_daemon,
                                                                                   const v1::ConnectTargetRequest& req)>;
@@ -309,12 +309,21 @@ class SourceNode {
   absl::Status WriteReady(int64_t version, const std::vector<replica::ReadyParam>& ready);
   // Hands one batch of the update to `t`'s writer (TargetWriter::Submit: blocks on its credits, never on a Post).
   // Caller holds ingest_mu_ shared.
-  absl::Status PostToTarget(int64_t version, Target* t, std::vector<transport::WriteRequest> writes);
+  absl::Status PostToTarget(int64_t version, Target* t, std::vector<transport::WriteRequest> writes,
+                            TargetWriter::Done done = nullptr);
+  // Whether one target's batch of a bucket was written: set by its writer when the batch leaves the pipeline. Kept
+  // with the batch's checksums: a batch dropped or failed (an abort, the update failing) is not recorded as written.
+  struct BatchOutcome {
+    std::atomic<int> state{0};  // 0: queued or in flight, 1: written, 2: not written (dropped, failed, cancelled)
+  };
   // Queues on hasher_ the XXH3-128 of every range posted for `ready`; the last job of the batch appends the batch to
   // checksums_[version] (if still kept). Replica ordering: those replica bytes stay unchanged until WaitForChecksums
   // returned: a parameter is loaded once per update, and the replica is next written only after StartUpdate (or
   // replaced by Configure), which both wait first. Caller holds ingest_mu_ (shared is enough).
-  void RecordChecksums(int64_t version, const std::vector<replica::ReadyParam>& ready);
+  // `outcomes`: per target, its batch's outcome; an entry of a batch that turns out not written is left out of the
+  // record when read (WriteChecksums).
+  void RecordChecksums(int64_t version, const std::vector<replica::ReadyParam>& ready,
+                       const std::map<Target*, std::shared_ptr<BatchOutcome>>& outcomes = {});
   // Blocks until every queued hash has been taken; returns the seconds waited. Caller holds ingest_mu_ exclusively
   // (so nothing queues more meanwhile), not mu_ (the jobs take it).
   double WaitForChecksums();
@@ -361,12 +370,12 @@ class SourceNode {
     bool direct = false;                     // slices land in the replica (`rects`), else in `data`
     std::vector<replica::PlacedRect> rects;  // direct: where the tensor's bytes go in the layout buffers
     std::vector<uint8_t> data;               // staged: the whole tensor; allocated at the first slice
-    std::vector<TensorSlice> got;         // rectangles claimed in this update (disjoint)
-    std::vector<TensorSlice> landed;      // those of them copied in
-    int copying = 0;                      // claimed, not landed yet
-    std::vector<replica::TensorRead> need;  // what this node's writes read of it
-    bool constant = false;                // a required parameter only needs the tensor to arrive
-    bool done = false;                    // handed to the replica (by the slice that completed it)
+    std::vector<TensorSlice> got;            // rectangles claimed in this update (disjoint)
+    std::vector<TensorSlice> landed;         // those of them copied in
+    int copying = 0;                         // claimed, not landed yet
+    std::vector<replica::TensorRead> need;   // what this node's writes read of it
+    bool constant = false;                   // a required parameter only needs the tensor to arrive
+    bool done = false;                       // handed to the replica (by the slice that completed it)
   };
   // One tensor of a bucket: whole, or a slice of one.
   struct BucketTensor {
@@ -458,7 +467,7 @@ class SourceNode {
 
   // Configured state (replaced by Configure).
   int64_t plan_epoch_ = -1;
-  bool configured_ = false;  // a plan was applied (a node without work in it has no replica)
+  bool configured_ = false;    // a plan was applied (a node without work in it has no replica)
   std::string config_digest_;  // ConfigureSourceDigest of the request applied
   std::unique_ptr<replica::Replica> replica_;
   std::vector<std::unique_ptr<transport::LocalRegion>> replica_regions_;
@@ -470,8 +479,8 @@ class SourceNode {
   UpdateWrites updates_{[this](int64_t version, const absl::Status& err) { OnWriteFailure(version, err); }};
   std::vector<std::unique_ptr<Target>> targets_;
   std::vector<std::vector<Target*>> targets_by_layout_;
-  std::vector<std::string> push_names_;  // checkpoint tensors this node needs, in push order
-  std::map<int, std::vector<std::string>> rank_push_;  // per local rank, when the plan partitions the push
+  std::vector<std::string> push_names_;                          // checkpoint tensors this node needs, in push order
+  std::map<int, std::vector<std::string>> rank_push_;            // per local rank, when the plan partitions the push
   std::map<int, std::vector<v1::TensorSliceSpec>> rank_slices_;  // per local rank: slices (shard-aware plans)
   // What BeginPush offers for trainer-side FP8 quantization (trainer.proto Fp8PushHint): block, scale format and the
   // tensors every layout quantizes here; empty names when the replica is not FP8.
@@ -502,7 +511,7 @@ class SourceNode {
   uint64_t sent_bytes_ = 0;
 
   // Current update.
-  int64_t version_ = -1;     // version being pushed; -1 when none is open
+  int64_t version_ = -1;       // version being pushed; -1 when none is open
   int64_t last_version_ = -1;  // last version finished successfully
   bool finishing_ = false;     // a FinishUpdate(version_) is running; others for it wait on cv_ for its result
   // The newest ended version (finished, failed or abandoned) and its FinishUpdate result, to answer repeats.
@@ -520,13 +529,15 @@ class SourceNode {
   bool stopping_ = false;
   std::condition_variable watch_cv_;
   Metrics metrics_;
-  std::thread watcher_;  // last: started in the constructor once everything it touches exists  // local ranks that finished pushing the open update
+  std::thread watcher_;  // last: started in the constructor once everything it touches exists  // local ranks that
+                         // finished pushing the open update
   uint64_t bytes_written_ = 0, params_written_ = 0, tensors_received_ = 0;
   double ingest_seconds_ = 0, write_seconds_ = 0;
   // Per version (newest kChecksumVersionsKept): checksums of every range written, and whether it finished; mu_.
   struct Recorded {
     bool finished = false;
     std::vector<v1::WriteChecksum> writes;
+    std::vector<std::shared_ptr<const BatchOutcome>> outcomes;  // per entry of `writes` (null: written)
   };
   std::map<int64_t, Recorded> checksums_;
   // Hashes the ranges posted (null with write_checksums off). Declared after everything its jobs touch; the

@@ -87,7 +87,7 @@ TargetWriter::~TargetWriter() {
   thread_.join();
 }
 
-absl::Status TargetWriter::Submit(int64_t version, std::vector<transport::WriteRequest> batch) {
+absl::Status TargetWriter::Submit(int64_t version, std::vector<transport::WriteRequest> batch, Done done) {
   MutexLock l(&mu_);
   for (;;) {
     if (!broken_.ok())
@@ -101,29 +101,34 @@ absl::Status TargetWriter::Submit(int64_t version, std::vector<transport::WriteR
   }
   if (!updates_->Add(version))
     return absl::AbortedError(absl::StrCat(context_, ": update ", version, " not written: the update already failed"));
-  queue_.push_back(Item{version, std::move(batch)});
+  queue_.push_back(Item{version, std::move(batch), std::move(done)});
   cv_.SignalAll();
   return absl::OkStatus();
 }
 
-std::vector<int64_t> TargetWriter::BreakLocked(const absl::Status& err) {
+std::vector<TargetWriter::Dropped> TargetWriter::BreakLocked(const absl::Status& err) {
   if (broken_.ok()) broken_ = err;
-  std::vector<int64_t> dropped;
-  for (const Item& i : queue_) dropped.push_back(i.version);
+  std::vector<Dropped> dropped;
+  for (Item& i : queue_) dropped.push_back(Dropped{i.version, std::move(i.done)});
   queue_.clear();
   cv_.SignalAll();
   return dropped;
 }
 
+void TargetWriter::End(int64_t version, const Done& done, const absl::Status& st, const absl::Status& report) {
+  if (done) done(st);
+  updates_->Report(version, report);
+}
+
 void TargetWriter::Cancel(const absl::Status& why) {
-  std::vector<int64_t> dropped;
+  std::vector<Dropped> dropped;
   {
     MutexLock l(&mu_);
     dropped = BreakLocked(why);
   }
   endpoint_->Cancel(why);  // in-flight batches fail at once; the thread reports them
   // The canceller fails the update itself (or it ended): the dropped batches only leave the count.
-  for (int64_t v : dropped) updates_->Report(v, absl::OkStatus());
+  for (const Dropped& d : dropped) End(d.version, d.done, why, absl::OkStatus());
 }
 
 absl::Status TargetWriter::broken() const {
@@ -164,7 +169,7 @@ void TargetWriter::Run() {
       }
     }
     if (!abandoned.empty()) {
-      for (const InFlight& f : abandoned) updates_->Report(f.version, abandon);
+      for (const InFlight& f : abandoned) End(f.version, f.done, abandon, abandon);
       continue;
     }
     absl::Status failure;
@@ -175,21 +180,23 @@ void TargetWriter::Run() {
               ? absl::StatusOr<transport::BatchId>(absl::AbortedError("the update already failed"))
               : endpoint_->Post(item.writes);
       if (id.ok()) {
-        flying.push_back(InFlight{item.version, *id});
+        flying.push_back(InFlight{item.version, *id, std::move(item.done)});
         continue;
       }
       failed_version = item.version;
       failure = Annotate(id.status(), context_);
       if (updates_->failed(item.version)) {
         // Dropped, not failed: the update's first error is elsewhere.
-        MutexLock l(&mu_);
-        --in_flight_;
-        cv_.SignalAll();
-        updates_->Report(item.version, absl::OkStatus());
+        {
+          MutexLock l(&mu_);
+          --in_flight_;
+          cv_.SignalAll();
+        }
+        End(item.version, item.done, failure, absl::OkStatus());
         continue;
       }
     } else {
-      const InFlight f = flying.front();
+      InFlight f = flying.front();
       absl::Status st = endpoint_->Wait(f.id, opts_.wait_slice);
       if (st.code() == absl::StatusCode::kDeadlineExceeded) continue;  // still outstanding: look at the queue
       flying.pop_front();
@@ -199,13 +206,14 @@ void TargetWriter::Run() {
           --in_flight_;
           cv_.SignalAll();
         }
-        updates_->Report(f.version, st);
+        End(f.version, f.done, st, st);
         continue;
       }
       failed_version = f.version;
       failure = Annotate(st, context_);
+      item.done = std::move(f.done);
     }
-    std::vector<int64_t> dropped;
+    std::vector<Dropped> dropped;
     bool first = false;
     {
       MutexLock l(&mu_);
@@ -214,8 +222,8 @@ void TargetWriter::Run() {
       dropped = BreakLocked(failure);
     }
     if (first) spdlog::error("{}; its endpoint will be re-created at the next update", failure.ToString());
-    updates_->Report(failed_version, failure);
-    for (int64_t v : dropped) updates_->Report(v, failure);
+    End(failed_version, item.done, failure, failure);
+    for (const Dropped& d : dropped) End(d.version, d.done, failure, failure);
   }
 }
 

@@ -81,10 +81,14 @@ class TargetWriter {
   TargetWriter(const TargetWriter&) = delete;
   TargetWriter& operator=(const TargetWriter&) = delete;
 
+  // Called once when a queued batch leaves the pipeline, on the writer's thread or the canceller's, outside this
+  // writer's lock: OK when its writes completed, else why not (failed, cancelled in flight: possibly part written;
+  // dropped from the queue: nothing written).
+  using Done = std::function<void(const absl::Status&)>;
   // Queues a batch of update `version`: blocks while every credit is taken, until one frees, the writer breaks or
-  // the update fails. Errors (nothing queued): Unavailable once the writer is broken (its endpoint must be
-  // re-created), Aborted once the update failed. The batch's regions must outlive its write.
-  absl::Status Submit(int64_t version, std::vector<transport::WriteRequest> batch);
+  // the update fails. Errors (nothing queued, `done` never called): Unavailable once the writer is broken (its
+  // endpoint must be re-created), Aborted once the update failed. The batch's regions must outlive its write.
+  absl::Status Submit(int64_t version, std::vector<transport::WriteRequest> batch, Done done = nullptr);
   // Drops every queued batch and fails the ones in flight with `why` (Endpoint::Cancel), at once; the writer is
   // broken from then on. Any thread; never blocks on the network.
   void Cancel(const absl::Status& why);
@@ -98,14 +102,22 @@ class TargetWriter {
   struct Item {
     int64_t version = -1;
     std::vector<transport::WriteRequest> writes;
+    Done done;
   };
   struct InFlight {
     int64_t version = -1;
     transport::BatchId id = 0;
+    Done done;
+  };
+  struct Dropped {
+    int64_t version = -1;
+    Done done;
   };
   void Run();
-  // Marks the writer broken by `err` (the first cause) and drops the queue; returns the dropped items' versions.
-  std::vector<int64_t> BreakLocked(const absl::Status& err) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the writer broken by `err` (the first cause) and drops the queue; returns the dropped items.
+  std::vector<Dropped> BreakLocked(const absl::Status& err) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends a batch that left the pipeline: its `done` with `st`, then UpdateWrites::Report(version, report).
+  void End(int64_t version, const Done& done, const absl::Status& st, const absl::Status& report);
 
   const std::unique_ptr<transport::Endpoint> endpoint_;
   const std::string context_;

@@ -4,10 +4,10 @@
 // engines' memory itself, hashed by the test: a checksum the source took of other bytes than it sent (a replica
 // rewritten by the next update before the pool got to it) does not match.
 
-#include <catch2/catch.hpp>
 #include <xxhash.h>
 
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -27,9 +27,9 @@
 #include "daemon/common/convert.h"
 #include "daemon/node/hash_pool.h"
 #include "daemon/node/source_node.h"
-#include "tests/daemon/null_source.h"
 #include "replica/model_config.h"
 #include "replica/param_table.h"
+#include "tests/daemon/null_source.h"
 #include "transport/transport.h"
 
 namespace wsync::daemon {
@@ -142,9 +142,10 @@ struct Harness {
     o.push_timeout = absl::Seconds(10);
     o.write_checksum_threads = threads;
     o.checksum_hook = std::move(hook);
-    node = std::make_unique<SourceNode>(o, &transport,
-                                        [](const std::string&, const v1::ConnectTargetRequest&)
-                                            -> absl::StatusOr<std::string> { return std::string("copy"); });
+    node = std::make_unique<SourceNode>(
+        o, &transport, [](const std::string&, const v1::ConnectTargetRequest&) -> absl::StatusOr<std::string> {
+          return std::string("copy");
+        });
     auto c = node->Configure(req);
     INFO(c.status().ToString());
     REQUIRE(c.ok());
@@ -244,8 +245,9 @@ struct Harness {
 // Slow hashing (each range waits a little first), so the pool lags well behind the ingest thread.
 void SlowHash() { std::this_thread::sleep_for(std::chrono::milliseconds(5)); }
 
-TEST_CASE("write checksums: recorded hashes are of the bytes each engine got, though the next update rewrites the "
-          "replica at once") {
+TEST_CASE(
+    "write checksums: recorded hashes are of the bytes each engine got, though the next update rewrites the "
+    "replica at once") {
   Harness h(SlowHash);
 
   SECTION("finished update, then the next one") {
@@ -280,8 +282,12 @@ TEST_CASE("write checksums: recorded hashes are of the bytes each engine got, th
     REQUIRE(h.node->AbortUpdate(ab).ok());
     const v1::WriteChecksumsReply rec = h.Checksums(1);
     CHECK_FALSE(rec.finished());
-    REQUIRE(static_cast<size_t>(rec.writes_size()) == h.num_params * kEngines);  // everything it posted
+    // What the engines got: the abort drops the batches still queued at the writers (those are not listed), the
+    // ones written are, each with the hash of the bytes that engine holds.
+    REQUIRE(rec.writes_size() > 0);
+    REQUIRE(static_cast<size_t>(rec.writes_size()) <= h.num_params * kEngines);
     const auto engines_after_1 = h.EngineHashes(rec);
+    CHECK(Harness::Recorded(rec) == engines_after_1);
     REQUIRE(h.Start(2).ok());
     h.Push(2);
     REQUIRE(h.Finish(2).ok());
