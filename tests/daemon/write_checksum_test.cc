@@ -297,8 +297,10 @@ TEST_CASE(
   SECTION("abandoned update (no commit, no abort), then the next one") {
     REQUIRE(h.Start(1).ok());
     h.Push(1);
-    // What the engines got from update 1 (the copy transport wrote at Post), before anything of update 2 exists;
-    // the pool may still be hashing update 1 here.
+    // What the engines got from update 1, before anything of update 2 exists: a push returns once its batches are
+    // queued at the targets' writers, so wait for them to be written (the copy transport writes at Post); the pool
+    // may still be hashing update 1 here.
+    REQUIRE(h.node->WaitWritten(absl::Seconds(30)).ok());
     const auto engines_after_1 = h.EngineHashesAll();
     REQUIRE(h.Start(2).ok());  // abandons 1: the pool must finish hashing it before the replica changes
     const v1::WriteChecksumsReply rec1 = h.Checksums(1);
