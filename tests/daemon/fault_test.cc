@@ -126,8 +126,11 @@ void RunScenario(const std::string& spec, const std::string& expect_fault, bool 
   CHECK(h->records(2).success());
 }
 
+// The failed Post is the third of the process, the first of update 2 to reach a transport; the other engine rank's
+// writer posts its own batch of update 2 at the same time (one writer per target), so part of update 2 may have
+// landed: the engine stays paused (checked), its bytes are not claimed to be update 1's.
 TEST_CASE("fault: a failed Post aborts the update, the engine stays paused, the next update reconnects") {
-  RunScenario("fail_post=" + std::to_string(kBatchesPerUpdate + 1), "injected fault: posting batch 3", true);
+  RunScenario("fail_post=" + std::to_string(kBatchesPerUpdate + 1), "injected fault: posting batch 3", false);
 }
 
 TEST_CASE("fault: a failed completion aborts the update, the engine stays paused, the next update reconnects") {
