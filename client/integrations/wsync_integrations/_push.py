@@ -1,4 +1,5 @@
-"""What every adapter does on a trainer rank: push the tensors of its filter from a stream of (name, tensor)."""
+"""What every adapter does: push the tensors of its filter from a stream of (name, tensor), report an update's
+record as metrics, close its wsync clients."""
 
 from __future__ import annotations
 
@@ -26,3 +27,14 @@ def record_metrics(record: dict | None, prefix: str) -> dict:
     out[f"{prefix}/bytes"] = int(record.get("bytes", 0) or 0)
     out[f"{prefix}/version"] = int(record.get("version", 0) or 0)
     return out
+
+
+def close_clients(owner: Any) -> None:
+    """Closes `owner.trainer` (the trainer session) and `owner.coordinator` (the coordinator client) where open, and
+    clears them; safe to call twice."""
+    if getattr(owner, "trainer", None) is not None:
+        owner.trainer.close()
+        owner.trainer = None
+    if getattr(owner, "coordinator", None) is not None:
+        owner.coordinator.close()
+        owner.coordinator = None

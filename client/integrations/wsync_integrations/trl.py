@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import trl.generation.vllm_generation as _vllm_generation
 from trl.generation.vllm_client import VLLMClient
 
-from ._push import push_filtered
+from ._push import close_clients, push_filtered
 
 BACKEND = "wsync"
 ENV_TRAINER_SOCKET = "WSYNC_TRAINER_SOCKET"
@@ -138,12 +138,7 @@ class WsyncVLLMClient(VLLMClient):
         self.last_record = self.coordinator.last_record
 
     def close_communicator(self) -> None:
-        if self.trainer is not None:
-            self.trainer.close()
-            self.trainer = None
-        if self.coordinator is not None:
-            self.coordinator.close()
-            self.coordinator = None
+        close_clients(self)
         self.communicator = None
 
 

@@ -37,7 +37,7 @@ from typing import Any, AsyncGenerator
 
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from ._push import push_filtered, record_metrics
+from ._push import close_clients, push_filtered, record_metrics
 
 BACKEND = "wsync"
 ENV_TRAINER_SOCKET = "WSYNC_TRAINER_SOCKET"
@@ -128,12 +128,7 @@ class WsyncCheckpointEngine(CheckpointEngine):
 
     def close(self) -> None:
         """Closes the session and the coordinator client (verl never calls it; a process exit does the same)."""
-        if self.trainer is not None:
-            self.trainer.close()
-            self.trainer = None
-        if self.coordinator is not None:
-            self.coordinator.close()
-            self.coordinator = None
+        close_clients(self)
 
     # --- one update ----------------------------------------------------------------------------------------------
     async def send_weights(self, weights, global_steps: int | None = None) -> dict:
