@@ -140,6 +140,9 @@ def main() -> int:
             timings["update_1_s"] = round(time.time() - t, 2)
 
             # 2. Update 2 through the list with the standby first; the leader dies while bytes are moving.
+            def holds():  # the source's fault transport logs each delayed batch as its hold starts
+                return procs.tail("source", 100000).count("injected fault: holding a batch")
+            holds_before = holds()
             demo = subprocess.Popen([f"{b}/wsync-trainer-demo", "--daemon", src, "--model", model, "--updates", "1",
                                      "--first-version", "2", "--drive", "--coordinator", f"{c2},{c1}",
                                      "--bucket-mib", "1"],
@@ -149,9 +152,9 @@ def main() -> int:
                 rc, w, _ = ctl(both, "watch", "--once", timeout=20)
                 return rc == 0 and w.get("state") in ("updating", "committing")
             harness.wait_for("update 2 open", opened, 30, procs, ["c1"], interval=0.05)
-            # The push takes two delayed batches per engine rank (3 s each; each rank's writer posts its own, the two
-            # ranks' at once): 2 s in, the first is still on its way.
-            time.sleep(2.0)
+            # The leader is killed as soon as one of update 2's batches is held on its way (3 s each).
+            harness.wait_for("a batch of update 2 on its way", lambda: holds() > holds_before, 60, procs,
+                             ["source", "c1"], interval=0.05)
             rc, w, _ = ctl(c1, "watch", "--once")
             check(demo.poll() is None and w.get("state") in ("updating", "committing"),
                   f"update 2 is in progress at the kill (state {w.get('state')!r}, "

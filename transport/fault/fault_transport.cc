@@ -43,8 +43,12 @@ class FaultEndpoint : public Endpoint {
     // Invalid requests keep their own error and do not consume a batch number, so specs stay predictable.
     for (const WriteRequest& w : writes)
       if (absl::Status st = ValidateWrite(w); !st.ok()) return st;
-    if (state_->spec.delay > absl::ZeroDuration())
+    if (state_->spec.delay > absl::ZeroDuration()) {
+      // Logged when the hold starts, so that a test can act while a batch is on its way (an event, not a guess).
+      spdlog::info("injected fault: holding a batch of {} writes to {} for {} ms", writes.size(), PeerName(),
+                   absl::ToInt64Milliseconds(state_->spec.delay));
       std::this_thread::sleep_for(absl::ToChronoNanoseconds(state_->spec.delay));
+    }
     const uint64_t n = state_->posted.fetch_add(1) + 1;
     if (n == state_->spec.fail_post) {
       broken_ = absl::UnavailableError(
