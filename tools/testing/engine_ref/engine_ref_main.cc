@@ -46,6 +46,7 @@
 #include "nlohmann/json.hpp"
 #include "proto/tls.h"
 #include "tools/testdata/step_files.h"
+#include "tools/testing/engine_ref/ref_faults.h"
 #include "tools/testing/engine_ref/ref_model.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
@@ -81,6 +82,10 @@ class RankMemory {
     const uint64_t per = layout.total_bytes / kSegmentsPerRank + 1;
     std::vector<uint64_t> sizes(1, 0);
     for (const auto& p : layout.params) {
+      if (p.draft && first_draft_ < 0) {  // the draft in a segment of its own (MemorySegment.weights)
+        first_draft_ = static_cast<int>(sizes.size());
+        sizes.push_back(0);
+      }
       if (sizes.back() >= per && static_cast<int>(sizes.size()) < kSegmentsPerRank) sizes.push_back(0);
       const uint64_t off = (sizes.back() + 255) / 256 * 256;
       placement_.push_back({static_cast<int>(sizes.size()) - 1, off});
@@ -109,6 +114,8 @@ class RankMemory {
     return segments_[placement_[param].segment + set * per_copy_].base + placement_[param].offset;
   }
   int per_copy() const { return per_copy_; }
+  // Whether segment `id` (of either copy) holds the rank's draft.
+  bool draft(int id) const { return first_draft_ >= 0 && id % per_copy_ >= first_draft_; }
   // XXH3-128 (hex) of every segment of copy `set`, in id order.
   std::string Digest(int set) const {
     XXH3_state_t* st = XXH3_createState();
@@ -125,6 +132,7 @@ class RankMemory {
  private:
   std::vector<Segment> segments_;
   int per_copy_ = 0;
+  int first_draft_ = -1;  // the draft's first segment, -1 without a draft
   std::vector<Placement> placement_;  // per param of the layout
 };
 
@@ -212,6 +220,7 @@ class EngineService final : public pb::EngineControl::Service {
 
   grpc::Status GetInfo(grpc::ServerContext* ctx, const pb::GetEngineInfoRequest*, pb::EngineInfo* out) override {
     if (auto a = ::wsync::tls::Authorize(ctx, "GetInfo", WSYNC_ANY_ROLE); !a.ok()) return a;
+    if (auto f = Fault("engine_info", ctx); !f.ok()) return f;
     std::lock_guard<std::mutex> l(mu_);
     out->set_engine_id(id_);
     out->set_num_ranks(tp_);
@@ -259,6 +268,7 @@ class EngineService final : public pb::EngineControl::Service {
       s->set_id(static_cast<int>(i));
       s->set_kind("host");
       s->set_bytes(memory_[req->rank()]->segments()[i].bytes);
+      if (memory_[req->rank()]->draft(static_cast<int>(i))) s->set_weights(pb::WEIGHT_SET_DRAFT);
     }
     if (staging_) out->set_staging_segment_shift(memory_[req->rank()]->per_copy());
     return grpc::Status::OK;
@@ -266,6 +276,7 @@ class EngineService final : public pb::EngineControl::Service {
 
   grpc::Status Pause(grpc::ServerContext* ctx, const pb::PauseRequest* req, pb::EngineReply* out) override {
     if (auto a = ::wsync::tls::Authorize(ctx, "Pause", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget}); !a.ok()) return a;
+    if (auto f = Fault("pause", ctx); !f.ok()) return f;
     std::lock_guard<std::mutex> l(mu_);
     paused_ = true;
     spdlog::info("engine {}: paused (mode {})", id_, req->mode().empty() ? "retract" : req->mode());
@@ -276,6 +287,7 @@ class EngineService final : public pb::EngineControl::Service {
 
   grpc::Status PostProcess(grpc::ServerContext* ctx, const pb::PostProcessRequest* req, pb::EngineReply* out) override {
     if (auto a = ::wsync::tls::Authorize(ctx, "PostProcess", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget}); !a.ok()) return a;
+    if (auto f = Fault("post_process", ctx); !f.ok()) return f;
     std::lock_guard<std::mutex> l(mu_);
     if (!paused_) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "post_process requires a paused engine");
     spdlog::debug("engine {}: post_process of version {}", id_, req->version());
@@ -287,6 +299,7 @@ class EngineService final : public pb::EngineControl::Service {
   grpc::Status SetWeightVersion(grpc::ServerContext* ctx, const pb::SetWeightVersionRequest* req,
                                 pb::EngineReply* out) override {
     if (auto a = ::wsync::tls::Authorize(ctx, "SetWeightVersion", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget}); !a.ok()) return a;
+    if (auto f = Fault("set_version", ctx); !f.ok()) return f;
     std::lock_guard<std::mutex> l(mu_);
     version_ = req->version();
     spdlog::info("engine {}: weight version {}", id_, version_);
@@ -296,6 +309,7 @@ class EngineService final : public pb::EngineControl::Service {
 
   grpc::Status Continue(grpc::ServerContext* ctx, const pb::ContinueRequest*, pb::EngineReply* out) override {
     if (auto a = ::wsync::tls::Authorize(ctx, "Continue", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget}); !a.ok()) return a;
+    if (auto f = Fault("continue", ctx); !f.ok()) return f;
     Disarm();  // continued without its switch (left out after a prepare): a later switch hashes again
     std::lock_guard<std::mutex> l(mu_);
     paused_ = false;
@@ -310,6 +324,7 @@ class EngineService final : public pb::EngineControl::Service {
   grpc::Status Switch(grpc::ServerContext* ctx, const pb::SwitchRequest* req, pb::EngineReply* out) override {
     if (auto a = ::wsync::tls::Authorize(ctx, "Switch", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget}); !a.ok())
       return a;
+    if (auto f = Fault("switch", ctx); !f.ok()) return f;
     return DoSwitch(*req, /*prepare=*/false, out);
   }
   // Switch's check only, while serving (readers of the live copy are not held up); arms the switch, so that the
@@ -318,6 +333,7 @@ class EngineService final : public pb::EngineControl::Service {
     if (auto a = ::wsync::tls::Authorize(ctx, "PrepareSwitch", {::wsync::tls::kCoordinator, ::wsync::tls::kTarget});
         !a.ok())
       return a;
+    if (auto f = Fault("prepare", ctx); !f.ok()) return f;
     return DoSwitch(*req, /*prepare=*/true, out);
   }
 
@@ -372,6 +388,7 @@ class EngineService final : public pb::EngineControl::Service {
         !a.ok())
       return a;
     if (req->rank() < 0 || req->rank() >= tp_) return BadRank(req->rank());
+    if (auto f = Fault("checksums", ctx); !f.ok()) return f;
     if (req->staging() && !staging_)
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                           absl::StrCat("engine ", id_, " offers no staging memory (start it with --staging)"));
@@ -550,7 +567,10 @@ class EngineService final : public pb::EngineControl::Service {
     nlohmann::json segs = nlohmann::json::array(), params = nlohmann::json::array();
     const RankMemory& mem = *memory_[r];
     for (size_t i = 0; i < mem.segments().size(); ++i)
-      segs.push_back({{"id", i}, {"kind", "host"}, {"bytes", mem.segments()[i].bytes}});
+      segs.push_back({{"id", i},
+                      {"kind", "host"},
+                      {"bytes", mem.segments()[i].bytes},
+                      {"weights", mem.draft(static_cast<int>(i)) ? "draft" : "target"}});
     const int shift = staging_ ? mem.per_copy() : 0;
     const auto& ps = layouts_[r].params;
     for (size_t i = 0; i < ps.size(); ++i)
@@ -603,6 +623,11 @@ class EngineService final : public pb::EngineControl::Service {
     }
     return grpc::Status::OK;
   }
+  // Testing aid (ref_faults.h): the injected failure or hang of `call`, if one is asked for.
+  grpc::Status Fault(absl::string_view call, grpc::ServerContext* ctx) {
+    return faults_.At(call, [ctx] { return ctx->IsCancelled(); });
+  }
+
   void Disarm() {
     std::lock_guard<std::mutex> l(arm_mu_);
     armed_.reset();
@@ -638,6 +663,7 @@ class EngineService final : public pb::EngineControl::Service {
   // after serving_mu_, never before).
   std::mutex arm_mu_;
   std::optional<::wsync::daemon::ArmedSwitch> armed_;
+  RefFaults faults_{id_};
 };
 
 // The --load-socket server: a Unix stream socket (owner only) taking one JSON request per line and answering one JSON
@@ -804,6 +830,10 @@ int main(int argc, char** argv) {
   app.add_flag("--staging", staging,
                "hold a second (staging) copy of every rank's weights, so that staged updates write while the engine "
                "serves and switch by swapping the copies (doubles the memory)");
+  bool draft = false;
+  app.add_flag("--draft", draft,
+               "every rank also holds the model's next-n (MTP) draft, as SGLang's NextN model does, in a segment of "
+               "its own (weights: draft); the model's config must declare num_nextn_predict_layers 1");
   std::string steps_dir;
   app.add_option("--steps-dir", steps_dir,
                  "Verify step N against DIR/step_NNNNNN.safetensors (`wsync-rl-steps --out DIR`) loaded by the "
@@ -828,6 +858,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   cfg->ep = ep;
+  cfg->draft = draft;
   EngineService service(id, ss.str(), *cfg, tp, staging);
   if (!steps_dir.empty()) service.UseStepFiles(steps_dir);
   if (auto st = service.Init(); !st.ok()) {
