@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <csignal>
@@ -17,6 +18,7 @@
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/etcd_store.h"
 #include "daemon/coordinator/fanout.h"
+#include "daemon/coordinator/phase_table.h"
 #include "planner/plan.h"
 #include "proto/tls.h"
 #include "daemon/common/serve.h"
@@ -106,6 +108,11 @@ int main(int argc, char** argv) {
                  "300)")
       ->check(CLI::Range(1.0, daemon::PeerDeadlines::kPostProcess))
       ->capture_default_str();
+  double test_phase_deadline = 0;
+  app.add_option("--test-phase-deadline", test_phase_deadline,
+                 "testing only: cap every phase's deadline (and the pause and post-process timeouts) at this many "
+                 "seconds, so that a hung peer fails its phase quickly (0: the phase tables' deadlines)")
+      ->check(CLI::Range(0.0, 600.0));
   std::string metrics_listen, state_path, advertise;
   double lease_ttl = 3;
   app.add_option("--state", state_path,
@@ -177,6 +184,13 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  if (test_phase_deadline > 0) {
+    spdlog::warn("!!! --test-phase-deadline {} s: every phase deadline is capped; for tests only !!!",
+                 test_phase_deadline);
+    daemon::CapDeadlinesForTesting(test_phase_deadline);
+    deadlines.pause = std::min(deadlines.pause, std::max(1.0, test_phase_deadline));
+    deadlines.post_process = std::min(deadlines.post_process, std::max(1.0, test_phase_deadline));
+  }
   daemon::Coordinator coordinator(opts, daemon::MakeGrpcPeers(deadlines));
   if (!state_path.empty() && !ha) {
     auto store = daemon::SqliteStateStore::Open(spec.path);

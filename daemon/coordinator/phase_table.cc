@@ -85,6 +85,13 @@ OnFailure OverridePolicyForTesting(UpdateMode mode, Phase phase, OnFailure f) {
   return OnFailure::kKeepPaused;
 }
 
+void CapDeadlinesForTesting(double max_s) {
+  std::lock_guard<std::mutex> l(OverrideMu());
+  for (UpdateMode mode : {UpdateMode::kClassic, UpdateMode::kStaged})
+    for (PhaseRow& r : Table(mode))
+      if (r.deadline_s > max_s) r.deadline_s = max_s;
+}
+
 absl::string_view PhaseName(Phase phase) {
   switch (phase) {
     case Phase::kPause:

@@ -91,5 +91,9 @@ std::string PhaseTableMarkdown();
 // Test hook: replaces one row's policy (returns the previous one). The fault matrix breaks a row on purpose with it
 // to show that the suite fails (tests/daemon/coordinator_faults_test.cc); never called by the coordinator.
 OnFailure OverridePolicyForTesting(UpdateMode mode, Phase phase, OnFailure f);
+// Test hook: caps every row's deadline at `max_s` seconds (rows with the caller's deadline keep it), so that a hang
+// fails its phase within a test's time (wsync-coordinator --test-phase-deadline; tests/daemon/
+// fault_matrix_real_test.cc). Call before any update runs; never called otherwise.
+void CapDeadlinesForTesting(double max_s);
 
 }  // namespace wsync::daemon
