@@ -417,6 +417,46 @@ EncodeResult EncodeImpl(uint8_t* copy_into_old, const uint8_t* old, const uint8_
   return result;
 }
 
+// Changed elements of one sampled chunk, and the runs of consecutive changed elements starting in it (the element
+// before the chunk is compared too, when there is one).
+template <uint32_t ES>
+void SampleChunk(const uint8_t* old, const uint8_t* neu, uint64_t off, uint64_t* changed, uint64_t* runs) {
+  bool prev = off >= ES && std::memcmp(old + off - ES, neu + off - ES, ES) != 0;
+  for (uint64_t i = off; i < off + kChunkBytes; i += ES) {
+    const bool c = std::memcmp(old + i, neu + i, ES) != 0;
+    *changed += c;
+    *runs += c && !prev;
+    prev = c;
+  }
+}
+
+}  // namespace
+
+bool SampledDenseSmaller(const uint8_t* old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
+                         uint32_t samples) {
+  if ((elem_size != 1 && elem_size != 2 && elem_size != 4) || samples == 0 || bytes % elem_size != 0) return false;
+  const uint64_t chunks = bytes / kChunkBytes;
+  if (chunks < uint64_t{samples} * 4) return false;  // small: Encode's own early stop is cheap enough
+  const uint64_t stride = chunks / samples;
+  uint64_t changed = 0, runs = 0;
+  for (uint64_t k = 0; k < samples; ++k) {
+    const uint64_t off = (k * stride + stride / 2) * kChunkBytes;
+    if (elem_size == 1) SampleChunk<1>(old, neu, off, &changed, &runs);
+    if (elem_size == 2) SampleChunk<2>(old, neu, off, &changed, &runs);
+    if (elem_size == 4) SampleChunk<4>(old, neu, off, &changed, &runs);
+  }
+  const double sampled = static_cast<double>(samples) * static_cast<double>(kChunkBytes / elem_size);
+  const double elems = static_cast<double>(bytes / elem_size);
+  const double fraction = static_cast<double>(changed) / sampled;
+  // The cheapest index: one bit per element, one byte or more per changed element (gaps), two or more per run.
+  const double index = std::min({elems / 8.0, fraction * elems, 2.0 * static_cast<double>(runs) / sampled * elems});
+  const double estimate = static_cast<double>(kHeaderBytes) + fraction * static_cast<double>(bytes) + index;
+  // A delta expected to save under a tenth of the range is not worth the scan that would make it.
+  return estimate > 0.9 * static_cast<double>(limit);
+}
+
+namespace {
+
 EncodeResult Dispatch(uint8_t* copy_into_old, const uint8_t* old, const uint8_t* neu, uint64_t bytes,
                       const EncodeOptions& options, uint32_t elem_size, uint64_t limit, std::string* out) {
   if ((elem_size != 1 && elem_size != 2 && elem_size != 4) || bytes % elem_size != 0) {

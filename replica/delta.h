@@ -54,6 +54,15 @@ struct EncodeOptions {
 EncodeResult Encode(const uint8_t* old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
                     std::string* out);
 
+// A cheap look before Encode, for ranges where nearly every element changed (e.g. a full fine-tuning step): compares
+// `samples` 64-byte chunks spread evenly over the range, extrapolates the smallest encoding's size from them (changed
+// values plus the cheapest index) and answers true when a delta would not save a tenth of `limit`: Encode would scan
+// (and stage) most of the range to save little or nothing. False promises nothing (Encode still decides exactly);
+// ranges under 4 × `samples` chunks are not sampled (false). Only changes laid out in step with the sampling stride
+// can mislead it, and then the range goes dense: more bytes, never wrong ones.
+bool SampledDenseSmaller(const uint8_t* old, const uint8_t* neu, uint64_t bytes, uint32_t elem_size, uint64_t limit,
+                         uint32_t samples = 256);
+
 // The same, then copies neu into old (one pass over both buffers where possible: the source's replica is `old`).
 // Only the 64-byte chunks that differ are written, in the same pass as the compare.
 // The copy happens whatever the result (also when dense_smaller); old and neu must not overlap.

@@ -11,7 +11,8 @@ with the engine paused, versioned and resumed around it as an RL update would. T
 written and in the page cache) is reported too, as `baseline_reload_only`.
 
 Each side runs --repeat times on fresh weights (after one warm-up update that also builds the plan); the minimum of
-each is compared. Ends with one JSON line: {"bench","value","baseline","ratio",...}; ratio = baseline / value
+each is compared; wsync runs once per delta mode (--delta, default off,auto,always) in every repeat, each reported
+(`delta_modes`: best update and push phase, push relative to off). Ends with one JSON line: {"bench","value","baseline","ratio",...}; ratio = baseline / value
 (> 1: wsync is faster than vLLM's own path).
 
     bench/engine/run_vllm_update_bench.sh [--model qwen3] [--layers 8] [--repeat 3]
@@ -41,7 +42,14 @@ def main() -> None:
     ap.add_argument("--model", choices=["qwen3", "qwen3-moe"], default="qwen3")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--delta", default="off,auto,always",
+                    help="wsync delta modes, each measured in every repeat (comma-separated; the JSON's value is the "
+                         "first of auto, off, always listed)")
     args = ap.parse_args()
+    args.delta_modes = [m for m in args.delta.split(",") if m]
+    bad = [m for m in args.delta_modes if m not in ("off", "auto", "always")]
+    if bad or not args.delta_modes:
+        ap.error(f"--delta: {bad or 'empty'}: each mode is off, auto or always")
     args.mode = "staged"
     args.bin, args.lib = os.path.abspath(args.bin), os.path.abspath(args.lib)
     sys.path.insert(0, os.path.join(harness.REPO, "tests", "client"))
@@ -68,22 +76,26 @@ def main() -> None:
             coord = Coordinator(cl.coord_addr)
 
             version = 0
-            wsync_times, vllm_times, reload_times, nbytes, last_phases = [], [], [], 0, {}
+            vllm_times, reload_times, nbytes = [], [], 0
+            wsync_times = {m: [] for m in args.delta_modes}  # per delta mode: (seconds, phases) of each update
             for i in range(args.repeat + 1):
-                version += 1
-                ck = os.path.join(wd, f"ckpt-{version}")
-                tensors = make_checkpoint(args.model, ck, 2000 + version, layers=args.layers)
-                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-                t0 = time.perf_counter()
-                coord.begin_update(version)
-                push_update(Trainer, cl.source_addr, version, tensors)
-                rec = coord.commit_update(version, timeout=600.0)
-                dt = time.perf_counter() - t0
-                phases = {p["phase"]: round(p["seconds"], 3) for p in rec.get("record", rec).get("phases", [])}
-                if i > 0:  # the first update also plans, configures and connects
-                    wsync_times.append(dt)
-                    last_phases = phases
-                log(f"wsync update {version}: {dt:.3f}s for {nbytes / 1e6:.1f} MB; phases {phases}")
+                # Every mode on fresh weights of its own (every element changes: a full fine-tuning step's worst case
+                # for the delta compare); the first round's first update also plans, configures and connects.
+                for mode in args.delta_modes:
+                    version += 1
+                    ck = os.path.join(wd, f"ckpt-{version}")
+                    tensors = make_checkpoint(args.model, ck, 2000 + version, layers=args.layers)
+                    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                    t0 = time.perf_counter()
+                    coord.begin_update(version, delta=mode)
+                    push_update(Trainer, cl.source_addr, version, tensors)
+                    rec = coord.commit_update(version, timeout=600.0)
+                    dt = time.perf_counter() - t0
+                    phases = {p["phase"]: round(p["seconds"], 3) for p in rec.get("record", rec).get("phases", [])}
+                    if i > 0:
+                        wsync_times[mode].append((dt, phases))
+                    log(f"wsync update {version} (delta={mode}): {dt:.3f}s for {nbytes / 1e6:.1f} MB; phases {phases}")
+                    shutil.rmtree(ck, ignore_errors=True)
 
                 version += 1
                 src = os.path.join(wd, f"gen-{version}")
@@ -108,12 +120,23 @@ def main() -> None:
                     vllm_times.append(save_s + dt)
                     reload_times.append(dt)
                 log(f"vLLM path {version}: save {save_s:.3f}s + pause/reload_weights/resume {dt:.3f}s")
-            value, baseline = min(wsync_times), min(vllm_times)
+            best = {m: min(ts, key=lambda t: t[0]) for m, ts in wsync_times.items()}
+            modes = {m: {"seconds": round(t, 4), "push": ph.get("push"), "phases": ph} for m, (t, ph) in best.items()}
+            for m, r in modes.items():
+                log(f"delta={m}: best update {r['seconds']:.3f}s, push {r['push']}s")
+            if "off" in modes:
+                for m in ("auto", "always"):
+                    if m in modes and modes["off"]["push"]:
+                        modes[m]["push_vs_off"] = round(modes[m]["push"] / modes["off"]["push"], 3)
+            headline = next(m for m in ("auto", "off", "always") if m in modes)
+            value, baseline = best[headline][0], min(vllm_times)
             print(json.dumps({"bench": "engine_vllm_update", "value": round(value, 4), "baseline": round(baseline, 4),
-                              "ratio": round(baseline / value, 3), "unit": "s",
+                              "ratio": round(baseline / value, 3), "unit": "s", "delta": headline,
                               "baseline_reload_only": round(min(reload_times), 4), "model": args.model,
                               "layers": args.layers, "bytes": nbytes, "repeat": args.repeat,
-                              "wsync_phases": last_phases, "baseline_kind": "save safetensors + vllm reload_weights (collective_rpc)", "transport": "tcp"}),
+                              "wsync_phases": best[headline][1], "delta_modes": modes,
+                              "baseline_kind": "save safetensors + vllm reload_weights (collective_rpc)",
+                              "transport": "tcp"}),
                   flush=True)
         finally:
             procs.close()

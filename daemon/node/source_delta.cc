@@ -123,7 +123,10 @@ uint64_t SourceNode::PlanWrites(int64_t version, const replica::ReadyParam& r,
           if (offset % es != 0 || length % es != 0) es = 1;
           // Worth it only when the record is smaller than the dense range.
           const uint64_t limit = length > sizeof(DeltaRecordHeader) + 8 ? length - sizeof(DeltaRecordHeader) - 8 : 0;
-          replica::delta::Encode(old + offset, neu + offset, length, es, limit, &it->second);
+          // A range where nearly everything changed goes dense without a full compare (auto must not cost more
+          // than off when nothing is sparse).
+          if (!replica::delta::SampledDenseSmaller(old + offset, neu + offset, length, es, limit))
+            replica::delta::Encode(old + offset, neu + offset, length, es, limit, &it->second);
         }
         const std::string& enc = it->second;
         const uint64_t rec = DeltaRecordBytes(enc.size());

@@ -327,6 +327,47 @@ TEST_CASE("delta: a known base checksum replaces the hash of old; a wrong one is
   CHECK(dst == old);
 }
 
+TEST_CASE("delta: the sampled look sends nearly-all-changed ranges dense and never a sparse one") {
+  std::mt19937_64 rng(7);
+  const uint64_t bytes = 4u << 20;  // 2 Mi bf16 elements: sampled (over 4 x 256 chunks)
+  Bytes old(bytes);
+  for (auto& b : old) b = static_cast<uint8_t>(rng());
+  const uint64_t limit = bytes - kHeaderBytes - 8;
+  // Every element changed: Encode would scan the whole range to answer dense_smaller.
+  Bytes all = old;
+  for (uint64_t i = 0; i < bytes; i += 2) all[i] ^= 1;
+  CHECK(SampledDenseSmaller(old.data(), all.data(), bytes, 2, limit));
+  std::string out;
+  CHECK(Encode(old.data(), all.data(), bytes, 2, limit, &out).dense_smaller);  // what the look spared
+  // Sparse changes, scattered or clustered, whatever their share: the look answers false where a delta saves more
+  // than a tenth (checked against Encode's exact answer).
+  for (double share : {0.0, 0.001, 0.05, 0.3, 0.6}) {
+    for (bool clustered : {false, true}) {
+      Bytes neu = old;
+      const uint64_t elems = bytes / 2;
+      const uint64_t n = static_cast<uint64_t>(share * static_cast<double>(elems));
+      if (clustered) {
+        const uint64_t first = rng() % (elems - n + 1);
+        for (uint64_t i = first; i < first + n; ++i) neu[2 * i] ^= 1;
+      } else {
+        for (uint64_t k = 0; k < n; ++k) neu[2 * (rng() % elems)] ^= 1;
+      }
+      std::string enc;
+      const EncodeResult exact = Encode(old.data(), neu.data(), bytes, 2, limit, &enc);
+      const bool looks_dense = SampledDenseSmaller(old.data(), neu.data(), bytes, 2, limit);
+      INFO("share " << share << (clustered ? " clustered" : " scattered") << ": encoded " << exact.encoded_bytes);
+      if (!clustered) {
+        // Scattered changes are estimated well: never dense where the delta is under 0.8 of the limit.
+        if (!exact.dense_smaller && exact.encoded_bytes < 0.8 * static_cast<double>(limit)) CHECK_FALSE(looks_dense);
+      }
+      if (looks_dense) CHECK(exact.dense_smaller | (exact.encoded_bytes > 0.5 * static_cast<double>(limit)));
+    }
+  }
+  // Small ranges are not sampled; element sizes the codec does not describe neither.
+  CHECK_FALSE(SampledDenseSmaller(old.data(), all.data(), 64 * 1023, 2, 64 * 1023));
+  CHECK_FALSE(SampledDenseSmaller(old.data(), all.data(), bytes, 3, limit));
+}
+
 TEST_CASE("delta: element sizes the codec does not describe go dense") {
   const Bytes old(30, 1), neu(30, 2);
   Bytes replica = old;
