@@ -190,7 +190,8 @@ Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
       }
     for (const char* r : {"source", "target"}) m.Set("wsync_nodes", {{"role", r}}, roles[r]);
     for (const auto& [st, n] : states) m.Set("wsync_engines", {{"state", st}}, n);
-  });
+  });  MutexLock l(&mu_);
+  Publish();  // readers answer from the first call on
 }
 
 absl::StatusOr<v1::RegisterNodeReply> Coordinator::RegisterNode(const v1::RegisterNodeRequest& req) {
@@ -308,6 +309,7 @@ void Coordinator::ApplyPlan(Replanned r) {
   plan_ = std::move(r.plan);
   push_filters_ = std::move(r.push_filters);
   groups_ = std::move(r.groups);
+  NoteChange();  // the plan is in Status
 }
 
 std::string Coordinator::EngineLabel(const std::string& addr) const {
@@ -348,6 +350,7 @@ absl::Status Coordinator::Track(const std::string& addr, std::optional<EngineSta
 }
 
 void Coordinator::NoteChange() {
+  Publish();
   MutexLock l(&change_mu_);
   ++change_generation_;
   change_cv_.SignalAll();
@@ -500,6 +503,7 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   AddEnginePhases(&rec, engine_call_ends_, engine_ids);
   engine_call_ends_.clear();
   history_dirty_.insert(rec.version());
+  model_history_dirty_.insert(rec.version());
   history_.push_back(std::move(rec));
   while (history_.size() > opts_.history_limit) history_.pop_front();
   Persist();
@@ -548,6 +552,7 @@ absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in,
     SetState(
         UpdateState::kAborting);  // ended and recorded; FailAndStopSources leaves it once sources and targets were told
     open_version_ = v;
+    NoteChange();
   }
   spdlog::error("{}", err.ToString());
   return err;
@@ -936,6 +941,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
       }
       if (st.ok()) plan_epoch_ = plan_epoch;
       configured_sources = configured_.size();
+      NoteChange();
     }
     // Fail takes mu_ itself: called with it held, the coordinator deadlocked on every failed configure.
     if (!st.ok()) return FailAt(rec, st, Phase::kConfigure, engines);
@@ -1294,6 +1300,7 @@ void Coordinator::MarkResumed(const std::vector<std::string>& addrs, const std::
     if (r.version() == v) {
       update(&r);
       history_dirty_.insert(v);
+      model_history_dirty_.insert(v);
     }
   if (auto it = outcomes_.find(v); it != outcomes_.end()) {
     update(it->second.reply.mutable_record());
@@ -1763,6 +1770,7 @@ absl::Status Coordinator::ApplyDeltas(int64_t v,
 }
 
 absl::Status Coordinator::SaveState() {
+  NoteChange();  // every save is a change readers see: the model is published first
   if (!writer_) return absl::OkStatus();
   v1::CoordinatorState s;
   // The nodes (their parameter tables are most of the state) change only with the membership epoch. They are lent
@@ -1865,7 +1873,8 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     for (const auto& [a, why] : s.engine_stale()) engine_stale_[a] = why;
     for (const auto& r : s.history()) {
       history_.push_back(r);
-      history_dirty_.insert(r.version());  // rewritten once as objects if a schema 1 store held it
+      history_dirty_.insert(r.version());
+      model_history_dirty_.insert(r.version());  // rewritten once as objects if a schema 1 store held it
       Outcome o;
       if (r.success()) {
         *o.reply.mutable_record() = r;
@@ -2094,6 +2103,7 @@ v1::HeartbeatReply Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
         req.node_id(), req.plan_epoch(), req.config_digest().empty() ? "none" : req.config_digest(), c->second.epoch,
         c->second.digest);
     configured_.erase(c);
+    NoteChange();
   }
   return out;
 }
@@ -2142,24 +2152,24 @@ absl::StatusOr<v1::ResumeEnginesReply> Coordinator::ResumeEngines(const v1::Resu
 }
 
 v1::ClusterStatus Coordinator::Status() const {
-  MutexLock l(&mu_);
-  return StatusLocked(/*with_plan=*/true);
+  return StatusOf(*model_.Get(), /*with_plan=*/true, HeartbeatAgoFn(), opts_.heartbeat_seconds);
 }
 
 v1::EngineStates Coordinator::EngineStates() const {
-  v1::ClusterStatus s;
-  {
-    MutexLock l(&mu_);
-    s = StatusLocked(/*with_plan=*/false);
-  }
-  return EngineStatesOf(s);
+  return EngineStatesOf(StatusOf(*model_.Get(), /*with_plan=*/false, HeartbeatAgoFn(), opts_.heartbeat_seconds));
 }
 
-v1::ClusterStatus Coordinator::StatusLocked(bool with_plan) const {
-  v1::ClusterStatus s;
-  s.set_server_version(cli::VersionString("wsync-coordinator"));
+HeartbeatAgo Coordinator::HeartbeatAgoFn() const {
+  return [this, now = absl::Now()](const std::string& id) {
+    const absl::Time hb = LastHeartbeat(id);
+    return hb == absl::InfinitePast() ? -1.0 : absl::ToDoubleSeconds(now - hb);
+  };
+}
+
+std::shared_ptr<const v1::ClusterStatus> Coordinator::LayoutOf() const {
+  auto s = std::make_shared<v1::ClusterStatus>();
   for (const auto& [id, n] : nodes_) {
-    auto* ni = s.add_nodes();
+    auto* ni = s->add_nodes();
     ni->set_node_id(id);
     ni->set_role(n.role());
     ni->set_address(n.address());
@@ -2171,25 +2181,48 @@ v1::ClusterStatus Coordinator::StatusLocked(bool with_plan) const {
       d->set_kind(e.kind());
       d->set_address(e.control_address());
       d->set_ranks(e.ranks_size());
-      auto it = engine_state_.find(e.control_address());
-      d->set_state(EngineStateName(it == engine_state_.end() ? EngineView() : it->second));
-      auto ver = engine_version_.find(e.control_address());
-      if (ver != engine_version_.end()) d->set_weight_version(ver->second);
       d->set_staging(e.ranks_size() > 0 && (e.ranks(0).staging_segment_shift() > 0 || e.ranks(0).stages_in_place()));
-      if (auto sv = engine_staged_.find(e.control_address()); sv != engine_staged_.end())
-        d->set_staged_version(sv->second);
-      d->set_stale(engine_stale_.count(e.control_address()) > 0);
-      if (d->stale() && d->state() == "serving") d->set_state("stale");  // serving, an older version than current
+    }
+  }
+  for (const auto& p : plan_) {
+    auto* t = s->add_plan();
+    t->set_source_node(p.source);
+    t->set_engine_id(p.assignment->engine_id());
+    t->set_rank(p.assignment->rank());
+    t->set_bytes(p.bytes);
+    t->set_plan_epoch(p.epoch);
+  }
+  for (const auto& [key, g] : groups_) {
+    auto* gp = s->add_groups();
+    gp->set_key(key);
+    gp->set_plan_epoch(g.epoch);
+    for (const auto& e : g.engine_ids) gp->add_engines(e);
+  }
+  return s;
+}
+
+std::map<std::string, ClusterModel::Engine> Coordinator::EnginesOf() const {
+  std::map<std::string, ClusterModel::Engine> out;
+  for (const auto& [id, n] : nodes_)
+    for (const auto& e : n.engines()) {
+      const std::string& a = e.control_address();
+      ClusterModel::Engine& m = out[a];
+      auto it = engine_state_.find(a);
+      m.state = EngineStateName(it == engine_state_.end() ? EngineView() : it->second);
+      if (auto ver = engine_version_.find(a); ver != engine_version_.end()) m.weight_version = ver->second;
+      if (auto sv = engine_staged_.find(a); sv != engine_staged_.end()) m.staged_version = sv->second;
+      m.stale = engine_stale_.count(a) > 0;
+      if (m.stale && m.state == "serving") m.state = "stale";  // serving, an older version than current
       if (EngineDrained(id, e.engine_id())) {
-        d->set_drained(true);
-        d->set_state("drained");
+        m.drained = true;
+        m.state = "drained";
       }
     }
-    const absl::Time hb = LastHeartbeat(id);
-    const double ago = hb == absl::InfinitePast() ? -1 : absl::ToDoubleSeconds(absl::Now() - hb);
-    ni->set_last_heartbeat_seconds_ago(ago);
-    ni->set_reachable(ago >= 0 && ago <= 3 * opts_.heartbeat_seconds);
-  }
+  return out;
+}
+
+v1::ClusterStatus Coordinator::SummaryOf() const {
+  v1::ClusterStatus s;
   s.set_membership_epoch(membership_epoch_);
   s.set_plan_epoch(plan_epoch_);
   s.set_current_version(current_version_ >= 0 ? std::to_string(current_version_) : std::string());
@@ -2200,24 +2233,75 @@ v1::ClusterStatus Coordinator::StatusLocked(bool with_plan) const {
   s.set_failed_version(failed ? history_.back().version() : -1);
   if (failed) s.set_failure(history_.back().error());
   for (const auto& id : not_resumed_) s.add_not_resumed(id);
-  if (!with_plan) return s;
-  for (const auto& p : plan_) {
-    auto* t = s.add_plan();
-    t->set_source_node(p.source);
-    t->set_engine_id(p.assignment->engine_id());
-    t->set_rank(p.assignment->rank());
-    t->set_bytes(p.bytes);
-    t->set_plan_epoch(p.epoch);
-  }
-  for (const auto& [key, g] : groups_) {
-    auto* gp = s.add_groups();
-    gp->set_key(key);
-    gp->set_plan_epoch(g.epoch);
-    for (const auto& e : g.engine_ids) gp->add_engines(e);
-  }
   for (const auto& [id, c] : configured_) (*s.mutable_source_plan_epochs())[id] = c.epoch;
   for (const auto& n : drained_nodes_) s.add_drained_nodes(n);
   return s;
+}
+
+void Coordinator::Publish() {
+  auto m = std::make_shared<ClusterModel>();
+  m->generation = ++model_generation_;
+  const std::pair<int64_t, int64_t> key(membership_epoch_, plan_generation_);
+  if (layout_ == nullptr || layout_key_ != key) {
+    layout_ = LayoutOf();
+    layout_key_ = key;
+  }
+  m->layout = layout_;
+  m->engines = EnginesOf();
+  m->summary = SummaryOf();
+  if (history_model_ == nullptr || !model_history_dirty_.empty()) {
+    // Records added or rewritten are copied once; the others are shared with the previous model.
+    for (int64_t v : model_history_dirty_)
+      for (auto r = history_.rbegin(); r != history_.rend(); ++r)
+        if (r->version() == v) {
+          history_shared_[v] = std::make_shared<const v1::UpdateRecord>(*r);
+          break;
+        }
+    model_history_dirty_.clear();
+    if (history_.empty()) {
+      history_shared_.clear();
+    } else {
+      history_shared_.erase(history_shared_.begin(), history_shared_.lower_bound(history_.front().version()));
+    }
+    auto records = std::make_shared<ClusterModel::Records>();
+    records->reserve(history_shared_.size());
+    for (const auto& [v, r] : history_shared_) records->push_back(r);
+    history_model_ = std::move(records);
+  }
+  m->history = history_model_;
+  model_.Set(std::move(m));
+}
+
+absl::Status Coordinator::CheckModelForTest() const {
+  MutexLock l(&mu_);
+  ClusterModel fresh;
+  fresh.layout = LayoutOf();
+  fresh.engines = EnginesOf();
+  fresh.summary = SummaryOf();
+  auto records = std::make_shared<ClusterModel::Records>();
+  for (const auto& r : history_) records->push_back(std::make_shared<const v1::UpdateRecord>(r));
+  fresh.history = std::move(records);
+  const std::shared_ptr<const ClusterModel> published = model_.Get();
+  const HeartbeatAgo no_lease = [](const std::string&) { return -1.0; };
+  std::string want, have;
+  StatusOf(fresh, true, no_lease, opts_.heartbeat_seconds).SerializeToString(&want);
+  StatusOf(*published, true, no_lease, opts_.heartbeat_seconds).SerializeToString(&have);
+  if (want != have)
+    return absl::InternalError(absl::StrCat(
+        "the published status is not the coordinator's state: published ",
+        StatusOf(*published, true, no_lease, opts_.heartbeat_seconds).ShortDebugString(), "; state ",
+        StatusOf(fresh, true, no_lease, opts_.heartbeat_seconds).ShortDebugString()));
+  HistoryOf(fresh, 0).SerializeToString(&want);
+  HistoryOf(*published, 0).SerializeToString(&have);
+  if (want != have)
+    return absl::InternalError(absl::StrCat("the published history (", published->history->size(),
+                                            " records) is not the coordinator's (", history_.size(), ")"));
+  return absl::OkStatus();
+}
+
+void Coordinator::HoldLockForTest(const std::function<void()>& fn) {
+  MutexLock l(&mu_);
+  fn();
 }
 
 absl::StatusOr<std::vector<std::string>> Coordinator::StagingEngines(const std::vector<std::string>& engines,
@@ -2620,11 +2704,7 @@ v1::EngineStates EngineStatesOf(const v1::ClusterStatus& status) {
 }
 
 v1::HistoryReply Coordinator::History(const v1::HistoryRequest& req) const {
-  MutexLock l(&mu_);
-  v1::HistoryReply out;
-  size_t n = req.limit() > 0 ? std::min<size_t>(req.limit(), history_.size()) : history_.size();
-  for (size_t i = history_.size() - n; i < history_.size(); ++i) *out.add_records() = history_[i];
-  return out;
+  return HistoryOf(*model_.Get(), req.limit());
 }
 
 }  // namespace wsync::daemon

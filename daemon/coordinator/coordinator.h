@@ -80,6 +80,7 @@
 #include "absl/status/statusor.h"
 #include "base/mutex.h"
 #include "daemon/common/metrics.h"
+#include "daemon/coordinator/cluster_model.h"
 #include "daemon/coordinator/fanout.h"
 #include "daemon/coordinator/phase_table.h"
 #include "daemon/coordinator/replan.h"
@@ -251,7 +252,9 @@ class Coordinator {
   absl::StatusOr<v1::AbortUpdateReply> AbortUpdate(const v1::AbortUpdateRequest& req);
   absl::StatusOr<v1::ResumeEnginesReply> ResumeEngines(const v1::ResumeEnginesRequest& req);
   v1::HeartbeatReply Heartbeat(const v1::HeartbeatRequest& req);
-  // The engines' states for routers (EngineStatesOf of a status without the plan). Takes mu_ briefly.
+  // Status, EngineStates and History answer from the published model (cluster_model.h), never taking mu_: an update,
+  // a peer call or a store write in progress never delays them.
+  // The engines' states for routers (EngineStatesOf of a status without the plan).
   v1::EngineStates EngineStates() const;
   // A counter that moves whenever the state Status reports may have changed; WaitForChange blocks until it moves
   // past `seen` or `max_wait` passed (whichever first) and returns it. Never waits on mu_.
@@ -270,6 +273,11 @@ class Coordinator {
   absl::Status UseStateStore(std::unique_ptr<StateStore> store);
   // Updates by result, phase durations, bytes; membership and engine states (docs/operations.md, "Metrics").
   Metrics& metrics() { return metrics_; }
+  // Tests only. CheckModelForTest: under mu_, whether the published model is what the state is now (a change not
+  // published shows as a difference; lease fields left out). HoldLockForTest: runs `fn` holding mu_ (Status,
+  // History, EngineStates and WatchEngines must answer meanwhile).
+  absl::Status CheckModelForTest() const ABSL_LOCKS_EXCLUDED(mu_);
+  void HoldLockForTest(const std::function<void()>& fn) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // The bodies of BeginUpdate, CommitUpdate and AbortUpdate; the public calls add the wait for the outcome's save.
@@ -416,8 +424,7 @@ class Coordinator {
   absl::Status Durable() ABSL_LOCKS_EXCLUDED(mu_);
   // SaveState where the caller goes on whatever the store says (the failure is logged).
   void Persist() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    SaveState().IgnoreError();
-    NoteChange();
+    SaveState().IgnoreError();  // publishes the change (NoteChange)
   }
   // Staged updates (docs/operations.md, "Staged updates").
   // The engines among `engines` that offer staging memory (their layout's staging_segment_shift); with `staged`,
@@ -482,8 +489,16 @@ class Coordinator {
   // not_resumed_ and rewrites the current version's record and recorded answer. Requires mu_.
   void MarkResumed(const std::vector<std::string>& addrs, const std::vector<std::string>& failed,
                    const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Status's body; without the plan, groups and source epochs when `with_plan` is false. Requires mu_.
-  v1::ClusterStatus StatusLocked(bool with_plan) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The readers' model (cluster_model.h). Publish builds one from the state, reusing the layout and the history
+  // records of the last one where their inputs did not change, and swaps it in; NoteChange calls it. The parts, built
+  // from scratch: LayoutOf (nodes, engines' fixed details, plan, groups), EnginesOf (each engine's state), SummaryOf
+  // (the update, epochs, small lists). Require mu_.
+  void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::shared_ptr<const v1::ClusterStatus> LayoutOf() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::map<std::string, ClusterModel::Engine> EnginesOf() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::ClusterStatus SummaryOf() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Seconds since a node's last lease renewal, as of the call (lease_mu_ per lookup, never mu_).
+  HeartbeatAgo HeartbeatAgoFn() const;
   // The id of the engine at control address `addr` (addr when unknown). Requires mu_.
   std::string EngineIdLocked(const std::string& addr) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -545,7 +560,18 @@ class Coordinator {
   Mutex change_mu_ ABSL_ACQUIRED_AFTER(mu_);
   CondVar change_cv_;
   uint64_t change_generation_ ABSL_GUARDED_BY(change_mu_) = 0;
-  void NoteChange() ABSL_LOCKS_EXCLUDED(change_mu_);
+  // Publishes the model (Publish), then moves the counter. Requires mu_.
+  void NoteChange() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) ABSL_LOCKS_EXCLUDED(change_mu_);
+  // What readers see (cluster_model.h): replaced whole under its own mutex, read without mu_.
+  ModelCell model_;
+  uint64_t model_generation_ ABSL_GUARDED_BY(mu_) = 0;
+  // The parts Publish reuses: the layout and what it was built for (membership epoch, plan generation); per version
+  // the history record as last published; the versions added or rewritten since (Finish, MarkResumed, restore).
+  std::shared_ptr<const v1::ClusterStatus> layout_ ABSL_GUARDED_BY(mu_);
+  std::pair<int64_t, int64_t> layout_key_ ABSL_GUARDED_BY(mu_) = {-1, -1};
+  std::map<int64_t, std::shared_ptr<const v1::UpdateRecord>> history_shared_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const ClusterModel::Records> history_model_ ABSL_GUARDED_BY(mu_);
+  std::set<int64_t> model_history_dirty_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, EngineView> engine_state_ ABSL_GUARDED_BY(mu_);  // control address → its state (update_state.h)
 
   UpdateState state_ ABSL_GUARDED_BY(mu_) = UpdateState::kIdle;

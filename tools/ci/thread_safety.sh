@@ -17,6 +17,7 @@ fi
 # The annotated files (one fact: the list lives here).
 files=(
   daemon/coordinator/coordinator.cc
+  daemon/coordinator/cluster_model.cc
   daemon/coordinator/coordinator_service.cc
   daemon/coordinator/store_writer.cc
   daemon/coordinator/phase_table.cc
