@@ -79,7 +79,7 @@ absl::StatusOr<PlanInput> BuildModelInput(const replica::ModelConfig& config, co
   PlanInput in;
   in.cluster = cluster;
   WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(config, options.format, options.quant.block_n,
-                                                                options.quant.block_k));
+                                                                options.quant.block_k, options.weights));
   absl::flat_hash_map<std::string, int> index;
   for (const auto& s : specs) {
     HfTensorInfo h;
@@ -104,7 +104,8 @@ absl::StatusOr<PlanInput> BuildModelInput(const replica::ModelConfig& config, co
   }
   in.layouts.resize(cluster.engine.tp);
   for (int r = 0; r < cluster.engine.tp; ++r) {
-    const replica::RankParallelism rp = EngineRankParallelism(cluster.engine, r, options.dialect);
+    replica::RankParallelism rp = EngineRankParallelism(cluster.engine, r, options.dialect);
+    rp.weights = options.weights;
     auto plan = replica::PlanLayout(config, rp, options.quant);
     if (!plan.ok()) return Annotate(plan.status(), absl::StrCat("engine rank ", r));
     std::vector<std::set<int>> inputs(plan->table.params().size());
@@ -145,6 +146,7 @@ absl::StatusOr<PlanInput> BuildModelInput(const replica::ModelConfig& config, co
       info.bytes = ep.bytes;
       info.inputs.assign(inputs[p].begin(), inputs[p].end());
       info.needs = std::move(needs[p]);
+      info.draft = plan->first_draft >= 0 && static_cast<int>(p) >= plan->first_draft;
       if (info.inputs.empty())
         return absl::InternalError(absl::StrCat("engine rank ", r, ": parameter ", ep.name,
                                                 " is loaded from no checkpoint tensor"));

@@ -23,6 +23,9 @@ struct ModelInputOptions {
   // kFp8PassThrough (fp8 weights and their block scales, quantized on the trainer side).
   replica::CheckpointFormat format = replica::CheckpointFormat::kTrainer;
   replica::EngineDialect dialect = replica::EngineDialect::kSglang;
+  // What every engine rank holds: its target model, or (kAll) the target and its next-n draft in one table, the
+  // draft's parameters more targets of the same plan, loaded from the checkpoint's MTP layer (pushed as well).
+  replica::WeightSet weights = replica::WeightSet::kTarget;
 };
 
 // The parallelism of engine rank `rank` in an engine of `engine.tp` ranks (expert and attention-DP groups inside tp,

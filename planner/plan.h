@@ -72,6 +72,7 @@ struct ParamInfo {
   int stage = 0;             // trainer PP stage that produces it
   std::vector<int> inputs;   // indices into PlanInput::hf_tensors this parameter is loaded from
   std::vector<Need> needs;   // the rectangles it reads (the `local` strategy's input)
+  bool draft = false;        // a parameter of the rank's speculative draft (ModelInputOptions::weights kAll)
 };
 
 struct LayoutInfo {

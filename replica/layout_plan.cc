@@ -35,7 +35,7 @@ class Walker {
   // `name` is the checkpoint's (what the sources read); a draft's parameters take SGLang's draft names.
   int AddParam(std::string name, DType dtype, std::vector<int64_t> shape) {
     EngineParam p;
-    p.name = r_.weights == WeightSet::kDraft ? DraftParamName(c_, name) : std::move(name);
+    p.name = drafting_ ? DraftParamName(c_, name) : std::move(name);
     p.dtype = dtype;
     p.shape = std::move(shape);
     uint64_t n = DTypeSize(dtype);
@@ -109,6 +109,7 @@ class Walker {
   const PlanOptions o_;
   const bool fp8_;
   const int64_t bn_, bk_;
+  bool drafting_ = false;  // walking the draft (its parameters take SGLang's draft names)
   LayoutPlan plan_;
 };
 
@@ -414,6 +415,8 @@ absl::Status Walker::Draft() {
   }
   const std::string p = absl::StrCat("model.layers.", d, ".");
   const int64_t h = c_.hidden_size;
+  plan_.first_draft = static_cast<int>(plan_.table.params().size());
+  plan_.table.set_first_draft(plan_.first_draft);
   Replicated(p + "enorm.weight", {h}, c_.dtype);
   Replicated(p + "hnorm.weight", {h}, c_.dtype);
   // A plain nn.Linear(2h, h): replicated on every rank and never quantized (the FP8 checkpoints store it bf16).
@@ -431,7 +434,7 @@ absl::Status Walker::Draft() {
 // TP rank and slices it itself). In and out are the base module's, from the same config the base layout uses.
 absl::Status Walker::Adapter() {
   const ModelConfig::LoraAdapter& a = *c_.lora_adapter;
-  if (r_.weights == WeightSet::kDraft)
+  if (HoldsDraft(r_.weights))
     return absl::InvalidArgumentError("a LoRA adapter has no draft: adapter-only models sync the adapter alone");
   // (a checkpoint listing, check_blocks false, is the trainer's side and has no engine dialect)
   if (o_.check_blocks && r_.dialect != EngineDialect::kVllm)
@@ -478,7 +481,10 @@ absl::Status Walker::Adapter() {
 absl::Status Walker::Run() {
   WSYNC_RETURN_IF_ERROR(CheckRank());
   if (c_.lora_adapter) return Adapter();
-  if (r_.weights == WeightSet::kDraft) return Draft();
+  if (r_.weights == WeightSet::kDraft) {
+    drafting_ = true;
+    return Draft();
+  }
   const RankParallelism& r = r_;
   // With DP attention SGLang 0.5.23 splits embed_tokens over the attention-TP group (use_attn_tp_group), except
   // Llama's, which stays on the whole TP group. (SGLANG_ENABLE_EMBED_REPLICATION, which replicates DeepSeek's
@@ -504,6 +510,10 @@ absl::Status Walker::Run() {
   }
   Replicated("model.norm.weight", {h}, c_.dtype);
   if (!c_.tie_word_embeddings) WSYNC_RETURN_IF_ERROR(Embedding("lm_head.weight", r.tp_size, r.tp_rank));
+  if (r_.weights == WeightSet::kAll) {  // the draft's parameters after the target's, in the same table
+    drafting_ = true;
+    return Draft();
+  }
   return absl::OkStatus();
 }
 

@@ -46,6 +46,9 @@ struct LayoutPlan {
   std::vector<SliceSource> sources;  // in checkpoint order
   // Per parameter: how many sources fill it (a scale parameter counts the weight slices it covers).
   std::vector<int> expected;
+  // The draft's first parameter (WeightSet kAll: every parameter from here on is the draft's; kDraft: 0); -1 when the
+  // table holds no draft.
+  int first_draft = -1;
 };
 
 struct PlanOptions {

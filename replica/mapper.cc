@@ -40,7 +40,7 @@ absl::StatusOr<ParamMapper> ParamMapper::Create(const ModelConfig& config, int e
   QuantSpec fp8;
   fp8.mode = QuantSpec::Mode::kFp8Block;
   for (const WeightSet w : {WeightSet::kTarget, WeightSet::kDraft}) {
-    if (w == WeightSet::kDraft && weights != WeightSet::kDraft) break;
+    if (w == WeightSet::kDraft && !HoldsDraft(weights)) break;
     for (const QuantSpec& q : {QuantSpec{}, fp8}) {
       RankParallelism r = RankParallelism::ForTp(1, 0, 1);
       r.num_fused_shared_experts = num_fused_shared_experts;
@@ -55,7 +55,7 @@ absl::StatusOr<ParamMapper> ParamMapper::Create(const ModelConfig& config, int e
 }
 
 absl::StatusOr<HfMapping> ParamMapper::Map(absl::string_view name) const {
-  if (weights_ == WeightSet::kDraft && LayerIndexOf(name) == DraftLayerIndex(config_)) {
+  if (HoldsDraft(weights_) && LayerIndexOf(name) == DraftLayerIndex(config_)) {
     if (absl::StrContains(name, ".rotary_emb.")) {
       HfMapping r;
       r.skip = SkipRule::kRotary;

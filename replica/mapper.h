@@ -1,7 +1,8 @@
 #pragma once
 // HF tensor name → SGLang parameter (what SGLang's ParameterMapper / load_weights would pick), or a documented skip.
 // A mapper maps to one weight set: the target model (default) or its next-n draft (WeightSet::kDraft, SGLang's
-// NextN classes, layout_plan.h), so a target mapper behaves exactly as before drafts existed.
+// NextN classes, layout_plan.h) or both (WeightSet::kAll: the draft layer's tensors map to the draft, every other
+// tensor to the target), so a target mapper behaves exactly as before drafts existed.
 //
 // Skip rules (the tensor is accepted and dropped, never an error):
 //   kMtpLayer   target: "model.layers.<i>.*" with i >= num_hidden_layers: MTP / next-n draft layers (DeepSeek-V3,

@@ -282,7 +282,14 @@ absl::StatusOr<EngineDialect> DialectForEngineKind(absl::string_view kind) {
 
 absl::string_view DialectName(EngineDialect d) { return d == EngineDialect::kVllm ? "vllm" : "sglang"; }
 
-absl::string_view WeightSetName(WeightSet w) { return w == WeightSet::kDraft ? "draft" : "target"; }
+absl::string_view WeightSetName(WeightSet w) {
+  switch (w) {
+    case WeightSet::kTarget: return "target";
+    case WeightSet::kDraft: return "draft";
+    case WeightSet::kAll: return "all";
+  }
+  return "?";
+}
 
 RankParallelism RankParallelism::ForTp(int tp_size, int tp_rank, int ep_size) {
   RankParallelism r;

@@ -89,9 +89,14 @@ absl::string_view DialectName(EngineDialect d);
 
 // Which of an engine rank's models a layout reproduces: the target model, or its speculative draft as SGLang's
 // next-n classes hold it (DeepseekV3ForCausalLMNextN, Glm4MoeForCausalLMNextN, Glm4MoeLiteForCausalLMNextN: the
-// checkpoint's MTP layer; layout_plan.h). The names are SGLang's begin_weight_update selectors.
-enum class WeightSet : uint8_t { kTarget, kDraft };
-absl::string_view WeightSetName(WeightSet w);  // "target" | "draft"
+// checkpoint's MTP layer; layout_plan.h), or both in one table (kAll: the target's parameters, then the draft's, as an
+// engine rank running speculative decoding is updated: one set of targets, one commit). The names are SGLang's
+// begin_weight_update selectors.
+enum class WeightSet : uint8_t { kTarget, kDraft, kAll };
+absl::string_view WeightSetName(WeightSet w);  // "target" | "draft" | "all"
+// Whether a layout of weight set `w` holds the target's / the draft's parameters.
+inline bool HoldsTarget(WeightSet w) { return w != WeightSet::kDraft; }
+inline bool HoldsDraft(WeightSet w) { return w != WeightSet::kTarget; }
 
 // One engine rank's parallelism, field names as SGLang's RankParallelismConfig, plus the engine dialect and the weight
 // set (two ranks with equal parallelism but different dialects, or a rank's target and its draft, need different

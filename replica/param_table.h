@@ -27,11 +27,16 @@ class ParamTable {
   int IndexOf(const std::string& name) const;  // -1 if absent
   uint64_t total_bytes() const { return total_bytes_; }
   void Add(EngineParam p);  // assigns offset
+  // Parameters from `first_draft` on are the rank's speculative draft's (WeightSet kAll / kDraft); -1: none.
+  int first_draft() const { return first_draft_; }
+  bool IsDraft(size_t param) const { return first_draft_ >= 0 && param >= static_cast<size_t>(first_draft_); }
+  void set_first_draft(int first) { first_draft_ = first; }
 
  private:
   std::vector<EngineParam> params_;
   absl::flat_hash_map<std::string, int> index_;
   uint64_t total_bytes_ = 0;
+  int first_draft_ = -1;
 };
 
 // SGLang's named_parameters() for one rank (tied lm_head absent when tied; expert params stacked per rank).

@@ -183,10 +183,15 @@ absl::StatusOr<std::unique_ptr<Replica>> ReplicaImpl::Make(const ModelConfig& co
   // Target and draft layouts may share a replica (the same tensors arrive once); the weight sets present decide which
   // names are known, and what a name outside them is (a draft-only replica drops the target's tensors by rule).
   bool has_target = false, has_draft = false;
-  for (const RankParallelism& rank : ranks) (rank.weights == WeightSet::kDraft ? has_draft : has_target) = true;
+  for (const RankParallelism& rank : ranks) {
+    has_target |= HoldsTarget(rank.weights);
+    has_draft |= HoldsDraft(rank.weights);
+  }
+  const WeightSet mapped = has_target && has_draft ? WeightSet::kAll
+                           : has_target            ? WeightSet::kTarget
+                                                   : WeightSet::kDraft;
   WSYNC_ASSIGN_OR_RETURN(ParamMapper mapper,
-                         ParamMapper::Create(config, ranks[0].ep_size, ranks[0].num_fused_shared_experts,
-                                             has_target ? WeightSet::kTarget : WeightSet::kDraft));
+                         ParamMapper::Create(config, ranks[0].ep_size, ranks[0].num_fused_shared_experts, mapped));
   std::unique_ptr<ReplicaImpl> r(new ReplicaImpl(config, quant, std::move(mapper)));
   const bool fp8 = quant.mode == QuantSpec::Mode::kFp8Block;
 
@@ -233,9 +238,12 @@ absl::StatusOr<std::unique_ptr<Replica>> ReplicaImpl::Make(const ModelConfig& co
     lay.rank = ranks[l];
     auto plan = PlanLayout(config, ranks[l], quant);
     if (!plan.ok()) {
-      return Annotate(plan.status(), absl::StrCat("layout ", l, " (", ranks[l].weights == WeightSet::kDraft ? "draft " : "", "tp ",
-                                                  ranks[l].tp_rank, "/", ranks[l].tp_size, ", ep ", ranks[l].ep_rank,
-                                                  "/", ranks[l].ep_size, ")"));
+      return Annotate(
+          plan.status(),
+          absl::StrCat("layout ", l, " (",
+                       ranks[l].weights == WeightSet::kTarget ? "" : absl::StrCat(WeightSetName(ranks[l].weights), " "),
+                       "tp ", ranks[l].tp_rank, "/", ranks[l].tp_size, ", ep ", ranks[l].ep_rank, "/", ranks[l].ep_size,
+                       ")"));
     }
     lay.plan = std::move(plan).value();
     lay.arrived = std::vector<std::atomic<int>>(lay.plan.table.params().size());

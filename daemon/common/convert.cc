@@ -38,4 +38,10 @@ v1::RankParallelism ToProto(const replica::RankParallelism& r) {
   return p;
 }
 
+replica::WeightSet WeightSetOfLayout(const v1::RankLayout& layout) {
+  for (const auto& s : layout.segments())
+    if (s.weights() == v1::WEIGHT_SET_DRAFT) return replica::WeightSet::kAll;
+  return replica::WeightSet::kTarget;
+}
+
 }  // namespace wsync::daemon

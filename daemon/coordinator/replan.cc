@@ -14,7 +14,9 @@
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "planner/model_input.h"
+#include "daemon/common/convert.h"
 #include "planner/plan.h"
+#include "replica/layout_plan.h"
 #include "replica/model_config.h"
 
 namespace wsync::daemon {
@@ -168,6 +170,7 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
   // Engines: grouped by everything that makes their layouts differ.
   std::map<std::string, std::vector<Engine>> groups;  // "<dialect> tp=N ep=N dp=N"
   std::map<std::string, std::tuple<int, int, int>> group_shape;
+  std::map<std::string, replica::WeightSet> group_weights;
   bool any_drained = false;
   for (const auto& [id, n] : *in.nodes)
     for (const auto& e : n.engines()) {
@@ -181,9 +184,20 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
       if (!dialect.ok()) return Annotate(dialect.status(), absl::StrCat("engine ", e.engine_id()));
       const auto& par = e.ranks(0).parallelism();
       const int tp = e.ranks_size(), ep = std::max(par.ep_size(), 1), dp = std::max(par.attn_dp_size(), 1);
-      const std::string key = absl::StrCat(replica::DialectName(*dialect), " tp=", tp, " ep=", ep, " dp=", dp);
+      // A draft (speculative decoding) is updated on every rank of the engine or on none.
+      const replica::WeightSet weights = WeightSetOfLayout(e.ranks(0));
+      for (const auto& r : e.ranks())
+        if (WeightSetOfLayout(r) != weights)
+          return absl::FailedPreconditionError(
+              absl::StrCat("engine ", e.engine_id(), " rank ", r.rank(),
+                           (weights == replica::WeightSet::kAll ? " lacks" : " has"), " a draft segment that rank ",
+                           e.ranks(0).rank(), (weights == replica::WeightSet::kAll ? " has" : " lacks"),
+                           ": a speculative draft is updated on every rank of an engine or on none"));
+      std::string key = absl::StrCat(replica::DialectName(*dialect), " tp=", tp, " ep=", ep, " dp=", dp);
+      if (weights == replica::WeightSet::kAll) key += " +draft";
       groups[key].push_back({id, n.address(), &e});
       group_shape[key] = {tp, ep, dp};
+      group_weights[key] = weights;
     }
   if (groups.empty())
     return absl::FailedPreconditionError(any_drained ? "every engine is drained"
@@ -236,8 +250,15 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
     g.inputs = std::move(inputs);
     g.epoch = in.membership_epoch;
     for (const Engine& e : engines) g.engine_ids.push_back(e.reg->engine_id());
-    if (shapes.empty()) {
-      WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg));
+    const replica::WeightSet weights = group_weights.at(key);
+    if (weights == replica::WeightSet::kAll && replica::DraftLayerIndex(cfg) < 0)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "engine ", engines.front().reg->engine_id(), " declares a speculative draft (a draft segment on its ranks), "
+          "but the model (", cfg.architecture, ") has no next-n / MTP layer to draft from: its config.json declares no "
+          "num_nextn_predict_layers"));
+    if (shapes.empty() || weights == replica::WeightSet::kAll) {
+      WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg, replica::CheckpointFormat::kTrainer, 128, 128,
+                                                                    weights));
       for (const auto& sp : specs) shapes[sp.name] = sp.shape;
     }
     // (source node, engine, rank) → the assignment being built and its write ranges
@@ -268,6 +289,7 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
     mo.dialect = *replica::DialectForEngineKind(engines.front().reg->kind());
     // Quantization is what the engines report (GroupQuantization), never the parameter names.
     mo.quant = group_quant.at(key);
+    mo.weights = weights;
     replica::ModelConfig gcfg = cfg;
     if (mo.quant.mode == replica::QuantSpec::Mode::kFp8Block)
       gcfg.weight_block_size = {mo.quant.block_n, mo.quant.block_k};
@@ -280,14 +302,24 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
         const std::string who = absl::StrCat("engine ", e.reg->engine_id(), " rank ", r.rank());
         if (r.rank() < 0 || r.rank() >= c.engine.tp)
           return absl::FailedPreconditionError(absl::StrCat(who, ": rank out of [0, ", c.engine.tp, ")"));
-        std::map<std::string, uint64_t> theirs;
-        for (const auto& p : r.params()) theirs[p.name()] = p.bytes();
+        std::set<int> draft_segments;
+        for (const auto& sg : r.segments())
+          if (sg.weights() == v1::WEIGHT_SET_DRAFT) draft_segments.insert(sg.id());
+        std::map<std::string, const v1::ParamDesc*> theirs;
+        for (const auto& p : r.params()) theirs[p.name()] = &p;
         for (const auto& p : input->layouts[r.rank()].params) {
+          const std::string whose = p.draft ? absl::StrCat("draft of ", who) : who;
           auto it = theirs.find(p.name);
-          if (it == theirs.end()) return absl::FailedPreconditionError(absl::StrCat(who, " lacks parameter ", p.name));
-          if (it->second != p.bytes)
-            return absl::FailedPreconditionError(
-                absl::StrCat(who, ": parameter ", p.name, " has ", it->second, " bytes, the model needs ", p.bytes));
+          if (it == theirs.end())
+            return absl::FailedPreconditionError(absl::StrCat(whose, " lacks parameter ", p.name));
+          if (it->second->bytes() != p.bytes)
+            return absl::FailedPreconditionError(absl::StrCat(
+                whose, ": parameter ", p.name, " has ", it->second->bytes(), " bytes, the model needs ", p.bytes));
+          // The typed segments say which model a parameter belongs to: a draft parameter lies in a draft segment.
+          if (draft_segments.count(it->second->segment()) != (p.draft ? 1u : 0u))
+            return absl::FailedPreconditionError(absl::StrCat(
+                whose, ": parameter ", p.name, " is the ", p.draft ? "draft's" : "target's", " but lies in segment ",
+                it->second->segment(), ", a ", p.draft ? "target" : "draft", " segment"));
         }
         if (theirs.size() != input->layouts[r.rank()].params.size())
           return absl::FailedPreconditionError(absl::StrCat(

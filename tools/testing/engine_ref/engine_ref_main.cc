@@ -82,6 +82,10 @@ class RankMemory {
     const uint64_t per = layout.total_bytes / kSegmentsPerRank + 1;
     std::vector<uint64_t> sizes(1, 0);
     for (const auto& p : layout.params) {
+      if (p.draft && first_draft_ < 0) {  // the draft in a segment of its own (MemorySegment.weights)
+        first_draft_ = static_cast<int>(sizes.size());
+        sizes.push_back(0);
+      }
       if (sizes.back() >= per && static_cast<int>(sizes.size()) < kSegmentsPerRank) sizes.push_back(0);
       const uint64_t off = (sizes.back() + 255) / 256 * 256;
       placement_.push_back({static_cast<int>(sizes.size()) - 1, off});
@@ -110,6 +114,8 @@ class RankMemory {
     return segments_[placement_[param].segment + set * per_copy_].base + placement_[param].offset;
   }
   int per_copy() const { return per_copy_; }
+  // Whether segment `id` (of either copy) holds the rank's draft.
+  bool draft(int id) const { return first_draft_ >= 0 && id % per_copy_ >= first_draft_; }
   // XXH3-128 (hex) of every segment of copy `set`, in id order.
   std::string Digest(int set) const {
     XXH3_state_t* st = XXH3_createState();
@@ -126,6 +132,7 @@ class RankMemory {
  private:
   std::vector<Segment> segments_;
   int per_copy_ = 0;
+  int first_draft_ = -1;  // the draft's first segment, -1 without a draft
   std::vector<Placement> placement_;  // per param of the layout
 };
 
@@ -261,6 +268,7 @@ class EngineService final : public pb::EngineControl::Service {
       s->set_id(static_cast<int>(i));
       s->set_kind("host");
       s->set_bytes(memory_[req->rank()]->segments()[i].bytes);
+      if (memory_[req->rank()]->draft(static_cast<int>(i))) s->set_weights(pb::WEIGHT_SET_DRAFT);
     }
     if (staging_) out->set_staging_segment_shift(memory_[req->rank()]->per_copy());
     return grpc::Status::OK;
@@ -559,7 +567,10 @@ class EngineService final : public pb::EngineControl::Service {
     nlohmann::json segs = nlohmann::json::array(), params = nlohmann::json::array();
     const RankMemory& mem = *memory_[r];
     for (size_t i = 0; i < mem.segments().size(); ++i)
-      segs.push_back({{"id", i}, {"kind", "host"}, {"bytes", mem.segments()[i].bytes}});
+      segs.push_back({{"id", i},
+                      {"kind", "host"},
+                      {"bytes", mem.segments()[i].bytes},
+                      {"weights", mem.draft(static_cast<int>(i)) ? "draft" : "target"}});
     const int shift = staging_ ? mem.per_copy() : 0;
     const auto& ps = layouts_[r].params;
     for (size_t i = 0; i < ps.size(); ++i)
@@ -819,6 +830,10 @@ int main(int argc, char** argv) {
   app.add_flag("--staging", staging,
                "hold a second (staging) copy of every rank's weights, so that staged updates write while the engine "
                "serves and switch by swapping the copies (doubles the memory)");
+  bool draft = false;
+  app.add_flag("--draft", draft,
+               "every rank also holds the model's next-n (MTP) draft, as SGLang's NextN model does, in a segment of "
+               "its own (weights: draft); the model's config must declare num_nextn_predict_layers 1");
   std::string steps_dir;
   app.add_option("--steps-dir", steps_dir,
                  "Verify step N against DIR/step_NNNNNN.safetensors (`wsync-rl-steps --out DIR`) loaded by the "
@@ -843,6 +858,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   cfg->ep = ep;
+  cfg->draft = draft;
   EngineService service(id, ss.str(), *cfg, tp, staging);
   if (!steps_dir.empty()) service.UseStepFiles(steps_dir);
   if (auto st = service.Init(); !st.ok()) {

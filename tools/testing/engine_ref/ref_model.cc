@@ -133,6 +133,7 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& json_text) {
       c.first_dense = Get(j, "first_k_dense_replace", 0);
       c.sparse_step = Get(j, "moe_layer_freq", 1);
       c.router_bias = j.value("topk_method", std::string()) == "noaux_tc";
+      c.nextn = Get(j, "num_nextn_predict_layers", 0);
       if (c.moe_inter <= 0 || c.sparse_step <= 0)
         return absl::InvalidArgumentError("DeepSeek MoE config lacks moe_intermediate_size/moe_layer_freq");
     }
@@ -180,6 +181,11 @@ absl::StatusOr<RefLayout> BuildRefLayout(const RefConfig& c, int tp, int rank) {
                                                    " experts of intermediate ", c.moe_inter));
   if (!c.mla && (c.kv_heads >= tp ? c.kv_heads % tp != 0 : tp % c.kv_heads != 0))
     return absl::InvalidArgumentError(absl::StrCat("tp=", tp, " incompatible with ", c.kv_heads, " kv heads"));
+  if (c.draft && (c.nextn != 1 || !c.mla || c.experts <= 0 || c.layers < 2))
+    return absl::InvalidArgumentError(
+        absl::StrCat(c.arch, " has no draft the reference engine can hold: a next-n draft needs a DeepSeek MoE config "
+                             "of two or more layers with num_nextn_predict_layers 1 (it has ",
+                     c.nextn, ")"));
   RefLayout l;
   auto add = [&](const std::string& name, std::vector<int64_t> shape, DType dtype) {
     RefParam p;
@@ -219,9 +225,8 @@ absl::StatusOr<RefLayout> BuildRefLayout(const RefConfig& c, int tp, int rank) {
   const int64_t vpad = (c.vocab + 63) / 64 * 64;
   const int64_t q_local = c.heads / tp;
   const int64_t kv_local = c.kv_heads >= tp ? c.kv_heads / tp : 1;
-  add("model.embed_tokens.weight", {vpad / tp, c.hidden}, c.dtype);
-  for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string p = absl::StrCat("model.layers.", i, ".");
+  // One decoder layer's parameters under engine prefix `p`.
+  auto layer = [&](const std::string& p, bool moe) {
     if (c.mla) {
       // MLA: the low-rank projections are replicated (q_a and kv_a fused into one ReplicatedLinear), the per-head
       // up-projections split by heads over tp.
@@ -250,7 +255,7 @@ absl::StatusOr<RefLayout> BuildRefLayout(const RefConfig& c, int tp, int rank) {
       add(p + "self_attn.q_norm.weight", {c.head_dim}, c.dtype);
       add(p + "self_attn.k_norm.weight", {c.head_dim}, c.dtype);
     }
-    if (c.moe_layer(i)) {
+    if (moe) {
       const int64_t moe_tp = tp / c.ep, el = c.experts / c.ep, il = c.moe_inter / moe_tp;
       add(p + "mlp.gate.weight", {c.experts, c.hidden}, c.dtype);
       if (c.router_bias) add(p + "mlp.gate.e_score_correction_bias", {c.experts}, DType::kF32);
@@ -277,9 +282,22 @@ absl::StatusOr<RefLayout> BuildRefLayout(const RefConfig& c, int tp, int rank) {
     }
     add(p + "input_layernorm.weight", {c.hidden}, c.dtype);
     add(p + "post_attention_layernorm.weight", {c.hidden}, c.dtype);
-  }
+  };
+  add("model.embed_tokens.weight", {vpad / tp, c.hidden}, c.dtype);
+  for (int64_t i = 0; i < c.layers; ++i) layer(absl::StrCat("model.layers.", i, "."), c.moe_layer(i));
   add("model.norm.weight", {c.hidden}, c.dtype);
   if (!c.tied) add("lm_head.weight", {vpad / tp, c.hidden}, c.dtype);
+  if (c.draft) {
+    // The next-n draft as SGLang's NextN model holds it (its embed_tokens and lm_head are the target's): after the
+    // target's parameters, marked as the draft's.
+    const size_t first = l.params.size();
+    add("model.enorm.weight", {c.hidden}, c.dtype);
+    add("model.hnorm.weight", {c.hidden}, c.dtype);
+    add("model.eh_proj.weight", {c.hidden, 2 * c.hidden}, c.dtype);  // a plain linear: never FP8
+    layer("model.decoder.", true);                                    // always MoE
+    add("model.shared_head.norm.weight", {c.hidden}, c.dtype);
+    for (size_t k = first; k < l.params.size(); ++k) l.params[k].draft = true;
+  }
   (void)rank;
   return l;
 }
@@ -371,27 +389,26 @@ absl::Status LoadHfTensors(const RefConfig& c, int tp, int rank, const RefLayout
     place_at(d, prm->shape[1], dst_row, ds, s_cols, fp8 ? dst_row / c.fp8_bn : 0, hf, rows, cols, r0, nr, c0, nc);
   };
 
-  vocab_parallel("model.embed_tokens.weight");
-  for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string p = absl::StrCat("model.layers.", i, ".");
+  // One decoder layer: engine parameters under `p`, loaded from the checkpoint's tensors under `hp`.
+  auto load_layer = [&](const std::string& p, const std::string& hp, bool moe) {
     if (c.mla) {
-      const std::string a = p + "self_attn.";
+      const std::string a = p + "self_attn.", ha = hp + "self_attn.";
       const int64_t qk = c.qk_nope + c.qk_rope, nv = c.qk_nope + c.v_head, kva = c.kv_lora + c.qk_rope;
       if (c.q_lora > 0) {
         // [q_a_proj; kv_a_proj_with_mqa] stacked along the rows, whole on every rank.
-        place(a + "fused_qkv_a_proj_with_mqa.weight", a + "q_a_proj.weight", c.q_lora, H, 0, c.q_lora, 0, H, 0);
-        place(a + "fused_qkv_a_proj_with_mqa.weight", a + "kv_a_proj_with_mqa.weight", kva, H, 0, kva, 0, H, c.q_lora);
-        replicated(a + "q_a_layernorm.weight", a + "q_a_layernorm.weight", c.q_lora);
-        place(a + "q_b_proj.weight", a + "q_b_proj.weight", c.heads * qk, c.q_lora, rank * q_local * qk, q_local * qk,
+        place(a + "fused_qkv_a_proj_with_mqa.weight", ha + "q_a_proj.weight", c.q_lora, H, 0, c.q_lora, 0, H, 0);
+        place(a + "fused_qkv_a_proj_with_mqa.weight", ha + "kv_a_proj_with_mqa.weight", kva, H, 0, kva, 0, H, c.q_lora);
+        replicated(ha + "q_a_layernorm.weight", a + "q_a_layernorm.weight", c.q_lora);
+        place(a + "q_b_proj.weight", ha + "q_b_proj.weight", c.heads * qk, c.q_lora, rank * q_local * qk, q_local * qk,
               0, c.q_lora, 0);
       } else {
-        place(a + "q_proj.weight", a + "q_proj.weight", c.heads * qk, H, rank * q_local * qk, q_local * qk, 0, H, 0);
-        place(a + "kv_a_proj_with_mqa.weight", a + "kv_a_proj_with_mqa.weight", kva, H, 0, kva, 0, H, 0);
+        place(a + "q_proj.weight", ha + "q_proj.weight", c.heads * qk, H, rank * q_local * qk, q_local * qk, 0, H, 0);
+        place(a + "kv_a_proj_with_mqa.weight", ha + "kv_a_proj_with_mqa.weight", kva, H, 0, kva, 0, H, 0);
       }
-      replicated(a + "kv_a_layernorm.weight", a + "kv_a_layernorm.weight", c.kv_lora);
-      place(a + "kv_b_proj.weight", a + "kv_b_proj.weight", c.heads * nv, c.kv_lora, rank * q_local * nv,
+      replicated(ha + "kv_a_layernorm.weight", a + "kv_a_layernorm.weight", c.kv_lora);
+      place(a + "kv_b_proj.weight", ha + "kv_b_proj.weight", c.heads * nv, c.kv_lora, rank * q_local * nv,
             q_local * nv, 0, c.kv_lora, 0);
-      place(a + "o_proj.weight", a + "o_proj.weight", H, c.heads * c.v_head, 0, H, rank * q_local * c.v_head,
+      place(a + "o_proj.weight", ha + "o_proj.weight", H, c.heads * c.v_head, 0, H, rank * q_local * c.v_head,
             q_local * c.v_head, 0);
       if (fp8)
         for (const char* m : {"attn_mqa.", "attn_mha."})
@@ -401,41 +418,41 @@ absl::Status LoadHfTensors(const RefConfig& c, int tp, int rank, const RefLayout
           }
     } else {
       const std::string qkv = p + "self_attn.qkv_proj.weight";
-      place(qkv, p + "self_attn.q_proj.weight", c.heads * D, H, rank * q_local * D, q_local * D, 0, H, 0);
-      place(qkv, p + "self_attn.k_proj.weight", c.kv_heads * D, H, kv_first * D, kv_local * D, 0, H, q_local * D);
-      place(qkv, p + "self_attn.v_proj.weight", c.kv_heads * D, H, kv_first * D, kv_local * D, 0, H,
+      place(qkv, hp + "self_attn.q_proj.weight", c.heads * D, H, rank * q_local * D, q_local * D, 0, H, 0);
+      place(qkv, hp + "self_attn.k_proj.weight", c.kv_heads * D, H, kv_first * D, kv_local * D, 0, H, q_local * D);
+      place(qkv, hp + "self_attn.v_proj.weight", c.kv_heads * D, H, kv_first * D, kv_local * D, 0, H,
             (q_local + kv_local) * D);
     }
     if (c.qkv_bias) {
       auto [d, prm] = dst(p + "self_attn.qkv_proj.bias");
-      const uint8_t* q = gen(p + "self_attn.q_proj.bias", 1, c.heads * D);
+      const uint8_t* q = gen(hp + "self_attn.q_proj.bias", 1, c.heads * D);
       CopyBlock(q, c.heads * D, 0, 1, rank * q_local * D, q_local * D, esz, d, 0, 0);
-      const uint8_t* k = gen(p + "self_attn.k_proj.bias", 1, c.kv_heads * D);
+      const uint8_t* k = gen(hp + "self_attn.k_proj.bias", 1, c.kv_heads * D);
       CopyBlock(k, c.kv_heads * D, 0, 1, kv_first * D, kv_local * D, esz, d + q_local * D * esz, 0, 0);
-      const uint8_t* v = gen(p + "self_attn.v_proj.bias", 1, c.kv_heads * D);
+      const uint8_t* v = gen(hp + "self_attn.v_proj.bias", 1, c.kv_heads * D);
       CopyBlock(v, c.kv_heads * D, 0, 1, kv_first * D, kv_local * D, esz, d + (q_local + kv_local) * D * esz, 0, 0);
     }
     if (!c.mla)
-      place(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", H, c.heads * D, 0, H, rank * q_local * D,
+      place(p + "self_attn.o_proj.weight", hp + "self_attn.o_proj.weight", H, c.heads * D, 0, H, rank * q_local * D,
             q_local * D, 0);
     if (c.qk_norm) {
-      replicated(p + "self_attn.q_norm.weight", p + "self_attn.q_norm.weight", D);
-      replicated(p + "self_attn.k_norm.weight", p + "self_attn.k_norm.weight", D);
+      replicated(hp + "self_attn.q_norm.weight", p + "self_attn.q_norm.weight", D);
+      replicated(hp + "self_attn.k_norm.weight", p + "self_attn.k_norm.weight", D);
     }
-    if (c.moe_layer(i)) {
+    if (moe) {
       // Router: whole, every rank. Experts: EP group rank / (tp/ep) holds experts [g*E/ep, (g+1)*E/ep); inside the
       // group, rank % (tp/ep) holds that slice of every expert's intermediate dimension. w13 = [gate; up] per expert.
       const int64_t moe_tp = tp / c.ep, el = c.experts / c.ep, I = c.moe_inter, il = I / moe_tp;
       const int64_t group = rank / moe_tp, part = rank % moe_tp;
       {
         auto [d, prm] = dst(p + "mlp.gate.weight");
-        const uint8_t* g = gen(p + "mlp.gate.weight", c.experts, H);
+        const uint8_t* g = gen(hp + "mlp.gate.weight", c.experts, H);
         CopyBlock(g, H, 0, c.experts, 0, H, esz, d, H, 0);
       }
       if (c.router_bias) {
         // float32 in the checkpoint and in the engine.
         auto [d, prm] = dst(p + "mlp.gate.e_score_correction_bias");
-        const std::string name = p + "mlp.gate.e_score_correction_bias";
+        const std::string name = hp + "mlp.gate.e_score_correction_bias";
         const uint64_t bytes = static_cast<uint64_t>(c.experts) * 4;
         const uint8_t* bias = src(name, DType::kF32, bytes);
         if (bias == nullptr) {
@@ -450,10 +467,10 @@ absl::Status LoadHfTensors(const RefConfig& c, int tp, int rank, const RefLayout
       if (c.shared_experts > 0) {
         // The shared experts as one dense MLP of intermediate moe_inter * n_shared, split over all tp ranks.
         const int64_t S = c.moe_inter * c.shared_experts, sl = S / tp;
-        const std::string x = p + "mlp.shared_experts.";
-        place(x + "gate_up_proj.weight", x + "gate_proj.weight", S, H, rank * sl, sl, 0, H, 0);
-        place(x + "gate_up_proj.weight", x + "up_proj.weight", S, H, rank * sl, sl, 0, H, sl);
-        place(x + "down_proj.weight", x + "down_proj.weight", H, S, 0, H, rank * sl, sl, 0);
+        const std::string x = p + "mlp.shared_experts.", hx = hp + "mlp.shared_experts.";
+        place(x + "gate_up_proj.weight", hx + "gate_proj.weight", S, H, rank * sl, sl, 0, H, 0);
+        place(x + "gate_up_proj.weight", hx + "up_proj.weight", S, H, rank * sl, sl, 0, H, sl);
+        place(x + "down_proj.weight", hx + "down_proj.weight", H, S, 0, H, rank * sl, sl, 0);
       }
       auto [w13, p13] = dst(p + "mlp.experts.w13_weight");
       auto [w2, p2] = dst(p + "mlp.experts.w2_weight");
@@ -466,7 +483,7 @@ absl::Status LoadHfTensors(const RefConfig& c, int tp, int rank, const RefLayout
       uint8_t* sc13 = fp8 ? dst(p + "mlp.experts.w13_weight_scale_inv").first : nullptr;
       uint8_t* sc2 = fp8 ? dst(p + "mlp.experts.w2_weight_scale_inv").first : nullptr;
       for (int64_t e = 0; e < el; ++e) {
-        const std::string x = absl::StrCat(p, "mlp.experts.", group * el + e, ".");
+        const std::string x = absl::StrCat(hp, "mlp.experts.", group * el + e, ".");
         uint8_t* d13 = w13 + static_cast<size_t>(e * 2 * il * H) * wsz;
         uint8_t* e13 = fp8 ? sc13 + static_cast<size_t>(e * s13r * s13c) * 4 : nullptr;
         place_at(d13, H, 0, e13, s13c, 0, x + "gate_proj.weight", I, H, part * il, il, 0, H);
@@ -477,15 +494,33 @@ absl::Status LoadHfTensors(const RefConfig& c, int tp, int rank, const RefLayout
       }
     } else {
       const int64_t I = c.inter, Il = c.inter / tp;
-      place(p + "mlp.gate_up_proj.weight", p + "mlp.gate_proj.weight", I, H, rank * Il, Il, 0, H, 0);
-      place(p + "mlp.gate_up_proj.weight", p + "mlp.up_proj.weight", I, H, rank * Il, Il, 0, H, Il);
-      place(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", H, I, 0, H, rank * Il, Il, 0);
+      place(p + "mlp.gate_up_proj.weight", hp + "mlp.gate_proj.weight", I, H, rank * Il, Il, 0, H, 0);
+      place(p + "mlp.gate_up_proj.weight", hp + "mlp.up_proj.weight", I, H, rank * Il, Il, 0, H, Il);
+      place(p + "mlp.down_proj.weight", hp + "mlp.down_proj.weight", H, I, 0, H, rank * Il, Il, 0);
     }
-    replicated(p + "input_layernorm.weight", p + "input_layernorm.weight", H);
-    replicated(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", H);
+    replicated(hp + "input_layernorm.weight", p + "input_layernorm.weight", H);
+    replicated(hp + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", H);
+  };
+  vocab_parallel("model.embed_tokens.weight");
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    load_layer(p, p, c.moe_layer(i));
   }
   replicated("model.norm.weight", "model.norm.weight", H);
   if (!c.tied) vocab_parallel("lm_head.weight");
+  if (c.draft) {
+    // The next-n draft from the checkpoint's layer `layers` (SGLang's NextN rename): its own norms and eh_proj, the
+    // layer as an MoE decoder layer; its embed_tokens and shared_head.head are not loaded (the target's serve).
+    const std::string hp = absl::StrCat("model.layers.", c.layers, ".");
+    replicated(hp + "enorm.weight", "model.enorm.weight", H);
+    replicated(hp + "hnorm.weight", "model.hnorm.weight", H);
+    {
+      auto [d, prm] = dst("model.eh_proj.weight");  // whole on every rank, the model dtype even with FP8
+      CopyBlock(gen(hp + "eh_proj.weight", H, 2 * H), 2 * H, 0, H, 0, 2 * H, esz, d, 2 * H, 0);
+    }
+    load_layer("model.decoder.", hp, true);
+    replicated(hp + "shared_head.norm.weight", "model.shared_head.norm.weight", H);
+  }
   return missing;
 }
 

@@ -4,8 +4,9 @@
 // purpose: it is the independent expectation that transferred weights are checked against.
 // Supports the dense families (Llama, Qwen2, Qwen3), Qwen3-MoE (stacked experts, expert parallelism) and
 // DeepSeek-V2/V3 (MLA attention with or without q_lora, dense first layers, routed experts plus unfused shared
-// experts, router correction bias), each also FP8 block-quantized (linear and expert weights as e4m3 codes with
-// float32 block scales; MLA adds SGLang's four float32 KV-cache scales, 1.0).
+// experts, router correction bias; with RefConfig::draft also the next-n draft), each also FP8 block-quantized
+// (linear and expert weights as e4m3 codes with float32 block scales; MLA adds SGLang's four float32 KV-cache
+// scales, 1.0).
 
 #include <cstdint>
 #include <functional>
@@ -40,6 +41,12 @@ struct RefConfig {
   // ones (SGLang unfused: mlp.shared_experts.* split over tp like a dense MLP); router bias for noaux_tc routing.
   int64_t first_dense = 0, shared_experts = 0;
   bool router_bias = false;
+  // num_nextn_predict_layers: next-n (MTP) layers stored after the decoder layers (checkpoint layer `layers`).
+  int64_t nextn = 0;
+  // Engine choice (--draft), not a model fact: every rank also holds the next-n draft as SGLang's NextN model loads
+  // it (model.enorm, model.hnorm, model.eh_proj, model.decoder.* as an MoE layer, model.shared_head.norm; the
+  // checkpoint's layer `layers` renamed), after the target's parameters (RefParam::draft).
+  bool draft = false;
   bool moe_layer(int64_t layer) const;
 };
 
@@ -51,6 +58,7 @@ struct RefParam {
   DType dtype = DType::kBF16;
   uint64_t bytes = 0;
   uint64_t offset = 0;
+  bool draft = false;  // a parameter of the rank's speculative draft (RefConfig::draft)
 };
 
 struct RefLayout {
