@@ -52,7 +52,7 @@ absl::StatusOr<NodeRates> ParseNodeRates(absl::string_view text, absl::string_vi
       const std::vector<std::string> parts = absl::StrSplit(name, '/');
       const bool known = parts.size() == 3 &&
                          (parts[0] == "bf16" || parts[0] == "fp8-passthrough" || parts[0] == "fp8-quantize") &&
-                         (parts[1] == "host" || parts[1] == "cuda") && (parts[2] == "ring" || parts[2] == "placement");
+                         ParseMemoryKind(parts[1]).ok() && (parts[2] == "ring" || parts[2] == "placement");
       if (!known) return bad(absl::StrCat("curve \"", name, "\": not WEIGHTS/TENSORS/PATH (planner/node_rates.h)"));
       if (!c.is_object() || !c.contains("gbps")) return bad(absl::StrCat("curve \"", name, "\" needs \"gbps\""));
       RateCurve rc;
@@ -99,7 +99,7 @@ absl::StatusOr<NodeRates> BuiltinNodeRates() {
 }
 
 std::string CurveName(absl::string_view weights, TrainerTensors tensors, absl::string_view path) {
-  return absl::StrCat(weights, "/", tensors == TrainerTensors::kCuda ? "cuda" : "host", "/", path);
+  return absl::StrCat(weights, "/", MemoryKindName(tensors), "/", path);
 }
 
 absl::StatusOr<NodeCurveChoice> ChooseNodeCurve(const NodeRates& rates, TrainerTensors tensors, PushedWeights weights) {

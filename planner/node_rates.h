@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "base/memory_kind.h"
 #include "planner/cost_params.h"
 
 namespace wsync::planner {
@@ -45,8 +46,9 @@ struct NodeRates {
   std::string origin;                                  // the file it was read from
 };
 
-// Where the trainer's tensors are when it pushes them (TrainerClient::PushDevice vs Push).
-enum class TrainerTensors { kCuda, kHost };
+// Where the trainer's tensors are when it pushes them (TrainerClient::PushDevice vs Push): the memory kind the
+// source and target use too.
+using TrainerTensors = MemoryKind;
 // What the trainer pushes: bf16 tensors, or FP8 codes with their block scales (`wsyncctl plan --weights fp8`).
 enum class PushedWeights { kBf16, kFp8PassThrough };
 

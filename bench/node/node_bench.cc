@@ -75,6 +75,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "base/host_copy.h"
+#include "base/memory_kind.h"
 #include "base/status.h"
 #include "bench/node/device_tensors.h"
 #include "bench/transport/tcp_bench.h"
@@ -242,7 +243,7 @@ PlannedEngine Plan(const std::string& json_text, const replica::ModelConfig& cfg
     }
     auto* seg = l->add_segments();
     seg->set_id(0);
-    seg->set_kind("host");
+    seg->set_kind(std::string(wsync::SegmentKindName(wsync::SegmentKind::kHost)));
     seg->set_bytes(std::max<uint64_t>(table->total_bytes(), 1));
     seg->set_region_descriptor(segment(seg->bytes()));
     l->set_region_bytes(seg->bytes());
@@ -693,9 +694,10 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
                             {"end_s", l.end}});
     }
     std::fflush(stdout);
+    const wsync::MemoryKind tensors = device != nullptr ? wsync::MemoryKind::kCuda : wsync::MemoryKind::kHost;
     results->push_back({{"case", case_name},
                         {"workload", w.name},
-                        {"tensors", device != nullptr ? "cuda" : "host"},
+                        {"tensors", wsync::MemoryKindName(tensors)},
                         {"tp", tp},
                         {"ep", w.ep},
                         {"ranks", R},
@@ -721,7 +723,8 @@ std::string CurveName(const std::string& case_name, const Workload& w, const Mod
   const std::string weights = w.name == "kimi-k2-fp8-64"             ? "fp8-passthrough"
                               : w.name == "deepseek-v3-bf16-fp8-128" ? "fp8-quantize"
                                                                      : "bf16";
-  return absl::StrCat(weights, "/", case_name == "cuda" ? "cuda" : "host", "/", m.placement ? "placement" : "ring");
+  const wsync::MemoryKind tensors = case_name == "cuda" ? wsync::MemoryKind::kCuda : wsync::MemoryKind::kHost;
+  return absl::StrCat(weights, "/", wsync::MemoryKindName(tensors), "/", m.placement ? "placement" : "ring");
 }
 
 std::string UtcNow() {

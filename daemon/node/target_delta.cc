@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "base/memory_kind.h"
 #include "base/status.h"
 #include "daemon/node/target_node.h"
 #include "replica/delta.h"
@@ -29,7 +30,8 @@ std::map<int, SegmentTarget> Segments(const RankT& r) {
   std::map<int, SegmentTarget> out;
   size_t next_host = 0, next_cuda = 0;
   for (const auto& seg : r.layout.segments()) {
-    if (seg.kind() == "cuda") {
+    // The kinds were parsed and checked when the rank attached (an unknown one never reaches a layout).
+    if (ParseSegmentKind(seg.kind()).value_or(SegmentKind::kHost) == SegmentKind::kCuda) {
       if (next_cuda < r.cuda.size()) out[seg.id()] = {nullptr, r.cuda[next_cuda++].get(), seg.bytes()};
     } else if (next_host < r.memory.size()) {
       const MappedSegment* m = r.memory[next_host++].get();

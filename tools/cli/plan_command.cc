@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "base/memory_kind.h"
 #include "base/status.h"
 #include "nlohmann/json.hpp"
 #include "planner/cost.h"
@@ -516,7 +517,10 @@ int RunPlanCommand(int argc, char** argv) {
   app.add_option("--trainer-tensors", trainer_tensors,
                  "where the trainer's tensors are when it pushes: cuda (GPU memory, the seed's trainers) or host; "
                  "picks the measured node curve (with --weights: bf16 or FP8 pass-through)")
-      ->check(CLI::IsMember({"cuda", "host"}))
+      ->check([](const std::string& v) {
+        auto k = ParseMemoryKind(v);
+        return k.ok() ? std::string() : std::string(k.status().message());
+      })
       ->capture_default_str();
   app.add_option("--nvlink-gbps", cp.nvlink_gbps, "intra-node all-gather rate per GPU")->capture_default_str();
   app.add_option("--bcast-rx-gbps", cp.bcast_rx_gbps, "what one broadcast receiver absorbs")->capture_default_str();
@@ -589,7 +593,7 @@ int RunPlanCommand(int argc, char** argv) {
     if (!pushed.ok()) return usage(pushed.status());
     const double d2h = cp.d2h_gbps;
     if (absl::Status a = planner::ApplyNodeRates(
-            *rates, trainer_tensors == "host" ? planner::TrainerTensors::kHost : planner::TrainerTensors::kCuda,
+            *rates, *ParseMemoryKind(trainer_tensors),  // checked when the flag was parsed
             pushed->fp8_block > 0 ? planner::PushedWeights::kFp8PassThrough : planner::PushedWeights::kBf16, &cp);
         !a.ok())
       return usage(a);
