@@ -12,6 +12,10 @@ through vLLM's own reload path (a safetensors checkpoint on disk, /pause, /colle
 /update_weight_version, /reset_prefix_cache, /resume). `--sync both` alternates the two paths step by step in one run.
 Every rollout batch is checked against the engine's reported weight version (it must be the step's), and vLLM's
 logprobs of the sampled tokens against the trainer's own (the engine computes with the weights just sent).
+
+`--lora R` trains a LoRA adapter of rank R instead (the base frozen): vLLM serves the base plus the adapter, wsync
+moves only the adapter's tensors each step (Trainer.push_adapter; the target attaches in adapter mode), and vLLM's
+own path is its adapter loader (/v1/load_lora_adapter of a PEFT directory) instead of a weights reload.
 """
 
 from __future__ import annotations
@@ -94,10 +98,16 @@ class Task:
 
 # --- the policy and its trainer ----------------------------------------------------------------------------------
 
-class Policy:
-    """The trainer's side: fp32 master weights (Adam), bf16 copies handed to the engine."""
+# The modules a `--lora` adapter adapts, in every layer (PEFT's target_modules), and its alpha.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+LORA_ALPHA = 16
 
-    def __init__(self, seed: int, lr: float):
+
+class Policy:
+    """The trainer's side: fp32 master weights (Adam), bf16 copies handed to the engine. With `lora` > 0 the base is
+    frozen and an adapter of that rank is trained: y = W x + (alpha / r) B A x on every LORA_TARGETS module."""
+
+    def __init__(self, seed: int, lr: float, lora: int = 0):
         import torch
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -108,7 +118,40 @@ class Policy:
         with torch.no_grad():  # start from what the engine serves: the bf16 rounding of the initialisation
             for p in self.model.parameters():
                 p.copy_(p.to(torch.bfloat16).float())
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.lora = lora
+        self.adapter: dict = {}  # PEFT name -> fp32 parameter (lora_A [r, in], lora_B [out, r])
+        if lora:
+            self.model.requires_grad_(False)
+            g = torch.Generator().manual_seed(seed + 1)
+            scale = LORA_ALPHA / lora
+            for name, mod in self.model.named_modules():
+                if name.rsplit(".", 1)[-1] not in LORA_TARGETS:
+                    continue
+                # A as PEFT initialises it (random), B zero: the adapter starts as a no-op, as an RL run's does;
+                # bf16-representable, like the copy the engine holds.
+                a = (torch.randn(lora, mod.in_features, generator=g) / mod.in_features ** 0.5).to(torch.bfloat16)
+                a = torch.nn.Parameter(a.float())
+                b = torch.nn.Parameter(torch.zeros(mod.out_features, lora))
+                self.adapter[f"base_model.model.{name}.lora_A.weight"] = a
+                self.adapter[f"base_model.model.{name}.lora_B.weight"] = b
+                mod.register_forward_hook(lambda m, args, out, a=a, b=b: out + scale * (args[0] @ a.T) @ b.T)
+            self.opt = torch.optim.Adam(list(self.adapter.values()), lr=lr)
+        else:
+            self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+
+    def adapter_state_dict(self) -> dict:
+        """The adapter as the engine takes it: PEFT names, bf16."""
+        import torch
+        return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.adapter.items()}
+
+    def save_adapter(self, out: str) -> None:
+        """A PEFT LoRA directory (what vLLM's --lora-modules and /v1/load_lora_adapter read)."""
+        from safetensors.torch import save_file
+        os.makedirs(out, exist_ok=True)
+        save_file(self.adapter_state_dict(), os.path.join(out, "adapter_model.safetensors"))
+        with open(os.path.join(out, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": self.lora, "lora_alpha": LORA_ALPHA, "target_modules": LORA_TARGETS,
+                       "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": "base"}, f)
 
     def engine_state_dict(self) -> dict:
         """The weights as the engine takes them: HF names, bf16 (what the served checkpoint holds)."""
@@ -183,23 +226,34 @@ class Loop:
         self.harness = harness
         self.wd = tempfile.mkdtemp(prefix="wsync-rl-loop-")
         self.procs = harness.Procs(self.wd)
-        self.policy = Policy(a.seed, a.lr)
+        self.policy = Policy(a.seed, a.lr, a.lora)
         rng = random.Random(a.seed)
         self.task = Task(POLICY_CONFIG["vocab_size"], a.window, [rng.randrange(POLICY_CONFIG["vocab_size"])
                                                                  for _ in range(a.prompts)])
         ckpt = os.path.join(self.wd, "ckpt-0")
         self.policy.save_checkpoint(ckpt, tokenizer=True)
+        argv, env, mode = [], {}, "staged"
+        if a.lora:
+            # vLLM serves the base as "base" and the adapter as "policy" (what the rollouts ask for); wsync's model is
+            # the adapter alone (the backend reads it from WSYNC_VLLM_LORA_ADAPTER at attach).
+            adapter = os.path.join(self.wd, "adapter-0")
+            self.policy.save_adapter(adapter)
+            argv = ["--enable-lora", "--max-lora-rank", str(a.lora), "--max-loras", "1",
+                    "--lora-modules", f"policy={adapter}"]
+            env = {"WSYNC_VLLM_LORA_ADAPTER": adapter, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+            mode = "adapter"
 
         port = harness.free_port()
         self.base = f"http://127.0.0.1:{port}"
         t0 = time.time()
         self.procs.start("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
-                                  "--port", str(port), "--model", ckpt, "--served-model-name", "policy",
+                                  "--port", str(port), "--model", ckpt,
+                                  "--served-model-name", "base" if a.lora else "policy",
                                   "--dtype", "bfloat16", "--max-model-len", "64", "--enforce-eager",
                                   "--max-num-seqs", str(a.prompts * a.samples),
-                                  "--weight-transfer-config", json.dumps({"backend": "wsync"})],
+                                  "--weight-transfer-config", json.dumps({"backend": "wsync"})] + argv,
                          {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-                          "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "TOKENIZERS_PARALLELISM": "false"})
+                          "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "TOKENIZERS_PARALLELISM": "false", **env})
         self._start_wsync_daemons()
         harness.wait_for("vLLM healthy", lambda: self.http("GET", "/health", timeout=5) is None, 300,
                          self.procs, ["vllm"], interval=1.0)
@@ -208,7 +262,7 @@ class Loop:
         self.procs.start("target", [os.path.join(a.bin, "wsyncd"), "--listen", "127.0.0.1:0", "--role", "target",
                                     "--node-id", "inference-0", "--coordinator", self.coord_addr,
                                     "--engine-socket", os.path.join(self.wd, "target.sock"),
-                                    "--engine", f"vllm+http://127.0.0.1:{port}?mode=staged&id=vllm-0",
+                                    "--engine", f"vllm+http://127.0.0.1:{port}?mode={mode}&id=vllm-0",
                                     "--port-file", pf])
         harness.wait_for("target wsyncd (vLLM attach)", lambda: harness.read_port_file(pf), 180, self.procs,
                          ["target", "vllm"])
@@ -295,9 +349,12 @@ class Loop:
         t0 = time.perf_counter()
         with self.coord.update(version, timeout=300.0):
             t_paused = time.perf_counter()
-            names = self.trainer.begin_push(version)
-            self.trainer.push_many(self.policy.engine_state_dict().items(), names=names)
-            self.trainer.end_push(version)
+            if self.policy.lora:  # the adapter's tensors alone; the base never moves
+                self.trainer.push_adapter(version, self.policy.adapter_state_dict())
+            else:
+                names = self.trainer.begin_push(version)
+                self.trainer.push_many(self.policy.engine_state_dict().items(), names=names)
+                self.trainer.end_push(version)
             t_pushed = time.perf_counter()
         total = time.perf_counter() - t0
         rec = self.coord.last_record or {}
@@ -317,6 +374,8 @@ class Loop:
             phases[name] = now - t
             t = now
 
+        if self.policy.lora:
+            return self.sync_reload_adapter(version)
         ck = os.path.join(self.wd, "reload-ckpt")
         self.policy.save_checkpoint(ck)
         mark("write_checkpoint")
@@ -336,6 +395,40 @@ class Loop:
         mark("continue")
         return {"path": "reload", "seconds": time.perf_counter() - t0, "phases": phases,
                 "bytes": os.path.getsize(os.path.join(ck, "model.safetensors"))}
+
+    def sync_reload_adapter(self, version: int) -> dict:
+        """vLLM's own path for an adapter: a PEFT directory on disk, loaded in place of the served one by vLLM's
+        adapter loader (/v1/load_lora_adapter), the version set, the prefix cache reset."""
+        phases = {}
+        t = t0 = time.perf_counter()
+
+        def mark(name):
+            nonlocal t
+            now = time.perf_counter()
+            phases[name] = now - t
+            t = now
+
+        d = os.path.join(self.wd, f"reload-adapter-{version}")
+        self.policy.save_adapter(d)
+        mark("write_adapter")
+        # vLLM's adapter routes answer plain text, not JSON.
+        import urllib.request
+        req = urllib.request.Request(self.base + "/v1/load_lora_adapter", method="POST",
+                                     data=json.dumps({"lora_name": "policy", "lora_path": d,
+                                                      "load_inplace": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:  # an HTTP error raises, with vLLM's reason
+            r.read()
+        mark("load_adapter")
+        self.http("POST", "/update_weight_version", {"new_version": str(version)})
+        mark("set_version")
+        for _ in range(100):  # false while blocks are still held: retry
+            if (self.http("POST", "/reset_prefix_cache?reset_running_requests=true") or {}).get("success", True):
+                break
+            time.sleep(0.05)
+        mark("reset_prefix_cache")
+        return {"path": "reload", "seconds": time.perf_counter() - t0, "phases": phases,
+                "bytes": os.path.getsize(os.path.join(d, "adapter_model.safetensors"))}
 
     def path_for(self, step: int) -> str:
         if self.args.sync == "both":
@@ -436,9 +529,12 @@ def parse_args(argv=None):
     ap.add_argument("--bin", default=os.path.join(REPO, "build", "bin"),
                     help="directory with wsyncd and wsync-coordinator (default: build/bin)")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--sync", choices=["wsync", "reload", "both"], default="both",
-                    help="how the weights reach vLLM: wsync, vLLM's own reload of a checkpoint, or alternating")
+    ap.add_argument("--sync", choices=["wsync", "reload", "both"], default=None,
+                    help="how the weights reach vLLM: wsync, vLLM's own reload of a checkpoint, or alternating (the "
+                         "default; with --lora: wsync)")
     ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="train a LoRA adapter of rank R (base frozen) and move only the adapter (0: full weights)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=8, help="distinct prompts per batch")
     ap.add_argument("--samples", type=int, default=8, help="completions per prompt (the baseline's group)")
@@ -449,6 +545,14 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="rl_loop_out", help="directory for metrics.json and rl_loop.png")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, checkpoints)")
     args = ap.parse_args(argv)
+    if args.sync is None:  # both, alternately; an adapter moves by wsync alone
+        args.sync = "wsync" if args.lora else "both"
+    if args.lora < 0 or args.lora > 64:
+        ap.error(f"--lora {args.lora}: a rank from 1 to 64 (0: no adapter)")
+    if args.lora and args.sync == "both":
+        # vLLM's /v1/load_lora_adapter re-binds the adapter's name to the directory it loads: wsync's later updates
+        # would go to the adapter the name no longer serves (docs/engines.md, "LoRA adapters").
+        ap.error("--lora takes --sync wsync or --sync reload: one path moves an adapter, not both alternately")
     args.bin = os.path.abspath(args.bin)
     return args
 
