@@ -14,7 +14,9 @@ a PEFT directory DIR_v and pushed with Trainer.push_adapter; then
 Update 2 is staged (BeginUpdate mode staged): until the commit "policy" answers with version 1's tokens.
 Broken on purpose: update 3 pushes version 2's adapter again (a stale adapter) and the reference check must fail.
 Bad input: an adapter of another rank is refused by push_adapter before any byte is pushed; the update aborts, the
-engine keeps serving version 3 and is not paused. An engine adapter over --max-lora-rank is refused by the backend's
+engine keeps serving version 3 and is not paused. Re-bound: vLLM's own /v1/load_lora_adapter loads another directory
+under "policy" (load_inplace); update 5 must fail naming the re-bind and leave the engine's label below 5; once the
+name loads wsync's directory again, update 6 is verified as above. An engine adapter over --max-lora-rank is refused by the backend's
 attach check (vLLM's LoRAConfig and PEFTHelper, run here without a server).
 
 With --tp 2 each vLLM worker attaches its own whole copy of the adapter (vLLM slices it per rank itself): the record's
@@ -281,6 +283,34 @@ def main() -> int:
             wv = harness.http("GET", f"{a}/weight_info")["weight_version"]
             checks(wv == "3", f"vLLM still reports version 3 after the refusal ({wv!r})")
             checks(generate(a, "policy") == prev, "the engine serves what it served before the refusal")
+
+            # vLLM's own load re-binds the name to another directory: the next update must fail naming it (never a
+            # version label over an adapter wsync did not write); loading wsync's directory under it again ends it.
+            other = os.path.join(wd, "adapter-other")
+            make_adapter(cfg, other, 50)
+            code, body = call("POST", f"{a}/v1/load_lora_adapter",
+                              {"lora_name": "policy", "lora_path": other, "load_inplace": True})
+            checks(code == 200, f"vLLM re-binds 'policy' to another directory ({code}: {str(body)[:200]})")
+            rebind_error = ""
+            try:
+                update(5, make_adapter(cfg, os.path.join(wd, "adapter-5"), 5))
+            except WsyncError as e:
+                rebind_error = str(e)
+            hist = {h["version"]: h for h in coord.history()}
+            said = rebind_error + " " + str(hist.get(5, {}).get("error", ""))
+            checks("'policy' now loads from" in said,
+                   f"update 5 after the re-bind fails naming it: {said[:400]!r}")
+            wv = harness.http("GET", f"{a}/weight_info")["weight_version"]
+            checks(wv != "5", f"the engine is not labelled with the update it did not serve ({wv!r})")
+            code, body = call("POST", f"{a}/v1/load_lora_adapter",
+                              {"lora_name": "policy", "lora_path": dir0, "load_inplace": True})
+            checks(code == 200, f"'policy' loads wsync's directory again ({code}: {str(body)[:200]})")
+            d6 = os.path.join(wd, "adapter-6")
+            rec = update(6, make_adapter(cfg, d6, 6))
+            # The name's request now carries load_inplace: vLLM reloads the adapter for every batch, from the same
+            # published tensors (each load must start from them unchanged: vLLM scales lora_b in place).
+            checks(verify(6, d6, rec), "update 6, after the name loads wsync's directory again, is served")
+            checks(generate(a, "policy") == prev, "and still after more requests (each reloads it in place)")
         except Exception as e:  # noqa: BLE001 - reported as the failure
             log(f"FAIL: {type(e).__name__}: {e}")
             for name in ("vllm-a", "target", "coordinator", "source"):

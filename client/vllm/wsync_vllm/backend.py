@@ -473,8 +473,16 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         """Copies the committed adapter out of staging (the next update stages while this one serves) and builds
         vLLM's LoRAModel from it, so bad bytes fail the update here, the previous adapter still serving."""
         assert self._segment is not None and self._adapter is not None
+        moved = lora.rebound(self._adapter.path)
+        if moved:
+            raise RuntimeError(
+                "wsync: the adapter this engine serves under " + ", ".join(f"'{n}' now loads from {d}" for n, d in moved)
+                + f" (vLLM's /v1/load_lora_adapter re-bound it), not from {self._adapter.path}, the directory wsync "
+                "updates: this update would not reach it. Load that directory under the name again "
+                "(/v1/load_lora_adapter, load_inplace) or restart the engine")
         tensors = {e.name: self._segment.view(e.offset, e.dtype, e.shape).clone() for e in self._entries}
-        lora.build_lora_model(self.vllm_config, self._adapter, tensors)
+        # on a copy: vLLM's LoRAModel may scale lora_b in place (LoRALayerWeights.optimize)
+        lora.build_lora_model(self.vllm_config, self._adapter, {k: v.clone() for k, v in tensors.items()})
         self._adapter_pending = tensors
 
     def finish_weight_update(self) -> None:

@@ -15,6 +15,12 @@ publishes the copy as the adapter's contents. vLLM's worker then drops its loade
 state), and the next request for the adapter loads it again through vLLM's own path (WorkerLoRAManager._load_adapter
 → PEFTHelper, validate_legal → LoRAModel.from_local_checkpoint), where the hook below returns the published tensors
 instead of the file's. The API server's name and id for the adapter stay as they were.
+
+vLLM's own /v1/load_lora_adapter (load_inplace) re-binds a name to the directory it loads: from then on that name
+serves that directory, not the one wsync updates. The hook records which directory each name was last loaded from,
+and an update refuses (rebound()) while a name that served wsync's directory now loads another one: the engine's
+update fails naming it, instead of a version label over an adapter wsync did not write. Loading wsync's directory
+under that name again (/v1/load_lora_adapter with its path, load_inplace) ends it.
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ ADAPTER_FILE = "adapter_model.safetensors"
 _lock = threading.Lock()
 _published: dict[str, dict[str, torch.Tensor]] = {}  # realpath of the adapter dir -> tensors served for it
 _installed = False
+# adapter name -> realpath of the directory vLLM's worker last loaded it from (WorkerLoRAManager._load_adapter)
+_loaded_from: dict[str, str] = {}
 
 
 @dataclass
@@ -122,6 +130,25 @@ def published(path: str) -> dict[str, torch.Tensor] | None:
         return _published.get(os.path.realpath(path))
 
 
+def rebound(path: str) -> list[tuple[str, str]]:
+    """Adapter names this worker once loaded from `path` that vLLM has since loaded from another directory
+    (/v1/load_lora_adapter with load_inplace re-binds the name): wsync's updates of `path` no longer reach what those
+    names serve. [(name, directory it now loads from)]."""
+    real = os.path.realpath(path)
+    with _lock:
+        return sorted((n, d) for n, d in _loaded_from.items() if n in _served_names.get(real, set()) and d != real)
+
+
+_served_names: dict[str, set[str]] = {}  # realpath of a directory -> adapter names ever loaded from it
+
+
+def _record_load(name: str, path: str) -> None:
+    real = os.path.realpath(path)
+    with _lock:
+        _loaded_from[name] = real
+        _served_names.setdefault(real, set()).add(name)
+
+
 def install() -> None:
     """Hooks LoRAModel.from_local_checkpoint (idempotent): a load of a directory wsync has published tensors for
     builds the LoRAModel from those tensors (LoRAModel.from_lora_tensors, as the original does after reading the
@@ -147,10 +174,26 @@ def install() -> None:
                              f"(expected {sorted(expected_lora_modules)})")
         from vllm.lora.utils import get_lora_id
 
+        # A copy per load: vLLM's LoRALayerWeights.optimize() scales lora_b in place (`lora_b *= scaling`), and
+        # from_lora_tensors keeps the tensor it is given when no cast is needed, so a second load of the same
+        # published tensors (an LRU eviction and reload, a load_inplace request) would scale them again.
         return cls.from_lora_tensors(lora_model_id=get_lora_id() if lora_model_id is None else lora_model_id,
-                                     tensors=dict(tensors), peft_helper=peft_helper, device=device, dtype=dtype,
+                                     tensors={k: v.clone() for k, v in tensors.items()}, peft_helper=peft_helper, device=device, dtype=dtype,
                                      model_vocab_size=model_vocab_size, weights_mapper=weights_mapper,
                                      skip_prefixes=skip_prefixes)
 
     LoRAModel.from_local_checkpoint = classmethod(from_local_checkpoint)
+
+    # Which directory each adapter name is loaded from, so that an update can refuse to claim a version for a name
+    # that vLLM re-bound to another directory (rebound()).
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    original_load = WorkerLoRAManager._load_adapter
+
+    def _load_adapter(self, lora_request):
+        model = original_load(self, lora_request)
+        _record_load(lora_request.lora_name, lora_request.lora_path)
+        return model
+
+    WorkerLoRAManager._load_adapter = _load_adapter
     _installed = True
