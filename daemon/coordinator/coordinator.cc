@@ -1741,6 +1741,7 @@ absl::Status Coordinator::ApplyDeltas(int64_t v,
         s->set_rank(d.rank());
         s->set_bytes(d.staged_bytes());
         s->set_records(d.records());
+        s->set_segment_set(d.segment_set());  // the copy of the segments the source wrote
       }
     }
     rec->set_dense_bytes(dense);

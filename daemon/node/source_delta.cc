@@ -48,6 +48,20 @@ absl::Status SourceNode::AttachStaging(Target* t, const v1::ConnectTargetReply& 
   return absl::OkStatus();
 }
 
+namespace {
+
+// Which copy of its segments the plan points this rank's parameters at (LayoutForCopy): 1 when they name segment
+// id + staging_segment_shift, else 0. The target applies the rank's delta records to that copy.
+int SegmentSet(const v1::RankLayout& layout) {
+  const int shift = layout.staging_segment_shift();
+  if (shift <= 0) return 0;
+  for (const auto& p : layout.params())
+    if (p.segment() >= shift) return 1;
+  return 0;
+}
+
+}  // namespace
+
 absl::Status SourceNode::DecideDeltas(const v1::StartUpdateRequest& req) {
   const std::string& mode = req.delta();
   if (!mode.empty() && mode != "auto" && mode != "off" && mode != "always")
@@ -183,6 +197,7 @@ void SourceNode::DeltaReply(int64_t version, v1::FinishUpdateReply* out) {
     d->set_records(t->records);
     d->set_dense_ranges(t->dense_ranges);
     d->set_fallback(t->fallback);
+    d->set_segment_set(SegmentSet(t->assignment.layout()));
     records += t->records;
   }
   out->set_dense_bytes(dense);

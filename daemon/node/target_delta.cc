@@ -228,9 +228,23 @@ absl::StatusOr<v1::ApplyDeltaReply> TargetNode::ApplyDelta(const v1::ApplyDeltaR
       r.held_version = -1;  // whatever it held, the next update writes it dense
       return recs.status();
     }
+    // The copy of the segments the source's plan wrote (staged engines with two copies: the live one after a
+    // switch may be the second, segment id + staging_segment_shift).
+    const int set = s.segment_set();
+    const int shift = r.layout.staging_segment_shift();
+    if (set != 0 && (set != 1 || shift <= 0))
+      return absl::InvalidArgumentError(absl::StrCat(who, from, ": records for copy ", set,
+                                                     " of the segments; the rank has ", shift > 0 ? 2 : 1));
     for (const DeltaRecordRef& d : *recs) {
       const v1::ParamDesc& p = r.layout.params(static_cast<int>(d.param));
-      const SegmentTarget& t = segs.at(p.segment());
+      auto seg = segs.find(p.segment() + set * shift);
+      if (seg == segs.end())
+        return absl::FailedPreconditionError(absl::StrCat(who, from, ": segment ", p.segment() + set * shift,
+                                                          " of parameter ", p.name(), " is not mapped here"));
+      const SegmentTarget& t = seg->second;
+      if (t.cuda != nullptr && set != 0)
+        return absl::FailedPreconditionError(absl::StrCat(
+            who, from, ": delta records for the second copy of a cuda segment are not supported; nothing written"));
       Pending pd{absl::StrCat(who, " parameter ", p.name(), " [", d.offset, ", +", d.length, ")", from),
                  t.host == nullptr ? nullptr : t.host + p.offset() + d.offset,
                  t.cuda,
