@@ -3,6 +3,8 @@
 state store, phase deadlines capped by --test-phase-deadline), a source daemon, two reference engines with staging
 memory, each behind its own target daemon.
 
+Modes: classic, staged and delta (classic's table; RL-like consecutive steps from tools/testdata/weight_gen.h
+kSparseStepBase, so that the updates really send deltas, checked in their records).
 Each row injects one fault at one phase of one update mode, through the engine's fault knob (WSYNC_REF_FAULTS_FILE,
 tools/testing/engine_ref/ref_faults.h) or by killing a daemon once the update is open:
   error    the engine's call fails;
@@ -22,9 +24,9 @@ Every row then checks
 and the outcome the invariants ask of the row's phase (the `EXPECT` table below, written from the invariants, not
 read from the coordinator; the declared table, `wsync-coordinator --failure-table`, is compared with it too).
 A row ends with the fleet brought back to one verified version (restarting what the row killed, and one clean
-update when an engine was left paused or stale), so the next row starts from a known state.
+update, verified), so the next row starts from a known state.
 
-Every row runs (48, ~50 s on the 2-core machine: one cluster for all, only what a row killed is restarted);
+Every row runs (64, ~65 s on the 2-core machine: one cluster for all, only what a row killed is restarted);
 --rows picks some. Rows that find a coordinator bug print XFAIL with the bug (XFAIL_* below) until it is fixed.
 
   fault_matrix_real_test.py --bin build/bin --lib build/lib/libwsync_client_c.so --model tests/data/tiny/qwen3-tiny.json
@@ -34,7 +36,6 @@ import ctypes
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -72,7 +73,13 @@ EXPECT = {
     ("staged", "post_process"): "hold",
     ("staged", "set_version"): "hold",
     ("staged", "continue"): "not_resumed",
+    # Delta updates run the classic table (apply_delta, a target daemons' phase, sits between finish and post_process).
+    ("delta", "pause"): "resume_old",
+    ("delta", "post_process"): "keep_paused",
+    ("delta", "set_version"): "keep_paused",
+    ("delta", "continue"): "not_resumed",
 }
+SPARSE_STEP_BASE = 1000000  # tools/testdata/weight_gen.h kSparseStepBase: from here on, steps change ~2 % of weights
 # The declared table's wording of each outcome (wsync-coordinator --failure-table, "on failure" column).
 DECLARED = {"resume_old": "resume old", "keep_paused": "keep paused",
             "resume_if_clean": "resume old if nothing was written, else keep paused", "serve_on": "serve on",
@@ -84,14 +91,14 @@ CALL = {"pause": "pause", "verify": "checksums", "prepare": "prepare", "switch":
 SERVING = ("serving", "stale")  # the coordinator's states of an engine that serves (its label's version)
 VICTIM = "engine1"
 # Rows that find a coordinator bug (docs: the report is false), expected to fail until it is fixed.
-XFAIL_REPORTED_SERVING = {
-    ("classic", "pause", "restart"):
+BUG_RESTART_IN_PAUSE = (
         "BUG: the coordinator killed while a classic update's pause fan-out runs (one engine paused, another inside "
         "its Pause): the restarted coordinator records the update failed, 'engines stay paused until a successful "
         "update', but Status reports the engine that was paused as serving (daemon/coordinator/coordinator.cc, the "
         "restore branch for an update in progress, \"the coordinator restarted during it\": engine states come "
-        "from the store as they were before the pause; nothing marks the engines the update may have paused)",
-}
+        "from the store as they were before the pause; nothing marks the engines the update may have paused)")
+XFAIL_REPORTED_SERVING = {("classic", "pause", "restart"): BUG_RESTART_IN_PAUSE,
+                          ("delta", "pause", "restart"): BUG_RESTART_IN_PAUSE}
 XFAIL_SERVING_OTHER = {
     ("staged", "continue", "restart"):
         "BUG: the coordinator killed while a staged update's continue fan-out runs (engine0 switched, labelled v and "
@@ -254,6 +261,7 @@ def main() -> int:
         if mode and m and m.group(1) != "phase":
             declared[(mode, m.group(1))] = m.group(2).strip()
     for key, want in EXPECT.items():
+        key = ("classic" if key[0] == "delta" else key[0], key[1])
         check(declared.get(key) == DECLARED[want],
               f"declared table: {key[0]} {key[1]} is '{declared.get(key)}', the invariants ask '{DECLARED[want]}'")
 
@@ -335,11 +343,10 @@ def main() -> int:
             def log_of(name):
                 return procs.tail(name, 100000) if name in procs.procs else ""
 
-            engine_logs = {e: [e] for e in engines}  # every log a (restarted) engine wrote, in order
-
             def engine_paused(e):
-                """The engine's own word (its log): paused since its last continue? None if it never said."""
-                text = "\n".join(harness.Procs.tail(procs, n, 100000) for n in engine_logs[e][-1:])
+                """The engine's own word (its log, since its last start): paused since its last continue? None if it
+                never said."""
+                text = log_of(e)
                 last = None
                 for line in text.splitlines():
                     if f"engine {e}: paused" in line:
@@ -361,6 +368,12 @@ def main() -> int:
 
             def update(v, mode, on_open=None):
                 """Begin, push, commit; returns (ok, error text). `on_open` runs once the update is open."""
+                if mode == "delta":  # the C API has no delta option: the trainer rank drives the update
+                    r = subprocess.run([f"{b}/wsync-trainer-demo", "--daemon", src_sock, "--model", model,
+                                        "--updates", "1", "--first-version", str(v), "--bucket-mib", "1", "--drive",
+                                        "--coordinator", coord, "--delta", "always"],
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+                    return r.returncode == 0, r.stdout.strip()[-300:]
                 rc, _, err = ctl.begin(v, mode)
                 if rc != 0:
                     return False, f"begin: {err}"
@@ -392,7 +405,7 @@ def main() -> int:
                     if not vok:
                         print(vout)
                 check(fine, f"{why}: update {v} lands on both engines, verified by each engine's loader, serving "
-                      f"({err[:200]})")
+                      f"({err[:1200]})")
                 if fine:
                     seen["current"] = v
                     for e in engines:
@@ -419,6 +432,21 @@ def main() -> int:
 
             for (mode, phase, fault) in rows:
                 tag = f"[{mode} {phase} {fault}]"
+                if mode == "delta" and version < SPARSE_STEP_BASE:
+                    # RL-like consecutive steps from here on (a dense base first), so that updates send deltas.
+                    version = SPARSE_STEP_BASE
+                    good_update(version, "delta base")
+                    if any(r[0] == "staged" for r in rows):
+                        # The first delta update after staged switches (a two-copy engine's live copy may be its
+                        # second) takes deltas and lands; it once failed every rank with 'delta base mismatch'.
+                        version += 1
+                        ok, err = update(version, "delta")
+                        last = ctl.history()[1].get("records", [{}])[-1]
+                        check(ok and last.get("delta_ranks"),
+                              f"[delta after staged] update {version} lands with deltas on {last.get('delta_ranks')} "
+                              f"({err[-300:]})")
+                        version += 1
+                        good_update(version, "[delta after staged] recovery")
                 t_row = time.time()
                 poller.take()
                 old = version
@@ -470,8 +498,11 @@ def main() -> int:
                 cur = int(st.get("current_version") or 0)
                 print(f"{tag} update {v}: ok={ok} current={cur} record success={rec.get('success')} "
                       f"error={rec.get('error', '')[:300]!r} stale={rec.get('stale')} "
-                      f"not_resumed={rec.get('not_resumed')} states="
+                      f"not_resumed={rec.get('not_resumed')} delta_ranks={rec.get('delta_ranks')} states="
                       f"{ {e: (d.get('state'), d.get('weight_version'), d.get('stale')) for e, d in ds.items()} }")
+
+                if mode == "delta" and phase != "pause" and fault != "restart":
+                    check(rec.get("delta_ranks"), f"{tag} update {v} sent deltas: {rec.get('delta_ranks')}")
 
                 # (c) versions never go backwards.
                 check(cur >= seen["current"], f"{tag} (c) current version {cur} >= {seen['current']}")
@@ -604,11 +635,11 @@ def main() -> int:
                         procs.kill(f"target{VICTIM[-1]}")  # a restarted engine attaches through a restarted target
                         start_engine(VICTIM)
                         start_target(VICTIM)
-                        engine_logs[VICTIM].append(VICTIM)
                 harness.wait_for("every node registered", all_registered, 30, procs, list(procs.procs), 0.05)
                 version += 1
                 good_update(version, f"{tag} recovery")
                 print(f"fault_matrix_real_test: {tag} {time.time() - t_row:.2f} s")
+
         finally:
             if poller:
                 poller.stop.set()
