@@ -45,10 +45,6 @@ std::vector<TransportEntry> BuildRegistry() {
   {
     TransportEntry e;
     e.name = "tcp";
-    e.caps.writes_into_device = true;  // staged through the sink's host buffers
-    e.caps.write_windows = true;
-    e.caps.write_grants = true;
-    e.caps.refusals_counted = true;  // the receiving transport's threads refuse every write frame themselves
     e.daemon_selectable = true;
     e.create = [](const TransportOptions& o) { return tcp::CreateTcpTransport(o); };
     r.push_back(std::move(e));
@@ -56,9 +52,6 @@ std::vector<TransportEntry> BuildRegistry() {
   {
     TransportEntry e;
     e.name = "verbs";
-    e.caps.writes_into_device = true;  // GPUDirect RDMA, else a host mirror
-    e.caps.write_windows = true;
-    e.caps.write_grants = true;
     e.daemon_selectable = true;
 #ifdef WSYNC_WITH_VERBS
     e.create = [](const TransportOptions& o) { return verbs::CreateVerbsTransport(o); };
@@ -70,10 +63,6 @@ std::vector<TransportEntry> BuildRegistry() {
   {
     TransportEntry e;
     e.name = "fabric";
-    e.caps.writes_into_device = true;  // a host mirror copied to the device
-    // Windows only on providers that let wsync choose memory keys (not efa's FI_MR_PROV_KEY): not a promise.
-    e.caps.write_windows = false;
-    e.caps.write_grants = true;
     e.daemon_selectable = true;
 #ifdef WSYNC_WITH_FABRIC
     e.create = [](const TransportOptions& o) { return fabric::CreateFabricTransport(o); };
@@ -90,7 +79,7 @@ std::vector<TransportEntry> BuildRegistry() {
     e.name = "mooncake";
     e.caps.needs_target_daemon = false;
     e.caps.one_sided_only = true;
-    e.segment_kind = "mooncake";
+    e.segment_kind = SegmentKind::kMooncake;
     e.create = [](const TransportOptions& o) { return mooncake::CreateMooncakeTransport(o); };
     e.region_peer = [](const std::string& descriptor) -> absl::StatusOr<std::string> {
       auto f = mooncake::ParseRegionDescriptor(descriptor);
@@ -115,8 +104,7 @@ const TransportEntry* FindTransport(absl::string_view name) {
   return nullptr;
 }
 
-const TransportEntry* TransportForSegmentKind(absl::string_view kind) {
-  if (kind.empty()) return nullptr;
+const TransportEntry* TransportForSegmentKind(SegmentKind kind) {
   for (const TransportEntry& e : RegisteredTransports())
     if (e.segment_kind == kind) return &e;
   return nullptr;
@@ -134,7 +122,7 @@ std::string KnownTransports(bool daemon_only) {
   return absl::StrJoin(names, ", ");
 }
 
-Capabilities Transport::capabilities() const { return CapabilitiesOf(name()); }
+Capabilities Transport::Query() const { return CapabilitiesOf(name()); }
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const std::string& name, const TransportOptions& opts) {
   const TransportEntry* e = FindTransport(name);

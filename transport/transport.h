@@ -161,10 +161,18 @@ class Endpoint {
   }
 };
 
-// What a backend declares about itself. A flag is a promise the conformance suite holds it to by what the backend does
-// (tests/transport/conformance_test.cc, run against every backend): a backend that says it enforces something does,
-// on every host it runs on; and a call that answers OK (SetWriteWindow, RequireGrants) is enforced, declared or not.
+// What a transport instance can do (Transport::Query). A flag is a promise the conformance suite holds the instance
+// to by what it does (tests/transport/conformance_test.cc, run against every backend): an instance that says it
+// enforces something does; and a call that answers OK (SetWriteWindow, RequireGrants) is enforced, promised or not.
+// The registry (transport/registry.h) keeps what every instance of a backend shares, for planning before any
+// instance exists: needs_target_daemon, one_sided_only, writes_from_host. What depends on the host and on what the
+// instance found there when it was created (the libfabric provider picked, the RDMA devices opened, whether device
+// memory can be registered) is the instance's alone: provider, writes_into_device, write_windows, write_grants,
+// refusals_counted.
 struct Capabilities {
+  // The backend and what this instance runs on: "tcp", "verbs (rxe0)", "fabric (tcp;ofi_rxm)", "mooncake".
+  // Empty in the registry's per-backend entry.
+  std::string provider;
   // The sending side writes from host memory registered with RegisterSourceMemory (every backend today).
   bool writes_from_host = true;
   // The receiving side accepts device memory through RegisterSink.
@@ -176,7 +184,7 @@ struct Capabilities {
   // Only the sending side exists in wsync (the receiver is a foreign engine): nothing beside the memory decodes
   // deltas or stages writes, so only dense byte ranges are written through it.
   bool one_sided_only = false;
-  // SetWriteWindow is enforced on every host the backend runs on.
+  // SetWriteWindow is enforced by this instance (fabric: only on a provider that lets wsync choose memory keys).
   bool write_windows = false;
   // CreateGrantedEndpoint / RequireGrants are enforced.
   bool write_grants = false;
@@ -193,9 +201,11 @@ class Transport {
   // False (with a reason) when the backend cannot run here, e.g. no RDMA device. Never a crash.
   virtual bool viable() const = 0;
   virtual std::string reason() const = 0;
-  // What this backend declares (Capabilities). Default: the registry's entry for name() (transport/registry.h), so
-  // a decorator that forwards name() declares what it wraps; a name the registry lacks gets the defaults.
-  virtual Capabilities capabilities() const;
+  // What this instance can do (Capabilities), as decided when it was created: fabric's window enforcement depends on
+  // the provider libfabric picked, device sinks on the memory registration the provider offers. Never blocks; any
+  // thread. A decorator forwards its inner instance's answer. Default: the registry's entry for name() (what every
+  // instance of the backend shares, nothing enforced), for stand-ins and test doubles.
+  virtual Capabilities Query() const;
   // Registers [addr, addr+len). Costly: do it once at start-up. Registration time is logged by the backend.
   virtual absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) = 0;
   // Registers memory this side only writes from (a source's replica): peers get no write access to it (verbs: MRs

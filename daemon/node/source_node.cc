@@ -310,7 +310,7 @@ absl::StatusOr<v1::ConfigureSourceReply> SourceNode::Configure(const v1::Configu
   // Decide everything before touching the current plan: a refused ConfigureSource leaves the plan in use working.
   SourcePlanOptions popts;
   popts.trainer_ranks = opts_.trainer_ranks;
-  popts.node_transport = transport_->capabilities();
+  popts.node_transport = transport_->Query();
   WSYNC_ASSIGN_OR_RETURN(SourcePlan plan, PlanSourceConfiguration(req, popts));
 
   // Tear down the previous plan's state (endpoints before the memory they reference); under mu_ as well, since
@@ -394,7 +394,7 @@ absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSo
   for (const std::string& name : plan.transports) {
     WSYNC_ASSIGN_OR_RETURN(transport::Transport * tr, ExtraTransport(name));
     // A backend with no receiving side in wsync gives peers no access to what it registers anyway.
-    WSYNC_RETURN_IF_ERROR(register_replica(tr, !tr->capabilities().one_sided_only, &extra_regions[name]));
+    WSYNC_RETURN_IF_ERROR(register_replica(tr, !tr->Query().one_sided_only, &extra_regions[name]));
   }
   uint64_t total = 0;
   for (int l = 0; l < num_layouts; ++l) total += replica->table(l).total_bytes();

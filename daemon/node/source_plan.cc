@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/memory_kind.h"
 #include "base/status.h"
 #include "base/tensor_slice.h"
 #include "daemon/common/convert.h"
@@ -32,18 +33,21 @@ absl::StatusOr<replica::QuantSpec> QuantOf(const v1::ConfigureSourceRequest& req
 absl::Status ChooseTransport(const v1::TargetAssignment& t, const SourcePlanOptions& opts, const std::string& who,
                              PlannedTarget* out) {
   const transport::TransportEntry* owner = nullptr;
-  std::string first_kind;
+  SegmentKind first_kind = SegmentKind::kHost;
   for (int i = 0; i < t.layout().segments_size(); ++i) {
     const v1::MemorySegment& seg = t.layout().segments(i);
     if (seg.region_descriptor().empty())
       return absl::InvalidArgumentError(absl::StrCat(who, ": segment ", seg.id(), " has no region descriptor"));
-    const transport::TransportEntry* e = transport::TransportForSegmentKind(seg.kind());
+    // The wire's kind name, parsed here once: the plan carries the transport it picks, never the name.
+    absl::StatusOr<SegmentKind> kind = ParseSegmentKind(seg.kind());
+    if (!kind.ok()) return Annotate(kind.status(), absl::StrCat("segment ", seg.id(), " of ", who));
+    const transport::TransportEntry* e = transport::TransportForSegmentKind(*kind);
     if (i == 0) {
       owner = e;
-      first_kind = seg.kind();
+      first_kind = *kind;
     } else if (e != owner) {
-      return absl::InvalidArgumentError(absl::StrCat(who, ": mixes ", owner ? owner->name : first_kind, " and ",
-                                                     e ? e->name : seg.kind(), " segments"));
+      return absl::InvalidArgumentError(absl::StrCat(who, ": mixes ", owner ? owner->name : SegmentKindName(first_kind),
+                                                     " and ", e ? e->name : SegmentKindName(*kind), " segments"));
     }
     if (e == nullptr || e->caps.needs_target_daemon) continue;
     // Parsed here, not only where the segments are imported: that is after the plan in use is torn down.

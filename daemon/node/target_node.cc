@@ -26,6 +26,7 @@
 #include "absl/strings/str_join.h"
 #include "base/checked_size.h"
 #include "base/dtype.h"
+#include "base/memory_kind.h"
 #include "base/status.h"
 #include "daemon/common/quantization.h"
 #include "daemon/common/serve.h"
@@ -205,15 +206,18 @@ absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fd
     for (const Json& s : segs) {
       if (!s.is_object()) return absl::InvalidArgumentError("every segment must be an object");
       WSYNC_ASSIGN_OR_RETURN(int64_t id, Int(s, "id"));
-      WSYNC_ASSIGN_OR_RETURN(std::string kind, Str(s, "kind"));
+      WSYNC_ASSIGN_OR_RETURN(std::string kind_name, Str(s, "kind"));
       if (!s.contains("bytes") || !s["bytes"].is_number_unsigned())
         return absl::InvalidArgumentError(absl::StrCat("segment ", id, ": \"bytes\" must be a non-negative integer"));
       const uint64_t bytes = s["bytes"].get<uint64_t>();
       if (id < 0 || id > INT32_MAX) return absl::InvalidArgumentError(absl::StrCat("segment id ", id, " is invalid"));
-      if (kind != "host" && kind != "cuda")
-        return absl::InvalidArgumentError(absl::StrCat("segment ", id, ": unknown kind \"", kind, "\""));
+      absl::StatusOr<SegmentKind> kind = ParseSegmentKind(kind_name);
+      if (!kind.ok()) return Annotate(kind.status(), absl::StrCat("segment ", id));
+      if (*kind == SegmentKind::kMooncake)  // written by the engine's own transfer engine, never through a daemon
+        return absl::InvalidArgumentError(absl::StrCat("segment ", id, ": kind \"", kind_name,
+                                                       "\" cannot be attached to a target daemon (host or cuda)"));
       if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat("segment ", id, " has 0 bytes"));
-      if (kind == "cuda") {
+      if (*kind == SegmentKind::kCuda) {
         WSYNC_ASSIGN_OR_RETURN(CudaSegmentDesc cd, ParseCudaSegment(s, id, bytes));
         m.cuda[m.layout.segments_size()] = std::move(cd);
       } else {
@@ -224,7 +228,7 @@ absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fd
       total += bytes;
       auto* seg = m.layout.add_segments();
       seg->set_id(static_cast<int32_t>(id));
-      seg->set_kind(kind);
+      seg->set_kind(std::string(SegmentKindName(*kind)));
       seg->set_bytes(bytes);
     }
     m.layout.set_region_bytes(total);
@@ -961,7 +965,8 @@ absl::StatusOr<TargetNode::RankView> TargetNode::ViewRank(const std::string& eng
   // Host segments are mapped in layout order; cuda ones are not mapped here.
   size_t next = 0;
   for (const auto& seg : r.layout.segments())
-    if (seg.kind() != "cuda" && next < r.memory.size()) out.host[seg.id()] = r.memory[next++];
+    if (ParseSegmentKind(seg.kind()).value_or(SegmentKind::kHost) != SegmentKind::kCuda && next < r.memory.size())
+      out.host[seg.id()] = r.memory[next++];
   return out;
 }
 

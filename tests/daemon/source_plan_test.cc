@@ -212,10 +212,10 @@ TEST_CASE("segments a registered backend owns are written by it, connected to th
     CHECK(t.delta_write_bytes == 0);
   }
   // The registry says which backend owns which kind; the daemon's own transport writes everything else.
-  REQUIRE(transport::TransportForSegmentKind("mooncake") != nullptr);
-  CHECK(transport::TransportForSegmentKind("mooncake")->name == "mooncake");
-  CHECK(transport::TransportForSegmentKind("host") == nullptr);
-  CHECK(transport::TransportForSegmentKind("cuda") == nullptr);
+  REQUIRE(transport::TransportForSegmentKind(SegmentKind::kMooncake) != nullptr);
+  CHECK(transport::TransportForSegmentKind(SegmentKind::kMooncake)->name == "mooncake");
+  CHECK(transport::TransportForSegmentKind(SegmentKind::kHost) == nullptr);
+  CHECK(transport::TransportForSegmentKind(SegmentKind::kCuda) == nullptr);
 }
 
 TEST_CASE("refusals name what is wrong") {
@@ -246,6 +246,11 @@ TEST_CASE("refusals name what is wrong") {
     v1::ConfigureSourceRequest req = tiny.Request(1, 1);
     req.mutable_targets(0)->mutable_layout()->mutable_segments(0)->set_kind("mooncake");
     Refused(req, "segment 0 of engine e0 rank 0");
+  }
+  SECTION("a segment kind no one knows (the wire's name, parsed once here)") {
+    v1::ConfigureSourceRequest req = tiny.Request(1, 1);
+    req.mutable_targets(0)->mutable_layout()->mutable_segments(0)->set_kind("gpu");
+    Refused(req, "segment 0 of engine e0 rank 0: unknown segment kind \"gpu\" (known: host, cuda, mooncake)");
   }
   SECTION("a segment without a descriptor") {
     v1::ConfigureSourceRequest req = tiny.Request(1, 1);

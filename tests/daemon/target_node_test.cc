@@ -493,6 +493,14 @@ TEST_CASE("target: attach validation refuses bad messages with a reason") {
                    }),
                    "world_size 2 but the engine has 1 ranks");
   }
+  SECTION("unknown segment kind") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["segments"][1]["kind"] = "gpu"; }),
+                   "segment 7: unknown segment kind \"gpu\" (known: host, cuda, mooncake)");
+  }
+  SECTION("a segment kind no target daemon writes") {
+    RequireRefused(AttachOnce(f, [](Json& m) { m["segments"][1]["kind"] = "mooncake"; }),
+                   "segment 7: kind \"mooncake\" cannot be attached to a target daemon");
+  }
   SECTION("segment file smaller than declared") {
     std::vector<Segment> segs;
     segs.push_back(MakeSegment(4096, 100));
@@ -1095,7 +1103,7 @@ class CountingTransport final : public transport::Transport {
   std::string name() const override { return inner_->name(); }
   bool viable() const override { return inner_->viable(); }
   std::string reason() const override { return inner_->reason(); }
-  transport::Capabilities capabilities() const override { return inner_->capabilities(); }
+  transport::Capabilities Query() const override { return inner_->Query(); }
   absl::StatusOr<std::unique_ptr<transport::LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
     return Wrap(inner_->RegisterMemory(addr, len));
   }

@@ -1,8 +1,9 @@
 // Behaviour every transport must have. Linked once per backend with its factory (see conformance.h): tcp, tcp through
 // the fault decorator, fabric (tcp;ofi_rxm, sockets, and the forced efa/cxi memory-registration modes), verbs in the
-// soft-RoCE VM. What a backend declares (Capabilities) is held against what it does: bytes checked against a pattern
-// computed independently of the memory the transport read, windows and grants refused and counted as declared,
-// cancel, a dead peer named within the deadline, Endpoint::Reusable.
+// soft-RoCE VM. What each instance reports (Transport::Query) is held against what it does: bytes checked against a
+// pattern computed independently of the memory the transport read, windows and grants enforced exactly where the
+// instance says so and refusals counted where it says so, device sinks where it says it can write them, cancel, a dead
+// peer named within the deadline, Endpoint::Reusable.
 
 #include "tests/transport/conformance.h"
 
@@ -10,9 +11,11 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <string>
@@ -541,12 +544,14 @@ TEST_CASE(
   CHECK_FALSE((*plain)->Reusable(first->LocalInfo()));
 }
 
-// Declared capabilities held against behaviour (transport.h, Capabilities). A refused write is one whose Post or Wait
+// What the instance reports (Transport::Query) held against behaviour. A refused write is one whose Post or Wait
 // fails (not with DeadlineExceeded: a refusal is an answer, not a hang) and of which no byte lands; the endpoint it
-// was written through is not used again (the contract: re-create it). Each case fails when the backend's check is
-// removed: a window, grant or revocation that is not enforced lands the write's bytes (checked against the pattern,
-// untouched bytes against their fill), and a refusal not counted where the backend declares refusals_counted leaves
-// refused_writes() where it was.
+// was written through is not used again (the contract: re-create it). An instance says exactly whether it enforces
+// windows and grants: one that says so and cannot, or says not and can, fails. Each case fails when the backend's
+// check is removed: a window, grant or revocation that is not enforced lands the write's bytes (checked against the
+// pattern, untouched bytes against their fill), a refusal not counted where the instance reports refusals_counted
+// leaves refused_writes() where it was, and an instance whose Query no longer tells a provider that picks memory keys
+// (fabric's FI_MR_PROV_KEY) from one that does not reports windows it then refuses to close.
 namespace {
 
 using wsync::transport::Capabilities;
@@ -591,16 +596,17 @@ TEST_CASE("write window: closed refuses and counts, re-opened lands; closing aft
           "[transport][window]") {
   auto sender = MakeViable();
   auto receiver = MakeViable();
-  const Capabilities caps = receiver->capabilities();
+  const Capabilities caps = receiver->Query();
+  INFO("instance: " << caps.provider);
   constexpr uint64_t kLen = 256 << 10;
   Buffer src = RegisterPattern(*sender, kLen, 31);
   Buffer dst = Register(*receiver, kLen, kUntouched);
   auto remote = Import(*sender, *dst.region);
 
   const absl::Status closed = receiver->SetWriteWindow(false);
+  INFO(closed.ToString());
+  CHECK(closed.ok() == caps.write_windows);  // reported as it is, either way
   if (!closed.ok()) {
-    INFO(closed.ToString());
-    CHECK_FALSE(caps.write_windows);  // declared enforced, yet refused to close
     CHECK(closed.code() == absl::StatusCode::kUnimplemented);
     return;
   }
@@ -636,12 +642,13 @@ TEST_CASE("write grants: outside the grant, without one and after revocation ref
           "[transport][grants]") {
   auto sender = MakeViable();
   auto receiver = MakeViable();
-  const Capabilities caps = receiver->capabilities();
+  const Capabilities caps = receiver->Query();
+  INFO("instance: " << caps.provider);
   constexpr uint64_t kLen = 128 << 10;
   const absl::Status required = receiver->RequireGrants(true);
+  INFO(required.ToString());
+  CHECK(required.ok() == caps.write_grants);  // reported as it is, either way
   if (!required.ok()) {
-    INFO(required.ToString());
-    CHECK_FALSE(caps.write_grants);  // declared enforced, yet refused
     CHECK(required.code() == absl::StatusCode::kUnimplemented);
     return;
   }
@@ -757,4 +764,91 @@ TEST_CASE("cancel: queued batches fail with the caller's reason at once; later c
     INFO("batch " << i << ": byte " << torn << " is neither the pattern nor untouched");
     CHECK(torn == kLen);
   }
+}
+
+// Device memory where the instance says it writes it (Capabilities::writes_into_device). Host memory stands in for the
+// device's and is read only after Settle, as a target reads an engine's GPU memory only after the commit: a backend
+// whose receiver is the CPU stages writes through the sink (Acquire/Submit), a NIC backend writes the sink's host
+// mirror and Settle copies it (CopyMirror). Every byte is checked against the pattern. An instance that says it cannot
+// refuses the registration. Fails when an instance reports a path to device memory it has not (the registration or
+// the bytes fail) or denies one it has (the registration succeeds).
+namespace {
+
+class HostStandInSink final : public wsync::transport::RegionSink {
+ public:
+  explicit HostStandInSink(uint64_t len) : device_(len, kUntouched) {
+    for (int i = 0; i < kBuffers; ++i) {
+      buffers_.emplace_back(kChunk);
+      free_.push_back(i);
+    }
+  }
+  uint64_t length() const override { return device_.size(); }
+  uint64_t chunk_bytes() const override { return kChunk; }
+  absl::StatusOr<Staging> Acquire() override {
+    std::unique_lock<std::mutex> l(mu_);
+    freed_.wait(l, [&] { return !free_.empty(); });
+    const int slot = free_.back();
+    free_.pop_back();
+    return Staging{buffers_[slot].data(), slot};
+  }
+  // Disjoint ranges of one batch arrive on several connection threads at once: each copies its own bytes.
+  absl::Status Submit(const Staging& s, uint64_t offset, uint64_t len) override {
+    std::memcpy(device_.data() + offset, s.data, len);
+    Release(s.slot);
+    return absl::OkStatus();
+  }
+  void Cancel(const Staging& s) override { Release(s.slot); }
+  absl::Status Flush() override { return absl::OkStatus(); }
+  std::string Describe() const override { return "conformance sink (host memory standing in for a device's)"; }
+  absl::StatusOr<uint8_t*> HostMirror() override {
+    mirror_ = device_;
+    return mirror_.data();
+  }
+  absl::Status CopyMirror() override {
+    device_ = mirror_;
+    return absl::OkStatus();
+  }
+  const std::vector<uint8_t>& device() const { return device_; }
+
+ private:
+  static constexpr int kBuffers = 4;
+  static constexpr uint64_t kChunk = 64 << 10;
+  void Release(int slot) {
+    std::lock_guard<std::mutex> l(mu_);
+    free_.push_back(slot);
+    freed_.notify_one();
+  }
+  std::vector<uint8_t> device_, mirror_;
+  std::vector<std::vector<uint8_t>> buffers_;
+  std::mutex mu_;
+  std::condition_variable freed_;
+  std::vector<int> free_;
+};
+
+}  // namespace
+
+TEST_CASE("device sinks where the instance says it can: every byte there after Settle; refused where it says not",
+          "[transport][device]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  const Capabilities caps = receiver->Query();
+  INFO("instance: " << caps.provider);
+  constexpr uint64_t kLen = (1 << 20) + 4099;  // several staging chunks and an odd tail
+  auto sink = std::make_shared<HostStandInSink>(kLen);
+  auto region = receiver->RegisterSink(sink);
+  INFO(region.status().ToString());
+  if (!caps.writes_into_device) {
+    CHECK_FALSE(region.ok());
+    return;
+  }
+  REQUIRE(region.ok());
+  Buffer src = RegisterPattern(*sender, kLen, 61);
+  auto remote = Import(*sender, **region);
+  Link link = Connect(*sender, *receiver);
+  WriteRequest w[2] = {{src.region.get(), 3, remote.get(), 0, kLen / 2},
+                       {src.region.get(), 3 + kLen / 2, remote.get(), kLen / 2, kLen - kLen / 2 - 3}};
+  RequireOk(link.src->Write(w, kTimeout));
+  RequireOk((*region)->Settle());
+  CHECK(FirstPatternMismatch(sink->device().data(), kLen - 3, 61, 3) == -1);
+  for (uint64_t i = kLen - 3; i < kLen; ++i) CHECK(sink->device()[i] == kUntouched);
 }

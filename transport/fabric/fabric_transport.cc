@@ -28,6 +28,7 @@
 #include "transport/fabric/fabric_domains.h"
 #include "transport/fabric/fabric_internal.h"
 #include "transport/fabric/fabric_progress.h"
+#include "transport/registry.h"
 
 namespace wsync::transport::fabric {
 
@@ -532,6 +533,20 @@ class FabricTransport final : public Transport {
   std::string name() const override { return "fabric"; }
   bool viable() const override { return !doms_.empty(); }
   std::string reason() const override { return reason_; }
+  // Decided by the provider libfabric picked: a write window is enforced by re-keying memory, which needs keys wsync
+  // chooses (not FI_MR_PROV_KEY, efa's mode); grants are endpoint MRs of their own on every provider; device memory
+  // through FI_HMEM or a host mirror, unless WSYNC_FABRIC_HMEM=1 demands FI_HMEM of a provider without it. Keys are
+  // checked by the provider (a NIC for efa): refusals are not counted.
+  Capabilities Query() const override {
+    Capabilities c = CapabilitiesOf(name());
+    if (!viable()) return c;
+    const Domain& d = *doms_[0];  // every domain has the same provider and attributes
+    c.provider = absl::StrCat("fabric (", d.provider(), ")");
+    c.writes_into_device = d.hmem() || d.config().hmem != HmemMode::kRequired;
+    c.write_windows = !d.prov_key();
+    c.write_grants = true;
+    return c;
+  }
 
   absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
     return Register(addr, len, /*remote_write=*/true);

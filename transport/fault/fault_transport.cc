@@ -95,6 +95,7 @@ class FaultTransport : public Transport {
   std::string name() const override { return inner_->name(); }
   bool viable() const override { return inner_->viable(); }
   std::string reason() const override { return inner_->reason(); }
+  Capabilities Query() const override { return inner_->Query(); }
   absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
     return inner_->RegisterMemory(addr, len);
   }

@@ -29,6 +29,7 @@
 #include "nlohmann/json.hpp"
 #include "spdlog/spdlog.h"
 #include "transport/mooncake/mooncake_wire.h"
+#include "transport/registry.h"
 #include "transport/tcp/tcp_socket.h"
 #if WSYNC_WITH_VERBS
 #include <infiniband/verbs.h>
@@ -791,6 +792,12 @@ class MooncakeTransport final : public Transport {
         not_viable_(std::move(not_viable)) {}
 
   std::string name() const override { return "mooncake"; }
+  // Sending side only: the receiver is the engine's own transfer engine, which enforces nothing of wsync's.
+  Capabilities Query() const override {
+    Capabilities c = CapabilitiesOf(name());
+    c.provider = "mooncake";
+    return c;
+  }
   bool viable() const override { return not_viable_.empty(); }
   std::string reason() const override {
     if (!not_viable_.empty()) return not_viable_;

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "spdlog/spdlog.h"
+#include "transport/registry.h"
 #include "transport/tcp/tcp_endpoint.h"
 #include "transport/tcp/tcp_listener.h"
 #include "transport/tcp/tcp_region_table.h"
@@ -40,6 +41,16 @@ class TcpTransport final : public Transport {
   std::string name() const override { return "tcp"; }
   bool viable() const override { return true; }
   std::string reason() const override { return ""; }
+  // The same on every host: the receiving transport's own threads apply (or refuse and count) every write frame.
+  Capabilities Query() const override {
+    Capabilities c = CapabilitiesOf(name());
+    c.provider = "tcp";
+    c.writes_into_device = true;  // staged through the sink's host buffers
+    c.write_windows = true;
+    c.write_grants = true;
+    c.refusals_counted = true;
+    return c;
+  }
 
   absl::StatusOr<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
     return Register(addr, len, /*read_only=*/false);

@@ -19,6 +19,7 @@
 #include "base/fd_passing.h"
 #include "base/status.h"
 #include "spdlog/spdlog.h"
+#include "transport/registry.h"
 #include "transport/verbs/verbs_internal.h"
 
 namespace wsync::transport::verbs {
@@ -250,6 +251,18 @@ class VerbsTransport final : public Transport {
   std::string name() const override { return "verbs"; }
   bool viable() const override { return devices_ != nullptr; }
   std::string reason() const override { return reason_; }
+  // On the devices opened: windows and grants are the QPs' remote-write rights and the grants' own protection
+  // domains, which the NIC enforces (so a refusal is not seen by this CPU: only refused connections are counted);
+  // device memory through GPUDirect RDMA or a host mirror. A stand-in without devices promises nothing.
+  Capabilities Query() const override {
+    Capabilities c = CapabilitiesOf(name());
+    if (!viable()) return c;
+    c.provider = absl::StrCat("verbs (", absl::StrJoin(DeviceNames(), ","), ")");
+    c.writes_into_device = true;
+    c.write_windows = true;
+    c.write_grants = true;
+    return c;
+  }
   std::vector<std::string> DeviceNames() const {
     std::vector<std::string> out;
     if (devices_) {
