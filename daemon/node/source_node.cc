@@ -26,6 +26,7 @@
 #include "daemon/common/config_digest.h"
 #include "daemon/common/convert.h"
 #include "daemon/node/push_split.h"
+#include "replica/slice_assembly.h"
 #include "spdlog/spdlog.h"
 #include "transport/registry.h"
 
@@ -457,7 +458,7 @@ absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSo
     std::vector<PushItem> items, experts;
     for (const auto& s : specs) {
       if (!replica || !replica->Needs(s.name)) continue;
-      (absl::StrContains(s.name, ".experts.") ? experts : items).push_back({s.name, s.bytes()});
+      (replica::IsExpertTensor(s.name) ? experts : items).push_back({s.name, s.bytes()});
     }
     items.insert(items.end(), experts.begin(), experts.end());
     for (const auto& it : items) names.push_back(it.name);
@@ -946,7 +947,7 @@ absl::StatusOr<v1::CommitBucketReply> SourceNode::CommitBucket(const v1::CommitB
   const double ingest_s = absl::ToDoubleSeconds(loaded - begin), write_s = absl::ToDoubleSeconds(posted - loaded);
   // A weight pushed pre-quantized comes as two frames (codes, then `_scale_inv`); progress counts the weight once.
   const size_t scales = static_cast<size_t>(std::count_if(
-      tensors.begin(), tensors.end(), [](const BucketTensor& b) { return absl::EndsWith(b.t.name, "_scale_inv"); }));
+      tensors.begin(), tensors.end(), [](const BucketTensor& b) { return replica::IsScaleFrame(b.t.name); }));
   std::lock_guard<std::mutex> l(mu_);
   ingest_seconds_ += ingest_s;
   write_seconds_ += write_s;
@@ -1052,9 +1053,6 @@ absl::Status SourceNode::CheckSlice(const TensorSlice& s, DType dtype, uint64_t 
                                                    ShapeStr(s.full_shape), ", earlier slices ",
                                                    ShapeStr(it->second.shape)));
   }
-  auto overlaps = [&](const TensorSlice& o) {
-    return s.row0 < o.row0 + o.rows && o.row0 < s.row0 + s.rows && s.col0 < o.col0 + o.cols && o.col0 < s.col0 + s.cols;
-  };
   std::vector<const TensorSlice*> earlier;
   if (it != staged_.end()) {
     if (it->second.dtype != dtype)
@@ -1070,7 +1068,7 @@ absl::Status SourceNode::CheckSlice(const TensorSlice& s, DType dtype, uint64_t 
     earlier.push_back(&b);
   }
   for (const TensorSlice* o : earlier)
-    if (overlaps(*o))
+    if (replica::SlicesOverlap(s, *o))
       return absl::InvalidArgumentError(absl::StrCat("slice of ", s.name, ": ", s.Describe(), " overlaps ",
                                                      o->Describe(), " pushed earlier in this update"));
   return absl::OkStatus();
@@ -1115,54 +1113,14 @@ SourceNode::Staged* SourceNode::ReserveSlice(const TensorSlice& s, std::map<std:
   return &st;
 }
 
-void SourceNode::LandSlice(const TensorSlice& s, const Staged& st, const uint8_t* data) {
-  // All in bytes of the tensor's 2-D row-major view: the slice covers columns [c0, c1) of rows [row0, row0 + rows);
-  // a rectangle's i-th row is the tensor bytes [a, a + row_bytes), a = src_offset + i * src_pitch, which may span
-  // several tensor rows (a contiguous run).
-  const uint64_t es = DTypeSize(st.dtype);
-  const uint64_t trow = static_cast<uint64_t>(s.full_cols) * es;
-  const uint64_t c0 = static_cast<uint64_t>(s.col0) * es, c1 = static_cast<uint64_t>(s.col0 + s.cols) * es;
-  const uint64_t slice_row = static_cast<uint64_t>(s.cols) * es;
-  const uint64_t begin = static_cast<uint64_t>(s.row0) * trow + c0;
-  const uint64_t end = static_cast<uint64_t>(s.row0 + s.rows - 1) * trow + c1;
-  for (const replica::PlacedRect& r : st.rects) {
-    if (r.rows <= 0 || r.row_bytes == 0) continue;
-    // Only the rectangle's rows that can meet [begin, end).
-    int64_t i0 = 0, i1 = r.rows;
-    if (r.src_pitch > 0) {
-      if (end <= r.src_offset) continue;
-      i1 = std::min<int64_t>(r.rows, static_cast<int64_t>((end - 1 - r.src_offset) / r.src_pitch) + 1);
-      if (begin >= r.src_offset + r.row_bytes)
-        i0 = static_cast<int64_t>((begin - r.src_offset - r.row_bytes) / r.src_pitch) + 1;
-    }
-    uint8_t* dst = replica_->data(r.layout) + r.offset;
-    for (int64_t i = i0; i < i1; ++i) {
-      const uint64_t a = r.src_offset + static_cast<uint64_t>(i) * r.src_pitch, b = a + r.row_bytes;
-      const int64_t t0 = std::max<int64_t>(s.row0, static_cast<int64_t>(a / trow));
-      const int64_t t1 = std::min<int64_t>(s.row0 + s.rows, static_cast<int64_t>((b - 1) / trow) + 1);
-      for (int64_t t = t0; t < t1; ++t) {
-        const uint64_t row = static_cast<uint64_t>(t) * trow;
-        const uint64_t lo = std::max(a, row + c0), hi = std::min(b, row + c1);
-        if (lo >= hi) continue;
-        std::memcpy(dst + static_cast<uint64_t>(i) * r.pitch + (lo - a),
-                    data + static_cast<uint64_t>(t - s.row0) * slice_row + (lo - row - c0), hi - lo);
-      }
-    }
-  }
-}
-
 absl::Status SourceNode::StageSlice(const TensorSlice& s, Staged* st, const uint8_t* data,
                                     std::vector<replica::ReadyParam>* ready) {
   // The rectangle is this bucket's alone (claimed disjoint), and `data` stays allocated until the last claimed
   // slice has landed (copying > 0): the copy needs no lock.
   if (st->direct && !st->need.empty()) {
-    LandSlice(s, *st, data);
+    replica::LandSlice(s, DTypeSize(st->dtype), st->rects, data, [&](int layout) { return replica_->data(layout); });
   } else if (!st->data.empty()) {
-    const size_t es = DTypeSize(st->dtype);
-    const size_t row_bytes = static_cast<size_t>(s.cols) * es;
-    for (int64_t r = 0; r < s.rows; ++r)
-      std::memcpy(st->data.data() + (static_cast<size_t>((s.row0 + r) * s.full_cols + s.col0)) * es,
-                  data + static_cast<size_t>(r) * row_bytes, row_bytes);
+    replica::StageSlice(s, DTypeSize(st->dtype), data, st->data.data());
   }
   std::vector<uint8_t> whole_data;
   size_t slices = 0;
@@ -1172,15 +1130,7 @@ absl::Status SourceNode::StageSlice(const TensorSlice& s, Staged* st, const uint
     --st->copying;
     if (st->done || !st->needed || st->copying > 0) return absl::OkStatus();
     // Complete when every rectangle read by a parameter this node writes is covered (slices are disjoint).
-    for (const replica::TensorRead& n : st->need) {
-      uint64_t covered = 0;
-      for (const TensorSlice& g : st->landed) {
-        const int64_t r0 = std::max(n.row0, g.row0), r1 = std::min(n.row0 + n.rows, g.row0 + g.rows);
-        const int64_t c0 = std::max(n.col0, g.col0), c1 = std::min(n.col0 + n.cols, g.col0 + g.cols);
-        if (r1 > r0 && c1 > c0) covered += static_cast<uint64_t>((r1 - r0) * (c1 - c0));
-      }
-      if (covered < static_cast<uint64_t>(n.rows * n.cols)) return absl::OkStatus();
-    }
+    if (!replica::SlicesCover(st->need, st->landed)) return absl::OkStatus();
     st->done = true;
     whole_data.swap(st->data);
     slices = st->landed.size();
@@ -1734,7 +1684,7 @@ absl::StatusOr<v1::CommitPlacedReply> SourceNode::CommitPlaced(const v1::CommitP
   const double write_s = absl::ToDoubleSeconds(absl::Now() - loaded);
   // Progress counts a weight once (its `_scale_inv` rides along), as for buckets.
   const size_t scales = static_cast<size_t>(std::count_if(
-      tensors.begin(), tensors.end(), [](const replica::HfTensor& t) { return absl::EndsWith(t.name, "_scale_inv"); }));
+      tensors.begin(), tensors.end(), [](const replica::HfTensor& t) { return replica::IsScaleFrame(t.name); }));
   std::lock_guard<std::mutex> l(mu_);
   ingest_seconds_ += absl::ToDoubleSeconds(loaded - begin);
   write_seconds_ += write_s;

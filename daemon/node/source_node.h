@@ -399,9 +399,6 @@ class SourceNode {
   // Records a checked slice as claimed in staged_ (`fresh` holds the entries of tensors first seen in its bucket).
   // Caller holds staged_mu_.
   Staged* ReserveSlice(const TensorSlice& s, std::map<std::string, Staged>* fresh);
-  // Copies a direct slice's bytes into the parts of the tensor's layout rectangles it covers. No lock: the bytes are
-  // the slice's alone (claimed disjoint).
-  void LandSlice(const TensorSlice& s, const Staged& st, const uint8_t* data);
   // Copies a claimed slice in; the slice that completes the tensor ingests it and appends the ready parameters.
   absl::Status StageSlice(const TensorSlice& s, Staged* st, const uint8_t* data,
                           std::vector<replica::ReadyParam>* ready);
@@ -549,6 +546,10 @@ class SourceNode {
   // Buckets hold it shared, so different ranks' buckets are validated, loaded and posted in parallel; what replaces
   // or drains what they use (StartUpdate, Configure, the drains of FinishUpdate and AbortUpdate) holds it exclusive.
   // Targets' writers are replaced only with it held exclusively (and mu_); buckets submit to them with it shared.
+  // The writers do not make it redundant: they own each endpoint's posts, but a bucket also reads the replica, the
+  // plan's targets and staged_, which Configure and StartUpdate replace and the drains must see quiescent; no bucket
+  // ever waits on a network under it (the writers post), so it orders plan changes against buckets, never ranks
+  // against each other.
   std::shared_mutex ingest_mu_;
 };
 
