@@ -203,6 +203,22 @@ def write_tokenizer(out: str) -> None:
 
 # --- the loop ----------------------------------------------------------------------------------------------------
 
+class PhaseClock:
+    """Seconds per named phase, each from the end of the previous one."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self.t0 = self.t = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self.t
+        self.t = now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.t0
+
+
 class Loop:
     """The cluster (wsync coordinator, source and target wsyncd, vLLM with wsync's backend) and the RL loop on it."""
 
@@ -365,14 +381,8 @@ class Loop:
 
     def sync_reload(self, version: int) -> dict:
         """The same through vLLM's own path: a checkpoint on disk and vLLM's in-place reload of it."""
-        phases = {}
-        t = t0 = time.perf_counter()
-
-        def mark(name):
-            nonlocal t
-            now = time.perf_counter()
-            phases[name] = now - t
-            t = now
+        clock = PhaseClock()
+        phases, mark = clock.phases, clock.mark
 
         if self.policy.lora:
             return self.sync_reload_adapter(version)
@@ -393,20 +403,14 @@ class Loop:
             time.sleep(0.05)
         self.http("POST", "/resume")
         mark("continue")
-        return {"path": "reload", "seconds": time.perf_counter() - t0, "phases": phases,
+        return {"path": "reload", "seconds": clock.total(), "phases": phases,
                 "bytes": os.path.getsize(os.path.join(ck, "model.safetensors"))}
 
     def sync_reload_adapter(self, version: int) -> dict:
         """vLLM's own path for an adapter: a PEFT directory on disk, loaded in place of the served one by vLLM's
         adapter loader (/v1/load_lora_adapter), the version set, the prefix cache reset."""
-        phases = {}
-        t = t0 = time.perf_counter()
-
-        def mark(name):
-            nonlocal t
-            now = time.perf_counter()
-            phases[name] = now - t
-            t = now
+        clock = PhaseClock()
+        phases, mark = clock.phases, clock.mark
 
         d = os.path.join(self.wd, f"reload-adapter-{version}")
         self.policy.save_adapter(d)
@@ -427,7 +431,7 @@ class Loop:
                 break
             time.sleep(0.05)
         mark("reset_prefix_cache")
-        return {"path": "reload", "seconds": time.perf_counter() - t0, "phases": phases,
+        return {"path": "reload", "seconds": clock.total(), "phases": phases,
                 "bytes": os.path.getsize(os.path.join(d, "adapter_model.safetensors"))}
 
     def path_for(self, step: int) -> str:
