@@ -454,7 +454,7 @@ absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSo
   if (!rank_push.empty()) {
     for (const auto& [r, list] : rank_push) names.insert(names.end(), list.begin(), list.end());
   } else {
-    WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(plan.config));
+    WSYNC_ASSIGN_OR_RETURN(auto specs, PlanCheckpointTensors(plan));
     std::vector<PushItem> items, experts;
     for (const auto& s : specs) {
       if (!replica || !replica->Needs(s.name)) continue;
@@ -1270,8 +1270,16 @@ absl::StatusOr<v1::FinishUpdateReply> SourceNode::FinishUpdate(const v1::FinishU
     size_t count = 0;
     for (size_t li = 0; li < required_.size(); ++li)
       for (size_t p = 0; p < required_[li].size(); ++p)
-        if (required_[li][p] && !completed_[li][p] && ++count <= 5)
-          missing.push_back(absl::StrCat(replica_->table(static_cast<int>(li)).params()[p].name, " (layout ", li, ")"));
+        if (required_[li][p] && !completed_[li][p] && ++count <= 5) {
+          // A draft's parameter names the engine ranks whose draft it is: the update fails for them, never skipped.
+          const replica::ParamTable& table = replica_->table(static_cast<int>(li));
+          std::string whose;
+          for (const Target* t : table.IsDraft(p) ? targets_by_layout_[li] : std::vector<Target*>{})
+            absl::StrAppend(&whose, whose.empty() ? "draft of " : ", ", "engine ", t->assignment.engine_id(), " rank ",
+                            t->assignment.rank());
+          missing.push_back(
+              absl::StrCat(whose, whose.empty() ? "" : ": ", table.params()[p].name, " (layout ", li, ")"));
+        }
     std::vector<std::string> partial;  // tensors pushed in slices that never covered what this node reads
     for (const auto& [name, st] : staged_)
       if (!st.done && !st.data.empty() && partial.size() < 5)

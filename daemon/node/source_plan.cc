@@ -104,7 +104,7 @@ void WireTarget(const replica::ParamTable& table, const v1::TargetAssignment& a,
 
 absl::Status PlanPushFilters(const v1::ConfigureSourceRequest& req, const SourcePlanOptions& opts, SourcePlan* plan) {
   if (req.push_filters_size() == 0) return absl::OkStatus();
-  WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(plan->config));
+  WSYNC_ASSIGN_OR_RETURN(auto specs, PlanCheckpointTensors(*plan));
   std::set<std::string> known, seen;
   std::map<std::string, std::vector<int64_t>> shape_of;
   for (const auto& s : specs) known.insert(s.name), shape_of[s.name] = s.shape;
@@ -143,6 +143,13 @@ absl::Status PlanPushFilters(const v1::ConfigureSourceRequest& req, const Source
 }
 
 }  // namespace
+
+absl::StatusOr<std::vector<replica::TensorSpec>> PlanCheckpointTensors(const SourcePlan& plan) {
+  const bool draft = std::any_of(plan.layouts.begin(), plan.layouts.end(),
+                                 [](const replica::RankParallelism& rp) { return replica::HoldsDraft(rp.weights); });
+  return replica::CheckpointTensors(plan.config, replica::CheckpointFormat::kTrainer, 128, 128,
+                                    draft ? replica::WeightSet::kAll : replica::WeightSet::kTarget);
+}
 
 absl::Status CheckTargetLayout(const replica::ParamTable& table, const v1::RankLayout& target, const std::string& who) {
   std::map<std::string, const v1::ParamDesc*> theirs;
@@ -203,6 +210,7 @@ absl::StatusOr<SourcePlan> PlanSourceConfiguration(const v1::ConfigureSourceRequ
     auto dialect = replica::DialectForEngineKind(t.engine_kind());
     if (!dialect.ok()) return Annotate(dialect.status(), absl::StrCat("engine ", t.engine_id(), " rank ", t.rank()));
     rp.dialect = *dialect;
+    rp.weights = WeightSetOfLayout(t.layout());  // a rank with a draft: target and draft, one table
     auto it = std::find(plan.layouts.begin(), plan.layouts.end(), rp);
     layout_of.push_back(static_cast<int>(it - plan.layouts.begin()));
     if (it == plan.layouts.end()) plan.layouts.push_back(rp);

@@ -74,6 +74,10 @@ struct SourcePlan {
 absl::StatusOr<SourcePlan> PlanSourceConfiguration(const v1::ConfigureSourceRequest& req,
                                                    const SourcePlanOptions& opts);
 
+// The checkpoint tensors (trainer format) the plan's layouts are loaded from: the model's, with its next-n (MTP)
+// layer when some engine rank has a draft (WeightSetOfLayout).
+absl::StatusOr<std::vector<replica::TensorSpec>> PlanCheckpointTensors(const SourcePlan& plan);
+
 // The engine rank's layout against the replica's table of it: every parameter on both sides with the same shape,
 // dtype and size, inside a segment the layout lists once. `who` names the rank in errors.
 absl::Status CheckTargetLayout(const replica::ParamTable& table, const v1::RankLayout& target, const std::string& who);

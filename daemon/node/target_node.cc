@@ -32,6 +32,8 @@
 #include "daemon/common/serve.h"
 #include "daemon/common/window_assignments.h"
 #include "daemon/node/node_services.h"
+#include "replica/layout_plan.h"
+#include "replica/model_config.h"
 #include "spdlog/spdlog.h"
 
 namespace wsync::daemon {
@@ -201,6 +203,7 @@ absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fd
     const Json& segs = j["segments"];
     if (segs.empty()) return absl::InvalidArgumentError("an attach needs at least one segment");
     size_t host_segments = 0;
+    bool draft_segments = false;
     std::map<int64_t, uint64_t> seg_bytes;
     uint64_t total = 0;
     for (const Json& s : segs) {
@@ -230,6 +233,23 @@ absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fd
       seg->set_id(static_cast<int32_t>(id));
       seg->set_kind(std::string(SegmentKindName(*kind)));
       seg->set_bytes(bytes);
+      // Which of the rank's models the segment holds (docs/engines.md, "Speculative drafts"); absent: the target.
+      WSYNC_ASSIGN_OR_RETURN(std::string weights, Str(s, "weights", false));
+      if (weights == "draft") {
+        seg->set_weights(v1::WEIGHT_SET_DRAFT);
+        draft_segments = true;
+      } else if (!weights.empty() && weights != "target") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("segment ", id, ": unknown \"weights\" \"", weights, "\" (target | draft)"));
+      }
+    }
+    // A draft the model does not have is refused here, before anything is registered.
+    if (draft_segments && !m.model_config_json.empty()) {
+      auto config = replica::ModelConfig::FromJson(m.model_config_json);
+      if (config.ok() && replica::DraftLayerIndex(*config) < 0)
+        return absl::InvalidArgumentError(absl::StrCat(
+            "rank ", m.rank, " declares a draft segment, but its model (", config->architecture,
+            ") has no next-n / MTP layer to draft from (its config.json declares no num_nextn_predict_layers)"));
     }
     m.layout.set_region_bytes(total);
     // Staged updates: segment id + shift is the staging copy of segment id (docs/operations.md, "Staged updates").
