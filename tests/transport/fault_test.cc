@@ -1,16 +1,23 @@
 // The fault-injecting decorator on top of the tcp backend: spec parsing, which batch fails and how, that a failed
-// Post sends nothing, that the endpoint stays broken until re-created, and that counting is per transport.
+// Post sends nothing, that the endpoint stays broken until re-created, that counting is per transport, and that a
+// per-peer delay holds only that peer's Posts.
 
 #include <atomic>
 #include <catch2/catch.hpp>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "spdlog/sinks/base_sink.h"
+#include "spdlog/spdlog.h"
 #include "transport/fault/fault_transport.h"
 
 namespace {
@@ -43,6 +50,25 @@ FaultSpec Spec(const std::string& text) {
   return *s;
 }
 
+// A connected endpoint of `from` to `to`; the receiving end goes to `keep`.
+std::unique_ptr<Endpoint> Handshake(Transport& from, Transport& to, std::vector<std::unique_ptr<Endpoint>>* keep) {
+  auto a = from.CreateEndpoint();
+  auto b = to.CreateEndpoint();
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  std::unique_ptr<Endpoint> theirs = std::move(*b);
+  const std::string a_info = (*a)->LocalInfo();
+  absl::Status bs;
+  std::thread t([&] { bs = theirs->Connect(a_info, kTimeout); });
+  absl::Status as = (*a)->Connect(theirs->LocalInfo(), kTimeout);
+  t.join();
+  INFO(as.ToString() << " / " << bs.ToString());
+  REQUIRE(as.ok());
+  REQUIRE(bs.ok());
+  keep->push_back(std::move(theirs));
+  return std::move(*a);
+}
+
 // A wrapped sender and a plain tcp receiver, each side with kLen bytes registered; endpoints made on demand.
 struct Pair {
   explicit Pair(const FaultSpec& spec) : sender(WrapWithFaults(Tcp(), spec)), receiver(Tcp()) {
@@ -59,23 +85,7 @@ struct Pair {
     remote = std::move(*r);
   }
 
-  std::unique_ptr<Endpoint> Connect() {
-    auto a = sender->CreateEndpoint();
-    auto b = receiver->CreateEndpoint();
-    REQUIRE(a.ok());
-    REQUIRE(b.ok());
-    std::unique_ptr<Endpoint> theirs = std::move(*b);
-    const std::string a_info = (*a)->LocalInfo();
-    absl::Status bs;
-    std::thread t([&] { bs = theirs->Connect(a_info, kTimeout); });
-    absl::Status as = (*a)->Connect(theirs->LocalInfo(), kTimeout);
-    t.join();
-    INFO(as.ToString() << " / " << bs.ToString());
-    REQUIRE(as.ok());
-    REQUIRE(bs.ok());
-    peers.push_back(std::move(theirs));
-    return std::move(*a);
-  }
+  std::unique_ptr<Endpoint> Connect() { return Handshake(*sender, *receiver, &peers); }
 
   // One write of `len` bytes to `offset` (same offset on both sides).
   std::vector<WriteRequest> One(uint64_t offset, uint64_t len) const {
@@ -100,6 +110,49 @@ struct Pair {
   std::vector<std::unique_ptr<Endpoint>> peers;
 };
 
+// Every message logged through spdlog's default logger while alive, for a test that acts when one appears (create
+// it before the transports whose threads log, destroy it after them).
+class LogLines {
+ public:
+  LogLines() : sink_(std::make_shared<Sink>()), old_(spdlog::default_logger()) {
+    auto logger = std::make_shared<spdlog::logger>("captured", sink_);
+    logger->set_level(spdlog::level::info);
+    spdlog::set_default_logger(logger);
+  }
+  ~LogLines() { spdlog::set_default_logger(old_); }
+  // Waits until a message containing both texts was logged; false after `timeout`.
+  bool WaitFor(const std::string& a, const std::string& b, absl::Duration timeout) {
+    std::unique_lock<std::mutex> l(sink_->lines_mu);
+    return sink_->logged.wait_for(l, absl::ToChronoNanoseconds(timeout), [&] { return CountLocked(a, b) > 0; });
+  }
+  int Count(const std::string& a, const std::string& b) {
+    std::lock_guard<std::mutex> l(sink_->lines_mu);
+    return CountLocked(a, b);
+  }
+
+ private:
+  struct Sink : spdlog::sinks::base_sink<std::mutex> {
+    std::mutex lines_mu;
+    std::condition_variable logged;
+    std::vector<std::string> lines;  // guarded by lines_mu
+    void sink_it_(const spdlog::details::log_msg& msg) override {
+      {
+        std::lock_guard<std::mutex> l(lines_mu);
+        lines.emplace_back(msg.payload.data(), msg.payload.size());
+      }
+      logged.notify_all();
+    }
+    void flush_() override {}
+  };
+  int CountLocked(const std::string& a, const std::string& b) const {
+    int n = 0;
+    for (const std::string& line : sink_->lines) n += absl::StrContains(line, a) && absl::StrContains(line, b);
+    return n;
+  }
+  std::shared_ptr<Sink> sink_;
+  std::shared_ptr<spdlog::logger> old_;
+};
+
 TEST_CASE("fault spec: parse, print, reject with the offending item", "[transport][fault]") {
   CHECK(Spec("").empty());
   CHECK(Spec("  ").empty());
@@ -110,6 +163,12 @@ TEST_CASE("fault spec: parse, print, reject with the offending item", "[transpor
   CHECK(s.ToString() == "fail_post=3,fail_wait=5,delay_ms=10");
   CHECK(Spec(" fail_wait = 2 ").fail_wait == 2);
   CHECK(Spec(Spec("delay_ms=7,fail_post=1").ToString()).ToString() == "fail_post=1,delay_ms=7");
+  FaultSpec peer = Spec("delay_peer = 10.0.0.7:5000 ,delay_ms=20");
+  CHECK(peer.delay_peer == "10.0.0.7:5000");
+  CHECK(peer.delay == absl::Milliseconds(20));
+  CHECK(peer.ToString() == "delay_ms=20,delay_peer=10.0.0.7:5000");
+  CHECK(Spec(peer.ToString()).delay_peer == "10.0.0.7:5000");
+  CHECK(Spec("delay_ms=5").delay_peer.empty());
 
   struct Bad {
     std::string spec, item, why;
@@ -122,7 +181,12 @@ TEST_CASE("fault spec: parse, print, reject with the offending item", "[transpor
                                        {"bogus=1", "bogus=1", "unknown key"},
                                        {"fail_post=1,fail_post=2", "fail_post=2", "given twice"},
                                        {"fail_post=1,,delay_ms=3", "", "empty item"},
-                                       {"delay_ms=99999999", "delay_ms=99999999", "over 10 minutes"}}) {
+                                       {"delay_ms=99999999", "delay_ms=99999999", "over 10 minutes"},
+                                       {"delay_ms=5,delay_peer=", "delay_peer=", "value is empty"},
+                                       {"delay_peer=host", "delay_peer=host", "needs a delay_ms above 0"},
+                                       {"delay_peer=host,delay_ms=0", "delay_peer=host", "needs a delay_ms above 0"},
+                                       {"delay_ms=5,delay_peer=a,delay_peer=b", "delay_peer=b", "given twice"},
+                                       {"delay_peers=a", "delay_peers=a", "unknown key"}}) {
     auto r = ParseFaultSpec(b.spec);
     INFO(b.spec << " -> " << r.status().ToString());
     REQUIRE_FALSE(r.ok());
@@ -220,6 +284,64 @@ TEST_CASE("delay_ms slows every Post and changes nothing else", "[transport][fau
   CHECK(absl::Now() - t0 >= absl::Milliseconds(150));
   CHECK(p.Landed(0, 300));
   CHECK(p.Untouched(300, kLen - 300));
+}
+
+TEST_CASE("delay_peer holds the Posts to that peer only", "[transport][fault]") {
+  LogLines log;  // before the transports: their threads log
+  // Two receivers; the name a sender's endpoint gives each (its listener's address) is learned through a plain tcp
+  // endpoint first, so that the spec can name one of them.
+  std::unique_ptr<Transport> slow_rx = Tcp(), fast_rx = Tcp(), probe = Tcp();
+  std::vector<std::unique_ptr<Endpoint>> peers;
+  const std::string slow_name = Handshake(*probe, *slow_rx, &peers)->PeerName();
+  const std::string fast_name = Handshake(*probe, *fast_rx, &peers)->PeerName();
+  INFO(slow_name << " / " << fast_name);
+  REQUIRE_FALSE(absl::StrContains(fast_name, slow_name));
+  REQUIRE_FALSE(absl::StrContains(slow_name, fast_name));
+
+  // Long enough that the undelayed write surely ends inside the hold; the test waits for events, not for it.
+  const absl::Duration kDelay = absl::Seconds(5);
+  std::unique_ptr<Transport> sender =
+      WrapWithFaults(Tcp(), Spec(absl::StrCat("delay_ms=", absl::ToInt64Milliseconds(kDelay), ",delay_peer=",
+                                              slow_name)));
+  std::vector<uint8_t> src_bytes(kLen, 0xAB), slow_bytes(kLen, 0), fast_bytes(kLen, 0);
+  auto src = sender->RegisterMemory(src_bytes.data(), kLen);
+  auto slow_dst = slow_rx->RegisterMemory(slow_bytes.data(), kLen);
+  auto fast_dst = fast_rx->RegisterMemory(fast_bytes.data(), kLen);
+  REQUIRE(src.ok());
+  REQUIRE(slow_dst.ok());
+  REQUIRE(fast_dst.ok());
+  auto slow_remote = sender->ImportRegion((*slow_dst)->Descriptor());
+  auto fast_remote = sender->ImportRegion((*fast_dst)->Descriptor());
+  REQUIRE(slow_remote.ok());
+  REQUIRE(fast_remote.ok());
+  auto to_slow = Handshake(*sender, *slow_rx, &peers);
+  auto to_fast = Handshake(*sender, *fast_rx, &peers);
+  CHECK(to_slow->PeerName() == slow_name);
+  CHECK(to_fast->PeerName() == fast_name);
+
+  std::atomic<bool> slow_done{false};
+  absl::Status slow_st;
+  absl::Duration slow_took;
+  std::thread slow([&] {
+    const WriteRequest w{src->get(), 0, slow_remote->get(), 0, kLen};
+    const absl::Time t0 = absl::Now();
+    slow_st = to_slow->Write({&w, 1}, kTimeout);
+    slow_took = absl::Now() - t0;
+    slow_done = true;
+  });
+  // The hold has begun: the undelayed peer's write goes through meanwhile, and ends before the hold does.
+  const bool held = log.WaitFor("injected fault: holding a batch", slow_name, kTimeout);
+  CHECK(held);
+  const WriteRequest w{src->get(), 0, fast_remote->get(), 0, kLen};
+  CHECK(to_fast->Write({&w, 1}, kTimeout).ok());
+  CHECK_FALSE(slow_done.load());
+  CHECK(fast_bytes == src_bytes);
+  slow.join();
+  CHECK(slow_st.ok());
+  CHECK(slow_took >= kDelay);
+  CHECK(slow_bytes == src_bytes);
+  CHECK(log.Count("injected fault: holding a batch", slow_name) == 1);
+  CHECK(log.Count("injected fault: holding a batch", fast_name) == 0);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -43,11 +44,14 @@ class FaultEndpoint : public Endpoint {
     // Invalid requests keep their own error and do not consume a batch number, so specs stay predictable.
     for (const WriteRequest& w : writes)
       if (absl::Status st = ValidateWrite(w); !st.ok()) return st;
-    if (state_->spec.delay > absl::ZeroDuration()) {
-      // Logged when the hold starts, so that a test can act while a batch is on its way (an event, not a guess).
-      spdlog::info("injected fault: holding a batch of {} writes to {} for {} ms", writes.size(), PeerName(),
-                   absl::ToInt64Milliseconds(state_->spec.delay));
-      std::this_thread::sleep_for(absl::ToChronoNanoseconds(state_->spec.delay));
+    if (const FaultSpec& spec = state_->spec; spec.delay > absl::ZeroDuration()) {
+      const std::string peer = PeerName();
+      if (spec.delay_peer.empty() || absl::StrContains(peer, spec.delay_peer)) {
+        // Logged when the hold starts, so that a test can act while a batch is on its way (an event, not a guess).
+        spdlog::info("injected fault: holding a batch of {} writes to {} for {} ms", writes.size(), peer,
+                     absl::ToInt64Milliseconds(spec.delay));
+        std::this_thread::sleep_for(absl::ToChronoNanoseconds(spec.delay));
+      }
     }
     const uint64_t n = state_->posted.fetch_add(1) + 1;
     if (n == state_->spec.fail_post) {
@@ -133,6 +137,7 @@ std::string FaultSpec::ToString() const {
   if (fail_post > 0) items.push_back(absl::StrCat("fail_post=", fail_post));
   if (fail_wait > 0) items.push_back(absl::StrCat("fail_wait=", fail_wait));
   if (delay > absl::ZeroDuration()) items.push_back(absl::StrCat("delay_ms=", absl::ToInt64Milliseconds(delay)));
+  if (delay > absl::ZeroDuration() && !delay_peer.empty()) items.push_back(absl::StrCat("delay_peer=", delay_peer));
   return absl::StrJoin(items, ",");
 }
 
@@ -140,12 +145,15 @@ absl::StatusOr<FaultSpec> ParseFaultSpec(const std::string& text) {
   FaultSpec spec;
   std::set<std::string> seen;
   if (absl::StripAsciiWhitespace(text).empty()) return spec;
+  std::string peer_item;  // the delay_peer item, named if it turns out to lack a delay
+  auto bad_item = [&](absl::string_view item, absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fault spec '", text, "': item '", item, "': ", why,
+                     " (expected fail_post=N, fail_wait=N, delay_ms=MS, delay_peer=TEXT)"));
+  };
   for (absl::string_view raw : absl::StrSplit(text, ',')) {
     absl::string_view item = absl::StripAsciiWhitespace(raw);
-    auto bad = [&](absl::string_view why) {
-      return absl::InvalidArgumentError(absl::StrCat("fault spec '", text, "': item '", item, "': ", why,
-                                                     " (expected fail_post=N, fail_wait=N, delay_ms=MS)"));
-    };
+    auto bad = [&](absl::string_view why) { return bad_item(item, why); };
     if (item.empty()) return bad("empty item");
     std::vector<std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
     if (kv.size() != 2) return bad("missing '='");
@@ -153,7 +161,14 @@ absl::StatusOr<FaultSpec> ParseFaultSpec(const std::string& text) {
     const std::string value(absl::StripAsciiWhitespace(kv[1]));
     if (!seen.insert(key).second) return bad("key given twice");
     uint64_t n = 0;
-    if (key != "fail_post" && key != "fail_wait" && key != "delay_ms") return bad("unknown key");
+    if (key != "fail_post" && key != "fail_wait" && key != "delay_ms" && key != "delay_peer")
+      return bad("unknown key");
+    if (key == "delay_peer") {
+      if (value.empty()) return bad("value is empty (a part of the peer's name)");
+      spec.delay_peer = value;
+      peer_item = std::string(item);
+      continue;
+    }
     if (value.empty() || !absl::SimpleAtoi(value, &n) || value[0] == '-' || value[0] == '+')
       return bad("value is not a non-negative integer");
     if (key == "fail_post" || key == "fail_wait") {
@@ -164,6 +179,8 @@ absl::StatusOr<FaultSpec> ParseFaultSpec(const std::string& text) {
       spec.delay = absl::Milliseconds(n);
     }
   }
+  if (!spec.delay_peer.empty() && spec.delay == absl::ZeroDuration())
+    return bad_item(peer_item, "delay_peer needs a delay_ms above 0");
   return spec;
 }
 

@@ -26,15 +26,19 @@ struct FaultSpec {
   uint64_t fail_post = 0;  // 1-based number of the batch whose Post fails (Unavailable, nothing sent); 0 = never
   uint64_t fail_wait = 0;  // 1-based number of the batch whose Wait fails (Unavailable); 0 = never
   absl::Duration delay = absl::ZeroDuration();  // added before every Post is handed to the inner transport
+  // Only the endpoints whose PeerName() contains this text are delayed (one slow target among several, e.g. its
+  // "host:port"); empty: every endpoint. Failures stay counted over every endpoint whatever it says.
+  std::string delay_peer;
 
   bool empty() const { return fail_post == 0 && fail_wait == 0 && delay == absl::ZeroDuration(); }
   // Canonical text form, parseable by ParseFaultSpec ("" for an empty spec).
   std::string ToString() const;
 };
 
-// Parses "key=value[,key=value...]" with keys fail_post, fail_wait (positive batch numbers) and delay_ms
-// (non-negative milliseconds). Whitespace around items is ignored; "" is the empty spec. Unknown keys, repeated
-// keys, missing or malformed values are InvalidArgument naming the offending item.
+// Parses "key=value[,key=value...]" with keys fail_post, fail_wait (positive batch numbers), delay_ms
+// (non-negative milliseconds) and delay_peer (non-empty text, no comma; only with a delay_ms above 0). Whitespace
+// around items and values is ignored; "" is the empty spec. Unknown keys, repeated keys, missing or malformed
+// values are InvalidArgument naming the offending item.
 absl::StatusOr<FaultSpec> ParseFaultSpec(const std::string& text);
 
 // Wraps `inner`. An empty spec gives a transparent wrapper. name(), viable() and reason() are the inner's.
