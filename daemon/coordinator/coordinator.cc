@@ -23,6 +23,7 @@
 #include "daemon/coordinator/fanout.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "planner/model_input.h"
 #include "planner/plan.h"
 #include "replica/model_config.h"
@@ -190,7 +191,8 @@ Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
       }
     for (const char* r : {"source", "target"}) m.Set("wsync_nodes", {{"role", r}}, roles[r]);
     for (const auto& [st, n] : states) m.Set("wsync_engines", {{"state", st}}, n);
-  });  MutexLock l(&mu_);
+  });
+  MutexLock l(&mu_);
   Publish();  // readers answer from the first call on
 }
 
@@ -339,7 +341,7 @@ std::vector<std::string> Coordinator::EngineAddresses() const {
 absl::Status Coordinator::Track(const std::string& addr, std::optional<EngineState> on_success,
                                 const std::string& phase, absl::Status st) {
   MutexLock l(&mu_);
-  if (open_version_ >= 0) engine_call_ends_.push_back({addr, phase, absl::Now(), st.ok()});  // the timeline
+  if (open_version_ >= 0) run_.engine_call_ends.push_back({addr, phase, absl::Now(), st.ok()});  // the timeline
   if (!st.ok()) {
     engine_state_[addr] = EngineView{EngineState::kFailed, phase};
   } else if (on_success) {
@@ -395,7 +397,7 @@ FanoutOptions Coordinator::UpdatePhase(UpdateMode mode, Phase phase, std::vector
                                                            phase == Phase::kSetVersion || phase == Phase::kContinue);
   if (!past_switch) {
     MutexLock l(&mu_);
-    o.cancellation = update_cancel_;
+    o.cancellation = run_.cancel;
   }
   o.cancel_running = [this, addrs = std::move(addrs)](size_t i) { peers_->CancelCalls(addrs[i]); };
   return o;
@@ -410,18 +412,16 @@ template <typename Call>
 auto Coordinator::Remote(const std::string& addr, Call call) -> decltype(call()) {
   {
     MutexLock l(&mu_);
-    if (abort_asked_)
+    if (!run_.Enter(addr))
       return absl::CancelledError(
           absl::StrCat("not called: update ", open_version_, " is being aborted by the operator"));
-    ++in_flight_[addr];
   }
   struct Done {
     Coordinator* c;
     const std::string& addr;
     ~Done() {
       MutexLock l(&c->mu_);
-      auto it = c->in_flight_.find(addr);
-      if (--it->second == 0) c->in_flight_.erase(it);
+      c->run_.Leave(addr);
     }
   } done{this, addr};
   return call();
@@ -429,7 +429,7 @@ auto Coordinator::Remote(const std::string& addr, Call call) -> decltype(call())
 
 bool Coordinator::AbortAsked() const {
   MutexLock l(&mu_);
-  return abort_asked_;
+  return run_.abort_asked;
 }
 
 bool Coordinator::AbortSources(int64_t v, const std::string& why, uint64_t* bytes, absl::Duration within) {
@@ -473,11 +473,8 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   // Unavailable): the update is over and the fleet is on v.
   const bool committed = o.status.ok() || rec.success();
   SetState(committed ? UpdateState::kIdle : UpdateState::kFailed);
-  commit_point_ = false;
+  run_.Ended();
   open_version_ = -1;
-  abort_asked_ = false;
-  abort_reason_.clear();
-  abort_by_.clear();
   SetLogUpdateVersion(-1);
   // BeginUpdate admits only versions newer than every one begun, so this never moves backwards; the check keeps it so.
   if (committed && v > current_version_) current_version_ = v;
@@ -500,8 +497,8 @@ void Coordinator::Finish(int64_t v, const Outcome& o, v1::UpdateRecord rec) {
   std::map<std::string, std::string> engine_ids;  // control address -> engine id, for the timeline
   for (const auto& [id, n] : nodes_)
     for (const auto& e : n.engines()) engine_ids[e.control_address()] = e.engine_id();
-  AddEnginePhases(&rec, engine_call_ends_, engine_ids);
-  engine_call_ends_.clear();
+  AddEnginePhases(&rec, run_.engine_call_ends, engine_ids);
+  run_.engine_call_ends.clear();
   history_dirty_.insert(rec.version());
   model_history_dirty_.insert(rec.version());
   history_.push_back(std::move(rec));
@@ -515,13 +512,13 @@ absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in,
   const int64_t v = rec.version();
   MutexLock l(&mu_);
   absl::Status why = why_in;
-  const bool asked = abort_asked_ && !rec.aborted();
+  const bool asked = run_.abort_asked && !rec.aborted();
   if (asked) {
     rec.set_aborted(true);
-    rec.set_aborted_by(abort_by_);
+    rec.set_aborted_by(run_.abort_by);
     why = absl::AbortedError(absl::StrCat(
-        "aborted by ", abort_by_, abort_reason_.empty() ? std::string() : absl::StrCat(": ", abort_reason_), " while ",
-        StateName(), why_in.ok() ? std::string() : absl::StrCat(" (", why_in.ToString(), ")")));
+        "aborted by ", run_.abort_by, run_.abort_reason.empty() ? std::string() : absl::StrCat(": ", run_.abort_reason),
+        " while ", StateName(), why_in.ok() ? std::string() : absl::StrCat(" (", why_in.ToString(), ")")));
   }
   // The caller decided from the phase table (phase_table.h) whether live weights may be partly written: a staged
   // update writes staging memory only, until its switch.
@@ -645,7 +642,7 @@ absl::Status Coordinator::FailAndStopSources(v1::UpdateRecord rec, const absl::S
   {
     MutexLock l(&mu_);
     dirty_before = engines_dirty_;
-    asked = abort_asked_;
+    asked = run_.abort_asked;
   }
   const std::string reason = asked ? absl::StrCat("aborted by the operator at ", PhaseName(phase))
                                    : absl::StrCat("update failed at ", PhaseName(phase), ": ", why.message());
@@ -708,13 +705,13 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   uint64_t begin_ticket = 0;
   UpdateState prev_state;
   int64_t prev_last_begun;
-  v1::UpdateRecord prev_record;
+  UpdateRun prev_run;
   {
     MutexLock l(&mu_);
     // A retried BeginUpdate(v) while the first one is still running waits for it and shares its result.
     while (state_ == UpdateState::kBeginning && open_version_ == v) ended_cv_.Wait(&mu_);
     if (open_version_ == v && (state_ == UpdateState::kUpdating || state_ == UpdateState::kCommitting))
-      return begin_reply_;
+      return run_.begin_reply;
     if (const Outcome* o = FindOutcome(v)) {
       if (!o->status.ok()) return o->status;
       return absl::FailedPreconditionError(absl::StrCat("update ", v, " has already been committed"));
@@ -758,13 +755,13 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
     }
     prev_state = state_;
     prev_last_begun = last_begun_;
-    prev_record = open_record_;
+    prev_run = std::move(run_);
     SetState(UpdateState::kBeginning);
-    update_cancel_ = std::make_shared<Cancellation>();
+    run_ = UpdateRun(v);  // one run per version: a fresh record, cancellation and count of calls in flight
     SetLogUpdateVersion(v);
     open_version_ = v;
     last_begun_ = v;
-    open_record_ = rec;
+    run_.record = rec;
     saved = SaveState();
     begin_ticket = save_ticket_;
   }
@@ -778,8 +775,8 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
       SetState(prev_state);
       open_version_ = -1;
       last_begun_ = prev_last_begun;
-      open_record_ = prev_record;
-      abort_asked_ = false;
+      run_ = std::move(prev_run);
+      run_.Ended();
       SetLogUpdateVersion(-1);
       Persist();
       ended_cv_.SignalAll();
@@ -995,16 +992,16 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   {
     MutexLock l(&mu_);
     // Checked under the lock AbortUpdate decides under: an abort asked before this point ends the update below.
-    if (!abort_asked_) {
+    if (!run_.abort_asked) {
       SetState(UpdateState::kUpdating);
-      open_plan_epoch_ = plan_epoch;
-      open_source_epochs_ = source_epochs;
-      open_live_sets_ = live_sets;
-      begin_reply_ = out;
-      open_record_ = rec;
-      open_record_.set_started_unix_ms(absl::ToUnixMillis(start));
+      run_.plan_epoch = plan_epoch;
+      run_.source_epochs = source_epochs;
+      run_.live_sets = live_sets;
+      run_.begin_reply = out;
+      run_.record = rec;
+      run_.record.set_started_unix_ms(absl::ToUnixMillis(start));
       // The push phase starts now; its start is kept in total_seconds until commit.
-      open_record_.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+      run_.record.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
       Persist();
       ended_cv_.SignalAll();
       if (staged)
@@ -1059,12 +1056,12 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
                        v <= current_version_ ? " (the asked version is not newer than it)" : ""));
     }
     SetState(UpdateState::kCommitting);
-    update_cancel_ = std::make_shared<Cancellation>();
-    commit_lost_.clear();
-    commit_lost_why_.clear();
+    run_.cancel = std::make_shared<Cancellation>();
+    run_.commit_lost.clear();
+    run_.commit_lost_why.clear();
     Persist();
-    rec = open_record_;
-    source_epochs = open_source_epochs_;
+    rec = run_.record;
+    source_epochs = run_.source_epochs;
     for (const auto& [id, n] : nodes_) {
       if (n.role() == "source" && InRun(id)) sources.push_back(n.address());
       if (n.role() == "source") source_ids[n.address()] = id;
@@ -1119,12 +1116,12 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
   std::set<std::string> unreachable;
   if (!st.ok()) {
     MutexLock l(&mu_);
-    unreachable = commit_lost_;
+    unreachable = run_.commit_lost;
     const absl::Time now = absl::Now();
     for (const auto& [id, n] : nodes_)
       if (now - LastHeartbeat(id) > absl::Seconds(1.5 * opts_.heartbeat_seconds)) unreachable.insert(n.address());
-    if (!commit_lost_why_.empty() && !absl::StrContains(st.message(), commit_lost_why_))
-      st = absl::Status(st.code(), absl::StrCat(commit_lost_why_, "; ", st.message()));
+    if (!run_.commit_lost_why.empty() && !absl::StrContains(st.message(), run_.commit_lost_why))
+      st = absl::Status(st.code(), absl::StrCat(run_.commit_lost_why, "; ", st.message()));
   }
   for (const auto& a : unreachable) spdlog::warn("update {}: write window of {} not closed (unreachable)", v, a);
   // The operator's abort cancelled the sources' FinishUpdate: their writes may still run; they are stopped.
@@ -1169,6 +1166,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
           if (r.ok()) {
             MutexLock l(&mu_);
             engine_version_[a] = version;
+            NoteChange();  // the label is in Status as soon as the engine holds it
           }
           return r;
         },
@@ -1182,11 +1180,11 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
   bool committed = false;
   if (st.ok()) {
     MutexLock l(&mu_);
-    if (!abort_asked_) {
+    if (!run_.abort_asked) {
       committed = true;
-      commit_point_ = true;
+      run_.commit_point = true;
       rec.set_committed_unix_ms(absl::ToUnixMillis(absl::Now()));
-      open_record_ = rec;
+      run_.record = rec;
       current_version_ = v;
       engines_dirty_ = false;  // no engine holds a mix: all hold v
       Persist();
@@ -1344,14 +1342,11 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::RunAbortUpdate(const v1::Abort
           absl::StrCat("update ", v, " is being aborted by another call; ask again for its result"));
     in_phase =
         state_ != UpdateState::kUpdating;  // updating: EndOpenUpdate below, without the lock (it calls the sources)
-    if (!in_phase) abort_by_ = req.aborted_by().empty() ? "the operator" : req.aborted_by();
-    if (in_phase && !abort_asked_) {
-      // Beginning or committing: the thread running that phase ends the update at its next step.
-      abort_asked_ = true;
-      cancel = update_cancel_;
-      abort_reason_ = req.reason();
-      abort_by_ = req.aborted_by().empty() ? "the operator" : req.aborted_by();
-      spdlog::warn("update {}: abort asked by {} while {}{}", v, abort_by_, StateName(),
+    if (!in_phase) run_.abort_by = req.aborted_by().empty() ? "the operator" : req.aborted_by();
+    // Beginning or committing: the thread running that phase ends the update at its next step.
+    if (in_phase && run_.AskAbort(req.reason(), req.aborted_by().empty() ? "the operator" : req.aborted_by())) {
+      cancel = run_.cancel;
+      spdlog::warn("update {}: abort asked by {} while {}{}", v, run_.abort_by, StateName(),
                    req.reason().empty() ? std::string() : absl::StrCat(" (", req.reason(), ")"));
     }
   }
@@ -1359,14 +1354,14 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::RunAbortUpdate(const v1::Abort
     cancel->Cancel(
         absl::StrCat("update ", v, " aborted by ", req.aborted_by().empty() ? "the operator" : req.aborted_by()));
   if (!in_phase) return EndOpenUpdate(v, req.reason(), true);
-  // Cancel the phase's calls in flight until the update has ended. Repeated: a call registered in in_flight_ may not
+  // Cancel the phase's calls in flight until the update has ended. Repeated: a call the run counts in flight may not
   // have reached the peer yet when it is first cancelled (the peer cannot cancel what it does not hold yet).
   for (;;) {
     std::vector<std::string> addrs;
     {
       MutexLock l(&mu_);
       if (open_version_ != v || aborted_.count(v)) break;
-      for (const auto& [a, n] : in_flight_) addrs.push_back(a);
+      addrs = run_.InFlight();
     }
     for (const auto& a : addrs) peers_->CancelCalls(a);
     MutexLock l(&mu_);
@@ -1404,8 +1399,8 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
           absl::StrCat("update ", v, " is not open (", StateName(), "); nothing to end"));
     SetState(UpdateState::kAborting);
     Persist();
-    rec = open_record_;
-    if (by_operator) rec.set_aborted_by(abort_by_.empty() ? "the operator" : abort_by_);
+    rec = run_.record;
+    if (by_operator) rec.set_aborted_by(run_.abort_by.empty() ? "the operator" : run_.abort_by);
     for (const auto& [id, n] : nodes_)
       if (n.role() == "source" && InRun(id)) sources.push_back(n.address());
     engines = EngineAddresses();
@@ -1523,7 +1518,7 @@ bool Coordinator::CheckLeases() {
     for (const auto& [id, n] : nodes_) {
       if (TargetOutOfUpdates(n) || !InRun(id)) continue;  // drained or left out: the update does not need it
       const absl::Duration ago = now - LastHeartbeat(id);
-      if (ago <= limit || (committing && commit_lost_.count(n.address()))) continue;
+      if (ago <= limit || (committing && run_.commit_lost.count(n.address()))) continue;
       why = absl::StrCat(n.role(), " node ", id, " (", n.address(),
                          ") lost its lease during the update: no heartbeat for ",
                          absl::FormatDuration(absl::Trunc(ago, absl::Milliseconds(100))), " (limit ",
@@ -1542,8 +1537,8 @@ bool Coordinator::CheckLeases() {
     if (committing) {
       // The commit owns the update: it fails it once its sources return. Tell them now, so that writes blocked on
       // the lost node are cancelled and their drains return at once instead of running into tcp timeouts.
-      commit_lost_.insert(lost_address);
-      if (commit_lost_why_.empty()) commit_lost_why_ = why;
+      run_.commit_lost.insert(lost_address);
+      if (run_.commit_lost_why.empty()) run_.commit_lost_why = why;
       for (const auto& [id, n] : nodes_)
         if (n.role() == "source" && n.address() != lost_address) sources.push_back(n.address());
     }
@@ -1798,7 +1793,7 @@ absl::Status Coordinator::SaveState() {
   history_dirty_.clear();
   s.set_history_incremental(true);
   s.set_history_floor(history_.empty() ? 0 : history_.front().version());
-  *s.mutable_open_record() = open_record_;
+  *s.mutable_open_record() = run_.record;
   for (const auto& e : drained_engines_) s.add_drained_engines(e);
   for (const auto& n : drained_nodes_) s.add_drained_nodes(n);
   for (const auto& [a, v] : engine_version_) (*s.mutable_engine_version())[a] = v;
@@ -2284,17 +2279,15 @@ absl::Status Coordinator::CheckModelForTest() const {
   fresh.history = std::move(records);
   const std::shared_ptr<const ClusterModel> published = model_.Get();
   const HeartbeatAgo no_lease = [](const std::string&) { return -1.0; };
-  std::string want, have;
-  StatusOf(fresh, true, no_lease, opts_.heartbeat_seconds).SerializeToString(&want);
-  StatusOf(*published, true, no_lease, opts_.heartbeat_seconds).SerializeToString(&have);
-  if (want != have)
-    return absl::InternalError(absl::StrCat(
-        "the published status is not the coordinator's state: published ",
-        StatusOf(*published, true, no_lease, opts_.heartbeat_seconds).ShortDebugString(), "; state ",
-        StatusOf(fresh, true, no_lease, opts_.heartbeat_seconds).ShortDebugString()));
-  HistoryOf(fresh, 0).SerializeToString(&want);
-  HistoryOf(*published, 0).SerializeToString(&have);
-  if (want != have)
+  const v1::ClusterStatus want = StatusOf(fresh, true, no_lease, opts_.heartbeat_seconds);
+  const v1::ClusterStatus have = StatusOf(*published, true, no_lease, opts_.heartbeat_seconds);
+  google::protobuf::util::MessageDifferencer diff;
+  std::string differences;
+  diff.ReportDifferencesToString(&differences);
+  if (!diff.Compare(have, want))
+    return absl::InternalError(absl::StrCat("the published status is not the coordinator's state (published → state): ",
+                                            differences));
+  if (!google::protobuf::util::MessageDifferencer::Equals(HistoryOf(fresh, 0), HistoryOf(*published, 0)))
     return absl::InternalError(absl::StrCat("the published history (", published->history->size(),
                                             " records) is not the coordinator's (", history_.size(), ")"));
   return absl::OkStatus();
@@ -2587,6 +2580,7 @@ Coordinator::SwitchResult Coordinator::SwitchEngines(int64_t v,
     if (r.ok()) {
       MutexLock l(&mu_);
       engine_version_[a] = version;
+      NoteChange();  // the label is in Status as soon as the engine holds it
     }
     return r;
   });

@@ -60,6 +60,18 @@
 // the update it belongs to, never Status, History, heartbeats (stamped on arrival under lease_mu_) or an abort. The
 // lock contracts are compiler-checked (ABSL_GUARDED_BY; daemon_thread_safety_test).
 //
+// Readers: Status, EngineStates (WatchEngines), History and the status page answer from a ClusterModel
+// (cluster_model.h), an immutable snapshot the coordinator builds under mu_ at every change of what they report
+// (Publish, called where the change counter moves) and swaps in under the model's own mutex; they never take mu_.
+// The layout (nodes, plan, groups) and the history records are shared between successive models and rebuilt only
+// when they change. tests/daemon/coordinator_model_test.cc holds mu_ while they answer and checks, inside every peer
+// call, that the published model is the state.
+//
+// The update in progress is an UpdateRun (update_run.h), one per version, made by BeginUpdate: its record, its
+// BeginUpdate reply, its Cancellation, its calls in flight, the operator's abort, its commit point, the nodes lost
+// during its commit and its engine calls' ends. The coordinator keeps membership, plan, store and model, and runs the
+// phase rows on the run under mu_ (run_).
+//
 // Self-healing: sources report in every heartbeat the plan epoch and the digest (daemon/common/config_digest.h) of
 // the configuration they hold; one that does not hold what the coordinator planned for it is configured again at
 // the next BeginUpdate.
@@ -87,6 +99,7 @@
 #include "daemon/coordinator/state_store.h"
 #include "daemon/coordinator/store_writer.h"
 #include "daemon/coordinator/timeline_svg.h"
+#include "daemon/coordinator/update_run.h"
 #include "daemon/coordinator/update_state.h"
 #include "wsync/v1/coordinator.pb.h"
 #include "wsync/v1/daemon.pb.h"
@@ -295,9 +308,9 @@ class Coordinator {
     std::string digest;  // ConfigureSourceDigest of the request: what its heartbeats must report
     std::vector<std::pair<std::string, int>> targets;  // (engine id, rank) it writes
   };
-  // Runs `call`, a call of the beginning or committing update to the peer at `addr`, counted in in_flight_ while it
-  // runs (what an operator's abort cancels); once an abort was asked, returns Cancelled without calling. Takes mu_
-  // briefly before and after, never across the call.
+  // Runs `call`, a call of the beginning or committing update to the peer at `addr`, counted in the run's calls in
+  // flight while it runs (what an operator's abort cancels); once an abort was asked, returns Cancelled without
+  // calling. Takes mu_ briefly before and after, never across the call.
   template <typename Call>
   auto Remote(const std::string& addr, Call call) -> decltype(call());
   // The source nodes that take part in plans (not drained), in (stage, node id) order (PlanSourceNodes).
@@ -465,7 +478,7 @@ class Coordinator {
                              std::map<std::string, std::string>* left_out, v1::UpdateRecord* rec);
   // The fan-out of one phase of the beginning or committing update (fanout.h), as `mode`'s phase table declares it:
   // its name, its deadline for the whole phase (`deadline_s` only where the row leaves it to the caller: the
-  // commit's timeout), cancelled by an operator's abort (update_cancel_) up to the switch (an engine past its switch
+  // commit's timeout), cancelled by an operator's abort (run_.cancel) up to the switch (an engine past its switch
   // is never cut short by an abort), a running call cut short through Peers::CancelCalls on `addrs[i]` (the peer of
   // item i) at the deadline.
   FanoutOptions UpdatePhase(UpdateMode mode, Phase phase, std::vector<std::string> addrs, double deadline_s = 0) const;
@@ -578,53 +591,28 @@ class Coordinator {
   bool engines_dirty_ ABSL_GUARDED_BY(mu_) = false;  // a failed/aborted update may have written into the engines
   std::map<int64_t, v1::AbortUpdateReply> aborted_
       ABSL_GUARDED_BY(mu_);  // answers to repeated AbortUpdate, bounded like outcomes_
-  // An operator's AbortUpdate of the update beginning or committing (cleared when it ends): the thread running the
-  // phase stops at its next step; the abort cancels the calls in flight (in_flight_) until the update has ended.
-  bool abort_asked_ ABSL_GUARDED_BY(mu_) = false;
-  // Raised with abort_asked_: the phase running stops starting calls and cancels those in flight. A fresh one per
-  // begin and per commit.
-  std::shared_ptr<Cancellation> update_cancel_ ABSL_GUARDED_BY(mu_) = std::make_shared<Cancellation>();
-  std::string abort_reason_ ABSL_GUARDED_BY(mu_);
-  std::string abort_by_
-      ABSL_GUARDED_BY(mu_);  // who asked for the abort (AbortUpdateRequest.aborted_by; "the operator" when not said)
-  std::map<std::string, int> in_flight_
-      ABSL_GUARDED_BY(mu_);  // peer address → calls of the beginning/committing update in flight
-  CondVar ended_cv_;         // a begin or a commit ended (state_ left beginning or committing)
+  // The update of the open version (update_run.h): its record, cancellation, calls in flight, abort, commit point.
+  // A fresh one per BeginUpdate; read and written under mu_ only.
+  UpdateRun run_ ABSL_GUARDED_BY(mu_);
+  CondVar ended_cv_;                                // a begin or a commit ended (state_ left beginning or committing)
   int64_t open_version_ ABSL_GUARDED_BY(mu_) = -1;  // the version beginning, open or committing; -1 when none
   int64_t last_begun_ ABSL_GUARDED_BY(mu_) = -1;    // highest version ever begun; BeginUpdate needs a newer one
   int64_t since_dense_ ABSL_GUARDED_BY(mu_) = 0;    // updates committed since the last dense one (delta_anchor_every)
   int64_t current_version_ ABSL_GUARDED_BY(mu_) = -1;  // last committed version; -1 when none
-  int64_t open_plan_epoch_ ABSL_GUARDED_BY(mu_) = -1;  // plan the open update was started under
-  std::map<std::string, int64_t> open_source_epochs_
-      ABSL_GUARDED_BY(mu_);  // source address → its plan epoch (sent with FinishUpdate)
-  std::map<std::string, int> open_live_sets_
-      ABSL_GUARDED_BY(mu_);  // staging engines' live copy when the open update began
   // Staged updates: engines left out of a switch (control address → why) until an update succeeds on them; the
   // version each engine holds verified in its staging copy, not yet switched; whether the open update's switch began.
   std::map<std::string, std::string> engine_stale_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> engine_staged_ ABSL_GUARDED_BY(mu_);
   bool switch_started_ ABSL_GUARDED_BY(mu_) = false;
-  // The committing update passed its commit point (every engine held its weights and label; the continue phase
-  // began): it ends committed whatever a Continue answers. Cleared when it ends.
-  bool commit_point_ ABSL_GUARDED_BY(mu_) = false;
   // Engines (ids) holding the current version paused because their Continue failed past its commit point.
   std::set<std::string> not_resumed_ ABSL_GUARDED_BY(mu_);
-  v1::BeginUpdateReply begin_reply_
-      ABSL_GUARDED_BY(mu_);  // the open version's BeginUpdate reply (answers a retried BeginUpdate)
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;
   bool watch_stop_ = false;
   std::thread watch_thread_;
-  v1::UpdateRecord open_record_ ABSL_GUARDED_BY(mu_);
-  // During a commit: nodes that lost their lease (addresses) and the first such failure; the sources were told
-  // (AbortSourceUpdate cancels their writes), the commit fails with it and skips them when closing windows.
-  std::set<std::string> commit_lost_ ABSL_GUARDED_BY(mu_);
-  std::string commit_lost_why_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, Outcome> outcomes_
       ABSL_GUARDED_BY(mu_);  // per ended version, the oldest dropped beyond history_limit
   std::deque<v1::UpdateRecord> history_ ABSL_GUARDED_BY(mu_);
-  std::vector<EngineCallEnd> engine_call_ends_
-      ABSL_GUARDED_BY(mu_);  // requires mu_: the open update's engine calls as they ended
   Metrics metrics_;
   // The store's one owner (store_writer.h): saves are queued, never written under mu_, except a membership change's.
   std::unique_ptr<StoreWriter> writer_ ABSL_GUARDED_BY(mu_);

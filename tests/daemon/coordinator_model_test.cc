@@ -166,25 +166,32 @@ TEST_CASE("model: Status, History, EngineStates and WatchEngines answer while th
   Cluster k;
   REQUIRE(k.Begin(1).ok());
   REQUIRE(k.Commit(1).ok());
+  // The readers run on their own threads; the futures outlive the hold, so that a reader that waits for the lock
+  // makes this test fail (answered false) instead of hanging it.
+  std::future<v1::ClusterStatus> status;
+  std::future<v1::HistoryReply> history;
+  std::future<v1::EngineStates> states;
+  std::future<uint64_t> generation;
+  std::future<std::string> grpc_status, watched;
+  std::vector<bool> answered;
   k.c.HoldLockForTest([&] {
-    auto status = std::async(std::launch::async, [&] { return k.c.Status(); });
-    auto history = std::async(std::launch::async, [&] {
+    status = std::async(std::launch::async, [&] { return k.c.Status(); });
+    history = std::async(std::launch::async, [&] {
       v1::HistoryRequest r;
       return k.c.History(r);
     });
-    auto states = std::async(std::launch::async, [&] { return k.c.EngineStates(); });
-    auto generation = std::async(std::launch::async, [&] {
-      return k.c.WaitForChange(k.c.ChangeGeneration(), absl::Milliseconds(1));
-    });
+    states = std::async(std::launch::async, [&] { return k.c.EngineStates(); });
+    generation = std::async(std::launch::async,
+                            [&] { return k.c.WaitForChange(k.c.ChangeGeneration(), absl::Milliseconds(1)); });
     // Over the server: GetClusterStatus and a WatchEngines stream's first message.
-    auto grpc_status = std::async(std::launch::async, [&] {
+    grpc_status = std::async(std::launch::async, [&] {
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + kAnswerWithin);
       v1::ClusterStatus out;
       const grpc::Status st = k.stub->GetClusterStatus(&ctx, v1::ClusterStatusRequest(), &out);
       return st.ok() ? out.current_version() : absl::StrCat("error: ", st.error_message());
     });
-    auto watched = std::async(std::launch::async, [&] {
+    watched = std::async(std::launch::async, [&] {
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + kAnswerWithin);
       v1::WatchEnginesRequest req;
@@ -195,28 +202,33 @@ TEST_CASE("model: Status, History, EngineStates and WatchEngines answer while th
       reader->Finish();
       return got ? first.current_version() : std::string("no message");
     });
-    REQUIRE(status.wait_for(kAnswerWithin) == std::future_status::ready);
-    REQUIRE(history.wait_for(kAnswerWithin) == std::future_status::ready);
-    REQUIRE(states.wait_for(kAnswerWithin) == std::future_status::ready);
-    REQUIRE(generation.wait_for(kAnswerWithin) == std::future_status::ready);
-    REQUIRE(grpc_status.wait_for(kAnswerWithin + 2s) == std::future_status::ready);
-    REQUIRE(watched.wait_for(kAnswerWithin + 2s) == std::future_status::ready);
-    const v1::ClusterStatus s = status.get();
-    CHECK(s.current_version() == "1");
-    CHECK(s.state() == "idle");
-    CHECK(s.nodes_size() == 2);
-    CHECK(s.plan_size() > 0);
-    const v1::HistoryReply h = history.get();
-    REQUIRE(h.records_size() == 1);
-    CHECK(h.records(0).version() == 1);
-    CHECK(h.records(0).success());
-    const v1::EngineStates es = states.get();
-    REQUIRE(es.engines_size() == 1);
-    CHECK(es.engines(0).ready());
-    CHECK(es.engines(0).weight_version() == "1");
-    CHECK(grpc_status.get() == "1");
-    CHECK(watched.get() == "1");
+    const auto by = std::chrono::steady_clock::now() + kAnswerWithin;
+    answered = {status.wait_until(by) == std::future_status::ready,
+                history.wait_until(by) == std::future_status::ready,
+                states.wait_until(by) == std::future_status::ready,
+                generation.wait_until(by) == std::future_status::ready,
+                grpc_status.wait_until(by + 2s) == std::future_status::ready,
+                watched.wait_until(by + 2s) == std::future_status::ready};
   });
+  // Status, History, EngineStates, WaitForChange, GetClusterStatus, WatchEngines: each answered while the lock was
+  // held.
+  CHECK(answered == std::vector<bool>(6, true));
+  const v1::ClusterStatus s = status.get();
+  CHECK(s.current_version() == "1");
+  CHECK(s.state() == "idle");
+  CHECK(s.nodes_size() == 2);
+  CHECK(s.plan_size() > 0);
+  const v1::HistoryReply h = history.get();
+  REQUIRE(h.records_size() == 1);
+  CHECK(h.records(0).version() == 1);
+  CHECK(h.records(0).success());
+  const v1::EngineStates es = states.get();
+  REQUIRE(es.engines_size() == 1);
+  CHECK(es.engines(0).ready());
+  CHECK(es.engines(0).weight_version() == "1");
+  generation.get();
+  CHECK(grpc_status.get() == "1");
+  CHECK(watched.get() == "1");
   CHECK(k.peers->mismatches().empty());
 }
 
