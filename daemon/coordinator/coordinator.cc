@@ -2285,8 +2285,8 @@ absl::Status Coordinator::CheckModelForTest() const {
   std::string differences;
   diff.ReportDifferencesToString(&differences);
   if (!diff.Compare(have, want))
-    return absl::InternalError(absl::StrCat("the published status is not the coordinator's state (published → state): ",
-                                            differences));
+    return absl::InternalError(
+        absl::StrCat("the published status is not the coordinator's state (published → state): ", differences));
   if (!google::protobuf::util::MessageDifferencer::Equals(HistoryOf(fresh, 0), HistoryOf(*published, 0)))
     return absl::InternalError(absl::StrCat("the published history (", published->history->size(),
                                             " records) is not the coordinator's (", history_.size(), ")"));
