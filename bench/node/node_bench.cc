@@ -38,6 +38,21 @@
 // --copy-mode one-pass|per-region|both (default one-pass): how a host placement copies a tensor's column shards
 // (engine TP > 1): in one pass over its rows writing every shard (the client's), or one strided copy per shard;
 // both: each placement run both ways, the line names the mode.
+// --slow-target-ms MS (tcp; default 0: off): does one slow target hold up the others? The tcp case runs twice in this
+// process on the same layout, first unslowed, then with every Post to engine rank 0's target held MS ms. In both runs
+// each engine rank's segment is in a target transport of its own (its own listener: a target host of its own, as the
+// source sees it), and the source's tcp transport is wrapped in the fault transport (transport/fault: delay_peer
+// names rank 0's listener in the slowed run; nothing is held in the unslowed one) and in a clock that logs, per
+// target connection, the bytes of the batches whose Wait said they landed and when the last one did. Reported: each
+// target's rate (its bytes / the time from the update's start until its last write landed) in both runs; for the
+// other targets together (their bytes / until the last of theirs landed) slowed ÷ unslowed, the figure the source's
+// one-writer-per-target design promises (goal >= 0.9), and the worst single other target; and the slowed target's
+// own rate. Writers that shared a thread, or a rank that waited on rank 0's Posts (a lock held across them, or a
+// writer whose credits rank 0's backlog keeps taken), would make the others' last writes land after rank 0's holds:
+// the ratio would fall toward unslowed time ÷ slowed time. On a machine whose cores the loopback copies saturate, the
+// others may go faster while rank 0 is held (its bytes move later): the ratio can exceed 1 there. The last line gains
+// slow_target_ms, slow_target_others_unslowed_gbps, slow_target_others_slowed_gbps, slow_target_others_ratio,
+// slow_target_worst_other_ratio and slow_target_gbps (the ring at the last --ranks), and slow_target (every R, mode).
 // --results-out FILE writes the node rates the planner reads (planner/node_rates.h): a curve per R for every
 // (weights, host or CUDA tensors, ring or placement) measured, at the largest engine TP run, and the pinned D2H
 // peak. (bench/node/rates_from_outputs.py makes the same file from kept outputs of runs that ended early.)
@@ -45,8 +60,10 @@
 //   bench_node                                   # every case at full size (Qwen3-8B, 36 layers, ~16 GB bf16)
 //   bench_node --quick                           # small shapes, R = 1,2: every case in well under a minute
 //   bench_node --cases dense --tp 1 --ranks 8 --write-checksums  # one case, with wsyncd's default hashing on
+//   bench_node --cases tcp --tp 8 --ranks 8 --slow-target-ms 50  # 8 ranks -> 8 targets, then rank 0's slowed
 // Memory: the tensors once per workload, the replica per case, R rings of --ring-mib (enlarged to fit the largest
-// tensor); tcp adds the target's segments, cuda the device copy and a pinned buffer of the same size.
+// tensor); tcp adds the target's segments (--slow-target-ms: for each of its two runs), cuda the device copy and a
+// pinned buffer of the same size.
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -70,10 +87,12 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "base/host_copy.h"
 #include "base/memory_kind.h"
 #include "base/status.h"
@@ -86,6 +105,7 @@
 #include "nlohmann/json.hpp"
 #include "replica/model_config.h"
 #include "replica/param_table.h"
+#include "transport/fault/fault_transport.h"
 #include "transport/transport.h"
 
 namespace {
@@ -158,42 +178,228 @@ class NullTransport : public transport::Transport {
   std::exit(1);
 }
 
+// What one target connection received in an update of the tcp case, as its sender saw it: the bytes of the batches
+// whose Wait said they landed (tcp: written into the target's memory and acknowledged) and when the last one did.
+struct LandedLog {
+  std::atomic<uint64_t> bytes{0}, batches{0};
+  std::atomic<int64_t> last_ns{0};  // Clock's time since its epoch; 0: nothing landed yet
+  void Reset() { bytes = 0, batches = 0, last_ns = 0; }
+  // The endpoint's PeerName() once connected ("" before).
+  std::string peer() const {
+    absl::MutexLock l(&mu);
+    return peer_name;
+  }
+  mutable absl::Mutex mu;
+  std::string peer_name ABSL_GUARDED_BY(mu);
+};
+
+// Decorates a sending endpoint with its LandedLog. Used by one thread at a time, as every endpoint.
+class ClockedEndpoint : public transport::Endpoint {
+ public:
+  ClockedEndpoint(std::unique_ptr<transport::Endpoint> inner, std::shared_ptr<LandedLog> log)
+      : inner_(std::move(inner)), log_(std::move(log)) {}
+  std::string LocalInfo() const override { return inner_->LocalInfo(); }
+  absl::Status Connect(const std::string& peer_info, absl::Duration timeout) override {
+    WSYNC_RETURN_IF_ERROR(inner_->Connect(peer_info, timeout));
+    absl::MutexLock l(&log_->mu);
+    log_->peer_name = inner_->PeerName();
+    return absl::OkStatus();
+  }
+  std::string PeerName() const override { return inner_->PeerName(); }
+  void Cancel(const absl::Status& why) override { inner_->Cancel(why); }
+  bool Reusable(const std::string& peer_info) const override { return inner_->Reusable(peer_info); }
+  absl::StatusOr<transport::BatchId> Post(absl::Span<const transport::WriteRequest> writes) override {
+    uint64_t n = 0;
+    for (const auto& w : writes) n += w.length;
+    absl::StatusOr<transport::BatchId> id = inner_->Post(writes);
+    if (id.ok()) sizes_[*id] = n;
+    return id;
+  }
+  absl::Status Wait(transport::BatchId batch, absl::Duration timeout) override {
+    absl::Status st = inner_->Wait(batch, timeout);
+    if (absl::IsDeadlineExceeded(st)) return st;  // still outstanding
+    auto it = sizes_.find(batch);
+    if (it == sizes_.end()) return st;
+    if (st.ok()) {
+      log_->bytes += it->second;
+      ++log_->batches;
+      log_->last_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+    }
+    sizes_.erase(it);
+    return st;
+  }
+
+ private:
+  std::unique_ptr<transport::Endpoint> inner_;
+  std::shared_ptr<LandedLog> log_;
+  std::map<transport::BatchId, uint64_t> sizes_;  // posted, not yet waited for
+};
+
+// The source's transport of the tcp case with --slow-target-ms: every endpoint it makes keeps a LandedLog.
+// Everything else is the inner's.
+class ClockedTransport : public transport::Transport {
+ public:
+  explicit ClockedTransport(std::unique_ptr<transport::Transport> inner) : inner_(std::move(inner)) {}
+  std::string name() const override { return inner_->name(); }
+  bool viable() const override { return inner_->viable(); }
+  std::string reason() const override { return inner_->reason(); }
+  transport::Capabilities Query() const override { return inner_->Query(); }
+  absl::StatusOr<std::unique_ptr<transport::LocalRegion>> RegisterMemory(void* addr, uint64_t len) override {
+    return inner_->RegisterMemory(addr, len);
+  }
+  absl::StatusOr<std::unique_ptr<transport::LocalRegion>> RegisterSourceMemory(void* addr, uint64_t len) override {
+    return inner_->RegisterSourceMemory(addr, len);
+  }
+  absl::StatusOr<std::unique_ptr<transport::LocalRegion>> RegisterSink(
+      std::shared_ptr<transport::RegionSink> sink) override {
+    return inner_->RegisterSink(std::move(sink));
+  }
+  absl::StatusOr<std::unique_ptr<transport::RemoteRegion>> ImportRegion(const std::string& descriptor) override {
+    return inner_->ImportRegion(descriptor);
+  }
+  absl::StatusOr<std::unique_ptr<transport::Endpoint>> CreateEndpoint() override {
+    WSYNC_ASSIGN_OR_RETURN(auto ep, inner_->CreateEndpoint());
+    auto log = std::make_shared<LandedLog>();
+    {
+      absl::MutexLock l(&mu_);
+      logs_.push_back(log);
+    }
+    return std::unique_ptr<transport::Endpoint>(std::make_unique<ClockedEndpoint>(std::move(ep), std::move(log)));
+  }
+  std::vector<std::shared_ptr<LandedLog>> logs() const {
+    absl::MutexLock l(&mu_);
+    return logs_;
+  }
+
+ private:
+  std::unique_ptr<transport::Transport> inner_;
+  mutable absl::Mutex mu_;
+  std::vector<std::shared_ptr<LandedLog>> logs_ ABSL_GUARDED_BY(mu_);
+};
+
+// One engine rank's target in an update of the tcp case with --slow-target-ms (seconds from the update's start).
+struct TargetLanded {
+  int rank = 0;
+  uint64_t bytes = 0, batches = 0;
+  double seconds = 0;  // its last write landed
+  double gbps() const { return seconds > 0 ? bytes / seconds / 1e9 : 0; }
+};
+
+// The targets other than engine rank 0 (the one --slow-target-ms slows), together: their bytes / the time until the
+// last of their writes landed.
+double OthersGbps(const std::vector<TargetLanded>& targets) {
+  uint64_t bytes = 0;
+  double seconds = 0;
+  for (const auto& t : targets)
+    if (t.rank != 0) bytes += t.bytes, seconds = std::max(seconds, t.seconds);
+  return seconds > 0 ? bytes / seconds / 1e9 : 0;
+}
+
 // The target side of the tcp case: what a target daemon does for its engine ranks' host segments (each registered
 // with the target's tcp transport, its descriptor in the layout; a connecting source gets an endpoint connected back
 // to it), in this process. The source node sends through `source()`, a tcp transport of its own.
+// With `ranks` > 0 (--slow-target-ms, both runs): each of the engine's `ranks` ranks has a target transport of its
+// own (its own listener: a target host of its own, as far as the source can tell), and the source's transport is the
+// tcp one in the fault transport (holding every Post to rank 0's listener for `delay`; 0: nothing held) in a clock
+// that logs what landed per target connection.
 class TcpTarget {
  public:
-  static absl::StatusOr<std::unique_ptr<TcpTarget>> Create(int streams) {
+  static absl::StatusOr<std::unique_ptr<TcpTarget>> Create(int streams, int ranks, absl::Duration delay) {
     transport::TransportOptions o;
     o.bind_host = "127.0.0.1";
     o.tcp_streams = streams;
     auto t = std::unique_ptr<TcpTarget>(new TcpTarget());
-    WSYNC_ASSIGN_OR_RETURN(t->source_, transport::CreateTransport("tcp", o));
-    WSYNC_ASSIGN_OR_RETURN(t->target_, transport::CreateTransport("tcp", o));
+    t->delay_ = delay;
+    WSYNC_ASSIGN_OR_RETURN(auto source, transport::CreateTransport("tcp", o));
+    if (ranks == 0) {
+      t->source_ = std::move(source);
+      WSYNC_ASSIGN_OR_RETURN(auto target, transport::CreateTransport("tcp", o));
+      t->targets_.push_back(std::move(target));
+      return t;
+    }
+    for (int r = 0; r < ranks; ++r) {
+      WSYNC_ASSIGN_OR_RETURN(auto target, transport::CreateTransport("tcp", o));
+      // The name a source endpoint gives this target's listener (what delay_peer matches), from a probe connection.
+      WSYNC_ASSIGN_OR_RETURN(std::string name, ListenerName(*source, *target));
+      if (r > 0 && absl::StrContains(name, t->names_[0]))
+        return absl::InternalError(absl::StrCat("the slowed target's listener ", t->names_[0], " is a part of rank ", r,
+                                                "'s, ", name, ": delay_peer would hold both"));
+      t->targets_.push_back(std::move(target));
+      t->names_.push_back(std::move(name));
+    }
+    transport::FaultSpec spec;
+    if (delay > absl::ZeroDuration()) spec.delay = delay, spec.delay_peer = t->names_[0];
+    auto clocked = std::make_unique<ClockedTransport>(transport::WrapWithFaults(std::move(source), spec));
+    t->clocked_ = clocked.get();
+    t->source_ = std::move(clocked);
     return t;
   }
   transport::Transport* source() { return source_.get(); }
-  // A host segment of `bytes` (every page touched, as an engine's weights are), registered: its descriptor.
+  bool clocked() const { return clocked_ != nullptr; }
+  // How the case's line names this run ("" without --slow-target-ms).
+  std::string Label() const {
+    if (!clocked()) return "";
+    return delay_ > absl::ZeroDuration()
+               ? absl::StrFormat(" (target rank 0 slowed: %lld ms per Post)", absl::ToInt64Milliseconds(delay_))
+               : " (unslowed)";
+  }
+  int64_t slowed_ms() const { return absl::ToInt64Milliseconds(delay_); }
+  // A host segment of `bytes` (every page touched, as an engine's weights are), registered: its descriptor. Called
+  // in engine rank order.
   absl::StatusOr<std::string> AddSegment(uint64_t bytes) {
+    transport::Transport* on = On(static_cast<int>(segments_.size()));
     segments_.push_back(std::make_unique<uint8_t[]>(bytes));
     std::memset(segments_.back().get(), 0, bytes);
-    WSYNC_ASSIGN_OR_RETURN(auto region, target_->RegisterMemory(segments_.back().get(), bytes));
+    WSYNC_ASSIGN_OR_RETURN(auto region, on->RegisterMemory(segments_.back().get(), bytes));
     regions_.push_back(std::move(region));
     return regions_.back()->Descriptor();
   }
   // The target daemon's ConnectTarget: an endpoint connected to the source's, whose info goes back. Thread-safe.
   absl::StatusOr<std::string> Connect(const v1::ConnectTargetRequest& req) {
-    WSYNC_ASSIGN_OR_RETURN(auto ep, target_->CreateEndpoint());
+    WSYNC_ASSIGN_OR_RETURN(auto ep, On(req.rank())->CreateEndpoint());
     WSYNC_RETURN_IF_ERROR(ep->Connect(req.source_endpoint_info(), absl::Seconds(10)));
     std::string info = ep->LocalInfo();
     std::lock_guard<std::mutex> l(mu_);
     endpoints_.push_back(std::move(ep));
     return info;
   }
+  // Clocked only: before an update, nothing landed.
+  void ResetLanded() {
+    for (auto& log : clocked_->logs()) log->Reset();
+  }
+  // Clocked only: per engine rank, what landed since `t0` (on the source's endpoints connected to its listener).
+  std::vector<TargetLanded> Landed(Clock::time_point t0) const {
+    std::vector<TargetLanded> out;
+    const int64_t t0_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
+    for (auto& log : clocked_->logs()) {
+      auto r = std::find(names_.begin(), names_.end(), log->peer());
+      if (r == names_.end()) continue;  // a probe (connected before the clock), or never connected
+      const int64_t last = log->last_ns;
+      out.push_back(
+          {static_cast<int>(r - names_.begin()), log->bytes, log->batches, last > 0 ? (last - t0_ns) / 1e9 : 0.0});
+    }
+    std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.rank < b.rank; });
+    return out;
+  }
 
  private:
   TcpTarget() = default;
-  std::unique_ptr<transport::Transport> source_, target_;
+  transport::Transport* On(int rank) const {
+    return targets_.size() > 1 ? targets_.at(static_cast<size_t>(rank)).get() : targets_[0].get();
+  }
+  // The PeerName() an endpoint of `source` gives `target`'s listener, from a connection made and dropped here.
+  static absl::StatusOr<std::string> ListenerName(transport::Transport& source, transport::Transport& target) {
+    WSYNC_ASSIGN_OR_RETURN(auto a, source.CreateEndpoint());
+    WSYNC_ASSIGN_OR_RETURN(auto b, target.CreateEndpoint());
+    WSYNC_RETURN_IF_ERROR(b->Connect(a->LocalInfo(), absl::Seconds(10)));
+    WSYNC_RETURN_IF_ERROR(a->Connect(b->LocalInfo(), absl::Seconds(10)));
+    return a->PeerName();
+  }
+  std::unique_ptr<transport::Transport> source_;
+  std::vector<std::unique_ptr<transport::Transport>> targets_;  // one, or one per engine rank
+  std::vector<std::string> names_;                              // per engine rank: its listener, as a source names it
+  ClockedTransport* clocked_ = nullptr;                         // source_, when it is one
+  absl::Duration delay_;
   std::vector<std::unique_ptr<uint8_t[]>> segments_;
   std::vector<std::unique_ptr<transport::LocalRegion>> regions_;
   std::mutex mu_;
@@ -496,7 +702,8 @@ std::vector<int> ParseList(const std::string& s) {
 
 struct BenchOptions {
   int reps = 3, ring_mib = 512, threads = 1, tcp_streams = 4;
-  int copy_threads = 0;  // per rank, as the client's host_copy_threads (0: hardware threads / R, at most 8)
+  int slow_target_ms = 0;  // tcp: run again with engine rank 0's target slowed by this per Post (0: off)
+  int copy_threads = 0;    // per rank, as the client's host_copy_threads (0: hardware threads / R, at most 8)
   bool write_checksums = false, timeline = true;
   std::string placement = "both";
   std::string copy_mode = "one-pass";  // host placement: one-pass, per-region or both (base/host_copy.h PlaceMode)
@@ -507,6 +714,8 @@ struct ModeResult {
   bool placement = false;
   std::string copy_mode;  // placement: one-pass or per-region
   double gbps = 0, baseline_gbps = 0;
+  // tcp with --slow-target-ms: what landed per target in the update whose other targets (not rank 0) were fastest.
+  std::vector<TargetLanded> targets;
 };
 
 // The baseline a case is measured against: the all-core memcpy of its bytes, taken between its updates (`memcpy`),
@@ -614,6 +823,7 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
         copy_mode == "per-region" ? wsync::PlaceMode::kPerRegion : wsync::PlaceMode::kOnePass;
     double best = 1e30, case_copy_s = 1e30;
     std::vector<RankLog> best_logs;
+    std::vector<TargetLanded> best_targets;
     for (int rep = 1; rep <= opt.reps; ++rep) {
       const int64_t v = ++*version;
       for (auto& l : logs) l = RankLog();
@@ -627,6 +837,7 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
       if (base.fixed_gbps == 0)
         case_copy_s = std::min(case_copy_s, ParallelCopy(base.scratch->data(), w.host.data(), w.total, opt.threads));
       std::vector<std::future<absl::Status>> pushes;
+      if (tcp != nullptr && tcp->clocked()) tcp->ResetLanded();
       const auto t0 = Clock::now();
       for (int r = 0; r < R; ++r)
         pushes.push_back(std::async(std::launch::async, [&, r] {
@@ -646,6 +857,16 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
           node.FinishUpdate(fu);  // every required parameter was completed and posted (and landed), or this fails
       if (!fin.ok()) Die("finish update", fin.status());
       if (tcp != nullptr) s = Since(t0);  // the writes landed in the target
+      if (tcp != nullptr && tcp->clocked()) {
+        std::vector<TargetLanded> landed = tcp->Landed(t0);
+        uint64_t landed_bytes = 0;
+        for (const auto& t : landed) landed_bytes += t.bytes;
+        if (static_cast<int>(landed.size()) != tp || landed_bytes != plan.bytes)
+          Die("slow-target accounting",
+              absl::InternalError(absl::StrCat(landed.size(), " targets logged ", landed_bytes,
+                                               " bytes landed; the plan: ", tp, " targets, ", plan.bytes, " bytes")));
+        if (best_targets.empty() || OthersGbps(landed) > OthersGbps(best_targets)) best_targets = std::move(landed);
+      }
       if (s < best) {
         best = s;
         std::lock_guard<std::mutex> l(log_mu);
@@ -657,9 +878,10 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
     uint64_t placed_bytes = 0;
     for (const auto& l : best_logs) placed_bytes += l.placed_bytes;
     if (!place) ring_gbps = gbps;
-    out.push_back({place, copy_mode, gbps, base_gbps});
+    out.push_back({place, copy_mode, gbps, base_gbps, best_targets});
     const std::string mode_name = !place ? "ring" : device != nullptr ? "placement" : "placement (" + copy_mode + ")";
-    std::printf("%s %s TP %d%s, R %d, %s: %.2f GB in %.3f s = %.2f GB/s, %.2fx %s (%.2f GB/s)", case_name.c_str(),
+    const std::string shown = case_name + (tcp != nullptr ? tcp->Label() : "");
+    std::printf("%s %s TP %d%s, R %d, %s: %.2f GB in %.3f s = %.2f GB/s, %.2fx %s (%.2f GB/s)", shown.c_str(),
                 w.label.c_str(), tp, w.ep > 1 ? absl::StrCat(" EP ", w.ep).c_str() : "", R, mode_name.c_str(),
                 bytes / 1e9, best, gbps, gbps / base_gbps, base.name.c_str(), base_gbps);
     if (place)
@@ -712,6 +934,18 @@ std::vector<ModeResult> RunCase(const std::string& case_name, Workload& w, int t
                         {"placement_over_ring", place && ring_gbps > 0 ? gbps / ring_gbps : 0.0},
                         {"seconds", best},
                         {"per_rank", ranks_json}});
+    if (tcp != nullptr && tcp->clocked()) {
+      json targets_json = json::array();
+      for (const auto& t : best_targets)
+        targets_json.push_back({{"rank", t.rank},
+                                {"bytes", t.bytes},
+                                {"batches", t.batches},
+                                {"last_landed_s", t.seconds},
+                                {"gbps", t.gbps()}});
+      results->back()["slowed_target_ms"] = tcp->slowed_ms();
+      results->back()["targets"] = targets_json;
+      results->back()["others_gbps"] = OthersGbps(best_targets);
+    }
   }
   return out;
 }
@@ -801,6 +1035,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
   app.add_option("--tcp-seconds", tcp_seconds, "tcp baseline: measurement time per message size")
+      ->capture_default_str();
+  app.add_option("--slow-target-ms", opt.slow_target_ms,
+                 "tcp: run the case again with every Post to engine rank 0's target held this long (the fault "
+                 "transport's delay_peer); reports the other targets' rate, slowed / unslowed (0: off)")
+      ->check(CLI::Range(0, 600000))
       ->capture_default_str();
   app.add_option("--d2h-streams", d2h_streams, "cuda baseline: streams of the split pinned D2H copy")
       ->check(CLI::Range(1, 64))
@@ -910,6 +1149,7 @@ int main(int argc, char** argv) {
     }
 
   json results = json::array();
+  json slow_results = json::array(), slow_line = json::object();  // tcp with --slow-target-ms
   int64_t epoch = 0, version = 0;
   // The planner's curves (planner/node_rates.h names) at the largest engine TP run, per R; and the dense headline.
   struct Curve {
@@ -919,13 +1159,11 @@ int main(int argc, char** argv) {
   std::map<std::string, Curve> curves;
   double headline = 0, headline_base = 0, headline_placed = 0;
   const Baseline memcpy_base{absl::StrFormat("the %d-thread memcpy", opt.threads), 0, &scratch};
-  auto run_all = [&](const std::string& case_name, Workload& w, TcpTarget* (*make_tcp)(int), const uint8_t* device,
-                     const Baseline& base, const std::vector<int>& case_tps) {
+  auto run_all = [&](const std::string& case_name, Workload& w, const uint8_t* device, const Baseline& base,
+                     const std::vector<int>& case_tps) {
     for (int tp : case_tps)
       for (int R : ranks) {
-        std::unique_ptr<TcpTarget> tcp;
-        if (make_tcp != nullptr) tcp.reset(make_tcp(opt.tcp_streams));
-        auto modes = RunCase(case_name, w, tp, R, tcp.get(), device, base, opt, &epoch, &version, &results);
+        auto modes = RunCase(case_name, w, tp, R, nullptr, device, base, opt, &epoch, &version, &results);
         for (const ModeResult& m : modes) {
           const std::string name = CurveName(case_name, w, m);
           if (name.empty()) continue;
@@ -940,9 +1178,9 @@ int main(int argc, char** argv) {
           }
       }
   };
-  if (run["dense"]) run_all("dense", *dense_w[0], nullptr, nullptr, memcpy_base, tps);
+  if (run["dense"]) run_all("dense", *dense_w[0], nullptr, memcpy_base, tps);
   if (run["moe"])
-    for (auto& w : moe_w) run_all("moe", *w, nullptr, nullptr, memcpy_base, w->tps);
+    for (auto& w : moe_w) run_all("moe", *w, nullptr, memcpy_base, w->tps);
   if (run["tcp"]) {
     Workload& w = *dense_w[0];
     // The node's writes are whole parameters: the baseline at their mean size (and at 64 MiB, bench_transport's
@@ -969,13 +1207,61 @@ int main(int argc, char** argv) {
     const Baseline tcp_base{
         absl::StrFormat("the tcp transport alone at %llu KiB", static_cast<unsigned long long>(mean >> 10)),
         (*sweep)[0].gbps(), nullptr};
-    run_all("tcp", w,
-            [](int streams) -> TcpTarget* {
-              auto t = TcpTarget::Create(streams);
-              if (!t.ok()) Die("tcp target", t.status());
-              return t->release();
-            },
-            nullptr, tcp_base, {tps.front()});
+    const int tp = tps.front();
+    const bool slow = opt.slow_target_ms > 0;
+    // With --slow-target-ms: per R, the unslowed run, then the slowed one, on the same layout; compared per mode.
+    for (int R : ranks) {
+      std::vector<ModeResult> runs[2];
+      for (int slowed = 0; slowed < (slow ? 2 : 1); ++slowed) {
+        auto target =
+            TcpTarget::Create(opt.tcp_streams, slow ? tp : 0, absl::Milliseconds(slowed ? opt.slow_target_ms : 0));
+        if (!target.ok()) Die("tcp target", target.status());
+        runs[slowed] = RunCase("tcp", w, tp, R, target->get(), nullptr, tcp_base, opt, &epoch, &version, &results);
+      }
+      for (size_t m = 0; slow && m < runs[0].size(); ++m) {
+        const ModeResult &a = runs[0][m], &b = runs[1][m];
+        const double before = OthersGbps(a.targets), after = OthersGbps(b.targets);
+        const double ratio = before > 0 ? after / before : 0;
+        double worst = 1e30;
+        json per_target = json::array();
+        for (size_t i = 0; i < a.targets.size() && i < b.targets.size(); ++i) {
+          const TargetLanded &u = a.targets[i], &v = b.targets[i];
+          const double r = u.gbps() > 0 ? v.gbps() / u.gbps() : 0;
+          if (u.rank != 0) worst = std::min(worst, r);
+          std::printf(
+              "  target rank %d%s: %.3f GB in %llu batches; unslowed %.2f GB/s (last write landed at %.3f s), "
+              "slowed %.2f GB/s (at %.3f s), %.2fx\n",
+              u.rank, u.rank == 0 ? " (slowed)" : "", u.bytes / 1e9, static_cast<unsigned long long>(v.batches),
+              u.gbps(), u.seconds, v.gbps(), v.seconds, r);
+          per_target.push_back(
+              {{"rank", u.rank}, {"unslowed_gbps", u.gbps()}, {"slowed_gbps", v.gbps()}, {"ratio", r}});
+        }
+        if (worst > 1e29) worst = 0;
+        const double own = b.targets.empty() ? 0 : b.targets[0].gbps();
+        const double own_before = a.targets.empty() ? 0 : a.targets[0].gbps();
+        std::printf(
+            "slow target, TP %d, R %d, %s: the %zu other targets %.2f GB/s unslowed, %.2f GB/s with rank 0 slowed by "
+            "%d "
+            "ms per Post: %.2fx (goal >= 0.9; worst single target %.2fx); the slowed target %.2f GB/s (unslowed "
+            "%.2f GB/s)\n",
+            tp, R, a.placement ? "placement" : "ring", a.targets.size() - 1, before, after, opt.slow_target_ms, ratio,
+            worst, own, own_before);
+        std::fflush(stdout);
+        slow_results.push_back({{"tp", tp},
+                                {"ranks", R},
+                                {"placement", a.placement},
+                                {"slow_ms", opt.slow_target_ms},
+                                {"others_unslowed_gbps", before},
+                                {"others_slowed_gbps", after},
+                                {"others_ratio", ratio},
+                                {"worst_other_ratio", worst},
+                                {"slowed_target_gbps", own},
+                                {"slowed_target_unslowed_gbps", own_before},
+                                {"targets", per_target}});
+        // The final line's figures: the ring at the largest R (listed last).
+        if (m == 0) slow_line = slow_results.back();
+      }
+    }
   }
   double d2h_peak = 0;
   if (run["cuda"]) {
@@ -998,7 +1284,7 @@ int main(int argc, char** argv) {
             "all ranks share this one GPU\n",
             w->name.c_str(), (*dev)->Describe().c_str(), w->total / *one / 1e9, w->total / *many / 1e9, d2h_streams);
         const Baseline cuda_base{"the pinned D2H peak", peak, nullptr};
-        run_all("cuda", *w, nullptr, (*dev)->data(), cuda_base, w->tps);
+        run_all("cuda", *w, (*dev)->data(), cuda_base, w->tps);
       }
       if (skipped.contains("cuda")) break;
     }
@@ -1020,6 +1306,15 @@ int main(int argc, char** argv) {
             {"copy_mode", opt.copy_mode},
             {"hardware_threads", std::thread::hardware_concurrency()},
             {"results", results}};
+  if (!slow_line.empty()) {
+    j["slow_target_ms"] = opt.slow_target_ms;
+    j["slow_target_others_unslowed_gbps"] = slow_line["others_unslowed_gbps"];
+    j["slow_target_others_slowed_gbps"] = slow_line["others_slowed_gbps"];
+    j["slow_target_others_ratio"] = slow_line["others_ratio"];
+    j["slow_target_worst_other_ratio"] = slow_line["worst_other_ratio"];
+    j["slow_target_gbps"] = slow_line["slowed_target_gbps"];
+    j["slow_target"] = slow_results;
+  }
   if (!results_out.empty()) {
     if (curves.empty()) Die("--results-out", absl::FailedPreconditionError("no case measured a replica load"));
     if (machine.empty()) {

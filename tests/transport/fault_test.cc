@@ -300,9 +300,8 @@ TEST_CASE("delay_peer holds the Posts to that peer only", "[transport][fault]") 
 
   // Long enough that the undelayed write surely ends inside the hold; the test waits for events, not for it.
   const absl::Duration kDelay = absl::Seconds(5);
-  std::unique_ptr<Transport> sender =
-      WrapWithFaults(Tcp(), Spec(absl::StrCat("delay_ms=", absl::ToInt64Milliseconds(kDelay), ",delay_peer=",
-                                              slow_name)));
+  std::unique_ptr<Transport> sender = WrapWithFaults(
+      Tcp(), Spec(absl::StrCat("delay_ms=", absl::ToInt64Milliseconds(kDelay), ",delay_peer=", slow_name)));
   std::vector<uint8_t> src_bytes(kLen, 0xAB), slow_bytes(kLen, 0), fast_bytes(kLen, 0);
   auto src = sender->RegisterMemory(src_bytes.data(), kLen);
   auto slow_dst = slow_rx->RegisterMemory(slow_bytes.data(), kLen);

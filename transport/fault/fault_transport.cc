@@ -161,8 +161,7 @@ absl::StatusOr<FaultSpec> ParseFaultSpec(const std::string& text) {
     const std::string value(absl::StripAsciiWhitespace(kv[1]));
     if (!seen.insert(key).second) return bad("key given twice");
     uint64_t n = 0;
-    if (key != "fail_post" && key != "fail_wait" && key != "delay_ms" && key != "delay_peer")
-      return bad("unknown key");
+    if (key != "fail_post" && key != "fail_wait" && key != "delay_ms" && key != "delay_peer") return bad("unknown key");
     if (key == "delay_peer") {
       if (value.empty()) return bad("value is empty (a part of the peer's name)");
       spec.delay_peer = value;
