@@ -67,7 +67,13 @@ class UpdateWrites {
 class TargetWriter {
  public:
   struct Options {
-    int credits = 32;  // batches queued or in flight at once; Submit blocks beyond them
+    // Batches queued or in flight at once; Submit blocks beyond them. A batch is a list of write descriptors into
+    // memory that stays put for the update (the replica, the delta mirror), so depth costs ~100 bytes per write,
+    // not the bytes: the bound sits far above the batches one update gives a target, so a slow target falls behind
+    // without pacing the ranks that feed the others (at 32, a target held 0.5 s per Post cut the others' rate to
+    // 0.17 of their unslowed one: bench_node --slow-target-ms), and still stops a stuck target's queue from growing
+    // past it.
+    int credits = 1024;
     // How long the thread waits for its oldest batch before it looks at the queue again (new batches are posted
     // while older ones are in flight).
     absl::Duration wait_slice = absl::Milliseconds(2);
