@@ -176,7 +176,8 @@ int main(int argc, char** argv) {
       "  WSYNC_FAULTS   testing aid, never for production: inject data-path faults, e.g.\n"
       "                 WSYNC_FAULTS=fail_post=3,fail_wait=5,delay_ms=10 fails the Post of this daemon's 3rd\n"
       "                 batch, the Wait of its 5th, and delays every Post by 10 ms. Batches are counted from 1\n"
-      "                 across all endpoints. A malformed spec exits 2.\n");
+      "                 across all endpoints. delay_peer=TEXT limits the delay to the endpoints whose peer\n"
+      "                 name contains TEXT. A malformed spec exits 2.\n");
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging(role == "source" ? "wsyncd-src" : "wsyncd-tgt", log_level);
   const std::string listen_host = listen.substr(0, listen.rfind(':'));
