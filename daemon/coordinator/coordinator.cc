@@ -58,6 +58,48 @@ void AddPhase(v1::UpdateRecord* rec, const std::string& phase, absl::Time since)
   p->set_start_seconds(absl::ToDoubleSeconds(since - absl::FromUnixMillis(rec->started_unix_ms())));
 }
 
+// How a restarted coordinator reports one engine of the update `v` it found interrupted (UseStateStore), from what
+// the engine answered (`word`: EngineInfo, or why it did not answer) rather than from the store, which holds the
+// engine as it was before the calls then in flight. `stored_label`: its label in the store; `committed`: the update
+// passed its commit point.
+struct RestoredEngine {
+  EngineView view;
+  std::string label;        // the engine's own (the stored one when it did not answer or reports none)
+  std::string stale;        // not on v after a committed update: why ("" none)
+  bool not_resumed = false;  // on v after a committed update, not serving
+};
+RestoredEngine RestoredEngineOf(const absl::StatusOr<v1::EngineInfo>& word, const std::string& stored_label,
+                                const std::string& v, bool committed) {
+  RestoredEngine r;
+  r.label = word.ok() && !word->weight_version().empty() ? word->weight_version() : stored_label;
+  const bool on_v = r.label == v;
+  if (!word.ok()) {
+    // Not known: never reported serving. On v past the commit point it is resumed by ResumeEngines like any engine
+    // not resumed; otherwise held (stale and failed) until an update succeeds on it.
+    r.view = EngineView{EngineState::kFailed, "engine_info"};
+    r.not_resumed = committed && on_v;
+    if (committed && !on_v)
+      r.stale = absl::StrCat("not answering when the coordinator restarted during update ", v);
+    return r;
+  }
+  if (!word->paused()) {
+    // It serves what its label says: an update writes live weights only while its engines are paused (classic), or
+    // switches them only while paused (staged), and labels them before it continues them.
+    r.view = EngineView{EngineState::kServing, ""};
+    if (committed && !on_v) r.stale = absl::StrCat("serving version ", r.label, ", not switched to ", v);
+    return r;
+  }
+  r.view = EngineView{EngineState::kPaused, ""};
+  r.not_resumed = committed && on_v;
+  if (committed && !on_v) {
+    // Paused under its old label past a staged update's switch or before it: whether it switched is not known.
+    r.view = EngineView{EngineState::kFailed, "restart"};
+    r.stale = absl::StrCat("paused under version ", r.label, " when the coordinator restarted during update ", v,
+                           " (it may have switched): held until an update succeeds on it");
+  }
+  return r;
+}
+
 // `layout` with every parameter moved to copy `set` of its segment (id + set * shift); the segments themselves are
 // all listed already. Pure.
 v1::RankLayout LayoutForCopy(v1::RankLayout layout, int set) {
@@ -1833,8 +1875,7 @@ absl::Status Coordinator::Durable() {
 
 absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
   auto loaded = store->Load();
-  std::vector<std::string> sources;
-  int64_t abort_version = -1;
+  std::vector<std::string> ask;  // the engines of an update the previous coordinator died during
   {
     MutexLock l(&mu_);
     writer_ = std::make_unique<StoreWriter>(std::move(store));
@@ -1886,64 +1927,27 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     state_ = *stored_state == UpdateState::kFailed ? UpdateState::kFailed : UpdateState::kIdle;
     if (!history_.empty() && history_.back().success() && history_.back().version() == current_version_)
       not_resumed_ = {history_.back().not_resumed().begin(), history_.back().not_resumed().end()};
-    if (*stored_state == UpdateState::kCommitting && s.open_record().committed_unix_ms() > 0 && s.open_version() >= 0) {
-      // Died past the commit point: every engine held the version (the root says it is current). It ended
-      // committed; the engines not seen serving stay paused at it until resumed.
-      const int64_t v = s.open_version();
-      v1::UpdateRecord rec = s.open_record();
-      rec.set_version(v);
-      rec.set_success(true);
-      not_resumed_.clear();
-      for (const auto& [id, n] : nodes_)
-        for (const auto& e : n.engines()) {
-          if (EngineDrained(id, e.engine_id())) continue;
-          auto es = engine_state_.find(e.control_address());
-          if (es == engine_state_.end() || es->second.state != EngineState::kServing)
-            not_resumed_.insert(e.engine_id());
-        }
-      for (const auto& id : not_resumed_) rec.add_not_resumed(id);
-      if (rec.started_unix_ms() > 0)
-        rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
-      v1::CommitUpdateReply reply;
-      *reply.mutable_record() = rec;
-      open_version_ = v;  // Finish closes it
-      state_ = UpdateState::kCommitting;
-      const absl::Status result =
-          not_resumed_.empty()
-              ? absl::OkStatus()
-              : NotResumedError(v, static_cast<size_t>(rec.engines()),
-                                absl::UnavailableError("the coordinator restarted during the continue phase"));
-      Finish(v, Outcome{result, reply}, rec);
-      spdlog::warn(
-          "update {} had passed its commit point when the previous coordinator stopped: recorded as "
-          "committed, {} engines not resumed",
-          v, not_resumed_.size());
-    } else if (daemon::UpdateInProgress(*stored_state) && s.open_version() >= 0) {
-      // Died during an update: end it explicitly. Its bytes may be in the engines; they stay paused. A staged
-      // update that had not begun to switch wrote only staging memory: it is abandoned and every engine serves on
-      // at the version it served (the next staged update writes every byte of the staging copies again).
-      const int64_t v = s.open_version();
-      v1::UpdateRecord rec = s.open_record();
-      const bool untouched = rec.mode() == "staged" && !s.switch_started();
-      rec.set_version(v);
-      rec.set_success(false);
-      rec.set_error(absl::StrCat("ABORTED: update ", v,
-                                 " failed: the coordinator restarted during it (or its leader failed over; state ",
-                                 s.state(),
-                                 untouched ? "); abandoned before its switch: engines serve on at their "
-                                             "version"
-                                           : "); engines stay paused until a successful update"));
-      if (rec.started_unix_ms() > 0)
-        rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
-      if (!untouched) engines_dirty_ = true;
-      open_version_ = v;                // Finish closes it
-      state_ = UpdateState::kAborting;  // ended by the restart
-      Finish(v, Outcome{absl::AbortedError(rec.error()), v1::CommitUpdateReply()}, rec);
-      spdlog::warn("update {} was open ({}) when the previous coordinator stopped: recorded as failed", v, s.state());
-      abort_version = v;
+    if (daemon::UpdateInProgress(*stored_state) && s.open_version() >= 0) {
+      ask = EngineAddresses();
+    } else {
+      Persist();
+      spdlog::info("restored from {}: {} nodes, version {}, {} updates in the history{}", writer_->store()->path(),
+                   nodes_.size(), current_version_, history_.size(),
+                   engines_dirty_ ? "; engines may hold partial writes and stay paused until an update succeeds" : "");
+      return absl::OkStatus();
+    }
+  }
+  // Died during an update: which of its calls in flight landed is not in the store, the engines know. Asked without
+  // mu_ (no lock across a peer call), then the update is ended from their answers.
+  const EngineWords words = AskEngines(ask);
+  std::vector<std::string> sources;
+  int64_t abort_version = -1;
+  {
+    MutexLock l(&mu_);
+    abort_version = EndInterruptedLocked(*loaded, words);
+    if (abort_version >= 0)
       for (const auto& [id, n] : nodes_)
         if (n.role() == "source") sources.push_back(n.address());
-    }
     Persist();
     spdlog::info("restored from {}: {} nodes, version {}, {} updates in the history{}", writer_->store()->path(),
                  nodes_.size(), current_version_, history_.size(),
@@ -1961,6 +1965,103 @@ absl::Status Coordinator::UseStateStore(std::unique_ptr<StateStore> store) {
     SetWindows(false, abort_version).IgnoreError();
   }
   return absl::OkStatus();
+}
+
+Coordinator::EngineWords Coordinator::AskEngines(const std::vector<std::string>& addrs) {
+  std::vector<absl::StatusOr<v1::EngineInfo>> got(addrs.size(), absl::UnknownError("not asked"));
+  FanoutOptions o;
+  o.max_parallel = opts_.fanout_parallel;
+  o.deadline = absl::Seconds(DeadlineFor(UpdateMode::kClassic, Phase::kEngineInfo));
+  o.phase = "engine_info";
+  o.cancel_running = [this, &addrs](size_t i) { peers_->CancelCalls(addrs[i]); };
+  const std::vector<absl::Status> st = RunFanout(
+      addrs.size(),
+      [&](size_t i) {
+        got[i] = peers_->EngineInfo(addrs[i]);
+        return got[i].status();
+      },
+      o);
+  EngineWords out;
+  for (size_t i = 0; i < addrs.size(); ++i)
+    out.emplace(addrs[i], st[i].ok() ? got[i] : absl::StatusOr<v1::EngineInfo>(st[i]));
+  return out;
+}
+
+int64_t Coordinator::EndInterruptedLocked(const v1::CoordinatorState& s, const EngineWords& words) {
+  const int64_t v = s.open_version();
+  const std::string version = std::to_string(v);
+  v1::UpdateRecord rec = s.open_record();
+  rec.set_version(v);
+  const bool staged = rec.mode() == "staged";
+  // Past the commit point: the classic one was saved (every engine held v's weights and label), or a staged update's
+  // engine holds v's label (it switched and was post-processed; CommitStaged commits on such an engine), whether the
+  // staged commit point was saved (before its first Continue) or the engine says so.
+  bool labelled = false;
+  for (const auto& [a, w] : words) labelled = labelled || (w.ok() && w->weight_version() == version);
+  const bool committed = rec.committed_unix_ms() > 0 || (staged && s.switch_started() && labelled);
+  if (committed) not_resumed_.clear();
+  for (const auto& [a, w] : words) {
+    const RestoredEngine r = RestoredEngineOf(w, engine_version_[a], version, committed);
+    const std::string id = EngineIdLocked(a);
+    spdlog::info("update {}: engine {} {}", v, id,
+                 w.ok() ? absl::StrCat("says it holds version '", w->weight_version(), "', ",
+                                       w->paused() ? "paused" : "not paused")
+                        : absl::StrCat("did not answer (", w.status().ToString(), "): reported ",
+                                       EngineStateName(r.view)));
+    engine_state_[a] = r.view;
+    if (r.label.empty())
+      engine_version_.erase(a);
+    else
+      engine_version_[a] = r.label;
+    if (!r.stale.empty()) {
+      engine_stale_[a] = r.stale;
+    } else if (committed && r.label == version) {
+      engine_stale_.erase(a);  // on the fleet's version
+    }
+    engine_staged_.erase(a);
+    if (!committed) continue;
+    if (r.not_resumed) {
+      not_resumed_.insert(id);
+      rec.add_not_resumed(id);
+    }
+    if (staged && r.label == version) rec.add_switched(id);
+    if (!r.stale.empty()) rec.add_stale(absl::StrCat(id, ": ", r.stale));
+  }
+  if (rec.started_unix_ms() > 0)
+    rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - absl::FromUnixMillis(rec.started_unix_ms())));
+  open_version_ = v;  // Finish closes it
+  if (committed) {
+    // Every engine on v holds its weights and label; those not seen serving stay paused at v until resumed.
+    rec.set_success(true);
+    v1::CommitUpdateReply reply;
+    *reply.mutable_record() = rec;
+    state_ = UpdateState::kCommitting;
+    const absl::Status result =
+        not_resumed_.empty() ? absl::OkStatus()
+                             : NotResumedError(v, static_cast<size_t>(rec.engines()),
+                                               absl::UnavailableError("the coordinator restarted during its commit"));
+    Finish(v, Outcome{result, reply}, rec);
+    spdlog::warn(
+        "update {} had passed its commit point when the previous coordinator stopped: recorded as committed, {} "
+        "engines not resumed",
+        v, not_resumed_.size());
+    return -1;
+  }
+  // Failed. Its bytes may be in the engines it paused; they stay paused. A staged update that had not begun to
+  // switch wrote only staging memory: it is abandoned and every engine serves on at the version it served (the next
+  // staged update writes every byte of the staging copies again).
+  const bool untouched = staged && !s.switch_started();
+  rec.set_success(false);
+  rec.set_error(absl::StrCat("ABORTED: update ", v,
+                             " failed: the coordinator restarted during it (or its leader failed over; state ",
+                             s.state(),
+                             untouched ? "); abandoned before its switch: engines serve on at their version"
+                                       : "); the engines it paused stay paused until a successful update"));
+  if (!untouched) engines_dirty_ = true;
+  state_ = UpdateState::kAborting;  // ended by the restart
+  Finish(v, Outcome{absl::AbortedError(rec.error()), v1::CommitUpdateReply()}, rec);
+  spdlog::warn("update {} was open ({}) when the previous coordinator stopped: recorded as failed", v, s.state());
+  return v;
 }
 
 absl::StatusOr<v1::RemoveNodeReply> Coordinator::RemoveNode(const v1::RemoveNodeRequest& req) {
@@ -2585,6 +2686,18 @@ Coordinator::SwitchResult Coordinator::SwitchEngines(int64_t v,
     return r;
   });
   AddPhase(rec, "set_version", t);
+  // The staged commit point: an engine holds v's weights and label, so the update commits (CommitStaged) whatever a
+  // Continue answers. Saved with the labels before the first Continue, as the classic one, so that a successor
+  // knows it too (waited for without the lock).
+  if (!labelled.empty()) {
+    {
+      MutexLock l(&mu_);
+      rec->set_committed_unix_ms(absl::ToUnixMillis(absl::Now()));
+      run_.record = *rec;
+      Persist();
+    }
+    Durable().IgnoreError();
+  }
   t = absl::Now();
   each(Phase::kContinue, labelled, &out.serving, [&](const std::string& a) {
     return Track(a, EngineState::kServing, "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));

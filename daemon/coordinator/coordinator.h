@@ -42,7 +42,12 @@
 // verify, pause or switch are left out, continued at their old version and marked stale; the update succeeds when at
 // least one engine switched. Before its switch a staged update never writes live weights: its failure leaves the
 // engines serving. Past an engine's switch, a failed post-process or set-version holds that engine paused (failed,
-// stale, its label unchanged) and a failed Continue leaves it not resumed at v; the others commit.
+// stale, its label unchanged) and a failed Continue leaves it not resumed at v; the others commit. Its commit point is
+// the first engine labelled v: saved (committed_unix_ms, with the labels) before the first Continue, as above.
+//
+// Restart: a coordinator that finds an update open in its store ends it (UseStateStore), committed past the commit
+// point, else failed, and reports every engine of it as the engine answers EngineInfo (label, paused), not as the
+// store last saw it: the store cannot say which of the calls then in flight landed.
 //
 // Failure semantics are data: every failure site applies PolicyFor(mode, phase) (phase_table.h), and a node whose
 // lease lapsed before an update began is left out of it (lapsed_nodes_: not planned, paused or called).
@@ -280,9 +285,13 @@ class Coordinator {
   // push nothing. Repeating a drain or undrain changes nothing and succeeds.
   absl::StatusOr<v1::DrainReply> Drain(const v1::DrainRequest& req, bool drain);
   // Makes the coordinator persistent: restores what `store` holds (nodes, versions, engine states, history) and
-  // saves every change from now on. An update that was open when the previous coordinator died is recorded as
-  // failed ("the coordinator restarted during update v"), its sources are told to abort it, and the engines stay
-  // paused until an update succeeds. Call before serving.
+  // saves every change from now on. An update that was open when the previous coordinator died is ended: committed
+  // when it had passed its commit point (the classic one saved, or a staged one some engine of which holds its
+  // label), else recorded as failed ("the coordinator restarted during it") and its sources told to abort it. Which
+  // of the calls in flight then landed is not in the store: every engine of the update is asked (EngineInfo, without
+  // mu_) and reported as it answers (its label; paused or serving); one that does not answer is reported failed
+  // ("failed: engine_info"), never serving. Engines the update may have written into stay paused until an update
+  // succeeds. Call before serving.
   absl::Status UseStateStore(std::unique_ptr<StateStore> store);
   // Updates by result, phase durations, bytes; membership and engine states (docs/operations.md, "Metrics").
   Metrics& metrics() { return metrics_; }
@@ -387,6 +396,15 @@ class Coordinator {
   absl::Status FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, Phase phase,
                                   const std::vector<std::string>& engines, const std::set<std::string>& skip = {})
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Restoring an update the previous coordinator died during (UseStateStore): what each engine at `addrs` says of
+  // itself (EngineInfo: its label, whether it is paused), asked as one phase (the engine_info row's deadline) without
+  // mu_; an engine that did not answer has its error.
+  using EngineWords = std::map<std::string, absl::StatusOr<v1::EngineInfo>>;
+  EngineWords AskEngines(const std::vector<std::string>& addrs) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the update stored open in `s` from the engines' `words` (UseStateStore): committed or failed, each engine
+  // reported as it answered (RestoredEngineOf). Returns the version whose sources must be told to abort (-1: none).
+  int64_t EndInterruptedLocked(const v1::CoordinatorState& s, const EngineWords& words)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Node ids whose lease lapsed (no heartbeat for 3 intervals), not drained. Requires mu_.
   std::set<std::string> LapsedNodes(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether node `id` takes part in updates now (its lease had not lapsed when the update began). Requires mu_.

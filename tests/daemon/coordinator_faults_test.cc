@@ -169,12 +169,18 @@ class ScriptedPeers : public Peers {
     WSYNC_RETURN_IF_ERROR(Inject(Rpc::kPause, addr));
     std::lock_guard<std::mutex> l(mu_);
     engines_[addr].paused = true;
+    cv_.notify_all();
     return absl::OkStatus();
   }
+  // What the engine says of itself, as a real one: its model, its label, whether it is paused.
   absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& addr) override {
     WSYNC_RETURN_IF_ERROR(Inject(Rpc::kEngineInfo, addr));
     v1::EngineInfo i;
     i.set_model_config_json(config_json_);
+    std::lock_guard<std::mutex> l(mu_);
+    const EngineTruth& e = engines_[addr];
+    i.set_weight_version(e.version);
+    i.set_paused(e.paused);
     return i;
   }
   absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& addr,
@@ -251,6 +257,7 @@ class ScriptedPeers : public Peers {
     WSYNC_RETURN_IF_ERROR(Inject(Rpc::kContinue, addr));
     std::lock_guard<std::mutex> l(mu_);
     engines_[addr].paused = false;
+    cv_.notify_all();
     return absl::OkStatus();
   }
   // Staged updates. Source s0 reports writes covering every parameter of every staged engine (what a real source
@@ -344,6 +351,11 @@ class ScriptedPeers : public Peers {
   bool AwaitHanging() {
     std::unique_lock<std::mutex> l(mu_);
     return cv_.wait_for(l, 5s, [&] { return hanging_ > 0; });
+  }
+  // Blocks until engine `addr` is paused (`paused`) or not (at most 5 s); false if it did not get there.
+  bool AwaitPaused(const std::string& addr, bool paused) {
+    std::unique_lock<std::mutex> l(mu_);
+    return cv_.wait_for(l, 5s, [&] { return engines_[addr].paused == paused; });
   }
   int Calls(Rpc rpc, const std::string& addr) {
     std::lock_guard<std::mutex> l(mu_);
@@ -471,6 +483,56 @@ struct Joiner {
     peers->ReleaseAll();
     t.join();
   }
+};
+
+// The peers of a successor coordinator (a restart on the same store): the same processes, so every call goes to the
+// scripted peers the first coordinator called (`to`, which keeps the truth of what each was told).
+class SamePeers : public Peers {
+ public:
+  explicit SamePeers(ScriptedPeers* to) : to_(to) {}
+  void Forget(const std::string& a) override { to_->Forget(a); }
+  void CancelCalls(const std::string& a) override { to_->CancelCalls(a); }
+  absl::StatusOr<v1::ConfigureSourceReply> ConfigureSource(const std::string& a,
+                                                           const v1::ConfigureSourceRequest& r) override {
+    return to_->ConfigureSource(a, r);
+  }
+  absl::Status StartUpdate(const std::string& a, const v1::StartUpdateRequest& r) override {
+    return to_->StartUpdate(a, r);
+  }
+  absl::StatusOr<v1::FinishUpdateReply> FinishUpdate(const std::string& a, const v1::FinishUpdateRequest& r) override {
+    return to_->FinishUpdate(a, r);
+  }
+  absl::StatusOr<v1::AbortSourceUpdateReply> AbortSourceUpdate(const std::string& a,
+                                                               const v1::AbortSourceUpdateRequest& r) override {
+    return to_->AbortSourceUpdate(a, r);
+  }
+  absl::StatusOr<v1::EngineInfo> EngineInfo(const std::string& a) override { return to_->EngineInfo(a); }
+  absl::StatusOr<v1::SetWriteWindowReply> SetWriteWindow(const std::string& a,
+                                                         const v1::SetWriteWindowRequest& r) override {
+    return to_->SetWriteWindow(a, r);
+  }
+  absl::StatusOr<v1::ApplyDeltaReply> ApplyDelta(const std::string& a, const v1::ApplyDeltaRequest& r) override {
+    return to_->ApplyDelta(a, r);
+  }
+  absl::Status Pause(const std::string& a, const std::string& mode) override { return to_->Pause(a, mode); }
+  absl::Status PostProcess(const std::string& a, const std::string& v) override { return to_->PostProcess(a, v); }
+  absl::Status SetWeightVersion(const std::string& a, const std::string& v) override {
+    return to_->SetWeightVersion(a, v);
+  }
+  absl::Status Continue(const std::string& a) override { return to_->Continue(a); }
+  absl::StatusOr<v1::WriteChecksumsReply> WriteChecksums(const std::string& a, int64_t v) override {
+    return to_->WriteChecksums(a, v);
+  }
+  absl::StatusOr<v1::ChecksumReply> EngineChecksums(const std::string& a, const v1::RankRequest& r) override {
+    return to_->EngineChecksums(a, r);
+  }
+  absl::Status Switch(const std::string& a, const v1::SwitchRequest& r) override { return to_->Switch(a, r); }
+  absl::Status PrepareSwitch(const std::string& a, const v1::SwitchRequest& r) override {
+    return to_->PrepareSwitch(a, r);
+  }
+
+ private:
+  ScriptedPeers* to_;
 };
 
 // Calls Status() every 5 ms from its own thread while it lives; the longest answer.
@@ -1077,11 +1139,10 @@ TEST_CASE("past the commit point: a coordinator that restarts during the continu
   });
   Joiner joiner{driver, peers};
   REQUIRE(peers->AwaitHanging());
-  // The successor loads what the first one saved at its commit point (the first is still hung in the Continue).
-  auto second_peers = std::make_unique<ScriptedPeers>();
-  ScriptedPeers* successor_peers = second_peers.get();
-  Coordinator second(o, std::move(second_peers));
-  successor_peers->coordinator = &second;
+  REQUIRE(peers->AwaitPaused("e0:2", false));  // e0's Continue returned
+  // The successor loads what the first one saved at its commit point (the first is still hung in the Continue) and
+  // asks the same engines what they hold.
+  Coordinator second(o, std::make_unique<SamePeers>(peers));
   {
     auto store = SqliteStateStore::Open(db);
     REQUIRE(store.ok());
@@ -1091,8 +1152,16 @@ TEST_CASE("past the commit point: a coordinator that restarts during the continu
   CHECK(st.current_version() == "2");
   CHECK(st.state() == "idle");
   CHECK_FALSE(st.engines_hold_partial_writes());
-  // Which Continue returned is not known to the successor: every engine not seen serving is listed.
-  CHECK(std::find(st.not_resumed().begin(), st.not_resumed().end(), "e1") != st.not_resumed().end());
+  // Which Continue returned is not in the store; the engines say: e0 serves version 2, e1 is paused at it.
+  CHECK(std::vector<std::string>(st.not_resumed().begin(), st.not_resumed().end()) ==
+        std::vector<std::string>{"e1"});
+  for (const auto& n : st.nodes())
+    for (const auto& d : n.engine_details()) {
+      INFO(d.engine_id() << " " << d.state());
+      CHECK(d.weight_version() == "2");
+      CHECK(d.state() == (d.engine_id() == "e0" ? "serving" : "paused"));
+    }
+  peers->Disarm();
   const v1::HistoryReply h = second.History(v1::HistoryRequest());
   REQUIRE(h.records_size() > 0);
   const v1::UpdateRecord& last = h.records(h.records_size() - 1);
@@ -1104,10 +1173,169 @@ TEST_CASE("past the commit point: a coordinator that restarts during the continu
   REQUIRE(resumed.ok());
   CHECK(resumed->version() == "2");
   CHECK(second.Status().not_resumed_size() == 0);
+  CHECK_FALSE(peers->Engine("e1:2").paused);
   peers->ReleaseAll();
   driver.join();
   first.reset();
   std::filesystem::remove_all(dir);
+}
+
+// A coordinator restarted on the store of one that died during an update, with the same engines: the first one is
+// left hung in a call of `rpc` to `hung` (what the successor's store holds is from before that phase's calls).
+struct Restart {
+  std::string dir;
+  std::string db;
+  CoordinatorOptions o;
+  ScriptedPeers* peers = nullptr;
+  std::unique_ptr<Coordinator> first;
+  std::unique_ptr<Coordinator> second;
+  std::thread driver;
+
+  explicit Restart(Staging staging) {
+    char tmpl[] = "/tmp/wsync_restart_XXXXXX";
+    REQUIRE(mkdtemp(tmpl) != nullptr);
+    dir = tmpl;
+    db = dir + "/state.db";
+    o.min_source_bytes = 0;
+    auto p = std::make_unique<ScriptedPeers>();
+    peers = p.get();
+    peers->hang_deadline = 10s;
+    first = std::make_unique<Coordinator>(o, std::move(p));
+    peers->coordinator = first.get();
+    auto store = SqliteStateStore::Open(db);
+    REQUIRE(store.ok());
+    REQUIRE(first->UseStateStore(*std::move(store)).ok());
+    for (const char* s : {"s0", "s1"}) REQUIRE(first->RegisterNode(Source(s)).ok());
+    for (const auto& [t, e] : {std::pair("t0", "e0"), std::pair("t1", "e1")}) {
+      const v1::RegisterNodeRequest r = StagedTarget(t, e, staging);
+      REQUIRE(first->RegisterNode(r).ok());
+      if (staging != Staging::kNone) peers->StagedEngine(e, r.engines(0).ranks(0));
+    }
+  }
+  ~Restart() {
+    peers->ReleaseAll();
+    if (driver.joinable()) driver.join();
+    second.reset();
+    first.reset();
+    std::filesystem::remove_all(dir);
+  }
+  absl::Status Update(int64_t v, const std::string& mode) {
+    v1::BeginUpdateRequest b;
+    b.set_version(v);
+    b.set_mode(mode);
+    WSYNC_RETURN_IF_ERROR(first->BeginUpdate(b).status());
+    v1::CommitUpdateRequest c;
+    c.set_version(v);
+    return first->CommitUpdate(c).status();
+  }
+  // Runs update `v` on the first coordinator with `rpc` hanging at engine e1, until it hangs there.
+  void HangIn(int64_t v, const std::string& mode, Rpc rpc) {
+    peers->Arm(rpc, Fault::kHang, "e1:2");
+    driver = std::thread([this, v, mode] { Update(v, mode).IgnoreError(); });
+    REQUIRE(peers->AwaitHanging());
+  }
+  void RestartOnStore() {
+    second = std::make_unique<Coordinator>(o, std::make_unique<SamePeers>(peers));
+    auto store = SqliteStateStore::Open(db);
+    REQUIRE(store.ok());
+    REQUIRE(second->UseStateStore(*std::move(store)).ok());
+  }
+  v1::UpdateRecord LastRecord() {
+    const v1::HistoryReply h = second->History(v1::HistoryRequest());
+    REQUIRE(h.records_size() > 0);
+    return h.records(h.records_size() - 1);
+  }
+  // What the successor reports of every engine against what the engine was really told: a label as it is; serving
+  // only unpaused, holding its label's weights; paused only paused. Empty when true.
+  std::vector<std::string> Untrue() {
+    std::vector<std::string> out;
+    const v1::ClusterStatus st = second->Status();
+    for (const auto& n : st.nodes())
+      for (const auto& d : n.engine_details()) {
+        const ScriptedPeers::EngineTruth t = peers->Engine(d.address());
+        const std::string who = absl::StrCat(d.engine_id(), " (", d.state(), ", label ", d.weight_version(),
+                                             "; really: label ", t.version, ", weights ", t.weights,
+                                             t.paused ? ", paused)" : ", unpaused)");
+        if (d.weight_version() != t.version) out.push_back("label not the engine's: " + who);
+        if ((d.state() == "serving" || d.state() == "stale") && (t.paused || t.weights != t.version))
+          out.push_back("reported serving: " + who);
+        if (d.state() == "paused" && !t.paused) out.push_back("reported paused: " + who);
+      }
+    return out;
+  }
+};
+
+// Bug found by the real-process fault matrix: the store holds the engines as they were before the pause fan-out, so
+// the successor reported serving an engine the update had paused.
+TEST_CASE("restart: during a classic pause fan-out, the successor reports each engine as the engine says it is") {
+  Restart r(Staging::kNone);
+  REQUIRE(r.Update(1, "").ok());
+  r.HangIn(2, "", Rpc::kPause);
+  REQUIRE(r.peers->AwaitPaused("e0:2", true));  // e0 paused, e1 inside its Pause
+  r.RestartOnStore();
+  const std::vector<std::string> untrue = r.Untrue();
+  INFO(absl::StrJoin(untrue, "\n"));
+  CHECK(untrue.empty());
+  const v1::ClusterStatus st = r.second->Status();
+  CHECK(st.current_version() == "1");
+  CHECK(st.state() == "failed");
+  const v1::UpdateRecord last = r.LastRecord();
+  CHECK(last.version() == 2);
+  CHECK_FALSE(last.success());
+  CHECK(absl::StrContains(last.error(), "restarted during it"));
+  // Never reported ready: e0 is paused.
+  const v1::EngineStates ready = EngineStatesOf(st);
+  for (const auto& e : ready.engines()) CHECK(e.ready() == (e.engine_id() == "e1"));
+}
+
+// Bug found by the real-process fault matrix: the staged commit point was not saved, so the successor recorded the
+// update failed and labelled an engine that switched, was labelled and continued with the old version.
+TEST_CASE("restart: during a staged update's continue fan-out, the successor records it committed") {
+  Restart r(Staging::kSecondCopy);
+  REQUIRE(r.Update(1, "staged").ok());
+  r.HangIn(2, "staged", Rpc::kContinue);
+  REQUIRE(r.peers->AwaitPaused("e0:2", false));  // e0 switched, labelled 2 and continued; e1 inside its Continue
+  SECTION("the engines answer") {
+    r.RestartOnStore();
+    const std::vector<std::string> untrue = r.Untrue();
+    INFO(absl::StrJoin(untrue, "\n"));
+    CHECK(untrue.empty());
+    const v1::ClusterStatus st = r.second->Status();
+    CHECK(st.current_version() == "2");
+    CHECK(std::vector<std::string>(st.not_resumed().begin(), st.not_resumed().end()) ==
+          std::vector<std::string>{"e1"});
+  }
+  SECTION("no engine answers: the saved commit point and labels, every engine reported not serving") {
+    r.peers->AlsoArm(Rpc::kEngineInfo, Fault::kUnavailable, "e0:2");
+    r.peers->AlsoArm(Rpc::kEngineInfo, Fault::kUnavailable, "e1:2");
+    r.RestartOnStore();
+    const v1::ClusterStatus st = r.second->Status();
+    CHECK(st.current_version() == "2");
+    CHECK(st.not_resumed_size() == 2);
+    for (const auto& n : st.nodes())
+      for (const auto& d : n.engine_details()) {
+        INFO(d.engine_id());
+        CHECK(d.state() == "failed: engine_info");
+        CHECK(d.weight_version() == "2");
+      }
+  }
+  const v1::UpdateRecord last = r.LastRecord();
+  CHECK(last.version() == 2);
+  CHECK(last.success());
+  CHECK(last.committed_unix_ms() > 0);
+  CHECK(r.second->Status().state() == "idle");
+  // The next update (on the successor) brings every engine to it.
+  r.peers->Disarm();
+  v1::BeginUpdateRequest b;
+  b.set_version(3);
+  b.set_mode("staged");
+  REQUIRE(r.second->BeginUpdate(b).ok());
+  v1::CommitUpdateRequest c;
+  c.set_version(3);
+  const auto committed = r.second->CommitUpdate(c);
+  INFO(committed.status().ToString());
+  CHECK(committed.ok());
+  CHECK(r.Untrue().empty());
 }
 
 TEST_CASE("faults: an abort returns at once even when the source it must stop does not answer (stopped process)") {

@@ -26,8 +26,13 @@ read from the coordinator; the declared table, `wsync-coordinator --failure-tabl
 A row ends with the fleet brought back to one verified version (restarting what the row killed, and one clean
 update, verified), so the next row starts from a known state.
 
+A restart row checks (a) and (b) as every row: the restarted coordinator asks each engine what it holds and
+whether it is paused, so what it reports is the engines' own word, paused or serving (none reported failed at
+engine_info: every engine answers); past the commit point (continue), the update is committed on the engine that
+was continued and the faulted one is paused at the new version, not resumed.
+
 Every row runs (64, ~65 s on the 2-core machine: one cluster for all, only what a row killed is restarted);
---rows picks some. Rows that find a coordinator bug print XFAIL with the bug (XFAIL_* below) until it is fixed.
+--rows picks some.
 
   fault_matrix_real_test.py --bin build/bin --lib build/lib/libwsync_client_c.so --model tests/data/tiny/qwen3-tiny.json
 """
@@ -90,32 +95,6 @@ CALL = {"pause": "pause", "verify": "checksums", "prepare": "prepare", "switch":
         "post_process": "post_process", "set_version": "set_version", "continue": "continue"}
 SERVING = ("serving", "stale")  # the coordinator's states of an engine that serves (its label's version)
 VICTIM = "engine1"
-# Rows that find a coordinator bug (docs: the report is false), expected to fail until it is fixed.
-BUG_RESTART_IN_PAUSE = (
-        "BUG: the coordinator killed while a classic update's pause fan-out runs (one engine paused, another inside "
-        "its Pause): the restarted coordinator records the update failed, 'engines stay paused until a successful "
-        "update', but Status reports the engine that was paused as serving (daemon/coordinator/coordinator.cc, the "
-        "restore branch for an update in progress, \"the coordinator restarted during it\": engine states come "
-        "from the store as they were before the pause; nothing marks the engines the update may have paused)")
-XFAIL_REPORTED_SERVING = {("classic", "pause", "restart"): BUG_RESTART_IN_PAUSE,
-                          ("delta", "pause", "restart"): BUG_RESTART_IN_PAUSE}
-XFAIL_SERVING_OTHER = {
-    ("staged", "continue", "restart"):
-        "BUG: the coordinator killed while a staged update's continue fan-out runs (engine0 switched, labelled v and "
-        "continued; engine1 inside its Continue): the restarted coordinator records update v failed ('state "
-        "committing; engines stay paused'), keeps the fleet at v-1 and labels engine0 v-1 — engine0 serves v's "
-        "weights (its loader's check of v-1 fails). The staged path's commit point is not persisted, so the restore "
-        "takes the 'died during an update' branch instead of the 'passed its commit point' one "
-        "(daemon/coordinator/coordinator.cc, restore: \"the coordinator restarted during it\" vs \"had passed its "
-        "commit point\"; commit_point_ is set on the classic path only)",
-}
-# The safe direction, after a restart: an engine reported paused (not resumed) that serves, its memory verified to
-# hold its label. The restarted coordinator cannot know which of the calls in flight landed.
-KNOWN_RESTART_PAUSED = ("after a restart the coordinator reports paused (not resumed) an engine whose Pause never "
-                        "landed or whose Continue did; conservative (not ready), `wsyncctl resume` or the next "
-                        "update clears it")  # the faulted engine; engine0 goes on where the policy lets it
-
-
 def all_rows():
     rows = []
     for (mode, phase) in EXPECT:
@@ -523,26 +502,16 @@ def main() -> int:
                     if state in SERVING:  # "stale": serving an older version than the current one
                         vok, vout = verify(e, int(lab or 0))
                         check(vok, f"{tag} (a) {e} reported serving version {lab}: its loader agrees ({vout[-160:]})")
-                        what = f"{tag} (b) {e} reported serving is not paused (its log: paused={real})"
-                        if real is not False and (mode, phase, fault) in XFAIL_REPORTED_SERVING:
-                            print(f"XFAIL {what}: {XFAIL_REPORTED_SERVING[(mode, phase, fault)]}")
-                        else:
-                            check(real is False, what)
+                        check(real is False, f"{tag} (b) {e} reported serving is not paused (its log: paused={real})")
                         check(lab == str(cur) or d.get("stale"),
                               f"{tag} (b) {e} serving {lab}: the current version {cur}, or reported stale")
                     else:
-                        what = f"{tag} (b) {e} reported {state!r}: the engine is paused (its log: paused={real})"
-                        if real is False and fault == "restart":
-                            # Known: the safe direction. The engine serves, and its memory holds its label.
-                            vok, vout = verify(e, int(lab or 0))
-                            what_a = f"{tag} (a) {e}, reported {state!r} but serving, holds its label {lab}"
-                            if not vok and (mode, phase, fault) in XFAIL_SERVING_OTHER:
-                                print(f"XFAIL {what_a}: {XFAIL_SERVING_OTHER[(mode, phase, fault)]}")
-                            else:
-                                check(vok, what_a)
-                            print(f"XFAIL {what}: {KNOWN_RESTART_PAUSED}")
-                        else:
-                            check(real is True or state.startswith("failed"), what)
+                        check(real is True or state.startswith("failed"),
+                              f"{tag} (b) {e} reported {state!r}: the engine is paused (its log: paused={real})")
+                    if fault == "restart":
+                        # The restarted coordinator asked every engine (each is up): none is left unknown.
+                        check(state != "failed: engine_info",
+                              f"{tag} (b) the restarted coordinator reports {e} as it answered: {state!r}")
 
                 # (d) the outcome names the faulted peer and the phase.
                 peer = {"source": "train0"}.get(victim, victim)
@@ -561,6 +530,24 @@ def main() -> int:
                     er = rec.get("error", "")
                     check(rec.get("success") is False and peer in er and (phase in er or phase == "push"),
                           f"{tag} (d) update {v} failed naming {peer} and {phase}: {er[:240]!r}")
+
+                # After a restart past the commit point: committed, every engine labelled with the new version; the
+                # faulted one's Continue never landed: paused, not resumed ((b) checked each state against the
+                # engine's own word: the other one serves, unless the kill came before its Continue landed).
+                if fault == "restart" and want == "not_resumed":
+                    others = [e for e in engines if e != VICTIM]
+                    check(rec.get("success") is True and cur == v,
+                          f"{tag} restart past the commit point: update {v} committed, current {cur}")
+                    for e in others:
+                        check(ds[e].get("weight_version") == str(v)
+                              and (ds[e].get("state") == "serving" or e in st.get("not_resumed", [])),
+                              f"{tag} restart: {e} on the new version {v}, serving or not resumed: "
+                              f"{ds[e].get('state')} {ds[e].get('weight_version')} {st.get('not_resumed')}")
+                    d = ds[VICTIM]
+                    check(d.get("weight_version") == str(v) and d.get("state") not in SERVING
+                          and VICTIM in st.get("not_resumed", []),
+                          f"{tag} restart: {VICTIM} labelled {v}, paused, reported not resumed: {d} "
+                          f"{st.get('not_resumed')}")
 
                 # The row's outcome, as the invariants ask (survivors only where the victim died).
                 if fault != "restart":
