@@ -7,6 +7,9 @@
 // With --staging every rank holds two copies of its segments: the live one it serves from and a staging one that
 // staged updates write while it serves; Switch makes the staging copy live by swapping which copy is read
 // (docs/operations.md, "Staged updates").
+// With --lora-rank it serves a LoRA adapter slot instead of the model: its memory is the adapter's lora_A/lora_B
+// alone, and it reports the base config plus a "lora_adapter" section, as vLLM's adapter mode does (docs/engines.md,
+// "LoRA adapters").
 
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
@@ -139,7 +142,11 @@ class RankMemory {
 class EngineService final : public pb::EngineControl::Service {
  public:
   EngineService(std::string id, std::string config_json, RefConfig cfg, int tp, bool staging)
-      : id_(std::move(id)), config_json_(std::move(config_json)), cfg_(cfg), tp_(tp), staging_(staging) {}
+      : id_(std::move(id)), config_json_(std::move(config_json)), cfg_(cfg), tp_(tp), staging_(staging) {
+    // An adapter slot reports the vLLM dialect: the table it holds is vLLM's adapter table (PEFT names, whole on every
+    // rank), which the replica plans for that dialect only (SGLang has no in-memory adapter path).
+    if (cfg_.lora_rank > 0) kind_ = "vllm";
+  }
 
   ~EngineService() { CloseAttachments(); }
 
@@ -227,7 +234,7 @@ class EngineService final : public pb::EngineControl::Service {
     out->set_model_config_json(config_json_);
     out->set_weight_version(version_);
     out->set_paused(paused_);
-    out->set_kind("reference");
+    out->set_kind(kind_);
     out->set_staging(staging_);
     std::shared_lock<std::shared_mutex> sl(serving_mu_);
     out->set_live_set(live_set_);
@@ -578,7 +585,7 @@ class EngineService final : public pb::EngineControl::Service {
                         {"segment", mem.placement(i).segment}, {"offset", mem.placement(i).offset},
                         {"bytes", ps[i].bytes}});
     nlohmann::json j = {{"type", "attach"}, {"protocol", 1}, {"token", req.token()}, {"engine_id", id_},
-                        {"kind", "reference"}, {"mode", req.mode().empty() ? "direct" : req.mode()}, {"rank", r},
+                        {"kind", kind_}, {"mode", req.mode().empty() ? "direct" : req.mode()}, {"rank", r},
                         {"world_size", tp_}, {"parallelism", par}, {"model_config_json", config_json_},
                         {"segments", segs}, {"params", params}};
     if (shift > 0) j["staging_segment_shift"] = shift;
@@ -643,6 +650,7 @@ class EngineService final : public pb::EngineControl::Service {
   }
 
   std::string id_, config_json_;
+  std::string kind_ = "reference";  // the layout dialect this engine's table follows (EngineInfo.kind)
   RefConfig cfg_;
   int tp_;
   std::vector<RefLayout> layouts_;
@@ -834,6 +842,18 @@ int main(int argc, char** argv) {
   app.add_flag("--draft", draft,
                "every rank also holds the model's next-n (MTP) draft, as SGLang's NextN model does, in a segment of "
                "its own (weights: draft); the model's config must declare num_nextn_predict_layers 1");
+  int64_t lora_rank = 0;
+  std::vector<std::string> lora_targets;
+  app.add_option("--lora-rank", lora_rank,
+                 "serve a LoRA adapter slot of this rank instead of the model: every rank holds the adapter alone "
+                 "(lora_A [r, in] / lora_B [out, r] per target module and layer, PEFT names, whole on every rank, "
+                 "as vLLM holds adapters); the base weights are NOT held. It reports the config with a "
+                 "\"lora_adapter\" section and the vLLM dialect; adapter updates only. Dense Llama/Qwen2/Qwen3")
+      ->check(CLI::Range(int64_t{1}, int64_t{65536}));
+  app.add_option("--lora-targets", lora_targets,
+                 "with --lora-rank: the adapter's target modules, comma-separated (q_proj,k_proj,v_proj,o_proj,"
+                 "gate_proj,up_proj,down_proj)")
+      ->delimiter(',');
   std::string steps_dir;
   app.add_option("--steps-dir", steps_dir,
                  "Verify step N against DIR/step_NNNNNN.safetensors (`wsync-rl-steps --out DIR`) loaded by the "
@@ -859,7 +879,21 @@ int main(int argc, char** argv) {
   }
   cfg->ep = ep;
   cfg->draft = draft;
-  EngineService service(id, ss.str(), *cfg, tp, staging);
+  std::string config_json = ss.str();
+  if (lora_rank > 0 || !lora_targets.empty()) {
+    if (lora_rank <= 0 || lora_targets.empty()) {
+      spdlog::error("--lora-rank and --lora-targets go together");
+      return 2;
+    }
+    cfg->lora_rank = lora_rank;
+    cfg->lora_targets = lora_targets;
+    // What the engine serves: the base model's config plus the adapter's section (the replica plans the adapter
+    // from it).
+    nlohmann::json j = nlohmann::json::parse(config_json);
+    j["lora_adapter"] = {{"r", lora_rank}, {"target_modules", lora_targets}};
+    config_json = j.dump();
+  }
+  EngineService service(id, config_json, *cfg, tp, staging);
   if (!steps_dir.empty()) service.UseStepFiles(steps_dir);
   if (auto st = service.Init(); !st.ok()) {
     spdlog::error("{}", st.ToString());

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
 #include "tools/testdata/weight_gen.h"
 
@@ -86,7 +87,65 @@ void NaiveQuantize(const uint8_t* bf16, int64_t rows, int64_t cols, int64_t bn, 
     }
 }
 
+// A LoRA target module's base shape [out, in], from the engine's own reading of the config; false for a name that is
+// not one of the decoder's linears.
+bool LoraModuleShape(const RefConfig& c, const std::string& m, int64_t* out, int64_t* in) {
+  const int64_t h = c.hidden, q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim;
+  if (m == "q_proj") *out = q, *in = h;
+  else if (m == "k_proj" || m == "v_proj") *out = kv, *in = h;
+  else if (m == "o_proj") *out = h, *in = q;
+  else if (m == "gate_proj" || m == "up_proj") *out = c.inter, *in = h;
+  else if (m == "down_proj") *out = h, *in = c.inter;
+  else return false;
+  return true;
+}
+
+// The adapter a --lora-rank engine holds (RefConfig::lora_rank): layer by layer, the targets in LoraModules() order,
+// lora_A then lora_B; the same on every rank.
+absl::StatusOr<RefLayout> BuildAdapterLayout(const RefConfig& c) {
+  if (c.mla || c.experts > 0 || c.fp8_bn > 0 || c.draft)
+    return absl::UnimplementedError(absl::StrCat(
+        "reference engine: LoRA adapters over dense, unquantized Llama/Qwen2/Qwen3 models without a draft only, not ",
+        c.arch, c.fp8_bn > 0 ? " (FP8)" : "", c.draft ? " with --draft" : ""));
+  if (c.lora_targets.empty()) return absl::InvalidArgumentError("a LoRA adapter needs at least one target module");
+  for (const std::string& t : c.lora_targets) {
+    int64_t o = 0, i = 0;
+    if (!LoraModuleShape(c, t, &o, &i))
+      return absl::InvalidArgumentError(absl::StrCat("LoRA target module '", t, "' is not one of ",
+                                                     absl::StrJoin(LoraModules(), ", ")));
+  }
+  RefLayout l;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape) {
+    RefParam p;
+    p.name = name;
+    p.shape = std::move(shape);
+    p.dtype = c.dtype;
+    p.bytes = static_cast<uint64_t>(p.shape[0] * p.shape[1]) * DTypeSize(p.dtype);
+    p.offset = (l.total_bytes + 255) / 256 * 256;
+    l.total_bytes = p.offset + p.bytes;
+    l.params.push_back(std::move(p));
+  };
+  for (int64_t i = 0; i < c.layers; ++i)
+    for (const std::string& m : LoraModules()) {
+      if (std::find(c.lora_targets.begin(), c.lora_targets.end(), m) == c.lora_targets.end()) continue;
+      int64_t out = 0, in = 0;
+      LoraModuleShape(c, m, &out, &in);
+      const std::string p = absl::StrCat("base_model.model.model.layers.", i,
+                                         m == "gate_proj" || m == "up_proj" || m == "down_proj" ? ".mlp." : ".self_attn.",
+                                         m, ".");
+      add(p + "lora_A.weight", {c.lora_rank, in});
+      add(p + "lora_B.weight", {out, c.lora_rank});
+    }
+  return l;
+}
+
 }  // namespace
+
+const std::vector<std::string>& LoraModules() {
+  static const std::vector<std::string> kModules = {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                    "gate_proj", "up_proj", "down_proj"};
+  return kModules;
+}
 
 absl::StatusOr<RefConfig> ParseRefConfig(const std::string& json_text) {
   nlohmann::json j;
@@ -186,6 +245,7 @@ absl::StatusOr<RefLayout> BuildRefLayout(const RefConfig& c, int tp, int rank) {
         absl::StrCat(c.arch, " has no draft the reference engine can hold: a next-n draft needs a DeepSeek MoE config "
                              "of two or more layers with num_nextn_predict_layers 1 (it has ",
                      c.nextn, ")"));
+  if (c.lora_rank > 0) return BuildAdapterLayout(c);
   RefLayout l;
   auto add = [&](const std::string& name, std::vector<int64_t> shape, DType dtype) {
     RefParam p;
@@ -317,9 +377,24 @@ absl::Status ComputeExpected(const RefConfig& c, int tp, int rank, const RefLayo
 
 absl::Status LoadHfTensors(const RefConfig& c, int tp, int rank, const RefLayout& layout, const HfTensorSource& src,
                            uint8_t* out) {
+  std::memset(out, 0, layout.total_bytes);
+  if (c.lora_rank > 0) {
+    // An adapter: every PEFT tensor whole, as vLLM's LoRAModel.from_lora_tensors takes it on each rank.
+    absl::Status missing;
+    for (const RefParam& p : layout.params) {
+      const uint8_t* t = src(p.name, p.dtype, p.bytes);
+      if (t == nullptr) {
+        if (missing.ok())
+          missing = absl::NotFoundError(absl::StrCat("adapter tensor ", p.name, " (", p.shape[0], "x", p.shape[1], ", ",
+                                                     p.bytes, " bytes) is not among the tensors to load"));
+        continue;
+      }
+      std::memcpy(out + p.offset, t, p.bytes);
+    }
+    return missing;
+  }
   std::map<std::string, const RefParam*> by_name;
   for (const auto& p : layout.params) by_name[p.name] = &p;
-  std::memset(out, 0, layout.total_bytes);
   const size_t esz = DTypeSize(c.dtype);
   const int64_t H = c.hidden, D = c.head_dim;
   const int64_t vpad = (c.vocab + 63) / 64 * 64;

@@ -6,7 +6,8 @@
 // DeepSeek-V2/V3 (MLA attention with or without q_lora, dense first layers, routed experts plus unfused shared
 // experts, router correction bias; with RefConfig::draft also the next-n draft), each also FP8 block-quantized
 // (linear and expert weights as e4m3 codes with float32 block scales; MLA adds SGLang's four float32 KV-cache
-// scales, 1.0).
+// scales, 1.0). With RefConfig::lora_rank the engine holds a LoRA adapter over a dense model instead of the model
+// (the adapter's tensors whole, loaded by name).
 
 #include <cstdint>
 #include <functional>
@@ -47,6 +48,12 @@ struct RefConfig {
   // it (model.enorm, model.hnorm, model.eh_proj, model.decoder.* as an MoE layer, model.shared_head.norm; the
   // checkpoint's layer `layers` renamed), after the target's parameters (RefParam::draft).
   bool draft = false;
+  // Engine choice (--lora-rank, --lora-targets), not a model fact: the engine serves a PEFT LoRA adapter of rank
+  // `lora_rank` over this base model and holds the adapter alone (no base weights): per layer and target module
+  // (q_proj … down_proj), lora_A [r, in] and lora_B [out, r] under PEFT's names, in the model dtype, whole on every
+  // rank as vLLM loads adapters (RefParam::adapter). 0 = the full model. Dense Llama/Qwen2/Qwen3 only.
+  int64_t lora_rank = 0;
+  std::vector<std::string> lora_targets;
   bool moe_layer(int64_t layer) const;
 };
 
@@ -60,6 +67,9 @@ struct RefParam {
   uint64_t offset = 0;
   bool draft = false;  // a parameter of the rank's speculative draft (RefConfig::draft)
 };
+
+// The decoder modules a LoRA adapter may target, in the order the engine lays them out.
+const std::vector<std::string>& LoraModules();
 
 struct RefLayout {
   std::vector<RefParam> params;
