@@ -4,9 +4,15 @@
 // trainer pushes the adapter's lora_A/lora_B tensors alone, generated for step v; after classic and staged updates
 // each engine's own loader (Verify: the adapter of step v by name, whole on every rank) finds it bit for bit, and the
 // update record's bytes are the adapter's, per engine rank. A wrong-rank adapter is refused with nothing written;
-// a stale adapter (step v - 1 pushed as version v) is caught by Verify.
+// a stale adapter (step v - 1 pushed as version v) is caught by Verify; an engine refusing its switch is left out,
+// serving the previous adapter, and rejoins at the next update.
+
+#include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <map>
 #include <set>
 #include <string>
@@ -69,10 +75,20 @@ std::map<std::string, std::string> StagingChecksums(const std::string& engine) {
 
 TEST_CASE(
     "adapter: reference engines' adapter slots take classic and staged adapter-only updates bit-exact; a wrong-rank "
-    "adapter is refused with nothing written; a stale adapter fails Verify") {
+    "adapter is refused with nothing written; a stale adapter fails Verify; a refused switch leaves that engine on "
+    "the previous adapter") {
   const auto shapes = AdapterShapes(kRank);
   uint64_t adapter_bytes = 0;
   for (const auto& [n, s] : shapes) adapter_bytes += Bytes(s);
+
+  // The engines' fault knob (tools/testing/engine_ref/ref_faults.h), empty until the switch fault below.
+  const std::string faults = absl::StrCat("/tmp/wsync-adapter-test-faults.", getpid());
+  std::ofstream(faults).close();
+  setenv("WSYNC_REF_FAULTS_FILE", faults.c_str(), 1);
+  struct Remove {
+    const std::string& path;
+    ~Remove() { std::remove(path.c_str()); }
+  } remove_faults{faults};
 
   ClusterOptions o;
   o.bin_dir = kBin;
@@ -213,6 +229,26 @@ TEST_CASE(
     }
   }
   committed(update(7, 7, "staged"), 7);
+
+  // A staged adapter update whose switch engine1 refuses: engine1 is left out, stale, serving adapter 7 from its live
+  // copy, unpaused; engine0 serves adapter 8. The next staged update brings both to its adapter.
+  std::ofstream(faults) << "engine1 switch error adapter\n";
+  {
+    auto r8 = update(8, 8, "staged");
+    REQUIRE(r8.ok());
+    INFO(r8->error() << " | stale: " << absl::StrJoin(r8->stale(), "; "));
+    CHECK(r8->success());
+    CHECK(r8->switched_size() == 1);
+    CHECK(absl::StrContains(absl::StrJoin(r8->stale(), "; "), "engine1"));
+    CHECK(testing::Info(cl.engines[0]).weight_version() == "8");
+    CHECK(testing::Verify(cl.engines[0], 8).ok());
+    const v1::EngineInfo e1 = testing::Info(cl.engines[1]);
+    CHECK(e1.weight_version() == "7");
+    CHECK_FALSE(e1.paused());
+    CHECK(testing::Verify(cl.engines[1], 7).ok());
+  }
+  std::ofstream(faults).close();
+  committed(update(9, 9, "staged"), 9);
 }
 
 }  // namespace
