@@ -130,9 +130,8 @@ absl::StatusOr<RefLayout> BuildAdapterLayout(const RefConfig& c) {
       if (std::find(c.lora_targets.begin(), c.lora_targets.end(), m) == c.lora_targets.end()) continue;
       int64_t out = 0, in = 0;
       LoraModuleShape(c, m, &out, &in);
-      const std::string p = absl::StrCat("base_model.model.model.layers.", i,
-                                         m == "gate_proj" || m == "up_proj" || m == "down_proj" ? ".mlp." : ".self_attn.",
-                                         m, ".");
+      const bool mlp = m == "gate_proj" || m == "up_proj" || m == "down_proj";
+      const std::string p = absl::StrCat("base_model.model.model.layers.", i, mlp ? ".mlp." : ".self_attn.", m, ".");
       add(p + "lora_A.weight", {c.lora_rank, in});
       add(p + "lora_B.weight", {out, c.lora_rank});
     }
