@@ -64,8 +64,8 @@ void AddPhase(v1::UpdateRecord* rec, const std::string& phase, absl::Time since)
 // passed its commit point.
 struct RestoredEngine {
   EngineView view;
-  std::string label;        // the engine's own (the stored one when it did not answer or reports none)
-  std::string stale;        // not on v after a committed update: why ("" none)
+  std::string label;         // the engine's own (the stored one when it did not answer or reports none)
+  std::string stale;         // not on v after a committed update: why ("" none)
   bool not_resumed = false;  // on v after a committed update, not serving
 };
 RestoredEngine RestoredEngineOf(const absl::StatusOr<v1::EngineInfo>& word, const std::string& stored_label,
@@ -78,8 +78,7 @@ RestoredEngine RestoredEngineOf(const absl::StatusOr<v1::EngineInfo>& word, cons
     // not resumed; otherwise held (stale and failed) until an update succeeds on it.
     r.view = EngineView{EngineState::kFailed, "engine_info"};
     r.not_resumed = committed && on_v;
-    if (committed && !on_v)
-      r.stale = absl::StrCat("not answering when the coordinator restarted during update ", v);
+    if (committed && !on_v) r.stale = absl::StrCat("not answering when the coordinator restarted during update ", v);
     return r;
   }
   if (!word->paused()) {
@@ -2003,11 +2002,11 @@ int64_t Coordinator::EndInterruptedLocked(const v1::CoordinatorState& s, const E
   for (const auto& [a, w] : words) {
     const RestoredEngine r = RestoredEngineOf(w, engine_version_[a], version, committed);
     const std::string id = EngineIdLocked(a);
-    spdlog::info("update {}: engine {} {}", v, id,
-                 w.ok() ? absl::StrCat("says it holds version '", w->weight_version(), "', ",
-                                       w->paused() ? "paused" : "not paused")
-                        : absl::StrCat("did not answer (", w.status().ToString(), "): reported ",
-                                       EngineStateName(r.view)));
+    spdlog::info(
+        "update {}: engine {} {}", v, id,
+        w.ok()
+            ? absl::StrCat("says it holds version '", w->weight_version(), "', ", w->paused() ? "paused" : "not paused")
+            : absl::StrCat("did not answer (", w.status().ToString(), "): reported ", EngineStateName(r.view)));
     engine_state_[a] = r.view;
     if (r.label.empty())
       engine_version_.erase(a);

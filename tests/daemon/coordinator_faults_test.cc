@@ -1153,8 +1153,7 @@ TEST_CASE("past the commit point: a coordinator that restarts during the continu
   CHECK(st.state() == "idle");
   CHECK_FALSE(st.engines_hold_partial_writes());
   // Which Continue returned is not in the store; the engines say: e0 serves version 2, e1 is paused at it.
-  CHECK(std::vector<std::string>(st.not_resumed().begin(), st.not_resumed().end()) ==
-        std::vector<std::string>{"e1"});
+  CHECK(std::vector<std::string>(st.not_resumed().begin(), st.not_resumed().end()) == std::vector<std::string>{"e1"});
   for (const auto& n : st.nodes())
     for (const auto& d : n.engine_details()) {
       INFO(d.engine_id() << " " << d.state());
@@ -1253,9 +1252,9 @@ struct Restart {
     for (const auto& n : st.nodes())
       for (const auto& d : n.engine_details()) {
         const ScriptedPeers::EngineTruth t = peers->Engine(d.address());
-        const std::string who = absl::StrCat(d.engine_id(), " (", d.state(), ", label ", d.weight_version(),
-                                             "; really: label ", t.version, ", weights ", t.weights,
-                                             t.paused ? ", paused)" : ", unpaused)");
+        const std::string who =
+            absl::StrCat(d.engine_id(), " (", d.state(), ", label ", d.weight_version(), "; really: label ", t.version,
+                         ", weights ", t.weights, t.paused ? ", paused)" : ", unpaused)");
         if (d.weight_version() != t.version) out.push_back("label not the engine's: " + who);
         if ((d.state() == "serving" || d.state() == "stale") && (t.paused || t.weights != t.version))
           out.push_back("reported serving: " + who);
@@ -1302,8 +1301,7 @@ TEST_CASE("restart: during a staged update's continue fan-out, the successor rec
     CHECK(untrue.empty());
     const v1::ClusterStatus st = r.second->Status();
     CHECK(st.current_version() == "2");
-    CHECK(std::vector<std::string>(st.not_resumed().begin(), st.not_resumed().end()) ==
-          std::vector<std::string>{"e1"});
+    CHECK(std::vector<std::string>(st.not_resumed().begin(), st.not_resumed().end()) == std::vector<std::string>{"e1"});
   }
   SECTION("no engine answers: the saved commit point and labels, every engine reported not serving") {
     r.peers->AlsoArm(Rpc::kEngineInfo, Fault::kUnavailable, "e0:2");
