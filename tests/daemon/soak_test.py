@@ -7,7 +7,8 @@ Asserts, between a sample taken once the first --warmup updates are done (caches
 the end (trainer sessions still open, so per-session memory is counted in both):
   * RSS grows by at most --rss-slack-mib (default 24 MiB) per process;
   * the number of open fds and of threads does not grow (slack 2 each for transient connections);
-and that all updates succeeded. Prints one line per daemon with the three measures (RSS also per update).
+and that all updates succeeded. The coordinator keeps --history updates (default --warmup): its history is full
+before the first sample. Prints one line per daemon with the three measures (RSS also per update).
 CTest runs it twice: 100 updates (daemon_soak_test) and 1000 updates with a 4 MiB slack (daemon_soak_1000_test,
 label faults: a leak of ~5 KiB per update shows).
 
@@ -65,6 +66,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rss-slack-mib", type=float, default=24.0)
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--history", type=int, default=0,
+                    help="the coordinator's --history (updates kept); default: --warmup, so that the history, which "
+                         "grows by design up to its limit (held twice: the coordinator's records and the published "
+                         "model's), is full before the first sample and the growth measured is a leak's")
     args = ap.parse_args()
     b = os.path.abspath(args.bin)
     model = os.path.abspath(args.model)
@@ -78,6 +83,7 @@ def main() -> int:
 
             mports = {n: free_port() for n in ("coordinator", "source", "target")}
             procs.start("coordinator", [f"{b}/wsync-coordinator", "--listen", "127.0.0.1:0",
+                                        "--history", str(args.history or args.warmup),
                                         "--metrics-listen", f"127.0.0.1:{mports['coordinator']}",
                                         "--port-file", os.path.join(wd, "coordinator.port")])
             coord = f"127.0.0.1:{port_of('coordinator')}"
