@@ -96,15 +96,22 @@ void StoreWriter::Run() {
       if (stop_) break;
       continue;  // a retry with nothing new: records left from a failed write go with the next state
     }
+    // The state is taken under io_mu_, as SaveNow takes it: a SaveNow between this thread's take and its write
+    // would write a newer state first, its ticket would cover this older one before it landed, and this write
+    // would then put the older state back over the newer (seen: the store left at version 2 after SaveNow(3)).
+    mu_.Unlock();
+    io_mu_.Lock();
+    mu_.Lock();
+    if (!pending_) {  // a SaveNow wrote it meanwhile, with its records
+      io_mu_.Unlock();
+      continue;
+    }
     uint64_t ticket;
     v1::CoordinatorState s = TakePending(&ticket);
     mu_.Unlock();
-    absl::Status st;
-    {
-      MutexLock io(&io_mu_);
-      st = store_->SaveChanges(s, /*nodes_changed=*/false);
-    }
+    const absl::Status st = store_->SaveChanges(s, /*nodes_changed=*/false);
     mu_.Lock();
+    io_mu_.Unlock();
     if (!st.ok()) {
       spdlog::error("state store {}: {} (the coordinator goes on from memory; the next change retries)",
                     store_->path(), st.ToString());
