@@ -98,10 +98,7 @@ TEST_CASE(
   o.engine_args = {"--lora-rank", std::to_string(kRank), "--lora-targets", "q_proj,v_proj,down_proj", "--staging"};
   Cluster cl(o);
   INFO("cluster logs in " << cl.dir());
-  client::TrainerOptions to;
-  to.daemon = cl.trainer_sockets[0];
-  to.timeout = absl::Seconds(20);
-  auto trainer = client::TrainerClient::Connect(to);
+  auto trainer = testing::ConnectTrainer(cl.trainer_sockets[0]);
   REQUIRE(trainer.ok());
   client::CoordinatorClient coord(cl.coordinator);
 

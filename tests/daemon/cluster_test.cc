@@ -82,10 +82,7 @@ TEST_CASE("cluster: updates land bit-exactly; bad buckets are rejected whole and
   Cluster cl(o);
   INFO("cluster logs in " << cl.dir());
   const auto specs = testing::Specs(kModel);
-  client::TrainerOptions to;
-  to.daemon = cl.trainer_sockets[0];
-  to.timeout = absl::Seconds(20);
-  auto trainer = client::TrainerClient::Connect(to);
+  auto trainer = testing::ConnectTrainer(cl.trainer_sockets[0]);
   REQUIRE(trainer.ok());
   client::CoordinatorClient coord(cl.coordinator);
 

@@ -174,10 +174,7 @@ TEST_CASE(
   o.coordinator_args = {"--strategy", "balanced", "--min-source-mib", "0"};
   Cluster cl(o);
   INFO("cluster logs in " << cl.dir());
-  client::TrainerOptions to;
-  to.daemon = cl.trainer_sockets[0];
-  to.timeout = absl::Seconds(20);
-  auto trainer = client::TrainerClient::Connect(to);
+  auto trainer = testing::ConnectTrainer(cl.trainer_sockets[0]);
   REQUIRE(trainer.ok());
   client::CoordinatorClient coord(cl.coordinator);
 

@@ -64,6 +64,15 @@ inline std::map<std::string, replica::TensorSpec> Specs(const std::string& model
 }
 
 // Pushes tensor `s` generated for `step` (the same generator the reference engine derives its expectation from).
+// A trainer rank's client of the source daemon behind `socket` (a Cluster's trainer_sockets[i]).
+inline absl::StatusOr<std::unique_ptr<client::TrainerClient>> ConnectTrainer(const std::string& socket,
+                                                                           absl::Duration timeout = absl::Seconds(20)) {
+  client::TrainerOptions to;
+  to.daemon = socket;
+  to.timeout = timeout;
+  return client::TrainerClient::Connect(to);
+}
+
 inline absl::Status PushGenerated(client::TrainerClient& c, const replica::TensorSpec& s, int64_t step) {
   const uint64_t elems = s.bytes() / DTypeSize(s.dtype);
   return c.PushWith(s.name, s.dtype, s.shape, s.bytes(),
