@@ -397,14 +397,19 @@ class Loop:
         mark("reload")
         self.http("POST", "/update_weight_version", {"new_version": str(version)})
         mark("set_version")
-        for _ in range(100):  # false while blocks are still held: retry
-            if (self.http("POST", "/reset_prefix_cache?reset_running_requests=true") or {}).get("success", True):
-                break
-            time.sleep(0.05)
+        self.reset_prefix_cache()
         self.http("POST", "/resume")
         mark("continue")
         return {"path": "reload", "seconds": clock.total(), "phases": phases,
                 "bytes": os.path.getsize(os.path.join(ck, "model.safetensors"))}
+
+    def reset_prefix_cache(self) -> None:
+        """vLLM's /reset_prefix_cache answers success false while blocks are still held: asked again, up to 5 s."""
+        for _ in range(100):
+            if (self.http("POST", "/reset_prefix_cache?reset_running_requests=true") or {}).get("success", True):
+                return
+            time.sleep(0.05)
+        raise RuntimeError("vLLM did not reset its prefix cache within 5 s (/reset_prefix_cache kept answering false)")
 
     def sync_reload_adapter(self, version: int) -> dict:
         """vLLM's own path for an adapter: a PEFT directory on disk, loaded in place of the served one by vLLM's
@@ -426,10 +431,7 @@ class Loop:
         mark("load_adapter")
         self.http("POST", "/update_weight_version", {"new_version": str(version)})
         mark("set_version")
-        for _ in range(100):  # false while blocks are still held: retry
-            if (self.http("POST", "/reset_prefix_cache?reset_running_requests=true") or {}).get("success", True):
-                break
-            time.sleep(0.05)
+        self.reset_prefix_cache()
         mark("reset_prefix_cache")
         return {"path": "reload", "seconds": clock.total(), "phases": phases,
                 "bytes": os.path.getsize(os.path.join(d, "adapter_model.safetensors"))}
