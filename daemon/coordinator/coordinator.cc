@@ -193,42 +193,44 @@ Coordinator::Coordinator(CoordinatorOptions opts, std::unique_ptr<Peers> peers)
                    "Per engine: 1 when it serves the current version, unpaused (a router keeps the others out).");
   metrics_.Declare("wsync_engine_stale", "gauge", "Per engine: 1 when left out of a staged update's switch.");
   metrics_.Declare("wsync_engine_weight_version", "gauge", "Per engine: the version label it serves (-1: none).");
+  // From the published model only (cluster_model.h), never under mu_: a scrape answers while an update, a re-plan or
+  // the store holds the coordinator, and reports the same states as Status and WatchEngines.
   metrics_.OnCollect([this](Metrics& m) {
-    MutexLock l(&mu_);
-    m.Set("wsync_current_version", {}, static_cast<double>(current_version_));
-    m.Set("wsync_update_in_progress", {}, UpdateInProgress() ? 1 : 0);
-    m.Set("wsync_engines_hold_partial_writes", {}, engines_dirty_ ? 1 : 0);
-    m.Set("wsync_membership_epoch", {}, static_cast<double>(membership_epoch_));
-    std::map<std::string, int> roles, states;
-    for (const auto& [id, n] : nodes_) {
-      ++roles[n.role()];
-      for (const auto& e : n.engines()) {
-        auto it = engine_state_.find(e.control_address());
-        const EngineView view = it == engine_state_.end() ? EngineView() : it->second;
-        const std::string st = view.state == EngineState::kFailed ? "failed" : EngineStateName(view);
-        ++states[st];
-      }
-    }
+    const std::shared_ptr<const ClusterModel> model = model_.Get();
+    const v1::ClusterStatus& sum = model->summary;
+    const std::string& current = sum.current_version();
+    int64_t cv = -1;
+    if (!current.empty() && !absl::SimpleAtoi(current, &cv)) cv = -1;
+    m.Set("wsync_current_version", {}, static_cast<double>(cv));
+    const absl::StatusOr<UpdateState> state = ParseUpdateState(sum.state());
+    m.Set("wsync_update_in_progress", {}, state.ok() && daemon::UpdateInProgress(*state) ? 1 : 0);
+    m.Set("wsync_engines_hold_partial_writes", {}, sum.engines_hold_partial_writes() ? 1 : 0);
+    m.Set("wsync_membership_epoch", {}, static_cast<double>(sum.membership_epoch()));
     m.ClearFamily("wsync_nodes");
     m.ClearFamily("wsync_engines");
     m.ClearFamily("wsync_engine_ready");
     m.ClearFamily("wsync_engine_stale");
     m.ClearFamily("wsync_engine_weight_version");
-    const std::string current = current_version_ >= 0 ? std::to_string(current_version_) : std::string();
-    for (const auto& [id, n] : nodes_)
-      for (const auto& e : n.engines()) {
-        const std::string& a = e.control_address();
-        auto st = engine_state_.find(a);
-        auto ver = engine_version_.find(a);
-        const std::string version = ver == engine_version_.end() ? std::string() : ver->second;
-        const bool stale = engine_stale_.count(a) > 0;
-        const bool ready =
-            st != engine_state_.end() && st->second.state == EngineState::kServing && !stale && version == current;
-        m.Set("wsync_engine_ready", {{"engine", e.engine_id()}}, ready ? 1 : 0);
-        m.Set("wsync_engine_stale", {{"engine", e.engine_id()}}, stale ? 1 : 0);
-        int64_t vn = -1;
-        if (!version.empty() && !absl::SimpleAtoi(version, &vn)) vn = -1;
-        m.Set("wsync_engine_weight_version", {{"engine", e.engine_id()}}, static_cast<double>(vn));
+    std::map<std::string, int> roles, states;
+    static const ClusterModel::Engine kUnknown;
+    if (model->layout != nullptr)
+      for (const auto& n : model->layout->nodes()) {
+        ++roles[n.role()];
+        for (const auto& d : n.engine_details()) {
+          auto it = model->engines.find(d.address());
+          const ClusterModel::Engine& e = it == model->engines.end() ? kUnknown : it->second;
+          const std::string st = e.state.empty()                       ? "registered"
+                                 : absl::StartsWith(e.state, "failed") ? "failed"
+                                                                       : e.state;
+          ++states[st];
+          // Ready as EngineStatesOf says it (routers read either).
+          const bool ready = !e.stale && !e.drained && e.state == "serving" && e.weight_version == current;
+          m.Set("wsync_engine_ready", {{"engine", d.engine_id()}}, ready ? 1 : 0);
+          m.Set("wsync_engine_stale", {{"engine", d.engine_id()}}, e.stale ? 1 : 0);
+          int64_t vn = -1;
+          if (!e.weight_version.empty() && !absl::SimpleAtoi(e.weight_version, &vn)) vn = -1;
+          m.Set("wsync_engine_weight_version", {{"engine", d.engine_id()}}, static_cast<double>(vn));
+        }
       }
     for (const char* r : {"source", "target"}) m.Set("wsync_nodes", {{"role", r}}, roles[r]);
     for (const auto& [st, n] : states) m.Set("wsync_engines", {{"state", st}}, n);

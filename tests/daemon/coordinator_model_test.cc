@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
@@ -172,9 +173,10 @@ TEST_CASE("model: Status, History, EngineStates and WatchEngines answer while th
   std::future<v1::HistoryReply> history;
   std::future<v1::EngineStates> states;
   std::future<uint64_t> generation;
-  std::future<std::string> grpc_status, watched;
+  std::future<std::string> grpc_status, watched, scraped;
   std::vector<bool> answered;
   k.c.HoldLockForTest([&] {
+    scraped = std::async(std::launch::async, [&] { return k.c.metrics().Render(); });
     status = std::async(std::launch::async, [&] { return k.c.Status(); });
     history = std::async(std::launch::async, [&] {
       v1::HistoryRequest r;
@@ -208,11 +210,12 @@ TEST_CASE("model: Status, History, EngineStates and WatchEngines answer while th
                 states.wait_until(by) == std::future_status::ready,
                 generation.wait_until(by) == std::future_status::ready,
                 grpc_status.wait_until(by + 2s) == std::future_status::ready,
-                watched.wait_until(by + 2s) == std::future_status::ready};
+                watched.wait_until(by + 2s) == std::future_status::ready,
+                scraped.wait_until(by) == std::future_status::ready};
   });
-  // Status, History, EngineStates, WaitForChange, GetClusterStatus, WatchEngines: each answered while the lock was
-  // held.
-  CHECK(answered == std::vector<bool>(6, true));
+  // Status, History, EngineStates, WaitForChange, GetClusterStatus, WatchEngines, a /metrics scrape: each answered
+  // while the lock was held.
+  CHECK(answered == std::vector<bool>(7, true));
   const v1::ClusterStatus s = status.get();
   CHECK(s.current_version() == "1");
   CHECK(s.state() == "idle");
@@ -229,6 +232,13 @@ TEST_CASE("model: Status, History, EngineStates and WatchEngines answer while th
   generation.get();
   CHECK(grpc_status.get() == "1");
   CHECK(watched.get() == "1");
+  const std::string text = scraped.get();
+  INFO(text);
+  CHECK(absl::StrContains(text, "wsync_current_version 1\n"));
+  CHECK(absl::StrContains(text, "wsync_update_in_progress 0\n"));
+  CHECK(absl::StrContains(text, "wsync_engine_ready{engine=\"eng\"} 1\n"));
+  CHECK(absl::StrContains(text, "wsync_engine_weight_version{engine=\"eng\"} 1\n"));
+  CHECK(absl::StrContains(text, "wsync_engines{state=\"serving\"} 1\n"));
   CHECK(k.peers->mismatches().empty());
 }
 
