@@ -8,12 +8,17 @@
 //
 // Built a second time with WSYNC_SGLANG_ORACLE as replica_sglang_oracle_test (label sglang): the same cases, with
 // SGLang 0.5.23's own model classes and weight loaders as the oracle (sglang_oracle.py, same job/manifest format),
-// run through sglang_venv.sh, which creates the pinned venv and sets WSYNC_PYTHON. Only there: the next-n draft cases
-// (layouts with WeightSet::kDraft), SGLang's NextN classes loading a checkpoint that also holds the MTP layer.
+// run through sglang_venv.sh, which creates the pinned venv and sets WSYNC_PYTHON; one oracle process serves every
+// case (OracleServer). Only there: the next-n draft cases (layouts with WeightSet::kDraft), SGLang's NextN classes
+// loading a checkpoint that also holds the MTP layer.
 #define CATCH_CONFIG_RUNNER
+#include <fcntl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <cerrno>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -176,6 +181,99 @@ std::string LayoutName(const RankParallelism& r) {
 
 std::string ShapeStr(const std::vector<int64_t>& s) { return "[" + absl::StrJoin(s, ", ") + "]"; }
 
+#ifdef WSYNC_SGLANG_ORACLE
+// One SGLang oracle process for every case (sglang_oracle.py --serve): it imports torch and SGLang once, which was
+// most of each case's time when every job was a process of its own, and runs each job in a child forked from that
+// freshly imported state, so no job sees what an earlier one set. Single-threaded use only (Catch2 runs cases in turn).
+class OracleServer {
+ public:
+  ~OracleServer() {
+    if (to_ != nullptr) fclose(to_);  // end of its input: the server exits
+    if (from_ != nullptr) fclose(from_);
+    if (pid_ > 0) waitpid(pid_, nullptr, 0);
+  }
+
+  // The job's exit status; -1 with the reason in *error when the server could not start or has gone.
+  int Run(const std::string& job, const std::string& out_dir, const std::string& log, std::string* error) {
+    if (pid_ == 0 && !Start(error)) return -1;
+    if (to_ == nullptr || from_ == nullptr) {
+      *error = "the SGLang oracle server did not start (its output is in the test's log)";
+      return -1;
+    }
+    if (std::fprintf(to_, "%s\t%s\t%s\n", job.c_str(), out_dir.c_str(), log.c_str()) < 0 || std::fflush(to_) != 0) {
+      *error = "the SGLang oracle server is gone (writing its request failed)";
+      return -1;
+    }
+    std::string line;
+    if (!ReadLine(&line)) {
+      *error = "the SGLang oracle server is gone (no reply)";
+      return -1;
+    }
+    return std::atoi(line.c_str());
+  }
+
+ private:
+  bool Start(std::string* error) {
+    int in[2], out[2];
+    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) {
+      *error = std::string("pipe2: ") + std::strerror(errno);
+      return false;
+    }
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(in[0], 0);
+      dup2(out[1], 1);
+      execl(g_python.c_str(), g_python.c_str(), WSYNC_GOLDEN_ORACLE, "--serve", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(in[0]);
+    close(out[1]);
+    if (pid_ < 0) {
+      close(in[1]);
+      close(out[0]);
+      *error = std::string("fork: ") + std::strerror(errno);
+      return false;
+    }
+    to_ = fdopen(in[1], "w");
+    from_ = fdopen(out[0], "r");
+    std::string line;
+    if (!ReadLine(&line) || line != "ready") {
+      *error = "the SGLang oracle server did not start (its output is in the test's log)";
+      return false;
+    }
+    return true;
+  }
+
+  bool ReadLine(std::string* line) {
+    line->clear();
+    int c;
+    while ((c = std::fgetc(from_)) != EOF && c != '\n') line->push_back(static_cast<char>(c));
+    return c == '\n';
+  }
+
+  pid_t pid_ = 0;
+  FILE* to_ = nullptr;
+  FILE* from_ = nullptr;
+};
+#endif
+
+// Runs the oracle on one job file; its exit status, and its output in *output.
+int RunOracle(const std::string& job, const std::string& out_dir, const std::string& log, std::string* output) {
+#ifdef WSYNC_SGLANG_ORACLE
+  static OracleServer server;
+  std::string error;
+  const int rc = server.Run(job, out_dir, log, &error);
+  *output = rc < 0 ? error : ReadFile(log);
+  return rc;
+#else
+  const std::string cmd = "'" + g_python + "' '" + std::string(WSYNC_GOLDEN_ORACLE) + "' '" + job + "' '" + out_dir +
+                          "' >'" + log + "' 2>&1";
+  const int rc = std::system(cmd.c_str());
+  *output = "oracle: " + cmd + "\n" + ReadFile(log);
+  return rc;
+#endif
+}
+
 // Runs one golden case: config overrides applied to a real config, the given layouts, the given quantization.
 void RunGolden(const std::string& model_dir, const json& overrides, const std::vector<RankParallelism>& layouts,
                const QuantSpec& quant) {
@@ -200,17 +298,9 @@ void RunGolden(const std::string& model_dir, const json& overrides, const std::v
   job["weights"] = std::string(WeightSetName(weights));
   WriteFile(tmp.path + "/job.json", job.dump(2));
   const std::string out_dir = tmp.path + "/out";
-  const std::string cmd = "'" + g_python + "' '" + std::string(WSYNC_GOLDEN_ORACLE) + "' '" + tmp.path +
-                          "/job.json' '" + out_dir + "' 2>&1";
-  INFO("oracle: " << cmd);
   REQUIRE(std::system(("mkdir -p '" + out_dir + "'").c_str()) == 0);
-  FILE* pipe = popen(cmd.c_str(), "r");
-  REQUIRE(pipe != nullptr);
   std::string oracle_out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) oracle_out.append(buf, n);
-  const int rc = pclose(pipe);
+  const int rc = RunOracle(tmp.path + "/job.json", out_dir, tmp.path + "/oracle.log", &oracle_out);
   INFO("oracle output: " << oracle_out);
   REQUIRE(rc == 0);
   const json manifest = json::parse(ReadFile(out_dir + "/manifest.json"));
@@ -622,6 +712,7 @@ int main(int argc, char* argv[]) {
     return 1;
   }
   wsync::replica::g_python = venv_python;
+  std::signal(SIGPIPE, SIG_IGN);  // an oracle server that died is a failed case, not a killed test
 #else
   wsync::replica::g_python = wsync::replica::FindPython();
 #endif

@@ -3,6 +3,7 @@
 
 Same command line and output as golden_oracle.py (so golden_test.cc drives either):
   sglang_oracle.py JOB.json OUT_DIR
+  sglang_oracle.py --serve     (what replica_sglang_oracle_test runs: one process for every job, see serve())
   JOB.json: {"config": path to an HF config.json,
              "layouts": [{"tp_size", "tp_rank", "ep_size", "ep_rank", "moe_tp_size", "moe_tp_rank",
                           "attn_tp_size", "attn_tp_rank", "attn_dp_size", "num_fused_shared_experts"}, ...],
@@ -264,12 +265,9 @@ def build_and_load(cfg_path, L, quant, hf_specs, extra_args=None, make=None, dra
     return model
 
 
-def main():
-    if len(sys.argv) != 3:
-        sys.stderr.write(__doc__)
-        return 2
-    job = json.load(open(sys.argv[1]))
-    out_dir = sys.argv[2]
+def run_job(job_path, out_dir):
+    """One job: every layout of the job file built, loaded and dumped into out_dir (see the module doc)."""
+    job = json.load(open(job_path))
     cfg_path = os.path.abspath(job["config"])
     c = golden_oracle.Cfg(json.load(open(cfg_path)))
     draft = job.get("weights", "target") == "draft"
@@ -297,6 +295,59 @@ def main():
     with open(os.path.join(out_dir, "manifest.json"), "w") as fh:
         json.dump(manifest, fh)
     return 0
+
+
+def serve():
+    """`--serve`: torch and SGLang imported once, then one forked child per job, so that each job starts from the
+    same freshly imported state as a process of its own would (nothing a job sets in SGLang's globals reaches the
+    next) without paying the imports again. Requests on stdin, one per line: JOB.json<TAB>OUT_DIR<TAB>LOG; the job's
+    output (stdout and stderr) goes to LOG; the reply on stdout is the job's exit status, one line."""
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever SGLang prints must not mix with the replies
+    for module, _ in list(CLASSES.values()) + list(DRAFT_CLASSES.values()):
+        __import__(module)
+    import sglang.srt.layers.moe.utils  # noqa: F401
+    import sglang.srt.layers.quantization.fp8  # noqa: F401
+    import sglang.srt.model_loader.loader  # noqa: F401
+    import sglang.srt.runtime_context  # noqa: F401
+    import sglang.srt.server_args  # noqa: F401
+    import transformers  # noqa: F401
+    reply.write("ready\n")
+    for line in sys.stdin:
+        job_path, out_dir, log_path = line.rstrip("\n").split("\t")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            rc = 1
+            try:
+                fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                rc = run_job(job_path, out_dir)
+            except SystemExit as e:
+                if isinstance(e.code, str):
+                    sys.stderr.write(e.code + "\n")
+                rc = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)
+        _, status = os.waitpid(pid, 0)
+        reply.write("%d\n" % (os.waitstatus_to_exitcode(status)))
+    return 0
+
+
+def main():
+    if len(sys.argv) == 2 and sys.argv[1] == "--serve":
+        return serve()
+    if len(sys.argv) != 3:
+        sys.stderr.write(__doc__)
+        return 2
+    return run_job(sys.argv[1], sys.argv[2])
 
 
 if __name__ == "__main__":
