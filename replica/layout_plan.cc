@@ -35,7 +35,7 @@ class Walker {
   // `name` is the checkpoint's (what the sources read); a draft's parameters take SGLang's draft names.
   int AddParam(std::string name, DType dtype, std::vector<int64_t> shape) {
     EngineParam p;
-    p.name = drafting_ ? DraftParamName(c_, name) : std::move(name);
+    p.name = drafting_ ? DraftParamName(c_, name, r_.dialect) : std::move(name);
     p.dtype = dtype;
     p.shape = std::move(shape);
     uint64_t n = DTypeSize(dtype);
@@ -79,14 +79,17 @@ class Walker {
   absl::Status Adapter();
 
   // The vLLM dialect covers what has been compared with vLLM's own named_parameters() (tests/data/vllm,
-  // tests/engines): dense Llama/Qwen2/Qwen3 and Qwen3-MoE, unquantized. Anything else fails before any write.
+  // tests/engines) or its own loaders (tests/replica/vllm_oracle.py): dense Llama/Qwen2/Qwen3, Qwen3-MoE and
+  // DeepSeek-V3 (MLA with q_lora, its MTP draft), unquantized. Anything else fails before any write.
   absl::Status CheckVllmSupport() const {
+    const bool deepseek_ok = c_.family == Family::kDeepseekV2V3 && c_.q_lora_rank > 0 && !c_.router_fp32;
     const bool family_ok = c_.family == Family::kLlama || c_.family == Family::kQwen2 ||
-                           c_.family == Family::kQwen3 || c_.family == Family::kQwen3Moe;
+                           c_.family == Family::kQwen3 || c_.family == Family::kQwen3Moe || deepseek_ok;
     if (!family_ok)
       return absl::UnimplementedError(absl::StrCat("the vLLM layout of ", c_.architecture,
                                                    " has not been checked against vLLM's named_parameters(); "
-                                                   "supported for vLLM: Llama, Qwen2, Qwen3, Qwen3-MoE"));
+                                                   "supported for vLLM: Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3 "
+                                                   "(q_lora_rank set, bf16 router)"));
     if (fp8_ || !c_.weight_block_size.empty())
       return absl::UnimplementedError(
           "FP8 block-quantized layouts are not supported for vLLM engines yet (vLLM's FP8 parameter names and "
@@ -270,8 +273,10 @@ absl::Status Walker::Mla(const std::string& p) {
   const std::string a = p + "self_attn.";
   if (c_.q_lora_rank > 0) {
     const int64_t ql = c_.q_lora_rank;
-    // ReplicatedLinear holding q_a_proj and kv_a_proj_with_mqa concatenated along dim 0.
-    WSYNC_RETURN_IF_ERROR(Linear(a + "fused_qkv_a_proj_with_mqa.", 0, ql + kvr + rope, h, true,
+    // ReplicatedLinear holding q_a_proj and kv_a_proj_with_mqa concatenated along dim 0 (vLLM names it
+    // fused_qkv_a_proj).
+    const char* fused = r_.dialect == EngineDialect::kVllm ? "fused_qkv_a_proj." : "fused_qkv_a_proj_with_mqa.";
+    WSYNC_RETURN_IF_ERROR(Linear(a + fused, 0, ql + kvr + rope, h, true,
                                  {{a + "q_a_proj.", ql, h, 0, 0, ql, h, 0, 0},
                                   {a + "kv_a_proj_with_mqa.", kvr + rope, h, 0, 0, kvr + rope, h, ql, 0}}));
     Replicated(a + "q_a_layernorm.weight", {ql}, c_.dtype);
@@ -408,10 +413,15 @@ absl::Status Walker::Draft() {
         "supported for DeepSeek-V3 (DeepseekV3ForCausalLMNextN), GLM-4.5/4.6 MoE (Glm4MoeForCausalLMNextN) and "
         "GLM-4.7-Flash (Glm4MoeLiteForCausalLMNextN)"));
   }
-  if (r_.dialect != EngineDialect::kSglang) {
-    return absl::UnimplementedError(absl::StrCat("the draft layout of ", c_.architecture, " for ",
-                                                 DialectName(r_.dialect), " engines has not been checked against "
-                                                 "its drafter; drafts are supported for SGLang"));
+  // vLLM 0.32's DeepSeekMTP (deepseek_mtp.py) holds the same tensors under the checkpoint's own layer index
+  // (model.layers.<L>.{enorm,hnorm,eh_proj,shared_head.norm}, the decoder layer as model.layers.<L>.mtp_block.*),
+  // its decoder layer built as layer L (MoE by the config's rule); it too shares the target's embedding and LM head
+  // (its proposer's _maybe_share_embeddings / _maybe_share_lm_head). Checked for DeepSeek-V3 only.
+  const bool vllm = r_.dialect == EngineDialect::kVllm;
+  if (vllm && (c_.family != Family::kDeepseekV2V3 || d != c_.num_layers)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "the vLLM draft layout of ", c_.architecture, " has not been checked against vLLM's drafter; drafts are "
+        "supported for vLLM with DeepSeek-V3 (DeepSeekMTP, the MTP layer after the target's layers)"));
   }
   const std::string p = absl::StrCat("model.layers.", d, ".");
   const int64_t h = c_.hidden_size;
@@ -422,7 +432,11 @@ absl::Status Walker::Draft() {
   // A plain nn.Linear(2h, h): replicated on every rank and never quantized (the FP8 checkpoints store it bf16).
   WSYNC_RETURN_IF_ERROR(Linear(p + "eh_proj.", 0, h, 2 * h, false, {{p + "eh_proj.", h, 2 * h, 0, 0, h, 2 * h, 0, 0}}));
   WSYNC_RETURN_IF_ERROR(c_.is_mla() ? Mla(p) : Mha(p));
-  WSYNC_RETURN_IF_ERROR(Moe(p));
+  if (vllm && !c_.IsMoeLayer(d)) {
+    WSYNC_RETURN_IF_ERROR(DenseMlp(p + "mlp.", c_.intermediate_size, false));
+  } else {
+    WSYNC_RETURN_IF_ERROR(Moe(p));
+  }
   Replicated(p + "input_layernorm.weight", {h}, c_.dtype);
   Replicated(p + "post_attention_layernorm.weight", {h}, c_.dtype);
   Replicated(p + "shared_head.norm.weight", {h}, c_.dtype);
@@ -531,16 +545,17 @@ int64_t DraftLayerIndex(const ModelConfig& config) {
   return config.num_layers == 1 ? 0 : config.num_layers;
 }
 
-std::string DraftParamName(const ModelConfig& config, absl::string_view hf_name) {
+std::string DraftParamName(const ModelConfig& config, absl::string_view hf_name, EngineDialect dialect) {
   const int64_t d = DraftLayerIndex(config);
   if (d < 0 || LayerIndexOf(hf_name) != d) return "";
   const std::string prefix = absl::StrCat("model.layers.", d, ".");
   const absl::string_view rest = hf_name.substr(prefix.size());
   if (absl::StartsWith(rest, "embed_tokens.") || absl::StartsWith(rest, "shared_head.head.")) return "";
+  const bool vllm = dialect == EngineDialect::kVllm;
   for (absl::string_view own : {"enorm.", "hnorm.", "eh_proj.", "shared_head.norm."}) {
-    if (absl::StartsWith(rest, own)) return absl::StrCat("model.", rest);
+    if (absl::StartsWith(rest, own)) return vllm ? std::string(hf_name) : absl::StrCat("model.", rest);
   }
-  return absl::StrCat("model.decoder.", rest);
+  return vllm ? absl::StrCat(prefix, "mtp_block.", rest) : absl::StrCat("model.decoder.", rest);
 }
 
 int64_t LayerIndexOf(absl::string_view hf_name) {

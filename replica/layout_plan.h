@@ -67,6 +67,8 @@ struct PlanOptions {
 // layer is). The draft's model.embed_tokens and lm_head are not in it: SGLang's draft does not load them and
 // shares the target's tensors (set_embed_and_head), so they are written once, with the target. A config without
 // num_nextn_predict_layers is InvalidArgument naming the model; other families are Unimplemented.
+// vLLM dialect (DeepSeek-V3 only): vLLM 0.32's DeepSeekMTP, the same tensors under vLLM's draft names
+// (DraftParamName), its embedding and LM head likewise the target's; docs/engines.md, "Speculative drafts".
 //
 // A config with a lora_adapter section (ModelConfig::lora_adapter) plans the adapter alone: lora_A/lora_B of every
 // target module and layer under PEFT's names, whole on every rank (vLLM dialect; dense models). A target module the
@@ -81,9 +83,12 @@ int64_t LayerIndexOf(absl::string_view hf_name);
 // a one-layer checkpoint (a separately published draft). -1 when the config declares no num_nextn_predict_layers.
 int64_t DraftLayerIndex(const ModelConfig& config);
 
-// The draft model's name for a tensor of the draft layer, before fusion (SGLang's NextN load_weights rename):
+// The draft model's name for a tensor of the draft layer, before fusion. SGLang (its NextN load_weights rename):
 // model.layers.<d>.{enorm,hnorm,eh_proj,shared_head.norm}… → model.…, anything else of the layer → model.decoder.….
-// "" for tensors of other layers and for the layer's embed_tokens and shared_head.head, which the draft does not load.
-std::string DraftParamName(const ModelConfig& config, absl::string_view hf_name);
+// vLLM (DeepSeekMTP's _rewrite_spec_layer_name): those four keep their name, anything else of the layer →
+// model.layers.<d>.mtp_block.…. "" for tensors of other layers and for the layer's embed_tokens and
+// shared_head.head, which the draft shares with the target.
+std::string DraftParamName(const ModelConfig& config, absl::string_view hf_name,
+                           EngineDialect dialect = EngineDialect::kSglang);
 
 }  // namespace wsync::replica

