@@ -8,14 +8,36 @@
 //   * Connections are set up through the control plane too: each side creates an `Endpoint`, the two exchange
 //     `Endpoint::LocalInfo()` blobs (opaque bytes), and each side calls `Connect(peer_info)`. A backend never opens a
 //     side channel of its own for this handshake.
-//   * The sender posts batches of `WriteRequest`s (`Post`) and waits for their completion (`Wait`). The receiver's
-//     CPU is not involved for RDMA backends; for tcp the receiving transport's own threads apply the writes.
-//     Completion means the bytes are in the remote region (for tcp: written and acknowledged by the receiver).
+//   * The sender posts batches of `WriteRequest`s (`Post`) and learns of their completion (`Wait`, woken through
+//     `CompletionFd`). The receiver's CPU is not involved for RDMA backends; for tcp the receiving transport's own
+//     threads apply the writes.
 //   * Out-of-bounds requests are rejected by `Post` before anything is sent.
 //
+// The sending side's contract, one meaning on every backend (the conformance suite has a case per rule):
+//   Post    never waits on the network or for room in a send queue: it validates the whole batch (on error nothing
+//           of it is posted), hands the backend what its queues take now and keeps the rest inside the endpoint,
+//           to be handed on as completions free room, by the endpoint's own threads (tcp) or by the owner's next
+//           Wait (verbs, fabric: their completion queues are polled by the owner). It returns once the batch is
+//           accepted, whatever its size.
+//   Wait    Wait(batch, timeout) returns the batch's result, or DeadlineExceeded after `timeout` with the batch still
+//           outstanding. Wait(batch, ZeroDuration()) never blocks: it collects what completed, hands on queued
+//           work and answers. Completion means every byte of the batch is in the remote region.
+//   CompletionFd  an fd (owned by the endpoint, valid for its life) that polls readable (POLLIN) when a Wait may
+//           have news: a batch finished or failed, queued work can be handed on, or Cancel was called. Level
+//           triggered until the owner's next Wait, which consumes it. -1 for a backend whose completions only a
+//           poll of its own queues discovers (fabric: a provider progressed by the caller): its owner then waits in
+//           Wait(batch, slice), which polls.
+//   Cancel  from any thread: at once, every batch in flight and every later Post/Wait fails with the caller's
+//           reason, and nothing of a batch that was still queued inside the endpoint is ever handed to the
+//           network. Bytes already on the wire when it was called may still land (a NIC cannot recall a write, a tcp
+//           receiver applies what reached its socket); a receiving side that must stop them closes its window or
+//           revokes the grant, which the receiving transport enforces. The endpoint is re-created afterwards.
+//   Reusable  receiving side: whether a repeat connect from the same sender is answered with this live endpoint
+//           (see Endpoint::Reusable); a repeat never replaces an endpoint an update writes through.
+//
 // Threading: a Transport and its regions may be used from any thread. One Endpoint is used by one thread at a time
-// (callers that want parallelism open several endpoints). Post never blocks on the network for longer than it takes
-// to hand the work to the backend (bounded outstanding work may make it wait for earlier completions).
+// (its owner: callers that want parallelism open several endpoints); Cancel, Reusable and CompletionFd may be called
+// from any thread.
 
 #include <cstdint>
 #include <functional>
@@ -128,11 +150,15 @@ class Endpoint {
   virtual std::string LocalInfo() const = 0;
   // Completes the connection with the peer's LocalInfo(). Blocks until connected or `timeout`.
   virtual absl::Status Connect(const std::string& peer_info, absl::Duration timeout) = 0;
-  // Queues a batch of writes. On error nothing of the batch is posted (validation happens first).
+  // Queues a batch of writes and returns without waiting on the network or for send-queue room (see the contract at
+  // the top). On error nothing of the batch is posted (validation happens first).
   virtual absl::StatusOr<BatchId> Post(absl::Span<const WriteRequest> writes) = 0;
   // Waits for a posted batch. DeadlineExceeded on timeout (the batch stays outstanding); any transport error
-  // fails the batch with a status naming the peer. After an error the endpoint must be re-created.
+  // fails the batch with a status naming the peer. After an error the endpoint must be re-created. A zero timeout
+  // never blocks and advances the endpoint (hands on queued work).
   virtual absl::Status Wait(BatchId batch, absl::Duration timeout) = 0;
+  // Readable when a Wait may have news (see the contract at the top); -1 when the backend has no such fd.
+  virtual int CompletionFd() const { return -1; }
   // Convenience: Post + Wait.
   absl::Status Write(absl::Span<const WriteRequest> writes, absl::Duration timeout);
   // Human-readable peer name for errors and logs.

@@ -7,6 +7,9 @@
 
 #include "tests/transport/conformance.h"
 
+#include <poll.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
@@ -456,6 +459,102 @@ TEST_CASE("Wait times out and leaves the batch outstanding", "[transport][errors
     CHECK_FALSE(link.src->Wait(*id, absl::ZeroDuration()).ok());
   }
   CHECK(unfinished == 1);
+}
+
+// Endpoint::Post never blocks (transport.h): it accepts a batch far larger than the send queues hold and returns,
+// and what it kept inside the endpoint is handed on by the owner's Wait calls. To a peer that is gone after it was
+// reached, nothing frees room in a send queue: a Post that waits for room lasts until the batch fails (verbs: the
+// QP's retries, ~0.5 s; fabric: the provider's peer timeout, 5 s). Fails when a backend's Post waits for room.
+TEST_CASE("post never blocks: a batch larger than the send queues, to a peer that is gone, returns at once",
+          "[transport][post]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  constexpr uint64_t kLen = 8 << 20;
+  constexpr uint64_t kPiece = 4096;  // 2048 writes: more than any backend's send queues take at once
+  Buffer src = RegisterPattern(*sender, kLen, 61);
+  Buffer dst = Register(*receiver, kLen, kUntouched);
+  auto remote = Import(*sender, *dst.region);
+  Link link = Connect(*sender, *receiver);
+  WriteRequest first{src.region.get(), 0, remote.get(), 0, kPiece};
+  RequireOk(link.src->Write({&first, 1}, kTimeout));  // the peer was reached
+  link.dst.reset();
+  dst.region.reset();
+  receiver.reset();
+
+  std::vector<WriteRequest> writes;
+  for (uint64_t off = 0; off < kLen; off += kPiece)
+    writes.push_back({src.region.get(), off, remote.get(), off, kPiece});
+  absl::Status st;
+  absl::Duration post_took, failed_after;
+  for (int i = 0; i < 3 && st.ok(); ++i) {  // the first batch may still be taken by the kernel's socket buffers
+    const absl::Time t0 = absl::Now();
+    auto id = link.src->Post(writes);
+    post_took = absl::Now() - t0;
+    st = id.ok() ? link.src->Wait(*id, absl::Seconds(60)) : id.status();
+    failed_after = absl::Now() - t0;
+  }
+  INFO(st.ToString() << "; Post took " << absl::FormatDuration(post_took) << ", the batch failed after "
+                     << absl::FormatDuration(failed_after));
+  CHECK_FALSE(st.ok());
+  CHECK(st.code() != absl::StatusCode::kDeadlineExceeded);
+  CHECK((post_took < absl::Milliseconds(100) || post_took * 4 < failed_after));
+}
+
+// Completion delivery (transport.h): a batch far larger than the send queues completes through Wait(batch, 0) calls
+// alone, each made when CompletionFd polls readable where the instance has one (else at once); every byte lands. The
+// fd is readable after a Cancel from another thread. Fails when a backend's completion path does not signal its fd
+// (the poll times out), or when Wait does not hand on what Post kept back (the batch never completes).
+TEST_CASE("completion delivery: Wait(batch, 0) on CompletionFd drives a large batch; Cancel signals the fd",
+          "[transport][post]") {
+  auto sender = MakeViable();
+  auto receiver = MakeViable();
+  constexpr uint64_t kLen = 16 << 20;
+  constexpr uint64_t kPiece = 4096;
+  Buffer src = RegisterPattern(*sender, kLen, 62);
+  Buffer dst = Register(*receiver, kLen, kUntouched);
+  auto remote = Import(*sender, *dst.region);
+  Link link = Connect(*sender, *receiver);
+  std::vector<WriteRequest> writes;  // reversed order: the destination layout differs from the source's
+  for (uint64_t off = kLen; off > 0; off -= kPiece)
+    writes.push_back({src.region.get(), kLen - off, remote.get(), off - kPiece, kPiece});
+  auto id = link.src->Post(writes);
+  RequireOk(id.status());
+  const int fd = link.src->CompletionFd();
+  const absl::Time deadline = absl::Now() + kTimeout;
+  absl::Status st;
+  int polls = 0;
+  for (;;) {
+    if (fd >= 0) {
+      pollfd p{fd, POLLIN, 0};
+      const int ms =
+          static_cast<int>(absl::ToInt64Milliseconds(std::max(deadline - absl::Now(), absl::ZeroDuration())));
+      INFO("poll " << polls);
+      REQUIRE(poll(&p, 1, ms) == 1);  // timed out: the completion never reached the fd
+      ++polls;
+    } else {
+      sched_yield();
+    }
+    st = link.src->Wait(*id, absl::ZeroDuration());
+    if (st.code() != absl::StatusCode::kDeadlineExceeded) break;
+    INFO("the batch is still outstanding");
+    REQUIRE(absl::Now() < deadline);
+  }
+  RequireOk(st);
+  for (uint64_t off = kLen; off > 0; off -= kPiece) {
+    const int64_t bad = FirstPatternMismatch(dst.bytes.data() + off - kPiece, kPiece, 62, kLen - off);
+    INFO("piece at destination offset " << off - kPiece);
+    REQUIRE(bad == -1);
+  }
+  if (fd < 0) return;
+  // Consumed by the Wait that answered: a Cancel from another thread makes it readable again.
+  WriteRequest one{src.region.get(), 0, remote.get(), 0, kPiece};
+  RequireOk(link.src->Write({&one, 1}, kTimeout));
+  CHECK(link.src->Wait(*id, absl::ZeroDuration()).code() == absl::StatusCode::kNotFound);  // consumes the fd
+  pollfd p{fd, POLLIN, 0};
+  REQUIRE(poll(&p, 1, 0) == 0);  // nothing happened since
+  std::thread canceller([&] { link.src->Cancel(absl::CancelledError("conformance: cancelled")); });
+  CHECK(poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(kTimeout))) == 1);
+  canceller.join();
 }
 
 // Endpoint::Reusable, one meaning on every backend: it is what a target daemon answers a repeat ConnectTarget of the

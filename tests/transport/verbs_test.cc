@@ -503,20 +503,23 @@ TEST_CASE("verbs: Cancel releases a Wait and a Post stuck on a vanished peer at 
     CHECK(returned - cancelled_at < absl::Seconds(1));
   }
 
-  SECTION("a Post waiting for send-queue room, then the refusals") {
+  SECTION("a batch larger than the send queue, its backlog never posted after the Cancel, then the refusals") {
     Link link = Connect(*a, *b);
     link.dst.reset();
     absl::Time cancelled_at;
     std::thread canceller = CancelLater(*link.src, absl::Milliseconds(300), &cancelled_at);
-    auto id = link.src->Post(writes);  // 256 WRs, room for 16: waits for completions that never come
+    const absl::Time p0 = absl::Now();
+    auto id = link.src->Post(writes);  // 256 WRs, room for 16: the rest waits in the endpoint (Post never blocks)
+    const absl::Duration post_took = absl::Now() - p0;
+    REQUIRE(id.ok());  // posted in part: its Wait reports the reason
+    WARN("Post returned after " << absl::FormatDuration(post_took));
+    CHECK(post_took < absl::Milliseconds(250));  // before the Cancel: it waited for no completion
+    const absl::Status waited = link.src->Wait(*id, kTimeout);  // concurrent with the Cancel
     const absl::Time returned = absl::Now();
     canceller.join();
-    REQUIRE(id.ok());  // posted in part: its Wait reports the reason
-    WARN("Post returned " << absl::FormatDuration(returned - cancelled_at) << " after the Cancel");
+    CheckCancelReason(waited);
+    WARN("Wait returned " << absl::FormatDuration(returned - cancelled_at) << " after the Cancel");
     CHECK(returned - cancelled_at < absl::Seconds(1));
-    const absl::Time w0 = absl::Now();
-    CheckCancelReason(link.src->Wait(*id, kTimeout));
-    CHECK(absl::Now() - w0 < absl::Seconds(1));
 
     // The endpoint refuses new work; the QPs are in the error state, so every WR still queued flushes (retired by
     // the refused Post's poll) instead of waiting out the retries.

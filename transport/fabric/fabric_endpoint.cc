@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -245,13 +246,14 @@ class FabricEndpoint final : public Endpoint {
 
   absl::StatusOr<BatchId> Post(absl::Span<const WriteRequest> writes) override;
   absl::Status Wait(BatchId batch, absl::Duration timeout) override;
+  int CompletionFd() const override { return -1; }
   std::string PeerName() const override {
     return connected_ ? absl::StrCat(peer_.owner, " (fabric)") : "(unconnected fabric peer)";
   }
 
   // From any thread. The provider cannot take back writes it was handed, so Cancel only releases the thread using
   // the endpoint (it sees the flag at its next poll) and fails every later call; the writes in flight finish or
-  // fail inside the provider until the endpoint is destroyed.
+  // fail inside the provider until the endpoint is destroyed. Nothing of the backlog is handed on after it.
   void Cancel(const absl::Status& why) override {
     {
       std::lock_guard<std::mutex> l(cancel_mu_);
@@ -273,9 +275,27 @@ class FabricEndpoint final : public Endpoint {
   };
   static_assert(offsetof(Op, ctx) == 0, "a completion's op_context is the address of its Op");
   struct Batch {
-    uint64_t pending = 0;
+    uint64_t pending = 0;  // pieces in the backlog or in the provider's hands
     absl::Status status;
   };
+  // A piece of a write not yet handed to the provider.
+  struct Piece {
+    BatchId batch;
+    uint32_t write_index;
+    uint8_t* src;
+    void* desc;
+    uint64_t dst_addr;
+    uint64_t key;
+    uint64_t dst_offset;
+    uint64_t length;
+    uint64_t region_id;
+  };
+  // Hands backlog pieces to the provider while it takes them; never waits.
+  void Pump();
+  // Fails every backlog piece's batch with broken_ and drops them (nothing of them was handed to the provider).
+  void FailBacklog();
+  // Breaks the endpoint when work waits and no completion came for the provider's timeout.
+  void CheckStall();
 
   void Break(const absl::Status& s) {
     if (broken_.ok()) {
@@ -329,6 +349,7 @@ class FabricEndpoint final : public Endpoint {
     ssize_t n = fi_cq_read(cq_.get(), entries, kPollBatch);
     if (n > 0) {
       reached_peer_ = true;
+      last_progress_ = absl::Now();
       for (ssize_t i = 0; i < n; ++i) Finish(static_cast<Op*>(entries[i].op_context), absl::OkStatus());
       return static_cast<int>(n);
     }
@@ -391,6 +412,8 @@ class FabricEndpoint final : public Endpoint {
   absl::Status broken_;
   BatchId next_batch_ = 1;
   std::map<BatchId, Batch> batches_;
+  std::deque<Piece> backlog_;
+  absl::Time last_progress_;  // the last completion, or the Post that gave an idle endpoint work
   absl::Status cancel_;
   std::atomic<bool> cancelled_{false};
   std::mutex cancel_mu_;
@@ -427,83 +450,92 @@ absl::StatusOr<BatchId> FabricEndpoint::Post(absl::Span<const WriteRequest> writ
     WSYNC_ASSIGN_OR_RETURN(descs[i], SourceDesc(src));
   }
 
+  // Post never blocks (transport.h): the writes are cut into pieces that wait in the endpoint's backlog, what the
+  // provider takes now is handed to it, and the rest follows from Wait as completions free transmit slots.
   const BatchId id = next_batch_++;
   Batch& batch = batches_[id];
   const uint64_t max_piece = std::max<uint64_t>(1, std::min(dom_->max_msg_size(), dom_->config().max_piece));
-  const uint64_t flags = FI_COMPLETION | (dom_->delivery_complete() ? FI_DELIVERY_COMPLETE : 0);
-  absl::Time last_progress = absl::Now();
-  Domain::Driving driving(*dom_);
-  for (size_t i = 0; i < writes.size() && broken_.ok(); ++i) {
+  for (size_t i = 0; i < writes.size(); ++i) {
     const WriteRequest& w = writes[i];
     const auto* src = static_cast<const FabricLocalRegion*>(w.src);
     const RegionDesc& d = static_cast<const FabricRemoteRegion*>(w.dst)->desc();
     uint64_t key = d.keys[peer_.domain_index];
     if (auto g = peer_grant_.find(d.region_id); g != peer_grant_.end()) key = g->second;
-    for (uint64_t done = 0; done < w.length && broken_.ok();) {
+    for (uint64_t done = 0; done < w.length;) {
       const uint64_t piece = std::min(w.length - done, max_piece);
-      // Bounded outstanding work: at most tx_depth writes in the provider's hands; then and on FI_EAGAIN, poll.
-      int empty = 0;
-      ssize_t rc = -FI_EAGAIN;
-      while (!CheckCancel() && broken_.ok()) {
-        if (!free_.empty()) {
-          Op* op = free_.back();
-          op->batch = id;
-          op->write_index = static_cast<uint32_t>(i);
-          op->dst_offset = w.dst_offset + done;
-          op->length = piece;
-          op->region_id = d.region_id;
-          iovec iov{static_cast<uint8_t*>(src->addr()) + w.src_offset + done, piece};
-          void* desc = descs[i];
-          fi_rma_iov rma{d.addr_base + w.dst_offset + done, piece, key};
-          fi_msg_rma msg{};
-          msg.msg_iov = &iov;
-          msg.desc = &desc;
-          msg.iov_count = 1;
-          msg.addr = peer_addr_;
-          msg.rma_iov = &rma;
-          msg.rma_iov_count = 1;
-          msg.context = &op->ctx;
-          rc = fi_writemsg(ep_.get(), &msg, flags);
-          if (rc == 0) {
-            free_.pop_back();
-            ++batch.pending;
-            break;
-          }
-          if (rc != -FI_EAGAIN) {
-            Break(absl::Status(
-                CodeForError(static_cast<int>(-rc)),
-                absl::StrCat("fi_writemsg to peer ", PeerName(), " on provider ", dom_->provider(),
-                             " failed: ", FiError(rc), ", write #", i, " (dst offset ", w.dst_offset + done, ", ",
-                             piece, " bytes)", HintForError(static_cast<int>(-rc)))));
-            break;
-          }
-        }
-        if (Poll() > 0) {
-          empty = 0;
-          last_progress = absl::Now();
-          continue;
-        }
-        // Nothing in flight and nothing accepted: the provider cannot reach the peer (tcp;ofi_rxm keeps answering
-        // FI_EAGAIN while its connection attempts to a closed endpoint fail), which needs no io_timeout to tell.
-        // Only for a peer reached before: setting up a connection may take longer (ofi_rxm over emulated verbs).
-        const bool idle = free_.size() == ops_.size();
-        const absl::Duration limit = idle && reached_peer_ ? dom_->config().peer_timeout : dom_->config().io_timeout;
-        if (absl::Now() - last_progress > limit) {
-          Break(absl::Status(
-              idle ? absl::StatusCode::kUnavailable : absl::StatusCode::kDeadlineExceeded,
-              absl::StrCat("fabric writes to peer ", PeerName(), " made no progress for ", absl::FormatDuration(limit),
-                           idle ? ": the provider accepted none (peer gone or unreachable)" : "")));
-          break;
-        }
-        Backoff(++empty);
-      }
+      backlog_.push_back(Piece{id, static_cast<uint32_t>(i), static_cast<uint8_t*>(src->addr()) + w.src_offset + done,
+                               descs[i], d.addr_base + w.dst_offset + done, key, w.dst_offset + done, piece,
+                               d.region_id});
+      ++batch.pending;
       done += piece;
     }
   }
-  CheckCancel();
-  // Wait reports a failure for this batch (some of it may already be on the wire).
-  if (!broken_.ok() && batch.status.ok()) batch.status = broken_;
+  if (backlog_.size() == batch.pending) last_progress_ = absl::Now();  // nothing was waiting before this batch
+  Domain::Driving driving(*dom_);
+  Pump();
   return id;
+}
+
+void FabricEndpoint::Pump() {
+  const uint64_t flags = FI_COMPLETION | (dom_->delivery_complete() ? FI_DELIVERY_COMPLETE : 0);
+  while (!backlog_.empty() && !free_.empty() && !CheckCancel() && broken_.ok()) {
+    const Piece& p = backlog_.front();
+    Op* op = free_.back();
+    op->batch = p.batch;
+    op->write_index = p.write_index;
+    op->dst_offset = p.dst_offset;
+    op->length = p.length;
+    op->region_id = p.region_id;
+    iovec iov{p.src, p.length};
+    void* desc = p.desc;
+    fi_rma_iov rma{p.dst_addr, p.length, p.key};
+    fi_msg_rma msg{};
+    msg.msg_iov = &iov;
+    msg.desc = &desc;
+    msg.iov_count = 1;
+    msg.addr = peer_addr_;
+    msg.rma_iov = &rma;
+    msg.rma_iov_count = 1;
+    msg.context = &op->ctx;
+    const ssize_t rc = fi_writemsg(ep_.get(), &msg, flags);
+    if (rc == -FI_EAGAIN) break;  // the provider's queue is full: the next completion makes room
+    if (rc != 0) {
+      Break(absl::Status(CodeForError(static_cast<int>(-rc)),
+                         absl::StrCat("fi_writemsg to peer ", PeerName(), " on provider ", dom_->provider(),
+                                      " failed: ", FiError(rc), ", write #", p.write_index, " (dst offset ",
+                                      p.dst_offset, ", ", p.length, " bytes) of batch ", p.batch,
+                                      HintForError(static_cast<int>(-rc)))));
+      break;
+    }
+    free_.pop_back();
+    backlog_.pop_front();
+  }
+  if (!broken_.ok()) FailBacklog();
+}
+
+void FabricEndpoint::FailBacklog() {
+  for (const Piece& p : backlog_) {
+    auto b = batches_.find(p.batch);
+    if (b == batches_.end()) continue;
+    if (b->second.pending > 0) --b->second.pending;
+    if (b->second.status.ok()) b->second.status = broken_;
+  }
+  backlog_.clear();
+}
+
+void FabricEndpoint::CheckStall() {
+  if (backlog_.empty() && free_.size() == ops_.size()) return;  // nothing waits on the provider
+  // Nothing in flight and nothing accepted: the provider cannot reach the peer (tcp;ofi_rxm keeps answering
+  // FI_EAGAIN while its connection attempts to a closed endpoint fail), which needs no io_timeout to tell.
+  // Only for a peer reached before: setting up a connection may take longer (ofi_rxm over emulated verbs).
+  const bool idle = free_.size() == ops_.size();
+  const absl::Duration limit = idle && reached_peer_ ? dom_->config().peer_timeout : dom_->config().io_timeout;
+  if (absl::Now() - last_progress_ <= limit) return;
+  Break(absl::Status(idle ? absl::StatusCode::kUnavailable : absl::StatusCode::kDeadlineExceeded,
+                     absl::StrCat("fabric writes to peer ", PeerName(), " made no progress for ",
+                                  absl::FormatDuration(limit),
+                                  idle ? ": the provider accepted none (peer gone or unreachable)" : "")));
+  FailBacklog();
 }
 
 absl::Status FabricEndpoint::Wait(BatchId batch, absl::Duration timeout) {
@@ -523,6 +555,8 @@ absl::Status FabricEndpoint::Wait(BatchId batch, absl::Duration timeout) {
       break;
     }
     const bool progressed = Poll() > 0;
+    Pump();
+    if (!progressed) CheckStall();
     if (it->second.pending == 0 || !it->second.status.ok()) break;
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat("fabric batch ", batch, " to ", PeerName(), " still has ",

@@ -38,6 +38,7 @@ class FaultEndpoint : public Endpoint {
   std::string PeerName() const override { return inner_->PeerName(); }
   void Cancel(const absl::Status& why) override { inner_->Cancel(why); }
   bool Reusable(const std::string& peer_info) const override { return inner_->Reusable(peer_info); }
+  int CompletionFd() const override { return inner_->CompletionFd(); }
 
   absl::StatusOr<BatchId> Post(absl::Span<const WriteRequest> writes) override {
     if (!broken_.ok()) return Broken();

@@ -1,6 +1,8 @@
 #include "transport/tcp/tcp_endpoint.h"
 
+#include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -95,7 +97,8 @@ class TcpEndpoint final : public Endpoint {
       : local_info_(std::move(local_info)),
         max_streams_(std::max(1, opts.tcp_streams)),
         io_timeout_(opts.io_timeout > absl::ZeroDuration() ? opts.io_timeout : absl::Seconds(30)),
-        progress_timeout_(opts.send_progress_timeout) {}
+        progress_timeout_(opts.send_progress_timeout),
+        event_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
 
   // A granted endpoint (Transport::CreateGrantedEndpoint): destroying it revokes its grant.
   void SetGrant(std::shared_ptr<RegionTable> table, RegionTable::Secret secret) {
@@ -119,6 +122,8 @@ class TcpEndpoint final : public Endpoint {
 
   std::string LocalInfo() const override { return local_info_; }
 
+  int CompletionFd() const override { return event_.get(); }
+
   bool Reusable(const std::string& peer_info) const override {
     (void)peer_info;  // any sender endpoint holding the grant's secret connects
     if (!grant_table_ || was_cancelled_.load()) return false;
@@ -133,7 +138,10 @@ class TcpEndpoint final : public Endpoint {
       cancelled_ = why.ok() ? absl::CancelledError("cancelled") : why;
       was_cancelled_ = true;
       if (broken_.ok()) broken_ = cancelled_;
-      if (!streams_ready_) return;
+      if (!streams_ready_) {
+        Notify();
+        return;
+      }
     }
     // A stream thread blocked in send or recv on the socket returns at once; queued jobs fail with broken_.
     for (auto& st : streams_) {
@@ -141,6 +149,7 @@ class TcpEndpoint final : public Endpoint {
       if (st->fd.valid()) st->fd.ShutdownBoth();
     }
     done_.notify_all();
+    Notify();
   }
 
   std::string PeerName() const override {
@@ -231,6 +240,11 @@ class TcpEndpoint final : public Endpoint {
   }
 
   absl::Status Wait(BatchId batch, absl::Duration timeout) override {
+    if (event_.valid()) {  // consumed before the state is read: a completion after this read signals it again
+      uint64_t n;
+      while (read(event_.get(), &n, sizeof(n)) == static_cast<ssize_t>(sizeof(n))) {
+      }
+    }
     std::unique_lock<std::mutex> lock(mu_);
     auto it = batches_.find(batch);
     if (it == batches_.end()) {
@@ -402,6 +416,15 @@ class TcpEndpoint final : public Endpoint {
       }
     }
     done_.notify_all();
+    Notify();
+  }
+
+  // Makes CompletionFd readable.
+  void Notify() const {
+    if (!event_.valid()) return;
+    const uint64_t one = 1;
+    ssize_t r = write(event_.get(), &one, sizeof(one));
+    (void)r;  // only EAGAIN (the counter is full, i.e. readable already) can fail it
   }
 
   const std::string local_info_;
@@ -410,6 +433,7 @@ class TcpEndpoint final : public Endpoint {
   const int max_streams_;
   const absl::Duration io_timeout_;
   const absl::Duration progress_timeout_;
+  const Fd event_;  // CompletionFd: an eventfd, written on every completion and by Cancel
   // Set by Connect, read-only afterwards (stream threads start after Connect).
   bool connected_ = false;
   PeerInfo peer_;

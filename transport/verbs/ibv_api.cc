@@ -44,6 +44,10 @@ void LoadOnce() {
   ResolveSymbol(lib, "ibv_dereg_mr", api.dereg_mr, missing);
   ResolveSymbol(lib, "ibv_create_cq", api.create_cq, missing);
   ResolveSymbol(lib, "ibv_destroy_cq", api.destroy_cq, missing);
+  ResolveSymbol(lib, "ibv_create_comp_channel", api.create_comp_channel, missing);
+  ResolveSymbol(lib, "ibv_destroy_comp_channel", api.destroy_comp_channel, missing);
+  ResolveSymbol(lib, "ibv_get_cq_event", api.get_cq_event, missing);
+  ResolveSymbol(lib, "ibv_ack_cq_events", api.ack_cq_events, missing);
   ResolveSymbol(lib, "ibv_create_qp", api.create_qp, missing);
   ResolveSymbol(lib, "ibv_destroy_qp", api.destroy_qp, missing);
   ResolveSymbol(lib, "ibv_modify_qp", api.modify_qp, missing);

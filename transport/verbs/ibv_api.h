@@ -30,6 +30,11 @@ struct IbvApi {
   // Optional (rdma-core v34+): null when the library lacks it. Registers a dma-buf (GPUDirect RDMA into GPU memory).
   decltype(&::ibv_reg_dmabuf_mr) reg_dmabuf_mr = nullptr;
   decltype(&::ibv_create_cq) create_cq = nullptr;
+  // Completion channels: the fd an endpoint's owner sleeps on (Endpoint::CompletionFd).
+  decltype(&::ibv_create_comp_channel) create_comp_channel = nullptr;
+  decltype(&::ibv_destroy_comp_channel) destroy_comp_channel = nullptr;
+  decltype(&::ibv_get_cq_event) get_cq_event = nullptr;
+  decltype(&::ibv_ack_cq_events) ack_cq_events = nullptr;
   decltype(&::ibv_destroy_cq) destroy_cq = nullptr;
   decltype(&::ibv_create_qp) create_qp = nullptr;
   decltype(&::ibv_destroy_qp) destroy_qp = nullptr;

@@ -1,12 +1,17 @@
 // VerbsEndpoint: RC queue pairs, batched RDMA WRITE posting and completion tracking.
 
+#include <fcntl.h>
 #include <sched.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <random>
@@ -95,11 +100,31 @@ class VerbsEndpoint final : public Endpoint {
   ~VerbsEndpoint() override {
     for (const Qp& qp : qps_)
       if (qp.qp) window_->Remove(qp.qp.get());
+    if (epoll_fd_ >= 0) close(epoll_fd_);
+    if (event_fd_ >= 0) close(event_fd_);
   }
 
   absl::Status Init() {
     std::random_device rd;
     std::mt19937 rng(rd());
+    // CompletionFd: an epoll set over one completion channel per device (every CQ raises an event on its device's
+    // channel once armed) and an eventfd Cancel writes.
+    epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+    event_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (epoll_fd_ < 0 || event_fd_ < 0)
+      return absl::UnavailableError(absl::StrCat("verbs endpoint: epoll/eventfd: ", std::strerror(errno)));
+    WSYNC_RETURN_IF_ERROR(Watch(event_fd_));
+    channels_.resize(devices_->devices.size());
+    for (const auto& dev : devices_->devices) {
+      CompChannelPtr& channel = channels_[dev->index];
+      channel.reset(Ibv().create_comp_channel(dev->context.get()));
+      if (!channel)
+        return absl::UnavailableError(
+            absl::StrCat("ibv_create_comp_channel on ", dev->name, ": ", std::strerror(errno)));
+      if (fcntl(channel->fd, F_SETFL, fcntl(channel->fd, F_GETFL) | O_NONBLOCK) != 0)
+        return absl::UnavailableError(absl::StrCat("completion channel of ", dev->name, ": ", std::strerror(errno)));
+      WSYNC_RETURN_IF_ERROR(Watch(channel->fd));
+    }
     for (const auto& dev : devices_->devices) {
       uint32_t max_wr = std::max<uint32_t>(1, std::min<uint32_t>(cfg_.max_send_wr, dev->max_qp_wr));
       for (int q = 0; q < cfg_.qps_per_device; ++q) {
@@ -108,10 +133,13 @@ class VerbsEndpoint final : public Endpoint {
         qp.max_wr = max_wr;
         qp.psn = cfg_.zero_psn ? 0 : (rng() & 0xffffff);
         // Only signaled WRs complete normally, but a QP in error flushes every outstanding WR: size for all of them.
-        qp.cq.reset(Ibv().create_cq(dev->context.get(), static_cast<int>(max_wr) + 1, nullptr, nullptr, 0));
+        qp.cq.reset(Ibv().create_cq(dev->context.get(), static_cast<int>(max_wr) + 1, nullptr,
+                                    channels_[dev->index].get(), 0));
         if (!qp.cq) {
           return absl::UnavailableError(absl::StrCat("ibv_create_cq on ", dev->name, ": ", std::strerror(errno)));
         }
+        if (int rc = ibv_req_notify_cq(qp.cq.get(), 0); rc != 0)
+          return absl::UnavailableError(absl::StrCat("ibv_req_notify_cq on ", dev->name, ": ", std::strerror(rc)));
         ibv_qp_init_attr init{};
         init.send_cq = qp.cq.get();
         init.recv_cq = qp.cq.get();
@@ -190,6 +218,7 @@ class VerbsEndpoint final : public Endpoint {
       return connected;
     }
     active_ = n;
+    backlog_.resize(n);
     peer_info_ = peer_info;
     peer_ = std::move(peer);
     for (const GrantedRegion& g : peer_.grant) peer_grant_[g.base] = &g;
@@ -200,6 +229,7 @@ class VerbsEndpoint final : public Endpoint {
 
   absl::StatusOr<BatchId> Post(absl::Span<const WriteRequest> writes) override;
   absl::Status Wait(BatchId batch, absl::Duration timeout) override;
+  int CompletionFd() const override { return epoll_fd_; }
   std::string PeerName() const override { return connected_ ? peer_.owner : "(unconnected verbs peer)"; }
 
   // An RC QP pair serves the sender endpoint it was connected with alone (Endpoint::Reusable): a retried
@@ -225,6 +255,9 @@ class VerbsEndpoint final : public Endpoint {
       absl::Status s = window_->Kill(qp.qp.get());
       if (!s.ok()) spdlog::warn("verbs: cancelling endpoint {}: {}", id_.owner, std::string(s.message()));
     }
+    const uint64_t one = 1;
+    ssize_t r = write(event_fd_, &one, sizeof(one));
+    (void)r;  // only EAGAIN (the counter is full: readable already) can fail it
   }
 
   VerbsEndpointStats Stats() const {
@@ -258,7 +291,14 @@ class VerbsEndpoint final : public Endpoint {
     uint64_t src_offset;
     uint64_t dst_offset;
     uint64_t length;
-    uint64_t dst_base;  // the destination region's address (errors name the region)
+    uint64_t dst_base;            // the destination region's address (errors name the region)
+    const VerbsLocalRegion* src;  // the caller keeps both regions alive until the batch completed
+    const VerbsRemoteRegion* dst;
+  };
+  // A linked list not yet posted: it waits in its QP's backlog for send-queue room (Post never blocks).
+  struct Pending {
+    BatchId batch;
+    std::vector<Seg> segs;
   };
   // One linked list of WRs whose last WR is signaled.
   struct Signal {
@@ -339,6 +379,32 @@ class VerbsEndpoint final : public Endpoint {
     return true;
   }
 
+  absl::Status Watch(int fd) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0)
+      return absl::UnavailableError(absl::StrCat("verbs endpoint: epoll_ctl: ", std::strerror(errno)));
+    return absl::OkStatus();
+  }
+
+  // Consumes CompletionFd's news before the CQs are polled: takes and acknowledges every channel event and re-arms
+  // its CQ, so a completion after this raises a new event (one before it is found by the poll that follows).
+  void ConsumeEvents() {
+    uint64_t n;
+    while (read(event_fd_, &n, sizeof(n)) == static_cast<ssize_t>(sizeof(n))) {
+    }
+    for (const CompChannelPtr& channel : channels_) {
+      ibv_cq* cq = nullptr;
+      void* ctx = nullptr;
+      while (Ibv().get_cq_event(channel.get(), &cq, &ctx) == 0) {
+        Ibv().ack_cq_events(cq, 1);
+        if (int rc = ibv_req_notify_cq(cq, 0); rc != 0)
+          Break(absl::InternalError(absl::StrCat("ibv_req_notify_cq to ", PeerName(), ": ", std::strerror(rc))));
+      }
+    }
+  }
+
   // Retires what the CQs hold now (after a Cancel: the flushed WRs), without waiting.
   void DrainCompletions() {
     while (PollAll() > 0) {
@@ -417,6 +483,7 @@ class VerbsEndpoint final : public Endpoint {
 
   // A signaled list is finished: its WRs leave the send queue and its batch waits for one list fewer.
   void Retire(uint32_t q, std::unordered_map<uint64_t, Signal>::iterator it) {
+    last_progress_ = absl::Now();
     qps_[q].outstanding -= static_cast<uint32_t>(it->second.segs.size());
     auto b = batches_.find(it->second.batch);
     if (b != batches_.end() && b->second.pending > 0) --b->second.pending;
@@ -439,15 +506,23 @@ class VerbsEndpoint final : public Endpoint {
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 
-  // Posts segs[begin, end) on QP q as one linked list, last WR signaled.
-  absl::Status PostList(uint32_t q, BatchId batch, absl::Span<const WriteRequest> writes, const std::vector<Seg>& segs,
-                        size_t begin, size_t end);
+  // Posts `segs` on QP q as one linked list, last WR signaled.
+  absl::Status PostList(uint32_t q, BatchId batch, std::vector<Seg> segs);
+  // Posts backlog lists, one per QP in turn, while their send queues have room; never waits.
+  void Pump();
+  // Fails every backlog list's batch with broken_ and drops them (nothing of them was posted).
+  void FailBacklog();
+  // Breaks the endpoint when lists wait for room and no completion came for io_timeout.
+  void CheckStall();
 
   std::shared_ptr<DeviceSet> devices_;
   Config cfg_;
   Identity id_;
   std::shared_ptr<WriteWindow> window_;  // before qps_: every QP is removed from it before it is destroyed
   std::shared_ptr<GrantDomain> grant_;   // before qps_: its PDs outlive the QPs created in them; null if plain
+  std::vector<CompChannelPtr> channels_;  // [device index]; before qps_: every CQ is destroyed before its channel
+  int epoll_fd_ = -1;                     // CompletionFd
+  int event_fd_ = -1;                     // written by Cancel
   std::vector<Qp> qps_;
   size_t active_ = 0;  // QPs paired with a peer QP (a prefix of qps_)
   bool connected_ = false;
@@ -461,6 +536,8 @@ class VerbsEndpoint final : public Endpoint {
   size_t rr_cursor_ = 0;
   std::unordered_map<uint64_t, Signal> signals_;
   std::map<BatchId, Batch> batches_;
+  std::vector<std::deque<Pending>> backlog_;  // [qp]: lists waiting for room in its send queue
+  absl::Time last_progress_;                  // the last completion, or the Post that gave an idle endpoint work
   VerbsEndpointStats stats_;
   absl::Status cancel_;  // the using thread's copy of cancel_why_, once CheckCancel saw the flag
   // Cancel's side, shared with other threads: the flag is read on every poll, the reason under the lock.
@@ -471,19 +548,17 @@ class VerbsEndpoint final : public Endpoint {
   std::vector<ibv_sge> sge_buf_;
 };
 
-absl::Status VerbsEndpoint::PostList(uint32_t q, BatchId batch, absl::Span<const WriteRequest> writes,
-                                     const std::vector<Seg>& segs, size_t begin, size_t end) {
+absl::Status VerbsEndpoint::PostList(uint32_t q, BatchId batch, std::vector<Seg> segs) {
   Qp& qp = qps_[q];
-  size_t n = end - begin;
+  size_t n = segs.size();
   wr_buf_.assign(n, ibv_send_wr{});
   sge_buf_.assign(n, ibv_sge{});
   uint64_t seq = next_seq_++;
-  Signal sig{batch, q, std::vector<Seg>(segs.begin() + begin, segs.begin() + end)};
+  Signal sig{batch, q, std::move(segs)};
   for (size_t k = 0; k < n; ++k) {
     const Seg& seg = sig.segs[k];
-    const WriteRequest& w = writes[seg.write_index];
-    const auto* src = static_cast<const VerbsLocalRegion*>(w.src);
-    const auto* dst = static_cast<const VerbsRemoteRegion*>(w.dst);
+    const VerbsLocalRegion* src = seg.src;
+    const VerbsRemoteRegion* dst = seg.dst;
     ibv_sge& sge = sge_buf_[k];
     sge.addr = reinterpret_cast<uintptr_t>(src->addr()) + seg.src_offset;
     sge.length = static_cast<uint32_t>(seg.length);
@@ -523,8 +598,60 @@ absl::Status VerbsEndpoint::PostList(uint32_t q, BatchId batch, absl::Span<const
   qp.wrs += n;
   ++stats_.signaled_wrs;
   signals_.emplace(seq, std::move(sig));
-  ++batches_[batch].pending;
   return absl::OkStatus();
+}
+
+void VerbsEndpoint::Pump() {
+  bool more = true;
+  bool full = false;
+  while (more && broken_.ok() && !CheckCancel()) {
+    more = false;
+    for (uint32_t q = 0; q < active_ && broken_.ok(); ++q) {
+      std::deque<Pending>& queue = backlog_[q];
+      if (queue.empty()) continue;
+      if (qps_[q].max_wr - qps_[q].outstanding < queue.front().segs.size()) {
+        full = true;  // a completion of this QP makes room
+        continue;
+      }
+      Pending p = std::move(queue.front());
+      queue.pop_front();
+      absl::Status s = PostList(q, p.batch, std::move(p.segs));
+      if (!s.ok()) {
+        // The list counted in its batch and was not posted: it fails the batch as the backlog does.
+        Break(s);
+        auto b = batches_.find(p.batch);
+        if (b != batches_.end()) {
+          if (b->second.pending > 0) --b->second.pending;
+          if (b->second.status.ok()) b->second.status = s;
+        }
+        break;
+      }
+      more |= !queue.empty();
+    }
+  }
+  if (full) ++stats_.send_queue_full_waits;
+  if (!broken_.ok()) FailBacklog();
+}
+
+void VerbsEndpoint::FailBacklog() {
+  for (std::deque<Pending>& queue : backlog_) {
+    for (const Pending& p : queue) {
+      auto b = batches_.find(p.batch);
+      if (b == batches_.end()) continue;
+      if (b->second.pending > 0) --b->second.pending;
+      if (b->second.status.ok()) b->second.status = broken_;
+    }
+    queue.clear();
+  }
+}
+
+void VerbsEndpoint::CheckStall() {
+  bool waiting = false;
+  for (const std::deque<Pending>& queue : backlog_) waiting |= !queue.empty();
+  if (!waiting || absl::Now() - last_progress_ <= cfg_.io_timeout) return;
+  Break(absl::DeadlineExceededError(absl::StrCat("verbs send queues to peer ", PeerName(), " made no progress for ",
+                                                 absl::FormatDuration(cfg_.io_timeout))));
+  FailBacklog();
 }
 
 absl::StatusOr<BatchId> VerbsEndpoint::Post(absl::Span<const WriteRequest> writes) {
@@ -593,63 +720,33 @@ absl::StatusOr<BatchId> VerbsEndpoint::Post(absl::Span<const WriteRequest> write
       piece = std::min(piece, src->chunk_size() - s_off % src->chunk_size());
       piece = std::min(piece, dst->desc().chunk_size - d_off % dst->desc().chunk_size);
       piece = std::min<uint64_t>(piece, qps_[q].dev->max_msg_sz == 0 ? (1u << 30) : qps_[q].dev->max_msg_sz);
-      per_qp[q].push_back(Seg{static_cast<uint32_t>(i), s_off, d_off, piece, dst->desc().base});
+      per_qp[q].push_back(Seg{static_cast<uint32_t>(i), s_off, d_off, piece, dst->desc().base, src, dst});
       done += piece;
     }
   }
 
+  // Post never blocks (transport.h): the lists wait in their QP's backlog, what the send queues take now is posted,
+  // and the rest follows from Wait as completions make room.
   BatchId id = next_batch_++;
-  batches_[id];
-  // Post list by list, alternating QPs so every QP gets work early.
-  std::vector<size_t> next(active_, 0);
-  absl::Time deadline = absl::Now() + cfg_.io_timeout;
-  bool more = true;
-  while (more && broken_.ok()) {
-    more = false;
-    for (uint32_t q = 0; q < active_ && !CheckCancel() && broken_.ok(); ++q) {
-      const std::vector<Seg>& segs = per_qp[q];
-      if (next[q] >= segs.size()) continue;
-      Qp& qp = qps_[q];
-      size_t list = std::min<size_t>({segs.size() - next[q], cfg_.signal_every, qp.max_wr});
-      // Bounded outstanding work: wait for completions until the send queue has room for the whole list.
-      int empty = 0;
-      bool waited = false;
-      while (!CheckCancel() && broken_.ok() && qp.max_wr - qp.outstanding < list) {
-        waited = true;
-        if (PollQp(q) == 0) {
-          if (absl::Now() > deadline) {
-            Break(absl::DeadlineExceededError(absl::StrCat("verbs send queue of ", QpLabel(q), " to peer ", PeerName(),
-                                                           " made no progress for ",
-                                                           absl::FormatDuration(cfg_.io_timeout))));
-            break;
-          }
-          Backoff(++empty);
-        } else {
-          empty = 0;
-          deadline = absl::Now() + cfg_.io_timeout;
-        }
-      }
-      if (waited) ++stats_.send_queue_full_waits;
-      if (!broken_.ok()) break;
-      absl::Status s = PostList(q, id, writes, segs, next[q], next[q] + list);
-      if (!s.ok()) {
-        Break(s);
-        break;
-      }
-      next[q] += list;
-      more |= next[q] < segs.size();
+  Batch& batch = batches_[id];
+  bool idle = true;
+  for (const std::deque<Pending>& queue : backlog_) idle &= queue.empty();
+  if (idle) last_progress_ = absl::Now();
+  for (uint32_t q = 0; q < active_; ++q) {
+    const std::vector<Seg>& segs = per_qp[q];
+    const size_t list = std::min<size_t>(cfg_.signal_every, qps_[q].max_wr);
+    for (size_t begin = 0; begin < segs.size(); begin += list) {
+      const size_t end = std::min(segs.size(), begin + list);
+      backlog_[q].push_back(Pending{id, std::vector<Seg>(segs.begin() + begin, segs.begin() + end)});
+      ++batch.pending;
     }
   }
-  CheckCancel();
-  if (!broken_.ok()) {
-    // Wait reports the failure for this batch (some of it may already be on the wire).
-    Batch& b = batches_[id];
-    if (b.status.ok()) b.status = broken_;
-  }
+  Pump();
   return id;
 }
 
 absl::Status VerbsEndpoint::Wait(BatchId batch, absl::Duration timeout) {
+  ConsumeEvents();  // first: whatever the answer, this Wait is the owner's look (transport.h, CompletionFd)
   auto it = batches_.find(batch);
   if (it == batches_.end()) {
     return absl::NotFoundError(
@@ -670,6 +767,8 @@ absl::Status VerbsEndpoint::Wait(BatchId batch, absl::Duration timeout) {
       break;
     }
     bool progressed = PollAll() > 0;
+    Pump();
+    if (!progressed) CheckStall();
     if (it->second.pending == 0 || !it->second.status.ok()) break;
     // Checked even while completions arrive, so a short timeout is honoured on a busy endpoint.
     if (absl::Now() >= deadline) {
