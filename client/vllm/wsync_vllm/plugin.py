@@ -21,7 +21,9 @@ def register() -> None:
         except ValueError:  # registered concurrently / by an earlier call
             pass
 
-    from . import cpu_plain
+    from . import cpu_plain, draft
 
+    # before the worker loads its models: the proposer's load_model tells which draft model belongs to the target
+    draft.install()
     if cpu_plain.requested():
         cpu_plain.install()
