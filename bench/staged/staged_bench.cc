@@ -1,7 +1,8 @@
 // Staged vs classic updates in one run (docs/operations.md, "Staged updates"): a local cluster of reference engines
 // started with --staging (separate processes, tests/daemon/cluster.h), the same updates pushed in each mode, and per
 // engine the time it reported itself paused (GetInfo polled every --poll-ms) divided by the update's wall time
-// (BeginUpdate call to CommitUpdate return). Ends with one JSON line.
+// (BeginUpdate call to CommitUpdate return), and each update's configure phase (0 when no source was configured).
+// Ends with one JSON line.
 //
 //   bench_staged --bin build/bin --model tests/data/tiny/qwen3-tiny.json [--engines 2 --tp 2 --updates 5]
 
@@ -109,6 +110,7 @@ int main(int argc, char** argv) {
   std::printf("%-8s %8s %12s %14s %14s\n", "MODE", "UPDATE", "WALL_S", "PAUSED_MAX_S", "PAUSED_RATIO");
   for (const std::string mode : {"classic", "staged"}) {
     double wall_sum = 0, ratio_sum = 0, ratio_max = 0;
+    std::vector<double> configure;  // per update: its configure phase (0: none ran)
     for (int u = 0; u < updates; ++u) {
       const int64_t v = ++version;
       PauseMeter meter(cl.engines, poll_ms);
@@ -137,7 +139,11 @@ int main(int argc, char** argv) {
       std::printf("%-8s %8ld %12.3f %14.4f %14.4f\n", mode.c_str(), v, wall, worst, worst / wall);
       // Where the commit's time went (the staged switch's phases show what lies inside the paused window).
       std::string phases;
-      for (const auto& p : rec->phases()) phases += absl::StrFormat(" %s %.1fms", p.phase(), 1e3 * p.seconds());
+      configure.push_back(0);
+      for (const auto& p : rec->phases()) {
+        phases += absl::StrFormat(" %s %.1fms", p.phase(), 1e3 * p.seconds());
+        if (p.phase() == "configure") configure.back() += p.seconds();
+      }
       std::printf("         phases:%s\n", phases.c_str());
       wall_sum += wall;
       ratio_sum += worst / wall;
@@ -146,6 +152,7 @@ int main(int argc, char** argv) {
     result[mode + "_update_seconds_mean"] = wall_sum / updates;
     result[mode + "_paused_ratio_mean"] = ratio_sum / updates;
     result[mode + "_paused_ratio_max"] = ratio_max;
+    result[mode + "_configure_seconds"] = configure;
   }
   std::printf("%s\n", result.dump().c_str());
   return 0;

@@ -99,20 +99,11 @@ RestoredEngine RestoredEngineOf(const absl::StatusOr<v1::EngineInfo>& word, cons
   return r;
 }
 
-// `layout` with every parameter moved to copy `set` of its segment (id + set * shift); the segments themselves are
-// all listed already. Pure.
-v1::RankLayout LayoutForCopy(v1::RankLayout layout, int set) {
-  const int shift = layout.staging_segment_shift();
-  if (shift <= 0 || set == 0) return layout;
-  for (auto& p : *layout.mutable_params()) p.set_segment(p.segment() + set * shift);
-  return layout;
-}
-
 // A source's ConfigureSourceRequest whose targets reference the plan's shared rank tables instead of copies (a
-// source's tables are megabytes at Kimi-K2 scale, and up to 64 workers build theirs at once); a table moved to
-// another copy of the segments (LayoutForCopy) is its own. The references are released before the request is
-// destroyed: the plan owns those tables. Serializing one table from several workers at once is safe (const access;
-// protobuf's cached sizes are atomic).
+// source's tables are megabytes at Kimi-K2 scale, and up to 64 workers build theirs at once). The tables name copy 0
+// of an engine's segments; the copy an update writes travels with StartUpdate (segment_sets). The references are
+// released before the request is destroyed: the plan owns those tables. Serializing one table from several workers at
+// once is safe (const access; protobuf's cached sizes are atomic).
 class SourceRequest {
  public:
   explicit SourceRequest(const v1::ConfigureSourceRequest& base) : req_(base) {}
@@ -122,18 +113,14 @@ class SourceRequest {
   SourceRequest(const SourceRequest&) = delete;
   SourceRequest& operator=(const SourceRequest&) = delete;
 
-  // Adds `a` (no layout) with `layout` (may be null) as copy `copy` of its segments (LayoutCopy).
-  void Add(const v1::TargetAssignment& a, const std::shared_ptr<const v1::RankLayout>& layout, int copy) {
+  // Adds `a` (no layout) with `layout` (may be null).
+  void Add(const v1::TargetAssignment& a, const std::shared_ptr<const v1::RankLayout>& layout) {
     v1::TargetAssignment* t = req_.add_targets();
     *t = a;
     if (!layout) return;
-    if (copy <= 0 || layout->staging_segment_shift() <= 0) {  // LayoutForCopy would return it unchanged
-      t->unsafe_arena_set_allocated_layout(const_cast<v1::RankLayout*>(layout.get()));
-      shared_.push_back(t);
-      held_.push_back(layout);  // alive as long as the request, whatever happens to the plan meanwhile
-    } else {
-      *t->mutable_layout() = LayoutForCopy(*layout, copy);
-    }
+    t->unsafe_arena_set_allocated_layout(const_cast<v1::RankLayout*>(layout.get()));
+    shared_.push_back(t);
+    held_.push_back(layout);  // alive as long as the request, whatever happens to the plan meanwhile
   }
   void set_plan_epoch(int64_t epoch) { req_.set_plan_epoch(epoch); }
   const v1::ConfigureSourceRequest& req() const { return req_; }
@@ -831,8 +818,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
     // hold the planned one) is configured again even when the plan is unchanged.
     need_configure = need_plan;
     for (const auto& [id, n] : nodes_) need_configure |= n.role() == "source" && InRun(id) && !configured_.count(id);
-    // Which copy the plan writes can change at every switch: sources are re-configured when it did.
-    need_configure |= !staging_engines.empty();
+    // Which copy an update writes changes at every switch; it travels with StartUpdate, not in the configuration.
   }
   v1::BeginUpdateReply out;
   out.set_version(v);
@@ -865,16 +851,15 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
 
   t = absl::Now();
   // A source to configure: its request without its assignments (model, push filters, quantization), its
-  // assignments and their rank tables as the plan holds them (shared), and which copy of each engine's segments it
-  // writes. The whole request is built only by the worker sending it, with the tables it shares with the plan
-  // referenced, not copied: a source's tables are megabytes at Kimi-K2 scale, and at 1024 engine ranks every
-  // source's request at once did not fit in memory; 64 workers' copies of theirs were the coordinator's peak.
+  // assignments and their rank tables as the plan holds them (shared). The whole request is built only by the worker
+  // sending it, with the tables it shares with the plan referenced, not copied: a source's tables are megabytes at
+  // Kimi-K2 scale, and at 1024 engine ranks every source's request at once did not fit in memory; 64 workers' copies of
+  // theirs were the coordinator's peak.
   struct Configure {
     std::string node_id, address;
     v1::ConfigureSourceRequest base;                                    // no targets
     std::vector<std::shared_ptr<const v1::TargetAssignment>> assigned;  // in plan order; no layouts
     std::vector<std::shared_ptr<const v1::RankLayout>> layouts;         // per assignment
-    std::vector<int> copies;                                            // per assignment: LayoutCopy
     std::string key;                                                    // SourceConfigKey
   };
   std::vector<Configure> configure;
@@ -926,14 +911,13 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
       // replica, connections and plan epoch).
       for (auto& [id, r] : by_source) {
         if (!InRun(id)) continue;  // its lease lapsed: left out of this update
-        Configure cf{id, nodes_[id].address(), std::move(r), {}, {}, {}, ""};
+        Configure cf{id, nodes_[id].address(), std::move(r), {}, {}, ""};
         const std::vector<const Planned*>& mine = planned_of[id];
         for (const Planned* p : mine) {
           cf.assigned.push_back(p->assignment);
           cf.layouts.push_back(p->layout);
-          cf.copies.push_back(LayoutCopy(p->assignment->engine_id(), staged, live_sets));
         }
-        cf.key = SourceConfigKey(cf.base, mine, cf.copies);
+        cf.key = SourceConfigKey(cf.base, mine);
         auto c = configured_.find(id);
         if (c != configured_.end() && c->second.key == cf.key) continue;
         configure.push_back(std::move(cf));
@@ -954,7 +938,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
         [&](size_t i) {
           const Configure& c = configure[i];
           SourceRequest full(c.base);
-          for (size_t k = 0; k < c.assigned.size(); ++k) full.Add(*c.assigned[k], c.layouts[k], c.copies[k]);
+          for (size_t k = 0; k < c.assigned.size(); ++k) full.Add(*c.assigned[k], c.layouts[k]);
           digests[i] = ConfigureSourceDigest(full.req());  // before the epoch is set, which it leaves out anyway
           full.set_plan_epoch(plan_epoch);
           auto r = Remote(c.address, [&] { return peers_->ConfigureSource(c.address, full.req()); });
@@ -996,8 +980,13 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   {
     MutexLock l(&mu_);
     for (const auto& [id, n] : nodes_) {
+  // Per engine offering staging memory, the copy of its segments this update writes (LayoutCopy; absent: copy 0).
+  std::map<std::string, int> segment_sets;
       if (n.role() != "source" || !InRun(id)) continue;
       source_addrs.push_back(n.address());
+    for (const auto& [id, n] : nodes_)
+      for (const auto& e : n.engines())
+        if (const int c = LayoutCopy(e.engine_id(), staged, live_sets); c > 0) segment_sets[e.engine_id()] = c;
       auto c = configured_.find(id);
       source_epochs[n.address()] = c == configured_.end() ? plan_epoch : c->second.epoch;
       if (c != configured_.end()) {
@@ -1029,6 +1018,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   // Sources started (or were being started) when an abort came: they may take pushes already, so they are told to
   // abort.
   // A source that started may already take pushes from its ranks: every source is told to abort and says what it
+        for (const auto& [engine, set] : segment_sets) (*sreq.mutable_segment_sets())[engine] = set;
   // wrote (the phase table's kResumeIfClean).
   if (AbortAsked() || !st.ok()) return FailAndStopSources(rec, st, Phase::kStart, engines);
   out.set_plan_epoch(plan_epoch);
@@ -2445,8 +2435,7 @@ int Coordinator::LayoutCopy(const std::string& engine_id, bool staged,
 }
 
 std::string Coordinator::SourceConfigKey(const v1::ConfigureSourceRequest& base,
-                                         const std::vector<const Planned*>& assigned,
-                                         const std::vector<int>& copies) const {
+                                         const std::vector<const Planned*>& assigned) const {
   std::string bytes;
   {
     google::protobuf::io::StringOutputStream sos(&bytes);
@@ -2460,7 +2449,7 @@ std::string Coordinator::SourceConfigKey(const v1::ConfigureSourceRequest& base,
     const std::string& engine = p.assignment->engine_id();
     auto d = engine_digests_.find(engine);
     absl::StrAppend(&bytes, "\n", p.digest.empty() ? AssignmentDigest(*p.assignment) : p.digest, " ", engine, " ",
-                    d == engine_digests_.end() ? "?" : d->second, " ", copies[k]);
+                    d == engine_digests_.end() ? "?" : d->second);
   }
   const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
   return absl::StrFormat("%016x%016x", h.high64, h.low64);

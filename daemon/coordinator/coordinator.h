@@ -471,9 +471,10 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What tells two configurations of a source apart without their rank tables or write ranges: `base` (its request
   // without targets), and per assignment its digest (PlannedAssignment::digest), its engine's registration digest
-  // and the copy written (`copies`). Requires mu_ and RefreshEngineDigests.
-  std::string SourceConfigKey(const v1::ConfigureSourceRequest& base, const std::vector<const Planned*>& assigned,
-                              const std::vector<int>& copies) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // (not the copy an update writes: StartUpdate names it, so a switch costs no re-configure). Requires mu_ and
+  // RefreshEngineDigests.
+  std::string SourceConfigKey(const v1::ConfigureSourceRequest& base, const std::vector<const Planned*>& assigned) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Digests every registered engine not in engine_digests_ (EngineInputDigest, replan.h). Requires mu_.
   void RefreshEngineDigests() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The commit of a staged update once its sources finished: StageVerify, then SwitchEngines, then the record.

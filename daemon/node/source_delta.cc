@@ -197,7 +197,7 @@ void SourceNode::DeltaReply(int64_t version, v1::FinishUpdateReply* out) {
     d->set_records(t->records);
     d->set_dense_ranges(t->dense_ranges);
     d->set_fallback(t->fallback);
-    d->set_segment_set(SegmentSet(t->assignment.layout()));
+    d->set_segment_set(SegmentSet(t->assignment.layout()) + t->segment_set);
     records += t->records;
   }
   out->set_dense_bytes(dense);

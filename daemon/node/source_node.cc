@@ -426,6 +426,8 @@ absl::Status SourceNode::ApplyPlan(const SourcePlan& plan, const v1::ConfigureSo
       t->regions.push_back(*std::move(region));
     }
     for (int seg : pt.segment) t->dst_region.push_back(by_segment.at(seg));
+    t->dst_segment = pt.segment;
+    t->by_segment = std::move(by_segment);
     t->dst_offset = pt.dst_offset;
     t->layout_index = pt.layout_index;
     t->host_param = pt.host_param;
@@ -741,6 +743,7 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req, absl::Ti
     return err;  // those not reconnected stay broken: the next StartUpdate tries again
   }
   for (Target* t : broken) spdlog::info("update {}: reconnected to {}", req.version(), Who(*t));
+  WSYNC_RETURN_IF_ERROR(SelectSegmentSets(req));
   WSYNC_RETURN_IF_ERROR(DecideDeltas(req));
   // The replica is about to be rewritten: every range of an earlier update is hashed first (its FinishUpdate or
   // AbortUpdate waited already; an abandoned update did not).
@@ -770,6 +773,32 @@ absl::Status SourceNode::StartUpdate(const v1::StartUpdateRequest& req, absl::Ti
   ingest_seconds_ = write_seconds_ = 0;
   spdlog::info("update {} started", version_);
   cv_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::Status SourceNode::SelectSegmentSets(const v1::StartUpdateRequest& req) {
+  std::vector<std::pair<Target*, int>> change;
+  for (auto& t : targets_) {
+    auto it = req.segment_sets().find(t->assignment.engine_id());
+    const int set = it == req.segment_sets().end() ? 0 : it->second;
+    if (set == t->segment_set) continue;
+    const int shift = t->assignment.layout().staging_segment_shift();
+    if (set < 0 || set > 1 || (set != 0 && shift <= 0))
+      return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), ": copy ", set, " of ", Who(*t),
+                                                        "'s segments: its layout has one copy only"));
+    for (int seg : t->dst_segment)
+      if (!t->by_segment.count(seg + set * shift))
+        return absl::FailedPreconditionError(absl::StrCat("update ", req.version(), ": ", Who(*t),
+                                                          "'s layout lacks segment ", seg + set * shift, " (copy ", set,
+                                                          " of segment ", seg, ")"));
+    change.emplace_back(t.get(), set);
+  }
+  for (auto [t, set] : change) {
+    const int shift = t->assignment.layout().staging_segment_shift();
+    for (size_t i = 0; i < t->dst_segment.size(); ++i)
+      t->dst_region[i] = t->by_segment.at(t->dst_segment[i] + set * shift);
+    t->segment_set = set;
+  }
   return absl::OkStatus();
 }
 

@@ -248,6 +248,11 @@ class SourceNode {
     std::vector<const transport::RemoteRegion*> dst_region;
     std::vector<uint64_t> dst_offset;
     // Per replica param of its layout: the byte ranges (offset, length) this source writes (the plan's slices);
+    // Staged updates: per replica param, the segment the configuration names; every segment's region by id; which
+    // copy of the segments dst_region points at now (StartUpdateRequest.segment_sets, relative to the configured one).
+    std::vector<int> dst_segment;
+    std::map<int, const transport::RemoteRegion*> by_segment;
+    int segment_set = 0;
     // empty for a parameter another source writes.
     std::vector<std::vector<std::pair<uint64_t, uint64_t>>> ranges;
     // Its writer (source_writer.h): the thread that alone uses the connection's endpoint, fed by a bounded queue.
@@ -301,6 +306,9 @@ class SourceNode {
   // Connects every target of `targets` (ConnectEndpoint), several at once, each by `deadline` at the latest; the
   // first error in their order, naming the target. Caller holds ingest_mu_ exclusively, not mu_.
   absl::Status ConnectTargets(const std::vector<Target*>& targets, absl::Time deadline = absl::InfiniteFuture());
+  // Points every target's writes at the copy of its segments `req` names (segment_sets); decides for all first, so a
+  // refusal (a copy a rank's layout lacks) changes nothing. Caller holds ingest_mu_ exclusively.
+  absl::Status SelectSegmentSets(const v1::StartUpdateRequest& req);
   // The registered backend `name` (transport/registry.h), created at its first use and kept. Caller holds ingest_mu_
   // exclusively.
   absl::StatusOr<transport::Transport*> ExtraTransport(const std::string& name);

@@ -400,6 +400,52 @@ TEST_CASE(
   CHECK(absl::StrContains(log, "\"current_version\":\"4\""));
 }
 
+// How many times the source configured a plan, by its own log (one line per configuration applied).
+int SourceConfigures(const Cluster& cl) {
+  const std::string log = cl.Log("source0");
+  int n = 0;
+  for (size_t at = log.find("configured plan "); at != std::string::npos; at = log.find("configured plan ", at + 1))
+    ++n;
+  return n;
+}
+
+TEST_CASE("staged: steady staged updates configure no source; each writes the other copy, bit-exact") {
+  ClusterOptions o;
+  o.bin_dir = kBin;
+  o.model = kModel;
+  o.tp = kTp;
+  o.engine_args = {"--staging"};
+  Cluster cl(o);
+  INFO("cluster logs in " << cl.dir());
+  auto trainer = Trainer(cl);
+  const std::string& e = cl.engines[0];
+  auto r1 = Update(cl, *trainer, 1, "classic");
+  REQUIRE(r1.ok());
+  REQUIRE(Verify(e, 1).ok());
+  REQUIRE(SourceConfigures(cl) == 1);
+  // Three staged updates alternate the copy written (live copy 1, 0, 1 after each): the plan and the sources'
+  // configuration stay; only StartUpdate names the copy.
+  for (int64_t v = 2; v <= 4; ++v) {
+    auto r = Update(cl, *trainer, v, "staged");
+    INFO("update " << v << ": " << (r.ok() ? std::string() : r.status().ToString()));
+    REQUIRE(r.ok());
+    CHECK(r->success());
+    CHECK(r->switched_size() == 1);
+    for (const auto& p : r->phases()) CHECK(p.phase() != "configure");
+    CHECK(Verify(e, v).ok());
+    CHECK_FALSE(Verify(e, v - 1).ok());
+    CHECK(Info(e).weight_version() == std::to_string(v));
+    CHECK(Info(e).live_set() == (v % 2 == 0 ? 1 : 0));
+  }
+  CHECK(SourceConfigures(cl) == 1);
+  // A classic update after them writes the live copy (0 or 1, whichever the last switch left), still unconfigured.
+  auto r5 = Update(cl, *trainer, 5, "classic");
+  REQUIRE(r5.ok());
+  CHECK(Verify(e, 5).ok());
+  CHECK(Info(e).live_set() == 1);
+  CHECK(SourceConfigures(cl) == 1);
+}
+
 TEST_CASE("staged: refused, naming the engine, when an engine offers no staging memory; classic still runs") {
   ClusterOptions o;
   o.bin_dir = kBin;
