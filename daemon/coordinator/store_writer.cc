@@ -48,6 +48,11 @@ uint64_t StoreWriter::Submit(v1::CoordinatorState state) {
   return t;
 }
 
+void StoreWriter::SetTestHooks(TestHooks hooks) {
+  MutexLock l(&mu_);
+  hooks_ = std::move(hooks);
+}
+
 uint64_t StoreWriter::last_ticket() const {
   MutexLock l(&mu_);
   return next_ticket_;
@@ -108,9 +113,13 @@ void StoreWriter::Run() {
     }
     uint64_t ticket;
     v1::CoordinatorState s = TakePending(&ticket);
+    writing_ = true;
+    const std::function<void()> after_take = hooks_.after_take;
     mu_.Unlock();
+    if (after_take) after_take();
     const absl::Status st = store_->SaveChanges(s, /*nodes_changed=*/false);
     mu_.Lock();
+    writing_ = false;
     io_mu_.Unlock();
     if (!st.ok()) {
       spdlog::error("state store {}: {} (the coordinator goes on from memory; the next change retries)",
@@ -130,10 +139,17 @@ void StoreWriter::Run() {
 }
 
 absl::Status StoreWriter::SaveNow(v1::CoordinatorState* state, bool nodes_changed, uint64_t* ticket) {
+  std::function<void()> waits;
+  {
+    MutexLock l(&mu_);
+    if (writing_) waits = hooks_.save_now_waits;
+  }
+  if (waits) waits();
   MutexLock io(&io_mu_);  // after the write in progress; the thread cannot start another meanwhile
   uint64_t t;
   {
     MutexLock l(&mu_);
+    writing_ = true;
     // This state is newer than the one queued, which it replaces; every record not yet written goes with it.
     MergeHistory(state, &pending_history_, &pending_floor_);
     for (auto& [v, r] : pending_history_) *state->add_history() = std::move(r);
@@ -145,6 +161,7 @@ absl::Status StoreWriter::SaveNow(v1::CoordinatorState* state, bool nodes_change
   }
   absl::Status st = store_->SaveChanges(*state, nodes_changed);
   MutexLock l(&mu_);
+  writing_ = false;
   if (!st.ok()) {
     if (!pending_) {
       // Queued again without its nodes (lent: they stay the caller's; the store has taken its own form of them).

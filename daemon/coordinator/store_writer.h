@@ -18,6 +18,7 @@
 // objects must not outlive the caller's lock.
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -56,6 +57,16 @@ class StoreWriter {
   // The newest ticket handed out.
   uint64_t last_ticket() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Test hooks (tests/daemon/store_writer_test.cc), set before the first Submit, never by the coordinator.
+  // after_take: the thread has taken the queued state and is about to write it (no lock of the writer's but the one
+  // it writes under). save_now_waits: a SaveNow found a write in progress and is about to wait for it. With both, a
+  // test puts a SaveNow between the thread's take and its write on every run, not 1 run in 3.
+  struct TestHooks {
+    std::function<void()> after_take;
+    std::function<void()> save_now_waits;
+  };
+  void SetTestHooks(TestHooks hooks) ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   void Run() ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
   // Takes the queued state with the history records not yet written.
@@ -82,6 +93,8 @@ class StoreWriter {
   absl::Status last_error_ ABSL_GUARDED_BY(mu_);       // of the last failed attempt
   uint64_t last_error_ticket_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // io_mu_ is held for a write (what save_now_waits reports)
+  TestHooks hooks_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
 

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -139,6 +140,60 @@ TEST_CASE("store writer: SaveNow writes after the queued state and covers it") {
   CHECK(StoredHistory(k.path) == std::vector<int64_t>{1, 2, 3});
   const auto saves = k.gate->saves();
   CHECK(saves.back().current_version == 3);
+}
+
+// The race fixed before (a SaveNow between the thread's take of the queued state and its write: the newer state
+// written first, then the older one put back over it) forced on every run: the thread's hook starts SaveNow(3) right
+// after its take of state 2 and waits until SaveNow has either written (the race lost: the thread then writes 2 last)
+// or found the write in progress and waits for it (the take and the write are one step under io_mu_).
+TEST_CASE("store writer: a SaveNow between the thread's take and its write lands after it, every run") {
+  Writer k("take-race");
+  std::mutex m;
+  std::condition_variable cv;
+  bool saved = false, waiting = false, fired = false;
+  absl::Status save_status;
+  std::thread saver;
+  StoreWriter::TestHooks hooks;
+  hooks.save_now_waits = [&] {
+    std::lock_guard<std::mutex> l(m);
+    waiting = true;
+    cv.notify_all();
+  };
+  hooks.after_take = [&] {
+    {
+      std::lock_guard<std::mutex> l(m);
+      if (fired) return;
+      fired = true;
+    }
+    saver = std::thread([&] {
+      v1::CoordinatorState now = StateAt(3, {3});
+      uint64_t t = 0;
+      const absl::Status st = k.w->SaveNow(&now, false, &t);
+      std::lock_guard<std::mutex> l(m);
+      save_status = st;
+      saved = true;
+      cv.notify_all();
+    });
+    std::unique_lock<std::mutex> l(m);
+    cv.wait(l, [&] { return saved || waiting; });
+  };
+  k.w->SetTestHooks(hooks);
+  const uint64_t queued = k.w->Submit(StateAt(2, {2}));
+  const absl::Status written = k.w->Wait(queued, absl::Seconds(10));
+  if (saver.joinable()) saver.join();
+  k.w->SetTestHooks({});  // the hooks refer to this scope
+  REQUIRE(written.ok());
+  CHECK(save_status.ok());
+  CHECK(waiting);
+  const auto saves = k.gate->saves();
+  REQUIRE(saves.size() >= 2);
+  CHECK(saves.back().current_version == 3);  // SaveNow's state is the last written
+  auto store = SqliteStateStore::Open(k.path);
+  REQUIRE(store.ok());
+  auto loaded = (*store)->Load();
+  REQUIRE(loaded.ok());
+  CHECK(loaded->current_version() == 3);
+  CHECK(StoredHistory(k.path) == std::vector<int64_t>{2, 3});
 }
 
 }  // namespace
