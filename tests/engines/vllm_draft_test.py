@@ -182,7 +182,9 @@ def main() -> int:
             same = [k for k in own if d1.get(k) == fresh_draft[k]]
             check(not same, f"update 1 (checkpoint A) rewrote every draft parameter of its own (unchanged: {same[:4]})")
             tok1, drafted1, accepted1 = run_prompts(a)
-            log(f"update 1: acceptance {accepted1}/{drafted1} with A's random draft")
+            check(accepted1 * 4 < drafted1,
+                  f"update 1: A's random draft is rarely accepted ({accepted1}/{drafted1}; a stale draft keeps "
+                  "proposing for the old target)")
 
             rec = update(2, tensors_b)
             check(http("GET", f"{a}/weight_info")["weight_version"] == "2", "update 2: vLLM reads version 2")
