@@ -106,10 +106,29 @@ grpc::Status NodeDaemonService::ApplyDelta(grpc::ServerContext* ctx, const v1::A
   WSYNC_NEED(Target);
   return Reply(target_.load()->ApplyDelta(*req), out);
 }
+grpc::Status NodeDaemonService::SetRelay(grpc::ServerContext* ctx, const v1::SetRelayRequest* req,
+                                         v1::SetRelayReply* out) {
+  WSYNC_AUTHORIZE("SetRelay", {tls::kCoordinator});
+  WSYNC_NEED(Target);
+  return Reply(target_.load()->SetRelay(*req), out);
+}
+grpc::Status NodeDaemonService::RelayLanded(grpc::ServerContext* ctx, const v1::RelayLandedRequest* req,
+                                            v1::RelayLandedReply*) {
+  WSYNC_AUTHORIZE("RelayLanded", {tls::kSource, tls::kTarget});  // a tree's root hears its sources, a child its relay
+  WSYNC_NEED(Target);
+  return ToGrpcStatus(target_.load()->RelayLanded(*req));
+}
+grpc::Status NodeDaemonService::RelayDrain(grpc::ServerContext* ctx, const v1::RelayDrainRequest* req,
+                                           v1::RelayDrainReply* out) {
+  WSYNC_AUTHORIZE("RelayDrain", {tls::kCoordinator});
+  WSYNC_NEED(Target);
+  return Reply(target_.load()->RelayDrain(*req), out);
+}
 grpc::Status NodeDaemonService::ConnectTarget(grpc::ServerContext* ctx, const v1::ConnectTargetRequest* req,
                                               v1::ConnectTargetReply* out) {
   tls::Peer peer;
-  if (auto a = tls::Authorize(ctx, "ConnectTarget", {tls::kSource}, &peer); !a.ok()) return a;
+  // A relay (a target daemon) connects to its children as a source does; its grant is bound to its identity.
+  if (auto a = tls::Authorize(ctx, "ConnectTarget", {tls::kSource, tls::kTarget}, &peer); !a.ok()) return a;
   WSYNC_LIMIT("ConnectTarget");
   WSYNC_NEED(Target);
   return Reply(target_.load()->ConnectTarget(*req, peer.authenticated ? peer.Describe() : std::string()), out);

@@ -30,6 +30,9 @@ class NodeDaemonService final : public v1::NodeDaemon::Service {
   grpc::Status SetWriteWindow(grpc::ServerContext*, const v1::SetWriteWindowRequest*,
                               v1::SetWriteWindowReply*) override;
   grpc::Status ApplyDelta(grpc::ServerContext*, const v1::ApplyDeltaRequest*, v1::ApplyDeltaReply*) override;
+  grpc::Status SetRelay(grpc::ServerContext*, const v1::SetRelayRequest*, v1::SetRelayReply*) override;
+  grpc::Status RelayLanded(grpc::ServerContext*, const v1::RelayLandedRequest*, v1::RelayLandedReply*) override;
+  grpc::Status RelayDrain(grpc::ServerContext*, const v1::RelayDrainRequest*, v1::RelayDrainReply*) override;
   grpc::Status GetNodeStatus(grpc::ServerContext*, const v1::NodeStatusRequest*, v1::NodeStatus*) override;
   grpc::Status GetWriteChecksums(grpc::ServerContext*, const v1::WriteChecksumsRequest*,
                                  v1::WriteChecksumsReply*) override;

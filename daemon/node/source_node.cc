@@ -1188,8 +1188,10 @@ absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::
   for (auto& [t, writes] : batches) {
     auto outcome = std::make_shared<BatchOutcome>();
     outcomes[t] = outcome;
-    WSYNC_RETURN_IF_ERROR(PostToTarget(version, t, std::move(writes), [outcome](const absl::Status& st) {
+    TargetWriter::Done relay = t->assignment.relay_root() ? RelayNoticeFor(version, *t, ready) : nullptr;
+    WSYNC_RETURN_IF_ERROR(PostToTarget(version, t, std::move(writes), [outcome, relay](const absl::Status& st) {
       outcome->state.store(st.ok() ? 1 : 2, std::memory_order_release);
+      if (relay) relay(st);
     }));
   }
   RecordChecksums(version, ready, outcomes);

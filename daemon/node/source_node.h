@@ -36,6 +36,7 @@
 #include "daemon/node/hash_pool.h"
 #include "daemon/node/source_plan.h"
 #include "daemon/node/source_writer.h"
+#include "daemon/node/relay_notice.h"
 #include "replica/replica.h"
 #include "transport/transport.h"
 #include "wsync/v1/daemon.grpc.pb.h"
@@ -547,6 +548,11 @@ class SourceNode {
   std::map<int64_t, Recorded> checksums_;
   // Hashes the ranges posted (null with write_checksums off). Declared after everything its jobs touch; the
   // destructor drains it first.
+  // Relay trees (source_relay.cc): after a batch into a tree's root is written, the notice of what landed there.
+  // Created at the first such batch; its thread hashes replica ranges, so it is declared after the replica.
+  TargetWriter::Done RelayNoticeFor(int64_t version, const Target& t, const std::vector<replica::ReadyParam>& ready);
+  std::once_flag relay_once_;
+  std::unique_ptr<RelayNotifier> relay_notifier_;
   std::unique_ptr<HashPool> hasher_;
   // Tensors being assembled from slices in the open update (cleared under ingest_mu_ exclusive).
   std::mutex staged_mu_;

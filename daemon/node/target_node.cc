@@ -32,6 +32,7 @@
 #include "daemon/common/serve.h"
 #include "daemon/common/window_assignments.h"
 #include "daemon/node/node_services.h"
+#include "daemon/node/relay_notice.h"
 #include "replica/layout_plan.h"
 #include "replica/model_config.h"
 #include "spdlog/spdlog.h"
@@ -401,6 +402,11 @@ TargetNode::~TargetNode() {
   }
   for (auto& [id, e] : engines_)
     if (e->facade_server) e->facade_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  {
+    // Forwarders write from the engines' registrations: they go first.
+    std::lock_guard<std::mutex> l(relay_mu_);
+    relays_.clear();
+  }
   endpoints_.clear();
   conns_.clear();
   // Registrations go before the mappings they cover (Rank's member order), engines after their servers.
@@ -1204,6 +1210,62 @@ absl::Status TargetNode::Continue(const std::string& engine_id) {
         e->paused = false;
         e->armed_switch.reset();  // continued without its switch: a later switch hashes again
       });
+}
+
+absl::StatusOr<v1::SetRelayReply> TargetNode::SetRelay(const v1::SetRelayRequest& req) {
+  std::vector<RelayRankMemory> ranks;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    WSYNC_ASSIGN_OR_RETURN(Engine * e, Usable(req.engine_id()));
+    for (const Rank& r : e->ranks) {
+      RelayRankMemory& m = ranks.emplace_back();
+      m.layout = r.layout;
+      // Host segments are mapped in layout order; regions are one per segment in layout order.
+      size_t next = 0;
+      for (int i = 0; i < r.layout.segments_size(); ++i) {
+        const auto& seg = r.layout.segments(i);
+        if (ParseSegmentKind(seg.kind()).value_or(SegmentKind::kHost) == SegmentKind::kCuda) continue;
+        if (next >= r.memory.size() || i >= static_cast<int>(r.regions.size())) break;
+        m.data[seg.id()] = r.memory[next]->data();
+        m.keep.push_back(r.memory[next++]);
+        m.regions[seg.id()] = r.regions[i].get();
+      }
+    }
+  }
+  std::shared_ptr<RelayForwarder> f;
+  {
+    std::lock_guard<std::mutex> l(relay_mu_);
+    auto& slot = relays_[req.engine_id()];
+    if (!slot) slot = std::make_shared<RelayForwarder>(opts_.node_id, transport_, DialRelayChild, CallRelayLanded);
+    f = slot;
+  }
+  return f->Begin(req, std::move(ranks));
+}
+
+absl::Status TargetNode::RelayLanded(const v1::RelayLandedRequest& req) {
+  std::shared_ptr<RelayForwarder> f;
+  {
+    std::lock_guard<std::mutex> l(relay_mu_);
+    auto it = relays_.find(req.engine_id());
+    if (it == relays_.end())
+      return absl::FailedPreconditionError(
+          absl::StrCat("node ", opts_.node_id, ": engine ", req.engine_id(), " is in no relay tree"));
+    f = it->second;
+  }
+  return f->Landed(req);
+}
+
+absl::StatusOr<v1::RelayDrainReply> TargetNode::RelayDrain(const v1::RelayDrainRequest& req) {
+  std::shared_ptr<RelayForwarder> f;
+  {
+    std::lock_guard<std::mutex> l(relay_mu_);
+    auto it = relays_.find(req.engine_id());
+    if (it == relays_.end())
+      return absl::FailedPreconditionError(
+          absl::StrCat("node ", opts_.node_id, ": engine ", req.engine_id(), " is in no relay tree"));
+    f = it->second;
+  }
+  return f->Drain(req);
 }
 
 }  // namespace wsync::daemon

@@ -30,6 +30,7 @@
 #include "base/fd_passing.h"
 #include "daemon/common/engine_adapter.h"
 #include "daemon/node/armed_switch.h"
+#include "daemon/node/relay_forwarder.h"
 #include "daemon/node/target_node_cuda.h"
 #include "transport/transport.h"
 #include "wsync/v1/coordinator.pb.h"
@@ -170,6 +171,14 @@ class TargetNode {
   // names the engine, rank and parameter; those ranks then hold no known version (the next update is dense there).
   // Holds mu_ while applying (the mappings must not go away under it; the records are a fraction of the update).
   absl::StatusOr<v1::ApplyDeltaReply> ApplyDelta(const v1::ApplyDeltaRequest& req);
+
+  // Relay trees (relay_forwarder.h, docs/planner.md "The relay data path"). SetRelay: for update `req.version()`,
+  // the engine's children (connected before it returns; empty: a leaf that only checks what lands). RelayLanded: a
+  // writer's notice of ranges landed in the engine (checked, then forwarded). RelayDrain: waits until all of the
+  // update landed, was checked and forwarded. Blocking; gRPC threads; mu_ is not held across them.
+  absl::StatusOr<v1::SetRelayReply> SetRelay(const v1::SetRelayRequest& req);
+  absl::Status RelayLanded(const v1::RelayLandedRequest& req);
+  absl::StatusOr<v1::RelayDrainReply> RelayDrain(const v1::RelayDrainRequest& req);
 
  private:
   // An accepted attach connection. Shared between the loop thread and control calls that write to it.
@@ -312,6 +321,9 @@ class TargetNode {
   // One ApplyDelta at a time: it validates under mu_, then scatters without it (Status, attaches and connects do not
   // wait for the bytes).
   std::mutex apply_mu_;
+  // One forwarder per relaying engine, created at its first SetRelay and kept.
+  std::mutex relay_mu_;
+  std::map<std::string, std::shared_ptr<RelayForwarder>> relays_;
 };
 
 }  // namespace wsync::daemon

@@ -1,0 +1,340 @@
+#include "daemon/node/relay_forwarder.h"
+
+#include <xxhash.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "base/status.h"
+#include "spdlog/spdlog.h"
+
+namespace wsync::daemon {
+
+absl::Status CheckRelayChild(const std::vector<RelayRankMemory>& ranks, const v1::RelayChild& child) {
+  const std::string who = absl::StrCat("relay child engine ", child.engine_id(), " at ", child.target_daemon());
+  if (child.layouts_size() != static_cast<int>(ranks.size()))
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": ", child.layouts_size(), " rank layouts, the relaying engine has ", ranks.size()));
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const v1::RankLayout& mine = ranks[r].layout;
+    const v1::RankLayout& theirs = child.layouts(static_cast<int>(r));
+    if (mine.params_size() != theirs.params_size())
+      return absl::InvalidArgumentError(absl::StrCat(who, " rank ", r, ": ", theirs.params_size(),
+                                                     " parameters, the relaying engine has ", mine.params_size()));
+    for (int i = 0; i < mine.params_size(); ++i) {
+      const v1::ParamDesc& a = mine.params(i);
+      const v1::ParamDesc& b = theirs.params(i);
+      if (a.name() != b.name() || a.segment() != b.segment() || a.offset() != b.offset() || a.bytes() != b.bytes())
+        return absl::InvalidArgumentError(absl::StrCat(who, " rank ", r, ": parameter ", b.name(),
+                                                       " is not where the relaying engine holds ", a.name()));
+    }
+    for (const auto& seg : theirs.segments())
+      if (seg.kind() != "host" && !seg.kind().empty())
+        return absl::InvalidArgumentError(absl::StrCat(who, " rank ", r, " segment ", seg.id(), " is ", seg.kind(),
+                                                       " memory (relays write host memory only)"));
+  }
+  return absl::OkStatus();
+}
+
+RelayForwarder::RelayForwarder(std::string node_id, transport::Transport* transport, Dial dial, Notify notify)
+    : node_id_(std::move(node_id)),
+      transport_(transport),
+      dial_(std::move(dial)),
+      notify_(std::move(notify)),
+      writes_([this](int64_t version, const absl::Status& err) {
+        MutexLock l(&mu_);
+        if (version == version_ && error_.ok()) error_ = err;
+        cv_.SignalAll();
+      }) {
+  notice_thread_ = std::thread([this] { NoticeLoop(); });
+}
+
+RelayForwarder::~RelayForwarder() {
+  std::shared_ptr<std::vector<Child>> children;
+  {
+    MutexLock l(&mu_);
+    stop_ = true;
+    version_ = -1;
+    children = std::move(children_);
+    cv_.SignalAll();
+  }
+  notice_thread_.join();
+  children.reset();  // writers cancel and join; their callbacks find no update
+}
+
+void RelayForwarder::Fail(const absl::Status& st) {
+  MutexLock l(&mu_);
+  if (error_.ok()) error_ = st;
+  cv_.SignalAll();
+}
+
+absl::Status RelayForwarder::Connect(Child* child, const std::string& relay_node) {
+  const v1::RelayChild& c = child->spec;
+  for (int r = 0; r < c.layouts_size(); ++r) {
+    const std::string who = absl::StrCat("engine ", c.engine_id(), " rank ", r, " at ", c.target_daemon());
+    auto ep = transport_->CreateEndpoint();
+    if (!ep.ok()) return Annotate(ep.status(), absl::StrCat("relay ", node_id_, ": an endpoint for ", who));
+    v1::ConnectTargetRequest req;
+    req.set_engine_id(c.engine_id());
+    req.set_rank(r);
+    req.set_source_endpoint_info((*ep)->LocalInfo());
+    req.set_source_node(relay_node);
+    auto reply = dial_(c.target_daemon(), req);
+    if (!reply.ok()) return Annotate(reply.status(), absl::StrCat("relay ", node_id_, " connecting to ", who));
+    WSYNC_RETURN_IF_ERROR_CTX((*ep)->Connect(reply->target_endpoint_info(), absl::Seconds(30)), "relay ", node_id_,
+                              " connecting to ", who);
+    auto& regions = child->regions.emplace_back();
+    auto& by_segment = child->by_segment.emplace_back();
+    for (const auto& seg : c.layouts(r).segments()) {
+      auto region = transport_->ImportRegion(seg.region_descriptor());
+      if (!region.ok())
+        return Annotate(region.status(), absl::StrCat("relay ", node_id_, ": ", who, " segment ", seg.id()));
+      by_segment[seg.id()] = region->get();
+      regions.push_back(*std::move(region));
+    }
+    child->writers.push_back(std::make_unique<TargetWriter>(
+        *std::move(ep), absl::StrCat("relay ", node_id_, " forwarding to ", who), &writes_));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::SetRelayReply> RelayForwarder::Begin(const v1::SetRelayRequest& req,
+                                                        std::vector<RelayRankMemory> ranks) {
+  for (const auto& c : req.children()) WSYNC_RETURN_IF_ERROR(CheckRelayChild(ranks, c));
+  std::shared_ptr<std::vector<Child>> old;
+  {
+    MutexLock l(&mu_);
+    version_ = -1;  // nothing of any update is taken until the children are connected
+    old = std::move(children_);
+    notices_.clear();
+  }
+  writes_.Begin(req.version());
+  // Prepare once: a child whose spec is unchanged keeps its connections while every writer of it is usable (the
+  // previous update's batches all ended before its drain answered; a straggler's callback finds no update).
+  auto children = std::make_shared<std::vector<Child>>();
+  int connections = 0, kept = 0;
+  for (const auto& c : req.children()) {
+    Child* reuse = nullptr;
+    if (old)
+      for (Child& o : *old) {
+        if (o.writers.empty() || o.spec.SerializeAsString() != c.SerializeAsString()) continue;
+        bool usable = true;
+        for (const auto& w : o.writers) usable = usable && w->broken().ok() && w->busy() == 0;
+        if (usable) reuse = &o;
+        break;
+      }
+    if (reuse != nullptr) {
+      children->push_back(std::move(*reuse));
+      reuse->writers.clear();
+      ++kept;
+    } else {
+      Child& child = children->emplace_back();
+      child.spec = c;
+      WSYNC_RETURN_IF_ERROR(Connect(&child, req.relay_node()));
+    }
+    connections += c.layouts_size();
+  }
+  old.reset();  // connections not kept: their writers cancel and join outside mu_ (their callbacks take it)
+  std::vector<ParamIndex> params(ranks.size());
+  std::vector<uint64_t> expected(ranks.size(), 0);
+  for (size_t r = 0; r < ranks.size(); ++r)
+    for (int i = 0; i < ranks[r].layout.params_size(); ++i) {
+      params[r][ranks[r].layout.params(i).name()] = i;
+      expected[r] += ranks[r].layout.params(i).bytes();
+    }
+  MutexLock l(&mu_);
+  version_ = req.version();
+  engine_id_ = req.engine_id();
+  ranks_ = std::move(ranks);
+  params_ = std::move(params);
+  expected_ = std::move(expected);
+  landed_.assign(ranks_.size(), 0);
+  children_ = std::move(children);
+  pending_ = 0;
+  forwarded_ = 0;
+  notices_sent_ = 0;
+  error_ = absl::OkStatus();
+  spdlog::info("relay {}: update {} engine {}: {} children ({} rank connections; {} children's kept)", node_id_,
+               version_, engine_id_, children_->size(), connections, kept);
+  v1::SetRelayReply out;
+  out.set_connections(connections);
+  return out;
+}
+
+absl::Status RelayForwarder::Landed(const v1::RelayLandedRequest& req) {
+  std::map<int, std::vector<v1::LandedRange>> by_rank;
+  std::shared_ptr<std::vector<Child>> children;
+  {
+    MutexLock l(&mu_);
+    if (req.version() != version_ || req.engine_id() != engine_id_)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "relay ", node_id_, ": landed notice for engine ", req.engine_id(), " update ", req.version(),
+          ", but it relays ",
+          version_ < 0 ? std::string("no update") : absl::StrCat("engine ", engine_id_, " update ", version_)));
+    if (!error_.ok()) return error_;
+    for (const v1::LandedRange& g : req.ranges()) {
+      const std::string what =
+          absl::StrCat("relay ", node_id_, ": engine ", engine_id_, " rank ", g.rank(), " ", g.param(), " [",
+                       g.offset(), ", +", g.length(), ") landed from ", req.from_node());
+      absl::Status bad;
+      if (g.rank() < 0 || g.rank() >= static_cast<int>(ranks_.size())) {
+        bad = absl::InvalidArgumentError(absl::StrCat(what, ": no such rank"));
+      } else if (auto p = params_[g.rank()].find(g.param()); p == params_[g.rank()].end()) {
+        bad = absl::InvalidArgumentError(absl::StrCat(what, ": no such parameter"));
+      } else {
+        const RelayRankMemory& m = ranks_[g.rank()];
+        const v1::ParamDesc& d = m.layout.params(p->second);
+        auto data = m.data.find(d.segment());
+        if (g.offset() > d.bytes() || g.length() > d.bytes() - g.offset()) {
+          bad = absl::InvalidArgumentError(absl::StrCat(what, ": outside the parameter's ", d.bytes(), " bytes"));
+        } else if (data == m.data.end()) {
+          bad = absl::FailedPreconditionError(absl::StrCat(what, ": not in host memory (relays read host memory)"));
+        } else {
+          const XXH128_hash_t h = XXH3_128bits(data->second + d.offset() + g.offset(), g.length());
+          const std::string hex = absl::StrFormat("%016x%016x", h.high64, h.low64);
+          if (hex != g.xxh128())
+            bad = absl::DataLossError(absl::StrCat(what, ": holds XXH3-128 ", hex, ", the writer sent ", g.xxh128()));
+        }
+      }
+      if (!bad.ok()) {
+        if (error_.ok()) error_ = bad;
+        cv_.SignalAll();
+        spdlog::error("{}", bad.ToString());
+        return bad;
+      }
+      landed_[g.rank()] += g.length();
+      if (g.length() > 0) by_rank[g.rank()].push_back(g);
+    }
+    children = children_;
+    pending_ += children->size() * by_rank.size();
+    cv_.SignalAll();
+  }
+  const int64_t version = req.version();
+  for (size_t c = 0; c < children->size(); ++c) {
+    Child& child = (*children)[c];
+    for (auto& [rank, ranges] : by_rank) {
+      std::vector<transport::WriteRequest> writes;
+      uint64_t bytes = 0;
+      {
+        MutexLock l(&mu_);
+        if (version != version_)
+          return absl::AbortedError(absl::StrCat("relay ", node_id_, ": update ", version, " ended"));
+        const RelayRankMemory& m = ranks_[rank];
+        for (const v1::LandedRange& g : ranges) {
+          const v1::ParamDesc& d = m.layout.params(params_[rank].at(g.param()));
+          transport::WriteRequest w;
+          w.src = m.regions.at(d.segment());
+          w.src_offset = d.offset() + g.offset();
+          w.dst = child.by_segment[rank].at(d.segment());
+          w.dst_offset = d.offset() + g.offset();
+          w.length = g.length();
+          writes.push_back(w);
+          bytes += g.length();
+        }
+      }
+      auto done = [this, version, c, rank = rank, ranges = ranges, bytes](const absl::Status& st) {
+        MutexLock l(&mu_);
+        if (version != version_) return;
+        if (!st.ok()) {
+          if (error_.ok()) error_ = st;
+          if (pending_ > 0) --pending_;
+          cv_.SignalAll();
+          return;
+        }
+        forwarded_ += bytes;
+        Notice n;
+        n.child = static_cast<int>(c);
+        n.ranges = ranges;
+        notices_.emplace_back(version, std::move(n));
+        cv_.SignalAll();
+      };
+      absl::Status st = child.writers[rank]->Submit(version, std::move(writes), std::move(done));
+      if (!st.ok()) {
+        MutexLock l(&mu_);
+        if (version == version_) {
+          if (error_.ok()) error_ = st;
+          if (pending_ > 0) --pending_;
+        }
+        cv_.SignalAll();
+        return st;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void RelayForwarder::NoticeLoop() {
+  mu_.Lock();
+  for (;;) {
+    while (!stop_ && notices_.empty()) cv_.Wait(&mu_);
+    if (stop_) break;
+    // One call per child per round, with every range its finished batches covered.
+    std::map<int, std::pair<v1::RelayLandedRequest, uint64_t>> calls;
+    const int64_t version = notices_.front().first;
+    while (!notices_.empty() && notices_.front().first == version) {
+      Notice& n = notices_.front().second;
+      auto& [req, count] = calls[n.child];
+      for (auto& g : n.ranges) *req.add_ranges() = std::move(g);
+      ++count;
+      notices_.pop_front();
+    }
+    std::shared_ptr<std::vector<Child>> children = children_;
+    if (version != version_ || children == nullptr) continue;
+    for (auto& [c, call] : calls) {
+      v1::RelayLandedRequest& req = call.first;
+      req.set_version(version);
+      req.set_engine_id((*children)[c].spec.engine_id());
+      req.set_from_node(node_id_);
+      const std::string daemon = (*children)[c].spec.target_daemon();
+      mu_.Unlock();  // no lock across the call
+      absl::Status st = notify_(daemon, req);
+      mu_.Lock();
+      if (version != version_) break;
+      if (!st.ok() && error_.ok())
+        error_ = Annotate(
+            st, absl::StrCat("relay ", node_id_, " telling engine ", req.engine_id(), " at ", daemon, " what landed"));
+      ++notices_sent_;
+      pending_ -= std::min(pending_, call.second);
+      cv_.SignalAll();
+    }
+  }
+  mu_.Unlock();
+}
+
+absl::StatusOr<v1::RelayDrainReply> RelayForwarder::Drain(const v1::RelayDrainRequest& req) {
+  const absl::Time deadline =
+      absl::Now() + (req.timeout_seconds() > 0 ? absl::Seconds(req.timeout_seconds()) : absl::Seconds(60));
+  MutexLock l(&mu_);
+  if (req.version() != version_ || req.engine_id() != engine_id_)
+    return absl::FailedPreconditionError(absl::StrCat("relay ", node_id_, ": drain of engine ", req.engine_id(),
+                                                      " update ", req.version(), ", which it does not relay"));
+  const auto complete = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (pending_ > 0) return false;
+    for (size_t r = 0; r < landed_.size(); ++r)
+      if (landed_[r] < expected_[r]) return false;
+    return true;
+  };
+  while (error_.ok() && !complete())
+    if (cv_.WaitWithDeadline(&mu_, deadline)) break;
+  if (!error_.ok()) return error_;
+  if (!complete()) {
+    std::string missing;
+    for (size_t r = 0; r < landed_.size(); ++r)
+      if (landed_[r] < expected_[r])
+        absl::StrAppend(&missing, missing.empty() ? "" : ", ", "rank ", r, " ", landed_[r], "/", expected_[r],
+                        " bytes");
+    return absl::DeadlineExceededError(absl::StrCat(
+        "relay ", node_id_, ": engine ", engine_id_, " update ", version_,
+        " not drained in time: ", missing.empty() ? std::string("landed, ") : absl::StrCat("landed ", missing, "; "),
+        pending_, " forwards or notices to children pending"));
+  }
+  v1::RelayDrainReply out;
+  for (uint64_t b : landed_) out.set_bytes_landed(out.bytes_landed() + b);
+  out.set_bytes_forwarded(forwarded_);
+  out.set_notices_sent(notices_sent_);
+  return out;
+}
+
+}  // namespace wsync::daemon
