@@ -338,6 +338,8 @@ void Coordinator::ApplyPlanLogged(Replanned r) {
 void Coordinator::ApplyPlan(Replanned r) {
   ++plan_generation_;
   model_quantization_ = std::move(r.quantization);
+  relay_wiring_ = std::make_shared<const RelayWiring>(
+      WireRelays(planner::ParseRelayMode(opts_.relay).value_or(planner::RelayOptions{}), r.groups, &r.plan));
   plan_ = std::move(r.plan);
   push_filters_ = std::move(r.push_filters);
   groups_ = std::move(r.groups);
@@ -783,6 +785,7 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
       delta = "off";
       rec.set_delta_mode(delta);
     }
+    if (opts_.relay != "off" && delta != "off") rec.set_delta_mode(delta = "off");  // relays forward dense bytes only
     prev_state = state_;
     prev_last_begun = last_begun_;
     prev_run = std::move(run_);
@@ -1000,6 +1003,9 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   st = SetWindows(true, v, {}, &held);
   if (!st.ok() || AbortAsked()) {
     SetWindows(false, v).IgnoreError();
+  std::shared_ptr<const RelayWiring> relays;
+  WSYNC_UNDER(mu_, relays = relay_wiring_);
+  if (st.ok() && !AbortAsked() && relays && relays->relayed()) st = StartRelays(*relays, v);  // relay_wiring.h
     return FailAt(rec, st, Phase::kOpenWindows, engines);
   }
   st = ForAll(
@@ -1161,6 +1167,10 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
   if (AbortAsked()) return FailAndStopSources(rec, st, Phase::kFinish, engines, unreachable);
   SetWindows(false, v, unreachable).IgnoreError();
   const bool staged = rec.mode() == "staged";
+  std::shared_ptr<const RelayWiring> relays;
+  WSYNC_UNDER(mu_, relays = relay_wiring_);
+  if (st.ok() && relays && relays->relayed())
+    st = DrainRelays(*relays, v, commit_timeout_s);  // every relay checked and forwarded all (relay_wiring.h)
   // Weights may be partly written: the engines stay paused at their old version rather than resume silently. A
   // staged update wrote only staging memory: the engines serve on, untouched (the phase table's rows).
   if (!st.ok()) return FailAt(rec, st, Phase::kFinish, engines);

@@ -101,6 +101,7 @@
 #include "daemon/coordinator/fanout.h"
 #include "daemon/coordinator/phase_table.h"
 #include "daemon/coordinator/replan.h"
+#include "daemon/coordinator/relay_wiring.h"
 #include "daemon/coordinator/state_store.h"
 #include "daemon/coordinator/store_writer.h"
 #include "daemon/coordinator/timeline_svg.h"
@@ -197,6 +198,8 @@ struct CoordinatorOptions {
   std::string nic = "1x400Gbps";
   // balanced: a cut within this many bytes of a parameter boundary moves to the boundary (0: cut anywhere, aligned).
   uint64_t snap_bytes = 4ull << 20;
+  // Relay trees (issue 41): off (every engine written by the sources), auto or a degree N (relay_wiring.h).
+  std::string relay = "off";
   size_t history_limit = 1000;   // also bounds the per-version outcomes kept to answer retries
   double heartbeat_seconds = 2;  // daemons' lease renewal interval; a node is unreachable after 3 missed
   // While an update is open (trainer pushing), a node that misses 3 lease renewals fails it at once, naming the node
@@ -541,6 +544,7 @@ class Coordinator {
   int64_t membership_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t plan_epoch_ ABSL_GUARDED_BY(mu_) = -1;  // membership epoch the current plan was built for
   std::vector<Planned> plan_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const RelayWiring> relay_wiring_ ABSL_GUARDED_BY(mu_);  // the plan's relay trees (relay_wiring.h)
   std::map<std::string, GroupPlan> groups_ ABSL_GUARDED_BY(mu_);  // by group key ("<dialect> tp=N ep=N dp=N")
   std::map<std::string, SourceConfig> configured_
       ABSL_GUARDED_BY(mu_);                           // source node id → what it was last configured with

@@ -76,6 +76,14 @@ int main(int argc, char** argv) {
                  "(each trainer rank pushes the slices it already holds; needs --trainer-parallelism)")
       ->check(CLI::IsMember({"seed", "balanced", "local"}))
       ->capture_default_str();
+  app.add_option("--relay", opts.relay,
+                 "relay trees (docs/planner.md, \"The relay data path\"): off (the sources write every engine), auto or "
+                 "a degree N (the sources write one engine per layout group, whose target daemons forward to the rest)")
+      ->check([](const std::string& v) {
+        auto r = planner::ParseRelayMode(v);
+        return r.ok() ? std::string() : std::string(r.status().message());
+      })
+      ->capture_default_str();
   app.add_option("--trainer-parallelism", opts.trainer_parallelism,
                  "local: the trainer's parallelism within a PP stage, Megatron rank order tp-cp-ep-dp-pp, e.g. "
                  "tp=2,ep=2[,cp=1][,etp=1] (pp and nodes come from the registered source daemons)");
