@@ -102,7 +102,6 @@ absl::Status SourceNode::DecideDeltas(const v1::StartUpdateRequest& req) {
                                      "update); the delta base is version ", base)
                       : absl::StrCat("the rank holds version ", holds, ", the delta base is version ", base);
     }
-    std::lock_guard<std::mutex> tl(t->mu);
     t->delta = why.empty();
     t->fallback = why;
     t->staged = t->dense_bytes = t->sent_bytes = 0;
@@ -127,7 +126,6 @@ uint64_t SourceNode::PlanWrites(int64_t version, const replica::ReadyParam& r,
   for (Target* t : targets_by_layout_[r.layout]) {
     for (const auto& [offset, length] : t->ranges[r.param]) {
       if (length == 0) continue;
-      std::lock_guard<std::mutex> tl(t->mu);
       t->dense_bytes += length;
       if (t->delta && old != nullptr && t->host_param[r.param]) {
         auto [it, fresh] = encoded.try_emplace({offset, length});
@@ -144,14 +142,17 @@ uint64_t SourceNode::PlanWrites(int64_t version, const replica::ReadyParam& r,
         }
         const std::string& enc = it->second;
         const uint64_t rec = DeltaRecordBytes(enc.size());
-        if (!enc.empty() && t->staged + rec <= t->staging_bytes) {
+        // Reserves [pos, pos + rec) of the staging region: buckets of several ranks stage into it at once.
+        uint64_t pos = t->staged.load();
+        bool fits = !enc.empty() && pos + rec <= t->staging_bytes;
+        while (fits && !t->staged.compare_exchange_weak(pos, pos + rec)) fits = pos + rec <= t->staging_bytes;
+        if (fits) {
           DeltaRecordHeader h{kDeltaRecordMagic, t->layout_index[r.param], version, offset, length, enc.size()};
-          uint8_t* at = t->mirror.get() + t->staged;
+          uint8_t* at = t->mirror.get() + pos;
           std::memcpy(at, &h, sizeof(h));
           std::memcpy(at + sizeof(h), enc.data(), enc.size());
           std::memset(at + sizeof(h) + enc.size(), 0, rec - sizeof(h) - enc.size());
-          (*batches)[t].push_back({t->mirror_region.get(), t->staged, t->staging.get(), t->staged, rec});
-          t->staged += rec;
+          (*batches)[t].push_back({t->mirror_region.get(), pos, t->staging.get(), pos, rec});
           t->sent_bytes += rec;
           ++t->records;
           sent += rec;
@@ -185,7 +186,6 @@ void SourceNode::RefreshBase(const std::vector<replica::ReadyParam>& ready) {
 void SourceNode::DeltaReply(int64_t version, v1::FinishUpdateReply* out) {
   uint64_t dense = 0, records = 0;
   for (auto& t : targets_) {
-    std::lock_guard<std::mutex> tl(t->mu);
     dense += t->dense_bytes;
     auto* d = out->add_ranks();
     d->set_engine_id(t->assignment.engine_id());

@@ -289,11 +289,14 @@ class SourceNode {
     std::string staging_refused;
     std::unique_ptr<uint8_t[]> mirror;
     std::unique_ptr<transport::LocalRegion> mirror_region;
-    // The open update (set by StartUpdate; then under `mu`): deltas or why not, and what was sent.
+    // The open update: deltas or why not (set by StartUpdate under the exclusive ingest lock), and what was sent:
+    // counters buckets add to at once under the shared ingest lock (PlanWrites), read by FinishUpdate under the
+    // exclusive one; `staged` is also the staging region's allocator (a record reserves its bytes by a
+    // compare-exchange).
     bool delta = false;
     std::string fallback;
-    uint64_t staged = 0, dense_bytes = 0, sent_bytes = 0;
-    uint32_t records = 0, dense_ranges = 0;
+    std::atomic<uint64_t> staged{0}, dense_bytes{0}, sent_bytes{0};
+    std::atomic<uint32_t> records{0}, dense_ranges{0};
   };
 
   // The liveness watcher: marks sessions whose process exited and fails the open update when a rank that has not
@@ -548,12 +551,12 @@ class SourceNode {
   std::map<int64_t, Recorded> checksums_;
   // Hashes the ranges posted (null with write_checksums off). Declared after everything its jobs touch; the
   // destructor drains it first.
+  std::unique_ptr<HashPool> hasher_;
   // Relay trees (source_relay.cc): after a batch into a tree's root is written, the notice of what landed there.
   // Created at the first such batch; its thread hashes replica ranges, so it is declared after the replica.
   TargetWriter::Done RelayNoticeFor(int64_t version, const Target& t, const std::vector<replica::ReadyParam>& ready);
   std::once_flag relay_once_;
   std::unique_ptr<RelayNotifier> relay_notifier_;
-  std::unique_ptr<HashPool> hasher_;
   // Tensors being assembled from slices in the open update (cleared under ingest_mu_ exclusive).
   std::mutex staged_mu_;
   std::map<std::string, Staged> staged_;
