@@ -1,5 +1,11 @@
 #include "daemon/node/source_writer.h"
 
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -73,8 +79,33 @@ uint64_t UpdateWrites::pending() const {
 
 TargetWriter::TargetWriter(std::unique_ptr<transport::Endpoint> endpoint, std::string context, UpdateWrites* updates,
                            Options opts)
-    : endpoint_(std::move(endpoint)), context_(std::move(context)), updates_(updates), opts_(opts) {
+    : endpoint_(std::move(endpoint)),
+      context_(std::move(context)),
+      updates_(updates),
+      opts_(opts),
+      completion_fd_(endpoint_->CompletionFd()) {
+  if (completion_fd_ >= 0) {
+    wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (wake_fd_ < 0) spdlog::warn("{}: eventfd failed; the writer polls its endpoint instead", context_);
+  }
   thread_ = std::thread([this] { Run(); });
+}
+
+void TargetWriter::Wake() {
+  if (wake_fd_ < 0) return;
+  const uint64_t one = 1;
+  ssize_t r = write(wake_fd_, &one, sizeof(one));
+  (void)r;  // only EAGAIN (the counter is full: readable already) can fail it
+}
+
+void TargetWriter::Sleep() {
+  pollfd fds[2] = {{completion_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  // Bounded all the same: a lost wake-up costs sleep_cap, not a hang.
+  if (poll(fds, 2, static_cast<int>(absl::ToInt64Milliseconds(opts_.sleep_cap))) < 0 && errno != EINTR)
+    spdlog::warn("{}: poll: {}", context_, std::strerror(errno));
+  uint64_t n;
+  while (read(wake_fd_, &n, sizeof(n)) == static_cast<ssize_t>(sizeof(n))) {
+  }
 }
 
 TargetWriter::~TargetWriter() {
@@ -84,7 +115,9 @@ TargetWriter::~TargetWriter() {
     stop_ = true;
     cv_.SignalAll();
   }
+  Wake();
   thread_.join();
+  if (wake_fd_ >= 0) close(wake_fd_);
 }
 
 absl::Status TargetWriter::Submit(int64_t version, std::vector<transport::WriteRequest> batch, Done done) {
@@ -103,6 +136,7 @@ absl::Status TargetWriter::Submit(int64_t version, std::vector<transport::WriteR
     return absl::AbortedError(absl::StrCat(context_, ": update ", version, " not written: the update already failed"));
   queue_.push_back(Item{version, std::move(batch), std::move(done)});
   cv_.SignalAll();
+  Wake();
   return absl::OkStatus();
 }
 
@@ -126,6 +160,7 @@ void TargetWriter::Cancel(const absl::Status& why) {
     MutexLock l(&mu_);
     dropped = BreakLocked(why);
   }
+  Wake();
   endpoint_->Cancel(why);  // in-flight batches fail at once; the thread reports them
   // The canceller fails the update itself (or it ended): the dropped batches only leave the count.
   for (const Dropped& d : dropped) End(d.version, d.done, why, absl::OkStatus());
@@ -143,6 +178,10 @@ int TargetWriter::busy() const {
 
 void TargetWriter::Run() {
   std::deque<InFlight> flying;  // this thread's alone; in_flight_ counts them for the producers' credits
+  const bool sleeps = completion_fd_ >= 0 && wake_fd_ >= 0;
+  // The last Wait(0) found the oldest batch outstanding: nothing is news until the completion fd or a wake-up fires
+  // (that Wait consumed the fd before it looked, so a later completion signals it again).
+  bool idle = false;
   for (;;) {
     Item item;
     bool post = false;
@@ -167,6 +206,11 @@ void TargetWriter::Run() {
         ++in_flight_;
         post = true;
       }
+    }
+    if (!post && abandoned.empty() && sleeps && idle) {
+      Sleep();
+      idle = false;
+      continue;  // look at the queue and the stop flag again first
     }
     if (!abandoned.empty()) {
       for (const InFlight& f : abandoned) End(f.version, f.done, abandon, abandon);
@@ -197,8 +241,11 @@ void TargetWriter::Run() {
       }
     } else {
       InFlight f = flying.front();
-      absl::Status st = endpoint_->Wait(f.id, opts_.wait_slice);
-      if (st.code() == absl::StatusCode::kDeadlineExceeded) continue;  // still outstanding: look at the queue
+      absl::Status st = endpoint_->Wait(f.id, sleeps ? absl::ZeroDuration() : opts_.wait_slice);
+      if (st.code() == absl::StatusCode::kDeadlineExceeded) {  // still outstanding: look at the queue
+        idle = true;
+        continue;
+      }
       flying.pop_front();
       if (st.ok()) {
         {

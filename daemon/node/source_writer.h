@@ -74,9 +74,12 @@ class TargetWriter {
     // 0.17 of their unslowed one: bench_node --slow-target-ms), and still stops a stuck target's queue from growing
     // past it.
     int credits = 1024;
-    // How long the thread waits for its oldest batch before it looks at the queue again (new batches are posted
-    // while older ones are in flight).
+    // For an endpoint without a CompletionFd: how long the thread waits for its oldest batch before it looks at the
+    // queue again (new batches are posted while older ones are in flight). With one, the thread sleeps in poll on
+    // that fd and its own wake-up fd (Submit, Cancel), and calls Wait(batch, 0) only when one of them fired.
     absl::Duration wait_slice = absl::Milliseconds(2);
+    // The longest the thread sleeps in poll without a wake-up (a lost one then costs this long, not a hang).
+    absl::Duration sleep_cap = absl::Seconds(1);
   };
   // `context` prefixes every error of this writer ("writing to engine E rank R at D; affected: ...").
   TargetWriter(std::unique_ptr<transport::Endpoint> endpoint, std::string context, UpdateWrites* updates, Options opts);
@@ -120,6 +123,10 @@ class TargetWriter {
     Done done;
   };
   void Run();
+  // Makes the thread's poll return (a batch queued, a Cancel, the destructor).
+  void Wake();
+  // Sleeps until the endpoint's CompletionFd or the wake-up fd is readable; consumes the wake-ups.
+  void Sleep();
   // Marks the writer broken by `err` (the first cause) and drops the queue; returns the dropped items.
   std::vector<Dropped> BreakLocked(const absl::Status& err) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends a batch that left the pipeline: its `done` with `st`, then UpdateWrites::Report(version, report).
@@ -135,6 +142,8 @@ class TargetWriter {
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  const int completion_fd_;  // the endpoint's CompletionFd, or -1
+  int wake_fd_ = -1;         // an eventfd, when completion_fd_ is one
   std::thread thread_;  // last: started once everything it touches exists
 };
 

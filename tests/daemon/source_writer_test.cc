@@ -3,6 +3,9 @@
 // the writers' completions; one target's stuck network holds up no other target.
 #include "daemon/node/source_writer.h"
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <condition_variable>
@@ -21,9 +24,19 @@ using transport::WriteRequest;
 
 // An endpoint whose Posts the test lets through one by one (`gate`), whose batches complete when the test says
 // (`complete`), and that can fail a chosen Post. Records the order of the batches it was handed (their first write's
-// dst_offset).
+// dst_offset). With `with_fd`, a CompletionFd as transport.h defines it (written on a completion and a Cancel,
+// consumed by Wait): the writer then sleeps on it instead of waiting in Wait slices.
 class GatedEndpoint : public transport::Endpoint {
  public:
+  explicit GatedEndpoint(bool with_fd = true) : efd(with_fd ? eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC) : -1) {}
+  ~GatedEndpoint() override {
+    if (efd >= 0) close(efd);
+  }
+  int CompletionFd() const override { return efd; }
+  void Signal() {
+    const uint64_t one = 1;
+    if (efd >= 0 && write(efd, &one, sizeof(one)) < 0) FAIL("eventfd write");
+  }
   std::string LocalInfo() const override { return "gated"; }
   absl::Status Connect(const std::string&, absl::Duration) override { return absl::OkStatus(); }
   absl::StatusOr<BatchId> Post(absl::Span<const WriteRequest> writes) override {
@@ -40,6 +53,9 @@ class GatedEndpoint : public transport::Endpoint {
     return static_cast<BatchId>(posted.size());
   }
   absl::Status Wait(BatchId id, absl::Duration timeout) override {
+    uint64_t n;
+    while (efd >= 0 && read(efd, &n, sizeof(n)) == static_cast<ssize_t>(sizeof(n))) {
+    }
     std::unique_lock<std::mutex> l(mu);
     if (!cv.wait_for(l, absl::ToChronoNanoseconds(timeout),
                      [&] { return completed >= static_cast<int>(id) || !cancelled.ok(); }))
@@ -54,6 +70,7 @@ class GatedEndpoint : public transport::Endpoint {
     std::lock_guard<std::mutex> l(mu);
     if (cancelled.ok()) cancelled = why;
     cv.notify_all();
+    Signal();
   }
 
   // Test side.
@@ -66,6 +83,7 @@ class GatedEndpoint : public transport::Endpoint {
     std::lock_guard<std::mutex> l(mu);
     completed = upto;
     cv.notify_all();
+    Signal();
   }
   template <typename Pred>
   bool WaitFor(Pred pred) {
@@ -78,7 +96,17 @@ class GatedEndpoint : public transport::Endpoint {
   int open_posts = 0, posting = 0, completed = 0, waited = 0, fail_post = -1;
   std::vector<uint64_t> posted;
   absl::Status cancelled;
+  const int efd;
 };
+
+// With a CompletionFd the writer sleeps until it fires or a Submit wakes it: a lost wake-up must show as a hang (the
+// test's 20 s waits), not as a pause of sleep_cap.
+TargetWriter::Options FdOptions(int credits) {
+  TargetWriter::Options o;
+  o.credits = credits;
+  o.sleep_cap = absl::Seconds(120);
+  return o;
+}
 
 std::vector<WriteRequest> Batch(uint64_t tag) { return {WriteRequest{nullptr, 0, nullptr, tag, 0}}; }
 
@@ -97,11 +125,11 @@ TEST_CASE("writer: producers block on credits, not on a Post; batches are posted
   Failures f;
   UpdateWrites updates(f.fn());
   updates.Begin(1);
-  auto owned = std::make_unique<GatedEndpoint>();
+  const bool with_fd = GENERATE(true, false);
+  INFO((with_fd ? "the writer sleeps on the endpoint's CompletionFd" : "the endpoint has no CompletionFd"));
+  auto owned = std::make_unique<GatedEndpoint>(with_fd);
   GatedEndpoint* ep = owned.get();
-  TargetWriter::Options o;
-  o.credits = 3;
-  TargetWriter w(std::move(owned), "writing to t0", &updates, o);
+  TargetWriter w(std::move(owned), "writing to t0", &updates, FdOptions(3));
 
   // The first Post is stuck in the network: the producer's Submit returned all the same, and two more fit.
   for (uint64_t i = 1; i <= 3; ++i) REQUIRE(w.Submit(1, Batch(i)).ok());
@@ -166,9 +194,7 @@ TEST_CASE("writer: a cancel releases batches stuck in the network and producers 
   updates.Begin(3);
   auto owned = std::make_unique<GatedEndpoint>();
   GatedEndpoint* ep = owned.get();
-  TargetWriter::Options o;
-  o.credits = 2;
-  TargetWriter w(std::move(owned), "writing to t", &updates, o);
+  TargetWriter w(std::move(owned), "writing to t", &updates, FdOptions(2));
   REQUIRE(w.Submit(3, Batch(1)).ok());
   REQUIRE(w.Submit(3, Batch(2)).ok());
   ep->AllowPosts(1);  // batch 1 is posted and never completes; batch 2 is stuck in its Post
@@ -195,10 +221,8 @@ TEST_CASE("writer: one target's stuck network holds up no other target's writes"
   auto slow_owned = std::make_unique<GatedEndpoint>(), fast_owned = std::make_unique<GatedEndpoint>();
   GatedEndpoint* slow = slow_owned.get();
   GatedEndpoint* fast = fast_owned.get();
-  TargetWriter::Options o;
-  o.credits = 2;
-  TargetWriter ws(std::move(slow_owned), "writing to slow", &updates, o);
-  TargetWriter wf(std::move(fast_owned), "writing to fast", &updates, o);
+  TargetWriter ws(std::move(slow_owned), "writing to slow", &updates, FdOptions(2));
+  TargetWriter wf(std::move(fast_owned), "writing to fast", &updates, FdOptions(2));
   fast->AllowPosts(100);
   fast->Complete(100);
   // One producer alternates between both targets; the slow one's credits fill, the fast one's writes go on.
