@@ -980,16 +980,16 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   // Per source, the engine ranks its plan writes: it is told only their held versions (every rank's, to every
   // source, was 1024 x 256 entries per update at 1024 ranks). Absent: the source's plan is unknown here, all are sent.
   std::map<std::string, std::set<std::pair<std::string, int>>> source_ranks;
-  {
-    MutexLock l(&mu_);
-    for (const auto& [id, n] : nodes_) {
   // Per engine offering staging memory, the copy of its segments this update writes (LayoutCopy; absent: copy 0).
   std::map<std::string, int> segment_sets;
-      if (n.role() != "source" || !InRun(id)) continue;
-      source_addrs.push_back(n.address());
+  {
+    MutexLock l(&mu_);
     for (const auto& [id, n] : nodes_)
       for (const auto& e : n.engines())
         if (const int c = LayoutCopy(e.engine_id(), staged, live_sets); c > 0) segment_sets[e.engine_id()] = c;
+    for (const auto& [id, n] : nodes_) {
+      if (n.role() != "source" || !InRun(id)) continue;
+      source_addrs.push_back(n.address());
       auto c = configured_.find(id);
       source_epochs[n.address()] = c == configured_.end() ? plan_epoch : c->second.epoch;
       if (c != configured_.end()) {
@@ -1001,11 +1001,11 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   // Targets accept writes from now on, until the sources have finished (or the update ends otherwise).
   std::vector<v1::RankVersion> held;  // what each engine rank holds: sources send deltas where it is their base
   st = SetWindows(true, v, {}, &held);
-  if (!st.ok() || AbortAsked()) {
-    SetWindows(false, v).IgnoreError();
   std::shared_ptr<const RelayWiring> relays;
   WSYNC_UNDER(mu_, relays = relay_wiring_);
   if (st.ok() && !AbortAsked() && relays && relays->relayed()) st = StartRelays(*relays, v);  // relay_wiring.h
+  if (!st.ok() || AbortAsked()) {
+    SetWindows(false, v).IgnoreError();
     return FailAt(rec, st, Phase::kOpenWindows, engines);
   }
   st = ForAll(
@@ -1018,13 +1018,13 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
         auto mine = source_ranks.find(a);
         for (const auto& h : held)
           if (mine == source_ranks.end() || mine->second.count({h.engine_id(), h.rank()})) *sreq.add_held() = h;
+        for (const auto& [engine, set] : segment_sets) (*sreq.mutable_segment_sets())[engine] = set;
         return Annotate(Remote(a, [&] { return peers_->StartUpdate(a, sreq); }), "start source " + NodeLabel(a));
       },
       UpdatePhase(mode, Phase::kStart, source_addrs));
   // Sources started (or were being started) when an abort came: they may take pushes already, so they are told to
   // abort.
   // A source that started may already take pushes from its ranks: every source is told to abort and says what it
-        for (const auto& [engine, set] : segment_sets) (*sreq.mutable_segment_sets())[engine] = set;
   // wrote (the phase table's kResumeIfClean).
   if (AbortAsked() || !st.ok()) return FailAndStopSources(rec, st, Phase::kStart, engines);
   out.set_plan_epoch(plan_epoch);
@@ -1165,12 +1165,12 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
   for (const auto& a : unreachable) spdlog::warn("update {}: write window of {} not closed (unreachable)", v, a);
   // The operator's abort cancelled the sources' FinishUpdate: their writes may still run; they are stopped.
   if (AbortAsked()) return FailAndStopSources(rec, st, Phase::kFinish, engines, unreachable);
-  SetWindows(false, v, unreachable).IgnoreError();
-  const bool staged = rec.mode() == "staged";
   std::shared_ptr<const RelayWiring> relays;
   WSYNC_UNDER(mu_, relays = relay_wiring_);
   if (st.ok() && relays && relays->relayed())
     st = DrainRelays(*relays, v, commit_timeout_s);  // every relay checked and forwarded all (relay_wiring.h)
+  SetWindows(false, v, unreachable).IgnoreError();
+  const bool staged = rec.mode() == "staged";
   // Weights may be partly written: the engines stay paused at their old version rather than resume silently. A
   // staged update wrote only staging memory: the engines serve on, untouched (the phase table's rows).
   if (!st.ok()) return FailAt(rec, st, Phase::kFinish, engines);

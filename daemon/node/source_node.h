@@ -248,12 +248,12 @@ class SourceNode {
     // Per replica param of its layout: the segment's region and the offset inside it.
     std::vector<const transport::RemoteRegion*> dst_region;
     std::vector<uint64_t> dst_offset;
-    // Per replica param of its layout: the byte ranges (offset, length) this source writes (the plan's slices);
     // Staged updates: per replica param, the segment the configuration names; every segment's region by id; which
     // copy of the segments dst_region points at now (StartUpdateRequest.segment_sets, relative to the configured one).
     std::vector<int> dst_segment;
     std::map<int, const transport::RemoteRegion*> by_segment;
     int segment_set = 0;
+    // Per replica param of its layout: the byte ranges (offset, length) this source writes (the plan's slices);
     // empty for a parameter another source writes.
     std::vector<std::vector<std::pair<uint64_t, uint64_t>>> ranges;
     // Its writer (source_writer.h): the thread that alone uses the connection's endpoint, fed by a bounded queue.
