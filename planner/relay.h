@@ -6,8 +6,8 @@
 // children, so the trainer's egress no longer grows with the fleet.
 //
 // This header is the plan and its cost; nothing here moves bytes. The data path (target daemons forwarding landed
-// chunks under coordinator-minted grants) is not built yet, and the coordinator does not hand relay plans to
-// daemons (docs/planner.md, "Relay plans").
+// chunks under coordinator-minted grants: daemon/node/relay_forwarder.h, daemon/coordinator/relay_wiring.h) uses
+// RelayTreeShape for the trees' shape (docs/planner.md, "The relay data path").
 //
 // Threading: pure functions of their inputs.
 
