@@ -262,10 +262,6 @@ class SourceNode {
     std::unique_ptr<TargetWriter> writer;
     // "node N at D (engine E rank R, ...)": what a failed link to its node affects (NodeRanks over its plan's targets).
     std::string affected;
-    // Guards the delta fields below, which buckets (several at once, under the shared ingest lock) change while
-    // planning their writes; holders of the exclusive ingest lock need not take it. Never held across a Post (only
-    // the writer posts).
-    std::mutex mu;
     // Which transport writes to it (the node's own, or the registered backend that owns its segments' kind:
     // daemon/node/source_plan.h), what that one declares, the replica's regions in it, and the peer it connects to
     // directly when it needs no target daemon (e.g. an engine rank's own Mooncake Transfer Engine).
