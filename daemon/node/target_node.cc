@@ -1242,30 +1242,25 @@ absl::StatusOr<v1::SetRelayReply> TargetNode::SetRelay(const v1::SetRelayRequest
   return f->Begin(req, std::move(ranks));
 }
 
+absl::StatusOr<std::shared_ptr<RelayForwarder>> TargetNode::RelayOf(const std::string& engine_id) {
+  std::lock_guard<std::mutex> l(relay_mu_);
+  auto it = relays_.find(engine_id);
+  if (it == relays_.end())
+    return absl::FailedPreconditionError(
+        absl::StrCat("node ", opts_.node_id, ": engine ", engine_id, " is in no relay tree"));
+  return it->second;
+}
+
 absl::Status TargetNode::RelayLanded(const v1::RelayLandedRequest& req) {
-  std::shared_ptr<RelayForwarder> f;
-  {
-    std::lock_guard<std::mutex> l(relay_mu_);
-    auto it = relays_.find(req.engine_id());
-    if (it == relays_.end())
-      return absl::FailedPreconditionError(
-          absl::StrCat("node ", opts_.node_id, ": engine ", req.engine_id(), " is in no relay tree"));
-    f = it->second;
-  }
-  return f->Landed(req);
+  auto f = RelayOf(req.engine_id());
+  if (!f.ok()) return f.status();
+  return (*f)->Landed(req);
 }
 
 absl::StatusOr<v1::RelayDrainReply> TargetNode::RelayDrain(const v1::RelayDrainRequest& req) {
-  std::shared_ptr<RelayForwarder> f;
-  {
-    std::lock_guard<std::mutex> l(relay_mu_);
-    auto it = relays_.find(req.engine_id());
-    if (it == relays_.end())
-      return absl::FailedPreconditionError(
-          absl::StrCat("node ", opts_.node_id, ": engine ", req.engine_id(), " is in no relay tree"));
-    f = it->second;
-  }
-  return f->Drain(req);
+  auto f = RelayOf(req.engine_id());
+  if (!f.ok()) return f.status();
+  return (*f)->Drain(req);
 }
 
 }  // namespace wsync::daemon

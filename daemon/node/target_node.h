@@ -321,6 +321,8 @@ class TargetNode {
   // One ApplyDelta at a time: it validates under mu_, then scatters without it (Status, attaches and connects do not
   // wait for the bytes).
   std::mutex apply_mu_;
+  // The forwarder of `engine_id` (FailedPrecondition naming it when it is in no relay tree).
+  absl::StatusOr<std::shared_ptr<RelayForwarder>> RelayOf(const std::string& engine_id);
   // One forwarder per relaying engine, created at its first SetRelay and kept.
   std::mutex relay_mu_;
   std::map<std::string, std::shared_ptr<RelayForwarder>> relays_;
