@@ -77,8 +77,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"seed", "balanced", "local"}))
       ->capture_default_str();
   app.add_option("--relay", opts.relay,
-                 "relay trees (docs/planner.md, \"The relay data path\"): off (the sources write every engine), auto or "
-                 "a degree N (the sources write one engine per layout group, whose target daemons forward to the rest)")
+                 "relay trees (docs/planner.md, \"The relay data path\"): off (the sources write every engine), a degree N "
+                 "(the sources write one engine per layout group, whose target daemons forward to the rest), or auto "
+                 "(degree 2 for now: the cost model does not pick it yet)")
       ->check([](const std::string& v) {
         auto r = planner::ParseRelayMode(v);
         return r.ok() ? std::string() : std::string(r.status().message());
