@@ -1167,13 +1167,18 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
   if (AbortAsked()) return FailAndStopSources(rec, st, Phase::kFinish, engines, unreachable);
   std::shared_ptr<const RelayWiring> relays;
   WSYNC_UNDER(mu_, relays = relay_wiring_);
-  if (st.ok() && relays && relays->relayed())
-    st = DrainRelays(*relays, v, commit_timeout_s);  // every relay checked and forwarded all (relay_wiring.h)
-  SetWindows(false, v, unreachable).IgnoreError();
   const bool staged = rec.mode() == "staged";
+  Phase failed_at = Phase::kFinish;
+  if (st.ok() && relays && relays->relayed()) {
+    const absl::Time drain_start = absl::Now();
+    st = DrainRelays(*relays, v, commit_timeout_s);  // every relay checked and forwarded all (relay_wiring.h)
+    AddPhase(&rec, "relay_drain", drain_start);
+    if (!staged) failed_at = Phase::kRelayDrain;  // the classic table's row; staged has none (finish's serve on)
+  }
+  SetWindows(false, v, unreachable).IgnoreError();
   // Weights may be partly written: the engines stay paused at their old version rather than resume silently. A
   // staged update wrote only staging memory: the engines serve on, untouched (the phase table's rows).
-  if (!st.ok()) return FailAt(rec, st, Phase::kFinish, engines);
+  if (!st.ok()) return FailAt(rec, st, failed_at, engines);
   absl::Time t = absl::Now();
   // Staged with deltas (every engine stages in place): the records land in the staging memory before it is verified,
   // and the targets record the version it holds. Staged without: nothing is recorded, the next update is dense (a

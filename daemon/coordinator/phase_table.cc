@@ -23,6 +23,8 @@ std::vector<PhaseRow>& Table(UpdateMode mode) {
       {Phase::kStart, "start", "every source", D::kStart, OnFailure::kResumeIfClean},
       {Phase::kPush, "push", "the trainer (lease loss, operator's abort)", 0, OnFailure::kResumeIfClean},
       {Phase::kFinish, "finish", "every source", 0, OnFailure::kKeepPaused},
+      // A relay that died or failed a check: engines below it may hold a mix of versions (docs/planner.md).
+      {Phase::kRelayDrain, "relay_drain", "every target daemon of a relay tree", 0, OnFailure::kKeepPaused},
       {Phase::kApplyDelta, "apply_delta", "target daemons with delta records", D::kApplyDelta, OnFailure::kKeepPaused},
       {Phase::kPostProcess, "post_process", "every engine", D::kPostProcess, OnFailure::kKeepPaused},
       {Phase::kSetVersion, "set_version", "every engine", D::kSetVersion, OnFailure::kKeepPaused},
@@ -124,6 +126,8 @@ absl::string_view PhaseName(Phase phase) {
       return "set_version";
     case Phase::kContinue:
       return "continue";
+    case Phase::kRelayDrain:
+      return "relay_drain";
   }
   return "?";
 }

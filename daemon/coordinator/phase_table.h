@@ -40,6 +40,7 @@ enum class Phase {
   kPostProcess,
   kSetVersion,
   kContinue,
+  kRelayDrain,  // relay trees: every relay checked and forwarded what landed (after finish; appended, not re-ordered)
 };
 
 enum class OnFailure {

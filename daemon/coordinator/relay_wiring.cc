@@ -188,7 +188,7 @@ absl::Status StartRelays(const RelayWiring& wiring, int64_t version) {
 
 absl::Status DrainRelays(const RelayWiring& wiring, int64_t version, double timeout_s) {
   return ForMembers(
-      wiring, "relay drain", [&](const RelayMember& m, v1::NodeDaemon::Stub* stub, grpc::ClientContext* ctx) {
+      wiring, "relay_drain", [&](const RelayMember& m, v1::NodeDaemon::Stub* stub, grpc::ClientContext* ctx) {
         v1::RelayDrainRequest req;
         req.set_version(version);
         req.set_engine_id(m.engine_id);

@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -73,7 +74,8 @@ void RelayForwarder::Fail(const absl::Status& st) {
 absl::Status RelayForwarder::Connect(Child* child, const std::string& relay_node) {
   const v1::RelayChild& c = child->spec;
   for (int r = 0; r < c.layouts_size(); ++r) {
-    const std::string who = absl::StrCat("engine ", c.engine_id(), " rank ", r, " at ", c.target_daemon());
+    const std::string who =
+        absl::StrCat("engine ", c.engine_id(), " (node ", c.target_node(), ") rank ", r, " at ", c.target_daemon());
     auto ep = transport_->CreateEndpoint();
     if (!ep.ok()) return Annotate(ep.status(), absl::StrCat("relay ", node_id_, ": an endpoint for ", who));
     v1::ConnectTargetRequest req;
@@ -174,6 +176,10 @@ absl::Status RelayForwarder::Landed(const v1::RelayLandedRequest& req) {
           ", but it relays ",
           version_ < 0 ? std::string("no update") : absl::StrCat("engine ", engine_id_, " update ", version_)));
     if (!error_.ok()) return error_;
+    // Once per update: the first bytes reached this engine (an operator's, and a fault test's, sign of progress).
+    if (std::all_of(landed_.begin(), landed_.end(), [](uint64_t b) { return b == 0; }) && req.ranges_size() > 0)
+      spdlog::info("relay {}: update {} engine {}: first ranges landed from {}", node_id_, version_, engine_id_,
+                   req.from_node());
     for (const v1::LandedRange& g : req.ranges()) {
       const std::string what =
           absl::StrCat("relay ", node_id_, ": engine ", engine_id_, " rank ", g.rank(), " ", g.param(), " [",

@@ -160,9 +160,24 @@ class Cluster {
                                       "--engine", engines.back(), "--transport", o_.transport, "--engine-socket",
                                       dir_ + "/target" + std::to_string(e) + ".sock"};
     targs.insert(targs.end(), o_.target_args.begin(), o_.target_args.end());
-    targets.push_back("127.0.0.1:" +
-                      Start("target" + std::to_string(e), Tls(targs, "target-infer" + std::to_string(e))));
+    targs = Tls(targs, "target-infer" + std::to_string(e));
+    targets.push_back("127.0.0.1:" + Start("target" + std::to_string(e), targs));
     target_pids.push_back(procs_.back()->pid());
+    target_argv_.push_back(targs);
+    target_procs_.push_back(procs_.back().get());
+  }
+  // Kills target daemon `e` (SIGKILL) and reaps it; its engine runs on.
+  void KillTarget(int e) {
+    kill(target_procs_[e]->pid(), SIGKILL);
+    target_procs_[e]->Wait(std::chrono::seconds(10));
+  }
+  // Starts target daemon `e` again on its address with its arguments (same node id, same engine): it registers anew.
+  void RestartTarget(int e) {
+    std::vector<std::string> argv = target_argv_[e];
+    argv[2] = targets[e];  // --listen: the address the cluster knows
+    Start("target" + std::to_string(e) + "-restarted" + std::to_string(++restarts_), argv);
+    target_procs_[e] = procs_.back().get();
+    target_pids[e] = procs_.back()->pid();
   }
   // Kills the coordinator (SIGKILL) and starts it again on the same address with the same arguments (a state store
   // given in coordinator_args is then restored).
@@ -276,6 +291,8 @@ class Cluster {
 
   ClusterOptions o_;
   std::vector<std::string> coordinator_argv_;
+  std::vector<std::vector<std::string>> target_argv_;  // per target daemon, as started (without --port-file)
+  std::vector<Process*> target_procs_;
   Process* coordinator_proc_ = nullptr;
   int restarts_ = 0;
   std::string dir_;

@@ -3,11 +3,14 @@
 // what landed against the writer's checksums and forwards it into its children. After each classic update every
 // engine's own loader (Verify: it computes step v itself) passes bit-exactly, and the source's bytes are one
 // instance's, not three. A connection made with the relay's handshake is refused (and counted) writing outside its
-// grant (another rank's region) and after the window closed.
+// grant (another rank's region) and after the window closed. A relay killed mid-update fails the commit at its
+// phase (relay_drain), naming it, with every engine kept paused at its old label; restarted, the next update lands.
 
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -174,6 +177,101 @@ TEST_CASE("relay: a chain (degree 1) of three engines: the source writes one, ea
 }
 
 TEST_CASE("relay: a root with two children (degree 2)") { RunRelay("2"); }
+
+// Waits until `log` (a cluster process's log) holds `line`, or 30 s.
+bool WaitForLog(const Cluster& cl, const std::string& log, const std::string& line) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (cl.Log(log).find(line) == std::string::npos) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+// Issue 41 item 4, the failing half: the middle relay of a chain dies (kill -9 of its target daemon) once it has
+// received forwarded bytes. The commit fails naming it and the relay's drain phase; no engine resumes (those below it may
+// hold a mix of versions), each keeps its old label, and Status answers. Restarted, the next update lands
+// bit-exactly on all three.
+TEST_CASE("relay: the middle of a chain killed mid-update fails the commit naming it; restarted, the next lands") {
+  const auto specs = testing::Specs(kModel);
+  ClusterOptions o;
+  o.bin_dir = kBin;
+  o.model = kModel;
+  o.tp = kTp;
+  o.engines = 3;
+  o.coordinator_args = {"--strategy", "balanced", "--min-source-mib", "0", "--relay", "1"};
+  Cluster cl(o);
+  INFO("cluster logs in " << cl.dir());
+  auto trainer = testing::ConnectTrainer(cl.trainer_sockets[0]);
+  REQUIRE(trainer.ok());
+  client::CoordinatorClient coord(cl.coordinator);
+  const uint64_t instance = InstanceBytes(cl.engines[0]);
+  auto push = [&](int64_t v) -> absl::Status {
+    auto names = (*trainer)->BeginPush(v);
+    if (!names.ok()) return names.status();
+    for (const auto& n : *names) WSYNC_RETURN_IF_ERROR(testing::PushGenerated(**trainer, specs.at(n), v));
+    return (*trainer)->EndPush(v);
+  };
+  auto update = [&](int64_t v) {
+    REQUIRE(coord.BeginUpdate(v, "", "", "off").ok());
+    REQUIRE(push(v).ok());
+    auto rec = coord.CommitUpdate(v, 30);
+    INFO(rec.status().ToString() << "\n" << cl.LogTails());
+    REQUIRE(rec.ok());
+    CHECK(rec->bytes() == instance);  // still relayed: the source wrote the root only
+    for (const auto& e : cl.engines) {
+      INFO("engine " << e << " step " << v);
+      CHECK(testing::Info(e).weight_version() == std::to_string(v));
+      CHECK(testing::Verify(e, v).ok());
+    }
+  };
+  update(1);
+
+  // Update 2: the root (engine0 on infer0) forwards into engine1 (infer1), which forwards into engine2 (infer2).
+  REQUIRE(coord.BeginUpdate(2, "", "", "off").ok());
+  REQUIRE(push(2).ok());
+  REQUIRE(WaitForLog(cl, "target1", "relay infer1: update 2 engine engine1: first ranges landed from infer0"));
+  cl.KillTarget(1);
+  auto rec = coord.CommitUpdate(2, 30);
+  INFO(rec.status().ToString() << "\n" << cl.LogTails());
+  REQUIRE(!rec.ok());
+  const std::string why(rec.status().message());
+  CHECK(why.find("relay_drain") != std::string::npos);
+  CHECK((why.find("engine1") != std::string::npos && why.find("infer1") != std::string::npos));
+  auto st = coord.Status();
+  REQUIRE(st.ok());
+  CHECK(st->state() == "failed");
+  CHECK(st->engines_hold_partial_writes());
+  int engines = 0;
+  for (const auto& n : st->nodes())
+    for (const auto& e : n.engine_details()) {
+      INFO("engine " << e.engine_id() << " state " << e.state());
+      ++engines;
+      CHECK(e.weight_version() == "1");
+      CHECK(e.state() != "serving");
+    }
+  CHECK(engines == 3);
+  for (const auto& e : cl.engines) {  // each engine's own view: paused, at its old label
+    const v1::EngineInfo info = testing::Info(e);
+    INFO("engine " << e);
+    CHECK(info.paused());
+    CHECK(info.weight_version() == "1");
+  }
+  CHECK(!coord.ResumeEngines().ok());  // they may hold a mix: only a successful update resumes them
+
+  // Restarted under its node id (its engine ran on), infer1 registers again; update 3 lands on every engine.
+  const int64_t epoch = st->membership_epoch();
+  cl.RestartTarget(1);
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (bool back = false; !back;) {  // its registration moves the membership epoch
+    REQUIRE(std::chrono::steady_clock::now() < end);
+    auto s = coord.Status();
+    REQUIRE(s.ok());
+    back = s->membership_epoch() > epoch;
+    if (!back) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  update(3);
+}
 
 }  // namespace
 }  // namespace wsync
