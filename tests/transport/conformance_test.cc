@@ -2,13 +2,16 @@
 // the fault decorator, fabric (tcp;ofi_rxm, sockets, and the forced efa/cxi memory-registration modes), verbs in the
 // soft-RoCE VM. What each instance reports (Transport::Query) is held against what it does: bytes checked against a
 // pattern computed independently of the memory the transport read, windows and grants enforced exactly where the
-// instance says so and refusals counted where it says so, device sinks where it says it can write them, cancel, a dead
-// peer named within the deadline, Endpoint::Reusable.
+// instance says so and refusals counted where it says so, device sinks where it says it can write them, Post returning
+// while the peer's process is stopped, cancel, a dead peer named within the deadline, Endpoint::Reusable.
 
 #include "tests/transport/conformance.h"
 
 #include <poll.h>
 #include <sched.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -16,7 +19,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <iostream>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -464,7 +469,9 @@ TEST_CASE("Wait times out and leaves the batch outstanding", "[transport][errors
 // Endpoint::Post never blocks (transport.h): it accepts a batch far larger than the send queues hold and returns,
 // and what it kept inside the endpoint is handed on by the owner's Wait calls. To a peer that is gone after it was
 // reached, nothing frees room in a send queue: a Post that waits for room lasts until the batch fails (verbs: the
-// QP's retries, ~0.5 s; fabric: the provider's peer timeout, 5 s). Fails when a backend's Post waits for room.
+// QP's retries, ~0.5 s; fabric: the provider's peer timeout, 5 s). Fails when a backend's Post waits for room and
+// the peer's loss is slow to show; tcp;ofi_rxm gets a reset from the gone peer within milliseconds, so there the
+// stopped-peer case below is the one that tells a waiting Post apart.
 TEST_CASE("post never blocks: a batch larger than the send queues, to a peer that is gone, returns at once",
           "[transport][post]") {
   auto sender = MakeViable();
@@ -498,6 +505,187 @@ TEST_CASE("post never blocks: a batch larger than the send queues, to a peer tha
   CHECK_FALSE(st.ok());
   CHECK(st.code() != absl::StatusCode::kDeadlineExceeded);
   CHECK((post_took < absl::Milliseconds(100) || post_took * 4 < failed_after));
+}
+
+namespace {
+
+std::string ToHex(const std::string& bytes) {
+  static const char* kDigits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out.push_back(kDigits[c >> 4]);
+    out.push_back(kDigits[c & 15]);
+  }
+  return out;
+}
+
+std::string FromHex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2)
+    out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  return out;
+}
+
+// The stopped-peer case's receiver: this test executable run again ("[.held_peer]" below), talking over its stdin and
+// stdout, in a process of its own so that the case can stop all of it (SIGSTOP) and resume it. Killed on destruction.
+class HeldPeer {
+ public:
+  HeldPeer() {
+    int to_child[2], from_child[2];
+    REQUIRE(pipe(to_child) == 0);
+    REQUIRE(pipe(from_child) == 0);
+    pid_ = fork();
+    REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {
+      dup2(to_child[0], 0);
+      dup2(from_child[1], 1);
+      for (int fd : {to_child[0], to_child[1], from_child[0], from_child[1]}) close(fd);
+      execl("/proc/self/exe", "conformance_peer", "[.held_peer]", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(to_child[0]);
+    close(from_child[1]);
+    in_ = fdopen(to_child[1], "w");
+    out_ = fdopen(from_child[0], "r");
+    REQUIRE(in_ != nullptr);
+    REQUIRE(out_ != nullptr);
+  }
+  ~HeldPeer() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (in_ != nullptr) fclose(in_);
+    if (out_ != nullptr) fclose(out_);
+  }
+  // The next line the peer printed for us ("PEER <what> <value>"), skipping its log lines; empty at its end.
+  std::string Next(const std::string& what) {
+    char buf[16384];
+    const std::string prefix = "PEER " + what + " ";
+    while (fgets(buf, sizeof(buf), out_) != nullptr) {
+      std::string line(buf);
+      while (!line.empty() && line.back() == '\n') line.pop_back();
+      if (absl::StartsWith(line, prefix)) return line.substr(prefix.size());
+    }
+    return "";
+  }
+  void Send(const std::string& line) {
+    fprintf(in_, "%s\n", line.c_str());
+    fflush(in_);
+  }
+  // Returns once the whole process is stopped (its transport's threads included).
+  void Stop() {
+    REQUIRE(kill(pid_, SIGSTOP) == 0);
+    int status = 0;
+    REQUIRE(waitpid(pid_, &status, WUNTRACED) == pid_);
+    REQUIRE(WIFSTOPPED(status));
+  }
+  void Resume() { kill(pid_, SIGCONT); }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* in_ = nullptr;
+  FILE* out_ = nullptr;
+};
+
+constexpr uint64_t kHeldLen = 64 << 20;
+constexpr uint64_t kHeldPiece = 32 << 10;  // 2048 writes a batch
+constexpr uint64_t kHeldSeed = 63;
+// How long a Post to the stopped peer may take to return: it does not wait on that peer at all, so this only has to
+// end before tcp and fabric give up on a peer that takes no bytes (5 s: a blocked Post would then return with its
+// connection failed, which the case would see only later and under another name).
+constexpr std::chrono::seconds kPostBound{3};
+
+}  // namespace
+
+// The receiving peer of the stopped-peer case, in its own process: prints its endpoint and region, connects to the
+// sender, and once told that the sender's batches completed, prints where its memory first differs from the pattern.
+TEST_CASE("(peer process) the receiver the stopped-peer case stops", "[.held_peer]") {
+  auto t = MakeViable();
+  Buffer dst = Register(*t, kHeldLen, kUntouched);
+  auto ep = t->CreateEndpoint();
+  RequireOk(ep.status());
+  printf("PEER info %s\nPEER region %s\n", ToHex((*ep)->LocalInfo()).c_str(), ToHex(dst.region->Descriptor()).c_str());
+  fflush(stdout);
+  std::string line;
+  REQUIRE(std::getline(std::cin, line));
+  RequireOk((*ep)->Connect(FromHex(line), kTimeout));
+  REQUIRE(std::getline(std::cin, line));  // "check": every batch completed
+  printf("PEER mismatch %lld\n",
+         static_cast<long long>(FirstPatternMismatch(dst.bytes.data(), kHeldLen, kHeldSeed, 0)));
+  fflush(stdout);
+  std::getline(std::cin, line);  // until the case is done with it
+}
+
+// Endpoint::Post never blocks (transport.h), told apart from a Post that waits for its bytes to go out without
+// relying on timing: the receiving peer runs in its own process, stopped (SIGSTOP) once a first write landed, so that
+// nothing sent to it completes, whatever the backend's send queues or the kernel's socket buffers take, until it is
+// resumed. While it is stopped, three batches of 2048 writes, 64 MiB each (more than any backend's send queues, and
+// together more than the socket buffers of tcp's 4 streams, 16 + 16 MiB each at most), are posted: each Post must
+// return (within kPostBound), and Wait(batch, 0) right after it must find the batch unfinished. Resumed, every batch
+// completes and every byte lands. Fails when a backend's Post waits for room in its queues or for the batch: it does
+// not return while the peer is stopped (tcp, fabric and the fault decorator each failed so when made to).
+TEST_CASE("post never blocks: batches to a live peer whose process is stopped are accepted, unfinished",
+          "[transport][post]") {
+  // Declared before the peer: on a failure the peer is killed first, so no endpoint is torn down towards a stopped one.
+  std::unique_ptr<Transport> sender;
+  Buffer src;
+  absl::StatusOr<std::unique_ptr<RemoteRegion>> remote;
+  std::unique_ptr<Endpoint> ep;
+  HeldPeer peer;
+  const std::string info = FromHex(peer.Next("info"));
+  const std::string region = FromHex(peer.Next("region"));
+  REQUIRE_FALSE(info.empty());
+  REQUIRE_FALSE(region.empty());
+  sender = MakeViable();
+  src = RegisterPattern(*sender, kHeldLen, kHeldSeed);
+  remote = sender->ImportRegion(region);
+  RequireOk(remote.status());
+  auto made = sender->CreateEndpoint();
+  RequireOk(made.status());
+  ep = std::move(*made);
+  peer.Send(ToHex(ep->LocalInfo()));
+  RequireOk(ep->Connect(info, kTimeout));
+  WriteRequest first{src.region.get(), 0, remote->get(), 0, kHeldPiece};
+  RequireOk(ep->Write({&first, 1}, kTimeout));  // the peer was reached: whatever connects lazily is connected
+  std::vector<WriteRequest> writes;
+  for (uint64_t off = 0; off < kHeldLen; off += kHeldPiece)
+    writes.push_back({src.region.get(), off, remote->get(), off, kHeldPiece});
+
+  peer.Stop();
+  std::vector<BatchId> ids;
+  for (int i = 0; i < 3; ++i) {
+    // Posted from a thread of its own, so that a Post that blocks is reported rather than hung on.
+    std::mutex mu;
+    std::condition_variable cv;
+    bool returned = false;
+    absl::StatusOr<BatchId> id;
+    std::thread poster([&] {
+      absl::StatusOr<BatchId> r = ep->Post(writes);
+      std::lock_guard<std::mutex> lock(mu);
+      id = std::move(r);
+      returned = true;
+      cv.notify_all();
+    });
+    bool in_time;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      in_time = cv.wait_for(lock, kPostBound, [&] { return returned; });
+    }
+    if (!in_time) peer.Resume();  // lets the blocked Post finish, so that its thread can be joined
+    poster.join();
+    INFO("batch " << i << ": Post did not return while the peer was stopped");
+    REQUIRE(in_time);
+    RequireOk(id.status());
+    const absl::Status early = ep->Wait(*id, absl::ZeroDuration());
+    INFO("batch " << i << ": " << early.ToString());
+    REQUIRE(early.code() == absl::StatusCode::kDeadlineExceeded);
+    ids.push_back(*id);
+  }
+  peer.Resume();
+  for (BatchId id : ids) RequireOk(ep->Wait(id, kTimeout));
+  peer.Send("check");
+  CHECK(peer.Next("mismatch") == "-1");
 }
 
 // Completion delivery (transport.h): a batch far larger than the send queues completes through Wait(batch, 0) calls
