@@ -774,6 +774,12 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
       delta = "off";
       rec.set_delta_mode("anchor");
     }
+    // A relay forwards into the ranges its children's assignments name, which are copy 0's: a staged update would
+    // have it write the live copy of a serving engine. Refused before anything is paused or written.
+    if (staged && opts_.relay != "off")
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mode staged cannot run with relay trees (wsync-coordinator --relay ", opts_.relay,
+          "): relays forward classic dense updates only (docs/planner.md, \"The relay data path\")"));
     WSYNC_ASSIGN_OR_RETURN(staging_engines, StagingEngines(engines, staged));
     // A second copy holds an older version than the sources' delta base; an engine staging in place (vLLM) holds
     // what was last written into it, which is what the target's per-rank base records say.

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "client/coordinator_client.h"
@@ -106,6 +107,12 @@ void RunRelay(const std::string& degree) {
       CHECK(rep.ranks() == kTp);
     }
   };
+
+  // A staged update would have relays write their children's live copies: refused at begin, nothing paused.
+  auto staged = coord.BeginUpdate(1, "", "staged", "off");
+  REQUIRE_FALSE(staged.ok());
+  CHECK(absl::StrContains(staged.status().message(), "relay"));
+  for (const auto& e : cl.engines) CHECK_FALSE(testing::Info(e).paused());
 
   for (int64_t v = 1; v <= 2; ++v) {
     REQUIRE(coord.BeginUpdate(v, "", "", "off").ok());
