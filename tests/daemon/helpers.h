@@ -79,4 +79,18 @@ inline absl::Status PushGenerated(client::TrainerClient& c, const replica::Tenso
                     [&](uint8_t* dst) { tools::GenerateTensor(s.name, step, s.dtype, elems, dst); });
 }
 
+// One whole push of generated step `step`: BeginPush, every tensor the daemon asks for (from `specs`), EndPush.
+inline absl::Status PushStep(client::TrainerClient& c, const std::map<std::string, replica::TensorSpec>& specs,
+                             int64_t step) {
+  auto names = c.BeginPush(step);
+  if (!names.ok()) return names.status();
+  for (const auto& n : *names) {
+    auto it = specs.find(n);
+    if (it == specs.end()) return absl::NotFoundError("the daemon asked for " + n + ", which the model lacks");
+    absl::Status st = PushGenerated(c, it->second, step);
+    if (!st.ok()) return st;
+  }
+  return c.EndPush(step);
+}
+
 }  // namespace wsync::testing

@@ -15,7 +15,6 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "base/status.h"
 #include "client/coordinator_client.h"
 #include "client/trainer_client.h"
 #include "daemon/coordinator/state_store.h"
@@ -92,12 +91,6 @@ void RunRelay(const std::string& degree) {
   const uint64_t instance = InstanceBytes(cl.engines[0]);
   REQUIRE(instance > 0);
 
-  auto push = [&](int64_t v) -> absl::Status {
-    auto names = (*trainer)->BeginPush(v);
-    if (!names.ok()) return names.status();
-    for (const auto& n : *names) WSYNC_RETURN_IF_ERROR(testing::PushGenerated(**trainer, specs.at(n), v));
-    return (*trainer)->EndPush(v);
-  };
   auto check_step = [&](int64_t v) {
     for (const auto& e : cl.engines) {
       INFO("engine " << e << " step " << v);
@@ -116,7 +109,7 @@ void RunRelay(const std::string& degree) {
 
   for (int64_t v = 1; v <= 2; ++v) {
     REQUIRE(coord.BeginUpdate(v, "", "", "off").ok());
-    absl::Status pushed = push(v);
+    absl::Status pushed = testing::PushStep(**trainer, specs, v);
     INFO(pushed.ToString());
     REQUIRE(pushed.ok());
     auto rec = coord.CommitUpdate(v, 30);
@@ -166,7 +159,7 @@ void RunRelay(const std::string& degree) {
   const uint64_t refused0 = RefusedWrites(cl.targets[2]);
   CHECK(!write_to(*ep, 1).ok());
   CHECK(RefusedWrites(cl.targets[2]) == refused0 + 1);
-  REQUIRE(push(3).ok());
+  REQUIRE(testing::PushStep(**trainer, specs, 3).ok());
   auto rec = coord.CommitUpdate(3, 30);
   INFO(rec.status().ToString() << "\n" << cl.LogTails());
   REQUIRE(rec.ok());
@@ -213,15 +206,9 @@ TEST_CASE("relay: the middle of a chain killed mid-update fails the commit namin
   REQUIRE(trainer.ok());
   client::CoordinatorClient coord(cl.coordinator);
   const uint64_t instance = InstanceBytes(cl.engines[0]);
-  auto push = [&](int64_t v) -> absl::Status {
-    auto names = (*trainer)->BeginPush(v);
-    if (!names.ok()) return names.status();
-    for (const auto& n : *names) WSYNC_RETURN_IF_ERROR(testing::PushGenerated(**trainer, specs.at(n), v));
-    return (*trainer)->EndPush(v);
-  };
   auto update = [&](int64_t v) {
     REQUIRE(coord.BeginUpdate(v, "", "", "off").ok());
-    REQUIRE(push(v).ok());
+    REQUIRE(testing::PushStep(**trainer, specs, v).ok());
     auto rec = coord.CommitUpdate(v, 30);
     INFO(rec.status().ToString() << "\n" << cl.LogTails());
     REQUIRE(rec.ok());
@@ -236,7 +223,7 @@ TEST_CASE("relay: the middle of a chain killed mid-update fails the commit namin
 
   // Update 2: the root (engine0 on infer0) forwards into engine1 (infer1), which forwards into engine2 (infer2).
   REQUIRE(coord.BeginUpdate(2, "", "", "off").ok());
-  REQUIRE(push(2).ok());
+  REQUIRE(testing::PushStep(**trainer, specs, 2).ok());
   REQUIRE(WaitForLog(cl, "target1", "relay infer1: update 2 engine engine1: first ranges landed from infer0"));
   cl.KillTarget(1);
   auto rec = coord.CommitUpdate(2, 30);
