@@ -33,6 +33,7 @@
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "tests/transport/pattern.h"
+#include "tests/transport/peer_process.h"
 
 namespace {
 
@@ -509,84 +510,8 @@ TEST_CASE("post never blocks: a batch larger than the send queues, to a peer tha
 
 namespace {
 
-std::string ToHex(const std::string& bytes) {
-  static const char* kDigits = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : bytes) {
-    out.push_back(kDigits[c >> 4]);
-    out.push_back(kDigits[c & 15]);
-  }
-  return out;
-}
-
-std::string FromHex(const std::string& hex) {
-  std::string out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2)
-    out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
-  return out;
-}
-
-// The stopped-peer case's receiver: this test executable run again ("[.held_peer]" below), talking over its stdin and
-// stdout, in a process of its own so that the case can stop all of it (SIGSTOP) and resume it. Killed on destruction.
-class HeldPeer {
- public:
-  HeldPeer() {
-    int to_child[2], from_child[2];
-    REQUIRE(pipe(to_child) == 0);
-    REQUIRE(pipe(from_child) == 0);
-    pid_ = fork();
-    REQUIRE(pid_ >= 0);
-    if (pid_ == 0) {
-      dup2(to_child[0], 0);
-      dup2(from_child[1], 1);
-      for (int fd : {to_child[0], to_child[1], from_child[0], from_child[1]}) close(fd);
-      execl("/proc/self/exe", "conformance_peer", "[.held_peer]", static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    close(to_child[0]);
-    close(from_child[1]);
-    in_ = fdopen(to_child[1], "w");
-    out_ = fdopen(from_child[0], "r");
-    REQUIRE(in_ != nullptr);
-    REQUIRE(out_ != nullptr);
-  }
-  ~HeldPeer() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (in_ != nullptr) fclose(in_);
-    if (out_ != nullptr) fclose(out_);
-  }
-  // The next line the peer printed for us ("PEER <what> <value>"), skipping its log lines; empty at its end.
-  std::string Next(const std::string& what) {
-    char buf[16384];
-    const std::string prefix = "PEER " + what + " ";
-    while (fgets(buf, sizeof(buf), out_) != nullptr) {
-      std::string line(buf);
-      while (!line.empty() && line.back() == '\n') line.pop_back();
-      if (absl::StartsWith(line, prefix)) return line.substr(prefix.size());
-    }
-    return "";
-  }
-  void Send(const std::string& line) {
-    fprintf(in_, "%s\n", line.c_str());
-    fflush(in_);
-  }
-  // Returns once the whole process is stopped (its transport's threads included).
-  void Stop() {
-    REQUIRE(kill(pid_, SIGSTOP) == 0);
-    int status = 0;
-    REQUIRE(waitpid(pid_, &status, WUNTRACED) == pid_);
-    REQUIRE(WIFSTOPPED(status));
-  }
-  void Resume() { kill(pid_, SIGCONT); }
-
- private:
-  pid_t pid_ = -1;
-  FILE* in_ = nullptr;
-  FILE* out_ = nullptr;
-};
+using wsync::transport::testing::FromHex;
+using wsync::transport::testing::ToHex;
 
 constexpr uint64_t kHeldLen = 64 << 20;
 constexpr uint64_t kHeldPiece = 32 << 10;  // 2048 writes a batch
@@ -639,7 +564,7 @@ TEST_CASE("post never blocks: batches to a live peer whose process is stopped ar
   Buffer src;
   absl::StatusOr<std::unique_ptr<RemoteRegion>> remote;
   std::unique_ptr<Endpoint> ep;
-  HeldPeer peer;
+  wsync::transport::testing::PeerProcess peer("conformance_peer", "[.held_peer]");
   const std::string info = FromHex(peer.Next("info"));
   const std::string region = FromHex(peer.Next("region"));
   REQUIRE_FALSE(info.empty());

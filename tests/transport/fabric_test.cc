@@ -26,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "tests/transport/fabric_test_util.h"
 #include "tests/transport/pattern.h"
+#include "tests/transport/peer_process.h"
 #include "transport/fabric/fabric_transport.h"
 #include "transport/fabric/fabric_wire.h"
 #include "transport/transport.h"
@@ -565,79 +566,9 @@ TEST_CASE("two NICs: endpoints spread over both domains, every pairing writes it
 
 namespace {
 
-std::string ToHex(const std::string& bytes) {
-  static const char* kDigits = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : bytes) {
-    out.push_back(kDigits[c >> 4]);
-    out.push_back(kDigits[c & 15]);
-  }
-  return out;
-}
-
-std::string FromHex(const std::string& hex) {
-  std::string out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2)
-    out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
-  return out;
-}
-
-// This test executable run again as a receiving peer ("[.peer]" below), talking over its stdin and stdout.
-class PeerProcess {
- public:
-  PeerProcess() {
-    int to_child[2], from_child[2];
-    REQUIRE(pipe(to_child) == 0);
-    REQUIRE(pipe(from_child) == 0);
-    pid_ = fork();
-    REQUIRE(pid_ >= 0);
-    if (pid_ == 0) {
-      dup2(to_child[0], 0);
-      dup2(from_child[1], 1);
-      for (int fd : {to_child[0], to_child[1], from_child[0], from_child[1]}) close(fd);
-      execl("/proc/self/exe", "fabric_peer", "[.peer]", static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    close(to_child[0]);
-    close(from_child[1]);
-    in_ = fdopen(to_child[1], "w");
-    out_ = fdopen(from_child[0], "r");
-    REQUIRE(in_ != nullptr);
-    REQUIRE(out_ != nullptr);
-  }
-  ~PeerProcess() {
-    Kill();
-    if (in_ != nullptr) fclose(in_);
-    if (out_ != nullptr) fclose(out_);
-  }
-  // The next line the peer printed for us ("PEER <what> <value>"), skipping its log lines; empty at its end.
-  std::string Next(const std::string& what) {
-    char buf[16384];
-    const std::string prefix = "PEER " + what + " ";
-    while (fgets(buf, sizeof(buf), out_) != nullptr) {
-      std::string line(buf);
-      while (!line.empty() && line.back() == '\n') line.pop_back();
-      if (absl::StartsWith(line, prefix)) return line.substr(prefix.size());
-    }
-    return "";
-  }
-  void Send(const std::string& line) {
-    fprintf(in_, "%s\n", line.c_str());
-    fflush(in_);
-  }
-  void Kill() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGKILL);
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-  FILE* in_ = nullptr;
-  FILE* out_ = nullptr;
-};
+using wsync::transport::testing::FromHex;
+using wsync::transport::testing::PeerProcess;
+using wsync::transport::testing::ToHex;
 
 }  // namespace
 
@@ -669,7 +600,7 @@ TEST_CASE("(peer process) a receiver that waits to be killed", "[.peer]") {
 
 TEST_CASE("a write to a peer whose process was killed fails with the cause, in bounded time",
           "[fabric][errors][dead]") {
-  PeerProcess peer;
+  PeerProcess peer("fabric_peer", "[.peer]");
   const std::string info = FromHex(peer.Next("info"));
   const std::string region = FromHex(peer.Next("region"));
   REQUIRE_FALSE(info.empty());
