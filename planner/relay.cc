@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status.h"
+#include "planner/relay_shape.h"
 
 namespace wsync::planner {
 namespace {
@@ -217,10 +218,10 @@ RelayPrediction PredictRelay(const PlanInput& in, const RelayPlan& rp, const Cos
       for (const RelayRankRegions& rr : t.regions) {
         const auto [node, nic] = TargetNicOf(in.cluster, {n.instance, rr.rank});
         const int k = std::max(1, streams[{node, nic}]);
-        c = std::max(c, static_cast<double>(std::min(rp.options.chunk_bytes, rr.bytes)) * k / bw);
+        c = std::max(c, RelayChunkSeconds(std::min(rp.options.chunk_bytes, rr.bytes), k, bw, cp.relay_hop_ms / 1e3));
         s = std::max(s, static_cast<double>(nics.at({node, nic}).out_bytes) / bw);
       }
-      chunk[n.instance] = c + cp.relay_hop_ms / 1e3;
+      chunk[n.instance] = c;
       stream[n.instance] = s;
     }
     for (const RelayNode& n : t.nodes) {
