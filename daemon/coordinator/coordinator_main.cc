@@ -79,7 +79,8 @@ int main(int argc, char** argv) {
   app.add_option("--relay", opts.relay,
                  "relay trees (docs/planner.md, \"The relay data path\"): off (the sources write every engine), a degree N "
                  "(the sources write one engine per layout group, whose target daemons forward to the rest), or auto "
-                 "(degree 2 for now: the cost model does not pick it yet)")
+                 "(per group the degree, or direct, that the link-rate model predicts fastest from --nic, the "
+                 "source nodes and one copy's bytes: planner/relay_shape.h)")
       ->check([](const std::string& v) {
         auto r = planner::ParseRelayMode(v);
         return r.ok() ? std::string() : std::string(r.status().message());

@@ -82,11 +82,44 @@ absl::Status ForMembers(
 
 }  // namespace
 
+planner::RelayLinks GroupRelayLinks(const std::vector<std::string>& members, const std::vector<PlannedAssignment>& plan,
+                                    const planner::NicSpec& nic, const planner::RelayOptions& options) {
+  planner::RelayLinks l;
+  l.instances = static_cast<int>(members.size());
+  if (members.empty()) return l;
+  const std::set<std::string> in_group(members.begin(), members.end());
+  std::set<std::string> sources;
+  std::map<int, uint64_t> root_rank_bytes;
+  std::map<std::string, std::set<int>> root_ranks_per_node;
+  for (const PlannedAssignment& p : plan) {
+    const std::string& engine = p.assignment->engine_id();
+    if (!in_group.count(engine)) continue;
+    sources.insert(p.source);
+    if (engine != members.front()) continue;
+    root_rank_bytes[p.assignment->rank()] = ParamBytes(p.layout.get());
+    root_ranks_per_node[p.assignment->target_node()].insert(p.assignment->rank());
+  }
+  const int per_node = std::max(1, nic.per_node);
+  for (const auto& [rank, b] : root_rank_bytes) l.copy_bytes += b;
+  l.source_nics = std::max<int>(1, static_cast<int>(sources.size()) * per_node);
+  l.source_nic_bps = l.target_nic_bps = nic.bytes_per_second();
+  l.instance_nics = 0;
+  l.ranks_per_nic = 1;
+  for (const auto& [node, ranks] : root_ranks_per_node) {
+    const int r = static_cast<int>(ranks.size());
+    l.instance_nics += std::min(r, per_node);
+    l.ranks_per_nic = std::max(l.ranks_per_nic, (r + per_node - 1) / per_node);
+  }
+  l.instance_nics = std::max(1, l.instance_nics);
+  l.chunk_bytes = options.chunk_bytes;
+  l.hop_s = planner::CostParams().relay_hop_ms / 1e3;
+  return l;
+}
+
 RelayWiring WireRelays(const planner::RelayOptions& options, const std::map<std::string, GroupPlan>& groups,
-                       std::vector<PlannedAssignment>* plan) {
+                       std::vector<PlannedAssignment>* plan, const planner::NicSpec& nic) {
   RelayWiring out;
   if (options.mode == planner::RelayMode::kOff) return out;
-  const int degree = options.mode == planner::RelayMode::kDegree ? std::max(1, options.degree) : 2;
   std::map<std::string, EngineRanks> engines;
   for (const PlannedAssignment& p : *plan) {
     EngineRanks& e = engines[p.assignment->engine_id()];
@@ -108,6 +141,16 @@ RelayWiring WireRelays(const planner::RelayOptions& options, const std::map<std:
     if (!differ.empty()) {
       out.why.push_back(absl::StrCat("group ", key, " not relayed: ", differ));
       continue;
+    }
+    int degree = std::max(1, options.degree);
+    if (options.mode == planner::RelayMode::kAuto) {
+      const planner::RelayShapeChoice c = planner::ChooseRelayShape(GroupRelayLinks(members, *plan, nic, options));
+      if (!c.relayed()) {
+        out.why.push_back(absl::StrCat("group ", key, " not relayed: ", c.why));
+        continue;
+      }
+      spdlog::info("relay: group {}: {}", key, c.why);
+      degree = c.chosen.degree;
     }
     std::vector<int> index(members.size());
     std::iota(index.begin(), index.end(), 0);

@@ -18,7 +18,9 @@
 #include "absl/status/statusor.h"
 #include "base/mutex.h"
 #include "daemon/coordinator/replan.h"
+#include "planner/cluster.h"
 #include "planner/relay.h"
+#include "planner/relay_shape.h"
 #include "wsync/v1/daemon.pb.h"
 
 // Runs `stmt` holding `mu` (one line of the coordinator reads its relay wiring with it).
@@ -47,9 +49,17 @@ struct RelayWiring {
 
 // Rewrites `plan` (the direct plan of `groups`) for `options` and answers the trees. kOff leaves it untouched. A
 // group is relayed when it has two engines or more and every engine's rank layouts hold the same parameters at the
-// same places in host memory; kAuto uses degree 2 (the cost model's choice is not wired yet). Pure.
+// same places in host memory. kAuto decides per group with the link-rate model (planner/relay_shape.h,
+// ChooseRelayShape on GroupRelayLinks): the degree it predicts fastest, or direct (the group not relayed) when no
+// tree beats it. `nic`: every node's NICs (the coordinator's --nic; its default 1x400Gbps). Pure.
 RelayWiring WireRelays(const planner::RelayOptions& options, const std::map<std::string, GroupPlan>& groups,
-                       std::vector<PlannedAssignment>* plan);
+                       std::vector<PlannedAssignment>* plan, const planner::NicSpec& nic = planner::NicSpec{1, 400.0});
+
+// What ChooseRelayShape needs of one group, read off the direct plan: one copy's bytes (the root's ranks), the
+// members, the source nodes writing the group (x NICs per node), the NICs the root's ranks use on their nodes (a
+// rank per NIC up to nic.per_node per node) and how many of its ranks share one. Pure.
+planner::RelayLinks GroupRelayLinks(const std::vector<std::string>& members, const std::vector<PlannedAssignment>& plan,
+                                    const planner::NicSpec& nic, const planner::RelayOptions& options);
 
 // SetRelay on every member for update `version`, all at once; the first error names the member.
 absl::Status StartRelays(const RelayWiring& wiring, int64_t version);
