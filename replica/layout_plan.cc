@@ -80,7 +80,9 @@ class Walker {
 
   // The vLLM dialect covers what has been compared with vLLM's own named_parameters() (tests/data/vllm,
   // tests/engines) or its own loaders (tests/replica/vllm_oracle.py): dense Llama/Qwen2/Qwen3, Qwen3-MoE and
-  // DeepSeek-V3 (MLA with q_lora, its MTP draft), unquantized. Anything else fails before any write.
+  // DeepSeek-V3 (MLA with q_lora, its MTP draft), unquantized; DeepSeek-V3 also block-FP8 (vLLM's Fp8Config:
+  // weight + float32 weight_scale_inv, the same names and block geometry as SGLang's, no KV-cache scale scalars on
+  // its MLA attention). Anything else fails before any write.
   absl::Status CheckVllmSupport() const {
     const bool deepseek_ok = c_.family == Family::kDeepseekV2V3 && c_.q_lora_rank > 0 && !c_.router_fp32;
     const bool family_ok = c_.family == Family::kLlama || c_.family == Family::kQwen2 ||
@@ -90,10 +92,10 @@ class Walker {
                                                    " has not been checked against vLLM's named_parameters(); "
                                                    "supported for vLLM: Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3 "
                                                    "(q_lora_rank set, bf16 router)"));
-    if (fp8_ || !c_.weight_block_size.empty())
-      return absl::UnimplementedError(
-          "FP8 block-quantized layouts are not supported for vLLM engines yet (vLLM's FP8 parameter names and "
-          "scales differ from SGLang's and have not been checked)");
+    if ((fp8_ || !c_.weight_block_size.empty()) && !deepseek_ok)
+      return absl::UnimplementedError(absl::StrCat(
+          "FP8 block-quantized layouts for vLLM engines have been checked for DeepSeek-V3 only, not for ",
+          c_.architecture));
     return absl::OkStatus();
   }
 
@@ -293,7 +295,7 @@ absl::Status Walker::Mla(const std::string& p) {
                                {{a + "kv_b_proj.", heads * nv, kvr, ar * hl * nv, 0, hl * nv, kvr, 0, 0}}));
   WSYNC_RETURN_IF_ERROR(
       Linear(a + "o_proj.", 0, h, hl * v, true, {{a + "o_proj.", h, heads * v, 0, ar * hl * v, h, hl * v, 0, 0}}));
-  if (fp8_) {
+  if (fp8_ && r_.dialect == EngineDialect::kSglang) {
     // Under an FP8 quantization config SGLang's two MLA RadixAttention modules get FP8 KV-cache scales: float32
     // scalars created at -1 and set to 1.0 after loading (the checkpoint has none); ready with the layer's kv_b_proj.
     for (const char* attn : {"attn_mqa.", "attn_mha."}) {

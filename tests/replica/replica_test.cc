@@ -594,8 +594,11 @@ TEST_CASE("draft layouts that are not supported are refused", "[replica][draft]"
   RankParallelism v = RankParallelism::ForTp(1, 0);
   v.weights = WeightSet::kDraft;
   v.dialect = EngineDialect::kVllm;
-  // vLLM's DeepSeek-V3 draft is planned (replica_vllm_oracle_test), its FP8 layout is not.
-  CHECK(PlanLayout(testing::TinyDeepseek(), v, QuantSpec{QuantSpec::Mode::kFp8Block}).status().code() ==
+  // vLLM's DeepSeek-V3 draft is planned, bf16 and FP8 (replica_vllm_oracle_test); FP8 of other vLLM models is not.
+  CHECK(PlanLayout(testing::TinyDeepseek(), v, QuantSpec{QuantSpec::Mode::kFp8Block, 2, 2}).ok());
+  RankParallelism vt = RankParallelism::ForTp(1, 0);
+  vt.dialect = EngineDialect::kVllm;
+  CHECK(PlanLayout(testing::TinyQwen3(), vt, QuantSpec{QuantSpec::Mode::kFp8Block, 16, 16}).status().code() ==
         absl::StatusCode::kUnimplemented);
   // A dense model with a next-n layer declared: SGLang has no NextN class for it.
   ModelConfig q = testing::TinyQwen3();

