@@ -10,7 +10,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status.h"
-#include "planner/relay_shape.h"
 
 namespace wsync::planner {
 namespace {
@@ -345,6 +344,28 @@ absl::StatusOr<RelayPlan> BuildRelayPlan(const PlanInput& input, const PlanOptio
   }
   rp.why = absl::StrFormat("auto: relay predicted %.1f ms, direct %.1f ms", relayed_s * 1e3, direct_s * 1e3);
   return rp;
+}
+
+RelayLinks RelayLinksOf(const PlanInput& in, const RelayOptions& relay, const CostParams& cp) {
+  RelayLinks l;
+  const std::vector<int> active = in.ActiveInstances();
+  l.instances = static_cast<int>(active.size());
+  for (const auto& layout : in.layouts)
+    for (const auto& p : layout.params) l.copy_bytes += p.bytes;
+  const TrainerSpec& t = in.cluster.trainer;
+  l.source_nics = std::max(1, t.nodes * std::max(1, std::min(in.cluster.nic.per_node, t.gpus_per_node)));
+  l.source_nic_bps = l.target_nic_bps = in.cluster.nic.bytes_per_second();
+  std::map<NicKey, int> ranks_on;
+  if (!active.empty())
+    for (size_t r = 0; r < in.layouts.size(); ++r) {
+      const auto [node, nic] = TargetNicOf(in.cluster, {active.front(), static_cast<int>(r)});
+      ranks_on[{node, nic}]++;
+    }
+  l.instance_nics = std::max<int>(1, static_cast<int>(ranks_on.size()));
+  for (const auto& [k, n] : ranks_on) l.ranks_per_nic = std::max(l.ranks_per_nic, n);
+  l.chunk_bytes = relay.chunk_bytes;
+  l.hop_s = cp.relay_hop_ms / 1e3;
+  return l;
 }
 
 absl::Status VerifyRelayPlan(const PlanInput& in, const RelayPlan& rp) {

@@ -20,6 +20,7 @@
 #include "planner/cost.h"
 #include "planner/cost_params.h"
 #include "planner/plan.h"
+#include "planner/relay_shape.h"
 
 namespace wsync::planner {
 
@@ -162,6 +163,11 @@ RelayPrediction PredictRelay(const PlanInput& input, const RelayPlan& plan, cons
 // least, at most the group's size - 1) for which the tree's slowest target NIC takes no longer than the sources or
 // the same NICs' inbound copies take anyway. `plan` must be relayed.
 int MaxRelayDegree(const PlanInput& input, const RelayPlan& plan, const CostParams& params, int group);
+
+// The link-rate model's view of `input` (planner/relay_shape.h: what the coordinator's `--relay auto` decides
+// with): one copy's bytes (every rank's layout), the active instances, the trainer's NICs (nodes x NICs per node,
+// at most one per GPU), the NICs the first instance's ranks land on (TargetNicOf) and the most of its ranks on one.
+RelayLinks RelayLinksOf(const PlanInput& input, const RelayOptions& relay, const CostParams& params);
 
 // Checks a relay plan against its input: the sources cover every root exactly once (VerifyPlan), every active
 // instance is in exactly one tree, each tree is a tree over its group (parents earlier, depths consistent, degree

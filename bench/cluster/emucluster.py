@@ -193,6 +193,7 @@ class Cluster:
         # Extra flags for every engine, target daemon, source daemon and trainer rank (bench_cluster_delta.py:
         # --steps-dir, --delta, --delta-staging-fraction; bench_cluster.py: --tcp-progress-timeout).
         self.engine_args, self.target_args, self.source_args, self.trainer_args = [], [], [], []
+        self.coordinator_args = []  # extra coordinator flags (bench_relay.py: --relay)
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def __enter__(self):
@@ -378,7 +379,7 @@ class Cluster:
         mbit = self.measured_mbit or self.rate_mbit
         self.coordinator = self._serve("coordinator", c, [b("wsync-coordinator"), "--listen", f"{c.ip}:0",
                                                             "--strategy", self.strategy, "--nic", nic_spec(mbit)]
-                                       + local + self.tls("coordinator-emu"))
+                                       + local + self.coordinator_args + self.tls("coordinator-emu"))
         self.start_engines()
         self.start_daemons()
 

@@ -254,6 +254,20 @@ TEST_CASE("plan command: --relay prints the tree and per-hop times", "[planner][
   // auto: says what it decided and why; one instance is never relayed.
   CHECK(with({"--relay", "auto"}, &code).find("relay             auto") != std::string::npos);
   CHECK(code == 0);
+  // The link-rate model (what the coordinator's auto decides with): one trainer node's 8 NICs against 4 instances
+  // of 2 ranks (one NIC each on an 8-NIC node): direct takes 4 copies over 8 NICs, less than one copy over an
+  // instance's 2 NICs, so direct, as relay_shape.h's formulas say; its rows are printed and in the JSON.
+  CHECK(table.find("link model        auto: direct predicted") != std::string::npos);
+  const auto& lm = r.at("link_model");
+  CHECK(lm.at("relayed") == false);
+  CHECK(lm.at("links").at("instances") == 4);
+  CHECK(lm.at("links").at("source_nics") == 8);
+  CHECK(lm.at("links").at("instance_nics") == 2);
+  CHECK(lm.at("candidates").size() == 3);
+  CHECK(lm.at("direct").at("trainer_egress_bytes").get<uint64_t>() ==
+        r.at("direct_trainer_egress_bytes").get<uint64_t>());
+  CHECK(lm.at("chosen").at("trainer_egress_bytes").get<uint64_t>() ==
+        r.at("direct_trainer_egress_bytes").get<uint64_t>());
   std::vector<std::string> one = {"--model",          cfg,       "--train", "tp=2,nodes=1", "--infer",
                                   "instances=1,tp=2", "--relay", "auto"};
   CHECK(RunCaptured(one, &code).find("direct (one instance") != std::string::npos);

@@ -7,6 +7,7 @@
 
 #include "planner/relay.h"
 #include "planner/relay_shape.h"
+#include "synthetic.h"
 
 namespace wsync::planner {
 namespace {
@@ -126,6 +127,34 @@ TEST_CASE("relay shape: depth is RelayTreeShape's, and the choice is the fastest
     for (const RelayShapeCost& t : c.candidates) best = std::min(best, t.total_s);
     CHECK(c.chosen.total_s == best);
     if (c.relayed()) CHECK(c.chosen.total_s < c.direct.total_s);
+  }
+}
+
+TEST_CASE("relay shape: the links of a plan input", "[planner][relay_shape]") {
+  // 2 trainer nodes; 8 instances of TP 4 on 4 engine nodes (8 GPUs each: instance 0 is GPUs 0-3 of node 0).
+  testing::SyntheticShape sh;
+  sh.train_nodes = 2, sh.instances = 8, sh.engine_tp = 4, sh.engine_nodes = 4;
+  for (int nics : {1, 8}) {
+    INFO(nics << " NICs per node");
+    sh.nics = nics;
+    const PlanInput in = testing::MakeInput(sh);
+    uint64_t copy = 0;
+    for (const auto& l : in.layouts)
+      for (const auto& p : l.params) copy += p.bytes;
+    RelayOptions ro;
+    ro.chunk_bytes = 1 << 20;
+    CostParams cp;
+    cp.relay_hop_ms = 2;
+    const RelayLinks l = RelayLinksOf(in, ro, cp);
+    CHECK(l.copy_bytes == copy);
+    CHECK(l.instances == 8);
+    CHECK(l.source_nics == 2 * nics);
+    // One NIC per node: the instance's 4 ranks share it; 8 per node: GPU g on NIC g, one rank each.
+    CHECK(l.instance_nics == (nics == 1 ? 1 : 4));
+    CHECK(l.ranks_per_nic == (nics == 1 ? 4 : 1));
+    CHECK(l.source_nic_bps == in.cluster.nic.bytes_per_second());
+    CHECK(l.chunk_bytes == (1u << 20));
+    CHECK(l.hop_s == 2e-3);
   }
 }
 

@@ -292,8 +292,58 @@ struct RelayReport {
 
 std::string HopName(int parent) { return parent < 0 ? "sources" : absl::StrCat(parent); }
 
+// The link-rate model (planner/relay_shape.h): the coordinator's --relay auto, from rates and sizes alone.
+void PrintLinkModel(const planner::RelayLinks& l, const planner::RelayShapeChoice& c) {
+  std::printf("link model        %s (what wsync-coordinator --relay auto decides): %d instances, %s per copy, "
+              "sources %d NICs, an instance %d NIC%s (%d rank%s each)\n",
+              c.why.c_str(), l.instances, Bytes(l.copy_bytes).c_str(), l.source_nics, l.instance_nics,
+              l.instance_nics == 1 ? "" : "s", l.ranks_per_nic, l.ranks_per_nic == 1 ? "" : "s");
+  std::printf("  %-8s %5s %12s %12s %12s %12s %12s %12s\n", "degree", "depth", "sources", "in", "out", "per hop",
+              "latency", "total");
+  auto row = [](const planner::RelayShapeCost& x, const char* mark) {
+    std::printf("  %-8s %5d %12s %12s %12s %12s %12s %12s%s\n",
+                x.degree == 0 ? "direct" : absl::StrCat(x.degree).c_str(), x.depth, Secs(x.source_s).c_str(),
+                Secs(x.inbound_s).c_str(), x.degree == 0 ? "-" : Secs(x.forward_s).c_str(),
+                x.degree == 0 ? "-" : absl::StrFormat("%.3f ms", x.chunk_s * 1e3).c_str(),
+                x.degree == 0 ? "-" : absl::StrFormat("%.2f ms", x.latency_s * 1e3).c_str(), Secs(x.total_s).c_str(),
+                mark);
+  };
+  row(c.direct, c.relayed() ? "" : "  <- chosen");
+  for (const auto& x : c.candidates)
+    if (x.degree <= 8 || x.degree == c.chosen.degree) row(x, c.chosen.degree == x.degree ? "  <- chosen" : "");
+  if (c.candidates.size() > 8) std::printf("  (degrees 9..%zu left out)\n", c.candidates.size());
+}
+
+nlohmann::json LinkModelJson(const planner::RelayLinks& l, const planner::RelayShapeChoice& c) {
+  auto cost = [](const planner::RelayShapeCost& x) {
+    return nlohmann::json{{"degree", x.degree},       {"depth", x.depth},         {"source_s", x.source_s},
+                          {"inbound_s", x.inbound_s}, {"forward_s", x.forward_s}, {"chunk_s", x.chunk_s},
+                          {"latency_s", x.latency_s}, {"total_s", x.total_s},
+                          {"trainer_egress_bytes", x.trainer_egress_bytes}};
+  };
+  nlohmann::json cands = nlohmann::json::array();
+  for (const auto& x : c.candidates) cands.push_back(cost(x));
+  return {{"why", c.why},
+          {"relayed", c.relayed()},
+          {"chosen", cost(c.chosen)},
+          {"direct", cost(c.direct)},
+          {"candidates", cands},
+          {"links",
+           {{"copy_bytes", l.copy_bytes},
+            {"instances", l.instances},
+            {"source_nics", l.source_nics},
+            {"source_nic_bps", l.source_nic_bps},
+            {"instance_nics", l.instance_nics},
+            {"target_nic_bps", l.target_nic_bps},
+            {"ranks_per_nic", l.ranks_per_nic},
+            {"chunk_bytes", l.chunk_bytes},
+            {"hop_s", l.hop_s}}}};
+}
+
 void PrintRelay(const PlanInput& in, const RelayReport& rr, const planner::CostParams& cp, bool tasks) {
   const planner::RelayPlan& rp = rr.plan;
+  const planner::RelayLinks links = planner::RelayLinksOf(in, rp.options, cp);
+  PrintLinkModel(links, planner::ChooseRelayShape(links));
   if (!rp.relayed) {
     std::printf("relay             %s: direct (%s)\n", planner::FormatRelayMode(rp.options).c_str(), rp.why.c_str());
     return;
@@ -400,6 +450,8 @@ nlohmann::json RelayJson(const PlanInput& in, const RelayReport& rr, const plann
                     {"sessions", n.sessions},
                     {"time_s", n.time_s}});
   j["engine_nics"] = nics;
+  const planner::RelayLinks links = planner::RelayLinksOf(in, rp.options, cp);
+  j["link_model"] = LinkModelJson(links, planner::ChooseRelayShape(links));
   return j;
 }
 
@@ -542,7 +594,8 @@ int RunPlanCommand(int argc, char** argv) {
   app.add_option("--relay", relay,
                  "relay plans: off (the sources write every instance: today's plan), auto (engine instances of one "
                  "layout relay to each other when the cost model predicts it faster, the degree it predicts fastest) "
-                 "or DEGREE (children per relay). Planning only: daemons do not forward yet")
+                 "or DEGREE (children per relay); also prints the link-rate model's choice, what wsync-coordinator "
+                 "--relay auto decides with (planner/relay_shape.h)")
       ->capture_default_str();
   app.add_option("--relay-chunk-kib", relay_chunk_kib, "relay: what a relay forwards at once (KiB)")
       ->capture_default_str();
