@@ -587,10 +587,26 @@ absl::Status Coordinator::Fail(v1::UpdateRecord rec, const absl::Status& why_in,
   return err;
 }
 
-absl::Status Coordinator::FailAt(v1::UpdateRecord rec, const absl::Status& why, Phase phase,
+absl::Status Coordinator::EndRunAt(const UpdateDriver::Failure& f, const v1::UpdateRecord& rec,
+                                   const RunContext& ctx) {
+  if (ctx.sources_live) return FailAndStopSources(rec, f.why, f.phase, f.policy, ctx.engines, ctx.window_skip);
+  if (ctx.windows_open) SetWindows(false, rec.version(), ctx.window_skip).IgnoreError();
+  return FailAt(rec, f.why, f.policy, ctx.engines);
+}
+
+void Coordinator::CloseWindows(int64_t v, RunContext* ctx) {
+  SetWindows(false, v, ctx->window_skip).IgnoreError();
+  ctx->windows_open = false;
+}
+
+bool Coordinator::StopAsked() const {
+  MutexLock l(&mu_);
+  return run_.abort_asked && !run_.commit_point;
+}
+
+absl::Status Coordinator::FailAt(v1::UpdateRecord rec, const absl::Status& why, OnFailure policy,
                                  const std::vector<std::string>& engines) {
-  const UpdateMode mode = rec.mode() == "staged" ? UpdateMode::kStaged : UpdateMode::kClassic;
-  switch (PolicyFor(mode, phase)) {
+  switch (policy) {
     case OnFailure::kResumeOld: {
       bool dirty;
       {
@@ -663,11 +679,9 @@ bool Coordinator::ResumeOld(int64_t v, const std::vector<std::string>& all) {
 }
 
 absl::Status Coordinator::FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, Phase phase,
-                                             const std::vector<std::string>& engines,
+                                             OnFailure policy, const std::vector<std::string>& engines,
                                              const std::set<std::string>& skip) {
   const int64_t v = rec.version();
-  const UpdateMode mode = rec.mode() == "staged" ? UpdateMode::kStaged : UpdateMode::kClassic;
-  const OnFailure policy = PolicyFor(mode, phase);
   const bool live =
       policy == OnFailure::kResumeIfClean || policy == OnFailure::kKeepPaused || policy == OnFailure::kHoldPaused;
   bool dirty_before, asked;
@@ -832,33 +846,13 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
   v1::BeginUpdateReply out;
   out.set_version(v);
 
-  absl::Time t = absl::Now();
-  absl::Status st;
-  if (!staged) {  // staged: engines serve on; they pause only for the switch (CommitStaged)
-    std::vector<char> asked(engines.size(), 0);  // each worker sets its own
-    std::vector<absl::Status> paused = RunFanout(
-        engines.size(),
-        [&](size_t i) {
-          const std::string& a = engines[i];
-          asked[i] = 1;
-          return Track(a, EngineState::kPaused, "pause",
-                       Annotate(Remote(a, [&] { return peers_->Pause(a, pause_mode); }), "pause " + EngineLabel(a)));
-        },
-        UpdatePhase(mode, Phase::kPause, engines));
-    // An engine the phase never asked (an abort or the phase's deadline came first) is recorded as its pause having
-    // failed, with why, as one whose pause was cancelled is: the record then says which engines the update left
-    // unpaused, whichever way it ended.
-    for (size_t i = 0; i < engines.size(); ++i)
-      if (!asked[i]) Track(engines[i], EngineState::kPaused, "pause", paused[i]).IgnoreError();
-    st = CombineStatuses(paused);
-    SaveEngineStates();
-    AddPhase(&rec, "pause", t);
-    out.set_pause_seconds(rec.phases(0).seconds());
-  }
-  // (Staged: nothing was paused; the abort is met before the re-plan, which serves on as well.)
-  if (!st.ok() || AbortAsked()) return FailAt(rec, st, staged ? Phase::kEngineInfo : Phase::kPause, engines);
-
-  t = absl::Now();
+  // The rows of the begin half (pause … start), walked in the mode's table order by the driver (update_run.h); each
+  // step below is one row's calls, writing what it learned into these locals (the run's context).
+  RunContext ctx;
+  ctx.engines = engines;
+  UpdateDriver driver(
+      mode, [this] { return StopAsked(); },
+      [&](const UpdateDriver::Failure& f) { return EndRunAt(f, rec, ctx); });
   // A source to configure: its request without its assignments (model, push filters, quantization), its
   // assignments and their rank tables as the plan holds them (shared). The whole request is built only by the worker
   // sending it, with the tables it shares with the plan referenced, not copied: a source's tables are megabytes at
@@ -871,70 +865,100 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
     std::vector<std::shared_ptr<const v1::RankLayout>> layouts;         // per assignment
     std::string key;                                                    // SourceConfigKey
   };
-  std::vector<Configure> configure;
   std::map<std::string, int64_t> source_epochs;  // address → the plan epoch it holds after this phase
-  int64_t plan_epoch;
+  int64_t plan_epoch = -1;
   std::string engine_model_json;
-  if (need_plan) {
-    // The engines are the authority on the model they serve. Asked without the lock: no remote call under mu_.
-    const std::string& a = engines.front();
-    auto info = Remote(a, [&] { return peers_->EngineInfo(a); });
-    if (!info.ok())
-      st = Annotate(info.status(), "engine info from " + EngineLabel(a));
-    else
-      engine_model_json = info->model_config_json();
-  }
-  if (st.ok()) st = LiveSets(staging_engines, &live_sets);
-  if (!st.ok() || AbortAsked()) return FailAt(rec, st, Phase::kEngineInfo, engines);
-  if (need_plan) {
-    // Planned without the lock (seconds at 1024 engine ranks): Status, heartbeats and an abort answer meanwhile. The
-    // input points into members that nothing changes while an update is beginning (registrations, removals and
-    // drains are refused while an update is in progress; heartbeats and Status only read them); the plan in force
-    // is replaced under the lock.
-    ReplanInput input;
+  // Staged: engines serve on; they pause only for the switch (CommitStaged). The staged table has no pause row.
+  if (!staged)
+    driver.Bind(Phase::kPause, [&](OnFailure) {
+      const absl::Time t = absl::Now();
+      std::vector<char> asked(engines.size(), 0);  // each worker sets its own
+      std::vector<absl::Status> paused = RunFanout(
+          engines.size(),
+          [&](size_t i) {
+            const std::string& a = engines[i];
+            asked[i] = 1;
+            return Track(a, EngineState::kPaused, "pause",
+                         Annotate(Remote(a, [&] { return peers_->Pause(a, pause_mode); }), "pause " + EngineLabel(a)));
+          },
+          UpdatePhase(mode, Phase::kPause, engines));
+      // An engine the phase never asked (an abort or the phase's deadline came first) is recorded as its pause having
+      // failed, with why, as one whose pause was cancelled is: the record then says which engines the update left
+      // unpaused, whichever way it ended.
+      for (size_t i = 0; i < engines.size(); ++i)
+        if (!asked[i]) Track(engines[i], EngineState::kPaused, "pause", paused[i]).IgnoreError();
+      SaveEngineStates();
+      AddPhase(&rec, "pause", t);
+      out.set_pause_seconds(rec.phases(0).seconds());
+      return CombineStatuses(paused);
+    });
+  // (Staged: nothing was paused; the abort is met after this row, which serves on as well.)
+  driver.Bind(Phase::kEngineInfo, [&](OnFailure) {
+    absl::Status st;
+    if (need_plan) {
+      // The engines are the authority on the model they serve. Asked without the lock: no remote call under mu_.
+      const std::string& a = engines.front();
+      auto info = Remote(a, [&] { return peers_->EngineInfo(a); });
+      if (!info.ok())
+        st = Annotate(info.status(), "engine info from " + EngineLabel(a));
+      else
+        engine_model_json = info->model_config_json();
+    }
+    if (st.ok()) st = LiveSets(staging_engines, &live_sets);
+    return st;
+  });
+  driver.Bind(Phase::kConfigure, [&](OnFailure) {
+    absl::Status st;
+    std::vector<Configure> configure;
+    if (need_plan) {
+      // Planned without the lock (seconds at 1024 engine ranks): Status, heartbeats and an abort answer meanwhile.
+      // The input points into members that nothing changes while an update is beginning (registrations, removals and
+      // drains are refused while an update is in progress; heartbeats and Status only read them); the plan in force
+      // is replaced under the lock.
+      ReplanInput input;
+      {
+        MutexLock l(&mu_);
+        model_config_json_ = engine_model_json;
+        input = PrepareReplan();
+      }
+      absl::StatusOr<Replanned> planned = PlanMembership(input);
+      MutexLock l(&mu_);
+      if (planned.ok())
+        ApplyPlanLogged(*std::move(planned));
+      else
+        st = planned.status();
+    }
     {
       MutexLock l(&mu_);
-      model_config_json_ = engine_model_json;
-      input = PrepareReplan();
-    }
-    absl::StatusOr<Replanned> planned = PlanMembership(input);
-    MutexLock l(&mu_);
-    if (planned.ok())
-      ApplyPlanLogged(*std::move(planned));
-    else
-      st = planned.status();
-  }
-  {
-    MutexLock l(&mu_);
-    plan_epoch = need_plan ? membership_epoch_ : plan_epoch_;
-    if (st.ok() && need_configure) {
-      RefreshEngineDigests();
-      std::map<std::string, std::vector<const Planned*>> planned_of;  // source → its assignments, in plan order
-      for (const Planned& p : plan_) planned_of[p.source].push_back(&p);
-      // Every source's request without its assignments (an empty plan): those are added by the worker.
-      std::map<std::string, v1::ConfigureSourceRequest> by_source =
-          SourceConfigurations(nodes_, model_config_json_, {}, push_filters_, model_quantization_,
-                               [](const Planned& p) { return *p.assignment; });
-      // Only sources whose configuration changed, or that do not hold it (their heartbeats said so), are
-      // configured again (a join or leave re-plans one group; the sources serving only other groups keep their
-      // replica, connections and plan epoch).
-      for (auto& [id, r] : by_source) {
-        if (!InRun(id)) continue;  // its lease lapsed: left out of this update
-        Configure cf{id, nodes_[id].address(), std::move(r), {}, {}, ""};
-        const std::vector<const Planned*>& mine = planned_of[id];
-        for (const Planned* p : mine) {
-          cf.assigned.push_back(p->assignment);
-          cf.layouts.push_back(p->layout);
+      plan_epoch = need_plan ? membership_epoch_ : plan_epoch_;
+      if (st.ok() && need_configure) {
+        RefreshEngineDigests();
+        std::map<std::string, std::vector<const Planned*>> planned_of;  // source → its assignments, in plan order
+        for (const Planned& p : plan_) planned_of[p.source].push_back(&p);
+        // Every source's request without its assignments (an empty plan): those are added by the worker.
+        std::map<std::string, v1::ConfigureSourceRequest> by_source =
+            SourceConfigurations(nodes_, model_config_json_, {}, push_filters_, model_quantization_,
+                                 [](const Planned& p) { return *p.assignment; });
+        // Only sources whose configuration changed, or that do not hold it (their heartbeats said so), are
+        // configured again (a join or leave re-plans one group; the sources serving only other groups keep their
+        // replica, connections and plan epoch).
+        for (auto& [id, r] : by_source) {
+          if (!InRun(id)) continue;  // its lease lapsed: left out of this update
+          Configure cf{id, nodes_[id].address(), std::move(r), {}, {}, ""};
+          const std::vector<const Planned*>& mine = planned_of[id];
+          for (const Planned* p : mine) {
+            cf.assigned.push_back(p->assignment);
+            cf.layouts.push_back(p->layout);
+          }
+          cf.key = SourceConfigKey(cf.base, mine);
+          auto c = configured_.find(id);
+          if (c != configured_.end() && c->second.key == cf.key) continue;
+          configure.push_back(std::move(cf));
         }
-        cf.key = SourceConfigKey(cf.base, mine);
-        auto c = configured_.find(id);
-        if (c != configured_.end() && c->second.key == cf.key) continue;
-        configure.push_back(std::move(cf));
       }
     }
-  }
-  if (!st.ok()) return FailAt(rec, st, Phase::kConfigure, engines);
-  if (need_configure) {
+    if (!st.ok() || !need_configure) return st;
+    const absl::Time t = absl::Now();
     std::vector<std::string> configure_addrs;
     std::vector<size_t> items;
     for (const Configure& c : configure) {
@@ -976,63 +1000,66 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
       configured_sources = configured_.size();
       NoteChange();
     }
-    // Fail takes mu_ itself: called with it held, the coordinator deadlocked on every failed configure.
-    if (!st.ok()) return FailAt(rec, st, Phase::kConfigure, engines);
-    spdlog::info("update {}: plan {} configured on {} of {} source nodes (the others' configuration is unchanged)", v,
-                 plan_epoch, configure.size(), configured_sources);
-  }
-  if (AbortAsked()) return FailAt(rec, st, Phase::kConfigure, engines);
+    // The failure is applied by the driver, without mu_ (Fail takes it: called with it held, the coordinator
+    // deadlocked on every failed configure).
+    if (st.ok())
+      spdlog::info("update {}: plan {} configured on {} of {} source nodes (the others' configuration is unchanged)",
+                   v, plan_epoch, configure.size(), configured_sources);
+    return st;
+  });
   std::vector<std::string> source_addrs;
   // Per source, the engine ranks its plan writes: it is told only their held versions (every rank's, to every
   // source, was 1024 x 256 entries per update at 1024 ranks). Absent: the source's plan is unknown here, all are sent.
   std::map<std::string, std::set<std::pair<std::string, int>>> source_ranks;
   // Per engine offering staging memory, the copy of its segments this update writes (LayoutCopy; absent: copy 0).
   std::map<std::string, int> segment_sets;
-  {
-    MutexLock l(&mu_);
-    for (const auto& [id, n] : nodes_)
-      for (const auto& e : n.engines())
-        if (const int c = LayoutCopy(e.engine_id(), staged, live_sets); c > 0) segment_sets[e.engine_id()] = c;
-    for (const auto& [id, n] : nodes_) {
-      if (n.role() != "source" || !InRun(id)) continue;
-      source_addrs.push_back(n.address());
-      auto c = configured_.find(id);
-      source_epochs[n.address()] = c == configured_.end() ? plan_epoch : c->second.epoch;
-      if (c != configured_.end()) {
-        auto& ranks = source_ranks[n.address()];
-        for (const auto& t : c->second.targets) ranks.insert(t);
+  std::vector<v1::RankVersion> held;  // what each engine rank holds: sources send deltas where it is their base
+  driver.Bind(Phase::kOpenWindows, [&](OnFailure) {
+    {
+      MutexLock l(&mu_);
+      for (const auto& [id, n] : nodes_)
+        for (const auto& e : n.engines())
+          if (const int c = LayoutCopy(e.engine_id(), staged, live_sets); c > 0) segment_sets[e.engine_id()] = c;
+      for (const auto& [id, n] : nodes_) {
+        if (n.role() != "source" || !InRun(id)) continue;
+        source_addrs.push_back(n.address());
+        auto c = configured_.find(id);
+        source_epochs[n.address()] = c == configured_.end() ? plan_epoch : c->second.epoch;
+        if (c != configured_.end()) {
+          auto& ranks = source_ranks[n.address()];
+          for (const auto& t : c->second.targets) ranks.insert(t);
+        }
       }
     }
-  }
-  // Targets accept writes from now on, until the sources have finished (or the update ends otherwise).
-  std::vector<v1::RankVersion> held;  // what each engine rank holds: sources send deltas where it is their base
-  st = SetWindows(true, v, {}, &held);
-  std::shared_ptr<const RelayWiring> relays;
-  WSYNC_UNDER(mu_, relays = relay_wiring_);
-  if (st.ok() && !AbortAsked() && relays && relays->relayed()) st = StartRelays(*relays, v);  // relay_wiring.h
-  if (!st.ok() || AbortAsked()) {
-    SetWindows(false, v).IgnoreError();
-    return FailAt(rec, st, Phase::kOpenWindows, engines);
-  }
-  st = ForAll(
-      source_addrs,
-      [&](const std::string& a) {
-        v1::StartUpdateRequest sreq;
-        sreq.set_version(v);
-        sreq.set_plan_epoch(source_epochs.at(a));
-        sreq.set_delta(delta);
-        auto mine = source_ranks.find(a);
-        for (const auto& h : held)
-          if (mine == source_ranks.end() || mine->second.count({h.engine_id(), h.rank()})) *sreq.add_held() = h;
-        for (const auto& [engine, set] : segment_sets) (*sreq.mutable_segment_sets())[engine] = set;
-        return Annotate(Remote(a, [&] { return peers_->StartUpdate(a, sreq); }), "start source " + NodeLabel(a));
-      },
-      UpdatePhase(mode, Phase::kStart, source_addrs));
-  // Sources started (or were being started) when an abort came: they may take pushes already, so they are told to
-  // abort.
-  // A source that started may already take pushes from its ranks: every source is told to abort and says what it
-  // wrote (the phase table's kResumeIfClean).
-  if (AbortAsked() || !st.ok()) return FailAndStopSources(rec, st, Phase::kStart, engines);
+    // Targets accept writes from now on, until the sources have finished (or the update ends otherwise: the failure
+    // handler closes them).
+    ctx.windows_open = true;
+    absl::Status st = SetWindows(true, v, {}, &held);
+    std::shared_ptr<const RelayWiring> relays;
+    WSYNC_UNDER(mu_, relays = relay_wiring_);
+    if (st.ok() && !AbortAsked() && relays && relays->relayed()) st = StartRelays(*relays, v);  // relay_wiring.h
+    return st;
+  });
+  driver.Bind(Phase::kStart, [&](OnFailure) {
+    // A source that started may already take pushes from its ranks: from here a failure (or an abort) tells every
+    // source to abort, and each says what it wrote (the failure handler, FailAndStopSources).
+    ctx.sources_live = true;
+    return ForAll(
+        source_addrs,
+        [&](const std::string& a) {
+          v1::StartUpdateRequest sreq;
+          sreq.set_version(v);
+          sreq.set_plan_epoch(source_epochs.at(a));
+          sreq.set_delta(delta);
+          auto mine = source_ranks.find(a);
+          for (const auto& h : held)
+            if (mine == source_ranks.end() || mine->second.count({h.engine_id(), h.rank()})) *sreq.add_held() = h;
+          for (const auto& [engine, set] : segment_sets) (*sreq.mutable_segment_sets())[engine] = set;
+          return Annotate(Remote(a, [&] { return peers_->StartUpdate(a, sreq); }), "start source " + NodeLabel(a));
+        },
+        UpdatePhase(mode, Phase::kStart, source_addrs));
+  });
+  if (absl::Status walked = driver.Walk(PhaseTable(mode).front().phase, Phase::kStart); !walked.ok()) return walked;
   out.set_plan_epoch(plan_epoch);
   {
     MutexLock l(&mu_);
@@ -1056,7 +1083,8 @@ absl::StatusOr<v1::BeginUpdateReply> Coordinator::RunBeginUpdate(const v1::Begin
       return out;
     }
   }
-  return FailAndStopSources(rec, absl::OkStatus(), Phase::kStart, engines);
+  // The abort came after the start row passed: that row's failure.
+  return driver.FailAt(Phase::kStart, absl::OkStatus());
 }
 
 absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitUpdate(const v1::CommitUpdateRequest& req) {
@@ -1127,91 +1155,103 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
   std::vector<std::pair<std::string, v1::FinishUpdateReply>> finished;  // (source address, reply)
   std::map<std::string, absl::Time> finished_at;
   const double commit_timeout_s = req.timeout_seconds() > 0 ? req.timeout_seconds() : kDefaultCommitTimeoutSeconds;
-  absl::Status st = ForAll(
-      sources,
-      [&](const std::string& a) {
-        v1::FinishUpdateRequest freq;
-        freq.set_version(v);
-        auto ep = source_epochs.find(a);
-        freq.set_plan_epoch(ep == source_epochs.end() ? -1 : ep->second);
-        freq.set_timeout_seconds(commit_timeout_s);
-        auto r = Remote(a, [&] { return peers_->FinishUpdate(a, freq); });
-        if (!r.ok()) return Annotate(r.status(), "finish update at source " + NodeLabel(a));
-        std::lock_guard<std::mutex> l(agg_mu);
-        bytes += r->bytes_written();
-        params += r->params_written();
-        finished.emplace_back(a, *r);
-        finished_at[a] = absl::Now();
-        return absl::OkStatus();
-      },
-      UpdatePhase(rec.mode() == "staged" ? UpdateMode::kStaged : UpdateMode::kClassic, Phase::kFinish, sources,
-                  commit_timeout_s + PeerDeadlines::kFinishSlack));
-  {
-    auto* p = rec.add_phases();
-    p->set_phase("push");
-    p->set_seconds(absl::ToDoubleSeconds(absl::Now() - push_start));
-    p->set_start_seconds(absl::ToDoubleSeconds(push_start - start));
-  }
-  AddSourcePushes(&rec, finished, finished_at, source_ids, push_start);
-  rec.set_bytes(bytes);
-  rec.set_params(params);
-  // Every source has finished (or failed and drained): no write of this update is legitimate any more. A failed
-  // commit does not wait on targets that are unreachable (lost their lease, or missed their last heartbeat): their
-  // window closes when they come back (the next update's windows), and nothing writes meanwhile.
-  std::set<std::string> unreachable;
-  if (!st.ok()) {
-    MutexLock l(&mu_);
-    unreachable = run_.commit_lost;
-    const absl::Time now = absl::Now();
-    for (const auto& [id, n] : nodes_)
-      if (now - LastHeartbeat(id) > absl::Seconds(1.5 * opts_.heartbeat_seconds)) unreachable.insert(n.address());
-    if (!run_.commit_lost_why.empty() && !absl::StrContains(st.message(), run_.commit_lost_why))
-      st = absl::Status(st.code(), absl::StrCat(run_.commit_lost_why, "; ", st.message()));
-  }
-  for (const auto& a : unreachable) spdlog::warn("update {}: write window of {} not closed (unreachable)", v, a);
-  // The operator's abort cancelled the sources' FinishUpdate: their writes may still run; they are stopped.
-  if (AbortAsked()) return FailAndStopSources(rec, st, Phase::kFinish, engines, unreachable);
+  const bool staged = rec.mode() == "staged";
+  const UpdateMode mode = staged ? UpdateMode::kStaged : UpdateMode::kClassic;
   std::shared_ptr<const RelayWiring> relays;
   WSYNC_UNDER(mu_, relays = relay_wiring_);
-  const bool staged = rec.mode() == "staged";
-  Phase failed_at = Phase::kFinish;
-  if (st.ok() && relays && relays->relayed()) {
-    const absl::Time drain_start = absl::Now();
-    st = DrainRelays(*relays, v, commit_timeout_s);  // every relay checked and forwarded all (relay_wiring.h)
-    AddPhase(&rec, "relay_drain", drain_start);
-    if (!staged) failed_at = Phase::kRelayDrain;  // the classic table's row; staged has none (finish's serve on)
-  }
-  SetWindows(false, v, unreachable).IgnoreError();
-  // Weights may be partly written: the engines stay paused at their old version rather than resume silently. A
-  // staged update wrote only staging memory: the engines serve on, untouched (the phase table's rows).
-  if (!st.ok()) return FailAt(rec, st, failed_at, engines);
-  absl::Time t = absl::Now();
+  const bool relayed = !staged && relays && relays->relayed();  // staged updates are refused with relays (BeginUpdate)
+  // The rows of the commit half (finish … continue), walked in the mode's table order by the driver (update_run.h).
+  // The sources still take pushes and the targets' windows are open until the finish row ends.
+  RunContext ctx;
+  ctx.engines = engines;
+  ctx.sources_live = true;
+  ctx.windows_open = true;
+  UpdateDriver driver(
+      mode, [this] { return StopAsked(); },
+      [&](const UpdateDriver::Failure& f) { return EndRunAt(f, rec, ctx); });
+  driver.Bind(Phase::kFinish, [&](OnFailure) {
+    absl::Status st = ForAll(
+        sources,
+        [&](const std::string& a) {
+          v1::FinishUpdateRequest freq;
+          freq.set_version(v);
+          auto ep = source_epochs.find(a);
+          freq.set_plan_epoch(ep == source_epochs.end() ? -1 : ep->second);
+          freq.set_timeout_seconds(commit_timeout_s);
+          auto r = Remote(a, [&] { return peers_->FinishUpdate(a, freq); });
+          if (!r.ok()) return Annotate(r.status(), "finish update at source " + NodeLabel(a));
+          std::lock_guard<std::mutex> l(agg_mu);
+          bytes += r->bytes_written();
+          params += r->params_written();
+          finished.emplace_back(a, *r);
+          finished_at[a] = absl::Now();
+          return absl::OkStatus();
+        },
+        UpdatePhase(mode, Phase::kFinish, sources, commit_timeout_s + PeerDeadlines::kFinishSlack));
+    {
+      auto* p = rec.add_phases();
+      p->set_phase("push");
+      p->set_seconds(absl::ToDoubleSeconds(absl::Now() - push_start));
+      p->set_start_seconds(absl::ToDoubleSeconds(push_start - start));
+    }
+    AddSourcePushes(&rec, finished, finished_at, source_ids, push_start);
+    rec.set_bytes(bytes);
+    rec.set_params(params);
+    // Every source has finished (or failed and drained): no write of this update is legitimate any more. A failed
+    // commit does not wait on targets that are unreachable (lost their lease, or missed their last heartbeat): their
+    // window closes when they come back (the next update's windows), and nothing writes meanwhile.
+    if (!st.ok()) {
+      MutexLock l(&mu_);
+      ctx.window_skip = run_.commit_lost;
+      const absl::Time now = absl::Now();
+      for (const auto& [id, n] : nodes_)
+        if (now - LastHeartbeat(id) > absl::Seconds(1.5 * opts_.heartbeat_seconds)) ctx.window_skip.insert(n.address());
+      if (!run_.commit_lost_why.empty() && !absl::StrContains(st.message(), run_.commit_lost_why))
+        st = absl::Status(st.code(), absl::StrCat(run_.commit_lost_why, "; ", st.message()));
+    }
+    for (const auto& a : ctx.window_skip) spdlog::warn("update {}: write window of {} not closed (unreachable)", v, a);
+    // The operator's abort cancelled the sources' FinishUpdate: their writes may still run; the failure handler stops
+    // them. Otherwise every source is done; the windows close once the relays drained (when there are relay trees).
+    ctx.sources_live = AbortAsked();
+    if (st.ok() && !ctx.sources_live && !relayed) CloseWindows(v, &ctx);
+    return st;
+  });
+  if (relayed)
+    driver.Bind(Phase::kRelayDrain, [&](OnFailure) {
+      const absl::Time t = absl::Now();
+      absl::Status st = DrainRelays(*relays, v, commit_timeout_s);  // every relay checked and forwarded all
+      AddPhase(&rec, "relay_drain", t);
+      if (st.ok()) CloseWindows(v, &ctx);
+      return st;
+    });
   // Staged with deltas (every engine stages in place): the records land in the staging memory before it is verified,
   // and the targets record the version it holds. Staged without: nothing is recorded, the next update is dense (a
   // second copy holds an older version than the one written).
-  if (!staged || rec.delta_mode() == "auto" || rec.delta_mode() == "always") {
-    st = ApplyDeltas(v, finished, &rec);
-    AddPhase(&rec, "apply_delta", t);
-    if (!st.ok() || AbortAsked()) return FailAt(rec, st, Phase::kApplyDelta, engines);
-  }
-  if (staged) return CommitStaged(std::move(rec), engines, start);
-  t = absl::Now();
+  if (!staged || rec.delta_mode() == "auto" || rec.delta_mode() == "always")
+    driver.Bind(Phase::kApplyDelta, [&](OnFailure) {
+      const absl::Time t = absl::Now();
+      absl::Status st = ApplyDeltas(v, finished, &rec);
+      AddPhase(&rec, "apply_delta", t);
+      return st;
+    });
   const std::string version = std::to_string(v);
-  st = ForAll(
-      engines,
-      [&](const std::string& a) {
-        return Track(
-            a, std::nullopt, "post_process",
-            Annotate(Remote(a, [&] { return peers_->PostProcess(a, version); }), "post_process " + EngineLabel(a)));
-      },
-      UpdatePhase(UpdateMode::kClassic, Phase::kPostProcess, engines));
-  SaveEngineStates();
-  AddPhase(&rec, "post_process", t);
-  Phase failed_phase = Phase::kPostProcess;
-  if (st.ok() && !AbortAsked()) {
-    failed_phase = Phase::kSetVersion;
-    t = absl::Now();
-    st = ForAll(
+  driver.Bind(Phase::kPostProcess, [&](OnFailure) {
+    const absl::Time t = absl::Now();
+    absl::Status st = ForAll(
+        engines,
+        [&](const std::string& a) {
+          return Track(
+              a, std::nullopt, "post_process",
+              Annotate(Remote(a, [&] { return peers_->PostProcess(a, version); }), "post_process " + EngineLabel(a)));
+        },
+        UpdatePhase(mode, Phase::kPostProcess, engines));
+    SaveEngineStates();
+    AddPhase(&rec, "post_process", t);
+    return st;
+  });
+  driver.Bind(Phase::kSetVersion, [&](OnFailure) {
+    const absl::Time t = absl::Now();
+    absl::Status st = ForAll(
         engines,
         [&](const std::string& a) {
           absl::Status r = Track(a, std::nullopt, "set_version",
@@ -1224,18 +1264,17 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
           }
           return r;
         },
-        UpdatePhase(UpdateMode::kClassic, Phase::kSetVersion, engines));
+        UpdatePhase(mode, Phase::kSetVersion, engines));
     SaveEngineStates();
     AddPhase(&rec, "set_version", t);
-  }
-  // The commit point (docs/operations.md, "Past the commit point"): every engine holds v's weights and label, so
-  // the fleet's version is v from here, whatever a Continue answers. Decided under the lock AbortUpdate decides
-  // under, and saved before the first Continue so that a successor coordinator knows it too.
-  bool committed = false;
-  if (st.ok()) {
-    MutexLock l(&mu_);
-    if (!run_.abort_asked) {
-      committed = true;
+    if (!st.ok()) return st;
+    // The commit point (docs/operations.md, "Past the commit point"): every engine holds v's weights and label, so
+    // the fleet's version is v from here, whatever a Continue answers. Decided under the lock AbortUpdate decides
+    // under, and saved before the first Continue so that a successor coordinator knows it too.
+    {
+      MutexLock l(&mu_);
+      // The abort came before the continue phase: no engine was continued at v (this row fails).
+      if (run_.abort_asked) return absl::CancelledError("no engine was continued");
       run_.commit_point = true;
       rec.set_committed_unix_ms(absl::ToUnixMillis(absl::Now()));
       run_.record = rec;
@@ -1243,18 +1282,24 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
       engines_dirty_ = false;  // no engine holds a mix: all hold v
       Persist();
     }
-  }
-  // Durable before the first Continue, so that a successor knows the fleet is on v (waited for without the lock).
-  if (committed) Durable().IgnoreError();
-  if (!committed) {
-    // The abort came before the continue phase (or a phase failed): no engine was continued at v.
-    if (st.ok()) st = absl::CancelledError("no engine was continued");
-    return FailAt(rec, st, failed_phase, engines);
-  }
-  t = absl::Now();
+    // Durable before the first Continue, so that a successor knows the fleet is on v (waited for without the lock).
+    Durable().IgnoreError();
+    return absl::OkStatus();
+  });
   std::vector<std::string> not_resumed;  // addresses
-  st = ContinueEngines(engines, UpdatePhase(UpdateMode::kClassic, Phase::kContinue, engines), &not_resumed);
-  AddPhase(&rec, "continue", t);
+  absl::Status continued;                // the continue row's, when its row commits engines not resumed
+  driver.Bind(Phase::kContinue, [&](OnFailure policy) {
+    const absl::Time t = absl::Now();
+    absl::Status st = ContinueEngines(engines, UpdatePhase(mode, Phase::kContinue, engines), &not_resumed);
+    AddPhase(&rec, "continue", t);
+    if (policy != OnFailure::kCommittedNotResumed) return st;  // another meaning: the failure handler applies it
+    continued = st;  // per engine: those whose Continue failed stay paused at v, named not resumed
+    return absl::OkStatus();
+  });
+  if (absl::Status walked = driver.Walk(Phase::kFinish, staged ? Phase::kApplyDelta : Phase::kContinue);
+      !walked.ok())
+    return walked;
+  if (staged) return CommitStaged(std::move(rec), engines, start);
   rec.set_success(true);
   rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   MutexLock l(&mu_);
@@ -1270,7 +1315,7 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
   }
   v1::CommitUpdateReply out;
   *out.mutable_record() = rec;
-  const absl::Status result = st.ok() ? absl::OkStatus() : NotResumedError(v, engines.size(), st);
+  const absl::Status result = continued.ok() ? absl::OkStatus() : NotResumedError(v, engines.size(), continued);
   Finish(v, Outcome{result, out}, rec);
   if (!result.ok()) {
     spdlog::error("{}", result.ToString());
@@ -2728,7 +2773,9 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitStaged(v1::UpdateRecord
   absl::Time t = absl::Now();
   auto verified = StageVerify(v, engines, &left_out);
   AddPhase(&rec, "verify", t);
-  if (AbortAsked()) return FailAt(rec, absl::CancelledError("no engine was switched"), Phase::kVerify, engines);
+  if (AbortAsked())
+    return FailAt(rec, absl::CancelledError("no engine was switched"), PolicyFor(UpdateMode::kStaged, Phase::kVerify),
+                  engines);
   std::map<std::string, std::string> ids;  // control address → engine id
   {
     MutexLock l(&mu_);

@@ -49,8 +49,10 @@
 // point, else failed, and reports every engine of it as the engine answers EngineInfo (label, paused), not as the
 // store last saw it: the store cannot say which of the calls then in flight landed.
 //
-// Failure semantics are data: every failure site applies PolicyFor(mode, phase) (phase_table.h), and a node whose
-// lease lapsed before an update began is left out of it (lapsed_nodes_: not planned, paused or called).
+// Failure semantics are data: BeginUpdate and CommitUpdate bind one step per phase and an UpdateDriver
+// (update_run.h) walks the mode's phase table (phase_table.h) over them; a failed row's PolicyFor(mode, phase) is
+// applied in one place (EndRunAt). A node whose lease lapsed before an update began is left out of it
+// (lapsed_nodes_: not planned, paused or called).
 //
 // Fan-out: each phase calls its peers on at most CoordinatorOptions::fanout_parallel workers (fanout.h), with a
 // deadline for the whole phase (the phase's PeerDeadlines entry) and the update's Cancellation (an operator's abort).
@@ -74,8 +76,8 @@
 //
 // The update in progress is an UpdateRun (update_run.h), one per version, made by BeginUpdate: its record, its
 // BeginUpdate reply, its Cancellation, its calls in flight, the operator's abort, its commit point, the nodes lost
-// during its commit and its engine calls' ends. The coordinator keeps membership, plan, store and model, and runs the
-// phase rows on the run under mu_ (run_).
+// during its commit and its engine calls' ends. The coordinator keeps membership, plan, store and model; the run is
+// held under mu_ (run_), and its phase rows are walked by an UpdateDriver.
 //
 // Self-healing: sources report in every heartbeat the plan epoch and the digest (daemon/common/config_digest.h) of
 // the configuration they hold; one that does not hold what the coordinator planned for it is configured again at
@@ -381,10 +383,26 @@ class Coordinator {
   // `resumed`: the engines were continued at their old version (phase_table.h, kResumeOld): the record says so.
   absl::Status Fail(v1::UpdateRecord rec, const absl::Status& why, bool may_have_written, bool stopping = false,
                     bool resumed = false) ABSL_LOCKS_EXCLUDED(mu_);
-  // A failure of `phase` of the beginning update (before its sources started), applied as the phase table says
-  // (PolicyFor): kResumeOld continues every engine in `engines` at its version first (unless an earlier update left
-  // them holding partial writes), kServeOn and kKeepPaused only record it.
-  absl::Status FailAt(v1::UpdateRecord rec, const absl::Status& why, Phase phase,
+  // What a run of the update driver (update_run.h) knows that its failure handler needs: written by the steps.
+  struct RunContext {
+    std::vector<std::string> engines;   // the update's engines (control addresses)
+    bool windows_open = false;          // the targets' write windows of this update are open
+    bool sources_live = false;          // sources may take pushes or still write: a failure tells them to abort
+    std::set<std::string> window_skip;  // targets not waited on when the windows close (unreachable)
+  };
+  // The driver's failure handler, the one place a failed row's policy is applied (`f.policy`, looked up by the
+  // driver): with sources live, FailAndStopSources; otherwise the windows close (when open) and FailAt.
+  absl::Status EndRunAt(const UpdateDriver::Failure& f, const v1::UpdateRecord& rec, const RunContext& ctx)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Closes update `v`'s write windows (skipping ctx->window_skip) and records it in `ctx`. Without mu_.
+  void CloseWindows(int64_t v, RunContext* ctx) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether the run must end after the row that just passed: an operator's abort before the commit point. Takes mu_.
+  bool StopAsked() const ABSL_LOCKS_EXCLUDED(mu_);
+  // A failure of a row of the update before its sources started (or after they finished), applied as `policy` (the
+  // row's, PolicyFor) says: kResumeOld continues every engine in `engines` at its version first (unless an earlier
+  // update left them holding partial writes), kServeOn and kLeaveOutStale record it with the engines serving, the
+  // others with the engines paused.
+  absl::Status FailAt(v1::UpdateRecord rec, const absl::Status& why, OnFailure policy,
                       const std::vector<std::string>& engines) ABSL_LOCKS_EXCLUDED(mu_);
   // Continues the engines of `engines` that the update paused (recorded paused) at the version they hold, after a
   // failure before the first write (no abort cancels these calls: it is what the abort leaves behind; a call still
@@ -393,10 +411,10 @@ class Coordinator {
   // An update whose sources were started ends (an operator's abort, or a failure of `phase`): recorded at once (the
   // AbortUpdate waiting for it returns), then the sources are told to abort and the windows close (`skip`:
   // unreachable targets) while nothing new may begin — a stopped source would otherwise hold the abort for its
-  // call's deadline. When the phase's policy is kResumeIfClean, the sources are asked first (for kCleanAnswerWithin):
-  // when every one answers that it wrote nothing, the engines in `engines` are resumed at their version before the
-  // failure is recorded (saying so).
-  absl::Status FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, Phase phase,
+  // call's deadline. When `policy` (the row's) is kResumeIfClean, the sources are asked first (for
+  // kCleanAnswerWithin): when every one answers that it wrote nothing, the engines in `engines` are resumed at their
+  // version before the failure is recorded (saying so).
+  absl::Status FailAndStopSources(v1::UpdateRecord rec, const absl::Status& why, Phase phase, OnFailure policy,
                                   const std::vector<std::string>& engines, const std::set<std::string>& skip = {})
       ABSL_LOCKS_EXCLUDED(mu_);
   // Restoring an update the previous coordinator died during (UseStateStore): what each engine at `addrs` says of

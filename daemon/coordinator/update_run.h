@@ -9,17 +9,35 @@
 // it was left; a late call of that version leaving finds no count of its own here and changes nothing). The
 // coordinator holds it under its lock (Coordinator::run_, ABSL_GUARDED_BY(mu_)): the run has no lock of its own, and
 // every member is read and written with the coordinator's mu_ held — the compiler checks it through the guarded
-// member. The phase rows (phase_table.h) are still run by the coordinator's update functions, which read and write the
-// run (docs/operations.md, "Coordinator internals").
+// member.
+//
+// UpdateDriver: the phase rows (phase_table.h) run as data. The coordinator binds one step per phase (a Phase → step
+// map: the step makes the phase's calls, writes what it learned into the run's context, and returns a Status) and the
+// driver walks the mode's PhaseTable in its order over the rows an RPC owns (BeginUpdate: the first row up to start;
+// CommitUpdate: finish up to continue), running each bound row once. A row without a step is one this update does
+// not run (classic runs no verify; relay_drain only with relay trees; a staged update without deltas no apply_delta)
+// and is skipped. After each row the driver asks whether the run must stop (an operator's abort before the commit
+// point): the row then counts as failed with the step's Status.
+//
+// What a failure means is decided in exactly one place: the driver looks up PolicyFor(mode, row.phase) for the row
+// that failed and hands {phase, policy, why} to the one failure handler the coordinator gives it (which resumes the
+// old version, asks the sources whether they wrote, keeps the engines paused or lets them serve on: it switches on the
+// policy, never on the phase). Steps whose outcome is per engine (classic continue) get their row's policy from the
+// driver as their argument and apply it per engine; they never look it up themselves. Moving a
+// row in a table, or changing its policy (OverridePolicyForTesting), therefore changes what the run does with no other
+// edit, and the fault matrix (tests/daemon/coordinator_faults_test.cc) checks the engines against the rows.
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "daemon/coordinator/fanout.h"
+#include "daemon/coordinator/phase_table.h"
 #include "daemon/coordinator/timeline_svg.h"
 #include "wsync/v1/coordinator.pb.h"
 
@@ -67,6 +85,44 @@ class UpdateRun {
  private:
   int64_t version_ = -1;
   std::map<std::string, int> in_flight_;  // peer address → calls in flight
+};
+
+// Walks a mode's phase table (see the top of this file). Not thread-safe: one driver per walk, on the thread running
+// the update's RPC; steps may fan out to workers of their own.
+class UpdateDriver {
+ public:
+  // A phase's work. `policy` is the row's (PolicyFor), for steps whose failures are per engine; a non-OK result fails
+  // the row, and the driver applies `policy` through the failure handler.
+  using Step = std::function<absl::Status(OnFailure policy)>;
+  struct Failure {
+    Phase phase;
+    OnFailure policy;  // PolicyFor(mode, phase), looked up by the driver when the row failed
+    absl::Status why;  // the step's Status; OK when the row ended because the run must stop (an abort)
+  };
+  // `stop`: whether the run must end after a row that succeeded (an operator's abort before the commit point).
+  // `on_failure`: the one place a failed row's policy is applied; its result is the walk's.
+  UpdateDriver(UpdateMode mode, std::function<bool()> stop, std::function<absl::Status(const Failure&)> on_failure);
+
+  // Binds `phase`'s step; a phase the mode's table has no row for is refused (false, logged): a bug.
+  bool Bind(Phase phase, Step step);
+  // Runs the bound rows from `first` to `last` (inclusive, in the table's order); stops at the first row that fails
+  // (or after which `stop` answers true) and returns the failure handler's answer. OK when every row passed.
+  // Internal when `first` or `last` is not a row of the mode (a bug).
+  absl::Status Walk(Phase first, Phase last);
+  // Fails the run at row `phase` (the handler, with the row's policy): for a stop found after the walk, while the
+  // run is finalized (the last row owns it).
+  absl::Status FailAt(Phase phase, absl::Status why);
+
+  UpdateMode mode() const { return mode_; }
+  // The rows run so far, in the order they ran (each once).
+  const std::vector<Phase>& ran() const { return ran_; }
+
+ private:
+  UpdateMode mode_;
+  std::function<bool()> stop_;
+  std::function<absl::Status(const Failure&)> on_failure_;
+  std::map<Phase, Step> steps_;
+  std::vector<Phase> ran_;
 };
 
 }  // namespace wsync::daemon

@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,6 +34,7 @@
 #include "daemon/common/config_digest.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/state_store.h"
+#include "daemon/coordinator/update_run.h"
 #include "tests/daemon/fake_layouts.h"
 #include "tests/daemon/gated_store.h"
 
@@ -1741,6 +1743,16 @@ TEST_CASE("phase tables: a row broken on purpose is caught by the invariants") {
     INFO(absl::StrJoin(v, "\n"));
     CHECK(AnyStartsWith(v, "(a) serves weights its label does not say: e1"));
   }
+  SECTION("classic start keeps the engines paused although no source wrote a byte") {
+    Cluster k;
+    REQUIRE(k.Update(1).ok());
+    BrokenRow broken(UpdateMode::kClassic, Phase::kStart, OnFailure::kKeepPaused);
+    k.peers->Arm(Rpc::kStartUpdate, Fault::kUnavailable, "s1:1");
+    CHECK_FALSE(k.Begin(2).ok());
+    const std::vector<std::string> v = Violations(k, 2, 1, false);
+    INFO(absl::StrJoin(v, "\n"));
+    CHECK(AnyStartsWith(v, "(f) left paused although nothing of the update was written: e0"));
+  }
   SECTION("classic pause keeps the engines paused although nothing was written") {
     Cluster k;
     REQUIRE(k.Update(1).ok());
@@ -1751,6 +1763,131 @@ TEST_CASE("phase tables: a row broken on purpose is caught by the invariants") {
     INFO(absl::StrJoin(v, "\n"));
     CHECK(AnyStartsWith(v, "(f) left paused although nothing of the update was written: e0"));
   }
+}
+
+// The update driver (update_run.h) with fake steps: it walks the mode's table, not the order steps were bound in.
+TEST_CASE("update driver: rows run in the table's order, once each, over the rows the RPC owns") {
+  for (UpdateMode mode : {UpdateMode::kClassic, UpdateMode::kStaged}) {
+    const std::vector<PhaseRow>& table = PhaseTable(mode);
+    std::vector<Phase> ran;
+    UpdateDriver d(
+        mode, [] { return false; }, [](const UpdateDriver::Failure& f) { return f.why; });
+    for (auto r = table.rbegin(); r != table.rend(); ++r)  // bound backwards
+      if (r->phase != Phase::kPush)                        // a row with no step: skipped
+        CHECK(d.Bind(r->phase, [&ran, p = r->phase](OnFailure) {
+          ran.push_back(p);
+          return absl::OkStatus();
+        }));
+    CHECK(d.Walk(table.front().phase, Phase::kStart).ok());
+    CHECK(d.Walk(Phase::kFinish, table.back().phase).ok());
+    std::vector<Phase> want;
+    for (const PhaseRow& r : table)
+      if (r.phase != Phase::kPush) want.push_back(r.phase);
+    CHECK(ran == want);
+    CHECK(d.ran() == want);
+  }
+  UpdateDriver classic(
+      UpdateMode::kClassic, [] { return false; }, [](const UpdateDriver::Failure& f) { return f.why; });
+  CHECK_FALSE(classic.Bind(Phase::kVerify, [](OnFailure) { return absl::OkStatus(); }));  // no such classic row
+  CHECK(classic.Walk(Phase::kVerify, Phase::kContinue).code() == absl::StatusCode::kInternal);
+  CHECK(classic.Walk(Phase::kContinue, Phase::kPause).code() == absl::StatusCode::kInternal);
+}
+
+// Every row of every table, made to fail: the walk stops there, the handler gets that row's phase and policy (read
+// from the row when it failed: a row broken on purpose is what the handler applies), and the step got it too.
+TEST_CASE("update driver: a row that fails applies that row's policy, wherever it sits") {
+  for (UpdateMode mode : {UpdateMode::kClassic, UpdateMode::kStaged})
+    for (const PhaseRow& failing : PhaseTable(mode))
+      for (bool broken : {false, true}) {
+        INFO(PhaseName(failing.phase) << (mode == UpdateMode::kStaged ? " (staged)" : " (classic)")
+                                      << (broken ? ", row broken" : ""));
+        const OnFailure want = broken ? (failing.on_failure == OnFailure::kKeepPaused ? OnFailure::kResumeOld
+                                                                                      : OnFailure::kKeepPaused)
+                                      : failing.on_failure;
+        std::unique_ptr<BrokenRow> row;
+        if (broken) row = std::make_unique<BrokenRow>(mode, failing.phase, want);
+        std::vector<Phase> ran;
+        std::optional<OnFailure> step_got;
+        std::vector<UpdateDriver::Failure> handled;
+        UpdateDriver d(
+            mode, [] { return false; },
+            [&](const UpdateDriver::Failure& f) {
+              handled.push_back(f);
+              return absl::AbortedError("handled");
+            });
+        for (const PhaseRow& r : PhaseTable(mode))
+          d.Bind(r.phase, [&, p = r.phase](OnFailure policy) {
+            ran.push_back(p);
+            if (p != failing.phase) return absl::OkStatus();
+            step_got = policy;
+            return absl::UnavailableError("injected");
+          });
+        const absl::Status st = d.Walk(PhaseTable(mode).front().phase, PhaseTable(mode).back().phase);
+        CHECK(st.message() == "handled");
+        REQUIRE(handled.size() == 1);
+        CHECK(handled[0].phase == failing.phase);
+        CHECK(handled[0].policy == want);
+        CHECK(handled[0].why.message() == "injected");
+        CHECK(step_got == want);
+        REQUIRE_FALSE(ran.empty());
+        CHECK(ran.back() == failing.phase);  // no row after it ran
+      }
+}
+
+TEST_CASE("update driver: a stop asked during a row ends the run at that row, with the row's policy") {
+  bool stop = false;
+  std::vector<UpdateDriver::Failure> handled;
+  UpdateDriver d(
+      UpdateMode::kClassic, [&] { return stop; },
+      [&](const UpdateDriver::Failure& f) {
+        handled.push_back(f);
+        return absl::AbortedError("handled");
+      });
+  int after = 0;
+  d.Bind(Phase::kPause, [](OnFailure) { return absl::OkStatus(); });
+  d.Bind(Phase::kConfigure, [&](OnFailure) {
+    stop = true;  // the operator's abort arrives while the configure calls run; they answer OK
+    return absl::OkStatus();
+  });
+  d.Bind(Phase::kStart, [&](OnFailure) {
+    ++after;
+    return absl::OkStatus();
+  });
+  CHECK_FALSE(d.Walk(Phase::kPause, Phase::kStart).ok());
+  REQUIRE(handled.size() == 1);
+  CHECK(handled[0].phase == Phase::kConfigure);
+  CHECK(handled[0].policy == OnFailure::kResumeOld);
+  CHECK(handled[0].why.ok());
+  CHECK(after == 0);
+}
+
+// The real coordinator runs its updates through the driver: the phases its records time appear in the order of the
+// mode's table ("push" is timed by the finish row; "pause" of a staged update is the switch's pause row).
+TEST_CASE("update driver: the coordinator's records time the phases in the table's order") {
+  auto in_table_order = [](UpdateMode mode, const v1::UpdateRecord& rec) {
+    const std::vector<PhaseRow>& table = PhaseTable(mode);
+    size_t at = 0;
+    std::vector<std::string> names;
+    for (const auto& p : rec.phases()) {
+      names.push_back(p.phase());
+      while (at < table.size() && table[at].name != p.phase()) ++at;
+      if (at == table.size()) return absl::StrJoin(names, ", ") + " <- out of the table's order";
+      ++at;
+    }
+    return std::string();
+  };
+  Cluster k(Staging::kInPlace, Staging::kSecondCopy);
+  REQUIRE(k.Update(1).ok());
+  v1::UpdateRecord rec = k.LastRecord();
+  CHECK(in_table_order(UpdateMode::kClassic, rec) == "");
+  CHECK(rec.phases_size() >= 6);  // pause, configure, push, apply_delta, post_process, set_version, continue
+  REQUIRE(k.Update(2, "staged").ok());
+  rec = k.LastRecord();
+  CHECK(in_table_order(UpdateMode::kStaged, rec) == "");
+  CHECK(rec.phases_size() >= 7);  // push, verify, prepare, pause, switch, post_process, set_version, continue
+  // The check can fail: a record in another order is caught.
+  std::swap(*rec.mutable_phases(0), *rec.mutable_phases(rec.phases_size() - 1));
+  CHECK(in_table_order(UpdateMode::kStaged, rec) != "");
 }
 
 // docs/operations.md's failure table is the one generated from the phase tables (one fact, one place).
