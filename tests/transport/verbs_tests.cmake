@@ -37,4 +37,5 @@ set_tests_properties(transport_verbs_vm_test PROPERTIES
   LABELS rdma
   SKIP_RETURN_CODE 77
   TIMEOUT 240
+  COST 45  # its seconds in CI (tests/README.md, "Order")
   ENVIRONMENT "RXE_VM_TIMEOUT=200;RXE_VM_MEM=2048M")
