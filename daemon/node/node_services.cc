@@ -147,8 +147,10 @@ grpc::Status NodeDaemonService::GetNodeStatus(grpc::ServerContext* ctx, const v1
 grpc::Status NodeDaemonService::GetWriteChecksums(grpc::ServerContext* ctx, const v1::WriteChecksumsRequest* req,
                                                   v1::WriteChecksumsReply* out) {
   WSYNC_AUTHORIZE("GetWriteChecksums", {tls::kAdmin, tls::kTrainer, tls::kCoordinator});  // staged updates verify
-  WSYNC_NEED(Source);
-  return Reply(source_->WriteChecksums(req->version()), out);
+  // A source: what it wrote; a target: what its relays forwarded into their children (relay trees).
+  if (source_ != nullptr) return Reply(source_->WriteChecksums(req->version()), out);
+  WSYNC_NEED(Target);
+  return Reply(target_.load()->WriteChecksums(req->version()), out);
 }
 
 namespace {

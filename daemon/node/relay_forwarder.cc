@@ -148,6 +148,8 @@ absl::StatusOr<v1::SetRelayReply> RelayForwarder::Begin(const v1::SetRelayReques
     }
   MutexLock l(&mu_);
   version_ = req.version();
+  written_.try_emplace(version_);
+  while (written_.size() > kWritesKept) written_.erase(written_.begin());
   engine_id_ = req.engine_id();
   ranks_ = std::move(ranks);
   params_ = std::move(params);
@@ -250,6 +252,16 @@ absl::Status RelayForwarder::Landed(const v1::RelayLandedRequest& req) {
           return;
         }
         forwarded_ += bytes;
+        auto& recorded = written_[version].writes;
+        for (const v1::LandedRange& g : ranges) {
+          v1::WriteChecksum& w = recorded.emplace_back();
+          w.set_engine_id((*children_)[c].spec.engine_id());
+          w.set_rank(rank);
+          w.set_param(g.param());
+          w.set_offset(g.offset());
+          w.set_length(g.length());
+          w.set_xxh128(g.xxh128());
+        }
         Notice n;
         n.child = static_cast<int>(c);
         n.ranges = ranges;
@@ -336,11 +348,20 @@ absl::StatusOr<v1::RelayDrainReply> RelayForwarder::Drain(const v1::RelayDrainRe
         " not drained in time: ", missing.empty() ? std::string("landed, ") : absl::StrCat("landed ", missing, "; "),
         pending_, " forwards or notices to children pending"));
   }
+  written_[version_].finished = true;
   v1::RelayDrainReply out;
   for (uint64_t b : landed_) out.set_bytes_landed(out.bytes_landed() + b);
   out.set_bytes_forwarded(forwarded_);
   out.set_notices_sent(notices_sent_);
   return out;
+}
+
+absl::StatusOr<RelayForwarder::Written> RelayForwarder::WriteChecksums(int64_t version) const {
+  MutexLock l(&mu_);
+  auto it = written_.find(version);
+  if (it == written_.end())
+    return absl::NotFoundError(absl::StrCat("relay ", node_id_, " forwarded nothing of update ", version));
+  return it->second;
 }
 
 }  // namespace wsync::daemon

@@ -62,6 +62,16 @@ class RelayForwarder {
   // Waits until every byte of every rank has landed and been forwarded and the children told, the first failure, or
   // `req.timeout_seconds()`.
   absl::StatusOr<v1::RelayDrainReply> Drain(const v1::RelayDrainRequest& req);
+  // What this relay wrote into its children in update `version` (the newest kWritesKept updates): per child engine,
+  // rank, parameter and range, the XXH3-128 the range's writer sent and this relay found in its own engine before
+  // forwarding it — the relay's answer to GetWriteChecksums, as a source's is (`wsyncctl verify` compares the
+  // children's memory with it). `finished`: its Drain succeeded. NotFound when it relayed no such update.
+  struct Written {
+    bool finished = false;
+    std::vector<v1::WriteChecksum> writes;
+  };
+  absl::StatusOr<Written> WriteChecksums(int64_t version) const;
+  static constexpr size_t kWritesKept = 4;
 
  private:
   struct Child {
@@ -102,6 +112,7 @@ class RelayForwarder {
   uint32_t notices_sent_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   std::deque<std::pair<int64_t, Notice>> notices_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, Written> written_ ABSL_GUARDED_BY(mu_);  // the newest kWritesKept updates' (WriteChecksums)
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread notice_thread_;  // last: started once everything it touches exists
 };

@@ -1263,4 +1263,28 @@ absl::StatusOr<v1::RelayDrainReply> TargetNode::RelayDrain(const v1::RelayDrainR
   return (*f)->Drain(req);
 }
 
+absl::StatusOr<v1::WriteChecksumsReply> TargetNode::WriteChecksums(int64_t version) {
+  std::vector<std::shared_ptr<RelayForwarder>> relays;
+  {
+    std::lock_guard<std::mutex> l(relay_mu_);
+    for (const auto& [engine, f] : relays_) relays.push_back(f);
+  }
+  v1::WriteChecksumsReply out;
+  out.set_node_id(opts_.node_id);
+  out.set_version(version);
+  out.set_finished(true);
+  bool any = false;
+  for (const auto& f : relays) {
+    auto w = f->WriteChecksums(version);
+    if (!w.ok() || w->writes.empty()) continue;
+    any = true;
+    if (!w->finished) out.set_finished(false);
+    for (auto& c : w->writes) *out.add_writes() = std::move(c);
+  }
+  if (!any)
+    return absl::NotFoundError(
+        absl::StrCat("node ", opts_.node_id, " relayed nothing of update ", version, " (no relay tree wrote from it)"));
+  return out;
+}
+
 }  // namespace wsync::daemon

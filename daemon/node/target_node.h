@@ -179,6 +179,10 @@ class TargetNode {
   absl::StatusOr<v1::SetRelayReply> SetRelay(const v1::SetRelayRequest& req);
   absl::Status RelayLanded(const v1::RelayLandedRequest& req);
   absl::StatusOr<v1::RelayDrainReply> RelayDrain(const v1::RelayDrainRequest& req);
+  // What this node's relays wrote into their children in update `version` (RelayForwarder::WriteChecksums, every
+  // relaying engine of the node): GetWriteChecksums on a target daemon, for `wsyncctl verify`. `finished`: every
+  // relay that forwarded part of it drained. NotFound when none of them forwarded any of it.
+  absl::StatusOr<v1::WriteChecksumsReply> WriteChecksums(int64_t version);
 
  private:
   // An accepted attach connection. Shared between the loop thread and control calls that write to it.

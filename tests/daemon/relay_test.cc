@@ -5,6 +5,7 @@
 // instance's, not three. A connection made with the relay's handshake is refused (and counted) writing outside its
 // grant (another rank's region) and after the window closed. A relay killed mid-update fails the commit at its
 // phase (relay_drain), naming it, with every engine kept paused at its old label; restarted, the next update lands.
+// `wsyncctl verify` checks every relayed engine against what its relay recorded writing, as it does a direct one.
 
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -18,6 +19,7 @@
 #include "client/coordinator_client.h"
 #include "client/trainer_client.h"
 #include "daemon/coordinator/state_store.h"
+#include "nlohmann/json.hpp"
 #include "tests/daemon/cluster.h"
 #include "tests/daemon/helpers.h"
 #include "transport/transport.h"
@@ -118,6 +120,25 @@ void RunRelay(const std::string& degree) {
     // The trainer's egress: one instance's bytes, not one per engine.
     CHECK(rec->bytes() == instance);
     check_step(v);
+  }
+
+  // `wsyncctl verify` covers relayed engines as direct ones: every engine's memory hashed by the engine and compared
+  // with what its writer recorded (the source for the root, the parent relay for the others).
+  {
+    const std::string name = "verify-relay" + degree;
+    REQUIRE(cl.Run(name, {std::string(kBin) + "/wsyncctl", "--endpoints", cl.coordinator, "verify", "-o", "json"},
+                   std::chrono::seconds(60)) == 0);
+    const std::string log = cl.Log(name);
+    INFO(log);
+    const nlohmann::json j = nlohmann::json::parse(log.substr(log.find('{')));
+    CHECK(j["ok"] == true);
+    CHECK(j["version"] == 2);
+    CHECK(j["mismatched"] == 0);
+    CHECK(j["missing"] == 0);
+    // All three instances compared in full; the relays are the tree's inner nodes.
+    CHECK(j["bytes_compared"] == 3 * instance);
+    CHECK(j["relays"] == (degree == "1" ? nlohmann::json({"infer0", "infer1"}) : nlohmann::json({"infer0"})));
+    for (const auto& p : j["params"]) CHECK(p["result"] == "MATCH");
   }
 
   // A relay-style connection to the last engine's daemon (the ConnectTarget handshake a relay makes, for rank 0)

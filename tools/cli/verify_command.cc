@@ -25,7 +25,7 @@ constexpr int kMaxReplyBytes = 512 << 20;
 struct Range {
   uint64_t offset = 0, length = 0;
   std::string xxh128;  // as the source recorded it
-  std::string source;  // node id
+  std::string source;  // who wrote it: "source NODE" or "relay NODE"
 };
 
 void SetDeadline(grpc::ClientContext* ctx, absl::Duration d) {
@@ -70,26 +70,39 @@ absl::StatusOr<VerifyReport> VerifyAgainstSources(client::CoordinatorClient& coo
                                                         "\"): no update has completed yet; give --version"));
   }
 
-  // What the sources wrote: (engine, rank) → parameter → ranges.
+  // What the writers wrote: (engine, rank) → parameter → ranges. The writers are the sources and, with relay trees,
+  // the target daemons that forwarded into their children (docs/planner.md "The relay data path"): a relayed engine's
+  // bytes are checked against what its relay wrote, which the relay had checked against what its own writer sent.
   std::map<std::pair<std::string, int>, std::map<std::string, std::vector<Range>>> written;
   for (const auto& n : status->nodes()) {
-    if (n.role() != "source") continue;
-    WSYNC_ASSIGN_OR_RETURN(auto channel, Connect(n.address(), "source " + n.node_id(), opts.dial_timeout));
-    auto stub = v1::NodeDaemon::NewStub(channel);
+    const bool source = n.role() == "source";
+    const std::string who = absl::StrCat(source ? "source " : "relay ", n.node_id());
+    auto channel = Connect(n.address(), who, opts.dial_timeout);
+    if (!channel.ok()) {
+      if (source) return channel.status();
+      // A target that cannot be reached: its engines' checks say what is missing if it relayed into them.
+      rep.notes.push_back(absl::StrCat("target ", n.node_id(), " not asked what it relayed: ",
+                                       channel.status().message()));
+      continue;
+    }
+    auto stub = v1::NodeDaemon::NewStub(*channel);
     grpc::ClientContext ctx;
     SetDeadline(&ctx, opts.call_timeout);
     v1::WriteChecksumsRequest req;
     req.set_version(rep.version);
     v1::WriteChecksumsReply out;
     grpc::Status s = stub->GetWriteChecksums(&ctx, req, &out);
-    if (!s.ok()) return Named(s, absl::StrCat("asking source ", n.node_id(), " at ", n.address(), " what it wrote"));
-    rep.sources.push_back(n.node_id());
+    if (!source && (s.error_code() == grpc::StatusCode::NOT_FOUND ||
+                    s.error_code() == grpc::StatusCode::FAILED_PRECONDITION))
+      continue;  // relayed nothing of this update (or a daemon older than relay records)
+    if (!s.ok()) return Named(s, absl::StrCat("asking ", who, " at ", n.address(), " what it wrote"));
+    (source ? rep.sources : rep.relays).push_back(n.node_id());
     if (!out.finished())
-      rep.notes.push_back(absl::StrCat("source ", n.node_id(), ": update ", rep.version,
+      rep.notes.push_back(absl::StrCat(who, ": update ", rep.version,
                                        " did not finish there (open, failed or aborted); its checksums cover what "
                                        "it had written"));
     for (const auto& w : out.writes())
-      written[{w.engine_id(), w.rank()}][w.param()].push_back({w.offset(), w.length(), w.xxh128(), n.node_id()});
+      written[{w.engine_id(), w.rank()}][w.param()].push_back({w.offset(), w.length(), w.xxh128(), who});
   }
   if (rep.sources.empty()) return absl::FailedPreconditionError("the coordinator knows no source daemon");
 
@@ -157,8 +170,8 @@ absl::StatusOr<VerifyReport> VerifyAgainstSources(client::CoordinatorClient& coo
                 }
               } else if (h->second != g.xxh128) {
                 if (res.verdict != ParamVerdict::kMismatch)
-                  res.detail = absl::StrCat("bytes [", g.offset, ", +", g.length, ") differ from what source ",
-                                            g.source, " wrote (engine ", h->second, ", source ", g.xxh128, ")");
+                  res.detail = absl::StrCat("bytes [", g.offset, ", +", g.length, ") differ from what ", g.source,
+                                            " wrote (engine ", h->second, ", writer ", g.xxh128, ")");
                 res.verdict = ParamVerdict::kMismatch;
               } else {
                 rep.bytes_compared += g.length;
@@ -167,8 +180,8 @@ absl::StatusOr<VerifyReport> VerifyAgainstSources(client::CoordinatorClient& coo
           }
           if (res.verdict == ParamVerdict::kMatch && recorded != p.bytes()) {
             res.verdict = ParamVerdict::kMissing;
-            res.detail = recorded == 0 ? absl::StrCat("no source recorded writing it in update ", rep.version)
-                                       : absl::StrCat("sources recorded ", recorded, " of its ", p.bytes(),
+            res.detail = recorded == 0 ? absl::StrCat("no source or relay recorded writing it in update ", rep.version)
+                                       : absl::StrCat("sources and relays recorded ", recorded, " of its ", p.bytes(),
                                                       " bytes in update ", rep.version);
           }
           rep.params.push_back(std::move(res));
@@ -180,9 +193,7 @@ absl::StatusOr<VerifyReport> VerifyAgainstSources(client::CoordinatorClient& coo
           res.rank = r;
           res.param = param;
           res.verdict = ParamVerdict::kMissing;
-          res.detail = absl::StrCat("source ", ranges.front().source,
-                                    " wrote it; the engine's layout has no such "
-                                    "parameter");
+          res.detail = absl::StrCat(ranges.front().source, " wrote it; the engine's layout has no such parameter");
           rep.params.push_back(std::move(res));
         }
       }

@@ -1,8 +1,9 @@
 #pragma once
-// `wsyncctl verify` against the checksums the trainer side recorded: every source daemon reports, per engine rank and
-// parameter byte range, the XXH3-128 of the bytes it wrote in an update (NodeDaemon.GetWriteChecksums); every engine
-// hashes the same ranges of its own memory (EngineControl.GetChecksums with ranges). Works for any weights (nothing
-// is regenerated), unlike the reference engine's synthetic Verify.
+// `wsyncctl verify` against the checksums the writers recorded: every source daemon reports, per engine rank and
+// parameter byte range, the XXH3-128 of the bytes it wrote in an update (NodeDaemon.GetWriteChecksums), and so does
+// every target daemon that relayed into other engines (relay trees: what it forwarded, checked against its own
+// engine first); every engine hashes the same ranges of its own memory (EngineControl.GetChecksums with ranges).
+// Works for any weights (nothing is regenerated), unlike the reference engine's synthetic Verify.
 
 #include <cstdint>
 #include <string>
@@ -29,6 +30,7 @@ struct ParamResult {
 struct VerifyReport {
   int64_t version = -1;
   std::vector<std::string> sources;  // node ids whose checksums were used
+  std::vector<std::string> relays;   // target node ids whose relays' records were used (relay trees)
   std::vector<std::string> notes;    // e.g. "source X: update V did not finish there"
   std::vector<ParamResult> params;   // every (engine, rank, parameter), in engine/rank/layout order
   int64_t matched = 0, mismatched = 0, missing = 0;

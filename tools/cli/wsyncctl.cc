@@ -577,6 +577,7 @@ int main(int argc, char** argv) {
       j["version"] = r->version;
       j["ok"] = r->ok();
       j["sources"] = r->sources;
+      j["relays"] = r->relays;
       j["notes"] = r->notes;
       j["matched"] = r->matched;
       j["mismatched"] = r->mismatched;
@@ -597,10 +598,11 @@ int main(int argc, char** argv) {
                     p.detail.c_str());
       }
       std::printf("%s: update %lld, %lld parameters MATCH, %lld MISMATCH, %lld MISSING (%.1f MiB compared; "
-                  "checksums from %zu sources)\n",
+                  "checksums from %zu sources, %zu relays)\n",
                   r->ok() ? "verified" : "FAILED", static_cast<long long>(r->version),
                   static_cast<long long>(r->matched), static_cast<long long>(r->mismatched),
-                  static_cast<long long>(r->missing), r->bytes_compared / 1048576.0, r->sources.size());
+                  static_cast<long long>(r->missing), r->bytes_compared / 1048576.0, r->sources.size(),
+                  r->relays.size());
     }
     return r->ok() ? kExitOk : kExitServer;
   }
