@@ -29,4 +29,5 @@ target_compile_definitions(replica_sglang_oracle_test PRIVATE
   WSYNC_GOLDEN_ORACLE="${CMAKE_CURRENT_SOURCE_DIR}/sglang_oracle.py")
 add_test(NAME replica_sglang_oracle_test
   COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/sglang_venv.sh $<TARGET_FILE:replica_sglang_oracle_test>)
-set_tests_properties(replica_sglang_oracle_test PROPERTIES TIMEOUT 900 SKIP_RETURN_CODE 77 LABELS "sglang")
+# COST: its seconds in CI (tests/README.md, "Order").
+set_tests_properties(replica_sglang_oracle_test PROPERTIES TIMEOUT 900 SKIP_RETURN_CODE 77 LABELS "sglang" COST 46)
