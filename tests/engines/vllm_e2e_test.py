@@ -175,6 +175,10 @@ def run(args) -> None:
                     procs.kill(name, signal.SIGTERM)
                     cpus.put(cpu)
 
+            # A starts on a pool thread, so its parent-death signal (harness.tie_to_parent) follows that thread: the
+            # pool's threads live until the pool is shut down below, after the test. Every B starts before the test's
+            # first gRPC channel exists (in the old order a B started after it once died at once, its log holding only
+            # gRPC's "epoll_wait error: Bad file descriptor").
             def start_a() -> None:
                 procs.start("vllm-a", vllm_argv(venv_python, base, pa, True), vllm_env(cpus.get(), extra))
                 harness.wait_for("vllm-a healthy", lambda: http("GET", f"{a}/health", timeout=5) is None,
