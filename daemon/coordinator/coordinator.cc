@@ -601,7 +601,9 @@ void Coordinator::CloseWindows(int64_t v, RunContext* ctx) {
 
 bool Coordinator::StopAsked() const {
   MutexLock l(&mu_);
-  return run_.abort_asked && !run_.commit_point;
+  // Past the commit point the update commits; past a staged update's verify an abort acts per engine (its calls are
+  // refused: that engine is left out), never on the run.
+  return run_.abort_asked && !run_.commit_point && !switch_started_;
 }
 
 absl::Status Coordinator::FailAt(v1::UpdateRecord rec, const absl::Status& why, OnFailure policy,
@@ -1296,10 +1298,12 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
     continued = st;  // per engine: those whose Continue failed stay paused at v, named not resumed
     return absl::OkStatus();
   });
-  if (absl::Status walked = driver.Walk(Phase::kFinish, staged ? Phase::kApplyDelta : Phase::kContinue);
-      !walked.ok())
-    return walked;
-  if (staged) return CommitStaged(std::move(rec), engines, start);
+  // Staged: the rows from verify to continue are bound by CommitStaged, which walks them after these.
+  if (staged) {
+    if (absl::Status walked = driver.Walk(Phase::kFinish, Phase::kApplyDelta); !walked.ok()) return walked;
+    return CommitStaged(driver, rec, engines, start);
+  }
+  if (absl::Status walked = driver.Walk(Phase::kFinish, Phase::kContinue); !walked.ok()) return walked;
   rec.set_success(true);
   rec.set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   MutexLock l(&mu_);
@@ -2625,41 +2629,43 @@ std::map<std::string, std::vector<std::string>> Coordinator::StageVerify(int64_t
   return verified;  // every engine's outcome is in `verified` or `left_out`
 }
 
-Coordinator::SwitchResult Coordinator::SwitchEngines(int64_t v,
-                                                     const std::map<std::string, std::vector<std::string>>& verified,
-                                                     std::map<std::string, std::string>* left_out,
-                                                     v1::UpdateRecord* rec) {
-  SwitchResult out;
-  std::vector<std::string> all;
-  for (const auto& [a, d] : verified) all.push_back(a);
-  std::vector<std::string> prepared, paused, switched, processed, labelled;
+absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitStaged(UpdateDriver& driver, v1::UpdateRecord& rec,
+                                                                const std::vector<std::string>& engines,
+                                                                absl::Time start) {
+  const int64_t v = rec.version();
   const std::string version = std::to_string(v);
-  // What a failure of one engine's call at `phase` means is the phase table's row (phase_table.h): left out (its old
-  // version continued, stale), held paused past its switch, or on v and not resumed.
-  auto failed_at = [&](Phase phase, const std::string& a, const absl::Status& why) {
-    switch (PolicyFor(UpdateMode::kStaged, phase)) {
+  std::map<std::string, std::string> left_out;               // before their switch: continued at the old version
+  std::map<std::string, std::vector<std::string>> verified;  // control address → its ranks' staging digests
+  std::map<std::string, std::string> ids;                    // control address → engine id
+  SwitchResult sw;
+  std::vector<std::string> prepared, paused, switched, processed, labelled;
+  // An engine failing its call at a row is handled as that row's policy says, handed to the step by the driver: left
+  // out (its old version continued, stale), held paused past its switch, or on v and not resumed.
+  auto failed_at = [&](OnFailure policy, const std::string& a, const std::string& why) {
+    switch (policy) {
       case OnFailure::kHoldPaused:
-        out.held[a] = why.ToString();
+        sw.held[a] = why;
         break;
       case OnFailure::kCommittedNotResumed:
-        out.not_resumed[a] = why.ToString();
+        sw.not_resumed[a] = why;
         break;
       default:
-        (*left_out)[a] = why.ToString();
+        left_out[a] = why;
         break;
     }
   };
-  // Calls `call` on every engine of `engines` at once; those it answers OK go to `passed`, the others to failed_at.
-  // Each with the phase's row (its deadline; an abort cuts it short only before the switch), a call still running at
-  // the deadline failing as the row says.
-  auto each = [&](Phase phase, const std::vector<std::string>& engines, std::vector<std::string>* passed, auto call) {
+  // Calls `call` on every engine of `in` at once; those it answers OK go to `passed`, the others to failed_at. Each
+  // with the phase's row (its deadline; an abort cuts it short only before the switch), a call still running at the
+  // deadline failing as the row says.
+  auto each = [&](Phase phase, OnFailure policy, const std::vector<std::string>& in, std::vector<std::string>* passed,
+                  auto call) {
     const std::vector<absl::Status> st = RunFanout(
-        engines.size(), [&](size_t i) { return call(engines[i]); }, UpdatePhase(UpdateMode::kStaged, phase, engines));
-    for (size_t i = 0; i < engines.size(); ++i)
+        in.size(), [&](size_t i) { return call(in[i]); }, UpdatePhase(UpdateMode::kStaged, phase, in));
+    for (size_t i = 0; i < in.size(); ++i)
       if (st[i].ok())
-        passed->push_back(engines[i]);
+        passed->push_back(in[i]);
       else
-        failed_at(phase, engines[i], st[i]);
+        failed_at(policy, in[i], st[i].ToString());
   };
   auto switch_request = [&](const std::string& a) {
     v1::SwitchRequest req;
@@ -2673,120 +2679,134 @@ Coordinator::SwitchResult Coordinator::SwitchEngines(int64_t v,
   auto resume_left_out = [&] {
     std::vector<std::string> resume;
     for (const auto& a : paused)
-      if (left_out->count(a) && continued_old.insert(a).second) resume.push_back(a);
+      if (left_out.count(a) && continued_old.insert(a).second) resume.push_back(a);
     ForAll(resume, [&](const std::string& a) {
       return Track(a, EngineState::kServing, "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
     }).IgnoreError();
   };
-  // The re-hash of the staging memory runs here, while the engines serve, not in the paused window: every source's
-  // write window closed before the verify, so no peer can write it any more; the prepare catches a change made on the
-  // engine's host since the verify (the engine left out, never paused) and arms the switch below.
-  absl::Time t = absl::Now();
-  each(Phase::kPrepareSwitch, all, &prepared, [&](const std::string& a) {
-    absl::Status st = Annotate(Remote(a, [&] { return peers_->PrepareSwitch(a, switch_request(a)); }),
-                               "switch " + EngineLabel(a) + " (prepare)");
-    if (st.code() == absl::StatusCode::kUnimplemented) {
-      // An engine from before PrepareSwitch: its Switch re-hashes inside the paused window, as it always did.
-      spdlog::info("update {}: {} has no PrepareSwitch; its switch re-hashes while paused", v, EngineLabel(a));
-      return absl::OkStatus();
-    }
-    return st;
-  });
-  AddPhase(rec, "prepare", t);
-  // Recorded paused before they are, so that no store write lies inside the paused window: a coordinator that stops
-  // from here on restarts with the switch begun (switch_started), engines held paused until an update succeeds.
-  {
-    MutexLock l(&mu_);
-    for (const auto& a : prepared) engine_state_[a] = EngineView{EngineState::kPaused, ""};
-    Persist();
-  }
-  t = absl::Now();
-  // The update's pause mode (BeginUpdate), as a classic update pauses with it: in_place keeps running requests and
-  // their KV (a record of an older coordinator has none: retract).
-  const std::string pause_mode = rec->pause_mode().empty() ? "retract" : rec->pause_mode();
-  each(Phase::kSwitchPause, prepared, &paused, [&](const std::string& a) {
-    return Track(a, EngineState::kPaused, "pause",
-                 Annotate(Remote(a, [&] { return peers_->Pause(a, pause_mode); }), "pause " + EngineLabel(a)));
-  });
-  AddPhase(rec, "pause", t);
-  // The barrier: no engine switches before every engine was verified and paused.
-  t = absl::Now();
-  each(Phase::kSwitch, paused, &switched, [&](const std::string& a) {
-    return Annotate(Remote(a, [&] { return peers_->Switch(a, switch_request(a)); }), "switch " + EngineLabel(a));
-  });
-  AddPhase(rec, "switch", t);
-  resume_left_out();
-  if (switched.empty()) {
-    SaveEngineStates();
-    return out;
-  }  // else saved after the switched engines continue, outside their paused window
-  // Past its switch an engine serves v's weights: each phase from here runs on the engines that passed the one
-  // before, and an engine failing one is handled as its row says (never labelled or continued as what it is not).
-  t = absl::Now();
-  each(Phase::kPostProcess, switched, &processed, [&](const std::string& a) {
-    return Track(
-        a, std::nullopt, "post_process",
-        Annotate(Remote(a, [&] { return peers_->PostProcess(a, version); }), "post_process " + EngineLabel(a)));
-  });
-  AddPhase(rec, "post_process", t);
-  t = absl::Now();
-  each(Phase::kSetVersion, processed, &labelled, [&](const std::string& a) {
-    absl::Status r = Track(
-        a, std::nullopt, "set_version",
-        Annotate(Remote(a, [&] { return peers_->SetWeightVersion(a, version); }), "set_version " + EngineLabel(a)));
-    if (r.ok()) {
-      MutexLock l(&mu_);
-      engine_version_[a] = version;
-      NoteChange();  // the label is in Status as soon as the engine holds it
-    }
-    return r;
-  });
-  AddPhase(rec, "set_version", t);
-  // The staged commit point: an engine holds v's weights and label, so the update commits (CommitStaged) whatever a
-  // Continue answers. Saved with the labels before the first Continue, as the classic one, so that a successor
-  // knows it too (waited for without the lock).
-  if (!labelled.empty()) {
-    {
-      MutexLock l(&mu_);
-      rec->set_committed_unix_ms(absl::ToUnixMillis(absl::Now()));
-      run_.record = *rec;
-      Persist();
-    }
-    Durable().IgnoreError();
-  }
-  t = absl::Now();
-  each(Phase::kContinue, labelled, &out.serving, [&](const std::string& a) {
-    return Track(a, EngineState::kServing, "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
-  });
-  resume_left_out();
-  SaveEngineStates();
-  AddPhase(rec, "continue", t);
-  std::sort(out.serving.begin(), out.serving.end());
-  return out;
-}
-
-absl::StatusOr<v1::CommitUpdateReply> Coordinator::CommitStaged(v1::UpdateRecord rec,
-                                                                const std::vector<std::string>& engines,
-                                                                absl::Time start) {
-  const int64_t v = rec.version();
-  std::map<std::string, std::string> left_out;
-  absl::Time t = absl::Now();
-  auto verified = StageVerify(v, engines, &left_out);
-  AddPhase(&rec, "verify", t);
-  if (AbortAsked())
-    return FailAt(rec, absl::CancelledError("no engine was switched"), PolicyFor(UpdateMode::kStaged, Phase::kVerify),
-                  engines);
-  std::map<std::string, std::string> ids;  // control address → engine id
-  {
+  // The rows from verify to continue. An abort before the verify ended fails the run at the verify row (engines
+  // serve on); from then on (switch_started_) it acts per engine: its calls are refused and the engine is left out.
+  driver.Bind(Phase::kVerify, [&](OnFailure policy) {
+    const absl::Time t = absl::Now();
+    std::map<std::string, std::string> not_verified;
+    verified = StageVerify(v, engines, &not_verified);
+    for (const auto& [a, why] : not_verified) failed_at(policy, a, why);
+    AddPhase(&rec, "verify", t);
+    if (AbortAsked()) return absl::CancelledError("no engine was switched");
     MutexLock l(&mu_);
     for (const auto& [id, n] : nodes_)
       for (const auto& e : n.engines()) ids[e.control_address()] = e.engine_id();
-    for (const auto& [a, d] : verified) engine_staged_[a] = std::to_string(v);
+    for (const auto& [a, d] : verified) engine_staged_[a] = version;
     switch_started_ = !verified.empty();
     Persist();
-  }
-  SwitchResult sw;
-  if (!verified.empty()) sw = SwitchEngines(v, verified, &left_out, &rec);
+    return absl::OkStatus();
+  });
+  // The re-hash of the staging memory runs here, while the engines serve, not in the paused window: every source's
+  // write window closed before the verify, so no peer can write it any more; the prepare catches a change made on the
+  // engine's host since the verify (the engine left out, never paused) and arms the switch below.
+  driver.Bind(Phase::kPrepareSwitch, [&](OnFailure policy) {
+    if (verified.empty()) return absl::OkStatus();
+    std::vector<std::string> all;
+    for (const auto& [a, d] : verified) all.push_back(a);
+    const absl::Time t = absl::Now();
+    each(Phase::kPrepareSwitch, policy, all, &prepared, [&](const std::string& a) {
+      absl::Status st = Annotate(Remote(a, [&] { return peers_->PrepareSwitch(a, switch_request(a)); }),
+                                 "switch " + EngineLabel(a) + " (prepare)");
+      if (st.code() == absl::StatusCode::kUnimplemented) {
+        // An engine from before PrepareSwitch: its Switch re-hashes inside the paused window, as it always did.
+        spdlog::info("update {}: {} has no PrepareSwitch; its switch re-hashes while paused", v, EngineLabel(a));
+        return absl::OkStatus();
+      }
+      return st;
+    });
+    AddPhase(&rec, "prepare", t);
+    // Recorded paused before they are, so that no store write lies inside the paused window: a coordinator that stops
+    // from here on restarts with the switch begun (switch_started), engines held paused until an update succeeds.
+    MutexLock l(&mu_);
+    for (const auto& a : prepared) engine_state_[a] = EngineView{EngineState::kPaused, ""};
+    Persist();
+    return absl::OkStatus();
+  });
+  driver.Bind(Phase::kSwitchPause, [&](OnFailure policy) {
+    if (verified.empty()) return absl::OkStatus();
+    const absl::Time t = absl::Now();
+    // The update's pause mode (BeginUpdate), as a classic update pauses with it: in_place keeps running requests and
+    // their KV (a record of an older coordinator has none: retract).
+    const std::string pause_mode = rec.pause_mode().empty() ? "retract" : rec.pause_mode();
+    each(Phase::kSwitchPause, policy, prepared, &paused, [&](const std::string& a) {
+      return Track(a, EngineState::kPaused, "pause",
+                   Annotate(Remote(a, [&] { return peers_->Pause(a, pause_mode); }), "pause " + EngineLabel(a)));
+    });
+    AddPhase(&rec, "pause", t);
+    return absl::OkStatus();
+  });
+  // The barrier: no engine switches before every engine was verified and paused.
+  driver.Bind(Phase::kSwitch, [&](OnFailure policy) {
+    if (verified.empty()) return absl::OkStatus();
+    const absl::Time t = absl::Now();
+    each(Phase::kSwitch, policy, paused, &switched, [&](const std::string& a) {
+      return Annotate(Remote(a, [&] { return peers_->Switch(a, switch_request(a)); }), "switch " + EngineLabel(a));
+    });
+    AddPhase(&rec, "switch", t);
+    resume_left_out();
+    if (switched.empty()) SaveEngineStates();  // else saved after the switched engines continue, outside their pause
+    return absl::OkStatus();
+  });
+  // Past its switch an engine serves v's weights: each row from here runs on the engines that passed the one before,
+  // and an engine failing one is handled as its row says (never labelled or continued as what it is not).
+  driver.Bind(Phase::kPostProcess, [&](OnFailure policy) {
+    if (switched.empty()) return absl::OkStatus();
+    const absl::Time t = absl::Now();
+    each(Phase::kPostProcess, policy, switched, &processed, [&](const std::string& a) {
+      return Track(
+          a, std::nullopt, "post_process",
+          Annotate(Remote(a, [&] { return peers_->PostProcess(a, version); }), "post_process " + EngineLabel(a)));
+    });
+    AddPhase(&rec, "post_process", t);
+    return absl::OkStatus();
+  });
+  driver.Bind(Phase::kSetVersion, [&](OnFailure policy) {
+    if (switched.empty()) return absl::OkStatus();
+    const absl::Time t = absl::Now();
+    each(Phase::kSetVersion, policy, processed, &labelled, [&](const std::string& a) {
+      absl::Status r = Track(
+          a, std::nullopt, "set_version",
+          Annotate(Remote(a, [&] { return peers_->SetWeightVersion(a, version); }), "set_version " + EngineLabel(a)));
+      if (r.ok()) {
+        MutexLock l(&mu_);
+        engine_version_[a] = version;
+        NoteChange();  // the label is in Status as soon as the engine holds it
+      }
+      return r;
+    });
+    AddPhase(&rec, "set_version", t);
+    // The staged commit point: an engine holds v's weights and label, so the update commits whatever a Continue
+    // answers. Saved with the labels before the first Continue, as the classic one, so that a successor knows it too
+    // (waited for without the lock).
+    if (!labelled.empty()) {
+      {
+        MutexLock l(&mu_);
+        rec.set_committed_unix_ms(absl::ToUnixMillis(absl::Now()));
+        run_.record = rec;
+        Persist();
+      }
+      Durable().IgnoreError();
+    }
+    return absl::OkStatus();
+  });
+  driver.Bind(Phase::kContinue, [&](OnFailure policy) {
+    if (switched.empty()) return absl::OkStatus();
+    const absl::Time t = absl::Now();
+    each(Phase::kContinue, policy, labelled, &sw.serving, [&](const std::string& a) {
+      return Track(a, EngineState::kServing, "continue", Annotate(peers_->Continue(a), "continue " + EngineLabel(a)));
+    });
+    resume_left_out();
+    SaveEngineStates();
+    AddPhase(&rec, "continue", t);
+    std::sort(sw.serving.begin(), sw.serving.end());
+    return absl::OkStatus();
+  });
+  if (absl::Status walked = driver.Walk(Phase::kVerify, Phase::kContinue); !walked.ok()) return walked;
   std::vector<std::string> stale, held;
   const bool on_v = !sw.serving.empty() || !sw.not_resumed.empty();  // engines holding v's weights and label
   {

@@ -37,7 +37,7 @@
 //
 // Staged mode (BeginUpdateRequest.mode "staged", docs/operations.md "Staged updates"): BeginUpdate pauses nothing and
 // points the plan at each engine's staging copy; CommitUpdate, once the sources finished, runs StageVerify (every
-// rank's staging copy against the sources' write checksums), then SwitchEngines: pause every verified engine, Switch
+// rank's staging copy against the sources' write checksums), then the switch rows: pause every verified engine, Switch
 // each (the engine re-checks the verified digest), post-process, set the version, continue. Engines that fail to
 // verify, pause or switch are left out, continued at their old version and marked stale; the update succeeds when at
 // least one engine switched. Before its switch a staged update never writes live weights: its failure leaves the
@@ -498,24 +498,24 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Digests every registered engine not in engine_digests_ (EngineInputDigest, replan.h). Requires mu_.
   void RefreshEngineDigests() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The commit of a staged update once its sources finished: StageVerify, then SwitchEngines, then the record.
-  absl::StatusOr<v1::CommitUpdateReply> CommitStaged(v1::UpdateRecord rec, const std::vector<std::string>& engines,
-                                                     absl::Time start);
+  // The commit of a staged update once its sources finished: binds the staged rows from verify to continue on
+  // `driver` (StageVerify, then the fleet barrier: pause every verified engine, switch each, then post-process, set
+  // the version and continue those that switched, each row on the engines that passed the one before), walks them,
+  // then records the outcome. An engine failing a call is handled as its row's policy says (the driver hands it to
+  // the step): before its switch it is left out (continued at its old version, stale); past it, it is held paused
+  // (post-process, set version) or on v not resumed (continue). `rec`: the record the driver's failure handler reads.
+  absl::StatusOr<v1::CommitUpdateReply> CommitStaged(UpdateDriver& driver, v1::UpdateRecord& rec,
+                                                     const std::vector<std::string>& engines, absl::Time start);
   // Checks every rank of every engine in `engines`: its staging copy against the checksums the sources recorded for
   // update `v`. Returns per verified engine its ranks' staging digests (for Switch); `left_out` gets the others, why.
   std::map<std::string, std::vector<std::string>> StageVerify(int64_t v, const std::vector<std::string>& engines,
                                                               std::map<std::string, std::string>* left_out);
-  // The fleet barrier: pauses every engine in `verified`, switches each, then post-processes, sets the version and
-  // continues those that switched, each phase on the engines that passed the one before. An engine failing a call is
-  // handled as the staged phase table says: before its switch it moves to `left_out` (continued at its old
-  // version); past it, it is held paused (post-process, set version) or on v not resumed (continue).
+  // The per-engine outcomes of a staged update's switch rows.
   struct SwitchResult {
     std::vector<std::string> serving;                // on v, continued
     std::map<std::string, std::string> not_resumed;  // on v (weights and label), Continue failed: paused (→ why)
     std::map<std::string, std::string> held;         // switched, a later phase failed: held paused (address → why)
   };
-  SwitchResult SwitchEngines(int64_t v, const std::map<std::string, std::vector<std::string>>& verified,
-                             std::map<std::string, std::string>* left_out, v1::UpdateRecord* rec);
   // The fan-out of one phase of the beginning or committing update (fanout.h), as `mode`'s phase table declares it:
   // its name, its deadline for the whole phase (`deadline_s` only where the row leaves it to the caller: the
   // commit's timeout), cancelled by an operator's abort (run_.cancel) up to the switch (an engine past its switch

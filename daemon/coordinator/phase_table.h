@@ -3,9 +3,10 @@
 //
 // Every update mode is a table of phases in the order they run; each row names the phase's peers, its deadline and
 // the policy the coordinator applies when a call of that phase fails, times out, hangs past its deadline, loses its
-// peer or is cancelled by an operator's abort. The coordinator never decides what a failure means inline: at each
-// failure site it asks PolicyFor(mode, phase) and applies the answer (coordinator.cc, ApplyFailure and
-// SwitchEngines), so a new mode or phase is a new row here, and the fault matrix (tests/daemon/
+// peer or is cancelled by an operator's abort. The coordinator never decides what a failure means inline: the update
+// driver (update_run.h) walks these rows and hands a failed row's PolicyFor(mode, phase) to one failure handler
+// (coordinator.cc, EndRunAt), or to the row's step where the outcome is per engine (the staged switch rows, continue),
+// so a new mode or phase is a new row here, and the fault matrix (tests/daemon/
 // coordinator_faults_test.cc) enumerates these rows and checks what every engine was really told against them.
 //
 // The invariants every row keeps:

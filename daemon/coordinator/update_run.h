@@ -22,8 +22,8 @@
 // What a failure means is decided in exactly one place: the driver looks up PolicyFor(mode, row.phase) for the row
 // that failed and hands {phase, policy, why} to the one failure handler the coordinator gives it (which resumes the
 // old version, asks the sources whether they wrote, keeps the engines paused or lets them serve on: it switches on the
-// policy, never on the phase). Steps whose outcome is per engine (classic continue) get their row's policy from the
-// driver as their argument and apply it per engine; they never look it up themselves. Moving a
+// policy, never on the phase). Steps whose outcome is per engine (classic continue, the staged rows from verify on)
+// get their row's policy from the driver as their argument and apply it per engine; they never look it up. Moving a
 // row in a table, or changing its policy (OverridePolicyForTesting), therefore changes what the run does with no other
 // edit, and the fault matrix (tests/daemon/coordinator_faults_test.cc) checks the engines against the rows.
 
