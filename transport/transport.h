@@ -300,9 +300,12 @@ struct TransportOptions {
   int tcp_streams = 4;                   // tcp: max parallel connections an endpoint uses for one large batch
   // tcp: a connection that makes no progress for this long fails its batch (a stalled or vanished peer).
   absl::Duration io_timeout = absl::Seconds(30);
-  // tcp, sending side: a connection whose sent bytes stay unacknowledged by the peer's kernel this long (a pulled
-  // link, a peer host gone) fails its batch (TCP_USER_TIMEOUT, plus keepalive probes while it waits for an ack).
-  // A peer that is alive but slow (a zero receive window it keeps answering probes for) is not cut off by it.
+  // tcp, sending side: a connection whose peer acknowledges nothing this long while something of ours awaits its
+  // answer (unacknowledged bytes, two zero-window or keepalive probes in a row) fails its batch, Unavailable (a
+  // pulled link, a peer host gone, packets dropped). Judged by the transport from TCP_INFO while a send or the wait
+  // for the batch's ack makes no progress (tcp_socket.h, PeerWatch), not by TCP_USER_TIMEOUT, which Linux also
+  // applies to a peer that keeps answering zero-window probes. A peer that is alive but not reading (a zero receive
+  // window it answers probes for: a stopped or slow process) is waited for, up to io_timeout.
   absl::Duration send_progress_timeout = absl::Seconds(5);
   // tcp listener limits: a connection must send its hello within hello_timeout (until then it holds no thread, only
   // a slot in the accept loop's poll set); at most max_conns_per_peer connections (pending or served) per peer

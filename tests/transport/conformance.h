@@ -6,6 +6,10 @@
 //
 // A backend that cannot run on this machine should std::exit(77) from MakeTransportUnderTest; CTest reports
 // the executable as skipped (SKIP_RETURN_CODE 77).
+//
+// A transport that gives up on a peer which acknowledges nothing (tcp: TransportOptions::send_progress_timeout) gets
+// a progress timeout of 1 s here: the stopped-peer case keeps its peer stopped 2.5 s (a live peer, to be waited for)
+// and the [.dead_link] case requires a gone one reported within 6 s.
 
 #include <memory>
 

@@ -20,6 +20,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <memory>
@@ -517,9 +518,13 @@ constexpr uint64_t kHeldLen = 64 << 20;
 constexpr uint64_t kHeldPiece = 32 << 10;  // 2048 writes a batch
 constexpr uint64_t kHeldSeed = 63;
 // How long a Post to the stopped peer may take to return: it does not wait on that peer at all, so this only has to
-// end before tcp and fabric give up on a peer that takes no bytes (5 s: a blocked Post would then return with its
-// connection failed, which the case would see only later and under another name).
+// end before fabric gives up on a peer that takes no bytes (its peer timeout, 5 s: a blocked Post would then return
+// with its connection failed, which the case would see only later and under another name).
 constexpr std::chrono::seconds kPostBound{3};
+// How long the peer stays stopped with the batches outstanding: longer than the progress timeout the factories give a
+// transport that judges its peer (tcp: send_progress_timeout 1 s, conformance.h), so that a transport which takes a
+// peer answering its probes with a zero window for a gone one fails the batches before the peer resumes.
+constexpr std::chrono::milliseconds kStoppedFor{2500};
 
 }  // namespace
 
@@ -557,7 +562,12 @@ TEST_CASE("(peer process) the receiver the stopped-peer case stops", "[.held_pee
 // not return while the peer is stopped (tcp, fabric and the fault decorator each failed so when made to). On verbs the
 // NIC answers for a stopped process (soft-RoCE: the kernel), so there the stop holds nothing: the case still requires
 // that Post returns and that one Wait(batch, 0), which hands on one send queue's worth, leaves 2048 writes unfinished.
-TEST_CASE("post never blocks: batches to a live peer whose process is stopped are accepted, unfinished",
+// The peer stays stopped kStoppedFor (2.5 s) in all, longer than the progress timeout a tcp transport is given here
+// (1 s): a live peer that only stopped reading is waited for (transport.h, send_progress_timeout), so each batch is
+// still unfinished, not failed, just before the peer resumes. Fails when tcp takes such a peer for a gone one (with
+// TCP_USER_TIMEOUT set to the progress timeout, Linux aborts the connection once zero-window probing lasted that long,
+// answered or not: the batches failed with "the peer acknowledged no byte within the send progress timeout").
+TEST_CASE("post never blocks: batches to a live peer whose process is stopped are accepted, unfinished, and land",
           "[transport][post]") {
   // Declared before the peer: on a failure the peer is killed first, so no endpoint is torn down towards a stopped one.
   std::unique_ptr<Transport> sender;
@@ -585,6 +595,7 @@ TEST_CASE("post never blocks: batches to a live peer whose process is stopped ar
     writes.push_back({src.region.get(), off, remote->get(), off, kHeldPiece});
 
   peer.Stop();
+  const auto stopped_at = std::chrono::steady_clock::now();
   std::vector<BatchId> ids;
   for (int i = 0; i < 3; ++i) {
     // Posted from a thread of its own, so that a Post that blocks is reported rather than hung on.
@@ -614,10 +625,103 @@ TEST_CASE("post never blocks: batches to a live peer whose process is stopped ar
     REQUIRE(early.code() == absl::StatusCode::kDeadlineExceeded);
     ids.push_back(*id);
   }
+  // The stop itself is what is tested: its length, not an event, is the condition.
+  // Still outstanding (DeadlineExceeded, and found again by the Wait after the resume: a batch that failed with that
+  // code is gone by then, NotFound).
+  std::this_thread::sleep_until(stopped_at + kStoppedFor);
+  std::vector<std::string> held(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const absl::Status st = ep->Wait(ids[i], absl::ZeroDuration());
+    held[i] = st.ToString();
+    INFO("batch " << i << " after the peer was stopped " << kStoppedFor.count() << " ms: " << held[i]);
+    REQUIRE(st.code() == absl::StatusCode::kDeadlineExceeded);
+  }
   peer.Resume();
-  for (BatchId id : ids) RequireOk(ep->Wait(id, kTimeout));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    INFO("batch " << i << "; after the peer was stopped " << kStoppedFor.count() << " ms it was: " << held[i]);
+    RequireOk(ep->Wait(ids[i], kTimeout));
+  }
   peer.Send("check");
   CHECK(peer.Next("mismatch") == "-1");
+}
+
+// A peer that is gone without a word (its namespace's link down: nothing it sends or acknowledges arrives any more) is
+// reported within a bounded time, whether the batch was being sent or the peer had stopped reading first (a zero
+// window, then silence): the batch fails, not with DeadlineExceeded, naming the peer, within kGoneBound of the link
+// going down. Runs only in a network namespace of its own (private_netns.sh sets WSYNC_TEST_PRIVATE_NETNS), where it
+// takes the loopback link down with `ip link set lo down`; the peer is the stopped-peer case's, in a process of its
+// own. Fails when tcp waits for such a peer as for a live one (no TCP_USER_TIMEOUT and no judgement of its own: the
+// batch fails only at the i/o timeout, 15 s, or the kernel's retries, minutes).
+namespace {
+
+constexpr absl::Duration kGoneBound = absl::Seconds(6);
+
+void SetLoopback(bool up) {
+  const std::string cmd = absl::StrCat("ip link set lo ", up ? "up" : "down");
+  INFO(cmd);
+  REQUIRE(std::system(cmd.c_str()) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("a peer whose link went down fails the batch in bounded time, sending or after a zero window",
+          "[.dead_link]") {
+  INFO("run through tests/transport/private_netns.sh: this case takes the namespace's loopback link down");
+  REQUIRE(std::getenv("WSYNC_TEST_PRIVATE_NETNS") != nullptr);
+  std::unique_ptr<Transport> sender;
+  Buffer src;
+  absl::StatusOr<std::unique_ptr<RemoteRegion>> remote;
+  wsync::transport::testing::PeerProcess peer("conformance_peer", "[.held_peer]");
+  const std::string info = FromHex(peer.Next("info"));
+  const std::string region = FromHex(peer.Next("region"));
+  REQUIRE_FALSE(info.empty());
+  sender = MakeViable();
+  src = RegisterPattern(*sender, kHeldLen, kHeldSeed);
+  remote = sender->ImportRegion(region);
+  RequireOk(remote.status());
+  std::vector<WriteRequest> writes;
+  for (uint64_t off = 0; off < kHeldLen; off += kHeldPiece)
+    writes.push_back({src.region.get(), off, remote->get(), off, kHeldPiece});
+  auto connected = [&] {
+    auto made = sender->CreateEndpoint();
+    RequireOk(made.status());
+    RequireOk((*made)->Connect(info, kTimeout));
+    WriteRequest first{src.region.get(), 0, remote->get(), 0, kHeldPiece};
+    RequireOk((*made)->Write({&first, 1}, kTimeout));  // the peer was reached
+    return *std::move(made);
+  };
+  // The link goes down, then `post` (if given) posts the batch; the batch must fail within kGoneBound.
+  auto fails_in_time = [&](Endpoint& ep, absl::StatusOr<BatchId> id, const char* what) {
+    const absl::Time down = absl::Now();
+    SetLoopback(false);
+    if (!id.ok()) id = ep.Post(writes);
+    RequireOk(id.status());
+    const absl::Status st = ep.Wait(*id, absl::Seconds(60));
+    const absl::Duration took = absl::Now() - down;
+    SetLoopback(true);
+    INFO(what << ": " << st.ToString() << " after " << absl::FormatDuration(took));
+    CHECK_FALSE(st.ok());
+    CHECK(st.code() != absl::StatusCode::kDeadlineExceeded);
+    CHECK(absl::StrContains(st.message(), ep.PeerName()));
+    CHECK(took < kGoneBound);
+  };
+  peer.Send(ToHex(sender->CreateEndpoint().value()->LocalInfo()));  // the peer's Connect: not used to send here
+  {
+    // The link goes down between two batches to a peer that reads (taken down during one, it could lose the race
+    // with the batch's last bytes on loopback): the next batch is posted into silence.
+    std::unique_ptr<Endpoint> ep = connected();
+    fails_in_time(*ep, absl::UnavailableError("not posted yet"), "sending");
+  }
+  {
+    // The peer stopped reading (a zero window it answers probes for), then its link went down.
+    std::unique_ptr<Endpoint> ep = connected();
+    peer.Stop();
+    auto id = ep->Post(writes);
+    RequireOk(id.status());
+    REQUIRE(ep->Wait(*id, absl::ZeroDuration()).code() == absl::StatusCode::kDeadlineExceeded);
+    fails_in_time(*ep, *id, "stopped, then gone");
+    peer.Kill();
+  }
 }
 
 // Completion delivery (transport.h): a batch far larger than the send queues completes through Wait(batch, 0) calls

@@ -143,11 +143,7 @@ class TcpEndpoint final : public Endpoint {
         return;
       }
     }
-    // A stream thread blocked in send or recv on the socket returns at once; queued jobs fail with broken_.
-    for (auto& st : streams_) {
-      std::lock_guard<std::mutex> lock(st->mu);
-      if (st->fd.valid()) st->fd.ShutdownBoth();
-    }
+    ShutdownStreams();
     done_.notify_all();
     Notify();
   }
@@ -250,11 +246,14 @@ class TcpEndpoint final : public Endpoint {
     if (it == batches_.end()) {
       return absl::NotFoundError(absl::StrCat("unknown batch ", batch, " (never posted, or already waited for)"));
     }
-    if (!WaitFor(done_, lock, timeout, [&] { return it->second.pending == 0 || !cancelled_.ok(); })) {
+    // A batch that failed on one connection is answered at once: the others' sockets were shut down (Complete), and
+    // a connection still opening sends nothing once the endpoint is broken.
+    if (!WaitFor(done_, lock, timeout,
+                 [&] { return it->second.pending == 0 || !cancelled_.ok() || !it->second.status.ok(); })) {
       return absl::DeadlineExceededError(absl::StrCat("batch ", batch, " to tcp peer ", PeerName(),
                                                       " not complete after ", absl::FormatDuration(timeout)));
     }
-    absl::Status s = it->second.pending == 0 ? it->second.status : cancelled_;
+    absl::Status s = it->second.status;
     if (s.ok() && !cancelled_.ok()) s = cancelled_;
     batches_.erase(it);  // a stream still finishing a cancelled batch finds it gone (Complete ignores it)
     return s;
@@ -342,8 +341,9 @@ class TcpEndpoint final : public Endpoint {
         std::lock_guard<std::mutex> lock(mu_);
         status = broken_;
       }
-      if (status.ok()) status = SendJob(s.fd.get(), job, headers, iov);
-      if (status.ok()) status = ReadAck(s.fd.get(), job);
+      const PeerWatch watch{progress_timeout_, io_timeout_};
+      if (status.ok()) status = SendJob(s.fd.get(), job, watch, headers, iov);
+      if (status.ok()) status = ReadAck(s.fd.get(), job, watch);
       if (!status.ok()) {
         std::lock_guard<std::mutex> lock(mu_);
         if (!cancelled_.ok()) status = cancelled_;  // the socket error a Cancel caused says less than its reason
@@ -358,14 +358,14 @@ class TcpEndpoint final : public Endpoint {
   }
 
   // Frames go out straight from the source memory: header and payload iovecs, many frames per sendmsg.
-  static absl::Status SendJob(int fd, const Job& job, std::vector<FrameHeader>& headers,
+  static absl::Status SendJob(int fd, const Job& job, const PeerWatch& watch, std::vector<FrameHeader>& headers,
                               std::vector<iovec>& iov) {
     headers.resize(kFramesPerSend + 1);
     iov.clear();
     size_t h = 0;
     uint64_t frames = 0;
     auto flush = [&]() -> absl::Status {
-      absl::Status s = SendAll(fd, iov.data(), static_cast<int>(iov.size()));
+      absl::Status s = SendAllWatched(fd, iov.data(), static_cast<int>(iov.size()), watch);
       iov.clear();
       h = 0;
       return s;
@@ -386,14 +386,14 @@ class TcpEndpoint final : public Endpoint {
     return flush();
   }
 
-  static absl::Status ReadAck(int fd, const Job& job) {
+  static absl::Status ReadAck(int fd, const Job& job, const PeerWatch& watch) {
     Ack ack;
-    WSYNC_RETURN_IF_ERROR_CTX(RecvAll(fd, &ack, sizeof(ack)), "waiting for the ack");
+    WSYNC_RETURN_IF_ERROR_CTX(RecvAllWatched(fd, &ack, sizeof(ack), watch), "waiting for the ack");
     if (ack.magic != kFrameMagic || ack.type != kBatchAck) {
       return absl::DataLossError(absl::StrFormat("malformed ack (magic %#x type %d)", ack.magic, ack.type));
     }
     std::string msg(std::min(ack.message_len, kMaxAckMessage), '\0');
-    WSYNC_RETURN_IF_ERROR_CTX(RecvAll(fd, msg.data(), msg.size()), "reading the ack");
+    WSYNC_RETURN_IF_ERROR_CTX(RecvAllWatched(fd, msg.data(), msg.size(), watch), "reading the ack");
     if (ack.code != 0) {
       return absl::Status(static_cast<absl::StatusCode>(ack.code), absl::StrCat("receiver rejected: ", msg));
     }
@@ -405,16 +405,31 @@ class TcpEndpoint final : public Endpoint {
     return absl::OkStatus();
   }
 
+  // A stream thread blocked in send or recv on its socket returns at once; queued jobs fail with broken_ (set first).
+  void ShutdownStreams() {
+    for (auto& st : streams_) {
+      std::lock_guard<std::mutex> lock(st->mu);
+      if (st->fd.valid()) st->fd.ShutdownBoth();
+    }
+  }
+
   void Complete(BatchId batch, const absl::Status& status) {
+    bool first_error = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!status.ok() && broken_.ok()) broken_ = status;
+      if (!status.ok() && broken_.ok()) {
+        broken_ = status;
+        first_error = true;
+      }
       auto it = batches_.find(batch);
       if (it != batches_.end()) {
         if (!status.ok() && it->second.status.ok()) it->second.status = status;
         --it->second.pending;
       }
     }
+    // The endpoint is dead (the contract: re-create it): the other connections stop now rather than at their own
+    // timeouts, so that no batch waits on a connection of a broken endpoint.
+    if (first_error) ShutdownStreams();
     done_.notify_all();
     Notify();
   }

@@ -54,10 +54,33 @@ absl::StatusOr<Fd> ConnectTo(const std::string& host, int port, absl::Duration t
 // (a blocked call returns EAGAIN after that long without progress).
 void TuneSocket(int fd, absl::Duration io_timeout);
 
-// Sending side: a connection whose sent bytes stay unacknowledged for `timeout` fails with ETIMEDOUT
-// (TCP_USER_TIMEOUT), and while nothing is in flight, keepalive probes every second after timeout/2 of silence
-// detect a vanished peer within about the same time. A zero timeout leaves the kernel's defaults (minutes).
+// Sending side: keepalive probes every second after timeout/2 of silence (at least 1 s), so that a connection with
+// nothing in flight still has something the peer must answer. No TCP_USER_TIMEOUT: on Linux it also aborts a
+// connection whose peer keeps answering zero-window probes (alive, not reading) once probing lasted that long, which
+// send_progress_timeout must not do; SendAllWatched / RecvAllWatched judge the peer themselves (PeerWatch). A zero
+// timeout sets nothing (the kernel's defaults).
 void SetSendProgressTimeout(int fd, absl::Duration timeout);
+
+// How a sending connection judges its peer while a send or a receive on it makes no progress
+// (TransportOptions::send_progress_timeout and io_timeout):
+//   * the peer stopped acknowledging: something of ours awaits its answer (unacknowledged bytes, or an unanswered
+//     zero-window or keepalive probe: TCP_INFO's tcpi_unacked, tcpi_probes) and no acknowledgement arrived for
+//     `progress_timeout` (tcpi_last_ack_recv), on two looks a poll slice apart with no acknowledgement between them
+//     (a probe's answer in flight at the first look is not taken for silence): Unavailable, "the peer acknowledged no
+//     byte within the send progress timeout". A peer that answers probes with a zero window (its process stopped or
+//     not reading) is alive: it is waited for.
+//   * nothing moved at all (no byte sent or received, none of ours acknowledged) for `io_timeout`: DeadlineExceeded,
+//     "no progress within the i/o timeout" (a stalled peer, alive or not).
+// Zero disables either judgement.
+struct PeerWatch {
+  absl::Duration progress_timeout = absl::ZeroDuration();
+  absl::Duration io_timeout = absl::ZeroDuration();
+};
+
+// SendAll / RecvAll for a sending connection's blocking socket, judged by `watch` (they poll in slices of at most
+// 250 ms while the socket makes no progress). A socket error or a shutdown (ShutdownBoth) ends them at once.
+absl::Status SendAllWatched(int fd, struct iovec* iov, int iovcnt, const PeerWatch& watch);
+absl::Status RecvAllWatched(int fd, void* buf, size_t n, const PeerWatch& watch);
 
 // Sends every byte described by iov[0..iovcnt) (the array is modified as it is consumed).
 absl::Status SendAll(int fd, struct iovec* iov, int iovcnt);

@@ -12,9 +12,11 @@
 // sending endpoint sends a batch's frames with sendmsg() straight from the source region, split over up to
 // TransportOptions::tcp_streams connections when the batch is large.
 //
-// Liveness: a sending connection whose bytes stay unacknowledged for TransportOptions::send_progress_timeout (a
-// pulled link, a peer host gone) fails its batch with DeadlineExceeded; Endpoint::Cancel shuts the endpoint's
-// sockets down, so a batch blocked on a dead peer fails at once with the canceller's reason.
+// Liveness: a sending connection whose peer acknowledges nothing for TransportOptions::send_progress_timeout while
+// bytes or probes await its answer (a pulled link, a peer host gone) fails its batch with Unavailable; a peer that
+// answers with a zero window (alive, not reading) is waited for up to io_timeout. The first failed connection shuts
+// the endpoint's others down, so the batch fails at once rather than at their own timeouts. Endpoint::Cancel shuts
+// the endpoint's sockets down, so a batch blocked on a dead peer fails at once with the canceller's reason.
 
 #include <memory>
 
