@@ -2,6 +2,8 @@
 // Post sends nothing, that the endpoint stays broken until re-created, that counting is per transport, and that a
 // per-peer delay holds only that peer's Posts.
 
+#include <poll.h>
+
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <condition_variable>
@@ -22,6 +24,7 @@
 
 namespace {
 
+using wsync::transport::BatchId;
 using wsync::transport::Endpoint;
 using wsync::transport::FaultSpec;
 using wsync::transport::LocalRegion;
@@ -276,13 +279,58 @@ TEST_CASE("batch numbers are counted per wrapped transport, across its endpoints
   CHECK_FALSE(oep->Write(other.One(0, 64), kTimeout).ok());
 }
 
-TEST_CASE("delay_ms slows every Post and changes nothing else", "[transport][fault]") {
-  Pair p(Spec("delay_ms=50"));
+// delay_ms models a slow link without blocking the caller (transport.h: Post never waits): Post returns at once, the
+// batches land one per delay after their Posts, found by Wait(batch, 0) calls made when CompletionFd polls readable;
+// a Cancel drops the batches still held, and none of their bytes lands later. Fails when Post sleeps the delay (the
+// three Posts take 3 x 300 ms), when a due batch does not signal the fd (the poll times out) or is not handed on by
+// Wait, when the batches overlap instead of following one another, or when a cancelled held batch is still sent.
+TEST_CASE("delay_ms: Post returns at once, batches land one per delay through Wait and the fd; Cancel drops the held",
+          "[transport][fault]") {
+  const absl::Duration kDelay = absl::Milliseconds(300);
+  Pair p(Spec("delay_ms=300"));
   auto ep = p.Connect();
+  const int fd = ep->CompletionFd();
+  REQUIRE(fd >= 0);
   const absl::Time t0 = absl::Now();
-  for (int i = 0; i < 3; ++i) REQUIRE(ep->Write(p.One(i * 100, 100), kTimeout).ok());
-  CHECK(absl::Now() - t0 >= absl::Milliseconds(150));
-  CHECK(p.Landed(0, 300));
+  std::vector<BatchId> ids;
+  for (int i = 0; i < 3; ++i) {
+    auto id = ep->Post(p.One(i * 100, 100));
+    REQUIRE(id.ok());
+    ids.push_back(*id);
+  }
+  const absl::Duration posting = absl::Now() - t0;
+  INFO("three Posts took " << absl::FormatDuration(posting));
+  CHECK(posting < kDelay / 2);
+  CHECK(ep->Wait(ids[0], absl::ZeroDuration()).code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(p.Untouched(0, kLen));
+  std::vector<absl::Duration> landed;
+  while (landed.size() < ids.size()) {
+    pollfd pf{fd, POLLIN, 0};
+    INFO("waiting for batch " << landed.size());
+    REQUIRE(poll(&pf, 1, static_cast<int>(absl::ToInt64Milliseconds(kTimeout))) == 1);
+    const absl::Status st = ep->Wait(ids[landed.size()], absl::ZeroDuration());
+    if (absl::IsDeadlineExceeded(st)) continue;
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+    landed.push_back(absl::Now() - t0);
+    CHECK(p.Landed(0, 100 * landed.size()));
+  }
+  for (size_t i = 0; i < landed.size(); ++i) {
+    INFO("batch " << i << " landed after " << absl::FormatDuration(landed[i]));
+    CHECK(landed[i] >= kDelay * static_cast<double>(i + 1));
+  }
+  CHECK(p.Untouched(300, kLen - 300));
+
+  auto held = ep->Post(p.One(400, 100));
+  REQUIRE(held.ok());
+  const absl::Time cancelled_at = absl::Now();
+  ep->Cancel(absl::CancelledError("test: the update was aborted"));
+  const absl::Status st = ep->Wait(*held, kTimeout);
+  INFO(st.ToString());
+  CHECK(absl::StrContains(st.message(), "test: the update was aborted"));
+  CHECK(absl::Now() - cancelled_at < kDelay);
+  // Nothing of it lands when its time comes: an absence, so checked once that time has passed.
+  std::this_thread::sleep_for(absl::ToChronoNanoseconds(kDelay * 2));
   CHECK(p.Untouched(300, kLen - 300));
 }
 

@@ -1,9 +1,18 @@
 #include "transport/fault/fault_transport.h"
 
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <deque>
 #include <map>
+#include <mutex>
 #include <set>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -15,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "spdlog/spdlog.h"
+#include "transport/tcp/tcp_socket.h"
 
 namespace wsync::transport {
 namespace {
@@ -26,34 +36,55 @@ struct FaultState {
   std::atomic<uint64_t> posted{0};  // batches numbered so far, across all endpoints
 };
 
+// Used by one owner thread at a time (Post, Wait), like every endpoint; Cancel and CompletionFd from any thread.
+// With a delay in the spec, every batch gets an id of this endpoint's own: a held batch has no inner id until it is
+// handed on, which the owner's Post or Wait does once its time has come (Post never sleeps: transport.h).
 class FaultEndpoint : public Endpoint {
  public:
   FaultEndpoint(std::unique_ptr<Endpoint> inner, std::shared_ptr<FaultState> state)
-      : inner_(std::move(inner)), state_(std::move(state)) {}
+      : inner_(std::move(inner)), state_(std::move(state)), delaying_(state_->spec.delay > absl::ZeroDuration()) {
+    if (!delaying_) return;
+    // CompletionFd: an epoll set readable when the inner endpoint's fd is, when the first held batch is due
+    // (timerfd) or after Cancel (eventfd). Without an inner fd (a provider the owner polls), none: the owner's
+    // Wait(batch, slice) calls hand on what is due.
+    timer_ = tcp::Fd(timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC));
+    cancel_fd_ = tcp::Fd(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    if (inner_->CompletionFd() < 0) return;
+    epoll_ = tcp::Fd(epoll_create1(EPOLL_CLOEXEC));
+    for (int fd : {inner_->CompletionFd(), timer_.get(), cancel_fd_.get()}) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = fd;
+      if (epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev) != 0)
+        spdlog::warn("fault transport: epoll_ctl({}) failed: {}", fd, tcp::ErrnoText(errno));
+    }
+  }
 
   std::string LocalInfo() const override { return inner_->LocalInfo(); }
   absl::Status Connect(const std::string& peer_info, absl::Duration timeout) override {
     return inner_->Connect(peer_info, timeout);
   }
   std::string PeerName() const override { return inner_->PeerName(); }
-  void Cancel(const absl::Status& why) override { inner_->Cancel(why); }
+  void Cancel(const absl::Status& why) override {
+    inner_->Cancel(why);
+    if (!delaying_) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cancelled_.ok()) cancelled_ = why.ok() ? absl::CancelledError("cancelled") : why;
+    }
+    const uint64_t one = 1;
+    ssize_t r = write(cancel_fd_.get(), &one, sizeof(one));
+    (void)r;  // only EAGAIN (already readable) can fail it
+  }
   bool Reusable(const std::string& peer_info) const override { return inner_->Reusable(peer_info); }
-  int CompletionFd() const override { return inner_->CompletionFd(); }
+  int CompletionFd() const override { return delaying_ ? epoll_.get() : inner_->CompletionFd(); }
 
   absl::StatusOr<BatchId> Post(absl::Span<const WriteRequest> writes) override {
     if (!broken_.ok()) return Broken();
+    if (absl::Status c = Cancelled(); !c.ok()) return c;
     // Invalid requests keep their own error and do not consume a batch number, so specs stay predictable.
     for (const WriteRequest& w : writes)
       if (absl::Status st = ValidateWrite(w); !st.ok()) return st;
-    if (const FaultSpec& spec = state_->spec; spec.delay > absl::ZeroDuration()) {
-      const std::string peer = PeerName();
-      if (spec.delay_peer.empty() || absl::StrContains(peer, spec.delay_peer)) {
-        // Logged when the hold starts, so that a test can act while a batch is on its way (an event, not a guess).
-        spdlog::info("injected fault: holding a batch of {} writes to {} for {} ms", writes.size(), peer,
-                     absl::ToInt64Milliseconds(spec.delay));
-        std::this_thread::sleep_for(absl::ToChronoNanoseconds(spec.delay));
-      }
-    }
     const uint64_t n = state_->posted.fetch_add(1) + 1;
     if (n == state_->spec.fail_post) {
       broken_ = absl::UnavailableError(
@@ -61,14 +92,118 @@ class FaultEndpoint : public Endpoint {
       spdlog::warn("{}", std::string(broken_.message()));
       return broken_;
     }
-    absl::StatusOr<BatchId> id = inner_->Post(writes);
-    if (id.ok() && n == state_->spec.fail_wait) doomed_[*id] = n;
+    BatchId id;
+    const FaultSpec& spec = state_->spec;
+    const std::string peer = delaying_ ? PeerName() : std::string();
+    if (delaying_ && (spec.delay_peer.empty() || absl::StrContains(peer, spec.delay_peer))) {
+      // A link that carries one batch per `delay`: each is handed on `delay` after the previous one was, or after
+      // its Post. Logged when the hold starts, so that a test can act while a batch is on its way (an event).
+      const absl::Time now = absl::Now();
+      last_due_ = std::max(now, last_due_) + spec.delay;
+      id = next_id_++;
+      held_.push_back(Held{id, last_due_, std::vector<WriteRequest>(writes.begin(), writes.end())});
+      spdlog::info("injected fault: holding a batch of {} writes to {} for {} ms", writes.size(), peer,
+                   absl::ToInt64Milliseconds(last_due_ - now));
+      ArmTimer();
+    } else {
+      absl::StatusOr<BatchId> inner_id = inner_->Post(writes);
+      if (!inner_id.ok()) return inner_id.status();
+      id = *inner_id;
+      if (delaying_) {
+        id = next_id_++;
+        inner_ids_[id] = *inner_id;
+      }
+    }
+    if (n == spec.fail_wait) doomed_[id] = n;
     return id;
   }
 
   absl::Status Wait(BatchId batch, absl::Duration timeout) override {
     if (!broken_.ok()) return Broken();
-    absl::Status st = inner_->Wait(batch, timeout);
+    if (!delaying_) return Doom(batch, inner_->Wait(batch, timeout));
+    const absl::Time deadline = absl::Now() + std::max(timeout, absl::ZeroDuration());
+    uint64_t drained;
+    for (int fd : {timer_.get(), cancel_fd_.get()})
+      while (read(fd, &drained, sizeof(drained)) == static_cast<ssize_t>(sizeof(drained))) {
+      }
+    for (;;) {
+      const absl::Status cancelled = Cancelled();
+      if (!cancelled.ok()) held_.clear();  // never handed on
+      HandOnDue();
+      if (auto f = failed_.find(batch); f != failed_.end()) {
+        absl::Status st = f->second;
+        failed_.erase(f);
+        return Doom(batch, st);
+      }
+      if (auto it = inner_ids_.find(batch); it != inner_ids_.end()) {
+        absl::Status st = inner_->Wait(it->second, std::max(deadline - absl::Now(), absl::ZeroDuration()));
+        if (absl::IsDeadlineExceeded(st)) return st;
+        inner_ids_.erase(it);
+        return Doom(batch, st);
+      }
+      auto held = std::find_if(held_.begin(), held_.end(), [&](const Held& h) { return h.id == batch; });
+      // Not one the inner endpoint answers for: its news is consumed all the same (its fd is in CompletionFd's set).
+      inner_->Wait(kNoBatch, absl::ZeroDuration()).IgnoreError();
+      if (held == held_.end()) {
+        if (!cancelled.ok() && batch < next_id_) return cancelled;
+        return absl::NotFoundError(absl::StrCat("unknown batch ", batch, " (never posted, or already waited for)"));
+      }
+      const absl::Time now = absl::Now();
+      if (now >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat("batch ", batch, " to ", PeerName(),
+                                                        " is held by the fault transport's delay for ",
+                                                        absl::FormatDuration(held->due - now), " more"));
+      }
+      // Sleeps in Wait, which may block up to its timeout, until the batch is due; a Cancel wakes it.
+      const absl::Duration nap = std::min(held->due, deadline) - now;
+      pollfd p{cancel_fd_.get(), POLLIN, 0};
+      ::poll(&p, 1, static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(nap + absl::Milliseconds(1)))));
+    }
+  }
+
+ private:
+  static constexpr BatchId kNoBatch = ~BatchId{0};  // asked for to advance the inner endpoint (NotFound)
+
+  struct Held {
+    BatchId id;
+    absl::Time due;
+    std::vector<WriteRequest> writes;
+  };
+
+  absl::Status Cancelled() {
+    if (!delaying_) return absl::OkStatus();
+    std::lock_guard<std::mutex> lock(mu_);
+    return cancelled_;
+  }
+
+  // Hands the due held batches to the inner endpoint, in order; re-arms the timer for the next one.
+  void HandOnDue() {
+    const absl::Time now = absl::Now();
+    while (!held_.empty() && held_.front().due <= now) {
+      Held h = std::move(held_.front());
+      held_.pop_front();
+      absl::StatusOr<BatchId> inner_id = inner_->Post(h.writes);
+      if (inner_id.ok()) {
+        inner_ids_[h.id] = *inner_id;
+      } else {
+        failed_[h.id] = inner_id.status();
+      }
+    }
+    ArmTimer();
+  }
+
+  void ArmTimer() {
+    itimerspec spec{};
+    if (!held_.empty()) {
+      const int64_t ns = std::max<int64_t>(1, absl::ToInt64Nanoseconds(held_.front().due - absl::Now()));
+      spec.it_value.tv_sec = ns / 1000000000;
+      spec.it_value.tv_nsec = ns % 1000000000;
+    }
+    timerfd_settime(timer_.get(), 0, &spec, nullptr);
+  }
+
+  // A batch whose Wait the spec fails (fail_wait), once it has an answer.
+  absl::Status Doom(BatchId batch, absl::Status st) {
     auto it = doomed_.find(batch);
     if (it == doomed_.end() || absl::IsDeadlineExceeded(st)) return st;
     const uint64_t n = it->second;
@@ -79,7 +214,6 @@ class FaultEndpoint : public Endpoint {
     return broken_;
   }
 
- private:
   // Like a real backend after an error: the endpoint stays unusable until the caller re-creates it.
   absl::Status Broken() const {
     return absl::FailedPreconditionError(
@@ -88,8 +222,18 @@ class FaultEndpoint : public Endpoint {
 
   std::unique_ptr<Endpoint> inner_;
   std::shared_ptr<FaultState> state_;
+  const bool delaying_;  // the spec has a delay: batches get this endpoint's ids (below)
   absl::Status broken_;
-  std::map<BatchId, uint64_t> doomed_;  // inner batch id -> batch number whose Wait must fail
+  std::map<BatchId, uint64_t> doomed_;  // batch id -> batch number whose Wait must fail
+  // With a delay only:
+  tcp::Fd timer_, cancel_fd_, epoll_;
+  BatchId next_id_ = 1;
+  absl::Time last_due_ = absl::InfinitePast();
+  std::deque<Held> held_;                   // in the order they are due
+  std::map<BatchId, BatchId> inner_ids_;    // handed on: this endpoint's id -> the inner endpoint's
+  std::map<BatchId, absl::Status> failed_;  // the inner Post refused them when they were handed on
+  std::mutex mu_;
+  absl::Status cancelled_;  // guarded by mu_: Cancel comes from any thread
 };
 
 class FaultTransport : public Transport {

@@ -3,7 +3,7 @@
 // chosen batches fail, so error paths above the transport (daemon recovery, coordinator abort) can be exercised
 // against a real backend without any test-only code in the backends themselves.
 //
-// Faults are failures, never silent corruption: a failed Post sends nothing; a failed Wait reports an error for a
+// Faults are failures or delays, never silent corruption: a failed Post sends nothing; a failed Wait reports an error for a
 // batch the inner transport may have delivered (as a real completion error can). After an injected error the
 // endpoint behaves like a broken one: every later Post/Wait on it fails until it is re-created, as the transport
 // contract requires of callers anyway.
@@ -25,7 +25,12 @@ namespace wsync::transport {
 struct FaultSpec {
   uint64_t fail_post = 0;  // 1-based number of the batch whose Post fails (Unavailable, nothing sent); 0 = never
   uint64_t fail_wait = 0;  // 1-based number of the batch whose Wait fails (Unavailable); 0 = never
-  absl::Duration delay = absl::ZeroDuration();  // added before every Post is handed to the inner transport
+  // A slow link: each batch is handed to the inner transport `delay` after its Post, or after the previous batch of
+  // its endpoint was handed on, whichever is later (one batch per `delay`). Post never sleeps (transport.h): the
+  // batch waits inside the endpoint and the owner's Wait hands it on once due; CompletionFd (an epoll set of the
+  // inner's fd, a timer for the next due batch and Cancel's eventfd) polls readable then. Cancel drops held batches
+  // unsent.
+  absl::Duration delay = absl::ZeroDuration();
   // Only the endpoints whose PeerName() contains this text are delayed (one slow target among several, e.g. its
   // "host:port"); empty: every endpoint. Failures stay counted over every endpoint whatever it says.
   std::string delay_peer;
