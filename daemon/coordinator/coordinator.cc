@@ -338,8 +338,10 @@ void Coordinator::ApplyPlanLogged(Replanned r) {
 void Coordinator::ApplyPlan(Replanned r) {
   ++plan_generation_;
   model_quantization_ = std::move(r.quantization);
+  // --relay auto decides with the nodes' NICs (--nic, checked at start-up; its default if unparsable here).
   relay_wiring_ = std::make_shared<const RelayWiring>(
-      WireRelays(planner::ParseRelayMode(opts_.relay).value_or(planner::RelayOptions{}), r.groups, &r.plan));
+      WireRelays(planner::ParseRelayMode(opts_.relay).value_or(planner::RelayOptions{}), r.groups, &r.plan,
+                 planner::ParseNicSpec(opts_.nic).value_or(planner::NicSpec{1, 400.0})));
   plan_ = std::move(r.plan);
   push_filters_ = std::move(r.push_filters);
   groups_ = std::move(r.groups);

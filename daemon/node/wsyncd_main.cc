@@ -175,7 +175,8 @@ int main(int argc, char** argv) {
       "Environment:\n"
       "  WSYNC_FAULTS   testing aid, never for production: inject data-path faults, e.g.\n"
       "                 WSYNC_FAULTS=fail_post=3,fail_wait=5,delay_ms=10 fails the Post of this daemon's 3rd\n"
-      "                 batch, the Wait of its 5th, and delays every Post by 10 ms. Batches are counted from 1\n"
+      "                 batch, the Wait of its 5th, and holds every batch 10 ms in its endpoint before it is\n"
+      "                 sent (Post itself returns at once). Batches are counted from 1\n"
       "                 across all endpoints. delay_peer=TEXT limits the delay to the endpoints whose peer\n"
       "                 name contains TEXT. A malformed spec exits 2.\n");
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
