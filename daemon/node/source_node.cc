@@ -1177,22 +1177,66 @@ absl::Status SourceNode::StageSlice(const TensorSlice& s, Staged* st, const uint
 absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::ReadyParam>& ready) {
   if (ready.empty()) return absl::OkStatus();
   std::map<Target*, std::vector<transport::WriteRequest>> batches;
+  // A relay tree's root takes the bucket in pieces of about a relay chunk, each posted with its own landed notice,
+  // so that the root forwards a piece as soon as it landed: a level of the tree then adds about one chunk's time,
+  // not one bucket's (docs/planner.md, "The relay data path").
+  struct Piece {
+    std::vector<transport::WriteRequest> writes;
+    std::vector<replica::ReadyParam> ready;
+    uint64_t bytes = 0;
+  };
+  std::map<Target*, std::vector<Piece>> pieces;
+  const bool relaying = std::any_of(targets_.begin(), targets_.end(),
+                                    [](const auto& t) { return t->assignment.relay_root(); });
   uint64_t bytes = 0, sent = 0;
   for (const auto& r : ready) {
     for (Target* t : targets_by_layout_[r.layout])
       for (const auto& [offset, length] : t->ranges[r.param]) bytes += length;
-    sent += PlanWrites(version, r, &batches);
+    if (!relaying) {
+      sent += PlanWrites(version, r, &batches);
+      continue;
+    }
+    std::map<Target*, std::vector<transport::WriteRequest>> planned;
+    sent += PlanWrites(version, r, &planned);
+    for (auto& [t, writes] : planned) {
+      if (!t->assignment.relay_root()) {
+        auto& b = batches[t];
+        b.insert(b.end(), writes.begin(), writes.end());
+        continue;
+      }
+      std::vector<Piece>& into = pieces[t];
+      if (into.empty() || into.back().bytes >= kRelayPieceBytes) into.emplace_back();
+      Piece& piece = into.back();
+      for (const auto& w : writes) piece.bytes += w.length;
+      piece.writes.insert(piece.writes.end(), writes.begin(), writes.end());
+      piece.ready.push_back(r);
+    }
   }
   RefreshBase(ready);
   std::map<Target*, std::shared_ptr<BatchOutcome>> outcomes;
   for (auto& [t, writes] : batches) {
     auto outcome = std::make_shared<BatchOutcome>();
     outcomes[t] = outcome;
-    TargetWriter::Done relay = t->assignment.relay_root() ? RelayNoticeFor(version, *t, ready) : nullptr;
-    WSYNC_RETURN_IF_ERROR(PostToTarget(version, t, std::move(writes), [outcome, relay](const absl::Status& st) {
+    WSYNC_RETURN_IF_ERROR(PostToTarget(version, t, std::move(writes), [outcome](const absl::Status& st) {
       outcome->state.store(st.ok() ? 1 : 2, std::memory_order_release);
-      if (relay) relay(st);
     }));
+  }
+  for (auto& [t, list] : pieces) {
+    // The target's outcome: written once every piece is, not written when any piece is not.
+    auto outcome = std::make_shared<BatchOutcome>();
+    outcomes[t] = outcome;
+    auto left = std::make_shared<std::atomic<size_t>>(list.size());
+    auto failed = std::make_shared<std::atomic<bool>>(false);
+    for (Piece& piece : list) {
+      TargetWriter::Done notice = RelayNoticeFor(version, *t, piece.ready);
+      WSYNC_RETURN_IF_ERROR(PostToTarget(version, t, std::move(piece.writes),
+                                         [outcome, left, failed, notice](const absl::Status& st) {
+                                           if (!st.ok()) failed->store(true);
+                                           if (notice) notice(st);
+                                           if (left->fetch_sub(1) == 1)
+                                             outcome->state.store(failed->load() ? 2 : 1, std::memory_order_release);
+                                         }));
+    }
   }
   RecordChecksums(version, ready, outcomes);
   for (const auto& r : ready) completed_[r.layout][r.param] = 1;  // this bucket's alone: the replica said so once

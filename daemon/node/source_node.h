@@ -551,6 +551,9 @@ class SourceNode {
   // Relay trees (source_relay.cc): after a batch into a tree's root is written, the notice of what landed there.
   // Created at the first such batch; its thread hashes replica ranges, so it is declared after the replica.
   TargetWriter::Done RelayNoticeFor(int64_t version, const Target& t, const std::vector<replica::ReadyParam>& ready);
+  // A relay root's bucket is posted in pieces of at least this many bytes (whole parameters; planner::RelayOptions'
+  // chunk), each with its own landed notice (WriteReady).
+  static constexpr uint64_t kRelayPieceBytes = 4ull << 20;
   std::once_flag relay_once_;
   std::unique_ptr<RelayNotifier> relay_notifier_;
   // Tensors being assembled from slices in the open update (cleared under ingest_mu_ exclusive).
