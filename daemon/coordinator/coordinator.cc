@@ -422,14 +422,16 @@ void Coordinator::SaveEngineStates() {
 
 FanoutOptions Coordinator::UpdatePhase(UpdateMode mode, Phase phase, std::vector<std::string> addrs,
                                        double deadline_s) const {
+  // Width, deadline and whether an abort cuts the calls short: the row's (phase_table.h).
+  const PhaseRow row = RowFor(mode, phase);
   FanoutOptions o;
-  o.max_parallel = opts_.fanout_parallel;
-  const double row = DeadlineFor(mode, phase);
-  o.deadline = row > 0 ? absl::Seconds(row) : deadline_s > 0 ? absl::Seconds(deadline_s) : absl::InfiniteDuration();
+  o.max_parallel = row.fanout == kFanoutDefault ? opts_.fanout_parallel : std::max<size_t>(row.fanout, 1);
+  if (row.fanout == kAllAtOnce) o.max_parallel = std::max<size_t>(addrs.size(), 1);
+  o.deadline = row.deadline_s > 0   ? absl::Seconds(row.deadline_s)
+               : deadline_s > 0     ? absl::Seconds(deadline_s)
+                                    : absl::InfiniteDuration();
   o.phase = std::string(PhaseName(phase));
-  const bool past_switch = mode == UpdateMode::kStaged && (phase == Phase::kSwitch || phase == Phase::kPostProcess ||
-                                                           phase == Phase::kSetVersion || phase == Phase::kContinue);
-  if (!past_switch) {
+  if (row.abortable) {
     MutexLock l(&mu_);
     o.cancellation = run_.cancel;
   }

@@ -41,11 +41,16 @@ std::vector<PhaseRow>& Table(UpdateMode mode) {
       {Phase::kApplyDelta, "apply_delta", "target daemons with delta records", D::kApplyDelta, OnFailure::kServeOn},
       {Phase::kVerify, "verify", "every source, then every engine rank", D::kVerify, OnFailure::kLeaveOutStale},
       {Phase::kPrepareSwitch, "prepare", "every verified engine", D::kSwitch, OnFailure::kLeaveOutStale},
-      {Phase::kSwitchPause, "pause", "every prepared engine", D::kPause, OnFailure::kLeaveOutStale},
-      {Phase::kSwitch, "switch", "every paused engine", D::kSwitch, OnFailure::kLeaveOutStale},
-      {Phase::kPostProcess, "post_process", "every switched engine", D::kPostProcess, OnFailure::kHoldPaused},
-      {Phase::kSetVersion, "set_version", "every post-processed engine", D::kSetVersion, OnFailure::kHoldPaused},
-      {Phase::kContinue, "continue", "every engine on the new version", D::kContinue, OnFailure::kCommittedNotResumed},
+      // The fleet barrier: every engine pauses and switches at once, not in waves of --fanout-parallel.
+      {Phase::kSwitchPause, "pause", "every prepared engine", D::kPause, OnFailure::kLeaveOutStale, kAllAtOnce},
+      {Phase::kSwitch, "switch", "every paused engine", D::kSwitch, OnFailure::kLeaveOutStale, kAllAtOnce, false},
+      // Past the switch an abort acts per engine (each ends as its row says), never on the run.
+      {Phase::kPostProcess, "post_process", "every switched engine", D::kPostProcess, OnFailure::kHoldPaused,
+       kFanoutDefault, false},
+      {Phase::kSetVersion, "set_version", "every post-processed engine", D::kSetVersion, OnFailure::kHoldPaused,
+       kFanoutDefault, false},
+      {Phase::kContinue, "continue", "every engine on the new version", D::kContinue, OnFailure::kCommittedNotResumed,
+       kFanoutDefault, false},
   };
   return mode == UpdateMode::kStaged ? staged : classic;
 }
@@ -74,6 +79,15 @@ double DeadlineFor(UpdateMode mode, Phase phase) {
   spdlog::critical("no {} phase {} in the phase table: no deadline", mode == UpdateMode::kStaged ? "staged" : "classic",
                    std::string(PhaseName(phase)));
   return 0;
+}
+
+PhaseRow RowFor(UpdateMode mode, Phase phase) {
+  std::lock_guard<std::mutex> l(OverrideMu());
+  for (const PhaseRow& r : Table(mode))
+    if (r.phase == phase) return r;
+  spdlog::critical("no {} phase {} in the phase table: a row of defaults",
+                   mode == UpdateMode::kStaged ? "staged" : "classic", std::string(PhaseName(phase)));
+  return PhaseRow{phase, "?", "?", 0, OnFailure::kKeepPaused};
 }
 
 OnFailure OverridePolicyForTesting(UpdateMode mode, Phase phase, OnFailure f) {
@@ -178,9 +192,14 @@ std::string PhaseTableMarkdown() {
   std::string out;
   for (UpdateMode mode : {UpdateMode::kClassic, UpdateMode::kStaged}) {
     absl::StrAppend(&out, mode == UpdateMode::kStaged ? "Staged" : "Classic (and delta)", " updates:\n\n",
-                    "| phase | peers | deadline | on failure | the engines then |\n", "|---|---|---|---|---|\n");
+                    "| phase | peers | at once | abort | deadline | on failure | the engines then |\n",
+                    "|---|---|---|---|---|---|---|\n");
     for (const PhaseRow& r : PhaseTable(mode))
       absl::StrAppend(&out, "| ", r.name, " | ", r.peers, " | ",
+                      r.fanout == kAllAtOnce      ? std::string("all")
+                      : r.fanout == kFanoutDefault ? std::string("--fanout-parallel")
+                                                   : absl::StrCat(r.fanout),
+                      " | ", r.abortable ? "cancels its calls" : "calls run to the end", " | ",
                       r.deadline_s > 0 ? absl::StrFormat("%g s", r.deadline_s) : std::string("the commit's timeout"),
                       " | ", OnFailureName(r.on_failure), " | ", OnFailureMeaning(r.on_failure), " |\n");
     out += "\n";

@@ -1,9 +1,10 @@
 #pragma once
 // What a failure means at each phase of an update, declared once (docs/operations.md, "Failure semantics").
 //
-// Every update mode is a table of phases in the order they run; each row names the phase's peers, its deadline and
-// the policy the coordinator applies when a call of that phase fails, times out, hangs past its deadline, loses its
-// peer or is cancelled by an operator's abort. The coordinator never decides what a failure means inline: the update
+// Every update mode is a table of phases in the order they run; each row names the phase's peers, how many of them
+// are called at once, whether an operator's abort cancels the row's calls, its deadline and the policy the coordinator
+// applies when a call of that phase fails, times out, hangs past its deadline, loses its peer or is cancelled by an
+// operator's abort. The coordinator never decides what a failure means inline: the update
 // driver (update_run.h) walks these rows and hands a failed row's PolicyFor(mode, phase) to one failure handler
 // (coordinator.cc, EndRunAt), or to the row's step where the outcome is per engine (the staged switch rows, continue),
 // so a new mode or phase is a new row here, and the fault matrix (tests/daemon/
@@ -68,12 +69,22 @@ enum class OnFailure {
   kCommittedNotResumed,
 };
 
+// A row's fan-out width: kFanoutDefault calls at most the coordinator's --fanout-parallel peers at once; kAllAtOnce
+// calls every peer at once (the staged fleet barrier: engines pause and switch together, not in waves).
+constexpr size_t kFanoutDefault = 0;
+constexpr size_t kAllAtOnce = static_cast<size_t>(-1);
+
 struct PhaseRow {
   Phase phase;
   const char* name;   // the phase as records and errors name it ("pause", "post_process", …)
   const char* peers;  // who is called
   double deadline_s;  // the whole phase's deadline (PeerDeadlines); 0: the caller's (commit timeout)
   OnFailure on_failure;
+  size_t fanout = kFanoutDefault;  // peers called at once (above)
+  // An operator's abort (the run's cancellation) cancels the row's calls still running, and the row's policy applies
+  // (to the run, or to each engine whose call it cut, as the row says); false: past the staged switch, where every
+  // engine's call runs to its end and each engine ends as the row's policy says for it.
+  bool abortable = true;
 };
 
 // The phases of `mode`, in the order they run.
@@ -83,6 +94,9 @@ OnFailure PolicyFor(UpdateMode mode, Phase phase);
 // The row's deadline for the whole phase (seconds; 0: the caller's, the commit's timeout). Every fan-out of an update
 // takes its deadline from here (Coordinator::UpdatePhase). A phase the mode does not run: 0, logged.
 double DeadlineFor(UpdateMode mode, Phase phase);
+// The row itself (its fan-out width and whether an abort cancels its calls); a phase the mode does not run: a row with the
+// defaults and kKeepPaused, logged.
+PhaseRow RowFor(UpdateMode mode, Phase phase);
 absl::string_view PhaseName(Phase phase);
 absl::string_view OnFailureName(OnFailure f);
 // One sentence: what the engines see after a failure under `f`.

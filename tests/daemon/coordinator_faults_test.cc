@@ -1765,6 +1765,29 @@ TEST_CASE("phase tables: a row broken on purpose is caught by the invariants") {
   }
 }
 
+// The staged fleet barrier is a row's width (phase_table.h: the switch's pause and switch call every engine at once):
+// with one worker per phase, e1 is paused for the switch while e0's pause still hangs. In waves of --fanout-parallel
+// (the row at kFanoutDefault) e1 would wait behind e0's hang and this fails.
+TEST_CASE("faults, staged: the switch's pause calls every engine at once, whatever --fanout-parallel says") {
+  Cluster k(Staging::kSecondCopy, Staging::kSecondCopy, 1);
+  REQUIRE(k.Update(1, "staged").ok());
+  CHECK(RowFor(UpdateMode::kStaged, Phase::kSwitchPause).fanout == kAllAtOnce);
+  CHECK(RowFor(UpdateMode::kStaged, Phase::kSwitch).fanout == kAllAtOnce);
+  k.peers->hang_deadline = 10s;  // only the release at the end stops it within the test
+  k.peers->Arm(Rpc::kPause, Fault::kHang, "e0:2");
+  absl::Status driven = absl::UnknownError("not run");
+  std::thread driver([&] { driven = k.Update(2, "staged"); });
+  Joiner joiner{driver, k.peers};
+  REQUIRE(k.peers->AwaitHanging());
+  CHECK(k.peers->AwaitPaused("e1:2", true));
+  k.peers->ReleaseAll();
+  driver.join();
+  INFO(driven.ToString());
+  // e0's pause was cancelled: it is left out, its live weights and label still update 1's; e1 switched to 2.
+  CHECK(k.peers->Engine("e0:2").version == "1");
+  CHECK(k.peers->Engine("e1:2").live == "2");
+}
+
 // The update driver (update_run.h) with fake steps: it walks the mode's table, not the order steps were bound in.
 TEST_CASE("update driver: rows run in the table's order, once each, over the rows the RPC owns") {
   for (UpdateMode mode : {UpdateMode::kClassic, UpdateMode::kStaged}) {
