@@ -28,6 +28,13 @@ grpc::Status NodeDaemonService::NeedTarget() const {
     if (!s_.ok()) return s_;                \
   } while (0)
 
+// Testing aid (base/fault_knob.h): the injected failure or hang of the phase `call`, if one is asked for.
+#define WSYNC_FAULT_AT(call)                                                              \
+  do {                                                                                    \
+    absl::Status f_ = faults_.At(call, [ctx] { return ctx->IsCancelled(); });             \
+    if (!f_.ok()) return ToGrpcStatus(f_);                                                \
+  } while (0)
+
 grpc::Status TrainerIngestService::BeginPush(grpc::ServerContext* ctx, const v1::BeginPushRequest* req,
                                              v1::BeginPushReply* out) {
   WSYNC_LIMIT("BeginPush");
@@ -73,18 +80,21 @@ grpc::Status NodeDaemonService::ConfigureSource(grpc::ServerContext* ctx, const 
                                                 v1::ConfigureSourceReply* out) {
   WSYNC_AUTHORIZE("ConfigureSource", {tls::kCoordinator});
   WSYNC_NEED(Source);
+  WSYNC_FAULT_AT("configure");
   return Reply(source_->Configure(*req, ConnectDeadline(*ctx)), out);
 }
 grpc::Status NodeDaemonService::StartUpdate(grpc::ServerContext* ctx, const v1::StartUpdateRequest* req,
                                             v1::StartUpdateReply*) {
   WSYNC_AUTHORIZE("StartUpdate", {tls::kCoordinator});
   WSYNC_NEED(Source);
+  WSYNC_FAULT_AT("start");
   return ToGrpcStatus(source_->StartUpdate(*req, ConnectDeadline(*ctx)));
 }
 grpc::Status NodeDaemonService::FinishUpdate(grpc::ServerContext* ctx, const v1::FinishUpdateRequest* req,
                                              v1::FinishUpdateReply* out) {
   WSYNC_AUTHORIZE("FinishUpdate", {tls::kCoordinator});
   WSYNC_NEED(Source);
+  WSYNC_FAULT_AT("finish");
   return Reply(source_->FinishUpdate(*req, [ctx] { return ctx->IsCancelled(); }), out);
 }
 grpc::Status NodeDaemonService::AbortSourceUpdate(grpc::ServerContext* ctx, const v1::AbortSourceUpdateRequest* req,
@@ -97,6 +107,7 @@ grpc::Status NodeDaemonService::SetWriteWindow(grpc::ServerContext* ctx, const v
                                                v1::SetWriteWindowReply* out) {
   WSYNC_AUTHORIZE("SetWriteWindow", {tls::kCoordinator});
   WSYNC_NEED(Target);
+  if (req->open()) WSYNC_FAULT_AT("open_windows");
   *out = target_.load()->SetWriteWindow(*req);
   return grpc::Status::OK;
 }
@@ -104,6 +115,7 @@ grpc::Status NodeDaemonService::ApplyDelta(grpc::ServerContext* ctx, const v1::A
                                            v1::ApplyDeltaReply* out) {
   WSYNC_AUTHORIZE("ApplyDelta", {tls::kCoordinator});
   WSYNC_NEED(Target);
+  WSYNC_FAULT_AT("apply_delta");
   return Reply(target_.load()->ApplyDelta(*req), out);
 }
 grpc::Status NodeDaemonService::SetRelay(grpc::ServerContext* ctx, const v1::SetRelayRequest* req,

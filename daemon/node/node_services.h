@@ -6,6 +6,7 @@
 #include <atomic>
 #include <memory>
 
+#include "base/fault_knob.h"
 #include "daemon/node/source_node.h"
 #include "daemon/node/target_node.h"
 #include "wsync/v1/daemon.grpc.pb.h"
@@ -15,8 +16,13 @@ namespace wsync::daemon {
 
 class NodeDaemonService final : public v1::NodeDaemon::Service {
  public:
-  // Exactly one of source/target is non-null.
-  NodeDaemonService(SourceNode* source, TargetNode* target) : source_(source), target_(target) {}
+  // Exactly one of source/target is non-null. `node_id` selects this node's rules of the testing aid
+  // WSYNC_DAEMON_FAULTS_FILE (base/fault_knob.h; wsyncd --help): ConfigureSource, StartUpdate, FinishUpdate,
+  // SetWriteWindow (opening) and ApplyDelta fail or hang on demand at their phase's name (configure, start, finish,
+  // open_windows, apply_delta).
+  NodeDaemonService(SourceNode* source, TargetNode* target, const std::string& node_id = "")
+      : source_(source), target_(target), faults_("WSYNC_DAEMON_FAULTS_FILE", node_id,
+                                                  "daemon_fault: node " + node_id) {}
   // A target daemon serves before its engines attached; it sets its TargetNode once they have (before it registers).
   void set_target(TargetNode* target) { target_ = target; }
 
@@ -42,6 +48,7 @@ class NodeDaemonService final : public v1::NodeDaemon::Service {
   grpc::Status NeedTarget() const;
   SourceNode* source_;
   std::atomic<TargetNode*> target_;
+  FaultKnob faults_;
 };
 
 // The trainer ranks' service of a source daemon, served only on its local Unix gRPC socket (daemon/node/trainer_socket.h);

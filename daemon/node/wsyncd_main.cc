@@ -178,7 +178,14 @@ int main(int argc, char** argv) {
       "                 batch, the Wait of its 5th, and holds every batch 10 ms in its endpoint before it is\n"
       "                 sent (Post itself returns at once). Batches are counted from 1\n"
       "                 across all endpoints. delay_peer=TEXT limits the delay to the endpoints whose peer\n"
-      "                 name contains TEXT. A malformed spec exits 2.\n");
+      "                 name contains TEXT. A malformed spec exits 2.\n"
+      "  WSYNC_DAEMON_FAULTS_FILE=PATH\n"
+      "                 testing aid, never for production: the coordinator's calls fail or hang on demand.\n"
+      "                 PATH is read at each ConfigureSource, StartUpdate, FinishUpdate, SetWriteWindow\n"
+      "                 (opening) and ApplyDelta; a line \"NODE PHASE error|hang [TAG]\" (NODE this --node-id or\n"
+      "                 *, PHASE configure, start, finish, open_windows or apply_delta) fails that call, or\n"
+      "                 blocks it until the caller gives up (at most 10 min) and then fails it; a rule fires\n"
+      "                 once per content of the file and logs \"daemon_fault: node NODE reached PHASE\".\n");
   if (int rc = cli::Parse(app, argc, argv); rc >= 0) return rc;
   InitLogging(role == "source" ? "wsyncd-src" : "wsyncd-tgt", log_level);
   const std::string listen_host = listen.substr(0, listen.rfind(':'));
@@ -282,7 +289,7 @@ int main(int argc, char** argv) {
   }
   // The target's engines attach through its socket, whose default name carries the API port: serve first (ConnectTarget
   // answers NotFound until the engines are there; nobody dials before the node registered).
-  daemon::NodeDaemonService service(source.get(), nullptr);
+  daemon::NodeDaemonService service(source.get(), nullptr, node_id);
   auto served = daemon::Serve(listen, {&service}, "");
   if (!served.ok()) {
     spdlog::error("{}", served.status().ToString());

@@ -6,12 +6,17 @@ memory, each behind its own target daemon.
 Modes: classic, staged and delta (classic's table; RL-like consecutive steps from tools/testdata/weight_gen.h
 kSparseStepBase, so that the updates really send deltas, checked in their records).
 Each row injects one fault at one phase of one update mode, through the engine's fault knob (WSYNC_REF_FAULTS_FILE,
-tools/testing/engine_ref/ref_faults.h) or by killing a daemon once the update is open:
-  error    the engine's call fails;
-  hang     the engine's call blocks until the coordinator gives up (the phase deadline);
-  kill     the engine is SIGKILLed once it is inside the call (its log says so: no timing);
+tools/testing/engine_ref/ref_faults.h), the node daemon's (WSYNC_DAEMON_FAULTS_FILE, base/fault_knob.h: the phases
+the daemons answer, configure / start / finish on the source daemon, open_windows / apply_delta on target daemon
+infer1) or by killing a daemon once the update is open:
+  error    the engine's (daemon's) call fails;
+  hang     the engine's (daemon's) call blocks until the coordinator gives up (the phase deadline);
+  kill     the engine (the target daemon, for its phases; its engine stays up) is SIGKILLed once it is inside the
+           call (its log says so: no timing);
   restart  the coordinator is SIGKILLed while the engine is inside the call and started again on its store.
-The push rows kill the source daemon (or the coordinator) once the update is open (Status says "updating").
+The push rows kill the source daemon (or the coordinator) once the update is open (Status says "updating"). A
+configure row first restarts the source daemon (a source holding the plan is not configured again). A hung finish
+is left out: its deadline is the commit's timeout plus 30 s, which --test-phase-deadline does not cap.
 Every row then checks
   (a) every engine the coordinator reports serving holds, by its own loader's check (Verify: its memory against
       the generated checkpoint of the step its label names, computed independently of the transfer), its label;
@@ -31,7 +36,7 @@ whether it is paused, so what it reports is the engines' own word, paused or ser
 engine_info: every engine answers); past the commit point (continue), the update is committed on the engine that
 was continued and the faulted one is paused at the new version, not resumed.
 
-Every row runs (64, ~65 s on the 2-core machine: one cluster for all, only what a row killed is restarted);
+Every row runs (83, ~95-110 s on the loaded 2-core machine: one cluster for all, only what a row killed is restarted);
 --rows picks some.
 
   fault_matrix_real_test.py --bin build/bin --lib build/lib/libwsync_client_c.so --model tests/data/tiny/qwen3-tiny.json
@@ -66,11 +71,19 @@ PHASE_DEADLINE_S = 2.0
 #   not_resumed     past the commit point: the fleet is on the new version; the faulted engine paused at it
 EXPECT = {
     ("classic", "pause"): "resume_old",
+    ("classic", "configure"): "resume_old",
+    ("classic", "open_windows"): "resume_old",
+    ("classic", "start"): "resume_if_clean",
     ("classic", "push"): "resume_if_clean",
+    ("classic", "finish"): "keep_paused",
     ("classic", "post_process"): "keep_paused",
     ("classic", "set_version"): "keep_paused",
     ("classic", "continue"): "not_resumed",
+    ("staged", "configure"): "serve_on",
+    ("staged", "open_windows"): "serve_on",
+    ("staged", "start"): "serve_on",
     ("staged", "push"): "serve_on",
+    ("staged", "finish"): "serve_on",
     ("staged", "verify"): "stale",
     ("staged", "prepare"): "stale",
     ("staged", "pause"): "stale",
@@ -80,6 +93,7 @@ EXPECT = {
     ("staged", "continue"): "not_resumed",
     # Delta updates run the classic table (apply_delta, a target daemons' phase, sits between finish and post_process).
     ("delta", "pause"): "resume_old",
+    ("delta", "apply_delta"): "keep_paused",
     ("delta", "post_process"): "keep_paused",
     ("delta", "set_version"): "keep_paused",
     ("delta", "continue"): "not_resumed",
@@ -93,12 +107,24 @@ DECLARED = {"resume_old": "resume old", "keep_paused": "keep paused",
 # The engine call a phase makes (the fault knob's names).
 CALL = {"pause": "pause", "verify": "checksums", "prepare": "prepare", "switch": "switch",
         "post_process": "post_process", "set_version": "set_version", "continue": "continue"}
+# The phases a node daemon answers (its fault knob, WSYNC_DAEMON_FAULTS_FILE, base/fault_knob.h): the node faulted
+# and the process serving it.
+DAEMON_PHASE = {"configure": ("train0", "source"), "start": ("train0", "source"), "finish": ("train0", "source"),
+                "open_windows": ("infer1", "target1"), "apply_delta": ("infer1", "target1")}
+CALL.update({p: p for p in DAEMON_PHASE})  # the knob's names are the phases'
+# How the coordinator's error names a phase whose name it does not write.
+PHASE_WORDS = {"open_windows": "opening the write window"}
 SERVING = ("serving", "stale")  # the coordinator's states of an engine that serves (its label's version)
 VICTIM = "engine1"
 def all_rows():
     rows = []
     for (mode, phase) in EXPECT:
         faults = ("kill", "restart") if phase == "push" else ("error", "hang", "kill", "restart")
+        if phase in DAEMON_PHASE:
+            # A target daemon killed inside its call (its engine stays up); a hung finish is left out: its deadline
+            # is the commit's timeout plus 30 s, which --test-phase-deadline does not cap.
+            faults = ("error",) if phase == "finish" else \
+                ("error", "hang", "kill") if DAEMON_PHASE[phase][1].startswith("target") else ("error", "hang")
         for f in faults:
             rows.append((mode, phase, f))
     return rows
@@ -231,14 +257,17 @@ def main() -> int:
                            timeout=30).stdout
     declared = {}
     mode = None
+    col = None  # the "on failure" column, found by its header (the table gains columns)
     for line in table.splitlines():
         if line.startswith("Classic"):
             mode = "classic"
         elif line.startswith("Staged"):
             mode = "staged"
-        m = re.match(r"\| (\w+) \| [^|]* \| [^|]* \| ([^|]*) \|", line)
-        if mode and m and m.group(1) != "phase":
-            declared[(mode, m.group(1))] = m.group(2).strip()
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if cells and cells[0] == "phase":
+            col = cells.index("on failure") if "on failure" in cells else None
+        elif mode and col is not None and len(cells) > col and re.fullmatch(r"\w+", cells[0]):
+            declared[(mode, cells[0])] = cells[col]
     for key, want in EXPECT.items():
         if key[0] == "delta":
             continue  # the classic table's rows (the same expectations)
@@ -250,6 +279,9 @@ def main() -> int:
         faults_file = os.path.join(wd, "faults")
         open(faults_file, "w").close()
         os.environ["WSYNC_REF_FAULTS_FILE"] = faults_file  # inherited by the engines (the daemons ignore it)
+        daemon_faults_file = os.path.join(wd, "daemon_faults")
+        open(daemon_faults_file, "w").close()
+        os.environ["WSYNC_DAEMON_FAULTS_FILE"] = daemon_faults_file  # inherited by the node daemons
         coord = f"127.0.0.1:{harness.free_port()}"
         src_listen = f"127.0.0.1:{harness.free_port()}"
         src_sock = os.path.join(wd, "source.sock")
@@ -396,6 +428,9 @@ def main() -> int:
             check(good_update(version, "setup"), "setup: the fleet is on version 1")
 
             def fault_count(e, call):
+                if call in DAEMON_PHASE:  # a node daemon's phase: it names the node (e is not asked)
+                    node, proc = DAEMON_PHASE[call]
+                    return log_of(proc).count(f"daemon_fault: node {node} reached {call} ")
                 return log_of(e).count(f"ref_fault: engine {e} reached {call} ")
 
             def wait_fault(e, call, before):
@@ -434,6 +469,13 @@ def main() -> int:
                 v = version
                 want = EXPECT[(mode, phase)]
                 victim = "source" if phase == "push" and fault == "kill" else VICTIM
+                if phase in DAEMON_PHASE:
+                    node, victim = DAEMON_PHASE[phase]
+                if phase == "configure":
+                    # A source that holds the plan is not configured again: a new source process holds none.
+                    procs.kill("source")
+                    start_source()
+                    harness.wait_for("every node registered", all_registered, 30, procs, list(procs.procs), 0.05)
                 killed = []
                 result = {}
 
@@ -453,8 +495,12 @@ def main() -> int:
                 else:
                     action = "error" if fault == "error" else "hang"
                     fired_before = fault_count(VICTIM, CALL[phase])
-                    with open(faults_file, "w") as f:
-                        f.write(f"{VICTIM} {CALL[phase]} {action} row{v}\n")
+                    if phase in DAEMON_PHASE:
+                        with open(daemon_faults_file, "w") as f:
+                            f.write(f"{node} {phase} {action} row{v}\n")
+                    else:
+                        with open(faults_file, "w") as f:
+                            f.write(f"{VICTIM} {CALL[phase]} {action} row{v}\n")
                     th = threading.Thread(target=lambda: result.update(zip(("ok", "err"), update(v, mode))))
                     th.start()
                     if fault in ("kill", "restart"):
@@ -464,9 +510,10 @@ def main() -> int:
                     check(not th.is_alive(), f"{tag} the update's calls returned")
                     ok, err = result.get("ok", False), result.get("err", "")
                     open(faults_file, "w").close()
+                    open(daemon_faults_file, "w").close()
                 if phase != "push" and fault != "kill":
                     check(fault_count(VICTIM, CALL[phase]) > fired_before,
-                          f"{tag} the fault fired at {VICTIM}'s {CALL[phase]}")
+                          f"{tag} the fault fired at {node if phase in DAEMON_PHASE else VICTIM}'s {CALL[phase]}")
 
                 # Let an update that commits past the fault finish its last phase before reading the outcome.
                 harness.wait_for("the update closed",
@@ -514,7 +561,7 @@ def main() -> int:
                               f"{tag} (b) the restarted coordinator reports {e} as it answered: {state!r}")
 
                 # (d) the outcome names the faulted peer and the phase.
-                peer = {"source": "train0"}.get(victim, victim)
+                peer = node if phase in DAEMON_PHASE else {"source": "train0"}.get(victim, victim)
                 if fault == "restart":
                     named = rec.get("success") is False and "restart" in rec.get("error", "")
                     check(named or rec.get("success") is True,
@@ -528,7 +575,10 @@ def main() -> int:
                           f"not_resumed={rec.get('not_resumed')}")
                 else:
                     er = rec.get("error", "")
-                    check(rec.get("success") is False and peer in er and (phase in er or phase == "push"),
+                    # The coordinator's own words, not the knob's ("injected fault at open_windows").
+                    own = re.sub(r"injected (fault|hang) at \w+", "", er)
+                    check(rec.get("success") is False and peer in own
+                          and (phase in own or PHASE_WORDS.get(phase, phase) in own or phase == "push"),
                           f"{tag} (d) update {v} failed naming {peer} and {phase}: {er[:240]!r}")
 
                 # After a restart past the commit point: committed, every engine labelled with the new version; the
@@ -619,6 +669,8 @@ def main() -> int:
                 if killed:
                     if victim == "source":
                         start_source()
+                    elif victim.startswith("target"):
+                        start_target(f"engine{victim[-1]}")  # its engine stayed up: it attaches again
                     else:
                         procs.kill(f"target{VICTIM[-1]}")  # a restarted engine attaches through a restarted target
                         start_engine(VICTIM)
