@@ -628,16 +628,24 @@ TEST_CASE("post never blocks: batches to a live peer whose process is stopped ar
   // The stop itself is what is tested: its length, not an event, is the condition.
   // Still outstanding (DeadlineExceeded, and found again by the Wait after the resume: a batch that failed with that
   // code is gone by then, NotFound).
+  // Where the NIC acknowledges writes for the process (verbs, and fabric over verbs: soft-RoCE's kernel, an RDMA
+  // NIC's hardware), the stop holds nothing and the batches may well be complete by now: only tcp-like backends, where
+  // the receiving process itself reads the bytes, are checked for still holding them.
+  const bool nic_acknowledges = absl::StrContains(sender->Query().provider, "verbs");
   std::this_thread::sleep_until(stopped_at + kStoppedFor);
   std::vector<std::string> held(ids.size());
+  std::vector<bool> done(ids.size(), false);  // completed (and so waited for) while the peer was stopped
   for (size_t i = 0; i < ids.size(); ++i) {
     const absl::Status st = ep->Wait(ids[i], absl::ZeroDuration());
     held[i] = st.ToString();
     INFO("batch " << i << " after the peer was stopped " << kStoppedFor.count() << " ms: " << held[i]);
+    done[i] = nic_acknowledges && st.ok();
+    if (done[i]) continue;
     REQUIRE(st.code() == absl::StatusCode::kDeadlineExceeded);
   }
   peer.Resume();
   for (size_t i = 0; i < ids.size(); ++i) {
+    if (done[i]) continue;
     INFO("batch " << i << "; after the peer was stopped " << kStoppedFor.count() << " ms it was: " << held[i]);
     RequireOk(ep->Wait(ids[i], kTimeout));
   }
