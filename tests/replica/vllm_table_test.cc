@@ -98,14 +98,20 @@ TEST_CASE("vLLM dialect tables equal what real vLLM workers attached", "[replica
 
 TEST_CASE("vLLM dialect refuses what has not been checked against vLLM", "[replica][vllm]") {
   const fs::path models = WSYNC_MODELS_DIR;
-  auto cfg = wsync::replica::ModelConfig::FromFile((models / "deepseek-ai__DeepSeek-V3" / "config.json").string());
-  REQUIRE(cfg.ok());
-  auto r = wsync::replica::RankParallelism::ForTp(8, 0, 8);
-  r.dialect = EngineDialect::kVllm;
-  auto t = wsync::replica::BuildParamTable(*cfg, r, {});
-  REQUIRE_FALSE(t.ok());
-  CHECK(t.status().code() == absl::StatusCode::kUnimplemented);
-  CHECK_THAT(t.status().ToString(), Catch::Contains("vLLM"));
+  // A family not compared with vLLM (Moonlight: DeepSeek-V3's architecture without q_lora), and FP8 of a family
+  // compared only unquantized (Qwen3; block-FP8 is checked for DeepSeek-V3 alone, replica_vllm_oracle_test).
+  for (const fs::path& config : {models / "moonshotai__Moonlight-16B-A3B" / "config.json",
+                                 models.parent_path() / "tiny" / "qwen3-fp8-tiny.json"}) {
+    INFO(config.string());
+    auto cfg = wsync::replica::ModelConfig::FromFile(config.string());
+    REQUIRE(cfg.ok());
+    auto r = wsync::replica::RankParallelism::ForTp(2, 0, 2);
+    r.dialect = EngineDialect::kVllm;
+    auto t = wsync::replica::BuildParamTable(*cfg, r, {});
+    REQUIRE_FALSE(t.ok());
+    CHECK(t.status().code() == absl::StatusCode::kUnimplemented);
+    CHECK_THAT(t.status().ToString(), Catch::Contains("vLLM"));
+  }
   CHECK(wsync::replica::DialectForEngineKind("vllm").value() == EngineDialect::kVllm);
   CHECK(wsync::replica::DialectForEngineKind("reference").value() == EngineDialect::kSglang);
   CHECK_FALSE(wsync::replica::DialectForEngineKind("tensorrt").ok());
