@@ -246,6 +246,19 @@ class Watcher {
   AckLook first_;
 };
 
+// Moves `*iov`/`*iovcnt` past the first `sent` bytes (a partial sendmsg).
+void SkipSent(struct iovec** iov, int* iovcnt, size_t sent) {
+  while (*iovcnt > 0 && sent >= (*iov)->iov_len) {
+    sent -= (*iov)->iov_len;
+    ++*iov;
+    --*iovcnt;
+  }
+  if (*iovcnt > 0) {
+    (*iov)->iov_base = static_cast<char*>((*iov)->iov_base) + sent;
+    (*iov)->iov_len -= sent;
+  }
+}
+
 }  // namespace
 
 absl::Status SendAllWatched(int fd, struct iovec* iov, int iovcnt, const PeerWatch& watch) {
@@ -262,16 +275,7 @@ absl::Status SendAllWatched(int fd, struct iovec* iov, int iovcnt, const PeerWat
       continue;
     }
     watcher.Progressed();
-    size_t left = static_cast<size_t>(n);
-    while (iovcnt > 0 && left >= iov->iov_len) {
-      left -= iov->iov_len;
-      ++iov;
-      --iovcnt;
-    }
-    if (iovcnt > 0) {
-      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
-      iov->iov_len -= left;
-    }
+    SkipSent(&iov, &iovcnt, static_cast<size_t>(n));
   }
   return absl::OkStatus();
 }
@@ -305,16 +309,7 @@ absl::Status SendAll(int fd, struct iovec* iov, int iovcnt) {
       if (errno == EINTR) continue;
       return IoError("send", errno);
     }
-    size_t left = static_cast<size_t>(n);
-    while (iovcnt > 0 && left >= iov->iov_len) {
-      left -= iov->iov_len;
-      ++iov;
-      --iovcnt;
-    }
-    if (iovcnt > 0) {
-      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
-      iov->iov_len -= left;
-    }
+    SkipSent(&iov, &iovcnt, static_cast<size_t>(n));
   }
   return absl::OkStatus();
 }
