@@ -2324,7 +2324,10 @@ v1::EngineStates Coordinator::EngineStates() const {
 HeartbeatAgo Coordinator::HeartbeatAgoFn() const {
   return [this, now = absl::Now()](const std::string& id) {
     const absl::Time hb = LastHeartbeat(id);
-    return hb == absl::InfinitePast() ? -1.0 : absl::ToDoubleSeconds(now - hb);
+    // A heartbeat stamped after `now` (it arrived while the status was being built) is 0 s ago, not negative: a
+    // negative age read as "never heard from" and a heartbeating node was reported unreachable (seen once in
+    // daemon_etcd_raft_stop_test's 500 probes).
+    return hb == absl::InfinitePast() ? -1.0 : std::max(0.0, absl::ToDoubleSeconds(now - hb));
   };
 }
 
