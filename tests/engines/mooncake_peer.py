@@ -11,6 +11,10 @@ Test-only control endpoints on the same HTTP server:
   GET  /wsync_test/checksums  -> {"rank", "session_id", "checksums": {name: sha256 hex of the current bytes}}
   GET  /wsync_test/initial    -> the same for the bytes the peer started with (computed from initial_bytes())
   POST /wsync_test/exit       -> 200, then the process unregisters its memory and exits 0
+  POST /wsync_test/region?length=N&fill=B  -> {"addr": A}: N more bytes, every one B, registered with the engine
+       (the conformance suite's destination memory, tests/transport/mooncake_factory.cc)
+  GET  /wsync_test/bytes?addr=A&length=N   -> those bytes of a region as they are now (application/octet-stream)
+  POST /wsync_test/fill?addr=A&length=N&byte=B -> 200 once every one of those bytes is B
 On start it prints one JSON line to stdout: {"ready": true, "bootstrap": "H:P", "rank", "session_id", "params": N}.
 
 Layout (--layout FILE): JSON {"regions": [[{"name", "numel", "element_size"}, ...], ...]}; each region is one
@@ -129,6 +133,21 @@ class Rank:
             mv.release()
         return out
 
+    def add_region(self, length, fill):
+        mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if fill:
+            mm.write(bytes([fill]) * length)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        self.regions.append((mm, base, length))
+        return base
+
+    def view(self, addr, length):
+        """The bytes [addr, addr + length) of one region, or None where they are not inside one."""
+        for mm, base, size in self.regions:
+            if base <= addr and addr + length <= base + size:
+                return memoryview(mm)[addr - base:addr - base + length]
+        return None
+
     def initial_checksums(self):
         return {name: hashlib.sha256(initial_bytes(self.rank, name, numel * esz)).hexdigest()
                 for name, (ri, off, numel, esz) in self.params.items()}
@@ -161,6 +180,7 @@ def main():
 
     info = [session_id, rank.weights_info()]
     stop = threading.Event()
+    lock = threading.Lock()  # regions added by concurrent requests
 
     class Handler(JsonHandler):
         def do_GET(self):
@@ -180,13 +200,43 @@ def main():
                 return self.reply(200, {"rank": r, "remote_instance_transfer_engine_info": info})
             if url.path == "/wsync_test/checksums":
                 return self.reply(200, {"rank": args.rank, "session_id": session_id, "checksums": rank.checksums()})
+            if url.path == "/wsync_test/bytes":
+                mv = rank.view(int(q["addr"][0]), int(q["length"][0]))
+                if mv is None:
+                    return self.reply(400, {"error": "not inside one region"})
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(len(mv)))
+                self.end_headers()
+                self.wfile.write(mv)
+                mv.release()
+                return
             if url.path == "/wsync_test/initial":
                 return self.reply(200, {"rank": args.rank, "session_id": session_id,
                                         "checksums": rank.initial_checksums()})
             self.reply(404, {"error": f"unknown path {url.path}"})
 
         def do_POST(self):
-            if urllib.parse.urlparse(self.path).path == "/wsync_test/exit":
+            url = urllib.parse.urlparse(self.path)
+            q = urllib.parse.parse_qs(url.query)
+            if url.path == "/wsync_test/region":
+                length, fill = int(q["length"][0]), int(q.get("fill", ["0"])[0])
+                if length <= 0 or not 0 <= fill <= 255:
+                    return self.reply(400, {"error": "length must be > 0 and fill a byte"})
+                with lock:
+                    base = rank.add_region(length, fill)
+                    rc = engine.register_memory(base, length)
+                if rc != 0:
+                    return self.reply(500, {"error": f"register_memory(0x{base:x}, {length}) = {rc}"})
+                return self.reply(200, {"addr": base})
+            if url.path == "/wsync_test/fill":
+                mv = rank.view(int(q["addr"][0]), int(q["length"][0]))
+                if mv is None:
+                    return self.reply(400, {"error": "not inside one region"})
+                mv[:] = bytes([int(q["byte"][0])]) * len(mv)
+                mv.release()
+                return self.reply(200, {"filled": True})
+            if url.path == "/wsync_test/exit":
                 self.reply(200, {"exiting": True})
                 stop.set()
                 return

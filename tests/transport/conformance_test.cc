@@ -1,9 +1,12 @@
 // Behaviour every transport must have. Linked once per backend with its factory (see conformance.h): tcp, tcp through
 // the fault decorator, fabric (tcp;ofi_rxm, sockets, and the forced efa/cxi memory-registration modes), verbs in the
-// soft-RoCE VM. What each instance reports (Transport::Query) is held against what it does: bytes checked against a
-// pattern computed independently of the memory the transport read, windows and grants enforced exactly where the
-// instance says so and refusals counted where it says so, device sinks where it says it can write them, Post returning
-// while the peer's process is stopped, cancel, a dead peer named within the deadline, Endpoint::Reusable.
+// soft-RoCE VM, mooncake (protocol tcp) writing into the real Mooncake Transfer Engine in a process of its own (a
+// PeerReceiver: the cases write into its memory and read it back; those that need a wsync receiving transport say
+// by name that they do not apply). What each instance reports (Transport::Query) is held against what it does: bytes
+// checked against a pattern computed independently of the memory the transport read, windows and grants enforced
+// exactly where the instance says so and refusals counted where it says so, device sinks where it says it can write
+// them, Post returning while the peer's process is stopped, cancel, a dead peer named within the deadline,
+// Endpoint::Reusable.
 
 #include "tests/transport/conformance.h"
 
@@ -44,6 +47,7 @@ using wsync::transport::LocalRegion;
 using wsync::transport::RemoteRegion;
 using wsync::transport::Transport;
 using wsync::transport::WriteRequest;
+using wsync::transport::testing::PeerReceiver;
 
 constexpr uint8_t kUntouched = 0xEE;
 const absl::Duration kTimeout = absl::Seconds(20);
@@ -98,6 +102,10 @@ std::unique_ptr<RemoteRegion> Import(Transport& t, const LocalRegion& r) {
   return std::move(*rr);
 }
 
+// A case, or the rest of one, that does not apply to this backend or instance: said by name with the reason (Catch2 2
+// has no skip; a warning is printed with the case's name whether it passes or not), never passed in silence.
+void SkipRest(const std::string& what, const std::string& why) { WARN("SKIPPED " << what << ": " << why); }
+
 std::unique_ptr<Transport> MakeViable() {
   std::unique_ptr<Transport> t = MakeTransportUnderTest();
   REQUIRE(t != nullptr);
@@ -138,6 +146,87 @@ void RequireOk(const absl::Status& s) {
   REQUIRE(s.ok());
 }
 
+// Destination memory on the receiving side: registered with a transport instance of this process, or added to the
+// backend's PeerReceiver. Bytes() is what the receiving memory holds now (a peer's is read back from it).
+class Dest {
+ public:
+  Dest() = default;
+  Dest(Buffer local, std::string descriptor) : local_(std::move(local)), descriptor_(std::move(descriptor)) {}
+  Dest(PeerReceiver* peer, std::string descriptor, uint64_t size)
+      : peer_(peer), descriptor_(std::move(descriptor)), size_(size) {}
+  const std::string& descriptor() const { return descriptor_; }
+  uint64_t size() const { return peer_ != nullptr ? size_ : local_.bytes.size(); }
+  const std::vector<uint8_t>& Bytes() {
+    if (peer_ == nullptr) return local_.bytes;
+    const std::string got = peer_->Read(descriptor_);
+    read_.assign(got.begin(), got.end());
+    return read_;
+  }
+  void Fill(uint8_t fill) {
+    if (peer_ != nullptr) {
+      peer_->Fill(descriptor_, fill);
+    } else {
+      std::fill(local_.bytes.begin(), local_.bytes.end(), fill);
+    }
+  }
+  // Deregisters a local region (the memory stays readable); nothing for a peer's.
+  void Deregister() { local_.region.reset(); }
+
+ private:
+  PeerReceiver* peer_ = nullptr;
+  Buffer local_;
+  std::string descriptor_;
+  uint64_t size_ = 0;
+  std::vector<uint8_t> read_;
+};
+
+// The receiving side of a case: a transport instance (as if in a process of its own), or the backend's PeerReceiver
+// (conformance.h), a process of its own.
+class Receiver {
+ public:
+  Receiver() : peer_(MakePeerReceiverUnderTest()) {
+    if (peer_ == nullptr) t_ = MakeViable();
+  }
+  PeerReceiver* peer() const { return peer_.get(); }
+  Dest Register(uint64_t len, uint8_t fill) {
+    if (peer_ != nullptr) return Dest(peer_.get(), peer_->AddRegion(len, fill), len);
+    REQUIRE(t_ != nullptr);
+    Buffer b = ::Register(*t_, len, fill);
+    std::string desc = b.region->Descriptor();
+    return Dest(std::move(b), std::move(desc));
+  }
+  // Sender and receiver connect as the control plane has them (a peer receiver takes no Connect of its own).
+  Link Connect(Transport& sender) {
+    if (peer_ == nullptr) return ::Connect(sender, *t_);
+    Link l;
+    auto a = sender.CreateEndpoint();
+    RequireOk(a.status());
+    l.src = std::move(*a);
+    RequireOk(l.src->Connect(peer_->ConnectInfo(), kTimeout));
+    return l;
+  }
+  // The whole receiving side goes away: its endpoint, its regions and its transport, or the peer's process.
+  void Destroy(Link& link, Dest& dst) {
+    if (peer_ != nullptr) {
+      peer_->Kill();
+      return;
+    }
+    link.dst.reset();
+    dst.Deregister();  // deregisters first: the memory stays valid until no write targets it
+    t_.reset();
+  }
+
+ private:
+  std::unique_ptr<PeerReceiver> peer_;
+  std::unique_ptr<Transport> t_;
+};
+
+std::unique_ptr<RemoteRegion> Import(Transport& t, const Dest& d) {
+  auto rr = t.ImportRegion(d.descriptor());
+  RequireOk(rr.status());
+  return std::move(*rr);
+}
+
 // Applies a write to an expected image using the pattern, not the source memory.
 void Expect(std::vector<uint8_t>& image, uint64_t dst_offset, uint64_t src_seed, uint64_t src_offset, uint64_t len) {
   FillPattern(image.data() + dst_offset, len, src_seed, src_offset);
@@ -145,39 +234,42 @@ void Expect(std::vector<uint8_t>& image, uint64_t dst_offset, uint64_t src_seed,
 
 }  // namespace
 
+// The default of conformance.h: no peer receiver, the receiving side is a transport instance.
+__attribute__((weak)) std::unique_ptr<PeerReceiver> MakePeerReceiverUnderTest() { return nullptr; }
+
 TEST_CASE("a single write lands byte for byte and touches nothing else", "[transport]") {
   auto sender = MakeViable();
-  auto receiver = MakeViable();
+  Receiver receiver;
   Buffer src = RegisterPattern(*sender, 1 << 20, 1);
-  Buffer dst = Register(*receiver, 1 << 20, kUntouched);
-  auto remote = Import(*sender, *dst.region);
-  REQUIRE(remote->length() == dst.bytes.size());
-  Link link = Connect(*sender, *receiver);
+  Dest dst = receiver.Register(1 << 20, kUntouched);
+  auto remote = Import(*sender, dst);
+  REQUIRE(remote->length() == dst.size());
+  Link link = receiver.Connect(*sender);
 
   WriteRequest w{src.region.get(), 4096, remote.get(), 777, 100000};
   RequireOk(link.src->Write({&w, 1}, kTimeout));
 
-  std::vector<uint8_t> want(dst.bytes.size(), kUntouched);
+  std::vector<uint8_t> want(dst.size(), kUntouched);
   Expect(want, 777, 1, 4096, 100000);
-  CHECK(FirstMismatch(dst.bytes, want) == -1);
+  CHECK(FirstMismatch(dst.Bytes(), want) == -1);
 }
 
 TEST_CASE("batched writes to several regions, several batches outstanding", "[transport]") {
   auto sender = MakeViable();
-  auto receiver = MakeViable();
+  Receiver receiver;
   constexpr uint64_t kSrcLen = 4 << 20;
   constexpr uint64_t kDstLen = 1 << 20;
   constexpr uint64_t kSlot = 16 << 10;
   Buffer src = RegisterPattern(*sender, kSrcLen, 2);
-  std::vector<Buffer> dst;
+  std::vector<Dest> dst;
   std::vector<std::unique_ptr<RemoteRegion>> remote;
   std::vector<std::vector<uint8_t>> want;
   for (int i = 0; i < 3; ++i) {
-    dst.push_back(Register(*receiver, kDstLen, kUntouched));
-    remote.push_back(Import(*sender, *dst.back().region));
+    dst.push_back(receiver.Register(kDstLen, kUntouched));
+    remote.push_back(Import(*sender, dst.back()));
     want.emplace_back(kDstLen, kUntouched);
   }
-  Link link = Connect(*sender, *receiver);
+  Link link = receiver.Connect(*sender);
 
   std::mt19937_64 rng(42);
   std::vector<std::vector<WriteRequest>> batches(3);
@@ -197,7 +289,7 @@ TEST_CASE("batched writes to several regions, several batches outstanding", "[tr
     ids.push_back(*id);
   }
   for (auto it = ids.rbegin(); it != ids.rend(); ++it) RequireOk(link.src->Wait(*it, kTimeout));
-  for (int r = 0; r < 3; ++r) CHECK(FirstMismatch(dst[r].bytes, want[r]) == -1);
+  for (int r = 0; r < 3; ++r) CHECK(FirstMismatch(dst[r].Bytes(), want[r]) == -1);
 
   // An empty batch completes too.
   RequireOk(link.src->Write({}, kTimeout));
@@ -205,28 +297,29 @@ TEST_CASE("batched writes to several regions, several batches outstanding", "[tr
 
 TEST_CASE("a region larger than one chunk, whole and unaligned", "[transport]") {
   auto sender = MakeViable();
-  auto receiver = MakeViable();
+  Receiver receiver;
   constexpr uint64_t kLen = (64 << 20) + (8 << 20) + 12345;
   Buffer src = RegisterPattern(*sender, kLen, 3);
-  Buffer dst = Register(*receiver, kLen, kUntouched);
-  auto remote = Import(*sender, *dst.region);
-  Link link = Connect(*sender, *receiver);
+  Dest dst = receiver.Register(kLen, kUntouched);
+  auto remote = Import(*sender, dst);
+  Link link = receiver.Connect(*sender);
 
   WriteRequest whole{src.region.get(), 0, remote.get(), 0, kLen};
   RequireOk(link.src->Write({&whole, 1}, kTimeout));
-  CHECK(FirstPatternMismatch(dst.bytes.data(), kLen, 3, 0) == -1);
+  CHECK(FirstPatternMismatch(dst.Bytes().data(), kLen, 3, 0) == -1);
 
   // Shifted by an odd amount: source offset 3 lands at destination offset 0.
-  std::fill(dst.bytes.begin(), dst.bytes.end(), kUntouched);
+  dst.Fill(kUntouched);
   WriteRequest shifted{src.region.get(), 3, remote.get(), 0, kLen - 7};
   RequireOk(link.src->Write({&shifted, 1}, kTimeout));
-  CHECK(FirstPatternMismatch(dst.bytes.data(), kLen - 7, 3, 3) == -1);
-  for (uint64_t i = kLen - 7; i < kLen; ++i) CHECK(dst.bytes[i] == kUntouched);
+  const std::vector<uint8_t>& got = dst.Bytes();
+  CHECK(FirstPatternMismatch(got.data(), kLen - 7, 3, 3) == -1);
+  for (uint64_t i = kLen - 7; i < kLen; ++i) CHECK(got[i] == kUntouched);
 }
 
 TEST_CASE("thousands of small parameters in one batch", "[transport]") {
   auto sender = MakeViable();
-  auto receiver = MakeViable();
+  Receiver receiver;
   std::mt19937_64 rng(7);
   constexpr int kParams = 5000;
   std::vector<uint64_t> sizes(kParams);
@@ -246,9 +339,9 @@ TEST_CASE("thousands of small parameters in one batch", "[transport]") {
     dst_len += sizes[i] + 64;
   }
   Buffer src = RegisterPattern(*sender, src_len, 4);
-  Buffer dst = Register(*receiver, dst_len, kUntouched);
-  auto remote = Import(*sender, *dst.region);
-  Link link = Connect(*sender, *receiver);
+  Dest dst = receiver.Register(dst_len, kUntouched);
+  auto remote = Import(*sender, dst);
+  Link link = receiver.Connect(*sender);
 
   std::vector<WriteRequest> writes;
   std::vector<uint8_t> want(dst_len, kUntouched);
@@ -257,7 +350,7 @@ TEST_CASE("thousands of small parameters in one batch", "[transport]") {
     Expect(want, dst_off[i], 4, src_off[i], sizes[i]);
   }
   RequireOk(link.src->Write(writes, kTimeout));
-  CHECK(FirstMismatch(dst.bytes, want) == -1);
+  CHECK(FirstMismatch(dst.Bytes(), want) == -1);
 }
 
 TEST_CASE("concurrent writes from one source to several targets", "[transport]") {
@@ -265,15 +358,15 @@ TEST_CASE("concurrent writes from one source to several targets", "[transport]")
   constexpr uint64_t kLen = 16 << 20;
   auto sender = MakeViable();
   Buffer src = RegisterPattern(*sender, kLen, 5);
-  std::vector<std::unique_ptr<Transport>> receivers;
-  std::vector<Buffer> dst;
+  std::vector<std::unique_ptr<Receiver>> receivers;
+  std::vector<Dest> dst;
   std::vector<std::unique_ptr<RemoteRegion>> remote;
   std::vector<Link> links;
   for (int i = 0; i < kTargets; ++i) {
-    receivers.push_back(MakeViable());
-    dst.push_back(Register(*receivers.back(), kLen, kUntouched));
-    remote.push_back(Import(*sender, *dst.back().region));
-    links.push_back(Connect(*sender, *receivers.back()));
+    receivers.push_back(std::make_unique<Receiver>());
+    dst.push_back(receivers.back()->Register(kLen, kUntouched));
+    remote.push_back(Import(*sender, dst.back()));
+    links.push_back(receivers.back()->Connect(*sender));
   }
   std::vector<absl::Status> results(kTargets);
   std::vector<std::thread> threads;
@@ -293,18 +386,19 @@ TEST_CASE("concurrent writes from one source to several targets", "[transport]")
     INFO("target " << i << ": " << results[i].ToString());
     REQUIRE(results[i].ok());
     const uint64_t cut = (i + 1) * (kLen / 8) + i;
-    CHECK(FirstPatternMismatch(dst[i].bytes.data(), kLen - cut, 5, cut) == -1);
-    CHECK(FirstPatternMismatch(dst[i].bytes.data() + kLen - cut, cut, 5, 0) == -1);
+    const std::vector<uint8_t>& got = dst[i].Bytes();
+    CHECK(FirstPatternMismatch(got.data(), kLen - cut, 5, cut) == -1);
+    CHECK(FirstPatternMismatch(got.data() + kLen - cut, cut, 5, 0) == -1);
   }
 }
 
 TEST_CASE("out-of-bounds requests are rejected before anything is sent", "[transport][errors]") {
   auto sender = MakeViable();
-  auto receiver = MakeViable();
+  Receiver receiver;
   Buffer src = RegisterPattern(*sender, 64 << 10, 6);
-  Buffer dst = Register(*receiver, 32 << 10, kUntouched);
-  auto remote = Import(*sender, *dst.region);
-  Link link = Connect(*sender, *receiver);
+  Dest dst = receiver.Register(32 << 10, kUntouched);
+  auto remote = Import(*sender, dst);
+  Link link = receiver.Connect(*sender);
   const LocalRegion* s = src.region.get();
   const RemoteRegion* d = remote.get();
 
@@ -333,52 +427,61 @@ TEST_CASE("out-of-bounds requests are rejected before anything is sent", "[trans
   // The endpoint still works, and nothing from the rejected batches arrived.
   WriteRequest ok{s, 0, d, 8192, 1024};
   RequireOk(link.src->Write({&ok, 1}, kTimeout));
-  std::vector<uint8_t> want(dst.bytes.size(), kUntouched);
+  std::vector<uint8_t> want(dst.size(), kUntouched);
   Expect(want, 8192, 6, 0, 1024);
-  CHECK(FirstMismatch(dst.bytes, want) == -1);
+  CHECK(FirstMismatch(dst.Bytes(), want) == -1);
 }
 
 TEST_CASE("garbage and foreign descriptors are rejected", "[transport][errors]") {
   auto sender = MakeViable();
-  auto receiver = MakeViable();
-  auto other = MakeViable();
+  Receiver receiver;
+  Receiver other;
   Buffer src = RegisterPattern(*sender, 64 << 10, 7);
-  Buffer dst = Register(*receiver, 64 << 10, kUntouched);
-  Buffer foreign = Register(*other, 64 << 10, kUntouched);
-  const std::string desc = dst.region->Descriptor();
+  Dest dst = receiver.Register(64 << 10, kUntouched);
+  Dest foreign = other.Register(64 << 10, kUntouched);
+  const std::string desc = dst.descriptor();
 
   CHECK_FALSE(sender->ImportRegion("").ok());
   CHECK_FALSE(sender->ImportRegion("garbage").ok());
-  CHECK_FALSE(sender->ImportRegion(desc.substr(0, desc.size() - 1)).ok());
+  if (receiver.peer() == nullptr) {
+    CHECK_FALSE(sender->ImportRegion(desc.substr(0, desc.size() - 1)).ok());
+  } else {
+    SkipRest("a descriptor cut short by one byte is rejected",
+             "this backend's descriptors are text wsync builds from what the peer publishes (\"" + desc +
+                 "\"): one cut short by a digit names a shorter region of the same peer, a valid descriptor; cut "
+                 "in half it is rejected");
+    CHECK_FALSE(sender->ImportRegion(desc.substr(0, desc.size() / 2)).ok());
+  }
   CHECK_FALSE(sender->ImportRegion(std::string(desc.size(), '\0')).ok());
 
-  // A valid descriptor of a third transport, written through an endpoint connected to `receiver`: either Post
-  // or Wait fails (no hang), and neither region changes.
-  auto remote = Import(*sender, *foreign.region);
-  Link link = Connect(*sender, *receiver);
+  // A valid descriptor of a third transport (or peer), written through an endpoint connected to `receiver`: either
+  // Post or Wait fails (no hang), and neither region changes.
+  auto remote = Import(*sender, foreign);
+  Link link = receiver.Connect(*sender);
   WriteRequest w{src.region.get(), 0, remote.get(), 0, 4096};
   auto id = link.src->Post({&w, 1});
   if (id.ok()) CHECK_FALSE(link.src->Wait(*id, kTimeout).ok());
-  CHECK(std::all_of(dst.bytes.begin(), dst.bytes.end(), [](uint8_t b) { return b == kUntouched; }));
-  CHECK(std::all_of(foreign.bytes.begin(), foreign.bytes.end(), [](uint8_t b) { return b == kUntouched; }));
+  const std::vector<uint8_t> got = dst.Bytes();
+  CHECK(std::all_of(got.begin(), got.end(), [](uint8_t b) { return b == kUntouched; }));
+  const std::vector<uint8_t>& got_foreign = foreign.Bytes();
+  CHECK(std::all_of(got_foreign.begin(), got_foreign.end(), [](uint8_t b) { return b == kUntouched; }));
 }
 
 TEST_CASE("a destroyed peer fails the batch with a status naming it, no hang", "[transport][errors]") {
   auto sender = MakeViable();
-  auto receiver = MakeViable();
+  Receiver receiver;
   constexpr uint64_t kLen = 8 << 20;
   Buffer src = RegisterPattern(*sender, kLen, 8);
-  Buffer dst = Register(*receiver, kLen, kUntouched);
-  auto remote = Import(*sender, *dst.region);
-  Link link = Connect(*sender, *receiver);
+  Dest dst = receiver.Register(kLen, kUntouched);
+  auto remote = Import(*sender, dst);
+  Link link = receiver.Connect(*sender);
   WriteRequest w{src.region.get(), 0, remote.get(), 0, kLen};
   RequireOk(link.src->Write({&w, 1}, kTimeout));
+  CHECK(FirstPatternMismatch(dst.Bytes().data(), kLen, 8, 0) == -1);
   const std::string peer = link.src->PeerName();
 
-  // The whole peer goes away: endpoint, region, transport.
-  link.dst.reset();
-  dst.region.reset();
-  receiver.reset();
+  // The whole peer goes away: endpoint, region, transport (or its process).
+  receiver.Destroy(link, dst);
 
   const absl::Time start = absl::Now();
   absl::Status s;
@@ -395,13 +498,13 @@ TEST_CASE("a destroyed peer fails the batch with a status naming it, no hang", "
 
 TEST_CASE("a peer destroyed in the middle of a large batch: error or success, never a hang", "[transport][errors]") {
   auto sender = MakeViable();
-  auto receiver = MakeViable();
+  Receiver receiver;
   constexpr uint64_t kLen = 64 << 20;
   constexpr int kCopies = 3;
   Buffer src = RegisterPattern(*sender, kLen, 9);
-  auto dst = std::make_unique<Buffer>(Register(*receiver, kCopies * kLen, kUntouched));
-  auto remote = Import(*sender, *dst->region);
-  Link link = Connect(*sender, *receiver);
+  auto dst = std::make_unique<Dest>(receiver.Register(kCopies * kLen, kUntouched));
+  auto remote = Import(*sender, *dst);
+  Link link = receiver.Connect(*sender);
   std::vector<WriteRequest> writes;
   for (uint64_t i = 0; i < kCopies; ++i) {
     writes.push_back(WriteRequest{src.region.get(), 0, remote.get(), i * kLen, kLen});
@@ -411,10 +514,8 @@ TEST_CASE("a peer destroyed in the middle of a large batch: error or success, ne
   RequireOk(id.status());
   std::thread killer([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    link.dst.reset();
-    dst->region.reset();  // deregisters first: the memory stays valid until no write targets it
+    receiver.Destroy(link, *dst);
     dst.reset();
-    receiver.reset();
   });
   // Bounded by the transport's own stall detection (io_timeout 15 s, plus a stream open of up to 10 s when the
   // peer vanished while the batch was opening its parallel streams): on a loaded 2-core machine that can pass 20 s,
@@ -431,13 +532,13 @@ TEST_CASE("a peer destroyed in the middle of a large batch: error or success, ne
 
 TEST_CASE("Wait times out and leaves the batch outstanding", "[transport][errors]") {
   auto sender = MakeViable();
-  auto receiver = MakeViable();
+  Receiver receiver;
   constexpr uint64_t kLen = 64 << 20;
   constexpr uint64_t kPiece = 1 << 20;
   Buffer src = RegisterPattern(*sender, kLen, 10);
-  Buffer dst = Register(*receiver, kLen, kUntouched);
-  auto remote = Import(*sender, *dst.region);
-  Link link = Connect(*sender, *receiver);
+  Dest dst = receiver.Register(kLen, kUntouched);
+  auto remote = Import(*sender, dst);
+  Link link = receiver.Connect(*sender);
   std::vector<WriteRequest> writes;  // reversed piece order: a different layout than the source, same bytes
   for (uint64_t off = kLen; off > 0; off -= kPiece) {
     writes.push_back(WriteRequest{src.region.get(), off - kPiece, remote.get(), off - kPiece, kPiece});
@@ -450,7 +551,7 @@ TEST_CASE("Wait times out and leaves the batch outstanding", "[transport][errors
   // unfinished or not, must complete with every byte and be waited for once.
   int unfinished = 0;
   for (int attempt = 0; attempt < 8 && unfinished == 0; ++attempt) {
-    std::memset(dst.bytes.data(), kUntouched, kLen);
+    if (attempt > 0) dst.Fill(kUntouched);
     auto id = link.src->Post(writes);
     RequireOk(id.status());
     absl::Status early = link.src->Wait(*id, absl::ZeroDuration());
@@ -461,7 +562,7 @@ TEST_CASE("Wait times out and leaves the batch outstanding", "[transport][errors
     } else {
       RequireOk(early);  // finished already: no other error is acceptable
     }
-    CHECK(FirstPatternMismatch(dst.bytes.data(), kLen, 10, 0) == -1);
+    CHECK(FirstPatternMismatch(dst.Bytes().data(), kLen, 10, 0) == -1);
     // A batch is waited for once.
     CHECK_FALSE(link.src->Wait(*id, absl::ZeroDuration()).ok());
   }
@@ -477,18 +578,17 @@ TEST_CASE("Wait times out and leaves the batch outstanding", "[transport][errors
 TEST_CASE("post never blocks: a batch larger than the send queues, to a peer that is gone, returns at once",
           "[transport][post]") {
   auto sender = MakeViable();
-  auto receiver = MakeViable();
+  Receiver receiver;
   constexpr uint64_t kLen = 8 << 20;
   constexpr uint64_t kPiece = 4096;  // 2048 writes: more than any backend's send queues take at once
   Buffer src = RegisterPattern(*sender, kLen, 61);
-  Buffer dst = Register(*receiver, kLen, kUntouched);
-  auto remote = Import(*sender, *dst.region);
-  Link link = Connect(*sender, *receiver);
+  Dest dst = receiver.Register(kLen, kUntouched);
+  auto remote = Import(*sender, dst);
+  Link link = receiver.Connect(*sender);
   WriteRequest first{src.region.get(), 0, remote.get(), 0, kPiece};
   RequireOk(link.src->Write({&first, 1}, kTimeout));  // the peer was reached
-  link.dst.reset();
-  dst.region.reset();
-  receiver.reset();
+  CHECK(FirstPatternMismatch(dst.Bytes().data(), kPiece, 61, 0) == -1);
+  receiver.Destroy(link, dst);
 
   std::vector<WriteRequest> writes;
   for (uint64_t off = 0; off < kLen; off += kPiece)
@@ -525,6 +625,45 @@ constexpr std::chrono::seconds kPostBound{3};
 // transport that judges its peer (tcp: send_progress_timeout 1 s, conformance.h), so that a transport which takes a
 // peer answering its probes with a zero window for a gone one fails the batches before the peer resumes.
 constexpr std::chrono::milliseconds kStoppedFor{2500};
+
+// The stopped-peer case's receiver in a process of its own: this executable's [.held_peer] case, or the backend's
+// PeerReceiver. Killed on destruction.
+class HeldPeer {
+ public:
+  HeldPeer() : receiver_(MakePeerReceiverUnderTest()) {
+    if (receiver_ != nullptr) {
+      region_ = receiver_->AddRegion(kHeldLen, kUntouched);
+      info_ = receiver_->ConnectInfo();
+    } else {
+      process_ = std::make_unique<wsync::transport::testing::PeerProcess>("conformance_peer", "[.held_peer]");
+      info_ = FromHex(process_->Next("info"));
+      region_ = FromHex(process_->Next("region"));
+    }
+  }
+  const std::string& info() const { return info_; }
+  const std::string& region() const { return region_; }
+  // The sender endpoint's LocalInfo, for the peer's Connect (a PeerReceiver takes none).
+  void Connect(const std::string& sender_info) {
+    if (process_ != nullptr) process_->Send(ToHex(sender_info));
+  }
+  void Stop() { process_ != nullptr ? process_->Stop() : receiver_->Stop(); }
+  void Resume() { process_ != nullptr ? process_->Resume() : receiver_->Resume(); }
+  // Once every batch completed: where the peer's memory first differs from the pattern, "-1" where nowhere.
+  std::string Mismatch() {
+    if (process_ == nullptr) {
+      const std::string got = receiver_->Read(region_);
+      REQUIRE(got.size() == kHeldLen);
+      return std::to_string(FirstPatternMismatch(reinterpret_cast<const uint8_t*>(got.data()), kHeldLen, kHeldSeed, 0));
+    }
+    process_->Send("check");
+    return process_->Next("mismatch");
+  }
+
+ private:
+  std::unique_ptr<PeerReceiver> receiver_;
+  std::unique_ptr<wsync::transport::testing::PeerProcess> process_;
+  std::string info_, region_;
+};
 
 }  // namespace
 
@@ -574,9 +713,9 @@ TEST_CASE("post never blocks: batches to a live peer whose process is stopped ar
   Buffer src;
   absl::StatusOr<std::unique_ptr<RemoteRegion>> remote;
   std::unique_ptr<Endpoint> ep;
-  wsync::transport::testing::PeerProcess peer("conformance_peer", "[.held_peer]");
-  const std::string info = FromHex(peer.Next("info"));
-  const std::string region = FromHex(peer.Next("region"));
+  HeldPeer peer;
+  const std::string info = peer.info();
+  const std::string region = peer.region();
   REQUIRE_FALSE(info.empty());
   REQUIRE_FALSE(region.empty());
   sender = MakeViable();
@@ -586,7 +725,7 @@ TEST_CASE("post never blocks: batches to a live peer whose process is stopped ar
   auto made = sender->CreateEndpoint();
   RequireOk(made.status());
   ep = std::move(*made);
-  peer.Send(ToHex(ep->LocalInfo()));
+  peer.Connect(ep->LocalInfo());
   RequireOk(ep->Connect(info, kTimeout));
   WriteRequest first{src.region.get(), 0, remote->get(), 0, kHeldPiece};
   RequireOk(ep->Write({&first, 1}, kTimeout));  // the peer was reached: whatever connects lazily is connected
@@ -649,8 +788,7 @@ TEST_CASE("post never blocks: batches to a live peer whose process is stopped ar
     INFO("batch " << i << "; after the peer was stopped " << kStoppedFor.count() << " ms it was: " << held[i]);
     RequireOk(ep->Wait(ids[i], kTimeout));
   }
-  peer.Send("check");
-  CHECK(peer.Next("mismatch") == "-1");
+  CHECK(peer.Mismatch() == "-1");
 }
 
 // A peer that is gone without a word (its namespace's link down: nothing it sends or acknowledges arrives any more) is
@@ -739,13 +877,13 @@ TEST_CASE("a peer whose link went down fails the batch in bounded time, sending 
 TEST_CASE("completion delivery: Wait(batch, 0) on CompletionFd drives a large batch; Cancel signals the fd",
           "[transport][post]") {
   auto sender = MakeViable();
-  auto receiver = MakeViable();
+  Receiver receiver;
   constexpr uint64_t kLen = 16 << 20;
   constexpr uint64_t kPiece = 4096;
   Buffer src = RegisterPattern(*sender, kLen, 62);
-  Buffer dst = Register(*receiver, kLen, kUntouched);
-  auto remote = Import(*sender, *dst.region);
-  Link link = Connect(*sender, *receiver);
+  Dest dst = receiver.Register(kLen, kUntouched);
+  auto remote = Import(*sender, dst);
+  Link link = receiver.Connect(*sender);
   std::vector<WriteRequest> writes;  // reversed order: the destination layout differs from the source's
   for (uint64_t off = kLen; off > 0; off -= kPiece)
     writes.push_back({src.region.get(), kLen - off, remote.get(), off - kPiece, kPiece});
@@ -772,12 +910,16 @@ TEST_CASE("completion delivery: Wait(batch, 0) on CompletionFd drives a large ba
     REQUIRE(absl::Now() < deadline);
   }
   RequireOk(st);
+  const std::vector<uint8_t>& got = dst.Bytes();
   for (uint64_t off = kLen; off > 0; off -= kPiece) {
-    const int64_t bad = FirstPatternMismatch(dst.bytes.data() + off - kPiece, kPiece, 62, kLen - off);
+    const int64_t bad = FirstPatternMismatch(got.data() + off - kPiece, kPiece, 62, kLen - off);
     INFO("piece at destination offset " << off - kPiece);
     REQUIRE(bad == -1);
   }
-  if (fd < 0) return;
+  if (fd < 0) {
+    SkipRest("Cancel signals CompletionFd", "this instance has no CompletionFd (-1): its owner polls in Wait");
+    return;
+  }
   // Consumed by the Wait that answered: a Cancel from another thread makes it readable again.
   WriteRequest one{src.region.get(), 0, remote.get(), 0, kPiece};
   RequireOk(link.src->Write({&one, 1}, kTimeout));
@@ -800,10 +942,17 @@ TEST_CASE(
     "a granted endpoint is reusable as it declares: repeat senders write through it; never after revoke or cancel",
     "[transport][grants]") {
   using wsync::transport::Transport;
+  if (MakePeerReceiverUnderTest() != nullptr) {
+    SkipRest("repeat senders through a granted endpoint (Reusable)",
+             "the receiving side is the backend's peer, not a wsync transport: no target daemon answers a repeat "
+             "ConnectTarget and there is no granted endpoint to reuse");
+    return;
+  }
   auto sender = MakeViable();
   auto receiver = MakeViable();
-  if (!receiver->RequireGrants(true).ok()) {
-    SUCCEED("no write grants on this backend");
+  if (const absl::Status st = receiver->RequireGrants(true); !st.ok()) {
+    SkipRest("repeat senders through a granted endpoint (Reusable)",
+             "no write grants on this instance (" + receiver->Query().provider + "): " + st.ToString());
     return;
   }
   constexpr uint64_t kLen = 1 << 16;
@@ -930,17 +1079,22 @@ TEST_CASE("write window: closed refuses and counts, re-opened lands; closing aft
   const Capabilities caps = receiver->Query();
   INFO("instance: " << caps.provider);
   constexpr uint64_t kLen = 256 << 10;
-  Buffer src = RegisterPattern(*sender, kLen, 31);
-  Buffer dst = Register(*receiver, kLen, kUntouched);
-  auto remote = Import(*sender, *dst.region);
-
   const absl::Status closed = receiver->SetWriteWindow(false);
   INFO(closed.ToString());
   CHECK(closed.ok() == caps.write_windows);  // reported as it is, either way
   if (!closed.ok()) {
     CHECK(closed.code() == absl::StatusCode::kUnimplemented);
+    SkipRest("writes refused while the window is closed",
+             MakePeerReceiverUnderTest() != nullptr
+                 ? "the receiving side is the backend's peer, which has no write window; this instance reports "
+                   "none and refuses SetWriteWindow: " +
+                       closed.ToString()
+                 : "this instance reports no window enforcement and refuses SetWriteWindow: " + closed.ToString());
     return;
   }
+  Buffer src = RegisterPattern(*sender, kLen, 31);
+  Buffer dst = Register(*receiver, kLen, kUntouched);
+  auto remote = Import(*sender, *dst.region);
   // Closed: refused, nothing lands, counted.
   uint64_t before = receiver->refused_writes();
   CheckRefused(WriteOnce(*sender, *receiver, nullptr, *src.region, *remote, kLen), caps, *receiver, before, dst,
@@ -981,6 +1135,12 @@ TEST_CASE("write grants: outside the grant, without one and after revocation ref
   CHECK(required.ok() == caps.write_grants);  // reported as it is, either way
   if (!required.ok()) {
     CHECK(required.code() == absl::StatusCode::kUnimplemented);
+    SkipRest("writes refused outside the grant",
+             MakePeerReceiverUnderTest() != nullptr
+                 ? "the receiving side is the backend's peer, which grants nothing per connection; this instance "
+                   "reports no grants and refuses RequireGrants: " +
+                       required.ToString()
+                 : "this instance reports no grant enforcement and refuses RequireGrants: " + required.ToString());
     return;
   }
   Buffer src = RegisterPattern(*sender, kLen, 41);
@@ -1046,13 +1206,13 @@ TEST_CASE("write grants: outside the grant, without one and after revocation ref
 TEST_CASE("cancel: queued batches fail with the caller's reason at once; later calls fail; no torn bytes",
           "[transport][cancel]") {
   auto sender = MakeViable();
-  auto receiver = MakeViable();
+  Receiver receiver;
   constexpr uint64_t kLen = 32 << 20;
   constexpr int kBatches = 8;
   Buffer src = RegisterPattern(*sender, kLen, 51);
-  Buffer dst = Register(*receiver, kBatches * kLen, kUntouched);
-  auto remote = Import(*sender, *dst.region);
-  Link link = Connect(*sender, *receiver);
+  Dest dst = receiver.Register(kBatches * kLen, kUntouched);
+  auto remote = Import(*sender, dst);
+  Link link = receiver.Connect(*sender);
   std::vector<BatchId> ids;
   for (int i = 0; i < kBatches; ++i) {
     WriteRequest w{src.region.get(), 0, remote.get(), static_cast<uint64_t>(i) * kLen, kLen};
@@ -1082,13 +1242,28 @@ TEST_CASE("cancel: queued batches fail with the caller's reason at once; later c
     CHECK_FALSE(st.ok());
     CHECK(st.code() != absl::StatusCode::kDeadlineExceeded);
   }
+  // A peer receiver's memory is read while the sender's endpoint still exists: after the Cancel returned, nothing
+  // lands but what was on the wire when it was called (PeerReceiver::InFlightBound), never a request still queued
+  // in the endpoint. A receiver in this process is not read while its threads may still apply bytes.
+  std::vector<uint8_t> at_cancel;
+  if (receiver.peer() != nullptr) {
+    at_cancel = dst.Bytes();
+    link.src.reset();  // its connections' threads joined: whatever they sent is on its way
+  } else {
+    receiver.Destroy(link, dst);  // its threads joined: the memory is read after them
+  }
   // Every byte is the pattern or untouched. (Bytes a receiver had buffered when the cancel came may still land after
   // it returned: a tcp receiver applies what reached its socket.)
-  link.dst.reset();
-  dst.region.reset();
-  receiver.reset();
+  const std::vector<uint8_t>& got = dst.Bytes();
+  if (receiver.peer() != nullptr) {
+    uint64_t landed_after = 0;
+    for (uint64_t j = 0; j < got.size(); ++j) landed_after += got[j] != at_cancel[j];
+    INFO(landed_after << " bytes landed after the Cancel returned; at most " << receiver.peer()->InFlightBound()
+                      << " were on the wire");
+    CHECK(landed_after <= receiver.peer()->InFlightBound());
+  }
   for (int i = 0; i < kBatches; ++i) {
-    const uint8_t* p = dst.bytes.data() + static_cast<uint64_t>(i) * kLen;
+    const uint8_t* p = got.data() + static_cast<uint64_t>(i) * kLen;
     uint64_t torn = kLen;
     for (uint64_t j = 0; j < kLen && torn == kLen; ++j)
       if (p[j] != kUntouched && p[j] != PatternByte(51, j)) torn = j;
@@ -1170,6 +1345,8 @@ TEST_CASE("device sinks where the instance says it can: every byte there after S
   INFO(region.status().ToString());
   if (!caps.writes_into_device) {
     CHECK_FALSE(region.ok());
+    SkipRest("bytes written into a device sink",
+             "this instance reports no device sinks and refused the sink: " + region.status().ToString());
     return;
   }
   REQUIRE(region.ok());

@@ -29,6 +29,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "tests/transport/mooncake_peer.h"
 #include "tests/transport/pattern.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -44,6 +45,10 @@ namespace {
 
 using namespace wsync::transport;  // NOLINT: test brevity
 using nlohmann::json;
+using testing::Http;
+using testing::Layout;
+using testing::Param;
+using testing::Peer;
 
 const absl::Duration kTimeout = absl::Seconds(60);
 
@@ -68,166 +73,6 @@ std::string PatternSha256(uint64_t seed, uint64_t n) {
 void RequireOk(const absl::Status& s) {
   INFO(s.ToString());
   REQUIRE(s.ok());
-}
-
-// GET/POST on the peer's bootstrap server (plain HTTP/1.0: the peer answers and closes).
-std::pair<int, std::string> Http(const std::string& host, int port, const std::string& method,
-                                 const std::string& path) {
-  auto fd = tcp::ConnectTo(host, port, absl::Seconds(10));
-  REQUIRE(fd.ok());
-  tcp::TuneSocket(fd->get(), absl::Seconds(30));
-  std::string req = absl::StrCat(method, " ", path, " HTTP/1.0\r\nHost: ", host, "\r\nContent-Length: 0\r\n\r\n");
-  iovec iov{req.data(), req.size()};
-  REQUIRE(tcp::SendAll(fd->get(), &iov, 1).ok());
-  std::string resp;
-  char buf[65536];
-  for (;;) {
-    ssize_t n = ::recv(fd->get(), buf, sizeof(buf), 0);
-    REQUIRE(n >= 0);
-    if (n == 0) break;
-    resp.append(buf, static_cast<size_t>(n));
-  }
-  const size_t eoh = resp.find("\r\n\r\n");
-  REQUIRE(eoh != std::string::npos);
-  int code = 0;
-  REQUIRE(absl::SimpleAtoi(resp.substr(9, 3), &code));
-  return {code, resp.substr(eoh + 4)};
-}
-
-struct Param {
-  std::string name;
-  uint64_t ptr = 0;
-  uint64_t bytes = 0;
-};
-
-// One real Mooncake peer process (tests/engines/mooncake_peer.py), killed on destruction.
-class Peer {
- public:
-  // `extra`: more arguments for the peer (rdma: --protocol rdma --device rxe0 --local-ip ...).
-  explicit Peer(const json& layout, const std::vector<std::string>& extra = {}) {
-    const char* py = std::getenv("WSYNC_MOONCAKE_PYTHON");
-    const char* script = std::getenv("WSYNC_MOONCAKE_PEER");
-    INFO("run this test through tests/engines/run_mooncake_test.sh (it installs the real Mooncake engine and "
-         "sets WSYNC_MOONCAKE_PYTHON and WSYNC_MOONCAKE_PEER)");
-    REQUIRE(py != nullptr);
-    REQUIRE(script != nullptr);
-    layout_path_ = absl::StrCat(TmpDir(), "/wsync-mooncake-layout-", ::getpid(), "-", ++counter_, ".json");
-    std::ofstream(layout_path_) << layout.dump();
-    int out[2];
-    REQUIRE(::pipe(out) == 0);
-    pid_ = ::fork();
-    REQUIRE(pid_ >= 0);
-    if (pid_ == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test killed on the spot (timeout, SIGPIPE) takes its peer along
-      ::dup2(out[1], 1);
-      ::close(out[0]);
-      ::close(out[1]);
-      std::vector<std::string> args = {py, script, "--rank", "0", "--layout", layout_path_};
-      args.insert(args.end(), extra.begin(), extra.end());
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execv(py, argv.data());
-      ::_exit(127);
-    }
-    ::close(out[1]);
-    try {
-      Init(out[0]);
-    } catch (...) {  // a failed REQUIRE in a constructor skips the destructor
-      Kill();
-      ::unlink(layout_path_.c_str());
-      throw;
-    }
-  }
-
-  ~Peer() {
-    Kill();
-    ::unlink(layout_path_.c_str());
-  }
-
-  void Kill() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
-
- private:
-  // Reads the peer's ready line from `out` (and closes it), then what a writer learns from the bootstrap.
-  void Init(int out) {
-    std::string line;
-    pollfd p{out, POLLIN, 0};
-    const absl::Time deadline = absl::Now() + absl::Seconds(120);  // first start imports the engine: slow on CI
-    while (line.find('\n') == std::string::npos && absl::Now() < deadline) {
-      if (::poll(&p, 1, 1000) <= 0) continue;
-      char c[4096];
-      ssize_t n = ::read(out, c, sizeof(c));
-      if (n <= 0) break;
-      line.append(c, static_cast<size_t>(n));
-    }
-    ::close(out);
-    INFO("peer's first line: " << line);
-    REQUIRE(line.find('\n') != std::string::npos);
-    json ready = json::parse(line.substr(0, line.find('\n')));
-    REQUIRE(ready.value("ready", false));
-    const std::string bootstrap = ready["bootstrap"];
-    host_ = bootstrap.substr(0, bootstrap.rfind(':'));
-    REQUIRE(absl::SimpleAtoi(bootstrap.substr(bootstrap.rfind(':') + 1), &port_));
-    for (const json& r : ready["regions"]) {
-      uint64_t base = 0;
-      REQUIRE(absl::SimpleHexAtoi(r[0].get<std::string>().substr(2), &base));
-      regions_.emplace_back(base, r[1].get<uint64_t>());
-    }
-
-    // What a writer learns from the bootstrap, as SGLang publishes it.
-    auto [code, body] = Http(host_, port_, "GET", "/get_transfer_engine_info?rank=0");
-    REQUIRE(code == 200);
-    json info = json::parse(body)["remote_instance_transfer_engine_info"];
-    session_id_ = info[0];
-    for (auto& [name, v] : info[1].items()) {
-      params_[name] = Param{name, v[0].get<uint64_t>(), v[1].get<uint64_t>() * v[2].get<uint64_t>()};
-    }
-  }
-
- public:
-  std::map<std::string, std::string> Checksums(const std::string& which = "checksums") {
-    auto [code, body] = Http(host_, port_, "GET", absl::StrCat("/wsync_test/", which));
-    REQUIRE(code == 200);
-    return json::parse(body)["checksums"].get<std::map<std::string, std::string>>();
-  }
-
-  const std::string& session_id() const { return session_id_; }
-  const Param& param(const std::string& name) const {
-    INFO(name);
-    REQUIRE(params_.count(name) == 1);
-    return params_.at(name);
-  }
-  // (base, length) of each registered buffer, as the peer printed them.
-  const std::vector<std::pair<uint64_t, uint64_t>>& regions() const { return regions_; }
-
- private:
-  static const char* TmpDir() {
-    const char* t = std::getenv("TMPDIR");
-    return t != nullptr ? t : "/tmp";
-  }
-  static inline int counter_ = 0;
-  std::string layout_path_;
-  pid_t pid_ = -1;
-  std::string host_;
-  int port_ = 0;
-  std::string session_id_;
-  std::map<std::string, Param> params_;
-  std::vector<std::pair<uint64_t, uint64_t>> regions_;
-};
-
-json Layout(std::vector<std::vector<std::tuple<std::string, uint64_t, int>>> regions) {
-  json out = {{"regions", json::array()}};
-  for (const auto& r : regions) {
-    json list = json::array();
-    for (const auto& [name, numel, esz] : r) list.push_back({{"name", name}, {"numel", numel}, {"element_size", esz}});
-    out["regions"].push_back(list);
-  }
-  return out;
 }
 
 std::unique_ptr<Transport> MakeMooncake(uint64_t chunk_bytes = 1 << 20, bool check_peer_buffers = true) {
