@@ -17,7 +17,11 @@ Processes: coordinator, a source wsyncd driven by the trainer demo, a target wsy
     UpdateWeightVersionReqInput(abort_all_requests=False), ContinueGenerationReqInput; and the validation is live: a
     body SGLang must refuse is refused (400) and recorded;
   * failure paths: a rank that never registered (SGLang's bootstrap answers 404) is refused naming the rank; the
-    engine dying in end_weight_update fails the update naming the engine, which is never continued.
+    engine dying in end_weight_update fails the update naming the engine, which is never continued;
+  * a speculative draft (--draft-model, a DeepSeek-V3 with a next-n layer; the peer with --draft): each rank's NextN
+    draft runner registers after its target through SGLang's own transporter, as SGLang's scheduler orders them, and
+    SGLang's bootstrap then holds the draft's table for every rank, the target's gone; the adapter refuses the engine
+    before anything is paused or written, naming each rank's entry as the draft runner's.
 
   sglang_native_e2e_test.py --bin build/bin --model tests/data/tiny/qwen3-tiny.json
   (WSYNC_MOONCAKE_PYTHON: run_mooncake_test.sh; WSYNC_PYTHON: tests/replica/sglang_venv.sh)
@@ -42,6 +46,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
     ap.add_argument("--model", required=True, help="an HF config.json (tests/data/tiny/qwen3-tiny.json)")
+    ap.add_argument("--draft-model", default=os.path.join(HERE, "..", "data", "tiny", "deepseek-v3-mtp-tiny.json"),
+                    help="an HF config.json with a next-n layer, served with a NextN draft (the draft phase, tcp)")
     ap.add_argument("--protocol", choices=["tcp", "rdma"], default="tcp",
                     help="the engine's MOONCAKE_PROTOCOL and the sources' WSYNC_MOONCAKE_PROTOCOL (rdma: inside the "
                          "soft-RoCE VM, device $RXE_DEV; only the three updates: the failure phases do not depend "
@@ -85,9 +91,9 @@ def main():
         check(sorted(exps) == ["0", "1", "2", "3"] and all(len(exps[k]) == TP for k in exps),
               "expectation for steps 0..3, both ranks")
 
-        def start_peer(name, extra=()):
+        def start_peer(name, extra=(), config=cfg):
             t = time.time()
-            procs.start(name, [spy, "-W", "ignore", peer_py, "--config", cfg, "--tp", str(TP), "--mooncake-site",
+            procs.start(name, [spy, "-W", "ignore", peer_py, "--config", config, "--tp", str(TP), "--mooncake-site",
                                msite, *extra], env=env)
             log = os.path.join(wd, f"{name}.log")
 
@@ -101,8 +107,8 @@ def main():
             harness.log(f"{name}: SGLang peer up in {time.time() - t:.1f} s, sessions {p['sessions']}")
             return p
 
-        def start_target(name, peer, coord):
-            addr = f"sglang+http://{peer['http']}?bootstrap={peer['bootstrap']}&config={cfg}&id=sgl0"
+        def start_target(name, peer, coord, config=cfg):
+            addr = f"sglang+http://{peer['http']}?bootstrap={peer['bootstrap']}&config={config}&id=sgl0"
             procs.start(name, [f"{b}/wsyncd", "--listen", "127.0.0.1:0", "--role", "target", "--node-id", "sgl-node",
                                "--coordinator", coord, "--engine", addr, "--engine-timeout", "20",
                                "--port-file", os.path.join(wd, f"{name}.port")])
@@ -126,7 +132,38 @@ def main():
                       f"SGLang's bootstrap 404 for rank 1: the adapter exits {rc} naming the rank and SGLang's text "
                       f"({log[-700:]!r})")
                 procs.kill("peer404")
+
+                # --- a speculative draft: SGLang's draft runner replaces each rank's bootstrap entry -> refused
+                ddir = os.path.join(wd, "model-draft")
+                os.makedirs(ddir)
+                dcfg = os.path.join(ddir, "config.json")
+                shutil.copy(args.draft_model, dcfg)
+                t = time.time()
+                peer = start_peer("peerdraft", ["--draft"], dcfg)
+                pub = peer["published"]
+                boot = {r: harness.http("GET", f"http://{peer['bootstrap']}/get_transfer_engine_info?rank={r}")
+                        ["remote_instance_transfer_engine_info"] for r in map(str, range(TP))}
+                check(all(boot[r] == pub[r]["draft"] and pub[r]["draft"][0] != pub[r]["target"][0] and
+                          "model.layers.0.input_layernorm.weight" in pub[r]["target"][1] and
+                          "model.layers.0.input_layernorm.weight" not in boot[r][1] and
+                          "model.eh_proj.weight" in boot[r][1] for r in boot),
+                      "SGLang's bootstrap holds each rank's draft table (the draft runner's own session), the target's "
+                      f"replaced: {[(r, boot[r][0], len(boot[r][1]), pub[r]['target'][0]) for r in boot]}")
+                start_target("targetdraft", peer, coord0, dcfg)
+                rc = procs.procs["targetdraft"].wait(60)
+                log = procs.tail("targetdraft", 5)
+                want = ["SGLang engine sgl0", "runs a speculative draft model (speculative_algorithm NEXTN)",
+                        "The target's memory cannot be located"] + [
+                        f"TP rank {r}'s entry (Mooncake session {boot[str(r)][0]}, " for r in range(TP)]
+                check(rc != 0 and all(w in log for w in want) and log.count("is the draft runner's") == TP,
+                      f"the adapter refuses the draft-running engine (exit {rc}), naming each rank's entry as the "
+                      f"draft runner's: {log[-900:]!r}")
+                calls = [c["call"] for c in harness.http("GET", f"http://{peer['http']}/wsync_test/log")["calls"]
+                         if "call" in c]
+                check(calls == [], f"nothing was paused or opened on the draft-running engine: {calls}")
+                procs.kill("peerdraft")
                 procs.kill("coord0")
+                harness.log(f"draft phase: {time.time() - t:.1f} s")
 
             # --- three updates into SGLang's own registered memory
             peer = start_peer("peer")

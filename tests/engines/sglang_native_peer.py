@@ -109,6 +109,7 @@ class Arena:
 class Rank:
     def __init__(self, rank, model, arena, transporter):
         self.rank, self.model, self.arena, self.transporter = rank, model, arena, transporter
+        self.draft = None  # (model, arena, transporter) of the rank's NextN draft runner
 
     def checksums(self):
         out = {}
@@ -118,7 +119,25 @@ class Rank:
         return out
 
 
-def build_rank(cfg_path, tp, r, bootstrap_port, make):
+def register(model, transporter, segments):
+    """SGLang's own registration of one model runner's weights: its transporter's TransferEngine, then
+    register_memory_region (v2) against the allocator snapshot `segments` (the whole process's, as
+    torch.cuda.memory.memory_snapshot() is) and the PUT to the bootstrap."""
+    import torch
+    transporter.init_engine()
+    if transporter.engine is None:
+        raise SystemExit("SGLang's transporter created no TransferEngine (mooncake.engine not importable)")
+    saved = torch.cuda.memory.memory_snapshot
+    torch.cuda.memory.memory_snapshot = lambda: [dict(s) for s in segments]
+    try:
+        transporter.maybe_register_and_publish_weight_info()
+    finally:
+        torch.cuda.memory.memory_snapshot = saved
+    if transporter.weight_info is None:
+        raise SystemExit("SGLang did not register the weights (remote_instance_transfer_engine_enabled()?)")
+
+
+def build_rank(cfg_path, tp, r, bootstrap_port, make, draft=False):
     import torch
     import sglang_oracle
     from sglang.srt.model_executor.model_runner_components.remote_instance_weight_transporter import (
@@ -128,23 +147,33 @@ def build_rank(cfg_path, tp, r, bootstrap_port, make):
     specs = sglang_oracle.golden_oracle.hf_tensors(c)
     extra = {"remote_instance_weight_loader_start_seed_via_transfer_engine": True,
              "engine_info_bootstrap_port": bootstrap_port}
-    model = sglang_oracle.build_and_load(cfg_path, {"tp_size": tp, "tp_rank": r}, {}, specs, extra, make)
+    L = {"tp_size": tp, "tp_rank": r}
+    model = sglang_oracle.build_and_load(cfg_path, L, {}, specs, extra, make)
     names = [n for n, _ in model.named_parameters()]
     # One free block inside the first segment: SGLang's merge must then register three buffers, not two.
     arena = Arena(model, segments=2, gap_after={names[len(names) // 4]})
     tr = RemoteInstanceWeightTransporter(get_model=lambda: model, gpu_id=0)
-    tr.init_engine()
-    if tr.engine is None:
-        raise SystemExit("SGLang's transporter created no TransferEngine (mooncake.engine not importable)")
-    saved = torch.cuda.memory.memory_snapshot
-    torch.cuda.memory.memory_snapshot = arena.snapshot
-    try:
-        tr.maybe_register_and_publish_weight_info()
-    finally:
-        torch.cuda.memory.memory_snapshot = saved
-    if tr.weight_info is None:
-        raise SystemExit(f"SGLang did not register rank {r}'s weights (remote_instance_transfer_engine_enabled()?)")
-    return Rank(r, model, arena, tr)
+    register(model, tr, arena.segments)
+    rank = Rank(r, model, arena, tr)
+    if draft:
+        # SGLang's scheduler (init_model_worker) builds the target's worker, whose ModelRunner registers and publishes
+        # in initialize(), and then the draft worker, whose ModelRunner does the same with a TransferEngine of its own
+        # (maybe_init_remote_instance_transfer_engine: the seed flag enables it for every runner). The draft is the
+        # architecture's NextN class fed the checkpoint with its MTP layer, as the oracle's [draft] cases load it;
+        # then the speculative worker hands it the target's embedding and head (EAGLEWorkerV2.init_lm_head).
+        dmodel = sglang_oracle.build_and_load(cfg_path, L, {}, specs + sglang_oracle.mtp_tensors(c), extra, make,
+                                              draft=True)
+        darena = Arena(dmodel, segments=1)
+        dtr = RemoteInstanceWeightTransporter(get_model=lambda: dmodel, gpu_id=0)
+        register(dmodel, dtr, arena.segments + darena.segments)
+        sync = torch.cuda.synchronize
+        torch.cuda.synchronize = lambda *a, **k: None  # no device here; set_embed_and_head syncs the GPU
+        try:
+            dmodel.set_embed_and_head(model.model.embed_tokens.weight, model.lm_head.weight)
+        finally:
+            torch.cuda.synchronize = sync
+        rank.draft = (dmodel, darena, dtr)
+    return rank
 
 
 def merged_blocks(arena):
@@ -192,7 +221,7 @@ def expectation(cfg_path, tp, steps, generate_bf16):
 class Manager:
     """The tokenizer manager behind SGLang's routes: records calls, keeps SGLang's session state and messages."""
 
-    def __init__(self, server_args, ranks, die_on):
+    def __init__(self, server_args, ranks, die_on, hf_config):
         self.server_args = server_args
         self.ranks = ranks
         self.die_on = die_on
@@ -210,8 +239,9 @@ class Manager:
         self.initial_weights_loaded = True
         self.model_config = types.SimpleNamespace(is_image_understandable_model=False,
                                                   is_audio_understandable_model=False,
-                                                  hf_config=types.SimpleNamespace(model_type="qwen3",
-                                                                                  architectures=["Qwen3ForCausalLM"]))
+                                                  hf_config=types.SimpleNamespace(
+                                                      model_type=hf_config["model_type"],
+                                                      architectures=hf_config["architectures"]))
 
     def snapshot(self, tag):
         self.snapshots[tag] = {str(r.rank): r.checksums() for r in self.ranks}
@@ -286,6 +316,10 @@ def main():
     ap.add_argument("--initial-step", type=int, default=0, help="the trainer step whose tensors are loaded first")
     ap.add_argument("--die-on", default="", help="exit(3) when the manager gets this call (a crash mid-update)")
     ap.add_argument("--missing-rank", type=int, default=-1, help="this rank never registers with the bootstrap")
+    ap.add_argument("--draft", action="store_true",
+                    help="serve with a NextN draft (--speculative-algorithm NEXTN): each rank's draft runner registers "
+                         "after its target, as SGLang's scheduler orders them (the config must have a next-n layer; "
+                         "the checkpoint is golden_oracle's, not the trainer's)")
     ap.add_argument("--expect", default="",
                     help="comma-separated trainer steps: print {step: {rank: {name: sha256}}} of SGLang's own loaders "
                          "fed those steps' tensors (no engine, no server) and exit")
@@ -327,19 +361,22 @@ def main():
     ranks = []
     for r in range(args.tp):
         # A rank that never registers (its PUT is what a dead worker never sends): built, not published.
-        rk = build_rank(cfg_path, args.tp, r, boot_port if r != args.missing_rank else free_port(args.host), make)
+        rk = build_rank(cfg_path, args.tp, r, boot_port if r != args.missing_rank else free_port(args.host),
+                        None if args.draft else make, draft=args.draft)
         ranks.append(rk)
     from sglang.srt.runtime_context import get_parallel  # noqa: F401  (publish() happened per rank)
     from sglang.srt.server_args import ServerArgs
+    spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_eagle_topk=1,
+                speculative_num_draft_tokens=2) if args.draft else {}
     server_args = ServerArgs(model_path=os.path.dirname(cfg_path), tp_size=args.tp, device="cpu",
-                             skip_tokenizer_init=True)
+                             skip_tokenizer_init=True, **spec)
 
     import sglang.srt.entrypoints.http_server as http_server
     import uvicorn
     from fastapi import Request
     from fastapi.exceptions import RequestValidationError
 
-    mgr = Manager(server_args, ranks, args.die_on)
+    mgr = Manager(server_args, ranks, args.die_on, json.load(open(cfg_path)))
     mgr.snapshot("initial")
     http_server.set_global_state(http_server._GlobalState(tokenizer_manager=mgr, template_manager=None,
                                                           scheduler_info={}))
@@ -382,7 +419,11 @@ def main():
         time.sleep(0.05)
     print(json.dumps({"ready": True, "http": f"{args.host}:{http_port}", "bootstrap": f"{args.host}:{boot_port}",
                       "sessions": [rk.transporter.session_id for rk in ranks],
-                      "registered": {str(rk.rank): merged_blocks(rk.arena) for rk in ranks}}), flush=True)
+                      "registered": {str(rk.rank): merged_blocks(rk.arena) for rk in ranks},
+                      # what each runner's transporter PUT to the bootstrap: [session_id, weights_info_dict]
+                      "published": {str(rk.rank): {"target": [rk.transporter.session_id, rk.transporter.weight_info],
+                                                   **({"draft": [rk.draft[2].session_id, rk.draft[2].weight_info]}
+                                                      if rk.draft else {})} for rk in ranks}}), flush=True)
     try:
         stop.wait()
     except KeyboardInterrupt:

@@ -6,10 +6,12 @@
 #include <sstream>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "base/checked_size.h"
 #include "base/dtype.h"
@@ -136,6 +138,16 @@ class SglangAdapter final : public EngineAdapter {
           "only, so only pp_size = dp_size = 1 engines can be written (run one engine per DP replica)"));
     if (info.value("enable_dp_attention", false))
       return absl::UnimplementedError(absl::StrCat(Who(), ": DP attention is not supported for SGLang engines yet"));
+    // Every speculative algorithm but NGRAM and UNO runs a draft ModelRunner of its own (SGLang's
+    // BaseSpecWorker.weight_update_runners); SGLang reports NEXTN resolved to EAGLE.
+    if (auto it = info.find("speculative_algorithm"); it != info.end() && !it->is_null()) {
+      if (!it->is_string())
+        return absl::InternalError(absl::StrCat(Who(), ": /server_info field speculative_algorithm is not a string: ",
+                                                Cut(it->dump())));
+      const std::string algo = it->get<std::string>();
+      const std::string up = absl::AsciiStrToUpper(algo);
+      if (!up.empty() && up != "NONE" && up != "NGRAM" && up != "UNO") draft_algorithm_ = algo;
+    }
     WSYNC_ASSIGN_OR_RETURN(json model, Call("describe", u_.server, "GET", "/model_info", nullptr, timeout_));
     EngineDescription d;
     d.engine_id = u_.id;
@@ -162,19 +174,26 @@ class SglangAdapter final : public EngineAdapter {
     // SGLang holds the weights as the config it serves declares them (quantization_config): reported per rank.
     auto quant = QuantizationFromModelConfig(out.model_config_json);
     if (!quant.ok()) return Annotate(quant.status(), absl::StrCat(Who(), ": config ", u_.config_path));
+    std::vector<std::string> draft_entries;
     for (int r = 0; r < tp_; ++r) {
-      const std::string path = absl::StrCat("/get_transfer_engine_info?rank=", r);
-      auto answer = Call("layout", u_.bootstrap, "GET", path, nullptr, timeout_);
-      if (absl::IsFailedPrecondition(answer.status()) && absl::StrContains(answer.status().message(), "HTTP 404"))
-        return absl::NotFoundError(absl::StrCat(
-            Who(), ": SGLang's bootstrap at ", u_.bootstrap.host, ":", u_.bootstrap.port,
-            " has no transfer-engine memory for TP rank ", r, " (is the engine started with "
-            "--remote-instance-weight-loader-start-seed-via-transfer-engine, and is this its bootstrap port?): ",
-            answer.status().message()));
-      if (!answer.ok()) return answer.status();
-      WSYNC_ASSIGN_OR_RETURN(v1::RankLayout layout, RankFromBootstrap(*cfg, *quant, r, *answer));
+      WSYNC_ASSIGN_OR_RETURN(json answer, BootstrapEntry(r));
+      if (!draft_algorithm_.empty()) {
+        WSYNC_ASSIGN_OR_RETURN(std::string what, DescribeEntry(*cfg, *quant, r, answer));
+        draft_entries.push_back(std::move(what));
+        continue;
+      }
+      WSYNC_ASSIGN_OR_RETURN(v1::RankLayout layout, RankFromBootstrap(*cfg, *quant, r, answer));
       out.ranks.push_back(std::move(layout));
     }
+    if (!draft_algorithm_.empty())
+      return absl::UnimplementedError(absl::StrCat(
+          Who(), ": runs a speculative draft model (speculative_algorithm ", draft_algorithm_,
+          "), which wsync cannot update on SGLang 0.5.23: each model runner, the target's and the draft's, publishes "
+          "its transfer-engine memory on the bootstrap under its tp_rank alone, and the draft runner registers after "
+          "the target, so its table replaces the target's. ", absl::StrJoin(draft_entries, "; "),
+          ". The target's memory cannot be located, and an engine whose draft would keep serving the old version is "
+          "not updated: serve it without speculative decoding to update it with wsync (docs/engines.md, "
+          "\"Speculative drafts\")"));
     return out;
   }
 
@@ -232,23 +251,82 @@ class SglangAdapter final : public EngineAdapter {
     return absl::OkStatus();
   }
 
-  // One rank's layout from SGLang's bootstrap answer, checked against wsync's table of SGLang's layout.
-  absl::StatusOr<v1::RankLayout> RankFromBootstrap(const replica::ModelConfig& cfg, const v1::WeightQuantization& quant,
-                                                   int rank, const json& answer) {
-    const std::string where = absl::StrCat(Who(), ": TP rank ", rank);
+  // GET <bootstrap>/get_transfer_engine_info?rank=R: SGLang's answer for the rank, its 404 named.
+  absl::StatusOr<json> BootstrapEntry(int rank) const {
+    const std::string path = absl::StrCat("/get_transfer_engine_info?rank=", rank);
+    auto answer = Call("layout", u_.bootstrap, "GET", path, nullptr, timeout_);
+    if (absl::IsFailedPrecondition(answer.status()) && absl::StrContains(answer.status().message(), "HTTP 404"))
+      return absl::NotFoundError(absl::StrCat(
+          Who(), ": SGLang's bootstrap at ", u_.bootstrap.host, ":", u_.bootstrap.port,
+          " has no transfer-engine memory for TP rank ", rank, " (is the engine started with "
+          "--remote-instance-weight-loader-start-seed-via-transfer-engine, and is this its bootstrap port?): ",
+          answer.status().message()));
+    return answer;
+  }
+
+  // The published [session_id, {name: [data_ptr, numel, element_size]}] of a rank.
+  absl::StatusOr<std::pair<std::string, const json*>> EntryOf(int rank, const json& answer) const {
     const json* info = answer.is_object() && answer.contains("remote_instance_transfer_engine_info")
                            ? &answer["remote_instance_transfer_engine_info"]
                            : nullptr;
     if (info == nullptr || !info->is_array() || info->size() != 2 || !(*info)[0].is_string() ||
         !(*info)[1].is_object())
-      return absl::InternalError(absl::StrCat(where, ": the bootstrap's answer is not [session_id, {name: [data_ptr, "
-                                              "numel, element_size]}]: ", Cut(answer.dump())));
-    const std::string session = (*info)[0].get<std::string>();
+      return absl::InternalError(absl::StrCat(Who(), ": TP rank ", rank, ": the bootstrap's answer is not "
+                                              "[session_id, {name: [data_ptr, numel, element_size]}]: ",
+                                              Cut(answer.dump())));
+    return std::make_pair((*info)[0].get<std::string>(), &(*info)[1]);
+  }
+
+  replica::RankParallelism ParallelismOf(int rank, replica::WeightSet weights) const {
     replica::RankParallelism rp = replica::RankParallelism::ForTp(tp_, rank, ep_);
     rp.dialect = replica::EngineDialect::kSglang;
+    rp.weights = weights;
+    return rp;
+  }
+
+  // Whose table a draft-running engine's bootstrap holds for a rank, told apart by the parameter names wsync's
+  // tables of SGLang's target and NextN draft layouts have (the draft's also lists its own embed_tokens and lm_head,
+  // which the speculative worker then replaces with the target's tensors).
+  absl::StatusOr<std::string> DescribeEntry(const replica::ModelConfig& cfg, const v1::WeightQuantization& quant,
+                                            int rank, const json& answer) const {
+    WSYNC_ASSIGN_OR_RETURN(auto entry, EntryOf(rank, answer));
+    const auto& [session, published] = entry;
+    auto count = [&](const replica::ParamTable& t) {
+      size_t n = 0;
+      for (const auto& p : t.params()) n += published->contains(p.name);
+      return n;
+    };
+    auto target = replica::BuildParamTable(cfg, ParallelismOf(rank, replica::WeightSet::kTarget), QuantSpecOf(quant));
+    if (!target.ok()) return Annotate(target.status(), absl::StrCat(Who(), ": TP rank ", rank));
+    const size_t of_target = count(*target);
+    std::string whose = "neither the target's nor a NextN draft's";
+    // A config without a next-n layer has no NextN table (the draft is then another family's: EAGLE heads).
+    if (auto draft = replica::BuildParamTable(cfg, ParallelismOf(rank, replica::WeightSet::kDraft),
+                                              QuantSpecOf(quant));
+        draft.ok() && count(*draft) == draft->params().size())
+      whose = absl::StrCat("the draft runner's: all ", draft->params().size(), " parameters of the NextN draft");
+    else if (of_target == target->params().size())
+      whose = "the target's: the draft runner's memory is published nowhere";
+    std::vector<std::string> foreign;  // a few published names the target does not have
+    for (auto it = published->begin(); it != published->end() && foreign.size() < 3; ++it)
+      if (target->Find(it.key()) == nullptr) foreign.push_back(it.key());
+    return absl::StrCat("TP rank ", rank, "'s entry (Mooncake session ", session, ", ", published->size(),
+                        " parameters, ", of_target, " of the target's ", target->params().size(),
+                        foreign.empty() ? "" : absl::StrCat("; not the target's: ", absl::StrJoin(foreign, ", "),
+                                                                   foreign.size() == 3 ? ", …" : ""),
+                        ") is ", whose);
+  }
+
+  // One rank's layout from SGLang's bootstrap answer, checked against wsync's table of SGLang's layout.
+  absl::StatusOr<v1::RankLayout> RankFromBootstrap(const replica::ModelConfig& cfg, const v1::WeightQuantization& quant,
+                                                   int rank, const json& answer) {
+    const std::string where = absl::StrCat(Who(), ": TP rank ", rank);
+    WSYNC_ASSIGN_OR_RETURN(auto entry, EntryOf(rank, answer));
+    const std::string session = entry.first;
+    const json& published = *entry.second;
+    const replica::RankParallelism rp = ParallelismOf(rank, replica::WeightSet::kTarget);
     auto table = replica::BuildParamTable(cfg, rp, QuantSpecOf(quant));
     if (!table.ok()) return Annotate(table.status(), where);
-    const json& published = (*info)[1];
     v1::RankLayout out;
     out.set_rank(rank);
     *out.mutable_quantization() = quant;
@@ -331,6 +409,7 @@ class SglangAdapter final : public EngineAdapter {
   const std::string address_;
   const absl::Duration timeout_, post_timeout_;
   int tp_ = 0, ep_ = 1;
+  std::string draft_algorithm_;  // /server_info's speculative_algorithm when it runs a draft model, else empty
 };
 
 }  // namespace

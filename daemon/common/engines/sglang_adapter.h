@@ -6,10 +6,14 @@
 // Call sequence and failure semantics: docs/engines.md, "SGLang"; facts: engine-apis.md §1.
 //
 // What each method sends:
-//   Describe        GET /server_info (tp_size, pp_size, dp_size, ep_size, enable_dp_attention), GET /model_info
+//   Describe        GET /server_info (tp_size, pp_size, dp_size, ep_size, enable_dp_attention,
+//                   speculative_algorithm), GET /model_info
 //   RemoteLayouts   GET <bootstrap>/get_transfer_engine_info?rank=R for every TP rank R: the Mooncake session id and
 //                   {name: [data_ptr, numel, element_size]}; checked parameter by parameter against wsync's table
-//                   of SGLang's layout for the model (--engine …&config=PATH) before anything is written
+//                   of SGLang's layout for the model (--engine …&config=PATH) before anything is written. An engine
+//                   running a speculative draft model is refused here (Unimplemented), naming whose table each rank's
+//                   entry is: SGLang 0.5.23's draft runner publishes under the same tp_rank after the target, so
+//                   the target's memory cannot be located (docs/engines.md, "Speculative drafts")
 //   Pause           POST /pause_generation {"mode"}, then POST /begin_weight_update {"selector":"target"}
 //   PostProcess     POST /end_weight_update {} (SGLang runs post_load_weights and the quantization post-processing)
 //   SetWeightVersion POST /update_weight_version {"new_version", "abort_all_requests": false}; GET /model_info must
