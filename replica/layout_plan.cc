@@ -6,6 +6,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "base/status.h"
 
 namespace wsync::replica {
@@ -35,7 +37,9 @@ class Walker {
   // `name` is the checkpoint's (what the sources read); a draft's parameters take SGLang's draft names.
   int AddParam(std::string name, DType dtype, std::vector<int64_t> shape) {
     EngineParam p;
-    p.name = drafting_ ? DraftParamName(c_, name, r_.dialect) : std::move(name);
+    p.name = separate_draft_ ? SeparateDraftParamName(name)
+             : drafting_      ? DraftParamName(c_, name, r_.dialect)
+                              : std::move(name);
     p.dtype = dtype;
     p.shape = std::move(shape);
     uint64_t n = DTypeSize(dtype);
@@ -69,13 +73,18 @@ class Walker {
   absl::Status Linear(const std::string& prefix, int64_t experts, int64_t out, int64_t in, bool quantizable,
                       const std::vector<Piece>& pieces, int64_t scale_rows = -1);
   void Bias(const std::string& name, int64_t out, const std::vector<Piece>& pieces);
-  absl::Status Embedding(const std::string& name, int tp, int rank);
-  absl::Status Mha(const std::string& p);
+  // vocab 0: the config's vocab_size
+  absl::Status Embedding(const std::string& name, int tp, int rank, int64_t vocab = 0);
+  // qkv_in 0: hidden_size (an EAGLE-3 layer's qkv_proj takes [embedding; hidden state], 2 × hidden_size)
+  absl::Status Mha(const std::string& p, int64_t qkv_in = 0);
   absl::Status Mla(const std::string& p);
   absl::Status DenseMlp(const std::string& p, int64_t inter, bool fused_checkpoint);
   absl::Status Moe(const std::string& p);
   absl::Status CheckRank() const;
   absl::Status Draft();
+  absl::Status SeparateDraft();
+  // Walks a separate draft's own parameters (this walker's config is the draft's; `target` the target's).
+  absl::Status Eagle3(const ModelConfig& target);
   absl::Status Adapter();
 
   // The vLLM dialect covers what has been compared with vLLM's own named_parameters() (tests/data/vllm,
@@ -117,6 +126,7 @@ class Walker {
   const bool fp8_;
   const int64_t bn_, bk_;
   bool drafting_ = false;  // walking the draft (its parameters take SGLang's draft names)
+  bool separate_draft_ = false;  // walking a separate draft checkpoint (SeparateDraftParamName)
   LayoutPlan plan_;
 };
 
@@ -208,8 +218,8 @@ void Walker::Bias(const std::string& name, int64_t out, const std::vector<Piece>
 }
 
 // VocabParallelEmbedding / ParallelLMHead: vocab padded to a multiple of 64, split evenly; padding rows stay zero.
-absl::Status Walker::Embedding(const std::string& name, int tp, int rank) {
-  const int64_t v = c_.vocab_size, h = c_.hidden_size;
+absl::Status Walker::Embedding(const std::string& name, int tp, int rank, int64_t vocab) {
+  const int64_t v = vocab > 0 ? vocab : c_.vocab_size, h = c_.hidden_size;
   const int64_t vp = CeilDiv(v, 64) * 64;
   WSYNC_RETURN_IF_ERROR(Divisible(vp, tp, absl::StrCat(name, ": padded vocab")));
   const int64_t per = vp / tp, start = rank * per;
@@ -229,12 +239,12 @@ absl::Status Walker::Embedding(const std::string& name, int tp, int rank) {
   return absl::OkStatus();
 }
 
-absl::Status Walker::Mha(const std::string& p) {
+absl::Status Walker::Mha(const std::string& p, int64_t qkv_in) {
   // SGLang's Llama, Qwen2 and GLM4 (dense) attention shard over the whole TP group even with DP attention; Qwen3,
   // Qwen3-MoE and GLM4-MoE over the attention-TP group.
   const bool full_tp = c_.family == Family::kLlama || c_.family == Family::kQwen2 || c_.family == Family::kGlm4;
   const int64_t atp = full_tp ? r_.tp_size : r_.attn_tp_size, ar = full_tp ? r_.tp_rank : r_.attn_tp_rank;
-  const int64_t d = c_.head_dim, h = c_.hidden_size;
+  const int64_t d = c_.head_dim, h = c_.hidden_size, in = qkv_in > 0 ? qkv_in : h;
   const int64_t heads = c_.num_heads, kv = c_.num_kv_heads;
   WSYNC_RETURN_IF_ERROR(Divisible(heads, atp, "num_attention_heads"));
   const int64_t hl = heads / atp;
@@ -251,11 +261,11 @@ absl::Status Walker::Mha(const std::string& p) {
   }
   const std::string a = p + "self_attn.";
   std::vector<Piece> qkv = {
-      {a + "q_proj.", heads * d, h, ar * hl * d, 0, hl * d, h, 0, 0},
-      {a + "k_proj.", kv * d, h, kv0 * d, 0, kvl * d, h, hl * d, 0},
-      {a + "v_proj.", kv * d, h, kv0 * d, 0, kvl * d, h, (hl + kvl) * d, 0},
+      {a + "q_proj.", heads * d, in, ar * hl * d, 0, hl * d, in, 0, 0},
+      {a + "k_proj.", kv * d, in, kv0 * d, 0, kvl * d, in, hl * d, 0},
+      {a + "v_proj.", kv * d, in, kv0 * d, 0, kvl * d, in, (hl + kvl) * d, 0},
   };
-  WSYNC_RETURN_IF_ERROR(Linear(a + "qkv_proj.", 0, (hl + 2 * kvl) * d, h, true, qkv));
+  WSYNC_RETURN_IF_ERROR(Linear(a + "qkv_proj.", 0, (hl + 2 * kvl) * d, in, true, qkv));
   if (c_.attention_bias) Bias(a + "qkv_proj.bias", (hl + 2 * kvl) * d, qkv);
   WSYNC_RETURN_IF_ERROR(
       Linear(a + "o_proj.", 0, h, hl * d, true, {{a + "o_proj.", h, heads * d, 0, ar * hl * d, h, hl * d, 0, 0}}));
@@ -399,6 +409,7 @@ absl::Status Walker::CheckRank() const {
 // target's), enorm, hnorm, eh_proj, one decoder layer built as layer 0 with is_nextn (so always MoE),
 // shared_head.norm, lm_head (the target's). Walked under the checkpoint's names; AddParam renames.
 absl::Status Walker::Draft() {
+  if (c_.separate_draft) return SeparateDraft();
   const int64_t d = DraftLayerIndex(c_);
   if (d < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -446,6 +457,85 @@ absl::Status Walker::Draft() {
   Replicated(p + "input_layernorm.weight", {h}, c_.dtype);
   Replicated(p + "post_attention_layernorm.weight", {h}, c_.dtype);
   Replicated(p + "shared_head.norm.weight", {h}, c_.dtype);
+  return absl::OkStatus();
+}
+
+// A draft that is a checkpoint of its own (ModelConfig::separate_draft): vLLM 0.32's EAGLE-3 drafter of Llama-style
+// layers (llama_eagle3.py, Eagle3LlamaForCausalLM; vLLM picks it for LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM
+// drafts under `"method": "eagle3"`, whatever the target). Everything that has not been compared with it is refused
+// before any write, naming why.
+absl::Status Walker::SeparateDraft() {
+  const ModelConfig::SeparateDraft& sd = *c_.separate_draft;
+  const std::string who = absl::StrCat("the ", sd.method, " draft ", sd.architecture, " of ", c_.architecture);
+  // (a checkpoint listing, check_blocks false, is the trainer's side and has no engine dialect)
+  if (o_.check_blocks && r_.dialect != EngineDialect::kVllm)
+    return absl::UnimplementedError(absl::StrCat(who, ": separate draft checkpoints are planned for vLLM engines only "
+                                                 "(SGLang's EAGLE drafters have not been compared)"));
+  if (sd.method == "eagle")
+    return absl::UnimplementedError(absl::StrCat(
+        who, ": EAGLE-1 drafts (method \"eagle\", vLLM's llama_eagle.py: another fc and no hidden_norm) have not "
+        "been compared with vLLM's drafter; EAGLE-3 drafts (method \"eagle3\") are supported"));
+  if (sd.method != "eagle3")
+    return absl::UnimplementedError(absl::StrCat(who, ": the speculative method '", sd.method,
+                                                 "' with a draft checkpoint of its own is not supported (eagle3 is)"));
+  if (sd.config->family != Family::kLlama)
+    return absl::UnimplementedError(absl::StrCat(
+        who, ": only EAGLE-3 drafts of Llama-style layers (LlamaForCausalLMEagle3, Eagle3LlamaForCausalLM: vLLM's "
+        "Eagle3LlamaForCausalLM) have been compared with vLLM"));
+  const bool target_ok = c_.family == Family::kLlama || c_.family == Family::kQwen2 || c_.family == Family::kQwen3 ||
+                         c_.family == Family::kQwen3Moe;
+  if (!target_ok)
+    return absl::UnimplementedError(
+        absl::StrCat(who, ": EAGLE-3 drafts are planned for Llama, Qwen2, Qwen3 and Qwen3-MoE targets"));
+  if (!sd.unchecked.empty())
+    return absl::UnimplementedError(absl::StrCat(who, ": its config sets ", absl::StrJoin(sd.unchecked, ", "),
+                                                 ", which has not been compared with vLLM's Eagle3LlamaForCausalLM"));
+  if (o_.check_blocks && (fp8_ || !c_.weight_block_size.empty()))
+    return absl::UnimplementedError(
+        absl::StrCat(who, ": FP8 engines with a separate draft checkpoint have not been compared with vLLM"));
+  if (!sd.own_lm_head && sd.draft_vocab_size != c_.vocab_size)
+    return absl::InvalidArgumentError(absl::StrCat(who, ": the engine reports the draft sharing the target's LM head, "
+                                                   "but its draft_vocab_size ", sd.draft_vocab_size,
+                                                   " is not the target's vocab_size ", c_.vocab_size));
+  Walker sub(*sd.config, r_, QuantSpec{}, o_);  // an unquantized draft (FP8 is refused above)
+  sub.drafting_ = sub.separate_draft_ = true;
+  WSYNC_RETURN_IF_ERROR(sub.Eagle3(c_));
+  LayoutPlan d = sub.TakePlan();
+  const int base = static_cast<int>(plan_.table.params().size());
+  plan_.first_draft = base;
+  plan_.table.set_first_draft(base);
+  for (const EngineParam& p : d.table.params()) plan_.table.Add(p);
+  for (SliceSource& s : d.sources) {
+    s.param += base;
+    if (s.scale_param >= 0) s.scale_param += base;
+    plan_.sources.push_back(std::move(s));
+  }
+  plan_.expected.insert(plan_.expected.end(), d.expected.begin(), d.expected.end());
+  return absl::OkStatus();
+}
+
+// Eagle3LlamaForCausalLM's parameters: one Llama decoder layer (`midlayer.`, loaded as model.layers.0.) whose qkv_proj
+// takes [embedding; hidden state] (2h) and which adds hidden_norm; fc (a ReplicatedLinear from the target's auxiliary
+// hidden states to h: whole on every rank, unquantized here); the final norm; lm_head, a ParallelLMHead of
+// draft_vocab_size rows (padded to 64, split over TP like the target's); draft_id_to_target_id (the checkpoint's d2t),
+// an int64 nn.Parameter of draft_vocab_size entries, replicated, present only when draft_vocab_size differs from the
+// target's vocab. The embedding and LM head are planned only where the draft keeps its own (the proposer points the
+// draft at the target's otherwise); the checkpoint's t2d is not loaded by vLLM and not planned.
+absl::Status Walker::Eagle3(const ModelConfig& target) {
+  const ModelConfig::SeparateDraft& sd = *target.separate_draft;
+  const int64_t h = c_.hidden_size;
+  const std::string d(kDraftTensorPrefix), p = d + "midlayer.";
+  if (sd.own_embed_tokens) WSYNC_RETURN_IF_ERROR(Embedding(d + "embed_tokens.weight", r_.tp_size, r_.tp_rank));
+  WSYNC_RETURN_IF_ERROR(Mha(p, 2 * h));
+  WSYNC_RETURN_IF_ERROR(DenseMlp(p + "mlp.", c_.intermediate_size, false));
+  Replicated(p + "input_layernorm.weight", {h}, c_.dtype);
+  Replicated(p + "hidden_norm.weight", {h}, c_.dtype);
+  Replicated(p + "post_attention_layernorm.weight", {h}, c_.dtype);
+  WSYNC_RETURN_IF_ERROR(Linear(d + "fc.", 0, h, sd.fc_in, false, {{d + "fc.", h, sd.fc_in, 0, 0, h, sd.fc_in, 0, 0}}));
+  Replicated(d + "norm.weight", {h}, c_.dtype);
+  if (sd.own_lm_head)
+    WSYNC_RETURN_IF_ERROR(Embedding(d + "lm_head.weight", r_.tp_size, r_.tp_rank, sd.draft_vocab_size));
+  if (sd.draft_vocab_size != target.vocab_size) Replicated(d + "d2t", {sd.draft_vocab_size}, DType::kI64);
   return absl::OkStatus();
 }
 
@@ -562,6 +652,21 @@ std::string DraftParamName(const ModelConfig& config, absl::string_view hf_name,
     if (absl::StartsWith(rest, own)) return vllm ? std::string(hf_name) : absl::StrCat("model.", rest);
   }
   return vllm ? absl::StrCat(prefix, "mtp_block.", rest) : absl::StrCat("model.decoder.", rest);
+}
+
+std::string SeparateDraftParamName(absl::string_view hf_name) {
+  if (!absl::ConsumePrefix(&hf_name, kDraftTensorPrefix)) return "";
+  std::string vllm;
+  if (hf_name == "d2t") {
+    vllm = "draft_id_to_target_id";
+  } else if (absl::StartsWith(hf_name, "lm_head.")) {
+    vllm = std::string(hf_name);
+  } else if (absl::ConsumePrefix(&hf_name, "midlayer.")) {
+    vllm = absl::StrCat("model.layers.0.", hf_name);
+  } else {
+    vllm = absl::StrCat("model.", hf_name);
+  }
+  return absl::StrCat(kDraftTensorPrefix, vllm);
 }
 
 int64_t LayerIndexOf(absl::string_view hf_name) {

@@ -67,6 +67,9 @@ struct PlanOptions {
 // layer is). The draft's model.embed_tokens and lm_head are not in it: SGLang's draft does not load them and
 // shares the target's tensors (set_embed_and_head), so they are written once, with the target. A config without
 // num_nextn_predict_layers is InvalidArgument naming the model; other families are Unimplemented.
+// A config with a separate draft (ModelConfig::separate_draft, vLLM dialect only) plans that draft instead: vLLM 0.32's
+// Eagle3LlamaForCausalLM from the draft's own config, its tensors the trainer's `draft.`-prefixed checkpoint names
+// (SeparateDraftParamName); EAGLE-1, other draft architectures and options are Unimplemented.
 // vLLM dialect (DeepSeek-V3 only): vLLM 0.32's DeepSeekMTP, the same tensors under vLLM's draft names
 // (DraftParamName), its embedding and LM head likewise the target's; docs/engines.md, "Speculative drafts".
 //
@@ -90,5 +93,13 @@ int64_t DraftLayerIndex(const ModelConfig& config);
 // shared_head.head, which the draft shares with the target.
 std::string DraftParamName(const ModelConfig& config, absl::string_view hf_name,
                            EngineDialect dialect = EngineDialect::kSglang);
+
+// A separate draft checkpoint's parameter name in a rank's table (ModelConfig::separate_draft, vLLM's EAGLE-3
+// drafter): the trainer's `draft.<checkpoint name>` becomes `draft.` + the name vLLM's Eagle3LlamaForCausalLM gives it
+// (its load_weights renames: midlayer. → model.layers.0., d2t → draft_id_to_target_id, lm_head. kept, anything else
+// under model.), before fusion. The `draft.` prefix keeps the draft's names apart from the target's in one table
+// (both have model.layers.0.*, model.norm.weight and lm_head.weight); the vLLM backend reports the draft's
+// parameters under it. "" for a name without the prefix.
+std::string SeparateDraftParamName(absl::string_view hf_name);
 
 }  // namespace wsync::replica

@@ -99,7 +99,77 @@ absl::Status ParseLoraAdapter(const Json& a, ModelConfig* c) {
   return absl::OkStatus();
 }
 
+// The "speculative_draft" section (ModelConfig::SeparateDraft). Only what shapes the draft's parameters is read; the
+// draft config's options that change them and have not been compared with vLLM are listed in `unchecked`.
+absl::Status ParseSeparateDraft(const Json& d, ModelConfig* c) {
+  const std::string what = absl::StrCat("config.json (", c->architecture, "): speculative_draft");
+  if (!d.is_object()) return absl::InvalidArgumentError(absl::StrCat(what, " must be an object"));
+  ModelConfig::SeparateDraft out;
+  if (!d.contains("method") || !d["method"].is_string() || d["method"].get<std::string>().empty())
+    return absl::InvalidArgumentError(absl::StrCat(what, ".method (vLLM's speculative method) must be a string"));
+  out.method = d["method"].get<std::string>();
+  if (!d.contains("config") || !d["config"].is_object())
+    return absl::InvalidArgumentError(absl::StrCat(what, ".config (the draft's config.json) must be an object"));
+  Json dc = d["config"];
+  if (!dc.contains("architectures") || !dc["architectures"].is_array() || dc["architectures"].empty() ||
+      !dc["architectures"][0].is_string())
+    return absl::InvalidArgumentError(absl::StrCat(what, ".config: missing 'architectures'"));
+  out.architecture = dc["architectures"][0].get<std::string>();
+  // vLLM's EAGLE-3 drafters of Llama-style layers (llama_eagle3.py's Eagle3LlamaForCausalLM, which these names
+  // select): the layer is a Llama decoder layer.
+  if (out.architecture == "LlamaForCausalLMEagle3" || out.architecture == "Eagle3LlamaForCausalLM")
+    dc["architectures"] = {"LlamaForCausalLM"};
+  dc.erase("speculative_draft");
+  dc.erase("lora_adapter");
+  absl::StatusOr<ModelConfig> parsed = ModelConfig::FromJson(dc.dump());
+  if (!parsed.ok()) return Annotate(parsed.status(), absl::StrCat(what, ".config"));
+  ModelConfig draft = *std::move(parsed);
+  draft.architecture = out.architecture;
+  draft.dtype = c->dtype;
+  Reader r(dc, out.architecture);
+  WSYNC_ASSIGN_OR_RETURN(out.draft_vocab_size, r.Int("draft_vocab_size", draft.vocab_size));
+  if (out.draft_vocab_size <= 0)
+    return absl::InvalidArgumentError(absl::StrCat(what, ".config: draft_vocab_size must be positive"));
+  const Json eagle = dc.contains("eagle_config") && dc["eagle_config"].is_object() ? dc["eagle_config"] : Json::object();
+  int64_t aux = 3;
+  if (r.Has("num_aux_hidden_states")) {
+    WSYNC_ASSIGN_OR_RETURN(aux, r.PositiveInt("num_aux_hidden_states"));
+  } else if (eagle.contains("eagle_aux_hidden_state_layer_ids") && eagle["eagle_aux_hidden_state_layer_ids"].is_array() &&
+             !eagle["eagle_aux_hidden_state_layer_ids"].empty()) {
+    aux = static_cast<int64_t>(eagle["eagle_aux_hidden_state_layer_ids"].size());
+  }
+  int64_t target_hidden = 0;
+  WSYNC_ASSIGN_OR_RETURN(target_hidden, r.Int("target_hidden_size", draft.hidden_size));
+  out.fc_in = target_hidden * aux;
+  auto flag = [&](const char* key) {
+    const Json* v = eagle.contains(key) ? &eagle[key] : (dc.contains(key) ? &dc[key] : nullptr);
+    return v != nullptr && v->is_boolean() && v->get<bool>();
+  };
+  if (flag("norm_before_fc")) out.unchecked.push_back("norm_before_fc");
+  if (flag("fc_norm")) out.unchecked.push_back("fc_norm");
+  if (eagle.contains("use_aux_hidden_state") && eagle["use_aux_hidden_state"] == false)
+    out.unchecked.push_back("eagle_config.use_aux_hidden_state false (no fc)");
+  if (draft.attention_bias) out.unchecked.push_back("attention_bias");
+  if (draft.num_layers != 1) out.unchecked.push_back(absl::StrCat("num_hidden_layers ", draft.num_layers));
+  if (dc.contains("quantization_config") && !dc["quantization_config"].is_null())
+    out.unchecked.push_back("a quantization_config (a quantized draft)");
+  for (const char* key : {"own_embed_tokens", "own_lm_head"}) {
+    if (!d.contains(key) || !d[key].is_boolean())
+      return absl::InvalidArgumentError(absl::StrCat(what, ".", key, " must be a boolean (what the engine holds "
+                                                     "after its proposer shared the target's tensors)"));
+  }
+  out.own_embed_tokens = d["own_embed_tokens"].get<bool>();
+  out.own_lm_head = d["own_lm_head"].get<bool>();
+  out.config = std::make_shared<const ModelConfig>(std::move(draft));
+  c->separate_draft = std::move(out);
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+bool HasDraft(const ModelConfig& config) {
+  return config.num_nextn_predict_layers > 0 || config.separate_draft.has_value();
+}
 
 bool ModelConfig::IsMoeLayer(int64_t layer) const {
   if (num_experts <= 0) return false;
@@ -252,6 +322,7 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view json_text) {
     }
   }
   if (r.Has("lora_adapter")) WSYNC_RETURN_IF_ERROR(ParseLoraAdapter(j["lora_adapter"], &c));
+  if (r.Has("speculative_draft")) WSYNC_RETURN_IF_ERROR(ParseSeparateDraft(j["speculative_draft"], &c));
   return c;
 }
 

@@ -2,6 +2,7 @@
 // HF config.json → the facts the mapper and sharding need. Unknown keys are ignored; missing required keys are errors.
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -71,6 +72,29 @@ struct ModelConfig {
     std::vector<std::string> target_modules;
   };
   std::optional<LoraAdapter> lora_adapter;
+  // A speculative draft that is a model of its own (EAGLE-3: a checkpoint with its own config.json, vLLM's
+  // `--speculative-config '{"method": "eagle3", "model": DIR, …}'`), as a vLLM engine running one reports it beside the
+  // target's config: the "speculative_draft" section {"method", "config": the draft's config.json, "own_embed_tokens",
+  // "own_lm_head"} (docs/engines.md, "vLLM's EAGLE-3 draft"). A trainer pushes the draft's tensors under its
+  // checkpoint names prefixed with `draft.` (kDraftTensorPrefix).
+  struct SeparateDraft {
+    std::string method;        // vLLM's speculative method: "eagle3" (planned), "eagle" (refused)
+    std::string architecture;  // the draft config's architectures[0]
+    // The draft's decoder dimensions, parsed as a model of the family its layer is (LlamaForCausalLMEagle3 and
+    // Eagle3LlamaForCausalLM: kLlama); dtype is the target's (vLLM builds the draft in the target's dtype).
+    std::shared_ptr<const ModelConfig> config;
+    int64_t draft_vocab_size = 0;  // lm_head rows (draft_vocab_size, or vocab_size when absent)
+    int64_t fc_in = 0;             // fc's input: target_hidden_size × the number of auxiliary hidden states
+    // After vLLM's proposer shares what the target already holds (an embedding or LM head absent from the draft
+    // checkpoint, or equal to the target's): whether the draft still has its own.
+    bool own_embed_tokens = false;
+    bool own_lm_head = true;
+    // Options of the draft config that change its parameters and have not been compared with vLLM (norm_before_fc,
+    // fc_norm, attention_bias, more than one layer, no auxiliary hidden states, a quantization_config): planning
+    // refuses the draft naming them.
+    std::vector<std::string> unchecked;
+  };
+  std::optional<SeparateDraft> separate_draft;
 
   bool is_mla() const { return kv_lora_rank > 0; }
   bool IsMoeLayer(int64_t layer) const;
@@ -78,6 +102,15 @@ struct ModelConfig {
   static absl::StatusOr<ModelConfig> FromJson(absl::string_view json_text);
   static absl::StatusOr<ModelConfig> FromFile(const std::string& path);
 };
+
+// The prefix under which a trainer pushes the tensors of a separate draft checkpoint (ModelConfig::separate_draft):
+// `draft.midlayer.self_attn.q_proj.weight`, `draft.fc.weight`, `draft.lm_head.weight`, `draft.d2t`, … (the draft's
+// own names collide with the target's: both have `lm_head.weight`).
+inline constexpr absl::string_view kDraftTensorPrefix = "draft.";
+
+// Whether the model has a speculative draft to update: a next-n / MTP layer in its checkpoint
+// (num_nextn_predict_layers) or a separate draft checkpoint (separate_draft).
+bool HasDraft(const ModelConfig& config);
 
 // Whose parameter table a layout reproduces. The engines agree on fusion and sharding but differ in names (vLLM's
 // routed experts sit under `experts.routed_experts.`) and in what they support; the engine kind a target reports

@@ -275,7 +275,8 @@ absl::StatusOr<int> ReplicaImpl::Check(const HfTensor& t, bool placed) const {
   const HfEntry& e = entries_[idx];
   bool dtype_ok = false;
   switch (e.role) {
-    case Role::kPlain: dtype_ok = IsFloat(t.dtype); break;
+    // an integer parameter (EAGLE-3's draft_id_to_target_id, int64) only in its own dtype
+    case Role::kPlain: dtype_ok = IsFloat(t.dtype) || t.dtype == e.dtype; break;
     case Role::kFp8Weight: dtype_ok = IsFloat(t.dtype) || t.dtype == DType::kF8E4M3; break;
     case Role::kFp8Scale: dtype_ok = t.dtype == DType::kF32; break;
   }

@@ -77,6 +77,12 @@ struct VllmCase {
   json config;
   WeightSet weights = WeightSet::kAll;
   QuantSpec quant;
+  // An EAGLE-3 draft checkpoint of its own (vLLM's `"method": "eagle3"`): its config.json, whether the checkpoint holds
+  // embed_tokens, and what the draft must keep of its own after vLLM's proposer shared the target's tensors (the
+  // backend reports it; the test plans with what vLLM's proposer did and checks that against these).
+  json eagle3;
+  bool draft_embed = false;
+  bool own_embed_tokens = false, own_lm_head = true;
 };
 
 // Loads `feed` (the manifest's HF tensors) through a Replica of `layouts` and compares every parameter with vLLM's
@@ -174,6 +180,12 @@ void CompareWithVllm(const std::vector<VllmCase>& cases, std::vector<RankParalle
     std::ofstream(dir + "/config.json") << cases[k].config.dump(2);
     job["cases"].push_back(
         {{"config", dir + "/config.json"}, {"weights", std::string(WeightSetName(cases[k].weights))}});
+    if (!cases[k].eagle3.is_null()) {
+      REQUIRE(std::system(("mkdir -p '" + dir + "/eagle3'").c_str()) == 0);
+      std::ofstream(dir + "/eagle3/config.json") << cases[k].eagle3.dump(2);
+      job["cases"].back()["eagle3"] = dir + "/eagle3/config.json";
+      job["cases"].back()["draft_embed"] = cases[k].draft_embed;
+    }
   }
   for (const RankParallelism& r : layouts) job["layouts"].push_back({{"tp_size", r.tp_size}, {"tp_rank", r.tp_rank}});
   std::ofstream(tmp.path + "/job.json") << job.dump();
@@ -188,9 +200,19 @@ void CompareWithVllm(const std::vector<VllmCase>& cases, std::vector<RankParalle
   for (size_t k = 0; k < cases.size(); ++k) {
     const json& m = manifest["cases"][k];
     for (RankParallelism& r : layouts) r.weights = cases[k].weights;
+    VllmCase c = cases[k];
+    if (!c.eagle3.is_null()) {
+      // The target's config as the vLLM backend reports it with a separate draft.
+      INFO(c.name << ": what the draft keeps of its own after vLLM's proposer shared the target's tensors");
+      REQUIRE(m.contains("draft_report"));
+      CHECK(m["draft_report"]["own_embed_tokens"].get<bool>() == c.own_embed_tokens);
+      CHECK(m["draft_report"]["own_lm_head"].get<bool>() == c.own_lm_head);
+      c.config["speculative_draft"] = {{"method", "eagle3"}, {"config", c.eagle3}};
+      c.config["speculative_draft"].update(m["draft_report"]);
+    }
     {
-      INFO(cases[k].name << ", fed the trainer's tensors");
-      CompareFeed(out, cases[k], layouts, m["hf"], m["layouts"]);
+      INFO(c.name << ", fed the trainer's tensors");
+      CompareFeed(out, c, layouts, m["hf"], m["layouts"]);
     }
     if (cases[k].quant.mode == QuantSpec::Mode::kFp8Block) {
       INFO(cases[k].name << ", fed the FP8 checkpoint vLLM loaded (pass-through)");
@@ -238,15 +260,48 @@ json TinyFp8Json() {
   return c;
 }
 
+// A tiny EAGLE-3 draft in the public layout (LlamaForCausalLMEagle3: one Llama layer, GQA) for the tiny Qwen3 target.
+json TinyEagle3Json() {
+  return {{"architectures", {"LlamaForCausalLMEagle3"}},
+          {"model_type", "llama"},
+          {"hidden_size", 64},
+          {"head_dim", 16},
+          {"intermediate_size", 128},
+          {"num_attention_heads", 4},
+          {"num_key_value_heads", 2},
+          {"num_hidden_layers", 1},
+          {"vocab_size", 500},
+          {"torch_dtype", "bfloat16"},
+          {"rms_norm_eps", 1e-6},
+          {"rope_theta", 1000000},
+          {"max_position_embeddings", 4096},
+          {"tie_word_embeddings", false}};
+}
+
 // One oracle run for every case (the vLLM import and the process starts dominate the time).
-TEST_CASE("vllm: DeepSeek-V3 + DeepSeekMTP (bf16, FP8) and GLM-4.5 + Glm4MoeMTP, tp 1 and tp 2, bit-exact",
+TEST_CASE("vllm: DeepSeek-V3 + DeepSeekMTP (bf16, FP8), GLM-4.5 + Glm4MoeMTP, Qwen3 + EAGLE-3, tp 1 and tp 2, "
+          "bit-exact",
           "[vllm][draft]") {
   VllmCase bf16{"DeepSeek-V3 bf16", TinyJson(), WeightSet::kAll, QuantSpec{}};
   VllmCase fp8{"DeepSeek-V3 FP8 128x128", TinyFp8Json(), WeightSet::kAll,
                QuantSpec{QuantSpec::Mode::kFp8Block, 128, 128}};
   VllmCase glm{"GLM-4.5 MoE bf16", TinyGlmJson(), WeightSet::kAll, QuantSpec{}};
-  CompareWithVllm({bf16, fp8, glm}, {VllmRank(1, 0, WeightSet::kAll), VllmRank(2, 0, WeightSet::kAll),
-                                     VllmRank(2, 1, WeightSet::kAll)});
+  // EAGLE-3 drafts of their own checkpoint (Eagle3LlamaForCausalLM): one without embed_tokens (the proposer shares
+  // the target's) and with a draft vocabulary of 200 (lm_head padded to 256 and split; d2t loaded as the int64
+  // draft_id_to_target_id); one with its own embed_tokens, the target's vocabulary (no d2t) and two auxiliary
+  // hidden states (fc over 2h).
+  VllmCase eagle{"Qwen3 + EAGLE-3 (draft vocab 200, shared embedding)",
+                 json::parse(ReadFile(WSYNC_TINY_QWEN3_CONFIG)), WeightSet::kAll, QuantSpec{}};
+  eagle.eagle3 = TinyEagle3Json();
+  eagle.eagle3["draft_vocab_size"] = 200;
+  VllmCase eagle_embed = eagle;
+  eagle_embed.name = "Qwen3 + EAGLE-3 (own embedding, full vocab, 2 aux hidden states)";
+  eagle_embed.eagle3 = TinyEagle3Json();
+  eagle_embed.eagle3["eagle_config"] = {{"eagle_aux_hidden_state_layer_ids", {0, 1}}};
+  eagle_embed.draft_embed = eagle_embed.own_embed_tokens = true;
+  CompareWithVllm({bf16, fp8, glm, eagle, eagle_embed},
+                  {VllmRank(1, 0, WeightSet::kAll), VllmRank(2, 0, WeightSet::kAll),
+                   VllmRank(2, 1, WeightSet::kAll)});
 }
 
 // What the vLLM dialect has not been checked against is refused before any write, naming why.
