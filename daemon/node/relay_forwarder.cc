@@ -44,9 +44,9 @@ RelayForwarder::RelayForwarder(std::string node_id, transport::Transport* transp
       transport_(transport),
       dial_(std::move(dial)),
       notify_(std::move(notify)),
-      writes_([this](int64_t version, const absl::Status& err) {
+      writes_([this](int64_t generation, const absl::Status& err) {
         MutexLock l(&mu_);
-        if (version == version_ && error_.ok()) error_ = err;
+        if (static_cast<uint64_t>(generation) == generation_ && error_.ok()) error_ = err;
         cv_.SignalAll();
       }) {
   notice_thread_ = std::thread([this] { NoticeLoop(); });
@@ -106,13 +106,15 @@ absl::StatusOr<v1::SetRelayReply> RelayForwarder::Begin(const v1::SetRelayReques
                                                         std::vector<RelayRankMemory> ranks) {
   for (const auto& c : req.children()) WSYNC_RETURN_IF_ERROR(CheckRelayChild(ranks, c));
   std::shared_ptr<std::vector<Child>> old;
+  uint64_t generation = 0;
   {
     MutexLock l(&mu_);
     version_ = -1;  // nothing of any update is taken until the children are connected
+    generation = ++generation_;
     old = std::move(children_);
     notices_.clear();
   }
-  writes_.Begin(req.version());
+  writes_.Begin(static_cast<int64_t>(generation));
   // Prepare once: a child whose spec is unchanged keeps its connections while every writer of it is usable (the
   // previous update's batches all ended before its drain answered; a straggler's callback finds no update).
   auto children = std::make_shared<std::vector<Child>>();
@@ -155,13 +157,71 @@ absl::StatusOr<v1::SetRelayReply> RelayForwarder::Begin(const v1::SetRelayReques
   params_ = std::move(params);
   expected_ = std::move(expected);
   landed_.assign(ranks_.size(), 0);
+  seen_.assign(ranks_.size(), {});
+  landed_log_.clear();
   children_ = std::move(children);
   pending_ = 0;
   forwarded_ = 0;
   notices_sent_ = 0;
   error_ = absl::OkStatus();
+  check_error_ = absl::OkStatus();
   spdlog::info("relay {}: update {} engine {}: {} children ({} rank connections; {} children's kept)", node_id_,
                version_, engine_id_, children_->size(), connections, kept);
+  v1::SetRelayReply out;
+  out.set_connections(connections);
+  return out;
+}
+
+absl::StatusOr<v1::SetRelayReply> RelayForwarder::Adopt(const v1::SetRelayRequest& req) {
+  std::vector<RelayRankMemory> ranks;
+  {
+    MutexLock l(&mu_);
+    if (req.version() != version_ || req.engine_id() != engine_id_)
+      return absl::FailedPreconditionError(absl::StrCat("relay ", node_id_, ": new children for engine ",
+                                                        req.engine_id(), " update ", req.version(),
+                                                        ", which it does not relay"));
+    ranks = ranks_;
+  }
+  for (const auto& c : req.children()) WSYNC_RETURN_IF_ERROR(CheckRelayChild(ranks, c));
+  // Every child connected afresh (a kept child's writers may hold batches of the forwarding that ends here).
+  auto children = std::make_shared<std::vector<Child>>();
+  int connections = 0;
+  for (const auto& c : req.children()) {
+    Child& child = children->emplace_back();
+    child.spec = c;
+    WSYNC_RETURN_IF_ERROR(Connect(&child, req.relay_node()));
+    connections += c.layouts_size();
+  }
+  // One step under the lock: a range that lands from now on goes to the new children; every range before it is in
+  // `again`, forwarded to them below.
+  std::shared_ptr<std::vector<Child>> old;
+  v1::RelayLandedRequest again;
+  {
+    MutexLock l(&mu_);
+    if (req.version() != version_)
+      return absl::AbortedError(absl::StrCat("relay ", node_id_, ": update ", req.version(), " ended"));
+    const uint64_t generation = ++generation_;
+    writes_.Begin(static_cast<int64_t>(generation));  // UpdateWrites never calls out holding its lock
+    old = std::move(children_);
+    children_ = std::move(children);
+    for (auto& g : landed_log_) *again.add_ranges() = std::move(g);
+    landed_log_.clear();
+    seen_.assign(ranks_.size(), {});
+    landed_.assign(ranks_.size(), 0);
+    pending_ = 0;
+    forwarded_ = 0;
+    notices_.clear();
+    error_ = check_error_;  // a failure of a child before is not this update's any more; a failed check still is
+    written_[version_].writes.clear();  // recorded again as the ranges are forwarded again
+    cv_.SignalAll();
+  }
+  old.reset();  // the earlier children's writers cancel and join outside mu_ (their callbacks take it)
+  spdlog::info("relay {}: update {} engine {}: {} children now ({} rank connections), {} landed ranges forwarded again",
+               node_id_, req.version(), req.engine_id(), req.children_size(), connections, again.ranges_size());
+  again.set_version(req.version());
+  again.set_engine_id(req.engine_id());
+  again.set_from_node(node_id_);
+  WSYNC_RETURN_IF_ERROR(Landed(again));
   v1::SetRelayReply out;
   out.set_connections(connections);
   return out;
@@ -170,6 +230,7 @@ absl::StatusOr<v1::SetRelayReply> RelayForwarder::Begin(const v1::SetRelayReques
 absl::Status RelayForwarder::Landed(const v1::RelayLandedRequest& req) {
   std::map<int, std::vector<v1::LandedRange>> by_rank;
   std::shared_ptr<std::vector<Child>> children;
+  uint64_t generation = 0;
   {
     MutexLock l(&mu_);
     if (req.version() != version_ || req.engine_id() != engine_id_)
@@ -177,7 +238,10 @@ absl::Status RelayForwarder::Landed(const v1::RelayLandedRequest& req) {
           "relay ", node_id_, ": landed notice for engine ", req.engine_id(), " update ", req.version(),
           ", but it relays ",
           version_ < 0 ? std::string("no update") : absl::StrCat("engine ", engine_id_, " update ", version_)));
-    if (!error_.ok()) return error_;
+    // A child's failure is not the writer's: the coordinator learns it from the drain (and may give the children to
+    // another relay, Adopt), so the ranges are still taken. A failed check is the writer's.
+    if (!check_error_.ok()) return check_error_;
+    generation = generation_;
     // Once per update: the first bytes reached this engine (an operator's, and a fault test's, sign of progress).
     if (std::all_of(landed_.begin(), landed_.end(), [](uint64_t b) { return b == 0; }) && req.ranges_size() > 0)
       spdlog::info("relay {}: update {} engine {}: first ranges landed from {}", node_id_, version_, engine_id_,
@@ -208,11 +272,14 @@ absl::Status RelayForwarder::Landed(const v1::RelayLandedRequest& req) {
       }
       if (!bad.ok()) {
         if (error_.ok()) error_ = bad;
+        if (check_error_.ok()) check_error_ = bad;
         cv_.SignalAll();
         spdlog::error("{}", bad.ToString());
         return bad;
       }
+      if (!seen_[g.rank()].insert({g.param(), g.offset()}).second) continue;  // re-sent by a new parent
       landed_[g.rank()] += g.length();
+      landed_log_.push_back(g);
       if (g.length() > 0) by_rank[g.rank()].push_back(g);
     }
     children = children_;
@@ -229,6 +296,7 @@ absl::Status RelayForwarder::Landed(const v1::RelayLandedRequest& req) {
         MutexLock l(&mu_);
         if (version != version_)
           return absl::AbortedError(absl::StrCat("relay ", node_id_, ": update ", version, " ended"));
+        if (generation != generation_) return absl::OkStatus();  // Adopt forwards these ranges to the new children
         const RelayRankMemory& m = ranks_[rank];
         for (const v1::LandedRange& g : ranges) {
           const v1::ParamDesc& d = m.layout.params(params_[rank].at(g.param()));
@@ -242,9 +310,9 @@ absl::Status RelayForwarder::Landed(const v1::RelayLandedRequest& req) {
           bytes += g.length();
         }
       }
-      auto done = [this, version, c, rank = rank, ranges = ranges, bytes](const absl::Status& st) {
+      auto done = [this, version, generation, c, rank = rank, ranges = ranges, bytes](const absl::Status& st) {
         MutexLock l(&mu_);
-        if (version != version_) return;
+        if (version != version_ || generation != generation_) return;
         if (!st.ok()) {
           if (error_.ok()) error_ = st;
           if (pending_ > 0) --pending_;
@@ -264,19 +332,21 @@ absl::Status RelayForwarder::Landed(const v1::RelayLandedRequest& req) {
         }
         Notice n;
         n.child = static_cast<int>(c);
+        n.generation = generation;
         n.ranges = ranges;
         notices_.emplace_back(version, std::move(n));
         cv_.SignalAll();
       };
-      absl::Status st = child.writers[rank]->Submit(version, std::move(writes), std::move(done));
+      absl::Status st =
+          child.writers[rank]->Submit(static_cast<int64_t>(generation), std::move(writes), std::move(done));
       if (!st.ok()) {
         MutexLock l(&mu_);
-        if (version == version_) {
+        if (version == version_ && generation == generation_) {
           if (error_.ok()) error_ = st;
           if (pending_ > 0) --pending_;
         }
         cv_.SignalAll();
-        return st;
+        continue;  // the drain reports it; the other children still get the ranges
       }
     }
   }
@@ -291,7 +361,9 @@ void RelayForwarder::NoticeLoop() {
     // One call per child per round, with every range its finished batches covered.
     std::map<int, std::pair<v1::RelayLandedRequest, uint64_t>> calls;
     const int64_t version = notices_.front().first;
-    while (!notices_.empty() && notices_.front().first == version) {
+    const uint64_t generation = notices_.front().second.generation;
+    while (!notices_.empty() && notices_.front().first == version &&
+           notices_.front().second.generation == generation) {
       Notice& n = notices_.front().second;
       auto& [req, count] = calls[n.child];
       for (auto& g : n.ranges) *req.add_ranges() = std::move(g);
@@ -299,7 +371,7 @@ void RelayForwarder::NoticeLoop() {
       notices_.pop_front();
     }
     std::shared_ptr<std::vector<Child>> children = children_;
-    if (version != version_ || children == nullptr) continue;
+    if (version != version_ || generation != generation_ || children == nullptr) continue;
     for (auto& [c, call] : calls) {
       v1::RelayLandedRequest& req = call.first;
       req.set_version(version);
@@ -309,7 +381,7 @@ void RelayForwarder::NoticeLoop() {
       mu_.Unlock();  // no lock across the call
       absl::Status st = notify_(daemon, req);
       mu_.Lock();
-      if (version != version_) break;
+      if (version != version_ || generation != generation_) break;
       if (!st.ok() && error_.ok())
         error_ = Annotate(
             st, absl::StrCat("relay ", node_id_, " telling engine ", req.engine_id(), " at ", daemon, " what landed"));

@@ -14,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -56,8 +57,15 @@ class RelayForwarder {
   // Update `req.version()`: the previous update's forwarding is cancelled; every child rank is connected (a
   // ConnectTarget as a source would) before it returns. Blocks on the children's handshakes.
   absl::StatusOr<v1::SetRelayReply> Begin(const v1::SetRelayRequest& req, std::vector<RelayRankMemory> ranks);
+  // The same update, with `req.children()` replacing this relay's children (a dead relay's children re-parented
+  // here, docs/planner.md "A relay that dies"): forwarding starts over (batches and notices of the children before
+  // are ignored when they end, their failures too), every child is connected as Begin does, and every range that
+  // landed so far is checked again and forwarded to every child from the start. FailedPrecondition when this relay
+  // is not relaying `req.version()` of `req.engine_id()`.
+  absl::StatusOr<v1::SetRelayReply> Adopt(const v1::SetRelayRequest& req);
   // Ranges that landed: each is checked against its checksum (a mismatch fails the update here, naming this relay,
-  // the range and the writer), then queued to every child. Returns once queued, not written.
+  // the range and the writer), then queued to every child. Returns once queued, not written. A range landed before
+  // in this update (a new parent re-sends everything, Adopt) is checked again but neither counted nor forwarded.
   absl::Status Landed(const v1::RelayLandedRequest& req);
   // Waits until every byte of every rank has landed and been forwarded and the children told, the first failure, or
   // `req.timeout_seconds()`.
@@ -82,6 +90,7 @@ class RelayForwarder {
   };
   struct Notice {
     int child = 0;
+    uint64_t generation = 0;  // the forwarding it belongs to (Begin, Adopt)
     std::vector<v1::LandedRange> ranges;
   };
   // Per rank: parameter name → index into its layout.
@@ -100,6 +109,12 @@ class RelayForwarder {
   mutable Mutex mu_;
   CondVar cv_;
   int64_t version_ ABSL_GUARDED_BY(mu_) = -1;
+  // Bumped by Begin and Adopt: the batches, notices and failures of an earlier generation are ignored when they end.
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  // Per rank: (parameter, offset) of every range landed this update, and the ranges in the order they landed (what
+  // Adopt forwards again).
+  std::vector<std::set<std::pair<std::string, uint64_t>>> seen_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::LandedRange> landed_log_ ABSL_GUARDED_BY(mu_);
   std::string engine_id_ ABSL_GUARDED_BY(mu_);
   std::vector<RelayRankMemory> ranks_ ABSL_GUARDED_BY(mu_);
   std::vector<ParamIndex> params_ ABSL_GUARDED_BY(mu_);
@@ -111,6 +126,7 @@ class RelayForwarder {
   uint64_t forwarded_ ABSL_GUARDED_BY(mu_) = 0;
   uint32_t notices_sent_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
+  absl::Status check_error_ ABSL_GUARDED_BY(mu_);  // a range that failed its check (Adopt keeps it)
   std::deque<std::pair<int64_t, Notice>> notices_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, Written> written_ ABSL_GUARDED_BY(mu_);  // the newest kWritesKept updates' (WriteChecksums)
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

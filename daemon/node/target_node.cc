@@ -1239,7 +1239,7 @@ absl::StatusOr<v1::SetRelayReply> TargetNode::SetRelay(const v1::SetRelayRequest
     if (!slot) slot = std::make_shared<RelayForwarder>(opts_.node_id, transport_, DialRelayChild, CallRelayLanded);
     f = slot;
   }
-  return f->Begin(req, std::move(ranks));
+  return req.adopt() ? f->Adopt(req) : f->Begin(req, std::move(ranks));
 }
 
 absl::StatusOr<std::shared_ptr<RelayForwarder>> TargetNode::RelayOf(const std::string& engine_id) {
