@@ -251,11 +251,11 @@ absl::StatusOr<Replanned> PlanMembership(const ReplanInput& in) {
     g.epoch = in.membership_epoch;
     for (const Engine& e : engines) g.engine_ids.push_back(e.reg->engine_id());
     const replica::WeightSet weights = group_weights.at(key);
-    if (weights == replica::WeightSet::kAll && replica::DraftLayerIndex(cfg) < 0)
+    if (weights == replica::WeightSet::kAll && !replica::HasDraft(cfg))
       return absl::FailedPreconditionError(absl::StrCat(
           "engine ", engines.front().reg->engine_id(), " declares a speculative draft (a draft segment on its ranks), "
-          "but the model (", cfg.architecture, ") has no next-n / MTP layer to draft from: its config.json declares no "
-          "num_nextn_predict_layers"));
+          "but the model (", cfg.architecture, ") has no draft: its config.json declares no next-n / MTP layer "
+          "(num_nextn_predict_layers) and no separate draft checkpoint (speculative_draft)"));
     if (shapes.empty() || weights == replica::WeightSet::kAll) {
       WSYNC_ASSIGN_OR_RETURN(auto specs, replica::CheckpointTensors(cfg, replica::CheckpointFormat::kTrainer, 128, 128,
                                                                     weights));

@@ -247,10 +247,11 @@ absl::StatusOr<AttachMessage> ParseAttach(const std::string& text, size_t num_fd
     // A draft the model does not have is refused here, before anything is registered.
     if (draft_segments && !m.model_config_json.empty()) {
       auto config = replica::ModelConfig::FromJson(m.model_config_json);
-      if (config.ok() && replica::DraftLayerIndex(*config) < 0)
+      if (config.ok() && !replica::HasDraft(*config))
         return absl::InvalidArgumentError(absl::StrCat(
             "rank ", m.rank, " declares a draft segment, but its model (", config->architecture,
-            ") has no next-n / MTP layer to draft from (its config.json declares no num_nextn_predict_layers)"));
+            ") has no draft: its config.json declares no next-n / MTP layer (num_nextn_predict_layers) and the engine "
+            "reports no separate draft checkpoint (speculative_draft)"));
     }
     m.layout.set_region_bytes(total);
     // Staged updates: segment id + shift is the staging copy of segment id (docs/operations.md, "Staged updates").

@@ -190,7 +190,7 @@ TEST_CASE("replan: drafts that cannot be planned are refused, naming the engine"
     REQUIRE(!r.ok());
     CHECK(r.status().code() == absl::StatusCode::kFailedPrecondition);
     CHECK(absl::StrContains(r.status().message(), "engine e0 declares a speculative draft"));
-    CHECK(absl::StrContains(r.status().message(), "has no next-n / MTP layer"));
+    CHECK(absl::StrContains(r.status().message(), "declares no next-n / MTP layer"));
   }
   SECTION("a draft parameter in a target segment") {
     v1::EngineRegistration e = Engine(config, "e0", 2, true);
