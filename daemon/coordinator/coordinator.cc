@@ -1111,7 +1111,10 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
     ReleasableMutexLock l(&mu_);
     // A second CommitUpdate(v) while v commits (a client retry, a second driver) starts nothing: it waits for the
     // running commit and returns its recorded result. The wait is bounded by that commit's own peer deadlines.
-    while (state_ == UpdateState::kCommitting && open_version_ == v) ended_cv_.Wait(&mu_);
+    // Likewise while v is being ended (an abort, a lost node, a source's failure report): its recorded failure is
+    // the answer.
+    while ((state_ == UpdateState::kCommitting || state_ == UpdateState::kAborting) && open_version_ == v)
+      ended_cv_.Wait(&mu_);
     if (const Outcome* o = FindOutcome(v)) {
       // Committed with engines not resumed, and still the fleet's version: the retry continues them.
       const bool resume =
@@ -1495,7 +1498,8 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::RunAbortUpdate(const v1::Abort
 }
 
 absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const std::string& why_in, bool by_operator,
-                                                                const std::string& lost_address) {
+                                                                const std::string& lost_address,
+                                                                absl::StatusCode failed_code) {
   v1::UpdateRecord rec;
   std::vector<std::string> sources, engines;
   bool dirty_before;
@@ -1552,7 +1556,7 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
   const bool resume = policy == OnFailure::kResumeIfClean && clean && !dirty_before;
   const bool written = policy == OnFailure::kResumeIfClean || policy == OnFailure::kKeepPaused ? !clean : false;
   if (resume) ResumeOld(v, engines);
-  absl::Status err = Fail(rec, by_operator ? absl::AbortedError(why) : absl::UnavailableError(why), written,
+  absl::Status err = Fail(rec, by_operator ? absl::AbortedError(why) : absl::Status(failed_code, why), written,
                           /*stopping=*/false, /*resumed=*/resume);
   if (!lost_address.empty()) {
     // The failure is recorded; now, off the critical path, try to close the lost node's window too (a stopped
@@ -1582,6 +1586,37 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
   spdlog::warn("update {} {}: {} bytes had reached the engines; engines {}", v, by_operator ? "aborted" : "failed",
                bytes,
                out.engines_resumable() ? "may be resumed at the old version" : "stay paused until an update succeeds");
+  return out;
+}
+
+v1::ReportUpdateFailureReply Coordinator::ReportUpdateFailure(const v1::ReportUpdateFailureRequest& req) {
+  const int64_t v = req.version();
+  v1::ReportUpdateFailureReply out;
+  std::string node_label;
+  {
+    MutexLock l(&mu_);
+    auto n = nodes_.find(req.node_id());
+    if (n == nodes_.end() || n->second.role() != "source" || !InRun(req.node_id())) {
+      out.set_detail(absl::StrCat("node ", req.node_id(), " is not a source of the open update"));
+      return out;
+    }
+    if (FindOutcome(v) != nullptr || open_version_ != v) {
+      out.set_detail(absl::StrCat("update ", v, " is not the open update (", StateName(), ")"));
+      return out;
+    }
+    if (state_ != UpdateState::kUpdating) {
+      // Beginning: StartUpdate has not answered yet or the run is ending; committing: FinishUpdate answers it.
+      out.set_detail(absl::StrCat("update ", v, " is ", StateName(), "; that phase's calls answer the failure"));
+      return out;
+    }
+    node_label = absl::StrCat("source node ", req.node_id(), " at ", n->second.address());
+  }
+  spdlog::warn("update {}: {} failed it: {}", v, node_label, req.error());
+  auto r = EndOpenUpdate(v, absl::StrCat(node_label, " failed update ", v, ": ", req.error()), false, "",
+                         absl::StatusCode::kAborted);
+  Durable().IgnoreError();
+  out.set_ended(r.ok());
+  if (!r.ok()) out.set_detail(std::string(r.status().message()));
   return out;
 }
 

@@ -275,6 +275,12 @@ class Coordinator {
   absl::StatusOr<v1::AbortUpdateReply> AbortUpdate(const v1::AbortUpdateRequest& req);
   absl::StatusOr<v1::ResumeEnginesReply> ResumeEngines(const v1::ResumeEnginesRequest& req);
   v1::HeartbeatReply Heartbeat(const v1::HeartbeatRequest& req);
+  // A source that failed the open update on its own says so (SourceNode's failure report): while the update is
+  // open (updating) and the node is one of its sources, the update ends now as CheckLeases ends it (the push row's
+  // policy, the sources told to abort, windows closed), failed with the source's error. Beginning or committing, the
+  // running phase's own calls to that source answer the failure; an update that ended, or another version, is left
+  // as it is (reply.ended false with the reason).
+  v1::ReportUpdateFailureReply ReportUpdateFailure(const v1::ReportUpdateFailureRequest& req);
   // Status, EngineStates and History answer from the published model (cluster_model.h), never taking mu_: an update,
   // a peer call or a store write in progress never delays them.
   // The engines' states for routers (EngineStatesOf of a status without the plan).
@@ -442,8 +448,12 @@ class Coordinator {
   // Ends the open update `v` (state updating) through the sources' AbortSourceUpdate: `by_operator` records it as
   // aborted with `why`, otherwise as failed because of `why`. The shared body of AbortUpdate and CheckLeases.
   // `lost_address`: a node not to be asked (its lease lapsed).
+  // `failed_code`: the status code of a failure not by the operator (a lost node: Unavailable; a source's own
+  // failure: Aborted, what its FinishUpdate would have answered).
   absl::StatusOr<v1::AbortUpdateReply> EndOpenUpdate(int64_t v, const std::string& why, bool by_operator,
-                                                     const std::string& lost_address = "") ABSL_LOCKS_EXCLUDED(mu_);
+                                                     const std::string& lost_address = "",
+                                                     absl::StatusCode failed_code = absl::StatusCode::kUnavailable)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Opens or closes the write window on every target daemon; a target that cannot be told is an error when opening
   // (its engines would refuse the writes) and logged when closing.
   // `skip_address`: a target not to be told (its lease lapsed; its window closes when it restarts).

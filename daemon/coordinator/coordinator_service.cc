@@ -101,6 +101,16 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx, const v1::H
   *out = c_->Heartbeat(*req);
   return grpc::Status::OK;
 }
+grpc::Status CoordinatorService::ReportUpdateFailure(grpc::ServerContext* ctx,
+                                                     const v1::ReportUpdateFailureRequest* req,
+                                                     v1::ReportUpdateFailureReply* out) {
+  static const std::string kSourceRole = tls::kSource;
+  if (auto a = NodeDaemonIdentity(ctx, "ReportUpdateFailure", req->node_id(), &kSourceRole); !a.ok()) return a;
+  if (auto l = CheckRequestSize("ReportUpdateFailure", *req); !l.ok()) return l;
+  if (grpc::Status g = Gate(); !g.ok()) return g;
+  *out = c_->ReportUpdateFailure(*req);
+  return grpc::Status::OK;
+}
 grpc::Status CoordinatorService::ResumeEngines(grpc::ServerContext* ctx, const v1::ResumeEnginesRequest* req,
                                                v1::ResumeEnginesReply* out) {
   WSYNC_AUTHORIZE("ResumeEngines", {tls::kAdmin});

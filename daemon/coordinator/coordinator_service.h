@@ -35,6 +35,8 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status ResumeEngines(grpc::ServerContext*, const v1::ResumeEnginesRequest*,
                              v1::ResumeEnginesReply*) override;
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*, v1::HeartbeatReply*) override;
+  grpc::Status ReportUpdateFailure(grpc::ServerContext*, const v1::ReportUpdateFailureRequest*,
+                                   v1::ReportUpdateFailureReply*) override;
   grpc::Status RemoveNode(grpc::ServerContext*, const v1::RemoveNodeRequest*, v1::RemoveNodeReply*) override;
   grpc::Status Drain(grpc::ServerContext*, const v1::DrainRequest*, v1::DrainReply*) override;
   grpc::Status Undrain(grpc::ServerContext*, const v1::DrainRequest*, v1::DrainReply*) override;

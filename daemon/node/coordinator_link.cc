@@ -72,4 +72,71 @@ void HoldLease(Coordinators& coordinators, const v1::RegisterNodeRequest& reg,
   }
 }
 
+FailureReporter::FailureReporter(const std::string& coordinators, std::string node_id, absl::Duration call_timeout)
+    : coordinators_(coordinators), node_id_(std::move(node_id)), call_timeout_(call_timeout) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+FailureReporter::~FailureReporter() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void FailureReporter::Report(int64_t version, const absl::Status& err) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (stop_) return;
+    queue_.emplace_back(version, err.ToString());
+  }
+  cv_.notify_all();
+}
+
+void FailureReporter::Run() {
+  std::unique_lock<std::mutex> l(mu_);
+  for (;;) {
+    cv_.wait(l, [this] { return stop_ || !queue_.empty(); });
+    if (stop_) return;
+    auto [version, error] = std::move(queue_.front());
+    queue_.pop_front();
+    l.unlock();
+    Send(version, error);
+    l.lock();
+  }
+}
+
+void FailureReporter::Send(int64_t version, const std::string& error) {
+  v1::ReportUpdateFailureRequest req;
+  req.set_node_id(node_id_);
+  req.set_version(version);
+  req.set_error(error.substr(0, 4000));
+  absl::Status last;
+  for (size_t attempt = 0; attempt < 2 * std::max<size_t>(coordinators_.size(), 1); ++attempt) {
+    if (coordinators_.stub() == nullptr) {
+      last = coordinators_.dial_status();
+      if (!coordinators_.Next(last)) break;
+      continue;
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + call_timeout_));
+    v1::ReportUpdateFailureReply out;
+    last = FromGrpcStatus(coordinators_.stub()->ReportUpdateFailure(&ctx, req, &out));
+    if (last.ok()) {
+      if (out.ended())
+        spdlog::info("update {}: reported this source's failure to coordinator {}; the update ended", version,
+                     coordinators_.current());
+      else
+        spdlog::info("update {}: reported this source's failure to coordinator {}; not ended by it: {}", version,
+                     coordinators_.current(), out.detail());
+      return;
+    }
+    if (last.code() != absl::StatusCode::kUnavailable || !coordinators_.Next(last)) break;
+  }
+  spdlog::warn("update {}: could not report this source's failure to the coordinator ({}); it ends at the commit",
+               version, last.ToString());
+}
+
 }  // namespace wsync::daemon

@@ -2,9 +2,14 @@
 // The node daemon's outbound calls to the coordinator: registration and the lease (heartbeats), over one or several
 // coordinator endpoints (high availability: whichever leads).
 
+#include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -71,5 +76,33 @@ absl::Status Register(Coordinators& coordinators, const v1::RegisterNodeRequest&
 void HoldLease(Coordinators& coordinators, const v1::RegisterNodeRequest& reg,
                const std::function<v1::RegisterNodeRequest()>& fresh_registration,
                const std::function<void(v1::HeartbeatRequest*)>& report = nullptr);
+
+// Tells the coordinator at once that this source failed an update on its own (SourceOptions::on_update_failed), so
+// the update ends then (Coordinator::ReportUpdateFailure) instead of when the trainer commits. Report() only queues
+// (it is called under the source's lock); one thread of its own makes the calls, each within `call_timeout`, moving
+// to the next coordinator on Unavailable (high availability) and trying each at most twice. A report that reaches
+// nobody is logged: the update then ends at the trainer's commit, as it always could.
+class FailureReporter {
+ public:
+  FailureReporter(const std::string& coordinators, std::string node_id,
+                  absl::Duration call_timeout = absl::Seconds(5));
+  ~FailureReporter();
+  FailureReporter(const FailureReporter&) = delete;
+  FailureReporter& operator=(const FailureReporter&) = delete;
+  void Report(int64_t version, const absl::Status& err);
+
+ private:
+  void Run();
+  void Send(int64_t version, const std::string& error);
+
+  Coordinators coordinators_;  // used by the thread only
+  const std::string node_id_;
+  const absl::Duration call_timeout_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<int64_t, std::string>> queue_;  // guarded by mu_
+  bool stop_ = false;                                   // guarded by mu_
+  std::thread thread_;
+};
 
 }  // namespace wsync::daemon

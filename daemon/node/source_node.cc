@@ -549,12 +549,13 @@ std::string SourceNode::Who(const Target& t) {
                       " at ", t.assignment.target_daemon());
 }
 
-void SourceNode::FailUpdate(const absl::Status& err) {
+void SourceNode::FailUpdate(const absl::Status& err, bool tell_coordinator) {
   if (!update_error_.ok()) return;  // the first cause is the update's; its writes were cancelled then
   update_error_ = err;
   update_failed_ = true;
   spdlog::error("{}", err.ToString());
   if (version_ != -1) updates_.Fail(version_, err);
+  if (version_ != -1 && tell_coordinator && opts_.on_update_failed) opts_.on_update_failed(version_, err);
   CancelWrites(err);
   cv_.notify_all();  // FinishUpdate and waiting pushes see it at once
 }
@@ -1423,7 +1424,7 @@ absl::StatusOr<v1::AbortSourceUpdateReply> SourceNode::AbortUpdate(const v1::Abo
           absl::AbortedError(absl::StrCat("update ", v, " failed during its commit",
                                           req.reason().empty() ? std::string() : absl::StrCat(": ", req.reason())));
       if (update_error_.ok()) {
-        FailUpdate(err);
+        FailUpdate(err, /*tell_coordinator=*/false);
       } else {
         CancelWrites(err);  // failed already: still, nothing of it may be written any more
       }

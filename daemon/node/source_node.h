@@ -81,6 +81,10 @@ struct SourceOptions {
   // so they copy them there themselves instead of into the ring. StartUpdateRequest.no_placement turns it off for
   // one update.
   bool placement = true;
+  // Called (under the source's lock: it must only hand the report on, never block) when this source fails the open
+  // update on its own (FailUpdate), with the version and the error; wsyncd reports it to the coordinator at once
+  // (FailureReporter) so the update ends then, not when the trainer commits. Null: not called.
+  std::function<void(int64_t version, const absl::Status& err)> on_update_failed;
 };
 
 // Dials a peer daemon's ConnectTarget (injected so tests can run without gRPC).
@@ -420,7 +424,8 @@ class SourceNode {
   // lost or taken-over rank): records `err` as its error unless it has one, cancels every write of it (CancelWrites)
   // and wakes FinishUpdate, which answers it at once. Buckets and placements committed after it are refused before
   // they load anything, and a bucket being written posts no further batch. Requires mu_.
-  void FailUpdate(const absl::Status& err);
+  // `tell_coordinator`: false when the coordinator itself ended the update (AbortSourceUpdate).
+  void FailUpdate(const absl::Status& err, bool tell_coordinator = true);
   // "node N at D (engine E rank R, ...)": `t`'s node and every engine rank this source writes on it (what a failed
   // link to that node affects). Requires mu_ or ingest_mu_ (targets_ is replaced under both).
   std::string NodeRanks(const Target& t) const;

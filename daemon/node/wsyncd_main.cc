@@ -266,6 +266,8 @@ int main(int argc, char** argv) {
     gethostname(hostname, sizeof(hostname) - 1);
     node_id = absl::StrCat(hostname, "-", role, "-", getpid());
   }
+  // Declared before the source, so it outlives the source's threads that may report through it.
+  std::unique_ptr<daemon::FailureReporter> failure_reporter;
   std::unique_ptr<daemon::SourceNode> source;
   std::unique_ptr<daemon::TargetNode> target;
   v1::RegisterNodeRequest reg;
@@ -273,7 +275,9 @@ int main(int argc, char** argv) {
   reg.set_role(role);
   reg.set_transport(transport->name());
   if (role == "source") {
+    failure_reporter = std::make_unique<daemon::FailureReporter>(coordinator, node_id);
     daemon::SourceOptions o;
+    o.on_update_failed = [r = failure_reporter.get()](int64_t v, const absl::Status& err) { r->Report(v, err); };
     o.node_id = node_id;
     o.trainer_ranks = trainer_ranks;
     o.ring_bytes = ring_mib << 20;

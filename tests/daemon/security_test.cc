@@ -67,6 +67,7 @@ const std::map<std::string, std::set<std::string>>& RoleTable() {
   static const std::map<std::string, std::set<std::string>> t = {
       {"wsync.v1.Coordinator/RegisterNode", {"self"}},
       {"wsync.v1.Coordinator/Heartbeat", {"self"}},
+      {"wsync.v1.Coordinator/ReportUpdateFailure", {"self"}},
       {"wsync.v1.Coordinator/GetClusterStatus", {"*"}},
       {"wsync.v1.Coordinator/GetHistory", {"*"}},
       {"wsync.v1.Coordinator/WatchEngines", {"*"}},
@@ -276,6 +277,18 @@ TEST_CASE("security: a node cannot register or heartbeat as another node") {
     grpc::ClientContext ctx;
     v1::HeartbeatReply r;
     CHECK(as_source->Heartbeat(&ctx, hb, &r).error_code() == grpc::StatusCode::PERMISSION_DENIED);
+  }
+  {
+    // A failure report comes only from a source, as itself: the target infer0 under its own id and a source naming
+    // infer0 are both refused (a forged report would end an open update).
+    v1::ReportUpdateFailureRequest rep;
+    rep.set_node_id("infer0");
+    rep.set_version(1);
+    rep.set_error("forged");
+    grpc::ClientContext c1, c2;
+    v1::ReportUpdateFailureReply r;
+    CHECK(as_target->ReportUpdateFailure(&c1, rep, &r).error_code() == grpc::StatusCode::PERMISSION_DENIED);
+    CHECK(as_source->ReportUpdateFailure(&c2, rep, &r).error_code() == grpc::StatusCode::PERMISSION_DENIED);
   }
   // infer0 still sits at its own address.
   auto admin = v1::Coordinator::NewStub(As(cl.coordinator, certs.dir, "admin-ops"));
