@@ -85,6 +85,10 @@ class _Draft:
     segment: MemfdSegment
     entries: list[_Entry]
     aliases: dict[str, list[tuple[str, str]]]
+    # A draft checkpoint of its own (EAGLE-3): the "speculative_draft" section of the reported config, and the prefix
+    # its parameter names carry in the attach message; None / "" for an MTP draft (the target's checkpoint).
+    report: dict[str, Any] | None = None
+    name_prefix: str = ""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -270,9 +274,24 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         model = draft.draft_of(self.vllm_config, self.model)
         if model is not None:
             entries, dtotal = _lay_out(self._staged_table(model, draft.shared_params(model, self.model)))
+            report = draft.separate_draft(self.vllm_config, {e.name for e in entries})
             self._draft = _Draft(model=model, model_config=self.vllm_config.speculative_config.draft_model_config,
                                  segment=MemfdSegment(self._seg_name() + "-draft", dtotal), entries=entries,
-                                 aliases=_aliases(model, {e.name for e in entries}))
+                                 aliases=_aliases(model, {e.name for e in entries}), report=report,
+                                 name_prefix=draft.SEPARATE_DRAFT_PREFIX if report is not None else "")
+
+    def _reported_config(self) -> str:
+        """The target's config.json as the attach reports it: with the adapter's section in adapter mode, with the
+        draft's "speculative_draft" section when the draft is a checkpoint of its own (docs/engines.md, "vLLM's
+        EAGLE-3 draft")."""
+        text = _model_config_json(self.model_config)
+        if self._adapter is not None:
+            return lora.model_config_json(text, self._adapter)
+        if self._draft is not None and self._draft.report is not None:
+            cfg = json.loads(text)
+            cfg["speculative_draft"] = self._draft.report
+            return json.dumps(cfg)
+        return text
 
     def _refuse_draft(self) -> None:
         if draft.draft_of(self.vllm_config, self.model) is not None:
@@ -369,17 +388,17 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
             "type": "attach", "protocol": PROTOCOL_VERSION, "token": init_info.token,
             "engine_id": init_info.engine_id, "kind": "vllm", "mode": self._mode,
             "rank": self._rank, "world_size": world_size, "parallelism": par,
-            "model_config_json": (lora.model_config_json(_model_config_json(self.model_config), self._adapter)
-                                  if self._adapter is not None else _model_config_json(self.model_config)),
+            "model_config_json": self._reported_config(),
             "segments": [{"id": 0, "kind": "host", "bytes": self._segment.nbytes}] + (
                 [{"id": 1, "kind": "host", "bytes": self._draft.segment.nbytes, "weights": "draft"}]
                 if self._draft is not None else []),
             # staged: the segment is staging memory that only the reload makes live, so the coordinator's staged
             # updates write it while vLLM serves and pause it for the reload alone
             "stages_in_place": self._mode in ("staged", "adapter"),
-            "params": [{"name": e.name, "dtype": dtype_name(e.dtype), "shape": list(e.shape), "segment": seg,
-                        "offset": e.offset, "bytes": e.nbytes}
-                       for seg, entries in [(0, self._entries)] + ([(1, self._draft.entries)] if self._draft else [])
+            "params": [{"name": prefix + e.name, "dtype": dtype_name(e.dtype), "shape": list(e.shape),
+                        "segment": seg, "offset": e.offset, "bytes": e.nbytes}
+                       for seg, prefix, entries in [(0, "", self._entries)] + (
+                           [(1, self._draft.name_prefix, self._draft.entries)] if self._draft else [])
                        for e in entries],
         }
         quant = _quantization(self.vllm_config)
@@ -657,8 +676,8 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
 
     def draft_table(self) -> list[dict[str, Any]]:
         return [] if self._draft is None else [
-            {"name": e.name, "dtype": dtype_name(e.dtype), "shape": list(e.shape), "offset": e.offset,
-             "bytes": e.nbytes} for e in self._draft.entries]
+            {"name": self._draft.name_prefix + e.name, "dtype": dtype_name(e.dtype), "shape": list(e.shape),
+             "offset": e.offset, "bytes": e.nbytes} for e in self._draft.entries]
 
 
 def dump_json(obj: Any) -> str:

@@ -8,6 +8,8 @@ write them in the same update as the target's.
 """
 from __future__ import annotations
 
+import json
+import os
 import weakref
 from typing import Any
 
@@ -59,3 +61,34 @@ def shared_params(draft: torch.nn.Module, target: torch.nn.Module) -> set[int]:
     drafts): they are written with the target, never as the draft's."""
     storages = {p.untyped_storage().data_ptr() for p in target.parameters() if p.numel() > 0}
     return {id(p) for p in draft.parameters() if p.numel() > 0 and p.untyped_storage().data_ptr() in storages}
+
+
+# vLLM's speculative methods whose draft is a checkpoint of its own, with its own config.json.
+SEPARATE_DRAFT_METHODS = ("eagle", "eagle3")
+# The draft's parameter names in the attach message, for a separate draft: apart from the target's (both have
+# model.layers.0.*, model.norm.weight, lm_head.weight); the replica's tables use the same prefix.
+SEPARATE_DRAFT_PREFIX = "draft."
+
+
+def separate_draft(vllm_config: Any, own_names: set[str]) -> dict[str, Any] | None:
+    """The "speculative_draft" section the backend adds to the target's config.json for a draft that is a checkpoint
+    of its own (`--speculative-config '{"method": "eagle3", "model": DIR, ...}'`): the method, the draft's
+    config.json as published (DIR/config.json; vLLM's own parsed config when there is no such file) and whether the
+    draft kept its own embedding and LM head after vLLM's proposer shared the target's (`own_names`: the draft's
+    parameters that are not the target's tensors). None for drafts that live in the target's checkpoint (MTP)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec, "method", None)
+    if spec is None or method not in SEPARATE_DRAFT_METHODS:
+        return None
+    dmc = spec.draft_model_config
+    path = getattr(dmc, "model", None)
+    config: dict[str, Any] | None = None
+    if isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")):
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    else:
+        hf = getattr(dmc, "hf_config", None)
+        inner = getattr(hf, "model", None) or hf  # vLLM wraps EAGLE drafts' configs in an EAGLEConfig
+        config = inner.to_dict() if inner is not None and hasattr(inner, "to_dict") else {}
+    return {"method": method, "config": config, "own_embed_tokens": "model.embed_tokens.weight" in own_names,
+            "own_lm_head": "lm_head.weight" in own_names}
