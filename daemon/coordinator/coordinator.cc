@@ -631,6 +631,7 @@ absl::Status Coordinator::FailAt(v1::UpdateRecord rec, const absl::Status& why, 
     case OnFailure::kKeepPaused:
     case OnFailure::kHoldPaused:
     case OnFailure::kCommittedNotResumed:
+    case OnFailure::kRouteAround:  // what is left when a relay could not be routed around (phase_table.h)
       break;
   }
   return Fail(std::move(rec), why, true);
@@ -688,8 +689,8 @@ absl::Status Coordinator::FailAndStopSources(v1::UpdateRecord rec, const absl::S
                                              OnFailure policy, const std::vector<std::string>& engines,
                                              const std::set<std::string>& skip) {
   const int64_t v = rec.version();
-  const bool live =
-      policy == OnFailure::kResumeIfClean || policy == OnFailure::kKeepPaused || policy == OnFailure::kHoldPaused;
+  const bool live = policy == OnFailure::kResumeIfClean || policy == OnFailure::kKeepPaused ||
+                    policy == OnFailure::kHoldPaused || policy == OnFailure::kRouteAround;
   bool dirty_before, asked;
   {
     MutexLock l(&mu_);
@@ -1225,10 +1226,87 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
     if (st.ok() && !ctx.sources_live && !relayed) CloseWindows(v, &ctx);
     return st;
   });
+  // A relay whose target daemon died (docs/planner.md, "A relay that dies"): its engine is dropped from the update
+  // (kept paused at its old label, stale and failed at relay_drain: it may hold a mix), the write windows of the
+  // children it leaves name their new parent's node as their ranks' writer (grants of anyone else revoked), and each
+  // new parent is told its children (SetRelay adopt). Decided by RerouteRelays.
+  const auto route_around = [&](const RelayWiring& live, const std::set<std::string>& dead,
+                                const RelayReroute& rr) -> absl::Status {
+    std::map<std::string, std::string> node_of;  // engine → its target daemon's node id
+    std::set<std::string> adopters;              // target daemons whose write windows change
+    for (const RelayMember& m : live.members) {
+      node_of[m.engine_id] = m.node_id;
+      if (rr.adopted.count(m.engine_id)) adopters.insert(m.address);
+    }
+    std::set<std::string> dropped;  // engine control addresses
+    std::map<std::string, v1::SetWriteWindowRequest> windows;
+    {
+      MutexLock l(&mu_);
+      for (const RelayMember& m : live.members) {
+        if (!dead.count(m.engine_id)) continue;
+        ctx.window_skip.insert(m.address);  // its window is not closed: nothing answers there
+        run_.commit_lost.insert(m.address);  // nor is it asked to apply deltas, nor its lease checked
+        const std::string why = absl::StrCat(m.engine_id, ": its target daemon on node ", m.node_id, " (", m.address,
+                                             ") died during update ", v, " while relaying; kept paused at its old label");
+        rec.add_dropped(why);
+        spdlog::error("update {}: relay engine {} dropped: {}", v, m.engine_id, why);
+        for (const auto& [id, n] : nodes_)
+          for (const auto& e : n.engines())
+            if (e.engine_id() == m.engine_id) {
+              dropped.insert(e.control_address());
+              engine_stale_[e.control_address()] = why;
+              engine_state_[e.control_address()] = EngineView{EngineState::kFailed, "relay_drain"};
+            }
+      }
+      for (const auto& addr : adopters) {
+        WindowSources objects;
+        for (const auto& p : plan_) {
+          if (p.assignment->target_daemon() != addr) continue;
+          auto a = rr.adopted.find(p.assignment->engine_id());
+          objects.emplace_back(a == rr.adopted.end() ? p.source : node_of[a->second], p.assignment);
+        }
+        v1::SetWriteWindowRequest& w = windows[addr];
+        w.set_open(true);
+        w.set_version(v);
+        w.set_assignments_given(true);
+        AddWindowAssignments(objects, &w);
+        w.set_assignments_digest(WindowAssignmentsDigest(w.assignments()));
+      }
+      NoteChange();
+    }
+    SaveEngineStates();
+    engines.erase(std::remove_if(engines.begin(), engines.end(), [&](const std::string& a) { return dropped.count(a); }),
+                  engines.end());
+    for (const auto& [child, parent] : rr.adopted)
+      spdlog::warn("update {}: relay engine {} re-parented to {}", v, child, parent.empty() ? "the sources" : parent);
+    for (const auto& [addr, w] : windows) {
+      auto r = Remote(addr, [&] { return peers_->SetWriteWindow(addr, w); });
+      if (!r.ok()) return Annotate(r.status(), "re-opening the write window of target " + NodeLabel(addr));
+      MutexLock l(&mu_);
+      window_acks_[addr] = r->assignments_digest();
+    }
+    return AdoptRelays(rr, v);
+  };
   if (relayed)
-    driver.Bind(Phase::kRelayDrain, [&](OnFailure) {
+    driver.Bind(Phase::kRelayDrain, [&](OnFailure policy) {
       const absl::Time t = absl::Now();
-      absl::Status st = DrainRelays(*relays, v, commit_timeout_s);  // every relay checked and forwarded all
+      RelayWiring live = *relays;
+      absl::Status st = DrainRelays(live, v, commit_timeout_s);  // every relay checked and forwarded all
+      // The row's policy routes around relays whose daemons died: each round drops the dead, re-parents their
+      // children and drains the rest again. Any other failure, or a dead root, is the row's failure (kept paused).
+      while (!st.ok() && policy == OnFailure::kRouteAround && !AbortAsked()) {
+        const std::set<std::string> dead = DeadRelays(live, kRelayProbeSeconds);
+        if (dead.empty()) break;
+        RelayReroute rr = RerouteRelays(live, dead);
+        if (!rr.impossible.empty()) {
+          st = absl::Status(st.code(), absl::StrCat(rr.impossible, "; ", st.message()));
+          break;
+        }
+        st = route_around(live, dead, rr);
+        if (!st.ok()) break;
+        live = std::move(rr.wiring);
+        st = DrainRelays(live, v, commit_timeout_s);
+      }
       AddPhase(&rec, "relay_drain", t);
       if (st.ok()) CloseWindows(v, &ctx);
       return st;
@@ -1657,8 +1735,15 @@ bool Coordinator::CheckLeases() {
     committing = state_ == UpdateState::kCommitting;
     const absl::Duration limit = absl::Seconds(3 * opts_.heartbeat_seconds);
     const absl::Time now = absl::Now();
+    // Relays below a tree's root: one that died is routed around at relay_drain (phase_table.h, kRouteAround), so
+    // its lease is not the update's.
+    std::set<std::string> routed_around;
+    if (relay_wiring_)
+      for (const RelayMember& m : relay_wiring_->members)
+        if (!m.parent.empty()) routed_around.insert(m.node_id);
     for (const auto& [id, n] : nodes_) {
       if (TargetOutOfUpdates(n) || !InRun(id)) continue;  // drained or left out: the update does not need it
+      if (routed_around.count(id)) continue;
       const absl::Duration ago = now - LastHeartbeat(id);
       if (ago <= limit || (committing && run_.commit_lost.count(n.address()))) continue;
       why = absl::StrCat(n.role(), " node ", id, " (", n.address(),
@@ -1859,7 +1944,9 @@ absl::Status Coordinator::ApplyDeltas(int64_t v,
   {
     MutexLock l(&mu_);
     for (const auto& [id, n] : nodes_)
-      if (n.role() == "target" && !TargetOutOfUpdates(n)) reqs[n.address()].set_version(v);
+      // A relay routed around (its daemon died, route_around in CommitUpdate) holds nothing of the update.
+      if (n.role() == "target" && !TargetOutOfUpdates(n) && !run_.commit_lost.count(n.address()))
+        reqs[n.address()].set_version(v);
     std::map<std::string, std::string> source_id;
     for (const auto& [id, n] : nodes_) source_id[n.address()] = id;
     uint64_t dense = 0, sent = 0;

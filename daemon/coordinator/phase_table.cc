@@ -23,8 +23,9 @@ std::vector<PhaseRow>& Table(UpdateMode mode) {
       {Phase::kStart, "start", "every source", D::kStart, OnFailure::kResumeIfClean},
       {Phase::kPush, "push", "the trainer (lease loss, operator's abort)", 0, OnFailure::kResumeIfClean},
       {Phase::kFinish, "finish", "every source", 0, OnFailure::kKeepPaused},
-      // A relay that died or failed a check: engines below it may hold a mix of versions (docs/planner.md).
-      {Phase::kRelayDrain, "relay_drain", "every target daemon of a relay tree", 0, OnFailure::kKeepPaused},
+      // A relay that died is routed around; one that failed a check, or a dead root, keeps every engine paused:
+      // engines below it may hold a mix of versions (docs/planner.md, "A relay that dies").
+      {Phase::kRelayDrain, "relay_drain", "every target daemon of a relay tree", 0, OnFailure::kRouteAround},
       {Phase::kApplyDelta, "apply_delta", "target daemons with delta records", D::kApplyDelta, OnFailure::kKeepPaused},
       {Phase::kPostProcess, "post_process", "every engine", D::kPostProcess, OnFailure::kKeepPaused},
       {Phase::kSetVersion, "set_version", "every engine", D::kSetVersion, OnFailure::kKeepPaused},
@@ -162,6 +163,8 @@ absl::string_view OnFailureName(OnFailure f) {
       return "hold the engine paused (failed)";
     case OnFailure::kCommittedNotResumed:
       return "committed; engine not resumed";
+    case OnFailure::kRouteAround:
+      return "route around a dead relay, else keep paused";
   }
   return "?";
 }
@@ -184,6 +187,10 @@ absl::string_view OnFailureMeaning(OnFailure f) {
              "labelled; the update commits on the engines that completed";
     case OnFailure::kCommittedNotResumed:
       return "the fleet is on the new version; that engine stays paused at it, reported not resumed";
+    case OnFailure::kRouteAround:
+      return "a relay whose daemon died is dropped (its engine kept paused at its old label, stale) and its children "
+             "re-parented to the nearest live relay above, the update goes on; a failed check or a dead root: as "
+             "keep paused";
   }
   return "?";
 }

@@ -67,6 +67,13 @@ enum class OnFailure {
   // Past the commit point: the engine holds v's weights and label; a failed Continue leaves it paused at v, named
   // "not resumed" in the record and Status; ResumeEngines, a retried commit or the next update continues it.
   kCommittedNotResumed,
+  // Relay trees, per relay: one whose target daemon died is routed around within the update. Its engine is dropped
+  // from the update (it may hold a mix: kept paused at its old label, named in the record's `dropped` and reported
+  // stale, as a direct engine whose daemon dies under keep paused); its live children are re-parented to the nearest
+  // live relay above it, which forwards them everything from the start, and the drain runs again. A relay that
+  // failed otherwise (a check, a forward to a live child), or a dead root (its children have no live relay above
+  // them; the sources write only roots), fails the update as kKeepPaused, naming the relay.
+  kRouteAround,
 };
 
 // A row's fan-out width: kFanoutDefault calls at most the coordinator's --fanout-parallel peers at once; kAllAtOnce

@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <mutex>
 #include <numeric>
 #include <set>
@@ -216,6 +217,90 @@ RelayWiring WireRelays(const planner::RelayOptions& options, const std::map<std:
                out.members.size(), roots.size());
   *plan = std::move(next);
   return out;
+}
+
+RelayReroute RerouteRelays(const RelayWiring& wiring, const std::set<std::string>& dead) {
+  RelayReroute out;
+  std::map<std::string, const RelayMember*> by_id;
+  std::map<std::string, v1::RelayChild> spec;  // engine → its child spec, from its parent's request
+  for (const RelayMember& m : wiring.members) {
+    by_id[m.engine_id] = &m;
+    for (const auto& c : m.request.children()) spec[c.engine_id()] = c;
+  }
+  std::map<std::string, std::string> parent;  // live member → its nearest live ancestor ("": a root)
+  for (const RelayMember& m : wiring.members) {
+    if (dead.count(m.engine_id)) continue;
+    std::string p = m.parent;
+    while (!p.empty() && dead.count(p)) p = by_id.count(p) ? by_id[p]->parent : std::string();
+    if (p.empty() && !m.parent.empty()) {
+      std::string root = m.parent;
+      while (by_id.count(root) && !by_id[root]->parent.empty()) root = by_id[root]->parent;
+      const RelayMember& r = *by_id[root];
+      out.impossible = absl::StrCat("relay engine ", r.engine_id, " on node ", r.node_id, " (", r.address,
+                                    ") died; it is its tree's root, so engine ", m.engine_id,
+                                    " has no live relay above it and the sources write only the roots");
+      return out;
+    }
+    parent[m.engine_id] = p;
+    if (p != m.parent) out.adopted[m.engine_id] = p;
+  }
+  for (const RelayMember& m : wiring.members) {
+    if (dead.count(m.engine_id)) continue;
+    RelayMember n = m;
+    n.parent = parent[m.engine_id];
+    n.request.clear_children();
+    for (const auto& c : m.request.children())  // its own live children first, in their order
+      if (!dead.count(c.engine_id())) *n.request.add_children() = c;
+    for (const RelayMember& k : wiring.members)  // then those it adopts, in the members' order
+      if (auto a = out.adopted.find(k.engine_id); a != out.adopted.end() && a->second == m.engine_id)
+        *n.request.add_children() = spec[k.engine_id];
+    if (n.request.children_size() != m.request.children_size() ||
+        n.request.SerializeAsString() != m.request.SerializeAsString())
+      out.changed.push_back(m.engine_id);
+    out.wiring.members.push_back(std::move(n));
+  }
+  return out;
+}
+
+std::set<std::string> DeadRelays(const RelayWiring& wiring, double timeout_s) {
+  std::mutex mu;
+  std::set<std::string> dead;
+  std::vector<std::thread> threads;
+  for (const RelayMember& m : wiring.members)
+    threads.emplace_back([&, m] {
+      auto channel = tls::Dial(m.address, kMaxControlMessageBytes);
+      absl::Status st = channel.status();
+      if (st.ok()) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+        v1::NodeStatus reply;
+        st = FromGrpcStatus(v1::NodeDaemon::NewStub(*channel)->GetNodeStatus(&ctx, v1::NodeStatusRequest(), &reply));
+      }
+      if (st.ok()) return;
+      spdlog::warn("relay engine {} on node {} ({}) does not answer: {}", m.engine_id, m.node_id, m.address,
+                   st.ToString());
+      std::lock_guard<std::mutex> l(mu);
+      dead.insert(m.engine_id);
+    });
+  for (auto& t : threads) t.join();
+  return dead;
+}
+
+absl::Status AdoptRelays(const RelayReroute& reroute, int64_t version) {
+  RelayWiring told;
+  for (const RelayMember& m : reroute.wiring.members)
+    if (std::find(reroute.changed.begin(), reroute.changed.end(), m.engine_id) != reroute.changed.end())
+      told.members.push_back(m);
+  return ForMembers(told, "SetRelay (new children)",
+                    [&](const RelayMember& m, v1::NodeDaemon::Stub* stub, grpc::ClientContext* ctx) {
+                      v1::SetRelayRequest req = m.request;
+                      req.set_version(version);
+                      req.set_adopt(true);
+                      ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+                      v1::SetRelayReply out;
+                      return FromGrpcStatus(stub->SetRelay(ctx, req, &out));
+                    });
 }
 
 absl::Status StartRelays(const RelayWiring& wiring, int64_t version) {

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -61,10 +62,29 @@ RelayWiring WireRelays(const planner::RelayOptions& options, const std::map<std:
 planner::RelayLinks GroupRelayLinks(const std::vector<std::string>& members, const std::vector<PlannedAssignment>& plan,
                                     const planner::NicSpec& nic, const planner::RelayOptions& options);
 
+// A tree without the members whose target daemons died (`dead`, engine ids; docs/planner.md "A relay that dies"):
+// every live member's parent becomes its nearest live ancestor, which takes it as a child after its own. Pure.
+struct RelayReroute {
+  RelayWiring wiring;                          // the live members, re-wired (their requests' children replaced)
+  std::map<std::string, std::string> adopted;  // re-parented engine → its new parent engine
+  std::vector<std::string> changed;            // live members whose children changed (told with SetRelay adopt)
+  // Why the tree cannot be routed around ("" when it can): a dead root's children have no live ancestor, and the
+  // sources write only the roots within an update.
+  std::string impossible;
+};
+RelayReroute RerouteRelays(const RelayWiring& wiring, const std::set<std::string>& dead);
+
+// The members of `wiring` whose target daemons do not answer (GetNodeStatus within `timeout_s`: unreachable or
+// silent), by engine id; all asked at once.
+std::set<std::string> DeadRelays(const RelayWiring& wiring, double timeout_s);
+inline constexpr double kRelayProbeSeconds = 3;  // DeadRelays' wait on each member
+
 // SetRelay on every member for update `version`, all at once; the first error names the member.
 absl::Status StartRelays(const RelayWiring& wiring, int64_t version);
 // RelayDrain on every member, all at once, each bounded by `timeout_s`; the first error names the member (a relay
 // that failed, or did not get or forward everything).
 absl::Status DrainRelays(const RelayWiring& wiring, int64_t version, double timeout_s);
+// SetRelay with `adopt` on each member of `reroute.changed`: its new children, everything landed forwarded again.
+absl::Status AdoptRelays(const RelayReroute& reroute, int64_t version);
 
 }  // namespace wsync::daemon
