@@ -12,6 +12,14 @@
 #include "spdlog/spdlog.h"
 
 namespace wsync::daemon {
+namespace {
+
+// What a relay forwards to a child rank in one batch, at most (a longer landed range goes alone): a notice may cover
+// many ranges (a parent's notices are batched per round), and the child hears of a batch, and forwards it on, only
+// once the whole batch landed, so a level of the tree costs about this much of a copy, not a notice's worth.
+constexpr uint64_t kForwardBatchBytes = 4ull << 20;
+
+}  // namespace
 
 absl::Status CheckRelayChild(const std::vector<RelayRankMemory>& ranks, const v1::RelayChild& child) {
   const std::string who = absl::StrCat("relay child engine ", child.engine_id(), " at ", child.target_daemon());
@@ -37,6 +45,22 @@ absl::Status CheckRelayChild(const std::vector<RelayRankMemory>& ranks, const v1
                                                        " memory (relays write host memory only)"));
   }
   return absl::OkStatus();
+}
+
+std::vector<std::pair<int, std::vector<v1::LandedRange>>> ForwardBatches(const std::vector<v1::LandedRange>& ranges,
+                                                                          uint64_t max_bytes) {
+  std::vector<std::pair<int, std::vector<v1::LandedRange>>> out;
+  std::map<int, std::pair<size_t, uint64_t>> open;  // rank → its batch being filled, that batch's bytes
+  for (const v1::LandedRange& g : ranges) {
+    auto batch = open.find(g.rank());
+    if (batch == open.end() || batch->second.second + g.length() > max_bytes) {
+      batch = open.insert_or_assign(g.rank(), std::make_pair(out.size(), uint64_t{0})).first;
+      out.emplace_back(g.rank(), std::vector<v1::LandedRange>{});
+    }
+    out[batch->second.first].second.push_back(g);
+    batch->second.second += g.length();
+  }
+  return out;
 }
 
 RelayForwarder::RelayForwarder(std::string node_id, transport::Transport* transport, Dial dial, Notify notify)
@@ -228,9 +252,11 @@ absl::StatusOr<v1::SetRelayReply> RelayForwarder::Adopt(const v1::SetRelayReques
 }
 
 absl::Status RelayForwarder::Landed(const v1::RelayLandedRequest& req) {
-  std::map<int, std::vector<v1::LandedRange>> by_rank;
+  std::vector<v1::LandedRange> fresh;  // checked, not seen before this update, not empty
+  std::vector<std::pair<int, std::vector<v1::LandedRange>>> by_rank;  // the forward batches: rank, ranges
   std::shared_ptr<std::vector<Child>> children;
   uint64_t generation = 0;
+  const absl::Time t_in = absl::Now();
   {
     MutexLock l(&mu_);
     if (req.version() != version_ || req.engine_id() != engine_id_)
@@ -280,11 +306,19 @@ absl::Status RelayForwarder::Landed(const v1::RelayLandedRequest& req) {
       if (!seen_[g.rank()].insert({g.param(), g.offset()}).second) continue;  // re-sent by a new parent
       landed_[g.rank()] += g.length();
       landed_log_.push_back(g);
-      if (g.length() > 0) by_rank[g.rank()].push_back(g);
+      if (g.length() > 0) fresh.push_back(g);
     }
+    by_rank = ForwardBatches(fresh, kForwardBatchBytes);
     children = children_;
     pending_ += children->size() * by_rank.size();
     cv_.SignalAll();
+  }
+  {
+    uint64_t b = 0;
+    for (const auto& g : req.ranges()) b += g.length();
+    spdlog::debug("relaytime {} landed from {}: {} ranges {} bytes first {} +{} checked {:.2f} ms", node_id_,
+                  req.from_node(), req.ranges_size(), b, req.ranges_size() ? req.ranges(0).param() : "",
+                  req.ranges_size() ? req.ranges(0).offset() : 0, absl::ToDoubleMilliseconds(absl::Now() - t_in));
   }
   const int64_t version = req.version();
   for (size_t c = 0; c < children->size(); ++c) {
@@ -310,7 +344,10 @@ absl::Status RelayForwarder::Landed(const v1::RelayLandedRequest& req) {
           bytes += g.length();
         }
       }
-      auto done = [this, version, generation, c, rank = rank, ranges = ranges, bytes](const absl::Status& st) {
+      const absl::Time t_post = absl::Now();
+      auto done = [this, version, generation, c, rank = rank, ranges = ranges, bytes, t_post](const absl::Status& st) {
+        spdlog::debug("relaytime {} forward acked child {} rank {}: {} bytes in {:.2f} ms", node_id_, c, rank, bytes,
+                      absl::ToDoubleMilliseconds(absl::Now() - t_post));
         MutexLock l(&mu_);
         if (version != version_ || generation != generation_) return;
         if (!st.ok()) {
@@ -379,7 +416,10 @@ void RelayForwarder::NoticeLoop() {
       req.set_from_node(node_id_);
       const std::string daemon = (*children)[c].spec.target_daemon();
       mu_.Unlock();  // no lock across the call
+      const absl::Time t_call = absl::Now();
       absl::Status st = notify_(daemon, req);
+      spdlog::debug("relaytime {} notice to child {}: {} ranges ({} batches) call {:.2f} ms", node_id_, c,
+                    req.ranges_size(), call.second, absl::ToDoubleMilliseconds(absl::Now() - t_call));
       mu_.Lock();
       if (version != version_ || generation != generation_) break;
       if (!st.ok() && error_.ok())

@@ -17,6 +17,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -41,6 +42,12 @@ struct RelayRankMemory {
 // Checks `child` against the relaying engine's ranks: as many ranks, every parameter at the same segment, offset and
 // size, every segment host memory. InvalidArgument naming the child and the first difference. Pure.
 absl::Status CheckRelayChild(const std::vector<RelayRankMemory>& ranks, const v1::RelayChild& child);
+
+// The forward batches of ranges that landed, in order: per rank, consecutive ranges of at most `max_bytes` together
+// (a longer range alone), each batch (rank, ranges). A child hears of a batch, and forwards it on, once all of it
+// landed there, so a tree level costs about one batch's time. Pure.
+std::vector<std::pair<int, std::vector<v1::LandedRange>>> ForwardBatches(const std::vector<v1::LandedRange>& ranges,
+                                                                          uint64_t max_bytes);
 
 class RelayForwarder {
  public:

@@ -1178,15 +1178,10 @@ absl::Status SourceNode::StageSlice(const TensorSlice& s, Staged* st, const uint
 absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::ReadyParam>& ready) {
   if (ready.empty()) return absl::OkStatus();
   std::map<Target*, std::vector<transport::WriteRequest>> batches;
-  // A relay tree's root takes the bucket in pieces of about a relay chunk, each posted with its own landed notice,
-  // so that the root forwards a piece as soon as it landed: a level of the tree then adds about one chunk's time,
-  // not one bucket's (docs/planner.md, "The relay data path").
-  struct Piece {
-    std::vector<transport::WriteRequest> writes;
-    std::vector<replica::ReadyParam> ready;
-    uint64_t bytes = 0;
-  };
-  std::map<Target*, std::vector<Piece>> pieces;
+  // A relay tree's root takes the bucket in pieces of at most a relay chunk (cut inside parameters), each posted with
+  // its own landed notice, so that the root forwards a piece as soon as it landed: a level of the tree then adds
+  // about one chunk's time, not one bucket's or one large parameter's (docs/planner.md, "The relay data path").
+  std::map<Target*, std::vector<RelayPiece>> pieces;
   const bool relaying = std::any_of(targets_.begin(), targets_.end(),
                                     [](const auto& t) { return t->assignment.relay_root(); });
   uint64_t bytes = 0, sent = 0;
@@ -1205,12 +1200,7 @@ absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::
         b.insert(b.end(), writes.begin(), writes.end());
         continue;
       }
-      std::vector<Piece>& into = pieces[t];
-      if (into.empty() || into.back().bytes >= kRelayPieceBytes) into.emplace_back();
-      Piece& piece = into.back();
-      for (const auto& w : writes) piece.bytes += w.length;
-      piece.writes.insert(piece.writes.end(), writes.begin(), writes.end());
-      piece.ready.push_back(r);
+      CutRelayPieces(*t, r, writes, &pieces[t]);
     }
   }
   RefreshBase(ready);
@@ -1228,8 +1218,8 @@ absl::Status SourceNode::WriteReady(int64_t version, const std::vector<replica::
     outcomes[t] = outcome;
     auto left = std::make_shared<std::atomic<size_t>>(list.size());
     auto failed = std::make_shared<std::atomic<bool>>(false);
-    for (Piece& piece : list) {
-      TargetWriter::Done notice = RelayNoticeFor(version, *t, piece.ready);
+    for (RelayPiece& piece : list) {
+      TargetWriter::Done notice = RelayNoticeFor(version, *t, std::move(piece.ranges));
       WSYNC_RETURN_IF_ERROR(PostToTarget(version, t, std::move(piece.writes),
                                          [outcome, left, failed, notice](const absl::Status& st) {
                                            if (!st.ok()) failed->store(true);

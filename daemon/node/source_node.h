@@ -553,11 +553,21 @@ class SourceNode {
   // Hashes the ranges posted (null with write_checksums off). Declared after everything its jobs touch; the
   // destructor drains it first.
   std::unique_ptr<HashPool> hasher_;
-  // Relay trees (source_relay.cc): after a batch into a tree's root is written, the notice of what landed there.
-  // Created at the first such batch; its thread hashes replica ranges, so it is declared after the replica.
-  TargetWriter::Done RelayNoticeFor(int64_t version, const Target& t, const std::vector<replica::ReadyParam>& ready);
-  // A relay root's bucket is posted in pieces of at least this many bytes (whole parameters; planner::RelayOptions'
-  // chunk), each with its own landed notice (WriteReady).
+  // Relay trees (source_relay.cc). A relay root's bucket is posted in pieces of at most kRelayPieceBytes
+  // (planner::RelayOptions' chunk; a parameter larger than that is cut at byte offsets), each with its own landed
+  // notice (WriteReady), so a relay forwards a chunk once it landed, not a whole parameter.
+  struct RelayPiece {
+    std::vector<transport::WriteRequest> writes;
+    std::vector<RelayNotifier::Range> ranges;  // what the piece's notice says landed (its dense writes' ranges)
+    uint64_t bytes = 0;
+  };
+  // Appends `writes` (PlanWrites' for parameter `r` into relay root `t`) to `pieces`, filling the last piece up to
+  // kRelayPieceBytes and cutting a write where it crosses that bound.
+  void CutRelayPieces(const Target& t, const replica::ReadyParam& r, const std::vector<transport::WriteRequest>& writes,
+                      std::vector<RelayPiece>* pieces);
+  // After a piece into a tree's root is written, the notice of `ranges`. The notifier is created at the first such
+  // piece; its thread hashes replica ranges, so it is declared after the replica.
+  TargetWriter::Done RelayNoticeFor(int64_t version, const Target& t, std::vector<RelayNotifier::Range> ranges);
   static constexpr uint64_t kRelayPieceBytes = 4ull << 20;
   std::once_flag relay_once_;
   std::unique_ptr<RelayNotifier> relay_notifier_;
