@@ -172,6 +172,13 @@ TEST_CASE("fault spec: parse, print, reject with the offending item", "[transpor
   CHECK(peer.ToString() == "delay_ms=20,delay_peer=10.0.0.7:5000");
   CHECK(Spec(peer.ToString()).delay_peer == "10.0.0.7:5000");
   CHECK(Spec("delay_ms=5").delay_peer.empty());
+  FaultSpec jit = Spec("seed=42, jitter_ms=3");
+  CHECK(jit.jitter == absl::Milliseconds(3));
+  CHECK(jit.seed == 42);
+  CHECK(jit.delays());
+  CHECK_FALSE(jit.empty());
+  CHECK(jit.ToString() == "jitter_ms=3,seed=42");
+  CHECK(Spec("jitter_ms=4,delay_peer=h").ToString() == "jitter_ms=4,delay_peer=h");
 
   struct Bad {
     std::string spec, item, why;
@@ -186,8 +193,10 @@ TEST_CASE("fault spec: parse, print, reject with the offending item", "[transpor
                                        {"fail_post=1,,delay_ms=3", "", "empty item"},
                                        {"delay_ms=99999999", "delay_ms=99999999", "over 10 minutes"},
                                        {"delay_ms=5,delay_peer=", "delay_peer=", "value is empty"},
-                                       {"delay_peer=host", "delay_peer=host", "needs a delay_ms above 0"},
-                                       {"delay_peer=host,delay_ms=0", "delay_peer=host", "needs a delay_ms above 0"},
+                                       {"delay_peer=host", "delay_peer=host", "needs a delay_ms or jitter_ms above 0"},
+                                       {"delay_peer=host,delay_ms=0", "delay_peer=host", "needs a delay_ms or jitter_ms above 0"},
+                                       {"seed=3", "seed=3", "seed needs a jitter_ms above 0"},
+                                       {"jitter_ms=2,seed=x", "seed=x", "not a non-negative integer"},
                                        {"delay_ms=5,delay_peer=a,delay_peer=b", "delay_peer=b", "given twice"},
                                        {"delay_peers=a", "delay_peers=a", "unknown key"}}) {
     auto r = ParseFaultSpec(b.spec);

@@ -12,6 +12,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
 #include <utility>
 #include <vector>
@@ -33,7 +34,8 @@ namespace {
 struct FaultState {
   explicit FaultState(FaultSpec s) : spec(s) {}
   const FaultSpec spec;
-  std::atomic<uint64_t> posted{0};  // batches numbered so far, across all endpoints
+  std::atomic<uint64_t> posted{0};     // batches numbered so far, across all endpoints
+  std::atomic<uint64_t> endpoints{0};  // endpoints created so far (each seeds its jitter with its number)
 };
 
 // Used by one owner thread at a time (Post, Wait), like every endpoint; Cancel and CompletionFd from any thread.
@@ -42,7 +44,10 @@ struct FaultState {
 class FaultEndpoint : public Endpoint {
  public:
   FaultEndpoint(std::unique_ptr<Endpoint> inner, std::shared_ptr<FaultState> state)
-      : inner_(std::move(inner)), state_(std::move(state)), delaying_(state_->spec.delay > absl::ZeroDuration()) {
+      : inner_(std::move(inner)),
+        state_(std::move(state)),
+        delaying_(state_->spec.delays()),
+        jitter_rng_(state_->spec.seed * 1000003 + state_->endpoints.fetch_add(1)) {
     if (!delaying_) return;
     // CompletionFd: an epoll set readable when the inner endpoint's fd is, when the first held batch is due
     // (timerfd) or after Cancel (eventfd). Without an inner fd (a provider the owner polls), none: the owner's
@@ -99,7 +104,11 @@ class FaultEndpoint : public Endpoint {
       // A link that carries one batch per `delay`: each is handed on `delay` after the previous one was, or after
       // its Post. Logged when the hold starts, so that a test can act while a batch is on its way (an event).
       const absl::Time now = absl::Now();
-      last_due_ = std::max(now, last_due_) + spec.delay;
+      absl::Duration extra = absl::ZeroDuration();
+      if (spec.jitter > absl::ZeroDuration())
+        extra = absl::Microseconds(std::uniform_int_distribution<int64_t>(
+            0, absl::ToInt64Microseconds(spec.jitter))(jitter_rng_));
+      last_due_ = std::max(now, last_due_) + spec.delay + extra;
       id = next_id_++;
       held_.push_back(Held{id, last_due_, std::vector<WriteRequest>(writes.begin(), writes.end())});
       spdlog::info("injected fault: holding a batch of {} writes to {} for {} ms", writes.size(), peer,
@@ -222,7 +231,8 @@ class FaultEndpoint : public Endpoint {
 
   std::unique_ptr<Endpoint> inner_;
   std::shared_ptr<FaultState> state_;
-  const bool delaying_;  // the spec has a delay: batches get this endpoint's ids (below)
+  const bool delaying_;  // the spec has a delay or a jitter: batches get this endpoint's ids (below)
+  std::mt19937_64 jitter_rng_;  // used by the owner's Post only
   absl::Status broken_;
   std::map<BatchId, uint64_t> doomed_;  // batch id -> batch number whose Wait must fail
   // With a delay only:
@@ -282,7 +292,9 @@ std::string FaultSpec::ToString() const {
   if (fail_post > 0) items.push_back(absl::StrCat("fail_post=", fail_post));
   if (fail_wait > 0) items.push_back(absl::StrCat("fail_wait=", fail_wait));
   if (delay > absl::ZeroDuration()) items.push_back(absl::StrCat("delay_ms=", absl::ToInt64Milliseconds(delay)));
-  if (delay > absl::ZeroDuration() && !delay_peer.empty()) items.push_back(absl::StrCat("delay_peer=", delay_peer));
+  if (jitter > absl::ZeroDuration()) items.push_back(absl::StrCat("jitter_ms=", absl::ToInt64Milliseconds(jitter)));
+  if (jitter > absl::ZeroDuration() && seed > 0) items.push_back(absl::StrCat("seed=", seed));
+  if (delays() && !delay_peer.empty()) items.push_back(absl::StrCat("delay_peer=", delay_peer));
   return absl::StrJoin(items, ",");
 }
 
@@ -291,10 +303,11 @@ absl::StatusOr<FaultSpec> ParseFaultSpec(const std::string& text) {
   std::set<std::string> seen;
   if (absl::StripAsciiWhitespace(text).empty()) return spec;
   std::string peer_item;  // the delay_peer item, named if it turns out to lack a delay
+  std::string seed_item;  // the seed item, named if it turns out to lack a jitter
   auto bad_item = [&](absl::string_view item, absl::string_view why) {
     return absl::InvalidArgumentError(
         absl::StrCat("fault spec '", text, "': item '", item, "': ", why,
-                     " (expected fail_post=N, fail_wait=N, delay_ms=MS, delay_peer=TEXT)"));
+                     " (expected fail_post=N, fail_wait=N, delay_ms=MS, jitter_ms=MS, seed=N, delay_peer=TEXT)"));
   };
   for (absl::string_view raw : absl::StrSplit(text, ',')) {
     absl::string_view item = absl::StripAsciiWhitespace(raw);
@@ -306,7 +319,9 @@ absl::StatusOr<FaultSpec> ParseFaultSpec(const std::string& text) {
     const std::string value(absl::StripAsciiWhitespace(kv[1]));
     if (!seen.insert(key).second) return bad("key given twice");
     uint64_t n = 0;
-    if (key != "fail_post" && key != "fail_wait" && key != "delay_ms" && key != "delay_peer") return bad("unknown key");
+    if (key != "fail_post" && key != "fail_wait" && key != "delay_ms" && key != "jitter_ms" && key != "seed" &&
+        key != "delay_peer")
+      return bad("unknown key");
     if (key == "delay_peer") {
       if (value.empty()) return bad("value is empty (a part of the peer's name)");
       spec.delay_peer = value;
@@ -318,13 +333,18 @@ absl::StatusOr<FaultSpec> ParseFaultSpec(const std::string& text) {
     if (key == "fail_post" || key == "fail_wait") {
       if (n == 0) return bad("batch numbers start at 1");
       (key == "fail_post" ? spec.fail_post : spec.fail_wait) = n;
+    } else if (key == "seed") {
+      spec.seed = n;
+      seed_item = std::string(item);
     } else {
       if (n > 600000) return bad("delay over 10 minutes");
-      spec.delay = absl::Milliseconds(n);
+      (key == "delay_ms" ? spec.delay : spec.jitter) = absl::Milliseconds(n);
     }
   }
-  if (!spec.delay_peer.empty() && spec.delay == absl::ZeroDuration())
-    return bad_item(peer_item, "delay_peer needs a delay_ms above 0");
+  if (!spec.delay_peer.empty() && !spec.delays())
+    return bad_item(peer_item, "delay_peer needs a delay_ms or jitter_ms above 0");
+  if (!seed_item.empty() && spec.jitter == absl::ZeroDuration())
+    return bad_item(seed_item, "seed needs a jitter_ms above 0");
   return spec;
 }
 

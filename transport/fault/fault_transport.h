@@ -34,14 +34,21 @@ struct FaultSpec {
   // Only the endpoints whose PeerName() contains this text are delayed (one slow target among several, e.g. its
   // "host:port"); empty: every endpoint. Failures stay counted over every endpoint whatever it says.
   std::string delay_peer;
+  // A link whose pace varies: each delayed batch waits `delay` plus a random extra of up to `jitter` (uniform, in
+  // microseconds), drawn from a generator seeded by `seed` and the endpoint's creation order, so a run repeats
+  // exactly with the same seed. A jitter alone (delay 0) delays too.
+  absl::Duration jitter = absl::ZeroDuration();
+  uint64_t seed = 0;
 
-  bool empty() const { return fail_post == 0 && fail_wait == 0 && delay == absl::ZeroDuration(); }
+  bool delays() const { return delay > absl::ZeroDuration() || jitter > absl::ZeroDuration(); }
+  bool empty() const { return fail_post == 0 && fail_wait == 0 && !delays(); }
   // Canonical text form, parseable by ParseFaultSpec ("" for an empty spec).
   std::string ToString() const;
 };
 
-// Parses "key=value[,key=value...]" with keys fail_post, fail_wait (positive batch numbers), delay_ms
-// (non-negative milliseconds) and delay_peer (non-empty text, no comma; only with a delay_ms above 0). Whitespace
+// Parses "key=value[,key=value...]" with keys fail_post, fail_wait (positive batch numbers), delay_ms and jitter_ms
+// (non-negative milliseconds), seed (a non-negative integer, only with a jitter_ms above 0) and delay_peer
+// (non-empty text, no comma; only with a delay_ms or jitter_ms above 0). Whitespace
 // around items and values is ignored; "" is the empty spec. Unknown keys, repeated keys, missing or malformed
 // values are InvalidArgument naming the offending item.
 absl::StatusOr<FaultSpec> ParseFaultSpec(const std::string& text);
