@@ -1203,6 +1203,10 @@ TEST_CASE("write grants: outside the grant, without one and after revocation ref
 // at once, without waiting for the network; what had landed by then is the batches' bytes or untouched, nothing else.
 // Fails when a backend's Cancel does not reach its queued writes (a Wait that completes them all after the cancel, or
 // runs into its deadline).
+// How long a peer receiver's memory is watched after a Cancel returned, the endpoint still alive: longer than the
+// mooncake endpoint takes to send the 256 MiB queued here when its Cancel drops nothing (it then failed so).
+constexpr std::chrono::milliseconds kAfterCancel{500};
+
 TEST_CASE("cancel: queued batches fail with the caller's reason at once; later calls fail; no torn bytes",
           "[transport][cancel]") {
   auto sender = MakeViable();
@@ -1248,6 +1252,9 @@ TEST_CASE("cancel: queued batches fail with the caller's reason at once; later c
   std::vector<uint8_t> at_cancel;
   if (receiver.peer() != nullptr) {
     at_cancel = dst.Bytes();
+    // A cancelled endpoint lives on until its owner re-creates it; a while of it (its length, not an event, is the
+    // condition, as for the stopped peer) must hand nothing queued to the network.
+    std::this_thread::sleep_for(kAfterCancel);
     link.src.reset();  // its connections' threads joined: whatever they sent is on its way
   } else {
     receiver.Destroy(link, dst);  // its threads joined: the memory is read after them

@@ -417,40 +417,66 @@ TEST_CASE("Cancel during a large batch to the real peer: the Wait returns at onc
   CHECK(peer.Checksums().at("huge") == PatternSha256(SeedOf("after-cancel", "huge"), p.bytes));
 }
 
-// A peer that stops reading (its host hangs, its link is gone) is what Cancel is for: the workers are blocked in
-// send. A stand-in for the handshake port points at a data port whose connections are never read.
+namespace {
+
+// A stand-in for a peer that stopped reading (its host hangs, its link is gone): its handshake port answers one
+// Metadata request with a buffer at kStalledBase and a data port whose connections complete in the backlog and are
+// never read.
+constexpr uint64_t kStalledBase = 0x7f0000000000ull;
+constexpr uint64_t kStalledLen = 64 << 20;
+
+struct StalledSession {
+  StalledSession() {
+    data = tcp::Listen("127.0.0.1", 0, &data_port);
+    REQUIRE(data.ok());
+    handshake = tcp::Listen("127.0.0.1", 0, &port);
+    REQUIRE(handshake.ok());
+    session = absl::StrCat("127.0.0.1:", port);
+    server = std::thread([this] {
+      tcp::Fd c(::accept(handshake->get(), nullptr, nullptr));
+      uint64_t len = 0;
+      if (!tcp::RecvAll(c.get(), &len, 8).ok() || len > 4096) return;
+      std::string req(len, '\0');
+      if (!tcp::RecvAll(c.get(), req.data(), len).ok()) return;
+      const std::string json_text = absl::StrCat(
+          "{\"buffers\":[{\"addr\":", kStalledBase, ",\"length\":", kStalledLen, "}],\"name\":\"", session,
+          "\",\"protocol\":\"tcp\",\"tcp_proto_version\":2,\"tcp_data_port\":", data_port, "}\n");
+      std::string frame = std::string(1, '\x01') + json_text;
+      uint64_t n = frame.size();
+      iovec iov[2] = {{&n, 8}, {frame.data(), frame.size()}};
+      tcp::SendAll(c.get(), iov, 2).IgnoreError();
+    });
+  }
+  ~StalledSession() {
+    if (server.joinable()) server.join();
+  }
+  std::unique_ptr<Endpoint> Connect(Transport& t) {
+    auto ep = ConnectTo(t, session);
+    server.join();
+    return ep;
+  }
+
+  int data_port = 0;
+  int port = 0;
+  absl::StatusOr<tcp::Fd> data, handshake;
+  std::string session;
+  std::thread server;
+};
+
+}  // namespace
+
+// A peer that stops reading is what Cancel is for: the workers are blocked in send.
 TEST_CASE("Cancel releases a batch blocked on a peer that stopped reading, and the endpoint's workers",
           "[mooncake][cancel]") {
-  int data_port = 0;
-  auto data = tcp::Listen("127.0.0.1", 0, &data_port);  // connections complete in the backlog, never accepted
-  REQUIRE(data.ok());
-  int port = 0;
-  auto l = tcp::Listen("127.0.0.1", 0, &port);
-  REQUIRE(l.ok());
-  const std::string session = absl::StrCat("127.0.0.1:", port);
-  constexpr uint64_t kBase = 0x7f0000000000ull;
-  constexpr uint64_t kLen = 64 << 20;
-  std::thread server([&] {
-    tcp::Fd c(::accept(l->get(), nullptr, nullptr));
-    uint64_t len = 0;
-    if (!tcp::RecvAll(c.get(), &len, 8).ok() || len > 4096) return;
-    std::string req(len, '\0');
-    if (!tcp::RecvAll(c.get(), req.data(), len).ok()) return;
-    const std::string json_text = absl::StrCat("{\"buffers\":[{\"addr\":", kBase, ",\"length\":", kLen,
-                                               "}],\"name\":\"", session,
-                                               "\",\"protocol\":\"tcp\",\"tcp_proto_version\":2,\"tcp_data_port\":",
-                                               data_port, "}\n");
-    std::string frame = std::string(1, '\x01') + json_text;
-    uint64_t n = frame.size();
-    iovec iov[2] = {{&n, 8}, {frame.data(), frame.size()}};
-    tcp::SendAll(c.get(), iov, 2).IgnoreError();
-  });
+  StalledSession stalled;
+  const std::string session = stalled.session;
+  constexpr uint64_t kBase = kStalledBase;
+  constexpr uint64_t kLen = kStalledLen;
   TransportOptions opts;
   opts.io_timeout = absl::Seconds(60);  // without Cancel the batch would hang this long
   auto t = mooncake::CreateMooncakeTransport(opts, {});
   RequireOk(t.status());
-  auto ep = ConnectTo(**t, session);
-  server.join();
+  auto ep = stalled.Connect(**t);
   std::vector<uint8_t> bytes(kLen, 0x22);
   auto src = (*t)->RegisterMemory(bytes.data(), bytes.size());
   RequireOk(src.status());
@@ -478,6 +504,32 @@ TEST_CASE("Cancel releases a batch blocked on a peer that stopped reading, and t
   const absl::Time d0 = absl::Now();
   ep.reset();
   CHECK(absl::Now() - d0 < absl::Seconds(2));
+}
+
+// Without a Cancel, the i/o timeout fails the stalled batch with a terminal code: Unavailable naming the peer, never
+// DeadlineExceeded, which Wait's contract (transport.h) reserves for a batch still outstanding.
+TEST_CASE("a peer that stopped reading fails the batch at the i/o timeout: Unavailable naming it, not outstanding",
+          "[mooncake][errors]") {
+  StalledSession stalled;
+  TransportOptions opts;
+  opts.io_timeout = absl::Seconds(1);
+  auto t = mooncake::CreateMooncakeTransport(opts, {});
+  RequireOk(t.status());
+  auto ep = stalled.Connect(**t);
+  std::vector<uint8_t> bytes(kStalledLen, 0x33);
+  auto src = (*t)->RegisterMemory(bytes.data(), bytes.size());
+  RequireOk(src.status());
+  auto dst = ImportRange(**t, stalled.session, kStalledBase, kStalledLen);
+  WriteRequest w{src->get(), 0, dst.get(), 0, kStalledLen};
+  auto id = ep->Post({&w, 1});
+  RequireOk(id.status());
+  const absl::Time t0 = absl::Now();
+  const absl::Status s = ep->Wait(*id, absl::Seconds(20));
+  INFO(s.ToString() << " after " << absl::FormatDuration(absl::Now() - t0));
+  CHECK(s.code() == absl::StatusCode::kUnavailable);
+  CHECK(absl::StrContains(s.message(), stalled.session));
+  CHECK(absl::Now() - t0 < absl::Seconds(10));
+  CHECK(ep->Wait(*id, absl::ZeroDuration()).code() == absl::StatusCode::kNotFound);  // answered: not outstanding
 }
 
 // ---- protocol rdma: the real engine initialized with "rdma" on a soft-RoCE device, inside the VM

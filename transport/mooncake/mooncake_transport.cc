@@ -478,6 +478,9 @@ class MooncakeEndpoint final : public Endpoint {
     }
     if (s.ok()) return s;
     ResetFd(w, Fd());  // the peer closes the connection after a rejection; any other error leaves it unusable
+    // No progress within the i/o timeout fails the request: Wait reads DeadlineExceeded as "still outstanding"
+    // (transport.h), so the batch's answer is terminal, Unavailable.
+    if (s.code() == absl::StatusCode::kDeadlineExceeded) s = absl::UnavailableError(s.message());
     return Annotate(s, absl::StrCat(PeerName(), " (connection ", index, "): batch ", c.batch, " write ", c.write,
                                     ", request ", Range(c.addr, c.length)));
   }
