@@ -13,6 +13,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
 #include "daemon/coordinator/replan.h"
 #include "replica/layout_plan.h"
 #include "replica/model_config.h"
@@ -31,15 +32,17 @@ std::string Read(const std::string& path) {
 
 // One reference engine of `tp` ranks: each rank's table in segment 0, its draft's (with `draft`) in segment 1 typed
 // WEIGHT_SET_DRAFT, as a real engine reports them.
-v1::EngineRegistration Engine(const std::string& config_json, const std::string& id, int tp, bool draft) {
+v1::EngineRegistration Engine(const std::string& config_json, const std::string& id, int tp, bool draft,
+                              const std::string& kind = "reference") {
   auto cfg = replica::ModelConfig::FromJson(config_json);
   REQUIRE(cfg.ok());
   v1::EngineRegistration e;
   e.set_engine_id(id);
   e.set_control_address(id + ":2");
-  e.set_kind("reference");
+  e.set_kind(kind);
   for (int r = 0; r < tp; ++r) {
     replica::RankParallelism rp = replica::RankParallelism::ForTp(tp, r);
+    rp.dialect = *replica::DialectForEngineKind(kind);
     rp.weights = draft ? replica::WeightSet::kAll : replica::WeightSet::kTarget;
     auto table = replica::BuildParamTable(*cfg, rp, replica::QuantSpec());
     REQUIRE(table.ok());
@@ -169,6 +172,60 @@ TEST_CASE("replan: a draft's parameters are targets of its engine's ranks; the t
   for (const auto& [node, filters] : plain->push_filters)
     for (const auto& f : filters)
       for (const auto& n : f.tensor_names()) CHECK_FALSE(absl::StartsWith(n, mtp));
+}
+
+// An EAGLE-3 draft of its own checkpoint (docs/engines.md, "vLLM's EAGLE-3 draft"): the vLLM engine reports the
+// draft's config in the target's (speculative_draft); its parameters (draft.-prefixed) are written like any other
+// and the trainer pushes the draft's tensors under draft. + their checkpoint names, t2d not.
+TEST_CASE("replan: an EAGLE-3 draft of its own checkpoint is planned and pushed under draft.") {
+  std::string path = WSYNC_TINY_MTP_MODEL;
+  path = path.substr(0, path.rfind('/')) + "/qwen3-tiny.json";
+  nlohmann::json c = nlohmann::json::parse(Read(path));
+  c["speculative_draft"] = {
+      {"method", "eagle3"},
+      {"config",
+       {{"architectures", {"LlamaForCausalLMEagle3"}}, {"hidden_size", 64}, {"head_dim", 16},
+        {"intermediate_size", 128}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+        {"num_hidden_layers", 1}, {"vocab_size", 500}, {"draft_vocab_size", 200}}},
+      {"own_embed_tokens", false},
+      {"own_lm_head", true}};
+  const std::string config = c.dump();
+  Members m;
+  m.AddSource("train0");
+  m.AddSource("train1");
+  m.AddTarget("infer0", Engine(config, "eagle", 2, true, "vllm"));
+  auto r = PlanMembership(m.Input(config));
+  INFO((r.ok() ? "" : r.status().ToString()));
+  REQUIRE(r.ok());
+  CHECK(r->groups.count("vllm tp=2 ep=1 dp=1 +draft") == 1);
+  std::map<std::pair<int, std::string>, uint64_t> written;
+  for (const auto& p : r->plan)
+    for (const auto& w : p.assignment->writes()) written[{p.assignment->rank(), w.param()}] += w.length();
+  int drafted = 0;
+  for (const auto& rank : m.nodes["infer0"].engines(0).ranks())
+    for (const auto& p : rank.params()) {
+      INFO("rank " << rank.rank() << " " << p.name());
+      CHECK(written[{rank.rank(), p.name()}] == p.bytes());
+      drafted += p.segment() == 1;
+    }
+  CHECK(drafted == 2 * 11);  // qkv, o, gate_up, down, 3 norms, fc, norm, lm_head, draft_id_to_target_id per rank
+  std::set<std::string> pushed;
+  for (const auto& [node, filters] : r->push_filters)
+    for (const auto& f : filters)
+      for (const auto& n : f.tensor_names())
+        if (absl::StartsWith(n, "draft.")) pushed.insert(n);
+  auto cfg = replica::ModelConfig::FromJson(config);
+  REQUIRE(cfg.ok());
+  auto draft_tensors =
+      replica::CheckpointTensors(*cfg, replica::CheckpointFormat::kTrainer, 128, 128, replica::WeightSet::kDraft);
+  REQUIRE(draft_tensors.ok());
+  std::set<std::string> want;
+  for (const auto& t : *draft_tensors) want.insert(t.name);
+  CHECK(pushed == want);
+  CHECK(pushed.count("draft.midlayer.self_attn.q_proj.weight") == 1);
+  CHECK(pushed.count("draft.d2t") == 1);
+  CHECK(pushed.count("draft.t2d") == 0);
+  CHECK(pushed.count("draft.embed_tokens.weight") == 0);  // the engine shares the target's
 }
 
 TEST_CASE("replan: drafts that cannot be planned are refused, naming the engine") {
