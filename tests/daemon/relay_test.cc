@@ -449,7 +449,11 @@ TEST_CASE("relay: the middle of a chain killed mid-update is routed around; its 
   const uint64_t instance = InstanceBytes(cl.engines[0]);
   REQUIRE(coord.BeginUpdate(1, "", "", "off").ok());
   REQUIRE(testing::PushStep(**trainer, specs, 1).ok());
-  REQUIRE(coord.CommitUpdate(1, 30).ok());
+  {
+    auto first = coord.CommitUpdate(1, 30);
+    INFO(first.status().ToString() << "\n" << cl.LogTails());
+    REQUIRE(first.ok());
+  }
   const uint32_t seed = Catch::rngSeed() != 0 ? Catch::rngSeed() : 41;
   std::mt19937 rng(seed);
   INFO("seed " << seed << " (--rng-seed)");
@@ -463,7 +467,7 @@ TEST_CASE("relay: the middle of a chain killed mid-update is routed around; its 
   }
 }
 
-// The case that cannot be routed around: the root of the chain (engine0 on infer0) dies mid-push. Its children have
+// The case that cannot be routed around: the root of the chain (engine0 on infer0) dies mid-update. Its children have
 // no live relay above them and the sources write only the root: the commit fails naming it, and no engine resumes
 // (those below it may hold a mix), each at its old label.
 TEST_CASE("relay: the root of a chain killed mid-update fails the commit naming it; no engine resumes") {
@@ -481,10 +485,19 @@ TEST_CASE("relay: the root of a chain killed mid-update fails the commit naming 
   client::CoordinatorClient coord(cl.coordinator);
   REQUIRE(coord.BeginUpdate(1, "", "", "off").ok());
   REQUIRE(testing::PushStep(**trainer, specs, 1).ok());
-  REQUIRE(coord.CommitUpdate(1, 30).ok());
+  {
+    auto first = coord.CommitUpdate(1, 30);
+    INFO(first.status().ToString() << "\n" << cl.LogTails());
+    REQUIRE(first.ok());
+  }
 
   REQUIRE(coord.BeginUpdate(2, "", "", "off").ok());
-  absl::Status pushed = PushStepWith(**trainer, specs, 2, 0.5, [&] { cl.KillTarget(0); });
+  // Once bytes of update 2 landed in the root (before, a source that fails at once resumes every engine: resume old
+  // if nothing was written), wherever the push and the forwarding are then.
+  absl::Status pushed = PushStepWith(**trainer, specs, 2, 1, [&] {
+    REQUIRE(WaitForLog(cl, "target0", "relay infer0: update 2 engine engine0: first ranges landed from train0"));
+    cl.KillTarget(0);
+  });
   INFO(pushed.ToString());
   auto rec = coord.CommitUpdate(2, 30);
   INFO(rec.status().ToString() << "\n" << cl.LogTails());
