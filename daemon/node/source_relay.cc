@@ -47,9 +47,9 @@ TargetWriter::Done SourceNode::RelayNoticeFor(int64_t version, const Target& t,
           ranges = std::move(ranges), t_post = absl::Now()](const absl::Status& st) mutable {
     uint64_t b = 0;
     for (const auto& r : ranges) b += r.length;
-    spdlog::debug("relaytime source piece to {} acked: {} ranges {} bytes first {} +{} in {:.2f} ms", engine,
-                  ranges.size(), b, ranges[0].param, ranges[0].offset,
-                  absl::ToDoubleMilliseconds(absl::Now() - t_post));
+    spdlog::debug("relaytime source piece to {} acked: {} ranges {} bytes first {} +{} in {:.2f} ms: {}", engine,
+                  ranges.size(), b, ranges[0].param, ranges[0].offset, absl::ToDoubleMilliseconds(absl::Now() - t_post),
+                  st.ToString());
     if (st.ok()) notifier->Written(version, daemon, engine, std::move(ranges));
   };
 }
