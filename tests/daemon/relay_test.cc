@@ -7,6 +7,9 @@
 // daemon at seeded points of the push) is routed around: its child is re-parented to the root and verified, the dead
 // relay named and kept paused; a dead root cannot be routed around: the commit fails naming it, none resumed.
 // `wsyncctl verify` checks every relayed engine against what its relay recorded writing, as it does a direct one.
+// The chain runs a model whose embedding and LM head exceed a relay chunk (4 MiB per rank): the root records only
+// ranges of at most a chunk, tiling every parameter (the source cut the large ones), and ForwardBatches groups a
+// notice's ranges per rank into batches of at most a chunk (checked by hand). The chain and grouping cases: ~2 s.
 
 #include <catch2/catch.hpp>
 #include <chrono>
