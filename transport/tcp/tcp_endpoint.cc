@@ -347,6 +347,9 @@ class TcpEndpoint final : public Endpoint {
       if (!status.ok()) {
         std::lock_guard<std::mutex> lock(mu_);
         if (!cancelled_.ok()) status = cancelled_;  // the socket error a Cancel caused says less than its reason
+        // No progress within the i/o timeout fails the batch: Wait reads DeadlineExceeded as "still outstanding"
+        // (transport.h), so the batch's answer is terminal, Unavailable.
+        if (status.code() == absl::StatusCode::kDeadlineExceeded) status = absl::UnavailableError(status.message());
         status = Annotate(status, absl::StrCat("tcp peer ", PeerName(), " (connection ", index, ", batch ",
                                                job.batch, ")"));
       }
