@@ -1279,7 +1279,9 @@ absl::StatusOr<v1::CommitUpdateReply> Coordinator::RunCommitUpdate(const v1::Com
                   engines.end());
     for (const auto& [child, parent] : rr.adopted)
       spdlog::warn("update {}: relay engine {} re-parented to {}", v, child, parent.empty() ? "the sources" : parent);
-    for (const auto& [addr, w] : windows) {
+    for (const auto& entry : windows) {
+      const std::string& addr = entry.first;  // not a structured binding: the lambda below captures it
+      const auto& w = entry.second;
       auto r = Remote(addr, [&] { return peers_->SetWriteWindow(addr, w); });
       if (!r.ok()) return Annotate(r.status(), "re-opening the write window of target " + NodeLabel(addr));
       MutexLock l(&mu_);

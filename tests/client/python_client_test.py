@@ -517,7 +517,13 @@ def run(args, cluster, deadline):
             check(False, "a wrong shape is refused")
         except WsyncError as e:
             check(e.code == 3 and bad in e.message, "wrong shape refused by the daemon: %s" % e)
-        trainer.end_push(bad_version)
+        # The source told the coordinator of the rejected bucket, which ends the update at once: the push may be
+        # ended before or after that.
+        try:
+            trainer.end_push(bad_version)
+        except WsyncError as e:
+            check(e.code == FAILED_PRECONDITION_CODE and "has ended" in e.message,
+                  "end_push after the update ended is refused as ended: %s" % e)
         try:
             coord.commit_update(bad_version, timeout=10)
             check(False, "the refused update does not commit")

@@ -204,9 +204,13 @@ TEST_CASE("shard: trainer TP=2 / EP=2 ranks push only their shards; the engine v
     CHECK(absl::StrContains(st.message(), q.name));
     CHECK(absl::StrContains(st.message(), b.expect));
     CHECK(absl::StrContains(st.message(), "nothing from it was written"));
-    CHECK(ranks[0]->EndPush(v).ok());
-    REQUIRE(ranks[1]->BeginPush(v).ok());
-    CHECK(ranks[1]->EndPush(v).ok());
+    // The source failed the update at the refused bucket and told the coordinator, which ends it at once: what the
+    // ranks do next may come before or after that (refused as ended then), the commit answers the failure.
+    auto ok_or_ended = [](const absl::Status& s) {
+      return s.ok() || s.code() == absl::StatusCode::kFailedPrecondition;
+    };
+    CHECK(ok_or_ended(ranks[0]->EndPush(v)));
+    if (ranks[1]->BeginPush(v).ok()) CHECK(ok_or_ended(ranks[1]->EndPush(v)));
     auto rec = coord.CommitUpdate(v, 10);
     CHECK_FALSE(rec.ok());
     CHECK(Checksums(cl.engines[0], 2) == before);
