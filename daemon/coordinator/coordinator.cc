@@ -1519,6 +1519,8 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::RunAbortUpdate(const v1::Abort
   std::shared_ptr<Cancellation> cancel;  // the running phase's, raised without the lock
   {
     MutexLock l(&mu_);
+    // Being ended by another call (an abort, a lost node, a source's failure report): its recorded end is the answer.
+    while (ending_open_ == v) ended_cv_.Wait(&mu_);
     if (auto it = aborted_.find(v); it != aborted_.end()) return it->second;
     if (const Outcome* o = FindOutcome(v))
       return absl::FailedPreconditionError(absl::StrCat("cannot abort update ", v, ": it has ended already (",
@@ -1589,6 +1591,7 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
       return absl::FailedPreconditionError(
           absl::StrCat("update ", v, " is not open (", StateName(), "); nothing to end"));
     SetState(UpdateState::kAborting);
+    ending_open_ = v;
     Persist();
     rec = run_.record;
     if (by_operator) rec.set_aborted_by(run_.abort_by.empty() ? "the operator" : run_.abort_by);
@@ -1662,6 +1665,8 @@ absl::StatusOr<v1::AbortUpdateReply> Coordinator::EndOpenUpdate(int64_t v, const
     out.set_engines_resumable(!engines_dirty_);
     aborted_[v] = out;
     while (aborted_.size() > std::max<size_t>(opts_.history_limit, 1)) aborted_.erase(aborted_.begin());
+    ending_open_ = -1;
+    ended_cv_.SignalAll();  // an AbortUpdate that came meanwhile answers with `out`
   }
   spdlog::warn("update {} {}: {} bytes had reached the engines; engines {}", v, by_operator ? "aborted" : "failed",
                bytes,

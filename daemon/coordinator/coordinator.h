@@ -647,6 +647,8 @@ class Coordinator {
   UpdateRun run_ ABSL_GUARDED_BY(mu_);
   CondVar ended_cv_;                                // a begin or a commit ended (state_ left beginning or committing)
   int64_t open_version_ ABSL_GUARDED_BY(mu_) = -1;  // the version beginning, open or committing; -1 when none
+  // The version EndOpenUpdate is ending (-1: none); an AbortUpdate of it waits for that end's reply.
+  int64_t ending_open_ ABSL_GUARDED_BY(mu_) = -1;
   int64_t last_begun_ ABSL_GUARDED_BY(mu_) = -1;    // highest version ever begun; BeginUpdate needs a newer one
   int64_t since_dense_ ABSL_GUARDED_BY(mu_) = 0;    // updates committed since the last dense one (delta_anchor_every)
   int64_t current_version_ ABSL_GUARDED_BY(mu_) = -1;  // last committed version; -1 when none

@@ -555,12 +555,16 @@ def run(args, cluster, deadline):
               "history records update %d as aborted with the reason: %s" % (aborted_version, last.get("error")))
         check(last.get("aborted_by") == "client exception: RuntimeError: loss is NaN",
               "history says who aborted it: %r" % last.get("aborted_by"))
-        # Nothing of it was written, but the failed update before it may have written: the engines stay paused.
+        # Nothing of it was written. Whether the engines resume depends on the failed update before it: one whose bytes
+        # may have reached them keeps them paused; the refused bucket above wrote nothing (the source ended that
+        # update at once, and its end resumed them), so this abort resumes them too. Either way as the status said.
+        dirty = st.get("engines_hold_partial_writes")
         states = {e["engine_id"]: e["state"] for n in coord.status()["nodes"] for e in n.get("engine_details", [])}
-        check(coord.last_abort.get("engines_resumable") is False and coord.last_abort.get("engines_resumed") is False
-              and states and all(st == "paused" for st in states.values()),
-              "after an earlier failed update the abort leaves the engines paused: %s, engines %s"
-              % (coord.last_abort, states))
+        check(coord.last_abort.get("engines_resumable") is (not dirty)
+              and coord.last_abort.get("engines_resumed") is (not dirty)
+              and states and all((s_ == "paused") == dirty for s_ in states.values()),
+              "after an earlier failed update (partial writes: %s) the abort %s the engines: %s, engines %s"
+              % (dirty, "leaves paused" if dirty else "resumes", coord.last_abort, states))
         try:
             trainer.end_push(aborted_version)
             check(False, "pushes of an aborted update are refused")
