@@ -433,30 +433,39 @@ void KillMiddleRelay(Cluster& cl, client::TrainerClient& trainer, client::Coordi
   }
 }
 
-// Issue 41 item 4: a relay that dies mid-update is routed around within the update (docs/planner.md, "A relay that
-// dies"), at seeded points of the push: before anything was pushed, after a seeded number of tensors, and once its
-// first forwarded ranges landed.
-TEST_CASE("relay: the middle of a chain killed mid-update is routed around; its children verified, it is named") {
-  const auto specs = testing::Specs(kModel);
+// A chain of three instances (relay degree 1) of the tiny model at kTp, each its own target node.
+ClusterOptions ChainOfThree() {
   ClusterOptions o;
   o.bin_dir = kBin;
   o.model = kModel;
   o.tp = kTp;
   o.engines = 3;
   o.coordinator_args = {"--strategy", "balanced", "--min-source-mib", "0", "--relay", "1"};
-  Cluster cl(o);
+  return o;
+}
+
+// Update 1 (dense), committed: every engine holds step 1 before the faulted update.
+void CommitFirst(Cluster& cl, client::TrainerClient& trainer, client::CoordinatorClient& coord,
+                 const std::map<std::string, replica::TensorSpec>& specs) {
+  REQUIRE(coord.BeginUpdate(1, "", "", "off").ok());
+  REQUIRE(testing::PushStep(trainer, specs, 1).ok());
+  auto first = coord.CommitUpdate(1, 30);
+  INFO(first.status().ToString() << "\n" << cl.LogTails());
+  REQUIRE(first.ok());
+}
+
+// Issue 41 item 4: a relay that dies mid-update is routed around within the update (docs/planner.md, "A relay that
+// dies"), at seeded points of the push: before anything was pushed, after a seeded number of tensors, and once its
+// first forwarded ranges landed.
+TEST_CASE("relay: the middle of a chain killed mid-update is routed around; its children verified, it is named") {
+  const auto specs = testing::Specs(kModel);
+  Cluster cl(ChainOfThree());
   INFO("cluster logs in " << cl.dir());
   auto trainer = testing::ConnectTrainer(cl.trainer_sockets[0]);
   REQUIRE(trainer.ok());
   client::CoordinatorClient coord(cl.coordinator);
   const uint64_t instance = InstanceBytes(cl.engines[0]);
-  REQUIRE(coord.BeginUpdate(1, "", "", "off").ok());
-  REQUIRE(testing::PushStep(**trainer, specs, 1).ok());
-  {
-    auto first = coord.CommitUpdate(1, 30);
-    INFO(first.status().ToString() << "\n" << cl.LogTails());
-    REQUIRE(first.ok());
-  }
+  CommitFirst(cl, **trainer, coord, specs);
   const uint32_t seed = Catch::rngSeed() != 0 ? Catch::rngSeed() : 41;
   std::mt19937 rng(seed);
   INFO("seed " << seed << " (--rng-seed)");
@@ -475,24 +484,12 @@ TEST_CASE("relay: the middle of a chain killed mid-update is routed around; its 
 // (those below it may hold a mix), each at its old label.
 TEST_CASE("relay: the root of a chain killed mid-update fails the commit naming it; no engine resumes") {
   const auto specs = testing::Specs(kModel);
-  ClusterOptions o;
-  o.bin_dir = kBin;
-  o.model = kModel;
-  o.tp = kTp;
-  o.engines = 3;
-  o.coordinator_args = {"--strategy", "balanced", "--min-source-mib", "0", "--relay", "1"};
-  Cluster cl(o);
+  Cluster cl(ChainOfThree());
   INFO("cluster logs in " << cl.dir());
   auto trainer = testing::ConnectTrainer(cl.trainer_sockets[0]);
   REQUIRE(trainer.ok());
   client::CoordinatorClient coord(cl.coordinator);
-  REQUIRE(coord.BeginUpdate(1, "", "", "off").ok());
-  REQUIRE(testing::PushStep(**trainer, specs, 1).ok());
-  {
-    auto first = coord.CommitUpdate(1, 30);
-    INFO(first.status().ToString() << "\n" << cl.LogTails());
-    REQUIRE(first.ok());
-  }
+  CommitFirst(cl, **trainer, coord, specs);
 
   REQUIRE(coord.BeginUpdate(2, "", "", "off").ok());
   // Once bytes of update 2 landed in the root (before, a source that fails at once resumes every engine: resume old
