@@ -110,11 +110,7 @@ TEST_CASE(
     CHECK(cfg["lora_adapter"]["target_modules"] == nlohmann::json({"q_proj", "v_proj", "down_proj"}));
     CHECK(cfg["hidden_size"] == 64);
     for (int r = 0; r < kTp; ++r) {
-      grpc::ClientContext ctx;
-      v1::RankRequest req;
-      req.set_rank(r);
-      v1::RankLayout layout;
-      REQUIRE(testing::EngineStub(e)->GetWeightLayout(&ctx, req, &layout).ok());
+      const v1::RankLayout layout = testing::Layout(e, r);
       std::map<std::string, std::vector<int64_t>> held;
       for (const auto& p : layout.params()) held[p.name()] = {p.shape().begin(), p.shape().end()};
       CHECK(held == shapes);

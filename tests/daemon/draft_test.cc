@@ -181,11 +181,7 @@ TEST_CASE(
   // Each rank reports its draft as a segment of its own, typed (two copies with --staging).
   int draft_segment = -1, shift = 0;
   {
-    grpc::ClientContext ctx;
-    v1::RankRequest req;
-    req.set_rank(1);
-    v1::RankLayout layout;
-    REQUIRE(testing::EngineStub(cl.engines[0])->GetWeightLayout(&ctx, req, &layout).ok());
+    const v1::RankLayout layout = testing::Layout(cl.engines[0], 1);
     shift = layout.staging_segment_shift();
     REQUIRE(shift > 0);
     std::set<int> draft_segments;

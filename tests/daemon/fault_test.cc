@@ -124,7 +124,8 @@ void RunScenario(const std::string& spec, const std::string& expect_fault, bool 
   const absl::Duration fault_to_failed = absl::Now() - push_start;
   WARN("update 2 recorded failed " << absl::FormatDuration(fault_to_failed)
                                    << " after its push began, before any commit");
-  CHECK(fault_to_failed <= absl::Seconds(5));  // a generous ceiling for a loaded machine; typically tens of ms
+  // No bound on the figure itself (a timing guess would flake under load): what fails without the report is the
+  // event, the update recorded failed while the trainer holds its commit (else only after a commit that never comes).
   CHECK(absl::StrContains(cl.Log("source0"), "reported this source's failure to coordinator"));
   auto r2 = client::CoordinatorClient(cl.coordinator).CommitUpdate(2, 30);
   {

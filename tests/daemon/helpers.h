@@ -31,6 +31,16 @@ inline v1::VerifyReply Verify(const std::string& engine, int64_t step) {
   return rep;
 }
 
+// The weight layout an engine reports for one rank (GetWeightLayout).
+inline v1::RankLayout Layout(const std::string& engine, int rank) {
+  grpc::ClientContext ctx;
+  v1::RankRequest req;
+  req.set_rank(rank);
+  v1::RankLayout layout;
+  REQUIRE(EngineStub(engine)->GetWeightLayout(&ctx, req, &layout).ok());
+  return layout;
+}
+
 inline v1::EngineInfo Info(const std::string& engine) {
   grpc::ClientContext ctx;
   v1::EngineInfo info;

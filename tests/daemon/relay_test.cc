@@ -58,11 +58,7 @@ uint64_t RefusedWrites(const std::string& target) {
 uint64_t InstanceBytes(const std::string& engine) {
   uint64_t bytes = 0;
   for (int r = 0; r < kTp; ++r) {
-    grpc::ClientContext ctx;
-    v1::RankRequest req;
-    req.set_rank(r);
-    v1::RankLayout layout;
-    REQUIRE(testing::EngineStub(engine)->GetWeightLayout(&ctx, req, &layout).ok());
+    const v1::RankLayout layout = testing::Layout(engine, r);  // held: params() of a temporary would dangle
     for (const auto& p : layout.params()) bytes += p.bytes();
   }
   return bytes;
@@ -111,11 +107,7 @@ int CheckRootRecords(const std::string& root_daemon, const std::string& child, c
   }
   int cut = 0;
   for (int r = 0; r < kTp; ++r) {
-    grpc::ClientContext lctx;
-    v1::RankRequest lreq;
-    lreq.set_rank(r);
-    v1::RankLayout layout;
-    REQUIRE(testing::EngineStub(child_engine)->GetWeightLayout(&lctx, lreq, &layout).ok());
+    const v1::RankLayout layout = testing::Layout(child_engine, r);
     for (const auto& p : layout.params()) {
       INFO("rank " << r << " " << p.name() << " " << p.bytes() << " bytes");
       const auto& ranges = got[{r, p.name()}];
