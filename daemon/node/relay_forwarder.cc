@@ -313,7 +313,7 @@ absl::Status RelayForwarder::Landed(const v1::RelayLandedRequest& req) {
     pending_ += children->size() * by_rank.size();
     cv_.SignalAll();
   }
-  {
+  if (spdlog::should_log(spdlog::level::debug)) {  // the sum and the texts only when they are logged
     uint64_t b = 0;
     for (const auto& g : req.ranges()) b += g.length();
     spdlog::debug("relaytime {} landed from {}: {} ranges {} bytes first {} +{} checked {:.2f} ms", node_id_,

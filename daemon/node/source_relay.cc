@@ -45,11 +45,13 @@ TargetWriter::Done SourceNode::RelayNoticeFor(int64_t version, const Target& t,
   RelayNotifier* notifier = relay_notifier_.get();
   return [notifier, version, daemon = t.assignment.target_daemon(), engine = t.assignment.engine_id(),
           ranges = std::move(ranges), t_post = absl::Now()](const absl::Status& st) mutable {
-    uint64_t b = 0;
-    for (const auto& r : ranges) b += r.length;
-    spdlog::debug("relaytime source piece to {} acked: {} ranges {} bytes first {} +{} in {:.2f} ms: {}", engine,
-                  ranges.size(), b, ranges[0].param, ranges[0].offset, absl::ToDoubleMilliseconds(absl::Now() - t_post),
-                  st.ToString());
+    if (spdlog::should_log(spdlog::level::debug) && !ranges.empty()) {  // the sum and the texts only when logged
+      uint64_t b = 0;
+      for (const auto& r : ranges) b += r.length;
+      spdlog::debug("relaytime source piece to {} acked: {} ranges {} bytes first {} +{} in {:.2f} ms: {}", engine,
+                    ranges.size(), b, ranges[0].param, ranges[0].offset,
+                    absl::ToDoubleMilliseconds(absl::Now() - t_post), st.ToString());
+    }
     if (st.ok()) notifier->Written(version, daemon, engine, std::move(ranges));
   };
 }
