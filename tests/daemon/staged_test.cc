@@ -444,6 +444,35 @@ TEST_CASE("staged: steady staged updates configure no source; each writes the ot
   CHECK(Verify(e, 5).ok());
   CHECK(Info(e).live_set() == 1);
   CHECK(SourceConfigures(cl) == 1);
+
+  // A staged update whose bucket the source refuses (a wrong shape): the source fails it and tells the coordinator,
+  // which ends it at once with the push row's staged policy (serve on): the engine was never paused, keeps serving
+  // version 5 from its live copy, and the coordinator reports it serving, not stale, at version 5.
+  {
+    static const auto specs = testing::Specs(kModel);
+    client::CoordinatorClient coord(cl.coordinator);
+    REQUIRE(coord.BeginUpdate(6, "", "staged").ok());
+    REQUIRE(trainer->BeginPush(6).ok());
+    replica::TensorSpec bad = specs.at("model.layers.0.self_attn.q_proj.weight");
+    bad.shape = {bad.shape[0] / 2, bad.shape[1] * 2};  // same bytes, wrong shape
+    REQUIRE(PushGenerated(*trainer, bad, 6).ok());  // the ring takes it; the daemon judges the bucket
+    CHECK(trainer->Flush().code() == absl::StatusCode::kInvalidArgument);
+    auto r6 = coord.CommitUpdate(6, 30);  // waits for the end the source's report started, if it is still running
+    INFO(r6.status().ToString());
+    CHECK(r6.status().code() == absl::StatusCode::kAborted);
+    CHECK(absl::StrContains(r6.status().message(), "q_proj"));
+    CHECK(Info(e).weight_version() == "5");
+    CHECK_FALSE(Info(e).paused());
+    CHECK(Verify(e, 5).ok());
+    auto st = coord.Status();
+    REQUIRE(st.ok());
+    const auto* e0 = Engine(*st, "engine0");
+    REQUIRE(e0 != nullptr);
+    CHECK(e0->weight_version() == "5");
+    CHECK_FALSE(e0->stale());
+    CHECK(e0->state() == "serving");
+    CHECK_FALSE(st->engines_hold_partial_writes());  // staging memory only was written: the live copy is whole
+  }
 }
 
 TEST_CASE("staged: refused, naming the engine, when an engine offers no staging memory; classic still runs") {
